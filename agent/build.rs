@@ -1,0 +1,40 @@
+//! Builds the eBPF object from `ebpf/programs` and leaves it at `$OUT_DIR/calix.bpf.o`, where
+//! `dataplane` embeds it with `include_bytes_aligned!`. Runs again whenever an eBPF source
+//! changes, so the agent never embeds a stale object.
+
+use std::{env, path::PathBuf, process::ExitCode};
+
+fn main() -> ExitCode {
+    for path in calix_ebpf_build::ebpf_sources() {
+        println!("cargo:rerun-if-changed={}", path.display());
+    }
+    // The nested build follows the target's byte order and arch; `CARGO_TARGET_DIR` moves it.
+    for var in ["CARGO_TARGET_DIR", "CARGO_CFG_TARGET_ENDIAN", "CARGO_CFG_TARGET_ARCH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    let Some(out_dir) = env::var_os("OUT_DIR").map(PathBuf::from) else {
+        eprintln!("error: OUT_DIR is not set (this build script runs only under cargo)");
+        return ExitCode::FAILURE;
+    };
+    match calix_ebpf_build::build_ebpf(&out_dir) {
+        Ok(_object) => ExitCode::SUCCESS,
+        Err(e) => {
+            // cargo shows this build script's stderr when it fails.
+            eprintln!("error: building the calix eBPF object failed: {}", chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `e: cause: cause…`, as anyhow's `{:#}` would print it.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        out.push_str(": ");
+        out.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    out
+}

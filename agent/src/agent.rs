@@ -1,0 +1,260 @@
+//! The agent's core: IPAM and the endpoint registry over one datastore and one dataplane.
+//! Every mutation is computed on a copy of the state, committed to the datastore, and only
+//! then made current, so what the agent acknowledges is always durable.
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use calix_common::EndpointCounters;
+use ipnet::IpNet;
+use tokio::sync::Mutex;
+
+use crate::dataplane::{Attached, Dataplane, DataplaneError};
+use crate::datastore::{Datastore, DatastoreError, EndpointRecord, StoreState};
+use crate::ipam::{IpamError, IpamState, Pool};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Ipam(#[from] IpamError),
+    #[error(transparent)]
+    Datastore(#[from] DatastoreError),
+    #[error("programming endpoint {host_ifname} failed")]
+    Dataplane {
+        host_ifname: String,
+        #[source]
+        source: DataplaneError,
+    },
+    #[error("invalid request: {0}")]
+    Invalid(&'static str),
+}
+
+/// One endpoint with its live dataplane state, for listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointView {
+    pub record: EndpointRecord,
+    pub ifindex: Option<u32>,
+    pub bpf_attached: bool,
+    pub counters: Option<EndpointCounters>,
+}
+
+struct Inner {
+    state: StoreState,
+    dataplane: Box<dyn Dataplane>,
+    /// host ifname → attach result, for endpoints programmed by this process.
+    attached: BTreeMap<String, Attached>,
+}
+
+pub struct Agent {
+    node: String,
+    pools: Vec<Pool>,
+    store: Box<dyn Datastore>,
+    inner: Mutex<Inner>,
+}
+
+impl Agent {
+    pub fn new(
+        node: String,
+        pools: Vec<Pool>,
+        store: Box<dyn Datastore>,
+        dataplane: Box<dyn Dataplane>,
+    ) -> Result<Self, AgentError> {
+        let state = store.load()?;
+        Ok(Self {
+            node,
+            pools,
+            store,
+            inner: Mutex::new(Inner {
+                state,
+                dataplane,
+                attached: BTreeMap::new(),
+            }),
+        })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Applies `f` to a copy of the state, commits it, and makes it current.
+    fn commit_with<T>(
+        &self,
+        inner: &mut Inner,
+        f: impl FnOnce(&mut StoreState) -> Result<T, AgentError>,
+    ) -> Result<T, AgentError> {
+        let mut next = inner.state.clone();
+        let out = f(&mut next)?;
+        let revision = self.store.commit(&next)?;
+        next.revision = revision;
+        inner.state = next;
+        Ok(out)
+    }
+
+    /// Allocates the requested families for (handle, ifname). All-or-nothing: if one family
+    /// fails nothing is committed.
+    pub async fn allocate(
+        &self,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        v6: bool,
+        attributes: &BTreeMap<String, String>,
+    ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
+        if handle.is_empty() || ifname.is_empty() {
+            return Err(AgentError::Invalid("handle and ifname are required"));
+        }
+        if !v4 && !v6 {
+            return Err(AgentError::Invalid("ask for at least one of ipv4, ipv6"));
+        }
+        let mut inner = self.inner.lock().await;
+        let existing = |fam: bool, want: bool| {
+            !want || inner.state.ipam.lookup(handle, ifname, fam).is_some()
+        };
+        let already = existing(true, v4) && existing(false, v6);
+        let out = self.commit_with(&mut inner, |s| {
+            let mut out = Vec::new();
+            for (want, is_v4) in [(v4, true), (v6, false)] {
+                if want {
+                    out.push(s.ipam.allocate(
+                        &self.pools,
+                        &self.node,
+                        handle,
+                        ifname,
+                        is_v4,
+                        attributes,
+                    )?);
+                }
+            }
+            Ok(out)
+        })?;
+        for (addr, _) in &out {
+            tracing::info!(%handle, %ifname, %addr, already, "allocated");
+        }
+        Ok((out, already))
+    }
+
+    /// Releases what (handle, ifname) holds. Idempotent; returns what was released.
+    pub async fn release(&self, handle: &str, ifname: &str) -> Result<Vec<IpAddr>, AgentError> {
+        let mut inner = self.inner.lock().await;
+        if inner.state.ipam.lookup(handle, ifname, true).is_none()
+            && inner.state.ipam.lookup(handle, ifname, false).is_none()
+        {
+            return Ok(Vec::new());
+        }
+        let released = self.commit_with(&mut inner, |s| Ok(s.ipam.release(handle, ifname)))?;
+        for addr in &released {
+            tracing::info!(%handle, %ifname, %addr, reason = "released by CNI DEL", "released");
+        }
+        Ok(released)
+    }
+
+    /// Records the endpoint and programs the dataplane for it; returns once both are done.
+    pub async fn register(&self, ep: EndpointRecord) -> Result<Attached, AgentError> {
+        if ep.container_id.is_empty() || ep.ifname.is_empty() || ep.host_ifname.is_empty() {
+            return Err(AgentError::Invalid(
+                "container_id, ifname and host_ifname are required",
+            ));
+        }
+        let mut inner = self.inner.lock().await;
+        let attached = inner
+            .dataplane
+            .attach(&ep.host_ifname)
+            .map_err(|source| AgentError::Dataplane {
+                host_ifname: ep.host_ifname.clone(),
+                source,
+            })?;
+        let key = EndpointRecord::key(&ep.container_id, &ep.ifname);
+        let host_ifname = ep.host_ifname.clone();
+        let committed = self.commit_with(&mut inner, |s| {
+            s.endpoints.insert(key, ep);
+            Ok(())
+        });
+        if let Err(e) = committed {
+            // Not durable: undo the attach so nothing runs that the registry doesn't know.
+            let _ = inner.dataplane.detach(&host_ifname);
+            return Err(e);
+        }
+        tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf, "endpoint programmed");
+        inner.attached.insert(host_ifname, attached);
+        Ok(attached)
+    }
+
+    /// Forgets the endpoint and detaches its programs. Idempotent; returns whether it existed.
+    pub async fn unregister(&self, container_id: &str, ifname: &str) -> Result<bool, AgentError> {
+        let key = EndpointRecord::key(container_id, ifname);
+        let mut inner = self.inner.lock().await;
+        let Some(ep) = inner.state.endpoints.get(&key).cloned() else {
+            return Ok(false);
+        };
+        inner
+            .dataplane
+            .detach(&ep.host_ifname)
+            .map_err(|source| AgentError::Dataplane {
+                host_ifname: ep.host_ifname.clone(),
+                source,
+            })?;
+        inner.attached.remove(&ep.host_ifname);
+        self.commit_with(&mut inner, |s| {
+            s.endpoints.remove(&key);
+            Ok(())
+        })?;
+        tracing::info!(host_ifname = %ep.host_ifname, "endpoint removed");
+        Ok(true)
+    }
+
+    /// Re-programs every recorded endpoint whose interface still exists (agent restart).
+    pub async fn resync(&self) {
+        let mut inner = self.inner.lock().await;
+        let eps: Vec<EndpointRecord> = inner.state.endpoints.values().cloned().collect();
+        for ep in eps {
+            match inner.dataplane.attach(&ep.host_ifname) {
+                Ok(a) => {
+                    inner.attached.insert(ep.host_ifname.clone(), a);
+                }
+                Err(e) => {
+                    tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "recorded endpoint not programmed")
+                }
+            }
+        }
+    }
+
+    pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {
+        let inner = self.inner.lock().await;
+        inner
+            .state
+            .endpoints
+            .values()
+            .map(|r| {
+                let att = inner.attached.get(&r.host_ifname);
+                let counters = match att {
+                    Some(a) if a.bpf => {
+                        inner
+                            .dataplane
+                            .counters(a.ifindex)
+                            .map_err(|source| AgentError::Dataplane {
+                                host_ifname: r.host_ifname.clone(),
+                                source,
+                            })?
+                    }
+                    _ => None,
+                };
+                Ok(EndpointView {
+                    record: r.clone(),
+                    ifindex: att.map(|a| a.ifindex),
+                    bpf_attached: att.is_some_and(|a| a.bpf),
+                    counters,
+                })
+            })
+            .collect()
+    }
+
+    /// A copy of the IPAM state (for calixctl and tests).
+    pub async fn ipam(&self) -> IpamState {
+        self.inner.lock().await.state.ipam.clone()
+    }
+
+    pub async fn shutdown(&self) {
+        let mut inner = self.inner.lock().await;
+        inner.dataplane.detach_all();
+        inner.attached.clear();
+    }
+}

@@ -1,0 +1,276 @@
+//! Agent configuration: a TOML file with `#[serde(default)]` sections; command-line flags
+//! override single keys (see main.rs). Defaults are written once, here.
+use std::path::{Path, PathBuf};
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use crate::paths;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid TOML for calix-agent")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("pool {cidr}: blockSize {block_size} is out of range (IPv4 20–32, IPv6 116–128)")]
+    BlockSize { cidr: IpNet, block_size: u8 },
+    #[error("pool {cidr}: blockSize {block_size} is smaller than the pool's own prefix /{prefix}")]
+    BlockLargerThanPool {
+        cidr: IpNet,
+        block_size: u8,
+        prefix: u8,
+    },
+    #[error("node name is empty: set `node_name` in the config or pass --node-name")]
+    NoNodeName,
+}
+
+/// Which dataplane programs pod traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DataplaneMode {
+    /// tc eBPF programs on every `cali*` veth.
+    #[default]
+    Ebpf,
+    /// Routes + proxy_arp + kernel forwarding only; no BPF (fallback and baseline).
+    Kernel,
+}
+
+impl std::str::FromStr for DataplaneMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ebpf" => Ok(Self::Ebpf),
+            "kernel" => Ok(Self::Kernel),
+            other => Err(format!("unknown dataplane {other:?}: use \"ebpf\" or \"kernel\"")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// This node's name; defaults to the hostname.
+    pub node_name: String,
+    /// gRPC unix socket for the CNI plugin and calixctl.
+    pub socket: PathBuf,
+    /// `ebpf` (default) or `kernel`.
+    pub dataplane: DataplaneMode,
+    /// `tracing` filter, e.g. "info" or "calix_agent=debug".
+    pub log_level: String,
+    pub datastore: DatastoreConfig,
+    /// IP pools pods get their addresses from.
+    pub pools: Vec<PoolConfig>,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        Self {
+            node_name: String::new(),
+            socket: PathBuf::from(paths::AGENT_SOCKET),
+            dataplane: DataplaneMode::default(),
+            log_level: "info".into(),
+            datastore: DatastoreConfig::default(),
+            // A private range unlikely to clash with a node's own network.
+            pools: vec![PoolConfig::new("10.244.0.0/16".parse().expect("constant CIDR"))],
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatastoreConfig {
+    /// Only `embedded` exists so far.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Embedded datastore file.
+    pub path: PathBuf,
+}
+
+impl Default for DatastoreConfig {
+    fn default() -> Self {
+        Self {
+            kind: "embedded".into(),
+            path: PathBuf::from(paths::EMBEDDED_STORE),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PoolConfig {
+    pub cidr: IpNet,
+    /// Prefix length of the per-node blocks; default 26 (IPv4) / 122 (IPv6).
+    #[serde(default)]
+    pub block_size: Option<u8>,
+    /// Masquerade traffic from this pool to destinations outside every pool.
+    #[serde(default)]
+    pub nat_outgoing: bool,
+    /// A disabled pool hands out no new addresses.
+    #[serde(default)]
+    pub disabled: bool,
+}
+
+impl PoolConfig {
+    pub fn new(cidr: IpNet) -> Self {
+        Self {
+            cidr,
+            block_size: None,
+            nat_outgoing: false,
+            disabled: false,
+        }
+    }
+
+    pub fn block_size(&self) -> u8 {
+        self.block_size.unwrap_or(match self.cidr {
+            IpNet::V4(_) => 26,
+            IpNet::V6(_) => 122,
+        })
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bs = self.block_size();
+        let range = match self.cidr {
+            IpNet::V4(_) => 20..=32,
+            IpNet::V6(_) => 116..=128,
+        };
+        if !range.contains(&bs) {
+            return Err(ConfigError::BlockSize {
+                cidr: self.cidr,
+                block_size: bs,
+            });
+        }
+        if bs < self.cidr.prefix_len() {
+            return Err(ConfigError::BlockLargerThanPool {
+                cidr: self.cidr,
+                block_size: bs,
+                prefix: self.cidr.prefix_len(),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl AgentConfig {
+    /// Reads `path`; a missing file at the default location means "all defaults".
+    pub fn load(path: &Path, required: bool) -> Result<Self, ConfigError> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Self::from_toml(&text).map_err(|source| ConfigError::Parse {
+                path: path.to_path_buf(),
+                source: Box::new(source),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => Ok(Self::default()),
+            Err(source) => Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
+        }
+    }
+
+    pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
+        toml::from_str(text)
+    }
+
+    /// Checks what serde cannot: block sizes, a node name.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.node_name.trim().is_empty() {
+            return Err(ConfigError::NoNodeName);
+        }
+        self.pools.iter().try_for_each(PoolConfig::validate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        let c = AgentConfig::from_toml("").expect("parse");
+        assert_eq!(c, AgentConfig::default());
+        assert_eq!(c.pools[0].block_size(), 26);
+        assert_eq!(c.dataplane, DataplaneMode::Ebpf);
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let c = AgentConfig::from_toml(
+            r#"
+            node_name = "node-a"
+            socket = "/tmp/a.sock"
+            dataplane = "kernel"
+            [datastore]
+            type = "embedded"
+            path = "/tmp/store.json"
+            [[pools]]
+            cidr = "10.10.0.0/16"
+            blockSize = 28
+            natOutgoing = true
+            [[pools]]
+            cidr = "fd00:10::/64"
+            "#,
+        )
+        .expect("parse");
+        assert_eq!(c.node_name, "node-a");
+        assert_eq!(c.dataplane, DataplaneMode::Kernel);
+        assert_eq!(c.datastore.path, PathBuf::from("/tmp/store.json"));
+        assert_eq!(c.pools.len(), 2);
+        assert_eq!(c.pools[0].block_size(), 28);
+        assert!(c.pools[0].nat_outgoing);
+        assert_eq!(c.pools[1].block_size(), 122);
+        c.validate().expect("valid");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_errors() {
+        assert!(AgentConfig::from_toml("nodename = \"x\"").is_err());
+        assert!(AgentConfig::from_toml("dataplane = \"xdp\"").is_err());
+        assert!(AgentConfig::from_toml("[[pools]]\ncidr = \"10.0.0.0/33\"").is_err());
+    }
+
+    #[test]
+    fn block_size_out_of_range_names_the_pool() {
+        let mut c = AgentConfig {
+            node_name: "n".into(),
+            ..Default::default()
+        };
+        c.pools[0].block_size = Some(19);
+        let err = c.validate().expect_err("19 is out of range").to_string();
+        assert!(err.contains("10.244.0.0/16"), "{err}");
+        c.pools[0] = PoolConfig::new("10.0.0.0/28".parse().expect("cidr"));
+        c.pools[0].block_size = Some(26);
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::BlockLargerThanPool { .. })
+        ));
+    }
+
+    #[test]
+    fn missing_node_name_is_an_error() {
+        assert!(matches!(
+            AgentConfig::default().validate(),
+            Err(ConfigError::NoNodeName)
+        ));
+    }
+
+    #[test]
+    fn missing_default_file_is_defaults_but_required_file_is_error() {
+        let p = Path::new("/nonexistent/calix/agent.toml");
+        assert_eq!(
+            AgentConfig::load(p, false).expect("defaults"),
+            AgentConfig::default()
+        );
+        assert!(matches!(
+            AgentConfig::load(p, true),
+            Err(ConfigError::Read { .. })
+        ));
+    }
+}

@@ -1,0 +1,200 @@
+//! `calix.v1.Ipam` and `calix.v1.Endpoints` on the agent's unix socket.
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use calix_proto::v1 as pb;
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+use crate::agent::{Agent, AgentError, EndpointView};
+use crate::datastore::EndpointRecord;
+use crate::ipam::IpamError;
+
+fn status(e: AgentError) -> Status {
+    let msg = format!("{e:#}");
+    let msg = match std::error::Error::source(&e) {
+        Some(src) => format!("{msg}: {src}"),
+        None => msg,
+    };
+    match e {
+        AgentError::Invalid(_) => Status::invalid_argument(msg),
+        AgentError::Ipam(IpamError::Exhausted { .. }) => Status::resource_exhausted(msg),
+        AgentError::Ipam(IpamError::NoPool { .. }) => Status::failed_precondition(msg),
+        AgentError::Dataplane { .. } => Status::failed_precondition(msg),
+        AgentError::Datastore(_) => Status::unavailable(msg),
+    }
+}
+
+pub struct IpamSvc(pub Arc<Agent>);
+pub struct EndpointsSvc(pub Arc<Agent>);
+
+#[tonic::async_trait]
+impl pb::ipam_server::Ipam for IpamSvc {
+    async fn allocate(
+        &self,
+        req: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateResponse>, Status> {
+        let r = req.into_inner();
+        let attrs: BTreeMap<String, String> = r.attributes.into_iter().collect();
+        let (out, already) = self
+            .0
+            .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &attrs)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::AllocateResponse {
+            addresses: out
+                .into_iter()
+                .map(|(addr, pool)| pb::AllocatedAddress {
+                    address: ipnet::IpNet::from(addr).to_string(),
+                    pool: pool.to_string(),
+                })
+                .collect(),
+            already_allocated: already,
+        }))
+    }
+
+    async fn release(
+        &self,
+        req: Request<pb::ReleaseRequest>,
+    ) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = req.into_inner();
+        let n = self
+            .0
+            .release(&r.handle, &r.ifname)
+            .await
+            .map_err(status)?
+            .len();
+        Ok(Response::new(pb::ReleaseResponse {
+            released: u32::try_from(n).unwrap_or(u32::MAX),
+        }))
+    }
+}
+
+fn record(e: pb::Endpoint) -> EndpointRecord {
+    EndpointRecord {
+        container_id: e.container_id,
+        ifname: e.ifname,
+        host_ifname: e.host_ifname,
+        netns: e.netns,
+        pod_namespace: e.pod_namespace,
+        pod_name: e.pod_name,
+        addresses: e.addresses,
+        handle: e.handle,
+    }
+}
+
+fn endpoint(r: EndpointRecord) -> pb::Endpoint {
+    pb::Endpoint {
+        container_id: r.container_id,
+        ifname: r.ifname,
+        host_ifname: r.host_ifname,
+        netns: r.netns,
+        pod_namespace: r.pod_namespace,
+        pod_name: r.pod_name,
+        addresses: r.addresses,
+        handle: r.handle,
+    }
+}
+
+fn view(v: EndpointView) -> pb::EndpointStatus {
+    pb::EndpointStatus {
+        endpoint: Some(endpoint(v.record)),
+        host_ifindex: v.ifindex.unwrap_or(0),
+        bpf_attached: v.bpf_attached,
+        counters: v.counters.map(|c| pb::Counters {
+            from_pod_packets: c.from_pod_packets,
+            from_pod_bytes: c.from_pod_bytes,
+            to_pod_packets: c.to_pod_packets,
+            to_pod_bytes: c.to_pod_bytes,
+        }),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::endpoints_server::Endpoints for EndpointsSvc {
+    async fn register(
+        &self,
+        req: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let ep = req
+            .into_inner()
+            .endpoint
+            .ok_or_else(|| Status::invalid_argument("endpoint is required"))?;
+        let a = self.0.register(record(ep)).await.map_err(status)?;
+        Ok(Response::new(pb::RegisterResponse {
+            host_ifindex: a.ifindex,
+            bpf_attached: a.bpf,
+        }))
+    }
+
+    async fn unregister(
+        &self,
+        req: Request<pb::UnregisterRequest>,
+    ) -> Result<Response<pb::UnregisterResponse>, Status> {
+        let r = req.into_inner();
+        let existed = self
+            .0
+            .unregister(&r.container_id, &r.ifname)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::UnregisterResponse { existed }))
+    }
+
+    async fn list(
+        &self,
+        _req: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        let eps = self.0.list().await.map_err(status)?;
+        Ok(Response::new(pb::ListResponse {
+            endpoints: eps.into_iter().map(view).collect(),
+            node: self.0.node().to_string(),
+        }))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot prepare socket {path}")]
+    Socket {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("gRPC server failed")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves both services on `path` (mode 0600) until `shutdown` resolves; removes the socket after.
+pub async fn serve_unix(
+    agent: Arc<Agent>,
+    path: &Path,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), ServeError> {
+    let sock_err = |source| ServeError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(sock_err)?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(sock_err(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(sock_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(sock_err)?;
+    tracing::info!(socket = %path.display(), "serving gRPC");
+    let result = tonic::transport::Server::builder()
+        .add_service(pb::ipam_server::IpamServer::new(IpamSvc(agent.clone())))
+        .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
+            agent,
+        )))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await;
+    let _ = std::fs::remove_file(path);
+    Ok(result?)
+}

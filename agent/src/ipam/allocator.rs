@@ -1,0 +1,334 @@
+//! The pure IPAM allocator: no I/O. The caller loads [`IpamState`] from the datastore, calls
+//! [`IpamState::allocate`] / [`IpamState::release`], and commits the state back.
+//!
+//! Pools are carved into blocks of `blockSize`; a block has an affinity to one node. A node
+//! allocates from its own blocks first, then claims the next free block of the pool.
+//! Allocation is by (handle, ifname): asking again returns the same address (idempotent ADD).
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum IpamError {
+    #[error("no {family} pool is configured for this node")]
+    NoPool { family: &'static str },
+    #[error("every {family} pool is full ({pools}): add a pool or free addresses (calixctl endpoints)")]
+    Exhausted { family: &'static str, pools: String },
+}
+
+/// A configured pool, as the allocator needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pool {
+    pub cidr: IpNet,
+    pub block_size: u8,
+    pub disabled: bool,
+}
+
+/// One allocated address.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    pub handle: String,
+    pub ifname: String,
+    /// Sequence number of this allocation within its block: a release naming an older
+    /// sequence can never free an address that has since been handed out again.
+    pub seq: u64,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// A block of a pool, affine to one node. `allocations` is keyed by offset in the block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Block {
+    pub cidr: IpNet,
+    pub affinity: String,
+    pub allocations: BTreeMap<u32, Allocation>,
+    pub next_seq: u64,
+}
+
+impl Block {
+    fn size(&self) -> u64 {
+        host_count(&self.cidr)
+    }
+
+    fn free_offset(&self) -> Option<u32> {
+        let size = self.size();
+        (0..size)
+            .map(|o| o as u32)
+            .find(|o| !self.allocations.contains_key(o))
+    }
+
+    pub fn address(&self, offset: u32) -> IpAddr {
+        nth(&self.cidr, u128::from(offset))
+    }
+}
+
+/// The whole IPAM state held in the datastore.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpamState {
+    /// Blocks keyed by their CIDR text, in address order within each pool.
+    pub blocks: BTreeMap<String, Block>,
+}
+
+/// Number of addresses in a network, capped so IPv6 blocks stay countable.
+fn host_count(net: &IpNet) -> u64 {
+    let bits = u32::from(net.max_prefix_len() - net.prefix_len());
+    if bits >= 63 {
+        u64::MAX / 2
+    } else {
+        1u64 << bits
+    }
+}
+
+fn nth(net: &IpNet, n: u128) -> IpAddr {
+    match net {
+        IpNet::V4(v4) => IpAddr::V4((u32::from(v4.network()).wrapping_add(n as u32)).into()),
+        IpNet::V6(v6) => IpAddr::V6((u128::from(v6.network()).wrapping_add(n)).into()),
+    }
+}
+
+fn family_name(v4: bool) -> &'static str {
+    if v4 {
+        "IPv4"
+    } else {
+        "IPv6"
+    }
+}
+
+impl IpamState {
+    /// The address already held by (handle, ifname) in the given family, if any.
+    pub fn lookup(&self, handle: &str, ifname: &str, v4: bool) -> Option<IpAddr> {
+        self.blocks.values().find_map(|b| {
+            if b.cidr.addr().is_ipv4() != v4 {
+                return None;
+            }
+            b.allocations
+                .iter()
+                .find(|(_, a)| a.handle == handle && a.ifname == ifname)
+                .map(|(o, _)| b.address(*o))
+        })
+    }
+
+    /// Allocates one address of the family `v4` for (handle, ifname) on `node`.
+    /// Returns the address and the pool it came from.
+    pub fn allocate(
+        &mut self,
+        pools: &[Pool],
+        node: &str,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        attributes: &BTreeMap<String, String>,
+    ) -> Result<(IpAddr, IpNet), IpamError> {
+        let family = family_name(v4);
+        let usable: Vec<&Pool> = pools
+            .iter()
+            .filter(|p| p.cidr.addr().is_ipv4() == v4 && !p.disabled)
+            .collect();
+        if usable.is_empty() {
+            return Err(IpamError::NoPool { family });
+        }
+        if let Some(addr) = self.lookup(handle, ifname, v4) {
+            let pool = pools
+                .iter()
+                .find(|p| p.cidr.contains(&addr))
+                .map_or_else(|| IpNet::from(addr), |p| p.cidr);
+            return Ok((addr, pool));
+        }
+        for pool in &usable {
+            // 1. Our own blocks in this pool.
+            let own = self.blocks.values_mut().find(|b| {
+                b.affinity == node && pool.cidr.contains(&b.cidr.addr()) && b.free_offset().is_some()
+            });
+            let block = match own {
+                Some(b) => b,
+                // 2. Claim the pool's next unclaimed block.
+                None => match self.claim_block(pool, node) {
+                    Some(b) => b,
+                    None => continue,
+                },
+            };
+            let Some(offset) = block.free_offset() else {
+                continue;
+            };
+            let seq = block.next_seq;
+            block.next_seq += 1;
+            block.allocations.insert(
+                offset,
+                Allocation {
+                    handle: handle.to_string(),
+                    ifname: ifname.to_string(),
+                    seq,
+                    attributes: attributes.clone(),
+                },
+            );
+            return Ok((block.address(offset), pool.cidr));
+        }
+        Err(IpamError::Exhausted {
+            family,
+            pools: usable
+                .iter()
+                .map(|p| p.cidr.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+    }
+
+    fn claim_block(&mut self, pool: &Pool, node: &str) -> Option<&mut Block> {
+        let subnets = pool.cidr.subnets(pool.block_size).ok()?;
+        let cidr = subnets
+            .into_iter()
+            .find(|s| !self.blocks.contains_key(&s.to_string()))?;
+        let block = Block {
+            cidr,
+            affinity: node.to_string(),
+            allocations: BTreeMap::new(),
+            next_seq: 1,
+        };
+        Some(self.blocks.entry(cidr.to_string()).or_insert(block))
+    }
+
+    /// Releases every address held by (handle, ifname); returns them. Idempotent.
+    pub fn release(&mut self, handle: &str, ifname: &str) -> Vec<IpAddr> {
+        let mut released = Vec::new();
+        for block in self.blocks.values_mut() {
+            let offsets: Vec<u32> = block
+                .allocations
+                .iter()
+                .filter(|(_, a)| a.handle == handle && a.ifname == ifname)
+                .map(|(o, _)| *o)
+                .collect();
+            for o in offsets {
+                block.allocations.remove(&o);
+                released.push(block.address(o));
+            }
+        }
+        released
+    }
+
+    /// Number of addresses in use.
+    pub fn in_use(&self) -> usize {
+        self.blocks.values().map(|b| b.allocations.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    fn pool(cidr: &str, bs: u8) -> Pool {
+        Pool {
+            cidr: cidr.parse().expect("cidr"),
+            block_size: bs,
+            disabled: false,
+        }
+    }
+
+    fn alloc(s: &mut IpamState, pools: &[Pool], h: &str) -> Result<IpAddr, IpamError> {
+        s.allocate(pools, "n1", h, "eth0", true, &BTreeMap::new())
+            .map(|(a, _)| a)
+    }
+
+    #[test]
+    fn same_handle_gets_same_address() {
+        let pools = [pool("10.1.0.0/24", 28)];
+        let mut s = IpamState::default();
+        let a = alloc(&mut s, &pools, "net.c1").expect("a");
+        let b = alloc(&mut s, &pools, "net.c1").expect("b");
+        assert_eq!(a, b);
+        assert_eq!(s.in_use(), 1);
+        let c = alloc(&mut s, &pools, "net.c2").expect("c");
+        assert_ne!(a, c);
+        // A different ifname of the same handle is a different attachment.
+        let d = s
+            .allocate(&pools, "n1", "net.c1", "net1", true, &BTreeMap::new())
+            .expect("d")
+            .0;
+        assert_ne!(a, d);
+    }
+
+    #[test]
+    fn fills_own_block_then_claims_next_then_exhausts() {
+        let pools = [pool("10.1.0.0/27", 28)]; // two blocks of 16
+        let mut s = IpamState::default();
+        let mut seen = HashSet::new();
+        for i in 0..32 {
+            let a = alloc(&mut s, &pools, &format!("h{i}")).expect("alloc");
+            assert!(seen.insert(a), "duplicate {a}");
+            assert!(pools[0].cidr.contains(&a));
+        }
+        assert_eq!(s.blocks.len(), 2);
+        assert!(s.blocks.values().all(|b| b.affinity == "n1"));
+        let err = alloc(&mut s, &pools, "h32").expect_err("full");
+        assert_eq!(
+            err,
+            IpamError::Exhausted {
+                family: "IPv4",
+                pools: "10.1.0.0/27".into()
+            }
+        );
+        assert!(err.to_string().contains("10.1.0.0/27"));
+    }
+
+    #[test]
+    fn does_not_take_other_nodes_blocks() {
+        let pools = [pool("10.1.0.0/27", 28)];
+        let mut s = IpamState::default();
+        let a = s
+            .allocate(&pools, "other", "h0", "eth0", true, &BTreeMap::new())
+            .expect("other")
+            .0;
+        let b = alloc(&mut s, &pools, "h1").expect("mine");
+        let block_of = |ip: IpAddr| {
+            s.blocks
+                .values()
+                .find(|bl| bl.cidr.contains(&ip))
+                .map(|bl| bl.affinity.clone())
+        };
+        assert_eq!(block_of(a).as_deref(), Some("other"));
+        assert_eq!(block_of(b).as_deref(), Some("n1"));
+    }
+
+    #[test]
+    fn release_frees_and_is_idempotent() {
+        let pools = [pool("10.1.0.0/30", 30)];
+        let mut s = IpamState::default();
+        let addrs: Vec<_> = (0..4)
+            .map(|i| alloc(&mut s, &pools, &format!("h{i}")).expect("alloc"))
+            .collect();
+        assert!(alloc(&mut s, &pools, "h4").is_err());
+        assert_eq!(s.release("h2", "eth0"), vec![addrs[2]]);
+        assert!(s.release("h2", "eth0").is_empty());
+        assert_eq!(alloc(&mut s, &pools, "h5").expect("reuse"), addrs[2]);
+    }
+
+    #[test]
+    fn sequence_numbers_grow() {
+        let pools = [pool("10.1.0.0/30", 30)];
+        let mut s = IpamState::default();
+        alloc(&mut s, &pools, "a").expect("a");
+        s.release("a", "eth0");
+        alloc(&mut s, &pools, "b").expect("b");
+        let block = s.blocks.values().next().expect("block");
+        assert_eq!(block.allocations[&0].seq, 2);
+    }
+
+    #[test]
+    fn families_and_disabled_pools() {
+        let mut pools = vec![pool("10.1.0.0/24", 26), pool("fd00::/120", 122)];
+        let mut s = IpamState::default();
+        let v6 = s
+            .allocate(&pools, "n1", "h", "eth0", false, &BTreeMap::new())
+            .expect("v6")
+            .0;
+        assert!(v6.is_ipv6());
+        assert_eq!(v6, "fd00::".parse::<IpAddr>().expect("ip"));
+        pools[0].disabled = true;
+        assert_eq!(
+            alloc(&mut s, &pools, "h"),
+            Err(IpamError::NoPool { family: "IPv4" })
+        );
+    }
+}

@@ -1,0 +1,9 @@
+//! calix-agent: the node daemon (IPAM, endpoint registry, eBPF dataplane) and the pieces
+//! calixctl shares with it.
+pub mod agent;
+pub mod config;
+pub mod dataplane;
+pub mod datastore;
+pub mod grpc;
+pub mod ipam;
+pub mod paths;

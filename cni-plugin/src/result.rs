@@ -1,0 +1,134 @@
+//! The CNI result, rendered for the version the runtime asked for.
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+use serde_json::{json, Value};
+
+use crate::error::{code, CniError};
+
+pub const LATEST_VERSION: &str = "1.1.0";
+pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+
+/// Checks the config's cniVersion; empty means the oldest supported (as libcni does).
+pub fn check_version(v: &str) -> Result<(), CniError> {
+    if v.is_empty() || SUPPORTED_VERSIONS.contains(&v) {
+        Ok(())
+    } else {
+        Err(CniError::new(
+            code::INCOMPATIBLE_VERSION,
+            format!("CNI version {v:?} is not supported"),
+            format!("calix supports {}", SUPPORTED_VERSIONS.join(", ")),
+        ))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Interface {
+    pub name: String,
+    pub mac: [u8; 6],
+    /// The netns path for interfaces inside the container.
+    pub sandbox: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AddResult {
+    pub interfaces: Vec<Interface>,
+    /// (address with prefix, gateway, index into `interfaces`)
+    pub ips: Vec<(IpNet, IpAddr, usize)>,
+    /// (destination, gateway)
+    pub routes: Vec<(IpNet, IpAddr)>,
+}
+
+pub fn mac_string(m: &[u8; 6]) -> String {
+    m.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+impl AddResult {
+    /// The JSON for `version`: 0.3.x/0.4.0 carry `"version"` on each IP; 1.x does not.
+    pub fn to_json(&self, version: &str) -> Value {
+        let version = if version.is_empty() { LATEST_VERSION } else { version };
+        let pre1 = version.starts_with("0.");
+        let interfaces: Vec<Value> = self
+            .interfaces
+            .iter()
+            .map(|i| {
+                let mut v = json!({ "name": i.name, "mac": mac_string(&i.mac) });
+                if let Some(s) = &i.sandbox {
+                    v["sandbox"] = json!(s);
+                }
+                v
+            })
+            .collect();
+        let ips: Vec<Value> = self
+            .ips
+            .iter()
+            .map(|(addr, gw, idx)| {
+                let mut v = json!({ "address": addr.to_string(), "gateway": gw.to_string(), "interface": idx });
+                if pre1 {
+                    v["version"] = json!(if addr.addr().is_ipv4() { "4" } else { "6" });
+                }
+                v
+            })
+            .collect();
+        let routes: Vec<Value> = self
+            .routes
+            .iter()
+            .map(|(dst, gw)| json!({ "dst": dst.to_string(), "gw": gw.to_string() }))
+            .collect();
+        json!({
+            "cniVersion": version,
+            "interfaces": interfaces,
+            "ips": ips,
+            "routes": routes,
+            "dns": {},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AddResult {
+        AddResult {
+            interfaces: vec![
+                Interface { name: "cali0123456789a".into(), mac: [0xee; 6], sandbox: None },
+                Interface { name: "eth0".into(), mac: [2, 0, 0, 0, 0, 1], sandbox: Some("/run/netns/p".into()) },
+            ],
+            ips: vec![("10.1.0.5/32".parse().expect("net"), "169.254.1.1".parse().expect("ip"), 1)],
+            routes: vec![("0.0.0.0/0".parse().expect("net"), "169.254.1.1".parse().expect("ip"))],
+        }
+    }
+
+    #[test]
+    fn renders_v1() {
+        let v = sample().to_json("1.1.0");
+        assert_eq!(v["cniVersion"], "1.1.0");
+        assert_eq!(v["interfaces"][0]["mac"], "ee:ee:ee:ee:ee:ee");
+        assert_eq!(v["interfaces"][1]["sandbox"], "/run/netns/p");
+        assert_eq!(v["ips"][0]["address"], "10.1.0.5/32");
+        assert_eq!(v["ips"][0]["interface"], 1);
+        assert!(v["ips"][0].get("version").is_none());
+        assert_eq!(v["routes"][0]["dst"], "0.0.0.0/0");
+    }
+
+    #[test]
+    fn renders_pre_v1_with_ip_version() {
+        let v = sample().to_json("0.3.1");
+        assert_eq!(v["cniVersion"], "0.3.1");
+        assert_eq!(v["ips"][0]["version"], "4");
+    }
+
+    #[test]
+    fn version_check() {
+        for v in SUPPORTED_VERSIONS {
+            check_version(v).expect("supported");
+        }
+        check_version("").expect("empty is the default");
+        assert_eq!(check_version("0.2.0").expect_err("old").code, 1);
+        assert_eq!(check_version("2.0.0").expect_err("new").code, 1);
+    }
+}

@@ -1,0 +1,36 @@
+//! The calix gRPC API, `calix.v1`: generated tonic/prost code for `Ipam`, `Endpoints` and the
+//! draft `Routes` service, plus the unix-socket channel every client uses.
+//! Domain conversions live with their users (agent/src/grpc).
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub mod v1 {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("calix.v1");
+}
+
+/// Default path of the agent's unix socket.
+pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/calix/agent.sock";
+
+/// Opens a gRPC channel to the agent over its unix socket.
+///
+/// `timeout` bounds both the connection and every request made on the channel, so a caller
+/// (the CNI plugin above all) never hangs on a wedged agent.
+pub async fn connect_unix(
+    path: impl AsRef<Path>,
+    timeout: Duration,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let path: PathBuf = path.as_ref().to_path_buf();
+    // The URI is required by tonic but unused: the connector below ignores it.
+    tonic::transport::Endpoint::from_static("http://calix-agent.local")
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+}

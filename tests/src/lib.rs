@@ -1,0 +1,490 @@
+//! The calix integration-test harness: throwaway network namespaces ("nodes" and "pods"), a real
+//! calix-agent per node, the real `calix` CNI binary exec'd with a real environment and stdin.
+//! Everything is named with a unique `cxt` prefix and removed on drop, even when a test fails.
+//!
+//! These tests need root (network namespaces, eBPF). Build the binaries first:
+//! `cargo xtask test` does it all.
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Prefix of every namespace and directory the tests create.
+pub const PREFIX: &str = "cxt";
+
+/// A name unique to this process and call: `cxt<pid>x<n><tag>`.
+pub fn unique(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("{PREFIX}{}x{}{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Panics unless running as root, with a clear message.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(euid, 0, "the calix integration tests need root (network namespaces, eBPF)");
+}
+
+/// Path of a workspace binary built next to this test (target/<profile>/<name>).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test>-<hash>
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first (`cargo build --workspace --bins`, or `cargo xtask test`)",
+        p.display()
+    );
+    p
+}
+
+/// Runs a command and returns its output; panics if it cannot be started.
+pub fn run(cmd: &mut Command) -> Output {
+    cmd.output()
+        .unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"))
+}
+
+/// Runs a command and panics unless it succeeds.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let out = run(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A named network namespace (/run/netns/<name>), deleted on drop.
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn new(tag: &str) -> Self {
+        let name = unique(tag);
+        run_ok(Command::new("ip").args(["netns", "add", &name]));
+        let ns = Self { name };
+        ns.exec_ok(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn path(&self) -> String {
+        format!("/run/netns/{}", self.name)
+    }
+
+    /// A command that runs `argv` inside this namespace.
+    pub fn cmd(&self, argv: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.name]).args(argv);
+        c
+    }
+
+    pub fn exec(&self, argv: &[&str]) -> Output {
+        run(&mut self.cmd(argv))
+    }
+
+    pub fn exec_ok(&self, argv: &[&str]) -> Output {
+        run_ok(&mut self.cmd(argv))
+    }
+
+    /// Pings `dst` `count` times from inside this namespace; returns whether all replies came.
+    pub fn ping(&self, dst: &str, count: u32) -> bool {
+        self.exec(&["ping", "-c", &count.to_string(), "-i", "0.2", "-W", "2", "-q", dst])
+            .status
+            .success()
+    }
+
+    /// Names of the links in this namespace.
+    pub fn links(&self) -> Vec<String> {
+        let out = self.exec_ok(&["ip", "-j", "link", "show"]);
+        let v: Value = serde_json::from_slice(&out.stdout).expect("ip -j link");
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|l| l["ifname"].as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Routes of the main table, as `ip -j route` objects.
+    pub fn routes(&self) -> Vec<Value> {
+        let out = self.exec_ok(&["ip", "-j", "route", "show"]);
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+    }
+}
+
+/// Which dataplane a test node runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dataplane {
+    Ebpf,
+    Kernel,
+}
+
+impl Dataplane {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ebpf => "ebpf",
+            Self::Kernel => "kernel",
+        }
+    }
+}
+
+/// The outcome of one CNI call.
+#[derive(Debug)]
+pub struct CniOutput {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+    pub json: Option<Value>,
+}
+
+impl CniOutput {
+    /// The error code of a failed call.
+    pub fn code(&self) -> Option<u64> {
+        self.json.as_ref().and_then(|j| j["code"].as_u64())
+    }
+
+    /// The first IP address of a successful ADD, without prefix.
+    pub fn ip(&self) -> String {
+        let j = self.json.as_ref().unwrap_or_else(|| panic!("no JSON result: {self:?}"));
+        let a = j["ips"][0]["address"].as_str().unwrap_or_else(|| panic!("no ips in {j}"));
+        a.split('/').next().unwrap_or(a).to_string()
+    }
+}
+
+/// A test node: a namespace with an address on lo, and a calix-agent running inside it.
+pub struct Node {
+    pub ns: Netns,
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub node_ip: String,
+    pub dataplane: Dataplane,
+    agent: Option<Child>,
+    config: Option<String>,
+}
+
+pub const NODE_IP: &str = "10.99.0.1";
+pub const POOL: &str = "10.244.0.0/16";
+
+impl Node {
+    /// Starts a node with the default pool.
+    pub fn start(dataplane: Dataplane) -> Self {
+        Self::start_with_config(dataplane, None)
+    }
+
+    /// Starts a node whose agent reads `config` (TOML) in addition to the flags.
+    pub fn start_with_config(dataplane: Dataplane, config: Option<&str>) -> Self {
+        require_root();
+        let ns = Netns::new("n");
+        ns.exec_ok(&["ip", "addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]);
+        let dir = std::env::temp_dir().join(&ns.name);
+        std::fs::create_dir_all(&dir).expect("node dir");
+        let mut node = Self {
+            socket: dir.join("agent.sock"),
+            dir,
+            ns,
+            node_ip: NODE_IP.into(),
+            dataplane,
+            agent: None,
+            config: config.map(String::from),
+        };
+        node.start_agent();
+        node
+    }
+
+    /// (Re)starts the agent and waits until its socket answers.
+    pub fn start_agent(&mut self) {
+        let mut args: Vec<String> = vec![
+            bin("calix-agent").display().to_string(),
+            "--node-name".into(),
+            self.ns.name.clone(),
+            "--socket".into(),
+            self.socket.display().to_string(),
+            "--datastore-path".into(),
+            self.dir.join("store.json").display().to_string(),
+            "--dataplane".into(),
+            self.dataplane.as_str().into(),
+            "--log-level".into(),
+            "info".into(),
+        ];
+        match &self.config {
+            Some(text) => {
+                let p = self.dir.join("agent.toml");
+                std::fs::write(&p, text).expect("write agent config");
+                args.push("--config".into());
+                args.push(p.display().to_string());
+            }
+            None => {
+                args.push("--pool".into());
+                args.push(POOL.into());
+            }
+        }
+        let log = std::fs::File::create(self.dir.join("agent.log")).expect("agent log");
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let child = self
+            .ns
+            .cmd(&argv)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn calix-agent");
+        self.agent = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.calixctl(&["endpoints"]).status.success() {
+                return;
+            }
+            if let Some(Ok(Some(st))) = self.agent.as_mut().map(|c| c.try_wait()) {
+                panic!("calix-agent exited ({st}) at start:\n{}", self.agent_log());
+            }
+            assert!(Instant::now() < deadline, "calix-agent did not come up:\n{}", self.agent_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Stops the agent with SIGTERM and waits for it.
+    pub fn stop_agent(&mut self) {
+        if let Some(mut c) = self.agent.take() {
+            // `ip netns exec` execs the agent, so the child pid is the agent's.
+            // SAFETY: plain kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(Child::id)
+    }
+
+    pub fn agent_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    /// A calix network config (JSON) pointing at this node's agent.
+    pub fn conf(&self, extra: Value) -> Value {
+        let mut c = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "calix-test",
+            "type": "calix",
+            "agent_socket": self.socket.display().to_string(),
+        });
+        if let (Some(c), Some(e)) = (c.as_object_mut(), extra.as_object()) {
+            for (k, v) in e {
+                c.insert(k.clone(), v.clone());
+            }
+        }
+        c
+    }
+
+    /// Execs the real `calix` binary in this node's namespace.
+    pub fn cni(&self, command: &str, container_id: &str, netns: &str, cni_args: &str, conf: &Value) -> CniOutput {
+        cni_call(&self.ns, command, container_id, netns, "eth0", cni_args, &conf.to_string())
+    }
+
+    pub fn calixctl(&self, args: &[&str]) -> Output {
+        let ctl = bin("calixctl").display().to_string();
+        let sock = self.socket.display().to_string();
+        let mut argv = vec![ctl.as_str(), "--socket", sock.as_str()];
+        argv.extend_from_slice(args);
+        self.ns.exec(&argv)
+    }
+
+    /// `calixctl endpoints -o json`.
+    pub fn endpoints(&self) -> Value {
+        let out = self.calixctl(&["endpoints", "-o", "json"]);
+        assert!(out.status.success(), "calixctl failed: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("calixctl json")
+    }
+
+    /// The embedded datastore's content.
+    pub fn store(&self) -> Value {
+        let text = std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_else(|_| "{}".into());
+        serde_json::from_str(&text).expect("store json")
+    }
+
+    /// Number of addresses allocated in the datastore.
+    pub fn allocated(&self) -> usize {
+        let s = self.store();
+        s["ipam"]["blocks"]
+            .as_object()
+            .map(|b| {
+                b.values()
+                    .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// `cali*` links in the node namespace.
+    pub fn cali_links(&self) -> Vec<String> {
+        self.ns.links().into_iter().filter(|l| l.starts_with("cali")).collect()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop_agent();
+        if std::thread::panicking() {
+            eprintln!("--- agent log of {} ---\n{}", self.ns.name, self.agent_log());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Execs `calix` inside `node_ns` with a CNI environment and `stdin`.
+pub fn cni_call(
+    node_ns: &Netns,
+    command: &str,
+    container_id: &str,
+    netns: &str,
+    ifname: &str,
+    cni_args: &str,
+    stdin: &str,
+) -> CniOutput {
+    use std::io::Write;
+    let calix = bin("calix").display().to_string();
+    let mut child = node_ns
+        .cmd(&[&calix])
+        .env_clear()
+        .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", container_id)
+        .env("CNI_NETNS", netns)
+        .env("CNI_IFNAME", ifname)
+        .env("CNI_ARGS", cni_args)
+        .env("CNI_PATH", "/usr/lib/cni")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn calix");
+    if let Some(mut si) = child.stdin.take() {
+        let _ = si.write_all(stdin.as_bytes());
+    }
+    let out = child.wait_with_output().expect("wait calix");
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    CniOutput {
+        success: out.status.success(),
+        json: serde_json::from_str(&stdout).ok(),
+        stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).to_string(),
+    }
+}
+
+/// A pod: a namespace wired through `calix` ADD on a node. DEL runs on drop if not done.
+pub struct Pod<'a> {
+    pub ns: Netns,
+    pub node: &'a Node,
+    pub container_id: String,
+    pub cni_args: String,
+    pub result: CniOutput,
+    deleted: bool,
+}
+
+impl<'a> Pod<'a> {
+    /// ADDs a pod named `name` in k8s namespace `default`; panics if ADD fails.
+    pub fn add(node: &'a Node, name: &str) -> Self {
+        let ns = Netns::new("p");
+        let container_id = format!("{}{}", ns.name, "0123456789abcdef");
+        let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}-{}", ns.name);
+        let result = node.cni("ADD", &container_id, &ns.path(), &cni_args, &node.conf(Value::Null));
+        assert!(
+            result.success,
+            "ADD of {name} failed: {}\n{}\nagent log:\n{}",
+            result.stdout,
+            result.stderr,
+            node.agent_log()
+        );
+        Self { ns, node, container_id, cni_args, result, deleted: false }
+    }
+
+    pub fn ip(&self) -> String {
+        self.result.ip()
+    }
+
+    pub fn host_ifname(&self) -> String {
+        self.result.json.as_ref().and_then(|j| j["interfaces"][0]["name"].as_str().map(String::from)).expect("host ifname")
+    }
+
+    /// DELs the pod; panics if DEL fails.
+    pub fn del(&mut self) {
+        let out = self.node.cni("DEL", &self.container_id, &self.ns.path(), &self.cni_args, &self.node.conf(Value::Null));
+        assert!(out.success, "DEL failed: {} {}", out.stdout, out.stderr);
+        self.deleted = true;
+    }
+}
+
+impl Drop for Pod<'_> {
+    fn drop(&mut self) {
+        if !self.deleted {
+            let _ = self.node.cni("DEL", &self.container_id, &self.ns.path(), &self.cni_args, &self.node.conf(Value::Null));
+        }
+    }
+}
+
+/// The ids of the BPF maps named `name` that process `pid` holds (via bpftool).
+pub fn bpf_maps_of(pid: u32, name: &str) -> Vec<u64> {
+    let out = run_ok(Command::new("bpftool").args(["-j", "map", "show"]));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool json");
+    v.as_array()
+        .map(|maps| {
+            maps.iter()
+                .filter(|m| m["name"] == name)
+                .filter(|m| {
+                    m["pids"]
+                        .as_array()
+                        .is_some_and(|p| p.iter().any(|x| x["pid"].as_u64() == Some(u64::from(pid))))
+                })
+                .filter_map(|m| m["id"].as_u64())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The keys (u32, little-endian) of a BPF hash map, via bpftool.
+pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
+    let out = run_ok(Command::new("bpftool").args(["-j", "map", "dump", "id", &id.to_string()]));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool dump json");
+    v.as_array()
+        .map(|entries| {
+            entries
+                .iter()
+                .filter_map(|e| {
+                    let key = e["key"].as_array()?;
+                    let bytes: Vec<u8> = key
+                        .iter()
+                        .filter_map(|b| b.as_str().and_then(|s| u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()))
+                        .collect();
+                    let arr: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
+                    Some(u32::from_le_bytes(arr))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
