@@ -8,10 +8,8 @@ fn main() -> ExitCode {
     for path in calix_ebpf_build::ebpf_sources() {
         println!("cargo:rerun-if-changed={}", path.display());
     }
-    // The nested build follows the target's byte order and arch; `CARGO_TARGET_DIR` moves it.
-    for var in ["CARGO_TARGET_DIR", "CARGO_CFG_TARGET_ENDIAN", "CARGO_CFG_TARGET_ARCH"] {
-        println!("cargo:rerun-if-env-changed={var}");
-    }
+    // The nested build's directory follows it (see `ebpf_target_dir`).
+    println!("cargo:rerun-if-env-changed=CARGO_TARGET_DIR");
 
     let Some(out_dir) = env::var_os("OUT_DIR").map(PathBuf::from) else {
         eprintln!("error: OUT_DIR is not set (this build script runs only under cargo)");
@@ -21,7 +19,10 @@ fn main() -> ExitCode {
         Ok(_object) => ExitCode::SUCCESS,
         Err(e) => {
             // cargo shows this build script's stderr when it fails.
-            eprintln!("error: building the calix eBPF object failed: {}", chain(&e));
+            eprintln!(
+                "error: building the calix eBPF object failed: {}",
+                chain(&e)
+            );
             ExitCode::FAILURE
         }
     }

@@ -159,9 +159,9 @@ impl AsRawFd for NetNs {
     }
 }
 
-/// `NS_GET_NSTYPE` (Linux ≥ 4.11) says which kind of namespace an nsfs file is. Older kernels
-/// answer ENOTTY; then accept any namespace file system (nsfs, or procfs before 3.19) and let
-/// `setns(CLONE_NEWNET)` reject a wrong type later.
+/// `NS_GET_NSTYPE` (Linux ≥ 4.11) says which kind of namespace an nsfs file is. Kernels 3.19 to
+/// 4.10 answer ENOTTY; then accept any nsfs file and let `setns(CLONE_NEWNET)` reject a wrong
+/// type later. Anything else (a plain file, an unmounted /run/netns entry) is not a netns.
 fn check_is_netns(file: &File, path: &Path) -> Result<(), NetnsError> {
     // SAFETY: NS_GET_NSTYPE takes no argument and only reads the fd, which `file` keeps open.
     let kind = unsafe { libc::ioctl(file.as_raw_fd(), libc::NS_GET_NSTYPE as _) };
@@ -178,8 +178,7 @@ fn check_is_netns(file: &File, path: &Path) -> Result<(), NetnsError> {
         path: path.to_path_buf(),
         source: io::Error::from(e),
     })?;
-    let fs_type = fs.filesystem_type();
-    if fs_type == nix::sys::statfs::NSFS_MAGIC || fs_type == nix::sys::statfs::PROC_SUPER_MAGIC {
+    if fs.filesystem_type() == nix::sys::statfs::NSFS_MAGIC {
         Ok(())
     } else {
         Err(NetnsError::NotNetns {
@@ -235,12 +234,13 @@ fn spawn_in<R: Send + 'static>(
     std::thread::Builder::new()
         .name(THREAD_NAME.to_string())
         .spawn(move || {
-            let entered = nix::sched::setns(target.as_fd(), CloneFlags::CLONE_NEWNET).map_err(
-                |source| NetnsError::Enter {
-                    path: target.path.clone(),
-                    source,
-                },
-            );
+            let entered =
+                nix::sched::setns(target.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|source| {
+                    NetnsError::Enter {
+                        path: target.path.clone(),
+                        source,
+                    }
+                });
             drop(target);
             body(entered)
         })
@@ -316,11 +316,7 @@ pub fn read_sysctl(path: impl AsRef<Path>) -> Result<String, NetnsError> {
 }
 
 /// Writes a `/proc/sys` file as seen from inside `ns` (blocking; see [`run_in`]).
-pub fn write_sysctl_in(
-    ns: &NetNs,
-    path: impl AsRef<Path>,
-    value: &str,
-) -> Result<(), NetnsError> {
+pub fn write_sysctl_in(ns: &NetNs, path: impl AsRef<Path>, value: &str) -> Result<(), NetnsError> {
     let path = path.as_ref().to_path_buf();
     let value = value.to_string();
     run_in(ns, move || write_sysctl(&path, &value))?

@@ -6,8 +6,9 @@
 //!   caliXXXXXXXXXXX  ee:ee:ee:ee:ee:ee  <--veth-->  eth0  <ip>/32, <ip6>/128 (nodad)
 //!     proxy_arp=1, proxy_delay=0, forwarding=1       169.254.1.1/32 scope link
 //!     (v6: proxy_ndp=1, accept_ra=0, forwarding=1)   default via 169.254.1.1
-//!   <ip>/32 dev caliX scope link proto calix         default via fe80::ecee:eeff:feee:eeee
-//!   <ip6>/128 dev caliX proto calix                  permanent neighbours for both gateways
+//!   <ip>/32 dev caliX scope link proto 202           default via fe80::ecee:eeff:feee:eeee
+//!   <ip6>/128 dev caliX proto 202                    permanent neighbours for both gateways,
+//!                                                    accept_dad=0
 //! ```
 //!
 //! Order of an ADD: [`create_veth`], [`configure_pod`], [`configure_host`]. If any step fails,
@@ -15,6 +16,7 @@
 //! veth go with it. DEL is [`delete_link`] (idempotent) and, for routes that may outlive the
 //! link, [`delete_route`].
 
+use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::AsRawFd;
 
@@ -115,7 +117,10 @@ fn errno(e: &rtnetlink::Error) -> Option<i32> {
     }
 }
 
-fn netlink_err(op: &'static str, target: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> VethError {
+fn netlink_err(
+    op: &'static str,
+    target: impl Into<String>,
+) -> impl FnOnce(rtnetlink::Error) -> VethError {
     let target = target.into();
     move |source| VethError::Netlink { op, target, source }
 }
@@ -163,6 +168,11 @@ pub struct VethPair {
 /// directly in `pod_ns` (never moved: moving links between namespaces serialises concurrent
 /// ADDs in the kernel). `mtu`, when given, is set on both sides. A taken name is
 /// [`VethError::Exists`]; nothing is reused. Both sides are left down.
+///
+/// While the pod side has never been up, this also sets its `accept_dad=0` (written from inside
+/// `pod_ns`), so none of its IPv6 addresses, link-local included, ever waits for DAD: the only
+/// other node on the link is the host side, whose MAC is fixed and different. Skipped when the
+/// kernel has no IPv6. If anything after the RTM_NEWLINK fails, the veth is deleted again.
 pub async fn create_veth(
     host: &Handle,
     pod_ns: &NetNs,
@@ -174,12 +184,18 @@ pub async fn create_veth(
     validate_ifname(pod_ifname)?;
 
     let mut peer = LinkMessage::default();
-    peer.attributes.push(LinkAttribute::IfName(pod_ifname.to_string()));
+    peer.attributes
+        .push(LinkAttribute::IfName(pod_ifname.to_string()));
     // The fd is only read while the request is sent; `pod_ns` outlives this function.
-    peer.attributes.push(LinkAttribute::NetNsFd(pod_ns.as_raw_fd()));
+    peer.attributes
+        .push(LinkAttribute::NetNsFd(pod_ns.as_raw_fd()));
     let mut message = LinkMessage::default();
-    message.attributes.push(LinkAttribute::IfName(host_ifname.to_string()));
-    message.attributes.push(LinkAttribute::Address(HOST_VETH_MAC.to_vec()));
+    message
+        .attributes
+        .push(LinkAttribute::IfName(host_ifname.to_string()));
+    message
+        .attributes
+        .push(LinkAttribute::Address(HOST_VETH_MAC.to_vec()));
     if let Some(mtu) = mtu {
         peer.attributes.push(LinkAttribute::Mtu(mtu));
         message.attributes.push(LinkAttribute::Mtu(mtu));
@@ -212,7 +228,7 @@ pub async fn create_veth(
         });
     }
 
-    match look_up_pair(host, pod_ns, host_ifname, pod_ifname).await {
+    match finish_pod_side(host, pod_ns, host_ifname, pod_ifname).await {
         Ok(pair) => Ok(pair),
         Err(e) => {
             // We created it (EXCL succeeded), so we remove it again.
@@ -220,7 +236,7 @@ pub async fn create_veth(
                 tracing::warn!(
                     link = host_ifname,
                     error = %cleanup,
-                    "cannot remove the veth after a failed lookup"
+                    "cannot remove the veth after a failed create"
                 );
             }
             Err(e)
@@ -228,23 +244,26 @@ pub async fn create_veth(
     }
 }
 
-async fn look_up_pair(
+async fn finish_pod_side(
     host: &Handle,
     pod_ns: &NetNs,
     host_ifname: &str,
     pod_ifname: &str,
 ) -> Result<VethPair, VethError> {
-    let host_ifindex = link_index(host, host_ifname)
-        .await?
-        .ok_or_else(|| VethError::LinkNotFound {
-            name: host_ifname.to_string(),
-        })?;
+    disable_dad(pod_ns, pod_ifname).await?;
+    let host_ifindex =
+        link_index(host, host_ifname)
+            .await?
+            .ok_or_else(|| VethError::LinkNotFound {
+                name: host_ifname.to_string(),
+            })?;
     let pod = netns::netlink_in(pod_ns).await?;
-    let pod_link = link_details(&pod, pod_ifname)
-        .await?
-        .ok_or_else(|| VethError::LinkNotFound {
-            name: pod_ifname.to_string(),
-        })?;
+    let pod_link =
+        link_details(&pod, pod_ifname)
+            .await?
+            .ok_or_else(|| VethError::LinkNotFound {
+                name: pod_ifname.to_string(),
+            })?;
     let pod_mac = pod_link.mac.ok_or_else(|| VethError::BadMac {
         name: pod_ifname.to_string(),
         address: Vec::new(),
@@ -256,11 +275,23 @@ async fn look_up_pair(
     })
 }
 
-/// Configures the pod side; `pod` must be a handle in `pod_ns` (see [`netns::netlink_in`]).
-/// Expects a freshly created interface: anything already there is an error.
+/// `accept_dad=0` on the pod interface, from inside `pod_ns`. `pod_ifname` was validated.
+async fn disable_dad(pod_ns: &NetNs, pod_ifname: &str) -> Result<(), VethError> {
+    let path = format!("/proc/sys/net/ipv6/conf/{pod_ifname}/accept_dad");
+    match netns::run_in_async(pod_ns, move || netns::write_sysctl(&path, "0")).await? {
+        Ok(()) => Ok(()),
+        // No IPv6 in this kernel (ipv6.disable=1): nothing to disable.
+        Err(NetnsError::WriteSysctl { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Configures the pod side of a veth made by [`create_veth`] (which already turned DAD off);
+/// `pod` must be a handle in the pod's namespace (see [`netns::netlink_in`]). Expects a freshly
+/// created interface: anything already there is an error.
 ///
-/// - v6: `accept_dad=0` on the interface first (written from inside `pod_ns`), so neither its
-///   link-local nor its global address waits for DAD;
 /// - link up;
 /// - v4: `<v4>/32`, `169.254.1.1/32 scope link`, `default via 169.254.1.1`, and a PERMANENT
 ///   neighbour `169.254.1.1 -> ee:ee:ee:ee:ee:ee`, so the pod never ARPs for its gateway and
@@ -269,20 +300,10 @@ async fn look_up_pair(
 ///   `default via fe80::ecee:eeff:feee:eeee`.
 pub async fn configure_pod(
     pod: &Handle,
-    pod_ns: &NetNs,
     pod_ifindex: u32,
     v4: Option<Ipv4Addr>,
     v6: Option<Ipv6Addr>,
 ) -> Result<(), VethError> {
-    if v6.is_some() {
-        let link = link_details_by_index(pod, pod_ifindex)
-            .await?
-            .ok_or(VethError::IndexNotFound { index: pod_ifindex })?;
-        validate_ifname(&link.name)?;
-        let path = format!("/proc/sys/net/ipv6/conf/{}/accept_dad", link.name);
-        netns::run_in_async(pod_ns, move || netns::write_sysctl(&path, "0")).await??;
-    }
-
     set_link_up(pod, pod_ifindex).await?;
 
     if let Some(ip) = v4 {
@@ -290,7 +311,10 @@ pub async fn configure_pod(
             .add(pod_ifindex, IpAddr::V4(ip), 32)
             .execute()
             .await
-            .map_err(netlink_err("add address", format!("{ip}/32 to pod interface {pod_ifindex}")))?;
+            .map_err(netlink_err(
+                "add address",
+                format!("{ip}/32 to pod interface {pod_ifindex}"),
+            ))?;
         let gateway_route = RouteMessageBuilder::<Ipv4Addr>::new()
             .destination_prefix(GATEWAY_V4, 32)
             .output_interface(pod_ifindex)
@@ -314,17 +338,22 @@ pub async fn configure_pod(
         message
             .attributes
             .push(AddressAttribute::Flags(AddressFlags::Nodad));
-        request
-            .execute()
-            .await
-            .map_err(netlink_err("add address", format!("{ip}/128 to pod interface {pod_ifindex}")))?;
+        request.execute().await.map_err(netlink_err(
+            "add address",
+            format!("{ip}/128 to pod interface {pod_ifindex}"),
+        ))?;
         add_permanent_neighbour(pod, pod_ifindex, IpAddr::V6(GATEWAY_V6)).await?;
         let default_route = RouteMessageBuilder::<Ipv6Addr>::new()
             .gateway(GATEWAY_V6)
             .output_interface(pod_ifindex)
             .protocol(RouteProtocol::from(ROUTE_PROTO))
             .build();
-        add_route(pod, default_route, "default via fe80::ecee:eeff:feee:eeee in the pod").await?;
+        add_route(
+            pod,
+            default_route,
+            "default via fe80::ecee:eeff:feee:eeee in the pod",
+        )
+        .await?;
     }
     Ok(())
 }
@@ -348,14 +377,32 @@ pub async fn configure_host(
 ) -> Result<(), VethError> {
     validate_ifname(host_ifname)?;
     if v4.is_some() {
-        netns::write_sysctl(format!("/proc/sys/net/ipv4/conf/{host_ifname}/proxy_arp"), "1")?;
-        netns::write_sysctl(format!("/proc/sys/net/ipv4/neigh/{host_ifname}/proxy_delay"), "0")?;
-        netns::write_sysctl(format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"), "1")?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/proxy_arp"),
+            "1",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv4/neigh/{host_ifname}/proxy_delay"),
+            "0",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"),
+            "1",
+        )?;
     }
     if v6.is_some() {
-        netns::write_sysctl(format!("/proc/sys/net/ipv6/conf/{host_ifname}/proxy_ndp"), "1")?;
-        netns::write_sysctl(format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_ra"), "0")?;
-        netns::write_sysctl(format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"), "1")?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/proxy_ndp"),
+            "1",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_ra"),
+            "0",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"),
+            "1",
+        )?;
     }
 
     set_link_up(host, host_ifindex).await?;
@@ -407,7 +454,11 @@ async fn add_route(handle: &Handle, route: RouteMessage, what: &str) -> Result<(
         .map_err(netlink_err("add route", what))
 }
 
-async fn add_permanent_neighbour(handle: &Handle, ifindex: u32, ip: IpAddr) -> Result<(), VethError> {
+async fn add_permanent_neighbour(
+    handle: &Handle,
+    ifindex: u32,
+    ip: IpAddr,
+) -> Result<(), VethError> {
     handle
         .neighbours()
         .add(ifindex, ip)
@@ -415,7 +466,10 @@ async fn add_permanent_neighbour(handle: &Handle, ifindex: u32, ip: IpAddr) -> R
         .link_layer_address(&HOST_VETH_MAC)
         .execute()
         .await
-        .map_err(netlink_err("add neighbour", format!("{ip} on interface {ifindex}")))
+        .map_err(netlink_err(
+            "add neighbour",
+            format!("{ip} on interface {ifindex}"),
+        ))
 }
 
 async fn set_link_up(handle: &Handle, ifindex: u32) -> Result<(), VethError> {
@@ -442,7 +496,9 @@ async fn set_link_up(handle: &Handle, ifindex: u32) -> Result<(), VethError> {
 pub async fn delete_link(host: &Handle, name: &str) -> Result<bool, VethError> {
     validate_ifname(name)?;
     let mut message = LinkMessage::default();
-    message.attributes.push(LinkAttribute::IfName(name.to_string()));
+    message
+        .attributes
+        .push(LinkAttribute::IfName(name.to_string()));
     match host.link().del_with_message(message).execute().await {
         Ok(()) => Ok(true),
         Err(source) if errno(&source) == Some(libc::ENODEV) => Ok(false),
@@ -473,13 +529,17 @@ pub async fn delete_route(host: &Handle, dst: IpNet) -> Result<bool, VethError> 
                 route.header.scope = RouteScope::NoWhere;
                 route
                     .attributes
-                    .push(RouteAttribute::Destination(RouteAddress::Inet(net.network())));
+                    .push(RouteAttribute::Destination(RouteAddress::Inet(
+                        net.network(),
+                    )));
             }
             IpNet::V6(net) => {
                 route.header.address_family = AddressFamily::Inet6;
                 route
                     .attributes
-                    .push(RouteAttribute::Destination(RouteAddress::Inet6(net.network())));
+                    .push(RouteAttribute::Destination(RouteAddress::Inet6(
+                        net.network(),
+                    )));
             }
         }
         match host.route().del(route).execute().await {
@@ -528,7 +588,9 @@ impl LinkDetails {
         for attribute in &message.attributes {
             match attribute {
                 LinkAttribute::IfName(name) => details.name = name.clone(),
-                LinkAttribute::Address(mac) => details.mac = <[u8; 6]>::try_from(mac.as_slice()).ok(),
+                LinkAttribute::Address(mac) => {
+                    details.mac = <[u8; 6]>::try_from(mac.as_slice()).ok()
+                }
                 LinkAttribute::Mtu(mtu) => details.mtu = Some(*mtu),
                 LinkAttribute::Link(index) => details.peer_index = Some(*index),
                 LinkAttribute::LinkInfo(infos) => {
@@ -552,7 +614,14 @@ fn not_found(e: &rtnetlink::Error) -> bool {
 /// The link called `name`, if any.
 pub async fn link_details(handle: &Handle, name: &str) -> Result<Option<LinkDetails>, VethError> {
     validate_ifname(name)?;
-    match handle.link().get().match_name(name).execute().try_next().await {
+    match handle
+        .link()
+        .get()
+        .match_name(name)
+        .execute()
+        .try_next()
+        .await
+    {
         Ok(message) => Ok(message.as_ref().map(LinkDetails::from_message)),
         Err(e) if not_found(&e) => Ok(None),
         Err(source) => Err(VethError::Netlink {
@@ -568,7 +637,14 @@ pub async fn link_details_by_index(
     handle: &Handle,
     index: u32,
 ) -> Result<Option<LinkDetails>, VethError> {
-    match handle.link().get().match_index(index).execute().try_next().await {
+    match handle
+        .link()
+        .get()
+        .match_index(index)
+        .execute()
+        .try_next()
+        .await
+    {
         Ok(message) => Ok(message.as_ref().map(LinkDetails::from_message)),
         Err(e) if not_found(&e) => Ok(None),
         Err(source) => Err(VethError::Netlink {
@@ -607,7 +683,10 @@ pub async fn addresses(handle: &Handle, ifindex: u32) -> Result<Vec<AddressEntry
         .execute()
         .try_collect()
         .await
-        .map_err(netlink_err("list addresses", format!("of interface {ifindex}")))?;
+        .map_err(netlink_err(
+            "list addresses",
+            format!("of interface {ifindex}"),
+        ))?;
     let mut entries = Vec::new();
     for message in messages {
         let mut local = None;
@@ -723,7 +802,10 @@ pub async fn routes(handle: &Handle, family: Family) -> Result<Vec<RouteEntry>, 
         .try_collect()
         .await
         .map_err(netlink_err("list routes", format!("{family:?}")))?;
-    Ok(messages.iter().filter_map(RouteEntry::from_message).collect())
+    Ok(messages
+        .iter()
+        .filter_map(RouteEntry::from_message)
+        .collect())
 }
 
 /// Main-table routes to exactly `dst` (whoever owns them).
@@ -762,7 +844,10 @@ pub async fn neighbours(
         .execute()
         .try_collect()
         .await
-        .map_err(netlink_err("list neighbours", format!("of interface {ifindex}")))?;
+        .map_err(netlink_err(
+            "list neighbours",
+            format!("of interface {ifindex}"),
+        ))?;
     let mut entries = Vec::new();
     for message in messages.iter().filter(|m| m.header.ifindex == ifindex) {
         let mut ip = None;
@@ -801,7 +886,9 @@ mod tests {
     fn gateway_v6_is_the_eui64_link_local_of_the_host_mac() {
         assert_eq!(
             GATEWAY_V6,
-            "fe80::ecee:eeff:feee:eeee".parse::<Ipv6Addr>().expect("literal")
+            "fe80::ecee:eeff:feee:eeee"
+                .parse::<Ipv6Addr>()
+                .expect("literal")
         );
     }
 
@@ -813,7 +900,10 @@ mod tests {
             192,
         ];
         assert!(!taken.contains(&ROUTE_PROTO));
-        assert!(matches!(RouteProtocol::from(ROUTE_PROTO), RouteProtocol::Other(202)));
+        assert!(matches!(
+            RouteProtocol::from(ROUTE_PROTO),
+            RouteProtocol::Other(202)
+        ));
     }
 
     #[test]
@@ -821,7 +911,16 @@ mod tests {
         for good in ["eth0", "cali0123456789a", "a", "net1.100"] {
             validate_ifname(good).expect(good);
         }
-        for bad in ["", "cali0123456789ab", ".", "..", "a/b", "a:b", "a b", "../../x"] {
+        for bad in [
+            "",
+            "cali0123456789ab",
+            ".",
+            "..",
+            "a/b",
+            "a:b",
+            "a b",
+            "../../x",
+        ] {
             assert!(
                 matches!(validate_ifname(bad), Err(VethError::InvalidName { .. })),
                 "{bad:?} accepted"

@@ -1,6 +1,9 @@
 //! `cargo xtask <task>`: calix developer tasks.
 mod build_ebpf;
+mod demo;
 mod setup;
+mod test;
+mod util;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -18,11 +21,21 @@ enum Task {
     Setup,
     /// Build the eBPF object into target/ebpf/calix.bpf.o.
     BuildEbpf,
+    /// One node, two pods, pings, calixctl, teardown (needs root).
+    Demo,
+    /// Setup, build, run every test, check nothing is left behind (needs root).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::run(),
         Task::BuildEbpf => build_ebpf::run(),
+        Task::Demo => demo::run_demo(),
+        Task::Test { args } => test::run_tests(&args),
     }
 }

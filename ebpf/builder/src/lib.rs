@@ -7,13 +7,17 @@
 //! `agent/build.rs` (so every agent build embeds the object of the current sources) and from
 //! `cargo xtask build-ebpf`.
 //!
-//! The nested build always uses [`ebpf_target_dir`] (`target/ebpf`), never the outer build's
-//! profile directory, so it cannot wait on a lock the outer cargo holds, and the debug, release,
-//! clippy and test builds of the agent share one eBPF build instead of compiling `core` each.
+//! The nested build always uses `target/ebpf/<arch>` (see [`ebpf_target_dir`]), never the outer
+//! build's profile directory, so it cannot wait on a lock the outer cargo holds, and the debug,
+//! release, clippy and test builds of the agent and xtask share one eBPF build instead of
+//! compiling `core` each.
 
+mod elf;
 mod env;
 mod locate;
 mod toolchain;
+
+pub use elf::{programs, Program};
 
 use std::{
     collections::VecDeque,
@@ -34,13 +38,17 @@ const BIN_NAME: &str = "calix";
 const TOOLCHAIN: &str = "nightly";
 /// How many lines of the nested cargo's stderr a [`BuildError::CargoFailed`] carries.
 const TAIL_LINES: usize = 40;
+/// Programs the agent loads by name; the build fails if the object lacks one.
+const EXPECTED_PROGRAMS: &[&str] = &[calix_common::PROG_FROM_POD, calix_common::PROG_TO_POD];
 /// What every missing-prerequisite error tells the reader to do.
 const SETUP_HINT: &str = "run `cargo xtask setup`";
 
 /// Why the eBPF object could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    #[error("the `{TOOLCHAIN}` Rust toolchain is not usable (`{command}`: {detail}); {SETUP_HINT}")]
+    #[error(
+        "the `{TOOLCHAIN}` Rust toolchain is not usable (`{command}`: {detail}); {SETUP_HINT}"
+    )]
     NightlyMissing { command: String, detail: String },
 
     #[error(
@@ -90,6 +98,24 @@ pub enum BuildError {
         searched: PathBuf,
     },
 
+    #[error(
+        "{} lacks the program(s) {missing:?} (it has {found:?}); is an entry in \
+         ebpf/programs/src/main.rs missing or renamed?",
+        object.display()
+    )]
+    MissingPrograms {
+        object: PathBuf,
+        missing: Vec<String>,
+        found: Vec<String>,
+    },
+
+    #[error("could not read {}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+
     #[error("could not write {}", path.display())]
     Write {
         path: PathBuf,
@@ -133,9 +159,8 @@ pub fn programs_dir() -> PathBuf {
 }
 
 /// Every file or directory whose change can change the object: for `cargo:rerun-if-changed`.
-/// Directories are fine there (cargo walks them). `ebpf/programs/target` is deliberately not
-/// included (the build never writes there, but someone running cargo by hand in that directory
-/// would otherwise make every agent build rerun its build script).
+/// Directories are fine there (cargo walks them). Not the whole `ebpf/programs`, which may hold
+/// a `target/` from a build run there by hand.
 pub fn ebpf_sources() -> Vec<PathBuf> {
     let root = workspace_root();
     let programs = programs_dir();
@@ -148,8 +173,9 @@ pub fn ebpf_sources() -> Vec<PathBuf> {
     ]
 }
 
-/// Where the nested cargo builds: `$CARGO_TARGET_DIR/ebpf` when that is set (a relative value is
-/// taken from the workspace root), else `<root>/target/ebpf`.
+/// `$CARGO_TARGET_DIR/ebpf` when that is set (a relative value is taken from the workspace
+/// root), else `<root>/target/ebpf`. The nested cargo builds in `<this>/<arch>/`; xtask puts the
+/// object at `<this>/calix.bpf.o`.
 pub fn ebpf_target_dir() -> PathBuf {
     let root = workspace_root();
     match std::env::var_os("CARGO_TARGET_DIR").filter(|v| !v.is_empty()) {
@@ -166,7 +192,9 @@ pub fn ebpf_target_dir() -> PathBuf {
 pub fn build_ebpf(out_dir: &Path) -> Result<PathBuf, BuildError> {
     let target = BpfTarget::from_build_env();
     let tools = toolchain::check()?;
-    let target_dir = ebpf_target_dir();
+    // One cargo target directory per arch: cargo re-links `release/calix` to the variant of the
+    // last build, so two variants sharing a directory could hand one build the other's object.
+    let target_dir = ebpf_target_dir().join(&target.arch);
     let programs = programs_dir();
 
     let mut cmd = Command::new(&tools.cargo);
@@ -217,6 +245,8 @@ pub fn build_ebpf(out_dir: &Path) -> Result<PathBuf, BuildError> {
             match line {
                 Ok(line) => reported.extend(locate::artifact_paths(&line, BIN_NAME)),
                 Err(e) => {
+                    // Nobody reads its stdout any more: stop it rather than wait on a full pipe.
+                    let _ = child.kill();
                     read_error = Some(e);
                     break;
                 }
@@ -251,7 +281,35 @@ pub fn build_ebpf(out_dir: &Path) -> Result<PathBuf, BuildError> {
             searched: release_dir.clone(),
         }
     })?;
+    check_programs(&object)?;
     install(&object, out_dir)
+}
+
+/// Fails unless every program in [`EXPECTED_PROGRAMS`] is in `object`.
+fn check_programs(object: &Path) -> Result<(), BuildError> {
+    let bytes = fs::read(object).map_err(|source| BuildError::Read {
+        path: object.to_path_buf(),
+        source,
+    })?;
+    let found: Vec<String> = programs(&bytes)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|p| p.name)
+        .collect();
+    let missing: Vec<String> = EXPECTED_PROGRAMS
+        .iter()
+        .filter(|name| !found.iter().any(|f| f == *name))
+        .map(|name| (*name).to_owned())
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(BuildError::MissingPrograms {
+            object: object.to_path_buf(),
+            missing,
+            found,
+        })
+    }
 }
 
 /// Copies `object` to `<out_dir>/calix.bpf.o` through a temporary file, so a reader never sees
@@ -269,12 +327,13 @@ fn install(object: &Path, out_dir: &Path) -> Result<PathBuf, BuildError> {
     Ok(dest)
 }
 
-/// The BPF target to build for, following the target the caller is built for when cargo says
-/// (a build script); the host otherwise (xtask).
+/// The BPF target to build for: the byte order and arch of the target the caller is built for
+/// when cargo says (a build script), else of the host (xtask). Set explicitly either way, so
+/// xtask and a native agent build pass identical flags and share one build.
 struct BpfTarget {
     big_endian: bool,
-    /// `bpf_target_arch` for aya-ebpf; `None` lets aya-ebpf take the host's.
-    arch: Option<String>,
+    /// `bpf_target_arch` for aya-ebpf (it picks the `pt_regs` layout).
+    arch: String,
 }
 
 impl BpfTarget {
@@ -284,14 +343,13 @@ impl BpfTarget {
             Some(endian) => endian == "big",
             None => cfg!(target_endian = "big"),
         };
-        let arch = var("CARGO_CFG_TARGET_ARCH").map(|arch| {
-            // aya-ebpf knows "riscv64", not the "riscv64gc"-style names.
-            if arch.starts_with("riscv64") {
-                "riscv64".to_owned()
-            } else {
-                arch
-            }
-        });
+        let arch = var("CARGO_CFG_TARGET_ARCH").unwrap_or_else(|| std::env::consts::ARCH.into());
+        // aya-ebpf knows "riscv64", not the "riscv64gc"-style names.
+        let arch = if arch.starts_with("riscv64") {
+            "riscv64".to_owned()
+        } else {
+            arch
+        };
         Self { big_endian, arch }
     }
 
@@ -305,11 +363,10 @@ impl BpfTarget {
 
     /// As the aya template: full debug info, from which bpf-linker emits the BTF aya needs.
     fn encoded_rustflags(&self) -> OsString {
-        let mut flags = vec!["-Cdebuginfo=2".to_owned(), "-Clink-arg=--btf".to_owned()];
-        if let Some(arch) = &self.arch {
-            flags.push(format!("--cfg=bpf_target_arch=\"{arch}\""));
-        }
-        flags.join("\x1f").into()
+        let arch = format!("--cfg=bpf_target_arch=\"{}\"", self.arch);
+        ["-Cdebuginfo=2", "-Clink-arg=--btf", &arch]
+            .join("\x1f")
+            .into()
     }
 }
 
@@ -342,19 +399,18 @@ mod tests {
     fn rustflags_are_unit_separated() {
         let target = BpfTarget {
             big_endian: false,
-            arch: Some("aarch64".into()),
+            arch: "aarch64".into(),
         };
         assert_eq!(target.triple(), "bpfel-unknown-none");
         assert_eq!(
             target.encoded_rustflags(),
             "-Cdebuginfo=2\x1f-Clink-arg=--btf\x1f--cfg=bpf_target_arch=\"aarch64\""
         );
-        let host = BpfTarget {
+        let big = BpfTarget {
             big_endian: true,
-            arch: None,
+            arch: "s390x".into(),
         };
-        assert_eq!(host.triple(), "bpfeb-unknown-none");
-        assert_eq!(host.encoded_rustflags(), "-Cdebuginfo=2\x1f-Clink-arg=--btf");
+        assert_eq!(big.triple(), "bpfeb-unknown-none");
     }
 
     #[test]

@@ -112,13 +112,18 @@ mod tests {
             .replace('\n', "");
         assert_eq!(
             artifact_paths(&ours, "calix"),
-            [PathBuf::from("/t/release/calix"), PathBuf::from("/t/release/calix")]
+            [
+                PathBuf::from("/t/release/calix"),
+                PathBuf::from("/t/release/calix")
+            ]
         );
         let lib = r#"{"reason":"compiler-artifact","target":{"name":"calix","kind":["lib"]},"filenames":["/t/libcalix.rlib"],"executable":null}"#;
         assert!(artifact_paths(lib, "calix").is_empty());
         let other = r#"{"reason":"compiler-artifact","target":{"name":"core","kind":["lib"]},"filenames":[]}"#;
         assert!(artifact_paths(other, "calix").is_empty());
-        assert!(artifact_paths(r#"{"reason":"build-finished","success":true}"#, "calix").is_empty());
+        assert!(
+            artifact_paths(r#"{"reason":"build-finished","success":true}"#, "calix").is_empty()
+        );
         assert!(artifact_paths("   Compiling core", "calix").is_empty());
     }
 
@@ -169,7 +174,10 @@ mod tests {
         fs::write(deps.join("calix-new.d"), bpf_header()).expect("write");
         fs::write(deps.join("other-zzz"), bpf_header()).expect("write");
         fs::write(release.join("calix"), b"not elf").expect("write");
-        assert_eq!(find_object(&[], &release, "calix"), Some(deps.join("calix-new")));
+        assert_eq!(
+            find_object(&[], &release, "calix"),
+            Some(deps.join("calix-new"))
+        );
         assert_eq!(find_object(&[], &dir.path().join("nothing"), "calix"), None);
     }
 }

@@ -1,0 +1,582 @@
+//! Root-only: the real netlink side effects of wiring a pod, in throwaway namespaces.
+//!
+//! Each test makes its own "node" and "pod" namespaces (`cxtn-<pid>-<n>-<role>`), runs the
+//! library inside the node namespace on a dedicated thread (as the CNI plugin runs in the
+//! host's), checks the result with netlink dumps, and deletes its namespaces on drop, also
+//! when it fails. Without root the tests say so and pass.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use calix_cni::netns::{self, NetNs, NetnsError};
+use calix_cni::veth::{
+    self, Family, VethError, GATEWAY_V4, GATEWAY_V6, HOST_VETH_MAC, ROUTE_PROTO,
+};
+use futures::TryStreamExt;
+use ipnet::IpNet;
+use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo};
+use netlink_packet_route::route::{RouteProtocol, RouteScope};
+use rtnetlink::{LinkVeth, RouteMessageBuilder};
+
+const SCOPE_LINK: u8 = 253;
+const SCOPE_UNIVERSE: u8 = 0;
+const TABLE_MAIN: u32 = 254;
+const PROTO_STATIC: u8 = 4;
+const IFA_F_TENTATIVE: u32 = 0x40;
+
+fn is_root() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("skipped: netlink_root tests need root");
+    false
+}
+
+/// Deletes the named namespace on drop.
+struct NsGuard {
+    name: String,
+}
+
+impl Drop for NsGuard {
+    fn drop(&mut self) {
+        match Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status()
+        {
+            Ok(status) if status.success() => {}
+            other => eprintln!("cannot delete netns {}: {other:?}", self.name),
+        }
+    }
+}
+
+/// A throwaway namespace. Fields drop in order: the fd first, then the namespace itself.
+struct TestNs {
+    ns: NetNs,
+    name: String,
+    _guard: NsGuard,
+}
+
+impl TestNs {
+    fn new(role: &str) -> TestNs {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "cxtn-{}-{}-{role}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let status = Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .expect("run ip netns add");
+        assert!(status.success(), "ip netns add {name} failed");
+        let guard = NsGuard { name: name.clone() };
+        let ns = NetNs::open(format!("/run/netns/{name}")).expect("open the new netns");
+        TestNs {
+            ns,
+            name,
+            _guard: guard,
+        }
+    }
+
+    fn fd(&self) -> NetNs {
+        self.ns.try_clone().expect("dup netns fd")
+    }
+}
+
+/// Runs an async test body on a current-thread runtime, on a thread inside `ns`: there
+/// `netlink_here()` and /proc/sys/net are the node's, as they are the host's for the plugin.
+fn block_on_in<T, Fut>(ns: &NetNs, body: impl FnOnce() -> Fut + Send + 'static) -> T
+where
+    T: Send + 'static,
+    Fut: Future<Output = T>,
+{
+    netns::run_in(ns, move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("build runtime")
+            .block_on(body())
+    })
+    .expect("test body in the node namespace")
+}
+
+fn sysctl(path: &str) -> String {
+    netns::read_sysctl(path).expect("read sysctl")
+}
+
+async fn raw_link(
+    handle: &rtnetlink::Handle,
+    name: &str,
+) -> netlink_packet_route::link::LinkMessage {
+    handle
+        .link()
+        .get()
+        .match_name(name)
+        .execute()
+        .try_next()
+        .await
+        .expect("get link")
+        .expect("link exists")
+}
+
+#[test]
+fn wires_a_dual_stack_pod_and_tears_it_down() {
+    if !is_root() {
+        return;
+    }
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000001";
+    let v4: Ipv4Addr = "10.244.7.9".parse().expect("v4");
+    let v6: Ipv6Addr = "fd00:10:244::7:9".parse().expect("v6");
+
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "eth0", Some(1400))
+            .await
+            .expect("create veth");
+        let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
+        veth::configure_pod(&pod, pair.pod_ifindex, Some(v4), Some(v6))
+            .await
+            .expect("configure pod");
+        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+            .await
+            .expect("configure host");
+
+        // Host side, from a raw dump: MAC, MTU, kind, peer.
+        let raw = raw_link(&host, HOST_IF).await;
+        assert_eq!(raw.header.index, pair.host_ifindex);
+        assert!(raw
+            .attributes
+            .contains(&LinkAttribute::Address(HOST_VETH_MAC.to_vec())));
+        assert!(raw.attributes.contains(&LinkAttribute::Mtu(1400)));
+        assert!(raw
+            .attributes
+            .contains(&LinkAttribute::Link(pair.pod_ifindex)));
+        assert!(raw.attributes.iter().any(|a| matches!(
+            a,
+            LinkAttribute::LinkInfo(infos) if infos.contains(&LinkInfo::Kind(InfoKind::Veth))
+        )));
+        let host_link = veth::link_details(&host, HOST_IF)
+            .await
+            .expect("host link")
+            .expect("host link exists");
+        assert!(host_link.up);
+        assert_eq!(host_link.kind.as_deref(), Some("veth"));
+        assert_eq!(host_link.mac, Some(HOST_VETH_MAC));
+
+        // Pod side lives in the pod namespace only.
+        assert_eq!(veth::link_index(&host, "eth0").await.expect("lookup"), None);
+        let pod_link = veth::link_details(&pod, "eth0")
+            .await
+            .expect("pod link")
+            .expect("eth0 exists in the pod");
+        assert_eq!(pod_link.index, pair.pod_ifindex);
+        assert_eq!(pod_link.mac, Some(pair.pod_mac));
+        assert_ne!(pair.pod_mac, HOST_VETH_MAC);
+        assert_eq!(pod_link.mtu, Some(1400));
+        assert!(pod_link.up);
+        assert_eq!(pod_link.kind.as_deref(), Some("veth"));
+        assert_eq!(pod_link.peer_index, Some(pair.host_ifindex));
+        assert_eq!(veth::link_index(&pod, HOST_IF).await.expect("lookup"), None);
+
+        // Pod addresses.
+        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+            .await
+            .expect("addresses");
+        let a4 = addresses
+            .iter()
+            .find(|a| a.address == IpNet::new(IpAddr::V4(v4), 32).expect("net"))
+            .unwrap_or_else(|| panic!("no {v4}/32 in {addresses:?}"));
+        assert!(!a4.nodad());
+        let a6 = addresses
+            .iter()
+            .find(|a| a.address == IpNet::new(IpAddr::V6(v6), 128).expect("net"))
+            .unwrap_or_else(|| panic!("no {v6}/128 in {addresses:?}"));
+        assert!(a6.nodad(), "{a6:?}");
+
+        // Pod routes.
+        let r4: Vec<_> = veth::routes(&pod, Family::V4)
+            .await
+            .expect("pod v4 routes")
+            .into_iter()
+            .filter(|r| r.table == TABLE_MAIN)
+            .collect();
+        let gw_net: IpNet = "169.254.1.1/32".parse().expect("net");
+        assert!(
+            r4.iter().any(|r| r.dst == gw_net
+                && r.gateway.is_none()
+                && r.oif == Some(pair.pod_ifindex)
+                && r.scope == SCOPE_LINK),
+            "{r4:#?}"
+        );
+        let default4: IpNet = "0.0.0.0/0".parse().expect("net");
+        assert!(
+            r4.iter().any(|r| r.dst == default4
+                && r.gateway == Some(IpAddr::V4(GATEWAY_V4))
+                && r.oif == Some(pair.pod_ifindex)),
+            "{r4:#?}"
+        );
+        let r6 = veth::routes(&pod, Family::V6).await.expect("pod v6 routes");
+        let default6: IpNet = "::/0".parse().expect("net");
+        assert!(
+            r6.iter().any(|r| r.table == TABLE_MAIN
+                && r.dst == default6
+                && r.gateway == Some(IpAddr::V6(GATEWAY_V6))
+                && r.oif == Some(pair.pod_ifindex)),
+            "{r6:#?}"
+        );
+
+        // Pod neighbours: both gateways permanent at ee:ee:ee:ee:ee:ee.
+        let n4 = veth::neighbours(&pod, pair.pod_ifindex, Family::V4)
+            .await
+            .expect("v4 neighbours");
+        assert!(
+            n4.iter().any(|n| n.ip == IpAddr::V4(GATEWAY_V4)
+                && n.mac == Some(HOST_VETH_MAC)
+                && n.permanent),
+            "{n4:#?}"
+        );
+        let n6 = veth::neighbours(&pod, pair.pod_ifindex, Family::V6)
+            .await
+            .expect("v6 neighbours");
+        assert!(
+            n6.iter().any(|n| n.ip == IpAddr::V6(GATEWAY_V6)
+                && n.mac == Some(HOST_VETH_MAC)
+                && n.permanent),
+            "{n6:#?}"
+        );
+        let accept_dad = netns::run_in_async(&pod_ns, || {
+            netns::read_sysctl("/proc/sys/net/ipv6/conf/eth0/accept_dad")
+        })
+        .await
+        .expect("enter pod ns")
+        .expect("read accept_dad");
+        assert_eq!(accept_dad, "0");
+        // ... so the pod's link-local (made when the host side came up) is not tentative.
+        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+            .await
+            .expect("addresses");
+        let link_local = addresses
+            .iter()
+            .find(|a| matches!(a.address, IpNet::V6(n) if n.addr().is_unicast_link_local()))
+            .unwrap_or_else(|| panic!("no link-local in {addresses:?}"));
+        assert_eq!(link_local.flags & IFA_F_TENTATIVE, 0, "{link_local:?}");
+
+        // Host routes: ours, scope link for v4, through the veth.
+        let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
+        let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
+        let h4 = veth::routes_to(&host, net4).await.expect("host v4 routes");
+        assert_eq!(h4.len(), 1, "{h4:#?}");
+        assert_eq!(h4[0].oif, Some(pair.host_ifindex));
+        assert_eq!(h4[0].protocol, ROUTE_PROTO);
+        assert_eq!(h4[0].scope, SCOPE_LINK);
+        assert_eq!(h4[0].gateway, None);
+        let h6 = veth::routes_to(&host, net6).await.expect("host v6 routes");
+        assert_eq!(h6.len(), 1, "{h6:#?}");
+        assert_eq!(h6[0].oif, Some(pair.host_ifindex));
+        assert_eq!(h6[0].protocol, ROUTE_PROTO);
+        assert_eq!(h6[0].scope, SCOPE_UNIVERSE);
+
+        // Host sysctls (this thread is in the node namespace).
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/proxy_arp")),
+            "1"
+        );
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv4/neigh/{HOST_IF}/proxy_delay")),
+            "0"
+        );
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/forwarding")),
+            "1"
+        );
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv6/conf/{HOST_IF}/proxy_ndp")),
+            "1"
+        );
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv6/conf/{HOST_IF}/accept_ra")),
+            "0"
+        );
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv6/conf/{HOST_IF}/forwarding")),
+            "1"
+        );
+
+        // Name clashes are errors, never reuse; a failed create leaves nothing behind.
+        match veth::create_veth(&host, &pod_ns, HOST_IF, "eth1", None).await {
+            Err(VethError::Exists { name }) => assert_eq!(name, HOST_IF),
+            other => panic!("expected Exists, got {other:?}"),
+        }
+        assert_eq!(veth::link_index(&pod, "eth1").await.expect("lookup"), None);
+        match veth::create_veth(&host, &pod_ns, "calitest0000002", "eth0", None).await {
+            Err(VethError::Exists { name }) => assert_eq!(name, "eth0"),
+            other => panic!("expected Exists, got {other:?}"),
+        }
+        assert_eq!(
+            veth::link_index(&host, "calitest0000002")
+                .await
+                .expect("lookup"),
+            None
+        );
+
+        // Our routes can be deleted by prefix, once.
+        assert!(veth::delete_route(&host, net4)
+            .await
+            .expect("delete v4 route"));
+        assert!(veth::routes_to(&host, net4)
+            .await
+            .expect("routes")
+            .is_empty());
+        assert!(!veth::delete_route(&host, net4)
+            .await
+            .expect("delete v4 route again"));
+        assert!(veth::delete_route(&host, net6)
+            .await
+            .expect("delete v6 route"));
+        assert!(veth::routes_to(&host, net6)
+            .await
+            .expect("routes")
+            .is_empty());
+        assert!(!veth::delete_route(&host, net6)
+            .await
+            .expect("delete v6 route again"));
+
+        // Re-add the routes, then deleting the host side takes the peer and the routes along.
+        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+            .await
+            .expect("configure host again");
+        assert_eq!(veth::routes_to(&host, net4).await.expect("routes").len(), 1);
+        assert!(veth::delete_link(&host, HOST_IF)
+            .await
+            .expect("delete link"));
+        assert!(!veth::delete_link(&host, HOST_IF)
+            .await
+            .expect("delete link again"));
+        assert_eq!(
+            veth::link_index(&host, HOST_IF).await.expect("lookup"),
+            None
+        );
+        assert_eq!(veth::link_index(&pod, "eth0").await.expect("lookup"), None);
+        assert!(veth::routes_to(&host, net4)
+            .await
+            .expect("routes")
+            .is_empty());
+        assert!(veth::routes_to(&host, net6)
+            .await
+            .expect("routes")
+            .is_empty());
+    });
+}
+
+#[test]
+fn wires_a_v4_only_pod_with_the_default_mtu() {
+    if !is_root() {
+        return;
+    }
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000003";
+    let v4: Ipv4Addr = "10.244.3.3".parse().expect("v4");
+
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "net1", None)
+            .await
+            .expect("create veth");
+        let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
+        veth::configure_pod(&pod, pair.pod_ifindex, Some(v4), None)
+            .await
+            .expect("configure pod");
+        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
+            .await
+            .expect("configure host");
+
+        let pod_link = veth::link_details(&pod, "net1")
+            .await
+            .expect("pod link")
+            .expect("net1 exists");
+        assert_eq!(pod_link.mtu, Some(1500));
+        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+            .await
+            .expect("addresses");
+        assert!(addresses
+            .iter()
+            .all(|a| !matches!(a.address, IpNet::V6(n) if !n.addr().is_unicast_link_local())));
+        let r6 = veth::routes(&pod, Family::V6).await.expect("pod v6 routes");
+        assert!(r6.iter().all(|r| r.gateway.is_none()), "{r6:#?}");
+        // create_veth turns DAD off whatever the families.
+        let accept_dad = netns::read_sysctl_in(&pod_ns, "/proc/sys/net/ipv6/conf/net1/accept_dad")
+            .expect("read accept_dad");
+        assert_eq!(accept_dad, "0");
+        let h4 = veth::routes_to(&host, IpNet::new(IpAddr::V4(v4), 32).expect("net"))
+            .await
+            .expect("host routes");
+        assert_eq!(h4.len(), 1);
+        assert_eq!(h4[0].protocol, ROUTE_PROTO);
+        assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/proxy_arp")),
+            "1"
+        );
+    });
+}
+
+#[test]
+fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
+    if !is_root() {
+        return;
+    }
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000004";
+    let v4: Ipv4Addr = "10.244.4.4".parse().expect("v4");
+    let v6: Ipv6Addr = "fd00:10:244::4:4".parse().expect("v6");
+
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        // Somebody else's routes to the pod's addresses, through another device.
+        // (veth rather than dummy: the dummy module may be missing.)
+        host.link()
+            .add(LinkVeth::new("other0", "other1").up().build())
+            .execute()
+            .await
+            .expect("add other veth");
+        let other = veth::link_index(&host, "other0")
+            .await
+            .expect("lookup")
+            .expect("other0 exists");
+        host.route()
+            .add(
+                RouteMessageBuilder::<Ipv4Addr>::new()
+                    .destination_prefix(v4, 32)
+                    .output_interface(other)
+                    .scope(RouteScope::Link)
+                    .protocol(RouteProtocol::Static)
+                    .build(),
+            )
+            .execute()
+            .await
+            .expect("add foreign v4 route");
+        host.route()
+            .add(
+                RouteMessageBuilder::<Ipv6Addr>::new()
+                    .destination_prefix(v6, 128)
+                    .output_interface(other)
+                    .protocol(RouteProtocol::Static)
+                    .build(),
+            )
+            .execute()
+            .await
+            .expect("add foreign v6 route");
+
+        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "eth0", None)
+            .await
+            .expect("create veth");
+        let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
+        let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
+        match veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None).await {
+            Err(VethError::RouteExists { dst }) => assert_eq!(dst, net4),
+            other => panic!("expected RouteExists, got {other:?}"),
+        }
+        match veth::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6)).await {
+            Err(VethError::RouteExists { dst }) => assert_eq!(dst, net6),
+            other => panic!("expected RouteExists, got {other:?}"),
+        }
+
+        // delete_route only removes routes with our protocol.
+        assert!(!veth::delete_route(&host, net4).await.expect("delete v4"));
+        assert!(!veth::delete_route(&host, net6).await.expect("delete v6"));
+        for net in [net4, net6] {
+            let routes = veth::routes_to(&host, net).await.expect("routes");
+            assert_eq!(routes.len(), 1, "{routes:#?}");
+            assert_eq!(routes[0].oif, Some(other));
+            assert_eq!(routes[0].protocol, PROTO_STATIC);
+        }
+        assert!(veth::delete_link(&host, HOST_IF)
+            .await
+            .expect("delete link"));
+    });
+}
+
+#[test]
+fn threads_enter_and_leave_namespaces() {
+    if !is_root() {
+        return;
+    }
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    let node_ns = node.fd();
+
+    // run_in runs inside the target; the caller's thread stays where it was.
+    let before = NetNs::current().expect("current");
+    let inside =
+        netns::run_in(&pod.ns, || NetNs::current().expect("current inside")).expect("run_in");
+    assert!(inside.is_same(&pod.ns).expect("compare"));
+    assert!(!inside.is_same(&before).expect("compare"));
+    assert!(NetNs::current()
+        .expect("current")
+        .is_same(&before)
+        .expect("compare"));
+
+    // Sysctls through run_in hit the pod's namespace only.
+    let host_forwarding = sysctl("/proc/sys/net/ipv4/ip_forward");
+    netns::write_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward", "1").expect("write");
+    assert_eq!(
+        netns::read_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward").expect("read"),
+        "1"
+    );
+    assert_eq!(
+        netns::read_sysctl_in(&node.ns, "/proc/sys/net/ipv4/ip_forward").expect("read"),
+        "0"
+    );
+    assert_eq!(sysctl("/proc/sys/net/ipv4/ip_forward"), host_forwarding);
+
+    // A netlink socket from netlink_in acts on its namespace, and the runtime thread never
+    // moves.
+    block_on_in(&node.ns, move || async move {
+        let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
+        assert!(NetNs::current()
+            .expect("current")
+            .is_same(&node_ns)
+            .expect("compare"));
+        pod.link()
+            .add(LinkVeth::new("probe0", "probe1").build())
+            .execute()
+            .await
+            .expect("add a veth in the pod");
+        let node = netns::netlink_here().await.expect("node netlink");
+        assert!(veth::link_index(&pod, "probe0")
+            .await
+            .expect("lookup")
+            .is_some());
+        assert!(veth::link_index(&node, "probe0")
+            .await
+            .expect("lookup")
+            .is_none());
+        // A handle into the node namespace opened through netlink_in sees the same.
+        let node_again = netns::netlink_in(&node_ns).await.expect("node netlink");
+        assert!(veth::link_index(&node_again, "probe0")
+            .await
+            .expect("lookup")
+            .is_none());
+        // Deleting twice: true, then false.
+        assert!(veth::delete_link(&pod, "probe0").await.expect("delete"));
+        assert!(!veth::delete_link(&pod, "probe0")
+            .await
+            .expect("delete again"));
+    });
+
+    // Opening a namespace that is gone says so (DEL succeeds on that).
+    let path = format!("/run/netns/{}-gone", pod.name);
+    match NetNs::open(&path) {
+        Err(e @ NetnsError::NotFound { .. }) => assert!(e.is_not_found()),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+}

@@ -1,0 +1,364 @@
+//! `cargo xtask setup`: installs everything calix needs on a fresh Debian 12, idempotently.
+//!
+//! Each step checks first and installs only what is missing, so a second run only prints `ok`
+//! lines. Order matters: the apt packages bring LLVM 22, which bpf-linker is built against.
+//! Needs root for apt-get and rustup (rustup itself must already be there).
+
+use std::{
+    env,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+
+/// Debian packages: LLVM for bpf-linker, the network tools the tests and benchmarks drive, the
+/// CNI reference plugins (loopback) and etcd for the datastore tests, protoc for `proto`.
+const APT_PACKAGES: &[&str] = &[
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "iproute2",
+    "iputils-ping",
+    "iperf3",
+    "etcd-server",
+    "containernetworking-plugins",
+    "protobuf-compiler",
+    "bpftool",
+    "tcpdump",
+    "nftables",
+    "procps",
+];
+
+/// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new
+/// as the LLVM of the nightly rustc (DESIGN.md §11).
+const LLVM_MAJOR: u32 = 22;
+
+/// One prerequisite: how to tell it is there, and how to install it.
+struct Step {
+    what: &'static str,
+    check: fn() -> Result<State>,
+    install: fn() -> Result<()>,
+}
+
+/// What a check found; the text says what exactly.
+enum State {
+    Present(String),
+    Missing(String),
+}
+
+const STEPS: &[Step] = &[
+    Step {
+        what: "apt packages",
+        check: check_apt,
+        install: install_apt,
+    },
+    Step {
+        what: "rustfmt (stable)",
+        check: check_rustfmt,
+        install: install_rustfmt,
+    },
+    Step {
+        what: "clippy (stable)",
+        check: check_clippy,
+        install: install_clippy,
+    },
+    Step {
+        what: "nightly toolchain",
+        check: check_nightly,
+        install: install_nightly,
+    },
+    Step {
+        what: "rust-src (nightly)",
+        check: check_rust_src,
+        install: install_rust_src,
+    },
+    Step {
+        what: "bpf-linker",
+        check: check_bpf_linker,
+        install: install_bpf_linker,
+    },
+];
+
+pub fn run() -> Result<()> {
+    let total = STEPS.len();
+    for (i, step) in STEPS.iter().enumerate() {
+        let prefix = format!("[{}/{total}] {}", i + 1, step.what);
+        let check = || (step.check)().with_context(|| format!("checking {}", step.what));
+        match check()? {
+            State::Present(detail) => println!("{prefix} … ok{}", suffix(&detail)),
+            State::Missing(detail) => {
+                println!("{prefix} … missing{}; installing", suffix(&detail));
+                (step.install)().with_context(|| format!("installing {}", step.what))?;
+                match check()? {
+                    State::Present(detail) => {
+                        println!("{prefix} … installed{}", suffix(&detail))
+                    }
+                    State::Missing(detail) => {
+                        bail!(
+                            "{} is still missing after installing it: {detail}",
+                            step.what
+                        )
+                    }
+                }
+            }
+        }
+    }
+    if let Some(warning) = llvm_warning()? {
+        println!("warning: {warning}");
+    }
+    Ok(())
+}
+
+fn suffix(detail: &str) -> String {
+    if detail.is_empty() {
+        String::new()
+    } else {
+        format!(" ({detail})")
+    }
+}
+
+// --- apt ---------------------------------------------------------------------------------
+
+fn missing_packages() -> Result<Vec<&'static str>> {
+    let mut missing = Vec::new();
+    for &package in APT_PACKAGES {
+        // Unknown packages make dpkg-query fail: that is "missing" too.
+        let status = capture("dpkg-query", &["-W", "-f=${Status}\n", package])?;
+        let installed = status
+            .as_deref()
+            .is_some_and(|s| s.lines().any(|l| l.trim() == "install ok installed"));
+        if !installed {
+            missing.push(package);
+        }
+    }
+    Ok(missing)
+}
+
+fn check_apt() -> Result<State> {
+    let missing = missing_packages()?;
+    Ok(if missing.is_empty() {
+        State::Present(format!("{} packages", APT_PACKAGES.len()))
+    } else {
+        State::Missing(missing.join(" "))
+    })
+}
+
+fn install_apt() -> Result<()> {
+    let missing = missing_packages()?;
+    let apt = |args: &[&str]| {
+        let mut cmd = Command::new("apt-get");
+        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        run_shown(&mut cmd).context("apt-get failed (it needs root)")
+    };
+    apt(&["update"])?;
+    let mut args = vec!["install", "-y", "--no-install-recommends"];
+    args.extend(missing);
+    apt(&args)
+}
+
+// --- rustup toolchains and components ----------------------------------------------------
+
+fn rustup(args: &[&str]) -> Result<Option<String>> {
+    capture("rustup", args).context("rustup is needed: install it first (https://rustup.rs)")
+}
+
+/// Whether `component` is installed for `toolchain`. rustup lists most components with the
+/// host triple (`clippy-x86_64-unknown-linux-gnu`) but some without (`rust-src`).
+fn component(toolchain: &str, component: &str) -> Result<State> {
+    let Some(list) = rustup(&["component", "list", "--toolchain", toolchain, "--installed"])?
+    else {
+        return Ok(State::Missing(format!("no `{toolchain}` toolchain")));
+    };
+    let with_triple = format!("{component}-");
+    let found = list
+        .lines()
+        .map(str::trim)
+        .any(|c| c == component || c.starts_with(&with_triple));
+    Ok(if found {
+        State::Present(String::new())
+    } else {
+        State::Missing(String::new())
+    })
+}
+
+fn add_component(toolchain: &str, component: &str) -> Result<()> {
+    run_shown(Command::new("rustup").args([
+        "component",
+        "add",
+        component,
+        "--toolchain",
+        toolchain,
+    ]))
+}
+
+fn check_rustfmt() -> Result<State> {
+    component("stable", "rustfmt")
+}
+
+fn install_rustfmt() -> Result<()> {
+    add_component("stable", "rustfmt")
+}
+
+fn check_clippy() -> Result<State> {
+    component("stable", "clippy")
+}
+
+fn install_clippy() -> Result<()> {
+    add_component("stable", "clippy")
+}
+
+fn check_nightly() -> Result<State> {
+    let list = rustup(&["toolchain", "list"])?.unwrap_or_default();
+    let nightly = list
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .find(|t| *t == "nightly" || t.starts_with("nightly-"));
+    Ok(match nightly {
+        Some(name) => State::Present(name.to_owned()),
+        None => State::Missing(String::new()),
+    })
+}
+
+fn install_nightly() -> Result<()> {
+    run_shown(Command::new("rustup").args([
+        "toolchain",
+        "install",
+        "nightly",
+        "--profile",
+        "minimal",
+    ]))
+}
+
+fn check_rust_src() -> Result<State> {
+    component("nightly", "rust-src")
+}
+
+fn install_rust_src() -> Result<()> {
+    add_component("nightly", "rust-src")
+}
+
+// --- bpf-linker --------------------------------------------------------------------------
+
+fn cargo_bin_dir() -> PathBuf {
+    let home = env::var_os("CARGO_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")))
+        .unwrap_or_else(|| PathBuf::from(".cargo"));
+    home.join("bin")
+}
+
+fn find_bpf_linker() -> Option<PathBuf> {
+    let path = env::var_os("PATH").unwrap_or_default();
+    env::split_paths(&path)
+        .chain(std::iter::once(cargo_bin_dir()))
+        .map(|dir| dir.join("bpf-linker"))
+        .find(|p| p.is_file())
+}
+
+/// The `llvm-NN` features `cargo install` recorded for bpf-linker, or `None` when it was not
+/// installed by `cargo install` (or the record cannot be read).
+fn bpf_linker_llvm_features() -> Option<Vec<String>> {
+    let crates2 = cargo_bin_dir().parent()?.join(".crates2.json");
+    let text = std::fs::read_to_string(crates2).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let (_, install) = json["installs"]
+        .as_object()?
+        .iter()
+        .find(|(id, _)| id.starts_with("bpf-linker "))?;
+    Some(
+        install["features"]
+            .as_array()?
+            .iter()
+            .filter_map(|f| f.as_str())
+            .filter(|f| f.starts_with("llvm-"))
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+fn check_bpf_linker() -> Result<State> {
+    let Some(path) = find_bpf_linker() else {
+        return Ok(State::Missing("not on PATH nor in ~/.cargo/bin".into()));
+    };
+    let wanted = format!("llvm-{LLVM_MAJOR}");
+    Ok(match bpf_linker_llvm_features() {
+        Some(features) if !features.contains(&wanted) => State::Missing(format!(
+            "{} was built with features {features:?}, not `{wanted}`",
+            path.display()
+        )),
+        Some(_) => State::Present(format!("{}, LLVM {LLVM_MAJOR}", path.display())),
+        None => State::Present(format!("{}, not from cargo install", path.display())),
+    })
+}
+
+fn install_bpf_linker() -> Result<()> {
+    let llvm_prefix = format!("/usr/lib/llvm-{LLVM_MAJOR}");
+    let features = format!("llvm-{LLVM_MAJOR}");
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "install",
+        "bpf-linker",
+        "--no-default-features",
+        "--features",
+        &features,
+    ])
+    .env("LLVM_PREFIX", &llvm_prefix);
+    // Present but built against another LLVM: replace it.
+    if find_bpf_linker().is_some() {
+        cmd.arg("--force");
+    }
+    run_shown(&mut cmd)
+}
+
+/// A warning when the nightly rustc's LLVM is newer than bpf-linker's: the eBPF build would
+/// then fail to read rustc's bitcode, and only a newer `LLVM_MAJOR` here fixes it.
+fn llvm_warning() -> Result<Option<String>> {
+    let Some(version) = capture("rustc", &["+nightly", "-vV"])? else {
+        return Ok(None);
+    };
+    let major = version
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .and_then(|m| m.trim().parse::<u32>().ok());
+    Ok(match major {
+        Some(major) if major > LLVM_MAJOR => Some(format!(
+            "the nightly rustc uses LLVM {major} but bpf-linker is built against LLVM \
+             {LLVM_MAJOR}; raise LLVM_MAJOR in xtask/src/setup.rs (and the llvm-* packages)"
+        )),
+        _ => None,
+    })
+}
+
+// --- running commands --------------------------------------------------------------------
+
+/// Runs `program args…` and returns its stdout, or `None` when it exits unsuccessfully.
+/// Fails only when it cannot be started.
+fn capture(program: &str, args: &[&str]) -> Result<Option<String>> {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .with_context(|| format!("running `{program} {}`", args.join(" ")))?;
+    Ok(out
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned()))
+}
+
+/// Runs `cmd` with its output shown, and fails unless it succeeds.
+fn run_shown(cmd: &mut Command) -> Result<()> {
+    let shown = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy())
+        .collect::<Vec<_>>()
+        .join(" ");
+    println!("      $ {shown}");
+    let status = cmd.status().with_context(|| format!("running `{shown}`"))?;
+    if !status.success() {
+        bail!("`{shown}` failed ({status})");
+    }
+    Ok(())
+}

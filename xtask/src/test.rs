@@ -1,0 +1,51 @@
+//! `cargo xtask test`: setup, build, every test (unit and root integration), then a check that
+//! nothing was left behind (namespaces, links, bpffs pins).
+use std::process::Command;
+
+use anyhow::{bail, Result};
+
+use crate::util::{self, output, run};
+
+pub fn run_tests(extra: &[String]) -> Result<()> {
+    util::require_root("the test suite")?;
+    println!("[1/4] prerequisites");
+    crate::setup::run()?;
+    println!("[2/4] building every binary");
+    util::build_bins()?;
+    println!("[3/4] cargo test --workspace");
+    let root = util::workspace_root();
+    let result = run(Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["test", "--workspace"])
+        .args(extra));
+    println!("[4/4] checking that the tests left nothing behind");
+    let leaks = leftovers()?;
+    result?;
+    if !leaks.is_empty() {
+        bail!("tests left things behind:\n  {}", leaks.join("\n  "));
+    }
+    println!("nothing left behind");
+    Ok(())
+}
+
+/// What a test run may have leaked: its namespaces, `cali*` links in this namespace, pins.
+pub fn leftovers() -> Result<Vec<String>> {
+    let mut leaks = Vec::new();
+    for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        if name.starts_with("cxt") || name.starts_with("calix-demo") {
+            leaks.push(format!("network namespace {name}"));
+        }
+    }
+    for line in output(Command::new("ip").args(["-o", "link", "show"]))?.lines() {
+        if let Some(name) = line.split(':').nth(1).map(str::trim) {
+            if name.starts_with("cali") || name.starts_with("cxt") {
+                leaks.push(format!("link {name}"));
+            }
+        }
+    }
+    if std::path::Path::new("/sys/fs/bpf/calix").exists() {
+        leaks.push("bpffs pins under /sys/fs/bpf/calix".into());
+    }
+    Ok(leaks)
+}

@@ -1,0 +1,51 @@
+//! Small helpers shared by the xtask commands: running commands, the workspace root.
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+/// The workspace root (the parent of xtask/).
+pub fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+/// Runs a command, inheriting stdout/stderr; fails with the command line if it fails.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+/// Runs a command and returns its stdout; fails with its stderr if it fails.
+pub fn output(cmd: &mut Command) -> Result<String> {
+    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    if !out.status.success() {
+        bail!(
+            "{cmd:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).to_string())
+}
+
+/// Fails unless running as root.
+pub fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} needs root (network namespaces, eBPF): run it with sudo or as root");
+    }
+    Ok(())
+}
+
+/// Builds every binary of the workspace (debug profile) and returns target/debug.
+pub fn build_bins() -> Result<PathBuf> {
+    let root = workspace_root();
+    run(Command::new(env!("CARGO"))
+        .current_dir(&root)
+        .args(["build", "--workspace", "--bins"]))?;
+    Ok(root.join("target").join("debug"))
+}
