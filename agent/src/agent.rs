@@ -106,9 +106,8 @@ impl Agent {
             return Err(AgentError::Invalid("ask for at least one of ipv4, ipv6"));
         }
         let mut inner = self.inner.lock().await;
-        let existing = |fam: bool, want: bool| {
-            !want || inner.state.ipam.lookup(handle, ifname, fam).is_some()
-        };
+        let existing =
+            |fam: bool, want: bool| !want || inner.state.ipam.lookup(handle, ifname, fam).is_some();
         let already = existing(true, v4) && existing(false, v6);
         let out = self.commit_with(&mut inner, |s| {
             let mut out = Vec::new();
@@ -155,13 +154,14 @@ impl Agent {
             ));
         }
         let mut inner = self.inner.lock().await;
-        let attached = inner
-            .dataplane
-            .attach(&ep.host_ifname)
-            .map_err(|source| AgentError::Dataplane {
-                host_ifname: ep.host_ifname.clone(),
-                source,
-            })?;
+        let attached =
+            inner
+                .dataplane
+                .attach(&ep.host_ifname)
+                .map_err(|source| AgentError::Dataplane {
+                    host_ifname: ep.host_ifname.clone(),
+                    source,
+                })?;
         let key = EndpointRecord::key(&ep.container_id, &ep.ifname);
         let host_ifname = ep.host_ifname.clone();
         let committed = self.commit_with(&mut inner, |s| {
@@ -226,15 +226,12 @@ impl Agent {
             .map(|r| {
                 let att = inner.attached.get(&r.host_ifname);
                 let counters = match att {
-                    Some(a) if a.bpf => {
-                        inner
-                            .dataplane
-                            .counters(a.ifindex)
-                            .map_err(|source| AgentError::Dataplane {
-                                host_ifname: r.host_ifname.clone(),
-                                source,
-                            })?
-                    }
+                    Some(a) if a.bpf => inner.dataplane.counters(a.ifindex).map_err(|source| {
+                        AgentError::Dataplane {
+                            host_ifname: r.host_ifname.clone(),
+                            source,
+                        }
+                    })?,
                     _ => None,
                 };
                 Ok(EndpointView {

@@ -50,7 +50,9 @@ impl std::str::FromStr for DataplaneMode {
         match s {
             "ebpf" => Ok(Self::Ebpf),
             "kernel" => Ok(Self::Kernel),
-            other => Err(format!("unknown dataplane {other:?}: use \"ebpf\" or \"kernel\"")),
+            other => Err(format!(
+                "unknown dataplane {other:?}: use \"ebpf\" or \"kernel\""
+            )),
         }
     }
 }
@@ -80,7 +82,9 @@ impl Default for AgentConfig {
             log_level: "info".into(),
             datastore: DatastoreConfig::default(),
             // A private range unlikely to clash with a node's own network.
-            pools: vec![PoolConfig::new("10.244.0.0/16".parse().expect("constant CIDR"))],
+            pools: vec![PoolConfig::new(
+                "10.244.0.0/16".parse().expect("constant CIDR"),
+            )],
         }
     }
 }

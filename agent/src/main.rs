@@ -113,7 +113,8 @@ async fn main() -> Result<()> {
     let store = EmbeddedStore::open(&cfg.datastore.path)?;
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
-            EbpfDataplane::load().context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?,
+            EbpfDataplane::load()
+                .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?,
         ),
         DataplaneMode::Kernel => Box::new(KernelDataplane),
     };
@@ -135,7 +136,14 @@ async fn main() -> Result<()> {
     agent.resync().await;
     grpc::serve_unix(agent.clone(), &cfg.socket, shutdown_signal())
         .await
-        .map_err(|e| anyhow::anyhow!("{e}: {}", std::error::Error::source(&e).map(|s| s.to_string()).unwrap_or_default()))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{e}: {}",
+                std::error::Error::source(&e)
+                    .map(|s| s.to_string())
+                    .unwrap_or_default()
+            )
+        })?;
     agent.shutdown().await;
     tracing::info!("stopped");
     Ok(())

@@ -107,7 +107,10 @@ impl CniEnv {
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
             {
                 return Err(invalid_env(
-                    format!("CNI_CONTAINERID {:?} has invalid characters", self.container_id),
+                    format!(
+                        "CNI_CONTAINERID {:?} has invalid characters",
+                        self.container_id
+                    ),
                     "only letters, digits, '_', '.' and '-' are allowed",
                 ));
             }
@@ -117,7 +120,11 @@ impl CniEnv {
                     "the runtime must name the interface to create, usually eth0",
                 ));
             }
-            if self.ifname.len() > 15 || self.ifname.contains(['/', ' ', ':']) || self.ifname == "." || self.ifname == ".." {
+            if self.ifname.len() > 15
+                || self.ifname.contains(['/', ' ', ':'])
+                || self.ifname == "."
+                || self.ifname == ".."
+            {
                 return Err(invalid_env(
                     format!("CNI_IFNAME {:?} is not a valid interface name", self.ifname),
                     "interface names are 1-15 characters without '/', ':' or spaces",
@@ -205,13 +212,19 @@ mod tests {
         assert_eq!(&name[4..6], format!("{:02x}", digest[0]));
         assert_eq!(name, "cali".to_string() + &hex11(b"default.nginx"));
         // Order of CNI_ARGS does not matter; extra keys don't either.
-        let args2 = CniArgs::parse("IgnoreUnknown=1;K8S_POD_NAME=nginx;K8S_POD_UID=u;K8S_POD_NAMESPACE=default")
-            .expect("args");
+        let args2 = CniArgs::parse(
+            "IgnoreUnknown=1;K8S_POD_NAME=nginx;K8S_POD_UID=u;K8S_POD_NAMESPACE=default",
+        )
+        .expect("args");
         assert_eq!(host_veth_name(&args2, "zzz"), name);
     }
 
     fn hex11(b: &[u8]) -> String {
-        Sha1::digest(b).iter().map(|b| format!("{b:02x}")).collect::<String>()[..11].to_string()
+        Sha1::digest(b)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()[..11]
+            .to_string()
     }
 
     #[test]
@@ -243,12 +256,39 @@ mod tests {
     fn bad_env_is_code_4() {
         for bad in [
             vec![("CNI_COMMAND", "FROB")],
-            vec![("CNI_COMMAND", "ADD"), ("CNI_IFNAME", "eth0"), ("CNI_NETNS", "/x")],
-            vec![("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "c"), ("CNI_NETNS", "/x")],
-            vec![("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "c"), ("CNI_IFNAME", "eth0")],
-            vec![("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "c/../x"), ("CNI_IFNAME", "eth0"), ("CNI_NETNS", "/x")],
-            vec![("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "c"), ("CNI_IFNAME", "waytoolonginterface"), ("CNI_NETNS", "/x")],
-            vec![("CNI_COMMAND", "DEL"), ("CNI_CONTAINERID", "c"), ("CNI_IFNAME", "eth0"), ("CNI_ARGS", "novalue")],
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_NETNS", "/x"),
+            ],
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_CONTAINERID", "c"),
+                ("CNI_NETNS", "/x"),
+            ],
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_CONTAINERID", "c"),
+                ("CNI_IFNAME", "eth0"),
+            ],
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_CONTAINERID", "c/../x"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_NETNS", "/x"),
+            ],
+            vec![
+                ("CNI_COMMAND", "ADD"),
+                ("CNI_CONTAINERID", "c"),
+                ("CNI_IFNAME", "waytoolonginterface"),
+                ("CNI_NETNS", "/x"),
+            ],
+            vec![
+                ("CNI_COMMAND", "DEL"),
+                ("CNI_CONTAINERID", "c"),
+                ("CNI_IFNAME", "eth0"),
+                ("CNI_ARGS", "novalue"),
+            ],
         ] {
             let err = CniEnv::from_env(&env(&bad)).expect_err("must fail");
             assert_eq!(err.code, code::INVALID_ENV, "{bad:?}: {err}");

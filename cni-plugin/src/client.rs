@@ -17,10 +17,13 @@ pub struct AgentClient {
 
 impl AgentClient {
     pub async fn connect(socket: &Path) -> Result<Self, CniError> {
-        let channel = tokio::time::timeout(CALL_TIMEOUT, calix_proto::connect_unix(socket, CALL_TIMEOUT))
-            .await
-            .map_err(|_| unreachable_err(socket, "timed out"))?
-            .map_err(|e| unreachable_err(socket, &source_chain(&e)))?;
+        let channel = tokio::time::timeout(
+            CALL_TIMEOUT,
+            calix_proto::connect_unix(socket, CALL_TIMEOUT),
+        )
+        .await
+        .map_err(|_| unreachable_err(socket, "timed out"))?
+        .map_err(|e| unreachable_err(socket, &source_chain(&e)))?;
         Ok(Self {
             ipam: pb::ipam_client::IpamClient::new(channel.clone()),
             endpoints: pb::endpoints_client::EndpointsClient::new(channel),
@@ -42,7 +45,10 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 fn unreachable_err(socket: &Path, why: &str) -> CniError {
     CniError::new(
         code::TRY_AGAIN,
-        format!("calix-agent is not reachable at {}: {why}", socket.display()),
+        format!(
+            "calix-agent is not reachable at {}: {why}",
+            socket.display()
+        ),
         "check that calix-agent runs on this node (calixctl endpoints); the runtime will retry",
     )
 }
@@ -51,16 +57,22 @@ fn unreachable_err(socket: &Path, why: &str) -> CniError {
 pub fn call_error(what: &str, s: tonic::Status) -> CniError {
     use tonic::Code;
     match s.code() {
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => CniError::new(
-            code::TRY_AGAIN,
-            format!("calix-agent did not answer {what}: {}", s.message()),
-            "check that calix-agent runs on this node; the runtime will retry",
-        ),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => {
+            CniError::new(
+                code::TRY_AGAIN,
+                format!("calix-agent did not answer {what}: {}", s.message()),
+                "check that calix-agent runs on this node; the runtime will retry",
+            )
+        }
         Code::ResourceExhausted => CniError::new(
             code::AGENT_REFUSED,
             format!("{what}: {}", s.message()),
             "the IP pools are full: add a pool or delete unused pods",
         ),
-        _ => CniError::new(code::AGENT_REFUSED, format!("calix-agent refused {what}: {}", s.message()), ""),
+        _ => CniError::new(
+            code::AGENT_REFUSED,
+            format!("calix-agent refused {what}: {}", s.message()),
+            "",
+        ),
     }
 }

@@ -39,7 +39,10 @@ impl Undo {
         if let Some((cid, ifname)) = self.registered {
             if let Err(e) = agent
                 .endpoints
-                .unregister(pb::UnregisterRequest { container_id: cid, ifname })
+                .unregister(pb::UnregisterRequest {
+                    container_id: cid,
+                    ifname,
+                })
                 .await
             {
                 tracing::error!(error = %e, "rollback: unregister failed");
@@ -51,7 +54,11 @@ impl Undo {
             }
         }
         if let Some((handle, ifname)) = self.allocated {
-            if let Err(e) = agent.ipam.release(pb::ReleaseRequest { handle, ifname }).await {
+            if let Err(e) = agent
+                .ipam
+                .release(pb::ReleaseRequest { handle, ifname })
+                .await
+            {
                 tracing::error!(error = %e, "rollback: releasing addresses failed");
             }
         }
@@ -65,10 +72,18 @@ struct Addresses {
 }
 
 fn parse_addresses(resp: &pb::AllocateResponse) -> Result<Addresses, CniError> {
-    let mut a = Addresses { v4: None, v6: None, nets: Vec::new() };
+    let mut a = Addresses {
+        v4: None,
+        v6: None,
+        nets: Vec::new(),
+    };
     for addr in &resp.addresses {
         let net: IpNet = addr.address.parse().map_err(|_| {
-            CniError::new(code::AGENT_REFUSED, format!("agent returned a bad address {:?}", addr.address), "")
+            CniError::new(
+                code::AGENT_REFUSED,
+                format!("agent returned a bad address {:?}", addr.address),
+                "",
+            )
         })?;
         match net.addr() {
             IpAddr::V4(v4) => a.v4 = Some(v4),
@@ -84,7 +99,10 @@ pub async fn add(env: &CniEnv, conf: &NetConf) -> Result<Value, CniError> {
     let pod_ns = NetNs::open(&env.netns).map_err(|e| {
         CniError::new(
             code::INVALID_ENV,
-            format!("cannot open the container's network namespace {}", env.netns),
+            format!(
+                "cannot open the container's network namespace {}",
+                env.netns
+            ),
             e.to_string(),
         )
     })?;
@@ -129,7 +147,19 @@ pub async fn add(env: &CniEnv, conf: &NetConf) -> Result<Value, CniError> {
             return Err(err);
         }
     };
-    match wire(env, conf, &pod_ns, &host, &host_ifname, &handle, &resp, &mut agent, &mut undo).await {
+    match wire(
+        env,
+        conf,
+        &pod_ns,
+        &host,
+        &host_ifname,
+        &handle,
+        &resp,
+        &mut agent,
+        &mut undo,
+    )
+    .await
+    {
         Ok(v) => Ok(v),
         Err(e) => {
             undo.run(&mut agent, Some(&host)).await;
@@ -156,12 +186,20 @@ async fn wire(
         .map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e))?;
     undo.veth = Some(host_ifname.to_string());
 
-    let pod = netns::netlink_in(pod_ns)
-        .await
-        .map_err(|e| wiring("cannot open netlink in the container's namespace".into(), &e))?;
+    let pod = netns::netlink_in(pod_ns).await.map_err(|e| {
+        wiring(
+            "cannot open netlink in the container's namespace".into(),
+            &e,
+        )
+    })?;
     veth::configure_pod(&pod, pair.pod_ifindex, addrs.v4, addrs.v6)
         .await
-        .map_err(|e| wiring(format!("cannot configure {} in the container", env.ifname), &e))?;
+        .map_err(|e| {
+            wiring(
+                format!("cannot configure {} in the container", env.ifname),
+                &e,
+            )
+        })?;
     veth::configure_host(host, host_ifname, pair.host_ifindex, addrs.v4, addrs.v6)
         .await
         .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
@@ -186,8 +224,16 @@ async fn wire(
 
     let mut result = AddResult {
         interfaces: vec![
-            Interface { name: host_ifname.to_string(), mac: veth::HOST_VETH_MAC, sandbox: None },
-            Interface { name: env.ifname.clone(), mac: pair.pod_mac, sandbox: Some(env.netns.clone()) },
+            Interface {
+                name: host_ifname.to_string(),
+                mac: veth::HOST_VETH_MAC,
+                sandbox: None,
+            },
+            Interface {
+                name: env.ifname.clone(),
+                mac: pair.pod_mac,
+                sandbox: Some(env.netns.clone()),
+            },
         ],
         ips: Vec::new(),
         routes: Vec::new(),

@@ -121,11 +121,17 @@ impl NetConf {
             CniError::new(code::INVALID_CONFIG, msg, details).with_version(&self.cni_version)
         };
         if self.name.is_empty() {
-            return Err(bad("network configuration has no \"name\"".into(), "add a \"name\" to the network configuration"));
+            return Err(bad(
+                "network configuration has no \"name\"".into(),
+                "add a \"name\" to the network configuration",
+            ));
         }
         if let Some(mtu) = self.mtu {
             if !(68..=65535).contains(&mtu) {
-                return Err(bad(format!("mtu {mtu} is out of range"), "use an MTU between 68 and 65535"));
+                return Err(bad(
+                    format!("mtu {mtu} is out of range"),
+                    "use an MTU between 68 and 65535",
+                ));
             }
         }
         if self.ipam.ipam_type != "calix-ipam" {
@@ -134,7 +140,9 @@ impl NetConf {
                 "use \"calix-ipam\"",
             ));
         }
-        self.ipam.families().map_err(|e| e.with_version(&self.cni_version))?;
+        self.ipam
+            .families()
+            .map_err(|e| e.with_version(&self.cni_version))?;
         Ok(())
     }
 

@@ -10,7 +10,7 @@ pub mod veth;
 
 use std::io::Read;
 
-use args::{Command, CniEnv, Env};
+use args::{CniEnv, Command, Env};
 use config::NetConf;
 use error::CniError;
 
@@ -31,10 +31,16 @@ fn version_info() -> String {
 /// Runs one invocation: reads the environment and stdin, performs the verb.
 pub async fn run(env: &dyn Env, stdin: &mut dyn Read) -> Outcome {
     match run_inner(env, stdin).await {
-        Ok(out) => Outcome { stdout: out, exit_code: 0 },
+        Ok(out) => Outcome {
+            stdout: out,
+            exit_code: 0,
+        },
         Err(e) => {
             tracing::error!(code = e.code, msg = %e.msg, details = %e.details, "CNI call failed");
-            Outcome { stdout: e.to_json(), exit_code: 1 }
+            Outcome {
+                stdout: e.to_json(),
+                exit_code: 1,
+            }
         }
     }
 }
@@ -43,7 +49,11 @@ async fn run_inner(env: &dyn Env, stdin: &mut dyn Read) -> Result<String, CniErr
     let cni = CniEnv::from_env(env)?;
     let mut input = Vec::new();
     stdin.read_to_end(&mut input).map_err(|e| {
-        CniError::new(error::code::IO_FAILURE, format!("cannot read stdin: {e}"), "")
+        CniError::new(
+            error::code::IO_FAILURE,
+            format!("cannot read stdin: {e}"),
+            "",
+        )
     })?;
     if cni.command == Command::Version {
         return Ok(version_info());
@@ -56,7 +66,10 @@ async fn run_inner(env: &dyn Env, stdin: &mut dyn Read) -> Result<String, CniErr
             .await
             .map(|v| v.to_string())
             .map_err(with_v),
-        Command::Del => commands::del(&cni, &conf).await.map(|()| String::new()).map_err(with_v),
+        Command::Del => commands::del(&cni, &conf)
+            .await
+            .map(|()| String::new())
+            .map_err(with_v),
         Command::Version => Ok(version_info()),
         Command::Check | Command::Gc | Command::Status => Err(with_v(CniError::new(
             error::code::UNSUPPORTED_FIELD,

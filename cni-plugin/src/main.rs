@@ -17,7 +17,10 @@ fn init_logging() {
 
 fn main() {
     init_logging();
-    let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             let err = calix_cni::error::CniError::new(

@@ -49,7 +49,11 @@ pub fn mac_string(m: &[u8; 6]) -> String {
 impl AddResult {
     /// The JSON for `version`: 0.3.x/0.4.0 carry `"version"` on each IP; 1.x does not.
     pub fn to_json(&self, version: &str) -> Value {
-        let version = if version.is_empty() { LATEST_VERSION } else { version };
+        let version = if version.is_empty() {
+            LATEST_VERSION
+        } else {
+            version
+        };
         let pre1 = version.starts_with("0.");
         let interfaces: Vec<Value> = self
             .interfaces
@@ -95,11 +99,26 @@ mod tests {
     fn sample() -> AddResult {
         AddResult {
             interfaces: vec![
-                Interface { name: "cali0123456789a".into(), mac: [0xee; 6], sandbox: None },
-                Interface { name: "eth0".into(), mac: [2, 0, 0, 0, 0, 1], sandbox: Some("/run/netns/p".into()) },
+                Interface {
+                    name: "cali0123456789a".into(),
+                    mac: [0xee; 6],
+                    sandbox: None,
+                },
+                Interface {
+                    name: "eth0".into(),
+                    mac: [2, 0, 0, 0, 0, 1],
+                    sandbox: Some("/run/netns/p".into()),
+                },
             ],
-            ips: vec![("10.1.0.5/32".parse().expect("net"), "169.254.1.1".parse().expect("ip"), 1)],
-            routes: vec![("0.0.0.0/0".parse().expect("net"), "169.254.1.1".parse().expect("ip"))],
+            ips: vec![(
+                "10.1.0.5/32".parse().expect("net"),
+                "169.254.1.1".parse().expect("ip"),
+                1,
+            )],
+            routes: vec![(
+                "0.0.0.0/0".parse().expect("net"),
+                "169.254.1.1".parse().expect("ip"),
+            )],
         }
     }
 

@@ -17,14 +17,21 @@ pub const PREFIX: &str = "cxt";
 /// A name unique to this process and call: `cxt<pid>x<n><tag>`.
 pub fn unique(tag: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("{PREFIX}{}x{}{tag}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{PREFIX}{}x{}{tag}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Panics unless running as root, with a clear message.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "the calix integration tests need root (network namespaces, eBPF)");
+    assert_eq!(
+        euid, 0,
+        "the calix integration tests need root (network namespaces, eBPF)"
+    );
 }
 
 /// Path of a workspace binary built next to this test (target/<profile>/<name>).
@@ -97,9 +104,19 @@ impl Netns {
 
     /// Pings `dst` `count` times from inside this namespace; returns whether all replies came.
     pub fn ping(&self, dst: &str, count: u32) -> bool {
-        self.exec(&["ping", "-c", &count.to_string(), "-i", "0.2", "-W", "2", "-q", dst])
-            .status
-            .success()
+        self.exec(&[
+            "ping",
+            "-c",
+            &count.to_string(),
+            "-i",
+            "0.2",
+            "-W",
+            "2",
+            "-q",
+            dst,
+        ])
+        .status
+        .success()
     }
 
     /// Names of the links in this namespace.
@@ -127,7 +144,9 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
     }
 }
 
@@ -164,8 +183,13 @@ impl CniOutput {
 
     /// The first IP address of a successful ADD, without prefix.
     pub fn ip(&self) -> String {
-        let j = self.json.as_ref().unwrap_or_else(|| panic!("no JSON result: {self:?}"));
-        let a = j["ips"][0]["address"].as_str().unwrap_or_else(|| panic!("no ips in {j}"));
+        let j = self
+            .json
+            .as_ref()
+            .unwrap_or_else(|| panic!("no JSON result: {self:?}"));
+        let a = j["ips"][0]["address"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no ips in {j}"));
         a.split('/').next().unwrap_or(a).to_string()
     }
 }
@@ -255,7 +279,11 @@ impl Node {
             if let Some(Ok(Some(st))) = self.agent.as_mut().map(|c| c.try_wait()) {
                 panic!("calix-agent exited ({st}) at start:\n{}", self.agent_log());
             }
-            assert!(Instant::now() < deadline, "calix-agent did not come up:\n{}", self.agent_log());
+            assert!(
+                Instant::now() < deadline,
+                "calix-agent did not come up:\n{}",
+                self.agent_log()
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -303,8 +331,23 @@ impl Node {
     }
 
     /// Execs the real `calix` binary in this node's namespace.
-    pub fn cni(&self, command: &str, container_id: &str, netns: &str, cni_args: &str, conf: &Value) -> CniOutput {
-        cni_call(&self.ns, command, container_id, netns, "eth0", cni_args, &conf.to_string())
+    pub fn cni(
+        &self,
+        command: &str,
+        container_id: &str,
+        netns: &str,
+        cni_args: &str,
+        conf: &Value,
+    ) -> CniOutput {
+        cni_call(
+            &self.ns,
+            command,
+            container_id,
+            netns,
+            "eth0",
+            cni_args,
+            &conf.to_string(),
+        )
     }
 
     pub fn calixctl(&self, args: &[&str]) -> Output {
@@ -318,13 +361,18 @@ impl Node {
     /// `calixctl endpoints -o json`.
     pub fn endpoints(&self) -> Value {
         let out = self.calixctl(&["endpoints", "-o", "json"]);
-        assert!(out.status.success(), "calixctl failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "calixctl failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         serde_json::from_slice(&out.stdout).expect("calixctl json")
     }
 
     /// The embedded datastore's content.
     pub fn store(&self) -> Value {
-        let text = std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_else(|_| "{}".into());
+        let text =
+            std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_else(|_| "{}".into());
         serde_json::from_str(&text).expect("store json")
     }
 
@@ -343,7 +391,11 @@ impl Node {
 
     /// `cali*` links in the node namespace.
     pub fn cali_links(&self) -> Vec<String> {
-        self.ns.links().into_iter().filter(|l| l.starts_with("cali")).collect()
+        self.ns
+            .links()
+            .into_iter()
+            .filter(|l| l.starts_with("cali"))
+            .collect()
     }
 }
 
@@ -351,7 +403,11 @@ impl Drop for Node {
     fn drop(&mut self) {
         self.stop_agent();
         if std::thread::panicking() {
-            eprintln!("--- agent log of {} ---\n{}", self.ns.name, self.agent_log());
+            eprintln!(
+                "--- agent log of {} ---\n{}",
+                self.ns.name,
+                self.agent_log()
+            );
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -412,8 +468,17 @@ impl<'a> Pod<'a> {
     pub fn add(node: &'a Node, name: &str) -> Self {
         let ns = Netns::new("p");
         let container_id = format!("{}{}", ns.name, "0123456789abcdef");
-        let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}-{}", ns.name);
-        let result = node.cni("ADD", &container_id, &ns.path(), &cni_args, &node.conf(Value::Null));
+        let cni_args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}-{}",
+            ns.name
+        );
+        let result = node.cni(
+            "ADD",
+            &container_id,
+            &ns.path(),
+            &cni_args,
+            &node.conf(Value::Null),
+        );
         assert!(
             result.success,
             "ADD of {name} failed: {}\n{}\nagent log:\n{}",
@@ -421,7 +486,14 @@ impl<'a> Pod<'a> {
             result.stderr,
             node.agent_log()
         );
-        Self { ns, node, container_id, cni_args, result, deleted: false }
+        Self {
+            ns,
+            node,
+            container_id,
+            cni_args,
+            result,
+            deleted: false,
+        }
     }
 
     pub fn ip(&self) -> String {
@@ -429,12 +501,22 @@ impl<'a> Pod<'a> {
     }
 
     pub fn host_ifname(&self) -> String {
-        self.result.json.as_ref().and_then(|j| j["interfaces"][0]["name"].as_str().map(String::from)).expect("host ifname")
+        self.result
+            .json
+            .as_ref()
+            .and_then(|j| j["interfaces"][0]["name"].as_str().map(String::from))
+            .expect("host ifname")
     }
 
     /// DELs the pod; panics if DEL fails.
     pub fn del(&mut self) {
-        let out = self.node.cni("DEL", &self.container_id, &self.ns.path(), &self.cni_args, &self.node.conf(Value::Null));
+        let out = self.node.cni(
+            "DEL",
+            &self.container_id,
+            &self.ns.path(),
+            &self.cni_args,
+            &self.node.conf(Value::Null),
+        );
         assert!(out.success, "DEL failed: {} {}", out.stdout, out.stderr);
         self.deleted = true;
     }
@@ -443,28 +525,47 @@ impl<'a> Pod<'a> {
 impl Drop for Pod<'_> {
     fn drop(&mut self) {
         if !self.deleted {
-            let _ = self.node.cni("DEL", &self.container_id, &self.ns.path(), &self.cni_args, &self.node.conf(Value::Null));
+            let _ = self.node.cni(
+                "DEL",
+                &self.container_id,
+                &self.ns.path(),
+                &self.cni_args,
+                &self.node.conf(Value::Null),
+            );
         }
     }
 }
 
-/// The ids of the BPF maps named `name` that process `pid` holds (via bpftool).
+/// The ids of the BPF maps named `name` that process `pid` holds: its `bpf-map` fds'
+/// `map_id` from /proc/<pid>/fdinfo, matched by name through bpftool.
 pub fn bpf_maps_of(pid: u32, name: &str) -> Vec<u64> {
-    let out = run_ok(Command::new("bpftool").args(["-j", "map", "show"]));
-    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool json");
-    v.as_array()
-        .map(|maps| {
-            maps.iter()
-                .filter(|m| m["name"] == name)
-                .filter(|m| {
-                    m["pids"]
-                        .as_array()
-                        .is_some_and(|p| p.iter().any(|x| x["pid"].as_u64() == Some(u64::from(pid))))
-                })
-                .filter_map(|m| m["id"].as_u64())
-                .collect()
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let mut ids: Vec<u64> = fds
+        .filter_map(Result::ok)
+        .filter(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy() == "anon_inode:bpf-map")
         })
-        .unwrap_or_default()
+        .filter_map(|fd| {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_string_lossy()
+            ))
+            .ok()?;
+            info.lines()
+                .find_map(|l| l.strip_prefix("map_id:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .filter(|id: &u64| {
+            let out =
+                run(Command::new("bpftool").args(["-j", "map", "show", "id", &id.to_string()]));
+            serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|m| m["name"] == name)
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 /// The keys (u32, little-endian) of a BPF hash map, via bpftool.
@@ -479,7 +580,11 @@ pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
                     let key = e["key"].as_array()?;
                     let bytes: Vec<u8> = key
                         .iter()
-                        .filter_map(|b| b.as_str().and_then(|s| u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()))
+                        .filter_map(|b| {
+                            b.as_str().and_then(|s| {
+                                u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()
+                            })
+                        })
                         .collect();
                     let arr: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
                     Some(u32::from_le_bytes(arr))

@@ -22,10 +22,17 @@ fn two_pods_talk(dp: Dataplane) {
     }
     // Wiring: /32 in the pod, default via 169.254.1.1, host /32 route to the veth.
     let routes = a.ns.routes();
-    assert!(routes.iter().any(|r| r["dst"] == "default" && r["gateway"] == "169.254.1.1"), "{routes:?}");
+    assert!(
+        routes
+            .iter()
+            .any(|r| r["dst"] == "default" && r["gateway"] == "169.254.1.1"),
+        "{routes:?}"
+    );
     let host_routes = node.ns.routes();
     assert!(
-        host_routes.iter().any(|r| r["dst"] == ip_a.as_str() && r["dev"] == a.host_ifname().as_str()),
+        host_routes
+            .iter()
+            .any(|r| r["dst"] == ip_a.as_str() && r["dev"] == a.host_ifname().as_str()),
         "no host route to {ip_a}: {host_routes:?}"
     );
     assert_eq!(a.host_ifname().len(), 15);
@@ -44,8 +51,17 @@ fn two_pods_talk(dp: Dataplane) {
             Dataplane::Ebpf => {
                 assert_eq!(e["bpfAttached"], true);
                 let c = &e["counters"];
-                for k in ["fromPodPackets", "toPodPackets", "fromPodBytes", "toPodBytes"] {
-                    assert!(c[k].as_u64().unwrap_or(0) > 0, "{k} did not rise for {}: {e}", p.host_ifname());
+                for k in [
+                    "fromPodPackets",
+                    "toPodPackets",
+                    "fromPodBytes",
+                    "toPodBytes",
+                ] {
+                    assert!(
+                        c[k].as_u64().unwrap_or(0) > 0,
+                        "{k} did not rise for {}: {e}",
+                        p.host_ifname()
+                    );
                 }
                 // 3 pings each way + 2 to the node: at least 5 echo requests left pod a.
             }
@@ -57,13 +73,23 @@ fn two_pods_talk(dp: Dataplane) {
     }
     if dp == Dataplane::Ebpf {
         let ea = endpoint(&eps, &a.host_ifname());
-        assert!(ea["counters"]["fromPodPackets"].as_u64().unwrap_or(0) >= 5, "{ea}");
+        assert!(
+            ea["counters"]["fromPodPackets"].as_u64().unwrap_or(0) >= 5,
+            "{ea}"
+        );
     }
 
     // The map holds one entry per endpoint, keyed by the host ifindex.
-    let maps = node.agent_pid().map(|pid| bpf_maps_of(pid, "CALIX_COUNTERS")).unwrap_or_default();
+    let maps = node
+        .agent_pid()
+        .map(|pid| bpf_maps_of(pid, "CALIX_COUNTERS"))
+        .unwrap_or_default();
     if dp == Dataplane::Ebpf {
-        assert_eq!(maps.len(), 1, "the agent should hold exactly one counters map");
+        assert_eq!(
+            maps.len(),
+            1,
+            "the agent should hold exactly one counters map"
+        );
         assert_eq!(bpf_map_u32_keys(maps[0]).len(), 2);
     } else {
         assert!(maps.is_empty(), "kernel mode must load no BPF");
@@ -74,11 +100,22 @@ fn two_pods_talk(dp: Dataplane) {
     let eps = node.endpoints();
     assert_eq!(eps["endpoints"].as_array().map(Vec::len), Some(0), "{eps}");
     if dp == Dataplane::Ebpf {
-        assert!(bpf_map_u32_keys(maps[0]).is_empty(), "counters entries left after DEL");
+        assert!(
+            bpf_map_u32_keys(maps[0]).is_empty(),
+            "counters entries left after DEL"
+        );
     }
-    assert!(node.cali_links().is_empty(), "veths left: {:?}", node.cali_links());
+    assert!(
+        node.cali_links().is_empty(),
+        "veths left: {:?}",
+        node.cali_links()
+    );
     assert_eq!(node.allocated(), 0, "addresses left allocated");
-    assert!(!node.ns.routes().iter().any(|r| r["dst"].as_str().is_some_and(|d| d.starts_with("10.244."))));
+    assert!(!node
+        .ns
+        .routes()
+        .iter()
+        .any(|r| r["dst"].as_str().is_some_and(|d| d.starts_with("10.244."))));
 }
 
 #[test]
@@ -105,11 +142,20 @@ fn del_is_idempotent_and_survives_missing_netns() {
     calix_tests::run_ok(std::process::Command::new("ip").args(["netns", "del", &b.ns.name]));
     b.del();
     // containerd's second DEL: no netns at all.
-    let out = node.cni("DEL", &b.container_id, "", &b.cni_args, &node.conf(Value::Null));
+    let out = node.cni(
+        "DEL",
+        &b.container_id,
+        "",
+        &b.cni_args,
+        &node.conf(Value::Null),
+    );
     assert!(out.success, "{out:?}");
     assert_eq!(node.allocated(), 0);
     assert!(node.cali_links().is_empty());
-    assert_eq!(node.endpoints()["endpoints"].as_array().map(Vec::len), Some(0));
+    assert_eq!(
+        node.endpoints()["endpoints"].as_array().map(Vec::len),
+        Some(0)
+    );
 }
 
 #[test]
@@ -121,18 +167,40 @@ fn failed_add_leaves_nothing_behind() {
     // Someone else already owns the host veth name calix will choose: ADD must fail, roll back,
     // and leave the other link alone.
     let name = format!("cali{}", &sha1_hex("default.clash")[..11]);
-    node.ns.exec_ok(&["ip", "link", "add", &name, "type", "veth", "peer", "name", "cxtpeer0"]);
+    node.ns.exec_ok(&[
+        "ip", "link", "add", &name, "type", "veth", "peer", "name", "cxtpeer0",
+    ]);
     let out = node.cni("ADD", &cid, &pod.path(), args, &node.conf(Value::Null));
     assert!(!out.success);
     assert_eq!(out.code(), Some(101), "{out:?}");
-    assert!(out.json.as_ref().is_some_and(|j| j["msg"].as_str().is_some_and(|m| m.contains(&name))), "{out:?}");
+    assert!(
+        out.json
+            .as_ref()
+            .is_some_and(|j| j["msg"].as_str().is_some_and(|m| m.contains(&name))),
+        "{out:?}"
+    );
     assert_eq!(node.allocated(), 0, "address not released on rollback");
-    assert!(node.ns.links().contains(&name), "rollback deleted a link it did not create");
-    assert!(!pod.links().iter().any(|l| l == "eth0"), "eth0 left in the pod");
-    assert_eq!(node.endpoints()["endpoints"].as_array().map(Vec::len), Some(0));
+    assert!(
+        node.ns.links().contains(&name),
+        "rollback deleted a link it did not create"
+    );
+    assert!(
+        !pod.links().iter().any(|l| l == "eth0"),
+        "eth0 left in the pod"
+    );
+    assert_eq!(
+        node.endpoints()["endpoints"].as_array().map(Vec::len),
+        Some(0)
+    );
 
     // The pod's netns vanishing is another failure: code 4, nothing allocated.
-    let out = node.cni("ADD", &cid, "/run/netns/cxt-does-not-exist", args, &node.conf(Value::Null));
+    let out = node.cni(
+        "ADD",
+        &cid,
+        "/run/netns/cxt-does-not-exist",
+        args,
+        &node.conf(Value::Null),
+    );
     assert_eq!(out.code(), Some(4), "{out:?}");
     assert_eq!(node.allocated(), 0);
 }
@@ -150,24 +218,43 @@ fn sha1_hex(s: &str) -> String {
             c.wait_with_output()
         })
         .expect("sha1sum");
-    String::from_utf8_lossy(&out.stdout).split_whitespace().next().unwrap_or_default().to_string()
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 #[test]
 fn pool_exhausted_is_a_clear_error_and_rolls_back() {
     let node = Node::start_with_config(
         Dataplane::Kernel,
-        Some("[[pools]]\ncidr = \"10.250.0.0/30\"\nblockSize = 30\n"),
+        Some("[[pools]]\ncidr = \"10.250.0.0/29\"\nblockSize = 30\n"),
     );
-    let pods: Vec<Pod> = (0..4).map(|i| Pod::add(&node, &format!("p{i}"))).collect();
-    assert_eq!(node.allocated(), 4);
+    // 8 addresses, less the pool's network and broadcast addresses.
+    let pods: Vec<Pod> = (0..6).map(|i| Pod::add(&node, &format!("p{i}"))).collect();
+    assert_eq!(node.allocated(), 6);
     let extra = Netns::new("p");
-    let out = node.cni("ADD", &format!("{}x", extra.name), &extra.path(), "", &node.conf(Value::Null));
+    let out = node.cni(
+        "ADD",
+        &format!("{}x", extra.name),
+        &extra.path(),
+        "",
+        &node.conf(Value::Null),
+    );
     assert!(!out.success);
-    let msg = out.json.as_ref().and_then(|j| j["msg"].as_str()).unwrap_or_default().to_string();
-    assert!(msg.contains("10.250.0.0/30") && msg.contains("full"), "{msg}");
-    assert_eq!(node.allocated(), 4);
-    assert_eq!(node.cali_links().len(), 4);
+    let msg = out
+        .json
+        .as_ref()
+        .and_then(|j| j["msg"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        msg.contains("10.250.0.0/29") && msg.contains("full"),
+        "{msg}"
+    );
+    assert_eq!(node.allocated(), 6);
+    assert_eq!(node.cali_links().len(), 6);
     drop(pods);
     assert_eq!(node.allocated(), 0);
 }
@@ -178,10 +265,22 @@ fn agent_unreachable_is_code_11_quickly() {
     node.stop_agent();
     let pod = Netns::new("p");
     let t = Instant::now();
-    let out = node.cni("ADD", &format!("{}x", pod.name), &pod.path(), "", &node.conf(Value::Null));
-    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    let out = node.cni(
+        "ADD",
+        &format!("{}x", pod.name),
+        &pod.path(),
+        "",
+        &node.conf(Value::Null),
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
     assert_eq!(out.code(), Some(11), "{out:?}");
-    assert!(out.json.as_ref().is_some_and(|j| j["msg"].as_str().is_some_and(|m| m.contains("not reachable"))));
+    assert!(out.json.as_ref().is_some_and(|j| j["msg"]
+        .as_str()
+        .is_some_and(|m| m.contains("not reachable"))));
     assert!(node.cali_links().is_empty());
 }
 
@@ -191,8 +290,18 @@ fn bad_input_gets_spec_errors() {
     let pod = Netns::new("p");
     let cases: Vec<(&str, &str, String, u64)> = vec![
         ("ADD", "c1", "{not json".into(), 6),
-        ("ADD", "c1", json!({"cniVersion": "1.0.0", "type": "calix"}).to_string(), 7),
-        ("ADD", "c1", node.conf(json!({"cniVersion": "9.9.9"})).to_string(), 1),
+        (
+            "ADD",
+            "c1",
+            json!({"cniVersion": "1.0.0", "type": "calix"}).to_string(),
+            7,
+        ),
+        (
+            "ADD",
+            "c1",
+            node.conf(json!({"cniVersion": "9.9.9"})).to_string(),
+            1,
+        ),
         ("FROB", "c1", node.conf(Value::Null).to_string(), 4),
         ("ADD", "", node.conf(Value::Null).to_string(), 4),
     ];
@@ -200,11 +309,23 @@ fn bad_input_gets_spec_errors() {
         let out = cni_call(&node.ns, cmd, cid, &pod.path(), "eth0", "", &stdin);
         assert!(!out.success, "{cmd} {stdin} succeeded");
         assert_eq!(out.code(), Some(code), "{cmd} {stdin}: {out:?}");
-        assert!(!out.stdout.contains('\n') || out.json.is_some(), "stdout must hold only JSON");
+        assert!(
+            !out.stdout.contains('\n') || out.json.is_some(),
+            "stdout must hold only JSON"
+        );
     }
     let v = cni_call(&node.ns, "VERSION", "", "", "", "", "{}");
     assert!(v.success);
-    let versions = v.json.as_ref().map(|j| j["supportedVersions"].clone()).unwrap_or_default();
-    assert!(versions.as_array().is_some_and(|a| a.iter().any(|x| x == "1.1.0")), "{versions}");
+    let versions = v
+        .json
+        .as_ref()
+        .map(|j| j["supportedVersions"].clone())
+        .unwrap_or_default();
+    assert!(
+        versions
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == "1.1.0")),
+        "{versions}"
+    );
     assert_eq!(node.allocated(), 0);
 }

@@ -35,7 +35,9 @@ impl Drop for Demo {
     fn drop(&mut self) {
         if let Some(mut a) = self.agent.take() {
             // SIGTERM first so the agent detaches and removes its socket.
-            let _ = Command::new("kill").args(["-TERM", &a.id().to_string()]).status();
+            let _ = Command::new("kill")
+                .args(["-TERM", &a.id().to_string()])
+                .status();
             let deadline = Instant::now() + Duration::from_secs(5);
             while Instant::now() < deadline && matches!(a.try_wait(), Ok(None)) {
                 std::thread::sleep(Duration::from_millis(50));
@@ -121,9 +123,17 @@ pub fn run_demo() -> Result<()> {
     const TOTAL: u32 = 8;
     step(1, TOTAL, "Installing prerequisites (cargo xtask setup)");
     crate::setup::run()?;
-    step(2, TOTAL, "Building calix (CNI plugin), calix-agent and calixctl");
+    step(
+        2,
+        TOTAL,
+        "Building calix (CNI plugin), calix-agent and calixctl",
+    );
     let bins = util::build_bins()?;
-    let (calix, agent_bin, ctl) = (bins.join("calix"), bins.join("calix-agent"), bins.join("calixctl"));
+    let (calix, agent_bin, ctl) = (
+        bins.join("calix"),
+        bins.join("calix-agent"),
+        bins.join("calixctl"),
+    );
 
     let prefix = format!("calix-demo-{}", std::process::id());
     let dir = std::env::temp_dir().join(&prefix);
@@ -135,21 +145,44 @@ pub fn run_demo() -> Result<()> {
         agent: None,
     };
 
-    step(3, TOTAL, "Creating a node (a network namespace) and two pod namespaces");
+    step(
+        3,
+        TOTAL,
+        "Creating a node (a network namespace) and two pod namespaces",
+    );
     let node = demo.ns("node")?;
-    run(Command::new("ip").args(["-n", &node, "addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]))?;
+    run(Command::new("ip").args([
+        "-n",
+        &node,
+        "addr",
+        "add",
+        &format!("{NODE_IP}/32"),
+        "dev",
+        "lo",
+    ]))?;
     let pod_a = demo.ns("pod-a")?;
     let pod_b = demo.ns("pod-b")?;
     println!("      node  {node}  (node address {NODE_IP})");
     println!("      pods  {pod_a}, {pod_b}");
 
-    step(4, TOTAL, "Starting calix-agent in the node (embedded datastore, eBPF dataplane)");
+    step(
+        4,
+        TOTAL,
+        "Starting calix-agent in the node (embedded datastore, eBPF dataplane)",
+    );
     let socket = dir.join("agent.sock");
     let log = std::fs::File::create(dir.join("agent.log"))?;
     let agent = Command::new("ip")
         .args(["netns", "exec", &node])
         .arg(&agent_bin)
-        .args(["--node-name", "demo-node", "--pool", POOL, "--dataplane", "ebpf"])
+        .args([
+            "--node-name",
+            "demo-node",
+            "--pool",
+            POOL,
+            "--dataplane",
+            "ebpf",
+        ])
         .arg("--socket")
         .arg(&socket)
         .arg("--datastore-path")
@@ -161,7 +194,11 @@ pub fn run_demo() -> Result<()> {
     demo.agent = Some(agent);
     let ctl_cmd = |args: &[&str]| {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &node]).arg(&ctl).arg("--socket").arg(&socket).args(args);
+        c.args(["netns", "exec", &node])
+            .arg(&ctl)
+            .arg("--socket")
+            .arg(&socket)
+            .args(args);
         c
     };
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -174,7 +211,11 @@ pub fn run_demo() -> Result<()> {
     }
     println!("      agent up, gRPC on {} (pool {POOL})", socket.display());
 
-    step(5, TOTAL, "ADDing both pods through the calix CNI plugin (10-calix.conflist)");
+    step(
+        5,
+        TOTAL,
+        "ADDing both pods through the calix CNI plugin (10-calix.conflist)",
+    );
     let conflist = json!({
         "cniVersion": "1.0.0",
         "name": "k8s-pod-network",
@@ -192,9 +233,20 @@ pub fn run_demo() -> Result<()> {
     let mut ips = Vec::new();
     for (ns, pod) in [(&pod_a, "pod-a"), (&pod_b, "pod-b")] {
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME={pod}");
-        let res = cni(&calix, &node, "ADD", &format!("{ns}-c"), &format!("/run/netns/{ns}"), &args, &conf)?;
+        let res = cni(
+            &calix,
+            &node,
+            "ADD",
+            &format!("{ns}-c"),
+            &format!("/run/netns/{ns}"),
+            &args,
+            &conf,
+        )?;
         let ip = res["ips"][0]["address"].as_str().unwrap_or("?").to_string();
-        let host_if = res["interfaces"][0]["name"].as_str().unwrap_or("?").to_string();
+        let host_if = res["interfaces"][0]["name"]
+            .as_str()
+            .unwrap_or("?")
+            .to_string();
         println!("      {pod}: eth0 {ip}  (host side {host_if}, gateway 169.254.1.1)");
         ips.push(ip.split('/').next().unwrap_or_default().to_string());
     }
@@ -207,7 +259,11 @@ pub fn run_demo() -> Result<()> {
     println!("      pod-a -> node ({NODE_IP})");
     ping(&pod_a, NODE_IP)?;
 
-    step(7, TOTAL, "calixctl endpoints (counters come from the eBPF programs on each cali* veth)");
+    step(
+        7,
+        TOTAL,
+        "calixctl endpoints (counters come from the eBPF programs on each cali* veth)",
+    );
     let table = output(&mut ctl_cmd(&["endpoints"]))?;
     for l in table.lines() {
         println!("      {l}");
@@ -216,7 +272,15 @@ pub fn run_demo() -> Result<()> {
     step(8, TOTAL, "DELeting both pods and removing everything");
     for (ns, pod) in [(&pod_a, "pod-a"), (&pod_b, "pod-b")] {
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME={pod}");
-        cni(&calix, &node, "DEL", &format!("{ns}-c"), &format!("/run/netns/{ns}"), &args, &conf)?;
+        cni(
+            &calix,
+            &node,
+            "DEL",
+            &format!("{ns}-c"),
+            &format!("/run/netns/{ns}"),
+            &args,
+            &conf,
+        )?;
         println!("      {pod} deleted");
     }
     let left = output(&mut ctl_cmd(&["endpoints", "-o", "json"]))?;

@@ -12,7 +12,9 @@ pub fn workspace_root() -> PathBuf {
 
 /// Runs a command, inheriting stdout/stderr; fails with the command line if it fails.
 pub fn run(cmd: &mut Command) -> Result<()> {
-    let status = cmd.status().with_context(|| format!("cannot run {cmd:?}"))?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
     if !status.success() {
         bail!("{cmd:?} failed ({status})");
     }
@@ -21,7 +23,9 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 
 /// Runs a command and returns its stdout; fails with its stderr if it fails.
 pub fn output(cmd: &mut Command) -> Result<String> {
-    let out = cmd.output().with_context(|| format!("cannot run {cmd:?}"))?;
+    let out = cmd
+        .output()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
     if !out.status.success() {
         bail!(
             "{cmd:?} failed ({}): {}",

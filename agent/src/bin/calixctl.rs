@@ -7,7 +7,11 @@ use calix_proto::v1 as pb;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Parser)]
-#[command(name = "calixctl", version, about = "Inspect and operate calix on this node")]
+#[command(
+    name = "calixctl",
+    version,
+    about = "Inspect and operate calix on this node"
+)]
 struct Cli {
     /// The agent's gRPC socket.
     #[arg(long, global = true, env = "CALIX_SOCKET", default_value = calix_proto::DEFAULT_AGENT_SOCKET)]
@@ -113,8 +117,16 @@ fn endpoints_table(resp: &pb::ListResponse) -> String {
             let e = s.endpoint.clone().unwrap_or_default();
             let (tx, rx) = match &s.counters {
                 Some(c) => (
-                    format!("{} pkts / {}", c.from_pod_packets, human_bytes(c.from_pod_bytes)),
-                    format!("{} pkts / {}", c.to_pod_packets, human_bytes(c.to_pod_bytes)),
+                    format!(
+                        "{} pkts / {}",
+                        c.from_pod_packets,
+                        human_bytes(c.from_pod_bytes)
+                    ),
+                    format!(
+                        "{} pkts / {}",
+                        c.to_pod_packets,
+                        human_bytes(c.to_pod_bytes)
+                    ),
                 ),
                 None => ("-".into(), "-".into()),
             };
@@ -129,7 +141,14 @@ fn endpoints_table(resp: &pb::ListResponse) -> String {
         })
         .collect();
     let mut out = table(
-        &["POD", "ADDRESSES", "HOST IFACE", "DATAPLANE", "FROM POD", "TO POD"],
+        &[
+            "POD",
+            "ADDRESSES",
+            "HOST IFACE",
+            "DATAPLANE",
+            "FROM POD",
+            "TO POD",
+        ],
         &rows,
     );
     out.push_str(&format!(
@@ -159,7 +178,9 @@ async fn main() -> Result<()> {
                 .context("listing endpoints")?
                 .into_inner();
             match cli.output {
-                Output::Json => println!("{}", serde_json::to_string_pretty(&endpoints_json(&resp))?),
+                Output::Json => {
+                    println!("{}", serde_json::to_string_pretty(&endpoints_json(&resp))?)
+                }
                 Output::Table => println!("{}", endpoints_table(&resp)),
             }
         }

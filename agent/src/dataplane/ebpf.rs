@@ -110,10 +110,12 @@ impl Dataplane for EbpfDataplane {
         // The entry must exist before traffic flows: the programs only update entries.
         let zero = PerCpuValues::try_from(vec![
             EndpointCounters::default();
-            aya::util::nr_cpus().map_err(|(_, e)| DataplaneError::Map {
-                name: COUNTERS_MAP,
-                op: "count CPUs",
-                source: Box::new(aya::maps::MapError::IoError(e)),
+            aya::util::nr_cpus().map_err(|(_, e)| {
+                DataplaneError::Map {
+                    name: COUNTERS_MAP,
+                    op: "count CPUs",
+                    source: Box::new(aya::maps::MapError::IoError(e)),
+                }
             })?
         ])
         .map_err(|e| DataplaneError::Map {

@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 pub enum IpamError {
     #[error("no {family} pool is configured for this node")]
     NoPool { family: &'static str },
-    #[error("every {family} pool is full ({pools}): add a pool or free addresses (calixctl endpoints)")]
+    #[error(
+        "every {family} pool is full ({pools}): add a pool or free addresses (calixctl endpoints)"
+    )]
     Exhausted { family: &'static str, pools: String },
 }
 
@@ -52,11 +54,16 @@ impl Block {
         host_count(&self.cidr)
     }
 
-    fn free_offset(&self) -> Option<u32> {
-        let size = self.size();
-        (0..size)
+    /// The lowest free offset. An IPv4 pool's own network and broadcast addresses are never
+    /// handed out: routing would cope (/32s), but people and some tools don't.
+    fn free_offset(&self, pool: &IpNet) -> Option<u32> {
+        let reserved = |addr: IpAddr| match pool {
+            IpNet::V4(p) => addr == IpAddr::V4(p.network()) || addr == IpAddr::V4(p.broadcast()),
+            IpNet::V6(_) => false,
+        };
+        (0..self.size())
             .map(|o| o as u32)
-            .find(|o| !self.allocations.contains_key(o))
+            .find(|o| !self.allocations.contains_key(o) && !reserved(self.address(*o)))
     }
 
     pub fn address(&self, offset: u32) -> IpAddr {
@@ -139,7 +146,9 @@ impl IpamState {
         for pool in &usable {
             // 1. Our own blocks in this pool.
             let own = self.blocks.values_mut().find(|b| {
-                b.affinity == node && pool.cidr.contains(&b.cidr.addr()) && b.free_offset().is_some()
+                b.affinity == node
+                    && pool.cidr.contains(&b.cidr.addr())
+                    && b.free_offset(&pool.cidr).is_some()
             });
             let block = match own {
                 Some(b) => b,
@@ -149,7 +158,7 @@ impl IpamState {
                     None => continue,
                 },
             };
-            let Some(offset) = block.free_offset() else {
+            let Some(offset) = block.free_offset(&pool.cidr) else {
                 continue;
             };
             let seq = block.next_seq;
@@ -251,17 +260,19 @@ mod tests {
 
     #[test]
     fn fills_own_block_then_claims_next_then_exhausts() {
-        let pools = [pool("10.1.0.0/27", 28)]; // two blocks of 16
+        let pools = [pool("10.1.0.0/27", 28)]; // two blocks of 16, minus .0 and .31
         let mut s = IpamState::default();
         let mut seen = HashSet::new();
-        for i in 0..32 {
+        for i in 0..30 {
             let a = alloc(&mut s, &pools, &format!("h{i}")).expect("alloc");
             assert!(seen.insert(a), "duplicate {a}");
             assert!(pools[0].cidr.contains(&a));
         }
         assert_eq!(s.blocks.len(), 2);
         assert!(s.blocks.values().all(|b| b.affinity == "n1"));
-        let err = alloc(&mut s, &pools, "h32").expect_err("full");
+        assert!(!seen.contains(&"10.1.0.0".parse::<IpAddr>().expect("ip")));
+        assert!(!seen.contains(&"10.1.0.31".parse::<IpAddr>().expect("ip")));
+        let err = alloc(&mut s, &pools, "h30").expect_err("full");
         assert_eq!(
             err,
             IpamError::Exhausted {
@@ -293,15 +304,15 @@ mod tests {
 
     #[test]
     fn release_frees_and_is_idempotent() {
-        let pools = [pool("10.1.0.0/30", 30)];
+        let pools = [pool("10.1.0.0/29", 30)];
         let mut s = IpamState::default();
-        let addrs: Vec<_> = (0..4)
+        let addrs: Vec<_> = (0..6)
             .map(|i| alloc(&mut s, &pools, &format!("h{i}")).expect("alloc"))
             .collect();
-        assert!(alloc(&mut s, &pools, "h4").is_err());
+        assert!(alloc(&mut s, &pools, "h6").is_err());
         assert_eq!(s.release("h2", "eth0"), vec![addrs[2]]);
         assert!(s.release("h2", "eth0").is_empty());
-        assert_eq!(alloc(&mut s, &pools, "h5").expect("reuse"), addrs[2]);
+        assert_eq!(alloc(&mut s, &pools, "h7").expect("reuse"), addrs[2]);
     }
 
     #[test]
@@ -312,7 +323,7 @@ mod tests {
         s.release("a", "eth0");
         alloc(&mut s, &pools, "b").expect("b");
         let block = s.blocks.values().next().expect("block");
-        assert_eq!(block.allocations[&0].seq, 2);
+        assert_eq!(block.allocations[&1].seq, 2);
     }
 
     #[test]
