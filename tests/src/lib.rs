@@ -201,7 +201,7 @@ pub struct Node {
     pub socket: PathBuf,
     pub node_ip: String,
     pub dataplane: Dataplane,
-    agent: Option<Child>,
+    agent: std::sync::Mutex<Option<Child>>,
     config: Option<String>,
 }
 
@@ -221,13 +221,13 @@ impl Node {
         ns.exec_ok(&["ip", "addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]);
         let dir = std::env::temp_dir().join(&ns.name);
         std::fs::create_dir_all(&dir).expect("node dir");
-        let mut node = Self {
+        let node = Self {
             socket: dir.join("agent.sock"),
             dir,
             ns,
             node_ip: NODE_IP.into(),
             dataplane,
-            agent: None,
+            agent: std::sync::Mutex::new(None),
             config: config.map(String::from),
         };
         node.start_agent();
@@ -235,7 +235,7 @@ impl Node {
     }
 
     /// (Re)starts the agent and waits until its socket answers.
-    pub fn start_agent(&mut self) {
+    pub fn start_agent(&self) {
         let mut args: Vec<String> = vec![
             bin("calix-agent").display().to_string(),
             "--node-name".into(),
@@ -270,13 +270,14 @@ impl Node {
             .stderr(log)
             .spawn()
             .expect("spawn calix-agent");
-        self.agent = Some(child);
+        *self.child() = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if self.calixctl(&["endpoints"]).status.success() {
                 return;
             }
-            if let Some(Ok(Some(st))) = self.agent.as_mut().map(|c| c.try_wait()) {
+            let exited = self.child().as_mut().map(|c| c.try_wait());
+            if let Some(Ok(Some(st))) = exited {
                 panic!("calix-agent exited ({st}) at start:\n{}", self.agent_log());
             }
             assert!(
@@ -289,8 +290,9 @@ impl Node {
     }
 
     /// Stops the agent with SIGTERM and waits for it.
-    pub fn stop_agent(&mut self) {
-        if let Some(mut c) = self.agent.take() {
+    pub fn stop_agent(&self) {
+        let taken = self.child().take();
+        if let Some(mut c) = taken {
             // `ip netns exec` execs the agent, so the child pid is the agent's.
             // SAFETY: plain kill(2) on our own child.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
@@ -307,7 +309,11 @@ impl Node {
     }
 
     pub fn agent_pid(&self) -> Option<u32> {
-        self.agent.as_ref().map(Child::id)
+        self.child().as_ref().map(Child::id)
+    }
+
+    fn child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {
+        self.agent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn agent_log(&self) -> String {

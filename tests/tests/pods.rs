@@ -261,7 +261,7 @@ fn pool_exhausted_is_a_clear_error_and_rolls_back() {
 
 #[test]
 fn agent_unreachable_is_code_11_quickly() {
-    let mut node = Node::start(Dataplane::Kernel);
+    let node = Node::start(Dataplane::Kernel);
     node.stop_agent();
     let pod = Netns::new("p");
     let t = Instant::now();
@@ -328,4 +328,37 @@ fn bad_input_gets_spec_errors() {
         "{versions}"
     );
     assert_eq!(node.allocated(), 0);
+}
+
+#[test]
+fn agent_sigterm_is_clean_and_restart_reprograms_endpoints() {
+    let node = Node::start(Dataplane::Ebpf);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    assert!(a.ns.ping(&b.ip(), 1));
+    let pid = node.agent_pid().expect("agent pid");
+    node.stop_agent();
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "agent did not exit on SIGTERM"
+    );
+    assert!(!node.socket.exists(), "socket left after SIGTERM");
+    assert!(
+        node.agent_log().contains("stopped"),
+        "no clean stop logged:\n{}",
+        node.agent_log()
+    );
+    // With the agent gone the kernel path still forwards (programs were detached cleanly).
+    assert!(a.ns.ping(&b.ip(), 1));
+    // A new agent reads its datastore and programs the recorded endpoints again.
+    node.start_agent();
+    let eps = node.endpoints();
+    for p in [&a, &b] {
+        let e = endpoint(&eps, &p.host_ifname());
+        assert_eq!(e["bpfAttached"], true, "{e}");
+    }
+    assert!(a.ns.ping(&b.ip(), 2));
+    let eps = node.endpoints();
+    let c = &endpoint(&eps, &a.host_ifname())["counters"];
+    assert!(c["fromPodPackets"].as_u64().unwrap_or(0) >= 2, "{c}");
 }

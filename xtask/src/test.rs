@@ -4,7 +4,7 @@ use std::process::Command;
 
 use anyhow::{bail, Result};
 
-use crate::util::{self, output, run};
+use crate::util::{self, output};
 
 pub fn run_tests(extra: &[String]) -> Result<()> {
     util::require_root("the test suite")?;
@@ -14,10 +14,7 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
     util::build_bins()?;
     println!("[3/4] cargo test --workspace");
     let root = util::workspace_root();
-    let result = run(Command::new(env!("CARGO"))
-        .current_dir(&root)
-        .args(["test", "--workspace"])
-        .args(extra));
+    let result = cargo_test(&root, extra);
     println!("[4/4] checking that the tests left nothing behind");
     let leaks = leftovers()?;
     result?;
@@ -25,6 +22,48 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
         bail!("tests left things behind:\n  {}", leaks.join("\n  "));
     }
     println!("nothing left behind");
+    Ok(())
+}
+
+/// Runs `cargo test --workspace`, streaming its output, and ends with one summary line
+/// (`tests: N passed, N failed`) added up over every test binary.
+fn cargo_test(root: &std::path::Path, extra: &[String]) -> Result<()> {
+    use std::io::{BufRead, BufReader};
+    let mut child = Command::new(env!("CARGO"))
+        .current_dir(root)
+        .args(["test", "--workspace"])
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let (mut passed, mut failed) = (0u64, 0u64);
+    if let Some(out) = child.stdout.take() {
+        for line in BufReader::new(out).lines() {
+            let line = line?;
+            println!("{line}");
+            if let Some(rest) = line.strip_prefix("test result: ") {
+                let count = |word: &str| {
+                    rest.split(';')
+                        .find_map(|part| {
+                            part.trim()
+                                .strip_suffix(word)?
+                                .trim()
+                                .rsplit(' ')
+                                .next()?
+                                .parse::<u64>()
+                                .ok()
+                        })
+                        .unwrap_or(0)
+                };
+                passed += count("passed");
+                failed += count("failed");
+            }
+        }
+    }
+    let status = child.wait()?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
     Ok(())
 }
 
