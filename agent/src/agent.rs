@@ -97,34 +97,55 @@ impl Agent {
         ifname: &str,
         v4: bool,
         v6: bool,
+        requested: &[IpAddr],
         attributes: &BTreeMap<String, String>,
     ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
         if handle.is_empty() || ifname.is_empty() {
             return Err(AgentError::Invalid("handle and ifname are required"));
         }
-        if !v4 && !v6 {
+        // A requested address replaces the automatic one of its family.
+        let want_v4 = v4 || requested.iter().any(IpAddr::is_ipv4);
+        let want_v6 = v6 || requested.iter().any(IpAddr::is_ipv6);
+        if !want_v4 && !want_v6 {
             return Err(AgentError::Invalid("ask for at least one of ipv4, ipv6"));
         }
         let mut inner = self.inner.lock().await;
         let existing =
             |fam: bool, want: bool| !want || inner.state.ipam.lookup(handle, ifname, fam).is_some();
-        let already = existing(true, v4) && existing(false, v6);
-        let out = self.commit_with(&mut inner, |s| {
+        let already = existing(true, want_v4) && existing(false, want_v6);
+        let allocate = |s: &mut StoreState| {
             let mut out = Vec::new();
-            for (want, is_v4) in [(v4, true), (v6, false)] {
-                if want {
-                    out.push(s.ipam.allocate(
+            for (want, is_v4) in [(want_v4, true), (want_v6, false)] {
+                if !want {
+                    continue;
+                }
+                out.push(match requested.iter().find(|a| a.is_ipv4() == is_v4) {
+                    Some(addr) => s.ipam.allocate_specific(
+                        &self.pools,
+                        &self.node,
+                        handle,
+                        ifname,
+                        *addr,
+                        attributes,
+                    )?,
+                    None => s.ipam.allocate(
                         &self.pools,
                         &self.node,
                         handle,
                         ifname,
                         is_v4,
                         attributes,
-                    )?);
-                }
+                    )?,
+                });
             }
             Ok(out)
-        })?;
+        };
+        let out = if already {
+            // Nothing changes: answer from a copy of the state, no datastore write.
+            allocate(&mut inner.state.clone())?
+        } else {
+            self.commit_with(&mut inner, allocate)?
+        };
         for (addr, _) in &out {
             tracing::info!(%handle, %ifname, %addr, already, "allocated");
         }
@@ -144,6 +165,70 @@ impl Agent {
             tracing::info!(%handle, %ifname, %addr, reason = "released by CNI DEL", "released");
         }
         Ok(released)
+    }
+
+    /// What (handle, ifname) holds.
+    pub async fn lookup(&self, handle: &str, ifname: &str) -> Vec<(IpAddr, IpNet)> {
+        let inner = self.inner.lock().await;
+        inner.state.ipam.lookup_all(&self.pools, handle, ifname)
+    }
+
+    /// CNI GC: releases every allocation of `network` whose (containerID, ifname) is not in
+    /// `valid`, and forgets (and detaches) the endpoints of those attachments. Returns the
+    /// released addresses and the forgotten endpoints' host interfaces.
+    pub async fn gc(
+        &self,
+        network: &str,
+        valid: &std::collections::HashSet<(String, String)>,
+    ) -> Result<(Vec<IpAddr>, Vec<String>), AgentError> {
+        if network.is_empty() {
+            return Err(AgentError::Invalid("network is required"));
+        }
+        let prefix = format!("{network}.");
+        let mut inner = self.inner.lock().await;
+        let stale_eps: Vec<EndpointRecord> = inner
+            .state
+            .endpoints
+            .values()
+            .filter(|e| {
+                e.handle.starts_with(&prefix)
+                    && !valid.contains(&(e.container_id.clone(), e.ifname.clone()))
+            })
+            .cloned()
+            .collect();
+        for ep in &stale_eps {
+            if let Err(e) = inner.dataplane.detach(&ep.host_ifname) {
+                tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "GC: detach failed");
+            }
+            inner.attached.remove(&ep.host_ifname);
+        }
+        let released = self.commit_with(&mut inner, |s| {
+            for ep in &stale_eps {
+                s.endpoints
+                    .remove(&EndpointRecord::key(&ep.container_id, &ep.ifname));
+            }
+            Ok(s.ipam.gc(network, valid))
+        })?;
+        for (handle, ifname, addr) in &released {
+            tracing::info!(%handle, %ifname, %addr, reason = "not in the runtime's valid attachments (CNI GC)", "released");
+        }
+        Ok((
+            released.into_iter().map(|(_, _, a)| a).collect(),
+            stale_eps.into_iter().map(|e| e.host_ifname).collect(),
+        ))
+    }
+
+    /// Free addresses this node can still hand out: (IPv4, IPv6).
+    pub async fn free(&self) -> (u64, u64) {
+        let inner = self.inner.lock().await;
+        (
+            inner.state.ipam.free(&self.pools, &self.node, true),
+            inner.state.ipam.free(&self.pools, &self.node, false),
+        )
+    }
+
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
     }
 
     /// Records the endpoint and programs the dataplane for it; returns once both are done.

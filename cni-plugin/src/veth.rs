@@ -399,6 +399,11 @@ pub async fn configure_host(
             format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_ra"),
             "0",
         )?;
+        // The host side's link-local address is the pod's IPv6 gateway: usable at once.
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad"),
+            "0",
+        )?;
         netns::write_sysctl(
             format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"),
             "1",

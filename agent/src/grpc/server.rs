@@ -22,7 +22,13 @@ fn status(e: AgentError) -> Status {
     match e {
         AgentError::Invalid(_) => Status::invalid_argument(msg),
         AgentError::Ipam(IpamError::Exhausted { .. }) => Status::resource_exhausted(msg),
-        AgentError::Ipam(IpamError::NoPool { .. }) => Status::failed_precondition(msg),
+        AgentError::Ipam(IpamError::InUse { .. }) => Status::already_exists(msg),
+        AgentError::Ipam(
+            IpamError::NoPool { .. }
+            | IpamError::NotInPool { .. }
+            | IpamError::ForeignBlock { .. }
+            | IpamError::HeldOther { .. },
+        ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
         AgentError::Datastore(_) => Status::unavailable(msg),
     }
@@ -39,19 +45,25 @@ impl pb::ipam_server::Ipam for IpamSvc {
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = req.into_inner();
         let attrs: BTreeMap<String, String> = r.attributes.into_iter().collect();
+        let requested = r
+            .requested
+            .iter()
+            .map(|a| {
+                let text = a.split('/').next().unwrap_or(a);
+                text.parse::<std::net::IpAddr>().map_err(|_| {
+                    Status::invalid_argument(format!(
+                        "requested address {a:?} is not an IP address"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let (out, already) = self
             .0
-            .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &attrs)
+            .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
             .await
             .map_err(status)?;
         Ok(Response::new(pb::AllocateResponse {
-            addresses: out
-                .into_iter()
-                .map(|(addr, pool)| pb::AllocatedAddress {
-                    address: ipnet::IpNet::from(addr).to_string(),
-                    pool: pool.to_string(),
-                })
-                .collect(),
+            addresses: addresses(out),
             already_allocated: already,
         }))
     }
@@ -71,6 +83,59 @@ impl pb::ipam_server::Ipam for IpamSvc {
             released: u32::try_from(n).unwrap_or(u32::MAX),
         }))
     }
+
+    async fn lookup(
+        &self,
+        req: Request<pb::LookupRequest>,
+    ) -> Result<Response<pb::LookupResponse>, Status> {
+        let r = req.into_inner();
+        let held = self.0.lookup(&r.handle, &r.ifname).await;
+        Ok(Response::new(pb::LookupResponse {
+            addresses: addresses(held),
+        }))
+    }
+
+    async fn gc(&self, req: Request<pb::GcRequest>) -> Result<Response<pb::GcResponse>, Status> {
+        let r = req.into_inner();
+        let valid = r
+            .valid
+            .into_iter()
+            .map(|a| (a.container_id, a.ifname))
+            .collect();
+        let (released, stale) = self.0.gc(&r.network, &valid).await.map_err(status)?;
+        Ok(Response::new(pb::GcResponse {
+            released: released.iter().map(ToString::to_string).collect(),
+            stale_host_ifnames: stale,
+        }))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        let (free_v4, free_v6) = self.0.free().await;
+        Ok(Response::new(pb::StatusResponse {
+            free_v4,
+            free_v6,
+            pools: self
+                .0
+                .pools()
+                .iter()
+                .filter(|p| !p.disabled)
+                .map(|p| p.cidr.to_string())
+                .collect(),
+            node: self.0.node().to_string(),
+        }))
+    }
+}
+
+fn addresses(v: Vec<(std::net::IpAddr, ipnet::IpNet)>) -> Vec<pb::AllocatedAddress> {
+    v.into_iter()
+        .map(|(addr, pool)| pb::AllocatedAddress {
+            address: ipnet::IpNet::from(addr).to_string(),
+            pool: pool.to_string(),
+        })
+        .collect()
 }
 
 fn record(e: pb::Endpoint) -> EndpointRecord {

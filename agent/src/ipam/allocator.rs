@@ -12,6 +12,23 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum IpamError {
+    #[error("requested address {addr} is not in any enabled pool")]
+    NotInPool { addr: IpAddr },
+    #[error("requested address {addr} is already in use")]
+    InUse { addr: IpAddr },
+    #[error("requested address {addr} is in block {block}, which belongs to node {owner}")]
+    ForeignBlock {
+        addr: IpAddr,
+        block: IpNet,
+        owner: String,
+    },
+    #[error("{handle}/{ifname} already holds {held}, not the requested {addr}")]
+    HeldOther {
+        handle: String,
+        ifname: String,
+        held: IpAddr,
+        addr: IpAddr,
+    },
     #[error("no {family} pool is configured for this node")]
     NoPool { family: &'static str },
     #[error(
@@ -92,6 +109,14 @@ fn nth(net: &IpNet, n: u128) -> IpAddr {
     match net {
         IpNet::V4(v4) => IpAddr::V4((u32::from(v4.network()).wrapping_add(n as u32)).into()),
         IpNet::V6(v6) => IpAddr::V6((u128::from(v6.network()).wrapping_add(n)).into()),
+    }
+}
+
+fn offset_in(net: &IpNet, addr: IpAddr) -> u32 {
+    match (net, addr) {
+        (IpNet::V4(n), IpAddr::V4(a)) => u32::from(a).wrapping_sub(u32::from(n.network())),
+        (IpNet::V6(n), IpAddr::V6(a)) => u128::from(a).wrapping_sub(u128::from(n.network())) as u32,
+        _ => u32::MAX,
     }
 }
 
@@ -182,6 +207,175 @@ impl IpamState {
                 .collect::<Vec<_>>()
                 .join(", "),
         })
+    }
+
+    /// Allocates exactly `addr` for (handle, ifname) on `node` (CNI runtimeConfig "ips").
+    pub fn allocate_specific(
+        &mut self,
+        pools: &[Pool],
+        node: &str,
+        handle: &str,
+        ifname: &str,
+        addr: IpAddr,
+        attributes: &BTreeMap<String, String>,
+    ) -> Result<(IpAddr, IpNet), IpamError> {
+        let pool = pools
+            .iter()
+            .find(|p| !p.disabled && p.cidr.contains(&addr))
+            .ok_or(IpamError::NotInPool { addr })?;
+        if let Some(held) = self.lookup(handle, ifname, addr.is_ipv4()) {
+            if held == addr {
+                return Ok((addr, pool.cidr));
+            }
+            return Err(IpamError::HeldOther {
+                handle: handle.into(),
+                ifname: ifname.into(),
+                held,
+                addr,
+            });
+        }
+        let block_cidr = IpNet::new(addr, pool.block_size)
+            .map(|n| n.trunc())
+            .map_err(|_| IpamError::NotInPool { addr })?;
+        let block = self
+            .blocks
+            .entry(block_cidr.to_string())
+            .or_insert_with(|| Block {
+                cidr: block_cidr,
+                affinity: node.to_string(),
+                allocations: BTreeMap::new(),
+                next_seq: 1,
+            });
+        if block.affinity != node {
+            return Err(IpamError::ForeignBlock {
+                addr,
+                block: block_cidr,
+                owner: block.affinity.clone(),
+            });
+        }
+        let offset = offset_in(&block.cidr, addr);
+        if block.allocations.contains_key(&offset) {
+            return Err(IpamError::InUse { addr });
+        }
+        let seq = block.next_seq;
+        block.next_seq += 1;
+        block.allocations.insert(
+            offset,
+            Allocation {
+                handle: handle.to_string(),
+                ifname: ifname.to_string(),
+                seq,
+                attributes: attributes.clone(),
+            },
+        );
+        Ok((addr, pool.cidr))
+    }
+
+    /// Every address (handle, ifname) holds, with its pool (or the address itself when no
+    /// configured pool contains it any more).
+    pub fn lookup_all(&self, pools: &[Pool], handle: &str, ifname: &str) -> Vec<(IpAddr, IpNet)> {
+        [true, false]
+            .into_iter()
+            .filter_map(|v4| self.lookup(handle, ifname, v4))
+            .map(|a| {
+                let pool = pools
+                    .iter()
+                    .find(|p| p.cidr.contains(&a))
+                    .map_or_else(|| IpNet::from(a), |p| p.cidr);
+                (a, pool)
+            })
+            .collect()
+    }
+
+    /// Addresses `node` can still hand out in the family: free addresses of its own blocks plus
+    /// the unclaimed blocks of enabled pools (saturating).
+    pub fn free(&self, pools: &[Pool], node: &str, v4: bool) -> u64 {
+        let mut free: u64 = 0;
+        for pool in pools
+            .iter()
+            .filter(|p| !p.disabled && p.cidr.addr().is_ipv4() == v4)
+        {
+            let reserved = |b: &Block, o: u32| match pool.cidr {
+                IpNet::V4(p) => {
+                    let a = b.address(o);
+                    a == IpAddr::V4(p.network()) || a == IpAddr::V4(p.broadcast())
+                }
+                IpNet::V6(_) => false,
+            };
+            let mut claimed: u64 = 0;
+            for b in self
+                .blocks
+                .values()
+                .filter(|b| pool.cidr.contains(&b.cidr.addr()))
+            {
+                claimed += 1;
+                if b.affinity == node {
+                    let n = (0..b.size())
+                        .map(|o| o as u32)
+                        .filter(|o| !b.allocations.contains_key(o) && !reserved(b, *o))
+                        .count() as u64;
+                    free = free.saturating_add(n);
+                }
+            }
+            let bits = u32::from(pool.block_size - pool.cidr.prefix_len());
+            let total_blocks: u64 = if bits >= 63 {
+                u64::MAX / 2
+            } else {
+                1u64 << bits
+            };
+            let per_block =
+                host_count(&IpNet::new(pool.cidr.addr(), pool.block_size).unwrap_or(pool.cidr));
+            let unclaimed = total_blocks.saturating_sub(claimed);
+            free = free.saturating_add(unclaimed.saturating_mul(per_block));
+            // The pool's network/broadcast addresses sit in its first/last block.
+            if pool.cidr.addr().is_ipv4() && unclaimed > 0 {
+                let first = pool
+                    .cidr
+                    .subnets(pool.block_size)
+                    .ok()
+                    .and_then(|mut s| s.next());
+                let last = pool
+                    .cidr
+                    .subnets(pool.block_size)
+                    .ok()
+                    .and_then(|s| s.last());
+                for b in [first, last].into_iter().flatten() {
+                    if !self.blocks.contains_key(&b.to_string()) {
+                        free = free.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        free
+    }
+
+    /// Releases every allocation whose handle is `"<network>.<containerID>"` and whose
+    /// (containerID, ifname) is not in `valid`. Returns (handle, ifname, address) of each.
+    pub fn gc(
+        &mut self,
+        network: &str,
+        valid: &std::collections::HashSet<(String, String)>,
+    ) -> Vec<(String, String, IpAddr)> {
+        let prefix = format!("{network}.");
+        let mut released = Vec::new();
+        for block in self.blocks.values_mut() {
+            let stale: Vec<u32> = block
+                .allocations
+                .iter()
+                .filter(|(_, a)| {
+                    a.handle
+                        .strip_prefix(&prefix)
+                        .is_some_and(|cid| !valid.contains(&(cid.to_string(), a.ifname.clone())))
+                })
+                .map(|(o, _)| *o)
+                .collect();
+            for o in stale {
+                if let Some(a) = block.allocations.remove(&o) {
+                    released.push((a.handle, a.ifname, block.address(o)));
+                }
+            }
+        }
+        released
     }
 
     fn claim_block(&mut self, pool: &Pool, node: &str) -> Option<&mut Block> {
@@ -324,6 +518,83 @@ mod tests {
         alloc(&mut s, &pools, "b").expect("b");
         let block = s.blocks.values().next().expect("block");
         assert_eq!(block.allocations[&1].seq, 2);
+    }
+
+    #[test]
+    fn specific_addresses() {
+        let pools = [pool("10.1.0.0/24", 28)];
+        let mut s = IpamState::default();
+        let want: IpAddr = "10.1.0.77".parse().expect("ip");
+        let none = BTreeMap::new();
+        assert_eq!(
+            s.allocate_specific(&pools, "n1", "h", "eth0", want, &none)
+                .expect("specific")
+                .0,
+            want
+        );
+        // Idempotent for the same handle; in use for another; the block is now ours.
+        s.allocate_specific(&pools, "n1", "h", "eth0", want, &none)
+            .expect("again");
+        assert_eq!(
+            s.allocate_specific(&pools, "n1", "h2", "eth0", want, &none),
+            Err(IpamError::InUse { addr: want })
+        );
+        assert_eq!(s.blocks["10.1.0.64/28"].affinity, "n1");
+        let other: IpAddr = "10.1.0.78".parse().expect("ip");
+        assert!(matches!(
+            s.allocate_specific(&pools, "n2", "h3", "eth0", other, &none),
+            Err(IpamError::ForeignBlock { .. })
+        ));
+        assert!(matches!(
+            s.allocate_specific(&pools, "n1", "h", "eth0", other, &none),
+            Err(IpamError::HeldOther { .. })
+        ));
+        assert!(matches!(
+            s.allocate_specific(
+                &pools,
+                "n1",
+                "h4",
+                "eth0",
+                "10.2.0.1".parse().expect("ip"),
+                &none
+            ),
+            Err(IpamError::NotInPool { .. })
+        ));
+        assert_eq!(
+            s.lookup_all(&pools, "h", "eth0"),
+            vec![(want, pools[0].cidr)]
+        );
+    }
+
+    #[test]
+    fn free_counts_own_blocks_and_unclaimed() {
+        let pools = [pool("10.1.0.0/27", 28)];
+        let mut s = IpamState::default();
+        assert_eq!(s.free(&pools, "n1", true), 30);
+        alloc(&mut s, &pools, "a").expect("a");
+        assert_eq!(s.free(&pools, "n1", true), 29);
+        // Another node's block is not free for n1.
+        s.allocate(&pools, "n2", "b", "eth0", true, &BTreeMap::new())
+            .expect("b");
+        assert_eq!(s.free(&pools, "n1", true), 14);
+        assert_eq!(s.free(&pools, "n1", false), 0);
+    }
+
+    #[test]
+    fn gc_releases_only_invalid_attachments_of_the_network() {
+        let pools = [pool("10.1.0.0/24", 26)];
+        let mut s = IpamState::default();
+        for h in ["net.c1", "net.c2", "other.c3"] {
+            alloc(&mut s, &pools, h).expect("alloc");
+        }
+        let valid = [("c1".to_string(), "eth0".to_string())]
+            .into_iter()
+            .collect();
+        let released = s.gc("net", &valid);
+        assert_eq!(released.len(), 1);
+        assert_eq!(released[0].0, "net.c2");
+        assert_eq!(s.in_use(), 2);
+        assert!(s.lookup("other.c3", "eth0", true).is_some());
     }
 
     #[test]
