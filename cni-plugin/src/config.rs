@@ -33,6 +33,60 @@ pub struct NetConf {
     pub prev_result: Option<serde_json::Value>,
     #[serde(default)]
     pub runtime_config: Option<serde_json::Value>,
+    #[serde(default, rename = "container_settings")]
+    pub container_settings: ContainerSettings,
+    /// GC: the attachments the runtime still knows (CNI 1.1 `cni.dev/valid-attachments`,
+    /// or the older `cni.dev/attachments`).
+    #[serde(default, rename = "cni.dev/valid-attachments")]
+    pub valid_attachments: Option<Vec<Attachment>>,
+    #[serde(default, rename = "cni.dev/attachments")]
+    pub attachments_legacy: Option<Vec<Attachment>>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct ContainerSettings {
+    /// Turn on IP forwarding inside the pod (for pods that route, e.g. VPN gateways).
+    #[serde(default)]
+    pub allow_ip_forwarding: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+pub struct Attachment {
+    #[serde(rename = "containerID")]
+    pub container_id: String,
+    pub ifname: String,
+}
+
+/// What calix reads from `runtimeConfig`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuntimeConfig {
+    /// Static addresses asked for (`ips`), as given ("10.1.2.3/32" or "10.1.2.3").
+    pub ips: Vec<std::net::IpAddr>,
+    /// A MAC for the pod's interface (`mac`).
+    pub mac: Option<[u8; 6]>,
+}
+
+/// Looks a key up case-insensitively: runtimes differ in capitalisation (DESIGN.md §9).
+fn get_ci<'a>(obj: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    obj.as_object()?
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(key))
+        .map(|(_, v)| v)
+}
+
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<&str> = s.split([':', '-']).collect();
+    if parts.len() != 6 {
+        return None;
+    }
+    let mut mac = [0u8; 6];
+    for (i, p) in parts.iter().enumerate() {
+        if p.len() != 2 {
+            return None;
+        }
+        mac[i] = u8::from_str_radix(p, 16).ok()?;
+    }
+    Some(mac)
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -134,16 +188,65 @@ impl NetConf {
                 ));
             }
         }
-        if self.ipam.ipam_type != "calix-ipam" {
+        if self.ipam.ipam_type.is_empty()
+            || self.ipam.ipam_type.contains(['/', '\\'])
+            || self.ipam.ipam_type.starts_with('.')
+        {
             return Err(bad(
-                format!("ipam type {:?} is not supported yet", self.ipam.ipam_type),
-                "use \"calix-ipam\"",
+                format!("ipam type {:?} is not a plugin name", self.ipam.ipam_type),
+                "use \"calix-ipam\" or the name of a CNI IPAM plugin in CNI_PATH",
             ));
         }
         self.ipam
             .families()
             .map_err(|e| e.with_version(&self.cni_version))?;
+        self.runtime()?;
         Ok(())
+    }
+
+    /// Whether addresses come from the agent (`calix-ipam`) rather than a delegated plugin.
+    pub fn agent_ipam(&self) -> bool {
+        self.ipam.ipam_type == "calix-ipam"
+    }
+
+    /// The `runtimeConfig` keys calix uses; bad values are code 7.
+    pub fn runtime(&self) -> Result<RuntimeConfig, CniError> {
+        let mut rc = RuntimeConfig::default();
+        let Some(v) = &self.runtime_config else {
+            return Ok(rc);
+        };
+        let bad = |msg: String| {
+            CniError::new(code::INVALID_CONFIG, msg, "").with_version(&self.cni_version)
+        };
+        if let Some(ips) = get_ci(v, "ips") {
+            let list = ips
+                .as_array()
+                .ok_or_else(|| bad("runtimeConfig.ips must be a list of addresses".into()))?;
+            for ip in list {
+                let text = ip.as_str().unwrap_or_default();
+                let addr = text
+                    .split('/')
+                    .next()
+                    .and_then(|a| a.parse().ok())
+                    .ok_or_else(|| bad(format!("runtimeConfig.ips: {ip} is not an IP address")))?;
+                rc.ips.push(addr);
+            }
+        }
+        if let Some(mac) = get_ci(v, "mac") {
+            let text = mac.as_str().unwrap_or_default();
+            rc.mac =
+                Some(parse_mac(text).ok_or_else(|| {
+                    bad(format!("runtimeConfig.mac: {mac} is not a MAC address"))
+                })?);
+        }
+        Ok(rc)
+    }
+
+    /// GC's valid attachments (the 1.1 key, else the older one); `None` when absent.
+    pub fn gc_attachments(&self) -> Option<&[Attachment]> {
+        self.valid_attachments
+            .as_deref()
+            .or(self.attachments_legacy.as_deref())
     }
 
     pub fn agent_socket(&self) -> PathBuf {
@@ -198,7 +301,9 @@ mod tests {
             &br#"{"cniVersion":"1.0.0","type":"calix"}"#[..],
             br#"{"cniVersion":"1.0.0","name":"n","mtu":10}"#,
             br#"{"cniVersion":"1.0.0","name":"n","mtu":"big"}"#,
-            br#"{"cniVersion":"1.0.0","name":"n","ipam":{"type":"dhcp"}}"#,
+            br#"{"cniVersion":"1.0.0","name":"n","ipam":{"type":"../evil"}}"#,
+            br#"{"cniVersion":"1.0.0","name":"n","runtimeConfig":{"ips":["nope"]}}"#,
+            br#"{"cniVersion":"1.0.0","name":"n","runtimeConfig":{"mac":"zz:zz"}}"#,
             br#"{"cniVersion":"1.0.0","name":"n","ipam":{"assign_ipv4":"false"}}"#,
             br#"{"cniVersion":"1.0.0","name":"n","ipam":{"assign_ipv4":"maybe"}}"#,
         ] {
@@ -206,5 +311,55 @@ mod tests {
             assert_eq!(e.code, 7, "{}", String::from_utf8_lossy(bad));
             assert_eq!(e.cni_version, "1.0.0");
         }
+    }
+}
+
+#[cfg(test)]
+mod runtime_tests {
+    use super::*;
+
+    #[test]
+    fn runtime_config_and_delegation() {
+        let c = NetConf::parse(
+            br#"{"cniVersion":"1.0.0","name":"n","ipam":{"type":"host-local","subnet":"10.9.0.0/24"},
+                 "container_settings":{"allow_ip_forwarding":true},
+                 "runtimeConfig":{"IPs":["10.9.0.7/24"],"mac":"02:00:00:00:00:07",
+                   "portMappings":[{"HostPort":8080,"ContainerPort":80,"Protocol":"tcp"}]}}"#,
+        )
+        .expect("parse");
+        assert!(!c.agent_ipam());
+        assert!(c.container_settings.allow_ip_forwarding);
+        let rc = c.runtime().expect("rc");
+        assert_eq!(
+            rc.ips,
+            vec!["10.9.0.7".parse::<std::net::IpAddr>().expect("ip")]
+        );
+        assert_eq!(rc.mac, Some([2, 0, 0, 0, 0, 7]));
+    }
+
+    #[test]
+    fn gc_attachments_accept_both_keys() {
+        let c = NetConf::parse(
+            br#"{"cniVersion":"1.1.0","name":"n","cni.dev/valid-attachments":[{"containerID":"a","ifname":"eth0"}]}"#,
+        )
+        .expect("parse");
+        assert_eq!(c.gc_attachments().map(<[_]>::len), Some(1));
+        let c = NetConf::parse(
+            br#"{"cniVersion":"1.1.0","name":"n","cni.dev/attachments":[{"containerID":"a","ifname":"eth0"},{"containerID":"b","ifname":"eth0"}]}"#,
+        )
+        .expect("parse");
+        assert_eq!(c.gc_attachments().map(<[_]>::len), Some(2));
+        let c = NetConf::parse(br#"{"cniVersion":"1.1.0","name":"n"}"#).expect("parse");
+        assert!(c.gc_attachments().is_none());
+    }
+
+    #[test]
+    fn macs() {
+        assert_eq!(
+            parse_mac("ee:EE:ee:ee:ee:01"),
+            Some([0xee, 0xee, 0xee, 0xee, 0xee, 1])
+        );
+        assert_eq!(parse_mac("ee:ee:ee:ee:ee"), None);
+        assert_eq!(parse_mac("ee:ee:ee:ee:ee:eee"), None);
     }
 }

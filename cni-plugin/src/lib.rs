@@ -4,6 +4,8 @@ pub mod client;
 pub mod commands;
 pub mod config;
 pub mod error;
+pub mod ipam;
+pub mod logging;
 pub mod netns;
 pub mod result;
 pub mod veth;
@@ -11,6 +13,7 @@ pub mod veth;
 use std::io::Read;
 
 use args::{CniEnv, Command, Env};
+use commands::Invocation;
 use config::NetConf;
 use error::CniError;
 
@@ -47,8 +50,8 @@ pub async fn run(env: &dyn Env, stdin: &mut dyn Read) -> Outcome {
 
 async fn run_inner(env: &dyn Env, stdin: &mut dyn Read) -> Result<String, CniError> {
     let cni = CniEnv::from_env(env)?;
-    let mut input = Vec::new();
-    stdin.read_to_end(&mut input).map_err(|e| {
+    let mut raw = Vec::new();
+    stdin.read_to_end(&mut raw).map_err(|e| {
         CniError::new(
             error::code::IO_FAILURE,
             format!("cannot read stdin: {e}"),
@@ -58,23 +61,22 @@ async fn run_inner(env: &dyn Env, stdin: &mut dyn Read) -> Result<String, CniErr
     if cni.command == Command::Version {
         return Ok(version_info());
     }
-    let conf = NetConf::parse(&input)?;
+    let conf = NetConf::parse(&raw)?;
+    logging::init(&conf);
     result::check_version(&conf.cni_version).map_err(|e| e.with_version(&conf.cni_version))?;
-    let with_v = |e: CniError| e.with_version(&conf.cni_version);
-    match cni.command {
-        Command::Add => commands::add(&cni, &conf)
-            .await
-            .map(|v| v.to_string())
-            .map_err(with_v),
-        Command::Del => commands::del(&cni, &conf)
-            .await
-            .map(|()| String::new())
-            .map_err(with_v),
+    tracing::info!(command = ?cni.command, container = %cni.container_id, ifname = %cni.ifname, netns = %cni.netns, "CNI call");
+    let inv = Invocation {
+        env: &cni,
+        conf: &conf,
+        raw: &raw,
+    };
+    let out = match cni.command {
+        Command::Add => commands::add::run(&inv).await.map(|v| v.to_string()),
+        Command::Del => commands::del::run(&inv).await.map(|()| String::new()),
+        Command::Check => commands::check::run(&inv).await.map(|()| String::new()),
+        Command::Gc => commands::gc::run(&inv).await.map(|()| String::new()),
+        Command::Status => commands::status::run(&inv).await.map(|()| String::new()),
         Command::Version => Ok(version_info()),
-        Command::Check | Command::Gc | Command::Status => Err(with_v(CniError::new(
-            error::code::UNSUPPORTED_FIELD,
-            format!("{:?} is not implemented yet", cni.command),
-            "calix implements ADD, DEL and VERSION so far",
-        ))),
-    }
+    };
+    out.map_err(|e| e.with_version(&conf.cni_version))
 }

@@ -47,6 +47,81 @@ pub fn mac_string(m: &[u8; 6]) -> String {
 }
 
 impl AddResult {
+    /// Parses a result of any supported version (a `prevResult`, a delegate's answer).
+    pub fn from_json(v: &Value) -> Result<Self, CniError> {
+        let bad = |what: String| {
+            CniError::new(
+                code::DECODE_FAILURE,
+                format!("cannot decode prevResult: {what}"),
+                "",
+            )
+        };
+        let mut r = AddResult {
+            interfaces: Vec::new(),
+            ips: Vec::new(),
+            routes: Vec::new(),
+        };
+        for i in v["interfaces"].as_array().into_iter().flatten() {
+            let name = i["name"]
+                .as_str()
+                .ok_or_else(|| bad(format!("interface without a name: {i}")))?;
+            let mac = i["mac"]
+                .as_str()
+                .and_then(crate::config::parse_mac)
+                .unwrap_or([0; 6]);
+            r.interfaces.push(Interface {
+                name: name.to_string(),
+                mac,
+                sandbox: i["sandbox"].as_str().map(String::from),
+            });
+        }
+        for ip in v["ips"].as_array().into_iter().flatten() {
+            let addr: IpNet = ip["address"]
+                .as_str()
+                .and_then(|a| a.parse().ok())
+                .ok_or_else(|| bad(format!("bad ip entry {ip}")))?;
+            let gw: IpAddr = ip["gateway"]
+                .as_str()
+                .and_then(|g| g.parse().ok())
+                .unwrap_or(if addr.addr().is_ipv4() {
+                    IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+                } else {
+                    IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+                });
+            let idx = ip["interface"].as_u64().unwrap_or(0) as usize;
+            r.ips.push((addr, gw, idx));
+        }
+        for rt in v["routes"].as_array().into_iter().flatten() {
+            let dst: IpNet = rt["dst"]
+                .as_str()
+                .and_then(|d| d.parse().ok())
+                .ok_or_else(|| bad(format!("bad route {rt}")))?;
+            let gw: IpAddr =
+                rt["gw"]
+                    .as_str()
+                    .and_then(|g| g.parse().ok())
+                    .unwrap_or(if dst.addr().is_ipv4() {
+                        IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+                    } else {
+                        IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+                    });
+            r.routes.push((dst, gw));
+        }
+        Ok(r)
+    }
+
+    /// `self` placed after an earlier plugin's result (chaining): the earlier entries first,
+    /// our interface indices shifted past theirs.
+    pub fn after(self, prev: AddResult) -> AddResult {
+        let shift = prev.interfaces.len();
+        let mut out = prev;
+        out.interfaces.extend(self.interfaces);
+        out.ips
+            .extend(self.ips.into_iter().map(|(a, g, i)| (a, g, i + shift)));
+        out.routes.extend(self.routes);
+        out
+    }
+
     /// The JSON for `version`: 0.3.x/0.4.0 carry `"version"` on each IP; 1.x does not.
     pub fn to_json(&self, version: &str) -> Value {
         let version = if version.is_empty() {
@@ -139,6 +214,28 @@ mod tests {
         let v = sample().to_json("0.3.1");
         assert_eq!(v["cniVersion"], "0.3.1");
         assert_eq!(v["ips"][0]["version"], "4");
+    }
+
+    #[test]
+    fn parses_any_version_and_chains() {
+        let ours = sample();
+        for v in SUPPORTED_VERSIONS {
+            let back = AddResult::from_json(&ours.to_json(v)).expect("parse");
+            assert_eq!(back, ours, "{v}");
+        }
+        let prev = AddResult {
+            interfaces: vec![Interface {
+                name: "lo".into(),
+                mac: [0; 6],
+                sandbox: Some("/x".into()),
+            }],
+            ips: vec![],
+            routes: vec![],
+        };
+        let chained = sample().after(prev);
+        assert_eq!(chained.interfaces.len(), 3);
+        assert_eq!(chained.ips[0].2, 2);
+        assert!(AddResult::from_json(&serde_json::json!({"ips":[{"address":"nope"}]})).is_err());
     }
 
     #[test]

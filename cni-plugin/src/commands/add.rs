@@ -1,0 +1,224 @@
+//! ADD: address, veth (peer created straight in the pod's namespace), pod and host config,
+//! endpoint registration. Every completed step is recorded and undone in reverse on failure,
+//! so a failed ADD leaves no veth, route, endpoint or address behind.
+use std::net::IpAddr;
+
+use calix_proto::v1 as pb;
+use ipnet::IpNet;
+use serde_json::Value;
+
+use super::{wiring, Invocation};
+use crate::args::host_veth_name;
+use crate::client::{call_error, AgentClient};
+use crate::error::{code, CniError};
+use crate::ipam;
+use crate::netns::{self, NetNs};
+use crate::result::{AddResult, Interface};
+use crate::veth::{self, VethError};
+
+/// What ADD has done so far.
+#[derive(Default)]
+struct Undo {
+    allocated: bool,
+    veth: Option<String>,
+    registered: bool,
+}
+
+impl Undo {
+    async fn run(
+        self,
+        inv: &Invocation<'_>,
+        agent: &mut AgentClient,
+        host: Option<&rtnetlink::Handle>,
+    ) {
+        if self.registered {
+            if let Err(e) = agent
+                .endpoints
+                .unregister(pb::UnregisterRequest {
+                    container_id: inv.env.container_id.clone(),
+                    ifname: inv.env.ifname.clone(),
+                })
+                .await
+            {
+                tracing::error!(error = %e, "rollback: unregister failed");
+            }
+        }
+        if let (Some(name), Some(h)) = (self.veth, host) {
+            if let Err(e) = veth::delete_link(h, &name).await {
+                tracing::error!(error = %e, %name, "rollback: deleting veth failed");
+            }
+        }
+        if self.allocated {
+            if let Err(e) = ipam::del(inv.env, inv.conf, inv.raw, agent).await {
+                tracing::error!(error = %e, "rollback: releasing addresses failed");
+            }
+        }
+    }
+}
+
+pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
+    let env = inv.env;
+    let pod_ns = NetNs::open(&env.netns).map_err(|e| {
+        CniError::new(
+            code::INVALID_ENV,
+            format!(
+                "cannot open the container's network namespace {}",
+                env.netns
+            ),
+            e.to_string(),
+        )
+    })?;
+    let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
+    let assigned = ipam::add(env, inv.conf, inv.raw, &mut agent).await?;
+    let mut undo = Undo {
+        allocated: !assigned.already,
+        ..Undo::default()
+    };
+    let host = match netns::netlink_here().await {
+        Ok(h) => h,
+        Err(e) => {
+            undo.run(inv, &mut agent, None).await;
+            return Err(wiring(
+                "cannot open netlink in the host namespace".into(),
+                &e,
+            ));
+        }
+    };
+    match wire(
+        inv,
+        &pod_ns,
+        &host,
+        &assigned.addresses,
+        &mut agent,
+        &mut undo,
+    )
+    .await
+    {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            undo.run(inv, &mut agent, Some(&host)).await;
+            Err(e)
+        }
+    }
+}
+
+async fn wire(
+    inv: &Invocation<'_>,
+    pod_ns: &NetNs,
+    host: &rtnetlink::Handle,
+    addresses: &[IpAddr],
+    agent: &mut AgentClient,
+    undo: &mut Undo,
+) -> Result<Value, CniError> {
+    let (env, conf) = (inv.env, inv.conf);
+    let host_ifname = host_veth_name(&env.args, &env.container_id);
+    let v4 = addresses.iter().find_map(|a| match a {
+        IpAddr::V4(v) => Some(*v),
+        IpAddr::V6(_) => None,
+    });
+    let v6 = addresses.iter().find_map(|a| match a {
+        IpAddr::V6(v) => Some(*v),
+        IpAddr::V4(_) => None,
+    });
+    let pair = veth::create_veth(host, pod_ns, &host_ifname, &env.ifname, conf.mtu)
+        .await
+        .map_err(|e| match &e {
+            VethError::Exists { name } => CniError::new(
+                code::WIRING_FAILED,
+                format!(
+                    "interface {name} already exists: is container {} already added? DEL it first",
+                    env.container_id
+                ),
+                e.to_string(),
+            ),
+            _ => wiring(format!("cannot create veth {host_ifname}"), &e),
+        })?;
+    undo.veth = Some(host_ifname.clone());
+
+    let pod = netns::netlink_in(pod_ns).await.map_err(|e| {
+        wiring(
+            "cannot open netlink in the container's namespace".into(),
+            &e,
+        )
+    })?;
+    let mut pod_mac = pair.pod_mac;
+    if let Some(mac) = conf.runtime()?.mac {
+        veth::set_mac(&pod, pair.pod_ifindex, mac)
+            .await
+            .map_err(|e| wiring(format!("cannot set MAC of {}", env.ifname), &e))?;
+        pod_mac = mac;
+    }
+    veth::configure_pod(&pod, pair.pod_ifindex, v4, v6)
+        .await
+        .map_err(|e| {
+            wiring(
+                format!("cannot configure {} in the container", env.ifname),
+                &e,
+            )
+        })?;
+    if conf.container_settings.allow_ip_forwarding {
+        let mut knobs = vec![];
+        if v4.is_some() {
+            knobs.push("/proc/sys/net/ipv4/ip_forward");
+        }
+        if v6.is_some() {
+            knobs.push("/proc/sys/net/ipv6/conf/all/forwarding");
+        }
+        for k in knobs {
+            netns::write_sysctl_in(pod_ns, k, "1")
+                .map_err(|e| wiring(format!("cannot set {k} in the container"), &e))?;
+        }
+    }
+    veth::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6)
+        .await
+        .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
+
+    let nets: Vec<IpNet> = addresses.iter().map(|a| IpNet::from(*a)).collect();
+    agent
+        .endpoints
+        .register(pb::RegisterRequest {
+            endpoint: Some(pb::Endpoint {
+                container_id: env.container_id.clone(),
+                ifname: env.ifname.clone(),
+                host_ifname: host_ifname.clone(),
+                netns: env.netns.clone(),
+                pod_namespace: env.args.pod_namespace.clone().unwrap_or_default(),
+                pod_name: env.args.pod_name.clone().unwrap_or_default(),
+                addresses: nets.iter().map(ToString::to_string).collect(),
+                handle: conf.handle(&env.container_id),
+            }),
+        })
+        .await
+        .map_err(|s| call_error("registering the endpoint", s))?;
+    undo.registered = true;
+
+    let mut result = AddResult {
+        interfaces: vec![
+            Interface {
+                name: host_ifname,
+                mac: veth::HOST_VETH_MAC,
+                sandbox: None,
+            },
+            Interface {
+                name: env.ifname.clone(),
+                mac: pod_mac,
+                sandbox: Some(env.netns.clone()),
+            },
+        ],
+        ips: Vec::new(),
+        routes: Vec::new(),
+    };
+    for net in &nets {
+        let (gw, default): (IpAddr, IpNet) = match net {
+            IpNet::V4(_) => (IpAddr::V4(veth::GATEWAY_V4), IpNet::V4(Default::default())),
+            IpNet::V6(_) => (IpAddr::V6(veth::GATEWAY_V6), IpNet::V6(Default::default())),
+        };
+        result.ips.push((*net, gw, 1));
+        result.routes.push((default, gw));
+    }
+    // Chained after another plugin: pass its result on with ours appended.
+    if let Some(prev) = &conf.prev_result {
+        result = result.after(AddResult::from_json(prev)?);
+    }
+    Ok(result.to_json(&conf.cni_version))
+}

@@ -1,0 +1,44 @@
+//! DEL: idempotent and best-effort. A missing netns, link, endpoint or address is success;
+//! the address is released even when the pod's namespace is already gone.
+use calix_proto::v1 as pb;
+
+use super::{wiring, Invocation};
+use crate::args::host_veth_name;
+use crate::client::{call_error, AgentClient};
+use crate::error::CniError;
+use crate::{ipam, netns, veth};
+
+pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
+    let env = inv.env;
+    let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
+    agent
+        .endpoints
+        .unregister(pb::UnregisterRequest {
+            container_id: env.container_id.clone(),
+            ifname: env.ifname.clone(),
+        })
+        .await
+        .map_err(|s| call_error("removing the endpoint", s))?;
+    // The host side's name is derived from the same CNI_ARGS ADD saw; a prevResult names it too.
+    let mut names = vec![host_veth_name(&env.args, &env.container_id)];
+    if let Some(prev) = &inv.conf.prev_result {
+        if let Some(n) = prev["interfaces"]
+            .as_array()
+            .and_then(|ifs| ifs.iter().find(|i| i["sandbox"].is_null()))
+            .and_then(|i| i["name"].as_str())
+        {
+            if n.starts_with("cali") && !names.iter().any(|x| x == n) {
+                names.push(n.to_string());
+            }
+        }
+    }
+    let host = netns::netlink_here()
+        .await
+        .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
+    for name in names {
+        veth::delete_link(&host, &name)
+            .await
+            .map_err(|e| wiring(format!("cannot delete veth {name}"), &e))?;
+    }
+    ipam::del(env, inv.conf, inv.raw, &mut agent).await
+}

@@ -1,0 +1,235 @@
+//! Where addresses come from: the agent (`ipam.type: calix-ipam`, the default) or any CNI IPAM
+//! plugin, delegated the standard way — exec'd from CNI_PATH with our environment and the same
+//! network configuration on stdin.
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use calix_proto::v1 as pb;
+use ipnet::IpNet;
+use serde_json::Value;
+
+use crate::args::CniEnv;
+use crate::client::{call_error, AgentClient};
+use crate::config::NetConf;
+use crate::error::{code, CniError};
+
+/// Addresses an ADD got, and whether they were already held before it (so rollback keeps them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assigned {
+    pub addresses: Vec<IpAddr>,
+    pub already: bool,
+}
+
+/// Finds `plugin` in CNI_PATH.
+pub fn find_plugin(env: &CniEnv, plugin: &str) -> Result<PathBuf, CniError> {
+    env.path
+        .iter()
+        .map(|d| PathBuf::from(d).join(plugin))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            CniError::new(
+                code::INVALID_CONFIG,
+                format!("IPAM plugin {plugin:?} not found in CNI_PATH"),
+                format!("searched: {}", env.path.join(":")),
+            )
+        })
+}
+
+/// Execs a delegated plugin with `command`, returning its parsed stdout (or its error).
+pub fn exec_plugin(
+    env: &CniEnv,
+    plugin: &str,
+    command: &str,
+    stdin: &[u8],
+) -> Result<Option<Value>, CniError> {
+    let path = find_plugin(env, plugin)?;
+    let mut child = Command::new(&path)
+        .env("CNI_COMMAND", command)
+        .env("CNI_CONTAINERID", &env.container_id)
+        .env("CNI_NETNS", &env.netns)
+        .env("CNI_IFNAME", &env.ifname)
+        .env("CNI_PATH", env.path.join(":"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            CniError::new(
+                code::IO_FAILURE,
+                format!("cannot exec IPAM plugin {}: {e}", path.display()),
+                "",
+            )
+        })?;
+    if let Some(mut si) = child.stdin.take() {
+        // A plugin that exits without reading stdin is not our failure to report here.
+        let _ = si.write_all(stdin);
+    }
+    let out = child.wait_with_output().map_err(|e| {
+        CniError::new(
+            code::IO_FAILURE,
+            format!("IPAM plugin {plugin} failed: {e}"),
+            "",
+        )
+    })?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let parsed: Option<Value> = serde_json::from_str(stdout.trim()).ok();
+    if !out.status.success() {
+        // Pass the delegate's own CNI error on, as the spec expects.
+        if let Some(v) = &parsed {
+            if let (Some(c), Some(msg)) = (v["code"].as_u64(), v["msg"].as_str()) {
+                return Err(CniError::new(
+                    u32::try_from(c).unwrap_or(code::IO_FAILURE),
+                    format!("IPAM plugin {plugin}: {msg}"),
+                    v["details"].as_str().unwrap_or_default(),
+                ));
+            }
+        }
+        return Err(CniError::new(
+            code::IO_FAILURE,
+            format!("IPAM plugin {plugin} {command} failed ({})", out.status),
+            String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        ));
+    }
+    Ok(parsed)
+}
+
+fn addresses_of(result: &Value) -> Vec<IpAddr> {
+    result["ips"]
+        .as_array()
+        .map(|ips| {
+            ips.iter()
+                .filter_map(|ip| ip["address"].as_str())
+                .filter_map(|a| a.parse::<IpNet>().ok().map(|n| n.addr()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// ADD: gets the pod's addresses.
+pub async fn add(
+    env: &CniEnv,
+    conf: &NetConf,
+    raw: &[u8],
+    agent: &mut AgentClient,
+) -> Result<Assigned, CniError> {
+    let (v4, v6) = conf.ipam.families()?;
+    if !conf.agent_ipam() {
+        let res = exec_plugin(env, &conf.ipam.ipam_type, "ADD", raw)?.unwrap_or(Value::Null);
+        let addresses = addresses_of(&res);
+        if addresses.is_empty() {
+            return Err(CniError::new(
+                code::IO_FAILURE,
+                format!("IPAM plugin {} returned no addresses", conf.ipam.ipam_type),
+                res.to_string(),
+            ));
+        }
+        return Ok(Assigned {
+            addresses,
+            already: false,
+        });
+    }
+    let rc = conf.runtime()?;
+    let mut attributes = std::collections::HashMap::new();
+    attributes.insert("containerID".to_string(), env.container_id.clone());
+    if let Some(ns) = &env.args.pod_namespace {
+        attributes.insert("namespace".to_string(), ns.clone());
+    }
+    if let Some(p) = &env.args.pod_name {
+        attributes.insert("pod".to_string(), p.clone());
+    }
+    if let Some(n) = &conf.nodename {
+        attributes.insert("node".to_string(), n.clone());
+    }
+    let resp = agent
+        .ipam
+        .allocate(pb::AllocateRequest {
+            handle: conf.handle(&env.container_id),
+            ifname: env.ifname.clone(),
+            ipv4: v4,
+            ipv6: v6,
+            attributes,
+            requested: rc.ips.iter().map(ToString::to_string).collect(),
+        })
+        .await
+        .map_err(|s| call_error("the address allocation", s))?
+        .into_inner();
+    let mut addresses = Vec::new();
+    for a in &resp.addresses {
+        let net: IpNet = a.address.parse().map_err(|_| {
+            CniError::new(
+                code::AGENT_REFUSED,
+                format!("agent returned a bad address {:?}", a.address),
+                "",
+            )
+        })?;
+        addresses.push(net.addr());
+    }
+    Ok(Assigned {
+        addresses,
+        already: resp.already_allocated,
+    })
+}
+
+/// DEL (and ADD rollback): releases the pod's addresses. Idempotent.
+pub async fn del(
+    env: &CniEnv,
+    conf: &NetConf,
+    raw: &[u8],
+    agent: &mut AgentClient,
+) -> Result<(), CniError> {
+    if !conf.agent_ipam() {
+        return exec_plugin(env, &conf.ipam.ipam_type, "DEL", raw).map(|_| ());
+    }
+    agent
+        .ipam
+        .release(pb::ReleaseRequest {
+            handle: conf.handle(&env.container_id),
+            ifname: env.ifname.clone(),
+        })
+        .await
+        .map_err(|s| call_error("releasing the addresses", s))?;
+    Ok(())
+}
+
+/// CHECK: the IPAM still holds exactly `expected` for this attachment.
+pub async fn check(
+    env: &CniEnv,
+    conf: &NetConf,
+    raw: &[u8],
+    agent: &mut AgentClient,
+    expected: &[IpAddr],
+) -> Result<(), CniError> {
+    if !conf.agent_ipam() {
+        return exec_plugin(env, &conf.ipam.ipam_type, "CHECK", raw).map(|_| ());
+    }
+    let held = agent
+        .ipam
+        .lookup(pb::LookupRequest {
+            handle: conf.handle(&env.container_id),
+            ifname: env.ifname.clone(),
+        })
+        .await
+        .map_err(|s| call_error("looking up the addresses", s))?
+        .into_inner();
+    let mut held: Vec<IpAddr> = held
+        .addresses
+        .iter()
+        .filter_map(|a| a.address.parse::<IpNet>().ok().map(|n| n.addr()))
+        .collect();
+    let mut want = expected.to_vec();
+    held.sort();
+    want.sort();
+    if held != want {
+        return Err(CniError::new(
+            code::WIRING_FAILED,
+            format!(
+                "IPAM holds {:?} for {}/{}, the pod has {:?}",
+                held, env.container_id, env.ifname, want
+            ),
+            "the pod's addresses are not (or no longer) allocated to it: recreate the pod",
+        ));
+    }
+    Ok(())
+}
