@@ -106,6 +106,7 @@ async fn main() -> Result<()> {
                 .with_context(|| format!("bad log_level {:?}", cfg.log_level))?,
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, pools = ?cfg.pools.iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
 

@@ -429,10 +429,34 @@ pub fn cni_call(
     cni_args: &str,
     stdin: &str,
 ) -> CniOutput {
+    plugin_call(
+        node_ns,
+        &bin("calix"),
+        command,
+        container_id,
+        netns,
+        ifname,
+        cni_args,
+        stdin,
+    )
+}
+
+/// Execs any CNI plugin binary inside `node_ns` the way a runtime does.
+#[allow(clippy::too_many_arguments)]
+pub fn plugin_call(
+    node_ns: &Netns,
+    plugin: &Path,
+    command: &str,
+    container_id: &str,
+    netns: &str,
+    ifname: &str,
+    cni_args: &str,
+    stdin: &str,
+) -> CniOutput {
     use std::io::Write;
-    let calix = bin("calix").display().to_string();
+    let plugin = plugin.display().to_string();
     let mut child = node_ns
-        .cmd(&[&calix])
+        .cmd(&[&plugin])
         .env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
         .env("CNI_COMMAND", command)
@@ -445,11 +469,11 @@ pub fn cni_call(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn calix");
+        .expect("spawn plugin");
     if let Some(mut si) = child.stdin.take() {
         let _ = si.write_all(stdin.as_bytes());
     }
-    let out = child.wait_with_output().expect("wait calix");
+    let out = child.wait_with_output().expect("wait plugin");
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     CniOutput {
         success: out.status.success(),
@@ -459,12 +483,125 @@ pub fn cni_call(
     }
 }
 
+/// A minimal libcni: runs a conflist's plugins in order for ADD (each gets the previous result
+/// as `prevResult`, and the `runtimeConfig` keys its `capabilities` ask for), and in reverse for
+/// DEL/CHECK with the cached result. `calix` is the binary under test; every other type comes
+/// from Debian's reference plugins in /usr/lib/cni.
+pub struct ConfList {
+    pub list: Value,
+}
+
+impl ConfList {
+    fn plugin_conf(&self, i: usize, prev: Option<&Value>, rc: &Value) -> (PathBuf, Value) {
+        let mut p = self.list["plugins"][i].clone();
+        let ty = p["type"].as_str().unwrap_or_default().to_string();
+        let path = if ty == "calix" {
+            bin("calix")
+        } else {
+            PathBuf::from("/usr/lib/cni").join(&ty)
+        };
+        let caps: Vec<String> = p["capabilities"]
+            .as_object()
+            .map(|c| {
+                c.iter()
+                    .filter(|(_, v)| v.as_bool() == Some(true))
+                    .map(|(k, _)| k.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if let Some(obj) = p.as_object_mut() {
+            obj.insert("name".into(), self.list["name"].clone());
+            obj.insert("cniVersion".into(), self.list["cniVersion"].clone());
+            if let Some(prev) = prev {
+                obj.insert("prevResult".into(), prev.clone());
+            }
+            let mut runtime = serde_json::Map::new();
+            for c in caps {
+                if let Some(v) = rc.get(&c) {
+                    runtime.insert(c, v.clone());
+                }
+            }
+            if !runtime.is_empty() {
+                obj.insert("runtimeConfig".into(), Value::Object(runtime));
+            }
+        }
+        (path, p)
+    }
+
+    fn len(&self) -> usize {
+        self.list["plugins"].as_array().map_or(0, Vec::len)
+    }
+
+    /// ADD through every plugin; returns the final result or the failing call.
+    pub fn add(
+        &self,
+        node: &Node,
+        cid: &str,
+        netns: &str,
+        args: &str,
+        rc: &Value,
+    ) -> Result<Value, CniOutput> {
+        let mut prev: Option<Value> = None;
+        for i in 0..self.len() {
+            let (path, conf) = self.plugin_conf(i, prev.as_ref(), rc);
+            let out = plugin_call(
+                &node.ns,
+                &path,
+                "ADD",
+                cid,
+                netns,
+                "eth0",
+                args,
+                &conf.to_string(),
+            );
+            if !out.success {
+                return Err(out);
+            }
+            prev = out.json;
+        }
+        Ok(prev.unwrap_or(Value::Null))
+    }
+
+    /// DEL or CHECK through every plugin in reverse, with the cached ADD result.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_reverse(
+        &self,
+        node: &Node,
+        command: &str,
+        cid: &str,
+        netns: &str,
+        args: &str,
+        rc: &Value,
+        cached: Option<&Value>,
+    ) -> Result<(), CniOutput> {
+        for i in (0..self.len()).rev() {
+            let (path, conf) = self.plugin_conf(i, cached, rc);
+            let out = plugin_call(
+                &node.ns,
+                &path,
+                command,
+                cid,
+                netns,
+                "eth0",
+                args,
+                &conf.to_string(),
+            );
+            if !out.success {
+                return Err(out);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A pod: a namespace wired through `calix` ADD on a node. DEL runs on drop if not done.
 pub struct Pod<'a> {
     pub ns: Netns,
     pub node: &'a Node,
     pub container_id: String,
     pub cni_args: String,
+    /// Extra network-config keys this pod was added with (used again for DEL).
+    pub extra: Value,
     pub result: CniOutput,
     deleted: bool,
 }
@@ -472,6 +609,24 @@ pub struct Pod<'a> {
 impl<'a> Pod<'a> {
     /// ADDs a pod named `name` in k8s namespace `default`; panics if ADD fails.
     pub fn add(node: &'a Node, name: &str) -> Self {
+        Self::add_with(node, name, Value::Null)
+    }
+
+    /// ADDs with extra network-config keys; panics if ADD fails.
+    pub fn add_with(node: &'a Node, name: &str, extra: Value) -> Self {
+        let pod = Self::try_add(node, name, extra);
+        assert!(
+            pod.result.success,
+            "ADD of {name} failed: {}\n{}\nagent log:\n{}",
+            pod.result.stdout,
+            pod.result.stderr,
+            node.agent_log()
+        );
+        pod
+    }
+
+    /// ADDs with extra network-config keys; the result may be a failure.
+    pub fn try_add(node: &'a Node, name: &str, extra: Value) -> Self {
         let ns = Netns::new("p");
         let container_id = format!("{}{}", ns.name, "0123456789abcdef");
         let cni_args = format!(
@@ -483,27 +638,35 @@ impl<'a> Pod<'a> {
             &container_id,
             &ns.path(),
             &cni_args,
-            &node.conf(Value::Null),
+            &node.conf(extra.clone()),
         );
-        assert!(
-            result.success,
-            "ADD of {name} failed: {}\n{}\nagent log:\n{}",
-            result.stdout,
-            result.stderr,
-            node.agent_log()
-        );
+        let deleted = !result.success;
         Self {
             ns,
             node,
             container_id,
             cni_args,
+            extra,
             result,
-            deleted: false,
+            deleted,
         }
     }
 
     pub fn ip(&self) -> String {
         self.result.ip()
+    }
+
+    /// Every address of the ADD result, without prefix.
+    pub fn ips(&self) -> Vec<String> {
+        self.result
+            .json
+            .as_ref()
+            .and_then(|j| j["ips"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|i| i["address"].as_str())
+            .map(|a| a.split('/').next().unwrap_or(a).to_string())
+            .collect()
     }
 
     pub fn host_ifname(&self) -> String {
@@ -514,15 +677,32 @@ impl<'a> Pod<'a> {
             .expect("host ifname")
     }
 
-    /// DELs the pod; panics if DEL fails.
-    pub fn del(&mut self) {
-        let out = self.node.cni(
-            "DEL",
+    /// Runs a verb for this pod with its config (plus `more` keys, e.g. prevResult).
+    pub fn call(&self, command: &str, more: Value) -> CniOutput {
+        let mut conf = self.node.conf(self.extra.clone());
+        if let (Some(c), Some(m)) = (conf.as_object_mut(), more.as_object()) {
+            for (k, v) in m {
+                c.insert(k.clone(), v.clone());
+            }
+        }
+        self.node.cni(
+            command,
             &self.container_id,
             &self.ns.path(),
             &self.cni_args,
-            &self.node.conf(Value::Null),
-        );
+            &conf,
+        )
+    }
+
+    /// CHECK with the ADD result as prevResult.
+    pub fn check(&self) -> CniOutput {
+        let prev = self.result.json.clone().unwrap_or(Value::Null);
+        self.call("CHECK", serde_json::json!({ "prevResult": prev }))
+    }
+
+    /// DELs the pod; panics if DEL fails.
+    pub fn del(&mut self) {
+        let out = self.call("DEL", Value::Null);
         assert!(out.success, "DEL failed: {} {}", out.stdout, out.stderr);
         self.deleted = true;
     }
@@ -531,13 +711,7 @@ impl<'a> Pod<'a> {
 impl Drop for Pod<'_> {
     fn drop(&mut self) {
         if !self.deleted {
-            let _ = self.node.cni(
-                "DEL",
-                &self.container_id,
-                &self.ns.path(),
-                &self.cni_args,
-                &self.node.conf(Value::Null),
-            );
+            let _ = self.call("DEL", Value::Null);
         }
     }
 }
@@ -598,4 +772,180 @@ pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
                 .collect()
         })
         .unwrap_or_default()
+}
+/// Held by the one [`RootAgent`] a test process may run at a time.
+static ROOT_AGENT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// A calix-agent in the root network namespace, for the real container runtimes (podman,
+/// containerd): they create the pod namespaces and exec the plugin from the host namespace, so
+/// the host veths, routes and eBPF programs land there. The agent sets the host's forwarding
+/// sysctls; they are saved first and restored on drop. Only one exists at a time per process
+/// (it holds a lock), so its pool, links and sysctls never mix with another test's.
+pub struct RootAgent {
+    pub dir: PathBuf,
+    pub socket: PathBuf,
+    pub node_name: String,
+    pub pool: String,
+    child: Option<Child>,
+    saved_sysctls: Vec<(&'static str, String)>,
+    _lock: std::sync::MutexGuard<'static, ()>,
+}
+
+/// The forwarding sysctls the agent writes.
+const FORWARDING_SYSCTLS: [&str; 2] = [
+    "/proc/sys/net/ipv4/ip_forward",
+    "/proc/sys/net/ipv6/conf/all/forwarding",
+];
+
+impl RootAgent {
+    /// Starts an eBPF-dataplane agent on `pool` (e.g. `10.251.10.0/24`) and waits until its
+    /// socket answers. Blocks while another `RootAgent` of this process runs.
+    pub fn start(tag: &str, pool: &str) -> Self {
+        require_root();
+        let lock = ROOT_AGENT_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let saved_sysctls = FORWARDING_SYSCTLS
+            .iter()
+            .filter_map(|p| {
+                std::fs::read_to_string(p)
+                    .ok()
+                    .map(|v| (*p, v.trim().to_string()))
+            })
+            .collect();
+        let name = unique(tag);
+        let dir = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&dir).expect("root agent dir");
+        // Built before the agent starts, so that drop restores the sysctls even if start fails.
+        let mut agent = Self {
+            socket: dir.join("agent.sock"),
+            node_name: format!("cxt-rt-{}-{tag}", std::process::id()),
+            pool: pool.to_string(),
+            dir,
+            child: None,
+            saved_sysctls,
+            _lock: lock,
+        };
+        let log = std::fs::File::create(agent.dir.join("agent.log")).expect("agent log");
+        let child = Command::new(bin("calix-agent"))
+            .arg("--node-name")
+            .arg(&agent.node_name)
+            .arg("--socket")
+            .arg(&agent.socket)
+            .arg("--datastore-path")
+            .arg(agent.dir.join("store.json"))
+            .args(["--dataplane", "ebpf", "--log-level", "info", "--pool", pool])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn calix-agent");
+        agent.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if agent.calixctl(&["endpoints"]).status.success() {
+                return agent;
+            }
+            if let Some(Ok(Some(st))) = agent.child.as_mut().map(Child::try_wait) {
+                panic!("calix-agent exited ({st}) at start:\n{}", agent.agent_log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "calix-agent did not come up:\n{}",
+                agent.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn agent_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    /// Runs `calixctl --socket <this agent's socket> <args>`.
+    pub fn calixctl(&self, args: &[&str]) -> Output {
+        run(Command::new(bin("calixctl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args))
+    }
+
+    /// `calixctl endpoints -o json`.
+    pub fn endpoints(&self) -> Value {
+        let out = self.calixctl(&["endpoints", "-o", "json"]);
+        assert!(
+            out.status.success(),
+            "calixctl failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("calixctl json")
+    }
+
+    /// Number of addresses allocated in the embedded datastore.
+    pub fn allocated(&self) -> usize {
+        let text = std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_default();
+        let s: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        s["ipam"]["blocks"]
+            .as_object()
+            .map(|b| {
+                b.values()
+                    .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// `cali*` links in the root namespace.
+    pub fn cali_links(&self) -> Vec<String> {
+        let out = run_ok(Command::new("ip").args(["-j", "link", "show"]));
+        let v: Value = serde_json::from_slice(&out.stdout).expect("ip -j link");
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|l| l["ifname"].as_str())
+                    .filter(|n| n.starts_with("cali"))
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Root-namespace routes (main table) to addresses inside this agent's pool.
+    pub fn pool_routes(&self) -> Vec<Value> {
+        let out = run_ok(Command::new("ip").args(["-j", "route", "show", "root", &self.pool]));
+        serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for RootAgent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: plain kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                if let Ok(Some(_)) = c.try_wait() {
+                    break;
+                }
+                if Instant::now() >= deadline {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        for (path, value) in &self.saved_sysctls {
+            let _ = std::fs::write(path, value);
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "--- agent log of {} ---\n{}",
+                self.node_name,
+                self.agent_log()
+            );
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
