@@ -883,6 +883,24 @@ pub async fn neighbours(
     Ok(entries)
 }
 
+/// Sets the MAC address of a (down) link: CNI runtimeConfig `mac`.
+pub async fn set_mac(handle: &Handle, ifindex: u32, mac: [u8; 6]) -> Result<(), VethError> {
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(ifindex)
+                .address(mac.to_vec())
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(|source| VethError::Netlink {
+            op: "set MAC address",
+            target: format!("interface {ifindex}"),
+            source,
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -932,22 +950,4 @@ mod tests {
             );
         }
     }
-}
-
-/// Sets the MAC address of a (down) link: CNI runtimeConfig `mac`.
-pub async fn set_mac(handle: &Handle, ifindex: u32, mac: [u8; 6]) -> Result<(), VethError> {
-    handle
-        .link()
-        .set(
-            LinkUnspec::new_with_index(ifindex)
-                .address(mac.to_vec())
-                .build(),
-        )
-        .execute()
-        .await
-        .map_err(|source| VethError::Netlink {
-            op: "set MAC address",
-            target: format!("interface {ifindex}"),
-            source,
-        })
 }
