@@ -180,7 +180,7 @@ impl Agent {
         &self,
         network: &str,
         valid: &std::collections::HashSet<(String, String)>,
-    ) -> Result<(Vec<IpAddr>, Vec<String>), AgentError> {
+    ) -> Result<(Vec<IpAddr>, Vec<EndpointRecord>), AgentError> {
         if network.is_empty() {
             return Err(AgentError::Invalid("network is required"));
         }
@@ -212,10 +212,7 @@ impl Agent {
         for (handle, ifname, addr) in &released {
             tracing::info!(%handle, %ifname, %addr, reason = "not in the runtime's valid attachments (CNI GC)", "released");
         }
-        Ok((
-            released.into_iter().map(|(_, _, a)| a).collect(),
-            stale_eps.into_iter().map(|e| e.host_ifname).collect(),
-        ))
+        Ok((released.into_iter().map(|(_, _, a)| a).collect(), stale_eps))
     }
 
     /// Free addresses this node can still hand out: (IPv4, IPv6).

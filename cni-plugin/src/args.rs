@@ -177,17 +177,29 @@ impl CniArgs {
     }
 }
 
-/// The host-side veth name: `cali` + the first 11 hex characters of SHA-1("<ns>.<pod>") when
-/// the runtime names the pod, otherwise `cali` + the first 11 characters of the container ID.
-/// Always at most 15 characters (IFNAMSIZ - 1).
+/// The host-side veth name, always 15 characters (IFNAMSIZ - 1):
+/// - `cali` + the first 11 hex characters of SHA-1("<ns>.<pod>") when the runtime names the pod
+///   (Kubernetes; the same name Calico gives);
+/// - else `cali` + the first 11 characters of the container ID when it is a hex ID (podman,
+///   CRI), readable and matching `podman ps`;
+/// - else `cali` + 11 hex of SHA-1(containerID): IDs such as ctr's `<namespace>-<name>` share
+///   long prefixes and would clash.
 pub fn host_veth_name(args: &CniArgs, container_id: &str) -> String {
+    let hash = |s: &str| {
+        let digest = Sha1::digest(s.as_bytes());
+        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+        format!("cali{}", &hex[..11])
+    };
     match (&args.pod_namespace, &args.pod_name) {
-        (Some(ns), Some(pod)) if !ns.is_empty() && !pod.is_empty() => {
-            let digest = Sha1::digest(format!("{ns}.{pod}").as_bytes());
-            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-            format!("cali{}", &hex[..11])
+        (Some(ns), Some(pod)) if !ns.is_empty() && !pod.is_empty() => hash(&format!("{ns}.{pod}")),
+        _ if container_id.len() >= 11
+            && container_id
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
+        {
+            format!("cali{}", &container_id[..11])
         }
-        _ => format!("cali{}", container_id.chars().take(11).collect::<String>()),
+        _ => hash(container_id),
     }
 }
 
@@ -232,7 +244,12 @@ mod tests {
         // podman passes only K8S_POD_NAME.
         let args = CniArgs::parse("IgnoreUnknown=1;K8S_POD_NAME=web").expect("args");
         assert_eq!(host_veth_name(&args, "0123456789abcdef"), "cali0123456789a");
-        assert_eq!(host_veth_name(&CniArgs::default(), "short"), "calishort");
+        // Non-hex or short IDs are hashed: ctr's "<ns>-<name>" IDs share prefixes.
+        let a = host_veth_name(&CniArgs::default(), "default-web1");
+        let b = host_veth_name(&CniArgs::default(), "default-web2");
+        assert_ne!(a, b);
+        assert_eq!(a, "cali".to_string() + &hex11(b"default-web1"));
+        assert_eq!(host_veth_name(&CniArgs::default(), "short").len(), 15);
     }
 
     #[test]

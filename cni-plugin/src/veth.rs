@@ -577,6 +577,8 @@ pub struct LinkDetails {
     pub kind: Option<String>,
     /// For a veth: the peer's index (in the peer's namespace).
     pub peer_index: Option<u32>,
+    /// `IFLA_IFALIAS`: calix marks each host veth with its owner (see [`owner_alias`]).
+    pub alias: Option<String>,
 }
 
 impl LinkDetails {
@@ -589,6 +591,7 @@ impl LinkDetails {
             up: message.header.flags.contains(LinkFlags::Up),
             kind: None,
             peer_index: None,
+            alias: None,
         };
         for attribute in &message.attributes {
             match attribute {
@@ -598,6 +601,7 @@ impl LinkDetails {
                 }
                 LinkAttribute::Mtu(mtu) => details.mtu = Some(*mtu),
                 LinkAttribute::Link(index) => details.peer_index = Some(*index),
+                LinkAttribute::IfAlias(alias) => details.alias = Some(alias.clone()),
                 LinkAttribute::LinkInfo(infos) => {
                     for info in infos {
                         if let LinkInfo::Kind(kind) = info {
@@ -881,6 +885,32 @@ pub async fn neighbours(
         }
     }
     Ok(entries)
+}
+
+/// The alias calix gives a host veth: which attachment owns it. DEL and GC only delete a link
+/// whose alias names their own (containerID, ifname), so a DEL can never take another pod's
+/// veth even when two attachments would derive the same name.
+pub fn owner_alias(container_id: &str, ifname: &str) -> String {
+    format!("calix:{container_id}/{ifname}")
+}
+
+/// Sets a link's alias (`IFLA_IFALIAS`).
+pub async fn set_alias(handle: &Handle, ifindex: u32, alias: &str) -> Result<(), VethError> {
+    let mut message = LinkMessage::default();
+    message.header.index = ifindex;
+    message
+        .attributes
+        .push(LinkAttribute::IfAlias(alias.to_string()));
+    handle
+        .link()
+        .set(message)
+        .execute()
+        .await
+        .map_err(|source| VethError::Netlink {
+            op: "set alias",
+            target: format!("interface {ifindex}"),
+            source,
+        })
 }
 
 /// Sets the MAC address of a (down) link: CNI runtimeConfig `mac`.

@@ -444,3 +444,30 @@ fn fifty_concurrent_adds_get_distinct_addresses_and_del_races_safely() {
     assert_eq!(node.allocated(), 0);
     assert!(node.cali_links().is_empty());
 }
+
+#[test]
+fn del_never_takes_another_attachments_veth() {
+    let node = Node::start(Dataplane::Ebpf);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    // A late DEL of an older sandbox of the same pod (same namespace/name, so the same derived
+    // veth name) but another container ID: a's veth must survive, and so must its address.
+    let stale_cid = format!("{}old", a.container_id);
+    let out = node.cni("DEL", &stale_cid, "", &a.cni_args, &node.conf(Value::Null));
+    assert!(out.success, "{out:?}");
+    assert!(
+        node.cali_links().contains(&a.host_ifname()),
+        "DEL of another container took a's veth"
+    );
+    assert!(a.ns.ping(&b.ip(), 1));
+    assert_eq!(node.allocated(), 2);
+    // The veth carries its owner.
+    let alias = node.ns.exec_ok(&[
+        "cat",
+        &format!("/sys/class/net/{}/ifalias", a.host_ifname()),
+    ]);
+    assert_eq!(
+        String::from_utf8_lossy(&alias.stdout).trim(),
+        format!("calix:{}/eth0", a.container_id)
+    );
+}

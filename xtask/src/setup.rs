@@ -29,6 +29,12 @@ const APT_PACKAGES: &[&str] = &[
     "tcpdump",
     "nftables",
     "procps",
+    "podman",
+    "containerd",
+    "busybox-static",
+    "iptables",
+    "python3",
+    "runc",
 ];
 
 /// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new

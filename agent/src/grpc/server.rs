@@ -105,7 +105,14 @@ impl pb::ipam_server::Ipam for IpamSvc {
         let (released, stale) = self.0.gc(&r.network, &valid).await.map_err(status)?;
         Ok(Response::new(pb::GcResponse {
             released: released.iter().map(ToString::to_string).collect(),
-            stale_host_ifnames: stale,
+            stale: stale
+                .into_iter()
+                .map(|e| pb::StaleEndpoint {
+                    container_id: e.container_id,
+                    ifname: e.ifname,
+                    host_ifname: e.host_ifname,
+                })
+                .collect(),
         }))
     }
 

@@ -134,6 +134,13 @@ async fn wire(
             _ => wiring(format!("cannot create veth {host_ifname}"), &e),
         })?;
     undo.veth = Some(host_ifname.clone());
+    veth::set_alias(
+        host,
+        pair.host_ifindex,
+        &veth::owner_alias(&env.container_id, &env.ifname),
+    )
+    .await
+    .map_err(|e| wiring(format!("cannot mark {host_ifname} as ours"), &e))?;
 
     let pod = netns::netlink_in(pod_ns).await.map_err(|e| {
         wiring(

@@ -35,8 +35,9 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
+    let owner = veth::owner_alias(&env.container_id, &env.ifname);
     for name in names {
-        veth::delete_link(&host, &name)
+        super::delete_owned_link(&host, &name, &owner)
             .await
             .map_err(|e| wiring(format!("cannot delete veth {name}"), &e))?;
     }

@@ -37,10 +37,14 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
-    for name in &resp.stale_host_ifnames {
-        match veth::delete_link(&host, name).await {
-            Ok(_) => tracing::info!(%name, "GC: deleted stale veth"),
-            Err(e) => tracing::warn!(%name, error = %e, "GC: cannot delete stale veth"),
+    for st in &resp.stale {
+        let owner = veth::owner_alias(&st.container_id, &st.ifname);
+        match super::delete_owned_link(&host, &st.host_ifname, &owner).await {
+            Ok(true) => tracing::info!(name = %st.host_ifname, "GC: deleted stale veth"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(name = %st.host_ifname, error = %e, "GC: cannot delete stale veth")
+            }
         }
     }
     for a in &resp.released {

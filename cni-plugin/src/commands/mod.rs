@@ -16,6 +16,28 @@ pub struct Invocation<'a> {
     pub raw: &'a [u8],
 }
 
+/// Deletes host link `name` only if its alias says `owner` owns it. Returns whether it was
+/// deleted; a missing link, or one owned by another attachment, is left alone (and logged).
+pub(crate) async fn delete_owned_link(
+    host: &rtnetlink::Handle,
+    name: &str,
+    owner: &str,
+) -> Result<bool, crate::veth::VethError> {
+    match crate::veth::link_details(host, name).await? {
+        None => Ok(false),
+        Some(l) if l.alias.as_deref() == Some(owner) => crate::veth::delete_link(host, name).await,
+        Some(l) => {
+            tracing::warn!(
+                %name,
+                alias = l.alias.as_deref().unwrap_or(""),
+                %owner,
+                "not deleting a link that belongs to another attachment"
+            );
+            Ok(false)
+        }
+    }
+}
+
 /// A wiring failure with the whole error chain in `details`.
 pub(crate) fn wiring(msg: String, e: &dyn std::error::Error) -> CniError {
     let mut details = e.to_string();
