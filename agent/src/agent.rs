@@ -236,6 +236,7 @@ impl Agent {
             ));
         }
         let mut inner = self.inner.lock().await;
+        let t0 = std::time::Instant::now();
         let attached =
             inner
                 .dataplane
@@ -244,6 +245,7 @@ impl Agent {
                     host_ifname: ep.host_ifname.clone(),
                     source,
                 })?;
+        let t_attach = t0.elapsed();
         let key = EndpointRecord::key(&ep.container_id, &ep.ifname);
         let host_ifname = ep.host_ifname.clone();
         let committed = self.commit_with(&mut inner, |s| {
@@ -255,7 +257,9 @@ impl Agent {
             let _ = inner.dataplane.detach(&host_ifname);
             return Err(e);
         }
-        tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf, "endpoint programmed");
+        tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf,
+            attach_us = t_attach.as_micros() as u64, total_us = t0.elapsed().as_micros() as u64,
+            "endpoint programmed");
         inner.attached.insert(host_ifname, attached);
         Ok(attached)
     }

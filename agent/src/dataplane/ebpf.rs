@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use aya::maps::{MapData, PerCpuHashMap, PerCpuValues};
-use aya::programs::tc::{SchedClassifierLink, TcAttachType};
+use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType};
 use aya::programs::SchedClassifier;
 use aya::Ebpf;
 use calix_common::{EndpointCounters, COUNTERS_MAP, PROG_FROM_POD, PROG_TO_POD};
@@ -89,7 +89,11 @@ impl EbpfDataplane {
         at: TcAttachType,
     ) -> Result<SchedClassifierLink, DataplaneError> {
         let prog = Self::program(&mut self.bpf, name)?;
-        let id = prog.attach(ifname, at).map_err(prog_err(name, "attach"))?;
+        // Classic tc (clsact + cls_bpf, direct action) rather than TCX: a TCX attach waits for
+        // an RCU grace period (~15 ms here) per program, which would dominate CNI ADD.
+        let id = prog
+            .attach_with_options(ifname, at, TcAttachOptions::Netlink(NlOptions::default()))
+            .map_err(prog_err(name, "attach"))?;
         prog.take_link(id).map_err(prog_err(name, "take link"))
     }
 }
@@ -126,6 +130,18 @@ impl Dataplane for EbpfDataplane {
         self.counters
             .insert(idx, zero, 0)
             .map_err(map_err("insert"))?;
+        match aya::programs::tc::qdisc_add_clsact(ifname) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => {
+                let _ = self.counters.remove(&idx);
+                return Err(DataplaneError::Program {
+                    name: PROG_FROM_POD,
+                    op: "add clsact qdisc",
+                    source: Box::new(aya::programs::ProgramError::IOError(e)),
+                });
+            }
+        }
         let from_pod = self.attach_one(PROG_FROM_POD, ifname, TcAttachType::Ingress);
         let to_pod = self.attach_one(PROG_TO_POD, ifname, TcAttachType::Egress);
         match (from_pod, to_pod) {
