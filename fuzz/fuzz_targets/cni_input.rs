@@ -1,6 +1,7 @@
 //! Fuzzes everything the `calix` plugin parses from the runtime before it touches the network:
 //! the CNI environment (CNI_COMMAND, CNI_CONTAINERID, ..., CNI_ARGS), the network configuration
-//! on stdin, the cniVersion check, the host veth name and the result rendering.
+//! on stdin (runtimeConfig, prevResult, GC attachments), the cniVersion check, the host veth
+//! name, MAC parsing and the result rendering.
 //!
 //! Input layout: `<env part>\0<stdin bytes>` (no NUL: all of it is the env part, stdin empty).
 //! The env part (lossy UTF-8) is one `KEY=VALUE` per line and becomes the environment; it is
@@ -9,8 +10,9 @@
 //!
 //! Properties checked besides "no panic": every error renders to valid JSON with its code; a
 //! validated ADD/DEL/CHECK environment gives a `cali` veth name of at most 15 bytes; a rendered
-//! result is valid JSON carrying the requested version; VERSION through `calix_cni::run`
-//! prints valid JSON (VERSION never reaches the network or the agent).
+//! result (chained after the input's prevResult) is valid JSON carrying the requested version
+//! and decodes back to the same result; a parsed MAC round-trips; VERSION through
+//! `calix_cni::run` prints valid JSON (VERSION never reaches the network or the agent).
 #![no_main]
 
 use std::collections::BTreeMap;
@@ -20,9 +22,9 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use calix_cni::args::{host_veth_name, CniArgs, CniEnv, Command};
-use calix_cni::config::NetConf;
+use calix_cni::config::{parse_mac, NetConf};
 use calix_cni::error::CniError;
-use calix_cni::result::{check_version, AddResult, Interface};
+use calix_cni::result::{check_version, mac_string, AddResult, Interface};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use libfuzzer_sys::fuzz_target;
 
@@ -67,9 +69,21 @@ fuzz_target!(|data: &[u8]| {
             let _ = conf.agent_socket();
             let _ = conf.handle(cni.as_ref().map_or("c", |c| c.container_id.as_str()));
             let _ = conf.ipam.families();
+            let _ = conf.agent_ipam();
+            let _ = conf.gc_attachments().map(<[_]>::len);
+            if let Err(e) = conf.runtime() {
+                check_error(&e);
+            }
             match check_version(&conf.cni_version) {
                 Ok(()) => {
-                    let result = sample_result(cni.as_ref(), stdin);
+                    let mut result = sample_result(cni.as_ref(), stdin);
+                    // Chaining: our result placed after the prevResult the runtime sent.
+                    if let Some(prev) = &conf.prev_result {
+                        match AddResult::from_json(prev) {
+                            Ok(prev) => result = result.after(prev),
+                            Err(e) => check_error(&e),
+                        }
+                    }
                     let v = result.to_json(&conf.cni_version);
                     let text = v.to_string();
                     let back: serde_json::Value =
@@ -78,11 +92,26 @@ fuzz_target!(|data: &[u8]| {
                     if !conf.cni_version.is_empty() {
                         assert_eq!(back["cniVersion"], conf.cni_version.as_str());
                     }
+                    // What we print parses back (as the next plugin's prevResult) to the same.
+                    let again = AddResult::from_json(&back).expect("our own result decodes");
+                    assert_eq!(again, result, "result does not round-trip: {text}");
                 }
                 Err(e) => check_error(&e.with_version(&conf.cni_version)),
             }
         }
         Err(e) => check_error(&e),
+    }
+    // Any JSON on stdin as a prevResult or a delegate's answer.
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(stdin) {
+        if let Err(e) = AddResult::from_json(&v) {
+            check_error(&e);
+        }
+    }
+    // MACs (runtimeConfig.mac, prevResult interfaces) from every env line.
+    for line in env_text.split('\n') {
+        if let Some(mac) = parse_mac(line) {
+            assert_eq!(parse_mac(&mac_string(&mac)), Some(mac));
+        }
     }
     // Versions straight from the input, not only from a decodable config.
     if let Err(e) = check_version(&env_text) {
@@ -168,7 +197,10 @@ fn sample_result(cni: Option<&CniEnv>, bytes: &[u8]) -> AddResult {
                 sandbox,
             },
         ],
-        ips: vec![(v4net, gw, 1), (v6net, IpAddr::V6(v6), usize::from(byte(28)))],
+        ips: vec![
+            (v4net, gw, 1),
+            (v6net, IpAddr::V6(v6), usize::from(byte(28))),
+        ],
         routes: vec![(v4net, gw), (v6net, IpAddr::V6(Ipv6Addr::UNSPECIFIED))],
     }
 }

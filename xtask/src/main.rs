@@ -1,6 +1,8 @@
 //! `cargo xtask <task>`: calix developer tasks.
+mod bench;
 mod build_ebpf;
 mod demo;
+mod fuzz;
 mod setup;
 mod test;
 mod util;
@@ -29,6 +31,17 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Fuzz the CNI plugin's input parsing with cargo-fuzz (nightly); fails on any crash.
+    Fuzz {
+        /// How long to fuzz.
+        #[arg(long, default_value_t = 60)]
+        seconds: u64,
+    },
+    /// Benchmarks (need root); results go to docs/bench/.
+    Bench {
+        #[command(subcommand)]
+        scenario: bench::Scenario,
+    },
 }
 
 fn main() -> Result<()> {
@@ -37,5 +50,7 @@ fn main() -> Result<()> {
         Task::BuildEbpf => build_ebpf::run(),
         Task::Demo => demo::run_demo(),
         Task::Test { args } => test::run_tests(&args),
+        Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
+        Task::Bench { scenario } => bench::run(scenario),
     }
 }

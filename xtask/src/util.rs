@@ -53,3 +53,16 @@ pub fn build_bins() -> Result<PathBuf> {
         .args(["build", "--workspace", "--bins"]))?;
     Ok(root.join("target").join("debug"))
 }
+
+/// Builds every binary of the workspace with the release profile and returns target/release
+/// (benchmarks measure release binaries).
+pub fn build_bins_release() -> Result<PathBuf> {
+    let root = workspace_root();
+    run(Command::new(env!("CARGO")).current_dir(&root).args([
+        "build",
+        "--release",
+        "--workspace",
+        "--bins",
+    ]))?;
+    Ok(root.join("target").join("release"))
+}

@@ -1,0 +1,1060 @@
+//! `cargo xtask bench cni`: CNI ADD and DEL latency, calix against Debian's reference `ptp` +
+//! `host-local`, with the floors next to them, in one run (DESIGN.md §10).
+//!
+//! Every plugin call is exec'd the way the tests do it (`ip netns exec <node> <plugin>` with a
+//! clean CNI environment and the network config on stdin) and timed fork-to-exit. Each variant
+//! has its own node namespace (calix: with a release `calix-agent`, eBPF dataplane); the pod
+//! namespaces are created once, before any timing, and shared: every phase leaves them empty.
+//!
+//! One repetition runs, in order: the floors (`/bin/true`, `ip netns exec <node> /bin/true`,
+//! `ip netns exec <node> ip link del <veth>` over pre-created pod-like veths: peer in a pod
+//! namespace, both ends up, an address and a /32 route), then calix and ptp in an
+//! order that alternates between repetitions. Per variant: the load average, `pods` sequential
+//! ADDs, `pods` sequential DELs, then 20 and 50 concurrent ADDs (wall time; cleaned up by
+//! concurrent DELs, untimed).
+//!
+//! Writes docs/bench/cni.md and docs/bench/cni.svg. Everything it creates is named `cxb-<pid>-…`
+//! and removed on drop, on error too.
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::{fmt_ms, fmt_spread, loadavg, ms, percentile, spread, Machine};
+use crate::util::{self, output, run as run_cmd};
+
+const PREFIX: &str = "cxb";
+const NODE_IP: &str = "10.99.0.1";
+const CALIX_POOL: &str = "10.244.0.0/16";
+const PTP_SUBNET: &str = "10.245.0.0/16";
+const CNI_DIR: &str = "/usr/lib/cni";
+const CONCURRENCY: [usize; 2] = [20, 50];
+const PATH_ENV: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Everything the bench created; removed on drop (error or panic included).
+struct Guard {
+    prefix: String,
+    dir: PathBuf,
+    namespaces: Vec<String>,
+    agent: Option<Child>,
+}
+
+impl Guard {
+    /// Creates namespaces `<prefix>-<name>` in one `ip -batch`.
+    fn netns(&mut self, names: &[String]) -> Result<Vec<String>> {
+        let full: Vec<String> = names
+            .iter()
+            .map(|n| format!("{}-{n}", self.prefix))
+            .collect();
+        let script: String = full.iter().map(|n| format!("netns add {n}\n")).collect();
+        // Recorded first: a half-done batch is still cleaned up.
+        self.namespaces.extend(full.iter().cloned());
+        ip_batch(None, &script)?;
+        Ok(full)
+    }
+
+    fn stop_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            // `ip netns exec` execs the agent: the child pid is the agent's. SIGTERM first so it
+            // detaches its programs and removes its socket.
+            // SAFETY: plain kill(2) on our own child.
+            unsafe { libc::kill(a.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && matches!(a.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = a.kill();
+            let _ = a.wait();
+        }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.stop_agent();
+        if !self.namespaces.is_empty() {
+            let script: String = self
+                .namespaces
+                .iter()
+                .rev()
+                .map(|n| format!("netns del {n}\n"))
+                .collect();
+            if ip_batch(None, &script).is_err() {
+                for n in &self.namespaces {
+                    let _ = Command::new("ip")
+                        .args(["netns", "del", n])
+                        .stderr(Stdio::null())
+                        .status();
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `ip [-n ns] -force -batch -` with `script` on stdin.
+fn ip_batch(ns: Option<&str>, script: &str) -> Result<()> {
+    let mut c = Command::new("ip");
+    if let Some(ns) = ns {
+        c.args(["-n", ns]);
+    }
+    let mut child = c
+        .args(["-force", "-batch", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("cannot run ip -batch")?;
+    if let Some(mut si) = child.stdin.take() {
+        si.write_all(script.as_bytes())?;
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "ip -batch failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Removes namespaces left by an earlier bench run that died without cleaning up.
+fn remove_stale() -> Result<()> {
+    for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        let Some(pid) = name
+            .strip_prefix(PREFIX)
+            .and_then(|r| r.strip_prefix('-'))
+            .and_then(|r| r.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            println!("      removing stale namespace {name}");
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+    Ok(())
+}
+
+/// One CNI plugin under test, run in its node namespace.
+struct Plugin {
+    label: &'static str,
+    binary: PathBuf,
+    node: String,
+    conf: String,
+}
+
+/// One CNI call of a pod.
+struct Call<'a> {
+    command: &'a str,
+    container_id: String,
+    netns: String,
+    args: String,
+}
+
+impl Plugin {
+    fn spawn(&self, call: &Call) -> Result<Child> {
+        Command::new("ip")
+            .args(["netns", "exec", &self.node])
+            .arg(&self.binary)
+            .env_clear()
+            .env("PATH", PATH_ENV)
+            .env("CNI_COMMAND", call.command)
+            .env("CNI_CONTAINERID", &call.container_id)
+            .env("CNI_NETNS", &call.netns)
+            .env("CNI_IFNAME", "eth0")
+            .env("CNI_ARGS", &call.args)
+            .env("CNI_PATH", CNI_DIR)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot exec {}", self.binary.display()))
+    }
+
+    /// Writes the config to the child's stdin and waits for it; fails unless it succeeded.
+    fn finish(&self, call: &Call, mut child: Child) -> Result<Output> {
+        if let Some(mut si) = child.stdin.take() {
+            si.write_all(self.conf.as_bytes())?;
+        }
+        let out = child.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "{} {} of {} failed ({}): {}\n{}",
+                self.label,
+                call.command,
+                call.container_id,
+                out.status,
+                String::from_utf8_lossy(&out.stdout).trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(out)
+    }
+
+    /// One call, timed fork-to-exit.
+    fn timed(&self, call: &Call) -> Result<f64> {
+        let t0 = Instant::now();
+        let child = self.spawn(call)?;
+        let out = self.finish(call, child)?;
+        let dt = ms(t0.elapsed());
+        if call.command == "ADD" {
+            let v: Value = serde_json::from_slice(&out.stdout).with_context(|| {
+                format!(
+                    "{} ADD printed non-JSON: {}",
+                    self.label,
+                    String::from_utf8_lossy(&out.stdout)
+                )
+            })?;
+            if v["ips"][0]["address"].as_str().is_none() {
+                bail!("{} ADD returned no address: {v}", self.label);
+            }
+        }
+        Ok(dt)
+    }
+
+    /// `calls` all at once: wall time from the first fork to the last exit.
+    fn concurrent(&self, calls: &[Call]) -> Result<f64> {
+        let t0 = Instant::now();
+        let mut children = Vec::with_capacity(calls.len());
+        for c in calls {
+            children.push(self.spawn(c)?);
+        }
+        let mut first_err = None;
+        for (c, child) in calls.iter().zip(children) {
+            if let Err(e) = self.finish(c, child) {
+                first_err.get_or_insert(e);
+            }
+        }
+        let dt = ms(t0.elapsed());
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(dt),
+        }
+    }
+
+    /// The `veth` links left in the node namespace (there must be none between phases).
+    fn leftover_veths(&self) -> Result<usize> {
+        let out = output(
+            Command::new("ip").args(["-n", &self.node, "-o", "link", "show", "type", "veth"]),
+        )?;
+        Ok(out.lines().filter(|l| !l.trim().is_empty()).count())
+    }
+}
+
+fn pod_call(command: &str, rep: usize, tag: &str, i: usize, pod_ns: &str) -> Call<'static> {
+    let command: &'static str = match command {
+        "ADD" => "ADD",
+        _ => "DEL",
+    };
+    let container_id = format!("{PREFIX}{rep}{tag}{i:04}0123456789abcdef");
+    Call {
+        command,
+        args: format!(
+            "K8S_POD_INFRA_CONTAINER_ID={container_id};K8S_POD_UID=00000000-0000-0000-0000-{i:012};\
+             IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME=pod-{tag}-{i}"
+        ),
+        container_id,
+        netns: format!("/run/netns/{pod_ns}"),
+    }
+}
+
+/// What one variant measured over every repetition.
+#[derive(Default)]
+struct Samples {
+    add: Vec<f64>,
+    del: Vec<f64>,
+    add_p50: Vec<f64>,
+    del_p50: Vec<f64>,
+    conc: [Vec<f64>; 2],
+    load: Vec<f64>,
+}
+
+/// The floors over every repetition.
+#[derive(Default)]
+struct Floors {
+    truth: Vec<f64>,
+    nsexec: Vec<f64>,
+    link_del: Vec<f64>,
+    truth_p50: Vec<f64>,
+    nsexec_p50: Vec<f64>,
+    link_del_p50: Vec<f64>,
+    load: Vec<f64>,
+}
+
+fn timed_cmd(cmd: &mut Command) -> Result<f64> {
+    let t0 = Instant::now();
+    let st = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    let dt = ms(t0.elapsed());
+    if !st.success() {
+        bail!("{cmd:?} failed ({st})");
+    }
+    Ok(dt)
+}
+
+fn run_floors(f: &mut Floors, floor_node: &str, pods: &[String], n: usize) -> Result<()> {
+    f.load.push(loadavg());
+    let mut truth = Vec::with_capacity(n);
+    for _ in 0..n {
+        truth.push(timed_cmd(&mut Command::new("/bin/true"))?);
+    }
+    let mut nsexec = Vec::with_capacity(n);
+    for _ in 0..n {
+        nsexec.push(timed_cmd(Command::new("ip").args([
+            "netns",
+            "exec",
+            floor_node,
+            "/bin/true",
+        ]))?);
+    }
+    // Veths like a pod's, set up untimed: the peer in the pod's namespace, both ends up, an
+    // address on the pod end and a /32 scope-link route on the host end.
+    let addr = |i: usize| format!("10.246.{}.{}", (i + 1) / 256, (i + 1) % 256);
+    let script: String = pods[..n]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            format!(
+                "link add cxbf{i} type veth peer name eth0 netns {p}\nlink set cxbf{i} up\n\
+                 route add {}/32 dev cxbf{i} scope link\n",
+                addr(i)
+            )
+        })
+        .collect();
+    ip_batch(Some(floor_node), &script)?;
+    for (i, p) in pods[..n].iter().enumerate() {
+        ip_batch(
+            Some(p),
+            &format!("addr add {}/32 dev eth0\nlink set eth0 up\n", addr(i)),
+        )?;
+    }
+    let mut del = Vec::with_capacity(n);
+    for i in 0..n {
+        let name = format!("cxbf{i}");
+        del.push(timed_cmd(Command::new("ip").args([
+            "netns", "exec", floor_node, "ip", "link", "del", &name,
+        ]))?);
+    }
+    f.truth_p50.push(percentile(&truth, 50.0));
+    f.nsexec_p50.push(percentile(&nsexec, 50.0));
+    f.link_del_p50.push(percentile(&del, 50.0));
+    f.truth.extend(truth);
+    f.nsexec.extend(nsexec);
+    f.link_del.extend(del);
+    Ok(())
+}
+
+fn run_variant(
+    p: &Plugin,
+    tag: &str,
+    s: &mut Samples,
+    rep: usize,
+    pods: &[String],
+    n: usize,
+) -> Result<String> {
+    let load = loadavg();
+    s.load.push(load);
+    let mut add = Vec::with_capacity(n);
+    for (i, ns) in pods[..n].iter().enumerate() {
+        add.push(p.timed(&pod_call("ADD", rep, tag, i, ns))?);
+    }
+    let mut del = Vec::with_capacity(n);
+    for (i, ns) in pods[..n].iter().enumerate() {
+        del.push(p.timed(&pod_call("DEL", rep, tag, i, ns))?);
+    }
+    let left = p.leftover_veths()?;
+    if left != 0 {
+        bail!("{}: {left} veth(s) left in the node after DEL", p.label);
+    }
+    let mut walls = [0.0; 2];
+    for (k, &c) in CONCURRENCY.iter().enumerate() {
+        let ctag = format!("{tag}c{c}x");
+        let adds: Vec<Call> = (0..c)
+            .map(|i| pod_call("ADD", rep, &ctag, i, &pods[i]))
+            .collect();
+        let wall = p.concurrent(&adds);
+        let dels: Vec<Call> = (0..c)
+            .map(|i| pod_call("DEL", rep, &ctag, i, &pods[i]))
+            .collect();
+        // Clean up even when an ADD failed (DEL is idempotent).
+        let cleaned = p.concurrent(&dels);
+        walls[k] = wall?;
+        cleaned?;
+        s.conc[k].push(walls[k]);
+    }
+    let left = p.leftover_veths()?;
+    if left != 0 {
+        bail!(
+            "{}: {left} veth(s) left in the node after the concurrent DELs",
+            p.label
+        );
+    }
+    let (a50, a99, d50, d99) = (
+        percentile(&add, 50.0),
+        percentile(&add, 99.0),
+        percentile(&del, 50.0),
+        percentile(&del, 99.0),
+    );
+    s.add_p50.push(a50);
+    s.del_p50.push(d50);
+    s.add.extend(add);
+    s.del.extend(del);
+    Ok(format!(
+        "{} (load {load:.2}): ADD p50 {} p99 {} ms, DEL p50 {} p99 {} ms, 20×ADD {} ms, 50×ADD {} ms",
+        p.label,
+        fmt_ms(a50),
+        fmt_ms(a99),
+        fmt_ms(d50),
+        fmt_ms(d99),
+        fmt_ms(walls[0]),
+        fmt_ms(walls[1]),
+    ))
+}
+
+fn start_agent(g: &mut Guard, agent: &Path, ctl: &Path, node: &str) -> Result<PathBuf> {
+    let socket = g.dir.join("agent.sock");
+    let log_path = g.dir.join("agent.log");
+    let log = std::fs::File::create(&log_path)?;
+    let child = Command::new("ip")
+        .args(["netns", "exec", node])
+        .arg(agent)
+        .args([
+            "--node-name",
+            "cxb-node",
+            "--pool",
+            CALIX_POOL,
+            "--dataplane",
+            "ebpf",
+            "--log-level",
+            "info",
+        ])
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--datastore-path")
+        .arg(g.dir.join("store.json"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("cannot start calix-agent")?;
+    g.agent = Some(child);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ok = Command::new("ip")
+            .args(["netns", "exec", node])
+            .arg(ctl)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("endpoints")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Ok(socket);
+        }
+        let exited = g.agent.as_mut().and_then(|a| a.try_wait().ok().flatten());
+        if exited.is_some() || Instant::now() > deadline {
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            bail!("calix-agent did not come up:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn git_rev(root: &Path) -> String {
+    let rev = output(
+        Command::new("git")
+            .current_dir(root)
+            .args(["rev-parse", "--short", "HEAD"]),
+    )
+    .map(|s| s.trim().to_string())
+    .unwrap_or_else(|_| "unknown".into());
+    let dirty = output(Command::new("git").current_dir(root).args([
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+    ]))
+    .is_ok_and(|s| !s.trim().is_empty());
+    if dirty {
+        format!("{rev} (with uncommitted changes)")
+    } else {
+        rev
+    }
+}
+
+pub fn run(pods: usize, reps: usize) -> Result<()> {
+    util::require_root("the CNI benchmark")?;
+    if pods < 2 || reps < 1 {
+        bail!("--pods must be at least 2 and --reps at least 1");
+    }
+    let t_start = Instant::now();
+    println!("[setup] prerequisites (cargo xtask setup)");
+    crate::setup::run()?;
+    for bin in ["ptp", "host-local"] {
+        let p = Path::new(CNI_DIR).join(bin);
+        if !p.exists() {
+            bail!(
+                "{} is missing: install containernetworking-plugins (cargo xtask setup)",
+                p.display()
+            );
+        }
+    }
+    // The revision the binaries are built from (read before the build, not after the run).
+    let rev = git_rev(&util::workspace_root());
+    println!("[setup] building release binaries (cargo build --release --workspace --bins)");
+    let bins = util::build_bins_release()?;
+    remove_stale()?;
+
+    let prefix = format!("{PREFIX}-{}", std::process::id());
+    let dir = std::env::temp_dir().join(&prefix);
+    std::fs::create_dir_all(&dir)?;
+    let mut g = Guard {
+        prefix,
+        dir: dir.clone(),
+        namespaces: Vec::new(),
+        agent: None,
+    };
+
+    let n_ns = pods.max(CONCURRENCY[1]);
+    println!(
+        "[setup] {} node namespaces (calix, ptp, floor) and {n_ns} pod namespaces",
+        3
+    );
+    let nodes = g.netns(&["calix".into(), "ptp".into(), "floor".into()])?;
+    let (calix_node, ptp_node, floor_node) = (nodes[0].clone(), nodes[1].clone(), nodes[2].clone());
+    for n in &nodes {
+        ip_batch(
+            Some(n),
+            &format!("link set lo up\naddr add {NODE_IP}/32 dev lo\n"),
+        )?;
+    }
+    let pod_names: Vec<String> = (0..n_ns).map(|i| format!("p{i}")).collect();
+    let pod_ns = g.netns(&pod_names)?;
+    // lo up in every pod namespace, as a runtime's loopback plugin would.
+    for p in &pod_ns {
+        run_cmd(Command::new("ip").args(["-n", p, "link", "set", "lo", "up"]))?;
+    }
+
+    println!("[setup] starting calix-agent (release, eBPF dataplane) in {calix_node}");
+    let socket = start_agent(
+        &mut g,
+        &bins.join("calix-agent"),
+        &bins.join("calixctl"),
+        &calix_node,
+    )?;
+    let calix = Plugin {
+        label: "calix",
+        binary: bins.join("calix"),
+        node: calix_node.clone(),
+        conf: json!({
+            "cniVersion": "1.0.0",
+            "name": "cxb-calix",
+            "type": "calix",
+            "mtu": 1500,
+            "ipam": { "type": "calix-ipam" },
+            "agent_socket": socket.display().to_string(),
+        })
+        .to_string(),
+    };
+    let ptp = Plugin {
+        label: "ptp + host-local",
+        binary: Path::new(CNI_DIR).join("ptp"),
+        node: ptp_node.clone(),
+        conf: json!({
+            "cniVersion": "1.0.0",
+            "name": "cxb-ptp",
+            "type": "ptp",
+            "ipMasq": false,
+            "mtu": 1500,
+            "ipam": {
+                "type": "host-local",
+                "subnet": PTP_SUBNET,
+                "routes": [{ "dst": "0.0.0.0/0" }],
+                "dataDir": dir.join("host-local").display().to_string(),
+            },
+        })
+        .to_string(),
+    };
+
+    // One untimed warm-up call of each (page cache, the agent's first connection).
+    for (p, tag) in [(&calix, "w"), (&ptp, "w")] {
+        p.timed(&pod_call("ADD", 0, tag, 0, &pod_ns[0]))?;
+        p.timed(&pod_call("DEL", 0, tag, 0, &pod_ns[0]))?;
+    }
+
+    let mut floors = Floors::default();
+    let mut res = [Samples::default(), Samples::default()];
+    let variants = [&calix, &ptp];
+    for rep in 0..reps {
+        run_floors(&mut floors, &floor_node, &pod_ns, pods)?;
+        println!(
+            "[rep {}/{reps}] floors (load {:.2}): /bin/true p50 {} ms, ip netns exec /bin/true p50 {} ms, ip link del p50 {} ms",
+            rep + 1,
+            floors.load.last().copied().unwrap_or(f64::NAN),
+            fmt_ms(floors.truth_p50[rep]),
+            fmt_ms(floors.nsexec_p50[rep]),
+            fmt_ms(floors.link_del_p50[rep]),
+        );
+        let order: [usize; 2] = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        for v in order {
+            let tag = if v == 0 { "c" } else { "p" };
+            let line = run_variant(variants[v], tag, &mut res[v], rep + 1, &pod_ns, pods)?;
+            println!("[rep {}/{reps}] {line}", rep + 1);
+        }
+    }
+    drop(g);
+    println!(
+        "[done] measured in {:.0}s; everything removed",
+        t_start.elapsed().as_secs_f64()
+    );
+
+    let machine = Machine::read();
+    let report = Report {
+        pods,
+        reps,
+        machine,
+        rev,
+        plugins_version: output(Command::new("dpkg-query").args([
+            "-W",
+            "-f=${Version}",
+            "containernetworking-plugins",
+        ]))
+        .unwrap_or_else(|_| "unknown".into()),
+        calix: res[0].summary(),
+        ptp: res[1].summary(),
+        floors,
+        loads: [res[0].load.clone(), res[1].load.clone()],
+    };
+    let md = report.markdown();
+    println!("\n{md}");
+    let out_dir = util::workspace_root().join("docs").join("bench");
+    std::fs::create_dir_all(&out_dir)?;
+    std::fs::write(out_dir.join("cni.md"), &md)?;
+    chart(&out_dir.join("cni.svg"), &report)?;
+    println!(
+        "wrote {} and {}",
+        out_dir.join("cni.md").display(),
+        out_dir.join("cni.svg").display()
+    );
+    Ok(())
+}
+
+/// One variant's numbers: pooled percentiles, and the per-repetition spread.
+struct Summary {
+    add_p50: f64,
+    add_p99: f64,
+    del_p50: f64,
+    del_p99: f64,
+    add_p50_reps: Vec<f64>,
+    del_p50_reps: Vec<f64>,
+    conc: [Vec<f64>; 2],
+}
+
+impl Samples {
+    fn summary(&self) -> Summary {
+        Summary {
+            add_p50: percentile(&self.add, 50.0),
+            add_p99: percentile(&self.add, 99.0),
+            del_p50: percentile(&self.del, 50.0),
+            del_p99: percentile(&self.del, 99.0),
+            add_p50_reps: self.add_p50.clone(),
+            del_p50_reps: self.del_p50.clone(),
+            conc: self.conc.clone(),
+        }
+    }
+}
+
+impl Summary {
+    fn conc_median(&self, k: usize) -> f64 {
+        spread(&self.conc[k]).0
+    }
+}
+
+struct Report {
+    pods: usize,
+    reps: usize,
+    machine: Machine,
+    rev: String,
+    plugins_version: String,
+    calix: Summary,
+    ptp: Summary,
+    floors: Floors,
+    loads: [Vec<f64>; 2],
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_nan() || b.is_nan() || b == 0.0 {
+        "–".into()
+    } else {
+        format!("{:.2}×", a / b)
+    }
+}
+
+fn loads(v: &[f64]) -> String {
+    let (m, lo, hi) = spread(v);
+    format!("{m:.2} [{lo:.2}–{hi:.2}]")
+}
+
+fn p50_with_reps(pooled: f64, reps: &[f64]) -> String {
+    let (_, lo, hi) = spread(reps);
+    if reps.len() < 2 {
+        format!("{} ms", fmt_ms(pooled))
+    } else {
+        format!("{} ms [{}–{}]", fmt_ms(pooled), fmt_ms(lo), fmt_ms(hi))
+    }
+}
+
+impl Report {
+    fn row(&self, label: &str, s: &Summary, load: &[f64]) -> String {
+        format!(
+            "| {label} | {} | {} ms | {} | {} ms | {} | {} | {} |\n",
+            p50_with_reps(s.add_p50, &s.add_p50_reps),
+            fmt_ms(s.add_p99),
+            p50_with_reps(s.del_p50, &s.del_p50_reps),
+            fmt_ms(s.del_p99),
+            fmt_spread(&s.conc[0]),
+            fmt_spread(&s.conc[1]),
+            loads(load),
+        )
+    }
+
+    fn link_del_p50(&self) -> f64 {
+        percentile(&self.floors.link_del, 50.0)
+    }
+
+    fn targets(&self) -> Vec<(String, bool)> {
+        let (c, p) = (&self.calix, &self.ptp);
+        let floor = self.link_del_p50();
+        vec![
+            (
+                format!(
+                    "ADD p50 ≤ 0.5× ptp's: {} ms vs {} ms",
+                    fmt_ms(c.add_p50),
+                    fmt_ms(0.5 * p.add_p50)
+                ),
+                c.add_p50 <= 0.5 * p.add_p50,
+            ),
+            (
+                format!(
+                    "ADD p99 ≤ ptp's p50: {} ms vs {} ms",
+                    fmt_ms(c.add_p99),
+                    fmt_ms(p.add_p50)
+                ),
+                c.add_p99 <= p.add_p50,
+            ),
+            (
+                format!(
+                    "20 concurrent ADDs ≤ 0.5× ptp's wall: {} ms vs {} ms",
+                    fmt_ms(c.conc_median(0)),
+                    fmt_ms(0.5 * p.conc_median(0))
+                ),
+                c.conc_median(0) <= 0.5 * p.conc_median(0),
+            ),
+            (
+                format!(
+                    "DEL p50 ≤ 1.1× the `ip link del` floor: {} ms vs {} ms",
+                    fmt_ms(c.del_p50),
+                    fmt_ms(1.1 * floor)
+                ),
+                c.del_p50 <= 1.1 * floor,
+            ),
+        ]
+    }
+
+    fn markdown(&self) -> String {
+        let m = &self.machine;
+        let (c, p) = (&self.calix, &self.ptp);
+        let f = &self.floors;
+        let floor = self.link_del_p50();
+        let mut s = String::new();
+        s.push_str("# CNI ADD/DEL latency: calix vs ptp + host-local\n\n");
+        s.push_str(&format!(
+            "Measured {} by `cargo xtask bench cni --pods {} --reps {}` on {} × {} ({} CPUs), \
+             kernel {}. calix {} (release build, `calix-agent` with the eBPF dataplane and the \
+             embedded datastore); `ptp` + `host-local` from Debian's containernetworking-plugins \
+             {} (`ipMasq: false`, a /16).\n\n",
+            m.date,
+            self.pods,
+            self.reps,
+            m.cpu,
+            m.cpus,
+            m.cpus,
+            m.kernel,
+            self.rev,
+            self.plugins_version
+        ));
+        s.push_str(&format!(
+            "Fork-to-exit of `ip netns exec <node> <plugin>` with the CNI environment and the \
+             config on stdin; {} pods per variant and repetition (sequential ADDs, then sequential \
+             DELs, each pod in its own network namespace, created before timing), {} repetitions \
+             with the variants interleaved. p50/p99 over all {} calls; [min–max] of the \
+             per-repetition p50s; concurrent walls as median [min–max] over repetitions; the \
+             1-minute load average before each variant.\n\n",
+            self.pods,
+            self.reps,
+            self.pods * self.reps
+        ));
+        s.push_str("| variant | ADD p50 | ADD p99 | DEL p50 | DEL p99 | 20×ADD wall | 50×ADD wall | load before |\n");
+        s.push_str("|---|---|---|---|---|---|---|---|\n");
+        s.push_str(&self.row("calix", c, &self.loads[0]));
+        s.push_str(&self.row("ptp + host-local", p, &self.loads[1]));
+        s.push_str(&format!(
+            "| calix / ptp | {} | {} | {} | {} | {} | {} | |\n",
+            ratio(c.add_p50, p.add_p50),
+            ratio(c.add_p99, p.add_p99),
+            ratio(c.del_p50, p.del_p50),
+            ratio(c.del_p99, p.del_p99),
+            ratio(c.conc_median(0), p.conc_median(0)),
+            ratio(c.conc_median(1), p.conc_median(1)),
+        ));
+        let floor99 = percentile(&f.link_del, 99.0);
+        for (label, v) in [("calix", c), ("ptp + host-local", p)] {
+            s.push_str(&format!(
+                "| {label} DEL / `ip link del` floor | | | {} | {} | | | |\n",
+                ratio(v.del_p50, floor),
+                ratio(v.del_p99, floor99),
+            ));
+        }
+        s.push_str("\nFloors, timed the same way (fork-to-exit), load before: ");
+        s.push_str(&loads(&f.load));
+        s.push_str(":\n\n| floor | p50 | p99 |\n|---|---|---|\n");
+        for (label, all, reps) in [
+            ("fork+exec `/bin/true`", &f.truth, &f.truth_p50),
+            (
+                "`ip netns exec <node> /bin/true` (the harness's exec path)",
+                &f.nsexec,
+                &f.nsexec_p50,
+            ),
+            (
+                "`ip netns exec <node> ip link del <veth>` (a pod-like veth: peer in a pod \
+                 namespace, both ends up, addressed, routed)",
+                &f.link_del,
+                &f.link_del_p50,
+            ),
+        ] {
+            s.push_str(&format!(
+                "| {label} | {} | {} ms |\n",
+                p50_with_reps(percentile(all, 50.0), reps),
+                fmt_ms(percentile(all, 99.0))
+            ));
+        }
+        s.push_str("\nTargets (issue 3):\n\n");
+        for (text, met) in self.targets() {
+            s.push_str(&format!(
+                "- {} {text}\n",
+                if met { "met:" } else { "**not met**:" }
+            ));
+        }
+        let all_loads: Vec<f64> = self
+            .loads
+            .iter()
+            .flatten()
+            .chain(&f.load)
+            .copied()
+            .collect();
+        let max_load = all_loads.iter().copied().fold(f64::NAN, f64::max);
+        if max_load > 1.2 {
+            s.push_str(&format!(
+                "\nThe load average reached {max_load:.2} before a variant (above ~1.2: the \
+                 machine was shared; DESIGN.md §10 says to rerun).\n"
+            ));
+        }
+        s.push_str("\n![CNI latency chart](cni.svg)\n");
+        s
+    }
+}
+
+// --- chart ---------------------------------------------------------------------------------
+
+fn chart(path: &Path, r: &Report) -> Result<()> {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (1000, 460)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = root.titled(
+        &format!(
+            "CNI fork-to-exit latency, calix vs ptp + host-local ({} pods × {} reps, {})",
+            r.pods, r.reps, r.machine.date
+        ),
+        ("sans-serif", 18),
+    )?;
+    let (left, right) = root.split_horizontally(640);
+    let (c, p) = (&r.calix, &r.ptp);
+    let floor50 = percentile(&r.floors.link_del, 50.0);
+    let floor99 = percentile(&r.floors.link_del, 99.0);
+    let calix_color = RGBColor(0x1f, 0x77, 0xb4);
+    let ptp_color = RGBColor(0xff, 0x7f, 0x0e);
+    let floor_color = RGBColor(0x7f, 0x7f, 0x7f);
+    panel(
+        &left,
+        "per call (ms)",
+        &["ADD p50", "ADD p99", "DEL p50", "DEL p99"],
+        &[
+            (
+                "calix",
+                calix_color,
+                vec![
+                    Some(c.add_p50),
+                    Some(c.add_p99),
+                    Some(c.del_p50),
+                    Some(c.del_p99),
+                ],
+            ),
+            (
+                "ptp + host-local",
+                ptp_color,
+                vec![
+                    Some(p.add_p50),
+                    Some(p.add_p99),
+                    Some(p.del_p50),
+                    Some(p.del_p99),
+                ],
+            ),
+            (
+                "ip link del floor",
+                floor_color,
+                vec![None, None, Some(floor50), Some(floor99)],
+            ),
+        ],
+        Some((
+            "ip netns exec /bin/true p50",
+            percentile(&r.floors.nsexec, 50.0),
+        )),
+    )?;
+    panel(
+        &right,
+        "concurrent ADDs, wall (ms)",
+        &["20×ADD", "50×ADD"],
+        &[
+            (
+                "calix",
+                calix_color,
+                vec![Some(c.conc_median(0)), Some(c.conc_median(1))],
+            ),
+            (
+                "ptp + host-local",
+                ptp_color,
+                vec![Some(p.conc_median(0)), Some(p.conc_median(1))],
+            ),
+        ],
+        None,
+    )?;
+    root.present()?;
+    Ok(())
+}
+
+type Series<'a> = (&'a str, plotters::style::RGBColor, Vec<Option<f64>>);
+
+/// Grouped bars: one group per label, one bar per series, value on top; an optional dashed
+/// reference line.
+fn panel<DB: plotters::prelude::DrawingBackend>(
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    groups: &[&str],
+    series: &[Series],
+    reference: Option<(&str, f64)>,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
+    let n = groups.len();
+    let ymax = series
+        .iter()
+        .flat_map(|s| s.2.iter().flatten())
+        .copied()
+        .chain(reference.map(|r| r.1))
+        .filter(|v| v.is_finite())
+        .fold(1.0f64, f64::max)
+        * 1.4;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 15))
+        .margin(12)
+        .x_label_area_size(28)
+        .y_label_area_size(48)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)
+        .map_err(|e| anyhow::anyhow!("chart: {e:?}"))?;
+    let label = |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
+            groups[i as usize].to_string()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n)
+        .x_label_formatter(&label)
+        .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .y_desc("ms")
+        .draw()
+        .map_err(|e| anyhow::anyhow!("chart mesh: {e:?}"))?;
+    let k = series.len() as f64;
+    let width = 0.8 / k;
+    for (si, (name, color, values)) in series.iter().enumerate() {
+        let color = *color;
+        let bars: Vec<(f64, f64)> = values
+            .iter()
+            .enumerate()
+            .filter_map(|(g, v)| {
+                v.filter(|v| v.is_finite())
+                    .map(|v| (g as f64 - 0.4 + si as f64 * width, v))
+            })
+            .collect();
+        chart
+            .draw_series(
+                bars.iter().map(|&(x0, v)| {
+                    Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], color.filled())
+                }),
+            )
+            .map_err(|e| anyhow::anyhow!("chart bars: {e:?}"))?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+        let style = TextStyle::from(("sans-serif", 11).into_font())
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Bottom));
+        chart
+            .draw_series(
+                bars.iter()
+                    .map(|&(x0, v)| Text::new(fmt_ms(v), (x0 + width * 0.45, v), style.clone())),
+            )
+            .map_err(|e| anyhow::anyhow!("chart labels: {e:?}"))?;
+    }
+    if let Some((name, y)) = reference.filter(|r| r.1.is_finite()) {
+        let line = BLACK.stroke_width(1);
+        chart
+            .draw_series(dashes(-0.5, n as f64 - 0.5, y).map(|seg| PathElement::new(seg, line)))
+            .map_err(|e| anyhow::anyhow!("chart line: {e:?}"))?
+            .label(format!("{name} ({} ms)", fmt_ms(y)))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 10, y)], line));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(|e| anyhow::anyhow!("chart legend: {e:?}"))?;
+    Ok(())
+}
+
+/// Segments of a dashed horizontal line from `x0` to `x1` at `y`.
+fn dashes(x0: f64, x1: f64, y: f64) -> impl Iterator<Item = Vec<(f64, f64)>> {
+    let step = (x1 - x0) / 60.0;
+    (0..30).map(move |i| {
+        let a = x0 + 2.0 * i as f64 * step;
+        vec![(a, y), (a + step, y)]
+    })
+}
