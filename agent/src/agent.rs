@@ -9,7 +9,7 @@ use ipnet::IpNet;
 use tokio::sync::Mutex;
 
 use crate::dataplane::{Attached, Dataplane, DataplaneError};
-use crate::datastore::{Datastore, DatastoreError, EndpointRecord, StoreState};
+use crate::datastore::{Datastore, DatastoreError, Durability, EndpointRecord, StoreState};
 use crate::ipam::{IpamError, IpamState, Pool};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,11 +79,12 @@ impl Agent {
     fn commit_with<T>(
         &self,
         inner: &mut Inner,
+        durability: Durability,
         f: impl FnOnce(&mut StoreState) -> Result<T, AgentError>,
     ) -> Result<T, AgentError> {
         let mut next = inner.state.clone();
         let out = f(&mut next)?;
-        let revision = self.store.commit(&next)?;
+        let revision = self.store.commit(&next, durability)?;
         next.revision = revision;
         inner.state = next;
         Ok(out)
@@ -144,7 +145,7 @@ impl Agent {
             // Nothing changes: answer from a copy of the state, no datastore write.
             allocate(&mut inner.state.clone())?
         } else {
-            self.commit_with(&mut inner, allocate)?
+            self.commit_with(&mut inner, Durability::Power, allocate)?
         };
         for (addr, _) in &out {
             tracing::info!(%handle, %ifname, %addr, already, "allocated");
@@ -160,7 +161,9 @@ impl Agent {
         {
             return Ok(Vec::new());
         }
-        let released = self.commit_with(&mut inner, |s| Ok(s.ipam.release(handle, ifname)))?;
+        let released = self.commit_with(&mut inner, Durability::Process, |s| {
+            Ok(s.ipam.release(handle, ifname))
+        })?;
         for addr in &released {
             tracing::info!(%handle, %ifname, %addr, reason = "released by CNI DEL", "released");
         }
@@ -202,7 +205,7 @@ impl Agent {
             }
             inner.attached.remove(&ep.host_ifname);
         }
-        let released = self.commit_with(&mut inner, |s| {
+        let released = self.commit_with(&mut inner, Durability::Process, |s| {
             for ep in &stale_eps {
                 s.endpoints
                     .remove(&EndpointRecord::key(&ep.container_id, &ep.ifname));
@@ -248,7 +251,7 @@ impl Agent {
         let t_attach = t0.elapsed();
         let key = EndpointRecord::key(&ep.container_id, &ep.ifname);
         let host_ifname = ep.host_ifname.clone();
-        let committed = self.commit_with(&mut inner, |s| {
+        let committed = self.commit_with(&mut inner, Durability::Process, |s| {
             s.endpoints.insert(key, ep);
             Ok(())
         });
@@ -264,27 +267,49 @@ impl Agent {
         Ok(attached)
     }
 
-    /// Forgets the endpoint and detaches its programs. Idempotent; returns whether it existed.
-    pub async fn unregister(&self, container_id: &str, ifname: &str) -> Result<bool, AgentError> {
+    /// Forgets the endpoint and detaches its programs; with `release_handle`, also releases
+    /// what that handle holds for `ifname`, in the same datastore write. Idempotent; returns
+    /// whether the endpoint existed and what was released.
+    pub async fn unregister(
+        &self,
+        container_id: &str,
+        ifname: &str,
+        release_handle: Option<&str>,
+    ) -> Result<(bool, Vec<IpAddr>), AgentError> {
         let key = EndpointRecord::key(container_id, ifname);
         let mut inner = self.inner.lock().await;
-        let Some(ep) = inner.state.endpoints.get(&key).cloned() else {
-            return Ok(false);
-        };
-        inner
-            .dataplane
-            .detach(&ep.host_ifname)
-            .map_err(|source| AgentError::Dataplane {
-                host_ifname: ep.host_ifname.clone(),
-                source,
-            })?;
-        inner.attached.remove(&ep.host_ifname);
-        self.commit_with(&mut inner, |s| {
+        let ep = inner.state.endpoints.get(&key).cloned();
+        if let Some(ep) = &ep {
+            inner
+                .dataplane
+                .detach(&ep.host_ifname)
+                .map_err(|source| AgentError::Dataplane {
+                    host_ifname: ep.host_ifname.clone(),
+                    source,
+                })?;
+            inner.attached.remove(&ep.host_ifname);
+        }
+        let holds = release_handle.is_some_and(|h| {
+            inner.state.ipam.lookup(h, ifname, true).is_some()
+                || inner.state.ipam.lookup(h, ifname, false).is_some()
+        });
+        if ep.is_none() && !holds {
+            return Ok((false, Vec::new()));
+        }
+        let released = self.commit_with(&mut inner, Durability::Process, |s| {
             s.endpoints.remove(&key);
-            Ok(())
+            Ok(match release_handle {
+                Some(h) => s.ipam.release(h, ifname),
+                None => Vec::new(),
+            })
         })?;
-        tracing::info!(host_ifname = %ep.host_ifname, "endpoint removed");
-        Ok(true)
+        if let Some(ep) = &ep {
+            tracing::info!(host_ifname = %ep.host_ifname, "endpoint removed");
+        }
+        for addr in &released {
+            tracing::info!(handle = release_handle.unwrap_or_default(), %ifname, %addr, reason = "released by CNI DEL", "released");
+        }
+        Ok((ep.is_some(), released))
     }
 
     /// Re-programs every recorded endpoint whose interface still exists (agent restart).

@@ -173,7 +173,15 @@ impl Dataplane for EbpfDataplane {
                 Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
                 Err(e) => return Err(map_err("remove")(e)),
             }
-            drop(links);
+            if ifindex(ifname).ok() == Some(links.ifindex) {
+                // The veth is still there: remove our filters (dropping a link detaches it).
+                drop(links);
+            } else {
+                // The veth is gone (CNI DEL deletes it first), and the kernel removed its
+                // filters with it. Dropping the links would send two filter deletes for a dead
+                // ifindex under the RTNL lock; they hold no fd, so just forget them.
+                std::mem::forget(links);
+            }
         }
         Ok(())
     }

@@ -6,12 +6,13 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::{Datastore, DatastoreError, StoreState};
+use super::{Datastore, DatastoreError, Durability, StoreState};
 
 pub struct EmbeddedStore {
     path: PathBuf,
-    /// Serialises commits from this process; the file has one writer (this agent).
-    lock: Mutex<()>,
+    /// Serialises commits from this process and remembers the revision last read or written:
+    /// the file has one writer (this agent), so a commit need not re-read it.
+    lock: Mutex<Option<u64>>,
 }
 
 impl EmbeddedStore {
@@ -26,7 +27,7 @@ impl EmbeddedStore {
         }
         Ok(Self {
             path: path.to_path_buf(),
-            lock: Mutex::new(()),
+            lock: Mutex::new(None),
         })
     }
 
@@ -52,13 +53,18 @@ impl EmbeddedStore {
 
 impl Datastore for EmbeddedStore {
     fn load(&self) -> Result<StoreState, DatastoreError> {
-        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.read()
+        let mut known = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let state = self.read()?;
+        *known = Some(state.revision);
+        Ok(state)
     }
 
-    fn commit(&self, state: &StoreState) -> Result<u64, DatastoreError> {
-        let _g = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let current = self.read()?.revision;
+    fn commit(&self, state: &StoreState, durability: Durability) -> Result<u64, DatastoreError> {
+        let mut known = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        let current = match *known {
+            Some(r) => r,
+            None => self.read()?.revision,
+        };
         if current != state.revision {
             return Err(DatastoreError::Conflict {
                 expected: state.revision,
@@ -67,7 +73,7 @@ impl Datastore for EmbeddedStore {
         }
         let mut next = state.clone();
         next.revision = current + 1;
-        let bytes = serde_json::to_vec_pretty(&next).map_err(|source| DatastoreError::Corrupt {
+        let bytes = serde_json::to_vec(&next).map_err(|source| DatastoreError::Corrupt {
             path: self.path.clone(),
             source,
         })?;
@@ -80,14 +86,22 @@ impl Datastore for EmbeddedStore {
                 .open(&tmp)
                 .map_err(self.io("create temporary file"))?;
             f.write_all(&bytes).map_err(self.io("write"))?;
-            f.sync_all().map_err(self.io("fsync"))?;
+            if durability == Durability::Power {
+                f.sync_all().map_err(self.io("fsync"))?;
+            }
         }
+        // Rename over the old file: readers see the old or the new state, never a torn one.
         fs::rename(&tmp, &self.path).map_err(self.io("rename"))?;
-        if let Some(dir) = self.path.parent() {
+        if let Some(dir) = self
+            .path
+            .parent()
+            .filter(|_| durability == Durability::Power)
+        {
             File::open(dir)
                 .and_then(|d| d.sync_all())
                 .map_err(self.io("fsync directory"))?;
         }
+        *known = Some(next.revision);
         Ok(next.revision)
     }
 }
@@ -116,13 +130,13 @@ mod tests {
                 handle: "net.c".into(),
             },
         );
-        assert_eq!(store.commit(&s).expect("commit"), 1);
+        assert_eq!(store.commit(&s, Durability::Power).expect("commit"), 1);
         let loaded = store.load().expect("load");
         assert_eq!(loaded.revision, 1);
         assert_eq!(loaded.endpoints, s.endpoints);
         // A second writer holding the old revision loses.
         assert!(matches!(
-            store.commit(&s),
+            store.commit(&s, Durability::Process),
             Err(DatastoreError::Conflict {
                 expected: 0,
                 found: 1

@@ -57,9 +57,21 @@ pub struct StoreState {
     pub endpoints: BTreeMap<String, EndpointRecord>,
 }
 
+/// How durable a commit must be before it is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Durability {
+    /// Survives power loss (fsync). Every new allocation: an address handed out must never be
+    /// handed out twice.
+    Power,
+    /// Survives the agent crashing (the kernel has the write), not power loss. Enough for
+    /// endpoint records (no pod network outlives a reboot) and for releases (losing one only
+    /// leaves an address allocated, which leak GC reclaims): it saves two journal commits.
+    Process,
+}
+
 /// A datastore: read the whole state, write it back with compare-and-swap on the revision.
 pub trait Datastore: Send + Sync {
     fn load(&self) -> Result<StoreState, DatastoreError>;
     /// Writes `state` if the stored revision is still `state.revision`; returns the new revision.
-    fn commit(&self, state: &StoreState) -> Result<u64, DatastoreError>;
+    fn commit(&self, state: &StoreState, durability: Durability) -> Result<u64, DatastoreError>;
 }

@@ -207,12 +207,16 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         req: Request<pb::UnregisterRequest>,
     ) -> Result<Response<pb::UnregisterResponse>, Status> {
         let r = req.into_inner();
-        let existed = self
+        let handle = (!r.release_handle.is_empty()).then_some(r.release_handle.as_str());
+        let (existed, released) = self
             .0
-            .unregister(&r.container_id, &r.ifname)
+            .unregister(&r.container_id, &r.ifname, handle)
             .await
             .map_err(status)?;
-        Ok(Response::new(pb::UnregisterResponse { existed }))
+        Ok(Response::new(pb::UnregisterResponse {
+            existed,
+            released: released.iter().map(ToString::to_string).collect(),
+        }))
     }
 
     async fn list(

@@ -37,6 +37,7 @@ impl Undo {
                 .unregister(pb::UnregisterRequest {
                     container_id: inv.env.container_id.clone(),
                     ifname: inv.env.ifname.clone(),
+                    release_handle: String::new(),
                 })
                 .await
             {
@@ -56,8 +57,22 @@ impl Undo {
     }
 }
 
+/// Logs how long each ADD phase took (debug level), so slow steps show in the log file.
+struct Phases(std::time::Instant);
+
+impl Phases {
+    fn mark(&self, phase: &str) {
+        tracing::debug!(
+            phase,
+            elapsed_us = self.0.elapsed().as_micros() as u64,
+            "ADD phase done"
+        );
+    }
+}
+
 pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     let env = inv.env;
+    let t = Phases(std::time::Instant::now());
     let pod_ns = NetNs::open(&env.netns).map_err(|e| {
         CniError::new(
             code::INVALID_ENV,
@@ -69,7 +84,9 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
         )
     })?;
     let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
+    t.mark("connect");
     let assigned = ipam::add(env, inv.conf, inv.raw, &mut agent).await?;
+    t.mark("ipam");
     let mut undo = Undo {
         allocated: !assigned.already,
         ..Undo::default()
@@ -91,6 +108,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
         &assigned.addresses,
         &mut agent,
         &mut undo,
+        &t,
     )
     .await
     {
@@ -109,6 +127,7 @@ async fn wire(
     addresses: &[IpAddr],
     agent: &mut AgentClient,
     undo: &mut Undo,
+    t: &Phases,
 ) -> Result<Value, CniError> {
     let (env, conf) = (inv.env, inv.conf);
     let host_ifname = host_veth_name(&env.args, &env.container_id);
@@ -134,6 +153,7 @@ async fn wire(
             _ => wiring(format!("cannot create veth {host_ifname}"), &e),
         })?;
     undo.veth = Some(host_ifname.clone());
+    t.mark("veth");
     veth::set_alias(
         host,
         pair.host_ifindex,
@@ -163,6 +183,7 @@ async fn wire(
                 &e,
             )
         })?;
+    t.mark("pod side");
     if conf.container_settings.allow_ip_forwarding {
         let mut knobs = vec![];
         if v4.is_some() {
@@ -179,6 +200,7 @@ async fn wire(
     veth::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6)
         .await
         .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
+    t.mark("host side");
 
     let nets: Vec<IpNet> = addresses.iter().map(|a| IpNet::from(*a)).collect();
     agent
@@ -198,6 +220,7 @@ async fn wire(
         .await
         .map_err(|s| call_error("registering the endpoint", s))?;
     undo.registered = true;
+    t.mark("register");
 
     let mut result = AddResult {
         interfaces: vec![

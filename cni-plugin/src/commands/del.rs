@@ -11,14 +11,6 @@ use crate::{ipam, netns, veth};
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let env = inv.env;
     let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
-    agent
-        .endpoints
-        .unregister(pb::UnregisterRequest {
-            container_id: env.container_id.clone(),
-            ifname: env.ifname.clone(),
-        })
-        .await
-        .map_err(|s| call_error("removing the endpoint", s))?;
     // The host side's name is derived from the same CNI_ARGS ADD saw; a prevResult names it too.
     let mut names = vec![host_veth_name(&env.args, &env.container_id)];
     if let Some(prev) = &inv.conf.prev_result {
@@ -36,10 +28,31 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
     let owner = veth::owner_alias(&env.container_id, &env.ifname);
-    for name in names {
-        super::delete_owned_link(&host, &name, &owner)
+    // Order matters for speed and safety: the veth goes first (the kernel drops its routes and
+    // tc filters with it), so the agent only forgets the endpoint instead of detaching filters
+    // under the RTNL lock; the address is released last, once no route points at the old veth.
+    for name in &names {
+        super::delete_owned_link(&host, name, &owner)
             .await
             .map_err(|e| wiring(format!("cannot delete veth {name}"), &e))?;
+    }
+    // With calix-ipam the agent releases the addresses in the same call and datastore write.
+    let release_handle = if inv.conf.agent_ipam() {
+        inv.conf.handle(&env.container_id)
+    } else {
+        String::new()
+    };
+    agent
+        .endpoints
+        .unregister(pb::UnregisterRequest {
+            container_id: env.container_id.clone(),
+            ifname: env.ifname.clone(),
+            release_handle,
+        })
+        .await
+        .map_err(|s| call_error("removing the endpoint", s))?;
+    if inv.conf.agent_ipam() {
+        return Ok(());
     }
     ipam::del(env, inv.conf, inv.raw, &mut agent).await
 }
