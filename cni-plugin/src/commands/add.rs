@@ -71,7 +71,7 @@ impl Phases {
 }
 
 pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
-    let env = inv.env;
+    let (env, conf) = (inv.env, inv.conf);
     let t = Phases(std::time::Instant::now());
     let pod_ns = NetNs::open(&env.netns).map_err(|e| {
         CniError::new(
@@ -83,28 +83,48 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
             e.to_string(),
         )
     })?;
-    let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
+    let mut agent = AgentClient::connect(&conf.agent_socket()).await?;
+    let host = netns::netlink_here()
+        .await
+        .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
     t.mark("connect");
-    let assigned = ipam::add(env, inv.conf, inv.raw, &mut agent).await?;
-    t.mark("ipam");
-    let mut undo = Undo {
-        allocated: !assigned.already,
-        ..Undo::default()
+    let host_ifname = host_veth_name(&env.args, &env.container_id);
+    // The address and the veth don't depend on each other: get both at once.
+    let create = async {
+        veth::create_veth(&host, &pod_ns, &host_ifname, &env.ifname, conf.mtu)
+            .await
+            .map_err(|e| match &e {
+                VethError::Exists { name } => CniError::new(
+                    code::WIRING_FAILED,
+                    format!(
+                        "interface {name} already exists: is container {} already added? DEL it first",
+                        env.container_id
+                    ),
+                    e.to_string(),
+                ),
+                _ => wiring(format!("cannot create veth {host_ifname}"), &e),
+            })
     };
-    let host = match netns::netlink_here().await {
-        Ok(h) => h,
-        Err(e) => {
-            undo.run(inv, &mut agent, None).await;
-            return Err(wiring(
-                "cannot open netlink in the host namespace".into(),
-                &e,
-            ));
+    let (assigned, pair) = tokio::join!(ipam::add(env, conf, inv.raw, &mut agent), create);
+    let mut undo = Undo {
+        allocated: assigned.as_ref().is_ok_and(|a| !a.already),
+        veth: pair.as_ref().ok().map(|_| host_ifname.clone()),
+        registered: false,
+    };
+    t.mark("ipam and veth");
+    let (assigned, pair) = match (assigned, pair) {
+        (Ok(a), Ok(p)) => (a, p),
+        (Err(e), _) | (_, Err(e)) => {
+            undo.run(inv, &mut agent, Some(&host)).await;
+            return Err(e);
         }
     };
     match wire(
         inv,
         &pod_ns,
         &host,
+        &host_ifname,
+        &pair,
         &assigned.addresses,
         &mut agent,
         &mut undo,
@@ -120,17 +140,20 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn wire(
     inv: &Invocation<'_>,
     pod_ns: &NetNs,
     host: &rtnetlink::Handle,
+    host_ifname: &str,
+    pair: &veth::VethPair,
     addresses: &[IpAddr],
     agent: &mut AgentClient,
     undo: &mut Undo,
     t: &Phases,
 ) -> Result<Value, CniError> {
     let (env, conf) = (inv.env, inv.conf);
-    let host_ifname = host_veth_name(&env.args, &env.container_id);
+    let host_ifname = host_ifname.to_string();
     let v4 = addresses.iter().find_map(|a| match a {
         IpAddr::V4(v) => Some(*v),
         IpAddr::V6(_) => None,
@@ -139,21 +162,6 @@ async fn wire(
         IpAddr::V6(v) => Some(*v),
         IpAddr::V4(_) => None,
     });
-    let pair = veth::create_veth(host, pod_ns, &host_ifname, &env.ifname, conf.mtu)
-        .await
-        .map_err(|e| match &e {
-            VethError::Exists { name } => CniError::new(
-                code::WIRING_FAILED,
-                format!(
-                    "interface {name} already exists: is container {} already added? DEL it first",
-                    env.container_id
-                ),
-                e.to_string(),
-            ),
-            _ => wiring(format!("cannot create veth {host_ifname}"), &e),
-        })?;
-    undo.veth = Some(host_ifname.clone());
-    t.mark("veth");
     veth::set_alias(
         host,
         pair.host_ifindex,
