@@ -81,7 +81,8 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     }
     let mut mac = [0u8; 6];
     for (i, p) in parts.iter().enumerate() {
-        if p.len() != 2 {
+        // from_str_radix alone would take "+e" as a hex number.
+        if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
             return None;
         }
         mac[i] = u8::from_str_radix(p, 16).ok()?;
@@ -360,6 +361,7 @@ mod runtime_tests {
             Some([0xee, 0xee, 0xee, 0xee, 0xee, 1])
         );
         assert_eq!(parse_mac("ee:ee:ee:ee:ee"), None);
+        assert_eq!(parse_mac("+e:ee:ee:ee:ee:ee"), None);
         assert_eq!(parse_mac("ee:ee:ee:ee:ee:eee"), None);
     }
 }
