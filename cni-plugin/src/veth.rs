@@ -376,6 +376,16 @@ pub async fn configure_host(
     v6: Option<Ipv6Addr>,
 ) -> Result<(), VethError> {
     validate_ifname(host_ifname)?;
+    if v6.is_none() {
+        // An IPv4-only pod needs no IPv6 on its host veth. Without this every host veth gets the
+        // same link-local address (they all share the MAC ee:ee:ee:ee:ee:ee): N identical
+        // fe80::ecee:eeff:feee:eeee addresses and /128 local routes for nothing. Skipped when the
+        // kernel has no IPv6 (no such file).
+        let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
+        if std::path::Path::new(&knob).exists() {
+            netns::write_sysctl(knob, "1")?;
+        }
+    }
     if v4.is_some() {
         netns::write_sysctl(
             format!("/proc/sys/net/ipv4/conf/{host_ifname}/proxy_arp"),

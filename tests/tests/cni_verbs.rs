@@ -195,6 +195,10 @@ fn ipv6_and_dual_stack() {
         .ns
         .exec_ok(&["cat", &format!("/proc/sys/net/ipv6/conf/{h}/proxy_ndp")]);
     assert_eq!(String::from_utf8_lossy(&ndp.stdout).trim(), "1");
+    let v6on = node
+        .ns
+        .exec_ok(&["cat", &format!("/proc/sys/net/ipv6/conf/{h}/disable_ipv6")]);
+    assert_eq!(String::from_utf8_lossy(&v6on.stdout).trim(), "0");
     let hr = node
         .ns
         .exec_ok(&["ip", "-6", "-j", "route", "show", &format!("{v6a}/128")]);

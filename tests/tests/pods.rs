@@ -36,6 +36,12 @@ fn two_pods_talk(dp: Dataplane) {
         "no host route to {ip_a}: {host_routes:?}"
     );
     assert_eq!(a.host_ifname().len(), 15);
+    // IPv4-only pod: no IPv6 on the host veth (no N identical link-locals).
+    let v6off = node.ns.exec_ok(&[
+        "cat",
+        &format!("/proc/sys/net/ipv6/conf/{}/disable_ipv6", a.host_ifname()),
+    ]);
+    assert_eq!(String::from_utf8_lossy(&v6off.stdout).trim(), "1");
     assert!(a.host_ifname().starts_with("cali"));
 
     assert!(a.ns.ping(&ip_b, 3), "pod a cannot ping pod b");
