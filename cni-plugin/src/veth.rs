@@ -376,15 +376,13 @@ pub async fn configure_host(
     v6: Option<Ipv6Addr>,
 ) -> Result<(), VethError> {
     validate_ifname(host_ifname)?;
-    if v6.is_none() {
-        // An IPv4-only pod needs no IPv6 on its host veth. Without this every host veth gets the
-        // same link-local address (they all share the MAC ee:ee:ee:ee:ee:ee): N identical
-        // fe80::ecee:eeff:feee:eeee addresses and /128 local routes for nothing. Skipped when the
-        // kernel has no IPv6 (no such file).
-        let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
-        if std::path::Path::new(&knob).exists() {
-            netns::write_sysctl(knob, "1")?;
-        }
+    // An IPv4-only pod needs no IPv6 on its host veth. Without this every host veth gets the
+    // same link-local address (they all share the MAC ee:ee:ee:ee:ee:ee): N identical
+    // fe80::ecee:eeff:feee:eeee addresses and /128 local routes for nothing. Set both ways, so
+    // configuring a veth again for IPv6 works. Skipped when the kernel has no IPv6.
+    let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
+    if std::path::Path::new(&knob).exists() {
+        netns::write_sysctl(knob, if v6.is_none() { "1" } else { "0" })?;
     }
     if v4.is_some() {
         netns::write_sysctl(

@@ -10,7 +10,16 @@ use crate::{ipam, netns, veth};
 
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let env = inv.env;
+    let t0 = std::time::Instant::now();
+    let mark = |phase: &str| {
+        tracing::debug!(
+            phase,
+            elapsed_us = t0.elapsed().as_micros() as u64,
+            "DEL phase done"
+        );
+    };
     let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
+    mark("connect");
     // The host side's name is derived from the same CNI_ARGS ADD saw; a prevResult names it too.
     let mut names = vec![host_veth_name(&env.args, &env.container_id)];
     if let Some(prev) = &inv.conf.prev_result {
@@ -36,6 +45,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
             .await
             .map_err(|e| wiring(format!("cannot delete veth {name}"), &e))?;
     }
+    mark("veth");
     // With calix-ipam the agent releases the addresses in the same call and datastore write.
     let release_handle = if inv.conf.agent_ipam() {
         inv.conf.handle(&env.container_id)
@@ -51,6 +61,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         })
         .await
         .map_err(|s| call_error("removing the endpoint", s))?;
+    mark("unregister");
     if inv.conf.agent_ipam() {
         return Ok(());
     }
