@@ -71,16 +71,38 @@ impl Block {
         host_count(&self.cidr)
     }
 
-    /// The lowest free offset. An IPv4 pool's own network and broadcast addresses are never
-    /// handed out: routing would cope (/32s), but people and some tools don't.
-    fn free_offset(&self, pool: &IpNet) -> Option<u32> {
-        let reserved = |addr: IpAddr| match pool {
-            IpNet::V4(p) => addr == IpAddr::V4(p.network()) || addr == IpAddr::V4(p.broadcast()),
-            IpNet::V6(_) => false,
-        };
+    /// Free offsets in address order. An IPv4 pool's own network and broadcast addresses are
+    /// never handed out: routing would cope (/32s), but people and some tools don't.
+    fn free_offsets<'a>(&'a self, pool: &'a IpNet) -> impl Iterator<Item = u32> + 'a {
         (0..self.size())
             .map(|o| o as u32)
-            .find(|o| !self.allocations.contains_key(o) && !reserved(self.address(*o)))
+            .filter(move |o| !self.allocations.contains_key(o) && !reserved(pool, self.address(*o)))
+    }
+
+    /// The lowest free offset.
+    fn free_offset(&self, pool: &IpNet) -> Option<u32> {
+        self.free_offsets(pool).next()
+    }
+
+    /// Records an allocation at `offset` with the block's next sequence number.
+    fn take(
+        &mut self,
+        offset: u32,
+        handle: &str,
+        ifname: &str,
+        attributes: &BTreeMap<String, String>,
+    ) {
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.allocations.insert(
+            offset,
+            Allocation {
+                handle: handle.to_string(),
+                ifname: ifname.to_string(),
+                seq,
+                attributes: attributes.clone(),
+            },
+        );
     }
 
     pub fn address(&self, offset: u32) -> IpAddr {
@@ -109,6 +131,14 @@ fn nth(net: &IpNet, n: u128) -> IpAddr {
     match net {
         IpNet::V4(v4) => IpAddr::V4((u32::from(v4.network()).wrapping_add(n as u32)).into()),
         IpNet::V6(v6) => IpAddr::V6((u128::from(v6.network()).wrapping_add(n)).into()),
+    }
+}
+
+/// An IPv4 pool's network or broadcast address.
+fn reserved(pool: &IpNet, addr: IpAddr) -> bool {
+    match pool {
+        IpNet::V4(p) => addr == IpAddr::V4(p.network()) || addr == IpAddr::V4(p.broadcast()),
+        IpNet::V6(_) => false,
     }
 }
 
@@ -186,17 +216,7 @@ impl IpamState {
             let Some(offset) = block.free_offset(&pool.cidr) else {
                 continue;
             };
-            let seq = block.next_seq;
-            block.next_seq += 1;
-            block.allocations.insert(
-                offset,
-                Allocation {
-                    handle: handle.to_string(),
-                    ifname: ifname.to_string(),
-                    seq,
-                    attributes: attributes.clone(),
-                },
-            );
+            block.take(offset, handle, ifname, attributes);
             return Ok((block.address(offset), pool.cidr));
         }
         Err(IpamError::Exhausted {
@@ -257,17 +277,7 @@ impl IpamState {
         if block.allocations.contains_key(&offset) {
             return Err(IpamError::InUse { addr });
         }
-        let seq = block.next_seq;
-        block.next_seq += 1;
-        block.allocations.insert(
-            offset,
-            Allocation {
-                handle: handle.to_string(),
-                ifname: ifname.to_string(),
-                seq,
-                attributes: attributes.clone(),
-            },
-        );
+        block.take(offset, handle, ifname, attributes);
         Ok((addr, pool.cidr))
     }
 
@@ -295,13 +305,6 @@ impl IpamState {
             .iter()
             .filter(|p| !p.disabled && p.cidr.addr().is_ipv4() == v4)
         {
-            let reserved = |b: &Block, o: u32| match pool.cidr {
-                IpNet::V4(p) => {
-                    let a = b.address(o);
-                    a == IpAddr::V4(p.network()) || a == IpAddr::V4(p.broadcast())
-                }
-                IpNet::V6(_) => false,
-            };
             let mut claimed: u64 = 0;
             for b in self
                 .blocks
@@ -310,11 +313,7 @@ impl IpamState {
             {
                 claimed += 1;
                 if b.affinity == node {
-                    let n = (0..b.size())
-                        .map(|o| o as u32)
-                        .filter(|o| !b.allocations.contains_key(o) && !reserved(b, *o))
-                        .count() as u64;
-                    free = free.saturating_add(n);
+                    free = free.saturating_add(b.free_offsets(&pool.cidr).count() as u64);
                 }
             }
             let bits = u32::from(pool.block_size - pool.cidr.prefix_len());

@@ -73,16 +73,7 @@ impl Phases {
 pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     let (env, conf) = (inv.env, inv.conf);
     let t = Phases(std::time::Instant::now());
-    let pod_ns = NetNs::open(&env.netns).map_err(|e| {
-        CniError::new(
-            code::INVALID_ENV,
-            format!(
-                "cannot open the container's network namespace {}",
-                env.netns
-            ),
-            e.to_string(),
-        )
-    })?;
+    let pod_ns = super::open_pod_ns(env)?;
     let mut agent = AgentClient::connect(&conf.agent_socket()).await?;
     let host = netns::netlink_here()
         .await

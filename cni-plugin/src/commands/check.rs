@@ -10,7 +10,7 @@ use super::{wiring, Invocation};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
 use crate::ipam;
-use crate::netns::{self, NetNs};
+use crate::netns;
 use crate::result::AddResult;
 use crate::veth::{self, Family};
 
@@ -75,16 +75,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         }
     }
 
-    let pod_ns = NetNs::open(&env.netns).map_err(|e| {
-        CniError::new(
-            code::INVALID_ENV,
-            format!(
-                "cannot open the container's network namespace {}",
-                env.netns
-            ),
-            e.to_string(),
-        )
-    })?;
+    let pod_ns = super::open_pod_ns(env)?;
     let pod = netns::netlink_in(&pod_ns).await.map_err(|e| {
         wiring(
             "cannot open netlink in the container's namespace".into(),

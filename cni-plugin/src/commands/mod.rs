@@ -38,6 +38,20 @@ pub(crate) async fn delete_owned_link(
     }
 }
 
+/// Opens the container's network namespace; failing that is a bad environment (code 4).
+pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<crate::netns::NetNs, CniError> {
+    crate::netns::NetNs::open(&env.netns).map_err(|e| {
+        CniError::new(
+            code::INVALID_ENV,
+            format!(
+                "cannot open the container's network namespace {}",
+                env.netns
+            ),
+            e.to_string(),
+        )
+    })
+}
+
 /// A wiring failure with the whole error chain in `details`.
 pub(crate) fn wiring(msg: String, e: &dyn std::error::Error) -> CniError {
     let mut details = e.to_string();
