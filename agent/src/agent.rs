@@ -75,19 +75,30 @@ impl Agent {
         &self.node
     }
 
-    /// Applies `f` to a copy of the state, commits it, and makes it current.
+    /// Applies `f` to the state and commits it; on any failure the state is what was last
+    /// committed.
     fn commit_with<T>(
         &self,
         inner: &mut Inner,
         durability: Durability,
         f: impl FnOnce(&mut StoreState) -> Result<T, AgentError>,
     ) -> Result<T, AgentError> {
-        let mut next = inner.state.clone();
-        let out = f(&mut next)?;
-        let revision = self.store.commit(&next, durability)?;
-        next.revision = revision;
-        inner.state = next;
-        Ok(out)
+        // Mutate in place (no copy of the whole state per write); if `f` or the write fails,
+        // the datastore still holds the last committed state: read it back.
+        let result = f(&mut inner.state).and_then(|out| {
+            let revision = self.store.commit(&inner.state, durability)?;
+            inner.state.revision = revision;
+            Ok(out)
+        });
+        if result.is_err() {
+            match self.store.load() {
+                Ok(committed) => inner.state = committed,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot re-read the datastore after a failed write")
+                }
+            }
+        }
+        result
     }
 
     /// Allocates the requested families for (handle, ifname). All-or-nothing: if one family
@@ -278,6 +289,7 @@ impl Agent {
     ) -> Result<(bool, Vec<IpAddr>), AgentError> {
         let key = EndpointRecord::key(container_id, ifname);
         let mut inner = self.inner.lock().await;
+        let t0 = std::time::Instant::now();
         let ep = inner.state.endpoints.get(&key).cloned();
         if let Some(ep) = &ep {
             inner
@@ -304,7 +316,7 @@ impl Agent {
             })
         })?;
         if let Some(ep) = &ep {
-            tracing::info!(host_ifname = %ep.host_ifname, "endpoint removed");
+            tracing::info!(host_ifname = %ep.host_ifname, total_us = t0.elapsed().as_micros() as u64, "endpoint removed");
         }
         for addr in &released {
             tracing::info!(handle = release_handle.unwrap_or_default(), %ifname, %addr, reason = "released by CNI DEL", "released");
