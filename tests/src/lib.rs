@@ -150,6 +150,30 @@ impl Drop for Netns {
     }
 }
 
+/// Number of addresses allocated in the embedded datastore file `store`.
+pub fn allocated_in(store: &Path) -> usize {
+    let text = std::fs::read_to_string(store).unwrap_or_default();
+    let s: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    s["ipam"]["blocks"]
+        .as_object()
+        .map(|b| {
+            b.values()
+                .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Parses `calixctl endpoints -o json` output; panics with calixctl's stderr if it failed.
+pub fn endpoints_json(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "calixctl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("calixctl json")
+}
+
 /// Which dataplane a test node runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dataplane {
@@ -366,13 +390,7 @@ impl Node {
 
     /// `calixctl endpoints -o json`.
     pub fn endpoints(&self) -> Value {
-        let out = self.calixctl(&["endpoints", "-o", "json"]);
-        assert!(
-            out.status.success(),
-            "calixctl failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("calixctl json")
+        endpoints_json(&self.calixctl(&["endpoints", "-o", "json"]))
     }
 
     /// The embedded datastore's content.
@@ -384,15 +402,7 @@ impl Node {
 
     /// Number of addresses allocated in the datastore.
     pub fn allocated(&self) -> usize {
-        let s = self.store();
-        s["ipam"]["blocks"]
-            .as_object()
-            .map(|b| {
-                b.values()
-                    .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
-                    .sum()
-            })
-            .unwrap_or(0)
+        allocated_in(&self.dir.join("store.json"))
     }
 
     /// `cali*` links in the node namespace.
@@ -870,27 +880,12 @@ impl RootAgent {
 
     /// `calixctl endpoints -o json`.
     pub fn endpoints(&self) -> Value {
-        let out = self.calixctl(&["endpoints", "-o", "json"]);
-        assert!(
-            out.status.success(),
-            "calixctl failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).expect("calixctl json")
+        endpoints_json(&self.calixctl(&["endpoints", "-o", "json"]))
     }
 
     /// Number of addresses allocated in the embedded datastore.
     pub fn allocated(&self) -> usize {
-        let text = std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_default();
-        let s: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        s["ipam"]["blocks"]
-            .as_object()
-            .map(|b| {
-                b.values()
-                    .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
-                    .sum()
-            })
-            .unwrap_or(0)
+        allocated_in(&self.dir.join("store.json"))
     }
 
     /// `cali*` links in the root namespace.

@@ -4,11 +4,7 @@
 //! lines. Order matters: the apt packages bring LLVM 22, which bpf-linker is built against.
 //! Needs root for apt-get and rustup (rustup itself must already be there).
 
-use std::{
-    env,
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::{env, path::PathBuf, process::Command};
 
 use anyhow::{bail, Context, Result};
 
@@ -247,14 +243,7 @@ fn install_rust_src() -> Result<()> {
 
 // --- bpf-linker --------------------------------------------------------------------------
 
-fn cargo_bin_dir() -> PathBuf {
-    let home = env::var_os("CARGO_HOME")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")))
-        .unwrap_or_else(|| PathBuf::from(".cargo"));
-    home.join("bin")
-}
+use calix_ebpf_build::cargo_bin_dir;
 
 fn find_bpf_linker() -> Option<PathBuf> {
     let path = env::var_os("PATH").unwrap_or_default();

@@ -17,6 +17,8 @@ mod env;
 mod locate;
 mod toolchain;
 
+pub use toolchain::cargo_bin_dir;
+
 pub use elf::{programs, Program};
 
 use std::{

@@ -58,7 +58,7 @@ pub(crate) fn check() -> Result<Tools, BuildError> {
 }
 
 /// `$CARGO_HOME/bin`, where rustup's proxies and `cargo install`ed tools live.
-fn cargo_bin_dir() -> PathBuf {
+pub fn cargo_bin_dir() -> PathBuf {
     let home = env::var_os("CARGO_HOME")
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
