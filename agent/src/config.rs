@@ -31,6 +31,19 @@ pub enum ConfigError {
     },
     #[error("node name is empty: set `node_name` in the config or pass --node-name")]
     NoNodeName,
+    #[error("pools {a} and {b} overlap: every address must belong to one pool")]
+    Overlap { a: IpNet, b: IpNet },
+    #[error("pool {cidr} is configured twice")]
+    Duplicate { cidr: IpNet },
+    #[error("datastore type {kind:?} is unknown: use \"embedded\" or \"etcd\"")]
+    DatastoreKind { kind: String },
+    #[error("datastore type \"etcd\" needs `endpoints`, e.g. [\"http://10.0.0.1:2379\"]")]
+    NoEtcdEndpoints,
+    #[error("ipam.{key} must be {what}")]
+    Ipam {
+        key: &'static str,
+        what: &'static str,
+    },
 }
 
 /// Which dataplane programs pod traffic.
@@ -69,8 +82,64 @@ pub struct AgentConfig {
     /// `tracing` filter, e.g. "info" or "calix_agent=debug".
     pub log_level: String,
     pub datastore: DatastoreConfig,
+    /// This node's labels, matched by pools' `nodeSelector`.
+    pub node_labels: std::collections::BTreeMap<String, String>,
+    pub ipam: IpamConfig,
     /// IP pools pods get their addresses from.
     pub pools: Vec<PoolConfig>,
+}
+
+/// How the node's IPAM grows and cleans up.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, rename_all = "camelCase")]
+pub struct IpamConfig {
+    /// Never borrow addresses from another node's block.
+    pub strict_affinity: bool,
+    /// Most blocks this node may claim.
+    pub max_blocks_per_node: usize,
+    /// How often leak GC compares allocations with live endpoints (seconds).
+    pub leak_check_interval_secs: u64,
+    /// An allocation without an endpoint for this long is a leak and is released (seconds).
+    pub leak_grace_secs: u64,
+    /// A block of this node that stays empty this long is released (seconds).
+    pub empty_block_grace_secs: u64,
+}
+
+impl Default for IpamConfig {
+    fn default() -> Self {
+        Self {
+            strict_affinity: false,
+            max_blocks_per_node: 1024,
+            leak_check_interval_secs: 60,
+            leak_grace_secs: 600,
+            empty_block_grace_secs: 900,
+        }
+    }
+}
+
+impl IpamConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.max_blocks_per_node == 0 {
+            return Err(ConfigError::Ipam {
+                key: "maxBlocksPerNode",
+                what: "at least 1",
+            });
+        }
+        if self.leak_check_interval_secs == 0 {
+            return Err(ConfigError::Ipam {
+                key: "leakCheckIntervalSecs",
+                what: "at least 1",
+            });
+        }
+        Ok(())
+    }
+
+    pub fn policy(&self) -> crate::ipam::Policy {
+        crate::ipam::Policy {
+            strict_affinity: self.strict_affinity,
+            max_blocks_per_node: self.max_blocks_per_node,
+        }
+    }
 }
 
 impl Default for AgentConfig {
@@ -81,6 +150,8 @@ impl Default for AgentConfig {
             dataplane: DataplaneMode::default(),
             log_level: "info".into(),
             datastore: DatastoreConfig::default(),
+            node_labels: Default::default(),
+            ipam: IpamConfig::default(),
             // A private range unlikely to clash with a node's own network.
             pools: vec![PoolConfig::new(
                 "10.244.0.0/16".parse().expect("constant CIDR"),
@@ -92,11 +163,39 @@ impl Default for AgentConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatastoreConfig {
-    /// Only `embedded` exists so far.
+    /// `embedded` (a local file; single node) or `etcd` (shared by several nodes).
     #[serde(rename = "type")]
     pub kind: String,
-    /// Embedded datastore file.
+    /// Embedded: the snapshot file (the journal is `<path>.journal`).
     pub path: PathBuf,
+    /// etcd: client URLs.
+    pub endpoints: Vec<String>,
+    /// etcd: prefix of every calix key.
+    pub prefix: String,
+    /// etcd: per-request timeout in milliseconds.
+    pub timeout_ms: u64,
+    /// etcd: attempts per operation while etcd is unreachable (exponential backoff).
+    pub attempts: u32,
+}
+
+impl DatastoreConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        match self.kind.as_str() {
+            "embedded" => Ok(()),
+            "etcd" if self.endpoints.is_empty() => Err(ConfigError::NoEtcdEndpoints),
+            "etcd" => Ok(()),
+            other => Err(ConfigError::DatastoreKind { kind: other.into() }),
+        }
+    }
+
+    pub fn etcd(&self) -> crate::datastore::EtcdConfig {
+        crate::datastore::EtcdConfig {
+            endpoints: self.endpoints.clone(),
+            prefix: self.prefix.clone(),
+            timeout: std::time::Duration::from_millis(self.timeout_ms),
+            attempts: self.attempts,
+        }
+    }
 }
 
 impl Default for DatastoreConfig {
@@ -104,6 +203,10 @@ impl Default for DatastoreConfig {
         Self {
             kind: "embedded".into(),
             path: PathBuf::from(paths::EMBEDDED_STORE),
+            endpoints: Vec::new(),
+            prefix: "/calix/".into(),
+            timeout_ms: 2000,
+            attempts: 12,
         }
     }
 }
@@ -121,6 +224,10 @@ pub struct PoolConfig {
     /// A disabled pool hands out no new addresses.
     #[serde(default)]
     pub disabled: bool,
+    /// Only nodes carrying every one of these labels (`node_labels`) allocate from the pool;
+    /// empty: every node.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub node_selector: std::collections::BTreeMap<String, String>,
 }
 
 impl PoolConfig {
@@ -130,7 +237,15 @@ impl PoolConfig {
             block_size: None,
             nat_outgoing: false,
             disabled: false,
+            node_selector: Default::default(),
         }
+    }
+
+    /// Whether a node with `labels` uses this pool.
+    pub fn selects(&self, labels: &std::collections::BTreeMap<String, String>) -> bool {
+        self.node_selector
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
     }
 
     pub fn block_size(&self) -> u8 {
@@ -188,7 +303,36 @@ impl AgentConfig {
         if self.node_name.trim().is_empty() {
             return Err(ConfigError::NoNodeName);
         }
-        self.pools.iter().try_for_each(PoolConfig::validate)
+        self.datastore.validate()?;
+        self.ipam.validate()?;
+        self.pools.iter().try_for_each(PoolConfig::validate)?;
+        for (i, a) in self.pools.iter().enumerate() {
+            for b in &self.pools[i + 1..] {
+                if a.cidr == b.cidr {
+                    return Err(ConfigError::Duplicate { cidr: a.cidr });
+                }
+                if a.cidr.contains(&b.cidr.network()) || b.cidr.contains(&a.cidr.network()) {
+                    return Err(ConfigError::Overlap {
+                        a: a.cidr,
+                        b: b.cidr,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The pools this node allocates from, as the allocator sees them.
+    pub fn node_pools(&self) -> Vec<crate::ipam::Pool> {
+        self.pools
+            .iter()
+            .filter(|p| p.selects(&self.node_labels))
+            .map(|p| crate::ipam::Pool {
+                cidr: p.cidr.trunc(),
+                block_size: p.block_size(),
+                disabled: p.disabled,
+            })
+            .collect()
     }
 }
 
@@ -254,6 +398,54 @@ mod tests {
         assert!(matches!(
             c.validate(),
             Err(ConfigError::BlockLargerThanPool { .. })
+        ));
+    }
+
+    #[test]
+    fn overlapping_pools_name_both() {
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[[pools]]\ncidr = \"10.0.0.0/16\"\n[[pools]]\ncidr = \"10.0.128.0/20\"",
+        )
+        .expect("parse");
+        let err = c.validate().expect_err("overlap").to_string();
+        assert!(
+            err.contains("10.0.0.0/16") && err.contains("10.0.128.0/20"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn node_selector_picks_pools_and_etcd_needs_endpoints() {
+        let mut c = AgentConfig::from_toml(
+            r#"
+            node_name = "n"
+            node_labels = { zone = "a" }
+            [ipam]
+            strictAffinity = true
+            maxBlocksPerNode = 4
+            [datastore]
+            type = "etcd"
+            [[pools]]
+            cidr = "10.1.0.0/16"
+            nodeSelector = { zone = "a" }
+            [[pools]]
+            cidr = "10.2.0.0/16"
+            nodeSelector = { zone = "b" }
+            "#,
+        )
+        .expect("parse");
+        assert!(matches!(c.validate(), Err(ConfigError::NoEtcdEndpoints)));
+        c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
+        c.validate().expect("valid");
+        let pools = c.node_pools();
+        assert_eq!(pools.len(), 1);
+        assert_eq!(pools[0].cidr.to_string(), "10.1.0.0/16");
+        assert!(c.ipam.policy().strict_affinity);
+        assert_eq!(c.ipam.policy().max_blocks_per_node, 4);
+        c.datastore.kind = "consul".into();
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::DatastoreKind { .. })
         ));
     }
 

@@ -6,4 +6,5 @@ pub mod dataplane;
 pub mod datastore;
 pub mod grpc;
 pub mod ipam;
+pub mod model;
 pub mod paths;

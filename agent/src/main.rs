@@ -3,15 +3,17 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use calix_agent::agent::Agent;
+use std::time::Duration;
+
+use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
-use calix_agent::datastore::EmbeddedStore;
-use calix_agent::ipam::Pool;
+use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
+use calix_agent::model::NodeRecord;
 use calix_agent::{grpc, paths};
 use clap::Parser;
 
-#[derive(Parser, Debug)]
+#[derive(Parser, Debug, Clone)]
 #[command(name = "calix-agent", version, about = "calix node agent")]
 struct Flags {
     /// Config file (TOML). Missing is fine at the default path.
@@ -38,6 +40,7 @@ struct Flags {
 }
 
 fn config(flags: Flags) -> Result<AgentConfig> {
+    // (Called again on SIGHUP with the same flags: flags keep overriding the file.)
     let (path, required) = match &flags.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(paths::CONFIG_FILE), false),
@@ -97,9 +100,66 @@ async fn shutdown_signal() {
     }
 }
 
+/// Opens the configured datastore.
+async fn open_store(cfg: &AgentConfig) -> Result<Box<dyn Datastore>> {
+    Ok(match cfg.datastore.kind.as_str() {
+        "etcd" => Box::new(
+            EtcdStore::connect(cfg.datastore.etcd())
+                .await
+                .with_context(|| format!("cannot reach etcd at {:?}", cfg.datastore.endpoints))?,
+        ),
+        _ => Box::new(EmbeddedStore::open(&cfg.datastore.path)?),
+    })
+}
+
+/// Leak GC and empty-block release, every `leak_check_interval_secs`.
+fn spawn_housekeeping(agent: Arc<Agent>, every: Duration) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            match agent.housekeep(std::time::Instant::now()).await {
+                Ok(s) => tracing::debug!(
+                    released = s.released.len(),
+                    candidates = s.candidates,
+                    blocks_released = s.blocks_released.len(),
+                    "housekeeping pass"
+                ),
+                Err(e) => tracing::warn!(error = %e, "housekeeping pass failed"),
+            }
+        }
+    });
+}
+
+/// SIGHUP: re-read the config file and apply pool changes that are safe.
+fn spawn_reload(agent: Arc<Agent>, flags: Flags) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP: config reload disabled");
+            return;
+        };
+        while hup.recv().await.is_some() {
+            let cfg = match config(flags.clone()) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %format!("{e:#}"), "SIGHUP: config rejected; keeping the running one");
+                    continue;
+                }
+            };
+            if let Err(e) = agent.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
+                tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
+            }
+        }
+    });
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
-    let cfg = config(Flags::parse())?;
+    let flags = Flags::parse();
+    let cfg = config(flags.clone())?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log_level)
@@ -108,10 +168,11 @@ async fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, pools = ?cfg.pools.iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
+    tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, datastore = %cfg.datastore.kind,
+        pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
 
     enable_forwarding()?;
-    let store = EmbeddedStore::open(&cfg.datastore.path)?;
+    let store = open_store(&cfg).await?;
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
             EbpfDataplane::load()
@@ -119,22 +180,34 @@ async fn main() -> Result<()> {
         ),
         DataplaneMode::Kernel => Box::new(KernelDataplane),
     };
-    let pools = cfg
-        .pools
-        .iter()
-        .map(|p| Pool {
-            cidr: p.cidr,
-            block_size: p.block_size(),
-            disabled: p.disabled,
-        })
-        .collect();
-    let agent = Arc::new(Agent::new(
-        cfg.node_name.clone(),
-        pools,
-        Box::new(store),
-        dataplane,
-    )?);
+    let node = NodeRecord {
+        name: cfg.node_name.clone(),
+        addresses: Vec::new(),
+        labels: cfg.node_labels.clone(),
+        agent_version: env!("CARGO_PKG_VERSION").into(),
+    };
+    let housekeeping = Housekeeping {
+        leak_grace: Duration::from_secs(cfg.ipam.leak_grace_secs),
+        empty_block_grace: Duration::from_secs(cfg.ipam.empty_block_grace_secs),
+    };
+    let agent = Arc::new(
+        Agent::new(
+            node,
+            cfg.node_pools(),
+            cfg.ipam.policy(),
+            housekeeping,
+            store,
+            dataplane,
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     agent.resync().await;
+    spawn_housekeeping(
+        agent.clone(),
+        Duration::from_secs(cfg.ipam.leak_check_interval_secs),
+    );
+    spawn_reload(agent.clone(), flags);
     grpc::serve_unix(agent.clone(), &cfg.socket, shutdown_signal())
         .await
         .map_err(|e| {

@@ -150,15 +150,19 @@ impl Drop for Netns {
     }
 }
 
-/// Number of addresses allocated in the embedded datastore file `store`.
-pub fn allocated_in(store: &Path) -> usize {
-    let text = std::fs::read_to_string(store).unwrap_or_default();
-    let s: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-    s["ipam"]["blocks"]
-        .as_object()
+/// Number of addresses allocated, from `calixctl ipam show -o json` output.
+pub fn allocated_from(out: &Output) -> usize {
+    assert!(
+        out.status.success(),
+        "calixctl ipam show failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("ipam show json");
+    v["blocks"]
+        .as_array()
         .map(|b| {
-            b.values()
-                .map(|blk| blk["allocations"].as_object().map_or(0, |a| a.len()))
+            b.iter()
+                .map(|blk| blk["used"].as_u64().unwrap_or(0) as usize)
                 .sum()
         })
         .unwrap_or(0)
@@ -393,16 +397,9 @@ impl Node {
         endpoints_json(&self.calixctl(&["endpoints", "-o", "json"]))
     }
 
-    /// The embedded datastore's content.
-    pub fn store(&self) -> Value {
-        let text =
-            std::fs::read_to_string(self.dir.join("store.json")).unwrap_or_else(|_| "{}".into());
-        serde_json::from_str(&text).expect("store json")
-    }
-
-    /// Number of addresses allocated in the datastore.
+    /// Number of addresses allocated in the datastore (`calixctl ipam show`).
     pub fn allocated(&self) -> usize {
-        allocated_in(&self.dir.join("store.json"))
+        allocated_from(&self.calixctl(&["ipam", "show", "-o", "json"]))
     }
 
     /// `cali*` links in the node namespace.
@@ -883,9 +880,9 @@ impl RootAgent {
         endpoints_json(&self.calixctl(&["endpoints", "-o", "json"]))
     }
 
-    /// Number of addresses allocated in the embedded datastore.
+    /// Number of addresses allocated in the datastore (`calixctl ipam show`).
     pub fn allocated(&self) -> usize {
-        allocated_in(&self.dir.join("store.json"))
+        allocated_from(&self.calixctl(&["ipam", "show", "-o", "json"]))
     }
 
     /// `cali*` links in the root namespace.

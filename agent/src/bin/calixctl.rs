@@ -33,6 +33,120 @@ enum Output {
 enum Cmd {
     /// List this node's endpoints with their addresses, interfaces and counters.
     Endpoints,
+    /// IP address management across every node of the datastore.
+    Ipam {
+        #[command(subcommand)]
+        cmd: IpamCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum IpamCmd {
+    /// Pools, blocks (with their node) and per-node use.
+    Show,
+    /// Look for leaks, duplicates and orphans; exits 1 if any is found. `-o json` gives a
+    /// report `ipam release --from-report` takes.
+    Check,
+    /// Release addresses: one (`--ip`) or every leak of a `check -o json` report. A report's
+    /// entries are released only if each address is still that very allocation.
+    Release {
+        #[arg(
+            long,
+            conflicts_with = "from_report",
+            required_unless_present = "from_report"
+        )]
+        ip: Option<std::net::IpAddr>,
+        #[arg(long)]
+        from_report: Option<PathBuf>,
+    },
+}
+
+use calix_agent::agent::{CheckReport, IpamReport};
+
+fn ipam_show_table(r: &IpamReport) -> String {
+    let pools: Vec<Vec<String>> = r
+        .pools
+        .iter()
+        .map(|p| {
+            vec![
+                p.cidr.clone(),
+                format!("/{}", p.block_size),
+                if p.disabled { "disabled" } else { "enabled" }.into(),
+                p.blocks.to_string(),
+                p.used.to_string(),
+                p.size.to_string(),
+            ]
+        })
+        .collect();
+    let blocks: Vec<Vec<String>> = r
+        .blocks
+        .iter()
+        .map(|b| {
+            vec![
+                b.cidr.clone(),
+                b.affinity.clone(),
+                format!("{}/{}", b.used, b.size),
+                b.borrowed.to_string(),
+            ]
+        })
+        .collect();
+    let nodes: Vec<Vec<String>> = r
+        .nodes
+        .iter()
+        .map(|n| {
+            vec![
+                n.node.clone(),
+                n.blocks.to_string(),
+                n.used.to_string(),
+                n.endpoints.to_string(),
+            ]
+        })
+        .collect();
+    format!(
+        "{}\n\n{}\n\n{}\n\nnode {} can allocate {} more IPv4 and {} more IPv6 address(es) from its blocks and unclaimed ones",
+        table(&["POOL", "BLOCK SIZE", "STATE", "BLOCKS", "IN USE", "SIZE"], &pools),
+        table(&["BLOCK", "NODE", "IN USE", "BORROWED"], &blocks),
+        table(&["NODE", "BLOCKS", "IN USE", "ENDPOINTS"], &nodes),
+        r.node,
+        r.free_v4,
+        r.free_v6
+    )
+}
+
+fn ipam_check_table(r: &CheckReport) -> String {
+    let rows: Vec<Vec<String>> = r
+        .findings
+        .iter()
+        .map(|f| {
+            vec![
+                f.kind.clone(),
+                f.address.map(|a| a.to_string()).unwrap_or_default(),
+                f.node.clone(),
+                if f.handle.is_empty() {
+                    String::new()
+                } else {
+                    format!("{}/{}", f.handle, f.ifname)
+                },
+                f.detail.clone(),
+            ]
+        })
+        .collect();
+    let summary = format!(
+        "{} allocation(s) in {} block(s), {} handle(s), {} endpoint(s): {} problem(s)",
+        r.allocations,
+        r.blocks,
+        r.handles,
+        r.endpoints,
+        r.findings.len()
+    );
+    if rows.is_empty() {
+        summary
+    } else {
+        format!(
+            "{}\n{summary}",
+            table(&["KIND", "ADDRESS", "NODE", "HANDLE", "DETAIL"], &rows)
+        )
+    }
 }
 
 fn human_bytes(b: u64) -> String {
@@ -171,6 +285,7 @@ async fn main() -> Result<()> {
             )
         })?;
     match cli.cmd {
+        Cmd::Ipam { cmd } => return ipam(channel, cmd, cli.output).await,
         Cmd::Endpoints => {
             let resp = pb::endpoints_client::EndpointsClient::new(channel)
                 .list(pb::ListRequest {})
@@ -182,6 +297,109 @@ async fn main() -> Result<()> {
                     println!("{}", serde_json::to_string_pretty(&endpoints_json(&resp))?)
                 }
                 Output::Table => println!("{}", endpoints_table(&resp)),
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn ipam(channel: tonic::transport::Channel, cmd: IpamCmd, output: Output) -> Result<()> {
+    let mut client = pb::ipam_client::IpamClient::new(channel);
+    match cmd {
+        IpamCmd::Show => {
+            let json = client
+                .show(pb::ShowRequest {})
+                .await
+                .context("ipam show")?
+                .into_inner()
+                .json;
+            let r: IpamReport = serde_json::from_str(&json).context("agent sent a bad report")?;
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+                Output::Table => println!("{}", ipam_show_table(&r)),
+            }
+        }
+        IpamCmd::Check => {
+            let json = client
+                .check(pb::CheckRequest {})
+                .await
+                .context("ipam check")?
+                .into_inner()
+                .json;
+            let r: CheckReport = serde_json::from_str(&json).context("agent sent a bad report")?;
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+                Output::Table => println!("{}", ipam_check_table(&r)),
+            }
+            if !r.findings.is_empty() {
+                std::process::exit(1);
+            }
+        }
+        IpamCmd::Release { ip, from_report } => {
+            let targets: Vec<(std::net::IpAddr, u64, String)> = match (ip, from_report) {
+                (Some(ip), _) => vec![(ip, 0, "released by calixctl ipam release --ip".into())],
+                (None, Some(path)) => {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("cannot read {}", path.display()))?;
+                    let r: CheckReport = serde_json::from_str(&text).with_context(|| {
+                        format!(
+                            "{} is not a `calixctl ipam check -o json` report",
+                            path.display()
+                        )
+                    })?;
+                    r.findings
+                        .iter()
+                        .filter(|f| f.kind == "leak")
+                        .filter_map(|f| {
+                            Some((
+                                f.address?,
+                                f.seq?,
+                                format!("released from report {}: {}", path.display(), f.detail),
+                            ))
+                        })
+                        .collect()
+                }
+                (None, None) => anyhow::bail!("give --ip or --from-report"),
+            };
+            let mut rows = Vec::new();
+            for (addr, seq, reason) in targets {
+                let released = client
+                    .release_address(pb::ReleaseAddressRequest {
+                        address: addr.to_string(),
+                        seq,
+                        reason,
+                    })
+                    .await
+                    .with_context(|| format!("releasing {addr}"))?
+                    .into_inner()
+                    .released;
+                rows.push((addr, released));
+            }
+            match output {
+                Output::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({
+                        "released": rows.iter().filter(|r| r.1).map(|r| r.0.to_string()).collect::<Vec<_>>(),
+                        "unchanged": rows.iter().filter(|r| !r.1).map(|r| r.0.to_string()).collect::<Vec<_>>(),
+                    }))?
+                ),
+                Output::Table => {
+                    let t: Vec<Vec<String>> = rows
+                        .iter()
+                        .map(|(a, r)| {
+                            vec![
+                                a.to_string(),
+                                if *r {
+                                    "released"
+                                } else {
+                                    "unchanged (not allocated, or reallocated since the report)"
+                                }
+                                .into(),
+                            ]
+                        })
+                        .collect();
+                    println!("{}", table(&["ADDRESS", "RESULT"], &t));
+                }
             }
         }
     }

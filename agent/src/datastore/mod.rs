@@ -1,14 +1,19 @@
-//! Where the agent's durable state lives. One trait, so IPAM and the endpoint registry don't
-//! care which backend holds them; `embedded` (a crash-safe local file) is the single-node one.
+//! Where the agent's durable state lives: a small key-value interface with per-key revisions
+//! and compare-and-swap transactions, so IPAM and the endpoint registry don't care which
+//! backend holds them. `embedded` (a crash-safe local journal) is the single-node default;
+//! `etcd` (etcd v3) is shared by several nodes.
+//!
+//! Keys are `/`-separated text (see [`keys`]); values are JSON. Every write is a [`Datastore::txn`]:
+//! it applies only if each [`Compare`] still holds, which is how two agents (or two requests)
+//! can never both take the same address.
 pub mod embedded;
-
-use std::collections::BTreeMap;
+pub mod etcd;
+pub mod keys;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ipam::IpamState;
-
 pub use embedded::EmbeddedStore;
+pub use etcd::{EtcdConfig, EtcdStore};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatastoreError {
@@ -19,42 +24,67 @@ pub enum DatastoreError {
         #[source]
         source: std::io::Error,
     },
-    #[error("datastore file {path} is corrupt; move it away to start empty")]
+    #[error("datastore file {path} is corrupt ({detail}); move it away to start empty")]
     Corrupt {
         path: std::path::PathBuf,
-        #[source]
-        source: serde_json::Error,
+        detail: String,
     },
-    #[error("datastore changed under us (revision {expected} expected, {found} found)")]
-    Conflict { expected: u64, found: u64 },
+    #[error("datastore value at {key} is not what calix wrote: {detail}")]
+    BadValue { key: String, detail: String },
+    #[error("datastore {backend} is unavailable after {attempts} attempts: {detail}")]
+    Unavailable {
+        backend: &'static str,
+        attempts: u32,
+        detail: String,
+    },
+    #[error("datastore write kept conflicting with other writers ({attempts} attempts): {what}")]
+    Contended { attempts: u32, what: String },
 }
 
-/// An endpoint as the registry records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EndpointRecord {
-    pub container_id: String,
-    pub ifname: String,
-    pub host_ifname: String,
-    pub netns: String,
-    pub pod_namespace: String,
-    pub pod_name: String,
-    pub addresses: Vec<String>,
-    pub handle: String,
+/// One stored key with the revision of its last change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyValue {
+    pub key: String,
+    pub value: Vec<u8>,
+    /// Revision at which this key was last written (etcd's `mod_revision`); never 0.
+    pub revision: i64,
 }
 
-impl EndpointRecord {
-    pub fn key(container_id: &str, ifname: &str) -> String {
-        format!("{container_id}/{ifname}")
+impl KeyValue {
+    /// Decodes the JSON value.
+    pub fn decode<T: for<'de> Deserialize<'de>>(&self) -> Result<T, DatastoreError> {
+        serde_json::from_slice(&self.value).map_err(|e| DatastoreError::BadValue {
+            key: self.key.clone(),
+            detail: e.to_string(),
+        })
     }
 }
 
-/// Everything the agent persists, with the revision it was read at.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct StoreState {
-    pub revision: u64,
-    pub ipam: IpamState,
-    /// Endpoints keyed by "containerID/ifname".
-    pub endpoints: BTreeMap<String, EndpointRecord>,
+/// A condition a transaction checks before it writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Compare {
+    /// The key does not exist.
+    Absent(String),
+    /// The key exists and was last written at this revision.
+    Revision(String, i64),
+}
+
+/// A write in a transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Put(String, Vec<u8>),
+    Delete(String),
+}
+
+impl Op {
+    /// A put of `value` as JSON.
+    pub fn put_json<T: Serialize>(key: impl Into<String>, value: &T) -> Self {
+        // Serialising our own plain structs to JSON cannot fail (no maps with non-string keys).
+        Op::Put(
+            key.into(),
+            serde_json::to_vec(value).unwrap_or_else(|_| b"null".to_vec()),
+        )
+    }
 }
 
 /// How durable a commit must be before it is acknowledged.
@@ -65,13 +95,25 @@ pub enum Durability {
     Power,
     /// Survives the agent crashing (the kernel has the write), not power loss. Enough for
     /// endpoint records (no pod network outlives a reboot) and for releases (losing one only
-    /// leaves an address allocated, which leak GC reclaims): it saves two journal commits.
+    /// leaves an address allocated, which leak GC reclaims). etcd always gives `Power`.
     Process,
 }
 
-/// A datastore: read the whole state, write it back with compare-and-swap on the revision.
+/// A datastore backend.
+#[tonic::async_trait]
 pub trait Datastore: Send + Sync {
-    fn load(&self) -> Result<StoreState, DatastoreError>;
-    /// Writes `state` if the stored revision is still `state.revision`; returns the new revision.
-    fn commit(&self, state: &StoreState, durability: Durability) -> Result<u64, DatastoreError>;
+    /// "embedded" or "etcd", for logs and errors.
+    fn kind(&self) -> &'static str;
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, DatastoreError>;
+    /// Every key starting with `prefix`, in key order.
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError>;
+    /// Applies `ops` atomically if every compare holds: `Some(revision)` of the write, or `None`
+    /// when a compare failed (nothing was written). Errors are the backend failing, after the
+    /// backend's own bounded retries.
+    async fn txn(
+        &self,
+        compares: &[Compare],
+        ops: &[Op],
+        durability: Durability,
+    ) -> Result<Option<i64>, DatastoreError>;
 }

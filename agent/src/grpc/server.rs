@@ -10,8 +10,8 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::agent::{Agent, AgentError, EndpointView};
-use crate::datastore::EndpointRecord;
 use crate::ipam::IpamError;
+use crate::model::EndpointRecord;
 
 fn status(e: AgentError) -> Status {
     let msg = format!("{e:#}");
@@ -30,6 +30,7 @@ fn status(e: AgentError) -> Status {
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
+        AgentError::PoolChange(_) => Status::failed_precondition(msg),
         AgentError::Datastore(_) => Status::unavailable(msg),
     }
 }
@@ -89,7 +90,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
         let r = req.into_inner();
-        let held = self.0.lookup(&r.handle, &r.ifname).await;
+        let held = self.0.lookup(&r.handle, &r.ifname).await.map_err(status)?;
         Ok(Response::new(pb::LookupResponse {
             addresses: addresses(held),
         }))
@@ -134,6 +135,49 @@ impl pb::ipam_server::Ipam for IpamSvc {
             node: self.0.node().to_string(),
         }))
     }
+
+    async fn show(
+        &self,
+        _req: Request<pb::ShowRequest>,
+    ) -> Result<Response<pb::ReportResponse>, Status> {
+        let report = self.0.ipam_report().await.map_err(status)?;
+        json_report(&report)
+    }
+
+    async fn check(
+        &self,
+        _req: Request<pb::CheckRequest>,
+    ) -> Result<Response<pb::ReportResponse>, Status> {
+        let report = self.0.ipam_check().await.map_err(status)?;
+        json_report(&report)
+    }
+
+    async fn release_address(
+        &self,
+        req: Request<pb::ReleaseAddressRequest>,
+    ) -> Result<Response<pb::ReleaseAddressResponse>, Status> {
+        let r = req.into_inner();
+        let addr: std::net::IpAddr = r.address.parse().map_err(|_| {
+            Status::invalid_argument(format!("{:?} is not an IP address", r.address))
+        })?;
+        let reason = if r.reason.is_empty() {
+            "released by calixctl".to_string()
+        } else {
+            r.reason
+        };
+        let released = self
+            .0
+            .release_address(addr, (r.seq > 0).then_some(r.seq), &reason)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::ReleaseAddressResponse { released }))
+    }
+}
+
+fn json_report<T: serde::Serialize>(r: &T) -> Result<Response<pb::ReportResponse>, Status> {
+    serde_json::to_string(r)
+        .map(|json| Response::new(pb::ReportResponse { json }))
+        .map_err(|e| Status::internal(format!("cannot encode the report: {e}")))
 }
 
 fn addresses(v: Vec<(std::net::IpAddr, ipnet::IpNet)>) -> Vec<pb::AllocatedAddress> {

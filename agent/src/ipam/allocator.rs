@@ -1,9 +1,12 @@
-//! The pure IPAM allocator: no I/O. The caller loads [`IpamState`] from the datastore, calls
-//! [`IpamState::allocate`] / [`IpamState::release`], and commits the state back.
+//! The pure IPAM allocator: no I/O. [`IpamState`] is a view of the datastore's blocks; the
+//! agent calls [`IpamState::allocate`] / [`IpamState::release_address`], which change blocks in
+//! place and say which ones they touched, and commits those blocks with compare-and-swap on the
+//! revision each was read at ([`Block::revision`]; 0 = a new block, created only if absent).
 //!
-//! Pools are carved into blocks of `blockSize`; a block has an affinity to one node. A node
-//! allocates from its own blocks first, then claims the next free block of the pool.
-//! Allocation is by (handle, ifname): asking again returns the same address (idempotent ADD).
+//! Pools are carved into blocks of `blockSize`; a block has an affinity to exactly one node
+//! (whoever created its key first). A node allocates from its own blocks, then claims a new
+//! block (up to `maxBlocksPerNode`), then — unless `strictAffinity` — borrows a free address
+//! from another node's block.
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
@@ -12,7 +15,7 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum IpamError {
-    #[error("requested address {addr} is not in any enabled pool")]
+    #[error("requested address {addr} is not in any enabled pool for this node")]
     NotInPool { addr: IpAddr },
     #[error("requested address {addr} is already in use")]
     InUse { addr: IpAddr },
@@ -29,12 +32,15 @@ pub enum IpamError {
         held: IpAddr,
         addr: IpAddr,
     },
-    #[error("no {family} pool is configured for this node")]
+    #[error("no enabled {family} pool is configured for this node")]
     NoPool { family: &'static str },
-    #[error(
-        "every {family} pool is full ({pools}): add a pool or free addresses (calixctl endpoints)"
-    )]
-    Exhausted { family: &'static str, pools: String },
+    #[error("every {family} pool is full ({pools}){why}: add a pool or free addresses (calixctl ipam check)")]
+    Exhausted {
+        family: &'static str,
+        pools: String,
+        /// Why borrowing or claiming did not help, e.g. " (strictAffinity: no borrowing)".
+        why: String,
+    },
 }
 
 /// A configured pool, as the allocator needs it.
@@ -45,11 +51,31 @@ pub struct Pool {
     pub disabled: bool,
 }
 
+/// How a node may grow beyond its own blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Policy {
+    /// Never borrow from another node's block.
+    pub strict_affinity: bool,
+    /// Most blocks one node may hold an affinity for (all pools together).
+    pub max_blocks_per_node: usize,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            strict_affinity: false,
+            max_blocks_per_node: 1024,
+        }
+    }
+}
+
 /// One allocated address.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Allocation {
     pub handle: String,
     pub ifname: String,
+    /// The node that allocated it (differs from the block's affinity when borrowed).
+    pub node: String,
     /// Sequence number of this allocation within its block: a release naming an older
     /// sequence can never free an address that has since been handed out again.
     pub seq: u64,
@@ -64,10 +90,48 @@ pub struct Block {
     pub affinity: String,
     pub allocations: BTreeMap<u32, Allocation>,
     pub next_seq: u64,
+    /// Datastore revision this copy was read at; 0 for a block not yet stored.
+    #[serde(skip)]
+    pub revision: i64,
+}
+
+/// What a handle holds: written with the blocks in the same transaction.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HandleRecord {
+    pub node: String,
+    pub addresses: Vec<Held>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Held {
+    pub addr: IpAddr,
+    pub pool: IpNet,
+    pub seq: u64,
+}
+
+/// One address handed out by [`IpamState::allocate`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Allocated {
+    pub addr: IpAddr,
+    pub pool: IpNet,
+    pub seq: u64,
+    /// The block it came from (its key in [`IpamState::blocks`]).
+    pub block: String,
+    pub borrowed: bool,
 }
 
 impl Block {
-    fn size(&self) -> u64 {
+    pub fn new(cidr: IpNet, affinity: &str) -> Self {
+        Self {
+            cidr,
+            affinity: affinity.to_string(),
+            allocations: BTreeMap::new(),
+            next_seq: 1,
+            revision: 0,
+        }
+    }
+
+    pub fn size(&self) -> u64 {
         host_count(&self.cidr)
     }
 
@@ -88,10 +152,11 @@ impl Block {
     fn take(
         &mut self,
         offset: u32,
+        node: &str,
         handle: &str,
         ifname: &str,
         attributes: &BTreeMap<String, String>,
-    ) {
+    ) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.allocations.insert(
@@ -99,21 +164,28 @@ impl Block {
             Allocation {
                 handle: handle.to_string(),
                 ifname: ifname.to_string(),
+                node: node.to_string(),
                 seq,
                 attributes: attributes.clone(),
             },
         );
+        seq
     }
 
     pub fn address(&self, offset: u32) -> IpAddr {
         nth(&self.cidr, u128::from(offset))
     }
+
+    pub fn offset_of(&self, addr: IpAddr) -> Option<u32> {
+        self.cidr
+            .contains(&addr)
+            .then(|| offset_in(&self.cidr, addr))
+    }
 }
 
-/// The whole IPAM state held in the datastore.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The blocks this agent knows, keyed by CIDR text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IpamState {
-    /// Blocks keyed by their CIDR text, in address order within each pool.
     pub blocks: BTreeMap<String, Block>,
 }
 
@@ -158,31 +230,40 @@ fn family_name(v4: bool) -> &'static str {
     }
 }
 
+/// The pool containing `addr`, if any (disabled pools too: their addresses are still valid).
+pub fn pool_of(pools: &[Pool], addr: IpAddr) -> IpNet {
+    pools
+        .iter()
+        .find(|p| p.cidr.contains(&addr))
+        .map_or_else(|| IpNet::from(addr), |p| p.cidr)
+}
+
 impl IpamState {
-    /// The address already held by (handle, ifname) in the given family, if any.
-    pub fn lookup(&self, handle: &str, ifname: &str, v4: bool) -> Option<IpAddr> {
-        self.blocks.values().find_map(|b| {
-            if b.cidr.addr().is_ipv4() != v4 {
-                return None;
-            }
-            b.allocations
-                .iter()
-                .find(|(_, a)| a.handle == handle && a.ifname == ifname)
-                .map(|(o, _)| b.address(*o))
-        })
+    /// Replaces the view with blocks freshly read from the datastore.
+    pub fn replace(&mut self, blocks: impl IntoIterator<Item = Block>) {
+        self.blocks = blocks
+            .into_iter()
+            .map(|b| (b.cidr.to_string(), b))
+            .collect();
+    }
+
+    /// The block containing `addr`.
+    pub fn block_of(&self, addr: IpAddr) -> Option<&Block> {
+        self.blocks.values().find(|b| b.cidr.contains(&addr))
     }
 
     /// Allocates one address of the family `v4` for (handle, ifname) on `node`.
-    /// Returns the address and the pool it came from.
+    #[allow(clippy::too_many_arguments)]
     pub fn allocate(
         &mut self,
         pools: &[Pool],
+        policy: &Policy,
         node: &str,
         handle: &str,
         ifname: &str,
         v4: bool,
         attributes: &BTreeMap<String, String>,
-    ) -> Result<(IpAddr, IpNet), IpamError> {
+    ) -> Result<Allocated, IpamError> {
         let family = family_name(v4);
         let usable: Vec<&Pool> = pools
             .iter()
@@ -191,33 +272,48 @@ impl IpamState {
         if usable.is_empty() {
             return Err(IpamError::NoPool { family });
         }
-        if let Some(addr) = self.lookup(handle, ifname, v4) {
-            let pool = pools
-                .iter()
-                .find(|p| p.cidr.contains(&addr))
-                .map_or_else(|| IpNet::from(addr), |p| p.cidr);
-            return Ok((addr, pool));
-        }
+        let mut why = String::new();
+        // 1. Our own blocks, pool by pool.
         for pool in &usable {
-            // 1. Our own blocks in this pool.
-            let own = self.blocks.values_mut().find(|b| {
+            let own = self.blocks.iter().find(|(_, b)| {
                 b.affinity == node
                     && pool.cidr.contains(&b.cidr.addr())
                     && b.free_offset(&pool.cidr).is_some()
             });
-            let block = match own {
-                Some(b) => b,
-                // 2. Claim the pool's next unclaimed block.
-                None => match self.claim_block(pool, node) {
-                    Some(b) => b,
-                    None => continue,
-                },
-            };
-            let Some(offset) = block.free_offset(&pool.cidr) else {
-                continue;
-            };
-            block.take(offset, handle, ifname, attributes);
-            return Ok((block.address(offset), pool.cidr));
+            if let Some((key, _)) = own {
+                let key = key.clone();
+                return Ok(self.take_in(&key, pool, node, handle, ifname, attributes, false));
+            }
+        }
+        // 2. Claim a new block.
+        let owned = self.blocks.values().filter(|b| b.affinity == node).count();
+        if owned < policy.max_blocks_per_node {
+            for pool in &usable {
+                if let Some(key) = self.claim_block(pool, node) {
+                    return Ok(self.take_in(&key, pool, node, handle, ifname, attributes, false));
+                }
+            }
+        } else {
+            why = format!(
+                " and this node holds maxBlocksPerNode={} blocks",
+                policy.max_blocks_per_node
+            );
+        }
+        // 3. Borrow from another node's block.
+        if policy.strict_affinity {
+            why.push_str(" (strictAffinity: no borrowing from other nodes' blocks)");
+        } else {
+            for pool in &usable {
+                let other = self.blocks.iter().find(|(_, b)| {
+                    b.affinity != node
+                        && pool.cidr.contains(&b.cidr.addr())
+                        && b.free_offset(&pool.cidr).is_some()
+                });
+                if let Some((key, _)) = other {
+                    let key = key.clone();
+                    return Ok(self.take_in(&key, pool, node, handle, ifname, attributes, true));
+                }
+            }
         }
         Err(IpamError::Exhausted {
             family,
@@ -226,7 +322,37 @@ impl IpamState {
                 .map(|p| p.cidr.to_string())
                 .collect::<Vec<_>>()
                 .join(", "),
+            why,
         })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn take_in(
+        &mut self,
+        key: &str,
+        pool: &Pool,
+        node: &str,
+        handle: &str,
+        ifname: &str,
+        attributes: &BTreeMap<String, String>,
+        borrowed: bool,
+    ) -> Allocated {
+        // Callers pass a key they just found or inserted, with a free offset.
+        let block = self
+            .blocks
+            .get_mut(key)
+            .expect("take_in: the caller found this block");
+        let offset = block
+            .free_offset(&pool.cidr)
+            .expect("take_in: the caller checked for a free offset");
+        let seq = block.take(offset, node, handle, ifname, attributes);
+        Allocated {
+            addr: block.address(offset),
+            pool: pool.cidr,
+            seq,
+            block: key.to_string(),
+            borrowed,
+        }
     }
 
     /// Allocates exactly `addr` for (handle, ifname) on `node` (CNI runtimeConfig "ips").
@@ -238,34 +364,19 @@ impl IpamState {
         ifname: &str,
         addr: IpAddr,
         attributes: &BTreeMap<String, String>,
-    ) -> Result<(IpAddr, IpNet), IpamError> {
+    ) -> Result<Allocated, IpamError> {
         let pool = pools
             .iter()
             .find(|p| !p.disabled && p.cidr.contains(&addr))
             .ok_or(IpamError::NotInPool { addr })?;
-        if let Some(held) = self.lookup(handle, ifname, addr.is_ipv4()) {
-            if held == addr {
-                return Ok((addr, pool.cidr));
-            }
-            return Err(IpamError::HeldOther {
-                handle: handle.into(),
-                ifname: ifname.into(),
-                held,
-                addr,
-            });
-        }
         let block_cidr = IpNet::new(addr, pool.block_size)
             .map(|n| n.trunc())
             .map_err(|_| IpamError::NotInPool { addr })?;
+        let key = block_cidr.to_string();
         let block = self
             .blocks
-            .entry(block_cidr.to_string())
-            .or_insert_with(|| Block {
-                cidr: block_cidr,
-                affinity: node.to_string(),
-                allocations: BTreeMap::new(),
-                next_seq: 1,
-            });
+            .entry(key.clone())
+            .or_insert_with(|| Block::new(block_cidr, node));
         if block.affinity != node {
             return Err(IpamError::ForeignBlock {
                 addr,
@@ -277,28 +388,39 @@ impl IpamState {
         if block.allocations.contains_key(&offset) {
             return Err(IpamError::InUse { addr });
         }
-        block.take(offset, handle, ifname, attributes);
-        Ok((addr, pool.cidr))
+        let seq = block.take(offset, node, handle, ifname, attributes);
+        Ok(Allocated {
+            addr,
+            pool: pool.cidr,
+            seq,
+            block: key,
+            borrowed: false,
+        })
     }
 
-    /// Every address (handle, ifname) holds, with its pool (or the address itself when no
-    /// configured pool contains it any more).
-    pub fn lookup_all(&self, pools: &[Pool], handle: &str, ifname: &str) -> Vec<(IpAddr, IpNet)> {
-        [true, false]
-            .into_iter()
-            .filter_map(|v4| self.lookup(handle, ifname, v4))
-            .map(|a| {
-                let pool = pools
-                    .iter()
-                    .find(|p| p.cidr.contains(&a))
-                    .map_or_else(|| IpNet::from(a), |p| p.cidr);
-                (a, pool)
-            })
-            .collect()
+    /// Frees `addr` if it is allocated, and — when `seq` is given — only if it is still that
+    /// allocation. Returns the key of the changed block and the freed allocation.
+    pub fn release_address(
+        &mut self,
+        addr: IpAddr,
+        seq: Option<u64>,
+    ) -> Option<(String, Allocation)> {
+        let (key, block) = self
+            .blocks
+            .iter_mut()
+            .find(|(_, b)| b.cidr.contains(&addr))?;
+        let offset = offset_in(&block.cidr, addr);
+        match block.allocations.get(&offset) {
+            Some(a) if seq.is_none_or(|s| s == a.seq) => {}
+            _ => return None,
+        }
+        let gone = block.allocations.remove(&offset)?;
+        Some((key.clone(), gone))
     }
 
-    /// Addresses `node` can still hand out in the family: free addresses of its own blocks plus
-    /// the unclaimed blocks of enabled pools (saturating).
+    /// Addresses `node` can still hand out in the family: free addresses of its own blocks
+    /// plus the unclaimed blocks of enabled pools (saturating). Borrowable addresses are not
+    /// counted: STATUS reports what this node can rely on.
     pub fn free(&self, pools: &[Pool], node: &str, v4: bool) -> u64 {
         let mut free: u64 = 0;
         for pool in pools
@@ -348,65 +470,31 @@ impl IpamState {
         free
     }
 
-    /// Releases every allocation whose handle is `"<network>.<containerID>"` and whose
-    /// (containerID, ifname) is not in `valid`. Returns (handle, ifname, address) of each.
-    pub fn gc(
-        &mut self,
-        network: &str,
-        valid: &std::collections::HashSet<(String, String)>,
-    ) -> Vec<(String, String, IpAddr)> {
-        let prefix = format!("{network}.");
-        let mut released = Vec::new();
-        for block in self.blocks.values_mut() {
-            let stale: Vec<u32> = block
-                .allocations
+    /// Every allocation made by `node` (in its own blocks or borrowed): (address, allocation).
+    pub fn allocations_of<'a>(
+        &'a self,
+        node: &'a str,
+    ) -> impl Iterator<Item = (IpAddr, &'a Allocation)> + 'a {
+        self.blocks.values().flat_map(move |b| {
+            b.allocations
                 .iter()
-                .filter(|(_, a)| {
-                    a.handle
-                        .strip_prefix(&prefix)
-                        .is_some_and(|cid| !valid.contains(&(cid.to_string(), a.ifname.clone())))
-                })
-                .map(|(o, _)| *o)
-                .collect();
-            for o in stale {
-                if let Some(a) = block.allocations.remove(&o) {
-                    released.push((a.handle, a.ifname, block.address(o)));
-                }
-            }
-        }
-        released
+                .filter(move |(_, a)| a.node == node)
+                .map(move |(o, a)| (b.address(*o), a))
+        })
     }
 
-    fn claim_block(&mut self, pool: &Pool, node: &str) -> Option<&mut Block> {
+    fn claim_block(&mut self, pool: &Pool, node: &str) -> Option<String> {
         let subnets = pool.cidr.subnets(pool.block_size).ok()?;
-        let cidr = subnets
-            .into_iter()
-            .find(|s| !self.blocks.contains_key(&s.to_string()))?;
-        let block = Block {
-            cidr,
-            affinity: node.to_string(),
-            allocations: BTreeMap::new(),
-            next_seq: 1,
-        };
-        Some(self.blocks.entry(cidr.to_string()).or_insert(block))
-    }
-
-    /// Releases every address held by (handle, ifname); returns them. Idempotent.
-    pub fn release(&mut self, handle: &str, ifname: &str) -> Vec<IpAddr> {
-        let mut released = Vec::new();
-        for block in self.blocks.values_mut() {
-            let offsets: Vec<u32> = block
-                .allocations
-                .iter()
-                .filter(|(_, a)| a.handle == handle && a.ifname == ifname)
-                .map(|(o, _)| *o)
-                .collect();
-            for o in offsets {
-                block.allocations.remove(&o);
-                released.push(block.address(o));
-            }
-        }
-        released
+        // A block overlapping any known block (possibly of another pool layout) is not free.
+        let cidr = subnets.into_iter().find(|s| {
+            !self
+                .blocks
+                .values()
+                .any(|b| b.cidr.contains(&s.network()) || s.contains(&b.cidr.network()))
+        })?;
+        let key = cidr.to_string();
+        self.blocks.insert(key.clone(), Block::new(cidr, node));
+        Some(key)
     }
 
     /// Number of addresses in use.
@@ -428,27 +516,18 @@ mod tests {
         }
     }
 
-    fn alloc(s: &mut IpamState, pools: &[Pool], h: &str) -> Result<IpAddr, IpamError> {
-        s.allocate(pools, "n1", h, "eth0", true, &BTreeMap::new())
-            .map(|(a, _)| a)
+    fn alloc_on(
+        s: &mut IpamState,
+        pools: &[Pool],
+        policy: &Policy,
+        node: &str,
+        h: &str,
+    ) -> Result<Allocated, IpamError> {
+        s.allocate(pools, policy, node, h, "eth0", true, &BTreeMap::new())
     }
 
-    #[test]
-    fn same_handle_gets_same_address() {
-        let pools = [pool("10.1.0.0/24", 28)];
-        let mut s = IpamState::default();
-        let a = alloc(&mut s, &pools, "net.c1").expect("a");
-        let b = alloc(&mut s, &pools, "net.c1").expect("b");
-        assert_eq!(a, b);
-        assert_eq!(s.in_use(), 1);
-        let c = alloc(&mut s, &pools, "net.c2").expect("c");
-        assert_ne!(a, c);
-        // A different ifname of the same handle is a different attachment.
-        let d = s
-            .allocate(&pools, "n1", "net.c1", "net1", true, &BTreeMap::new())
-            .expect("d")
-            .0;
-        assert_ne!(a, d);
+    fn alloc(s: &mut IpamState, pools: &[Pool], h: &str) -> Result<IpAddr, IpamError> {
+        alloc_on(s, pools, &Policy::default(), "n1", h).map(|a| a.addr)
     }
 
     #[test]
@@ -466,57 +545,90 @@ mod tests {
         assert!(!seen.contains(&"10.1.0.0".parse::<IpAddr>().expect("ip")));
         assert!(!seen.contains(&"10.1.0.31".parse::<IpAddr>().expect("ip")));
         let err = alloc(&mut s, &pools, "h30").expect_err("full");
-        assert_eq!(
-            err,
-            IpamError::Exhausted {
-                family: "IPv4",
-                pools: "10.1.0.0/27".into()
-            }
-        );
-        assert!(err.to_string().contains("10.1.0.0/27"));
+        assert!(matches!(err, IpamError::Exhausted { family: "IPv4", .. }));
+        assert!(err.to_string().contains("10.1.0.0/27"), "{err}");
     }
 
     #[test]
-    fn does_not_take_other_nodes_blocks() {
+    fn claims_its_own_block_beside_another_nodes() {
         let pools = [pool("10.1.0.0/27", 28)];
         let mut s = IpamState::default();
-        let a = s
-            .allocate(&pools, "other", "h0", "eth0", true, &BTreeMap::new())
-            .expect("other")
-            .0;
-        let b = alloc(&mut s, &pools, "h1").expect("mine");
-        let block_of = |ip: IpAddr| {
-            s.blocks
-                .values()
-                .find(|bl| bl.cidr.contains(&ip))
-                .map(|bl| bl.affinity.clone())
-        };
-        assert_eq!(block_of(a).as_deref(), Some("other"));
-        assert_eq!(block_of(b).as_deref(), Some("n1"));
+        let p = Policy::default();
+        let a = alloc_on(&mut s, &pools, &p, "other", "h0").expect("other");
+        let b = alloc_on(&mut s, &pools, &p, "n1", "h1").expect("mine");
+        assert_ne!(a.block, b.block);
+        assert_eq!(s.blocks[&a.block].affinity, "other");
+        assert_eq!(s.blocks[&b.block].affinity, "n1");
+        assert!(!b.borrowed);
     }
 
     #[test]
-    fn release_frees_and_is_idempotent() {
+    fn borrows_when_no_block_is_left_unless_strict() {
+        // One block only: node A claims it; B must borrow.
+        let pools = [pool("10.1.0.0/28", 28)];
+        let mut s = IpamState::default();
+        let p = Policy::default();
+        alloc_on(&mut s, &pools, &p, "a", "h0").expect("a");
+        let strict = Policy {
+            strict_affinity: true,
+            ..p
+        };
+        let err = alloc_on(&mut s, &pools, &strict, "b", "h1").expect_err("strict");
+        assert!(err.to_string().contains("strictAffinity"), "{err}");
+        let got = alloc_on(&mut s, &pools, &p, "b", "h1").expect("borrow");
+        assert!(got.borrowed);
+        let block = &s.blocks[&got.block];
+        assert_eq!(block.affinity, "a");
+        assert_eq!(
+            block.allocations[&block.offset_of(got.addr).expect("in")].node,
+            "b"
+        );
+        assert_eq!(s.allocations_of("b").count(), 1);
+        assert_eq!(s.allocations_of("a").count(), 1);
+    }
+
+    #[test]
+    fn max_blocks_per_node_then_borrow() {
+        let pools = [pool("10.1.0.0/26", 30)]; // 16 blocks of 4 (first has .0 reserved)
+        let mut s = IpamState::default();
+        let p = Policy {
+            strict_affinity: false,
+            max_blocks_per_node: 1,
+        };
+        alloc_on(&mut s, &pools, &p, "b", "x").expect("b's block");
+        for i in 0..4 {
+            alloc_on(&mut s, &pools, &p, "a", &format!("h{i}")).expect("own block");
+        }
+        let next = alloc_on(&mut s, &pools, &p, "a", "h4").expect("borrowed");
+        assert!(next.borrowed);
+        assert_eq!(s.blocks.values().filter(|b| b.affinity == "a").count(), 1);
+        let strict = Policy {
+            strict_affinity: true,
+            ..p
+        };
+        let err = alloc_on(&mut s, &pools, &strict, "a", "h5").expect_err("limit");
+        assert!(err.to_string().contains("maxBlocksPerNode=1"), "{err}");
+    }
+
+    #[test]
+    fn release_checks_the_sequence_number() {
         let pools = [pool("10.1.0.0/29", 30)];
         let mut s = IpamState::default();
-        let addrs: Vec<_> = (0..6)
-            .map(|i| alloc(&mut s, &pools, &format!("h{i}")).expect("alloc"))
-            .collect();
-        assert!(alloc(&mut s, &pools, "h6").is_err());
-        assert_eq!(s.release("h2", "eth0"), vec![addrs[2]]);
-        assert!(s.release("h2", "eth0").is_empty());
-        assert_eq!(alloc(&mut s, &pools, "h7").expect("reuse"), addrs[2]);
-    }
-
-    #[test]
-    fn sequence_numbers_grow() {
-        let pools = [pool("10.1.0.0/30", 30)];
-        let mut s = IpamState::default();
-        alloc(&mut s, &pools, "a").expect("a");
-        s.release("a", "eth0");
-        alloc(&mut s, &pools, "b").expect("b");
-        let block = s.blocks.values().next().expect("block");
-        assert_eq!(block.allocations[&1].seq, 2);
+        let p = Policy::default();
+        let first = alloc_on(&mut s, &pools, &p, "n1", "h1").expect("h1");
+        assert!(s.release_address(first.addr, Some(first.seq)).is_some());
+        // Released twice: nothing.
+        assert!(s.release_address(first.addr, Some(first.seq)).is_none());
+        let again = alloc_on(&mut s, &pools, &p, "n1", "h2").expect("h2");
+        assert_eq!(again.addr, first.addr);
+        assert!(again.seq > first.seq);
+        // A late release of the old allocation cannot free the new one.
+        assert!(s.release_address(first.addr, Some(first.seq)).is_none());
+        assert_eq!(s.in_use(), 1);
+        let (_, gone) = s
+            .release_address(again.addr, None)
+            .expect("unconditional release");
+        assert_eq!(gone.handle, "h2");
     }
 
     #[test]
@@ -525,28 +637,18 @@ mod tests {
         let mut s = IpamState::default();
         let want: IpAddr = "10.1.0.77".parse().expect("ip");
         let none = BTreeMap::new();
-        assert_eq!(
-            s.allocate_specific(&pools, "n1", "h", "eth0", want, &none)
-                .expect("specific")
-                .0,
-            want
-        );
-        // Idempotent for the same handle; in use for another; the block is now ours.
-        s.allocate_specific(&pools, "n1", "h", "eth0", want, &none)
-            .expect("again");
+        let got = s
+            .allocate_specific(&pools, "n1", "h", "eth0", want, &none)
+            .expect("specific");
+        assert_eq!((got.addr, got.block.as_str()), (want, "10.1.0.64/28"));
         assert_eq!(
             s.allocate_specific(&pools, "n1", "h2", "eth0", want, &none),
             Err(IpamError::InUse { addr: want })
         );
-        assert_eq!(s.blocks["10.1.0.64/28"].affinity, "n1");
         let other: IpAddr = "10.1.0.78".parse().expect("ip");
         assert!(matches!(
             s.allocate_specific(&pools, "n2", "h3", "eth0", other, &none),
             Err(IpamError::ForeignBlock { .. })
-        ));
-        assert!(matches!(
-            s.allocate_specific(&pools, "n1", "h", "eth0", other, &none),
-            Err(IpamError::HeldOther { .. })
         ));
         assert!(matches!(
             s.allocate_specific(
@@ -559,41 +661,20 @@ mod tests {
             ),
             Err(IpamError::NotInPool { .. })
         ));
-        assert_eq!(
-            s.lookup_all(&pools, "h", "eth0"),
-            vec![(want, pools[0].cidr)]
-        );
     }
 
     #[test]
     fn free_counts_own_blocks_and_unclaimed() {
         let pools = [pool("10.1.0.0/27", 28)];
         let mut s = IpamState::default();
+        let p = Policy::default();
         assert_eq!(s.free(&pools, "n1", true), 30);
         alloc(&mut s, &pools, "a").expect("a");
         assert_eq!(s.free(&pools, "n1", true), 29);
         // Another node's block is not free for n1.
-        s.allocate(&pools, "n2", "b", "eth0", true, &BTreeMap::new())
-            .expect("b");
+        alloc_on(&mut s, &pools, &p, "n2", "b").expect("b");
         assert_eq!(s.free(&pools, "n1", true), 14);
         assert_eq!(s.free(&pools, "n1", false), 0);
-    }
-
-    #[test]
-    fn gc_releases_only_invalid_attachments_of_the_network() {
-        let pools = [pool("10.1.0.0/24", 26)];
-        let mut s = IpamState::default();
-        for h in ["net.c1", "net.c2", "other.c3"] {
-            alloc(&mut s, &pools, h).expect("alloc");
-        }
-        let valid = [("c1".to_string(), "eth0".to_string())]
-            .into_iter()
-            .collect();
-        let released = s.gc("net", &valid);
-        assert_eq!(released.len(), 1);
-        assert_eq!(released[0].0, "net.c2");
-        assert_eq!(s.in_use(), 2);
-        assert!(s.lookup("other.c3", "eth0", true).is_some());
     }
 
     #[test]
@@ -601,15 +682,42 @@ mod tests {
         let mut pools = vec![pool("10.1.0.0/24", 26), pool("fd00::/120", 122)];
         let mut s = IpamState::default();
         let v6 = s
-            .allocate(&pools, "n1", "h", "eth0", false, &BTreeMap::new())
+            .allocate(
+                &pools,
+                &Policy::default(),
+                "n1",
+                "h",
+                "eth0",
+                false,
+                &BTreeMap::new(),
+            )
             .expect("v6")
-            .0;
-        assert!(v6.is_ipv6());
+            .addr;
         assert_eq!(v6, "fd00::".parse::<IpAddr>().expect("ip"));
         pools[0].disabled = true;
         assert_eq!(
             alloc(&mut s, &pools, "h"),
             Err(IpamError::NoPool { family: "IPv4" })
         );
+    }
+
+    #[test]
+    fn claim_skips_blocks_overlapping_a_known_one() {
+        // A block from an older, larger blockSize covers several of the new layout's blocks.
+        let pools = [pool("10.1.0.0/24", 28)];
+        let mut s = IpamState::default();
+        s.replace([Block::new("10.1.0.0/26".parse().expect("cidr"), "old")]);
+        let got = alloc_on(
+            &mut s,
+            &pools,
+            &Policy {
+                strict_affinity: true,
+                ..Policy::default()
+            },
+            "n1",
+            "h",
+        )
+        .expect("alloc");
+        assert_eq!(got.block, "10.1.0.64/28");
     }
 }

@@ -1,4 +1,6 @@
 //! IP address management: pools carved into per-node blocks, allocation by handle.
 pub mod allocator;
 
-pub use allocator::{Allocation, Block, IpamError, IpamState, Pool};
+pub use allocator::{
+    pool_of, Allocated, Allocation, Block, HandleRecord, Held, IpamError, IpamState, Policy, Pool,
+};

@@ -1,0 +1,382 @@
+//! Allocation and release: the allocator's decisions committed with compare-and-swap.
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::net::IpAddr;
+
+use ipnet::IpNet;
+
+use super::{cas_backoff, Agent, AgentError, Inner, CAS_ATTEMPTS};
+use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
+use crate::ipam::{pool_of, HandleRecord, Held};
+use crate::model::EndpointRecord;
+
+impl Agent {
+    /// Allocates the requested families for (handle, ifname). All-or-nothing: the handle
+    /// record and every block change are one transaction. Returns the addresses with their
+    /// pools, and whether the handle already held them.
+    pub async fn allocate(
+        &self,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        v6: bool,
+        requested: &[IpAddr],
+        attributes: &BTreeMap<String, String>,
+    ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
+        if handle.is_empty() || ifname.is_empty() || handle.contains('/') || ifname.contains('/') {
+            return Err(AgentError::Invalid(
+                "handle and ifname are required and may not contain '/'".into(),
+            ));
+        }
+        // A requested address replaces the automatic one of its family.
+        let want_v4 = v4 || requested.iter().any(IpAddr::is_ipv4);
+        let want_v6 = v6 || requested.iter().any(IpAddr::is_ipv6);
+        if !want_v4 && !want_v6 {
+            return Err(AgentError::Invalid(
+                "ask for at least one of ipv4, ipv6".into(),
+            ));
+        }
+        let hkey = keys::handle(handle, ifname);
+        let mut inner = self.inner.lock().await;
+        for attempt in 0..CAS_ATTEMPTS {
+            // Idempotency: a handle that holds addresses gets them back.
+            if let Some(kv) = self.store.get(&hkey).await? {
+                let rec: HandleRecord = kv.decode()?;
+                let held = |fam: bool| rec.addresses.iter().find(|h| h.addr.is_ipv4() == fam);
+                for (want, fam) in [(want_v4, true), (want_v6, false)] {
+                    let Some(h) = held(fam) else {
+                        if want {
+                            return Err(AgentError::Invalid(format!(
+                                "{handle}/{ifname} already holds {} but not {}: release it first",
+                                rec.addresses
+                                    .iter()
+                                    .map(|h| h.addr.to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(", "),
+                                if fam { "IPv4" } else { "IPv6" }
+                            )));
+                        }
+                        continue;
+                    };
+                    if let Some(r) = requested.iter().find(|a| a.is_ipv4() == fam) {
+                        if *r != h.addr {
+                            return Err(crate::ipam::IpamError::HeldOther {
+                                handle: handle.into(),
+                                ifname: ifname.into(),
+                                held: h.addr,
+                                addr: *r,
+                            }
+                            .into());
+                        }
+                    }
+                }
+                let out = rec.addresses.iter().map(|h| (h.addr, h.pool)).collect();
+                return Ok((out, true));
+            }
+            let pools = self.pools();
+            let policy = self.policy();
+            let mut got = Vec::new();
+            let mut failure = None;
+            for (want, fam) in [(want_v4, true), (want_v6, false)] {
+                if !want {
+                    continue;
+                }
+                let r = match requested.iter().find(|a| a.is_ipv4() == fam) {
+                    Some(addr) => inner.ipam.allocate_specific(
+                        &pools,
+                        &self.node.name,
+                        handle,
+                        ifname,
+                        *addr,
+                        attributes,
+                    ),
+                    None => inner.ipam.allocate(
+                        &pools,
+                        &policy,
+                        &self.node.name,
+                        handle,
+                        ifname,
+                        fam,
+                        attributes,
+                    ),
+                };
+                match r {
+                    Ok(a) => got.push(a),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            }
+            if let Some(e) = failure {
+                // Undo the other family's change in the view.
+                if !got.is_empty() {
+                    self.refresh_blocks(&mut inner).await?;
+                }
+                return Err(e.into());
+            }
+            let rec = HandleRecord {
+                node: self.node.name.clone(),
+                addresses: got
+                    .iter()
+                    .map(|a| Held {
+                        addr: a.addr,
+                        pool: a.pool,
+                        seq: a.seq,
+                    })
+                    .collect(),
+            };
+            let touched: Vec<String> = got.iter().map(|a| a.block.clone()).collect();
+            let committed = self
+                .commit_blocks(
+                    &mut inner,
+                    &touched,
+                    vec![Compare::Absent(hkey.clone())],
+                    vec![Op::put_json(hkey.clone(), &rec)],
+                    Durability::Power,
+                )
+                .await?;
+            if committed {
+                for a in &got {
+                    tracing::info!(%handle, %ifname, addr = %a.addr, seq = a.seq, block = %a.block,
+                        borrowed = a.borrowed, attempt, "allocated");
+                }
+                return Ok((got.into_iter().map(|a| (a.addr, a.pool)).collect(), false));
+            }
+            tracing::debug!(%handle, attempt, "allocation lost a race; retrying");
+            cas_backoff(attempt).await;
+        }
+        Err(DatastoreError::Contended {
+            attempts: CAS_ATTEMPTS,
+            what: format!("allocation for {handle}/{ifname}"),
+        }
+        .into())
+    }
+
+    /// What (handle, ifname) holds.
+    pub async fn lookup(
+        &self,
+        handle: &str,
+        ifname: &str,
+    ) -> Result<Vec<(IpAddr, IpNet)>, AgentError> {
+        Ok(match self.store.get(&keys::handle(handle, ifname)).await? {
+            Some(kv) => kv
+                .decode::<HandleRecord>()?
+                .addresses
+                .into_iter()
+                .map(|h| (h.addr, h.pool))
+                .collect(),
+            None => Vec::new(),
+        })
+    }
+
+    /// Releases what (handle, ifname) holds. Idempotent; returns what was released.
+    pub async fn release(&self, handle: &str, ifname: &str) -> Result<Vec<IpAddr>, AgentError> {
+        let mut inner = self.inner.lock().await;
+        self.release_handle_locked(&mut inner, handle, ifname, None, "released by CNI DEL")
+            .await
+    }
+
+    /// Releases every address of (handle, ifname) — each only if its block still holds that
+    /// very allocation (sequence number) — deletes the handle record, and applies `extra`, in
+    /// one transaction.
+    pub(super) async fn release_handle_locked(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+        extra: Option<Op>,
+        reason: &str,
+    ) -> Result<Vec<IpAddr>, AgentError> {
+        let hkey = keys::handle(handle, ifname);
+        for attempt in 0..CAS_ATTEMPTS {
+            let Some(kv) = self.store.get(&hkey).await? else {
+                if let Some(op) = &extra {
+                    self.store
+                        .txn(&[], std::slice::from_ref(op), Durability::Process)
+                        .await?;
+                }
+                return Ok(Vec::new());
+            };
+            let rec: HandleRecord = kv.decode()?;
+            if rec
+                .addresses
+                .iter()
+                .any(|h| inner.ipam.block_of(h.addr).is_none())
+            {
+                self.refresh_blocks(inner).await?;
+            }
+            let mut touched = BTreeSet::new();
+            let mut released = Vec::new();
+            for h in &rec.addresses {
+                if let Some((block, _)) = inner.ipam.release_address(h.addr, Some(h.seq)) {
+                    touched.insert(block);
+                    released.push(h.addr);
+                }
+            }
+            let touched: Vec<String> = touched.into_iter().collect();
+            let mut ops = vec![Op::Delete(hkey.clone())];
+            ops.extend(extra.clone());
+            if self
+                .commit_blocks(
+                    inner,
+                    &touched,
+                    vec![Compare::Revision(hkey.clone(), kv.revision)],
+                    ops,
+                    Durability::Process,
+                )
+                .await?
+            {
+                for addr in &released {
+                    tracing::info!(%handle, %ifname, %addr, %reason, "released");
+                }
+                return Ok(released);
+            }
+            cas_backoff(attempt).await;
+        }
+        Err(DatastoreError::Contended {
+            attempts: CAS_ATTEMPTS,
+            what: format!("release of {handle}/{ifname}"),
+        }
+        .into())
+    }
+
+    /// Releases one address (calixctl, leak GC) — only if it is still allocation `seq` when
+    /// given — and removes it from its handle's record. Returns whether it was released.
+    pub async fn release_address(
+        &self,
+        addr: IpAddr,
+        seq: Option<u64>,
+        reason: &str,
+    ) -> Result<bool, AgentError> {
+        let mut inner = self.inner.lock().await;
+        self.release_address_locked(&mut inner, addr, seq, reason)
+            .await
+    }
+
+    pub(super) async fn release_address_locked(
+        &self,
+        inner: &mut Inner,
+        addr: IpAddr,
+        seq: Option<u64>,
+        reason: &str,
+    ) -> Result<bool, AgentError> {
+        for attempt in 0..CAS_ATTEMPTS {
+            if inner.ipam.block_of(addr).is_none() {
+                self.refresh_blocks(inner).await?;
+            }
+            let Some((block, gone)) = inner.ipam.release_address(addr, seq) else {
+                return Ok(false);
+            };
+            let hkey = keys::handle(&gone.handle, &gone.ifname);
+            let mut compares = Vec::new();
+            let mut ops = Vec::new();
+            match self.store.get(&hkey).await? {
+                Some(kv) => {
+                    let mut rec: HandleRecord = kv.decode()?;
+                    compares.push(Compare::Revision(hkey.clone(), kv.revision));
+                    rec.addresses
+                        .retain(|h| !(h.addr == addr && h.seq == gone.seq));
+                    ops.push(if rec.addresses.is_empty() {
+                        Op::Delete(hkey.clone())
+                    } else {
+                        Op::put_json(hkey.clone(), &rec)
+                    });
+                }
+                None => compares.push(Compare::Absent(hkey.clone())),
+            }
+            if self
+                .commit_blocks(inner, &[block], compares, ops, Durability::Process)
+                .await?
+            {
+                tracing::info!(handle = %gone.handle, ifname = %gone.ifname, %addr, seq = gone.seq,
+                    %reason, "released");
+                return Ok(true);
+            }
+            cas_backoff(attempt).await;
+        }
+        Err(DatastoreError::Contended {
+            attempts: CAS_ATTEMPTS,
+            what: format!("release of {addr}"),
+        }
+        .into())
+    }
+
+    /// CNI GC: releases every allocation of this node for `network` whose (containerID,
+    /// ifname) is not in `valid`, and forgets (and detaches) the endpoints of those
+    /// attachments. The runtime's list is authoritative, so this is immediate (leak GC, for
+    /// allocations nobody vouches for, waits a grace period). Returns the released addresses
+    /// and the forgotten endpoints.
+    pub async fn gc(
+        &self,
+        network: &str,
+        valid: &HashSet<(String, String)>,
+    ) -> Result<(Vec<IpAddr>, Vec<EndpointRecord>), AgentError> {
+        if network.is_empty() {
+            return Err(AgentError::Invalid("network is required".into()));
+        }
+        let prefix = format!("{network}.");
+        let is_stale = |handle: &str, ifname: &str| {
+            handle
+                .strip_prefix(&prefix)
+                .is_some_and(|cid| !valid.contains(&(cid.to_string(), ifname.to_string())))
+        };
+        let mut inner = self.inner.lock().await;
+        let stale_eps: Vec<EndpointRecord> = inner
+            .endpoints
+            .values()
+            .filter(|e| is_stale(&e.handle, &e.ifname))
+            .cloned()
+            .collect();
+        for ep in &stale_eps {
+            if let Err(e) = inner.dataplane.detach(&ep.host_ifname) {
+                tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "GC: detach failed");
+            }
+            inner.attached.remove(&ep.host_ifname);
+            let op = Op::Delete(keys::endpoint(
+                &self.node.name,
+                &ep.container_id,
+                &ep.ifname,
+            ));
+            self.store.txn(&[], &[op], Durability::Process).await?;
+            inner
+                .endpoints
+                .remove(&EndpointRecord::key(&ep.container_id, &ep.ifname));
+        }
+        self.refresh_blocks(&mut inner).await?;
+        let handles: BTreeSet<(String, String)> = inner
+            .ipam
+            .allocations_of(&self.node.name)
+            .filter(|(_, a)| is_stale(&a.handle, &a.ifname))
+            .map(|(_, a)| (a.handle.clone(), a.ifname.clone()))
+            .collect();
+        let mut released = Vec::new();
+        for (handle, ifname) in handles {
+            released.extend(
+                self.release_handle_locked(
+                    &mut inner,
+                    &handle,
+                    &ifname,
+                    None,
+                    "not in the runtime's valid attachments (CNI GC)",
+                )
+                .await?,
+            );
+        }
+        Ok((released, stale_eps))
+    }
+
+    /// Free addresses this node can still hand out: (IPv4, IPv6).
+    pub async fn free(&self) -> (u64, u64) {
+        let pools = self.pools();
+        let inner = self.inner.lock().await;
+        (
+            inner.ipam.free(&pools, &self.node.name, true),
+            inner.ipam.free(&pools, &self.node.name, false),
+        )
+    }
+
+    /// The pool an address belongs to, for display.
+    pub fn pool_of(&self, addr: IpAddr) -> IpNet {
+        pool_of(&self.pools(), addr)
+    }
+}

@@ -1,0 +1,410 @@
+//! The agent's core: IPAM and the endpoint registry over one datastore and one dataplane.
+//! Nothing is acknowledged before the datastore has it; IPAM writes are compare-and-swap on the
+//! blocks' revisions, so agents sharing a datastore never hand out an address twice.
+mod ipam;
+mod leak;
+mod report;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::RwLock;
+use std::time::{Duration, Instant};
+
+use calix_common::EndpointCounters;
+use tokio::sync::Mutex;
+
+use crate::dataplane::{Attached, Dataplane, DataplaneError};
+use crate::datastore::{keys, Datastore, DatastoreError, Durability, Op};
+use crate::ipam::{Block, IpamError, IpamState, Policy, Pool};
+use crate::model::{EndpointRecord, NodeRecord};
+
+pub use leak::Swept;
+pub use report::{BlockUse, CheckReport, Finding, IpamReport, NodeUse, PoolUse};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error(transparent)]
+    Ipam(#[from] IpamError),
+    #[error(transparent)]
+    Datastore(#[from] DatastoreError),
+    #[error("programming endpoint {host_ifname} failed")]
+    Dataplane {
+        host_ifname: String,
+        #[source]
+        source: DataplaneError,
+    },
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("pool change refused: {0}")]
+    PoolChange(String),
+}
+
+/// One endpoint with its live dataplane state, for listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointView {
+    pub record: EndpointRecord,
+    pub ifindex: Option<u32>,
+    pub bpf_attached: bool,
+    pub counters: Option<EndpointCounters>,
+}
+
+/// Timings of the background IPAM housekeeping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Housekeeping {
+    pub leak_grace: Duration,
+    pub empty_block_grace: Duration,
+}
+
+struct Inner {
+    /// The blocks as last read or written.
+    ipam: IpamState,
+    /// This node's endpoints, keyed by "containerID/ifname".
+    endpoints: BTreeMap<String, EndpointRecord>,
+    dataplane: Box<dyn Dataplane>,
+    /// host ifname → attach result, for endpoints programmed by this process.
+    attached: BTreeMap<String, Attached>,
+    /// Allocations of this node without an endpoint: (address, seq) → first seen.
+    leak_candidates: HashMap<(IpAddr, u64), Instant>,
+    /// This node's empty blocks → first seen empty.
+    empty_since: HashMap<String, Instant>,
+}
+
+pub struct Agent {
+    node: NodeRecord,
+    pools: RwLock<(Vec<Pool>, Policy)>,
+    housekeeping: Housekeeping,
+    store: Box<dyn Datastore>,
+    inner: Mutex<Inner>,
+}
+
+/// Attempts at a compare-and-swap write before giving up (each after re-reading).
+const CAS_ATTEMPTS: u32 = 64;
+
+impl Agent {
+    /// Reads this node's state from the datastore, records the node, and checks the pools
+    /// against the addresses the node holds.
+    pub async fn new(
+        node: NodeRecord,
+        pools: Vec<Pool>,
+        policy: Policy,
+        housekeeping: Housekeeping,
+        store: Box<dyn Datastore>,
+        dataplane: Box<dyn Dataplane>,
+    ) -> Result<Self, AgentError> {
+        if node.name.is_empty() {
+            return Err(AgentError::Invalid("node name is empty".into()));
+        }
+        let mut endpoints = BTreeMap::new();
+        for kv in store.list(&keys::endpoints_of(&node.name)).await? {
+            let ep: EndpointRecord = kv.decode()?;
+            endpoints.insert(EndpointRecord::key(&ep.container_id, &ep.ifname), ep);
+        }
+        store
+            .txn(
+                &[],
+                &[Op::put_json(keys::node(&node.name), &node)],
+                Durability::Process,
+            )
+            .await?;
+        let agent = Self {
+            node,
+            pools: RwLock::new((Vec::new(), policy)),
+            housekeeping,
+            store,
+            inner: Mutex::new(Inner {
+                ipam: IpamState::default(),
+                endpoints,
+                dataplane,
+                attached: BTreeMap::new(),
+                leak_candidates: HashMap::new(),
+                empty_since: HashMap::new(),
+            }),
+        };
+        {
+            let mut inner = agent.inner.lock().await;
+            agent.refresh_blocks(&mut inner).await?;
+            agent.check_pools(&inner.ipam, &pools)?;
+        }
+        agent.set_pools_unchecked(pools, policy);
+        Ok(agent)
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node.name
+    }
+
+    pub fn datastore_kind(&self) -> &'static str {
+        self.store.kind()
+    }
+
+    pub fn pools(&self) -> Vec<Pool> {
+        self.pools
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .0
+            .clone()
+    }
+
+    fn policy(&self) -> Policy {
+        self.pools.read().unwrap_or_else(|p| p.into_inner()).1
+    }
+
+    fn set_pools_unchecked(&self, pools: Vec<Pool>, policy: Policy) {
+        *self.pools.write().unwrap_or_else(|p| p.into_inner()) = (pools, policy);
+    }
+
+    /// Replaces the pools (config reload). Refused, naming the pool, when an address this node
+    /// holds would no longer be in any pool (a pool shrunk or removed under live addresses).
+    pub async fn set_pools(&self, pools: Vec<Pool>, policy: Policy) -> Result<(), AgentError> {
+        let mut inner = self.inner.lock().await;
+        self.refresh_blocks(&mut inner).await?;
+        self.check_pools(&inner.ipam, &pools)?;
+        tracing::info!(pools = ?pools.iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
+            strict_affinity = policy.strict_affinity, max_blocks_per_node = policy.max_blocks_per_node,
+            "pools updated");
+        self.set_pools_unchecked(pools, policy);
+        Ok(())
+    }
+
+    fn check_pools(&self, ipam: &IpamState, pools: &[Pool]) -> Result<(), AgentError> {
+        for (addr, a) in ipam.allocations_of(&self.node.name) {
+            if !pools.iter().any(|p| p.cidr.contains(&addr)) {
+                let block = ipam
+                    .block_of(addr)
+                    .map(|b| b.cidr.to_string())
+                    .unwrap_or_default();
+                let was = self
+                    .pools()
+                    .iter()
+                    .find(|p| p.cidr.contains(&addr))
+                    .map(|p| format!("pool {}", p.cidr))
+                    .unwrap_or_else(|| format!("the pool of block {block}"));
+                return Err(AgentError::PoolChange(format!(
+                    "{was} no longer contains {addr}, which {}/{} still holds: \
+                     keep the pool (set disabled = true to stop new allocations) until its \
+                     addresses are released",
+                    a.handle, a.ifname
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-reads every block from the datastore.
+    async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
+        let mut blocks = Vec::new();
+        for kv in self.store.list(keys::BLOCKS).await? {
+            let mut b: Block = kv.decode()?;
+            b.revision = kv.revision;
+            blocks.push(b);
+        }
+        inner.ipam.replace(blocks);
+        Ok(())
+    }
+
+    /// Writes the touched blocks (compare-and-swap on each one's revision) with `extra`
+    /// compares and ops, in one transaction. `Ok(false)`: someone else wrote first; the view
+    /// has been re-read and the caller should recompute and retry.
+    async fn commit_blocks(
+        &self,
+        inner: &mut Inner,
+        touched: &[String],
+        mut compares: Vec<crate::datastore::Compare>,
+        mut ops: Vec<Op>,
+        durability: Durability,
+    ) -> Result<bool, AgentError> {
+        use crate::datastore::Compare;
+        for key in touched {
+            let Some(b) = inner.ipam.blocks.get(key) else {
+                continue;
+            };
+            let k = keys::block(&b.cidr);
+            compares.push(if b.revision == 0 {
+                Compare::Absent(k.clone())
+            } else {
+                Compare::Revision(k.clone(), b.revision)
+            });
+            ops.push(Op::put_json(k, b));
+        }
+        match self.store.txn(&compares, &ops, durability).await {
+            Ok(Some(rev)) => {
+                for key in touched {
+                    if let Some(b) = inner.ipam.blocks.get_mut(key) {
+                        b.revision = rev;
+                    }
+                }
+                Ok(true)
+            }
+            Ok(None) => {
+                self.refresh_blocks(inner).await?;
+                Ok(false)
+            }
+            Err(e) => {
+                // The in-memory view may hold uncommitted changes: re-read it (best effort).
+                if let Err(re) = self.refresh_blocks(inner).await {
+                    tracing::warn!(error = %re, "cannot re-read blocks after a failed write");
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Records the endpoint and programs the dataplane for it; returns once both are done.
+    pub async fn register(&self, ep: EndpointRecord) -> Result<Attached, AgentError> {
+        if ep.container_id.is_empty() || ep.ifname.is_empty() || ep.host_ifname.is_empty() {
+            return Err(AgentError::Invalid(
+                "container_id, ifname and host_ifname are required".into(),
+            ));
+        }
+        let mut inner = self.inner.lock().await;
+        let t0 = Instant::now();
+        let attached =
+            inner
+                .dataplane
+                .attach(&ep.host_ifname)
+                .map_err(|source| AgentError::Dataplane {
+                    host_ifname: ep.host_ifname.clone(),
+                    source,
+                })?;
+        let t_attach = t0.elapsed();
+        let host_ifname = ep.host_ifname.clone();
+        let written = self
+            .store
+            .txn(
+                &[],
+                &[Op::put_json(
+                    keys::endpoint(&self.node.name, &ep.container_id, &ep.ifname),
+                    &ep,
+                )],
+                Durability::Process,
+            )
+            .await;
+        if let Err(e) = written {
+            // Not durable: undo the attach so nothing runs that the registry doesn't know.
+            let _ = inner.dataplane.detach(&host_ifname);
+            return Err(e.into());
+        }
+        tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf,
+            attach_us = t_attach.as_micros() as u64, total_us = t0.elapsed().as_micros() as u64,
+            "endpoint programmed");
+        inner
+            .endpoints
+            .insert(EndpointRecord::key(&ep.container_id, &ep.ifname), ep);
+        inner.attached.insert(host_ifname, attached);
+        Ok(attached)
+    }
+
+    /// Forgets the endpoint and detaches its programs; with `release_handle`, also releases
+    /// what that handle holds for `ifname`, in the same datastore write. Idempotent; returns
+    /// whether the endpoint existed and what was released.
+    pub async fn unregister(
+        &self,
+        container_id: &str,
+        ifname: &str,
+        release_handle: Option<&str>,
+    ) -> Result<(bool, Vec<IpAddr>), AgentError> {
+        let key = EndpointRecord::key(container_id, ifname);
+        let mut inner = self.inner.lock().await;
+        let t0 = Instant::now();
+        let ep = inner.endpoints.get(&key).cloned();
+        if let Some(ep) = &ep {
+            inner
+                .dataplane
+                .detach(&ep.host_ifname)
+                .map_err(|source| AgentError::Dataplane {
+                    host_ifname: ep.host_ifname.clone(),
+                    source,
+                })?;
+            inner.attached.remove(&ep.host_ifname);
+        }
+        let forget = ep
+            .is_some()
+            .then(|| Op::Delete(keys::endpoint(&self.node.name, container_id, ifname)));
+        let released = match release_handle {
+            Some(h) => {
+                self.release_handle_locked(&mut inner, h, ifname, forget, "released by CNI DEL")
+                    .await?
+            }
+            None => {
+                if let Some(op) = forget {
+                    self.store.txn(&[], &[op], Durability::Process).await?;
+                }
+                Vec::new()
+            }
+        };
+        inner.endpoints.remove(&key);
+        if let Some(ep) = &ep {
+            tracing::info!(host_ifname = %ep.host_ifname, total_us = t0.elapsed().as_micros() as u64, "endpoint removed");
+        }
+        Ok((ep.is_some(), released))
+    }
+
+    /// Re-programs every recorded endpoint whose interface still exists (agent restart).
+    pub async fn resync(&self) {
+        let mut inner = self.inner.lock().await;
+        let eps: Vec<EndpointRecord> = inner.endpoints.values().cloned().collect();
+        for ep in eps {
+            match inner.dataplane.attach(&ep.host_ifname) {
+                Ok(a) => {
+                    inner.attached.insert(ep.host_ifname.clone(), a);
+                }
+                Err(e) => {
+                    tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "recorded endpoint not programmed")
+                }
+            }
+        }
+    }
+
+    pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {
+        let inner = self.inner.lock().await;
+        inner
+            .endpoints
+            .values()
+            .map(|r| {
+                let att = inner.attached.get(&r.host_ifname);
+                let counters = match att {
+                    Some(a) if a.bpf => inner.dataplane.counters(a.ifindex).map_err(|source| {
+                        AgentError::Dataplane {
+                            host_ifname: r.host_ifname.clone(),
+                            source,
+                        }
+                    })?,
+                    _ => None,
+                };
+                Ok(EndpointView {
+                    record: r.clone(),
+                    ifindex: att.map(|a| a.ifindex),
+                    bpf_attached: att.is_some_and(|a| a.bpf),
+                    counters,
+                })
+            })
+            .collect()
+    }
+
+    /// A copy of the IPAM view, re-read from the datastore (for calixctl and tests).
+    pub async fn ipam(&self) -> Result<IpamState, AgentError> {
+        let mut inner = self.inner.lock().await;
+        self.refresh_blocks(&mut inner).await?;
+        Ok(inner.ipam.clone())
+    }
+
+    pub async fn shutdown(&self) {
+        let mut inner = self.inner.lock().await;
+        inner.dataplane.detach_all();
+        inner.attached.clear();
+    }
+}
+
+/// A short pause before retrying a lost compare-and-swap, growing with the attempt and
+/// jittered so agents racing for the same block don't retry in lockstep.
+async fn cas_backoff(attempt: u32) {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let cap_us = 200u64 << attempt.min(6);
+    tokio::time::sleep(Duration::from_micros(u64::from(nanos) % cap_us)).await;
+}
+
+#[cfg(test)]
+mod tests;

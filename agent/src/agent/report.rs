@@ -1,0 +1,294 @@
+//! `calixctl ipam show` and `calixctl ipam check`: the datastore's IPAM state across every
+//! node, read fresh.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+use super::{Agent, AgentError};
+use crate::datastore::keys;
+use crate::ipam::{Block, HandleRecord};
+use crate::model::{EndpointRecord, NodeRecord};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolUse {
+    pub cidr: String,
+    pub block_size: u8,
+    pub disabled: bool,
+    pub size: u64,
+    pub blocks: usize,
+    pub used: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockUse {
+    pub cidr: String,
+    pub affinity: String,
+    pub size: u64,
+    pub used: u64,
+    /// Addresses in this block allocated by other nodes.
+    pub borrowed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeUse {
+    pub node: String,
+    pub blocks: usize,
+    pub used: u64,
+    pub endpoints: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpamReport {
+    pub node: String,
+    pub pools: Vec<PoolUse>,
+    pub blocks: Vec<BlockUse>,
+    pub nodes: Vec<NodeUse>,
+    /// Free addresses this node can use: (IPv4, IPv6).
+    pub free_v4: u64,
+    pub free_v6: u64,
+}
+
+/// One problem `ipam check` found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finding {
+    /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`.
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<IpAddr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    #[serde(default)]
+    pub handle: String,
+    #[serde(default)]
+    pub ifname: String,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub block: String,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckReport {
+    pub allocations: u64,
+    pub blocks: usize,
+    pub handles: usize,
+    pub endpoints: usize,
+    pub findings: Vec<Finding>,
+}
+
+struct Snapshot {
+    blocks: Vec<Block>,
+    handles: Vec<(String, HandleRecord)>,
+    endpoints: Vec<(String, EndpointRecord)>,
+    nodes: Vec<NodeRecord>,
+}
+
+impl Agent {
+    async fn snapshot(&self) -> Result<Snapshot, AgentError> {
+        let store = &self.store;
+        let mut blocks = Vec::new();
+        for kv in store.list(keys::BLOCKS).await? {
+            blocks.push(kv.decode::<Block>()?);
+        }
+        let mut handles = Vec::new();
+        for kv in store.list(keys::HANDLES).await? {
+            handles.push((kv.key.clone(), kv.decode::<HandleRecord>()?));
+        }
+        let mut endpoints = Vec::new();
+        for kv in store.list(keys::ENDPOINTS).await? {
+            // endpoints/<node>/<cid>/<ifname>
+            let node = kv
+                .key
+                .strip_prefix(keys::ENDPOINTS)
+                .and_then(|r| r.split('/').next())
+                .unwrap_or_default()
+                .to_string();
+            endpoints.push((node, kv.decode::<EndpointRecord>()?));
+        }
+        let mut nodes = Vec::new();
+        for kv in store.list(keys::NODES).await? {
+            nodes.push(kv.decode::<NodeRecord>()?);
+        }
+        Ok(Snapshot {
+            blocks,
+            handles,
+            endpoints,
+            nodes,
+        })
+    }
+
+    /// Pools, blocks and per-node use, across every node of the datastore.
+    pub async fn ipam_report(&self) -> Result<IpamReport, AgentError> {
+        let snap = self.snapshot().await?;
+        let pools = self.pools();
+        let mut per_node: BTreeMap<String, NodeUse> = BTreeMap::new();
+        fn node_use<'a>(
+            per_node: &'a mut BTreeMap<String, NodeUse>,
+            name: &str,
+        ) -> &'a mut NodeUse {
+            per_node.entry(name.to_string()).or_insert_with(|| NodeUse {
+                node: name.to_string(),
+                blocks: 0,
+                used: 0,
+                endpoints: 0,
+            })
+        }
+        for n in &snap.nodes {
+            node_use(&mut per_node, &n.name);
+        }
+        let mut blocks = Vec::new();
+        for b in &snap.blocks {
+            node_use(&mut per_node, &b.affinity).blocks += 1;
+            for a in b.allocations.values() {
+                node_use(&mut per_node, &a.node).used += 1;
+            }
+            blocks.push(BlockUse {
+                cidr: b.cidr.to_string(),
+                affinity: b.affinity.clone(),
+                size: b.size(),
+                used: b.allocations.len() as u64,
+                borrowed: b
+                    .allocations
+                    .values()
+                    .filter(|a| a.node != b.affinity)
+                    .count() as u64,
+            });
+        }
+        for (node, _) in &snap.endpoints {
+            node_use(&mut per_node, node).endpoints += 1;
+        }
+        let pools = pools
+            .iter()
+            .map(|p| {
+                let inside: Vec<&Block> = snap
+                    .blocks
+                    .iter()
+                    .filter(|b| p.cidr.contains(&b.cidr.network()))
+                    .collect();
+                let bits = u32::from(p.cidr.max_prefix_len() - p.cidr.prefix_len());
+                PoolUse {
+                    cidr: p.cidr.to_string(),
+                    block_size: p.block_size,
+                    disabled: p.disabled,
+                    size: if bits >= 63 { u64::MAX / 2 } else { 1 << bits },
+                    blocks: inside.len(),
+                    used: inside.iter().map(|b| b.allocations.len() as u64).sum(),
+                }
+            })
+            .collect();
+        let (free_v4, free_v6) = self.free().await;
+        Ok(IpamReport {
+            node: self.node.name.clone(),
+            pools,
+            blocks,
+            nodes: per_node.into_values().collect(),
+            free_v4,
+            free_v6,
+        })
+    }
+
+    /// Leaks, duplicates and orphans across every node of the datastore.
+    pub async fn ipam_check(&self) -> Result<CheckReport, AgentError> {
+        let snap = self.snapshot().await?;
+        let mut findings = Vec::new();
+        let live: HashSet<(&str, &str, &str)> = snap
+            .endpoints
+            .iter()
+            .map(|(n, e)| (n.as_str(), e.handle.as_str(), e.ifname.as_str()))
+            .collect();
+        let handles: HashMap<(String, String), &HandleRecord> = snap
+            .handles
+            .iter()
+            .filter_map(|(k, h)| {
+                let rest = k.strip_prefix(keys::HANDLES)?;
+                let (handle, ifname) = rest.rsplit_once('/')?;
+                Some(((handle.to_string(), ifname.to_string()), h))
+            })
+            .collect();
+        let known_nodes: HashSet<&str> = snap.nodes.iter().map(|n| n.name.as_str()).collect();
+        let mut seen: HashMap<IpAddr, String> = HashMap::new();
+        let mut allocations = 0u64;
+        for b in &snap.blocks {
+            if !known_nodes.contains(b.affinity.as_str()) {
+                findings.push(Finding {
+                    kind: "orphan-block".into(),
+                    address: None,
+                    seq: None,
+                    handle: String::new(),
+                    ifname: String::new(),
+                    node: b.affinity.clone(),
+                    block: b.cidr.to_string(),
+                    detail: format!("block affine to unknown node {}", b.affinity),
+                });
+            }
+            for (off, a) in &b.allocations {
+                allocations += 1;
+                let addr = b.address(*off);
+                let base = Finding {
+                    kind: String::new(),
+                    address: Some(addr),
+                    seq: Some(a.seq),
+                    handle: a.handle.clone(),
+                    ifname: a.ifname.clone(),
+                    node: a.node.clone(),
+                    block: b.cidr.to_string(),
+                    detail: String::new(),
+                };
+                if let Some(other) = seen.insert(addr, b.cidr.to_string()) {
+                    findings.push(Finding {
+                        kind: "duplicate".into(),
+                        detail: format!("{addr} is allocated in blocks {other} and {}", b.cidr),
+                        ..base.clone()
+                    });
+                }
+                let held = handles
+                    .get(&(a.handle.clone(), a.ifname.clone()))
+                    .is_some_and(|h| h.addresses.iter().any(|x| x.addr == addr && x.seq == a.seq));
+                if !held {
+                    findings.push(Finding {
+                        kind: "orphan-allocation".into(),
+                        detail: "allocated in its block but no handle record holds it".into(),
+                        ..base.clone()
+                    });
+                }
+                if !live.contains(&(a.node.as_str(), a.handle.as_str(), a.ifname.as_str())) {
+                    findings.push(Finding {
+                        kind: "leak".into(),
+                        detail: format!("no endpoint on node {} uses it", a.node),
+                        ..base
+                    });
+                }
+            }
+        }
+        for ((handle, ifname), rec) in &handles {
+            for h in &rec.addresses {
+                let in_block = snap.blocks.iter().any(|b| {
+                    b.offset_of(h.addr)
+                        .and_then(|o| b.allocations.get(&o))
+                        .is_some_and(|a| a.seq == h.seq && &a.handle == handle)
+                });
+                if !in_block {
+                    findings.push(Finding {
+                        kind: "orphan-handle".into(),
+                        address: Some(h.addr),
+                        seq: Some(h.seq),
+                        handle: handle.clone(),
+                        ifname: ifname.clone(),
+                        node: rec.node.clone(),
+                        block: String::new(),
+                        detail: "handle record names an address its block does not hold".into(),
+                    });
+                }
+            }
+        }
+        Ok(CheckReport {
+            allocations,
+            blocks: snap.blocks.len(),
+            handles: handles.len(),
+            endpoints: snap.endpoints.len(),
+            findings,
+        })
+    }
+}

@@ -1,0 +1,37 @@
+//! Records the agent keeps in the datastore besides IPAM.
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// An endpoint as the registry records it (key `endpoints/<node>/<containerID>/<ifname>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointRecord {
+    pub container_id: String,
+    pub ifname: String,
+    pub host_ifname: String,
+    pub netns: String,
+    pub pod_namespace: String,
+    pub pod_name: String,
+    pub addresses: Vec<String>,
+    pub handle: String,
+}
+
+impl EndpointRecord {
+    /// The in-memory registry key, "containerID/ifname".
+    pub fn key(container_id: &str, ifname: &str) -> String {
+        format!("{container_id}/{ifname}")
+    }
+}
+
+/// A node as it announces itself (key `nodes/<name>`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub name: String,
+    #[serde(default)]
+    pub addresses: Vec<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// calix-agent version that last wrote this record.
+    #[serde(default)]
+    pub agent_version: String,
+}
