@@ -244,6 +244,13 @@ impl Node {
 
     /// Starts a node whose agent reads `config` (TOML) in addition to the flags.
     pub fn start_with_config(dataplane: Dataplane, config: Option<&str>) -> Self {
+        let node = Self::create(dataplane, config);
+        node.start_agent();
+        node
+    }
+
+    /// A node namespace with its loopback address, the agent not yet started.
+    pub fn create(dataplane: Dataplane, config: Option<&str>) -> Self {
         require_root();
         let ns = Netns::new("n");
         ns.exec_ok(&["ip", "addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]);
@@ -258,8 +265,13 @@ impl Node {
             agent: std::sync::Mutex::new(None),
             config: config.map(String::from),
         };
-        node.start_agent();
         node
+    }
+
+    /// The same node with its agent reading `config` (TOML).
+    pub fn with_config(mut self, config: &str) -> Self {
+        self.config = Some(config.to_string());
+        self
     }
 
     /// (Re)starts the agent and waits until its socket answers.
@@ -314,6 +326,15 @@ impl Node {
                 self.agent_log()
             );
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills the agent with SIGKILL (a crash) and reaps it.
+    pub fn kill_agent(&self) {
+        let taken = self.child().take();
+        if let Some(mut c) = taken {
+            let _ = c.kill();
+            let _ = c.wait();
         }
     }
 
@@ -938,6 +959,138 @@ impl Drop for RootAgent {
                 self.agent_log()
             );
         }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A real etcd server in a network namespace of its own, reachable from node namespaces over
+/// veth pairs (10.98.<i>.1 ↔ 10.98.<i>.2/30). Killed (and its namespace removed) on drop.
+pub struct EtcdNs {
+    pub ns: Netns,
+    dir: PathBuf,
+    child: std::sync::Mutex<Option<Child>>,
+    links: AtomicU32,
+}
+
+impl EtcdNs {
+    pub fn start() -> Self {
+        require_root();
+        let ns = Netns::new("e");
+        let dir = std::env::temp_dir().join(&ns.name);
+        std::fs::create_dir_all(&dir).expect("etcd dir");
+        let etcd = Self {
+            ns,
+            dir,
+            child: std::sync::Mutex::new(None),
+            links: AtomicU32::new(0),
+        };
+        etcd.spawn();
+        etcd
+    }
+
+    /// (Re)starts etcd on its data directory and waits until it answers.
+    pub fn spawn(&self) {
+        let data = self.dir.join("data");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("etcd.log"))
+            .expect("etcd log");
+        let child = self
+            .ns
+            .cmd(&[
+                "etcd",
+                "--name",
+                "default",
+                "--data-dir",
+                &data.display().to_string(),
+                "--listen-client-urls",
+                "http://0.0.0.0:2379",
+                "--advertise-client-urls",
+                "http://127.0.0.1:2379",
+                "--listen-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-advertise-peer-urls",
+                "http://127.0.0.1:2380",
+                "--initial-cluster",
+                "default=http://127.0.0.1:2380",
+            ])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd (apt-get install etcd-server; cargo xtask setup does)");
+        *self.child.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self
+            .ns
+            .exec(&["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/2379"])
+            .status
+            .success()
+        {
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not come up:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Kills etcd (SIGKILL).
+    pub fn kill(&self) {
+        if let Some(mut c) = self.child.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default()
+    }
+
+    /// Connects `node` to etcd; returns the client URL the node uses.
+    pub fn wire(&self, node: &Netns) -> String {
+        let i = self.links.fetch_add(1, Ordering::Relaxed) + 1;
+        let host = format!("e{i}");
+        run_ok(Command::new("ip").args([
+            "-n",
+            &self.ns.name,
+            "link",
+            "add",
+            &host,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "etcd0",
+            "netns",
+            &node.name,
+        ]));
+        self.ns.exec_ok(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("10.98.{i}.1/30"),
+            "dev",
+            &host,
+        ]);
+        self.ns.exec_ok(&["ip", "link", "set", &host, "up"]);
+        node.exec_ok(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("10.98.{i}.2/30"),
+            "dev",
+            "etcd0",
+        ]);
+        node.exec_ok(&["ip", "link", "set", "etcd0", "up"]);
+        format!("http://10.98.{i}.1:2379")
+    }
+}
+
+impl Drop for EtcdNs {
+    fn drop(&mut self) {
+        self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -1,0 +1,443 @@
+//! IPAM across nodes and crashes (issue 4): real agents in node namespaces, a real etcd in a
+//! namespace of its own, driven through the agents' gRPC API.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use calix_proto::v1 as pb;
+use calix_tests::{Dataplane, EtcdNs, Node};
+use serde_json::Value;
+
+type Client = pb::ipam_client::IpamClient<tonic::transport::Channel>;
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+async fn client(node: &Node) -> Client {
+    // Generous: callers of an agent whose etcd restarts wait out the agent's retries.
+    let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(60))
+        .await
+        .expect("connect to agent");
+    pb::ipam_client::IpamClient::new(ch)
+}
+
+async fn allocate(mut c: Client, handle: String) -> Result<IpAddr, tonic::Status> {
+    let r = c
+        .allocate(pb::AllocateRequest {
+            handle,
+            ifname: "eth0".into(),
+            ipv4: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let a = &r.addresses[0].address;
+    Ok(a.split('/').next().unwrap_or(a).parse().expect("address"))
+}
+
+/// `n` allocations with handles `<tag>-<i>`, `in_flight` at a time; each result in order.
+async fn allocate_many(
+    c: &Client,
+    tag: &str,
+    n: usize,
+    in_flight: usize,
+) -> Vec<(String, Result<IpAddr, tonic::Status>)> {
+    let sem = Arc::new(tokio::sync::Semaphore::new(in_flight));
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let handle = format!("net.{tag}-{i}");
+        let c = c.clone();
+        let sem = sem.clone();
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await.expect("semaphore");
+            let r = allocate(c, handle.clone()).await;
+            (handle, r)
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.expect("join"));
+    }
+    out
+}
+
+/// Agent config on etcd at `url`; `extra` may bring its own `[[pools]]` (else 10.60.0.0/20).
+fn etcd_config(url: &str, extra: &str) -> String {
+    let pools = if extra.contains("[[pools]]") {
+        ""
+    } else {
+        "[[pools]]\ncidr = \"10.60.0.0/20\"\nblockSize = 26\n"
+    };
+    format!(
+        "[datastore]\ntype = \"etcd\"\nendpoints = [\"{url}\"]\nprefix = \"/calix-test/\"\nattempts = 20\n{extra}\n{pools}"
+    )
+}
+
+/// A node on `etcd` with `extra` config, its agent started.
+fn etcd_node(etcd: &EtcdNs, extra: &str) -> Node {
+    let probe = Node::create(Dataplane::Kernel, None);
+    let url = etcd.wire(&probe.ns);
+    // The config needs the URL, which needs the namespace: rebuild the node with it.
+    let node = probe.with_config(&etcd_config(&url, extra));
+    node.start_agent();
+    node
+}
+
+fn ipam_json(node: &Node, what: &str) -> Value {
+    let out = node.calixctl(&["ipam", what, "-o", "json"]);
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "calixctl ipam {what}: {e}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn findings_of(report: &Value, kind: &str) -> Vec<Value> {
+    report["findings"]
+        .as_array()
+        .map(|f| f.iter().filter(|x| x["kind"] == kind).cloned().collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn three_agents_on_one_etcd_never_give_an_address_twice() {
+    let etcd = EtcdNs::start();
+    let nodes: Vec<Node> = (0..3).map(|_| etcd_node(&etcd, "")).collect();
+    let rt = rt();
+    let results = rt.block_on(async {
+        let mut clients = Vec::new();
+        for n in &nodes {
+            clients.push(client(n).await);
+        }
+        let runs = clients.iter().enumerate().map(|(i, c)| {
+            let c = c.clone();
+            async move { allocate_many(&c, &format!("n{i}"), 300, 32).await }
+        });
+        futures_join(runs.collect()).await
+    });
+    let mut seen: HashMap<IpAddr, String> = HashMap::new();
+    for r in results.iter().flatten() {
+        let addr = *r.1.as_ref().unwrap_or_else(|e| panic!("{}: {e}", r.0));
+        if let Some(other) = seen.insert(addr, r.0.clone()) {
+            panic!("{addr} given to both {other} and {}", r.0);
+        }
+    }
+    assert_eq!(seen.len(), 900);
+    let show = ipam_json(&nodes[0], "show");
+    let names: HashSet<String> = nodes.iter().map(|n| n.ns.name.clone()).collect();
+    let blocks = show["blocks"].as_array().expect("blocks");
+    let mut cidrs = HashSet::new();
+    for b in blocks {
+        assert!(
+            names.contains(b["affinity"].as_str().unwrap_or_default()),
+            "block without one of our nodes as affinity: {b}"
+        );
+        assert!(cidrs.insert(b["cidr"].to_string()), "block twice: {b}");
+    }
+    let used: u64 = blocks.iter().map(|b| b["used"].as_u64().unwrap_or(0)).sum();
+    assert_eq!(used, 900);
+    for n in show["nodes"].as_array().expect("nodes") {
+        if names.contains(n["node"].as_str().unwrap_or_default()) {
+            assert_eq!(n["used"], 300, "{n}");
+        }
+    }
+    let check = ipam_json(&nodes[1], "check");
+    for kind in [
+        "duplicate",
+        "orphan-handle",
+        "orphan-allocation",
+        "orphan-block",
+    ] {
+        assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
+    }
+    // No endpoints were registered: every allocation is (correctly) reported as a leak.
+    assert_eq!(findings_of(&check, "leak").len(), 900);
+}
+
+/// Joins futures without pulling in the `futures` crate.
+async fn futures_join<F: std::future::Future + Send + 'static>(fs: Vec<F>) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = fs.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("join"));
+    }
+    out
+}
+
+#[test]
+fn a_full_block_borrows_from_another_node_unless_strict() {
+    let etcd = EtcdNs::start();
+    // Two blocks of 16 in the pool: one per node.
+    let small = "[[pools]]\ncidr = \"10.61.0.0/27\"\nblockSize = 28\n";
+    let cfg = |strict: bool| format!("[ipam]\nstrictAffinity = {strict}\n{small}");
+    let a = etcd_node(&etcd, &cfg(false));
+    let b = etcd_node(&etcd, &cfg(false));
+    let rt = rt();
+    rt.block_on(async {
+        let ca = client(&a).await;
+        let cb = client(&b).await;
+        let first_b = allocate(cb.clone(), "net.b-0".into())
+            .await
+            .expect("b claims a block");
+        // a claims the other block and fills it (15 usable: .0 is the pool's network address).
+        let own = allocate_many(&ca, "a", 15, 4).await;
+        assert!(own.iter().all(|r| r.1.is_ok()), "{own:?}");
+        let borrowed = allocate(ca.clone(), "net.a-borrow".into())
+            .await
+            .expect("borrow");
+        let b_block: ipnet_lite::Net = ipnet_lite::Net::of(first_b, 28);
+        assert!(
+            b_block.contains(borrowed),
+            "{borrowed} should come from b's block {b_block:?}"
+        );
+    });
+    let show = ipam_json(&a, "show");
+    let bblock = show["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .find(|x| x["affinity"] == b.ns.name.as_str())
+        .cloned()
+        .expect("b's block");
+    assert_eq!(bblock["borrowed"], 1, "{show}");
+    drop(a);
+    // The same with strictAffinity: no borrowing, a clear error.
+    let strict = etcd_node(&etcd, &cfg(true));
+    rt.block_on(async {
+        let c = client(&strict).await;
+        let err = allocate(c, "net.s-0".into())
+            .await
+            .expect_err("strict: nothing free");
+        assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+        assert!(
+            err.message().contains("strictAffinity"),
+            "{}",
+            err.message()
+        );
+        assert!(err.message().contains("10.61.0.0/27"), "{}", err.message());
+    });
+}
+
+/// Tiny IPv4 prefix helper (keeps the tests free of an ipnet dependency).
+mod ipnet_lite {
+    use std::net::IpAddr;
+
+    #[derive(Debug)]
+    pub struct Net(u32, u32);
+
+    impl Net {
+        pub fn of(addr: IpAddr, prefix: u32) -> Self {
+            let IpAddr::V4(a) = addr else {
+                panic!("IPv4 only")
+            };
+            let mask = u32::MAX << (32 - prefix);
+            Net(u32::from(a) & mask, mask)
+        }
+        pub fn contains(&self, addr: IpAddr) -> bool {
+            matches!(addr, IpAddr::V4(a) if u32::from(a) & self.1 == self.0)
+        }
+    }
+}
+
+#[test]
+fn an_etcd_restart_mid_allocation_loses_nothing() {
+    let etcd = EtcdNs::start();
+    let node = etcd_node(&etcd, "");
+    let rt = rt();
+    let results = rt.block_on(async {
+        let c = client(&node).await;
+        let run = {
+            let c = c.clone();
+            tokio::spawn(async move { allocate_many(&c, "r", 300, 8).await })
+        };
+        // Let some succeed, then take etcd away for a second.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while node.agent_log().matches("allocated").count() < 50 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        etcd.kill();
+        let at_kill = node.agent_log().matches("allocated").count();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        etcd.spawn();
+        let r = run.await.expect("join");
+        (r, at_kill)
+    });
+    let (results, at_kill) = results;
+    eprintln!("etcd killed after {at_kill} of 300 allocations");
+    assert!(
+        at_kill < 300,
+        "etcd went away only after every allocation was done"
+    );
+    let mut addrs = HashSet::new();
+    for (h, r) in &results {
+        let a = r.as_ref().unwrap_or_else(|e| {
+            panic!(
+                "{h} failed across the etcd restart: {e}\n{}",
+                node.agent_log()
+            )
+        });
+        assert!(addrs.insert(*a), "{a} twice");
+    }
+    assert_eq!(addrs.len(), 300);
+    assert!(
+        node.agent_log().contains("retry") || node.agent_log().contains("etcd"),
+        "the agent should have had to retry:\n{}",
+        node.agent_log()
+    );
+    // Nothing lost: the datastore holds exactly these 300, each under its handle.
+    assert_eq!(node.allocated(), 300);
+    rt.block_on(async {
+        let mut c = client(&node).await;
+        for (h, r) in &results {
+            let got = c
+                .lookup(pb::LookupRequest {
+                    handle: h.clone(),
+                    ifname: "eth0".into(),
+                })
+                .await
+                .expect("lookup")
+                .into_inner();
+            let want = r.as_ref().expect("ok").to_string();
+            assert_eq!(got.addresses[0].address, format!("{want}/32"), "{h}");
+        }
+    });
+}
+
+/// `kill -9` of an agent during 500 allocations on `node` (started with a short leak grace).
+fn kill_nine_mid_allocation(node: &Node) {
+    let rt = rt();
+    let results = rt.block_on(async {
+        let c = client(node).await;
+        let run = {
+            let c = c.clone();
+            tokio::spawn(async move { allocate_many(&c, "k", 500, 16).await })
+        };
+        // Kill once a good part has been acknowledged.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let log = node.agent_log();
+            if log.matches("allocated").count() >= 150 || Instant::now() > deadline {
+                break;
+            }
+        }
+        node.kill_agent();
+        run.await.expect("join")
+    });
+    let acked: BTreeMap<String, IpAddr> = results
+        .iter()
+        .filter_map(|(h, r)| r.as_ref().ok().map(|a| (h.clone(), *a)))
+        .collect();
+    let failed = results.len() - acked.len();
+    assert!(acked.len() >= 100, "only {} acknowledged", acked.len());
+    assert!(failed > 0, "the kill came too late to interrupt anything");
+    let distinct: HashSet<&IpAddr> = acked.values().collect();
+    assert_eq!(
+        distinct.len(),
+        acked.len(),
+        "an address was acknowledged twice"
+    );
+
+    node.start_agent();
+    let before_gc = node.allocated();
+    assert!(
+        before_gc >= acked.len(),
+        "acknowledged allocations lost: {before_gc} < {}",
+        acked.len()
+    );
+    let check = ipam_json(node, "check");
+    for kind in ["duplicate", "orphan-handle", "orphan-allocation"] {
+        assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
+    }
+    rt.block_on(async {
+        let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(10))
+            .await
+            .expect("connect");
+        let mut ipam = pb::ipam_client::IpamClient::new(ch.clone());
+        let mut eps = pb::endpoints_client::EndpointsClient::new(ch);
+        for (h, a) in &acked {
+            // Every acknowledged allocation is still there, unchanged...
+            let got = ipam
+                .lookup(pb::LookupRequest {
+                    handle: h.clone(),
+                    ifname: "eth0".into(),
+                })
+                .await
+                .expect("lookup")
+                .into_inner();
+            assert_eq!(got.addresses[0].address, format!("{a}/32"), "{h}");
+            // ...and gets its endpoint, as the CNI plugin would register it ("lo" stands in
+            // for the pod's veth: the node runs the kernel dataplane).
+            let cid = h.trim_start_matches("net.").to_string();
+            eps.register(pb::RegisterRequest {
+                endpoint: Some(pb::Endpoint {
+                    container_id: cid,
+                    ifname: "eth0".into(),
+                    host_ifname: "lo".into(),
+                    handle: h.clone(),
+                    addresses: vec![format!("{a}/32")],
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("register");
+        }
+    });
+    // Leak GC (interval 1 s, grace 2 s) reclaims what was committed but never acknowledged.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while node.allocated() != acked.len() {
+        assert!(
+            Instant::now() < deadline,
+            "leak GC did not reclaim the unacknowledged allocations: {} allocated, {} acknowledged\n{}",
+            node.allocated(),
+            acked.len(),
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let reclaimed = before_gc - acked.len();
+    eprintln!(
+        "kill -9: {} acknowledged, {failed} failed, {before_gc} allocated after restart, {reclaimed} reclaimed by leak GC",
+        acked.len()
+    );
+    if reclaimed > 0 {
+        assert!(
+            node.agent_log().contains("leak: no endpoint"),
+            "{}",
+            node.agent_log()
+        );
+    }
+    let check = ipam_json(node, "check");
+    assert_eq!(check["findings"], serde_json::json!([]), "{check}");
+}
+
+const FAST_GC: &str = "[ipam]\nleakCheckIntervalSecs = 1\nleakGraceSecs = 2\n";
+
+#[test]
+fn kill_nine_mid_allocation_embedded() {
+    let node = Node::create(
+        Dataplane::Kernel,
+        Some(&format!(
+            "{FAST_GC}[[pools]]\ncidr = \"10.62.0.0/20\"\nblockSize = 26\n"
+        )),
+    );
+    node.start_agent();
+    kill_nine_mid_allocation(&node);
+}
+
+#[test]
+fn kill_nine_mid_allocation_etcd() {
+    let etcd = EtcdNs::start();
+    let node = etcd_node(&etcd, FAST_GC);
+    kill_nine_mid_allocation(&node);
+}
