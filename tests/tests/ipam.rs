@@ -441,3 +441,152 @@ fn kill_nine_mid_allocation_etcd() {
     let node = etcd_node(&etcd, FAST_GC);
     kill_nine_mid_allocation(&node);
 }
+
+#[test]
+fn calixctl_check_finds_leaks_and_release_from_report_frees_exactly_them() {
+    let node = Node::create(
+        Dataplane::Kernel,
+        Some("[[pools]]\ncidr = \"10.63.0.0/24\"\nblockSize = 28\n"),
+    );
+    node.start_agent();
+    let rt = rt();
+    let addrs = rt.block_on(async {
+        let c = client(&node).await;
+        let got = allocate_many(&c, "c", 3, 1).await;
+        let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(10))
+            .await
+            .expect("connect");
+        let mut eps = pb::endpoints_client::EndpointsClient::new(ch);
+        // c-0 gets an endpoint; c-1 and c-2 are leaks.
+        eps.register(pb::RegisterRequest {
+            endpoint: Some(pb::Endpoint {
+                container_id: "c-0".into(),
+                ifname: "eth0".into(),
+                host_ifname: "lo".into(),
+                handle: "net.c-0".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("register");
+        got.into_iter()
+            .map(|(_, r)| r.expect("alloc"))
+            .collect::<Vec<_>>()
+    });
+    let out = node.calixctl(&["ipam", "check"]);
+    assert_eq!(out.status.code(), Some(1), "check must fail on leaks");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("leak") && table.contains(&addrs[1].to_string()),
+        "{table}"
+    );
+    let report = ipam_json(&node, "check");
+    let leaks = findings_of(&report, "leak");
+    let leaked: HashSet<String> = leaks
+        .iter()
+        .map(|f| f["address"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(
+        leaked,
+        HashSet::from([addrs[1].to_string(), addrs[2].to_string()])
+    );
+    let show = node.calixctl(&["ipam", "show"]);
+    let text = String::from_utf8_lossy(&show.stdout);
+    assert!(
+        text.contains("10.63.0.0/24") && text.contains(&node.ns.name),
+        "{text}"
+    );
+
+    // Release from the report; c-2 has been released and re-allocated meanwhile, so its
+    // report entry (an older sequence number) must not free the new allocation.
+    let path = std::env::temp_dir().join(format!("{}-report.json", node.ns.name));
+    std::fs::write(&path, report.to_string()).expect("write report");
+    let realloc = rt.block_on(async {
+        let mut c = client(&node).await;
+        c.release(pb::ReleaseRequest {
+            handle: "net.c-2".into(),
+            ifname: "eth0".into(),
+        })
+        .await
+        .expect("release");
+        allocate(c, "net.c-new".into()).await.expect("realloc")
+    });
+    assert_eq!(realloc, addrs[2], "the lowest free address is reused");
+    let out = node.calixctl(&[
+        "ipam",
+        "release",
+        "--from-report",
+        &path.display().to_string(),
+        "-o",
+        "json",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("release json");
+    assert_eq!(
+        v["released"],
+        serde_json::json!([addrs[1].to_string()]),
+        "{v}"
+    );
+    assert_eq!(
+        v["unchanged"],
+        serde_json::json!([addrs[2].to_string()]),
+        "{v}"
+    );
+    assert_eq!(node.allocated(), 2, "c-0 and c-new stay");
+    // --ip releases whatever holds the address now.
+    let out = node.calixctl(&["ipam", "release", "--ip", &realloc.to_string()]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("released"));
+    assert_eq!(node.allocated(), 1);
+    assert!(node.agent_log().contains("released from report"));
+}
+
+#[test]
+fn sighup_applies_pool_changes_and_refuses_unsafe_ones() {
+    let first = "[[pools]]\ncidr = \"10.64.0.0/24\"\nblockSize = 28\n";
+    let node = Node::create(Dataplane::Kernel, Some(first));
+    node.start_agent();
+    let cfg = node.dir.join("agent.toml");
+    let rt = rt();
+    let a = rt.block_on(async {
+        allocate(client(&node).await, "net.h-0".into())
+            .await
+            .expect("alloc")
+    });
+    assert!(a.to_string().starts_with("10.64.0."));
+    let hup = |text: &str| {
+        std::fs::write(&cfg, text).expect("config");
+        let pid = node.agent_pid().expect("agent pid");
+        // SAFETY: kill(2) on the agent we started.
+        unsafe { libc::kill(pid as i32, libc::SIGHUP) };
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    // Unsafe: the pool holding 10.64.0.x is gone. Refused, the old pools stay.
+    hup("[[pools]]\ncidr = \"10.65.0.0/24\"\nblockSize = 28\n");
+    assert!(
+        node.agent_log().contains("pool change rejected")
+            && node.agent_log().contains("10.64.0.0/24"),
+        "{}",
+        node.agent_log()
+    );
+    let b = rt.block_on(async {
+        allocate(client(&node).await, "net.h-1".into())
+            .await
+            .expect("alloc")
+    });
+    assert!(b.to_string().starts_with("10.64.0."), "{b}");
+    // Safe: disable the old pool, add a new one. New allocations come from the new one.
+    hup("[[pools]]\ncidr = \"10.64.0.0/24\"\nblockSize = 28\ndisabled = true\n[[pools]]\ncidr = \"10.65.0.0/24\"\nblockSize = 28\n");
+    let c = rt.block_on(async {
+        allocate(client(&node).await, "net.h-2".into())
+            .await
+            .expect("alloc")
+    });
+    assert!(c.to_string().starts_with("10.65.0."), "{c}");
+    // A config that does not parse is rejected as a whole.
+    hup("[[pools]]\ncidr = \"not a cidr\"\n");
+    assert!(
+        node.agent_log().contains("config rejected"),
+        "{}",
+        node.agent_log()
+    );
+}
