@@ -256,7 +256,7 @@ impl Node {
         ns.exec_ok(&["ip", "addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]);
         let dir = std::env::temp_dir().join(&ns.name);
         std::fs::create_dir_all(&dir).expect("node dir");
-        let node = Self {
+        Self {
             socket: dir.join("agent.sock"),
             dir,
             ns,
@@ -264,8 +264,7 @@ impl Node {
             dataplane,
             agent: std::sync::Mutex::new(None),
             config: config.map(String::from),
-        };
-        node
+        }
     }
 
     /// The same node with its agent reading `config` (TOML).
