@@ -100,6 +100,33 @@ async fn shutdown_signal() {
     }
 }
 
+/// This node's own addresses for its node record: global-scope addresses of every interface
+/// but loopback and pod veths.
+fn node_addresses() -> Vec<String> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = addrs
+        .filter(|a| !a.interface_name.starts_with("cali") && a.interface_name != "lo")
+        .filter_map(|a| {
+            let sa = a.address?;
+            let ip: std::net::IpAddr = if let Some(v4) = sa.as_sockaddr_in() {
+                std::net::IpAddr::V4(v4.ip())
+            } else {
+                std::net::IpAddr::V6(sa.as_sockaddr_in6()?.ip())
+            };
+            let link_local = match ip {
+                std::net::IpAddr::V4(v4) => v4.is_link_local(),
+                std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+            };
+            (!link_local && !ip.is_loopback()).then(|| ip.to_string())
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Opens the configured datastore.
 async fn open_store(cfg: &AgentConfig) -> Result<Box<dyn Datastore>> {
     Ok(match cfg.datastore.kind.as_str() {
@@ -182,7 +209,7 @@ async fn main() -> Result<()> {
     };
     let node = NodeRecord {
         name: cfg.node_name.clone(),
-        addresses: Vec::new(),
+        addresses: node_addresses(),
         labels: cfg.node_labels.clone(),
         agent_version: env!("CARGO_PKG_VERSION").into(),
     };

@@ -146,6 +146,9 @@ fn three_agents_on_one_etcd_never_give_an_address_twice() {
     for n in show["nodes"].as_array().expect("nodes") {
         if names.contains(n["node"].as_str().unwrap_or_default()) {
             assert_eq!(n["used"], 300, "{n}");
+            // Each node's record carries its address on the link to etcd.
+            let addrs = n["addresses"].to_string();
+            assert!(addrs.contains("10.98."), "{n}");
         }
     }
     let check = ipam_json(&nodes[1], "check");

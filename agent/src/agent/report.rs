@@ -33,6 +33,9 @@ pub struct BlockUse {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeUse {
     pub node: String,
+    /// The node's own addresses, from its node record (empty for a node without one).
+    #[serde(default)]
+    pub addresses: Vec<String>,
     pub blocks: usize,
     pub used: u64,
     pub endpoints: usize,
@@ -130,13 +133,14 @@ impl Agent {
         ) -> &'a mut NodeUse {
             per_node.entry(name.to_string()).or_insert_with(|| NodeUse {
                 node: name.to_string(),
+                addresses: Vec::new(),
                 blocks: 0,
                 used: 0,
                 endpoints: 0,
             })
         }
         for n in &snap.nodes {
-            node_use(&mut per_node, &n.name);
+            node_use(&mut per_node, &n.name).addresses = n.addresses.clone();
         }
         let mut blocks = Vec::new();
         for b in &snap.blocks {

@@ -96,6 +96,7 @@ fn ipam_show_table(r: &IpamReport) -> String {
         .map(|n| {
             vec![
                 n.node.clone(),
+                n.addresses.join(","),
                 n.blocks.to_string(),
                 n.used.to_string(),
                 n.endpoints.to_string(),
@@ -106,7 +107,7 @@ fn ipam_show_table(r: &IpamReport) -> String {
         "{}\n\n{}\n\n{}\n\nnode {} can allocate {} more IPv4 and {} more IPv6 address(es) from its blocks and unclaimed ones",
         table(&["POOL", "BLOCK SIZE", "STATE", "BLOCKS", "IN USE", "SIZE"], &pools),
         table(&["BLOCK", "NODE", "IN USE", "BORROWED"], &blocks),
-        table(&["NODE", "BLOCKS", "IN USE", "ENDPOINTS"], &nodes),
+        table(&["NODE", "ADDRESSES", "BLOCKS", "IN USE", "ENDPOINTS"], &nodes),
         r.node,
         r.free_v4,
         r.free_v6
