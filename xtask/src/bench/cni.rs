@@ -18,22 +18,24 @@
 //! and removed on drop, on error too.
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use serde_json::json;
 
-use super::{fmt_ms, fmt_spread, loadavg, ms, percentile, spread, Machine};
+use super::{
+    cni_plugins_version, fmt_ms, fmt_spread, git_rev, in_netns, load_note, loadavg, loads, out_dir,
+    p50_with_reps, panel, percentile, ratio, spread, stop_child, timed_cmd, wait_ready, Call,
+    Machine, Plugin, CNI_DIR,
+};
 use crate::util::{self, output, run as run_cmd};
 
 const PREFIX: &str = "cxb";
 const NODE_IP: &str = "10.99.0.1";
 const CALIX_POOL: &str = "10.244.0.0/16";
 const PTP_SUBNET: &str = "10.245.0.0/16";
-const CNI_DIR: &str = "/usr/lib/cni";
 const CONCURRENCY: [usize; 2] = [20, 50];
-const PATH_ENV: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Everything the bench created; removed on drop (error or panic included).
 struct Guard {
@@ -58,17 +60,10 @@ impl Guard {
     }
 
     fn stop_agent(&mut self) {
-        if let Some(mut a) = self.agent.take() {
-            // `ip netns exec` execs the agent: the child pid is the agent's. SIGTERM first so it
-            // detaches its programs and removes its socket.
-            // SAFETY: plain kill(2) on our own child.
-            unsafe { libc::kill(a.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline && matches!(a.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = a.kill();
-            let _ = a.wait();
+        // `ip netns exec` execs the agent: the child pid is the agent's. SIGTERM first so it
+        // detaches its programs and removes its socket.
+        if let Some(a) = self.agent.take() {
+            stop_child(a);
         }
     }
 }
@@ -142,127 +137,12 @@ fn remove_stale() -> Result<()> {
     Ok(())
 }
 
-/// One CNI plugin under test, run in its node namespace.
-struct Plugin {
-    label: &'static str,
-    binary: PathBuf,
-    node: String,
-    conf: String,
-}
-
-/// One CNI call of a pod.
-struct Call<'a> {
-    command: &'a str,
-    container_id: String,
-    netns: String,
-    args: String,
-}
-
-/// A command that runs in network namespace `node` the way a container runtime in that
-/// namespace execs a plugin: plain fork+exec, the child `setns`es before exec. (`ip netns
-/// exec` would add a mount namespace and a sysfs remount, ~1.6 ms, to every call.)
-fn in_netns(program: &Path, node: &str) -> Result<Command> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::process::CommandExt;
-    let ns = std::fs::File::open(format!("/run/netns/{node}"))
-        .with_context(|| format!("cannot open netns {node}"))?;
-    let mut cmd = Command::new(program);
-    // SAFETY: setns is async-signal-safe; the fd stays open (moved into the closure) until exec.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    Ok(cmd)
-}
-
 impl Plugin {
-    fn spawn(&self, call: &Call) -> Result<Child> {
-        in_netns(&self.binary, &self.node)?
-            .env_clear()
-            .env("PATH", PATH_ENV)
-            .env("CNI_COMMAND", call.command)
-            .env("CNI_CONTAINERID", &call.container_id)
-            .env("CNI_NETNS", &call.netns)
-            .env("CNI_IFNAME", "eth0")
-            .env("CNI_ARGS", &call.args)
-            .env("CNI_PATH", CNI_DIR)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot exec {}", self.binary.display()))
-    }
-
-    /// Writes the config to the child's stdin and waits for it; fails unless it succeeded.
-    fn finish(&self, call: &Call, mut child: Child) -> Result<Output> {
-        if let Some(mut si) = child.stdin.take() {
-            si.write_all(self.conf.as_bytes())?;
-        }
-        let out = child.wait_with_output()?;
-        if !out.status.success() {
-            bail!(
-                "{} {} of {} failed ({}): {}\n{}",
-                self.label,
-                call.command,
-                call.container_id,
-                out.status,
-                String::from_utf8_lossy(&out.stdout).trim(),
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-        }
-        Ok(out)
-    }
-
-    /// One call, timed fork-to-exit.
-    fn timed(&self, call: &Call) -> Result<f64> {
-        let t0 = Instant::now();
-        let child = self.spawn(call)?;
-        let out = self.finish(call, child)?;
-        let dt = ms(t0.elapsed());
-        if call.command == "ADD" {
-            let v: Value = serde_json::from_slice(&out.stdout).with_context(|| {
-                format!(
-                    "{} ADD printed non-JSON: {}",
-                    self.label,
-                    String::from_utf8_lossy(&out.stdout)
-                )
-            })?;
-            if v["ips"][0]["address"].as_str().is_none() {
-                bail!("{} ADD returned no address: {v}", self.label);
-            }
-        }
-        Ok(dt)
-    }
-
-    /// `calls` all at once: wall time from the first fork to the last exit.
-    fn concurrent(&self, calls: &[Call]) -> Result<f64> {
-        let t0 = Instant::now();
-        let mut children = Vec::with_capacity(calls.len());
-        for c in calls {
-            children.push(self.spawn(c)?);
-        }
-        let mut first_err = None;
-        for (c, child) in calls.iter().zip(children) {
-            if let Err(e) = self.finish(c, child) {
-                first_err.get_or_insert(e);
-            }
-        }
-        let dt = ms(t0.elapsed());
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(dt),
-        }
-    }
-
     /// The `veth` links left in the node namespace (there must be none between phases).
     fn leftover_veths(&self) -> Result<usize> {
-        let out = output(
-            Command::new("ip").args(["-n", &self.node, "-o", "link", "show", "type", "veth"]),
-        )?;
+        let node = self.node.as_deref().context("no node namespace")?;
+        let out =
+            output(Command::new("ip").args(["-n", node, "-o", "link", "show", "type", "veth"]))?;
         Ok(out.lines().filter(|l| !l.trim().is_empty()).count())
     }
 }
@@ -305,21 +185,6 @@ struct Floors {
     nsexec_p50: Vec<f64>,
     link_del_p50: Vec<f64>,
     load: Vec<f64>,
-}
-
-fn timed_cmd(cmd: &mut Command) -> Result<f64> {
-    let t0 = Instant::now();
-    let st = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .with_context(|| format!("cannot run {cmd:?}"))?;
-    let dt = ms(t0.elapsed());
-    if !st.success() {
-        bail!("{cmd:?} failed ({st})");
-    }
-    Ok(dt)
 }
 
 fn run_floors(f: &mut Floors, floor_node: &str, pods: &[String], n: usize) -> Result<()> {
@@ -464,50 +329,26 @@ fn start_agent(g: &mut Guard, agent: &Path, ctl: &Path, node: &str) -> Result<Pa
         .stderr(log)
         .spawn()
         .context("cannot start calix-agent")?;
-    g.agent = Some(child);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let ok = Command::new("ip")
-            .args(["netns", "exec", node])
-            .arg(ctl)
-            .arg("--socket")
-            .arg(&socket)
-            .arg("endpoints")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if ok {
-            return Ok(socket);
-        }
-        let exited = g.agent.as_mut().and_then(|a| a.try_wait().ok().flatten());
-        if exited.is_some() || Instant::now() > deadline {
-            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            bail!("calix-agent did not come up:\n{log}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn git_rev(root: &Path) -> String {
-    let rev = output(
-        Command::new("git")
-            .current_dir(root)
-            .args(["rev-parse", "--short", "HEAD"]),
-    )
-    .map(|s| s.trim().to_string())
-    .unwrap_or_else(|_| "unknown".into());
-    let dirty = output(Command::new("git").current_dir(root).args([
-        "status",
-        "--porcelain",
-        "--untracked-files=no",
-    ]))
-    .is_ok_and(|s| !s.trim().is_empty());
-    if dirty {
-        format!("{rev} (with uncommitted changes)")
-    } else {
-        rev
-    }
+    let agent = g.agent.insert(child);
+    wait_ready(
+        "calix-agent",
+        agent,
+        &log_path,
+        Duration::from_secs(20),
+        || {
+            Command::new("ip")
+                .args(["netns", "exec", node])
+                .arg(ctl)
+                .arg("--socket")
+                .arg(&socket)
+                .arg("endpoints")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        },
+    )?;
+    Ok(socket)
 }
 
 pub fn run(pods: usize, reps: usize) -> Result<()> {
@@ -573,7 +414,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
     let calix = Plugin {
         label: "calix",
         binary: bins.join("calix"),
-        node: calix_node.clone(),
+        node: Some(calix_node.clone()),
         conf: json!({
             "cniVersion": "1.0.0",
             "name": "cxb-calix",
@@ -587,7 +428,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
     let ptp = Plugin {
         label: "ptp + host-local",
         binary: Path::new(CNI_DIR).join("ptp"),
-        node: ptp_node.clone(),
+        node: Some(ptp_node.clone()),
         conf: json!({
             "cniVersion": "1.0.0",
             "name": "cxb-ptp",
@@ -642,12 +483,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
         reps,
         machine,
         rev,
-        plugins_version: output(Command::new("dpkg-query").args([
-            "-W",
-            "-f=${Version}",
-            "containernetworking-plugins",
-        ]))
-        .unwrap_or_else(|_| "unknown".into()),
+        plugins_version: cni_plugins_version(),
         calix: res[0].summary(),
         ptp: res[1].summary(),
         floors,
@@ -655,8 +491,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
     };
     let md = report.markdown();
     println!("\n{md}");
-    let out_dir = util::workspace_root().join("docs").join("bench");
-    std::fs::create_dir_all(&out_dir)?;
+    let out_dir = out_dir()?;
     std::fs::write(out_dir.join("cni.md"), &md)?;
     chart(&out_dir.join("cni.svg"), &report)?;
     println!(
@@ -708,28 +543,6 @@ struct Report {
     ptp: Summary,
     floors: Floors,
     loads: [Vec<f64>; 2],
-}
-
-fn ratio(a: f64, b: f64) -> String {
-    if a.is_nan() || b.is_nan() || b == 0.0 {
-        "–".into()
-    } else {
-        format!("{:.2}×", a / b)
-    }
-}
-
-fn loads(v: &[f64]) -> String {
-    let (m, lo, hi) = spread(v);
-    format!("{m:.2} [{lo:.2}–{hi:.2}]")
-}
-
-fn p50_with_reps(pooled: f64, reps: &[f64]) -> String {
-    let (_, lo, hi) = spread(reps);
-    if reps.len() < 2 {
-        format!("{} ms", fmt_ms(pooled))
-    } else {
-        format!("{} ms [{}–{}]", fmt_ms(pooled), fmt_ms(lo), fmt_ms(hi))
-    }
 }
 
 impl Report {
@@ -880,12 +693,8 @@ impl Report {
             .chain(&f.load)
             .copied()
             .collect();
-        let max_load = all_loads.iter().copied().fold(f64::NAN, f64::max);
-        if max_load > 1.2 {
-            s.push_str(&format!(
-                "\nThe load average reached {max_load:.2} before a variant (above ~1.2: the \
-                 machine was shared; DESIGN.md §10 says to rerun).\n"
-            ));
+        if let Some(note) = load_note(&all_loads) {
+            s.push_str(&note);
         }
         s.push_str("\n![CNI latency chart](cni.svg)\n");
         s
@@ -915,6 +724,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     panel(
         &left,
         "per call (ms)",
+        "ms",
         &["ADD p50", "ADD p99", "DEL p50", "DEL p99"],
         &[
             (
@@ -943,6 +753,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
                 vec![None, None, Some(floor50), Some(floor99)],
             ),
         ],
+        &|_, _, v| fmt_ms(v),
         Some((
             "/bin/true in node netns p50",
             percentile(&r.floors.nsexec, 50.0),
@@ -951,6 +762,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     panel(
         &right,
         "concurrent ADDs, wall (ms)",
+        "ms",
         &["20×ADD", "50×ADD"],
         &[
             (
@@ -964,115 +776,9 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
                 vec![Some(p.conc_median(0)), Some(p.conc_median(1))],
             ),
         ],
+        &|_, _, v| fmt_ms(v),
         None,
     )?;
     root.present()?;
     Ok(())
-}
-
-type Series<'a> = (&'a str, plotters::style::RGBColor, Vec<Option<f64>>);
-
-/// Grouped bars: one group per label, one bar per series, value on top; an optional dashed
-/// reference line.
-fn panel<DB: plotters::prelude::DrawingBackend>(
-    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    title: &str,
-    groups: &[&str],
-    series: &[Series],
-    reference: Option<(&str, f64)>,
-) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    use plotters::prelude::*;
-    use plotters::style::text_anchor::{HPos, Pos, VPos};
-    let n = groups.len();
-    let ymax = series
-        .iter()
-        .flat_map(|s| s.2.iter().flatten())
-        .copied()
-        .chain(reference.map(|r| r.1))
-        .filter(|v| v.is_finite())
-        .fold(1.0f64, f64::max)
-        * 1.4;
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 15))
-        .margin(12)
-        .x_label_area_size(28)
-        .y_label_area_size(48)
-        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)
-        .map_err(|e| anyhow::anyhow!("chart: {e:?}"))?;
-    let label = |x: &f64| {
-        let i = x.round();
-        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
-            groups[i as usize].to_string()
-        } else {
-            String::new()
-        }
-    };
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&label)
-        .y_label_formatter(&|v: &f64| format!("{v:.0}"))
-        .y_desc("ms")
-        .draw()
-        .map_err(|e| anyhow::anyhow!("chart mesh: {e:?}"))?;
-    let k = series.len() as f64;
-    let width = 0.8 / k;
-    for (si, (name, color, values)) in series.iter().enumerate() {
-        let color = *color;
-        let bars: Vec<(f64, f64)> = values
-            .iter()
-            .enumerate()
-            .filter_map(|(g, v)| {
-                v.filter(|v| v.is_finite())
-                    .map(|v| (g as f64 - 0.4 + si as f64 * width, v))
-            })
-            .collect();
-        chart
-            .draw_series(
-                bars.iter().map(|&(x0, v)| {
-                    Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], color.filled())
-                }),
-            )
-            .map_err(|e| anyhow::anyhow!("chart bars: {e:?}"))?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
-        let style = TextStyle::from(("sans-serif", 11).into_font())
-            .color(&BLACK)
-            .pos(Pos::new(HPos::Center, VPos::Bottom));
-        chart
-            .draw_series(
-                bars.iter()
-                    .map(|&(x0, v)| Text::new(fmt_ms(v), (x0 + width * 0.45, v), style.clone())),
-            )
-            .map_err(|e| anyhow::anyhow!("chart labels: {e:?}"))?;
-    }
-    if let Some((name, y)) = reference.filter(|r| r.1.is_finite()) {
-        let line = BLACK.stroke_width(1);
-        chart
-            .draw_series(dashes(-0.5, n as f64 - 0.5, y).map(|seg| PathElement::new(seg, line)))
-            .map_err(|e| anyhow::anyhow!("chart line: {e:?}"))?
-            .label(format!("{name} ({} ms)", fmt_ms(y)))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 10, y)], line));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(|e| anyhow::anyhow!("chart legend: {e:?}"))?;
-    Ok(())
-}
-
-/// Segments of a dashed horizontal line from `x0` to `x1` at `y`.
-fn dashes(x0: f64, x1: f64, y: f64) -> impl Iterator<Item = Vec<(f64, f64)>> {
-    let step = (x1 - x0) / 60.0;
-    (0..30).map(move |i| {
-        let a = x0 + 2.0 * i as f64 * step;
-        vec![(a, y), (a + step, y)]
-    })
 }
