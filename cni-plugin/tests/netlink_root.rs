@@ -526,16 +526,19 @@ fn threads_enter_and_leave_namespaces() {
         .expect("compare"));
 
     // Sysctls through run_in hit the pod's namespace only.
+    // (A new namespace inherits ip_forward from the host's, so compare with "before".)
     let host_forwarding = sysctl("/proc/sys/net/ipv4/ip_forward");
-    netns::write_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward", "1").expect("write");
-    assert_eq!(
-        netns::read_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward").expect("read"),
-        "1"
-    );
-    assert_eq!(
-        netns::read_sysctl_in(&node.ns, "/proc/sys/net/ipv4/ip_forward").expect("read"),
-        "0"
-    );
+    let read = |ns: &NetNs| {
+        netns::read_sysctl_in(ns, "/proc/sys/net/ipv4/ip_forward").expect("read ip_forward")
+    };
+    let node_before = read(&node.ns);
+    let flipped = if read(&pod.ns) == "1" { "0" } else { "1" };
+    netns::write_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward", flipped).expect("write");
+    assert_eq!(read(&pod.ns), flipped);
+    assert_eq!(read(&node.ns), node_before);
+    // Writing the value it already has is a no-op, not an error.
+    netns::write_sysctl_in(&pod.ns, "/proc/sys/net/ipv4/ip_forward", flipped).expect("rewrite");
+    assert_eq!(read(&pod.ns), flipped);
     assert_eq!(sysctl("/proc/sys/net/ipv4/ip_forward"), host_forwarding);
 
     // A netlink socket from netlink_in acts on its namespace, and the runtime thread never
