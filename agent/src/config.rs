@@ -81,6 +81,10 @@ pub struct AgentConfig {
     pub dataplane: DataplaneMode,
     /// `tracing` filter, e.g. "info" or "calix_agent=debug".
     pub log_level: String,
+    /// bpffs directory for the pinned maps and programs (per node below it).
+    pub bpf_pin_root: PathBuf,
+    /// The node's uplink interfaces: `from_host_dev`/`to_host_dev` attach there.
+    pub uplinks: Vec<String>,
     pub datastore: DatastoreConfig,
     /// This node's labels, matched by pools' `nodeSelector`.
     pub node_labels: std::collections::BTreeMap<String, String>,
@@ -149,6 +153,8 @@ impl Default for AgentConfig {
             socket: PathBuf::from(paths::AGENT_SOCKET),
             dataplane: DataplaneMode::default(),
             log_level: "info".into(),
+            bpf_pin_root: PathBuf::from(paths::BPF_PIN_ROOT),
+            uplinks: Vec::new(),
             datastore: DatastoreConfig::default(),
             node_labels: Default::default(),
             ipam: IpamConfig::default(),

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
+use calix_agent::dataplane::ebpf::EbpfConfig;
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -37,6 +38,13 @@ struct Flags {
     /// Log filter, e.g. info or calix_agent=debug.
     #[arg(long)]
     log_level: Option<String>,
+    /// bpffs directory for pins (this node's go below it).
+    #[arg(long)]
+    bpf_pin_root: Option<PathBuf>,
+    /// Remove this node's eBPF programs (from every cali* interface and the uplinks), map
+    /// entries and pins, then exit. Pods keep their routes (kernel forwarding).
+    #[arg(long)]
+    uninstall: bool,
 }
 
 fn config(flags: Flags) -> Result<AgentConfig> {
@@ -69,6 +77,9 @@ fn config(flags: Flags) -> Result<AgentConfig> {
     }
     if let Some(v) = flags.log_level {
         c.log_level = v;
+    }
+    if let Some(v) = flags.bpf_pin_root {
+        c.bpf_pin_root = v;
     }
     c.validate()?;
     Ok(c)
@@ -125,6 +136,26 @@ fn node_addresses() -> Vec<String> {
     out.sort();
     out.dedup();
     out
+}
+
+/// `--uninstall`: filters off every cali* interface and the uplinks, pins removed.
+fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
+    let mut n = 0;
+    for i in nix::net::if_::if_nameindex()?.iter() {
+        let name = i.name().to_string_lossy().into_owned();
+        if name.starts_with("cali") || cfg.uplinks.contains(&name) {
+            EbpfDataplane::detach_filters(&name);
+            n += 1;
+        }
+    }
+    let dir = cfg.node_dir();
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot remove {}", dir.display())),
+    }
+    tracing::info!(interfaces = n, pins = %dir.display(), "eBPF dataplane uninstalled");
+    Ok(())
 }
 
 /// Opens the configured datastore.
@@ -186,6 +217,7 @@ fn spawn_reload(agent: Arc<Agent>, flags: Flags) {
 #[tokio::main]
 async fn main() -> Result<()> {
     let flags = Flags::parse();
+    let uninstall = flags.uninstall;
     let cfg = config(flags.clone())?;
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -198,11 +230,19 @@ async fn main() -> Result<()> {
     tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, datastore = %cfg.datastore.kind,
         pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
 
+    let ebpf_cfg = EbpfConfig {
+        pin_root: cfg.bpf_pin_root.clone(),
+        node: cfg.node_name.clone(),
+        uplinks: cfg.uplinks.clone(),
+    };
+    if uninstall {
+        return uninstall_dataplane(&ebpf_cfg);
+    }
     enable_forwarding()?;
     let store = open_store(&cfg).await?;
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
-            EbpfDataplane::load()
+            EbpfDataplane::load(ebpf_cfg)
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?,
         ),
         DataplaneMode::Kernel => Box::new(KernelDataplane),

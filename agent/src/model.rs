@@ -14,6 +14,9 @@ pub struct EndpointRecord {
     pub pod_name: String,
     pub addresses: Vec<String>,
     pub handle: String,
+    /// The pod interface's MAC ("aa:bb:cc:dd:ee:ff"); empty from older plugins.
+    #[serde(default)]
+    pub mac: String,
 }
 
 impl EndpointRecord {

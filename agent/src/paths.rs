@@ -6,3 +6,5 @@ pub const AGENT_SOCKET: &str = calix_proto::DEFAULT_AGENT_SOCKET;
 pub const CONFIG_FILE: &str = "/etc/calix/agent.toml";
 /// The embedded datastore's file.
 pub const EMBEDDED_STORE: &str = "/var/lib/calix/store.json";
+/// bpffs directory of the pinned maps and programs; each node pins below `<root>/<node>/`.
+pub const BPF_PIN_ROOT: &str = "/sys/fs/bpf/calix";

@@ -94,6 +94,32 @@ impl Netns {
         c
     }
 
+    /// A command that runs `argv` in this namespace by `setns` alone, keeping the caller's
+    /// mount namespace (unlike `ip netns exec`, which remounts /sys privately: a daemon started
+    /// that way would pin into a bpffs nobody else sees).
+    pub fn cmd_setns(&self, argv: &[&str]) -> Command {
+        use std::os::unix::process::CommandExt;
+        let (program, args) = argv.split_first().expect("a program to run");
+        let mut c = Command::new(program);
+        c.args(args);
+        let path = self.path();
+        // SAFETY: pre_exec runs in the forked child before exec; open(2) and setns(2) are
+        // async-signal-safe, and nothing here allocates after the fork except the CString,
+        // which is built before.
+        let cpath = std::ffi::CString::new(path).expect("netns path");
+        unsafe {
+            c.pre_exec(move || {
+                let fd = libc::open(cpath.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                if fd < 0 || libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                libc::close(fd);
+                Ok(())
+            });
+        }
+        c
+    }
+
     pub fn exec(&self, argv: &[&str]) -> Output {
         run(&mut self.cmd(argv))
     }
@@ -287,6 +313,8 @@ impl Node {
             self.dataplane.as_str().into(),
             "--log-level".into(),
             "info".into(),
+            "--bpf-pin-root".into(),
+            self.pin_root().display().to_string(),
         ];
         match &self.config {
             Some(text) => {
@@ -304,7 +332,7 @@ impl Node {
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let child = self
             .ns
-            .cmd(&argv)
+            .cmd_setns(&argv)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -328,6 +356,11 @@ impl Node {
         }
     }
 
+    /// This node's bpffs pin root (unique per test node, removed on drop).
+    pub fn pin_root(&self) -> PathBuf {
+        PathBuf::from("/sys/fs/bpf").join(&self.ns.name)
+    }
+
     /// Kills the agent with SIGKILL (a crash) and reaps it.
     pub fn kill_agent(&self) {
         let taken = self.child().take();
@@ -341,7 +374,7 @@ impl Node {
     pub fn stop_agent(&self) {
         let taken = self.child().take();
         if let Some(mut c) = taken {
-            // `ip netns exec` execs the agent, so the child pid is the agent's.
+            // The agent is exec'd directly (setns in pre_exec): the child pid is the agent's.
             // SAFETY: plain kill(2) on our own child.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
             let deadline = Instant::now() + Duration::from_secs(10);
@@ -443,6 +476,7 @@ impl Drop for Node {
             );
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(self.pin_root());
     }
 }
 
@@ -860,6 +894,8 @@ impl RootAgent {
             .arg("--datastore-path")
             .arg(agent.dir.join("store.json"))
             .args(["--dataplane", "ebpf", "--log-level", "info", "--pool", pool])
+            .arg("--bpf-pin-root")
+            .arg(Path::new("/sys/fs/bpf").join(&agent.node_name))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -951,6 +987,7 @@ impl Drop for RootAgent {
         for (path, value) in &self.saved_sysctls {
             let _ = std::fs::write(path, value);
         }
+        let _ = std::fs::remove_dir_all(Path::new("/sys/fs/bpf").join(&self.node_name));
         if std::thread::panicking() {
             eprintln!(
                 "--- agent log of {} ---\n{}",

@@ -49,8 +49,14 @@ impl Drop for Demo {
             let _ = Command::new("ip").args(["netns", "del", ns]).status();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        // The agent leaves its programs and pins in place on exit (restarts keep traffic
+        // flowing); the demo's namespaces are gone, so its pins go too.
+        let _ = std::fs::remove_dir_all(DEMO_PIN_ROOT);
     }
 }
+
+/// bpffs directory of the demo agent's pins.
+const DEMO_PIN_ROOT: &str = "/sys/fs/bpf/calix-demo";
 
 fn step(n: u32, total: u32, what: &str) {
     println!("\n[{n}/{total}] {what}");
@@ -187,6 +193,8 @@ pub fn run_demo() -> Result<()> {
         .arg(&socket)
         .arg("--datastore-path")
         .arg(dir.join("store.json"))
+        .arg("--bpf-pin-root")
+        .arg(DEMO_PIN_ROOT)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()

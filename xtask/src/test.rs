@@ -86,5 +86,14 @@ pub fn leftovers() -> Result<Vec<String>> {
     if std::path::Path::new("/sys/fs/bpf/calix").exists() {
         leaks.push("bpffs pins under /sys/fs/bpf/calix".into());
     }
+    // Test nodes pin under /sys/fs/bpf/<node namespace name> (cxt...).
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/bpf") {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.starts_with("cxt") || name.starts_with("cxb") || name == "calix-demo" {
+                leaks.push(format!("bpffs pins under /sys/fs/bpf/{name}"));
+            }
+        }
+    }
     Ok(leaks)
 }

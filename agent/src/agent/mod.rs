@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use calix_common::EndpointCounters;
 use tokio::sync::Mutex;
 
-use crate::dataplane::{Attached, Dataplane, DataplaneError};
+use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use crate::datastore::{keys, Datastore, DatastoreError, Durability, Op};
 use crate::ipam::{Block, IpamError, IpamState, Policy, Pool};
 use crate::model::{EndpointRecord, NodeRecord};
@@ -46,6 +46,16 @@ pub struct EndpointView {
     pub ifindex: Option<u32>,
     pub bpf_attached: bool,
     pub counters: Option<EndpointCounters>,
+}
+
+/// One drop counter, for calixctl and /metrics.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DropView {
+    pub ifindex: u32,
+    pub ifname: Option<String>,
+    pub reason: String,
+    pub packets: u64,
+    pub bytes: u64,
 }
 
 /// Timings of the background IPAM housekeeping.
@@ -162,6 +172,10 @@ impl Agent {
         tracing::info!(pools = ?pools.iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
             strict_affinity = policy.strict_affinity, max_blocks_per_node = policy.max_blocks_per_node,
             "pools updated");
+        let cidrs: Vec<ipnet::IpNet> = pools.iter().map(|p| p.cidr).collect();
+        if let Err(e) = inner.dataplane.set_pools(&cidrs) {
+            tracing::warn!(error = %e, "cannot give the dataplane the new pools");
+        }
         self.set_pools_unchecked(pools, policy);
         Ok(())
     }
@@ -258,14 +272,13 @@ impl Agent {
         }
         let mut inner = self.inner.lock().await;
         let t0 = Instant::now();
-        let attached =
-            inner
-                .dataplane
-                .attach(&ep.host_ifname)
-                .map_err(|source| AgentError::Dataplane {
-                    host_ifname: ep.host_ifname.clone(),
-                    source,
-                })?;
+        let attached = inner
+            .dataplane
+            .attach(&EndpointSpec::from_record(&ep))
+            .map_err(|source| AgentError::Dataplane {
+                host_ifname: ep.host_ifname.clone(),
+                source,
+            })?;
         let t_attach = t0.elapsed();
         let host_ifname = ep.host_ifname.clone();
         let written = self
@@ -339,20 +352,63 @@ impl Agent {
         Ok((ep.is_some(), released))
     }
 
-    /// Re-programs every recorded endpoint whose interface still exists (agent restart).
+    /// Re-programs every recorded endpoint whose interface still exists (agent restart: the
+    /// programs are replaced in place, the pinned maps kept), then — the initial sync being
+    /// complete — lets the dataplane sweep what no endpoint owns.
     pub async fn resync(&self) {
         let mut inner = self.inner.lock().await;
+        let pools: Vec<ipnet::IpNet> = self.pools().iter().map(|p| p.cidr).collect();
+        if let Err(e) = inner.dataplane.set_pools(&pools) {
+            tracing::warn!(error = %e, "cannot give the dataplane the pools");
+        }
         let eps: Vec<EndpointRecord> = inner.endpoints.values().cloned().collect();
+        let mut known = Vec::new();
         for ep in eps {
-            match inner.dataplane.attach(&ep.host_ifname) {
+            match inner.dataplane.attach(&EndpointSpec::from_record(&ep)) {
                 Ok(a) => {
                     inner.attached.insert(ep.host_ifname.clone(), a);
+                    known.push(ep.host_ifname.clone());
                 }
                 Err(e) => {
                     tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "recorded endpoint not programmed")
                 }
             }
         }
+        if let Err(e) = inner.dataplane.reconcile(&known) {
+            tracing::warn!(error = %e, "dataplane reconcile failed");
+        }
+    }
+
+    /// Every drop counter: (host ifname if known, ifindex, reason, packets, bytes).
+    pub async fn drops(&self) -> Result<Vec<DropView>, AgentError> {
+        let inner = self.inner.lock().await;
+        let names: HashMap<u32, String> = inner
+            .attached
+            .iter()
+            .map(|(n, a)| (a.ifindex, n.clone()))
+            .collect();
+        let drops = inner
+            .dataplane
+            .drops()
+            .map_err(|source| AgentError::Dataplane {
+                host_ifname: String::new(),
+                source,
+            })?;
+        Ok(drops
+            .into_iter()
+            .map(|(k, c)| DropView {
+                ifindex: k.ifindex,
+                ifname: names.get(&k.ifindex).cloned().or_else(|| {
+                    nix::net::if_::if_indextoname(k.ifindex)
+                        .ok()
+                        .map(|n| n.to_string_lossy().into_owned())
+                }),
+                reason: calix_common::DropReason::from_u32(k.reason)
+                    .map_or_else(|| format!("reason_{}", k.reason), |r| r.name().to_string()),
+                packets: c.packets,
+                bytes: c.bytes,
+            })
+            .collect())
     }
 
     pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {
@@ -388,9 +444,10 @@ impl Agent {
         Ok(inner.ipam.clone())
     }
 
+    /// Agent exit: programs stay attached and maps pinned, so traffic keeps flowing.
     pub async fn shutdown(&self) {
         let mut inner = self.inner.lock().await;
-        inner.dataplane.detach_all();
+        inner.dataplane.release();
         inner.attached.clear();
     }
 }

@@ -11,7 +11,7 @@ use crate::datastore::{Compare, EmbeddedStore, KeyValue};
 struct NoDataplane;
 
 impl Dataplane for NoDataplane {
-    fn attach(&mut self, _ifname: &str) -> Result<Attached, DataplaneError> {
+    fn attach(&mut self, _ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         Ok(Attached {
             ifindex: 1,
             bpf: false,
@@ -23,7 +23,19 @@ impl Dataplane for NoDataplane {
     fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
         Ok(None)
     }
-    fn detach_all(&mut self) {}
+    fn drops(
+        &self,
+    ) -> Result<Vec<(calix_common::DropKey, calix_common::DropCount)>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn set_pools(&mut self, _pools: &[ipnet::IpNet]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn release(&mut self) {}
+    fn uninstall(&mut self) {}
 }
 
 /// One store shared by several agents, as etcd would be.
@@ -106,6 +118,7 @@ fn ep(cid: &str, handle: &str) -> EndpointRecord {
         pod_name: String::new(),
         addresses: Vec::new(),
         handle: handle.into(),
+        mac: String::new(),
     }
 }
 

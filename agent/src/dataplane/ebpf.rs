@@ -1,36 +1,83 @@
-//! The eBPF dataplane: loads the embedded object once, attaches `from_pod` (tc ingress) and
-//! `to_pod` (tc egress) to every endpoint's host veth, and keeps a per-CPU counters entry per
-//! endpoint. Links are owned here; dropping one detaches it.
-use std::collections::HashMap;
+//! The eBPF dataplane. Maps live pinned under `<pin root>/<node>/v<layout>/` and the programs
+//! under `.../progs/`, and filters stay attached when the agent exits: an agent restart (or a
+//! crash) never interrupts traffic. A new agent reuses the pinned maps and replaces each
+//! filter's program in place (same priority and handle: one atomic netlink replace), so an
+//! upgrade with a changed program never leaves an interface without one. A changed map layout
+//! gets a new version directory; the old one is removed once every interface runs the new
+//! programs ([`Dataplane::reconcile`]).
+use std::collections::HashMap as StdHashMap;
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
 
-use aya::maps::{MapData, PerCpuHashMap, PerCpuValues};
-use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType};
-use aya::programs::SchedClassifier;
-use aya::Ebpf;
-use calix_common::{EndpointCounters, COUNTERS_MAP, PROG_FROM_POD, PROG_TO_POD};
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{HashMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::programs::links::Link;
+use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
+use aya::programs::{ProgramError, SchedClassifier};
+use aya::{Ebpf, EbpfLoader};
+use calix_common::{
+    DropCount, DropKey, EndpointCounters, EndpointInfo, LocalEndpoint, ALL_PROGRAMS, COUNTERS_MAP,
+    DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP,
+    POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+};
+use ipnet::IpNet;
 
-use super::{ifindex, Attached, Dataplane, DataplaneError};
+use super::{ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
-static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
 
-struct EndpointLinks {
+/// tc priority and handle of every calix filter: fixed, so a new agent can replace them.
+pub const TC_PRIORITY: u16 = 1;
+pub const TC_HANDLE: u32 = 0xca11;
+
+/// Where and on what the dataplane works.
+#[derive(Debug, Clone)]
+pub struct EbpfConfig {
+    /// bpffs directory holding every node's pins, e.g. `/sys/fs/bpf/calix`.
+    pub pin_root: PathBuf,
+    pub node: String,
+    /// The node's uplinks (`from_host_dev` / `to_host_dev`).
+    pub uplinks: Vec<String>,
+}
+
+impl EbpfConfig {
+    /// `<pin root>/<node>`: everything this node's dataplane pins.
+    pub fn node_dir(&self) -> PathBuf {
+        self.pin_root.join(&self.node)
+    }
+
+    /// The pin directory of the current map layout.
+    pub fn pin_dir(&self) -> PathBuf {
+        self.node_dir().join(format!("v{LAYOUT_VERSION}"))
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Programmed {
     ifindex: u32,
-    // Held for their Drop: dropping a link detaches the program.
-    _from_pod: SchedClassifierLink,
-    _to_pod: SchedClassifierLink,
+    ipv4: Option<Ipv4Addr>,
+    ipv6: Option<Ipv6Addr>,
 }
 
 pub struct EbpfDataplane {
+    cfg: EbpfConfig,
     bpf: Ebpf,
     counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
-    links: HashMap<String, EndpointLinks>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
+    local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
+    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
+    pools_v4: LpmTrie<MapData, [u8; 4], u32>,
+    pools_v6: LpmTrie<MapData, [u8; 16], u32>,
+    programmed: StdHashMap<String, Programmed>,
+    /// Keys of `counters`. aya 0.13's per-CPU `get` answers a missing key with zeros instead
+    /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
+    counter_keys: std::collections::HashSet<u32>,
+    pools: Vec<IpNet>,
 }
 
-fn prog_err(
-    name: &'static str,
-    op: &'static str,
-) -> impl FnOnce(aya::programs::ProgramError) -> DataplaneError {
+fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
     move |e| DataplaneError::Program {
         name,
         op,
@@ -38,171 +85,457 @@ fn prog_err(
     }
 }
 
-fn map_err(op: &'static str) -> impl FnOnce(aya::maps::MapError) -> DataplaneError {
+fn map_err(name: &'static str, op: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
     move |e| DataplaneError::Map {
-        name: COUNTERS_MAP,
+        name,
         op,
         source: Box::new(e),
     }
 }
 
-impl EbpfDataplane {
-    /// Loads the object and both programs into the kernel (through the verifier).
-    pub fn load() -> Result<Self, DataplaneError> {
-        let mut bpf = Ebpf::load(OBJECT).map_err(|e| DataplaneError::Load(Box::new(e)))?;
-        for name in [PROG_FROM_POD, PROG_TO_POD] {
-            Self::program(&mut bpf, name)?
-                .load()
-                .map_err(prog_err(name, "load"))?;
+fn pin_err<'a>(
+    path: &'a Path,
+    op: &'static str,
+) -> impl FnOnce(std::io::Error) -> DataplaneError + 'a {
+    move |source| DataplaneError::Pin {
+        path: path.to_path_buf(),
+        op,
+        source,
+    }
+}
+
+/// Mounts bpffs at /sys/fs/bpf unless something (bpffs) is mounted there already.
+fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let mount_point = Path::new("/sys/fs/bpf");
+    if !root.starts_with(mount_point) {
+        return Ok(());
+    }
+    if let Ok(st) = nix::sys::statfs::statfs(mount_point) {
+        if st.filesystem_type().0 == BPF_FS_MAGIC {
+            return Ok(());
         }
-        let map = bpf.take_map(COUNTERS_MAP).ok_or(DataplaneError::Map {
-            name: COUNTERS_MAP,
-            op: "find",
-            source: Box::new(aya::maps::MapError::InvalidName {
-                name: COUNTERS_MAP.to_string(),
-            }),
-        })?;
-        let counters = PerCpuHashMap::try_from(map).map_err(map_err("open"))?;
-        Ok(Self {
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        mount_point,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| pin_err(mount_point, "mount bpffs")(std::io::Error::from(e)))
+}
+
+fn take<T>(
+    bpf: &mut Ebpf,
+    name: &'static str,
+    f: impl FnOnce(aya::maps::Map) -> Result<T, MapError>,
+) -> Result<T, DataplaneError> {
+    let map = bpf.take_map(name).ok_or_else(|| DataplaneError::Map {
+        name,
+        op: "find",
+        source: Box::new(MapError::InvalidName {
+            name: name.to_string(),
+        }),
+    })?;
+    f(map).map_err(map_err(name, "open"))
+}
+
+fn program<'a>(
+    bpf: &'a mut Ebpf,
+    name: &'static str,
+) -> Result<&'a mut SchedClassifier, DataplaneError> {
+    let prog = bpf.program_mut(name).ok_or(DataplaneError::Program {
+        name,
+        op: "find",
+        source: Box::new(ProgramError::NotLoaded),
+    })?;
+    prog.try_into().map_err(prog_err(name, "cast"))
+}
+
+impl EbpfDataplane {
+    /// Loads the object (reusing this node's pinned maps), loads and pins every program, and
+    /// attaches the uplink programs.
+    pub fn load(cfg: EbpfConfig) -> Result<Self, DataplaneError> {
+        ensure_bpffs(&cfg.pin_root)?;
+        let pin_dir = cfg.pin_dir();
+        let progs_dir = pin_dir.join("progs");
+        std::fs::create_dir_all(&progs_dir).map_err(pin_err(&progs_dir, "create"))?;
+        let mut bpf = EbpfLoader::new()
+            .map_pin_path(&pin_dir)
+            .load(OBJECT)
+            .map_err(|e| DataplaneError::Load(Box::new(e)))?;
+        for name in ALL_PROGRAMS {
+            let prog = program(&mut bpf, name)?;
+            prog.load().map_err(prog_err(name, "load"))?;
+            // Re-pin: the pin names the program the filters run from now on.
+            let pin = progs_dir.join(name);
+            match std::fs::remove_file(&pin) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(pin_err(&pin, "remove old program pin")(e)),
+            }
+            prog.pin(&pin).map_err(|e| DataplaneError::Pin {
+                path: pin.clone(),
+                op: "pin program",
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+        let mut dp = Self {
+            counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
+            endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
+            local_v4: take(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
+            local_v6: take(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
+            drops: take(&mut bpf, DROPS_MAP, PerCpuHashMap::try_from)?,
+            pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
+            pools_v6: take(&mut bpf, POOLS_V6_MAP, LpmTrie::try_from)?,
             bpf,
-            counters,
-            links: HashMap::new(),
-        })
+            cfg,
+            programmed: StdHashMap::new(),
+            counter_keys: std::collections::HashSet::new(),
+            pools: Vec::new(),
+        };
+        dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
+        for uplink in dp.cfg.uplinks.clone() {
+            dp.attach_pair(&uplink, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
+            tracing::info!(%uplink, "uplink programs attached");
+        }
+        Ok(dp)
     }
 
-    fn program<'a>(
-        bpf: &'a mut Ebpf,
-        name: &'static str,
-    ) -> Result<&'a mut SchedClassifier, DataplaneError> {
-        let prog = bpf.program_mut(name).ok_or(DataplaneError::Program {
-            name,
-            op: "find",
-            source: Box::new(aya::programs::ProgramError::NotLoaded),
-        })?;
-        prog.try_into().map_err(prog_err(name, "cast"))
-    }
-
-    fn attach_one(
+    /// Attaches `name` at `at` on `ifname` with calix's fixed priority and handle; replaces
+    /// (atomically) whatever program a calix filter there runs now.
+    fn attach_prog(
         &mut self,
         name: &'static str,
         ifname: &str,
         at: TcAttachType,
-    ) -> Result<SchedClassifierLink, DataplaneError> {
-        let prog = Self::program(&mut self.bpf, name)?;
-        // Classic tc (clsact + cls_bpf, direct action) rather than TCX: a TCX attach waits for
-        // an RCU grace period (~15 ms here) per program, which would dominate CNI ADD.
-        let id = prog
-            .attach_with_options(ifname, at, TcAttachOptions::Netlink(NlOptions::default()))
-            .map_err(prog_err(name, "attach"))?;
-        prog.take_link(id).map_err(prog_err(name, "take link"))
-    }
-}
-
-impl Dataplane for EbpfDataplane {
-    fn attach(&mut self, ifname: &str) -> Result<Attached, DataplaneError> {
-        let idx = ifindex(ifname)?;
-        if let Some(l) = self.links.get(ifname) {
-            if l.ifindex == idx {
-                return Ok(Attached {
-                    ifindex: idx,
-                    bpf: true,
-                });
+    ) -> Result<(), DataplaneError> {
+        let prog = program(&mut self.bpf, name)?;
+        let opts = TcAttachOptions::Netlink(NlOptions {
+            priority: TC_PRIORITY,
+            handle: TC_HANDLE,
+        });
+        let id = match prog.attach_with_options(ifname, at, opts) {
+            Ok(id) => id,
+            Err(ProgramError::TcError(TcError::NetlinkError { io_error }))
+                if io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                let link = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE)
+                    .map_err(|e| prog_err(name, "find filter")(ProgramError::IOError(e)))?;
+                prog.attach_to_link(link)
+                    .map_err(prog_err(name, "replace"))?
             }
-            // Same name, new interface: the old links are dead; replace them.
-            self.detach(ifname)?;
-        }
-        // The entry must exist before traffic flows: the programs only update entries.
-        let zero = PerCpuValues::try_from(vec![
-            EndpointCounters::default();
-            aya::util::nr_cpus().map_err(|(_, e)| {
-                DataplaneError::Map {
-                    name: COUNTERS_MAP,
-                    op: "count CPUs",
-                    source: Box::new(aya::maps::MapError::IoError(e)),
-                }
-            })?
-        ])
-        .map_err(|e| DataplaneError::Map {
-            name: COUNTERS_MAP,
-            op: "build per-CPU value",
-            source: Box::new(aya::maps::MapError::IoError(e)),
-        })?;
-        self.counters
-            .insert(idx, zero, 0)
-            .map_err(map_err("insert"))?;
+            Err(e) => return Err(prog_err(name, "attach")(e)),
+        };
+        let link = prog.take_link(id).map_err(prog_err(name, "take link"))?;
+        // The filter outlives this process: detaching is explicit (`detach_prog`).
+        std::mem::forget(link);
+        Ok(())
+    }
+
+    fn attach_pair(
+        &mut self,
+        ifname: &str,
+        ingress: &'static str,
+        egress: &'static str,
+    ) -> Result<(), DataplaneError> {
         match aya::programs::tc::qdisc_add_clsact(ifname) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
             Err(e) => {
-                let _ = self.counters.remove(&idx);
-                return Err(DataplaneError::Program {
-                    name: PROG_FROM_POD,
-                    op: "add clsact qdisc",
-                    source: Box::new(aya::programs::ProgramError::IOError(e)),
-                });
+                return Err(prog_err(ingress, "add clsact qdisc")(
+                    ProgramError::IOError(e),
+                ))
             }
         }
-        let from_pod = self.attach_one(PROG_FROM_POD, ifname, TcAttachType::Ingress);
-        let to_pod = self.attach_one(PROG_TO_POD, ifname, TcAttachType::Egress);
-        match (from_pod, to_pod) {
-            (Ok(f), Ok(t)) => {
-                self.links.insert(
-                    ifname.to_string(),
-                    EndpointLinks {
-                        ifindex: idx,
-                        _from_pod: f,
-                        _to_pod: t,
-                    },
-                );
-                Ok(Attached {
-                    ifindex: idx,
-                    bpf: true,
-                })
-            }
-            (Err(e), _) | (_, Err(e)) => {
-                // Whatever did attach is dropped (detached) here; remove the entry too.
-                let _ = self.counters.remove(&idx);
-                Err(e)
+        self.attach_prog(ingress, ifname, TcAttachType::Ingress)?;
+        self.attach_prog(egress, ifname, TcAttachType::Egress)
+    }
+
+    /// Removes calix's filters from `ifname` (either direction; missing is fine).
+    pub fn detach_filters(ifname: &str) {
+        for at in [TcAttachType::Ingress, TcAttachType::Egress] {
+            if let Ok(link) = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE) {
+                let _ = link.detach();
             }
         }
     }
 
-    fn detach(&mut self, ifname: &str) -> Result<(), DataplaneError> {
-        if let Some(links) = self.links.remove(ifname) {
-            match self.counters.remove(&links.ifindex) {
-                Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-                Err(e) => return Err(map_err("remove")(e)),
+    fn zero_counters() -> Result<PerCpuValues<EndpointCounters>, DataplaneError> {
+        let n = aya::util::nr_cpus()
+            .map_err(|(_, e)| map_err(COUNTERS_MAP, "count CPUs")(MapError::IoError(e)))?;
+        PerCpuValues::try_from(vec![EndpointCounters::default(); n])
+            .map_err(|e| map_err(COUNTERS_MAP, "build per-CPU value")(MapError::IoError(e)))
+    }
+
+    fn forget_entries(&mut self, p: &Programmed) {
+        let _ = self.counters.remove(&p.ifindex);
+        self.counter_keys.remove(&p.ifindex);
+        let _ = self.endpoints.remove(&p.ifindex);
+        if let Some(v4) = p.ipv4 {
+            if self
+                .local_v4
+                .get(&v4.octets(), 0)
+                .is_ok_and(|l| l.ifindex == p.ifindex)
+            {
+                let _ = self.local_v4.remove(&v4.octets());
             }
-            if ifindex(ifname).ok() == Some(links.ifindex) {
-                // The veth is still there: remove our filters (dropping a link detaches it).
-                drop(links);
-            } else {
-                // The veth is gone (CNI DEL deletes it first), and the kernel removed its
-                // filters with it. Dropping the links would send two filter deletes for a dead
-                // ifindex under the RTNL lock; they hold no fd, so just forget them.
-                std::mem::forget(links);
+        }
+        if let Some(v6) = p.ipv6 {
+            if self
+                .local_v6
+                .get(&v6.octets(), 0)
+                .is_ok_and(|l| l.ifindex == p.ifindex)
+            {
+                let _ = self.local_v6.remove(&v6.octets());
+            }
+        }
+    }
+
+    fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
+        // Keep counters across an agent restart: only create a missing entry.
+        if !self.counter_keys.contains(&idx) {
+            let zero = Self::zero_counters()?;
+            self.counters
+                .insert(idx, zero, 0)
+                .map_err(map_err(COUNTERS_MAP, "insert"))?;
+            self.counter_keys.insert(idx);
+        }
+        let mut info = EndpointInfo::default();
+        if let Some(v4) = ep.ipv4 {
+            info.ipv4 = v4.octets();
+            info.flags |= EP_HAS_V4;
+        }
+        if let Some(v6) = ep.ipv6 {
+            info.ipv6 = v6.octets();
+            info.flags |= EP_HAS_V6;
+        }
+        self.endpoints
+            .insert(idx, info, 0)
+            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
+        if let Some(mac) = ep.mac {
+            let local = LocalEndpoint {
+                ifindex: idx,
+                _pad: 0,
+                mac,
+            };
+            if let Some(v4) = ep.ipv4 {
+                self.local_v4
+                    .insert(v4.octets(), local, 0)
+                    .map_err(map_err(LOCAL_V4_MAP, "insert"))?;
+            }
+            if let Some(v6) = ep.ipv6 {
+                self.local_v6
+                    .insert(v6.octets(), local, 0)
+                    .map_err(map_err(LOCAL_V6_MAP, "insert"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Dataplane for EbpfDataplane {
+    fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
+        let ifname = ep.host_ifname.as_str();
+        let idx = ifindex(ifname)?;
+        if let Some(old) = self.programmed.get(ifname).copied() {
+            if old.ifindex != idx {
+                // Same name, new interface: the old entries are stale.
+                self.forget_entries(&old);
+            }
+        }
+        let p = Programmed {
+            ifindex: idx,
+            ipv4: ep.ipv4,
+            ipv6: ep.ipv6,
+        };
+        // Entries before programs: the programs must find the endpoint from the first packet.
+        let programmed = self
+            .program_entries(idx, ep)
+            .and_then(|()| self.attach_pair(ifname, PROG_FROM_POD, PROG_TO_POD));
+        if let Err(e) = programmed {
+            self.forget_entries(&p);
+            Self::detach_filters(ifname);
+            return Err(e);
+        }
+        self.programmed.insert(ifname.to_string(), p);
+        Ok(Attached {
+            ifindex: idx,
+            bpf: true,
+        })
+    }
+
+    fn detach(&mut self, ifname: &str) -> Result<(), DataplaneError> {
+        if let Some(p) = self.programmed.remove(ifname) {
+            self.forget_entries(&p);
+            if ifindex(ifname).ok() == Some(p.ifindex) {
+                // The veth is still there: remove our filters. (When CNI DEL deleted the veth
+                // first, the kernel removed its filters with it.)
+                Self::detach_filters(ifname);
             }
         }
         Ok(())
     }
 
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
+        if !self.counter_keys.contains(&ifindex) {
+            return Ok(None);
+        }
         match self.counters.get(&ifindex, 0) {
             Ok(per_cpu) => {
                 let mut sum = EndpointCounters::default();
                 per_cpu.iter().for_each(|c| sum.accumulate(c));
                 Ok(Some(sum))
             }
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err("lookup")(e)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(COUNTERS_MAP, "lookup")(e)),
         }
     }
 
-    fn detach_all(&mut self) {
-        let names: Vec<String> = self.links.keys().cloned().collect();
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
+        let mut out = Vec::new();
+        for item in self.drops.iter() {
+            let (k, per_cpu) = item.map_err(map_err(DROPS_MAP, "iterate"))?;
+            let mut sum = DropCount::default();
+            per_cpu.iter().for_each(|c| sum.accumulate(c));
+            out.push((k, sum));
+        }
+        out.sort_by_key(|(k, _)| *k);
+        Ok(out)
+    }
+
+    fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError> {
+        for old in std::mem::take(&mut self.pools) {
+            match old {
+                IpNet::V4(n) => {
+                    let _ = self
+                        .pools_v4
+                        .remove(&Key::new(u32::from(n.prefix_len()), n.network().octets()));
+                }
+                IpNet::V6(n) => {
+                    let _ = self
+                        .pools_v6
+                        .remove(&Key::new(u32::from(n.prefix_len()), n.network().octets()));
+                }
+            }
+        }
+        for p in pools {
+            match p {
+                IpNet::V4(n) => self
+                    .pools_v4
+                    .insert(
+                        &Key::new(u32::from(n.prefix_len()), n.network().octets()),
+                        1,
+                        0,
+                    )
+                    .map_err(map_err(POOLS_V4_MAP, "insert"))?,
+                IpNet::V6(n) => self
+                    .pools_v6
+                    .insert(
+                        &Key::new(u32::from(n.prefix_len()), n.network().octets()),
+                        1,
+                        0,
+                    )
+                    .map_err(map_err(POOLS_V6_MAP, "insert"))?,
+            }
+        }
+        self.pools = pools.to_vec();
+        Ok(())
+    }
+
+    fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError> {
+        let known_idx: std::collections::HashSet<u32> =
+            self.programmed.values().map(|p| p.ifindex).collect();
+        // Map entries of interfaces no endpoint owns (a DEL while the agent was away).
+        let stale: Vec<u32> = self
+            .endpoints
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|i| !known_idx.contains(i))
+            .collect();
+        for i in &stale {
+            let _ = self.endpoints.remove(i);
+        }
+        let stale_ctr: Vec<u32> = self
+            .counters
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|i| !known_idx.contains(i))
+            .collect();
+        for i in &stale_ctr {
+            let _ = self.counters.remove(i);
+            self.counter_keys.remove(i);
+        }
+        let v4: Vec<[u8; 4]> = self
+            .local_v4
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, l)| !known_idx.contains(&l.ifindex))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &v4 {
+            let _ = self.local_v4.remove(k);
+        }
+        let v6: Vec<[u8; 16]> = self
+            .local_v6
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, l)| !known_idx.contains(&l.ifindex))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &v6 {
+            let _ = self.local_v6.remove(k);
+        }
+        // cali* interfaces that still run calix filters but belong to no endpoint.
+        let mut swept = 0usize;
+        if let Ok(ifaces) = nix::net::if_::if_nameindex() {
+            for i in ifaces.iter() {
+                let name = i.name().to_string_lossy().into_owned();
+                if name.starts_with("cali") && !known.contains(&name) {
+                    Self::detach_filters(&name);
+                    swept += 1;
+                }
+            }
+        }
+        // Pins of older map layouts: every known interface now runs this build's programs.
+        let mut old_layouts = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(self.cfg.node_dir()) {
+            let current = format!("v{LAYOUT_VERSION}");
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('v') && name != current {
+                    let _ = std::fs::remove_dir_all(e.path());
+                    old_layouts.push(name);
+                }
+            }
+        }
+        tracing::info!(
+            stale_entries = stale.len() + stale_ctr.len() + v4.len() + v6.len(),
+            unknown_cali_interfaces = swept,
+            ?old_layouts,
+            "dataplane reconciled after the initial sync"
+        );
+        Ok(())
+    }
+
+    fn release(&mut self) {
+        // Filters stay attached (their links were forgotten at attach), maps stay pinned.
+        self.programmed.clear();
+    }
+
+    fn uninstall(&mut self) {
+        let names: Vec<String> = self.programmed.keys().cloned().collect();
         for n in names {
-            if let Err(e) = self.detach(&n) {
-                tracing::warn!(ifname = %n, error = %e, "detach failed at shutdown");
+            let _ = self.detach(&n);
+        }
+        for uplink in &self.cfg.uplinks {
+            Self::detach_filters(uplink);
+        }
+        let dir = self.cfg.node_dir();
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the pins");
             }
         }
     }

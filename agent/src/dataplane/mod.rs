@@ -1,10 +1,16 @@
-//! The dataplane behind one narrow trait: attach an endpoint's programs, detach them, read its
-//! counters. `ebpf` loads the tc programs; `kernel` leaves forwarding to the kernel's routes.
+//! The dataplane behind one narrow trait: attach an endpoint's programs and map entries, detach
+//! them, read counters. `ebpf` loads the tc programs; `kernel` leaves forwarding to the kernel's
+//! routes.
 pub mod ebpf;
 
-use calix_common::EndpointCounters;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use calix_common::{DropCount, DropKey, EndpointCounters};
+use ipnet::IpNet;
 
 pub use ebpf::EbpfDataplane;
+
+use crate::model::EndpointRecord;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -12,6 +18,13 @@ pub enum DataplaneError {
     NoInterface { ifname: String },
     #[error("loading the eBPF object failed")]
     Load(#[source] Box<aya::EbpfError>),
+    #[error("bpffs pin directory {path}: {op} failed")]
+    Pin {
+        path: std::path::PathBuf,
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("eBPF program {name}: {op} failed")]
     Program {
         name: &'static str,
@@ -35,15 +48,74 @@ pub struct Attached {
     pub bpf: bool,
 }
 
+/// What the dataplane needs to know of an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub host_ifname: String,
+    pub ipv4: Option<Ipv4Addr>,
+    pub ipv6: Option<Ipv6Addr>,
+    /// The pod interface's MAC; without it the endpoint is not a target for direct delivery
+    /// (the host stack delivers to it).
+    pub mac: Option<[u8; 6]>,
+}
+
+impl EndpointSpec {
+    pub fn from_record(r: &EndpointRecord) -> Self {
+        let addrs: Vec<IpAddr> = r
+            .addresses
+            .iter()
+            .filter_map(|a| {
+                a.parse::<IpNet>()
+                    .map(|n| n.addr())
+                    .or_else(|_| a.parse())
+                    .ok()
+            })
+            .collect();
+        Self {
+            host_ifname: r.host_ifname.clone(),
+            ipv4: addrs.iter().find_map(|a| match a {
+                IpAddr::V4(v) => Some(*v),
+                IpAddr::V6(_) => None,
+            }),
+            ipv6: addrs.iter().find_map(|a| match a {
+                IpAddr::V6(v) => Some(*v),
+                IpAddr::V4(_) => None,
+            }),
+            mac: parse_mac(&r.mac),
+        }
+    }
+}
+
+/// "aa:bb:cc:dd:ee:ff" → bytes.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut out = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut out {
+        *b = u8::from_str_radix(parts.next()?, 16).ok()?;
+    }
+    parts.next().is_none().then_some(out)
+}
+
 pub trait Dataplane: Send {
-    /// Programs the endpoint whose host-side veth is `ifname`. Idempotent.
-    fn attach(&mut self, ifname: &str) -> Result<Attached, DataplaneError>;
+    /// Programs the endpoint whose host-side veth is `ep.host_ifname`. Idempotent; on an
+    /// interface that already runs (older) programs, replaces them atomically.
+    fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError>;
     /// Removes what `attach` did for `ifname` (the veth may already be gone). Idempotent.
     fn detach(&mut self, ifname: &str) -> Result<(), DataplaneError>;
     /// The endpoint's counters, summed over CPUs; `None` when there is no entry.
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
-    /// Detaches everything (shutdown).
-    fn detach_all(&mut self);
+    /// Every drop counter, summed over CPUs.
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
+    /// The pools (remote pod addresses are forwarded without the host stack).
+    fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError>;
+    /// After the initial sync: forget map entries and detach programs of `cali*` interfaces
+    /// that are not in `known` (host ifnames).
+    fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError>;
+    /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing
+    /// while the agent is away.
+    fn release(&mut self);
+    /// Removes everything: programs from every interface, map entries, pins.
+    fn uninstall(&mut self);
 }
 
 /// Resolves an interface name in the agent's network namespace.
@@ -58,9 +130,9 @@ pub fn ifindex(ifname: &str) -> Result<u32, DataplaneError> {
 pub struct KernelDataplane;
 
 impl Dataplane for KernelDataplane {
-    fn attach(&mut self, ifname: &str) -> Result<Attached, DataplaneError> {
+    fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         Ok(Attached {
-            ifindex: ifindex(ifname)?,
+            ifindex: ifindex(&ep.host_ifname)?,
             bpf: false,
         })
     }
@@ -70,5 +142,42 @@ impl Dataplane for KernelDataplane {
     fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
         Ok(None)
     }
-    fn detach_all(&mut self) {}
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn release(&mut self) {}
+    fn uninstall(&mut self) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_from_records() {
+        let r = EndpointRecord {
+            container_id: "c".into(),
+            ifname: "eth0".into(),
+            host_ifname: "cali1".into(),
+            netns: String::new(),
+            pod_namespace: String::new(),
+            pod_name: String::new(),
+            addresses: vec!["10.1.0.5/32".into(), "fd00::5/128".into()],
+            handle: "h".into(),
+            mac: "02:00:0a:ff:00:01".into(),
+        };
+        let s = EndpointSpec::from_record(&r);
+        assert_eq!(s.ipv4, Some(Ipv4Addr::new(10, 1, 0, 5)));
+        assert_eq!(s.ipv6, Some("fd00::5".parse().expect("v6")));
+        assert_eq!(s.mac, Some([2, 0, 0x0a, 0xff, 0, 1]));
+        assert_eq!(parse_mac("02:00:0a:ff:00"), None);
+        assert_eq!(parse_mac("02:00:0a:ff:00:01:02"), None);
+        assert_eq!(parse_mac("zz:00:0a:ff:00:01"), None);
+    }
 }

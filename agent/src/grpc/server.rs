@@ -199,6 +199,7 @@ fn record(e: pb::Endpoint) -> EndpointRecord {
         pod_name: e.pod_name,
         addresses: e.addresses,
         handle: e.handle,
+        mac: e.mac,
     }
 }
 
@@ -212,6 +213,7 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
         pod_name: r.pod_name,
         addresses: r.addresses,
         handle: r.handle,
+        mac: r.mac,
     }
 }
 

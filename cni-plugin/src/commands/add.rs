@@ -214,6 +214,11 @@ async fn wire(
                 pod_name: env.args.pod_name.clone().unwrap_or_default(),
                 addresses: nets.iter().map(ToString::to_string).collect(),
                 handle: conf.handle(&env.container_id),
+                mac: pod_mac
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect::<Vec<_>>()
+                    .join(":"),
             }),
         })
         .await

@@ -1,20 +1,68 @@
 //! Types shared by the calix eBPF programs (kernel side, `no_std`) and the agent (user side).
 //!
 //! Every map key and value is `#[repr(C)]` with no implicit padding, so both sides agree on the
-//! layout byte for byte; `tests` below pin each size.
+//! layout byte for byte; `tests` below pin each size. Addresses are stored as they appear in
+//! packets (network byte order).
 #![no_std]
+
+/// Version of the map layout below. Maps are pinned under `<pin root>/v<LAYOUT_VERSION>/`: a
+/// build with a different layout never opens (half-reads) maps of another.
+pub const LAYOUT_VERSION: u32 = 1;
 
 /// Per-CPU hash map: host-side ifindex of a `cali*` veth → [`EndpointCounters`].
 /// The agent inserts the entry when an endpoint is registered and removes it when the endpoint
 /// goes away; the programs only update entries that exist.
 pub const COUNTERS_MAP: &str = "CALIX_COUNTERS";
-/// Maximum number of endpoints the counters map can hold on one node.
+/// Hash map: host-side ifindex of a `cali*` veth → [`EndpointInfo`] (anti-spoofing).
+pub const ENDPOINTS_MAP: &str = "CALIX_ENDPOINTS";
+/// Hash map: a local pod's IPv4 address (`u32` as in the packet) → [`LocalEndpoint`].
+pub const LOCAL_V4_MAP: &str = "CALIX_LOCAL_V4";
+/// Hash map: a local pod's IPv6 address (`[u8; 16]`) → [`LocalEndpoint`].
+pub const LOCAL_V6_MAP: &str = "CALIX_LOCAL_V6";
+/// Per-CPU hash map: [`DropKey`] (ifindex, reason) → [`DropCount`]. Created by the programs.
+pub const DROPS_MAP: &str = "CALIX_DROPS";
+/// LPM trie: the IPv4 pools (key: prefix length + `[u8; 4]`, value: `u32` flags, unused so
+/// far). Only traffic to pool addresses on other nodes is forwarded by `bpf_fib_lookup`;
+/// anything else goes through the host stack (its netfilter, kube-proxy, masquerade).
+pub const POOLS_V4_MAP: &str = "CALIX_POOLS_V4";
+/// LPM trie: the IPv6 pools (key: prefix length + `[u8; 16]`).
+pub const POOLS_V6_MAP: &str = "CALIX_POOLS_V6";
+/// Maximum number of pools per family.
+pub const MAX_POOLS: u32 = 256;
+/// Every map, for pinning, migration and cleanup.
+pub const ALL_MAPS: [&str; 7] = [
+    COUNTERS_MAP,
+    ENDPOINTS_MAP,
+    LOCAL_V4_MAP,
+    LOCAL_V6_MAP,
+    DROPS_MAP,
+    POOLS_V4_MAP,
+    POOLS_V6_MAP,
+];
+
+/// Maximum number of endpoints (and local addresses per family) on one node.
 pub const MAX_ENDPOINTS: u32 = 16_384;
+/// Maximum number of (ifindex, reason) drop counters.
+pub const MAX_DROP_KEYS: u32 = 65_536;
 
 /// tc ingress on each host-side `cali*` veth: traffic the pod sends.
 pub const PROG_FROM_POD: &str = "from_pod";
 /// tc egress on each host-side `cali*` veth: traffic delivered to the pod.
 pub const PROG_TO_POD: &str = "to_pod";
+/// tc ingress on the node's uplink: traffic arriving from other nodes.
+pub const PROG_FROM_HOST_DEV: &str = "from_host_dev";
+/// tc egress on the node's uplink: traffic leaving the node.
+pub const PROG_TO_HOST_DEV: &str = "to_host_dev";
+/// Every program, for loading, pinning and the verifier test.
+pub const ALL_PROGRAMS: [&str; 4] = [
+    PROG_FROM_POD,
+    PROG_TO_POD,
+    PROG_FROM_HOST_DEV,
+    PROG_TO_HOST_DEV,
+];
+
+/// The MAC address of every host-side `cali*` veth (the pods' gateway).
+pub const HOST_VETH_MAC: [u8; 6] = [0xee; 6];
 
 /// Packet and byte counters of one endpoint, seen from the host side of its veth.
 #[repr(C)]
@@ -23,7 +71,7 @@ pub struct EndpointCounters {
     /// Packets the pod sent (tc ingress on the host veth).
     pub from_pod_packets: u64,
     pub from_pod_bytes: u64,
-    /// Packets delivered to the pod (tc egress on the host veth).
+    /// Packets delivered to the pod (tc egress on the host veth, or redirected into it).
     pub to_pod_packets: u64,
     pub to_pod_bytes: u64,
 }
@@ -38,9 +86,117 @@ impl EndpointCounters {
     }
 }
 
+/// [`EndpointInfo::flags`]: the endpoint has an IPv4 address.
+pub const EP_HAS_V4: u32 = 1;
+/// [`EndpointInfo::flags`]: the endpoint has an IPv6 address.
+pub const EP_HAS_V6: u32 = 2;
+
+/// What the programs know of the endpoint behind a host veth: the addresses it may send from.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EndpointInfo {
+    /// IPv4 address, network byte order as in the packet (valid with [`EP_HAS_V4`]).
+    pub ipv4: [u8; 4],
+    /// `EP_HAS_*` bits.
+    pub flags: u32,
+    /// IPv6 address (valid with [`EP_HAS_V6`]).
+    pub ipv6: [u8; 16],
+}
+
+/// A pod on this node, by address: where to deliver to it without the host stack.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LocalEndpoint {
+    /// ifindex of the pod's host-side veth (`bpf_redirect_peer` target).
+    pub ifindex: u32,
+    pub _pad: u16,
+    /// The pod's own MAC address (the Ethernet destination of delivered frames).
+    pub mac: [u8; 6],
+}
+
+/// Key of a drop counter.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DropKey {
+    /// Interface the packet was seen on.
+    pub ifindex: u32,
+    /// One of [`DropReason`] as `u32`.
+    pub reason: u32,
+}
+
+/// Packets and bytes dropped for one [`DropKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropCount {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+impl DropCount {
+    pub fn accumulate(&mut self, other: &DropCount) {
+        self.packets = self.packets.wrapping_add(other.packets);
+        self.bytes = self.bytes.wrapping_add(other.bytes);
+    }
+}
+
+/// Why a program dropped a packet. Values are stable (they are in the counters map).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropReason {
+    /// IPv4 from a pod with a source address that is not the pod's.
+    SpoofedV4 = 1,
+    /// IPv6 from a pod with a source address that is neither the pod's nor link-local.
+    SpoofedV6 = 2,
+    /// ARP from a pod claiming a sender address that is not the pod's.
+    SpoofedArp = 3,
+    /// An IPv4 header that is truncated or invalid (version, IHL, total length).
+    MalformedV4 = 4,
+    /// An IPv6 header that is truncated or invalid.
+    MalformedV6 = 5,
+    /// An ARP packet too short for an IPv4-over-Ethernet ARP.
+    MalformedArp = 6,
+    /// IPv4 from a pod that has no IPv4 address (or IPv6 from a pod without IPv6).
+    FamilyNotAssigned = 7,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 7] = [
+        DropReason::SpoofedV4,
+        DropReason::SpoofedV6,
+        DropReason::SpoofedArp,
+        DropReason::MalformedV4,
+        DropReason::MalformedV6,
+        DropReason::MalformedArp,
+        DropReason::FamilyNotAssigned,
+    ];
+
+    /// The reason's name as `calixctl` and `/metrics` show it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DropReason::SpoofedV4 => "spoofed_source_v4",
+            DropReason::SpoofedV6 => "spoofed_source_v6",
+            DropReason::SpoofedArp => "spoofed_arp_sender",
+            DropReason::MalformedV4 => "malformed_ipv4",
+            DropReason::MalformedV6 => "malformed_ipv6",
+            DropReason::MalformedArp => "malformed_arp",
+            DropReason::FamilyNotAssigned => "family_not_assigned",
+        }
+    }
+
+    pub fn from_u32(v: u32) -> Option<DropReason> {
+        DropReason::ALL.into_iter().find(|r| *r as u32 == v)
+    }
+}
+
 #[cfg(feature = "user")]
-// SAFETY: plain old data, `#[repr(C)]`, no padding, every bit pattern valid.
-unsafe impl aya::Pod for EndpointCounters {}
+mod pod {
+    // SAFETY (all): plain old data, `#[repr(C)]`, no padding, every bit pattern valid.
+    unsafe impl aya::Pod for super::EndpointCounters {}
+    unsafe impl aya::Pod for super::EndpointInfo {}
+    unsafe impl aya::Pod for super::LocalEndpoint {}
+    unsafe impl aya::Pod for super::DropKey {}
+    unsafe impl aya::Pod for super::DropCount {}
+}
 
 #[cfg(test)]
 mod tests {
@@ -50,6 +206,10 @@ mod tests {
     #[test]
     fn layouts_have_no_padding() {
         assert_eq!(size_of::<EndpointCounters>(), 32);
+        assert_eq!(size_of::<EndpointInfo>(), 24);
+        assert_eq!(size_of::<LocalEndpoint>(), 12);
+        assert_eq!(size_of::<DropKey>(), 8);
+        assert_eq!(size_of::<DropCount>(), 16);
     }
 
     #[test]
@@ -70,5 +230,20 @@ mod tests {
                 to_pod_bytes: 8
             }
         );
+    }
+
+    #[test]
+    fn reasons_round_trip_and_have_distinct_names() {
+        for r in DropReason::ALL {
+            assert_eq!(DropReason::from_u32(r as u32), Some(r));
+            assert_eq!(
+                DropReason::ALL
+                    .iter()
+                    .filter(|o| o.name() == r.name())
+                    .count(),
+                1
+            );
+        }
+        assert_eq!(DropReason::from_u32(0), None);
     }
 }

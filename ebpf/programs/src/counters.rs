@@ -1,21 +1,71 @@
-//! Per-endpoint packet and byte counters.
+//! Per-endpoint packet and byte counters, and the one drop path.
 
-use aya_ebpf::programs::TcContext;
-use calix_common::EndpointCounters;
+use aya_ebpf::{bindings::TC_ACT_SHOT, programs::TcContext};
+use calix_common::{DropCount, DropKey, DropReason, EndpointCounters};
 
-use crate::maps::CALIX_COUNTERS;
+use crate::maps::{CALIX_COUNTERS, CALIX_DROPS};
 
-/// Applies `f` to the counters of the endpoint whose host-side veth the packet is on, if the
-/// agent registered it. Never creates an entry: an unknown ifindex is simply not counted.
+/// Applies `f` to the counters of the endpoint whose host-side veth is `ifindex`, if the agent
+/// registered it. Never creates an entry: an unknown ifindex is simply not counted.
 #[inline(always)]
-pub fn update(ctx: &TcContext, f: impl FnOnce(&mut EndpointCounters)) {
-    // SAFETY: `ctx.skb.skb` is the `__sk_buff` the kernel passed to this program; reading a
-    // field of it is a plain context access the verifier checks.
-    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+pub fn update(ifindex: u32, f: impl FnOnce(&mut EndpointCounters)) {
     if let Some(value) = CALIX_COUNTERS.get_ptr_mut(&ifindex) {
         // SAFETY: the pointer comes from a successful lookup, and the value stays valid until
         // the program returns. A per-CPU value belongs to this CPU and a BPF program runs to
         // completion without migrating, so nothing else writes it meanwhile.
         f(unsafe { &mut *value });
     }
+}
+
+/// Counts a packet the pod sent.
+#[inline(always)]
+pub fn from_pod(ifindex: u32, len: u64) {
+    update(ifindex, |c| {
+        c.from_pod_packets = c.from_pod_packets.wrapping_add(1);
+        c.from_pod_bytes = c.from_pod_bytes.wrapping_add(len);
+    });
+}
+
+/// Counts a packet delivered to the pod behind `ifindex`.
+#[inline(always)]
+pub fn to_pod(ifindex: u32, len: u64) {
+    update(ifindex, |c| {
+        c.to_pod_packets = c.to_pod_packets.wrapping_add(1);
+        c.to_pod_bytes = c.to_pod_bytes.wrapping_add(len);
+    });
+}
+
+/// The one drop path: counts the packet under (ifindex, reason) and returns the drop verdict.
+#[inline(always)]
+pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
+    let key = DropKey {
+        ifindex,
+        reason: reason as u32,
+    };
+    let len = u64::from(ctx.len());
+    match CALIX_DROPS.get_ptr_mut(&key) {
+        // SAFETY: as in `update`: a per-CPU value from a successful lookup.
+        Some(v) => unsafe {
+            (*v).packets = (*v).packets.wrapping_add(1);
+            (*v).bytes = (*v).bytes.wrapping_add(len);
+        },
+        None => {
+            // First drop of this kind here. If another CPU created the key meanwhile the
+            // insert fails and this one packet goes uncounted on this CPU's first try: retry.
+            let first = DropCount {
+                packets: 1,
+                bytes: len,
+            };
+            if CALIX_DROPS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_err() {
+                if let Some(v) = CALIX_DROPS.get_ptr_mut(&key) {
+                    // SAFETY: as above.
+                    unsafe {
+                        (*v).packets = (*v).packets.wrapping_add(1);
+                        (*v).bytes = (*v).bytes.wrapping_add(len);
+                    }
+                }
+            }
+        }
+    }
+    TC_ACT_SHOT
 }

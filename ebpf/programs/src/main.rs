@@ -1,25 +1,28 @@
 //! calix eBPF programs. Entries only: each one names where it attaches and hands the packet to
 //! its `try_*` function in the module of the same name.
 //!
-//! Verdicts: the agent attaches with TCX where the kernel has it (6.6+), else with a cls_bpf
-//! direct-action filter. `TC_ACT_OK` (0, `TCX_PASS`) lets the packet continue into the stack and
-//! ends the hook's program chain; `TC_ACT_UNSPEC` (-1, `TCX_NEXT`) would defer to whatever is
-//! attached after us, which is not what a dataplane that owns `cali*` veths wants.
+//! Verdicts: the agent attaches cls_bpf direct-action filters (clsact). `TC_ACT_OK` lets the
+//! packet continue into the stack; `TC_ACT_SHOT` drops it (only through `counters::drop`, which
+//! records the reason); `TC_ACT_REDIRECT` comes from the redirect helpers. A helper error fails
+//! open (`TC_ACT_OK`): the host stack then handles the packet as it would without calix.
 #![no_std]
 #![no_main]
 
 mod counters;
+mod forward;
 mod from_pod;
+mod host_dev;
 mod maps;
+mod packet;
 mod to_pod;
 
 use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
 
 /// tc ingress on each host-side `cali*` veth: packets the pod sends.
 #[classifier]
-pub fn from_pod(ctx: TcContext) -> i32 {
-    // Fail open: a helper error while counting must never cost the pod its traffic.
-    match from_pod::try_from_pod(&ctx) {
+pub fn from_pod(mut ctx: TcContext) -> i32 {
+    // Fail open: a helper error must never cost the pod its traffic.
+    match from_pod::try_from_pod(&mut ctx) {
         Ok(verdict) => verdict,
         Err(_) => TC_ACT_OK,
     }
@@ -35,9 +38,29 @@ pub fn to_pod(ctx: TcContext) -> i32 {
     }
 }
 
+/// tc ingress on the node's uplink: packets from other nodes.
+#[classifier]
+pub fn from_host_dev(mut ctx: TcContext) -> i32 {
+    match host_dev::try_from_host_dev(&mut ctx) {
+        Ok(verdict) => verdict,
+        Err(_) => TC_ACT_OK,
+    }
+}
+
+/// tc egress on the node's uplink: packets leaving the node.
+#[classifier]
+pub fn to_host_dev(ctx: TcContext) -> i32 {
+    match host_dev::try_to_host_dev(&ctx) {
+        Ok(verdict) => verdict,
+        Err(_) => TC_ACT_OK,
+    }
+}
+
 // The ELF symbol of each entry is its program name; the agent looks them up by these consts.
 const _: () = assert!(str_eq(calix_common::PROG_FROM_POD, "from_pod"));
 const _: () = assert!(str_eq(calix_common::PROG_TO_POD, "to_pod"));
+const _: () = assert!(str_eq(calix_common::PROG_FROM_HOST_DEV, "from_host_dev"));
+const _: () = assert!(str_eq(calix_common::PROG_TO_HOST_DEV, "to_host_dev"));
 
 /// `&str` equality usable in `const` context (for the name checks above and in `maps`).
 pub(crate) const fn str_eq(a: &str, b: &str) -> bool {

@@ -1,12 +1,54 @@
-//! Every map the programs use, each defined once. Names and sizes come from `calix_common`.
+//! Every map the programs use, each defined once and pinned by name: the agent gives the loader
+//! a per-node, per-layout-version pin directory, so a restarted agent (or a new build with the
+//! same layout) reuses the very maps the running programs use. Names and sizes come from
+//! `calix_common`.
 
-use aya_ebpf::{macros::map, maps::PerCpuHashMap};
-use calix_common::{EndpointCounters, COUNTERS_MAP, MAX_ENDPOINTS};
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{HashMap, LpmTrie, PerCpuHashMap},
+};
+use calix_common::{
+    DropCount, DropKey, EndpointCounters, EndpointInfo, LocalEndpoint, MAX_DROP_KEYS,
+    MAX_ENDPOINTS, MAX_POOLS,
+};
 
 /// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
 #[map(name = "CALIX_COUNTERS")]
 pub static CALIX_COUNTERS: PerCpuHashMap<u32, EndpointCounters> =
-    PerCpuHashMap::with_max_entries(MAX_ENDPOINTS, 0);
+    PerCpuHashMap::pinned(MAX_ENDPOINTS, 0);
 
-// `#[map(name = ...)]` takes a literal only; keep it in step with the const the agent uses.
-const _: () = assert!(crate::str_eq(COUNTERS_MAP, "CALIX_COUNTERS"));
+/// Host-side veth ifindex → the addresses the endpoint may send from.
+#[map(name = "CALIX_ENDPOINTS")]
+pub static CALIX_ENDPOINTS: HashMap<u32, EndpointInfo> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// A local pod's IPv4 address → where to deliver to it.
+#[map(name = "CALIX_LOCAL_V4")]
+pub static CALIX_LOCAL_V4: HashMap<[u8; 4], LocalEndpoint> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// A local pod's IPv6 address → where to deliver to it.
+#[map(name = "CALIX_LOCAL_V6")]
+pub static CALIX_LOCAL_V6: HashMap<[u8; 16], LocalEndpoint> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// (ifindex, reason) → packets and bytes dropped.
+#[map(name = "CALIX_DROPS")]
+pub static CALIX_DROPS: PerCpuHashMap<DropKey, DropCount> =
+    PerCpuHashMap::pinned(MAX_DROP_KEYS, 0);
+
+/// The IPv4 pools.
+#[map(name = "CALIX_POOLS_V4")]
+pub static CALIX_POOLS_V4: LpmTrie<[u8; 4], u32> = LpmTrie::pinned(MAX_POOLS, BPF_F_NO_PREALLOC);
+
+/// The IPv6 pools.
+#[map(name = "CALIX_POOLS_V6")]
+pub static CALIX_POOLS_V6: LpmTrie<[u8; 16], u32> =
+    LpmTrie::pinned(MAX_POOLS, BPF_F_NO_PREALLOC);
+
+// `#[map(name = ...)]` takes a literal only; keep each in step with the const the agent uses.
+const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"));
+const _: () = assert!(crate::str_eq(calix_common::ENDPOINTS_MAP, "CALIX_ENDPOINTS"));
+const _: () = assert!(crate::str_eq(calix_common::LOCAL_V4_MAP, "CALIX_LOCAL_V4"));
+const _: () = assert!(crate::str_eq(calix_common::LOCAL_V6_MAP, "CALIX_LOCAL_V6"));
+const _: () = assert!(crate::str_eq(calix_common::DROPS_MAP, "CALIX_DROPS"));
+const _: () = assert!(crate::str_eq(calix_common::POOLS_V4_MAP, "CALIX_POOLS_V4"));
+const _: () = assert!(crate::str_eq(calix_common::POOLS_V6_MAP, "CALIX_POOLS_V6"));

@@ -88,8 +88,12 @@ impl Drop for Guard {
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(BENCH_PIN_ROOT);
     }
 }
+
+/// bpffs directory of the bench agent's pins (removed at the end).
+const BENCH_PIN_ROOT: &str = "/sys/fs/bpf/cxb-bench";
 
 /// Runs `ip [-n ns] -force -batch -` with `script` on stdin.
 fn ip_batch(ns: Option<&str>, script: &str) -> Result<()> {
@@ -325,6 +329,8 @@ fn start_agent(g: &mut Guard, agent: &Path, ctl: &Path, node: &str) -> Result<Pa
         .arg(&socket)
         .arg("--datastore-path")
         .arg(g.dir.join("store.json"))
+        .arg("--bpf-pin-root")
+        .arg(BENCH_PIN_ROOT)
         .stdout(Stdio::null())
         .stderr(log)
         .spawn()
