@@ -85,6 +85,8 @@ pub struct AgentConfig {
     pub bpf_pin_root: PathBuf,
     /// The node's uplink interfaces: `from_host_dev`/`to_host_dev` attach there.
     pub uplinks: Vec<String>,
+    /// Prometheus `/metrics` listen address; empty: off.
+    pub metrics_addr: String,
     pub datastore: DatastoreConfig,
     /// This node's labels, matched by pools' `nodeSelector`.
     pub node_labels: std::collections::BTreeMap<String, String>,
@@ -155,6 +157,7 @@ impl Default for AgentConfig {
             log_level: "info".into(),
             bpf_pin_root: PathBuf::from(paths::BPF_PIN_ROOT),
             uplinks: Vec::new(),
+            metrics_addr: "127.0.0.1:9091".into(),
             datastore: DatastoreConfig::default(),
             node_labels: Default::default(),
             ipam: IpamConfig::default(),

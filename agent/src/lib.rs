@@ -6,5 +6,6 @@ pub mod dataplane;
 pub mod datastore;
 pub mod grpc;
 pub mod ipam;
+pub mod metrics;
 pub mod model;
 pub mod paths;

@@ -275,6 +275,9 @@ async fn main() -> Result<()> {
         Duration::from_secs(cfg.ipam.leak_check_interval_secs),
     );
     spawn_reload(agent.clone(), flags);
+    if !cfg.metrics_addr.is_empty() {
+        calix_agent::metrics::spawn(agent.clone(), cfg.metrics_addr.clone());
+    }
     grpc::serve_unix(agent.clone(), &cfg.socket, shutdown_signal())
         .await
         .map_err(|e| {

@@ -354,7 +354,15 @@ fn agent_sigterm_is_clean_and_restart_reprograms_endpoints() {
         "no clean stop logged:\n{}",
         node.agent_log()
     );
-    // With the agent gone the kernel path still forwards (programs were detached cleanly).
+    // With the agent gone its programs stay attached (and its maps pinned): traffic keeps
+    // flowing, still by eBPF.
+    let filters = node
+        .ns
+        .exec_ok(&["tc", "filter", "show", "dev", &a.host_ifname(), "ingress"]);
+    assert!(
+        String::from_utf8_lossy(&filters.stdout).contains("from_pod"),
+        "programs detached at SIGTERM"
+    );
     assert!(a.ns.ping(&b.ip(), 1));
     // A new agent reads its datastore and programs the recorded endpoints again.
     node.start_agent();

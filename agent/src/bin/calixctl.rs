@@ -38,6 +38,39 @@ enum Cmd {
         #[command(subcommand)]
         cmd: IpamCmd,
     },
+    /// The eBPF dataplane of this node.
+    Bpf {
+        #[command(subcommand)]
+        cmd: BpfCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BpfCmd {
+    /// Drop counters by interface and reason (every drop the programs make is counted).
+    Counters,
+}
+
+fn drops_table(resp: &pb::DropsResponse) -> String {
+    let rows: Vec<Vec<String>> = resp
+        .drops
+        .iter()
+        .map(|d| {
+            vec![
+                if d.ifname.is_empty() {
+                    format!("(ifindex {})", d.ifindex)
+                } else {
+                    d.ifname.clone()
+                },
+                d.reason.clone(),
+                d.packets.to_string(),
+                human_bytes(d.bytes),
+            ]
+        })
+        .collect();
+    let total: u64 = resp.drops.iter().map(|d| d.packets).sum();
+    let t = table(&["INTERFACE", "REASON", "PACKETS", "BYTES"], &rows);
+    format!("{t}\n{total} packet(s) dropped on node {}", resp.node)
 }
 
 #[derive(Subcommand)]
@@ -287,6 +320,39 @@ async fn main() -> Result<()> {
         })?;
     match cli.cmd {
         Cmd::Ipam { cmd } => return ipam(channel, cmd, cli.output).await,
+        Cmd::Bpf {
+            cmd: BpfCmd::Counters,
+        } => {
+            let resp = pb::endpoints_client::EndpointsClient::new(channel)
+                .drops(pb::DropsRequest {})
+                .await
+                .context("reading drop counters")?
+                .into_inner();
+            match cli.output {
+                Output::Json => {
+                    let v: Vec<serde_json::Value> = resp
+                        .drops
+                        .iter()
+                        .map(|d| {
+                            serde_json::json!({
+                                "ifindex": d.ifindex,
+                                "interface": d.ifname,
+                                "reason": d.reason,
+                                "packets": d.packets,
+                                "bytes": d.bytes,
+                            })
+                        })
+                        .collect();
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(
+                            &serde_json::json!({"node": resp.node, "drops": v})
+                        )?
+                    );
+                }
+                Output::Table => println!("{}", drops_table(&resp)),
+            }
+        }
         Cmd::Endpoints => {
             let resp = pb::endpoints_client::EndpointsClient::new(channel)
                 .list(pb::ListRequest {})

@@ -265,6 +265,26 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         }))
     }
 
+    async fn drops(
+        &self,
+        _req: Request<pb::DropsRequest>,
+    ) -> Result<Response<pb::DropsResponse>, Status> {
+        let drops = self.0.drops().await.map_err(status)?;
+        Ok(Response::new(pb::DropsResponse {
+            drops: drops
+                .into_iter()
+                .map(|d| pb::DropCounter {
+                    ifindex: d.ifindex,
+                    ifname: d.ifname.unwrap_or_default(),
+                    reason: d.reason,
+                    packets: d.packets,
+                    bytes: d.bytes,
+                })
+                .collect(),
+            node: self.0.node().to_string(),
+        }))
+    }
+
     async fn list(
         &self,
         _req: Request<pb::ListRequest>,

@@ -29,8 +29,15 @@ pub const POOLS_V4_MAP: &str = "CALIX_POOLS_V4";
 pub const POOLS_V6_MAP: &str = "CALIX_POOLS_V6";
 /// Maximum number of pools per family.
 pub const MAX_POOLS: u32 = 256;
+/// LRU hash map: [`FlowKey`] → `u64` (unused). Flows the host stack delivered to a pod
+/// (`to_pod` records them): their replies must go back through the host stack too, so that
+/// its conntrack can undo a NAT it did on the way in (portmap hostPorts, kube-proxy services).
+pub const STACK_FLOWS_MAP: &str = "CALIX_STACK_FLOWS";
+/// Size of [`STACK_FLOWS_MAP`].
+pub const MAX_STACK_FLOWS: u32 = 65_536;
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 7] = [
+pub const ALL_MAPS: [&str; 8] = [
+    STACK_FLOWS_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
     LOCAL_V4_MAP,
@@ -112,6 +119,24 @@ pub struct LocalEndpoint {
     pub _pad: u16,
     /// The pod's own MAC address (the Ethernet destination of delivered frames).
     pub mac: [u8; 6],
+}
+
+/// One flow as seen from a local pod: the same key for both directions.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FlowKey {
+    /// The pod's address (IPv4 in the first 4 bytes, the rest zero).
+    pub pod: [u8; 16],
+    /// The other end's address.
+    pub peer: [u8; 16],
+    /// TCP/UDP ports, or the ICMP echo identifier in both, network byte order.
+    pub pod_port: u16,
+    pub peer_port: u16,
+    /// IP protocol number.
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+    pub _pad: [u8; 2],
 }
 
 /// Key of a drop counter.
@@ -196,6 +221,7 @@ mod pod {
     unsafe impl aya::Pod for super::LocalEndpoint {}
     unsafe impl aya::Pod for super::DropKey {}
     unsafe impl aya::Pod for super::DropCount {}
+    unsafe impl aya::Pod for super::FlowKey {}
 }
 
 #[cfg(test)]
@@ -210,6 +236,7 @@ mod tests {
         assert_eq!(size_of::<LocalEndpoint>(), 12);
         assert_eq!(size_of::<DropKey>(), 8);
         assert_eq!(size_of::<DropCount>(), 16);
+        assert_eq!(size_of::<FlowKey>(), 40);
     }
 
     #[test]

@@ -56,7 +56,10 @@ pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
                 packets: 1,
                 bytes: len,
             };
-            if CALIX_DROPS.insert(&key, &first, 1 /* BPF_NOEXIST */).is_err() {
+            if CALIX_DROPS
+                .insert(&key, &first, 1 /* BPF_NOEXIST */)
+                .is_err()
+            {
                 if let Some(v) = CALIX_DROPS.get_ptr_mut(&key) {
                     // SAFETY: as above.
                     unsafe {

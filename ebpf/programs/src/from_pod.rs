@@ -1,14 +1,19 @@
 //! Traffic the pod sends (tc ingress on the host-side `cali*` veth): anti-spoofing, then
 //! forwarding. A pod on this node gets the packet straight into its namespace
 //! (`bpf_redirect_peer`); a pool address on another node goes out via the FIB; anything else
-//! (the node itself, services, the outside world) continues into the host stack.
+//! (the node itself, services, the outside world) continues into the host stack — as do the
+//! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
+//! protocols other than TCP, UDP and ICMP echo.
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6};
 
 use crate::counters::{self, drop};
+use crate::flows;
 use crate::forward;
-use crate::maps::{CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
+use crate::maps::{
+    CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
+};
 use crate::packet::{self, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6};
 
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
@@ -42,12 +47,17 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if ip.src != ep.ipv4 {
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV4));
     }
-    if let Some(local) = CALIX_LOCAL_V4.get_ptr(&ip.dst) {
+    let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
+    let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
+    if (local.is_some() || remote) && !flows::fast_path_ok(flows::key_v4(ctx, &ip, true)) {
+        return Ok(TC_ACT_OK);
+    }
+    if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { *local };
         return forward::to_local(ctx, &local, true);
     }
-    if CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some() {
+    if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
     }
     Ok(TC_ACT_OK)
@@ -68,12 +78,17 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if ip.src != ep.ipv6 {
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV6));
     }
-    if let Some(local) = CALIX_LOCAL_V6.get_ptr(&ip.dst) {
+    let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
+    let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
+    if (local.is_some() || remote) && !flows::fast_path_ok(flows::key_v6(ctx, &ip, true)) {
+        return Ok(TC_ACT_OK);
+    }
+    if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { *local };
         return forward::to_local(ctx, &local, false);
     }
-    if CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some() {
+    if remote {
         return forward::remote_v6(ctx, &ip, ifindex);
     }
     Ok(TC_ACT_OK)

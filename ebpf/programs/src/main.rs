@@ -9,6 +9,7 @@
 #![no_main]
 
 mod counters;
+mod flows;
 mod forward;
 mod from_pod;
 mod host_dev;

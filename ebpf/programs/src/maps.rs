@@ -6,12 +6,16 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LpmTrie, PerCpuHashMap},
+    maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap},
 };
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, LocalEndpoint, MAX_DROP_KEYS,
-    MAX_ENDPOINTS, MAX_POOLS,
+    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, MAX_DROP_KEYS,
+    MAX_ENDPOINTS, MAX_POOLS, MAX_STACK_FLOWS,
 };
+
+/// Flows the host stack delivered to a local pod; their replies go back through the stack.
+#[map(name = "CALIX_STACK_FLOWS")]
+pub static CALIX_STACK_FLOWS: LruHashMap<FlowKey, u64> = LruHashMap::pinned(MAX_STACK_FLOWS, 0);
 
 /// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
 #[map(name = "CALIX_COUNTERS")]
@@ -32,8 +36,7 @@ pub static CALIX_LOCAL_V6: HashMap<[u8; 16], LocalEndpoint> = HashMap::pinned(MA
 
 /// (ifindex, reason) → packets and bytes dropped.
 #[map(name = "CALIX_DROPS")]
-pub static CALIX_DROPS: PerCpuHashMap<DropKey, DropCount> =
-    PerCpuHashMap::pinned(MAX_DROP_KEYS, 0);
+pub static CALIX_DROPS: PerCpuHashMap<DropKey, DropCount> = PerCpuHashMap::pinned(MAX_DROP_KEYS, 0);
 
 /// The IPv4 pools.
 #[map(name = "CALIX_POOLS_V4")]
@@ -41,12 +44,18 @@ pub static CALIX_POOLS_V4: LpmTrie<[u8; 4], u32> = LpmTrie::pinned(MAX_POOLS, BP
 
 /// The IPv6 pools.
 #[map(name = "CALIX_POOLS_V6")]
-pub static CALIX_POOLS_V6: LpmTrie<[u8; 16], u32> =
-    LpmTrie::pinned(MAX_POOLS, BPF_F_NO_PREALLOC);
+pub static CALIX_POOLS_V6: LpmTrie<[u8; 16], u32> = LpmTrie::pinned(MAX_POOLS, BPF_F_NO_PREALLOC);
 
 // `#[map(name = ...)]` takes a literal only; keep each in step with the const the agent uses.
 const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"));
-const _: () = assert!(crate::str_eq(calix_common::ENDPOINTS_MAP, "CALIX_ENDPOINTS"));
+const _: () = assert!(crate::str_eq(
+    calix_common::STACK_FLOWS_MAP,
+    "CALIX_STACK_FLOWS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::ENDPOINTS_MAP,
+    "CALIX_ENDPOINTS"
+));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V4_MAP, "CALIX_LOCAL_V4"));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V6_MAP, "CALIX_LOCAL_V6"));
 const _: () = assert!(crate::str_eq(calix_common::DROPS_MAP, "CALIX_DROPS"));

@@ -12,6 +12,7 @@ pub const ETH_P_ARP: u16 = 0x0806;
 pub mod v4 {
     pub const VER_IHL: usize = super::ETH_HLEN;
     pub const TOT_LEN: usize = super::ETH_HLEN + 2;
+    pub const FRAG: usize = super::ETH_HLEN + 6;
     pub const TTL: usize = super::ETH_HLEN + 8;
     pub const PROTO: usize = super::ETH_HLEN + 9;
     pub const CSUM: usize = super::ETH_HLEN + 10;
@@ -51,6 +52,10 @@ pub struct Ipv4 {
     pub dst: [u8; 4],
     pub proto: u8,
     pub tot_len: u16,
+    /// Header length in bytes (options included).
+    pub ihl: usize,
+    /// A fragment (more fragments follow, or not the first): no transport header to read.
+    pub fragment: bool,
 }
 
 /// Reads and validates the IPv4 header: `None` when it is truncated or invalid. IP options
@@ -71,11 +76,14 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     {
         return None;
     }
+    let frag = u16::from_be(ctx.load::<u16>(v4::FRAG).ok()?);
     Some(Ipv4 {
         src: ctx.load(v4::SRC).ok()?,
         dst: ctx.load(v4::DST).ok()?,
         proto: ctx.load(v4::PROTO).ok()?,
         tot_len,
+        ihl,
+        fragment: frag & 0x3fff != 0,
     })
 }
 
@@ -140,4 +148,34 @@ pub fn is_v6_unspecified(a: &[u8; 16]) -> bool {
         i += 1;
     }
     true
+}
+
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ICMPV6: u8 = 58;
+
+/// (source, destination) "ports" of a transport header at `l4` (bytes into the frame), in
+/// network byte order: TCP/UDP ports, or the ICMP/ICMPv6 echo identifier twice. `None` for
+/// anything else (other protocols, other ICMP types, a truncated header): such packets never
+/// take the fast path.
+#[inline(always)]
+pub fn ports(ctx: &TcContext, l4: usize, proto: u8) -> Option<(u16, u16)> {
+    match proto {
+        IPPROTO_TCP | IPPROTO_UDP => Some((ctx.load(l4).ok()?, ctx.load(l4 + 2).ok()?)),
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            let ty: u8 = ctx.load(l4).ok()?;
+            // Echo request/reply: 8/0 (ICMP), 128/129 (ICMPv6).
+            if matches!(
+                (proto, ty),
+                (IPPROTO_ICMP, 0 | 8) | (IPPROTO_ICMPV6, 128 | 129)
+            ) {
+                let id: u16 = ctx.load(l4 + 4).ok()?;
+                Some((id, id))
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
 }

@@ -3,11 +3,21 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
-use crate::counters;
+use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
+use crate::{counters, flows};
 
 pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     // SAFETY: a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     counters::to_pod(ifindex, u64::from(ctx.len()));
+    // The stack delivered this flow: its replies must go back through the stack.
+    let key = match packet::ethertype(ctx)? {
+        ETH_P_IP => packet::ipv4(ctx).and_then(|ip| flows::key_v4(ctx, &ip, false)),
+        ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| flows::key_v6(ctx, &ip, false)),
+        _ => None,
+    };
+    if let Some(k) = key {
+        flows::record(&k);
+    }
     Ok(TC_ACT_OK)
 }

@@ -1,0 +1,73 @@
+//! Flows the host stack delivered to a pod. The stack may have NATed them on the way in
+//! (a portmap hostPort, a kube-proxy service); only the stack can undo that on the replies, so
+//! the replies of such a flow must not take the fast path. `to_pod` (which only sees what the
+//! stack delivers: fast-path traffic skips it) records each flow; `from_pod` checks.
+
+use aya_ebpf::programs::TcContext;
+use calix_common::FlowKey;
+
+use crate::maps::CALIX_STACK_FLOWS;
+use crate::packet::{self, Ipv4, Ipv6, ETH_HLEN};
+
+/// The flow key of an IPv4 packet, seen from the pod `pod_is_src` names; `None` when the
+/// packet has no ports to key on (fragments, other protocols): those never take the fast path.
+#[inline(always)]
+pub fn key_v4(ctx: &TcContext, ip: &Ipv4, pod_is_src: bool) -> Option<FlowKey> {
+    if ip.fragment {
+        return None;
+    }
+    let (sport, dport) = packet::ports(ctx, ETH_HLEN + ip.ihl, ip.proto)?;
+    let mut k = FlowKey {
+        proto: ip.proto,
+        family: 4,
+        ..FlowKey::default()
+    };
+    let (pod, peer, pod_port, peer_port) = if pod_is_src {
+        (ip.src, ip.dst, sport, dport)
+    } else {
+        (ip.dst, ip.src, dport, sport)
+    };
+    k.pod[..4].copy_from_slice(&pod);
+    k.peer[..4].copy_from_slice(&peer);
+    k.pod_port = pod_port;
+    k.peer_port = peer_port;
+    Some(k)
+}
+
+/// As [`key_v4`] for IPv6 (no extension headers: anything else has no key).
+#[inline(always)]
+pub fn key_v6(ctx: &TcContext, ip: &Ipv6, pod_is_src: bool) -> Option<FlowKey> {
+    let (sport, dport) = packet::ports(ctx, ETH_HLEN + packet::v6::LEN, ip.next_hdr)?;
+    let (pod, peer, pod_port, peer_port) = if pod_is_src {
+        (ip.src, ip.dst, sport, dport)
+    } else {
+        (ip.dst, ip.src, dport, sport)
+    };
+    Some(FlowKey {
+        pod,
+        peer,
+        pod_port,
+        peer_port,
+        proto: ip.next_hdr,
+        family: 6,
+        _pad: [0; 2],
+    })
+}
+
+/// Remembers that the stack delivered this flow to the pod.
+#[inline(always)]
+pub fn record(key: &FlowKey) {
+    if CALIX_STACK_FLOWS.get_ptr(key).is_none() {
+        let _ = CALIX_STACK_FLOWS.insert(key, &0, 0);
+    }
+}
+
+/// Whether the fast path may take this packet (the pod sending): it has a key and the stack
+/// did not deliver the flow's other direction.
+#[inline(always)]
+pub fn fast_path_ok(key: Option<FlowKey>) -> bool {
+    match key {
+        Some(k) => CALIX_STACK_FLOWS.get_ptr(&k).is_none(),
+        None => false,
+    }
+}

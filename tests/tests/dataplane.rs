@@ -1,0 +1,334 @@
+//! The eBPF dataplane (issue 5): host-stack bypass, anti-spoofing with counted drop reasons,
+//! /metrics, flows that survive the agent crashing and restarting, and churn that leaves
+//! nothing behind. Run as root.
+use std::collections::HashSet;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use calix_tests::{bpf_maps_of, Dataplane, Node, Pod};
+use serde_json::Value;
+
+/// `nstat -az IpForwDatagrams` inside `node`: packets the node's IP stack forwarded.
+fn forwarded(node: &Node) -> u64 {
+    let out = node.ns.exec_ok(&["nstat", "-az", "-j", "IpForwDatagrams"]);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nstat json");
+    v["kernel"]["IpForwDatagrams"].as_u64().unwrap_or(0)
+}
+
+/// GET /metrics from inside the node namespace (the agent listens on its loopback).
+fn metrics(node: &Node) -> String {
+    let out = node.ns.exec_ok(&[
+        "bash",
+        "-c",
+        "exec 3<>/dev/tcp/127.0.0.1/9091 && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3",
+    ]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn drops_json(node: &Node) -> Value {
+    let out = node.calixctl(&["bpf", "counters", "-o", "json"]);
+    assert!(
+        out.status.success(),
+        "calixctl bpf counters: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("bpf counters json")
+}
+
+fn dropped(node: &Node, iface: &str, reason: &str) -> u64 {
+    drops_json(node)["drops"]
+        .as_array()
+        .map(|d| {
+            d.iter()
+                .filter(|x| x["interface"] == iface && x["reason"] == reason)
+                .map(|x| x["packets"].as_u64().unwrap_or(0))
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn bypass(dp: Dataplane) -> (u64, bool) {
+    let node = Node::start(dp);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    assert!(a.ns.ping(&b.ip(), 1), "warm-up ping");
+    let before = forwarded(&node);
+    assert!(a.ns.ping(&b.ip(), 10));
+    (forwarded(&node) - before, true)
+}
+
+#[test]
+fn ebpf_pod_traffic_bypasses_the_host_ip_stack_and_kernel_mode_does_not() {
+    let (ebpf, _) = bypass(Dataplane::Ebpf);
+    let (kernel, _) = bypass(Dataplane::Kernel);
+    // 10 echo requests + 10 replies: the kernel forwards all 20, eBPF none.
+    assert!(kernel >= 20, "kernel mode forwarded only {kernel}");
+    assert_eq!(ebpf, 0, "eBPF mode still went through IP forwarding");
+}
+
+#[test]
+fn a_spoofed_source_is_dropped_and_counted_with_its_reason() {
+    let node = Node::start(Dataplane::Ebpf);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    let host_a = a.host_ifname();
+    assert_eq!(dropped(&node, &host_a, "spoofed_source_v4"), 0);
+    // Pod a claims an address that is not its own and sends from it.
+    a.ns.exec_ok(&["ip", "addr", "add", "10.244.250.250/32", "dev", "eth0"]);
+    let spoofed = a.ns.exec(&[
+        "ping",
+        "-c",
+        "3",
+        "-i",
+        "0.2",
+        "-W",
+        "1",
+        "-q",
+        "-I",
+        "10.244.250.250",
+        &b.ip(),
+    ]);
+    assert!(!spoofed.status.success(), "spoofed pings got answers");
+    assert!(
+        dropped(&node, &host_a, "spoofed_source_v4") >= 3,
+        "{}",
+        drops_json(&node)
+    );
+    // The pod's own address still works, and nothing is counted for pod b.
+    assert!(a.ns.ping(&b.ip(), 2));
+    assert_eq!(dropped(&node, &b.host_ifname(), "spoofed_source_v4"), 0);
+    // The table names the reason; /metrics exports it.
+    let table = node.calixctl(&["bpf", "counters"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        text.contains("spoofed_source_v4") && text.contains(&host_a),
+        "{text}"
+    );
+    let m = metrics(&node);
+    let line = format!("calix_drops_total{{interface=\"{host_a}\",reason=\"spoofed_source_v4\"}}");
+    assert!(m.contains(&line), "{line} missing from /metrics:\n{m}");
+    assert!(m.contains("calix_endpoint_packets_total"), "{m}");
+    assert!(
+        m.contains("calix_ipam_free_addresses{family=\"ipv4\"}"),
+        "{m}"
+    );
+}
+
+/// Parses iperf3 --json output: (bytes per interval, error if any).
+fn iperf_intervals(out: &[u8]) -> (Vec<(f64, u64)>, Option<String>) {
+    let v: Value = serde_json::from_slice(out).unwrap_or(Value::Null);
+    let ints = v["intervals"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|i| {
+                    (
+                        i["sum"]["start"].as_f64().unwrap_or(0.0),
+                        i["sum"]["bytes"].as_u64().unwrap_or(0),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    (ints, v["error"].as_str().map(String::from))
+}
+
+fn filter_prog_id(node: &Node, iface: &str) -> String {
+    let out = node
+        .ns
+        .exec_ok(&["tc", "filter", "show", "dev", iface, "ingress"]);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.split_whitespace()
+        .skip_while(|w| *w != "id")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no calix filter on {iface}: {text}"))
+        .to_string()
+}
+
+#[test]
+fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
+    let node = Node::start(Dataplane::Ebpf);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    let server =
+        b.ns.cmd(&["iperf3", "-s", "-1", "-B", &b.ip()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("iperf3 server");
+    let mut server = scopeguard(server);
+    std::thread::sleep(Duration::from_millis(300));
+    let client =
+        a.ns.cmd(&[
+            "iperf3",
+            "-c",
+            &b.ip(),
+            "-t",
+            "6",
+            "-i",
+            "0.1",
+            "-C",
+            "cubic",
+            "-b",
+            "200M",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("iperf3 client");
+    let prog_before = filter_prog_id(&node, &a.host_ifname());
+    let t0 = Instant::now();
+    std::thread::sleep(Duration::from_millis(1500));
+    // A crash...
+    node.kill_agent();
+    std::thread::sleep(Duration::from_millis(500));
+    // ...and a restart: the new agent loads its programs again and swaps them in place.
+    node.start_agent();
+    let restarted_at = t0.elapsed();
+    std::thread::sleep(Duration::from_millis(1000));
+    // A clean stop and start (an upgrade is this, with another binary).
+    node.stop_agent();
+    node.start_agent();
+    let out = client.wait_with_output().expect("iperf3 client");
+    let _ = server.0.wait();
+    let (ints, err) = iperf_intervals(&out.stdout);
+    assert!(
+        out.status.success() && err.is_none(),
+        "iperf3 failed across the restarts ({err:?}): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ints.len() >= 50, "too few intervals: {}", ints.len());
+    let empty: Vec<&(f64, u64)> = ints.iter().filter(|(_, b)| *b == 0).collect();
+    assert!(
+        empty.is_empty(),
+        "100 ms intervals without traffic (restart at {restarted_at:?}): {empty:?}"
+    );
+    let prog_after = filter_prog_id(&node, &a.host_ifname());
+    assert_ne!(
+        prog_before, prog_after,
+        "the restarted agent did not replace the program"
+    );
+    // Still bypassing the host stack with the new programs, and counting.
+    let before = forwarded(&node);
+    assert!(a.ns.ping(&b.ip(), 3));
+    assert_eq!(forwarded(&node) - before, 0);
+}
+
+struct Guarded(std::process::Child);
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn scopeguard(c: std::process::Child) -> Guarded {
+    Guarded(c)
+}
+
+/// Resident memory (kB) and open file descriptors of a process.
+fn rss_and_fds(pid: u32) -> (u64, usize) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    (rss, fds)
+}
+
+fn map_entries(pid: u32, name: &str) -> usize {
+    bpf_maps_of(pid, name)
+        .into_iter()
+        .map(|id| {
+            let out = Command::new("bpftool")
+                .args(["map", "dump", "id", &id.to_string(), "-j"])
+                .output()
+                .expect("bpftool");
+            serde_json::from_slice::<Value>(&out.stdout)
+                .ok()
+                .and_then(|v| v.as_array().map(Vec::len))
+                .unwrap_or(0)
+        })
+        .sum()
+}
+
+#[test]
+fn churn_of_1000_pods_leaves_nothing_behind() {
+    let node = Node::start(Dataplane::Ebpf);
+    let pid = node.agent_pid().expect("agent pid");
+    // Warm up (first connections, allocator arenas) before the baseline.
+    for i in 0..10 {
+        let mut p = Pod::add(&node, &format!("w{i}"));
+        p.del();
+    }
+    let (rss0, fds0) = rss_and_fds(pid);
+    let links0 = node.ns.links().len();
+    let routes0 = node.ns.routes().len();
+    let t0 = Instant::now();
+    for round in 0..100 {
+        std::thread::scope(|s| {
+            for i in 0..10 {
+                let node = &node;
+                s.spawn(move || {
+                    let mut p = Pod::add(node, &format!("c{round}x{i}"));
+                    p.del();
+                });
+            }
+        });
+    }
+    eprintln!("1000 ADD/DEL cycles in {:?}", t0.elapsed());
+    assert_eq!(
+        node.ns.links().len(),
+        links0,
+        "links left: {:?}",
+        node.ns.links()
+    );
+    assert_eq!(node.ns.routes().len(), routes0, "routes left");
+    assert_eq!(node.allocated(), 0, "addresses left allocated");
+    assert_eq!(
+        node.endpoints()["endpoints"].as_array().map(Vec::len),
+        Some(0),
+        "endpoints left"
+    );
+    for m in [
+        "CALIX_COUNTERS",
+        "CALIX_ENDPOINTS",
+        "CALIX_LOCAL_V4",
+        "CALIX_LOCAL_V6",
+    ] {
+        assert_eq!(map_entries(pid, m), 0, "{m} has entries left");
+    }
+    let pins: HashSet<String> = walk(&node.pin_root());
+    assert!(
+        pins.iter().all(|p| !p.contains("cali")),
+        "per-endpoint pins left: {pins:?}"
+    );
+    let (rss1, fds1) = rss_and_fds(pid);
+    assert_eq!(fds1, fds0, "the agent holds {fds1} fds, {fds0} before");
+    // Memory returns to where it started (allowing allocator slack).
+    assert!(
+        rss1 <= rss0 + 8 * 1024,
+        "agent RSS grew from {rss0} kB to {rss1} kB over 1000 pods"
+    );
+}
+
+fn walk(dir: &std::path::Path) -> HashSet<String> {
+    let mut out = HashSet::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            out.insert(p.display().to_string());
+            if p.is_dir() {
+                out.extend(walk(&p));
+            }
+        }
+    }
+    out
+}
