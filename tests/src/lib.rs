@@ -212,6 +212,15 @@ pub enum Dataplane {
 }
 
 impl Dataplane {
+    /// The dataplane for tests that work in either: `CALIX_TEST_DATAPLANE` (`ebpf` or
+    /// `kernel`), default eBPF. `cargo xtask test` runs those suites once per mode.
+    pub fn under_test() -> Self {
+        match std::env::var("CALIX_TEST_DATAPLANE").as_deref() {
+            Ok("kernel") => Self::Kernel,
+            _ => Self::Ebpf,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Ebpf => "ebpf",

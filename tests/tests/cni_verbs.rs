@@ -18,7 +18,7 @@ fn msg(out: &calix_tests::CniOutput) -> String {
 
 #[test]
 fn check_passes_on_a_healthy_pod_and_catches_each_breakage() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let a = Pod::add(&node, "a");
     let out = a.check();
     assert!(out.success, "CHECK of a healthy pod failed: {out:?}");
@@ -72,7 +72,7 @@ fn check_passes_on_a_healthy_pod_and_catches_each_breakage() {
 
 #[test]
 fn gc_releases_everything_not_in_valid_attachments() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let keep = Pod::add(&node, "keep");
     let gone1 = Pod::add(&node, "gone1");
     let gone2 = Pod::add(&node, "gone2");
@@ -109,7 +109,7 @@ fn gc_releases_everything_not_in_valid_attachments() {
 #[test]
 fn status_reports_reachability_and_free_addresses() {
     let node = Node::start_with_config(
-        Dataplane::Kernel,
+        Dataplane::under_test(),
         Some("[[pools]]\ncidr = \"10.250.0.0/30\"\nblockSize = 30\n"),
     );
     let status = |n: &Node| {
@@ -138,7 +138,7 @@ fn status_reports_reachability_and_free_addresses() {
 
 #[test]
 fn results_follow_the_requested_version() {
-    let node = Node::start(Dataplane::Kernel);
+    let node = Node::start(Dataplane::under_test());
     for v in ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"] {
         let mut p = Pod::add_with(&node, "v", json!({"cniVersion": v}));
         let j = p.result.json.clone().unwrap_or_default();
@@ -154,7 +154,7 @@ fn results_follow_the_requested_version() {
 
 #[test]
 fn ipv6_and_dual_stack() {
-    let node = Node::start_with_config(Dataplane::Ebpf, Some(DUAL));
+    let node = Node::start_with_config(Dataplane::under_test(), Some(DUAL));
     let extra = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": "true"}});
     let a = Pod::add_with(&node, "a", extra.clone());
     let b = Pod::add_with(&node, "b", extra.clone());
@@ -212,7 +212,7 @@ fn ipv6_and_dual_stack() {
 fn dual_stack_is_all_or_nothing() {
     // IPv6 pool with room for exactly one pod.
     let node = Node::start_with_config(
-        Dataplane::Kernel,
+        Dataplane::under_test(),
         Some("[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:20::/128\"\nblockSize = 128\n"),
     );
     let extra = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
@@ -231,7 +231,7 @@ fn dual_stack_is_all_or_nothing() {
 
 #[test]
 fn delegated_host_local_ipam() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let data = node.dir.join("host-local");
     let extra = json!({"ipam": {"type": "host-local", "subnet": "10.77.0.0/24", "dataDir": data.display().to_string()}});
     let mut a = Pod::add_with(&node, "a", extra.clone());
@@ -251,7 +251,7 @@ fn delegated_host_local_ipam() {
 
 #[test]
 fn runtime_config_static_ip_mac_and_ip_forwarding() {
-    let node = Node::start(Dataplane::Kernel);
+    let node = Node::start(Dataplane::under_test());
     let extra = json!({
         "runtimeConfig": {"ips": ["10.244.9.9/32"], "mac": "02:ca:11:00:00:09"},
         "container_settings": {"allow_ip_forwarding": true},
@@ -286,7 +286,7 @@ fn runtime_config_static_ip_mac_and_ip_forwarding() {
 
 #[test]
 fn route_clash_rolls_back() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     // Someone else already routes the address this pod asks for.
     node.ns
         .exec_ok(&["ip", "route", "add", "unreachable", "10.244.7.7/32"]);
@@ -309,7 +309,7 @@ fn route_clash_rolls_back() {
 
 #[test]
 fn add_of_an_existing_attachment_fails_and_harms_nothing() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let a = Pod::add(&node, "a");
     let b = Pod::add(&node, "b");
     let again = a.call("ADD", Value::Null);
@@ -322,7 +322,7 @@ fn add_of_an_existing_attachment_fails_and_harms_nothing() {
 
 #[test]
 fn chained_with_portmap_bandwidth_and_tuning() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let list = ConfList {
         list: json!({
             "cniVersion": "1.0.0",
@@ -412,7 +412,7 @@ fn chained_with_portmap_bandwidth_and_tuning() {
 
 #[test]
 fn fifty_concurrent_adds_get_distinct_addresses_and_del_races_safely() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let first = Pod::add(&node, "first");
     let pods: Vec<Pod> = std::thread::scope(|s| {
         let handles: Vec<_> = (0..50)
@@ -451,7 +451,7 @@ fn fifty_concurrent_adds_get_distinct_addresses_and_del_races_safely() {
 
 #[test]
 fn del_never_takes_another_attachments_veth() {
-    let node = Node::start(Dataplane::Ebpf);
+    let node = Node::start(Dataplane::under_test());
     let a = Pod::add(&node, "a");
     let b = Pod::add(&node, "b");
     // A late DEL of an older sandbox of the same pod (same namespace/name, so the same derived

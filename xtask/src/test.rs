@@ -12,9 +12,16 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
     crate::setup::run()?;
     println!("[2/4] building every binary");
     util::build_bins()?;
-    println!("[3/4] cargo test --workspace");
+    println!("[3/4] cargo test --workspace (eBPF dataplane), then the dataplane-agnostic suites again in kernel mode");
     let root = util::workspace_root();
-    let result = cargo_test(&root, extra);
+    let result = cargo_test(&root, &["--workspace".to_string()], extra, None).and_then(|()| {
+        cargo_test(
+            &root,
+            &["-p", "calix-tests", "--test", "cni_verbs"].map(String::from),
+            extra,
+            Some(("CALIX_TEST_DATAPLANE", "kernel")),
+        )
+    });
     println!("[4/4] checking that the tests left nothing behind");
     let leaks = leftovers()?;
     result?;
@@ -25,16 +32,22 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Runs `cargo test --workspace`, streaming its output, and ends with one summary line
-/// (`tests: N passed, N failed`) added up over every test binary.
-fn cargo_test(root: &std::path::Path, extra: &[String]) -> Result<()> {
+/// Runs `cargo test <which> <extra>` (with `env` set), streaming its output, and ends with one
+/// summary line (`tests: N passed, N failed`) added up over every test binary.
+fn cargo_test(
+    root: &std::path::Path,
+    which: &[String],
+    extra: &[String],
+    env: Option<(&str, &str)>,
+) -> Result<()> {
     use std::io::{BufRead, BufReader};
-    let mut child = Command::new(env!("CARGO"))
-        .current_dir(root)
-        .args(["test", "--workspace"])
-        .args(extra)
-        .stdout(std::process::Stdio::piped())
-        .spawn()?;
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.current_dir(root).arg("test").args(which).args(extra);
+    if let Some((k, v)) = env {
+        cmd.env(k, v);
+        println!("--- again with {k}={v} ---");
+    }
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn()?;
     let (mut passed, mut failed) = (0u64, 0u64);
     if let Some(out) = child.stdout.take() {
         for line in BufReader::new(out).lines() {
