@@ -41,6 +41,9 @@ struct Flags {
     /// bpffs directory for pins (this node's go below it).
     #[arg(long)]
     bpf_pin_root: Option<PathBuf>,
+    /// Load the eBPF programs from this object file instead of the built-in ones.
+    #[arg(long)]
+    bpf_object: Option<PathBuf>,
     /// Remove this node's eBPF programs (from every cali* interface and the uplinks), map
     /// entries and pins, then exit. Pods keep their routes (kernel forwarding).
     #[arg(long)]
@@ -218,6 +221,7 @@ fn spawn_reload(agent: Arc<Agent>, flags: Flags) {
 async fn main() -> Result<()> {
     let flags = Flags::parse();
     let uninstall = flags.uninstall;
+    let bpf_object = flags.bpf_object.clone();
     let cfg = config(flags.clone())?;
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -234,6 +238,7 @@ async fn main() -> Result<()> {
         pin_root: cfg.bpf_pin_root.clone(),
         node: cfg.node_name.clone(),
         uplinks: cfg.uplinks.clone(),
+        object: bpf_object,
     };
     if uninstall {
         return uninstall_dataplane(&ebpf_cfg);

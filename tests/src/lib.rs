@@ -34,6 +34,23 @@ pub fn require_root() {
     );
 }
 
+/// The upgrade-test build of the eBPF programs (`cargo xtask test` builds it):
+/// `target/ebpf/calix-upgrade-test.bpf.o`.
+pub fn upgrade_test_object() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("test binary lives in target/<profile>/deps");
+    let p = target.join("ebpf").join("calix-upgrade-test.bpf.o");
+    assert!(
+        p.exists(),
+        "{} is missing: `cargo xtask test` builds it (the eBPF programs with --features upgrade-test)",
+        p.display()
+    );
+    p
+}
+
 /// Path of a workspace binary built next to this test (target/<profile>/<name>).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
@@ -310,6 +327,11 @@ impl Node {
 
     /// (Re)starts the agent and waits until its socket answers.
     pub fn start_agent(&self) {
+        self.start_agent_with(&[]);
+    }
+
+    /// (Re)starts the agent with `extra` arguments and waits until its socket answers.
+    pub fn start_agent_with(&self, extra: &[&str]) {
         let mut args: Vec<String> = vec![
             bin("calix-agent").display().to_string(),
             "--node-name".into(),
@@ -337,6 +359,7 @@ impl Node {
                 args.push(POOL.into());
             }
         }
+        args.extend(extra.iter().map(|a| a.to_string()));
         let log = std::fs::File::create(self.dir.join("agent.log")).expect("agent log");
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let child = self

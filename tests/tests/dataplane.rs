@@ -187,9 +187,10 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
     node.start_agent();
     let restarted_at = t0.elapsed();
     std::thread::sleep(Duration::from_millis(1000));
-    // A clean stop and start (an upgrade is this, with another binary).
+    // An upgrade: stop, then start with a different build of the programs.
+    let upgrade = calix_tests::upgrade_test_object();
     node.stop_agent();
-    node.start_agent();
+    node.start_agent_with(&["--bpf-object", &upgrade.display().to_string()]);
     let out = client.wait_with_output().expect("iperf3 client");
     let _ = server.0.wait();
     let (ints, err) = iperf_intervals(&out.stdout);
@@ -209,10 +210,21 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
         prog_before, prog_after,
         "the restarted agent did not replace the program"
     );
-    // Still bypassing the host stack with the new programs, and counting.
+    // The upgraded build's programs run (they count each packet a pod sends under the
+    // marker reason, without dropping it): the iperf3 flow and these pings went through them.
     let before = forwarded(&node);
     assert!(a.ns.ping(&b.ip(), 3));
-    assert_eq!(forwarded(&node) - before, 0);
+    assert_eq!(
+        forwarded(&node) - before,
+        0,
+        "no longer bypassing after the upgrade"
+    );
+    let marked = dropped(&node, &a.host_ifname(), "reason_255");
+    assert!(
+        marked >= 3,
+        "the upgraded programs are not the ones running: {}",
+        drops_json(&node)
+    );
 }
 
 struct Guarded(std::process::Child);

@@ -10,8 +10,10 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
     util::require_root("the test suite")?;
     println!("[1/4] prerequisites");
     crate::setup::run()?;
-    println!("[2/4] building every binary");
+    println!("[2/4] building every binary, and the upgrade-test build of the eBPF programs");
     util::build_bins()?;
+    calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), "upgrade-test")
+        .map_err(|e| anyhow::anyhow!("building the upgrade-test eBPF object: {e}"))?;
     println!("[3/4] cargo test --workspace (eBPF dataplane), then the dataplane-agnostic suites again in kernel mode");
     let root = util::workspace_root();
     let result = cargo_test(&root, &["--workspace".to_string()], extra, None).and_then(|()| {

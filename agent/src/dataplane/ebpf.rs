@@ -39,6 +39,8 @@ pub struct EbpfConfig {
     pub node: String,
     /// The node's uplinks (`from_host_dev` / `to_host_dev`).
     pub uplinks: Vec<String>,
+    /// Load this object file instead of the embedded one (an out-of-band dataplane build).
+    pub object: Option<PathBuf>,
 }
 
 impl EbpfConfig {
@@ -161,10 +163,13 @@ impl EbpfDataplane {
         let pin_dir = cfg.pin_dir();
         let progs_dir = pin_dir.join("progs");
         std::fs::create_dir_all(&progs_dir).map_err(pin_err(&progs_dir, "create"))?;
-        let mut bpf = EbpfLoader::new()
-            .map_pin_path(&pin_dir)
-            .load(OBJECT)
-            .map_err(|e| DataplaneError::Load(Box::new(e)))?;
+        let mut loader = EbpfLoader::new();
+        loader.map_pin_path(&pin_dir);
+        let mut bpf = match &cfg.object {
+            Some(path) => loader.load_file(path),
+            None => loader.load(OBJECT),
+        }
+        .map_err(|e| DataplaneError::Load(Box::new(e)))?;
         for name in ALL_PROGRAMS {
             let prog = program(&mut bpf, name)?;
             prog.load().map_err(prog_err(name, "load"))?;

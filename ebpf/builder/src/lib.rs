@@ -41,7 +41,7 @@ const TOOLCHAIN: &str = "nightly";
 /// How many lines of the nested cargo's stderr a [`BuildError::CargoFailed`] carries.
 const TAIL_LINES: usize = 40;
 /// Programs the agent loads by name; the build fails if the object lacks one.
-const EXPECTED_PROGRAMS: &[&str] = &[calix_common::PROG_FROM_POD, calix_common::PROG_TO_POD];
+const EXPECTED_PROGRAMS: &[&str] = &calix_common::ALL_PROGRAMS;
 /// What every missing-prerequisite error tells the reader to do.
 const SETUP_HINT: &str = "run `cargo xtask setup`";
 
@@ -192,16 +192,32 @@ pub fn ebpf_target_dir() -> PathBuf {
 /// The nested cargo's progress goes to this process's stderr as it happens; on failure the
 /// error carries its last lines.
 pub fn build_ebpf(out_dir: &Path) -> Result<PathBuf, BuildError> {
+    build(out_dir, None)
+}
+
+/// The same build with one cargo feature of the eBPF crate turned on (e.g. `upgrade-test`, a
+/// build whose programs differ, for the agent-upgrade test), installed as
+/// `<out_dir>/calix-<feature>.bpf.o`.
+pub fn build_ebpf_feature(out_dir: &Path, feature: &str) -> Result<PathBuf, BuildError> {
+    build(out_dir, Some(feature))
+}
+
+fn build(out_dir: &Path, feature: Option<&str>) -> Result<PathBuf, BuildError> {
     let target = BpfTarget::from_build_env();
     let tools = toolchain::check()?;
-    // One cargo target directory per arch: cargo re-links `release/calix` to the variant of the
-    // last build, so two variants sharing a directory could hand one build the other's object.
-    let target_dir = ebpf_target_dir().join(&target.arch);
+    // One cargo target directory per arch (and feature): cargo re-links `release/calix` to the
+    // variant of the last build, so two variants sharing a directory could hand one build the
+    // other's object.
+    let target_dir = match feature {
+        None => ebpf_target_dir().join(&target.arch),
+        Some(f) => ebpf_target_dir().join(format!("{}-{f}", target.arch)),
+    };
     let programs = programs_dir();
 
     let mut cmd = Command::new(&tools.cargo);
     cmd.arg(format!("+{TOOLCHAIN}"))
         .args(["build", "--release", "--bins", "-Z", "build-std=core"])
+        .args(feature.map(|f| format!("--features={f}")))
         .args(["--message-format", "json-render-diagnostics"])
         .args(["--target", target.triple()])
         .arg("--target-dir")
@@ -284,7 +300,11 @@ pub fn build_ebpf(out_dir: &Path) -> Result<PathBuf, BuildError> {
         }
     })?;
     check_programs(&object)?;
-    install(&object, out_dir)
+    let name = match feature {
+        None => OBJECT_FILE.to_string(),
+        Some(f) => format!("calix-{f}.bpf.o"),
+    };
+    install(&object, out_dir, &name)
 }
 
 /// Fails unless every program in [`EXPECTED_PROGRAMS`] is in `object`.
@@ -314,16 +334,16 @@ fn check_programs(object: &Path) -> Result<(), BuildError> {
     }
 }
 
-/// Copies `object` to `<out_dir>/calix.bpf.o` through a temporary file, so a reader never sees
+/// Copies `object` to `<out_dir>/<name>` through a temporary file, so a reader never sees
 /// half an object.
-fn install(object: &Path, out_dir: &Path) -> Result<PathBuf, BuildError> {
+fn install(object: &Path, out_dir: &Path, name: &str) -> Result<PathBuf, BuildError> {
     let write_err = |path: &Path| {
         let path = path.to_path_buf();
         move |source| BuildError::Write { path, source }
     };
     fs::create_dir_all(out_dir).map_err(write_err(out_dir))?;
-    let dest = out_dir.join(OBJECT_FILE);
-    let tmp = out_dir.join(format!("{OBJECT_FILE}.tmp"));
+    let dest = out_dir.join(name);
+    let tmp = out_dir.join(format!("{name}.tmp"));
     fs::copy(object, &tmp).map_err(write_err(&tmp))?;
     fs::rename(&tmp, &dest).map_err(write_err(&dest))?;
     Ok(dest)

@@ -139,6 +139,10 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
+/// The drop-counter reason the `upgrade-test` build of the programs counts every packet from a
+/// pod under (without dropping it): how a test tells which build runs.
+pub const UPGRADE_TEST_MARK: u32 = 255;
+
 /// Key of a drop counter.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -72,3 +72,32 @@ pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
     }
     TC_ACT_SHOT
 }
+
+/// The `upgrade-test` build: counts each packet from a pod under reason 255 without dropping
+/// it, so a test can tell which build's program runs.
+#[cfg(feature = "upgrade-test")]
+#[inline(always)]
+pub fn mark_upgrade_build(ctx: &TcContext, ifindex: u32) {
+    let key = DropKey {
+        ifindex,
+        reason: calix_common::UPGRADE_TEST_MARK,
+    };
+    let len = u64::from(ctx.len());
+    match CALIX_DROPS.get_ptr_mut(&key) {
+        // SAFETY: a per-CPU value from a successful lookup.
+        Some(v) => unsafe {
+            (*v).packets = (*v).packets.wrapping_add(1);
+            (*v).bytes = (*v).bytes.wrapping_add(len);
+        },
+        None => {
+            let _ = CALIX_DROPS.insert(
+                &key,
+                &DropCount {
+                    packets: 1,
+                    bytes: len,
+                },
+                1,
+            );
+        }
+    }
+}

@@ -21,6 +21,8 @@ pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
     // field of it is a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     counters::from_pod(ifindex, u64::from(ctx.len()));
+    #[cfg(feature = "upgrade-test")]
+    counters::mark_upgrade_build(ctx, ifindex);
     // An interface the agent has not (or no longer) registered: not ours to judge.
     let Some(ep) = CALIX_ENDPOINTS.get_ptr(&ifindex) else {
         return Ok(TC_ACT_OK);
