@@ -82,6 +82,11 @@ fn cargo_test(
     Ok(())
 }
 
+/// The names of calix's programs.
+fn calix_common_programs() -> [&'static str; 4] {
+    ["from_pod", "to_pod", "from_host_dev", "to_host_dev"]
+}
+
 /// What a test run may have leaked: its namespaces, `cali*` links in this namespace, pins.
 pub fn leftovers() -> Result<Vec<String>> {
     let mut leaks = Vec::new();
@@ -100,6 +105,16 @@ pub fn leftovers() -> Result<Vec<String>> {
     }
     if std::path::Path::new("/sys/fs/bpf/calix").exists() {
         leaks.push("bpffs pins under /sys/fs/bpf/calix".into());
+    }
+    // Programs still loaded (held by a filter, a pin or a process that outlived its test).
+    if let Ok(json) = output(Command::new("bpftool").args(["-j", "prog", "show"])) {
+        let progs: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+        for p in progs.as_array().into_iter().flatten() {
+            let name = p["name"].as_str().unwrap_or_default();
+            if calix_common_programs().contains(&name) {
+                leaks.push(format!("BPF program {name} (id {})", p["id"]));
+            }
+        }
     }
     // Test nodes pin under /sys/fs/bpf/<node namespace name> (cxt...).
     if let Ok(rd) = std::fs::read_dir("/sys/fs/bpf") {
