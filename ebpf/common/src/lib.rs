@@ -139,6 +139,11 @@ pub struct FlowKey {
     pub _pad: [u8; 2],
 }
 
+/// `skb->mark` that `from_pod` puts on packets it sends out through the FIB, so `to_host_dev`
+/// can tell them from packets the host stack routed (it records only the latter's flows). The
+/// packet leaves the node right after, so the mark is cleared there.
+pub const FAST_PATH_MARK: u32 = 0x0ca1_1000;
+
 /// The drop-counter reason the `upgrade-test` build of the programs counts every packet from a
 /// pod under (without dropping it): how a test tells which build runs.
 pub const UPGRADE_TEST_MARK: u32 = 255;

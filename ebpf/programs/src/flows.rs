@@ -1,7 +1,8 @@
-//! Flows the host stack delivered to a pod. The stack may have NATed them on the way in
-//! (a portmap hostPort, a kube-proxy service); only the stack can undo that on the replies, so
-//! the replies of such a flow must not take the fast path. `to_pod` (which only sees what the
-//! stack delivers: fast-path traffic skips it) records each flow; `from_pod` checks.
+//! Flows the host stack handled. The stack may have NATed them (a portmap hostPort, a
+//! kube-proxy service); only the stack can undo that on the replies, so the replies of such a
+//! flow must not take the fast path. `to_pod` records flows the stack delivered to a pod (the
+//! fast path skips that hook) and `from_pod` checks them; `to_host_dev` records pod flows the
+//! stack routed out of the node (fast-path packets carry a mark) and `from_host_dev` checks.
 
 use aya_ebpf::programs::TcContext;
 use calix_common::FlowKey;

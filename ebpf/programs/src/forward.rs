@@ -88,6 +88,8 @@ fn via_fib(ctx: &mut TcContext, mut p: FibParams, v4: bool) -> Result<i32, c_lon
     if !alive {
         return Ok(TC_ACT_OK);
     }
+    // Tell `to_host_dev` this packet took the fast path (it records only stack-routed flows).
+    ctx.set_mark(calix_common::FAST_PATH_MARK);
     if rc == BPF_FIB_LKUP_RET_SUCCESS {
         ctx.store(0, &p.dmac, 0)?;
         ctx.store(6, &p.smac, 0)?;

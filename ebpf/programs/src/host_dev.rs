@@ -1,13 +1,14 @@
 //! The node's uplink. `from_host_dev` (tc ingress): traffic from other nodes to a pod here goes
-//! straight into the pod (`bpf_redirect_peer`) instead of through the host's routing;
-//! everything else continues into the host stack. `to_host_dev` (tc egress): traffic leaving
-//! the node; passes (SNAT will hook in here).
+//! straight into the pod (`bpf_redirect_peer`) instead of through the host's routing — unless
+//! it is the reply of a flow the host stack routed out (it may have NATed it: a service whose
+//! backend is on another node), which goes back through the stack. `to_host_dev` (tc egress):
+//! records those stack-routed pod flows; passes everything (SNAT will hook in here).
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
-use crate::forward;
 use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6};
 use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
+use crate::{flows, forward};
 
 pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     match packet::ethertype(ctx)? {
@@ -17,9 +18,12 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 return Ok(TC_ACT_OK);
             };
             match CALIX_LOCAL_V4.get_ptr(&ip.dst) {
-                // SAFETY: a pointer from a successful lookup, valid until the program returns.
-                Some(local) => forward::to_local(ctx, &unsafe { *local }, true),
-                None => Ok(TC_ACT_OK),
+                Some(local) if flows::fast_path_ok(flows::key_v4(ctx, &ip, false)) => {
+                    // SAFETY: a pointer from a successful lookup, valid until the program
+                    // returns.
+                    forward::to_local(ctx, &unsafe { *local }, true)
+                }
+                _ => Ok(TC_ACT_OK),
             }
         }
         ETH_P_IPV6 => {
@@ -27,15 +31,38 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 return Ok(TC_ACT_OK);
             };
             match CALIX_LOCAL_V6.get_ptr(&ip.dst) {
-                // SAFETY: as above.
-                Some(local) => forward::to_local(ctx, &unsafe { *local }, false),
-                None => Ok(TC_ACT_OK),
+                Some(local) if flows::fast_path_ok(flows::key_v6(ctx, &ip, false)) => {
+                    // SAFETY: as above.
+                    forward::to_local(ctx, &unsafe { *local }, false)
+                }
+                _ => Ok(TC_ACT_OK),
             }
         }
         _ => Ok(TC_ACT_OK),
     }
 }
 
-pub fn try_to_host_dev(_ctx: &TcContext) -> Result<i32, c_long> {
+pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
+    // SAFETY: a plain context access the verifier checks.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    if mark == calix_common::FAST_PATH_MARK {
+        ctx.set_mark(0);
+        return Ok(TC_ACT_OK);
+    }
+    // A local pod's flow the stack routed out: its replies must come back through the stack.
+    let key = match packet::ethertype(ctx)? {
+        ETH_P_IP => packet::ipv4(ctx).and_then(|ip| {
+            CALIX_LOCAL_V4.get_ptr(&ip.src)?;
+            flows::key_v4(ctx, &ip, true)
+        }),
+        ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| {
+            CALIX_LOCAL_V6.get_ptr(&ip.src)?;
+            flows::key_v6(ctx, &ip, true)
+        }),
+        _ => None,
+    };
+    if let Some(k) = key {
+        flows::record(&k);
+    }
     Ok(TC_ACT_OK)
 }

@@ -50,8 +50,8 @@ pub fn from_host_dev(mut ctx: TcContext) -> i32 {
 
 /// tc egress on the node's uplink: packets leaving the node.
 #[classifier]
-pub fn to_host_dev(ctx: TcContext) -> i32 {
-    match host_dev::try_to_host_dev(&ctx) {
+pub fn to_host_dev(mut ctx: TcContext) -> i32 {
+    match host_dev::try_to_host_dev(&mut ctx) {
         Ok(verdict) => verdict,
         Err(_) => TC_ACT_OK,
     }

@@ -1,0 +1,916 @@
+//! The eBPF programs run from userspace with BPF_PROG_TEST_RUN on crafted frames: the verdict,
+//! the frame they leave and the counters they update. Needs root (CI runs it as root). Each
+//! test runs on a thread of its own in a fresh network namespace with veths it creates (their
+//! ifindexes are what the maps name) and pins the maps under a fresh
+//! `/sys/fs/bpf/cxt-progtest-<pid>-<n>`; both go when the test ends, pass or fail.
+//!
+//! What test_run does with a tc program (net/bpf/test_run.c, `bpf_prog_test_run_skb`):
+//! `skb->dev` is the caller's loopback unless the `__sk_buff` passed as `ctx_in` names an
+//! `ifindex` > 1, which must exist in the caller's network namespace: that is how a program
+//! sees a registered veth. (`convert___skb_to_skb` rejects any other non-zero context field
+//! than mark, priority, ingress_ifindex, ifindex, cb, tstamp, wire_len, gso_* and hwtstamp.)
+//! The redirect helpers only record their target and return TC_ACT_REDIRECT, for any ifindex:
+//! the redirect itself happens in the tc hook (`skb_do_redirect`), which test_run never calls.
+//! So REDIRECT means "the program chose to redirect", where to is checked through the rewritten
+//! MACs and the counters, and delivery into the pod is left to the end-to-end tests. Recent
+//! kernels (6.18 here) also refuse (EINVAL) frames whose IPv4 or IPv6 header is shorter than
+//! its fixed size: see `Harness::drops_truncated_as`.
+use std::mem::size_of;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::programs::SchedClassifier;
+use aya::{Ebpf, EbpfLoader};
+use calix_agent::dataplane::ebpf::OBJECT;
+use calix_common::{
+    DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint,
+    ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
+    HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
+    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_FLOWS_MAP,
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_ARP: u16 = 0x0806;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_LLDP: u16 = 0x88cc;
+const ICMP: u8 = 1;
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const ICMPV6: u8 = 58;
+
+// ---- BPF_PROG_TEST_RUN ----
+
+/// `bpf(2)` command BPF_PROG_TEST_RUN (`enum bpf_cmd`, include/uapi/linux/bpf.h).
+const BPF_PROG_TEST_RUN: libc::c_int = 10;
+
+/// The `test` member of `union bpf_attr` (include/uapi/linux/bpf.h). The kernel wants the
+/// bytes it does not know zeroed: the C struct's tail padding is a field here.
+#[repr(C)]
+#[derive(Default)]
+#[allow(dead_code)] // Layout only: the kernel reads and writes these.
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    _pad: u32,
+}
+const _: () = assert!(size_of::<TestRunAttr>() == 80);
+
+/// `struct __sk_buff` up to `ifindex` (the kernel zero-fills a shorter context): `u32` fields
+/// len, pkt_type, mark, queue_mapping, protocol, vlan_present, vlan_tci, vlan_proto, priority,
+/// ingress_ifindex, ifindex.
+type SkBuffHead = [u32; 11];
+const SKB_IFINDEX: usize = 10;
+
+/// A program's verdict and the frame it left.
+struct Run {
+    verdict: u32,
+    frame: Vec<u8>,
+}
+
+/// `__sk_buff.mark`'s index in [`SkBuffHead`].
+const SKB_MARK: usize = 2;
+
+/// Runs `prog` once on `frame`, as seen on interface `ifindex`.
+fn test_run(prog: &SchedClassifier, ifindex: u32, frame: &[u8]) -> std::io::Result<Run> {
+    test_run_marked(prog, ifindex, frame, 0)
+}
+
+/// As [`test_run`], with `skb->mark` set to `mark`.
+fn test_run_marked(
+    prog: &SchedClassifier,
+    ifindex: u32,
+    frame: &[u8],
+    mark: u32,
+) -> std::io::Result<Run> {
+    let fd = prog.fd().expect("program fd").as_fd().as_raw_fd();
+    let mut ctx: SkBuffHead = [0; 11];
+    ctx[SKB_IFINDEX] = ifindex;
+    ctx[SKB_MARK] = mark;
+    let mut out = vec![0u8; frame.len() + 256];
+    let mut attr = TestRunAttr {
+        prog_fd: u32::try_from(fd).expect("fd"),
+        data_size_in: u32::try_from(frame.len()).expect("frame size"),
+        data_size_out: u32::try_from(out.len()).expect("buffer size"),
+        data_in: frame.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        ctx_size_in: size_of::<SkBuffHead>() as u32,
+        ctx_in: ctx.as_ptr() as u64,
+        ..TestRunAttr::default()
+    };
+    // SAFETY: `attr` is a BPF_PROG_TEST_RUN attribute of the size given; the frame, the output
+    // buffer and the context it points to are valid for the sizes next to them until it returns.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &mut attr as *mut TestRunAttr,
+            size_of::<TestRunAttr>() as libc::c_uint,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    out.truncate(attr.data_size_out as usize);
+    let verdict = attr.retval;
+    Ok(Run {
+        verdict,
+        frame: out,
+    })
+}
+
+// ---- Environment: root, network namespace, pins ----
+
+fn assert_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "these tests need root (bpffs, BPF_PROG_TEST_RUN, network namespaces): run them as root"
+    );
+}
+
+/// Runs `test` on a thread of its own in a new network namespace, which goes away with the
+/// thread (and the interfaces the test made in it). A panic in `test` fails the caller.
+fn in_netns(test: impl FnOnce() + Send + 'static) {
+    assert_root();
+    let thread = std::thread::spawn(move || {
+        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
+        test();
+    });
+    if let Err(panic) = thread.join() {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// Runs `ip` (iproute2) in the calling thread's network namespace.
+fn ip(args: &[&str]) {
+    let status = Command::new("ip").args(args).status().expect("run ip");
+    assert!(status.success(), "ip {}: {status}", args.join(" "));
+}
+
+/// Creates the veth pair `name` / `<name>p` and returns the ifindex of `name`.
+fn veth(name: &str) -> u32 {
+    let peer = format!("{name}p");
+    ip(&["link", "add", name, "type", "veth", "peer", "name", &peer]);
+    nix::net::if_::if_nametoindex(name).expect("ifindex of the new veth")
+}
+
+/// A fresh directory on bpffs for the maps' pins, removed with them when dropped.
+struct PinDir(PathBuf);
+
+impl PinDir {
+    fn new() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let fs = nix::sys::statfs::statfs("/sys/fs/bpf").expect("statfs /sys/fs/bpf");
+        assert_eq!(
+            fs.filesystem_type(),
+            nix::sys::statfs::BPF_FS_MAGIC,
+            "/sys/fs/bpf is not bpffs: mount -t bpf bpf /sys/fs/bpf"
+        );
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = format!("/sys/fs/bpf/cxt-progtest-{}-{n}", std::process::id());
+        std::fs::create_dir_all(&dir).expect("create the pin directory");
+        PinDir(PathBuf::from(dir))
+    }
+}
+
+impl Drop for PinDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Loads the object as the agent does (maps pinned under `pins`), every program through the
+/// verifier.
+fn load_object(pins: &PinDir) -> Ebpf {
+    let mut bpf = EbpfLoader::new()
+        .map_pin_path(&pins.0)
+        .load(OBJECT)
+        .expect("load the object (maps created and pinned)");
+    for name in ALL_PROGRAMS {
+        let prog = bpf.program_mut(name).expect("a program of ALL_PROGRAMS");
+        let prog: &mut SchedClassifier = prog.try_into().expect("a tc classifier");
+        if let Err(e) = prog.load() {
+            panic!("the verifier rejects {name}: {e}");
+        }
+    }
+    bpf
+}
+
+fn map<T: TryFrom<Map, Error = MapError>>(bpf: &mut Ebpf, name: &str) -> T {
+    let m = bpf.take_map(name).expect("a map of ALL_MAPS");
+    T::try_from(m).unwrap_or_else(|e| panic!("map {name}: {e}"))
+}
+
+// ---- Harness: the loaded object, its maps, two registered pods ----
+
+/// A pod as the agent registers it: its host-side veth, addresses and MAC.
+#[derive(Clone, Copy)]
+struct Pod {
+    ifindex: u32,
+    v4: [u8; 4],
+    v6: [u8; 16],
+    mac: [u8; 6],
+}
+
+struct Harness {
+    bpf: Ebpf,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
+    local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
+    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
+    flows: HashMap<MapData, FlowKey, u64>,
+    pools_v4: LpmTrie<MapData, [u8; 4], u32>,
+    _pins: PinDir,
+}
+
+/// Loads everything and registers pods A (veth `cxtpa`) and B (`cxtpb`) in the current network
+/// namespace.
+fn setup() -> (Harness, Pod, Pod) {
+    let pins = PinDir::new();
+    let mut bpf = load_object(&pins);
+    let mut h = Harness {
+        endpoints: map(&mut bpf, ENDPOINTS_MAP),
+        local_v4: map(&mut bpf, LOCAL_V4_MAP),
+        local_v6: map(&mut bpf, LOCAL_V6_MAP),
+        counters: map(&mut bpf, COUNTERS_MAP),
+        drops: map(&mut bpf, DROPS_MAP),
+        flows: map(&mut bpf, STACK_FLOWS_MAP),
+        pools_v4: map(&mut bpf, POOLS_V4_MAP),
+        bpf,
+        _pins: pins,
+    };
+    let pod = |name, last| Pod {
+        ifindex: veth(name),
+        v4: [10, 244, 0, last],
+        v6: v6(last),
+        mac: [0x02, 0, 0, 0, 0, last],
+    };
+    let (a, b) = (pod("cxtpa", 10), pod("cxtpb", 11));
+    h.register(&a);
+    h.register(&b);
+    (h, a, b)
+}
+
+impl Harness {
+    /// Registers `pod` as the agent does: zeroed counters, addresses, local delivery.
+    fn register(&mut self, pod: &Pod) {
+        let cpus = aya::util::nr_cpus().expect("number of CPUs");
+        let zero = vec![EndpointCounters::default(); cpus];
+        let zero = PerCpuValues::try_from(zero).expect("per-CPU zeros");
+        self.counters
+            .insert(pod.ifindex, zero, 0)
+            .expect("counters");
+        let flags = EP_HAS_V4 | EP_HAS_V6;
+        let info = EndpointInfo {
+            ipv4: pod.v4,
+            flags,
+            ipv6: pod.v6,
+        };
+        self.endpoints
+            .insert(pod.ifindex, info, 0)
+            .expect("endpoint");
+        let local = LocalEndpoint {
+            ifindex: pod.ifindex,
+            _pad: 0,
+            mac: pod.mac,
+        };
+        self.local_v4.insert(pod.v4, local, 0).expect("local v4");
+        self.local_v6.insert(pod.v6, local, 0).expect("local v6");
+    }
+
+    fn try_run(&self, prog: &str, ifindex: u32, frame: &[u8]) -> std::io::Result<Run> {
+        let prog = self.bpf.program(prog).expect("a program of ALL_PROGRAMS");
+        test_run(prog.try_into().expect("a tc classifier"), ifindex, frame)
+    }
+
+    #[track_caller]
+    fn run_marked(&self, prog: &str, ifindex: u32, frame: &[u8], mark: u32) -> Run {
+        let p = self.bpf.program(prog).expect("a program of ALL_PROGRAMS");
+        test_run_marked(p.try_into().expect("a tc classifier"), ifindex, frame, mark)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e}"))
+    }
+
+    #[track_caller]
+    fn run(&self, prog: &str, ifindex: u32, frame: &[u8]) -> Run {
+        let run = self.try_run(prog, ifindex, frame);
+        run.unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e}"))
+    }
+
+    /// Asserts that `prog` lets `frame` continue (TC_ACT_OK), untouched.
+    #[track_caller]
+    fn passes(&self, prog: &str, ifindex: u32, frame: &[u8]) {
+        let run = self.run(prog, ifindex, frame);
+        assert_eq!(run.verdict, TC_ACT_OK, "{prog}: verdict");
+        assert_eq!(run.frame, frame, "{prog}: frame untouched");
+    }
+
+    /// Asserts that `prog` redirects `frame`, leaving it as `expected`.
+    #[track_caller]
+    fn redirects(&self, prog: &str, ifindex: u32, frame: &[u8], expected: &[u8]) {
+        let run = self.run(prog, ifindex, frame);
+        assert_eq!(run.verdict, TC_ACT_REDIRECT, "{prog}: verdict");
+        assert_eq!(run.frame, expected, "{prog}: frame");
+    }
+
+    /// Asserts that `from_pod` drops `frame` and counts it under (`ifindex`, `reason`).
+    #[track_caller]
+    fn drops_as(&self, ifindex: u32, frame: &[u8], reason: DropReason) {
+        self.check_drop(ifindex, frame, reason, false);
+    }
+
+    /// As `drops_as`, for a frame cut inside its IPv4 or IPv6 header; `false` where the kernel
+    /// refuses to build such an skb for test_run (EINVAL; Linux 6.18 does): the programs'
+    /// checks for a short header cannot be reached from here then.
+    #[track_caller]
+    fn drops_truncated_as(&self, ifindex: u32, frame: &[u8], reason: DropReason) -> bool {
+        self.check_drop(ifindex, frame, reason, true)
+    }
+
+    #[track_caller]
+    fn check_drop(&self, ifindex: u32, frame: &[u8], reason: DropReason, truncated: bool) -> bool {
+        let before = self.dropped(ifindex, reason);
+        let run = match self.try_run(PROG_FROM_POD, ifindex, frame) {
+            Ok(run) => run,
+            Err(e) if truncated && e.raw_os_error() == Some(libc::EINVAL) => return false,
+            Err(e) => panic!("BPF_PROG_TEST_RUN of from_pod: {e}"),
+        };
+        assert_eq!(run.verdict, TC_ACT_SHOT, "{reason:?}: verdict");
+        let len = frame.len() as u64;
+        let after = self.dropped(ifindex, reason);
+        assert_eq!(
+            after.packets,
+            before.packets + 1,
+            "{reason:?}: packets counted"
+        );
+        assert_eq!(after.bytes, before.bytes + len, "{reason:?}: bytes counted");
+        true
+    }
+
+    /// The counters of `ifindex`, summed over the CPUs; the entry must exist.
+    fn counters(&self, ifindex: u32) -> EndpointCounters {
+        // aya 0.13's per-CPU `get` answers a missing key with zeros: check the key first.
+        let present = self.counters.keys().any(|k| k.ok() == Some(ifindex));
+        assert!(present, "no counters entry for ifindex {ifindex}");
+        let mut sum = EndpointCounters::default();
+        let per_cpu = self.counters.get(&ifindex, 0).expect("read counters");
+        per_cpu.iter().for_each(|c| sum.accumulate(c));
+        sum
+    }
+
+    /// Every drop counter, summed over the CPUs.
+    fn all_drops(&self) -> Vec<(DropKey, DropCount)> {
+        let mut out = Vec::new();
+        for item in self.drops.iter() {
+            let (key, per_cpu) = item.expect("iterate the drop counters");
+            let mut sum = DropCount::default();
+            per_cpu.iter().for_each(|c| sum.accumulate(c));
+            out.push((key, sum));
+        }
+        out
+    }
+
+    fn dropped(&self, ifindex: u32, reason: DropReason) -> DropCount {
+        let key = DropKey {
+            ifindex,
+            reason: reason as u32,
+        };
+        let found = self.all_drops().into_iter().find(|(k, _)| *k == key);
+        found.map(|(_, c)| c).unwrap_or_default()
+    }
+}
+
+// ---- Packets ----
+
+fn v6(last: u8) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a[..4].copy_from_slice(&[0xfd, 0x00, 0x02, 0x44]);
+    a[15] = last;
+    a
+}
+
+fn eth(dst: [u8; 6], src: [u8; 6], ethertype: u16, payload: &[u8]) -> Vec<u8> {
+    [&dst[..], &src, &ethertype.to_be_bytes(), payload].concat()
+}
+
+/// The one's complement checksum of RFC 1071: the value of a header's checksum field computed
+/// with the field zero; 0 over a header whose checksum is right.
+fn ipv4_checksum(bytes: &[u8]) -> u16 {
+    let word = |w: &[u8]| u32::from(u16::from_be_bytes([w[0], w.get(1).copied().unwrap_or(0)]));
+    let mut sum: u32 = bytes.chunks(2).map(word).sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// An IPv4 packet; `bytes` gives it a right header checksum.
+#[derive(Clone)]
+struct Ip4 {
+    src: [u8; 4],
+    dst: [u8; 4],
+    proto: u8,
+    ttl: u8,
+    /// Flags and fragment offset (DF 0x4000, MF 0x2000, offset in 8-byte units).
+    frag: u16,
+    options: Vec<u8>,
+    payload: Vec<u8>,
+}
+
+impl Ip4 {
+    fn new(src: [u8; 4], dst: [u8; 4], proto: u8, payload: Vec<u8>) -> Self {
+        let (ttl, frag, options) = (64, 0x4000, Vec::new());
+        Ip4 {
+            src,
+            dst,
+            proto,
+            ttl,
+            frag,
+            options,
+            payload,
+        }
+    }
+
+    fn bytes(&self) -> Vec<u8> {
+        let hlen = 20 + self.options.len();
+        assert!(
+            hlen.is_multiple_of(4) && hlen <= 60,
+            "options: 40 bytes in words at most"
+        );
+        let tot = u16::try_from(hlen + self.payload.len()).expect("total length");
+        let mut h = vec![0x40 | (hlen / 4) as u8, 0];
+        h.extend(tot.to_be_bytes());
+        h.extend([0x12, 0x34]); // identification
+        h.extend(self.frag.to_be_bytes());
+        h.extend([self.ttl, self.proto, 0, 0]);
+        h.extend(self.src);
+        h.extend(self.dst);
+        h.extend(&self.options);
+        let csum = ipv4_checksum(&h);
+        h[10..12].copy_from_slice(&csum.to_be_bytes());
+        h.extend(&self.payload);
+        h
+    }
+
+    fn ttl(self, ttl: u8) -> Self {
+        Ip4 { ttl, ..self }
+    }
+
+    fn frag(self, frag: u16) -> Self {
+        Ip4 { frag, ..self }
+    }
+
+    fn to(self, dst: [u8; 4]) -> Self {
+        Ip4 { dst, ..self }
+    }
+
+    /// The frame `pod` sends this packet in (to its gateway, the host veth).
+    fn sent_by(&self, pod: &Pod) -> Vec<u8> {
+        eth(HOST_VETH_MAC, pod.mac, ETH_P_IP, &self.bytes())
+    }
+
+    /// The frame the fast path hands `pod`: MACs rewritten, TTL one less.
+    fn delivered_to(&self, pod: &Pod) -> Vec<u8> {
+        let ip = self.clone().ttl(self.ttl - 1);
+        eth(pod.mac, HOST_VETH_MAC, ETH_P_IP, &ip.bytes())
+    }
+}
+
+/// An IPv6 packet, hop limit 64.
+fn ip6(src: [u8; 16], dst: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(payload.len()).expect("payload length");
+    [
+        &[0x60, 0, 0, 0][..],
+        &len.to_be_bytes(),
+        &[next, 64],
+        &src,
+        &dst,
+        payload,
+    ]
+    .concat()
+}
+
+/// The frame the fast path hands `pod` for IPv6 packet `ip`: MACs rewritten, hop limit 63.
+fn delivered_v6(pod: &Pod, ip: &[u8]) -> Vec<u8> {
+    let mut f = eth(pod.mac, HOST_VETH_MAC, ETH_P_IPV6, ip);
+    f[14 + 7] = 63;
+    f
+}
+
+// Transport headers keep a zero checksum: the programs neither check it nor change what it
+// covers.
+fn tcp_syn(sport: u16, dport: u16) -> Vec<u8> {
+    let flags = [0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0];
+    [&sport.to_be_bytes()[..], &dport.to_be_bytes(), &flags].concat()
+}
+
+fn udp(sport: u16, dport: u16) -> Vec<u8> {
+    let (sport, dport, len) = (
+        sport.to_be_bytes(),
+        dport.to_be_bytes(),
+        12u16.to_be_bytes(),
+    );
+    [&sport[..], &dport, &len, &[0, 0], b"ping"].concat()
+}
+
+/// ICMP or ICMPv6 message `ty` with identifier `id` (meaningful for echo), sequence 1.
+fn icmp(ty: u8, id: u16) -> Vec<u8> {
+    [&[ty, 0, 0, 0][..], &id.to_be_bytes(), &[0, 1]].concat()
+}
+
+/// An IPv4-over-Ethernet ARP request.
+fn arp(sha: [u8; 6], spa: [u8; 4], tpa: [u8; 4]) -> Vec<u8> {
+    [
+        &[0, 1, 0x08, 0x00, 6, 4, 0, 1][..],
+        &sha,
+        &spa,
+        &[0; 6],
+        &tpa,
+    ]
+    .concat()
+}
+
+/// `frame` with byte `at` replaced by `value`.
+fn with_byte(frame: &[u8], at: usize, value: u8) -> Vec<u8> {
+    let mut f = frame.to_vec();
+    f[at] = value;
+    f
+}
+
+/// A flow key as the programs build it (ports in network byte order).
+fn flow_v4(pod: [u8; 4], peer: [u8; 4], pod_port: u16, peer_port: u16, proto: u8) -> FlowKey {
+    let (pod_port, peer_port, family) = (pod_port.to_be(), peer_port.to_be(), 4);
+    let mut k = FlowKey {
+        pod_port,
+        peer_port,
+        proto,
+        family,
+        ..FlowKey::default()
+    };
+    k.pod[..4].copy_from_slice(&pod);
+    k.peer[..4].copy_from_slice(&peer);
+    k
+}
+
+// ---- Tests ----
+
+#[test]
+fn every_program_passes_the_verifier() {
+    assert_root();
+    let pins = PinDir::new();
+    let bpf = load_object(&pins);
+    for name in ALL_PROGRAMS {
+        let prog = bpf.program(name).expect("a program of ALL_PROGRAMS");
+        let prog: &SchedClassifier = prog.try_into().expect("a tc classifier");
+        assert!(prog.fd().is_ok(), "{name} is loaded");
+    }
+    for name in ALL_MAPS {
+        assert!(pins.0.join(name).exists(), "{name} pinned");
+    }
+}
+
+#[test]
+fn ipv4_to_a_local_pod_goes_straight_into_it() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let packets = [
+            Ip4::new(a.v4, b.v4, TCP, tcp_syn(40000, 80)),
+            Ip4::new(a.v4, b.v4, UDP, udp(40000, 53)),
+            Ip4::new(a.v4, b.v4, ICMP, icmp(8, 7)),
+        ];
+        let mut bytes = 0;
+        for ip in &packets {
+            let sent = ip.sent_by(&a);
+            bytes += sent.len() as u64;
+            let out = h.run(PROG_FROM_POD, a.ifindex, &sent);
+            assert_eq!(out.verdict, TC_ACT_REDIRECT, "protocol {}", ip.proto);
+            let frame = out.frame;
+            assert_eq!(frame[..6], b.mac, "destination MAC: the target pod's");
+            assert_eq!(frame[6..12], HOST_VETH_MAC, "source MAC: the gateway's");
+            assert_eq!(frame[14 + 8], 63, "TTL decremented");
+            assert_eq!(ipv4_checksum(&frame[14..34]), 0, "header checksum right");
+            assert_eq!(frame, ip.delivered_to(&b), "nothing else changed");
+        }
+        let n = packets.len() as u64;
+        let zero = EndpointCounters::default();
+        let a_counters = EndpointCounters {
+            from_pod_packets: n,
+            from_pod_bytes: bytes,
+            ..zero
+        };
+        assert_eq!(h.counters(a.ifindex), a_counters);
+        let b_counters = EndpointCounters {
+            to_pod_packets: n,
+            to_pod_bytes: bytes,
+            ..zero
+        };
+        assert_eq!(h.counters(b.ifindex), b_counters);
+        assert!(h.all_drops().is_empty());
+    });
+}
+
+#[test]
+fn ipv4_with_options_is_forwarded_and_keyed_on_the_ports_after_them() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        // IHL 7. Read at offset 20 instead, the "ports" would be 0x0101 and 0x0101.
+        let mut ip = Ip4::new(a.v4, b.v4, TCP, tcp_syn(40000, 80));
+        ip.options = vec![1, 1, 1, 1, 1, 1, 1, 0];
+        let (sent, delivered) = (ip.sent_by(&a), ip.delivered_to(&b));
+        h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
+        // Once the flow is the stack's, this packet must find its key.
+        let key = flow_v4(a.v4, b.v4, 40000, 80, TCP);
+        h.flows.insert(key, 0, 0).expect("insert a flow");
+        h.passes(PROG_FROM_POD, a.ifindex, &sent);
+    });
+}
+
+#[test]
+fn ipv4_the_fast_path_cannot_take_goes_to_the_stack_unchanged() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let syn = Ip4::new(a.v4, b.v4, TCP, tcp_syn(40000, 80));
+        let cases = [
+            syn.clone().ttl(1),                     // would expire
+            syn.clone().frag(0x2000),               // more fragments
+            syn.clone().frag(0x0010),               // a fragment offset
+            syn.clone().to([192, 0, 2, 1]),         // not a pod
+            Ip4::new(a.v4, b.v4, ICMP, icmp(3, 0)), // an ICMP error
+            Ip4::new(a.v4, b.v4, 47, vec![0; 8]),   // no ports (GRE)
+        ];
+        for ip in &cases {
+            h.passes(PROG_FROM_POD, a.ifindex, &ip.sent_by(&a));
+        }
+        assert_eq!(h.counters(a.ifindex).from_pod_packets, cases.len() as u64);
+        assert_eq!(h.counters(b.ifindex), EndpointCounters::default());
+        assert!(h.all_drops().is_empty());
+    });
+}
+
+#[test]
+fn ipv4_spoofed_or_malformed_is_dropped_and_counted() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let spoofed = Ip4::new([10, 244, 0, 99], b.v4, TCP, tcp_syn(1, 2)).sent_by(&a);
+        h.drops_as(a.ifindex, &spoofed, DropReason::SpoofedV4);
+
+        let good = Ip4::new(a.v4, b.v4, TCP, tcp_syn(1, 2)).sent_by(&a);
+        let tot = u16::try_from(good.len() - 14 + 1).expect("total length");
+        let mut too_long = good.clone();
+        too_long[16..18].copy_from_slice(&tot.to_be_bytes());
+        let (ihl_4, version_6) = (with_byte(&good, 14, 0x44), with_byte(&good, 14, 0x65));
+        for frame in [ihl_4, too_long, version_6] {
+            h.drops_as(a.ifindex, &frame, DropReason::MalformedV4);
+        }
+        let truncated = &good[..14 + 10];
+        let ran = h.drops_truncated_as(a.ifindex, truncated, DropReason::MalformedV4);
+
+        assert_eq!(h.all_drops().len(), 2, "one counter per (ifindex, reason)");
+        let sent = h.counters(a.ifindex).from_pod_packets;
+        assert_eq!(sent, 4 + u64::from(ran), "drops count as sent");
+        assert_eq!(h.counters(b.ifindex), EndpointCounters::default());
+    });
+}
+
+#[test]
+fn ipv6_from_a_pod() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let ip = |src| ip6(src, b.v6, UDP, &udp(1, 53));
+        let from_a = |ip: &[u8]| eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, ip);
+        let (sent, delivered) = (from_a(&ip(a.v6)), delivered_v6(&b, &ip(a.v6)));
+        h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
+        assert_eq!(h.counters(b.ifindex).to_pod_packets, 1);
+
+        // Neighbour discovery: link-local and unspecified sources are the stack's.
+        let link_local = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 10];
+        let solicited = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0xff, 0, 0, 11];
+        for src in [link_local, [0; 16]] {
+            let ns = ip6(src, solicited, ICMPV6, &icmp(135, 0));
+            h.passes(PROG_FROM_POD, a.ifindex, &from_a(&ns));
+        }
+
+        h.drops_as(a.ifindex, &from_a(&ip(v6(99))), DropReason::SpoofedV6);
+        let mut past_the_end = sent.clone();
+        past_the_end[18..20].copy_from_slice(&100u16.to_be_bytes());
+        let version_4 = with_byte(&sent, 14, 0x40);
+        for frame in [past_the_end, version_4] {
+            h.drops_as(a.ifindex, &frame, DropReason::MalformedV6);
+        }
+        h.drops_truncated_as(a.ifindex, &sent[..14 + 20], DropReason::MalformedV6);
+
+        // A pod without an IPv6 address sends none (but for neighbour discovery).
+        let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
+        v4_only.flags = EP_HAS_V4;
+        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.drops_as(a.ifindex, &sent, DropReason::FamilyNotAssigned);
+    });
+}
+
+#[test]
+fn arp_from_a_pod() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let request = |spa| eth([0xff; 6], a.mac, ETH_P_ARP, &arp(a.mac, spa, b.v4));
+        h.passes(PROG_FROM_POD, a.ifindex, &request(a.v4));
+        h.passes(PROG_FROM_POD, a.ifindex, &request([0; 4])); // a probe
+        h.drops_as(a.ifindex, &request(b.v4), DropReason::SpoofedArp);
+        let truncated = &request(a.v4)[..14 + 20];
+        h.drops_as(a.ifindex, truncated, DropReason::MalformedArp);
+        let not_ethernet = with_byte(&request(a.v4), 15, 6); // hardware type 6 (IEEE 802)
+        h.drops_as(a.ifindex, &not_ethernet, DropReason::MalformedArp);
+        assert_eq!(h.all_drops().len(), 2);
+    });
+}
+
+#[test]
+fn other_protocols_and_unknown_interfaces_pass_untouched() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let lldp_dst = [0x01, 0x80, 0xc2, 0, 0, 0x0e];
+        let lldp = eth(lldp_dst, a.mac, ETH_P_LLDP, &[2, 7, 4, 0, 0, 0]);
+        h.passes(PROG_FROM_POD, a.ifindex, &lldp);
+
+        // An interface the agent has not registered: not ours to judge (fail open).
+        let unknown = veth("cxtpx");
+        let spoofed = Ip4::new([10, 244, 0, 99], b.v4, TCP, tcp_syn(1, 2)).sent_by(&a);
+        let arp = eth([0xff; 6], a.mac, ETH_P_ARP, &arp(a.mac, b.v4, b.v4));
+        for sent in [spoofed.clone(), with_byte(&spoofed, 14, 0x44), arp] {
+            h.passes(PROG_FROM_POD, unknown, &sent);
+        }
+        assert!(h.all_drops().is_empty(), "no drop counted");
+        let created = h.counters.keys().any(|k| k.ok() == Some(unknown));
+        assert!(!created, "no counters entry created");
+    });
+}
+
+#[test]
+fn replies_of_flows_the_stack_delivered_go_back_through_it() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let to_a = |ethertype, ip: &[u8]| eth(a.mac, HOST_VETH_MAC, ethertype, ip);
+        let from_a = |ip: &[u8]| eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, ip);
+        // B reaches A through the host stack (a hostPort, a service: NATed on the way in).
+        let syn = Ip4::new(b.v4, a.v4, TCP, tcp_syn(40000, 8080)).bytes();
+        let syn = to_a(ETH_P_IP, &syn);
+        h.passes(PROG_TO_POD, a.ifindex, &syn);
+        assert_eq!(h.counters(a.ifindex).to_pod_packets, 1);
+        assert_eq!(h.counters(a.ifindex).to_pod_bytes, syn.len() as u64);
+        let keys: Vec<FlowKey> = h.flows.keys().map(|k| k.expect("flow key")).collect();
+        assert_eq!(keys, [flow_v4(a.v4, b.v4, 8080, 40000, TCP)]);
+
+        // A's reply goes back through the stack (which undoes its NAT)...
+        let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40000));
+        h.passes(PROG_FROM_POD, a.ifindex, &reply.sent_by(&a));
+        // ...while other flows between the same pods take the fast path.
+        let pong = |id| Ip4::new(a.v4, b.v4, ICMP, icmp(0, id));
+        let others = [
+            Ip4::new(a.v4, b.v4, TCP, tcp_syn(8081, 40000)),
+            Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40001)),
+            Ip4::new(a.v4, b.v4, UDP, udp(8080, 40000)),
+            pong(78),
+        ];
+        for ip in &others {
+            let (sent, delivered) = (ip.sent_by(&a), ip.delivered_to(&b));
+            h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
+        }
+
+        // ICMP echo: the identifier keys both directions.
+        let ping = Ip4::new(b.v4, a.v4, ICMP, icmp(8, 77)).bytes();
+        h.passes(PROG_TO_POD, a.ifindex, &to_a(ETH_P_IP, &ping));
+        h.passes(PROG_FROM_POD, a.ifindex, &pong(77).sent_by(&a));
+
+        // IPv6 alike.
+        let query = ip6(b.v6, a.v6, UDP, &udp(5000, 53));
+        h.passes(PROG_TO_POD, a.ifindex, &to_a(ETH_P_IPV6, &query));
+        let answer = |sport| ip6(a.v6, b.v6, UDP, &udp(sport, 5000));
+        h.passes(PROG_FROM_POD, a.ifindex, &from_a(&answer(53)));
+        let (sent, delivered) = (from_a(&answer(54)), delivered_v6(&b, &answer(54)));
+        h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
+    });
+}
+
+#[test]
+fn from_host_dev_delivers_to_local_pods_only() {
+    in_netns(|| {
+        let (h, a, _b) = setup();
+        let uplink = veth("cxtpu");
+        let (uplink_mac, router_mac) = ([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 0xfe]);
+        let from_router = |ethertype, ip: &[u8]| eth(uplink_mac, router_mac, ethertype, ip);
+        let ip = Ip4::new([10, 244, 1, 5], a.v4, TCP, tcp_syn(40000, 80));
+        let sent = from_router(ETH_P_IP, &ip.bytes());
+        h.redirects(PROG_FROM_HOST_DEV, uplink, &sent, &ip.delivered_to(&a));
+        assert_eq!(h.counters(a.ifindex).to_pod_packets, 1);
+        let ip6 = ip6(v6(99), a.v6, UDP, &udp(1, 53));
+        let (sent6, delivered6) = (from_router(ETH_P_IPV6, &ip6), delivered_v6(&a, &ip6));
+        h.redirects(PROG_FROM_HOST_DEV, uplink, &sent6, &delivered6);
+
+        // Anything else is the stack's, malformed packets included: no drops on the uplink.
+        let elsewhere = from_router(ETH_P_IP, &ip.clone().to([10, 244, 0, 99]).bytes());
+        h.passes(PROG_FROM_HOST_DEV, uplink, &elsewhere);
+        h.passes(PROG_FROM_HOST_DEV, uplink, &with_byte(&sent, 14, 0x44));
+        assert!(h.all_drops().is_empty());
+        // to_host_dev passes everything (so far).
+        h.passes(PROG_TO_HOST_DEV, uplink, &sent);
+    });
+}
+
+#[test]
+fn replies_of_flows_the_stack_routed_out_come_back_through_it() {
+    in_netns(|| {
+        let (h, a, _b) = setup();
+        let uplink = veth("cxtpu");
+        let (uplink_mac, router_mac) = ([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 0xfe]);
+        let out = |ip: &Ip4| eth(router_mac, uplink_mac, ETH_P_IP, &ip.bytes());
+        let back = |ip: &Ip4| eth(uplink_mac, router_mac, ETH_P_IP, &ip.bytes());
+        // Pod a's flow routed out by the host stack (e.g. to a service backend it DNATed to
+        // another node): to_host_dev records it, and the reply goes back through the stack.
+        let routed = Ip4::new(a.v4, [10, 244, 1, 5], TCP, tcp_syn(40000, 80));
+        h.passes(PROG_TO_HOST_DEV, uplink, &out(&routed));
+        let reply = Ip4::new([10, 244, 1, 5], a.v4, TCP, tcp_syn(80, 40000));
+        h.passes(PROG_FROM_HOST_DEV, uplink, &back(&reply));
+        // A packet from_pod sent through the FIB carries the fast-path mark: not recorded, so
+        // its reply is delivered straight into the pod.
+        let fast = Ip4::new(a.v4, [10, 244, 1, 6], TCP, tcp_syn(40001, 80));
+        let run = h.run_marked(
+            PROG_TO_HOST_DEV,
+            uplink,
+            &out(&fast),
+            calix_common::FAST_PATH_MARK,
+        );
+        assert_eq!(run.verdict, TC_ACT_OK);
+        let reply = Ip4::new([10, 244, 1, 6], a.v4, TCP, tcp_syn(80, 40001));
+        h.redirects(
+            PROG_FROM_HOST_DEV,
+            uplink,
+            &back(&reply),
+            &reply.delivered_to(&a),
+        );
+        // Traffic from an address that is not a local pod is not recorded either.
+        let foreign = Ip4::new([10, 244, 1, 7], [10, 244, 1, 5], TCP, tcp_syn(40002, 80));
+        h.passes(PROG_TO_HOST_DEV, uplink, &out(&foreign));
+    });
+}
+
+#[test]
+fn pool_traffic_for_other_nodes_leaves_through_the_fib() {
+    in_netns(|| {
+        let (mut h, a, _b) = setup();
+        veth("cxtpu");
+        ip(&["link", "set", "cxtpu", "address", "02:00:00:00:00:01", "up"]);
+        ip(&["link", "set", "cxtpup", "up"]);
+        ip(&["addr", "add", "192.168.77.1/24", "dev", "cxtpu"]);
+        let gw_mac = "02:00:00:00:00:fe";
+        ip(&[
+            "neigh",
+            "add",
+            "192.168.77.2",
+            "lladdr",
+            gw_mac,
+            "dev",
+            "cxtpu",
+        ]);
+        ip(&["route", "add", "10.244.1.0/24", "via", "192.168.77.2"]);
+        ip(&["route", "add", "10.244.2.0/24", "via", "192.168.77.3"]); // no neighbour entry
+        ip(&["route", "add", "198.51.100.0/24", "via", "192.168.77.2"]);
+        // bpf_fib_lookup wants forwarding on; /proc/sys/net is this thread's namespace's.
+        std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").expect("forwarding");
+        let pool = Key::new(16, [10, 244, 0, 0]);
+        h.pools_v4.insert(&pool, 1, 0).expect("insert a pool");
+
+        // Next hop known: MACs from the FIB (the gateway's, the uplink's), TTL one less.
+        let ip = Ip4::new(a.v4, [10, 244, 1, 5], TCP, tcp_syn(40000, 80));
+        let routed = ip.clone().ttl(63).bytes();
+        let routed = eth([2, 0, 0, 0, 0, 0xfe], [2, 0, 0, 0, 0, 1], ETH_P_IP, &routed);
+        h.redirects(PROG_FROM_POD, a.ifindex, &ip.sent_by(&a), &routed);
+        // Next hop unresolved: bpf_redirect_neigh resolves it (and sets the MACs) later.
+        let ip = ip.to([10, 244, 2, 5]);
+        let routed = ip.clone().ttl(63).sent_by(&a);
+        h.redirects(PROG_FROM_POD, a.ifindex, &ip.sent_by(&a), &routed);
+        // A pool address without a route, and a routed address outside the pools: the stack's.
+        for dst in [[10, 244, 9, 9], [198, 51, 100, 1]] {
+            h.passes(PROG_FROM_POD, a.ifindex, &ip.clone().to(dst).sent_by(&a));
+        }
+    });
+}
