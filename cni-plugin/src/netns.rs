@@ -289,10 +289,7 @@ pub async fn netlink_here() -> Result<rtnetlink::Handle, NetnsError> {
     Ok(handle)
 }
 
-/// Writes a `/proc/sys` file in the calling thread's network namespace, unless it already
-/// holds `value`. Skipping a needless write matters: some knobs (`forwarding`, IPv6
-/// `disable_ipv6`) take the RTNL lock with trylock-and-restart, which spins while other ADDs
-/// hold it.
+/// Writes a `/proc/sys` file in the calling thread's network namespace.
 pub fn write_sysctl(path: impl AsRef<Path>, value: &str) -> Result<(), NetnsError> {
     let path = path.as_ref();
     let err = |source| NetnsError::WriteSysctl {
@@ -301,19 +298,21 @@ pub fn write_sysctl(path: impl AsRef<Path>, value: &str) -> Result<(), NetnsErro
         source,
     };
     let mut file = std::fs::OpenOptions::new()
-        .read(true)
         .write(true)
         .open(path)
         .map_err(err)?;
-    let mut current = [0u8; 32];
-    if let Ok(n) = std::io::Read::read(&mut file, &mut current) {
-        if std::str::from_utf8(&current[..n]).map(str::trim) == Ok(value) {
-            return Ok(());
-        }
-    }
-    // A sysctl write at a non-zero offset is ignored (sysctl_writes_strict): rewind first.
-    std::io::Seek::rewind(&mut file).map_err(err)?;
     file.write_all(value.as_bytes()).map_err(err)
+}
+
+/// As [`write_sysctl`], but only when the file does not already hold `value`. For the knobs
+/// that take the RTNL lock with trylock-and-restart (`forwarding`, IPv6 `disable_ipv6`): such a
+/// write spins while concurrent ADDs hold the lock, so a needless one is worth skipping.
+pub fn write_sysctl_if_changed(path: impl AsRef<Path>, value: &str) -> Result<(), NetnsError> {
+    let path = path.as_ref();
+    match read_sysctl(path) {
+        Ok(current) if current == value => Ok(()),
+        _ => write_sysctl(path, value),
+    }
 }
 
 /// Reads a `/proc/sys` file in the calling thread's network namespace, trimmed.

@@ -382,7 +382,7 @@ pub async fn configure_host(
     // configuring a veth again for IPv6 works. Skipped when the kernel has no IPv6.
     let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
     if std::path::Path::new(&knob).exists() {
-        netns::write_sysctl(knob, if v6.is_none() { "1" } else { "0" })?;
+        netns::write_sysctl_if_changed(knob, if v6.is_none() { "1" } else { "0" })?;
     }
     if v4.is_some() {
         netns::write_sysctl(
@@ -393,7 +393,7 @@ pub async fn configure_host(
             format!("/proc/sys/net/ipv4/neigh/{host_ifname}/proxy_delay"),
             "0",
         )?;
-        netns::write_sysctl(
+        netns::write_sysctl_if_changed(
             format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"),
             "1",
         )?;
@@ -412,7 +412,7 @@ pub async fn configure_host(
             format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad"),
             "0",
         )?;
-        netns::write_sysctl(
+        netns::write_sysctl_if_changed(
             format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"),
             "1",
         )?;
