@@ -320,28 +320,28 @@ impl Agent {
                 .strip_prefix(&prefix)
                 .is_some_and(|cid| !valid.contains(&(cid.to_string(), ifname.to_string())))
         };
-        let mut inner = self.inner.lock().await;
-        let stale_eps: Vec<EndpointRecord> = inner
+        let mut eps = self.eps.lock().await;
+        let stale_eps: Vec<EndpointRecord> = eps
             .endpoints
             .values()
             .filter(|e| is_stale(&e.handle, &e.ifname))
             .cloned()
             .collect();
         for ep in &stale_eps {
-            if let Err(e) = inner.dataplane.detach(&ep.host_ifname) {
+            if let Err(e) = eps.dataplane.detach(&ep.host_ifname) {
                 tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "GC: detach failed");
             }
-            inner.attached.remove(&ep.host_ifname);
+            eps.attached.remove(&ep.host_ifname);
             let op = Op::Delete(keys::endpoint(
                 &self.node.name,
                 &ep.container_id,
                 &ep.ifname,
             ));
             self.store.txn(&[], &[op], Durability::Process).await?;
-            inner
-                .endpoints
+            eps.endpoints
                 .remove(&EndpointRecord::key(&ep.container_id, &ep.ifname));
         }
+        let mut inner = self.inner.lock().await;
         self.refresh_blocks(&mut inner).await?;
         let handles: BTreeSet<(String, String)> = inner
             .ipam

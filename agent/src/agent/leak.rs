@@ -24,6 +24,15 @@ impl Agent {
     /// One leak-GC and empty-block pass at `now`.
     pub async fn housekeep(&self, now: Instant) -> Result<Swept, AgentError> {
         let mut out = Swept::default();
+        // The live endpoints first (the endpoint lock is taken before the IPAM lock).
+        let live_now: HashSet<(String, String)> = self
+            .eps
+            .lock()
+            .await
+            .endpoints
+            .values()
+            .map(|e| (e.handle.clone(), e.ifname.clone()))
+            .collect();
         let mut inner = self.inner.lock().await;
         self.refresh_blocks(&mut inner).await?;
 
@@ -33,7 +42,6 @@ impl Agent {
                 .map(|e| (e.handle.clone(), e.ifname.clone()))
                 .collect()
         };
-        let live_now = live(&inner.endpoints);
         let orphaned: Vec<(IpAddr, u64, String, String)> = inner
             .ipam
             .allocations_of(&self.node.name)

@@ -65,26 +65,34 @@ pub struct Housekeeping {
     pub empty_block_grace: Duration,
 }
 
+/// IPAM state, behind its own lock.
 struct Inner {
     /// The blocks as last read or written.
     ipam: IpamState,
-    /// This node's endpoints, keyed by "containerID/ifname".
-    endpoints: BTreeMap<String, EndpointRecord>,
-    dataplane: Box<dyn Dataplane>,
-    /// host ifname → attach result, for endpoints programmed by this process.
-    attached: BTreeMap<String, Attached>,
     /// Allocations of this node without an endpoint: (address, seq) → first seen.
     leak_candidates: HashMap<(IpAddr, u64), Instant>,
     /// This node's empty blocks → first seen empty.
     empty_since: HashMap<String, Instant>,
 }
 
+/// The endpoint registry and the dataplane, behind another lock: programming an endpoint
+/// (netlink, waiting for the RTNL lock other ADDs hold) never stalls allocations.
+struct Eps {
+    /// This node's endpoints, keyed by "containerID/ifname".
+    endpoints: BTreeMap<String, EndpointRecord>,
+    dataplane: Box<dyn Dataplane>,
+    /// host ifname → attach result, for endpoints programmed by this process.
+    attached: BTreeMap<String, Attached>,
+}
+
+/// Lock order, where both are needed: `eps`, then `inner`.
 pub struct Agent {
     node: NodeRecord,
     pools: RwLock<(Vec<Pool>, Policy)>,
     housekeeping: Housekeeping,
     store: Box<dyn Datastore>,
     inner: Mutex<Inner>,
+    eps: Mutex<Eps>,
 }
 
 /// Attempts at a compare-and-swap write before giving up (each after re-reading).
@@ -123,11 +131,13 @@ impl Agent {
             store,
             inner: Mutex::new(Inner {
                 ipam: IpamState::default(),
+                leak_candidates: HashMap::new(),
+                empty_since: HashMap::new(),
+            }),
+            eps: Mutex::new(Eps {
                 endpoints,
                 dataplane,
                 attached: BTreeMap::new(),
-                leak_candidates: HashMap::new(),
-                empty_since: HashMap::new(),
             }),
         };
         {
@@ -173,10 +183,11 @@ impl Agent {
             strict_affinity = policy.strict_affinity, max_blocks_per_node = policy.max_blocks_per_node,
             "pools updated");
         let cidrs: Vec<ipnet::IpNet> = pools.iter().map(|p| p.cidr).collect();
-        if let Err(e) = inner.dataplane.set_pools(&cidrs) {
+        self.set_pools_unchecked(pools, policy);
+        drop(inner);
+        if let Err(e) = self.eps.lock().await.dataplane.set_pools(&cidrs) {
             tracing::warn!(error = %e, "cannot give the dataplane the new pools");
         }
-        self.set_pools_unchecked(pools, policy);
         Ok(())
     }
 
@@ -270,9 +281,9 @@ impl Agent {
                 "container_id, ifname and host_ifname are required".into(),
             ));
         }
-        let mut inner = self.inner.lock().await;
+        let mut eps = self.eps.lock().await;
         let t0 = Instant::now();
-        let attached = inner
+        let attached = eps
             .dataplane
             .attach(&EndpointSpec::from_record(&ep))
             .map_err(|source| AgentError::Dataplane {
@@ -294,16 +305,15 @@ impl Agent {
             .await;
         if let Err(e) = written {
             // Not durable: undo the attach so nothing runs that the registry doesn't know.
-            let _ = inner.dataplane.detach(&host_ifname);
+            let _ = eps.dataplane.detach(&host_ifname);
             return Err(e.into());
         }
         tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf,
             attach_us = t_attach.as_micros() as u64, total_us = t0.elapsed().as_micros() as u64,
             "endpoint programmed");
-        inner
-            .endpoints
+        eps.endpoints
             .insert(EndpointRecord::key(&ep.container_id, &ep.ifname), ep);
-        inner.attached.insert(host_ifname, attached);
+        eps.attached.insert(host_ifname, attached);
         Ok(attached)
     }
 
@@ -317,24 +327,24 @@ impl Agent {
         release_handle: Option<&str>,
     ) -> Result<(bool, Vec<IpAddr>), AgentError> {
         let key = EndpointRecord::key(container_id, ifname);
-        let mut inner = self.inner.lock().await;
+        let mut eps = self.eps.lock().await;
         let t0 = Instant::now();
-        let ep = inner.endpoints.get(&key).cloned();
+        let ep = eps.endpoints.get(&key).cloned();
         if let Some(ep) = &ep {
-            inner
-                .dataplane
+            eps.dataplane
                 .detach(&ep.host_ifname)
                 .map_err(|source| AgentError::Dataplane {
                     host_ifname: ep.host_ifname.clone(),
                     source,
                 })?;
-            inner.attached.remove(&ep.host_ifname);
+            eps.attached.remove(&ep.host_ifname);
         }
         let forget = ep
             .is_some()
             .then(|| Op::Delete(keys::endpoint(&self.node.name, container_id, ifname)));
         let released = match release_handle {
             Some(h) => {
+                let mut inner = self.inner.lock().await;
                 self.release_handle_locked(&mut inner, h, ifname, forget, "released by CNI DEL")
                     .await?
             }
@@ -345,7 +355,7 @@ impl Agent {
                 Vec::new()
             }
         };
-        inner.endpoints.remove(&key);
+        eps.endpoints.remove(&key);
         if let Some(ep) = &ep {
             tracing::info!(host_ifname = %ep.host_ifname, total_us = t0.elapsed().as_micros() as u64, "endpoint removed");
         }
@@ -356,17 +366,17 @@ impl Agent {
     /// programs are replaced in place, the pinned maps kept), then — the initial sync being
     /// complete — lets the dataplane sweep what no endpoint owns.
     pub async fn resync(&self) {
-        let mut inner = self.inner.lock().await;
+        let mut eps = self.eps.lock().await;
         let pools: Vec<ipnet::IpNet> = self.pools().iter().map(|p| p.cidr).collect();
-        if let Err(e) = inner.dataplane.set_pools(&pools) {
+        if let Err(e) = eps.dataplane.set_pools(&pools) {
             tracing::warn!(error = %e, "cannot give the dataplane the pools");
         }
-        let eps: Vec<EndpointRecord> = inner.endpoints.values().cloned().collect();
+        let records: Vec<EndpointRecord> = eps.endpoints.values().cloned().collect();
         let mut known = Vec::new();
-        for ep in eps {
-            match inner.dataplane.attach(&EndpointSpec::from_record(&ep)) {
+        for ep in records {
+            match eps.dataplane.attach(&EndpointSpec::from_record(&ep)) {
                 Ok(a) => {
-                    inner.attached.insert(ep.host_ifname.clone(), a);
+                    eps.attached.insert(ep.host_ifname.clone(), a);
                     known.push(ep.host_ifname.clone());
                 }
                 Err(e) => {
@@ -374,20 +384,20 @@ impl Agent {
                 }
             }
         }
-        if let Err(e) = inner.dataplane.reconcile(&known) {
+        if let Err(e) = eps.dataplane.reconcile(&known) {
             tracing::warn!(error = %e, "dataplane reconcile failed");
         }
     }
 
     /// Every drop counter: (host ifname if known, ifindex, reason, packets, bytes).
     pub async fn drops(&self) -> Result<Vec<DropView>, AgentError> {
-        let inner = self.inner.lock().await;
-        let names: HashMap<u32, String> = inner
+        let eps = self.eps.lock().await;
+        let names: HashMap<u32, String> = eps
             .attached
             .iter()
             .map(|(n, a)| (a.ifindex, n.clone()))
             .collect();
-        let drops = inner
+        let drops = eps
             .dataplane
             .drops()
             .map_err(|source| AgentError::Dataplane {
@@ -412,14 +422,13 @@ impl Agent {
     }
 
     pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {
-        let inner = self.inner.lock().await;
-        inner
-            .endpoints
+        let eps = self.eps.lock().await;
+        eps.endpoints
             .values()
             .map(|r| {
-                let att = inner.attached.get(&r.host_ifname);
+                let att = eps.attached.get(&r.host_ifname);
                 let counters = match att {
-                    Some(a) if a.bpf => inner.dataplane.counters(a.ifindex).map_err(|source| {
+                    Some(a) if a.bpf => eps.dataplane.counters(a.ifindex).map_err(|source| {
                         AgentError::Dataplane {
                             host_ifname: r.host_ifname.clone(),
                             source,
@@ -446,9 +455,9 @@ impl Agent {
 
     /// Agent exit: programs stay attached and maps pinned, so traffic keeps flowing.
     pub async fn shutdown(&self) {
-        let mut inner = self.inner.lock().await;
-        inner.dataplane.release();
-        inner.attached.clear();
+        let mut eps = self.eps.lock().await;
+        eps.dataplane.release();
+        eps.attached.clear();
     }
 }
 
