@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use crate::dataplane::xdp::{self, Failsafe, XdpMode, XdpPolicy, XdpSettings};
 use crate::paths;
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,24 @@ pub enum ConfigError {
         key: &'static str,
         what: &'static str,
     },
+    #[error(
+        "xdp.deny_cidrs: {entry:?} is neither a CIDR (e.g. \"192.0.2.0/24\", \"2001:db8::/32\") nor an address"
+    )]
+    XdpCidr { entry: String },
+    #[error("xdp.failsafe_ports: {entry:?} is not <tcp|udp>:<port 1–65535> (e.g. \"tcp:22\")")]
+    XdpPort { entry: String },
+    #[error("xdp.{key}: more than {max} entries{per}")]
+    XdpTooMany {
+        key: &'static str,
+        max: usize,
+        per: &'static str,
+    },
+    #[error("xdp.enabled needs dataplane = \"ebpf\"")]
+    XdpNeedsEbpf,
+    #[error(
+        "xdp.enabled needs `uplinks`: the interfaces the prefilter attaches to, e.g. [\"eth0\"]"
+    )]
+    XdpNoUplinks,
 }
 
 /// Which dataplane programs pod traffic.
@@ -93,6 +112,36 @@ pub struct AgentConfig {
     pub ipam: IpamConfig,
     /// IP pools pods get their addresses from.
     pub pools: Vec<PoolConfig>,
+    /// The XDP prefilter on the uplinks.
+    pub xdp: XdpConfig,
+}
+
+/// The XDP prefilter on the uplinks (`[xdp]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct XdpConfig {
+    /// Attach `xdp_host_dev` to every uplink.
+    pub enabled: bool,
+    /// `auto` (native where the driver supports it, else generic), `native` or `generic`.
+    pub mode: XdpMode,
+    /// Source CIDRs (or single addresses), IPv4 and IPv6, whose packets are dropped.
+    /// Reloaded on SIGHUP.
+    pub deny_cidrs: Vec<String>,
+    /// `<tcp|udp>:<port>` destination ports never dropped, whatever the source. Replaces the
+    /// default `["tcp:22"]`; the agent's metrics port (`metrics_addr`) is always added.
+    /// Reloaded on SIGHUP.
+    pub failsafe_ports: Vec<String>,
+}
+
+impl Default for XdpConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            mode: XdpMode::Auto,
+            deny_cidrs: Vec::new(),
+            failsafe_ports: vec!["tcp:22".into()],
+        }
+    }
 }
 
 /// How the node's IPAM grows and cleans up.
@@ -165,6 +214,7 @@ impl Default for AgentConfig {
             pools: vec![PoolConfig::new(
                 "10.244.0.0/16".parse().expect("constant CIDR"),
             )],
+            xdp: XdpConfig::default(),
         }
     }
 }
@@ -314,6 +364,13 @@ impl AgentConfig {
         }
         self.datastore.validate()?;
         self.ipam.validate()?;
+        self.xdp_policy()?;
+        if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {
+            return Err(ConfigError::XdpNeedsEbpf);
+        }
+        if self.xdp.enabled && self.uplinks.is_empty() {
+            return Err(ConfigError::XdpNoUplinks);
+        }
         self.pools.iter().try_for_each(PoolConfig::validate)?;
         for (i, a) in self.pools.iter().enumerate() {
             for b in &self.pools[i + 1..] {
@@ -329,6 +386,73 @@ impl AgentConfig {
             }
         }
         Ok(())
+    }
+
+    /// The XDP prefilter's policy: the deny list and the failsafe ports (the configured ones
+    /// plus the metrics port), each entry checked.
+    pub fn xdp_policy(&self) -> Result<XdpPolicy, ConfigError> {
+        let mut deny = Vec::new();
+        for entry in &self.xdp.deny_cidrs {
+            let net = xdp::parse_deny(entry).ok_or_else(|| ConfigError::XdpCidr {
+                entry: entry.clone(),
+            })?;
+            if !deny.contains(&net) {
+                deny.push(net);
+            }
+        }
+        for v4 in [true, false] {
+            let n = deny
+                .iter()
+                .filter(|n| matches!(n, IpNet::V4(_)) == v4)
+                .count();
+            if n > XdpPolicy::MAX_DENY_PER_FAMILY {
+                return Err(ConfigError::XdpTooMany {
+                    key: "deny_cidrs",
+                    max: XdpPolicy::MAX_DENY_PER_FAMILY,
+                    per: if v4 { " of IPv4" } else { " of IPv6" },
+                });
+            }
+        }
+        let mut failsafe = Vec::new();
+        for entry in &self.xdp.failsafe_ports {
+            let port: Failsafe = entry.parse().map_err(|()| ConfigError::XdpPort {
+                entry: entry.clone(),
+            })?;
+            failsafe.push(port);
+        }
+        // The agent's own TCP port (its gRPC is a unix socket, so this is the only one).
+        let metrics_port = self
+            .metrics_addr
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .filter(|p| *p != 0);
+        if let Some(port) = metrics_port {
+            failsafe.push(Failsafe {
+                proto: xdp::L4Proto::Tcp,
+                port,
+            });
+        }
+        failsafe.sort();
+        failsafe.dedup();
+        if failsafe.len() > XdpPolicy::MAX_FAILSAFE {
+            return Err(ConfigError::XdpTooMany {
+                key: "failsafe_ports",
+                max: XdpPolicy::MAX_FAILSAFE,
+                per: "",
+            });
+        }
+        Ok(XdpPolicy { deny, failsafe })
+    }
+
+    /// The XDP prefilter's settings when it is enabled.
+    pub fn xdp_settings(&self) -> Result<Option<XdpSettings>, ConfigError> {
+        if !self.xdp.enabled {
+            return Ok(None);
+        }
+        Ok(Some(XdpSettings {
+            mode: self.xdp.mode,
+            policy: self.xdp_policy()?,
+        }))
     }
 
     /// The pools this node allocates from, as the allocator sees them.
@@ -456,6 +580,71 @@ mod tests {
             c.validate(),
             Err(ConfigError::DatastoreKind { .. })
         ));
+    }
+
+    #[test]
+    fn xdp_section_parses_and_names_bad_entries() {
+        let c = AgentConfig::from_toml(
+            r#"
+            node_name = "n"
+            uplinks = ["eth0"]
+            metrics_addr = "0.0.0.0:9191"
+            [xdp]
+            enabled = true
+            mode = "generic"
+            deny_cidrs = ["192.0.2.0/24", "198.51.100.7", "2001:db8::/32", "192.0.2.9/24"]
+            failsafe_ports = ["tcp:2222", "udp:53"]
+            "#,
+        )
+        .expect("parse");
+        c.validate().expect("valid");
+        let s = c.xdp_settings().expect("settings").expect("enabled");
+        assert_eq!(s.mode, XdpMode::Generic);
+        let deny: Vec<String> = s.policy.deny.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            deny,
+            ["192.0.2.0/24", "198.51.100.7/32", "2001:db8::/32"],
+            "host bits cleared, duplicates folded"
+        );
+        let ports: Vec<String> = s.policy.failsafe.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            ports,
+            ["tcp:2222", "tcp:9191", "udp:53"],
+            "metrics port added"
+        );
+
+        let mut bad = c.clone();
+        bad.xdp.deny_cidrs.push("192.0.2.0/33".into());
+        let err = bad.validate().expect_err("bad CIDR").to_string();
+        assert!(err.contains("192.0.2.0/33"), "{err}");
+        let mut bad = c.clone();
+        bad.xdp.failsafe_ports.push("tcp:ssh".into());
+        let err = bad.validate().expect_err("bad port").to_string();
+        assert!(err.contains("tcp:ssh"), "{err}");
+        let mut bad = c.clone();
+        bad.uplinks.clear();
+        assert!(matches!(bad.validate(), Err(ConfigError::XdpNoUplinks)));
+        bad.dataplane = DataplaneMode::Kernel;
+        assert!(matches!(bad.validate(), Err(ConfigError::XdpNeedsEbpf)));
+        assert!(AgentConfig::from_toml("[xdp]\nmode = \"offload\"").is_err());
+    }
+
+    #[test]
+    fn xdp_is_off_by_default_with_ssh_and_metrics_failsafe() {
+        let c = AgentConfig {
+            node_name: "n".into(),
+            ..Default::default()
+        };
+        c.validate().expect("valid");
+        assert_eq!(c.xdp_settings().expect("settings"), None);
+        let ports: Vec<String> = c
+            .xdp_policy()
+            .expect("policy")
+            .failsafe
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(ports, ["tcp:22", "tcp:9091"]);
     }
 
     #[test]

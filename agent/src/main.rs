@@ -8,6 +8,7 @@ use std::time::Duration;
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
+use calix_agent::dataplane::xdp;
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -44,8 +45,9 @@ struct Flags {
     /// Load the eBPF programs from this object file instead of the built-in ones.
     #[arg(long)]
     bpf_object: Option<PathBuf>,
-    /// Remove this node's eBPF programs (from every cali* interface and the uplinks), map
-    /// entries and pins, then exit. Pods keep their routes (kernel forwarding).
+    /// Remove this node's eBPF programs (from every cali* interface and the uplinks, the XDP
+    /// prefilter included), map entries and pins, then exit. Pods keep their routes (kernel
+    /// forwarding).
     #[arg(long)]
     uninstall: bool,
 }
@@ -141,7 +143,8 @@ fn node_addresses() -> Vec<String> {
     out
 }
 
-/// `--uninstall`: filters off every cali* interface and the uplinks, pins removed.
+/// `--uninstall`: filters off every cali* interface and the uplinks, XDP off the uplinks, pins
+/// removed.
 fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
     let mut n = 0;
     for i in nix::net::if_::if_nameindex()?.iter() {
@@ -151,13 +154,14 @@ fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
             n += 1;
         }
     }
+    let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("cannot remove {}", dir.display())),
     }
-    tracing::info!(interfaces = n, pins = %dir.display(), "eBPF dataplane uninstalled");
+    tracing::info!(interfaces = n, xdp_links, pins = %dir.display(), "eBPF dataplane uninstalled");
     Ok(())
 }
 
@@ -194,8 +198,15 @@ fn spawn_housekeeping(agent: Arc<Agent>, every: Duration) {
     });
 }
 
-/// SIGHUP: re-read the config file and apply pool changes that are safe.
-fn spawn_reload(agent: Arc<Agent>, flags: Flags) {
+/// SIGHUP: re-read the config file and apply pool changes that are safe, and the XDP
+/// prefilter's deny list and failsafe ports (in its maps; the attachment stays). `started` is
+/// the config the agent started with: what only a restart applies is compared against it.
+fn spawn_reload(
+    agent: Arc<Agent>,
+    flags: Flags,
+    started: AgentConfig,
+    mut xdp_filter: Option<xdp::XdpFilter>,
+) {
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let Ok(mut hup) = signal(SignalKind::hangup()) else {
@@ -213,8 +224,33 @@ fn spawn_reload(agent: Arc<Agent>, flags: Flags) {
             if let Err(e) = agent.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
                 tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
             }
+            reload_xdp(xdp_filter.as_mut(), &cfg, &started);
         }
     });
+}
+
+fn reload_xdp(filter: Option<&mut xdp::XdpFilter>, cfg: &AgentConfig, started: &AgentConfig) {
+    let restart_only = |c: &AgentConfig| (c.xdp.enabled, c.xdp.mode, c.uplinks.clone());
+    if restart_only(cfg) != restart_only(started) {
+        tracing::warn!(
+            "SIGHUP: xdp.enabled, xdp.mode and uplinks changed; they take effect when the agent restarts"
+        );
+    }
+    let policy = match cfg.xdp_policy() {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: XDP policy rejected; keeping the running one");
+            return;
+        }
+    };
+    let Some(filter) = filter else {
+        return; // The prefilter is off.
+    };
+    match filter.set_policy(&policy) {
+        Ok(()) => tracing::info!("SIGHUP: XDP deny list and failsafe ports reloaded"),
+        Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
+            "SIGHUP: cannot update the XDP prefilter's maps"),
+    }
 }
 
 #[tokio::main]
@@ -239,18 +275,21 @@ async fn main() -> Result<()> {
         node: cfg.node_name.clone(),
         uplinks: cfg.uplinks.clone(),
         object: bpf_object,
+        xdp: cfg.xdp_settings()?,
     };
     if uninstall {
         return uninstall_dataplane(&ebpf_cfg);
     }
     enable_forwarding()?;
     let store = open_store(&cfg).await?;
-    let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
-        DataplaneMode::Ebpf => Box::new(
-            EbpfDataplane::load(ebpf_cfg)
-                .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?,
-        ),
-        DataplaneMode::Kernel => Box::new(KernelDataplane),
+    let (dataplane, xdp_filter): (Box<dyn Dataplane>, _) = match cfg.dataplane {
+        DataplaneMode::Ebpf => {
+            let mut dp = EbpfDataplane::load(ebpf_cfg)
+                .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?;
+            let xdp_filter = dp.take_xdp();
+            (Box::new(dp), xdp_filter)
+        }
+        DataplaneMode::Kernel => (Box::new(KernelDataplane), None),
     };
     let node = NodeRecord {
         name: cfg.node_name.clone(),
@@ -279,7 +318,7 @@ async fn main() -> Result<()> {
         agent.clone(),
         Duration::from_secs(cfg.ipam.leak_check_interval_secs),
     );
-    spawn_reload(agent.clone(), flags);
+    spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter);
     if !cfg.metrics_addr.is_empty() {
         calix_agent::metrics::spawn(agent.clone(), cfg.metrics_addr.clone());
     }

@@ -15,78 +15,34 @@
 //! MACs and the counters, and delivery into the pod is left to the end-to-end tests. Recent
 //! kernels (6.18 here) also refuse (EINVAL) frames whose IPv4 or IPv6 header is shorter than
 //! its fixed size: see `Harness::drops_truncated_as`.
+mod common;
+
 use std::mem::size_of;
-use std::os::fd::{AsFd, AsRawFd};
-use std::path::PathBuf;
-use std::process::Command;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::os::fd::AsFd;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuHashMap, PerCpuValues};
-use aya::programs::SchedClassifier;
-use aya::{Ebpf, EbpfLoader};
-use calix_agent::dataplane::ebpf::OBJECT;
+use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
+use aya::programs::{Program, SchedClassifier, Xdp};
+use aya::Ebpf;
 use calix_common::{
     DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint,
     ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
     HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
-    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_FLOWS_MAP,
+    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
 };
+use common::*;
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
 const TC_ACT_REDIRECT: u32 = 7;
 
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_ARP: u16 = 0x0806;
-const ETH_P_IPV6: u16 = 0x86dd;
-const ETH_P_LLDP: u16 = 0x88cc;
-const ICMP: u8 = 1;
-const TCP: u8 = 6;
-const UDP: u8 = 17;
-const ICMPV6: u8 = 58;
-
-// ---- BPF_PROG_TEST_RUN ----
-
-/// `bpf(2)` command BPF_PROG_TEST_RUN (`enum bpf_cmd`, include/uapi/linux/bpf.h).
-const BPF_PROG_TEST_RUN: libc::c_int = 10;
-
-/// The `test` member of `union bpf_attr` (include/uapi/linux/bpf.h). The kernel wants the
-/// bytes it does not know zeroed: the C struct's tail padding is a field here.
-#[repr(C)]
-#[derive(Default)]
-#[allow(dead_code)] // Layout only: the kernel reads and writes these.
-struct TestRunAttr {
-    prog_fd: u32,
-    retval: u32,
-    data_size_in: u32,
-    data_size_out: u32,
-    data_in: u64,
-    data_out: u64,
-    repeat: u32,
-    duration: u32,
-    ctx_size_in: u32,
-    ctx_size_out: u32,
-    ctx_in: u64,
-    ctx_out: u64,
-    flags: u32,
-    cpu: u32,
-    batch_size: u32,
-    _pad: u32,
-}
-const _: () = assert!(size_of::<TestRunAttr>() == 80);
+// ---- BPF_PROG_TEST_RUN of a tc program ----
 
 /// `struct __sk_buff` up to `ifindex` (the kernel zero-fills a shorter context): `u32` fields
 /// len, pkt_type, mark, queue_mapping, protocol, vlan_present, vlan_tci, vlan_proto, priority,
 /// ingress_ifindex, ifindex.
 type SkBuffHead = [u32; 11];
 const SKB_IFINDEX: usize = 10;
-
-/// A program's verdict and the frame it left.
-struct Run {
-    verdict: u32,
-    frame: Vec<u8>,
-}
 
 /// `__sk_buff.mark`'s index in [`SkBuffHead`].
 const SKB_MARK: usize = 2;
@@ -103,123 +59,12 @@ fn test_run_marked(
     frame: &[u8],
     mark: u32,
 ) -> std::io::Result<Run> {
-    let fd = prog.fd().expect("program fd").as_fd().as_raw_fd();
     let mut ctx: SkBuffHead = [0; 11];
     ctx[SKB_IFINDEX] = ifindex;
     ctx[SKB_MARK] = mark;
-    let mut out = vec![0u8; frame.len() + 256];
-    let mut attr = TestRunAttr {
-        prog_fd: u32::try_from(fd).expect("fd"),
-        data_size_in: u32::try_from(frame.len()).expect("frame size"),
-        data_size_out: u32::try_from(out.len()).expect("buffer size"),
-        data_in: frame.as_ptr() as u64,
-        data_out: out.as_mut_ptr() as u64,
-        repeat: 1,
-        ctx_size_in: size_of::<SkBuffHead>() as u32,
-        ctx_in: ctx.as_ptr() as u64,
-        ..TestRunAttr::default()
-    };
-    // SAFETY: `attr` is a BPF_PROG_TEST_RUN attribute of the size given; the frame, the output
-    // buffer and the context it points to are valid for the sizes next to them until it returns.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            &mut attr as *mut TestRunAttr,
-            size_of::<TestRunAttr>() as libc::c_uint,
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    out.truncate(attr.data_size_out as usize);
-    let verdict = attr.retval;
-    Ok(Run {
-        verdict,
-        frame: out,
-    })
-}
-
-// ---- Environment: root, network namespace, pins ----
-
-fn assert_root() {
-    assert!(
-        nix::unistd::geteuid().is_root(),
-        "these tests need root (bpffs, BPF_PROG_TEST_RUN, network namespaces): run them as root"
-    );
-}
-
-/// Runs `test` on a thread of its own in a new network namespace, which goes away with the
-/// thread (and the interfaces the test made in it). A panic in `test` fails the caller.
-fn in_netns(test: impl FnOnce() + Send + 'static) {
-    assert_root();
-    let thread = std::thread::spawn(move || {
-        nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).expect("unshare(CLONE_NEWNET)");
-        test();
-    });
-    if let Err(panic) = thread.join() {
-        std::panic::resume_unwind(panic);
-    }
-}
-
-/// Runs `ip` (iproute2) in the calling thread's network namespace.
-fn ip(args: &[&str]) {
-    let status = Command::new("ip").args(args).status().expect("run ip");
-    assert!(status.success(), "ip {}: {status}", args.join(" "));
-}
-
-/// Creates the veth pair `name` / `<name>p` and returns the ifindex of `name`.
-fn veth(name: &str) -> u32 {
-    let peer = format!("{name}p");
-    ip(&["link", "add", name, "type", "veth", "peer", "name", &peer]);
-    nix::net::if_::if_nametoindex(name).expect("ifindex of the new veth")
-}
-
-/// A fresh directory on bpffs for the maps' pins, removed with them when dropped.
-struct PinDir(PathBuf);
-
-impl PinDir {
-    fn new() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let fs = nix::sys::statfs::statfs("/sys/fs/bpf").expect("statfs /sys/fs/bpf");
-        assert_eq!(
-            fs.filesystem_type(),
-            nix::sys::statfs::BPF_FS_MAGIC,
-            "/sys/fs/bpf is not bpffs: mount -t bpf bpf /sys/fs/bpf"
-        );
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir = format!("/sys/fs/bpf/cxt-progtest-{}-{n}", std::process::id());
-        std::fs::create_dir_all(&dir).expect("create the pin directory");
-        PinDir(PathBuf::from(dir))
-    }
-}
-
-impl Drop for PinDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Loads the object as the agent does (maps pinned under `pins`), every program through the
-/// verifier.
-fn load_object(pins: &PinDir) -> Ebpf {
-    let mut bpf = EbpfLoader::new()
-        .map_pin_path(&pins.0)
-        .load(OBJECT)
-        .expect("load the object (maps created and pinned)");
-    for name in ALL_PROGRAMS {
-        let prog = bpf.program_mut(name).expect("a program of ALL_PROGRAMS");
-        let prog: &mut SchedClassifier = prog.try_into().expect("a tc classifier");
-        if let Err(e) = prog.load() {
-            panic!("the verifier rejects {name}: {e}");
-        }
-    }
-    bpf
-}
-
-fn map<T: TryFrom<Map, Error = MapError>>(bpf: &mut Ebpf, name: &str) -> T {
-    let m = bpf.take_map(name).expect("a map of ALL_MAPS");
-    T::try_from(m).unwrap_or_else(|e| panic!("map {name}: {e}"))
+    const _: () = assert!(size_of::<SkBuffHead>() == 44);
+    let fd = prog.fd().expect("program fd");
+    common::test_run(fd.as_fd(), frame, &ctx)
 }
 
 // ---- Harness: the loaded object, its maps, two registered pods ----
@@ -381,110 +226,17 @@ impl Harness {
 
     /// Every drop counter, summed over the CPUs.
     fn all_drops(&self) -> Vec<(DropKey, DropCount)> {
-        let mut out = Vec::new();
-        for item in self.drops.iter() {
-            let (key, per_cpu) = item.expect("iterate the drop counters");
-            let mut sum = DropCount::default();
-            per_cpu.iter().for_each(|c| sum.accumulate(c));
-            out.push((key, sum));
-        }
-        out
+        all_drops(&self.drops)
     }
 
     fn dropped(&self, ifindex: u32, reason: DropReason) -> DropCount {
-        let key = DropKey {
-            ifindex,
-            reason: reason as u32,
-        };
-        let found = self.all_drops().into_iter().find(|(k, _)| *k == key);
-        found.map(|(_, c)| c).unwrap_or_default()
+        dropped(&self.drops, ifindex, reason)
     }
 }
 
-// ---- Packets ----
-
-fn v6(last: u8) -> [u8; 16] {
-    let mut a = [0u8; 16];
-    a[..4].copy_from_slice(&[0xfd, 0x00, 0x02, 0x44]);
-    a[15] = last;
-    a
-}
-
-fn eth(dst: [u8; 6], src: [u8; 6], ethertype: u16, payload: &[u8]) -> Vec<u8> {
-    [&dst[..], &src, &ethertype.to_be_bytes(), payload].concat()
-}
-
-/// The one's complement checksum of RFC 1071: the value of a header's checksum field computed
-/// with the field zero; 0 over a header whose checksum is right.
-fn ipv4_checksum(bytes: &[u8]) -> u16 {
-    let word = |w: &[u8]| u32::from(u16::from_be_bytes([w[0], w.get(1).copied().unwrap_or(0)]));
-    let mut sum: u32 = bytes.chunks(2).map(word).sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// An IPv4 packet; `bytes` gives it a right header checksum.
-#[derive(Clone)]
-struct Ip4 {
-    src: [u8; 4],
-    dst: [u8; 4],
-    proto: u8,
-    ttl: u8,
-    /// Flags and fragment offset (DF 0x4000, MF 0x2000, offset in 8-byte units).
-    frag: u16,
-    options: Vec<u8>,
-    payload: Vec<u8>,
-}
+// ---- Packets of pods ----
 
 impl Ip4 {
-    fn new(src: [u8; 4], dst: [u8; 4], proto: u8, payload: Vec<u8>) -> Self {
-        let (ttl, frag, options) = (64, 0x4000, Vec::new());
-        Ip4 {
-            src,
-            dst,
-            proto,
-            ttl,
-            frag,
-            options,
-            payload,
-        }
-    }
-
-    fn bytes(&self) -> Vec<u8> {
-        let hlen = 20 + self.options.len();
-        assert!(
-            hlen.is_multiple_of(4) && hlen <= 60,
-            "options: 40 bytes in words at most"
-        );
-        let tot = u16::try_from(hlen + self.payload.len()).expect("total length");
-        let mut h = vec![0x40 | (hlen / 4) as u8, 0];
-        h.extend(tot.to_be_bytes());
-        h.extend([0x12, 0x34]); // identification
-        h.extend(self.frag.to_be_bytes());
-        h.extend([self.ttl, self.proto, 0, 0]);
-        h.extend(self.src);
-        h.extend(self.dst);
-        h.extend(&self.options);
-        let csum = ipv4_checksum(&h);
-        h[10..12].copy_from_slice(&csum.to_be_bytes());
-        h.extend(&self.payload);
-        h
-    }
-
-    fn ttl(self, ttl: u8) -> Self {
-        Ip4 { ttl, ..self }
-    }
-
-    fn frag(self, frag: u16) -> Self {
-        Ip4 { frag, ..self }
-    }
-
-    fn to(self, dst: [u8; 4]) -> Self {
-        Ip4 { dst, ..self }
-    }
-
     /// The frame `pod` sends this packet in (to its gateway, the host veth).
     fn sent_by(&self, pod: &Pod) -> Vec<u8> {
         eth(HOST_VETH_MAC, pod.mac, ETH_P_IP, &self.bytes())
@@ -497,64 +249,10 @@ impl Ip4 {
     }
 }
 
-/// An IPv6 packet, hop limit 64.
-fn ip6(src: [u8; 16], dst: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
-    let len = u16::try_from(payload.len()).expect("payload length");
-    [
-        &[0x60, 0, 0, 0][..],
-        &len.to_be_bytes(),
-        &[next, 64],
-        &src,
-        &dst,
-        payload,
-    ]
-    .concat()
-}
-
 /// The frame the fast path hands `pod` for IPv6 packet `ip`: MACs rewritten, hop limit 63.
 fn delivered_v6(pod: &Pod, ip: &[u8]) -> Vec<u8> {
     let mut f = eth(pod.mac, HOST_VETH_MAC, ETH_P_IPV6, ip);
     f[14 + 7] = 63;
-    f
-}
-
-// Transport headers keep a zero checksum: the programs neither check it nor change what it
-// covers.
-fn tcp_syn(sport: u16, dport: u16) -> Vec<u8> {
-    let flags = [0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0];
-    [&sport.to_be_bytes()[..], &dport.to_be_bytes(), &flags].concat()
-}
-
-fn udp(sport: u16, dport: u16) -> Vec<u8> {
-    let (sport, dport, len) = (
-        sport.to_be_bytes(),
-        dport.to_be_bytes(),
-        12u16.to_be_bytes(),
-    );
-    [&sport[..], &dport, &len, &[0, 0], b"ping"].concat()
-}
-
-/// ICMP or ICMPv6 message `ty` with identifier `id` (meaningful for echo), sequence 1.
-fn icmp(ty: u8, id: u16) -> Vec<u8> {
-    [&[ty, 0, 0, 0][..], &id.to_be_bytes(), &[0, 1]].concat()
-}
-
-/// An IPv4-over-Ethernet ARP request.
-fn arp(sha: [u8; 6], spa: [u8; 4], tpa: [u8; 4]) -> Vec<u8> {
-    [
-        &[0, 1, 0x08, 0x00, 6, 4, 0, 1][..],
-        &sha,
-        &spa,
-        &[0; 6],
-        &tpa,
-    ]
-    .concat()
-}
-
-/// `frame` with byte `at` replaced by `value`.
-fn with_byte(frame: &[u8], at: usize, value: u8) -> Vec<u8> {
-    let mut f = frame.to_vec();
-    f[at] = value;
     f
 }
 
@@ -582,8 +280,15 @@ fn every_program_passes_the_verifier() {
     let bpf = load_object(&pins);
     for name in ALL_PROGRAMS {
         let prog = bpf.program(name).expect("a program of ALL_PROGRAMS");
-        let prog: &SchedClassifier = prog.try_into().expect("a tc classifier");
         assert!(prog.fd().is_ok(), "{name} is loaded");
+    }
+    for name in TC_PROGRAMS {
+        let prog = bpf.program(name).expect("a tc program");
+        assert!(matches!(prog, Program::SchedClassifier(_)), "{name}: tc");
+    }
+    for name in XDP_PROGRAMS {
+        let prog = bpf.program(name).expect("an XDP program");
+        let _: &Xdp = prog.try_into().expect("an XDP program");
     }
     for name in ALL_MAPS {
         assert!(pins.0.join(name).exists(), "{name} pinned");

@@ -4,7 +4,8 @@
 //! filter's program in place (same priority and handle: one atomic netlink replace), so an
 //! upgrade with a changed program never leaves an interface without one. A changed map layout
 //! gets a new version directory; the old one is removed once every interface runs the new
-//! programs ([`Dataplane::reconcile`]).
+//! programs ([`Dataplane::reconcile`]). With `[xdp]` enabled, the uplinks also run the XDP
+//! prefilter (`xdp.rs`: pinned links, replaced in place the same way).
 use std::collections::HashMap as StdHashMap;
 use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
@@ -13,7 +14,7 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
 use aya::programs::links::Link;
 use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
-use aya::programs::{ProgramError, SchedClassifier};
+use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
     DropCount, DropKey, EndpointCounters, EndpointInfo, LocalEndpoint, ALL_PROGRAMS, COUNTERS_MAP,
@@ -22,6 +23,7 @@ use calix_common::{
 };
 use ipnet::IpNet;
 
+use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
@@ -41,6 +43,9 @@ pub struct EbpfConfig {
     pub uplinks: Vec<String>,
     /// Load this object file instead of the embedded one (an out-of-band dataplane build).
     pub object: Option<PathBuf>,
+    /// The XDP prefilter on the uplinks; `None`: off (and detached where an earlier agent
+    /// attached it).
+    pub xdp: Option<XdpSettings>,
 }
 
 impl EbpfConfig {
@@ -52,6 +57,12 @@ impl EbpfConfig {
     /// The pin directory of the current map layout.
     pub fn pin_dir(&self) -> PathBuf {
         self.node_dir().join(format!("v{LAYOUT_VERSION}"))
+    }
+
+    /// Where the uplinks' XDP links are pinned (outside the layout directory: a build with
+    /// another map layout updates the same links).
+    pub fn xdp_links_dir(&self) -> PathBuf {
+        xdp::links_dir(&self.node_dir())
     }
 }
 
@@ -77,6 +88,8 @@ pub struct EbpfDataplane {
     /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
     counter_keys: std::collections::HashSet<u32>,
     pools: Vec<IpNet>,
+    /// The XDP prefilter's maps while it runs, until [`EbpfDataplane::take_xdp`] hands them out.
+    xdp: Option<XdpFilter>,
 }
 
 fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
@@ -87,7 +100,10 @@ fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -
     }
 }
 
-fn map_err(name: &'static str, op: &'static str) -> impl FnOnce(MapError) -> DataplaneError {
+pub(super) fn map_err(
+    name: &'static str,
+    op: &'static str,
+) -> impl FnOnce(MapError) -> DataplaneError {
     move |e| DataplaneError::Map {
         name,
         op,
@@ -128,7 +144,7 @@ fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
     .map_err(|e| pin_err(mount_point, "mount bpffs")(std::io::Error::from(e)))
 }
 
-fn take<T>(
+pub(super) fn take<T>(
     bpf: &mut Ebpf,
     name: &'static str,
     f: impl FnOnce(aya::maps::Map) -> Result<T, MapError>,
@@ -143,16 +159,35 @@ fn take<T>(
     f(map).map_err(map_err(name, "open"))
 }
 
+fn find<'a>(bpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DataplaneError> {
+    bpf.program_mut(name).ok_or(DataplaneError::Program {
+        name,
+        op: "find",
+        source: Box::new(ProgramError::NotLoaded),
+    })
+}
+
 fn program<'a>(
     bpf: &'a mut Ebpf,
     name: &'static str,
 ) -> Result<&'a mut SchedClassifier, DataplaneError> {
-    let prog = bpf.program_mut(name).ok_or(DataplaneError::Program {
-        name,
-        op: "find",
-        source: Box::new(ProgramError::NotLoaded),
-    })?;
-    prog.try_into().map_err(prog_err(name, "cast"))
+    find(bpf, name)?.try_into().map_err(prog_err(name, "cast"))
+}
+
+/// The XDP program of the loaded object.
+pub(super) fn xdp_program(bpf: &mut Ebpf) -> Result<&mut aya::programs::Xdp, DataplaneError> {
+    let name = calix_common::PROG_XDP_HOST_DEV;
+    find(bpf, name)?.try_into().map_err(prog_err(name, "cast"))
+}
+
+/// Loads (verifies) one program of the object as its own type: tc classifier or XDP.
+fn load_program(bpf: &mut Ebpf, name: &'static str) -> Result<(), DataplaneError> {
+    match find(bpf, name)? {
+        Program::SchedClassifier(p) => p.load(),
+        Program::Xdp(p) => p.load(),
+        _ => Err(ProgramError::UnexpectedProgramType),
+    }
+    .map_err(prog_err(name, "load"))
 }
 
 impl EbpfDataplane {
@@ -171,8 +206,8 @@ impl EbpfDataplane {
         }
         .map_err(|e| DataplaneError::Load(Box::new(e)))?;
         for name in ALL_PROGRAMS {
-            let prog = program(&mut bpf, name)?;
-            prog.load().map_err(prog_err(name, "load"))?;
+            load_program(&mut bpf, name)?;
+            let prog = find(&mut bpf, name)?;
             // Re-pin: the pin names the program the filters run from now on.
             let pin = progs_dir.join(name);
             match std::fs::remove_file(&pin) {
@@ -199,13 +234,41 @@ impl EbpfDataplane {
             programmed: StdHashMap::new(),
             counter_keys: std::collections::HashSet::new(),
             pools: Vec::new(),
+            xdp: None,
         };
         dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
         for uplink in dp.cfg.uplinks.clone() {
             dp.attach_pair(&uplink, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
             tracing::info!(%uplink, "uplink programs attached");
         }
+        dp.start_xdp()?;
         Ok(dp)
+    }
+
+    /// The running XDP prefilter's maps, for whoever applies policy changes (SIGHUP); `None`
+    /// when the prefilter is off or was taken already.
+    pub fn take_xdp(&mut self) -> Option<XdpFilter> {
+        self.xdp.take()
+    }
+
+    /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
+    /// from its first packet); links of interfaces it should no longer run on detached.
+    fn start_xdp(&mut self) -> Result<(), DataplaneError> {
+        let links = self.cfg.xdp_links_dir();
+        let Some(settings) = self.cfg.xdp.clone() else {
+            if xdp::detach_except(&links, &[]) > 0 {
+                tracing::info!("XDP prefilter is off: detached from the uplinks");
+            }
+            return Ok(());
+        };
+        let mut filter = XdpFilter::open(&mut self.bpf)?;
+        filter.set_policy(&settings.policy)?;
+        self.xdp = Some(filter);
+        xdp::detach_except(&links, &self.cfg.uplinks);
+        for uplink in &self.cfg.uplinks {
+            xdp::attach(xdp_program(&mut self.bpf)?, uplink, settings.mode, &links)?;
+        }
+        Ok(())
     }
 
     /// Attaches `name` at `at` on `ifname` with calix's fixed priority and handle; replaces
@@ -537,6 +600,7 @@ impl Dataplane for EbpfDataplane {
         for uplink in &self.cfg.uplinks {
             Self::detach_filters(uplink);
         }
+        xdp::detach_except(&self.cfg.xdp_links_dir(), &[]);
         let dir = self.cfg.node_dir();
         if let Err(e) = std::fs::remove_dir_all(&dir) {
             if e.kind() != std::io::ErrorKind::NotFound {

@@ -1,7 +1,8 @@
 //! The dataplane behind one narrow trait: attach an endpoint's programs and map entries, detach
-//! them, read counters. `ebpf` loads the tc programs; `kernel` leaves forwarding to the kernel's
-//! routes.
+//! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
+//! `kernel` leaves forwarding to the kernel's routes.
 pub mod ebpf;
+pub mod xdp;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -38,6 +39,13 @@ pub enum DataplaneError {
         op: &'static str,
         #[source]
         source: Box<aya::maps::MapError>,
+    },
+    #[error("XDP on {ifname}: {op} failed")]
+    Xdp {
+        ifname: String,
+        op: &'static str,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
 }
 

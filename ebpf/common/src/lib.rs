@@ -35,8 +35,21 @@ pub const MAX_POOLS: u32 = 256;
 pub const STACK_FLOWS_MAP: &str = "CALIX_STACK_FLOWS";
 /// Size of [`STACK_FLOWS_MAP`].
 pub const MAX_STACK_FLOWS: u32 = 65_536;
+/// LPM trie: IPv4 source prefixes the uplink's XDP prefilter drops (key: prefix length +
+/// `[u8; 4]`, value: `u32`, unused). Maps added to a layout keep it compatible: an older build
+/// never opens them, a newer one creates them next to the existing pins.
+pub const DENY_V4_MAP: &str = "CALIX_DENY_V4";
+/// LPM trie: IPv6 source prefixes the XDP prefilter drops (key: prefix length + `[u8; 16]`).
+pub const DENY_V6_MAP: &str = "CALIX_DENY_V6";
+/// Maximum number of deny prefixes per family.
+pub const MAX_DENY_CIDRS: u32 = 65_536;
+/// Hash map: [`FailsafePort`] → `u32` (unused). TCP/UDP destination ports the XDP prefilter
+/// never drops, whatever the source: ssh, the agent's own ports.
+pub const FAILSAFE_MAP: &str = "CALIX_FAILSAFE";
+/// Maximum number of failsafe ports.
+pub const MAX_FAILSAFE_PORTS: u32 = 256;
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 8] = [
+pub const ALL_MAPS: [&str; 11] = [
     STACK_FLOWS_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
@@ -45,6 +58,9 @@ pub const ALL_MAPS: [&str; 8] = [
     DROPS_MAP,
     POOLS_V4_MAP,
     POOLS_V6_MAP,
+    DENY_V4_MAP,
+    DENY_V6_MAP,
+    FAILSAFE_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node.
@@ -60,12 +76,25 @@ pub const PROG_TO_POD: &str = "to_pod";
 pub const PROG_FROM_HOST_DEV: &str = "from_host_dev";
 /// tc egress on the node's uplink: traffic leaving the node.
 pub const PROG_TO_HOST_DEV: &str = "to_host_dev";
-/// Every program, for loading, pinning and the verifier test.
-pub const ALL_PROGRAMS: [&str; 4] = [
+/// XDP on the node's uplink: the prefilter (deny list, malformed packets, failsafe ports).
+pub const PROG_XDP_HOST_DEV: &str = "xdp_host_dev";
+/// The tc classifiers (loaded as `SchedClassifier`, attached with cls_bpf).
+pub const TC_PROGRAMS: [&str; 4] = [
     PROG_FROM_POD,
     PROG_TO_POD,
     PROG_FROM_HOST_DEV,
     PROG_TO_HOST_DEV,
+];
+/// The XDP programs (loaded as `Xdp`).
+pub const XDP_PROGRAMS: [&str; 1] = [PROG_XDP_HOST_DEV];
+/// Every program, for pinning, the object check and the verifier test: [`TC_PROGRAMS`], then
+/// [`XDP_PROGRAMS`].
+pub const ALL_PROGRAMS: [&str; 5] = [
+    PROG_FROM_POD,
+    PROG_TO_POD,
+    PROG_FROM_HOST_DEV,
+    PROG_TO_HOST_DEV,
+    PROG_XDP_HOST_DEV,
 ];
 
 /// The MAC address of every host-side `cali*` veth (the pods' gateway).
@@ -148,6 +177,21 @@ pub const FAST_PATH_MARK: u32 = 0x0ca1_1000;
 /// pod under (without dropping it): how a test tells which build runs.
 pub const UPGRADE_TEST_MARK: u32 = 255;
 
+/// [`FailsafePort::proto`] values: the IP protocol numbers.
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+
+/// Key of [`FAILSAFE_MAP`]: a TCP or UDP destination port.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FailsafePort {
+    /// Destination port, network byte order (as in the packet).
+    pub port: u16,
+    /// [`IPPROTO_TCP`] or [`IPPROTO_UDP`].
+    pub proto: u8,
+    pub _pad: u8,
+}
+
 /// Key of a drop counter.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -191,10 +235,17 @@ pub enum DropReason {
     MalformedArp = 6,
     /// IPv4 from a pod that has no IPv4 address (or IPv6 from a pod without IPv6).
     FamilyNotAssigned = 7,
+    /// XDP on the uplink: the source address is in the deny list (and the packet is not to a
+    /// failsafe port).
+    XdpDenied = 8,
+    /// XDP on the uplink: a truncated or invalid IPv4 header (version, IHL, total length).
+    XdpMalformedV4 = 9,
+    /// XDP on the uplink: a truncated or invalid IPv6 header (version, payload length).
+    XdpMalformedV6 = 10,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 7] = [
+    pub const ALL: [DropReason; 10] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -202,6 +253,9 @@ impl DropReason {
         DropReason::MalformedV6,
         DropReason::MalformedArp,
         DropReason::FamilyNotAssigned,
+        DropReason::XdpDenied,
+        DropReason::XdpMalformedV4,
+        DropReason::XdpMalformedV6,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -214,6 +268,9 @@ impl DropReason {
             DropReason::MalformedV6 => "malformed_ipv6",
             DropReason::MalformedArp => "malformed_arp",
             DropReason::FamilyNotAssigned => "family_not_assigned",
+            DropReason::XdpDenied => "xdp_denied_source",
+            DropReason::XdpMalformedV4 => "xdp_malformed_ipv4",
+            DropReason::XdpMalformedV6 => "xdp_malformed_ipv6",
         }
     }
 
@@ -231,6 +288,7 @@ mod pod {
     unsafe impl aya::Pod for super::DropKey {}
     unsafe impl aya::Pod for super::DropCount {}
     unsafe impl aya::Pod for super::FlowKey {}
+    unsafe impl aya::Pod for super::FailsafePort {}
 }
 
 #[cfg(test)]
@@ -246,6 +304,7 @@ mod tests {
         assert_eq!(size_of::<DropKey>(), 8);
         assert_eq!(size_of::<DropCount>(), 16);
         assert_eq!(size_of::<FlowKey>(), 40);
+        assert_eq!(size_of::<FailsafePort>(), 4);
     }
 
     #[test]
@@ -281,5 +340,16 @@ mod tests {
             );
         }
         assert_eq!(DropReason::from_u32(0), None);
+        // Values are stable: they are keys in the pinned counters map.
+        let values: [u32; 10] = DropReason::ALL.map(|r| r as u32);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    }
+
+    #[test]
+    fn programs_are_the_tc_ones_then_the_xdp_ones() {
+        let mut both = [""; 5];
+        both[..4].copy_from_slice(&TC_PROGRAMS);
+        both[4..].copy_from_slice(&XDP_PROGRAMS);
+        assert_eq!(both, ALL_PROGRAMS);
     }
 }

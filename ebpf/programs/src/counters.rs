@@ -1,6 +1,9 @@
-//! Per-endpoint packet and byte counters, and the one drop path.
+//! Per-endpoint packet and byte counters, and the one drop path (tc and XDP).
 
-use aya_ebpf::{bindings::TC_ACT_SHOT, programs::TcContext};
+use aya_ebpf::{
+    bindings::{xdp_action::XDP_DROP, TC_ACT_SHOT},
+    programs::TcContext,
+};
 use calix_common::{DropCount, DropKey, DropReason, EndpointCounters};
 
 use crate::maps::{CALIX_COUNTERS, CALIX_DROPS};
@@ -38,11 +41,22 @@ pub fn to_pod(ifindex: u32, len: u64) {
 /// The one drop path: counts the packet under (ifindex, reason) and returns the drop verdict.
 #[inline(always)]
 pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
-    let key = DropKey {
-        ifindex,
-        reason: reason as u32,
-    };
-    let len = u64::from(ctx.len());
+    count_drop(ifindex, reason as u32, u64::from(ctx.len()));
+    TC_ACT_SHOT
+}
+
+/// The one drop path of XDP programs: counts the frame (`len` bytes) under (ifindex, reason)
+/// and returns `XDP_DROP`.
+#[inline(always)]
+pub fn drop_xdp(ifindex: u32, reason: DropReason, len: u64) -> u32 {
+    count_drop(ifindex, reason as u32, len);
+    XDP_DROP
+}
+
+/// Adds one packet of `len` bytes to the drop counter (ifindex, reason).
+#[inline(always)]
+fn count_drop(ifindex: u32, reason: u32, len: u64) {
+    let key = DropKey { ifindex, reason };
     match CALIX_DROPS.get_ptr_mut(&key) {
         // SAFETY: as in `update`: a per-CPU value from a successful lookup.
         Some(v) => unsafe {
@@ -70,7 +84,6 @@ pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
             }
         }
     }
-    TC_ACT_SHOT
 }
 
 /// The `upgrade-test` build: counts each packet from a pod under reason 255 without dropping
@@ -78,26 +91,9 @@ pub fn drop(ctx: &TcContext, ifindex: u32, reason: DropReason) -> i32 {
 #[cfg(feature = "upgrade-test")]
 #[inline(always)]
 pub fn mark_upgrade_build(ctx: &TcContext, ifindex: u32) {
-    let key = DropKey {
+    count_drop(
         ifindex,
-        reason: calix_common::UPGRADE_TEST_MARK,
-    };
-    let len = u64::from(ctx.len());
-    match CALIX_DROPS.get_ptr_mut(&key) {
-        // SAFETY: a per-CPU value from a successful lookup.
-        Some(v) => unsafe {
-            (*v).packets = (*v).packets.wrapping_add(1);
-            (*v).bytes = (*v).bytes.wrapping_add(len);
-        },
-        None => {
-            let _ = CALIX_DROPS.insert(
-                &key,
-                &DropCount {
-                    packets: 1,
-                    bytes: len,
-                },
-                1,
-            );
-        }
-    }
+        calix_common::UPGRADE_TEST_MARK,
+        u64::from(ctx.len()),
+    );
 }

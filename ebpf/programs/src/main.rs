@@ -5,6 +5,8 @@
 //! packet continue into the stack; `TC_ACT_SHOT` drops it (only through `counters::drop`, which
 //! records the reason); `TC_ACT_REDIRECT` comes from the redirect helpers. A helper error fails
 //! open (`TC_ACT_OK`): the host stack then handles the packet as it would without calix.
+//! `xdp_host_dev` (XDP on the uplinks) answers `XDP_PASS` or, through `counters::drop_xdp`,
+//! `XDP_DROP`.
 #![no_std]
 #![no_main]
 
@@ -16,8 +18,13 @@ mod host_dev;
 mod maps;
 mod packet;
 mod to_pod;
+mod xdp;
 
-use aya_ebpf::{bindings::TC_ACT_OK, macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    bindings::TC_ACT_OK,
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
 
 /// tc ingress on each host-side `cali*` veth: packets the pod sends.
 #[classifier]
@@ -57,11 +64,19 @@ pub fn to_host_dev(mut ctx: TcContext) -> i32 {
     }
 }
 
+/// XDP on the node's uplink, before the host stack allocates anything: the prefilter (deny
+/// list by source, malformed IP headers, failsafe ports).
+#[xdp(frags)]
+pub fn xdp_host_dev(ctx: XdpContext) -> u32 {
+    xdp::try_xdp_host_dev(&ctx)
+}
+
 // The ELF symbol of each entry is its program name; the agent looks them up by these consts.
 const _: () = assert!(str_eq(calix_common::PROG_FROM_POD, "from_pod"));
 const _: () = assert!(str_eq(calix_common::PROG_TO_POD, "to_pod"));
 const _: () = assert!(str_eq(calix_common::PROG_FROM_HOST_DEV, "from_host_dev"));
 const _: () = assert!(str_eq(calix_common::PROG_TO_HOST_DEV, "to_host_dev"));
+const _: () = assert!(str_eq(calix_common::PROG_XDP_HOST_DEV, "xdp_host_dev"));
 
 /// `&str` equality usable in `const` context (for the name checks above and in `maps`).
 pub(crate) const fn str_eq(a: &str, b: &str) -> bool {

@@ -9,8 +9,8 @@ use aya_ebpf::{
     maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap},
 };
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, MAX_DROP_KEYS,
-    MAX_ENDPOINTS, MAX_POOLS, MAX_STACK_FLOWS,
+    DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint,
+    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_POOLS, MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack delivered to a local pod; their replies go back through the stack.
@@ -46,6 +46,20 @@ pub static CALIX_POOLS_V4: LpmTrie<[u8; 4], u32> = LpmTrie::pinned(MAX_POOLS, BP
 #[map(name = "CALIX_POOLS_V6")]
 pub static CALIX_POOLS_V6: LpmTrie<[u8; 16], u32> = LpmTrie::pinned(MAX_POOLS, BPF_F_NO_PREALLOC);
 
+/// IPv4 source prefixes the uplink's XDP prefilter drops.
+#[map(name = "CALIX_DENY_V4")]
+pub static CALIX_DENY_V4: LpmTrie<[u8; 4], u32> =
+    LpmTrie::pinned(MAX_DENY_CIDRS, BPF_F_NO_PREALLOC);
+
+/// IPv6 source prefixes the uplink's XDP prefilter drops.
+#[map(name = "CALIX_DENY_V6")]
+pub static CALIX_DENY_V6: LpmTrie<[u8; 16], u32> =
+    LpmTrie::pinned(MAX_DENY_CIDRS, BPF_F_NO_PREALLOC);
+
+/// TCP/UDP destination ports the XDP prefilter never drops.
+#[map(name = "CALIX_FAILSAFE")]
+pub static CALIX_FAILSAFE: HashMap<FailsafePort, u32> = HashMap::pinned(MAX_FAILSAFE_PORTS, 0);
+
 // `#[map(name = ...)]` takes a literal only; keep each in step with the const the agent uses.
 const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"));
 const _: () = assert!(crate::str_eq(
@@ -61,3 +75,6 @@ const _: () = assert!(crate::str_eq(calix_common::LOCAL_V6_MAP, "CALIX_LOCAL_V6"
 const _: () = assert!(crate::str_eq(calix_common::DROPS_MAP, "CALIX_DROPS"));
 const _: () = assert!(crate::str_eq(calix_common::POOLS_V4_MAP, "CALIX_POOLS_V4"));
 const _: () = assert!(crate::str_eq(calix_common::POOLS_V6_MAP, "CALIX_POOLS_V6"));
+const _: () = assert!(crate::str_eq(calix_common::DENY_V4_MAP, "CALIX_DENY_V4"));
+const _: () = assert!(crate::str_eq(calix_common::DENY_V6_MAP, "CALIX_DENY_V6"));
+const _: () = assert!(crate::str_eq(calix_common::FAILSAFE_MAP, "CALIX_FAILSAFE"));

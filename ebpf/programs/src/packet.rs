@@ -1,5 +1,6 @@
-//! Header offsets and reads. Everything is read with `bpf_skb_load_bytes` (`ctx.load`), which
-//! fails cleanly on a short packet instead of needing bounds proofs for the verifier.
+//! Header offsets and reads. The tc programs read everything with `bpf_skb_load_bytes`
+//! (`ctx.load`), which fails cleanly on a short packet instead of needing bounds proofs for the
+//! verifier; XDP (`xdp.rs`) uses direct packet access with its own bounds checks.
 
 use aya_ebpf::{cty::c_long, programs::TcContext};
 
@@ -7,6 +8,10 @@ pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_IPV6: u16 = 0x86dd;
 pub const ETH_P_ARP: u16 = 0x0806;
+/// 802.1Q and 802.1ad VLAN tags (4 bytes before the inner EtherType).
+pub const ETH_P_8021Q: u16 = 0x8100;
+pub const ETH_P_8021AD: u16 = 0x88a8;
+pub const VLAN_HLEN: usize = 4;
 
 /// Offsets inside an IPv4 header, from the start of the frame.
 pub mod v4 {
@@ -151,8 +156,7 @@ pub fn is_v6_unspecified(a: &[u8; 16]) -> bool {
 }
 
 pub const IPPROTO_ICMP: u8 = 1;
-pub const IPPROTO_TCP: u8 = 6;
-pub const IPPROTO_UDP: u8 = 17;
+pub use calix_common::{IPPROTO_TCP, IPPROTO_UDP};
 pub const IPPROTO_ICMPV6: u8 = 58;
 
 /// (source, destination) "ports" of a transport header at `l4` (bytes into the frame), in
