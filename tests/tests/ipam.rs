@@ -68,6 +68,19 @@ async fn allocate_many(
 }
 
 /// Agent config on etcd at `url`; `extra` may bring its own `[[pools]]` (else 10.60.0.0/20).
+/// Asserts that `handle` (ifname eth0) holds exactly `addr` now.
+async fn assert_holds(c: &mut Client, handle: &str, addr: IpAddr) {
+    let got = c
+        .lookup(pb::LookupRequest {
+            handle: handle.to_string(),
+            ifname: "eth0".into(),
+        })
+        .await
+        .expect("lookup")
+        .into_inner();
+    assert_eq!(got.addresses[0].address, format!("{addr}/32"), "{handle}");
+}
+
 fn etcd_config(url: &str, extra: &str) -> String {
     let pools = if extra.contains("[[pools]]") {
         ""
@@ -302,16 +315,7 @@ fn an_etcd_restart_mid_allocation_loses_nothing() {
     rt.block_on(async {
         let mut c = client(&node).await;
         for (h, r) in &results {
-            let got = c
-                .lookup(pb::LookupRequest {
-                    handle: h.clone(),
-                    ifname: "eth0".into(),
-                })
-                .await
-                .expect("lookup")
-                .into_inner();
-            let want = r.as_ref().expect("ok").to_string();
-            assert_eq!(got.addresses[0].address, format!("{want}/32"), "{h}");
+            assert_holds(&mut c, h, *r.as_ref().expect("ok")).await;
         }
     });
 }
@@ -370,15 +374,7 @@ fn kill_nine_mid_allocation(node: &Node) {
         let mut eps = pb::endpoints_client::EndpointsClient::new(ch);
         for (h, a) in &acked {
             // Every acknowledged allocation is still there, unchanged...
-            let got = ipam
-                .lookup(pb::LookupRequest {
-                    handle: h.clone(),
-                    ifname: "eth0".into(),
-                })
-                .await
-                .expect("lookup")
-                .into_inner();
-            assert_eq!(got.addresses[0].address, format!("{a}/32"), "{h}");
+            assert_holds(&mut ipam, h, *a).await;
             // ...and gets its endpoint, as the CNI plugin would register it ("lo" stands in
             // for the pod's veth: the node runs the kernel dataplane).
             let cid = h.trim_start_matches("net.").to_string();

@@ -45,15 +45,21 @@ fn dec_hop_limit(ctx: &mut TcContext) -> Result<bool, c_long> {
     Ok(true)
 }
 
+/// Decrements the TTL (IPv4) or hop limit (IPv6) as forwarding does; `false` if it would
+/// expire (the host stack then sends the ICMP error).
+#[inline(always)]
+fn dec_ttl(ctx: &mut TcContext, v4: bool) -> Result<bool, c_long> {
+    if v4 {
+        dec_ttl_v4(ctx)
+    } else {
+        dec_hop_limit(ctx)
+    }
+}
+
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
 #[inline(always)]
 pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, v4: bool) -> Result<i32, c_long> {
-    let alive = if v4 {
-        dec_ttl_v4(ctx)?
-    } else {
-        dec_hop_limit(ctx)?
-    };
-    if !alive {
+    if !dec_ttl(ctx, v4)? {
         return Ok(TC_ACT_OK);
     }
     ctx.store(0, &ep.mac, 0)?;
@@ -80,12 +86,7 @@ fn via_fib(ctx: &mut TcContext, mut p: FibParams, v4: bool) -> Result<i32, c_lon
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Ok(TC_ACT_OK);
     }
-    let alive = if v4 {
-        dec_ttl_v4(ctx)?
-    } else {
-        dec_hop_limit(ctx)?
-    };
-    if !alive {
+    if !dec_ttl(ctx, v4)? {
         return Ok(TC_ACT_OK);
     }
     // Tell `to_host_dev` this packet took the fast path (it records only stack-routed flows).
