@@ -42,6 +42,12 @@ enum Task {
         #[command(subcommand)]
         scenario: bench::Scenario,
     },
+    /// The request/response client and server `bench dataplane` execs in its pod namespaces.
+    #[command(hide = true)]
+    Netperf {
+        #[command(subcommand)]
+        mode: bench::netperf::Mode,
+    },
 }
 
 fn main() -> Result<()> {
@@ -52,5 +58,6 @@ fn main() -> Result<()> {
         Task::Test { args } => test::run_tests(&args),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
+        Task::Netperf { mode } => bench::netperf::run(mode),
     }
 }

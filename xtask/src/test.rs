@@ -84,7 +84,13 @@ fn cargo_test(
 
 /// The names of calix's programs.
 fn calix_common_programs() -> [&'static str; 5] {
-    ["from_pod", "to_pod", "from_host_dev", "to_host_dev", "xdp_host_dev"]
+    [
+        "from_pod",
+        "to_pod",
+        "from_host_dev",
+        "to_host_dev",
+        "xdp_host_dev",
+    ]
 }
 
 /// What a test run may have leaked: its namespaces, `cali*` links in this namespace, pins.

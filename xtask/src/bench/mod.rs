@@ -3,7 +3,9 @@
 //! (repetitions outer, variants inner), medians with [min–max] over repetitions, the load
 //! average recorded before each variant. Results go to stdout and to docs/bench/<scenario>.md.
 mod cni;
+mod dataplane;
 mod ipam;
+pub mod netperf;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -38,12 +40,31 @@ pub enum Scenario {
         #[arg(long, default_value_t = 4)]
         reps: usize,
     },
+    /// Same-node pod-to-pod performance: calix eBPF and kernel mode against Debian's bridge
+    /// plugin and a raw veth pair: connections/s (TCP_CRR), TCP_RR latency, iperf3 throughput,
+    /// and the node's IpForwDatagrams.
+    Dataplane {
+        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
+        /// --quick].
+        #[arg(long)]
+        reps: Option<usize>,
+        /// Seconds per measurement (TCP_CRR, TCP_RR, iperf3 each) [default: 3; 1 with --quick].
+        #[arg(long)]
+        secs: Option<u64>,
+        /// Development mode: 2 repetitions of 1 s (numbers not worth publishing).
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 pub fn run(scenario: Scenario) -> Result<()> {
     match scenario {
         Scenario::Cni { pods, reps } => cni::run(pods, reps),
         Scenario::Ipam { allocs, reps } => ipam::run(allocs, reps),
+        Scenario::Dataplane { reps, secs, quick } => {
+            let (r, s) = if quick { (2, 1) } else { (6, 3) };
+            dataplane::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        }
     }
 }
 
@@ -256,21 +277,86 @@ pub struct Call<'a> {
 /// namespace execs a plugin: plain fork+exec, the child `setns`es before exec. (`ip netns
 /// exec` would add a mount namespace and a sysfs remount, ~1.6 ms, to every call.)
 pub fn in_netns(program: &Path, node: &str) -> Result<Command> {
+    netns_command(program, node, None, false)
+}
+
+/// Like [`in_netns`], and the child runs on CPU `cpu` only (`sched_setaffinity`, like
+/// `taskset -c`) and dies with the bench (`PR_SET_PDEATHSIG`): for servers, clients and agents
+/// the bench starts inside its namespaces.
+pub fn in_netns_on(program: &Path, ns: &str, cpu: Option<usize>) -> Result<Command> {
+    netns_command(program, ns, cpu, true)
+}
+
+fn netns_command(
+    program: &Path,
+    node: &str,
+    cpu: Option<usize>,
+    die_with_bench: bool,
+) -> Result<Command> {
     use std::os::fd::AsRawFd;
     use std::os::unix::process::CommandExt;
     let ns = std::fs::File::open(format!("/run/netns/{node}"))
         .with_context(|| format!("cannot open netns {node}"))?;
+    // Built before the fork: nothing allocates in the child.
+    // SAFETY: cpu_set_t is plain data; all zeroes is the empty set.
+    let mut cpus: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if let Some(c) = cpu {
+        // SAFETY: CPU_SET writes one bit of the set (it ignores out-of-range CPUs).
+        unsafe { libc::CPU_SET(c, &mut cpus) };
+    }
     let mut cmd = Command::new(program);
-    // SAFETY: setns is async-signal-safe; the fd stays open (moved into the closure) until exec.
+    // SAFETY: setns, sched_setaffinity and prctl are async-signal-safe and touch no memory of
+    // the parent; the fd stays open (moved into the closure) until exec.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0
+                || (cpu.is_some()
+                    && libc::sched_setaffinity(0, std::mem::size_of_val(&cpus), &cpus) != 0)
+                || (die_with_bench && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0)
+            {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
         });
     }
     Ok(cmd)
+}
+
+/// The pid in `name` when it is `<prefix>-<pid>-…` (or `<prefix>-<pid>`) and that process is
+/// gone: a leftover of a bench run that died without cleaning up.
+pub fn stale_pid(name: &str, prefix: &str) -> Option<u32> {
+    let pid = name
+        .strip_prefix(prefix)?
+        .strip_prefix('-')?
+        .split('-')
+        .next()?
+        .parse::<u32>()
+        .ok()?;
+    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
+}
+
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// From now on SIGINT and SIGTERM only set a flag ([`check_interrupted`]), so the bench stops
+/// at the next check and its guards remove what it created (Ctrl-C also reaches the children,
+/// which die and fail the running measurement).
+pub fn catch_interrupts() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        unsafe { libc::signal(sig, on_interrupt as *const () as libc::sighandler_t) };
+    }
+}
+
+/// Fails when SIGINT or SIGTERM arrived since [`catch_interrupts`].
+pub fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(std::sync::atomic::Ordering::Relaxed) {
+        bail!("interrupted");
+    }
+    Ok(())
 }
 
 impl Plugin {
@@ -320,19 +406,32 @@ impl Plugin {
         let child = self.spawn(call)?;
         let out = self.finish(call, child)?;
         let dt = ms(t0.elapsed());
-        if call.command == "ADD" {
-            let v: Value = serde_json::from_slice(&out.stdout).with_context(|| {
-                format!(
-                    "{} ADD printed non-JSON: {}",
-                    self.label,
-                    String::from_utf8_lossy(&out.stdout)
-                )
-            })?;
-            if v["ips"][0]["address"].as_str().is_none() {
-                bail!("{} ADD returned no address: {v}", self.label);
-            }
-        }
+        self.result(call, &out)?;
         Ok(dt)
+    }
+
+    /// One call, untimed: its result (an ADD's, checked to hold an address; Null otherwise).
+    pub fn call(&self, call: &Call) -> Result<Value> {
+        let child = self.spawn(call)?;
+        let out = self.finish(call, child)?;
+        self.result(call, &out)
+    }
+
+    fn result(&self, call: &Call, out: &Output) -> Result<Value> {
+        if call.command != "ADD" {
+            return Ok(Value::Null);
+        }
+        let v: Value = serde_json::from_slice(&out.stdout).with_context(|| {
+            format!(
+                "{} ADD printed non-JSON: {}",
+                self.label,
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })?;
+        if v["ips"][0]["address"].as_str().is_none() {
+            bail!("{} ADD returned no address: {v}", self.label);
+        }
+        Ok(v)
     }
 
     /// `calls` all at once: wall time from the first fork to the last exit.
