@@ -19,51 +19,73 @@ const AF_INET6: u8 = 10;
 const BPF_FIB_LKUP_RET_SUCCESS: c_long = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: c_long = 7;
 
-/// Decrements the IPv4 TTL and fixes the header checksum; `false` if the TTL would expire.
-#[inline(always)]
-fn dec_ttl_v4(ctx: &mut TcContext) -> Result<bool, c_long> {
-    // TTL and protocol form one 16-bit word of the checksum.
-    let old: u16 = ctx.load(v4::TTL)?;
-    let ttl = old.to_ne_bytes()[0];
-    if ttl <= 1 {
-        return Ok(false);
-    }
-    let new = u16::from_ne_bytes([ttl - 1, old.to_ne_bytes()[1]]);
-    ctx.l3_csum_replace(v4::CSUM, u64::from(old), u64::from(new), 2)?;
-    ctx.store(v4::TTL, &(ttl - 1), 0)?;
-    Ok(true)
+/// What the TTL / hop-limit step needs, taken from the header the caller already parsed.
+#[derive(Clone, Copy)]
+pub enum Ttl {
+    V4 { ttl: u8, proto: u8, csum: [u8; 2] },
+    V6 { hop_limit: u8 },
 }
 
-/// Decrements the IPv6 hop limit (no checksum); `false` if it would expire.
-#[inline(always)]
-fn dec_hop_limit(ctx: &mut TcContext) -> Result<bool, c_long> {
-    let hl: u8 = ctx.load(v6::HOP_LIMIT)?;
-    if hl <= 1 {
-        return Ok(false);
+impl Ttl {
+    pub fn of_v4(ip: &Ipv4) -> Self {
+        Ttl::V4 {
+            ttl: ip.ttl,
+            proto: ip.proto,
+            csum: ip.csum,
+        }
     }
-    ctx.store(v6::HOP_LIMIT, &(hl - 1), 0)?;
-    Ok(true)
+
+    pub fn of_v6(ip: &Ipv6) -> Self {
+        Ttl::V6 {
+            hop_limit: ip.hop_limit,
+        }
+    }
 }
 
-/// Decrements the TTL (IPv4) or hop limit (IPv6) as forwarding does; `false` if it would
-/// expire (the host stack then sends the ICMP error).
+/// Decrements the TTL (IPv4, with the header checksum updated incrementally: RFC 1624) or the
+/// hop limit (IPv6) as forwarding does, in one store; `false` if it would expire (the host
+/// stack then sends the ICMP error).
 #[inline(always)]
-fn dec_ttl(ctx: &mut TcContext, v4: bool) -> Result<bool, c_long> {
-    if v4 {
-        dec_ttl_v4(ctx)
-    } else {
-        dec_hop_limit(ctx)
+fn dec_ttl(ctx: &mut TcContext, t: Ttl) -> Result<bool, c_long> {
+    match t {
+        Ttl::V4 { ttl, proto, csum } => {
+            if ttl <= 1 {
+                return Ok(false);
+            }
+            // TTL and protocol form one 16-bit word of the checksum: HC' = ~(~HC + ~m + m').
+            let m = u16::from_be_bytes([ttl, proto]);
+            let m2 = u16::from_be_bytes([ttl - 1, proto]);
+            let hc = u16::from_be_bytes(csum);
+            let mut sum = u32::from(!hc) + u32::from(!m) + u32::from(m2);
+            sum = (sum & 0xffff) + (sum >> 16);
+            sum = (sum & 0xffff) + (sum >> 16);
+            let new = (!(sum as u16)).to_be_bytes();
+            ctx.store(v4::TTL, &[ttl - 1, proto, new[0], new[1]], 0)?;
+            Ok(true)
+        }
+        Ttl::V6 { hop_limit } => {
+            if hop_limit <= 1 {
+                return Ok(false);
+            }
+            ctx.store(v6::HOP_LIMIT, &(hop_limit - 1), 0)?;
+            Ok(true)
+        }
     }
 }
 
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
 #[inline(always)]
-pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, v4: bool) -> Result<i32, c_long> {
-    if !dec_ttl(ctx, v4)? {
+pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, c_long> {
+    if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
-    ctx.store(0, &ep.mac, 0)?;
-    ctx.store(6, &HOST_VETH_MAC, 0)?;
+    // Destination and source MAC in one store.
+    let m = ep.mac;
+    let h = HOST_VETH_MAC;
+    let macs: [u8; 12] = [
+        m[0], m[1], m[2], m[3], m[4], m[5], h[0], h[1], h[2], h[3], h[4], h[5],
+    ];
+    ctx.store(0, &macs, 0)?;
     counters::to_pod(ep.ifindex, u64::from(ctx.len()));
     // SAFETY: a plain helper call; the kernel validates the ifindex.
     Ok(unsafe { bpf_redirect_peer(ep.ifindex, 0) } as i32)
@@ -73,7 +95,7 @@ pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, v4: bool) -> Result<i32
 /// interface; anything the FIB cannot settle (local delivery, no route, blackhole...) goes to
 /// the host stack.
 #[inline(always)]
-fn via_fib(ctx: &mut TcContext, mut p: FibParams, v4: bool) -> Result<i32, c_long> {
+fn via_fib(ctx: &mut TcContext, mut p: FibParams, t: Ttl) -> Result<i32, c_long> {
     // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -86,14 +108,17 @@ fn via_fib(ctx: &mut TcContext, mut p: FibParams, v4: bool) -> Result<i32, c_lon
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Ok(TC_ACT_OK);
     }
-    if !dec_ttl(ctx, v4)? {
+    if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
     // Tell `to_host_dev` this packet took the fast path (it records only stack-routed flows).
     ctx.set_mark(calix_common::FAST_PATH_MARK);
     if rc == BPF_FIB_LKUP_RET_SUCCESS {
-        ctx.store(0, &p.dmac, 0)?;
-        ctx.store(6, &p.smac, 0)?;
+        let (d, s) = (p.dmac, p.smac);
+        let macs: [u8; 12] = [
+            d[0], d[1], d[2], d[3], d[4], d[5], s[0], s[1], s[2], s[3], s[4], s[5],
+        ];
+        ctx.store(0, &macs, 0)?;
         // SAFETY: a plain helper call.
         return Ok(unsafe { bpf_redirect(p.ifindex, 0) } as i32);
     }
@@ -118,7 +143,7 @@ pub fn remote_v4(ctx: &mut TcContext, ip: &Ipv4, ifindex: u32) -> Result<i32, c_
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src);
     p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst);
-    via_fib(ctx, p, true)
+    via_fib(ctx, p, Ttl::of_v4(ip))
 }
 
 /// IPv6 to another node.
@@ -139,5 +164,5 @@ pub fn remote_v6(ctx: &mut TcContext, ip: &Ipv6, ifindex: u32) -> Result<i32, c_
     };
     p.__bindgen_anon_3.ipv6_src = words(&ip.src);
     p.__bindgen_anon_4.ipv6_dst = words(&ip.dst);
-    via_fib(ctx, p, false)
+    via_fib(ctx, p, Ttl::of_v6(ip))
 }

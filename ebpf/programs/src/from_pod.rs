@@ -57,7 +57,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { *local };
-        return forward::to_local(ctx, &local, true);
+        return forward::to_local(ctx, &local, forward::Ttl::of_v4(&ip));
     }
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
@@ -88,7 +88,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { *local };
-        return forward::to_local(ctx, &local, false);
+        return forward::to_local(ctx, &local, forward::Ttl::of_v6(&ip));
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);

@@ -21,7 +21,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 Some(local) if flows::fast_path_ok(flows::key_v4(ctx, &ip, false)) => {
                     // SAFETY: a pointer from a successful lookup, valid until the program
                     // returns.
-                    forward::to_local(ctx, &unsafe { *local }, true)
+                    forward::to_local(ctx, &unsafe { *local }, forward::Ttl::of_v4(&ip))
                 }
                 _ => Ok(TC_ACT_OK),
             }
@@ -33,7 +33,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             match CALIX_LOCAL_V6.get_ptr(&ip.dst) {
                 Some(local) if flows::fast_path_ok(flows::key_v6(ctx, &ip, false)) => {
                     // SAFETY: as above.
-                    forward::to_local(ctx, &unsafe { *local }, false)
+                    forward::to_local(ctx, &unsafe { *local }, forward::Ttl::of_v6(&ip))
                 }
                 _ => Ok(TC_ACT_OK),
             }

@@ -61,6 +61,9 @@ pub struct Ipv4 {
     pub ihl: usize,
     /// A fragment (more fragments follow, or not the first): no transport header to read.
     pub fragment: bool,
+    pub ttl: u8,
+    /// The header checksum as in the packet.
+    pub csum: [u8; 2],
 }
 
 /// Reads and validates the IPv4 header: `None` when it is truncated or invalid. IP options
@@ -71,9 +74,11 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     if len < ETH_HLEN + v4::MIN_LEN {
         return None;
     }
-    let ver_ihl: u8 = ctx.load(v4::VER_IHL).ok()?;
+    // The fixed header in one helper call.
+    let h: [u8; v4::MIN_LEN] = ctx.load(ETH_HLEN).ok()?;
+    let ver_ihl = h[0];
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
-    let tot_len = u16::from_be(ctx.load::<u16>(v4::TOT_LEN).ok()?);
+    let tot_len = u16::from_be_bytes([h[2], h[3]]);
     if ver_ihl >> 4 != 4
         || ihl < v4::MIN_LEN
         || usize::from(tot_len) < ihl
@@ -81,14 +86,16 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     {
         return None;
     }
-    let frag = u16::from_be(ctx.load::<u16>(v4::FRAG).ok()?);
+    let frag = u16::from_be_bytes([h[6], h[7]]);
     Some(Ipv4 {
-        src: ctx.load(v4::SRC).ok()?,
-        dst: ctx.load(v4::DST).ok()?,
-        proto: ctx.load(v4::PROTO).ok()?,
+        src: [h[12], h[13], h[14], h[15]],
+        dst: [h[16], h[17], h[18], h[19]],
+        proto: h[9],
         tot_len,
         ihl,
         fragment: frag & 0x3fff != 0,
+        ttl: h[8],
+        csum: [h[10], h[11]],
     })
 }
 
@@ -98,6 +105,7 @@ pub struct Ipv6 {
     pub dst: [u8; 16],
     pub next_hdr: u8,
     pub payload_len: u16,
+    pub hop_limit: u8,
 }
 
 /// Reads and validates the IPv6 fixed header: `None` when it is truncated or invalid.
@@ -107,16 +115,22 @@ pub fn ipv6(ctx: &TcContext) -> Option<Ipv6> {
     if len < ETH_HLEN + v6::LEN {
         return None;
     }
-    let ver: u8 = ctx.load(ETH_HLEN).ok()?;
-    let payload_len = u16::from_be(ctx.load::<u16>(v6::PAYLOAD_LEN).ok()?);
-    if ver >> 4 != 6 || ETH_HLEN + v6::LEN + usize::from(payload_len) > len {
+    // The fixed header in one helper call.
+    let h: [u8; v6::LEN] = ctx.load(ETH_HLEN).ok()?;
+    let payload_len = u16::from_be_bytes([h[4], h[5]]);
+    if h[0] >> 4 != 6 || ETH_HLEN + v6::LEN + usize::from(payload_len) > len {
         return None;
     }
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    src.copy_from_slice(&h[8..24]);
+    dst.copy_from_slice(&h[24..40]);
     Some(Ipv6 {
-        src: ctx.load(v6::SRC).ok()?,
-        dst: ctx.load(v6::DST).ok()?,
-        next_hdr: ctx.load(v6::NEXT_HDR).ok()?,
+        src,
+        dst,
+        next_hdr: h[6],
         payload_len,
+        hop_limit: h[7],
     })
 }
 
@@ -166,7 +180,13 @@ pub const IPPROTO_ICMPV6: u8 = 58;
 #[inline(always)]
 pub fn ports(ctx: &TcContext, l4: usize, proto: u8) -> Option<(u16, u16)> {
     match proto {
-        IPPROTO_TCP | IPPROTO_UDP => Some((ctx.load(l4).ok()?, ctx.load(l4 + 2).ok()?)),
+        IPPROTO_TCP | IPPROTO_UDP => {
+            let p: [u8; 4] = ctx.load(l4).ok()?;
+            Some((
+                u16::from_ne_bytes([p[0], p[1]]),
+                u16::from_ne_bytes([p[2], p[3]]),
+            ))
+        }
         IPPROTO_ICMP | IPPROTO_ICMPV6 => {
             let ty: u8 = ctx.load(l4).ok()?;
             // Echo request/reply: 8/0 (ICMP), 128/129 (ICMPv6).
