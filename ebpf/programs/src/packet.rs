@@ -13,26 +13,17 @@ pub const ETH_P_8021Q: u16 = 0x8100;
 pub const ETH_P_8021AD: u16 = 0x88a8;
 pub const VLAN_HLEN: usize = 4;
 
-/// Offsets inside an IPv4 header, from the start of the frame.
+/// IPv4: the fixed header is read whole ([`ipv4`]); the forwarding code writes from the TTL on.
 pub mod v4 {
-    pub const VER_IHL: usize = super::ETH_HLEN;
-    pub const TOT_LEN: usize = super::ETH_HLEN + 2;
-    pub const FRAG: usize = super::ETH_HLEN + 6;
+    /// The TTL's offset from the start of the frame (TTL, protocol, checksum follow).
     pub const TTL: usize = super::ETH_HLEN + 8;
-    pub const PROTO: usize = super::ETH_HLEN + 9;
-    pub const CSUM: usize = super::ETH_HLEN + 10;
-    pub const SRC: usize = super::ETH_HLEN + 12;
-    pub const DST: usize = super::ETH_HLEN + 16;
     pub const MIN_LEN: usize = 20;
 }
 
-/// Offsets inside an IPv6 header, from the start of the frame.
+/// IPv6: the fixed header is read whole ([`ipv6`]).
 pub mod v6 {
-    pub const PAYLOAD_LEN: usize = super::ETH_HLEN + 4;
-    pub const NEXT_HDR: usize = super::ETH_HLEN + 6;
+    /// The hop limit's offset from the start of the frame.
     pub const HOP_LIMIT: usize = super::ETH_HLEN + 7;
-    pub const SRC: usize = super::ETH_HLEN + 8;
-    pub const DST: usize = super::ETH_HLEN + 24;
     pub const LEN: usize = 40;
 }
 
