@@ -283,10 +283,9 @@ impl Agent {
         }
         let mut eps = self.eps.lock().await;
         let t0 = Instant::now();
-        let attached = eps
-            .dataplane
-            .attach(&EndpointSpec::from_record(&ep))
-            .map_err(|source| AgentError::Dataplane {
+        let spec = EndpointSpec::from_record(&ep);
+        let attached =
+            blocking(|| eps.dataplane.attach(&spec)).map_err(|source| AgentError::Dataplane {
                 host_ifname: ep.host_ifname.clone(),
                 source,
             })?;
@@ -331,12 +330,12 @@ impl Agent {
         let t0 = Instant::now();
         let ep = eps.endpoints.get(&key).cloned();
         if let Some(ep) = &ep {
-            eps.dataplane
-                .detach(&ep.host_ifname)
-                .map_err(|source| AgentError::Dataplane {
+            blocking(|| eps.dataplane.detach(&ep.host_ifname)).map_err(|source| {
+                AgentError::Dataplane {
                     host_ifname: ep.host_ifname.clone(),
                     source,
-                })?;
+                }
+            })?;
             eps.attached.remove(&ep.host_ifname);
         }
         let forget = ep
@@ -458,6 +457,16 @@ impl Agent {
         let mut eps = self.eps.lock().await;
         eps.dataplane.release();
         eps.attached.clear();
+    }
+}
+
+/// Runs a blocking dataplane call (netlink, which may wait for the RTNL lock) without holding
+/// up the runtime's other tasks: on the multi-threaded runtime the worker hands them over first.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
