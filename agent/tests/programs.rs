@@ -367,7 +367,16 @@ fn ipv4_the_fast_path_cannot_take_goes_to_the_stack_unchanged() {
         for ip in &cases {
             h.passes(PROG_FROM_POD, a.ifindex, &ip.sent_by(&a));
         }
-        assert_eq!(h.counters(a.ifindex).from_pod_packets, cases.len() as u64);
+        // A TCP packet whose IP payload is empty, padded to the Ethernet minimum with bytes
+        // that look like ports: the ports must come from the payload, so no fast path.
+        let mut padded = Ip4::new(a.v4, b.v4, TCP, Vec::new()).sent_by(&a);
+        padded.extend_from_slice(&[0x9c, 0x40, 0x00, 0x50]);
+        padded.resize(60, 0);
+        h.passes(PROG_FROM_POD, a.ifindex, &padded);
+        assert_eq!(
+            h.counters(a.ifindex).from_pod_packets,
+            cases.len() as u64 + 1
+        );
         assert_eq!(h.counters(b.ifindex), EndpointCounters::default());
         assert!(h.all_drops().is_empty());
     });

@@ -17,7 +17,8 @@ pub fn key_v4(ctx: &TcContext, ip: &Ipv4, pod_is_src: bool) -> Option<FlowKey> {
     if ip.fragment {
         return None;
     }
-    let (sport, dport) = packet::ports(ctx, ETH_HLEN + ip.ihl, ip.proto)?;
+    let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
+    let (sport, dport) = packet::ports(ctx, ETH_HLEN + ip.ihl, l4_len, ip.proto)?;
     let mut k = FlowKey {
         proto: ip.proto,
         family: 4,
@@ -38,7 +39,8 @@ pub fn key_v4(ctx: &TcContext, ip: &Ipv4, pod_is_src: bool) -> Option<FlowKey> {
 /// As [`key_v4`] for IPv6 (no extension headers: anything else has no key).
 #[inline(always)]
 pub fn key_v6(ctx: &TcContext, ip: &Ipv6, pod_is_src: bool) -> Option<FlowKey> {
-    let (sport, dport) = packet::ports(ctx, ETH_HLEN + packet::v6::LEN, ip.next_hdr)?;
+    let l4_len = usize::from(ip.payload_len);
+    let (sport, dport) = packet::ports(ctx, ETH_HLEN + packet::v6::LEN, l4_len, ip.next_hdr)?;
     let (pod, peer, pod_port, peer_port) = if pod_is_src {
         (ip.src, ip.dst, sport, dport)
     } else {

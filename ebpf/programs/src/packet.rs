@@ -164,12 +164,21 @@ pub const IPPROTO_ICMP: u8 = 1;
 pub use calix_common::{IPPROTO_TCP, IPPROTO_UDP};
 pub const IPPROTO_ICMPV6: u8 = 58;
 
-/// (source, destination) "ports" of a transport header at `l4` (bytes into the frame), in
+/// (source, destination) "ports" of a transport header at `l4` (bytes into the frame, `l4_len`
+/// bytes of IP payload), in
 /// network byte order: TCP/UDP ports, or the ICMP/ICMPv6 echo identifier twice. `None` for
 /// anything else (other protocols, other ICMP types, a truncated header): such packets never
 /// take the fast path.
 #[inline(always)]
-pub fn ports(ctx: &TcContext, l4: usize, proto: u8) -> Option<(u16, u16)> {
+pub fn ports(ctx: &TcContext, l4: usize, l4_len: usize, proto: u8) -> Option<(u16, u16)> {
+    // The ports (or the echo identifier) must lie inside the IP payload, not in frame padding.
+    let need = match proto {
+        IPPROTO_TCP | IPPROTO_UDP => 4,
+        _ => 8,
+    };
+    if l4_len < need {
+        return None;
+    }
     match proto {
         IPPROTO_TCP | IPPROTO_UDP => {
             let p: [u8; 4] = ctx.load(l4).ok()?;
