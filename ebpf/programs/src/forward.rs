@@ -73,19 +73,22 @@ fn dec_ttl(ctx: &mut TcContext, t: Ttl) -> Result<bool, c_long> {
     }
 }
 
+/// Writes the Ethernet destination and source in one store.
+#[inline(always)]
+fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_long> {
+    let mut macs = [0u8; 12];
+    macs[..6].copy_from_slice(dst);
+    macs[6..].copy_from_slice(src);
+    ctx.store(0, &macs, 0)
+}
+
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
 #[inline(always)]
 pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, c_long> {
     if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
-    // Destination and source MAC in one store.
-    let m = ep.mac;
-    let h = HOST_VETH_MAC;
-    let macs: [u8; 12] = [
-        m[0], m[1], m[2], m[3], m[4], m[5], h[0], h[1], h[2], h[3], h[4], h[5],
-    ];
-    ctx.store(0, &macs, 0)?;
+    set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;
     counters::to_pod(ep.ifindex, u64::from(ctx.len()));
     // SAFETY: a plain helper call; the kernel validates the ifindex.
     Ok(unsafe { bpf_redirect_peer(ep.ifindex, 0) } as i32)
@@ -114,11 +117,7 @@ fn via_fib(ctx: &mut TcContext, mut p: FibParams, t: Ttl) -> Result<i32, c_long>
     // Tell `to_host_dev` this packet took the fast path (it records only stack-routed flows).
     ctx.set_mark(calix_common::FAST_PATH_MARK);
     if rc == BPF_FIB_LKUP_RET_SUCCESS {
-        let (d, s) = (p.dmac, p.smac);
-        let macs: [u8; 12] = [
-            d[0], d[1], d[2], d[3], d[4], d[5], s[0], s[1], s[2], s[3], s[4], s[5],
-        ];
-        ctx.store(0, &macs, 0)?;
+        set_macs(ctx, &p.dmac, &p.smac)?;
         // SAFETY: a plain helper call.
         return Ok(unsafe { bpf_redirect(p.ifindex, 0) } as i32);
     }

@@ -711,14 +711,13 @@ impl Report {
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
     use plotters::prelude::*;
-    let root = SVGBackend::new(path, (1000, 460)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let root = root.titled(
+    let root = super::chart_root(
+        path,
+        (1000, 460),
         &format!(
             "CNI fork-to-exit latency, calix vs ptp + host-local ({} pods × {} reps, {})",
             r.pods, r.reps, r.machine.date
         ),
-        ("sans-serif", 18),
     )?;
     let (left, right) = root.split_horizontally(640);
     let (c, p) = (&r.calix, &r.ptp);

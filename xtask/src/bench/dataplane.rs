@@ -1112,15 +1112,13 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    use plotters::prelude::*;
-    let root = SVGBackend::new(path, (1200, 460)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let root = root.titled(
+    let root = super::chart_root(
+        path,
+        (1200, 460),
         &format!(
             "Same-node pod-to-pod, medians of {} reps × {} s ({})",
             r.reps, r.secs, r.machine.date
         ),
-        ("sans-serif", 18),
     )?;
     let panels = root.split_evenly((1, 3));
     let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<super::Series> {

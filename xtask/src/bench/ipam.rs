@@ -1083,14 +1083,13 @@ impl Report {
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
     use plotters::prelude::*;
-    let root = SVGBackend::new(path, (900, 460)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let root = root.titled(
+    let root = super::chart_root(
+        path,
+        (900, 460),
         &format!(
             "IPAM allocations/s, calix vs host-local ({} allocations × {} reps, {})",
             r.allocs, r.reps, r.machine.date
         ),
-        ("sans-serif", 18),
     )?;
     let colors = [
         RGBColor(0x1f, 0x77, 0xb4),

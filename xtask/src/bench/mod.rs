@@ -603,6 +603,19 @@ fn dashes(x0: f64, x1: f64, y: f64) -> impl Iterator<Item = Vec<(f64, f64)>> {
     })
 }
 
+/// A white SVG chart of `size` pixels at `path`, titled: the start of every bench's chart.
+pub fn chart_root<'a>(
+    path: &'a std::path::Path,
+    size: (u32, u32),
+    title: &str,
+) -> Result<plotters::drawing::DrawingArea<plotters::backend::SVGBackend<'a>, plotters::coord::Shift>>
+{
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    Ok(root.titled(title, ("sans-serif", 18))?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
