@@ -5,6 +5,9 @@
 //! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
 //! protocols other than TCP, UDP and ICMP echo.
 
+// The bench-floor build uses little of this module.
+#![cfg_attr(feature = "bench-floor", allow(unused_imports, dead_code))]
+
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6};
 
@@ -17,6 +20,31 @@ use crate::maps::{
 use crate::packet::{self, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6};
 
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
+    #[cfg(feature = "bench-floor")]
+    return floor(ctx);
+    #[cfg(not(feature = "bench-floor"))]
+    full(ctx)
+}
+
+/// The `bench-floor` build's `from_pod`: the least a same-node redirect needs, as the
+/// benchmark's floor. IPv4 only; everything else goes to the stack.
+#[cfg(feature = "bench-floor")]
+#[inline(always)]
+fn floor(ctx: &mut TcContext) -> Result<i32, c_long> {
+    if packet::ethertype(ctx)? != ETH_P_IP {
+        return Ok(TC_ACT_OK);
+    }
+    let dst: [u8; 4] = ctx.load(packet::ETH_HLEN + 16)?;
+    match CALIX_LOCAL_V4.get_ptr(&dst) {
+        // SAFETY: a pointer from a successful lookup; a plain helper call.
+        Some(l) => Ok(unsafe { aya_ebpf::helpers::bpf_redirect_peer((*l).ifindex, 0) } as i32),
+        None => Ok(TC_ACT_OK),
+    }
+}
+
+#[cfg(not(feature = "bench-floor"))]
+#[inline(always)]
+fn full(ctx: &mut TcContext) -> Result<i32, c_long> {
     // SAFETY: `ctx.skb.skb` is the `__sk_buff` the kernel passed to this program; reading a
     // field of it is a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };

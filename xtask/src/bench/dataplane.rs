@@ -70,14 +70,19 @@ enum Variant {
     Kernel,
     Bridge,
     Veth,
+    Floor,
 }
 
-const VARIANTS: [Variant; 4] = [
+const VARIANTS: [Variant; 5] = [
     Variant::Ebpf,
     Variant::Kernel,
     Variant::Bridge,
     Variant::Veth,
+    Variant::Floor,
 ];
+
+/// The eBPF crate's feature whose `from_pod` is the least a same-node redirect needs.
+const FLOOR_FEATURE: &str = "bench-floor";
 
 impl Variant {
     fn label(self) -> &'static str {
@@ -86,6 +91,7 @@ impl Variant {
             Self::Kernel => "calix kernel",
             Self::Bridge => "bridge",
             Self::Veth => "raw veth",
+            Self::Floor => "minimal tc program",
         }
     }
 
@@ -95,6 +101,7 @@ impl Variant {
             Self::Kernel => "kern",
             Self::Bridge => "brdg",
             Self::Veth => "veth",
+            Self::Floor => "flor",
         }
     }
 
@@ -105,6 +112,7 @@ impl Variant {
             Self::Kernel => RGBColor(0x2c, 0xa0, 0x2c),
             Self::Bridge => RGBColor(0xff, 0x7f, 0x0e),
             Self::Veth => RGBColor(0x7f, 0x7f, 0x7f),
+            Self::Floor => RGBColor(0x94, 0x67, 0xbd),
         }
     }
 }
@@ -334,7 +342,13 @@ fn add_pods(p: &Plugin, tag: &str, client: &str, server: &str) -> Result<(Ipv4Ad
 }
 
 /// A node namespace with a calix-agent (`dataplane`) and two pods wired by the calix plugin.
-fn calix_topology(g: &mut Guard, bins: &Path, v: Variant, dataplane: &str) -> Result<Topology> {
+fn calix_topology(
+    g: &mut Guard,
+    bins: &Path,
+    v: Variant,
+    dataplane: &str,
+    object: Option<&Path>,
+) -> Result<Topology> {
     let node = g.netns(v.tag())?;
     run_cmd(Command::new("ip").args([
         "-n",
@@ -370,6 +384,12 @@ fn calix_topology(g: &mut Guard, bins: &Path, v: Variant, dataplane: &str) -> Re
         .arg(&socket)
         .arg("--datastore-path")
         .arg(dir.join("store.json"))
+        .args(
+            object
+                .map(|o| ["--bpf-object".as_ref(), o.as_os_str()])
+                .into_iter()
+                .flatten(),
+        )
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err)
@@ -729,6 +749,10 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let rev = git_rev(&util::workspace_root());
     println!("[setup] building release binaries (cargo build --release --workspace --bins)");
     let bins = util::build_bins_release()?;
+    println!("[setup] building the eBPF floor (the `{FLOOR_FEATURE}` feature of the programs)");
+    let floor =
+        calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), FLOOR_FEATURE)
+            .map_err(|e| anyhow::anyhow!("building the {FLOOR_FEATURE} eBPF object: {e}"))?;
     remove_stale()?;
     catch_interrupts();
 
@@ -753,8 +777,9 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     for v in VARIANTS {
         check_interrupted()?;
         let t = match v {
-            Variant::Ebpf => calix_topology(&mut g, &tools.bins, v, "ebpf"),
-            Variant::Kernel => calix_topology(&mut g, &tools.bins, v, "kernel"),
+            Variant::Ebpf => calix_topology(&mut g, &tools.bins, v, "ebpf", None),
+            Variant::Kernel => calix_topology(&mut g, &tools.bins, v, "kernel", None),
+            Variant::Floor => calix_topology(&mut g, &tools.bins, v, "ebpf", Some(&floor)),
             Variant::Bridge => bridge_topology(&mut g),
             Variant::Veth => veth_topology(&mut g),
         }
@@ -794,7 +819,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         prog_cost.ns_per_run, prog_cost.runs
     );
 
-    let mut res: [Samples; 4] = Default::default();
+    let mut res: [Samples; 5] = Default::default();
     for rep in 0..reps {
         let mut order = VARIANTS;
         order.rotate_left(rep % VARIANTS.len());
@@ -862,7 +887,7 @@ struct Report {
     rev: String,
     plugins_version: String,
     iperf_version: String,
-    res: [Samples; 4],
+    res: [Samples; 5],
     prog_cost: ProgCost,
 }
 
@@ -1068,7 +1093,10 @@ impl Report {
              destination pod), **calix kernel** (routes + proxy_arp: the node namespace's IP \
              stack forwards), **bridge** (Debian's reference plugin: the node's bridge switches \
              between the pods), **raw veth** (one veth pair straight between the two \
-             namespaces: the ceiling). Per variant and repetition, each {} s long, client and \
+             namespaces: the ceiling), **minimal tc program** (calix eBPF with `from_pod` built with \
+             the programs' `bench-floor` feature: a destination lookup and `bpf_redirect_peer`, \
+             nothing else — what a tc redirect costs at least, the issue's hand-made 40-line \
+             program). Per variant and repetition, each {} s long, client and \
              server pinned to CPU {} (`sched_setaffinity`, as `taskset -c {}`): \
              **TCP_CRR** (`xtask netperf crr`: connect, 1-byte request, 1-byte reply, close, \
              sequentially; the client closes first, so its namespace uses ports 1024–65535 with \
@@ -1102,6 +1130,9 @@ impl Report {
             (Variant::Ebpf, Variant::Veth),
             (Variant::Ebpf, Variant::Kernel),
             (Variant::Ebpf, Variant::Bridge),
+            (Variant::Ebpf, Variant::Floor),
+            (Variant::Floor, Variant::Veth),
+            (Variant::Floor, Variant::Kernel),
             (Variant::Kernel, Variant::Veth),
             (Variant::Bridge, Variant::Veth),
         ] {
@@ -1140,7 +1171,12 @@ impl Report {
              | variant | per connection (TCP_CRR) | per round trip (TCP_RR) | during iperf3 |\n\
              |---|---|---|---|\n",
         );
-        for v in [Variant::Ebpf, Variant::Kernel, Variant::Bridge] {
+        for v in [
+            Variant::Ebpf,
+            Variant::Floor,
+            Variant::Kernel,
+            Variant::Bridge,
+        ] {
             let x = self.get(v);
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
