@@ -355,7 +355,9 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
     let a = Pod::add(&node, "marks-a");
     let _b = Pod::add(&node, "marks-b");
     let ifindex = |name: &str| -> u32 {
-        let out = node.ns.exec_ok(&["cat", &format!("/sys/class/net/{name}/ifindex")]);
+        let out = node
+            .ns
+            .exec_ok(&["cat", &format!("/sys/class/net/{name}/ifindex")]);
         String::from_utf8_lossy(&out.stdout)
             .trim()
             .parse()
@@ -369,7 +371,10 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
             .flat_map(calix_tests::bpf_map_u32_keys)
             .collect()
     };
-    assert!(marks(pid).is_empty(), "no endpoint marked before any stack flow");
+    assert!(
+        marks(pid).is_empty(),
+        "no endpoint marked before any stack flow"
+    );
     // A flow of A's as an older build would have left it: in the table, A not marked.
     let ip: std::net::Ipv4Addr = a.ip().parse().expect("A's IPv4 address");
     let mut key = Vec::with_capacity(40);
@@ -380,26 +385,40 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
     key.extend(8080u16.to_be_bytes());
     key.extend(40000u16.to_be_bytes());
     key.extend([6, 4, 0, 0]); // TCP, IPv4, padding
-    // <pin root>/<node>/v<layout version>/CALIX_STACK_FLOWS
+                              // <pin root>/<node>/v<layout version>/CALIX_STACK_FLOWS
     let layout_dir = std::fs::read_dir(node.pin_root().join(&node.ns.name))
         .expect("the node's pin directory")
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('v')))
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('v'))
+        })
         .expect("a layout directory");
     let flows = layout_dir.join("CALIX_STACK_FLOWS");
-    assert!(flows.exists(), "the flow table is pinned at {}", flows.display());
+    assert!(
+        flows.exists(),
+        "the flow table is pinned at {}",
+        flows.display()
+    );
     let hex: Vec<String> = key.iter().map(|b| format!("{b}")).collect();
     let mut args = vec!["map".to_string(), "update".into(), "pinned".into()];
     args.push(flows.display().to_string());
     args.push("key".into());
     args.extend(hex);
     args.extend(["value", "0", "0", "0", "0", "0", "0", "0", "0"].map(String::from));
-    let st = Command::new("bpftool").args(&args).status().expect("bpftool");
+    let st = Command::new("bpftool")
+        .args(&args)
+        .status()
+        .expect("bpftool");
     assert!(st.success(), "bpftool map update: {st}");
 
     node.kill_agent();
     node.start_agent();
     let pid = node.agent_pid().expect("agent pid after restart");
-    assert_eq!(marks(pid), [a_index], "A marked by the restarted agent, B not");
+    assert_eq!(
+        marks(pid),
+        [a_index],
+        "A marked by the restarted agent, B not"
+    );
 }
