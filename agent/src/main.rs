@@ -378,6 +378,7 @@ async fn main() -> Result<()> {
         Duration::from_secs(cfg.ipam.leak_check_interval_secs),
     );
     if cfg.dataplane == DataplaneMode::Ebpf {
+        agent.set_conntrack(pin_dir.clone(), cfg.nat_settings()?.program_config(&[]));
         spawn_conntrack_cleaner(pin_dir, cfg.nat_settings()?, cfg.uplinks.clone());
     }
     spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter, nat_maps);
