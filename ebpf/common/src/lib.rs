@@ -378,10 +378,7 @@ impl NatConfig {
     /// How long a flow lives after its last packet, from both directions' flags (`reply`
     /// `None` when that entry is missing).
     pub fn timeout_ns(&self, proto: u8, out_flags: u16, reply_flags: Option<u16>) -> u64 {
-        let reply = match reply_flags {
-            Some(f) => f,
-            None => 0,
-        };
+        let reply = reply_flags.unwrap_or_default();
         match proto {
             IPPROTO_TCP => {
                 let both = out_flags | reply;
