@@ -28,7 +28,7 @@ use calix_common::{
     DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint,
     ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
     HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
-    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
+    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
 };
 use common::*;
 
@@ -46,22 +46,31 @@ const SKB_IFINDEX: usize = 10;
 
 /// `__sk_buff.mark`'s index in [`SkBuffHead`].
 const SKB_MARK: usize = 2;
+/// `__sk_buff.ingress_ifindex`'s index in [`SkBuffHead`]: 0 for a packet the node itself
+/// sent, the input interface for a received or forwarded one.
+const SKB_INGRESS_IFINDEX: usize = 9;
+/// The input interface the tests give received and forwarded packets (loopback: any
+/// interface other than 0 means "not sent by the node itself").
+const FORWARDED_FROM: u32 = 1;
 
-/// Runs `prog` once on `frame`, as seen on interface `ifindex`.
+/// Runs `prog` once on `frame`, as seen on interface `ifindex`, a packet received or
+/// forwarded from elsewhere.
 fn test_run(prog: &SchedClassifier, ifindex: u32, frame: &[u8]) -> std::io::Result<Run> {
-    test_run_marked(prog, ifindex, frame, 0)
+    test_run_ctx(prog, ifindex, frame, 0, FORWARDED_FROM)
 }
 
-/// As [`test_run`], with `skb->mark` set to `mark`.
-fn test_run_marked(
+/// As [`test_run`], with `skb->mark` set to `mark` and `skb->skb_iif` to `ingress`.
+fn test_run_ctx(
     prog: &SchedClassifier,
     ifindex: u32,
     frame: &[u8],
     mark: u32,
+    ingress: u32,
 ) -> std::io::Result<Run> {
     let mut ctx: SkBuffHead = [0; 11];
     ctx[SKB_IFINDEX] = ifindex;
     ctx[SKB_MARK] = mark;
+    ctx[SKB_INGRESS_IFINDEX] = ingress;
     const _: () = assert!(size_of::<SkBuffHead>() == 44);
     let fd = prog.fd().expect("program fd");
     common::test_run(fd.as_fd(), frame, &ctx)
@@ -86,6 +95,7 @@ struct Harness {
     counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     flows: HashMap<MapData, FlowKey, u64>,
+    stack_eps: HashMap<MapData, u32, u32>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
     _pins: PinDir,
 }
@@ -102,6 +112,7 @@ fn setup() -> (Harness, Pod, Pod) {
         counters: map(&mut bpf, COUNTERS_MAP),
         drops: map(&mut bpf, DROPS_MAP),
         flows: map(&mut bpf, STACK_FLOWS_MAP),
+        stack_eps: map(&mut bpf, STACK_EPS_MAP),
         pools_v4: map(&mut bpf, POOLS_V4_MAP),
         bpf,
         _pins: pins,
@@ -153,8 +164,14 @@ impl Harness {
     #[track_caller]
     fn run_marked(&self, prog: &str, ifindex: u32, frame: &[u8], mark: u32) -> Run {
         let p = self.bpf.program(prog).expect("a program of ALL_PROGRAMS");
-        test_run_marked(p.try_into().expect("a tc classifier"), ifindex, frame, mark)
-            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e}"))
+        test_run_ctx(
+            p.try_into().expect("a tc classifier"),
+            ifindex,
+            frame,
+            mark,
+            FORWARDED_FROM,
+        )
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog}: {e}"))
     }
 
     #[track_caller]
@@ -344,9 +361,11 @@ fn ipv4_with_options_is_forwarded_and_keyed_on_the_ports_after_them() {
         ip.options = vec![1, 1, 1, 1, 1, 1, 1, 0];
         let (sent, delivered) = (ip.sent_by(&a), ip.delivered_to(&b));
         h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
-        // Once the flow is the stack's, this packet must find its key.
+        // Once the flow is the stack's (and A marked as having such flows, as `record`
+        // does), this packet must find its key.
         let key = flow_v4(a.v4, b.v4, 40000, 80, TCP);
         h.flows.insert(key, 0, 0).expect("insert a flow");
+        h.stack_eps.insert(a.ifindex, 0, 0).expect("mark A");
         h.passes(PROG_FROM_POD, a.ifindex, &sent);
     });
 }
@@ -493,6 +512,36 @@ fn replies_of_flows_the_stack_delivered_go_back_through_it() {
         assert_eq!(h.counters(a.ifindex).to_pod_bytes, syn.len() as u64);
         let keys: Vec<FlowKey> = h.flows.keys().map(|k| k.expect("flow key")).collect();
         assert_eq!(keys, [flow_v4(a.v4, b.v4, 8080, 40000, TCP)]);
+        let marked: Vec<u32> = h.stack_eps.keys().map(|k| k.expect("ifindex")).collect();
+        assert_eq!(
+            marked,
+            [a.ifindex],
+            "A marked as having a flow through the stack"
+        );
+
+        // What the node itself sends (no input interface) is not recorded: its replies go to
+        // the node, never the fast path.
+        let probe = Ip4::new([10, 244, 0, 1], b.v4, TCP, tcp_syn(41000, 8080)).bytes();
+        let probe = eth(b.mac, HOST_VETH_MAC, ETH_P_IP, &probe);
+        let p = h.bpf.program(PROG_TO_POD).expect("to_pod");
+        let run = test_run_ctx(
+            p.try_into().expect("a tc classifier"),
+            b.ifindex,
+            &probe,
+            0,
+            0,
+        )
+        .expect("BPF_PROG_TEST_RUN of to_pod");
+        assert_eq!(run.verdict, TC_ACT_OK);
+        assert_eq!(
+            h.flows.keys().count(),
+            1,
+            "the node's own packet recorded no flow"
+        );
+        assert!(
+            h.stack_eps.get(&b.ifindex, 0).is_err(),
+            "B not marked by the node's own packet"
+        );
 
         // A's reply goes back through the stack (which undoes its NAT)...
         let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40000));

@@ -314,6 +314,7 @@ fn churn_of_1000_pods_leaves_nothing_behind() {
         "CALIX_ENDPOINTS",
         "CALIX_LOCAL_V4",
         "CALIX_LOCAL_V6",
+        "CALIX_STACK_EPS",
     ] {
         assert_eq!(map_entries(pid, m), 0, "{m} has entries left");
     }
@@ -343,4 +344,62 @@ fn walk(dir: &std::path::Path) -> HashSet<String> {
         }
     }
     out
+}
+
+/// The fast path looks flows up only for endpoints marked as having flows through the host
+/// stack. A restarted agent marks every endpoint with a flow already in the flow table (one a
+/// build from before the marks recorded), so none of those flows' replies skips the stack.
+#[test]
+fn a_restarted_agent_marks_endpoints_with_stack_flows() {
+    let node = Node::start(Dataplane::Ebpf);
+    let a = Pod::add(&node, "marks-a");
+    let _b = Pod::add(&node, "marks-b");
+    let ifindex = |name: &str| -> u32 {
+        let out = node.ns.exec_ok(&["cat", &format!("/sys/class/net/{name}/ifindex")]);
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .expect("ifindex")
+    };
+    let a_index = ifindex(&a.host_ifname());
+    let pid = node.agent_pid().expect("agent pid");
+    let marks = |pid: u32| -> Vec<u32> {
+        bpf_maps_of(pid, "CALIX_STACK_EPS")
+            .into_iter()
+            .flat_map(calix_tests::bpf_map_u32_keys)
+            .collect()
+    };
+    assert!(marks(pid).is_empty(), "no endpoint marked before any stack flow");
+    // A flow of A's as an older build would have left it: in the table, A not marked.
+    let ip: std::net::Ipv4Addr = a.ip().parse().expect("A's IPv4 address");
+    let mut key = Vec::with_capacity(40);
+    key.extend(ip.octets());
+    key.extend([0u8; 12]);
+    key.extend([10, 244, 9, 9]);
+    key.extend([0u8; 12]);
+    key.extend(8080u16.to_be_bytes());
+    key.extend(40000u16.to_be_bytes());
+    key.extend([6, 4, 0, 0]); // TCP, IPv4, padding
+    // <pin root>/<node>/v<layout version>/CALIX_STACK_FLOWS
+    let layout_dir = std::fs::read_dir(node.pin_root().join(&node.ns.name))
+        .expect("the node's pin directory")
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('v')))
+        .expect("a layout directory");
+    let flows = layout_dir.join("CALIX_STACK_FLOWS");
+    assert!(flows.exists(), "the flow table is pinned at {}", flows.display());
+    let hex: Vec<String> = key.iter().map(|b| format!("{b}")).collect();
+    let mut args = vec!["map".to_string(), "update".into(), "pinned".into()];
+    args.push(flows.display().to_string());
+    args.push("key".into());
+    args.extend(hex);
+    args.extend(["value", "0", "0", "0", "0", "0", "0", "0", "0"].map(String::from));
+    let st = Command::new("bpftool").args(&args).status().expect("bpftool");
+    assert!(st.success(), "bpftool map update: {st}");
+
+    node.kill_agent();
+    node.start_agent();
+    let pid = node.agent_pid().expect("agent pid after restart");
+    assert_eq!(marks(pid), [a_index], "A marked by the restarted agent, B not");
 }

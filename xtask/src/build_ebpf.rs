@@ -6,10 +6,14 @@ use std::{fs, time::Instant};
 
 use anyhow::{Context, Result};
 
-pub fn run() -> Result<()> {
+pub fn run(feature: Option<&str>) -> Result<()> {
     let out_dir = calix_ebpf_build::ebpf_target_dir();
     let started = Instant::now();
-    let object = calix_ebpf_build::build_ebpf(&out_dir).context("building the eBPF programs")?;
+    let object = match feature {
+        None => calix_ebpf_build::build_ebpf(&out_dir),
+        Some(f) => calix_ebpf_build::build_ebpf_feature(&out_dir, f),
+    }
+    .context("building the eBPF programs")?;
     let elapsed = started.elapsed();
 
     let bytes = fs::read(&object).with_context(|| format!("reading {}", object.display()))?;

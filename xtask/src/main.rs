@@ -21,8 +21,13 @@ struct Cli {
 enum Task {
     /// Install every prerequisite (apt packages, nightly rust-src, bpf-linker). Idempotent.
     Setup,
-    /// Build the eBPF object into target/ebpf/calix.bpf.o.
-    BuildEbpf,
+    /// Build the eBPF object into target/ebpf/calix.bpf.o (with --feature F: the build with
+    /// that feature of the eBPF crate, into target/ebpf/calix-F.bpf.o).
+    BuildEbpf {
+        /// A cargo feature of the eBPF crate, e.g. `upgrade-test`.
+        #[arg(long)]
+        feature: Option<String>,
+    },
     /// One node, two pods, pings, calixctl, teardown (needs root).
     Demo,
     /// Setup, build, run every test, check nothing is left behind (needs root).
@@ -53,7 +58,7 @@ enum Task {
 fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::run(),
-        Task::BuildEbpf => build_ebpf::run(),
+        Task::BuildEbpf { feature } => build_ebpf::run(feature.as_deref()),
         Task::Demo => demo::run_demo(),
         Task::Test { args } => test::run_tests(&args),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),

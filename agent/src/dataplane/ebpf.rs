@@ -17,9 +17,10 @@ use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttac
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, LocalEndpoint, ALL_PROGRAMS, COUNTERS_MAP,
-    DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP,
-    POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, ALL_PROGRAMS,
+    COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP,
+    LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV,
+    PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP,
 };
 use ipnet::IpNet;
 
@@ -81,6 +82,8 @@ pub struct EbpfDataplane {
     bpf: Ebpf,
     counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    /// Endpoints the programs marked as having flows through the host stack.
+    stack_eps: HashMap<MapData, u32, u32>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
@@ -232,6 +235,7 @@ impl EbpfDataplane {
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
             endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
+            stack_eps: take(&mut bpf, STACK_EPS_MAP, HashMap::try_from)?,
             local_v4: take(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
             local_v6: take(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
             drops: take(&mut bpf, DROPS_MAP, PerCpuHashMap::try_from)?,
@@ -251,6 +255,8 @@ impl EbpfDataplane {
         }
         dp.nat = Some(nat_maps);
         dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
+        let flows = take(&mut dp.bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
+        dp.mark_stack_flow_endpoints(&flows);
         for uplink in dp.cfg.uplinks.clone() {
             dp.attach_pair(&uplink, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
             tracing::info!(%uplink, "uplink programs attached");
@@ -349,6 +355,34 @@ impl EbpfDataplane {
         }
     }
 
+    /// Marks (`STACK_EPS_MAP`) every local endpoint with a flow in `STACK_FLOWS_MAP`. The
+    /// programs mark endpoints as they record flows; this covers flows recorded by a build
+    /// from before the marks (the fast path looks flows up only for marked endpoints).
+    fn mark_stack_flow_endpoints(&mut self, flows: &HashMap<MapData, FlowKey, u64>) {
+        let mut marked = 0usize;
+        for key in flows.keys().filter_map(Result::ok) {
+            let local = match key.family {
+                4 => {
+                    let mut a = [0u8; 4];
+                    a.copy_from_slice(&key.pod[..4]);
+                    self.local_v4.get(&a, 0).ok()
+                }
+                6 => self.local_v6.get(&key.pod, 0).ok(),
+                _ => None,
+            };
+            if let Some(l) = local {
+                if self.stack_eps.get(&l.ifindex, 0).is_err()
+                    && self.stack_eps.insert(l.ifindex, 0, 0).is_ok()
+                {
+                    marked += 1;
+                }
+            }
+        }
+        if marked > 0 {
+            tracing::info!(marked, "endpoints with flows through the host stack marked");
+        }
+    }
+
     fn zero_counters() -> Result<PerCpuValues<EndpointCounters>, DataplaneError> {
         let n = aya::util::nr_cpus()
             .map_err(|(_, e)| map_err(COUNTERS_MAP, "count CPUs")(MapError::IoError(e)))?;
@@ -360,6 +394,7 @@ impl EbpfDataplane {
         let _ = self.counters.remove(&p.ifindex);
         self.counter_keys.remove(&p.ifindex);
         let _ = self.endpoints.remove(&p.ifindex);
+        let _ = self.stack_eps.remove(&p.ifindex);
         if let Some(v4) = p.ipv4 {
             if self
                 .local_v4
@@ -546,6 +581,15 @@ impl Dataplane for EbpfDataplane {
             .collect();
         for i in &stale {
             let _ = self.endpoints.remove(i);
+        }
+        let stale_marks: Vec<u32> = self
+            .stack_eps
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|i| !known_idx.contains(i))
+            .collect();
+        for i in &stale_marks {
+            let _ = self.stack_eps.remove(i);
         }
         let stale_ctr: Vec<u32> = self
             .counters

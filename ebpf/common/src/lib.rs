@@ -35,6 +35,11 @@ pub const MAX_POOLS: u32 = 256;
 pub const STACK_FLOWS_MAP: &str = "CALIX_STACK_FLOWS";
 /// Size of [`STACK_FLOWS_MAP`].
 pub const MAX_STACK_FLOWS: u32 = 65_536;
+/// Hash map: host-side veth ifindex → `u32` (unused). The endpoints with a flow in
+/// [`STACK_FLOWS_MAP`]: only their packets pay the flow lookup on the fast path (written by
+/// the programs; the agent removes an endpoint's entry when it goes). Added after layout 1
+/// was published: an older build never opens it, a newer one creates it next to the pins.
+pub const STACK_EPS_MAP: &str = "CALIX_STACK_EPS";
 /// LPM trie: IPv4 source prefixes the uplink's XDP prefilter drops (key: prefix length +
 /// `[u8; 4]`, value: `u32`, unused). Maps added to a layout keep it compatible: an older build
 /// never opens them, a newer one creates them next to the existing pins.
@@ -67,8 +72,9 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 pub const MAX_NAT_UPLINKS: usize = 8;
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 14] = [
+pub const ALL_MAPS: [&str; 15] = [
     STACK_FLOWS_MAP,
+    STACK_EPS_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
     LOCAL_V4_MAP,

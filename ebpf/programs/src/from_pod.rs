@@ -52,7 +52,11 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
-    if (local.is_some() || remote) && !flows::fast_path_ok(flows::key_v4(ctx, &ip, true)) {
+    if (local.is_some() || remote)
+        && !flows::fast_path_ok(ifindex, flows::has_ports_v4(&ip), || {
+            flows::key_v4(ctx, &ip, true)
+        })
+    {
         return Ok(TC_ACT_OK);
     }
     if let Some(local) = local {
@@ -86,7 +90,11 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
-    if (local.is_some() || remote) && !flows::fast_path_ok(flows::key_v6(ctx, &ip, true)) {
+    if (local.is_some() || remote)
+        && !flows::fast_path_ok(ifindex, flows::has_ports_v6(&ip), || {
+            flows::key_v6(ctx, &ip, true)
+        })
+    {
         return Ok(TC_ACT_OK);
     }
     if let Some(local) = local {

@@ -21,11 +21,14 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             if let Some(verdict) = crate::nat::reverse_v4(ctx, &ip)? {
                 return Ok(verdict);
             }
-            match CALIX_LOCAL_V4.get_ptr(&ip.dst) {
-                Some(local) if flows::fast_path_ok(flows::key_v4(ctx, &ip, false)) => {
-                    // SAFETY: a pointer from a successful lookup, valid until the program
-                    // returns.
-                    forward::to_local(ctx, &unsafe { *local }, forward::Ttl::of_v4(&ip))
+            // SAFETY: a pointer from a successful lookup, valid until the program returns.
+            match CALIX_LOCAL_V4.get_ptr(&ip.dst).map(|l| unsafe { *l }) {
+                Some(local)
+                    if flows::fast_path_ok(local.ifindex, flows::has_ports_v4(&ip), || {
+                        flows::key_v4(ctx, &ip, false)
+                    }) =>
+                {
+                    forward::to_local(ctx, &local, forward::Ttl::of_v4(&ip))
                 }
                 _ => Ok(TC_ACT_OK),
             }
@@ -34,10 +37,14 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             let Some(ip) = packet::ipv6(ctx) else {
                 return Ok(TC_ACT_OK);
             };
-            match CALIX_LOCAL_V6.get_ptr(&ip.dst) {
-                Some(local) if flows::fast_path_ok(flows::key_v6(ctx, &ip, false)) => {
-                    // SAFETY: as above.
-                    forward::to_local(ctx, &unsafe { *local }, forward::Ttl::of_v6(&ip))
+            // SAFETY: as above.
+            match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { *l }) {
+                Some(local)
+                    if flows::fast_path_ok(local.ifindex, flows::has_ports_v6(&ip), || {
+                        flows::key_v6(ctx, &ip, false)
+                    }) =>
+                {
+                    forward::to_local(ctx, &local, forward::Ttl::of_v6(&ip))
                 }
                 _ => Ok(TC_ACT_OK),
             }
@@ -54,19 +61,21 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
         return Ok(TC_ACT_OK);
     }
     // A local pod's flow the stack routed out: its replies must come back through the stack.
+    // SAFETY (both lookups): a pointer from a successful lookup, valid until the program
+    // returns.
     let key = match packet::ethertype(ctx)? {
         ETH_P_IP => packet::ipv4(ctx).and_then(|ip| {
-            CALIX_LOCAL_V4.get_ptr(&ip.src)?;
-            flows::key_v4(ctx, &ip, true)
+            let local = unsafe { *CALIX_LOCAL_V4.get_ptr(&ip.src)? };
+            Some((flows::key_v4(ctx, &ip, true)?, local.ifindex))
         }),
         ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| {
-            CALIX_LOCAL_V6.get_ptr(&ip.src)?;
-            flows::key_v6(ctx, &ip, true)
+            let local = unsafe { *CALIX_LOCAL_V6.get_ptr(&ip.src)? };
+            Some((flows::key_v6(ctx, &ip, true)?, local.ifindex))
         }),
         _ => None,
     };
-    if let Some(k) = key {
-        flows::record(&k);
+    if let Some((k, ifindex)) = key {
+        flows::record(&k, ifindex);
     }
     Ok(TC_ACT_OK)
 }

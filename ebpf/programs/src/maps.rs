@@ -17,6 +17,10 @@ use calix_common::{
 #[map(name = "CALIX_STACK_FLOWS")]
 pub static CALIX_STACK_FLOWS: LruHashMap<FlowKey, u64> = LruHashMap::pinned(MAX_STACK_FLOWS, 0);
 
+/// Endpoints (host-side veth ifindex) with a flow in `CALIX_STACK_FLOWS`.
+#[map(name = "CALIX_STACK_EPS")]
+pub static CALIX_STACK_EPS: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
 /// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
 #[map(name = "CALIX_COUNTERS")]
 pub static CALIX_COUNTERS: PerCpuHashMap<u32, EndpointCounters> =
@@ -65,6 +69,10 @@ const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"
 const _: () = assert!(crate::str_eq(
     calix_common::STACK_FLOWS_MAP,
     "CALIX_STACK_FLOWS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::STACK_EPS_MAP,
+    "CALIX_STACK_EPS"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::ENDPOINTS_MAP,

@@ -217,7 +217,9 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
         None => {
             // The reply of a flow the stack delivered (a hostPort, a service): the stack must
             // undo its own NAT.
-            if !flows::fast_path_ok(flows::key_v4(ctx, ip, true)) {
+            if !flows::fast_path_ok(ifindex, flows::has_ports_v4(ip), || {
+                flows::key_v4(ctx, ip, true)
+            }) {
                 return Ok(TC_ACT_OK);
             }
             match conntrack::allocate(cfg, &out, route_src, bits, now) {

@@ -10,6 +10,12 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     // SAFETY: a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     counters::to_pod(ifindex, u64::from(ctx.len()));
+    // SAFETY: as above. A packet the node itself sent (no input interface: it was not
+    // forwarded): its replies go to the node's own address, never the fast path; nothing to
+    // record.
+    if unsafe { (*ctx.skb.skb).ingress_ifindex } == 0 {
+        return Ok(TC_ACT_OK);
+    }
     // The stack delivered this flow: its replies must go back through the stack.
     let key = match packet::ethertype(ctx)? {
         ETH_P_IP => packet::ipv4(ctx).and_then(|ip| flows::key_v4(ctx, &ip, false)),
@@ -17,7 +23,7 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
         _ => None,
     };
     if let Some(k) = key {
-        flows::record(&k);
+        flows::record(&k, ifindex);
     }
     Ok(TC_ACT_OK)
 }

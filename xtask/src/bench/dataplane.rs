@@ -785,6 +785,15 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         topo.push(t);
     }
 
+    // What from_pod costs per packet, from the kernel's BPF run-time statistics over an untimed
+    // TCP_CRR run (the statistics add two clock reads per run, so never during a measurement).
+    let prog_cost = program_cost(&tools, &topo[Variant::Ebpf as usize])
+        .context("measuring from_pod's run time")?;
+    println!(
+        "[setup] calix eBPF: from_pod {:.0} ns per packet over {} packets (kernel BPF stats)",
+        prog_cost.ns_per_run, prog_cost.runs
+    );
+
     let mut res: [Samples; 4] = Default::default();
     for rep in 0..reps {
         let mut order = VARIANTS;
@@ -819,6 +828,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
             .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
             .unwrap_or_else(|| "iperf3".into()),
         res,
+        prog_cost,
     };
     let md = report.markdown();
     println!("\n{md}");
@@ -853,6 +863,58 @@ struct Report {
     plugins_version: String,
     iperf_version: String,
     res: [Samples; 4],
+    prog_cost: ProgCost,
+}
+
+/// A program's average run time per packet over a load.
+struct ProgCost {
+    ns_per_run: f64,
+    runs: u64,
+}
+
+const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+const PROG_COST_SECS: f64 = 2.0;
+
+/// `from_pod`'s (run_time_ns, run_cnt) as the kernel counts them (with `bpf_stats_enabled`),
+/// summed over every loaded program of that name.
+fn from_pod_stats() -> Result<(u64, u64)> {
+    let json = output(Command::new("bpftool").args(["-j", "prog", "show", "name", "from_pod"]))?;
+    // One program prints an object, several an array.
+    let v: Value = serde_json::from_str(&json).context("bpftool's JSON")?;
+    let progs = match v {
+        Value::Array(a) => a,
+        other => vec![other],
+    };
+    let field = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
+    Ok(progs.iter().fold((0, 0), |(t, n), p| {
+        (t + field(p, "run_time_ns"), n + field(p, "run_cnt"))
+    }))
+}
+
+/// Runs TCP_CRR for [`PROG_COST_SECS`] with the kernel's BPF statistics on and returns
+/// `from_pod`'s average run time per packet.
+fn program_cost(tools: &Tools, t: &Topology) -> Result<ProgCost> {
+    let before_setting = std::fs::read_to_string(BPF_STATS_SYSCTL)?;
+    std::fs::write(BPF_STATS_SYSCTL, "1")?;
+    let measured = (|| {
+        let (t0, n0) = from_pod_stats()?;
+        let secs = std::env::var("CALIX_PROG_COST_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(PROG_COST_SECS);
+        tools.netperf(t, "crr", secs)?;
+        let (t1, n1) = from_pod_stats()?;
+        Ok::<_, anyhow::Error>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
+    })();
+    std::fs::write(BPF_STATS_SYSCTL, before_setting.trim())?;
+    let (ns, runs) = measured?;
+    if runs == 0 {
+        bail!("from_pod never ran during TCP_CRR: is the eBPF variant's program attached?");
+    }
+    Ok(ProgCost {
+        ns_per_run: ns as f64 / runs as f64,
+        runs,
+    })
 }
 
 impl Report {
@@ -1045,6 +1107,12 @@ impl Report {
         ] {
             s.push_str(&self.ratio_row(a, b));
         }
+        s.push_str(&format!(
+            "\n`from_pod` costs {:.0} ns per packet: the kernel's BPF run-time statistics \
+             (`kernel.bpf_stats_enabled`) over {} packets of an untimed {PROG_COST_SECS} s \
+             TCP_CRR run of the eBPF variant before the measurements.\n",
+            self.prog_cost.ns_per_run, self.prog_cost.runs
+        ));
         s.push_str(
             "\nRatios of medians: above 1× is better for conn/s, round trips/s and throughput, \
              below 1× is better for the round-trip latencies.\n",

@@ -6,6 +6,7 @@ mod cni;
 mod dataplane;
 mod ipam;
 pub mod netperf;
+mod snat;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -55,6 +56,24 @@ pub enum Scenario {
         #[arg(long)]
         quick: bool,
     },
+    /// Pod → outside through calix eBPF SNAT against iptables/nftables MASQUERADE and routing
+    /// without NAT (conn/s, TCP_RR, iperf3), and the XDP deny list's CPU per dropped packet
+    /// against nftables drop rules.
+    Snat {
+        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
+        /// --quick].
+        #[arg(long)]
+        reps: Option<usize>,
+        /// Seconds per measurement [default: 3; 1 with --quick].
+        #[arg(long)]
+        secs: Option<u64>,
+        /// Development mode: 2 repetitions of 1 s, results in target/bench/.
+        #[arg(long)]
+        quick: bool,
+        /// TOML appended to the calix SNAT node's agent config (e.g. a `[nat]` section).
+        #[arg(long)]
+        snat_config: Option<PathBuf>,
+    },
 }
 
 pub fn run(scenario: Scenario) -> Result<()> {
@@ -64,6 +83,15 @@ pub fn run(scenario: Scenario) -> Result<()> {
         Scenario::Dataplane { reps, secs, quick } => {
             let (r, s) = if quick { (2, 1) } else { (6, 3) };
             dataplane::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        }
+        Scenario::Snat {
+            reps,
+            secs,
+            quick,
+            snat_config,
+        } => {
+            let (r, s) = if quick { (2, 1) } else { (6, 3) };
+            snat::run(reps.unwrap_or(r), secs.unwrap_or(s), quick, snat_config)
         }
     }
 }
