@@ -57,6 +57,15 @@ pub enum ConfigError {
         max: usize,
         per: &'static str,
     },
+    #[error(
+        "nat.non_masquerade_cidrs: {entry:?} is not an IPv4 CIDR or address (e.g. \"192.168.0.0/16\")"
+    )]
+    NatCidr { entry: String },
+    #[error("nat.{key} must be {what}")]
+    Nat {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("xdp.enabled needs dataplane = \"ebpf\"")]
     XdpNeedsEbpf,
     #[error(
@@ -114,6 +123,50 @@ pub struct AgentConfig {
     pub pools: Vec<PoolConfig>,
     /// The XDP prefilter on the uplinks.
     pub xdp: XdpConfig,
+    /// SNAT of `natOutgoing` pools (eBPF dataplane).
+    pub nat: NatConfig,
+}
+
+/// SNAT of `natOutgoing` pools' traffic to the outside (`[nat]`); eBPF dataplane, IPv4.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatConfig {
+    /// IPv4 destinations (CIDRs or addresses) reached without SNAT, besides every pool.
+    /// Reloaded on SIGHUP.
+    pub non_masquerade_cidrs: Vec<String>,
+    /// Size of the BPF conntrack table in entries (two per flow). A changed size recreates
+    /// the table at the next start (translated flows restart).
+    pub conntrack_entries: u32,
+    pub tcp_established_secs: u64,
+    /// TCP before the first reply.
+    pub tcp_syn_secs: u64,
+    /// TCP after RST, or FIN both ways.
+    pub tcp_closing_secs: u64,
+    pub udp_secs: u64,
+    pub icmp_secs: u64,
+    /// NAT source ports (and ICMP echo identifiers), inclusive. The default stays below the
+    /// kernel's ip_local_port_range (32768–60999) so the node's own connections never collide.
+    pub port_min: u16,
+    pub port_max: u16,
+    /// How often the agent removes expired conntrack entries.
+    pub cleaner_interval_secs: u64,
+}
+
+impl Default for NatConfig {
+    fn default() -> Self {
+        Self {
+            non_masquerade_cidrs: Vec::new(),
+            conntrack_entries: calix_common::DEFAULT_CT_ENTRIES,
+            tcp_established_secs: 21_600,
+            tcp_syn_secs: 60,
+            tcp_closing_secs: 10,
+            udp_secs: 60,
+            icmp_secs: 30,
+            port_min: 16_384,
+            port_max: 32_767,
+            cleaner_interval_secs: 5,
+        }
+    }
 }
 
 /// The XDP prefilter on the uplinks (`[xdp]`).
@@ -215,6 +268,7 @@ impl Default for AgentConfig {
                 "10.244.0.0/16".parse().expect("constant CIDR"),
             )],
             xdp: XdpConfig::default(),
+            nat: NatConfig::default(),
         }
     }
 }
@@ -365,6 +419,7 @@ impl AgentConfig {
         self.datastore.validate()?;
         self.ipam.validate()?;
         self.xdp_policy()?;
+        self.nat_settings()?;
         if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {
             return Err(ConfigError::XdpNeedsEbpf);
         }
@@ -453,6 +508,85 @@ impl AgentConfig {
             mode: self.xdp.mode,
             policy: self.xdp_policy()?,
         }))
+    }
+
+    /// SNAT's settings: `natOutgoing` IPv4 pools (of this node), no-SNAT destinations (every
+    /// pool, whatever node it is for, plus `non_masquerade_cidrs`), sizes and timeouts.
+    pub fn nat_settings(&self) -> Result<crate::dataplane::nat::NatSettings, ConfigError> {
+        use crate::dataplane::nat::{NatSettings, Timeouts};
+        use std::time::Duration;
+        let n = &self.nat;
+        let v4 = |p: &IpNet| match p {
+            IpNet::V4(n) => Some(n.trunc()),
+            IpNet::V6(_) => None,
+        };
+        let mut no_snat: Vec<ipnet::Ipv4Net> =
+            self.pools.iter().filter_map(|p| v4(&p.cidr)).collect();
+        for entry in &n.non_masquerade_cidrs {
+            let net = match xdp::parse_deny(entry) {
+                Some(IpNet::V4(net)) => net,
+                _ => {
+                    return Err(ConfigError::NatCidr {
+                        entry: entry.clone(),
+                    })
+                }
+            };
+            if !no_snat.contains(&net) {
+                no_snat.push(net);
+            }
+        }
+        if no_snat.len() > calix_common::MAX_NO_SNAT_CIDRS as usize {
+            return Err(ConfigError::Nat {
+                key: "non_masquerade_cidrs",
+                what: "at most 4096 entries, pools included",
+            });
+        }
+        if n.port_min == 0 || n.port_max < n.port_min {
+            return Err(ConfigError::Nat {
+                key: "port_min/port_max",
+                what: "a range 1 ≤ port_min ≤ port_max ≤ 65535",
+            });
+        }
+        if n.conntrack_entries < 2 {
+            return Err(ConfigError::Nat {
+                key: "conntrack_entries",
+                what: "at least 2",
+            });
+        }
+        let secs = [
+            n.tcp_established_secs,
+            n.tcp_syn_secs,
+            n.tcp_closing_secs,
+            n.udp_secs,
+            n.icmp_secs,
+            n.cleaner_interval_secs,
+        ];
+        if secs.contains(&0) {
+            return Err(ConfigError::Nat {
+                key: "*_secs",
+                what: "at least 1",
+            });
+        }
+        Ok(NatSettings {
+            nat_pools: self
+                .pools
+                .iter()
+                .filter(|p| p.nat_outgoing && p.selects(&self.node_labels))
+                .filter_map(|p| v4(&p.cidr))
+                .collect(),
+            no_snat,
+            conntrack_entries: n.conntrack_entries,
+            timeouts: Timeouts {
+                tcp_established: Duration::from_secs(n.tcp_established_secs),
+                tcp_syn: Duration::from_secs(n.tcp_syn_secs),
+                tcp_closing: Duration::from_secs(n.tcp_closing_secs),
+                udp: Duration::from_secs(n.udp_secs),
+                icmp: Duration::from_secs(n.icmp_secs),
+            },
+            port_min: n.port_min,
+            port_max: n.port_max,
+            cleaner_interval: Duration::from_secs(n.cleaner_interval_secs),
+        })
     }
 
     /// The pools this node allocates from, as the allocator sees them.
@@ -645,6 +779,69 @@ mod tests {
             .map(ToString::to_string)
             .collect();
         assert_eq!(ports, ["tcp:22", "tcp:9091"]);
+    }
+
+    #[test]
+    fn nat_section_parses_and_is_checked() {
+        let c = AgentConfig::from_toml(
+            r#"
+            node_name = "n"
+            uplinks = ["eth0"]
+            [[pools]]
+            cidr = "10.10.0.0/16"
+            natOutgoing = true
+            [[pools]]
+            cidr = "10.20.0.0/16"
+            [[pools]]
+            cidr = "fd00:10::/64"
+            natOutgoing = true
+            [nat]
+            non_masquerade_cidrs = ["192.168.0.0/16", "172.16.0.9"]
+            conntrack_entries = 1000
+            tcp_established_secs = 100
+            tcp_syn_secs = 20
+            tcp_closing_secs = 3
+            udp_secs = 30
+            icmp_secs = 10
+            port_min = 20000
+            port_max = 20999
+            cleaner_interval_secs = 2
+            "#,
+        )
+        .expect("parse");
+        c.validate().expect("valid");
+        let s = c.nat_settings().expect("settings");
+        let strs = |v: &[ipnet::Ipv4Net]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            strs(&s.nat_pools),
+            ["10.10.0.0/16"],
+            "IPv4 natOutgoing pools only"
+        );
+        assert_eq!(
+            strs(&s.no_snat),
+            [
+                "10.10.0.0/16",
+                "10.20.0.0/16",
+                "192.168.0.0/16",
+                "172.16.0.9/32"
+            ]
+        );
+        assert_eq!(
+            (s.port_min, s.port_max, s.conntrack_entries),
+            (20000, 20999, 1000)
+        );
+        assert_eq!(s.timeouts.tcp_closing.as_secs(), 3);
+        let mut bad = c.clone();
+        bad.nat.non_masquerade_cidrs.push("2001:db8::/32".into());
+        assert!(matches!(bad.validate(), Err(ConfigError::NatCidr { .. })));
+        let mut bad = c.clone();
+        bad.nat.port_max = 100;
+        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        let mut bad = c;
+        bad.nat.udp_secs = 0;
+        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        let d = NatConfig::default();
+        assert!(d.port_max < 32768, "below the kernel's ephemeral ports");
     }
 
     #[test]

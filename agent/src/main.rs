@@ -8,7 +8,7 @@ use std::time::Duration;
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
-use calix_agent::dataplane::xdp;
+use calix_agent::dataplane::{nat, xdp};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -206,6 +206,7 @@ fn spawn_reload(
     flags: Flags,
     started: AgentConfig,
     mut xdp_filter: Option<xdp::XdpFilter>,
+    mut nat_maps: Option<nat::NatMaps>,
 ) {
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -225,6 +226,61 @@ fn spawn_reload(
                 tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
             }
             reload_xdp(xdp_filter.as_mut(), &cfg, &started);
+            reload_nat(nat_maps.as_mut(), &cfg);
+        }
+    });
+}
+
+/// SIGHUP: the no-SNAT destinations (pools and `non_masquerade_cidrs`). Ports, timeouts and
+/// which pools translate take effect at the next start.
+fn reload_nat(maps: Option<&mut nat::NatMaps>, cfg: &AgentConfig) {
+    let Some(maps) = maps else {
+        return;
+    };
+    match cfg.nat_settings() {
+        Ok(s) => match maps.set_no_snat(&s.no_snat) {
+            Ok(()) => tracing::info!("SIGHUP: SNAT exclusions reloaded"),
+            Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
+                "SIGHUP: cannot update the SNAT exclusions"),
+        },
+        Err(e) => tracing::error!(error = %e, "SIGHUP: [nat] rejected; keeping the running one"),
+    }
+}
+
+/// Removes expired SNAT conntrack entries every `cleaner_interval`.
+fn spawn_conntrack_cleaner(pin_dir: PathBuf, settings: nat::NatSettings, uplinks: Vec<String>) {
+    tokio::spawn(async move {
+        let cfg = settings.program_config(&[]);
+        let mut tick = tokio::time::interval(settings.cleaner_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut table: Option<nat::Conntrack> = None;
+        loop {
+            tick.tick().await;
+            if table.is_none() {
+                match nat::Conntrack::open(&pin_dir) {
+                    Ok(t) => table = Some(t),
+                    Err(e) => {
+                        tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "conntrack cleaner: cannot open the table");
+                        continue;
+                    }
+                }
+            }
+            if let Some(mut t) = table.take() {
+                let pass = tokio::task::spawn_blocking(move || {
+                    let n = t.clean(&cfg);
+                    (t, n)
+                })
+                .await;
+                match pass {
+                    Ok((t, removed)) => {
+                        if removed > 0 {
+                            tracing::debug!(removed, ?uplinks, "conntrack cleaner pass");
+                        }
+                        table = Some(t);
+                    }
+                    Err(e) => tracing::error!(error = %e, "conntrack cleaner pass failed"),
+                }
+            }
         }
     });
 }
@@ -276,20 +332,23 @@ async fn main() -> Result<()> {
         uplinks: cfg.uplinks.clone(),
         object: bpf_object,
         xdp: cfg.xdp_settings()?,
+        nat: Some(cfg.nat_settings()?),
     };
     if uninstall {
         return uninstall_dataplane(&ebpf_cfg);
     }
     enable_forwarding()?;
     let store = open_store(&cfg).await?;
-    let (dataplane, xdp_filter): (Box<dyn Dataplane>, _) = match cfg.dataplane {
+    let pin_dir = ebpf_cfg.pin_dir();
+    let (dataplane, xdp_filter, nat_maps): (Box<dyn Dataplane>, _, _) = match cfg.dataplane {
         DataplaneMode::Ebpf => {
             let mut dp = EbpfDataplane::load(ebpf_cfg)
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?;
             let xdp_filter = dp.take_xdp();
-            (Box::new(dp), xdp_filter)
+            let nat_maps = dp.take_nat();
+            (Box::new(dp), xdp_filter, nat_maps)
         }
-        DataplaneMode::Kernel => (Box::new(KernelDataplane), None),
+        DataplaneMode::Kernel => (Box::new(KernelDataplane), None, None),
     };
     let node = NodeRecord {
         name: cfg.node_name.clone(),
@@ -318,7 +377,11 @@ async fn main() -> Result<()> {
         agent.clone(),
         Duration::from_secs(cfg.ipam.leak_check_interval_secs),
     );
-    spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter);
+    if cfg.dataplane == DataplaneMode::Ebpf {
+        agent.set_conntrack(pin_dir.clone(), cfg.nat_settings()?.program_config(&[]));
+        spawn_conntrack_cleaner(pin_dir, cfg.nat_settings()?, cfg.uplinks.clone());
+    }
+    spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter, nat_maps);
     if !cfg.metrics_addr.is_empty() {
         calix_agent::metrics::spawn(agent.clone(), cfg.metrics_addr.clone());
     }

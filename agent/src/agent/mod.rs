@@ -4,6 +4,7 @@
 mod ipam;
 mod leak;
 mod report;
+mod snat;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -93,6 +94,8 @@ pub struct Agent {
     store: Box<dyn Datastore>,
     inner: Mutex<Inner>,
     eps: Mutex<Eps>,
+    /// SNAT's conntrack table (pin directory, settings), once the eBPF dataplane is up.
+    conntrack: std::sync::OnceLock<(std::path::PathBuf, calix_common::NatConfig)>,
 }
 
 /// Attempts at a compare-and-swap write before giving up (each after re-reading).
@@ -139,6 +142,7 @@ impl Agent {
                 dataplane,
                 attached: BTreeMap::new(),
             }),
+            conntrack: std::sync::OnceLock::new(),
         };
         {
             let mut inner = agent.inner.lock().await;

@@ -49,6 +49,119 @@ enum Cmd {
 enum BpfCmd {
     /// Drop counters by interface and reason (every drop the programs make is counted).
     Counters,
+    /// SNAT connection tracking: the translated flows, their state and timeouts.
+    Conntrack {
+        #[command(flatten)]
+        filter: FlowArgs,
+        /// Remove the matching flows (every flow without a filter).
+        #[arg(long)]
+        flush: bool,
+    },
+    /// SNAT mappings: each pod address and port and the node address and port it leaves with.
+    Nat {
+        #[command(flatten)]
+        filter: FlowArgs,
+    },
+}
+
+/// Filters of `bpf conntrack` / `bpf nat`.
+#[derive(clap::Args)]
+struct FlowArgs {
+    /// An IPv4 address of the pod, destination or NAT side.
+    #[arg(long)]
+    ip: Option<std::net::Ipv4Addr>,
+    /// tcp, udp or icmp.
+    #[arg(long)]
+    proto: Option<String>,
+    /// A port of any side.
+    #[arg(long)]
+    port: Option<u16>,
+}
+
+/// `bpf conntrack` / `bpf nat`.
+async fn flows(
+    channel: tonic::transport::Channel,
+    filter: FlowArgs,
+    flush: bool,
+    nat_view: bool,
+    output: Output,
+) -> Result<()> {
+    let resp = pb::endpoints_client::EndpointsClient::new(channel)
+        .conntrack(pb::ConntrackRequest {
+            ip: filter.ip.map(|i| i.to_string()).unwrap_or_default(),
+            proto: filter.proto.unwrap_or_default(),
+            port: filter.port.map(u32::from).unwrap_or_default(),
+            flush,
+        })
+        .await
+        .context("reading the conntrack table")?
+        .into_inner();
+    if flush {
+        match output {
+            Output::Json => println!(
+                "{}",
+                serde_json::to_string_pretty(
+                    &serde_json::json!({"node": resp.node, "flushed": resp.flushed})
+                )?
+            ),
+            Output::Table => println!("{} flow(s) flushed on node {}", resp.flushed, resp.node),
+        }
+        return Ok(());
+    }
+    let flows: Vec<serde_json::Value> =
+        serde_json::from_str(&resp.json).context("agent sent bad flows")?;
+    match output {
+        Output::Json => println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({"node": resp.node, "flows": flows}))?
+        ),
+        Output::Table => println!("{}", flows_table(&flows, nat_view, &resp.node)),
+    }
+    Ok(())
+}
+
+fn flows_table(flows: &[serde_json::Value], nat_view: bool, node: &str) -> String {
+    let s = |f: &serde_json::Value, k: &str| match &f[k] {
+        serde_json::Value::String(v) => v.clone(),
+        other => other.to_string(),
+    };
+    let rows: Vec<Vec<String>> = flows
+        .iter()
+        .map(|f| {
+            let pod = format!("{}:{}", s(f, "pod"), s(f, "pod_port"));
+            let nat = format!("{}:{}", s(f, "nat"), s(f, "nat_port"));
+            let dst = format!("{}:{}", s(f, "dst"), s(f, "dst_port"));
+            if nat_view {
+                vec![s(f, "proto"), pod, nat, dst]
+            } else {
+                vec![
+                    s(f, "proto"),
+                    pod,
+                    dst,
+                    nat,
+                    s(f, "state"),
+                    format!("{}s", s(f, "idle_secs")),
+                    format!("{}s", s(f, "expires_in_secs")),
+                ]
+            }
+        })
+        .collect();
+    let header: &[&str] = if nat_view {
+        &["PROTO", "POD", "NAT", "DESTINATION"]
+    } else {
+        &[
+            "PROTO",
+            "POD",
+            "DESTINATION",
+            "NAT",
+            "STATE",
+            "IDLE",
+            "EXPIRES",
+        ]
+    };
+    let mut out = table(header, &rows);
+    out.push_str(&format!("\n{} flow(s) on node {node}", flows.len()));
+    out
 }
 
 fn drops_table(resp: &pb::DropsResponse) -> String {
@@ -320,6 +433,12 @@ async fn main() -> Result<()> {
         })?;
     match cli.cmd {
         Cmd::Ipam { cmd } => return ipam(channel, cmd, cli.output).await,
+        Cmd::Bpf {
+            cmd: BpfCmd::Conntrack { filter, flush },
+        } => return flows(channel, filter, flush, false, cli.output).await,
+        Cmd::Bpf {
+            cmd: BpfCmd::Nat { filter },
+        } => return flows(channel, filter, false, true, cli.output).await,
         Cmd::Bpf {
             cmd: BpfCmd::Counters,
         } => {

@@ -24,6 +24,7 @@ use calix_common::{
 };
 use ipnet::IpNet;
 
+use super::nat::{self as snat, NatMaps, NatSettings};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
 
@@ -47,6 +48,8 @@ pub struct EbpfConfig {
     /// The XDP prefilter on the uplinks; `None`: off (and detached where an earlier agent
     /// attached it).
     pub xdp: Option<XdpSettings>,
+    /// SNAT for `natOutgoing` pools (`None`: the maps keep their defaults, SNAT is off).
+    pub nat: Option<NatSettings>,
 }
 
 impl EbpfConfig {
@@ -93,6 +96,8 @@ pub struct EbpfDataplane {
     pools: Vec<IpNet>,
     /// The XDP prefilter's maps while it runs, until [`EbpfDataplane::take_xdp`] hands them out.
     xdp: Option<XdpFilter>,
+    /// The SNAT maps, until [`EbpfDataplane::take_nat`] hands them out.
+    nat: Option<NatMaps>,
 }
 
 fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
@@ -203,6 +208,9 @@ impl EbpfDataplane {
         std::fs::create_dir_all(&progs_dir).map_err(pin_err(&progs_dir, "create"))?;
         let mut loader = EbpfLoader::new();
         loader.map_pin_path(&pin_dir);
+        if let Some(n) = &cfg.nat {
+            snat::prepare(&mut loader, &pin_dir, n.conntrack_entries);
+        }
         let mut bpf = match &cfg.object {
             Some(path) => loader.load_file(path),
             None => loader.load(OBJECT),
@@ -239,7 +247,13 @@ impl EbpfDataplane {
             counter_keys: std::collections::HashSet::new(),
             pools: Vec::new(),
             xdp: None,
+            nat: None,
         };
+        let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
+        if let Some(n) = &dp.cfg.nat {
+            nat_maps.apply(n, &dp.cfg.uplinks)?;
+        }
+        dp.nat = Some(nat_maps);
         dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
         let flows = take(&mut dp.bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
         dp.mark_stack_flow_endpoints(&flows);
@@ -255,6 +269,11 @@ impl EbpfDataplane {
     /// when the prefilter is off or was taken already.
     pub fn take_xdp(&mut self) -> Option<XdpFilter> {
         self.xdp.take()
+    }
+
+    /// The SNAT maps, for whoever applies config changes (SIGHUP); `None` once taken.
+    pub fn take_nat(&mut self) -> Option<NatMaps> {
+        self.nat.take()
     }
 
     /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
@@ -409,6 +428,9 @@ impl EbpfDataplane {
         if let Some(v4) = ep.ipv4 {
             info.ipv4 = v4.octets();
             info.flags |= EP_HAS_V4;
+            if self.cfg.nat.as_ref().is_some_and(|n| n.translates(v4)) {
+                info.flags |= calix_common::EP_NAT_OUTGOING;
+            }
         }
         if let Some(v6) = ep.ipv6 {
             info.ipv6 = v6.octets();

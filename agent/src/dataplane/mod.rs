@@ -2,6 +2,7 @@
 //! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
 //! `kernel` leaves forwarding to the kernel's routes.
 pub mod ebpf;
+pub mod nat;
 pub mod xdp;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

@@ -285,6 +285,46 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         }))
     }
 
+    async fn conntrack(
+        &self,
+        req: Request<pb::ConntrackRequest>,
+    ) -> Result<Response<pb::ConntrackResponse>, Status> {
+        let r = req.into_inner();
+        let filter = crate::dataplane::nat::FlowFilter {
+            ip: match r.ip.as_str() {
+                "" => None,
+                s => Some(
+                    s.parse()
+                        .map_err(|_| Status::invalid_argument(format!("ip {s:?}: not IPv4")))?,
+                ),
+            },
+            proto: match r.proto.to_ascii_lowercase().as_str() {
+                "" => None,
+                "tcp" => Some(calix_common::IPPROTO_TCP),
+                "udp" => Some(calix_common::IPPROTO_UDP),
+                "icmp" => Some(1),
+                other => {
+                    return Err(Status::invalid_argument(format!(
+                        "proto {other:?}: use tcp, udp or icmp"
+                    )))
+                }
+            },
+            port: match r.port {
+                0 => None,
+                p => Some(
+                    u16::try_from(p).map_err(|_| Status::invalid_argument(format!("port {p}")))?,
+                ),
+            },
+        };
+        let (flows, flushed) = self.0.conntrack(&filter, r.flush).map_err(status)?;
+        Ok(Response::new(pb::ConntrackResponse {
+            node: self.0.node().to_string(),
+            json: serde_json::to_string(&flows)
+                .map_err(|e| Status::internal(format!("encoding flows: {e}")))?,
+            flushed: u32::try_from(flushed).unwrap_or(u32::MAX),
+        }))
+    }
+
     async fn list(
         &self,
         _req: Request<pb::ListRequest>,

@@ -53,8 +53,26 @@ pub const MAX_DENY_CIDRS: u32 = 65_536;
 pub const FAILSAFE_MAP: &str = "CALIX_FAILSAFE";
 /// Maximum number of failsafe ports.
 pub const MAX_FAILSAFE_PORTS: u32 = 256;
+/// Hash map: [`CtKey`] → [`CtEntry`]. SNAT connection tracking: two entries per flow, one
+/// per direction (the pod's original tuple, and the reply tuple as it arrives at the node).
+/// Sized by `[nat] conntrack_entries` (the agent sets `max_entries` at load). A plain hash,
+/// not an LRU: a full table refuses new flows (counted as [`DropReason::ConntrackFull`])
+/// instead of silently evicting live ones; the agent's cleaner removes expired entries.
+pub const CT_MAP: &str = "CALIX_CT";
+/// Default size of [`CT_MAP`] (entries; a flow takes two).
+pub const DEFAULT_CT_ENTRIES: u32 = 262_144;
+/// Array of one [`NatConfig`]: ports, timeouts, uplinks. Written by the agent at load.
+pub const NAT_CONFIG_MAP: &str = "CALIX_NAT_CFG";
+/// LPM trie: IPv4 destinations pods reach without SNAT (every configured pool, plus
+/// `[nat] non_masquerade_cidrs`). Key: prefix length + `[u8; 4]`, value `u32` (unused).
+pub const NO_SNAT_V4_MAP: &str = "CALIX_NO_SNAT_V4";
+/// Maximum number of no-SNAT prefixes.
+pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
+/// Uplinks [`NatConfig`] can name.
+pub const MAX_NAT_UPLINKS: usize = 8;
+
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 12] = [
+pub const ALL_MAPS: [&str; 15] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     COUNTERS_MAP,
@@ -67,6 +85,9 @@ pub const ALL_MAPS: [&str; 12] = [
     DENY_V4_MAP,
     DENY_V6_MAP,
     FAILSAFE_MAP,
+    CT_MAP,
+    NAT_CONFIG_MAP,
+    NO_SNAT_V4_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node.
@@ -132,6 +153,9 @@ impl EndpointCounters {
 pub const EP_HAS_V4: u32 = 1;
 /// [`EndpointInfo::flags`]: the endpoint has an IPv6 address.
 pub const EP_HAS_V6: u32 = 2;
+/// [`EndpointInfo::flags`]: the endpoint's IPv4 address is in a `natOutgoing` pool: its
+/// traffic to destinations outside [`NO_SNAT_V4_MAP`] leaves with the node's address.
+pub const EP_NAT_OUTGOING: u32 = 4;
 
 /// What the programs know of the endpoint behind a host veth: the addresses it may send from.
 #[repr(C)]
@@ -248,10 +272,14 @@ pub enum DropReason {
     XdpMalformedV4 = 9,
     /// XDP on the uplink: a truncated or invalid IPv6 header (version, payload length).
     XdpMalformedV6 = 10,
+    /// SNAT: the connection-tracking table is full; the new flow's first packet is dropped.
+    ConntrackFull = 11,
+    /// SNAT: no free NAT port for the flow's destination within the bounded search.
+    NatPortsExhausted = 12,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 12] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -262,6 +290,8 @@ impl DropReason {
         DropReason::XdpDenied,
         DropReason::XdpMalformedV4,
         DropReason::XdpMalformedV6,
+        DropReason::ConntrackFull,
+        DropReason::NatPortsExhausted,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -277,11 +307,104 @@ impl DropReason {
             DropReason::XdpDenied => "xdp_denied_source",
             DropReason::XdpMalformedV4 => "xdp_malformed_ipv4",
             DropReason::XdpMalformedV6 => "xdp_malformed_ipv6",
+            DropReason::ConntrackFull => "conntrack_full",
+            DropReason::NatPortsExhausted => "nat_ports_exhausted",
         }
     }
 
     pub fn from_u32(v: u32) -> Option<DropReason> {
         DropReason::ALL.into_iter().find(|r| *r as u32 == v)
+    }
+}
+
+/// [`CtKey::dir`]: the pod's original tuple (pod → outside, before translation).
+pub const CT_DIR_OUT: u8 = 0;
+/// [`CtKey::dir`]: the reply tuple as it arrives (outside → node address, NAT port).
+pub const CT_DIR_REPLY: u8 = 1;
+
+/// A conntrack key: a 5-tuple as it appears in the packet (network byte order). ICMP echo
+/// uses the identifier as both ports.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CtKey {
+    pub src: [u8; 4],
+    pub dst: [u8; 4],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    /// [`CT_DIR_OUT`] or [`CT_DIR_REPLY`].
+    pub dir: u8,
+    pub _pad: [u8; 2],
+}
+
+/// [`CtEntry::flags`]: this direction has sent a packet (a reply entry: the flow is answered).
+pub const CT_F_SEEN: u16 = 1;
+/// [`CtEntry::flags`]: this direction sent a TCP FIN.
+pub const CT_F_FIN: u16 = 2;
+/// [`CtEntry::flags`]: this direction sent a TCP RST.
+pub const CT_F_RST: u16 = 4;
+
+/// A conntrack entry. Out entry: `addr`/`port` are the NAT address and port the flow leaves
+/// with. Reply entry: the pod's address and port replies are translated back to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtEntry {
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of this direction's last packet (refreshed at
+    /// most about once a second per direction).
+    pub last_seen_ns: u64,
+    pub addr: [u8; 4],
+    /// Network byte order.
+    pub port: u16,
+    /// `CT_F_*` bits of this direction.
+    pub flags: u16,
+}
+
+/// What the SNAT programs need from the agent's `[nat]` config (one entry of
+/// [`NAT_CONFIG_MAP`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NatConfig {
+    pub tcp_established_ns: u64,
+    /// TCP before the first reply.
+    pub tcp_syn_ns: u64,
+    /// TCP after a RST, or FIN both ways.
+    pub tcp_closing_ns: u64,
+    pub udp_ns: u64,
+    pub icmp_ns: u64,
+    /// The uplinks' ifindexes (0: unused slot): SNAT only for traffic routed out of one.
+    pub uplinks: [u32; MAX_NAT_UPLINKS],
+    /// NAT source ports (and ICMP identifiers), host byte order, inclusive.
+    pub port_min: u16,
+    pub port_max: u16,
+    /// Non-zero: SNAT is on.
+    pub enabled: u32,
+}
+
+impl NatConfig {
+    /// How long a flow lives after its last packet, from both directions' flags (`reply`
+    /// `None` when that entry is missing).
+    pub fn timeout_ns(&self, proto: u8, out_flags: u16, reply_flags: Option<u16>) -> u64 {
+        let reply = reply_flags.unwrap_or_default();
+        match proto {
+            IPPROTO_TCP => {
+                let both = out_flags | reply;
+                if both & CT_F_RST != 0 || (out_flags & reply & CT_F_FIN) != 0 {
+                    self.tcp_closing_ns
+                } else if reply & CT_F_SEEN == 0 {
+                    self.tcp_syn_ns
+                } else {
+                    self.tcp_established_ns
+                }
+            }
+            IPPROTO_UDP => self.udp_ns,
+            _ => self.icmp_ns,
+        }
+    }
+
+    /// Whether TCP flags of both directions say the connection is over (RST, or FIN both
+    /// ways): its ports may be reused by a new flow at once.
+    pub fn tcp_closed(out_flags: u16, reply_flags: u16) -> bool {
+        (out_flags | reply_flags) & CT_F_RST != 0 || (out_flags & reply_flags & CT_F_FIN) != 0
     }
 }
 
@@ -295,6 +418,9 @@ mod pod {
     unsafe impl aya::Pod for super::DropCount {}
     unsafe impl aya::Pod for super::FlowKey {}
     unsafe impl aya::Pod for super::FailsafePort {}
+    unsafe impl aya::Pod for super::CtKey {}
+    unsafe impl aya::Pod for super::CtEntry {}
+    unsafe impl aya::Pod for super::NatConfig {}
 }
 
 #[cfg(test)]
@@ -311,6 +437,9 @@ mod tests {
         assert_eq!(size_of::<DropCount>(), 16);
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FailsafePort>(), 4);
+        assert_eq!(size_of::<CtKey>(), 16);
+        assert_eq!(size_of::<CtEntry>(), 16);
+        assert_eq!(size_of::<NatConfig>(), 80);
     }
 
     #[test]
@@ -347,8 +476,8 @@ mod tests {
         }
         assert_eq!(DropReason::from_u32(0), None);
         // Values are stable: they are keys in the pinned counters map.
-        let values: [u32; 10] = DropReason::ALL.map(|r| r as u32);
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        let values: [u32; 12] = DropReason::ALL.map(|r| r as u32);
+        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
     }
 
     #[test]

@@ -9,11 +9,12 @@
 #![cfg_attr(feature = "bench-floor", allow(unused_imports, dead_code))]
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
-use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6};
+use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING};
 
 use crate::counters::{self, drop};
 use crate::flows;
 use crate::forward;
+use crate::nat;
 use crate::maps::{
     CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
 };
@@ -93,6 +94,9 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
+    }
+    if ep.flags & EP_NAT_OUTGOING != 0 {
+        return nat::snat_v4(ctx, ifindex, &ip);
     }
     Ok(TC_ACT_OK)
 }

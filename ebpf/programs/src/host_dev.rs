@@ -17,6 +17,10 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             let Some(ip) = packet::ipv4(ctx) else {
                 return Ok(TC_ACT_OK);
             };
+            // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
+            if let Some(verdict) = crate::nat::reverse_v4(ctx, &ip)? {
+                return Ok(verdict);
+            }
             // SAFETY: a pointer from a successful lookup, valid until the program returns.
             match CALIX_LOCAL_V4.get_ptr(&ip.dst).map(|l| unsafe { *l }) {
                 Some(local)

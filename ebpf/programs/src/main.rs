@@ -10,12 +10,14 @@
 #![no_std]
 #![no_main]
 
+mod conntrack;
 mod counters;
 mod flows;
 mod forward;
 mod from_pod;
 mod host_dev;
 mod maps;
+mod nat;
 mod packet;
 mod to_pod;
 mod xdp;

@@ -1,0 +1,576 @@
+//! SNAT in the programs, with BPF_PROG_TEST_RUN (see programs.rs for what test_run does with
+//! tc programs): `from_pod` translates a natOutgoing pod's TCP, UDP and ICMP echo to the
+//! uplink's address and a NAT port and redirects it out through the FIB; `from_host_dev`
+//! translates replies and ICMP errors back and redirects them into the pod. Every output
+//! frame is compared byte for byte with one built independently (checksums computed from
+//! scratch here), and the conntrack map's entries are checked. Needs root.
+mod common;
+
+use std::mem::size_of;
+use std::os::fd::AsFd;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
+use aya::programs::{Program, SchedClassifier};
+use aya::{Ebpf, EbpfLoader};
+use calix_agent::dataplane::ebpf::OBJECT;
+use calix_common::{
+    CtEntry, CtKey, DropCount, DropKey, DropReason, EndpointInfo, LocalEndpoint, NatConfig,
+    ALL_PROGRAMS, CT_DIR_OUT, CT_DIR_REPLY, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_MAP, DROPS_MAP,
+    ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC, LOCAL_V4_MAP, MAX_NAT_UPLINKS,
+    NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
+};
+use common::*;
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const POD: [u8; 4] = [10, 244, 0, 10];
+const POD_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 10];
+const NODE: [u8; 4] = [192, 0, 2, 1];
+const UPLINK_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+const GW: [u8; 4] = [192, 0, 2, 9];
+const GW_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0xfe];
+const SERVER: [u8; 4] = [198, 51, 100, 7];
+const PORT_MIN: u16 = 20000;
+
+// ---- Checksums and packets, computed from scratch ----
+
+/// The TCP/UDP checksum of `seg` (its checksum field zero) with the IPv4 pseudo header.
+fn l4_checksum(src: [u8; 4], dst: [u8; 4], proto: u8, seg: &[u8]) -> u16 {
+    let len = u16::try_from(seg.len()).expect("segment length");
+    let pseudo = [&src[..], &dst, &[0, proto], &len.to_be_bytes(), seg].concat();
+    ipv4_checksum(&pseudo)
+}
+
+/// `seg` (TCP or UDP) with its checksum filled in for `src` → `dst`; UDP 0 becomes 0xffff.
+fn with_l4_csum(src: [u8; 4], dst: [u8; 4], proto: u8, seg: &[u8]) -> Vec<u8> {
+    let at = if proto == TCP { 16 } else { 6 };
+    let mut s = seg.to_vec();
+    s[at..at + 2].copy_from_slice(&[0, 0]);
+    let mut c = l4_checksum(src, dst, proto, &s);
+    if proto == UDP && c == 0 {
+        c = 0xffff;
+    }
+    s[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    s
+}
+
+/// An ICMP message with its checksum filled in.
+fn with_icmp_csum(msg: &[u8]) -> Vec<u8> {
+    let mut m = msg.to_vec();
+    m[2..4].copy_from_slice(&[0, 0]);
+    let c = ipv4_checksum(&m);
+    m[2..4].copy_from_slice(&c.to_be_bytes());
+    m
+}
+
+/// A TCP segment `sport` → `dport` with `flags` and `payload`, checksum zero.
+fn tcp_seg(sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let h = [0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0];
+    [&sport.to_be_bytes()[..], &dport.to_be_bytes(), &h, payload].concat()
+}
+
+/// A UDP datagram with `payload`, checksum zero.
+fn udp_dgram(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(8 + payload.len()).expect("udp length");
+    [
+        &sport.to_be_bytes()[..],
+        &dport.to_be_bytes(),
+        &len.to_be_bytes(),
+        &[0, 0],
+        payload,
+    ]
+    .concat()
+}
+
+/// An ICMP echo (request 8, reply 0) with `id`, checksum filled in.
+fn echo(ty: u8, id: u16) -> Vec<u8> {
+    with_icmp_csum(&[&[ty, 0, 0, 0][..], &id.to_be_bytes(), &[0, 1], b"abcd"].concat())
+}
+
+/// A transport message for `proto` between (`src`, `sport`) and (`dst`, `dport`) with
+/// checksums right; ICMP: an echo request (`sport` is the identifier).
+fn l4(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {
+    match proto {
+        TCP => with_l4_csum(src, dst, TCP, &tcp_seg(sport, dport, 0x02, b"")),
+        UDP => with_l4_csum(src, dst, UDP, &udp_dgram(sport, dport, b"ping")),
+        _ => echo(8, sport),
+    }
+}
+
+/// The reply to [`l4`]'s message.
+fn l4_reply(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {
+    match proto {
+        TCP => with_l4_csum(src, dst, TCP, &tcp_seg(sport, dport, 0x12, b"")),
+        UDP => with_l4_csum(src, dst, UDP, &udp_dgram(sport, dport, b"pong")),
+        _ => echo(0, dport),
+    }
+}
+
+// ---- Harness ----
+
+struct Snat {
+    bpf: Ebpf,
+    ct: HashMap<MapData, CtKey, CtEntry>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
+    pod_if: u32,
+    uplink_if: u32,
+    _pins: PinDir,
+}
+
+/// In the current (test) namespace: pod veth `cxtpa` registered as a natOutgoing endpoint,
+/// uplink `cxtpu` (192.0.2.1/24, gateway 192.0.2.9 with a known MAC, 198.51.100.0/24 via
+/// it), SNAT to ports `PORT_MIN..=port_max`, a conntrack table of `ct_entries`.
+fn setup(port_max: u16, ct_entries: u32) -> Snat {
+    let pins = PinDir::new();
+    let mut bpf = EbpfLoader::new()
+        .map_pin_path(&pins.0)
+        .set_max_entries(CT_MAP, ct_entries)
+        .load(OBJECT)
+        .expect("load the object");
+    for name in ALL_PROGRAMS {
+        match bpf.program_mut(name).expect("a program") {
+            Program::SchedClassifier(p) => p.load().expect("verifier"),
+            Program::Xdp(p) => p.load().expect("verifier"),
+            _ => panic!("{name}: unexpected program type"),
+        }
+    }
+    let pod_if = veth("cxtpa");
+    let uplink_if = veth("cxtpu");
+    ip(&["link", "set", "cxtpu", "address", "02:00:00:00:00:01", "up"]);
+    ip(&["link", "set", "cxtpup", "up"]);
+    ip(&["addr", "add", "192.0.2.1/24", "dev", "cxtpu"]);
+    ip(&[
+        "neigh",
+        "add",
+        "192.0.2.9",
+        "lladdr",
+        "02:00:00:00:00:fe",
+        "dev",
+        "cxtpu",
+    ]);
+    ip(&["route", "add", "198.51.100.0/24", "via", "192.0.2.9"]);
+    // bpf_fib_lookup wants forwarding on; /proc/sys/net is this thread's namespace's.
+    std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").expect("forwarding");
+
+    let mut endpoints: HashMap<MapData, u32, EndpointInfo> = map(&mut bpf, ENDPOINTS_MAP);
+    let info = EndpointInfo {
+        ipv4: POD,
+        flags: EP_HAS_V4 | EP_NAT_OUTGOING,
+        ipv6: [0; 16],
+    };
+    endpoints.insert(pod_if, info, 0).expect("endpoint");
+    let mut local: HashMap<MapData, [u8; 4], LocalEndpoint> = map(&mut bpf, LOCAL_V4_MAP);
+    let le = LocalEndpoint {
+        ifindex: pod_if,
+        _pad: 0,
+        mac: POD_MAC,
+    };
+    local.insert(POD, le, 0).expect("local");
+    let mut no_snat: LpmTrie<MapData, [u8; 4], u32> = map(&mut bpf, NO_SNAT_V4_MAP);
+    no_snat
+        .insert(&Key::new(16, [10, 244, 0, 0]), 1, 0)
+        .expect("no-SNAT pool");
+    let mut cfg: Array<MapData, NatConfig> = map(&mut bpf, NAT_CONFIG_MAP);
+    let mut uplinks = [0; MAX_NAT_UPLINKS];
+    uplinks[0] = uplink_if;
+    let s = 1_000_000_000;
+    cfg.set(
+        0,
+        NatConfig {
+            tcp_established_ns: 3600 * s,
+            tcp_syn_ns: 60 * s,
+            tcp_closing_ns: 10 * s,
+            udp_ns: 60 * s,
+            icmp_ns: 30 * s,
+            uplinks,
+            port_min: PORT_MIN,
+            port_max,
+            enabled: 1,
+        },
+        0,
+    )
+    .expect("NAT config");
+    Snat {
+        ct: map(&mut bpf, CT_MAP),
+        endpoints,
+        drops: map(&mut bpf, DROPS_MAP),
+        bpf,
+        pod_if,
+        uplink_if,
+        _pins: pins,
+    }
+}
+
+impl Snat {
+    fn run(&self, prog: &str, ifindex: u32, frame: &[u8]) -> Run {
+        // `__sk_buff` up to ifindex (see programs.rs).
+        let mut ctx = [0u32; 11];
+        ctx[10] = ifindex;
+        const _: () = assert!(size_of::<[u32; 11]>() == 44);
+        let p: &SchedClassifier = self
+            .bpf
+            .program(prog)
+            .expect("a program")
+            .try_into()
+            .expect("tc");
+        let fd = p.fd().expect("program fd");
+        test_run(fd.as_fd(), frame, &ctx).unwrap_or_else(|e| panic!("test_run {prog}: {e}"))
+    }
+
+    /// The pod sends `ip`: the frame `from_pod` leaves (asserting a redirect).
+    fn snat(&self, ip: &Ip4) -> Vec<u8> {
+        let out = self.run(
+            PROG_FROM_POD,
+            self.pod_if,
+            &eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes()),
+        );
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "from_pod redirects out");
+        out.frame
+    }
+
+    /// `ip` arrives on the uplink: the frame `from_host_dev` leaves (asserting a redirect).
+    fn reverse(&self, ip: &Ip4) -> Vec<u8> {
+        let out = self.run(
+            PROG_FROM_HOST_DEV,
+            self.uplink_if,
+            &eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &ip.bytes()),
+        );
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "from_host_dev redirects in");
+        out.frame
+    }
+
+    fn entry(&self, k: &CtKey) -> Option<CtEntry> {
+        self.ct.get(k, 0).ok()
+    }
+
+    fn ct_len(&self) -> usize {
+        self.ct.keys().filter_map(Result::ok).count()
+    }
+
+    fn dropped(&self, reason: DropReason) -> u64 {
+        dropped(&self.drops, self.pod_if, reason).packets
+    }
+}
+
+fn out_key(proto: u8, sport: u16, dport: u16) -> CtKey {
+    CtKey {
+        src: POD,
+        dst: SERVER,
+        sport: sport.to_be(),
+        dport: dport.to_be(),
+        proto,
+        dir: CT_DIR_OUT,
+        _pad: [0; 2],
+    }
+}
+
+fn reply_key(proto: u8, dport: u16, nat_port: u16) -> CtKey {
+    CtKey {
+        src: SERVER,
+        dst: NODE,
+        sport: dport.to_be(),
+        dport: nat_port.to_be(),
+        proto,
+        dir: CT_DIR_REPLY,
+        _pad: [0; 2],
+    }
+}
+
+/// One flow out and its reply back, for `proto`: exact frames both ways, conntrack entries.
+fn round_trip(h: &Snat, proto: u8, sport: u16, dport: u16) -> u16 {
+    let sent = Ip4::new(POD, SERVER, proto, l4(proto, POD, SERVER, sport, dport));
+    let dport_key = if proto == ICMP { sport } else { dport };
+    let fresh = h.entry(&out_key(proto, sport, dport_key)).is_none();
+    let frame = h.snat(&sent);
+    // The NAT port the allocator chose, from the flow's original entry.
+    let out = h
+        .entry(&out_key(proto, sport, dport_key))
+        .expect("the flow's original entry");
+    assert_eq!(out.addr, NODE, "NAT address: the uplink route's source");
+    assert_eq!(out.flags, CT_F_SEEN);
+    let nat = u16::from_be(out.port);
+    assert!((PORT_MIN..=PORT_MIN + 9).contains(&nat), "NAT port {nat}");
+    let (rsport, rdport) = if proto == ICMP {
+        (nat, nat)
+    } else {
+        (dport, nat)
+    };
+    let rkey = reply_key(proto, rsport, rdport);
+    let r = h.entry(&rkey).expect("the flow's reply entry");
+    let unanswered = if fresh { 0 } else { CT_F_SEEN };
+    assert_eq!(
+        (r.addr, u16::from_be(r.port), r.flags),
+        (POD, sport, unanswered)
+    );
+    // Out: source = node:nat, TTL 63, checksums right, MACs from the FIB.
+    let want = Ip4::new(NODE, SERVER, proto, l4(proto, NODE, SERVER, nat, dport)).ttl(63);
+    assert_eq!(
+        frame,
+        eth(GW_MAC, UPLINK_MAC, ETH_P_IP, &want.bytes()),
+        "proto {proto}: translated frame"
+    );
+    // Back: the reply to node:nat goes to pod:sport.
+    let reply = Ip4::new(
+        SERVER,
+        NODE,
+        proto,
+        l4_reply(proto, SERVER, NODE, dport, nat),
+    );
+    let frame = h.reverse(&reply);
+    let want = Ip4::new(
+        SERVER,
+        POD,
+        proto,
+        l4_reply(proto, SERVER, POD, dport, sport),
+    )
+    .ttl(63);
+    assert_eq!(
+        frame,
+        eth(POD_MAC, HOST_VETH_MAC, ETH_P_IP, &want.bytes()),
+        "proto {proto}: reply translated back"
+    );
+    let r = h.entry(&rkey).expect("the reply entry");
+    assert_eq!(r.flags, CT_F_SEEN, "the flow is answered");
+    nat
+}
+
+// ---- Tests ----
+
+#[test]
+fn tcp_udp_and_icmp_echo_are_translated_both_ways() {
+    in_netns(|| {
+        let h = setup(PORT_MIN + 9, 1024);
+        round_trip(&h, TCP, 40000, 80);
+        round_trip(&h, UDP, 40000, 53);
+        round_trip(&h, ICMP, 0x4242, 0);
+        assert_eq!(h.ct_len(), 6, "two entries per flow");
+        // A second packet of the same flow reuses the entries.
+        round_trip(&h, UDP, 40000, 53);
+        assert_eq!(h.ct_len(), 6);
+        assert!(all_drops(&h.drops).is_empty());
+    });
+}
+
+#[test]
+fn udp_zero_checksum_stays_zero() {
+    in_netns(|| {
+        let h = setup(PORT_MIN + 9, 1024);
+        let sent = Ip4::new(POD, SERVER, UDP, udp_dgram(40001, 53, b"ping"));
+        let frame = h.snat(&sent);
+        let nat = u16::from_be(
+            h.entry(&out_key(UDP, 40001, 53))
+                .expect("original entry")
+                .port,
+        );
+        let want = Ip4::new(NODE, SERVER, UDP, udp_dgram(nat, 53, b"ping")).ttl(63);
+        assert_eq!(frame, eth(GW_MAC, UPLINK_MAC, ETH_P_IP, &want.bytes()));
+        assert_eq!(frame[14 + 20 + 6..14 + 20 + 8], [0, 0], "no checksum");
+        let reply = Ip4::new(SERVER, NODE, UDP, udp_dgram(53, nat, b"pong"));
+        let want = Ip4::new(SERVER, POD, UDP, udp_dgram(53, 40001, b"pong")).ttl(63);
+        assert_eq!(
+            h.reverse(&reply),
+            eth(POD_MAC, HOST_VETH_MAC, ETH_P_IP, &want.bytes())
+        );
+    });
+}
+
+/// An ICMP error from `GW` about the translated `quoted` packet (node → server).
+fn icmp_error(ty: u8, code: u8, mtu: u16, quoted: &[u8]) -> Ip4 {
+    let msg = [&[ty, code, 0, 0, 0, 0][..], &mtu.to_be_bytes(), quoted].concat();
+    Ip4::new(GW, NODE, ICMP, with_icmp_csum(&msg))
+}
+
+#[test]
+fn icmp_errors_about_translated_flows_go_back_to_the_pod() {
+    in_netns(|| {
+        let h = setup(PORT_MIN + 9, 1024);
+        for (proto, sport, dport) in [(UDP, 40002, 53), (TCP, 40003, 443), (ICMP, 0x77, 0)] {
+            let sent = Ip4::new(POD, SERVER, proto, l4(proto, POD, SERVER, sport, dport));
+            let translated = h.snat(&sent);
+            let nat_key = if proto == ICMP { sport } else { dport };
+            let nat = u16::from_be(
+                h.entry(&out_key(proto, sport, nat_key))
+                    .expect("entry")
+                    .port,
+            );
+            // The router quotes the whole translated packet (as it left: TTL 63).
+            let quoted = &translated[14..];
+            let (ty, code, mtu) = if proto == TCP {
+                (3, 4, 1400)
+            } else {
+                (3, 3, 0)
+            };
+            let err = icmp_error(ty, code, mtu, quoted);
+            let frame = h.reverse(&err);
+            // What the pod must see: the error about its own packet, every checksum right.
+            let inner = Ip4::new(POD, SERVER, proto, l4(proto, POD, SERVER, sport, dport))
+                .ttl(63)
+                .bytes();
+            let msg = [&[ty, code, 0, 0, 0, 0][..], &mtu.to_be_bytes(), &inner].concat();
+            let want = Ip4::new(GW, POD, ICMP, with_icmp_csum(&msg)).ttl(63);
+            assert_eq!(
+                frame,
+                eth(POD_MAC, HOST_VETH_MAC, ETH_P_IP, &want.bytes()),
+                "proto {proto}: ICMP error translated (NAT port {nat})"
+            );
+        }
+        // An error about a flow nobody translated is not ours: it goes to the stack.
+        let stray = Ip4::new(NODE, SERVER, UDP, l4(UDP, NODE, SERVER, 20005, 9)).bytes();
+        let err = icmp_error(3, 3, 0, &stray);
+        let frame = eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &err.bytes());
+        let out = h.run(PROG_FROM_HOST_DEV, h.uplink_if, &frame);
+        assert_eq!((out.verdict, out.frame), (TC_ACT_OK, frame));
+    });
+}
+
+#[test]
+fn two_pods_same_source_port_same_destination_get_two_nat_ports() {
+    in_netns(|| {
+        let mut h = setup(PORT_MIN + 9, 1024);
+        // A second natOutgoing pod.
+        let pod_b = [10, 244, 0, 11];
+        let b_if = veth("cxtpb");
+        let info = EndpointInfo {
+            ipv4: pod_b,
+            flags: EP_HAS_V4 | EP_NAT_OUTGOING,
+            ipv6: [0; 16],
+        };
+        h.endpoints.insert(b_if, info, 0).expect("endpoint b");
+        let a = round_trip(&h, UDP, 5353, 53);
+        let sent = Ip4::new(pod_b, SERVER, UDP, l4(UDP, pod_b, SERVER, 5353, 53));
+        let out = h.run(
+            PROG_FROM_POD,
+            b_if,
+            &eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &sent.bytes()),
+        );
+        assert_eq!(out.verdict, TC_ACT_REDIRECT);
+        let b = u16::from_be_bytes([out.frame[14 + 20], out.frame[14 + 21]]);
+        assert_ne!(a, b, "the second pod's flow got another NAT port");
+        let rb = h.entry(&reply_key(UDP, 53, b)).expect("b's reply entry");
+        assert_eq!((rb.addr, u16::from_be(rb.port)), (pod_b, 5353));
+        let ra = h.entry(&reply_key(UDP, 53, a)).expect("a's reply entry");
+        assert_eq!((ra.addr, u16::from_be(ra.port)), (POD, 5353));
+        h.ct.remove(&reply_key(UDP, 53, b)).expect("tidy");
+    });
+}
+
+#[test]
+fn a_full_table_and_exhausted_ports_are_counted_drops() {
+    in_netns(|| {
+        // Room for two flows.
+        let h = setup(PORT_MIN + 9, 4);
+        for sport in [41000, 41001] {
+            round_trip(&h, UDP, sport, 53);
+        }
+        let third = Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 41002, 53));
+        let sent = eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &third.bytes());
+        let out = h.run(PROG_FROM_POD, h.pod_if, &sent);
+        assert_eq!(
+            out.verdict, TC_ACT_SHOT,
+            "a full table refuses the new flow"
+        );
+        assert_eq!(h.dropped(DropReason::ConntrackFull), 1);
+        assert_eq!(h.ct_len(), 4, "nothing half-written");
+        // Established flows keep working.
+        round_trip(&h, UDP, 41000, 53);
+    });
+    in_netns(|| {
+        // Two NAT ports, a big table: the third flow to the same destination finds no port.
+        let h = setup(PORT_MIN + 1, 1024);
+        let ports: Vec<u16> = [42000, 42001]
+            .into_iter()
+            .map(|s| round_trip(&h, UDP, s, 53))
+            .collect();
+        assert_ne!(ports[0], ports[1]);
+        let third = Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 42002, 53));
+        let sent = eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &third.bytes());
+        assert_eq!(h.run(PROG_FROM_POD, h.pod_if, &sent).verdict, TC_ACT_SHOT);
+        assert_eq!(h.dropped(DropReason::NatPortsExhausted), 1);
+        // Another destination port is another tuple: the same NAT ports are free for it.
+        round_trip(&h, UDP, 42002, 54);
+    });
+}
+
+#[test]
+fn tcp_fin_and_rst_close_flows_and_free_their_ports() {
+    in_netns(|| {
+        // One NAT port: a second connection to the same server needs the first one's.
+        let h = setup(PORT_MIN, 1024);
+        let nat = round_trip(&h, TCP, 43000, 80);
+        let send = |sport: u16, flags: u8| {
+            let seg = with_l4_csum(POD, SERVER, TCP, &tcp_seg(sport, 80, flags, b""));
+            let ip = Ip4::new(POD, SERVER, TCP, seg);
+            h.run(
+                PROG_FROM_POD,
+                h.pod_if,
+                &eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes()),
+            )
+        };
+        assert_eq!(send(43001, 0x02).verdict, TC_ACT_SHOT, "port taken");
+        assert_eq!(h.dropped(DropReason::NatPortsExhausted), 1);
+        // FIN from the pod, FIN from the server: closed.
+        assert_eq!(send(43000, 0x11).verdict, TC_ACT_REDIRECT);
+        let fin = with_l4_csum(SERVER, NODE, TCP, &tcp_seg(80, nat, 0x11, b""));
+        h.reverse(&Ip4::new(SERVER, NODE, TCP, fin));
+        let o = h.entry(&out_key(TCP, 43000, 80)).expect("original entry");
+        let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
+        assert_eq!(
+            (o.flags, r.flags),
+            (CT_F_SEEN | CT_F_FIN, CT_F_SEEN | CT_F_FIN)
+        );
+        // Now the new connection takes the port over; the old flow's entries are gone.
+        assert_eq!(send(43001, 0x02).verdict, TC_ACT_REDIRECT);
+        assert!(h.entry(&out_key(TCP, 43000, 80)).is_none());
+        let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
+        assert_eq!(u16::from_be(r.port), 43001);
+        // RST from the server closes too.
+        let rst = with_l4_csum(SERVER, NODE, TCP, &tcp_seg(80, nat, 0x04, b""));
+        h.reverse(&Ip4::new(SERVER, NODE, TCP, rst));
+        let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
+        assert_eq!(r.flags & CT_F_RST, CT_F_RST);
+        assert_eq!(send(43002, 0x02).verdict, TC_ACT_REDIRECT, "port reused");
+    });
+}
+
+#[test]
+fn what_snat_leaves_alone() {
+    in_netns(|| {
+        let h = setup(PORT_MIN + 9, 1024);
+        let passes = |ip: Ip4| {
+            let sent = eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes());
+            let out = h.run(PROG_FROM_POD, h.pod_if, &sent);
+            assert_eq!(
+                (out.verdict, &out.frame),
+                (TC_ACT_OK, &sent),
+                "to the stack"
+            );
+        };
+        // A pool destination (no route here either way), another protocol, a fragment, a
+        // TTL about to expire, a destination not routed out of the uplink.
+        passes(Ip4::new(
+            POD,
+            [10, 244, 9, 9],
+            UDP,
+            l4(UDP, POD, [10, 244, 9, 9], 1, 2),
+        ));
+        passes(Ip4::new(POD, SERVER, 47, vec![0; 8]));
+        passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).frag(0x2000));
+        passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).ttl(1));
+        passes(Ip4::new(
+            POD,
+            [203, 0, 113, 1],
+            UDP,
+            l4(UDP, POD, [203, 0, 113, 1], 1, 2),
+        ));
+        assert_eq!(h.ct_len(), 0, "no entries");
+        // Replies on the uplink that match no flow: the stack's, untouched.
+        let stray = Ip4::new(SERVER, NODE, UDP, l4(UDP, SERVER, NODE, 53, PORT_MIN));
+        let frame = eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &stray.bytes());
+        let out = h.run(PROG_FROM_HOST_DEV, h.uplink_if, &frame);
+        assert_eq!((out.verdict, out.frame), (TC_ACT_OK, frame));
+    });
+}

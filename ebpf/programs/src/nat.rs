@@ -1,0 +1,440 @@
+//! SNAT (masquerade) for pods of `natOutgoing` pools, without the host stack either way.
+//!
+//! `from_pod` (through [`snat_v4`]): IPv4 TCP, UDP and ICMP echo requests from such a pod to a
+//! destination outside `CALIX_NO_SNAT_V4` (pools, `non_masquerade_cidrs`) that the FIB routes
+//! out of an uplink leave with the route's source address (`BPF_FIB_LOOKUP_SRC`) and a NAT
+//! port from `conntrack`, straight out of the uplink (`bpf_redirect` / `bpf_redirect_neigh`).
+//! `from_host_dev` (through [`reverse_v4`]): replies, and ICMP errors quoting a translated
+//! packet, are translated back and delivered into the pod (`bpf_redirect_peer`).
+//! Fragments, other protocols and other ICMP types continue into the host stack untranslated,
+//! as does anything the FIB cannot settle or routes elsewhere than an uplink.
+
+use aya_ebpf::{
+    bindings::{
+        bpf_fib_lookup as FibParams, BPF_FIB_LOOKUP_SRC, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR,
+        TC_ACT_OK,
+    },
+    cty::c_long,
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh},
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use calix_common::{CtKey, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
+
+use crate::conntrack::{self, CALIX_CT, CALIX_NO_SNAT_V4, TCP_ACK, TCP_SYN};
+use crate::counters::drop;
+use crate::flows;
+use crate::forward::{self, Ttl};
+use crate::maps::CALIX_LOCAL_V4;
+use crate::packet::{Ipv4, ETH_HLEN, IPPROTO_ICMP};
+
+const AF_INET: u8 = 2;
+const BPF_FIB_LKUP_RET_SUCCESS: c_long = 0;
+const BPF_FIB_LKUP_RET_NO_NEIGH: c_long = 7;
+/// Offsets in the IPv4 header.
+const IP_CSUM: usize = 10;
+const IP_SRC: usize = 12;
+const IP_DST: usize = 16;
+const ICMP_ECHO_REPLY: u8 = 0;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_ECHO: u8 = 8;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETER_PROBLEM: u8 = 12;
+
+/// The transport fields NAT reads and rewrites.
+struct Transport {
+    /// Ports (ICMP echo: the identifier twice), as in the packet.
+    sport: u16,
+    dport: u16,
+    /// Offset of the port (or identifier) on the pod's side of the flow.
+    port_off: usize,
+    /// Offset of the transport checksum.
+    csum_off: usize,
+    tcp_flags: u8,
+}
+
+/// Reads the transport header at `l4` (`l4_len` bytes of IP payload). `from_pod`: TCP, UDP,
+/// ICMP echo requests (the pod's port is the source); else TCP, UDP, ICMP echo replies (the
+/// pod's port is the destination). `None` for anything else.
+#[inline(always)]
+fn transport(
+    ctx: &TcContext,
+    l4: usize,
+    l4_len: usize,
+    proto: u8,
+    from_pod: bool,
+) -> Option<Transport> {
+    let side = if from_pod { 0 } else { 2 };
+    match proto {
+        IPPROTO_TCP => {
+            if l4_len < 20 {
+                return None;
+            }
+            let h: [u8; 14] = ctx.load(l4).ok()?;
+            Some(Transport {
+                sport: u16::from_ne_bytes([h[0], h[1]]),
+                dport: u16::from_ne_bytes([h[2], h[3]]),
+                port_off: l4 + side,
+                csum_off: l4 + 16,
+                tcp_flags: h[13],
+            })
+        }
+        IPPROTO_UDP => {
+            if l4_len < 8 {
+                return None;
+            }
+            let h: [u8; 4] = ctx.load(l4).ok()?;
+            Some(Transport {
+                sport: u16::from_ne_bytes([h[0], h[1]]),
+                dport: u16::from_ne_bytes([h[2], h[3]]),
+                port_off: l4 + side,
+                csum_off: l4 + 6,
+                tcp_flags: 0,
+            })
+        }
+        IPPROTO_ICMP => {
+            if l4_len < 8 {
+                return None;
+            }
+            let h: [u8; 8] = ctx.load(l4).ok()?;
+            let want = if from_pod { ICMP_ECHO } else { ICMP_ECHO_REPLY };
+            if h[0] != want || h[1] != 0 {
+                return None;
+            }
+            let id = u16::from_ne_bytes([h[4], h[5]]);
+            Some(Transport {
+                sport: id,
+                dport: id,
+                port_off: l4 + 4,
+                csum_off: l4 + 2,
+                tcp_flags: 0,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Rewrites the IPv4 address at `addr_off` (in the header) and the port at `t.port_off`,
+/// with the IP and transport checksums (TCP/UDP: pseudo header; UDP: a zero checksum stays
+/// zero; ICMP: no pseudo header).
+#[inline(always)]
+fn rewrite(
+    ctx: &mut TcContext,
+    proto: u8,
+    t: &Transport,
+    addr_off: usize,
+    old: ([u8; 4], u16),
+    new: ([u8; 4], u16),
+) -> Result<(), c_long> {
+    let (old_a, new_a) = (
+        u64::from(u32::from_ne_bytes(old.0)),
+        u64::from(u32::from_ne_bytes(new.0)),
+    );
+    let (old_p, new_p) = (u64::from(old.1), u64::from(new.1));
+    ctx.store(ETH_HLEN + addr_off, &new.0, 0)?;
+    ctx.l3_csum_replace(ETH_HLEN + IP_CSUM, old_a, new_a, 4)?;
+    let flags = match proto {
+        IPPROTO_TCP => 0,
+        IPPROTO_UDP => u64::from(BPF_F_MARK_MANGLED_0),
+        _ => {
+            ctx.store(t.port_off, &new.1, 0)?;
+            return ctx.l4_csum_replace(t.csum_off, old_p, new_p, 2);
+        }
+    };
+    ctx.l4_csum_replace(
+        t.csum_off,
+        old_a,
+        new_a,
+        flags | u64::from(BPF_F_PSEUDO_HDR) | 4,
+    )?;
+    ctx.store(t.port_off, &new.1, 0)?;
+    ctx.l4_csum_replace(t.csum_off, old_p, new_p, flags | 2)
+}
+
+/// `from_pod`'s last branch for an endpoint of a `natOutgoing` pool: IPv4 to anything that is
+/// neither a pod here nor in a pool.
+#[inline(always)]
+pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_long> {
+    let Some(cfg) = conntrack::config() else {
+        return Ok(TC_ACT_OK);
+    };
+    // A TTL about to expire: the stack sends the ICMP error.
+    if ip.fragment || ip.ttl <= 1 || CALIX_NO_SNAT_V4.get(&Key::new(32, ip.dst)).is_some() {
+        return Ok(TC_ACT_OK);
+    }
+    let l4 = ETH_HLEN + ip.ihl;
+    let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
+    let Some(t) = transport(ctx, l4, l4_len, ip.proto, true) else {
+        return Ok(TC_ACT_OK);
+    };
+    // SAFETY: bpf_fib_lookup is plain data; all-zero is its documented initial state.
+    let mut p: FibParams = unsafe { core::mem::zeroed() };
+    p.family = AF_INET;
+    p.l4_protocol = ip.proto;
+    // tot_len 0: the kernel checks the MTU on the skb itself (GSO packets are fine).
+    p.ifindex = ifindex;
+    p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src);
+    p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst);
+    // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
+    let rc = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            &mut p,
+            core::mem::size_of::<FibParams>() as i32,
+            BPF_FIB_LOOKUP_SRC,
+        )
+    };
+    if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+        || !conntrack::is_uplink(cfg, p.ifindex)
+    {
+        return Ok(TC_ACT_OK);
+    }
+    // SAFETY: the lookup filled in the IPv4 source (BPF_FIB_LOOKUP_SRC) of this union.
+    let route_src = unsafe { p.__bindgen_anon_3.ipv4_src }.to_ne_bytes();
+    let out = CtKey {
+        src: ip.src,
+        dst: ip.dst,
+        sport: t.sport,
+        dport: t.dport,
+        proto: ip.proto,
+        dir: CT_DIR_OUT,
+        _pad: [0; 2],
+    };
+    let bits = conntrack::flag_bits(ip.proto, t.tcp_flags);
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let mut found = None;
+    if let Some(o) = CALIX_CT.get_ptr_mut(&out) {
+        let syn = ip.proto == IPPROTO_TCP && t.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        if !syn || conntrack::restart_tcp(&out, o, now) {
+            conntrack::touch(o, bits, now);
+            // SAFETY: a pointer from a successful lookup.
+            found = Some(unsafe { ((*o).addr, (*o).port) });
+        }
+    }
+    let (nat_addr, nat_port) = match found {
+        Some(x) => x,
+        None => {
+            // The reply of a flow the stack delivered (a hostPort, a service): the stack must
+            // undo its own NAT.
+            if !flows::fast_path_ok(ifindex, flows::has_ports_v4(ip), || {
+                flows::key_v4(ctx, ip, true)
+            }) {
+                return Ok(TC_ACT_OK);
+            }
+            match conntrack::allocate(cfg, &out, route_src, bits, now) {
+                Ok(port) => (route_src, port),
+                Err(reason) => return Ok(drop(ctx, ifindex, reason)),
+            }
+        }
+    };
+    rewrite(
+        ctx,
+        ip.proto,
+        &t,
+        IP_SRC,
+        (ip.src, t.sport),
+        (nat_addr, nat_port),
+    )?;
+    // Forwarding's TTL decrement (ttl > 1 was checked), with the header checksum.
+    let old = u16::from_ne_bytes([ip.ttl, ip.proto]);
+    let new = u16::from_ne_bytes([ip.ttl - 1, ip.proto]);
+    ctx.store(ETH_HLEN + 8, &(ip.ttl - 1), 0)?;
+    ctx.l3_csum_replace(ETH_HLEN + IP_CSUM, u64::from(old), u64::from(new), 2)?;
+    // Tell `to_host_dev` this packet took the fast path.
+    ctx.set_mark(calix_common::FAST_PATH_MARK);
+    if rc == BPF_FIB_LKUP_RET_SUCCESS {
+        let mut macs = [0u8; 12];
+        macs[..6].copy_from_slice(&p.dmac);
+        macs[6..].copy_from_slice(&p.smac);
+        ctx.store(0, &macs, 0)?;
+        // SAFETY: a plain helper call.
+        return Ok(unsafe { bpf_redirect(p.ifindex, 0) } as i32);
+    }
+    // SAFETY: a plain helper call; a null neighbour means "use the FIB's next hop".
+    Ok(unsafe { bpf_redirect_neigh(p.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+}
+
+/// `from_host_dev`, IPv4: a reply of a translated flow (or an ICMP error about one) is
+/// translated back and delivered into its pod. `None`: not ours, carry on.
+#[inline(always)]
+pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long> {
+    let Some(cfg) = conntrack::config() else {
+        return Ok(None);
+    };
+    if ip.fragment {
+        return Ok(None);
+    }
+    let l4 = ETH_HLEN + ip.ihl;
+    let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
+    if ip.proto == IPPROTO_ICMP {
+        let ty: u8 = ctx.load(l4).unwrap_or(ICMP_ECHO_REPLY);
+        if matches!(
+            ty,
+            ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETER_PROBLEM
+        ) {
+            return icmp_error(ctx, ip, l4, l4_len);
+        }
+    }
+    let Some(t) = transport(ctx, l4, l4_len, ip.proto, false) else {
+        return Ok(None);
+    };
+    // Only the NAT port range can be ours: skip the lookup for everything else.
+    let port = u16::from_be(t.dport);
+    if port < cfg.port_min || port > cfg.port_max {
+        return Ok(None);
+    }
+    let rkey = CtKey {
+        src: ip.src,
+        dst: ip.dst,
+        sport: t.sport,
+        dport: t.dport,
+        proto: ip.proto,
+        dir: CT_DIR_REPLY,
+        _pad: [0; 2],
+    };
+    let Some(r) = CALIX_CT.get_ptr_mut(&rkey) else {
+        return Ok(None);
+    };
+    // SAFETY: a pointer from a successful lookup.
+    let (pod, pod_port) = unsafe { ((*r).addr, (*r).port) };
+    let Some(local) = CALIX_LOCAL_V4.get_ptr(&pod) else {
+        return Ok(None);
+    };
+    // SAFETY: as above.
+    let local = unsafe { *local };
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    conntrack::touch(r, conntrack::flag_bits(ip.proto, t.tcp_flags), now);
+    rewrite(
+        ctx,
+        ip.proto,
+        &t,
+        IP_DST,
+        (ip.dst, t.dport),
+        (pod, pod_port),
+    )?;
+    let csum: [u8; 2] = ctx.load(ETH_HLEN + IP_CSUM)?;
+    let ttl = Ttl::V4 {
+        ttl: ip.ttl,
+        proto: ip.proto,
+        csum,
+    };
+    forward::to_local(ctx, &local, ttl).map(Some)
+}
+
+/// An ICMP error (destination unreachable, time exceeded, parameter problem) quoting a packet
+/// of a translated flow: the outer destination, the quoted source address and port and every
+/// checksum they are in (the quoted IP header's, the quoted transport's when present, the
+/// ICMP message's) go back to the pod's.
+#[inline(always)]
+fn icmp_error(
+    ctx: &mut TcContext,
+    ip: &Ipv4,
+    l4: usize,
+    l4_len: usize,
+) -> Result<Option<i32>, c_long> {
+    // ICMP header, the quoted IPv4 header, 8 bytes of its transport header.
+    if l4_len < 8 + 20 + 8 {
+        return Ok(None);
+    }
+    let inner = l4 + 8;
+    let Ok(h) = ctx.load::<[u8; 20]>(inner) else {
+        return Ok(None);
+    };
+    let ihl = usize::from(h[0] & 0x0f) * 4;
+    let in_src = [h[12], h[13], h[14], h[15]];
+    let in_dst = [h[16], h[17], h[18], h[19]];
+    let in_proto = h[9];
+    if h[0] >> 4 != 4 || ihl < 20 || ihl > 60 || in_src != ip.dst || l4_len < 8 + ihl + 8 {
+        return Ok(None);
+    }
+    let il4 = inner + ihl;
+    let Ok(q) = ctx.load::<[u8; 8]>(il4) else {
+        return Ok(None);
+    };
+    let (sport, dport, port_off, csum_off) = match in_proto {
+        IPPROTO_TCP => (
+            u16::from_ne_bytes([q[0], q[1]]),
+            u16::from_ne_bytes([q[2], q[3]]),
+            il4,
+            // The quoted TCP checksum only when the error carries that much of the header.
+            (l4_len >= 8 + ihl + 18).then_some(il4 + 16),
+        ),
+        IPPROTO_UDP => (
+            u16::from_ne_bytes([q[0], q[1]]),
+            u16::from_ne_bytes([q[2], q[3]]),
+            il4,
+            Some(il4 + 6),
+        ),
+        IPPROTO_ICMP if q[0] == ICMP_ECHO => {
+            let id = u16::from_ne_bytes([q[4], q[5]]);
+            (id, id, il4 + 4, Some(il4 + 2))
+        }
+        _ => return Ok(None),
+    };
+    let rkey = CtKey {
+        src: in_dst,
+        dst: in_src,
+        sport: dport,
+        dport: sport,
+        proto: in_proto,
+        dir: CT_DIR_REPLY,
+        _pad: [0; 2],
+    };
+    let Some(r) = CALIX_CT.get_ptr(&rkey) else {
+        return Ok(None);
+    };
+    // SAFETY: a pointer from a successful lookup.
+    let (pod, pod_port) = unsafe { ((*r).addr, (*r).port) };
+    let Some(local) = CALIX_LOCAL_V4.get_ptr(&pod) else {
+        return Ok(None);
+    };
+    // SAFETY: as above.
+    let local = unsafe { *local };
+    let (node, pod_a) = (
+        u64::from(u32::from_ne_bytes(in_src)),
+        u64::from(u32::from_ne_bytes(pod)),
+    );
+    let (nat_p, pod_p) = (u64::from(sport), u64::from(pod_port));
+    let icmp_csum = l4 + 2;
+    // The outer destination (the ICMP checksum has no pseudo header).
+    ctx.store(ETH_HLEN + IP_DST, &pod, 0)?;
+    ctx.l3_csum_replace(ETH_HLEN + IP_CSUM, node, pod_a, 4)?;
+    // The quoted source address, and the quoted header's checksum.
+    ctx.store(inner + IP_SRC, &pod, 0)?;
+    ctx.l4_csum_replace(icmp_csum, node, pod_a, 4)?;
+    let old: u16 = ctx.load(inner + IP_CSUM)?;
+    ctx.l3_csum_replace(inner + IP_CSUM, node, pod_a, 4)?;
+    let new: u16 = ctx.load(inner + IP_CSUM)?;
+    ctx.l4_csum_replace(icmp_csum, u64::from(old), u64::from(new), 2)?;
+    // The quoted source port (or echo identifier).
+    ctx.store(port_off, &pod_port, 0)?;
+    ctx.l4_csum_replace(icmp_csum, nat_p, pod_p, 2)?;
+    // The quoted transport checksum (not a UDP zero checksum: that stays zero).
+    if let Some(off) = csum_off {
+        let old: u16 = ctx.load(off)?;
+        if !(in_proto == IPPROTO_UDP && old == 0) {
+            let mangled = if in_proto == IPPROTO_UDP {
+                u64::from(BPF_F_MARK_MANGLED_0)
+            } else {
+                0
+            };
+            // The pseudo header's address (not for ICMP, which has none); no
+            // BPF_F_PSEUDO_HDR: that flag would also adjust skb->csum for the outer packet.
+            if in_proto != IPPROTO_ICMP {
+                ctx.l4_csum_replace(off, node, pod_a, mangled | 4)?;
+            }
+            ctx.l4_csum_replace(off, nat_p, pod_p, mangled | 2)?;
+            let new: u16 = ctx.load(off)?;
+            ctx.l4_csum_replace(icmp_csum, u64::from(old), u64::from(new), 2)?;
+        }
+    }
+    let csum: [u8; 2] = ctx.load(ETH_HLEN + IP_CSUM)?;
+    let ttl = Ttl::V4 {
+        ttl: ip.ttl,
+        proto: ip.proto,
+        csum,
+    };
+    forward::to_local(ctx, &local, ttl).map(Some)
+}

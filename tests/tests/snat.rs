@@ -1,0 +1,361 @@
+//! SNAT for `natOutgoing` pools (issue 6): pods on a node whose uplink is a veth to an
+//! "internet" namespace. The internet knows only the node's uplink subnet (TEST-NET-1,
+//! 192.0.2.0/24) — no route to the pods — and serves from 198.51.100.10 (TEST-NET-2), which the
+//! node routes via the internet's uplink address. So every answer a pod gets proves that the
+//! flow left with the node's address and came back translated. Servers there report the peer
+//! address they saw. Run as root.
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use calix_tests::{Dataplane, Netns, Node, Pod};
+use serde_json::Value;
+
+const UPLINK: &str = "uplink0";
+const NODE_ADDR: &str = "192.0.2.1";
+const GATEWAY: &str = "192.0.2.9";
+const SERVER: &str = "198.51.100.10";
+const TCP_PORT: u16 = 8080;
+const UDP_PORT: u16 = 8081;
+/// A UDP port nothing listens on (the internet answers port unreachable).
+const CLOSED_PORT: u16 = 8099;
+const PORT_MIN: u16 = 20000;
+const PORT_MAX: u16 = 20999;
+
+fn config() -> String {
+    format!(
+        "uplinks = [\"{UPLINK}\"]\n\
+         [[pools]]\ncidr = \"10.244.0.0/16\"\nnatOutgoing = true\n\
+         [nat]\nport_min = {PORT_MIN}\nport_max = {PORT_MAX}\n\
+         tcp_closing_secs = 2\ntcp_syn_secs = 5\nudp_secs = 3\nicmp_secs = 3\n\
+         cleaner_interval_secs = 1\n"
+    )
+}
+
+/// A child process killed and reaped on drop.
+struct Guarded(Child);
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The servers: TCP answers the peer address (`ip:port`) and waits for the client to close;
+/// UDP (bound to the server address, so replies come from it) answers the peer address.
+const SERVERS: &str = r#"
+import socket, sys, threading
+def tcp(port):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(('0.0.0.0', port)); s.listen(1024)
+    while True:
+        c, a = s.accept()
+        try:
+            c.sendall(('%s:%d\n' % a).encode()); c.settimeout(5)
+            while c.recv(64):
+                pass
+        except Exception:
+            pass
+        c.close()
+def udp(port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[3], port))
+    while True:
+        d, a = s.recvfrom(64)
+        s.sendto(('%s:%d\n' % a).encode(), a)
+threading.Thread(target=tcp, args=(int(sys.argv[1]),), daemon=True).start()
+threading.Thread(target=udp, args=(int(sys.argv[2]),), daemon=True).start()
+threading.Event().wait()
+"#;
+
+/// The client: `tcp|udp <host> <port> <source port or 0>` prints what the server saw;
+/// `refused <host> <port>` prints `refused` when a UDP send gets port unreachable back;
+/// `many <host> <port> <n>` makes n TCP connections and prints how many got an answer.
+const CLIENT: &str = r#"
+import socket, sys
+mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def bound(kind, sport):
+    s = socket.socket(socket.AF_INET, kind); s.settimeout(5)
+    if sport:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', sport))
+    return s
+if mode == 'tcp':
+    s = bound(socket.SOCK_STREAM, int(sys.argv[4])); s.connect((host, port))
+    print(s.recv(64).decode().strip()); s.close()
+elif mode == 'udp':
+    s = bound(socket.SOCK_DGRAM, int(sys.argv[4])); s.connect((host, port)); s.send(b'x')
+    print(s.recv(64).decode().strip())
+elif mode == 'refused':
+    s = bound(socket.SOCK_DGRAM, 0); s.connect((host, port)); s.send(b'x')
+    try:
+        s.recv(64); print('answered')
+    except ConnectionRefusedError:
+        print('refused')
+elif mode == 'many':
+    ok = 0
+    for i in range(int(sys.argv[4])):
+        try:
+            s = socket.create_connection((host, port), timeout=5)
+            if s.recv(64):
+                ok += 1
+            s.close()
+        except OSError as e:
+            print('connection %d: %s' % (i, e), file=sys.stderr)
+    print(ok)
+"#;
+
+/// A node (agent running, SNAT configured) wired to the internet through its uplink, with
+/// the servers running there.
+struct Wired {
+    // Fields drop in order: the servers, the node (agent, pins, namespace), the internet.
+    _servers: Guarded,
+    node: Node,
+    internet: Netns,
+}
+
+fn wire() -> Wired {
+    let node = Node::create(Dataplane::Ebpf, Some(&config()));
+    let internet = Netns::new("i");
+    let n = |argv: &[&str]| node.ns.exec_ok(argv);
+    n(&[
+        "ip",
+        "link",
+        "add",
+        UPLINK,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &internet.name,
+    ]);
+    n(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{NODE_ADDR}/24"),
+        "dev",
+        UPLINK,
+    ]);
+    n(&["ip", "link", "set", UPLINK, "up"]);
+    n(&[
+        "ip",
+        "route",
+        "add",
+        "198.51.100.0/24",
+        "via",
+        GATEWAY,
+        "dev",
+        UPLINK,
+    ]);
+    let i = |argv: &[&str]| internet.exec_ok(argv);
+    i(&["ip", "addr", "add", &format!("{GATEWAY}/24"), "dev", "eth0"]);
+    i(&["ip", "addr", "add", &format!("{SERVER}/32"), "dev", "eth0"]);
+    i(&["ip", "link", "set", "eth0", "up"]);
+    let servers = internet
+        .cmd(&[
+            "python3",
+            "-c",
+            SERVERS,
+            &TCP_PORT.to_string(),
+            &UDP_PORT.to_string(),
+            SERVER,
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python3 servers");
+    node.start_agent();
+    Wired {
+        _servers: Guarded(servers),
+        node,
+        internet,
+    }
+}
+
+impl Wired {
+    /// Runs the client in `pod`; its stdout, trimmed. Panics (with the agent's log) when it
+    /// fails.
+    fn client(&self, pod: &Pod, args: &[&str]) -> String {
+        let mut argv = vec!["python3", "-c", CLIENT];
+        argv.extend_from_slice(args);
+        let out = pod.ns.exec(&argv);
+        assert!(
+            out.status.success(),
+            "client {args:?} failed: {}\n{}\nagent log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.diagnostics(),
+            self.node.agent_log()
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+
+    /// What a failed client leaves to look at: the flows, the drop counters, the links.
+    fn diagnostics(&self) -> String {
+        let text = |o: std::process::Output| {
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            )
+        };
+        format!(
+            "conntrack:\n{}\ndrops:\n{}\nnode links:\n{}\ninternet links:\n{}",
+            text(self.node.calixctl(&["bpf", "conntrack"])),
+            text(self.node.calixctl(&["bpf", "counters"])),
+            text(self.node.ns.exec(&["ip", "-s", "link"])),
+            text(self.internet.exec(&["ip", "-s", "link"])),
+        )
+    }
+
+    /// `calixctl bpf conntrack -o json` with `args`: the flows.
+    fn conntrack(&self, args: &[&str]) -> Vec<Value> {
+        let mut argv = vec!["bpf", "conntrack", "-o", "json"];
+        argv.extend_from_slice(args);
+        let out = self.node.calixctl(&argv);
+        assert!(
+            out.status.success(),
+            "calixctl bpf conntrack: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).expect("conntrack JSON");
+        v["flows"].as_array().cloned().expect("a flows array")
+    }
+
+    /// Waits until the internet has answered ARP for the node, so nothing depends on the
+    /// first packet of a test resolving it.
+    fn warm_up(&self) {
+        assert!(
+            self.internet.ping(NODE_ADDR, 1),
+            "the internet reaches the node"
+        );
+    }
+}
+
+/// "192.0.2.1:20345" → the port, asserting the address is the node's and the port NAT's.
+#[track_caller]
+fn nat_port(seen: &str) -> u16 {
+    let (addr, port) = seen.rsplit_once(':').expect("ip:port");
+    assert_eq!(
+        addr, NODE_ADDR,
+        "the internet sees the node's address: {seen}"
+    );
+    let port: u16 = port.parse().expect("a port");
+    assert!(
+        (PORT_MIN..=PORT_MAX).contains(&port),
+        "NAT port {port} in range"
+    );
+    port
+}
+
+#[test]
+fn tcp_udp_and_ping_leave_with_the_node_address() {
+    let w = wire();
+    w.warm_up();
+    let pod = Pod::add(&w.node, "snat");
+    let tcp = w.client(&pod, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]);
+    nat_port(&tcp);
+    let udp = w.client(&pod, &["udp", SERVER, &UDP_PORT.to_string(), "0"]);
+    nat_port(&udp);
+    assert!(
+        pod.ns.ping(SERVER, 3),
+        "ping through SNAT\n{}",
+        w.node.agent_log()
+    );
+    // The flows, as calixctl shows them: the pod's tuple and the NAT one.
+    let flows = w.conntrack(&["--ip", &pod.ip()]);
+    let protos: std::collections::BTreeSet<&str> =
+        flows.iter().filter_map(|f| f["proto"].as_str()).collect();
+    assert_eq!(
+        protos,
+        ["icmp", "tcp", "udp"].into_iter().collect(),
+        "{flows:?}"
+    );
+    for f in &flows {
+        assert_eq!(f["pod"], pod.ip().as_str());
+        assert_eq!(f["dst"], SERVER);
+        assert_eq!(f["nat"], NODE_ADDR);
+    }
+    let udp_flow = w.conntrack(&["--proto", "udp", "--ip", &pod.ip()]);
+    assert_eq!(udp_flow.len(), 1, "{udp_flow:?}");
+    assert_eq!(
+        udp_flow[0]["nat_port"].as_u64(),
+        Some(u64::from(nat_port(&udp)))
+    );
+    // Destinations in the pool are not translated (nothing to do with the internet): a
+    // second pod is reached with the first pod's own address.
+    let other = Pod::add(&w.node, "peer");
+    assert!(pod.ns.ping(&other.ip(), 1), "pod to pod");
+    assert!(
+        w.conntrack(&["--ip", &other.ip()]).is_empty(),
+        "pool traffic has no NAT flow"
+    );
+}
+
+#[test]
+fn two_pods_with_the_same_source_port_get_different_nat_ports() {
+    let w = wire();
+    w.warm_up();
+    let a = Pod::add(&w.node, "a");
+    let b = Pod::add(&w.node, "b");
+    for (proto, port) in [("tcp", TCP_PORT), ("udp", UDP_PORT)] {
+        let seen_a = w.client(&a, &[proto, SERVER, &port.to_string(), "40000"]);
+        let seen_b = w.client(&b, &[proto, SERVER, &port.to_string(), "40000"]);
+        assert_ne!(
+            nat_port(&seen_a),
+            nat_port(&seen_b),
+            "{proto}: one NAT port each"
+        );
+    }
+    // Both UDP flows are still tracked, each with its own pod.
+    let flows = w.conntrack(&["--proto", "udp", "--port", "40000"]);
+    let pods: std::collections::BTreeSet<&str> =
+        flows.iter().filter_map(|f| f["pod"].as_str()).collect();
+    let want: std::collections::BTreeSet<String> = [a.ip(), b.ip()].into_iter().collect();
+    assert_eq!(pods, want.iter().map(String::as_str).collect(), "{flows:?}");
+}
+
+#[test]
+fn icmp_port_unreachable_comes_back_to_the_pod() {
+    let w = wire();
+    w.warm_up();
+    let pod = Pod::add(&w.node, "icmperr");
+    let out = w.client(&pod, &["refused", SERVER, &CLOSED_PORT.to_string()]);
+    assert_eq!(
+        out, "refused",
+        "the pod got the translated port unreachable"
+    );
+}
+
+#[test]
+fn ten_thousand_short_connections_succeed_and_their_entries_expire() {
+    let w = wire();
+    w.warm_up();
+    let pod = Pod::add(&w.node, "many");
+    let t0 = Instant::now();
+    let ok = w.client(&pod, &["many", SERVER, &TCP_PORT.to_string(), "10000"]);
+    assert_eq!(
+        ok,
+        "10000",
+        "every connection answered ({:?})",
+        t0.elapsed()
+    );
+    // 10,000 flows through 1,000 NAT ports: closed flows gave their ports up. Then the
+    // cleaner removes what is left once tcp_closing_secs (2 s) have passed.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = w.conntrack(&["--ip", &pod.ip()]);
+        if left.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} flows still tracked, e.g. {}",
+            left.len(),
+            left[0]
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    // The table works on after the cleaner emptied it.
+    nat_port(&w.client(&pod, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]));
+}
