@@ -8,7 +8,7 @@ use std::time::Duration;
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
-use calix_agent::dataplane::{nat, xdp};
+use calix_agent::dataplane::{masquerade, nat, xdp};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -155,6 +155,9 @@ fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
         }
     }
     let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
+    if let Err(e) = masquerade::remove() {
+        tracing::warn!(error = %e, "cannot remove the kernel-mode masquerade table");
+    }
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {
         Ok(()) => {}
@@ -226,14 +229,27 @@ fn spawn_reload(
                 tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
             }
             reload_xdp(xdp_filter.as_mut(), &cfg, &started);
-            reload_nat(nat_maps.as_mut(), &cfg);
+            reload_nat(nat_maps.as_mut(), &cfg, started.dataplane);
         }
     });
 }
 
 /// SIGHUP: the no-SNAT destinations (pools and `non_masquerade_cidrs`). Ports, timeouts and
-/// which pools translate take effect at the next start.
-fn reload_nat(maps: Option<&mut nat::NatMaps>, cfg: &AgentConfig) {
+/// which pools translate take effect at the next start. Kernel mode re-applies its nftables
+/// masquerade whole (which pools translate included).
+fn reload_nat(maps: Option<&mut nat::NatMaps>, cfg: &AgentConfig, mode: DataplaneMode) {
+    if mode == DataplaneMode::Kernel {
+        match cfg.nat_settings() {
+            Ok(s) => match masquerade::apply(&s) {
+                Ok(()) => tracing::info!("SIGHUP: masquerade reloaded"),
+                Err(e) => tracing::error!(error = %e, "SIGHUP: cannot apply the masquerade"),
+            },
+            Err(e) => {
+                tracing::error!(error = %e, "SIGHUP: [nat] rejected; keeping the running one")
+            }
+        }
+        return;
+    }
     let Some(maps) = maps else {
         return;
     };
@@ -346,9 +362,17 @@ async fn main() -> Result<()> {
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?;
             let xdp_filter = dp.take_xdp();
             let nat_maps = dp.take_nat();
+            // A table a kernel-mode run left behind: the programs translate now.
+            if let Err(e) = masquerade::remove() {
+                tracing::warn!(error = %e, "cannot remove a kernel-mode masquerade table");
+            }
             (Box::new(dp), xdp_filter, nat_maps)
         }
-        DataplaneMode::Kernel => (Box::new(KernelDataplane), None, None),
+        DataplaneMode::Kernel => {
+            masquerade::apply(&cfg.nat_settings()?)
+                .context("kernel mode: cannot set up the natOutgoing masquerade")?;
+            (Box::new(KernelDataplane), None, None)
+        }
     };
     let node = NodeRecord {
         name: cfg.node_name.clone(),

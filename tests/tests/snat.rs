@@ -113,7 +113,11 @@ struct Wired {
 }
 
 fn wire() -> Wired {
-    let node = Node::create(Dataplane::Ebpf, Some(&config()));
+    wire_with(Dataplane::Ebpf)
+}
+
+fn wire_with(dataplane: Dataplane) -> Wired {
+    let node = Node::create(dataplane, Some(&config()));
     let internet = Netns::new("i");
     let n = |argv: &[&str]| node.ns.exec_ok(argv);
     n(&[
@@ -358,4 +362,40 @@ fn ten_thousand_short_connections_succeed_and_their_entries_expire() {
     }
     // The table works on after the cleaner emptied it.
     nat_port(&w.client(&pod, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]));
+}
+
+/// Kernel mode has no BPF: the agent masquerades natOutgoing pools with an nftables table
+/// instead, reapplied on SIGHUP and removed when no pool translates any more.
+#[test]
+fn kernel_mode_masquerades_with_nftables() {
+    let w = wire_with(Dataplane::Kernel);
+    w.warm_up();
+    let pod = Pod::add(&w.node, "kmasq");
+    let seen = w.client(&pod, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]);
+    let (addr, _) = seen.rsplit_once(':').expect("ip:port");
+    assert_eq!(addr, NODE_ADDR, "the internet saw the node's address");
+    assert!(pod.ns.ping(SERVER, 1), "ping through the masquerade");
+    let table = || w.node.ns.exec(&["nft", "list", "table", "ip", "calix"]);
+    let listed = String::from_utf8_lossy(&table().stdout).into_owned();
+    assert!(
+        listed.contains("ip saddr 10.244.0.0/16") && listed.contains("masquerade"),
+        "the masquerade rule:\n{listed}"
+    );
+
+    // SIGHUP with natOutgoing off: the table goes, and the internet (which has no route to
+    // the pods) no longer answers.
+    let off = config().replace("natOutgoing = true", "natOutgoing = false");
+    std::fs::write(w.node.dir.join("agent.toml"), off).expect("rewrite the config");
+    let pid = w.node.agent_pid().expect("agent pid");
+    // SAFETY: kill(2) on the agent this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while table().status.success() {
+        assert!(
+            Instant::now() < deadline,
+            "table ip calix still there after SIGHUP"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!pod.ns.ping(SERVER, 1), "no masquerade, no answer");
 }

@@ -2,6 +2,7 @@
 //! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
 //! `kernel` leaves forwarding to the kernel's routes.
 pub mod ebpf;
+pub mod masquerade;
 pub mod nat;
 pub mod xdp;
 
@@ -48,6 +49,8 @@ pub enum DataplaneError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    #[error("kernel-mode masquerade (nftables): {0}")]
+    Nftables(String),
 }
 
 /// What attaching an endpoint produced.
