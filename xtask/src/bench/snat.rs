@@ -624,6 +624,7 @@ fn uplinked(g: &mut Guard, tag: &str) -> Result<(String, String)> {
 
 /// One variant's wiring.
 struct Topology {
+    node: String,
     pod: String,
     inet: String,
     pod_ip: Ipv4Addr,
@@ -713,7 +714,12 @@ fn topology(g: &mut Guard, tools: &Tools, v: Variant, extra: Option<&str>) -> Re
     }
     start_servers(g, tools, v, &pod, &inet)?;
     Ok(Setup {
-        topo: Topology { pod, inet, pod_ip },
+        topo: Topology {
+            node,
+            pod,
+            inet,
+            pod_ip,
+        },
         config: (v == Variant::CalixSnat).then_some(config),
     })
 }
@@ -1296,6 +1302,14 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
             .and_then(|s| {
                 let want = if v.nat() { NODE_UP } else { s.topo.pod_ip };
                 match probe(&s.topo) {
+                    // Translated, and not by a kernel rule someone left in the node.
+                    Ok(seen) if seen == want && v == Variant::CalixSnat => {
+                        let rules = output(in_netns(Path::new("nft"), &s.topo.node)?.args(["list", "ruleset"]))?;
+                        if rules.contains("masquerade") || rules.contains("snat") {
+                            bail!("the node has a kernel NAT rule, so eBPF SNAT is not what translates:\n{rules}");
+                        }
+                        Ok(s)
+                    }
                     Ok(seen) if seen == want => Ok(s),
                     Ok(seen) => Err(anyhow!(
                         "the internet saw the pod's connection from {seen}, not {want}{}",
