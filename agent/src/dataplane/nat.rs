@@ -471,6 +471,7 @@ mod tests {
                     addr: nat,
                     port: np,
                     flags: out_flags,
+                    ..CtEntry::default()
                 },
             ),
             (
@@ -480,6 +481,7 @@ mod tests {
                     addr: pod,
                     port: pp,
                     flags: reply_flags,
+                    ..CtEntry::default()
                 },
             ),
         ]

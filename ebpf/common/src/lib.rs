@@ -357,6 +357,15 @@ pub struct CtEntry {
     pub port: u16,
     /// `CT_F_*` bits of this direction.
     pub flags: u16,
+    /// Original entries: when the cached route below was looked up (`bpf_ktime_get_ns`; 0:
+    /// none). Packets of an established flow reuse it for up to a second instead of asking
+    /// the FIB again.
+    pub route_ns: u64,
+    /// Original entries: the uplink the route leaves by.
+    pub route_ifindex: u32,
+    /// Original entries: the route's destination then source MAC (the frame's first 12
+    /// bytes).
+    pub route_macs: [u8; 12],
 }
 
 /// What the SNAT programs need from the agent's `[nat]` config (one entry of

@@ -12,8 +12,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie},
 };
 use calix_common::{
-    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_FIN, CT_F_RST,
-    CT_F_SEEN, DEFAULT_CT_ENTRIES, IPPROTO_TCP, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
+    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_FIN, CT_F_RST, CT_F_SEEN,
+    DEFAULT_CT_ENTRIES, IPPROTO_TCP, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
 };
 
 /// Conntrack entries (see `calix_common::CT_MAP`).
@@ -30,10 +30,7 @@ pub static CALIX_NO_SNAT_V4: LpmTrie<[u8; 4], u32> =
     LpmTrie::pinned(MAX_NO_SNAT_CIDRS, BPF_F_NO_PREALLOC);
 
 const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
-const _: () = assert!(crate::str_eq(
-    calix_common::NAT_CONFIG_MAP,
-    "CALIX_NAT_CFG"
-));
+const _: () = assert!(crate::str_eq(calix_common::NAT_CONFIG_MAP, "CALIX_NAT_CFG"));
 const _: () = assert!(crate::str_eq(
     calix_common::NO_SNAT_V4_MAP,
     "CALIX_NO_SNAT_V4"
@@ -218,6 +215,7 @@ pub fn allocate(
         addr: out.src,
         port: out.sport,
         flags: 0,
+        ..CtEntry::default()
     };
     let mut i = 0;
     while i < PORT_TRIES {
@@ -231,7 +229,9 @@ pub fn allocate(
         match CALIX_CT.insert(&rkey, &reply_val, BPF_NOEXIST) {
             Ok(()) => {}
             Err(e) if e == -EEXIST => {
-                if !reclaim(cfg, &rkey, now) || CALIX_CT.insert(&rkey, &reply_val, BPF_NOEXIST).is_err() {
+                if !reclaim(cfg, &rkey, now)
+                    || CALIX_CT.insert(&rkey, &reply_val, BPF_NOEXIST).is_err()
+                {
                     continue;
                 }
             }
@@ -242,6 +242,7 @@ pub fn allocate(
             addr: nat_addr,
             port,
             flags: bits,
+            ..CtEntry::default()
         };
         return match CALIX_CT.insert(out, &out_val, BPF_NOEXIST) {
             Ok(()) => Ok(port),

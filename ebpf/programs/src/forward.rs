@@ -88,6 +88,12 @@ pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, 
     if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
+    deliver_local(ctx, ep)
+}
+
+/// As [`to_local`] for a packet whose TTL the caller already decremented.
+#[inline(always)]
+pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;
     counters::to_pod(ep.ifindex, u64::from(ctx.len()));
     // SAFETY: a plain helper call; the kernel validates the ifindex.

@@ -14,10 +14,10 @@ use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOI
 use crate::counters::{self, drop};
 use crate::flows;
 use crate::forward;
-use crate::nat;
 use crate::maps::{
     CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
 };
+use crate::nat;
 use crate::packet::{self, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6};
 
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {

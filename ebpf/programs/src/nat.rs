@@ -19,7 +19,7 @@ use aya_ebpf::{
     maps::lpm_trie::Key,
     programs::TcContext,
 };
-use calix_common::{CtKey, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
+use calix_common::{CtEntry, CtKey, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
 
 use crate::conntrack::{self, CALIX_CT, CALIX_NO_SNAT_V4, TCP_ACK, TCP_SYN};
 use crate::counters::drop;
@@ -114,15 +114,15 @@ fn transport(
     }
 }
 
-/// Rewrites the IPv4 address at `addr_off` (in the header) and the port at `t.port_off`,
-/// with the IP and transport checksums (TCP/UDP: pseudo header; UDP: a zero checksum stays
-/// zero; ICMP: no pseudo header).
+/// Rewrites the port at `t.port_off` and fixes the transport checksum for it and for the
+/// address change in the pseudo header (TCP/UDP; a UDP zero checksum stays zero; ICMP: no
+/// pseudo header). The kernel helpers keep CHECKSUM_PARTIAL and CHECKSUM_COMPLETE packets
+/// right, which a checksum computed here could not.
 #[inline(always)]
-fn rewrite(
+fn rewrite_l4(
     ctx: &mut TcContext,
     proto: u8,
     t: &Transport,
-    addr_off: usize,
     old: ([u8; 4], u16),
     new: ([u8; 4], u16),
 ) -> Result<(), c_long> {
@@ -131,8 +131,6 @@ fn rewrite(
         u64::from(u32::from_ne_bytes(new.0)),
     );
     let (old_p, new_p) = (u64::from(old.1), u64::from(new.1));
-    ctx.store(ETH_HLEN + addr_off, &new.0, 0)?;
-    ctx.l3_csum_replace(ETH_HLEN + IP_CSUM, old_a, new_a, 4)?;
     let flags = match proto {
         IPPROTO_TCP => 0,
         IPPROTO_UDP => u64::from(BPF_F_MARK_MANGLED_0),
@@ -151,22 +149,75 @@ fn rewrite(
     ctx.l4_csum_replace(t.csum_off, old_p, new_p, flags | 2)
 }
 
-/// `from_pod`'s last branch for an endpoint of a `natOutgoing` pool: IPv4 to anything that is
-/// neither a pod here nor in a pool.
+/// The IPv4 header checksum after 16-bit words `old` became `new` (RFC 1624:
+/// HC' = ~(~HC + ~m + m')).
 #[inline(always)]
-pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_long> {
-    let Some(cfg) = conntrack::config() else {
-        return Ok(TC_ACT_OK);
-    };
-    // A TTL about to expire: the stack sends the ICMP error.
-    if ip.fragment || ip.ttl <= 1 || CALIX_NO_SNAT_V4.get(&Key::new(32, ip.dst)).is_some() {
-        return Ok(TC_ACT_OK);
+fn ip_csum(csum: [u8; 2], old: &[u8; 6], new: &[u8; 6]) -> [u8; 2] {
+    let mut sum = u32::from(!u16::from_be_bytes(csum));
+    let mut i = 0;
+    while i < 6 {
+        sum += u32::from(!u16::from_be_bytes([old[i], old[i + 1]]));
+        sum += u32::from(u16::from_be_bytes([new[i], new[i + 1]]));
+        i += 2;
     }
-    let l4 = ETH_HLEN + ip.ihl;
-    let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
-    let Some(t) = transport(ctx, l4, l4_len, ip.proto, true) else {
-        return Ok(TC_ACT_OK);
-    };
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    (!(sum as u16)).to_be_bytes()
+}
+
+/// Forwarding's TTL decrement (the caller checked TTL > 1) and the source (`src`) or
+/// destination address replaced by `addr`, with the header checksum, in one store of the
+/// header from the TTL to the destination address.
+#[inline(always)]
+fn rewrite_ip(ctx: &mut TcContext, ip: &Ipv4, src: bool, addr: [u8; 4]) -> Result<(), c_long> {
+    let old_addr = if src { ip.src } else { ip.dst };
+    let old = [
+        ip.ttl,
+        ip.proto,
+        old_addr[0],
+        old_addr[1],
+        old_addr[2],
+        old_addr[3],
+    ];
+    let new = [ip.ttl - 1, ip.proto, addr[0], addr[1], addr[2], addr[3]];
+    let csum = ip_csum(ip.csum, &old, &new);
+    let (s, d) = if src { (addr, ip.dst) } else { (ip.src, addr) };
+    let h = [
+        ip.ttl - 1,
+        ip.proto,
+        csum[0],
+        csum[1],
+        s[0],
+        s[1],
+        s[2],
+        s[3],
+        d[0],
+        d[1],
+        d[2],
+        d[3],
+    ];
+    ctx.store(ETH_HLEN + 8, &h, 0)
+}
+
+/// A route out of an uplink, from the FIB or from a flow's cache.
+struct Route {
+    ifindex: u32,
+    /// Destination then source MAC; `None`: no neighbour entry yet.
+    macs: Option<[u8; 12]>,
+}
+
+/// How long an established flow reuses its cached route before asking the FIB again.
+const ROUTE_CACHE_NS: u64 = 1_000_000_000;
+
+/// The FIB's route for `ip` from the pod behind `ifindex` and its source address
+/// (`BPF_FIB_LOOKUP_SRC`); `None` unless it leaves by an uplink.
+#[inline(always)]
+fn lookup_route(
+    ctx: &TcContext,
+    cfg: &NatConfig,
+    ifindex: u32,
+    ip: &Ipv4,
+) -> Option<(Route, [u8; 4])> {
     // SAFETY: bpf_fib_lookup is plain data; all-zero is its documented initial state.
     let mut p: FibParams = unsafe { core::mem::zeroed() };
     p.family = AF_INET;
@@ -187,10 +238,82 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
     if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
         || !conntrack::is_uplink(cfg, p.ifindex)
     {
+        return None;
+    }
+    let macs = (rc == BPF_FIB_LKUP_RET_SUCCESS).then(|| {
+        let mut m = [0u8; 12];
+        m[..6].copy_from_slice(&p.dmac);
+        m[6..].copy_from_slice(&p.smac);
+        m
+    });
+    // SAFETY: the lookup filled in the IPv4 source (BPF_FIB_LOOKUP_SRC) of this union.
+    let src = unsafe { p.__bindgen_anon_3.ipv4_src }.to_ne_bytes();
+    Some((
+        Route {
+            ifindex: p.ifindex,
+            macs,
+        },
+        src,
+    ))
+}
+
+/// Remembers `r` on the flow's original entry `o` (only a complete route: with MACs).
+#[inline(always)]
+fn cache_route(o: *mut CtEntry, r: &Route, now: u64) {
+    if let Some(m) = r.macs {
+        // SAFETY: `o` comes from a successful lookup; a racing writer stores an equally
+        // valid route.
+        unsafe {
+            (*o).route_ifindex = r.ifindex;
+            (*o).route_macs = m;
+            (*o).route_ns = now;
+        }
+    }
+}
+
+/// Translates the pod's packet to (`nat_addr`, `nat_port`) and sends it out along `r`.
+#[inline(always)]
+fn send_out(
+    ctx: &mut TcContext,
+    ip: &Ipv4,
+    t: &Transport,
+    nat: ([u8; 4], u16),
+    r: &Route,
+) -> Result<i32, c_long> {
+    rewrite_l4(ctx, ip.proto, t, (ip.src, t.sport), nat)?;
+    rewrite_ip(ctx, ip, true, nat.0)?;
+    // Tell `to_host_dev` this packet took the fast path.
+    ctx.set_mark(calix_common::FAST_PATH_MARK);
+    if let Some(m) = r.macs {
+        ctx.store(0, &m, 0)?;
+        // SAFETY: a plain helper call.
+        return Ok(unsafe { bpf_redirect(r.ifindex, 0) } as i32);
+    }
+    // SAFETY: a plain helper call; a null neighbour means "use the FIB's next hop".
+    Ok(unsafe { bpf_redirect_neigh(r.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+}
+
+/// `from_pod`'s last branch for an endpoint of a `natOutgoing` pool: IPv4 to anything that is
+/// neither a pod here nor in a pool.
+///
+/// A flow already in the conntrack table goes out as it began, like netfilter's NAT: its
+/// destination was checked (`CALIX_NO_SNAT_V4`, the stack's own flows) when it began, and its
+/// route is reused from the entry for up to [`ROUTE_CACHE_NS`]. Only a new flow pays the
+/// exclusion lookup, the FIB and the port allocation.
+#[inline(always)]
+pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_long> {
+    let Some(cfg) = conntrack::config() else {
+        return Ok(TC_ACT_OK);
+    };
+    // A TTL about to expire: the stack sends the ICMP error.
+    if ip.fragment || ip.ttl <= 1 {
         return Ok(TC_ACT_OK);
     }
-    // SAFETY: the lookup filled in the IPv4 source (BPF_FIB_LOOKUP_SRC) of this union.
-    let route_src = unsafe { p.__bindgen_anon_3.ipv4_src }.to_ne_bytes();
+    let l4 = ETH_HLEN + ip.ihl;
+    let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
+    let Some(t) = transport(ctx, l4, l4_len, ip.proto, true) else {
+        return Ok(TC_ACT_OK);
+    };
     let out = CtKey {
         src: ip.src,
         dst: ip.dst,
@@ -203,56 +326,50 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
     let bits = conntrack::flag_bits(ip.proto, t.tcp_flags);
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    let mut found = None;
     if let Some(o) = CALIX_CT.get_ptr_mut(&out) {
         let syn = ip.proto == IPPROTO_TCP && t.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         if !syn || conntrack::restart_tcp(&out, o, now) {
             conntrack::touch(o, bits, now);
             // SAFETY: a pointer from a successful lookup.
-            found = Some(unsafe { ((*o).addr, (*o).port) });
-        }
-    }
-    let (nat_addr, nat_port) = match found {
-        Some(x) => x,
-        None => {
-            // The reply of a flow the stack delivered (a hostPort, a service): the stack must
-            // undo its own NAT.
-            if !flows::fast_path_ok(ifindex, flows::has_ports_v4(ip), || {
-                flows::key_v4(ctx, ip, true)
-            }) {
+            let e = unsafe { *o };
+            let nat = (e.addr, e.port);
+            if e.route_ns != 0 && now.wrapping_sub(e.route_ns) < ROUTE_CACHE_NS {
+                let r = Route {
+                    ifindex: e.route_ifindex,
+                    macs: Some(e.route_macs),
+                };
+                return send_out(ctx, ip, &t, nat, &r);
+            }
+            // The route may have moved off the uplinks: then the stack takes the packet.
+            let Some((r, _)) = lookup_route(ctx, cfg, ifindex, ip) else {
                 return Ok(TC_ACT_OK);
-            }
-            match conntrack::allocate(cfg, &out, route_src, bits, now) {
-                Ok(port) => (route_src, port),
-                Err(reason) => return Ok(drop(ctx, ifindex, reason)),
-            }
+            };
+            cache_route(o, &r, now);
+            return send_out(ctx, ip, &t, nat, &r);
         }
-    };
-    rewrite(
-        ctx,
-        ip.proto,
-        &t,
-        IP_SRC,
-        (ip.src, t.sport),
-        (nat_addr, nat_port),
-    )?;
-    // Forwarding's TTL decrement (ttl > 1 was checked), with the header checksum.
-    let old = u16::from_ne_bytes([ip.ttl, ip.proto]);
-    let new = u16::from_ne_bytes([ip.ttl - 1, ip.proto]);
-    ctx.store(ETH_HLEN + 8, &(ip.ttl - 1), 0)?;
-    ctx.l3_csum_replace(ETH_HLEN + IP_CSUM, u64::from(old), u64::from(new), 2)?;
-    // Tell `to_host_dev` this packet took the fast path.
-    ctx.set_mark(calix_common::FAST_PATH_MARK);
-    if rc == BPF_FIB_LKUP_RET_SUCCESS {
-        let mut macs = [0u8; 12];
-        macs[..6].copy_from_slice(&p.dmac);
-        macs[6..].copy_from_slice(&p.smac);
-        ctx.store(0, &macs, 0)?;
-        // SAFETY: a plain helper call.
-        return Ok(unsafe { bpf_redirect(p.ifindex, 0) } as i32);
     }
-    // SAFETY: a plain helper call; a null neighbour means "use the FIB's next hop".
-    Ok(unsafe { bpf_redirect_neigh(p.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+    // A new flow.
+    if CALIX_NO_SNAT_V4.get(&Key::new(32, ip.dst)).is_some() {
+        return Ok(TC_ACT_OK);
+    }
+    let Some((r, route_src)) = lookup_route(ctx, cfg, ifindex, ip) else {
+        return Ok(TC_ACT_OK);
+    };
+    // The reply of a flow the stack delivered (a hostPort, a service): the stack must undo
+    // its own NAT.
+    if !flows::fast_path_ok(ifindex, flows::has_ports_v4(ip), || {
+        flows::key_v4(ctx, ip, true)
+    }) {
+        return Ok(TC_ACT_OK);
+    }
+    let nat_port = match conntrack::allocate(cfg, &out, route_src, bits, now) {
+        Ok(port) => port,
+        Err(reason) => return Ok(drop(ctx, ifindex, reason)),
+    };
+    if let Some(o) = CALIX_CT.get_ptr_mut(&out) {
+        cache_route(o, &r, now);
+    }
+    send_out(ctx, ip, &t, (route_src, nat_port), &r)
 }
 
 /// `from_host_dev`, IPv4: a reply of a translated flow (or an ICMP error about one) is
@@ -262,7 +379,8 @@ pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long>
     let Some(cfg) = conntrack::config() else {
         return Ok(None);
     };
-    if ip.fragment {
+    // A TTL about to expire: the stack sends the ICMP error.
+    if ip.fragment || ip.ttl <= 1 {
         return Ok(None);
     }
     let l4 = ETH_HLEN + ip.ihl;
@@ -306,21 +424,9 @@ pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long>
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
     conntrack::touch(r, conntrack::flag_bits(ip.proto, t.tcp_flags), now);
-    rewrite(
-        ctx,
-        ip.proto,
-        &t,
-        IP_DST,
-        (ip.dst, t.dport),
-        (pod, pod_port),
-    )?;
-    let csum: [u8; 2] = ctx.load(ETH_HLEN + IP_CSUM)?;
-    let ttl = Ttl::V4 {
-        ttl: ip.ttl,
-        proto: ip.proto,
-        csum,
-    };
-    forward::to_local(ctx, &local, ttl).map(Some)
+    rewrite_l4(ctx, ip.proto, &t, (ip.dst, t.dport), (pod, pod_port))?;
+    rewrite_ip(ctx, ip, false, pod)?;
+    forward::deliver_local(ctx, &local).map(Some)
 }
 
 /// An ICMP error (destination unreachable, time exceeded, parameter problem) quoting a packet
