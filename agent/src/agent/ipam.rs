@@ -70,6 +70,9 @@ impl Agent {
                     }
                 }
                 let out = rec.addresses.iter().map(|h| (h.addr, h.pool)).collect();
+                drop(inner);
+                // The record may be a concurrent allocation's, not yet flushed.
+                self.store.sync(kv.revision).await?;
                 return Ok((out, true));
             }
             let pools = self.pools();
@@ -126,16 +129,21 @@ impl Agent {
                     .collect(),
             };
             let touched: Vec<String> = got.iter().map(|a| a.block.clone()).collect();
+            // Appended now, flushed below: the flush waits outside `inner`, so the allocations
+            // queued behind this one are computed and appended meanwhile and share a flush
+            // (group commit). Nothing is acknowledged before its flush.
             let committed = self
                 .commit_blocks(
                     &mut inner,
                     &touched,
                     vec![Compare::Absent(hkey.clone())],
                     vec![Op::put_json(hkey.clone(), &rec)],
-                    Durability::Power,
+                    Durability::Process,
                 )
                 .await?;
-            if committed {
+            if let Some(rev) = committed {
+                drop(inner);
+                self.store.sync(rev).await?;
                 for a in &got {
                     tracing::info!(%handle, %ifname, addr = %a.addr, seq = a.seq, block = %a.block,
                         borrowed = a.borrowed, attempt, "allocated");
@@ -225,6 +233,7 @@ impl Agent {
                     Durability::Process,
                 )
                 .await?
+                .is_some()
             {
                 for addr in &released {
                     tracing::info!(%handle, %ifname, %addr, %reason, "released");
@@ -287,6 +296,7 @@ impl Agent {
             if self
                 .commit_blocks(inner, &[block], compares, ops, Durability::Process)
                 .await?
+                .is_some()
             {
                 tracing::info!(handle = %gone.handle, ifname = %gone.ifname, %addr, seq = gone.seq,
                     %reason, "released");

@@ -232,8 +232,9 @@ impl Agent {
     }
 
     /// Writes the touched blocks (compare-and-swap on each one's revision) with `extra`
-    /// compares and ops, in one transaction. `Ok(false)`: someone else wrote first; the view
-    /// has been re-read and the caller should recompute and retry.
+    /// compares and ops, in one transaction: `Ok(Some(revision))` of the write, or `Ok(None)`:
+    /// someone else wrote first; the view has been re-read and the caller should recompute and
+    /// retry.
     async fn commit_blocks(
         &self,
         inner: &mut Inner,
@@ -241,7 +242,7 @@ impl Agent {
         mut compares: Vec<crate::datastore::Compare>,
         mut ops: Vec<Op>,
         durability: Durability,
-    ) -> Result<bool, AgentError> {
+    ) -> Result<Option<i64>, AgentError> {
         use crate::datastore::Compare;
         for key in touched {
             let Some(b) = inner.ipam.blocks.get(key) else {
@@ -262,11 +263,11 @@ impl Agent {
                         b.revision = rev;
                     }
                 }
-                Ok(true)
+                Ok(Some(rev))
             }
             Ok(None) => {
                 self.refresh_blocks(inner).await?;
-                Ok(false)
+                Ok(None)
             }
             Err(e) => {
                 // The in-memory view may hold uncommitted changes: re-read it (best effort).

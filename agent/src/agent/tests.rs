@@ -60,6 +60,9 @@ impl Datastore for Shared {
     ) -> Result<Option<i64>, DatastoreError> {
         self.0.txn(c, o, d).await
     }
+    async fn sync(&self, revision: i64) -> Result<(), DatastoreError> {
+        self.0.sync(revision).await
+    }
 }
 
 fn pool(cidr: &str, bs: u8) -> Pool {

@@ -3,7 +3,12 @@
 //! snapshot file now and then. A write costs one append, whatever the store's size.
 //!
 //! Crash safety: a transaction is one line, written with one `write`; a torn last line (a crash
-//! mid-write) was never acknowledged and is cut off on open. The snapshot is replaced by
+//! mid-write) was never acknowledged and is cut off on open. Flushes are group commits: a
+//! [`Durability::Power`] write (or [`Datastore::sync`]) waits for one `fdatasync` that started
+//! after its line was appended, so concurrent writers share a flush; none is acknowledged before
+//! its flush. A failed flush poisons the store (every later call fails): after a failed
+//! `fdatasync` the kernel may have dropped the dirty pages, so only a restart (replaying what is
+//! really on disk) is safe. The snapshot is replaced by
 //! write-temporary, fsync, rename, fsync-directory, and only then is the journal truncated; a
 //! crash in between replays journal lines the snapshot already has, which are skipped by revision.
 //! One process at a time: the journal is `flock`ed.
@@ -12,6 +17,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
@@ -48,6 +54,13 @@ pub struct EmbeddedStore {
     snapshot_path: PathBuf,
     journal_path: PathBuf,
     inner: Mutex<Inner>,
+    /// Group commit: a second fd on the journal, flushed outside `inner` so appends go on
+    /// during a flush; held (async) by the one flushing.
+    flush: tokio::sync::Mutex<File>,
+    /// Every revision up to this one is on disk.
+    synced: AtomicI64,
+    /// A flush failed: see the module docs.
+    poisoned: AtomicBool,
 }
 
 fn io<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> DatastoreError + 'a {
@@ -107,6 +120,14 @@ impl EmbeddedStore {
             journal_entries: 0,
         };
         replay(&journal_path, &mut inner)?;
+        let flush = inner
+            .journal
+            .try_clone()
+            .map_err(io(&journal_path, "duplicate fd"))?;
+        // What replay read back may sit in the page cache only (a crash of the process, not of
+        // the machine): flush it before anything is built on it.
+        flush.sync_data().map_err(io(&journal_path, "fsync"))?;
+        let synced = AtomicI64::new(inner.revision);
         tracing::debug!(
             keys = inner.keys.len(),
             revision = inner.revision,
@@ -117,7 +138,50 @@ impl EmbeddedStore {
             snapshot_path,
             journal_path,
             inner: Mutex::new(inner),
+            flush: tokio::sync::Mutex::new(flush),
+            synced,
+            poisoned: AtomicBool::new(false),
         })
+    }
+
+    fn check_poisoned(&self) -> Result<(), DatastoreError> {
+        if self.poisoned.load(Ordering::Acquire) {
+            return Err(io(
+                &self.journal_path,
+                "fsync (failed earlier: restart the agent)",
+            )(std::io::Error::other(
+                "the journal may have lost acknowledged-to-the-kernel writes",
+            )));
+        }
+        Ok(())
+    }
+
+    /// Group commit: returns once every line up to `rev` is on disk. Whoever holds `flush`
+    /// flushes everything appended so far, so the writers that queued behind it usually find
+    /// their line already covered and return without a flush of their own.
+    async fn sync_to(&self, rev: i64) -> Result<(), DatastoreError> {
+        if self.synced.load(Ordering::Acquire) >= rev {
+            return self.check_poisoned();
+        }
+        let file = self.flush.lock().await;
+        self.check_poisoned()?;
+        if self.synced.load(Ordering::Acquire) >= rev {
+            return Ok(());
+        }
+        // Every line up to `target` was written (under `inner`) before this read.
+        let target = self.lock().revision;
+        match blocking(|| file.sync_data()) {
+            Ok(()) => {
+                self.synced.fetch_max(target, Ordering::AcqRel);
+                Ok(())
+            }
+            Err(e) => {
+                self.poisoned.store(true, Ordering::Release);
+                tracing::error!(error = %e, path = %self.journal_path.display(),
+                    "embedded datastore: fsync failed; refusing every further request, restart the agent");
+                Err(io(&self.journal_path, "fsync")(e))
+            }
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -153,12 +217,24 @@ impl EmbeddedStore {
             .and_then(|_| inner.journal.sync_all())
             .map_err(io(&self.journal_path, "truncate"))?;
         inner.journal_entries = 0;
+        // The snapshot (fsync'd) holds everything up to here.
+        self.synced.fetch_max(inner.revision, Ordering::AcqRel);
         tracing::info!(
             keys = inner.keys.len(),
             revision = inner.revision,
             "embedded datastore compacted"
         );
         Ok(())
+    }
+}
+
+/// Runs a blocking call (a disk flush) without holding up the runtime's other tasks: on the
+/// multi-threaded runtime the worker hands them over first.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
@@ -249,6 +325,25 @@ impl Datastore for EmbeddedStore {
         ops: &[Op],
         durability: Durability,
     ) -> Result<Option<i64>, DatastoreError> {
+        self.check_poisoned()?;
+        let Some(rev) = self.append(compares, ops)? else {
+            return Ok(None);
+        };
+        if durability == Durability::Power {
+            self.sync_to(rev).await?;
+        }
+        Ok(Some(rev))
+    }
+
+    async fn sync(&self, revision: i64) -> Result<(), DatastoreError> {
+        self.sync_to(revision).await
+    }
+}
+
+impl EmbeddedStore {
+    /// The synchronous part of a transaction: compares, one journal append, the in-memory
+    /// apply. `None` when a compare failed.
+    fn append(&self, compares: &[Compare], ops: &[Op]) -> Result<Option<i64>, DatastoreError> {
         let mut inner = self.lock();
         let holds = compares.iter().all(|c| match c {
             Compare::Absent(k) => !inner.keys.contains_key(k),
@@ -278,12 +373,6 @@ impl Datastore for EmbeddedStore {
             .journal
             .write_all(&line)
             .map_err(io(&self.journal_path, "append"))?;
-        if durability == Durability::Power {
-            inner
-                .journal
-                .sync_data()
-                .map_err(io(&self.journal_path, "fsync"))?;
-        }
         inner.revision = rev;
         inner.journal_entries += 1;
         for (k, v) in entry.put {
@@ -293,8 +382,8 @@ impl Datastore for EmbeddedStore {
             inner.keys.remove(&k);
         }
         if inner.journal_entries >= COMPACT_AFTER {
-            // The transaction is already durable in the journal; a failed compaction is retried
-            // at the next threshold crossing.
+            // The transaction is in the journal; a failed compaction is retried at the next
+            // threshold crossing.
             if let Err(e) = self.compact(&mut inner) {
                 tracing::warn!(error = %e, "embedded datastore compaction failed");
             }
@@ -370,6 +459,47 @@ mod tests {
             .map(|kv| kv.key)
             .collect();
         assert_eq!(b, vec!["b/y".to_string()]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn group_commit_acknowledges_only_flushed_writes() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("store");
+        let s = std::sync::Arc::new(EmbeddedStore::open(&path).expect("open"));
+        let tasks: Vec<_> = (0..32)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move {
+                    let rev = s
+                        .txn(&[], &[put(&format!("k{i:02}"), "1")], Durability::Power)
+                        .await
+                        .expect("txn")
+                        .expect("applied");
+                    // Acknowledged: flushed up to its revision.
+                    assert!(s.synced.load(Ordering::Acquire) >= rev);
+                    rev
+                })
+            })
+            .collect();
+        let mut revs = Vec::new();
+        for t in tasks {
+            revs.push(t.await.expect("task"));
+        }
+        revs.sort_unstable();
+        revs.dedup();
+        assert_eq!(revs.len(), 32);
+        // Appended now, flushed on request (what allocations do outside their lock).
+        let rev = s
+            .txn(&[], &[put("late", "2")], Durability::Process)
+            .await
+            .expect("txn")
+            .expect("applied");
+        s.sync(rev).await.expect("sync");
+        assert!(s.synced.load(Ordering::Acquire) >= rev);
+        drop(s);
+        let s = EmbeddedStore::open(&path).expect("reopen");
+        assert_eq!(s.list("k").await.expect("list").len(), 32);
+        assert!(s.get("late").await.expect("get").is_some());
     }
 
     #[tokio::test]

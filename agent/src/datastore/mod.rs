@@ -116,4 +116,11 @@ pub trait Datastore: Send + Sync {
         ops: &[Op],
         durability: Durability,
     ) -> Result<Option<i64>, DatastoreError>;
+    /// Returns once every write up to `revision` survives power loss. A caller that committed
+    /// with [`Durability::Process`] calls this before acknowledging what it wrote, after letting
+    /// go of its own locks, so that concurrent writers share one disk flush (group commit).
+    /// Backends whose every write is durable (etcd) have nothing to do.
+    async fn sync(&self, _revision: i64) -> Result<(), DatastoreError> {
+        Ok(())
+    }
 }
