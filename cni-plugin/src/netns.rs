@@ -264,17 +264,28 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// `ns`, then its connection task is spawned on the caller's tokio runtime. The task ends when
 /// the last clone of the returned handle is dropped.
 pub async fn netlink_in(ns: &NetNs) -> Result<rtnetlink::Handle, NetnsError> {
+    netlink_in_with(ns, || ()).await.map(|(handle, ())| handle)
+}
+
+/// [`netlink_in`], and `f` runs inside `ns` first, on the same thread (one thread, one `setns`
+/// for both: an ADD needs a sysctl written and a netlink socket in the pod's namespace).
+pub async fn netlink_in_with<T: Send + 'static>(
+    ns: &NetNs,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<(rtnetlink::Handle, T), NetnsError> {
     let runtime = tokio::runtime::Handle::try_current().map_err(|_| NetnsError::NoRuntime)?;
     let path = ns.path.clone();
-    let (connection, handle) = run_in_async(ns, move || {
+    let (connection, handle, out) = run_in_async(ns, move || {
+        let out = f();
         // The tokio socket registers with the runtime's reactor when it is created.
         let _entered = runtime.enter();
-        rtnetlink::new_connection().map(|(connection, handle, _unsolicited)| (connection, handle))
+        rtnetlink::new_connection()
+            .map(|(connection, handle, _unsolicited)| (connection, handle, out))
     })
     .await?
     .map_err(|source| NetnsError::Netlink { path, source })?;
     tokio::spawn(connection);
-    Ok(handle)
+    Ok((handle, out))
 }
 
 /// An rtnetlink connection in the calling thread's namespace (the host's, in the CNI plugin).

@@ -180,6 +180,20 @@ pub async fn create_veth(
     pod_ifname: &str,
     mtu: Option<u32>,
 ) -> Result<VethPair, VethError> {
+    create_veth_with_handle(host, pod_ns, host_ifname, pod_ifname, mtu)
+        .await
+        .map(|(pair, _pod)| pair)
+}
+
+/// [`create_veth`], also returning a netlink handle in `pod_ns` (for [`configure_pod`]): made
+/// on the thread that turned DAD off, so an ADD enters the pod's namespace once.
+pub async fn create_veth_with_handle(
+    host: &Handle,
+    pod_ns: &NetNs,
+    host_ifname: &str,
+    pod_ifname: &str,
+    mtu: Option<u32>,
+) -> Result<(VethPair, Handle), VethError> {
     validate_ifname(host_ifname)?;
     validate_ifname(pod_ifname)?;
 
@@ -249,15 +263,24 @@ async fn finish_pod_side(
     pod_ns: &NetNs,
     host_ifname: &str,
     pod_ifname: &str,
-) -> Result<VethPair, VethError> {
-    disable_dad(pod_ns, pod_ifname).await?;
+) -> Result<(VethPair, Handle), VethError> {
+    // One thread in the pod's namespace: DAD off, then the netlink socket.
+    let path = format!("/proc/sys/net/ipv6/conf/{pod_ifname}/accept_dad");
+    let (pod, dad) =
+        netns::netlink_in_with(pod_ns, move || netns::write_sysctl(&path, "0")).await?;
+    match dad {
+        Ok(()) => {}
+        // No IPv6 in this kernel (ipv6.disable=1): nothing to disable.
+        Err(NetnsError::WriteSysctl { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+        }
+        Err(e) => return Err(e.into()),
+    }
     let host_ifindex =
         link_index(host, host_ifname)
             .await?
             .ok_or_else(|| VethError::LinkNotFound {
                 name: host_ifname.to_string(),
             })?;
-    let pod = netns::netlink_in(pod_ns).await?;
     let pod_link =
         link_details(&pod, pod_ifname)
             .await?
@@ -268,24 +291,14 @@ async fn finish_pod_side(
         name: pod_ifname.to_string(),
         address: Vec::new(),
     })?;
-    Ok(VethPair {
-        host_ifindex,
-        pod_ifindex: pod_link.index,
-        pod_mac,
-    })
-}
-
-/// `accept_dad=0` on the pod interface, from inside `pod_ns`. `pod_ifname` was validated.
-async fn disable_dad(pod_ns: &NetNs, pod_ifname: &str) -> Result<(), VethError> {
-    let path = format!("/proc/sys/net/ipv6/conf/{pod_ifname}/accept_dad");
-    match netns::run_in_async(pod_ns, move || netns::write_sysctl(&path, "0")).await? {
-        Ok(()) => Ok(()),
-        // No IPv6 in this kernel (ipv6.disable=1): nothing to disable.
-        Err(NetnsError::WriteSysctl { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
-            Ok(())
-        }
-        Err(e) => Err(e.into()),
-    }
+    Ok((
+        VethPair {
+            host_ifindex,
+            pod_ifindex: pod_link.index,
+            pod_mac,
+        },
+        pod,
+    ))
 }
 
 /// Configures the pod side of a veth made by [`create_veth`] (which already turned DAD off);

@@ -82,7 +82,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     let host_ifname = host_veth_name(&env.args, &env.container_id);
     // The address and the veth don't depend on each other: get both at once.
     let create = async {
-        veth::create_veth(&host, &pod_ns, &host_ifname, &env.ifname, conf.mtu)
+        veth::create_veth_with_handle(&host, &pod_ns, &host_ifname, &env.ifname, conf.mtu)
             .await
             .map_err(|e| match &e {
                 VethError::Exists { name } => CniError::new(
@@ -96,14 +96,25 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
                 _ => wiring(format!("cannot create veth {host_ifname}"), &e),
             })
     };
-    let (assigned, pair) = tokio::join!(ipam::add(env, conf, inv.raw, &mut agent), create);
+    let (assigned, pair) = tokio::join!(
+        async {
+            let r = ipam::add(env, conf, inv.raw, &mut agent).await;
+            t.mark("ipam");
+            r
+        },
+        async {
+            let r = create.await;
+            t.mark("veth");
+            r
+        }
+    );
     let mut undo = Undo {
         allocated: assigned.as_ref().is_ok_and(|a| !a.already),
         veth: pair.as_ref().ok().map(|_| host_ifname.clone()),
         registered: false,
     };
     t.mark("ipam and veth");
-    let (assigned, pair) = match (assigned, pair) {
+    let (assigned, (pair, pod)) = match (assigned, pair) {
         (Ok(a), Ok(p)) => (a, p),
         (Err(e), _) | (_, Err(e)) => {
             undo.run(inv, &mut agent, Some(&host)).await;
@@ -113,6 +124,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     match wire(
         inv,
         &pod_ns,
+        &pod,
         &host,
         &host_ifname,
         &pair,
@@ -135,6 +147,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
 async fn wire(
     inv: &Invocation<'_>,
     pod_ns: &NetNs,
+    pod: &rtnetlink::Handle,
     host: &rtnetlink::Handle,
     host_ifname: &str,
     pair: &veth::VethPair,
@@ -161,20 +174,14 @@ async fn wire(
     .await
     .map_err(|e| wiring(format!("cannot mark {host_ifname} as ours"), &e))?;
 
-    let pod = netns::netlink_in(pod_ns).await.map_err(|e| {
-        wiring(
-            "cannot open netlink in the container's namespace".into(),
-            &e,
-        )
-    })?;
     let mut pod_mac = pair.pod_mac;
     if let Some(mac) = conf.runtime()?.mac {
-        veth::set_mac(&pod, pair.pod_ifindex, mac)
+        veth::set_mac(pod, pair.pod_ifindex, mac)
             .await
             .map_err(|e| wiring(format!("cannot set MAC of {}", env.ifname), &e))?;
         pod_mac = mac;
     }
-    veth::configure_pod(&pod, pair.pod_ifindex, v4, v6)
+    veth::configure_pod(pod, pair.pod_ifindex, v4, v6)
         .await
         .map_err(|e| {
             wiring(
