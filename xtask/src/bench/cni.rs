@@ -92,31 +92,33 @@ impl Drop for Guard {
     }
 }
 
-/// The target the plugin is built for as a static executable.
-const STATIC_TARGET: &str = "x86_64-unknown-linux-gnu";
+/// The target the plugin is built for: musl, a static executable.
+const STATIC_TARGET: &str = "x86_64-unknown-linux-musl";
 
-/// Builds the plugin the way it ships: a static executable (`crt-static`, glibc linked in).
-/// A CNI plugin is a process per call, so its start-up is per-call cost: the dynamic build
-/// spends ~0.8 ms of CPU per ADD in the loader (three libraries, symbol lookups, relocations,
-/// libgcc_s's CPUID probes, each a VM exit on a virtual machine). `--target` keeps the static
-/// build in its own directory (and its flags off build scripts and proc macros).
+/// Builds the plugin the way it ships: a static musl executable. A CNI plugin is a process per
+/// call, so its start-up is per-call cost: the dynamic glibc build spent ~0.8 ms of CPU per ADD
+/// in the loader (three libraries, relocations, libgcc_s's CPUID probes, each a VM exit on a
+/// virtual machine), and a static glibc build still ~0.2 ms more than musl in glibc's start-up
+/// CPUID probing of the cache sizes (docs/decisions.md, "CNI concurrency"). `--target` keeps
+/// the build in its own directory.
 pub fn build_static_plugin() -> Result<PathBuf> {
     let root = util::workspace_root();
+    // Idempotent, and quick when the target's standard library is already there.
     run_cmd(
-        Command::new(env!("CARGO"))
+        Command::new("rustup")
             .current_dir(&root)
-            .env("RUSTFLAGS", "-C target-feature=+crt-static")
-            .args([
-                "build",
-                "--release",
-                "-p",
-                "calix-cni",
-                "--bin",
-                "calix",
-                "--target",
-                STATIC_TARGET,
-            ]),
+            .args(["target", "add", STATIC_TARGET]),
     )?;
+    run_cmd(Command::new(env!("CARGO")).current_dir(&root).args([
+        "build",
+        "--release",
+        "-p",
+        "calix-cni",
+        "--bin",
+        "calix",
+        "--target",
+        STATIC_TARGET,
+    ]))?;
     Ok(root
         .join("target")
         .join(STATIC_TARGET)
@@ -410,7 +412,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
     let rev = git_rev(&util::workspace_root());
     println!("[setup] building release binaries (cargo build --release --workspace --bins)");
     let bins = util::build_bins_release()?;
-    println!("[setup] building the static plugin (crt-static, --target {STATIC_TARGET})");
+    println!("[setup] building the static plugin (--target {STATIC_TARGET})");
     let plugin = build_static_plugin()?;
     remove_stale()?;
 
@@ -651,7 +653,7 @@ impl Report {
         s.push_str("# CNI ADD/DEL latency: calix vs ptp + host-local\n\n");
         s.push_str(&format!(
             "Measured {} by `cargo xtask bench cni --pods {} --reps {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {} (release build, the plugin static as it ships, `calix-agent` with the \
+             kernel {}. calix {} (release build, the plugin static (musl) as it ships, `calix-agent` with the \
              eBPF dataplane and the embedded datastore); `ptp` + `host-local` from Debian's containernetworking-plugins \
              {} (`ipMasq: false`, a /16).\n\n",
             m.date,
