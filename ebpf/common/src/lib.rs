@@ -447,7 +447,7 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FailsafePort>(), 4);
         assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtEntry>(), 16);
+        assert_eq!(size_of::<CtEntry>(), 40);
         assert_eq!(size_of::<NatConfig>(), 80);
     }
 
