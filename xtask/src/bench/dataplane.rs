@@ -28,16 +28,18 @@
 //! (with `--quick`, target/bench/ instead: development numbers are not published).
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::harness::{
+    fmt_1, fmt_2, listening, log_to, median, num, program_run_time, remove_stale, run_json, Guard,
+};
 use super::{
     catch_interrupts, check_interrupted, cni_plugins_version, fmt_spread_with, git_rev, in_netns,
-    in_netns_on, loadavg, loads, out_dir, panel, ratio, spread, stale_pid, stop_child, wait_ready,
-    Call, Machine, Plugin, CNI_DIR,
+    in_netns_on, loadavg, loads, out_dir, panel, ratio, wait_ready, Call, Machine, Plugin, CNI_DIR,
 };
 use crate::util::{self, output, run as run_cmd};
 
@@ -125,123 +127,6 @@ struct Topology {
     server: String,
     client_ip: Ipv4Addr,
     server_ip: Ipv4Addr,
-}
-
-/// Everything the bench created; stopped and removed on drop (error, panic, Ctrl-C included).
-struct Guard {
-    prefix: String,
-    dir: PathBuf,
-    namespaces: Vec<String>,
-    servers: Vec<Child>,
-    agents: Vec<Child>,
-    pin_dirs: Vec<PathBuf>,
-}
-
-impl Guard {
-    /// Creates namespace `<prefix>-<name>` with its loopback up.
-    fn netns(&mut self, name: &str) -> Result<String> {
-        let full = format!("{}-{name}", self.prefix);
-        // Recorded first: a half-created namespace is still removed.
-        self.namespaces.push(full.clone());
-        run_cmd(Command::new("ip").args(["netns", "add", &full]))?;
-        run_cmd(Command::new("ip").args(["-n", &full, "link", "set", "lo", "up"]))?;
-        Ok(full)
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        for c in self.servers.drain(..).chain(self.agents.drain(..)) {
-            stop_child(c);
-        }
-        for n in self.namespaces.iter().rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", n])
-                .stderr(Stdio::null())
-                .status();
-        }
-        for d in &self.pin_dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        // Gone unless another bench run still uses it.
-        let _ = std::fs::remove_dir(PIN_ROOT);
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Removes namespaces and pins left by earlier runs that died without cleaning up.
-fn remove_stale() -> Result<()> {
-    for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
-        let name = line.split_whitespace().next().unwrap_or_default();
-        if stale_pid(name, PREFIX).is_some() {
-            println!("      removing stale namespace {name}");
-            let _ = Command::new("ip").args(["netns", "del", name]).status();
-        }
-    }
-    if let Ok(entries) = std::fs::read_dir(PIN_ROOT) {
-        for e in entries.flatten() {
-            if stale_pid(&e.file_name().to_string_lossy(), PREFIX).is_some() {
-                println!("      removing stale pins {}", e.path().display());
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Whether process `pid`'s network namespace has a TCP socket listening on `port`.
-fn listening(pid: u32, port: u16) -> bool {
-    ["tcp", "tcp6"].iter().any(|f| {
-        std::fs::read_to_string(format!("/proc/{pid}/net/{f}"))
-            .is_ok_and(|table| listens_on(&table, port))
-    })
-}
-
-/// Whether a `/proc/net/tcp{,6}` table holds a LISTEN socket (state `0A`) on local `port`.
-fn listens_on(table: &str, port: u16) -> bool {
-    table.lines().skip(1).any(|l| {
-        let cols: Vec<&str> = l.split_whitespace().collect();
-        cols.len() > 3
-            && cols[3] == "0A"
-            && cols[1]
-                .rsplit(':')
-                .next()
-                .and_then(|p| u16::from_str_radix(p, 16).ok())
-                == Some(port)
-    })
-}
-
-/// A log file for a child's stdout and stderr.
-fn log_to(path: &Path) -> Result<(Stdio, Stdio)> {
-    let f =
-        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    Ok((f.try_clone()?.into(), f.into()))
-}
-
-/// Runs `cmd` and parses its stdout as JSON; fails with its stdout and stderr.
-fn run_json(what: &str, cmd: &mut Command) -> Result<Value> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run {what}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}): {}\n{}",
-            out.status,
-            stdout.trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    serde_json::from_str(&stdout).with_context(|| format!("{what} printed non-JSON: {stdout}"))
-}
-
-/// A number of a JSON result; fails when missing.
-fn num(v: &Value, path: &[&str]) -> Result<f64> {
-    path.iter()
-        .fold(v, |v, k| &v[*k])
-        .as_f64()
-        .with_context(|| format!("no {} in {v}", path.join(".")))
 }
 
 /// The bench's own binaries and settings, shared by every measurement.
@@ -600,10 +485,6 @@ struct Samples {
     steal: Vec<f64>,
 }
 
-fn median(v: &[f64]) -> f64 {
-    spread(v).0
-}
-
 /// Per CPU from /proc/stat: [busy, steal, total] jiffies.
 fn cpu_jiffies() -> Vec<[u64; 3]> {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -709,22 +590,6 @@ fn fmt_rate(v: f64) -> String {
     }
 }
 
-fn fmt_1(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.1}")
-    }
-}
-
-fn fmt_2(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.2}")
-    }
-}
-
 pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     util::require_root("the dataplane benchmark")?;
     if reps < 1 || secs < 1 {
@@ -753,7 +618,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let floor =
         calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), FLOOR_FEATURE)
             .map_err(|e| anyhow::anyhow!("building the {FLOOR_FEATURE} eBPF object: {e}"))?;
-    remove_stale()?;
+    remove_stale(PREFIX, PIN_ROOT)?;
     catch_interrupts();
 
     let machine = Machine::read();
@@ -764,14 +629,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let prefix = format!("{PREFIX}-{}", std::process::id());
     let dir = std::env::temp_dir().join(&prefix);
     std::fs::create_dir_all(&dir)?;
-    let mut g = Guard {
-        prefix,
-        dir,
-        namespaces: Vec::new(),
-        servers: Vec::new(),
-        agents: Vec::new(),
-        pin_dirs: Vec::new(),
-    };
+    let mut g = Guard::new(prefix, PIN_ROOT, dir);
 
     let mut topo = Vec::with_capacity(VARIANTS.len());
     for v in VARIANTS {
@@ -897,49 +755,15 @@ struct ProgCost {
     runs: u64,
 }
 
-const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
 const PROG_COST_SECS: f64 = 2.0;
 
-/// `from_pod`'s (run_time_ns, run_cnt) as the kernel counts them (with `bpf_stats_enabled`),
-/// summed over every loaded program of that name.
-fn from_pod_stats() -> Result<(u64, u64)> {
-    let json = output(Command::new("bpftool").args(["-j", "prog", "show", "name", "from_pod"]))?;
-    // One program prints an object, several an array.
-    let v: Value = serde_json::from_str(&json).context("bpftool's JSON")?;
-    let progs = match v {
-        Value::Array(a) => a,
-        other => vec![other],
-    };
-    let field = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
-    Ok(progs.iter().fold((0, 0), |(t, n), p| {
-        (t + field(p, "run_time_ns"), n + field(p, "run_cnt"))
-    }))
-}
-
-/// Runs TCP_CRR for [`PROG_COST_SECS`] with the kernel's BPF statistics on and returns
-/// `from_pod`'s average run time per packet.
+/// `from_pod`'s average run time per packet over an untimed TCP_CRR run of
+/// [`PROG_COST_SECS`] (kernel BPF statistics).
 fn program_cost(tools: &Tools, t: &Topology) -> Result<ProgCost> {
-    let before_setting = std::fs::read_to_string(BPF_STATS_SYSCTL)?;
-    std::fs::write(BPF_STATS_SYSCTL, "1")?;
-    let measured = (|| {
-        let (t0, n0) = from_pod_stats()?;
-        let secs = std::env::var("CALIX_PROG_COST_SECS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(PROG_COST_SECS);
-        tools.netperf(t, "crr", secs)?;
-        let (t1, n1) = from_pod_stats()?;
-        Ok::<_, anyhow::Error>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
-    })();
-    std::fs::write(BPF_STATS_SYSCTL, before_setting.trim())?;
-    let (ns, runs) = measured?;
-    if runs == 0 {
-        bail!("from_pod never ran during TCP_CRR: is the eBPF variant's program attached?");
-    }
-    Ok(ProgCost {
-        ns_per_run: ns as f64 / runs as f64,
-        runs,
-    })
+    let (ns_per_run, runs) = program_run_time("from_pod", || {
+        tools.netperf(t, "crr", PROG_COST_SECS).map(drop)
+    })?;
+    Ok(ProgCost { ns_per_run, runs })
 }
 
 impl Report {
@@ -1264,19 +1088,8 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::stale_pid;
     use super::*;
-
-    #[test]
-    fn listen_sockets_are_found_by_port() {
-        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0200F40A:1B59 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
-   1: 0200F40A:1451 0100F40A:9C40 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1
-";
-        assert!(listens_on(table, 7001));
-        // Established, not listening.
-        assert!(!listens_on(table, 5201));
-        assert!(!listens_on("", 7001));
-    }
 
     #[test]
     fn stale_names_need_a_dead_pid() {

@@ -4,6 +4,7 @@
 //! average recorded before each variant. Results go to stdout and to docs/bench/<scenario>.md.
 mod cni;
 mod dataplane;
+mod harness;
 mod ipam;
 pub mod netperf;
 mod snat;

@@ -43,15 +43,18 @@ use std::fs::File;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
+use super::harness::{
+    fmt_1, fmt_2, listening, log_to, median, num, program_run_time, remove_stale, run_json, Guard,
+};
 use super::{
     catch_interrupts, check_interrupted, fmt_spread_with, git_rev, in_netns, in_netns_on, loadavg,
-    loads, out_dir, panel, ratio, spread, stale_pid, stop_child, wait_ready, Call, Machine, Plugin,
+    loads, out_dir, panel, ratio, wait_ready, Call, Machine, Plugin,
 };
 use crate::util::{self, output, run as run_cmd};
 
@@ -221,70 +224,6 @@ impl Filter {
 
 // --- cleanup -------------------------------------------------------------------------------
 
-/// Everything the bench created; stopped and removed on drop (error, panic, Ctrl-C included).
-struct Guard {
-    prefix: String,
-    dir: PathBuf,
-    namespaces: Vec<String>,
-    servers: Vec<Child>,
-    agents: Vec<Child>,
-    pin_dirs: Vec<PathBuf>,
-}
-
-impl Guard {
-    /// Creates namespace `<prefix>-<name>` with its loopback up.
-    fn netns(&mut self, name: &str) -> Result<String> {
-        let full = format!("{}-{name}", self.prefix);
-        // Recorded first: a half-created namespace is still removed.
-        self.namespaces.push(full.clone());
-        run_cmd(Command::new("ip").args(["netns", "add", &full]))?;
-        run_cmd(Command::new("ip").args(["-n", &full, "link", "set", "lo", "up"]))?;
-        Ok(full)
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        for c in self.servers.drain(..).chain(self.agents.drain(..)) {
-            stop_child(c);
-        }
-        // Deleting a namespace deletes its links, their XDP and tc programs, its nft tables and
-        // iptables rules with them.
-        for n in self.namespaces.iter().rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", n])
-                .stderr(Stdio::null())
-                .status();
-        }
-        for d in &self.pin_dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        // Gone unless another bench run still uses it.
-        let _ = std::fs::remove_dir(PIN_ROOT);
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Removes namespaces and pins left by earlier runs that died without cleaning up.
-fn remove_stale() -> Result<()> {
-    for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
-        let name = line.split_whitespace().next().unwrap_or_default();
-        if stale_pid(name, PREFIX).is_some() {
-            println!("      removing stale namespace {name}");
-            let _ = Command::new("ip").args(["netns", "del", name]).status();
-        }
-    }
-    if let Ok(entries) = std::fs::read_dir(PIN_ROOT) {
-        for e in entries.flatten() {
-            if stale_pid(&e.file_name().to_string_lossy(), PREFIX).is_some() {
-                println!("      removing stale pins {}", e.path().display());
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    Ok(())
-}
-
 // --- small helpers -------------------------------------------------------------------------
 
 /// `ip -n <ns> <args>` (`args` split at whitespace).
@@ -305,81 +244,11 @@ fn sysctl(ns: &str, kv: &str) -> Result<()> {
     )
 }
 
-/// Whether process `pid`'s network namespace has a TCP socket listening on `port`.
-fn listening(pid: u32, port: u16) -> bool {
-    ["tcp", "tcp6"].iter().any(|f| {
-        std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).is_ok_and(|table| {
-            table.lines().skip(1).any(|l| {
-                let cols: Vec<&str> = l.split_whitespace().collect();
-                cols.len() > 3
-                    && cols[3] == "0A"
-                    && cols[1]
-                        .rsplit(':')
-                        .next()
-                        .and_then(|p| u16::from_str_radix(p, 16).ok())
-                        == Some(port)
-            })
-        })
-    })
-}
-
-/// A log file for a child's stdout and stderr.
-fn log_to(path: &Path) -> Result<(Stdio, Stdio)> {
-    let f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    Ok((f.try_clone()?.into(), f.into()))
-}
-
-/// Runs `cmd` and parses its stdout as JSON; fails with its stdout and stderr.
-fn run_json(what: &str, cmd: &mut Command) -> Result<Value> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run {what}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}): {}\n{}",
-            out.status,
-            stdout.trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    serde_json::from_str(&stdout).with_context(|| format!("{what} printed non-JSON: {stdout}"))
-}
-
-/// A number of a JSON result; fails when missing.
-fn num(v: &Value, path: &[&str]) -> Result<f64> {
-    path.iter()
-        .fold(v, |v, k| &v[*k])
-        .as_f64()
-        .with_context(|| format!("no {} in {v}", path.join(".")))
-}
-
-fn median(v: &[f64]) -> f64 {
-    spread(v).0
-}
-
 fn fmt_0(v: f64) -> String {
     if v.is_nan() {
         "–".into()
     } else {
         format!("{v:.0}")
-    }
-}
-
-fn fmt_1(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.1}")
-    }
-}
-
-fn fmt_2(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.2}")
     }
 }
 
@@ -1270,7 +1139,7 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
     let rev = git_rev(&util::workspace_root());
     println!("[setup] building release binaries (cargo build --release --workspace --bins)");
     let bins = util::build_bins_release()?;
-    remove_stale()?;
+    remove_stale(PREFIX, PIN_ROOT)?;
     catch_interrupts();
 
     let machine = Machine::read();
@@ -1283,14 +1152,7 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
     let prefix = format!("{PREFIX}-{}", std::process::id());
     let dir = std::env::temp_dir().join(&prefix);
     std::fs::create_dir_all(&dir)?;
-    let mut g = Guard {
-        prefix,
-        dir,
-        namespaces: Vec::new(),
-        servers: Vec::new(),
-        agents: Vec::new(),
-        pin_dirs: Vec::new(),
-    };
+    let mut g = Guard::new(prefix, PIN_ROOT, dir);
 
     // Outgoing traffic: every variant built, probed and warmed up before anything is timed.
     let mut topo: Vec<Result<Topology, String>> = Vec::with_capacity(VARIANTS.len());
@@ -1507,41 +1369,13 @@ struct Report {
     xdp_prog_ns: [Option<f64>; 5],
 }
 
-const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-/// (run_time_ns, run_cnt) summed over every loaded `xdp_host_dev` (with `bpf_stats_enabled`;
-/// only the flooded filter's program runs meanwhile).
-fn xdp_stats() -> Result<(u64, u64)> {
-    let json =
-        output(Command::new("bpftool").args(["-j", "prog", "show", "name", "xdp_host_dev"]))?;
-    let v: Value = serde_json::from_str(&json).context("bpftool's JSON")?;
-    let progs = match v {
-        Value::Array(a) => a,
-        other => vec![other],
-    };
-    let field = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
-    Ok(progs.iter().fold((0, 0), |(t, n), p| {
-        (t + field(p, "run_time_ns"), n + field(p, "run_cnt"))
-    }))
-}
-
-/// Floods `t` for a second with the kernel's BPF statistics on (untimed: they cost two clock
-/// reads per run) and returns `xdp_host_dev`'s average run time per packet.
+/// `xdp_host_dev`'s average run time per packet over an untimed one-second flood of `t`
+/// (kernel BPF statistics; only the flooded filter's program runs meanwhile).
 fn xdp_program_ns(tools: &Tools, t: &DropTopo) -> Result<f64> {
-    let before = std::fs::read_to_string(BPF_STATS_SYSCTL)?;
-    std::fs::write(BPF_STATS_SYSCTL, "1")?;
-    let measured = (|| {
-        let (t0, n0) = xdp_stats()?;
-        flood(&t.inet, tools.cpu, t.frame.clone(), 1.0)?;
-        let (t1, n1) = xdp_stats()?;
-        Ok::<_, anyhow::Error>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
-    })();
-    std::fs::write(BPF_STATS_SYSCTL, before.trim())?;
-    let (ns, runs) = measured?;
-    if runs == 0 {
-        bail!("xdp_host_dev never ran during the flood");
-    }
-    Ok(ns as f64 / runs as f64)
+    let (ns, _) = program_run_time("xdp_host_dev", || {
+        flood(&t.inet, tools.cpu, t.frame.clone(), 1.0).map(drop)
+    })?;
+    Ok(ns)
 }
 
 impl Report {
