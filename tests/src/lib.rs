@@ -809,6 +809,41 @@ impl Drop for Pod<'_> {
     }
 }
 
+/// A child process killed and reaped on drop (a server a test started).
+pub struct Guarded(pub Child);
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Node {
+    /// Wires the node's uplink: veth `uplink` in the node namespace, addressed `node_cidr` and
+    /// up, whose peer is `eth0` (up, unaddressed: the test gives it its addresses) in
+    /// `outside`.
+    pub fn uplink_to(&self, outside: &Netns, uplink: &str, node_cidr: &str) {
+        let n = |argv: &[&str]| self.ns.exec_ok(argv);
+        n(&[
+            "ip",
+            "link",
+            "add",
+            uplink,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &outside.name,
+        ]);
+        n(&["ip", "addr", "add", node_cidr, "dev", uplink]);
+        n(&["ip", "link", "set", uplink, "up"]);
+        outside.exec_ok(&["ip", "link", "set", "eth0", "up"]);
+    }
+}
+
 /// The ids of the BPF maps named `name` that process `pid` holds: its `bpf-map` fds'
 /// `map_id` from /proc/<pid>/fdinfo, matched by name through bpftool.
 pub fn bpf_maps_of(pid: u32, name: &str) -> Vec<u64> {

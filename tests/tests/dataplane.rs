@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use calix_tests::{bpf_maps_of, Dataplane, Node, Pod};
+use calix_tests::{bpf_maps_of, Dataplane, Guarded, Node, Pod};
 use serde_json::Value;
 
 /// `nstat -az IpForwDatagrams` inside `node`: packets the node's IP stack forwarded.
@@ -156,7 +156,7 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
             .stderr(Stdio::null())
             .spawn()
             .expect("iperf3 server");
-    let mut server = scopeguard(server);
+    let mut server = Guarded(server);
     std::thread::sleep(Duration::from_millis(300));
     let client =
         a.ns.cmd(&[
@@ -225,19 +225,6 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
         "the upgraded programs are not the ones running: {}",
         drops_json(&node)
     );
-}
-
-struct Guarded(std::process::Child);
-
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn scopeguard(c: std::process::Child) -> Guarded {
-    Guarded(c)
 }
 
 /// Resident memory (kB) and open file descriptors of a process.

@@ -4,10 +4,10 @@
 //! node routes via the internet's uplink address. So every answer a pod gets proves that the
 //! flow left with the node's address and came back translated. Servers there report the peer
 //! address they saw. Run as root.
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_tests::{Dataplane, Netns, Node, Pod};
+use calix_tests::{Dataplane, Guarded, Netns, Node, Pod};
 use serde_json::Value;
 
 const UPLINK: &str = "uplink0";
@@ -29,16 +29,6 @@ fn config() -> String {
          tcp_closing_secs = 2\ntcp_syn_secs = 5\nudp_secs = 3\nicmp_secs = 3\n\
          cleaner_interval_secs = 1\n"
     )
-}
-
-/// A child process killed and reaped on drop.
-struct Guarded(Child);
-
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// The servers: TCP answers the peer address (`ip:port`) and waits for the client to close;
@@ -119,29 +109,8 @@ fn wire() -> Wired {
 fn wire_with(dataplane: Dataplane) -> Wired {
     let node = Node::create(dataplane, Some(&config()));
     let internet = Netns::new("i");
+    node.uplink_to(&internet, UPLINK, &format!("{NODE_ADDR}/24"));
     let n = |argv: &[&str]| node.ns.exec_ok(argv);
-    n(&[
-        "ip",
-        "link",
-        "add",
-        UPLINK,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        &internet.name,
-    ]);
-    n(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{NODE_ADDR}/24"),
-        "dev",
-        UPLINK,
-    ]);
-    n(&["ip", "link", "set", UPLINK, "up"]);
     n(&[
         "ip",
         "route",
@@ -155,7 +124,6 @@ fn wire_with(dataplane: Dataplane) -> Wired {
     let i = |argv: &[&str]| internet.exec_ok(argv);
     i(&["ip", "addr", "add", &format!("{GATEWAY}/24"), "dev", "eth0"]);
     i(&["ip", "addr", "add", &format!("{SERVER}/32"), "dev", "eth0"]);
-    i(&["ip", "link", "set", "eth0", "up"]);
     let servers = internet
         .cmd(&[
             "python3",

@@ -3,10 +3,10 @@
 //! only. Denied sources are dropped at XDP and counted, failsafe ports still answer them, the
 //! deny list reloads on SIGHUP without reattaching, the attachment outlives the agent and is
 //! replaced in place by the next one, and `--uninstall` removes it. Run as root.
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_tests::{bin, run, Dataplane, Netns, Node};
+use calix_tests::{bin, run, Dataplane, Guarded, Netns, Node};
 use serde_json::Value;
 
 /// The node's uplink (in the node namespace) and its peer (in the outside namespace).
@@ -28,16 +28,6 @@ fn config(mode: &str, deny: &[&str]) -> String {
     )
 }
 
-/// A child process killed and reaped on drop.
-struct Guarded(Child);
-
-impl Drop for Guarded {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A node (agent not started) wired to an outside namespace through its uplink, with TCP
 /// servers on both test ports in the node namespace.
 struct Wired {
@@ -50,33 +40,10 @@ struct Wired {
 fn wire(config: &str) -> Wired {
     let node = Node::create(Dataplane::Ebpf, Some(config));
     let outside = Netns::new("o");
-    let n = |argv: &[&str]| node.ns.exec_ok(argv);
-    n(&[
-        "ip",
-        "link",
-        "add",
-        UPLINK,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "eth0",
-        "netns",
-        &outside.name,
-    ]);
-    n(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{NODE_ADDR}/24"),
-        "dev",
-        UPLINK,
-    ]);
-    n(&["ip", "link", "set", UPLINK, "up"]);
+    node.uplink_to(&outside, UPLINK, &format!("{NODE_ADDR}/24"));
     for a in [DENIED, ALLOWED] {
         outside.exec_ok(&["ip", "addr", "add", &format!("{a}/24"), "dev", "eth0"]);
     }
-    outside.exec_ok(&["ip", "link", "set", "eth0", "up"]);
     let script = "import socket,sys,threading\n\
         def serve(port):\n\
         \x20   s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n\
