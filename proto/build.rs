@@ -1,3 +1,6 @@
+//! Compiles the calix.v1 protos with protox (a pure-Rust protobuf compiler) and feeds the
+//! descriptors to tonic-prost-build, so building calix needs cargo alone: no system `protoc`
+//! (issue 11: `cargo xtask setup` must be able to run before anything is installed).
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let protos = [
         "calix/v1/ipam.proto",
@@ -7,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }
-    tonic_prost_build::configure().compile_protos(&protos, &["."])?;
+    let fds = protox::compile(protos, ["."])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
     Ok(())
 }

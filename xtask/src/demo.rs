@@ -129,6 +129,7 @@ pub fn run_demo() -> Result<()> {
     const TOTAL: u32 = 8;
     step(1, TOTAL, "Installing prerequisites (cargo xtask setup)");
     crate::setup::run()?;
+    util::ensure_bpffs()?;
     step(
         2,
         TOTAL,

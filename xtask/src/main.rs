@@ -19,7 +19,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Install every prerequisite (apt packages, nightly rust-src, bpf-linker). Idempotent.
+    /// Install every prerequisite (apt packages, nightly rust-src, the musl target, bpf-linker).
+    /// Idempotent.
     Setup,
     /// Build the eBPF object into target/ebpf/calix.bpf.o (with --feature F: the build with
     /// that feature of the eBPF crate, into target/ebpf/calix-F.bpf.o).

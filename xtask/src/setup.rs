@@ -9,7 +9,8 @@ use std::{env, path::PathBuf, process::Command};
 use anyhow::{bail, Context, Result};
 
 /// Debian packages: LLVM for bpf-linker, the network tools the tests and benchmarks drive, the
-/// CNI reference plugins (loopback) and etcd for the datastore tests, protoc for `proto`.
+/// CNI reference plugins (loopback) and etcd for the datastore tests. No `protoc`: the protos
+/// are compiled by protox, in Rust, so building xtask itself needs nothing from this list.
 const APT_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
@@ -20,7 +21,6 @@ const APT_PACKAGES: &[&str] = &[
     "iperf3",
     "etcd-server",
     "containernetworking-plugins",
-    "protobuf-compiler",
     "bpftool",
     "tcpdump",
     "nftables",
@@ -75,6 +75,11 @@ const STEPS: &[Step] = &[
         what: "rust-src (nightly)",
         check: check_rust_src,
         install: install_rust_src,
+    },
+    Step {
+        what: "musl target (stable)",
+        check: check_musl_target,
+        install: install_musl_target,
     },
     Step {
         what: "bpf-linker",
@@ -231,6 +236,25 @@ fn install_nightly() -> Result<()> {
         "--profile",
         "minimal",
     ]))
+}
+
+/// The target the CNI plugin ships for: a static musl executable (docs/decisions.md, "CNI
+/// concurrency"); `bench cni` and the chart's image build it.
+pub const MUSL_TARGET: &str = "x86_64-unknown-linux-musl";
+
+fn check_musl_target() -> Result<State> {
+    let list = rustup(&["target", "list", "--installed", "--toolchain", "stable"])?;
+    Ok(
+        if list.is_some_and(|l| l.lines().any(|t| t.trim() == MUSL_TARGET)) {
+            State::Present(MUSL_TARGET.to_owned())
+        } else {
+            State::Missing(MUSL_TARGET.to_owned())
+        },
+    )
+}
+
+fn install_musl_target() -> Result<()> {
+    run_shown(Command::new("rustup").args(["target", "add", MUSL_TARGET, "--toolchain", "stable"]))
 }
 
 fn check_rust_src() -> Result<State> {

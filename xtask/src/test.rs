@@ -10,6 +10,7 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
     util::require_root("the test suite")?;
     println!("[1/4] prerequisites");
     crate::setup::run()?;
+    util::ensure_bpffs()?;
     println!("[2/4] building every binary, and the upgrade-test build of the eBPF programs");
     util::build_bins()?;
     calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), "upgrade-test")

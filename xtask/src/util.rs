@@ -45,6 +45,18 @@ pub fn require_root(what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Mounts bpffs at /sys/fs/bpf if nothing is mounted there (a fresh machine, a container, a
+/// new mount namespace), before anything that pins runs; says so when it mounts.
+pub fn ensure_bpffs() -> Result<()> {
+    if calix_kernel::bpffs::ensure_mounted()? {
+        println!(
+            "      mounted bpffs at {}",
+            calix_kernel::bpffs::MOUNT_POINT
+        );
+    }
+    Ok(())
+}
+
 /// Builds every binary of the workspace (debug profile) and returns target/debug.
 pub fn build_bins() -> Result<PathBuf> {
     let root = workspace_root();

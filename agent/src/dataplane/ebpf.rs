@@ -130,26 +130,15 @@ fn pin_err<'a>(
     }
 }
 
-/// Mounts bpffs at /sys/fs/bpf unless something (bpffs) is mounted there already.
+/// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
 fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
-    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
-    let mount_point = Path::new("/sys/fs/bpf");
-    if !root.starts_with(mount_point) {
-        return Ok(());
-    }
-    if let Ok(st) = nix::sys::statfs::statfs(mount_point) {
-        if st.filesystem_type().0 == BPF_FS_MAGIC {
-            return Ok(());
-        }
-    }
-    nix::mount::mount(
-        Some("bpf"),
-        mount_point,
-        Some("bpf"),
-        nix::mount::MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(|e| pin_err(mount_point, "mount bpffs")(std::io::Error::from(e)))
+    calix_kernel::bpffs::ensure_mounted_for(root)
+        .map(|_| ())
+        .map_err(|e| {
+            pin_err(Path::new(calix_kernel::bpffs::MOUNT_POINT), "mount bpffs")(
+                std::io::Error::other(e),
+            )
+        })
 }
 
 pub(super) fn take<T>(

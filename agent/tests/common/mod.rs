@@ -137,12 +137,8 @@ pub struct PinDir(pub PathBuf);
 impl PinDir {
     pub fn new() -> Self {
         static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let fs = nix::sys::statfs::statfs("/sys/fs/bpf").expect("statfs /sys/fs/bpf");
-        assert_eq!(
-            fs.filesystem_type(),
-            nix::sys::statfs::BPF_FS_MAGIC,
-            "/sys/fs/bpf is not bpffs: mount -t bpf bpf /sys/fs/bpf"
-        );
+        // A fresh machine may have no bpffs: mount it as the agent would.
+        calix_kernel::bpffs::ensure_mounted().expect("mount bpffs at /sys/fs/bpf");
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let dir = format!("/sys/fs/bpf/cxt-progtest-{}-{n}", std::process::id());
         std::fs::create_dir_all(&dir).expect("create the pin directory");

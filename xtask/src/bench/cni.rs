@@ -92,8 +92,8 @@ impl Drop for Guard {
     }
 }
 
-/// The target the plugin is built for: musl, a static executable.
-const STATIC_TARGET: &str = "x86_64-unknown-linux-musl";
+/// The target the plugin is built for: musl, a static executable (`cargo xtask setup` adds it).
+const STATIC_TARGET: &str = crate::setup::MUSL_TARGET;
 
 /// Builds the plugin the way it ships: a static musl executable. A CNI plugin is a process per
 /// call, so its start-up is per-call cost: the dynamic glibc build spent ~0.8 ms of CPU per ADD
@@ -103,12 +103,6 @@ const STATIC_TARGET: &str = "x86_64-unknown-linux-musl";
 /// the build in its own directory.
 pub fn build_static_plugin() -> Result<PathBuf> {
     let root = util::workspace_root();
-    // Idempotent, and quick when the target's standard library is already there.
-    run_cmd(
-        Command::new("rustup")
-            .current_dir(&root)
-            .args(["target", "add", STATIC_TARGET]),
-    )?;
     run_cmd(Command::new(env!("CARGO")).current_dir(&root).args([
         "build",
         "--release",

@@ -78,6 +78,7 @@ pub enum Scenario {
 }
 
 pub fn run(scenario: Scenario) -> Result<()> {
+    crate::util::ensure_bpffs()?;
     match scenario {
         Scenario::Cni { pods, reps } => cni::run(pods, reps),
         Scenario::Ipam { allocs, reps } => ipam::run(allocs, reps),
