@@ -1,16 +1,21 @@
-//! Compiles the calix.v1 protos with protox (a pure-Rust protobuf compiler) and feeds the
+//! Compiles the protos with protox (a protobuf compiler written in Rust) and feeds the
 //! descriptors to tonic-prost-build, so building calix needs cargo alone: no system `protoc`
-//! (issue 11: `cargo xtask setup` must be able to run before anything is installed).
+//! (issue 11: nothing may need a system tool before `cargo xtask setup` has run).
+//!
+//! - `calix/v1/*`: calix's own API, clients and servers.
+//! - `etcd/*`: the subset of etcd's v3 API the agent's etcd datastore uses, clients only.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = [
+    let calix = [
         "calix/v1/ipam.proto",
         "calix/v1/endpoints.proto",
         "calix/v1/routes.proto",
     ];
-    for p in protos {
-        println!("cargo:rerun-if-changed={p}");
-    }
-    let fds = protox::compile(protos, ["."])?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    let etcd = ["etcd/etcdserverpb/rpc.proto"];
+    println!("cargo:rerun-if-changed=calix");
+    println!("cargo:rerun-if-changed=etcd");
+    tonic_prost_build::configure().compile_fds(protox::compile(calix, ["."])?)?;
+    tonic_prost_build::configure()
+        .build_server(false)
+        .compile_fds(protox::compile(etcd, ["."])?)?;
     Ok(())
 }

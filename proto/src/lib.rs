@@ -1,12 +1,24 @@
 //! The calix gRPC API, `calix.v1`: generated tonic/prost code for `Ipam`, `Endpoints` and the
-//! draft `Routes` service, plus the unix-socket channel every client uses.
-//! Domain conversions live with their users (agent/src/grpc).
+//! draft `Routes` service, plus the unix-socket channel every client uses; and the clients of
+//! the part of etcd's v3 API the agent's etcd datastore speaks (`etcd`).
+//! Domain conversions live with their users (agent/src/grpc, agent/src/datastore/etcd.rs).
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("calix.v1");
+}
+
+/// etcd's v3 API, the subset calix uses: `KV` (Range, Put, DeleteRange, Txn) and `Watch`.
+pub mod etcd {
+    #![allow(clippy::all, missing_docs)]
+    pub mod mvccpb {
+        tonic::include_proto!("mvccpb");
+    }
+    pub mod etcdserverpb {
+        tonic::include_proto!("etcdserverpb");
+    }
 }
 
 /// Default path of the agent's unix socket.

@@ -3,11 +3,13 @@
 use std::future::Future;
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare as EtcdCompare, CompareOp, ConnectOptions, Error as EtcdError, GetOptions,
-    KvClient, Txn, TxnOp,
+use calix_proto::etcd::etcdserverpb::{
+    compare, kv_client::KvClient as RawKvClient, request_op, Compare as EtcdCompare,
+    DeleteRangeRequest, PutRequest, RangeRequest, RequestOp, TxnRequest,
 };
+use calix_proto::etcd::mvccpb;
 use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
 
 use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op};
 
@@ -51,7 +53,26 @@ pub struct EtcdConfig {
 pub struct EtcdStore {
     cfg: EtcdConfig,
     /// The current client and its generation; `None` after a failure until the next try.
-    client: Mutex<(u64, Option<Client>)>,
+    client: Mutex<(u64, Option<KvClient>)>,
+}
+
+/// etcd's KV service over a (lazily connecting) channel to every endpoint.
+type KvClient = RawKvClient<Channel>;
+
+/// What a try can fail with: an endpoint URL tonic refuses, or the call's status (transport
+/// failures arrive as `Unavailable`).
+#[derive(Debug, thiserror::Error)]
+enum EtcdError {
+    #[error("bad endpoint {endpoint:?}: {source}")]
+    Endpoint {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("no etcd endpoints configured")]
+    NoEndpoints,
+    #[error("{}: {}", .0.code(), .0.message())]
+    Status(#[from] tonic::Status),
 }
 
 impl EtcdStore {
@@ -78,13 +99,13 @@ impl EtcdStore {
     }
 
     /// Converts an etcd pair, stripping the prefix (calix writes only UTF-8 keys).
-    fn key_value(&self, kv: &etcd_client::KeyValue) -> KeyValue {
-        let key = String::from_utf8_lossy(kv.key());
+    fn key_value(&self, kv: mvccpb::KeyValue) -> KeyValue {
+        let key = String::from_utf8_lossy(&kv.key);
         let key = key.strip_prefix(self.cfg.prefix.as_str()).unwrap_or(&key);
         KeyValue {
             key: key.to_owned(),
-            value: kv.value().to_vec(),
-            revision: kv.mod_revision(),
+            value: kv.value,
+            revision: kv.mod_revision,
         }
     }
 
@@ -92,15 +113,14 @@ impl EtcdStore {
     async fn client(&self) -> Result<(u64, KvClient), EtcdError> {
         let mut slot = self.client.lock().await;
         let kv = match &slot.1 {
-            Some(client) => client.kv_client(),
+            Some(client) => client.clone(),
             None => {
                 let client = build_client(&self.cfg).await?;
-                let kv = client.kv_client();
-                *slot = (slot.0 + 1, Some(client));
-                kv
+                *slot = (slot.0 + 1, Some(client.clone()));
+                client
             }
         };
-        Ok((slot.0, kv.max_decoding_message_size(MAX_RESPONSE_BYTES)))
+        Ok((slot.0, kv))
     }
 
     /// Drops the client of generation `generation` (unless a newer one replaced it already).
@@ -158,19 +178,47 @@ impl EtcdStore {
     }
 }
 
-async fn build_client(cfg: &EtcdConfig) -> Result<Client, EtcdError> {
-    let options = ConnectOptions::new()
-        .with_timeout(cfg.timeout)
-        .with_connect_timeout(cfg.timeout);
-    Client::connect(&cfg.endpoints, Some(options)).await
+/// A KV client over a channel that connects when first used (and reconnects after a failure),
+/// balanced over every endpoint.
+async fn build_client(cfg: &EtcdConfig) -> Result<KvClient, EtcdError> {
+    let mut endpoints = Vec::with_capacity(cfg.endpoints.len());
+    for url in &cfg.endpoints {
+        let endpoint = Endpoint::from_shared(url.clone())
+            .map_err(|source| EtcdError::Endpoint {
+                endpoint: url.clone(),
+                source,
+            })?
+            .connect_timeout(cfg.timeout)
+            .timeout(cfg.timeout);
+        endpoints.push(endpoint);
+    }
+    let channel = match endpoints.len() {
+        0 => return Err(EtcdError::NoEndpoints),
+        1 => endpoints.remove(0).connect_lazy(),
+        _ => Channel::balance_list(endpoints.into_iter()),
+    };
+    Ok(RawKvClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES))
+}
+
+/// The end of the range of every key starting with `prefix` (etcd's `WithPrefix`): the prefix
+/// with its last byte below 0xff incremented, the bytes after it dropped; `\0` (every key)
+/// when there is no such byte.
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
 }
 
 /// Whether a failure may go away by itself (transport, timeouts, leader elections, overload).
 fn retryable(e: &EtcdError) -> bool {
     use tonic::Code;
     match e {
-        EtcdError::TransportError(_) | EtcdError::IoError(_) => true,
-        EtcdError::GRpcStatus(status) => matches!(
+        EtcdError::Status(status) => matches!(
             status.code(),
             Code::Unavailable
                 | Code::DeadlineExceeded
@@ -194,23 +242,30 @@ impl Datastore for EtcdStore {
         let full = self.full_key(key);
         let resp = self
             .retry("get", |mut kv| {
-                let full = full.clone();
-                async move { kv.get(full, None).await }
+                let request = RangeRequest {
+                    key: full.clone().into_bytes(),
+                    ..RangeRequest::default()
+                };
+                async move { Ok(kv.range(request).await?.into_inner()) }
             })
             .await?;
-        Ok(resp.kvs().first().map(|kv| self.key_value(kv)))
+        Ok(resp.kvs.into_iter().next().map(|kv| self.key_value(kv)))
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
         let full = self.full_key(prefix);
         let resp = self
             .retry("list", |mut kv| {
-                let full = full.clone();
-                async move { kv.get(full, Some(GetOptions::new().with_prefix())).await }
+                let request = RangeRequest {
+                    key: full.clone().into_bytes(),
+                    range_end: prefix_end(full.as_bytes()),
+                    ..RangeRequest::default()
+                };
+                async move { Ok(kv.range(request).await?.into_inner()) }
             })
             .await?;
         // etcd returns a range in key order.
-        Ok(resp.kvs().iter().map(|kv| self.key_value(kv)).collect())
+        Ok(resp.kvs.into_iter().map(|kv| self.key_value(kv)).collect())
     }
 
     async fn txn(
@@ -219,35 +274,62 @@ impl Datastore for EtcdStore {
         ops: &[Op],
         _durability: Durability,
     ) -> Result<Option<i64>, DatastoreError> {
-        let when: Vec<EtcdCompare> = compares
+        let compare = compares
             .iter()
-            .map(|c| match c {
-                Compare::Absent(k) => {
-                    EtcdCompare::create_revision(self.full_key(k), CompareOp::Equal, 0)
-                }
-                Compare::Revision(k, r) => {
-                    EtcdCompare::mod_revision(self.full_key(k), CompareOp::Equal, *r)
+            .map(|c| {
+                let (key, target, value) = match c {
+                    // Never created (or deleted since): create_revision 0.
+                    Compare::Absent(k) => (
+                        k,
+                        compare::CompareTarget::Create,
+                        compare::TargetUnion::CreateRevision(0),
+                    ),
+                    Compare::Revision(k, r) => (
+                        k,
+                        compare::CompareTarget::Mod,
+                        compare::TargetUnion::ModRevision(*r),
+                    ),
+                };
+                EtcdCompare {
+                    result: compare::CompareResult::Equal as i32,
+                    target: target as i32,
+                    key: self.full_key(key).into_bytes(),
+                    target_union: Some(value),
+                    range_end: Vec::new(),
                 }
             })
             .collect();
-        let then: Vec<TxnOp> = ops
+        let success = ops
             .iter()
-            .map(|op| match op {
-                Op::Put(k, v) => TxnOp::put(self.full_key(k), v.clone(), None),
-                Op::Delete(k) => TxnOp::delete(self.full_key(k), None),
+            .map(|op| RequestOp {
+                request: Some(match op {
+                    Op::Put(k, v) => request_op::Request::RequestPut(PutRequest {
+                        key: self.full_key(k).into_bytes(),
+                        value: v.clone(),
+                        ..PutRequest::default()
+                    }),
+                    Op::Delete(k) => request_op::Request::RequestDeleteRange(DeleteRangeRequest {
+                        key: self.full_key(k).into_bytes(),
+                        ..DeleteRangeRequest::default()
+                    }),
+                }),
             })
             .collect();
-        let txn = Txn::new().when(when).and_then(then);
+        let txn = TxnRequest {
+            compare,
+            success,
+            failure: Vec::new(),
+        };
         let resp = self
             .retry("txn", |mut kv| {
                 let txn = txn.clone();
-                async move { kv.txn(txn).await }
+                async move { Ok(kv.txn(txn).await?.into_inner()) }
             })
             .await?;
-        if !resp.succeeded() {
+        if !resp.succeeded {
             return Ok(None);
         }
-        let revision = resp.header().map(|h| h.revision());
+        let revision = resp.header.map(|h| h.revision);
         revision
             .map(Some)
             .ok_or_else(|| DatastoreError::Unavailable {
@@ -255,5 +337,18 @@ impl Datastore for EtcdStore {
                 attempts: 1,
                 detail: "etcd answered a txn without a header".into(),
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefix_end;
+
+    #[test]
+    fn prefix_ranges() {
+        assert_eq!(prefix_end(b"/calix/"), b"/calix0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+        assert_eq!(prefix_end(b""), vec![0]);
     }
 }
