@@ -17,12 +17,22 @@ pub struct EndpointRecord {
     /// The pod interface's MAC ("aa:bb:cc:dd:ee:ff"); empty from older plugins.
     #[serde(default)]
     pub mac: String,
+    /// The ifindex of the host-side veth this endpoint was created with: a link of the same
+    /// name with another ifindex is somebody else's (a recreated pod's). 0 from older plugins.
+    #[serde(default)]
+    pub host_ifindex: u32,
 }
 
 impl EndpointRecord {
-    /// The in-memory registry key, "containerID/ifname".
+    /// The in-memory registry key, "containerID/ifname": an endpoint's identity (container
+    /// IDs and interface names never contain '/').
     pub fn key(container_id: &str, ifname: &str) -> String {
         format!("{container_id}/{ifname}")
+    }
+
+    /// This endpoint's identity, [`EndpointRecord::key`].
+    pub fn id(&self) -> String {
+        Self::key(&self.container_id, &self.ifname)
     }
 }
 

@@ -177,6 +177,10 @@ impl CniArgs {
     }
 }
 
+/// The interface name a pod's first (primary) attachment gets; the veth name of every other
+/// attachment includes its interface name.
+pub const PRIMARY_IFNAME: &str = "eth0";
+
 /// The host-side veth name, always 15 characters (IFNAMSIZ - 1):
 /// - `cali` + the first 11 hex characters of SHA-1("<ns>.<pod>") when the runtime names the pod
 ///   (Kubernetes; the same name Calico gives);
@@ -184,22 +188,39 @@ impl CniArgs {
 ///   CRI), readable and matching `podman ps`;
 /// - else `cali` + 11 hex of SHA-1(containerID): IDs such as ctr's `<namespace>-<name>` share
 ///   long prefixes and would clash.
-pub fn host_veth_name(args: &CniArgs, container_id: &str) -> String {
+///
+/// An attachment on another interface than `eth0` (a second calix network of the same pod)
+/// hashes `"<ns>.<pod>/<ifname>"` (or `"<containerID>/<ifname>"`): '/' appears in neither pod
+/// names nor interface names, so no two attachments share a name by construction.
+pub fn host_veth_name(args: &CniArgs, container_id: &str, ifname: &str) -> String {
     let hash = |s: &str| {
         let digest = Sha1::digest(s.as_bytes());
         let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
         format!("cali{}", &hex[..11])
     };
-    match (&args.pod_namespace, &args.pod_name) {
-        (Some(ns), Some(pod)) if !ns.is_empty() && !pod.is_empty() => hash(&format!("{ns}.{pod}")),
-        _ if container_id.len() >= 11
+    let secondary = ifname != PRIMARY_IFNAME;
+    match pod_identity(args) {
+        Some((ns, pod)) if secondary => hash(&format!("{ns}.{pod}/{ifname}")),
+        Some((ns, pod)) => hash(&format!("{ns}.{pod}")),
+        None if secondary => hash(&format!("{container_id}/{ifname}")),
+        None if container_id.len() >= 11
             && container_id
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
         {
             format!("cali{}", &container_id[..11])
         }
-        _ => hash(container_id),
+        None => hash(container_id),
+    }
+}
+
+/// The Kubernetes pod (namespace, name) the runtime names, if it does. The host veth name is
+/// then the pod's, whichever sandbox: a new sandbox of a recreated pod takes over the name
+/// from the old one.
+pub fn pod_identity(args: &CniArgs) -> Option<(&str, &str)> {
+    match (&args.pod_namespace, &args.pod_name) {
+        (Some(ns), Some(pod)) if !ns.is_empty() && !pod.is_empty() => Some((ns, pod)),
+        _ => None,
     }
 }
 
@@ -218,7 +239,7 @@ mod tests {
     fn veth_name_from_pod_matches_calico() {
         // Calico: "cali" + sha1("default.nginx")[:11]
         let args = CniArgs::parse("K8S_POD_NAMESPACE=default;K8S_POD_NAME=nginx").expect("args");
-        let name = host_veth_name(&args, "abcdef0123456789");
+        let name = host_veth_name(&args, "abcdef0123456789", "eth0");
         assert_eq!(name.len(), 15);
         let digest = Sha1::digest(b"default.nginx");
         assert_eq!(&name[4..6], format!("{:02x}", digest[0]));
@@ -228,7 +249,7 @@ mod tests {
             "IgnoreUnknown=1;K8S_POD_NAME=nginx;K8S_POD_UID=u;K8S_POD_NAMESPACE=default",
         )
         .expect("args");
-        assert_eq!(host_veth_name(&args2, "zzz"), name);
+        assert_eq!(host_veth_name(&args2, "zzz", "eth0"), name);
     }
 
     fn hex11(b: &[u8]) -> String {
@@ -243,13 +264,44 @@ mod tests {
     fn veth_name_falls_back_to_container_id() {
         // podman passes only K8S_POD_NAME.
         let args = CniArgs::parse("IgnoreUnknown=1;K8S_POD_NAME=web").expect("args");
-        assert_eq!(host_veth_name(&args, "0123456789abcdef"), "cali0123456789a");
+        assert_eq!(
+            host_veth_name(&args, "0123456789abcdef", "eth0"),
+            "cali0123456789a"
+        );
         // Non-hex or short IDs are hashed: ctr's "<ns>-<name>" IDs share prefixes.
-        let a = host_veth_name(&CniArgs::default(), "default-web1");
-        let b = host_veth_name(&CniArgs::default(), "default-web2");
+        let a = host_veth_name(&CniArgs::default(), "default-web1", "eth0");
+        let b = host_veth_name(&CniArgs::default(), "default-web2", "eth0");
         assert_ne!(a, b);
         assert_eq!(a, "cali".to_string() + &hex11(b"default-web1"));
-        assert_eq!(host_veth_name(&CniArgs::default(), "short").len(), 15);
+        assert_eq!(
+            host_veth_name(&CniArgs::default(), "short", "eth0").len(),
+            15
+        );
+    }
+
+    #[test]
+    fn every_attachment_of_a_pod_has_its_own_veth_name() {
+        let k8s = |pod: &str| {
+            CniArgs::parse(&format!("K8S_POD_NAMESPACE=x;K8S_POD_NAME={pod}")).expect("args")
+        };
+        let eth0 = host_veth_name(&k8s("a"), "c1", "eth0");
+        let net1 = host_veth_name(&k8s("a"), "c1", "net1");
+        assert_ne!(eth0, net1);
+        assert_eq!(net1, "cali".to_string() + &hex11(b"x.a/net1"));
+        // Pod "a" on net1 and pod "a.net1" on eth0 (dots are legal in pod names) differ.
+        assert_ne!(net1, host_veth_name(&k8s("a.net1"), "c2", "eth0"));
+        // Without pod names: the container ID, and the interface for secondary ones.
+        let id = "0123456789abcdef";
+        assert_eq!(
+            host_veth_name(&CniArgs::default(), id, "eth0"),
+            "cali0123456789a"
+        );
+        assert_eq!(
+            host_veth_name(&CniArgs::default(), id, "net1"),
+            "cali".to_string() + &hex11(b"0123456789abcdef/net1")
+        );
+        assert!(pod_identity(&k8s("a")).is_some());
+        assert!(pod_identity(&CniArgs::parse("K8S_POD_NAME=web").expect("args")).is_none());
     }
 
     #[test]

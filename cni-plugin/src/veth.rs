@@ -912,7 +912,17 @@ pub async fn neighbours(
 /// whose alias names their own (containerID, ifname), so a DEL can never take another pod's
 /// veth even when two attachments would derive the same name.
 pub fn owner_alias(container_id: &str, ifname: &str) -> String {
-    format!("calix:{container_id}/{ifname}")
+    format!("{OWNER_ALIAS_PREFIX}{container_id}/{ifname}")
+}
+
+const OWNER_ALIAS_PREFIX: &str = "calix:";
+
+/// Whether `alias` is an [`owner_alias`] (of any attachment).
+pub fn is_owner_alias(alias: &str) -> bool {
+    alias
+        .strip_prefix(OWNER_ALIAS_PREFIX)
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(cid, ifname)| !cid.is_empty() && !ifname.is_empty())
 }
 
 /// Sets a link's alias (`IFLA_IFALIAS`).

@@ -38,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
     // CNI_ARGS on its own.
     match CniArgs::parse(&env_text) {
         Ok(args) => {
-            let name = host_veth_name(&args, "0123456789abcdef");
+            let name = host_veth_name(&args, "0123456789abcdef", "eth0");
             assert!(name.starts_with("cali"), "{name:?}");
         }
         Err(e) => check_error(&e),
@@ -49,7 +49,7 @@ fuzz_target!(|data: &[u8]| {
     let cni = match CniEnv::from_env(&env) {
         Ok(cni) => {
             if matches!(cni.command, Command::Add | Command::Del | Command::Check) {
-                let name = host_veth_name(&cni.args, &cni.container_id);
+                let name = host_veth_name(&cni.args, &cni.container_id, &cni.ifname);
                 assert!(
                     name.starts_with("cali") && name.len() <= 15,
                     "bad host veth name {name:?} for {cni:?}"
@@ -173,7 +173,7 @@ fn sample_result(cni: Option<&CniEnv>, bytes: &[u8]) -> AddResult {
     }
     let (host, ifname, sandbox) = match cni {
         Some(c) => (
-            host_veth_name(&c.args, &c.container_id),
+            host_veth_name(&c.args, &c.container_id, &c.ifname),
             c.ifname.clone(),
             Some(c.netns.clone()),
         ),

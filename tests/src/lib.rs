@@ -86,16 +86,18 @@ pub fn run_ok(cmd: &mut Command) -> Output {
     out
 }
 
-/// A named network namespace (/run/netns/<name>), deleted on drop.
+/// A named network namespace (/run/netns/<name>), deleted on drop unless it is a borrowed
+/// view of another `Netns`.
 pub struct Netns {
     pub name: String,
+    owned: bool,
 }
 
 impl Netns {
     pub fn new(tag: &str) -> Self {
         let name = unique(tag);
         run_ok(Command::new("ip").args(["netns", "add", &name]));
-        let ns = Self { name };
+        let ns = Self { name, owned: true };
         ns.exec_ok(&["ip", "link", "set", "lo", "up"]);
         ns
     }
@@ -187,6 +189,9 @@ impl Netns {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         let _ = Command::new("ip")
             .args(["netns", "del", &self.name])
             .status();
@@ -247,7 +252,7 @@ impl Dataplane {
 }
 
 /// The outcome of one CNI call.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct CniOutput {
     pub success: bool,
     pub stdout: String,
@@ -495,6 +500,41 @@ impl Node {
             .filter(|l| l.starts_with("cali"))
             .collect()
     }
+
+    /// `calixctl bpf counters -o json`: every drop counter.
+    pub fn drops(&self) -> Value {
+        let out = self.calixctl(&["bpf", "counters", "-o", "json"]);
+        assert!(
+            out.status.success(),
+            "calixctl bpf counters: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("bpf counters json")
+    }
+
+    /// Packets dropped on `iface` for `reason` (0 when never).
+    pub fn dropped(&self, iface: &str, reason: &str) -> u64 {
+        self.drops()["drops"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .filter(|x| x["interface"] == iface && x["reason"] == reason)
+                    .map(|x| x["packets"].as_u64().unwrap_or(0))
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    /// The id of the BPF program calix's tc filter runs on `iface` in direction `dir`
+    /// (`ingress` or `egress`); `None` when there is no such filter.
+    pub fn filter_prog(&self, iface: &str, dir: &str) -> Option<String> {
+        let out = self.ns.exec(&["tc", "filter", "show", "dev", iface, dir]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        text.split_whitespace()
+            .skip_while(|w| *w != "id")
+            .nth(1)
+            .map(String::from)
+    }
 }
 
 impl Drop for Node {
@@ -692,6 +732,8 @@ pub struct Pod<'a> {
     pub ns: Netns,
     pub node: &'a Node,
     pub container_id: String,
+    /// CNI_IFNAME (`eth0` unless added with [`Pod::try_add_as`]).
+    pub ifname: String,
     pub cni_args: String,
     /// Extra network-config keys this pod was added with (used again for DEL).
     pub extra: Value,
@@ -721,28 +763,55 @@ impl<'a> Pod<'a> {
     /// ADDs with extra network-config keys; the result may be a failure.
     pub fn try_add(node: &'a Node, name: &str, extra: Value) -> Self {
         let ns = Netns::new("p");
+        let pod_name = format!("{name}-{}", ns.name);
+        Self::try_add_in(node, ns, &pod_name, "eth0", extra)
+    }
+
+    /// ADDs a new sandbox (its own namespace and container ID) of the Kubernetes pod
+    /// `default/<pod_name>` exactly, on interface `ifname`; the result may be a failure. Two
+    /// calls with the same name are the same pod recreated.
+    pub fn try_add_as(node: &'a Node, pod_name: &str, ifname: &str, extra: Value) -> Self {
+        Self::try_add_in(node, Netns::new("p"), pod_name, ifname, extra)
+    }
+
+    /// ADDs one more attachment (`ifname`) of this pod's sandbox: same namespace, container
+    /// ID and pod name. The returned pod shares the namespace, which stays with `self`.
+    pub fn try_attach(&self, ifname: &str, extra: Value) -> Pod<'a> {
+        let ns = Netns {
+            name: self.ns.name.clone(),
+            owned: false,
+        };
+        let mut pod = Pod {
+            ns,
+            node: self.node,
+            container_id: self.container_id.clone(),
+            ifname: ifname.to_string(),
+            cni_args: self.cni_args.clone(),
+            extra,
+            result: CniOutput::default(),
+            deleted: true,
+        };
+        pod.result = pod.call("ADD", Value::Null);
+        pod.deleted = !pod.result.success;
+        pod
+    }
+
+    fn try_add_in(node: &'a Node, ns: Netns, pod_name: &str, ifname: &str, extra: Value) -> Self {
         let container_id = format!("{}{}", ns.name, "0123456789abcdef");
-        let cni_args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={name}-{}",
-            ns.name
-        );
-        let result = node.cni(
-            "ADD",
-            &container_id,
-            &ns.path(),
-            &cni_args,
-            &node.conf(extra.clone()),
-        );
-        let deleted = !result.success;
-        Self {
+        let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod_name}");
+        let mut pod = Self {
             ns,
             node,
             container_id,
+            ifname: ifname.to_string(),
             cni_args,
             extra,
-            result,
-            deleted,
-        }
+            result: CniOutput::default(),
+            deleted: true,
+        };
+        pod.result = pod.call("ADD", Value::Null);
+        pod.deleted = !pod.result.success;
+        pod
     }
 
     pub fn ip(&self) -> String {
@@ -778,12 +847,14 @@ impl<'a> Pod<'a> {
                 c.insert(k.clone(), v.clone());
             }
         }
-        self.node.cni(
+        cni_call(
+            &self.node.ns,
             command,
             &self.container_id,
             &self.ns.path(),
+            &self.ifname,
             &self.cni_args,
-            &conf,
+            &conf.to_string(),
         )
     }
 

@@ -26,25 +26,11 @@ fn metrics(node: &Node) -> String {
 }
 
 fn drops_json(node: &Node) -> Value {
-    let out = node.calixctl(&["bpf", "counters", "-o", "json"]);
-    assert!(
-        out.status.success(),
-        "calixctl bpf counters: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("bpf counters json")
+    node.drops()
 }
 
 fn dropped(node: &Node, iface: &str, reason: &str) -> u64 {
-    drops_json(node)["drops"]
-        .as_array()
-        .map(|d| {
-            d.iter()
-                .filter(|x| x["interface"] == iface && x["reason"] == reason)
-                .map(|x| x["packets"].as_u64().unwrap_or(0))
-                .sum()
-        })
-        .unwrap_or(0)
+    node.dropped(iface, reason)
 }
 
 fn bypass(dp: Dataplane) -> (u64, bool) {
@@ -134,15 +120,8 @@ fn iperf_intervals(out: &[u8]) -> (Vec<(f64, u64)>, Option<String>) {
 }
 
 fn filter_prog_id(node: &Node, iface: &str) -> String {
-    let out = node
-        .ns
-        .exec_ok(&["tc", "filter", "show", "dev", iface, "ingress"]);
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    text.split_whitespace()
-        .skip_while(|w| *w != "id")
-        .nth(1)
-        .unwrap_or_else(|| panic!("no calix filter on {iface}: {text}"))
-        .to_string()
+    node.filter_prog(iface, "ingress")
+        .unwrap_or_else(|| panic!("no calix filter on {iface}"))
 }
 
 #[test]

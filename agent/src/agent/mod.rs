@@ -82,7 +82,8 @@ struct Eps {
     /// This node's endpoints, keyed by "containerID/ifname".
     endpoints: BTreeMap<String, EndpointRecord>,
     dataplane: Box<dyn Dataplane>,
-    /// host ifname → attach result, for endpoints programmed by this process.
+    /// Endpoint key ("containerID/ifname") → attach result, for endpoints programmed by this
+    /// process.
     attached: BTreeMap<String, Attached>,
 }
 
@@ -280,14 +281,25 @@ impl Agent {
     }
 
     /// Records the endpoint and programs the dataplane for it; returns once both are done.
+    ///
+    /// Another endpoint recorded on the same host interface name is an older sandbox of the
+    /// same pod (the plugin replaced its veth): it is retired in the same datastore write, its
+    /// addresses kept until its own DEL (or leak GC) releases them.
     pub async fn register(&self, ep: EndpointRecord) -> Result<Attached, AgentError> {
         if ep.container_id.is_empty() || ep.ifname.is_empty() || ep.host_ifname.is_empty() {
             return Err(AgentError::Invalid(
                 "container_id, ifname and host_ifname are required".into(),
             ));
         }
+        let key = ep.id();
         let mut eps = self.eps.lock().await;
         let t0 = Instant::now();
+        let retired: Vec<EndpointRecord> = eps
+            .endpoints
+            .values()
+            .filter(|o| o.host_ifname == ep.host_ifname && o.id() != key)
+            .cloned()
+            .collect();
         let spec = EndpointSpec::from_record(&ep);
         let attached =
             blocking(|| eps.dataplane.attach(&spec)).map_err(|source| AgentError::Dataplane {
@@ -295,29 +307,31 @@ impl Agent {
                 source,
             })?;
         let t_attach = t0.elapsed();
-        let host_ifname = ep.host_ifname.clone();
-        let written = self
-            .store
-            .txn(
-                &[],
-                &[Op::put_json(
-                    keys::endpoint(&self.node.name, &ep.container_id, &ep.ifname),
-                    &ep,
-                )],
-                Durability::Process,
-            )
-            .await;
-        if let Err(e) = written {
+        let mut ops = vec![Op::put_json(
+            keys::endpoint(&self.node.name, &ep.container_id, &ep.ifname),
+            &ep,
+        )];
+        ops.extend(
+            retired
+                .iter()
+                .map(|r| Op::Delete(keys::endpoint(&self.node.name, &r.container_id, &r.ifname))),
+        );
+        if let Err(e) = self.store.txn(&[], &ops, Durability::Process).await {
             // Not durable: undo the attach so nothing runs that the registry doesn't know.
-            let _ = eps.dataplane.detach(&host_ifname);
+            let _ = eps.dataplane.detach(&key);
             return Err(e.into());
         }
-        tracing::info!(%host_ifname, ifindex = attached.ifindex, bpf = attached.bpf,
-            attach_us = t_attach.as_micros() as u64, total_us = t0.elapsed().as_micros() as u64,
-            "endpoint programmed");
-        eps.endpoints
-            .insert(EndpointRecord::key(&ep.container_id, &ep.ifname), ep);
-        eps.attached.insert(host_ifname, attached);
+        for r in &retired {
+            eps.endpoints.remove(&r.id());
+            eps.attached.remove(&r.id());
+            tracing::info!(host_ifname = %ep.host_ifname, retired = %r.id(), by = %key,
+                "older sandbox retired: its interface name belongs to a new sandbox of the same pod");
+        }
+        tracing::info!(host_ifname = %ep.host_ifname, endpoint = %key, ifindex = attached.ifindex,
+            bpf = attached.bpf, attach_us = t_attach.as_micros() as u64,
+            total_us = t0.elapsed().as_micros() as u64, "endpoint programmed");
+        eps.endpoints.insert(key.clone(), ep);
+        eps.attached.insert(key, attached);
         Ok(attached)
     }
 
@@ -335,13 +349,11 @@ impl Agent {
         let t0 = Instant::now();
         let ep = eps.endpoints.get(&key).cloned();
         if let Some(ep) = &ep {
-            blocking(|| eps.dataplane.detach(&ep.host_ifname)).map_err(|source| {
-                AgentError::Dataplane {
-                    host_ifname: ep.host_ifname.clone(),
-                    source,
-                }
+            blocking(|| eps.dataplane.detach(&key)).map_err(|source| AgentError::Dataplane {
+                host_ifname: ep.host_ifname.clone(),
+                source,
             })?;
-            eps.attached.remove(&ep.host_ifname);
+            eps.attached.remove(&key);
         }
         let forget = ep
             .is_some()
@@ -375,16 +387,25 @@ impl Agent {
         if let Err(e) = eps.dataplane.set_pools(&pools) {
             tracing::warn!(error = %e, "cannot give the dataplane the pools");
         }
-        let records: Vec<EndpointRecord> = eps.endpoints.values().cloned().collect();
-        let mut known = Vec::new();
+        // Records that name their link (ifindex) first: a record of an older plugin never
+        // takes over an interface name that a record with a checked link holds.
+        let mut records: Vec<EndpointRecord> = eps.endpoints.values().cloned().collect();
+        records.sort_by_key(|r| r.host_ifindex == 0);
+        let mut known: Vec<String> = Vec::new();
         for ep in records {
+            if ep.host_ifindex == 0 && known.contains(&ep.host_ifname) {
+                tracing::warn!(host_ifname = %ep.host_ifname, endpoint = %ep.id(),
+                    "recorded endpoint not programmed: its interface belongs to a newer endpoint");
+                continue;
+            }
             match eps.dataplane.attach(&EndpointSpec::from_record(&ep)) {
                 Ok(a) => {
-                    eps.attached.insert(ep.host_ifname.clone(), a);
+                    eps.attached.insert(ep.id(), a);
                     known.push(ep.host_ifname.clone());
                 }
                 Err(e) => {
-                    tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "recorded endpoint not programmed")
+                    tracing::warn!(host_ifname = %ep.host_ifname, endpoint = %ep.id(), error = %e,
+                        "recorded endpoint not programmed")
                 }
             }
         }
@@ -399,7 +420,7 @@ impl Agent {
         let names: HashMap<u32, String> = eps
             .attached
             .iter()
-            .map(|(n, a)| (a.ifindex, n.clone()))
+            .filter_map(|(k, a)| Some((a.ifindex, eps.endpoints.get(k)?.host_ifname.clone())))
             .collect();
         let drops = eps
             .dataplane
@@ -430,7 +451,7 @@ impl Agent {
         eps.endpoints
             .values()
             .map(|r| {
-                let att = eps.attached.get(&r.host_ifname);
+                let att = eps.attached.get(&r.id());
                 let counters = match att {
                     Some(a) if a.bpf => eps.dataplane.counters(a.ifindex).map_err(|source| {
                         AgentError::Dataplane {

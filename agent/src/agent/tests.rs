@@ -122,6 +122,7 @@ fn ep(cid: &str, handle: &str) -> EndpointRecord {
         addresses: Vec::new(),
         handle: handle.into(),
         mac: String::new(),
+        host_ifindex: 0,
     }
 }
 

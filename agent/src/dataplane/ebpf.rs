@@ -26,7 +26,7 @@ use ipnet::IpNet;
 
 use super::nat::{self as snat, NatMaps, NatSettings};
 use super::xdp::{self, XdpFilter, XdpSettings};
-use super::{ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
+use super::{endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
@@ -70,8 +70,11 @@ impl EbpfConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+/// One endpoint as this process programmed it.
+#[derive(Debug, Clone)]
 struct Programmed {
+    /// The host veth's name and the link it named when programmed.
+    ifname: String,
     ifindex: u32,
     ipv4: Option<Ipv4Addr>,
     ipv6: Option<Ipv6Addr>,
@@ -89,6 +92,7 @@ pub struct EbpfDataplane {
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
     pools_v6: LpmTrie<MapData, [u8; 16], u32>,
+    /// Endpoint key ("containerID/ifname") → what was programmed for it.
     programmed: StdHashMap<String, Programmed>,
     /// Keys of `counters`. aya 0.13's per-CPU `get` answers a missing key with zeros instead
     /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
@@ -384,7 +388,18 @@ impl EbpfDataplane {
         self.counter_keys.remove(&p.ifindex);
         let _ = self.endpoints.remove(&p.ifindex);
         let _ = self.stack_eps.remove(&p.ifindex);
-        if let Some(v4) = p.ipv4 {
+        self.forget_addresses(p, None, None);
+    }
+
+    /// Removes `p`'s local-delivery entries that still point at its ifindex, except for the
+    /// addresses `keep_v4` / `keep_v6` (those of an endpoint taking over the same link).
+    fn forget_addresses(
+        &mut self,
+        p: &Programmed,
+        keep_v4: Option<Ipv4Addr>,
+        keep_v6: Option<Ipv6Addr>,
+    ) {
+        if let Some(v4) = p.ipv4.filter(|a| Some(*a) != keep_v4) {
             if self
                 .local_v4
                 .get(&v4.octets(), 0)
@@ -393,7 +408,7 @@ impl EbpfDataplane {
                 let _ = self.local_v4.remove(&v4.octets());
             }
         }
-        if let Some(v6) = p.ipv6 {
+        if let Some(v6) = p.ipv6.filter(|a| Some(*a) != keep_v6) {
             if self
                 .local_v6
                 .get(&v6.octets(), 0)
@@ -452,14 +467,27 @@ impl EbpfDataplane {
 impl Dataplane for EbpfDataplane {
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         let ifname = ep.host_ifname.as_str();
-        let idx = ifindex(ifname)?;
-        if let Some(old) = self.programmed.get(ifname).copied() {
-            if old.ifindex != idx {
-                // Same name, new interface: the old entries are stale.
-                self.forget_entries(&old);
+        let idx = endpoint_ifindex(ep)?;
+        // What was programmed before on this interface name (an older sandbox of a recreated
+        // pod, or this endpoint before a restart of its veth): entries of another link are
+        // stale; on this very link only the addresses this endpoint doesn't have.
+        let earlier: Vec<String> = self
+            .programmed
+            .iter()
+            .filter(|(k, p)| *k == &ep.key || p.ifname == ifname)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in earlier {
+            if let Some(old) = self.programmed.remove(&k) {
+                if old.ifindex == idx {
+                    self.forget_addresses(&old, ep.ipv4, ep.ipv6);
+                } else {
+                    self.forget_entries(&old);
+                }
             }
         }
         let p = Programmed {
+            ifname: ifname.to_string(),
             ifindex: idx,
             ipv4: ep.ipv4,
             ipv6: ep.ipv6,
@@ -473,21 +501,34 @@ impl Dataplane for EbpfDataplane {
             Self::detach_filters(ifname);
             return Err(e);
         }
-        self.programmed.insert(ifname.to_string(), p);
+        self.programmed.insert(ep.key.clone(), p);
         Ok(Attached {
             ifindex: idx,
             bpf: true,
         })
     }
 
-    fn detach(&mut self, ifname: &str) -> Result<(), DataplaneError> {
-        if let Some(p) = self.programmed.remove(ifname) {
-            self.forget_entries(&p);
-            if ifindex(ifname).ok() == Some(p.ifindex) {
-                // The veth is still there: remove our filters. (When CNI DEL deleted the veth
-                // first, the kernel removed its filters with it.)
-                Self::detach_filters(ifname);
-            }
+    fn detach(&mut self, key: &str) -> Result<(), DataplaneError> {
+        let Some(p) = self.programmed.remove(key) else {
+            return Ok(());
+        };
+        if let Some(other) = self
+            .programmed
+            .values()
+            .find(|o| o.ifindex == p.ifindex)
+            .cloned()
+        {
+            // Another endpoint runs on this very link now: it keeps the link's entries and
+            // programs; only our own addresses go.
+            self.forget_addresses(&p, other.ipv4, other.ipv6);
+            return Ok(());
+        }
+        self.forget_entries(&p);
+        if ifindex(&p.ifname).ok() == Some(p.ifindex) {
+            // The veth is still ours: remove our filters. (When CNI DEL deleted the veth first,
+            // the kernel removed its filters with it; when a recreated pod's veth has the name
+            // now, its filters are not ours to remove.)
+            Self::detach_filters(&p.ifname);
         }
         Ok(())
     }

@@ -19,6 +19,15 @@ use crate::model::EndpointRecord;
 pub enum DataplaneError {
     #[error("interface {ifname} does not exist on this node")]
     NoInterface { ifname: String },
+    #[error(
+        "interface {ifname} is another link now (ifindex {found}, the endpoint's was {expected}): \
+         it belongs to a newer sandbox"
+    )]
+    Replaced {
+        ifname: String,
+        expected: u32,
+        found: u32,
+    },
     #[error("loading the eBPF object failed")]
     Load(#[source] Box<aya::EbpfError>),
     #[error("bpffs pin directory {path}: {op} failed")]
@@ -63,7 +72,14 @@ pub struct Attached {
 /// What the dataplane needs to know of an endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EndpointSpec {
+    /// The endpoint's identity, "containerID/ifname" ([`EndpointRecord::key`]): what the
+    /// dataplane keys its state by, never the host interface's name, which a recreated pod
+    /// reuses.
+    pub key: String,
     pub host_ifname: String,
+    /// The host veth's ifindex the endpoint was created with; `None` when unknown (records
+    /// of older plugins), then whatever link has the name is taken.
+    pub host_ifindex: Option<u32>,
     pub ipv4: Option<Ipv4Addr>,
     pub ipv6: Option<Ipv6Addr>,
     /// The pod interface's MAC; without it the endpoint is not a target for direct delivery
@@ -84,7 +100,9 @@ impl EndpointSpec {
             })
             .collect();
         Self {
+            key: r.id(),
             host_ifname: r.host_ifname.clone(),
+            host_ifindex: (r.host_ifindex != 0).then_some(r.host_ifindex),
             ipv4: addrs.iter().find_map(|a| match a {
                 IpAddr::V4(v) => Some(*v),
                 IpAddr::V6(_) => None,
@@ -109,11 +127,16 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
 }
 
 pub trait Dataplane: Send {
-    /// Programs the endpoint whose host-side veth is `ep.host_ifname`. Idempotent; on an
-    /// interface that already runs (older) programs, replaces them atomically.
+    /// Programs the endpoint `ep.key` on its host-side veth `ep.host_ifname` (which must still
+    /// be the link `ep.host_ifindex`, else [`DataplaneError::Replaced`]). Idempotent; on an
+    /// interface that already runs (older) programs, replaces them atomically. Another
+    /// endpoint programmed on the same interface name is forgotten (never detached: its link
+    /// is gone or is this one).
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError>;
-    /// Removes what `attach` did for `ifname` (the veth may already be gone). Idempotent.
-    fn detach(&mut self, ifname: &str) -> Result<(), DataplaneError>;
+    /// Removes what `attach` did for endpoint `key`, and only what is still its own: map
+    /// entries that point at its ifindex, filters only while its interface name still names
+    /// its link (a recreated pod's veth of the same name keeps its programs). Idempotent.
+    fn detach(&mut self, key: &str) -> Result<(), DataplaneError>;
     /// The endpoint's counters, summed over CPUs; `None` when there is no entry.
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
     /// Every drop counter, summed over CPUs.
@@ -137,6 +160,19 @@ pub fn ifindex(ifname: &str) -> Result<u32, DataplaneError> {
     })
 }
 
+/// The ifindex of the endpoint's host veth, checked against the one it was created with.
+pub fn endpoint_ifindex(ep: &EndpointSpec) -> Result<u32, DataplaneError> {
+    let found = ifindex(&ep.host_ifname)?;
+    match ep.host_ifindex {
+        Some(expected) if expected != found => Err(DataplaneError::Replaced {
+            ifname: ep.host_ifname.clone(),
+            expected,
+            found,
+        }),
+        _ => Ok(found),
+    }
+}
+
 /// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding.
 #[derive(Default)]
 pub struct KernelDataplane;
@@ -144,11 +180,11 @@ pub struct KernelDataplane;
 impl Dataplane for KernelDataplane {
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         Ok(Attached {
-            ifindex: ifindex(&ep.host_ifname)?,
+            ifindex: endpoint_ifindex(ep)?,
             bpf: false,
         })
     }
-    fn detach(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
         Ok(())
     }
     fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
@@ -183,8 +219,11 @@ mod tests {
             addresses: vec!["10.1.0.5/32".into(), "fd00::5/128".into()],
             handle: "h".into(),
             mac: "02:00:0a:ff:00:01".into(),
+            host_ifindex: 0,
         };
         let s = EndpointSpec::from_record(&r);
+        assert_eq!(s.key, "c/eth0");
+        assert_eq!(s.host_ifindex, None);
         assert_eq!(s.ipv4, Some(Ipv4Addr::new(10, 1, 0, 5)));
         assert_eq!(s.ipv6, Some("fd00::5".parse().expect("v6")));
         assert_eq!(s.mac, Some([2, 0, 0x0a, 0xff, 0, 1]));

@@ -200,6 +200,7 @@ fn record(e: pb::Endpoint) -> EndpointRecord {
         addresses: e.addresses,
         handle: e.handle,
         mac: e.mac,
+        host_ifindex: e.host_ifindex,
     }
 }
 
@@ -214,6 +215,7 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
         addresses: r.addresses,
         handle: r.handle,
         mac: r.mac,
+        host_ifindex: r.host_ifindex,
     }
 }
 

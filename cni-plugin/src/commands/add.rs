@@ -8,7 +8,7 @@ use ipnet::IpNet;
 use serde_json::Value;
 
 use super::{wiring, Invocation};
-use crate::args::host_veth_name;
+use crate::args::{host_veth_name, pod_identity};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
 use crate::ipam;
@@ -79,23 +79,9 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
     t.mark("connect");
-    let host_ifname = host_veth_name(&env.args, &env.container_id);
+    let host_ifname = host_veth_name(&env.args, &env.container_id, &env.ifname);
     // The address and the veth don't depend on each other: get both at once.
-    let create = async {
-        veth::create_veth_with_handle(&host, &pod_ns, &host_ifname, &env.ifname, conf.mtu)
-            .await
-            .map_err(|e| match &e {
-                VethError::Exists { name } => CniError::new(
-                    code::WIRING_FAILED,
-                    format!(
-                        "interface {name} already exists: is container {} already added? DEL it first",
-                        env.container_id
-                    ),
-                    e.to_string(),
-                ),
-                _ => wiring(format!("cannot create veth {host_ifname}"), &e),
-            })
-    };
+    let create = create_veth(inv, &host, &pod_ns, &host_ifname);
     let (assigned, pair) = tokio::join!(
         async {
             let r = ipam::add(env, conf, inv.raw, &mut agent).await;
@@ -140,6 +126,70 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
             undo.run(inv, &mut agent, Some(&host)).await;
             Err(e)
         }
+    }
+}
+
+/// Creates the veth. Its host-side name is the pod's: when a veth of that name exists already,
+/// it is either an older sandbox of the same Kubernetes pod (its alias names another owner;
+/// the pod was recreated while the old sandbox still exists), which is retired — its veth
+/// deleted, its addresses kept until its own DEL releases them, its endpoint retired by the
+/// agent when this one registers — or it is an error that says whose it is.
+async fn create_veth(
+    inv: &Invocation<'_>,
+    host: &rtnetlink::Handle,
+    pod_ns: &NetNs,
+    host_ifname: &str,
+) -> Result<(veth::VethPair, rtnetlink::Handle), CniError> {
+    let (env, conf) = (inv.env, inv.conf);
+    let create = || veth::create_veth_with_handle(host, pod_ns, host_ifname, &env.ifname, conf.mtu);
+    let exists = match create().await {
+        Err(VethError::Exists { name }) if name == host_ifname => name,
+        Err(VethError::Exists { name }) => {
+            return Err(CniError::new(
+                code::WIRING_FAILED,
+                format!("interface {name} already exists in the container's network namespace",),
+                format!("CNI_IFNAME {name} is taken in {}", env.netns),
+            ))
+        }
+        other => return other.map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e)),
+    };
+    let ours = veth::owner_alias(&env.container_id, &env.ifname);
+    let alias = veth::link_details(host, &exists)
+        .await
+        .map_err(|e| wiring(format!("cannot inspect the existing {exists}"), &e))?
+        .and_then(|l| l.alias);
+    match alias {
+        Some(alias) if alias == ours => Err(CniError::new(
+            code::WIRING_FAILED,
+            format!(
+                "interface {exists} already exists for container {} {}: DEL it first",
+                env.container_id, env.ifname
+            ),
+            format!("{exists} has alias {alias}"),
+        )),
+        Some(alias) if veth::is_owner_alias(&alias) && pod_identity(&env.args).is_some() => {
+            tracing::info!(%host_ifname, old_owner = %alias, new_owner = %ours,
+                "replacing the veth of an older sandbox of this pod");
+            super::delete_owned_link(host, host_ifname, &alias)
+                .await
+                .map_err(|e| {
+                    wiring(
+                        format!("cannot delete the older sandbox's {host_ifname}"),
+                        &e,
+                    )
+                })?;
+            create()
+                .await
+                .map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e))
+        }
+        alias => Err(CniError::new(
+            code::WIRING_FAILED,
+            format!(
+                "interface {exists} already exists and belongs to {}: remove it or rename the pod",
+                alias.as_deref().unwrap_or("something that is not calix")
+            ),
+            format!("alias {alias:?}"),
+        )),
     }
 }
 
@@ -226,6 +276,7 @@ async fn wire(
                     .map(|b| format!("{b:02x}"))
                     .collect::<Vec<_>>()
                     .join(":"),
+                host_ifindex: pair.host_ifindex,
             }),
         })
         .await

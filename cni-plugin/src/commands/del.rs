@@ -21,7 +21,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
     mark("connect");
     // The host side's name is derived from the same CNI_ARGS ADD saw; a prevResult names it too.
-    let mut names = vec![host_veth_name(&env.args, &env.container_id)];
+    let mut names = vec![host_veth_name(&env.args, &env.container_id, &env.ifname)];
     if let Some(prev) = &inv.conf.prev_result {
         if let Some(n) = prev["interfaces"]
             .as_array()
