@@ -139,9 +139,15 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             .await
             .expect("create veth");
         let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
-        veth::configure_pod(&pod, pair.pod_ifindex, Some(v4), Some(v6))
-            .await
-            .expect("configure pod");
+        veth::configure_pod(
+            &pod,
+            pair.pod_ifindex,
+            Some(v4),
+            Some(v6),
+            veth::PodRouting::Main,
+        )
+        .await
+        .expect("configure pod");
         veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
             .await
             .expect("configure host");
@@ -390,9 +396,15 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
             .await
             .expect("create veth");
         let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
-        veth::configure_pod(&pod, pair.pod_ifindex, Some(v4), None)
-            .await
-            .expect("configure pod");
+        veth::configure_pod(
+            &pod,
+            pair.pod_ifindex,
+            Some(v4),
+            None,
+            veth::PodRouting::Main,
+        )
+        .await
+        .expect("configure pod");
         veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
             .await
             .expect("configure host");

@@ -43,7 +43,14 @@ fn assert_new_sandbox_owns(node: &Node, b: &Pod, host_if: &str, peer: &Pod, fore
     assert!(b.ns.ping(&peer.ip(), 2), "the new sandbox cannot send");
     // Anti-spoofing still holds the new sandbox to its own addresses.
     let before = node.dropped(host_if, "spoofed_source_v4");
-    b.ns.exec_ok(&["ip", "addr", "replace", &format!("{foreign}/32"), "dev", "eth0"]);
+    b.ns.exec_ok(&[
+        "ip",
+        "addr",
+        "replace",
+        &format!("{foreign}/32"),
+        "dev",
+        "eth0",
+    ]);
     let spoofed = b.ns.exec(&[
         "ping",
         "-c",
@@ -119,4 +126,99 @@ fn a_recreated_pod_keeps_its_programs_and_traffic_after_the_old_sandboxs_del() {
 #[test]
 fn a_recreated_pod_keeps_its_programs_and_traffic_across_an_agent_restart() {
     recreated_pod(true);
+}
+
+/// Rules in `pod`'s namespace that select by source `addr`.
+fn source_rules(pod: &Pod, addr: &str) -> usize {
+    let out = pod.ns.exec_ok(&["ip", "-j", "rule", "show"]);
+    let rules: Value = serde_json::from_slice(&out.stdout).expect("ip -j rule");
+    rules
+        .as_array()
+        .map(|r| r.iter().filter(|x| x["src"] == addr).count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_pod_may_have_two_calix_attachments() {
+    let node = Node::start(Dataplane::Ebpf);
+    let peer = Pod::add(&node, "peer");
+    let first = Pod::add(&node, "multi");
+    let mut second = first.try_attach("net1", Value::Null);
+    assert!(
+        second.result.success,
+        "ADD of a second attachment failed: {} {}\nagent log:\n{}",
+        second.result.stdout,
+        second.result.stderr,
+        node.agent_log()
+    );
+    let (if1, if2) = (first.host_ifname(), second.host_ifname());
+    assert_ne!(if1, if2, "each attachment has its own host veth");
+    assert_ne!(first.ip(), second.ip());
+    for host_if in [&if1, &if2] {
+        let eps = endpoints_on(&node, host_if);
+        assert_eq!(eps.len(), 1, "{eps:?}");
+        assert_eq!(eps[0]["bpfAttached"], true, "{eps:?}");
+    }
+    // Both addresses answer; what the pod sends from its second address leaves through the
+    // second interface (a source rule), so anti-spoofing on either veth drops nothing.
+    assert!(peer.ns.ping(&first.ip(), 2), "first attachment unreachable");
+    assert!(
+        peer.ns.ping(&second.ip(), 2),
+        "second attachment unreachable"
+    );
+    let from_second = first.ns.exec(&[
+        "ping",
+        "-c",
+        "2",
+        "-i",
+        "0.2",
+        "-W",
+        "2",
+        "-q",
+        "-I",
+        &second.ip(),
+        &peer.ip(),
+    ]);
+    assert!(
+        from_second.status.success(),
+        "sending from the second address"
+    );
+    assert!(
+        first.ns.ping(&peer.ip(), 2),
+        "sending from the first address"
+    );
+    for host_if in [&if1, &if2] {
+        assert_eq!(
+            node.dropped(host_if, "spoofed_source_v4"),
+            0,
+            "{}",
+            node.drops()
+        );
+    }
+    assert_eq!(source_rules(&first, &second.ip()), 1);
+    assert_eq!(
+        source_rules(&first, &first.ip()),
+        0,
+        "the first one routes by main"
+    );
+    let check = second.check();
+    assert!(check.success, "CHECK of the second: {}", check.stdout);
+    let check = first.check();
+    assert!(check.success, "CHECK of the first: {}", check.stdout);
+    // DEL of the second attachment takes its veth, endpoint, address and rule; the first keeps
+    // working.
+    second.del();
+    assert!(!node.cali_links().contains(&if2), "{:?}", node.cali_links());
+    assert!(endpoints_on(&node, &if2).is_empty());
+    assert_eq!(
+        source_rules(&first, &second.ip()),
+        0,
+        "the source rule outlived DEL"
+    );
+    assert_eq!(endpoints_on(&node, &if1).len(), 1);
+    assert!(
+        peer.ns.ping(&first.ip(), 2),
+        "the first attachment lost its traffic"
+    );
+    assert_eq!(node.allocated(), 2, "peer and the first attachment");
 }

@@ -193,6 +193,30 @@ async fn create_veth(
     }
 }
 
+/// The pod's first attachment takes the main table; when the pod has a default route already
+/// (another calix attachment, or another network's), this one is secondary.
+async fn pod_routing(
+    pod: &rtnetlink::Handle,
+    pod_ifindex: u32,
+    v4: bool,
+    v6: bool,
+) -> Result<veth::PodRouting, CniError> {
+    let read = |e: VethError| wiring("cannot read the container's routes".into(), &e);
+    let taken = (v4
+        && veth::has_default_route(pod, veth::Family::V4)
+            .await
+            .map_err(read)?)
+        || (v6
+            && veth::has_default_route(pod, veth::Family::V6)
+                .await
+                .map_err(read)?);
+    Ok(if taken {
+        veth::PodRouting::secondary(pod_ifindex)
+    } else {
+        veth::PodRouting::Main
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn wire(
     inv: &Invocation<'_>,
@@ -231,7 +255,8 @@ async fn wire(
             .map_err(|e| wiring(format!("cannot set MAC of {}", env.ifname), &e))?;
         pod_mac = mac;
     }
-    veth::configure_pod(pod, pair.pod_ifindex, v4, v6)
+    let routing = pod_routing(pod, pair.pod_ifindex, v4.is_some(), v6.is_some()).await?;
+    veth::configure_pod(pod, pair.pod_ifindex, v4, v6, routing)
         .await
         .map_err(|e| {
             wiring(

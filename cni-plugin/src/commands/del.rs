@@ -3,9 +3,12 @@
 use calix_proto::v1 as pb;
 
 use super::{wiring, Invocation};
-use crate::args::host_veth_name;
+use std::net::IpAddr;
+
+use crate::args::{host_veth_name, PRIMARY_IFNAME};
 use crate::client::{call_error, AgentClient};
 use crate::error::CniError;
+use crate::result::AddResult;
 use crate::{ipam, netns, veth};
 
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
@@ -52,7 +55,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     } else {
         String::new()
     };
-    agent
+    let released = agent
         .endpoints
         .unregister(pb::UnregisterRequest {
             container_id: env.container_id.clone(),
@@ -60,10 +63,45 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
             release_handle,
         })
         .await
-        .map_err(|s| call_error("removing the endpoint", s))?;
+        .map_err(|s| call_error("removing the endpoint", s))?
+        .into_inner()
+        .released;
     mark("unregister");
+    if env.ifname != PRIMARY_IFNAME {
+        forget_source_rules(inv, &released).await;
+    }
     if inv.conf.agent_ipam() {
         return Ok(());
     }
     ipam::del(env, inv.conf, inv.raw, &mut agent).await
+}
+
+/// A secondary attachment's source rules live in the pod's namespace and outlive its veth:
+/// remove those of its addresses (released ones, and the prevResult's) while the pod lives.
+/// Best effort: a pod namespace that is gone took them with it.
+async fn forget_source_rules(inv: &Invocation<'_>, released: &[String]) {
+    let env = inv.env;
+    if env.netns.is_empty() {
+        return;
+    }
+    let mut addrs: Vec<IpAddr> = released.iter().filter_map(|a| a.parse().ok()).collect();
+    if let Some(prev) = &inv.conf.prev_result {
+        if let Ok(prev) = AddResult::from_json(prev) {
+            addrs.extend(prev.ips.iter().map(|(net, _, _)| net.addr()));
+        }
+    }
+    if addrs.is_empty() {
+        return;
+    }
+    let Ok(pod_ns) = netns::NetNs::open(&env.netns) else {
+        return;
+    };
+    match netns::netlink_in(&pod_ns).await {
+        Ok(pod) => {
+            if let Err(e) = veth::delete_source_rules(&pod, &addrs).await {
+                tracing::warn!(error = %e, "cannot remove the attachment's source rules");
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot enter the pod to remove its source rules"),
+    }
 }
