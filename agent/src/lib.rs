@@ -5,6 +5,7 @@ pub mod config;
 pub mod dataplane;
 pub mod datastore;
 pub mod grpc;
+pub mod instance;
 pub mod ipam;
 pub mod metrics;
 pub mod model;

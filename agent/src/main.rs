@@ -12,7 +12,7 @@ use calix_agent::dataplane::{masquerade, nat, xdp};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
-use calix_agent::{grpc, paths};
+use calix_agent::{grpc, metrics, paths};
 use clap::Parser;
 
 #[derive(Parser, Debug, Clone)]
@@ -336,8 +336,9 @@ async fn main() -> Result<()> {
             tracing_subscriber::EnvFilter::try_new(&cfg.log_level)
                 .with_context(|| format!("bad log_level {:?}", cfg.log_level))?,
         )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Control characters in logged values (pod names...) are escaped: one event, one line.
+        .with_writer(calix_log::Escaping(std::io::stderr))
+        .with_ansi(false)
         .init();
     tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, datastore = %cfg.datastore.kind,
         pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
@@ -350,8 +351,20 @@ async fn main() -> Result<()> {
         xdp: cfg.xdp_settings()?,
         nat: Some(cfg.nat_settings()?),
     };
+    // Before anything is touched: one agent per node (an uninstall while one runs would pull
+    // its programs from under it).
+    let _instance = calix_agent::instance::InstanceLock::acquire(&cfg.socket)?;
     if uninstall {
         return uninstall_dataplane(&ebpf_cfg);
+    }
+    // The HTTP door comes up first: /healthz and /readyz answer 503 until the initial sync.
+    let http = Arc::new(metrics::HttpState::default());
+    if !cfg.metrics_addr.is_empty() {
+        metrics::spawn(
+            http.clone(),
+            cfg.metrics_addr.clone(),
+            metrics::HttpLimits::default(),
+        );
     }
     enable_forwarding()?;
     let store = open_store(&cfg).await?;
@@ -406,19 +419,10 @@ async fn main() -> Result<()> {
         spawn_conntrack_cleaner(pin_dir, cfg.nat_settings()?, cfg.uplinks.clone());
     }
     spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter, nat_maps);
-    if !cfg.metrics_addr.is_empty() {
-        calix_agent::metrics::spawn(agent.clone(), cfg.metrics_addr.clone());
-    }
-    grpc::serve_unix(agent.clone(), &cfg.socket, shutdown_signal())
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "{e}: {}",
-                std::error::Error::source(&e)
-                    .map(|s| s.to_string())
-                    .unwrap_or_default()
-            )
-        })?;
+    let socket = grpc::UnixSocket::bind(&cfg.socket)?;
+    // Ready: synced, and the plugin can connect.
+    http.set_ready(agent.clone());
+    socket.serve(agent.clone(), shutdown_signal()).await?;
     agent.shutdown().await;
     tracing::info!("stopped");
     Ok(())

@@ -1,8 +1,13 @@
-//! Prometheus `/metrics` over plain HTTP/1.x: endpoint traffic counters, eBPF drop counters by
-//! reason, IPAM free addresses. A tiny hand-written responder (one GET, then close) keeps the
-//! agent free of an HTTP server stack.
+//! The agent's HTTP door: Prometheus `/metrics` (endpoint traffic counters, eBPF drop counters
+//! by reason, IPAM free addresses), `/healthz` and `/readyz` (200 once the initial sync is
+//! done, 503 before). A tiny hand-written responder (one GET, then close) keeps the agent free
+//! of an HTTP server stack; it caps connections, bounds reads and writes in time and size,
+//! backs off when accept fails, and renders from the agent's snapshots (the endpoints lock is
+//! held only to copy the registry, never while maps are read or text is built).
 use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -75,8 +80,61 @@ pub async fn render(agent: &Agent) -> String {
     out
 }
 
-/// Serves `/metrics` on `addr` until the process exits. A bind failure is logged, not fatal.
-pub fn spawn(agent: Arc<Agent>, addr: String) {
+/// What the HTTP door knows: the agent once it exists, and whether its initial sync is done.
+#[derive(Default)]
+pub struct HttpState {
+    agent: std::sync::OnceLock<Arc<Agent>>,
+    ready: std::sync::atomic::AtomicBool,
+    refused: std::sync::atomic::AtomicU64,
+}
+
+impl HttpState {
+    /// The initial sync is done: /metrics, /healthz and /readyz answer from now on.
+    pub fn set_ready(&self, agent: Arc<Agent>) {
+        let _ = self.agent.set(agent);
+        self.ready.store(true, Ordering::Release);
+    }
+
+    fn agent(&self) -> Option<&Arc<Agent>> {
+        self.ready
+            .load(Ordering::Acquire)
+            .then(|| self.agent.get())
+            .flatten()
+    }
+}
+
+/// Limits of the HTTP door: nothing a scraper (or anyone who can reach the port) does may cost
+/// the agent more than this.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections served at once; more are closed at once (and counted).
+    pub max_connections: usize,
+    /// Time to send the request head.
+    pub read_timeout: Duration,
+    /// Time to take the response.
+    pub write_timeout: Duration,
+    /// Largest request head read.
+    pub max_request_bytes: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 16,
+            read_timeout: Duration::from_secs(5),
+            write_timeout: Duration::from_secs(10),
+            max_request_bytes: 8192,
+        }
+    }
+}
+
+/// First pause after a failed accept (EMFILE...); doubles up to [`MAX_ACCEPT_BACKOFF`].
+const FIRST_ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `addr` until the process exits. Before the
+/// initial sync every path answers 503. A bind failure is logged, not fatal.
+pub fn spawn(state: Arc<HttpState>, addr: String, limits: HttpLimits) {
     tokio::spawn(async move {
         let listener = match TcpListener::bind(&addr).await {
             Ok(l) => l,
@@ -85,36 +143,101 @@ pub fn spawn(agent: Arc<Agent>, addr: String) {
                 return;
             }
         };
-        tracing::info!(%addr, "serving /metrics");
+        tracing::info!(%addr, "serving /metrics, /healthz, /readyz");
+        let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+        let mut backoff = FIRST_ACCEPT_BACKOFF;
         loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
+            let sock = match listener.accept().await {
+                Ok((sock, _)) => {
+                    backoff = FIRST_ACCEPT_BACKOFF;
+                    sock
+                }
+                Err(e) => {
+                    // Out of descriptors or memory: wait, don't spin.
+                    tracing::warn!(error = %e, ?backoff, "accept on the metrics port failed");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_ACCEPT_BACKOFF);
+                    continue;
+                }
+            };
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                state.refused.fetch_add(1, Ordering::Relaxed);
+                drop(sock);
                 continue;
             };
-            let agent = agent.clone();
+            let state = state.clone();
             tokio::spawn(async move {
-                let mut buf = [0u8; 2048];
-                let n = match tokio::time::timeout(
-                    std::time::Duration::from_secs(5),
-                    sock.read(&mut buf),
-                )
-                .await
-                {
-                    Ok(Ok(n)) => n,
-                    _ => return,
-                };
-                let req = String::from_utf8_lossy(&buf[..n]);
-                let (status, body) = if req.starts_with("GET /metrics") {
-                    ("200 OK", render(&agent).await)
-                } else {
-                    ("404 Not Found", "try GET /metrics\n".to_string())
-                };
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = sock.write_all(resp.as_bytes()).await;
-                let _ = sock.shutdown().await;
+                serve_one(sock, &state, limits).await;
+                drop(permit);
             });
         }
     });
+}
+
+/// One request, then close.
+async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: HttpLimits) {
+    let Ok(Some(head)) = tokio::time::timeout(
+        limits.read_timeout,
+        read_head(&mut sock, limits.max_request_bytes),
+    )
+    .await
+    else {
+        return;
+    };
+    let path = head
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("GET "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or("");
+    let agent = state.agent();
+    let (status, body) = match (path, agent) {
+        ("/metrics" | "/healthz" | "/readyz", None) => (
+            "503 Service Unavailable",
+            "initial sync not done\n".to_string(),
+        ),
+        ("/metrics", Some(agent)) => {
+            let mut body = render(agent).await;
+            let _ = writeln!(
+                body,
+                "# HELP calix_http_refused_total Connections to this port closed at once: too many open.\n# TYPE calix_http_refused_total counter\ncalix_http_refused_total {}",
+                state.refused.load(Ordering::Relaxed)
+            );
+            ("200 OK", body)
+        }
+        ("/healthz" | "/readyz", Some(_)) => ("200 OK", "ok\n".to_string()),
+        _ => (
+            "404 Not Found",
+            "GET /metrics, /healthz or /readyz\n".to_string(),
+        ),
+    };
+    let resp = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(limits.write_timeout, async {
+        sock.write_all(resp.as_bytes()).await?;
+        sock.shutdown().await
+    })
+    .await;
+}
+
+/// Reads until the end of the request head (an empty line), at most `max` bytes; `None` when
+/// the peer closes first or sends more.
+async fn read_head(sock: &mut tokio::net::TcpStream, max: usize) -> Option<String> {
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let n = sock.read(&mut chunk).await.ok()?;
+        if n == 0 {
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.windows(2).any(|w| w == b"\n\n") {
+            return Some(String::from_utf8_lossy(&buf).into_owned());
+        }
+        if buf.len() > max {
+            return None;
+        }
+    }
 }

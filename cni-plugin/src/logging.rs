@@ -1,7 +1,10 @@
 //! Logging for one plugin invocation: to `log_file_path` (appended) or stderr, at `log_level`
-//! (default "warn"; `CALIX_LOG` overrides). Never stdout: that carries the CNI result.
+//! (default "warn"; `CALIX_LOG` overrides). Never stdout: that carries the CNI result. Control
+//! characters (a newline in a pod name from CNI_ARGS) are escaped: one event, one line.
 use std::fs::OpenOptions;
 use std::sync::Mutex;
+
+use calix_log::Escaping;
 
 use crate::config::NetConf;
 
@@ -23,7 +26,7 @@ pub fn init(conf: &NetConf) {
     });
     // try_init: a second call in one process (tests) keeps the first subscriber.
     let _ = match file {
-        Some(f) => builder.with_writer(Mutex::new(f)).try_init(),
-        None => builder.with_writer(std::io::stderr).try_init(),
+        Some(f) => builder.with_writer(Escaping(Mutex::new(f))).try_init(),
+        None => builder.with_writer(Escaping(std::io::stderr)).try_init(),
     };
 }

@@ -28,6 +28,10 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/calix/agent.sock";
 ///
 /// `timeout` bounds both the connection and every request made on the channel, so a caller
 /// (the CNI plugin above all) never hangs on a wedged agent.
+///
+/// The peer must be root (`SO_PEERCRED`): the agent runs as root, and a process of anyone else
+/// listening on the socket's path (a stale path in a world-writable directory, a mount) is not
+/// the agent. Such a connection fails with `PermissionDenied`, naming the peer's uid and pid.
 pub async fn connect_unix(
     path: impl AsRef<Path>,
     timeout: Duration,
@@ -40,7 +44,20 @@ pub async fn connect_unix(
         .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
             let path = path.clone();
             async move {
-                let stream = tokio::net::UnixStream::connect(path).await?;
+                let stream = tokio::net::UnixStream::connect(&path).await?;
+                let peer = stream.peer_cred()?;
+                if peer.uid() != 0 {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        format!(
+                            "{} is served by uid {} (pid {}), not by root: not calix-agent",
+                            path.display(),
+                            peer.uid(),
+                            peer.pid()
+                                .map_or_else(|| "?".to_string(), |p| p.to_string())
+                        ),
+                    ));
+                }
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
             }
         }))

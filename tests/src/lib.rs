@@ -147,6 +147,18 @@ impl Netns {
         run_ok(&mut self.cmd(argv))
     }
 
+    /// Runs `f` on a thread of its own inside this namespace (sockets it opens live there).
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = self.path();
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).expect("open the netns");
+            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+
     /// Pings `dst` `count` times from inside this namespace; returns whether all replies came.
     pub fn ping(&self, dst: &str, count: u32) -> bool {
         self.exec(&[
@@ -337,6 +349,27 @@ impl Node {
 
     /// (Re)starts the agent with `extra` arguments and waits until its socket answers.
     pub fn start_agent_with(&self, extra: &[&str]) {
+        self.spawn_agent(extra);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if self.calixctl(&["endpoints"]).status.success() {
+                return;
+            }
+            let exited = self.child().as_mut().map(|c| c.try_wait());
+            if let Some(Ok(Some(st))) = exited {
+                panic!("calix-agent exited ({st}) at start:\n{}", self.agent_log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "calix-agent did not come up:\n{}",
+                self.agent_log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The agent's command line (its flags, then `extra`).
+    pub fn agent_args(&self, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = vec![
             bin("calix-agent").display().to_string(),
             "--node-name".into(),
@@ -365,6 +398,12 @@ impl Node {
             }
         }
         args.extend(extra.iter().map(|a| a.to_string()));
+        args
+    }
+
+    /// (Re)starts the agent with `extra` arguments without waiting for it.
+    pub fn spawn_agent(&self, extra: &[&str]) {
+        let args = self.agent_args(extra);
         let log = std::fs::File::create(self.dir.join("agent.log")).expect("agent log");
         let argv: Vec<&str> = args.iter().map(String::as_str).collect();
         let child = self
@@ -375,22 +414,19 @@ impl Node {
             .spawn()
             .expect("spawn calix-agent");
         *self.child() = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if self.calixctl(&["endpoints"]).status.success() {
-                return;
-            }
-            let exited = self.child().as_mut().map(|c| c.try_wait());
-            if let Some(Ok(Some(st))) = exited {
-                panic!("calix-agent exited ({st}) at start:\n{}", self.agent_log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "calix-agent did not come up:\n{}",
-                self.agent_log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+    }
+
+    /// `GET <path>` from the agent's HTTP door (127.0.0.1:9091 in the node): the status code
+    /// and the body; `None` when the connection fails or closes without an answer.
+    pub fn http_get(&self, path: &str) -> Option<(u16, String)> {
+        let script = format!(
+            "exec 3<>/dev/tcp/127.0.0.1/9091 && printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 && timeout 10 cat <&3"
+        );
+        let out = self.ns.exec(&["bash", "-c", &script]);
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let code = text.split_whitespace().nth(1)?.parse().ok()?;
+        let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string())?;
+        Some((code, body))
     }
 
     /// This node's bpffs pin root (unique per test node, removed on drop).

@@ -17,12 +17,9 @@ fn forwarded(node: &Node) -> u64 {
 
 /// GET /metrics from inside the node namespace (the agent listens on its loopback).
 fn metrics(node: &Node) -> String {
-    let out = node.ns.exec_ok(&[
-        "bash",
-        "-c",
-        "exec 3<>/dev/tcp/127.0.0.1/9091 && printf 'GET /metrics HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3",
-    ]);
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    node.http_get("/metrics")
+        .map(|(_, body)| body)
+        .unwrap_or_default()
 }
 
 fn drops_json(node: &Node) -> Value {

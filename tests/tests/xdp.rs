@@ -267,10 +267,13 @@ fn generic_mode_filters_too_and_uninstall_removes_the_program() {
     let pin_root = w.node.pin_root().display().to_string();
     let cfg = w.node.dir.join("agent.toml").display().to_string();
     let agent = bin("calix-agent").display().to_string();
+    let socket = w.node.socket.display().to_string();
     let argv = [
         agent.as_str(),
         "--node-name",
         &w.node.ns.name,
+        "--socket",
+        &socket,
         "--config",
         &cfg,
         "--bpf-pin-root",

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use calix_common::EndpointCounters;
 use tokio::sync::Mutex;
 
-use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
+use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
 use crate::datastore::{keys, Datastore, DatastoreError, Durability, Op};
 use crate::ipam::{Block, IpamError, IpamState, Policy, Pool};
 use crate::model::{EndpointRecord, NodeRecord};
@@ -95,6 +95,8 @@ pub struct Agent {
     store: Box<dyn Datastore>,
     inner: Mutex<Inner>,
     eps: Mutex<Eps>,
+    /// The dataplane's counters, read without the `eps` lock.
+    stats: Option<Box<dyn DataplaneStats>>,
     /// SNAT's conntrack table (pin directory, settings), once the eBPF dataplane is up.
     conntrack: std::sync::OnceLock<(std::path::PathBuf, calix_common::NatConfig)>,
 }
@@ -128,6 +130,10 @@ impl Agent {
                 Durability::Process,
             )
             .await?;
+        let stats = dataplane.stats().map_err(|source| AgentError::Dataplane {
+            host_ifname: String::new(),
+            source,
+        })?;
         let agent = Self {
             node,
             pools: RwLock::new((Vec::new(), policy)),
@@ -143,6 +149,7 @@ impl Agent {
                 dataplane,
                 attached: BTreeMap::new(),
             }),
+            stats,
             conntrack: std::sync::OnceLock::new(),
         };
         {
@@ -414,21 +421,23 @@ impl Agent {
         }
     }
 
-    /// Every drop counter: (host ifname if known, ifindex, reason, packets, bytes).
+    /// Every drop counter: (host ifname if known, ifindex, reason, packets, bytes). The maps
+    /// are read without the endpoints lock.
     pub async fn drops(&self) -> Result<Vec<DropView>, AgentError> {
-        let eps = self.eps.lock().await;
-        let names: HashMap<u32, String> = eps
-            .attached
-            .iter()
-            .filter_map(|(k, a)| Some((a.ifindex, eps.endpoints.get(k)?.host_ifname.clone())))
-            .collect();
-        let drops = eps
-            .dataplane
-            .drops()
-            .map_err(|source| AgentError::Dataplane {
-                host_ifname: String::new(),
-                source,
-            })?;
+        let Some(stats) = &self.stats else {
+            return Ok(Vec::new());
+        };
+        let names: HashMap<u32, String> = {
+            let eps = self.eps.lock().await;
+            eps.attached
+                .iter()
+                .filter_map(|(k, a)| Some((a.ifindex, eps.endpoints.get(k)?.host_ifname.clone())))
+                .collect()
+        };
+        let drops = blocking(|| stats.drops()).map_err(|source| AgentError::Dataplane {
+            host_ifname: String::new(),
+            source,
+        })?;
         Ok(drops
             .into_iter()
             .map(|(k, c)| DropView {
@@ -446,29 +455,40 @@ impl Agent {
             .collect())
     }
 
+    /// Every endpoint with its dataplane state. The registry is copied under the endpoints
+    /// lock; the counters are read after it is released.
     pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {
-        let eps = self.eps.lock().await;
-        eps.endpoints
-            .values()
-            .map(|r| {
-                let att = eps.attached.get(&r.id());
-                let counters = match att {
-                    Some(a) if a.bpf => eps.dataplane.counters(a.ifindex).map_err(|source| {
-                        AgentError::Dataplane {
-                            host_ifname: r.host_ifname.clone(),
-                            source,
+        let snapshot: Vec<(EndpointRecord, Option<Attached>)> = {
+            let eps = self.eps.lock().await;
+            eps.endpoints
+                .iter()
+                .map(|(k, r)| (r.clone(), eps.attached.get(k).copied()))
+                .collect()
+        };
+        blocking(|| {
+            snapshot
+                .into_iter()
+                .map(|(record, att)| {
+                    let counters = match (att, &self.stats) {
+                        (Some(a), Some(stats)) if a.bpf => {
+                            stats
+                                .counters(a.ifindex)
+                                .map_err(|source| AgentError::Dataplane {
+                                    host_ifname: record.host_ifname.clone(),
+                                    source,
+                                })?
                         }
-                    })?,
-                    _ => None,
-                };
-                Ok(EndpointView {
-                    record: r.clone(),
-                    ifindex: att.map(|a| a.ifindex),
-                    bpf_attached: att.is_some_and(|a| a.bpf),
-                    counters,
+                        _ => None,
+                    };
+                    Ok(EndpointView {
+                        ifindex: att.map(|a| a.ifindex),
+                        bpf_attached: att.is_some_and(|a| a.bpf),
+                        counters,
+                        record,
+                    })
                 })
-            })
-            .collect()
+                .collect()
+        })
     }
 
     /// A copy of the IPAM view, re-read from the datastore (for calixctl and tests).

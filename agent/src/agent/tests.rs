@@ -17,16 +17,11 @@ impl Dataplane for NoDataplane {
             bpf: false,
         })
     }
-    fn detach(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
         Ok(())
     }
-    fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
-    }
-    fn drops(
-        &self,
-    ) -> Result<Vec<(calix_common::DropKey, calix_common::DropCount)>, DataplaneError> {
-        Ok(Vec::new())
     }
     fn set_pools(&mut self, _pools: &[ipnet::IpNet]) -> Result<(), DataplaneError> {
         Ok(())

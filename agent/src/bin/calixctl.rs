@@ -320,7 +320,19 @@ fn pod_name(e: &pb::Endpoint) -> String {
 }
 
 /// Renders rows as an aligned table with a header.
+/// A table with aligned columns. Cells come from the agent and often from pods (names,
+/// namespaces): their control characters are escaped, so no cell can move the cursor, clear
+/// the screen or forge a row on the operator's terminal.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|c| calix_log::escape_control(c).into_owned())
+                .collect()
+        })
+        .collect();
+    let rows = &rows;
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -603,6 +615,8 @@ mod tests {
             &[vec!["xxx".into(), "y".into()], vec!["z".into(), "".into()]],
         );
         assert_eq!(t, "A    BB\nxxx  y\nz");
+        let t = table(&["POD"], &[vec!["evil\u{1b}[2J\nforged".into()]]);
+        assert_eq!(t, "POD\nevil\\u{1b}[2J\\nforged");
     }
 
     #[test]

@@ -26,7 +26,9 @@ use ipnet::IpNet;
 
 use super::nat::{self as snat, NatMaps, NatSettings};
 use super::xdp::{self, XdpFilter, XdpSettings};
-use super::{endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, EndpointSpec};
+use super::{
+    endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec,
+};
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
@@ -80,6 +82,55 @@ struct Programmed {
     ipv6: Option<Ipv6Addr>,
 }
 
+/// The counters and drops maps, opened from their pins: [`DataplaneStats`] for readers that
+/// must not wait for (or hold up) the dataplane.
+pub struct EbpfStats {
+    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
+}
+
+impl EbpfStats {
+    pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
+        let open = |name: &'static str| {
+            let path = pin_dir.join(name);
+            MapData::from_pin(&path)
+                .map(aya::maps::Map::PerCpuHashMap)
+                .map_err(map_err(name, "open pin"))
+        };
+        Ok(Self {
+            counters: PerCpuHashMap::try_from(open(COUNTERS_MAP)?)
+                .map_err(map_err(COUNTERS_MAP, "open"))?,
+            drops: PerCpuHashMap::try_from(open(DROPS_MAP)?).map_err(map_err(DROPS_MAP, "open"))?,
+        })
+    }
+}
+
+impl DataplaneStats for EbpfStats {
+    fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
+        match self.counters.get(&ifindex, 0) {
+            Ok(per_cpu) => {
+                let mut sum = EndpointCounters::default();
+                per_cpu.iter().for_each(|c| sum.accumulate(c));
+                Ok(Some(sum))
+            }
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(COUNTERS_MAP, "lookup")(e)),
+        }
+    }
+
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
+        let mut out = Vec::new();
+        for item in self.drops.iter() {
+            let (k, per_cpu) = item.map_err(map_err(DROPS_MAP, "iterate"))?;
+            let mut sum = DropCount::default();
+            per_cpu.iter().for_each(|c| sum.accumulate(c));
+            out.push((k, sum));
+        }
+        out.sort_by_key(|(k, _)| *k);
+        Ok(out)
+    }
+}
+
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
     bpf: Ebpf,
@@ -89,7 +140,6 @@ pub struct EbpfDataplane {
     stack_eps: HashMap<MapData, u32, u32>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
-    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
     pools_v6: LpmTrie<MapData, [u8; 16], u32>,
     /// Endpoint key ("containerID/ifname") → what was programmed for it.
@@ -231,7 +281,6 @@ impl EbpfDataplane {
             stack_eps: take(&mut bpf, STACK_EPS_MAP, HashMap::try_from)?,
             local_v4: take(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
             local_v6: take(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
-            drops: take(&mut bpf, DROPS_MAP, PerCpuHashMap::try_from)?,
             pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
             pools_v6: take(&mut bpf, POOLS_V6_MAP, LpmTrie::try_from)?,
             bpf,
@@ -533,31 +582,8 @@ impl Dataplane for EbpfDataplane {
         Ok(())
     }
 
-    fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
-        if !self.counter_keys.contains(&ifindex) {
-            return Ok(None);
-        }
-        match self.counters.get(&ifindex, 0) {
-            Ok(per_cpu) => {
-                let mut sum = EndpointCounters::default();
-                per_cpu.iter().for_each(|c| sum.accumulate(c));
-                Ok(Some(sum))
-            }
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err(COUNTERS_MAP, "lookup")(e)),
-        }
-    }
-
-    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
-        let mut out = Vec::new();
-        for item in self.drops.iter() {
-            let (k, per_cpu) = item.map_err(map_err(DROPS_MAP, "iterate"))?;
-            let mut sum = DropCount::default();
-            per_cpu.iter().for_each(|c| sum.accumulate(c));
-            out.push((k, sum));
-        }
-        out.sort_by_key(|(k, _)| *k);
-        Ok(out)
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
+        Ok(Some(Box::new(EbpfStats::open(&self.cfg.pin_dir())?)))
     }
 
     fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError> {

@@ -126,6 +126,17 @@ pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     parts.next().is_none().then_some(out)
 }
 
+/// Read-only access to the dataplane's counters, independent of the [`Dataplane`] (and of the
+/// lock around it): listing endpoints and rendering /metrics read the maps without holding up
+/// ADDs and DELs.
+pub trait DataplaneStats: Send + Sync {
+    /// The counters of the endpoint whose host veth is `ifindex`, summed over CPUs; `None` when
+    /// there is no entry.
+    fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
+    /// Every drop counter, summed over CPUs.
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
+}
+
 pub trait Dataplane: Send {
     /// Programs the endpoint `ep.key` on its host-side veth `ep.host_ifname` (which must still
     /// be the link `ep.host_ifindex`, else [`DataplaneError::Replaced`]). Idempotent; on an
@@ -137,10 +148,9 @@ pub trait Dataplane: Send {
     /// entries that point at its ifindex, filters only while its interface name still names
     /// its link (a recreated pod's veth of the same name keeps its programs). Idempotent.
     fn detach(&mut self, key: &str) -> Result<(), DataplaneError>;
-    /// The endpoint's counters, summed over CPUs; `None` when there is no entry.
-    fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
-    /// Every drop counter, summed over CPUs.
-    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
+    /// A reader of the counters that works without this object; `None` when the dataplane
+    /// keeps none (kernel mode).
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError>;
     /// The pools (remote pod addresses are forwarded without the host stack).
     fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError>;
     /// After the initial sync: forget map entries and detach programs of `cali*` interfaces
@@ -187,11 +197,8 @@ impl Dataplane for KernelDataplane {
     fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
         Ok(())
     }
-    fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
-    }
-    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
-        Ok(Vec::new())
     }
     fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
         Ok(())

@@ -351,34 +351,71 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves both services on `path` (mode 0600) until `shutdown` resolves; removes the socket after.
-pub async fn serve_unix(
-    agent: Arc<Agent>,
-    path: &Path,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), ServeError> {
-    let sock_err = |source| ServeError::Socket {
-        path: path.to_path_buf(),
-        source,
-    };
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(sock_err)?;
+/// The agent's socket, bound (mode 0600) but not served yet.
+pub struct UnixSocket {
+    listener: UnixListener,
+    path: std::path::PathBuf,
+    /// (device, inode) of the socket file this bind created.
+    bound: (u64, u64),
+}
+
+impl UnixSocket {
+    /// Binds `path`. A stale socket there is replaced: the caller holds the instance lock
+    /// ([`crate::instance`]), so no live agent owns it.
+    pub fn bind(path: &Path) -> Result<Self, ServeError> {
+        let sock_err = |source| ServeError::Socket {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(sock_err)?;
+        }
+        match std::fs::remove_file(path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(sock_err(e)),
+        }
+        let listener = UnixListener::bind(path).map_err(sock_err)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(sock_err)?;
+        let bound = file_id(path).map_err(sock_err)?;
+        Ok(Self {
+            listener,
+            path: path.to_path_buf(),
+            bound,
+        })
     }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(sock_err(e)),
+
+    /// Serves both services until `shutdown` resolves; then removes the socket file, unless it
+    /// is not the one [`UnixSocket::bind`] created any more (someone else's now).
+    pub async fn serve(
+        self,
+        agent: Arc<Agent>,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let path = self.path;
+        tracing::info!(socket = %path.display(), "serving gRPC");
+        let result = tonic::transport::Server::builder()
+            .add_service(pb::ipam_server::IpamServer::new(IpamSvc(agent.clone())))
+            .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
+                agent,
+            )))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
+            .await;
+        match file_id(&path) {
+            Ok(id) if id == self.bound => {
+                let _ = std::fs::remove_file(&path);
+            }
+            Ok(_) => tracing::warn!(socket = %path.display(),
+                "not removing the socket: it is not the one this agent bound"),
+            Err(_) => {}
+        }
+        Ok(result?)
     }
-    let listener = UnixListener::bind(path).map_err(sock_err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(sock_err)?;
-    tracing::info!(socket = %path.display(), "serving gRPC");
-    let result = tonic::transport::Server::builder()
-        .add_service(pb::ipam_server::IpamServer::new(IpamSvc(agent.clone())))
-        .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
-            agent,
-        )))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
-        .await;
-    let _ = std::fs::remove_file(path);
-    Ok(result?)
+}
+
+/// (device, inode) of the file at `path`.
+fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino()))
 }

@@ -38,18 +38,36 @@ pub(crate) async fn delete_owned_link(
     }
 }
 
-/// Opens the container's network namespace; failing that is a bad environment (code 4).
+/// Opens the container's network namespace; failing that is a bad environment (code 4), and
+/// so is a "container" namespace that is the node's own (the plugin's): a pod interface there
+/// would be a second interface of the node, outside every guarantee calix gives.
 pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<crate::netns::NetNs, CniError> {
-    crate::netns::NetNs::open(&env.netns).map_err(|e| {
-        CniError::new(
-            code::INVALID_ENV,
+    let bad = |msg: String, e: &dyn std::fmt::Display| {
+        CniError::new(code::INVALID_ENV, msg, e.to_string())
+    };
+    let ns = crate::netns::NetNs::open(&env.netns).map_err(|e| {
+        bad(
             format!(
                 "cannot open the container's network namespace {}",
                 env.netns
             ),
-            e.to_string(),
+            &e,
         )
-    })
+    })?;
+    let own = crate::netns::NetNs::current()
+        .and_then(|own| ns.is_same(&own))
+        .map_err(|e| bad("cannot compare network namespaces".into(), &e))?;
+    if own {
+        return Err(CniError::new(
+            code::INVALID_ENV,
+            format!(
+                "CNI_NETNS {} is the node's own network namespace, not a container's",
+                env.netns
+            ),
+            "pass the path of the container's network namespace",
+        ));
+    }
+    Ok(ns)
 }
 
 /// A wiring failure with the whole error chain in `details`.
