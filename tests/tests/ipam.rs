@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use calix_proto::v1 as pb;
-use calix_tests::{Dataplane, EtcdNs, Node};
+use calix_tests::{Dataplane, EtcdNs, Node, Tmpfs};
 use serde_json::Value;
 
 type Client = pb::ipam_client::IpamClient<tonic::transport::Channel>;
@@ -439,6 +439,108 @@ fn kill_nine_mid_allocation_etcd() {
     let etcd = EtcdNs::start();
     let node = etcd_node(&etcd, FAST_GC);
     kill_nine_mid_allocation(&node);
+}
+
+/// Issue 11, item 4: the embedded store on a disk that fills up. Allocations fail with a clear
+/// error while it is full, succeed again once there is room, and after `kill -9` the store
+/// opens with every acknowledged allocation in it and no address given twice.
+#[test]
+fn a_full_disk_loses_no_acknowledged_allocation() {
+    // Declared first, so it is unmounted after the node (and its agent) are gone.
+    let disk = Tmpfs::mount("disk", "2m");
+    let store = disk.dir.join("store.json");
+    let journal = disk.dir.join("store.json.journal");
+    let node = Node::create(
+        Dataplane::Kernel,
+        Some("[[pools]]\ncidr = \"10.66.0.0/20\"\nblockSize = 26\n"),
+    )
+    .with_store_path(store);
+    node.start_agent();
+    let rt = rt();
+    let mut acked: BTreeMap<String, IpAddr> = BTreeMap::new();
+    let page = 4096;
+    rt.block_on(async {
+        let c = client(&node).await;
+        for (h, r) in allocate_many(&c, "before", 20, 4).await {
+            acked.insert(h.clone(), r.unwrap_or_else(|e| panic!("{h}: {e}")));
+        }
+        // The journal ends inside a page, so the next append fits partly and is cut short
+        // when the disk is full (rather than refused before writing anything).
+        let mut extra = 0;
+        while std::fs::metadata(&journal)
+            .expect("journal")
+            .len()
+            .is_multiple_of(page)
+        {
+            let h = format!("net.align-{extra}");
+            let a = allocate(c.clone(), h.clone()).await.expect("allocate");
+            acked.insert(h, a);
+            extra += 1;
+        }
+        let filled = disk.fill();
+        eprintln!("disk full: filler {filled} bytes");
+        let full = allocate_many(&c, "full", 30, 4).await;
+        let mut failed = 0;
+        for (h, r) in &full {
+            match r {
+                Ok(a) => {
+                    acked.insert(h.clone(), *a);
+                }
+                Err(e) => {
+                    if failed == 0 {
+                        eprintln!("disk full: {h}: {}", e.message());
+                    }
+                    failed += 1;
+                    assert_eq!(e.code(), tonic::Code::Unavailable, "{h}: {e}");
+                    assert!(
+                        e.message().contains("No space left on device"),
+                        "{h}: unclear error: {}",
+                        e.message()
+                    );
+                }
+            }
+        }
+        assert!(failed > 0, "no allocation failed on the full disk");
+        eprintln!("disk full: {failed} of 30 allocations failed");
+        // A little room again: allocations work and are acknowledged.
+        disk.free(512 * 1024);
+        for (h, r) in allocate_many(&c, "after", 20, 4).await {
+            acked.insert(
+                h.clone(),
+                r.unwrap_or_else(|e| panic!("{h} after space came back: {e}")),
+            );
+        }
+    });
+    let distinct: HashSet<&IpAddr> = acked.values().collect();
+    assert_eq!(
+        distinct.len(),
+        acked.len(),
+        "an address was acknowledged twice"
+    );
+
+    node.kill_agent();
+    // The store must open (start_agent panics with the agent's log if it does not).
+    node.start_agent();
+    assert_eq!(
+        node.allocated(),
+        acked.len(),
+        "the datastore holds other than the acknowledged allocations"
+    );
+    let check = ipam_json(&node, "check");
+    for kind in ["duplicate", "orphan-handle", "orphan-allocation"] {
+        assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
+    }
+    rt.block_on(async {
+        let mut c = client(&node).await;
+        for (h, a) in &acked {
+            assert_holds(&mut c, h, *a).await;
+        }
+        // And the agent keeps working: new allocations, none of them an address in use.
+        for (h, r) in allocate_many(&c, "restarted", 10, 4).await {
+            let a = r.unwrap_or_else(|e| panic!("{h} after the restart: {e}"));
+            assert!(!distinct.contains(&a), "{a} given again to {h}");
+        }
+    });
 }
 
 #[test]

@@ -24,6 +24,13 @@ pub enum DatastoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "datastore file {path} takes no more writes: {reason}; restart calix-agent (it replays what is really on disk)"
+    )]
+    Poisoned {
+        path: std::path::PathBuf,
+        reason: &'static str,
+    },
     #[error("datastore file {path} is corrupt ({detail}); move it away to start empty")]
     Corrupt {
         path: std::path::PathBuf,
