@@ -641,6 +641,81 @@ fn calixctl_check_finds_leaks_and_release_from_report_frees_exactly_them() {
     assert!(node.agent_log().contains("released from report"));
 }
 
+/// Issue 11, item 8: a block released when empty and claimed again never repeats a sequence
+/// number, so a late release naming an allocation of its earlier life (here an old `ipam check`
+/// report) cannot free the address handed out again since.
+fn late_release_after_a_reclaim(node: &Node) {
+    let rt = rt();
+    let first = rt
+        .block_on(async { allocate(client(node).await, "net.s-1".into()).await })
+        .expect("first allocation");
+    // The report names the allocation with its sequence number.
+    let report = ipam_json(node, "check");
+    assert_eq!(findings_of(&report, "leak").len(), 1, "{report}");
+    rt.block_on(async {
+        client(node)
+            .await
+            .release(pb::ReleaseRequest {
+                handle: "net.s-1".into(),
+                ifname: "eth0".into(),
+            })
+            .await
+            .expect("release")
+    });
+    // The empty block goes back to the pool (grace 1 s, checked every second).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while ipam_json(node, "show")["blocks"]
+        .as_array()
+        .is_some_and(|b| !b.is_empty())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the empty block was not released:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let second = rt
+        .block_on(async { allocate(client(node).await, "net.s-2".into()).await })
+        .expect("second allocation");
+    assert_eq!(second, first, "the block's lowest address again");
+    let path = std::env::temp_dir().join(format!("{}-report.json", node.ns.name));
+    std::fs::write(&path, report.to_string()).expect("write report");
+    let out = node.calixctl(&[
+        "ipam",
+        "release",
+        "--from-report",
+        &path.display().to_string(),
+        "-o",
+        "json",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("release json");
+    assert_eq!(
+        v["released"],
+        serde_json::json!([]),
+        "the old report freed the new allocation: {v}"
+    );
+    assert_eq!(node.allocated(), 1);
+}
+
+const ONE_BLOCK_FAST_RELEASE: &str = "[ipam]\nleakCheckIntervalSecs = 1\nemptyBlockGraceSecs = 1\n\
+     [[pools]]\ncidr = \"10.67.0.0/28\"\nblockSize = 28\n";
+
+#[test]
+fn a_late_release_cannot_free_an_address_of_a_reclaimed_block_embedded() {
+    let node = Node::create(Dataplane::Kernel, Some(ONE_BLOCK_FAST_RELEASE));
+    node.start_agent();
+    late_release_after_a_reclaim(&node);
+}
+
+#[test]
+fn a_late_release_cannot_free_an_address_of_a_reclaimed_block_etcd() {
+    let etcd = EtcdNs::start();
+    let node = etcd_node(&etcd, ONE_BLOCK_FAST_RELEASE);
+    late_release_after_a_reclaim(&node);
+}
+
 #[test]
 fn sighup_applies_pool_changes_and_refuses_unsafe_ones() {
     let first = "[[pools]]\ncidr = \"10.64.0.0/24\"\nblockSize = 28\n";

@@ -389,9 +389,12 @@ impl Datastore for EmbeddedStore {
         }))
     }
 
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
+    async fn list_with_revision(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
         let inner = self.lock();
-        Ok(inner
+        let kvs = inner
             .keys
             .range(prefix.to_string()..)
             .take_while(|(k, _)| k.starts_with(prefix))
@@ -400,7 +403,8 @@ impl Datastore for EmbeddedStore {
                 value: v.clone(),
                 revision: *r,
             })
-            .collect())
+            .collect();
+        Ok((kvs, inner.revision))
     }
 
     async fn txn(
