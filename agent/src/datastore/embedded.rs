@@ -724,6 +724,93 @@ mod tests {
         assert!(s.get("k2").await.expect("get").is_none());
     }
 
+    /// Makes every later `ftruncate` of this thread (and of threads it starts) fail with EIO:
+    /// a seccomp filter, which needs no privileges once `no_new_privs` is set.
+    fn fail_ftruncate() {
+        let stmt = |code: u32, k: u32| libc::sock_filter {
+            code: code as u16,
+            jt: 0,
+            jf: 0,
+            k,
+        };
+        let filter = [
+            // The syscall number: offset 0 of struct seccomp_data.
+            stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0),
+            libc::sock_filter {
+                code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+                jt: 0,
+                jf: 1,
+                k: libc::SYS_ftruncate as u32,
+            },
+            stmt(
+                libc::BPF_RET | libc::BPF_K,
+                libc::SECCOMP_RET_ERRNO | (libc::EIO as u32 & libc::SECCOMP_RET_DATA),
+            ),
+            stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+        ];
+        let prog = libc::sock_fprog {
+            len: filter.len() as u16,
+            filter: filter.as_ptr().cast_mut(),
+        };
+        // SAFETY: prctl with a filter program that outlives the call (the kernel copies it).
+        unsafe {
+            assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
+            assert_eq!(
+                libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &prog as *const libc::sock_fprog,
+                ),
+                0,
+                "seccomp: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_append_that_cannot_be_cut_back_poisons_the_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let name = "a_failed_append_that_cannot_be_cut_back_poisons_the_store";
+        if !in_child(name, dir.path()) {
+            // The child left a journal ending in a fragment, nothing acknowledged behind it:
+            // it opens, with the fragment cut off as a torn line.
+            let s = EmbeddedStore::open(&dir.path().join("store")).expect("reopen");
+            assert!(s.get("k1").await.expect("get").is_some());
+            assert!(s.get("k2").await.expect("get").is_none());
+            assert!(s.get("k3").await.expect("get").is_none());
+            return;
+        }
+        let here = std::env::current_dir().expect("cwd");
+        let s = EmbeddedStore::open(&here.join("store")).expect("open");
+        s.txn(&[], &[put("k1", "1")], Durability::Power)
+            .await
+            .expect("txn")
+            .expect("applied");
+        let len = fs::metadata(here.join("store.journal"))
+            .expect("journal")
+            .len();
+        limit_file_size(Some(len + 10));
+        fail_ftruncate();
+        let err = s
+            .txn(&[], &[put("k2", &"x".repeat(300))], Durability::Power)
+            .await
+            .expect_err("the append cannot fit");
+        assert!(err.to_string().contains("append"), "{err}");
+        limit_file_size(None);
+        // The journal ends in a fragment: nothing more may be acknowledged.
+        let err = s
+            .txn(&[], &[put("k3", "3")], Durability::Power)
+            .await
+            .expect_err("poisoned");
+        assert!(
+            matches!(err, DatastoreError::Poisoned { .. })
+                && err.to_string().contains("could not be cut back"),
+            "{err}"
+        );
+        assert!(s.sync(1).await.is_err(), "sync must fail too");
+    }
+
     #[tokio::test]
     async fn a_failing_compaction_backs_off_and_loses_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");
