@@ -253,12 +253,14 @@ impl Agent {
         durability: Durability,
     ) -> Result<Option<i64>, AgentError> {
         use crate::datastore::Compare;
+        let mut claimed = Vec::new();
         for key in touched {
             let Some(b) = inner.ipam.blocks.get(key) else {
                 continue;
             };
             let k = keys::block(&b.cidr);
             if b.revision == 0 {
+                claimed.push(key);
                 compares.push(Compare::Absent(k.clone()));
                 let rk = keys::retired(&b.cidr);
                 match inner.ipam.retired.get(key) {
@@ -279,6 +281,8 @@ impl Agent {
                     if let Some(b) = inner.ipam.blocks.get_mut(key) {
                         b.revision = rev;
                     }
+                }
+                for key in claimed {
                     inner.ipam.retired.remove(key);
                 }
                 inner.ipam.revision = inner.ipam.revision.max(rev);
