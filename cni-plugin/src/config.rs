@@ -181,6 +181,16 @@ impl NetConf {
                 "add a \"name\" to the network configuration",
             ));
         }
+        // What the CNI spec allows, and what keeps the IPAM handle unambiguous.
+        if !calix_proto::handle::is_cni_name(&self.name) {
+            return Err(bad(
+                format!(
+                    "network name {:?} is not a valid CNI network name",
+                    self.name
+                ),
+                "start with a letter or digit; use only letters, digits, '_', '.' and '-'",
+            ));
+        }
         if let Some(mtu) = self.mtu {
             if !(68..=65535).contains(&mtu) {
                 return Err(bad(
@@ -256,9 +266,10 @@ impl NetConf {
             .unwrap_or_else(|| PathBuf::from(DEFAULT_AGENT_SOCKET))
     }
 
-    /// The IPAM handle: "<network>.<containerID>".
+    /// The IPAM handle of this network's attachments of `container_id`
+    /// (`calix_proto::handle`: "<network>:<containerID>").
     pub fn handle(&self, container_id: &str) -> String {
-        format!("{}.{container_id}", self.name)
+        calix_proto::handle::encode(&self.name, container_id)
     }
 }
 
@@ -273,7 +284,19 @@ mod tests {
         assert_eq!(c.ipam.ipam_type, "calix-ipam");
         assert_eq!(c.ipam.families().expect("fam"), (true, false));
         assert_eq!(c.agent_socket(), PathBuf::from(DEFAULT_AGENT_SOCKET));
-        assert_eq!(c.handle("abc"), "k8s.abc");
+        assert_eq!(c.handle("abc"), "k8s:abc");
+    }
+
+    #[test]
+    fn handles_are_unambiguous() {
+        let conf = |name: &str| {
+            NetConf::parse(
+                format!(r#"{{"cniVersion":"1.0.0","name":"{name}","type":"calix"}}"#).as_bytes(),
+            )
+            .expect("parse")
+        };
+        // Network and container IDs may both contain dots.
+        assert_ne!(conf("a").handle("b.c"), conf("a.b").handle("c"));
     }
 
     #[test]
@@ -300,6 +323,9 @@ mod tests {
         assert_eq!(NetConf::parse(b"").expect_err("6").code, 6);
         for bad in [
             &br#"{"cniVersion":"1.0.0","type":"calix"}"#[..],
+            br#"{"cniVersion":"1.0.0","name":"a:b"}"#,
+            br#"{"cniVersion":"1.0.0","name":"a/b"}"#,
+            br#"{"cniVersion":"1.0.0","name":".a"}"#,
             br#"{"cniVersion":"1.0.0","name":"n","mtu":10}"#,
             br#"{"cniVersion":"1.0.0","name":"n","mtu":"big"}"#,
             br#"{"cniVersion":"1.0.0","name":"n","ipam":{"type":"../evil"}}"#,

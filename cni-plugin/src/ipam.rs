@@ -132,7 +132,10 @@ pub async fn add(
     }
     let rc = conf.runtime()?;
     let mut attributes = std::collections::HashMap::new();
-    attributes.insert("containerID".to_string(), env.container_id.clone());
+    attributes.insert(
+        calix_proto::handle::CONTAINER_ID_ATTRIBUTE.to_string(),
+        env.container_id.clone(),
+    );
     if let Some(ns) = &env.args.pod_namespace {
         attributes.insert("namespace".to_string(), ns.clone());
     }

@@ -300,6 +300,8 @@ pub struct Node {
     pub dataplane: Dataplane,
     agent: std::sync::Mutex<Option<Child>>,
     config: Option<String>,
+    /// The embedded datastore's file (default `<dir>/store.json`).
+    store_path: Option<PathBuf>,
 }
 
 pub const NODE_IP: &str = "10.99.0.1";
@@ -333,12 +335,19 @@ impl Node {
             dataplane,
             agent: std::sync::Mutex::new(None),
             config: config.map(String::from),
+            store_path: None,
         }
     }
 
     /// The same node with its agent reading `config` (TOML).
     pub fn with_config(mut self, config: &str) -> Self {
         self.config = Some(config.to_string());
+        self
+    }
+
+    /// The same node with its embedded datastore at `path` (e.g. on a small [`Tmpfs`]).
+    pub fn with_store_path(mut self, path: PathBuf) -> Self {
+        self.store_path = Some(path);
         self
     }
 
@@ -377,7 +386,11 @@ impl Node {
             "--socket".into(),
             self.socket.display().to_string(),
             "--datastore-path".into(),
-            self.dir.join("store.json").display().to_string(),
+            self.store_path
+                .clone()
+                .unwrap_or_else(|| self.dir.join("store.json"))
+                .display()
+                .to_string(),
             "--dataplane".into(),
             self.dataplane.as_str().into(),
             "--log-level".into(),
@@ -535,6 +548,27 @@ impl Node {
             .into_iter()
             .filter(|l| l.starts_with("cali"))
             .collect()
+    }
+
+    /// `n` links in the node namespace that stand in for pods' host veths (one veth pair each,
+    /// `cxk<i>` / `cxk<i>p`), for tests that register endpoints without the plugin: each
+    /// endpoint needs a link of its own. Returns the names; they go with the namespace.
+    pub fn stand_in_links(&self, n: usize) -> Vec<String> {
+        let names: Vec<String> = (0..n).map(|i| format!("cxk{i}")).collect();
+        let script: String = names
+            .iter()
+            .map(|l| format!("link add {l} type veth peer name {l}p\n"))
+            .collect();
+        let mut child = self
+            .ns
+            .cmd(&["ip", "-batch", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .expect("ip -batch");
+        std::io::Write::write_all(&mut child.stdin.take().expect("stdin"), script.as_bytes())
+            .expect("write ip batch");
+        assert!(child.wait().expect("ip -batch").success(), "ip -batch");
+        names
     }
 
     /// `calixctl bpf counters -o json`: every drop counter.
@@ -1301,6 +1335,87 @@ impl EtcdNs {
 impl Drop for EtcdNs {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A small tmpfs mounted on a fresh `cxt` directory under /tmp (a disk that can be filled);
+/// unmounted and removed on drop, even when the test fails.
+pub struct Tmpfs {
+    pub dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (mount(8) syntax, e.g. "2m").
+    pub fn mount(tag: &str, size: &str) -> Self {
+        require_root();
+        let dir = std::env::temp_dir().join(unique(tag));
+        std::fs::create_dir(&dir).expect("tmpfs mount point");
+        // The guard exists before the mount, so a failure below still removes the directory.
+        let fs = Self { dir };
+        run_ok(
+            Command::new("mount")
+                .args([
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    &format!("size={size},mode=0700"),
+                    "tmpfs",
+                ])
+                .arg(&fs.dir),
+        );
+        fs
+    }
+
+    /// Fills the file system with `<dir>/filler` until a write fails with ENOSPC; returns the
+    /// filler's size.
+    pub fn fill(&self) -> u64 {
+        use std::io::Write;
+        let mut f = std::fs::File::create(self.filler()).expect("filler");
+        for chunk in [64 * 1024, 4096, 1] {
+            let buf = vec![0xa5u8; chunk];
+            loop {
+                match f.write(&buf) {
+                    Ok(n) if n > 0 => {}
+                    Ok(_) => break,
+                    Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+                    Err(e) => panic!("filling {}: {e}", self.dir.display()),
+                }
+            }
+        }
+        f.metadata().expect("filler size").len()
+    }
+
+    /// Frees `bytes` of the filler.
+    pub fn free(&self, bytes: u64) {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.filler())
+            .expect("filler");
+        let len = f.metadata().expect("filler size").len();
+        f.set_len(len.saturating_sub(bytes)).expect("shrink filler");
+    }
+
+    fn filler(&self) -> PathBuf {
+        self.dir.join("filler")
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let umount = |lazy: bool| {
+            let mut c = Command::new("umount");
+            if lazy {
+                c.arg("-l");
+            }
+            c.arg(&self.dir)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        if !umount(false) && !umount(true) {
+            eprintln!("cannot unmount {}", self.dir.display());
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

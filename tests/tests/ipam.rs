@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use calix_proto::v1 as pb;
-use calix_tests::{Dataplane, EtcdNs, Node};
+use calix_tests::{Dataplane, EtcdNs, Node, Tmpfs};
 use serde_json::Value;
 
 type Client = pb::ipam_client::IpamClient<tonic::transport::Channel>;
@@ -366,23 +366,24 @@ fn kill_nine_mid_allocation(node: &Node) {
     for kind in ["duplicate", "orphan-handle", "orphan-allocation"] {
         assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
     }
+    // One link per endpoint stands in for the pods' veths (the node runs the kernel dataplane).
+    let links = node.stand_in_links(acked.len());
     rt.block_on(async {
         let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(10))
             .await
             .expect("connect");
         let mut ipam = pb::ipam_client::IpamClient::new(ch.clone());
         let mut eps = pb::endpoints_client::EndpointsClient::new(ch);
-        for (h, a) in &acked {
+        for ((h, a), link) in acked.iter().zip(&links) {
             // Every acknowledged allocation is still there, unchanged...
             assert_holds(&mut ipam, h, *a).await;
-            // ...and gets its endpoint, as the CNI plugin would register it ("lo" stands in
-            // for the pod's veth: the node runs the kernel dataplane).
+            // ...and gets its endpoint, as the CNI plugin would register it.
             let cid = h.trim_start_matches("net.").to_string();
             eps.register(pb::RegisterRequest {
                 endpoint: Some(pb::Endpoint {
                     container_id: cid,
                     ifname: "eth0".into(),
-                    host_ifname: "lo".into(),
+                    host_ifname: link.clone(),
                     handle: h.clone(),
                     addresses: vec![format!("{a}/32")],
                     ..Default::default()
@@ -439,6 +440,108 @@ fn kill_nine_mid_allocation_etcd() {
     let etcd = EtcdNs::start();
     let node = etcd_node(&etcd, FAST_GC);
     kill_nine_mid_allocation(&node);
+}
+
+/// Issue 11, item 4: the embedded store on a disk that fills up. Allocations fail with a clear
+/// error while it is full, succeed again once there is room, and after `kill -9` the store
+/// opens with every acknowledged allocation in it and no address given twice.
+#[test]
+fn a_full_disk_loses_no_acknowledged_allocation() {
+    // Declared first, so it is unmounted after the node (and its agent) are gone.
+    let disk = Tmpfs::mount("disk", "2m");
+    let store = disk.dir.join("store.json");
+    let journal = disk.dir.join("store.json.journal");
+    let node = Node::create(
+        Dataplane::Kernel,
+        Some("[[pools]]\ncidr = \"10.66.0.0/20\"\nblockSize = 26\n"),
+    )
+    .with_store_path(store);
+    node.start_agent();
+    let rt = rt();
+    let mut acked: BTreeMap<String, IpAddr> = BTreeMap::new();
+    let page = 4096;
+    rt.block_on(async {
+        let c = client(&node).await;
+        for (h, r) in allocate_many(&c, "before", 20, 4).await {
+            acked.insert(h.clone(), r.unwrap_or_else(|e| panic!("{h}: {e}")));
+        }
+        // The journal ends inside a page, so the next append fits partly and is cut short
+        // when the disk is full (rather than refused before writing anything).
+        let mut extra = 0;
+        while std::fs::metadata(&journal)
+            .expect("journal")
+            .len()
+            .is_multiple_of(page)
+        {
+            let h = format!("net.align-{extra}");
+            let a = allocate(c.clone(), h.clone()).await.expect("allocate");
+            acked.insert(h, a);
+            extra += 1;
+        }
+        let filled = disk.fill();
+        eprintln!("disk full: filler {filled} bytes");
+        let full = allocate_many(&c, "full", 30, 4).await;
+        let mut failed = 0;
+        for (h, r) in &full {
+            match r {
+                Ok(a) => {
+                    acked.insert(h.clone(), *a);
+                }
+                Err(e) => {
+                    if failed == 0 {
+                        eprintln!("disk full: {h}: {}", e.message());
+                    }
+                    failed += 1;
+                    assert_eq!(e.code(), tonic::Code::Unavailable, "{h}: {e}");
+                    assert!(
+                        e.message().contains("No space left on device"),
+                        "{h}: unclear error: {}",
+                        e.message()
+                    );
+                }
+            }
+        }
+        assert!(failed > 0, "no allocation failed on the full disk");
+        eprintln!("disk full: {failed} of 30 allocations failed");
+        // A little room again: allocations work and are acknowledged.
+        disk.free(512 * 1024);
+        for (h, r) in allocate_many(&c, "after", 20, 4).await {
+            acked.insert(
+                h.clone(),
+                r.unwrap_or_else(|e| panic!("{h} after space came back: {e}")),
+            );
+        }
+    });
+    let distinct: HashSet<&IpAddr> = acked.values().collect();
+    assert_eq!(
+        distinct.len(),
+        acked.len(),
+        "an address was acknowledged twice"
+    );
+
+    node.kill_agent();
+    // The store must open (start_agent panics with the agent's log if it does not).
+    node.start_agent();
+    assert_eq!(
+        node.allocated(),
+        acked.len(),
+        "the datastore holds other than the acknowledged allocations"
+    );
+    let check = ipam_json(&node, "check");
+    for kind in ["duplicate", "orphan-handle", "orphan-allocation"] {
+        assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
+    }
+    rt.block_on(async {
+        let mut c = client(&node).await;
+        for (h, a) in &acked {
+            assert_holds(&mut c, h, *a).await;
+        }
+        // And the agent keeps working: new allocations, none of them an address in use.
+        for (h, r) in allocate_many(&c, "restarted", 10, 4).await {
+            let a = r.unwrap_or_else(|e| panic!("{h} after the restart: {e}"));
+            assert!(!distinct.contains(&a), "{a} given again to {h}");
+        }
+    });
 }
 
 #[test]
@@ -537,6 +640,81 @@ fn calixctl_check_finds_leaks_and_release_from_report_frees_exactly_them() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("released"));
     assert_eq!(node.allocated(), 1);
     assert!(node.agent_log().contains("released from report"));
+}
+
+/// Issue 11, item 8: a block released when empty and claimed again never repeats a sequence
+/// number, so a late release naming an allocation of its earlier life (here an old `ipam check`
+/// report) cannot free the address handed out again since.
+fn late_release_after_a_reclaim(node: &Node) {
+    let rt = rt();
+    let first = rt
+        .block_on(async { allocate(client(node).await, "net.s-1".into()).await })
+        .expect("first allocation");
+    // The report names the allocation with its sequence number.
+    let report = ipam_json(node, "check");
+    assert_eq!(findings_of(&report, "leak").len(), 1, "{report}");
+    rt.block_on(async {
+        client(node)
+            .await
+            .release(pb::ReleaseRequest {
+                handle: "net.s-1".into(),
+                ifname: "eth0".into(),
+            })
+            .await
+            .expect("release")
+    });
+    // The empty block goes back to the pool (grace 1 s, checked every second).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while ipam_json(node, "show")["blocks"]
+        .as_array()
+        .is_some_and(|b| !b.is_empty())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the empty block was not released:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let second = rt
+        .block_on(async { allocate(client(node).await, "net.s-2".into()).await })
+        .expect("second allocation");
+    assert_eq!(second, first, "the block's lowest address again");
+    let path = std::env::temp_dir().join(format!("{}-report.json", node.ns.name));
+    std::fs::write(&path, report.to_string()).expect("write report");
+    let out = node.calixctl(&[
+        "ipam",
+        "release",
+        "--from-report",
+        &path.display().to_string(),
+        "-o",
+        "json",
+    ]);
+    let _ = std::fs::remove_file(&path);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("release json");
+    assert_eq!(
+        v["released"],
+        serde_json::json!([]),
+        "the old report freed the new allocation: {v}"
+    );
+    assert_eq!(node.allocated(), 1);
+}
+
+const ONE_BLOCK_FAST_RELEASE: &str = "[ipam]\nleakCheckIntervalSecs = 1\nemptyBlockGraceSecs = 1\n\
+     [[pools]]\ncidr = \"10.67.0.0/28\"\nblockSize = 28\n";
+
+#[test]
+fn a_late_release_cannot_free_an_address_of_a_reclaimed_block_embedded() {
+    let node = Node::create(Dataplane::Kernel, Some(ONE_BLOCK_FAST_RELEASE));
+    node.start_agent();
+    late_release_after_a_reclaim(&node);
+}
+
+#[test]
+fn a_late_release_cannot_free_an_address_of_a_reclaimed_block_etcd() {
+    let etcd = EtcdNs::start();
+    let node = etcd_node(&etcd, ONE_BLOCK_FAST_RELEASE);
+    late_release_after_a_reclaim(&node);
 }
 
 #[test]

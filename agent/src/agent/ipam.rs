@@ -2,12 +2,25 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::IpAddr;
 
+use calix_proto::handle;
 use ipnet::IpNet;
 
 use super::{cas_backoff, Agent, AgentError, Inner, CAS_ATTEMPTS};
 use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
-use crate::ipam::{pool_of, HandleRecord, Held};
+use crate::ipam::{pool_of, Allocation, HandleRecord, Held};
 use crate::model::EndpointRecord;
+
+/// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
+/// handle, or for a handle of the previous plugin's encoding, with the container ID stored
+/// beside it.
+fn attachment_of(a: &Allocation) -> Option<(&str, &str)> {
+    handle::attachment(
+        &a.handle,
+        a.attributes
+            .get(handle::CONTAINER_ID_ATTRIBUTE)
+            .map(String::as_str),
+    )
+}
 
 impl Agent {
     /// Allocates the requested families for (handle, ifname). All-or-nothing: the handle
@@ -160,28 +173,105 @@ impl Agent {
         .into())
     }
 
-    /// What (handle, ifname) holds.
+    /// What (handle, ifname) holds — or, when nothing, what the previous plugin's handle for
+    /// the same attachment holds (an allocation made before an upgrade).
     pub async fn lookup(
         &self,
         handle: &str,
         ifname: &str,
     ) -> Result<Vec<(IpAddr, IpNet)>, AgentError> {
-        Ok(match self.store.get(&keys::handle(handle, ifname)).await? {
-            Some(kv) => kv
+        let held = |kv: crate::datastore::KeyValue| -> Result<Vec<(IpAddr, IpNet)>, AgentError> {
+            Ok(kv
                 .decode::<HandleRecord>()?
                 .addresses
                 .into_iter()
                 .map(|h| (h.addr, h.pool))
-                .collect(),
-            None => Vec::new(),
-        })
+                .collect())
+        };
+        if let Some(kv) = self.store.get(&keys::handle(handle, ifname)).await? {
+            return held(kv);
+        }
+        let mut inner = self.inner.lock().await;
+        match self.legacy_handle(&mut inner, handle, ifname).await? {
+            Some(legacy) => match self.store.get(&keys::handle(&legacy, ifname)).await? {
+                Some(kv) => held(kv),
+                None => Ok(Vec::new()),
+            },
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The previous plugin's handle (`<network>.<containerID>`) of the attachment `handle`
+    /// names, when it holds addresses for `ifname` that were allocated for that very container.
+    /// Its encoding is ambiguous (`a.b.c`: network `a` or `a.b`), so ownership is proven by the
+    /// container ID every allocation of the plugin carries, never assumed.
+    async fn legacy_handle(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+    ) -> Result<Option<String>, AgentError> {
+        let Some((network, container_id)) = handle::decode(handle) else {
+            return Ok(None);
+        };
+        let legacy = handle::legacy(network, container_id);
+        let Some(kv) = self.store.get(&keys::handle(&legacy, ifname)).await? else {
+            return Ok(None);
+        };
+        let rec: HandleRecord = kv.decode()?;
+        if rec.addresses.is_empty() {
+            return Ok(None);
+        }
+        for refreshed in [false, true] {
+            let ours = rec.addresses.iter().all(|h| {
+                inner
+                    .ipam
+                    .block_of(h.addr)
+                    .and_then(|b| b.allocations.get(&b.offset_of(h.addr)?))
+                    .is_some_and(|a| {
+                        a.seq == h.seq
+                            && a.handle == legacy
+                            && attachment_of(a) == Some((network, container_id))
+                    })
+            });
+            if ours {
+                return Ok(Some(legacy));
+            }
+            if !refreshed {
+                self.refresh_blocks(inner).await?;
+            }
+        }
+        Ok(None)
     }
 
     /// Releases what (handle, ifname) holds. Idempotent; returns what was released.
     pub async fn release(&self, handle: &str, ifname: &str) -> Result<Vec<IpAddr>, AgentError> {
         let mut inner = self.inner.lock().await;
-        self.release_handle_locked(&mut inner, handle, ifname, None, "released by CNI DEL")
+        self.release_attachment_locked(&mut inner, handle, ifname, None, "released by CNI DEL")
             .await
+    }
+
+    /// [`Self::release_handle_locked`] for an attachment's handle; when that held nothing,
+    /// also what the previous plugin's handle for the same attachment holds.
+    pub(super) async fn release_attachment_locked(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+        extra: Option<Op>,
+        reason: &str,
+    ) -> Result<Vec<IpAddr>, AgentError> {
+        let mut released = self
+            .release_handle_locked(inner, handle, ifname, extra, reason)
+            .await?;
+        if released.is_empty() {
+            if let Some(legacy) = self.legacy_handle(inner, handle, ifname).await? {
+                released = self
+                    .release_handle_locked(inner, &legacy, ifname, None, reason)
+                    .await?;
+            }
+        }
+        Ok(released)
     }
 
     /// Releases every address of (handle, ifname) — each only if its block still holds that
@@ -321,20 +411,27 @@ impl Agent {
         network: &str,
         valid: &HashSet<(String, String)>,
     ) -> Result<(Vec<IpAddr>, Vec<EndpointRecord>), AgentError> {
-        if network.is_empty() {
-            return Err(AgentError::Invalid("network is required".into()));
+        if !handle::is_cni_name(network) {
+            return Err(AgentError::Invalid(format!(
+                "{network:?} is not a CNI network name"
+            )));
         }
-        let prefix = format!("{network}.");
-        let is_stale = |handle: &str, ifname: &str| {
-            handle
-                .strip_prefix(&prefix)
-                .is_some_and(|cid| !valid.contains(&(cid.to_string(), ifname.to_string())))
+        // Exactly this network's attachments: `k8s` never matches `k8s.x`'s.
+        let is_stale = |attachment: Option<(&str, &str)>, ifname: &str| {
+            attachment.is_some_and(|(net, cid)| {
+                net == network && !valid.contains(&(cid.to_string(), ifname.to_string()))
+            })
         };
         let mut eps = self.eps.lock().await;
         let stale_eps: Vec<EndpointRecord> = eps
             .endpoints
             .values()
-            .filter(|e| is_stale(&e.handle, &e.ifname))
+            .filter(|e| {
+                is_stale(
+                    handle::attachment(&e.handle, Some(&e.container_id)),
+                    &e.ifname,
+                )
+            })
             .cloned()
             .collect();
         for ep in &stale_eps {
@@ -356,7 +453,7 @@ impl Agent {
         let handles: BTreeSet<(String, String)> = inner
             .ipam
             .allocations_of(&self.node.name)
-            .filter(|(_, a)| is_stale(&a.handle, &a.ifname))
+            .filter(|(_, a)| is_stale(attachment_of(a), &a.ifname))
             .map(|(_, a)| (a.handle.clone(), a.ifname.clone()))
             .collect();
         let mut released = Vec::new();

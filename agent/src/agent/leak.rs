@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::{Agent, AgentError};
 use crate::datastore::{keys, Compare, Durability, Op};
+use crate::ipam::Retired;
 use crate::model::EndpointRecord;
 
 /// What one housekeeping pass did.
@@ -90,34 +91,55 @@ impl Agent {
         out.candidates = inner.leak_candidates.len();
 
         // Empty blocks of this node.
-        let empty: Vec<(String, ipnet::IpNet, i64)> = inner
+        let empty: Vec<(String, ipnet::IpNet, i64, u64)> = inner
             .ipam
             .blocks
             .iter()
             .filter(|(_, b)| b.affinity == self.node.name && b.allocations.is_empty())
-            .map(|(k, b)| (k.clone(), b.cidr, b.revision))
+            .map(|(k, b)| (k.clone(), b.cidr, b.revision, b.next_seq))
             .collect();
-        let empty_keys: HashSet<&String> = empty.iter().map(|(k, _, _)| k).collect();
+        let empty_keys: HashSet<&String> = empty.iter().map(|(k, _, _, _)| k).collect();
         let mut still = inner.empty_since.clone();
         still.retain(|k, _| empty_keys.contains(k));
         inner.empty_since = still;
-        for (key, cidr, rev) in &empty {
+        for (key, cidr, rev, next_seq) in &empty {
             let first = *inner.empty_since.entry(key.clone()).or_insert(now);
             if now.duration_since(first) < self.housekeeping.empty_block_grace {
                 continue;
             }
             let bkey = keys::block(cidr);
+            // The block goes, its sequence counter stays: the next claim starts above it.
+            let retired = Retired {
+                cidr: *cidr,
+                next_seq: inner
+                    .ipam
+                    .retired
+                    .get(key)
+                    .map_or(*next_seq, |r| r.next_seq.max(*next_seq)),
+                revision: 0,
+            };
             let done = self
                 .store
                 .txn(
                     &[Compare::Revision(bkey.clone(), *rev)],
-                    &[Op::Delete(bkey)],
+                    &[
+                        Op::Delete(bkey),
+                        Op::put_json(keys::retired(cidr), &retired),
+                    ],
                     Durability::Process,
                 )
                 .await?;
             inner.empty_since.remove(key);
-            if done.is_some() {
+            if let Some(done) = done {
                 inner.ipam.blocks.remove(key);
+                inner.ipam.retired.insert(
+                    key.clone(),
+                    Retired {
+                        revision: done,
+                        ..retired
+                    },
+                );
+                inner.ipam.revision = inner.ipam.revision.max(done);
                 tracing::info!(block = %cidr, empty_for_s = now.duration_since(first).as_secs(),
                     reason = "empty for longer than the grace period", "block released");
                 out.blocks_released.push(key.clone());

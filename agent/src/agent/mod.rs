@@ -16,7 +16,7 @@ use tokio::sync::Mutex;
 
 use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
 use crate::datastore::{keys, Datastore, DatastoreError, Durability, Op};
-use crate::ipam::{Block, IpamError, IpamState, Policy, Pool};
+use crate::ipam::{Block, IpamError, IpamState, Policy, Pool, Retired};
 use crate::model::{EndpointRecord, NodeRecord};
 
 pub use leak::Swept;
@@ -227,22 +227,31 @@ impl Agent {
         Ok(())
     }
 
-    /// Re-reads every block from the datastore.
+    /// Re-reads every block (and every retired block) from the datastore.
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
+        let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
         let mut blocks = Vec::new();
-        for kv in self.store.list(keys::BLOCKS).await? {
+        for kv in kvs {
             let mut b: Block = kv.decode()?;
             b.revision = kv.revision;
             blocks.push(b);
         }
-        inner.ipam.replace(blocks);
+        let mut retired = Vec::new();
+        for kv in self.store.list(keys::RETIRED).await? {
+            let mut r: Retired = kv.decode()?;
+            r.revision = kv.revision;
+            retired.push(r);
+        }
+        inner.ipam.replace(blocks, retired, revision);
         Ok(())
     }
 
     /// Writes the touched blocks (compare-and-swap on each one's revision) with `extra`
     /// compares and ops, in one transaction: `Ok(Some(revision))` of the write, or `Ok(None)`:
     /// someone else wrote first; the view has been re-read and the caller should recompute and
-    /// retry.
+    /// retry. A new block is compared absent, and so is its retired record unless the view has
+    /// it (then compared on its revision and deleted): a claim made on a view older than the
+    /// block's last release fails, so its sequence numbers never start below that life's.
     async fn commit_blocks(
         &self,
         inner: &mut Inner,
@@ -252,16 +261,26 @@ impl Agent {
         durability: Durability,
     ) -> Result<Option<i64>, AgentError> {
         use crate::datastore::Compare;
+        let mut claimed = Vec::new();
         for key in touched {
             let Some(b) = inner.ipam.blocks.get(key) else {
                 continue;
             };
             let k = keys::block(&b.cidr);
-            compares.push(if b.revision == 0 {
-                Compare::Absent(k.clone())
+            if b.revision == 0 {
+                claimed.push(key);
+                compares.push(Compare::Absent(k.clone()));
+                let rk = keys::retired(&b.cidr);
+                match inner.ipam.retired.get(key) {
+                    Some(r) => {
+                        compares.push(Compare::Revision(rk.clone(), r.revision));
+                        ops.push(Op::Delete(rk));
+                    }
+                    None => compares.push(Compare::Absent(rk)),
+                }
             } else {
-                Compare::Revision(k.clone(), b.revision)
-            });
+                compares.push(Compare::Revision(k.clone(), b.revision));
+            }
             ops.push(Op::put_json(k, b));
         }
         match self.store.txn(&compares, &ops, durability).await {
@@ -271,6 +290,10 @@ impl Agent {
                         b.revision = rev;
                     }
                 }
+                for key in claimed {
+                    inner.ipam.retired.remove(key);
+                }
+                inner.ipam.revision = inner.ipam.revision.max(rev);
                 Ok(Some(rev))
             }
             Ok(None) => {
@@ -368,7 +391,7 @@ impl Agent {
         let released = match release_handle {
             Some(h) => {
                 let mut inner = self.inner.lock().await;
-                self.release_handle_locked(&mut inner, h, ifname, forget, "released by CNI DEL")
+                self.release_attachment_locked(&mut inner, h, ifname, forget, "released by CNI DEL")
                     .await?
             }
             None => {

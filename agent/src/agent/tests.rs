@@ -5,6 +5,8 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use calix_proto::handle;
+
 use super::*;
 use crate::datastore::{Compare, EmbeddedStore, KeyValue};
 
@@ -44,8 +46,11 @@ impl Datastore for Shared {
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, DatastoreError> {
         self.0.get(key).await
     }
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
-        self.0.list(prefix).await
+    async fn list_with_revision(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
+        self.0.list_with_revision(prefix).await
     }
     async fn txn(
         &self,
@@ -373,10 +378,12 @@ async fn shrinking_a_pool_under_live_addresses_is_refused() {
 async fn cni_gc_releases_only_invalid_attachments() {
     let (_d, s) = store();
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
-    for h in ["net.c1", "net.c2", "other.c3"] {
-        alloc4(&a, h).await.expect("alloc");
+    for (net, cid) in [("net", "c1"), ("net", "c2"), ("other", "c3")] {
+        alloc4(&a, &handle::encode(net, cid)).await.expect("alloc");
     }
-    a.register(ep("c2", "net.c2")).await.expect("register");
+    a.register(ep("c2", &handle::encode("net", "c2")))
+        .await
+        .expect("register");
     let valid = [("c1".to_string(), "eth0".to_string())]
         .into_iter()
         .collect();
@@ -384,6 +391,212 @@ async fn cni_gc_releases_only_invalid_attachments() {
     assert_eq!(released.len(), 1);
     assert_eq!(stale.len(), 1);
     assert_eq!(a.ipam().await.expect("ipam").in_use(), 2);
-    assert_eq!(a.lookup("other.c3", "eth0").await.expect("lookup").len(), 1);
+    assert_eq!(
+        a.lookup(&handle::encode("other", "c3"), "eth0")
+            .await
+            .expect("lookup")
+            .len(),
+        1
+    );
     assert!(a.list().await.expect("list").is_empty());
+    // A network name that is not one is refused, never matched loosely.
+    assert!(matches!(
+        a.gc("", &valid).await,
+        Err(AgentError::Invalid(_))
+    ));
+}
+
+/// The container ID attribute the CNI plugin stores with every allocation.
+fn cid_attr(cid: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([("containerID".to_string(), cid.to_string())])
+}
+
+#[tokio::test]
+async fn cni_gc_of_a_network_spares_the_networks_it_is_a_prefix_of() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
+    // As the plugin made them before handles were unambiguous: "<network>.<containerID>".
+    let mine = a
+        .allocate("k8s.c1", "eth0", true, false, &[], &cid_attr("c1"))
+        .await
+        .expect("k8s/c1")
+        .0[0]
+        .0;
+    let other = a
+        .allocate("k8s.x.c2", "eth0", true, false, &[], &cid_attr("c2"))
+        .await
+        .expect("k8s.x/c2")
+        .0[0]
+        .0;
+    a.register(ep("c1", "k8s.c1")).await.expect("register c1");
+    a.register(ep("c2", "k8s.x.c2")).await.expect("register c2");
+    let (released, stale) = a.gc("k8s", &HashSet::new()).await.expect("gc");
+    assert_eq!(released, vec![mine], "GC of k8s released {released:?}");
+    assert_eq!(
+        stale
+            .iter()
+            .map(|e| e.container_id.as_str())
+            .collect::<Vec<_>>(),
+        vec!["c1"]
+    );
+    assert_eq!(
+        a.lookup("k8s.x.c2", "eth0").await.expect("lookup"),
+        vec![(other, "10.1.0.0/24".parse().expect("pool"))]
+    );
+    assert_eq!(a.list().await.expect("list").len(), 1);
+}
+
+/// The sequence number of the allocation holding `addr` now.
+async fn seq_of(a: &Agent, addr: IpAddr) -> u64 {
+    let ipam = a.ipam().await.expect("ipam");
+    let b = ipam.block_of(addr).expect("block");
+    b.allocations[&b.offset_of(addr).expect("offset")].seq
+}
+
+#[tokio::test]
+async fn a_reclaimed_block_never_repeats_a_sequence_number() {
+    let (_d, s) = store();
+    // One block: the address comes back in the same block's next incarnation.
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/28", 28)], Policy::default()).await;
+    let first = alloc4(&a, "h1").await.expect("h1");
+    let seq1 = seq_of(&a, first).await;
+    a.release("h1", "eth0").await.expect("release");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.blocks_released.len(), 1);
+    let second = alloc4(&a, "h2").await.expect("h2");
+    assert_eq!(second, first, "the lowest free address again");
+    let seq2 = seq_of(&a, second).await;
+    assert_ne!(
+        seq2, seq1,
+        "a reclaimed block repeated sequence number {seq1}"
+    );
+    // A late release of the first allocation (leak GC, calixctl ipam release --from-report).
+    assert!(!a
+        .release_address(first, Some(seq1), "late")
+        .await
+        .expect("late release"));
+    assert_eq!(a.lookup("h2", "eth0").await.expect("lookup").len(), 1);
+}
+
+#[tokio::test]
+async fn an_agent_with_an_old_view_claiming_a_released_block_never_repeats_a_sequence_number() {
+    let (_d, s) = store();
+    let pools = vec![pool("10.1.0.0/28", 28)];
+    let a = agent_on(&s, "a", pools.clone(), Policy::default()).await;
+    // b reads the blocks now (none) and not again until a write of its own conflicts.
+    let b = agent_on(&s, "b", pools, Policy::default()).await;
+    let first = alloc4(&a, "ha").await.expect("a claims the block");
+    let seq1 = seq_of(&a, first).await;
+    a.release("ha", "eth0").await.expect("release");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.blocks_released.len(), 1);
+    // b still thinks the block was never claimed, and claims it.
+    let second = alloc4(&b, "hb").await.expect("b claims the block");
+    assert_eq!(second, first);
+    let seq2 = seq_of(&b, second).await;
+    assert_ne!(seq2, seq1, "b's claim repeated sequence number {seq1}");
+    assert!(!a
+        .release_address(first, Some(seq1), "late release by a")
+        .await
+        .expect("late release"));
+    assert_eq!(b.lookup("hb", "eth0").await.expect("lookup").len(), 1);
+}
+
+#[tokio::test]
+async fn cni_gc_with_new_handles_spares_the_networks_it_is_a_prefix_of() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
+    let (h1, h2) = (handle::encode("k8s", "c1"), handle::encode("k8s.x", "c2"));
+    let mine = alloc4(&a, &h1).await.expect("k8s/c1");
+    alloc4(&a, &h2).await.expect("k8s.x/c2");
+    a.register(ep("c1", &h1)).await.expect("register");
+    a.register(ep("c2", &h2)).await.expect("register");
+    let (released, stale) = a.gc("k8s", &HashSet::new()).await.expect("gc");
+    assert_eq!(released, vec![mine]);
+    assert_eq!(stale.len(), 1);
+    assert_eq!(a.lookup(&h2, "eth0").await.expect("lookup").len(), 1);
+    // And GC of k8s.x finds its own.
+    let (released, _) = a.gc("k8s.x", &HashSet::new()).await.expect("gc");
+    assert_eq!(released.len(), 1);
+}
+
+/// An upgrade: allocations made by the previous plugin ("<network>.<containerID>", the
+/// container ID as an attribute) are found, released and collected by the new plugin's calls,
+/// which name the attachment with the new handle; an allocation the old encoding cannot tell
+/// apart from them (another network's) is never taken for one.
+#[tokio::test]
+async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
+    let old = |net: &str, cid: &str| {
+        let a = &a;
+        let (net, cid) = (net.to_string(), cid.to_string());
+        async move {
+            a.allocate(
+                &handle::legacy(&net, &cid),
+                "eth0",
+                true,
+                false,
+                &[],
+                &cid_attr(&cid),
+            )
+            .await
+            .expect("old allocation")
+            .0[0]
+                .0
+        }
+    };
+    // CHECK (lookup) and DEL (release) of network a, container b.c.
+    let abc = old("a", "b.c").await;
+    let new = handle::encode("a", "b.c");
+    assert_eq!(
+        a.lookup(&new, "eth0").await.expect("lookup"),
+        vec![(abc, "10.1.0.0/24".parse().expect("pool"))]
+    );
+    // Network a.b, container c: the same old handle text would be "a.b.c" too — it is not
+    // this allocation's, so neither its lookup nor its release sees it.
+    assert!(a
+        .lookup(&handle::encode("a.b", "c"), "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
+    assert!(a
+        .release(&handle::encode("a.b", "c"), "eth0")
+        .await
+        .expect("release")
+        .is_empty());
+    assert_eq!(a.release(&new, "eth0").await.expect("release"), vec![abc]);
+    assert!(a.lookup(&new, "eth0").await.expect("lookup").is_empty());
+
+    // DEL through the endpoint (the plugin's path): endpoint and address in one go.
+    let d1 = old("net", "d1").await;
+    a.register(ep("d1", &handle::legacy("net", "d1")))
+        .await
+        .expect("register");
+    let (existed, released) = a
+        .unregister("d1", "eth0", Some(&handle::encode("net", "d1")))
+        .await
+        .expect("unregister");
+    assert!(existed);
+    assert_eq!(released, vec![d1]);
+
+    // GC: the old allocation of a container the runtime no longer lists goes; a kept one
+    // and another network's stay.
+    let gone = old("net", "g1").await;
+    old("net", "keep").await;
+    old("net.x", "g2").await;
+    a.register(ep("g1", &handle::legacy("net", "g1")))
+        .await
+        .expect("register");
+    let valid = [("keep".to_string(), "eth0".to_string())]
+        .into_iter()
+        .collect();
+    let (released, stale) = a.gc("net", &valid).await.expect("gc");
+    assert_eq!(released, vec![gone]);
+    assert_eq!(stale.len(), 1);
+    assert_eq!(a.ipam().await.expect("ipam").in_use(), 2);
 }

@@ -3,22 +3,28 @@
 //! snapshot file now and then. A write costs one append, whatever the store's size.
 //!
 //! Crash safety: a transaction is one line, written with one `write`; a torn last line (a crash
-//! mid-write) was never acknowledged and is cut off on open. Flushes are group commits: a
-//! [`Durability::Power`] write (or [`Datastore::sync`]) waits for one `fdatasync` that started
-//! after its line was appended, so concurrent writers share a flush; none is acknowledged before
-//! its flush. A failed flush poisons the store (every later call fails): after a failed
-//! `fdatasync` the kernel may have dropped the dirty pages, so only a restart (replaying what is
-//! really on disk) is safe. The snapshot is replaced by
-//! write-temporary, fsync, rename, fsync-directory, and only then is the journal truncated; a
-//! crash in between replays journal lines the snapshot already has, which are skipped by revision.
-//! One process at a time: the journal is `flock`ed.
+//! mid-write) was never acknowledged and is cut off on open. An append that fails (a full disk:
+//! part of the line may be written) is cut back to the journal's length before it, so the next
+//! line never lands behind a fragment; if even that fails, the store is poisoned. Flushes are
+//! group commits: a [`Durability::Power`] write (or [`Datastore::sync`]) waits for one
+//! `fdatasync` that started after its line was appended, so concurrent writers share a flush;
+//! none is acknowledged before its flush. A failed flush poisons the store too (every later
+//! write fails, [`DatastoreError::Poisoned`]): after a failed `fdatasync` the kernel may have
+//! dropped the dirty pages, so only a restart (replaying what is really on disk) is safe.
+//!
+//! The snapshot is replaced by write-temporary, fsync, rename, fsync-directory, and only then is
+//! the journal truncated; a crash in between replays journal lines the snapshot already has,
+//! which are skipped by revision. A compaction that fails changes nothing the store relies on
+//! (the journal still has every line) and is retried only after the journal has grown further.
+//! One process at a time: the journal is `flock`ed. Paths are made absolute at open, so a
+//! relative `--datastore-path` means the same files for the agent's whole life.
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
@@ -26,6 +32,9 @@ use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op};
 
 /// Fold the journal into the snapshot after this many transactions.
 const COMPACT_AFTER: u64 = 20_000;
+/// After consecutive failed compactions, wait `COMPACT_AFTER << min(failures, this)` more
+/// transactions before the next try.
+const COMPACT_BACKOFF_MAX_SHIFT: u32 = 3;
 
 #[derive(Serialize, Deserialize, Default)]
 struct Snapshot {
@@ -47,7 +56,16 @@ struct Inner {
     revision: i64,
     keys: BTreeMap<String, (i64, Vec<u8>)>,
     journal: File,
+    /// The journal's length: every byte of it a whole line.
+    journal_len: u64,
     journal_entries: u64,
+    /// After a failed compaction: retry once `journal_entries` reaches this (else the
+    /// store's `compact_after`).
+    compact_retry_at: Option<u64>,
+    /// Compactions failed in a row (the backoff).
+    compact_failures: u32,
+    /// Compactions tried (tests).
+    compact_attempts: u64,
 }
 
 pub struct EmbeddedStore {
@@ -59,8 +77,10 @@ pub struct EmbeddedStore {
     flush: tokio::sync::Mutex<File>,
     /// Every revision up to this one is on disk.
     synced: AtomicI64,
-    /// A flush failed: see the module docs.
-    poisoned: AtomicBool,
+    /// Why the store takes no more writes, once it does not: see the module docs.
+    poisoned: OnceLock<&'static str>,
+    /// Fold the journal into the snapshot after this many transactions.
+    compact_after: u64,
 }
 
 fn io<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> DatastoreError + 'a {
@@ -78,17 +98,34 @@ fn corrupt(path: &Path, detail: impl std::fmt::Display) -> DatastoreError {
     }
 }
 
+/// `path` with `suffix` appended to its file name (`store.json` → `store.json.journal`).
+fn with_suffix(path: &Path, suffix: &str) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
+/// Makes a rename or a newly created file in `dir` durable.
+fn sync_dir(dir: &Path) -> Result<(), DatastoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir, "fsync directory"))
+}
+
 impl EmbeddedStore {
     /// Opens (creating if needed) the store whose snapshot is `path`; the journal is
-    /// `<path>.journal`. Fails if another process has it open.
+    /// `<path>.journal`. A relative `path` is taken from the current directory, once. Fails if
+    /// another process has it open.
     pub fn open(path: &Path) -> Result<Self, DatastoreError> {
-        if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
-        }
-        let snapshot_path = path.to_path_buf();
-        let mut journal_path = path.as_os_str().to_owned();
-        journal_path.push(".journal");
-        let journal_path = PathBuf::from(journal_path);
+        // Absolute from here on: `store.json` has the parent "", which no directory call takes,
+        // and a later change of directory must not move the store.
+        let snapshot_path = std::path::absolute(path).map_err(io(path, "resolve"))?;
+        let dir = snapshot_path
+            .parent()
+            .ok_or_else(|| corrupt(&snapshot_path, "the path names no file"))?
+            .to_path_buf();
+        fs::create_dir_all(&dir).map_err(io(&dir, "create directory"))?;
+        let journal_path = with_suffix(&snapshot_path, ".journal");
 
         let snapshot: Snapshot = match fs::read(&snapshot_path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| corrupt(&snapshot_path, e))?,
@@ -117,16 +154,22 @@ impl EmbeddedStore {
                 .map(|(k, (r, v))| (k, (r, v.into_bytes())))
                 .collect(),
             journal,
+            journal_len: 0,
             journal_entries: 0,
+            compact_retry_at: None,
+            compact_failures: 0,
+            compact_attempts: 0,
         };
-        replay(&journal_path, &mut inner)?;
+        inner.journal_len = replay(&journal_path, &mut inner)?;
         let flush = inner
             .journal
             .try_clone()
             .map_err(io(&journal_path, "duplicate fd"))?;
         // What replay read back may sit in the page cache only (a crash of the process, not of
-        // the machine): flush it before anything is built on it.
+        // the machine): flush it before anything is built on it. The directory too: the
+        // journal may have just been created.
         flush.sync_data().map_err(io(&journal_path, "fsync"))?;
+        sync_dir(&dir)?;
         let synced = AtomicI64::new(inner.revision);
         tracing::debug!(
             keys = inner.keys.len(),
@@ -140,20 +183,27 @@ impl EmbeddedStore {
             inner: Mutex::new(inner),
             flush: tokio::sync::Mutex::new(flush),
             synced,
-            poisoned: AtomicBool::new(false),
+            poisoned: OnceLock::new(),
+            compact_after: COMPACT_AFTER,
         })
     }
 
     fn check_poisoned(&self) -> Result<(), DatastoreError> {
-        if self.poisoned.load(Ordering::Acquire) {
-            return Err(io(
-                &self.journal_path,
-                "fsync (failed earlier: restart the agent)",
-            )(std::io::Error::other(
-                "the journal may have lost acknowledged-to-the-kernel writes",
-            )));
+        match self.poisoned.get() {
+            Some(reason) => Err(DatastoreError::Poisoned {
+                path: self.journal_path.clone(),
+                reason,
+            }),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Refuses every later write, logging why once.
+    fn poison(&self, reason: &'static str) {
+        if self.poisoned.set(reason).is_ok() {
+            tracing::error!(path = %self.journal_path.display(), %reason,
+                "embedded datastore: refusing every further write; restart the agent");
+        }
     }
 
     /// Group commit: returns once every line up to `rev` is on disk. Whoever holds `flush`
@@ -176,9 +226,9 @@ impl EmbeddedStore {
                 Ok(())
             }
             Err(e) => {
-                self.poisoned.store(true, Ordering::Release);
-                tracing::error!(error = %e, path = %self.journal_path.display(),
-                    "embedded datastore: fsync failed; refusing every further request, restart the agent");
+                self.poison(
+                    "an fsync of the journal failed (the kernel may have dropped written lines)",
+                );
                 Err(io(&self.journal_path, "fsync")(e))
             }
         }
@@ -188,8 +238,10 @@ impl EmbeddedStore {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Writes the whole state as the snapshot and empties the journal.
+    /// Writes the whole state as the snapshot and empties the journal. On failure nothing the
+    /// store relies on has changed: the journal still holds every line.
     fn compact(&self, inner: &mut Inner) -> Result<(), DatastoreError> {
+        inner.compact_attempts += 1;
         let snap = Snapshot {
             revision: inner.revision,
             keys: inner
@@ -199,24 +251,34 @@ impl EmbeddedStore {
                 .collect(),
         };
         let bytes = serde_json::to_vec(&snap).map_err(|e| corrupt(&self.snapshot_path, e))?;
-        let tmp = self.snapshot_path.with_extension("tmp");
-        {
+        let tmp = with_suffix(&self.snapshot_path, ".tmp");
+        let written = (|| {
             let mut f = File::create(&tmp).map_err(io(&tmp, "create"))?;
             f.write_all(&bytes).map_err(io(&tmp, "write"))?;
             f.sync_all().map_err(io(&tmp, "fsync"))?;
+            fs::rename(&tmp, &self.snapshot_path).map_err(io(&self.snapshot_path, "rename"))
+        })();
+        if let Err(e) = written {
+            // A half-written temporary only takes space (on a disk that may be full).
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
         }
-        fs::rename(&tmp, &self.snapshot_path).map_err(io(&self.snapshot_path, "rename"))?;
+        // Until the directory is synced the old snapshot may come back after a power loss:
+        // the journal must keep its lines until then.
         if let Some(dir) = self.snapshot_path.parent() {
-            File::open(dir)
-                .and_then(|d| d.sync_all())
-                .map_err(io(dir, "fsync directory"))?;
+            sync_dir(dir)?;
         }
         inner
             .journal
             .set_len(0)
-            .and_then(|_| inner.journal.sync_all())
             .map_err(io(&self.journal_path, "truncate"))?;
+        inner.journal_len = 0;
         inner.journal_entries = 0;
+        // Not fatal: every line it held is in the snapshot, and the next fdatasync of the
+        // journal (whose failure does poison the store) makes its new length durable.
+        if let Err(e) = inner.journal.sync_all() {
+            tracing::warn!(error = %e, "embedded datastore: fsync of the emptied journal failed");
+        }
         // The snapshot (fsync'd) holds everything up to here.
         self.synced.fetch_max(inner.revision, Ordering::AcqRel);
         tracing::info!(
@@ -225,6 +287,28 @@ impl EmbeddedStore {
             "embedded datastore compacted"
         );
         Ok(())
+    }
+
+    /// Compacts when the journal is due; a failure is logged and the next try put off.
+    fn maybe_compact(&self, inner: &mut Inner) {
+        if inner.journal_entries < inner.compact_retry_at.unwrap_or(self.compact_after) {
+            return;
+        }
+        match self.compact(inner) {
+            Ok(()) => {
+                inner.compact_failures = 0;
+                inner.compact_retry_at = None;
+            }
+            Err(e) => {
+                inner.compact_failures = inner.compact_failures.saturating_add(1);
+                let wait =
+                    self.compact_after << inner.compact_failures.min(COMPACT_BACKOFF_MAX_SHIFT);
+                inner.compact_retry_at = Some(inner.journal_entries.saturating_add(wait));
+                tracing::warn!(error = %e, failures = inner.compact_failures,
+                    retry_after_transactions = wait,
+                    "embedded datastore compaction failed (nothing lost: the journal keeps every line)");
+            }
+        }
     }
 }
 
@@ -238,8 +322,9 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
-/// Applies the journal's lines newer than the snapshot; cuts off a torn last line.
-fn replay(path: &Path, inner: &mut Inner) -> Result<(), DatastoreError> {
+/// Applies the journal's lines newer than the snapshot; cuts off a torn last line. Returns the
+/// length of the journal's whole lines.
+fn replay(path: &Path, inner: &mut Inner) -> Result<u64, DatastoreError> {
     let mut reader = BufReader::new(File::open(path).map_err(io(path, "read"))?);
     let mut good_len: u64 = 0;
     let mut line = Vec::new();
@@ -288,9 +373,8 @@ fn replay(path: &Path, inner: &mut Inner) -> Result<(), DatastoreError> {
             inner.keys.remove(&k);
         }
     }
-    Ok(())
+    Ok(good_len)
 }
-
 #[tonic::async_trait]
 impl Datastore for EmbeddedStore {
     fn kind(&self) -> &'static str {
@@ -305,9 +389,12 @@ impl Datastore for EmbeddedStore {
         }))
     }
 
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
+    async fn list_with_revision(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
         let inner = self.lock();
-        Ok(inner
+        let kvs = inner
             .keys
             .range(prefix.to_string()..)
             .take_while(|(k, _)| k.starts_with(prefix))
@@ -316,7 +403,8 @@ impl Datastore for EmbeddedStore {
                 value: v.clone(),
                 revision: *r,
             })
-            .collect())
+            .collect();
+        Ok((kvs, inner.revision))
     }
 
     async fn txn(
@@ -369,10 +457,20 @@ impl EmbeddedStore {
         let mut line = serde_json::to_vec(&entry).map_err(|e| corrupt(&self.journal_path, e))?;
         line.push(b'\n');
         // One write per transaction (O_APPEND): a crash leaves it whole or torn, never mixed.
-        inner
-            .journal
-            .write_all(&line)
-            .map_err(io(&self.journal_path, "append"))?;
+        if let Err(e) = inner.journal.write_all(&line) {
+            // Part of the line may be on disk (ENOSPC after a short write): cut it off, or the
+            // next line would land behind the fragment and be lost as torn on the next open.
+            let len = inner.journal_len;
+            if let Err(te) = inner.journal.set_len(len) {
+                tracing::error!(error = %te, path = %self.journal_path.display(), len,
+                    "embedded datastore: cannot cut a failed append back");
+                self.poison(
+                    "a failed append could not be cut back (the journal ends in a fragment)",
+                );
+            }
+            return Err(io(&self.journal_path, "append")(e));
+        }
+        inner.journal_len += line.len() as u64;
         inner.revision = rev;
         inner.journal_entries += 1;
         for (k, v) in entry.put {
@@ -381,13 +479,8 @@ impl EmbeddedStore {
         for k in entry.del {
             inner.keys.remove(&k);
         }
-        if inner.journal_entries >= COMPACT_AFTER {
-            // The transaction is in the journal; a failed compaction is retried at the next
-            // threshold crossing.
-            if let Err(e) = self.compact(&mut inner) {
-                tracing::warn!(error = %e, "embedded datastore compaction failed");
-            }
-        }
+        // The transaction is in the journal whatever the compaction does.
+        self.maybe_compact(&mut inner);
         Ok(Some(rev))
     }
 }
@@ -545,6 +638,263 @@ mod tests {
             keys,
             vec![("k1".into(), 1), ("k2".into(), 2), ("k3".into(), 3)]
         );
+    }
+
+    /// Runs test `name` of this module again in a child process (this test binary, that test
+    /// only) with `cwd` as its working directory, for tests that change process-wide state
+    /// (the working directory, a resource limit). Returns true in the child, where the body
+    /// runs; in the parent it checks that the child's test ran and passed, and returns false.
+    fn in_child(name: &str, cwd: &Path) -> bool {
+        const CHILD: &str = "CALIX_EMBEDDED_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        let full = format!("datastore::embedded::tests::{name}");
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args([full.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .current_dir(cwd)
+            .output()
+            .expect("run the child test");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && stdout.contains("1 passed"),
+            "child test {full} failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        false
+    }
+
+    /// Limits the size of files this process writes (RLIMIT_FSIZE; `None`: no limit). A write
+    /// across the limit is cut short, as on a full disk, and the next one fails (EFBIG).
+    fn limit_file_size(bytes: Option<u64>) {
+        // SAFETY: plain syscalls on a stack value; SIG_IGN for SIGXFSZ turns the signal a write
+        // beyond the limit raises into an EFBIG error.
+        unsafe {
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            assert_eq!(libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim), 0);
+            lim.rlim_cur = bytes.unwrap_or(lim.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &lim), 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_short_append_is_cut_back_and_the_next_write_survives() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !in_child(
+            "a_short_append_is_cut_back_and_the_next_write_survives",
+            dir.path(),
+        ) {
+            return;
+        }
+        let here = std::env::current_dir().expect("cwd");
+        let path = here.join("store");
+        let journal = here.join("store.journal");
+        let s = EmbeddedStore::open(&path).expect("open");
+        s.txn(&[], &[put("k1", "1")], Durability::Power)
+            .await
+            .expect("txn")
+            .expect("applied");
+        let len = fs::metadata(&journal).expect("journal").len();
+        // Room for a few bytes of the next line only: the disk fills up mid-append.
+        limit_file_size(Some(len + 10));
+        let err = s
+            .txn(&[], &[put("k2", &"x".repeat(300))], Durability::Power)
+            .await
+            .expect_err("the append cannot fit");
+        assert!(err.to_string().contains("append"), "{err}");
+        assert!(s.get("k2").await.expect("get").is_none());
+        // Space again: this write is acknowledged, so it must survive a restart.
+        limit_file_size(None);
+        s.txn(&[], &[put("k3", "3")], Durability::Power)
+            .await
+            .expect("txn")
+            .expect("applied");
+        drop(s);
+        let s = EmbeddedStore::open(&path).expect("reopen");
+        assert!(
+            s.get("k3").await.expect("get").is_some(),
+            "the acknowledged write k3 was lost: it landed behind the fragment of the failed append"
+        );
+        assert!(s.get("k1").await.expect("get").is_some());
+        assert!(s.get("k2").await.expect("get").is_none());
+    }
+
+    /// Makes every later `ftruncate` of this thread (and of threads it starts) fail with EIO:
+    /// a seccomp filter, which needs no privileges once `no_new_privs` is set.
+    fn fail_ftruncate() {
+        let stmt = |code: u32, k: u32| libc::sock_filter {
+            code: code as u16,
+            jt: 0,
+            jf: 0,
+            k,
+        };
+        let filter = [
+            // The syscall number: offset 0 of struct seccomp_data.
+            stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0),
+            libc::sock_filter {
+                code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+                jt: 0,
+                jf: 1,
+                k: libc::SYS_ftruncate as u32,
+            },
+            stmt(
+                libc::BPF_RET | libc::BPF_K,
+                libc::SECCOMP_RET_ERRNO | (libc::EIO as u32 & libc::SECCOMP_RET_DATA),
+            ),
+            stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+        ];
+        let prog = libc::sock_fprog {
+            len: filter.len() as u16,
+            filter: filter.as_ptr().cast_mut(),
+        };
+        // SAFETY: prctl with a filter program that outlives the call (the kernel copies it).
+        unsafe {
+            assert_eq!(libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), 0);
+            assert_eq!(
+                libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &prog as *const libc::sock_fprog,
+                ),
+                0,
+                "seccomp: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_append_that_cannot_be_cut_back_poisons_the_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let name = "a_failed_append_that_cannot_be_cut_back_poisons_the_store";
+        if !in_child(name, dir.path()) {
+            // The child left a journal ending in a fragment, nothing acknowledged behind it:
+            // it opens, with the fragment cut off as a torn line.
+            let s = EmbeddedStore::open(&dir.path().join("store")).expect("reopen");
+            assert!(s.get("k1").await.expect("get").is_some());
+            assert!(s.get("k2").await.expect("get").is_none());
+            assert!(s.get("k3").await.expect("get").is_none());
+            return;
+        }
+        let here = std::env::current_dir().expect("cwd");
+        let s = EmbeddedStore::open(&here.join("store")).expect("open");
+        s.txn(&[], &[put("k1", "1")], Durability::Power)
+            .await
+            .expect("txn")
+            .expect("applied");
+        let len = fs::metadata(here.join("store.journal"))
+            .expect("journal")
+            .len();
+        limit_file_size(Some(len + 10));
+        fail_ftruncate();
+        let err = s
+            .txn(&[], &[put("k2", &"x".repeat(300))], Durability::Power)
+            .await
+            .expect_err("the append cannot fit");
+        assert!(err.to_string().contains("append"), "{err}");
+        limit_file_size(None);
+        // The journal ends in a fragment: nothing more may be acknowledged.
+        let err = s
+            .txn(&[], &[put("k3", "3")], Durability::Power)
+            .await
+            .expect_err("poisoned");
+        assert!(
+            matches!(err, DatastoreError::Poisoned { .. })
+                && err.to_string().contains("could not be cut back"),
+            "{err}"
+        );
+        assert!(s.sync(1).await.is_err(), "sync must fail too");
+    }
+
+    #[tokio::test]
+    async fn a_failing_compaction_backs_off_and_loses_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !in_child(
+            "a_failing_compaction_backs_off_and_loses_nothing",
+            dir.path(),
+        ) {
+            return;
+        }
+        let here = std::env::current_dir().expect("cwd");
+        let path = here.join("store");
+        let mut s = EmbeddedStore::open(&path).expect("open");
+        s.compact_after = 10;
+        // A large state, folded into the snapshot: a snapshot is now larger than the limit
+        // below, the journal's small lines are not.
+        s.txn(
+            &[],
+            &[put("big", &"b".repeat(64 * 1024))],
+            Durability::Power,
+        )
+        .await
+        .expect("txn");
+        {
+            let mut inner = s.lock();
+            s.compact(&mut inner).expect("compact");
+        }
+        let attempts0 = s.lock().compact_attempts;
+        limit_file_size(Some(32 * 1024));
+        for i in 0..100 {
+            s.txn(&[], &[put(&format!("n{i:03}"), "1")], Durability::Power)
+                .await
+                .unwrap_or_else(|e| panic!("txn {i}: {e}"))
+                .expect("applied");
+        }
+        let attempts = s.lock().compact_attempts - attempts0;
+        eprintln!("{attempts} compactions tried in 100 transactions");
+        assert!(attempts >= 1, "the compaction was never tried");
+        assert!(
+            attempts <= 4,
+            "{attempts} compactions tried in 100 transactions: a failed compaction must back off"
+        );
+        let leftovers: Vec<_> = fs::read_dir(&here)
+            .expect("dir")
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty(), "failed compaction left {leftovers:?}");
+        limit_file_size(None);
+        drop(s);
+        let s = EmbeddedStore::open(&path).expect("reopen");
+        assert_eq!(s.list("n").await.expect("list").len(), 100);
+        assert_eq!(
+            s.get("big").await.expect("get").expect("big").value.len(),
+            64 * 1024
+        );
+    }
+
+    #[tokio::test]
+    async fn a_relative_path_works_from_any_working_directory() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        if !in_child(
+            "a_relative_path_works_from_any_working_directory",
+            dir.path(),
+        ) {
+            return;
+        }
+        // `--datastore-path store.json`: the parent directory is "".
+        let rel = Path::new("store.json");
+        let s = EmbeddedStore::open(rel).expect("open a relative path");
+        s.txn(&[], &[put("a", "1")], Durability::Power)
+            .await
+            .expect("txn");
+        {
+            let mut inner = s.lock();
+            s.compact(&mut inner)
+                .expect("compact a store opened by a relative path");
+        }
+        s.txn(&[], &[put("b", "2")], Durability::Power)
+            .await
+            .expect("txn");
+        drop(s);
+        let s = EmbeddedStore::open(rel).expect("reopen");
+        assert_eq!(s.list("").await.expect("list").len(), 2);
     }
 
     #[tokio::test]

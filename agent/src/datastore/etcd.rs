@@ -252,7 +252,10 @@ impl Datastore for EtcdStore {
         Ok(resp.kvs.into_iter().next().map(|kv| self.key_value(kv)))
     }
 
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
+    async fn list_with_revision(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
         let full = self.full_key(prefix);
         let resp = self
             .retry("list", |mut kv| {
@@ -264,8 +267,16 @@ impl Datastore for EtcdStore {
                 async move { Ok(kv.range(request).await?.into_inner()) }
             })
             .await?;
+        let revision = resp.header.as_ref().map(|h| h.revision).ok_or_else(|| {
+            DatastoreError::Unavailable {
+                backend: "etcd",
+                attempts: 1,
+                detail: "etcd answered a range without a header".into(),
+            }
+        })?;
         // etcd returns a range in key order.
-        Ok(resp.kvs.into_iter().map(|kv| self.key_value(kv)).collect())
+        let kvs = resp.kvs.into_iter().map(|kv| self.key_value(kv)).collect();
+        Ok((kvs, revision))
     }
 
     async fn txn(

@@ -4,20 +4,33 @@
 //! | key | value |
 //! |---|---|
 //! | `ipam/blocks/<block>` | [`crate::ipam::Block`]: its affine node and its allocations |
+//! | `ipam/retired/<block>` | [`crate::ipam::Retired`]: a released block's next sequence number |
 //! | `ipam/handles/<handle>/<ifname>` | [`crate::ipam::HandleRecord`]: the addresses it holds |
 //! | `nodes/<node>` | [`crate::model::NodeRecord`] |
 //! | `endpoints/<node>/<containerID>/<ifname>` | [`crate::model::EndpointRecord`] |
 //!
-//! A block's key is its CIDR with `/` written `-` (`10.244.0.64-26`, `fd00--40-122`).
+//! A block's key is its CIDR with `/` written `-` (`10.244.0.64-26`, `fd00--40-122`). A handle
+//! is `calix_proto::handle`'s `<network>:<containerID>` (no `/`; the agent refuses handles and
+//! ifnames with one), so `<handle>/<ifname>` splits at the last `/`.
 use ipnet::IpNet;
 
 pub const BLOCKS: &str = "ipam/blocks/";
+pub const RETIRED: &str = "ipam/retired/";
 pub const HANDLES: &str = "ipam/handles/";
 pub const NODES: &str = "nodes/";
 pub const ENDPOINTS: &str = "endpoints/";
 
 pub fn block(cidr: &IpNet) -> String {
-    format!("{BLOCKS}{}", cidr.to_string().replace(['/', ':'], "-"))
+    format!("{BLOCKS}{}", flat(cidr))
+}
+
+/// What is left of block `cidr` once released to its pool.
+pub fn retired(cidr: &IpNet) -> String {
+    format!("{RETIRED}{}", flat(cidr))
+}
+
+fn flat(cidr: &IpNet) -> String {
+    cidr.to_string().replace(['/', ':'], "-")
 }
 
 pub fn handle(handle: &str, ifname: &str) -> String {
@@ -48,5 +61,20 @@ mod tests {
         assert_eq!(b, "ipam/blocks/fd00--40-122");
         assert_eq!(a.matches('/').count(), 2);
         assert_eq!(b.matches('/').count(), 2);
+        assert_eq!(
+            retired(&"10.244.0.64/26".parse().expect("cidr")),
+            "ipam/retired/10.244.0.64-26"
+        );
+    }
+
+    #[test]
+    fn handle_keys_split_at_the_last_slash() {
+        let h = calix_proto::handle::encode("k8s-pod-network", "ab.c");
+        let key = handle(&h, "eth0");
+        assert_eq!(key, "ipam/handles/k8s-pod-network:ab.c/eth0");
+        assert_eq!(
+            key.strip_prefix(HANDLES).and_then(|r| r.rsplit_once('/')),
+            Some((h.as_str(), "eth0"))
+        );
     }
 }

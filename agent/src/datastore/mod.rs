@@ -24,6 +24,13 @@ pub enum DatastoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "datastore file {path} takes no more writes: {reason}; restart calix-agent (it replays what is really on disk)"
+    )]
+    Poisoned {
+        path: std::path::PathBuf,
+        reason: &'static str,
+    },
     #[error("datastore file {path} is corrupt ({detail}); move it away to start empty")]
     Corrupt {
         path: std::path::PathBuf,
@@ -105,8 +112,16 @@ pub trait Datastore: Send + Sync {
     /// "embedded" or "etcd", for logs and errors.
     fn kind(&self) -> &'static str;
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, DatastoreError>;
+    /// Every key starting with `prefix`, in key order, and the store's revision the listing
+    /// reflects (etcd: the response header's; every write up to it is in the listing).
+    async fn list_with_revision(
+        &self,
+        prefix: &str,
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError>;
     /// Every key starting with `prefix`, in key order.
-    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError>;
+    async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
+        Ok(self.list_with_revision(prefix).await?.0)
+    }
     /// Applies `ops` atomically if every compare holds: `Some(revision)` of the write, or `None`
     /// when a compare failed (nothing was written). Errors are the backend failing, after the
     /// backend's own bounded retries.

@@ -95,6 +95,18 @@ pub struct Block {
     pub revision: i64,
 }
 
+/// What is left of a block released to its pool (an empty block after its grace period): the
+/// next sequence number it would have used. A later claim of the same CIDR, by any node, starts
+/// above it, so sequence numbers never repeat across a block's lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retired {
+    pub cidr: IpNet,
+    pub next_seq: u64,
+    /// Datastore revision this copy was read at.
+    #[serde(skip)]
+    pub revision: i64,
+}
+
 /// What a handle holds: written with the blocks in the same transaction.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HandleRecord {
@@ -187,6 +199,12 @@ impl Block {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IpamState {
     pub blocks: BTreeMap<String, Block>,
+    /// Released blocks, keyed by CIDR text; a claim compares and removes the entry.
+    pub retired: BTreeMap<String, Retired>,
+    /// The datastore revision of the last read (or, higher, of a later write). Every sequence
+    /// number a block's earlier life handed out is at most the revision its release was
+    /// written at, so a new block starts above this.
+    pub revision: i64,
 }
 
 /// Number of addresses in a network, capped so IPv6 blocks stay countable.
@@ -239,12 +257,38 @@ pub fn pool_of(pools: &[Pool], addr: IpAddr) -> IpNet {
 }
 
 impl IpamState {
-    /// Replaces the view with blocks freshly read from the datastore.
-    pub fn replace(&mut self, blocks: impl IntoIterator<Item = Block>) {
+    /// Replaces the view with blocks and retired blocks freshly read from the datastore at
+    /// `revision`.
+    pub fn replace(
+        &mut self,
+        blocks: impl IntoIterator<Item = Block>,
+        retired: impl IntoIterator<Item = Retired>,
+        revision: i64,
+    ) {
         self.blocks = blocks
             .into_iter()
             .map(|b| (b.cidr.to_string(), b))
             .collect();
+        self.retired = retired
+            .into_iter()
+            .map(|r| (r.cidr.to_string(), r))
+            .collect();
+        self.revision = revision;
+    }
+
+    /// A new block for `node` to claim. Its sequence numbers start above every one an earlier
+    /// life of the same CIDR handed out: above its retired next number, and above the
+    /// datastore revision (which also covers a block released without a retired record, by an
+    /// agent from before they existed, since each allocation was a write of its own).
+    fn fresh_block(&self, cidr: IpNet, node: &str) -> Block {
+        let mut b = Block::new(cidr, node);
+        let retired = self
+            .retired
+            .get(&cidr.to_string())
+            .map_or(1, |r| r.next_seq);
+        let above_revision = u64::try_from(self.revision).unwrap_or(0).saturating_add(1);
+        b.next_seq = retired.max(above_revision);
+        b
     }
 
     /// The block containing `addr`.
@@ -373,10 +417,8 @@ impl IpamState {
             .map(|n| n.trunc())
             .map_err(|_| IpamError::NotInPool { addr })?;
         let key = block_cidr.to_string();
-        let block = self
-            .blocks
-            .entry(key.clone())
-            .or_insert_with(|| Block::new(block_cidr, node));
+        let fresh = self.fresh_block(block_cidr, node);
+        let block = self.blocks.entry(key.clone()).or_insert(fresh);
         if block.affinity != node {
             return Err(IpamError::ForeignBlock {
                 addr,
@@ -493,7 +535,8 @@ impl IpamState {
                 .any(|b| b.cidr.contains(&s.network()) || s.contains(&b.cidr.network()))
         })?;
         let key = cidr.to_string();
-        self.blocks.insert(key.clone(), Block::new(cidr, node));
+        let fresh = self.fresh_block(cidr, node);
+        self.blocks.insert(key.clone(), fresh);
         Some(key)
     }
 
@@ -706,7 +749,11 @@ mod tests {
         // A block from an older, larger blockSize covers several of the new layout's blocks.
         let pools = [pool("10.1.0.0/24", 28)];
         let mut s = IpamState::default();
-        s.replace([Block::new("10.1.0.0/26".parse().expect("cidr"), "old")]);
+        s.replace(
+            [Block::new("10.1.0.0/26".parse().expect("cidr"), "old")],
+            [],
+            0,
+        );
         let got = alloc_on(
             &mut s,
             &pools,

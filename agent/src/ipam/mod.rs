@@ -3,4 +3,5 @@ pub mod allocator;
 
 pub use allocator::{
     pool_of, Allocated, Allocation, Block, HandleRecord, Held, IpamError, IpamState, Policy, Pool,
+    Retired,
 };

@@ -409,7 +409,7 @@ fn run_calix(
     let handles = |phase: &str| -> Arc<Vec<String>> {
         Arc::new(
             (0..ids.n)
-                .map(|i| format!("{NETWORK}.{}", ids.id(phase, i)))
+                .map(|i| calix_proto::handle::encode(NETWORK, &ids.id(phase, i)))
                 .collect(),
         )
     };
