@@ -32,7 +32,6 @@ const XDP_PASS: u32 = 2;
 /// `struct xdp_md`: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
 type XdpMd = [u32; 6];
 
-const ETH_P_8021Q: u16 = 0x8100;
 const UPLINK_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
 const ROUTER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0xfe];
 
@@ -417,5 +416,61 @@ fn a_new_policy_takes_effect_at_once_and_a_new_agent_finds_the_old_one() {
             &v4_frame([203, 0, 113, 9], ICMP, icmp(8, 7)),
             DropReason::XdpDenied,
         );
+    });
+}
+
+/// A pod's address on this node: the node forwards to it, it is not the node's own.
+const POD_V4: [u8; 4] = [10, 244, 0, 10];
+
+fn pod_v6() -> [u8; 16] {
+    v6([0xfd00, 0x244, 0], 10)
+}
+
+#[test]
+fn failsafe_ports_apply_only_to_the_nodes_own_addresses() {
+    in_netns(|| {
+        let h = setup();
+        let v4 = |dst, proto, l4: Vec<u8>| {
+            from_router(ETH_P_IP, &Ip4::new(DENIED_V4, dst, proto, l4).bytes())
+        };
+        let v6 = |dst, proto, l4: &[u8]| from_router(ETH_P_IPV6, &ip6(denied_v6(), dst, proto, l4));
+        h.passes(&v4(NODE_V4, TCP, tcp_syn(40000, 22)));
+        h.passes(&v6(node_v6(), TCP, &tcp_syn(40000, 22)));
+        // Through the node to a pod (or anywhere else it forwards to): no failsafe.
+        for frame in [
+            v4(POD_V4, TCP, tcp_syn(40000, 22)),
+            v4(POD_V4, UDP, udp(40000, 53)),
+            v4([10, 99, 0, 2], TCP, tcp_syn(40000, 9091)),
+            v6(pod_v6(), TCP, &tcp_syn(40000, 22)),
+            v6(pod_v6(), UDP, &udp(40000, 53)),
+        ] {
+            h.drops_as(&frame, DropReason::XdpDenied);
+        }
+    });
+}
+
+#[test]
+fn ipv6_failsafe_ports_are_found_behind_extension_headers() {
+    in_netns(|| {
+        let h = setup();
+        let ssh = tcp_syn(40000, 22);
+        let frame = |next, payload: &[u8]| v6_frame(denied_v6(), next, payload);
+        h.passes(&frame(IPV6_DSTOPTS, &ext_header(TCP, &ssh)));
+        let two = ext_header(IPV6_DSTOPTS, &ext_header(TCP, &ssh));
+        h.passes(&frame(IPV6_HOPOPTS, &two));
+        // A first fragment carries the ports; a later one does not.
+        h.passes(&frame(IPV6_FRAGMENT, &fragment_header(TCP, 0, true, &ssh)));
+        let later = fragment_header(TCP, 3, false, &ssh);
+        h.drops_as(&frame(IPV6_FRAGMENT, &later), DropReason::XdpDenied);
+        // Not a failsafe port, or more headers than the program follows: dropped.
+        let http = ext_header(TCP, &tcp_syn(40000, 80));
+        h.drops_as(&frame(IPV6_DSTOPTS, &http), DropReason::XdpDenied);
+        let mut deep = ssh.clone();
+        let mut next = TCP;
+        for _ in 0..9 {
+            deep = ext_header(next, &deep);
+            next = IPV6_DSTOPTS;
+        }
+        h.drops_as(&frame(next, &deep), DropReason::XdpDenied);
     });
 }

@@ -276,10 +276,20 @@ pub enum DropReason {
     ConntrackFull = 11,
     /// SNAT: no free NAT port for the flow's destination within the bounded search.
     NatPortsExhausted = 12,
+    /// A VLAN-tagged frame from a pod (802.1Q or 802.1ad; the tag in the skb's metadata, where
+    /// the kernel puts a received frame's outer tag before tc, or in the header).
+    VlanTagged = 13,
+    /// A frame from a pod that is neither IPv4, IPv6 nor ARP (by its EtherType).
+    EtherTypeNotAllowed = 14,
+    /// IPv6 from a pod with a link-local or unspecified source that is not neighbour
+    /// discovery (router/neighbour solicitation, neighbour advertisement, MLD report).
+    LinkLocalNotNd = 15,
+    /// A neighbour advertisement from a pod for a target that is not its own address.
+    SpoofedNdTarget = 16,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 12] = [
+    pub const ALL: [DropReason; 16] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -292,6 +302,10 @@ impl DropReason {
         DropReason::XdpMalformedV6,
         DropReason::ConntrackFull,
         DropReason::NatPortsExhausted,
+        DropReason::VlanTagged,
+        DropReason::EtherTypeNotAllowed,
+        DropReason::LinkLocalNotNd,
+        DropReason::SpoofedNdTarget,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -309,6 +323,10 @@ impl DropReason {
             DropReason::XdpMalformedV6 => "xdp_malformed_ipv6",
             DropReason::ConntrackFull => "conntrack_full",
             DropReason::NatPortsExhausted => "nat_ports_exhausted",
+            DropReason::VlanTagged => "vlan_tagged",
+            DropReason::EtherTypeNotAllowed => "ethertype_not_allowed",
+            DropReason::LinkLocalNotNd => "link_local_not_nd",
+            DropReason::SpoofedNdTarget => "spoofed_nd_target",
         }
     }
 
@@ -485,8 +503,11 @@ mod tests {
         }
         assert_eq!(DropReason::from_u32(0), None);
         // Values are stable: they are keys in the pinned counters map.
-        let values: [u32; 12] = DropReason::ALL.map(|r| r as u32);
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        let values: [u32; 16] = DropReason::ALL.map(|r| r as u32);
+        assert_eq!(
+            values,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+        );
     }
 
     #[test]
