@@ -322,7 +322,7 @@ fn kernel_mode_drops_spoofed_sources_with_rp_filter_and_nftables() {
         )
     });
     assert!(
-        table.contains("calix"),
+        table.contains("comment \"calix: "),
         "the table carries calix's mark:\n{table}"
     );
 

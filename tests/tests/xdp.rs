@@ -331,7 +331,8 @@ fn failsafe_ports_answer_only_for_the_nodes_own_addresses() {
     w.node
         .ns
         .exec_ok(&["ip", "addr", "add", "192.0.2.2/24", "dev", UPLINK]);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let added = Instant::now();
+    let deadline = added + Duration::from_secs(10);
     while w.tcp(DENIED, "192.0.2.2", FAILSAFE_PORT) != greeting {
         assert!(
             Instant::now() < deadline,
@@ -340,4 +341,8 @@ fn failsafe_ports_answer_only_for_the_nodes_own_addresses() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
+    eprintln!(
+        "failsafe on the node's new address after {:?}",
+        added.elapsed()
+    );
 }
