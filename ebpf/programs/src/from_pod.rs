@@ -3,7 +3,9 @@
 //!
 //! A pod may send untagged IPv4 from its address, untagged IPv6 from its address, ARP for its
 //! IPv4 address, and IPv6 neighbour discovery from link-local or unspecified sources; every
-//! other frame is dropped and counted with its reason (see `guard` below). A pod on this node gets the packet straight into its namespace
+//! other frame is dropped and counted with its reason (see `guard` below).
+//!
+//! A pod on this node gets the packet straight into its namespace
 //! (`bpf_redirect_peer`); a pool address on another node goes out via the FIB; anything else
 //! (the node itself, services, the outside world) continues into the host stack — as do the
 //! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
@@ -203,8 +205,9 @@ mod guard {
     /// The target address follows the ICMPv6 header in solicitations and advertisements.
     const ND_TARGET: usize = ICMP6_HLEN;
 
-    /// Where the ICMPv6 message of `ip` starts and its type: `Err(None)` when the extension
-    /// headers cannot be followed, `Ok(None)` when the packet is no (first-fragment) ICMPv6.
+    /// The ICMPv6 message of `ip`: (its type, its offset, whether a fragment header came
+    /// first). `Ok(None)` when the packet carries no ICMPv6 header (another protocol, a later
+    /// fragment, a header cut short); `Err` when the extension headers cannot be followed.
     #[inline(always)]
     fn icmp6(ctx: &TcContext, ip: &Ipv6) -> Result<Option<(u8, usize, bool)>, ()> {
         let end = end(ip);
