@@ -8,7 +8,7 @@ use std::time::Duration;
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
-use calix_agent::dataplane::{masquerade, nat, xdp};
+use calix_agent::dataplane::{antispoof, host_addrs, masquerade, nat, xdp};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -46,8 +46,8 @@ struct Flags {
     #[arg(long)]
     bpf_object: Option<PathBuf>,
     /// Remove this node's eBPF programs (from every cali* interface and the uplinks, the XDP
-    /// prefilter included), map entries and pins, then exit. Pods keep their routes (kernel
-    /// forwarding).
+    /// prefilter included), map entries and pins, and the kernel mode's nftables tables, then
+    /// exit. Pods keep their routes (kernel forwarding).
     #[arg(long)]
     uninstall: bool,
 }
@@ -119,18 +119,13 @@ async fn shutdown_signal() {
 /// This node's own addresses for its node record: global-scope addresses of every interface
 /// but loopback and pod veths.
 fn node_addresses() -> Vec<String> {
-    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+    let Ok(addrs) = host_addrs::interface_addresses() else {
         return Vec::new();
     };
     let mut out: Vec<String> = addrs
-        .filter(|a| !a.interface_name.starts_with("cali") && a.interface_name != "lo")
-        .filter_map(|a| {
-            let sa = a.address?;
-            let ip: std::net::IpAddr = if let Some(v4) = sa.as_sockaddr_in() {
-                std::net::IpAddr::V4(v4.ip())
-            } else {
-                std::net::IpAddr::V6(sa.as_sockaddr_in6()?.ip())
-            };
+        .into_iter()
+        .filter(|(ifname, _)| !ifname.starts_with("cali") && ifname != "lo")
+        .filter_map(|(_, ip)| {
             let link_local = match ip {
                 std::net::IpAddr::V4(v4) => v4.is_link_local(),
                 std::net::IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
@@ -144,7 +139,7 @@ fn node_addresses() -> Vec<String> {
 }
 
 /// `--uninstall`: filters off every cali* interface and the uplinks, XDP off the uplinks, pins
-/// removed.
+/// and the kernel mode's nftables tables removed.
 fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
     let mut n = 0;
     for i in nix::net::if_::if_nameindex()?.iter() {
@@ -157,6 +152,9 @@ fn uninstall_dataplane(cfg: &EbpfConfig) -> Result<()> {
     let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
     if let Err(e) = masquerade::remove() {
         tracing::warn!(error = %e, "cannot remove the kernel-mode masquerade table");
+    }
+    if let Err(e) = antispoof::remove() {
+        tracing::warn!(error = %e, "cannot remove the kernel-mode anti-spoofing table");
     }
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {
@@ -239,6 +237,10 @@ fn spawn_reload(
 /// masquerade whole (which pools translate included).
 fn reload_nat(maps: Option<&mut nat::NatMaps>, cfg: &AgentConfig, mode: DataplaneMode) {
     if mode == DataplaneMode::Kernel {
+        // (Also puts back the anti-spoofing table if something flushed the ruleset.)
+        if let Err(e) = antispoof::apply() {
+            tracing::error!(error = %e, "SIGHUP: cannot apply pod anti-spoofing");
+        }
         match cfg.nat_settings() {
             Ok(s) => match masquerade::apply(&s) {
                 Ok(()) => tracing::info!("SIGHUP: masquerade reloaded"),
@@ -375,13 +377,17 @@ async fn main() -> Result<()> {
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?;
             let xdp_filter = dp.take_xdp();
             let nat_maps = dp.take_nat();
-            // A table a kernel-mode run left behind: the programs translate now.
+            // Tables a kernel-mode run left behind: the programs translate and guard now.
             if let Err(e) = masquerade::remove() {
                 tracing::warn!(error = %e, "cannot remove a kernel-mode masquerade table");
+            }
+            if let Err(e) = antispoof::remove() {
+                tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
             }
             (Box::new(dp), xdp_filter, nat_maps)
         }
         DataplaneMode::Kernel => {
+            antispoof::apply().context("kernel mode: cannot set up pod anti-spoofing")?;
             masquerade::apply(&cfg.nat_settings()?)
                 .context("kernel mode: cannot set up the natOutgoing masquerade")?;
             (Box::new(KernelDataplane), None, None)

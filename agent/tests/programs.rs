@@ -478,18 +478,48 @@ fn arp_from_a_pod() {
 }
 
 #[test]
-fn other_protocols_and_unknown_interfaces_pass_untouched() {
+fn a_pod_sends_nothing_but_ipv4_ipv6_and_arp() {
     in_netns(|| {
         let (h, a, b) = setup();
         let lldp_dst = [0x01, 0x80, 0xc2, 0, 0, 0x0e];
         let lldp = eth(lldp_dst, a.mac, ETH_P_LLDP, &[2, 7, 4, 0, 0, 0]);
-        h.passes(PROG_FROM_POD, a.ifindex, &lldp);
+        let own = Ip4::new(a.v4, b.v4, UDP, udp(1, 53)).bytes();
+        for frame in [
+            lldp,
+            eth(HOST_VETH_MAC, a.mac, ETH_P_LOCAL_EXP, &own),
+            eth(HOST_VETH_MAC, a.mac, 0x8137, &own), // IPX
+            eth(HOST_VETH_MAC, a.mac, 0x0842, &own), // Wake-on-LAN
+            eth(HOST_VETH_MAC, a.mac, 0x9100, &own), // pre-802.1ad QinQ
+            eth(HOST_VETH_MAC, a.mac, 0x0040, &own), // an 802.3 length, not a type
+        ] {
+            h.drops_as(a.ifindex, &frame, DropReason::EtherTypeNotAllowed);
+        }
+        assert_eq!(h.all_drops().len(), 1, "one counter: {:?}", h.all_drops());
+    });
+}
 
+#[test]
+fn unknown_interfaces_are_not_judged() {
+    in_netns(|| {
+        let (h, a, b) = setup();
         // An interface the agent has not registered: not ours to judge (fail open).
         let unknown = veth("cxtpx");
         let spoofed = Ip4::new([10, 244, 0, 99], b.v4, TCP, tcp_syn(1, 2)).sent_by(&a);
         let arp = eth([0xff; 6], a.mac, ETH_P_ARP, &arp(a.mac, b.v4, b.v4));
-        for sent in [spoofed.clone(), with_byte(&spoofed, 14, 0x44), arp] {
+        let lldp = eth(
+            [1, 0x80, 0xc2, 0, 0, 0x0e],
+            a.mac,
+            ETH_P_LLDP,
+            &[2, 7, 4, 0],
+        );
+        let tagged = vlan_tagged(&spoofed, ETH_P_8021Q, 5);
+        for sent in [
+            spoofed.clone(),
+            with_byte(&spoofed, 14, 0x44),
+            arp,
+            lldp,
+            tagged,
+        ] {
             h.passes(PROG_FROM_POD, unknown, &sent);
         }
         assert!(h.all_drops().is_empty(), "no drop counted");
@@ -675,5 +705,417 @@ fn pool_traffic_for_other_nodes_leaves_through_the_fib() {
         for dst in [[10, 244, 9, 9], [198, 51, 100, 1]] {
             h.passes(PROG_FROM_POD, a.ifindex, &ip.clone().to(dst).sent_by(&a));
         }
+    });
+}
+
+// ---- A VLAN tag in the skb's metadata ----
+
+/// `__sk_buff.vlan_present`'s index in [`SkBuffHead`] (`vlan_tci`, `vlan_proto` follow).
+const SKB_VLAN_PRESENT: usize = 5;
+
+/// `bpf(2)` commands and constants (include/uapi/linux/bpf.h).
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_MAP_TYPE_PROG_ARRAY: u32 = 3;
+const BPF_PROG_TYPE_SCHED_CLS: u32 = 3;
+const BPF_PSEUDO_MAP_FD: u8 = 1;
+const BPF_FUNC_TAIL_CALL: i32 = 12;
+const BPF_FUNC_SKB_VLAN_PUSH: i32 = 18;
+/// What the tagging program returns if its tail call into `from_pod` did not happen.
+const TAIL_CALL_FAILED: u32 = 0x7a11;
+
+/// Runs `bpf(cmd, attr)`; the new descriptor (or 0) on success.
+fn bpf_cmd<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
+    // SAFETY: `attr` is the `union bpf_attr` member `cmd` reads, zero-padded to its full size
+    // by the caller's type, and every pointer in it is valid until the call returns.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T,
+            size_of::<T>() as libc::c_uint,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+fn owned_fd(fd: libc::c_long) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let raw = i32::try_from(fd).expect("a descriptor");
+    // SAFETY: the kernel just returned this descriptor; nothing else owns it.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) }
+}
+
+/// One eBPF instruction (`struct bpf_insn`) as its 8 bytes, little-endian.
+fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+    u64::from(code)
+        | (u64::from(dst | (src << 4)) << 8)
+        | (u64::from(off as u16) << 16)
+        | (u64::from(imm as u32) << 32)
+}
+
+/// A classifier that tags the packet in the skb's metadata and tail-calls `from_pod`.
+///
+/// The kernel hands tc ingress a VLAN-tagged frame with its (outer) tag already moved into
+/// the skb's metadata (`__netif_receive_skb_core` runs `skb_vlan_untag` before tc; seen on a
+/// veth here: a tagged frame a pod writes arrives with `vlan_present` set and the inner
+/// EtherType in the header). BPF_PROG_TEST_RUN cannot build such an skb: it never untags,
+/// and `convert___skb_to_skb` refuses a context with any `vlan_*` field set (EINVAL, asserted
+/// below). So the test runs this eleven-instruction program instead, which puts the tag into
+/// the metadata with `bpf_skb_vlan_push` (on an untagged skb that only sets
+/// `vlan_proto`/`vlan_tci`) and continues in `from_pod` through a tail call: `from_pod` then
+/// sees exactly what the kernel gives it.
+struct TagThenFromPod {
+    prog: std::os::fd::OwnedFd,
+    _array: std::os::fd::OwnedFd,
+}
+
+impl TagThenFromPod {
+    fn load(from_pod: std::os::fd::BorrowedFd<'_>, tpid: u16, tci: u16) -> Self {
+        use std::os::fd::AsRawFd;
+        // `union bpf_attr` for BPF_MAP_CREATE: map_type, key_size, value_size, max_entries.
+        let mut create = [0u32; 32];
+        create[..4].copy_from_slice(&[BPF_MAP_TYPE_PROG_ARRAY, 4, 4, 1]);
+        let array = owned_fd(bpf_cmd(BPF_MAP_CREATE, &mut create).expect("a program array"));
+        let (key, value) = (0u32, u32::try_from(from_pod.as_raw_fd()).expect("fd"));
+        // BPF_MAP_UPDATE_ELEM: map_fd (u32, padded), key, value, flags.
+        let mut update = [
+            u64::try_from(array.as_raw_fd()).expect("fd"),
+            &key as *const u32 as u64,
+            &value as *const u32 as u64,
+            0,
+        ];
+        bpf_cmd(BPF_MAP_UPDATE_ELEM, &mut update).expect("from_pod into the program array");
+        let map_fd = array.as_raw_fd();
+        let insns = [
+            insn(0xbf, 6, 1, 0, 0),                       // r6 = r1 (the skb)
+            insn(0xb7, 2, 0, 0, i32::from(tpid.to_be())), // r2 = htons(tpid)
+            insn(0xb7, 3, 0, 0, i32::from(tci)),          // r3 = tci
+            insn(0x85, 0, 0, 0, BPF_FUNC_SKB_VLAN_PUSH),  // bpf_skb_vlan_push(r1, r2, r3)
+            insn(0xbf, 1, 6, 0, 0),                       // r1 = r6
+            insn(0x18, 2, BPF_PSEUDO_MAP_FD, 0, map_fd),  // r2 = the program array
+            insn(0, 0, 0, 0, 0),                          //   (upper half of the imm64)
+            insn(0xb7, 3, 0, 0, 0),                       // r3 = 0 (from_pod's slot)
+            insn(0x85, 0, 0, 0, BPF_FUNC_TAIL_CALL),      // bpf_tail_call(r1, r2, r3)
+            insn(0xb7, 0, 0, 0, TAIL_CALL_FAILED as i32), // r0 = TAIL_CALL_FAILED
+            insn(0x95, 0, 0, 0, 0),                       // exit
+        ];
+        let license = c"GPL";
+        let mut log = vec![0u8; 64 * 1024];
+        // BPF_PROG_LOAD: prog_type, insn_cnt, insns, license, log_level, log_size, log_buf,
+        // then zeros (kern_version, prog_flags, prog_name...).
+        #[repr(C)]
+        struct ProgLoad {
+            prog_type: u32,
+            insn_cnt: u32,
+            insns: u64,
+            license: u64,
+            log_level: u32,
+            log_size: u32,
+            log_buf: u64,
+            rest: [u64; 16],
+        }
+        let mut load = ProgLoad {
+            prog_type: BPF_PROG_TYPE_SCHED_CLS,
+            insn_cnt: insns.len() as u32,
+            insns: insns.as_ptr() as u64,
+            license: license.as_ptr() as u64,
+            log_level: 1,
+            log_size: log.len() as u32,
+            log_buf: log.as_mut_ptr() as u64,
+            rest: [0; 16],
+        };
+        let prog = bpf_cmd(BPF_PROG_LOAD, &mut load).unwrap_or_else(|e| {
+            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
+            panic!(
+                "load the tagging program: {e}\n{}",
+                String::from_utf8_lossy(&log[..end])
+            )
+        });
+        Self {
+            prog: owned_fd(prog),
+            _array: array,
+        }
+    }
+
+    /// Runs the program on `frame` as seen on interface `ifindex`.
+    fn run(&self, ifindex: u32, frame: &[u8]) -> Run {
+        let mut ctx: SkBuffHead = [0; 11];
+        ctx[SKB_IFINDEX] = ifindex;
+        ctx[SKB_INGRESS_IFINDEX] = FORWARDED_FROM;
+        common::test_run(self.prog.as_fd(), frame, &ctx).expect("BPF_PROG_TEST_RUN")
+    }
+}
+
+#[test]
+fn vlan_tagged_frames_are_dropped_whether_the_tag_is_in_the_header_or_the_metadata() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let own = Ip4::new(a.v4, b.v4, UDP, udp(1, 53)).sent_by(&a);
+        let own6 = eth(
+            HOST_VETH_MAC,
+            a.mac,
+            ETH_P_IPV6,
+            &ip6(a.v6, b.v6, UDP, &udp(1, 53)),
+        );
+        let arp_own = eth([0xff; 6], a.mac, ETH_P_ARP, &arp(a.mac, a.v4, b.v4));
+        // The tag in the header: what BPF_PROG_TEST_RUN builds, and on a real veth the inner
+        // tag of a double-tagged frame (the outer one is in the metadata then).
+        for inner in [&own, &own6, &arp_own] {
+            for (tpid, tci) in [(ETH_P_8021Q, 5), (ETH_P_8021AD, 5), (ETH_P_8021Q, 0)] {
+                let tagged = vlan_tagged(inner, tpid, tci);
+                h.drops_as(a.ifindex, &tagged, DropReason::VlanTagged);
+            }
+            let qinq = vlan_tagged(&vlan_tagged(inner, ETH_P_8021Q, 0), ETH_P_8021AD, 0);
+            h.drops_as(a.ifindex, &qinq, DropReason::VlanTagged);
+        }
+        // The tag in the metadata: what tc ingress on a real veth sees.
+        let prog: &SchedClassifier = h
+            .bpf
+            .program(PROG_FROM_POD)
+            .expect("from_pod")
+            .try_into()
+            .expect("a tc classifier");
+        let from_pod = prog.fd().expect("from_pod's fd");
+        let mut ctx: SkBuffHead = [0; 11];
+        ctx[SKB_IFINDEX] = a.ifindex;
+        ctx[SKB_VLAN_PRESENT] = 1;
+        let refused = common::test_run(from_pod.as_fd(), &own, &ctx).err();
+        assert_eq!(
+            refused.and_then(|e| e.raw_os_error()),
+            Some(libc::EINVAL),
+            "test_run took a context with vlan_present set: test that way instead"
+        );
+        let before = h.dropped(a.ifindex, DropReason::VlanTagged);
+        for (tpid, tci) in [(ETH_P_8021Q, 5), (ETH_P_8021AD, 5), (ETH_P_8021Q, 0)] {
+            let tagging = TagThenFromPod::load(from_pod.as_fd(), tpid, tci);
+            for frame in [&own, &own6, &arp_own] {
+                let run = tagging.run(a.ifindex, frame);
+                assert_eq!(run.verdict, TC_ACT_SHOT, "tag {tpid:#x}/{tci}: verdict");
+            }
+        }
+        let after = h.dropped(a.ifindex, DropReason::VlanTagged);
+        assert_eq!(
+            after.packets,
+            before.packets + 9,
+            "each counted as vlan_tagged"
+        );
+        // The same frames untagged are the pod's to send.
+        h.redirects(
+            PROG_FROM_POD,
+            a.ifindex,
+            &own,
+            &Ip4::new(a.v4, b.v4, UDP, udp(1, 53)).delivered_to(&b),
+        );
+        h.passes(PROG_FROM_POD, a.ifindex, &arp_own);
+        assert_eq!(h.all_drops().len(), 1, "{:?}", h.all_drops());
+    });
+}
+
+// ---- IPv6 neighbour discovery ----
+
+/// The host veth's link-local address: every pod's IPv6 gateway.
+fn gateway_v6() -> [u8; 16] {
+    eui64_link_local(HOST_VETH_MAC)
+}
+
+/// The solicited-node multicast address of `a` (ff02::1:ffXX:XXXX).
+fn solicited(a: [u8; 16]) -> [u8; 16] {
+    let mut m = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0xff, 0, 0, 0];
+    m[13..].copy_from_slice(&a[13..]);
+    m
+}
+
+/// `inner` (protocol `next`) behind `n` destination-options headers.
+fn behind_dstopts(n: usize, next: u8, inner: &[u8]) -> (u8, Vec<u8>) {
+    let (mut next, mut payload) = (next, inner.to_vec());
+    for _ in 0..n {
+        payload = ext_header(next, &payload);
+        next = IPV6_DSTOPTS;
+    }
+    (next, payload)
+}
+
+#[test]
+fn link_local_and_unspecified_sources_may_only_do_neighbour_discovery() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let from_a = |ip: &[u8]| eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, ip);
+        let (ll, any, gw) = (eui64_link_local(a.mac), [0u8; 16], gateway_v6());
+        let all_routers = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2];
+        let mld2 = ext_header(ICMPV6, &mld2_report());
+        // What a pod's kernel sends from them: router solicitations, neighbour solicitations
+        // (duplicate address detection from ::), advertisements of its own addresses (from
+        // the address advertised), MLD reports (behind a hop-by-hop header, from :: while
+        // it has no link-local address yet).
+        let kernel_sends = [
+            ip6(ll, all_routers, ICMPV6, &icmp(ND_ROUTER_SOLICIT, 0)),
+            ip6(any, all_routers, ICMPV6, &icmp(ND_ROUTER_SOLICIT, 0)),
+            ip6(ll, solicited(gw), ICMPV6, &nd(ND_NEIGHBOR_SOLICIT, gw)),
+            ip6(any, solicited(ll), ICMPV6, &nd(ND_NEIGHBOR_SOLICIT, ll)),
+            ip6(ll, gw, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, ll)),
+            ip6(ll, gw, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, a.v6)),
+            ip6(ll, ALL_MLD2_ROUTERS, IPV6_HOPOPTS, &mld2),
+            ip6(any, ALL_MLD2_ROUTERS, IPV6_HOPOPTS, &mld2),
+            ip6(
+                ll,
+                ALL_NODES,
+                IPV6_HOPOPTS,
+                &ext_header(ICMPV6, &icmp(MLD_REPORT, 0)),
+            ),
+            ip6(
+                ll,
+                all_routers,
+                IPV6_HOPOPTS,
+                &ext_header(ICMPV6, &icmp(MLD_DONE, 0)),
+            ),
+        ];
+        for ip in &kernel_sends {
+            h.passes(PROG_FROM_POD, a.ifindex, &from_a(ip));
+        }
+        // Anything else from such a source: no link-local traffic but neighbour discovery.
+        let (deep_next, deep) = behind_dstopts(9, ICMPV6, &nd(ND_NEIGHBOR_SOLICIT, gw));
+        let not_nd = [
+            ip6(ll, b.v6, UDP, &udp(1, 53)),
+            ip6(ll, gw, TCP, &tcp_syn(40000, 22)),
+            ip6(ll, gw, ICMPV6, &icmp(128, 1)), // echo request
+            ip6(ll, ALL_NODES, ICMPV6, &icmp(134, 0)), // router advertisement
+            ip6(ll, ALL_NODES, ICMPV6, &icmp(137, 0)), // redirect
+            ip6(
+                ll,
+                ALL_NODES,
+                IPV6_HOPOPTS,
+                &ext_header(ICMPV6, &icmp(130, 0)),
+            ), // MLD query
+            ip6(any, b.v6, UDP, &udp(1, 53)),
+            ip6(any, gw, ICMPV6, &icmp(128, 1)),
+            // Neighbour discovery is never fragmented (RFC 6980).
+            ip6(
+                ll,
+                gw,
+                IPV6_FRAGMENT,
+                &fragment_header(ICMPV6, 0, true, &nd(ND_NEIGHBOR_SOLICIT, gw)),
+            ),
+            ip6(ll, gw, ICMPV6, &[]),      // no ICMPv6 header
+            ip6(ll, gw, deep_next, &deep), // more extension headers than the program follows
+        ];
+        for ip in &not_nd {
+            h.drops_as(a.ifindex, &from_a(ip), DropReason::LinkLocalNotNd);
+        }
+        // An advertisement must name the address it comes from, or the pod's own.
+        let foreign = [
+            ip6(ll, ALL_NODES, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, b.v6)),
+            ip6(
+                ll,
+                ALL_NODES,
+                ICMPV6,
+                &nd(ND_NEIGHBOR_ADVERT, eui64_link_local(b.mac)),
+            ),
+            ip6(ll, ALL_NODES, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, gw)),
+            ip6(any, ALL_NODES, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, ll)),
+            ip6(
+                ll,
+                ALL_NODES,
+                IPV6_DSTOPTS,
+                &ext_header(ICMPV6, &nd(ND_NEIGHBOR_ADVERT, b.v6)),
+            ),
+            ip6(ll, ALL_NODES, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, ll)[..8]), // target cut off
+        ];
+        for ip in &foreign {
+            h.drops_as(a.ifindex, &from_a(ip), DropReason::SpoofedNdTarget);
+        }
+        // The gateway's link-local address is the host's, never a pod's.
+        for ip in [
+            ip6(gw, ALL_NODES, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, gw)),
+            ip6(gw, solicited(ll), ICMPV6, &nd(ND_NEIGHBOR_SOLICIT, ll)),
+        ] {
+            h.drops_as(a.ifindex, &from_a(&ip), DropReason::SpoofedV6);
+        }
+        // A pod without an IPv6 address still resolves and advertises its link-local one,
+        // and nothing else.
+        let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
+        v4_only.flags = EP_HAS_V4;
+        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[4]));
+        h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[6]));
+        h.drops_as(
+            a.ifindex,
+            &from_a(&kernel_sends[5]),
+            DropReason::SpoofedNdTarget,
+        );
+        let reasons: Vec<u32> = h.all_drops().iter().map(|(k, _)| k.reason).collect();
+        assert_eq!(reasons.len(), 3, "{reasons:?}");
+    });
+}
+
+#[test]
+fn an_advertisement_from_the_pods_address_must_advertise_it() {
+    in_netns(|| {
+        let (h, a, b) = setup();
+        let from_a = |ip: &[u8]| eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, ip);
+        let gw = gateway_v6();
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(
+                a.v6,
+                solicited(b.v6),
+                ICMPV6,
+                &nd(ND_NEIGHBOR_SOLICIT, b.v6),
+            )),
+        );
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(a.v6, gw, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, a.v6))),
+        );
+        let na_b = nd(ND_NEIGHBOR_ADVERT, b.v6);
+        let (two_next, two) = behind_dstopts(2, ICMPV6, &na_b);
+        for ip in [
+            ip6(a.v6, gw, ICMPV6, &na_b),
+            ip6(
+                a.v6,
+                gw,
+                ICMPV6,
+                &nd(ND_NEIGHBOR_ADVERT, eui64_link_local(a.mac)),
+            ),
+            ip6(a.v6, gw, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, gw)),
+            ip6(a.v6, gw, IPV6_HOPOPTS, &ext_header(ICMPV6, &na_b)),
+            ip6(a.v6, gw, two_next, &two),
+            ip6(
+                a.v6,
+                gw,
+                IPV6_FRAGMENT,
+                &fragment_header(ICMPV6, 0, true, &na_b),
+            ),
+            ip6(a.v6, gw, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, a.v6)[..8]), // target cut off
+        ] {
+            h.drops_as(a.ifindex, &from_a(&ip), DropReason::SpoofedNdTarget);
+        }
+        // A later fragment carries no ICMPv6 header: the first one decided.
+        let later = fragment_header(ICMPV6, 1, false, &na_b);
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(a.v6, gw, IPV6_FRAGMENT, &later)),
+        );
+        // A chain longer than the program follows hides what it carries: malformed.
+        let (deep_next, deep) = behind_dstopts(9, ICMPV6, &na_b);
+        h.drops_as(
+            a.ifindex,
+            &from_a(&ip6(a.v6, gw, deep_next, &deep)),
+            DropReason::MalformedV6,
+        );
+        // Traffic behind a few extension headers is the stack's, as before.
+        let (next, udp_behind) = behind_dstopts(2, UDP, &udp(1, 53));
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(a.v6, b.v6, next, &udp_behind)),
+        );
     });
 }

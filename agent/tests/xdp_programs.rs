@@ -19,6 +19,7 @@ use aya::maps::lpm_trie::LpmTrie;
 use aya::maps::{HashMap, Map, MapData, PerCpuHashMap};
 use aya::programs::Xdp;
 use aya::Ebpf;
+use calix_agent::dataplane::host_addrs::HostAddrs;
 use calix_agent::dataplane::xdp::{parse_deny, Failsafe, XdpFilter, XdpPolicy};
 use calix_common::{
     DropCount, DropKey, DropReason, FailsafePort, DENY_V4_MAP, DROPS_MAP, FAILSAFE_MAP,
@@ -32,7 +33,6 @@ const XDP_PASS: u32 = 2;
 /// `struct xdp_md`: data, data_end, data_meta, ingress_ifindex, rx_queue_index, egress_ifindex.
 type XdpMd = [u32; 6];
 
-const ETH_P_8021Q: u16 = 0x8100;
 const UPLINK_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
 const ROUTER_MAC: [u8; 6] = [2, 0, 0, 0, 0, 0xfe];
 
@@ -54,6 +54,10 @@ fn policy(deny: &[&str], failsafe: &[&str]) -> XdpPolicy {
             .map(|f| f.parse::<Failsafe>().expect("a port"))
             .collect(),
     }
+}
+
+fn node_addresses(a: &[std::net::IpAddr]) -> std::collections::BTreeSet<std::net::IpAddr> {
+    a.iter().copied().collect()
 }
 
 fn v6(prefix: [u16; 3], last: u8) -> [u8; 16] {
@@ -90,10 +94,12 @@ fn v6_frame(src: [u8; 16], next: u8, l4: &[u8]) -> Vec<u8> {
     from_router(ETH_P_IPV6, &ip6(src, node_v6(), next, l4))
 }
 
-/// The object loaded, the prefilter's policy written by the agent's code, an uplink veth.
+/// The object loaded, the prefilter's policy and the node's addresses written by the agent's
+/// code, an uplink veth.
 struct Harness {
     bpf: Ebpf,
     filter: XdpFilter,
+    host: HostAddrs,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     uplink: u32,
     pins: PinDir,
@@ -106,10 +112,14 @@ fn setup() -> Harness {
     filter
         .set_policy(&policy(&DENY, &FAILSAFE))
         .expect("write the policy");
+    let mut host = HostAddrs::open(&mut bpf).expect("the node-address maps");
+    host.set(&node_addresses(&[NODE_V4.into(), node_v6().into()]))
+        .expect("write the node's addresses");
     Harness {
         drops: map(&mut bpf, DROPS_MAP),
         bpf,
         filter,
+        host,
         uplink: veth("cxtxu"),
         pins,
     }
@@ -417,5 +427,85 @@ fn a_new_policy_takes_effect_at_once_and_a_new_agent_finds_the_old_one() {
             &v4_frame([203, 0, 113, 9], ICMP, icmp(8, 7)),
             DropReason::XdpDenied,
         );
+    });
+}
+
+/// A pod's address on this node: the node forwards to it, it is not the node's own.
+const POD_V4: [u8; 4] = [10, 244, 0, 10];
+
+fn pod_v6() -> [u8; 16] {
+    v6([0xfd00, 0x244, 0], 10)
+}
+
+#[test]
+fn failsafe_ports_apply_only_to_the_nodes_own_addresses() {
+    in_netns(|| {
+        let mut h = setup();
+        let to4 = |dst, proto, l4: Vec<u8>| {
+            from_router(ETH_P_IP, &Ip4::new(DENIED_V4, dst, proto, l4).bytes())
+        };
+        let to6 =
+            |dst, proto, l4: &[u8]| from_router(ETH_P_IPV6, &ip6(denied_v6(), dst, proto, l4));
+        h.passes(&to4(NODE_V4, TCP, tcp_syn(40000, 22)));
+        h.passes(&to6(node_v6(), TCP, &tcp_syn(40000, 22)));
+        // Through the node to a pod (or anywhere else it forwards to): no failsafe.
+        for frame in [
+            to4(POD_V4, TCP, tcp_syn(40000, 22)),
+            to4(POD_V4, UDP, udp(40000, 53)),
+            to4([10, 99, 0, 2], TCP, tcp_syn(40000, 9091)),
+            to6(pod_v6(), TCP, &tcp_syn(40000, 22)),
+            to6(pod_v6(), UDP, &udp(40000, 53)),
+        ] {
+            h.drops_as(&frame, DropReason::XdpDenied);
+        }
+        // Neighbour discovery still passes wherever it goes (it is never forwarded).
+        h.passes(&to6(pod_v6(), ICMPV6, &nd(ND_NEIGHBOR_SOLICIT, pod_v6())));
+        // The node's addresses change (the agent's watcher writes them): at once, the old
+        // one is just another destination and the new one the node's.
+        let new_v4 = [10, 99, 0, 7];
+        let new_v6 = v6([0xfd00, 0, 1], 1);
+        h.host
+            .set(&node_addresses(&[new_v4.into(), new_v6.into()]))
+            .expect("new addresses");
+        assert_eq!(
+            h.host.get(),
+            node_addresses(&[new_v4.into(), new_v6.into()])
+        );
+        h.drops_as(
+            &to4(NODE_V4, TCP, tcp_syn(40000, 22)),
+            DropReason::XdpDenied,
+        );
+        h.drops_as(
+            &to6(node_v6(), TCP, &tcp_syn(40000, 22)),
+            DropReason::XdpDenied,
+        );
+        h.passes(&to4(new_v4, TCP, tcp_syn(40000, 22)));
+        h.passes(&to6(new_v6, TCP, &tcp_syn(40000, 22)));
+    });
+}
+
+#[test]
+fn ipv6_failsafe_ports_are_found_behind_extension_headers() {
+    in_netns(|| {
+        let h = setup();
+        let ssh = tcp_syn(40000, 22);
+        let frame = |next, payload: &[u8]| v6_frame(denied_v6(), next, payload);
+        h.passes(&frame(IPV6_DSTOPTS, &ext_header(TCP, &ssh)));
+        let two = ext_header(IPV6_DSTOPTS, &ext_header(TCP, &ssh));
+        h.passes(&frame(IPV6_HOPOPTS, &two));
+        // A first fragment carries the ports; a later one does not.
+        h.passes(&frame(IPV6_FRAGMENT, &fragment_header(TCP, 0, true, &ssh)));
+        let later = fragment_header(TCP, 3, false, &ssh);
+        h.drops_as(&frame(IPV6_FRAGMENT, &later), DropReason::XdpDenied);
+        // Not a failsafe port, or more headers than the program follows: dropped.
+        let http = ext_header(TCP, &tcp_syn(40000, 80));
+        h.drops_as(&frame(IPV6_DSTOPTS, &http), DropReason::XdpDenied);
+        let mut deep = ssh.clone();
+        let mut next = TCP;
+        for _ in 0..9 {
+            deep = ext_header(next, &deep);
+            next = IPV6_DSTOPTS;
+        }
+        h.drops_as(&frame(next, &deep), DropReason::XdpDenied);
     });
 }

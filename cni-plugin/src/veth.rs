@@ -4,11 +4,11 @@
 //! ```text
 //!   node namespace                               pod namespace
 //!   caliXXXXXXXXXXX  ee:ee:ee:ee:ee:ee  <--veth-->  eth0  <ip>/32, <ip6>/128 (nodad)
-//!     proxy_arp=1, proxy_delay=0, forwarding=1       169.254.1.1/32 scope link
-//!     (v6: proxy_ndp=1, accept_ra=0, forwarding=1)   default via 169.254.1.1
-//!   <ip>/32 dev caliX scope link proto 202           default via fe80::ecee:eeff:feee:eeee
-//!   <ip6>/128 dev caliX proto 202                    permanent neighbours for both gateways,
-//!                                                    accept_dad=0
+//!     proxy_arp=1, proxy_delay=0, forwarding=1,      169.254.1.1/32 scope link
+//!     rp_filter=1                                    default via 169.254.1.1
+//!     (v6: proxy_ndp=1, accept_ra=0, forwarding=1)   default via fe80::ecee:eeff:feee:eeee
+//!   <ip>/32 dev caliX scope link proto 202           permanent neighbours for both gateways,
+//!   <ip6>/128 dev caliX proto 202                    accept_dad=0
 //! ```
 //!
 //! Order of an ADD: [`create_veth`], [`configure_pod`], [`configure_host`]. If any step fails,
@@ -504,7 +504,8 @@ pub async fn delete_source_rules(pod: &Handle, addrs: &[IpAddr]) -> Result<usize
 /// Configures the host side; `host` must act on the calling thread's namespace, because the
 /// sysctls are written through that thread's /proc/sys/net.
 ///
-/// - v4: `conf/<if>/proxy_arp=1`, `neigh/<if>/proxy_delay=0`, `conf/<if>/forwarding=1`;
+/// - v4: `conf/<if>/proxy_arp=1`, `neigh/<if>/proxy_delay=0`, `conf/<if>/forwarding=1`,
+///   `conf/<if>/rp_filter=1`;
 /// - v6: `conf/<if>/proxy_ndp=1`, `accept_ra=0`, `forwarding=1`;
 /// - link up;
 /// - `<v4>/32 dev <if> scope link proto 202`, `<v6>/128 dev <if> proto 202`.
@@ -538,6 +539,14 @@ pub async fn configure_host(
         )?;
         netns::write_sysctl_if_changed(
             format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"),
+            "1",
+        )?;
+        // Strict reverse-path filtering: the pod's packets must come from an address whose
+        // route leads back out of this veth (its own). The kernel mode's only IPv4
+        // anti-spoofing besides the agent's nftables table (which also covers `all=2`, loose,
+        // overruling this); in eBPF mode `from_pod` has checked before the stack sees them.
+        netns::write_sysctl_if_changed(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/rp_filter"),
             "1",
         )?;
     }

@@ -301,6 +301,11 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             "1"
         );
         assert_eq!(
+            sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/rp_filter")),
+            "1",
+            "strict reverse-path filtering on the host veth"
+        );
+        assert_eq!(
             sysctl(&format!("/proc/sys/net/ipv6/conf/{HOST_IF}/proxy_ndp")),
             "1"
         );

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod packets;
+
 /// Prefix of every namespace and directory the tests create.
 pub const PREFIX: &str = "cxt";
 
@@ -196,6 +198,127 @@ impl Netns {
             .ok()
             .and_then(|v| v.as_array().cloned())
             .unwrap_or_default()
+    }
+}
+
+impl Netns {
+    /// Writes each of `frames` (whole Ethernet frames, as built by [`packets`]) onto
+    /// `ifname` inside this namespace through a raw `AF_PACKET` socket: what a hostile pod can
+    /// put on its veth. Runs on a thread of its own that enters the namespace and ends there.
+    pub fn send_frames(&self, ifname: &str, frames: &[Vec<u8>]) {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let path = self.path();
+        let ifname = std::ffi::CString::new(ifname).expect("interface name");
+        let frames = frames.to_vec();
+        let sent = std::thread::spawn(move || -> std::io::Result<()> {
+            let ns = std::fs::File::open(&path)?;
+            // SAFETY: setns(2) on a descriptor we hold; it moves only this thread, which ends
+            // right after.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: a NUL-terminated name; the lookup happens in this thread's namespace.
+            let index = unsafe { libc::if_nametoindex(ifname.as_ptr()) };
+            if index == 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: plain socket(2); the descriptor is owned right below.
+            let fd =
+                unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: socket(2) just returned it; nothing else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: all-zero is a valid sockaddr_ll.
+            let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+            to.sll_family = libc::AF_PACKET as u16;
+            to.sll_ifindex = i32::try_from(index).map_err(std::io::Error::other)?;
+            to.sll_halen = 6;
+            for f in &frames {
+                to.sll_addr[..6].copy_from_slice(&f[..6]);
+                // SAFETY: the frame and the address are valid for the lengths given.
+                let n = unsafe {
+                    libc::sendto(
+                        fd.as_raw_fd(),
+                        f.as_ptr().cast(),
+                        f.len(),
+                        0,
+                        (&to as *const libc::sockaddr_ll).cast(),
+                        std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+                    )
+                };
+                if n < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        })
+        .join()
+        .expect("the frame-sending thread panicked");
+        if let Err(e) = sent {
+            panic!("sending raw frames in {}: {e}", self.name);
+        }
+    }
+
+    /// Starts tcpdump on `ifname` in this namespace (every frame, written as it comes) and
+    /// waits until it listens.
+    pub fn capture(&self, ifname: &str) -> Capture {
+        let pcap = std::env::temp_dir().join(format!("{}-{ifname}.pcap", self.name));
+        let log = pcap.with_extension("log");
+        let log_file = std::fs::File::create(&log).expect("tcpdump log");
+        let child = self
+            .cmd(&["tcpdump", "-i", ifname, "-n", "-U", "-w"])
+            .arg(&pcap)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn tcpdump");
+        let capture = Capture {
+            child: Guarded(child),
+            pcap,
+            log,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(&capture.log)
+            .unwrap_or_default()
+            .contains("listening on")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "tcpdump did not start on {ifname}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        capture
+    }
+}
+
+/// A running tcpdump ([`Netns::capture`]); its files go when it is dropped.
+pub struct Capture {
+    child: Guarded,
+    pcap: PathBuf,
+    log: PathBuf,
+}
+
+impl Capture {
+    /// What was captured so far, as `tcpdump -r -n -e -A` prints it (link-level headers, VLAN
+    /// tags and payloads as text).
+    pub fn text(&self) -> String {
+        let out = run(Command::new("tcpdump")
+            .args(["-r"])
+            .arg(&self.pcap)
+            .args(["-n", "-e", "-A"]));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
+        let _ = std::fs::remove_file(&self.pcap);
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 

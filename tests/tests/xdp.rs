@@ -6,7 +6,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_tests::{bin, run, Dataplane, Guarded, Netns, Node};
+use calix_tests::{bin, run, Dataplane, Guarded, Netns, Node, Pod};
 use serde_json::Value;
 
 /// The node's uplink (in the node namespace) and its peer (in the outside namespace).
@@ -44,6 +44,16 @@ fn wire(config: &str) -> Wired {
     for a in [DENIED, ALLOWED] {
         outside.exec_ok(&["ip", "addr", "add", &format!("{a}/24"), "dev", "eth0"]);
     }
+    let server = serve(&node.ns, &[FAILSAFE_PORT, OTHER_PORT]);
+    Wired {
+        _server: server,
+        node,
+        outside,
+    }
+}
+
+/// TCP servers on `ports` in `ns`, each greeting with `calix-<port>`.
+fn serve(ns: &Netns, ports: &[u16]) -> Guarded {
     let script = "import socket,sys,threading\n\
         def serve(port):\n\
         \x20   s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n\
@@ -53,24 +63,16 @@ fn wire(config: &str) -> Wired {
         for p in sys.argv[1:]:\n\
         \x20   threading.Thread(target=serve,args=(int(p),),daemon=True).start()\n\
         threading.Event().wait()\n";
-    let server = node
-        .ns
-        .cmd(&[
-            "python3",
-            "-c",
-            script,
-            &FAILSAFE_PORT.to_string(),
-            &OTHER_PORT.to_string(),
-        ])
+    let ports: Vec<String> = ports.iter().map(u16::to_string).collect();
+    let mut argv = vec!["python3", "-c", script];
+    argv.extend(ports.iter().map(String::as_str));
+    let server = ns
+        .cmd(&argv)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("python3 TCP servers");
-    Wired {
-        _server: Guarded(server),
-        node,
-        outside,
-    }
+    Guarded(server)
 }
 
 impl Wired {
@@ -96,8 +98,13 @@ impl Wired {
 
     /// Connects from `from` to the node's `port`: the server's greeting, if it answered.
     fn tcp_from(&self, from: &str, port: u16) -> Option<String> {
+        self.tcp(from, NODE_ADDR, port)
+    }
+
+    /// Connects from `from` to `to`:`port`: the server's greeting, if it answered.
+    fn tcp(&self, from: &str, to: &str, port: u16) -> Option<String> {
         let code = format!(
-            "import socket;s=socket.create_connection(('{NODE_ADDR}',{port}),timeout=2,\
+            "import socket;s=socket.create_connection(('{to}',{port}),timeout=2,\
              source_address=('{from}',0));print(s.recv(64).decode())"
         );
         let out = self.outside.exec(&["python3", "-c", &code]);
@@ -292,4 +299,53 @@ fn generic_mode_filters_too_and_uninstall_removes_the_program() {
         "pins left after --uninstall"
     );
     assert!(w.ping_from(DENIED, 1), "still filtered after --uninstall");
+}
+
+#[test]
+fn failsafe_ports_answer_only_for_the_nodes_own_addresses() {
+    let config = format!(
+        "{}[[pools]]\ncidr = \"10.244.0.0/16\"\n",
+        config("auto", &[DENIED])
+    );
+    let w = wire(&config);
+    w.node.start_agent();
+    w.wait_for_servers();
+    // A pod on the node serves the failsafe port too; the outside routes the pool via the node.
+    let pod = Pod::add(&w.node, "p");
+    let _pod_server = serve(&pod.ns, &[FAILSAFE_PORT]);
+    w.outside
+        .exec_ok(&["ip", "route", "add", "10.244.0.0/16", "via", NODE_ADDR]);
+    let greeting = Some(format!("calix-{FAILSAFE_PORT}"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while w.tcp(ALLOWED, &pod.ip(), FAILSAFE_PORT) != greeting {
+        assert!(Instant::now() < deadline, "the pod's server never answered");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The denied source reaches the node's failsafe port, not the pod's.
+    assert_eq!(w.tcp_from(DENIED, FAILSAFE_PORT), greeting);
+    let dropped = w.dropped("xdp_denied_source");
+    assert_eq!(
+        w.tcp(DENIED, &pod.ip(), FAILSAFE_PORT),
+        None,
+        "a denied source reached a pod's failsafe port through the node"
+    );
+    assert!(w.dropped("xdp_denied_source") > dropped);
+    // A new address of the node is the node's own as soon as the agent sees it.
+    w.node
+        .ns
+        .exec_ok(&["ip", "addr", "add", "192.0.2.2/24", "dev", UPLINK]);
+    let added = Instant::now();
+    let deadline = added + Duration::from_secs(10);
+    while w.tcp(DENIED, "192.0.2.2", FAILSAFE_PORT) != greeting {
+        assert!(
+            Instant::now() < deadline,
+            "the node's new address got no failsafe:\n{}",
+            w.node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!(
+        "failsafe on the node's new address after {:?}",
+        added.elapsed()
+    );
 }

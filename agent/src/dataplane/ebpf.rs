@@ -24,6 +24,7 @@ use calix_common::{
 };
 use ipnet::IpNet;
 
+use super::host_addrs::HostAddrs;
 use super::nat::{self as snat, NatMaps, NatSettings};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
@@ -319,7 +320,8 @@ impl EbpfDataplane {
     }
 
     /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
-    /// from its first packet); links of interfaces it should no longer run on detached.
+    /// from its first packet), the node's addresses kept current from then on
+    /// (`host_addrs`); links of interfaces it should no longer run on detached.
     fn start_xdp(&mut self) -> Result<(), DataplaneError> {
         let links = self.cfg.xdp_links_dir();
         let Some(settings) = self.cfg.xdp.clone() else {
@@ -331,10 +333,15 @@ impl EbpfDataplane {
         let mut filter = XdpFilter::open(&mut self.bpf)?;
         filter.set_policy(&settings.policy)?;
         self.xdp = Some(filter);
+        // The failsafe ports apply to the node's own addresses only: those must be there
+        // before the program runs, and stay current after.
+        let mut host = HostAddrs::open(&mut self.bpf)?;
+        host.refresh()?;
         xdp::detach_except(&links, &self.cfg.uplinks);
         for uplink in &self.cfg.uplinks {
             xdp::attach(xdp_program(&mut self.bpf)?, uplink, settings.mode, &links)?;
         }
+        host.watch();
         Ok(())
     }
 

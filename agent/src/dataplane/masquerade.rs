@@ -62,7 +62,7 @@ pub fn remove() -> Result<(), DataplaneError> {
 }
 
 /// Runs `nft -f -` on `script`.
-fn nft(script: &str) -> Result<(), DataplaneError> {
+pub(super) fn nft(script: &str) -> Result<(), DataplaneError> {
     let fail = |why: String| DataplaneError::Nftables(why);
     let mut child = Command::new("nft")
         .args(["-f", "-"])

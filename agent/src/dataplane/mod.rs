@@ -1,7 +1,9 @@
 //! The dataplane behind one narrow trait: attach an endpoint's programs and map entries, detach
 //! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
 //! `kernel` leaves forwarding to the kernel's routes.
+pub mod antispoof;
 pub mod ebpf;
+pub mod host_addrs;
 pub mod masquerade;
 pub mod nat;
 pub mod xdp;
@@ -58,8 +60,10 @@ pub enum DataplaneError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    #[error("kernel-mode masquerade (nftables): {0}")]
+    #[error("nftables: {0}")]
     Nftables(String),
+    #[error("reading the node's addresses failed")]
+    Addresses(#[source] nix::Error),
 }
 
 /// What attaching an endpoint produced.

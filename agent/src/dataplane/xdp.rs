@@ -349,7 +349,7 @@ pub fn attach(
 }
 
 /// `e: cause: cause…`.
-fn chain(e: &dyn std::error::Error) -> String {
+pub(super) fn chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -1,6 +1,7 @@
 //! What the program tests share (`programs.rs`: the tc programs; `xdp_programs.rs`: the XDP
 //! prefilter): BPF_PROG_TEST_RUN, a network namespace and a bpffs pin directory per test, the
-//! object loaded as the agent loads it, drop counters, and packet builders.
+//! object loaded as the agent loads it, drop counters; and the packet builders of
+//! tests/src/packets.rs.
 #![allow(dead_code)] // Each test file uses its own part of it.
 
 use std::mem::size_of;
@@ -15,14 +16,10 @@ use aya::{Ebpf, EbpfLoader};
 use calix_agent::dataplane::ebpf::OBJECT;
 use calix_common::{DropCount, DropKey, DropReason, ALL_PROGRAMS};
 
-pub const ETH_P_IP: u16 = 0x0800;
-pub const ETH_P_ARP: u16 = 0x0806;
-pub const ETH_P_IPV6: u16 = 0x86dd;
-pub const ETH_P_LLDP: u16 = 0x88cc;
-pub const ICMP: u8 = 1;
-pub const TCP: u8 = 6;
-pub const UDP: u8 = 17;
-pub const ICMPV6: u8 = 58;
+// The packet builders live with the integration tests' harness; one copy serves both.
+#[path = "../../../tests/src/packets.rs"]
+mod packets;
+pub use packets::*;
 
 // ---- BPF_PROG_TEST_RUN ----
 
@@ -201,143 +198,4 @@ pub fn dropped(
 pub fn map<T: TryFrom<Map, Error = MapError>>(bpf: &mut Ebpf, name: &str) -> T {
     let m = bpf.take_map(name).expect("a map of ALL_MAPS");
     T::try_from(m).unwrap_or_else(|e| panic!("map {name}: {e}"))
-}
-
-// ---- Packets ----
-
-pub fn v6(last: u8) -> [u8; 16] {
-    let mut a = [0u8; 16];
-    a[..4].copy_from_slice(&[0xfd, 0x00, 0x02, 0x44]);
-    a[15] = last;
-    a
-}
-
-pub fn eth(dst: [u8; 6], src: [u8; 6], ethertype: u16, payload: &[u8]) -> Vec<u8> {
-    [&dst[..], &src, &ethertype.to_be_bytes(), payload].concat()
-}
-
-/// The one's complement checksum of RFC 1071: the value of a header's checksum field computed
-/// with the field zero; 0 over a header whose checksum is right.
-pub fn ipv4_checksum(bytes: &[u8]) -> u16 {
-    let word = |w: &[u8]| u32::from(u16::from_be_bytes([w[0], w.get(1).copied().unwrap_or(0)]));
-    let mut sum: u32 = bytes.chunks(2).map(word).sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// An IPv4 packet; `bytes` gives it a right header checksum.
-#[derive(Clone)]
-pub struct Ip4 {
-    pub src: [u8; 4],
-    pub dst: [u8; 4],
-    pub proto: u8,
-    pub ttl: u8,
-    /// Flags and fragment offset (DF 0x4000, MF 0x2000, offset in 8-byte units).
-    pub frag: u16,
-    pub options: Vec<u8>,
-    pub payload: Vec<u8>,
-}
-
-impl Ip4 {
-    pub fn new(src: [u8; 4], dst: [u8; 4], proto: u8, payload: Vec<u8>) -> Self {
-        let (ttl, frag, options) = (64, 0x4000, Vec::new());
-        Ip4 {
-            src,
-            dst,
-            proto,
-            ttl,
-            frag,
-            options,
-            payload,
-        }
-    }
-
-    pub fn bytes(&self) -> Vec<u8> {
-        let hlen = 20 + self.options.len();
-        assert!(
-            hlen.is_multiple_of(4) && hlen <= 60,
-            "options: 40 bytes in words at most"
-        );
-        let tot = u16::try_from(hlen + self.payload.len()).expect("total length");
-        let mut h = vec![0x40 | (hlen / 4) as u8, 0];
-        h.extend(tot.to_be_bytes());
-        h.extend([0x12, 0x34]); // identification
-        h.extend(self.frag.to_be_bytes());
-        h.extend([self.ttl, self.proto, 0, 0]);
-        h.extend(self.src);
-        h.extend(self.dst);
-        h.extend(&self.options);
-        let csum = ipv4_checksum(&h);
-        h[10..12].copy_from_slice(&csum.to_be_bytes());
-        h.extend(&self.payload);
-        h
-    }
-
-    pub fn ttl(self, ttl: u8) -> Self {
-        Ip4 { ttl, ..self }
-    }
-
-    pub fn frag(self, frag: u16) -> Self {
-        Ip4 { frag, ..self }
-    }
-
-    pub fn to(self, dst: [u8; 4]) -> Self {
-        Ip4 { dst, ..self }
-    }
-}
-
-/// An IPv6 packet, hop limit 64.
-pub fn ip6(src: [u8; 16], dst: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
-    let len = u16::try_from(payload.len()).expect("payload length");
-    [
-        &[0x60, 0, 0, 0][..],
-        &len.to_be_bytes(),
-        &[next, 64],
-        &src,
-        &dst,
-        payload,
-    ]
-    .concat()
-}
-
-// Transport headers keep a zero checksum: the programs neither check it nor change what it
-// covers.
-pub fn tcp_syn(sport: u16, dport: u16) -> Vec<u8> {
-    let flags = [0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0];
-    [&sport.to_be_bytes()[..], &dport.to_be_bytes(), &flags].concat()
-}
-
-pub fn udp(sport: u16, dport: u16) -> Vec<u8> {
-    let (sport, dport, len) = (
-        sport.to_be_bytes(),
-        dport.to_be_bytes(),
-        12u16.to_be_bytes(),
-    );
-    [&sport[..], &dport, &len, &[0, 0], b"ping"].concat()
-}
-
-/// ICMP or ICMPv6 message `ty` with identifier `id` (meaningful for echo), sequence 1.
-pub fn icmp(ty: u8, id: u16) -> Vec<u8> {
-    [&[ty, 0, 0, 0][..], &id.to_be_bytes(), &[0, 1]].concat()
-}
-
-/// An IPv4-over-Ethernet ARP request.
-pub fn arp(sha: [u8; 6], spa: [u8; 4], tpa: [u8; 4]) -> Vec<u8> {
-    [
-        &[0, 1, 0x08, 0x00, 6, 4, 0, 1][..],
-        &sha,
-        &spa,
-        &[0; 6],
-        &tpa,
-    ]
-    .concat()
-}
-
-/// `frame` with byte `at` replaced by `value`.
-pub fn with_byte(frame: &[u8], at: usize, value: u8) -> Vec<u8> {
-    let mut f = frame.to_vec();
-    f[at] = value;
-    f
 }

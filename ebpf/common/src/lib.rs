@@ -53,6 +53,15 @@ pub const MAX_DENY_CIDRS: u32 = 65_536;
 pub const FAILSAFE_MAP: &str = "CALIX_FAILSAFE";
 /// Maximum number of failsafe ports.
 pub const MAX_FAILSAFE_PORTS: u32 = 256;
+/// Hash map: an IPv4 address of the node itself (`[u8; 4]`) → `u32` (unused). The XDP
+/// prefilter's failsafe ports apply only to packets addressed to one of these (not to pods or
+/// anything else the node forwards to); the agent fills it from the node's interfaces and
+/// keeps it current.
+pub const HOST_V4_MAP: &str = "CALIX_HOST_V4";
+/// Hash map: an IPv6 address of the node itself (`[u8; 16]`) → `u32` (unused).
+pub const HOST_V6_MAP: &str = "CALIX_HOST_V6";
+/// Maximum number of the node's own addresses per family.
+pub const MAX_HOST_ADDRS: u32 = 4096;
 /// Hash map: [`CtKey`] → [`CtEntry`]. SNAT connection tracking: two entries per flow, one
 /// per direction (the pod's original tuple, and the reply tuple as it arrives at the node).
 /// Sized by `[nat] conntrack_entries` (the agent sets `max_entries` at load). A plain hash,
@@ -72,7 +81,7 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 pub const MAX_NAT_UPLINKS: usize = 8;
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 15] = [
+pub const ALL_MAPS: [&str; 17] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     COUNTERS_MAP,
@@ -85,6 +94,8 @@ pub const ALL_MAPS: [&str; 15] = [
     DENY_V4_MAP,
     DENY_V6_MAP,
     FAILSAFE_MAP,
+    HOST_V4_MAP,
+    HOST_V6_MAP,
     CT_MAP,
     NAT_CONFIG_MAP,
     NO_SNAT_V4_MAP,
@@ -126,6 +137,31 @@ pub const ALL_PROGRAMS: [&str; 5] = [
 
 /// The MAC address of every host-side `cali*` veth (the pods' gateway).
 pub const HOST_VETH_MAC: [u8; 6] = [0xee; 6];
+
+/// The link-local address of every host-side `cali*` veth, fe80::ecee:eeff:feee:eeee: the
+/// EUI-64 address (RFC 4291 appendix A) of [`HOST_VETH_MAC`], and the pods' IPv6 gateway.
+/// Never a pod's source address.
+pub const HOST_VETH_LINK_LOCAL: [u8; 16] = {
+    let m = HOST_VETH_MAC;
+    [
+        0xfe,
+        0x80,
+        0,
+        0,
+        0,
+        0,
+        0,
+        0,
+        m[0] ^ 0x02,
+        m[1],
+        m[2],
+        0xff,
+        0xfe,
+        m[3],
+        m[4],
+        m[5],
+    ]
+};
 
 /// Packet and byte counters of one endpoint, seen from the host side of its veth.
 #[repr(C)]
@@ -253,7 +289,8 @@ impl DropCount {
 pub enum DropReason {
     /// IPv4 from a pod with a source address that is not the pod's.
     SpoofedV4 = 1,
-    /// IPv6 from a pod with a source address that is neither the pod's nor link-local.
+    /// IPv6 from a pod with a source address that is neither the pod's nor link-local (or
+    /// is the host veth's own link-local address).
     SpoofedV6 = 2,
     /// ARP from a pod claiming a sender address that is not the pod's.
     SpoofedArp = 3,
@@ -276,10 +313,20 @@ pub enum DropReason {
     ConntrackFull = 11,
     /// SNAT: no free NAT port for the flow's destination within the bounded search.
     NatPortsExhausted = 12,
+    /// A VLAN-tagged frame from a pod (802.1Q or 802.1ad; the tag in the skb's metadata, where
+    /// the kernel puts a received frame's outer tag before tc, or in the header).
+    VlanTagged = 13,
+    /// A frame from a pod that is neither IPv4, IPv6 nor ARP (by its EtherType).
+    EtherTypeNotAllowed = 14,
+    /// IPv6 from a pod with a link-local or unspecified source that is not neighbour
+    /// discovery (router/neighbour solicitation, neighbour advertisement, MLD report).
+    LinkLocalNotNd = 15,
+    /// A neighbour advertisement from a pod for a target that is not its own address.
+    SpoofedNdTarget = 16,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 12] = [
+    pub const ALL: [DropReason; 16] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -292,6 +339,10 @@ impl DropReason {
         DropReason::XdpMalformedV6,
         DropReason::ConntrackFull,
         DropReason::NatPortsExhausted,
+        DropReason::VlanTagged,
+        DropReason::EtherTypeNotAllowed,
+        DropReason::LinkLocalNotNd,
+        DropReason::SpoofedNdTarget,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -309,6 +360,10 @@ impl DropReason {
             DropReason::XdpMalformedV6 => "xdp_malformed_ipv6",
             DropReason::ConntrackFull => "conntrack_full",
             DropReason::NatPortsExhausted => "nat_ports_exhausted",
+            DropReason::VlanTagged => "vlan_tagged",
+            DropReason::EtherTypeNotAllowed => "ethertype_not_allowed",
+            DropReason::LinkLocalNotNd => "link_local_not_nd",
+            DropReason::SpoofedNdTarget => "spoofed_nd_target",
         }
     }
 
@@ -452,6 +507,14 @@ mod tests {
     }
 
     #[test]
+    fn the_gateway_link_local_is_the_eui64_of_the_host_veth_mac() {
+        let want = [
+            0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0xec, 0xee, 0xee, 0xff, 0xfe, 0xee, 0xee, 0xee,
+        ];
+        assert_eq!(HOST_VETH_LINK_LOCAL, want); // fe80::ecee:eeff:feee:eeee
+    }
+
+    #[test]
     fn accumulate_adds_every_field() {
         let mut a = EndpointCounters {
             from_pod_packets: 1,
@@ -485,8 +548,11 @@ mod tests {
         }
         assert_eq!(DropReason::from_u32(0), None);
         // Values are stable: they are keys in the pinned counters map.
-        let values: [u32; 12] = DropReason::ALL.map(|r| r as u32);
-        assert_eq!(values, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        let values: [u32; 16] = DropReason::ALL.map(|r| r as u32);
+        assert_eq!(
+            values,
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+        );
     }
 
     #[test]

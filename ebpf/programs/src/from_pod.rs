@@ -1,5 +1,11 @@
 //! Traffic the pod sends (tc ingress on the host-side `cali*` veth): anti-spoofing, then
-//! forwarding. A pod on this node gets the packet straight into its namespace
+//! forwarding.
+//!
+//! A pod may send untagged IPv4 from its address, untagged IPv6 from its address, ARP for its
+//! IPv4 address, and IPv6 neighbour discovery from link-local or unspecified sources; every
+//! other frame is dropped and counted with its reason (see `guard` below).
+//!
+//! A pod on this node gets the packet straight into its namespace
 //! (`bpf_redirect_peer`); a pool address on another node goes out via the FIB; anything else
 //! (the node itself, services, the outside world) continues into the host stack — as do the
 //! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
@@ -18,7 +24,10 @@ use crate::maps::{
     CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
 };
 use crate::nat;
-use crate::packet::{self, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6};
+use crate::packet::{
+    self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
+    IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
+};
 
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
     #[cfg(feature = "bench-floor")]
@@ -58,12 +67,22 @@ fn full(ctx: &mut TcContext) -> Result<i32, c_long> {
     };
     // SAFETY: a pointer from a successful lookup, valid until the program returns.
     let ep: EndpointInfo = unsafe { *ep };
-    match packet::ethertype(ctx)? {
+    // A VLAN tag: the kernel moves a received frame's (outer) tag into the skb's metadata
+    // before tc runs, and the host stack may still strip priority tags (VLAN 0) after tc and
+    // route what is inside, unchecked. A second tag stays in the header.
+    // SAFETY: as above, a context read.
+    if unsafe { (*ctx.skb.skb).vlan_present } != 0 {
+        return Ok(drop(ctx, ifindex, DropReason::VlanTagged));
+    }
+    let Ok(ethertype) = packet::ethertype(ctx) else {
+        return Ok(drop(ctx, ifindex, DropReason::EtherTypeNotAllowed));
+    };
+    match ethertype {
         ETH_P_IP => ipv4(ctx, ifindex, &ep),
         ETH_P_IPV6 => ipv6(ctx, ifindex, &ep),
         ETH_P_ARP => arp(ctx, ifindex, &ep),
-        // Other protocols: the host stack decides (and normally drops them).
-        _ => Ok(TC_ACT_OK),
+        ETH_P_8021Q | ETH_P_8021AD => Ok(drop(ctx, ifindex, DropReason::VlanTagged)),
+        _ => Ok(drop(ctx, ifindex, DropReason::EtherTypeNotAllowed)),
     }
 }
 
@@ -106,15 +125,25 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     let Some(ip) = packet::ipv6(ctx) else {
         return Ok(drop(ctx, ifindex, DropReason::MalformedV6));
     };
-    // Link-local and unspecified sources are neighbour discovery, which every pod does.
+    // Link-local and unspecified sources: neighbour discovery, nothing else.
     if packet::is_v6_link_local(&ip.src) || packet::is_v6_unspecified(&ip.src) {
-        return Ok(TC_ACT_OK);
+        return Ok(match guard::link_local(ctx, ep, &ip) {
+            Ok(()) => TC_ACT_OK,
+            Err(reason) => drop(ctx, ifindex, reason),
+        });
     }
     if ep.flags & EP_HAS_V6 == 0 {
         return Ok(drop(ctx, ifindex, DropReason::FamilyNotAssigned));
     }
     if ip.src != ep.ipv6 {
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV6));
+    }
+    // TCP and UDP (most of the traffic) need nothing more; anything else may be an
+    // advertisement, which must be for the pod's own address.
+    if ip.next_hdr != IPPROTO_TCP && ip.next_hdr != IPPROTO_UDP {
+        if let Err(reason) = guard::own_source(ctx, ep, &ip) {
+            return Ok(drop(ctx, ifindex, reason));
+        }
     }
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
@@ -146,4 +175,98 @@ fn arp(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_lo
         return Ok(drop(ctx, ifindex, DropReason::SpoofedArp));
     }
     Ok(TC_ACT_OK)
+}
+
+/// IPv6 neighbour discovery: what a pod may send beyond its own address.
+///
+/// From a link-local or unspecified source a pod's kernel sends router solicitations,
+/// neighbour solicitations (duplicate address detection from `::`), neighbour advertisements
+/// of its own addresses, and MLD reports (v1 report and done, v2 report; behind a hop-by-hop
+/// header, from `::` before it has a link-local address). Nothing else from such a source
+/// is allowed: it could only talk to the host (the kernel never forwards link-local
+/// sources), and the pod has its own address for that. An advertisement (from any source)
+/// must name the pod's own address, or the link-local address it comes from (Linux always
+/// advertises an address from that very address); fragmented neighbour discovery is never
+/// legitimate (RFC 6980). The host veth's own link-local address is never a pod's.
+mod guard {
+    use aya_ebpf::programs::TcContext;
+    use calix_common::{DropReason, EndpointInfo, EP_HAS_V6, HOST_VETH_LINK_LOCAL};
+
+    use super::{packet, v6, Ipv6, ETH_HLEN, IPPROTO_ICMPV6};
+
+    const ND_ROUTER_SOLICIT: u8 = 133;
+    const ND_NEIGHBOR_SOLICIT: u8 = 135;
+    const ND_NEIGHBOR_ADVERT: u8 = 136;
+    const MLD_REPORT: u8 = 131;
+    const MLD_DONE: u8 = 132;
+    const MLD2_REPORT: u8 = 143;
+    /// An ICMPv6 header's length (type, code, checksum, and four more bytes).
+    const ICMP6_HLEN: usize = 8;
+    /// The target address follows the ICMPv6 header in solicitations and advertisements.
+    const ND_TARGET: usize = ICMP6_HLEN;
+
+    /// The ICMPv6 message of `ip`: (its type, its offset, whether a fragment header came
+    /// first). `Ok(None)` when the packet carries no ICMPv6 header (another protocol, a later
+    /// fragment, a header cut short); `Err` when the extension headers cannot be followed.
+    #[inline(always)]
+    fn icmp6(ctx: &TcContext, ip: &Ipv6) -> Result<Option<(u8, usize, bool)>, ()> {
+        let end = end(ip);
+        let read = |off: usize| ctx.load::<[u8; 4]>(off).ok();
+        let Some(up) = packet::v6_upper(ip.next_hdr, ETH_HLEN + v6::LEN, end, read) else {
+            return Err(());
+        };
+        if up.proto != IPPROTO_ICMPV6 || up.off + ICMP6_HLEN > end {
+            return Ok(None);
+        }
+        Ok(ctx.load::<u8>(up.off).ok().map(|ty| (ty, up.off, up.fragmented)))
+    }
+
+    /// Where the IP payload ends.
+    #[inline(always)]
+    fn end(ip: &Ipv6) -> usize {
+        ETH_HLEN + v6::LEN + usize::from(ip.payload_len)
+    }
+
+    /// Whether the advertisement at `l4` names an address the pod may advertise.
+    #[inline(always)]
+    fn advertises_own(ctx: &TcContext, ep: &EndpointInfo, ip: &Ipv6, l4: usize) -> bool {
+        if l4 + ND_TARGET + 16 > end(ip) {
+            return false;
+        }
+        let Ok(target) = ctx.load::<[u8; 16]>(l4 + ND_TARGET) else {
+            return false;
+        };
+        (ep.flags & EP_HAS_V6 != 0 && target == ep.ipv6)
+            || (packet::is_v6_link_local(&ip.src) && target == ip.src)
+    }
+
+    /// IPv6 from a link-local or unspecified source: neighbour discovery only.
+    #[inline(always)]
+    pub fn link_local(ctx: &TcContext, ep: &EndpointInfo, ip: &Ipv6) -> Result<(), DropReason> {
+        if ip.src == HOST_VETH_LINK_LOCAL {
+            return Err(DropReason::SpoofedV6);
+        }
+        let Ok(Some((ty, l4, false))) = icmp6(ctx, ip) else {
+            return Err(DropReason::LinkLocalNotNd);
+        };
+        match ty {
+            ND_ROUTER_SOLICIT | ND_NEIGHBOR_SOLICIT | MLD_REPORT | MLD_DONE | MLD2_REPORT => Ok(()),
+            ND_NEIGHBOR_ADVERT if advertises_own(ctx, ep, ip, l4) => Ok(()),
+            ND_NEIGHBOR_ADVERT => Err(DropReason::SpoofedNdTarget),
+            _ => Err(DropReason::LinkLocalNotNd),
+        }
+    }
+
+    /// IPv6 from the pod's own address that is not TCP or UDP: an advertisement must be for
+    /// that address; a chain of extension headers too long to follow hides what it carries.
+    #[inline(always)]
+    pub fn own_source(ctx: &TcContext, ep: &EndpointInfo, ip: &Ipv6) -> Result<(), DropReason> {
+        match icmp6(ctx, ip) {
+            Err(()) => Err(DropReason::MalformedV6),
+            Ok(Some((ND_NEIGHBOR_ADVERT, l4, _))) if !advertises_own(ctx, ep, ip, l4) => {
+                Err(DropReason::SpoofedNdTarget)
+            }
+            Ok(_) => Ok(()),
+        }
+    }
 }

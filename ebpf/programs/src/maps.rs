@@ -10,7 +10,8 @@ use aya_ebpf::{
 };
 use calix_common::{
     DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint,
-    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_POOLS, MAX_STACK_FLOWS,
+    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_POOLS,
+    MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack delivered to a local pod; their replies go back through the stack.
@@ -64,6 +65,14 @@ pub static CALIX_DENY_V6: LpmTrie<[u8; 16], u32> =
 #[map(name = "CALIX_FAILSAFE")]
 pub static CALIX_FAILSAFE: HashMap<FailsafePort, u32> = HashMap::pinned(MAX_FAILSAFE_PORTS, 0);
 
+/// The node's own IPv4 addresses: the only destinations the XDP failsafe ports apply to.
+#[map(name = "CALIX_HOST_V4")]
+pub static CALIX_HOST_V4: HashMap<[u8; 4], u32> = HashMap::pinned(MAX_HOST_ADDRS, 0);
+
+/// The node's own IPv6 addresses.
+#[map(name = "CALIX_HOST_V6")]
+pub static CALIX_HOST_V6: HashMap<[u8; 16], u32> = HashMap::pinned(MAX_HOST_ADDRS, 0);
+
 // `#[map(name = ...)]` takes a literal only; keep each in step with the const the agent uses.
 const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"));
 const _: () = assert!(crate::str_eq(
@@ -86,3 +95,5 @@ const _: () = assert!(crate::str_eq(calix_common::POOLS_V6_MAP, "CALIX_POOLS_V6"
 const _: () = assert!(crate::str_eq(calix_common::DENY_V4_MAP, "CALIX_DENY_V4"));
 const _: () = assert!(crate::str_eq(calix_common::DENY_V6_MAP, "CALIX_DENY_V6"));
 const _: () = assert!(crate::str_eq(calix_common::FAILSAFE_MAP, "CALIX_FAILSAFE"));
+const _: () = assert!(crate::str_eq(calix_common::HOST_V4_MAP, "CALIX_HOST_V4"));
+const _: () = assert!(crate::str_eq(calix_common::HOST_V6_MAP, "CALIX_HOST_V6"));

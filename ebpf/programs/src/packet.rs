@@ -164,6 +164,81 @@ pub const IPPROTO_ICMP: u8 = 1;
 pub use calix_common::{IPPROTO_TCP, IPPROTO_UDP};
 pub const IPPROTO_ICMPV6: u8 = 58;
 
+/// IPv6 extension headers (next-header values) [`v6_upper`] steps over.
+pub const IPPROTO_HOPOPTS: u8 = 0;
+pub const IPPROTO_ROUTING: u8 = 43;
+pub const IPPROTO_FRAGMENT: u8 = 44;
+pub const IPPROTO_AH: u8 = 51;
+pub const IPPROTO_DSTOPTS: u8 = 60;
+/// The most extension headers [`v6_upper`] follows. Real traffic carries one or two (a
+/// hop-by-hop header on MLD, a fragment header); a longer chain is not followed, and what it
+/// hides is treated as unknown by the callers.
+pub const MAX_V6_EXT_HEADERS: usize = 8;
+
+/// Where an IPv6 packet's upper-layer header starts, past its extension headers.
+#[derive(Clone, Copy)]
+pub struct V6Upper {
+    /// Its protocol (next-header value); [`IPPROTO_FRAGMENT`] for a fragment other than the
+    /// first, which holds no upper-layer header.
+    pub proto: u8,
+    /// Its offset from the start of the frame.
+    pub off: usize,
+    /// A fragment header came first (neighbour discovery is never fragmented: RFC 6980).
+    pub fragmented: bool,
+}
+
+/// Follows an IPv6 packet's extension headers — hop-by-hop, routing, destination options,
+/// authentication, and the fragment header of a first fragment — from next header `next`
+/// at offset `off` (the end of the fixed header) to the upper-layer header. `end` is where
+/// the IP payload ends; `read` reads the four bytes at an offset (a header's next header and
+/// length, and a fragment header's offset). `None` when a header is cut short, runs past
+/// `end`, or the chain is longer than [`MAX_V6_EXT_HEADERS`].
+///
+/// Both the tc programs (`bpf_skb_load_bytes`) and XDP (direct packet access) walk with it.
+#[inline(always)]
+pub fn v6_upper(
+    next: u8,
+    off: usize,
+    end: usize,
+    read: impl Fn(usize) -> Option<[u8; 4]>,
+) -> Option<V6Upper> {
+    let mut up = V6Upper {
+        proto: next,
+        off,
+        fragmented: false,
+    };
+    let mut i = 0;
+    while i <= MAX_V6_EXT_HEADERS {
+        if !matches!(
+            up.proto,
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_FRAGMENT | IPPROTO_AH | IPPROTO_DSTOPTS
+        ) {
+            return Some(up);
+        }
+        // Every extension header is at least 8 bytes long.
+        if i == MAX_V6_EXT_HEADERS || up.off + 8 > end {
+            return None;
+        }
+        let h = read(up.off)?;
+        let len = match up.proto {
+            IPPROTO_FRAGMENT => {
+                up.fragmented = true;
+                // A later fragment: its bytes continue the first one's payload.
+                if u16::from_be_bytes([h[2], h[3]]) & 0xfff8 != 0 {
+                    return Some(up);
+                }
+                8
+            }
+            IPPROTO_AH => (usize::from(h[1]) + 2) * 4,
+            _ => (usize::from(h[1]) + 1) * 8,
+        };
+        up.proto = h[0];
+        up.off += len;
+        i += 1;
+    }
+    None
+}
+
 /// (source, destination) "ports" of a transport header at `l4` (bytes into the frame, `l4_len`
 /// bytes of IP payload), in
 /// network byte order: TCP/UDP ports, or the ICMP/ICMPv6 echo identifier twice. `None` for

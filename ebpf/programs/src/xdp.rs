@@ -4,10 +4,13 @@
 //!   past the end of the frame) is dropped: the stack would drop it a little later anyway.
 //! - A packet whose source is in the deny list (`CALIX_DENY_V4` / `CALIX_DENY_V6`, LPM tries
 //!   the agent fills from its config) is dropped, unless it is TCP or UDP to a failsafe
-//!   destination port (`CALIX_FAILSAFE`: ssh, the agent's own ports), which always passes so a
-//!   deny list can never lock the operator out. So does ICMPv6 neighbour discovery (the IPv6
-//!   counterpart of ARP, which passes as non-IP): a denied host must still be able to resolve
-//!   the node's address to reach those ports.
+//!   destination port (`CALIX_FAILSAFE`: ssh, the agent's own ports) of the node itself (a
+//!   destination in `CALIX_HOST_V4` / `CALIX_HOST_V6`, the node's own addresses, which the
+//!   agent keeps current), which always passes so a deny list can never lock the operator
+//!   out; the same port on a pod or anything else the node forwards to gets no such pass. IPv6
+//!   extension headers are followed to the ports (`packet::v6_upper`). ICMPv6 neighbour
+//!   discovery passes too (the IPv6 counterpart of ARP, which passes as non-IP): a denied
+//!   host must still be able to resolve the node's address to reach those ports.
 //! - Everything else passes: other EtherTypes (ARP, LLDP...), IP from anywhere else.
 //!
 //! Every drop is counted by (ingress ifindex, reason) in `CALIX_DROPS`, like the tc programs'.
@@ -26,10 +29,10 @@ use aya_ebpf::{
 use calix_common::{DropReason, FailsafePort};
 
 use crate::counters;
-use crate::maps::{CALIX_DENY_V4, CALIX_DENY_V6, CALIX_FAILSAFE};
+use crate::maps::{CALIX_DENY_V4, CALIX_DENY_V6, CALIX_FAILSAFE, CALIX_HOST_V4, CALIX_HOST_V6};
 use crate::packet::{
-    v4, v6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP,
-    IPPROTO_UDP, VLAN_HLEN,
+    self, v4, v6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6,
+    IPPROTO_TCP, IPPROTO_UDP, VLAN_HLEN,
 };
 
 /// The `N` bytes at `off` into the frame, if its first buffer holds them all.
@@ -109,7 +112,8 @@ fn ipv4(ctx: &XdpContext, l3: usize, len: usize) -> u32 {
     }
     // Only the first fragment (or an unfragmented packet) carries the ports.
     let offset = u16::from_be_bytes([h[6], h[7]]) & 0x1fff;
-    if offset == 0 && failsafe(ctx, h[9], l3 + ihl) {
+    let dst = [h[16], h[17], h[18], h[19]];
+    if offset == 0 && failsafe(ctx, h[9], l3 + ihl) && CALIX_HOST_V4.get_ptr(&dst).is_some() {
         return XDP_PASS;
     }
     drop(ctx, DropReason::XdpDenied, len)
@@ -132,8 +136,22 @@ fn ipv6(ctx: &XdpContext, l3: usize, len: usize) -> u32 {
     if CALIX_DENY_V6.get(&Key::new(128, src)).is_none() {
         return XDP_PASS;
     }
-    // TCP or UDP right after the fixed header; behind extension headers, no failsafe.
-    if failsafe(ctx, h[6], l3 + v6::LEN) || neighbour_discovery(ctx, h[6], l3 + v6::LEN) {
+    // The transport header, past any extension headers (a jumbogram's payload runs to the
+    // end of the frame).
+    let end = match payload_len {
+        0 => len,
+        n => l3 + v6::LEN + n,
+    };
+    let read = |off: usize| bytes::<4>(ctx, off).copied();
+    let Some(up) = packet::v6_upper(h[6], l3 + v6::LEN, end, read) else {
+        return drop(ctx, DropReason::XdpDenied, len);
+    };
+    if !up.fragmented && neighbour_discovery(ctx, up.proto, up.off) {
+        return XDP_PASS;
+    }
+    let mut dst = [0u8; 16];
+    dst.copy_from_slice(&h[24..40]);
+    if failsafe(ctx, up.proto, up.off) && CALIX_HOST_V6.get_ptr(&dst).is_some() {
         return XDP_PASS;
     }
     drop(ctx, DropReason::XdpDenied, len)
