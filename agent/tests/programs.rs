@@ -25,10 +25,11 @@ use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use aya::Ebpf;
 use calix_common::{
-    DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint,
-    ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
-    HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
-    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
+    eui64_link_local, DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey,
+    LocalEndpoint, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4,
+    EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV,
+    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP, TC_PROGRAMS,
+    XDP_PROGRAMS,
 };
 use common::*;
 

@@ -74,22 +74,6 @@ fn get_ci<'a>(obj: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::V
         .map(|(_, v)| v)
 }
 
-pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let parts: Vec<&str> = s.split([':', '-']).collect();
-    if parts.len() != 6 {
-        return None;
-    }
-    let mut mac = [0u8; 6];
-    for (i, p) in parts.iter().enumerate() {
-        // from_str_radix alone would take "+e" as a hex number.
-        if p.len() != 2 || !p.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return None;
-        }
-        mac[i] = u8::from_str_radix(p, 16).ok()?;
-    }
-    Some(mac)
-}
-
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 pub struct IpamConf {
     #[serde(rename = "type", default = "default_ipam")]
@@ -246,7 +230,7 @@ impl NetConf {
         if let Some(mac) = get_ci(v, "mac") {
             let text = mac.as_str().unwrap_or_default();
             rc.mac =
-                Some(parse_mac(text).ok_or_else(|| {
+                Some(calix_kernel::mac::parse(text).ok_or_else(|| {
                     bad(format!("runtimeConfig.mac: {mac} is not a MAC address"))
                 })?);
         }
@@ -378,16 +362,5 @@ mod runtime_tests {
         assert_eq!(c.gc_attachments().map(<[_]>::len), Some(2));
         let c = NetConf::parse(br#"{"cniVersion":"1.1.0","name":"n"}"#).expect("parse");
         assert!(c.gc_attachments().is_none());
-    }
-
-    #[test]
-    fn macs() {
-        assert_eq!(
-            parse_mac("ee:EE:ee:ee:ee:01"),
-            Some([0xee, 0xee, 0xee, 0xee, 0xee, 1])
-        );
-        assert_eq!(parse_mac("ee:ee:ee:ee:ee"), None);
-        assert_eq!(parse_mac("+e:ee:ee:ee:ee:ee"), None);
-        assert_eq!(parse_mac("ee:ee:ee:ee:ee:eee"), None);
     }
 }

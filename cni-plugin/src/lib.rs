@@ -6,9 +6,7 @@ pub mod config;
 pub mod error;
 pub mod ipam;
 pub mod logging;
-pub mod netns;
 pub mod result;
-pub mod veth;
 
 use std::io::Read;
 

@@ -39,13 +39,6 @@ pub struct AddResult {
     pub routes: Vec<(IpNet, IpAddr)>,
 }
 
-pub fn mac_string(m: &[u8; 6]) -> String {
-    m.iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":")
-}
-
 impl AddResult {
     /// Parses a result of any supported version (a `prevResult`, a delegate's answer).
     pub fn from_json(v: &Value) -> Result<Self, CniError> {
@@ -67,7 +60,7 @@ impl AddResult {
                 .ok_or_else(|| bad(format!("interface without a name: {i}")))?;
             let mac = i["mac"]
                 .as_str()
-                .and_then(crate::config::parse_mac)
+                .and_then(calix_kernel::mac::parse)
                 .unwrap_or([0; 6]);
             r.interfaces.push(Interface {
                 name: name.to_string(),
@@ -134,7 +127,7 @@ impl AddResult {
             .interfaces
             .iter()
             .map(|i| {
-                let mut v = json!({ "name": i.name, "mac": mac_string(&i.mac) });
+                let mut v = json!({ "name": i.name, "mac": calix_kernel::mac::format(&i.mac) });
                 if let Some(s) = &i.sandbox {
                     v["sandbox"] = json!(s);
                 }

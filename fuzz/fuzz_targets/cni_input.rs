@@ -22,9 +22,10 @@ use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
 use calix_cni::args::{host_veth_name, CniArgs, CniEnv, Command};
-use calix_cni::config::{parse_mac, NetConf};
+use calix_cni::config::NetConf;
+use calix_kernel::mac;
 use calix_cni::error::CniError;
-use calix_cni::result::{check_version, mac_string, AddResult, Interface};
+use calix_cni::result::{check_version, AddResult, Interface};
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use libfuzzer_sys::fuzz_target;
 
@@ -109,8 +110,8 @@ fuzz_target!(|data: &[u8]| {
     }
     // MACs (runtimeConfig.mac, prevResult interfaces) from every env line.
     for line in env_text.split('\n') {
-        if let Some(mac) = parse_mac(line) {
-            assert_eq!(parse_mac(&mac_string(&mac)), Some(mac));
+        if let Some(m) = mac::parse(line) {
+            assert_eq!(mac::parse(&mac::format(&m)), Some(m));
         }
     }
     // Versions straight from the input, not only from a decodable config.

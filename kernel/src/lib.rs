@@ -1,4 +1,17 @@
 //! calix's contracts with the node's kernel, written once and shared by every binary (the
-//! agent, the CNI plugin, the tests and xtask). This crate builds with cargo alone (no eBPF
-//! toolchain), so xtask can use it before `cargo xtask setup` has run.
+//! agent, the CNI plugin, the tests and xtask):
+//!
+//! - [`netlink`]: links, addresses, routes, neighbours, rules; calix's route protocol;
+//! - [`netns`]: network namespaces (a thread per namespace, sockets opened inside) and sysctls;
+//! - [`pod`]: what a pod's wiring is (the host veth's MAC, the gateways, the routes and link
+//!   settings of both sides), done by the plugin in ADD and kept true by the agent;
+//! - [`mac`]: MAC addresses as text;
+//! - [`bpffs`]: mounting the BPF filesystem.
+//!
+//! This crate builds with cargo alone (no eBPF toolchain), so xtask can use it before
+//! `cargo xtask setup` has run.
 pub mod bpffs;
+pub mod mac;
+pub mod netlink;
+pub mod netns;
+pub mod pod;

@@ -181,22 +181,6 @@ pub fn link_local(last: u8) -> [u8; 16] {
     a
 }
 
-/// The EUI-64 link-local address (RFC 4291 appendix A) of an interface with `mac`.
-pub fn eui64_link_local(mac: [u8; 6]) -> [u8; 16] {
-    let mut a = link_local(0);
-    a[8..].copy_from_slice(&[
-        mac[0] ^ 2,
-        mac[1],
-        mac[2],
-        0xff,
-        0xfe,
-        mac[3],
-        mac[4],
-        mac[5],
-    ]);
-    a
-}
-
 /// ff02::1, all nodes on the link.
 pub const ALL_NODES: [u8; 16] = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
 /// ff02::16, all MLDv2-capable routers.

@@ -6,7 +6,7 @@
 //! rp_filter and the agent's nftables table. Run as root.
 use std::time::{Duration, Instant};
 
-use calix_common::HOST_VETH_MAC;
+use calix_common::{eui64_link_local, HOST_VETH_MAC};
 use calix_tests::packets::*;
 use calix_tests::{bin, run, Capture, Dataplane, Node, Pod};
 use serde_json::Value;

@@ -12,9 +12,12 @@ use crate::args::{host_veth_name, pod_identity};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
 use crate::ipam;
-use crate::netns::{self, NetNs};
 use crate::result::{AddResult, Interface};
-use crate::veth::{self, VethError};
+use calix_kernel::netns::{self, NetNs};
+use calix_kernel::{
+    netlink::{self, NetlinkError},
+    pod,
+};
 
 /// What ADD has done so far.
 #[derive(Default)]
@@ -45,7 +48,7 @@ impl Undo {
             }
         }
         if let (Some(name), Some(h)) = (self.veth, host) {
-            if let Err(e) = veth::delete_link(h, &name).await {
+            if let Err(e) = netlink::delete_link(h, &name).await {
                 tracing::error!(error = %e, %name, "rollback: deleting veth failed");
             }
         }
@@ -139,12 +142,12 @@ async fn create_veth(
     host: &rtnetlink::Handle,
     pod_ns: &NetNs,
     host_ifname: &str,
-) -> Result<(veth::VethPair, rtnetlink::Handle), CniError> {
+) -> Result<(pod::VethPair, rtnetlink::Handle), CniError> {
     let (env, conf) = (inv.env, inv.conf);
-    let create = || veth::create_veth_with_handle(host, pod_ns, host_ifname, &env.ifname, conf.mtu);
+    let create = || pod::create_veth_with_handle(host, pod_ns, host_ifname, &env.ifname, conf.mtu);
     let exists = match create().await {
-        Err(VethError::Exists { name }) if name == host_ifname => name,
-        Err(VethError::Exists { name }) => {
+        Err(NetlinkError::Exists { name }) if name == host_ifname => name,
+        Err(NetlinkError::Exists { name }) => {
             return Err(CniError::new(
                 code::WIRING_FAILED,
                 format!("interface {name} already exists in the container's network namespace",),
@@ -153,8 +156,8 @@ async fn create_veth(
         }
         other => return other.map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e)),
     };
-    let ours = veth::owner_alias(&env.container_id, &env.ifname);
-    let alias = veth::link_details(host, &exists)
+    let ours = pod::owner_alias(&env.container_id, &env.ifname);
+    let alias = netlink::link_details(host, &exists)
         .await
         .map_err(|e| wiring(format!("cannot inspect the existing {exists}"), &e))?
         .and_then(|l| l.alias);
@@ -167,7 +170,7 @@ async fn create_veth(
             ),
             format!("{exists} has alias {alias}"),
         )),
-        Some(alias) if veth::is_owner_alias(&alias) && pod_identity(&env.args).is_some() => {
+        Some(alias) if pod::is_owner_alias(&alias) && pod_identity(&env.args).is_some() => {
             tracing::info!(%host_ifname, old_owner = %alias, new_owner = %ours,
                 "replacing the veth of an older sandbox of this pod");
             super::delete_owned_link(host, host_ifname, &alias)
@@ -200,20 +203,20 @@ async fn pod_routing(
     pod_ifindex: u32,
     v4: bool,
     v6: bool,
-) -> Result<veth::PodRouting, CniError> {
-    let read = |e: VethError| wiring("cannot read the container's routes".into(), &e);
+) -> Result<pod::PodRouting, CniError> {
+    let read = |e: NetlinkError| wiring("cannot read the container's routes".into(), &e);
     let taken = (v4
-        && veth::has_default_route(pod, veth::Family::V4)
+        && pod::has_default_route(pod, netlink::Family::V4)
             .await
             .map_err(read)?)
         || (v6
-            && veth::has_default_route(pod, veth::Family::V6)
+            && pod::has_default_route(pod, netlink::Family::V6)
                 .await
                 .map_err(read)?);
     Ok(if taken {
-        veth::PodRouting::secondary(pod_ifindex)
+        pod::PodRouting::secondary(pod_ifindex)
     } else {
-        veth::PodRouting::Main
+        pod::PodRouting::Main
     })
 }
 
@@ -224,7 +227,7 @@ async fn wire(
     pod: &rtnetlink::Handle,
     host: &rtnetlink::Handle,
     host_ifname: &str,
-    pair: &veth::VethPair,
+    pair: &pod::VethPair,
     addresses: &[IpAddr],
     agent: &mut AgentClient,
     undo: &mut Undo,
@@ -240,23 +243,23 @@ async fn wire(
         IpAddr::V6(v) => Some(*v),
         IpAddr::V4(_) => None,
     });
-    veth::set_alias(
+    netlink::set_alias(
         host,
         pair.host_ifindex,
-        &veth::owner_alias(&env.container_id, &env.ifname),
+        &pod::owner_alias(&env.container_id, &env.ifname),
     )
     .await
     .map_err(|e| wiring(format!("cannot mark {host_ifname} as ours"), &e))?;
 
     let mut pod_mac = pair.pod_mac;
     if let Some(mac) = conf.runtime()?.mac {
-        veth::set_mac(pod, pair.pod_ifindex, mac)
+        netlink::set_mac(pod, pair.pod_ifindex, mac)
             .await
             .map_err(|e| wiring(format!("cannot set MAC of {}", env.ifname), &e))?;
         pod_mac = mac;
     }
     let routing = pod_routing(pod, pair.pod_ifindex, v4.is_some(), v6.is_some()).await?;
-    veth::configure_pod(pod, pair.pod_ifindex, v4, v6, routing)
+    pod::configure_pod(pod, pair.pod_ifindex, v4, v6, routing)
         .await
         .map_err(|e| {
             wiring(
@@ -278,7 +281,7 @@ async fn wire(
                 .map_err(|e| wiring(format!("cannot set {k} in the container"), &e))?;
         }
     }
-    veth::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6)
+    pod::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6)
         .await
         .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
     t.mark("host side");
@@ -296,11 +299,7 @@ async fn wire(
                 pod_name: env.args.pod_name.clone().unwrap_or_default(),
                 addresses: nets.iter().map(ToString::to_string).collect(),
                 handle: conf.handle(&env.container_id),
-                mac: pod_mac
-                    .iter()
-                    .map(|b| format!("{b:02x}"))
-                    .collect::<Vec<_>>()
-                    .join(":"),
+                mac: calix_kernel::mac::format(&pod_mac),
                 host_ifindex: pair.host_ifindex,
             }),
         })
@@ -313,7 +312,7 @@ async fn wire(
         interfaces: vec![
             Interface {
                 name: host_ifname,
-                mac: veth::HOST_VETH_MAC,
+                mac: pod::HOST_VETH_MAC,
                 sandbox: None,
             },
             Interface {
@@ -327,8 +326,8 @@ async fn wire(
     };
     for net in &nets {
         let (gw, default): (IpAddr, IpNet) = match net {
-            IpNet::V4(_) => (IpAddr::V4(veth::GATEWAY_V4), IpNet::V4(Default::default())),
-            IpNet::V6(_) => (IpAddr::V6(veth::GATEWAY_V6), IpNet::V6(Default::default())),
+            IpNet::V4(_) => (IpAddr::V4(pod::GATEWAY_V4), IpNet::V4(Default::default())),
+            IpNet::V6(_) => (IpAddr::V6(pod::GATEWAY_V6), IpNet::V6(Default::default())),
         };
         result.ips.push((*net, gw, 1));
         result.routes.push((default, gw));

@@ -10,9 +10,10 @@ use super::{wiring, Invocation};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
 use crate::ipam;
-use crate::netns;
 use crate::result::AddResult;
-use crate::veth::{self, Family};
+use calix_kernel::netlink::{self, Family};
+use calix_kernel::netns;
+use calix_kernel::pod;
 
 fn failed(msg: String) -> CniError {
     CniError::new(
@@ -52,11 +53,11 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
-    let link = veth::link_details(&host, &host_if.name)
+    let link = netlink::link_details(&host, &host_if.name)
         .await
         .map_err(|e| wiring("cannot read host links".into(), &e))?
         .ok_or_else(|| failed(format!("host interface {} is missing", host_if.name)))?;
-    if link.mac != Some(veth::HOST_VETH_MAC) || !link.up {
+    if link.mac != Some(pod::HOST_VETH_MAC) || !link.up {
         return Err(failed(format!(
             "host interface {} is down or has a foreign MAC",
             host_if.name
@@ -64,7 +65,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     }
     for (addr, _) in &ours {
         let dst = IpNet::from(addr.addr());
-        let routes = veth::routes_to(&host, dst)
+        let routes = netlink::routes_to(&host, dst)
             .await
             .map_err(|e| wiring("cannot read host routes".into(), &e))?;
         if !routes.iter().any(|r| r.oif == Some(link.index)) {
@@ -82,11 +83,11 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
             &e,
         )
     })?;
-    let pod_link = veth::link_details(&pod, &env.ifname)
+    let pod_link = netlink::link_details(&pod, &env.ifname)
         .await
         .map_err(|e| wiring("cannot read the container's links".into(), &e))?
         .ok_or_else(|| failed(format!("{} is missing in the container", env.ifname)))?;
-    let have = veth::addresses(&pod, pod_link.index)
+    let have = netlink::addresses(&pod, pod_link.index)
         .await
         .map_err(|e| wiring("cannot read the container's addresses".into(), &e))?;
     for (addr, gw) in &ours {
@@ -101,7 +102,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         } else {
             Family::V6
         };
-        let routes = veth::routes(&pod, fam)
+        let routes = netlink::routes(&pod, fam)
             .await
             .map_err(|e| wiring("cannot read the container's routes".into(), &e))?;
         if !routes.iter().any(|r| {

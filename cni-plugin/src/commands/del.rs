@@ -8,8 +8,9 @@ use std::net::IpAddr;
 use crate::args::{host_veth_name, PRIMARY_IFNAME};
 use crate::client::{call_error, AgentClient};
 use crate::error::CniError;
+use crate::ipam;
 use crate::result::AddResult;
-use crate::{ipam, netns, veth};
+use calix_kernel::{netns, pod};
 
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let env = inv.env;
@@ -39,7 +40,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
-    let owner = veth::owner_alias(&env.container_id, &env.ifname);
+    let owner = pod::owner_alias(&env.container_id, &env.ifname);
     // Order matters for speed and safety: the veth goes first (the kernel drops its routes and
     // tc filters with it), so the agent only forgets the endpoint instead of detaching filters
     // under the RTNL lock; the address is released last, once no route points at the old veth.
@@ -98,7 +99,7 @@ async fn forget_source_rules(inv: &Invocation<'_>, released: &[String]) {
     };
     match netns::netlink_in(&pod_ns).await {
         Ok(pod) => {
-            if let Err(e) = veth::delete_source_rules(&pod, &addrs).await {
+            if let Err(e) = pod::delete_source_rules(&pod, &addrs).await {
                 tracing::warn!(error = %e, "cannot remove the attachment's source rules");
             }
         }

@@ -7,7 +7,8 @@ use calix_proto::v1 as pb;
 use super::{wiring, Invocation};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
-use crate::{ipam, netns, veth};
+use crate::ipam;
+use calix_kernel::{netns, pod};
 
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let conf = inv.conf;
@@ -38,7 +39,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
     for st in &resp.stale {
-        let owner = veth::owner_alias(&st.container_id, &st.ifname);
+        let owner = pod::owner_alias(&st.container_id, &st.ifname);
         match super::delete_owned_link(&host, &st.host_ifname, &owner).await {
             Ok(true) => tracing::info!(name = %st.host_ifname, "GC: deleted stale veth"),
             Ok(false) => {}

@@ -22,10 +22,12 @@ pub(crate) async fn delete_owned_link(
     host: &rtnetlink::Handle,
     name: &str,
     owner: &str,
-) -> Result<bool, crate::veth::VethError> {
-    match crate::veth::link_details(host, name).await? {
+) -> Result<bool, calix_kernel::netlink::NetlinkError> {
+    match calix_kernel::netlink::link_details(host, name).await? {
         None => Ok(false),
-        Some(l) if l.alias.as_deref() == Some(owner) => crate::veth::delete_link(host, name).await,
+        Some(l) if l.alias.as_deref() == Some(owner) => {
+            calix_kernel::netlink::delete_link(host, name).await
+        }
         Some(l) => {
             tracing::warn!(
                 %name,
@@ -41,11 +43,11 @@ pub(crate) async fn delete_owned_link(
 /// Opens the container's network namespace; failing that is a bad environment (code 4), and
 /// so is a "container" namespace that is the node's own (the plugin's): a pod interface there
 /// would be a second interface of the node, outside every guarantee calix gives.
-pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<crate::netns::NetNs, CniError> {
+pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<calix_kernel::netns::NetNs, CniError> {
     let bad = |msg: String, e: &dyn std::fmt::Display| {
         CniError::new(code::INVALID_ENV, msg, e.to_string())
     };
-    let ns = crate::netns::NetNs::open(&env.netns).map_err(|e| {
+    let ns = calix_kernel::netns::NetNs::open(&env.netns).map_err(|e| {
         bad(
             format!(
                 "cannot open the container's network namespace {}",
@@ -54,7 +56,7 @@ pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<crate::netns::NetNs, CniError>
             &e,
         )
     })?;
-    let own = crate::netns::NetNs::current()
+    let own = calix_kernel::netns::NetNs::current()
         .and_then(|own| ns.is_same(&own))
         .map_err(|e| bad("cannot compare network namespaces".into(), &e))?;
     if own {

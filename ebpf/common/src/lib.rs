@@ -138,11 +138,9 @@ pub const ALL_PROGRAMS: [&str; 5] = [
 /// The MAC address of every host-side `cali*` veth (the pods' gateway).
 pub const HOST_VETH_MAC: [u8; 6] = [0xee; 6];
 
-/// The link-local address of every host-side `cali*` veth, fe80::ecee:eeff:feee:eeee: the
-/// EUI-64 address (RFC 4291 appendix A) of [`HOST_VETH_MAC`], and the pods' IPv6 gateway.
-/// Never a pod's source address.
-pub const HOST_VETH_LINK_LOCAL: [u8; 16] = {
-    let m = HOST_VETH_MAC;
+/// The EUI-64 link-local address (RFC 4291 appendix A) the kernel gives an interface with
+/// `mac` (with `addr_gen_mode` eui64, the default).
+pub const fn eui64_link_local(mac: [u8; 6]) -> [u8; 16] {
     [
         0xfe,
         0x80,
@@ -152,16 +150,21 @@ pub const HOST_VETH_LINK_LOCAL: [u8; 16] = {
         0,
         0,
         0,
-        m[0] ^ 0x02,
-        m[1],
-        m[2],
+        mac[0] ^ 0x02,
+        mac[1],
+        mac[2],
         0xff,
         0xfe,
-        m[3],
-        m[4],
-        m[5],
+        mac[3],
+        mac[4],
+        mac[5],
     ]
-};
+}
+
+/// The link-local address of every host-side `cali*` veth, fe80::ecee:eeff:feee:eeee: the
+/// EUI-64 address of [`HOST_VETH_MAC`], and the pods' IPv6 gateway. Never a pod's source
+/// address.
+pub const HOST_VETH_LINK_LOCAL: [u8; 16] = eui64_link_local(HOST_VETH_MAC);
 
 /// Packet and byte counters of one endpoint, seen from the host side of its veth.
 #[repr(C)]

@@ -3,17 +3,16 @@
 //! Each test makes its own "node" and "pod" namespaces (`cxtn-<pid>-<n>-<role>`), runs the
 //! library inside the node namespace on a dedicated thread (as the CNI plugin runs in the
 //! host's), checks the result with netlink dumps, and deletes its namespaces on drop, also
-//! when it fails. Without root the tests say so and pass.
+//! when it fails. Without root they fail: they test nothing then.
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use calix_cni::netns::{self, NetNs, NetnsError};
-use calix_cni::veth::{
-    self, Family, VethError, GATEWAY_V4, GATEWAY_V6, HOST_VETH_MAC, ROUTE_PROTO,
-};
+use calix_kernel::netlink::{self, Family, NetlinkError, ROUTE_PROTO};
+use calix_kernel::netns::{self, NetNs, NetnsError};
+use calix_kernel::pod::{self, GATEWAY_V4, GATEWAY_V6, HOST_VETH_MAC};
 use futures::TryStreamExt;
 use ipnet::IpNet;
 use netlink_packet_route::link::{InfoKind, LinkAttribute, LinkInfo};
@@ -26,12 +25,11 @@ const TABLE_MAIN: u32 = 254;
 const PROTO_STATIC: u8 = 4;
 const IFA_F_TENTATIVE: u32 = 0x40;
 
-fn is_root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("skipped: netlink_root tests need root");
-    false
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "the netlink_root tests need root (network namespaces, veths, routes): run them as root"
+    );
 }
 
 /// Deletes the named namespace on drop.
@@ -123,9 +121,7 @@ async fn raw_link(
 
 #[test]
 fn wires_a_dual_stack_pod_and_tears_it_down() {
-    if !is_root() {
-        return;
-    }
+    require_root();
     let node = TestNs::new("node");
     let pod = TestNs::new("pod");
     let pod_ns = pod.fd();
@@ -135,20 +131,20 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
 
     block_on_in(&node.ns, move || async move {
         let host = netns::netlink_here().await.expect("host netlink");
-        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "eth0", Some(1400))
+        let pair = pod::create_veth(&host, &pod_ns, HOST_IF, "eth0", Some(1400))
             .await
             .expect("create veth");
         let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
-        veth::configure_pod(
+        pod::configure_pod(
             &pod,
             pair.pod_ifindex,
             Some(v4),
             Some(v6),
-            veth::PodRouting::Main,
+            pod::PodRouting::Main,
         )
         .await
         .expect("configure pod");
-        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
             .await
             .expect("configure host");
 
@@ -166,7 +162,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             a,
             LinkAttribute::LinkInfo(infos) if infos.contains(&LinkInfo::Kind(InfoKind::Veth))
         )));
-        let host_link = veth::link_details(&host, HOST_IF)
+        let host_link = netlink::link_details(&host, HOST_IF)
             .await
             .expect("host link")
             .expect("host link exists");
@@ -175,8 +171,11 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         assert_eq!(host_link.mac, Some(HOST_VETH_MAC));
 
         // Pod side lives in the pod namespace only.
-        assert_eq!(veth::link_index(&host, "eth0").await.expect("lookup"), None);
-        let pod_link = veth::link_details(&pod, "eth0")
+        assert_eq!(
+            netlink::link_index(&host, "eth0").await.expect("lookup"),
+            None
+        );
+        let pod_link = netlink::link_details(&pod, "eth0")
             .await
             .expect("pod link")
             .expect("eth0 exists in the pod");
@@ -187,10 +186,13 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         assert!(pod_link.up);
         assert_eq!(pod_link.kind.as_deref(), Some("veth"));
         assert_eq!(pod_link.peer_index, Some(pair.host_ifindex));
-        assert_eq!(veth::link_index(&pod, HOST_IF).await.expect("lookup"), None);
+        assert_eq!(
+            netlink::link_index(&pod, HOST_IF).await.expect("lookup"),
+            None
+        );
 
         // Pod addresses.
-        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+        let addresses = netlink::addresses(&pod, pair.pod_ifindex)
             .await
             .expect("addresses");
         let a4 = addresses
@@ -205,7 +207,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         assert!(a6.nodad(), "{a6:?}");
 
         // Pod routes.
-        let r4: Vec<_> = veth::routes(&pod, Family::V4)
+        let r4: Vec<_> = netlink::routes(&pod, Family::V4)
             .await
             .expect("pod v4 routes")
             .into_iter()
@@ -226,7 +228,9 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
                 && r.oif == Some(pair.pod_ifindex)),
             "{r4:#?}"
         );
-        let r6 = veth::routes(&pod, Family::V6).await.expect("pod v6 routes");
+        let r6 = netlink::routes(&pod, Family::V6)
+            .await
+            .expect("pod v6 routes");
         let default6: IpNet = "::/0".parse().expect("net");
         assert!(
             r6.iter().any(|r| r.table == TABLE_MAIN
@@ -237,7 +241,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         );
 
         // Pod neighbours: both gateways permanent at ee:ee:ee:ee:ee:ee.
-        let n4 = veth::neighbours(&pod, pair.pod_ifindex, Family::V4)
+        let n4 = netlink::neighbours(&pod, pair.pod_ifindex, Family::V4)
             .await
             .expect("v4 neighbours");
         assert!(
@@ -246,7 +250,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
                 && n.permanent),
             "{n4:#?}"
         );
-        let n6 = veth::neighbours(&pod, pair.pod_ifindex, Family::V6)
+        let n6 = netlink::neighbours(&pod, pair.pod_ifindex, Family::V6)
             .await
             .expect("v6 neighbours");
         assert!(
@@ -263,7 +267,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         .expect("read accept_dad");
         assert_eq!(accept_dad, "0");
         // ... so the pod's link-local (made when the host side came up) is not tentative.
-        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+        let addresses = netlink::addresses(&pod, pair.pod_ifindex)
             .await
             .expect("addresses");
         let link_local = addresses
@@ -275,13 +279,17 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         // Host routes: ours, scope link for v4, through the veth.
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
         let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
-        let h4 = veth::routes_to(&host, net4).await.expect("host v4 routes");
+        let h4 = netlink::routes_to(&host, net4)
+            .await
+            .expect("host v4 routes");
         assert_eq!(h4.len(), 1, "{h4:#?}");
         assert_eq!(h4[0].oif, Some(pair.host_ifindex));
         assert_eq!(h4[0].protocol, ROUTE_PROTO);
         assert_eq!(h4[0].scope, SCOPE_LINK);
         assert_eq!(h4[0].gateway, None);
-        let h6 = veth::routes_to(&host, net6).await.expect("host v6 routes");
+        let h6 = netlink::routes_to(&host, net6)
+            .await
+            .expect("host v6 routes");
         assert_eq!(h6.len(), 1, "{h6:#?}");
         assert_eq!(h6[0].oif, Some(pair.host_ifindex));
         assert_eq!(h6[0].protocol, ROUTE_PROTO);
@@ -319,65 +327,74 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         );
 
         // Name clashes are errors, never reuse; a failed create leaves nothing behind.
-        match veth::create_veth(&host, &pod_ns, HOST_IF, "eth1", None).await {
-            Err(VethError::Exists { name }) => assert_eq!(name, HOST_IF),
-            other => panic!("expected Exists, got {other:?}"),
-        }
-        assert_eq!(veth::link_index(&pod, "eth1").await.expect("lookup"), None);
-        match veth::create_veth(&host, &pod_ns, "calitest0000002", "eth0", None).await {
-            Err(VethError::Exists { name }) => assert_eq!(name, "eth0"),
+        match pod::create_veth(&host, &pod_ns, HOST_IF, "eth1", None).await {
+            Err(NetlinkError::Exists { name }) => assert_eq!(name, HOST_IF),
             other => panic!("expected Exists, got {other:?}"),
         }
         assert_eq!(
-            veth::link_index(&host, "calitest0000002")
+            netlink::link_index(&pod, "eth1").await.expect("lookup"),
+            None
+        );
+        match pod::create_veth(&host, &pod_ns, "calitest0000002", "eth0", None).await {
+            Err(NetlinkError::Exists { name }) => assert_eq!(name, "eth0"),
+            other => panic!("expected Exists, got {other:?}"),
+        }
+        assert_eq!(
+            netlink::link_index(&host, "calitest0000002")
                 .await
                 .expect("lookup"),
             None
         );
 
         // Our routes can be deleted by prefix, once.
-        assert!(veth::delete_route(&host, net4)
+        assert!(netlink::delete_route(&host, net4)
             .await
             .expect("delete v4 route"));
-        assert!(veth::routes_to(&host, net4)
+        assert!(netlink::routes_to(&host, net4)
             .await
             .expect("routes")
             .is_empty());
-        assert!(!veth::delete_route(&host, net4)
+        assert!(!netlink::delete_route(&host, net4)
             .await
             .expect("delete v4 route again"));
-        assert!(veth::delete_route(&host, net6)
+        assert!(netlink::delete_route(&host, net6)
             .await
             .expect("delete v6 route"));
-        assert!(veth::routes_to(&host, net6)
+        assert!(netlink::routes_to(&host, net6)
             .await
             .expect("routes")
             .is_empty());
-        assert!(!veth::delete_route(&host, net6)
+        assert!(!netlink::delete_route(&host, net6)
             .await
             .expect("delete v6 route again"));
 
         // Re-add the routes, then deleting the host side takes the peer and the routes along.
-        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
             .await
             .expect("configure host again");
-        assert_eq!(veth::routes_to(&host, net4).await.expect("routes").len(), 1);
-        assert!(veth::delete_link(&host, HOST_IF)
+        assert_eq!(
+            netlink::routes_to(&host, net4).await.expect("routes").len(),
+            1
+        );
+        assert!(netlink::delete_link(&host, HOST_IF)
             .await
             .expect("delete link"));
-        assert!(!veth::delete_link(&host, HOST_IF)
+        assert!(!netlink::delete_link(&host, HOST_IF)
             .await
             .expect("delete link again"));
         assert_eq!(
-            veth::link_index(&host, HOST_IF).await.expect("lookup"),
+            netlink::link_index(&host, HOST_IF).await.expect("lookup"),
             None
         );
-        assert_eq!(veth::link_index(&pod, "eth0").await.expect("lookup"), None);
-        assert!(veth::routes_to(&host, net4)
+        assert_eq!(
+            netlink::link_index(&pod, "eth0").await.expect("lookup"),
+            None
+        );
+        assert!(netlink::routes_to(&host, net4)
             .await
             .expect("routes")
             .is_empty());
-        assert!(veth::routes_to(&host, net6)
+        assert!(netlink::routes_to(&host, net6)
             .await
             .expect("routes")
             .is_empty());
@@ -386,9 +403,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
 
 #[test]
 fn wires_a_v4_only_pod_with_the_default_mtu() {
-    if !is_root() {
-        return;
-    }
+    require_root();
     let node = TestNs::new("node");
     let pod = TestNs::new("pod");
     let pod_ns = pod.fd();
@@ -397,41 +412,43 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
 
     block_on_in(&node.ns, move || async move {
         let host = netns::netlink_here().await.expect("host netlink");
-        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "net1", None)
+        let pair = pod::create_veth(&host, &pod_ns, HOST_IF, "net1", None)
             .await
             .expect("create veth");
         let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
-        veth::configure_pod(
+        pod::configure_pod(
             &pod,
             pair.pod_ifindex,
             Some(v4),
             None,
-            veth::PodRouting::Main,
+            pod::PodRouting::Main,
         )
         .await
         .expect("configure pod");
-        veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
             .await
             .expect("configure host");
 
-        let pod_link = veth::link_details(&pod, "net1")
+        let pod_link = netlink::link_details(&pod, "net1")
             .await
             .expect("pod link")
             .expect("net1 exists");
         assert_eq!(pod_link.mtu, Some(1500));
-        let addresses = veth::addresses(&pod, pair.pod_ifindex)
+        let addresses = netlink::addresses(&pod, pair.pod_ifindex)
             .await
             .expect("addresses");
         assert!(addresses
             .iter()
             .all(|a| !matches!(a.address, IpNet::V6(n) if !n.addr().is_unicast_link_local())));
-        let r6 = veth::routes(&pod, Family::V6).await.expect("pod v6 routes");
+        let r6 = netlink::routes(&pod, Family::V6)
+            .await
+            .expect("pod v6 routes");
         assert!(r6.iter().all(|r| r.gateway.is_none()), "{r6:#?}");
         // create_veth turns DAD off whatever the families.
         let accept_dad = netns::read_sysctl_in(&pod_ns, "/proc/sys/net/ipv6/conf/net1/accept_dad")
             .expect("read accept_dad");
         assert_eq!(accept_dad, "0");
-        let h4 = veth::routes_to(&host, IpNet::new(IpAddr::V4(v4), 32).expect("net"))
+        let h4 = netlink::routes_to(&host, IpNet::new(IpAddr::V4(v4), 32).expect("net"))
             .await
             .expect("host routes");
         assert_eq!(h4.len(), 1);
@@ -445,9 +462,7 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
 
 #[test]
 fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
-    if !is_root() {
-        return;
-    }
+    require_root();
     let node = TestNs::new("node");
     let pod = TestNs::new("pod");
     let pod_ns = pod.fd();
@@ -464,7 +479,7 @@ fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
             .execute()
             .await
             .expect("add other veth");
-        let other = veth::link_index(&host, "other0")
+        let other = netlink::link_index(&host, "other0")
             .await
             .expect("lookup")
             .expect("other0 exists");
@@ -492,30 +507,30 @@ fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
             .await
             .expect("add foreign v6 route");
 
-        let pair = veth::create_veth(&host, &pod_ns, HOST_IF, "eth0", None)
+        let pair = pod::create_veth(&host, &pod_ns, HOST_IF, "eth0", None)
             .await
             .expect("create veth");
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
         let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
-        match veth::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None).await {
-            Err(VethError::RouteExists { dst }) => assert_eq!(dst, net4),
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None).await {
+            Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net4),
             other => panic!("expected RouteExists, got {other:?}"),
         }
-        match veth::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6)).await {
-            Err(VethError::RouteExists { dst }) => assert_eq!(dst, net6),
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6)).await {
+            Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net6),
             other => panic!("expected RouteExists, got {other:?}"),
         }
 
         // delete_route only removes routes with our protocol.
-        assert!(!veth::delete_route(&host, net4).await.expect("delete v4"));
-        assert!(!veth::delete_route(&host, net6).await.expect("delete v6"));
+        assert!(!netlink::delete_route(&host, net4).await.expect("delete v4"));
+        assert!(!netlink::delete_route(&host, net6).await.expect("delete v6"));
         for net in [net4, net6] {
-            let routes = veth::routes_to(&host, net).await.expect("routes");
+            let routes = netlink::routes_to(&host, net).await.expect("routes");
             assert_eq!(routes.len(), 1, "{routes:#?}");
             assert_eq!(routes[0].oif, Some(other));
             assert_eq!(routes[0].protocol, PROTO_STATIC);
         }
-        assert!(veth::delete_link(&host, HOST_IF)
+        assert!(netlink::delete_link(&host, HOST_IF)
             .await
             .expect("delete link"));
     });
@@ -523,9 +538,7 @@ fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
 
 #[test]
 fn threads_enter_and_leave_namespaces() {
-    if !is_root() {
-        return;
-    }
+    require_root();
     let node = TestNs::new("node");
     let pod = TestNs::new("pod");
     let pod_ns = pod.fd();
@@ -572,23 +585,23 @@ fn threads_enter_and_leave_namespaces() {
             .await
             .expect("add a veth in the pod");
         let node = netns::netlink_here().await.expect("node netlink");
-        assert!(veth::link_index(&pod, "probe0")
+        assert!(netlink::link_index(&pod, "probe0")
             .await
             .expect("lookup")
             .is_some());
-        assert!(veth::link_index(&node, "probe0")
+        assert!(netlink::link_index(&node, "probe0")
             .await
             .expect("lookup")
             .is_none());
         // A handle into the node namespace opened through netlink_in sees the same.
         let node_again = netns::netlink_in(&node_ns).await.expect("node netlink");
-        assert!(veth::link_index(&node_again, "probe0")
+        assert!(netlink::link_index(&node_again, "probe0")
             .await
             .expect("lookup")
             .is_none());
         // Deleting twice: true, then false.
-        assert!(veth::delete_link(&pod, "probe0").await.expect("delete"));
-        assert!(!veth::delete_link(&pod, "probe0")
+        assert!(netlink::delete_link(&pod, "probe0").await.expect("delete"));
+        assert!(!netlink::delete_link(&pod, "probe0")
             .await
             .expect("delete again"));
     });

@@ -1,0 +1,560 @@
+//! Wiring a pod, the Calico way (DESIGN.md §2): every kernel side effect of CNI ADD and DEL,
+//! plus the reads CHECK needs.
+//!
+//! ```text
+//!   node namespace                               pod namespace
+//!   caliXXXXXXXXXXX  ee:ee:ee:ee:ee:ee  <--veth-->  eth0  <ip>/32, <ip6>/128 (nodad)
+//!     proxy_arp=1, proxy_delay=0, forwarding=1,      169.254.1.1/32 scope link
+//!     rp_filter=1                                    default via 169.254.1.1
+//!     (v6: proxy_ndp=1, accept_ra=0, forwarding=1)   default via fe80::ecee:eeff:feee:eeee
+//!   <ip>/32 dev caliX scope link proto 202           permanent neighbours for both gateways,
+//!   <ip6>/128 dev caliX proto 202                    accept_dad=0
+//! ```
+//!
+//! Order of an ADD: [`create_veth`], [`configure_pod`], [`configure_host`]. If any step fails,
+//! [`delete_link`](crate::netlink::delete_link) on the host side undoes all of them: the peer
+//! and every route through the veth go with it. DEL is `delete_link` (idempotent) and, for
+//! routes that may outlive the link, [`delete_route`](crate::netlink::delete_route).
+
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::AsRawFd;
+
+use futures::TryStreamExt;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
+use netlink_packet_route::address::{AddressAttribute, AddressFlags, AddressHeaderFlags};
+use netlink_packet_route::link::{
+    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkInfo, LinkMessage,
+};
+use netlink_packet_route::neighbour::NeighbourState;
+use netlink_packet_route::route::{RouteHeader, RouteMessage, RouteProtocol, RouteScope};
+use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
+use rtnetlink::{Handle, RouteMessageBuilder};
+
+use crate::netlink::{
+    add_route, delete_link, errno, link_details, link_index, netlink_err, routes, set_link_up,
+    validate_ifname, Family, NetlinkError, ROUTE_PROTO,
+};
+use crate::netns::{self, NetNs, NetnsError};
+
+/// MAC address of every host-side veth. Fixed so the pod's IPv6 gateway (its EUI-64 link-local
+/// address) is predictable, and so pods can carry a permanent neighbour entry for the gateway.
+/// One definition for the programs, the agent and the plugin: calix-common's.
+pub use calix_common::HOST_VETH_MAC;
+
+/// The pod's IPv4 gateway: a link-local address nobody owns. The host veth answers ARP for it
+/// through proxy ARP, and the pod has a permanent neighbour entry for it anyway.
+pub const GATEWAY_V4: Ipv4Addr = Ipv4Addr::new(169, 254, 1, 1);
+
+/// The pod's IPv6 gateway: the host veth's own link-local address, `fe80::ecee:eeff:feee:eeee`.
+pub const GATEWAY_V6: Ipv6Addr =
+    Ipv6Addr::from_bits(u128::from_be_bytes(calix_common::HOST_VETH_LINK_LOCAL));
+
+/// The two ends of a freshly created veth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VethPair {
+    /// Index of the host side, in the caller's namespace.
+    pub host_ifindex: u32,
+    /// Index of the pod side, in the pod's namespace.
+    pub pod_ifindex: u32,
+    /// MAC of the pod side (the CNI result reports it).
+    pub pod_mac: [u8; 6],
+}
+
+/// Creates the veth in ONE `RTM_NEWLINK` request (NLM_F_CREATE|NLM_F_EXCL): the host side
+/// `host_ifname` in `host`'s namespace with MAC [`HOST_VETH_MAC`], the peer `pod_ifname` born
+/// directly in `pod_ns` (never moved: moving links between namespaces serialises concurrent
+/// ADDs in the kernel). `mtu`, when given, is set on both sides. A taken name is
+/// [`NetlinkError::Exists`]; nothing is reused. Both sides are left down.
+///
+/// While the pod side has never been up, this also sets its `accept_dad=0` (written from inside
+/// `pod_ns`), so none of its IPv6 addresses, link-local included, ever waits for DAD: the only
+/// other node on the link is the host side, whose MAC is fixed and different. Skipped when the
+/// kernel has no IPv6. If anything after the RTM_NEWLINK fails, the veth is deleted again.
+pub async fn create_veth(
+    host: &Handle,
+    pod_ns: &NetNs,
+    host_ifname: &str,
+    pod_ifname: &str,
+    mtu: Option<u32>,
+) -> Result<VethPair, NetlinkError> {
+    create_veth_with_handle(host, pod_ns, host_ifname, pod_ifname, mtu)
+        .await
+        .map(|(pair, _pod)| pair)
+}
+
+/// [`create_veth`], also returning a netlink handle in `pod_ns` (for [`configure_pod`]): made
+/// on the thread that turned DAD off, so an ADD enters the pod's namespace once.
+pub async fn create_veth_with_handle(
+    host: &Handle,
+    pod_ns: &NetNs,
+    host_ifname: &str,
+    pod_ifname: &str,
+    mtu: Option<u32>,
+) -> Result<(VethPair, Handle), NetlinkError> {
+    validate_ifname(host_ifname)?;
+    validate_ifname(pod_ifname)?;
+
+    let mut peer = LinkMessage::default();
+    peer.attributes
+        .push(LinkAttribute::IfName(pod_ifname.to_string()));
+    // The fd is only read while the request is sent; `pod_ns` outlives this function.
+    peer.attributes
+        .push(LinkAttribute::NetNsFd(pod_ns.as_raw_fd()));
+    let mut message = LinkMessage::default();
+    message
+        .attributes
+        .push(LinkAttribute::IfName(host_ifname.to_string()));
+    message
+        .attributes
+        .push(LinkAttribute::Address(HOST_VETH_MAC.to_vec()));
+    if let Some(mtu) = mtu {
+        peer.attributes.push(LinkAttribute::Mtu(mtu));
+        message.attributes.push(LinkAttribute::Mtu(mtu));
+    }
+    message.attributes.push(LinkAttribute::LinkInfo(vec![
+        LinkInfo::Kind(InfoKind::Veth),
+        LinkInfo::Data(InfoData::Veth(InfoVeth::Peer(peer))),
+    ]));
+
+    // `add` sends NLM_F_REQUEST|NLM_F_ACK|NLM_F_CREATE|NLM_F_EXCL.
+    if let Err(source) = host.link().add(message).execute().await {
+        if errno(&source) == Some(libc::EEXIST) {
+            // The request is atomic: nothing was created. Say which name clashed.
+            let name = if link_index(host, host_ifname).await?.is_some() {
+                host_ifname
+            } else {
+                pod_ifname
+            };
+            return Err(NetlinkError::Exists {
+                name: name.to_string(),
+            });
+        }
+        return Err(NetlinkError::Netlink {
+            op: "create veth",
+            target: format!(
+                "{host_ifname} <-> {pod_ifname} in {}",
+                pod_ns.path().display()
+            ),
+            source,
+        });
+    }
+
+    match finish_pod_side(host, pod_ns, host_ifname, pod_ifname).await {
+        Ok(pair) => Ok(pair),
+        Err(e) => {
+            // We created it (EXCL succeeded), so we remove it again.
+            if let Err(cleanup) = delete_link(host, host_ifname).await {
+                tracing::warn!(
+                    link = host_ifname,
+                    error = %cleanup,
+                    "cannot remove the veth after a failed create"
+                );
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn finish_pod_side(
+    host: &Handle,
+    pod_ns: &NetNs,
+    host_ifname: &str,
+    pod_ifname: &str,
+) -> Result<(VethPair, Handle), NetlinkError> {
+    // One thread in the pod's namespace: DAD off, then the netlink socket.
+    let path = format!("/proc/sys/net/ipv6/conf/{pod_ifname}/accept_dad");
+    let (pod, dad) =
+        netns::netlink_in_with(pod_ns, move || netns::write_sysctl(&path, "0")).await?;
+    match dad {
+        Ok(()) => {}
+        // No IPv6 in this kernel (ipv6.disable=1): nothing to disable.
+        Err(NetnsError::WriteSysctl { source, .. }) if source.kind() == io::ErrorKind::NotFound => {
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let host_ifindex =
+        link_index(host, host_ifname)
+            .await?
+            .ok_or_else(|| NetlinkError::LinkNotFound {
+                name: host_ifname.to_string(),
+            })?;
+    let pod_link =
+        link_details(&pod, pod_ifname)
+            .await?
+            .ok_or_else(|| NetlinkError::LinkNotFound {
+                name: pod_ifname.to_string(),
+            })?;
+    let pod_mac = pod_link.mac.ok_or_else(|| NetlinkError::BadMac {
+        name: pod_ifname.to_string(),
+        address: Vec::new(),
+    })?;
+    Ok((
+        VethPair {
+            host_ifindex,
+            pod_ifindex: pod_link.index,
+            pod_mac,
+        },
+        pod,
+    ))
+}
+
+/// Where a pod attachment's routes go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodRouting {
+    /// The pod's first (primary) calix attachment: the main table, with its default route.
+    Main,
+    /// Another attachment of a pod that has a default route already: its routes in a table of
+    /// its own, used by a rule for its own source addresses, so what it sends (replies above
+    /// all) leaves through its own interface, where anti-spoofing expects its addresses.
+    Secondary { table: u32 },
+}
+
+/// Tables of secondary attachments: `SECONDARY_TABLE_BASE | pod ifindex` (low 16 bits).
+pub const SECONDARY_TABLE_BASE: u32 = 0xca11_0000;
+/// Priority of the source rules of secondary attachments: before `main` (32766).
+pub const SECONDARY_RULE_PRIORITY: u32 = 1000;
+
+impl PodRouting {
+    /// The routing of a secondary attachment whose pod-side interface is `pod_ifindex`.
+    pub fn secondary(pod_ifindex: u32) -> Self {
+        Self::Secondary {
+            table: SECONDARY_TABLE_BASE | (pod_ifindex & 0xffff),
+        }
+    }
+
+    fn table(self) -> Option<u32> {
+        match self {
+            Self::Main => None,
+            Self::Secondary { table } => Some(table),
+        }
+    }
+}
+
+/// Whether the pod has a default route of `family` in its main table (any owner's): then a
+/// new calix attachment is a secondary one.
+pub async fn has_default_route(pod: &Handle, family: Family) -> Result<bool, NetlinkError> {
+    let main = u32::from(RouteHeader::RT_TABLE_MAIN);
+    Ok(routes(pod, family)
+        .await?
+        .iter()
+        .any(|r| r.table == main && r.dst.prefix_len() == 0))
+}
+
+/// Configures the pod side of a veth made by [`create_veth`] (which already turned DAD off);
+/// `pod` must be a handle in the pod's namespace (see [`netns::netlink_in`]). Expects a freshly
+/// created interface: anything already there is an error.
+///
+/// - link up;
+/// - v4: `<v4>/32`, `169.254.1.1/32 scope link`, `default via 169.254.1.1`, and a PERMANENT
+///   neighbour `169.254.1.1 -> ee:ee:ee:ee:ee:ee`, so the pod never ARPs for its gateway and
+///   does not depend on proxy ARP (which only answers when the node has a default route);
+/// - v6: `<v6>/128 nodad`, a PERMANENT neighbour for [`GATEWAY_V6`] and
+///   `default via fe80::ecee:eeff:feee:eeee`.
+///
+/// With [`PodRouting::Secondary`] the routes go to its table and a rule `from <addr> lookup
+/// <table>` (priority [`SECONDARY_RULE_PRIORITY`], protocol [`ROUTE_PROTO`]) selects it.
+pub async fn configure_pod(
+    pod: &Handle,
+    pod_ifindex: u32,
+    v4: Option<Ipv4Addr>,
+    v6: Option<Ipv6Addr>,
+    routing: PodRouting,
+) -> Result<(), NetlinkError> {
+    set_link_up(pod, pod_ifindex).await?;
+    let table = routing.table();
+
+    if let Some(ip) = v4 {
+        pod.address()
+            .add(pod_ifindex, IpAddr::V4(ip), 32)
+            .execute()
+            .await
+            .map_err(netlink_err(
+                "add address",
+                format!("{ip}/32 to pod interface {pod_ifindex}"),
+            ))?;
+        let mut gateway_route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(GATEWAY_V4, 32)
+            .output_interface(pod_ifindex)
+            .scope(RouteScope::Link)
+            .protocol(RouteProtocol::from(ROUTE_PROTO));
+        let mut default_route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .gateway(GATEWAY_V4)
+            .output_interface(pod_ifindex)
+            .protocol(RouteProtocol::from(ROUTE_PROTO));
+        if let Some(t) = table {
+            gateway_route = gateway_route.table_id(t);
+            default_route = default_route.table_id(t);
+        }
+        add_route(
+            pod,
+            gateway_route.build(),
+            "169.254.1.1/32 scope link in the pod",
+        )
+        .await?;
+        add_route(
+            pod,
+            default_route.build(),
+            "default via 169.254.1.1 in the pod",
+        )
+        .await?;
+        add_permanent_neighbour(pod, pod_ifindex, IpAddr::V4(GATEWAY_V4)).await?;
+        if let Some(t) = table {
+            add_source_rule(pod, IpAddr::V4(ip), t).await?;
+        }
+    }
+
+    if let Some(ip) = v6 {
+        let mut request = pod.address().add(pod_ifindex, IpAddr::V6(ip), 128);
+        let message = request.message_mut();
+        message.header.flags |= AddressHeaderFlags::Nodad;
+        message
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Nodad));
+        request.execute().await.map_err(netlink_err(
+            "add address",
+            format!("{ip}/128 to pod interface {pod_ifindex}"),
+        ))?;
+        add_permanent_neighbour(pod, pod_ifindex, IpAddr::V6(GATEWAY_V6)).await?;
+        let mut default_route = RouteMessageBuilder::<Ipv6Addr>::new()
+            .gateway(GATEWAY_V6)
+            .output_interface(pod_ifindex)
+            .protocol(RouteProtocol::from(ROUTE_PROTO));
+        if let Some(t) = table {
+            default_route = default_route.table_id(t);
+        }
+        add_route(
+            pod,
+            default_route.build(),
+            "default via fe80::ecee:eeff:feee:eeee in the pod",
+        )
+        .await?;
+        if let Some(t) = table {
+            add_source_rule(pod, IpAddr::V6(ip), t).await?;
+        }
+    }
+    Ok(())
+}
+
+/// `from <addr> lookup <table>`, priority [`SECONDARY_RULE_PRIORITY`], protocol calix.
+async fn add_source_rule(pod: &Handle, addr: IpAddr, table: u32) -> Result<(), NetlinkError> {
+    let base = pod
+        .rule()
+        .add()
+        .table_id(table)
+        .action(RuleAction::ToTable)
+        .priority(SECONDARY_RULE_PRIORITY);
+    let result = match addr {
+        IpAddr::V4(a) => {
+            let mut r = base.v4().source_prefix(a, 32);
+            r.message_mut()
+                .attributes
+                .push(RuleAttribute::Protocol(RouteProtocol::from(ROUTE_PROTO)));
+            r.execute().await
+        }
+        IpAddr::V6(a) => {
+            let mut r = base.v6().source_prefix(a, 128);
+            r.message_mut()
+                .attributes
+                .push(RuleAttribute::Protocol(RouteProtocol::from(ROUTE_PROTO)));
+            r.execute().await
+        }
+    };
+    result.map_err(netlink_err(
+        "add rule",
+        format!("from {addr} lookup {table} in the pod"),
+    ))
+}
+
+/// Removes calix's source rules (of secondary attachments) for `addrs` in the pod's namespace.
+/// Missing rules are fine. Returns how many were removed.
+pub async fn delete_source_rules(pod: &Handle, addrs: &[IpAddr]) -> Result<usize, NetlinkError> {
+    let mut removed = 0;
+    for version in [rtnetlink::IpVersion::V4, rtnetlink::IpVersion::V6] {
+        let rules: Vec<RuleMessage> = pod
+            .rule()
+            .get(version)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(netlink_err("list rules", "in the pod".to_string()))?;
+        for rule in rules {
+            let ours = rule
+                .attributes
+                .contains(&RuleAttribute::Protocol(RouteProtocol::from(ROUTE_PROTO)));
+            let source = rule.attributes.iter().find_map(|a| match a {
+                RuleAttribute::Source(ip) => Some(*ip),
+                _ => None,
+            });
+            if ours && source.is_some_and(|s| addrs.contains(&s)) {
+                match pod.rule().del(rule).execute().await {
+                    Ok(()) => removed += 1,
+                    Err(e) if errno(&e) == Some(libc::ENOENT) => {}
+                    Err(e) => return Err(netlink_err("delete rule", "in the pod".to_string())(e)),
+                }
+            }
+        }
+    }
+    Ok(removed)
+}
+
+/// Configures the host side; `host` must act on the calling thread's namespace, because the
+/// sysctls are written through that thread's /proc/sys/net.
+///
+/// - v4: `conf/<if>/proxy_arp=1`, `neigh/<if>/proxy_delay=0`, `conf/<if>/forwarding=1`,
+///   `conf/<if>/rp_filter=1`;
+/// - v6: `conf/<if>/proxy_ndp=1`, `accept_ra=0`, `forwarding=1`;
+/// - link up;
+/// - `<v4>/32 dev <if> scope link proto 202`, `<v6>/128 dev <if> proto 202`.
+///
+/// A route for the same prefix (same table and metric) that is already there is
+/// [`NetlinkError::RouteExists`] and is left untouched.
+pub async fn configure_host(
+    host: &Handle,
+    host_ifname: &str,
+    host_ifindex: u32,
+    v4: Option<Ipv4Addr>,
+    v6: Option<Ipv6Addr>,
+) -> Result<(), NetlinkError> {
+    validate_ifname(host_ifname)?;
+    // An IPv4-only pod needs no IPv6 on its host veth. Without this every host veth gets the
+    // same link-local address (they all share the MAC ee:ee:ee:ee:ee:ee): N identical
+    // fe80::ecee:eeff:feee:eeee addresses and /128 local routes for nothing. Set both ways, so
+    // configuring a veth again for IPv6 works. Skipped when the kernel has no IPv6.
+    let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
+    if std::path::Path::new(&knob).exists() {
+        netns::write_sysctl_if_changed(knob, if v6.is_none() { "1" } else { "0" })?;
+    }
+    if v4.is_some() {
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/proxy_arp"),
+            "1",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv4/neigh/{host_ifname}/proxy_delay"),
+            "0",
+        )?;
+        netns::write_sysctl_if_changed(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"),
+            "1",
+        )?;
+        // Strict reverse-path filtering: the pod's packets must come from an address whose
+        // route leads back out of this veth (its own). The kernel mode's only IPv4
+        // anti-spoofing besides the agent's nftables table (which also covers `all=2`, loose,
+        // overruling this); in eBPF mode `from_pod` has checked before the stack sees them.
+        netns::write_sysctl_if_changed(
+            format!("/proc/sys/net/ipv4/conf/{host_ifname}/rp_filter"),
+            "1",
+        )?;
+    }
+    if v6.is_some() {
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/proxy_ndp"),
+            "1",
+        )?;
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_ra"),
+            "0",
+        )?;
+        // The host side's link-local address is the pod's IPv6 gateway: usable at once.
+        netns::write_sysctl(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad"),
+            "0",
+        )?;
+        netns::write_sysctl_if_changed(
+            format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"),
+            "1",
+        )?;
+    }
+
+    set_link_up(host, host_ifindex).await?;
+
+    if let Some(ip) = v4 {
+        let route = RouteMessageBuilder::<Ipv4Addr>::new()
+            .destination_prefix(ip, 32)
+            .output_interface(host_ifindex)
+            .scope(RouteScope::Link)
+            .protocol(RouteProtocol::from(ROUTE_PROTO))
+            .build();
+        add_host_route(host, route, IpNet::V4(Ipv4Net::from(ip)), host_ifname).await?;
+    }
+    if let Some(ip) = v6 {
+        let route = RouteMessageBuilder::<Ipv6Addr>::new()
+            .destination_prefix(ip, 128)
+            .output_interface(host_ifindex)
+            .protocol(RouteProtocol::from(ROUTE_PROTO))
+            .build();
+        add_host_route(host, route, IpNet::V6(Ipv6Net::from(ip)), host_ifname).await?;
+    }
+    Ok(())
+}
+
+async fn add_host_route(
+    host: &Handle,
+    route: RouteMessage,
+    dst: IpNet,
+    host_ifname: &str,
+) -> Result<(), NetlinkError> {
+    // `add` sends NLM_F_CREATE|NLM_F_EXCL: an existing route is never replaced.
+    match host.route().add(route).execute().await {
+        Ok(()) => Ok(()),
+        Err(source) if errno(&source) == Some(libc::EEXIST) => {
+            Err(NetlinkError::RouteExists { dst })
+        }
+        Err(source) => Err(NetlinkError::Netlink {
+            op: "add route",
+            target: format!("{dst} dev {host_ifname}"),
+            source,
+        }),
+    }
+}
+
+/// The alias calix gives a host veth: which attachment owns it. DEL and GC only delete a link
+/// whose alias names their own (containerID, ifname), so a DEL can never take another pod's
+/// veth even when two attachments would derive the same name.
+pub fn owner_alias(container_id: &str, ifname: &str) -> String {
+    format!("{OWNER_ALIAS_PREFIX}{container_id}/{ifname}")
+}
+
+const OWNER_ALIAS_PREFIX: &str = "calix:";
+
+/// Whether `alias` is an [`owner_alias`] (of any attachment).
+pub fn is_owner_alias(alias: &str) -> bool {
+    alias
+        .strip_prefix(OWNER_ALIAS_PREFIX)
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(cid, ifname)| !cid.is_empty() && !ifname.is_empty())
+}
+
+async fn add_permanent_neighbour(
+    handle: &Handle,
+    ifindex: u32,
+    ip: IpAddr,
+) -> Result<(), NetlinkError> {
+    handle
+        .neighbours()
+        .add(ifindex, ip)
+        .state(NeighbourState::Permanent)
+        .link_layer_address(&HOST_VETH_MAC)
+        .execute()
+        .await
+        .map_err(netlink_err(
+            "add neighbour",
+            format!("{ip} on interface {ifindex}"),
+        ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gateway_v6_is_the_eui64_link_local_of_the_host_mac() {
+        assert_eq!(
+            GATEWAY_V6,
+            "fe80::ecee:eeff:feee:eeee"
+                .parse::<Ipv6Addr>()
+                .expect("literal")
+        );
+    }
+}
