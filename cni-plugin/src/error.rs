@@ -33,11 +33,21 @@ pub struct CniError {
 impl CniError {
     pub fn new(code: u32, msg: impl Into<String>, details: impl Into<String>) -> Self {
         Self {
-            cni_version: crate::result::LATEST_VERSION.to_string(),
+            cni_version: crate::version::LATEST.to_string(),
             code,
             msg: msg.into(),
             details: details.into(),
         }
+    }
+
+    /// A config whose `cniVersion` calix does not speak (code 1).
+    pub fn unsupported_version(v: &str) -> Self {
+        Self::new(
+            code::INCOMPATIBLE_VERSION,
+            format!("CNI version {v:?} is not supported"),
+            format!("calix supports {}", crate::version::SUPPORTED.join(", ")),
+        )
+        .with_version(v)
     }
 
     pub fn with_version(mut self, v: &str) -> Self {
@@ -51,7 +61,7 @@ impl CniError {
         serde_json::to_string(self).unwrap_or_else(|_| {
             format!(
                 "{{\"cniVersion\":\"{}\",\"code\":{},\"msg\":\"internal error\"}}",
-                crate::result::LATEST_VERSION,
+                crate::version::LATEST,
                 self.code
             )
         })

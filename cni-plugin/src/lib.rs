@@ -7,6 +7,7 @@ pub mod error;
 pub mod ipam;
 pub mod logging;
 pub mod result;
+pub mod version;
 
 use std::io::Read;
 
@@ -23,8 +24,8 @@ pub struct Outcome {
 
 fn version_info() -> String {
     serde_json::json!({
-        "cniVersion": result::LATEST_VERSION,
-        "supportedVersions": result::SUPPORTED_VERSIONS,
+        "cniVersion": version::LATEST,
+        "supportedVersions": version::SUPPORTED,
     })
     .to_string()
 }
@@ -61,7 +62,9 @@ async fn run_inner(env: &dyn Env, stdin: &mut dyn Read) -> Result<String, CniErr
     }
     let conf = NetConf::parse(&raw)?;
     logging::init(&conf);
-    result::check_version(&conf.cni_version).map_err(|e| e.with_version(&conf.cni_version))?;
+    if !version::is_supported(&conf.cni_version) {
+        return Err(CniError::unsupported_version(&conf.cni_version));
+    }
     tracing::info!(command = ?cni.command, container = %cni.container_id, ifname = %cni.ifname, netns = %cni.netns, "CNI call");
     let inv = Invocation {
         env: &cni,

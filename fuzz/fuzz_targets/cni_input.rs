@@ -23,9 +23,10 @@ use std::task::{Context, Poll, Waker};
 
 use calix_cni::args::{host_veth_name, CniArgs, CniEnv, Command};
 use calix_cni::config::NetConf;
-use calix_kernel::mac;
 use calix_cni::error::CniError;
-use calix_cni::result::{check_version, AddResult, Interface};
+use calix_cni::result::{AddResult, Interface};
+use calix_cni::version;
+use calix_kernel::mac;
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use libfuzzer_sys::fuzz_target;
 
@@ -75,29 +76,28 @@ fuzz_target!(|data: &[u8]| {
             if let Err(e) = conf.runtime() {
                 check_error(&e);
             }
-            match check_version(&conf.cni_version) {
-                Ok(()) => {
-                    let mut result = sample_result(cni.as_ref(), stdin);
-                    // Chaining: our result placed after the prevResult the runtime sent.
-                    if let Some(prev) = &conf.prev_result {
-                        match AddResult::from_json(prev) {
-                            Ok(prev) => result = result.after(prev),
-                            Err(e) => check_error(&e),
-                        }
+            if version::is_supported(&conf.cni_version) {
+                let mut result = sample_result(cni.as_ref(), stdin);
+                // Chaining: our result placed after the prevResult the runtime sent.
+                if let Some(prev) = &conf.prev_result {
+                    match AddResult::from_json(prev) {
+                        Ok(prev) => result = result.after(prev),
+                        Err(e) => check_error(&e),
                     }
-                    let v = result.to_json(&conf.cni_version);
-                    let text = v.to_string();
-                    let back: serde_json::Value =
-                        serde_json::from_str(&text).expect("result is valid JSON");
-                    assert!(back["cniVersion"].is_string());
-                    if !conf.cni_version.is_empty() {
-                        assert_eq!(back["cniVersion"], conf.cni_version.as_str());
-                    }
-                    // What we print parses back (as the next plugin's prevResult) to the same.
-                    let again = AddResult::from_json(&back).expect("our own result decodes");
-                    assert_eq!(again, result, "result does not round-trip: {text}");
                 }
-                Err(e) => check_error(&e.with_version(&conf.cni_version)),
+                let v = result.to_json(&conf.cni_version);
+                let text = v.to_string();
+                let back: serde_json::Value =
+                    serde_json::from_str(&text).expect("result is valid JSON");
+                assert!(back["cniVersion"].is_string());
+                if !conf.cni_version.is_empty() {
+                    assert_eq!(back["cniVersion"], conf.cni_version.as_str());
+                }
+                // What we print parses back (as the next plugin's prevResult) to the same.
+                let again = AddResult::from_json(&back).expect("our own result decodes");
+                assert_eq!(again, result, "result does not round-trip: {text}");
+            } else {
+                check_error(&CniError::unsupported_version(&conf.cni_version));
             }
         }
         Err(e) => check_error(&e),
@@ -115,8 +115,8 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     // Versions straight from the input, not only from a decodable config.
-    if let Err(e) = check_version(&env_text) {
-        check_error(&e);
+    if !version::is_supported(&env_text) {
+        check_error(&CniError::unsupported_version(&env_text));
     }
 
     // The real entry point, for VERSION only: it returns before the config or the network.
