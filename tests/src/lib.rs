@@ -477,6 +477,30 @@ impl Node {
         self.ns.exec(&argv)
     }
 
+    /// `calixctl bpf counters -o json`.
+    pub fn drops_json(&self) -> Value {
+        let out = self.calixctl(&["bpf", "counters", "-o", "json"]);
+        assert!(
+            out.status.success(),
+            "calixctl bpf counters: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("bpf counters json")
+    }
+
+    /// Packets dropped on interface `iface` for `reason` (its name, e.g. "conntrack_full").
+    pub fn dropped(&self, iface: &str, reason: &str) -> u64 {
+        self.drops_json()["drops"]
+            .as_array()
+            .map(|d| {
+                d.iter()
+                    .filter(|x| x["interface"] == iface && x["reason"] == reason)
+                    .map(|x| x["packets"].as_u64().unwrap_or(0))
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
     /// `calixctl endpoints -o json`.
     pub fn endpoints(&self) -> Value {
         endpoints_json(&self.calixctl(&["endpoints", "-o", "json"]))

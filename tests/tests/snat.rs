@@ -31,22 +31,28 @@ fn config() -> String {
     )
 }
 
-/// The servers: TCP answers the peer address (`ip:port`) and waits for the client to close;
-/// UDP (bound to the server address, so replies come from it) answers the peer address.
+/// The servers: TCP answers the peer address (`ip:port`), then echoes what it gets until the
+/// client closes; UDP (bound to the given address, so replies come from it) answers the peer
+/// address. Arguments: TCP port, UDP port, address.
 const SERVERS: &str = r#"
 import socket, sys, threading
+def serve(c, a):
+    try:
+        c.sendall(('%s:%d\n' % a).encode()); c.settimeout(30)
+        while True:
+            d = c.recv(64)
+            if not d:
+                break
+            c.sendall(d)
+    except Exception:
+        pass
+    c.close()
 def tcp(port):
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(('0.0.0.0', port)); s.listen(1024)
     while True:
         c, a = s.accept()
-        try:
-            c.sendall(('%s:%d\n' % a).encode()); c.settimeout(5)
-            while c.recv(64):
-                pass
-        except Exception:
-            pass
-        c.close()
+        threading.Thread(target=serve, args=(c, a), daemon=True).start()
 def udp(port):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[3], port))
     while True:
@@ -59,7 +65,10 @@ threading.Event().wait()
 
 /// The client: `tcp|udp <host> <port> <source port or 0>` prints what the server saw;
 /// `refused <host> <port>` prints `refused` when a UDP send gets port unreachable back;
-/// `many <host> <port> <n>` makes n TCP connections and prints how many got an answer.
+/// `many <host> <port> <n>` makes n TCP connections and prints how many got an answer;
+/// `hold <host> <port>` connects, prints what the server saw, then sends each line of stdin
+/// and prints the echo; `spray <host> <first port> <n>` sends one UDP datagram to each of n
+/// ports (n new flows, none answered) and prints n.
 const CLIENT: &str = r#"
 import socket, sys
 mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -91,6 +100,16 @@ elif mode == 'many':
         except OSError as e:
             print('connection %d: %s' % (i, e), file=sys.stderr)
     print(ok)
+elif mode == 'hold':
+    s = socket.create_connection((host, port), timeout=10)
+    print(s.recv(64).decode().strip(), flush=True)
+    for line in sys.stdin:
+        s.sendall(line.encode()); print(s.recv(64).decode().strip(), flush=True)
+elif mode == 'spray':
+    s = bound(socket.SOCK_DGRAM, 0)
+    for p in range(port, port + int(sys.argv[4])):
+        s.sendto(b'x', (host, p))
+    print(sys.argv[4])
 "#;
 
 /// A node (agent running, SNAT configured) wired to the internet through its uplink, with
@@ -103,11 +122,12 @@ struct Wired {
 }
 
 fn wire() -> Wired {
-    wire_with(Dataplane::Ebpf)
+    wire_with(Dataplane::Ebpf, "")
 }
 
-fn wire_with(dataplane: Dataplane) -> Wired {
-    let node = Node::create(dataplane, Some(&config()));
+/// As [`wire`], with `nat` (lines of `[nat]`) added to the config.
+fn wire_with(dataplane: Dataplane, nat: &str) -> Wired {
+    let node = Node::create(dataplane, Some(&format!("{}{nat}", config())));
     let internet = Netns::new("i");
     node.uplink_to(&internet, UPLINK, &format!("{NODE_ADDR}/24"));
     let n = |argv: &[&str]| node.ns.exec_ok(argv);
@@ -336,7 +356,7 @@ fn ten_thousand_short_connections_succeed_and_their_entries_expire() {
 /// instead, reapplied on SIGHUP and removed when no pool translates any more.
 #[test]
 fn kernel_mode_masquerades_with_nftables() {
-    let w = wire_with(Dataplane::Kernel);
+    let w = wire_with(Dataplane::Kernel, "");
     w.warm_up();
     let pod = Pod::add(&w.node, "kmasq");
     let seen = w.client(&pod, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]);
@@ -366,4 +386,171 @@ fn kernel_mode_masquerades_with_nftables() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(!pod.ns.ping(SERVER, 1), "no masquerade, no answer");
+}
+
+/// A TCP connection a pod holds open through the `hold` client: lines written to it come
+/// back echoed by the server.
+struct Held {
+    child: Guarded,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    /// What the server saw as the connection's source (`ip:port`).
+    seen: String,
+}
+
+impl Held {
+    fn open(pod: &Pod, host: &str, port: u16) -> Held {
+        let mut argv = vec!["python3", "-c", CLIENT, "hold", host];
+        let port = port.to_string();
+        argv.push(&port);
+        let mut child = pod
+            .ns
+            .cmd(&argv)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 hold client");
+        let out = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let mut h = Held {
+            child: Guarded(child),
+            out,
+            seen: String::new(),
+        };
+        h.seen = h.line();
+        h
+    }
+
+    fn line(&mut self) -> String {
+        use std::io::BufRead;
+        let mut l = String::new();
+        self.out
+            .read_line(&mut l)
+            .expect("read from the hold client");
+        l.trim().to_string()
+    }
+
+    /// Sends `text` over the connection and returns what came back.
+    fn echo(&mut self, text: &str) -> String {
+        use std::io::Write;
+        let stdin = self.child.0.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{text}").expect("write to the hold client");
+        stdin.flush().expect("flush");
+        self.line()
+    }
+}
+
+/// One pod sprays new flows at a table of 32 flows: the per-endpoint budget (by default a
+/// quarter of the table) stops it long before the table is full, so another pod's
+/// established connection and its new connections keep working.
+#[test]
+fn a_pod_spraying_new_flows_cannot_fill_the_table_for_the_others() {
+    let w = wire_with(Dataplane::Ebpf, "conntrack_entries = 64\n");
+    w.warm_up();
+    let victim = Pod::add(&w.node, "victim");
+    let sprayer = Pod::add(&w.node, "sprayer");
+    let mut held = Held::open(&victim, SERVER, TCP_PORT);
+    nat_port(&held.seen);
+    let sprayed = w.client(&sprayer, &["spray", SERVER, "30000", "200"]);
+    assert_eq!(sprayed, "200");
+    assert_eq!(held.echo("still there"), "still there", "established flow");
+    let seen = w.client(&victim, &["tcp", SERVER, &TCP_PORT.to_string(), "0"]);
+    nat_port(&seen);
+    let udp = w.client(&victim, &["udp", SERVER, &UDP_PORT.to_string(), "0"]);
+    nat_port(&udp);
+    assert!(
+        w.node.dropped(&sprayer.host_ifname(), "conntrack_budget") >= 150,
+        "the spray is stopped by its budget: {}",
+        w.node.drops_json()
+    );
+    assert_eq!(
+        w.node.dropped(&victim.host_ifname(), "conntrack_full"),
+        0,
+        "{}",
+        w.node.drops_json()
+    );
+}
+
+/// A Service address, DNATed by the host stack (an nft rule stands in for kube-proxy):
+/// `service_cidrs` sends a natOutgoing pod's flows to it through the stack, whose DNAT then
+/// takes them to a backend pod on this node (the backend sees the client pod's own address)
+/// or to a backend outside (masqueraded by the host to the node's address).
+#[test]
+fn service_addresses_are_left_to_the_host_stack_nat() {
+    let w = wire_with(Dataplane::Ebpf, "service_cidrs = [\"10.96.0.0/12\"]\n");
+    w.warm_up();
+    let client = Pod::add(&w.node, "client");
+    let backend = Pod::add(&w.node, "backend");
+    let _backend_server = Guarded(
+        backend
+            .ns
+            .cmd(&[
+                "python3",
+                "-c",
+                SERVERS,
+                &TCP_PORT.to_string(),
+                &UDP_PORT.to_string(),
+                &backend.ip(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 servers in the backend pod"),
+    );
+    let rules = format!(
+        "table ip cxtsvc {{\n\
+         \tchain pre {{\n\
+         \t\ttype nat hook prerouting priority dstnat; policy accept;\n\
+         \t\tip daddr 10.96.0.10 tcp dport 80 dnat to {}:{TCP_PORT}\n\
+         \t\tip daddr 10.96.0.11 tcp dport 80 dnat to {SERVER}:{TCP_PORT}\n\
+         \t}}\n\
+         }}\n",
+        backend.ip()
+    );
+    // A node has a default route (the Service range is not routed specially).
+    w.node.ns.exec_ok(&[
+        "ip", "route", "add", "default", "via", GATEWAY, "dev", UPLINK,
+    ]);
+    let path = w.node.dir.join("services.nft");
+    std::fs::write(&path, rules).expect("write the nft rules");
+    w.node
+        .ns
+        .exec_ok(&["nft", "-f", &path.display().to_string()]);
+    // The backend pod's server is up.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let out = client.ns.exec(&[
+            "python3",
+            "-c",
+            CLIENT,
+            "tcp",
+            &backend.ip(),
+            &TCP_PORT.to_string(),
+            "0",
+        ]);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the backend pod's server never answered"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // To the backend pod: DNATed, not SNATed (pod to pod), and the reply un-DNATed.
+    let seen = w.client(&client, &["tcp", "10.96.0.10", "80", "0"]);
+    let (addr, _) = seen.rsplit_once(':').expect("ip:port");
+    assert_eq!(addr, client.ip(), "the backend sees the client pod");
+    let mut held = Held::open(&client, "10.96.0.10", 80);
+    assert_eq!(held.echo("through the service"), "through the service");
+    // To a backend outside: DNATed, then masqueraded by the host to the node's address.
+    let seen = w.client(&client, &["tcp", "10.96.0.11", "80", "0"]);
+    let (addr, _) = seen.rsplit_once(':').expect("ip:port");
+    assert_eq!(addr, NODE_ADDR, "the outside backend sees the node");
+    // None of it went through the programs' NAT.
+    assert!(
+        w.conntrack(&["--ip", &client.ip()]).is_empty(),
+        "{:?}",
+        w.conntrack(&[])
+    );
 }

@@ -155,8 +155,17 @@ impl Drop for PinDir {
 /// Loads the object as the agent does (maps pinned under `pins`), every program through the
 /// verifier as its own type (tc classifier or XDP).
 pub fn load_object(pins: &PinDir) -> Ebpf {
-    let mut bpf = EbpfLoader::new()
-        .map_pin_path(&pins.0)
+    load_object_sized(pins, &[])
+}
+
+/// As [`load_object`], with the maps named in `sizes` given those `max_entries`.
+pub fn load_object_sized(pins: &PinDir, sizes: &[(&str, u32)]) -> Ebpf {
+    let mut loader = EbpfLoader::new();
+    loader.map_pin_path(&pins.0);
+    for (name, size) in sizes {
+        loader.set_max_entries(name, *size);
+    }
+    let mut bpf = loader
         .load(OBJECT)
         .expect("load the object (maps created and pinned)");
     for name in ALL_PROGRAMS {
