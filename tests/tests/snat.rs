@@ -32,10 +32,10 @@ fn config() -> String {
 }
 
 /// The servers: TCP answers the peer address (`ip:port`), then echoes what it gets until the
-/// client closes; UDP (bound to the given address, so replies come from it) answers the peer
+/// client closes (a line `later <n>` is answered `later` after n seconds); UDP (bound to the given address, so replies come from it) answers the peer
 /// address. Arguments: TCP port, UDP port, address.
 const SERVERS: &str = r#"
-import socket, sys, threading
+import socket, sys, threading, time
 def serve(c, a):
     try:
         c.sendall(('%s:%d\n' % a).encode()); c.settimeout(30)
@@ -43,7 +43,10 @@ def serve(c, a):
             d = c.recv(64)
             if not d:
                 break
-            c.sendall(d)
+            if d.startswith(b'later '):
+                time.sleep(int(d.split()[1])); c.sendall(b'later\n')
+            else:
+                c.sendall(d)
     except Exception:
         pass
     c.close()
@@ -420,6 +423,15 @@ impl Held {
         h
     }
 
+    /// Sends `text` over the connection.
+    fn send(&mut self, text: &str) {
+        use std::io::Write;
+        let stdin = self.child.0.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{text}").expect("write to the hold client");
+        stdin.flush().expect("flush");
+    }
+
+    /// The next line the client printed (empty: it ended).
     fn line(&mut self) -> String {
         use std::io::BufRead;
         let mut l = String::new();
@@ -431,10 +443,7 @@ impl Held {
 
     /// Sends `text` over the connection and returns what came back.
     fn echo(&mut self, text: &str) -> String {
-        use std::io::Write;
-        let stdin = self.child.0.stdin.as_mut().expect("stdin");
-        writeln!(stdin, "{text}").expect("write to the hold client");
-        stdin.flush().expect("flush");
+        self.send(text);
         self.line()
     }
 }
@@ -552,5 +561,102 @@ fn service_addresses_are_left_to_the_host_stack_nat() {
         w.conntrack(&["--ip", &client.ip()]).is_empty(),
         "{:?}",
         w.conntrack(&[])
+    );
+}
+
+/// Puts the node's pins back as layout 1 left them: its maps (from `calix_common::LAYOUTS`)
+/// in `v1/`, the conntrack entries converted to layout 1's 40-byte entries, the stack flows
+/// kept; this layout's directory gone. The programs attached now keep running on their
+/// (unpinned) maps, as a previous release's would on its own.
+fn back_to_layout_1(node: &Node) -> usize {
+    use aya::maps::{HashMap, Map, MapData};
+    use calix_agent::dataplane::pins::{CtEntryV1, MapSpec};
+    use calix_common::{layout, CtEntry, CtKey, FlowKey, StackFlow, CT_MAP, STACK_FLOWS_MAP};
+
+    let node_dir = node.pin_root().join(&node.ns.name);
+    let now_dir = node_dir.join(format!("v{}", calix_common::LAYOUT_VERSION));
+    let open = |p: std::path::PathBuf| MapData::from_pin(&p).expect("a pinned map");
+    let ct: HashMap<MapData, CtKey, CtEntry> =
+        HashMap::try_from(Map::HashMap(open(now_dir.join(CT_MAP)))).expect("CT");
+    let flows: HashMap<MapData, FlowKey, StackFlow> =
+        HashMap::try_from(Map::HashMap(open(now_dir.join(STACK_FLOWS_MAP)))).expect("flows");
+    let v1_dir = node_dir.join("v1");
+    std::fs::create_dir_all(&v1_dir).expect("v1 dir");
+    let v1 = layout(1).expect("layout 1");
+    for m in v1.maps {
+        MapSpec::from_layout(m)
+            .create_pinned(&v1_dir.join(m.name))
+            .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+    }
+    let mut old_ct: HashMap<MapData, CtKey, CtEntryV1> =
+        HashMap::try_from(Map::HashMap(open(v1_dir.join(CT_MAP)))).expect("v1 CT");
+    let mut n = 0;
+    for (k, e) in ct.iter().filter_map(Result::ok) {
+        let old = CtEntryV1 {
+            last_seen_ns: e.last_seen_ns,
+            addr: e.addr,
+            port: e.port,
+            flags: e.flags & 7, // layout 1 had SEEN, FIN and RST only
+            route_ns: e.route_ns,
+            route_ifindex: e.route_ifindex,
+            route_macs: e.route_macs,
+        };
+        old_ct.insert(k, old, 0).expect("a v1 entry");
+        n += 1;
+    }
+    let mut old_flows: HashMap<MapData, FlowKey, u64> =
+        HashMap::try_from(Map::LruHashMap(open(v1_dir.join(STACK_FLOWS_MAP)))).expect("v1 flows");
+    for k in flows.keys().filter_map(Result::ok) {
+        old_flows.insert(k, 0, 0).expect("a v1 flow");
+    }
+    std::fs::remove_dir_all(&now_dir).expect("remove this layout's pins");
+    n
+}
+
+/// An upgrade across a map layout change keeps translated flows: with the node's pins as
+/// layout 1 left them, the agent starts, says what it carried over, and a TCP connection
+/// through SNAT goes on — the first packet after the upgrade comes from the server, so it
+/// needs the flow's reply entry in the new table.
+#[test]
+fn translated_flows_survive_an_upgrade_from_layout_1() {
+    let w = wire();
+    w.warm_up();
+    let pod = Pod::add(&w.node, "upgrade");
+    let mut held = Held::open(&pod, SERVER, TCP_PORT);
+    let nat = nat_port(&held.seen);
+    assert_eq!(held.echo("before"), "before");
+    w.node.stop_agent();
+    let entries = back_to_layout_1(&w.node);
+    assert_eq!(entries, 2, "the connection's two conntrack entries");
+    // The server answers this in 4 s, after the upgrade.
+    held.send("later 4");
+    w.node.start_agent();
+    assert_eq!(
+        held.line(),
+        "later",
+        "the server's data reached the pod after the upgrade\n{}",
+        w.diagnostics()
+    );
+    assert_eq!(held.echo("after"), "after");
+    let flows = w.conntrack(&["--ip", &pod.ip(), "--proto", "tcp"]);
+    assert_eq!(flows.len(), 1, "{flows:?}");
+    assert_eq!(
+        flows[0]["nat_port"].as_u64(),
+        Some(u64::from(nat)),
+        "the same NAT port"
+    );
+    let log = w.node.agent_log();
+    let carried = log
+        .lines()
+        .find(|l| l.contains("entries carried into the new map") && l.contains("map=CALIX_CT "))
+        .unwrap_or_else(|| panic!("the agent says what it carried:\n{log}"));
+    assert!(
+        carried.contains("inserted=2") && carried.contains("/v1/CALIX_CT"),
+        "{carried}"
+    );
+    let old = w.node.pin_root().join(&w.node.ns.name).join("v1");
+    assert!(
+        !old.exists(),
+        "layout 1's pins are gone after the reconcile"
     );
 }

@@ -454,8 +454,13 @@ pub fn prepare(
             let entries = read_converted(&want.name, &have, data)
                 .map_err(pin_err(&from, "read pinned map"))?;
             let source = MapData::from_pin(&from).map_err(pin_err(&from, "open pinned map"))?;
-            tracing::info!(map = %want.name, from = %from.display(), entries = entries.len(),
-                differences = ?diffs, "pinned map differs from this build's: carrying its entries into a new one");
+            if older {
+                tracing::info!(map = %want.name, from = %from.display(), entries = entries.len(),
+                    differences = ?diffs, "an older layout's map: carrying its entries into this layout's");
+            } else {
+                tracing::warn!(map = %want.name, from = %from.display(), entries = entries.len(),
+                    differences = ?diffs, "pinned map does not match this build: carrying its entries into a new one");
+            }
             carried.carries.push(Carry {
                 name: want.name.clone(),
                 from: from.clone(),
@@ -468,7 +473,7 @@ pub fn prepare(
             continue;
         } else {
             tracing::warn!(map = %want.name, pin = %from.display(), differences = ?diffs,
-                "pinned map differs from this build's and its entries cannot be converted: recreating it empty");
+                "pinned map does not match this build and its entries cannot be converted: recreating it empty");
             carried.recreated.push((want.name.clone(), diffs));
         }
         if !older {
