@@ -755,6 +755,26 @@ fn a_rst_closes_a_flow_only_in_window() {
             TC_ACT_REDIRECT
         );
         assert_eq!(h.reply_flags(nat1) & CT_F_RST, CT_F_RST);
+
+        // A RST answering the other side's latest segment carries that segment's
+        // acknowledgement number (RFC 793): the pod's socket in SYN-SENT refusing the ACK a
+        // server still holding an old connection on this tuple sends. It passes, so the old
+        // connection goes and the pod's next SYN gets through.
+        assert_eq!(
+            h.pod_tcp(44002, 9000, 0, SYN, 64240, &SYN_OPTS),
+            TC_ACT_REDIRECT
+        );
+        let nat2 = h.nat_port_of(44002);
+        let stale = h.server_tcp(nat2, 777_000, 123_456, ACK, 500, &[], b"");
+        assert_eq!(stale, TC_ACT_REDIRECT);
+        assert_eq!(h.pod_tcp(44002, 123_456, 0, RST, 0, &[]), TC_ACT_REDIRECT);
+        let o = h.entry(&out_key(TCP, 44002, 443)).expect("original entry");
+        assert_eq!(o.flags & CT_F_RST, CT_F_RST);
+        assert_eq!(
+            h.dropped(DropReason::ConntrackRstInvalid),
+            1,
+            "no more drops"
+        );
     });
 }
 

@@ -262,7 +262,7 @@ fn convertible(name: &str, have: &MapSpec) -> bool {
     let hash = matches!(have.map_type, BPF_MAP_TYPE_HASH | BPF_MAP_TYPE_LRU_HASH);
     hash && matches!(
         (name, have.key_size, have.value_size),
-        (CT_MAP, 16, 16 | 40 | 56) | (STACK_FLOWS_MAP, 40, 8 | 16) | (STACK_EPS_MAP, 4, 4)
+        (CT_MAP, 16, 16 | 40 | 64) | (STACK_FLOWS_MAP, 40, 8 | 16) | (STACK_EPS_MAP, 4, 4)
     )
 }
 

@@ -408,6 +408,8 @@ pub const CT_F_SEQ: u16 = 16;
 /// [`CtEntry::flags`]: TCP: window scaling is in effect for this direction's windows
 /// ([`CtEntry::wscale`]); set by its SYN, cleared when the other side's SYN had no scale.
 pub const CT_F_WSCALE: u16 = 32;
+/// [`CtEntry::flags`]: TCP: [`CtEntry::last_ack`] is known.
+pub const CT_F_LAST_ACK: u16 = 64;
 
 /// A conntrack entry. Out entry: `addr`/`port` are the NAT address and port the flow leaves
 /// with. Reply entry: the pod's address and port replies are translated back to.
@@ -439,9 +441,12 @@ pub struct CtEntry {
     /// The endpoint the flow belongs to (its host-side veth ifindex; 0: unknown): its
     /// conntrack budget is charged for the flow.
     pub owner: u32,
+    /// TCP: the acknowledgement number of this direction's latest segment (with
+    /// [`CT_F_LAST_ACK`]): a RST answering that segment carries it as its sequence number.
+    pub last_ack: u32,
     /// TCP: this direction's window scale shift (with [`CT_F_WSCALE`]).
     pub wscale: u8,
-    pub _pad: [u8; 3],
+    pub _pad: [u8; 7],
 }
 
 /// What the SNAT programs need from the agent's `[nat]` config (one entry of
@@ -633,7 +638,7 @@ pub const LAYOUTS: [Layout; 2] = [
             m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
             m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
             m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
-            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 56, DEFAULT_CT_ENTRIES, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
             m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
             m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
             m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
@@ -785,7 +790,7 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FailsafePort>(), 4);
         assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtEntry>(), 56);
+        assert_eq!(size_of::<CtEntry>(), 64);
         assert_eq!(size_of::<NatConfig>(), 88);
         assert_eq!(size_of::<StackFlow>(), 16);
     }

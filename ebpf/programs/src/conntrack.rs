@@ -22,8 +22,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray},
 };
 use calix_common::{
-    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_FIN, CT_F_RST,
-    CT_F_SEEN, CT_F_SEQ, CT_F_WSCALE, DEFAULT_CT_ENTRIES, IPPROTO_TCP, MAX_ENDPOINTS,
+    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_FIN,
+    CT_F_LAST_ACK, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_F_WSCALE, DEFAULT_CT_ENTRIES, IPPROTO_TCP, MAX_ENDPOINTS,
     MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
 };
 
@@ -145,7 +145,7 @@ fn after(a: u32, b: u32) -> bool {
 }
 
 /// Records what `seg` (not a RST) says of its direction `e`: its next sequence number, its
-/// window scale (a SYN) and the largest window it advertised.
+/// window scale (a SYN), the largest window it advertised and its acknowledgement number.
 #[inline(always)]
 pub fn track_tcp(e: *mut CtEntry, seg: &TcpSeg) {
     if seg.rst() {
@@ -175,6 +175,12 @@ pub fn track_tcp(e: *mut CtEntry, seg: &TcpSeg) {
         if (*e).flags & CT_F_SEQ == 0 || after(end, (*e).seq_end) {
             (*e).seq_end = end;
             (*e).flags |= CT_F_SEQ;
+        }
+        if seg.flags & TCP_ACK != 0
+            && ((*e).flags & CT_F_LAST_ACK == 0 || (*e).last_ack != seg.ack)
+        {
+            (*e).last_ack = seg.ack;
+            (*e).flags |= CT_F_LAST_ACK;
         }
         let mut win = u32::from(seg.win);
         // A SYN's window is never scaled.
@@ -206,10 +212,12 @@ pub fn settle_wscale(out: &CtKey, r: *mut CtEntry) {
 }
 
 /// Whether a RST from the direction `d` may close the flow, given the other direction `e`
-/// (`None`: its entry is gone). In the window: its sequence number within the receiver's
-/// largest window of `d`'s next one. Before `d` has sent anything: it must acknowledge the
-/// other side's SYN (RFC 793, SYN-SENT). Neither side known (a flow carried over from an
-/// older layout): it cannot be judged and is accepted.
+/// (`None`: its entry is gone). A RST answering `e`'s latest segment: its sequence number is
+/// that segment's acknowledgement number (RFC 793: `<SEQ=SEG.ACK><CTL=RST>`, e.g. a socket
+/// in SYN-SENT refusing an ACK of an old connection on the same tuple). In the window: its
+/// sequence number within the receiver's largest window of `d`'s next one. Before `d` has
+/// sent anything: it must acknowledge the other side's SYN (RFC 793, SYN-SENT). Neither side
+/// known (a flow carried over from an older layout): it cannot be judged and is accepted.
 #[inline(always)]
 pub fn rst_in_window(d: *const CtEntry, e: Option<*const CtEntry>, seg: &TcpSeg) -> bool {
     let Some(e) = e else {
@@ -218,6 +226,9 @@ pub fn rst_in_window(d: *const CtEntry, e: Option<*const CtEntry>, seg: &TcpSeg)
     // SAFETY: both come from successful lookups and stay valid until the program returns
     // (fields are read one by one: no copy of the entries on the small BPF stack).
     unsafe {
+        if (*e).flags & CT_F_LAST_ACK != 0 && seg.seq == (*e).last_ack {
+            return true;
+        }
         if (*d).flags & CT_F_SEQ != 0 {
             let off = (seg.seq.wrapping_sub((*d).seq_end) as i32).unsigned_abs();
             return off <= (*e).max_win;
@@ -596,11 +607,13 @@ pub fn restart_tcp(out: &CtKey, o: *mut CtEntry, now: u64) -> bool {
             (*r).last_seen_ns = now;
             (*r).seq_end = 0;
             (*r).max_win = 0;
+            (*r).last_ack = 0;
             (*r).wscale = 0;
             (*o).flags = 0;
             (*o).last_seen_ns = now;
             (*o).seq_end = 0;
             (*o).max_win = 0;
+            (*o).last_ack = 0;
             (*o).wscale = 0;
         }
     }
