@@ -491,12 +491,14 @@ fn a_pod_spraying_new_flows_cannot_fill_the_table_for_the_others() {
 }
 
 /// A Service address, DNATed by the host stack (an nft rule stands in for kube-proxy):
-/// `service_cidrs` sends a natOutgoing pod's flows to it through the stack, whose DNAT then
-/// takes them to a backend pod on this node (the backend sees the client pod's own address)
-/// or to a backend outside (masqueraded by the host to the node's address).
+/// without `service_cidrs` the programs SNAT a natOutgoing pod's connection to it straight
+/// out of the uplink, VIP and all, and it fails; with it (a SIGHUP reloads it) the flows go
+/// through the stack, whose DNAT takes them to a backend pod on this node (the backend sees
+/// the client pod's own address) or to a backend outside (masqueraded by the host to the
+/// node's address).
 #[test]
 fn service_addresses_are_left_to_the_host_stack_nat() {
-    let w = wire_with(Dataplane::Ebpf, "service_cidrs = [\"10.96.0.0/12\"]\n");
+    let w = wire();
     w.warm_up();
     let client = Pod::add(&w.node, "client");
     let backend = Pod::add(&w.node, "backend");
@@ -557,6 +559,29 @@ fn service_addresses_are_left_to_the_host_stack_nat() {
         std::thread::sleep(Duration::from_millis(100));
     }
 
+    // Without service_cidrs: translated by the programs, sent out with the VIP, no answer.
+    let out = client
+        .ns
+        .exec(&["python3", "-c", CLIENT, "tcp", "10.96.0.10", "80", "0"]);
+    assert!(!out.status.success(), "the Service needs service_cidrs");
+    let wrong = w.conntrack(&["--ip", "10.96.0.10"]);
+    assert_eq!(wrong.len(), 1, "the programs translated it: {wrong:?}");
+    // SIGHUP with service_cidrs.
+    let with = format!("{}service_cidrs = [\"10.96.0.0/12\"]\n", config());
+    std::fs::write(w.node.dir.join("agent.toml"), with).expect("rewrite the config");
+    let pid = w.node.agent_pid().expect("agent pid");
+    // SAFETY: kill(2) on the agent this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !w.node.agent_log().contains("service_cidrs reloaded") {
+        assert!(
+            Instant::now() < deadline,
+            "no reload:\n{}",
+            w.node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
     // To the backend pod: DNATed, not SNATed (pod to pod), and the reply un-DNATed.
     let seen = w.client(&client, &["tcp", "10.96.0.10", "80", "0"]);
     let (addr, _) = seen.rsplit_once(':').expect("ip:port");
@@ -567,11 +592,12 @@ fn service_addresses_are_left_to_the_host_stack_nat() {
     let seen = w.client(&client, &["tcp", "10.96.0.11", "80", "0"]);
     let (addr, _) = seen.rsplit_once(':').expect("ip:port");
     assert_eq!(addr, NODE_ADDR, "the outside backend sees the node");
-    // None of it went through the programs' NAT.
+    // None of it went through the programs' NAT (the flow from before the reload aside,
+    // until it expires).
+    let flows = w.conntrack(&["--ip", &client.ip()]);
     assert!(
-        w.conntrack(&["--ip", &client.ip()]).is_empty(),
-        "{:?}",
-        w.conntrack(&[])
+        flows.iter().all(|f| f["pod_port"] == wrong[0]["pod_port"]),
+        "{flows:?}"
     );
 }
 
