@@ -587,6 +587,10 @@ fn what_snat_leaves_alone() {
             l4(UDP, POD, [10, 244, 9, 9], 1, 2),
         ));
         passes(Ip4::new(POD, SERVER, 47, vec![0; 8]));
+        // A SYN-ACK answers a connection from outside (routed to the pod itself): never a
+        // new SNAT flow.
+        let synack = with_l4_csum(POD, SERVER, TCP, &tcp_seg(8443, 50000, 0x12, b""));
+        passes(Ip4::new(POD, SERVER, TCP, synack));
         passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).frag(0x2000));
         passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).ttl(1));
         passes(Ip4::new(

@@ -23,8 +23,8 @@ use aya_ebpf::{
 };
 use calix_common::{
     CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_FIN,
-    CT_F_LAST_ACK, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_F_WSCALE, DEFAULT_CT_ENTRIES, IPPROTO_TCP, MAX_ENDPOINTS,
-    MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
+    CT_F_LAST_ACK, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_F_WSCALE, DEFAULT_CT_ENTRIES, IPPROTO_TCP,
+    MAX_ENDPOINTS, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
 };
 
 /// Conntrack entries (see `calix_common::CT_MAP`).
@@ -176,8 +176,7 @@ pub fn track_tcp(e: *mut CtEntry, seg: &TcpSeg) {
             (*e).seq_end = end;
             (*e).flags |= CT_F_SEQ;
         }
-        if seg.flags & TCP_ACK != 0
-            && ((*e).flags & CT_F_LAST_ACK == 0 || (*e).last_ack != seg.ack)
+        if seg.flags & TCP_ACK != 0 && ((*e).flags & CT_F_LAST_ACK == 0 || (*e).last_ack != seg.ack)
         {
             (*e).last_ack = seg.ack;
             (*e).flags |= CT_F_LAST_ACK;

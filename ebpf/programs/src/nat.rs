@@ -16,9 +16,7 @@ use aya_ebpf::{
     },
     cty::c_long,
     cty::c_void,
-    helpers::{
-        bpf_fib_lookup, bpf_ktime_get_ns, bpf_loop, bpf_redirect, bpf_redirect_neigh,
-    },
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_loop, bpf_redirect, bpf_redirect_neigh},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
