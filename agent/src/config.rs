@@ -155,7 +155,7 @@ pub struct NatConfig {
     /// completed) expire after this many idle seconds, so established flows keep room.
     pub pressure_unanswered_secs: u64,
     pub tcp_established_secs: u64,
-    /// TCP before the first reply.
+    /// TCP until the handshake completes (a reply, then the pod's ACK).
     pub tcp_syn_secs: u64,
     /// TCP after RST, or FIN both ways.
     pub tcp_closing_secs: u64,

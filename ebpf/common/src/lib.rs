@@ -455,7 +455,7 @@ pub struct CtEntry {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NatConfig {
     pub tcp_established_ns: u64,
-    /// TCP before the first reply.
+    /// TCP until the handshake completes (a reply, then the pod's ACK).
     pub tcp_syn_ns: u64,
     /// TCP after a RST, or FIN both ways.
     pub tcp_closing_ns: u64,
