@@ -61,6 +61,12 @@ pub enum ConfigError {
         "nat.non_masquerade_cidrs: {entry:?} is not an IPv4 CIDR or address (e.g. \"192.168.0.0/16\")"
     )]
     NatCidr { entry: String },
+    #[error(
+        "nat.service_cidrs: {entry:?} is not a CIDR or address (e.g. \"10.96.0.0/12\", \"fd00:96::/108\")"
+    )]
+    ServiceCidr { entry: String },
+    #[error("nat.service_cidrs: {service} overlaps pool {pool}: pod addresses cannot be Service addresses")]
+    ServiceOverlapsPool { service: IpNet, pool: IpNet },
     #[error("nat.{key} must be {what}")]
     Nat {
         key: &'static str,
@@ -134,11 +140,22 @@ pub struct NatConfig {
     /// IPv4 destinations (CIDRs or addresses) reached without SNAT, besides every pool.
     /// Reloaded on SIGHUP.
     pub non_masquerade_cidrs: Vec<String>,
-    /// Size of the BPF conntrack table in entries (two per flow). A changed size recreates
-    /// the table at the next start (translated flows restart).
+    /// Addresses the host stack NATs itself (kube-proxy: the Service cluster IP ranges,
+    /// externalIPs, load-balancer IPs; IPv4 or IPv6): pods' traffic to them always goes
+    /// through the host stack, never the programs' SNAT. Reloaded on SIGHUP.
+    pub service_cidrs: Vec<String>,
+    /// Size of the BPF conntrack table in entries (two per flow). A changed size migrates
+    /// the flows into a table of the new size at the next start.
     pub conntrack_entries: u32,
+    /// Conntrack flows one endpoint may hold; a new flow beyond it is dropped
+    /// (`conntrack_budget`). Default: a quarter of the table (`conntrack_entries / 8`);
+    /// 0: no limit.
+    pub conntrack_flows_per_endpoint: Option<u32>,
+    /// When the table is three quarters full, flows without an answer (TCP: handshake not
+    /// completed) expire after this many idle seconds, so established flows keep room.
+    pub pressure_unanswered_secs: u64,
     pub tcp_established_secs: u64,
-    /// TCP before the first reply.
+    /// TCP until the handshake completes (a reply, then the pod's ACK).
     pub tcp_syn_secs: u64,
     /// TCP after RST, or FIN both ways.
     pub tcp_closing_secs: u64,
@@ -156,7 +173,10 @@ impl Default for NatConfig {
     fn default() -> Self {
         Self {
             non_masquerade_cidrs: Vec::new(),
+            service_cidrs: Vec::new(),
             conntrack_entries: calix_common::DEFAULT_CT_ENTRIES,
+            conntrack_flows_per_endpoint: None,
+            pressure_unanswered_secs: 2,
             tcp_established_secs: 21_600,
             tcp_syn_secs: 60,
             tcp_closing_secs: 10,
@@ -547,10 +567,50 @@ impl AgentConfig {
                 what: "a range 1 ≤ port_min ≤ port_max ≤ 65535",
             });
         }
+        if n.port_min <= 1024 && n.port_max == u16::MAX {
+            return Err(ConfigError::Nat {
+                key: "port_min/port_max",
+                what: "a range that leaves ports of 1024–65535 to the host's own masquerade",
+            });
+        }
         if n.conntrack_entries < 2 {
             return Err(ConfigError::Nat {
                 key: "conntrack_entries",
                 what: "at least 2",
+            });
+        }
+        let ct_budget = n
+            .conntrack_flows_per_endpoint
+            .unwrap_or(n.conntrack_entries / 8);
+        if ct_budget > i32::MAX as u32 {
+            return Err(ConfigError::Nat {
+                key: "conntrack_flows_per_endpoint",
+                what: "at most 2147483647",
+            });
+        }
+        let mut service = Vec::new();
+        for entry in &n.service_cidrs {
+            let net = xdp::parse_deny(entry).ok_or_else(|| ConfigError::ServiceCidr {
+                entry: entry.clone(),
+            })?;
+            if let Some(pool) = self.pools.iter().find(|p| {
+                p.cidr.contains(&net.network()) || net.contains(&p.cidr.trunc().network())
+            }) {
+                return Err(ConfigError::ServiceOverlapsPool {
+                    service: net,
+                    pool: pool.cidr,
+                });
+            }
+            if let IpNet::V4(v4) = net {
+                if !service.contains(&v4) {
+                    service.push(v4);
+                }
+            }
+        }
+        if no_snat.len() + service.len() > calix_common::MAX_NO_SNAT_CIDRS as usize {
+            return Err(ConfigError::Nat {
+                key: "non_masquerade_cidrs/service_cidrs",
+                what: "at most 4096 entries together, pools included",
             });
         }
         let secs = [
@@ -560,6 +620,7 @@ impl AgentConfig {
             n.udp_secs,
             n.icmp_secs,
             n.cleaner_interval_secs,
+            n.pressure_unanswered_secs,
         ];
         if secs.contains(&0) {
             return Err(ConfigError::Nat {
@@ -575,7 +636,10 @@ impl AgentConfig {
                 .filter_map(|p| v4(&p.cidr))
                 .collect(),
             no_snat,
+            service,
             conntrack_entries: n.conntrack_entries,
+            ct_budget,
+            pressure_unanswered: Duration::from_secs(n.pressure_unanswered_secs),
             timeouts: Timeouts {
                 tcp_established: Duration::from_secs(n.tcp_established_secs),
                 tcp_syn: Duration::from_secs(n.tcp_syn_secs),
@@ -842,6 +906,82 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
         let d = NatConfig::default();
         assert!(d.port_max < 32768, "below the kernel's ephemeral ports");
+    }
+
+    /// `service_cidrs`: IPv4 and IPv6 ranges (or addresses), never a pool's; the IPv4 ones
+    /// join what the programs never translate (SIGHUP reloads them with the rest).
+    #[test]
+    fn service_cidrs_parse_and_never_overlap_pools() {
+        let text = r#"
+            node_name = "n"
+            [[pools]]
+            cidr = "10.244.0.0/16"
+            natOutgoing = true
+            [nat]
+            non_masquerade_cidrs = ["192.168.0.0/16"]
+            service_cidrs = ["10.96.0.0/12", "fd00:96::/108", "203.0.113.7"]
+            "#;
+        let c = AgentConfig::from_toml(text).expect("parse");
+        c.validate().expect("valid");
+        let s = c.nat_settings().expect("settings");
+        let strs = |v: &[ipnet::Ipv4Net]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
+        assert_eq!(strs(&s.service), ["10.96.0.0/12", "203.0.113.7/32"]);
+        assert_eq!(
+            strs(&s.untranslated()),
+            [
+                "10.244.0.0/16",
+                "192.168.0.0/16",
+                "10.96.0.0/12",
+                "203.0.113.7/32"
+            ]
+        );
+        let mut bad = c.clone();
+        bad.nat.service_cidrs = vec!["10.96.0.0/33".into()];
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::ServiceCidr { entry }) if entry == "10.96.0.0/33"
+        ));
+        let mut bad = c.clone();
+        bad.nat.service_cidrs = vec!["10.0.0.0/8".into()];
+        let err = bad.validate().expect_err("a Service range over the pool");
+        assert!(
+            matches!(err, ConfigError::ServiceOverlapsPool { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("10.244.0.0/16"), "{err}");
+        let mut bad = c;
+        bad.nat.service_cidrs = vec!["10.244.5.0/24".into()];
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::ServiceOverlapsPool { .. })
+        ));
+    }
+
+    /// The per-endpoint budget defaults to a quarter of the table's flows; 0 turns it off.
+    #[test]
+    fn the_conntrack_budget_and_pressure_settings() {
+        let c = AgentConfig::from_toml("node_name = \"n\"\n[nat]\nconntrack_entries = 64\n")
+            .expect("parse");
+        let s = c.nat_settings().expect("settings");
+        assert_eq!(s.ct_budget, 8);
+        assert_eq!(s.program_config(&[1]).ct_budget, 8);
+        assert_eq!(s.pressure_unanswered, std::time::Duration::from_secs(2));
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[nat]\nconntrack_flows_per_endpoint = 0\npressure_unanswered_secs = 5\n",
+        )
+        .expect("parse");
+        let s = c.nat_settings().expect("settings");
+        assert_eq!((s.ct_budget, s.pressure_unanswered.as_secs()), (0, 5));
+        let mut bad = c.clone();
+        bad.nat.pressure_unanswered_secs = 0;
+        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        let mut bad = c.clone();
+        bad.nat.conntrack_flows_per_endpoint = Some(u32::MAX);
+        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        // The programs' ports must leave the host's masquerade some.
+        let mut bad = c;
+        (bad.nat.port_min, bad.nat.port_max) = (1024, 65535);
+        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use calix_agent::agent::{Agent, Housekeeping};
 use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
-use calix_agent::dataplane::{antispoof, host_addrs, masquerade, nat, xdp};
+use calix_agent::dataplane::{antispoof, cleaner, host_addrs, masquerade, nat, xdp};
 use calix_agent::dataplane::{Dataplane, EbpfDataplane, KernelDataplane};
 use calix_agent::datastore::{Datastore, EmbeddedStore, EtcdStore};
 use calix_agent::model::NodeRecord;
@@ -256,51 +256,18 @@ fn reload_nat(maps: Option<&mut nat::NatMaps>, cfg: &AgentConfig, mode: Dataplan
         return;
     };
     match cfg.nat_settings() {
-        Ok(s) => match maps.set_no_snat(&s.no_snat) {
-            Ok(()) => tracing::info!("SIGHUP: SNAT exclusions reloaded"),
-            Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
-                "SIGHUP: cannot update the SNAT exclusions"),
-        },
-        Err(e) => tracing::error!(error = %e, "SIGHUP: [nat] rejected; keeping the running one"),
-    }
-}
-
-/// Removes expired SNAT conntrack entries every `cleaner_interval`.
-fn spawn_conntrack_cleaner(pin_dir: PathBuf, settings: nat::NatSettings, uplinks: Vec<String>) {
-    tokio::spawn(async move {
-        let cfg = settings.program_config(&[]);
-        let mut tick = tokio::time::interval(settings.cleaner_interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut table: Option<nat::Conntrack> = None;
-        loop {
-            tick.tick().await;
-            if table.is_none() {
-                match nat::Conntrack::open(&pin_dir) {
-                    Ok(t) => table = Some(t),
-                    Err(e) => {
-                        tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "conntrack cleaner: cannot open the table");
-                        continue;
-                    }
-                }
+        Ok(s) => {
+            match maps.set_no_snat(&s.untranslated()) {
+                Ok(()) => tracing::info!("SIGHUP: SNAT exclusions and service_cidrs reloaded"),
+                Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
+                    "SIGHUP: cannot update the SNAT exclusions"),
             }
-            if let Some(mut t) = table.take() {
-                let pass = tokio::task::spawn_blocking(move || {
-                    let n = t.clean(&cfg);
-                    (t, n)
-                })
-                .await;
-                match pass {
-                    Ok((t, removed)) => {
-                        if removed > 0 {
-                            tracing::debug!(removed, ?uplinks, "conntrack cleaner pass");
-                        }
-                        table = Some(t);
-                    }
-                    Err(e) => tracing::error!(error = %e, "conntrack cleaner pass failed"),
-                }
+            if let Err(e) = masquerade::apply_stack(&s) {
+                tracing::error!(error = %e, "SIGHUP: cannot apply the host stack's masquerade");
             }
         }
-    });
+        Err(e) => tracing::error!(error = %e, "SIGHUP: [nat] rejected; keeping the running one"),
+    }
 }
 
 fn reload_xdp(filter: Option<&mut xdp::XdpFilter>, cfg: &AgentConfig, started: &AgentConfig) {
@@ -377,10 +344,12 @@ async fn main() -> Result<()> {
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?;
             let xdp_filter = dp.take_xdp();
             let nat_maps = dp.take_nat();
-            // Tables a kernel-mode run left behind: the programs translate and guard now.
-            if let Err(e) = masquerade::remove() {
-                tracing::warn!(error = %e, "cannot remove a kernel-mode masquerade table");
-            }
+            // What the programs leave to the host stack (Service traffic it DNATs out of the
+            // node, fragments, other protocols) is masqueraded there, on ports the programs
+            // never hand out.
+            masquerade::apply_stack(&cfg.nat_settings()?)
+                .context("cannot set up the host stack's natOutgoing masquerade")?;
+            // A table a kernel-mode run left behind: the programs guard the pods now.
             if let Err(e) = antispoof::remove() {
                 tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
             }
@@ -422,7 +391,7 @@ async fn main() -> Result<()> {
     );
     if cfg.dataplane == DataplaneMode::Ebpf {
         agent.set_conntrack(pin_dir.clone(), cfg.nat_settings()?.program_config(&[]));
-        spawn_conntrack_cleaner(pin_dir, cfg.nat_settings()?, cfg.uplinks.clone());
+        cleaner::spawn(pin_dir, cfg.nat_settings()?);
     }
     spawn_reload(agent.clone(), flags, cfg.clone(), xdp_filter, nat_maps);
     let socket = grpc::UnixSocket::bind(&cfg.socket)?;

@@ -19,17 +19,20 @@ mod common;
 
 use std::mem::size_of;
 use std::os::fd::AsFd;
+use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use aya::Ebpf;
+use calix_agent::dataplane::nat::monotonic_ns;
+use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
     eui64_link_local, DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey,
-    LocalEndpoint, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4,
-    EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, PROG_FROM_HOST_DEV,
-    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP, TC_PROGRAMS,
-    XDP_PROGRAMS,
+    LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
+    EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP,
+    PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
+    STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
 };
 use common::*;
 
@@ -90,22 +93,27 @@ struct Pod {
 
 struct Harness {
     bpf: Ebpf,
+    pins: PinDir,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
     counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
-    flows: HashMap<MapData, FlowKey, u64>,
+    flows: HashMap<MapData, FlowKey, StackFlow>,
     stack_eps: HashMap<MapData, u32, u32>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
-    _pins: PinDir,
 }
 
 /// Loads everything and registers pods A (veth `cxtpa`) and B (`cxtpb`) in the current network
 /// namespace.
 fn setup() -> (Harness, Pod, Pod) {
+    setup_sized(&[])
+}
+
+/// As [`setup`], with the maps named in `sizes` given those `max_entries`.
+fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
     let pins = PinDir::new();
-    let mut bpf = load_object(&pins);
+    let mut bpf = load_object_sized(&pins, sizes);
     let mut h = Harness {
         endpoints: map(&mut bpf, ENDPOINTS_MAP),
         local_v4: map(&mut bpf, LOCAL_V4_MAP),
@@ -116,7 +124,7 @@ fn setup() -> (Harness, Pod, Pod) {
         stack_eps: map(&mut bpf, STACK_EPS_MAP),
         pools_v4: map(&mut bpf, POOLS_V4_MAP),
         bpf,
-        _pins: pins,
+        pins,
     };
     let pod = |name, last| Pod {
         ifindex: veth(name),
@@ -365,7 +373,9 @@ fn ipv4_with_options_is_forwarded_and_keyed_on_the_ports_after_them() {
         // Once the flow is the stack's (and A marked as having such flows, as `record`
         // does), this packet must find its key.
         let key = flow_v4(a.v4, b.v4, 40000, 80, TCP);
-        h.flows.insert(key, 0, 0).expect("insert a flow");
+        h.flows
+            .insert(key, StackFlow::default(), 0)
+            .expect("insert a flow");
         h.stack_eps.insert(a.ifindex, 0, 0).expect("mark A");
         h.passes(PROG_FROM_POD, a.ifindex, &sent);
     });
@@ -1118,5 +1128,73 @@ fn an_advertisement_from_the_pods_address_must_advertise_it() {
             a.ifindex,
             &from_a(&ip6(a.v6, b.v6, next, &udp_behind)),
         );
+    });
+}
+
+/// The stack-flow table is full: a flow the stack delivers that cannot be recorded must not
+/// let its replies (or any other packet of that pod the flow check covers) take the fast
+/// path, which would skip the stack's reverse NAT. Nothing already recorded is evicted.
+#[test]
+fn a_full_stack_flow_table_fails_safe_to_the_stack() {
+    in_netns(|| {
+        let (h, a, b) = setup_sized(&[(STACK_FLOWS_MAP, 4)]);
+        let to_a = |ip: &Ip4| eth(a.mac, HOST_VETH_MAC, ETH_P_IP, &ip.bytes());
+        // B reaches A through the host stack on 8 flows: twice what the table holds.
+        for i in 0..8u16 {
+            let syn = Ip4::new(b.v4, a.v4, TCP, tcp_syn(40000 + i, 8080));
+            h.passes(PROG_TO_POD, a.ifindex, &to_a(&syn));
+        }
+        assert_eq!(h.flows.keys().count(), 4, "the table is full");
+        // Every reply goes back through the stack, recorded or not.
+        for i in 0..8u16 {
+            let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40000 + i));
+            h.passes(PROG_FROM_POD, a.ifindex, &reply.sent_by(&a));
+        }
+        // So does any other flow of A the fast path would take: A's flows are unknown now.
+        let other = Ip4::new(a.v4, b.v4, UDP, udp(5000, 53));
+        h.passes(PROG_FROM_POD, a.ifindex, &other.sent_by(&a));
+        // B is not affected.
+        let ping = Ip4::new(b.v4, a.v4, ICMP, icmp(8, 9));
+        h.redirects(
+            PROG_FROM_POD,
+            b.ifindex,
+            &ping.sent_by(&b),
+            &ping.delivered_to(&a),
+        );
+
+        // The agent's upkeep: while the host may still know a flow the table missed, A
+        // stays on the stack path...
+        let mut upkeep = StackFlows::open(&h.pins.0).expect("open the stack-flow maps");
+        let host = HostTimeouts {
+            tcp_established: Duration::from_secs(60),
+            ..HostTimeouts::default()
+        };
+        let now = monotonic_ns();
+        let pass = upkeep.clean(&host, now);
+        assert_eq!(
+            (pass.removed, pass.overflowing.clone()),
+            (0, vec![a.ifindex])
+        );
+        h.passes(PROG_FROM_POD, a.ifindex, &other.sent_by(&a));
+        // ...and once the host has forgotten every such flow, the entries go, the mark is
+        // cleared (the programs keep any newer one) and A's other flows are fast again.
+        let quiet = HostTimeouts {
+            tcp_established: Duration::ZERO,
+            tcp_closing: Duration::ZERO,
+            udp: Duration::ZERO,
+            icmp: Duration::ZERO,
+            other: Duration::ZERO,
+        };
+        let later = now + 10_000_000_000;
+        let pass = upkeep.clean(&quiet, later);
+        assert_eq!((pass.removed, pass.cleared), (4, 1));
+        assert!(pass.overflowing.is_empty());
+        let (sent, delivered) = (other.sent_by(&a), other.delivered_to(&b));
+        h.redirects(PROG_FROM_POD, a.ifindex, &sent, &delivered);
+        // A flow the stack delivers now is recorded again, and its reply is the stack's.
+        let syn = Ip4::new(b.v4, a.v4, TCP, tcp_syn(41000, 8080));
+        h.passes(PROG_TO_POD, a.ifindex, &to_a(&syn));
+        let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 41000));
+        h.passes(PROG_FROM_POD, a.ifindex, &reply.sent_by(&a));
     });
 }

@@ -13,12 +13,16 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
 use aya::programs::{Program, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
+use std::time::Duration;
+
 use calix_agent::dataplane::ebpf::OBJECT;
+use calix_agent::dataplane::nat::{Conntrack, FlowFilter};
 use calix_common::{
     CtEntry, CtKey, DropCount, DropKey, DropReason, EndpointInfo, LocalEndpoint, NatConfig,
-    ALL_PROGRAMS, CT_DIR_OUT, CT_DIR_REPLY, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_MAP, DROPS_MAP,
-    ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC, LOCAL_V4_MAP, MAX_NAT_UPLINKS,
-    NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
+    ALL_PROGRAMS, CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_F_SEQ,
+    CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC,
+    LOCAL_V4_MAP, MAX_NAT_UPLINKS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV,
+    PROG_FROM_POD,
 };
 use common::*;
 
@@ -113,18 +117,25 @@ fn l4_reply(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Ve
 
 struct Snat {
     bpf: Ebpf,
+    cfg: NatConfig,
     ct: HashMap<MapData, CtKey, CtEntry>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    local: HashMap<MapData, [u8; 4], LocalEndpoint>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     pod_if: u32,
     uplink_if: u32,
-    _pins: PinDir,
+    pins: PinDir,
 }
 
 /// In the current (test) namespace: pod veth `cxtpa` registered as a natOutgoing endpoint,
 /// uplink `cxtpu` (192.0.2.1/24, gateway 192.0.2.9 with a known MAC, 198.51.100.0/24 via
 /// it), SNAT to ports `PORT_MIN..=port_max`, a conntrack table of `ct_entries`.
 fn setup(port_max: u16, ct_entries: u32) -> Snat {
+    setup_budget(port_max, ct_entries, 0)
+}
+
+/// As [`setup`], with a budget of `budget` conntrack flows per endpoint (0: none).
+fn setup_budget(port_max: u16, ct_entries: u32, budget: u32) -> Snat {
     let pins = PinDir::new();
     let mut bpf = EbpfLoader::new()
         .map_pin_path(&pins.0)
@@ -178,30 +189,30 @@ fn setup(port_max: u16, ct_entries: u32) -> Snat {
     let mut uplinks = [0; MAX_NAT_UPLINKS];
     uplinks[0] = uplink_if;
     let s = 1_000_000_000;
-    cfg.set(
-        0,
-        NatConfig {
-            tcp_established_ns: 3600 * s,
-            tcp_syn_ns: 60 * s,
-            tcp_closing_ns: 10 * s,
-            udp_ns: 60 * s,
-            icmp_ns: 30 * s,
-            uplinks,
-            port_min: PORT_MIN,
-            port_max,
-            enabled: 1,
-        },
-        0,
-    )
-    .expect("NAT config");
+    let nat_cfg = NatConfig {
+        tcp_established_ns: 3600 * s,
+        tcp_syn_ns: 60 * s,
+        tcp_closing_ns: 10 * s,
+        udp_ns: 60 * s,
+        icmp_ns: 30 * s,
+        uplinks,
+        port_min: PORT_MIN,
+        port_max,
+        enabled: 1,
+        ct_budget: budget,
+        _pad: 0,
+    };
+    cfg.set(0, nat_cfg, 0).expect("NAT config");
     Snat {
+        cfg: nat_cfg,
         ct: map(&mut bpf, CT_MAP),
         endpoints,
+        local,
         drops: map(&mut bpf, DROPS_MAP),
         bpf,
         pod_if,
         uplink_if,
-        _pins: pins,
+        pins,
     }
 }
 
@@ -256,6 +267,26 @@ impl Snat {
     }
 }
 
+/// A second natOutgoing pod, 10.244.0.11 behind veth `cxtpb`: its ifindex.
+fn add_pod_b(h: &mut Snat) -> u32 {
+    let b_if = veth("cxtpb");
+    let info = EndpointInfo {
+        ipv4: POD_B,
+        flags: EP_HAS_V4 | EP_NAT_OUTGOING,
+        ipv6: [0; 16],
+    };
+    h.endpoints.insert(b_if, info, 0).expect("endpoint b");
+    let le = LocalEndpoint {
+        ifindex: b_if,
+        _pad: 0,
+        mac: POD_MAC,
+    };
+    h.local.insert(POD_B, le, 0).expect("local b");
+    b_if
+}
+
+const POD_B: [u8; 4] = [10, 244, 0, 11];
+
 fn out_key(proto: u8, sport: u16, dport: u16) -> CtKey {
     CtKey {
         src: POD,
@@ -291,7 +322,11 @@ fn round_trip(h: &Snat, proto: u8, sport: u16, dport: u16) -> u16 {
         .entry(&out_key(proto, sport, dport_key))
         .expect("the flow's original entry");
     assert_eq!(out.addr, NODE, "NAT address: the uplink route's source");
-    assert_eq!(out.flags, CT_F_SEEN);
+    assert_eq!(
+        out.flags & !CT_F_SEQ,
+        CT_F_SEEN,
+        "TCP also tracks the sequence"
+    );
     let nat = u16::from_be(out.port);
     assert!((PORT_MIN..=PORT_MIN + 9).contains(&nat), "NAT port {nat}");
     let (rsport, rdport) = if proto == ICMP {
@@ -303,7 +338,7 @@ fn round_trip(h: &Snat, proto: u8, sport: u16, dport: u16) -> u16 {
     let r = h.entry(&rkey).expect("the flow's reply entry");
     let unanswered = if fresh { 0 } else { CT_F_SEEN };
     assert_eq!(
-        (r.addr, u16::from_be(r.port), r.flags),
+        (r.addr, u16::from_be(r.port), r.flags & CT_F_SEEN),
         (POD, sport, unanswered)
     );
     // Out: source = node:nat, TTL 63, checksums right, MACs from the FIB.
@@ -334,7 +369,7 @@ fn round_trip(h: &Snat, proto: u8, sport: u16, dport: u16) -> u16 {
         "proto {proto}: reply translated back"
     );
     let r = h.entry(&rkey).expect("the reply entry");
-    assert_eq!(r.flags, CT_F_SEEN, "the flow is answered");
+    assert_eq!(r.flags & CT_F_SEEN, CT_F_SEEN, "the flow is answered");
     nat
 }
 
@@ -431,15 +466,7 @@ fn icmp_errors_about_translated_flows_go_back_to_the_pod() {
 fn two_pods_same_source_port_same_destination_get_two_nat_ports() {
     in_netns(|| {
         let mut h = setup(PORT_MIN + 9, 1024);
-        // A second natOutgoing pod.
-        let pod_b = [10, 244, 0, 11];
-        let b_if = veth("cxtpb");
-        let info = EndpointInfo {
-            ipv4: pod_b,
-            flags: EP_HAS_V4 | EP_NAT_OUTGOING,
-            ipv6: [0; 16],
-        };
-        h.endpoints.insert(b_if, info, 0).expect("endpoint b");
+        let (pod_b, b_if) = (POD_B, add_pod_b(&mut h));
         let a = round_trip(&h, UDP, 5353, 53);
         let sent = Ip4::new(pod_b, SERVER, UDP, l4(UDP, pod_b, SERVER, 5353, 53));
         let out = h.run(
@@ -518,8 +545,9 @@ fn tcp_fin_and_rst_close_flows_and_free_their_ports() {
         h.reverse(&Ip4::new(SERVER, NODE, TCP, fin));
         let o = h.entry(&out_key(TCP, 43000, 80)).expect("original entry");
         let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
+        let closing = CT_F_SEEN | CT_F_FIN | CT_F_RST;
         assert_eq!(
-            (o.flags, r.flags),
+            (o.flags & closing, r.flags & closing),
             (CT_F_SEEN | CT_F_FIN, CT_F_SEEN | CT_F_FIN)
         );
         // Now the new connection takes the port over; the old flow's entries are gone.
@@ -527,8 +555,9 @@ fn tcp_fin_and_rst_close_flows_and_free_their_ports() {
         assert!(h.entry(&out_key(TCP, 43000, 80)).is_none());
         let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
         assert_eq!(u16::from_be(r.port), 43001);
-        // RST from the server closes too.
-        let rst = with_l4_csum(SERVER, NODE, TCP, &tcp_seg(80, nat, 0x04, b""));
+        // RST from the server closes too (refusing the SYN, sequence 1: it acknowledges 2).
+        let refuse = tcp_at(80, nat, 0, 2, RST | ACK, 0, &[], b"");
+        let rst = with_l4_csum(SERVER, NODE, TCP, &refuse);
         h.reverse(&Ip4::new(SERVER, NODE, TCP, rst));
         let r = h.entry(&reply_key(TCP, 80, nat)).expect("reply entry");
         assert_eq!(r.flags & CT_F_RST, CT_F_RST);
@@ -558,6 +587,10 @@ fn what_snat_leaves_alone() {
             l4(UDP, POD, [10, 244, 9, 9], 1, 2),
         ));
         passes(Ip4::new(POD, SERVER, 47, vec![0; 8]));
+        // A SYN-ACK answers a connection from outside (routed to the pod itself): never a
+        // new SNAT flow.
+        let synack = with_l4_csum(POD, SERVER, TCP, &tcp_seg(8443, 50000, 0x12, b""));
+        passes(Ip4::new(POD, SERVER, TCP, synack));
         passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).frag(0x2000));
         passes(Ip4::new(POD, SERVER, UDP, l4(UDP, POD, SERVER, 1, 2)).ttl(1));
         passes(Ip4::new(
@@ -572,5 +605,294 @@ fn what_snat_leaves_alone() {
         let frame = eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &stray.bytes());
         let out = h.run(PROG_FROM_HOST_DEV, h.uplink_if, &frame);
         assert_eq!((out.verdict, out.frame), (TC_ACT_OK, frame));
+    });
+}
+
+/// A TCP segment with every field chosen (checksum zero): `opts` a multiple of 4 bytes.
+#[allow(clippy::too_many_arguments)]
+fn tcp_at(
+    sport: u16,
+    dport: u16,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    win: u16,
+    opts: &[u8],
+    payload: &[u8],
+) -> Vec<u8> {
+    assert!(opts.len().is_multiple_of(4) && opts.len() <= 40);
+    let doff = ((20 + opts.len()) / 4) as u8;
+    [
+        &sport.to_be_bytes()[..],
+        &dport.to_be_bytes(),
+        &seq.to_be_bytes(),
+        &ack.to_be_bytes(),
+        &[doff << 4, flags],
+        &win.to_be_bytes(),
+        &[0, 0, 0, 0],
+        opts,
+        payload,
+    ]
+    .concat()
+}
+
+/// SYN options as Linux sends them: MSS 1460, SACK permitted, timestamps, window scale 7.
+const SYN_OPTS: [u8; 20] = [
+    2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7,
+];
+
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+const RST: u8 = 0x04;
+const PSH: u8 = 0x08;
+
+impl Snat {
+    /// The pod sends a TCP segment on (`sport` → SERVER:443): from_pod's verdict.
+    fn pod_tcp(&self, sport: u16, seq: u32, ack: u32, flags: u8, win: u16, opts: &[u8]) -> u32 {
+        let seg = tcp_at(sport, 443, seq, ack, flags, win, opts, b"");
+        let ip = Ip4::new(POD, SERVER, TCP, with_l4_csum(POD, SERVER, TCP, &seg));
+        let frame = eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes());
+        self.run(PROG_FROM_POD, self.pod_if, &frame).verdict
+    }
+
+    /// The server sends a TCP segment to NODE:`nat`: from_host_dev's verdict.
+    #[allow(clippy::too_many_arguments)]
+    fn server_tcp(
+        &self,
+        nat: u16,
+        seq: u32,
+        ack: u32,
+        flags: u8,
+        win: u16,
+        opts: &[u8],
+        payload: &[u8],
+    ) -> u32 {
+        let seg = tcp_at(443, nat, seq, ack, flags, win, opts, payload);
+        let ip = Ip4::new(SERVER, NODE, TCP, with_l4_csum(SERVER, NODE, TCP, &seg));
+        let frame = eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &ip.bytes());
+        self.run(PROG_FROM_HOST_DEV, self.uplink_if, &frame).verdict
+    }
+
+    fn nat_port_of(&self, sport: u16) -> u16 {
+        let o = self
+            .entry(&out_key(TCP, sport, 443))
+            .expect("original entry");
+        u16::from_be(o.port)
+    }
+
+    fn reply_flags(&self, nat: u16) -> u16 {
+        self.entry(&reply_key(TCP, 443, nat))
+            .expect("reply entry")
+            .flags
+    }
+
+    fn uplink_dropped(&self, reason: DropReason) -> u64 {
+        dropped(&self.drops, self.uplink_if, reason).packets
+    }
+}
+
+/// A RST closes a translated flow only when its sequence number is in the window (as
+/// netfilter's conntrack and RFC 5961 judge it): a blind attacker outside who knows (or
+/// guesses) the NAT tuple cannot tear the flow down and free its port. Out-of-window RSTs are
+/// dropped and counted (`ct_rst_out_of_window`), either way.
+#[test]
+fn a_rst_closes_a_flow_only_in_window() {
+    in_netns(|| {
+        let h = setup(PORT_MIN + 9, 1024);
+        // Handshake: pod ISN 1000, server ISN 500000, both with window scale 7.
+        assert_eq!(
+            h.pod_tcp(44000, 1000, 0, SYN, 64240, &SYN_OPTS),
+            TC_ACT_REDIRECT
+        );
+        let nat = h.nat_port_of(44000);
+        let synack = h.server_tcp(nat, 500_000, 1001, SYN | ACK, 65160, &SYN_OPTS, b"");
+        assert_eq!(synack, TC_ACT_REDIRECT);
+        // The pod's window: 502 << 7 = 64256 bytes.
+        assert_eq!(
+            h.pod_tcp(44000, 1001, 500_001, ACK, 502, &[]),
+            TC_ACT_REDIRECT
+        );
+        let data = [0x61u8; 1000];
+        let sent = h.server_tcp(nat, 500_001, 1001, ACK | PSH, 509, &[], &data);
+        assert_eq!(sent, TC_ACT_REDIRECT);
+        // The server's next sequence number is now 501001.
+        let blind = [
+            501_001u32.wrapping_add(0x4000_0000),
+            501_001 + 64_256 + 1,
+            501_001 - 64_256 - 1,
+            0,
+        ];
+        for seq in blind {
+            assert_eq!(
+                h.server_tcp(nat, seq, 0, RST, 0, &[], b""),
+                TC_ACT_SHOT,
+                "RST with sequence {seq}: out of window"
+            );
+        }
+        assert_eq!(h.uplink_dropped(DropReason::ConntrackRstInvalid), 4);
+        assert_eq!(h.reply_flags(nat) & CT_F_RST, 0, "the flow is not closed");
+        // The pod's own RST out of window is refused alike.
+        assert_eq!(h.pod_tcp(44000, 90_000, 0, RST, 0, &[]), TC_ACT_SHOT);
+        assert_eq!(h.dropped(DropReason::ConntrackRstInvalid), 1);
+        // In the window (the receiver would accept it): the flow closes.
+        let rst = h.server_tcp(nat, 501_001 + 100, 0, RST, 0, &[], b"");
+        assert_eq!(rst, TC_ACT_REDIRECT);
+        assert_eq!(h.reply_flags(nat) & CT_F_RST, CT_F_RST);
+
+        // A connection refused: before the server has sent anything, only a RST that
+        // acknowledges the pod's SYN is one (RFC 793, SYN-SENT).
+        assert_eq!(
+            h.pod_tcp(44001, 7000, 0, SYN, 64240, &SYN_OPTS),
+            TC_ACT_REDIRECT
+        );
+        let nat1 = h.nat_port_of(44001);
+        for (ack, flags) in [(7000, RST | ACK), (7002, RST | ACK), (0, RST)] {
+            assert_eq!(
+                h.server_tcp(nat1, 0, ack, flags, 0, &[], b""),
+                TC_ACT_SHOT,
+                "RST (flags {flags:#x}, ack {ack}) does not acknowledge the SYN"
+            );
+        }
+        assert_eq!(h.reply_flags(nat1) & CT_F_RST, 0);
+        assert_eq!(
+            h.server_tcp(nat1, 0, 7001, RST | ACK, 0, &[], b""),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(h.reply_flags(nat1) & CT_F_RST, CT_F_RST);
+
+        // A RST answering the other side's latest segment carries that segment's
+        // acknowledgement number (RFC 793): the pod's socket in SYN-SENT refusing the ACK a
+        // server still holding an old connection on this tuple sends. It passes, so the old
+        // connection goes and the pod's next SYN gets through.
+        assert_eq!(
+            h.pod_tcp(44002, 9000, 0, SYN, 64240, &SYN_OPTS),
+            TC_ACT_REDIRECT
+        );
+        let nat2 = h.nat_port_of(44002);
+        let stale = h.server_tcp(nat2, 777_000, 123_456, ACK, 500, &[], b"");
+        assert_eq!(stale, TC_ACT_REDIRECT);
+        assert_eq!(h.pod_tcp(44002, 123_456, 0, RST, 0, &[]), TC_ACT_REDIRECT);
+        let o = h.entry(&out_key(TCP, 44002, 443)).expect("original entry");
+        assert_eq!(o.flags & CT_F_RST, CT_F_RST);
+        assert_eq!(
+            h.dropped(DropReason::ConntrackRstInvalid),
+            1,
+            "no more drops"
+        );
+    });
+}
+
+impl Snat {
+    /// `pod` (behind `ifindex`) sends a UDP datagram `sport` → SERVER:53: the verdict.
+    fn udp_from(&self, pod: [u8; 4], ifindex: u32, sport: u16) -> u32 {
+        let ip = Ip4::new(pod, SERVER, UDP, l4(UDP, pod, SERVER, sport, 53));
+        let frame = eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes());
+        self.run(PROG_FROM_POD, ifindex, &frame).verdict
+    }
+
+    fn conntrack(&self) -> Conntrack {
+        Conntrack::open(&self.pins.0).expect("open the pinned conntrack table")
+    }
+}
+
+/// One endpoint holds at most its budget of flows: the next new flow is dropped and counted
+/// (`conntrack_budget`), another endpoint is not affected, established flows go on, and a
+/// flow the agent removes (its cleaner, `calixctl bpf conntrack --flush`) or the programs
+/// reclaim gives the endpoint room again.
+#[test]
+fn an_endpoint_holds_at_most_its_budget_of_flows() {
+    in_netns(|| {
+        let mut h = setup_budget(PORT_MIN + 99, 1024, 3);
+        let b_if = add_pod_b(&mut h);
+        for sport in 1000..1003 {
+            assert_eq!(h.udp_from(POD, h.pod_if, sport), TC_ACT_REDIRECT);
+        }
+        assert_eq!(h.udp_from(POD, h.pod_if, 1003), TC_ACT_SHOT, "over budget");
+        assert_eq!(h.dropped(DropReason::ConntrackBudget), 1);
+        assert_eq!(
+            h.udp_from(POD, h.pod_if, 1000),
+            TC_ACT_REDIRECT,
+            "established"
+        );
+        assert_eq!(
+            h.udp_from(POD_B, b_if, 1003),
+            TC_ACT_REDIRECT,
+            "another pod"
+        );
+        assert_eq!(h.ct_len(), 8);
+        // The agent removes one of the pod's flows: room for one more.
+        let flush = FlowFilter {
+            port: Some(1001),
+            ..FlowFilter::default()
+        };
+        assert_eq!(h.conntrack().flush(&h.cfg, &flush), 1);
+        assert_eq!(h.udp_from(POD, h.pod_if, 1003), TC_ACT_REDIRECT);
+        assert_eq!(h.udp_from(POD, h.pod_if, 1004), TC_ACT_SHOT);
+        assert_eq!(h.dropped(DropReason::ConntrackBudget), 2);
+    });
+}
+
+/// When the table is three quarters full the cleaner removes unanswered flows (a SYN flood,
+/// a UDP spray) after `pressure_unanswered_secs` instead of their usual timeouts, so answered
+/// flows keep their room and other pods can open new ones; the sprayer's budget is settled.
+#[test]
+fn under_pressure_unanswered_flows_go_first() {
+    in_netns(|| {
+        let mut h = setup(PORT_MIN + 99, 16);
+        let b_if = add_pod_b(&mut h);
+        // Pod B: a TCP connection, handshake completed.
+        let syn = with_l4_csum(
+            POD_B,
+            SERVER,
+            TCP,
+            &tcp_at(5000, 443, 1, 0, SYN, 1000, &[], b""),
+        );
+        let frame = |ip: Ip4| eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes());
+        let run = h.run(
+            PROG_FROM_POD,
+            b_if,
+            &frame(Ip4::new(POD_B, SERVER, TCP, syn)),
+        );
+        assert_eq!(run.verdict, TC_ACT_REDIRECT);
+        let nat = u16::from_be_bytes([run.frame[14 + 20], run.frame[14 + 21]]);
+        assert_eq!(
+            h.server_tcp(nat, 9, 2, SYN | ACK, 1000, &[], b""),
+            TC_ACT_REDIRECT
+        );
+        let ack = with_l4_csum(
+            POD_B,
+            SERVER,
+            TCP,
+            &tcp_at(5000, 443, 2, 10, ACK, 1000, &[], b""),
+        );
+        let run = h.run(
+            PROG_FROM_POD,
+            b_if,
+            &frame(Ip4::new(POD_B, SERVER, TCP, ack)),
+        );
+        assert_eq!(run.verdict, TC_ACT_REDIRECT);
+        // The pod sprays 5 UDP flows nobody answers: 12 of 16 entries.
+        for sport in 2000..2005 {
+            assert_eq!(h.udp_from(POD, h.pod_if, sport), TC_ACT_REDIRECT);
+        }
+        // Without pressure nothing has expired yet.
+        let mut ct = h.conntrack();
+        let calm = ct.clean(&h.cfg, Duration::ZERO);
+        assert_eq!((calm.entries, calm.pressure), (12, true));
+        assert_eq!(calm.removed, 10, "the 5 unanswered flows went");
+        assert_eq!(h.ct_len(), 2, "the answered connection stays");
+        // Its room is back: pod B opens another flow, and the sprayer's budget is settled.
+        assert_eq!(h.udp_from(POD_B, b_if, 5001), TC_ACT_REDIRECT);
+        let below = ct.clean(&h.cfg, Duration::ZERO);
+        assert_eq!(
+            (below.entries, below.pressure, below.removed),
+            (4, false, 0)
+        );
+        let owned: HashMap<MapData, u32, u32> = map(&mut h.bpf, CT_OWNED_MAP);
+        let freed: HashMap<MapData, u32, u32> = map(&mut h.bpf, CT_FREED_MAP);
+        assert_eq!(owned.get(&h.pod_if, 0).ok(), Some(5));
+        assert_eq!(freed.get(&h.pod_if, 0).ok(), Some(5));
+        assert_eq!(owned.get(&b_if, 0).ok(), Some(2));
+        assert!(freed.get(&b_if, 0).is_err());
     });
 }

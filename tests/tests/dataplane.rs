@@ -22,14 +22,6 @@ fn metrics(node: &Node) -> String {
         .unwrap_or_default()
 }
 
-fn drops_json(node: &Node) -> Value {
-    node.drops()
-}
-
-fn dropped(node: &Node, iface: &str, reason: &str) -> u64 {
-    node.dropped(iface, reason)
-}
-
 fn bypass(dp: Dataplane) -> (u64, bool) {
     let node = Node::start(dp);
     let a = Pod::add(&node, "a");
@@ -55,7 +47,7 @@ fn a_spoofed_source_is_dropped_and_counted_with_its_reason() {
     let a = Pod::add(&node, "a");
     let b = Pod::add(&node, "b");
     let host_a = a.host_ifname();
-    assert_eq!(dropped(&node, &host_a, "spoofed_source_v4"), 0);
+    assert_eq!(node.dropped(&host_a, "spoofed_source_v4"), 0);
     // Pod a claims an address that is not its own and sends from it.
     a.ns.exec_ok(&["ip", "addr", "add", "10.244.250.250/32", "dev", "eth0"]);
     let spoofed = a.ns.exec(&[
@@ -73,13 +65,13 @@ fn a_spoofed_source_is_dropped_and_counted_with_its_reason() {
     ]);
     assert!(!spoofed.status.success(), "spoofed pings got answers");
     assert!(
-        dropped(&node, &host_a, "spoofed_source_v4") >= 3,
+        node.dropped(&host_a, "spoofed_source_v4") >= 3,
         "{}",
-        drops_json(&node)
+        node.drops()
     );
     // The pod's own address still works, and nothing is counted for pod b.
     assert!(a.ns.ping(&b.ip(), 2));
-    assert_eq!(dropped(&node, &b.host_ifname(), "spoofed_source_v4"), 0);
+    assert_eq!(node.dropped(&b.host_ifname(), "spoofed_source_v4"), 0);
     // The table names the reason; /metrics exports it.
     let table = node.calixctl(&["bpf", "counters"]);
     let text = String::from_utf8_lossy(&table.stdout);
@@ -195,11 +187,11 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
         0,
         "no longer bypassing after the upgrade"
     );
-    let marked = dropped(&node, &a.host_ifname(), "reason_255");
+    let marked = node.dropped(&a.host_ifname(), "reason_255");
     assert!(
         marked >= 3,
         "the upgraded programs are not the ones running: {}",
-        drops_json(&node)
+        node.drops()
     );
 }
 
@@ -369,7 +361,9 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
     args.push(flows.display().to_string());
     args.push("key".into());
     args.extend(hex);
-    args.extend(["value", "0", "0", "0", "0", "0", "0", "0", "0"].map(String::from));
+    // A `StackFlow`: last seen, flags, padding (16 bytes).
+    args.push("value".into());
+    args.extend(std::iter::repeat_n("0".to_string(), 16));
     let st = Command::new("bpftool")
         .args(&args)
         .status()

@@ -17,15 +17,17 @@ use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttac
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, ALL_PROGRAMS,
-    COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP,
-    LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV,
-    PROG_TO_POD, STACK_EPS_MAP, STACK_FLOWS_MAP,
+    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow,
+    ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP,
+    EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
+    PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP,
+    STACK_EPS_MAP, STACK_FLOWS_MAP,
 };
 use ipnet::IpNet;
 
 use super::host_addrs::HostAddrs;
-use super::nat::{self as snat, NatMaps, NatSettings};
+use super::nat::{NatMaps, NatSettings};
+use super::pins;
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec,
@@ -139,6 +141,9 @@ pub struct EbpfDataplane {
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     /// Endpoints the programs marked as having flows through the host stack.
     stack_eps: HashMap<MapData, u32, u32>,
+    /// Per-endpoint entries the agent removes with the endpoint: cleared overflow marks,
+    /// the conntrack budget's counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
+    per_endpoint: Vec<HashMap<MapData, u32, u32>>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
@@ -153,6 +158,9 @@ pub struct EbpfDataplane {
     xdp: Option<XdpFilter>,
     /// The SNAT maps, until [`EbpfDataplane::take_nat`] hands them out.
     nat: Option<NatMaps>,
+    /// Entries carried from mismatched or older pinned maps: the old programs may add more
+    /// until every interface runs the new ones ([`Dataplane::reconcile`] catches up).
+    carried: Option<pins::Carried>,
 }
 
 fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
@@ -250,16 +258,28 @@ impl EbpfDataplane {
         let pin_dir = cfg.pin_dir();
         let progs_dir = pin_dir.join("progs");
         std::fs::create_dir_all(&progs_dir).map_err(pin_err(&progs_dir, "create"))?;
+        let object = match &cfg.object {
+            Some(path) => {
+                std::borrow::Cow::Owned(std::fs::read(path).map_err(pin_err(path, "read object"))?)
+            }
+            None => std::borrow::Cow::Borrowed(OBJECT),
+        };
+        // The configured conntrack size is always the size in effect: a pinned table of
+        // another size is migrated into a new one.
+        let ct_entries = cfg.nat.as_ref().map(|n| n.conntrack_entries);
+        let sizes: Vec<(&str, u32)> = ct_entries.map(|n| (CT_MAP, n)).into_iter().collect();
+        let specs = pins::object_specs(&object, &sizes)?;
+        let mut carried = pins::prepare(&pin_dir, &cfg.node_dir(), &specs)?;
         let mut loader = EbpfLoader::new();
         loader.map_pin_path(&pin_dir);
-        if let Some(n) = &cfg.nat {
-            snat::prepare(&mut loader, &pin_dir, n.conntrack_entries);
+        for (name, size) in &sizes {
+            loader.set_max_entries(name, *size);
         }
-        let mut bpf = match &cfg.object {
-            Some(path) => loader.load_file(path),
-            None => loader.load(OBJECT),
-        }
-        .map_err(|e| DataplaneError::Load(Box::new(e)))?;
+        let mut bpf = loader
+            .load(&object)
+            .map_err(|e| DataplaneError::Load(Box::new(e)))?;
+        // Before any program runs from the new maps.
+        carried.restore();
         for name in ALL_PROGRAMS {
             load_program(&mut bpf, name)?;
             let prog = find(&mut bpf, name)?;
@@ -280,6 +300,11 @@ impl EbpfDataplane {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
             endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
             stack_eps: take(&mut bpf, STACK_EPS_MAP, HashMap::try_from)?,
+            per_endpoint: vec![
+                take(&mut bpf, STACK_CLEARED_MAP, HashMap::try_from)?,
+                take(&mut bpf, CT_OWNED_MAP, HashMap::try_from)?,
+                take(&mut bpf, CT_FREED_MAP, HashMap::try_from)?,
+            ],
             local_v4: take(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
             local_v6: take(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
             pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
@@ -291,6 +316,7 @@ impl EbpfDataplane {
             pools: Vec::new(),
             xdp: None,
             nat: None,
+            carried: Some(carried),
         };
         let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
         if let Some(n) = &dp.cfg.nat {
@@ -407,7 +433,7 @@ impl EbpfDataplane {
     /// Marks (`STACK_EPS_MAP`) every local endpoint with a flow in `STACK_FLOWS_MAP`. The
     /// programs mark endpoints as they record flows; this covers flows recorded by a build
     /// from before the marks (the fast path looks flows up only for marked endpoints).
-    fn mark_stack_flow_endpoints(&mut self, flows: &HashMap<MapData, FlowKey, u64>) {
+    fn mark_stack_flow_endpoints(&mut self, flows: &HashMap<MapData, FlowKey, StackFlow>) {
         let mut marked = 0usize;
         for key in flows.keys().filter_map(Result::ok) {
             let local = match key.family {
@@ -420,8 +446,9 @@ impl EbpfDataplane {
                 _ => None,
             };
             if let Some(l) = local {
+                // BPF_NOEXIST: never replace an overflow mark the programs set.
                 if self.stack_eps.get(&l.ifindex, 0).is_err()
-                    && self.stack_eps.insert(l.ifindex, 0, 0).is_ok()
+                    && self.stack_eps.insert(l.ifindex, 0, 1).is_ok()
                 {
                     marked += 1;
                 }
@@ -444,6 +471,9 @@ impl EbpfDataplane {
         self.counter_keys.remove(&p.ifindex);
         let _ = self.endpoints.remove(&p.ifindex);
         let _ = self.stack_eps.remove(&p.ifindex);
+        for m in &mut self.per_endpoint {
+            let _ = m.remove(&p.ifindex);
+        }
         self.forget_addresses(p, None, None);
     }
 
@@ -654,6 +684,18 @@ impl Dataplane for EbpfDataplane {
         for i in &stale_marks {
             let _ = self.stack_eps.remove(i);
         }
+        let mut stale_budget = 0usize;
+        for m in &mut self.per_endpoint {
+            let stale: Vec<u32> = m
+                .keys()
+                .filter_map(Result::ok)
+                .filter(|i| !known_idx.contains(i))
+                .collect();
+            for i in &stale {
+                let _ = m.remove(i);
+            }
+            stale_budget += stale.len();
+        }
         let stale_ctr: Vec<u32> = self
             .counters
             .keys()
@@ -695,6 +737,11 @@ impl Dataplane for EbpfDataplane {
                 }
             }
         }
+        // Every known interface runs this build's programs now: what the old ones added to
+        // the maps carried over since the start is copied, then the old maps go.
+        if let Some(c) = self.carried.take() {
+            c.catch_up();
+        }
         // Pins of older map layouts: every known interface now runs this build's programs.
         let mut old_layouts = Vec::new();
         if let Ok(rd) = std::fs::read_dir(self.cfg.node_dir()) {
@@ -708,7 +755,7 @@ impl Dataplane for EbpfDataplane {
             }
         }
         tracing::info!(
-            stale_entries = stale.len() + stale_ctr.len() + v4.len() + v6.len(),
+            stale_entries = stale.len() + stale_ctr.len() + v4.len() + v6.len() + stale_budget,
             unknown_cali_interfaces = swept,
             ?old_layouts,
             "dataplane reconciled after the initial sync"

@@ -22,7 +22,6 @@ use calix_common::{HOST_V4_MAP, HOST_V6_MAP};
 use nix::sys::socket::{self, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockType};
 
 use super::ebpf::{map_err, take};
-use super::xdp::chain;
 use super::DataplaneError;
 
 /// How often the watcher re-reads the addresses without a notification (one may be lost when
@@ -139,7 +138,7 @@ impl HostAddrs {
                         None => std::thread::sleep(RESYNC),
                     }
                     if let Err(e) = self.refresh() {
-                        tracing::warn!(error = %chain(&e), "cannot update the node's addresses for the XDP failsafe");
+                        tracing::warn!(error = %super::error_chain(&e), "cannot update the node's addresses for the XDP failsafe");
                     }
                 }
             });

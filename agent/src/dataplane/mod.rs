@@ -2,10 +2,13 @@
 //! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
 //! `kernel` leaves forwarding to the kernel's routes.
 pub mod antispoof;
+pub mod cleaner;
 pub mod ebpf;
 pub mod host_addrs;
 pub mod masquerade;
 pub mod nat;
+pub mod pins;
+pub mod stack_flows;
 pub mod xdp;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -155,6 +158,18 @@ pub trait Dataplane: Send {
     fn release(&mut self);
     /// Removes everything: programs from every interface, map entries, pins.
     fn uninstall(&mut self);
+}
+
+/// `e: cause: cause…`, for logs.
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
 }
 
 /// Resolves an interface name in the agent's network namespace.

@@ -8,10 +8,11 @@ use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo};
-use aya::{Ebpf, EbpfLoader};
+use aya::Ebpf;
 use calix_common::{
-    CtEntry, CtKey, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_MAP,
-    IPPROTO_TCP, IPPROTO_UDP, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP,
+    CtEntry, CtKey, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_ACK, CT_F_FIN,
+    CT_F_RST, CT_F_SEEN, CT_MAP, CT_OWNED_MAP, IPPROTO_TCP, IPPROTO_UDP, MAX_NAT_UPLINKS,
+    MAX_NO_SNAT_CIDRS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP,
 };
 use ipnet::Ipv4Net;
 use serde::Serialize;
@@ -26,8 +27,14 @@ pub struct NatSettings {
     pub nat_pools: Vec<Ipv4Net>,
     /// Destinations never translated: every pool and `non_masquerade_cidrs`.
     pub no_snat: Vec<Ipv4Net>,
+    /// IPv4 `service_cidrs`: the host stack NATs them, so the programs leave them to it.
+    pub service: Vec<Ipv4Net>,
     /// Size of the conntrack map (entries; two per flow).
     pub conntrack_entries: u32,
+    /// Flows one endpoint may hold (0: no limit).
+    pub ct_budget: u32,
+    /// Under pressure, how long an unanswered flow may stay idle.
+    pub pressure_unanswered: Duration,
     pub timeouts: Timeouts,
     /// NAT ports, inclusive.
     pub port_min: u16,
@@ -70,24 +77,32 @@ impl NatSettings {
             port_min: self.port_min,
             port_max: self.port_max,
             enabled: u32::from(!self.nat_pools.is_empty() && up[0] != 0),
+            ct_budget: self.ct_budget,
+            _pad: 0,
         }
     }
-}
 
-/// Before the object loads: gives the conntrack map its configured size. A pinned map of
-/// another size is removed (its flows are lost: logged), so the configured size always holds.
-pub fn prepare(loader: &mut EbpfLoader, pin_dir: &Path, entries: u32) {
-    let pin = pin_dir.join(CT_MAP);
-    if let Ok(info) = MapInfo::from_pin(&pin) {
-        if info.max_entries() != entries {
-            tracing::warn!(pinned = info.max_entries(), configured = entries,
-                "nat.conntrack_entries changed: recreating the conntrack table (translated flows restart)");
-            if let Err(e) = std::fs::remove_file(&pin) {
-                tracing::warn!(pin = %pin.display(), error = %e, "cannot remove the old conntrack pin");
-            }
+    /// Destinations the programs never translate (they go to the host stack): every pool,
+    /// `non_masquerade_cidrs` and the IPv4 `service_cidrs`.
+    pub fn untranslated(&self) -> Vec<Ipv4Net> {
+        let mut v = self.no_snat.clone();
+        v.extend(self.service.iter().filter(|n| !self.no_snat.contains(n)));
+        v
+    }
+
+    /// The ports the host's own masquerade (of what the programs leave to the stack) uses
+    /// in eBPF mode: the larger side of 1024–65535 outside `port_min..=port_max`, so a
+    /// stack-translated flow never takes a tuple the programs could hand out.
+    pub fn stack_masquerade_ports(&self) -> Option<(u16, u16)> {
+        let above = (self.port_max < u16::MAX).then(|| (self.port_max + 1, u16::MAX));
+        let below = (self.port_min > 1024).then(|| (1024, self.port_min - 1));
+        let size = |r: Option<(u16, u16)>| r.map_or(0, |(a, b)| u32::from(b - a) + 1);
+        if size(above) >= size(below) {
+            above
+        } else {
+            below
         }
     }
-    loader.set_max_entries(CT_MAP, entries);
 }
 
 /// The SNAT maps the agent writes.
@@ -108,7 +123,7 @@ impl NatMaps {
     /// Writes the settings: the no-SNAT destinations first (additions, then removals), then
     /// the config entry that turns SNAT on.
     pub fn apply(&mut self, s: &NatSettings, uplinks: &[String]) -> Result<(), DataplaneError> {
-        self.set_no_snat(&s.no_snat)?;
+        self.set_no_snat(&s.untranslated())?;
         let mut idx = Vec::new();
         for u in uplinks.iter().take(MAX_NAT_UPLINKS) {
             idx.push(ifindex(u)?);
@@ -121,13 +136,16 @@ impl NatMaps {
             enabled = cfg.enabled != 0,
             nat_pools = ?s.nat_pools.iter().map(ToString::to_string).collect::<Vec<_>>(),
             no_snat = ?s.no_snat.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            services = ?s.service.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            budget = s.ct_budget,
             ports = %format!("{}-{}", s.port_min, s.port_max),
             "SNAT configured"
         );
         Ok(())
     }
 
-    /// Brings the no-SNAT trie to `want` (SIGHUP reloads it this way).
+    /// Brings the no-SNAT trie to `want` ([`NatSettings::untranslated`]; SIGHUP reloads it
+    /// this way).
     pub fn set_no_snat(&mut self, want: &[Ipv4Net]) -> Result<(), DataplaneError> {
         let want: BTreeSet<(u32, [u8; 4])> = want
             .iter()
@@ -173,9 +191,32 @@ pub fn monotonic_ns() -> u64 {
 }
 
 /// The pinned conntrack table, opened by path (the cleaner and `calixctl bpf conntrack` use
-/// it beside the running programs).
+/// it beside the running programs), with the budget maps: the programs count the flows each
+/// endpoint opened (`CALIX_CT_OWNED`), the agent the ones it removed (`CALIX_CT_FREED`).
 pub struct Conntrack {
     map: HashMap<MapData, CtKey, CtEntry>,
+    max_entries: u32,
+    owned: HashMap<MapData, u32, u32>,
+    freed: HashMap<MapData, u32, u32>,
+}
+
+/// Serialises the agent's read-modify-writes of `CALIX_CT_FREED` (the cleaner and
+/// `calixctl bpf conntrack --flush` each hold a [`Conntrack`]).
+static FREED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The table is under pressure from this share of its entries on (three quarters): then
+/// unanswered flows expire after `pressure_unanswered_secs`.
+pub const PRESSURE_PERCENT: u64 = 75;
+
+/// What a cleaner pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CleanPass {
+    /// Entries in the table when the pass began.
+    pub entries: usize,
+    /// Entries removed.
+    pub removed: usize,
+    /// Whether the table was under pressure (unanswered flows went early).
+    pub pressure: bool,
 }
 
 /// One translated flow, as `calixctl bpf conntrack` shows it.
@@ -188,7 +229,8 @@ pub struct FlowView {
     pub dst_port: u16,
     pub nat: String,
     pub nat_port: u16,
-    /// syn_sent | established | closing | udp | icmp
+    /// syn_sent | syn_recv (answered, not yet acknowledged by the pod) | established |
+    /// closing | udp | icmp
     pub state: String,
     /// Seconds since the last packet either way.
     pub idle_secs: u64,
@@ -237,6 +279,11 @@ impl Flow {
         cfg.timeout_ns(self.rkey.proto, of, Some(self.r.flags))
     }
 
+    fn answered(&self) -> bool {
+        let of = self.out.map_or(0, |(_, o)| o.flags);
+        NatConfig::answered(self.rkey.proto, of, self.r.flags) && !self.closed()
+    }
+
     fn closed(&self) -> bool {
         let of = self.out.map_or(0, |(_, o)| o.flags);
         self.rkey.proto == IPPROTO_TCP && NatConfig::tcp_closed(of, self.r.flags)
@@ -247,6 +294,7 @@ impl Flow {
         match self.rkey.proto {
             IPPROTO_TCP if (of | self.r.flags) & (CT_F_FIN | CT_F_RST) != 0 => "closing",
             IPPROTO_TCP if self.r.flags & CT_F_SEEN == 0 => "syn_sent",
+            IPPROTO_TCP if of & CT_F_ACK == 0 => "syn_recv",
             IPPROTO_TCP => "established",
             IPPROTO_UDP => "udp",
             _ => "icmp",
@@ -304,12 +352,26 @@ fn pair(entries: Vec<(CtKey, CtEntry)>) -> (Vec<Flow>, Vec<(CtKey, CtEntry)>) {
 }
 
 /// Which keys of `entries` have expired at `now`: both entries of an expired flow, and
-/// original entries without their reply entry once idle past their timeout.
-pub fn expired(entries: Vec<(CtKey, CtEntry)>, cfg: &NatConfig, now: u64) -> Vec<CtKey> {
+/// original entries without their reply entry once idle past their timeout. Under pressure
+/// (`pressure`: how long an unanswered flow may idle then), unanswered flows (TCP: no
+/// completed handshake; UDP, ICMP: no reply) and orphans go after that shorter time, so
+/// answered flows keep the room.
+pub fn expired(
+    entries: Vec<(CtKey, CtEntry)>,
+    cfg: &NatConfig,
+    now: u64,
+    pressure: Option<u64>,
+) -> Vec<CtKey> {
     let (flows, orphans) = pair(entries);
+    let early = |t: u64| pressure.map_or(t, |p| t.min(p));
     let mut out = Vec::new();
     for f in flows {
-        if now.saturating_sub(f.last()) > f.timeout(cfg) {
+        let timeout = if f.answered() {
+            f.timeout(cfg)
+        } else {
+            early(f.timeout(cfg))
+        };
+        if now.saturating_sub(f.last()) > timeout {
             out.push(f.rkey);
             if let Some((k, _)) = f.out {
                 out.push(k);
@@ -317,7 +379,7 @@ pub fn expired(entries: Vec<(CtKey, CtEntry)>, cfg: &NatConfig, now: u64) -> Vec
         }
     }
     for (k, o) in orphans {
-        if now.saturating_sub(o.last_seen_ns) > cfg.timeout_ns(k.proto, o.flags, None) {
+        if now.saturating_sub(o.last_seen_ns) > early(cfg.timeout_ns(k.proto, o.flags, None)) {
             out.push(k);
         }
     }
@@ -347,13 +409,27 @@ impl FlowFilter {
     }
 }
 
+/// Opens the hash map pinned at `pin_dir/name`.
+fn open_hash<K: aya::Pod, V: aya::Pod>(
+    pin_dir: &Path,
+    name: &'static str,
+) -> Result<HashMap<MapData, K, V>, DataplaneError> {
+    let path: PathBuf = pin_dir.join(name);
+    let data = MapData::from_pin(&path).map_err(map_err(name, "open pin"))?;
+    HashMap::try_from(Map::HashMap(data)).map_err(map_err(name, "open"))
+}
+
 impl Conntrack {
     /// Opens the table pinned in `pin_dir` (the layout directory).
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
-        let path: PathBuf = pin_dir.join(CT_MAP);
-        let data = MapData::from_pin(&path).map_err(map_err(CT_MAP, "open pin"))?;
-        let map = HashMap::try_from(Map::HashMap(data)).map_err(map_err(CT_MAP, "open"))?;
-        Ok(Self { map })
+        let map: HashMap<MapData, CtKey, CtEntry> = open_hash(pin_dir, CT_MAP)?;
+        let info = MapInfo::from_pin(pin_dir.join(CT_MAP)).map_err(map_err(CT_MAP, "info"))?;
+        Ok(Self {
+            map,
+            max_entries: info.max_entries(),
+            owned: open_hash(pin_dir, CT_OWNED_MAP)?,
+            freed: open_hash(pin_dir, CT_FREED_MAP)?,
+        })
     }
 
     fn entries(&self) -> Vec<(CtKey, CtEntry)> {
@@ -362,17 +438,62 @@ impl Conntrack {
         self.map.iter().filter_map(Result::ok).collect()
     }
 
-    /// Removes expired flows; returns how many entries went.
-    pub fn clean(&mut self, cfg: &NatConfig) -> usize {
-        let now = monotonic_ns();
-        let gone = expired(self.entries(), cfg, now);
-        let mut n = 0;
-        for k in &gone {
-            if self.map.remove(k).is_ok() {
-                n += 1;
+    /// Removes the entry `k` if it still holds `was` (a flow the programs replaced meanwhile
+    /// stays); a reply entry's removal settles its owner's budget (into `freed`).
+    fn remove_if(&mut self, k: &CtKey, was: &CtEntry, freed: &mut StdHashMap<u32, u32>) -> bool {
+        match self.map.get(k, 0) {
+            Ok(now) if now.addr == was.addr && now.port == was.port => {}
+            _ => return false,
+        }
+        if self.map.remove(k).is_err() {
+            return false;
+        }
+        if k.dir == CT_DIR_REPLY && was.owner != 0 {
+            *freed.entry(was.owner).or_default() += 1;
+        }
+        true
+    }
+
+    /// Adds `freed` to the endpoints' counts of flows the agent removed (endpoints the
+    /// programs still count only: a gone endpoint's entries went with it).
+    fn settle(&mut self, freed: StdHashMap<u32, u32>) {
+        let _guard = FREED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        for (owner, n) in freed {
+            if self.owned.get(&owner, 0).is_err() {
+                continue;
+            }
+            let was = self.freed.get(&owner, 0).unwrap_or(0);
+            if let Err(e) = self.freed.insert(owner, was.wrapping_add(n), 0) {
+                tracing::warn!(owner, error = %e, "cannot record freed conntrack flows");
             }
         }
-        n
+    }
+
+    /// Removes expired flows (under pressure, from [`PRESSURE_PERCENT`] of the table on,
+    /// unanswered ones after `pressure_unanswered`).
+    pub fn clean(&mut self, cfg: &NatConfig, pressure_unanswered: Duration) -> CleanPass {
+        let now = monotonic_ns();
+        let entries = self.entries();
+        let n = entries.len();
+        let pressure = n as u64 * 100 >= u64::from(self.max_entries) * PRESSURE_PERCENT;
+        let early = pressure.then(|| u64::try_from(pressure_unanswered.as_nanos()).unwrap_or(0));
+        let snapshot: StdHashMap<CtKey, CtEntry> = entries.iter().copied().collect();
+        let gone = expired(entries, cfg, now, early);
+        let mut freed = StdHashMap::new();
+        let mut removed = 0;
+        for k in &gone {
+            if let Some(was) = snapshot.get(k) {
+                if self.remove_if(k, was, &mut freed) {
+                    removed += 1;
+                }
+            }
+        }
+        self.settle(freed);
+        CleanPass {
+            entries: n,
+            removed,
+            pressure,
+        }
     }
 
     /// The flows matching `filter`, sorted.
@@ -398,20 +519,22 @@ impl Conntrack {
         let now = monotonic_ns();
         let (flows, orphans) = pair(self.entries());
         let mut n = 0;
+        let mut freed = StdHashMap::new();
         for f in flows {
             if filter.matches(&f.view(cfg, now), f.rkey.proto) {
-                let _ = self.map.remove(&f.rkey);
-                if let Some((k, _)) = f.out {
-                    let _ = self.map.remove(&k);
+                self.remove_if(&f.rkey, &f.r, &mut freed);
+                if let Some((k, o)) = f.out {
+                    self.remove_if(&k, &o, &mut freed);
                 }
                 n += 1;
             }
         }
         if filter.ip.is_none() && filter.port.is_none() && filter.proto.is_none() {
-            for (k, _) in orphans {
-                let _ = self.map.remove(&k);
+            for (k, o) in orphans {
+                self.remove_if(&k, &o, &mut freed);
             }
         }
+        self.settle(freed);
         n
     }
 }
@@ -433,6 +556,8 @@ mod tests {
             port_min: 20000,
             port_max: 20100,
             enabled: 1,
+            ct_budget: 0,
+            _pad: 0,
         }
     }
 
@@ -490,36 +615,55 @@ mod tests {
     #[test]
     fn tcp_timeouts_follow_the_flags() {
         let c = cfg();
-        // Established, idle 50 s: kept (100 s); SYN only, idle 50 s: gone (20 s).
-        assert!(expired(tcp_flow(CT_F_SEEN, CT_F_SEEN, 50 * S, 60 * S), &c, 110 * S).is_empty());
-        assert_eq!(
-            expired(tcp_flow(CT_F_SEEN, 0, 50 * S, 50 * S), &c, 100 * S).len(),
-            2
-        );
+        let est = CT_F_SEEN | CT_F_ACK;
+        // Established (a reply, then the pod's ACK), idle 50 s: kept (100 s); SYN only, or
+        // a reply the pod never acknowledged, idle 50 s: gone (20 s).
+        assert!(expired(tcp_flow(est, CT_F_SEEN, 50 * S, 60 * S), &c, 110 * S, None).is_empty());
+        for (out, reply) in [(CT_F_SEEN, 0), (CT_F_SEEN, CT_F_SEEN)] {
+            let flow = tcp_flow(out, reply, 50 * S, 50 * S);
+            assert_eq!(expired(flow, &c, 100 * S, None).len(), 2);
+        }
         // FIN one way only: still established timing; both ways: closing (5 s).
-        let fin = CT_F_SEEN | CT_F_FIN;
-        assert!(expired(tcp_flow(fin, CT_F_SEEN, 50 * S, 50 * S), &c, 60 * S).is_empty());
-        assert_eq!(
-            expired(tcp_flow(fin, fin, 50 * S, 50 * S), &c, 60 * S).len(),
-            2
-        );
+        let fin = est | CT_F_FIN;
+        let flow = tcp_flow(fin, CT_F_SEEN, 50 * S, 50 * S);
+        assert!(expired(flow, &c, 60 * S, None).is_empty());
+        let flow = tcp_flow(fin, CT_F_SEEN | CT_F_FIN, 50 * S, 50 * S);
+        assert_eq!(expired(flow, &c, 60 * S, None).len(), 2);
         // RST either way closes.
         let rst = CT_F_SEEN | CT_F_RST;
-        assert_eq!(
-            expired(tcp_flow(CT_F_SEEN, rst, 50 * S, 50 * S), &c, 56 * S).len(),
-            2
-        );
+        let flow = tcp_flow(est, rst, 50 * S, 50 * S);
+        assert_eq!(expired(flow, &c, 56 * S, None).len(), 2);
         // The later of the two directions counts.
-        assert!(expired(tcp_flow(CT_F_SEEN, CT_F_SEEN, 0, 90 * S), &c, 150 * S).is_empty());
+        let flow = tcp_flow(est, CT_F_SEEN, 0, 90 * S);
+        assert!(expired(flow, &c, 150 * S, None).is_empty());
+    }
+
+    /// Under pressure, unanswered flows (and orphans) go after the pressure timeout; answered
+    /// ones keep their usual timeouts.
+    #[test]
+    fn under_pressure_unanswered_flows_expire_early() {
+        let c = cfg();
+        let est = CT_F_SEEN | CT_F_ACK;
+        let p = Some(2 * S);
+        let now = 53 * S;
+        assert!(expired(tcp_flow(est, CT_F_SEEN, 50 * S, 50 * S), &c, now, p).is_empty());
+        for (out, reply) in [(CT_F_SEEN, 0), (CT_F_SEEN, CT_F_SEEN)] {
+            let flow = tcp_flow(out, reply, 50 * S, 50 * S);
+            assert!(expired(flow.clone(), &c, now, None).is_empty());
+            assert_eq!(expired(flow, &c, now, p).len(), 2);
+        }
+        let orphan = vec![tcp_flow(est, CT_F_SEEN, 50 * S, 50 * S)[0]];
+        assert!(expired(orphan.clone(), &c, now, None).is_empty());
+        assert_eq!(expired(orphan, &c, now, p).len(), 1);
     }
 
     #[test]
     fn orphans_expire_and_views_read_back() {
         let c = cfg();
-        let flow = tcp_flow(CT_F_SEEN, CT_F_SEEN, 10 * S, 12 * S);
+        let flow = tcp_flow(CT_F_SEEN | CT_F_ACK, CT_F_SEEN, 10 * S, 12 * S);
         let only_out = vec![flow[0]];
-        assert!(expired(only_out.clone(), &c, 20 * S).is_empty());
-        assert_eq!(expired(only_out, &c, 40 * S), vec![flow[0].0]);
+        assert!(expired(only_out.clone(), &c, 20 * S, None).is_empty());
+        assert_eq!(expired(only_out, &c, 40 * S, None), vec![flow[0].0]);
         let (flows, orphans) = pair(flow);
         assert!(orphans.is_empty());
         let v = flows[0].view(&c, 15 * S);
@@ -555,7 +699,10 @@ mod tests {
         let mut s = NatSettings {
             nat_pools: vec!["10.0.0.0/16".parse().expect("cidr")],
             no_snat: vec![],
+            service: vec![],
             conntrack_entries: 1024,
+            ct_budget: 100,
+            pressure_unanswered: Duration::from_secs(1),
             timeouts: Timeouts {
                 tcp_established: Duration::from_secs(1),
                 tcp_syn: Duration::from_secs(1),

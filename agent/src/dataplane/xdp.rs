@@ -338,7 +338,7 @@ pub fn attach(
                 tracing::info!(%ifname, mode = m.as_str(), "XDP program attached");
                 return Ok(m);
             }
-            Err(e) => failures.push(format!("{}: {}", m.as_str(), chain(&e))),
+            Err(e) => failures.push(format!("{}: {}", m.as_str(), super::error_chain(&e))),
         }
     }
     Err(DataplaneError::Xdp {
@@ -346,18 +346,6 @@ pub fn attach(
         op: "attach",
         source: failures.join("; ").into(),
     })
-}
-
-/// `e: cause: cause…`.
-pub(super) fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
 }
 
 /// Swaps `prog` into the link pinned at `pin` (`BPF_LINK_UPDATE`: no window without one).

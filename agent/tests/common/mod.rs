@@ -19,6 +19,8 @@ use calix_common::{DropCount, DropKey, DropReason, ALL_PROGRAMS};
 // The packet builders live with the integration tests' harness; one copy serves both.
 #[path = "../../../tests/src/packets.rs"]
 mod packets;
+// Each test binary uses its own part of them (pins.rs none).
+#[allow(unused_imports)]
 pub use packets::*;
 
 // ---- BPF_PROG_TEST_RUN ----
@@ -152,8 +154,17 @@ impl Drop for PinDir {
 /// Loads the object as the agent does (maps pinned under `pins`), every program through the
 /// verifier as its own type (tc classifier or XDP).
 pub fn load_object(pins: &PinDir) -> Ebpf {
-    let mut bpf = EbpfLoader::new()
-        .map_pin_path(&pins.0)
+    load_object_sized(pins, &[])
+}
+
+/// As [`load_object`], with the maps named in `sizes` given those `max_entries`.
+pub fn load_object_sized(pins: &PinDir, sizes: &[(&str, u32)]) -> Ebpf {
+    let mut loader = EbpfLoader::new();
+    loader.map_pin_path(&pins.0);
+    for (name, size) in sizes {
+        loader.set_max_entries(name, *size);
+    }
+    let mut bpf = loader
         .load(OBJECT)
         .expect("load the object (maps created and pinned)");
     for name in ALL_PROGRAMS {

@@ -6,8 +6,11 @@
 #![no_std]
 
 /// Version of the map layout below. Maps are pinned under `<pin root>/v<LAYOUT_VERSION>/`: a
-/// build with a different layout never opens (half-reads) maps of another.
-pub const LAYOUT_VERSION: u32 = 1;
+/// build with a different layout never opens (half-reads) maps of another. Every map's type,
+/// key and value size, `max_entries` and flags are in [`LAYOUTS`] under this number; a unit
+/// test (here for the types, in the agent for the built object) fails when they change
+/// without a new version.
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// Per-CPU hash map: host-side ifindex of a `cali*` veth → [`EndpointCounters`].
 /// The agent inserts the entry when an endpoint is registered and removes it when the endpoint
@@ -29,17 +32,49 @@ pub const POOLS_V4_MAP: &str = "CALIX_POOLS_V4";
 pub const POOLS_V6_MAP: &str = "CALIX_POOLS_V6";
 /// Maximum number of pools per family.
 pub const MAX_POOLS: u32 = 256;
-/// LRU hash map: [`FlowKey`] → `u64` (unused). Flows the host stack delivered to a pod
-/// (`to_pod` records them): their replies must go back through the host stack too, so that
-/// its conntrack can undo a NAT it did on the way in (portmap hostPorts, kube-proxy services).
+/// Hash map (not an LRU: nothing is evicted silently): [`FlowKey`] → [`StackFlow`]. Flows the
+/// host stack delivered to a pod (`to_pod`) or routed out for one (`to_host_dev`): their
+/// replies must go back through the host stack too, so that its conntrack can undo a NAT it
+/// did (portmap hostPorts, kube-proxy services). The agent removes an entry once the host's
+/// conntrack would have forgotten the flow. A flow that finds the table full marks its
+/// endpoint as overflowing ([`STACK_EPS_MAP`]).
 pub const STACK_FLOWS_MAP: &str = "CALIX_STACK_FLOWS";
-/// Size of [`STACK_FLOWS_MAP`].
-pub const MAX_STACK_FLOWS: u32 = 65_536;
-/// Hash map: host-side veth ifindex → `u32` (unused). The endpoints with a flow in
+/// Size of [`STACK_FLOWS_MAP`] (allocated as used: `BPF_F_NO_PREALLOC`).
+pub const MAX_STACK_FLOWS: u32 = 262_144;
+/// Hash map: host-side veth ifindex → `u32`. The endpoints with a flow in
 /// [`STACK_FLOWS_MAP`]: only their packets pay the flow lookup on the fast path (written by
-/// the programs; the agent removes an endpoint's entry when it goes). Added after layout 1
-/// was published: an older build never opens it, a newer one creates it next to the pins.
+/// the programs; the agent removes an endpoint's entry when it goes). The value is 0, or
+/// [`stack_overflow_mark`] of the last time one of the endpoint's flows could not be
+/// recorded (the table was full): then every packet of the endpoint that the fast path would
+/// check against its flows goes to the stack instead, until the agent clears that mark
+/// ([`STACK_CLEARED_MAP`]).
 pub const STACK_EPS_MAP: &str = "CALIX_STACK_EPS";
+/// Hash map: host-side veth ifindex → `u32`, written by the agent only: the overflow mark of
+/// [`STACK_EPS_MAP`] it has cleared (the programs ignore a mark not newer than this). Kept
+/// apart so the agent never overwrites a mark the programs set meanwhile.
+pub const STACK_CLEARED_MAP: &str = "CALIX_STACK_CLEARED";
+
+/// The [`STACK_EPS_MAP`] value for "a flow could not be recorded at `now_ns`"
+/// (`bpf_ktime_get_ns`): the second plus one, never 0.
+pub const fn stack_overflow_mark(now_ns: u64) -> u32 {
+    (now_ns / 1_000_000_000) as u32 + 1
+}
+
+/// [`StackFlow::flags`]: a TCP FIN or RST was seen (the host's conntrack keeps the flow for
+/// its TIME_WAIT/CLOSE timeout only).
+pub const SF_CLOSING: u32 = 1;
+
+/// A flow the host stack handled ([`STACK_FLOWS_MAP`] value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackFlow {
+    /// `bpf_ktime_get_ns()` of the last packet that needed the entry (refreshed at most
+    /// about once a second).
+    pub last_seen_ns: u64,
+    /// `SF_*` bits.
+    pub flags: u32,
+    pub _pad: u32,
+}
 /// LPM trie: IPv4 source prefixes the uplink's XDP prefilter drops (key: prefix length +
 /// `[u8; 4]`, value: `u32`, unused). Maps added to a layout keep it compatible: an older build
 /// never opens them, a newer one creates them next to the existing pins.
@@ -62,6 +97,14 @@ pub const HOST_V4_MAP: &str = "CALIX_HOST_V4";
 pub const HOST_V6_MAP: &str = "CALIX_HOST_V6";
 /// Maximum number of the node's own addresses per family.
 pub const MAX_HOST_ADDRS: u32 = 4096;
+/// Hash map: host-side veth ifindex → `u32`, written by the programs only (atomic adds): the
+/// conntrack flows the endpoint opened minus those the programs removed. With
+/// [`CT_FREED_MAP`] (the flows the agent removed) it gives the flows an endpoint holds,
+/// checked against [`NatConfig::ct_budget`] before a new flow is admitted.
+pub const CT_OWNED_MAP: &str = "CALIX_CT_OWNED";
+/// Hash map: host-side veth ifindex → `u32`, written by the agent only: the endpoint's
+/// conntrack flows the agent's cleaner (or `calixctl bpf conntrack --flush`) removed.
+pub const CT_FREED_MAP: &str = "CALIX_CT_FREED";
 /// Hash map: [`CtKey`] → [`CtEntry`]. SNAT connection tracking: two entries per flow, one
 /// per direction (the pod's original tuple, and the reply tuple as it arrives at the node).
 /// Sized by `[nat] conntrack_entries` (the agent sets `max_entries` at load). A plain hash,
@@ -81,9 +124,10 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 pub const MAX_NAT_UPLINKS: usize = 8;
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 17] = [
+pub const ALL_MAPS: [&str; 20] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
+    STACK_CLEARED_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
     LOCAL_V4_MAP,
@@ -97,6 +141,8 @@ pub const ALL_MAPS: [&str; 17] = [
     HOST_V4_MAP,
     HOST_V6_MAP,
     CT_MAP,
+    CT_OWNED_MAP,
+    CT_FREED_MAP,
     NAT_CONFIG_MAP,
     NO_SNAT_V4_MAP,
 ];
@@ -326,10 +372,17 @@ pub enum DropReason {
     LinkLocalNotNd = 15,
     /// A neighbour advertisement from a pod for a target that is not its own address.
     SpoofedNdTarget = 16,
+    /// SNAT: the endpoint already holds its budget of conntrack flows
+    /// (`[nat] conntrack_flows_per_endpoint`); the new flow's first packet is dropped.
+    ConntrackBudget = 17,
+    /// SNAT: a TCP RST of a translated flow whose sequence number is outside the window (or,
+    /// before the other side has sent anything, that does not acknowledge its SYN): a blind
+    /// reset. The flow stays as it was.
+    ConntrackRstInvalid = 18,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 16] = [
+    pub const ALL: [DropReason; 18] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -346,6 +399,8 @@ impl DropReason {
         DropReason::EtherTypeNotAllowed,
         DropReason::LinkLocalNotNd,
         DropReason::SpoofedNdTarget,
+        DropReason::ConntrackBudget,
+        DropReason::ConntrackRstInvalid,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -367,6 +422,8 @@ impl DropReason {
             DropReason::EtherTypeNotAllowed => "ethertype_not_allowed",
             DropReason::LinkLocalNotNd => "link_local_not_nd",
             DropReason::SpoofedNdTarget => "spoofed_nd_target",
+            DropReason::ConntrackBudget => "conntrack_budget",
+            DropReason::ConntrackRstInvalid => "ct_rst_out_of_window",
         }
     }
 
@@ -401,6 +458,16 @@ pub const CT_F_SEEN: u16 = 1;
 pub const CT_F_FIN: u16 = 2;
 /// [`CtEntry::flags`]: this direction sent a TCP RST.
 pub const CT_F_RST: u16 = 4;
+/// [`CtEntry::flags`]: this direction sent a TCP ACK without SYN (on the original entry: the
+/// pod completed the handshake).
+pub const CT_F_ACK: u16 = 8;
+/// [`CtEntry::flags`]: TCP: [`CtEntry::seq_end`] is known.
+pub const CT_F_SEQ: u16 = 16;
+/// [`CtEntry::flags`]: TCP: window scaling is in effect for this direction's windows
+/// ([`CtEntry::wscale`]); set by its SYN, cleared when the other side's SYN had no scale.
+pub const CT_F_WSCALE: u16 = 32;
+/// [`CtEntry::flags`]: TCP: [`CtEntry::last_ack`] is known.
+pub const CT_F_LAST_ACK: u16 = 64;
 
 /// A conntrack entry. Out entry: `addr`/`port` are the NAT address and port the flow leaves
 /// with. Reply entry: the pod's address and port replies are translated back to.
@@ -424,6 +491,20 @@ pub struct CtEntry {
     /// Original entries: the route's destination then source MAC (the frame's first 12
     /// bytes).
     pub route_macs: [u8; 12],
+    /// TCP: this direction's next sequence number (the highest sequence number plus length
+    /// seen), host byte order; valid with [`CT_F_SEQ`].
+    pub seq_end: u32,
+    /// TCP: the largest receive window this direction advertised, scaled, in bytes.
+    pub max_win: u32,
+    /// The endpoint the flow belongs to (its host-side veth ifindex; 0: unknown): its
+    /// conntrack budget is charged for the flow.
+    pub owner: u32,
+    /// TCP: the acknowledgement number of this direction's latest segment (with
+    /// [`CT_F_LAST_ACK`]): a RST answering that segment carries it as its sequence number.
+    pub last_ack: u32,
+    /// TCP: this direction's window scale shift (with [`CT_F_WSCALE`]).
+    pub wscale: u8,
+    pub _pad: [u8; 7],
 }
 
 /// What the SNAT programs need from the agent's `[nat]` config (one entry of
@@ -432,7 +513,7 @@ pub struct CtEntry {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NatConfig {
     pub tcp_established_ns: u64,
-    /// TCP before the first reply.
+    /// TCP until the handshake completes (a reply, then the pod's ACK).
     pub tcp_syn_ns: u64,
     /// TCP after a RST, or FIN both ways.
     pub tcp_closing_ns: u64,
@@ -445,6 +526,10 @@ pub struct NatConfig {
     pub port_max: u16,
     /// Non-zero: SNAT is on.
     pub enabled: u32,
+    /// Conntrack flows one endpoint may hold ([`CT_OWNED_MAP`] − [`CT_FREED_MAP`]); 0: no
+    /// limit.
+    pub ct_budget: u32,
+    pub _pad: u32,
 }
 
 impl NatConfig {
@@ -457,7 +542,7 @@ impl NatConfig {
                 let both = out_flags | reply;
                 if both & CT_F_RST != 0 || (out_flags & reply & CT_F_FIN) != 0 {
                     self.tcp_closing_ns
-                } else if reply & CT_F_SEEN == 0 {
+                } else if !Self::answered(proto, out_flags, reply) {
                     self.tcp_syn_ns
                 } else {
                     self.tcp_established_ns
@@ -468,11 +553,187 @@ impl NatConfig {
         }
     }
 
+    /// Whether a flow is answered: TCP, the handshake completed (a reply, then an ACK from
+    /// the pod); UDP and ICMP, a reply. Unanswered flows go first when the table fills up.
+    pub fn answered(proto: u8, out_flags: u16, reply_flags: u16) -> bool {
+        let replied = reply_flags & CT_F_SEEN != 0;
+        if proto == IPPROTO_TCP {
+            replied && out_flags & CT_F_ACK != 0
+        } else {
+            replied
+        }
+    }
+
     /// Whether TCP flags of both directions say the connection is over (RST, or FIN both
     /// ways): its ports may be reused by a new flow at once.
     pub fn tcp_closed(out_flags: u16, reply_flags: u16) -> bool {
         (out_flags | reply_flags) & CT_F_RST != 0 || (out_flags & reply_flags & CT_F_FIN) != 0
     }
+}
+
+/// `enum bpf_map_type` values the layouts use.
+pub const BPF_MAP_TYPE_HASH: u32 = 1;
+pub const BPF_MAP_TYPE_ARRAY: u32 = 2;
+pub const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
+pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+/// Map flag: the map's elements are allocated as they are inserted.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// One map of a layout: what a pinned map must match to be reused as is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapLayout {
+    pub name: &'static str,
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    /// For a map the agent sizes at load ([`CT_MAP`]), the default.
+    pub max_entries: u32,
+    pub flags: u32,
+}
+
+/// The maps of one [`LAYOUT_VERSION`].
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    pub version: u32,
+    pub maps: &'static [MapLayout],
+}
+
+impl Layout {
+    /// The map called `name`, if this layout has it.
+    pub fn map(&self, name: &str) -> Option<&'static MapLayout> {
+        self.maps.iter().find(|m| str_eq(m.name, name))
+    }
+}
+
+const fn m(
+    name: &'static str,
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+) -> MapLayout {
+    MapLayout {
+        name,
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        flags,
+    }
+}
+
+/// Every published layout, oldest first; append a row for a new version, never edit one (the
+/// agent reads older pins by them, and the upgrade test recreates them from here).
+pub const LAYOUTS: [Layout; 2] = [
+    // Layout 1. `CtEntry` was 16 bytes in its first builds (no route cache) and 40 later,
+    // without a version change: the agent migrates both.
+    Layout {
+        version: 1,
+        maps: &[
+            m(STACK_FLOWS_MAP, BPF_MAP_TYPE_LRU_HASH, 40, 8, 65_536, 0),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_HASH,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 24, MAX_ENDPOINTS, 0),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 12, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 12, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 40, DEFAULT_CT_ENTRIES, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 80, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+        ],
+    },
+    // Layout 2: stack flows in a hash (no silent eviction) with a time and flags, overflow
+    // marks; conntrack entries with TCP sequence tracking and an owner; the conntrack budget;
+    // the node's own addresses (the XDP failsafe applies only to them).
+    Layout {
+        version: 2,
+        maps: &[
+            m(
+                STACK_FLOWS_MAP,
+                BPF_MAP_TYPE_HASH,
+                40,
+                16,
+                MAX_STACK_FLOWS,
+                1,
+            ),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(STACK_CLEARED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_HASH,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 24, MAX_ENDPOINTS, 0),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 12, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 12, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
+            m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
+            m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+        ],
+    },
+];
+
+/// The layout with this version, if one was published.
+pub fn layout(version: u32) -> Option<&'static Layout> {
+    LAYOUTS.iter().find(|l| l.version == version)
+}
+
+/// `&str` equality usable in `const` context.
+pub const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 #[cfg(feature = "user")]
@@ -488,12 +749,99 @@ mod pod {
     unsafe impl aya::Pod for super::CtKey {}
     unsafe impl aya::Pod for super::CtEntry {}
     unsafe impl aya::Pod for super::NatConfig {}
+    unsafe impl aya::Pod for super::StackFlow {}
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    /// The key and value size of every map of this build, from the shared types: what
+    /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
+    fn sizes_of_this_build() -> [(&'static str, usize, usize); 20] {
+        let lpm = |addr: usize| 4 + addr;
+        [
+            (
+                STACK_FLOWS_MAP,
+                size_of::<FlowKey>(),
+                size_of::<StackFlow>(),
+            ),
+            (STACK_EPS_MAP, size_of::<u32>(), size_of::<u32>()),
+            (STACK_CLEARED_MAP, size_of::<u32>(), size_of::<u32>()),
+            (
+                COUNTERS_MAP,
+                size_of::<u32>(),
+                size_of::<EndpointCounters>(),
+            ),
+            (ENDPOINTS_MAP, size_of::<u32>(), size_of::<EndpointInfo>()),
+            (LOCAL_V4_MAP, 4, size_of::<LocalEndpoint>()),
+            (LOCAL_V6_MAP, 16, size_of::<LocalEndpoint>()),
+            (DROPS_MAP, size_of::<DropKey>(), size_of::<DropCount>()),
+            (POOLS_V4_MAP, lpm(4), size_of::<u32>()),
+            (POOLS_V6_MAP, lpm(16), size_of::<u32>()),
+            (DENY_V4_MAP, lpm(4), size_of::<u32>()),
+            (DENY_V6_MAP, lpm(16), size_of::<u32>()),
+            (FAILSAFE_MAP, size_of::<FailsafePort>(), size_of::<u32>()),
+            (HOST_V4_MAP, 4, size_of::<u32>()),
+            (HOST_V6_MAP, 16, size_of::<u32>()),
+            (CT_MAP, size_of::<CtKey>(), size_of::<CtEntry>()),
+            (CT_OWNED_MAP, size_of::<u32>(), size_of::<u32>()),
+            (CT_FREED_MAP, size_of::<u32>(), size_of::<u32>()),
+            (NAT_CONFIG_MAP, size_of::<u32>(), size_of::<NatConfig>()),
+            (NO_SNAT_V4_MAP, lpm(4), size_of::<u32>()),
+        ]
+    }
+
+    /// A shared type that changes size without a new [`LAYOUT_VERSION`] (and a new row in
+    /// [`LAYOUTS`]) fails here: pinned maps of the old size would be reused as they are.
+    #[test]
+    fn the_layout_version_names_these_sizes() {
+        let current = layout(LAYOUT_VERSION).expect("a row for LAYOUT_VERSION in LAYOUTS");
+        let sizes = sizes_of_this_build();
+        assert_eq!(current.maps.len(), sizes.len(), "every map has a row");
+        for (name, key, value) in sizes {
+            let row = current
+                .map(name)
+                .unwrap_or_else(|| panic!("{name} missing from layout {LAYOUT_VERSION}"));
+            assert_eq!(
+                (row.key_size as usize, row.value_size as usize),
+                (key, value),
+                "{name}: the types changed size; bump LAYOUT_VERSION and add a row to LAYOUTS"
+            );
+        }
+        for name in ALL_MAPS {
+            assert!(current.map(name).is_some(), "{name} in ALL_MAPS has no row");
+        }
+    }
+
+    #[test]
+    fn layouts_are_append_only() {
+        let versions: [u32; 2] = LAYOUTS.map(|l| l.version);
+        assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+        assert_eq!(
+            versions.last(),
+            Some(&LAYOUT_VERSION),
+            "the newest is this build's"
+        );
+        for l in LAYOUTS {
+            for (i, a) in l.maps.iter().enumerate() {
+                assert!(
+                    l.maps[i + 1..].iter().all(|b| b.name != a.name),
+                    "layout {}: {} twice",
+                    l.version,
+                    a.name
+                );
+            }
+        }
+        // Layout 1 as it was published (the agent migrates from it).
+        let v1 = layout(1).expect("layout 1");
+        assert_eq!(v1.map(CT_MAP).map(|m| m.value_size), Some(40));
+        assert_eq!(
+            v1.map(STACK_FLOWS_MAP).map(|m| m.map_type),
+            Some(BPF_MAP_TYPE_LRU_HASH)
+        );
+    }
 
     #[test]
     fn layouts_have_no_padding() {
@@ -505,8 +853,9 @@ mod tests {
         assert_eq!(size_of::<FlowKey>(), 40);
         assert_eq!(size_of::<FailsafePort>(), 4);
         assert_eq!(size_of::<CtKey>(), 16);
-        assert_eq!(size_of::<CtEntry>(), 40);
-        assert_eq!(size_of::<NatConfig>(), 80);
+        assert_eq!(size_of::<CtEntry>(), 64);
+        assert_eq!(size_of::<NatConfig>(), 88);
+        assert_eq!(size_of::<StackFlow>(), 16);
     }
 
     #[test]
@@ -551,10 +900,10 @@ mod tests {
         }
         assert_eq!(DropReason::from_u32(0), None);
         // Values are stable: they are keys in the pinned counters map.
-        let values: [u32; 16] = DropReason::ALL.map(|r| r as u32);
+        let values: [u32; 18] = DropReason::ALL.map(|r| r as u32);
         assert_eq!(
             values,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
         );
     }
 

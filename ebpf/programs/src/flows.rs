@@ -10,12 +10,25 @@
 //! never had a flow through the stack pays one small hash lookup instead. Packets the stack
 //! sends from the node itself (a socket of the node: kubelet probes, hostNetwork clients) are
 //! not recorded: their replies go to the node's own address, which the fast path never takes.
+//!
+//! Fail safe: the table is a plain hash (nothing is evicted silently); a flow that finds it
+//! full marks its endpoint as overflowing, and an overflowing endpoint's packets never take
+//! the fast path where a flow check would apply, until the agent clears the mark (once every
+//! flow that could have been missed is one the host's conntrack has forgotten). The agent
+//! also removes entries the host's conntrack has forgotten.
 
-use aya_ebpf::programs::TcContext;
-use calix_common::FlowKey;
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use calix_common::{stack_overflow_mark, FlowKey, StackFlow, SF_CLOSING};
 
-use crate::maps::{CALIX_STACK_EPS, CALIX_STACK_FLOWS};
+use crate::maps::{CALIX_STACK_CLEARED, CALIX_STACK_EPS, CALIX_STACK_FLOWS};
 use crate::packet::{self, Ipv4, Ipv6, ETH_HLEN};
+
+const BPF_NOEXIST: u64 = 1;
+/// An entry's `last_seen_ns` is refreshed when older than this (fewer writes per packet).
+const REFRESH_NS: u64 = 1_000_000_000;
+/// TCP header flag bits.
+const TCP_FIN: u8 = 0x01;
+const TCP_RST: u8 = 0x04;
 
 /// The flow key of an IPv4 packet, seen from the pod `pod_is_src` names; `None` when the
 /// packet has no ports to key on (fragments, other protocols): those never take the fast path.
@@ -64,14 +77,76 @@ pub fn key_v6(ctx: &TcContext, ip: &Ipv6, pod_is_src: bool) -> Option<FlowKey> {
     })
 }
 
-/// Remembers that the stack handled this flow of the pod whose host-side veth is `ifindex`.
+/// Whether an IPv4 packet is a TCP FIN or RST (its flow is closing).
 #[inline(always)]
-pub fn record(key: &FlowKey, ifindex: u32) {
-    if CALIX_STACK_FLOWS.get_ptr(key).is_none() {
-        let _ = CALIX_STACK_FLOWS.insert(key, &0, 0);
+pub fn closing_v4(ctx: &TcContext, ip: &Ipv4) -> bool {
+    !ip.fragment
+        && ip.proto == packet::IPPROTO_TCP
+        && usize::from(ip.tot_len) >= ip.ihl + 14
+        && tcp_closing(ctx, ETH_HLEN + ip.ihl)
+}
+
+/// As [`closing_v4`] for IPv6.
+#[inline(always)]
+pub fn closing_v6(ctx: &TcContext, ip: &Ipv6) -> bool {
+    ip.next_hdr == packet::IPPROTO_TCP
+        && ip.payload_len >= 14
+        && tcp_closing(ctx, ETH_HLEN + packet::v6::LEN)
+}
+
+#[inline(always)]
+fn tcp_closing(ctx: &TcContext, l4: usize) -> bool {
+    ctx.load::<u8>(l4 + 13)
+        .is_ok_and(|f| f & (TCP_FIN | TCP_RST) != 0)
+}
+
+/// Refreshes a flow's entry: its time when stale, the closing bit when it is new.
+#[inline(always)]
+fn refresh(f: *mut StackFlow, flags: u32, now: u64) {
+    // SAFETY: `f` comes from a successful lookup and stays valid until the program returns;
+    // racing writers store newer times or add bits (benign).
+    unsafe {
+        if now.wrapping_sub((*f).last_seen_ns) > REFRESH_NS {
+            (*f).last_seen_ns = now;
+        }
+        if (*f).flags & flags != flags {
+            (*f).flags |= flags;
+        }
     }
+}
+
+/// Remembers that the stack handled this flow (closing: a FIN or RST) of the pod whose
+/// host-side veth is `ifindex`. When the table is full, marks the endpoint as overflowing.
+#[inline(always)]
+pub fn record(key: &FlowKey, ifindex: u32, closing: bool) {
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let flags = if closing { SF_CLOSING } else { 0 };
+    match CALIX_STACK_FLOWS.get_ptr_mut(key) {
+        Some(f) => refresh(f, flags, now),
+        None => {
+            let f = StackFlow {
+                last_seen_ns: now,
+                flags,
+                _pad: 0,
+            };
+            if CALIX_STACK_FLOWS.insert(key, &f, BPF_NOEXIST).is_err()
+                && CALIX_STACK_FLOWS.get_ptr(key).is_none()
+            {
+                // Full: this flow is unknown to the fast path, so its endpoint's traffic
+                // must all go to the stack.
+                let mark = stack_overflow_mark(now);
+                // SAFETY: a plain read of a value from a successful lookup.
+                if unsafe { CALIX_STACK_EPS.get(&ifindex) }.copied() != Some(mark) {
+                    let _ = CALIX_STACK_EPS.insert(&ifindex, &mark, 0);
+                }
+                return;
+            }
+        }
+    }
+    // The plain mark never replaces an overflow mark.
     if CALIX_STACK_EPS.get_ptr(&ifindex).is_none() {
-        let _ = CALIX_STACK_EPS.insert(&ifindex, &0, 0);
+        let _ = CALIX_STACK_EPS.insert(&ifindex, &0, BPF_NOEXIST);
     }
 }
 
@@ -93,14 +168,36 @@ pub fn has_ports_v6(ip: &Ipv6) -> bool {
 /// Whether the fast path may take this packet of the pod whose host-side veth is `ifindex`:
 /// it has a flow key (`has_ports` says so without reading it; else `key` builds it) and the
 /// stack did not handle the flow's other direction. The key is built only when needed.
+/// An endpoint that overflowed the table sends everything the check covers to the stack.
 #[inline(always)]
 pub fn fast_path_ok(ifindex: u32, has_ports: bool, key: impl FnOnce() -> Option<FlowKey>) -> bool {
-    let marked = CALIX_STACK_EPS.get_ptr(&ifindex).is_some();
+    // SAFETY: a plain read of a value from a successful lookup.
+    let mark = unsafe { CALIX_STACK_EPS.get(&ifindex) }.copied();
+    let marked = mark.is_some();
     if !marked && has_ports {
         return true;
     }
+    if let Some(m) = mark {
+        // SAFETY: as above.
+        if m != 0 && unsafe { CALIX_STACK_CLEARED.get(&ifindex) }.copied() != Some(m) {
+            return false;
+        }
+    }
     match key() {
-        Some(k) => !marked || CALIX_STACK_FLOWS.get_ptr(&k).is_none(),
+        Some(k) => !marked || !stack_handled(&k),
+        None => false,
+    }
+}
+
+/// Whether the stack handled the flow `k`; refreshes its entry (the flow is in use).
+#[inline(always)]
+fn stack_handled(k: &FlowKey) -> bool {
+    match CALIX_STACK_FLOWS.get_ptr_mut(k) {
+        Some(f) => {
+            // SAFETY: a plain helper call.
+            refresh(f, 0, unsafe { bpf_ktime_get_ns() });
+            true
+        }
         None => false,
     }
 }

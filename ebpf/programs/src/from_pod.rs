@@ -218,7 +218,10 @@ mod guard {
         if up.proto != IPPROTO_ICMPV6 || up.off + ICMP6_HLEN > end {
             return Ok(None);
         }
-        Ok(ctx.load::<u8>(up.off).ok().map(|ty| (ty, up.off, up.fragmented)))
+        Ok(ctx
+            .load::<u8>(up.off)
+            .ok()
+            .map(|ty| (ty, up.off, up.fragmented)))
     }
 
     /// Where the IP payload ends.

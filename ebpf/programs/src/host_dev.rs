@@ -66,16 +66,18 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     let key = match packet::ethertype(ctx)? {
         ETH_P_IP => packet::ipv4(ctx).and_then(|ip| {
             let local = unsafe { *CALIX_LOCAL_V4.get_ptr(&ip.src)? };
-            Some((flows::key_v4(ctx, &ip, true)?, local.ifindex))
+            let closing = flows::closing_v4(ctx, &ip);
+            Some((flows::key_v4(ctx, &ip, true)?, local.ifindex, closing))
         }),
         ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| {
             let local = unsafe { *CALIX_LOCAL_V6.get_ptr(&ip.src)? };
-            Some((flows::key_v6(ctx, &ip, true)?, local.ifindex))
+            let closing = flows::closing_v6(ctx, &ip);
+            Some((flows::key_v6(ctx, &ip, true)?, local.ifindex, closing))
         }),
         _ => None,
     };
-    if let Some((k, ifindex)) = key {
-        flows::record(&k, ifindex);
+    if let Some((k, ifindex, closing)) = key {
+        flows::record(&k, ifindex, closing);
     }
     Ok(TC_ACT_OK)
 }

@@ -9,6 +9,9 @@
 //! `XDP_DROP`.
 #![no_std]
 #![no_main]
+// Atomic adds on map values (the BPF target has no `core::sync::atomic` integers).
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 
 mod conntrack;
 mod counters;
@@ -81,20 +84,7 @@ const _: () = assert!(str_eq(calix_common::PROG_TO_HOST_DEV, "to_host_dev"));
 const _: () = assert!(str_eq(calix_common::PROG_XDP_HOST_DEV, "xdp_host_dev"));
 
 /// `&str` equality usable in `const` context (for the name checks above and in `maps`).
-pub(crate) const fn str_eq(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
+pub(crate) use calix_common::str_eq;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -6,21 +6,28 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LpmTrie, LruHashMap, PerCpuHashMap},
+    maps::{HashMap, LpmTrie, PerCpuHashMap},
 };
 use calix_common::{
     DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint,
-    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_POOLS,
-    MAX_STACK_FLOWS,
+    StackFlow, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS,
+    MAX_POOLS, MAX_STACK_FLOWS,
 };
 
-/// Flows the host stack delivered to a local pod; their replies go back through the stack.
+/// Flows the host stack handled for a local pod; their replies go back through the stack.
+/// A plain hash: a full table refuses the flow (and marks its endpoint), never evicts.
 #[map(name = "CALIX_STACK_FLOWS")]
-pub static CALIX_STACK_FLOWS: LruHashMap<FlowKey, u64> = LruHashMap::pinned(MAX_STACK_FLOWS, 0);
+pub static CALIX_STACK_FLOWS: HashMap<FlowKey, StackFlow> =
+    HashMap::pinned(MAX_STACK_FLOWS, BPF_F_NO_PREALLOC);
 
-/// Endpoints (host-side veth ifindex) with a flow in `CALIX_STACK_FLOWS`.
+/// Endpoints (host-side veth ifindex) with a flow in `CALIX_STACK_FLOWS` (value: 0, or an
+/// overflow mark).
 #[map(name = "CALIX_STACK_EPS")]
 pub static CALIX_STACK_EPS: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// Endpoint → the overflow mark the agent has cleared.
+#[map(name = "CALIX_STACK_CLEARED")]
+pub static CALIX_STACK_CLEARED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
 
 /// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
 #[map(name = "CALIX_COUNTERS")]
@@ -82,6 +89,10 @@ const _: () = assert!(crate::str_eq(
 const _: () = assert!(crate::str_eq(
     calix_common::STACK_EPS_MAP,
     "CALIX_STACK_EPS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::STACK_CLEARED_MAP,
+    "CALIX_STACK_CLEARED"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::ENDPOINTS_MAP,

@@ -15,13 +15,16 @@ use aya_ebpf::{
         TC_ACT_OK,
     },
     cty::c_long,
-    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh},
+    cty::c_void,
+    helpers::{bpf_fib_lookup, bpf_ktime_get_ns, bpf_loop, bpf_redirect, bpf_redirect_neigh},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
-use calix_common::{CtEntry, CtKey, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP};
+use calix_common::{
+    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP,
+};
 
-use crate::conntrack::{self, CALIX_CT, CALIX_NO_SNAT_V4, TCP_ACK, TCP_SYN};
+use crate::conntrack::{self, TcpSeg, CALIX_CT, CALIX_NO_SNAT_V4, TCP_ACK, TCP_SYN};
 use crate::counters::drop;
 use crate::flows;
 use crate::forward::{self, Ttl};
@@ -51,6 +54,80 @@ struct Transport {
     /// Offset of the transport checksum.
     csum_off: usize,
     tcp_flags: u8,
+    /// TCP: what conntrack tracks (zero for other protocols).
+    tcp: TcpSeg,
+}
+
+/// TCP option kinds.
+const TCPOPT_EOL: u8 = 0;
+const TCPOPT_NOP: u8 = 1;
+const TCPOPT_WSCALE: u8 = 3;
+/// The most TCP options there can be (a 60-byte header).
+const TCP_MAX_OPTS: usize = 40;
+
+/// The window scale option of the TCP header at `l4` (`hlen` bytes, options included).
+#[inline(always)]
+fn wscale_option(ctx: &TcContext, l4: usize, hlen: usize) -> Option<u8> {
+    let opts = hlen.checked_sub(20)?;
+    if opts == 0 || opts > TCP_MAX_OPTS {
+        return None;
+    }
+    // The 40 bytes that end where the options end (they begin inside the IPv4 header when
+    // there are fewer options): one load of a fixed size.
+    let mut walk = OptWalk {
+        buf: ctx.load(l4 + hlen - TCP_MAX_OPTS).ok()?,
+        at: (TCP_MAX_OPTS - opts) as u32,
+        found: 0,
+    };
+    // bpf_loop: the verifier checks the step once, not once per option.
+    // SAFETY: `opt_step` has bpf_loop's callback signature and reads `walk` only as
+    // `OptWalk`; `walk` outlives the call.
+    unsafe {
+        bpf_loop(
+            TCP_MAX_OPTS as u32,
+            opt_step as *mut c_void,
+            &mut walk as *mut OptWalk as *mut c_void,
+            0,
+        )
+    };
+    walk.found.checked_sub(1).map(|w| w as u8)
+}
+
+/// The state of a walk over TCP options.
+#[repr(C)]
+struct OptWalk {
+    buf: [u8; TCP_MAX_OPTS],
+    /// Offset of the next option in `buf`.
+    at: u32,
+    /// 1 + the window scale, once found.
+    found: u32,
+}
+
+/// One option of an [`OptWalk`] (a bpf_loop callback): 0 goes on, 1 stops.
+#[inline(never)]
+extern "C" fn opt_step(_index: u64, walk: *mut c_void) -> c_long {
+    // SAFETY: bpf_loop passes back the `OptWalk` `wscale_option` gave it.
+    let w = unsafe { &mut *(walk as *mut OptWalk) };
+    let at = w.at as usize;
+    let (Some(&kind), len) = (w.buf.get(at), w.buf.get(at + 1).copied()) else {
+        return 1;
+    };
+    match (kind, len) {
+        (TCPOPT_EOL, _) | (_, None) => 1,
+        (TCPOPT_NOP, _) => {
+            w.at += 1;
+            0
+        }
+        (TCPOPT_WSCALE, Some(3)) => {
+            w.found = w.buf.get(at + 2).map_or(0, |s| u32::from(*s) + 1);
+            1
+        }
+        (_, Some(len)) if len >= 2 => {
+            w.at += u32::from(len);
+            0
+        }
+        _ => 1,
+    }
 }
 
 /// Reads the transport header at `l4` (`l4_len` bytes of IP payload). `from_pod`: TCP, UDP,
@@ -70,13 +147,31 @@ fn transport(
             if l4_len < 20 {
                 return None;
             }
-            let h: [u8; 14] = ctx.load(l4).ok()?;
+            let h: [u8; 16] = ctx.load(l4).ok()?;
+            let hlen = usize::from(h[12] >> 4) * 4;
+            if hlen < 20 || hlen > l4_len {
+                return None;
+            }
+            let flags = h[13];
+            let tcp = TcpSeg {
+                seq: u32::from_be_bytes([h[4], h[5], h[6], h[7]]),
+                ack: u32::from_be_bytes([h[8], h[9], h[10], h[11]]),
+                flags,
+                win: u16::from_be_bytes([h[14], h[15]]),
+                len: (l4_len - hlen) as u32,
+                wscale: if flags & TCP_SYN != 0 {
+                    wscale_option(ctx, l4, hlen)
+                } else {
+                    None
+                },
+            };
             Some(Transport {
                 sport: u16::from_ne_bytes([h[0], h[1]]),
                 dport: u16::from_ne_bytes([h[2], h[3]]),
                 port_off: l4 + side,
                 csum_off: l4 + 16,
-                tcp_flags: h[13],
+                tcp_flags: flags,
+                tcp,
             })
         }
         IPPROTO_UDP => {
@@ -90,6 +185,7 @@ fn transport(
                 port_off: l4 + side,
                 csum_off: l4 + 6,
                 tcp_flags: 0,
+                tcp: TcpSeg::default(),
             })
         }
         IPPROTO_ICMP => {
@@ -108,6 +204,7 @@ fn transport(
                 port_off: l4 + 4,
                 csum_off: l4 + 2,
                 tcp_flags: 0,
+                tcp: TcpSeg::default(),
             })
         }
         _ => None,
@@ -329,14 +426,24 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
     if let Some(o) = CALIX_CT.get_ptr_mut(&out) {
         let syn = ip.proto == IPPROTO_TCP && t.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         if !syn || conntrack::restart_tcp(&out, o, now) {
+            if ip.proto == IPPROTO_TCP {
+                if t.tcp.rst() && !conntrack::rst_in_window(o, conntrack::reply_of(&out, o), &t.tcp)
+                {
+                    return Ok(drop(ctx, ifindex, DropReason::ConntrackRstInvalid));
+                }
+                conntrack::track_tcp(o, &t.tcp);
+            }
             conntrack::touch(o, bits, now);
-            // SAFETY: a pointer from a successful lookup.
-            let e = unsafe { *o };
-            let nat = (e.addr, e.port);
-            if e.route_ns != 0 && now.wrapping_sub(e.route_ns) < ROUTE_CACHE_NS {
-                let r = Route {
-                    ifindex: e.route_ifindex,
-                    macs: Some(e.route_macs),
+            // SAFETY: a pointer from a successful lookup. The fields are read one by one: a
+            // copy of the whole entry would cost the frame 64 bytes of the verifier's 512.
+            let (nat, route_ns) = unsafe { (((*o).addr, (*o).port), (*o).route_ns) };
+            if route_ns != 0 && now.wrapping_sub(route_ns) < ROUTE_CACHE_NS {
+                // SAFETY: as above.
+                let r = unsafe {
+                    Route {
+                        ifindex: (*o).route_ifindex,
+                        macs: Some((*o).route_macs),
+                    }
                 };
                 return send_out(ctx, ip, &t, nat, &r);
             }
@@ -348,8 +455,12 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
             return send_out(ctx, ip, &t, nat, &r);
         }
     }
-    // A new flow.
-    if CALIX_NO_SNAT_V4.get(&Key::new(32, ip.dst)).is_some() {
+    // A new flow. Not one to the host's own NAT (`service_cidrs`) or one never translated
+    // (pools, `non_masquerade_cidrs`); not a TCP SYN-ACK either: that answers a connection
+    // from outside, which no SNAT may touch.
+    if CALIX_NO_SNAT_V4.get(&Key::new(32, ip.dst)).is_some()
+        || (ip.proto == IPPROTO_TCP && t.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK)
+    {
         return Ok(TC_ACT_OK);
     }
     let Some((r, route_src)) = lookup_route(ctx, cfg, ifindex, ip) else {
@@ -362,12 +473,15 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
     }) {
         return Ok(TC_ACT_OK);
     }
-    let nat_port = match conntrack::allocate(cfg, &out, route_src, bits, now) {
+    let nat_port = match conntrack::allocate(cfg, &out, route_src, bits, ifindex, now) {
         Ok(port) => port,
         Err(reason) => return Ok(drop(ctx, ifindex, reason)),
     };
     if let Some(o) = CALIX_CT.get_ptr_mut(&out) {
         cache_route(o, &r, now);
+        if ip.proto == IPPROTO_TCP {
+            conntrack::track_tcp(o, &t.tcp);
+        }
     }
     send_out(ctx, ip, &t, (route_src, nat_port), &r)
 }
@@ -423,6 +537,17 @@ pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long>
     let local = unsafe { *local };
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
+    if ip.proto == IPPROTO_TCP {
+        if t.tcp.rst() && !conntrack::rst_in_window(r, conntrack::out_of(&rkey, r), &t.tcp) {
+            // SAFETY: a plain context access the verifier checks.
+            let uplink = unsafe { (*ctx.skb.skb).ifindex };
+            return Ok(Some(drop(ctx, uplink, DropReason::ConntrackRstInvalid)));
+        }
+        conntrack::track_tcp(r, &t.tcp);
+        if t.tcp.syn() {
+            conntrack::settle_wscale(&conntrack::out_key_of(&rkey, pod, pod_port), r);
+        }
+    }
     conntrack::touch(r, conntrack::flag_bits(ip.proto, t.tcp_flags), now);
     rewrite_l4(ctx, ip.proto, &t, (ip.dst, t.dport), (pod, pod_port))?;
     rewrite_ip(ctx, ip, false, pod)?;

@@ -18,12 +18,14 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     }
     // The stack delivered this flow: its replies must go back through the stack.
     let key = match packet::ethertype(ctx)? {
-        ETH_P_IP => packet::ipv4(ctx).and_then(|ip| flows::key_v4(ctx, &ip, false)),
-        ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| flows::key_v6(ctx, &ip, false)),
+        ETH_P_IP => packet::ipv4(ctx)
+            .and_then(|ip| Some((flows::key_v4(ctx, &ip, false)?, flows::closing_v4(ctx, &ip)))),
+        ETH_P_IPV6 => packet::ipv6(ctx)
+            .and_then(|ip| Some((flows::key_v6(ctx, &ip, false)?, flows::closing_v6(ctx, &ip)))),
         _ => None,
     };
-    if let Some(k) = key {
-        flows::record(&k, ifindex);
+    if let Some((k, closing)) = key {
+        flows::record(&k, ifindex, closing);
     }
     Ok(TC_ACT_OK)
 }

@@ -1,0 +1,614 @@
+//! Pinned maps are checked before the object reuses them. aya reuses a map pinned under the
+//! name it wants without looking at it; a map of another type, key or value size, size or
+//! flags then either fails the verifier or, worse, is read with the wrong layout by the
+//! programs. Before the object loads, every map it pins is compared with what is pinned
+//! (`BPF_OBJ_GET_INFO_BY_FD`): a match is reused as is; a mismatch is unpinned, so the loader
+//! creates the map anew, and its entries are carried into the new map where a conversion
+//! exists (the conntrack table, the stack flows: translated and stack-NATed flows survive an
+//! upgrade) — otherwise it starts empty (the agent repopulates what it owns) and the log says
+//! which map and what differed. Maps of an older layout directory (`v<N>`) are carried into
+//! this layout's the same way. After the agent has re-attached every endpoint, entries the
+//! old programs added meanwhile are copied too ([`Carried::catch_up`]).
+use std::path::{Path, PathBuf};
+
+use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
+use aya::Pod;
+use aya_obj::maps::PinningType;
+use calix_common::{
+    CtEntry, CtKey, FlowKey, StackFlow, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_HASH,
+    BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_HASH, CT_DIR_OUT,
+    CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION, STACK_EPS_MAP,
+    STACK_FLOWS_MAP,
+};
+
+use super::nat::monotonic_ns;
+use super::DataplaneError;
+
+/// What a pinned map must be: the object's definition, with the loader's `max_entries`
+/// overrides applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapSpec {
+    pub name: String,
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+    pub flags: u32,
+}
+
+impl MapSpec {
+    /// The spec of the map `info` describes (a pinned one).
+    pub fn of(name: &str, info: &MapInfo) -> Self {
+        let map_type = info.map_type().map_or(u32::MAX, |t| t as u32);
+        Self {
+            name: name.to_string(),
+            map_type,
+            key_size: info.key_size(),
+            value_size: info.value_size(),
+            max_entries: info.max_entries(),
+            flags: info.map_flags(),
+        }
+    }
+
+    /// This spec as one of `calix_common::LAYOUTS`' rows says it (the agent recreates an
+    /// older layout's maps from them in the upgrade tests).
+    pub fn from_layout(m: &calix_common::MapLayout) -> Self {
+        Self {
+            name: m.name.to_string(),
+            map_type: m.map_type,
+            key_size: m.key_size,
+            value_size: m.value_size,
+            max_entries: m.max_entries,
+            flags: m.flags,
+        }
+    }
+
+    /// Creates a map of this spec and pins it at `path`.
+    pub fn create_pinned(&self, path: &Path) -> Result<MapData, MapError> {
+        let def = aya_obj::maps::bpf_map_def {
+            map_type: self.map_type,
+            key_size: self.key_size,
+            value_size: self.value_size,
+            max_entries: self.max_entries,
+            map_flags: self.flags,
+            id: 0,
+            pinning: PinningType::None,
+        };
+        let obj = aya_obj::Map::Legacy(aya_obj::maps::LegacyMap {
+            def,
+            section_index: 0,
+            section_kind: aya_obj::EbpfSectionKind::Maps,
+            symbol_index: None,
+            data: Vec::new(),
+        });
+        let data = MapData::create(obj, &self.name, None)?;
+        data.pin(path).map_err(|error| MapError::PinError {
+            name: Some(self.name.clone()),
+            error,
+        })?;
+        Ok(data)
+    }
+
+    /// What differs from `want`, in words (empty: the map matches).
+    pub fn differences(&self, want: &MapSpec) -> Vec<String> {
+        let mut d = Vec::new();
+        if self.map_type != want.map_type {
+            d.push(format!(
+                "type {} (want {})",
+                type_name(self.map_type),
+                type_name(want.map_type)
+            ));
+        }
+        let mut num = |what: &str, have: u32, want: u32| {
+            if have != want {
+                d.push(format!("{what} {have} (want {want})"));
+            }
+        };
+        num("key size", self.key_size, want.key_size);
+        num("value size", self.value_size, want.value_size);
+        num("max_entries", self.max_entries, want.max_entries);
+        num("flags", self.flags, want.flags);
+        d
+    }
+}
+
+fn type_name(t: u32) -> String {
+    match t {
+        BPF_MAP_TYPE_HASH => "hash".into(),
+        BPF_MAP_TYPE_ARRAY => "array".into(),
+        BPF_MAP_TYPE_PERCPU_HASH => "percpu_hash".into(),
+        BPF_MAP_TYPE_LRU_HASH => "lru_hash".into(),
+        BPF_MAP_TYPE_LPM_TRIE => "lpm_trie".into(),
+        other => format!("#{other}"),
+    }
+}
+
+/// The specs of every map `object` pins, with `max_entries` overridden as the loader will.
+pub fn object_specs(object: &[u8], sizes: &[(&str, u32)]) -> Result<Vec<MapSpec>, DataplaneError> {
+    let obj = aya_obj::Object::parse(object)
+        .map_err(|e| DataplaneError::Load(Box::new(aya::EbpfError::ParseError(e))))?;
+    let mut specs: Vec<MapSpec> = obj
+        .maps
+        .iter()
+        .filter(|(_, m)| m.pinning() == PinningType::ByName)
+        .map(|(name, m)| MapSpec {
+            name: name.clone(),
+            map_type: m.map_type(),
+            key_size: m.key_size(),
+            value_size: m.value_size(),
+            max_entries: sizes
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(m.max_entries(), |(_, s)| *s),
+            flags: m.map_flags(),
+        })
+        .collect();
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(specs)
+}
+
+// ---- The layouts entries are carried from ----
+
+/// `CtEntry` as layout 1's first builds had it (16 bytes, no route cache).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CtEntryV1Early {
+    pub last_seen_ns: u64,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub flags: u16,
+}
+
+/// `CtEntry` as layout 1 published it (40 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CtEntryV1 {
+    pub last_seen_ns: u64,
+    pub addr: [u8; 4],
+    pub port: u16,
+    pub flags: u16,
+    pub route_ns: u64,
+    pub route_ifindex: u32,
+    pub route_macs: [u8; 12],
+}
+
+// SAFETY: plain old data, `#[repr(C)]`, no padding, every bit pattern valid.
+unsafe impl Pod for CtEntryV1Early {}
+// SAFETY: as above.
+unsafe impl Pod for CtEntryV1 {}
+
+impl From<CtEntryV1Early> for CtEntry {
+    fn from(e: CtEntryV1Early) -> Self {
+        CtEntry {
+            last_seen_ns: e.last_seen_ns,
+            addr: e.addr,
+            port: e.port,
+            flags: e.flags,
+            ..CtEntry::default()
+        }
+    }
+}
+
+impl From<CtEntryV1> for CtEntry {
+    fn from(e: CtEntryV1) -> Self {
+        CtEntry {
+            last_seen_ns: e.last_seen_ns,
+            addr: e.addr,
+            port: e.port,
+            flags: e.flags,
+            route_ns: e.route_ns,
+            route_ifindex: e.route_ifindex,
+            route_macs: e.route_macs,
+            ..CtEntry::default()
+        }
+    }
+}
+
+/// Layout 1's flags have no `CT_F_ACK`, which this layout's timeouts read as "the pod
+/// completed the handshake": an answered TCP flow gets it, so an idle established
+/// connection keeps its established timeout.
+fn mark_answered(entries: &mut [(CtKey, CtEntry)]) {
+    let answered: std::collections::HashSet<CtKey> = entries
+        .iter()
+        .filter(|(k, r)| {
+            k.dir == CT_DIR_REPLY && k.proto == IPPROTO_TCP && r.flags & CT_F_SEEN != 0
+        })
+        .map(|(k, r)| CtKey {
+            src: r.addr,
+            dst: k.src,
+            sport: r.port,
+            dport: k.sport,
+            proto: k.proto,
+            dir: CT_DIR_OUT,
+            _pad: [0; 2],
+        })
+        .collect();
+    for (k, o) in entries.iter_mut() {
+        if k.dir == CT_DIR_OUT && answered.contains(k) {
+            o.flags |= CT_F_ACK;
+        }
+    }
+}
+
+/// Entries read from a pinned map, in this build's layout.
+enum Entries {
+    Conntrack(Vec<(CtKey, CtEntry)>),
+    StackFlows(Vec<(FlowKey, StackFlow)>),
+    Marks(Vec<(u32, u32)>),
+}
+
+impl Entries {
+    fn len(&self) -> usize {
+        match self {
+            Entries::Conntrack(v) => v.len(),
+            Entries::StackFlows(v) => v.len(),
+            Entries::Marks(v) => v.len(),
+        }
+    }
+}
+
+fn read<K: Pod, V: Pod>(data: MapData, lru: bool) -> Result<Vec<(K, V)>, MapError> {
+    let map = if lru {
+        Map::LruHashMap(data)
+    } else {
+        Map::HashMap(data)
+    };
+    let map: HashMap<MapData, K, V> = HashMap::try_from(map)?;
+    Ok(map.iter().filter_map(Result::ok).collect())
+}
+
+/// Whether entries of map `name` with layout `have` can be carried into this build's.
+fn convertible(name: &str, have: &MapSpec) -> bool {
+    let hash = matches!(have.map_type, BPF_MAP_TYPE_HASH | BPF_MAP_TYPE_LRU_HASH);
+    hash && matches!(
+        (name, have.key_size, have.value_size),
+        (CT_MAP, 16, 16 | 40 | 64) | (STACK_FLOWS_MAP, 40, 8 | 16) | (STACK_EPS_MAP, 4, 4)
+    )
+}
+
+/// Reads the entries of map `name` (layout `have`) in this build's layout.
+fn read_converted(name: &str, have: &MapSpec, data: MapData) -> Result<Entries, MapError> {
+    let lru = have.map_type == BPF_MAP_TYPE_LRU_HASH;
+    Ok(match (name, have.value_size) {
+        (CT_MAP, 16) => {
+            let mut v: Vec<(CtKey, CtEntry)> = read::<CtKey, CtEntryV1Early>(data, lru)?
+                .into_iter()
+                .map(|(k, e)| (k, e.into()))
+                .collect();
+            mark_answered(&mut v);
+            Entries::Conntrack(v)
+        }
+        (CT_MAP, 40) => {
+            let mut v: Vec<(CtKey, CtEntry)> = read::<CtKey, CtEntryV1>(data, lru)?
+                .into_iter()
+                .map(|(k, e)| (k, e.into()))
+                .collect();
+            mark_answered(&mut v);
+            Entries::Conntrack(v)
+        }
+        (CT_MAP, _) => Entries::Conntrack(read(data, lru)?),
+        (STACK_FLOWS_MAP, 8) => {
+            // Layout 1 kept no time: the flows count as seen now.
+            let now = monotonic_ns();
+            let v = read::<FlowKey, u64>(data, lru)?
+                .into_iter()
+                .map(|(k, _)| {
+                    let f = StackFlow {
+                        last_seen_ns: now,
+                        ..StackFlow::default()
+                    };
+                    (k, f)
+                })
+                .collect();
+            Entries::StackFlows(v)
+        }
+        (STACK_FLOWS_MAP, _) => Entries::StackFlows(read(data, lru)?),
+        _ => Entries::Marks(read(data, lru)?),
+    })
+}
+
+/// Inserts `entries` into the map pinned at `pin` where their keys are missing
+/// (`BPF_NOEXIST`: what the new programs wrote wins). (inserted, did not fit).
+fn write<K: Pod, V: Pod>(pin: &Path, entries: &[(K, V)]) -> Result<(usize, usize), MapError> {
+    let data = MapData::from_pin(pin)?;
+    let mut map: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(data))?;
+    let (mut inserted, mut failed) = (0, 0);
+    for (k, v) in entries {
+        match map.insert(k, v, 1 /* BPF_NOEXIST */) {
+            Ok(()) => inserted += 1,
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(_) => failed += 1,
+        }
+    }
+    Ok((inserted, failed))
+}
+
+fn write_entries(pin: &Path, entries: &Entries) -> Result<(usize, usize), MapError> {
+    match entries {
+        Entries::Conntrack(v) => write(pin, v),
+        Entries::StackFlows(v) => write(pin, v),
+        Entries::Marks(v) => write(pin, v),
+    }
+}
+
+/// One map whose entries are carried into a new map.
+struct Carry {
+    name: String,
+    /// Where the entries came from (for the log and the catch-up).
+    from: PathBuf,
+    have: MapSpec,
+    /// The source map, kept open: the old programs may still write it until they are
+    /// replaced.
+    source: MapData,
+    entries: Entries,
+}
+
+/// What [`prepare`] found and did; [`Carried::restore`] finishes it after the load.
+pub struct Carried {
+    pin_dir: PathBuf,
+    carries: Vec<Carry>,
+    /// Maps recreated empty: (name, what differed).
+    pub recreated: Vec<(String, Vec<String>)>,
+}
+
+impl Carried {
+    /// Maps whose entries are carried: (name, entries, where from).
+    pub fn carrying(&self) -> Vec<(String, usize, PathBuf)> {
+        self.carries
+            .iter()
+            .map(|c| (c.name.clone(), c.entries.len(), c.from.clone()))
+            .collect()
+    }
+
+    /// After the object loaded (the new maps exist, pinned): inserts the carried entries.
+    pub fn restore(&mut self) {
+        for c in &self.carries {
+            let pin = self.pin_dir.join(&c.name);
+            match write_entries(&pin, &c.entries) {
+                Ok((inserted, failed)) if failed > 0 => tracing::warn!(map = %c.name,
+                    from = %c.from.display(), inserted, failed,
+                    "entries carried into the new map; some did not fit (the new map is smaller)"),
+                Ok((inserted, _)) => tracing::info!(map = %c.name, from = %c.from.display(),
+                    inserted, "entries carried into the new map"),
+                Err(e) => tracing::error!(map = %c.name, error = %super::error_chain(&e),
+                    "cannot carry entries into the new map; it starts empty"),
+            }
+        }
+    }
+
+    /// Once every interface runs the new programs: copies what the old ones added to the
+    /// old maps since [`prepare`] read them (keys the new map lacks only), then lets go of
+    /// the old maps.
+    pub fn catch_up(self) {
+        for c in self.carries {
+            let pin = self.pin_dir.join(&c.name);
+            let added =
+                read_converted(&c.name, &c.have, c.source).and_then(|e| write_entries(&pin, &e));
+            match added {
+                Ok((0, _)) => {}
+                Ok((inserted, _)) => tracing::info!(map = %c.name, inserted,
+                    "entries the old programs added meanwhile carried over"),
+                Err(e) => tracing::warn!(map = %c.name, error = %super::error_chain(&e),
+                    "cannot catch up with the old map"),
+            }
+        }
+    }
+}
+
+/// The pin of map `name` in the newest older layout directory of `node_dir` that has one.
+fn older_pin(node_dir: &Path, name: &str) -> Option<PathBuf> {
+    let mut versions: Vec<u32> = std::fs::read_dir(node_dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix('v')?.parse().ok())
+        .filter(|v| *v < LAYOUT_VERSION)
+        .collect();
+    versions.sort_unstable();
+    versions
+        .into_iter()
+        .rev()
+        .map(|v| node_dir.join(format!("v{v}")).join(name))
+        .find(|p| p.exists())
+}
+
+fn pin_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(MapError) -> DataplaneError + 'a {
+    move |e| DataplaneError::Pin {
+        path: path.to_path_buf(),
+        op,
+        source: std::io::Error::other(super::error_chain(&e)),
+    }
+}
+
+/// Before the object loads: checks each map of `specs` pinned in `pin_dir` (this layout's
+/// directory under `node_dir`). A match stays; a mismatch is unpinned (the loader creates
+/// the map anew), its entries read for [`Carried::restore`] where they convert. A map not
+/// pinned here is carried from an older layout directory where one has it.
+pub fn prepare(
+    pin_dir: &Path,
+    node_dir: &Path,
+    specs: &[MapSpec],
+) -> Result<Carried, DataplaneError> {
+    let mut carried = Carried {
+        pin_dir: pin_dir.to_path_buf(),
+        carries: Vec::new(),
+        recreated: Vec::new(),
+    };
+    for want in specs {
+        let here = pin_dir.join(&want.name);
+        let (from, older) = if here.exists() {
+            (here.clone(), false)
+        } else {
+            match older_pin(node_dir, &want.name) {
+                Some(p) => (p, true),
+                None => continue,
+            }
+        };
+        let info = MapInfo::from_pin(&from).map_err(pin_err(&from, "read pinned map info"))?;
+        let have = MapSpec::of(&want.name, &info);
+        let diffs = have.differences(want);
+        if !older && diffs.is_empty() {
+            continue;
+        }
+        if convertible(&want.name, &have) {
+            let data = MapData::from_pin(&from).map_err(pin_err(&from, "open pinned map"))?;
+            let entries = read_converted(&want.name, &have, data)
+                .map_err(pin_err(&from, "read pinned map"))?;
+            let source = MapData::from_pin(&from).map_err(pin_err(&from, "open pinned map"))?;
+            if older {
+                tracing::info!(map = %want.name, from = %from.display(), entries = entries.len(),
+                    differences = ?diffs, "an older layout's map: carrying its entries into this layout's");
+            } else {
+                tracing::warn!(map = %want.name, from = %from.display(), entries = entries.len(),
+                    differences = ?diffs, "pinned map does not match this build: carrying its entries into a new one");
+            }
+            carried.carries.push(Carry {
+                name: want.name.clone(),
+                from: from.clone(),
+                have,
+                source,
+                entries,
+            });
+        } else if older {
+            // The agent repopulates what it owns; nothing to say per map.
+            continue;
+        } else {
+            tracing::warn!(map = %want.name, pin = %from.display(), differences = ?diffs,
+                "pinned map does not match this build and its entries cannot be converted: recreating it empty");
+            carried.recreated.push((want.name.clone(), diffs));
+        }
+        if !older {
+            std::fs::remove_file(&here).map_err(|source| DataplaneError::Pin {
+                path: here.clone(),
+                op: "remove a mismatched pin",
+                source,
+            })?;
+        }
+    }
+    Ok(carried)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use calix_common::{layout, CT_F_RST};
+
+    /// The built object's maps are exactly this layout's rows in `calix_common::LAYOUTS`:
+    /// changing a map (type, sizes, `max_entries`, flags) without a new `LAYOUT_VERSION` fails
+    /// here.
+    #[test]
+    fn the_object_matches_its_layout_version() {
+        let specs = object_specs(super::super::ebpf::OBJECT, &[]).expect("parse the object");
+        let current = layout(LAYOUT_VERSION).expect("this layout's row");
+        let names: Vec<&str> = specs.iter().map(|s| s.name.as_str()).collect();
+        let mut rows: Vec<&str> = current.maps.iter().map(|m| m.name).collect();
+        rows.sort_unstable();
+        assert_eq!(
+            names, rows,
+            "the object pins exactly the maps of layout {LAYOUT_VERSION}"
+        );
+        for s in &specs {
+            let want = MapSpec::from_layout(current.map(&s.name).expect("a row"));
+            assert!(
+                s.differences(&want).is_empty(),
+                "{}: {:?}; bump LAYOUT_VERSION and add a row to LAYOUTS",
+                s.name,
+                s.differences(&want)
+            );
+        }
+    }
+
+    #[test]
+    fn legacy_entries_have_layout_1s_sizes() {
+        let v1 = layout(1).expect("layout 1");
+        let ct = v1.map(CT_MAP).expect("CT in layout 1");
+        assert_eq!(std::mem::size_of::<CtEntryV1>() as u32, ct.value_size);
+        assert_eq!(std::mem::size_of::<CtEntryV1Early>(), 16);
+        for m in v1.maps {
+            let have = MapSpec::from_layout(m);
+            let carried = [CT_MAP, STACK_FLOWS_MAP, STACK_EPS_MAP].contains(&m.name);
+            assert_eq!(convertible(m.name, &have), carried, "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn differences_name_what_differs() {
+        let a = MapSpec {
+            name: "M".into(),
+            map_type: BPF_MAP_TYPE_LRU_HASH,
+            key_size: 16,
+            value_size: 40,
+            max_entries: 100,
+            flags: 0,
+        };
+        let b = MapSpec {
+            map_type: BPF_MAP_TYPE_HASH,
+            value_size: 56,
+            flags: 1,
+            ..a.clone()
+        };
+        assert_eq!(
+            a.differences(&b),
+            [
+                "type lru_hash (want hash)",
+                "value size 40 (want 56)",
+                "flags 0 (want 1)"
+            ]
+        );
+        assert!(a.differences(&a).is_empty());
+    }
+
+    /// Layout 1's answered TCP flows get `CT_F_ACK` on their original entry.
+    #[test]
+    fn carried_tcp_flows_keep_their_state() {
+        let out = CtKey {
+            src: [10, 0, 0, 1],
+            dst: [192, 0, 2, 9],
+            sport: 5000u16.to_be(),
+            dport: 80u16.to_be(),
+            proto: IPPROTO_TCP,
+            dir: CT_DIR_OUT,
+            _pad: [0; 2],
+        };
+        let reply = CtKey {
+            src: out.dst,
+            dst: [192, 0, 2, 1],
+            sport: out.dport,
+            dport: 20001u16.to_be(),
+            proto: IPPROTO_TCP,
+            dir: CT_DIR_REPLY,
+            _pad: [0; 2],
+        };
+        let mut v: Vec<(CtKey, CtEntry)> = vec![
+            (
+                out,
+                CtEntryV1 {
+                    last_seen_ns: 7,
+                    addr: reply.dst,
+                    port: reply.dport,
+                    flags: CT_F_SEEN,
+                    route_ifindex: 3,
+                    ..CtEntryV1::default()
+                }
+                .into(),
+            ),
+            (
+                reply,
+                CtEntryV1Early {
+                    last_seen_ns: 8,
+                    addr: out.src,
+                    port: out.sport,
+                    flags: CT_F_SEEN | CT_F_RST,
+                }
+                .into(),
+            ),
+        ];
+        mark_answered(&mut v);
+        assert_eq!(v[0].1.flags, CT_F_SEEN | CT_F_ACK);
+        assert_eq!(
+            (v[0].1.route_ifindex, v[0].1.owner, v[0].1.seq_end),
+            (3, 0, 0)
+        );
+        assert_eq!(v[1].1.flags, CT_F_SEEN | CT_F_RST);
+        assert_eq!(v[1].1.last_seen_ns, 8);
+    }
+}
