@@ -5,12 +5,14 @@
 //! - [`netns`]: network namespaces (a thread per namespace, sockets opened inside) and sysctls;
 //! - [`pod`]: what a pod's wiring is (the host veth's MAC, the gateways, the routes and link
 //!   settings of both sides), done by the plugin in ADD and kept true by the agent;
+//! - [`host`]: the narrow trait the agent's reconcilers use, over netlink or in memory;
 //! - [`mac`]: MAC addresses as text;
 //! - [`bpffs`]: mounting the BPF filesystem.
 //!
 //! This crate builds with cargo alone (no eBPF toolchain), so xtask can use it before
 //! `cargo xtask setup` has run.
 pub mod bpffs;
+pub mod host;
 pub mod mac;
 pub mod netlink;
 pub mod netns;

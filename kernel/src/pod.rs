@@ -398,14 +398,150 @@ pub async fn delete_source_rules(pod: &Handle, addrs: &[IpAddr]) -> Result<usize
     Ok(removed)
 }
 
-/// Configures the host side; `host` must act on the calling thread's namespace, because the
-/// sysctls are written through that thread's /proc/sys/net.
+/// How a host-side setting is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Write {
+    /// Every time (cheap).
+    Always,
+    /// Only when it differs: writing it costs the RTNL lock (forwarding, rp_filter,
+    /// disable_ipv6), which concurrent ADDs wait for.
+    IfChanged,
+}
+
+/// One setting of a pod's host-side veth: a sysctl and the value calix wants there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostSetting {
+    /// Under `/proc/sys/net/`, e.g. `ipv4/conf/cali0123456789a/proxy_arp`.
+    pub path: String,
+    pub value: &'static str,
+    pub write: Write,
+    /// Absent when the kernel lacks the feature (IPv6 disabled): skipped then.
+    pub optional: bool,
+}
+
+impl HostSetting {
+    /// Its file, `/proc/sys/net/<path>`.
+    pub fn file(&self) -> String {
+        format!("/proc/sys/net/{}", self.path)
+    }
+}
+
+/// The sysctls of a pod's host veth `ifname`, in the order they are written. The contract the
+/// plugin applies in ADD ([`configure_host`]) and the agent keeps true.
 ///
-/// - v4: `conf/<if>/proxy_arp=1`, `neigh/<if>/proxy_delay=0`, `conf/<if>/forwarding=1`,
-///   `conf/<if>/rp_filter=1`;
-/// - v6: `conf/<if>/proxy_ndp=1`, `accept_ra=0`, `forwarding=1`;
-/// - link up;
-/// - `<v4>/32 dev <if> scope link proto 202`, `<v6>/128 dev <if> proto 202`.
+/// - both: `ipv6/conf/<if>/disable_ipv6` = 1 for an IPv4-only pod (else every host veth gets
+///   the same link-local address, `ee:ee:…` being every host veth's MAC, and a /128 local
+///   route for nothing), 0 with IPv6; skipped when the kernel has no IPv6;
+/// - v4: `proxy_arp=1`, `neigh/<if>/proxy_delay=0`, `forwarding=1`, and strict reverse-path
+///   filtering `rp_filter=1`: the pod's packets must come from an address whose route leads
+///   back out of this veth (kernel mode's IPv4 anti-spoofing besides the agent's nftables
+///   table, which also covers `all=2` overruling this; in eBPF mode `from_pod` checks first);
+/// - v6: `proxy_ndp=1`, `accept_ra=0`, `accept_dad=0` (the host side's link-local address is
+///   the pod's gateway: usable at once), `forwarding=1`.
+pub fn host_settings(ifname: &str, v4: bool, v6: bool) -> Vec<HostSetting> {
+    let s = |path: String, value, write| HostSetting {
+        path,
+        value,
+        write,
+        optional: false,
+    };
+    let mut out = vec![HostSetting {
+        path: format!("ipv6/conf/{ifname}/disable_ipv6"),
+        value: if v6 { "0" } else { "1" },
+        write: Write::IfChanged,
+        optional: true,
+    }];
+    if v4 {
+        out.push(s(
+            format!("ipv4/conf/{ifname}/proxy_arp"),
+            "1",
+            Write::Always,
+        ));
+        out.push(s(
+            format!("ipv4/neigh/{ifname}/proxy_delay"),
+            "0",
+            Write::Always,
+        ));
+        out.push(s(
+            format!("ipv4/conf/{ifname}/forwarding"),
+            "1",
+            Write::IfChanged,
+        ));
+        out.push(s(
+            format!("ipv4/conf/{ifname}/rp_filter"),
+            "1",
+            Write::IfChanged,
+        ));
+    }
+    if v6 {
+        out.push(s(
+            format!("ipv6/conf/{ifname}/proxy_ndp"),
+            "1",
+            Write::Always,
+        ));
+        out.push(s(
+            format!("ipv6/conf/{ifname}/accept_ra"),
+            "0",
+            Write::Always,
+        ));
+        out.push(s(
+            format!("ipv6/conf/{ifname}/accept_dad"),
+            "0",
+            Write::Always,
+        ));
+        out.push(s(
+            format!("ipv6/conf/{ifname}/forwarding"),
+            "1",
+            Write::IfChanged,
+        ));
+    }
+    out
+}
+
+/// A host route to a pod address: `<addr>/32 dev <veth> scope link proto 202` (IPv6:
+/// `<addr>/128 dev <veth> proto 202`), in the main table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct HostRoute {
+    pub dst: IpNet,
+    /// The host veth's ifindex.
+    pub oif: u32,
+}
+
+impl HostRoute {
+    /// The routes of a pod with `v4` / `v6` behind the host veth `oif`.
+    pub fn of_pod(oif: u32, v4: Option<Ipv4Addr>, v6: Option<Ipv6Addr>) -> Vec<HostRoute> {
+        let v4 = v4.map(|a| HostRoute {
+            dst: IpNet::V4(Ipv4Net::from(a)),
+            oif,
+        });
+        let v6 = v6.map(|a| HostRoute {
+            dst: IpNet::V6(Ipv6Net::from(a)),
+            oif,
+        });
+        v4.into_iter().chain(v6).collect()
+    }
+
+    /// The netlink message that adds (or deletes) exactly this route.
+    pub fn message(&self) -> RouteMessage {
+        match self.dst {
+            IpNet::V4(n) => RouteMessageBuilder::<Ipv4Addr>::new()
+                .destination_prefix(n.addr(), n.prefix_len())
+                .output_interface(self.oif)
+                .scope(RouteScope::Link)
+                .protocol(RouteProtocol::from(ROUTE_PROTO))
+                .build(),
+            IpNet::V6(n) => RouteMessageBuilder::<Ipv6Addr>::new()
+                .destination_prefix(n.addr(), n.prefix_len())
+                .output_interface(self.oif)
+                .protocol(RouteProtocol::from(ROUTE_PROTO))
+                .build(),
+        }
+    }
+}
+
+/// Configures the host side; `host` must act on the calling thread's namespace, because the
+/// sysctls are written through that thread's /proc/sys/net: [`host_settings`], link up, then
+/// the [`HostRoute`]s.
 ///
 /// A route for the same prefix (same table and metric) that is already there is
 /// [`NetlinkError::RouteExists`] and is left untouched.
@@ -417,74 +553,19 @@ pub async fn configure_host(
     v6: Option<Ipv6Addr>,
 ) -> Result<(), NetlinkError> {
     validate_ifname(host_ifname)?;
-    // An IPv4-only pod needs no IPv6 on its host veth. Without this every host veth gets the
-    // same link-local address (they all share the MAC ee:ee:ee:ee:ee:ee): N identical
-    // fe80::ecee:eeff:feee:eeee addresses and /128 local routes for nothing. Set both ways, so
-    // configuring a veth again for IPv6 works. Skipped when the kernel has no IPv6.
-    let knob = format!("/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6");
-    if std::path::Path::new(&knob).exists() {
-        netns::write_sysctl_if_changed(knob, if v6.is_none() { "1" } else { "0" })?;
+    for setting in host_settings(host_ifname, v4.is_some(), v6.is_some()) {
+        let file = setting.file();
+        if setting.optional && !std::path::Path::new(&file).exists() {
+            continue;
+        }
+        match setting.write {
+            Write::Always => netns::write_sysctl(file, setting.value)?,
+            Write::IfChanged => netns::write_sysctl_if_changed(file, setting.value)?,
+        }
     }
-    if v4.is_some() {
-        netns::write_sysctl(
-            format!("/proc/sys/net/ipv4/conf/{host_ifname}/proxy_arp"),
-            "1",
-        )?;
-        netns::write_sysctl(
-            format!("/proc/sys/net/ipv4/neigh/{host_ifname}/proxy_delay"),
-            "0",
-        )?;
-        netns::write_sysctl_if_changed(
-            format!("/proc/sys/net/ipv4/conf/{host_ifname}/forwarding"),
-            "1",
-        )?;
-        // Strict reverse-path filtering: the pod's packets must come from an address whose
-        // route leads back out of this veth (its own). The kernel mode's only IPv4
-        // anti-spoofing besides the agent's nftables table (which also covers `all=2`, loose,
-        // overruling this); in eBPF mode `from_pod` has checked before the stack sees them.
-        netns::write_sysctl_if_changed(
-            format!("/proc/sys/net/ipv4/conf/{host_ifname}/rp_filter"),
-            "1",
-        )?;
-    }
-    if v6.is_some() {
-        netns::write_sysctl(
-            format!("/proc/sys/net/ipv6/conf/{host_ifname}/proxy_ndp"),
-            "1",
-        )?;
-        netns::write_sysctl(
-            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_ra"),
-            "0",
-        )?;
-        // The host side's link-local address is the pod's IPv6 gateway: usable at once.
-        netns::write_sysctl(
-            format!("/proc/sys/net/ipv6/conf/{host_ifname}/accept_dad"),
-            "0",
-        )?;
-        netns::write_sysctl_if_changed(
-            format!("/proc/sys/net/ipv6/conf/{host_ifname}/forwarding"),
-            "1",
-        )?;
-    }
-
     set_link_up(host, host_ifindex).await?;
-
-    if let Some(ip) = v4 {
-        let route = RouteMessageBuilder::<Ipv4Addr>::new()
-            .destination_prefix(ip, 32)
-            .output_interface(host_ifindex)
-            .scope(RouteScope::Link)
-            .protocol(RouteProtocol::from(ROUTE_PROTO))
-            .build();
-        add_host_route(host, route, IpNet::V4(Ipv4Net::from(ip)), host_ifname).await?;
-    }
-    if let Some(ip) = v6 {
-        let route = RouteMessageBuilder::<Ipv6Addr>::new()
-            .destination_prefix(ip, 128)
-            .output_interface(host_ifindex)
-            .protocol(RouteProtocol::from(ROUTE_PROTO))
-            .build();
-        add_host_route(host, route, IpNet::V6(Ipv6Net::from(ip)), host_ifname).await?;
+    for route in HostRoute::of_pod(host_ifindex, v4, v6) {
+        add_host_route(host, route.message(), route.dst, host_ifname).await?;
     }
     Ok(())
 }
@@ -547,6 +628,27 @@ async fn add_permanent_neighbour(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn host_settings_follow_the_families() {
+        let names = |v4, v6| -> Vec<(String, &str)> {
+            host_settings("cali1", v4, v6)
+                .into_iter()
+                .map(|s| (s.path, s.value))
+                .collect()
+        };
+        let v4 = names(true, false);
+        assert!(v4.contains(&("ipv6/conf/cali1/disable_ipv6".into(), "1")));
+        assert!(v4.contains(&("ipv4/conf/cali1/proxy_arp".into(), "1")));
+        assert!(v4.contains(&("ipv4/conf/cali1/rp_filter".into(), "1")));
+        assert!(!v4.iter().any(|(p, _)| p.contains("proxy_ndp")));
+        let v6 = names(false, true);
+        assert!(v6.contains(&("ipv6/conf/cali1/disable_ipv6".into(), "0")));
+        assert!(v6.contains(&("ipv6/conf/cali1/proxy_ndp".into(), "1")));
+        assert!(!v6.iter().any(|(p, _)| p.starts_with("ipv4/")));
+        let route = HostRoute::of_pod(7, Some(Ipv4Addr::new(10, 0, 0, 1)), None);
+        assert_eq!(route[0].dst.to_string(), "10.0.0.1/32");
+    }
 
     #[test]
     fn gateway_v6_is_the_eui64_link_local_of_the_host_mac() {

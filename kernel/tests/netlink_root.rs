@@ -613,3 +613,59 @@ fn threads_enter_and_leave_namespaces() {
         other => panic!("expected NotFound, got {other:?}"),
     }
 }
+
+/// The reconcilers' view of the kernel, for real: a link, calix's routes (and only calix's),
+/// sysctls, tc filters, and exactly one write per change.
+#[test]
+fn the_host_kernel_reads_and_repairs_for_real() {
+    use calix_kernel::host::{HostKernel, NetlinkHost};
+    use calix_kernel::pod::HostRoute;
+    require_root();
+    let node = TestNs::new("node");
+    let ns = node.fd();
+    netns::run_in(&ns, || {
+        let run = |args: &[&str]| {
+            assert!(Command::new("ip")
+                .args(args)
+                .status()
+                .expect("ip")
+                .success());
+        };
+        run(&[
+            "link", "add", "calixt0", "type", "veth", "peer", "name", "calixt0p",
+        ]);
+        let mut k = NetlinkHost::new().expect("netlink");
+        let link = k.link("calixt0").expect("link").expect("exists");
+        assert!(!link.up);
+        assert_eq!(k.link("nope0").expect("link"), None);
+        k.set_up(link.index).expect("up");
+        assert!(k.link("calixt0").expect("link").expect("exists").up);
+        // A route that is not calix's (static): never reported.
+        run(&[
+            "route",
+            "add",
+            "10.9.0.2/32",
+            "dev",
+            "calixt0",
+            "proto",
+            "static",
+        ]);
+
+        assert_eq!(k.routes().expect("routes"), vec![]);
+        let r4 = HostRoute::of_pod(link.index, Some(Ipv4Addr::new(10, 9, 0, 1)), None);
+        k.add_route(&r4[0]).expect("add v4");
+        assert_eq!(k.routes().expect("routes"), r4);
+        k.delete_route(&r4[0]).expect("delete");
+        k.delete_route(&r4[0]).expect("delete again: gone is fine");
+        assert_eq!(k.routes().expect("routes"), vec![]);
+
+        let path = "ipv4/conf/calixt0/proxy_arp";
+        assert_eq!(k.sysctl(path).expect("read").as_deref(), Some("0"));
+        k.set_sysctl(path, "1").expect("write");
+        assert_eq!(k.sysctl(path).expect("read").as_deref(), Some("1"));
+        assert_eq!(k.sysctl("ipv4/conf/nope0/proxy_arp").expect("read"), None);
+
+        assert_eq!(k.bpf_filters(link.index).expect("no clsact: none"), vec![]);
+    })
+    .expect("in the node namespace");
+}
