@@ -10,3 +10,4 @@ pub mod ipam;
 pub mod metrics;
 pub mod model;
 pub mod paths;
+pub mod reconcile;

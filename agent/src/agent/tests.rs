@@ -22,6 +22,13 @@ impl Dataplane for NoDataplane {
     fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
         Ok(())
     }
+    fn verify(
+        &self,
+        _ep: &EndpointSpec,
+        _kernel: &mut dyn calix_kernel::host::HostKernel,
+    ) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }

@@ -30,8 +30,10 @@ use super::nat::{NatMaps, NatSettings};
 use super::pins;
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
-    endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec,
+    endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
+    EndpointSpec,
 };
+use calix_kernel::host::HostKernel;
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
@@ -161,6 +163,8 @@ pub struct EbpfDataplane {
     /// Entries carried from mismatched or older pinned maps: the old programs may add more
     /// until every interface runs the new ones ([`Dataplane::reconcile`] catches up).
     carried: Option<pins::Carried>,
+    /// The ids of the loaded `from_pod` and `to_pod`: what every endpoint's filters must run.
+    endpoint_prog_ids: (u32, u32),
 }
 
 fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
@@ -296,6 +300,16 @@ impl EbpfDataplane {
                 source: std::io::Error::other(e.to_string()),
             })?;
         }
+        let prog_id = |bpf: &mut Ebpf, name: &'static str| -> Result<u32, DataplaneError> {
+            Ok(program(bpf, name)?
+                .info()
+                .map_err(prog_err(name, "read info"))?
+                .id())
+        };
+        let endpoint_prog_ids = (
+            prog_id(&mut bpf, PROG_FROM_POD)?,
+            prog_id(&mut bpf, PROG_TO_POD)?,
+        );
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
             endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
@@ -317,6 +331,7 @@ impl EbpfDataplane {
             xdp: None,
             nat: None,
             carried: Some(carried),
+            endpoint_prog_ids,
         };
         let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
         if let Some(n) = &dp.cfg.nat {
@@ -505,15 +520,8 @@ impl EbpfDataplane {
         }
     }
 
-    fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
-        // Keep counters across an agent restart: only create a missing entry.
-        if !self.counter_keys.contains(&idx) {
-            let zero = Self::zero_counters()?;
-            self.counters
-                .insert(idx, zero, 0)
-                .map_err(map_err(COUNTERS_MAP, "insert"))?;
-            self.counter_keys.insert(idx);
-        }
+    /// The endpoint map's value for `ep`.
+    fn endpoint_info(&self, ep: &EndpointSpec) -> EndpointInfo {
         let mut info = EndpointInfo::default();
         if let Some(v4) = ep.ipv4 {
             info.ipv4 = v4.octets();
@@ -526,6 +534,19 @@ impl EbpfDataplane {
             info.ipv6 = v6.octets();
             info.flags |= EP_HAS_V6;
         }
+        info
+    }
+
+    fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
+        // Keep counters across an agent restart: only create a missing entry.
+        if !self.counter_keys.contains(&idx) {
+            let zero = Self::zero_counters()?;
+            self.counters
+                .insert(idx, zero, 0)
+                .map_err(map_err(COUNTERS_MAP, "insert"))?;
+            self.counter_keys.insert(idx);
+        }
+        let info = self.endpoint_info(ep);
         self.endpoints
             .insert(idx, info, 0)
             .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
@@ -617,6 +638,53 @@ impl Dataplane for EbpfDataplane {
             Self::detach_filters(&p.ifname);
         }
         Ok(())
+    }
+
+    fn verify(
+        &self,
+        ep: &EndpointSpec,
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        let idx = endpoint_ifindex(ep)?;
+        let mut drift = Vec::new();
+        let filters = kernel
+            .bpf_filters(idx)
+            .map_err(|source| DataplaneError::Kernel {
+                what: format!("the tc filters of {}", ep.host_ifname),
+                source: Box::new(source),
+            })?;
+        let (from_pod, to_pod) = self.endpoint_prog_ids;
+        for (ingress, want) in [(true, from_pod), (false, to_pod)] {
+            let ours = filters.iter().find(|f| {
+                f.ingress == ingress && f.priority == TC_PRIORITY && f.handle == TC_HANDLE
+            });
+            match ours {
+                Some(f) if f.prog_id == want => {}
+                other => drift.push(Drift::Filter {
+                    ingress,
+                    found: other.map(|f| f.prog_id),
+                }),
+            }
+        }
+        if self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep)) {
+            drift.push(Drift::EndpointEntry);
+        }
+        if ep.mac.is_some() {
+            let points_here = |l: Option<LocalEndpoint>| {
+                l.is_some_and(|l| l.ifindex == idx && Some(l.mac) == ep.mac)
+            };
+            if let Some(v4) = ep.ipv4 {
+                if !points_here(self.local_v4.get(&v4.octets(), 0).ok()) {
+                    drift.push(Drift::LocalEntry(v4.into()));
+                }
+            }
+            if let Some(v6) = ep.ipv6 {
+                if !points_here(self.local_v6.get(&v6.octets(), 0).ok()) {
+                    drift.push(Drift::LocalEntry(v6.into()));
+                }
+            }
+        }
+        Ok(drift)
     }
 
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {

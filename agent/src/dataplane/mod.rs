@@ -14,6 +14,7 @@ pub mod xdp;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use calix_common::{DropCount, DropKey, EndpointCounters};
+use calix_kernel::host::HostKernel;
 use ipnet::IpNet;
 
 pub use ebpf::EbpfDataplane;
@@ -67,6 +68,14 @@ pub enum DataplaneError {
     Nftables(String),
     #[error("reading the node's addresses failed")]
     Addresses(#[source] nix::Error),
+    #[error("{0}")]
+    Driver(String),
+    #[error("reading the kernel's state of {what} failed")]
+    Kernel {
+        what: String,
+        #[source]
+        source: Box<calix_kernel::netlink::NetlinkError>,
+    },
 }
 
 /// What attaching an endpoint produced.
@@ -123,6 +132,49 @@ impl EndpointSpec {
     }
 }
 
+/// Something the kernel no longer has as [`Dataplane::attach`] left it for an endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Drift {
+    /// calix's filter on the ingress (else egress) hook is missing or runs another program
+    /// (`found`: the program there now).
+    Filter { ingress: bool, found: Option<u32> },
+    /// The endpoint's entry (addresses, flags) is missing or differs.
+    EndpointEntry,
+    /// The local-delivery entry of this address is missing or points at another endpoint.
+    LocalEntry(IpAddr),
+}
+
+impl Drift {
+    /// The repair kind it counts as (`calix_repairs_total{kind}`).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Drift::Filter { .. } => "tc_filter",
+            Drift::EndpointEntry => "endpoint_map",
+            Drift::LocalEntry(_) => "local_map",
+        }
+    }
+}
+
+impl std::fmt::Display for Drift {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Drift::Filter { ingress, found } => write!(
+                f,
+                "the {} filter {}",
+                if *ingress { "ingress" } else { "egress" },
+                found.map_or_else(
+                    || "is missing".to_string(),
+                    |id| format!("runs program {id}, not ours")
+                )
+            ),
+            Drift::EndpointEntry => write!(f, "the endpoint map entry is missing or wrong"),
+            Drift::LocalEntry(a) => {
+                write!(f, "the local-delivery entry of {a} is missing or wrong")
+            }
+        }
+    }
+}
+
 /// Read-only access to the dataplane's counters, independent of the [`Dataplane`] (and of the
 /// lock around it): listing endpoints and rendering /metrics read the maps without holding up
 /// ADDs and DELs.
@@ -145,6 +197,14 @@ pub trait Dataplane: Send {
     /// entries that point at its ifindex, filters only while its interface name still names
     /// its link (a recreated pod's veth of the same name keeps its programs). Idempotent.
     fn detach(&mut self, key: &str) -> Result<(), DataplaneError>;
+    /// What differs now from what `attach` did for `ep` (its filters and map entries, read back
+    /// from `kernel` and the maps); empty when nothing drifted. The caller repairs with
+    /// `attach`, which rewrites all of it.
+    fn verify(
+        &self,
+        ep: &EndpointSpec,
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError>;
     /// A reader of the counters that works without this object; `None` when the dataplane
     /// keeps none (kernel mode).
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError>;
@@ -205,6 +265,13 @@ impl Dataplane for KernelDataplane {
     }
     fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
         Ok(())
+    }
+    fn verify(
+        &self,
+        _ep: &EndpointSpec,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
     }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)

@@ -1,0 +1,432 @@
+//! Desired state → kernel, the Felix way: the endpoint reconciler.
+//!
+//! The registry says what each endpoint should have (its [`EndpointSpec`]); the reconciler
+//! makes the node match and keeps it matching:
+//!
+//! - on change: [`Reconciler::upsert`] programs an endpoint at once (CNI ADD waits for it),
+//!   [`Reconciler::remove`] takes it away;
+//! - periodically: [`Reconciler::resync`] compares every endpoint with the kernel — a cheap
+//!   diff of reads, with writes only for a difference — and repairs what drifted;
+//! - after a failure: an endpoint that could not be brought to its desired state stays dirty
+//!   and is retried with backoff ([`Reconciler::retry_due`]) until it is.
+//!
+//! Per endpoint it checks, in dependency order: the host veth (present, the same link, up),
+//! its settings ([`host_settings`]), its host routes ([`HostRoute`], protocol 202), then the
+//! dataplane's filters and map entries ([`Dataplane::verify`]). A veth that is gone is
+//! reported, never re-created: only the CNI plugin creates pods' interfaces. Every repair is
+//! logged with what was wrong and counted by kind (`calix_repairs_total{kind}`). It touches
+//! only what carries calix's mark: routes with calix's protocol to endpoint addresses, the
+//! settings of the veths it records, filters at calix's priority and handle, map entries.
+pub mod driver;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::{Duration, Instant};
+
+use calix_kernel::host::HostKernel;
+use calix_kernel::netlink::NetlinkError;
+use calix_kernel::pod::{host_settings, HostRoute};
+
+use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
+
+/// Why an endpoint is not in its desired state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Health {
+    /// As desired (after repairs, if any were needed).
+    Ok,
+    /// Its host veth is gone: reported, not re-created (the plugin owns pods' interfaces).
+    InterfaceMissing,
+    /// Its host veth's name belongs to another link now (a newer sandbox's).
+    Replaced { found: u32 },
+    /// The last attempt to apply it failed; it is retried with backoff.
+    Failing { error: String },
+}
+
+impl std::fmt::Display for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Health::Ok => write!(f, "ok"),
+            Health::InterfaceMissing => write!(f, "interface missing"),
+            Health::Replaced { found } => write!(f, "interface replaced (now ifindex {found})"),
+            Health::Failing { error } => write!(f, "failing: {error}"),
+        }
+    }
+}
+
+/// Where an endpoint stands.
+#[derive(Debug, Clone)]
+struct State {
+    health: Health,
+    attached: Option<Attached>,
+    /// Failed attempts in a row.
+    failures: u32,
+    /// When to try again (dirty endpoints only).
+    retry_at: Option<Instant>,
+}
+
+/// One repair: its kind (`calix_repairs_total{kind}`) and what was wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Repair {
+    pub kind: &'static str,
+    pub what: String,
+}
+
+/// What a pass did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Pass {
+    pub checked: usize,
+    pub repairs: Vec<(String, Repair)>,
+    /// Endpoints not in their desired state after the pass.
+    pub unhealthy: usize,
+}
+
+/// Backoff after failures: `first`, doubling, at most `max`.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    pub first: Duration,
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            first: Duration::from_millis(500),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Backoff {
+    fn after(&self, failures: u32) -> Duration {
+        let shift = failures.saturating_sub(1).min(16);
+        self.first
+            .checked_mul(1 << shift)
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error(transparent)]
+    Dataplane(#[from] DataplaneError),
+    #[error("{what}")]
+    Kernel {
+        what: String,
+        #[source]
+        source: Box<NetlinkError>,
+    },
+}
+
+fn kernel(what: impl Into<String>) -> impl FnOnce(NetlinkError) -> ReconcileError {
+    let what = what.into();
+    move |source| ReconcileError::Kernel {
+        what,
+        source: Box::new(source),
+    }
+}
+
+/// The endpoint reconciler over the node's kernel `K` and a dataplane.
+pub struct Reconciler<K: HostKernel> {
+    kernel: K,
+    dataplane: Box<dyn Dataplane>,
+    desired: BTreeMap<String, EndpointSpec>,
+    state: BTreeMap<String, State>,
+    repairs: BTreeMap<&'static str, u64>,
+    backoff: Backoff,
+}
+
+impl<K: HostKernel> Reconciler<K> {
+    pub fn new(kernel: K, dataplane: Box<dyn Dataplane>, backoff: Backoff) -> Self {
+        Self {
+            kernel,
+            dataplane,
+            desired: BTreeMap::new(),
+            state: BTreeMap::new(),
+            repairs: BTreeMap::new(),
+            backoff,
+        }
+    }
+
+    /// The dataplane, for what is not per endpoint (pools, the sweep, release, uninstall).
+    pub fn dataplane(&mut self) -> &mut dyn Dataplane {
+        self.dataplane.as_mut()
+    }
+
+    /// Makes `spec` desired and programs it now (CNI ADD waits for this). A failure is
+    /// returned and the endpoint is not kept: the caller (the registry) rolls back.
+    pub fn upsert(&mut self, spec: EndpointSpec) -> Result<Attached, DataplaneError> {
+        // Another endpoint on the same interface name is an older sandbox of the same pod:
+        // its interface is gone or is this one; it is no longer desired.
+        let older: Vec<String> = self
+            .desired
+            .iter()
+            .filter(|(k, s)| **k != spec.key && s.host_ifname == spec.host_ifname)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in older {
+            self.desired.remove(&k);
+            self.state.remove(&k);
+        }
+        let attached = self.dataplane.attach(&spec)?;
+        self.state.insert(
+            spec.key.clone(),
+            State {
+                health: Health::Ok,
+                attached: Some(attached),
+                failures: 0,
+                retry_at: None,
+            },
+        );
+        self.desired.insert(spec.key.clone(), spec);
+        Ok(attached)
+    }
+
+    /// Makes a recorded endpoint desired without programming it yet (agent start: the first
+    /// [`Reconciler::resync`] applies it).
+    pub fn adopt(&mut self, spec: EndpointSpec) {
+        self.state.insert(
+            spec.key.clone(),
+            State {
+                health: Health::Failing {
+                    error: "not applied yet".into(),
+                },
+                attached: None,
+                failures: 0,
+                retry_at: None,
+            },
+        );
+        self.desired.insert(spec.key.clone(), spec);
+    }
+
+    /// Forgets endpoint `key` and removes what was programmed for it (only what is still its
+    /// own: see [`Dataplane::detach`]).
+    pub fn remove(&mut self, key: &str) -> Result<(), DataplaneError> {
+        self.desired.remove(key);
+        self.state.remove(key);
+        self.dataplane.detach(key)
+    }
+
+    /// The endpoint's attach result, when it is programmed.
+    pub fn attached(&self, key: &str) -> Option<Attached> {
+        self.state.get(key).and_then(|s| s.attached)
+    }
+
+    /// Every endpoint's health.
+    pub fn health(&self) -> BTreeMap<String, Health> {
+        self.state
+            .iter()
+            .map(|(k, s)| (k.clone(), s.health.clone()))
+            .collect()
+    }
+
+    /// Repairs so far, by kind.
+    pub fn repairs(&self) -> &BTreeMap<&'static str, u64> {
+        &self.repairs
+    }
+
+    /// The host interface names of the endpoints that are programmed (for the sweep of what
+    /// no endpoint owns).
+    pub fn programmed_interfaces(&self) -> Vec<String> {
+        self.desired
+            .iter()
+            .filter(|(k, _)| self.state.get(*k).is_some_and(|s| s.attached.is_some()))
+            .map(|(_, s)| s.host_ifname.clone())
+            .collect()
+    }
+
+    /// When the next dirty endpoint is due.
+    pub fn next_retry(&self) -> Option<Instant> {
+        self.state.values().filter_map(|s| s.retry_at).min()
+    }
+
+    /// Checks every desired endpoint against the kernel and repairs what drifted.
+    pub fn resync(&mut self, now: Instant) -> Pass {
+        let keys: Vec<String> = self.desired.keys().cloned().collect();
+        self.check_all(&keys, now)
+    }
+
+    /// Retries the dirty endpoints whose backoff has run out.
+    pub fn retry_due(&mut self, now: Instant) -> Pass {
+        let keys: Vec<String> = self
+            .state
+            .iter()
+            .filter(|(_, s)| s.retry_at.is_some_and(|t| t <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        if keys.is_empty() {
+            return Pass::default();
+        }
+        self.check_all(&keys, now)
+    }
+
+    fn check_all(&mut self, keys: &[String], now: Instant) -> Pass {
+        let mut pass = Pass::default();
+        // One dump of calix's routes for the whole pass.
+        let routes = match self.kernel.routes() {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the host routes; route checks skipped this pass");
+                None
+            }
+        };
+        for key in keys {
+            let Some(spec) = self.desired.get(key).cloned() else {
+                continue;
+            };
+            pass.checked += 1;
+            let outcome = self.check(&spec, routes.as_deref());
+            let state = self.state.entry(key.clone()).or_insert(State {
+                health: Health::Ok,
+                attached: None,
+                failures: 0,
+                retry_at: None,
+            });
+            match outcome {
+                Ok((health, repairs, attached)) => {
+                    if health != state.health && health != Health::Ok {
+                        tracing::warn!(endpoint = %key, host_ifname = %spec.host_ifname,
+                            state = %health, "endpoint not in its desired state");
+                    }
+                    if let Some(a) = attached {
+                        state.attached = Some(a);
+                    }
+                    if health == Health::Ok {
+                        state.failures = 0;
+                        state.retry_at = None;
+                    } else {
+                        // Watched for its interface coming back, with backoff.
+                        state.failures += 1;
+                        state.retry_at = Some(now + self.backoff.after(state.failures));
+                        state.attached = None;
+                    }
+                    state.health = health;
+                    for r in repairs {
+                        tracing::warn!(endpoint = %key, host_ifname = %spec.host_ifname,
+                            kind = r.kind, what = %r.what, "repaired");
+                        *self.repairs.entry(r.kind).or_default() += 1;
+                        pass.repairs.push((key.clone(), r));
+                    }
+                }
+                Err(e) => {
+                    state.failures += 1;
+                    let wait = self.backoff.after(state.failures);
+                    state.retry_at = Some(now + wait);
+                    let error = crate::dataplane::error_chain(&e);
+                    tracing::warn!(endpoint = %key, host_ifname = %spec.host_ifname,
+                        %error, attempts = state.failures, retry_in = ?wait, "cannot apply endpoint");
+                    state.health = Health::Failing { error };
+                }
+            }
+            if self.state.get(key).is_some_and(|s| s.health != Health::Ok) {
+                pass.unhealthy += 1;
+            }
+        }
+        pass
+    }
+
+    /// One endpoint: its health, the repairs made, and the attach result when it was
+    /// (re)programmed.
+    fn check(
+        &mut self,
+        spec: &EndpointSpec,
+        routes: Option<&[HostRoute]>,
+    ) -> Result<(Health, Vec<Repair>, Option<Attached>), ReconcileError> {
+        let ifname = spec.host_ifname.as_str();
+        let Some(link) = self
+            .kernel
+            .link(ifname)
+            .map_err(kernel(format!("reading link {ifname}")))?
+        else {
+            return Ok((Health::InterfaceMissing, Vec::new(), None));
+        };
+        if let Some(want) = spec.host_ifindex {
+            if want != link.index {
+                return Ok((Health::Replaced { found: link.index }, Vec::new(), None));
+            }
+        }
+        let mut repairs = Vec::new();
+        if !link.up {
+            self.kernel
+                .set_up(link.index)
+                .map_err(kernel(format!("setting {ifname} up")))?;
+            repairs.push(Repair {
+                kind: "link_up",
+                what: format!("{ifname} was down"),
+            });
+        }
+        for setting in host_settings(ifname, spec.ipv4.is_some(), spec.ipv6.is_some()) {
+            let now = self
+                .kernel
+                .sysctl(&setting.path)
+                .map_err(kernel(format!("reading {}", setting.path)))?;
+            match now {
+                None if setting.optional => {}
+                Some(v) if v == setting.value => {}
+                was => {
+                    self.kernel
+                        .set_sysctl(&setting.path, setting.value)
+                        .map_err(kernel(format!("writing {}", setting.path)))?;
+                    repairs.push(Repair {
+                        kind: "sysctl",
+                        what: format!(
+                            "{} was {}, want {}",
+                            setting.path,
+                            was.as_deref().unwrap_or("missing"),
+                            setting.value
+                        ),
+                    });
+                }
+            }
+        }
+        if let Some(routes) = routes {
+            for want in HostRoute::of_pod(link.index, spec.ipv4, spec.ipv6) {
+                if routes.contains(&want) {
+                    continue;
+                }
+                // calix's route to this address through another interface is stale (its
+                // interface was replaced); ours takes its place.
+                for stale in routes.iter().filter(|r| r.dst == want.dst) {
+                    self.kernel
+                        .delete_route(stale)
+                        .map_err(kernel(format!("deleting {} dev {}", stale.dst, stale.oif)))?;
+                }
+                match self.kernel.add_route(&want) {
+                    Ok(()) => repairs.push(Repair {
+                        kind: "route",
+                        what: format!("{} dev {ifname} was missing", want.dst),
+                    }),
+                    // Added meanwhile (by a concurrent ADD of the plugin): nothing to repair.
+                    Err(NetlinkError::RouteExists { .. }) => {}
+                    Err(e) => {
+                        return Err(kernel(format!("adding {} dev {ifname}", want.dst))(e));
+                    }
+                }
+            }
+        }
+        let drift = self.dataplane.verify(spec, &mut self.kernel)?;
+        let mut attached = None;
+        if !drift.is_empty() {
+            attached = Some(self.dataplane.attach(spec)?);
+            repairs.extend(drift.iter().map(|d| Repair {
+                kind: d.kind(),
+                what: d.to_string(),
+            }));
+        } else if self
+            .state
+            .get(&spec.key)
+            .is_none_or(|s| s.attached.is_none())
+        {
+            // Adopted at start, or back after a failure: program it.
+            attached = Some(self.dataplane.attach(spec)?);
+        }
+        Ok((Health::Ok, repairs, attached))
+    }
+
+    /// Endpoint keys the reconciler holds (for tests and listings).
+    pub fn keys(&self) -> HashSet<String> {
+        self.desired.keys().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests;
