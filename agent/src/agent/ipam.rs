@@ -41,6 +41,9 @@ struct Holding {
     revision: i64,
 }
 
+/// Housekeeping repairs the handle records at least every this many passes.
+pub(super) const REPAIR_EVERY: u32 = 10;
+
 /// A handle record as stored: its revision and what it says; `None` when there is none.
 type Stored = Option<(i64, HandleRecord)>;
 
@@ -124,7 +127,7 @@ impl Agent {
             let revision = held.iter().map(|h| h.revision).max().unwrap_or(0);
             // A missing or stale record is rewritten from the blocks.
             let desired = self.record_of(held.iter().map(|h| (h.addr, &h.allocation)));
-            self.write_record(handle, ifname, &stored, desired.as_ref())
+            self.write_record(&mut inner, handle, ifname, &stored, desired.as_ref())
                 .await;
             drop(inner);
             // The allocation may be a concurrent request's, not yet flushed.
@@ -179,7 +182,7 @@ impl Agent {
                 })
                 .collect(),
         };
-        self.write_record(handle, ifname, &stored, Some(&record))
+        self.write_record(&mut inner, handle, ifname, &stored, Some(&record))
             .await;
         drop(inner);
         // Appended under the lock, flushed outside it: the allocations queued behind this one
@@ -370,10 +373,11 @@ impl Agent {
 
     /// Makes the stored record of (handle, ifname) say `desired` (deleted when `None`), with a
     /// compare-and-swap on what `stored` says it is. Best effort: a lost race or a failure is
-    /// logged, reads check the blocks anyway, and [`Self::repair_handles`] settles it. Returns
-    /// whether the record now says `desired`.
+    /// logged, reads check the blocks anyway, and [`Self::repair_handles`] settles it at the
+    /// next housekeeping pass. Returns whether the record now says `desired`.
     pub(super) async fn write_record(
         &self,
+        inner: &mut Inner,
         handle: &str,
         ifname: &str,
         stored: &Stored,
@@ -394,18 +398,20 @@ impl Agent {
             Ok(None) => {
                 tracing::debug!(%handle, %ifname,
                     "handle record changed meanwhile; the repair settles it from the blocks");
+                inner.handles_dirty = true;
                 false
             }
             Err(e) => {
                 tracing::warn!(%handle, %ifname, error = %e,
                     "handle record not written: reads check the blocks, and the repair rewrites it");
+                inner.handles_dirty = true;
                 false
             }
         }
     }
 
     /// Makes the record of (handle, ifname) say what the view's blocks hold for it.
-    async fn follow_record(&self, inner: &Inner, handle: &str, ifname: &str) {
+    async fn follow_record(&self, inner: &mut Inner, handle: &str, ifname: &str) {
         let desired = self.record_of(
             inner
                 .ipam
@@ -415,12 +421,13 @@ impl Agent {
         );
         match self.read_record(handle, ifname).await {
             Ok(stored) => {
-                self.write_record(handle, ifname, &stored, desired.as_ref())
+                self.write_record(inner, handle, ifname, &stored, desired.as_ref())
                     .await;
             }
             Err(e) => {
                 tracing::warn!(%handle, %ifname, error = %e,
-                    "handle record not read; the repair rewrites it")
+                    "handle record not read; the repair rewrites it");
+                inner.handles_dirty = true;
             }
         }
     }
@@ -498,7 +505,8 @@ impl Agent {
                 .map(|(key, addr, a)| (key.to_string(), addr, a.seq))
                 .collect();
             let Some((block, ..)) = held.first().cloned() else {
-                self.write_record(handle, ifname, &stored, None).await;
+                self.write_record(inner, handle, ifname, &stored, None)
+                    .await;
                 return Ok(released);
             };
             let freed: Vec<(IpAddr, u64)> = held
@@ -580,8 +588,11 @@ impl Agent {
     /// of this node is created, one that says otherwise than the blocks is rewritten, one of
     /// this node for a handle the blocks give nothing is deleted. Records of other nodes are
     /// theirs to repair. Also folds the previous version's retired-block records into released
-    /// block objects. Runs at start and in every housekeeping pass; returns the records fixed.
+    /// block objects. Runs at start, and in housekeeping after a record write failed or lost a
+    /// race (and every [`REPAIR_EVERY`] passes: another node may have written this node's
+    /// records); it lists every handle record of the store. Returns the records fixed.
     pub(super) async fn repair_handles(&self, inner: &mut Inner) -> Result<usize, AgentError> {
+        inner.handles_dirty = false;
         // Under the IPAM lock nothing of this node's changes meanwhile: the view has every
         // allocation this node made (listed again if a write left it in doubt).
         let mut stored: BTreeMap<(String, String), (i64, HandleRecord)> = BTreeMap::new();
@@ -599,23 +610,27 @@ impl Agent {
         if inner.stale {
             self.refresh_blocks(inner).await?;
         }
-        let mut desired: BTreeMap<(String, String), Vec<(IpAddr, &Allocation)>> = BTreeMap::new();
+        let mut held: BTreeMap<(String, String), Vec<(IpAddr, &Allocation)>> = BTreeMap::new();
         for (addr, a) in inner.ipam.allocations_of(&self.node.name) {
-            desired
-                .entry((a.handle.clone(), a.ifname.clone()))
+            held.entry((a.handle.clone(), a.ifname.clone()))
                 .or_default()
                 .push((addr, a));
         }
+        let desired: BTreeMap<(String, String), HandleRecord> = held
+            .into_iter()
+            .filter_map(|(k, mut v)| {
+                v.sort_by_key(|(addr, _)| (addr.is_ipv6(), *addr));
+                Some((k, self.record_of(v)?))
+            })
+            .collect();
         let mut fixed = 0;
-        for ((handle, ifname), mut held) in desired.iter().map(|(k, v)| (k, v.clone())) {
-            held.sort_by_key(|(addr, _)| (addr.is_ipv6(), *addr));
-            let want = self.record_of(held);
+        for ((handle, ifname), want) in &desired {
             let have = stored.get(&(handle.clone(), ifname.clone())).cloned();
-            if matches!((&have, &want), (Some((_, h)), Some(w)) if same_record(h, w)) {
+            if matches!(&have, Some((_, h)) if same_record(h, want)) {
                 continue;
             }
             if self
-                .write_record(handle, ifname, &have, want.as_ref())
+                .write_record(inner, handle, ifname, &have, Some(want))
                 .await
             {
                 tracing::info!(%handle, %ifname, missing = have.is_none(),
@@ -630,7 +645,7 @@ impl Agent {
                 continue;
             }
             if self
-                .write_record(handle, ifname, &Some(have.clone()), None)
+                .write_record(inner, handle, ifname, &Some(have.clone()), None)
                 .await
             {
                 tracing::info!(%handle, %ifname,

@@ -101,7 +101,14 @@ impl Agent {
         out.candidates = inner.leak_candidates.len();
 
         self.release_empty_blocks(&mut inner, now, &mut out).await?;
-        out.handles_repaired = self.repair_handles(&mut inner).await?;
+        inner.passes_since_repair += 1;
+        if inner.handles_dirty
+            || !inner.legacy_retired.is_empty()
+            || inner.passes_since_repair >= super::ipam::REPAIR_EVERY
+        {
+            inner.passes_since_repair = 0;
+            out.handles_repaired = self.repair_handles(&mut inner).await?;
+        }
         Ok(out)
     }
 

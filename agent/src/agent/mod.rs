@@ -78,6 +78,10 @@ struct Inner {
     /// Retired-block records of the previous version (CIDR, record revision), to fold into
     /// released block objects.
     legacy_retired: Vec<(IpNet, i64)>,
+    /// A handle record write failed or lost a race since the last repair.
+    handles_dirty: bool,
+    /// Housekeeping passes since the last repair of the handle records.
+    passes_since_repair: u32,
     /// Allocations of this node without an endpoint: (address, seq) → first seen.
     leak_candidates: HashMap<(IpAddr, u64), Instant>,
     /// This node's empty blocks → first seen empty.
@@ -151,6 +155,8 @@ impl Agent {
                 ipam: IpamState::default(),
                 stale: false,
                 legacy_retired: Vec::new(),
+                handles_dirty: false,
+                passes_since_repair: 0,
                 leak_candidates: HashMap::new(),
                 empty_since: HashMap::new(),
             }),
