@@ -308,6 +308,20 @@ async fn down_etcd_fails_bounded_then_recovers() {
         "{:?}",
         started.elapsed()
     );
+    // A watch cannot start either, and says so within the same bounds.
+    let started = Instant::now();
+    match db.watch("", 0).await {
+        Err(DatastoreError::Unavailable {
+            backend, attempts, ..
+        }) => assert_eq!((backend, attempts), ("etcd", 3)),
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+        Ok(_) => panic!("a watch started without etcd"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
 
     // etcd comes up: the same store now works.
     etcd.spawn();

@@ -250,7 +250,10 @@ impl Agent {
 
     /// Re-reads every block (released ones included, and the previous version's retired-block
     /// records) from the datastore.
+    /// Until it succeeds the view counts as stale: a caller that changed the view and could
+    /// not commit leaves it to be listed again before the next decision.
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
+        inner.stale = true;
         let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
         let mut blocks = Vec::new();
         for kv in kvs {
@@ -334,7 +337,6 @@ impl Agent {
             }
             Err(e) => {
                 // The view holds a change that may or may not be committed: list it again.
-                inner.stale = true;
                 if let Err(re) = self.refresh_blocks(inner).await {
                     tracing::warn!(error = %re, "cannot re-read blocks after a failed write");
                 }

@@ -90,6 +90,10 @@ struct Snapshot {
 
 impl Agent {
     async fn snapshot(&self) -> Result<Snapshot, AgentError> {
+        // This node's IPAM writes come in pairs (a block, then its handle record): read between
+        // two, and a check would report the handle as an orphan. Other nodes' pairs can still be
+        // seen half done; their housekeeping settles those.
+        let _no_ipam_writes = self.inner.lock().await;
         let store = &self.store;
         let mut blocks = Vec::new();
         for kv in store.list(keys::BLOCKS).await? {
