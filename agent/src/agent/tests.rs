@@ -932,3 +932,54 @@ async fn a_retired_record_of_the_previous_version_is_honoured_and_folded_into_th
     let again = alloc4(&a, "h2").await.expect("reclaim");
     assert!(seq_of(&a, again).await > 1_000_000);
 }
+
+/// A pool's blockSize changes: blocks of the old layout, empty or released, are deleted rather
+/// than kept, so the new layout's blocks can be claimed where they were; their sequence
+/// numbers still never repeat.
+#[tokio::test]
+async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    // Two /28 blocks: one released under the old layout, one still claimed and empty.
+    let first = alloc4(&a, "h1").await.expect("h1");
+    let seq1 = seq_of(&a, first).await;
+    a.allocate(
+        "h2",
+        "eth0",
+        true,
+        false,
+        &["10.1.0.17".parse().expect("ip")],
+        &BTreeMap::new(),
+    )
+    .await
+    .expect("h2 in the second block");
+    a.release("h1", "eth0").await.expect("release");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.blocks_released, vec!["10.1.0.0/28".to_string()]);
+    // (Leak GC released h2 meanwhile: it has no endpoint.)
+    assert!(a.lookup("h2", "eth0").await.expect("lookup").is_empty());
+    a.set_pools(vec![pool("10.1.0.0/24", 26)], Policy::default())
+        .await
+        .expect("new layout");
+    let t1 = t0 + GRACE * 2;
+    let done = a.housekeep(t1).await.expect("pass 3");
+    assert_eq!(done.blocks_released, vec!["10.1.0.16/28".to_string()]);
+    let ipam = a.ipam().await.expect("ipam");
+    assert!(
+        ipam.blocks.is_empty() && ipam.retired.is_empty(),
+        "old layout left behind: {:?} {:?}",
+        ipam.blocks.keys().collect::<Vec<_>>(),
+        ipam.retired.keys().collect::<Vec<_>>()
+    );
+    let again = alloc4(&a, "h3").await.expect("h3");
+    assert_eq!(again, first, "the new layout's first block is claimed");
+    assert!(a
+        .ipam()
+        .await
+        .expect("ipam")
+        .blocks
+        .contains_key("10.1.0.0/26"));
+    assert!(seq_of(&a, again).await > seq1);
+}
