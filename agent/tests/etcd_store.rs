@@ -1,5 +1,10 @@
-//! `EtcdStore` against a real etcd (`/usr/bin/etcd`) on 127.0.0.1, one server per test.
-//! Tests skip themselves (pass, with a note) when no etcd binary is installed.
+//! `EtcdStore` against a real etcd (`/usr/bin/etcd`) on 127.0.0.1, one server per test: the
+//! datastore conformance suite (tests/conformance), then what is etcd's own (several stores on
+//! one cluster, etcd down or restarting under requests, a watch on an etcd that stops
+//! answering). A missing etcd binary is a failure (`cargo xtask setup` installs it).
+#[macro_use]
+mod conformance;
+
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -8,7 +13,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use calix_agent::datastore::{Compare, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+use calix_agent::datastore::{
+    Compare, Datastore, DatastoreError, Durability, EtcdConfig, EtcdStore, Op,
+};
+use calix_proto::etcd::etcdserverpb::{kv_client::KvClient, CompactionRequest};
+use futures::StreamExt;
 
 const ETCD: &str = "/usr/bin/etcd";
 
@@ -83,6 +92,12 @@ impl Etcd {
         }
     }
 
+    fn pid(&self) -> i32 {
+        let child = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let id = child.as_ref().expect("etcd runs").id();
+        i32::try_from(id).expect("pid")
+    }
+
     fn kill(&self) {
         if let Some(mut child) = self.child.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = child.kill();
@@ -123,79 +138,115 @@ fn put(key: &str, value: &str) -> Op {
     Op::Put(key.into(), value.as_bytes().to_vec())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn absent_and_revision_compares() {
-    let Some(etcd) = Etcd::start() else { return };
-    let db = store(&etcd, "/calix/").await;
-    assert_eq!(db.kind(), "etcd");
-    assert_eq!(db.get("a").await.unwrap(), None);
-
-    let absent = [Compare::Absent("a".into())];
-    let r1 = db.txn(&absent, &[put("a", "1")], P).await.unwrap();
-    let r1 = r1.expect("first Absent txn applies");
-    let kv = db.get("a").await.unwrap().expect("a exists");
-    assert_eq!(
-        (kv.key.as_str(), kv.value.as_slice(), kv.revision),
-        ("a", &b"1"[..], r1)
-    );
-    assert_eq!(db.txn(&absent, &[put("a", "2")], P).await.unwrap(), None);
-    assert_eq!(db.get("a").await.unwrap().unwrap().value, b"1");
-
-    let wrong = [Compare::Revision("a".into(), r1 + 100)];
-    assert_eq!(db.txn(&wrong, &[put("a", "3")], P).await.unwrap(), None);
-    let right = [Compare::Revision("a".into(), r1)];
-    let r2 = db.txn(&right, &[put("a", "4")], P).await.unwrap();
-    let r2 = r2.expect("right revision applies");
-    assert!(r2 > r1);
-    let kv = db.get("a").await.unwrap().unwrap();
-    assert_eq!((kv.value.as_slice(), kv.revision), (&b"4"[..], r2));
-    // The old revision no longer matches; a missing key matches no revision.
-    assert_eq!(db.txn(&right, &[put("a", "5")], P).await.unwrap(), None);
-    let missing = [Compare::Revision("nope".into(), r1)];
-    assert_eq!(
-        db.txn(&missing, &[put("nope", "x")], P).await.unwrap(),
-        None
-    );
-
-    // Delete under a revision compare.
-    let now = [Compare::Revision("a".into(), r2)];
-    let r3 = db.txn(&now, &[Op::Delete("a".into())], P).await.unwrap();
-    assert!(r3.expect("delete applies") > r2);
-    assert_eq!(db.get("a").await.unwrap(), None);
-    // Once deleted, Absent holds again.
-    let again = db.txn(&absent, &[put("a", "6")], Durability::Process).await;
-    assert!(again.unwrap().is_some());
+/// The suite's backend: an etcd of its own per test; a restart kills it and starts it again on
+/// the same data directory, under the same store (which reconnects by itself).
+struct EtcdBackend {
+    etcd: Arc<Etcd>,
 }
 
+impl EtcdBackend {
+    fn start() -> Self {
+        Self {
+            etcd: Etcd::start().expect("etcd"),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl conformance::Backend for EtcdBackend {
+    type Store = EtcdStore;
+
+    async fn open(&self) -> EtcdStore {
+        store(&self.etcd, "/calix/").await
+    }
+
+    async fn compact(&self, _store: &EtcdStore, revision: i64) {
+        let channel = tonic::transport::Endpoint::from_shared(self.etcd.url())
+            .expect("url")
+            .connect()
+            .await
+            .expect("connect to etcd");
+        KvClient::new(channel)
+            .compact(CompactionRequest {
+                revision,
+                physical: true,
+            })
+            .await
+            .expect("compact");
+    }
+
+    async fn restart(&self, store: EtcdStore) -> EtcdStore {
+        let etcd = self.etcd.clone();
+        tokio::task::spawn_blocking(move || {
+            etcd.kill();
+            etcd.spawn();
+        })
+        .await
+        .expect("restart etcd");
+        store
+    }
+}
+
+datastore_conformance!(EtcdBackend::start());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn list_is_sorted_and_prefix_stripped() {
+async fn stores_with_other_prefixes_never_see_each_other() {
     let Some(etcd) = Etcd::start() else { return };
     let db = store(&etcd, "/calix/").await;
     let other = store(&etcd, "/other/").await;
-    let ops = [
-        put("pool/b", "b"),
-        put("pool/a", "a"),
-        put("pool/c/x", "cx"),
-        put("poolx", "no"),
-        put("aaa", "no"),
-    ];
-    let rev = db.txn(&[], &ops, P).await.unwrap().unwrap();
-    other
+    let (_, from) = other.list_with_revision("").await.unwrap();
+    let mut watch = other.watch("", from).await.expect("watch");
+    db.txn(&[], &[put("pool/a", "a")], P)
+        .await
+        .unwrap()
+        .unwrap();
+    let rev = other
         .txn(&[], &[put("pool/z", "other")], P)
         .await
         .unwrap()
         .unwrap();
-
-    let listed = db.list("pool/").await.unwrap();
-    let keys: Vec<&str> = listed.iter().map(|kv| kv.key.as_str()).collect();
-    assert_eq!(keys, ["pool/a", "pool/b", "pool/c/x"]);
-    assert_eq!(listed[2].value, b"cx");
-    assert!(listed.iter().all(|kv| kv.revision == rev));
-    assert_eq!(db.list("").await.unwrap().len(), 5);
-    assert_eq!(db.list("nothing/").await.unwrap(), vec![]);
     let theirs = other.list("").await.unwrap();
     assert_eq!(theirs.len(), 1);
     assert_eq!(theirs[0].key, "pool/z");
+    assert_eq!(db.list("").await.unwrap().len(), 1);
+    // Keys come back without the prefix, in watches too; the other store's write is not seen.
+    let event = tokio::time::timeout(Duration::from_secs(10), watch.next())
+        .await
+        .expect("an event")
+        .expect("the stream goes on")
+        .expect("no error");
+    assert_eq!((event.key(), event.revision()), ("pool/z", rev));
+}
+
+/// An etcd that stops answering without closing its connection (hung, or the network gone
+/// without a reset): the watch's keepalive pings go unanswered and the watch ends, rather than
+/// waiting for events forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_on_an_etcd_that_stops_answering_ends() {
+    let Some(etcd) = Etcd::start() else { return };
+    let db = store(&etcd, "/calix/").await;
+    let (_, from) = db.list_with_revision("").await.unwrap();
+    let mut watch = db.watch("", from).await.expect("watch");
+    let rev = db.txn(&[], &[put("a", "1")], P).await.unwrap().unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), watch.next()).await;
+    assert!(
+        matches!(&first, Ok(Some(Ok(e))) if e.revision() == rev),
+        "{first:?}"
+    );
+    let pid = etcd.pid();
+    // SAFETY: kill(2) on the etcd this test started.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let started = Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(40), watch.next()).await;
+    let waited = started.elapsed();
+    // SAFETY: as above; the drop of `etcd` kills it either way.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    match end {
+        Ok(Some(Err(DatastoreError::WatchEnded { detail, .. }))) => {
+            eprintln!("watch ended {waited:?} after etcd stopped: {detail}")
+        }
+        other => panic!("expected the watch to end, got {other:?} after {waited:?}"),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -252,6 +303,20 @@ async fn down_etcd_fails_bounded_then_recovers() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
     // 3 tries of at most 300 ms, plus 50 + 100 ms of backoff.
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // A watch cannot start either, and says so within the same bounds.
+    let started = Instant::now();
+    match db.watch("", 0).await {
+        Err(DatastoreError::Unavailable {
+            backend, attempts, ..
+        }) => assert_eq!((backend, attempts), ("etcd", 3)),
+        Err(other) => panic!("expected Unavailable, got {other:?}"),
+        Ok(_) => panic!("a watch started without etcd"),
+    }
     assert!(
         started.elapsed() < Duration::from_secs(2),
         "{:?}",

@@ -13,7 +13,7 @@ pub mod v1 {
     tonic::include_proto!("calix.v1");
 }
 
-/// etcd's v3 API, the subset calix uses: `KV` (Range, Put, DeleteRange, Txn) and `Watch`.
+/// etcd's v3 API, the subset calix uses: `KV` (Range, Put, DeleteRange, Txn, Compact) and `Watch`.
 pub mod etcd {
     #![allow(clippy::all, missing_docs)]
     pub mod mvccpb {

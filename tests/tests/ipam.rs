@@ -406,8 +406,13 @@ fn kill_nine_mid_allocation(node: &Node) {
         std::thread::sleep(Duration::from_millis(200));
     }
     let reclaimed = before_gc - acked.len();
+    // Killed between a block's commit and its handle record: rebuilt from the blocks at start.
+    let repaired = node
+        .agent_log()
+        .matches("handle record repaired from the blocks")
+        .count();
     eprintln!(
-        "kill -9: {} acknowledged, {failed} failed, {before_gc} allocated after restart, {reclaimed} reclaimed by leak GC",
+        "kill -9: {} acknowledged, {failed} failed, {before_gc} allocated after restart, {repaired} handle records repaired, {reclaimed} reclaimed by leak GC",
         acked.len()
     );
     if reclaimed > 0 {

@@ -1,4 +1,14 @@
-//! Allocation and release: the allocator's decisions committed with compare-and-swap.
+//! Allocation and release by handle. The block is the truth and the commit point: every
+//! allocation or release is one compare-and-swap on exactly one block object. Handle records
+//! (`ipam/handles/<handle>/<ifname>`) are an index that follows: written after the block's
+//! commit, best effort, checked against the blocks by every read, and rebuilt from the blocks
+//! by [`Agent::repair_handles`] (at start and in housekeeping).
+//!
+//! The view (`Inner::ipam`) holds every allocation this agent committed (its writes update it,
+//! a failed write marks it stale and it is listed again before the next decision), so the
+//! allocations of a handle are found in memory; what is answered without a write (an idempotent
+//! ADD, CHECK's lookup) is read again from the store first, and everything else is checked by
+//! the compare-and-swap of the write that acts on it.
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::net::IpAddr;
 
@@ -7,7 +17,7 @@ use ipnet::IpNet;
 
 use super::{cas_backoff, Agent, AgentError, Inner, CAS_ATTEMPTS};
 use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
-use crate::ipam::{pool_of, Allocation, HandleRecord, Held};
+use crate::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held};
 use crate::model::EndpointRecord;
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
@@ -22,10 +32,41 @@ fn attachment_of(a: &Allocation) -> Option<(&str, &str)> {
     )
 }
 
+/// One allocation of a (handle, ifname), as its block holds it.
+#[derive(Debug, Clone)]
+struct Holding {
+    addr: IpAddr,
+    allocation: Allocation,
+    /// Revision of the block it was read from.
+    revision: i64,
+}
+
+/// Housekeeping repairs the handle records at least every this many passes.
+pub(super) const REPAIR_EVERY: u32 = 10;
+
+/// A handle record as stored: its revision and what it says; `None` when there is none.
+type Stored = Option<(i64, HandleRecord)>;
+
+/// Whether two records say the same (addresses in any order).
+fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
+    let sorted = |r: &HandleRecord| {
+        let mut v: Vec<(IpAddr, u64, IpNet)> = r
+            .addresses
+            .iter()
+            .map(|h| (h.addr, h.seq, h.pool))
+            .collect();
+        v.sort();
+        v
+    };
+    a.node == b.node && sorted(a) == sorted(b)
+}
+
 impl Agent {
-    /// Allocates the requested families for (handle, ifname). All-or-nothing: the handle
-    /// record and every block change are one transaction. Returns the addresses with their
-    /// pools, and whether the handle already held them.
+    /// Allocates the requested families for (handle, ifname): one block commit per family, the
+    /// first rolled back if the second fails (an agent that dies in between leaves one family
+    /// allocated without an endpoint: found by handle, released by DEL, reclaimed by leak GC).
+    /// Then the handle record, best effort. Returns the addresses with their pools, and
+    /// whether the handle already held them.
     pub async fn allocate(
         &self,
         handle: &str,
@@ -48,121 +89,167 @@ impl Agent {
                 "ask for at least one of ipv4, ipv6".into(),
             ));
         }
-        let hkey = keys::handle(handle, ifname);
         let mut inner = self.inner.lock().await;
-        for attempt in 0..CAS_ATTEMPTS {
+        let (held, stored) = self.held(&mut inner, handle, ifname, true).await?;
+        if !held.is_empty() {
             // Idempotency: a handle that holds addresses gets them back.
-            if let Some(kv) = self.store.get(&hkey).await? {
-                let rec: HandleRecord = kv.decode()?;
-                let held = |fam: bool| rec.addresses.iter().find(|h| h.addr.is_ipv4() == fam);
-                for (want, fam) in [(want_v4, true), (want_v6, false)] {
-                    let Some(h) = held(fam) else {
-                        if want {
-                            return Err(AgentError::Invalid(format!(
-                                "{handle}/{ifname} already holds {} but not {}: release it first",
-                                rec.addresses
-                                    .iter()
-                                    .map(|h| h.addr.to_string())
-                                    .collect::<Vec<_>>()
-                                    .join(", "),
-                                if fam { "IPv4" } else { "IPv6" }
-                            )));
+            let of = |fam: bool| held.iter().find(|h| h.addr.is_ipv4() == fam);
+            for (want, fam) in [(want_v4, true), (want_v6, false)] {
+                let Some(h) = of(fam) else {
+                    if want {
+                        return Err(AgentError::Invalid(format!(
+                            "{handle}/{ifname} already holds {} but not {}: release it first",
+                            held.iter()
+                                .map(|h| h.addr.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            if fam { "IPv4" } else { "IPv6" }
+                        )));
+                    }
+                    continue;
+                };
+                if let Some(r) = requested.iter().find(|a| a.is_ipv4() == fam) {
+                    if *r != h.addr {
+                        return Err(crate::ipam::IpamError::HeldOther {
+                            handle: handle.into(),
+                            ifname: ifname.into(),
+                            held: h.addr,
+                            addr: *r,
                         }
-                        continue;
-                    };
-                    if let Some(r) = requested.iter().find(|a| a.is_ipv4() == fam) {
-                        if *r != h.addr {
-                            return Err(crate::ipam::IpamError::HeldOther {
-                                handle: handle.into(),
-                                ifname: ifname.into(),
-                                held: h.addr,
-                                addr: *r,
-                            }
-                            .into());
-                        }
+                        .into());
                     }
                 }
-                let out = rec.addresses.iter().map(|h| (h.addr, h.pool)).collect();
-                drop(inner);
-                // The record may be a concurrent allocation's, not yet flushed.
-                self.store.sync(kv.revision).await?;
-                return Ok((out, true));
+            }
+            let out = held
+                .iter()
+                .map(|h| (h.addr, self.pool_of(h.addr)))
+                .collect();
+            let revision = held.iter().map(|h| h.revision).max().unwrap_or(0);
+            // A missing or stale record is rewritten from the blocks.
+            let desired = self.record_of(held.iter().map(|h| (h.addr, &h.allocation)));
+            self.write_record(&mut inner, handle, ifname, &stored, desired.as_ref())
+                .await;
+            drop(inner);
+            // The allocation may be a concurrent request's, not yet flushed.
+            self.store.sync(revision).await?;
+            return Ok((out, true));
+        }
+        let mut got: Vec<Allocated> = Vec::new();
+        let mut revision = 0;
+        for (want, fam) in [(want_v4, true), (want_v6, false)] {
+            if !want {
+                continue;
+            }
+            let requested = requested.iter().find(|a| a.is_ipv4() == fam).copied();
+            match self
+                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes)
+                .await
+            {
+                Ok((a, rev)) => {
+                    revision = revision.max(rev);
+                    got.push(a);
+                }
+                Err(e) => {
+                    // All or nothing. A rollback that fails leaves an allocation without an
+                    // endpoint, which leak GC reclaims.
+                    for a in &got {
+                        if let Err(re) = self
+                            .release_address_locked(
+                                &mut inner,
+                                a.addr,
+                                Some(a.seq),
+                                "rollback: the other family failed",
+                            )
+                            .await
+                        {
+                            tracing::warn!(%handle, %ifname, addr = %a.addr, error = %re,
+                                "rollback failed; leak GC reclaims the address");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        // The blocks are committed: the record follows, best effort.
+        let record = HandleRecord {
+            node: self.node.name.clone(),
+            addresses: got
+                .iter()
+                .map(|a| Held {
+                    addr: a.addr,
+                    pool: a.pool,
+                    seq: a.seq,
+                })
+                .collect(),
+        };
+        self.write_record(&mut inner, handle, ifname, &stored, Some(&record))
+            .await;
+        drop(inner);
+        // Appended under the lock, flushed outside it: the allocations queued behind this one
+        // are computed and appended meanwhile and share a flush (group commit). Nothing is
+        // acknowledged before its flush.
+        self.store.sync(revision).await?;
+        Ok((got.into_iter().map(|a| (a.addr, a.pool)).collect(), false))
+    }
+
+    /// Allocates one address of a family (`requested`, or the allocator's choice) and commits
+    /// its block alone. Returns it with the revision of the commit.
+    async fn allocate_family(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        requested: Option<IpAddr>,
+        attributes: &BTreeMap<String, String>,
+    ) -> Result<(Allocated, i64), AgentError> {
+        let mut listed = false;
+        for attempt in 0..CAS_ATTEMPTS {
+            if inner.stale {
+                self.refresh_blocks(inner).await?;
+                listed = true;
             }
             let pools = self.pools();
-            let policy = self.policy();
-            let mut got = Vec::new();
-            let mut failure = None;
-            for (want, fam) in [(want_v4, true), (want_v6, false)] {
-                if !want {
-                    continue;
-                }
-                let r = match requested.iter().find(|a| a.is_ipv4() == fam) {
-                    Some(addr) => inner.ipam.allocate_specific(
-                        &pools,
-                        &self.node.name,
-                        handle,
-                        ifname,
-                        *addr,
-                        attributes,
-                    ),
-                    None => inner.ipam.allocate(
-                        &pools,
-                        &policy,
-                        &self.node.name,
-                        handle,
-                        ifname,
-                        fam,
-                        attributes,
-                    ),
-                };
-                match r {
-                    Ok(a) => got.push(a),
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
-                }
+            let a = match requested {
+                Some(addr) => inner.ipam.allocate_specific(
+                    &pools,
+                    &self.node.name,
+                    handle,
+                    ifname,
+                    addr,
+                    attributes,
+                ),
+                None => inner.ipam.allocate(
+                    &pools,
+                    &self.policy(),
+                    &self.node.name,
+                    handle,
+                    ifname,
+                    v4,
+                    attributes,
+                ),
+            }?;
+            let creates = inner
+                .ipam
+                .blocks
+                .get(&a.block)
+                .is_some_and(|b| b.revision == 0);
+            if creates && !listed {
+                // A block never stored starts its sequence numbers above the view's revision:
+                // decide on a fresh listing (see `IpamState::fresh_block`).
+                self.refresh_blocks(inner).await?;
+                listed = true;
+                continue;
             }
-            if let Some(e) = failure {
-                // Undo the other family's change in the view.
-                if !got.is_empty() {
-                    self.refresh_blocks(&mut inner).await?;
-                }
-                return Err(e.into());
+            if let Some(rev) = self
+                .commit_block(inner, &a.block, Durability::Process)
+                .await?
+            {
+                tracing::info!(%handle, %ifname, addr = %a.addr, seq = a.seq, block = %a.block,
+                    borrowed = a.borrowed, attempt, "allocated");
+                return Ok((a, rev));
             }
-            let rec = HandleRecord {
-                node: self.node.name.clone(),
-                addresses: got
-                    .iter()
-                    .map(|a| Held {
-                        addr: a.addr,
-                        pool: a.pool,
-                        seq: a.seq,
-                    })
-                    .collect(),
-            };
-            let touched: Vec<String> = got.iter().map(|a| a.block.clone()).collect();
-            // Appended now, flushed below: the flush waits outside `inner`, so the allocations
-            // queued behind this one are computed and appended meanwhile and share a flush
-            // (group commit). Nothing is acknowledged before its flush.
-            let committed = self
-                .commit_blocks(
-                    &mut inner,
-                    &touched,
-                    vec![Compare::Absent(hkey.clone())],
-                    vec![Op::put_json(hkey.clone(), &rec)],
-                    Durability::Process,
-                )
-                .await?;
-            if let Some(rev) = committed {
-                drop(inner);
-                self.store.sync(rev).await?;
-                for a in &got {
-                    tracing::info!(%handle, %ifname, addr = %a.addr, seq = a.seq, block = %a.block,
-                        borrowed = a.borrowed, attempt, "allocated");
-                }
-                return Ok((got.into_iter().map(|a| (a.addr, a.pool)).collect(), false));
-            }
+            listed = true;
             tracing::debug!(%handle, attempt, "allocation lost a race; retrying");
             cas_backoff(attempt).await;
         }
@@ -174,80 +261,204 @@ impl Agent {
     }
 
     /// What (handle, ifname) holds — or, when nothing, what the previous plugin's handle for
-    /// the same attachment holds (an allocation made before an upgrade).
+    /// the same attachment holds (an allocation made before an upgrade). Read from the blocks.
     pub async fn lookup(
         &self,
         handle: &str,
         ifname: &str,
     ) -> Result<Vec<(IpAddr, IpNet)>, AgentError> {
-        let held = |kv: crate::datastore::KeyValue| -> Result<Vec<(IpAddr, IpNet)>, AgentError> {
-            Ok(kv
-                .decode::<HandleRecord>()?
-                .addresses
-                .into_iter()
-                .map(|h| (h.addr, h.pool))
-                .collect())
-        };
-        if let Some(kv) = self.store.get(&keys::handle(handle, ifname)).await? {
-            return held(kv);
-        }
         let mut inner = self.inner.lock().await;
-        match self.legacy_handle(&mut inner, handle, ifname).await? {
-            Some(legacy) => match self.store.get(&keys::handle(&legacy, ifname)).await? {
-                Some(kv) => held(kv),
-                None => Ok(Vec::new()),
-            },
-            None => Ok(Vec::new()),
+        let (mut held, _) = self.held(&mut inner, handle, ifname, true).await?;
+        if held.is_empty() {
+            if let Some(legacy) = self.legacy_handle(&mut inner, handle, ifname, true).await? {
+                held = self.held(&mut inner, &legacy, ifname, true).await?.0;
+            }
+        }
+        Ok(held
+            .iter()
+            .map(|h| (h.addr, self.pool_of(h.addr)))
+            .collect())
+    }
+
+    /// The allocations of (handle, ifname) as the blocks hold them, and its stored record.
+    ///
+    /// The record is only a hint: when it names an address the view does not give this handle,
+    /// the view may be behind (or the record stale), and the blocks are listed again. With
+    /// `fresh`, for an answer no write will check, the blocks involved are read again.
+    async fn held(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+        fresh: bool,
+    ) -> Result<(Vec<Holding>, Stored), AgentError> {
+        if inner.stale {
+            self.refresh_blocks(inner).await?;
+        }
+        let stored = self.read_record(handle, ifname).await?;
+        let mut listed = false;
+        if let Some((_, rec)) = &stored {
+            let agrees = rec.addresses.iter().all(|h| {
+                inner
+                    .ipam
+                    .block_of(h.addr)
+                    .and_then(|b| b.allocations.get(&b.offset_of(h.addr)?))
+                    .is_some_and(|a| a.seq == h.seq && a.handle == handle && a.ifname == ifname)
+            });
+            if !agrees {
+                self.refresh_blocks(inner).await?;
+                listed = true;
+            }
+        }
+        if fresh && !listed {
+            let cidrs: BTreeSet<IpNet> = inner
+                .ipam
+                .held_by(handle, ifname)
+                .iter()
+                .filter_map(|(key, ..)| inner.ipam.blocks.get(*key).map(|b| b.cidr))
+                .collect();
+            for cidr in cidrs {
+                self.reread_block(inner, &cidr).await?;
+            }
+        }
+        let held = inner
+            .ipam
+            .held_by(handle, ifname)
+            .into_iter()
+            .map(|(key, addr, a)| Holding {
+                addr,
+                allocation: a.clone(),
+                revision: inner.ipam.blocks.get(key).map_or(0, |b| b.revision),
+            })
+            .collect();
+        Ok((held, stored))
+    }
+
+    /// The handle record of (handle, ifname) as stored. One that does not decode is reported
+    /// and treated as an empty record, which the next write by handle (or the repair) replaces.
+    async fn read_record(&self, handle: &str, ifname: &str) -> Result<Stored, AgentError> {
+        let Some(kv) = self.store.get(&keys::handle(handle, ifname)).await? else {
+            return Ok(None);
+        };
+        let rec = kv.decode::<HandleRecord>().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "unreadable handle record: the blocks decide, and it is rewritten");
+            HandleRecord::default()
+        });
+        Ok(Some((kv.revision, rec)))
+    }
+
+    /// The record the blocks say a handle should have: `None` when it holds nothing.
+    fn record_of<'a>(
+        &self,
+        held: impl IntoIterator<Item = (IpAddr, &'a Allocation)>,
+    ) -> Option<HandleRecord> {
+        let pools = self.pools();
+        let mut node = None;
+        let addresses: Vec<Held> = held
+            .into_iter()
+            .map(|(addr, a)| {
+                node.get_or_insert_with(|| a.node.clone());
+                Held {
+                    addr,
+                    pool: pool_of(&pools, addr),
+                    seq: a.seq,
+                }
+            })
+            .collect();
+        Some(HandleRecord {
+            node: node?,
+            addresses,
+        })
+    }
+
+    /// Makes the stored record of (handle, ifname) say `desired` (deleted when `None`), with a
+    /// compare-and-swap on what `stored` says it is. Best effort: a lost race or a failure is
+    /// logged, reads check the blocks anyway, and [`Self::repair_handles`] settles it at the
+    /// next housekeeping pass. Returns whether the record now says `desired`.
+    pub(super) async fn write_record(
+        &self,
+        inner: &mut Inner,
+        handle: &str,
+        ifname: &str,
+        stored: &Stored,
+        desired: Option<&HandleRecord>,
+    ) -> bool {
+        let hkey = keys::handle(handle, ifname);
+        let (compare, op) = match (stored, desired) {
+            (Some((_, cur)), Some(d)) if same_record(cur, d) => return true,
+            (None, None) => return true,
+            (Some((rev, _)), None) => (Compare::Revision(hkey.clone(), *rev), Op::Delete(hkey)),
+            (Some((rev, _)), Some(d)) => {
+                (Compare::Revision(hkey.clone(), *rev), Op::put_json(hkey, d))
+            }
+            (None, Some(d)) => (Compare::Absent(hkey.clone()), Op::put_json(hkey, d)),
+        };
+        match self.store.txn(&[compare], &[op], Durability::Process).await {
+            Ok(Some(_)) => true,
+            Ok(None) => {
+                tracing::debug!(%handle, %ifname,
+                    "handle record changed meanwhile; the repair settles it from the blocks");
+                inner.handles_dirty = true;
+                false
+            }
+            Err(e) => {
+                tracing::warn!(%handle, %ifname, error = %e,
+                    "handle record not written: reads check the blocks, and the repair rewrites it");
+                inner.handles_dirty = true;
+                false
+            }
+        }
+    }
+
+    /// Makes the record of (handle, ifname) say what the view's blocks hold for it.
+    async fn follow_record(&self, inner: &mut Inner, handle: &str, ifname: &str) {
+        let desired = self.record_of(
+            inner
+                .ipam
+                .held_by(handle, ifname)
+                .into_iter()
+                .map(|(_, addr, a)| (addr, a)),
+        );
+        match self.read_record(handle, ifname).await {
+            Ok(stored) => {
+                self.write_record(inner, handle, ifname, &stored, desired.as_ref())
+                    .await;
+            }
+            Err(e) => {
+                tracing::warn!(%handle, %ifname, error = %e,
+                    "handle record not read; the repair rewrites it");
+                inner.handles_dirty = true;
+            }
         }
     }
 
     /// The previous plugin's handle (`<network>.<containerID>`) of the attachment `handle`
-    /// names, when it holds addresses for `ifname` that were allocated for that very container.
-    /// Its encoding is ambiguous (`a.b.c`: network `a` or `a.b`), so ownership is proven by the
-    /// container ID every allocation of the plugin carries, never assumed.
+    /// names, when the blocks hold addresses of it for `ifname` that were all allocated for that
+    /// very container. Its encoding is ambiguous (`a.b.c`: network `a` or `a.b`), so ownership
+    /// is proven by the container ID every allocation of the plugin carries, never assumed.
     async fn legacy_handle(
         &self,
         inner: &mut Inner,
         handle: &str,
         ifname: &str,
+        fresh: bool,
     ) -> Result<Option<String>, AgentError> {
         let Some((network, container_id)) = handle::decode(handle) else {
             return Ok(None);
         };
         let legacy = handle::legacy(network, container_id);
-        let Some(kv) = self.store.get(&keys::handle(&legacy, ifname)).await? else {
-            return Ok(None);
-        };
-        let rec: HandleRecord = kv.decode()?;
-        if rec.addresses.is_empty() {
-            return Ok(None);
-        }
-        for refreshed in [false, true] {
-            let ours = rec.addresses.iter().all(|h| {
-                inner
-                    .ipam
-                    .block_of(h.addr)
-                    .and_then(|b| b.allocations.get(&b.offset_of(h.addr)?))
-                    .is_some_and(|a| {
-                        a.seq == h.seq
-                            && a.handle == legacy
-                            && attachment_of(a) == Some((network, container_id))
-                    })
-            });
-            if ours {
-                return Ok(Some(legacy));
-            }
-            if !refreshed {
-                self.refresh_blocks(inner).await?;
-            }
-        }
-        Ok(None)
+        let (held, _) = self.held(inner, &legacy, ifname, fresh).await?;
+        let ours = !held.is_empty()
+            && held
+                .iter()
+                .all(|h| attachment_of(&h.allocation) == Some((network, container_id)));
+        Ok(ours.then_some(legacy))
     }
 
     /// Releases what (handle, ifname) holds. Idempotent; returns what was released.
     pub async fn release(&self, handle: &str, ifname: &str) -> Result<Vec<IpAddr>, AgentError> {
         let mut inner = self.inner.lock().await;
-        self.release_attachment_locked(&mut inner, handle, ifname, None, "released by CNI DEL")
+        self.release_attachment_locked(&mut inner, handle, ifname, "released by CNI DEL")
             .await
     }
 
@@ -258,77 +469,64 @@ impl Agent {
         inner: &mut Inner,
         handle: &str,
         ifname: &str,
-        extra: Option<Op>,
         reason: &str,
     ) -> Result<Vec<IpAddr>, AgentError> {
         let mut released = self
-            .release_handle_locked(inner, handle, ifname, extra, reason)
+            .release_handle_locked(inner, handle, ifname, reason)
             .await?;
         if released.is_empty() {
-            if let Some(legacy) = self.legacy_handle(inner, handle, ifname).await? {
+            if let Some(legacy) = self.legacy_handle(inner, handle, ifname, false).await? {
                 released = self
-                    .release_handle_locked(inner, &legacy, ifname, None, reason)
+                    .release_handle_locked(inner, &legacy, ifname, reason)
                     .await?;
             }
         }
         Ok(released)
     }
 
-    /// Releases every address of (handle, ifname) — each only if its block still holds that
-    /// very allocation (sequence number) — deletes the handle record, and applies `extra`, in
-    /// one transaction.
+    /// Releases every address of (handle, ifname) — one compare-and-swap per block, each
+    /// freeing only the very allocations (sequence numbers) the block holds for it — then
+    /// deletes its record (best effort: a record left behind names addresses the blocks no
+    /// longer give the handle, which reads ignore and the repair deletes).
     pub(super) async fn release_handle_locked(
         &self,
         inner: &mut Inner,
         handle: &str,
         ifname: &str,
-        extra: Option<Op>,
         reason: &str,
     ) -> Result<Vec<IpAddr>, AgentError> {
-        let hkey = keys::handle(handle, ifname);
+        let (_, stored) = self.held(inner, handle, ifname, false).await?;
+        let mut released = Vec::new();
         for attempt in 0..CAS_ATTEMPTS {
-            let Some(kv) = self.store.get(&hkey).await? else {
-                if let Some(op) = &extra {
-                    self.store
-                        .txn(&[], std::slice::from_ref(op), Durability::Process)
-                        .await?;
-                }
-                return Ok(Vec::new());
+            let held: Vec<(String, IpAddr, u64)> = inner
+                .ipam
+                .held_by(handle, ifname)
+                .into_iter()
+                .map(|(key, addr, a)| (key.to_string(), addr, a.seq))
+                .collect();
+            let Some((block, ..)) = held.first().cloned() else {
+                self.write_record(inner, handle, ifname, &stored, None)
+                    .await;
+                return Ok(released);
             };
-            let rec: HandleRecord = kv.decode()?;
-            if rec
-                .addresses
+            let freed: Vec<(IpAddr, u64)> = held
                 .iter()
-                .any(|h| inner.ipam.block_of(h.addr).is_none())
-            {
-                self.refresh_blocks(inner).await?;
-            }
-            let mut touched = BTreeSet::new();
-            let mut released = Vec::new();
-            for h in &rec.addresses {
-                if let Some((block, _)) = inner.ipam.release_address(h.addr, Some(h.seq)) {
-                    touched.insert(block);
-                    released.push(h.addr);
-                }
-            }
-            let touched: Vec<String> = touched.into_iter().collect();
-            let mut ops = vec![Op::Delete(hkey.clone())];
-            ops.extend(extra.clone());
+                .filter(|(key, ..)| *key == block)
+                .filter_map(|(_, addr, seq)| {
+                    inner.ipam.release_address(*addr, Some(*seq))?;
+                    Some((*addr, *seq))
+                })
+                .collect();
             if self
-                .commit_blocks(
-                    inner,
-                    &touched,
-                    vec![Compare::Revision(hkey.clone(), kv.revision)],
-                    ops,
-                    Durability::Process,
-                )
+                .commit_block(inner, &block, Durability::Process)
                 .await?
                 .is_some()
             {
-                for addr in &released {
-                    tracing::info!(%handle, %ifname, %addr, %reason, "released");
+                for (addr, seq) in freed {
+                    tracing::info!(%handle, %ifname, %addr, seq, %reason, "released");
+                    released.push(addr);
                 }
-                return Ok(released);
+                continue;
             }
             cas_backoff(attempt).await;
         }
@@ -339,8 +537,9 @@ impl Agent {
         .into())
     }
 
-    /// Releases one address (calixctl, leak GC) — only if it is still allocation `seq` when
-    /// given — and removes it from its handle's record. Returns whether it was released.
+    /// Releases one address (calixctl, leak GC, a rollback) — only if it is still allocation
+    /// `seq` when given — then brings its handle's record in line. Returns whether it was
+    /// released.
     pub async fn release_address(
         &self,
         addr: IpAddr,
@@ -360,36 +559,20 @@ impl Agent {
         reason: &str,
     ) -> Result<bool, AgentError> {
         for attempt in 0..CAS_ATTEMPTS {
-            if inner.ipam.block_of(addr).is_none() {
+            if inner.stale || inner.ipam.block_of(addr).is_none() {
                 self.refresh_blocks(inner).await?;
             }
             let Some((block, gone)) = inner.ipam.release_address(addr, seq) else {
                 return Ok(false);
             };
-            let hkey = keys::handle(&gone.handle, &gone.ifname);
-            let mut compares = Vec::new();
-            let mut ops = Vec::new();
-            match self.store.get(&hkey).await? {
-                Some(kv) => {
-                    let mut rec: HandleRecord = kv.decode()?;
-                    compares.push(Compare::Revision(hkey.clone(), kv.revision));
-                    rec.addresses
-                        .retain(|h| !(h.addr == addr && h.seq == gone.seq));
-                    ops.push(if rec.addresses.is_empty() {
-                        Op::Delete(hkey.clone())
-                    } else {
-                        Op::put_json(hkey.clone(), &rec)
-                    });
-                }
-                None => compares.push(Compare::Absent(hkey.clone())),
-            }
             if self
-                .commit_blocks(inner, &[block], compares, ops, Durability::Process)
+                .commit_block(inner, &block, Durability::Process)
                 .await?
                 .is_some()
             {
                 tracing::info!(handle = %gone.handle, ifname = %gone.ifname, %addr, seq = gone.seq,
                     %reason, "released");
+                self.follow_record(inner, &gone.handle, &gone.ifname).await;
                 return Ok(true);
             }
             cas_backoff(attempt).await;
@@ -399,6 +582,141 @@ impl Agent {
             what: format!("release of {addr}"),
         }
         .into())
+    }
+
+    /// Rebuilds this node's handle records from the blocks: a record missing for an allocation
+    /// of this node is created, one that says otherwise than the blocks is rewritten, one of
+    /// this node for a handle the blocks give nothing is deleted. Records of other nodes are
+    /// theirs to repair. Also folds the previous version's retired-block records into released
+    /// block objects. Runs at start, and in housekeeping after a record write failed or lost a
+    /// race (and every [`REPAIR_EVERY`] passes: another node may have written this node's
+    /// records); it lists every handle record of the store. Returns the records fixed.
+    pub(super) async fn repair_handles(&self, inner: &mut Inner) -> Result<usize, AgentError> {
+        inner.handles_dirty = false;
+        // Under the IPAM lock nothing of this node's changes meanwhile: the view has every
+        // allocation this node made (listed again if a write left it in doubt).
+        let mut stored: BTreeMap<(String, String), (i64, HandleRecord)> = BTreeMap::new();
+        for kv in self.store.list(keys::HANDLES).await? {
+            let Some((handle, ifname)) = kv
+                .key
+                .strip_prefix(keys::HANDLES)
+                .and_then(|rest| rest.rsplit_once('/'))
+            else {
+                continue;
+            };
+            let rec = kv.decode::<HandleRecord>().unwrap_or_default();
+            stored.insert((handle.to_string(), ifname.to_string()), (kv.revision, rec));
+        }
+        if inner.stale {
+            self.refresh_blocks(inner).await?;
+        }
+        let mut held: BTreeMap<(String, String), Vec<(IpAddr, &Allocation)>> = BTreeMap::new();
+        for (addr, a) in inner.ipam.allocations_of(&self.node.name) {
+            held.entry((a.handle.clone(), a.ifname.clone()))
+                .or_default()
+                .push((addr, a));
+        }
+        let desired: BTreeMap<(String, String), HandleRecord> = held
+            .into_iter()
+            .filter_map(|(k, mut v)| {
+                v.sort_by_key(|(addr, _)| (addr.is_ipv6(), *addr));
+                Some((k, self.record_of(v)?))
+            })
+            .collect();
+        let mut fixed = 0;
+        for ((handle, ifname), want) in &desired {
+            let have = stored.get(&(handle.clone(), ifname.clone())).cloned();
+            if matches!(&have, Some((_, h)) if same_record(h, want)) {
+                continue;
+            }
+            if self
+                .write_record(inner, handle, ifname, &have, Some(want))
+                .await
+            {
+                tracing::info!(%handle, %ifname, missing = have.is_none(),
+                    "handle record repaired from the blocks");
+                fixed += 1;
+            }
+        }
+        for ((handle, ifname), have) in &stored {
+            if have.1.node != self.node.name
+                || desired.contains_key(&(handle.clone(), ifname.clone()))
+            {
+                continue;
+            }
+            if self
+                .write_record(inner, handle, ifname, &Some(have.clone()), None)
+                .await
+            {
+                tracing::info!(%handle, %ifname,
+                    "stale handle record deleted: the blocks give the handle nothing");
+                fixed += 1;
+            }
+        }
+        self.fold_legacy_retired(inner).await;
+        Ok(fixed)
+    }
+
+    /// The previous version released a block by deleting it and writing `ipam/retired/<block>`.
+    /// Each such record becomes a released block object (compared absent), then goes.
+    async fn fold_legacy_retired(&self, inner: &mut Inner) {
+        for (cidr, record_rev) in std::mem::take(&mut inner.legacy_retired) {
+            let key = cidr.to_string();
+            let has_object = inner.ipam.blocks.contains_key(&key)
+                || inner
+                    .ipam
+                    .retired
+                    .get(&key)
+                    .is_some_and(|r| r.revision != 0);
+            if !has_object {
+                let next_seq = inner.ipam.retired.get(&key).map_or(1, |r| r.next_seq);
+                let mut released = crate::ipam::Block::new(cidr, "");
+                released.next_seq = next_seq;
+                let bkey = keys::block(&cidr);
+                let put = self
+                    .store
+                    .txn(
+                        &[Compare::Absent(bkey.clone())],
+                        &[Op::put_json(bkey, &released)],
+                        Durability::Process,
+                    )
+                    .await;
+                match put {
+                    Ok(Some(rev)) => {
+                        released.revision = rev;
+                        inner.ipam.put_block(released);
+                    }
+                    Ok(None) => {
+                        inner.stale = true;
+                        inner.legacy_retired.push((cidr, record_rev));
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(block = %cidr, error = %e, "retired record not folded; retrying later");
+                        inner.legacy_retired.push((cidr, record_rev));
+                        continue;
+                    }
+                }
+            }
+            let rkey = keys::retired(&cidr);
+            match self
+                .store
+                .txn(
+                    &[Compare::Revision(rkey.clone(), record_rev)],
+                    &[Op::Delete(rkey)],
+                    Durability::Process,
+                )
+                .await
+            {
+                Ok(_) => {
+                    tracing::info!(block = %cidr, "retired record folded into the block object")
+                }
+                Err(e) => {
+                    tracing::warn!(block = %cidr, error = %e, "retired record not deleted; retrying later");
+                    inner.legacy_retired.push((cidr, record_rev));
+                }
+            }
+        }
     }
 
     /// CNI GC: releases every allocation of this node for `network` whose (containerID,
@@ -463,7 +781,6 @@ impl Agent {
                     &mut inner,
                     &handle,
                     &ifname,
-                    None,
                     "not in the runtime's valid attachments (CNI GC)",
                 )
                 .await?,

@@ -1,13 +1,14 @@
-//! Housekeeping: leak GC (allocations of this node that no endpoint uses) and the release of
-//! this node's empty blocks. Both wait a grace period and recheck before they act, and log
-//! every release with its reason.
+//! Housekeeping: leak GC (allocations of this node that no endpoint uses), the release of this
+//! node's empty blocks, and the repair of handle records from the blocks. Leak GC and block
+//! release wait a grace period and recheck before they act, and log every release with its
+//! reason. Every write is one object.
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::time::Instant;
 
-use super::{Agent, AgentError};
+use super::{Agent, AgentError, Inner};
 use crate::datastore::{keys, Compare, Durability, Op};
-use crate::ipam::Retired;
+use crate::ipam::Pool;
 use crate::model::EndpointRecord;
 
 /// What one housekeeping pass did.
@@ -17,12 +18,21 @@ pub struct Swept {
     pub released: Vec<IpAddr>,
     /// Allocations now waiting out the grace period.
     pub candidates: usize,
-    /// Empty blocks released.
+    /// Empty blocks released (or deleted, when no pool has their layout any more).
     pub blocks_released: Vec<String>,
+    /// Handle records created, rewritten or deleted to match the blocks.
+    pub handles_repaired: usize,
+}
+
+/// Whether `cidr` is a block of one of `pools` as configured now (disabled pools included).
+fn current_layout(pools: &[Pool], cidr: &ipnet::IpNet) -> bool {
+    pools
+        .iter()
+        .any(|p| cidr.prefix_len() == p.block_size && p.cidr.contains(&cidr.network()))
 }
 
 impl Agent {
-    /// One leak-GC and empty-block pass at `now`.
+    /// One housekeeping pass at `now`: leak GC, empty blocks, handle records.
     pub async fn housekeep(&self, now: Instant) -> Result<Swept, AgentError> {
         let mut out = Swept::default();
         // The live endpoints first (the endpoint lock is taken before the IPAM lock).
@@ -90,61 +100,118 @@ impl Agent {
         }
         out.candidates = inner.leak_candidates.len();
 
-        // Empty blocks of this node.
-        let empty: Vec<(String, ipnet::IpNet, i64, u64)> = inner
+        self.release_empty_blocks(&mut inner, now, &mut out).await?;
+        inner.passes_since_repair += 1;
+        if inner.handles_dirty
+            || !inner.legacy_retired.is_empty()
+            || inner.passes_since_repair >= super::ipam::REPAIR_EVERY
+        {
+            inner.passes_since_repair = 0;
+            out.handles_repaired = self.repair_handles(&mut inner).await?;
+        }
+        Ok(out)
+    }
+
+    /// Releases this node's blocks that stayed empty for the grace period: each is written
+    /// back affine to nobody (one compare-and-swap), keeping its sequence counter, so the next
+    /// claim, by any node, continues it. A block no pool of this node has in its layout any
+    /// more (blockSize changed, pool removed) is deleted instead, and so is any released block
+    /// of such a layout inside this node's pools, so the new layout's blocks can be claimed:
+    /// a block claimed where none is stored starts its sequence numbers above the store's
+    /// revision, which covers every life it had.
+    async fn release_empty_blocks(
+        &self,
+        inner: &mut Inner,
+        now: Instant,
+        out: &mut Swept,
+    ) -> Result<(), AgentError> {
+        let pools = self.pools();
+        let empty: Vec<(String, ipnet::IpNet)> = inner
             .ipam
             .blocks
             .iter()
             .filter(|(_, b)| b.affinity == self.node.name && b.allocations.is_empty())
-            .map(|(k, b)| (k.clone(), b.cidr, b.revision, b.next_seq))
+            .map(|(k, b)| (k.clone(), b.cidr))
             .collect();
-        let empty_keys: HashSet<&String> = empty.iter().map(|(k, _, _, _)| k).collect();
-        let mut still = inner.empty_since.clone();
-        still.retain(|k, _| empty_keys.contains(k));
-        inner.empty_since = still;
-        for (key, cidr, rev, next_seq) in &empty {
+        let empty_keys: HashSet<&String> = empty.iter().map(|(k, _)| k).collect();
+        inner.empty_since.retain(|k, _| empty_keys.contains(k));
+        for (key, cidr) in &empty {
             let first = *inner.empty_since.entry(key.clone()).or_insert(now);
             if now.duration_since(first) < self.housekeeping.empty_block_grace {
                 continue;
             }
-            let bkey = keys::block(cidr);
-            // The block goes, its sequence counter stays: the next claim starts above it.
-            let retired = Retired {
-                cidr: *cidr,
-                next_seq: inner
-                    .ipam
-                    .retired
-                    .get(key)
-                    .map_or(*next_seq, |r| r.next_seq.max(*next_seq)),
-                revision: 0,
-            };
-            let done = self
-                .store
-                .txn(
-                    &[Compare::Revision(bkey.clone(), *rev)],
-                    &[
-                        Op::Delete(bkey),
-                        Op::put_json(keys::retired(cidr), &retired),
-                    ],
-                    Durability::Process,
-                )
-                .await?;
             inner.empty_since.remove(key);
-            if let Some(done) = done {
-                inner.ipam.blocks.remove(key);
-                inner.ipam.retired.insert(
-                    key.clone(),
-                    Retired {
-                        revision: done,
-                        ..retired
-                    },
-                );
-                inner.ipam.revision = inner.ipam.revision.max(done);
+            let reason = "empty for longer than the grace period";
+            if !current_layout(&pools, cidr) {
+                let rev = inner.ipam.blocks.get(key).map_or(0, |b| b.revision);
+                if self.delete_block(inner, cidr, rev).await? {
+                    tracing::info!(block = %cidr, %reason, layout = "in no pool's layout",
+                        "block deleted");
+                    out.blocks_released.push(key.clone());
+                }
+                continue;
+            }
+            let Some(b) = inner.ipam.blocks.get_mut(key) else {
+                continue;
+            };
+            b.affinity.clear();
+            if self
+                .commit_block(inner, key, Durability::Process)
+                .await?
+                .is_some()
+            {
                 tracing::info!(block = %cidr, empty_for_s = now.duration_since(first).as_secs(),
-                    reason = "empty for longer than the grace period", "block released");
+                    %reason, "block released");
                 out.blocks_released.push(key.clone());
             }
         }
-        Ok(out)
+        let old_layout: Vec<(ipnet::IpNet, i64)> = inner
+            .ipam
+            .retired
+            .values()
+            .filter(|r| {
+                r.revision != 0
+                    && pools.iter().any(|p| p.cidr.contains(&r.cidr.network()))
+                    && !current_layout(&pools, &r.cidr)
+            })
+            .map(|r| (r.cidr, r.revision))
+            .collect();
+        for (cidr, rev) in old_layout {
+            if self.delete_block(inner, &cidr, rev).await? {
+                tracing::info!(block = %cidr, "released block of an old layout deleted");
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes block `cidr` if it is still at `revision`; whether it was deleted.
+    async fn delete_block(
+        &self,
+        inner: &mut Inner,
+        cidr: &ipnet::IpNet,
+        revision: i64,
+    ) -> Result<bool, AgentError> {
+        let k = keys::block(cidr);
+        let done = self
+            .store
+            .txn(
+                &[Compare::Revision(k.clone(), revision)],
+                &[Op::Delete(k)],
+                Durability::Process,
+            )
+            .await?;
+        let key = cidr.to_string();
+        match done {
+            Some(rev) => {
+                inner.ipam.blocks.remove(&key);
+                inner.ipam.retired.remove(&key);
+                inner.ipam.revision = inner.ipam.revision.max(rev);
+                Ok(true)
+            }
+            None => {
+                self.refresh_blocks(inner).await?;
+                Ok(false)
+            }
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The agent's core: IPAM and the endpoint registry over one datastore and one dataplane.
-//! Nothing is acknowledged before the datastore has it; IPAM writes are compare-and-swap on the
-//! blocks' revisions, so agents sharing a datastore never hand out an address twice.
+//! Nothing is acknowledged before the datastore has it; every write is one object, and IPAM
+//! writes are compare-and-swap on one block's revision, so agents sharing a datastore never
+//! hand out an address twice.
 mod ipam;
 mod leak;
 mod report;
@@ -18,6 +19,7 @@ use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, Endp
 use crate::datastore::{keys, Datastore, DatastoreError, Durability, Op};
 use crate::ipam::{Block, IpamError, IpamState, Policy, Pool, Retired};
 use crate::model::{EndpointRecord, NodeRecord};
+use ipnet::IpNet;
 
 pub use leak::Swept;
 pub use report::{BlockUse, CheckReport, Finding, IpamReport, NodeUse, PoolUse};
@@ -68,8 +70,18 @@ pub struct Housekeeping {
 
 /// IPAM state, behind its own lock.
 struct Inner {
-    /// The blocks as last read or written.
+    /// The blocks as last read or written: every allocation this agent committed is in it.
     ipam: IpamState,
+    /// A write failed and the view could not be listed again: it may hold a change that was
+    /// not committed (or miss one that was). Listed again before the next decision.
+    stale: bool,
+    /// Retired-block records of the previous version (CIDR, record revision), to fold into
+    /// released block objects.
+    legacy_retired: Vec<(IpNet, i64)>,
+    /// A handle record write failed or lost a race since the last repair.
+    handles_dirty: bool,
+    /// Housekeeping passes since the last repair of the handle records.
+    passes_since_repair: u32,
     /// Allocations of this node without an endpoint: (address, seq) → first seen.
     leak_candidates: HashMap<(IpAddr, u64), Instant>,
     /// This node's empty blocks → first seen empty.
@@ -141,6 +153,10 @@ impl Agent {
             store,
             inner: Mutex::new(Inner {
                 ipam: IpamState::default(),
+                stale: false,
+                legacy_retired: Vec::new(),
+                handles_dirty: false,
+                passes_since_repair: 0,
                 leak_candidates: HashMap::new(),
                 empty_since: HashMap::new(),
             }),
@@ -156,8 +172,13 @@ impl Agent {
             let mut inner = agent.inner.lock().await;
             agent.refresh_blocks(&mut inner).await?;
             agent.check_pools(&inner.ipam, &pools)?;
+            agent.set_pools_unchecked(pools, policy);
+            // An agent that died between a block's commit and its handle record left the
+            // record missing (or stale): rebuild the records from the blocks first thing.
+            if let Err(e) = agent.repair_handles(&mut inner).await {
+                tracing::warn!(error = %e, "handle records not repaired at start; housekeeping retries");
+            }
         }
-        agent.set_pools_unchecked(pools, policy);
         Ok(agent)
     }
 
@@ -227,8 +248,12 @@ impl Agent {
         Ok(())
     }
 
-    /// Re-reads every block (and every retired block) from the datastore.
+    /// Re-reads every block (released ones included, and the previous version's retired-block
+    /// records) from the datastore.
+    /// Until it succeeds the view counts as stale: a caller that changed the view and could
+    /// not commit leaves it to be listed again before the next decision.
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
+        inner.stale = true;
         let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
         let mut blocks = Vec::new();
         for kv in kvs {
@@ -237,61 +262,71 @@ impl Agent {
             blocks.push(b);
         }
         let mut retired = Vec::new();
+        let mut legacy = Vec::new();
         for kv in self.store.list(keys::RETIRED).await? {
-            let mut r: Retired = kv.decode()?;
-            r.revision = kv.revision;
+            let r: Retired = kv.decode()?;
+            legacy.push((r.cidr, kv.revision));
             retired.push(r);
         }
         inner.ipam.replace(blocks, retired, revision);
+        inner.legacy_retired = legacy;
+        inner.stale = false;
         Ok(())
     }
 
-    /// Writes the touched blocks (compare-and-swap on each one's revision) with `extra`
-    /// compares and ops, in one transaction: `Ok(Some(revision))` of the write, or `Ok(None)`:
-    /// someone else wrote first; the view has been re-read and the caller should recompute and
-    /// retry. A new block is compared absent, and so is its retired record unless the view has
-    /// it (then compared on its revision and deleted): a claim made on a view older than the
-    /// block's last release fails, so its sequence numbers never start below that life's.
-    async fn commit_blocks(
+    /// Reads one block again into the view (gone: out of the view).
+    async fn reread_block(&self, inner: &mut Inner, cidr: &IpNet) -> Result<(), AgentError> {
+        match self.store.get(&keys::block(cidr)).await? {
+            Some(kv) => {
+                let mut b: Block = kv.decode()?;
+                b.revision = kv.revision;
+                inner.ipam.put_block(b);
+            }
+            None => {
+                let key = cidr.to_string();
+                inner.ipam.blocks.remove(&key);
+                if inner
+                    .ipam
+                    .retired
+                    .get(&key)
+                    .is_some_and(|r| r.revision != 0)
+                {
+                    inner.ipam.retired.remove(&key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes block `key` of the view, alone: compare-and-swap on the revision it was read at
+    /// (a block never stored: compared absent). `Ok(Some(revision))` of the write, or
+    /// `Ok(None)`: someone else wrote first; the view has been listed again and the caller
+    /// should decide again. On an error the view is listed again too (or marked stale).
+    async fn commit_block(
         &self,
         inner: &mut Inner,
-        touched: &[String],
-        mut compares: Vec<crate::datastore::Compare>,
-        mut ops: Vec<Op>,
+        key: &str,
         durability: Durability,
     ) -> Result<Option<i64>, AgentError> {
         use crate::datastore::Compare;
-        let mut claimed = Vec::new();
-        for key in touched {
-            let Some(b) = inner.ipam.blocks.get(key) else {
-                continue;
-            };
-            let k = keys::block(&b.cidr);
-            if b.revision == 0 {
-                claimed.push(key);
-                compares.push(Compare::Absent(k.clone()));
-                let rk = keys::retired(&b.cidr);
-                match inner.ipam.retired.get(key) {
-                    Some(r) => {
-                        compares.push(Compare::Revision(rk.clone(), r.revision));
-                        ops.push(Op::Delete(rk));
-                    }
-                    None => compares.push(Compare::Absent(rk)),
-                }
-            } else {
-                compares.push(Compare::Revision(k.clone(), b.revision));
-            }
-            ops.push(Op::put_json(k, b));
-        }
-        match self.store.txn(&compares, &ops, durability).await {
+        let Some(b) = inner.ipam.blocks.get(key) else {
+            return Ok(None);
+        };
+        let k = keys::block(&b.cidr);
+        let compare = match b.revision {
+            0 => Compare::Absent(k.clone()),
+            rev => Compare::Revision(k.clone(), rev),
+        };
+        match self
+            .store
+            .txn(&[compare], &[Op::put_json(k, b)], durability)
+            .await
+        {
             Ok(Some(rev)) => {
-                for key in touched {
-                    if let Some(b) = inner.ipam.blocks.get_mut(key) {
-                        b.revision = rev;
-                    }
-                }
-                for key in claimed {
-                    inner.ipam.retired.remove(key);
+                if let Some(mut b) = inner.ipam.blocks.remove(key) {
+                    b.revision = rev;
+                    // A released block moves to the retired; a claimed one leaves them.
+                    inner.ipam.put_block(b);
                 }
                 inner.ipam.revision = inner.ipam.revision.max(rev);
                 Ok(Some(rev))
@@ -301,7 +336,7 @@ impl Agent {
                 Ok(None)
             }
             Err(e) => {
-                // The in-memory view may hold uncommitted changes: re-read it (best effort).
+                // The view holds a change that may or may not be committed: list it again.
                 if let Err(re) = self.refresh_blocks(inner).await {
                     tracing::warn!(error = %re, "cannot re-read blocks after a failed write");
                 }
@@ -313,8 +348,9 @@ impl Agent {
     /// Records the endpoint and programs the dataplane for it; returns once both are done.
     ///
     /// Another endpoint recorded on the same host interface name is an older sandbox of the
-    /// same pod (the plugin replaced its veth): it is retired in the same datastore write, its
-    /// addresses kept until its own DEL (or leak GC) releases them.
+    /// same pod (the plugin replaced its veth): its record is deleted first, its addresses kept
+    /// until its own DEL (or leak GC) releases them. One object per write: an agent that dies
+    /// between the two leaves the new endpoint unrecorded, as if its ADD had failed.
     pub async fn register(&self, ep: EndpointRecord) -> Result<Attached, AgentError> {
         if ep.container_id.is_empty() || ep.ifname.is_empty() || ep.host_ifname.is_empty() {
             return Err(AgentError::Invalid(
@@ -337,19 +373,28 @@ impl Agent {
                 source,
             })?;
         let t_attach = t0.elapsed();
-        let mut ops = vec![Op::put_json(
+        let mut ops: Vec<Op> = retired
+            .iter()
+            .map(|r| Op::Delete(keys::endpoint(&self.node.name, &r.container_id, &r.ifname)))
+            .collect();
+        ops.push(Op::put_json(
             keys::endpoint(&self.node.name, &ep.container_id, &ep.ifname),
             &ep,
-        )];
-        ops.extend(
-            retired
-                .iter()
-                .map(|r| Op::Delete(keys::endpoint(&self.node.name, &r.container_id, &r.ifname))),
-        );
-        if let Err(e) = self.store.txn(&[], &ops, Durability::Process).await {
-            // Not durable: undo the attach so nothing runs that the registry doesn't know.
-            let _ = eps.dataplane.detach(&key);
-            return Err(e.into());
+        ));
+        for (i, op) in ops.iter().enumerate() {
+            if let Err(e) = self
+                .store
+                .txn(&[], std::slice::from_ref(op), Durability::Process)
+                .await
+            {
+                // Not durable: undo the attach so nothing runs that the registry doesn't know.
+                let _ = eps.dataplane.detach(&key);
+                for r in &retired[..i.min(retired.len())] {
+                    eps.endpoints.remove(&r.id());
+                    eps.attached.remove(&r.id());
+                }
+                return Err(e.into());
+            }
         }
         for r in &retired {
             eps.endpoints.remove(&r.id());
@@ -366,8 +411,10 @@ impl Agent {
     }
 
     /// Forgets the endpoint and detaches its programs; with `release_handle`, also releases
-    /// what that handle holds for `ifname`, in the same datastore write. Idempotent; returns
-    /// whether the endpoint existed and what was released.
+    /// what that handle holds for `ifname`. Two writes, the endpoint record first: an agent that
+    /// dies between them leaves an allocation without an endpoint, which leak GC reclaims (the
+    /// other order could leave an endpoint record naming an address free for the next pod).
+    /// Idempotent; returns whether the endpoint existed and what was released.
     pub async fn unregister(
         &self,
         container_id: &str,
@@ -385,23 +432,19 @@ impl Agent {
             })?;
             eps.attached.remove(&key);
         }
-        let forget = ep
-            .is_some()
-            .then(|| Op::Delete(keys::endpoint(&self.node.name, container_id, ifname)));
+        if ep.is_some() {
+            let op = Op::Delete(keys::endpoint(&self.node.name, container_id, ifname));
+            self.store.txn(&[], &[op], Durability::Process).await?;
+        }
+        eps.endpoints.remove(&key);
         let released = match release_handle {
             Some(h) => {
                 let mut inner = self.inner.lock().await;
-                self.release_attachment_locked(&mut inner, h, ifname, forget, "released by CNI DEL")
+                self.release_attachment_locked(&mut inner, h, ifname, "released by CNI DEL")
                     .await?
             }
-            None => {
-                if let Some(op) = forget {
-                    self.store.txn(&[], &[op], Durability::Process).await?;
-                }
-                Vec::new()
-            }
+            None => Vec::new(),
         };
-        eps.endpoints.remove(&key);
         if let Some(ep) = &ep {
             tracing::info!(host_ifname = %ep.host_ifname, total_us = t0.elapsed().as_micros() as u64, "endpoint removed");
         }

@@ -90,10 +90,18 @@ struct Snapshot {
 
 impl Agent {
     async fn snapshot(&self) -> Result<Snapshot, AgentError> {
+        // This node's IPAM writes come in pairs (a block, then its handle record): read between
+        // two, and a check would report the handle as an orphan. Other nodes' pairs can still be
+        // seen half done; their housekeeping settles those.
+        let _no_ipam_writes = self.inner.lock().await;
         let store = &self.store;
         let mut blocks = Vec::new();
         for kv in store.list(keys::BLOCKS).await? {
-            blocks.push(kv.decode::<Block>()?);
+            let b = kv.decode::<Block>()?;
+            // A released block is back in its pool: not in use, affine to nobody.
+            if !b.is_released() {
+                blocks.push(b);
+            }
         }
         let mut handles = Vec::new();
         for kv in store.list(keys::HANDLES).await? {
@@ -253,7 +261,9 @@ impl Agent {
                 if !held {
                     findings.push(Finding {
                         kind: "orphan-allocation".into(),
-                        detail: "allocated in its block but no handle record holds it".into(),
+                        detail: "allocated in its block but no handle record holds it (the \
+                                 allocating node's housekeeping rebuilds the record)"
+                            .into(),
                         ..base.clone()
                     });
                 }
@@ -282,7 +292,9 @@ impl Agent {
                         ifname: ifname.clone(),
                         node: rec.node.clone(),
                         block: String::new(),
-                        detail: "handle record names an address its block does not hold".into(),
+                        detail: "handle record names an address its block does not hold (reads \
+                                 ignore it; the node's housekeeping deletes it)"
+                            .into(),
                     });
                 }
             }

@@ -9,6 +9,7 @@ use calix_proto::handle;
 
 use super::*;
 use crate::datastore::{Compare, EmbeddedStore, KeyValue};
+use crate::ipam::HandleRecord;
 
 struct NoDataplane;
 
@@ -42,8 +43,53 @@ impl Dataplane for NoDataplane {
     fn uninstall(&mut self) {}
 }
 
-/// One store shared by several agents, as etcd would be.
-struct Shared(Arc<EmbeddedStore>);
+/// One store shared by several agents, as etcd would be, that commits one object per
+/// transaction, as the Kubernetes API does (a transaction over two keys is an error), and can be
+/// told to fail writes: to play a crash between two writes, or a write that never lands.
+struct TestStore {
+    store: EmbeddedStore,
+    /// Writes touching a key under one of these prefixes fail.
+    fail_prefixes: std::sync::Mutex<Vec<String>>,
+    /// When set, this many more writes succeed; every one after fails (the agent "died").
+    writes_left: std::sync::Mutex<Option<usize>>,
+}
+
+impl TestStore {
+    /// Writes to keys under `prefix` fail from now on.
+    fn fail(&self, prefix: &str) {
+        self.fail_prefixes.lock().expect("lock").push(prefix.into());
+    }
+    /// `n` more writes succeed, then every write fails.
+    fn crash_after_writes(&self, n: usize) {
+        *self.writes_left.lock().expect("lock") = Some(n);
+    }
+    /// Every write succeeds again.
+    fn heal(&self) {
+        self.fail_prefixes.lock().expect("lock").clear();
+        *self.writes_left.lock().expect("lock") = None;
+    }
+    async fn get(&self, key: &str) -> Option<KeyValue> {
+        self.store.get(key).await.expect("get")
+    }
+}
+
+struct Shared(Arc<TestStore>);
+
+/// Every key a transaction compares or writes, once each.
+fn txn_keys(c: &[Compare], o: &[Op]) -> Vec<String> {
+    let mut keys: Vec<String> = c
+        .iter()
+        .map(|c| match c {
+            Compare::Absent(k) | Compare::Revision(k, _) => k.clone(),
+        })
+        .chain(o.iter().map(|o| match o {
+            Op::Put(k, _) | Op::Delete(k) => k.clone(),
+        }))
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
 
 #[tonic::async_trait]
 impl Datastore for Shared {
@@ -51,13 +97,13 @@ impl Datastore for Shared {
         "shared"
     }
     async fn get(&self, key: &str) -> Result<Option<KeyValue>, DatastoreError> {
-        self.0.get(key).await
+        self.0.store.get(key).await
     }
     async fn list_with_revision(
         &self,
         prefix: &str,
     ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
-        self.0.list_with_revision(prefix).await
+        self.0.store.list_with_revision(prefix).await
     }
     async fn txn(
         &self,
@@ -65,10 +111,43 @@ impl Datastore for Shared {
         o: &[Op],
         d: Durability,
     ) -> Result<Option<i64>, DatastoreError> {
-        self.0.txn(c, o, d).await
+        let keys = txn_keys(c, o);
+        let injected = |detail: String| DatastoreError::Unavailable {
+            backend: "test",
+            attempts: 1,
+            detail,
+        };
+        if keys.len() > 1 {
+            return Err(DatastoreError::TooManyObjects {
+                backend: "test",
+                keys,
+            });
+        }
+        if let Some(k) = keys.iter().find(|k| {
+            let failing = self.0.fail_prefixes.lock().expect("lock");
+            failing.iter().any(|p| k.starts_with(p.as_str()))
+        }) {
+            return Err(injected(format!("write of {k} failed (injected)")));
+        }
+        {
+            let mut left = self.0.writes_left.lock().expect("lock");
+            match left.as_mut() {
+                Some(0) => return Err(injected(format!("write of {keys:?} after the crash"))),
+                Some(n) => *n -= 1,
+                None => {}
+            }
+        }
+        self.0.store.txn(c, o, d).await
     }
     async fn sync(&self, revision: i64) -> Result<(), DatastoreError> {
-        self.0.sync(revision).await
+        self.0.store.sync(revision).await
+    }
+    async fn watch(
+        &self,
+        prefix: &str,
+        after: i64,
+    ) -> Result<crate::datastore::WatchStream, DatastoreError> {
+        self.0.store.watch(prefix, after).await
     }
 }
 
@@ -82,12 +161,7 @@ fn pool(cidr: &str, bs: u8) -> Pool {
 
 const GRACE: Duration = Duration::from_secs(30);
 
-async fn agent_on(
-    store: &Arc<EmbeddedStore>,
-    node: &str,
-    pools: Vec<Pool>,
-    policy: Policy,
-) -> Agent {
+async fn agent_on(store: &Arc<TestStore>, node: &str, pools: Vec<Pool>, policy: Policy) -> Agent {
     Agent::new(
         NodeRecord {
             name: node.into(),
@@ -106,9 +180,14 @@ async fn agent_on(
     .expect("agent")
 }
 
-fn store() -> (tempfile::TempDir, Arc<EmbeddedStore>) {
+fn store() -> (tempfile::TempDir, Arc<TestStore>) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let s = EmbeddedStore::open(&dir.path().join("store")).expect("store");
+    let store = EmbeddedStore::open(&dir.path().join("store")).expect("store");
+    let s = TestStore {
+        store,
+        fail_prefixes: Default::default(),
+        writes_left: Default::default(),
+    };
     (dir, Arc::new(s))
 }
 
@@ -606,4 +685,308 @@ async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
     assert_eq!(released, vec![gone]);
     assert_eq!(stale.len(), 1);
     assert_eq!(a.ipam().await.expect("ipam").in_use(), 2);
+}
+
+fn dual_pools() -> Vec<Pool> {
+    vec![pool("10.1.0.0/24", 28), pool("fd00::/120", 124)]
+}
+
+async fn handle_record(s: &TestStore, handle: &str) -> Option<HandleRecord> {
+    s.get(&keys::handle(handle, "eth0"))
+        .await
+        .map(|kv| kv.decode().expect("handle record"))
+}
+
+fn orphans(check: &CheckReport) -> Vec<&Finding> {
+    check
+        .findings
+        .iter()
+        .filter(|f| f.kind.starts_with("orphan"))
+        .collect()
+}
+
+/// The block is the commit point: a handle record that never got written (a crash right after
+/// the block's commit, or the write failing) loses nothing. The allocation is found by handle,
+/// the same handle gets the same addresses, and the record is rebuilt from the blocks at start.
+#[tokio::test]
+async fn an_allocation_whose_handle_record_was_never_written_is_found_and_repaired() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let h = handle::encode("net", "c1");
+    s.fail(keys::HANDLES);
+    let (got, already) = a
+        .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+        .await
+        .expect("a failed handle write must not fail a committed allocation");
+    assert!(!already);
+    assert_eq!(got.len(), 2);
+    assert!(handle_record(&s, &h).await.is_none());
+    assert_eq!(a.lookup(&h, "eth0").await.expect("lookup"), got);
+    let (again, already) = a
+        .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+        .await
+        .expect("again");
+    assert_eq!((again, already), (got.clone(), true));
+    // The agent dies; the next one rebuilds the record from the blocks.
+    drop(a);
+    s.heal();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let rec = handle_record(&s, &h).await.expect("repaired at start");
+    let mut held: Vec<(IpAddr, ipnet::IpNet)> =
+        rec.addresses.iter().map(|x| (x.addr, x.pool)).collect();
+    held.sort();
+    let mut want = got.clone();
+    want.sort();
+    assert_eq!(held, want);
+    let check = a.ipam_check().await.expect("check");
+    assert!(orphans(&check).is_empty(), "{:?}", check.findings);
+    assert_eq!(a.release(&h, "eth0").await.expect("release").len(), 2);
+    assert!(handle_record(&s, &h).await.is_none());
+}
+
+/// A handle record left behind by a release (the blocks were written, the record's delete was
+/// not) names addresses the handle no longer holds: reads ignore it, even once the address
+/// belongs to someone else, and housekeeping deletes it.
+#[tokio::test]
+async fn a_stale_handle_record_is_ignored_and_repaired() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let h1 = handle::encode("net", "c1");
+    let first = alloc4(&a, &h1).await.expect("h1");
+    s.fail(keys::HANDLES);
+    assert_eq!(
+        a.release(&h1, "eth0")
+            .await
+            .expect("the block release is the commit point"),
+        vec![first]
+    );
+    assert!(handle_record(&s, &h1).await.is_some(), "the record stayed");
+    assert!(a.lookup(&h1, "eth0").await.expect("lookup").is_empty());
+    s.heal();
+    // The address goes to another handle; h1's stale record still names it.
+    let h2 = handle::encode("net", "c2");
+    assert_eq!(alloc4(&a, &h2).await.expect("h2"), first);
+    assert!(a.lookup(&h1, "eth0").await.expect("lookup").is_empty());
+    let (again, already) = a
+        .allocate(&h1, "eth0", true, false, &[], &BTreeMap::new())
+        .await
+        .expect("h1 again");
+    assert!(!already);
+    assert_ne!(again[0].0, first, "{first} handed out twice");
+    a.release(&h1, "eth0").await.expect("release");
+    // Once more with the record left behind, then housekeeping.
+    alloc4(&a, &h1).await.expect("h1");
+    s.fail(keys::HANDLES);
+    a.release(&h1, "eth0").await.expect("release");
+    s.heal();
+    assert!(handle_record(&s, &h1).await.is_some());
+    a.housekeep(Instant::now()).await.expect("housekeep");
+    assert!(handle_record(&s, &h1).await.is_none(), "stale record kept");
+    let check = a.ipam_check().await.expect("check");
+    assert!(orphans(&check).is_empty(), "{:?}", check.findings);
+}
+
+/// A dual-stack allocation is two commits. An agent that dies between them leaves one family
+/// allocated, without a handle record or an endpoint: found by handle after the restart, and
+/// reclaimed by leak GC.
+#[tokio::test]
+async fn a_crash_between_the_halves_of_a_dual_stack_allocation_leaves_what_leak_gc_reclaims() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let h = handle::encode("net", "c1");
+    s.crash_after_writes(1);
+    a.allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+        .await
+        .expect_err("the agent died after the first half");
+    drop(a);
+    s.heal();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let held = a.lookup(&h, "eth0").await.expect("lookup");
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert_eq!(a.ipam().await.expect("ipam").in_use(), 1);
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.released, vec![held[0].0]);
+    assert_eq!(a.ipam().await.expect("ipam").in_use(), 0);
+    assert!(handle_record(&s, &h).await.is_none());
+    let check = a.ipam_check().await.expect("check");
+    assert!(check.findings.is_empty(), "{:?}", check.findings);
+}
+
+/// The same window, closed by the plugin's DEL instead: it releases the half that landed.
+#[tokio::test]
+async fn a_del_after_a_crash_between_the_halves_releases_the_half_that_landed() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let h = handle::encode("net", "c1");
+    s.crash_after_writes(1);
+    a.allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+        .await
+        .expect_err("the agent died after the first half");
+    drop(a);
+    s.heal();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let (existed, released) = a
+        .unregister("c1", "eth0", Some(&h))
+        .await
+        .expect("unregister");
+    assert!(!existed);
+    assert_eq!(released.len(), 1);
+    assert_eq!(a.ipam().await.expect("ipam").in_use(), 0);
+}
+
+/// A failure of the second half's commit rolls the first back.
+#[tokio::test]
+async fn a_failed_second_half_is_rolled_back() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    // Claim both blocks first, so each half is a write to an existing block.
+    a.allocate("warm", "eth0", true, true, &[], &BTreeMap::new())
+        .await
+        .expect("warm");
+    let v6_block = keys::block(&"fd00::/124".parse().expect("cidr"));
+    s.fail(&v6_block);
+    a.allocate("dual", "eth0", true, true, &[], &BTreeMap::new())
+        .await
+        .expect_err("the IPv6 half cannot be written");
+    s.heal();
+    assert_eq!(
+        a.ipam().await.expect("ipam").in_use(),
+        2,
+        "the IPv4 half stayed"
+    );
+    assert!(a.lookup("dual", "eth0").await.expect("lookup").is_empty());
+}
+
+/// Unregister with release is two writes: the endpoint record first, then the addresses. An
+/// agent that dies between them leaves an allocation without an endpoint, which leak GC
+/// reclaims; never an endpoint record whose address is free for the next pod.
+#[tokio::test]
+async fn a_crash_inside_unregister_leaves_an_allocation_leak_gc_reclaims() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let h = handle::encode("net", "c1");
+    let addr = alloc4(&a, &h).await.expect("alloc");
+    a.register(ep("c1", &h)).await.expect("register");
+    s.crash_after_writes(1);
+    a.unregister("c1", "eth0", Some(&h))
+        .await
+        .expect_err("died after the first write");
+    drop(a);
+    s.heal();
+    assert!(
+        s.get(&keys::endpoint("n1", "c1", "eth0")).await.is_none(),
+        "the endpoint record must go first"
+    );
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.released, vec![addr]);
+}
+
+/// A new sandbox on the same host interface retires the older one's record: two writes.
+#[tokio::test]
+async fn a_new_sandbox_retires_the_older_ones_record() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let mut old = ep("c1", "net:c1");
+    old.host_ifname = "calipod".into();
+    let mut new = ep("c2", "net:c2");
+    new.host_ifname = "calipod".into();
+    a.register(old).await.expect("old sandbox");
+    a.register(new).await.expect("new sandbox");
+    assert!(s.get(&keys::endpoint("n1", "c1", "eth0")).await.is_none());
+    assert!(s.get(&keys::endpoint("n1", "c2", "eth0")).await.is_some());
+    assert_eq!(a.list().await.expect("list").len(), 1);
+}
+
+/// A block released by an agent of the previous version left an `ipam/retired/` record (and no
+/// block). A claim starts above its sequence number; housekeeping folds the record into the
+/// block object, which from then on carries the sequence across releases.
+#[tokio::test]
+async fn a_retired_record_of_the_previous_version_is_honoured_and_folded_into_the_block() {
+    let (_d, s) = store();
+    let cidr: ipnet::IpNet = "10.1.0.0/28".parse().expect("cidr");
+    s.store
+        .txn(
+            &[],
+            &[Op::put_json(
+                keys::retired(&cidr),
+                &crate::ipam::Retired {
+                    cidr,
+                    next_seq: 1_000_000,
+                    revision: 0,
+                },
+            )],
+            Durability::Power,
+        )
+        .await
+        .expect("txn")
+        .expect("applied");
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/28", 28)], Policy::default()).await;
+    let addr = alloc4(&a, "h1").await.expect("claim");
+    assert!(seq_of(&a, addr).await >= 1_000_000);
+    a.release("h1", "eth0").await.expect("release");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert!(
+        s.get(&keys::retired(&cidr)).await.is_none(),
+        "the retired record was not folded into the block"
+    );
+    let again = alloc4(&a, "h2").await.expect("reclaim");
+    assert!(seq_of(&a, again).await > 1_000_000);
+}
+
+/// A pool's blockSize changes: blocks of the old layout, empty or released, are deleted rather
+/// than kept, so the new layout's blocks can be claimed where they were; their sequence
+/// numbers still never repeat.
+#[tokio::test]
+async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    // Two /28 blocks: one released under the old layout, one still claimed and empty.
+    let first = alloc4(&a, "h1").await.expect("h1");
+    let seq1 = seq_of(&a, first).await;
+    a.allocate(
+        "h2",
+        "eth0",
+        true,
+        false,
+        &["10.1.0.17".parse().expect("ip")],
+        &BTreeMap::new(),
+    )
+    .await
+    .expect("h2 in the second block");
+    a.release("h1", "eth0").await.expect("release");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert_eq!(done.blocks_released, vec!["10.1.0.0/28".to_string()]);
+    // (Leak GC released h2 meanwhile: it has no endpoint.)
+    assert!(a.lookup("h2", "eth0").await.expect("lookup").is_empty());
+    a.set_pools(vec![pool("10.1.0.0/24", 26)], Policy::default())
+        .await
+        .expect("new layout");
+    let t1 = t0 + GRACE * 2;
+    let done = a.housekeep(t1).await.expect("pass 3");
+    assert_eq!(done.blocks_released, vec!["10.1.0.16/28".to_string()]);
+    let ipam = a.ipam().await.expect("ipam");
+    assert!(
+        ipam.blocks.is_empty() && ipam.retired.is_empty(),
+        "old layout left behind: {:?} {:?}",
+        ipam.blocks.keys().collect::<Vec<_>>(),
+        ipam.retired.keys().collect::<Vec<_>>()
+    );
+    let again = alloc4(&a, "h3").await.expect("h3");
+    assert_eq!(again, first, "the new layout's first block is claimed");
+    assert!(a
+        .ipam()
+        .await
+        .expect("ipam")
+        .blocks
+        .contains_key("10.1.0.0/26"));
+    assert!(seq_of(&a, again).await > seq1);
 }

@@ -18,17 +18,23 @@
 //! (the journal still has every line) and is retried only after the journal has grown further.
 //! One process at a time: the journal is `flock`ed. Paths are made absolute at open, so a
 //! relative `--datastore-path` means the same files for the agent's whole life.
+//!
+//! Watches read a window of the last transactions ([`super::history`]), filled from the journal
+//! at open (the lines after the snapshot) and by every commit: a watch from a revision before
+//! the window reports [`DatastoreError::Compacted`], and every watch ends with
+//! [`DatastoreError::WatchEnded`] when the store is dropped.
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op};
+use super::history::{self, History};
+use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchStream};
 
 /// Fold the journal into the snapshot after this many transactions.
 const COMPACT_AFTER: u64 = 20_000;
@@ -81,6 +87,10 @@ pub struct EmbeddedStore {
     poisoned: OnceLock<&'static str>,
     /// Fold the journal into the snapshot after this many transactions.
     compact_after: u64,
+    /// The last transactions, for watches; appended to under `inner`.
+    history: Arc<Mutex<History>>,
+    /// The newest revision, sent after each commit: wakes the watches.
+    revision_tx: tokio::sync::watch::Sender<i64>,
 }
 
 fn io<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(std::io::Error) -> DatastoreError + 'a {
@@ -160,7 +170,8 @@ impl EmbeddedStore {
             compact_failures: 0,
             compact_attempts: 0,
         };
-        inner.journal_len = replay(&journal_path, &mut inner)?;
+        let mut history = History::new(inner.revision);
+        inner.journal_len = replay(&journal_path, &mut inner, &mut history)?;
         let flush = inner
             .journal
             .try_clone()
@@ -171,6 +182,7 @@ impl EmbeddedStore {
         flush.sync_data().map_err(io(&journal_path, "fsync"))?;
         sync_dir(&dir)?;
         let synced = AtomicI64::new(inner.revision);
+        let (revision_tx, _) = tokio::sync::watch::channel(inner.revision);
         tracing::debug!(
             keys = inner.keys.len(),
             revision = inner.revision,
@@ -185,7 +197,18 @@ impl EmbeddedStore {
             synced,
             poisoned: OnceLock::new(),
             compact_after: COMPACT_AFTER,
+            history: Arc::new(Mutex::new(history)),
+            revision_tx,
         })
+    }
+
+    /// Forgets the changes before `revision` for watches (what etcd's Compact does): a watch
+    /// from an older revision then reports [`DatastoreError::Compacted`]. The keys are kept.
+    pub fn compact_history(&self, revision: i64) {
+        self.history
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .compact(revision);
     }
 
     fn check_poisoned(&self) -> Result<(), DatastoreError> {
@@ -322,9 +345,9 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     }
 }
 
-/// Applies the journal's lines newer than the snapshot; cuts off a torn last line. Returns the
-/// length of the journal's whole lines.
-fn replay(path: &Path, inner: &mut Inner) -> Result<u64, DatastoreError> {
+/// Applies the journal's lines newer than the snapshot, recording them in `history`; cuts off a
+/// torn last line. Returns the length of the journal's whole lines.
+fn replay(path: &Path, inner: &mut Inner, history: &mut History) -> Result<u64, DatastoreError> {
     let mut reader = BufReader::new(File::open(path).map_err(io(path, "read"))?);
     let mut good_len: u64 = 0;
     let mut line = Vec::new();
@@ -366,14 +389,29 @@ fn replay(path: &Path, inner: &mut Inner) -> Result<u64, DatastoreError> {
             continue;
         }
         inner.revision = entry.rev;
-        for (k, v) in entry.put {
-            inner.keys.insert(k, (entry.rev, v.into_bytes()));
-        }
-        for k in entry.del {
-            inner.keys.remove(&k);
-        }
+        history.push(entry.rev, apply(&mut inner.keys, entry));
     }
     Ok(good_len)
+}
+
+/// Applies a journal entry to the keys (puts, then deletes); returns the changes it made, for
+/// watches: each put, and each delete of a key that existed.
+fn apply(
+    keys: &mut BTreeMap<String, (i64, Vec<u8>)>,
+    entry: JournalEntry,
+) -> Vec<(String, Option<Vec<u8>>)> {
+    let mut changes = Vec::with_capacity(entry.put.len() + entry.del.len());
+    for (k, v) in entry.put {
+        let v = v.into_bytes();
+        keys.insert(k.clone(), (entry.rev, v.clone()));
+        changes.push((k, Some(v)));
+    }
+    for k in entry.del {
+        if keys.remove(&k).is_some() {
+            changes.push((k, None));
+        }
+    }
+    changes
 }
 #[tonic::async_trait]
 impl Datastore for EmbeddedStore {
@@ -426,6 +464,15 @@ impl Datastore for EmbeddedStore {
     async fn sync(&self, revision: i64) -> Result<(), DatastoreError> {
         self.sync_to(revision).await
     }
+
+    async fn watch(&self, prefix: &str, after: i64) -> Result<WatchStream, DatastoreError> {
+        Ok(history::stream(
+            self.history.clone(),
+            self.revision_tx.subscribe(),
+            prefix,
+            after,
+        ))
+    }
 }
 
 impl EmbeddedStore {
@@ -473,14 +520,16 @@ impl EmbeddedStore {
         inner.journal_len += line.len() as u64;
         inner.revision = rev;
         inner.journal_entries += 1;
-        for (k, v) in entry.put {
-            inner.keys.insert(k, (rev, v.into_bytes()));
-        }
-        for k in entry.del {
-            inner.keys.remove(&k);
-        }
+        let changes = apply(&mut inner.keys, entry);
+        self.history
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(rev, changes);
         // The transaction is in the journal whatever the compaction does.
         self.maybe_compact(&mut inner);
+        drop(inner);
+        // Only a wake-up: the watches read the window, not this value.
+        self.revision_tx.send_modify(|r| *r = (*r).max(rev));
         Ok(Some(rev))
     }
 }

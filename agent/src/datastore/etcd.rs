@@ -1,23 +1,37 @@
 //! The etcd v3 backend: every calix key lives under one prefix in a shared etcd cluster, and
 //! every write is one etcd transaction, so several nodes' agents can allocate from the same pools.
+//! Watches use etcd's Watch service, one connection per watch.
+use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
 use calix_proto::etcd::etcdserverpb::{
-    compare, kv_client::KvClient as RawKvClient, request_op, Compare as EtcdCompare,
-    DeleteRangeRequest, PutRequest, RangeRequest, RequestOp, TxnRequest,
+    compare, kv_client::KvClient as RawKvClient, request_op, watch_client::WatchClient,
+    watch_request, Compare as EtcdCompare, DeleteRangeRequest, PutRequest, RangeRequest, RequestOp,
+    TxnRequest, WatchCreateRequest, WatchRequest, WatchResponse,
 };
 use calix_proto::etcd::mvccpb;
+use futures::StreamExt;
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op};
+use super::{
+    Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchEvent, WatchStream,
+};
 
 /// First pause between attempts; it doubles after each failed attempt, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Largest response accepted (tonic's default is 4 MiB, too small for a big `list`).
 const MAX_RESPONSE_BYTES: usize = 64 << 20;
+/// A watch's connection is pinged (HTTP/2 PING) after this long without traffic, and closed
+/// when the ping is not answered within the request timeout: a watch on an etcd that stopped
+/// answering (hung, or the network gone without a reset) ends instead of waiting forever. etcd
+/// refuses pings more often than every 5 s (`--grpc-keepalive-min-time`).
+const WATCH_KEEPALIVE: Duration = Duration::from_secs(10);
+/// etcd cancels a watch carrying this metadata when its member loses the cluster's leader
+/// (clientv3's `WithRequireLeader`), instead of keeping a partitioned member's stale view.
+const REQUIRE_LEADER: (&str, &str) = ("hasleader", "true");
 
 /// How to reach etcd.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +64,14 @@ pub struct EtcdConfig {
 /// retry sees its own write and its compare fails, so [`Datastore::txn`] returns `Ok(None)` for
 /// a write that did happen. Callers already treat `None` as "someone else wrote first": they
 /// re-read and find their own value, which they must accept as theirs (or release).
+///
+/// A watch is etcd's Watch service on a connection of its own (no per-request timeout, HTTP/2
+/// keepalive pings, [`REQUIRE_LEADER`]), created with `start_revision = after + 1`. Creating
+/// it retries like any operation; once created, it is never resumed by the store: when the
+/// connection breaks, etcd restarts, or etcd cancels the watch, the stream ends with
+/// [`DatastoreError::WatchEnded`], and the caller watches again from the last revision it got
+/// (etcd keeps history until it is compacted, restarts included). etcd reporting the start
+/// revision compacted ends it with [`DatastoreError::Compacted`].
 pub struct EtcdStore {
     cfg: EtcdConfig,
     /// The current client and its generation; `None` after a failure until the next try.
@@ -73,6 +95,9 @@ enum EtcdError {
     NoEndpoints,
     #[error("{}: {}", .0.code(), .0.message())]
     Status(#[from] tonic::Status),
+    /// etcd answered, and said no.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl EtcdStore {
@@ -138,7 +163,7 @@ impl EtcdStore {
         Fut: Future<Output = Result<T, EtcdError>>,
     {
         let attempts = self.cfg.attempts.max(1);
-        let mut backoff = FIRST_BACKOFF;
+        let mut backoff = Backoff::default();
         let mut detail = String::new();
         for attempt in 1..=attempts {
             let mut generation = None;
@@ -165,9 +190,7 @@ impl EtcdStore {
                 self.discard_client(generation).await;
             }
             if attempt < attempts {
-                tracing::warn!(attempt, attempts, ?backoff, "etcd {detail}; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                backoff.pause(attempt, attempts, &detail).await;
             }
         }
         Err(DatastoreError::Unavailable {
@@ -181,23 +204,175 @@ impl EtcdStore {
 /// A KV client over a channel that connects when first used (and reconnects after a failure),
 /// balanced over every endpoint.
 async fn build_client(cfg: &EtcdConfig) -> Result<KvClient, EtcdError> {
+    let channel = build_channel(cfg, |e| e.timeout(cfg.timeout))?;
+    Ok(RawKvClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES))
+}
+
+/// A channel to every endpoint (balanced), connecting when first used, each endpoint set up by
+/// `tune` beyond the connect timeout.
+fn build_channel(
+    cfg: &EtcdConfig,
+    tune: impl Fn(Endpoint) -> Endpoint,
+) -> Result<Channel, EtcdError> {
     let mut endpoints = Vec::with_capacity(cfg.endpoints.len());
     for url in &cfg.endpoints {
-        let endpoint = Endpoint::from_shared(url.clone())
-            .map_err(|source| EtcdError::Endpoint {
+        let endpoint =
+            Endpoint::from_shared(url.clone()).map_err(|source| EtcdError::Endpoint {
                 endpoint: url.clone(),
                 source,
-            })?
-            .connect_timeout(cfg.timeout)
-            .timeout(cfg.timeout);
-        endpoints.push(endpoint);
+            })?;
+        endpoints.push(tune(endpoint.connect_timeout(cfg.timeout)));
     }
-    let channel = match endpoints.len() {
+    Ok(match endpoints.len() {
         0 => return Err(EtcdError::NoEndpoints),
         1 => endpoints.remove(0).connect_lazy(),
         _ => Channel::balance_list(endpoints.into_iter()),
+    })
+}
+
+/// Starts one watch on a connection of its own: sends the create request and waits for etcd's
+/// answer to it.
+async fn open_watch(
+    cfg: &EtcdConfig,
+    create: WatchCreateRequest,
+    after: i64,
+) -> Result<WatchStream, EtcdError> {
+    // No per-request timeout (a watch lasts); keepalive pings notice a peer gone silent.
+    let channel = build_channel(cfg, |e| {
+        e.http2_keep_alive_interval(WATCH_KEEPALIVE)
+            .keep_alive_timeout(cfg.timeout.max(Duration::from_secs(1)))
+            .keep_alive_while_idle(false)
+    })?;
+    let mut client = WatchClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES);
+    let create = WatchRequest {
+        request_union: Some(watch_request::RequestUnion::CreateRequest(create)),
     };
-    Ok(RawKvClient::new(channel).max_decoding_message_size(MAX_RESPONSE_BYTES))
+    // One request, then the sending side stays open for as long as the watch lives.
+    let requests =
+        futures::stream::once(futures::future::ready(create)).chain(futures::stream::pending());
+    let mut request = tonic::Request::new(requests);
+    request.metadata_mut().insert(
+        REQUIRE_LEADER.0,
+        tonic::metadata::MetadataValue::from_static(REQUIRE_LEADER.1),
+    );
+    let mut inbound = client.watch(request).await?.into_inner();
+    let first = inbound.message().await?.ok_or_else(|| {
+        EtcdError::Status(tonic::Status::unavailable(
+            "etcd closed the watch stream before creating the watch",
+        ))
+    })?;
+    if !first.created && first.compact_revision == 0 {
+        return Err(EtcdError::Status(tonic::Status::unknown(format!(
+            "etcd answered a watch creation with {first:?}"
+        ))));
+    }
+    if first.canceled && first.compact_revision == 0 {
+        return Err(EtcdError::Refused(format!(
+            "etcd refused the watch: {}",
+            first.cancel_reason
+        )));
+    }
+    let mut watch = EtcdWatch {
+        inbound,
+        prefix: cfg.prefix.clone(),
+        last: after,
+        pending: VecDeque::new(),
+        end: None,
+        done: false,
+    };
+    watch.take(first);
+    Ok(futures::stream::unfold(watch, EtcdWatch::next).boxed())
+}
+
+/// A created etcd watch, between items.
+struct EtcdWatch {
+    inbound: tonic::Streaming<WatchResponse>,
+    /// The store's key prefix, stripped from every event's key.
+    prefix: String,
+    /// The revision of the last event delivered (or the watch's `after`).
+    last: i64,
+    pending: VecDeque<WatchEvent>,
+    /// What ends the watch, delivered once `pending` is empty.
+    end: Option<DatastoreError>,
+    /// The end was delivered.
+    done: bool,
+}
+
+impl EtcdWatch {
+    /// Queues a response's events, and what ends the watch if the response ends it.
+    fn take(&mut self, resp: WatchResponse) {
+        if resp.compact_revision != 0 {
+            self.end = Some(DatastoreError::Compacted {
+                after: self.last,
+                compacted: resp.compact_revision,
+            });
+            return;
+        }
+        for event in resp.events {
+            let Some(kv) = event.kv else {
+                self.end = Some(ended("etcd sent an event without its key"));
+                return;
+            };
+            let key = String::from_utf8_lossy(&kv.key);
+            let key = key
+                .strip_prefix(self.prefix.as_str())
+                .unwrap_or(&key)
+                .to_owned();
+            let revision = kv.mod_revision;
+            self.pending
+                .push_back(match mvccpb::event::EventType::try_from(event.r#type) {
+                    Ok(mvccpb::event::EventType::Put) => WatchEvent::Put(KeyValue {
+                        key,
+                        value: kv.value,
+                        revision,
+                    }),
+                    Ok(mvccpb::event::EventType::Delete) => WatchEvent::Delete { key, revision },
+                    Err(_) => {
+                        self.end = Some(ended(&format!(
+                            "etcd sent an event of type {}",
+                            event.r#type
+                        )));
+                        return;
+                    }
+                });
+        }
+        if resp.canceled {
+            self.end = Some(ended(&format!(
+                "etcd cancelled the watch: {}",
+                resp.cancel_reason
+            )));
+        }
+    }
+
+    async fn next(mut self) -> Option<(Result<WatchEvent, DatastoreError>, Self)> {
+        loop {
+            if let Some(event) = self.pending.pop_front() {
+                self.last = event.revision();
+                return Some((Ok(event), self));
+            }
+            if self.done {
+                return None;
+            }
+            if let Some(end) = self.end.take() {
+                self.done = true;
+                return Some((Err(end), self));
+            }
+            match self.inbound.message().await {
+                Ok(Some(resp)) => self.take(resp),
+                Ok(None) => self.end = Some(ended("etcd closed the watch stream")),
+                Err(status) => {
+                    self.end = Some(ended(&format!("{}: {}", status.code(), status.message())))
+                }
+            }
+        }
+    }
+}
+
+fn ended(detail: &str) -> DatastoreError {
+    DatastoreError::WatchEnded {
+        backend: "etcd",
+        detail: detail.to_string(),
+    }
 }
 
 /// The end of the range of every key starting with `prefix` (etcd's `WithPrefix`): the prefix
@@ -348,6 +523,69 @@ impl Datastore for EtcdStore {
                 attempts: 1,
                 detail: "etcd answered a txn without a header".into(),
             })
+    }
+
+    async fn watch(&self, prefix: &str, after: i64) -> Result<WatchStream, DatastoreError> {
+        let full = self.full_key(prefix);
+        let create = WatchCreateRequest {
+            range_end: prefix_end(full.as_bytes()),
+            key: full.into_bytes(),
+            start_revision: after.max(0) + 1,
+            ..WatchCreateRequest::default()
+        };
+        let attempts = self.cfg.attempts.max(1);
+        let mut backoff = Backoff::default();
+        let mut detail = String::new();
+        for attempt in 1..=attempts {
+            let opened = tokio::time::timeout(
+                self.cfg.timeout,
+                open_watch(&self.cfg, create.clone(), after),
+            )
+            .await;
+            match opened {
+                Ok(Ok(stream)) => return Ok(stream),
+                Ok(Err(e)) if !retryable(&e) => {
+                    return Err(DatastoreError::Unavailable {
+                        backend: "etcd",
+                        attempts: attempt,
+                        detail: format!("watch of {prefix:?}: {e}"),
+                    })
+                }
+                Ok(Err(e)) => detail = format!("watch of {prefix:?}: {e}"),
+                Err(_) => {
+                    detail = format!(
+                        "watch of {prefix:?}: no answer within {:?}",
+                        self.cfg.timeout
+                    )
+                }
+            }
+            if attempt < attempts {
+                backoff.pause(attempt, attempts, &detail).await;
+            }
+        }
+        Err(DatastoreError::Unavailable {
+            backend: "etcd",
+            attempts,
+            detail,
+        })
+    }
+}
+
+/// The pause between two tries: 50 ms, doubling up to 2 s.
+struct Backoff(Duration);
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self(FIRST_BACKOFF)
+    }
+}
+
+impl Backoff {
+    async fn pause(&mut self, attempt: u32, attempts: u32, detail: &str) {
+        let backoff = self.0;
+        tracing::warn!(attempt, attempts, ?backoff, "etcd {detail}; retrying");
+        tokio::time::sleep(backoff).await;
+        self.0 = (backoff * 2).min(MAX_BACKOFF);
     }
 }
 

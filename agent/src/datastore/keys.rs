@@ -3,9 +3,9 @@
 //!
 //! | key | value |
 //! |---|---|
-//! | `ipam/blocks/<block>` | [`crate::ipam::Block`]: its affine node and its allocations |
-//! | `ipam/retired/<block>` | [`crate::ipam::Retired`]: a released block's next sequence number |
-//! | `ipam/handles/<handle>/<ifname>` | [`crate::ipam::HandleRecord`]: the addresses it holds |
+//! | `ipam/blocks/<block>` | [`crate::ipam::Block`]: its affine node and its allocations; the truth, and the one object an IPAM write commits. A released block stays, affine to nobody, with its next sequence number |
+//! | `ipam/retired/<block>` | [`crate::ipam::Retired`]: written by the previous version when it released a block; read, and folded into a released block object |
+//! | `ipam/handles/<handle>/<ifname>` | [`crate::ipam::HandleRecord`]: the addresses it holds; an index that follows the blocks and is repaired from them |
 //! | `nodes/<node>` | [`crate::model::NodeRecord`] |
 //! | `endpoints/<node>/<containerID>/<ifname>` | [`crate::model::EndpointRecord`] |
 //!

@@ -5,9 +5,15 @@
 //!
 //! Keys are `/`-separated text (see [`keys`]); values are JSON. Every write is a [`Datastore::txn`]:
 //! it applies only if each [`Compare`] still holds, which is how two agents (or two requests)
-//! can never both take the same address.
+//! can never both take the same address. calix's own writes compare and write ONE key per
+//! transaction: a Kubernetes backend can only compare-and-swap one object at a time, so that is
+//! the contract every backend must meet (embedded and etcd accept more).
+//!
+//! [`Datastore::watch`] streams every change under a prefix after a revision, so a reader can
+//! list once ([`Datastore::list_with_revision`]) and then follow ([`WatchEvent`]).
 pub mod embedded;
 pub mod etcd;
+mod history;
 pub mod keys;
 
 use serde::{Deserialize, Serialize};
@@ -46,6 +52,25 @@ pub enum DatastoreError {
     },
     #[error("datastore write kept conflicting with other writers ({attempts} attempts): {what}")]
     Contended { attempts: u32, what: String },
+    /// A watch asked for changes the backend no longer keeps: list again, then watch from the
+    /// listing's revision.
+    #[error(
+        "datastore watch after revision {after}: changes before revision {compacted} are compacted away; list again and watch from the listing's revision"
+    )]
+    Compacted { after: i64, compacted: i64 },
+    /// A watch stream ended (connection lost, backend restarted or closed, the server cancelled
+    /// it). No event was lost: watch again from the last revision seen.
+    #[error("datastore {backend} watch ended: {detail}; watch again from the last revision seen")]
+    WatchEnded {
+        backend: &'static str,
+        detail: String,
+    },
+    /// A transaction over more than one key, on a backend that commits one object at a time.
+    #[error("datastore {backend} commits one object per transaction; this one touches {keys:?}")]
+    TooManyObjects {
+        backend: &'static str,
+        keys: Vec<String>,
+    },
 }
 
 /// One stored key with the revision of its last change.
@@ -94,6 +119,37 @@ impl Op {
     }
 }
 
+/// One change seen by a [`Datastore::watch`]. Backend-neutral: etcd's events, the embedded
+/// store's commits and (later) Kubernetes watch events all map to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    /// The key was created or changed; its `revision` is that of the change.
+    Put(KeyValue),
+    /// The key was deleted at `revision`.
+    Delete { key: String, revision: i64 },
+}
+
+impl WatchEvent {
+    pub fn key(&self) -> &str {
+        match self {
+            WatchEvent::Put(kv) => &kv.key,
+            WatchEvent::Delete { key, .. } => key,
+        }
+    }
+
+    pub fn revision(&self) -> i64 {
+        match self {
+            WatchEvent::Put(kv) => kv.revision,
+            WatchEvent::Delete { revision, .. } => *revision,
+        }
+    }
+}
+
+/// The changes a [`Datastore::watch`] delivers, in revision order. It never ends quietly: its
+/// last item is an error ([`DatastoreError::Compacted`] or [`DatastoreError::WatchEnded`]),
+/// after which it yields nothing more. Dropping it cancels the watch.
+pub type WatchStream = futures::stream::BoxStream<'static, Result<WatchEvent, DatastoreError>>;
+
 /// How durable a commit must be before it is acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
@@ -131,6 +187,19 @@ pub trait Datastore: Send + Sync {
         ops: &[Op],
         durability: Durability,
     ) -> Result<Option<i64>, DatastoreError>;
+    /// Every change to a key starting with `prefix` made after revision `after`, in revision
+    /// order (the events of one transaction share its revision), then every later change as it
+    /// is committed. `after` is typically the revision of a [`Self::list_with_revision`] of the
+    /// same prefix: list, then watch from there, and nothing is missed or seen twice.
+    ///
+    /// When the backend no longer keeps the changes after `after` (compacted history), the
+    /// stream's first item is [`DatastoreError::Compacted`]: list again. When the connection to
+    /// the backend breaks (or the backend restarts or closes), the stream ends with
+    /// [`DatastoreError::WatchEnded`]: call `watch` again from the last revision received (a
+    /// resumed watch may then report `Compacted`). The store never resumes a watch by itself.
+    /// `watch` itself fails only when the backend cannot be reached to start it (after its own
+    /// bounded retries).
+    async fn watch(&self, prefix: &str, after: i64) -> Result<WatchStream, DatastoreError>;
     /// Returns once every write up to `revision` survives power loss. A caller that committed
     /// with [`Durability::Process`] calls this before acknowledging what it wrote, after letting
     /// go of its own locks, so that concurrent writers share one disk flush (group commit).

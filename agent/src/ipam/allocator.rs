@@ -1,12 +1,16 @@
 //! The pure IPAM allocator: no I/O. [`IpamState`] is a view of the datastore's blocks; the
-//! agent calls [`IpamState::allocate`] / [`IpamState::release_address`], which change blocks in
-//! place and say which ones they touched, and commits those blocks with compare-and-swap on the
-//! revision each was read at ([`Block::revision`]; 0 = a new block, created only if absent).
+//! agent calls [`IpamState::allocate`] / [`IpamState::release_address`], which change ONE block
+//! in place and say which, and commits that block alone with compare-and-swap on the revision it
+//! was read at ([`Block::revision`]; 0 = a block never stored, created only if absent). The
+//! block is the truth: each allocation in it carries its handle, ifname, node, sequence number
+//! and attributes; handle records ([`HandleRecord`]) are an index that follows.
 //!
 //! Pools are carved into blocks of `blockSize`; a block has an affinity to exactly one node
-//! (whoever created its key first). A node allocates from its own blocks, then claims a new
-//! block (up to `maxBlocksPerNode`), then — unless `strictAffinity` — borrows a free address
-//! from another node's block.
+//! (whoever claimed it). A node allocates from its own blocks, then claims a new block (up to
+//! `maxBlocksPerNode`), then — unless `strictAffinity` — borrows a free address from another
+//! node's block. A block released to its pool stays stored, affine to nobody and empty, with
+//! its next sequence number ([`Block::is_released`], kept in [`IpamState::retired`]): claiming
+//! it again is a compare-and-swap on that object, so its sequence numbers never repeat.
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
@@ -87,6 +91,7 @@ pub struct Allocation {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Block {
     pub cidr: IpNet,
+    /// The node that claimed it; empty once released to its pool.
     pub affinity: String,
     pub allocations: BTreeMap<u32, Allocation>,
     pub next_seq: u64,
@@ -95,19 +100,26 @@ pub struct Block {
     pub revision: i64,
 }
 
-/// What is left of a block released to its pool (an empty block after its grace period): the
+/// A block released to its pool (empty after its grace period), as the allocator sees it: the
 /// next sequence number it would have used. A later claim of the same CIDR, by any node, starts
-/// above it, so sequence numbers never repeat across a block's lives.
+/// there, so sequence numbers never repeat across a block's lives.
+///
+/// Stored as the block object itself, affine to nobody ([`Block::is_released`]). Agents of the
+/// previous version deleted the block and wrote this struct at `ipam/retired/<block>` instead;
+/// such a record is still honoured, and folded into a released block object by the agent.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Retired {
     pub cidr: IpNet,
     pub next_seq: u64,
-    /// Datastore revision this copy was read at.
+    /// Revision of the released block object this was read from; 0 when there is none (only
+    /// a record of the previous version): a claim then creates the block, compared absent.
     #[serde(skip)]
     pub revision: i64,
 }
 
-/// What a handle holds: written with the blocks in the same transaction.
+/// What a handle holds: an index of the blocks' allocations by (handle, ifname), written after
+/// the block's commit (best effort) and repaired from the blocks. Never the truth: every read by
+/// handle checks it against the blocks.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HandleRecord {
     pub node: String,
@@ -145,6 +157,12 @@ impl Block {
 
     pub fn size(&self) -> u64 {
         host_count(&self.cidr)
+    }
+
+    /// Released to its pool: affine to nobody and empty (a block affine to nobody that holds
+    /// allocations, which agents of the previous version could make by borrowing, is not).
+    pub fn is_released(&self) -> bool {
+        self.affinity.is_empty() && self.allocations.is_empty()
     }
 
     /// Free offsets in address order. An IPv4 pool's own network and broadcast addresses are
@@ -198,8 +216,9 @@ impl Block {
 /// The blocks this agent knows, keyed by CIDR text.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct IpamState {
+    /// Claimed blocks.
     pub blocks: BTreeMap<String, Block>,
-    /// Released blocks, keyed by CIDR text; a claim compares and removes the entry.
+    /// Released blocks, keyed by CIDR text; a claim moves the entry back to `blocks`.
     pub retired: BTreeMap<String, Retired>,
     /// The datastore revision of the last read (or, higher, of a later write). Every sequence
     /// number a block's earlier life handed out is at most the revision its release was
@@ -257,37 +276,66 @@ pub fn pool_of(pools: &[Pool], addr: IpAddr) -> IpNet {
 }
 
 impl IpamState {
-    /// Replaces the view with blocks and retired blocks freshly read from the datastore at
-    /// `revision`.
+    /// Replaces the view with the block objects (released ones included) and the previous
+    /// version's retired records, freshly read from the datastore at `revision`.
     pub fn replace(
         &mut self,
         blocks: impl IntoIterator<Item = Block>,
-        retired: impl IntoIterator<Item = Retired>,
+        legacy_retired: impl IntoIterator<Item = Retired>,
         revision: i64,
     ) {
-        self.blocks = blocks
-            .into_iter()
-            .map(|b| (b.cidr.to_string(), b))
-            .collect();
-        self.retired = retired
-            .into_iter()
-            .map(|r| (r.cidr.to_string(), r))
-            .collect();
+        self.blocks.clear();
+        self.retired.clear();
+        for b in blocks {
+            self.put_block(b);
+        }
+        for r in legacy_retired {
+            let key = r.cidr.to_string();
+            if self.blocks.contains_key(&key) {
+                continue;
+            }
+            let entry = self
+                .retired
+                .entry(key)
+                .or_insert(Retired { revision: 0, ..r });
+            entry.next_seq = entry.next_seq.max(r.next_seq);
+        }
         self.revision = revision;
     }
 
-    /// A new block for `node` to claim. Its sequence numbers start above every one an earlier
-    /// life of the same CIDR handed out: above its retired next number, and above the
-    /// datastore revision (which also covers a block released without a retired record, by an
-    /// agent from before they existed, since each allocation was a write of its own).
+    /// Puts a block object read (or written) at `b.revision` into the view: a released one
+    /// among the retired, any other among the blocks.
+    pub fn put_block(&mut self, b: Block) {
+        let key = b.cidr.to_string();
+        if b.is_released() {
+            self.blocks.remove(&key);
+            let next_seq = self.retired.get(&key).map_or(0, |r| r.next_seq);
+            self.retired.insert(
+                key,
+                Retired {
+                    cidr: b.cidr,
+                    next_seq: b.next_seq.max(next_seq),
+                    revision: b.revision,
+                },
+            );
+        } else {
+            self.retired.remove(&key);
+            self.blocks.insert(key, b);
+        }
+    }
+
+    /// A block for `node` to claim. A released block continues its own sequence numbers, and
+    /// is compared on its object's revision. A block never stored (compared absent) starts above
+    /// the revision of the view, which the agent lists afresh before such a claim: every
+    /// allocation is a write of its own, so an earlier life of the CIDR (deleted by an agent of
+    /// the previous version, by hand, or because its pool's layout changed) handed out sequence
+    /// numbers no higher than the revision it was deleted at.
     fn fresh_block(&self, cidr: IpNet, node: &str) -> Block {
         let mut b = Block::new(cidr, node);
-        let retired = self
-            .retired
-            .get(&cidr.to_string())
-            .map_or(1, |r| r.next_seq);
+        let retired = self.retired.get(&cidr.to_string());
         let above_revision = u64::try_from(self.revision).unwrap_or(0).saturating_add(1);
-        b.next_seq = retired.max(above_revision);
+        b.next_seq = retired.map_or(1, |r| r.next_seq).max(above_revision);
+        b.revision = retired.map_or(0, |r| r.revision);
         b
     }
 
@@ -527,12 +575,14 @@ impl IpamState {
 
     fn claim_block(&mut self, pool: &Pool, node: &str) -> Option<String> {
         let subnets = pool.cidr.subnets(pool.block_size).ok()?;
-        // A block overlapping any known block (possibly of another pool layout) is not free.
+        // A block overlapping any known block (possibly of another pool layout) is not free,
+        // nor is one overlapping another layout's released block until that one is deleted.
         let cidr = subnets.into_iter().find(|s| {
-            !self
-                .blocks
-                .values()
-                .any(|b| b.cidr.contains(&s.network()) || s.contains(&b.cidr.network()))
+            !self.blocks.values().any(|b| overlap(&b.cidr, s))
+                && !self
+                    .retired
+                    .values()
+                    .any(|r| r.revision != 0 && r.cidr != *s && overlap(&r.cidr, s))
         })?;
         let key = cidr.to_string();
         let fresh = self.fresh_block(cidr, node);
@@ -544,6 +594,32 @@ impl IpamState {
     pub fn in_use(&self) -> usize {
         self.blocks.values().map(|b| b.allocations.len()).sum()
     }
+
+    /// Every allocation of (handle, ifname), whatever node made it: (block key, address,
+    /// allocation), IPv4 first, in address order.
+    pub fn held_by<'a>(
+        &'a self,
+        handle: &str,
+        ifname: &str,
+    ) -> Vec<(&'a str, IpAddr, &'a Allocation)> {
+        let mut held: Vec<(&str, IpAddr, &Allocation)> = self
+            .blocks
+            .iter()
+            .flat_map(|(key, b)| {
+                b.allocations
+                    .iter()
+                    .filter(|(_, a)| a.handle == handle && a.ifname == ifname)
+                    .map(move |(o, a)| (key.as_str(), b.address(*o), a))
+            })
+            .collect();
+        held.sort_by_key(|(_, addr, _)| (addr.is_ipv6(), *addr));
+        held
+    }
+}
+
+/// Whether two networks share an address.
+fn overlap(a: &IpNet, b: &IpNet) -> bool {
+    a.contains(&b.network()) || b.contains(&a.network())
 }
 
 #[cfg(test)]
