@@ -10,6 +10,8 @@ use crate::paths;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    #[error("resync_interval_secs must be at least 1")]
+    ResyncInterval,
     #[error("cannot read config file {path}")]
     Read {
         path: PathBuf,
@@ -121,6 +123,9 @@ pub struct AgentConfig {
     pub uplinks: Vec<String>,
     /// Prometheus `/metrics` listen address; empty: off.
     pub metrics_addr: String,
+    /// How often the reconciler compares every endpoint with the kernel and repairs what
+    /// drifted (reads only, when nothing did). 1 or more.
+    pub resync_interval_secs: u64,
     pub datastore: DatastoreConfig,
     /// This node's labels, matched by pools' `nodeSelector`.
     pub node_labels: std::collections::BTreeMap<String, String>,
@@ -280,6 +285,7 @@ impl Default for AgentConfig {
             bpf_pin_root: PathBuf::from(paths::BPF_PIN_ROOT),
             uplinks: Vec::new(),
             metrics_addr: "127.0.0.1:9091".into(),
+            resync_interval_secs: 30,
             datastore: DatastoreConfig::default(),
             node_labels: Default::default(),
             ipam: IpamConfig::default(),
@@ -435,6 +441,9 @@ impl AgentConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.node_name.trim().is_empty() {
             return Err(ConfigError::NoNodeName);
+        }
+        if self.resync_interval_secs == 0 {
+            return Err(ConfigError::ResyncInterval);
         }
         self.datastore.validate()?;
         self.ipam.validate()?;

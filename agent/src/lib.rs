@@ -1,13 +1,16 @@
 //! calix-agent: the node daemon (IPAM, endpoint registry, eBPF dataplane) and the pieces
 //! calixctl shares with it.
-pub mod agent;
 pub mod config;
 pub mod dataplane;
 pub mod datastore;
+pub mod endpoints;
+pub mod error;
 pub mod grpc;
 pub mod instance;
 pub mod ipam;
 pub mod metrics;
 pub mod model;
+pub mod node;
 pub mod paths;
 pub mod reconcile;
+pub mod tasks;

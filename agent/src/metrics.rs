@@ -12,18 +12,19 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::agent::Agent;
+use crate::node::Node;
+use crate::reconcile::Health;
 
 /// Renders the metrics text.
-pub async fn render(agent: &Agent) -> String {
+pub async fn render(node: &Node) -> String {
     let mut out = String::new();
-    let node = agent.node();
+    let name = node.name();
     let _ = writeln!(
         out,
         "# HELP calix_endpoints Endpoints on this node.\n# TYPE calix_endpoints gauge"
     );
-    let eps = agent.list().await.unwrap_or_default();
-    let _ = writeln!(out, "calix_endpoints{{node=\"{node}\"}} {}", eps.len());
+    let eps = node.endpoints.list().await.unwrap_or_default();
+    let _ = writeln!(out, "calix_endpoints{{node=\"{name}\"}} {}", eps.len());
     let _ = writeln!(
         out,
         "# HELP calix_endpoint_packets_total Packets through an endpoint's host veth.\n# TYPE calix_endpoint_packets_total counter"
@@ -52,7 +53,7 @@ pub async fn render(agent: &Agent) -> String {
         out,
         "# HELP calix_drops_total Packets the eBPF dataplane dropped, by interface and reason.\n# TYPE calix_drops_total counter"
     );
-    let drops = agent.drops().await.unwrap_or_default();
+    let drops = node.endpoints.drops().await.unwrap_or_default();
     let mut drop_bytes = String::new();
     for d in &drops {
         let iface = d
@@ -72,10 +73,30 @@ pub async fn render(agent: &Agent) -> String {
     }
     let _ = writeln!(out, "# HELP calix_drop_bytes_total Bytes the eBPF dataplane dropped.\n# TYPE calix_drop_bytes_total counter");
     out.push_str(&drop_bytes);
-    let (v4, v6) = agent.free().await;
+    let (v4, v6) = node.ipam.free().await;
     let _ = writeln!(
         out,
         "# HELP calix_ipam_free_addresses Addresses this node can still allocate.\n# TYPE calix_ipam_free_addresses gauge\ncalix_ipam_free_addresses{{family=\"ipv4\"}} {v4}\ncalix_ipam_free_addresses{{family=\"ipv6\"}} {v6}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_repairs_total Drift the reconciler found and repaired, by kind.\n# TYPE calix_repairs_total counter"
+    );
+    let (repairs, resyncs) = node.endpoints.repairs().await;
+    for (kind, n) in repairs {
+        let _ = writeln!(out, "calix_repairs_total{{kind=\"{kind}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP calix_resyncs_total Full passes of the reconciler over every endpoint.\n# TYPE calix_resyncs_total counter\ncalix_resyncs_total {resyncs}"
+    );
+    let unhealthy = eps
+        .iter()
+        .filter(|e| e.health.as_ref().is_some_and(|h| *h != Health::Ok))
+        .count();
+    let _ = writeln!(
+        out,
+        "# HELP calix_endpoints_not_ok Endpoints not in their desired state (calixctl endpoints says why).\n# TYPE calix_endpoints_not_ok gauge\ncalix_endpoints_not_ok {unhealthy}"
     );
     out
 }
@@ -83,22 +104,22 @@ pub async fn render(agent: &Agent) -> String {
 /// What the HTTP door knows: the agent once it exists, and whether its initial sync is done.
 #[derive(Default)]
 pub struct HttpState {
-    agent: std::sync::OnceLock<Arc<Agent>>,
+    node: std::sync::OnceLock<Arc<Node>>,
     ready: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicU64,
 }
 
 impl HttpState {
     /// The initial sync is done: /metrics, /healthz and /readyz answer from now on.
-    pub fn set_ready(&self, agent: Arc<Agent>) {
-        let _ = self.agent.set(agent);
+    pub fn set_ready(&self, node: Arc<Node>) {
+        let _ = self.node.set(node);
         self.ready.store(true, Ordering::Release);
     }
 
-    fn agent(&self) -> Option<&Arc<Agent>> {
+    fn node(&self) -> Option<&Arc<Node>> {
         self.ready
             .load(Ordering::Acquire)
-            .then(|| self.agent.get())
+            .then(|| self.node.get())
             .flatten()
     }
 }
@@ -190,14 +211,14 @@ async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: H
         .and_then(|l| l.strip_prefix("GET "))
         .and_then(|l| l.split_whitespace().next())
         .unwrap_or("");
-    let agent = state.agent();
-    let (status, body) = match (path, agent) {
+    let node = state.node();
+    let (status, body) = match (path, node) {
         ("/metrics" | "/healthz" | "/readyz", None) => (
             "503 Service Unavailable",
             "initial sync not done\n".to_string(),
         ),
-        ("/metrics", Some(agent)) => {
-            let mut body = render(agent).await;
+        ("/metrics", Some(node)) => {
+            let mut body = render(node).await;
             let _ = writeln!(
                 body,
                 "# HELP calix_http_refused_total Connections to this port closed at once: too many open.\n# TYPE calix_http_refused_total counter\ncalix_http_refused_total {}",

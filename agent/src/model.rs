@@ -48,3 +48,8 @@ pub struct NodeRecord {
     #[serde(default)]
     pub agent_version: String,
 }
+
+/// CNI GC's question about an attachment: given its (network, container ID), decoded from its
+/// IPAM handle (`None` when no CNI plugin made it), and its ifname, is it gone from the
+/// runtime's list of valid attachments?
+pub type IsStale<'a> = dyn Fn(Option<(&str, &str)>, &str) -> bool + Sync + 'a;

@@ -207,7 +207,7 @@ enum IpamCmd {
     },
 }
 
-use calix_agent::agent::{CheckReport, IpamReport};
+use calix_agent::ipam::service::{CheckReport, IpamReport};
 
 fn ipam_show_table(r: &IpamReport) -> String {
     let pools: Vec<Vec<String>> = r
@@ -370,6 +370,7 @@ fn endpoints_json(resp: &pb::ListResponse) -> serde_json::Value {
                 "hostIfindex": s.host_ifindex,
                 "addresses": e.addresses,
                 "bpfAttached": s.bpf_attached,
+                "state": s.state,
                 "counters": s.counters.as_ref().map(|c| serde_json::json!({
                     "fromPodPackets": c.from_pod_packets,
                     "fromPodBytes": c.from_pod_bytes,
@@ -408,6 +409,7 @@ fn endpoints_table(resp: &pb::ListResponse) -> String {
                 e.addresses.join(","),
                 e.host_ifname,
                 if s.bpf_attached { "ebpf" } else { "kernel" }.into(),
+                if s.state.is_empty() { "-" } else { &s.state }.into(),
                 tx,
                 rx,
             ]
@@ -419,16 +421,27 @@ fn endpoints_table(resp: &pb::ListResponse) -> String {
             "ADDRESSES",
             "HOST IFACE",
             "DATAPLANE",
+            "STATE",
             "FROM POD",
             "TO POD",
         ],
         &rows,
     );
+    let not_ok = resp
+        .endpoints
+        .iter()
+        .filter(|s| !s.state.is_empty() && s.state != "ok")
+        .count();
     out.push_str(&format!(
         "\n{} endpoint(s) on node {}",
         resp.endpoints.len(),
         resp.node
     ));
+    if not_ok > 0 {
+        out.push_str(&format!(
+            ", {not_ok} not in their desired state (STATE says why)"
+        ));
+    }
     out
 }
 

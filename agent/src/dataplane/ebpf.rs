@@ -156,9 +156,9 @@ pub struct EbpfDataplane {
     /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
     counter_keys: std::collections::HashSet<u32>,
     pools: Vec<IpNet>,
-    /// The XDP prefilter's maps while it runs, until [`EbpfDataplane::take_xdp`] hands them out.
+    /// The XDP prefilter's maps while it runs (SIGHUP updates them).
     xdp: Option<XdpFilter>,
-    /// The SNAT maps, until [`EbpfDataplane::take_nat`] hands them out.
+    /// The SNAT maps (SIGHUP updates the exclusions).
     nat: Option<NatMaps>,
     /// Entries carried from mismatched or older pinned maps: the old programs may add more
     /// until every interface runs the new ones ([`Dataplane::reconcile`] catches up).
@@ -346,18 +346,17 @@ impl EbpfDataplane {
             tracing::info!(%uplink, "uplink programs attached");
         }
         dp.start_xdp()?;
+        if let Some(n) = &dp.cfg.nat {
+            // What the programs leave to the host stack (Service traffic it DNATs out of the
+            // node, fragments, other protocols) is masqueraded there, on ports the programs
+            // never hand out.
+            super::masquerade::apply_stack(n)?;
+        }
+        // A table a kernel-mode run left behind: the programs guard the pods now.
+        if let Err(e) = super::antispoof::remove() {
+            tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
+        }
         Ok(dp)
-    }
-
-    /// The running XDP prefilter's maps, for whoever applies policy changes (SIGHUP); `None`
-    /// when the prefilter is off or was taken already.
-    pub fn take_xdp(&mut self) -> Option<XdpFilter> {
-        self.xdp.take()
-    }
-
-    /// The SNAT maps, for whoever applies config changes (SIGHUP); `None` once taken.
-    pub fn take_nat(&mut self) -> Option<NatMaps> {
-        self.nat.take()
     }
 
     /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
@@ -829,6 +828,18 @@ impl Dataplane for EbpfDataplane {
             "dataplane reconciled after the initial sync"
         );
         Ok(())
+    }
+
+    fn reload(&mut self, r: &super::Reload) -> Result<(), DataplaneError> {
+        if let Some(filter) = &mut self.xdp {
+            filter.set_policy(&r.xdp)?;
+            tracing::info!("XDP deny list and failsafe ports reloaded");
+        }
+        if let Some(maps) = &mut self.nat {
+            maps.set_no_snat(&r.nat.untranslated())?;
+            tracing::info!("SNAT exclusions and service_cidrs reloaded");
+        }
+        super::masquerade::apply_stack(&r.nat)
     }
 
     fn release(&mut self) {

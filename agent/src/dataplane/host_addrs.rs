@@ -61,6 +61,28 @@ pub fn own_addresses() -> Result<BTreeSet<IpAddr>, DataplaneError> {
         .collect())
 }
 
+/// The node's addresses as its node record carries them (for peers and, later, route next
+/// hops): global ones of every interface but loopback and pods' veths, sorted.
+pub fn record_addresses() -> Vec<String> {
+    let Ok(addrs) = interface_addresses() else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = addrs
+        .into_iter()
+        .filter(|(ifname, _)| is_node_interface(ifname) && ifname != "lo")
+        .filter_map(|(_, ip)| {
+            let link_local = match ip {
+                IpAddr::V4(v4) => v4.is_link_local(),
+                IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+            };
+            (!link_local && !ip.is_loopback()).then(|| ip.to_string())
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// The maps of the node's own addresses.
 pub struct HostAddrs {
     v4: HashMap<MapData, [u8; 4], u32>,

@@ -213,6 +213,10 @@ pub trait Dataplane: Send {
     /// After the initial sync: forget map entries and detach programs of `cali*` interfaces
     /// that are not in `known` (host ifnames).
     fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError>;
+    /// A config reload (SIGHUP): what may change while running. The XDP deny list and failsafe
+    /// ports, the SNAT exclusions, and the host's nftables tables (kernel mode's masquerade
+    /// and anti-spoofing, eBPF mode's stack masquerade).
+    fn reload(&mut self, r: &Reload) -> Result<(), DataplaneError>;
     /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing
     /// while the agent is away.
     fn release(&mut self);
@@ -252,9 +256,75 @@ pub fn endpoint_ifindex(ep: &EndpointSpec) -> Result<u32, DataplaneError> {
     }
 }
 
-/// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding.
-#[derive(Default)]
+/// What a config reload may change in a running dataplane (already validated).
+#[derive(Debug, Clone)]
+pub struct Reload {
+    pub xdp: xdp::XdpPolicy,
+    pub nat: nat::NatSettings,
+}
+
+/// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding. It owns
+/// two nftables tables: the natOutgoing masquerade and the pods' anti-spoofing.
 pub struct KernelDataplane;
+
+impl KernelDataplane {
+    /// Installs (or replaces, atomically) the kernel mode's nftables tables.
+    pub fn start(nat: &nat::NatSettings) -> Result<Self, DataplaneError> {
+        antispoof::apply()?;
+        masquerade::apply(nat)?;
+        Ok(Self)
+    }
+}
+
+/// Pods reach each other and the node through this node's forwarding: on for both families.
+pub fn enable_forwarding() -> Result<(), DataplaneError> {
+    for (path, value) in [
+        ("/proc/sys/net/ipv4/ip_forward", "1"),
+        ("/proc/sys/net/ipv6/conf/all/forwarding", "1"),
+    ] {
+        calix_kernel::netns::write_sysctl(path, value).map_err(|e| DataplaneError::Kernel {
+            what: format!("{path}={value}"),
+            source: Box::new(e.into()),
+        })?;
+    }
+    Ok(())
+}
+
+/// `calix-agent --uninstall`: calix's filters off every `cali*` interface and the uplinks, XDP
+/// off the uplinks, the pins and both modes' nftables tables removed. Pods keep their routes
+/// (kernel forwarding). Returns how many interfaces were cleared.
+pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
+    let mut n = 0;
+    let ifaces = nix::net::if_::if_nameindex().map_err(DataplaneError::Addresses)?;
+    for i in ifaces.iter() {
+        let name = i.name().to_string_lossy().into_owned();
+        if name.starts_with("cali") || cfg.uplinks.contains(&name) {
+            EbpfDataplane::detach_filters(&name);
+            n += 1;
+        }
+    }
+    let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
+    if let Err(e) = masquerade::remove() {
+        tracing::warn!(error = %e, "cannot remove the masquerade table");
+    }
+    if let Err(e) = antispoof::remove() {
+        tracing::warn!(error = %e, "cannot remove the kernel-mode anti-spoofing table");
+    }
+    let dir = cfg.node_dir();
+    match std::fs::remove_dir_all(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(DataplaneError::Pin {
+                path: dir,
+                op: "remove",
+                source,
+            })
+        }
+    }
+    tracing::info!(interfaces = n, xdp_links, pins = %dir.display(), "eBPF dataplane uninstalled");
+    Ok(n)
+}
 
 impl Dataplane for KernelDataplane {
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
@@ -282,8 +352,22 @@ impl Dataplane for KernelDataplane {
     fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
         Ok(())
     }
+    fn reload(&mut self, r: &Reload) -> Result<(), DataplaneError> {
+        // (Also puts the anti-spoofing table back if something flushed the ruleset.)
+        antispoof::apply()?;
+        masquerade::apply(&r.nat)
+    }
     fn release(&mut self) {}
-    fn uninstall(&mut self) {}
+    fn uninstall(&mut self) {
+        for (what, r) in [
+            ("masquerade", masquerade::remove()),
+            ("anti-spoofing", antispoof::remove()),
+        ] {
+            if let Err(e) = r {
+                tracing::warn!(table = what, error = %e, "cannot remove a kernel-mode table");
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -21,6 +21,17 @@ use serde::{Deserialize, Serialize};
 pub use embedded::EmbeddedStore;
 pub use etcd::{EtcdConfig, EtcdStore};
 
+/// Opens the configured backend: `etcd`, or the embedded store (anything else is refused
+/// earlier, by the config's validation).
+pub async fn open(
+    cfg: &crate::config::DatastoreConfig,
+) -> Result<std::sync::Arc<dyn Datastore>, DatastoreError> {
+    Ok(match cfg.kind.as_str() {
+        "etcd" => std::sync::Arc::new(EtcdStore::connect(cfg.etcd()).await?),
+        _ => std::sync::Arc::new(EmbeddedStore::open(&cfg.path)?),
+    })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum DatastoreError {
     #[error("datastore file {path}: {op} failed")]

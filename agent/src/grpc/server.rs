@@ -9,9 +9,11 @@ use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
-use crate::agent::{Agent, AgentError, EndpointView};
+use crate::endpoints::EndpointView;
+use crate::error::AgentError;
 use crate::ipam::IpamError;
 use crate::model::EndpointRecord;
+use crate::node::Node;
 
 fn status(e: AgentError) -> Status {
     let msg = format!("{e:#}");
@@ -35,8 +37,8 @@ fn status(e: AgentError) -> Status {
     }
 }
 
-pub struct IpamSvc(pub Arc<Agent>);
-pub struct EndpointsSvc(pub Arc<Agent>);
+pub struct IpamSvc(pub Arc<Node>);
+pub struct EndpointsSvc(pub Arc<Node>);
 
 #[tonic::async_trait]
 impl pb::ipam_server::Ipam for IpamSvc {
@@ -60,6 +62,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
             .collect::<Result<Vec<_>, _>>()?;
         let (out, already) = self
             .0
+            .ipam
             .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
             .await
             .map_err(status)?;
@@ -76,6 +79,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
         let r = req.into_inner();
         let n = self
             .0
+            .ipam
             .release(&r.handle, &r.ifname)
             .await
             .map_err(status)?
@@ -90,7 +94,12 @@ impl pb::ipam_server::Ipam for IpamSvc {
         req: Request<pb::LookupRequest>,
     ) -> Result<Response<pb::LookupResponse>, Status> {
         let r = req.into_inner();
-        let held = self.0.lookup(&r.handle, &r.ifname).await.map_err(status)?;
+        let held = self
+            .0
+            .ipam
+            .lookup(&r.handle, &r.ifname)
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::LookupResponse {
             addresses: addresses(held),
         }))
@@ -121,18 +130,19 @@ impl pb::ipam_server::Ipam for IpamSvc {
         &self,
         _req: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        let (free_v4, free_v6) = self.0.free().await;
+        let (free_v4, free_v6) = self.0.ipam.free().await;
         Ok(Response::new(pb::StatusResponse {
             free_v4,
             free_v6,
             pools: self
                 .0
+                .ipam
                 .pools()
                 .iter()
                 .filter(|p| !p.disabled)
                 .map(|p| p.cidr.to_string())
                 .collect(),
-            node: self.0.node().to_string(),
+            node: self.0.name().to_string(),
         }))
     }
 
@@ -140,7 +150,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
         &self,
         _req: Request<pb::ShowRequest>,
     ) -> Result<Response<pb::ReportResponse>, Status> {
-        let report = self.0.ipam_report().await.map_err(status)?;
+        let report = self.0.ipam.ipam_report().await.map_err(status)?;
         json_report(&report)
     }
 
@@ -148,7 +158,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
         &self,
         _req: Request<pb::CheckRequest>,
     ) -> Result<Response<pb::ReportResponse>, Status> {
-        let report = self.0.ipam_check().await.map_err(status)?;
+        let report = self.0.ipam.ipam_check().await.map_err(status)?;
         json_report(&report)
     }
 
@@ -167,6 +177,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
         };
         let released = self
             .0
+            .ipam
             .release_address(addr, (r.seq > 0).then_some(r.seq), &reason)
             .await
             .map_err(status)?;
@@ -221,6 +232,7 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
 
 fn view(v: EndpointView) -> pb::EndpointStatus {
     pb::EndpointStatus {
+        state: v.health.map(|h| h.to_string()).unwrap_or_default(),
         endpoint: Some(endpoint(v.record)),
         host_ifindex: v.ifindex.unwrap_or(0),
         bpf_attached: v.bpf_attached,
@@ -243,7 +255,12 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
             .into_inner()
             .endpoint
             .ok_or_else(|| Status::invalid_argument("endpoint is required"))?;
-        let a = self.0.register(record(ep)).await.map_err(status)?;
+        let a = self
+            .0
+            .endpoints
+            .register(record(ep))
+            .await
+            .map_err(status)?;
         Ok(Response::new(pb::RegisterResponse {
             host_ifindex: a.ifindex,
             bpf_attached: a.bpf,
@@ -271,7 +288,7 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         &self,
         _req: Request<pb::DropsRequest>,
     ) -> Result<Response<pb::DropsResponse>, Status> {
-        let drops = self.0.drops().await.map_err(status)?;
+        let drops = self.0.endpoints.drops().await.map_err(status)?;
         Ok(Response::new(pb::DropsResponse {
             drops: drops
                 .into_iter()
@@ -283,7 +300,7 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
                     bytes: d.bytes,
                 })
                 .collect(),
-            node: self.0.node().to_string(),
+            node: self.0.name().to_string(),
         }))
     }
 
@@ -320,7 +337,7 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         };
         let (flows, flushed) = self.0.conntrack(&filter, r.flush).map_err(status)?;
         Ok(Response::new(pb::ConntrackResponse {
-            node: self.0.node().to_string(),
+            node: self.0.name().to_string(),
             json: serde_json::to_string(&flows)
                 .map_err(|e| Status::internal(format!("encoding flows: {e}")))?,
             flushed: u32::try_from(flushed).unwrap_or(u32::MAX),
@@ -331,10 +348,10 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         &self,
         _req: Request<pb::ListRequest>,
     ) -> Result<Response<pb::ListResponse>, Status> {
-        let eps = self.0.list().await.map_err(status)?;
+        let eps = self.0.endpoints.list().await.map_err(status)?;
         Ok(Response::new(pb::ListResponse {
             endpoints: eps.into_iter().map(view).collect(),
-            node: self.0.node().to_string(),
+            node: self.0.name().to_string(),
         }))
     }
 }
@@ -389,15 +406,15 @@ impl UnixSocket {
     /// is not the one [`UnixSocket::bind`] created any more (someone else's now).
     pub async fn serve(
         self,
-        agent: Arc<Agent>,
+        node: Arc<Node>,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), ServeError> {
         let path = self.path;
         tracing::info!(socket = %path.display(), "serving gRPC");
         let result = tonic::transport::Server::builder()
-            .add_service(pb::ipam_server::IpamServer::new(IpamSvc(agent.clone())))
+            .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))
             .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
-                agent,
+                node,
             )))
             .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
             .await;

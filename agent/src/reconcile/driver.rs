@@ -13,7 +13,7 @@ use ipnet::IpNet;
 use tokio::sync::oneshot;
 
 use super::{Backoff, Health, Reconciler};
-use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
+use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec, Reload};
 
 /// What the reconciler reports about the endpoints.
 #[derive(Debug, Clone, Default)]
@@ -21,6 +21,8 @@ pub struct Snapshot {
     pub health: BTreeMap<String, Health>,
     pub attached: BTreeMap<String, Attached>,
     pub repairs: BTreeMap<&'static str, u64>,
+    /// Full passes so far.
+    pub resyncs: u64,
 }
 
 enum Command {
@@ -32,6 +34,7 @@ enum Command {
     Remove(String, oneshot::Sender<Result<(), DataplaneError>>),
     Resync(oneshot::Sender<()>),
     SetPools(Vec<IpNet>, oneshot::Sender<Result<(), DataplaneError>>),
+    Reload(Box<Reload>, oneshot::Sender<Result<(), DataplaneError>>),
     /// After the initial sync: the dataplane removes what no programmed endpoint owns.
     Sweep(oneshot::Sender<Result<(), DataplaneError>>),
     Snapshot(oneshot::Sender<Snapshot>),
@@ -143,6 +146,13 @@ impl Driver {
             .map_err(gone)?
     }
 
+    /// A config reload (SIGHUP): see [`Dataplane::reload`].
+    pub async fn reload(&self, r: Reload) -> Result<(), DataplaneError> {
+        self.ask(|tx| Command::Reload(Box::new(r), tx))
+            .await
+            .map_err(gone)?
+    }
+
     pub async fn sweep(&self) -> Result<(), DataplaneError> {
         self.ask(Command::Sweep).await.map_err(gone)?
     }
@@ -188,6 +198,9 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             Some(Command::SetPools(pools, reply)) => {
                 let _ = reply.send(r.dataplane().set_pools(&pools));
             }
+            Some(Command::Reload(reload, reply)) => {
+                let _ = reply.send(r.dataplane().reload(&reload));
+            }
             Some(Command::Sweep(reply)) => {
                 let known = r.programmed_interfaces();
                 let _ = reply.send(r.dataplane().reconcile(&known));
@@ -202,6 +215,7 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     health,
                     attached,
                     repairs: r.repairs().clone(),
+                    resyncs: r.resyncs(),
                 });
             }
             Some(Command::Release(reply)) => {

@@ -132,6 +132,8 @@ pub struct Reconciler<K: HostKernel> {
     desired: BTreeMap<String, EndpointSpec>,
     state: BTreeMap<String, State>,
     repairs: BTreeMap<&'static str, u64>,
+    /// Full passes ([`Reconciler::resync`]) so far.
+    resyncs: u64,
     backoff: Backoff,
 }
 
@@ -143,6 +145,7 @@ impl<K: HostKernel> Reconciler<K> {
             desired: BTreeMap::new(),
             state: BTreeMap::new(),
             repairs: BTreeMap::new(),
+            resyncs: 0,
             backoff,
         }
     }
@@ -239,8 +242,14 @@ impl<K: HostKernel> Reconciler<K> {
         self.state.values().filter_map(|s| s.retry_at).min()
     }
 
+    /// Full passes so far.
+    pub fn resyncs(&self) -> u64 {
+        self.resyncs
+    }
+
     /// Checks every desired endpoint against the kernel and repairs what drifted.
     pub fn resync(&mut self, now: Instant) -> Pass {
+        self.resyncs += 1;
         let keys: Vec<String> = self.desired.keys().cloned().collect();
         self.check_all(&keys, now)
     }

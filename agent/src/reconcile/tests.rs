@@ -56,6 +56,9 @@ impl Dataplane for FakeDataplane {
     fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
         Ok(())
     }
+    fn reload(&mut self, _r: &crate::dataplane::Reload) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     fn release(&mut self) {}
     fn uninstall(&mut self) {}
 }

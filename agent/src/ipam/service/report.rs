@@ -5,8 +5,9 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Agent, AgentError};
+use super::IpamService;
 use crate::datastore::keys;
+use crate::error::AgentError;
 use crate::ipam::{Block, HandleRecord};
 use crate::model::{EndpointRecord, NodeRecord};
 
@@ -88,7 +89,7 @@ struct Snapshot {
     nodes: Vec<NodeRecord>,
 }
 
-impl Agent {
+impl IpamService {
     async fn snapshot(&self) -> Result<Snapshot, AgentError> {
         // This node's IPAM writes come in pairs (a block, then its handle record): read between
         // two, and a check would report the handle as an orphan. Other nodes' pairs can still be

@@ -1,5 +1,6 @@
-//! The agent's IPAM logic over a real embedded store (a temporary directory) and a stand-in
-//! dataplane; the real dataplane and the gRPC path are covered by the integration tests.
+//! The node's IPAM and endpoint logic over a real embedded store (a temporary directory), a
+//! stand-in dataplane and an in-memory kernel; the real dataplane and the gRPC path are
+//! covered by the integration tests.
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -8,8 +9,16 @@ use std::time::{Duration, Instant};
 use calix_proto::handle;
 
 use super::*;
-use crate::datastore::{Compare, EmbeddedStore, KeyValue};
+use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
+use crate::datastore::{
+    keys, Compare, Datastore, DatastoreError, Durability, EmbeddedStore, KeyValue, Op,
+};
+use crate::endpoints::EndpointRegistry;
+use crate::ipam::service::{CheckReport, Finding, Housekeeping};
 use crate::ipam::HandleRecord;
+use crate::model::NodeRecord;
+use crate::reconcile::driver::{Driver, Timing};
+use calix_kernel::host::FakeHost;
 
 struct NoDataplane;
 
@@ -37,6 +46,9 @@ impl Dataplane for NoDataplane {
         Ok(())
     }
     fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn reload(&mut self, _r: &crate::dataplane::Reload) -> Result<(), DataplaneError> {
         Ok(())
     }
     fn release(&mut self) {}
@@ -161,23 +173,40 @@ fn pool(cidr: &str, bs: u8) -> Pool {
 
 const GRACE: Duration = Duration::from_secs(30);
 
-async fn agent_on(store: &Arc<TestStore>, node: &str, pools: Vec<Pool>, policy: Policy) -> Agent {
-    Agent::new(
+fn housekeeping() -> Housekeeping {
+    Housekeeping {
+        leak_grace: GRACE,
+        empty_block_grace: GRACE,
+    }
+}
+
+async fn agent_on(store: &Arc<TestStore>, node: &str, pools: Vec<Pool>, policy: Policy) -> Node {
+    let shared: Arc<dyn Datastore> = Arc::new(Shared(store.clone()));
+    let ipam = IpamService::new(
         NodeRecord {
             name: node.into(),
             ..Default::default()
         },
         pools,
         policy,
-        Housekeeping {
-            leak_grace: GRACE,
-            empty_block_grace: GRACE,
-        },
-        Box::new(Shared(store.clone())),
-        Box::new(NoDataplane),
+        housekeeping(),
+        shared.clone(),
     )
     .await
-    .expect("agent")
+    .expect("ipam");
+    let driver = Driver::spawn(
+        || Ok(FakeHost::default()),
+        Box::new(NoDataplane),
+        Timing {
+            resync: Duration::from_secs(3600),
+            backoff: crate::reconcile::Backoff::default(),
+        },
+    )
+    .expect("driver");
+    let endpoints = EndpointRegistry::load(node, shared, driver, None)
+        .await
+        .expect("registry");
+    Node::new(ipam, endpoints)
 }
 
 fn store() -> (tempfile::TempDir, Arc<TestStore>) {
@@ -191,8 +220,9 @@ fn store() -> (tempfile::TempDir, Arc<TestStore>) {
     (dir, Arc::new(s))
 }
 
-async fn alloc4(a: &Agent, h: &str) -> Result<IpAddr, AgentError> {
-    a.allocate(h, "eth0", true, false, &[], &BTreeMap::new())
+async fn alloc4(a: &Node, h: &str) -> Result<IpAddr, AgentError> {
+    a.ipam
+        .allocate(h, "eth0", true, false, &[], &BTreeMap::new())
         .await
         .map(|(v, _)| v[0].0)
 }
@@ -223,23 +253,45 @@ async fn same_handle_same_addresses_and_dual_stack_is_one_write() {
     )
     .await;
     let (first, already) = a
+        .ipam
         .allocate("net.c1", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect("alloc");
     assert_eq!(first.len(), 2);
     assert!(!already);
     let (again, already) = a
+        .ipam
         .allocate("net.c1", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect("again");
     assert_eq!((again.clone(), already), (first.clone(), true));
-    assert_eq!(a.lookup("net.c1", "eth0").await.expect("lookup"), first);
+    assert_eq!(
+        a.ipam.lookup("net.c1", "eth0").await.expect("lookup"),
+        first
+    );
     // Another ifname of the same container is another attachment.
     let other = alloc4(&a, "net.c2").await.expect("c2");
     assert_ne!(other, first[0].0);
-    assert_eq!(a.release("net.c1", "eth0").await.expect("release").len(), 2);
-    assert!(a.release("net.c1", "eth0").await.expect("again").is_empty());
-    assert!(a.lookup("net.c1", "eth0").await.expect("lookup").is_empty());
+    assert_eq!(
+        a.ipam
+            .release("net.c1", "eth0")
+            .await
+            .expect("release")
+            .len(),
+        2
+    );
+    assert!(a
+        .ipam
+        .release("net.c1", "eth0")
+        .await
+        .expect("again")
+        .is_empty());
+    assert!(a
+        .ipam
+        .lookup("net.c1", "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
 }
 
 #[tokio::test]
@@ -253,16 +305,18 @@ async fn v6_exhausted_rolls_back_the_v4_half() {
     )
     .await;
     for i in 0..2 {
-        a.allocate(&format!("h{i}"), "eth0", false, true, &[], &BTreeMap::new())
+        a.ipam
+            .allocate(&format!("h{i}"), "eth0", false, true, &[], &BTreeMap::new())
             .await
             .expect("v6");
     }
     let err = a
+        .ipam
         .allocate("dual", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect_err("v6 full");
     assert!(err.to_string().contains("fd00::/127"), "{err}");
-    let ipam = a.ipam().await.expect("ipam");
+    let ipam = a.ipam.ipam().await.expect("ipam");
     assert_eq!(ipam.in_use(), 2, "the v4 half must not stay allocated");
 }
 
@@ -287,7 +341,7 @@ async fn two_agents_on_one_store_never_share_an_address_and_borrow_when_full() {
         assert!(seen.insert(addr), "{addr} handed out twice");
     }
     assert_eq!(seen.len(), 62);
-    let ipam = a.ipam().await.expect("ipam");
+    let ipam = a.ipam.ipam().await.expect("ipam");
     assert_eq!(ipam.blocks.len(), 4);
     assert!(ipam
         .blocks
@@ -295,7 +349,7 @@ async fn two_agents_on_one_store_never_share_an_address_and_borrow_when_full() {
         .all(|b| b.affinity == "a" || b.affinity == "b"));
     let err = alloc4(&a, "one-too-many").await.expect_err("full");
     assert!(err.to_string().contains("10.1.0.0/26"), "{err}");
-    let check = a.ipam_check().await.expect("check");
+    let check = a.ipam.ipam_check().await.expect("check");
     assert!(
         check.findings.iter().all(|f| f.kind == "leak"),
         "{:?}",
@@ -328,10 +382,10 @@ async fn borrowing_and_strict_affinity() {
         alloc4(&b, &format!("b{i}")).await.expect("b's own block");
     }
     let borrowed = alloc4(&b, "b15").await.expect("borrowed");
-    let ipam = b.ipam().await.expect("ipam");
+    let ipam = b.ipam.ipam().await.expect("ipam");
     let blk = ipam.block_of(borrowed).expect("block");
     assert_eq!(blk.affinity, "a");
-    let report = a.ipam_report().await.expect("report");
+    let report = a.ipam.ipam_report().await.expect("report");
     let ab = report
         .blocks
         .iter()
@@ -346,7 +400,10 @@ async fn leak_gc_waits_for_the_grace_period_and_spares_live_endpoints() {
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
     let live = alloc4(&a, "net.live").await.expect("live");
     let leaked = alloc4(&a, "net.leaked").await.expect("leaked");
-    a.register(ep("live", "net.live")).await.expect("register");
+    a.endpoints
+        .register(ep("live", "net.live"))
+        .await
+        .expect("register");
     let t0 = Instant::now();
     let first = a.housekeep(t0).await.expect("pass 1");
     assert_eq!((first.released.len(), first.candidates), (0, 1));
@@ -354,10 +411,11 @@ async fn leak_gc_waits_for_the_grace_period_and_spares_live_endpoints() {
     assert!(early.released.is_empty());
     let due = a.housekeep(t0 + GRACE).await.expect("pass 3");
     assert_eq!(due.released, vec![leaked]);
-    let ipam = a.ipam().await.expect("ipam");
+    let ipam = a.ipam.ipam().await.expect("ipam");
     assert_eq!(ipam.in_use(), 1);
     assert!(ipam.block_of(live).is_some());
     assert!(a
+        .ipam
         .lookup("net.leaked", "eth0")
         .await
         .expect("lookup")
@@ -365,7 +423,8 @@ async fn leak_gc_waits_for_the_grace_period_and_spares_live_endpoints() {
     // A candidate that gets its endpoint in time is spared.
     alloc4(&a, "net.late").await.expect("late");
     a.housekeep(t0 + GRACE).await.expect("seen");
-    a.register(ep("late", "net.late"))
+    a.endpoints
+        .register(ep("late", "net.late"))
         .await
         .expect("register late");
     let spared = a.housekeep(t0 + GRACE * 3).await.expect("spared");
@@ -377,12 +436,12 @@ async fn empty_blocks_are_released_after_the_grace_period() {
     let (_d, s) = store();
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
     alloc4(&a, "h").await.expect("alloc");
-    a.release("h", "eth0").await.expect("release");
+    a.ipam.release("h", "eth0").await.expect("release");
     let t0 = Instant::now();
     assert!(a.housekeep(t0).await.expect("1").blocks_released.is_empty());
     let done = a.housekeep(t0 + GRACE).await.expect("2");
     assert_eq!(done.blocks_released, vec!["10.1.0.0/28".to_string()]);
-    assert!(a.ipam().await.expect("ipam").blocks.is_empty());
+    assert!(a.ipam.ipam().await.expect("ipam").blocks.is_empty());
 }
 
 #[tokio::test]
@@ -391,6 +450,7 @@ async fn late_release_cannot_free_a_reallocated_address() {
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/30", 30)], Policy::default()).await;
     let first = alloc4(&a, "h1").await.expect("h1");
     let seq1 = a
+        .ipam
         .ipam()
         .await
         .expect("ipam")
@@ -401,19 +461,26 @@ async fn late_release_cannot_free_a_reallocated_address() {
         .next()
         .expect("a")
         .seq;
-    a.release("h1", "eth0").await.expect("release");
+    a.ipam.release("h1", "eth0").await.expect("release");
     let second = alloc4(&a, "h2").await.expect("h2");
     assert_eq!(first, second);
     assert!(!a
+        .ipam
         .release_address(first, Some(seq1), "late")
         .await
         .expect("late release"));
-    assert_eq!(a.lookup("h2", "eth0").await.expect("lookup").len(), 1);
+    assert_eq!(a.ipam.lookup("h2", "eth0").await.expect("lookup").len(), 1);
     assert!(a
+        .ipam
         .release_address(first, None, "operator")
         .await
         .expect("release"));
-    assert!(a.lookup("h2", "eth0").await.expect("lookup").is_empty());
+    assert!(a
+        .ipam
+        .lookup("h2", "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
 }
 
 #[tokio::test]
@@ -440,19 +507,15 @@ async fn shrinking_a_pool_under_live_addresses_is_refused() {
     assert!(next.to_string().starts_with("10.2.0."), "{next}");
     drop(a);
     // At startup too.
-    let err = Agent::new(
+    let err = IpamService::new(
         NodeRecord {
             name: "n1".into(),
             ..Default::default()
         },
         vec![pool("10.3.0.0/24", 28)],
         Policy::default(),
-        Housekeeping {
-            leak_grace: GRACE,
-            empty_block_grace: GRACE,
-        },
-        Box::new(Shared(s.clone())),
-        Box::new(NoDataplane),
+        housekeeping(),
+        Arc::new(Shared(s.clone())),
     )
     .await
     .err()
@@ -467,7 +530,8 @@ async fn cni_gc_releases_only_invalid_attachments() {
     for (net, cid) in [("net", "c1"), ("net", "c2"), ("other", "c3")] {
         alloc4(&a, &handle::encode(net, cid)).await.expect("alloc");
     }
-    a.register(ep("c2", &handle::encode("net", "c2")))
+    a.endpoints
+        .register(ep("c2", &handle::encode("net", "c2")))
         .await
         .expect("register");
     let valid = [("c1".to_string(), "eth0".to_string())]
@@ -476,15 +540,16 @@ async fn cni_gc_releases_only_invalid_attachments() {
     let (released, stale) = a.gc("net", &valid).await.expect("gc");
     assert_eq!(released.len(), 1);
     assert_eq!(stale.len(), 1);
-    assert_eq!(a.ipam().await.expect("ipam").in_use(), 2);
+    assert_eq!(a.ipam.ipam().await.expect("ipam").in_use(), 2);
     assert_eq!(
-        a.lookup(&handle::encode("other", "c3"), "eth0")
+        a.ipam
+            .lookup(&handle::encode("other", "c3"), "eth0")
             .await
             .expect("lookup")
             .len(),
         1
     );
-    assert!(a.list().await.expect("list").is_empty());
+    assert!(a.endpoints.list().await.expect("list").is_empty());
     // A network name that is not one is refused, never matched loosely.
     assert!(matches!(
         a.gc("", &valid).await,
@@ -503,19 +568,27 @@ async fn cni_gc_of_a_network_spares_the_networks_it_is_a_prefix_of() {
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
     // As the plugin made them before handles were unambiguous: "<network>.<containerID>".
     let mine = a
+        .ipam
         .allocate("k8s.c1", "eth0", true, false, &[], &cid_attr("c1"))
         .await
         .expect("k8s/c1")
         .0[0]
         .0;
     let other = a
+        .ipam
         .allocate("k8s.x.c2", "eth0", true, false, &[], &cid_attr("c2"))
         .await
         .expect("k8s.x/c2")
         .0[0]
         .0;
-    a.register(ep("c1", "k8s.c1")).await.expect("register c1");
-    a.register(ep("c2", "k8s.x.c2")).await.expect("register c2");
+    a.endpoints
+        .register(ep("c1", "k8s.c1"))
+        .await
+        .expect("register c1");
+    a.endpoints
+        .register(ep("c2", "k8s.x.c2"))
+        .await
+        .expect("register c2");
     let (released, stale) = a.gc("k8s", &HashSet::new()).await.expect("gc");
     assert_eq!(released, vec![mine], "GC of k8s released {released:?}");
     assert_eq!(
@@ -526,15 +599,15 @@ async fn cni_gc_of_a_network_spares_the_networks_it_is_a_prefix_of() {
         vec!["c1"]
     );
     assert_eq!(
-        a.lookup("k8s.x.c2", "eth0").await.expect("lookup"),
+        a.ipam.lookup("k8s.x.c2", "eth0").await.expect("lookup"),
         vec![(other, "10.1.0.0/24".parse().expect("pool"))]
     );
-    assert_eq!(a.list().await.expect("list").len(), 1);
+    assert_eq!(a.endpoints.list().await.expect("list").len(), 1);
 }
 
 /// The sequence number of the allocation holding `addr` now.
-async fn seq_of(a: &Agent, addr: IpAddr) -> u64 {
-    let ipam = a.ipam().await.expect("ipam");
+async fn seq_of(a: &Node, addr: IpAddr) -> u64 {
+    let ipam = a.ipam.ipam().await.expect("ipam");
     let b = ipam.block_of(addr).expect("block");
     b.allocations[&b.offset_of(addr).expect("offset")].seq
 }
@@ -546,7 +619,7 @@ async fn a_reclaimed_block_never_repeats_a_sequence_number() {
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/28", 28)], Policy::default()).await;
     let first = alloc4(&a, "h1").await.expect("h1");
     let seq1 = seq_of(&a, first).await;
-    a.release("h1", "eth0").await.expect("release");
+    a.ipam.release("h1", "eth0").await.expect("release");
     let t0 = Instant::now();
     a.housekeep(t0).await.expect("pass 1");
     let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
@@ -560,10 +633,11 @@ async fn a_reclaimed_block_never_repeats_a_sequence_number() {
     );
     // A late release of the first allocation (leak GC, calixctl ipam release --from-report).
     assert!(!a
+        .ipam
         .release_address(first, Some(seq1), "late")
         .await
         .expect("late release"));
-    assert_eq!(a.lookup("h2", "eth0").await.expect("lookup").len(), 1);
+    assert_eq!(a.ipam.lookup("h2", "eth0").await.expect("lookup").len(), 1);
 }
 
 #[tokio::test]
@@ -575,7 +649,7 @@ async fn an_agent_with_an_old_view_claiming_a_released_block_never_repeats_a_seq
     let b = agent_on(&s, "b", pools, Policy::default()).await;
     let first = alloc4(&a, "ha").await.expect("a claims the block");
     let seq1 = seq_of(&a, first).await;
-    a.release("ha", "eth0").await.expect("release");
+    a.ipam.release("ha", "eth0").await.expect("release");
     let t0 = Instant::now();
     a.housekeep(t0).await.expect("pass 1");
     let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
@@ -586,10 +660,11 @@ async fn an_agent_with_an_old_view_claiming_a_released_block_never_repeats_a_seq
     let seq2 = seq_of(&b, second).await;
     assert_ne!(seq2, seq1, "b's claim repeated sequence number {seq1}");
     assert!(!a
+        .ipam
         .release_address(first, Some(seq1), "late release by a")
         .await
         .expect("late release"));
-    assert_eq!(b.lookup("hb", "eth0").await.expect("lookup").len(), 1);
+    assert_eq!(b.ipam.lookup("hb", "eth0").await.expect("lookup").len(), 1);
 }
 
 #[tokio::test]
@@ -599,12 +674,12 @@ async fn cni_gc_with_new_handles_spares_the_networks_it_is_a_prefix_of() {
     let (h1, h2) = (handle::encode("k8s", "c1"), handle::encode("k8s.x", "c2"));
     let mine = alloc4(&a, &h1).await.expect("k8s/c1");
     alloc4(&a, &h2).await.expect("k8s.x/c2");
-    a.register(ep("c1", &h1)).await.expect("register");
-    a.register(ep("c2", &h2)).await.expect("register");
+    a.endpoints.register(ep("c1", &h1)).await.expect("register");
+    a.endpoints.register(ep("c2", &h2)).await.expect("register");
     let (released, stale) = a.gc("k8s", &HashSet::new()).await.expect("gc");
     assert_eq!(released, vec![mine]);
     assert_eq!(stale.len(), 1);
-    assert_eq!(a.lookup(&h2, "eth0").await.expect("lookup").len(), 1);
+    assert_eq!(a.ipam.lookup(&h2, "eth0").await.expect("lookup").len(), 1);
     // And GC of k8s.x finds its own.
     let (released, _) = a.gc("k8s.x", &HashSet::new()).await.expect("gc");
     assert_eq!(released.len(), 1);
@@ -622,17 +697,18 @@ async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
         let a = &a;
         let (net, cid) = (net.to_string(), cid.to_string());
         async move {
-            a.allocate(
-                &handle::legacy(&net, &cid),
-                "eth0",
-                true,
-                false,
-                &[],
-                &cid_attr(&cid),
-            )
-            .await
-            .expect("old allocation")
-            .0[0]
+            a.ipam
+                .allocate(
+                    &handle::legacy(&net, &cid),
+                    "eth0",
+                    true,
+                    false,
+                    &[],
+                    &cid_attr(&cid),
+                )
+                .await
+                .expect("old allocation")
+                .0[0]
                 .0
         }
     };
@@ -640,27 +716,38 @@ async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
     let abc = old("a", "b.c").await;
     let new = handle::encode("a", "b.c");
     assert_eq!(
-        a.lookup(&new, "eth0").await.expect("lookup"),
+        a.ipam.lookup(&new, "eth0").await.expect("lookup"),
         vec![(abc, "10.1.0.0/24".parse().expect("pool"))]
     );
     // Network a.b, container c: the same old handle text would be "a.b.c" too — it is not
     // this allocation's, so neither its lookup nor its release sees it.
     assert!(a
+        .ipam
         .lookup(&handle::encode("a.b", "c"), "eth0")
         .await
         .expect("lookup")
         .is_empty());
     assert!(a
+        .ipam
         .release(&handle::encode("a.b", "c"), "eth0")
         .await
         .expect("release")
         .is_empty());
-    assert_eq!(a.release(&new, "eth0").await.expect("release"), vec![abc]);
-    assert!(a.lookup(&new, "eth0").await.expect("lookup").is_empty());
+    assert_eq!(
+        a.ipam.release(&new, "eth0").await.expect("release"),
+        vec![abc]
+    );
+    assert!(a
+        .ipam
+        .lookup(&new, "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
 
     // DEL through the endpoint (the plugin's path): endpoint and address in one go.
     let d1 = old("net", "d1").await;
-    a.register(ep("d1", &handle::legacy("net", "d1")))
+    a.endpoints
+        .register(ep("d1", &handle::legacy("net", "d1")))
         .await
         .expect("register");
     let (existed, released) = a
@@ -675,7 +762,8 @@ async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
     let gone = old("net", "g1").await;
     old("net", "keep").await;
     old("net.x", "g2").await;
-    a.register(ep("g1", &handle::legacy("net", "g1")))
+    a.endpoints
+        .register(ep("g1", &handle::legacy("net", "g1")))
         .await
         .expect("register");
     let valid = [("keep".to_string(), "eth0".to_string())]
@@ -684,7 +772,7 @@ async fn allocations_of_the_previous_plugin_are_found_released_and_collected() {
     let (released, stale) = a.gc("net", &valid).await.expect("gc");
     assert_eq!(released, vec![gone]);
     assert_eq!(stale.len(), 1);
-    assert_eq!(a.ipam().await.expect("ipam").in_use(), 2);
+    assert_eq!(a.ipam.ipam().await.expect("ipam").in_use(), 2);
 }
 
 fn dual_pools() -> Vec<Pool> {
@@ -715,14 +803,16 @@ async fn an_allocation_whose_handle_record_was_never_written_is_found_and_repair
     let h = handle::encode("net", "c1");
     s.fail(keys::HANDLES);
     let (got, already) = a
+        .ipam
         .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
         .await
         .expect("a failed handle write must not fail a committed allocation");
     assert!(!already);
     assert_eq!(got.len(), 2);
     assert!(handle_record(&s, &h).await.is_none());
-    assert_eq!(a.lookup(&h, "eth0").await.expect("lookup"), got);
+    assert_eq!(a.ipam.lookup(&h, "eth0").await.expect("lookup"), got);
     let (again, already) = a
+        .ipam
         .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
         .await
         .expect("again");
@@ -738,9 +828,9 @@ async fn an_allocation_whose_handle_record_was_never_written_is_found_and_repair
     let mut want = got.clone();
     want.sort();
     assert_eq!(held, want);
-    let check = a.ipam_check().await.expect("check");
+    let check = a.ipam.ipam_check().await.expect("check");
     assert!(orphans(&check).is_empty(), "{:?}", check.findings);
-    assert_eq!(a.release(&h, "eth0").await.expect("release").len(), 2);
+    assert_eq!(a.ipam.release(&h, "eth0").await.expect("release").len(), 2);
     assert!(handle_record(&s, &h).await.is_none());
 }
 
@@ -755,34 +845,36 @@ async fn a_stale_handle_record_is_ignored_and_repaired() {
     let first = alloc4(&a, &h1).await.expect("h1");
     s.fail(keys::HANDLES);
     assert_eq!(
-        a.release(&h1, "eth0")
+        a.ipam
+            .release(&h1, "eth0")
             .await
             .expect("the block release is the commit point"),
         vec![first]
     );
     assert!(handle_record(&s, &h1).await.is_some(), "the record stayed");
-    assert!(a.lookup(&h1, "eth0").await.expect("lookup").is_empty());
+    assert!(a.ipam.lookup(&h1, "eth0").await.expect("lookup").is_empty());
     s.heal();
     // The address goes to another handle; h1's stale record still names it.
     let h2 = handle::encode("net", "c2");
     assert_eq!(alloc4(&a, &h2).await.expect("h2"), first);
-    assert!(a.lookup(&h1, "eth0").await.expect("lookup").is_empty());
+    assert!(a.ipam.lookup(&h1, "eth0").await.expect("lookup").is_empty());
     let (again, already) = a
+        .ipam
         .allocate(&h1, "eth0", true, false, &[], &BTreeMap::new())
         .await
         .expect("h1 again");
     assert!(!already);
     assert_ne!(again[0].0, first, "{first} handed out twice");
-    a.release(&h1, "eth0").await.expect("release");
+    a.ipam.release(&h1, "eth0").await.expect("release");
     // Once more with the record left behind, then housekeeping.
     alloc4(&a, &h1).await.expect("h1");
     s.fail(keys::HANDLES);
-    a.release(&h1, "eth0").await.expect("release");
+    a.ipam.release(&h1, "eth0").await.expect("release");
     s.heal();
     assert!(handle_record(&s, &h1).await.is_some());
     a.housekeep(Instant::now()).await.expect("housekeep");
     assert!(handle_record(&s, &h1).await.is_none(), "stale record kept");
-    let check = a.ipam_check().await.expect("check");
+    let check = a.ipam.ipam_check().await.expect("check");
     assert!(orphans(&check).is_empty(), "{:?}", check.findings);
 }
 
@@ -795,22 +887,23 @@ async fn a_crash_between_the_halves_of_a_dual_stack_allocation_leaves_what_leak_
     let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
     let h = handle::encode("net", "c1");
     s.crash_after_writes(1);
-    a.allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+    a.ipam
+        .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
         .await
         .expect_err("the agent died after the first half");
     drop(a);
     s.heal();
     let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
-    let held = a.lookup(&h, "eth0").await.expect("lookup");
+    let held = a.ipam.lookup(&h, "eth0").await.expect("lookup");
     assert_eq!(held.len(), 1, "{held:?}");
-    assert_eq!(a.ipam().await.expect("ipam").in_use(), 1);
+    assert_eq!(a.ipam.ipam().await.expect("ipam").in_use(), 1);
     let t0 = Instant::now();
     a.housekeep(t0).await.expect("pass 1");
     let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
     assert_eq!(done.released, vec![held[0].0]);
-    assert_eq!(a.ipam().await.expect("ipam").in_use(), 0);
+    assert_eq!(a.ipam.ipam().await.expect("ipam").in_use(), 0);
     assert!(handle_record(&s, &h).await.is_none());
-    let check = a.ipam_check().await.expect("check");
+    let check = a.ipam.ipam_check().await.expect("check");
     assert!(check.findings.is_empty(), "{:?}", check.findings);
 }
 
@@ -821,7 +914,8 @@ async fn a_del_after_a_crash_between_the_halves_releases_the_half_that_landed() 
     let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
     let h = handle::encode("net", "c1");
     s.crash_after_writes(1);
-    a.allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
+    a.ipam
+        .allocate(&h, "eth0", true, true, &[], &cid_attr("c1"))
         .await
         .expect_err("the agent died after the first half");
     drop(a);
@@ -833,7 +927,7 @@ async fn a_del_after_a_crash_between_the_halves_releases_the_half_that_landed() 
         .expect("unregister");
     assert!(!existed);
     assert_eq!(released.len(), 1);
-    assert_eq!(a.ipam().await.expect("ipam").in_use(), 0);
+    assert_eq!(a.ipam.ipam().await.expect("ipam").in_use(), 0);
 }
 
 /// A failure of the second half's commit rolls the first back.
@@ -842,21 +936,28 @@ async fn a_failed_second_half_is_rolled_back() {
     let (_d, s) = store();
     let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
     // Claim both blocks first, so each half is a write to an existing block.
-    a.allocate("warm", "eth0", true, true, &[], &BTreeMap::new())
+    a.ipam
+        .allocate("warm", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect("warm");
     let v6_block = keys::block(&"fd00::/124".parse().expect("cidr"));
     s.fail(&v6_block);
-    a.allocate("dual", "eth0", true, true, &[], &BTreeMap::new())
+    a.ipam
+        .allocate("dual", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect_err("the IPv6 half cannot be written");
     s.heal();
     assert_eq!(
-        a.ipam().await.expect("ipam").in_use(),
+        a.ipam.ipam().await.expect("ipam").in_use(),
         2,
         "the IPv4 half stayed"
     );
-    assert!(a.lookup("dual", "eth0").await.expect("lookup").is_empty());
+    assert!(a
+        .ipam
+        .lookup("dual", "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
 }
 
 /// Unregister with release is two writes: the endpoint record first, then the addresses. An
@@ -868,7 +969,7 @@ async fn a_crash_inside_unregister_leaves_an_allocation_leak_gc_reclaims() {
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
     let h = handle::encode("net", "c1");
     let addr = alloc4(&a, &h).await.expect("alloc");
-    a.register(ep("c1", &h)).await.expect("register");
+    a.endpoints.register(ep("c1", &h)).await.expect("register");
     s.crash_after_writes(1);
     a.unregister("c1", "eth0", Some(&h))
         .await
@@ -895,11 +996,11 @@ async fn a_new_sandbox_retires_the_older_ones_record() {
     old.host_ifname = "calipod".into();
     let mut new = ep("c2", "net:c2");
     new.host_ifname = "calipod".into();
-    a.register(old).await.expect("old sandbox");
-    a.register(new).await.expect("new sandbox");
+    a.endpoints.register(old).await.expect("old sandbox");
+    a.endpoints.register(new).await.expect("new sandbox");
     assert!(s.get(&keys::endpoint("n1", "c1", "eth0")).await.is_none());
     assert!(s.get(&keys::endpoint("n1", "c2", "eth0")).await.is_some());
-    assert_eq!(a.list().await.expect("list").len(), 1);
+    assert_eq!(a.endpoints.list().await.expect("list").len(), 1);
 }
 
 /// A block released by an agent of the previous version left an `ipam/retired/` record (and no
@@ -928,7 +1029,7 @@ async fn a_retired_record_of_the_previous_version_is_honoured_and_folded_into_th
     let a = agent_on(&s, "n1", vec![pool("10.1.0.0/28", 28)], Policy::default()).await;
     let addr = alloc4(&a, "h1").await.expect("claim");
     assert!(seq_of(&a, addr).await >= 1_000_000);
-    a.release("h1", "eth0").await.expect("release");
+    a.ipam.release("h1", "eth0").await.expect("release");
     let t0 = Instant::now();
     a.housekeep(t0).await.expect("pass 1");
     a.housekeep(t0 + GRACE).await.expect("pass 2");
@@ -950,30 +1051,36 @@ async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() 
     // Two /28 blocks: one released under the old layout, one still claimed and empty.
     let first = alloc4(&a, "h1").await.expect("h1");
     let seq1 = seq_of(&a, first).await;
-    a.allocate(
-        "h2",
-        "eth0",
-        true,
-        false,
-        &["10.1.0.17".parse().expect("ip")],
-        &BTreeMap::new(),
-    )
-    .await
-    .expect("h2 in the second block");
-    a.release("h1", "eth0").await.expect("release");
+    a.ipam
+        .allocate(
+            "h2",
+            "eth0",
+            true,
+            false,
+            &["10.1.0.17".parse().expect("ip")],
+            &BTreeMap::new(),
+        )
+        .await
+        .expect("h2 in the second block");
+    a.ipam.release("h1", "eth0").await.expect("release");
     let t0 = Instant::now();
     a.housekeep(t0).await.expect("pass 1");
     let done = a.housekeep(t0 + GRACE).await.expect("pass 2");
     assert_eq!(done.blocks_released, vec!["10.1.0.0/28".to_string()]);
     // (Leak GC released h2 meanwhile: it has no endpoint.)
-    assert!(a.lookup("h2", "eth0").await.expect("lookup").is_empty());
+    assert!(a
+        .ipam
+        .lookup("h2", "eth0")
+        .await
+        .expect("lookup")
+        .is_empty());
     a.set_pools(vec![pool("10.1.0.0/24", 26)], Policy::default())
         .await
         .expect("new layout");
     let t1 = t0 + GRACE * 2;
     let done = a.housekeep(t1).await.expect("pass 3");
     assert_eq!(done.blocks_released, vec!["10.1.0.16/28".to_string()]);
-    let ipam = a.ipam().await.expect("ipam");
+    let ipam = a.ipam.ipam().await.expect("ipam");
     assert!(
         ipam.blocks.is_empty() && ipam.retired.is_empty(),
         "old layout left behind: {:?} {:?}",
@@ -983,6 +1090,7 @@ async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() 
     let again = alloc4(&a, "h3").await.expect("h3");
     assert_eq!(again, first, "the new layout's first block is claimed");
     assert!(a
+        .ipam
         .ipam()
         .await
         .expect("ipam")

@@ -6,10 +6,19 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::time::Instant;
 
-use super::{Agent, AgentError, Inner};
+use super::{Inner, IpamService};
 use crate::datastore::{keys, Compare, Durability, Op};
+use crate::error::AgentError;
 use crate::ipam::Pool;
-use crate::model::EndpointRecord;
+
+/// Who uses this node's addresses: the endpoints, each as (IPAM handle, ifname). Leak GC
+/// releases an allocation only when neither the endpoints in memory nor, rechecked just
+/// before the release, the ones recorded in the datastore use it.
+#[tonic::async_trait]
+pub trait AddressUsers: Sync {
+    async fn in_use(&self) -> HashSet<(String, String)>;
+    async fn in_use_recorded(&self) -> Result<HashSet<(String, String)>, AgentError>;
+}
 
 /// What one housekeeping pass did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -31,28 +40,20 @@ fn current_layout(pools: &[Pool], cidr: &ipnet::IpNet) -> bool {
         .any(|p| cidr.prefix_len() == p.block_size && p.cidr.contains(&cidr.network()))
 }
 
-impl Agent {
+impl IpamService {
     /// One housekeeping pass at `now`: leak GC, empty blocks, handle records.
-    pub async fn housekeep(&self, now: Instant) -> Result<Swept, AgentError> {
+    pub async fn housekeep(
+        &self,
+        now: Instant,
+        users: &dyn AddressUsers,
+    ) -> Result<Swept, AgentError> {
         let mut out = Swept::default();
-        // The live endpoints first (the endpoint lock is taken before the IPAM lock).
-        let live_now: HashSet<(String, String)> = self
-            .eps
-            .lock()
-            .await
-            .endpoints
-            .values()
-            .map(|e| (e.handle.clone(), e.ifname.clone()))
-            .collect();
+        // The live endpoints first (the registry's lock before the IPAM lock).
+        let live_now = users.in_use().await;
         let mut inner = self.inner.lock().await;
         self.refresh_blocks(&mut inner).await?;
 
         // Leaks: allocations of this node whose (handle, ifname) has no endpoint.
-        let live = |eps: &std::collections::BTreeMap<String, EndpointRecord>| -> HashSet<(String, String)> {
-            eps.values()
-                .map(|e| (e.handle.clone(), e.ifname.clone()))
-                .collect()
-        };
         let orphaned: Vec<(IpAddr, u64, String, String)> = inner
             .ipam
             .allocations_of(&self.node.name)
@@ -70,16 +71,7 @@ impl Agent {
         }
         if !due.is_empty() {
             // Recheck against the datastore's endpoint records, not just memory.
-            let mut stored = std::collections::BTreeMap::new();
-            for kv in self
-                .store
-                .list(&keys::endpoints_of(&self.node.name))
-                .await?
-            {
-                let ep: EndpointRecord = kv.decode()?;
-                stored.insert(EndpointRecord::key(&ep.container_id, &ep.ifname), ep);
-            }
-            let live_stored = live(&stored);
+            let live_stored = users.in_use_recorded().await?;
             for (addr, seq, handle, ifname, waited) in due {
                 inner.leak_candidates.remove(&(addr, seq));
                 if live_stored.contains(&(handle.clone(), ifname.clone())) {
@@ -104,7 +96,7 @@ impl Agent {
         inner.passes_since_repair += 1;
         if inner.handles_dirty
             || !inner.legacy_retired.is_empty()
-            || inner.passes_since_repair >= super::ipam::REPAIR_EVERY
+            || inner.passes_since_repair >= super::alloc::REPAIR_EVERY
         {
             inner.passes_since_repair = 0;
             out.handles_repaired = self.repair_handles(&mut inner).await?;

@@ -3,10 +3,11 @@ use std::path::PathBuf;
 
 use calix_common::NatConfig;
 
-use super::{Agent, AgentError};
+use super::Node;
 use crate::dataplane::nat::{Conntrack, FlowFilter, FlowView};
+use crate::error::AgentError;
 
-impl Agent {
+impl Node {
     /// Makes the conntrack table (pinned in `pin_dir`) available to the API.
     pub fn set_conntrack(&self, pin_dir: PathBuf, cfg: NatConfig) {
         let _ = self.conntrack.set((pin_dir, cfg));

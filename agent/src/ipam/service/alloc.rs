@@ -2,23 +2,23 @@
 //! allocation or release is one compare-and-swap on exactly one block object. Handle records
 //! (`ipam/handles/<handle>/<ifname>`) are an index that follows: written after the block's
 //! commit, best effort, checked against the blocks by every read, and rebuilt from the blocks
-//! by [`Agent::repair_handles`] (at start and in housekeeping).
+//! by [`IpamService::repair_handles`] (at start and in housekeeping).
 //!
 //! The view (`Inner::ipam`) holds every allocation this agent committed (its writes update it,
 //! a failed write marks it stale and it is listed again before the next decision), so the
 //! allocations of a handle are found in memory; what is answered without a write (an idempotent
 //! ADD, CHECK's lookup) is read again from the store first, and everything else is checked by
 //! the compare-and-swap of the write that acts on it.
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use calix_proto::handle;
 use ipnet::IpNet;
 
-use super::{cas_backoff, Agent, AgentError, Inner, CAS_ATTEMPTS};
+use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
 use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
+use crate::error::AgentError;
 use crate::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held};
-use crate::model::EndpointRecord;
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
 /// handle, or for a handle of the previous plugin's encoding, with the container ID stored
@@ -61,7 +61,7 @@ fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
     a.node == b.node && sorted(a) == sorted(b)
 }
 
-impl Agent {
+impl IpamService {
     /// Allocates the requested families for (handle, ifname): one block commit per family, the
     /// first rolled back if the second fails (an agent that dies in between leaves one family
     /// allocated without an endpoint: found by handle, released by DEL, reclaimed by leak GC).
@@ -719,59 +719,17 @@ impl Agent {
         }
     }
 
-    /// CNI GC: releases every allocation of this node for `network` whose (containerID,
-    /// ifname) is not in `valid`, and forgets (and detaches) the endpoints of those
-    /// attachments. The runtime's list is authoritative, so this is immediate (leak GC, for
-    /// allocations nobody vouches for, waits a grace period). Returns the released addresses
-    /// and the forgotten endpoints.
-    pub async fn gc(
-        &self,
-        network: &str,
-        valid: &HashSet<(String, String)>,
-    ) -> Result<(Vec<IpAddr>, Vec<EndpointRecord>), AgentError> {
-        if !handle::is_cni_name(network) {
-            return Err(AgentError::Invalid(format!(
-                "{network:?} is not a CNI network name"
-            )));
-        }
-        // Exactly this network's attachments: `k8s` never matches `k8s.x`'s.
-        let is_stale = |attachment: Option<(&str, &str)>, ifname: &str| {
-            attachment.is_some_and(|(net, cid)| {
-                net == network && !valid.contains(&(cid.to_string(), ifname.to_string()))
-            })
-        };
-        let mut eps = self.eps.lock().await;
-        let stale_eps: Vec<EndpointRecord> = eps
-            .endpoints
-            .values()
-            .filter(|e| {
-                is_stale(
-                    handle::attachment(&e.handle, Some(&e.container_id)),
-                    &e.ifname,
-                )
-            })
-            .cloned()
-            .collect();
-        for ep in &stale_eps {
-            if let Err(e) = eps.dataplane.detach(&ep.host_ifname) {
-                tracing::warn!(host_ifname = %ep.host_ifname, error = %e, "GC: detach failed");
-            }
-            eps.attached.remove(&ep.host_ifname);
-            let op = Op::Delete(keys::endpoint(
-                &self.node.name,
-                &ep.container_id,
-                &ep.ifname,
-            ));
-            self.store.txn(&[], &[op], Durability::Process).await?;
-            eps.endpoints
-                .remove(&EndpointRecord::key(&ep.container_id, &ep.ifname));
-        }
+    /// CNI GC: releases every allocation of this node whose attachment (network, container
+    /// ID; ifname) `stale` says the runtime no longer has. The runtime's list is authoritative,
+    /// so this is immediate (leak GC, for allocations nobody vouches for, waits a grace
+    /// period). Returns the released addresses.
+    pub async fn gc(&self, stale: &crate::model::IsStale<'_>) -> Result<Vec<IpAddr>, AgentError> {
         let mut inner = self.inner.lock().await;
         self.refresh_blocks(&mut inner).await?;
         let handles: BTreeSet<(String, String)> = inner
             .ipam
             .allocations_of(&self.node.name)
-            .filter(|(_, a)| is_stale(attachment_of(a), &a.ifname))
+            .filter(|(_, a)| stale(attachment_of(a), &a.ifname))
             .map(|(_, a)| (a.handle.clone(), a.ifname.clone()))
             .collect();
         let mut released = Vec::new();
@@ -786,7 +744,7 @@ impl Agent {
                 .await?,
             );
         }
-        Ok((released, stale_eps))
+        Ok(released)
     }
 
     /// Free addresses this node can still hand out: (IPv4, IPv6).

@@ -1,0 +1,107 @@
+//! The node: the IPAM service and the endpoint registry side by side, and the few operations
+//! that need both (a CNI DEL releases what its endpoint held; CNI GC and leak GC compare
+//! allocations with endpoints). Each keeps its own state and lock; where both are taken, the
+//! registry's comes first.
+mod conntrack;
+
+use std::collections::HashSet;
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use calix_common::NatConfig;
+use calix_proto::handle;
+
+use crate::endpoints::EndpointRegistry;
+use crate::error::AgentError;
+use crate::ipam::service::Swept;
+use crate::ipam::{IpamService, Policy, Pool};
+use crate::model::EndpointRecord;
+
+pub struct Node {
+    pub ipam: IpamService,
+    pub endpoints: EndpointRegistry,
+    /// SNAT's conntrack table (pin directory, settings), once the eBPF dataplane is up.
+    conntrack: std::sync::OnceLock<(PathBuf, NatConfig)>,
+}
+
+impl Node {
+    pub fn new(ipam: IpamService, endpoints: EndpointRegistry) -> Self {
+        Self {
+            ipam,
+            endpoints,
+            conntrack: std::sync::OnceLock::new(),
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        self.ipam.node()
+    }
+
+    /// CNI DEL: forgets the endpoint and, with `release_handle`, releases what that handle
+    /// holds for `ifname`. Two writes, the endpoint record first: an agent that dies between
+    /// them leaves an allocation without an endpoint, which leak GC reclaims (the other order
+    /// could leave an endpoint record naming an address free for the next pod). Idempotent;
+    /// returns whether the endpoint existed and what was released.
+    pub async fn unregister(
+        &self,
+        container_id: &str,
+        ifname: &str,
+        release_handle: Option<&str>,
+    ) -> Result<(bool, Vec<IpAddr>), AgentError> {
+        let existed = self
+            .endpoints
+            .unregister(container_id, ifname)
+            .await?
+            .is_some();
+        let released = match release_handle {
+            Some(h) => self.ipam.release(h, ifname).await?,
+            None => Vec::new(),
+        };
+        Ok((existed, released))
+    }
+
+    /// CNI GC: releases every allocation of this node for `network` whose (containerID,
+    /// ifname) is not in `valid`, and forgets the endpoints of those attachments. Exactly this
+    /// network: `k8s` never matches `k8s.x`'s. Returns the released addresses and the
+    /// forgotten endpoints.
+    pub async fn gc(
+        &self,
+        network: &str,
+        valid: &HashSet<(String, String)>,
+    ) -> Result<(Vec<IpAddr>, Vec<EndpointRecord>), AgentError> {
+        if !handle::is_cni_name(network) {
+            return Err(AgentError::Invalid(format!(
+                "{network:?} is not a CNI network name"
+            )));
+        }
+        let stale = |attachment: Option<(&str, &str)>, ifname: &str| {
+            attachment.is_some_and(|(net, cid)| {
+                net == network && !valid.contains(&(cid.to_string(), ifname.to_string()))
+            })
+        };
+        let forgotten = self.endpoints.gc(&stale).await?;
+        let released = self.ipam.gc(&stale).await?;
+        Ok((released, forgotten))
+    }
+
+    /// One housekeeping pass: leak GC against the registry's endpoints, empty blocks, handle
+    /// records.
+    pub async fn housekeep(&self, now: Instant) -> Result<Swept, AgentError> {
+        self.ipam.housekeep(now, &self.endpoints).await
+    }
+
+    /// New pools (SIGHUP): refused, naming the pool, when one would drop live addresses; the
+    /// dataplane learns them after IPAM.
+    pub async fn set_pools(&self, pools: Vec<Pool>, policy: Policy) -> Result<(), AgentError> {
+        let cidrs = pools.iter().map(|p| p.cidr).collect();
+        self.ipam.set_pools(pools, policy).await?;
+        if let Err(e) = self.endpoints.set_pools(cidrs).await {
+            tracing::warn!(error = %e, "cannot give the dataplane the new pools");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

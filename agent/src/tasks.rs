@@ -1,0 +1,100 @@
+//! The agent's background loops, in one place: IPAM housekeeping, the SIGHUP reload, and the
+//! shutdown signal. (The dataplane's own loops run on its driver thread, `reconcile::driver`,
+//! and the SNAT conntrack cleaner in `dataplane::cleaner`.)
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::config::AgentConfig;
+use crate::dataplane::Reload;
+use crate::node::Node;
+
+/// Leak GC, empty-block release and handle-record repair, every `every`.
+pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            match node.housekeep(std::time::Instant::now()).await {
+                Ok(s) => tracing::debug!(
+                    released = s.released.len(),
+                    candidates = s.candidates,
+                    blocks_released = s.blocks_released.len(),
+                    handles_repaired = s.handles_repaired,
+                    "housekeeping pass"
+                ),
+                Err(e) => tracing::warn!(error = %e, "housekeeping pass failed"),
+            }
+        }
+    });
+}
+
+/// SIGHUP: `reread` reads the config again (the file, overridden by the same flags); pool
+/// changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and the
+/// nftables tables are applied. What only a restart applies is compared against `started`
+/// and named in a warning.
+pub fn spawn_reload<F>(node: Arc<Node>, reread: F, started: AgentConfig)
+where
+    F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
+{
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hup) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP: config reload disabled");
+            return;
+        };
+        while hup.recv().await.is_some() {
+            let cfg = match reread() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::error!(error = %format!("{e:#}"), "SIGHUP: config rejected; keeping the running one");
+                    continue;
+                }
+            };
+            let restart_only = |c: &AgentConfig| {
+                (
+                    c.xdp.enabled,
+                    c.xdp.mode,
+                    c.uplinks.clone(),
+                    c.dataplane,
+                    c.resync_interval_secs,
+                )
+            };
+            if restart_only(&cfg) != restart_only(&started) {
+                tracing::warn!(
+                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode and resync_interval_secs \
+                     take effect when the agent restarts"
+                );
+            }
+            if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
+                tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
+            }
+            // Both validated by `reread` (AgentConfig::validate).
+            let (Ok(xdp), Ok(nat)) = (cfg.xdp_policy(), cfg.nat_settings()) else {
+                continue;
+            };
+            match node.endpoints.reload_dataplane(Reload { xdp, nat }).await {
+                Ok(()) => tracing::info!("SIGHUP: dataplane settings reloaded"),
+                Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
+                    "SIGHUP: cannot apply the dataplane settings"),
+            }
+        }
+    });
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM");
+            return std::future::pending().await;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}

@@ -1,0 +1,219 @@
+//! The agent converges and repairs (issue 12): with `resync_interval_secs = 2`, what is
+//! sabotaged on a node — a pod's host route, its proxy_arp, its tc filter, its endpoint map
+//! entry — is put back within 10 s, counted in `calix_repairs_total{kind}`, and traffic
+//! recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
+//! missing for a while is programmed once it is back; an idle node makes no netlink writes.
+//! Run as root, in both dataplane modes.
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use calix_tests::{bpf_maps_of, Dataplane, Node, Pod};
+use serde_json::Value;
+
+const CONFIG: &str = "resync_interval_secs = 2\n[[pools]]\ncidr = \"10.244.0.0/16\"\n";
+
+/// The value of metric line `name` (with its labels) from /metrics; 0 when absent.
+fn metric(node: &Node, name: &str) -> u64 {
+    let (_, body) = node.http_get("/metrics").unwrap_or_default();
+    let prefix = format!("{name} ");
+    body.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// `calix_repairs_total{kind="<kind>"}`.
+fn repairs(node: &Node, kind: &str) -> u64 {
+    metric(node, &format!("calix_repairs_total{{kind=\"{kind}\"}}"))
+}
+
+/// Waits up to 10 s for `done`, polling.
+fn within_10s(what: &str, node: &Node, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "not repaired within 10 s: {what}\nagent log:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The endpoint on `host_if` in `calixctl endpoints -o json`.
+fn endpoint(node: &Node, host_if: &str) -> Option<Value> {
+    node.endpoints()["endpoints"]
+        .as_array()?
+        .iter()
+        .find(|e| e["hostInterface"] == host_if)
+        .cloned()
+}
+
+fn sysctl(node: &Node, path: &str) -> String {
+    let out = node.ns.exec_ok(&["cat", path]);
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn sabotage(dp: Dataplane) {
+    let node = Node::start_with_config(dp, Some(CONFIG));
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    let (b_if, b_ip) = (b.host_ifname(), b.ip());
+    assert!(a.ns.ping(&b_ip, 1));
+    assert!(node.ns.ping(&b_ip, 1));
+
+    // The host route: the node reaches pod b through it.
+    let route = format!("{b_ip}/32");
+    node.ns.exec_ok(&["ip", "route", "del", &route]);
+    assert!(!node.ns.ping(&b_ip, 1), "the route is really gone");
+    within_10s("the host route", &node, || repairs(&node, "route") >= 1);
+    let routes = node.ns.exec_ok(&["ip", "route", "show", &route]);
+    assert!(
+        String::from_utf8_lossy(&routes.stdout).contains(&format!("dev {b_if} proto 202")),
+        "{}",
+        String::from_utf8_lossy(&routes.stdout)
+    );
+    assert!(node.ns.ping(&b_ip, 2), "traffic from the node recovered");
+
+    // proxy_arp.
+    let knob = format!("/proc/sys/net/ipv4/conf/{b_if}/proxy_arp");
+    node.ns.exec_ok(&["sh", "-c", &format!("echo 0 > {knob}")]);
+    within_10s("proxy_arp", &node, || sysctl(&node, &knob) == "1");
+    assert!(repairs(&node, "sysctl") >= 1);
+
+    if dp == Dataplane::Ebpf {
+        // The tc filter: anti-spoofing and the fast path are gone until it is back.
+        node.ns
+            .exec_ok(&["tc", "filter", "del", "dev", &b_if, "ingress"]);
+        assert_eq!(node.filter_prog(&b_if, "ingress"), None);
+        within_10s("the tc filter", &node, || {
+            node.filter_prog(&b_if, "ingress").is_some()
+        });
+        assert!(repairs(&node, "tc_filter") >= 1);
+        assert!(b.ns.ping(&a.ip(), 2), "traffic recovered");
+
+        // The endpoint map entry: b's packets would pass unjudged without it.
+        let ifindex = endpoint(&node, &b_if).expect("b listed")["hostIfindex"]
+            .as_u64()
+            .expect("ifindex") as u32;
+        let map = bpf_maps_of(node.agent_pid().expect("pid"), "CALIX_ENDPOINTS")[0];
+        let key: Vec<String> = ifindex
+            .to_le_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let mut args = vec!["map", "delete", "id"];
+        let id = map.to_string();
+        args.push(&id);
+        args.push("key");
+        args.push("hex");
+        args.extend(key.iter().map(String::as_str));
+        let out = Command::new("bpftool")
+            .args(&args)
+            .output()
+            .expect("bpftool");
+        assert!(
+            out.status.success(),
+            "bpftool {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        within_10s("the endpoint map entry", &node, || {
+            repairs(&node, "endpoint_map") >= 1
+        });
+        assert!(b.ns.ping(&a.ip(), 2), "traffic recovered");
+    }
+
+    // Every endpoint is in its desired state now.
+    for p in [&a, &b] {
+        assert_eq!(
+            endpoint(&node, &p.host_ifname()).expect("listed")["state"],
+            "ok"
+        );
+    }
+
+    // The veth deleted by hand: reported, not re-created.
+    node.ns.exec_ok(&["ip", "link", "del", &b_if]);
+    within_10s("the missing veth reported", &node, || {
+        endpoint(&node, &b_if).is_some_and(|e| e["state"] == "interface missing")
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !node.cali_links().contains(&b_if),
+        "the reconciler re-created a pod's veth"
+    );
+    assert!(a.ns.ping(&node.node_ip, 1), "the other pod is unaffected");
+    let table = node.calixctl(&["endpoints"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("interface missing"), "{text}");
+    assert!(text.contains("not in their desired state"), "{text}");
+}
+
+#[test]
+fn sabotage_is_repaired_in_ebpf_mode() {
+    sabotage(Dataplane::Ebpf);
+}
+
+#[test]
+fn sabotage_is_repaired_in_kernel_mode() {
+    sabotage(Dataplane::Kernel);
+}
+
+#[test]
+fn an_endpoint_whose_veth_was_missing_is_programmed_once_it_is_back() {
+    let node = Node::start_with_config(Dataplane::Ebpf, Some(CONFIG));
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    let a_if = a.host_ifname();
+    // The agent restarts while a's veth is away (renamed).
+    node.stop_agent();
+    node.ns
+        .exec_ok(&["ip", "link", "set", "dev", &a_if, "down"]);
+    node.ns
+        .exec_ok(&["ip", "link", "set", "dev", &a_if, "name", "cxtaway0"]);
+    node.start_agent();
+    within_10s("the failure reported", &node, || {
+        endpoint(&node, &a_if).is_some_and(|e| e["state"] != "ok")
+    });
+    // Back under its name (still down): the retries program it and bring it up.
+    node.ns
+        .exec_ok(&["ip", "link", "set", "dev", "cxtaway0", "name", &a_if]);
+    within_10s("the endpoint programmed again", &node, || {
+        endpoint(&node, &a_if).is_some_and(|e| e["state"] == "ok")
+    });
+    assert!(node.filter_prog(&a_if, "ingress").is_some());
+    assert!(repairs(&node, "link_up") >= 1);
+    assert!(a.ns.ping(&b.ip(), 2), "traffic works again");
+}
+
+#[test]
+fn an_idle_node_makes_no_netlink_writes_across_ten_resyncs() {
+    let node = Node::start_with_config(Dataplane::Ebpf, Some(CONFIG));
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    assert!(a.ns.ping(&b.ip(), 1));
+    // Let the first passes settle, then watch routes, links, addresses and tc for ten resyncs.
+    std::thread::sleep(Duration::from_secs(3));
+    let watch = |argv: &[&str]| {
+        node.ns
+            .cmd(argv)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("monitor")
+    };
+    let before = metric(&node, "calix_resyncs_total");
+    let ip = watch(&[
+        "timeout", "23", "ip", "-o", "monitor", "route", "link", "address",
+    ]);
+    let tc = watch(&["timeout", "23", "tc", "monitor"]);
+    let ip = ip.wait_with_output().expect("ip monitor");
+    let tc = tc.wait_with_output().expect("tc monitor");
+    let seen =
+        String::from_utf8_lossy(&ip.stdout).to_string() + &String::from_utf8_lossy(&tc.stdout);
+    assert!(seen.trim().is_empty(), "writes while idle:\n{seen}");
+    let passes = metric(&node, "calix_resyncs_total") - before;
+    assert!(passes >= 10, "only {passes} resyncs while watching");
+    for kind in ["route", "sysctl", "tc_filter", "endpoint_map", "link_up"] {
+        assert_eq!(repairs(&node, kind), 0, "{kind}");
+    }
+}
