@@ -76,19 +76,6 @@ fn tcp_seg(sport: u16, dport: u16, flags: u8, payload: &[u8]) -> Vec<u8> {
     [&sport.to_be_bytes()[..], &dport.to_be_bytes(), &h, payload].concat()
 }
 
-/// A UDP datagram with `payload`, checksum zero.
-fn udp_dgram(sport: u16, dport: u16, payload: &[u8]) -> Vec<u8> {
-    let len = u16::try_from(8 + payload.len()).expect("udp length");
-    [
-        &sport.to_be_bytes()[..],
-        &dport.to_be_bytes(),
-        &len.to_be_bytes(),
-        &[0, 0],
-        payload,
-    ]
-    .concat()
-}
-
 /// An ICMP echo (request 8, reply 0) with `id`, checksum filled in.
 fn echo(ty: u8, id: u16) -> Vec<u8> {
     with_icmp_csum(&[&[ty, 0, 0, 0][..], &id.to_be_bytes(), &[0, 1], b"abcd"].concat())
@@ -99,7 +86,7 @@ fn echo(ty: u8, id: u16) -> Vec<u8> {
 fn l4(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {
     match proto {
         TCP => with_l4_csum(src, dst, TCP, &tcp_seg(sport, dport, 0x02, b"")),
-        UDP => with_l4_csum(src, dst, UDP, &udp_dgram(sport, dport, b"ping")),
+        UDP => with_l4_csum(src, dst, UDP, &udp_with(sport, dport, b"ping")),
         _ => echo(8, sport),
     }
 }
@@ -108,7 +95,7 @@ fn l4(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> 
 fn l4_reply(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Vec<u8> {
     match proto {
         TCP => with_l4_csum(src, dst, TCP, &tcp_seg(sport, dport, 0x12, b"")),
-        UDP => with_l4_csum(src, dst, UDP, &udp_dgram(sport, dport, b"pong")),
+        UDP => with_l4_csum(src, dst, UDP, &udp_with(sport, dport, b"pong")),
         _ => echo(0, dport),
     }
 }
@@ -394,18 +381,18 @@ fn tcp_udp_and_icmp_echo_are_translated_both_ways() {
 fn udp_zero_checksum_stays_zero() {
     in_netns(|| {
         let h = setup(PORT_MIN + 9, 1024);
-        let sent = Ip4::new(POD, SERVER, UDP, udp_dgram(40001, 53, b"ping"));
+        let sent = Ip4::new(POD, SERVER, UDP, udp_with(40001, 53, b"ping"));
         let frame = h.snat(&sent);
         let nat = u16::from_be(
             h.entry(&out_key(UDP, 40001, 53))
                 .expect("original entry")
                 .port,
         );
-        let want = Ip4::new(NODE, SERVER, UDP, udp_dgram(nat, 53, b"ping")).ttl(63);
+        let want = Ip4::new(NODE, SERVER, UDP, udp_with(nat, 53, b"ping")).ttl(63);
         assert_eq!(frame, eth(GW_MAC, UPLINK_MAC, ETH_P_IP, &want.bytes()));
         assert_eq!(frame[14 + 20 + 6..14 + 20 + 8], [0, 0], "no checksum");
-        let reply = Ip4::new(SERVER, NODE, UDP, udp_dgram(53, nat, b"pong"));
-        let want = Ip4::new(SERVER, POD, UDP, udp_dgram(53, 40001, b"pong")).ttl(63);
+        let reply = Ip4::new(SERVER, NODE, UDP, udp_with(53, nat, b"pong"));
+        let want = Ip4::new(SERVER, POD, UDP, udp_with(53, 40001, b"pong")).ttl(63);
         assert_eq!(
             h.reverse(&reply),
             eth(POD_MAC, HOST_VETH_MAC, ETH_P_IP, &want.bytes())

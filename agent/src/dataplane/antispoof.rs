@@ -20,7 +20,7 @@
 //! neighbour entry on that pod's own veth, which nothing routes through) and neighbour
 //! advertisements for another pod's address (same), VLAN-tagged frames (the stack drops them
 //! for want of a VLAN device, or strips priority tags and then checks the inner packet here).
-use super::masquerade::nft;
+use super::nft::nft;
 use super::DataplaneError;
 
 /// The nftables table (family `inet`) the agent owns in kernel mode.

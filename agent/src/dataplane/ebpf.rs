@@ -25,6 +25,7 @@ use calix_common::{
 };
 use ipnet::IpNet;
 
+use super::bpf::{map_err, pin_err, prog_err, take};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
@@ -167,36 +168,6 @@ pub struct EbpfDataplane {
     endpoint_prog_ids: (u32, u32),
 }
 
-fn prog_err(name: &'static str, op: &'static str) -> impl FnOnce(ProgramError) -> DataplaneError {
-    move |e| DataplaneError::Program {
-        name,
-        op,
-        source: Box::new(e),
-    }
-}
-
-pub(super) fn map_err(
-    name: &'static str,
-    op: &'static str,
-) -> impl FnOnce(MapError) -> DataplaneError {
-    move |e| DataplaneError::Map {
-        name,
-        op,
-        source: Box::new(e),
-    }
-}
-
-fn pin_err<'a>(
-    path: &'a Path,
-    op: &'static str,
-) -> impl FnOnce(std::io::Error) -> DataplaneError + 'a {
-    move |source| DataplaneError::Pin {
-        path: path.to_path_buf(),
-        op,
-        source,
-    }
-}
-
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
 fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
     calix_kernel::bpffs::ensure_mounted_for(root)
@@ -206,21 +177,6 @@ fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
                 std::io::Error::other(e),
             )
         })
-}
-
-pub(super) fn take<T>(
-    bpf: &mut Ebpf,
-    name: &'static str,
-    f: impl FnOnce(aya::maps::Map) -> Result<T, MapError>,
-) -> Result<T, DataplaneError> {
-    let map = bpf.take_map(name).ok_or_else(|| DataplaneError::Map {
-        name,
-        op: "find",
-        source: Box::new(MapError::InvalidName {
-            name: name.to_string(),
-        }),
-    })?;
-    f(map).map_err(map_err(name, "open"))
 }
 
 fn find<'a>(bpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DataplaneError> {

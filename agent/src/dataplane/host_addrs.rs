@@ -21,7 +21,7 @@ use aya::Ebpf;
 use calix_common::{HOST_V4_MAP, HOST_V6_MAP};
 use nix::sys::socket::{self, sockopt, AddressFamily, MsgFlags, NetlinkAddr, SockFlag, SockType};
 
-use super::ebpf::{map_err, take};
+use super::bpf::{map_err, take};
 use super::DataplaneError;
 
 /// How often the watcher re-reads the addresses without a notification (one may be lost when

@@ -5,12 +5,11 @@
 //! programs' NAT range so the two never hand out one tuple. The table is replaced whole in
 //! one `nft -f` transaction (start, SIGHUP), left in place when the agent exits (traffic
 //! keeps flowing) and deleted by `--uninstall` or when no pool needs it.
-use std::io::Write;
-use std::process::{Command, Stdio};
 
 use ipnet::Ipv4Net;
 
 use super::nat::NatSettings;
+use super::nft::nft;
 use super::DataplaneError;
 
 /// The nftables table (family `ip`) the agent owns.
@@ -76,35 +75,6 @@ pub fn apply_stack(s: &NatSettings) -> Result<(), DataplaneError> {
 /// Deletes the table (if there is one).
 pub fn remove() -> Result<(), DataplaneError> {
     nft(&format!("add table ip {TABLE}\ndelete table ip {TABLE}\n"))
-}
-
-/// Runs `nft -f -` on `script`.
-pub(super) fn nft(script: &str) -> Result<(), DataplaneError> {
-    let fail = |why: String| DataplaneError::Nftables(why);
-    let mut child = Command::new("nft")
-        .args(["-f", "-"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| fail(format!("cannot run nft (install nftables): {e}")))?;
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(script.as_bytes())
-            .map_err(|e| fail(format!("writing to nft: {e}")))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| fail(format!("waiting for nft: {e}")))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(fail(format!(
-            "nft -f failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )))
-    }
 }
 
 #[cfg(test)]

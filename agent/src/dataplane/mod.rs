@@ -2,11 +2,13 @@
 //! them, read counters. `ebpf` loads the tc programs (and `xdp`, the uplinks' XDP prefilter);
 //! `kernel` leaves forwarding to the kernel's routes.
 pub mod antispoof;
+mod bpf;
 pub mod cleaner;
 pub mod ebpf;
 pub mod host_addrs;
 pub mod masquerade;
 pub mod nat;
+mod nft;
 pub mod pins;
 pub mod stack_flows;
 pub mod xdp;

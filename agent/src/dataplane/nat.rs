@@ -3,21 +3,22 @@
 //! (`ebpf/programs/src/{nat,conntrack}.rs`) do the translation; see docs/decisions.md.
 use std::collections::{BTreeSet, HashMap as StdHashMap};
 use std::net::Ipv4Addr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo};
+use aya::maps::{Array, HashMap, MapData, MapError, MapInfo};
 use aya::Ebpf;
 use calix_common::{
-    CtEntry, CtKey, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_ACK, CT_F_FIN,
-    CT_F_RST, CT_F_SEEN, CT_MAP, CT_OWNED_MAP, IPPROTO_TCP, IPPROTO_UDP, MAX_NAT_UPLINKS,
-    MAX_NO_SNAT_CIDRS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP,
+    CtEntry, CtKey, NatConfig, CT_DIR_REPLY, CT_FREED_MAP, CT_F_ACK, CT_F_FIN, CT_F_RST, CT_F_SEEN,
+    CT_MAP, CT_OWNED_MAP, IPPROTO_TCP, IPPROTO_UDP, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
+    NAT_CONFIG_MAP, NO_SNAT_V4_MAP,
 };
 use ipnet::Ipv4Net;
 use serde::Serialize;
 
-use super::ebpf::{map_err, take};
+pub use super::bpf::monotonic_ns;
+use super::bpf::{map_err, open_hash, take};
 use super::{ifindex, DataplaneError};
 
 /// What SNAT does on this node (from `[nat]` and the pools).
@@ -177,19 +178,6 @@ impl NatMaps {
     }
 }
 
-/// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns`'s clock.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid timespec to write into.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64)
-        .saturating_mul(1_000_000_000)
-        .saturating_add(ts.tv_nsec as u64)
-}
-
 /// The pinned conntrack table, opened by path (the cleaner and `calixctl bpf conntrack` use
 /// it beside the running programs), with the budget maps: the programs count the flows each
 /// endpoint opened (`CALIX_CT_OWNED`), the agent the ones it removed (`CALIX_CT_FREED`).
@@ -244,20 +232,6 @@ fn proto_name(p: u8) -> String {
         IPPROTO_UDP => "udp".into(),
         1 => "icmp".into(),
         other => other.to_string(),
-    }
-}
-
-/// The original key of the flow whose reply entry is (`rkey`, `r`).
-fn out_key(rkey: &CtKey, r: &CtEntry) -> CtKey {
-    let ported = rkey.proto == IPPROTO_TCP || rkey.proto == IPPROTO_UDP;
-    CtKey {
-        src: r.addr,
-        dst: rkey.src,
-        sport: r.port,
-        dport: if ported { rkey.sport } else { r.port },
-        proto: rkey.proto,
-        dir: CT_DIR_OUT,
-        _pad: [0; 2],
     }
 }
 
@@ -337,7 +311,7 @@ fn pair(entries: Vec<(CtKey, CtEntry)>) -> (Vec<Flow>, Vec<(CtKey, CtEntry)>) {
     }
     let mut flows = Vec::new();
     for (rkey, r) in replies {
-        let okey = out_key(&rkey, &r);
+        let okey = rkey.original(r.addr, r.port);
         let out = match outs.get(&okey) {
             Some(o) if o.addr == rkey.dst && o.port == rkey.dport => {
                 let o = *o;
@@ -407,16 +381,6 @@ impl FlowFilter {
             .is_none_or(|p| f.pod_port == p || f.dst_port == p || f.nat_port == p);
         ip_ok && port_ok && self.proto.is_none_or(|p| p == proto)
     }
-}
-
-/// Opens the hash map pinned at `pin_dir/name`.
-fn open_hash<K: aya::Pod, V: aya::Pod>(
-    pin_dir: &Path,
-    name: &'static str,
-) -> Result<HashMap<MapData, K, V>, DataplaneError> {
-    let path: PathBuf = pin_dir.join(name);
-    let data = MapData::from_pin(&path).map_err(map_err(name, "open pin"))?;
-    HashMap::try_from(Map::HashMap(data)).map_err(map_err(name, "open"))
 }
 
 impl Conntrack {
@@ -542,6 +506,7 @@ impl Conntrack {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use calix_common::CT_DIR_OUT;
 
     const S: u64 = 1_000_000_000;
 

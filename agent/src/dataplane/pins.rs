@@ -21,7 +21,7 @@ use calix_common::{
     STACK_FLOWS_MAP,
 };
 
-use super::nat::monotonic_ns;
+use super::bpf::monotonic_ns;
 use super::DataplaneError;
 
 /// What a pinned map must be: the object's definition, with the loader's `max_entries`

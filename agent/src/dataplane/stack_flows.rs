@@ -5,16 +5,16 @@
 //! it found the table full) is cleared once every flow it could have missed would have been
 //! forgotten too. Until then that endpoint's traffic goes through the host stack: the safe
 //! side, since only the stack can undo its own NAT.
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{HashMap, MapData};
 use calix_common::{
     FlowKey, StackFlow, IPPROTO_TCP, IPPROTO_UDP, SF_CLOSING, STACK_CLEARED_MAP, STACK_EPS_MAP,
     STACK_FLOWS_MAP,
 };
 
-use super::ebpf::map_err;
+use super::bpf::open_hash;
 use super::DataplaneError;
 
 /// Where the host's conntrack timeouts are (per network namespace).
@@ -145,15 +145,6 @@ pub struct StackFlows {
     flows: HashMap<MapData, FlowKey, StackFlow>,
     eps: HashMap<MapData, u32, u32>,
     cleared: HashMap<MapData, u32, u32>,
-}
-
-fn open_hash<K: aya::Pod, V: aya::Pod>(
-    pin_dir: &Path,
-    name: &'static str,
-) -> Result<HashMap<MapData, K, V>, DataplaneError> {
-    let path: PathBuf = pin_dir.join(name);
-    let data = MapData::from_pin(&path).map_err(map_err(name, "open pin"))?;
-    HashMap::try_from(Map::HashMap(data)).map_err(map_err(name, "open"))
 }
 
 impl StackFlows {

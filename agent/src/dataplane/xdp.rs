@@ -31,7 +31,7 @@ use calix_common::{
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use super::ebpf::{map_err, take};
+use super::bpf::{map_err, take};
 use super::{ifindex, DataplaneError};
 
 /// How the XDP program attaches (`[xdp] mode`).

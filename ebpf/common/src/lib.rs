@@ -452,6 +452,44 @@ pub struct CtKey {
     pub _pad: [u8; 2],
 }
 
+impl CtKey {
+    /// Whether the protocol has ports (TCP, UDP); ICMP echo uses its identifier as both.
+    #[inline(always)]
+    fn ported(&self) -> bool {
+        self.proto == IPPROTO_TCP || self.proto == IPPROTO_UDP
+    }
+
+    /// The reply key of the flow whose original key is `self`, translated to (`nat_addr`,
+    /// `nat_port`): the reply as it arrives at the node.
+    #[inline(always)]
+    pub fn reply(&self, nat_addr: [u8; 4], nat_port: u16) -> CtKey {
+        CtKey {
+            src: self.dst,
+            dst: nat_addr,
+            sport: if self.ported() { self.dport } else { nat_port },
+            dport: nat_port,
+            proto: self.proto,
+            dir: CT_DIR_REPLY,
+            _pad: [0; 2],
+        }
+    }
+
+    /// The original key of the flow whose reply key is `self`, from the pod's (`addr`,
+    /// `port`).
+    #[inline(always)]
+    pub fn original(&self, addr: [u8; 4], port: u16) -> CtKey {
+        CtKey {
+            src: addr,
+            dst: self.src,
+            sport: port,
+            dport: if self.ported() { self.sport } else { port },
+            proto: self.proto,
+            dir: CT_DIR_OUT,
+            _pad: [0; 2],
+        }
+    }
+}
+
 /// [`CtEntry::flags`]: this direction has sent a packet (a reply entry: the flow is answered).
 pub const CT_F_SEEN: u16 = 1;
 /// [`CtEntry::flags`]: this direction sent a TCP FIN.
@@ -864,6 +902,31 @@ mod tests {
             0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0xec, 0xee, 0xee, 0xff, 0xfe, 0xee, 0xee, 0xee,
         ];
         assert_eq!(HOST_VETH_LINK_LOCAL, want); // fe80::ecee:eeff:feee:eeee
+    }
+
+    #[test]
+    fn conntrack_keys_go_both_ways() {
+        let out = CtKey {
+            src: [10, 244, 0, 5],
+            dst: [198, 51, 100, 7],
+            sport: 40000u16.to_be(),
+            dport: 443u16.to_be(),
+            proto: IPPROTO_TCP,
+            dir: CT_DIR_OUT,
+            _pad: [0; 2],
+        };
+        let nat = ([192, 0, 2, 1], 20000u16.to_be());
+        let r = out.reply(nat.0, nat.1);
+        assert_eq!(
+            (r.src, r.dst, r.sport, r.dport),
+            (out.dst, nat.0, out.dport, nat.1)
+        );
+        assert_eq!(r.original(out.src, out.sport), out);
+        // ICMP echo: the identifier is both "ports".
+        let ping = CtKey { proto: 1, ..out };
+        let r = ping.reply(nat.0, nat.1);
+        assert_eq!((r.sport, r.dport), (nat.1, nat.1));
+        assert_eq!(r.original(ping.src, ping.sport).dport, ping.sport);
     }
 
     #[test]

@@ -15,47 +15,17 @@
 use core::intrinsics::{atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
     cty::{c_long, c_void},
     helpers::bpf_loop,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuArray},
+    maps::PerCpuArray,
 };
 use calix_common::{
-    CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_FIN,
-    CT_F_LAST_ACK, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_F_WSCALE, DEFAULT_CT_ENTRIES, IPPROTO_TCP,
-    MAX_ENDPOINTS, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
+    CtEntry, CtKey, DropReason, NatConfig, CT_F_ACK, CT_F_FIN, CT_F_LAST_ACK, CT_F_RST, CT_F_SEEN,
+    CT_F_SEQ, CT_F_WSCALE, IPPROTO_TCP, MAX_NAT_UPLINKS,
 };
 
-/// Conntrack entries (see `calix_common::CT_MAP`).
-#[map(name = "CALIX_CT")]
-pub static CALIX_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(DEFAULT_CT_ENTRIES, 0);
-
-/// Endpoint (host veth ifindex) → flows it opened less those the programs removed.
-#[map(name = "CALIX_CT_OWNED")]
-pub static CALIX_CT_OWNED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
-
-/// Endpoint → its flows the agent removed (written by the agent only).
-#[map(name = "CALIX_CT_FREED")]
-pub static CALIX_CT_FREED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
-
-/// The agent's `[nat]` settings, one entry.
-#[map(name = "CALIX_NAT_CFG")]
-pub static CALIX_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
-
-/// IPv4 destinations reached without SNAT: every pool, and `non_masquerade_cidrs`.
-#[map(name = "CALIX_NO_SNAT_V4")]
-pub static CALIX_NO_SNAT_V4: LpmTrie<[u8; 4], u32> =
-    LpmTrie::pinned(MAX_NO_SNAT_CIDRS, BPF_F_NO_PREALLOC);
-
-const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
-const _: () = assert!(crate::str_eq(calix_common::CT_OWNED_MAP, "CALIX_CT_OWNED"));
-const _: () = assert!(crate::str_eq(calix_common::CT_FREED_MAP, "CALIX_CT_FREED"));
-const _: () = assert!(crate::str_eq(calix_common::NAT_CONFIG_MAP, "CALIX_NAT_CFG"));
-const _: () = assert!(crate::str_eq(
-    calix_common::NO_SNAT_V4_MAP,
-    "CALIX_NO_SNAT_V4"
-));
+use crate::maps::{CALIX_CT, CALIX_CT_FREED, CALIX_CT_OWNED, CALIX_NAT_CFG};
 
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i64 = 17;
@@ -245,7 +215,7 @@ pub fn rst_in_window(d: *const CtEntry, e: Option<*const CtEntry>, seg: &TcpSeg)
 pub fn reply_of(out: &CtKey, o: *const CtEntry) -> Option<*const CtEntry> {
     // SAFETY: `o` comes from a successful lookup; so does `r`.
     unsafe {
-        let r = CALIX_CT.get_ptr(&reply_key(out, (*o).addr, (*o).port))?;
+        let r = CALIX_CT.get_ptr(&out.reply((*o).addr, (*o).port))?;
         ((*r).addr == out.src && (*r).port == out.sport).then_some(r)
     }
 }
@@ -256,7 +226,7 @@ pub fn reply_of(out: &CtKey, o: *const CtEntry) -> Option<*const CtEntry> {
 pub fn out_of(rkey: &CtKey, r: *const CtEntry) -> Option<*const CtEntry> {
     // SAFETY: `r` comes from a successful lookup; so does `o`.
     unsafe {
-        let o = CALIX_CT.get_ptr(&out_key_of(rkey, (*r).addr, (*r).port))?;
+        let o = CALIX_CT.get_ptr(&rkey.original((*r).addr, (*r).port))?;
         ((*o).addr == rkey.dst && (*o).port == rkey.dport).then_some(o)
     }
 }
@@ -322,45 +292,6 @@ pub fn touch(e: *mut CtEntry, bits: u16, now: u64) {
     }
 }
 
-/// The reply key of a flow with original key `out` leaving as (`nat_addr`, `nat_port`).
-#[inline(always)]
-pub fn reply_key(out: &CtKey, nat_addr: [u8; 4], nat_port: u16) -> CtKey {
-    let sport = if out.proto == IPPROTO_TCP || out.proto == calix_common::IPPROTO_UDP {
-        out.dport
-    } else {
-        // ICMP echo: the identifier is both "ports".
-        nat_port
-    };
-    CtKey {
-        src: out.dst,
-        dst: nat_addr,
-        sport,
-        dport: nat_port,
-        proto: out.proto,
-        dir: CT_DIR_REPLY,
-        _pad: [0; 2],
-    }
-}
-
-/// The original key of the flow whose reply entry is `rkey` with the pod's (`addr`, `port`).
-#[inline(always)]
-pub fn out_key_of(rkey: &CtKey, addr: [u8; 4], port: u16) -> CtKey {
-    let dport = if rkey.proto == IPPROTO_TCP || rkey.proto == calix_common::IPPROTO_UDP {
-        rkey.sport
-    } else {
-        port
-    };
-    CtKey {
-        src: addr,
-        dst: rkey.src,
-        sport: port,
-        dport,
-        proto: rkey.proto,
-        dir: CT_DIR_OUT,
-        _pad: [0; 2],
-    }
-}
-
 /// Whether the flow that holds the reply key `rkey` may give its NAT port away: expired, or
 /// a TCP connection that is over. Its entries are removed when so.
 #[inline(always)]
@@ -379,7 +310,7 @@ fn reclaim(cfg: &NatConfig, rkey: &CtKey, now: u64) -> bool {
             (*r).owner,
         )
     };
-    let okey = out_key_of(rkey, r_addr, r_port);
+    let okey = rkey.original(r_addr, r_port);
     let (out_flags, out_seen, out_matches) = match CALIX_CT.get_ptr(&okey) {
         // SAFETY: as above.
         Some(o) => unsafe { ((*o).flags, (*o).last_seen_ns, (*o).port == rkey.dport) },
@@ -465,7 +396,7 @@ extern "C" fn port_step(_index: u64, _ctx: *mut c_void) -> c_long {
     let port = ((s.min + s.off) as u16).to_be();
     s.rkey.dport = port;
     if s.rkey.proto != IPPROTO_TCP && s.rkey.proto != calix_common::IPPROTO_UDP {
-        // ICMP echo: the identifier is both "ports" (as in `reply_key`).
+        // ICMP echo: the identifier is both "ports" (as in `CtKey::reply`).
         s.rkey.sport = port;
     }
     s.off += 1;
@@ -524,7 +455,7 @@ pub fn allocate(
     let search = unsafe { &mut *search };
     // Field by field, in place: a `PortSearch { .. }` literal would be built on the stack
     // first, which the 512 bytes cannot spare.
-    search.rkey = reply_key(out, nat_addr, 0);
+    search.rkey = out.reply(nat_addr, 0);
     fill(&mut search.reply, now, out.src, out.sport, 0, owner);
     search.now = now;
     search.min = min;
@@ -594,7 +525,7 @@ fn fill(e: &mut CtEntry, now: u64, addr: [u8; 4], port: u16, flags: u16, owner: 
 pub fn restart_tcp(out: &CtKey, o: *mut CtEntry, now: u64) -> bool {
     // SAFETY: `o` comes from a successful lookup.
     let (addr, port, flags) = unsafe { ((*o).addr, (*o).port, (*o).flags) };
-    let rkey = reply_key(out, addr, port);
+    let rkey = out.reply(addr, port);
     let Some(r) = CALIX_CT.get_ptr_mut(&rkey) else {
         let _ = CALIX_CT.remove(out);
         return false;

@@ -138,17 +138,24 @@ fn zeroed_params() -> FibParams {
     unsafe { core::mem::zeroed() }
 }
 
-/// IPv4 to another node.
+/// The FIB lookup parameters of an IPv4 packet arriving on `ifindex` (`tot_len` 0: the kernel
+/// checks the MTU against the skb itself, which GSO packets need).
 #[inline(always)]
-pub fn remote_v4(ctx: &mut TcContext, ip: &Ipv4, ifindex: u32) -> Result<i32, c_long> {
+pub fn fib_params_v4(ip: &Ipv4, ifindex: u32, tot_len: u16) -> FibParams {
     let mut p = zeroed_params();
     p.family = AF_INET;
     p.l4_protocol = ip.proto;
-    p.__bindgen_anon_1.tot_len = ip.tot_len;
+    p.__bindgen_anon_1.tot_len = tot_len;
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src);
     p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst);
-    via_fib(ctx, p, Ttl::of_v4(ip))
+    p
+}
+
+/// IPv4 to another node.
+#[inline(always)]
+pub fn remote_v4(ctx: &mut TcContext, ip: &Ipv4, ifindex: u32) -> Result<i32, c_long> {
+    via_fib(ctx, fib_params_v4(ip, ifindex, ip.tot_len), Ttl::of_v4(ip))
 }
 
 /// IPv6 to another node.

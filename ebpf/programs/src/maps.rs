@@ -6,12 +6,13 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{HashMap, LpmTrie, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, PerCpuHashMap},
 };
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint,
-    StackFlow, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS,
-    MAX_POOLS, MAX_STACK_FLOWS,
+    CtEntry, CtKey, DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey,
+    LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS,
+    MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_POOLS,
+    MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -79,6 +80,36 @@ pub static CALIX_HOST_V4: HashMap<[u8; 4], u32> = HashMap::pinned(MAX_HOST_ADDRS
 /// The node's own IPv6 addresses.
 #[map(name = "CALIX_HOST_V6")]
 pub static CALIX_HOST_V6: HashMap<[u8; 16], u32> = HashMap::pinned(MAX_HOST_ADDRS, 0);
+
+/// Conntrack entries (see `calix_common::CT_MAP`).
+#[map(name = "CALIX_CT")]
+pub static CALIX_CT: HashMap<CtKey, CtEntry> = HashMap::pinned(DEFAULT_CT_ENTRIES, 0);
+
+/// Endpoint (host veth ifindex) → flows it opened less those the programs removed.
+#[map(name = "CALIX_CT_OWNED")]
+pub static CALIX_CT_OWNED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// Endpoint → its flows the agent removed (written by the agent only).
+#[map(name = "CALIX_CT_FREED")]
+pub static CALIX_CT_FREED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// The agent's `[nat]` settings, one entry.
+#[map(name = "CALIX_NAT_CFG")]
+pub static CALIX_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
+
+/// IPv4 destinations reached without SNAT: every pool, and `non_masquerade_cidrs`.
+#[map(name = "CALIX_NO_SNAT_V4")]
+pub static CALIX_NO_SNAT_V4: LpmTrie<[u8; 4], u32> =
+    LpmTrie::pinned(MAX_NO_SNAT_CIDRS, BPF_F_NO_PREALLOC);
+
+const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
+const _: () = assert!(crate::str_eq(calix_common::CT_OWNED_MAP, "CALIX_CT_OWNED"));
+const _: () = assert!(crate::str_eq(calix_common::CT_FREED_MAP, "CALIX_CT_FREED"));
+const _: () = assert!(crate::str_eq(calix_common::NAT_CONFIG_MAP, "CALIX_NAT_CFG"));
+const _: () = assert!(crate::str_eq(
+    calix_common::NO_SNAT_V4_MAP,
+    "CALIX_NO_SNAT_V4"
+));
 
 // `#[map(name = ...)]` takes a literal only; keep each in step with the const the agent uses.
 const _: () = assert!(crate::str_eq(calix_common::COUNTERS_MAP, "CALIX_COUNTERS"));

@@ -24,14 +24,13 @@ use calix_common::{
     CtEntry, CtKey, DropReason, NatConfig, CT_DIR_OUT, CT_DIR_REPLY, IPPROTO_TCP, IPPROTO_UDP,
 };
 
-use crate::conntrack::{self, TcpSeg, CALIX_CT, CALIX_NO_SNAT_V4, TCP_ACK, TCP_SYN};
+use crate::conntrack::{self, TcpSeg, TCP_ACK, TCP_SYN};
 use crate::counters::drop;
 use crate::flows;
 use crate::forward::{self, Ttl};
-use crate::maps::CALIX_LOCAL_V4;
+use crate::maps::{CALIX_CT, CALIX_LOCAL_V4, CALIX_NO_SNAT_V4};
 use crate::packet::{Ipv4, ETH_HLEN, IPPROTO_ICMP};
 
-const AF_INET: u8 = 2;
 const BPF_FIB_LKUP_RET_SUCCESS: c_long = 0;
 const BPF_FIB_LKUP_RET_NO_NEIGH: c_long = 7;
 /// Offsets in the IPv4 header.
@@ -315,14 +314,7 @@ fn lookup_route(
     ifindex: u32,
     ip: &Ipv4,
 ) -> Option<(Route, [u8; 4])> {
-    // SAFETY: bpf_fib_lookup is plain data; all-zero is its documented initial state.
-    let mut p: FibParams = unsafe { core::mem::zeroed() };
-    p.family = AF_INET;
-    p.l4_protocol = ip.proto;
-    // tot_len 0: the kernel checks the MTU on the skb itself (GSO packets are fine).
-    p.ifindex = ifindex;
-    p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src);
-    p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst);
+    let mut p: FibParams = forward::fib_params_v4(ip, ifindex, 0);
     // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
     let rc = unsafe {
         bpf_fib_lookup(
@@ -545,7 +537,7 @@ pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long>
         }
         conntrack::track_tcp(r, &t.tcp);
         if t.tcp.syn() {
-            conntrack::settle_wscale(&conntrack::out_key_of(&rkey, pod, pod_port), r);
+            conntrack::settle_wscale(&rkey.original(pod, pod_port), r);
         }
     }
     conntrack::touch(r, conntrack::flag_bits(ip.proto, t.tcp_flags), now);
