@@ -803,20 +803,4 @@ impl Dataplane for EbpfDataplane {
         self.programmed.clear();
     }
 
-    fn uninstall(&mut self) {
-        let names: Vec<String> = self.programmed.keys().cloned().collect();
-        for n in names {
-            let _ = self.detach(&n);
-        }
-        for uplink in &self.cfg.uplinks {
-            Self::detach_filters(uplink);
-        }
-        xdp::detach_except(&self.cfg.xdp_links_dir(), &[]);
-        let dir = self.cfg.node_dir();
-        if let Err(e) = std::fs::remove_dir_all(&dir) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the pins");
-            }
-        }
-    }
 }

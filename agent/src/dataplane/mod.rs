@@ -222,8 +222,6 @@ pub trait Dataplane: Send {
     /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing
     /// while the agent is away.
     fn release(&mut self);
-    /// Removes everything: programs from every interface, map entries, pins.
-    fn uninstall(&mut self);
 }
 
 /// `e: cause: cause…`, for logs.
@@ -360,16 +358,6 @@ impl Dataplane for KernelDataplane {
         masquerade::apply(&r.nat)
     }
     fn release(&mut self) {}
-    fn uninstall(&mut self) {
-        for (what, r) in [
-            ("masquerade", masquerade::remove()),
-            ("anti-spoofing", antispoof::remove()),
-        ] {
-            if let Err(e) = r {
-                tracing::warn!(table = what, error = %e, "cannot remove a kernel-mode table");
-            }
-        }
-    }
 }
 
 #[cfg(test)]

@@ -52,7 +52,6 @@ impl Dataplane for NoDataplane {
         Ok(())
     }
     fn release(&mut self) {}
-    fn uninstall(&mut self) {}
 }
 
 /// One store shared by several agents, as etcd would be, that commits one object per

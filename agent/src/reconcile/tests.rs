@@ -60,7 +60,6 @@ impl Dataplane for FakeDataplane {
         Ok(())
     }
     fn release(&mut self) {}
-    fn uninstall(&mut self) {}
 }
 
 const IF: &str = "cali0123456789a";
