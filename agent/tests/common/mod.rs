@@ -1,7 +1,7 @@
 //! What the program tests share (`programs.rs`: the tc programs; `xdp_programs.rs`: the XDP
 //! prefilter): BPF_PROG_TEST_RUN, a network namespace and a bpffs pin directory per test, the
 //! object loaded as the agent loads it, drop counters; and the packet builders of
-//! tests/src/packets.rs.
+//! testbed/src/packets.rs.
 #![allow(dead_code)] // Each test file uses its own part of it.
 
 use std::mem::size_of;
@@ -17,7 +17,7 @@ use calix_agent::dataplane::ebpf::OBJECT;
 use calix_common::{DropCount, DropKey, DropReason, ALL_PROGRAMS};
 
 // The packet builders live with the integration tests' harness; one copy serves both.
-#[path = "../../../tests/src/packets.rs"]
+#[path = "../../../testbed/src/packets.rs"]
 mod packets;
 // Each test binary uses its own part of them (pins.rs none).
 #[allow(unused_imports)]
