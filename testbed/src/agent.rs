@@ -181,7 +181,9 @@ impl Agent {
 
     /// Whether the agent exited, and how.
     pub fn exited(&self) -> Option<std::process::ExitStatus> {
-        self.child().as_mut().and_then(|c| c.try_wait().ok().flatten())
+        self.child()
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
     }
 
     fn child(&self) -> std::sync::MutexGuard<'_, Option<Child>> {

@@ -280,9 +280,7 @@ impl Plugin {
         let out = finish(child, &self.conf)?;
         if !out.status.success() {
             return Err(Error::Cni {
-                label: self.label.clone(),
-                command: call.command.to_string(),
-                container_id: call.container_id.clone(),
+                call: format!("{} {} of {}", self.label, call.command, call.container_id),
                 status: out.status,
                 stdout: String::from_utf8_lossy(&out.stdout).trim().to_string(),
                 stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),

@@ -40,11 +40,10 @@ pub enum Error {
         found: String,
         expected: String,
     },
-    #[error("{label} {command} of {container_id} failed ({status}): {stdout}\n{stderr}")]
+    /// `call`: which plugin, verb and container.
+    #[error("{call} failed ({status}): {stdout}\n{stderr}")]
     Cni {
-        label: String,
-        command: String,
-        container_id: String,
+        call: String,
         status: ExitStatus,
         stdout: String,
         stderr: String,

@@ -112,10 +112,10 @@ impl EtcdNs {
         let i = self.links.fetch_add(1, Ordering::Relaxed) + 1;
         let host = format!("e{i}");
         let wired = veth(&self.ns, &host, node, "etcd0")
-            .and_then(|()| self.ns.ip(&["addr", "add", &format!("10.98.{i}.1/30"), "dev", &host]))
-            .and_then(|()| self.ns.ip(&["link", "set", &host, "up"]))
-            .and_then(|()| node.ip(&["addr", "add", &format!("10.98.{i}.2/30"), "dev", "etcd0"]))
-            .and_then(|()| node.ip(&["link", "set", "etcd0", "up"]));
+            .and_then(|()| self.ns.ip(&format!("addr add 10.98.{i}.1/30 dev {host}")))
+            .and_then(|()| self.ns.ip(&format!("link set {host} up")))
+            .and_then(|()| node.ip(&format!("addr add 10.98.{i}.2/30 dev etcd0")))
+            .and_then(|()| node.ip("link set etcd0 up"));
         wired.unwrap_or_else(|e| panic!("{e}"));
         format!("http://10.98.{i}.1:2379")
     }

@@ -33,7 +33,7 @@ pub use bpf::{bpf_map_u32_keys, bpf_maps_of};
 pub use cni::{cni_call, plugin_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;
-pub use netns::{veth, Capture, Netns, PacketSocket};
+pub use netns::{uplink, veth, Capture, Netns, PacketSocket};
 pub use node::{Node, NODE_IP, POOL};
 pub use pod::Pod;
 pub use process::{

@@ -27,7 +27,7 @@ impl Netns {
         checked(Command::new("ip").args(["netns", "add", &name]))?;
         // Owned from here: a half-set-up namespace is still deleted.
         let ns = Self { name, owned: true };
-        ns.ip(&["link", "set", "lo", "up"])?;
+        ns.ip("link set lo up")?;
         Ok(ns)
     }
 
@@ -67,7 +67,11 @@ impl Netns {
 
     /// `program` as a daemon of this namespace: `setns`, on CPU `cpu` only when given, killed
     /// when the thread that starts it exits.
-    pub fn daemon(&self, program: impl AsRef<std::ffi::OsStr>, cpu: Option<usize>) -> Result<Command> {
+    pub fn daemon(
+        &self,
+        program: impl AsRef<std::ffi::OsStr>,
+        cpu: Option<usize>,
+    ) -> Result<Command> {
         command_in(Some(self.path().as_ref()), program, cpu, true)
     }
 
@@ -79,9 +83,10 @@ impl Netns {
         run_ok(&mut self.cmd(argv))
     }
 
-    /// `ip -n <this> <args>`.
-    pub fn ip(&self, args: &[&str]) -> Result<()> {
-        checked(Command::new("ip").args(["-n", &self.name]).args(args)).map(drop)
+    /// `ip -n <this> <args>` (`args` split at whitespace).
+    pub fn ip(&self, args: &str) -> Result<()> {
+        let mut cmd = Command::new("ip");
+        checked(cmd.args(["-n", &self.name]).args(args.split_whitespace())).map(drop)
     }
 
     /// `ip -n <this> -force -batch -` with `script` on stdin.
@@ -116,14 +121,19 @@ impl Netns {
 
     /// `sysctl -qw <kv>` inside this namespace.
     pub fn sysctl(&self, kv: &str) -> Result<()> {
-        checked(self.command("sysctl")?.args(["-qw", kv]).stdout(Stdio::null())).map(drop)
+        checked(
+            self.command("sysctl")?
+                .args(["-qw", kv])
+                .stdout(Stdio::null()),
+        )
+        .map(drop)
     }
 
     /// The MAC address of `ifname` in this namespace.
     pub fn mac(&self, ifname: &str) -> Result<[u8; 6]> {
-        let v = crate::process::json(Command::new("ip").args([
-            "-n", &self.name, "-j", "link", "show", "dev", ifname,
-        ]))?;
+        let v = crate::process::json(
+            Command::new("ip").args(["-n", &self.name, "-j", "link", "show", "dev", ifname]),
+        )?;
         let s = v[0]["address"].as_str().unwrap_or_default();
         let bytes: Vec<u8> = s
             .split(':')
@@ -260,9 +270,19 @@ impl Drop for Netns {
 
 /// A veth pair: `a_if` in `a`, its peer `b_if` in `b`, both down and unaddressed.
 pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
-    a.ip(&[
-        "link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.name,
-    ])
+    a.ip(&format!(
+        "link add {a_if} type veth peer name {b_if} netns {}",
+        b.name
+    ))
+}
+
+/// Wires a node's uplink: veth `uplink` in `node`, addressed `node_cidr` and up, whose peer is
+/// `eth0` (up, unaddressed: the caller gives it its addresses) in `outside`.
+pub fn uplink(node: &Netns, outside: &Netns, uplink: &str, node_cidr: &str) -> Result<()> {
+    veth(node, uplink, outside, "eth0")?;
+    node.ip(&format!("addr add {node_cidr} dev {uplink}"))?;
+    node.ip(&format!("link set {uplink} up"))?;
+    outside.ip("link set eth0 up")
 }
 
 /// A running tcpdump ([`Netns::capture`]); its files go when it is dropped.

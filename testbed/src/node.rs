@@ -53,9 +53,14 @@ impl Node {
     /// A node named `name`, its agent as `spec` says, not yet started.
     pub fn new(name: String, spec: AgentSpec) -> Result<Self> {
         let ns = Netns::create(name)?;
-        ns.ip(&["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"])?;
+        ns.ip(&format!("addr add {NODE_IP}/32 dev lo"))?;
         let dataplane = spec.dataplane;
-        let agent = Agent::new(&ns.name, std::env::temp_dir().join(&ns.name), Some(&ns), spec)?;
+        let agent = Agent::new(
+            &ns.name,
+            std::env::temp_dir().join(&ns.name),
+            Some(&ns),
+            spec,
+        )?;
         Ok(Self {
             dir: agent.dir.clone(),
             socket: agent.socket.clone(),
@@ -244,19 +249,9 @@ impl Node {
             .map(String::from)
     }
 
-    /// Wires the node's uplink: veth `uplink` in the node namespace, addressed `node_cidr` and
-    /// up, whose peer is `eth0` (up, unaddressed: the caller gives it its addresses) in
-    /// `outside`.
+    /// Wires the node's uplink ([`crate::uplink`]): veth `uplink`, addressed `node_cidr`,
+    /// whose peer is `eth0` in `outside`.
     pub fn uplink_to(&self, outside: &Netns, uplink: &str, node_cidr: &str) {
-        self.try_uplink_to(outside, uplink, node_cidr)
-            .unwrap_or_else(|e| panic!("{e}"));
-    }
-
-    /// [`Node::uplink_to`], failing with an error.
-    pub fn try_uplink_to(&self, outside: &Netns, uplink: &str, node_cidr: &str) -> Result<()> {
-        crate::netns::veth(&self.ns, uplink, outside, "eth0")?;
-        self.ns.ip(&["addr", "add", node_cidr, "dev", uplink])?;
-        self.ns.ip(&["link", "set", uplink, "up"])?;
-        outside.ip(&["link", "set", "eth0", "up"])
+        crate::uplink(&self.ns, outside, uplink, node_cidr).unwrap_or_else(|e| panic!("{e}"));
     }
 }

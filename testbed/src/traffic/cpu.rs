@@ -64,7 +64,9 @@ impl CpuStat {
             .0
             .get(cpu)
             .zip(before.0.get(cpu))
-            .map_or(f64::NAN, |(a, b)| a[SOFTIRQ].saturating_sub(b[SOFTIRQ]) as f64);
+            .map_or(f64::NAN, |(a, b)| {
+                a[SOFTIRQ].saturating_sub(b[SOFTIRQ]) as f64
+            });
         // SAFETY: sysconf has no preconditions.
         let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
         ticks * 1e9 / if hz > 0 { hz as f64 } else { 100.0 }

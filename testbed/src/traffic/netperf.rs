@@ -153,8 +153,10 @@ fn rr(to: SocketAddr, secs: f64) -> Result<Report> {
         if t >= end {
             break;
         }
-        exchange(&mut s, &mut b)
-            .map_err(Error::io(format!("round trip {} with {to}", rtts.len() + 1)))?;
+        exchange(&mut s, &mut b).map_err(Error::io(format!(
+            "round trip {} with {to}",
+            rtts.len() + 1
+        )))?;
         rtts.push(t.elapsed().as_nanos() as f64);
     }
     let elapsed = t0.elapsed().as_secs_f64();
