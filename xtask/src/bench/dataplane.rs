@@ -27,7 +27,9 @@ use calix_testbed::{veth, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin, CN
 use plotters::style::RGBColor;
 use serde_json::json;
 
-use super::harness::{cni_plugins_version, order, repetition, version, Bench, Machine};
+use super::harness::{
+    check_interrupted, cni_plugins_version, order, repetition, version, Bench, Machine,
+};
 use super::report::{
     busy_note, fmt_1, fmt_2, fmt_spread_with, median, panel, ratio, targets, Series,
     Traffic as Samples,
@@ -94,14 +96,15 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
     let tag = v.tag();
     let (client, server) = (b.netns(&format!("{tag}-a"))?, b.netns(&format!("{tag}-b"))?);
     let (mut node, mut namespaces, mut server_ip) = (None, Vec::new(), VETH_SERVER);
-    let plugin = match v {
+    // The plugin that wires the pods, and the node namespace whose forwarding is counted.
+    let (plugin, node_ns) = match v {
         Variant::Veth => {
             veth(&client, "eth0", &server, "eth0")?;
             for (ns, ip) in [(&client, VETH_CLIENT), (&server, VETH_SERVER)] {
                 ns.ip(&format!("addr add {ip}/24 dev eth0"))?;
                 ns.ip("link set eth0 up")?;
             }
-            None
+            (None, None)
         }
         Variant::Bridge => {
             let n = b.netns(tag)?;
@@ -111,14 +114,11 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
                 "ipam": { "type": "host-local", "subnet": BRIDGE_SUBNET,
                           "dataDir": b.dir.join("host-local").display().to_string() },
             });
-            let p = Plugin::new(
-                v.label(),
-                Path::new(CNI_DIR).join("bridge"),
-                Some(&n),
-                &conf,
-            );
+            let bridge = Path::new(CNI_DIR).join("bridge");
+            let p = Plugin::new(v.label(), bridge, Some(&n), &conf);
+            let ns = Netns::borrowed(&n.name);
             namespaces.push(n);
-            Some(p)
+            (Some(p), Some(ns))
         }
         _ => {
             let (dataplane, object) = match v {
@@ -126,27 +126,21 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
                 Variant::Floor => (Dataplane::Ebpf, Some(floor.to_path_buf())),
                 _ => (Dataplane::Ebpf, None),
             };
-            let n = b.node(
-                tag,
-                AgentSpec {
-                    object,
-                    ..b.spec(dataplane)
-                },
-            )?;
+            let spec = AgentSpec {
+                object,
+                ..b.spec(dataplane)
+            };
+            let n = b.node(tag, spec)?;
             let conf = n.conf(json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } }));
             let p = Plugin::new(v.label(), b.bins.join("calix"), Some(&n.ns), &conf);
+            let ns = Netns::borrowed(&n.ns.name);
             node = Some(n);
-            Some(p)
+            (Some(p), Some(ns))
         }
     };
-    let mut node_ns = None;
     if let Some(p) = plugin {
         p.add_pod(&client, &format!("{tag}-0"))?;
         server_ip = p.add_pod(&server, &format!("{tag}-1"))?;
-        let name = node
-            .as_ref()
-            .map_or(&namespaces[0].name, |n: &Node| &n.ns.name);
-        node_ns = Some(Netns::borrowed(name));
     }
     let traffic = Traffic::new(&client, &server, server_ip);
     let servers = tools.start(&traffic, &b.dir)?;
@@ -178,7 +172,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let tools = b.tools();
     let mut topo = Vec::with_capacity(VARIANTS.len());
     for v in VARIANTS {
-        super::harness::check_interrupted()?;
+        check_interrupted()?;
         let t =
             topology(&b, &tools, v, &floor).with_context(|| format!("setting up {}", v.label()))?;
         let tr = &t.traffic;

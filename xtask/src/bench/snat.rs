@@ -37,7 +37,7 @@
 //!
 //! Everything is named `cxb-<pid>-…` and removed on drop, on error and Ctrl-C too. Writes
 //! docs/bench/snat.md and docs/bench/snat.svg (with `--quick`, target/bench/ instead).
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -47,7 +47,7 @@ use calix_testbed::packets::{eth, udp_with, Ip4, ETH_P_IP, ETH_P_LOCAL_EXP, UDP}
 use calix_testbed::traffic::cpu::{ksoftirqd_pid, load_average, task_cpu_ns, CpuStat};
 use calix_testbed::traffic::flood::{flood, BATCH};
 use calix_testbed::traffic::{Tools, Traffic, IPERF_NICE};
-use calix_testbed::{json, stdout, uplink, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin};
+use calix_testbed::{json, uplink, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin};
 use plotters::style::RGBColor;
 use serde_json::Value;
 
@@ -320,8 +320,8 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -> Result
     })
 }
 
-/// One TCP connection from the pod to the internet: the source address the internet saw.
-fn probe(t: &Traffic) -> Result<Ipv4Addr> {
+/// One TCP connection from the pod to the internet: the source the internet saw.
+fn probe(t: &Traffic) -> Result<SocketAddrV4> {
     let listener = t
         .server
         .spawn(None, || TcpListener::bind((INET, PROBE_PORT)))?
@@ -336,7 +336,7 @@ fn probe(t: &Traffic) -> Result<Ipv4Addr> {
     let deadline = Instant::now() + Duration::from_secs(3);
     let seen = loop {
         match listener.accept() {
-            Ok((_, peer)) => break Some(peer.ip()),
+            Ok((_, peer)) => break Some(peer),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() > deadline {
                     break None;
@@ -351,30 +351,40 @@ fn probe(t: &Traffic) -> Result<Ipv4Addr> {
         .map_err(|_| anyhow!("the probe client's thread panicked"))?
         .with_context(|| format!("connecting to {INET}:{PROBE_PORT}"))?;
     match seen {
-        Some(std::net::IpAddr::V4(a)) => Ok(a),
+        Some(SocketAddr::V4(a)) => Ok(a),
         Some(a) => bail!("the internet saw an IPv6 source {a}"),
         None => bail!("the connection reached no listener"),
     }
 }
 
 /// Builds `v` and checks with a probe that the internet sees the source it should; the
-/// calix SNAT variant must translate without a kernel NAT rule.
+/// calix SNAT variant must be translated by the programs.
 fn checked_topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -> Result<Topology> {
     let t = topology(b, tools, v, extra).with_context(|| format!("setting up {}", v.label()))?;
     let want = if v.nat() { NODE_UP } else { t.pod_ip };
-    match probe(&t.traffic) {
-        // Translated, and not by a kernel rule someone left in the node.
-        Ok(seen) if seen == want && v == Variant::CalixSnat => {
-            let rules = stdout(t.node.ns().command("nft")?.args(["list", "ruleset"]))?;
-            if rules.contains("masquerade") || rules.contains("snat") {
-                bail!(
-                    "the node has a kernel NAT rule, so eBPF SNAT is not what translates:\n{rules}"
-                );
+    match probe(&t.traffic).map(|a| (*a.ip(), a.port())) {
+        // Translated by the programs, not by a kernel rule (the agent's own nftables masquerade
+        // of what the programs leave to the stack included): their conntrack holds the probe's
+        // flow, leaving with the port the internet saw.
+        Ok((seen, port)) if seen == want && v == Variant::CalixSnat => {
+            let Wired::Node(n) = &t.node else {
+                unreachable!("calix SNAT runs on a calix node")
+            };
+            let flows = n
+                .agent()
+                .calixctl_json(&["bpf", "nat", "--ip", &t.pod_ip.to_string()])?;
+            let num = |f: &Value, k: &str| f[k].as_u64().or_else(|| f[k].as_str()?.parse().ok());
+            let by_programs = flows["flows"].as_array().into_iter().flatten().any(|f| {
+                num(f, "dst_port") == Some(PROBE_PORT.into())
+                    && num(f, "nat_port") == Some(port.into())
+            });
+            if !by_programs {
+                bail!("the internet saw {seen}:{port}, a translation the programs did not make (their flows: {flows})");
             }
             Ok(t)
         }
-        Ok(seen) if seen == want => Ok(t),
-        Ok(seen) => Err(anyhow!(
+        Ok((seen, _)) if seen == want => Ok(t),
+        Ok((seen, _)) => Err(anyhow!(
             "the internet saw the pod's connection from {seen}, not {want}{}",
             if seen == t.pod_ip {
                 " (not translated)"
