@@ -210,46 +210,25 @@ fn agent_config(
     s
 }
 
-/// A node and its uplink to a new internet namespace: with `config`, a calix node whose agent
-/// runs it (not started yet: the caller wires the rest first), else a bare namespace.
-fn uplinked(b: &Bench, tag: &str, config: Option<(Dataplane, String)>) -> Result<(Wired, Netns)> {
+/// A node and its uplink to a new internet namespace. The agent runs `config` once started
+/// (the caller wires the rest first); without one it never starts (the nft and floor filters).
+fn uplinked(
+    b: &Bench,
+    tag: &str,
+    dataplane: Dataplane,
+    config: Option<String>,
+) -> Result<(Node, Netns)> {
     let inet = b.netns(&format!("{tag}-i"))?;
-    let node = match config {
-        Some((dataplane, config)) => {
-            let spec = AgentSpec {
-                config: Some(config),
-                ..b.spec(dataplane)
-            };
-            Wired::Node(Box::new(Node::new(b.name(tag), spec)?))
-        }
-        None => Wired::Bare(b.netns(tag)?),
-    };
-    uplink(node.ns(), &inet, UPLINK, &format!("{NODE_UP}/{UP_PREFIX}"))?;
+    let node = Node::new(
+        b.name(tag),
+        AgentSpec {
+            config,
+            ..b.spec(dataplane)
+        },
+    )?;
+    uplink(&node.ns, &inet, UPLINK, &format!("{NODE_UP}/{UP_PREFIX}"))?;
     inet.ip(&format!("addr add {INET}/{UP_PREFIX} dev {PEER_IF}"))?;
     Ok((node, inet))
-}
-
-/// A node namespace, with or without an agent.
-enum Wired {
-    Node(Box<Node>),
-    Bare(Netns),
-}
-
-impl Wired {
-    fn ns(&self) -> &Netns {
-        match self {
-            Self::Node(n) => &n.ns,
-            Self::Bare(ns) => ns,
-        }
-    }
-
-    /// Starts the agent, if any, and waits until it answers.
-    fn start(&self) -> Result<()> {
-        if let Self::Node(n) = self {
-            n.agent().start(&[])?;
-        }
-        Ok(())
-    }
 }
 
 /// Loads ruleset `rules` into namespace `ns` (`nft -f`).
@@ -265,7 +244,7 @@ struct Topology {
     _servers: Vec<Guarded>,
     traffic: Traffic,
     pod_ip: Ipv4Addr,
-    node: Wired,
+    node: Node,
     _namespaces: [Netns; 2],
 }
 
@@ -278,19 +257,16 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -> Result
     } else {
         Dataplane::Kernel
     };
-    let (node, inet) = uplinked(b, v.tag(), Some((dataplane, config)))?;
+    let (node, inet) = uplinked(b, v.tag(), dataplane, Some(config))?;
     let pod = b.netns(&format!("{}-p", v.tag()))?;
-    let ns = node.ns();
+    let ns = &node.ns;
     ns.sysctl("net.ipv4.ip_forward=1")?;
     ns.ip(&format!("route add default via {INET}"))?;
     if !v.nat() {
         inet.ip(&format!("route add {POOL} via {NODE_UP}"))?;
     }
-    node.start()?;
-    let Wired::Node(calix) = &node else {
-        unreachable!("uplinked with a config makes a calix node")
-    };
-    let conf = calix.conf(serde_json::json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } }));
+    node.agent().start(&[])?;
+    let conf = node.conf(serde_json::json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } }));
     let plugin = Plugin::new(v.label(), b.bins.join("calix"), Some(ns), &conf);
     let pod_ip = plugin.add_pod(&pod, &format!("{}-0", v.tag()))?;
     let masquerade = format!("ip saddr {POOL} ip daddr != {POOL} masquerade");
@@ -367,12 +343,10 @@ fn checked_topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -
         // of what the programs leave to the stack included): their conntrack holds the probe's
         // flow, leaving with the port the internet saw.
         Ok((seen, port)) if seen == want && v == Variant::CalixSnat => {
-            let Wired::Node(n) = &t.node else {
-                unreachable!("calix SNAT runs on a calix node")
-            };
-            let flows = n
-                .agent()
-                .calixctl_json(&["bpf", "nat", "--ip", &t.pod_ip.to_string()])?;
+            let flows =
+                t.node
+                    .agent()
+                    .calixctl_json(&["bpf", "nat", "--ip", &t.pod_ip.to_string()])?;
             let num = |f: &Value, k: &str| f[k].as_u64().or_else(|| f[k].as_str()?.parse().ok());
             let by_programs = flows["flows"].as_array().into_iter().flatten().any(|f| {
                 num(f, "dst_port") == Some(PROBE_PORT.into())
@@ -432,7 +406,7 @@ fn unavailable_reason(e: &anyhow::Error) -> String {
 
 /// One drop filter's wiring.
 struct DropTopo {
-    node: Wired,
+    node: Node,
     inet: Netns,
     frame: Vec<u8>,
 }
@@ -441,14 +415,16 @@ struct DropTopo {
 fn drop_topology(b: &Bench, f: Filter) -> Result<DropTopo> {
     let config = f
         .xdp_mode()
-        .map(|mode| (Dataplane::Ebpf, agent_config(true, false, Some(mode), None)));
-    let (node, inet) = uplinked(b, f.tag(), config)?;
-    node.start()?;
+        .map(|mode| agent_config(true, false, Some(mode), None));
+    let (node, inet) = uplinked(b, f.tag(), Dataplane::Ebpf, config)?;
+    if f.xdp_mode().is_some() {
+        node.agent().start(&[])?;
+    }
     if let Some(mode) = f.xdp_mode() {
         let want = if mode == "native" { 1 } else { 2 };
         let v = json(Command::new("ip").args([
             "-n",
-            &node.ns().name,
+            &node.ns.name,
             "-j",
             "-d",
             "link",
@@ -476,14 +452,14 @@ fn drop_topology(b: &Bench, f: Filter) -> Result<DropTopo> {
     };
     if let (Some(table), Some(chain)) = (f.nft_table(), chain) {
         let rules = format!("table {table} {{\n{set}  chain {chain}\n    {rule}\n  }}\n}}\n");
-        nft(b, node.ns(), &rules)?;
+        nft(b, &node.ns, &rules)?;
     }
     let ethertype = if f == Filter::Floor {
         FLOOR_ETHERTYPE
     } else {
         ETH_P_IP
     };
-    let frame = flood_frame(node.ns().mac(UPLINK)?, inet.mac(PEER_IF)?, ethertype);
+    let frame = flood_frame(node.ns.mac(UPLINK)?, inet.mac(PEER_IF)?, ethertype);
     Ok(DropTopo { node, inet, frame })
 }
 
@@ -497,10 +473,10 @@ fn flood_frame(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
 
 /// Packets the filter of `t` dropped so far (its own counter).
 fn dropped(f: Filter, t: &DropTopo) -> Result<f64> {
-    if let Wired::Node(n) = &t.node {
-        return Ok(n.agent().dropped(UPLINK, XDP_REASON)? as f64);
+    if f.xdp_mode().is_some() {
+        return Ok(t.node.agent().dropped(UPLINK, XDP_REASON)? as f64);
     }
-    let ns = t.node.ns();
+    let ns = &t.node.ns;
     if f == Filter::Floor {
         let v = json(
             Command::new("ip").args(["-n", &ns.name, "-j", "-s", "link", "show", "dev", UPLINK]),
@@ -630,8 +606,8 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
             }
             Err(e) => return Err(e),
         };
-        if let (Variant::CalixSnat, Wired::Node(n)) = (v, &t.node) {
-            snat_args = Some(n.agent_args(&[]).join(" "));
+        if v == Variant::CalixSnat {
+            snat_args = Some(t.node.agent_args(&[]).join(" "));
         }
         let w = tools
             .warm_up(&t.traffic)
