@@ -28,17 +28,17 @@ pub mod stats;
 mod tmpfs;
 pub mod traffic;
 
-pub use agent::{allocated_from, endpoints_json, Agent, AgentSpec, Dataplane, RootAgent};
+pub use agent::{Agent, AgentSpec, Dataplane, RootAgent};
 pub use bpf::{bpf_map_u32_keys, bpf_maps_of};
-pub use cni::{cni_call, plugin_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
+pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;
-pub use netns::{uplink, veth, Capture, Netns, PacketSocket};
+pub use netns::{uplink, veth, Capture, Netns};
 pub use node::{Node, NODE_IP, POOL};
 pub use pod::Pod;
 pub use process::{
-    bin, bin_dir, checked, command_in, json, num, require_root, run, run_ok, stdout, terminate,
-    upgrade_test_object, wait_ready, Guarded,
+    bin, bin_dir, checked, json, num, require_root, run, run_ok, stdout, upgrade_test_object,
+    Guarded,
 };
 pub use tmpfs::Tmpfs;
 
