@@ -929,7 +929,8 @@ impl Report {
              eBPF SNAT**: `dataplane = \"ebpf\"`, `uplinks = [\"{UPLINK}\"]`, the pool with \
              `natOutgoing = true`, no route back. Before timing, a probe connection shows the \
              source the internet sees (the pod's address for the routing rows, {NODE_UP} for \
-             the NAT rows). Per variant and repetition, each {} s, client (pod) and servers \
+             the NAT rows; for calix eBPF SNAT, the programs' conntrack must hold that \
+             translation). Per variant and repetition, each {} s, client (pod) and servers \
              (internet) pinned to CPU {}: **TCP_CRR** (`xtask netperf crr`: connect, 1-byte \
              request, 1-byte reply, close; the pod uses ports 1024–65535 with `tcp_tw_reuse`), \
              **TCP_RR** (`xtask netperf rr`: 1-byte ping-pong, every round trip timed) and \
