@@ -262,13 +262,19 @@ impl Harness {
 
 // ---- Packets of pods ----
 
-impl Ip4 {
+/// A packet of the test bed's as a pod's frames.
+trait PodFrames {
     /// The frame `pod` sends this packet in (to its gateway, the host veth).
+    fn sent_by(&self, pod: &Pod) -> Vec<u8>;
+    /// The frame the fast path hands `pod`: MACs rewritten, TTL one less.
+    fn delivered_to(&self, pod: &Pod) -> Vec<u8>;
+}
+
+impl PodFrames for Ip4 {
     fn sent_by(&self, pod: &Pod) -> Vec<u8> {
         eth(HOST_VETH_MAC, pod.mac, ETH_P_IP, &self.bytes())
     }
 
-    /// The frame the fast path hands `pod`: MACs rewritten, TTL one less.
     fn delivered_to(&self, pod: &Pod) -> Vec<u8> {
         let ip = self.clone().ttl(self.ttl - 1);
         eth(pod.mac, HOST_VETH_MAC, ETH_P_IP, &ip.bytes())

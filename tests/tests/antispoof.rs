@@ -1,14 +1,14 @@
 //! Anti-spoofing without holes (issue 11, item 2): a pod may send untagged IPv4 and IPv6 from
 //! its own addresses, ARP for its own IPv4 address and IPv6 neighbour discovery, nothing else.
 //! Pod a writes hostile frames onto its eth0 with a raw socket (`Netns::send_frames`, the
-//! frames from `calix_tests::packets`); pod b's tcpdump shows what reached it, the agent's drop
+//! frames from `calix_testbed::packets`); pod b's tcpdump shows what reached it, the agent's drop
 //! counters what was dropped and why. Kernel mode (no BPF) is checked for spoofed sources:
 //! rp_filter and the agent's nftables table. Run as root.
 use std::time::{Duration, Instant};
 
 use calix_common::{eui64_link_local, HOST_VETH_MAC};
-use calix_tests::packets::*;
-use calix_tests::{bin, run, Capture, Dataplane, Node, Pod};
+use calix_testbed::packets::*;
+use calix_testbed::{bin, run, Capture, Dataplane, Node, Pod};
 use serde_json::Value;
 
 const DUAL: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:10::/64\"\n";

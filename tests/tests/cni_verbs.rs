@@ -3,12 +3,12 @@
 //! rollback. Real namespaces, the real binary, a real agent. Run as root.
 use std::collections::HashSet;
 
-use calix_tests::{ConfList, Dataplane, Netns, Node, Pod};
+use calix_testbed::{ConfList, Dataplane, Netns, Node, Pod};
 use serde_json::{json, Value};
 
 const DUAL: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:10::/64\"\n";
 
-fn msg(out: &calix_tests::CniOutput) -> String {
+fn msg(out: &calix_testbed::CniOutput) -> String {
     out.json
         .as_ref()
         .and_then(|j| j["msg"].as_str())
@@ -113,7 +113,7 @@ fn status_reports_reachability_and_free_addresses() {
         Some("[[pools]]\ncidr = \"10.250.0.0/30\"\nblockSize = 30\n"),
     );
     let status = |n: &Node| {
-        calix_tests::cni_call(
+        calix_testbed::cni_call(
             &n.ns,
             "STATUS",
             "",

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use calix_tests::{bpf_maps_of, Dataplane, Guarded, Node, Pod};
+use calix_testbed::{bpf_maps_of, Dataplane, Guarded, Node, Pod};
 use serde_json::Value;
 
 /// `nstat -az IpForwDatagrams` inside `node`: packets the node's IP stack forwarded.
@@ -156,7 +156,7 @@ fn a_flow_runs_across_agent_kill_and_restart_without_a_gap() {
     let restarted_at = t0.elapsed();
     std::thread::sleep(Duration::from_millis(1000));
     // An upgrade: stop, then start with a different build of the programs.
-    let upgrade = calix_tests::upgrade_test_object();
+    let upgrade = calix_testbed::upgrade_test_object();
     node.stop_agent();
     node.start_agent_with(&["--bpf-object", &upgrade.display().to_string()]);
     let out = client.wait_with_output().expect("iperf3 client");
@@ -323,7 +323,7 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
     let marks = |pid: u32| -> Vec<u32> {
         bpf_maps_of(pid, "CALIX_STACK_EPS")
             .into_iter()
-            .flat_map(calix_tests::bpf_map_u32_keys)
+            .flat_map(calix_testbed::bpf_map_u32_keys)
             .collect()
     };
     assert!(

@@ -8,7 +8,7 @@ use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};
 
 use calix_proto::v1 as pb;
-use calix_tests::{cni_call, run, unique, Dataplane, EtcdNs, Node, Pod};
+use calix_testbed::{cni_call, run, unique, Dataplane, EtcdNs, Node, Pod};
 use serde_json::{json, Value};
 
 /// Opens `n` connections to the HTTP door from inside the node and sends nothing; returns

@@ -4,7 +4,7 @@
 //! (with or without an agent restart in between) must leave the new one alone: its veth, its
 //! programs, its endpoint-map entry with its own addresses, its traffic. And one pod may have
 //! more than one calix attachment. Run as root.
-use calix_tests::{unique, Dataplane, Node, Pod};
+use calix_testbed::{unique, Dataplane, Node, Pod};
 use serde_json::Value;
 
 /// Endpoints whose host interface is `host_if`.

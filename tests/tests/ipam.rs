@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use calix_proto::v1 as pb;
-use calix_tests::{Dataplane, EtcdNs, Node, Tmpfs};
+use calix_testbed::{Dataplane, EtcdNs, Node, Tmpfs};
 use serde_json::Value;
 
 type Client = pb::ipam_client::IpamClient<tonic::transport::Channel>;

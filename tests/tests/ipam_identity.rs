@@ -2,7 +2,7 @@
 //! unambiguous, CNI GC of one network never touches another, and allocations the previous
 //! plugin made (the old handle encoding) are still checked, released and collected after an
 //! upgrade. Real namespaces, the real `calix` binary, a real agent. Run as root.
-use calix_tests::{unique, Dataplane, Netns, Node, Pod};
+use calix_testbed::{unique, Dataplane, Netns, Node, Pod};
 use serde_json::json;
 
 /// Network `t` + container `<u>.x` and network `t.<u>` + container `x` are two attachments.

@@ -1,6 +1,6 @@
 //! Two pods on one node talking through the calix CNI plugin, in both dataplanes; counters;
 //! DEL idempotency; rollback of a failed ADD; clear errors. Run as root.
-use calix_tests::{bpf_map_u32_keys, bpf_maps_of, cni_call, Dataplane, Netns, Node, Pod};
+use calix_testbed::{bpf_map_u32_keys, bpf_maps_of, cni_call, Dataplane, Netns, Node, Pod};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -145,7 +145,7 @@ fn del_is_idempotent_and_survives_missing_netns() {
     assert_eq!(node.allocated(), 1);
     // The netns is deleted first (the kernel removes the veth with it); DEL still succeeds.
     b.ns.exec_ok(&["true"]);
-    calix_tests::run_ok(std::process::Command::new("ip").args(["netns", "del", &b.ns.name]));
+    calix_testbed::run_ok(std::process::Command::new("ip").args(["netns", "del", &b.ns.name]));
     b.del();
     // containerd's second DEL: no netns at all.
     let out = node.cni(

@@ -7,7 +7,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use calix_tests::{bpf_maps_of, Dataplane, Node, Pod};
+use calix_testbed::{bpf_maps_of, Dataplane, Node, Pod};
 use serde_json::Value;
 
 const CONFIG: &str = "resync_interval_secs = 2\n[[pools]]\ncidr = \"10.244.0.0/16\"\n";

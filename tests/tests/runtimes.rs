@@ -9,7 +9,7 @@
 //! containerd daemon with its own root, state and socket, the images (a busybox-static rootfs, and
 //! an OCI image tarball built from it), the CNI config and plugin dirs. The plugin dir holds a
 //! small wrapper that logs every CNI call the runtime makes before it execs the real `calix`.
-use calix_tests::{bin, require_root, run, unique, RootAgent};
+use calix_testbed::{bin, require_root, run, unique, RootAgent};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};

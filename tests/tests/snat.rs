@@ -7,7 +7,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_tests::{Dataplane, Guarded, Netns, Node, Pod};
+use calix_testbed::{Dataplane, Guarded, Netns, Node, Pod};
 use serde_json::Value;
 
 const UPLINK: &str = "uplink0";

@@ -6,7 +6,7 @@
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_tests::{bin, run, Dataplane, Guarded, Netns, Node, Pod};
+use calix_testbed::{bin, run, Dataplane, Guarded, Netns, Node, Pod};
 use serde_json::Value;
 
 /// The node's uplink (in the node namespace) and its peer (in the outside namespace).

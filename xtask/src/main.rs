@@ -48,11 +48,11 @@ enum Task {
         #[command(subcommand)]
         scenario: bench::Scenario,
     },
-    /// The request/response client and server `bench dataplane` execs in its pod namespaces.
+    /// The request/response client and server the traffic benches exec in their namespaces.
     #[command(hide = true)]
     Netperf {
         #[command(subcommand)]
-        mode: bench::netperf::Mode,
+        mode: bench::Netperf,
     },
 }
 
@@ -64,6 +64,6 @@ fn main() -> Result<()> {
         Task::Test { args } => test::run_tests(&args),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
-        Task::Netperf { mode } => bench::netperf::run(mode),
+        Task::Netperf { mode } => bench::netperf(mode),
     }
 }

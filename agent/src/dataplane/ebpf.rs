@@ -802,5 +802,4 @@ impl Dataplane for EbpfDataplane {
         // Filters stay attached (their links were forgotten at attach), maps stay pinned.
         self.programmed.clear();
     }
-
 }

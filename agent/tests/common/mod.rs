@@ -1,7 +1,7 @@
 //! What the program tests share (`programs.rs`: the tc programs; `xdp_programs.rs`: the XDP
 //! prefilter): BPF_PROG_TEST_RUN, a network namespace and a bpffs pin directory per test, the
-//! object loaded as the agent loads it, drop counters; and the packet builders of
-//! tests/src/packets.rs.
+//! object loaded as the agent loads it, drop counters; and the test bed's packet builders
+//! (`calix_testbed::packets`).
 #![allow(dead_code)] // Each test file uses its own part of it.
 
 use std::mem::size_of;
@@ -16,12 +16,10 @@ use aya::{Ebpf, EbpfLoader};
 use calix_agent::dataplane::ebpf::OBJECT;
 use calix_common::{DropCount, DropKey, DropReason, ALL_PROGRAMS};
 
-// The packet builders live with the integration tests' harness; one copy serves both.
-#[path = "../../../tests/src/packets.rs"]
-mod packets;
+// The packet builders of the test bed: one copy for these tests and the namespace tests.
 // Each test binary uses its own part of them (pins.rs none).
 #[allow(unused_imports)]
-pub use packets::*;
+pub use calix_testbed::packets::*;
 
 // ---- BPF_PROG_TEST_RUN ----
 

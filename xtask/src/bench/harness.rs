@@ -1,88 +1,234 @@
-//! What the namespace benches (`dataplane`, `snat`) share: the guard that removes what a run
-//! created, stale-run cleanup, running a tool for its JSON, and the kernel's BPF run-time
-//! statistics of a program.
+//! What every bench shares around its topology: setting up a run (root, tools, release
+//! binaries, leftovers of dead runs, Ctrl-C), naming what it creates (`cxb-<pid>-<tag>`: the
+//! test bed removes it on drop), the interleaved repetitions, what it was measured on, and
+//! writing the report.
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
+use calix_testbed::traffic::Tools;
+use calix_testbed::{AgentSpec, Dataplane, Netns, Node, CNI_DIR};
 
-use super::{spread, stale_pid, stop_child};
-use crate::util::{output, run as run_cmd};
+use crate::util::{self, output};
 
-/// Everything a bench run created; stopped and removed on drop (error, panic, Ctrl-C
-/// included).
-pub struct Guard {
+/// Prefix of everything a bench creates: `cxb-<pid>-<tag>` namespaces, nodes (their pin roots
+/// `/sys/fs/bpf/cxb-<pid>-<tag>`, their directories) and the run's directory `$TMPDIR/cxb-<pid>`.
+pub const PREFIX: &str = "cxb";
+
+/// One bench run. Its directory goes on drop; what it creates through it goes with the test
+/// bed's values (namespaces, nodes) when they drop.
+pub struct Bench {
     pub prefix: String,
-    /// The bench's bpffs pin root (removed at the end unless another run still uses it).
-    pub pin_root: &'static str,
     pub dir: PathBuf,
-    pub namespaces: Vec<String>,
-    pub servers: Vec<Child>,
-    pub agents: Vec<Child>,
-    pub pin_dirs: Vec<PathBuf>,
+    /// target/release.
+    pub bins: PathBuf,
+    /// The revision the binaries are built from (read before the build, not after the run).
+    pub rev: String,
+    pub machine: Machine,
+    /// The CPU every measured client and server is pinned to.
+    pub cpu: usize,
+    started: Instant,
 }
 
-impl Guard {
-    pub fn new(prefix: String, pin_root: &'static str, dir: PathBuf) -> Self {
-        Self {
+impl Bench {
+    /// Checks the prerequisites (root, `tools` on PATH, `plugins` in /usr/lib/cni), builds the
+    /// release binaries, removes what dead runs left, and from then on turns SIGINT and SIGTERM
+    /// into an error at the next [`check_interrupted`].
+    pub fn setup(what: &str, tools: &[&str], plugins: &[&str]) -> Result<Self> {
+        util::require_root(what)?;
+        for p in plugins.iter().map(|p| Path::new(CNI_DIR).join(p)) {
+            if !p.exists() {
+                bail!(
+                    "{} is missing: install containernetworking-plugins (cargo xtask setup)",
+                    p.display()
+                );
+            }
+        }
+        for tool in tools {
+            if output(Command::new("sh").args(["-c", &format!("command -v {tool}")])).is_err() {
+                bail!("{tool} is missing: cargo xtask setup installs it");
+            }
+        }
+        let started = Instant::now();
+        let rev = git_rev(&util::workspace_root());
+        println!("[setup] building release binaries (cargo build --release --workspace --bins)");
+        let bins = util::build_bins_release()?;
+        remove_stale()?;
+        catch_interrupts();
+        let machine = Machine::read();
+        let prefix = format!("{PREFIX}-{}", std::process::id());
+        let dir = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&dir)?;
+        Ok(Self {
             prefix,
-            pin_root,
             dir,
-            namespaces: Vec::new(),
-            servers: Vec::new(),
-            agents: Vec::new(),
-            pin_dirs: Vec::new(),
+            bins,
+            rev,
+            cpu: if machine.cpus > 1 { 1 } else { 0 },
+            machine,
+            started,
+        })
+    }
+
+    pub fn name(&self, tag: &str) -> String {
+        format!("{}-{tag}", self.prefix)
+    }
+
+    /// Namespace `cxb-<pid>-<tag>`, loopback up.
+    pub fn netns(&self, tag: &str) -> Result<Netns> {
+        Ok(Netns::create(self.name(tag))?)
+    }
+
+    /// The release agent with `dataplane`.
+    pub fn spec(&self, dataplane: Dataplane) -> AgentSpec {
+        AgentSpec::new(self.bins.clone(), dataplane)
+    }
+
+    /// Node `cxb-<pid>-<tag>` with its agent running as `spec` says.
+    pub fn node(&self, tag: &str, spec: AgentSpec) -> Result<Node> {
+        Ok(Node::launch(self.name(tag), spec)?)
+    }
+
+    /// The traffic tools: the release xtask's netperf, pinned to [`Bench::cpu`].
+    pub fn tools(&self) -> Tools {
+        Tools {
+            netperf: self.bins.join("xtask"),
+            cpu: self.cpu,
         }
     }
 
-    /// Creates namespace `<prefix>-<name>` with its loopback up.
-    pub fn netns(&mut self, name: &str) -> Result<String> {
-        let full = format!("{}-{name}", self.prefix);
-        // Recorded first: a half-created namespace is still removed.
-        self.namespaces.push(full.clone());
-        run_cmd(Command::new("ip").args(["netns", "add", &full]))?;
-        run_cmd(Command::new("ip").args(["-n", &full, "link", "set", "lo", "up"]))?;
-        Ok(full)
+    /// Says the measurements are over (call it once everything is dropped).
+    pub fn done(&self) {
+        println!(
+            "[done] measured in {:.0}s; servers and agents stopped, namespaces and pins removed",
+            self.started.elapsed().as_secs_f64()
+        );
+    }
+
+    /// Prints `md` and writes it to `<name>.md` and `chart` to `<name>.svg`: in docs/bench/, or
+    /// with `quick` (numbers not worth publishing) in target/bench/.
+    pub fn publish(
+        name: &str,
+        md: &str,
+        quick: bool,
+        chart: impl FnOnce(&Path) -> Result<()>,
+    ) -> Result<()> {
+        println!("\n{md}");
+        let root = util::workspace_root();
+        let out = match quick {
+            true => root.join("target").join("bench"),
+            false => root.join("docs").join("bench"),
+        };
+        std::fs::create_dir_all(&out)?;
+        let (md_path, svg) = (
+            out.join(format!("{name}.md")),
+            out.join(format!("{name}.svg")),
+        );
+        std::fs::write(&md_path, md)?;
+        chart(&svg)?;
+        println!("wrote {} and {}", md_path.display(), svg.display());
+        Ok(())
     }
 }
 
-impl Drop for Guard {
+impl Drop for Bench {
     fn drop(&mut self) {
-        for c in self.servers.drain(..).chain(self.agents.drain(..)) {
-            stop_child(c);
-        }
-        // Deleting a namespace deletes its links, their XDP and tc programs, its nft tables and
-        // iptables rules with them.
-        for n in self.namespaces.iter().rev() {
-            let _ = Command::new("ip")
-                .args(["netns", "del", n])
-                .stderr(Stdio::null())
-                .status();
-        }
-        for d in &self.pin_dirs {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        // Gone unless another bench run still uses it.
-        let _ = std::fs::remove_dir(self.pin_root);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
-/// Removes namespaces (`<prefix>-<pid>-…`) and pins under `pin_root` left by earlier runs that
-/// died without cleaning up.
-pub fn remove_stale(prefix: &str, pin_root: &str) -> Result<()> {
+/// The variants of repetition `rep` (from 0) in their order: rotated by one every repetition,
+/// or (`rotate` false) reversed every other one.
+pub fn order<V: Copy>(variants: &[V], rep: usize, rotate: bool) -> Vec<V> {
+    let mut v = variants.to_vec();
+    let n = v.len().max(1);
+    match rotate {
+        true => v.rotate_left(rep % n),
+        false if rep % 2 == 1 => v.reverse(),
+        false => {}
+    }
+    v
+}
+
+/// Repetition `rep` (from 0) of `reps`: `measure` for each of `variants` in turn, stopping at
+/// Ctrl-C, each one's progress line printed.
+pub fn repetition<V: Copy>(
+    rep: usize,
+    reps: usize,
+    variants: &[V],
+    label: impl Fn(V) -> String,
+    mut measure: impl FnMut(V) -> Result<String>,
+) -> Result<()> {
+    for &v in variants {
+        check_interrupted()?;
+        // Ctrl-C kills the running client too: report the interrupt, not its failure.
+        let line = measure(v)
+            .or_else(|e| check_interrupted().and(Err(e)))
+            .with_context(|| format!("{} (repetition {})", label(v), rep + 1))?;
+        println!("[rep {}/{reps}] {} {line}", rep + 1, label(v));
+    }
+    Ok(())
+}
+
+/// `n` fork-to-exit times (ms) of `/bin/true` (exec'd in `ns`, or here): what every
+/// process-per-call plugin pays before doing anything.
+pub fn true_floor(n: usize, ns: Option<&Netns>) -> Result<Vec<f64>> {
+    let cmd = || -> Result<Command> {
+        match ns {
+            Some(ns) => Ok(ns.command("/bin/true")?),
+            None => Ok(Command::new("/bin/true")),
+        }
+    };
+    (0..n).map(|_| timed_cmd(&mut cmd()?)).collect()
+}
+
+/// Runs `cmd` with no stdio; its fork-to-exit time (ms). Fails unless it succeeded.
+pub fn timed_cmd(cmd: &mut Command) -> Result<f64> {
+    let t0 = Instant::now();
+    let st = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .with_context(|| format!("cannot run {cmd:?}"))?;
+    let dt = t0.elapsed().as_secs_f64() * 1e3;
+    if !st.success() {
+        bail!("{cmd:?} failed ({st})");
+    }
+    Ok(dt)
+}
+
+// --- leftovers and interrupts --------------------------------------------------------------
+
+/// The pid in `name` when it is `<prefix>-<pid>` or `<prefix>-<pid>-…` and that process is
+/// gone: a leftover of a bench run that died without cleaning up.
+pub fn stale_pid(name: &str, prefix: &str) -> Option<u32> {
+    let pid = name
+        .strip_prefix(prefix)?
+        .strip_prefix('-')?
+        .split('-')
+        .next()?
+        .parse::<u32>()
+        .ok()?;
+    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
+}
+
+/// Removes the namespaces, pin roots and directories of earlier runs that died without
+/// cleaning up.
+fn remove_stale() -> Result<()> {
     for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
         let name = line.split_whitespace().next().unwrap_or_default();
-        if stale_pid(name, prefix).is_some() {
+        if stale_pid(name, PREFIX).is_some() {
             println!("      removing stale namespace {name}");
             let _ = Command::new("ip").args(["netns", "del", name]).status();
         }
     }
-    if let Ok(entries) = std::fs::read_dir(pin_root) {
-        for e in entries.flatten() {
-            if stale_pid(&e.file_name().to_string_lossy(), prefix).is_some() {
-                println!("      removing stale pins {}", e.path().display());
+    for root in [PathBuf::from("/sys/fs/bpf"), std::env::temp_dir()] {
+        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            if stale_pid(&e.file_name().to_string_lossy(), PREFIX).is_some() {
+                println!("      removing stale {}", e.path().display());
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
@@ -90,121 +236,93 @@ pub fn remove_stale(prefix: &str, pin_root: &str) -> Result<()> {
     Ok(())
 }
 
-/// Whether process `pid`'s network namespace has a TCP socket listening on `port`.
-pub fn listening(pid: u32, port: u16) -> bool {
-    ["tcp", "tcp6"].iter().any(|f| {
-        std::fs::read_to_string(format!("/proc/{pid}/net/{f}"))
-            .is_ok_and(|table| listens_on(&table, port))
-    })
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
 }
 
-/// Whether a `/proc/net/tcp{,6}` table holds a LISTEN socket (state `0A`) on local `port`.
-fn listens_on(table: &str, port: u16) -> bool {
-    table.lines().skip(1).any(|l| {
-        let cols: Vec<&str> = l.split_whitespace().collect();
-        cols.len() > 3
-            && cols[3] == "0A"
-            && cols[1]
-                .rsplit(':')
-                .next()
-                .and_then(|p| u16::from_str_radix(p, 16).ok())
-                == Some(port)
-    })
-}
-
-/// A log file for a child's stdout and stderr.
-pub fn log_to(path: &Path) -> Result<(Stdio, Stdio)> {
-    let f =
-        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    Ok((f.try_clone()?.into(), f.into()))
-}
-
-/// Runs `cmd` and parses its stdout as JSON; fails with its stdout and stderr.
-pub fn run_json(what: &str, cmd: &mut Command) -> Result<Value> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("cannot run {what}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        bail!(
-            "{what} failed ({}): {}\n{}",
-            out.status,
-            stdout.trim(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    serde_json::from_str(&stdout).with_context(|| format!("{what} printed non-JSON: {stdout}"))
-}
-
-/// A number of a JSON result; fails when missing.
-pub fn num(v: &Value, path: &[&str]) -> Result<f64> {
-    path.iter()
-        .fold(v, |v, k| &v[*k])
-        .as_f64()
-        .with_context(|| format!("no {} in {v}", path.join(".")))
-}
-
-/// The median of `v` (NaN when empty).
-pub fn median(v: &[f64]) -> f64 {
-    spread(v).0
-}
-
-/// One decimal; "–" for NaN (no measurement).
-pub fn fmt_1(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.1}")
+/// From now on SIGINT and SIGTERM only set a flag ([`check_interrupted`]), so the bench stops
+/// at the next check and the test bed's values remove what it created (Ctrl-C also reaches the
+/// children, which die and fail the running measurement).
+fn catch_interrupts() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe).
+        unsafe { libc::signal(sig, on_interrupt as *const () as libc::sighandler_t) };
     }
 }
 
-/// Two decimals; "–" for NaN.
-pub fn fmt_2(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.2}")
+/// Fails when SIGINT or SIGTERM arrived since the bench's setup.
+pub fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+// --- what it was measured on ---------------------------------------------------------------
+
+/// What the numbers were measured on: date, kernel, CPU model and count.
+pub struct Machine {
+    pub date: String,
+    pub kernel: String,
+    pub cpu: String,
+    pub cpus: usize,
+}
+
+impl Machine {
+    pub fn read() -> Self {
+        let date = output(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]))
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default();
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                (k.trim() == "model name").then(|| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown CPU".into());
+        let cpus = cpuinfo
+            .lines()
+            .filter(|l| l.split(':').next().is_some_and(|k| k.trim() == "processor"))
+            .count();
+        Self {
+            date,
+            kernel,
+            cpu,
+            cpus,
+        }
     }
 }
 
-const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
-
-/// (run_time_ns, run_cnt) summed over every loaded BPF program named `name`, as the kernel
-/// counts them with `bpf_stats_enabled`.
-fn prog_stats(name: &str) -> Result<(u64, u64)> {
-    let json = output(Command::new("bpftool").args(["-j", "prog", "show", "name", name]))?;
-    // One program prints an object, several an array.
-    let v: Value = serde_json::from_str(&json).context("bpftool's JSON")?;
-    let progs = match v {
-        Value::Array(a) => a,
-        other => vec![other],
-    };
-    let field = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
-    Ok(progs.iter().fold((0, 0), |(t, n), p| {
-        (t + field(p, "run_time_ns"), n + field(p, "run_cnt"))
-    }))
+/// The revision of `root` (short hash), marked when the work tree has uncommitted changes.
+fn git_rev(root: &Path) -> String {
+    let git = |args: &[&str]| output(Command::new("git").current_dir(root).args(args));
+    let rev = git(&["rev-parse", "--short", "HEAD"])
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    match git(&["status", "--porcelain", "--untracked-files=no"]) {
+        Ok(s) if !s.trim().is_empty() => format!("{rev} (with uncommitted changes)"),
+        _ => rev,
+    }
 }
 
-/// Runs `load` with the kernel's BPF run-time statistics on (they cost two clock reads per run,
-/// so never during a timed measurement) and returns program `name`'s average run time per run
-/// (ns) and how many runs that is over. Only the loaded programs the load reaches should run
-/// meanwhile: the statistics of every program of that name are summed.
-pub fn program_run_time(name: &str, load: impl FnOnce() -> Result<()>) -> Result<(f64, u64)> {
-    let before = std::fs::read_to_string(BPF_STATS_SYSCTL)?;
-    std::fs::write(BPF_STATS_SYSCTL, "1")?;
-    let measured = (|| {
-        let (t0, n0) = prog_stats(name)?;
-        load()?;
-        let (t1, n1) = prog_stats(name)?;
-        Ok::<_, anyhow::Error>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
-    })();
-    std::fs::write(BPF_STATS_SYSCTL, before.trim())?;
-    let (ns, runs) = measured?;
-    if runs == 0 {
-        bail!("{name} never ran during the load: is its program attached?");
-    }
-    Ok((ns as f64 / runs as f64, runs))
+/// The installed version of Debian's containernetworking-plugins.
+pub fn cni_plugins_version() -> String {
+    output(Command::new("dpkg-query").args(["-W", "-f=${Version}", "containernetworking-plugins"]))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The first line `program --version` prints (`program` when it prints nothing).
+pub fn version(program: &str) -> String {
+    output(Command::new(program).arg("--version"))
+        .ok()
+        .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
+        .unwrap_or_else(|| program.into())
 }
 
 #[cfg(test)]
@@ -212,14 +330,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn listen_sockets_are_found_by_port() {
-        let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
-   0: 0200F40A:1B59 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1 1 0 100 0 0 10 0
-   1: 0200F40A:1451 0100F40A:9C40 01 00000000:00000000 00:00000000 00000000     0        0 2 1 0 20 4 30 10 -1
-";
-        assert!(listens_on(table, 7001));
-        // Established, not listening.
-        assert!(!listens_on(table, 5201));
-        assert!(!listens_on("", 7001));
+    fn stale_names_need_a_dead_pid() {
+        let me = std::process::id();
+        assert_eq!(stale_pid(&format!("cxb-{me}-ebpf"), PREFIX), None);
+        assert_eq!(stale_pid(&format!("cxb-{me}"), PREFIX), None);
+        assert_eq!(stale_pid("cxb-ipam-123", PREFIX), None);
+        assert_eq!(stale_pid("cxbother", PREFIX), None);
+        // pid_max is at most 2^22: this pid cannot exist.
+        assert_eq!(stale_pid("cxb-4294967295-kern-a", PREFIX), Some(4294967295));
+        assert_eq!(stale_pid("cxb-4294967295", PREFIX), Some(4294967295));
+    }
+
+    #[test]
+    fn orders_rotate_or_reverse() {
+        assert_eq!(order(&[1, 2, 3], 1, true), [2, 3, 1]);
+        assert_eq!(order(&[1, 2, 3], 3, true), [1, 2, 3]);
+        assert_eq!(order(&[1, 2, 3], 1, false), [3, 2, 1]);
+        assert_eq!(order(&[1, 2, 3], 2, false), [1, 2, 3]);
     }
 }

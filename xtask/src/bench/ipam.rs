@@ -6,7 +6,7 @@
 //! allocation, as a runtime runs it: fork, exec with the CNI environment and the network config
 //! on stdin, timed fork-to-exit.
 //!
-//! Per variant and repetition: the load average, a fresh state (a new `calix-agent`, release
+//! Per variant and repetition: the load average, a fresh state (a new test-bed agent, release
 //! build, `--dataplane kernel`, with its own directory, config file, socket and datastore; a
 //! fresh etcd key prefix; a fresh host-local `dataDir`), one untimed warm-up allocation and
 //! release, then `allocs` sequential allocations, the same `allocs` released sequentially,
@@ -16,33 +16,34 @@
 //! fork+exec `/bin/true` (what host-local pays per call before doing anything) and an append +
 //! `fdatasync` in the bench's directory (what a durable allocation pays at least).
 //!
-//! etcd (`/usr/bin/etcd`, one member on 127.0.0.1, free ports, a data directory under the
-//! bench's) runs for the whole bench. Everything lives in `/tmp/cxb-ipam-<pid>` and is stopped and
+//! etcd (`/usr/bin/etcd`, one member, its data under the bench's directory) runs for the whole
+//! bench in a namespace of its own, `cxb-<pid>-ipam`, and the agents run there too, reaching it
+//! on that namespace's 127.0.0.1 (and changing nothing of the host's). Everything is stopped and
 //! removed on drop, on error too; the children also die with the bench (`PR_SET_PDEATHSIG`).
 //!
 //! Writes docs/bench/ipam.md and docs/bench/ipam.svg.
 use std::future::Future;
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::io::Write;
+use std::path::Path;
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use calix_proto::v1 as pb;
+use calix_testbed::traffic::cpu::load_average;
+use calix_testbed::{Agent, AgentSpec, Call, Dataplane, EtcdNs, Netns, Plugin, CNI_DIR};
 use serde_json::json;
+use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
-use super::{
-    cni_plugins_version, fmt_ms, fmt_spread_with, git_rev, load_note, loadavg, loads, ms, out_dir,
-    p50_with_reps, panel, percentile, ratio, spread, stop_child, timed_cmd, wait_ready, Call,
-    Machine, Plugin, CNI_DIR,
+use super::harness::{cni_plugins_version, order, repetition, true_floor, Bench};
+use super::report::{
+    fmt_ms, fmt_spread_with, load_note, loads, median, panel, percentile, ratio, Calls,
 };
-use crate::util::{self, output};
+use crate::util::output;
 
-const PREFIX: &str = "cxb-ipam";
 const CALIX_POOL: &str = "10.240.0.0/16";
 const BLOCK_SIZE: u8 = 26;
 const HOST_LOCAL_SUBNET: &str = "10.250.0.0/16";
@@ -67,152 +68,22 @@ enum Variant {
 const VARIANTS: [Variant; 3] = [Variant::Embedded, Variant::Etcd, Variant::HostLocal];
 
 impl Variant {
-    fn label(self) -> &'static str {
+    /// Its label and its tag (in the names of what it creates).
+    fn info(self) -> (&'static str, &'static str) {
         match self {
-            Self::Embedded => "calix, embedded",
-            Self::Etcd => "calix, etcd",
-            Self::HostLocal => "host-local",
+            Self::Embedded => ("calix, embedded", "e"),
+            Self::Etcd => ("calix, etcd", "d"),
+            Self::HostLocal => ("host-local", "h"),
         }
+    }
+
+    fn label(self) -> &'static str {
+        self.info().0
     }
 
     fn tag(self) -> &'static str {
-        match self {
-            Self::Embedded => "e",
-            Self::Etcd => "d",
-            Self::HostLocal => "h",
-        }
+        self.info().1
     }
-}
-
-/// What the bench started; stopped and removed on drop (error or panic included).
-struct Guard {
-    dir: PathBuf,
-    etcd: Option<Child>,
-    agent: Option<Child>,
-}
-
-impl Guard {
-    fn stop_agent(&mut self) {
-        if let Some(a) = self.agent.take() {
-            stop_child(a);
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        self.stop_agent();
-        if let Some(e) = self.etcd.take() {
-            stop_child(e);
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The child gets SIGKILL when the bench dies, however it dies.
-fn die_with_parent(cmd: &mut Command) -> &mut Command {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        })
-    }
-}
-
-/// Removes the directories of earlier runs that died without cleaning up.
-fn remove_stale() {
-    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix(PREFIX)
-            .and_then(|r| r.strip_prefix('-'))
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            println!("      removing stale {}", e.path().display());
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
-/// A log file for a child's stdout and stderr.
-fn log_to(path: &Path) -> Result<(Stdio, Stdio)> {
-    let f =
-        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
-    Ok((f.try_clone()?.into(), f.into()))
-}
-
-// --- etcd ----------------------------------------------------------------------------------
-
-/// Two distinct free ports on 127.0.0.1 (both held while asking, so they differ).
-fn free_ports() -> Result<(u16, u16)> {
-    let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    let b = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    Ok((a.local_addr()?.port(), b.local_addr()?.port()))
-}
-
-/// Whether etcd's `/health` on 127.0.0.1:`port` says so.
-fn etcd_healthy(port: u16) -> bool {
-    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    let mut body = String::new();
-    s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .and_then(|_| s.read_to_string(&mut body))
-        .is_ok()
-        && body.contains(r#""health":"true""#)
-}
-
-/// Starts a one-member etcd on 127.0.0.1; returns its client URL once it is healthy.
-fn start_etcd(g: &mut Guard) -> Result<String> {
-    let (client_port, peer_port) = free_ports()?;
-    let client = format!("http://127.0.0.1:{client_port}");
-    let peer = format!("http://127.0.0.1:{peer_port}");
-    let log_path = g.dir.join("etcd.log");
-    let (out, err) = log_to(&log_path)?;
-    let child = die_with_parent(Command::new(ETCD).args([
-        "--name",
-        "cxb",
-        "--listen-client-urls",
-        &client,
-        "--advertise-client-urls",
-        &client,
-        "--listen-peer-urls",
-        &peer,
-        "--initial-advertise-peer-urls",
-        &peer,
-        "--initial-cluster",
-        &format!("cxb={peer}"),
-        "--initial-cluster-state",
-        "new",
-        "--logger",
-        "zap",
-        "--log-level",
-        "warn",
-    ]))
-    .arg("--data-dir")
-    .arg(g.dir.join("etcd"))
-    .stdin(Stdio::null())
-    .stdout(out)
-    .stderr(err)
-    .spawn()
-    .with_context(|| format!("cannot start {ETCD}"))?;
-    let etcd = g.etcd.insert(child);
-    wait_ready("etcd", etcd, &log_path, Duration::from_secs(30), || {
-        etcd_healthy(client_port)
-    })?;
-    Ok(client)
 }
 
 // --- calix ---------------------------------------------------------------------------------
@@ -226,59 +97,29 @@ async fn free_v4(c: &Client) -> Result<u64> {
         .free_v4)
 }
 
-/// Whether the agent answers Status on a fresh connection.
-async fn agent_answers(socket: &Path) -> Result<u64> {
-    let ch = calix_proto::connect_unix(socket, Duration::from_secs(1)).await?;
-    free_v4(&Client::new(ch)).await
-}
-
-/// Starts a calix-agent in the fresh directory `dir` with `datastore` as its `[datastore]`
-/// section; returns a client once the socket answers.
+/// A fresh calix-agent in `ns` with `datastore` as its `[datastore]` section, answering; a
+/// gRPC client of it.
 fn start_agent(
-    g: &mut Guard,
-    rt: &tokio::runtime::Runtime,
-    bin: &Path,
-    dir: &Path,
+    b: &Bench,
+    rt: &Runtime,
+    ns: &Netns,
+    tag: &str,
     datastore: &str,
-) -> Result<Client> {
-    std::fs::create_dir_all(dir)?;
-    let config = dir.join("agent.toml");
+) -> Result<(Agent, Client)> {
     // Housekeeping (leak GC, empty-block release) every hour: no pass during a measurement.
-    std::fs::write(
-        &config,
-        format!(
-            "[datastore]\n{datastore}\n\n[ipam]\nleakCheckIntervalSecs = 3600\n\n\
-             [[pools]]\ncidr = \"{CALIX_POOL}\"\nblockSize = {BLOCK_SIZE}\n"
-        ),
-    )?;
-    let socket = dir.join("agent.sock");
-    let log_path = dir.join("agent.log");
-    let (out, err) = log_to(&log_path)?;
-    let child = die_with_parent(
-        Command::new(bin)
-            .arg("--config")
-            .arg(&config)
-            .args(["--node-name", "bench-node", "--socket"])
-            .arg(&socket)
-            .arg("--datastore-path")
-            .arg(dir.join("store.json"))
-            .args(["--dataplane", "kernel", "--log-level", "warn"]),
-    )
-    .stdin(Stdio::null())
-    .stdout(out)
-    .stderr(err)
-    .spawn()
-    .context("cannot start calix-agent")?;
-    let agent = g.agent.insert(child);
-    wait_ready(
-        "calix-agent",
-        agent,
-        &log_path,
-        Duration::from_secs(20),
-        || rt.block_on(agent_answers(&socket)).is_ok(),
-    )?;
-    let ch = rt.block_on(calix_proto::connect_unix(&socket, RPC_TIMEOUT))?;
-    Ok(Client::new(ch))
+    let config = format!(
+        "[datastore]\n{datastore}\n\n[ipam]\nleakCheckIntervalSecs = 3600\n\n\
+         [[pools]]\ncidr = \"{CALIX_POOL}\"\nblockSize = {BLOCK_SIZE}\n"
+    );
+    let spec = AgentSpec {
+        config: Some(config),
+        log_level: "warn",
+        ..b.spec(Dataplane::Kernel)
+    };
+    let agent = Agent::new(&b.name(tag), b.dir.join(tag), Some(ns), spec)?;
+    agent.start(&[])?;
+    let ch = rt.block_on(calix_proto::connect_unix(&agent.socket, RPC_TIMEOUT))?;
+    Ok((agent, Client::new(ch)))
 }
 
 /// One IPv4 allocation for `handle`; its address.
@@ -327,16 +168,17 @@ where
     for i in 0..n {
         let t = Instant::now();
         out.push(op(c.clone(), i).await?);
-        lat.push(ms(t.elapsed()));
+        lat.push(t.elapsed().as_secs_f64() * 1e3);
     }
     Ok((t0.elapsed().as_secs_f64(), lat, out))
 }
 
-/// `op(client, i)` for every i in 0..n with IN_FLIGHT calls in flight on the one connection:
-/// the wall time (s) and the results (unordered).
-async fn in_flight<T, F, Fut>(c: &Client, n: usize, op: F) -> Result<(f64, Vec<T>)>
+/// `op(ctx, i)` for every i in 0..n with IN_FLIGHT calls in flight (for calix, on the one
+/// connection `ctx`): the wall time (s) and the results (unordered).
+async fn in_flight<C, T, F, Fut>(c: &C, n: usize, op: F) -> Result<(f64, Vec<T>)>
 where
-    F: Fn(Client, usize) -> Fut + Send + Sync + 'static,
+    C: Clone + Send + 'static,
+    F: Fn(C, usize) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = Result<T>> + Send + 'static,
     T: Send + 'static,
 {
@@ -397,15 +239,8 @@ fn distinct(what: &str, addrs: &[String], n: usize) -> Result<()> {
 }
 
 /// One repetition of one calix variant.
-fn run_calix(
-    g: &mut Guard,
-    rt: &tokio::runtime::Runtime,
-    bin: &Path,
-    dir: &Path,
-    datastore: &str,
-    ids: &Ids,
-) -> Result<Measured> {
-    let client = start_agent(g, rt, bin, dir, datastore)?;
+fn run_calix(b: &Bench, rt: &Runtime, ns: &Netns, datastore: &str, ids: &Ids) -> Result<Measured> {
+    let (agent, client) = start_agent(b, rt, ns, &format!("r{}{}", ids.rep, ids.tag), datastore)?;
     let handles = |phase: &str| -> Arc<Vec<String>> {
         Arc::new(
             (0..ids.n)
@@ -432,7 +267,7 @@ fn run_calix(
         let (seq_wall, alloc_lat, addrs) =
             sequential(&client, ids.n, &alloc_op(seq.clone())).await?;
         distinct("sequential allocations", &addrs, ids.n)?;
-        let journal = std::fs::metadata(dir.join("store.json.journal"))
+        let journal = std::fs::metadata(agent.dir.join("store.json.journal"))
             .map(|m| m.len())
             .ok();
         let (rel_wall, rel_lat, _) = sequential(&client, ids.n, &release_op(seq)).await?;
@@ -453,18 +288,15 @@ fn run_calix(
             journal,
         })
     });
-    let m = m.map_err(
-        |e| match g.agent.as_mut().and_then(|a| a.try_wait().ok().flatten()) {
-            Some(status) => {
-                let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
-                e.context(format!("calix-agent exited ({status}); its log:\n{log}"))
-            }
-            None => e,
-        },
-    );
-    // SIGTERM now rather than at the next start: the agent is not running during other variants.
-    g.stop_agent();
-    m
+    // The agent stops (SIGTERM) and its files go when it drops, at the end of this function:
+    // it does not run during other variants.
+    m.map_err(|e| match agent.exited() {
+        Some(status) => e.context(format!(
+            "calix-agent exited ({status}); its log:\n{}",
+            agent.log()
+        )),
+        None => e,
+    })
 }
 
 // --- host-local ----------------------------------------------------------------------------
@@ -483,70 +315,43 @@ fn host_local_held(data_dir: &Path) -> Result<usize> {
 }
 
 /// `calls` with IN_FLIGHT processes running at a time: the wall time (s).
-fn processes_in_flight(p: &Plugin, calls: &[Call]) -> Result<f64> {
-    let next = AtomicUsize::new(0);
-    let t0 = Instant::now();
-    let results: Vec<Result<()>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..IN_FLIGHT.min(calls.len()))
-            .map(|_| {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(call) = calls.get(i) else {
-                        return Ok(());
-                    };
-                    if let Err(e) = p.timed(call) {
-                        next.store(calls.len(), Ordering::Relaxed);
-                        return Err(e);
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker panicked")))
-            })
-            .collect()
-    });
-    let wall = t0.elapsed().as_secs_f64();
-    results.into_iter().collect::<Result<Vec<()>>>()?;
-    Ok(wall)
+fn processes_in_flight(rt: &Runtime, p: &Arc<Plugin>, calls: Vec<Call<'static>>) -> Result<f64> {
+    let (n, calls) = (calls.len(), Arc::new(calls));
+    let call = move |p: Arc<Plugin>, i: usize| {
+        let calls = calls.clone();
+        async move { Ok(tokio::task::spawn_blocking(move || p.timed(&calls[i])).await??) }
+    };
+    Ok(rt.block_on(in_flight(p, n, call))?.0)
 }
 
 /// One repetition of host-local, a process per call, in a fresh `data_dir`.
-fn run_host_local(data_dir: &Path, ids: &Ids) -> Result<Measured> {
-    let p = Plugin {
-        label: "host-local",
-        binary: Path::new(CNI_DIR).join("host-local"),
-        node: None,
-        conf: json!({
-            "cniVersion": "1.0.0",
-            "name": NETWORK,
+fn run_host_local(rt: &Runtime, data_dir: &Path, ids: &Ids) -> Result<Measured> {
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": NETWORK,
+        "type": "host-local",
+        "ipam": {
             "type": "host-local",
-            "ipam": {
-                "type": "host-local",
-                "ranges": [[{ "subnet": HOST_LOCAL_SUBNET }]],
-                "dataDir": data_dir.display().to_string(),
-            },
-        })
-        .to_string(),
-    };
+            "ranges": [[{ "subnet": HOST_LOCAL_SUBNET }]],
+            "dataDir": data_dir.display().to_string(),
+        },
+    });
+    let p = Arc::new(Plugin::new(
+        "host-local",
+        Path::new(CNI_DIR).join("host-local"),
+        None,
+        &conf,
+    ));
     // host-local never opens the namespace, but its ADD refuses to run without CNI_NETNS.
     let netns = format!("/proc/{}/ns/net", std::process::id());
     let calls = |command: &'static str, phase: &str, n: usize| -> Vec<Call<'static>> {
         (0..n)
-            .map(|i| Call {
-                command,
-                container_id: ids.id(phase, i),
-                netns: netns.clone(),
-                args: String::new(),
-            })
+            .map(|i| Call::new(command, ids.id(phase, i), netns.clone(), String::new()))
             .collect()
     };
     let timed_all = |calls: &[Call]| -> Result<(f64, Vec<f64>)> {
         let t0 = Instant::now();
-        let lat = calls.iter().map(|c| p.timed(c)).collect::<Result<_>>()?;
+        let lat = calls.iter().map(|c| p.timed(c)).collect::<Result<_, _>>()?;
         Ok((t0.elapsed().as_secs_f64(), lat))
     };
     timed_all(&calls("ADD", "w", 1))?;
@@ -557,7 +362,7 @@ fn run_host_local(data_dir: &Path, ids: &Ids) -> Result<Measured> {
         bail!("host-local holds {held} addresses after {} ADDs", ids.n);
     }
     let (rel_wall, rel_lat) = timed_all(&calls("DEL", "s", ids.n))?;
-    let conc_wall = processes_in_flight(&p, &calls("ADD", "c", ids.n))?;
+    let conc_wall = processes_in_flight(rt, &p, calls("ADD", "c", ids.n))?;
     let held = host_local_held(data_dir)?;
     if held != ids.n {
         bail!(
@@ -565,7 +370,7 @@ fn run_host_local(data_dir: &Path, ids: &Ids) -> Result<Measured> {
             ids.n
         );
     }
-    processes_in_flight(&p, &calls("DEL", "c", ids.n))?;
+    processes_in_flight(rt, &p, calls("DEL", "c", ids.n))?;
     let held = host_local_held(data_dir)?;
     if held != 0 {
         bail!("host-local still holds {held} addresses after every DEL");
@@ -618,15 +423,11 @@ struct Samples {
     seq: Vec<f64>,
     conc: Vec<f64>,
     rel: Vec<f64>,
-    /// Every call (ms), pooled.
-    alloc_lat: Vec<f64>,
-    rel_lat: Vec<f64>,
-    /// calix: Status round trips (ms), pooled.
-    rpc_lat: Vec<f64>,
-    /// Per repetition p50s (ms).
-    alloc_p50: Vec<f64>,
-    rel_p50: Vec<f64>,
-    rpc_p50: Vec<f64>,
+    /// Sequential calls (ms).
+    alloc: Calls,
+    release: Calls,
+    /// calix: Status round trips (ms).
+    rpc: Calls,
     /// Sequential allocation latencies (ms) of the first and the last tenth of each repetition.
     first_tenth: Vec<f64>,
     last_tenth: Vec<f64>,
@@ -640,29 +441,19 @@ impl Samples {
     fn push(&mut self, n: usize, m: Measured) -> String {
         let nf = n as f64;
         let (seq, conc, rel) = (nf / m.seq_wall, nf / m.conc_wall, nf / m.rel_wall);
-        let (a50, a99) = (
-            percentile(&m.alloc_lat, 50.0),
-            percentile(&m.alloc_lat, 99.0),
-        );
-        let r50 = percentile(&m.rel_lat, 50.0);
         self.seq.push(seq);
         self.conc.push(conc);
         self.rel.push(rel);
-        self.alloc_p50.push(a50);
-        self.rel_p50.push(r50);
-        if !m.rpc_lat.is_empty() {
-            self.rpc_p50.push(percentile(&m.rpc_lat, 50.0));
-        }
-        self.rpc_lat.extend(m.rpc_lat);
         let k = (m.alloc_lat.len() / 10).max(1).min(m.alloc_lat.len());
         self.first_tenth.extend(&m.alloc_lat[..k]);
         self.last_tenth
             .extend(&m.alloc_lat[m.alloc_lat.len() - k..]);
-        self.alloc_lat.extend(m.alloc_lat);
-        self.rel_lat.extend(m.rel_lat);
         if let Some(j) = m.journal {
             self.journal_per_alloc.push(j as f64 / nf);
         }
+        let a99 = percentile(&m.alloc_lat, 99.0);
+        let (a50, r50) = (self.alloc.push(m.alloc_lat), self.release.push(m.rel_lat));
+        self.rpc.push(m.rpc_lat);
         format!(
             "sequential {}/s (p50 {} ms, p99 {} ms), {IN_FLIGHT} in flight {}/s, release {}/s (p50 {} ms)",
             fmt_rate(seq),
@@ -673,30 +464,22 @@ impl Samples {
             fmt_ms(r50),
         )
     }
-
-    fn median(v: &[f64]) -> f64 {
-        spread(v).0
-    }
 }
 
 /// The floors over every repetition (ms per call).
 #[derive(Default)]
 struct Floors {
-    truth: Vec<f64>,
-    fsync: Vec<f64>,
-    truth_p50: Vec<f64>,
-    fsync_p50: Vec<f64>,
+    truth: Calls,
+    fsync: Calls,
     load: Vec<f64>,
 }
 
 impl Floors {
     fn run(&mut self, dir: &Path, n: usize) -> Result<String> {
         use std::os::unix::fs::OpenOptionsExt;
-        self.load.push(loadavg());
-        let mut truth = Vec::with_capacity(n);
-        for _ in 0..n {
-            truth.push(timed_cmd(&mut Command::new("/bin/true"))?);
-        }
+        let load = load_average();
+        self.load.push(load);
+        let t50 = self.truth.push(true_floor(n, None)?);
         let path = dir.join("fsync-floor");
         let mut f = std::fs::OpenOptions::new()
             .create(true)
@@ -711,17 +494,13 @@ impl Floors {
             let t0 = Instant::now();
             f.write_all(&line)?;
             f.sync_data()?;
-            fsync.push(ms(t0.elapsed()));
+            fsync.push(t0.elapsed().as_secs_f64() * 1e3);
         }
         drop(f);
         std::fs::remove_file(&path)?;
-        let (t50, f50) = (percentile(&truth, 50.0), percentile(&fsync, 50.0));
-        self.truth_p50.push(t50);
-        self.fsync_p50.push(f50);
-        self.truth.extend(truth);
-        self.fsync.extend(fsync);
+        let f50 = self.fsync.push(fsync);
         Ok(format!(
-            "/bin/true p50 {} ms, append {FSYNC_LINE} B + fdatasync p50 {} ms",
+            "(load {load:.2}): /bin/true p50 {} ms, append {FSYNC_LINE} B + fdatasync p50 {} ms",
             fmt_ms(t50),
             fmt_ms(f50)
         ))
@@ -744,39 +523,19 @@ fn rate_spread(v: &[f64]) -> String {
 }
 
 pub fn run(allocs: usize, reps: usize) -> Result<()> {
-    util::require_root("the IPAM benchmark")?;
     if !(2..=MAX_ALLOCS).contains(&allocs) || reps < 1 {
         bail!("--allocs must be 2..={MAX_ALLOCS} and --reps at least 1");
     }
-    for bin in [Path::new(CNI_DIR).join("host-local"), PathBuf::from(ETCD)] {
-        if !bin.exists() {
-            bail!(
-                "{} is missing: install containernetworking-plugins and etcd-server (cargo xtask setup)",
-                bin.display()
-            );
-        }
+    if !Path::new(ETCD).exists() {
+        bail!("{ETCD} is missing: install etcd-server (cargo xtask setup)");
     }
-    let t_start = Instant::now();
-    // The revision the binaries are built from (read before the build, not after the run).
-    let rev = git_rev(&util::workspace_root());
-    println!("[setup] building release binaries (cargo build --release --workspace --bins)");
-    let bins = util::build_bins_release()?;
-    let agent_bin = bins.join("calix-agent");
-    remove_stale();
-
-    let dir = std::env::temp_dir().join(format!("{PREFIX}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let mut g = Guard {
-        dir: dir.clone(),
-        etcd: None,
-        agent: None,
-    };
+    let b = Bench::setup("the IPAM benchmark", &[], &["host-local"])?;
     println!(
-        "[setup] starting etcd on 127.0.0.1 (data in {})",
-        dir.display()
+        "[setup] starting etcd in {} (data in {})",
+        b.name("ipam"),
+        b.dir.display()
     );
-    let etcd_url = start_etcd(&mut g)?;
-    println!("[setup] etcd at {etcd_url}");
+    let etcd = EtcdNs::launch(b.netns("ipam")?)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -784,84 +543,70 @@ pub fn run(allocs: usize, reps: usize) -> Result<()> {
 
     let mut floors = Floors::default();
     let mut res: [Samples; 3] = Default::default();
-    for rep in 1..=reps {
-        let line = floors.run(&dir, allocs)?;
-        println!(
-            "[rep {rep}/{reps}] floors (load {:.2}): {line}",
-            floors.load.last().copied().unwrap_or(f64::NAN)
-        );
-        let mut order = VARIANTS;
-        if rep % 2 == 0 {
-            order.reverse();
-        }
-        for v in order {
-            let load = loadavg();
-            let ids = Ids {
-                n: allocs,
-                rep,
-                tag: v.tag(),
-            };
-            let vdir = dir.join(format!("r{rep}-{}", v.tag()));
-            let m = match v {
-                Variant::Embedded => {
-                    run_calix(&mut g, &rt, &agent_bin, &vdir, "type = \"embedded\"", &ids)
-                }
-                Variant::Etcd => run_calix(
-                    &mut g,
-                    &rt,
-                    &agent_bin,
-                    &vdir,
-                    &format!(
-                        "type = \"etcd\"\nendpoints = [\"{etcd_url}\"]\nprefix = \"/cxb/r{rep}/\""
-                    ),
-                    &ids,
-                ),
-                Variant::HostLocal => run_host_local(&vdir, &ids),
-            }
-            .with_context(|| format!("{} (repetition {rep})", v.label()))?;
-            let _ = std::fs::remove_dir_all(&vdir);
-            let s = &mut res[v as usize];
-            s.load.push(load);
-            let line = s.push(allocs, m);
-            println!("[rep {rep}/{reps}] {} (load {load:.2}): {line}", v.label());
-        }
+    for rep in 0..reps {
+        repetition(
+            rep,
+            reps,
+            &[()],
+            |()| "floors".into(),
+            |()| floors.run(&b.dir, allocs),
+        )?;
+        repetition(
+            rep,
+            reps,
+            &order(&VARIANTS, rep, false),
+            |v| v.label().into(),
+            |v| {
+                let load = load_average();
+                let ids = Ids {
+                    n: allocs,
+                    rep: rep + 1,
+                    tag: v.tag(),
+                };
+                let m = match v {
+                    Variant::Embedded => run_calix(&b, &rt, &etcd.ns, "type = \"embedded\"", &ids)?,
+                    Variant::Etcd => {
+                        let store = format!(
+                        "type = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\nprefix = \"/cxb/r{}/\"",
+                        rep + 1
+                    );
+                        run_calix(&b, &rt, &etcd.ns, &store, &ids)?
+                    }
+                    Variant::HostLocal => {
+                        let dir = b.dir.join(format!("r{}-{}", rep + 1, v.tag()));
+                        let m = run_host_local(&rt, &dir, &ids);
+                        let _ = std::fs::remove_dir_all(&dir);
+                        m?
+                    }
+                };
+                let s = &mut res[v as usize];
+                s.load.push(load);
+                Ok(format!("(load {load:.2}): {}", s.push(allocs, m)))
+            },
+        )?;
     }
-    drop(rt);
-    drop(g);
-    println!(
-        "[done] measured in {:.0}s; etcd stopped, everything removed",
-        t_start.elapsed().as_secs_f64()
-    );
+    drop((rt, etcd));
+    b.done();
 
+    let etcd_version = output(Command::new(ETCD).arg("--version"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("etcd Version:")
+                    .map(|v| v.trim().to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknown".into());
     let report = Report {
         allocs,
         reps,
-        machine: Machine::read(),
-        rev,
         plugins_version: cni_plugins_version(),
-        etcd_version: output(Command::new(ETCD).arg("--version"))
-            .ok()
-            .and_then(|s| {
-                s.lines().find_map(|l| {
-                    l.strip_prefix("etcd Version:")
-                        .map(|v| v.trim().to_string())
-                })
-            })
-            .unwrap_or_else(|| "unknown".into()),
+        etcd_version,
         res,
         floors,
+        bench: b,
     };
-    let md = report.markdown();
-    println!("\n{md}");
-    let out = out_dir()?;
-    std::fs::write(out.join("ipam.md"), &md)?;
-    chart(&out.join("ipam.svg"), &report)?;
-    println!(
-        "wrote {} and {}",
-        out.join("ipam.md").display(),
-        out.join("ipam.svg").display()
-    );
-    Ok(())
+    Bench::publish("ipam", &report.markdown(), false, |p| chart(p, &report))
 }
 
 // --- report --------------------------------------------------------------------------------
@@ -869,12 +614,11 @@ pub fn run(allocs: usize, reps: usize) -> Result<()> {
 struct Report {
     allocs: usize,
     reps: usize,
-    machine: Machine,
-    rev: String,
     plugins_version: String,
     etcd_version: String,
     res: [Samples; 3],
     floors: Floors,
+    bench: Bench,
 }
 
 impl Report {
@@ -899,19 +643,20 @@ impl Report {
             rate_spread(&s.seq),
             rate_spread(&s.conc),
             rate_spread(&s.rel),
-            p50_with_reps(percentile(&s.alloc_lat, 50.0), &s.alloc_p50),
-            fmt_ms(percentile(&s.alloc_lat, 99.0)),
-            p50_with_reps(percentile(&s.rel_lat, 50.0), &s.rel_p50),
-            fmt_ms(percentile(&s.rel_lat, 99.0)),
+            s.alloc.p50(),
+            fmt_ms(s.alloc.p(99.0)),
+            s.release.p50(),
+            fmt_ms(s.release.p(99.0)),
             loads(&s.load),
         )
     }
 
     fn ratio_row(&self, v: Variant) -> String {
         let (c, h) = (self.get(v), self.get(Variant::HostLocal));
-        let med = Samples::median;
-        let pct = |s: &Samples, p: f64, rel: bool| {
-            percentile(if rel { &s.rel_lat } else { &s.alloc_lat }, p)
+        let med = median;
+        let pct = |s: &Samples, p: f64, rel: bool| match rel {
+            true => s.release.p(p),
+            false => s.alloc.p(p),
         };
         format!(
             "| {} / host-local | {} | {} | {} | {} | {} | {} | {} | |\n",
@@ -927,7 +672,7 @@ impl Report {
     }
 
     fn markdown(&self) -> String {
-        let m = &self.machine;
+        let m = &self.bench.machine;
         let f = &self.floors;
         let n = self.allocs;
         let mut s = String::new();
@@ -945,7 +690,7 @@ impl Report {
             m.cpus,
             m.cpus,
             m.kernel,
-            self.rev,
+            self.bench.rev,
             self.etcd_version,
             self.plugins_version,
         ));
@@ -990,12 +735,12 @@ impl Report {
         );
         s.push_str(&format!(
             "\n- {IN_FLIGHT} in flight against sequential (median rates): {}.\n",
-            self.per_variant(|x| ratio(Samples::median(&x.conc), Samples::median(&x.seq)))
+            self.per_variant(|x| ratio(median(&x.conc), median(&x.seq)))
         ));
         s.push_str(&format!(
             "- 1 / the {IN_FLIGHT}-in-flight rate (what an allocation costs once the RPC work \
              overlaps; calix: about the time it holds the agent's lock): {}.\n",
-            self.per_variant(|x| format!("{} ms", fmt_ms(1e3 / Samples::median(&x.conc))))
+            self.per_variant(|x| format!("{} ms", fmt_ms(1e3 / median(&x.conc))))
         ));
         s.push_str(&format!(
             "- Sequential allocation p50, first tenth → last tenth of each repetition (the \
@@ -1011,48 +756,25 @@ impl Report {
             s.push_str(&format!(
                 "- The embedded journal grew by {:.0} bytes per sequential allocation (one \
                  transaction: the block record and the handle record, fdatasync'd).\n",
-                spread(journal).0
+                median(journal)
             ));
         }
         s.push_str("\nFloors, per call (the first two before the variants, load ");
         s.push_str(&loads(&f.load));
         s.push_str("; the gRPC ones in each calix run, before its allocations):\n\n");
         s.push_str("| floor | p50 | p99 |\n|---|---|---|\n");
-        for (label, all, reps) in [
-            (
-                "fork+exec `/bin/true`, timed fork-to-exit (what every host-local call pays \
-                 first)"
-                    .to_string(),
-                &f.truth,
-                &f.truth_p50,
-            ),
-            (
-                format!(
-                    "append {FSYNC_LINE} B + `fdatasync` in /tmp (the least a durable \
-                     allocation pays)"
-                ),
-                &f.fsync,
-                &f.fsync_p50,
-            ),
-        ]
-        .into_iter()
-        .chain([Variant::Embedded, Variant::Etcd].map(|v| {
-            let x = self.get(v);
-            (
-                format!(
-                    "`calix.v1.Ipam/Status` round trip, {} agent (no datastore access: the \
-                     gRPC floor of every call)",
-                    v.label().trim_start_matches("calix, ")
-                ),
-                &x.rpc_lat,
-                &x.rpc_p50,
-            )
-        })) {
-            s.push_str(&format!(
-                "| {label} | {} | {} ms |\n",
-                p50_with_reps(percentile(all, 50.0), reps),
-                fmt_ms(percentile(all, 99.0))
-            ));
+        s.push_str(&f.truth.row(
+            "fork+exec `/bin/true`, timed fork-to-exit (what every host-local call pays first)",
+        ));
+        s.push_str(&f.fsync.row(&format!(
+            "append {FSYNC_LINE} B + `fdatasync` in /tmp (the least a durable allocation pays)"
+        )));
+        for v in [Variant::Embedded, Variant::Etcd] {
+            s.push_str(&self.get(v).rpc.row(&format!(
+                "`calix.v1.Ipam/Status` round trip, {} agent (no datastore access: the gRPC \
+                 floor of every call)",
+                v.label().trim_start_matches("calix, ")
+            )));
         }
         s.push_str(
             "\nWhat each allocation does. calix: one gRPC call; the agent takes its IPAM lock, \
@@ -1083,12 +805,12 @@ impl Report {
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
     use plotters::prelude::*;
-    let root = super::chart_root(
+    let root = super::report::chart_root(
         path,
         (900, 460),
         &format!(
             "IPAM allocations/s, calix vs host-local ({} allocations × {} reps, {})",
-            r.allocs, r.reps, r.machine.date
+            r.allocs, r.reps, r.bench.machine.date
         ),
     )?;
     let colors = [
@@ -1096,12 +818,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
         RGBColor(0x2c, 0xa0, 0x2c),
         RGBColor(0xff, 0x7f, 0x0e),
     ];
-    let rates = |s: &Samples| {
-        vec![
-            Some(Samples::median(&s.seq)),
-            Some(Samples::median(&s.conc)),
-        ]
-    };
+    let rates = |s: &Samples| vec![Some(median(&s.seq)), Some(median(&s.conc))];
     let series: Vec<_> = VARIANTS
         .iter()
         .zip(colors)

@@ -3,11 +3,11 @@
 //! the XDP deny list's cost per dropped packet against nftables drop rules, in one run on one
 //! machine (DESIGN.md §10).
 //!
-//! **Outgoing traffic.** One topology per variant, all built before any measurement: a node
-//! namespace running a release `calix-agent` (started by `setns` in a `pre_exec`, so its pins
-//! land on the host's bpffs under `/sys/fs/bpf/cxb-snat/<node>`), one pod wired by the real
-//! `calix` CNI plugin, and an uplink veth (`cxup0`, 198.18.0.1/24) to an "internet" namespace
-//! (`eth0`, 198.18.0.2/24) that runs the servers. The node routes by default via the internet.
+//! **Outgoing traffic.** One topology per variant, all built before any measurement: a
+//! test-bed node (a namespace running a release `calix-agent`, its pins under
+//! `/sys/fs/bpf/<node>`), one pod wired by the real `calix` CNI plugin, and an uplink veth
+//! (`cxup0`, 198.18.0.1/24) to an "internet" namespace (`eth0`, 198.18.0.2/24) that runs the
+//! servers. The node routes by default via the internet.
 //! - **routing (no NAT)**: kernel mode; the internet has a route back to the pool via the node.
 //! - **calix eBPF, no NAT**: the same with `dataplane = "ebpf"` and the uplink programs: the
 //!   eBPF dataplane's own cost, without SNAT.
@@ -20,49 +20,44 @@
 //! Before anything is timed, a probe connection from the pod shows which source address the
 //! internet sees: the pod's for the routing variants, the node's (198.18.0.1) for the NAT
 //! ones. A NAT variant whose probe fails or shows the pod's address is a bench bug — except
-//! calix SNAT, which is reported as "not available: <reason>" while the rest still runs.
-//! Measurements per variant and repetition as `bench dataplane` does them: TCP_CRR (`xtask
-//! netperf crr`), TCP_RR (`xtask netperf rr`), `iperf3 -C cubic`, client and servers pinned to
-//! one CPU.
+//! calix SNAT, which is reported as "not available: <reason>" while the rest still runs. The
+//! test bed's traffic tools measure each as `bench dataplane` does: TCP_CRR, TCP_RR, iperf3.
 //!
 //! **Drops.** Per filter, a node namespace with the uplink and an internet namespace: **calix
 //! XDP native** and **generic** (`[xdp] enabled = true`, `deny_cidrs = ["198.51.100.0/24"]`),
 //! **nft netdev ingress** (a `netdev` table's ingress hook on the uplink: where XDP generic
-//! runs, the closest kernel equivalent) and **nft ip prerouting** (priority raw). A sender
-//! thread in the internet namespace, pinned to the bench CPU, writes 60-byte UDP frames from
-//! 198.51.100.7 with `sendmmsg` on an `AF_PACKET` socket (`PACKET_QDISC_BYPASS`) for `--secs`.
-//! On a veth every receive runs on the sender's CPU, in softirq (generic XDP and nft from the
-//! backlog `netif_rx` fills, native XDP in the receiving veth's NAPI poll), so that CPU's
-//! softirq time (/proc/stat) per dropped packet is the filter side's cost, and the sender
-//! thread's CPU time (which includes the softirqs it ran) per packet is the total. Drops are
-//! counted by the filters themselves (`calixctl bpf counters`, nft counters).
+//! runs, the closest kernel equivalent), **nft ip prerouting** (priority raw) and the floor (no
+//! filter). The test bed's flood writes 60-byte UDP frames from 198.51.100.7 for `--secs`
+//! from a thread in the internet namespace pinned to the bench CPU. On a veth every receive
+//! runs on the sender's CPU, in softirq (generic XDP and nft from the backlog `netif_rx`
+//! fills, native XDP in the receiving veth's NAPI poll), so that CPU's softirq time
+//! (/proc/stat) per dropped packet is the filter side's cost, and the sender thread's CPU time
+//! (which includes the softirqs it ran) per packet is the total. Drops are counted by the
+//! filters themselves (`calixctl bpf counters`, nft counters, the uplink's `rx_dropped`).
 //!
 //! Everything is named `cxb-<pid>-…` and removed on drop, on error and Ctrl-C too. Writes
 //! docs/bench/snat.md and docs/bench/snat.svg (with `--quick`, target/bench/ instead).
-use std::fs::File;
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use serde_json::{json, Value};
+use calix_testbed::packets::{eth, udp_with, Ip4, ETH_P_IP, ETH_P_LOCAL_EXP, UDP};
+use calix_testbed::traffic::cpu::{ksoftirqd_pid, load_average, task_cpu_ns, CpuStat};
+use calix_testbed::traffic::flood::{flood, BATCH};
+use calix_testbed::traffic::{Tools, Traffic, IPERF_NICE};
+use calix_testbed::{json, uplink, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin};
+use plotters::style::RGBColor;
+use serde_json::Value;
 
-use super::harness::{
-    fmt_1, fmt_2, listening, log_to, median, num, program_run_time, remove_stale, run_json, Guard,
+use super::harness::{check_interrupted, order, repetition, version, Bench};
+use super::report::{
+    busy_note, fmt_0, fmt_1, fmt_2, fmt_spread_with, median, panel, ratio, targets, Series,
+    Traffic as Samples,
 };
-use super::{
-    catch_interrupts, check_interrupted, fmt_spread_with, git_rev, in_netns, in_netns_on, loadavg,
-    loads, out_dir, panel, ratio, wait_ready, Call, Machine, Plugin,
-};
-use crate::util::{self, output, run as run_cmd};
 
-const PREFIX: &str = "cxb";
-/// bpffs root of the bench agents' pins (each node pins below `<root>/<node>`).
-const PIN_ROOT: &str = "/sys/fs/bpf/cxb-snat";
 const POOL: &str = "10.244.0.0/16";
-const NODE_LO: &str = "10.99.0.1";
 /// The node's uplink and its peer in the internet namespace (RFC 2544 benchmark addresses).
 const UPLINK: &str = "cxup0";
 const PEER_IF: &str = "eth0";
@@ -74,20 +69,10 @@ const DENY_CIDR: &str = "198.51.100.0/24";
 const FLOOD_SRC: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 7);
 /// UDP discard: not a failsafe port.
 const FLOOD_PORT: u16 = 9;
-/// Frames per `sendmmsg`.
-const BATCH: usize = 64;
-const NETPERF_PORT: u16 = 7001;
 const PROBE_PORT: u16 = 7002;
-const IPERF_PORT: u16 = 5201;
-const IPERF3: &str = "iperf3";
-/// Niceness of the receiving iperf3 (see dataplane.rs: an equal-priority receiver on the
-/// sender's CPU falls behind).
-const IPERF_NICE: &str = "-5";
-const TW_REUSE_DELAY: &str = "/proc/sys/net/ipv4/tcp_tw_reuse_delay";
-const WARMUP_SECS: f64 = 0.5;
-/// Busy share (%) of the CPUs the bench does not use above which a run counts as shared.
-const OTHERS_BUSY_LIMIT: f64 = 25.0;
 const XDP_REASON: &str = "xdp_denied_source";
+/// The floor's EtherType (IEEE 802 local experimental): no protocol handler takes it.
+const FLOOR_ETHERTYPE: u16 = ETH_P_LOCAL_EXP;
 
 // --- variants ------------------------------------------------------------------------------
 
@@ -109,24 +94,23 @@ const VARIANTS: [Variant; 5] = [
 ];
 
 impl Variant {
-    fn label(self) -> &'static str {
+    /// Its label, its tag (in the names of what it creates) and its chart colour.
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::Routing => "routing (no NAT)",
-            Self::EbpfRouting => "calix eBPF, no NAT",
-            Self::Iptables => "iptables MASQUERADE",
-            Self::Nftables => "nftables masquerade",
-            Self::CalixSnat => "calix eBPF SNAT",
+            Self::Routing => ("routing (no NAT)", "rt", RGBColor(0x7f, 0x7f, 0x7f)),
+            Self::EbpfRouting => ("calix eBPF, no NAT", "ert", RGBColor(0x9e, 0xc9, 0xe2)),
+            Self::Iptables => ("iptables MASQUERADE", "ipt", RGBColor(0xff, 0x7f, 0x0e)),
+            Self::Nftables => ("nftables masquerade", "nft", RGBColor(0xd6, 0x27, 0x28)),
+            Self::CalixSnat => ("calix eBPF SNAT", "snat", RGBColor(0x1f, 0x77, 0xb4)),
         }
     }
 
+    fn label(self) -> &'static str {
+        self.info().0
+    }
+
     fn tag(self) -> &'static str {
-        match self {
-            Self::Routing => "rt",
-            Self::EbpfRouting => "ert",
-            Self::Iptables => "ipt",
-            Self::Nftables => "nft",
-            Self::CalixSnat => "snat",
-        }
+        self.info().1
     }
 
     /// Whether the node translates the pod's address (no route back to the pool).
@@ -136,17 +120,6 @@ impl Variant {
 
     fn ebpf(self) -> bool {
         matches!(self, Self::EbpfRouting | Self::CalixSnat)
-    }
-
-    fn color(self) -> plotters::style::RGBColor {
-        use plotters::style::RGBColor;
-        match self {
-            Self::Routing => RGBColor(0x7f, 0x7f, 0x7f),
-            Self::EbpfRouting => RGBColor(0x9e, 0xc9, 0xe2),
-            Self::Iptables => RGBColor(0xff, 0x7f, 0x0e),
-            Self::Nftables => RGBColor(0xd6, 0x27, 0x28),
-            Self::CalixSnat => RGBColor(0x1f, 0x77, 0xb4),
-        }
     }
 }
 
@@ -169,28 +142,24 @@ const FILTERS: [Filter; 5] = [
     Filter::Floor,
 ];
 
-/// The floor's EtherType (IEEE 802 local experimental): no protocol handler takes it.
-const FLOOR_ETHERTYPE: u16 = 0x88b5;
-
 impl Filter {
-    fn label(self) -> &'static str {
+    /// Its label, its tag (in the names of what it creates) and its chart colour.
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::XdpNative => "calix XDP native",
-            Self::XdpGeneric => "calix XDP generic",
-            Self::NftIngress => "nft netdev ingress",
-            Self::NftPrerouting => "nft ip prerouting",
-            Self::Floor => "no filter (floor)",
+            Self::XdpNative => ("calix XDP native", "xn", RGBColor(0x1f, 0x77, 0xb4)),
+            Self::XdpGeneric => ("calix XDP generic", "xg", RGBColor(0x9e, 0xc9, 0xe2)),
+            Self::NftIngress => ("nft netdev ingress", "fi", RGBColor(0xff, 0x7f, 0x0e)),
+            Self::NftPrerouting => ("nft ip prerouting", "fp", RGBColor(0xd6, 0x27, 0x28)),
+            Self::Floor => ("no filter (floor)", "fl", RGBColor(0x7f, 0x7f, 0x7f)),
         }
     }
 
+    fn label(self) -> &'static str {
+        self.info().0
+    }
+
     fn tag(self) -> &'static str {
-        match self {
-            Self::XdpNative => "xn",
-            Self::XdpGeneric => "xg",
-            Self::NftIngress => "fi",
-            Self::NftPrerouting => "fp",
-            Self::Floor => "fl",
-        }
+        self.info().1
     }
 
     fn xdp_mode(self) -> Option<&'static str> {
@@ -209,471 +178,141 @@ impl Filter {
             _ => None,
         }
     }
-
-    fn color(self) -> plotters::style::RGBColor {
-        use plotters::style::RGBColor;
-        match self {
-            Self::XdpNative => RGBColor(0x1f, 0x77, 0xb4),
-            Self::XdpGeneric => RGBColor(0x9e, 0xc9, 0xe2),
-            Self::NftIngress => RGBColor(0xff, 0x7f, 0x0e),
-            Self::NftPrerouting => RGBColor(0xd6, 0x27, 0x28),
-            Self::Floor => RGBColor(0x7f, 0x7f, 0x7f),
-        }
-    }
 }
 
-// --- cleanup -------------------------------------------------------------------------------
+// --- topologies ----------------------------------------------------------------------------
 
-// --- small helpers -------------------------------------------------------------------------
-
-/// `ip -n <ns> <args>` (`args` split at whitespace).
-fn ip(ns: &str, args: &str) -> Result<()> {
-    run_cmd(
-        Command::new("ip")
-            .args(["-n", ns])
-            .args(args.split_whitespace()),
-    )
-}
-
-/// `sysctl -qw <kv>` inside namespace `ns`.
-fn sysctl(ns: &str, kv: &str) -> Result<()> {
-    run_cmd(
-        in_netns(Path::new("sysctl"), ns)?
-            .args(["-qw", kv])
-            .stdout(Stdio::null()),
-    )
-}
-
-fn fmt_0(v: f64) -> String {
-    if v.is_nan() {
-        "–".into()
-    } else {
-        format!("{v:.0}")
-    }
-}
-
-/// Runs `f` on a new thread that joined network namespace `ns` (`setns` affects only the
-/// calling thread) and, with `cpu`, runs on that CPU only. Sockets keep the namespace they were
-/// created in, whichever thread uses them later.
-fn spawn_in_netns<T: Send + 'static>(
-    ns: &str,
-    cpu: Option<usize>,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<std::thread::JoinHandle<Result<T>>> {
-    let file = File::open(format!("/run/netns/{ns}"))
-        .with_context(|| format!("cannot open netns {ns}"))?;
-    let ns = ns.to_string();
-    Ok(std::thread::spawn(move || {
-        // SAFETY: setns(2) on a valid namespace fd; CLONE_NEWNET moves this thread only.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("cannot enter netns {ns}"));
-        }
-        if let Some(c) = cpu {
-            // SAFETY: cpu_set_t is plain data (all zeroes: the empty set); CPU_SET sets one bit;
-            // sched_setaffinity(0, …) pins this thread.
-            let ok = unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(c, &mut set);
-                libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) == 0
-            };
-            if !ok {
-                return Err(std::io::Error::last_os_error())
-                    .with_context(|| format!("cannot pin to CPU {c}"));
-            }
-        }
-        f()
-    }))
-}
-
-fn join<T>(h: std::thread::JoinHandle<Result<T>>) -> Result<T> {
-    h.join().map_err(|_| anyhow!("a bench thread panicked"))?
-}
-
-/// The MAC address of `ifname` in namespace `ns`.
-fn mac_of(ns: &str, ifname: &str) -> Result<[u8; 6]> {
-    let v = run_json(
-        &format!("ip link show {ifname} in {ns}"),
-        Command::new("ip").args(["-n", ns, "-j", "link", "show", "dev", ifname]),
-    )?;
-    let s = v[0]["address"].as_str().unwrap_or_default();
-    let bytes: Vec<u8> = s
-        .split(':')
-        .filter_map(|b| u8::from_str_radix(b, 16).ok())
-        .collect();
-    bytes
-        .try_into()
-        .map_err(|_| anyhow!("{ifname} in {ns} has no MAC address ({s:?})"))
-}
-
-/// The attach mode `ip link` reports for the XDP program on `ifname` (1 driver, 2 generic).
-fn xdp_attach_mode(ns: &str, ifname: &str) -> Result<Option<u64>> {
-    let v = run_json(
-        &format!("ip -d link show {ifname} in {ns}"),
-        Command::new("ip").args(["-n", ns, "-j", "-d", "link", "show", "dev", ifname]),
-    )?;
-    Ok(v[0]["xdp"]["mode"].as_u64())
-}
-
-// --- CPU accounting ------------------------------------------------------------------------
-
-/// Per CPU from /proc/stat: user nice system idle iowait irq softirq steal (USER_HZ ticks).
-fn cpu_stat() -> Vec<[u64; 8]> {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    stat.lines()
-        .filter(|l| {
-            l.strip_prefix("cpu")
-                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
-        })
-        .map(|l| {
-            let mut v = [0u64; 8];
-            for (i, x) in l.split_whitespace().skip(1).take(8).enumerate() {
-                v[i] = x.parse().unwrap_or(0);
-            }
-            v
-        })
-        .collect()
-}
-
-/// Nanoseconds per /proc/stat tick.
-fn ns_per_tick() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    1e9 / if hz > 0 { hz as f64 } else { 100.0 }
-}
-
-/// Between two [`cpu_stat`]s: the busy share (%) of every CPU but `cpu` (what else ran) and
-/// `cpu`'s steal share (%).
-fn cpu_shares(before: &[[u64; 8]], after: &[[u64; 8]], cpu: usize) -> (f64, f64) {
-    let n = before.len().min(after.len());
-    let d = |i: usize, k: usize| after[i][k].saturating_sub(before[i][k]) as f64;
-    let total = |i: usize| (0..8).map(|k| d(i, k)).sum::<f64>();
-    let (mut busy, mut all) = (0.0, 0.0);
-    for i in (0..n).filter(|&i| i != cpu) {
-        let t = total(i);
-        busy += t - d(i, 3) - d(i, 4) - d(i, 7);
-        all += t;
-    }
-    let others = if all > 0.0 {
-        100.0 * busy / all
-    } else {
-        f64::NAN
-    };
-    let steal = if cpu < n && total(cpu) > 0.0 {
-        100.0 * d(cpu, 7) / total(cpu)
-    } else {
-        f64::NAN
-    };
-    (others, steal)
-}
-
-/// This thread's CPU time (ns): with tick-based accounting it includes the softirqs the thread
-/// ran on its way out of a system call.
-fn thread_cpu_ns() -> f64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec it is given.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as f64 * 1e9 + ts.tv_nsec as f64
-}
-
-// --- the agents ----------------------------------------------------------------------------
-
-/// How a node's calix-agent is configured (rendered to its TOML config file).
-struct AgentSpec<'a> {
-    dataplane: &'a str,
+/// The agent's config file beyond what the test bed passes as flags (node name, socket,
+/// datastore path, dataplane, log level, pin root): the uplink, the pool, the XDP deny list,
+/// then `extra` (`--snat-config`) after every table.
+fn agent_config(
     uplinks: bool,
     nat_outgoing: bool,
-    xdp_mode: Option<&'a str>,
-    /// TOML appended at the end (after every table): `--snat-config`.
-    extra: Option<&'a str>,
-}
-
-impl AgentSpec<'_> {
-    fn render(&self, node: &str, dir: &Path) -> String {
-        let mut s = format!(
-            "node_name = {node:?}\nsocket = {:?}\ndataplane = {:?}\nlog_level = \"info\"\n\
-             bpf_pin_root = {PIN_ROOT:?}\n",
-            dir.join("agent.sock").display().to_string(),
-            self.dataplane,
-        );
-        if self.uplinks {
-            s.push_str(&format!("uplinks = [{UPLINK:?}]\n"));
-        }
+    xdp: Option<&str>,
+    extra: Option<&str>,
+) -> String {
+    let mut s = String::new();
+    if uplinks {
+        s.push_str(&format!("uplinks = [{UPLINK:?}]\n\n"));
+    }
+    s.push_str(&format!("[[pools]]\ncidr = {POOL:?}\n"));
+    if nat_outgoing {
+        s.push_str("natOutgoing = true\n");
+    }
+    if let Some(mode) = xdp {
         s.push_str(&format!(
-            "\n[datastore]\ntype = \"embedded\"\npath = {:?}\n\n[[pools]]\ncidr = {POOL:?}\n",
-            dir.join("store.json").display().to_string()
+            "\n[xdp]\nenabled = true\nmode = {mode:?}\ndeny_cidrs = [{DENY_CIDR:?}]\n"
         ));
-        if self.nat_outgoing {
-            s.push_str("natOutgoing = true\n");
-        }
-        if let Some(mode) = self.xdp_mode {
-            s.push_str(&format!(
-                "\n[xdp]\nenabled = true\nmode = {mode:?}\ndeny_cidrs = [{DENY_CIDR:?}]\n"
-            ));
-        }
-        if let Some(extra) = self.extra {
-            s.push('\n');
-            s.push_str(extra.trim_end());
-            s.push('\n');
-        }
-        s
     }
+    if let Some(extra) = extra {
+        s.push_str(&format!("\n{}\n", extra.trim_end()));
+    }
+    s
 }
 
-/// Starts calix-agent in `node` with `spec`, waits until it answers; its socket and config.
-fn start_agent(
-    g: &mut Guard,
-    bins: &Path,
-    node: &str,
+/// A node and its uplink to a new internet namespace. The agent runs `config` once started
+/// (the caller wires the rest first); without one it never starts (the nft and floor filters).
+fn uplinked(
+    b: &Bench,
     tag: &str,
-    spec: &AgentSpec,
-) -> Result<(PathBuf, String)> {
-    let dir = g.dir.join(tag);
-    std::fs::create_dir_all(&dir)?;
-    let config = spec.render(node, &dir);
-    let conf_path = dir.join("agent.toml");
-    std::fs::write(&conf_path, &config)?;
-    let log_path = dir.join("agent.log");
-    let (out, err) = log_to(&log_path)?;
-    g.pin_dirs.push(Path::new(PIN_ROOT).join(node));
-    let child = in_netns_on(&bins.join("calix-agent"), node, None)?
-        .arg("--config")
-        .arg(&conf_path)
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err)
-        .spawn()
-        .context("cannot start calix-agent")?;
-    g.agents.push(child);
-    let socket = dir.join("agent.sock");
-    let ctl = bins.join("calixctl");
-    if let Some(agent) = g.agents.last_mut() {
-        wait_ready(
-            &format!("calix-agent ({} dataplane)", spec.dataplane),
-            agent,
-            &log_path,
-            Duration::from_secs(20),
-            || {
-                Command::new(&ctl)
-                    .arg("--socket")
-                    .arg(&socket)
-                    .arg("endpoints")
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success())
-            },
-        )?;
-    }
-    Ok((socket, config))
-}
-
-/// A node namespace with its uplink to a new internet namespace: (node, internet).
-fn uplinked(g: &mut Guard, tag: &str) -> Result<(String, String)> {
-    let node = g.netns(tag)?;
-    let inet = g.netns(&format!("{tag}-i"))?;
-    ip(
-        &node,
-        &format!("link add {UPLINK} type veth peer name {PEER_IF} netns {inet}"),
+    dataplane: Dataplane,
+    config: Option<String>,
+) -> Result<(Node, Netns)> {
+    let inet = b.netns(&format!("{tag}-i"))?;
+    let node = Node::new(
+        b.name(tag),
+        AgentSpec {
+            config,
+            ..b.spec(dataplane)
+        },
     )?;
-    ip(
-        &node,
-        &format!("addr add {NODE_UP}/{UP_PREFIX} dev {UPLINK}"),
-    )?;
-    ip(&node, &format!("link set {UPLINK} up"))?;
-    ip(&inet, &format!("addr add {INET}/{UP_PREFIX} dev {PEER_IF}"))?;
-    ip(&inet, &format!("link set {PEER_IF} up"))?;
+    uplink(&node.ns, &inet, UPLINK, &format!("{NODE_UP}/{UP_PREFIX}"))?;
+    inet.ip(&format!("addr add {INET}/{UP_PREFIX} dev {PEER_IF}"))?;
     Ok((node, inet))
 }
 
-// --- outgoing traffic topologies -----------------------------------------------------------
-
-/// One variant's wiring.
-struct Topology {
-    node: String,
-    pod: String,
-    inet: String,
-    pod_ip: Ipv4Addr,
+/// Loads ruleset `rules` into namespace `ns` (`nft -f`).
+fn nft(b: &Bench, ns: &Netns, rules: &str) -> Result<()> {
+    let path = b.dir.join(format!("{}.nft", ns.name));
+    std::fs::write(&path, rules)?;
+    calix_testbed::checked(ns.command("nft")?.arg("-f").arg(&path))?;
+    Ok(())
 }
 
-/// The agent config the calix SNAT variant ran with (for the report).
-struct Setup {
-    topo: Topology,
-    config: Option<String>,
+/// One outgoing-traffic variant's wiring, removed when dropped (servers first).
+struct Topology {
+    _servers: Vec<Guarded>,
+    traffic: Traffic,
+    pod_ip: Ipv4Addr,
+    node: Node,
+    _namespaces: [Netns; 2],
 }
 
 /// Builds variant `v`: node + agent + uplink + internet + pod + NAT rules + servers.
-fn topology(g: &mut Guard, tools: &Tools, v: Variant, extra: Option<&str>) -> Result<Setup> {
-    let (node, inet) = uplinked(g, v.tag())?;
-    let pod = g.netns(&format!("{}-p", v.tag()))?;
-    ip(&node, &format!("addr add {NODE_LO}/32 dev lo"))?;
-    sysctl(&node, "net.ipv4.ip_forward=1")?;
-    ip(&node, &format!("route add default via {INET}"))?;
+fn topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -> Result<Topology> {
+    let extra = extra.filter(|_| v == Variant::CalixSnat);
+    let config = agent_config(v.ebpf(), v == Variant::CalixSnat, None, extra);
+    let dataplane = if v.ebpf() {
+        Dataplane::Ebpf
+    } else {
+        Dataplane::Kernel
+    };
+    let (node, inet) = uplinked(b, v.tag(), dataplane, Some(config))?;
+    let pod = b.netns(&format!("{}-p", v.tag()))?;
+    let ns = &node.ns;
+    ns.sysctl("net.ipv4.ip_forward=1")?;
+    ns.ip(&format!("route add default via {INET}"))?;
     if !v.nat() {
-        ip(&inet, &format!("route add {POOL} via {NODE_UP}"))?;
+        inet.ip(&format!("route add {POOL} via {NODE_UP}"))?;
     }
-    let spec = AgentSpec {
-        dataplane: if v.ebpf() { "ebpf" } else { "kernel" },
-        uplinks: v.ebpf(),
-        nat_outgoing: v == Variant::CalixSnat,
-        xdp_mode: None,
-        extra: if v == Variant::CalixSnat { extra } else { None },
-    };
-    let (socket, config) = start_agent(g, &tools.bins, &node, v.tag(), &spec)?;
-    let plugin = Plugin {
-        label: v.label(),
-        binary: tools.bins.join("calix"),
-        node: Some(node.clone()),
-        conf: json!({
-            "cniVersion": "1.0.0",
-            "name": "k8s",
-            "type": "calix",
-            "agent_socket": socket.display().to_string(),
-            "ipam": { "type": "calix-ipam" },
-        })
-        .to_string(),
-    };
-    let id = format!("{PREFIX}{}{}0123456789abcdef", std::process::id(), v.tag());
-    let res = plugin.call(&Call {
-        command: "ADD",
-        args: format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE=bench;K8S_POD_NAME={}-0;\
-             K8S_POD_INFRA_CONTAINER_ID={id}",
-            v.tag()
-        ),
-        container_id: id,
-        netns: format!("/run/netns/{pod}"),
-    })?;
-    let pod_ip: Ipv4Addr = res["ips"][0]["address"]
-        .as_str()
-        .and_then(|a| a.split('/').next())
-        .and_then(|a| a.parse().ok())
-        .with_context(|| format!("no IPv4 address in the ADD result {res}"))?;
+    node.agent().start(&[])?;
+    let conf = node.conf(serde_json::json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } }));
+    let plugin = Plugin::new(v.label(), b.bins.join("calix"), Some(ns), &conf);
+    let pod_ip = plugin.add_pod(&pod, &format!("{}-0", v.tag()))?;
+    let masquerade = format!("ip saddr {POOL} ip daddr != {POOL} masquerade");
     match v {
-        Variant::Iptables => run_cmd(in_netns(Path::new("iptables"), &node)?.args([
-            "-w",
-            "-t",
-            "nat",
-            "-A",
-            "POSTROUTING",
-            "-s",
-            POOL,
-            "!",
-            "-d",
-            POOL,
-            "-o",
-            UPLINK,
-            "-j",
-            "MASQUERADE",
-        ]))?,
+        Variant::Iptables => {
+            let rule =
+                format!("-w -t nat -A POSTROUTING -s {POOL} ! -d {POOL} -o {UPLINK} -j MASQUERADE");
+            calix_testbed::checked(ns.command("iptables")?.args(rule.split(' ')))?;
+        }
         Variant::Nftables => nft(
-            g,
-            &node,
-            v.tag(),
+            b,
+            ns,
             &format!(
                 "table ip cxbnat {{\n  chain post {{\n    type nat hook postrouting priority \
-                 srcnat; policy accept;\n    oifname {UPLINK:?} ip saddr {POOL} ip daddr != \
-                 {POOL} masquerade\n  }}\n}}\n"
+                 srcnat; policy accept;\n    oifname {UPLINK:?} {masquerade}\n  }}\n}}\n"
             ),
         )?,
         _ => {}
     }
-    start_servers(g, tools, v, &pod, &inet)?;
-    Ok(Setup {
-        topo: Topology {
-            node,
-            pod,
-            inet,
-            pod_ip,
-        },
-        config: (v == Variant::CalixSnat).then_some(config),
+    let traffic = Traffic::new(&pod, &inet, INET);
+    Ok(Topology {
+        _servers: tools.start(&traffic, &b.dir)?,
+        traffic,
+        pod_ip,
+        node,
+        _namespaces: [pod, inet],
     })
 }
 
-/// Loads ruleset `rules` into namespace `ns` (`nft -f`).
-fn nft(g: &Guard, ns: &str, tag: &str, rules: &str) -> Result<()> {
-    let path = g.dir.join(format!("{tag}.nft"));
-    std::fs::write(&path, rules)?;
-    run_cmd(in_netns(Path::new("nft"), ns)?.arg("-f").arg(&path))
-}
-
-/// The servers in the internet namespace (netperf and iperf3, pinned to the bench CPU), up and
-/// listening; the pod's sysctls for TCP_CRR.
-fn start_servers(g: &mut Guard, tools: &Tools, v: Variant, pod: &str, inet: &str) -> Result<()> {
-    // As in dataplane.rs: every port, TIME_WAIT ports reused after 1 ms (the client closes
-    // first), or connect() runs out of ports at ~32k connections/s.
-    let mut sysctls = vec![
-        "net.ipv4.ip_local_port_range=1024 65535",
-        "net.ipv4.tcp_tw_reuse=1",
-    ];
-    if Path::new(TW_REUSE_DELAY).exists() {
-        sysctls.push("net.ipv4.tcp_tw_reuse_delay=1");
-    }
-    for kv in sysctls {
-        sysctl(pod, kv)?;
-    }
-    let listen = SocketAddr::from((INET, NETPERF_PORT)).to_string();
-    let mut netperf = in_netns_on(&tools.bins.join("xtask"), inet, Some(tools.cpu))?;
-    netperf.args(["netperf", "server", "--listen", &listen]);
-    let mut iperf = in_netns_on(Path::new("nice"), inet, Some(tools.cpu))?;
-    iperf.args([
-        "-n",
-        IPERF_NICE,
-        IPERF3,
-        "-s",
-        "-B",
-        &INET.to_string(),
-        "-p",
-        &IPERF_PORT.to_string(),
-    ]);
-    for (name, mut cmd, port) in [
-        ("netperf", netperf, NETPERF_PORT),
-        ("iperf3", iperf, IPERF_PORT),
-    ] {
-        let log_path = g.dir.join(format!("{}-{name}.log", v.tag()));
-        let (out, err) = log_to(&log_path)?;
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(out)
-            .stderr(err)
-            .spawn()
-            .with_context(|| format!("cannot start the {name} server"))?;
-        let pid = child.id();
-        g.servers.push(child);
-        if let Some(c) = g.servers.last_mut() {
-            wait_ready(
-                &format!("{} {name} server", v.label()),
-                c,
-                &log_path,
-                Duration::from_secs(10),
-                || listening(pid, port),
-            )?;
-        }
-    }
-    Ok(())
-}
-
-/// One TCP connection from the pod to the internet: the source address the internet saw.
-fn probe(t: &Topology) -> Result<Ipv4Addr> {
-    let listener = join(spawn_in_netns(&t.inet, None, || {
-        Ok(TcpListener::bind((INET, PROBE_PORT))?)
-    })?)
-    .context("probe listener")?;
+/// One TCP connection from the pod to the internet: the source the internet saw.
+fn probe(t: &Traffic) -> Result<SocketAddrV4> {
+    let listener = t
+        .server
+        .spawn(None, || TcpListener::bind((INET, PROBE_PORT)))?
+        .join()
+        .map_err(|_| anyhow!("the probe listener's thread panicked"))?
+        .context("probe listener")?;
     listener.set_nonblocking(true)?;
-    let client = spawn_in_netns(&t.pod, None, || {
-        TcpStream::connect_timeout(
-            &SocketAddr::from((INET, PROBE_PORT)),
-            Duration::from_secs(2),
-        )
-        .with_context(|| format!("connecting to {INET}:{PROBE_PORT}"))
+    let client = t.client.spawn(None, || {
+        let to = SocketAddr::from((INET, PROBE_PORT));
+        TcpStream::connect_timeout(&to, Duration::from_secs(2))
     })?;
     let deadline = Instant::now() + Duration::from_secs(3);
     let seen = loop {
         match listener.accept() {
-            Ok((_, peer)) => break Some(peer.ip()),
+            Ok((_, peer)) => break Some(peer),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() > deadline {
                     break None;
@@ -683,126 +322,117 @@ fn probe(t: &Topology) -> Result<Ipv4Addr> {
             Err(e) => return Err(e).context("probe accept"),
         }
     };
-    join(client)?;
+    client
+        .join()
+        .map_err(|_| anyhow!("the probe client's thread panicked"))?
+        .with_context(|| format!("connecting to {INET}:{PROBE_PORT}"))?;
     match seen {
-        Some(std::net::IpAddr::V4(a)) => Ok(a),
+        Some(SocketAddr::V4(a)) => Ok(a),
         Some(a) => bail!("the internet saw an IPv6 source {a}"),
         None => bail!("the connection reached no listener"),
     }
 }
 
-// --- tools and measurements ----------------------------------------------------------------
-
-struct Tools {
-    bins: PathBuf,
-    cpu: usize,
-    /// ksoftirqd of `cpu`.
-    ksoftirqd: Option<u32>,
-}
-
-impl Tools {
-    /// `xtask netperf <mode>` from the pod to the internet's server for `secs`.
-    fn netperf(&self, t: &Topology, mode: &str, secs: f64) -> Result<Value> {
-        let to = SocketAddr::from((INET, NETPERF_PORT)).to_string();
-        run_json(
-            &format!("netperf {mode} {} → {to}", t.pod),
-            in_netns_on(&self.bins.join("xtask"), &t.pod, Some(self.cpu))?.args([
-                "netperf",
-                mode,
-                "--to",
-                &to,
-                "--secs",
-                &secs.to_string(),
-            ]),
-        )
-    }
-
-    /// iperf3 (cubic) from the pod to the internet for `secs`: Gbit/s received.
-    fn iperf(&self, t: &Topology, secs: u64) -> Result<f64> {
-        let v = run_json(
-            &format!("iperf3 {} → {INET}", t.pod),
-            in_netns_on(Path::new(IPERF3), &t.pod, Some(self.cpu))?.args([
-                "-c",
-                &INET.to_string(),
-                "-p",
-                &IPERF_PORT.to_string(),
-                "-t",
-                &secs.to_string(),
-                "-C",
-                "cubic",
-                "--connect-timeout",
-                "3000",
-                "-J",
-            ]),
-        )?;
-        let cc = v["end"]["sender_tcp_congestion"].as_str().unwrap_or("?");
-        if cc != "cubic" {
-            bail!("iperf3 ran with congestion control {cc}, not cubic");
+/// Builds `v` and checks with a probe that the internet sees the source it should; the
+/// calix SNAT variant must be translated by the programs.
+fn checked_topology(b: &Bench, tools: &Tools, v: Variant, extra: Option<&str>) -> Result<Topology> {
+    let t = topology(b, tools, v, extra).with_context(|| format!("setting up {}", v.label()))?;
+    let want = if v.nat() { NODE_UP } else { t.pod_ip };
+    match probe(&t.traffic).map(|a| (*a.ip(), a.port())) {
+        // Translated by the programs, not by a kernel rule (the agent's own nftables masquerade
+        // of what the programs leave to the stack included): their conntrack holds the probe's
+        // flow, leaving with the port the internet saw.
+        Ok((seen, port)) if seen == want && v == Variant::CalixSnat => {
+            let flows =
+                t.node
+                    .agent()
+                    .calixctl_json(&["bpf", "nat", "--ip", &t.pod_ip.to_string()])?;
+            let num = |f: &Value, k: &str| f[k].as_u64().or_else(|| f[k].as_str()?.parse().ok());
+            let by_programs = flows["flows"].as_array().into_iter().flatten().any(|f| {
+                num(f, "dst_port") == Some(PROBE_PORT.into())
+                    && num(f, "nat_port") == Some(port.into())
+            });
+            if !by_programs {
+                bail!("the internet saw {seen}:{port}, a translation the programs did not make (their flows: {flows})");
+            }
+            Ok(t)
         }
-        Ok(num(&v, &["end", "sum_received", "bits_per_second"])? / 1e9)
+        Ok((seen, _)) if seen == want => Ok(t),
+        Ok((seen, _)) => Err(anyhow!(
+            "the internet saw the pod's connection from {seen}, not {want}{}",
+            if seen == t.pod_ip {
+                " (not translated)"
+            } else {
+                ""
+            }
+        )),
+        Err(e) if v.nat() => Err(anyhow!(
+            "not translated: the pod's connection to the internet failed ({e:#}; the internet \
+             has no route back to {POOL}, so only a translated connection is answered)"
+        )),
+        Err(e) => Err(e.context(format!(
+            "a connection from the pod ({}) to the internet ({INET}) failed",
+            t.pod_ip
+        ))),
     }
 }
 
-/// One outgoing-traffic variant over every repetition.
-#[derive(Default)]
-struct Samples {
-    crr: Vec<f64>,
-    rr_p50: Vec<f64>,
-    rr_p99: Vec<f64>,
-    gbps: Vec<f64>,
-    load: Vec<f64>,
-    others_busy: Vec<f64>,
-    steal: Vec<f64>,
-}
-
-fn measure(tools: &Tools, t: &Topology, secs: u64, s: &mut Samples) -> Result<String> {
-    let load = loadavg();
-    let cpu0 = cpu_stat();
-    let crr = tools.netperf(t, "crr", secs as f64)?;
-    let rr = tools.netperf(t, "rr", secs as f64)?;
-    let gbps = tools.iperf(t, secs)?;
-    let (others, steal) = cpu_shares(&cpu0, &cpu_stat(), tools.cpu);
-    let rate = num(&crr, &["rate"])?;
-    let (p50, p99) = (num(&rr, &["p50_us"])?, num(&rr, &["p99_us"])?);
-    s.load.push(load);
-    s.others_busy.push(others);
-    s.steal.push(steal);
-    s.crr.push(rate);
-    s.rr_p50.push(p50);
-    s.rr_p99.push(p99);
-    s.gbps.push(gbps);
-    Ok(format!(
-        "(load {load:.2}, other CPUs {others:.0}% busy, steal {steal:.0}%): {rate:.0} conn/s, \
-         RR p50 {p50:.1} µs p99 {p99:.1} µs, {gbps:.1} Gbit/s"
-    ))
+/// Why calix SNAT could not be measured, in one line: the agent's last log line when it did
+/// not come up, else the error chain.
+fn unavailable_reason(e: &anyhow::Error) -> String {
+    let not_ready = e.chain().find_map(|c| match c.downcast_ref() {
+        Some(calix_testbed::Error::NotReady { what, log, .. }) => Some((what, log)),
+        _ => None,
+    });
+    let one_line = match not_ready {
+        Some((what, log)) => {
+            let last = log.lines().rev().map(str::trim).find(|l| !l.is_empty());
+            format!("{what} exited: {}", last.unwrap_or("(empty log)"))
+        }
+        None => format!("{e:#}")
+            .lines()
+            .map(str::trim)
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let mut s: String = one_line.chars().take(400).collect();
+    if s.len() < one_line.len() {
+        s.push('…');
+    }
+    s
 }
 
 // --- drop filters --------------------------------------------------------------------------
 
 /// One drop filter's wiring.
 struct DropTopo {
-    node: String,
-    inet: String,
-    /// The agent's socket (calix XDP).
-    socket: Option<PathBuf>,
+    node: Node,
+    inet: Netns,
     frame: Vec<u8>,
 }
 
-/// Builds filter `f`: node + uplink + internet, then the calix agent with XDP or the nft rule.
-fn drop_topology(g: &mut Guard, tools: &Tools, f: Filter) -> Result<DropTopo> {
-    let (node, inet) = uplinked(g, f.tag())?;
-    let mut socket = None;
+/// Builds filter `f`: node + uplink + internet, the calix agent with XDP or the nft rule.
+fn drop_topology(b: &Bench, f: Filter) -> Result<DropTopo> {
+    let config = f
+        .xdp_mode()
+        .map(|mode| agent_config(true, false, Some(mode), None));
+    let (node, inet) = uplinked(b, f.tag(), Dataplane::Ebpf, config)?;
+    if f.xdp_mode().is_some() {
+        node.agent().start(&[])?;
+    }
     if let Some(mode) = f.xdp_mode() {
-        let spec = AgentSpec {
-            dataplane: "ebpf",
-            uplinks: true,
-            nat_outgoing: false,
-            xdp_mode: Some(mode),
-            extra: None,
-        };
-        socket = Some(start_agent(g, &tools.bins, &node, f.tag(), &spec)?.0);
         let want = if mode == "native" { 1 } else { 2 };
-        let got = xdp_attach_mode(&node, UPLINK)?;
+        let v = json(Command::new("ip").args([
+            "-n",
+            &node.ns.name,
+            "-j",
+            "-d",
+            "link",
+            "show",
+            "dev",
+            UPLINK,
+        ]))?;
+        let got = v[0]["xdp"]["mode"].as_u64();
         if got != Some(want) {
             bail!("XDP on {UPLINK} attached in mode {got:?}, expected {want} ({mode})");
         }
@@ -813,218 +443,43 @@ fn drop_topology(g: &mut Guard, tools: &Tools, f: Filter) -> Result<DropTopo> {
         "  set deny {{\n    type ipv4_addr; flags interval;\n    elements = {{ {DENY_CIDR} }}\n  }}\n"
     );
     let rule = "ip saddr @deny counter drop";
-    match f {
-        Filter::NftIngress => nft(
-            g,
-            &node,
-            f.tag(),
-            &format!(
-                "table netdev cxbdrop {{\n{set}  chain ingress {{\n    type filter hook ingress \
-                 device {UPLINK:?} priority -500; policy accept;\n    {rule}\n  }}\n}}\n"
-            ),
-        )?,
-        Filter::NftPrerouting => nft(
-            g,
-            &node,
-            f.tag(),
-            &format!(
-                "table ip cxbdrop {{\n{set}  chain pre {{\n    type filter hook prerouting \
-                 priority raw; policy accept;\n    {rule}\n  }}\n}}\n"
-            ),
-        )?,
-        _ => {}
+    let chain = match f {
+        Filter::NftIngress => Some(format!(
+            "ingress {{\n    type filter hook ingress device {UPLINK:?} priority -500; policy accept;"
+        )),
+        Filter::NftPrerouting => Some("pre {\n    type filter hook prerouting priority raw; policy accept;".into()),
+        _ => None,
+    };
+    if let (Some(table), Some(chain)) = (f.nft_table(), chain) {
+        let rules = format!("table {table} {{\n{set}  chain {chain}\n    {rule}\n  }}\n}}\n");
+        nft(b, &node.ns, &rules)?;
     }
-    let mut frame = udp_frame(
-        mac_of(&node, UPLINK)?,
-        mac_of(&inet, PEER_IF)?,
-        FLOOD_SRC,
-        NODE_UP,
-        FLOOD_PORT,
-    );
-    if f == Filter::Floor {
-        frame[12..14].copy_from_slice(&FLOOR_ETHERTYPE.to_be_bytes());
-    }
-    Ok(DropTopo {
-        node,
-        inet,
-        socket,
-        frame,
-    })
+    let ethertype = if f == Filter::Floor {
+        FLOOR_ETHERTYPE
+    } else {
+        ETH_P_IP
+    };
+    let frame = flood_frame(node.ns.mac(UPLINK)?, inet.mac(PEER_IF)?, ethertype);
+    Ok(DropTopo { node, inet, frame })
 }
 
-/// A minimal Ethernet + IPv4 + UDP frame (60 bytes: 18 bytes of payload), valid checksums.
-fn udp_frame(
-    dst_mac: [u8; 6],
-    src_mac: [u8; 6],
-    src: Ipv4Addr,
-    dst: Ipv4Addr,
-    port: u16,
-) -> Vec<u8> {
-    const PAYLOAD: usize = 18;
-    let ip_len = (20 + 8 + PAYLOAD) as u16;
-    let mut f = Vec::with_capacity(14 + ip_len as usize);
-    f.extend_from_slice(&dst_mac);
-    f.extend_from_slice(&src_mac);
-    f.extend_from_slice(&0x0800u16.to_be_bytes());
-    let mut h = [0u8; 20];
-    h[0] = 0x45;
-    h[2..4].copy_from_slice(&ip_len.to_be_bytes());
-    h[6] = 0x40; // DF
-    h[8] = 64;
-    h[9] = 17;
-    h[12..16].copy_from_slice(&src.octets());
-    h[16..20].copy_from_slice(&dst.octets());
-    let csum = ipv4_checksum(&h);
-    h[10..12].copy_from_slice(&csum.to_be_bytes());
-    f.extend_from_slice(&h);
-    f.extend_from_slice(&40000u16.to_be_bytes());
-    f.extend_from_slice(&port.to_be_bytes());
-    f.extend_from_slice(&((8 + PAYLOAD) as u16).to_be_bytes());
-    // UDP checksum 0: none (allowed over IPv4).
-    f.extend_from_slice(&[0, 0]);
-    f.extend_from_slice(&[b'x'; PAYLOAD]);
-    f
-}
-
-fn ipv4_checksum(h: &[u8]) -> u16 {
-    let mut sum: u32 = h
-        .chunks(2)
-        .map(|c| u32::from(u16::from_be_bytes([c[0], c.get(1).copied().unwrap_or(0)])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
-/// The kernel thread that runs CPU `cpu`'s softirqs when they pile up.
-fn ksoftirqd_pid(cpu: usize) -> Option<u32> {
-    let want = format!("ksoftirqd/{cpu}");
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
-        (comm.trim() == want).then_some(pid)
-    })
-}
-
-/// A task's CPU time so far (ns, `/proc/<pid>/schedstat`); 0 when unknown.
-fn task_cpu_ns(pid: Option<u32>) -> f64 {
-    pid.and_then(|p| std::fs::read_to_string(format!("/proc/{p}/schedstat")).ok())
-        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
-        .unwrap_or(0.0)
-}
-
-/// What the flood thread reports.
-struct Flooded {
-    sent: u64,
-    /// The thread's CPU time over the flood (ns), the receive softirqs it ran included.
-    cpu_ns: f64,
-    secs: f64,
-}
-
-/// Writes `frame` out of the internet's `eth0` for `secs` from a thread pinned to `cpu`:
-/// `sendmmsg` batches on an `AF_PACKET` socket that bypasses the qdisc.
-fn flood(inet: &str, cpu: usize, frame: Vec<u8>, secs: f64) -> Result<Flooded> {
-    join(spawn_in_netns(inet, Some(cpu), move || {
-        let name = std::ffi::CString::new(PEER_IF)?;
-        // SAFETY: a NUL-terminated name; if_nametoindex looks it up in this thread's netns.
-        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-        if ifindex == 0 {
-            return Err(std::io::Error::last_os_error()).context("if_nametoindex");
-        }
-        // SAFETY: socket(2); protocol 0: a send-only packet socket (it receives nothing).
-        let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error()).context("AF_PACKET socket");
-        }
-        // SAFETY: a fresh fd this thread owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let one: libc::c_int = 1;
-        // SAFETY: setsockopt with an int option of the right size.
-        if unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                libc::SOL_PACKET,
-                libc::PACKET_QDISC_BYPASS,
-                (&one as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        } != 0
-        {
-            return Err(std::io::Error::last_os_error()).context("PACKET_QDISC_BYPASS");
-        }
-        // SAFETY: sockaddr_ll is plain data.
-        let mut to: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        to.sll_family = libc::AF_PACKET as u16;
-        to.sll_protocol = (libc::ETH_P_IP as u16).to_be();
-        to.sll_ifindex = ifindex as i32;
-        to.sll_halen = 6;
-        to.sll_addr[..6].copy_from_slice(&frame[..6]);
-        let mut iov = libc::iovec {
-            iov_base: frame.as_ptr() as *mut libc::c_void,
-            iov_len: frame.len(),
-        };
-        // SAFETY: mmsghdr is plain data; every entry points at the same address and frame,
-        // which outlive the sendmmsg calls below.
-        let mut msgs: Vec<libc::mmsghdr> = (0..BATCH)
-            .map(|_| {
-                let mut m: libc::mmsghdr = unsafe { std::mem::zeroed() };
-                m.msg_hdr.msg_name = (&mut to as *mut libc::sockaddr_ll).cast();
-                m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_ll>() as u32;
-                m.msg_hdr.msg_iov = &mut iov;
-                m.msg_hdr.msg_iovlen = 1;
-                m
-            })
-            .collect();
-        let t0 = Instant::now();
-        let end = t0 + Duration::from_secs_f64(secs);
-        let c0 = thread_cpu_ns();
-        let mut sent = 0u64;
-        while Instant::now() < end {
-            // SAFETY: BATCH valid mmsghdrs (see above).
-            let n = unsafe {
-                libc::sendmmsg(fd.as_raw_fd(), msgs.as_mut_ptr(), BATCH as libc::c_uint, 0)
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if matches!(e.raw_os_error(), Some(libc::ENOBUFS) | Some(libc::EAGAIN)) {
-                    continue;
-                }
-                return Err(e).context("sendmmsg");
-            }
-            sent += n as u64;
-        }
-        let cpu_ns = thread_cpu_ns() - c0;
-        Ok(Flooded {
-            sent,
-            cpu_ns,
-            secs: t0.elapsed().as_secs_f64(),
-        })
-    })?)
+/// The flood's frame: 60 bytes of Ethernet + IPv4 + UDP from FLOOD_SRC to the node's UDP
+/// discard port, 18 bytes of payload, the UDP checksum 0 (none, allowed over IPv4).
+fn flood_frame(dst: [u8; 6], src: [u8; 6], ethertype: u16) -> Vec<u8> {
+    let udp = udp_with(40000, FLOOD_PORT, &[b'x'; 18]);
+    let ip = Ip4::new(FLOOD_SRC.octets(), NODE_UP.octets(), UDP, udp).bytes();
+    eth(dst, src, ethertype, &ip)
 }
 
 /// Packets the filter of `t` dropped so far (its own counter).
-fn dropped(tools: &Tools, f: Filter, t: &DropTopo) -> Result<f64> {
-    if let Some(socket) = &t.socket {
-        let v = run_json(
-            "calixctl bpf counters",
-            Command::new(tools.bins.join("calixctl"))
-                .arg("--socket")
-                .arg(socket)
-                .args(["bpf", "counters", "-o", "json"]),
-        )?;
-        return Ok(v["drops"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|d| d["interface"] == UPLINK && d["reason"] == XDP_REASON)
-            .filter_map(|d| d["packets"].as_f64())
-            .sum());
+fn dropped(f: Filter, t: &DropTopo) -> Result<f64> {
+    if f.xdp_mode().is_some() {
+        return Ok(t.node.agent().dropped(UPLINK, XDP_REASON)? as f64);
     }
+    let ns = &t.node.ns;
     if f == Filter::Floor {
-        let v = run_json(
-            &format!("ip -s link show {UPLINK}"),
-            Command::new("ip").args(["-n", &t.node, "-j", "-s", "link", "show", "dev", UPLINK]),
+        let v = json(
+            Command::new("ip").args(["-n", &ns.name, "-j", "-s", "link", "show", "dev", UPLINK]),
         )?;
         // An unhandled protocol counts as rx_dropped (rx_nohandler only for exact-match
         // deliveries); iproute2 leaves a key out while it is 0.
@@ -1035,10 +490,10 @@ fn dropped(tools: &Tools, f: Filter, t: &DropTopo) -> Result<f64> {
             .sum());
     }
     let table = f.nft_table().context("a filter without a counter")?;
-    let mut cmd = in_netns(Path::new("nft"), &t.node)?;
-    cmd.args(["-j", "list", "table"]).args(table.split(' '));
-    let v = run_json(&format!("nft list table {table}"), &mut cmd)?;
-    Ok(nft_counter(&v))
+    let mut cmd = ns.command("nft")?;
+    Ok(nft_counter(&json(
+        cmd.args(["-j", "list", "table"]).args(table.split(' ')),
+    )?))
 }
 
 /// The sum of every rule counter's packets in `nft -j` output.
@@ -1071,46 +526,42 @@ struct DropSamples {
     others_busy: Vec<f64>,
 }
 
+/// One flood of `secs` through filter `f`, recorded in `s`; its progress line.
 fn measure_drops(
-    tools: &Tools,
+    (cpu, ksoftirqd): (usize, Option<u32>),
     f: Filter,
     t: &DropTopo,
     secs: u64,
     s: &mut DropSamples,
 ) -> Result<String> {
-    let load = loadavg();
-    let d0 = dropped(tools, f, t)?;
-    let cpu0 = cpu_stat();
-    let k0 = task_cpu_ns(tools.ksoftirqd);
-    let fl = flood(&t.inet, tools.cpu, t.frame.clone(), secs as f64)?;
-    let k1 = task_cpu_ns(tools.ksoftirqd);
-    let cpu1 = cpu_stat();
-    let d1 = dropped(tools, f, t)?;
-    let drops = d1 - d0;
-    let softirq_ticks = cpu1
-        .get(tools.cpu)
-        .zip(cpu0.get(tools.cpu))
-        .map_or(f64::NAN, |(a, b)| a[6].saturating_sub(b[6]) as f64);
-    let (others, _) = cpu_shares(&cpu0, &cpu1, tools.cpu);
+    let load = load_average();
+    let d0 = dropped(f, t)?;
+    let cpu0 = CpuStat::read();
+    let k0 = task_cpu_ns(ksoftirqd);
+    let fl = flood(&t.inet, PEER_IF, cpu, t.frame.clone(), secs as f64)?;
+    let k1 = task_cpu_ns(ksoftirqd);
+    let cpu1 = CpuStat::read();
+    let drops = dropped(f, t)? - d0;
+    let (others, _) = cpu1.shares_since(&cpu0, cpu);
     if drops < 1.0 {
         bail!("{}: nothing dropped ({} frames sent)", f.label(), fl.sent);
     }
-    let softirq_ns = softirq_ticks * ns_per_tick() / drops;
+    let softirq_ns = cpu1.softirq_ns_since(&cpu0, cpu) / drops;
     let total_ns = (fl.cpu_ns + k1 - k0) / drops;
-    let ksoftirqd = 100.0 * (k1 - k0) / (fl.cpu_ns + k1 - k0).max(1.0);
+    let in_ksoftirqd = 100.0 * (k1 - k0) / (fl.cpu_ns + k1 - k0).max(1.0);
     let share = 100.0 * drops / (fl.sent.max(1) as f64);
     s.sent_rate.push(fl.sent as f64 / fl.secs);
     s.drop_rate.push(drops / fl.secs);
     s.share.push(share);
     s.softirq_ns.push(softirq_ns);
     s.total_ns.push(total_ns);
-    s.ksoftirqd.push(ksoftirqd);
+    s.ksoftirqd.push(in_ksoftirqd);
     s.load.push(load);
     s.others_busy.push(others);
     Ok(format!(
         "(load {load:.2}, other CPUs {others:.0}% busy): sent {:.2} Mpps, dropped {:.2} Mpps \
          ({share:.1}% of sent), softirq {softirq_ns:.0} ns/drop, sender+softirq {total_ns:.0} \
-         ns/drop ({ksoftirqd:.0}% in ksoftirqd)",
+         ns/drop ({in_ksoftirqd:.0}% in ksoftirqd)",
         fl.sent as f64 / fl.secs / 1e6,
         drops / fl.secs / 1e6,
     ))
@@ -1119,15 +570,10 @@ fn measure_drops(
 // --- run -----------------------------------------------------------------------------------
 
 pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) -> Result<()> {
-    util::require_root("the snat benchmark")?;
-    if reps < 1 || secs < 1 {
-        bail!("--reps and --secs must be at least 1");
-    }
-    for tool in [IPERF3, "nft", "iptables", "sysctl"] {
-        if output(Command::new("sh").args(["-c", &format!("command -v {tool}")])).is_err() {
-            bail!("{tool} is missing: cargo xtask setup installs it");
-        }
-    }
+    anyhow::ensure!(
+        reps >= 1 && secs >= 1,
+        "--reps and --secs must be at least 1"
+    );
     let extra = match &snat_config {
         Some(p) => Some(
             std::fs::read_to_string(p)
@@ -1135,70 +581,24 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
         ),
         None => None,
     };
-    let t_start = Instant::now();
-    let rev = git_rev(&util::workspace_root());
-    println!("[setup] building release binaries (cargo build --release --workspace --bins)");
-    let bins = util::build_bins_release()?;
-    remove_stale(PREFIX, PIN_ROOT)?;
-    catch_interrupts();
-
-    let machine = Machine::read();
-    let cpu = if machine.cpus > 1 { 1 } else { 0 };
-    let tools = Tools {
-        bins,
-        cpu,
-        ksoftirqd: ksoftirqd_pid(cpu),
-    };
-    let prefix = format!("{PREFIX}-{}", std::process::id());
-    let dir = std::env::temp_dir().join(&prefix);
-    std::fs::create_dir_all(&dir)?;
-    let mut g = Guard::new(prefix, PIN_ROOT, dir);
+    let b = Bench::setup(
+        "the snat benchmark",
+        &["iperf3", "nft", "iptables", "sysctl"],
+        &[],
+    )?;
+    let tools = b.tools();
+    // The bench CPU and its ksoftirqd, which the drop measurements count.
+    let flood_cpu = (b.cpu, ksoftirqd_pid(b.cpu));
 
     // Outgoing traffic: every variant built, probed and warmed up before anything is timed.
     let mut topo: Vec<Result<Topology, String>> = Vec::with_capacity(VARIANTS.len());
-    let mut snat_agent_config = None;
+    let mut snat_args = None;
     for v in VARIANTS {
         check_interrupted()?;
-        let built = topology(&mut g, &tools, v, extra.as_deref())
-            .with_context(|| format!("setting up {}", v.label()))
-            .and_then(|s| {
-                let want = if v.nat() { NODE_UP } else { s.topo.pod_ip };
-                match probe(&s.topo) {
-                    // Translated, and not by a kernel rule someone left in the node.
-                    Ok(seen) if seen == want && v == Variant::CalixSnat => {
-                        let rules = output(in_netns(Path::new("nft"), &s.topo.node)?.args(["list", "ruleset"]))?;
-                        if rules.contains("masquerade") || rules.contains("snat") {
-                            bail!("the node has a kernel NAT rule, so eBPF SNAT is not what translates:\n{rules}");
-                        }
-                        Ok(s)
-                    }
-                    Ok(seen) if seen == want => Ok(s),
-                    Ok(seen) => Err(anyhow!(
-                        "the internet saw the pod's connection from {seen}, not {want}{}",
-                        if seen == s.topo.pod_ip {
-                            " (not translated)"
-                        } else {
-                            ""
-                        }
-                    )),
-                    Err(e) if v.nat() => Err(anyhow!(
-                        "not translated: the pod's connection to the internet failed ({:#}; \
-                         the internet has no route back to {POOL}, so only a translated \
-                         connection is answered)",
-                        e
-                    )),
-                    Err(e) => Err(e.context(format!(
-                        "a connection from the pod ({}) to the internet ({INET}) failed",
-                        s.topo.pod_ip
-                    ))),
-                }
-            });
-        let s = match built {
-            Ok(s) => s,
+        let t = match checked_topology(&b, &tools, v, extra.as_deref()) {
+            Ok(t) => t,
             Err(e) if v == Variant::CalixSnat => {
                 check_interrupted()?;
-                snat_agent_config =
-                    std::fs::read_to_string(g.dir.join(v.tag()).join("agent.toml")).ok();
                 let reason = unavailable_reason(&e);
                 println!("[setup] {}: not available: {reason}", v.label());
                 topo.push(Err(reason));
@@ -1206,22 +606,20 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
             }
             Err(e) => return Err(e),
         };
-        if s.config.is_some() {
-            snat_agent_config = s.config;
+        if v == Variant::CalixSnat {
+            snat_args = Some(t.node.agent_args(&[]).join(" "));
         }
-        let t = s.topo;
         let w = tools
-            .netperf(&t, "crr", WARMUP_SECS)
-            .and_then(|_| tools.netperf(&t, "rr", WARMUP_SECS))
+            .warm_up(&t.traffic)
             .with_context(|| format!("{}: warm-up", v.label()))?;
         println!(
             "[setup] {}: {} → {} ({} seen as {}), warm-up RR p50 {:.1} µs",
             v.label(),
-            t.pod,
-            t.inet,
+            t.traffic.client.name,
+            t.traffic.server.name,
             t.pod_ip,
             if v.nat() { NODE_UP } else { t.pod_ip },
-            num(&w, &["p50_us"])?
+            w.p50_us
         );
         topo.push(Ok(t));
     }
@@ -1231,15 +629,17 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
     let mut xdp_prog_ns: [Option<f64>; 5] = Default::default();
     for f in FILTERS {
         check_interrupted()?;
-        let t = drop_topology(&mut g, &tools, f)
-            .with_context(|| format!("setting up {}", f.label()))?;
-        let mut warm = DropSamples::default();
-        let line = measure_drops(&tools, f, &t, 1, &mut warm)
+        let t = drop_topology(&b, f).with_context(|| format!("setting up {}", f.label()))?;
+        let line = measure_drops(flood_cpu, f, &t, 1, &mut DropSamples::default())
             .with_context(|| format!("{}: warm-up", f.label()))?;
         println!("[setup] {}: warm-up {line}", f.label());
         if f.xdp_mode().is_some() {
-            let ns = xdp_program_ns(&tools, &t)
-                .with_context(|| format!("{}: the program's run time", f.label()))?;
+            // xdp_host_dev's average run time per packet over an untimed one-second flood
+            // (kernel BPF statistics; only the flooded filter's program runs meanwhile).
+            let (ns, _) = calix_testbed::bpf::program_run_time("xdp_host_dev", || {
+                flood(&t.inet, PEER_IF, b.cpu, t.frame.clone(), 1.0).map(drop)
+            })
+            .with_context(|| format!("{}: the program's run time", f.label()))?;
             println!(
                 "[setup] {}: xdp_host_dev {ns:.0} ns per packet (kernel BPF stats)",
                 f.label()
@@ -1252,99 +652,58 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
     let mut res: [Samples; 5] = Default::default();
     let mut dres: [DropSamples; 5] = Default::default();
     for rep in 0..reps {
-        let mut order = VARIANTS;
-        order.rotate_left(rep % VARIANTS.len());
-        for v in order {
-            check_interrupted()?;
-            let i = v as usize;
-            let Ok(t) = &topo[i] else { continue };
-            let line = measure(&tools, t, secs, &mut res[i])
-                .or_else(|e| check_interrupted().and(Err(e)))
-                .with_context(|| format!("{} (repetition {})", v.label(), rep + 1))?;
-            println!("[rep {}/{reps}] {} {line}", rep + 1, v.label());
-        }
-        let mut order = FILTERS;
-        order.rotate_left(rep % FILTERS.len());
-        for f in order {
-            check_interrupted()?;
-            let i = f as usize;
-            let line = measure_drops(&tools, f, &dtopo[i], secs, &mut dres[i])
-                .or_else(|e| check_interrupted().and(Err(e)))
-                .with_context(|| format!("{} (repetition {})", f.label(), rep + 1))?;
-            println!("[rep {}/{reps}] {} {line}", rep + 1, f.label());
-        }
+        let measured: Vec<Variant> = order(&VARIANTS, rep, true)
+            .into_iter()
+            .filter(|&v| topo[v as usize].is_ok())
+            .collect();
+        repetition(
+            rep,
+            reps,
+            &measured,
+            |v| v.label().into(),
+            |v| {
+                let Ok(t) = &topo[v as usize] else {
+                    unreachable!("filtered above")
+                };
+                Ok(res[v as usize].push(&tools.measure(&t.traffic, secs, None, false)?))
+            },
+        )?;
+        repetition(
+            rep,
+            reps,
+            &order(&FILTERS, rep, true),
+            |f| f.label().into(),
+            |f| {
+                measure_drops(
+                    flood_cpu,
+                    f,
+                    &dtopo[f as usize],
+                    secs,
+                    &mut dres[f as usize],
+                )
+            },
+        )?;
     }
-    drop(g);
-    println!(
-        "[done] measured in {:.0}s; servers and agents stopped, namespaces and pins removed",
-        t_start.elapsed().as_secs_f64()
-    );
-
+    let unavailable = topo.iter().map(|t| t.as_ref().err().cloned()).collect();
+    drop((topo, dtopo));
+    b.done();
     let report = Report {
         reps,
         secs,
         quick,
-        cpu: tools.cpu,
-        machine,
-        rev,
-        iperf_version: output(Command::new(IPERF3).arg("--version"))
-            .ok()
-            .and_then(|s| s.lines().next().map(|l| l.trim().to_string()))
-            .unwrap_or_else(|| "iperf3".into()),
-        nft_version: output(Command::new("nft").arg("--version"))
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "nft".into()),
-        iptables_version: output(Command::new("iptables").arg("--version"))
-            .map(|s| s.trim().to_string())
-            .unwrap_or_else(|_| "iptables".into()),
-        unavailable: topo.iter().map(|t| t.as_ref().err().cloned()).collect(),
+        iperf_version: version("iperf3"),
+        nft_version: version("nft"),
+        iptables_version: version("iptables"),
+        unavailable,
         snat_config: snat_config.map(|p| p.display().to_string()),
-        snat_agent_config,
+        snat_args,
+        snat_agent_config: agent_config(true, true, None, extra.as_deref()),
         res,
         dres,
         xdp_prog_ns,
+        bench: b,
     };
-    let md = report.markdown();
-    println!("\n{md}");
-    let out = if quick {
-        let d = util::workspace_root().join("target").join("bench");
-        std::fs::create_dir_all(&d)?;
-        d
-    } else {
-        out_dir()?
-    };
-    std::fs::write(out.join("snat.md"), &md)?;
-    chart(&out.join("snat.svg"), &report)?;
-    println!(
-        "wrote {} and {}",
-        out.join("snat.md").display(),
-        out.join("snat.svg").display()
-    );
-    Ok(())
-}
-
-/// Why calix SNAT could not be measured, in one line: the agent's last log line when it did
-/// not come up, else the error chain.
-fn unavailable_reason(e: &anyhow::Error) -> String {
-    let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-    let text = chain.join(": ");
-    let one_line = match text.split_once(" did not come up:") {
-        Some((head, log)) => {
-            let last = log
-                .lines()
-                .rev()
-                .map(str::trim)
-                .find(|l| !l.is_empty())
-                .unwrap_or("(empty log)");
-            format!("{head} exited: {last}")
-        }
-        None => text.lines().map(str::trim).collect::<Vec<_>>().join(" "),
-    };
-    let mut s: String = one_line.chars().take(400).collect();
-    if s.len() < one_line.len() {
-        s.push('…');
-    }
-    s
+    Bench::publish("snat", &report.markdown(), quick, |p| chart(p, &report))
 }
 
 // --- report --------------------------------------------------------------------------------
@@ -1353,29 +712,20 @@ struct Report {
     reps: usize,
     secs: u64,
     quick: bool,
-    cpu: usize,
-    machine: Machine,
-    rev: String,
     iperf_version: String,
     nft_version: String,
     iptables_version: String,
     /// Per variant: why it was not measured.
     unavailable: Vec<Option<String>>,
     snat_config: Option<String>,
-    snat_agent_config: Option<String>,
+    /// The calix SNAT node's agent: its command line (when it ran) and config file.
+    snat_args: Option<String>,
+    snat_agent_config: String,
     res: [Samples; 5],
     dres: [DropSamples; 5],
     /// Per filter: the XDP program's own run time per packet (kernel BPF stats).
     xdp_prog_ns: [Option<f64>; 5],
-}
-
-/// `xdp_host_dev`'s average run time per packet over an untimed one-second flood of `t`
-/// (kernel BPF statistics; only the flooded filter's program runs meanwhile).
-fn xdp_program_ns(tools: &Tools, t: &DropTopo) -> Result<f64> {
-    let (ns, _) = program_run_time("xdp_host_dev", || {
-        flood(&t.inet, tools.cpu, t.frame.clone(), 1.0).map(drop)
-    })?;
-    Ok(ns)
+    bench: Bench,
 }
 
 impl Report {
@@ -1392,45 +742,20 @@ impl Report {
     }
 
     fn row(&self, v: Variant) -> String {
-        if let Some(why) = self.unavailable(v) {
-            return format!(
+        match self.unavailable(v) {
+            Some(why) => format!(
                 "| {} | not available: {} | | | | | |\n",
                 v.label(),
                 why.replace('|', "\\|")
-            );
+            ),
+            None => self.get(v).row(v.label(), false),
         }
-        let s = self.get(v);
-        format!(
-            "| {} | {} | {} | {} | {} | {} | {} |\n",
-            v.label(),
-            fmt_spread_with(&s.crr, "", fmt_0),
-            fmt_spread_with(&s.rr_p50, " µs", fmt_1),
-            fmt_spread_with(&s.rr_p99, " µs", fmt_1),
-            fmt_spread_with(&s.gbps, " Gbit/s", fmt_1),
-            loads(&s.load),
-            fmt_spread_with(&s.others_busy, " %", fmt_0),
-        )
     }
 
     fn ratio_row(&self, a: Variant, b: Variant) -> String {
-        let (x, y) = (self.get(a), self.get(b));
         let na = self.unavailable(a).is_some() || self.unavailable(b).is_some();
-        let r = |p: fn(&Samples) -> &Vec<f64>| {
-            if na {
-                "–".into()
-            } else {
-                ratio(median(p(x)), median(p(y)))
-            }
-        };
-        format!(
-            "| {} / {} | {} | {} | {} | {} | | |\n",
-            a.label(),
-            b.label(),
-            r(|s| &s.crr),
-            r(|s| &s.rr_p50),
-            r(|s| &s.rr_p99),
-            r(|s| &s.gbps),
-        )
+        let label = format!("{} / {}", a.label(), b.label());
+        Samples::ratio_row(&label, self.get(a), (!na).then(|| self.get(b)), false)
     }
 
     /// Per repetition: this filter's CPU per drop minus the floor's in the same repetition.
@@ -1540,46 +865,29 @@ impl Report {
     }
 
     fn load_note(&self) -> String {
-        let mut others: Vec<f64> = self
-            .res
-            .iter()
-            .flat_map(|r| r.others_busy.iter().copied())
+        let (res, dres) = (self.res.iter(), self.dres.iter());
+        let others: Vec<f64> = res
+            .clone()
+            .flat_map(|r| r.others_busy.clone())
+            .chain(dres.clone().flat_map(|r| r.others_busy.clone()))
             .collect();
-        others.extend(self.dres.iter().flat_map(|r| r.others_busy.iter().copied()));
-        let mut load: Vec<f64> = self
-            .res
-            .iter()
-            .flat_map(|r| r.load.iter().copied())
+        let load: Vec<f64> = res
+            .clone()
+            .flat_map(|r| r.load.clone())
+            .chain(dres.flat_map(|r| r.load.clone()))
             .collect();
-        load.extend(self.dres.iter().flat_map(|r| r.load.iter().copied()));
-        let steal: Vec<f64> = self
-            .res
-            .iter()
-            .flat_map(|r| r.steal.iter().copied())
-            .collect();
-        let max_others = others.iter().copied().fold(f64::NAN, f64::max);
-        let mut s = format!(
-            "\nLoad: the load average includes the bench itself (CPU {} is kept busy), so \
-             DESIGN.md §10's \"rerun above ~1.2\" is judged on the other CPU(s): {} busy during \
-             the measurements (median [min–max]; the agents and this bench's own process \
-             included); steal on the bench CPU {} %. Load averages before the variants: {}.\n",
-            self.cpu,
-            fmt_spread_with(&others, " %", fmt_0),
-            fmt_spread_with(&steal, "", fmt_0),
-            loads(&load),
-        );
-        if max_others > OTHERS_BUSY_LIMIT {
-            s.push_str(&format!(
-                "\n**Something else used up to {max_others:.0} % of the other CPU(s) during a \
-                 measurement** (above {OTHERS_BUSY_LIMIT:.0} %: the machine was shared; rerun \
-                 for publishable numbers).\n"
-            ));
-        }
-        s
+        let steal: Vec<f64> = res.flat_map(|r| r.steal.clone()).collect();
+        busy_note(
+            self.bench.cpu,
+            self.bench.machine.cpus,
+            &others,
+            &steal,
+            &load,
+        )
     }
 
     fn markdown(&self) -> String {
-        let m = &self.machine;
+        let (m, cpu) = (&self.bench.machine, self.bench.cpu);
         let mut s = String::new();
         s.push_str(
             "# Pod → outside: calix eBPF SNAT vs MASQUERADE vs routing; XDP deny list vs nftables \
@@ -1603,7 +911,7 @@ impl Report {
             m.cpus,
             m.cpus,
             m.kernel,
-            self.rev,
+            self.bench.rev,
             self.iptables_version,
             self.nft_version,
             self.iperf_version,
@@ -1621,14 +929,15 @@ impl Report {
              eBPF SNAT**: `dataplane = \"ebpf\"`, `uplinks = [\"{UPLINK}\"]`, the pool with \
              `natOutgoing = true`, no route back. Before timing, a probe connection shows the \
              source the internet sees (the pod's address for the routing rows, {NODE_UP} for \
-             the NAT rows). Per variant and repetition, each {} s, client (pod) and servers \
+             the NAT rows; for calix eBPF SNAT, the programs' conntrack must hold that \
+             translation). Per variant and repetition, each {} s, client (pod) and servers \
              (internet) pinned to CPU {}: **TCP_CRR** (`xtask netperf crr`: connect, 1-byte \
              request, 1-byte reply, close; the pod uses ports 1024–65535 with `tcp_tw_reuse`), \
              **TCP_RR** (`xtask netperf rr`: 1-byte ping-pong, every round trip timed) and \
              **throughput** (`iperf3 -C cubic`, one stream, receiver at nice {IPERF_NICE}). {} \
              repetitions, variants interleaved (order rotated every repetition); median \
              [min–max] over repetitions.\n\n",
-            self.secs, self.cpu, self.reps,
+            self.secs, cpu, self.reps,
         ));
         s.push_str(
             "| variant | conn/s (TCP_CRR) | TCP_RR p50 | TCP_RR p99 | throughput | load before | \
@@ -1652,12 +961,14 @@ impl Report {
             "\nRatios of medians: above 1× is better for conn/s and throughput, below 1× for the \
              latencies.\n",
         );
-        if let Some(c) = &self.snat_agent_config {
-            s.push_str(&format!(
-                "\nThe calix eBPF SNAT node's agent config (paths of this run):\n\n```toml\n{}```\n",
-                c
-            ));
-        }
+        s.push_str(&format!(
+            "\nThe calix eBPF SNAT node's agent{}, its config file:\n\n```toml\n{}```\n",
+            self.snat_args
+                .as_ref()
+                .map(|a| format!(" (paths of this run): `{a}`"))
+                .unwrap_or_default(),
+            self.snat_agent_config
+        ));
         s.push_str(&format!(
             "\n## Dropping a denied source: XDP vs nftables\n\nPer filter, a node namespace with \
              the uplink and an internet namespace: **calix XDP native** / **generic** (the agent \
@@ -1685,7 +996,7 @@ impl Report {
              `CONFIG_IRQ_TIME_ACCOUNTING`, so it is tick-sampled, and it came out bimodal \
              (~250 or ~600 ns for the same filter) while this bench was written. Drops are the filters' own counters (`calixctl bpf counters`: \
              `{XDP_REASON}` on `{UPLINK}`; the nft rule's counter).\n\n",
-            self.cpu,
+            cpu,
             self.secs,
             FILTERS
                 .iter()
@@ -1727,17 +1038,11 @@ impl Report {
                 prog.join(", ")
             ));
         }
-        s.push_str("\nTargets (issue 6, medians):\n\n");
-        for (text, met) in self.targets() {
-            s.push_str(&format!(
-                "- {} {text}\n",
-                match met {
-                    Some(true) => "met:",
-                    Some(false) => "**not met**:",
-                    None => "pending (calix SNAT not available):",
-                }
-            ));
-        }
+        s.push_str(&targets(
+            "Targets (issue 6, medians):",
+            &self.targets(),
+            "calix SNAT not available",
+        ));
         s.push_str(&self.load_note());
         s.push_str("\n![snat chart](snat.svg)\n");
         s
@@ -1745,16 +1050,16 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    let root = super::chart_root(
+    let root = super::report::chart_root(
         path,
         (1200, 820),
         &format!(
             "Pod → outside and drop filters, medians of {} reps × {} s ({})",
-            r.reps, r.secs, r.machine.date
+            r.reps, r.secs, r.bench.machine.date
         ),
     )?;
     let panels = root.split_evenly((2, 2));
-    let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<super::Series> {
+    let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<Series> {
         VARIANTS
             .iter()
             .map(|&v| {
@@ -1763,7 +1068,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
                 } else {
                     f(r.get(v))
                 };
-                (v.label(), v.color(), values)
+                (v.label(), v.info().2, values)
             })
             .collect()
     };
@@ -1794,13 +1099,13 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
         &|_, _, v| fmt_1(v),
         None,
     )?;
-    let dseries: Vec<super::Series> = FILTERS
+    let dseries: Vec<Series> = FILTERS
         .iter()
         .map(|&f| {
             let s = r.dget(f);
             (
                 f.label(),
-                f.color(),
+                f.info().2,
                 vec![
                     Some(median(&s.total_ns)),
                     (f != Filter::Floor).then(|| median(&r.above_floor(f))),
@@ -1827,11 +1132,11 @@ mod tests {
 
     #[test]
     fn the_flood_frame_is_a_valid_udp_packet() {
-        let f = udp_frame([2; 6], [4; 6], FLOOD_SRC, NODE_UP, FLOOD_PORT);
+        let f = flood_frame([2; 6], [4; 6], ETH_P_IP);
         assert_eq!(f.len(), 60);
         assert_eq!(&f[12..14], &[0x08, 0x00]);
         // A header with its checksum sums to 0xffff: the checksum of it is 0.
-        assert_eq!(ipv4_checksum(&f[14..34]), 0);
+        assert_eq!(calix_testbed::packets::ipv4_checksum(&f[14..34]), 0);
         assert_eq!(&f[26..30], &FLOOD_SRC.octets());
         assert_eq!(u16::from_be_bytes([f[36], f[37]]), FLOOD_PORT);
     }
@@ -1848,14 +1153,7 @@ mod tests {
 
     #[test]
     fn agent_config_has_keys_before_tables() {
-        let spec = AgentSpec {
-            dataplane: "ebpf",
-            uplinks: true,
-            nat_outgoing: true,
-            xdp_mode: None,
-            extra: Some("[nat]\nfoo = 1"),
-        };
-        let c = spec.render("n1", Path::new("/tmp/x"));
+        let c = agent_config(true, true, None, Some("[nat]\nfoo = 1"));
         let first_table = c.find("\n[").unwrap_or(0);
         assert!(c.find("uplinks").is_some_and(|i| i < first_table));
         assert!(c.contains("natOutgoing = true"));

@@ -1,6 +1,6 @@
-//! Frame and packet builders shared by the program tests (agent/tests, BPF_PROG_TEST_RUN) and
-//! the namespace integration tests (frames a pod writes with a raw socket): one copy of each
-//! contract. Plain bytes, no dependencies: `agent/tests/common` includes this file by path.
+//! Frame and packet builders shared by the program tests (agent/tests, BPF_PROG_TEST_RUN), the
+//! namespace integration tests (frames a pod writes with a raw socket) and the benches (the
+//! flood's frame): one copy of each contract. Plain bytes.
 
 pub const ETH_P_IP: u16 = 0x0800;
 pub const ETH_P_ARP: u16 = 0x0806;

@@ -1,0 +1,112 @@
+//! The kernel's view of BPF objects through bpftool: a process's maps, a hash map's keys, a
+//! program's run time.
+use std::process::Command;
+
+use serde_json::Value;
+
+use crate::process::{json, run, run_ok};
+use crate::{Error, Result};
+
+/// The ids of the BPF maps named `name` that process `pid` holds: its `bpf-map` fds'
+/// `map_id` from /proc/<pid>/fdinfo, matched by name through bpftool.
+pub fn bpf_maps_of(pid: u32, name: &str) -> Vec<u64> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let mut ids: Vec<u64> = fds
+        .filter_map(Result::ok)
+        .filter(|fd| {
+            std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy() == "anon_inode:bpf-map")
+        })
+        .filter_map(|fd| {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_string_lossy()
+            ))
+            .ok()?;
+            info.lines()
+                .find_map(|l| l.strip_prefix("map_id:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .filter(|id: &u64| {
+            let out =
+                run(Command::new("bpftool").args(["-j", "map", "show", "id", &id.to_string()]));
+            serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|m| m["name"] == name)
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// The keys (u32, little-endian) of a BPF hash map, via bpftool.
+pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
+    let out = run_ok(Command::new("bpftool").args(["-j", "map", "dump", "id", &id.to_string()]));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool dump json");
+    v.as_array()
+        .map(|entries| {
+            entries
+                .iter()
+                .filter_map(|e| {
+                    let key = e["key"].as_array()?;
+                    let bytes: Vec<u8> = key
+                        .iter()
+                        .filter_map(|b| {
+                            b.as_str().and_then(|s| {
+                                u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()
+                            })
+                        })
+                        .collect();
+                    let arr: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
+                    Some(u32::from_le_bytes(arr))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
+
+/// (run_time_ns, run_cnt) summed over every loaded BPF program named `name`, as the kernel
+/// counts them with `bpf_stats_enabled`.
+fn prog_stats(name: &str) -> Result<(u64, u64)> {
+    // One program prints an object, several an array.
+    let progs = match json(Command::new("bpftool").args(["-j", "prog", "show", "name", name]))? {
+        Value::Array(a) => a,
+        other => vec![other],
+    };
+    let field = |p: &Value, k: &str| p[k].as_u64().unwrap_or(0);
+    Ok(progs.iter().fold((0, 0), |(t, n), p| {
+        (t + field(p, "run_time_ns"), n + field(p, "run_cnt"))
+    }))
+}
+
+/// Runs `load` with the kernel's BPF run-time statistics on (they cost two clock reads per run,
+/// so never during a timed measurement) and returns program `name`'s average run time per run
+/// (ns) and how many runs that is over. Only the loaded programs the load reaches should run
+/// meanwhile: the statistics of every program of that name are summed.
+pub fn program_run_time<E: From<Error>>(
+    name: &str,
+    load: impl FnOnce() -> Result<(), E>,
+) -> Result<(f64, u64), E> {
+    let sysctl = |v: &str| std::fs::write(BPF_STATS_SYSCTL, v).map_err(Error::io(BPF_STATS_SYSCTL));
+    let before = std::fs::read_to_string(BPF_STATS_SYSCTL).map_err(Error::io(BPF_STATS_SYSCTL))?;
+    sysctl("1")?;
+    let measured = (|| {
+        let (t0, n0) = prog_stats(name)?;
+        load()?;
+        let (t1, n1) = prog_stats(name)?;
+        Ok::<_, E>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
+    })();
+    sysctl(before.trim())?;
+    let (ns, runs) = measured?;
+    if runs == 0 {
+        return Err(Error::Unexpected {
+            what: format!("{name} during the load"),
+            found: "no run".into(),
+            expected: "its program attached and reached".into(),
+        }
+        .into());
+    }
+    Ok((ns as f64 / runs as f64, runs))
+}

@@ -1,0 +1,56 @@
+//! The calix test bed, shared by the integration tests (tests/) and the benchmarks (`cargo
+//! xtask bench`): throwaway network namespaces, "nodes" each running a real calix-agent, "pods"
+//! wired by the real `calix` CNI binary exec'd the way a runtime does, conflists, etcd, and the
+//! traffic measurements ([`traffic`]: netperf-style request/response, iperf3, nstat, CPU time,
+//! [`bpf`] program run time). Everything is removed on drop, even when a test fails or a bench
+//! stops on an error.
+//!
+//! Tests name what they create `cxt<pid>x<n><tag>` ([`unique`]) and use the constructors that
+//! panic (`Node::start`, `Pod::add`, `Netns::new`); benches name theirs `cxb-<pid>-<tag>` and use
+//! the ones that return errors (`Node::launch`, `Netns::create`). Root only: build the binaries
+//! first (`cargo xtask test` does it all).
+//!
+//! It depends on nothing that needs the eBPF toolchain: xtask builds on it before `cargo xtask
+//! setup` has installed one.
+use std::sync::atomic::{AtomicU32, Ordering};
+
+mod agent;
+pub mod bpf;
+mod cni;
+mod error;
+mod etcd;
+mod netns;
+mod node;
+pub mod packets;
+mod pod;
+mod process;
+pub mod stats;
+mod tmpfs;
+pub mod traffic;
+
+pub use agent::{Agent, AgentSpec, Dataplane, RootAgent};
+pub use bpf::{bpf_map_u32_keys, bpf_maps_of};
+pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
+pub use error::{Error, Result};
+pub use etcd::EtcdNs;
+pub use netns::{uplink, veth, Capture, Netns};
+pub use node::{Node, NODE_IP, POOL};
+pub use pod::Pod;
+pub use process::{
+    bin, bin_dir, checked, json, num, require_root, run, run_ok, stdout, upgrade_test_object,
+    Guarded,
+};
+pub use tmpfs::Tmpfs;
+
+/// Prefix of every namespace and directory the tests create.
+pub const PREFIX: &str = "cxt";
+
+/// A name unique to this process and call: `cxt<pid>x<n><tag>`.
+pub fn unique(tag: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{PREFIX}{}x{}{tag}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}

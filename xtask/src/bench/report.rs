@@ -1,0 +1,408 @@
+//! What the benches' reports share: number formats, medians with their range, ratios, load
+//! notes, target lists, the traffic benches' samples and rows, and the bar charts.
+use anyhow::Result;
+use calix_testbed::traffic::Measured;
+
+pub use calix_testbed::stats::{median, percentile, spread};
+
+/// `12.3 ms [11.9–13.0]`: a median with the range over repetitions.
+pub fn fmt_spread(v: &[f64]) -> String {
+    fmt_spread_with(v, " ms", fmt_ms)
+}
+
+/// A median with the range over repetitions, each value formatted by `f`, the median followed
+/// by `unit` (with its leading space, if any).
+pub fn fmt_spread_with(v: &[f64], unit: &str, f: fn(f64) -> String) -> String {
+    let (m, lo, hi) = spread(v);
+    if v.len() < 2 {
+        return format!("{}{unit}", f(m));
+    }
+    format!("{}{unit} [{}–{}]", f(m), f(lo), f(hi))
+}
+
+/// A pooled p50 with the [min–max] of the per-repetition p50s.
+pub fn p50_with_reps(pooled: f64, reps: &[f64]) -> String {
+    let (_, lo, hi) = spread(reps);
+    if reps.len() < 2 {
+        format!("{} ms", fmt_ms(pooled))
+    } else {
+        format!("{} ms [{}–{}]", fmt_ms(pooled), fmt_ms(lo), fmt_ms(hi))
+    }
+}
+
+/// Per-call latencies (ms) pooled over every repetition, and each repetition's p50.
+#[derive(Default)]
+pub struct Calls {
+    pub all: Vec<f64>,
+    pub p50s: Vec<f64>,
+}
+
+impl Calls {
+    /// Adds a repetition's calls (none: nothing); returns their p50.
+    pub fn push(&mut self, rep: Vec<f64>) -> f64 {
+        let p50 = percentile(&rep, 50.0);
+        if !rep.is_empty() {
+            self.p50s.push(p50);
+            self.all.extend(rep);
+        }
+        p50
+    }
+
+    /// The `q`th percentile of every call.
+    pub fn p(&self, q: f64) -> f64 {
+        percentile(&self.all, q)
+    }
+
+    /// The pooled p50 with the [min–max] of the repetitions' p50s.
+    pub fn p50(&self) -> String {
+        p50_with_reps(self.p(50.0), &self.p50s)
+    }
+
+    /// `| label | p50 [min–max] | p99 ms |`: a floor's row.
+    pub fn row(&self, label: &str) -> String {
+        format!(
+            "| {label} | {} | {} ms |\n",
+            self.p50(),
+            fmt_ms(self.p(99.0))
+        )
+    }
+}
+
+/// `a / b` as `1.23×`; `–` when undefined.
+pub fn ratio(a: f64, b: f64) -> String {
+    if a.is_nan() || b.is_nan() || b == 0.0 {
+        "–".into()
+    } else {
+        format!("{:.2}×", a / b)
+    }
+}
+
+/// Load averages as median [min–max].
+pub fn loads(v: &[f64]) -> String {
+    let (m, lo, hi) = spread(v);
+    format!("{m:.2} [{lo:.2}–{hi:.2}]")
+}
+
+/// The markdown note when a load average before a variant was above ~1.2 (DESIGN.md §10).
+pub fn load_note(all: &[f64]) -> Option<String> {
+    let max_load = all.iter().copied().fold(f64::NAN, f64::max);
+    (max_load > 1.2).then(|| {
+        format!(
+            "\nThe load average reached {max_load:.2} before a variant (above ~1.2: the \
+             machine was shared; DESIGN.md §10 says to rerun).\n"
+        )
+    })
+}
+
+/// Milliseconds with 2 significant decimals below 10, one below 100, none above.
+pub fn fmt_ms(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else if v < 10.0 {
+        format!("{v:.2}")
+    } else if v < 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// No decimals; "–" for NaN (no measurement).
+pub fn fmt_0(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// One decimal; "–" for NaN.
+pub fn fmt_1(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+/// Two decimals; "–" for NaN.
+pub fn fmt_2(v: f64) -> String {
+    if v.is_nan() {
+        "–".into()
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// `title` and its targets as a markdown list: met, **not met**, or pending (`None`, with why).
+pub fn targets(title: &str, list: &[(String, Option<bool>)], pending: &str) -> String {
+    let mut s = format!("\n{title}\n\n");
+    for (text, met) in list {
+        let mark = match met {
+            Some(true) => "met:".to_string(),
+            Some(false) => "**not met**:".to_string(),
+            None => format!("pending ({pending}):"),
+        };
+        s.push_str(&format!("- {mark} {text}\n"));
+    }
+    s
+}
+
+// --- the traffic benches (dataplane, snat) -------------------------------------------------
+
+/// Busy share (%) of the CPUs the bench does not use above which a run counts as shared.
+const OTHERS_BUSY_LIMIT: f64 = 25.0;
+
+/// One traffic variant over every repetition.
+#[derive(Default)]
+pub struct Traffic {
+    /// Per repetition.
+    pub crr: Vec<f64>,
+    pub rr_p50: Vec<f64>,
+    pub rr_p99: Vec<f64>,
+    pub rr_rate: Vec<f64>,
+    pub gbps: Vec<f64>,
+    /// Zero-window advertisements of the iperf3 receiver.
+    pub zero_windows: Vec<f64>,
+    /// IpForwDatagrams in the node namespace: per connection (TCP_CRR), per round trip
+    /// (TCP_RR), and over the iperf3 run.
+    pub fwd_per_conn: Vec<f64>,
+    pub fwd_per_rt: Vec<f64>,
+    pub fwd_iperf: Vec<f64>,
+    pub load: Vec<f64>,
+    /// Over the measurements: how busy the CPUs the bench does not use were (%), and the bench
+    /// CPU's steal time (%).
+    pub others_busy: Vec<f64>,
+    pub steal: Vec<f64>,
+}
+
+impl Traffic {
+    /// Records a repetition; returns its progress line.
+    pub fn push(&mut self, m: &Measured) -> String {
+        let (rate, p50, p99, gbps) = (m.crr.rate, m.rr.p50_us, m.rr.p99_us, m.gbps);
+        self.load.push(m.load);
+        self.others_busy.push(m.others_busy);
+        self.steal.push(m.steal);
+        self.crr.push(rate);
+        self.rr_p50.push(p50);
+        self.rr_p99.push(p99);
+        self.rr_rate.push(m.rr.rate);
+        self.gbps.push(gbps);
+        let mut line = format!(
+            "(load {:.2}, other CPUs {:.0}% busy, steal {:.0}%): {rate:.0} conn/s, RR p50 \
+             {p50:.1} µs p99 {p99:.1} µs, {gbps:.1} Gbit/s",
+            m.load, m.others_busy, m.steal
+        );
+        if !m.zero_windows.is_nan() {
+            self.zero_windows.push(m.zero_windows);
+            line.push_str(&format!(" ({:.0} zero windows)", m.zero_windows));
+        }
+        if let Some([crr, rr, iperf]) = m.forwarded {
+            self.fwd_per_conn.push(crr / m.crr.count.max(1.0));
+            self.fwd_per_rt.push(rr / m.rr.count.max(1.0));
+            self.fwd_iperf.push(iperf);
+            line.push_str(&format!(
+                ", IpForwDatagrams +{crr:.0} (CRR) +{rr:.0} (RR) +{iperf:.0} (iperf3)"
+            ));
+        }
+        line
+    }
+
+    /// `| label | conn/s | p50 | p99 | [round trips/s |] throughput | load | busy |`.
+    pub fn row(&self, label: &str, rr_rate: bool) -> String {
+        let mut cells = vec![
+            label.to_string(),
+            fmt_spread_with(&self.crr, "", fmt_0),
+            fmt_spread_with(&self.rr_p50, " µs", fmt_1),
+            fmt_spread_with(&self.rr_p99, " µs", fmt_1),
+        ];
+        if rr_rate {
+            cells.push(fmt_spread_with(&self.rr_rate, "", fmt_0));
+        }
+        cells.extend([
+            fmt_spread_with(&self.gbps, " Gbit/s", fmt_1),
+            loads(&self.load),
+            fmt_spread_with(&self.others_busy, " %", fmt_0),
+        ]);
+        format!("| {} |\n", cells.join(" | "))
+    }
+
+    /// The ratios of the medians of `a` and `b` in [`Traffic::row`]'s columns (`–` without
+    /// `b`).
+    pub fn ratio_row(label: &str, a: &Self, b: Option<&Self>, rr_rate: bool) -> String {
+        let r = |f: fn(&Self) -> &Vec<f64>| {
+            b.map_or("–".into(), |b| ratio(median(f(a)), median(f(b))))
+        };
+        let mut cells = vec![
+            label.to_string(),
+            r(|s| &s.crr),
+            r(|s| &s.rr_p50),
+            r(|s| &s.rr_p99),
+        ];
+        if rr_rate {
+            cells.push(r(|s| &s.rr_rate));
+        }
+        cells.push(r(|s| &s.gbps));
+        format!("| {} | | |\n", cells.join(" | "))
+    }
+}
+
+/// The load note of a traffic bench. The load average before a variant includes the bench
+/// itself (the pinned client and server keep one CPU busy, so it sits near 1–2 and cannot fall
+/// below ~1.2 between variants); the other CPUs' busy share over each measurement shows what
+/// else ran.
+pub fn busy_note(cpu: usize, cpus: usize, others: &[f64], steal: &[f64], load: &[f64]) -> String {
+    let max_others = others.iter().copied().fold(f64::NAN, f64::max);
+    let plural = if cpus > 2 { "s" } else { "" };
+    let mut s = format!(
+        "\nLoad: the 1-minute load average before each variant includes the bench itself (the \
+         pinned client and server keep CPU {cpu} busy: it sits between 1 and 2 by itself), so \
+         DESIGN.md §10's \"rerun above ~1.2\" is judged on what ran elsewhere: the other \
+         CPU{plural} {} {} busy during the measurements (median [min–max] over every \
+         measurement; the agents and this bench's own processes included), and the bench CPU's \
+         steal time was {} %. Load averages before the variants: {}.\n",
+        if plural.is_empty() { "was" } else { "were" },
+        fmt_spread_with(others, " %", fmt_0),
+        fmt_spread_with(steal, "", fmt_0),
+        loads(load),
+    );
+    if max_others > OTHERS_BUSY_LIMIT {
+        s.push_str(&format!(
+            "\n**Something else used up to {max_others:.0} % of the other CPU{plural} during a \
+             measurement** (above {OTHERS_BUSY_LIMIT:.0} %: the machine was shared; rerun for \
+             publishable numbers).\n",
+        ));
+    }
+    s
+}
+
+// --- charts --------------------------------------------------------------------------------
+
+/// One series of a bar chart: name, colour, one value per group (None: no bar).
+pub type Series<'a> = (&'a str, plotters::style::RGBColor, Vec<Option<f64>>);
+
+/// Grouped bars: one group per label, one bar per series, `label(series, group, value)` on
+/// top of each bar, `unit` on the y axis; an optional dashed reference line.
+pub fn panel<DB: plotters::prelude::DrawingBackend>(
+    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    unit: &str,
+    groups: &[&str],
+    series: &[Series],
+    label: &dyn Fn(usize, usize, f64) -> String,
+    reference: Option<(&str, f64)>,
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    use plotters::prelude::*;
+    use plotters::style::text_anchor::{HPos, Pos, VPos};
+    let err = |what: &'static str| move |e| anyhow::anyhow!("chart {what}: {e:?}");
+    let n = groups.len();
+    let ymax = series
+        .iter()
+        .flat_map(|s| s.2.iter().flatten())
+        .copied()
+        .chain(reference.map(|r| r.1))
+        .filter(|v| v.is_finite())
+        .fold(1.0f64, f64::max)
+        * 1.4;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 15))
+        .margin(12)
+        .x_label_area_size(28)
+        .y_label_area_size(48)
+        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)
+        .map_err(err("axes"))?;
+    let group_label = |x: &f64| {
+        let i = x.round();
+        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
+            groups[i as usize].to_string()
+        } else {
+            String::new()
+        }
+    };
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n)
+        .x_label_formatter(&group_label)
+        .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .y_desc(unit)
+        .draw()
+        .map_err(err("mesh"))?;
+    let width = 0.8 / series.len() as f64;
+    for (si, (name, color, values)) in series.iter().enumerate() {
+        let color = *color;
+        let bars: Vec<(usize, f64, f64)> = values
+            .iter()
+            .enumerate()
+            .filter_map(|(g, v)| {
+                v.filter(|v| v.is_finite())
+                    .map(|v| (g, g as f64 - 0.4 + si as f64 * width, v))
+            })
+            .collect();
+        chart
+            .draw_series(bars.iter().map(|&(_, x0, v)| {
+                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], color.filled())
+            }))
+            .map_err(err("bars"))?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
+        let style = TextStyle::from(("sans-serif", 11).into_font())
+            .color(&BLACK)
+            .pos(Pos::new(HPos::Center, VPos::Bottom));
+        chart
+            .draw_series(bars.iter().map(|&(g, x0, v)| {
+                Text::new(label(si, g, v), (x0 + width * 0.45, v), style.clone())
+            }))
+            .map_err(err("labels"))?;
+    }
+    if let Some((name, y)) = reference.filter(|r| r.1.is_finite()) {
+        let line = BLACK.stroke_width(1);
+        // A dashed horizontal line across the panel.
+        let step = n as f64 / 60.0;
+        let dashes = (0..30).map(|i| {
+            let a = -0.5 + 2.0 * i as f64 * step;
+            PathElement::new(vec![(a, y), (a + step, y)], line)
+        });
+        chart
+            .draw_series(dashes)
+            .map_err(err("line"))?
+            .label(format!("{name} ({} {unit})", fmt_ms(y)))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 10, y)], line));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()
+        .map_err(err("legend"))?;
+    Ok(())
+}
+
+/// A white SVG chart of `size` pixels at `path`, titled: the start of every bench's chart.
+pub fn chart_root<'a>(
+    path: &'a std::path::Path,
+    size: (u32, u32),
+    title: &str,
+) -> Result<plotters::drawing::DrawingArea<plotters::backend::SVGBackend<'a>, plotters::coord::Shift>>
+{
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE)?;
+    Ok(root.titled(title, ("sans-serif", 18))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spreads_show_the_median_and_range() {
+        assert_eq!(fmt_spread(&[3.0, 1.0, 2.0]), "2.00 ms [1.00–3.00]");
+        assert_eq!(fmt_spread(&[3.0]), "3.00 ms");
+        assert_eq!(ratio(1.0, 0.0), "–");
+    }
+}
