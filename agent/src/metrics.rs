@@ -82,13 +82,14 @@ pub async fn render(node: &Node) -> String {
         out,
         "# HELP calix_repairs_total Drift the reconciler found and repaired, by kind.\n# TYPE calix_repairs_total counter"
     );
-    let (repairs, resyncs) = node.endpoints.repairs().await;
-    for (kind, n) in repairs {
+    let rec = node.endpoints.reconciler().await;
+    for (kind, n) in &rec.repairs {
         let _ = writeln!(out, "calix_repairs_total{{kind=\"{kind}\"}} {n}");
     }
     let _ = writeln!(
         out,
-        "# HELP calix_resyncs_total Full passes of the reconciler over every endpoint.\n# TYPE calix_resyncs_total counter\ncalix_resyncs_total {resyncs}"
+        "# HELP calix_resyncs_total Full passes of the reconciler over every endpoint.\n# TYPE calix_resyncs_total counter\ncalix_resyncs_total {}",
+        rec.resyncs
     );
     let unhealthy = eps
         .iter()
@@ -97,6 +98,11 @@ pub async fn render(node: &Node) -> String {
     let _ = writeln!(
         out,
         "# HELP calix_endpoints_not_ok Endpoints not in their desired state (calixctl endpoints says why).\n# TYPE calix_endpoints_not_ok gauge\ncalix_endpoints_not_ok {unhealthy}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_node_not_ok 1 while the node's own objects (forwarding, nftables tables) cannot be brought to their desired state (the agent's log says why).\n# TYPE calix_node_not_ok gauge\ncalix_node_not_ok {}",
+        u8::from(rec.node_error.is_some())
     );
     out
 }

@@ -408,7 +408,7 @@ pub enum Write {
     IfChanged,
 }
 
-/// One setting of a pod's host-side veth: a sysctl and the value calix wants there.
+/// One sysctl calix keeps (of a pod's host-side veth, or of the node) and the value it wants.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostSetting {
     /// Under `/proc/sys/net/`, e.g. `ipv4/conf/cali0123456789a/proxy_arp`.
@@ -424,6 +424,26 @@ impl HostSetting {
     pub fn file(&self) -> String {
         format!("/proc/sys/net/{}", self.path)
     }
+}
+
+/// The node-wide sysctls pods need (relative to `/proc/sys/net`): forwarding on for both
+/// families (pods reach each other and the node's uplink through it). The agent sets them at
+/// start and keeps them true; IPv6's is optional (a kernel without IPv6).
+pub fn node_settings() -> Vec<HostSetting> {
+    vec![
+        HostSetting {
+            path: "ipv4/ip_forward".into(),
+            value: "1",
+            write: Write::IfChanged,
+            optional: false,
+        },
+        HostSetting {
+            path: "ipv6/conf/all/forwarding".into(),
+            value: "1",
+            write: Write::IfChanged,
+            optional: true,
+        },
+    ]
 }
 
 /// The sysctls of a pod's host veth `ifname`, in the order they are written. The contract the

@@ -1,7 +1,7 @@
 //! The agent converges and repairs (issue 12): with `resync_interval_secs = 2`, what is
 //! sabotaged on a node — a pod's host route, its proxy_arp, its tc filter, its endpoint map
-//! entry — is put back within 10 s, counted in `calix_repairs_total{kind}`, and traffic
-//! recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
+//! entry, the node's forwarding, kernel mode's nftables table — is put back within 10 s,
+//! counted in `calix_repairs_total{kind}`, and traffic recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
 //! missing for a while is programmed once it is back; an idle node makes no netlink writes.
 //! Run as root, in both dataplane modes.
 use std::process::{Command, Stdio};
@@ -123,6 +123,32 @@ fn sabotage(dp: Dataplane) {
         assert!(b.ns.ping(&a.ip(), 2), "traffic recovered");
     }
 
+    // The node's forwarding: pods on this node reach each other through it (kernel mode) and
+    // the node through the stack (both modes).
+    node.ns
+        .exec_ok(&["sh", "-c", "echo 0 > /proc/sys/net/ipv4/ip_forward"]);
+    within_10s("ip_forward", &node, || {
+        sysctl(&node, "/proc/sys/net/ipv4/ip_forward") == "1"
+    });
+    assert!(a.ns.ping(&b.ip(), 2), "traffic recovered");
+
+    if dp == Dataplane::Kernel {
+        // A firewall's restart: every nftables table gone, calix's anti-spoofing with them.
+        node.ns.exec_ok(&["nft", "flush", "ruleset"]);
+        within_10s("the anti-spoofing table", &node, || {
+            repairs(&node, "nft_table") >= 1
+        });
+        let out = node
+            .ns
+            .exec_ok(&["nft", "list", "table", "inet", "calix_antispoof"]);
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("fib saddr . iif oif missing"),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(a.ns.ping(&b.ip(), 2), "traffic recovered");
+    }
+
     // Every endpoint is in its desired state now.
     for p in [&a, &b] {
         assert_eq!(
@@ -206,14 +232,24 @@ fn an_idle_node_makes_no_netlink_writes_across_ten_resyncs() {
         "timeout", "23", "ip", "-o", "monitor", "route", "link", "address",
     ]);
     let tc = watch(&["timeout", "23", "tc", "monitor"]);
-    let ip = ip.wait_with_output().expect("ip monitor");
-    let tc = tc.wait_with_output().expect("tc monitor");
-    let seen =
-        String::from_utf8_lossy(&ip.stdout).to_string() + &String::from_utf8_lossy(&tc.stdout);
+    let nft = watch(&["timeout", "23", "nft", "monitor"]);
+    let seen: String = [ip, tc, nft]
+        .into_iter()
+        .map(|m| {
+            String::from_utf8_lossy(&m.wait_with_output().expect("monitor").stdout).into_owned()
+        })
+        .collect();
     assert!(seen.trim().is_empty(), "writes while idle:\n{seen}");
     let passes = metric(&node, "calix_resyncs_total") - before;
     assert!(passes >= 10, "only {passes} resyncs while watching");
-    for kind in ["route", "sysctl", "tc_filter", "endpoint_map", "link_up"] {
+    for kind in [
+        "route",
+        "sysctl",
+        "tc_filter",
+        "endpoint_map",
+        "link_up",
+        "nft_table",
+    ] {
         assert_eq!(repairs(&node, kind), 0, "{kind}");
     }
 }

@@ -166,6 +166,10 @@ pub struct EbpfDataplane {
     carried: Option<pins::Carried>,
     /// The ids of the loaded `from_pod` and `to_pod`: what every endpoint's filters must run.
     endpoint_prog_ids: (u32, u32),
+    /// The host stack's masquerade (from the start or the last reload), and its table as the
+    /// kernel held it after the agent wrote it (for repairs).
+    stack_nat: Option<super::nat::NatSettings>,
+    tables: Vec<super::nft::OwnedTable>,
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -288,6 +292,8 @@ impl EbpfDataplane {
             nat: None,
             carried: Some(carried),
             endpoint_prog_ids,
+            stack_nat: None,
+            tables: Vec::new(),
         };
         let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
         if let Some(n) = &dp.cfg.nat {
@@ -302,17 +308,31 @@ impl EbpfDataplane {
             tracing::info!(%uplink, "uplink programs attached");
         }
         dp.start_xdp()?;
-        if let Some(n) = &dp.cfg.nat {
+        if let Some(n) = dp.cfg.nat.clone() {
             // What the programs leave to the host stack (Service traffic it DNATs out of the
             // node, fragments, other protocols) is masqueraded there, on ports the programs
             // never hand out.
-            super::masquerade::apply_stack(n)?;
+            dp.stack_nat = Some(n);
+            dp.apply_stack()?;
         }
         // A table a kernel-mode run left behind: the programs guard the pods now.
         if let Err(e) = super::antispoof::remove() {
             tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
         }
         Ok(dp)
+    }
+
+    /// Writes the host stack's masquerade table as `stack_nat` says, and records it.
+    fn apply_stack(&mut self) -> Result<(), DataplaneError> {
+        self.tables.clear();
+        if let Some(n) = &self.stack_nat {
+            super::masquerade::apply_stack(n)?;
+            self.tables = vec![super::nft::OwnedTable::record(
+                "ip",
+                super::masquerade::TABLE,
+            )?];
+        }
+        Ok(())
     }
 
     /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
@@ -795,7 +815,16 @@ impl Dataplane for EbpfDataplane {
             maps.set_no_snat(&r.nat.untranslated())?;
             tracing::info!("SNAT exclusions and service_cidrs reloaded");
         }
-        super::masquerade::apply_stack(&r.nat)
+        self.stack_nat = Some(r.nat.clone());
+        self.apply_stack()
+    }
+
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
+        super::nft::drift_of(&self.tables)
+    }
+
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        self.apply_stack()
     }
 
     fn release(&mut self) {

@@ -17,6 +17,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use calix_common::{DropCount, DropKey, EndpointCounters};
 use calix_kernel::host::HostKernel;
+use calix_kernel::pod::node_settings;
 use ipnet::IpNet;
 
 pub use ebpf::EbpfDataplane;
@@ -134,7 +135,8 @@ impl EndpointSpec {
     }
 }
 
-/// Something the kernel no longer has as [`Dataplane::attach`] left it for an endpoint.
+/// Something the kernel no longer has as [`Dataplane::attach`] left it for an endpoint, or as
+/// the dataplane left its node-wide objects ([`Dataplane::node_drift`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Drift {
     /// calix's filter on the ingress (else egress) hook is missing or runs another program
@@ -144,6 +146,9 @@ pub enum Drift {
     EndpointEntry,
     /// The local-delivery entry of this address is missing or points at another endpoint.
     LocalEntry(IpAddr),
+    /// A node-wide nftables table the dataplane owns (`table`: "family name") differs from
+    /// what the agent wrote (`what`: how).
+    NftTable { table: String, what: &'static str },
 }
 
 impl Drift {
@@ -153,6 +158,7 @@ impl Drift {
             Drift::Filter { .. } => "tc_filter",
             Drift::EndpointEntry => "endpoint_map",
             Drift::LocalEntry(_) => "local_map",
+            Drift::NftTable { .. } => "nft_table",
         }
     }
 }
@@ -173,6 +179,7 @@ impl std::fmt::Display for Drift {
             Drift::LocalEntry(a) => {
                 write!(f, "the local-delivery entry of {a} is missing or wrong")
             }
+            Drift::NftTable { table, what } => write!(f, "nftables table {table} {what}"),
         }
     }
 }
@@ -207,6 +214,11 @@ pub trait Dataplane: Send {
         ep: &EndpointSpec,
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError>;
+    /// What differs now from the node-wide objects the dataplane keeps (its nftables tables);
+    /// empty when nothing drifted. Reads only. The caller repairs with [`Self::repair_node`].
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError>;
+    /// Writes the node-wide objects again, as the last start or reload left them.
+    fn repair_node(&mut self) -> Result<(), DataplaneError>;
     /// A reader of the counters that works without this object; `None` when the dataplane
     /// keeps none (kernel mode).
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError>;
@@ -265,25 +277,45 @@ pub struct Reload {
 
 /// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding. It owns
 /// two nftables tables: the natOutgoing masquerade and the pods' anti-spoofing.
-pub struct KernelDataplane;
+pub struct KernelDataplane {
+    /// The masquerade's settings, from the start or the last reload (for repairs).
+    nat: nat::NatSettings,
+    /// Both tables as the kernel held them after the agent wrote them.
+    tables: Vec<nft::OwnedTable>,
+}
 
 impl KernelDataplane {
     /// Installs (or replaces, atomically) the kernel mode's nftables tables.
     pub fn start(nat: &nat::NatSettings) -> Result<Self, DataplaneError> {
+        let mut dp = Self {
+            nat: nat.clone(),
+            tables: Vec::new(),
+        };
+        dp.apply()?;
+        Ok(dp)
+    }
+
+    fn apply(&mut self) -> Result<(), DataplaneError> {
         antispoof::apply()?;
-        masquerade::apply(nat)?;
-        Ok(Self)
+        masquerade::apply(&self.nat)?;
+        self.tables = vec![
+            nft::OwnedTable::record("inet", antispoof::TABLE)?,
+            nft::OwnedTable::record("ip", masquerade::TABLE)?,
+        ];
+        Ok(())
     }
 }
 
-/// Pods reach each other and the node through this node's forwarding: on for both families.
+/// The node's forwarding on for both families ([`node_settings`]), at start; the reconciler
+/// keeps it so.
 pub fn enable_forwarding() -> Result<(), DataplaneError> {
-    for (path, value) in [
-        ("/proc/sys/net/ipv4/ip_forward", "1"),
-        ("/proc/sys/net/ipv6/conf/all/forwarding", "1"),
-    ] {
-        calix_kernel::netns::write_sysctl(path, value).map_err(|e| DataplaneError::Kernel {
-            what: format!("{path}={value}"),
+    for s in node_settings() {
+        let file = s.file();
+        if s.optional && !std::path::Path::new(&file).exists() {
+            continue;
+        }
+        calix_kernel::netns::write_sysctl(&file, s.value).map_err(|e| DataplaneError::Kernel {
+            what: format!("{file}={}", s.value),
             source: Box::new(e.into()),
         })?;
     }
@@ -343,6 +375,12 @@ impl Dataplane for KernelDataplane {
     ) -> Result<Vec<Drift>, DataplaneError> {
         Ok(Vec::new())
     }
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
+        nft::drift_of(&self.tables)
+    }
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        self.apply()
+    }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }
@@ -353,9 +391,8 @@ impl Dataplane for KernelDataplane {
         Ok(())
     }
     fn reload(&mut self, r: &Reload) -> Result<(), DataplaneError> {
-        // (Also puts the anti-spoofing table back if something flushed the ruleset.)
-        antispoof::apply()?;
-        masquerade::apply(&r.nat)
+        self.nat = r.nat.clone();
+        self.apply()
     }
     fn release(&mut self) {}
 }

@@ -14,7 +14,7 @@ use crate::datastore::{keys, Datastore, Durability, Op};
 use crate::error::AgentError;
 use crate::ipam::service::AddressUsers;
 use crate::model::EndpointRecord;
-use crate::reconcile::driver::Driver;
+use crate::reconcile::driver::{Driver, Snapshot};
 use crate::reconcile::Health;
 
 /// One endpoint with its live state, for listing.
@@ -256,13 +256,9 @@ impl EndpointRegistry {
         })
     }
 
-    /// Repairs the reconciler made so far, by kind, and its full passes.
-    pub async fn repairs(&self) -> (BTreeMap<&'static str, u64>, u64) {
-        self.driver
-            .snapshot()
-            .await
-            .map(|s| (s.repairs, s.resyncs))
-            .unwrap_or_default()
+    /// The reconciler's state: its repairs so far by kind, its full passes, the node's error.
+    pub async fn reconciler(&self) -> Snapshot {
+        self.driver.snapshot().await.unwrap_or_default()
     }
 
     /// Every drop counter: (host ifname if known, ifindex, reason, packets, bytes). The maps

@@ -39,6 +39,12 @@ impl Dataplane for NoDataplane {
     ) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
         Ok(Vec::new())
     }
+    fn node_drift(&self) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }

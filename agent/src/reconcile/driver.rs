@@ -23,6 +23,8 @@ pub struct Snapshot {
     pub repairs: BTreeMap<&'static str, u64>,
     /// Full passes so far.
     pub resyncs: u64,
+    /// Why the node's own objects (forwarding, nftables tables) are not as desired.
+    pub node_error: Option<String>,
 }
 
 enum Command {
@@ -216,6 +218,7 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     attached,
                     repairs: r.repairs().clone(),
                     resyncs: r.resyncs(),
+                    node_error: r.node_error().map(str::to_string),
                 });
             }
             Some(Command::Release(reply)) => {

@@ -17,6 +17,10 @@
 //! logged with what was wrong and counted by kind (`calix_repairs_total{kind}`). It touches
 //! only what carries calix's mark: routes with calix's protocol to endpoint addresses, the
 //! settings of the veths it records, filters at calix's priority and handle, map entries.
+//!
+//! Each pass also checks the node's own objects: its forwarding sysctls ([`node_settings`])
+//! and the dataplane's nftables tables ([`Dataplane::node_drift`]); a failure there is retried
+//! with the same backoff.
 pub mod driver;
 
 use std::collections::{BTreeMap, HashSet};
@@ -24,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use calix_kernel::host::HostKernel;
 use calix_kernel::netlink::NetlinkError;
-use calix_kernel::pod::{host_settings, HostRoute};
+use calix_kernel::pod::{host_settings, node_settings, HostRoute, HostSetting};
 
 use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 
@@ -62,6 +66,18 @@ struct State {
     /// When to try again (dirty endpoints only).
     retry_at: Option<Instant>,
 }
+
+/// The node's own objects (not an endpoint's): whether they are as desired.
+#[derive(Debug, Default)]
+struct NodeState {
+    failures: u32,
+    retry_at: Option<Instant>,
+    /// Why the last pass could not bring them to their desired state.
+    error: Option<String>,
+}
+
+/// The key node-wide repairs are reported under in a [`Pass`].
+pub const NODE: &str = "node";
 
 /// One repair: its kind (`calix_repairs_total{kind}`) and what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -117,7 +133,7 @@ pub enum ReconcileError {
     },
 }
 
-fn kernel(what: impl Into<String>) -> impl FnOnce(NetlinkError) -> ReconcileError {
+fn kernel_err(what: impl Into<String>) -> impl FnOnce(NetlinkError) -> ReconcileError {
     let what = what.into();
     move |source| ReconcileError::Kernel {
         what,
@@ -131,6 +147,7 @@ pub struct Reconciler<K: HostKernel> {
     dataplane: Box<dyn Dataplane>,
     desired: BTreeMap<String, EndpointSpec>,
     state: BTreeMap<String, State>,
+    node: NodeState,
     repairs: BTreeMap<&'static str, u64>,
     /// Full passes ([`Reconciler::resync`]) so far.
     resyncs: u64,
@@ -144,6 +161,7 @@ impl<K: HostKernel> Reconciler<K> {
             dataplane,
             desired: BTreeMap::new(),
             state: BTreeMap::new(),
+            node: NodeState::default(),
             repairs: BTreeMap::new(),
             resyncs: 0,
             backoff,
@@ -237,9 +255,18 @@ impl<K: HostKernel> Reconciler<K> {
             .collect()
     }
 
-    /// When the next dirty endpoint is due.
+    /// When the next dirty endpoint (or the node's objects) is due.
     pub fn next_retry(&self) -> Option<Instant> {
-        self.state.values().filter_map(|s| s.retry_at).min()
+        self.state
+            .values()
+            .filter_map(|s| s.retry_at)
+            .chain(self.node.retry_at)
+            .min()
+    }
+
+    /// Why the node's own objects are not as desired; `None` when they are.
+    pub fn node_error(&self) -> Option<&str> {
+        self.node.error.as_deref()
     }
 
     /// Full passes so far.
@@ -251,7 +278,9 @@ impl<K: HostKernel> Reconciler<K> {
     pub fn resync(&mut self, now: Instant) -> Pass {
         self.resyncs += 1;
         let keys: Vec<String> = self.desired.keys().cloned().collect();
-        self.check_all(&keys, now)
+        let mut pass = self.check_all(&keys, now);
+        self.check_node(now, &mut pass);
+        pass
     }
 
     /// Retries the dirty endpoints whose backoff has run out.
@@ -262,10 +291,56 @@ impl<K: HostKernel> Reconciler<K> {
             .filter(|(_, s)| s.retry_at.is_some_and(|t| t <= now))
             .map(|(k, _)| k.clone())
             .collect();
-        if keys.is_empty() {
-            return Pass::default();
+        let mut pass = Pass::default();
+        if !keys.is_empty() {
+            pass = self.check_all(&keys, now);
         }
-        self.check_all(&keys, now)
+        if self.node.retry_at.is_some_and(|t| t <= now) {
+            self.check_node(now, &mut pass);
+        }
+        pass
+    }
+
+    /// The node's own objects: repaired when they drifted, retried with backoff when that
+    /// fails.
+    fn check_node(&mut self, now: Instant, pass: &mut Pass) {
+        match self.repair_node() {
+            Ok(repairs) => {
+                if self.node.error.take().is_some() {
+                    tracing::info!("the node's objects are in their desired state again");
+                }
+                self.node.failures = 0;
+                self.node.retry_at = None;
+                for r in repairs {
+                    tracing::warn!(kind = r.kind, what = %r.what, "repaired on the node");
+                    *self.repairs.entry(r.kind).or_default() += 1;
+                    pass.repairs.push((NODE.to_string(), r));
+                }
+            }
+            Err(e) => {
+                self.node.failures += 1;
+                let wait = self.backoff.after(self.node.failures);
+                self.node.retry_at = Some(now + wait);
+                let error = crate::dataplane::error_chain(&e);
+                tracing::warn!(%error, attempts = self.node.failures, retry_in = ?wait,
+                    "cannot bring the node's objects to their desired state");
+                self.node.error = Some(error);
+            }
+        }
+    }
+
+    fn repair_node(&mut self) -> Result<Vec<Repair>, ReconcileError> {
+        let mut repairs = Vec::new();
+        sync_settings(&mut self.kernel, node_settings(), &mut repairs)?;
+        let drift = self.dataplane.node_drift()?;
+        if !drift.is_empty() {
+            self.dataplane.repair_node()?;
+            repairs.extend(drift.iter().map(|d| Repair {
+                kind: d.kind(),
+                what: d.to_string(),
+            }));
+        }
+        Ok(repairs)
     }
 
     fn check_all(&mut self, keys: &[String], now: Instant) -> Pass {
@@ -344,7 +419,7 @@ impl<K: HostKernel> Reconciler<K> {
         let Some(link) = self
             .kernel
             .link(ifname)
-            .map_err(kernel(format!("reading link {ifname}")))?
+            .map_err(kernel_err(format!("reading link {ifname}")))?
         else {
             return Ok((Health::InterfaceMissing, Vec::new(), None));
         };
@@ -357,36 +432,17 @@ impl<K: HostKernel> Reconciler<K> {
         if !link.up {
             self.kernel
                 .set_up(link.index)
-                .map_err(kernel(format!("setting {ifname} up")))?;
+                .map_err(kernel_err(format!("setting {ifname} up")))?;
             repairs.push(Repair {
                 kind: "link_up",
                 what: format!("{ifname} was down"),
             });
         }
-        for setting in host_settings(ifname, spec.ipv4.is_some(), spec.ipv6.is_some()) {
-            let now = self
-                .kernel
-                .sysctl(&setting.path)
-                .map_err(kernel(format!("reading {}", setting.path)))?;
-            match now {
-                None if setting.optional => {}
-                Some(v) if v == setting.value => {}
-                was => {
-                    self.kernel
-                        .set_sysctl(&setting.path, setting.value)
-                        .map_err(kernel(format!("writing {}", setting.path)))?;
-                    repairs.push(Repair {
-                        kind: "sysctl",
-                        what: format!(
-                            "{} was {}, want {}",
-                            setting.path,
-                            was.as_deref().unwrap_or("missing"),
-                            setting.value
-                        ),
-                    });
-                }
-            }
-        }
+        sync_settings(
+            &mut self.kernel,
+            host_settings(ifname, spec.ipv4.is_some(), spec.ipv6.is_some()),
+            &mut repairs,
+        )?;
         if let Some(routes) = routes {
             for want in HostRoute::of_pod(link.index, spec.ipv4, spec.ipv6) {
                 if routes.contains(&want) {
@@ -395,9 +451,10 @@ impl<K: HostKernel> Reconciler<K> {
                 // calix's route to this address through another interface is stale (its
                 // interface was replaced); ours takes its place.
                 for stale in routes.iter().filter(|r| r.dst == want.dst) {
-                    self.kernel
-                        .delete_route(stale)
-                        .map_err(kernel(format!("deleting {} dev {}", stale.dst, stale.oif)))?;
+                    self.kernel.delete_route(stale).map_err(kernel_err(format!(
+                        "deleting {} dev {}",
+                        stale.dst, stale.oif
+                    )))?;
                 }
                 match self.kernel.add_route(&want) {
                     Ok(()) => repairs.push(Repair {
@@ -407,7 +464,7 @@ impl<K: HostKernel> Reconciler<K> {
                     // Added meanwhile (by a concurrent ADD of the plugin): nothing to repair.
                     Err(NetlinkError::RouteExists { .. }) => {}
                     Err(e) => {
-                        return Err(kernel(format!("adding {} dev {ifname}", want.dst))(e));
+                        return Err(kernel_err(format!("adding {} dev {ifname}", want.dst))(e));
                     }
                 }
             }
@@ -435,6 +492,38 @@ impl<K: HostKernel> Reconciler<K> {
     pub fn keys(&self) -> HashSet<String> {
         self.desired.keys().cloned().collect()
     }
+}
+
+/// Writes each of `settings` that differs from what the kernel has, adding a repair for it.
+fn sync_settings<K: HostKernel>(
+    kernel: &mut K,
+    settings: Vec<HostSetting>,
+    repairs: &mut Vec<Repair>,
+) -> Result<(), ReconcileError> {
+    for setting in settings {
+        let now = kernel
+            .sysctl(&setting.path)
+            .map_err(kernel_err(format!("reading {}", setting.path)))?;
+        match now {
+            None if setting.optional => {}
+            Some(v) if v == setting.value => {}
+            was => {
+                kernel
+                    .set_sysctl(&setting.path, setting.value)
+                    .map_err(kernel_err(format!("writing {}", setting.path)))?;
+                repairs.push(Repair {
+                    kind: "sysctl",
+                    what: format!(
+                        "{} was {}, want {}",
+                        setting.path,
+                        was.as_deref().unwrap_or("missing"),
+                        setting.value
+                    ),
+                });
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

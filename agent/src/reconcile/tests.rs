@@ -4,7 +4,7 @@ use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 
 use calix_kernel::host::FakeHost;
-use calix_kernel::pod::host_settings;
+use calix_kernel::pod::{host_settings, node_settings};
 
 use super::*;
 use crate::dataplane::{DataplaneStats, Drift};
@@ -16,6 +16,10 @@ struct Seen {
     detached: Vec<String>,
     drift: Vec<Drift>,
     fail_attach: usize,
+    /// The node-wide drift reported next (cleared by a repair), and repairs to fail.
+    node_drift: Vec<Drift>,
+    node_repairs: usize,
+    fail_node_repair: usize,
 }
 
 struct FakeDataplane(Arc<Mutex<Seen>>);
@@ -46,6 +50,19 @@ impl Dataplane for FakeDataplane {
         _kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
         Ok(self.0.lock().expect("lock").drift.clone())
+    }
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(self.0.lock().expect("lock").node_drift.clone())
+    }
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        let mut seen = self.0.lock().expect("lock");
+        if seen.fail_node_repair > 0 {
+            seen.fail_node_repair -= 1;
+            return Err(DataplaneError::Nftables("nft: permission denied".into()));
+        }
+        seen.node_repairs += 1;
+        seen.node_drift.clear();
+        Ok(())
     }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
@@ -80,7 +97,10 @@ fn spec() -> EndpointSpec {
 fn wired() -> FakeHost {
     let mut k = FakeHost::default();
     k.add_link(IF, IDX);
-    for s in host_settings(IF, true, false) {
+    for s in host_settings(IF, true, false)
+        .into_iter()
+        .chain(node_settings())
+    {
         k.sysctls.insert(s.path, s.value.into());
     }
     k.routes.extend(HostRoute::of_pod(IDX, spec().ipv4, None));
@@ -260,4 +280,63 @@ fn backoff_doubles_up_to_its_cap() {
     };
     let waits: Vec<u64> = (1..=6).map(|n| b.after(n).as_millis() as u64).collect();
     assert_eq!(waits, [500, 1000, 2000, 4000, 4000, 4000]);
+}
+
+#[test]
+fn the_nodes_own_objects_are_repaired_and_retried() {
+    let (mut r, seen) = reconciler(wired());
+    let t0 = Instant::now();
+    // Forwarding switched off, the anti-spoofing table flushed away.
+    r.kernel
+        .sysctls
+        .insert("ipv4/ip_forward".into(), "0".into());
+    seen.lock().expect("lock").node_drift = vec![Drift::NftTable {
+        table: "inet calix_antispoof".into(),
+        what: "is missing",
+    }];
+    let pass = r.resync(t0);
+    let mut got = kinds(&pass);
+    got.sort();
+    assert_eq!(got, ["nft_table", "sysctl"]);
+    assert!(pass.repairs.iter().all(|(k, _)| k == NODE));
+    assert_eq!(r.kernel.sysctls["ipv4/ip_forward"], "1");
+    assert_eq!(seen.lock().expect("lock").node_repairs, 1);
+    assert_eq!(r.repairs()["nft_table"], 1);
+    // Repaired: the next pass writes nothing.
+    let writes = r.kernel.writes.len();
+    assert!(r.resync(t0 + Duration::from_secs(30)).repairs.is_empty());
+    assert_eq!(r.kernel.writes.len(), writes);
+    // A repair that fails is reported and retried with backoff until it succeeds.
+    {
+        let mut s = seen.lock().expect("lock");
+        s.node_drift = vec![Drift::NftTable {
+            table: "ip calix".into(),
+            what: "was changed by something else",
+        }];
+        s.fail_node_repair = 2;
+    }
+    let t1 = t0 + Duration::from_secs(60);
+    r.resync(t1);
+    assert!(r
+        .node_error()
+        .is_some_and(|e| e.contains("permission denied")));
+    let first = r.next_retry().expect("a retry is scheduled");
+    assert!(first > t1);
+    assert!(r.retry_due(t1).repairs.is_empty(), "not due yet");
+    r.retry_due(first);
+    let second = r.next_retry().expect("retried again");
+    assert!(second - first > first - t1, "the backoff grows");
+    let pass = r.retry_due(second);
+    assert_eq!(kinds(&pass), ["nft_table"]);
+    assert_eq!(r.node_error(), None);
+    assert_eq!(r.next_retry(), None);
+}
+
+#[test]
+fn an_optional_node_setting_the_kernel_lacks_is_left_alone() {
+    let mut k = wired();
+    k.sysctls.remove("ipv6/conf/all/forwarding");
+    let (mut r, _) = reconciler(k);
+    assert!(r.resync(Instant::now()).repairs.is_empty());
+    assert!(r.kernel.writes.is_empty(), "{:?}", r.kernel.writes);
 }
