@@ -74,6 +74,20 @@ pub enum ConfigError {
         key: &'static str,
         what: &'static str,
     },
+    #[error("routes.{key} must be {what}")]
+    Routes {
+        key: &'static str,
+        what: &'static str,
+    },
+    #[error(
+        "routes.enabled needs mutual TLS between nodes: set routes.tls.cert, .key and .ca (PEM files), or routes.plaintext = true on a trusted network"
+    )]
+    RoutesNoTls,
+    #[error("vxlan.{key} must be {what}")]
+    Vxlan {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("xdp.enabled needs dataplane = \"ebpf\"")]
     XdpNeedsEbpf,
     #[error(
@@ -136,6 +150,175 @@ pub struct AgentConfig {
     pub xdp: XdpConfig,
     /// SNAT of `natOutgoing` pools (eBPF dataplane).
     pub nat: NatConfig,
+    /// Route distribution between nodes.
+    pub routes: RoutesConfig,
+    /// The VXLAN device that carries pod traffic across subnets (pools' `vxlan`).
+    pub vxlan: VxlanConfig,
+}
+
+/// Route distribution between nodes (`[routes]`): each agent serves `calix.v1.Routes` on TCP
+/// and follows its peers (the other nodes' records in the datastore).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoutesConfig {
+    /// Serve and follow routes. Off for a single node (the embedded datastore); on for a
+    /// cluster.
+    pub enabled: bool,
+    /// TCP address the Routes service listens on (`host:port`).
+    pub listen: String,
+    /// The addresses this node advertises (the next hop of its routes; what peers dial and
+    /// check a certificate's node against): one IPv4 and/or one IPv6. Empty: the first global
+    /// address of each family on the first uplink.
+    pub node_addresses: Vec<String>,
+    /// Who talks to whom: `mesh` (every node follows every other) or `reflectors` (nodes
+    /// follow only the agents with `reflector = true`, which follow everyone).
+    pub topology: Topology,
+    /// This agent relays every node's routes (with `topology = "reflectors"`).
+    pub reflector: bool,
+    /// How long a peer's routes stay after its stream drops (graceful restart), seconds.
+    pub grace_secs: u64,
+    /// Mutual TLS between nodes: PEM files. The certificate's SAN names this node.
+    pub tls: TlsConfig,
+    /// Plain text between nodes instead of mutual TLS: only on a network you trust (warned
+    /// at start).
+    pub plaintext: bool,
+}
+
+impl Default for RoutesConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            listen: "0.0.0.0:5474".into(),
+            node_addresses: Vec::new(),
+            topology: Topology::Mesh,
+            reflector: false,
+            grace_secs: 120,
+            tls: TlsConfig::default(),
+            plaintext: false,
+        }
+    }
+}
+
+impl RoutesConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        if self.grace_secs == 0 {
+            return Err(ConfigError::Routes {
+                key: "grace_secs",
+                what: "at least 1",
+            });
+        }
+        if self.listen_port().is_none() {
+            return Err(ConfigError::Routes {
+                key: "listen",
+                what: "host:port with a port of 1–65535, e.g. \"0.0.0.0:5474\"",
+            });
+        }
+        for a in &self.node_addresses {
+            if a.parse::<std::net::IpAddr>().is_err() {
+                return Err(ConfigError::Routes {
+                    key: "node_addresses",
+                    what: "IP addresses, e.g. [\"192.0.2.10\"]",
+                });
+            }
+        }
+        if !self.plaintext && !self.tls.is_set() {
+            return Err(ConfigError::RoutesNoTls);
+        }
+        Ok(())
+    }
+
+    /// The port of `listen`.
+    pub fn listen_port(&self) -> Option<u16> {
+        self.listen
+            .rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .filter(|p| *p != 0)
+    }
+}
+
+/// Who follows whom (`routes.topology`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Topology {
+    #[default]
+    Mesh,
+    Reflectors,
+}
+
+/// PEM files for mutual TLS (`[routes.tls]`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// This node's certificate (chain); its SAN is the node's name.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA that signs every node's certificate.
+    pub ca: PathBuf,
+}
+
+impl TlsConfig {
+    pub fn is_set(&self) -> bool {
+        [&self.cert, &self.key, &self.ca]
+            .iter()
+            .all(|p| !p.as_os_str().is_empty())
+    }
+}
+
+/// The VXLAN device (`[vxlan]`), used for pools with `vxlan = "always"`, and with
+/// `"crossSubnet"` for peers outside this node's subnets.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VxlanConfig {
+    /// VXLAN network identifier (1–16777215).
+    pub vni: u32,
+    /// UDP port.
+    pub port: u16,
+}
+
+impl Default for VxlanConfig {
+    fn default() -> Self {
+        Self {
+            vni: 4096,
+            port: 4789,
+        }
+    }
+}
+
+impl VxlanConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if !(1..=0xff_ffff).contains(&self.vni) {
+            return Err(ConfigError::Vxlan {
+                key: "vni",
+                what: "1–16777215",
+            });
+        }
+        if self.port == 0 {
+            return Err(ConfigError::Vxlan {
+                key: "port",
+                what: "1–65535",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// How traffic to a pool's addresses on another node travels (a pool's `vxlan`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(rename_all = "camelCase")]
+pub enum VxlanMode {
+    /// Routed to the node's address; the nodes must share a subnet (or the network must
+    /// route pod addresses).
+    Never,
+    /// Routed directly to a node on one of this node's subnets, through VXLAN otherwise.
+    #[default]
+    CrossSubnet,
+    /// Always through VXLAN.
+    Always,
 }
 
 /// SNAT of `natOutgoing` pools' traffic to the outside (`[nat]`); eBPF dataplane, IPv4.
@@ -295,6 +478,8 @@ impl Default for AgentConfig {
             )],
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
+            routes: RoutesConfig::default(),
+            vxlan: VxlanConfig::default(),
         }
     }
 }
@@ -363,6 +548,10 @@ pub struct PoolConfig {
     /// A disabled pool hands out no new addresses.
     #[serde(default)]
     pub disabled: bool,
+    /// `never`, `crossSubnet` (default) or `always`: how pod traffic to this pool's
+    /// addresses on other nodes travels.
+    #[serde(default)]
+    pub vxlan: VxlanMode,
     /// Only nodes carrying every one of these labels (`node_labels`) allocate from the pool;
     /// empty: every node.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
@@ -376,6 +565,7 @@ impl PoolConfig {
             block_size: None,
             nat_outgoing: false,
             disabled: false,
+            vxlan: VxlanMode::default(),
             node_selector: Default::default(),
         }
     }
@@ -447,6 +637,8 @@ impl AgentConfig {
         }
         self.datastore.validate()?;
         self.ipam.validate()?;
+        self.routes.validate()?;
+        self.vxlan.validate()?;
         self.xdp_policy()?;
         self.nat_settings()?;
         if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {
@@ -504,13 +696,25 @@ impl AgentConfig {
             })?;
             failsafe.push(port);
         }
-        // The agent's own TCP port (its gRPC is a unix socket, so this is the only one).
+        // The agent's own TCP ports: metrics, and the Routes service when enabled.
         let metrics_port = self
             .metrics_addr
             .rsplit_once(':')
             .and_then(|(_, port)| port.parse::<u16>().ok())
             .filter(|p| *p != 0);
         if let Some(port) = metrics_port {
+            failsafe.push(Failsafe {
+                proto: xdp::L4Proto::Tcp,
+                port,
+            });
+        }
+        // Peers' route streams: the cluster must not lose its routes to a deny entry.
+        if let Some(port) = self
+            .routes
+            .enabled
+            .then(|| self.routes.listen_port())
+            .flatten()
+        {
             failsafe.push(Failsafe {
                 proto: xdp::L4Proto::Tcp,
                 port,
@@ -1012,5 +1216,75 @@ mod tests {
             AgentConfig::load(p, true),
             Err(ConfigError::Read { .. })
         ));
+    }
+
+    #[test]
+    fn routes_and_vxlan_parse_and_validate() {
+        let text = r#"
+            node_name = "n1"
+            [routes]
+            enabled = true
+            listen = "0.0.0.0:5474"
+            node_addresses = ["192.0.2.10"]
+            topology = "reflectors"
+            grace_secs = 30
+            [routes.tls]
+            cert = "/etc/calix/tls/node.crt"
+            key = "/etc/calix/tls/node.key"
+            ca = "/etc/calix/tls/ca.crt"
+            [vxlan]
+            vni = 7
+            [[pools]]
+            cidr = "10.244.0.0/16"
+            vxlan = "always"
+            [[pools]]
+            cidr = "10.245.0.0/16"
+        "#;
+        let c = AgentConfig::from_toml(text).expect("parse");
+        c.validate().expect("valid");
+        assert_eq!(c.routes.topology, Topology::Reflectors);
+        assert_eq!(c.pools[0].vxlan, VxlanMode::Always);
+        assert_eq!(c.pools[1].vxlan, VxlanMode::CrossSubnet, "the default");
+        assert_eq!((c.vxlan.vni, c.vxlan.port), (7, 4789));
+        // The Routes port is failsafe for XDP.
+        assert!(c
+            .xdp_policy()
+            .expect("policy")
+            .failsafe
+            .iter()
+            .any(|f| f.port == 5474));
+
+        let mut bad = c.clone();
+        bad.routes.tls = TlsConfig::default();
+        assert!(matches!(bad.validate(), Err(ConfigError::RoutesNoTls)));
+        bad.routes.plaintext = true;
+        bad.validate().expect("plain text when asked for");
+        let mut bad = c.clone();
+        bad.routes.listen = "0.0.0.0".into();
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::Routes { key: "listen", .. })
+        ));
+        let mut bad = c.clone();
+        bad.routes.node_addresses = vec!["node-a".into()];
+        assert!(matches!(bad.validate(), Err(ConfigError::Routes { .. })));
+        let mut bad = c.clone();
+        bad.vxlan.vni = 1 << 24;
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::Vxlan { key: "vni", .. })
+        ));
+        assert!(AgentConfig::from_toml(
+            "[[pools]]\ncidr = \"10.0.0.0/8\"\nvxlan = \"sometimes\"\n"
+        )
+        .is_err());
+        // Off (the default): nothing of it is checked.
+        let mut off = c;
+        off.routes = RoutesConfig {
+            enabled: false,
+            listen: "nonsense".into(),
+            ..RoutesConfig::default()
+        };
+        off.validate().expect("routes off");
     }
 }

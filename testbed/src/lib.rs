@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 mod agent;
 pub mod bpf;
+mod cluster;
 mod cni;
 mod error;
 mod etcd;
@@ -30,6 +31,7 @@ pub mod traffic;
 
 pub use agent::{Agent, AgentSpec, Dataplane, RootAgent};
 pub use bpf::{bpf_map_u32_keys, bpf_maps_of};
+pub use cluster::{Cluster, SUBNETS};
 pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;

@@ -54,6 +54,12 @@ impl Node {
     pub fn new(name: String, spec: AgentSpec) -> Result<Self> {
         let ns = Netns::create(name)?;
         ns.ip(&format!("addr add {NODE_IP}/32 dev lo"))?;
+        Self::in_ns(ns, spec, NODE_IP)
+    }
+
+    /// A node in `ns` (its addresses are the caller's; `node_ip` is the one tests reach it
+    /// at), its agent as `spec` says, not yet started.
+    pub fn in_ns(ns: Netns, spec: AgentSpec, node_ip: &str) -> Result<Self> {
         let dataplane = spec.dataplane;
         let agent = Agent::new(
             &ns.name,
@@ -66,7 +72,7 @@ impl Node {
             socket: agent.socket.clone(),
             agent,
             ns,
-            node_ip: NODE_IP.into(),
+            node_ip: node_ip.into(),
             dataplane,
         })
     }
@@ -92,6 +98,11 @@ impl Node {
 
     pub fn agent(&self) -> &Agent {
         &self.agent
+    }
+
+    /// The agent, to change its spec before (re)starting it.
+    pub fn agent_mut(&mut self) -> &mut Agent {
+        &mut self.agent
     }
 
     /// (Re)starts the agent and waits until its socket answers.

@@ -40,6 +40,8 @@ enum Command {
     /// After the initial sync: the dataplane removes what no programmed endpoint owns.
     Sweep(oneshot::Sender<Result<(), DataplaneError>>),
     Snapshot(oneshot::Sender<Snapshot>),
+    /// Route distribution's desired routes to other nodes' pods (the whole set).
+    RemoteRoutes(Vec<super::remote::RemoteRoute>, oneshot::Sender<()>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
     Release(oneshot::Sender<()>),
 }
@@ -159,6 +161,15 @@ impl Driver {
         self.ask(Command::Sweep).await.map_err(gone)?
     }
 
+    /// Replaces the desired routes to other nodes' pods; returns once the reconciler took
+    /// them.
+    pub async fn set_remote_routes(
+        &self,
+        routes: Vec<super::remote::RemoteRoute>,
+    ) -> Result<(), DriverError> {
+        self.ask(|tx| Command::RemoteRoutes(routes, tx)).await
+    }
+
     pub async fn snapshot(&self) -> Result<Snapshot, DriverError> {
         self.ask(Command::Snapshot).await
     }
@@ -220,6 +231,10 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     resyncs: r.resyncs(),
                     node_error: r.node_error().map(str::to_string),
                 });
+            }
+            Some(Command::RemoteRoutes(routes, reply)) => {
+                r.set_remote_routes(routes);
+                let _ = reply.send(());
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

@@ -22,6 +22,7 @@
 //! and the dataplane's nftables tables ([`Dataplane::node_drift`]); a failure there is retried
 //! with the same backoff.
 pub mod driver;
+pub mod remote;
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
@@ -148,6 +149,8 @@ pub struct Reconciler<K: HostKernel> {
     desired: BTreeMap<String, EndpointSpec>,
     state: BTreeMap<String, State>,
     node: NodeState,
+    /// Routes to other nodes' pods, by prefix (route distribution's desired state).
+    remote: BTreeMap<ipnet::IpNet, remote::RemoteRoute>,
     repairs: BTreeMap<&'static str, u64>,
     /// Full passes ([`Reconciler::resync`]) so far.
     resyncs: u64,
@@ -162,6 +165,7 @@ impl<K: HostKernel> Reconciler<K> {
             desired: BTreeMap::new(),
             state: BTreeMap::new(),
             node: NodeState::default(),
+            remote: BTreeMap::new(),
             repairs: BTreeMap::new(),
             resyncs: 0,
             backoff,
@@ -486,6 +490,18 @@ impl<K: HostKernel> Reconciler<K> {
             attached = Some(self.dataplane.attach(spec)?);
         }
         Ok((Health::Ok, repairs, attached))
+    }
+
+    /// Makes `routes` the desired routes to other nodes' pods (replacing the previous set).
+    /// Kernel programming of these is the route reconciler's (issue 13, in progress): this
+    /// records the desired state only.
+    pub fn set_remote_routes(&mut self, routes: Vec<remote::RemoteRoute>) {
+        self.remote = routes.into_iter().map(|r| (r.prefix, r)).collect();
+    }
+
+    /// The desired routes to other nodes' pods.
+    pub fn remote_routes(&self) -> impl Iterator<Item = &remote::RemoteRoute> {
+        self.remote.values()
     }
 
     /// Endpoint keys the reconciler holds (for tests and listings).
