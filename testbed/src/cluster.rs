@@ -96,6 +96,23 @@ impl Cluster {
             let node = Node::in_ns(ns, spec, &node_address(i, s))?;
             cluster.nodes.push(node);
         }
+        // Until each node reaches its gateway both ways (IPv6 addresses and neighbours of
+        // freshly created links take a moment), so the cluster is whole when it is returned.
+        for (i, n) in cluster.nodes.iter().enumerate() {
+            for v6 in [false, true] {
+                let gw = gateway(cluster.subnets[i], v6);
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                while !n.ns.ping(&gw, 1) {
+                    if std::time::Instant::now() > deadline {
+                        return Err(crate::Error::Unexpected {
+                            what: format!("node {i}'s underlay"),
+                            found: format!("no answer from its gateway {gw} within 10 s"),
+                            expected: "ping replies".into(),
+                        });
+                    }
+                }
+            }
+        }
         for i in 0..cluster.nodes.len() {
             let text = config(i, &cluster);
             cluster.nodes[i].agent_mut().spec.config = Some(text);
