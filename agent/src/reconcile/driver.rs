@@ -40,8 +40,9 @@ enum Command {
     /// After the initial sync: the dataplane removes what no programmed endpoint owns.
     Sweep(oneshot::Sender<Result<(), DataplaneError>>),
     Snapshot(oneshot::Sender<Snapshot>),
-    /// Route distribution's desired routes to other nodes' pods (the whole set).
-    RemoteRoutes(Vec<super::remote::RemoteRoute>, oneshot::Sender<()>),
+    /// Route distribution's desired routes to other nodes' pods (the whole set), and whether
+    /// it is complete.
+    RemoteRoutes(Vec<super::remote::RemoteRoute>, bool, oneshot::Sender<()>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
     Release(oneshot::Sender<()>),
 }
@@ -161,13 +162,15 @@ impl Driver {
         self.ask(Command::Sweep).await.map_err(gone)?
     }
 
-    /// Replaces the desired routes to other nodes' pods; returns once the reconciler took
-    /// them.
+    /// Replaces the desired routes to other nodes' pods ([`Reconciler::set_remote_routes`]);
+    /// returns once the reconciler took them.
     pub async fn set_remote_routes(
         &self,
         routes: Vec<super::remote::RemoteRoute>,
+        complete: bool,
     ) -> Result<(), DriverError> {
-        self.ask(|tx| Command::RemoteRoutes(routes, tx)).await
+        self.ask(|tx| Command::RemoteRoutes(routes, complete, tx))
+            .await
     }
 
     pub async fn snapshot(&self) -> Result<Snapshot, DriverError> {
@@ -232,8 +235,8 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     node_error: r.node_error().map(str::to_string),
                 });
             }
-            Some(Command::RemoteRoutes(routes, reply)) => {
-                r.set_remote_routes(routes);
+            Some(Command::RemoteRoutes(routes, complete, reply)) => {
+                r.set_remote_routes(routes, complete);
                 let _ = reply.send(());
             }
             Some(Command::Release(reply)) => {

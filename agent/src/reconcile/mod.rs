@@ -151,6 +151,8 @@ pub struct Reconciler<K: HostKernel> {
     node: NodeState,
     /// Routes to other nodes' pods, by prefix (route distribution's desired state).
     remote: BTreeMap<ipnet::IpNet, remote::RemoteRoute>,
+    /// Whether `remote` is the whole truth yet (see [`Reconciler::set_remote_routes`]).
+    remote_complete: bool,
     repairs: BTreeMap<&'static str, u64>,
     /// Full passes ([`Reconciler::resync`]) so far.
     resyncs: u64,
@@ -166,6 +168,7 @@ impl<K: HostKernel> Reconciler<K> {
             state: BTreeMap::new(),
             node: NodeState::default(),
             remote: BTreeMap::new(),
+            remote_complete: false,
             repairs: BTreeMap::new(),
             resyncs: 0,
             backoff,
@@ -493,10 +496,15 @@ impl<K: HostKernel> Reconciler<K> {
     }
 
     /// Makes `routes` the desired routes to other nodes' pods (replacing the previous set).
+    /// `complete`: route distribution has heard from every peer (a snapshot, or its grace
+    /// ran out), so a calix route to another node that is not in the set is stale and may go.
+    /// Before that (an agent just started, re-learning) missing routes are added and none
+    /// removed: traffic to the peers keeps its routes meanwhile.
     /// Kernel programming of these is the route reconciler's (issue 13, in progress): this
     /// records the desired state only.
-    pub fn set_remote_routes(&mut self, routes: Vec<remote::RemoteRoute>) {
+    pub fn set_remote_routes(&mut self, routes: Vec<remote::RemoteRoute>, complete: bool) {
         self.remote = routes.into_iter().map(|r| (r.prefix, r)).collect();
+        self.remote_complete = complete;
     }
 
     /// The desired routes to other nodes' pods.
