@@ -17,6 +17,7 @@ use calix_agent::ipam::IpamService;
 use calix_agent::model::NodeRecord;
 use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
+use calix_agent::reconcile::remote::Underlay;
 use calix_agent::reconcile::Backoff;
 use calix_agent::{datastore, grpc, metrics, paths, tasks};
 use calix_kernel::host::NetlinkHost;
@@ -125,6 +126,9 @@ async fn main() -> Result<()> {
     let _instance = InstanceLock::acquire(&cfg.socket)?;
     if flags.uninstall {
         dataplane::uninstall(&ebpf_cfg)?;
+        let netlink = calix_kernel::netns::netlink_here().await?;
+        let removed = calix_kernel::vxlan::delete_all(&netlink).await?;
+        tracing::info!(?removed, "VXLAN devices removed");
         return Ok(());
     }
     // The HTTP door comes up first: /healthz and /readyz answer 503 until the initial sync.
@@ -155,6 +159,7 @@ async fn main() -> Result<()> {
     let driver = Driver::spawn(
         NetlinkHost::new,
         dataplane,
+        Underlay::from_config(&cfg),
         Timing {
             resync: Duration::from_secs(cfg.resync_interval_secs),
             backoff: Backoff::default(),

@@ -40,6 +40,8 @@ pub enum NetlinkError {
     /// alone.
     #[error("a route to {dst} already exists")]
     RouteExists { dst: IpNet },
+    #[error("invalid route {route}: {reason}")]
+    InvalidRoute { route: String, reason: &'static str },
     #[error("interface {name} not found")]
     LinkNotFound { name: String },
     #[error("no interface with index {index}")]
@@ -314,7 +316,7 @@ pub struct LinkDetails {
 }
 
 impl LinkDetails {
-    fn from_message(message: &LinkMessage) -> LinkDetails {
+    pub(crate) fn from_message(message: &LinkMessage) -> LinkDetails {
         let mut details = LinkDetails {
             index: message.header.index,
             name: String::new(),
@@ -410,6 +412,8 @@ pub struct AddressEntry {
     pub address: IpNet,
     /// `IFA_F_*` bits (IFA_FLAGS when present, else the header's 8 bits).
     pub flags: u32,
+    /// `ifa_scope` (0 = global, 253 = link).
+    pub scope: u8,
 }
 
 impl AddressEntry {
@@ -450,6 +454,7 @@ pub async fn addresses(handle: &Handle, ifindex: u32) -> Result<Vec<AddressEntry
                 entries.push(AddressEntry {
                     address: net,
                     flags,
+                    scope: u8::from(message.header.scope),
                 });
             }
         }
@@ -485,6 +490,8 @@ pub struct RouteEntry {
     pub scope: u8,
     pub table: u32,
     pub priority: Option<u32>,
+    /// `RTNH_F_ONLINK`: the gateway is taken to be on the link whatever the subnets say.
+    pub onlink: bool,
 }
 
 impl RouteEntry {
@@ -522,6 +529,10 @@ impl RouteEntry {
             scope: u8::from(message.header.scope),
             table,
             priority,
+            onlink: message
+                .header
+                .flags
+                .contains(netlink_packet_route::route::RouteFlags::Onlink),
         })
     }
 }
@@ -581,17 +592,19 @@ pub async fn neighbours(
     ifindex: u32,
     family: Family,
 ) -> Result<Vec<NeighbourEntry>, NetlinkError> {
-    let messages: Vec<_> = handle
+    let mut request = handle
         .neighbours()
         .get()
-        .set_address_family(family.address_family())
-        .execute()
-        .try_collect()
-        .await
-        .map_err(netlink_err(
-            "list neighbours",
-            format!("of interface {ifindex}"),
-        ))?;
+        .set_address_family(family.address_family());
+    // NDA_IFINDEX: the kernel dumps only this device's entries (neigh_valid_dump_req).
+    request
+        .message_mut()
+        .attributes
+        .push(NeighbourAttribute::IfIndex(ifindex));
+    let messages: Vec<_> = request.execute().try_collect().await.map_err(netlink_err(
+        "list neighbours",
+        format!("of interface {ifindex}"),
+    ))?;
     let mut entries = Vec::new();
     for message in messages.iter().filter(|m| m.header.ifindex == ifindex) {
         let mut ip = None;
