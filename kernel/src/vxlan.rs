@@ -340,10 +340,19 @@ fn neighbour_address(ip: IpAddr) -> NeighbourAddress {
     }
 }
 
+/// An FDB entry's `NDA_DST`: its message is of family `AF_BRIDGE`, so the address comes
+/// as bytes (4 or 16 of them).
 fn address_of(a: &NeighbourAddress) -> Option<IpAddr> {
     match a {
         NeighbourAddress::Inet(v4) => Some(IpAddr::V4(*v4)),
         NeighbourAddress::Inet6(v6) => Some(IpAddr::V6(*v6)),
+        NeighbourAddress::Other(bytes) => match bytes.len() {
+            4 => <[u8; 4]>::try_from(bytes.as_slice()).ok().map(IpAddr::from),
+            16 => <[u8; 16]>::try_from(bytes.as_slice())
+                .ok()
+                .map(IpAddr::from),
+            _ => None,
+        },
         _ => None,
     }
 }
