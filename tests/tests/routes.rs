@@ -1,0 +1,354 @@
+//! Routes between nodes, the kernel side (issue 13): three nodes on the test bed's underlay —
+//! two on subnet 1, one on subnet 2 — each with two dual-stack pods wired by its real agent.
+//! Route distribution is not in the agent yet, so each node gets a route reconciler of its own
+//! (the agent's `Driver` with a dataplane that only does routes) fed with the routes the nodes'
+//! blocks imply, as distribution will feed the agent's. Shown in both dataplane modes: every
+//! pod reaches every other by ping and TCP, through the direct route on the shared subnet and
+//! through VXLAN to and from the other subnet; in eBPF mode same-subnet traffic between nodes
+//! never touches either node's IP forwarding; a route or the VXLAN device deleted by hand is
+//! back within seconds; an idle node writes nothing. Run as root.
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use calix_agent::dataplane::{
+    Attached, Dataplane, DataplaneError, DataplaneStats, Drift, EndpointSpec, Reload,
+};
+use calix_agent::reconcile::driver::{Driver, Snapshot, Timing};
+use calix_agent::reconcile::remote::{RemoteRoute, Underlay};
+use calix_agent::reconcile::Backoff;
+use calix_kernel::host::{HostKernel, NetlinkHost};
+use calix_kernel::vxlan::{DEVICE_V4, DEVICE_V6};
+use calix_testbed::traffic::echo::{echo_roundtrip, EchoServer, ECHO_PORT};
+use calix_testbed::{Cluster, Dataplane as Mode, Node, Pod};
+use ipnet::IpNet;
+use serde_json::Value;
+
+/// A dual-stack pool pair with the default `vxlan = "crossSubnet"`.
+const POOLS: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:244::/64\"\n";
+/// The node a pod is on, for each of the cluster's nodes: 0 and 1 share subnet 1, 2 is alone
+/// on subnet 2.
+const SUBNETS: [u8; 3] = [1, 1, 2];
+
+/// The routes only: what a node's route reconciler needs from a dataplane is nothing (the
+/// node's agent programs the pods and attaches the host-device programs).
+struct RoutesOnly;
+
+impl Dataplane for RoutesOnly {
+    fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
+        Err(DataplaneError::NoInterface {
+            ifname: ep.host_ifname.clone(),
+        })
+    }
+    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn verify(
+        &self,
+        _ep: &EndpointSpec,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn verify_host_dev(
+        &self,
+        _ifname: &str,
+        _index: u32,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
+        Ok(None)
+    }
+    fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn reload(&mut self, _r: &Reload) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn release(&mut self) {}
+}
+
+/// A route reconciler running inside node `ns`: the agent's driver thread, resyncing every
+/// second.
+fn route_driver(node: &Node) -> Driver {
+    node.ns.run(|| {
+        Driver::spawn(
+            NetlinkHost::new,
+            Box::new(RoutesOnly),
+            Underlay {
+                uplinks: vec!["eth0".into()],
+                ..Underlay::default()
+            },
+            Timing {
+                resync: Duration::from_secs(1),
+                backoff: Backoff::default(),
+            },
+        )
+        .expect("route driver")
+    })
+}
+
+fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(f)
+}
+
+fn snapshot(d: &Driver) -> Snapshot {
+    block_on(d.snapshot()).expect("snapshot")
+}
+
+/// The block (default sizes: /26, /122) holding `ip`.
+fn block_of(ip: IpAddr) -> IpNet {
+    let len = if ip.is_ipv4() { 26 } else { 122 };
+    IpNet::new(ip, len).expect("prefix").trunc()
+}
+
+/// What route distribution will tell node `me`: every other node's blocks, via its address of
+/// the block's family.
+fn routes_for(cluster: &Cluster, pods: &[Vec<Pod>], me: usize) -> Vec<RemoteRoute> {
+    let mut routes = BTreeMap::new();
+    for (node, on_node) in pods.iter().enumerate().filter(|(n, _)| *n != me) {
+        for pod in on_node {
+            for ip in pod.ips() {
+                let ip: IpAddr = ip.parse().expect("pod address");
+                let next_hop = if ip.is_ipv4() {
+                    cluster.address(node)
+                } else {
+                    cluster.address6(node)
+                };
+                let prefix = block_of(ip);
+                routes.insert(
+                    prefix,
+                    RemoteRoute {
+                        prefix,
+                        node: format!("node{node}"),
+                        next_hop: next_hop.parse().expect("node address"),
+                        vxlan: Default::default(),
+                    },
+                );
+            }
+        }
+    }
+    routes.into_values().collect()
+}
+
+/// `nstat -az IpForwDatagrams` inside `node`.
+fn forwarded(node: &Node) -> u64 {
+    let out = node.ns.exec_ok(&["nstat", "-az", "-j", "IpForwDatagrams"]);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("nstat json");
+    v["kernel"]["IpForwDatagrams"].as_u64().unwrap_or(0)
+}
+
+fn text(out: std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Waits up to `secs` for `done`, polling.
+fn within(secs: u64, what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(Instant::now() < deadline, "not within {secs} s: {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn reaches(from: &Pod, to: &Pod, what: &str) {
+    for ip in to.ips() {
+        assert!(
+            from.ns.ping(&ip, 1),
+            "{what}: no ping reply from {ip}\nagent log of the sender's node:\n{}",
+            from.node.agent_log()
+        );
+        let addr = SocketAddr::new(ip.parse().expect("ip"), ECHO_PORT);
+        echo_roundtrip(&from.ns, addr, 64 * 1024, Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("{what}: TCP to {addr}: {e}"));
+    }
+}
+
+fn cluster(mode: Mode) -> Cluster {
+    Cluster::create(mode, &SUBNETS, |i, c| {
+        format!("resync_interval_secs = 1\n{}{POOLS}", c.base_config(i))
+    })
+}
+
+fn pods_reach_each_other_across_nodes(mode: Mode) {
+    let cluster = cluster(mode);
+    cluster.start();
+    let dual = serde_json::json!({"ipam": {"type": "calix-ipam", "assign_ipv6": "true"}});
+    let pods: Vec<Vec<Pod>> = cluster
+        .nodes
+        .iter()
+        .map(|n| {
+            ["a", "b"]
+                .iter()
+                .map(|p| Pod::add_with(n, p, dual.clone()))
+                .collect()
+        })
+        .collect();
+    let _servers: Vec<EchoServer> = pods
+        .iter()
+        .flatten()
+        .map(|p| EchoServer::start(&p.ns).expect("echo server"))
+        .collect();
+    // Declared after the pods: the route drivers stop before the nodes go.
+    let drivers: Vec<Driver> = cluster.nodes.iter().map(route_driver).collect();
+    for (i, d) in drivers.iter().enumerate() {
+        let routes = routes_for(&cluster, &pods, i);
+        let t = Instant::now();
+        block_on(d.set_remote_routes(routes, true)).expect("set routes");
+        let took = t.elapsed();
+        let snap = snapshot(d);
+        assert_eq!(snap.routes_error, None, "node {i}");
+        assert!(snap.route_problems.is_empty(), "{:?}", snap.route_problems);
+        eprintln!("node {i}: routes to the other nodes programmed in {took:?}");
+        assert!(took < Duration::from_millis(100), "node {i}: {took:?}");
+    }
+    // Same subnet: direct routes, no VXLAN device. Across subnets: VXLAN both ways.
+    for i in 0..2 {
+        let shown = text(
+            cluster.nodes[i]
+                .ns
+                .exec_ok(&["ip", "route", "show", "proto", "202"]),
+        );
+        let b1 = block_of(pods[1 - i][0].ip().parse().expect("ip"));
+        assert!(
+            shown.contains(&format!("{b1} via {} dev eth0", cluster.address(1 - i))),
+            "{shown}"
+        );
+        let b2 = block_of(pods[2][0].ip().parse().expect("ip"));
+        assert!(
+            shown.contains(&format!(
+                "{b2} via {} dev {DEVICE_V4} onlink",
+                cluster.address(2)
+            )),
+            "{shown}"
+        );
+    }
+    assert!(cluster.nodes[2].ns.links().contains(&DEVICE_V6.to_string()));
+    if mode == Mode::Ebpf {
+        // The agents put their host-device programs on the devices at their next pass.
+        for n in &cluster.nodes {
+            within(5, "from_host_dev on vxlan.calix", || {
+                n.filter_prog(DEVICE_V4, "ingress").is_some()
+                    && n.filter_prog(DEVICE_V6, "ingress").is_some()
+            });
+        }
+    }
+    let all: Vec<&Pod> = pods.iter().flatten().collect();
+    for from in &all {
+        for to in all.iter().filter(|t| t.ns.name != from.ns.name) {
+            reaches(from, to, &format!("{} → {}", from.ns.name, to.ns.name));
+        }
+    }
+
+    // Same subnet, node 0 → node 1: in eBPF mode neither node's IP stack forwards it.
+    let before = [forwarded(&cluster.nodes[0]), forwarded(&cluster.nodes[1])];
+    for to in &pods[1] {
+        for ip in to.ips() {
+            assert!(pods[0][0].ns.ping(&ip, 10));
+            let addr = SocketAddr::new(ip.parse().expect("ip"), ECHO_PORT);
+            echo_roundtrip(&pods[0][0].ns, addr, 256 * 1024, Duration::from_secs(5)).expect("TCP");
+        }
+    }
+    let after = [forwarded(&cluster.nodes[0]), forwarded(&cluster.nodes[1])];
+    let delta = [after[0] - before[0], after[1] - before[1]];
+    eprintln!("{mode:?}: IpForwDatagrams on nodes 0 and 1: +{delta:?}");
+    match mode {
+        Mode::Ebpf => assert_eq!(delta, [0, 0], "eBPF mode went through IP forwarding"),
+        Mode::Kernel => assert!(delta[0] >= 40 && delta[1] >= 40, "{delta:?}"),
+    }
+
+    // A new pod on node 0 is reachable from node 2 at once (its block's route is there).
+    let t = Instant::now();
+    let c = Pod::add_with(&cluster.nodes[0], "c", dual.clone());
+    let _c_server = EchoServer::start(&c.ns).expect("echo server");
+    let added = t.elapsed();
+    let addr = SocketAddr::new(c.ip().parse().expect("ip"), ECHO_PORT);
+    let t = Instant::now();
+    while echo_roundtrip(&pods[2][0].ns, addr, 1000, Duration::from_millis(200)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "not reachable within 1 s"
+        );
+    }
+    eprintln!(
+        "new pod on node 0: ADD took {added:?}, reachable from node 2 {:?} after",
+        t.elapsed()
+    );
+
+    // Sabotage on node 2: its route to node 0's block, then the VXLAN device itself.
+    let n2 = &cluster.nodes[2];
+    let b0 = block_of(pods[0][0].ip().parse().expect("ip")).to_string();
+    n2.ns.exec_ok(&["ip", "route", "del", &b0]);
+    within(5, "the route re-created", || {
+        text(n2.ns.exec_ok(&["ip", "route", "show", &b0])).contains(DEVICE_V4)
+    });
+    assert!(snapshot(&drivers[2]).repairs["node_route"] >= 1);
+    n2.ns.exec_ok(&["ip", "link", "del", DEVICE_V4]);
+    within(5, "the VXLAN device re-created with its routes", || {
+        text(n2.ns.exec_ok(&["ip", "route", "show", &b0])).contains(DEVICE_V4)
+    });
+    if mode == Mode::Ebpf {
+        within(5, "the programs back on the new device", || {
+            n2.filter_prog(DEVICE_V4, "ingress").is_some()
+        });
+    }
+    assert!(snapshot(&drivers[2]).repairs["vxlan_device"] >= 1);
+    reaches(&pods[2][1], &pods[0][1], "after the repairs");
+
+    // Idle: ten passes of every reconciler, no writes (neighbour entries: calix's devices').
+    std::thread::sleep(Duration::from_secs(2));
+    let watch = |argv: &[&str]| {
+        n2.ns
+            .cmd(argv)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("monitor")
+    };
+    let before = snapshot(&drivers[2]).resyncs;
+    let monitors = [
+        watch(&[
+            "timeout", "10", "ip", "-o", "monitor", "route", "link", "address",
+        ]),
+        watch(&[
+            "timeout", "10", "ip", "-o", "monitor", "neigh", "dev", DEVICE_V4,
+        ]),
+        watch(&["timeout", "10", "bridge", "monitor", "fdb"]),
+        watch(&["timeout", "10", "tc", "monitor"]),
+    ];
+    let seen: String = monitors
+        .into_iter()
+        .map(|m| text(m.wait_with_output().expect("monitor")))
+        .collect();
+    assert!(seen.trim().is_empty(), "writes while idle:\n{seen}");
+    assert!(snapshot(&drivers[2]).resyncs - before >= 8);
+}
+
+#[test]
+fn pods_reach_each_other_across_nodes_in_ebpf_mode() {
+    pods_reach_each_other_across_nodes(Mode::Ebpf);
+}
+
+#[test]
+fn pods_reach_each_other_across_nodes_in_kernel_mode() {
+    pods_reach_each_other_across_nodes(Mode::Kernel);
+}
