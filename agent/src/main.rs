@@ -15,6 +15,7 @@ use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
 use calix_agent::model::NodeRecord;
+use calix_agent::node::mtu::PodMtu;
 use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::remote::Underlay;
@@ -185,6 +186,7 @@ async fn main() -> Result<()> {
     .await?;
     let endpoints = EndpointRegistry::load(&cfg.node_name, store, driver, stats).await?;
     let node = Arc::new(Node::new(ipam, endpoints));
+    node.set_pod_mtu(PodMtu::from_config(&cfg));
     // The initial sync: every recorded endpoint programmed, then the sweep.
     let pools = node.ipam.pools().iter().map(|p| p.cidr).collect();
     node.endpoints.start(pools).await?;

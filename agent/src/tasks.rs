@@ -69,6 +69,8 @@ where
             }
             if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
                 tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
+            } else {
+                node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
             }
             // Both validated by `reread` (AgentConfig::validate).
             let (Ok(xdp), Ok(nat)) = (cfg.xdp_policy(), cfg.nat_settings()) else {

@@ -125,9 +125,22 @@ pub async fn add_route(
 }
 
 pub async fn set_link_up(handle: &Handle, ifindex: u32) -> Result<(), NetlinkError> {
+    set_link_up_with_mtu(handle, ifindex, None).await
+}
+
+/// Sets a link up and, with `mtu`, its MTU, in one request.
+pub async fn set_link_up_with_mtu(
+    handle: &Handle,
+    ifindex: u32,
+    mtu: Option<u32>,
+) -> Result<(), NetlinkError> {
+    let mut link = LinkUnspec::new_with_index(ifindex).up();
+    if let Some(mtu) = mtu {
+        link = link.mtu(mtu);
+    }
     handle
         .link()
-        .set(LinkUnspec::new_with_index(ifindex).up().build())
+        .set(link.build())
         .execute()
         .await
         .map_err(|source| {
@@ -635,7 +648,46 @@ pub async fn neighbours(
     Ok(entries)
 }
 
-/// Sets a link's alias (`IFLA_IFALIAS`).
+/// The MTU of the link called `name` in the calling thread's namespace: one `SIOCGIFMTU`
+/// ioctl, for callers that have no netlink socket at hand (the agent's gRPC handlers).
+pub fn link_mtu(name: &str) -> Result<u32, NetlinkError> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    validate_ifname(name)?;
+    let failed = |source: std::io::Error| {
+        NetlinkError::Netns(NetnsError::Netlink {
+            path: format!("SIOCGIFMTU {name}").into(),
+            source,
+        })
+    };
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(failed(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a new descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFMTU reads `ifr_name` (NUL-terminated: the name is at most 15 bytes and
+    // the array 16 zeroed) and writes `ifr_mtu` of the ifreq we pass, valid for the call.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) } < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENODEV) {
+            return Err(NetlinkError::LinkNotFound {
+                name: name.to_string(),
+            });
+        }
+        return Err(failed(e));
+    }
+    // SAFETY: SIOCGIFMTU filled the `ifru_mtu` member of the union.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    u32::try_from(mtu).map_err(|_| failed(std::io::Error::other(format!("MTU {mtu}"))))
+}
+
+/// Sets a link's alias (`IFLA_IFALIAS`)./// Sets a link's alias (`IFLA_IFALIAS`).
 pub async fn set_alias(handle: &Handle, ifindex: u32, alias: &str) -> Result<(), NetlinkError> {
     let mut message = LinkMessage::default();
     message.header.index = ifindex;

@@ -141,10 +141,11 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             Some(v4),
             Some(v6),
             pod::PodRouting::Main,
+            None,
         )
         .await
         .expect("configure pod");
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6), None)
             .await
             .expect("configure host");
 
@@ -369,7 +370,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             .expect("delete v6 route again"));
 
         // Re-add the routes, then deleting the host side takes the peer and the routes along.
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6), None)
             .await
             .expect("configure host again");
         assert_eq!(
@@ -422,10 +423,11 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
             Some(v4),
             None,
             pod::PodRouting::Main,
+            None,
         )
         .await
         .expect("configure pod");
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None, None)
             .await
             .expect("configure host");
 
@@ -457,6 +459,51 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
             sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/proxy_arp")),
             "1"
         );
+    });
+}
+
+/// The MTU the agent asks for (a VXLAN tunnel's): set on both sides with the links going up.
+#[test]
+fn an_mtu_given_at_configure_time_is_set_on_both_sides() {
+    require_root();
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000005";
+    let v4: Ipv4Addr = "10.244.5.5".parse().expect("v4");
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        let pair = pod::create_veth(&host, &pod_ns, HOST_IF, "eth0", None)
+            .await
+            .expect("create veth");
+        let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
+        pod::configure_pod(
+            &pod,
+            pair.pod_ifindex,
+            Some(v4),
+            None,
+            pod::PodRouting::Main,
+            Some(1450),
+        )
+        .await
+        .expect("configure pod");
+        pod::configure_host(
+            &host,
+            HOST_IF,
+            pair.host_ifindex,
+            Some(v4),
+            None,
+            Some(1450),
+        )
+        .await
+        .expect("configure host");
+        for (h, name) in [(&pod, "eth0"), (&host, HOST_IF)] {
+            let link = netlink::link_details(h, name)
+                .await
+                .expect("link")
+                .expect("exists");
+            assert_eq!((link.mtu, link.up), (Some(1450), true), "{name}");
+        }
     });
 }
 
@@ -512,11 +559,11 @@ fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
             .expect("create veth");
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
         let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
-        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None).await {
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None, None).await {
             Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net4),
             other => panic!("expected RouteExists, got {other:?}"),
         }
-        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6)).await {
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6), None).await {
             Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net6),
             other => panic!("expected RouteExists, got {other:?}"),
         }
@@ -711,6 +758,14 @@ fn routes_to_other_nodes_and_vxlan_devices_for_real() {
             "global addresses only (no fe80::)"
         );
         assert_eq!(k.uplink("nope0").expect("uplink"), None);
+        // The MTU without netlink (what the agent tells the plugin).
+        assert_eq!(netlink::link_mtu("eth0").expect("mtu"), 1500);
+        run(&["link", "set", "calixt0", "mtu", "1400"]);
+        assert_eq!(netlink::link_mtu("calixt0").expect("mtu"), 1400);
+        assert!(matches!(
+            netlink::link_mtu("nope0"),
+            Err(NetlinkError::LinkNotFound { .. })
+        ));
 
         // The devices, as specified.
         let spec4 = VxlanSpec {

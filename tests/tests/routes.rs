@@ -25,8 +25,10 @@ use calix_testbed::{Cluster, Dataplane as Mode, Node, Pod};
 use ipnet::IpNet;
 use serde_json::Value;
 
-/// A dual-stack pool pair with the default `vxlan = "crossSubnet"`.
-const POOLS: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:244::/64\"\n";
+/// A dual-stack pool pair with the default `vxlan = "crossSubnet"`; the nodes are a cluster
+/// (`[routes]`: pods' MTU leaves room for VXLAN).
+const POOLS: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:244::/64\"\n\
+                     [routes]\nenabled = true\nplaintext = true\n";
 /// The node a pod is on, for each of the cluster's nodes: 0 and 1 share subnet 1, 2 is alone
 /// on subnet 2.
 const SUBNETS: [u8; 3] = [1, 1, 2];
@@ -203,6 +205,18 @@ fn pods_reach_each_other_across_nodes(mode: Mode) {
                 .collect()
         })
         .collect();
+    // Without an `mtu` in the conflist, the agent's: the uplink's (1500) less IPv6's VXLAN
+    // encapsulation (70), on both sides of every pod's veth.
+    for p in pods.iter().flatten() {
+        let shown = text(p.ns.exec_ok(&["ip", "-o", "link", "show", "eth0"]));
+        assert!(shown.contains(" mtu 1430 "), "{shown}");
+        let host = text(
+            p.node
+                .ns
+                .exec_ok(&["ip", "-o", "link", "show", &p.host_ifname()]),
+        );
+        assert!(host.contains(" mtu 1430 "), "{host}");
+    }
     let _servers: Vec<EchoServer> = pods
         .iter()
         .flatten()

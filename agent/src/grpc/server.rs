@@ -66,9 +66,11 @@ impl pb::ipam_server::Ipam for IpamSvc {
             .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
             .await
             .map_err(status)?;
+        let addrs: Vec<std::net::IpAddr> = out.iter().map(|(a, _)| *a).collect();
         Ok(Response::new(pb::AllocateResponse {
             addresses: addresses(out),
             already_allocated: already,
+            mtu: self.0.pod_mtu(&addrs).unwrap_or(0),
         }))
     }
 
