@@ -55,8 +55,9 @@ struct Flags {
     #[arg(long)]
     bpf_object: Option<PathBuf>,
     /// Remove this node's eBPF programs (from every cali* interface and the uplinks, the XDP
-    /// prefilter included), map entries and pins, and the kernel mode's nftables tables, then
-    /// exit. Pods keep their routes (kernel forwarding).
+    /// prefilter included), map entries and pins, the kernel mode's nftables tables and
+    /// calix's VXLAN devices (with the routes through them), then exit. Pods keep their
+    /// routes (kernel forwarding), and so do direct routes to other nodes.
     #[arg(long)]
     uninstall: bool,
 }

@@ -104,6 +104,16 @@ pub async fn render(node: &Node) -> String {
         "# HELP calix_node_not_ok 1 while the node's own objects (forwarding, nftables tables) cannot be brought to their desired state (the agent's log says why).\n# TYPE calix_node_not_ok gauge\ncalix_node_not_ok {}",
         u8::from(rec.node_error.is_some())
     );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_not_ok 1 while the routes to other nodes (and their VXLAN devices) cannot be brought to their desired state (the agent's log says why).\n# TYPE calix_routes_not_ok gauge\ncalix_routes_not_ok {}",
+        u8::from(rec.routes_error.is_some())
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_not_programmed Desired routes to other nodes that cannot be programmed as asked (a next hop of another family, off every subnet with vxlan = never...; logged).\n# TYPE calix_routes_not_programmed gauge\ncalix_routes_not_programmed {}",
+        rec.route_problems.len()
+    );
     out
 }
 

@@ -355,6 +355,25 @@ fn pods_reach_each_other_across_nodes(mode: Mode) {
         .collect();
     assert!(seen.trim().is_empty(), "writes while idle:\n{seen}");
     assert!(snapshot(&drivers[2]).resyncs - before >= 8);
+
+    // `calix-agent --uninstall` (its route reconciler stopped too) removes the VXLAN devices.
+    for d in &drivers {
+        block_on(d.release());
+    }
+    n2.stop_agent();
+    let argv = n2.agent_args(&["--uninstall"]);
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let out = calix_testbed::run(&mut n2.ns.cmd_setns(&argv));
+    assert!(
+        out.status.success(),
+        "--uninstall: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let links = n2.ns.links();
+    assert!(
+        !links.iter().any(|l| l == DEVICE_V4 || l == DEVICE_V6),
+        "{links:?}"
+    );
 }
 
 #[test]
