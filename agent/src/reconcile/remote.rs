@@ -444,7 +444,12 @@ fn sync_routes<K: HostKernel>(
     let have = kernel
         .node_routes()
         .map_err(kernel_err("reading the routes to other nodes"))?;
-    let mut want = BTreeSet::new();
+    // By destination: thousands of routes (hundreds of peers' blocks) stay a linear pass.
+    let mut have_by_dst: BTreeMap<IpNet, Vec<NodeRoute>> = BTreeMap::new();
+    for h in &have {
+        have_by_dst.entry(h.dst).or_default().push(*h);
+    }
+    let mut want: BTreeMap<IpNet, NodeRoute> = BTreeMap::new();
     for (dst, (gateway, via)) in &plan.routes {
         let (oif, onlink) = match via {
             Via::Uplink(i) => (*i, false),
@@ -453,23 +458,26 @@ fn sync_routes<K: HostKernel>(
                 None => continue,
             },
         };
-        want.insert(NodeRoute {
-            dst: *dst,
-            gateway: *gateway,
-            oif,
-            onlink,
-        });
+        want.insert(
+            *dst,
+            NodeRoute {
+                dst: *dst,
+                gateway: *gateway,
+                oif,
+                onlink,
+            },
+        );
     }
     let mut conflict = None;
-    for w in &want {
-        if have.contains(w) {
+    for w in want.values() {
+        let ours = have_by_dst.get(&w.dst).map(Vec::as_slice).unwrap_or(&[]);
+        if ours.contains(w) {
             continue;
         }
-        let ours = have.iter().find(|h| h.dst == w.dst);
-        match kernel.add_node_route(w, ours.is_some()) {
+        match kernel.add_node_route(w, !ours.is_empty()) {
             Ok(()) => done.push(Repair {
                 kind: KIND_ROUTE,
-                what: match ours {
+                what: match ours.first() {
                     Some(o) => format!("{o} replaced by {w}"),
                     None => format!("{w} was missing"),
                 },
@@ -482,7 +490,7 @@ fn sync_routes<K: HostKernel>(
         }
     }
     if complete {
-        for h in have.iter().filter(|h| !want.iter().any(|w| w.dst == h.dst)) {
+        for h in have.iter().filter(|h| !want.contains_key(&h.dst)) {
             kernel
                 .delete_node_route(h)
                 .map_err(kernel_err(format!("deleting {h}")))?;
