@@ -59,12 +59,13 @@ where
                     c.uplinks.clone(),
                     c.dataplane,
                     c.resync_interval_secs,
+                    c.vxlan.clone(),
                 )
             };
             if restart_only(&cfg) != restart_only(&started) {
                 tracing::warn!(
-                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode and resync_interval_secs \
-                     take effect when the agent restarts"
+                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs and \
+                     [vxlan] take effect when the agent restarts"
                 );
             }
             if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
