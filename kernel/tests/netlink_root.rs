@@ -267,15 +267,27 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         .expect("enter pod ns")
         .expect("read accept_dad");
         assert_eq!(accept_dad, "0");
-        // ... so the pod's link-local (made when the host side came up) is not tentative.
-        let addresses = netlink::addresses(&pod, pair.pod_ifindex)
-            .await
-            .expect("addresses");
-        let link_local = addresses
-            .iter()
-            .find(|a| matches!(a.address, IpNet::V6(n) if n.addr().is_unicast_link_local()))
-            .unwrap_or_else(|| panic!("no link-local in {addresses:?}"));
-        assert_eq!(link_local.flags & IFA_F_TENTATIVE, 0, "{link_local:?}");
+        // ... so the pod's link-local (made when the host side came up) does not wait for DAD.
+        // The kernel marks a new address tentative and clears the mark from a workqueue even
+        // without DAD, so allow that a moment (DAD itself would take a second or more).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        loop {
+            let addresses = netlink::addresses(&pod, pair.pod_ifindex)
+                .await
+                .expect("addresses");
+            let link_local = addresses
+                .iter()
+                .find(|a| matches!(a.address, IpNet::V6(n) if n.addr().is_unicast_link_local()))
+                .unwrap_or_else(|| panic!("no link-local in {addresses:?}"));
+            if link_local.flags & IFA_F_TENTATIVE == 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still tentative after 500 ms: {link_local:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
 
         // Host routes: ours, scope link for v4, through the veth.
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
