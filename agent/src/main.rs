@@ -165,6 +165,7 @@ async fn main() -> Result<()> {
     let routes_start = match cfg.routes.enabled {
         true => Some(
             routes::task::Start::from_config(&cfg, &addresses)
+                .await
                 .context("route distribution ([routes]) cannot start")?,
         ),
         false => None,

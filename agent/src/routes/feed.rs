@@ -183,7 +183,9 @@ mod tests {
         );
         // b withdrawn, a's next hop changed: one delta.
         let a2 = route("10.0.0.0/26", "192.0.2.2");
-        let d = feed.publish(&set(std::slice::from_ref(&a2)), now).expect("a change");
+        let d = feed
+            .publish(&set(std::slice::from_ref(&a2)), now)
+            .expect("a change");
         assert_eq!(d.generation, 3);
         assert_eq!(d.routes, vec![a2.clone()]);
         assert_eq!(d.withdrawn, vec![b.prefix]);

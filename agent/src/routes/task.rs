@@ -66,13 +66,17 @@ pub struct Start {
     pub subnets: Vec<IpNet>,
     /// `None`: plain text (`routes.plaintext`).
     pub tls: Option<TlsMaterial>,
+    /// The Routes port, bound before this node's record announces it (peers that dial early
+    /// wait in its backlog instead of being refused).
+    pub listener: tokio::net::TcpListener,
 }
 
 impl Start {
     /// From the agent's config: the next hops (`routes.node_addresses`, else the first
     /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
-    /// node's subnets, and the TLS files (read and checked now: a bad file stops the agent).
-    pub fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
+    /// node's subnets, and the TLS files (read and checked now: a bad file stops the agent);
+    /// binds the Routes port.
+    pub async fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
         let next_hops =
             super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
         let endpoint =
@@ -87,7 +91,14 @@ impl Start {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
             routes.reflector = false;
         }
+        let listener = tokio::net::TcpListener::bind(&routes.listen)
+            .await
+            .map_err(|source| RoutesError::Listen {
+                addr: routes.listen.clone(),
+                source,
+            })?;
         Ok(Self {
+            listener,
             me: cfg.node_name.clone(),
             cfg: routes,
             pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
@@ -129,12 +140,7 @@ pub async fn start(
             (None, None)
         }
     };
-    let listener = tokio::net::TcpListener::bind(&s.cfg.listen)
-        .await
-        .map_err(|source| RoutesError::Listen {
-            addr: s.cfg.listen.clone(),
-            source,
-        })?;
+    let listener = s.listener;
     tracing::info!(listen = %s.cfg.listen, endpoint = %s.endpoint, tls = server_tls.is_some(),
         topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
     let (shutdown, shutdown_rx) = watch::channel(false);
