@@ -44,13 +44,27 @@ fn triples(v: &Value) -> BTreeSet<(String, String, String)> {
 }
 
 /// Polls `f` every 10 ms until it gives something, at most `timeout`; panics naming `what`.
-fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+fn wait_for<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T {
+    wait_showing(what, timeout, f, String::new)
+}
+
+/// [`wait_for`], and on failure shows `show()`.
+fn wait_showing<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+    show: impl Fn() -> String,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(Instant::now() < deadline, "not within {timeout:?}: {what}");
+        assert!(
+            Instant::now() < deadline,
+            "not within {timeout:?}: {what}\n{}",
+            show()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -181,4 +195,530 @@ fn every_node_learns_every_other_nodes_blocks_within_a_second_of_the_add() {
         "{metrics}"
     );
     assert!(metrics.contains("calix_routes_learned 2"), "{metrics}");
+}
+
+/// Node `i`'s view of peer `peer` in `calixctl nodes -o json`.
+fn peer_state(c: &Cluster, i: usize, peer: &str) -> Value {
+    peers(c, i)["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == peer)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn peers_keep_a_restarted_agents_routes_and_withdraw_a_stopped_ones_after_the_grace_period() {
+    const GRACE: u64 = 8;
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let c = cluster(&[1, 1, 2], &ca, |_| format!("grace_secs = {GRACE}"), |_| 2);
+    let pods: Vec<Pod> = (0..3).map(|i| Pod::add(&c.nodes[i], "p")).collect();
+    let block = |i: usize| (block26(&pods[i].ip()), c.name(i).to_string(), c.address(i));
+    for i in 0..3 {
+        for j in (0..3).filter(|j| *j != i) {
+            until_desired(&c, i, &block(j), Duration::from_secs(2));
+        }
+    }
+    let b = c.name(1).to_string();
+    // Node 1's agent goes and comes back, by SIGTERM and by SIGKILL: node 0 and node 2 keep
+    // its block all along.
+    let stops: [(&str, fn(&calix_testbed::Node)); 2] = [
+        ("SIGTERM", calix_testbed::Node::stop_agent),
+        ("SIGKILL", calix_testbed::Node::kill_agent),
+    ];
+    for (n, (how, stop)) in stops.into_iter().enumerate() {
+        stop(&c.nodes[1]);
+        for i in [0, 2] {
+            let s = wait_for(
+                &format!("node {i} sees node 1's stream end after {how}"),
+                Duration::from_secs(5),
+                || Some(peer_state(&c, i, &b)).filter(|s| s["state"] == "grace"),
+            );
+            let left = s["grace_left_secs"].as_f64().expect("grace timer");
+            assert!(left > 0.0 && left <= GRACE as f64, "{s}");
+            assert!(
+                desired(&c, i).contains(&block(1)),
+                "node {i} keeps node 1's block"
+            );
+        }
+        if how == "SIGTERM" {
+            assert!(
+                c.nodes[0]
+                    .agent_log()
+                    .contains("calix-agent is shutting down"),
+                "SIGTERM closes the streams cleanly"
+            );
+        }
+        c.nodes[1].start_agent();
+        // Back: node 1 re-learns everything, and its peers stream from it again.
+        wait_for(
+            &format!("node 1 re-learns after {how}"),
+            Duration::from_secs(10),
+            || {
+                assert!(
+                    desired(&c, 0).contains(&block(1)),
+                    "node 0 keeps node 1's block meanwhile"
+                );
+                let r = routes(&c, 1);
+                let d = triples(&r["desired"]);
+                (r["desired_complete"] == true && d.contains(&block(0)) && d.contains(&block(2)))
+                    .then_some(())
+            },
+        );
+        // It waited for both peers before letting stale routes go.
+        assert!(
+            c.nodes[1]
+                .agent_log()
+                .contains("stale routes may go from now on peers=2"),
+            "{}",
+            c.nodes[1].agent_log()
+        );
+        for i in [0, 2] {
+            wait_for(
+                &format!("node {i} streams from node 1 again after {how}"),
+                Duration::from_secs(10),
+                || {
+                    let s = peer_state(&c, i, &b);
+                    (s["state"] == "up" && s["snapshots"] == n as u64 + 2).then_some(())
+                },
+            );
+            assert!(desired(&c, i).contains(&block(1)));
+        }
+    }
+    // Stopped for good: withdrawn once the grace period is over, not before.
+    c.nodes[1].stop_agent();
+    let stopped = Instant::now();
+    wait_for(
+        "node 0 withdraws node 1's block",
+        Duration::from_secs(GRACE + 5),
+        || (!desired(&c, 0).contains(&block(1))).then_some(()),
+    );
+    let took = stopped.elapsed();
+    assert!(
+        took >= Duration::from_secs(GRACE - 1),
+        "withdrawn after {took:?}, before the grace period"
+    );
+    eprintln!("node 1's block withdrawn {took:?} after its agent stopped (grace {GRACE} s)");
+    wait_for("node 2 withdraws it too", Duration::from_secs(2), || {
+        (!desired(&c, 2).contains(&block(1))).then_some(())
+    });
+    assert_eq!(peer_state(&c, 0, &b)["state"], "down");
+    assert!(desired(&c, 0).contains(&block(2)), "the others stay");
+}
+
+#[test]
+fn with_reflectors_nodes_follow_only_the_reflector_and_learn_every_node_through_it() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Node 0 relays; plain text between nodes this time (warned at start).
+    let c = cluster(
+        &[1, 1, 2],
+        &ca,
+        |i| {
+            format!(
+                "topology = \"reflectors\"\nreflector = {}\nplaintext = true",
+                i == 0
+            )
+        },
+        |i| if i == 0 { 2 } else { 1 },
+    );
+    for i in 1..3 {
+        let p = peers(&c, i);
+        assert_eq!(up(&p), [c.name(0)], "node {i} follows the reflector only");
+        assert_eq!(p["peers"][0]["reflector"], true);
+        assert_eq!(p["tls"], false);
+        assert!(c.nodes[i].agent_log().contains("PLAIN TEXT between nodes"));
+    }
+    let mut pods = Vec::new();
+    for i in [1, 2, 0] {
+        let pod = Pod::add(&c.nodes[i], "p");
+        let added = Instant::now();
+        let want = (block26(&pod.ip()), c.name(i).to_string(), c.address(i));
+        for j in (0..3).filter(|j| *j != i) {
+            until_desired(&c, j, &want, Duration::from_secs(1));
+        }
+        eprintln!(
+            "node {i}'s block on both others {:?} after the ADD",
+            added.elapsed()
+        );
+        pods.push(pod);
+    }
+    // Node 1 learned node 2's block from the reflector, origin and next hop kept.
+    let r = routes(&c, 1);
+    let l = r["learned"]
+        .as_array()
+        .expect("learned")
+        .iter()
+        .find(|l| l["node"] == c.name(2))
+        .cloned()
+        .expect("node 2's block");
+    assert_eq!(l["source"], c.name(0));
+    assert_eq!(l["next_hop"], c.address(2).as_str());
+    assert_eq!(l["state"], "accepted");
+    assert_eq!(
+        routes(&c, 0)["relayed"],
+        3,
+        "the reflector relays all three blocks"
+    );
+    assert!(
+        r["refusals"].as_object().is_some_and(|m| m.is_empty()),
+        "{r:#}"
+    );
+}
+
+/// A Routes server in the test process, in node `i`'s namespace, acting as node `i` with a
+/// valid certificate of its own (from `ca`): it writes node `i`'s node record (so the agents
+/// follow it) and announces `announce`. Stopped on drop.
+struct Rogue {
+    stop: tokio::sync::watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Rogue {
+    fn start(c: &Cluster, i: usize, ca: &Ca, announce: Vec<Route>, known: Vec<String>) -> Self {
+        use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+        use calix_agent::routes::feed::Feed;
+        use calix_agent::routes::listener::{self, Limits};
+        use calix_agent::routes::server::{Feeds, Known, RoutesSvc};
+        use std::sync::Arc;
+        let name = c.name(i).to_string();
+        let addr = c.address(i);
+        let etcd = c.etcd_url(i);
+        let cert = ca.issue(&name).expect("certificate");
+        let ca_pem = ca.pem();
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = c.nodes[i]
+            .ns
+            .spawn(None, move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    let store = EtcdStore::connect(EtcdConfig {
+                        endpoints: vec![etcd],
+                        prefix: "/calix/".into(),
+                        timeout: Duration::from_secs(2),
+                        attempts: 3,
+                    })
+                    .await
+                    .expect("etcd");
+                    let record = calix_agent::model::NodeRecord {
+                        name: name.clone(),
+                        addresses: vec![addr.clone()],
+                        routes_endpoint: format!("{addr}:5474"),
+                        ..Default::default()
+                    };
+                    store
+                        .txn(
+                            &[],
+                            &[Op::put_json(keys::node(&name), &record)],
+                            Durability::Process,
+                        )
+                        .await
+                        .expect("node record");
+                    let material = tls_material(&ca_pem, &cert);
+                    let feeds = Arc::new(Feeds {
+                        own: Arc::new(Feed::default()),
+                        relay: Arc::new(Feed::default()),
+                        reflector: false,
+                    });
+                    feeds.own.publish(
+                        &announce.into_iter().map(|r| (r.prefix, r)).collect(),
+                        Instant::now(),
+                    );
+                    let known_nodes = Arc::new(Known::default());
+                    known_nodes.set(known.into_iter().collect());
+                    let sock = tokio::net::TcpListener::bind("0.0.0.0:5474")
+                        .await
+                        .expect("bind 5474");
+                    let svc = RoutesSvc {
+                        feeds,
+                        known: known_nodes,
+                        stats: Arc::default(),
+                        shutdown: stop_rx.clone(),
+                        throttle: Arc::default(),
+                    };
+                    let _ = ready_tx.send(());
+                    listener::serve(
+                        sock,
+                        Some(material.server_config().expect("server TLS")),
+                        svc,
+                        Limits::default(),
+                        stop_rx,
+                    )
+                    .await
+                    .expect("serve");
+                });
+            })
+            .expect("rogue thread");
+        ready_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("rogue server up");
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Rogue {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+use calix_agent::routes::tls::TlsMaterial;
+use calix_agent::routes::Route;
+
+fn tls_material(ca_pem: &str, cert: &calix_testbed::tls::NodeCert) -> TlsMaterial {
+    let p = std::path::Path::new("(test)");
+    TlsMaterial::from_pem(
+        (p, ca_pem.as_bytes()),
+        (p, cert.cert_pem.as_bytes()),
+        (p, cert.key_pem.as_bytes()),
+    )
+    .expect("TLS material")
+}
+
+/// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
+/// plain text); `Ok` once the first update arrived, else why not.
+fn try_watch(
+    c: &Cluster,
+    from: usize,
+    to: usize,
+    as_node: &str,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> Result<(), String> {
+    use calix_agent::routes::client::{connect, Dialer};
+    use calix_proto::v1 as pb;
+    let dialer = Dialer {
+        me: as_node.to_string(),
+        tls,
+        connect_timeout: Duration::from_secs(3),
+    };
+    let peer = c.name(to).to_string();
+    let endpoint = format!("{}:5474", c.address(to));
+    c.nodes[from].ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let channel = connect(&peer, &endpoint, &dialer).await?;
+            let mut stream = pb::routes_client::RoutesClient::new(channel)
+                .watch(pb::WatchRequest {
+                    node: dialer.me.clone(),
+                    relayed: false,
+                })
+                .await
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+                .into_inner();
+            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                Ok(Ok(Some(_))) => Ok(()),
+                Ok(Ok(None)) => Err("stream ended".into()),
+                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                Err(_) => Err("no update within 5 s".into()),
+            }
+        })
+    })
+}
+
+#[test]
+fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Node 2's agent never runs: its namespace hosts the rogue.
+    let c = Cluster::create(Dataplane::under_test(), &[1, 1, 2], |i, c| {
+        c.base_config(i)
+            + POOLS
+            + &c.routes_config(i, &ca, "grace_secs = 10")
+                .expect("routes config")
+    });
+    c.nodes[0].start_agent();
+    c.nodes[1].start_agent();
+    for i in 0..2 {
+        wait_for(
+            "nodes 0 and 1 stream from each other",
+            Duration::from_secs(20),
+            || (up(&peers(&c, i)).len() == 1).then_some(()),
+        );
+    }
+    let pod = Pod::add(&c.nodes[0], "p");
+    let a_block = (block26(&pod.ip()), c.name(0).to_string(), c.address(0));
+    until_desired(&c, 1, &a_block, Duration::from_secs(2));
+    let pod1 = Pod::add(&c.nodes[1], "p");
+    let b_block = (block26(&pod1.ip()), c.name(1).to_string(), c.address(1));
+    until_desired(&c, 0, &b_block, Duration::from_secs(2));
+
+    // The rogue, node 2, with its own valid certificate, announces node 1's block (relaying
+    // without being a reflector), claims node 0's block for itself, claims node 0's pod's
+    // address, and a prefix that is no block.
+    let rogue = c.name(2).to_string();
+    let route = |prefix: &str, node: &str, hop: &str| Route {
+        prefix: prefix.parse().expect("prefix"),
+        node: node.into(),
+        next_hop: hop.parse().expect("hop"),
+    };
+    let rogue_hop = c.address(2);
+    let announce = vec![
+        route(&b_block.0, c.name(1), &c.address(1)),
+        route(&a_block.0, &rogue, &rogue_hop),
+        route(&format!("{}/32", pod.ip()), &rogue, &rogue_hop),
+        route("10.244.200.0/26", &rogue, &rogue_hop),
+    ];
+    let _rogue = Rogue::start(
+        &c,
+        2,
+        &ca,
+        announce,
+        vec![c.name(0).into(), c.name(1).into()],
+    );
+    for i in 0..2 {
+        wait_for(
+            &format!("node {i} follows the rogue"),
+            Duration::from_secs(10),
+            || up(&peers(&c, i)).contains(&rogue).then_some(()),
+        );
+    }
+    let refused = |i: usize| -> BTreeSet<String> {
+        routes(&c, i)["learned"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["source"] == rogue.as_str() && l["state"] == "refused")
+            .filter_map(|l| l["cause"].as_str().map(String::from))
+            .collect()
+    };
+    for i in 0..2 {
+        let causes = wait_showing(
+            &format!("node {i} refuses all four of the rogue's routes"),
+            Duration::from_secs(6),
+            || Some(refused(i)).filter(|r| r.len() == 4),
+            || format!("{:#}", routes(&c, i)["learned"]),
+        );
+        // Node 1's own block relayed to it is refused as well: not the rogue's to say.
+        let want: BTreeSet<String> = [
+            "not_its_own",
+            "block_not_affine",
+            "address_of_other_node",
+            "not_a_block",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        assert_eq!(causes, want, "node {i}");
+        // Nothing of it reached the reconciler.
+        let d = desired(&c, i);
+        assert!(
+            d.iter()
+                .all(|(_, node, hop)| *node != rogue && *hop != rogue_hop),
+            "node {i} handed a rogue route to its reconciler: {d:?}"
+        );
+        let theirs = if i == 0 { &b_block } else { &a_block };
+        assert!(
+            d.contains(theirs),
+            "the block still via its own node: {d:?}"
+        );
+        let log = c.nodes[i].agent_log();
+        assert!(
+            log.contains("refused a route") && log.contains("is not a route reflector"),
+            "{log}"
+        );
+        let r = routes(&c, i);
+        assert_eq!(r["refusals"]["block_not_affine"], 1, "{r:#}");
+        let (_, metrics) = c.nodes[i].http_get("/metrics").expect("/metrics");
+        assert!(
+            metrics.contains("calix_route_refusals_total{cause=\"not_its_own\"} 1"),
+            "{metrics}"
+        );
+    }
+
+    // Strangers at node 0's door, from the rogue's namespace.
+    let other_ca = Ca::new("another-ca").expect("CA");
+    let node1_cert = ca.issue(c.name(1)).expect("cert");
+    let attempts: Vec<(
+        &str,
+        &str,
+        Option<std::sync::Arc<rustls::ClientConfig>>,
+        &str,
+    )> = vec![
+        (
+            "a certificate of another CA",
+            c.name(1),
+            Some(
+                tls_material(&ca.pem(), &other_ca.issue(c.name(1)).expect("cert"))
+                    .client_config()
+                    .expect("client"),
+            ),
+            "",
+        ),
+        (
+            "no certificate",
+            c.name(1),
+            Some(
+                calix_agent::routes::tls::anonymous_client_config(ca.pem().as_bytes())
+                    .expect("client"),
+            ),
+            "",
+        ),
+        ("plain text", c.name(1), None, ""),
+        (
+            "node 1's certificate, as another node",
+            &rogue,
+            Some(
+                tls_material(&ca.pem(), &node1_cert)
+                    .client_config()
+                    .expect("client"),
+            ),
+            "with the certificate of node",
+        ),
+        (
+            "a valid certificate of no node",
+            "cxt-ghost",
+            Some(
+                tls_material(&ca.pem(), &ca.issue("cxt-ghost").expect("cert"))
+                    .client_config()
+                    .expect("client"),
+            ),
+            "has no node record",
+        ),
+    ];
+    for (what, as_node, tls, says) in attempts {
+        let err = try_watch(&c, 2, 0, as_node, tls).expect_err(what);
+        assert!(err.contains(says), "{what}: {err}");
+        eprintln!("{what}: refused: {err}");
+    }
+    // The same door lets node 1's certificate in as node 1.
+    try_watch(
+        &c,
+        2,
+        0,
+        c.name(1),
+        Some(
+            tls_material(&ca.pem(), &node1_cert)
+                .client_config()
+                .expect("client"),
+        ),
+    )
+    .expect("node 1's certificate as node 1");
+    let door = &peers(&c, 0)["door"];
+    assert!(door["refused_tls"].as_u64() >= Some(3), "{door}");
+    assert!(door["refused_identity"].as_u64() >= Some(2), "{door}");
+    let log = c.nodes[0].agent_log();
+    for line in [
+        "TLS handshake failed",
+        "refused a peer's watch",
+        "with the certificate of node",
+    ] {
+        assert!(log.contains(line), "node 0's log lacks {line:?}:\n{log}");
+    }
+    let handshake_reasons: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("TLS handshake failed"))
+        .collect();
+    eprintln!("{}", handshake_reasons.join("\n"));
 }
