@@ -85,9 +85,20 @@ fn cluster(
     extra: impl Fn(usize) -> String,
     follows: impl Fn(usize) -> usize,
 ) -> Cluster {
+    cluster_with(subnets, ca, POOLS, extra, follows)
+}
+
+/// [`cluster`] with `pools` (and any `[ipam]` section) instead of [`POOLS`].
+fn cluster_with(
+    subnets: &[u8],
+    ca: &Ca,
+    pools: &str,
+    extra: impl Fn(usize) -> String,
+    follows: impl Fn(usize) -> usize,
+) -> Cluster {
     let c = Cluster::create(Dataplane::under_test(), subnets, |i, c| {
         c.base_config(i)
-            + POOLS
+            + pools
             + &c.routes_config(i, ca, &extra(i))
                 .unwrap_or_else(|e| panic!("{e}"))
     });
@@ -223,7 +234,8 @@ fn peers_keep_a_restarted_agents_routes_and_withdraw_a_stopped_ones_after_the_gr
     let b = c.name(1).to_string();
     // Node 1's agent goes and comes back, by SIGTERM and by SIGKILL: node 0 and node 2 keep
     // its block all along.
-    let stops: [(&str, fn(&calix_testbed::Node)); 2] = [
+    type Stop = fn(&calix_testbed::Node);
+    let stops: [(&str, Stop); 2] = [
         ("SIGTERM", calix_testbed::Node::stop_agent),
         ("SIGKILL", calix_testbed::Node::kill_agent),
     ];
@@ -721,4 +733,82 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
         .filter(|l| l.contains("TLS handshake failed"))
         .collect();
     eprintln!("{}", handshake_reasons.join("\n"));
+}
+
+#[test]
+fn borrowed_addresses_are_advertised_as_host_routes_in_both_families() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Tiny blocks, one per family per node: a node's fifth pod borrows from the other's.
+    let pools = "[ipam]\nmaxBlocksPerNode = 2\n\
+        [[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 30\n\
+        [[pools]]\ncidr = \"fd00:244::/64\"\nblockSize = 126\n";
+    let c = cluster_with(&[1, 2], &ca, pools, |_| String::new(), |_| 1);
+    let dual = serde_json::json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
+    let _first = Pod::add_with(&c.nodes[1], "q", dual.clone());
+    let mut pods = Vec::new();
+    for k in 0..5 {
+        pods.push(Pod::add_with(&c.nodes[0], &format!("p{k}"), dual.clone()));
+    }
+    let added = Instant::now();
+    // Node 0's blocks (as it advertises them) and the addresses outside them: borrowed.
+    let r = routes(&c, 0);
+    let own: Vec<ipnet::IpNet> = r["advertised"]
+        .as_array()
+        .expect("advertised")
+        .iter()
+        .filter_map(|a| a["prefix"].as_str()?.parse().ok())
+        .filter(|p: &ipnet::IpNet| p.prefix_len() < p.max_prefix_len())
+        .collect();
+    assert_eq!(own.len(), 2, "one block per family: {r:#}");
+    let borrowed: Vec<std::net::IpAddr> = pods
+        .iter()
+        .flat_map(|p| p.ips())
+        .map(|a| a.parse().expect("ip"))
+        .filter(|a| !own.iter().any(|b| b.contains(a)))
+        .collect();
+    assert!(
+        borrowed.iter().any(|a| a.is_ipv4()) && borrowed.iter().any(|a| a.is_ipv6()),
+        "pods borrowed in both families: {borrowed:?}"
+    );
+    for a in &borrowed {
+        let (len, hop) = if a.is_ipv4() {
+            (32, c.address(0))
+        } else {
+            (128, c.address6(0))
+        };
+        let want = (format!("{a}/{len}"), c.name(0).to_string(), hop);
+        assert!(
+            triples(&r["advertised"]).contains(&want),
+            "node 0 advertises {want:?}"
+        );
+        until_desired(&c, 1, &want, Duration::from_secs(1));
+    }
+    eprintln!(
+        "borrowed host routes on node 1 {:?} after the last ADD",
+        added.elapsed()
+    );
+    // Node 1 reaches node 0 across the router: through VXLAN (the default crossSubnet).
+    let r1 = routes(&c, 1);
+    assert!(
+        r1["desired"]
+            .as_array()
+            .expect("desired")
+            .iter()
+            .all(|d| d["via"] == "vxlan" && d["vxlan"] == "crossSubnet"),
+        "{r1:#}"
+    );
+    // Releasing a borrowed address withdraws its route.
+    let gone = pods.pop().expect("the last pod");
+    let gone_ips: Vec<String> = gone.ips();
+    drop(gone);
+    wait_for(
+        "node 1 withdraws the released addresses",
+        Duration::from_secs(2),
+        || {
+            let d = desired(&c, 1);
+            d.iter()
+                .all(|(p, _, _)| !gone_ips.iter().any(|ip| p.starts_with(&format!("{ip}/"))))
+                .then_some(())
+        },
+    );
 }

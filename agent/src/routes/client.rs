@@ -163,7 +163,10 @@ pub async fn connect(
             let mut text = e.to_string();
             let mut src = std::error::Error::source(&e);
             while let Some(s) = src {
-                text = format!("{text}: {s}");
+                let more = s.to_string();
+                if !text.contains(&more) {
+                    text = format!("{text}: {more}");
+                }
                 src = s.source();
             }
             text

@@ -72,3 +72,6 @@ pub enum RoutesError {
     )]
     NoAddress,
 }
+
+#[cfg(test)]
+mod tests;
