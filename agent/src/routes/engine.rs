@@ -208,16 +208,18 @@ impl Engine {
         self.settle_refusals(now);
     }
 
-    /// The next time after `now` that [`Engine::tick`] and [`Engine::flush`] have something
-    /// to do.
+    /// When [`Engine::tick`] (grace periods, refusals to settle: due until ticked, even if
+    /// already past) or [`Engine::flush`] (a peer never heard from counting as settled, for
+    /// `complete`: only while ahead of `now`) next have something to do.
     pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        let sessions = self
-            .sessions
-            .values()
-            .filter(|s| {
-                !self.complete || !matches!(s.state, super::session::State::Connecting { .. })
-            })
-            .filter_map(|s| s.deadline(self.s.grace));
+        use super::session::State;
+        let sessions = self.sessions.values().filter_map(|s| match s.state {
+            State::Grace { until } => Some(until),
+            State::Connecting { since } if !self.complete => {
+                Some(since + self.s.grace).filter(|d| *d > now)
+            }
+            _ => None,
+        });
         let pending = self
             .verdicts
             .values()
@@ -226,7 +228,7 @@ impl Engine {
                 Verdict::Pending { since, .. } => Some(*since + self.s.settle),
                 _ => None,
             });
-        sessions.chain(pending).filter(|d| *d > now).min()
+        sessions.chain(pending).min()
     }
 
     /// Recomputes everything from the view and the sessions.

@@ -134,16 +134,6 @@ impl Session {
         }
     }
 
-    /// When [`Session::tick`] has something to do (or, connecting, when it counts as
-    /// settled).
-    pub fn deadline(&self, grace: Duration) -> Option<Instant> {
-        match self.state {
-            State::Grace { until } => Some(until),
-            State::Connecting { since } => Some(since + grace),
-            _ => None,
-        }
-    }
-
     /// Its routes count (streaming, or kept in grace).
     pub fn keeps_routes(&self) -> bool {
         matches!(self.state, State::Up | State::Grace { .. })
@@ -206,7 +196,12 @@ mod tests {
         assert!(s.keeps_routes());
         // Reconnects that fail do not extend it.
         s.down("refused".into(), down + Duration::from_secs(60), GRACE);
-        assert_eq!(s.deadline(GRACE), Some(down + GRACE));
+        assert_eq!(
+            s.state,
+            State::Grace {
+                until: down + GRACE
+            }
+        );
         assert_eq!(
             s.grace_left(down + Duration::from_secs(20)),
             Some(Duration::from_secs(100))

@@ -468,3 +468,37 @@ fn a_hundred_peers_with_a_hundred_blocks_each() {
     eprintln!("learn 10000 routes: {learn:?}; revalidate all: {revalidate:?}");
     assert!(learn < Duration::from_secs(2) && revalidate < Duration::from_secs(2));
 }
+
+/// A deadline that passed without a tick (the loop woke for something else just then) is
+/// still due: otherwise the refusal never settles and the grace never ends.
+#[test]
+fn a_missed_deadline_stays_due_until_ticked() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    e.peer_event("c", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.flush(t0);
+    e.peer_event(
+        "b",
+        PeerEvent::Down {
+            reason: "gone".into(),
+        },
+        t0,
+    );
+    e.flush(t0);
+    let late = t0 + GRACE + Duration::from_secs(1);
+    assert_eq!(
+        e.next_deadline(late),
+        Some(t0 + SETTLE),
+        "the refusal is still due"
+    );
+    e.tick(late);
+    assert_eq!(
+        e.next_deadline(late),
+        None,
+        "nothing due after the tick (r and c settled or never)"
+    );
+    assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
+    assert!(e.flush(late).desired.is_empty(), "b's grace ran out");
+}
