@@ -2,7 +2,8 @@
 //! change is one delta (routes added or changed, prefixes withdrawn) whose generation is the
 //! previous + 1; a new watcher gets a snapshot of the current set and generation, then every
 //! delta after it. A watcher that falls behind the broadcast buffer starts again from a
-//! snapshot.
+//! snapshot. A feed never published is not ready: its (empty) set is not the truth yet, and
+//! [`Feed::ready`] holds watchers until it is.
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -41,6 +42,8 @@ struct Inner {
 pub struct Feed {
     inner: Mutex<Inner>,
     tx: broadcast::Sender<Arc<Delta>>,
+    /// Published at least once.
+    ready: tokio::sync::watch::Sender<bool>,
 }
 
 impl Default for Feed {
@@ -52,6 +55,7 @@ impl Default for Feed {
                 since: HashMap::new(),
             }),
             tx: broadcast::channel(BUFFER).0,
+            ready: tokio::sync::watch::channel(false).0,
         }
     }
 }
@@ -61,8 +65,24 @@ impl Feed {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Makes `routes` the set; returns the delta sent to watchers, if anything changed.
+    /// Makes `routes` the set (and the feed ready); returns the delta sent to watchers, if
+    /// anything changed.
     pub fn publish(&self, routes: &BTreeMap<IpNet, Route>, now: Instant) -> Option<Arc<Delta>> {
+        let delta = self.replace(routes, now);
+        self.ready.send_replace(true);
+        delta
+    }
+
+    /// Waits until the feed has been published, at most `timeout`; returns whether it was.
+    pub async fn ready(&self, timeout: std::time::Duration) -> bool {
+        let mut rx = self.ready.subscribe();
+        let ready = tokio::time::timeout(timeout, rx.wait_for(|r| *r))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        ready
+    }
+
+    fn replace(&self, routes: &BTreeMap<IpNet, Route>, now: Instant) -> Option<Arc<Delta>> {
         let mut inner = self.lock();
         let changed: Vec<Route> = routes
             .values()

@@ -1,8 +1,11 @@
 //! `calix.v1.Routes/Watch`: a peer asks to watch as node N; it is served only if its
 //! certificate names N and N has a node record. It gets a snapshot of this agent's routes
 //! (with `relayed`, on a reflector: everything it relays), then every delta. A watcher that
-//! falls behind gets a new snapshot. On shutdown every stream ends with `UNAVAILABLE`, so
-//! peers know at once (and keep the routes for their grace period).
+//! falls behind gets a new snapshot. A watch waits (up to 10 s, then `UNAVAILABLE`) until
+//! the set it asks for is known: this node's routes once the datastore is listed, a
+//! reflector's relayed set once every peer answered (or its grace ran out). On shutdown every
+//! stream ends with `UNAVAILABLE`, so peers know at once (and keep the routes for their grace
+//! period).
 use std::collections::HashSet;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
@@ -64,6 +67,9 @@ pub struct RoutesSvc {
     pub throttle: Arc<Throttle>,
 }
 
+/// How long a watch waits for the feed to be ready before it is told to try again.
+const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 type Updates = Pin<Box<dyn Stream<Item = Result<pb::RouteUpdate, Status>> + Send>>;
 
 impl RoutesSvc {
@@ -118,6 +124,14 @@ impl pb::routes_server::Routes for RoutesSvc {
         } else {
             self.feeds.own.clone()
         };
+        // A starting agent serves nothing before its routes are known (a reflector: before
+        // every peer answered): an early, partial snapshot would withdraw routes from the
+        // watcher.
+        if !feed.ready(READY_WAIT).await {
+            return Err(Status::unavailable(
+                "calix-agent is still learning its routes; try again",
+            ));
+        }
         tracing::info!(peer = %r.node, relayed = r.relayed && self.feeds.reflector, "routes: peer watches");
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(serve_stream(feed, tx, self.shutdown.clone()));

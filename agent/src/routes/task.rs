@@ -337,7 +337,9 @@ impl Loop {
 
     fn apply(&mut self, out: Outputs, now: Instant) {
         self.feeds.own.publish(&out.own, now);
-        if self.feeds.reflector {
+        // A restarted reflector relays nothing until it has heard from every peer: a partial
+        // set would withdraw the others' routes from everyone following it.
+        if self.feeds.reflector && out.complete {
             self.feeds.relay.publish(&out.relay, now);
         }
         self.known.set(

@@ -200,6 +200,7 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     }
     assert_eq!(s.stats.counts().refused_tls, 2);
     // Their slots are free again.
+    s.own.publish(&BTreeMap::new(), Instant::now());
     let (tx, mut rx) = mpsc::channel(16);
     let dialer = Arc::new(Dialer {
         me: "b".into(),
@@ -212,5 +213,40 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     };
     let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
     assert!(matches!(next(&mut rx).await, PeerEvent::Snapshot { .. }));
+    follower.abort();
+}
+
+/// A starting agent's feed is empty until its datastore view is listed: a watcher that
+/// connects then (peers queued in the backlog during the initial sync do) must not get that
+/// empty snapshot, which would withdraw every route of this node from its peers.
+#[tokio::test]
+async fn a_watcher_waits_for_the_first_publication_instead_of_an_empty_snapshot() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server(&ca, Limits::default()).await;
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        connect_timeout: Duration::from_secs(3),
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut set = BTreeMap::new();
+    set.insert(route("10.0.0.0/26").prefix, route("10.0.0.0/26"));
+    s.own.publish(&set, Instant::now());
+    match next(&mut rx).await {
+        PeerEvent::Snapshot { routes, .. } => {
+            assert_eq!(
+                routes,
+                vec![route("10.0.0.0/26")],
+                "the first snapshot is the real one"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     follower.abort();
 }
