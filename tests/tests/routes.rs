@@ -189,12 +189,14 @@ fn every_node_learns_every_other_nodes_blocks_within_a_second_of_the_add() {
     // The tables print too, and /metrics counts.
     let out = c.nodes[0].calixctl(&["routes"]);
     let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("calixctl routes:\n{text}");
     assert!(
         out.status.success() && text.contains("NEXT HOP") && text.contains("accepted"),
         "{text}"
     );
     let out = c.nodes[0].calixctl(&["nodes"]);
     let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("calixctl nodes:\n{text}");
     assert!(
         out.status.success() && text.contains("GRACE LEFT") && text.contains("mutual TLS"),
         "{text}"
