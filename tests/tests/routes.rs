@@ -380,26 +380,43 @@ fn with_reflectors_nodes_follow_only_the_reflector_and_learn_every_node_through_
     );
 }
 
-/// A Routes server in the test process, in node `i`'s namespace, acting as node `i` with a
-/// valid certificate of its own (from `ca`): it writes node `i`'s node record (so the agents
-/// follow it) and announces `announce`. Stopped on drop.
-struct Rogue {
+/// One simulated peer: a Routes server announcing `routes` as node `name`, on `port`.
+struct SimServer {
+    name: String,
+    port: u16,
+    routes: Vec<Route>,
+}
+
+/// Simulated peers in the test process, on a thread inside node `i`'s namespace (whose agent
+/// does not run): node records and blocks written to etcd first, then a Routes server per
+/// [`SimServer`], each with a valid certificate of its own node (from `ca`). Stopped on drop.
+struct Sim {
     stop: tokio::sync::watch::Sender<bool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
-impl Rogue {
-    fn start(c: &Cluster, i: usize, ca: &Ca, announce: Vec<Route>, known: Vec<String>) -> Self {
+impl Sim {
+    fn start(
+        c: &Cluster,
+        i: usize,
+        ca: &Ca,
+        records: Vec<calix_agent::model::NodeRecord>,
+        blocks: Vec<calix_agent::ipam::Block>,
+        servers: Vec<SimServer>,
+        known: Vec<String>,
+    ) -> Self {
         use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
         use calix_agent::routes::feed::Feed;
         use calix_agent::routes::listener::{self, Limits};
         use calix_agent::routes::server::{Feeds, Known, RoutesSvc};
+        use futures::StreamExt;
         use std::sync::Arc;
-        let name = c.name(i).to_string();
-        let addr = c.address(i);
         let etcd = c.etcd_url(i);
-        let cert = ca.issue(&name).expect("certificate");
         let ca_pem = ca.pem();
+        let certs: Vec<_> = servers
+            .iter()
+            .map(|s| ca.issue(&s.name).expect("certificate"))
+            .collect();
         let (stop, stop_rx) = tokio::sync::watch::channel(false);
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let thread = c.nodes[i]
@@ -410,66 +427,78 @@ impl Rogue {
                     .build()
                     .expect("runtime");
                 rt.block_on(async move {
-                    let store = EtcdStore::connect(EtcdConfig {
-                        endpoints: vec![etcd],
-                        prefix: "/calix/".into(),
-                        timeout: Duration::from_secs(2),
-                        attempts: 3,
-                    })
-                    .await
-                    .expect("etcd");
-                    let record = calix_agent::model::NodeRecord {
-                        name: name.clone(),
-                        addresses: vec![addr.clone()],
-                        routes_endpoint: format!("{addr}:5474"),
-                        ..Default::default()
-                    };
-                    store
-                        .txn(
-                            &[],
-                            &[Op::put_json(keys::node(&name), &record)],
-                            Durability::Process,
-                        )
+                    let store = Arc::new(
+                        EtcdStore::connect(EtcdConfig {
+                            endpoints: vec![etcd],
+                            prefix: "/calix/".into(),
+                            timeout: Duration::from_secs(5),
+                            attempts: 3,
+                        })
                         .await
-                        .expect("node record");
-                    let material = tls_material(&ca_pem, &cert);
-                    let feeds = Arc::new(Feeds {
-                        own: Arc::new(Feed::default()),
-                        relay: Arc::new(Feed::default()),
-                        reflector: false,
-                    });
-                    feeds.own.publish(
-                        &announce.into_iter().map(|r| (r.prefix, r)).collect(),
-                        Instant::now(),
+                        .expect("etcd"),
                     );
-                    let known_nodes = Arc::new(Known::default());
-                    known_nodes.set(known.into_iter().collect());
-                    let sock = tokio::net::TcpListener::bind("0.0.0.0:5474")
-                        .await
-                        .expect("bind 5474");
-                    let svc = RoutesSvc {
-                        feeds,
-                        known: known_nodes,
-                        stats: Arc::default(),
-                        shutdown: stop_rx.clone(),
-                        throttle: Arc::default(),
-                    };
+                    let puts: Vec<Op> = blocks
+                        .iter()
+                        .map(|b| Op::put_json(keys::block(&b.cidr), b))
+                        .chain(records.iter().map(|r| Op::put_json(keys::node(&r.name), r)))
+                        .collect();
+                    futures::stream::iter(puts)
+                        .map(|op| {
+                            let store = store.clone();
+                            async move {
+                                store
+                                    .txn(&[], &[op], Durability::Process)
+                                    .await
+                                    .expect("etcd put")
+                            }
+                        })
+                        .buffer_unordered(32)
+                        .collect::<Vec<_>>()
+                        .await;
+                    let mut served = Vec::new();
+                    for (s, cert) in servers.into_iter().zip(&certs) {
+                        let feeds = Arc::new(Feeds {
+                            own: Arc::new(Feed::default()),
+                            relay: Arc::new(Feed::default()),
+                            reflector: false,
+                        });
+                        feeds.own.publish(
+                            &s.routes.into_iter().map(|r| (r.prefix, r)).collect(),
+                            Instant::now(),
+                        );
+                        let known_nodes = Arc::new(Known::default());
+                        known_nodes.set(known.iter().cloned().collect());
+                        let sock = tokio::net::TcpListener::bind(("0.0.0.0", s.port))
+                            .await
+                            .expect("bind");
+                        let svc = RoutesSvc {
+                            feeds,
+                            known: known_nodes,
+                            stats: Arc::default(),
+                            shutdown: stop_rx.clone(),
+                            throttle: Arc::default(),
+                        };
+                        let tls = tls_material(&ca_pem, cert)
+                            .server_config()
+                            .expect("server TLS");
+                        served.push(tokio::spawn(listener::serve(
+                            sock,
+                            Some(tls),
+                            svc,
+                            Limits::default(),
+                            stop_rx.clone(),
+                        )));
+                    }
                     let _ = ready_tx.send(());
-                    listener::serve(
-                        sock,
-                        Some(material.server_config().expect("server TLS")),
-                        svc,
-                        Limits::default(),
-                        stop_rx,
-                    )
-                    .await
-                    .expect("serve");
+                    for s in served {
+                        let _ = s.await;
+                    }
                 });
             })
-            .expect("rogue thread");
+            .expect("simulator thread");
         ready_rx
-            .recv_timeout(Duration::from_secs(10))
-            .expect("rogue server up");
+            .recv_timeout(Duration::from_secs(120))
+            .expect("simulated peers up");
         Self {
             stop,
             thread: Some(thread),
@@ -477,12 +506,28 @@ impl Rogue {
     }
 }
 
-impl Drop for Rogue {
+impl Drop for Sim {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+/// A node record as an agent writes it: `address`, and a Routes endpoint (`None`: none).
+fn record(
+    name: &str,
+    address: &str,
+    endpoint: Option<String>,
+    reflector: bool,
+) -> calix_agent::model::NodeRecord {
+    calix_agent::model::NodeRecord {
+        name: name.into(),
+        addresses: vec![address.into()],
+        routes_endpoint: endpoint.unwrap_or_default(),
+        reflector,
+        ..Default::default()
     }
 }
 
@@ -584,11 +629,22 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
         route(&format!("{}/32", pod.ip()), &rogue, &rogue_hop),
         route("10.244.200.0/26", &rogue, &rogue_hop),
     ];
-    let _rogue = Rogue::start(
+    let _rogue = Sim::start(
         &c,
         2,
         &ca,
-        announce,
+        vec![record(
+            &rogue,
+            &rogue_hop,
+            Some(format!("{rogue_hop}:5474")),
+            false,
+        )],
+        vec![],
+        vec![SimServer {
+            name: rogue.clone(),
+            port: 5474,
+            routes: announce,
+        }],
         vec![c.name(0).into(), c.name(1).into()],
     );
     for i in 0..2 {
@@ -813,4 +869,151 @@ fn borrowed_addresses_are_advertised_as_host_routes_in_both_families() {
                 .then_some(())
         },
     );
+}
+
+/// `calix_routes_desired` of node `i`'s `/metrics`.
+fn desired_count(c: &Cluster, i: usize) -> Option<u64> {
+    let (_, body) = c.nodes[i].http_get("/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("calix_routes_desired "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// (resident memory in KiB, CPU seconds) of a process.
+fn rss_and_cpu(pid: u32) -> (u64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name in parentheses: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (rss, (ticks(14) + ticks(15)) / hz.max(1.0))
+}
+
+/// One agent and 100 simulated peers with 100 blocks each: in a full mesh it follows all of
+/// them; with a (simulated) reflector it follows that one, which relays the 10,000 routes.
+/// Every route is validated against the datastore and handed to the reconciler.
+#[test]
+fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
+    const PEERS: u32 = 100;
+    const BLOCKS: u32 = 100;
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    for topology in ["mesh", "reflectors"] {
+        let c = Cluster::create(Dataplane::under_test(), &[1, 1], |i, c| {
+            c.base_config(i)
+                + "[[pools]]\ncidr = \"10.240.0.0/12\"\n"
+                + &c.routes_config(i, &ca, &format!("topology = \"{topology}\""))
+                    .expect("routes config")
+        });
+        let host = c.address(1);
+        let mut records = Vec::new();
+        let mut blocks = Vec::new();
+        let mut servers = Vec::new();
+        let mut all = Vec::new();
+        for k in 0..PEERS {
+            let name = format!("sim{k:03}");
+            let hop = format!("172.31.1.{}", 100 + k);
+            let port = 6000 + k as u16;
+            let endpoint = (topology == "mesh").then(|| format!("{host}:{port}"));
+            records.push(record(&name, &hop, endpoint, false));
+            let mut routes = Vec::new();
+            for b in 0..BLOCKS {
+                let base =
+                    u32::from(std::net::Ipv4Addr::new(10, 240, 0, 0)) + (k * BLOCKS + b) * 64;
+                let cidr: ipnet::IpNet = ipnet::Ipv4Net::new(std::net::Ipv4Addr::from(base), 26)
+                    .expect("cidr")
+                    .into();
+                blocks.push(calix_agent::ipam::Block::new(cidr, &name));
+                routes.push(Route {
+                    prefix: cidr,
+                    node: name.clone(),
+                    next_hop: hop.parse().expect("hop"),
+                });
+            }
+            if topology == "mesh" {
+                servers.push(SimServer { name, port, routes });
+            } else {
+                all.extend(routes);
+            }
+        }
+        if topology == "reflectors" {
+            records.push(record(
+                "simr",
+                "172.31.1.99",
+                Some(format!("{host}:6999")),
+                true,
+            ));
+            servers.push(SimServer {
+                name: "simr".into(),
+                port: 6999,
+                routes: all,
+            });
+        }
+        // Mesh: the agent starts on a datastore that has it all (a restart). Reflectors: the
+        // agent runs first (its own RSS measured), then the peers appear.
+        let start_agent = || {
+            let spawned = Instant::now();
+            c.nodes[0].start_agent();
+            spawned.elapsed()
+        };
+        let mut before = None;
+        if topology == "reflectors" {
+            start_agent();
+            std::thread::sleep(Duration::from_secs(1));
+            before = Some(rss_and_cpu(c.nodes[0].agent_pid().expect("agent pid")));
+        }
+        let written = Instant::now();
+        let _sim = Sim::start(&c, 1, &ca, records, blocks, servers, vec![c.name(0).into()]);
+        eprintln!(
+            "{topology}: simulated peers up ({:?} to write 10,000 blocks)",
+            written.elapsed()
+        );
+        let from = Instant::now();
+        let startup = (topology == "mesh").then(start_agent);
+        wait_showing(
+            &format!("{topology}: all 10,000 routes handed to the reconciler"),
+            Duration::from_secs(30),
+            || (desired_count(&c, 0) == Some(u64::from(PEERS * BLOCKS))).then_some(()),
+            || format!("{:?}", desired_count(&c, 0)),
+        );
+        let took = from.elapsed();
+        let (rss, cpu) = rss_and_cpu(c.nodes[0].agent_pid().expect("agent pid"));
+        eprintln!(
+            "{topology}: 10,000 routes from {} peer(s) handed to the reconciler {took:?} after {}; agent RSS {rss} KiB{}, CPU {cpu:.2} s{} (debug build)",
+            if topology == "mesh" { PEERS } else { 1 },
+            match startup {
+                Some(s) => format!("the agent started (it answered after {s:?})"),
+                None => "the peers were up".into(),
+            },
+            before.map(|(r, _)| format!(" ({r} KiB before)")).unwrap_or_default(),
+            before.map(|(_, c)| format!(" ({c:.2} s before)")).unwrap_or_default(),
+        );
+        let r = routes(&c, 0);
+        assert!(
+            r["refusals"].as_object().is_some_and(|m| m.is_empty()),
+            "no refusal"
+        );
+        assert_eq!(
+            up(&peers(&c, 0)).len(),
+            if topology == "mesh" {
+                PEERS as usize
+            } else {
+                1
+            }
+        );
+    }
 }

@@ -137,7 +137,7 @@ pub struct Context<'a> {
     pub own: &'a Feed,
     pub relay: &'a Feed,
     /// The last set handed to the reconciler: routes, complete, when.
-    pub handed: Option<&'a (Vec<RemoteRoute>, bool, Instant)>,
+    pub handed: Option<(std::sync::Arc<Vec<RemoteRoute>>, bool, Instant)>,
     pub subnets: &'a [IpNet],
     pub door: DoorCounts,
 }
@@ -196,7 +196,7 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             error: session.last_error.clone(),
         });
     }
-    let (desired, desired_complete, desired_age_secs) = match cx.handed {
+    let (desired, desired_complete, desired_age_secs) = match &cx.handed {
         Some((routes, complete, at)) => (
             routes
                 .iter()
@@ -243,18 +243,60 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
     }
 }
 
+/// What `/metrics` shows, counted without building the report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Counts {
+    /// Peers by stream state.
+    pub peers: BTreeMap<&'static str, usize>,
+    /// Learned routes accepted.
+    pub learned: usize,
+    pub desired: usize,
+    pub advertised: usize,
+    pub complete: bool,
+    pub refusals: BTreeMap<String, u64>,
+    pub watchers: usize,
+    pub door: DoorCounts,
+}
+
+pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
+    let mut peers = BTreeMap::new();
+    let mut learned = 0;
+    for (name, s) in e.sessions() {
+        *peers.entry(s.state.name()).or_default() += 1;
+        learned += s
+            .routes
+            .keys()
+            .filter(|p| e.verdict(name, p) == Some(Verdict::Accepted))
+            .count();
+    }
+    Counts {
+        peers,
+        learned,
+        desired: cx.handed.as_ref().map_or(0, |h| h.0.len()),
+        advertised: cx.own.len(),
+        complete: e.complete(),
+        refusals: e
+            .refusals()
+            .iter()
+            .map(|(c, n)| (c.name().to_string(), *n))
+            .collect(),
+        watchers: cx.own.watchers() + cx.relay.watchers(),
+        door: cx.door.clone(),
+    }
+}
+
 /// Route distribution's lines of `/metrics`.
-pub fn metrics(r: &RoutesReport) -> String {
+pub fn metrics(r: &Counts) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
         "# HELP calix_route_peers Followed peers by stream state (connecting, up, grace, down).\n# TYPE calix_route_peers gauge"
     );
     for state in ["connecting", "up", "grace", "down"] {
-        let n = r.peers.iter().filter(|p| p.state == state).count();
+        let n = r.peers.get(state).copied().unwrap_or(0);
         let _ = writeln!(out, "calix_route_peers{{state=\"{state}\"}} {n}");
     }
-    let accepted = r.learned.iter().filter(|l| l.state == "accepted").count();
+    let accepted = r.learned;
     let _ = writeln!(
         out,
         "# HELP calix_routes_learned Routes learned from peers and accepted.\n# TYPE calix_routes_learned gauge\ncalix_routes_learned {accepted}"
@@ -262,12 +304,12 @@ pub fn metrics(r: &RoutesReport) -> String {
     let _ = writeln!(
         out,
         "# HELP calix_routes_desired Routes to other nodes' pods handed to the reconciler.\n# TYPE calix_routes_desired gauge\ncalix_routes_desired {}",
-        r.desired.len()
+        r.desired
     );
     let _ = writeln!(
         out,
         "# HELP calix_routes_advertised Routes this node advertises (its blocks, borrowed addresses).\n# TYPE calix_routes_advertised gauge\ncalix_routes_advertised {}",
-        r.advertised.len()
+        r.advertised
     );
     let _ = writeln!(
         out,
@@ -313,9 +355,11 @@ mod tests {
 
     #[test]
     fn metrics_name_every_state_and_cause() {
-        let mut r = RoutesReport::default();
+        let mut r = Counts::default();
         r.refusals.insert("not_its_own".into(), 3);
+        r.peers.insert("up", 2);
         let m = metrics(&r);
+        assert!(m.contains("calix_route_peers{state=\"up\"} 2"));
         assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
         assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));
         assert!(m.contains("calix_route_peers{state=\"grace\"} 0"));

@@ -112,14 +112,23 @@ impl Start {
 
 /// A running route distribution.
 pub struct RoutesHandle {
-    requests: mpsc::Sender<oneshot::Sender<RoutesReport>>,
+    requests: mpsc::Sender<Ask>,
     shutdown: watch::Sender<bool>,
     server: Mutex<Option<JoinHandle<()>>>,
     engine: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// A desired set, shared (not copied) between the loop, the hand-over and the report.
+type Desired = Arc<Vec<RemoteRoute>>;
+
 /// The last set the reconciler took: routes, complete, when.
-type Handed = Arc<Mutex<Option<(Vec<RemoteRoute>, bool, Instant)>>>;
+type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
+
+/// What calixctl and /metrics ask the loop.
+enum Ask {
+    Report(oneshot::Sender<RoutesReport>),
+    Metrics(oneshot::Sender<String>),
+}
 
 enum ViewInput {
     Listed(Part, Vec<KeyValue>),
@@ -216,16 +225,17 @@ impl RoutesHandle {
     /// The report `calixctl routes` / `nodes` print.
     pub async fn report(&self) -> Option<RoutesReport> {
         let (tx, rx) = oneshot::channel();
-        self.requests.send(tx).await.ok()?;
+        self.requests.send(Ask::Report(tx)).await.ok()?;
         rx.await.ok()
     }
 
-    /// Route distribution's lines of `/metrics`.
+    /// Route distribution's lines of `/metrics` (counted, without building the report).
     pub async fn metrics(&self) -> String {
-        self.report()
-            .await
-            .map(|r| report::metrics(&r))
-            .unwrap_or_default()
+        let (tx, rx) = oneshot::channel();
+        if self.requests.send(Ask::Metrics(tx)).await.is_err() {
+            return String::new();
+        }
+        rx.await.unwrap_or_default()
     }
 
     /// Ends every stream this agent serves (peers keep its routes for their grace period)
@@ -256,8 +266,8 @@ struct Loop {
     known: Arc<Known>,
     stats: Arc<DoorStats>,
     handed: Handed,
-    desired_tx: watch::Sender<Option<(Vec<RemoteRoute>, bool)>>,
-    last_desired: Option<(Vec<RemoteRoute>, bool)>,
+    desired_tx: watch::Sender<Option<(Desired, bool)>>,
+    last_desired: Option<(Desired, bool)>,
     /// Peer → (what it follows, follower id, task).
     clients: HashMap<String, (Target, u64, JoinHandle<()>)>,
     next_id: u64,
@@ -273,7 +283,7 @@ impl Loop {
         mut self,
         mut view_rx: mpsc::Receiver<ViewInput>,
         mut peer_rx: mpsc::Receiver<PeerMessage>,
-        mut req_rx: mpsc::Receiver<oneshot::Sender<RoutesReport>>,
+        mut req_rx: mpsc::Receiver<Ask>,
         mut shutdown: watch::Receiver<bool>,
     ) {
         loop {
@@ -291,8 +301,15 @@ impl Loop {
                 Some(m) = peer_rx.recv() => {
                     self.peer(m);
                 }
-                Some(reply) = req_rx.recv() => {
-                    let _ = reply.send(self.report());
+                Some(ask) = req_rx.recv() => {
+                    match ask {
+                        Ask::Report(reply) => {
+                            let _ = reply.send(self.report());
+                        }
+                        Ask::Metrics(reply) => {
+                            let _ = reply.send(report::metrics(&self.counts()));
+                        }
+                    }
                     continue;
                 }
                 () = sleep => {
@@ -382,29 +399,40 @@ impl Loop {
             self.clients
                 .insert(name.clone(), (target.clone(), self.next_id, task));
         }
-        let desired = Some((out.desired, out.complete));
-        if desired != self.last_desired {
+        let same = self
+            .last_desired
+            .as_ref()
+            .is_some_and(|(d, c)| **d == out.desired && *c == out.complete);
+        if !same {
+            let desired = Some((Arc::new(out.desired), out.complete));
             self.last_desired.clone_from(&desired);
             let _ = self.desired_tx.send(desired);
         }
     }
 
-    fn report(&self) -> RoutesReport {
+    fn context(&self) -> report::Context<'_> {
         let handed = self
             .handed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let cx = report::Context {
+        report::Context {
             endpoint: &self.endpoint,
             tls: self.tls,
             own: &self.feeds.own,
             relay: &self.feeds.relay,
-            handed: handed.as_ref(),
+            handed,
             subnets: &self.subnets,
             door: self.stats.counts(),
-        };
-        report::build(&self.engine, &cx, Instant::now())
+        }
+    }
+
+    fn report(&self) -> RoutesReport {
+        report::build(&self.engine, &self.context(), Instant::now())
+    }
+
+    fn counts(&self) -> report::Counts {
+        report::counts(&self.engine, &self.context())
     }
 }
 
@@ -412,7 +440,7 @@ impl Loop {
 /// latest set.
 async fn hand_over(
     sink: Arc<dyn RouteSink>,
-    mut rx: watch::Receiver<Option<(Vec<RemoteRoute>, bool)>>,
+    mut rx: watch::Receiver<Option<(Desired, bool)>>,
     handed: Handed,
 ) {
     loop {
@@ -422,7 +450,7 @@ async fn hand_over(
             }
             continue;
         };
-        match sink.set_remote_routes(routes.clone(), complete).await {
+        match sink.set_remote_routes(routes.to_vec(), complete).await {
             Ok(()) => {
                 *handed.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((routes, complete, Instant::now()));
