@@ -60,12 +60,13 @@ where
                     c.dataplane,
                     c.resync_interval_secs,
                     c.vxlan.clone(),
+                    c.routes.clone(),
                 )
             };
-            if restart_only(&cfg) != restart_only(&started) {
+            if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
                 tracing::warn!(
-                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs and \
-                     [vxlan] take effect when the agent restarts"
+                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs, \
+                     [routes], [vxlan] and pools' vxlan take effect when the agent restarts"
                 );
             }
             if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
@@ -84,6 +85,19 @@ where
             }
         }
     });
+}
+
+/// Whether a pool's `vxlan` differs from what route distribution started with (a pool added
+/// since counts when it asks for anything but the default).
+fn vxlan_changed(started: &AgentConfig, now: &AgentConfig) -> bool {
+    now.pools.iter().any(|p| {
+        let was = started
+            .pools
+            .iter()
+            .find(|q| q.cidr == p.cidr)
+            .map(|q| q.vxlan);
+        was.unwrap_or_default() != p.vxlan
+    })
 }
 
 /// Resolves on SIGTERM or SIGINT.

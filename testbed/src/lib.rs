@@ -26,6 +26,7 @@ pub mod packets;
 mod pod;
 mod process;
 pub mod stats;
+pub mod tls;
 mod tmpfs;
 pub mod traffic;
 
