@@ -83,6 +83,10 @@ pub enum ConfigError {
         "routes.enabled needs mutual TLS between nodes: set routes.tls.cert, .key and .ca (PEM files), or routes.plaintext = true on a trusted network"
     )]
     RoutesNoTls,
+    #[error(
+        "routes.enabled needs `uplinks`: the interfaces other nodes are reached through (routes leave through them, the VXLAN devices sit on the first), e.g. [\"eth0\"]"
+    )]
+    RoutesNoUplinks,
     #[error("vxlan.{key} must be {what}")]
     Vxlan {
         key: &'static str,
@@ -646,6 +650,9 @@ impl AgentConfig {
         }
         if self.xdp.enabled && self.uplinks.is_empty() {
             return Err(ConfigError::XdpNoUplinks);
+        }
+        if self.routes.enabled && self.uplinks.is_empty() {
+            return Err(ConfigError::RoutesNoUplinks);
         }
         self.pools.iter().try_for_each(PoolConfig::validate)?;
         for (i, a) in self.pools.iter().enumerate() {
@@ -1222,6 +1229,7 @@ mod tests {
     fn routes_and_vxlan_parse_and_validate() {
         let text = r#"
             node_name = "n1"
+            uplinks = ["eth0"]
             [routes]
             enabled = true
             listen = "0.0.0.0:5474"
@@ -1259,6 +1267,11 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ConfigError::RoutesNoTls)));
         bad.routes.plaintext = true;
         bad.validate().expect("plain text when asked for");
+        let mut bad = c.clone();
+        bad.uplinks.clear();
+        let err = bad.validate().expect_err("no uplinks");
+        assert!(matches!(err, ConfigError::RoutesNoUplinks), "{err}");
+        assert!(err.to_string().contains("uplinks"), "{err}");
         let mut bad = c.clone();
         bad.routes.listen = "0.0.0.0".into();
         assert!(matches!(
