@@ -1,5 +1,6 @@
 //! The kernel's view of BPF objects through bpftool: a process's maps, a hash map's keys, a
 //! program's run time.
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
@@ -81,25 +82,74 @@ fn prog_stats(name: &str) -> Result<(u64, u64)> {
     }))
 }
 
+/// (run_time_ns, run_cnt) of the program pinned at `pin`.
+fn pinned_prog_stats(pin: &Path) -> Result<(u64, u64)> {
+    let p = json(Command::new("bpftool").args(["-j", "prog", "show", "pinned"]).arg(pin))?;
+    let field = |k: &str| p[k].as_u64().unwrap_or(0);
+    Ok((field("run_time_ns"), field("run_cnt")))
+}
+
 /// Runs `load` with the kernel's BPF run-time statistics on (they cost two clock reads per run,
-/// so never during a timed measurement) and returns program `name`'s average run time per run
-/// (ns) and how many runs that is over. Only the loaded programs the load reaches should run
-/// meanwhile: the statistics of every program of that name are summed.
-pub fn program_run_time<E: From<Error>>(
-    name: &str,
+/// so never during a timed measurement) and returns how `read`'s (run_time_ns, run_cnt) moved
+/// meanwhile, one per program it reads.
+fn with_stats<E: From<Error>>(
+    read: impl Fn() -> Result<Vec<(u64, u64)>>,
     load: impl FnOnce() -> Result<(), E>,
-) -> Result<(f64, u64), E> {
+) -> Result<Vec<(u64, u64)>, E> {
     let sysctl = |v: &str| std::fs::write(BPF_STATS_SYSCTL, v).map_err(Error::io(BPF_STATS_SYSCTL));
     let before = std::fs::read_to_string(BPF_STATS_SYSCTL).map_err(Error::io(BPF_STATS_SYSCTL))?;
     sysctl("1")?;
     let measured = (|| {
-        let (t0, n0) = prog_stats(name)?;
+        let s0 = read()?;
         load()?;
-        let (t1, n1) = prog_stats(name)?;
-        Ok::<_, E>((t1.saturating_sub(t0), n1.saturating_sub(n0)))
+        let s1 = read()?;
+        Ok::<_, E>(
+            s0.iter()
+                .zip(s1)
+                .map(|((t0, n0), (t1, n1))| (t1.saturating_sub(*t0), n1.saturating_sub(*n0)))
+                .collect(),
+        )
     })();
     sysctl(before.trim())?;
-    let (ns, runs) = measured?;
+    measured
+}
+
+/// A program's average run time per run (ns) over `runs` runs; `None` when it did not run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunTime {
+    pub ns_per_run: Option<f64>,
+    pub runs: u64,
+}
+
+impl RunTime {
+    fn of((ns, runs): (u64, u64)) -> Self {
+        Self {
+            ns_per_run: (runs > 0).then(|| ns as f64 / runs as f64),
+            runs,
+        }
+    }
+}
+
+/// Runs `load` with the kernel's BPF run-time statistics on and returns the run time of each
+/// program pinned at `pins` (by pin, so programs of the same name elsewhere on the machine do
+/// not count).
+pub fn pinned_run_time<E: From<Error>>(
+    pins: &[PathBuf],
+    load: impl FnOnce() -> Result<(), E>,
+) -> Result<Vec<RunTime>, E> {
+    let read = || pins.iter().map(|p| pinned_prog_stats(p)).collect();
+    Ok(with_stats(read, load)?.into_iter().map(RunTime::of).collect())
+}
+
+/// Runs `load` with the kernel's BPF run-time statistics on and returns program `name`'s
+/// average run time per run (ns) and how many runs that is over. Only the loaded programs the
+/// load reaches should run meanwhile: the statistics of every program of that name are summed.
+pub fn program_run_time<E: From<Error>>(
+    name: &str,
+    load: impl FnOnce() -> Result<(), E>,
+) -> Result<(f64, u64), E> {
+    let read = || prog_stats(name).map(|s| vec![s]);
+    let (ns, runs) = with_stats(read, load)?[0];
     if runs == 0 {
         return Err(Error::Unexpected {
             what: format!("{name} during the load"),

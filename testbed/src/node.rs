@@ -249,6 +249,23 @@ impl Node {
             .unwrap_or_else(|e| panic!("calixctl bpf counters: {e}"))
     }
 
+    /// Where this node's agent pinned its program `name` (`<pin root>/<node>/v<layout>/progs/`,
+    /// the newest layout directory that has it); `None` before the agent loaded it.
+    pub fn prog_pin(&self, name: &str) -> Option<PathBuf> {
+        let node_dir = self.pin_root().join(&self.agent.name);
+        let mut pins: Vec<(u32, PathBuf)> = std::fs::read_dir(&node_dir)
+            .ok()?
+            .flatten()
+            .filter_map(|e| {
+                let v = e.file_name().to_str()?.strip_prefix('v')?.parse().ok()?;
+                let pin = e.path().join("progs").join(name);
+                pin.exists().then_some((v, pin))
+            })
+            .collect();
+        pins.sort();
+        pins.pop().map(|(_, p)| p)
+    }
+
     /// The id of the BPF program calix's tc filter runs on `iface` in direction `dir`
     /// (`ingress` or `egress`); `None` when there is no such filter.
     pub fn filter_prog(&self, iface: &str, dir: &str) -> Option<String> {

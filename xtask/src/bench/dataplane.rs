@@ -40,8 +40,14 @@ const VETH_CLIENT: Ipv4Addr = Ipv4Addr::new(10, 246, 0, 1);
 const VETH_SERVER: Ipv4Addr = Ipv4Addr::new(10, 246, 0, 2);
 /// The eBPF crate's feature whose `from_pod` is the least a same-node redirect needs.
 const FLOOR_FEATURE: &str = "bench-floor";
-/// The untimed TCP_CRR run `from_pod`'s cost per packet is measured over.
+/// The untimed TCP_CRR run the programs' cost per packet is measured over, per repetition.
 const PROG_COST_SECS: f64 = 2.0;
+/// The programs whose run time is read (from their pins): the pod-side pair.
+const COST_PROGS: [&str; 2] = ["from_pod", "to_pod"];
+/// calix `from_pod`'s cost above the minimal tc program's before issue 13's work on it (ns per
+/// packet, median over repetitions), measured by this bench on this machine: the target is
+/// half of it. See docs/bench/dataplane-baseline.md.
+const BASELINE_ABOVE_FLOOR: (f64, &str) = (f64::NAN, "(not measured yet)");
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Variant {
@@ -89,13 +95,15 @@ struct Topology {
     node_ns: Option<Netns>,
     _node: Option<Node>,
     _namespaces: Vec<Netns>,
+    /// The pins of [`COST_PROGS`] (eBPF variants).
+    prog_pins: Option<Vec<std::path::PathBuf>>,
 }
 
 /// Builds `v`: its node (calix, bridge) and two pods, or the veth pair; servers up.
 fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topology> {
     let tag = v.tag();
     let (client, server) = (b.netns(&format!("{tag}-a"))?, b.netns(&format!("{tag}-b"))?);
-    let (mut node, mut namespaces, mut server_ip) = (None, Vec::new(), VETH_SERVER);
+    let (mut node, mut namespaces, mut server_ip) = (None::<Node>, Vec::new(), VETH_SERVER);
     // The plugin that wires the pods, and the node namespace whose forwarding is counted.
     let (plugin, node_ns) = match v {
         Variant::Veth => {
@@ -145,12 +153,25 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
     let traffic = Traffic::new(&client, &server, server_ip);
     let servers = tools.start(&traffic, &b.dir)?;
     namespaces.extend([client, server]);
+    let prog_pins = match (v, &node) {
+        (Variant::Ebpf | Variant::Floor, Some(n)) => Some(
+            COST_PROGS
+                .iter()
+                .map(|p| {
+                    n.prog_pin(p)
+                        .with_context(|| format!("{}: no pin of {p}", v.label()))
+                })
+                .collect::<Result<Vec<_>>>()?,
+        ),
+        _ => None,
+    };
     Ok(Topology {
         _servers: servers,
         traffic,
         node_ns,
         _node: node,
         _namespaces: namespaces,
+        prog_pins,
     })
 }
 
@@ -195,16 +216,8 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         topo.push(t);
     }
 
-    // What from_pod costs per packet, from the kernel's BPF run-time statistics over an untimed
-    // TCP_CRR run (the statistics add two clock reads per run, so never during a measurement).
-    let ebpf = &topo[Variant::Ebpf as usize].traffic;
-    let (ns_per_run, runs) = calix_testbed::bpf::program_run_time("from_pod", || {
-        tools.netperf(ebpf, Mode::Crr, PROG_COST_SECS).map(drop)
-    })
-    .context("measuring from_pod's run time")?;
-    println!("[setup] calix eBPF: from_pod {ns_per_run:.0} ns per packet over {runs} packets (kernel BPF stats)");
-
     let mut res: [Samples; 5] = Default::default();
+    let mut cost: [Cost; 5] = Default::default();
     for rep in 0..reps {
         repetition(
             rep,
@@ -214,7 +227,11 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
             |v| {
                 let t = &topo[v as usize];
                 let m = tools.measure(&t.traffic, secs, t.node_ns.as_ref(), true)?;
-                Ok(res[v as usize].push(&m))
+                let mut line = res[v as usize].push(&m);
+                if let Some(pins) = &t.prog_pins {
+                    line.push_str(&cost[v as usize].measure(&tools, &t.traffic, pins)?);
+                }
+                Ok(line)
             },
         )?;
     }
@@ -229,12 +246,41 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         plugins_version: cni_plugins_version(),
         iperf_version: version("iperf3"),
         res,
-        prog_cost: (ns_per_run, runs),
+        cost,
         bench: b,
     };
     Bench::publish("dataplane", &report.markdown(), quick, |p| {
         chart(p, &report)
     })
+}
+
+/// What the pod-side programs cost per packet in one variant, per repetition: the kernel's BPF
+/// run-time statistics (`kernel.bpf_stats_enabled`) over an untimed TCP_CRR run right after the
+/// variant's measurements (the statistics add two clock reads per run, so never during one).
+#[derive(Default)]
+struct Cost {
+    /// `from_pod`'s ns per run.
+    from_pod_ns: Vec<f64>,
+    from_pod_runs: Vec<f64>,
+    /// `to_pod`'s runs meanwhile: 0 when every packet took the fast path.
+    to_pod_runs: Vec<f64>,
+}
+
+impl Cost {
+    fn measure(&mut self, tools: &Tools, tr: &Traffic, pins: &[std::path::PathBuf]) -> Result<String> {
+        let rt = calix_testbed::bpf::pinned_run_time(pins, || {
+            tools.netperf(tr, Mode::Crr, PROG_COST_SECS).map(drop)
+        })
+        .context("measuring the programs' run time")?;
+        let (from, to) = (rt[0], rt[1]);
+        let ns = from
+            .ns_per_run
+            .context("from_pod did not run during the cost measurement")?;
+        self.from_pod_ns.push(ns);
+        self.from_pod_runs.push(from.runs as f64);
+        self.to_pod_runs.push(to.runs as f64);
+        Ok(format!(", from_pod {ns:.1} ns/packet over {} packets", from.runs))
+    }
 }
 
 // --- report --------------------------------------------------------------------------------
@@ -249,14 +295,24 @@ struct Report {
     plugins_version: String,
     iperf_version: String,
     res: [Samples; 5],
-    /// `from_pod`'s average run time per packet (ns) and the packets that is over.
-    prog_cost: (f64, u64),
+    /// The programs' run time (eBPF variants).
+    cost: [Cost; 5],
     bench: Bench,
 }
 
 impl Report {
     fn get(&self, v: Variant) -> &Samples {
         &self.res[v as usize]
+    }
+
+    /// calix `from_pod`'s ns per packet above the minimal tc program's, per repetition (the
+    /// two measured in the same repetition).
+    fn above_floor(&self) -> Vec<f64> {
+        let (c, f) = (
+            &self.cost[Variant::Ebpf as usize].from_pod_ns,
+            &self.cost[Variant::Floor as usize].from_pod_ns,
+        );
+        c.iter().zip(f).map(|(c, f)| c - f).collect()
     }
 
     fn machine(&self) -> &Machine {
@@ -273,7 +329,29 @@ impl Report {
         let (el, kl) = (median(&e.rr_p50), median(&k.rr_p50));
         let (eg, rg) = (median(&e.gbps), median(&r.gbps));
         let f0 = super::report::fmt_0;
+        let fc = median(&self.get(Variant::Floor).crr);
+        let above = median(&self.above_floor());
+        let (base, base_rev) = BASELINE_ABOVE_FLOOR;
         vec![
+            (
+                format!(
+                    "from_pod's cost above the minimal tc program ≤ 0.5× before this work ({} ns \
+                     on {base_rev}): {} vs {} ns",
+                    fmt_1(base),
+                    fmt_1(above),
+                    fmt_1(0.5 * base)
+                ),
+                (!base.is_nan()).then_some(above <= 0.5 * base),
+            ),
+            (
+                format!(
+                    "conn/s ≥ 0.99× the minimal tc program: {} vs {} ({})",
+                    f0(ec),
+                    f0(0.99 * fc),
+                    ratio(ec, fc)
+                ),
+                Some(ec >= 0.99 * fc),
+            ),
             (
                 format!(
                     "conn/s ≥ 0.95× raw veth: {} vs {} ({})",
@@ -398,12 +476,7 @@ impl Report {
                 true,
             ));
         }
-        s.push_str(&format!(
-            "\n`from_pod` costs {:.0} ns per packet: the kernel's BPF run-time statistics \
-             (`kernel.bpf_stats_enabled`) over {} packets of an untimed {PROG_COST_SECS} s \
-             TCP_CRR run of the eBPF variant before the measurements.\n",
-            self.prog_cost.0, self.prog_cost.1
-        ));
+        s.push_str(&self.cost_markdown());
         s.push_str(
             "\nRatios of medians: above 1× is better for conn/s, round trips/s and throughput, \
              below 1× is better for the round-trip latencies.\n",
@@ -478,6 +551,40 @@ impl Report {
             &all(|r| &r.load),
         ));
         s.push_str("\n![dataplane chart](dataplane.svg)\n");
+        s
+    }
+}
+
+impl Report {
+    fn cost_markdown(&self) -> String {
+        let f1 = |v: &[f64]| fmt_spread_with(v, "", fmt_1);
+        let f0 = |v: &[f64]| fmt_spread_with(v, "", super::report::fmt_0);
+        let mut s = format!(
+            "\nWhat the programs cost per packet: the kernel's BPF run-time statistics \
+             (`kernel.bpf_stats_enabled`, run_time_ns / run_cnt of each program, read from its \
+             pin) over an untimed {PROG_COST_SECS} s TCP_CRR run of the variant right after its \
+             measurements in every repetition; median [min–max] over repetitions. The statistics \
+             add a clock read to every run, the same for both programs; **above the floor** is \
+             calix's `from_pod` minus the minimal tc program's `from_pod` in the same \
+             repetition. `to_pod` runs only for packets the host stack delivers: none on the fast \
+             path.\n\n\
+             | variant | `from_pod` ns per packet | above the floor | packets per run | `to_pod` runs |\n\
+             |---|---|---|---|---|\n"
+        );
+        for v in [Variant::Ebpf, Variant::Floor] {
+            let c = &self.cost[v as usize];
+            let above = match v {
+                Variant::Ebpf => f1(&self.above_floor()),
+                _ => "—".into(),
+            };
+            s.push_str(&format!(
+                "| {} | {} | {above} | {} | {} |\n",
+                v.label(),
+                f1(&c.from_pod_ns),
+                f0(&c.from_pod_runs),
+                f0(&c.to_pod_runs),
+            ));
+        }
         s
     }
 }
