@@ -47,7 +47,7 @@ const COST_PROGS: [&str; 2] = ["from_pod", "to_pod"];
 /// calix `from_pod`'s cost above the minimal tc program's before issue 13's work on it (ns per
 /// packet, median over repetitions), measured by this bench on this machine: the target is
 /// half of it. See docs/bench/dataplane-baseline.md.
-const BASELINE_ABOVE_FLOOR: (f64, &str) = (f64::NAN, "(not measured yet)");
+const BASELINE_ABOVE_FLOOR: (f64, &str) = (65.2, "36784a3");
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Variant {
