@@ -22,7 +22,7 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use aya::Ebpf;
 use calix_agent::dataplane::nat::monotonic_ns;
@@ -32,7 +32,7 @@ use calix_common::{
     LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
     EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
-    STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
+    STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
 use common::*;
 
@@ -82,10 +82,11 @@ fn test_run_ctx(
 
 // ---- Harness: the loaded object, its maps, two registered pods ----
 
-/// A pod as the agent registers it: its host-side veth, addresses and MAC.
+/// A pod as the agent registers it: its host-side veth, its slot, addresses and MAC.
 #[derive(Clone, Copy)]
 struct Pod {
     ifindex: u32,
+    slot: u32,
     v4: [u8; 4],
     v6: [u8; 16],
     mac: [u8; 6],
@@ -97,10 +98,10 @@ struct Harness {
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     flows: HashMap<MapData, FlowKey, StackFlow>,
-    stack_eps: HashMap<MapData, u32, u32>,
+    stack_eps: Array<MapData, u32>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
 }
 
@@ -126,8 +127,10 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
         bpf,
         pins,
     };
-    let pod = |name, last| Pod {
+    // Slots other than 0 and 1: a program that mixed up slot and ifindex would miss them.
+    let pod = |name, last: u8| Pod {
         ifindex: veth(name),
+        slot: u32::from(last) * 7,
         v4: [10, 244, 0, last],
         v6: v6(last),
         mac: [0x02, 0, 0, 0, 0, last],
@@ -139,27 +142,29 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
 }
 
 impl Harness {
-    /// Registers `pod` as the agent does: zeroed counters, addresses, local delivery.
+    /// Registers `pod` as the agent does: a zeroed slot, addresses, local delivery.
     fn register(&mut self, pod: &Pod) {
         let cpus = aya::util::nr_cpus().expect("number of CPUs");
         let zero = vec![EndpointCounters::default(); cpus];
         let zero = PerCpuValues::try_from(zero).expect("per-CPU zeros");
-        self.counters
-            .insert(pod.ifindex, zero, 0)
-            .expect("counters");
+        self.counters.set(pod.slot, zero, 0).expect("counters");
+        self.stack_eps.set(pod.slot, 0, 0).expect("mark");
         let flags = EP_HAS_V4 | EP_HAS_V6;
         let info = EndpointInfo {
             ipv4: pod.v4,
             flags,
             ipv6: pod.v6,
+            slot: pod.slot,
+            _pad: 0,
         };
         self.endpoints
             .insert(pod.ifindex, info, 0)
             .expect("endpoint");
         let local = LocalEndpoint {
             ifindex: pod.ifindex,
-            _pad: 0,
+            slot: pod.slot,
             mac: pod.mac,
+            _pad: [0; 2],
         };
         self.local_v4.insert(pod.v4, local, 0).expect("local v4");
         self.local_v6.insert(pod.v6, local, 0).expect("local v6");
@@ -239,15 +244,37 @@ impl Harness {
         true
     }
 
-    /// The counters of `ifindex`, summed over the CPUs; the entry must exist.
+    /// The counters of the endpoint on `ifindex` (at the slot its entry names), summed over
+    /// the CPUs; the endpoint must be registered.
     fn counters(&self, ifindex: u32) -> EndpointCounters {
-        // aya 0.13's per-CPU `get` answers a missing key with zeros: check the key first.
-        let present = self.counters.keys().any(|k| k.ok() == Some(ifindex));
-        assert!(present, "no counters entry for ifindex {ifindex}");
+        let slot = self
+            .endpoints
+            .get(&ifindex, 0)
+            .unwrap_or_else(|e| panic!("no endpoint entry for ifindex {ifindex}: {e}"))
+            .slot;
         let mut sum = EndpointCounters::default();
-        let per_cpu = self.counters.get(&ifindex, 0).expect("read counters");
+        let per_cpu = self.counters.get(&slot, 0).expect("read counters");
         per_cpu.iter().for_each(|c| sum.accumulate(c));
         sum
+    }
+
+    /// Whether `pod` is marked as having flows through the stack.
+    fn marked(&self, pod: &Pod) -> bool {
+        self.stack_eps.get(&pod.slot, 0).expect("read the mark") == STACK_MARKED
+    }
+
+    /// Every counter of every slot, summed over the CPUs.
+    fn all_counters(&self) -> Vec<EndpointCounters> {
+        self.counters
+            .iter()
+            .map(|v| {
+                let mut sum = EndpointCounters::default();
+                v.expect("read counters")
+                    .iter()
+                    .for_each(|c| sum.accumulate(c));
+                sum
+            })
+            .collect()
     }
 
     /// Every drop counter, summed over the CPUs.
@@ -382,7 +409,7 @@ fn ipv4_with_options_is_forwarded_and_keyed_on_the_ports_after_them() {
         h.flows
             .insert(key, StackFlow::default(), 0)
             .expect("insert a flow");
-        h.stack_eps.insert(a.ifindex, 0, 0).expect("mark A");
+        h.stack_eps.set(a.slot, STACK_MARKED, 0).expect("mark A");
         h.passes(PROG_FROM_POD, a.ifindex, &sent);
     });
 }
@@ -540,8 +567,11 @@ fn unknown_interfaces_are_not_judged() {
             h.passes(PROG_FROM_POD, unknown, &sent);
         }
         assert!(h.all_drops().is_empty(), "no drop counted");
-        let created = h.counters.keys().any(|k| k.ok() == Some(unknown));
-        assert!(!created, "no counters entry created");
+        let counted = h
+            .all_counters()
+            .into_iter()
+            .any(|c| c != EndpointCounters::default());
+        assert!(!counted, "nothing counted");
     });
 }
 
@@ -559,12 +589,8 @@ fn replies_of_flows_the_stack_delivered_go_back_through_it() {
         assert_eq!(h.counters(a.ifindex).to_pod_bytes, syn.len() as u64);
         let keys: Vec<FlowKey> = h.flows.keys().map(|k| k.expect("flow key")).collect();
         assert_eq!(keys, [flow_v4(a.v4, b.v4, 8080, 40000, TCP)]);
-        let marked: Vec<u32> = h.stack_eps.keys().map(|k| k.expect("ifindex")).collect();
-        assert_eq!(
-            marked,
-            [a.ifindex],
-            "A marked as having a flow through the stack"
-        );
+        assert!(h.marked(&a), "A marked as having a flow through the stack");
+        assert!(!h.marked(&b));
 
         // What the node itself sends (no input interface) is not recorded: its replies go to
         // the node, never the fast path.
@@ -585,10 +611,7 @@ fn replies_of_flows_the_stack_delivered_go_back_through_it() {
             1,
             "the node's own packet recorded no flow"
         );
-        assert!(
-            h.stack_eps.get(&b.ifindex, 0).is_err(),
-            "B not marked by the node's own packet"
-        );
+        assert!(!h.marked(&b), "B not marked by the node's own packet");
 
         // A's reply goes back through the stack (which undoes its NAT)...
         let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40000));

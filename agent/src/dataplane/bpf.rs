@@ -2,7 +2,7 @@
 //! imports no other dataplane module), so none of them imports another for these.
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, Map, MapData, MapError};
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use aya::programs::ProgramError;
 use aya::Ebpf;
 
@@ -64,6 +64,24 @@ pub(super) fn open_hash<K: aya::Pod, V: aya::Pod>(
     let path: PathBuf = pin_dir.join(name);
     let data = MapData::from_pin(&path).map_err(map_err(name, "open pin"))?;
     HashMap::try_from(Map::HashMap(data)).map_err(map_err(name, "open"))
+}
+
+/// Opens the array pinned at `pin_dir/name`.
+pub(super) fn open_array<V: aya::Pod>(
+    pin_dir: &Path,
+    name: &'static str,
+) -> Result<Array<MapData, V>, DataplaneError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(map_err(name, "open pin"))?;
+    Array::try_from(Map::Array(data)).map_err(map_err(name, "open"))
+}
+
+/// Opens the per-CPU array pinned at `pin_dir/name`.
+pub(super) fn open_per_cpu_array<V: aya::Pod>(
+    pin_dir: &Path,
+    name: &'static str,
+) -> Result<PerCpuArray<MapData, V>, DataplaneError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(map_err(name, "open pin"))?;
+    PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(map_err(name, "open"))
 }
 
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns`'s clock.

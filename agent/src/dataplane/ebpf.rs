@@ -11,7 +11,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use aya::programs::links::Link;
 use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
 use aya::programs::{Program, ProgramError, SchedClassifier};
@@ -19,16 +19,17 @@ use aya::{Ebpf, EbpfLoader};
 use calix_common::{
     DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow,
     ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
-    PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP,
-    STACK_EPS_MAP, STACK_FLOWS_MAP,
+    EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP,
+    POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use ipnet::IpNet;
 
-use super::bpf::{map_err, pin_err, prog_err, take};
+use super::bpf::{map_err, open_hash, open_per_cpu_array, pin_err, prog_err, take};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
+use super::slots::Slots;
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
@@ -88,40 +89,42 @@ struct Programmed {
     ipv6: Option<Ipv6Addr>,
 }
 
-/// The counters and drops maps, opened from their pins: [`DataplaneStats`] for readers that
-/// must not wait for (or hold up) the dataplane.
+/// The counters and drops maps (and the endpoints, for their slots), opened from their pins:
+/// [`DataplaneStats`] for readers that must not wait for (or hold up) the dataplane.
 pub struct EbpfStats {
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
 }
 
 impl EbpfStats {
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
-        let open = |name: &'static str| {
-            let path = pin_dir.join(name);
-            MapData::from_pin(&path)
-                .map(aya::maps::Map::PerCpuHashMap)
-                .map_err(map_err(name, "open pin"))
-        };
+        let path = pin_dir.join(DROPS_MAP);
+        let drops = MapData::from_pin(&path)
+            .map(aya::maps::Map::PerCpuHashMap)
+            .map_err(map_err(DROPS_MAP, "open pin"))?;
         Ok(Self {
-            counters: PerCpuHashMap::try_from(open(COUNTERS_MAP)?)
-                .map_err(map_err(COUNTERS_MAP, "open"))?,
-            drops: PerCpuHashMap::try_from(open(DROPS_MAP)?).map_err(map_err(DROPS_MAP, "open"))?,
+            endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
+            counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
+            drops: PerCpuHashMap::try_from(drops).map_err(map_err(DROPS_MAP, "open"))?,
         })
     }
 }
 
 impl DataplaneStats for EbpfStats {
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
-        match self.counters.get(&ifindex, 0) {
-            Ok(per_cpu) => {
-                let mut sum = EndpointCounters::default();
-                per_cpu.iter().for_each(|c| sum.accumulate(c));
-                Ok(Some(sum))
-            }
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err(COUNTERS_MAP, "lookup")(e)),
-        }
+        let slot = match self.endpoints.get(&ifindex, 0) {
+            Ok(info) => info.slot,
+            Err(MapError::KeyNotFound) => return Ok(None),
+            Err(e) => return Err(map_err(ENDPOINTS_MAP, "lookup")(e)),
+        };
+        let per_cpu = self
+            .counters
+            .get(&slot, 0)
+            .map_err(map_err(COUNTERS_MAP, "lookup"))?;
+        let mut sum = EndpointCounters::default();
+        per_cpu.iter().for_each(|c| sum.accumulate(c));
+        Ok(Some(sum))
     }
 
     fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
@@ -140,12 +143,18 @@ impl DataplaneStats for EbpfStats {
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
     bpf: Ebpf,
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    /// By slot.
+    counters: PerCpuArray<MapData, EndpointCounters>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
-    /// Endpoints the programs marked as having flows through the host stack.
-    stack_eps: HashMap<MapData, u32, u32>,
-    /// Per-endpoint entries the agent removes with the endpoint: cleared overflow marks,
-    /// the conntrack budget's counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
+    /// The stack-flow marks by slot (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`,
+    /// `STACK_CLEARED_MAP`), zeroed with the counters when a slot is handed out.
+    stack_marks: [Array<MapData, u32>; 3],
+    /// Which slot each endpoint (host veth ifindex) has, as the endpoint map says.
+    slots: Slots,
+    /// Until the initial sync is over: the marks an endpoint inherits when it gets its slot.
+    inherited: Option<Inherited>,
+    /// Per-endpoint entries the agent removes with the endpoint: the conntrack budget's
+    /// counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
     per_endpoint: Vec<HashMap<MapData, u32, u32>>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
@@ -153,9 +162,6 @@ pub struct EbpfDataplane {
     pools_v6: LpmTrie<MapData, [u8; 16], u32>,
     /// Endpoint key ("containerID/ifname") → what was programmed for it.
     programmed: StdHashMap<String, Programmed>,
-    /// Keys of `counters`. aya 0.13's per-CPU `get` answers a missing key with zeros instead
-    /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
-    counter_keys: std::collections::HashSet<u32>,
     pools: Vec<IpNet>,
     /// The XDP prefilter's maps while it runs (SIGHUP updates them).
     xdp: Option<XdpFilter>,
@@ -172,6 +178,42 @@ pub struct EbpfDataplane {
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
     tables: Vec<super::nft::OwnedTable>,
+}
+
+/// What an endpoint given a new slot during the initial sync inherits: the stack-flow marks of
+/// an older layout (by ifindex), and a mark when a flow in the stack-flow table names one of
+/// its addresses (flows recorded by a build from before the marks, or carried from an older
+/// layout): the fast path must check those flows.
+struct Inherited {
+    marks: pins::OldMarks,
+    flow_addrs: std::collections::HashSet<[u8; 16]>,
+}
+
+impl Inherited {
+    fn read(marks: pins::OldMarks, flows: &HashMap<MapData, FlowKey, StackFlow>) -> Self {
+        Self {
+            marks,
+            flow_addrs: flows.keys().filter_map(Result::ok).map(|k| k.pod).collect(),
+        }
+    }
+
+    /// (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`) values for the endpoint `ep` on `ifindex`.
+    fn for_endpoint(&self, ifindex: u32, ep: &EndpointSpec) -> (u32, u32) {
+        let old = self.marks.get(ifindex);
+        let mut v4 = [0u8; 16];
+        let named = ep.ipv4.is_some_and(|a| {
+            v4[..4].copy_from_slice(&a.octets());
+            self.flow_addrs.contains(&v4)
+        }) || ep
+            .ipv6
+            .is_some_and(|a| self.flow_addrs.contains(&a.octets()));
+        let marked = if old.is_some() || named {
+            STACK_MARKED
+        } else {
+            0
+        };
+        (marked, old.unwrap_or(0))
+    }
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -295,12 +337,35 @@ impl EbpfDataplane {
             prog_id(&mut bpf, PROG_FROM_HOST_DEV)?,
             prog_id(&mut bpf, PROG_TO_HOST_DEV)?,
         );
+        let mut endpoints: HashMap<MapData, u32, EndpointInfo> =
+            take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?;
+        // The slots as the pinned endpoint map has them (an agent restart keeps them, and the
+        // counters with them); an entry whose slot is out of range or taken twice goes (its
+        // endpoint gets a slot again when it is programmed).
+        let (slots, rejected) = Slots::restore(
+            MAX_ENDPOINTS,
+            endpoints
+                .iter()
+                .filter_map(Result::ok)
+                .map(|(i, e)| (i, e.slot)),
+        );
+        for i in rejected {
+            tracing::warn!(ifindex = i, "endpoint entry with a bad slot removed");
+            let _ = endpoints.remove(&i);
+        }
+        let flows = take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
+        let inherited = Inherited::read(carried.old_marks(), &flows);
         let mut dp = Self {
-            counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
-            endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
-            stack_eps: take(&mut bpf, STACK_EPS_MAP, HashMap::try_from)?,
+            counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
+            endpoints,
+            stack_marks: [
+                take(&mut bpf, STACK_EPS_MAP, Array::try_from)?,
+                take(&mut bpf, STACK_OVERFLOW_MAP, Array::try_from)?,
+                take(&mut bpf, STACK_CLEARED_MAP, Array::try_from)?,
+            ],
+            slots,
+            inherited: Some(inherited),
             per_endpoint: vec![
-                take(&mut bpf, STACK_CLEARED_MAP, HashMap::try_from)?,
                 take(&mut bpf, CT_OWNED_MAP, HashMap::try_from)?,
                 take(&mut bpf, CT_FREED_MAP, HashMap::try_from)?,
             ],
@@ -311,7 +376,6 @@ impl EbpfDataplane {
             bpf,
             cfg,
             programmed: StdHashMap::new(),
-            counter_keys: std::collections::HashSet::new(),
             pools: Vec::new(),
             xdp: None,
             nat: None,
@@ -326,9 +390,6 @@ impl EbpfDataplane {
             nat_maps.apply(n, &dp.cfg.uplinks)?;
         }
         dp.nat = Some(nat_maps);
-        dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
-        let flows = take(&mut dp.bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
-        dp.mark_stack_flow_endpoints(&flows);
         for uplink in dp.cfg.uplinks.clone() {
             dp.attach_pair(&uplink, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
             tracing::info!(%uplink, "uplink programs attached");
@@ -446,32 +507,18 @@ impl EbpfDataplane {
         }
     }
 
-    /// Marks (`STACK_EPS_MAP`) every local endpoint with a flow in `STACK_FLOWS_MAP`. The
-    /// programs mark endpoints as they record flows; this covers flows recorded by a build
-    /// from before the marks (the fast path looks flows up only for marked endpoints).
-    fn mark_stack_flow_endpoints(&mut self, flows: &HashMap<MapData, FlowKey, StackFlow>) {
-        let mut marked = 0usize;
-        for key in flows.keys().filter_map(Result::ok) {
-            let local = match key.family {
-                4 => {
-                    let mut a = [0u8; 4];
-                    a.copy_from_slice(&key.pod[..4]);
-                    self.local_v4.get(&a, 0).ok()
-                }
-                6 => self.local_v6.get(&key.pod, 0).ok(),
-                _ => None,
+    /// Marks what an older layout's programs marked until they were replaced (the endpoints
+    /// have their slots now). Programs may write overflow marks meanwhile: either value
+    /// stands for an overflow, so the race is harmless.
+    fn write_old_marks(&mut self, marks: &pins::OldMarks) {
+        for (ifindex, overflow) in marks.iter() {
+            let Some(slot) = self.slots.get(ifindex) else {
+                continue;
             };
-            if let Some(l) = local {
-                // BPF_NOEXIST: never replace an overflow mark the programs set.
-                if self.stack_eps.get(&l.ifindex, 0).is_err()
-                    && self.stack_eps.insert(l.ifindex, 0, 1).is_ok()
-                {
-                    marked += 1;
-                }
+            let _ = self.stack_marks[0].set(slot, STACK_MARKED, 0);
+            if overflow != 0 {
+                let _ = self.stack_marks[1].set(slot, overflow, 0);
             }
-        }
-        if marked > 0 {
-            tracing::info!(marked, "endpoints with flows through the host stack marked");
         }
     }
 
@@ -482,11 +529,36 @@ impl EbpfDataplane {
             .map_err(|e| map_err(COUNTERS_MAP, "build per-CPU value")(MapError::IoError(e)))
     }
 
+    /// Zeroes the per-endpoint arrays at `slot`, newly handed to the endpoint `ep` on
+    /// `ifindex` (marks it inherits during the initial sync excepted).
+    fn clear_slot(
+        &mut self,
+        slot: u32,
+        ifindex: u32,
+        ep: &EndpointSpec,
+    ) -> Result<(), DataplaneError> {
+        let (marked, overflow) = self
+            .inherited
+            .as_ref()
+            .map_or((0, 0), |i| i.for_endpoint(ifindex, ep));
+        self.counters
+            .set(slot, Self::zero_counters()?, 0)
+            .map_err(map_err(COUNTERS_MAP, "zero a slot"))?;
+        let names = [STACK_EPS_MAP, STACK_OVERFLOW_MAP, STACK_CLEARED_MAP];
+        for ((m, name), v) in self
+            .stack_marks
+            .iter_mut()
+            .zip(names)
+            .zip([marked, overflow, 0])
+        {
+            m.set(slot, v, 0).map_err(map_err(name, "set a slot"))?;
+        }
+        Ok(())
+    }
+
     fn forget_entries(&mut self, p: &Programmed) {
-        let _ = self.counters.remove(&p.ifindex);
-        self.counter_keys.remove(&p.ifindex);
         let _ = self.endpoints.remove(&p.ifindex);
-        let _ = self.stack_eps.remove(&p.ifindex);
+        self.slots.release(p.ifindex);
         for m in &mut self.per_endpoint {
             let _ = m.remove(&p.ifindex);
         }
@@ -521,9 +593,12 @@ impl EbpfDataplane {
         }
     }
 
-    /// The endpoint map's value for `ep`.
-    fn endpoint_info(&self, ep: &EndpointSpec) -> EndpointInfo {
-        let mut info = EndpointInfo::default();
+    /// The endpoint map's value for `ep` in `slot`.
+    fn endpoint_info(&self, ep: &EndpointSpec, slot: u32) -> EndpointInfo {
+        let mut info = EndpointInfo {
+            slot,
+            ..EndpointInfo::default()
+        };
         if let Some(v4) = ep.ipv4 {
             info.ipv4 = v4.octets();
             info.flags |= EP_HAS_V4;
@@ -539,23 +614,25 @@ impl EbpfDataplane {
     }
 
     fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
-        // Keep counters across an agent restart: only create a missing entry.
-        if !self.counter_keys.contains(&idx) {
-            let zero = Self::zero_counters()?;
-            self.counters
-                .insert(idx, zero, 0)
-                .map_err(map_err(COUNTERS_MAP, "insert"))?;
-            self.counter_keys.insert(idx);
+        // An endpoint keeps its slot (and its counters) across an agent restart; a new one
+        // gets a zeroed slot before anything points at it.
+        let (slot, new) = self.slots.assign(idx)?;
+        if new {
+            if let Err(e) = self.clear_slot(slot, idx, ep) {
+                self.slots.release(idx);
+                return Err(e);
+            }
         }
-        let info = self.endpoint_info(ep);
+        let info = self.endpoint_info(ep, slot);
         self.endpoints
             .insert(idx, info, 0)
             .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
         if let Some(mac) = ep.mac {
             let local = LocalEndpoint {
                 ifindex: idx,
-                _pad: 0,
+                slot,
                 mac,
+                _pad: [0; 2],
             };
             if let Some(v4) = ep.ipv4 {
                 self.local_v4
@@ -655,12 +732,14 @@ impl Dataplane for EbpfDataplane {
                 source: Box::new(source),
             })?;
         drift.extend(filter_drift(&filters, self.endpoint_prog_ids));
-        if self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep)) {
+        let slot = self.slots.get(idx);
+        if slot.is_none_or(|s| self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep, s)))
+        {
             drift.push(Drift::EndpointEntry);
         }
         if ep.mac.is_some() {
             let points_here = |l: Option<LocalEndpoint>| {
-                l.is_some_and(|l| l.ifindex == idx && Some(l.mac) == ep.mac)
+                l.is_some_and(|l| l.ifindex == idx && Some(l.slot) == slot && Some(l.mac) == ep.mac)
             };
             if let Some(v4) = ep.ipv4 {
                 if !points_here(self.local_v4.get(&v4.octets(), 0).ok()) {
@@ -753,14 +832,15 @@ impl Dataplane for EbpfDataplane {
         for i in &stale {
             let _ = self.endpoints.remove(i);
         }
-        let stale_marks: Vec<u32> = self
-            .stack_eps
-            .keys()
-            .filter_map(Result::ok)
+        // Slots of interfaces no endpoint owns go back (zeroed when handed out again).
+        let stale_slots: Vec<u32> = self
+            .slots
+            .iter()
+            .map(|(i, _)| i)
             .filter(|i| !known_idx.contains(i))
             .collect();
-        for i in &stale_marks {
-            let _ = self.stack_eps.remove(i);
+        for i in &stale_slots {
+            self.slots.release(*i);
         }
         let mut stale_budget = 0usize;
         for m in &mut self.per_endpoint {
@@ -773,16 +853,6 @@ impl Dataplane for EbpfDataplane {
                 let _ = m.remove(i);
             }
             stale_budget += stale.len();
-        }
-        let stale_ctr: Vec<u32> = self
-            .counters
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|i| !known_idx.contains(i))
-            .collect();
-        for i in &stale_ctr {
-            let _ = self.counters.remove(i);
-            self.counter_keys.remove(i);
         }
         let v4: Vec<[u8; 4]> = self
             .local_v4
@@ -818,8 +888,11 @@ impl Dataplane for EbpfDataplane {
         // Every known interface runs this build's programs now: what the old ones added to
         // the maps carried over since the start is copied, then the old maps go.
         if let Some(c) = self.carried.take() {
-            c.catch_up();
+            let late = c.catch_up();
+            self.write_old_marks(&late);
         }
+        // From now on a new slot starts unmarked: the programs mark what they record.
+        self.inherited = None;
         // Pins of older map layouts: every known interface now runs this build's programs.
         let mut old_layouts = Vec::new();
         if let Ok(rd) = std::fs::read_dir(self.cfg.node_dir()) {
@@ -833,7 +906,7 @@ impl Dataplane for EbpfDataplane {
             }
         }
         tracing::info!(
-            stale_entries = stale.len() + stale_ctr.len() + v4.len() + v6.len() + stale_budget,
+            stale_entries = stale.len() + stale_slots.len() + v4.len() + v6.len() + stale_budget,
             unknown_cali_interfaces = swept,
             ?old_layouts,
             "dataplane reconciled after the initial sync"

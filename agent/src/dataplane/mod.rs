@@ -10,6 +10,7 @@ pub mod masquerade;
 pub mod nat;
 mod nft;
 pub mod pins;
+pub mod slots;
 pub mod stack_flows;
 pub mod xdp;
 
@@ -71,6 +72,8 @@ pub enum DataplaneError {
     Nftables(String),
     #[error("reading the node's addresses failed")]
     Addresses(#[source] nix::Error),
+    #[error(transparent)]
+    SlotsFull(#[from] slots::SlotsFull),
     #[error("{0}")]
     Driver(String),
     #[error("reading the kernel's state of {what} failed")]

@@ -6,7 +6,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
 };
 use calix_common::{
     CtEntry, CtKey, DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey,
@@ -21,19 +21,21 @@ use calix_common::{
 pub static CALIX_STACK_FLOWS: HashMap<FlowKey, StackFlow> =
     HashMap::pinned(MAX_STACK_FLOWS, BPF_F_NO_PREALLOC);
 
-/// Endpoints (host-side veth ifindex) with a flow in `CALIX_STACK_FLOWS` (value: 0, or an
-/// overflow mark).
+/// Endpoint slot → `STACK_MARKED` when the endpoint has a flow in `CALIX_STACK_FLOWS`.
 #[map(name = "CALIX_STACK_EPS")]
-pub static CALIX_STACK_EPS: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_STACK_EPS: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
 
-/// Endpoint → the overflow mark the agent has cleared.
+/// Endpoint slot → its overflow mark (0: none).
+#[map(name = "CALIX_STACK_OVF")]
+pub static CALIX_STACK_OVF: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
+
+/// Endpoint slot → the overflow mark the agent has cleared.
 #[map(name = "CALIX_STACK_CLEARED")]
-pub static CALIX_STACK_CLEARED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_STACK_CLEARED: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
 
-/// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
+/// Endpoint slot → that endpoint's counters. The agent zeroes a slot when it hands it out.
 #[map(name = "CALIX_COUNTERS")]
-pub static CALIX_COUNTERS: PerCpuHashMap<u32, EndpointCounters> =
-    PerCpuHashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_COUNTERS: PerCpuArray<EndpointCounters> = PerCpuArray::pinned(MAX_ENDPOINTS, 0);
 
 /// Host-side veth ifindex → the addresses the endpoint may send from.
 #[map(name = "CALIX_ENDPOINTS")]
@@ -120,6 +122,10 @@ const _: () = assert!(crate::str_eq(
 const _: () = assert!(crate::str_eq(
     calix_common::STACK_EPS_MAP,
     "CALIX_STACK_EPS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::STACK_OVERFLOW_MAP,
+    "CALIX_STACK_OVF"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::STACK_CLEARED_MAP,

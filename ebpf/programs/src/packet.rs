@@ -1,8 +1,43 @@
-//! Header offsets and reads. The tc programs read everything with `bpf_skb_load_bytes`
-//! (`ctx.load`), which fails cleanly on a short packet instead of needing bounds proofs for the
-//! verifier; XDP (`xdp.rs`) uses direct packet access with its own bounds checks.
+//! Header offsets and reads. The tc programs read and write the headers at fixed offsets
+//! (Ethernet, the IPv4 and IPv6 fixed headers: the fast path) with direct packet access when
+//! those bytes are in the skb's linear data, as they are for nearly every packet, and with
+//! `bpf_skb_load_bytes` / `bpf_skb_store_bytes` otherwise ([`load`], [`store`]); everything
+//! past them (transport headers, extension headers, ICMP payloads) with the helpers
+//! (`ctx.load`), which fail cleanly on a short packet instead of needing bounds proofs for
+//! the verifier. XDP (`xdp.rs`) uses direct packet access with its own bounds checks.
+
+use core::mem::size_of;
 
 use aya_ebpf::{cty::c_long, programs::TcContext};
+
+/// Reads a `T` at `off` bytes into the frame: straight from the packet when those bytes are in
+/// the skb's linear data, else with `bpf_skb_load_bytes`. `off` must be a constant at every
+/// call site: the verifier refuses a packet pointer moved by an offset it cannot bound.
+#[inline(always)]
+pub fn load<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, c_long> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + off + size_of::<T>() <= end {
+        // SAFETY: the bytes lie between `data` and `data_end` (checked here, and by the
+        // verifier); `read_unaligned`: headers sit at any alignment.
+        return Ok(unsafe { core::ptr::read_unaligned((data + off) as *const T) });
+    }
+    ctx.load(off)
+}
+
+/// Writes `v` at `off` bytes into the frame (no checksum is updated), straight into the packet
+/// when those bytes are in the skb's linear data, else with `bpf_skb_store_bytes`. `off` must
+/// be a constant, as in [`load`]. (A program that writes packets directly makes the kernel
+/// unclone a cloned skb's header before it runs.)
+#[inline(always)]
+pub fn store<T: Copy>(ctx: &mut TcContext, off: usize, v: &T) -> Result<(), c_long> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + off + size_of::<T>() <= end {
+        // SAFETY: as in `load`; the kernel made the header writable (see above).
+        unsafe { core::ptr::write_unaligned((data + off) as *mut T, *v) };
+        return Ok(());
+    }
+    ctx.store(off, v, 0)
+}
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -39,7 +74,7 @@ pub mod arp {
 /// The frame's EtherType (host order).
 #[inline(always)]
 pub fn ethertype(ctx: &TcContext) -> Result<u16, c_long> {
-    Ok(u16::from_be(ctx.load::<u16>(12)?))
+    Ok(u16::from_be(load::<u16>(ctx, 12)?))
 }
 
 /// An IPv4 header that passed validation.
@@ -65,8 +100,7 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     if len < ETH_HLEN + v4::MIN_LEN {
         return None;
     }
-    // The fixed header in one helper call.
-    let h: [u8; v4::MIN_LEN] = ctx.load(ETH_HLEN).ok()?;
+    let h: [u8; v4::MIN_LEN] = load(ctx, ETH_HLEN).ok()?;
     let ver_ihl = h[0];
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
     let tot_len = u16::from_be_bytes([h[2], h[3]]);
@@ -106,8 +140,7 @@ pub fn ipv6(ctx: &TcContext) -> Option<Ipv6> {
     if len < ETH_HLEN + v6::LEN {
         return None;
     }
-    // The fixed header in one helper call.
-    let h: [u8; v6::LEN] = ctx.load(ETH_HLEN).ok()?;
+    let h: [u8; v6::LEN] = load(ctx, ETH_HLEN).ok()?;
     let payload_len = u16::from_be_bytes([h[4], h[5]]);
     if h[0] >> 4 != 6 || ETH_HLEN + v6::LEN + usize::from(payload_len) > len {
         return None;
