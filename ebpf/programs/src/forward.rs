@@ -73,13 +73,19 @@ fn dec_ttl(ctx: &mut TcContext, t: Ttl) -> Result<bool, c_long> {
     }
 }
 
-/// Writes the Ethernet destination and source in one store.
+/// Writes the Ethernet destination and source.
 #[inline(always)]
 fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_long> {
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(dst);
-    macs[6..].copy_from_slice(src);
-    packet::store(ctx, 0, &macs)
+    let p = packet::linear(ctx, 12).ok_or(-1)? as *mut u8;
+    for i in 0..6 {
+        // SAFETY: the first 12 bytes lie in the linear data (`linear`), made writable by the
+        // kernel before the program ran.
+        unsafe {
+            *p.add(i) = dst[i];
+            *p.add(6 + i) = src[i];
+        }
+    }
+    Ok(())
 }
 
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
