@@ -28,9 +28,10 @@ use aya::Ebpf;
 use calix_agent::dataplane::nat::monotonic_ns;
 use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
-    eui64_link_local, DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey,
-    LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
+    direct_bucket, eui64_link_local, DirectEndpoint, DropCount, DropKey, DropReason,
+    EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS,
+    COUNTERS_MAP, DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
+    HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP,
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
     STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
@@ -96,6 +97,7 @@ struct Harness {
     bpf: Ebpf,
     pins: PinDir,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    direct: Array<MapData, DirectEndpoint>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
     counters: PerCpuArray<MapData, EndpointCounters>,
@@ -117,6 +119,7 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
     let mut bpf = load_object_sized(&pins, sizes);
     let mut h = Harness {
         endpoints: map(&mut bpf, ENDPOINTS_MAP),
+        direct: map(&mut bpf, ENDPOINTS_DIRECT_MAP),
         local_v4: map(&mut bpf, LOCAL_V4_MAP),
         local_v6: map(&mut bpf, LOCAL_V6_MAP),
         counters: map(&mut bpf, COUNTERS_MAP),
@@ -157,9 +160,7 @@ impl Harness {
             slot: pod.slot,
             _pad: 0,
         };
-        self.endpoints
-            .insert(pod.ifindex, info, 0)
-            .expect("endpoint");
+        self.set_endpoint(pod.ifindex, info);
         let local = LocalEndpoint {
             ifindex: pod.ifindex,
             slot: pod.slot,
@@ -242,6 +243,19 @@ impl Harness {
         );
         assert_eq!(after.bytes, before.bytes + len, "{reason:?}: bytes counted");
         true
+    }
+
+    /// Rewrites the endpoint on `ifindex` as the agent does: the table and its bucket.
+    fn set_endpoint(&mut self, ifindex: u32, info: EndpointInfo) {
+        self.endpoints.insert(ifindex, info, 0).expect("endpoint");
+        let d = DirectEndpoint {
+            ifindex,
+            _pad: 0,
+            info,
+        };
+        self.direct
+            .set(direct_bucket(ifindex), d, 0)
+            .expect("bucket");
     }
 
     /// The counters of the endpoint on `ifindex` (at the slot its entry names), summed over
@@ -500,7 +514,7 @@ fn ipv6_from_a_pod() {
         // A pod without an IPv6 address sends none (but for neighbour discovery).
         let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
         v4_only.flags = EP_HAS_V4;
-        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.set_endpoint(a.ifindex, v4_only);
         h.drops_as(a.ifindex, &sent, DropReason::FamilyNotAssigned);
     });
 }
@@ -572,6 +586,57 @@ fn unknown_interfaces_are_not_judged() {
             .into_iter()
             .any(|c| c != EndpointCounters::default());
         assert!(!counted, "nothing counted");
+    });
+}
+
+/// The programs find an endpoint in its direct-mapped bucket when the bucket holds it, and in
+/// the endpoint table otherwise: a bucket that holds another interface (one whose ifindex
+/// shares it) is never taken for this one's, and a free bucket falls back to the table.
+#[test]
+fn an_endpoint_is_found_in_its_bucket_or_else_in_the_table() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let ip = Ip4::new(b.v4, a.v4, UDP, udp(1, 53));
+        let spoofed = Ip4::new([10, 244, 0, 99], a.v4, UDP, udp(1, 53)).sent_by(&b);
+        // B's bucket holds another interface, allowed to send from 10.244.0.99.
+        let other = DirectEndpoint {
+            ifindex: b.ifindex + MAX_ENDPOINTS,
+            _pad: 0,
+            info: EndpointInfo {
+                ipv4: [10, 244, 0, 99],
+                flags: EP_HAS_V4,
+                slot: a.slot,
+                ..EndpointInfo::default()
+            },
+        };
+        h.direct
+            .set(direct_bucket(b.ifindex), other, 0)
+            .expect("bucket");
+        h.redirects(
+            PROG_FROM_POD,
+            b.ifindex,
+            &ip.sent_by(&b),
+            &ip.delivered_to(&a),
+        );
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        assert_eq!(h.counters(b.ifindex).from_pod_packets, 2, "B's own slot");
+        // A free bucket: the table.
+        h.direct
+            .set(direct_bucket(b.ifindex), DirectEndpoint::default(), 0)
+            .expect("bucket");
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        // The bucket alone (the table lost B): still B's addresses.
+        h.register(&b);
+        h.endpoints
+            .remove(&b.ifindex)
+            .expect("remove from the table");
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        h.redirects(
+            PROG_FROM_POD,
+            b.ifindex,
+            &ip.sent_by(&b),
+            &ip.delivered_to(&a),
+        );
     });
 }
 
@@ -1257,7 +1322,7 @@ fn link_local_and_unspecified_sources_may_only_do_neighbour_discovery() {
         // and nothing else.
         let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
         v4_only.flags = EP_HAS_V4;
-        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.set_endpoint(a.ifindex, v4_only);
         h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[4]));
         h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[6]));
         h.drops_as(

@@ -17,11 +17,12 @@ use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttac
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow,
-    ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP,
-    POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
-    STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
+    direct_bucket, DirectEndpoint, DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey,
+    LocalEndpoint, StackFlow, ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP,
+    DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION,
+    LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV,
+    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP, STACK_EPS_MAP,
+    STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use ipnet::IpNet;
 
@@ -145,7 +146,10 @@ pub struct EbpfDataplane {
     bpf: Ebpf,
     /// By slot.
     counters: PerCpuArray<MapData, EndpointCounters>,
+    /// The endpoint table, and its direct-mapped copy the programs look in first
+    /// ([`Self::write_endpoint`]).
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    direct: Array<MapData, DirectEndpoint>,
     /// The stack-flow marks by slot (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`,
     /// `STACK_CLEARED_MAP`), zeroed with the counters when a slot is handed out.
     stack_marks: [Array<MapData, u32>; 3],
@@ -358,6 +362,7 @@ impl EbpfDataplane {
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
             endpoints,
+            direct: take(&mut bpf, ENDPOINTS_DIRECT_MAP, Array::try_from)?,
             stack_marks: [
                 take(&mut bpf, STACK_EPS_MAP, Array::try_from)?,
                 take(&mut bpf, STACK_OVERFLOW_MAP, Array::try_from)?,
@@ -556,8 +561,58 @@ impl EbpfDataplane {
         Ok(())
     }
 
+    /// Writes the endpoint on `idx` into the endpoint table, then into its direct-mapped bucket
+    /// when the bucket is free, stale (an interface that has no slot) or its own; a bucket
+    /// another live endpoint holds stays as it is, and the programs find this one in the
+    /// table.
+    fn write_endpoint(&mut self, idx: u32, info: EndpointInfo) -> Result<(), DataplaneError> {
+        self.endpoints
+            .insert(idx, info, 0)
+            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
+        let bucket = direct_bucket(idx);
+        let held = self
+            .direct
+            .get(&bucket, 0)
+            .map_err(map_err(ENDPOINTS_DIRECT_MAP, "lookup"))?
+            .ifindex;
+        if held == 0 || held == idx || self.slots.get(held).is_none() {
+            let d = DirectEndpoint {
+                ifindex: idx,
+                _pad: 0,
+                info,
+            };
+            self.direct
+                .set(bucket, d, 0)
+                .map_err(map_err(ENDPOINTS_DIRECT_MAP, "set"))?;
+        }
+        Ok(())
+    }
+
+    /// Removes the endpoint on `idx` from the table and its bucket; another endpoint that
+    /// shares the bucket moves in.
+    fn forget_endpoint(&mut self, idx: u32) {
+        let _ = self.endpoints.remove(&idx);
+        let bucket = direct_bucket(idx);
+        if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == idx) {
+            let next = self
+                .slots
+                .iter()
+                .map(|(i, _)| i)
+                .filter(|i| *i != idx && direct_bucket(*i) == bucket)
+                .find_map(|i| Some((i, self.endpoints.get(&i, 0).ok()?)));
+            let d = next.map_or(DirectEndpoint::default(), |(ifindex, info)| {
+                DirectEndpoint {
+                    ifindex,
+                    _pad: 0,
+                    info,
+                }
+            });
+            let _ = self.direct.set(bucket, d, 0);
+        }
+    }
+
     fn forget_entries(&mut self, p: &Programmed) {
-        let _ = self.endpoints.remove(&p.ifindex);
+        self.forget_endpoint(p.ifindex);
         self.slots.release(p.ifindex);
         for m in &mut self.per_endpoint {
             let _ = m.remove(&p.ifindex);
@@ -624,9 +679,7 @@ impl EbpfDataplane {
             }
         }
         let info = self.endpoint_info(ep, slot);
-        self.endpoints
-            .insert(idx, info, 0)
-            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
+        self.write_endpoint(idx, info)?;
         if let Some(mac) = ep.mac {
             let local = LocalEndpoint {
                 ifindex: idx,
@@ -733,8 +786,17 @@ impl Dataplane for EbpfDataplane {
             })?;
         drift.extend(filter_drift(&filters, self.endpoint_prog_ids));
         let slot = self.slots.get(idx);
-        if slot.is_none_or(|s| self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep, s)))
-        {
+        let want = slot.map(|s| self.endpoint_info(ep, s));
+        // Its bucket holds it, or another live endpoint (then the table alone does).
+        let bucket_ok = self
+            .direct
+            .get(&direct_bucket(idx), 0)
+            .is_ok_and(|d| match d.ifindex {
+                i if i == idx => Some(d.info) == want,
+                0 => false,
+                other => self.slots.get(other).is_some(),
+            });
+        if want.is_none() || self.endpoints.get(&idx, 0).ok() != want || !bucket_ok {
             drift.push(Drift::EndpointEntry);
         }
         if ep.mac.is_some() {
@@ -832,6 +894,29 @@ impl Dataplane for EbpfDataplane {
         for i in &stale {
             let _ = self.endpoints.remove(i);
         }
+        // Direct-mapped buckets of interfaces no endpoint owns.
+        let mut stale_buckets = 0usize;
+        for bucket in 0..MAX_ENDPOINTS {
+            let held = self.direct.get(&bucket, 0).map_or(0, |d| d.ifindex);
+            if held != 0 && !known_idx.contains(&held) {
+                let _ = self.direct.set(bucket, DirectEndpoint::default(), 0);
+                stale_buckets += 1;
+            }
+        }
+        // An endpoint a stale one kept out of its bucket moves in.
+        for idx in known_idx.iter().copied() {
+            let bucket = direct_bucket(idx);
+            if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == 0) {
+                if let Ok(info) = self.endpoints.get(&idx, 0) {
+                    let d = DirectEndpoint {
+                        ifindex: idx,
+                        _pad: 0,
+                        info,
+                    };
+                    let _ = self.direct.set(bucket, d, 0);
+                }
+            }
+        }
         // Slots of interfaces no endpoint owns go back (zeroed when handed out again).
         let stale_slots: Vec<u32> = self
             .slots
@@ -906,7 +991,12 @@ impl Dataplane for EbpfDataplane {
             }
         }
         tracing::info!(
-            stale_entries = stale.len() + stale_slots.len() + v4.len() + v6.len() + stale_budget,
+            stale_entries = stale.len()
+                + stale_buckets
+                + stale_slots.len()
+                + v4.len()
+                + v6.len()
+                + stale_budget,
             unknown_cali_interfaces = swept,
             ?old_layouts,
             "dataplane reconciled after the initial sync"

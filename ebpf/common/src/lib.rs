@@ -19,7 +19,15 @@ pub const LAYOUT_VERSION: u32 = 3;
 /// lookups (inlined by the verifier) once it has either.
 pub const COUNTERS_MAP: &str = "CALIX_COUNTERS";
 /// Hash map: host-side ifindex of a `cali*` veth → [`EndpointInfo`] (anti-spoofing, the slot).
+/// The endpoint table; the programs look in [`ENDPOINTS_DIRECT_MAP`] first.
 pub const ENDPOINTS_MAP: &str = "CALIX_ENDPOINTS";
+/// Array: [`direct_bucket`]`(ifindex)` → [`DirectEndpoint`]: a direct-mapped copy of
+/// [`ENDPOINTS_MAP`] that the agent keeps in step with it, so the programs find an endpoint
+/// with an array lookup (which the verifier inlines) instead of hashing its ifindex. A bucket
+/// whose `ifindex` is not the packet's (free: 0, or another endpoint's whose ifindex shares
+/// the bucket) sends the program to [`ENDPOINTS_MAP`]. The agent writes an endpoint into its
+/// bucket when the bucket is free, stale or its own, and clears it when the endpoint goes.
+pub const ENDPOINTS_DIRECT_MAP: &str = "CALIX_EP_DIRECT";
 /// Hash map: a local pod's IPv4 address (`u32` as in the packet) → [`LocalEndpoint`].
 pub const LOCAL_V4_MAP: &str = "CALIX_LOCAL_V4";
 /// Hash map: a local pod's IPv6 address (`[u8; 16]`) → [`LocalEndpoint`].
@@ -131,13 +139,14 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 pub const MAX_NAT_UPLINKS: usize = 8;
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 21] = [
+pub const ALL_MAPS: [&str; 22] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
     STACK_CLEARED_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
+    ENDPOINTS_DIRECT_MAP,
     LOCAL_V4_MAP,
     LOCAL_V6_MAP,
     DROPS_MAP,
@@ -155,8 +164,15 @@ pub const ALL_MAPS: [&str; 21] = [
     NO_SNAT_V4_MAP,
 ];
 
-/// Maximum number of endpoints (and local addresses per family) on one node: the slots.
+/// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
+/// the buckets of [`ENDPOINTS_DIRECT_MAP`] (a power of two).
 pub const MAX_ENDPOINTS: u32 = 16_384;
+const _: () = assert!(MAX_ENDPOINTS.is_power_of_two());
+
+/// The [`ENDPOINTS_DIRECT_MAP`] bucket of the endpoint whose host veth is `ifindex`.
+pub const fn direct_bucket(ifindex: u32) -> u32 {
+    ifindex & (MAX_ENDPOINTS - 1)
+}
 /// Maximum number of (ifindex, reason) drop counters.
 pub const MAX_DROP_KEYS: u32 = 65_536;
 
@@ -264,6 +280,16 @@ pub struct EndpointInfo {
     /// Its index in the per-endpoint arrays ([`COUNTERS_MAP`], [`STACK_EPS_MAP`]...).
     pub slot: u32,
     pub _pad: u32,
+}
+
+/// An [`ENDPOINTS_DIRECT_MAP`] bucket: the endpoint it holds (its host veth's `ifindex`, 0 when
+/// free) and that endpoint's [`ENDPOINTS_MAP`] value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DirectEndpoint {
+    pub ifindex: u32,
+    pub _pad: u32,
+    pub info: EndpointInfo,
 }
 
 /// A pod on this node, by address: where to deliver to it without the host stack.
@@ -768,7 +794,7 @@ pub const LAYOUTS: [Layout; 3] = [
     },
     // Layout 3: the per-endpoint counters and stack-flow marks in arrays indexed by the
     // endpoint's slot (in `EndpointInfo` and `LocalEndpoint`), overflow marks apart from the
-    // plain ones.
+    // plain ones; the endpoints also in a direct-mapped array by ifindex.
     Layout {
         version: 3,
         maps: &[
@@ -806,6 +832,14 @@ pub const LAYOUTS: [Layout; 3] = [
                 0,
             ),
             m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 32, MAX_ENDPOINTS, 0),
+            m(
+                ENDPOINTS_DIRECT_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                40,
+                MAX_ENDPOINTS,
+                0,
+            ),
             m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 16, MAX_ENDPOINTS, 0),
             m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 16, MAX_ENDPOINTS, 0),
             m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
@@ -858,6 +892,7 @@ mod pod {
     // SAFETY (all): plain old data, `#[repr(C)]`, no padding, every bit pattern valid.
     unsafe impl aya::Pod for super::EndpointCounters {}
     unsafe impl aya::Pod for super::EndpointInfo {}
+    unsafe impl aya::Pod for super::DirectEndpoint {}
     unsafe impl aya::Pod for super::LocalEndpoint {}
     unsafe impl aya::Pod for super::DropKey {}
     unsafe impl aya::Pod for super::DropCount {}
@@ -876,7 +911,7 @@ mod tests {
 
     /// The key and value size of every map of this build, from the shared types: what
     /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-    fn sizes_of_this_build() -> [(&'static str, usize, usize); 21] {
+    fn sizes_of_this_build() -> [(&'static str, usize, usize); 22] {
         let lpm = |addr: usize| 4 + addr;
         [
             (
@@ -893,6 +928,11 @@ mod tests {
                 size_of::<EndpointCounters>(),
             ),
             (ENDPOINTS_MAP, size_of::<u32>(), size_of::<EndpointInfo>()),
+            (
+                ENDPOINTS_DIRECT_MAP,
+                size_of::<u32>(),
+                size_of::<DirectEndpoint>(),
+            ),
             (LOCAL_V4_MAP, 4, size_of::<LocalEndpoint>()),
             (LOCAL_V6_MAP, 16, size_of::<LocalEndpoint>()),
             (DROPS_MAP, size_of::<DropKey>(), size_of::<DropCount>()),
@@ -965,6 +1005,7 @@ mod tests {
     fn layouts_have_no_padding() {
         assert_eq!(size_of::<EndpointCounters>(), 32);
         assert_eq!(size_of::<EndpointInfo>(), 32);
+        assert_eq!(size_of::<DirectEndpoint>(), 40);
         assert_eq!(size_of::<LocalEndpoint>(), 16);
         assert_eq!(size_of::<DropKey>(), 8);
         assert_eq!(size_of::<DropCount>(), 16);

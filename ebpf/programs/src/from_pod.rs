@@ -20,9 +20,7 @@ use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOI
 use crate::counters::{self, drop};
 use crate::flows;
 use crate::forward;
-use crate::maps::{
-    CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
-};
+use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
 use crate::nat;
 use crate::packet::{
     self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
@@ -61,9 +59,9 @@ fn full(ctx: &mut TcContext) -> Result<i32, c_long> {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     #[cfg(feature = "upgrade-test")]
     counters::mark_upgrade_build(ctx, ifindex);
-    // The one hash lookup by interface: the endpoint's addresses and its slot (its counters
-    // and marks). An interface the agent has not (or no longer) registered: not ours to judge.
-    let Some(ep) = CALIX_ENDPOINTS.get_ptr(&ifindex) else {
+    // The one lookup by interface: the endpoint's addresses and its slot (its counters and
+    // marks). An interface the agent has not (or no longer) registered: not ours to judge.
+    let Some(ep) = crate::maps::endpoint(ifindex) else {
         return Ok(TC_ACT_OK);
     };
     // SAFETY: a pointer from a successful lookup, valid until the program returns.

@@ -9,7 +9,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
 };
 use calix_common::{
-    CtEntry, CtKey, DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey,
+    direct_bucket, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey, EndpointCounters,
+    EndpointInfo, FailsafePort, FlowKey,
     LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS,
     MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_POOLS,
     MAX_STACK_FLOWS,
@@ -37,9 +38,31 @@ pub static CALIX_STACK_CLEARED: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
 #[map(name = "CALIX_COUNTERS")]
 pub static CALIX_COUNTERS: PerCpuArray<EndpointCounters> = PerCpuArray::pinned(MAX_ENDPOINTS, 0);
 
-/// Host-side veth ifindex → the addresses the endpoint may send from.
+/// Host-side veth ifindex → the addresses the endpoint may send from, and its slot.
 #[map(name = "CALIX_ENDPOINTS")]
 pub static CALIX_ENDPOINTS: HashMap<u32, EndpointInfo> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// The same, direct-mapped by ifindex (see `calix_common::ENDPOINTS_DIRECT_MAP`).
+#[map(name = "CALIX_EP_DIRECT")]
+pub static CALIX_EP_DIRECT: Array<DirectEndpoint> = Array::pinned(MAX_ENDPOINTS, 0);
+
+/// The endpoint whose host veth is `ifindex`: from its direct-mapped bucket when the bucket
+/// holds it (an array lookup, inlined by the verifier), else from the hash map. `None`: not
+/// an endpoint the agent registered. The pointer is valid until the program returns.
+#[inline(always)]
+pub fn endpoint(ifindex: u32) -> Option<*const EndpointInfo> {
+    if let Some(d) = CALIX_EP_DIRECT.get_ptr(direct_bucket(ifindex)) {
+        // SAFETY: a pointer from a successful array lookup, valid until the program returns.
+        // The agent may rewrite the bucket meanwhile: each field is read as written (aligned
+        // words), and a bucket is only ever handed from a gone endpoint to a new one whose
+        // interface runs no program yet.
+        if unsafe { (*d).ifindex } == ifindex {
+            // SAFETY: as above.
+            return Some(unsafe { &(*d).info });
+        }
+    }
+    CALIX_ENDPOINTS.get_ptr(&ifindex)
+}
 
 /// A local pod's IPv4 address → where to deliver to it.
 #[map(name = "CALIX_LOCAL_V4")]
@@ -134,6 +157,10 @@ const _: () = assert!(crate::str_eq(
 const _: () = assert!(crate::str_eq(
     calix_common::ENDPOINTS_MAP,
     "CALIX_ENDPOINTS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::ENDPOINTS_DIRECT_MAP,
+    "CALIX_EP_DIRECT"
 ));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V4_MAP, "CALIX_LOCAL_V4"));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V6_MAP, "CALIX_LOCAL_V6"));

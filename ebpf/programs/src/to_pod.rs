@@ -3,7 +3,6 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
-use crate::maps::CALIX_ENDPOINTS;
 use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
 use crate::{counters, flows};
 
@@ -12,7 +11,7 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     // An interface the agent has not (or no longer) registered: nothing to count or record.
     // SAFETY: a plain read of a value from a successful lookup.
-    let Some(slot) = CALIX_ENDPOINTS.get_ptr(&ifindex).map(|e| unsafe { (*e).slot }) else {
+    let Some(slot) = crate::maps::endpoint(ifindex).map(|e| unsafe { (*e).slot }) else {
         return Ok(TC_ACT_OK);
     };
     counters::to_pod(slot, u64::from(ctx.len()));
