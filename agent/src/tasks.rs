@@ -58,6 +58,7 @@ where
                     c.xdp.mode,
                     c.uplinks.clone(),
                     c.dataplane,
+                    c.tc_attach,
                     c.resync_interval_secs,
                     c.vxlan.clone(),
                     c.routes.clone(),
@@ -65,8 +66,9 @@ where
             };
             if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
                 tracing::warn!(
-                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs, \
-                     [routes], [vxlan] and pools' vxlan take effect when the agent restarts"
+                    "SIGHUP: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
+                     resync_interval_secs, [routes], [vxlan] and pools' vxlan take effect when \
+                     the agent restarts"
                 );
             }
             if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {

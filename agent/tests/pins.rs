@@ -73,6 +73,7 @@ fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
         object: None,
         xdp: None,
         nat: Some(agent.nat_settings().expect("default [nat]")),
+        tc_attach: Default::default(),
     }
 }
 

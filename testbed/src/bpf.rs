@@ -40,30 +40,91 @@ pub fn bpf_maps_of(pid: u32, name: &str) -> Vec<u64> {
     ids
 }
 
-/// The keys (u32, little-endian) of a BPF hash map, via bpftool.
-pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
+/// The entries (key bytes, value bytes) of a BPF map that is not per-CPU, via bpftool.
+pub fn bpf_map_dump(id: u64) -> Vec<(Vec<u8>, Vec<u8>)> {
     let out = run_ok(Command::new("bpftool").args(["-j", "map", "dump", "id", &id.to_string()]));
     let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool dump json");
+    let bytes = |v: &Value| -> Option<Vec<u8>> {
+        v.as_array()?
+            .iter()
+            .map(|b| u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok())
+            .collect()
+    };
     v.as_array()
         .map(|entries| {
             entries
                 .iter()
-                .filter_map(|e| {
-                    let key = e["key"].as_array()?;
-                    let bytes: Vec<u8> = key
-                        .iter()
-                        .filter_map(|b| {
-                            b.as_str().and_then(|s| {
-                                u8::from_str_radix(s.trim_start_matches("0x"), 16).ok()
-                            })
-                        })
-                        .collect();
-                    let arr: [u8; 4] = bytes.get(..4)?.try_into().ok()?;
-                    Some(u32::from_le_bytes(arr))
-                })
+                .filter_map(|e| Some((bytes(&e["key"])?, bytes(&e["value"])?)))
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// The keys (u32, little-endian) of a BPF hash map, via bpftool.
+pub fn bpf_map_u32_keys(id: u64) -> Vec<u32> {
+    bpf_map_dump(id)
+        .into_iter()
+        .filter_map(|(k, _)| Some(u32::from_le_bytes(k.get(..4)?.try_into().ok()?)))
+        .collect()
+}
+
+/// `bpf(2)` command BPF_PROG_QUERY and the tcx attach types (include/uapi/linux/bpf.h).
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// The `query` member of `union bpf_attr`.
+#[repr(C)]
+#[derive(Default)]
+struct ProgQuery {
+    target_ifindex: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    count: u32,
+    _pad: u32,
+    prog_attach_flags: u64,
+    link_ids: u64,
+    link_attach_flags: u64,
+    revision: u64,
+}
+
+/// The ids of the programs tcx runs on interface `ifname` of the calling thread's network
+/// namespace, in direction `dir` (`ingress` or `egress`), in order.
+pub fn tcx_programs(ifname: &str, dir: &str) -> std::io::Result<Vec<u32>> {
+    let name = std::ffi::CString::new(ifname).map_err(std::io::Error::other)?;
+    // SAFETY: a NUL-terminated name, looked up in this thread's namespace.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut ids = [0u32; 64];
+    let mut q = ProgQuery {
+        target_ifindex: index,
+        attach_type: if dir == "ingress" {
+            BPF_TCX_INGRESS
+        } else {
+            BPF_TCX_EGRESS
+        },
+        prog_ids: ids.as_mut_ptr() as u64,
+        count: ids.len() as u32,
+        ..ProgQuery::default()
+    };
+    // SAFETY: `q` is a valid BPF_PROG_QUERY attribute of the size passed, whose `prog_ids`
+    // points at `count` writable u32s that outlive the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_QUERY,
+            &mut q as *mut ProgQuery,
+            std::mem::size_of::<ProgQuery>() as libc::c_uint,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(ids[..(q.count as usize).min(ids.len())].to_vec())
 }
 
 const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";
@@ -84,7 +145,11 @@ fn prog_stats(name: &str) -> Result<(u64, u64)> {
 
 /// (run_time_ns, run_cnt) of the program pinned at `pin`.
 fn pinned_prog_stats(pin: &Path) -> Result<(u64, u64)> {
-    let p = json(Command::new("bpftool").args(["-j", "prog", "show", "pinned"]).arg(pin))?;
+    let p = json(
+        Command::new("bpftool")
+            .args(["-j", "prog", "show", "pinned"])
+            .arg(pin),
+    )?;
     let field = |k: &str| p[k].as_u64().unwrap_or(0);
     Ok((field("run_time_ns"), field("run_cnt")))
 }
@@ -138,7 +203,10 @@ pub fn pinned_run_time<E: From<Error>>(
     load: impl FnOnce() -> Result<(), E>,
 ) -> Result<Vec<RunTime>, E> {
     let read = || pins.iter().map(|p| pinned_prog_stats(p)).collect();
-    Ok(with_stats(read, load)?.into_iter().map(RunTime::of).collect())
+    Ok(with_stats(read, load)?
+        .into_iter()
+        .map(RunTime::of)
+        .collect())
 }
 
 /// Runs `load` with the kernel's BPF run-time statistics on and returns program `name`'s

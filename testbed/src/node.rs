@@ -266,15 +266,45 @@ impl Node {
         pins.pop().map(|(_, p)| p)
     }
 
-    /// The id of the BPF program calix's tc filter runs on `iface` in direction `dir`
-    /// (`ingress` or `egress`); `None` when there is no such filter.
+    /// The id of the BPF program calix runs on `iface` in direction `dir` (`ingress` or
+    /// `egress`): the first tcx program there, else the program of a tc filter; `None` when
+    /// there is neither.
     pub fn filter_prog(&self, iface: &str, dir: &str) -> Option<String> {
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_programs(&i, &d));
+        if let Some(id) = tcx.ok().and_then(|ids| ids.first().copied()) {
+            return Some(id.to_string());
+        }
         let out = self.ns.exec(&["tc", "filter", "show", "dev", iface, dir]);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         text.split_whitespace()
             .skip_while(|w| *w != "id")
             .nth(1)
             .map(String::from)
+    }
+
+    /// Takes calix's program off `iface` in direction `dir` the way an operator could: detaches
+    /// its pinned tcx link (`bpftool link detach`), or deletes its tc filter.
+    pub fn detach_prog(&self, iface: &str, dir: &str) {
+        let pin = self
+            .pin_root()
+            .join(&self.agent.name)
+            .join("tcx")
+            .join(format!("{iface}@{dir}"));
+        if pin.exists() {
+            let out = std::process::Command::new("bpftool")
+                .args(["link", "detach", "pinned"])
+                .arg(&pin)
+                .output()
+                .expect("bpftool");
+            assert!(
+                out.status.success(),
+                "bpftool link detach: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        } else {
+            self.ns.exec_ok(&["tc", "filter", "del", "dev", iface, dir]);
+        }
     }
 
     /// Wires the node's uplink ([`crate::uplink`]): veth `uplink`, addressed `node_cidr`,

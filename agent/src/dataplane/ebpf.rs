@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
-use aya::programs::links::Link;
-use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
+use aya::programs::tc::TcAttachType;
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
@@ -31,6 +30,7 @@ use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
 use super::slots::Slots;
+use super::tcx::{self, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
@@ -40,10 +40,6 @@ use calix_kernel::host::HostKernel;
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
-
-/// tc priority and handle of every calix filter: fixed, so a new agent can replace them.
-pub const TC_PRIORITY: u16 = 1;
-pub const TC_HANDLE: u32 = 0xca11;
 
 /// Where and on what the dataplane works.
 #[derive(Debug, Clone)]
@@ -60,6 +56,8 @@ pub struct EbpfConfig {
     pub xdp: Option<XdpSettings>,
     /// SNAT for `natOutgoing` pools (`None`: the maps keep their defaults, SNAT is off).
     pub nat: Option<NatSettings>,
+    /// How the tc programs attach.
+    pub tc_attach: TcAttach,
 }
 
 impl EbpfConfig {
@@ -71,6 +69,11 @@ impl EbpfConfig {
     /// The pin directory of the current map layout.
     pub fn pin_dir(&self) -> PathBuf {
         self.node_dir().join(format!("v{LAYOUT_VERSION}"))
+    }
+
+    /// Where the tcx links are pinned (outside the layout directory, as the XDP links).
+    pub fn tcx_links_dir(&self) -> PathBuf {
+        tcx::links_dir(&self.node_dir())
     }
 
     /// Where the uplinks' XDP links are pinned (outside the layout directory: a build with
@@ -178,16 +181,18 @@ pub struct EbpfDataplane {
     endpoint_prog_ids: (u32, u32),
     /// The ids of the loaded `from_host_dev` and `to_host_dev` (uplinks, VXLAN devices).
     host_dev_prog_ids: (u32, u32),
+    /// tcx or cls_bpf, for this kernel.
+    attachment: Attachment,
     /// The host stack's masquerade (from the start or the last reload), and its table as the
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
     tables: Vec<super::nft::OwnedTable>,
 }
 
-/// What an endpoint given a new slot during the initial sync inherits: the stack-flow marks of
-/// an older layout (by ifindex), and a mark when a flow in the stack-flow table names one of
-/// its addresses (flows recorded by a build from before the marks, or carried from an older
-/// layout): the fast path must check those flows.
+/// What an endpoint programmed during the initial sync inherits: the stack-flow marks of an
+/// older layout (by ifindex, into a new slot), and a mark when a flow in the stack-flow table
+/// names one of its addresses (flows recorded by a build from before the marks, or carried
+/// from an older layout): the fast path must check those flows.
 struct Inherited {
     marks: pins::OldMarks,
     flow_addrs: std::collections::HashSet<[u8; 16]>,
@@ -359,6 +364,11 @@ impl EbpfDataplane {
         }
         let flows = take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
         let inherited = Inherited::read(carried.old_marks(), &flows);
+        let cfg_attachment = cfg.tc_attach.resolve();
+        tracing::info!(attachment = ?cfg_attachment, "tc programs attach with {}", match cfg_attachment {
+            Attachment::Tcx => "tcx links",
+            Attachment::ClsBpf => "cls_bpf filters",
+        });
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
             endpoints,
@@ -387,6 +397,7 @@ impl EbpfDataplane {
             carried: Some(carried),
             endpoint_prog_ids,
             host_dev_prog_ids,
+            attachment: cfg_attachment,
             stack_nat: None,
             tables: Vec::new(),
         };
@@ -453,61 +464,69 @@ impl EbpfDataplane {
         Ok(())
     }
 
-    /// Attaches `name` at `at` on `ifname` with calix's fixed priority and handle; replaces
-    /// (atomically) whatever program a calix filter there runs now.
-    fn attach_prog(
-        &mut self,
-        name: &'static str,
-        ifname: &str,
-        at: TcAttachType,
-    ) -> Result<(), DataplaneError> {
-        let prog = program(&mut self.bpf, name)?;
-        let opts = TcAttachOptions::Netlink(NlOptions {
-            priority: TC_PRIORITY,
-            handle: TC_HANDLE,
-        });
-        let id = match prog.attach_with_options(ifname, at, opts) {
-            Ok(id) => id,
-            Err(ProgramError::TcError(TcError::NetlinkError { io_error }))
-                if io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                let link = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE)
-                    .map_err(|e| prog_err(name, "find filter")(ProgramError::IOError(e)))?;
-                prog.attach_to_link(link)
-                    .map_err(prog_err(name, "replace"))?
-            }
-            Err(e) => return Err(prog_err(name, "attach")(e)),
-        };
-        let link = prog.take_link(id).map_err(prog_err(name, "take link"))?;
-        // The filter outlives this process: detaching is explicit (`detach_prog`).
-        std::mem::forget(link);
-        Ok(())
-    }
-
+    /// Attaches `ingress` and `egress` on `ifname` ([`tcx::attach`]: replacing what runs
+    /// there now, atomically).
     fn attach_pair(
         &mut self,
         ifname: &str,
         ingress: &'static str,
         egress: &'static str,
     ) -> Result<(), DataplaneError> {
-        match aya::programs::tc::qdisc_add_clsact(ifname) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => {
-                return Err(prog_err(ingress, "add clsact qdisc")(
-                    ProgramError::IOError(e),
-                ))
-            }
+        let dir = self.cfg.tcx_links_dir();
+        for (name, at) in [
+            (ingress, TcAttachType::Ingress),
+            (egress, TcAttachType::Egress),
+        ] {
+            let prog = program(&mut self.bpf, name)?;
+            tcx::attach(prog, name, ifname, at, self.attachment, &dir)?;
         }
-        self.attach_prog(ingress, ifname, TcAttachType::Ingress)?;
-        self.attach_prog(egress, ifname, TcAttachType::Egress)
+        Ok(())
     }
 
-    /// Removes calix's filters from `ifname` (either direction; missing is fine).
-    pub fn detach_filters(ifname: &str) {
-        for at in [TcAttachType::Ingress, TcAttachType::Egress] {
-            if let Ok(link) = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE) {
-                let _ = link.detach();
+    /// Removes calix's programs from `ifname` (either direction and kind; missing is fine).
+    pub fn detach_filters(&self, ifname: &str) {
+        tcx::detach(ifname, &self.cfg.tcx_links_dir());
+    }
+
+    /// How calix's attachments on `ifname` (link `index`) differ from running the programs
+    /// `ids` (ingress, egress).
+    fn attachment_drift(
+        &self,
+        ifname: &str,
+        index: u32,
+        ids: (u32, u32),
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        match self.attachment {
+            Attachment::ClsBpf => {
+                let filters =
+                    kernel
+                        .bpf_filters(index)
+                        .map_err(|source| DataplaneError::Kernel {
+                            what: format!("the tc filters of {ifname}"),
+                            source: Box::new(source),
+                        })?;
+                Ok(filter_drift(&filters, ids))
+            }
+            Attachment::Tcx => {
+                let mut drift = Vec::new();
+                for (ingress, at, want) in [
+                    (true, TcAttachType::Ingress, ids.0),
+                    (false, TcAttachType::Egress, ids.1),
+                ] {
+                    let progs = tcx::programs(ifname, at).map_err(|e| DataplaneError::Program {
+                        name: if ingress { "ingress" } else { "egress" },
+                        op: "query tcx",
+                        source: Box::new(e),
+                    })?;
+                    if !progs.contains(&want) {
+                        drift.push(Drift::Filter {
+                            ingress,
+                            found: progs.first().copied(),
+                        });
+                    }
+                }
+                Ok(drift)
             }
         }
     }
@@ -677,6 +696,17 @@ impl EbpfDataplane {
                 self.slots.release(idx);
                 return Err(e);
             }
+        } else if self
+            .inherited
+            .as_ref()
+            .is_some_and(|i| i.for_endpoint(idx, ep).0 != 0)
+        {
+            // A slot the endpoint kept across the restart, with a stack flow in the table but
+            // no mark (a build from before the marks recorded it): marked now. Only ever set
+            // (as the programs do), never cleared here.
+            self.stack_marks[0]
+                .set(slot, STACK_MARKED, 0)
+                .map_err(map_err(STACK_EPS_MAP, "mark"))?;
         }
         let info = self.endpoint_info(ep, slot);
         self.write_endpoint(idx, info)?;
@@ -736,7 +766,7 @@ impl Dataplane for EbpfDataplane {
             .and_then(|()| self.attach_pair(ifname, PROG_FROM_POD, PROG_TO_POD));
         if let Err(e) = programmed {
             self.forget_entries(&p);
-            Self::detach_filters(ifname);
+            self.detach_filters(ifname);
             return Err(e);
         }
         self.programmed.insert(ep.key.clone(), p);
@@ -762,11 +792,14 @@ impl Dataplane for EbpfDataplane {
             return Ok(());
         }
         self.forget_entries(&p);
-        if ifindex(&p.ifname).ok() == Some(p.ifindex) {
-            // The veth is still ours: remove our filters. (When CNI DEL deleted the veth first,
-            // the kernel removed its filters with it; when a recreated pod's veth has the name
-            // now, its filters are not ours to remove.)
-            Self::detach_filters(&p.ifname);
+        match ifindex(&p.ifname) {
+            // The veth is still ours: remove our programs.
+            Ok(i) if i == p.ifindex => self.detach_filters(&p.ifname),
+            // CNI DEL deleted the veth first: the kernel detached the programs with it; only
+            // the tcx links' pins are left.
+            Err(_) => self.detach_filters(&p.ifname),
+            // A recreated pod's veth has the name now: its programs are not ours to remove.
+            Ok(_) => {}
         }
         Ok(())
     }
@@ -777,14 +810,8 @@ impl Dataplane for EbpfDataplane {
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
         let idx = endpoint_ifindex(ep)?;
-        let mut drift = Vec::new();
-        let filters = kernel
-            .bpf_filters(idx)
-            .map_err(|source| DataplaneError::Kernel {
-                what: format!("the tc filters of {}", ep.host_ifname),
-                source: Box::new(source),
-            })?;
-        drift.extend(filter_drift(&filters, self.endpoint_prog_ids));
+        let mut drift =
+            self.attachment_drift(&ep.host_ifname, idx, self.endpoint_prog_ids, kernel)?;
         let slot = self.slots.get(idx);
         let want = slot.map(|s| self.endpoint_info(ep, s));
         // Its bucket holds it, or another live endpoint (then the table alone does).
@@ -829,13 +856,7 @@ impl Dataplane for EbpfDataplane {
         index: u32,
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
-        let filters = kernel
-            .bpf_filters(index)
-            .map_err(|source| DataplaneError::Kernel {
-                what: format!("the tc filters of {ifname}"),
-                source: Box::new(source),
-            })?;
-        Ok(filter_drift(&filters, self.host_dev_prog_ids))
+        self.attachment_drift(ifname, index, self.host_dev_prog_ids, kernel)
     }
 
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
@@ -965,7 +986,7 @@ impl Dataplane for EbpfDataplane {
             for i in ifaces.iter() {
                 let name = i.name().to_string_lossy().into_owned();
                 if name.starts_with("cali") && !known.contains(&name) {
-                    Self::detach_filters(&name);
+                    self.detach_filters(&name);
                     swept += 1;
                 }
             }

@@ -267,7 +267,12 @@ struct Cost {
 }
 
 impl Cost {
-    fn measure(&mut self, tools: &Tools, tr: &Traffic, pins: &[std::path::PathBuf]) -> Result<String> {
+    fn measure(
+        &mut self,
+        tools: &Tools,
+        tr: &Traffic,
+        pins: &[std::path::PathBuf],
+    ) -> Result<String> {
         let rt = calix_testbed::bpf::pinned_run_time(pins, || {
             tools.netperf(tr, Mode::Crr, PROG_COST_SECS).map(drop)
         })
@@ -279,7 +284,10 @@ impl Cost {
         self.from_pod_ns.push(ns);
         self.from_pod_runs.push(from.runs as f64);
         self.to_pod_runs.push(to.runs as f64);
-        Ok(format!(", from_pod {ns:.1} ns/packet over {} packets", from.runs))
+        Ok(format!(
+            ", from_pod {ns:.1} ns/packet over {} packets",
+            from.runs
+        ))
     }
 }
 
