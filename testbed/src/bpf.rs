@@ -90,16 +90,18 @@ struct ProgQuery {
     revision: u64,
 }
 
-/// The ids of the programs tcx runs on interface `ifname` of the calling thread's network
-/// namespace, in direction `dir` (`ingress` or `egress`), in order.
-pub fn tcx_programs(ifname: &str, dir: &str) -> std::io::Result<Vec<u32>> {
+/// The tcx attachments on interface `ifname` of the calling thread's network namespace, in
+/// direction `dir` (`ingress` or `egress`), in order: (program id, link id; 0 for a program
+/// attached without a link).
+pub fn tcx_attachments(ifname: &str, dir: &str) -> std::io::Result<Vec<(u32, u32)>> {
     let name = std::ffi::CString::new(ifname).map_err(std::io::Error::other)?;
     // SAFETY: a NUL-terminated name, looked up in this thread's namespace.
     let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
     if index == 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let mut ids = [0u32; 64];
+    let mut progs = [0u32; 64];
+    let mut links = [0u32; 64];
     let mut q = ProgQuery {
         target_ifindex: index,
         attach_type: if dir == "ingress" {
@@ -107,12 +109,13 @@ pub fn tcx_programs(ifname: &str, dir: &str) -> std::io::Result<Vec<u32>> {
         } else {
             BPF_TCX_EGRESS
         },
-        prog_ids: ids.as_mut_ptr() as u64,
-        count: ids.len() as u32,
+        prog_ids: progs.as_mut_ptr() as u64,
+        count: progs.len() as u32,
+        link_ids: links.as_mut_ptr() as u64,
         ..ProgQuery::default()
     };
-    // SAFETY: `q` is a valid BPF_PROG_QUERY attribute of the size passed, whose `prog_ids`
-    // points at `count` writable u32s that outlive the call.
+    // SAFETY: `q` is a valid BPF_PROG_QUERY attribute of the size passed, whose `prog_ids` and
+    // `link_ids` point at `count` writable u32s each that outlive the call.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_bpf,
@@ -124,7 +127,12 @@ pub fn tcx_programs(ifname: &str, dir: &str) -> std::io::Result<Vec<u32>> {
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(ids[..(q.count as usize).min(ids.len())].to_vec())
+    let n = (q.count as usize).min(progs.len());
+    Ok(progs[..n]
+        .iter()
+        .copied()
+        .zip(links[..n].iter().copied())
+        .collect())
 }
 
 const BPF_STATS_SYSCTL: &str = "/proc/sys/kernel/bpf_stats_enabled";

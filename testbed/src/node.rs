@@ -271,9 +271,9 @@ impl Node {
     /// there is neither.
     pub fn filter_prog(&self, iface: &str, dir: &str) -> Option<String> {
         let (i, d) = (iface.to_string(), dir.to_string());
-        let tcx = self.ns.run(move || crate::bpf::tcx_programs(&i, &d));
-        if let Some(id) = tcx.ok().and_then(|ids| ids.first().copied()) {
-            return Some(id.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        if let Some((prog, _)) = tcx.ok().and_then(|a| a.first().copied()) {
+            return Some(prog.to_string());
         }
         let out = self.ns.exec(&["tc", "filter", "show", "dev", iface, dir]);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -284,26 +284,25 @@ impl Node {
     }
 
     /// Takes calix's program off `iface` in direction `dir` the way an operator could: detaches
-    /// its pinned tcx link (`bpftool link detach`), or deletes its tc filter.
+    /// its tcx link (`bpftool link detach`), or deletes its tc filter.
     pub fn detach_prog(&self, iface: &str, dir: &str) {
-        let pin = self
-            .pin_root()
-            .join(&self.agent.name)
-            .join("tcx")
-            .join(format!("{iface}@{dir}"));
-        if pin.exists() {
-            let out = std::process::Command::new("bpftool")
-                .args(["link", "detach", "pinned"])
-                .arg(&pin)
-                .output()
-                .expect("bpftool");
-            assert!(
-                out.status.success(),
-                "bpftool link detach: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        } else {
-            self.ns.exec_ok(&["tc", "filter", "del", "dev", iface, dir]);
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        match tcx.ok().and_then(|a| a.first().copied()) {
+            Some((_, link)) => {
+                let out = std::process::Command::new("bpftool")
+                    .args(["link", "detach", "id", &link.to_string()])
+                    .output()
+                    .expect("bpftool");
+                assert!(
+                    out.status.success(),
+                    "bpftool link detach id {link}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            None => {
+                self.ns.exec_ok(&["tc", "filter", "del", "dev", iface, dir]);
+            }
         }
     }
 

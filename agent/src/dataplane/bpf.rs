@@ -132,6 +132,19 @@ pub(super) fn link_detach(pin: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// `<dir>/<ifname>@<what>`: the pin of an interface's bpf_link (XDP, tcx). bpffs refuses names
+/// with a dot (reserved), which interface names may have (`eth0.100`, `vxlan.calix`): those
+/// become colons, which interface names never have.
+pub(super) fn link_pin(dir: &Path, ifname: &str, what: &str) -> PathBuf {
+    dir.join(format!("{}@{what}", ifname.replace('.', ":")))
+}
+
+/// The interface a [`link_pin`] (its file name) is for.
+pub(super) fn link_pin_ifname(pin_name: &str) -> String {
+    let name = pin_name.rsplit_once('@').map_or(pin_name, |(i, _)| i);
+    name.replace(':', ".")
+}
+
 /// CLOCK_MONOTONIC in nanoseconds: `bpf_ktime_get_ns`'s clock.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {

@@ -1,5 +1,5 @@
 //! How the tc programs attach: tcx (Linux ≥ 6.6, the default) or cls_bpf filters on a clsact
-//! qdisc (`[dataplane] tc_attach`).
+//! qdisc (`tc_attach`).
 //!
 //! tcx runs the programs straight from the device's ingress and egress hooks, without the
 //! qdisc and classifier layers: measured here, the same program costs ~25 ns less per packet
@@ -21,7 +21,7 @@ use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttac
 use aya::programs::{ProgramError, SchedClassifier};
 use serde::{Deserialize, Serialize};
 
-use super::bpf::{link_detach, prog_err};
+use super::bpf::{link_detach, link_pin, prog_err};
 use super::DataplaneError;
 
 /// tc priority and handle of every calix cls_bpf filter: fixed, so a new agent can replace
@@ -79,8 +79,9 @@ fn direction(at: TcAttachType) -> &'static str {
     }
 }
 
+/// `<dir>/<ifname>@<direction>` ([`link_pin`]).
 fn pin_path(dir: &Path, ifname: &str, at: TcAttachType) -> PathBuf {
-    dir.join(format!("{ifname}@{}", direction(at)))
+    link_pin(dir, ifname, direction(at))
 }
 
 /// Attaches `prog` (`name`) at `at` on `ifname` as `how` says, replacing (atomically) what a
@@ -249,8 +250,9 @@ mod tests {
             dir.join("cali0123456789a@egress")
         );
         assert_eq!(
-            pin_path(dir, "eth0", TcAttachType::Ingress),
-            dir.join("eth0@ingress")
+            pin_path(dir, "vxlan.calix", TcAttachType::Ingress),
+            dir.join("vxlan:calix@ingress"),
+            "bpffs refuses dots"
         );
     }
 

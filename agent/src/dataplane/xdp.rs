@@ -30,7 +30,7 @@ use calix_common::{
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use super::bpf::{link_detach, map_err, take};
+use super::bpf::{link_detach, link_pin, link_pin_ifname, map_err, take};
 use super::{ifindex, DataplaneError};
 
 /// How the XDP program attaches (`[xdp] mode`).
@@ -172,16 +172,9 @@ pub fn links_dir(node_dir: &Path) -> PathBuf {
     node_dir.join("xdp")
 }
 
-/// `<dir>/<ifname>@<mode>`. bpffs refuses names with a dot (reserved), which interface names
-/// may have (`eth0.100`): those become colons, which interface names never have.
+/// `<dir>/<ifname>@<mode>` ([`link_pin`]).
 fn pin_path(dir: &Path, ifname: &str, mode: XdpAttachMode) -> PathBuf {
-    dir.join(format!("{}@{}", ifname.replace('.', ":"), mode.as_str()))
-}
-
-/// The interface a pin in the links directory is for.
-fn pin_ifname(pin_name: &str) -> String {
-    let name = pin_name.rsplit_once('@').map_or(pin_name, |(i, _)| i);
-    name.replace(':', ".")
+    link_pin(dir, ifname, mode.as_str())
 }
 
 fn xdp_err<'a, E>(ifname: &'a str, op: &'static str) -> impl FnOnce(E) -> DataplaneError + 'a
@@ -384,7 +377,7 @@ pub fn detach_except(dir: &Path, keep: &[String]) -> usize {
     };
     let mut n = 0;
     for e in rd.flatten() {
-        let ifname = pin_ifname(&e.file_name().to_string_lossy());
+        let ifname = link_pin_ifname(&e.file_name().to_string_lossy());
         if !keep.contains(&ifname) {
             detach_pin(&e.path());
             tracing::info!(interface = %ifname, "XDP program detached");
@@ -453,7 +446,7 @@ mod tests {
             let pin = pin_path(dir, ifname, XdpAttachMode::Native);
             let name = pin.file_name().expect("a name").to_string_lossy();
             assert!(!name.contains('.'), "{name}");
-            assert_eq!(pin_ifname(&name), ifname);
+            assert_eq!(link_pin_ifname(&name), ifname);
         }
     }
 
