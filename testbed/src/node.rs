@@ -283,6 +283,16 @@ impl Node {
             .map(String::from)
     }
 
+    /// The id of the program on `iface`'s tcx hook in direction `dir` (calix's once the agent
+    /// moved it there from its first cls_bpf filter); `None` without one.
+    pub fn tcx_prog(&self, iface: &str, dir: &str) -> Option<String> {
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        tcx.ok()
+            .and_then(|a| a.first().copied())
+            .map(|(prog, _)| prog.to_string())
+    }
+
     /// Takes calix's program off `iface` in direction `dir` the way an operator could: detaches
     /// its tcx link (`bpftool link detach`), or deletes its tc filter.
     pub fn detach_prog(&self, iface: &str, dir: &str) {

@@ -424,9 +424,20 @@ fn tcx_pins(node: &Node) -> Vec<String> {
     pins
 }
 
-/// An upgrade from a build that attached cls_bpf filters (`tc_attach = "tc"` stands in for
-/// it) moves every interface to tcx links, and back: the new attachment runs before the old
-/// one goes, and pod traffic keeps its fast path throughout.
+/// Waits up to 5 s for `done`.
+fn within_5s(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "not within 5 s: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A new pod's hooks get cls_bpf filters at once (ADD does not wait for a tcx link: creating
+/// one waits for an RCU grace period) and are moved to tcx links in the background; an
+/// upgrade from a build that attached filters only (`tc_attach = "tc"` stands in for it)
+/// moves every interface the same way, and `tc` moves them back. The new attachment runs
+/// before the old one goes, and pod traffic keeps its fast path throughout.
 #[test]
 fn interfaces_move_between_cls_bpf_filters_and_tcx_links() {
     let node = Node::create(Dataplane::Ebpf, None);
@@ -444,18 +455,31 @@ fn interfaces_move_between_cls_bpf_filters_and_tcx_links() {
     let mut want = Vec::new();
     for p in [&a, &b] {
         for dir in ["egress", "ingress"] {
-            assert!(
-                !has_tc_filter(&node, &p.host_ifname(), dir),
-                "{dir} filter left"
-            );
             want.push(format!("{}@{dir}", p.host_ifname()));
         }
     }
     want.sort();
-    assert_eq!(tcx_pins(&node), want);
+    within_5s("every hook on its tcx link", || tcx_pins(&node) == want);
+    within_5s("the filters gone", || {
+        [&a, &b].iter().all(|p| {
+            ["ingress", "egress"]
+                .iter()
+                .all(|d| !has_tc_filter(&node, &p.host_ifname(), d))
+        })
+    });
     let before = forwarded(&node);
     assert!(a.ns.ping(&b.ip(), 2));
     assert_eq!(forwarded(&node) - before, 0, "not bypassing on tcx");
+    // A new pod: its hooks move too.
+    let c = Pod::add(&node, "c");
+    let c_if = c.host_ifname();
+    within_5s("the new pod's hooks on tcx links", || {
+        node.tcx_prog(&c_if, "ingress").is_some()
+            && node.tcx_prog(&c_if, "egress").is_some()
+            && !has_tc_filter(&node, &c_if, "ingress")
+            && !has_tc_filter(&node, &c_if, "egress")
+    });
+    assert!(c.ns.ping(&a.ip(), 2));
     node.stop_agent();
     node.start_agent_with(&with_tc);
     assert!(tcx_pins(&node).is_empty(), "{:?}", tcx_pins(&node));

@@ -114,7 +114,13 @@ fn sabotage(dp: Dataplane, config_extra: &str) {
     assert!(repairs(&node, "sysctl") >= 1);
 
     if dp == Dataplane::Ebpf {
-        // The tc program: anti-spoofing and the fast path are gone until it is back.
+        // The tc program: anti-spoofing and the fast path are gone until it is back. (With
+        // tcx, once the agent has moved it from its first filter to its link.)
+        if config_extra.is_empty() {
+            within_10s("the program on its tcx link", &node, || {
+                node.tcx_prog(&b_if, "ingress").is_some()
+            });
+        }
         node.detach_prog(&b_if, "ingress");
         assert_eq!(node.filter_prog(&b_if, "ingress"), None);
         within_10s("the tc program", &node, || {

@@ -30,7 +30,7 @@ use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
 use super::slots::Slots;
-use super::tcx::{self, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
+use super::tcx::{self, Attacher, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
@@ -181,8 +181,8 @@ pub struct EbpfDataplane {
     endpoint_prog_ids: (u32, u32),
     /// The ids of the loaded `from_host_dev` and `to_host_dev` (uplinks, VXLAN devices).
     host_dev_prog_ids: (u32, u32),
-    /// tcx or cls_bpf, for this kernel.
-    attachment: Attachment,
+    /// tcx links or cls_bpf filters, for this kernel.
+    attacher: Attacher,
     /// The host stack's masquerade (from the start or the last reload), and its table as the
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
@@ -364,11 +364,15 @@ impl EbpfDataplane {
         }
         let flows = take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
         let inherited = Inherited::read(carried.old_marks(), &flows);
-        let cfg_attachment = cfg.tc_attach.resolve();
-        tracing::info!(attachment = ?cfg_attachment, "tc programs attach with {}", match cfg_attachment {
-            Attachment::Tcx => "tcx links",
-            Attachment::ClsBpf => "cls_bpf filters",
-        });
+        let attachment = cfg.tc_attach.resolve();
+        let cfg_tcx_dir = cfg.tcx_links_dir();
+        tracing::info!(
+            "tc programs attach with {}",
+            match attachment {
+                Attachment::Tcx => "tcx links",
+                Attachment::ClsBpf => "cls_bpf filters",
+            }
+        );
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
             endpoints,
@@ -397,7 +401,7 @@ impl EbpfDataplane {
             carried: Some(carried),
             endpoint_prog_ids,
             host_dev_prog_ids,
-            attachment: cfg_attachment,
+            attacher: Attacher::new(attachment, cfg_tcx_dir),
             stack_nat: None,
             tables: Vec::new(),
         };
@@ -472,24 +476,26 @@ impl EbpfDataplane {
         ingress: &'static str,
         egress: &'static str,
     ) -> Result<(), DataplaneError> {
-        let dir = self.cfg.tcx_links_dir();
+        let progs = self.cfg.pin_dir().join("progs");
         for (name, at) in [
             (ingress, TcAttachType::Ingress),
             (egress, TcAttachType::Egress),
         ] {
             let prog = program(&mut self.bpf, name)?;
-            tcx::attach(prog, name, ifname, at, self.attachment, &dir)?;
+            self.attacher
+                .attach(prog, name, &progs.join(name), ifname, at)?;
         }
         Ok(())
     }
 
     /// Removes calix's programs from `ifname` (either direction and kind; missing is fine).
     pub fn detach_filters(&self, ifname: &str) {
-        tcx::detach(ifname, &self.cfg.tcx_links_dir());
+        self.attacher.detach(ifname);
     }
 
     /// How calix's attachments on `ifname` (link `index`) differ from running the programs
-    /// `ids` (ingress, egress).
+    /// `ids` (ingress, egress): a tcx link or a cls_bpf filter runs each (a hook moving to tcx
+    /// has the filter until the move); a filter only, with `tc_attach = "tc"`.
     fn attachment_drift(
         &self,
         ifname: &str,
@@ -497,38 +503,34 @@ impl EbpfDataplane {
         ids: (u32, u32),
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
-        match self.attachment {
-            Attachment::ClsBpf => {
-                let filters =
-                    kernel
-                        .bpf_filters(index)
-                        .map_err(|source| DataplaneError::Kernel {
-                            what: format!("the tc filters of {ifname}"),
-                            source: Box::new(source),
-                        })?;
-                Ok(filter_drift(&filters, ids))
-            }
-            Attachment::Tcx => {
-                let mut drift = Vec::new();
-                for (ingress, at, want) in [
-                    (true, TcAttachType::Ingress, ids.0),
-                    (false, TcAttachType::Egress, ids.1),
-                ] {
-                    let progs = tcx::programs(ifname, at).map_err(|e| DataplaneError::Program {
-                        name: if ingress { "ingress" } else { "egress" },
-                        op: "query tcx",
+        let filters = kernel
+            .bpf_filters(index)
+            .map_err(|source| DataplaneError::Kernel {
+                what: format!("the tc filters of {ifname}"),
+                source: Box::new(source),
+            })?;
+        let mut drift = filter_drift(&filters, ids);
+        if self.attacher.how() == Attachment::Tcx && !drift.is_empty() {
+            let on_link = |at: TcAttachType, want: u32| {
+                tcx::programs(ifname, at)
+                    .map(|progs| progs.contains(&want))
+                    .map_err(|e| DataplaneError::Program {
+                        name: "tcx",
+                        op: "query",
                         source: Box::new(e),
-                    })?;
-                    if !progs.contains(&want) {
-                        drift.push(Drift::Filter {
-                            ingress,
-                            found: progs.first().copied(),
-                        });
-                    }
-                }
-                Ok(drift)
-            }
+                    })
+            };
+            let (ingress, egress) = (
+                on_link(TcAttachType::Ingress, ids.0)?,
+                on_link(TcAttachType::Egress, ids.1)?,
+            );
+            drift.retain(|d| match d {
+                Drift::Filter { ingress: true, .. } => !ingress,
+                Drift::Filter { ingress: false, .. } => !egress,
+                _ => true,
+            });
         }
+        Ok(drift)
     }
 
     /// Marks what an older layout's programs marked until they were replaced (the endpoints
