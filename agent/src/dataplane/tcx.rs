@@ -4,11 +4,12 @@
 //! tcx runs the programs straight from the device's ingress and egress hooks, without the
 //! qdisc and classifier layers: measured here, the same program costs ~25 ns less per packet
 //! than as a cls_bpf filter. But creating a tcx link waits for an RCU grace period (8–16 ms
-//! here, against 0.1 ms for a filter), and two per pod would make CNI ADD ten times slower.
-//! So a hook first gets a cls_bpf filter (ADD returns at once) and a background thread, the
-//! [`Mover`], then puts the program on a tcx link and removes the filter: calix's programs
-//! never answer "next", so while both are there the tcx one alone decides, and the hook is
-//! never without a program. Updating a link in place is as fast as a filter (~10 µs).
+//! here, against 0.1 ms for a filter) holding the kernel's RTNL lock, and two per pod would
+//! make CNI ADD ten times slower. So a hook first gets a cls_bpf filter (ADD returns at once)
+//! and a background thread, the [`Mover`], puts the program on a tcx link a little later
+//! ([`MOVE_AFTER`]) and removes the filter: calix's programs never answer "next", so while
+//! both are there the tcx one alone decides, and the hook is never without a program.
+//! Updating a link in place is as fast as a filter (~10 µs).
 //!
 //! A tcx link is pinned at `<node pin dir>/tcx/<ifname>@<ingress|egress>` (outside the
 //! map-layout directory, like the XDP links) so that it outlives the agent; a new agent swaps
@@ -156,6 +157,7 @@ impl Attacher {
                 name,
                 prog_pin: prog_pin.to_path_buf(),
                 generation,
+                due: std::time::Instant::now() + MOVE_AFTER,
             });
         }
         Ok(())
@@ -197,6 +199,12 @@ impl Generations {
     }
 }
 
+/// How long a new hook keeps its filter before the [`Mover`] moves it: creating a tcx link
+/// holds the kernel's RTNL lock through an RCU grace period, so other netlink work (the next
+/// pod's veth, its routes) would wait for it; by then a burst of CNI ADDs is over, and a pod
+/// that lived less long never pays for a link.
+const MOVE_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// One hook to move from its filter to a tcx link.
 struct Move {
     ifname: String,
@@ -206,6 +214,8 @@ struct Move {
     name: &'static str,
     prog_pin: PathBuf,
     generation: u64,
+    /// Not before this.
+    due: std::time::Instant,
 }
 
 /// A thread that moves hooks from their cls_bpf filter to a tcx link: it creates the link
@@ -227,6 +237,7 @@ impl Mover {
             .name("tcx-mover".into())
             .spawn(move || {
                 for m in rx {
+                    std::thread::sleep(m.due.saturating_duration_since(std::time::Instant::now()));
                     if let Err(e) = move_to_link(&m, &dir, &g) {
                         tracing::warn!(ifname = %m.ifname, direction = direction(m.at),
                             error = %super::error_chain(&e),
