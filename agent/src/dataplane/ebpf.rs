@@ -1,8 +1,8 @@
 //! The eBPF dataplane. Maps live pinned under `<pin root>/<node>/v<layout>/` and the programs
-//! under `.../progs/`, and filters stay attached when the agent exits: an agent restart (or a
-//! crash) never interrupts traffic. A new agent reuses the pinned maps and replaces each
-//! filter's program in place (same priority and handle: one atomic netlink replace), so an
-//! upgrade with a changed program never leaves an interface without one. A changed map layout
+//! under `.../progs/`, and the tc attachments (pinned tcx links, or cls_bpf filters: `tcx.rs`)
+//! stay when the agent exits: an agent restart (or a crash) never interrupts traffic. A new
+//! agent reuses the pinned maps and replaces each attachment's program in place (one atomic
+//! update), so an upgrade with a changed program never leaves an interface without one. A changed map layout
 //! gets a new version directory; the old one is removed once every interface runs the new
 //! programs ([`Dataplane::reconcile`]). With `[xdp]` enabled, the uplinks also run the XDP
 //! prefilter (`xdp.rs`: pinned links, replaced in place the same way).
@@ -468,8 +468,8 @@ impl EbpfDataplane {
         Ok(())
     }
 
-    /// Attaches `ingress` and `egress` on `ifname` ([`tcx::attach`]: replacing what runs
-    /// there now, atomically).
+    /// Attaches `ingress` and `egress` on `ifname` ([`Attacher::attach`]: replacing what
+    /// runs there now, atomically).
     fn attach_pair(
         &mut self,
         ifname: &str,

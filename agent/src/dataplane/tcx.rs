@@ -6,8 +6,8 @@
 //! than as a cls_bpf filter. But creating a tcx link waits for an RCU grace period (8–16 ms
 //! here, against 0.1 ms for a filter) holding the kernel's RTNL lock, and two per pod would
 //! make CNI ADD ten times slower. So a hook first gets a cls_bpf filter (ADD returns at once)
-//! and a background thread, the [`Mover`], puts the program on a tcx link a little later
-//! ([`MOVE_AFTER`]) and removes the filter: calix's programs never answer "next", so while
+//! and a background thread, the `Mover`, puts the program on a tcx link a little later
+//! (`MOVE_AFTER`) and removes the filter: calix's programs never answer "next", so while
 //! both are there the tcx one alone decides, and the hook is never without a program.
 //! Updating a link in place is as fast as a filter (~10 µs).
 //!
@@ -91,7 +91,7 @@ fn pin_path(dir: &Path, ifname: &str, at: TcAttachType) -> PathBuf {
 }
 
 /// The attachments of one agent: how they are made, where tcx links are pinned, and the
-/// [`Mover`] that puts new hooks on tcx links.
+/// `Mover` that puts new hooks on tcx links.
 pub struct Attacher {
     how: Attachment,
     dir: PathBuf,
@@ -108,7 +108,7 @@ impl Attacher {
         self.how
     }
 
-    /// The lock every change of an interface's attachments holds (see [`Mover`]).
+    /// The lock every change of an interface's attachments holds (see `Mover`).
     fn lock(&self) -> Option<MutexGuard<'_, Generations>> {
         let m = self.mover.as_ref()?;
         Some(m.generations.lock().unwrap_or_else(|p| p.into_inner()))
@@ -116,7 +116,7 @@ impl Attacher {
 
     /// Attaches `prog` (`name`, pinned at `prog_pin`) at `at` on `ifname`, replacing
     /// (atomically) what calix runs there now. With tcx: into the hook's pinned link when
-    /// there is one; else as a filter, which the [`Mover`] then moves to a new link.
+    /// there is one; else as a filter, which the `Mover` then moves to a new link.
     pub fn attach(
         &self,
         prog: &mut SchedClassifier,
@@ -199,7 +199,7 @@ impl Generations {
     }
 }
 
-/// How long a new hook keeps its filter before the [`Mover`] moves it: creating a tcx link
+/// How long a new hook keeps its filter before the `Mover` moves it: creating a tcx link
 /// holds the kernel's RTNL lock through an RCU grace period, so other netlink work (the next
 /// pod's veth, its routes) would wait for it; by then a burst of CNI ADDs is over, and a pod
 /// that lived less long never pays for a link.
