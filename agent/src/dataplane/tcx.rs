@@ -6,8 +6,8 @@
 //! than as a cls_bpf filter. But creating a tcx link waits for an RCU grace period (8–16 ms
 //! here, against 0.1 ms for a filter) holding the kernel's RTNL lock, and two per pod would
 //! make CNI ADD ten times slower. So a hook first gets a cls_bpf filter (ADD returns at once)
-//! and a background thread, the `Mover`, puts the program on a tcx link a little later
-//! (`MOVE_AFTER`) and removes the filter: calix's programs never answer "next", so while
+//! and a background thread, the `Mover`, puts the program on a tcx link once the pods' comings
+//! and goings pause (`MOVE_AFTER`) and removes the filter: calix's programs never answer "next", so while
 //! both are there the tcx one alone decides, and the hook is never without a program.
 //! Updating a link in place is as fast as a filter (~10 µs).
 //!
@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use aya::programs::links::{FdLink, Link, LinkOrder, PinnedLink};
 use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
@@ -157,7 +158,7 @@ impl Attacher {
                 name,
                 prog_pin: prog_pin.to_path_buf(),
                 generation,
-                due: std::time::Instant::now() + MOVE_AFTER,
+                due: Instant::now() + MOVE_AFTER,
             });
         }
         Ok(())
@@ -175,16 +176,27 @@ impl Attacher {
 }
 
 /// Each hook's generation: a new one at every attach, none after a detach, so a move queued
-/// before either knows it is stale.
-#[derive(Default)]
+/// before either knows it is stale; and when the last of them happened.
 struct Generations {
     next: u64,
     of: HashMap<(String, &'static str), u64>,
+    changed: Instant,
+}
+
+impl Default for Generations {
+    fn default() -> Self {
+        Self {
+            next: 0,
+            of: HashMap::new(),
+            changed: Instant::now(),
+        }
+    }
 }
 
 impl Generations {
     fn bump(&mut self, ifname: &str, at: TcAttachType) -> u64 {
         self.next += 1;
+        self.changed = Instant::now();
         self.of
             .insert((ifname.to_string(), direction(at)), self.next);
         self.next
@@ -195,15 +207,24 @@ impl Generations {
     }
 
     fn forget(&mut self, ifname: &str) {
+        self.changed = Instant::now();
         self.of.retain(|(i, _), _| i != ifname);
+    }
+
+    /// How much longer `m` waits: until it is due, and until no hook has changed for
+    /// `MOVE_AFTER`.
+    fn wait_for(&self, m: &Move, now: Instant) -> Duration {
+        let quiet = (self.changed + MOVE_AFTER).saturating_duration_since(now);
+        m.due.saturating_duration_since(now).max(quiet)
     }
 }
 
-/// How long a new hook keeps its filter before the `Mover` moves it: creating a tcx link
-/// holds the kernel's RTNL lock through an RCU grace period, so other netlink work (the next
-/// pod's veth, its routes) would wait for it; by then a burst of CNI ADDs is over, and a pod
+/// How long a new hook keeps its filter before the `Mover` moves it, and how long no hook may
+/// have been attached or detached before it does: creating a tcx link holds the kernel's RTNL
+/// lock through an RCU grace period, so other netlink work (the next pod's veth, a deleted
+/// pod's) would wait for it. Moves wait for a pause in the pods' comings and goings, and a pod
 /// that lived less long never pays for a link.
-const MOVE_AFTER: std::time::Duration = std::time::Duration::from_secs(2);
+const MOVE_AFTER: Duration = Duration::from_secs(2);
 
 /// One hook to move from its filter to a tcx link.
 struct Move {
@@ -215,7 +236,7 @@ struct Move {
     prog_pin: PathBuf,
     generation: u64,
     /// Not before this.
-    due: std::time::Instant,
+    due: Instant,
 }
 
 /// A thread that moves hooks from their cls_bpf filter to a tcx link: it creates the link
@@ -237,7 +258,16 @@ impl Mover {
             .name("tcx-mover".into())
             .spawn(move || {
                 for m in rx {
-                    std::thread::sleep(m.due.saturating_duration_since(std::time::Instant::now()));
+                    loop {
+                        let wait = g
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .wait_for(&m, Instant::now());
+                        if wait.is_zero() {
+                            break;
+                        }
+                        std::thread::sleep(wait);
+                    }
                     if let Err(e) = move_to_link(&m, &dir, &g) {
                         tracing::warn!(ifname = %m.ifname, direction = direction(m.at),
                             error = %super::error_chain(&e),
@@ -434,5 +464,26 @@ mod tests {
         g.forget("cali1");
         assert_eq!((g.current("cali1", i), g.current("cali1", e)), (None, None));
         assert_eq!(g.current("cali2", i), Some(other));
+    }
+
+    /// A move waits until it is due and until attachments have paused for `MOVE_AFTER`.
+    #[test]
+    fn moves_wait_for_a_pause() {
+        let mut g = Generations::default();
+        let t0 = Instant::now();
+        g.changed = t0;
+        let m = Move {
+            ifname: "cali1".into(),
+            index: 7,
+            at: TcAttachType::Ingress,
+            name: "from_pod",
+            prog_pin: PathBuf::new(),
+            generation: 1,
+            due: t0 + Duration::from_secs(1),
+        };
+        assert_eq!(g.wait_for(&m, t0), MOVE_AFTER, "no pause yet");
+        g.changed = t0.checked_sub(MOVE_AFTER).expect("up for 2 s");
+        assert_eq!(g.wait_for(&m, t0), Duration::from_secs(1), "not due yet");
+        assert!(g.wait_for(&m, t0 + Duration::from_secs(1)).is_zero());
     }
 }
