@@ -10,10 +10,9 @@ use aya_ebpf::{
 };
 use calix_common::{
     direct_bucket, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey, EndpointCounters,
-    EndpointInfo, FailsafePort, FlowKey,
-    LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS,
-    MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_POOLS,
-    MAX_STACK_FLOWS,
+    EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES,
+    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS,
+    MAX_NO_SNAT_CIDRS, MAX_POOLS, MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
