@@ -544,6 +544,68 @@ fn tls_material(ca_pem: &str, cert: &calix_testbed::tls::NodeCert) -> TlsMateria
     .expect("TLS material")
 }
 
+/// From node `from`'s namespace, through node `to`'s TCP door with a trusted certificate:
+/// the gRPC code each of the unix socket's services answers with (`Ipam.Status`,
+/// `Endpoints.List`, `RouteInfo.Show`).
+fn other_services_over_tcp(
+    c: &Cluster,
+    from: usize,
+    to: usize,
+    as_node: &str,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+) -> Vec<(&'static str, tonic::Code)> {
+    use calix_agent::routes::client::{connect, Dialer};
+    use calix_proto::v1 as pb;
+    let dialer = Dialer {
+        me: as_node.to_string(),
+        tls: Some(tls),
+        connect_timeout: Duration::from_secs(3),
+    };
+    let peer = c.name(to).to_string();
+    let endpoint = format!("{}:5474", c.address(to));
+    c.nodes[from].ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let channel = connect(&peer, &endpoint, &dialer)
+                .await
+                .expect("the door lets a trusted certificate in");
+            let code = |r: Result<(), tonic::Status>| r.err().map_or(tonic::Code::Ok, |s| s.code());
+            vec![
+                (
+                    "Ipam.Status",
+                    code(
+                        pb::ipam_client::IpamClient::new(channel.clone())
+                            .status(pb::StatusRequest {})
+                            .await
+                            .map(drop),
+                    ),
+                ),
+                (
+                    "Endpoints.List",
+                    code(
+                        pb::endpoints_client::EndpointsClient::new(channel.clone())
+                            .list(pb::ListRequest {})
+                            .await
+                            .map(drop),
+                    ),
+                ),
+                (
+                    "RouteInfo.Show",
+                    code(
+                        pb::route_info_client::RouteInfoClient::new(channel)
+                            .show(pb::RouteInfoRequest {})
+                            .await
+                            .map(drop),
+                    ),
+                ),
+            ]
+        })
+    })
+}
+
 /// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
 /// plain text); `Ok` once the first update arrived, else why not.
 fn try_watch(
@@ -775,6 +837,20 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
         ),
     )
     .expect("node 1's certificate as node 1");
+    // Only Routes is served on TCP: IPAM, endpoints and the route report stay on the unix
+    // socket, even for a trusted node.
+    let answers = other_services_over_tcp(
+        &c,
+        2,
+        0,
+        c.name(1),
+        tls_material(&ca.pem(), &node1_cert)
+            .client_config()
+            .expect("client"),
+    );
+    for (service, code) in answers {
+        assert_eq!(code, tonic::Code::Unimplemented, "{service} over TCP");
+    }
     let door = &peers(&c, 0)["door"];
     assert!(door["refused_tls"].as_u64() >= Some(3), "{door}");
     assert!(door["refused_identity"].as_u64() >= Some(2), "{door}");
