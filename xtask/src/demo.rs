@@ -54,7 +54,8 @@ const PREFIX: &str = "calix-demo";
 /// `cargo xtask demo [--nodes N] [--mode M]`.
 pub fn run_demo(nodes: usize, mode: Mode) -> Result<()> {
     match nodes {
-        1 => single_node(mode),
+        // Ctrl-C also kills the running step's children: name the interrupt, not their failure.
+        1 => single_node(mode).or_else(|e| interrupt::check().and(Err(e))),
         3 => cluster::run(mode),
         n => bail!(
             "--nodes {n}: the demo runs 1 node (the default) or 3 (two on one subnet, one on \

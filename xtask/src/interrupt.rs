@@ -24,7 +24,7 @@ pub fn catch() {
 /// Fails when SIGINT or SIGTERM arrived since [`catch`].
 pub fn check() -> Result<()> {
     if INTERRUPTED.load(Ordering::Relaxed) {
-        bail!("interrupted");
+        bail!("interrupted (SIGINT or SIGTERM)");
     }
     Ok(())
 }

@@ -44,7 +44,7 @@ fn cargo_test(
     env: Option<(&str, &str)>,
 ) -> Result<()> {
     use std::io::{BufRead, BufReader};
-    let mut cmd = Command::new(env!("CARGO"));
+    let mut cmd = util::cargo();
     cmd.current_dir(root).arg("test").args(which).args(extra);
     if let Some((k, v)) = env {
         cmd.env(k, v);

@@ -53,7 +53,8 @@ pub fn run(mode: Mode) -> Result<()> {
     leftovers::remove_stale(PREFIX)?;
     let run = format!("{PREFIX}-{}", std::process::id());
     let started = Instant::now();
-    let outcome = cluster_demo(&run, mode);
+    // Ctrl-C also kills the running step's children: name the interrupt, not their failure.
+    let outcome = cluster_demo(&run, mode).or_else(|e| interrupt::check().and(Err(e)));
     // Everything the demo made is dropped by now, whatever happened: prove it is gone.
     let left = leftovers::left_behind(&run)?;
     let left = (!left.is_empty())
