@@ -132,11 +132,7 @@ fn cluster_demo(run: &str, mode: Mode) -> Result<()> {
             cluster.name(i)
         );
     }
-    let outcome = with_pods(&cluster, mode);
-    if outcome.is_err() && interrupt::check().is_ok() {
-        print_logs(&cluster);
-    }
-    outcome?;
+    with_pods(&cluster, mode)?;
     let t = Instant::now();
     let namespaces = cluster.nodes.len() + 1;
     drop(cluster);
@@ -164,16 +160,25 @@ impl DemoPod<'_> {
     }
 }
 
-/// Steps 5 to 9 on a started cluster; the pods are DELeted (on an error too) before the
-/// cluster goes.
+/// Steps 5 to 9 on a started cluster. On an error the agents' last log lines are printed
+/// while the pods still exist, then the pods are DELeted before the cluster goes.
 fn with_pods(cluster: &Cluster, mode: Mode) -> Result<()> {
+    let mut pods = Vec::new();
+    let outcome = exercise(cluster, &mut pods, mode);
+    if outcome.is_err() && interrupt::check().is_ok() {
+        print_logs(cluster);
+    }
+    outcome
+}
+
+/// Steps 5 to 9: ADDs the pods into `pods`, checks, DELs them.
+fn exercise<'a>(cluster: &'a Cluster, pods: &mut Vec<DemoPod<'a>>, mode: Mode) -> Result<()> {
     step(
         5,
         TOTAL,
         "ADDing two dual-stack pods per node through the calix CNI plugin",
     )?;
     let dual = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": "true"}});
-    let mut pods = Vec::new();
     for (i, node) in cluster.nodes.iter().enumerate() {
         for x in ['a', 'b'] {
             interrupt::check()?;
@@ -217,7 +222,7 @@ fn with_pods(cluster: &Cluster, mode: Mode) -> Result<()> {
         TOTAL,
         "Route distribution: every node routes to the other nodes' pods",
     )?;
-    routes_in_place(cluster, &pods, mode)?;
+    routes_in_place(cluster, pods, mode)?;
     println!(
         "      all in place {:.2} s after the last ADD: node0 <-> node1 direct via eth0, \
          node2 through {DEVICE_V4} / {DEVICE_V6}",
@@ -274,14 +279,14 @@ fn with_pods(cluster: &Cluster, mode: Mode) -> Result<()> {
         TOTAL,
         "Same subnet, node0 -> node1: do the nodes' IP stacks forward it? (nstat)",
     )?;
-    ip_forwarding(cluster, &pods, mode)?;
+    ip_forwarding(cluster, pods, mode)?;
 
     step(
         9,
         TOTAL,
         "DELeting the pods, stopping the agents and etcd, removing everything",
     )?;
-    for p in &mut pods {
+    for p in pods.iter_mut() {
         p.pod.try_del()?;
     }
     for (i, n) in cluster.nodes.iter().enumerate() {
@@ -587,7 +592,7 @@ fn succeeded(what: &str, out: Output) -> Result<String> {
 
 /// The last lines of every agent's log, before they go with the cluster.
 fn print_logs(cluster: &Cluster) {
-    const LINES: usize = 20;
+    const LINES: usize = 12;
     for (i, n) in cluster.nodes.iter().enumerate() {
         let log = n.agent_log();
         let lines: Vec<&str> = log.lines().collect();
