@@ -213,6 +213,11 @@ impl Agent {
         )
     }
 
+    /// Number of addresses allocated in the datastore (`calixctl ipam show`).
+    pub fn allocated(&self) -> Result<usize> {
+        Ok(used(&self.calixctl_json(&["ipam", "show"])?))
+    }
+
     /// Packets dropped on `iface` for `reason` (0 when never), from `calixctl bpf counters`.
     pub fn dropped(&self, iface: &str, reason: &str) -> Result<u64> {
         let v = self.calixctl_json(&["bpf", "counters"])?;
@@ -245,7 +250,12 @@ pub fn allocated_from(out: &Output) -> usize {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: Value = serde_json::from_slice(&out.stdout).expect("ipam show json");
-    v["blocks"]
+    used(&v)
+}
+
+/// Addresses in use in every block of a `calixctl ipam show -o json` report.
+fn used(report: &Value) -> usize {
+    report["blocks"]
         .as_array()
         .map(|b| {
             b.iter()

@@ -4,6 +4,7 @@ use serde_json::Value;
 use crate::cni::{cni_call, CniOutput};
 use crate::netns::Netns;
 use crate::node::Node;
+use crate::{Error, Result};
 
 /// A pod: a namespace wired through `calix` ADD on a node. DEL runs on drop if not done.
 pub struct Pod<'a> {
@@ -67,6 +68,20 @@ impl<'a> Pod<'a> {
         pod.result = pod.call("ADD", Value::Null);
         pod.deleted = !pod.result.success;
         pod
+    }
+
+    /// ADDs the Kubernetes pod `default/<pod_name>` in `ns` (a namespace the caller named,
+    /// e.g. the demo's); an error with the plugin's output when ADD fails.
+    pub fn launch(node: &'a Node, ns: Netns, pod_name: &str, extra: Value) -> Result<Self> {
+        let pod = Self::try_add_in(node, ns, pod_name, "eth0", extra);
+        if !pod.result.success {
+            return Err(Error::Unexpected {
+                what: format!("CNI ADD of {pod_name} on {}", node.ns.name),
+                found: format!("{}\n{}", pod.result.stdout.trim(), pod.result.stderr.trim()),
+                expected: "a result with the pod's addresses".into(),
+            });
+        }
+        Ok(pod)
     }
 
     fn try_add_in(node: &'a Node, ns: Netns, pod_name: &str, ifname: &str, extra: Value) -> Self {
@@ -139,9 +154,21 @@ impl<'a> Pod<'a> {
 
     /// DELs the pod; panics if DEL fails.
     pub fn del(&mut self) {
+        self.try_del().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// DELs the pod; an error with the plugin's output when DEL fails.
+    pub fn try_del(&mut self) -> Result<()> {
         let out = self.call("DEL", Value::Null);
-        assert!(out.success, "DEL failed: {} {}", out.stdout, out.stderr);
+        if !out.success {
+            return Err(Error::Unexpected {
+                what: format!("CNI DEL of {}", self.container_id),
+                found: format!("{} {}", out.stdout.trim(), out.stderr.trim()),
+                expected: "success".into(),
+            });
+        }
         self.deleted = true;
+        Ok(())
     }
 }
 

@@ -3,6 +3,8 @@ mod bench;
 mod build_ebpf;
 mod demo;
 mod fuzz;
+mod interrupt;
+mod leftovers;
 mod setup;
 mod test;
 mod util;
@@ -29,8 +31,17 @@ enum Task {
         #[arg(long)]
         feature: Option<String>,
     },
-    /// One node, two pods, pings, calixctl, teardown (needs root).
-    Demo,
+    /// One node, two pods, pings, calixctl, teardown (needs root). With `--nodes 3`: three
+    /// nodes on etcd (two on one subnet, one behind a router), route distribution over mutual
+    /// TLS, two dual-stack pods each, same-node, direct and VXLAN traffic checked.
+    Demo {
+        /// 1 (one node, embedded datastore) or 3 (a cluster).
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        /// The agents' dataplane.
+        #[arg(long, value_enum, default_value_t = demo::Mode::Ebpf)]
+        mode: demo::Mode,
+    },
     /// Setup, build, run every test, check nothing is left behind (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).
@@ -60,7 +71,7 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::run(),
         Task::BuildEbpf { feature } => build_ebpf::run(feature.as_deref()),
-        Task::Demo => demo::run_demo(),
+        Task::Demo { nodes, mode } => demo::run_demo(nodes, mode),
         Task::Test { args } => test::run_tests(&args),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
