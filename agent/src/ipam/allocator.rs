@@ -165,8 +165,8 @@ impl Block {
         self.affinity.is_empty() && self.allocations.is_empty()
     }
 
-    /// Free offsets in address order. An IPv4 pool's own network and broadcast addresses are
-    /// never handed out: routing would cope (/32s), but people and some tools don't.
+    /// Free offsets in address order. The pool's reserved addresses ([`reserved_addresses`])
+    /// are never handed out: routing would cope (/32s), but people and some tools don't.
     fn free_offsets<'a>(&'a self, pool: &'a IpNet) -> impl Iterator<Item = u32> + 'a {
         (0..self.size())
             .map(|o| o as u32)
@@ -243,22 +243,29 @@ fn nth(net: &IpNet, n: u128) -> IpAddr {
     }
 }
 
-/// An IPv4 pool's network or broadcast address.
+/// The addresses of `pool` never handed out: an IPv4 pool's network and broadcast addresses;
+/// an IPv6 pool's first address, the Subnet-Router anycast address of its prefix (RFC 4291
+/// 2.6.1).
+fn reserved_addresses(pool: &IpNet) -> Vec<IpAddr> {
+    let mut out = match pool {
+        IpNet::V4(p) => vec![IpAddr::V4(p.network()), IpAddr::V4(p.broadcast())],
+        IpNet::V6(p) => vec![IpAddr::V6(p.network())],
+    };
+    out.dedup();
+    out
+}
+
 fn reserved(pool: &IpNet, addr: IpAddr) -> bool {
-    match pool {
-        IpNet::V4(p) => addr == IpAddr::V4(p.network()) || addr == IpAddr::V4(p.broadcast()),
-        IpNet::V6(_) => false,
-    }
+    reserved_addresses(pool).contains(&addr)
 }
 
 /// Whether `block` holds an address that is not one of the pool's reserved ones.
 fn has_usable(pool: &IpNet, block: &IpNet) -> bool {
-    let mut reserved_here = [pool.network(), pool.broadcast()]
+    let reserved_here = reserved_addresses(pool)
         .into_iter()
-        .filter(|a| reserved(pool, *a) && block.contains(a))
-        .collect::<Vec<_>>();
-    reserved_here.dedup();
-    host_count(block) > reserved_here.len() as u64
+        .filter(|a| block.contains(a))
+        .count();
+    host_count(block) > reserved_here as u64
 }
 
 fn offset_in(net: &IpNet, addr: IpAddr) -> u32 {
@@ -548,19 +555,10 @@ impl IpamState {
                 host_count(&IpNet::new(pool.cidr.addr(), pool.block_size).unwrap_or(pool.cidr));
             let unclaimed = total_blocks.saturating_sub(claimed);
             free = free.saturating_add(unclaimed.saturating_mul(per_block));
-            // The pool's network/broadcast addresses sit in its first/last block.
-            if pool.cidr.addr().is_ipv4() && unclaimed > 0 {
-                let first = pool
-                    .cidr
-                    .subnets(pool.block_size)
-                    .ok()
-                    .and_then(|mut s| s.next());
-                let last = pool
-                    .cidr
-                    .subnets(pool.block_size)
-                    .ok()
-                    .and_then(|s| s.last());
-                for b in [first, last].into_iter().flatten() {
+            // The pool's reserved addresses in blocks not claimed yet.
+            for addr in reserved_addresses(&pool.cidr) {
+                let block = IpNet::new(addr, pool.block_size).map(|b| b.trunc());
+                if let Ok(b) = block {
                     if !self.blocks.contains_key(&b.to_string()) {
                         free = free.saturating_sub(1);
                     }
@@ -700,21 +698,23 @@ mod tests {
             alloc(&mut s, &one, "h0"),
             Err(IpamError::Exhausted { .. })
         ));
-        // IPv6 has no reserved addresses: a /128 block on the pool's first address is used.
-        let v6 = [pool("fd00::/126", 128)];
+        // IPv6: the pool's first address (Subnet-Router anycast) is reserved, the last is not.
+        let v6 = [pool("fd00::/127", 128)];
         let mut s = IpamState::default();
-        let got = s
-            .allocate(
+        let mut take = |h: &str| {
+            s.allocate(
                 &v6,
                 &Policy::default(),
                 "n1",
-                "h",
+                h,
                 "eth0",
                 false,
                 &BTreeMap::new(),
             )
-            .expect("v6");
-        assert_eq!(got.addr, "fd00::".parse::<IpAddr>().expect("ip"));
+        };
+        let got = take("h0").expect("v6");
+        assert_eq!(got.addr, "fd00::1".parse::<IpAddr>().expect("ip"));
+        assert!(matches!(take("h1"), Err(IpamError::Exhausted { .. })));
     }
 
     #[test]
@@ -861,7 +861,11 @@ mod tests {
             )
             .expect("v6")
             .addr;
-        assert_eq!(v6, "fd00::".parse::<IpAddr>().expect("ip"));
+        assert_eq!(
+            v6,
+            "fd00::1".parse::<IpAddr>().expect("ip"),
+            "fd00:: is reserved"
+        );
         pools[0].disabled = true;
         assert_eq!(
             alloc(&mut s, &pools, "h"),
