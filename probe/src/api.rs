@@ -54,6 +54,8 @@ pub enum ApiError {
     },
     #[error("GET {path}: more than {MAX_BODY} bytes")]
     TooLarge { path: String },
+    #[error("GET {path}: reading the answer: {msg}")]
+    Body { path: String, msg: String },
     #[error("GET {path}: not JSON")]
     Json {
         path: String,
@@ -79,8 +81,9 @@ fn read(path: &Path) -> Result<Vec<u8>, ApiError> {
 }
 
 impl Api {
-    /// The API server of the cluster this pod runs in, as its service account.
-    pub fn in_cluster() -> Result<Self, ApiError> {
+    /// The API server of the cluster this pod runs in (the kubelet's environment), with the
+    /// service account mounted at `dir` (normally [`SERVICE_ACCOUNT_DIR`]).
+    pub fn in_cluster(dir: &Path) -> Result<Self, ApiError> {
         let env = |var: &'static str| std::env::var(var).map_err(|_| ApiError::Env { var });
         let host = env("KUBERNETES_SERVICE_HOST")?;
         let port = env("KUBERNETES_SERVICE_PORT")?
@@ -88,7 +91,6 @@ impl Api {
             .map_err(|_| ApiError::Env {
                 var: "KUBERNETES_SERVICE_PORT",
             })?;
-        let dir = Path::new(SERVICE_ACCOUNT_DIR);
         let token = String::from_utf8_lossy(&read(&dir.join("token"))?)
             .trim()
             .to_string();
@@ -153,8 +155,17 @@ impl Api {
         let body = http_body_util::Limited::new(response.into_body(), MAX_BODY)
             .collect()
             .await
-            .map_err(|_| ApiError::TooLarge {
-                path: path.to_string(),
+            .map_err(|e| {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    ApiError::TooLarge {
+                        path: path.to_string(),
+                    }
+                } else {
+                    ApiError::Body {
+                        path: path.to_string(),
+                        msg: e.to_string(),
+                    }
+                }
             })?
             .to_bytes();
         if status != 200 {

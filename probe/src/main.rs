@@ -41,6 +41,9 @@ enum Cmd {
         own_ip: Option<IpAddr>,
         #[arg(long, default_value_t = 120)]
         timeout_secs: u64,
+        /// The service account's token and ca.crt (the kubelet mounts them here).
+        #[arg(long, default_value = calix_probe::api::SERVICE_ACCOUNT_DIR)]
+        service_account_dir: std::path::PathBuf,
     },
 }
 
@@ -68,8 +71,9 @@ async fn main() -> Result<()> {
             pools,
             own_ip,
             timeout_secs,
+            service_account_dir,
         } => {
-            let api = Api::in_cluster().context("in-cluster API access")?;
+            let api = Api::in_cluster(&service_account_dir).context("in-cluster API access")?;
             let plan = check::Plan {
                 namespace,
                 daemonset,
