@@ -667,6 +667,12 @@ fn defaults_render_valid_objects_for_every_node() {
     assert_eq!(annotations["prometheus.io/port"], "9091");
     assert!(annotations["checksum/config"].is_string());
     assert!(agent["resources"]["requests"]["cpu"].is_string());
+    // The image `cargo xtask image` builds: localhost/calix:<workspace version> (the chart's
+    // appVersion must follow the workspace's).
+    assert_eq!(
+        agent["image"],
+        format!("localhost/calix:{}", env!("CARGO_PKG_VERSION"))
+    );
     // The agent's config: the kubernetes datastore, the metrics door on every address.
     let c = agent_config(r, "agent.toml");
     assert_eq!(c.datastore.kind, "kubernetes");
