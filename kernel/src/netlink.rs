@@ -673,7 +673,8 @@ pub fn link_mtu(name: &str) -> Result<u32, NetlinkError> {
     }
     // SAFETY: SIOCGIFMTU reads `ifr_name` (NUL-terminated: the name is at most 15 bytes and
     // the array 16 zeroed) and writes `ifr_mtu` of the ifreq we pass, valid for the call.
-    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) } < 0 {
+    // (The request is a c_ulong for glibc and a c_int for musl, which the image is built for.)
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU as _, &mut req) } < 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ENODEV) {
             return Err(NetlinkError::LinkNotFound {

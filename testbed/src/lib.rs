@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 mod agent;
 pub mod bpf;
+pub mod chart_tools;
 mod cluster;
 mod cni;
 mod error;

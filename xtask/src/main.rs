@@ -3,6 +3,7 @@ mod bench;
 mod build_ebpf;
 mod demo;
 mod fuzz;
+mod image;
 mod interrupt;
 mod leftovers;
 mod setup;
@@ -48,6 +49,9 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The calix image, offline: static musl binaries, `podman build` (FROM scratch), then
+    /// `podman save --format oci-archive` to target/image/calix.oci.tar.
+    Image,
     /// Fuzz the CNI plugin's input parsing with cargo-fuzz (nightly); fails on any crash.
     Fuzz {
         /// How long to fuzz.
@@ -73,6 +77,7 @@ fn main() -> Result<()> {
         Task::BuildEbpf { feature } => build_ebpf::run(feature.as_deref()),
         Task::Demo { nodes, mode } => demo::run_demo(nodes, mode),
         Task::Test { args } => test::run_tests(&args),
+        Task::Image => image::run_image().map(|_| ()),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
         Task::Netperf { mode } => bench::netperf(mode),
