@@ -38,8 +38,18 @@ pub enum ConfigError {
     Overlap { a: IpNet, b: IpNet },
     #[error("pool {cidr} is configured twice")]
     Duplicate { cidr: IpNet },
-    #[error("datastore type {kind:?} is unknown: use \"embedded\" or \"etcd\"")]
+    #[error("datastore type {kind:?} is unknown: use \"embedded\", \"etcd\" or \"kubernetes\"")]
     DatastoreKind { kind: String },
+    #[error(
+        "with datastore type \"kubernetes\" the pools are IPPool objects (kubectl get ippools): \
+         remove [[pools]] from the config and --pool from the command line"
+    )]
+    PoolsInKubernetes,
+    #[error("datastore.{key} must be {what}")]
+    Datastore {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("datastore type \"etcd\" needs `endpoints`, e.g. [\"http://10.0.0.1:2379\"]")]
     NoEtcdEndpoints,
     #[error("ipam.{key} must be {what}")]
@@ -144,8 +154,12 @@ pub struct AgentConfig {
     /// This node's labels, matched by pools' `nodeSelector`.
     pub node_labels: std::collections::BTreeMap<String, String>,
     pub ipam: IpamConfig,
-    /// IP pools pods get their addresses from.
+    /// IP pools pods get their addresses from. With the `kubernetes` datastore they are the
+    /// cluster's IPPool objects instead (configuring any here is an error).
     pub pools: Vec<PoolConfig>,
+    /// Whether the config file or the command line named pools (the defaults aside).
+    #[serde(skip)]
+    pub pools_configured: bool,
     /// The XDP prefilter on the uplinks.
     pub xdp: XdpConfig,
     /// SNAT of `natOutgoing` pools (eBPF dataplane).
@@ -307,7 +321,18 @@ impl VxlanConfig {
 
 /// How traffic to a pool's addresses on another node travels (a pool's `vxlan`).
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    Default,
+    schemars::JsonSchema,
 )]
 #[serde(rename_all = "camelCase")]
 pub enum VxlanMode {
@@ -476,6 +501,7 @@ impl Default for AgentConfig {
             pools: vec![PoolConfig::new(
                 "10.244.0.0/16".parse().expect("constant CIDR"),
             )],
+            pools_configured: false,
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
             routes: RoutesConfig::default(),
@@ -487,7 +513,8 @@ impl Default for AgentConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatastoreConfig {
-    /// `embedded` (a local file; single node) or `etcd` (shared by several nodes).
+    /// `embedded` (a local file; single node), `etcd` (shared by several nodes) or
+    /// `kubernetes` (custom resources in the cluster's API).
     #[serde(rename = "type")]
     pub kind: String,
     /// Embedded: the snapshot file (the journal is `<path>.journal`).
@@ -496,9 +523,12 @@ pub struct DatastoreConfig {
     pub endpoints: Vec<String>,
     /// etcd: prefix of every calix key.
     pub prefix: String,
-    /// etcd: per-request timeout in milliseconds.
+    /// kubernetes: a kubeconfig file; empty: the service account of the agent's pod.
+    pub kubeconfig: PathBuf,
+    /// etcd, kubernetes: per-request timeout in milliseconds.
     pub timeout_ms: u64,
-    /// etcd: attempts per operation while etcd is unreachable (exponential backoff).
+    /// etcd, kubernetes: attempts per operation while the backend is unreachable (exponential
+    /// backoff).
     pub attempts: u32,
 }
 
@@ -507,8 +537,28 @@ impl DatastoreConfig {
         match self.kind.as_str() {
             "embedded" => Ok(()),
             "etcd" if self.endpoints.is_empty() => Err(ConfigError::NoEtcdEndpoints),
-            "etcd" => Ok(()),
+            "etcd" | "kubernetes" if self.timeout_ms == 0 => Err(ConfigError::Datastore {
+                key: "timeout_ms",
+                what: "at least 1",
+            }),
+            "etcd" | "kubernetes" if self.attempts == 0 => Err(ConfigError::Datastore {
+                key: "attempts",
+                what: "at least 1",
+            }),
+            "etcd" | "kubernetes" => Ok(()),
             other => Err(ConfigError::DatastoreKind { kind: other.into() }),
+        }
+    }
+
+    pub fn is_kubernetes(&self) -> bool {
+        self.kind == "kubernetes"
+    }
+
+    pub fn kubernetes(&self) -> crate::datastore::KubeConfig {
+        crate::datastore::KubeConfig {
+            kubeconfig: (!self.kubeconfig.as_os_str().is_empty()).then(|| self.kubeconfig.clone()),
+            timeout: std::time::Duration::from_millis(self.timeout_ms),
+            attempts: self.attempts,
         }
     }
 
@@ -529,15 +579,17 @@ impl Default for DatastoreConfig {
             path: PathBuf::from(paths::EMBEDDED_STORE),
             endpoints: Vec::new(),
             prefix: "/calix/".into(),
+            kubeconfig: PathBuf::new(),
             timeout_ms: 2000,
             attempts: 12,
         }
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PoolConfig {
+    #[schemars(with = "String")]
     pub cidr: IpNet,
     /// Prefix length of the per-node blocks; default 26 (IPv4) / 122 (IPv6).
     #[serde(default)]
@@ -624,7 +676,10 @@ impl AgentConfig {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
-        toml::from_str(text)
+        let mut c: Self = toml::from_str(text)?;
+        // Parsed once more as a table: whether `pools` was written (a default is not).
+        c.pools_configured = toml::from_str::<toml::Table>(text)?.contains_key("pools");
+        Ok(c)
     }
 
     /// Checks what serde cannot: block sizes, a node name.
@@ -636,6 +691,9 @@ impl AgentConfig {
             return Err(ConfigError::ResyncInterval);
         }
         self.datastore.validate()?;
+        if self.datastore.is_kubernetes() && self.pools_configured {
+            return Err(ConfigError::PoolsInKubernetes);
+        }
         self.ipam.validate()?;
         self.routes.validate()?;
         self.vxlan.validate()?;

@@ -137,9 +137,10 @@ async fn main() -> Result<()> {
         );
     }
     dataplane::enable_forwarding()?;
-    let store = datastore::open(&cfg.datastore)
+    let opened = datastore::open(&cfg.datastore)
         .await
         .with_context(|| format!("cannot open the {} datastore", cfg.datastore.kind))?;
+    let store = opened.store;
     let pin_dir = ebpf_cfg.pin_dir();
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(

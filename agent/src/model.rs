@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// An endpoint as the registry records it (key `endpoints/<node>/<containerID>/<ifname>`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct EndpointRecord {
     pub container_id: String,
     pub ifname: String,
@@ -37,7 +37,7 @@ impl EndpointRecord {
 }
 
 /// A node as it announces itself (key `nodes/<name>`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct NodeRecord {
     pub name: String,
     #[serde(default)]
