@@ -184,6 +184,8 @@ impl KubeApi {
             .arg(format!("--token-auth-file={}", d("tokens.csv")))
             .arg("--authorization-mode=Node,RBAC")
             .arg("--service-cluster-ip-range=10.96.0.0/16")
+            // No `kubernetes` Service endpoints (its address may be loopback here).
+            .arg("--endpoint-reconciler-type=none")
             .arg(format!("--watch-cache={}", self.watch_cache));
         // Appended to across restarts.
         let prior = std::fs::read_to_string(&log).unwrap_or_default();

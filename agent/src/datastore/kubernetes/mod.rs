@@ -10,9 +10,10 @@
 //!   `NotFound`: failed); a delete under `Compare::Revision` carries it as a precondition. A put
 //!   without a compare reads the object and creates or replaces it, retrying lost races. One
 //!   object per transaction: more is [`DatastoreError::TooManyObjects`].
-//! - The API server may not change what calix wrote: every write compares the `spec` it gets
-//!   back with the record sent, so CRDs older than the agent (which would prune new fields)
-//!   fail the write loudly instead of losing data.
+//! - The API server may not change what calix wrote: writes ask for strict field validation
+//!   (a field the installed CRD does not know is refused, not pruned: CRDs older than the
+//!   agent fail the write loudly instead of losing data), and every write compares the `spec`
+//!   it gets back with the record sent.
 //! - Transient failures (connection refused or reset, timeouts, 429, 5xx) are retried, up to
 //!   `attempts` tries each bounded by `timeout`, with a backoff of 50 ms doubling up to 2 s. A
 //!   retried write whose first try did land sees its own write as a lost compare (`Ok(None)`),
@@ -53,6 +54,8 @@ pub struct KubeStore {
     client: kube::Client,
     timeout: Duration,
     attempts: u32,
+    /// How long the server keeps one watch request open ([`watch::WATCH_SECS`]).
+    watch_secs: u32,
 }
 
 /// What one try of a request came to, before the store decides (a lost compare is an
@@ -72,7 +75,15 @@ impl KubeStore {
             client,
             timeout,
             attempts: attempts.max(1),
+            watch_secs: watch::WATCH_SECS,
         }
+    }
+
+    /// The same store with watch requests the server ends after `secs` (continued by the
+    /// store; tests use a few seconds to see that happen).
+    pub fn with_watch_secs(mut self, secs: u32) -> Self {
+        self.watch_secs = secs.clamp(1, watch::WATCH_SECS);
+        self
     }
 
     /// Builds the client from `cfg` (without contacting the API server) and the store on it.
@@ -235,6 +246,35 @@ impl KubeStore {
         })
     }
 
+    /// A create (`name` `None`) or a replace, with `fieldValidation=Strict`: a field the CRD
+    /// does not know is refused, not pruned.
+    async fn write(
+        &self,
+        kind: &Kind,
+        name: Option<&str>,
+        obj: &DynamicObject,
+    ) -> Result<DynamicObject, kube::Error> {
+        let request = kube::core::Request::new(format!(
+            "/apis/{}/{}/{}",
+            kinds::GROUP,
+            kinds::VERSION,
+            kind.plural
+        ));
+        let body = serde_json::to_vec(obj).map_err(kube::Error::SerdeError)?;
+        let pp = PostParams::default();
+        let mut req = match name {
+            None => request.create(&pp, body),
+            Some(name) => request.replace(name, &pp, body),
+        }
+        .map_err(kube::Error::BuildRequest)?;
+        let uri = req.uri().to_string();
+        let sep = if uri.ends_with('?') { "" } else { "&" };
+        *req.uri_mut() = format!("{uri}{sep}fieldValidation=Strict")
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| kube::Error::HttpError(e.into()))?;
+        self.client.request::<DynamicObject>(req).await
+    }
+
     /// Creates `key` (absent before): `Some(revision)`, or `None` if it exists.
     async fn create(
         &self,
@@ -242,11 +282,9 @@ impl KubeStore {
         key: &str,
         spec: &Value,
     ) -> Result<Option<i64>, DatastoreError> {
-        let api = self.api(kind);
         let obj = kind.object(key, spec.clone(), None);
-        let pp = PostParams::default();
         match self
-            .retry(&format!("create {key}"), || api.create(&pp, &obj))
+            .retry(&format!("create {key}"), || self.write(kind, None, &obj))
             .await?
         {
             Answer::Done(created) => written(kind, key, spec, &created).map(Some),
@@ -263,12 +301,12 @@ impl KubeStore {
         spec: &Value,
         revision: i64,
     ) -> Result<Option<i64>, DatastoreError> {
-        let api = self.api(kind);
         let obj = kind.object(key, spec.clone(), Some(revision));
         let name = kind.name_of(key);
-        let pp = PostParams::default();
         match self
-            .retry(&format!("replace {key}"), || api.replace(&name, &pp, &obj))
+            .retry(&format!("replace {key}"), || {
+                self.write(kind, Some(&name), &obj)
+            })
             .await?
         {
             Answer::Done(replaced) => written(kind, key, spec, &replaced).map(Some),

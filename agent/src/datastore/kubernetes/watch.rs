@@ -2,14 +2,15 @@
 //! filtered to the prefix, from `resourceVersion = after`.
 //!
 //! - The watch asks for bookmarks and for the server to end it after [`WATCH_SECS`]: when the
-//!   server ends it that way (the normal end of a Kubernetes watch, not a failure), the store
+//!   server ends it then (the normal end of a Kubernetes watch, not a failure), the store
 //!   continues it from the newest resourceVersion it saw (an event of any key of the kind, or a
 //!   bookmark), so a quiet prefix keeps a recent place in the server's watch cache.
 //! - 410 Gone (the version is older than the server keeps), on opening or later, ends the
 //!   stream with [`DatastoreError::Compacted`]: list again. Its `compacted` is the oldest
 //!   version the server named in its message (`too old resource version: A (B)`), else
 //!   `after + 1`.
-//! - A broken connection, the API server restarting, an error event, or nothing at all for
+//! - A watch the server ends before its time (kube reports a connection cut mid-response as
+//!   an end, like a clean one), a broken connection, an error event, or nothing at all for
 //!   [`WATCH_SECS`] + [`SILENCE_GRACE`] ends it with [`DatastoreError::WatchEnded`]: watch
 //!   again from the last revision received. (An API server with its watch cache on, the
 //!   default, answers that with 410 when the version is older than its cache, as after its
@@ -55,7 +56,7 @@ pub(super) async fn open(
         prefix: prefix.to_string(),
         params: WatchParams {
             label_selector: kind.selector(prefix),
-            timeout: Some(WATCH_SECS),
+            timeout: Some(store.watch_secs),
             bookmarks: true,
             ..WatchParams::default()
         },
@@ -63,6 +64,9 @@ pub(super) async fn open(
         resume: after,
         pending: VecDeque::new(),
         events: None,
+        opened: std::time::Instant::now(),
+        request_secs: store.watch_secs,
+        silence: Duration::from_secs(u64::from(store.watch_secs)) + SILENCE_GRACE,
         end: None,
         done: false,
     };
@@ -79,6 +83,7 @@ pub(super) async fn open(
         match tokio::time::timeout(store.timeout, watch.connect()).await {
             Ok(Ok(events)) => {
                 watch.events = Some(events);
+                watch.opened = std::time::Instant::now();
                 break;
             }
             Ok(Err(e)) if !super::transient(&e) => {
@@ -120,6 +125,12 @@ struct KubeWatch {
     resume: i64,
     pending: VecDeque<WatchEvent>,
     events: Option<Events>,
+    /// When the current watch request was opened.
+    opened: std::time::Instant,
+    /// How long the server keeps a request open.
+    request_secs: u32,
+    /// Silence after which the connection counts as dead.
+    silence: Duration,
     /// What ends the watch, delivered once `pending` is empty.
     end: Option<DatastoreError>,
     done: bool,
@@ -215,15 +226,32 @@ impl KubeWatch {
                 self.end = Some(ended("the watch was not opened"));
                 continue;
             };
-            let silence = Duration::from_secs(u64::from(WATCH_SECS)) + SILENCE_GRACE;
+            let silence = self.silence;
             match tokio::time::timeout(silence, events.next()).await {
                 Ok(Some(Ok(event))) => self.take(event),
                 Ok(Some(Err(e))) => self.end = Some(self.failure(&e)),
-                // The server ended the request (its timeout): continue from where we are.
-                Ok(None) => match self.connect().await {
-                    Ok(events) => self.events = Some(events),
-                    Err(e) => self.end = Some(self.failure(&e)),
-                },
+                // The server ended the request at its timeout: continue from where we are.
+                // Earlier, it went away (restart, shutdown, connection lost: kube reports a
+                // connection cut mid-response as an end too).
+                Ok(None)
+                    if self.opened.elapsed() + Duration::from_secs(1)
+                        >= Duration::from_secs(u64::from(self.request_secs)) =>
+                {
+                    match self.connect().await {
+                        Ok(events) => {
+                            self.events = Some(events);
+                            self.opened = std::time::Instant::now();
+                        }
+                        Err(e) => self.end = Some(self.failure(&e)),
+                    }
+                }
+                Ok(None) => {
+                    self.end = Some(ended(&format!(
+                        "the API server closed the watch after {:?}, before its {} s",
+                        self.opened.elapsed(),
+                        self.request_secs
+                    )))
+                }
                 Err(_) => {
                     self.end = Some(ended(&format!(
                         "nothing from the API server for {silence:?}"
