@@ -1017,6 +1017,53 @@ mod tests {
     }
 
     #[test]
+    fn kubernetes_takes_a_kubeconfig_and_refuses_configured_pools() {
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"/etc/calix/kubeconfig\"\n",
+        )
+        .expect("parse");
+        c.validate().expect("valid");
+        let k = c.datastore.kubernetes();
+        assert_eq!(
+            k.kubeconfig.as_deref(),
+            Some(Path::new("/etc/calix/kubeconfig"))
+        );
+        assert_eq!((k.timeout.as_millis(), k.attempts), (2000, 12));
+        // No kubeconfig: the pod's service account.
+        let c = AgentConfig::from_toml("node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\n")
+            .expect("parse");
+        assert_eq!(c.datastore.kubernetes().kubeconfig, None);
+        // Pools are IPPool objects there: [[pools]] is an error that says so.
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\n[[pools]]\ncidr = \"10.1.0.0/16\"\n",
+        )
+        .expect("parse");
+        let e = c.validate().expect_err("pools refused");
+        assert!(matches!(e, ConfigError::PoolsInKubernetes), "{e}");
+        assert!(e.to_string().contains("IPPool"), "{e}");
+        let mut c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\nattempts = 0\n",
+        )
+        .expect("parse");
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Datastore {
+                key: "attempts",
+                ..
+            })
+        ));
+        c.datastore.kind = "etcd".into();
+        c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Datastore {
+                key: "attempts",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn node_selector_picks_pools_and_etcd_needs_endpoints() {
         let mut c = AgentConfig::from_toml(
             r#"

@@ -8,6 +8,7 @@ pub mod error;
 pub mod grpc;
 pub mod instance;
 pub mod ipam;
+pub mod ippools;
 pub mod metrics;
 pub mod model;
 pub mod node;

@@ -14,6 +14,7 @@ use calix_agent::endpoints::EndpointRegistry;
 use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
+use calix_agent::ippools::IpPools;
 use calix_agent::model::NodeRecord;
 use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
@@ -59,8 +60,11 @@ struct Flags {
     uninstall: bool,
 }
 
-fn config(flags: Flags) -> Result<AgentConfig> {
-    // (Called again on SIGHUP with the same flags: flags keep overriding the file.)
+/// The config file, overridden by the flags; its pools the IPPools' when they are the source
+/// (the `kubernetes` datastore, once they are loaded).
+fn config(flags: Flags, ippools: Option<&IpPools>) -> Result<AgentConfig> {
+    // (Called again on SIGHUP and IPPool changes with the same flags: flags keep overriding the
+    // file.)
     let (path, required) = match &flags.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(paths::CONFIG_FILE), false),
@@ -86,6 +90,11 @@ fn config(flags: Flags) -> Result<AgentConfig> {
     }
     if !flags.pools.is_empty() {
         c.pools = flags.pools.into_iter().map(PoolConfig::new).collect();
+        c.pools_configured = true;
+    }
+    if c.datastore.is_kubernetes() && !c.pools_configured {
+        // (Configured pools are refused by validate() below.)
+        c.pools = ippools.map(IpPools::current).unwrap_or_default();
     }
     if let Some(v) = flags.log_level {
         c.log_level = v;
@@ -100,7 +109,7 @@ fn config(flags: Flags) -> Result<AgentConfig> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let flags = Flags::parse();
-    let cfg = config(flags.clone())?;
+    let mut cfg = config(flags.clone(), None)?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log_level)
@@ -112,7 +121,7 @@ async fn main() -> Result<()> {
         .init();
     tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, datastore = %cfg.datastore.kind,
         pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
-    let ebpf_cfg = EbpfConfig {
+    let mut ebpf_cfg = EbpfConfig {
         pin_root: cfg.bpf_pin_root.clone(),
         node: cfg.node_name.clone(),
         uplinks: cfg.uplinks.clone(),
@@ -141,6 +150,20 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("cannot open the {} datastore", cfg.datastore.kind))?;
     let store = opened.store;
+    // With the kubernetes datastore the pools are the IPPool objects: read them now (the
+    // dataplane's SNAT settings need them), follow them once the agent runs.
+    let ippools = if cfg.datastore.is_kubernetes() {
+        let (ippools, follower) = IpPools::load(store.clone())
+            .await
+            .context("cannot read the IPPool objects")?;
+        cfg = config(flags.clone(), Some(&ippools)).context("the IPPool objects")?;
+        ebpf_cfg.nat = Some(cfg.nat_settings()?);
+        tracing::info!(pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
+            "pools from the IPPool objects");
+        Some((ippools, follower))
+    } else {
+        None
+    };
     let pin_dir = ebpf_cfg.pin_dir();
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
@@ -193,10 +216,19 @@ async fn main() -> Result<()> {
         cleaner::spawn(pin_dir, cfg.nat_settings()?);
     }
     let reread_flags = flags.clone();
+    let (pool_source, pool_changes) = match ippools {
+        Some((ippools, follower)) => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            ippools.spawn_follow(follower, tx);
+            (Some(ippools), Some(rx))
+        }
+        None => (None, None),
+    };
     tasks::spawn_reload(
         node.clone(),
-        move || config(reread_flags.clone()),
+        move || config(reread_flags.clone(), pool_source.as_ref()),
         cfg.clone(),
+        pool_changes,
     );
     let socket = grpc::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.

@@ -1,5 +1,5 @@
-//! The agent's background loops, in one place: IPAM housekeeping, the SIGHUP reload, and the
-//! shutdown signal. (The dataplane's own loops run on its driver thread, `reconcile::driver`,
+//! The agent's background loops, in one place: IPAM housekeeping, the reload (SIGHUP, IPPool
+//! changes), and the shutdown signal. (The dataplane's own loops run on its driver thread, `reconcile::driver`,
 //! and the SNAT conntrack cleaner in `dataplane::cleaner`.)
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,12 +30,22 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
     });
 }
 
-/// SIGHUP: `reread` reads the config again (the file, overridden by the same flags); pool
-/// changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and the
-/// nftables tables are applied. What only a restart applies is compared against `started`
-/// and named in a warning.
-pub fn spawn_reload<F>(node: Arc<Node>, reread: F, started: AgentConfig)
-where
+/// How often a pool change that was refused (a pool under live addresses) is tried again when
+/// the pools come from IPPool objects: it takes effect once it is safe.
+const DEFERRED_POOLS_RETRY: Duration = Duration::from_secs(10);
+
+/// SIGHUP, or a change of the IPPools (`pool_changes`, with the `kubernetes` datastore):
+/// `reread` reads the config again (the file, overridden by the same flags, its pools the
+/// IPPools' when they are the source); pool changes that are safe, the XDP deny list and
+/// failsafe ports, the SNAT exclusions and the nftables tables are applied. What only a restart
+/// applies is compared against `started` and named in a warning. An IPPool change refused as
+/// unsafe is tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone.
+pub fn spawn_reload<F>(
+    node: Arc<Node>,
+    reread: F,
+    started: AgentConfig,
+    mut pool_changes: Option<tokio::sync::mpsc::UnboundedReceiver<()>>,
+) where
     F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
 {
     tokio::spawn(async move {
@@ -44,11 +54,31 @@ where
             tracing::warn!("cannot listen for SIGHUP: config reload disabled");
             return;
         };
-        while hup.recv().await.is_some() {
+        let mut deferred = false;
+        loop {
+            let why = tokio::select! {
+                s = hup.recv() => match s {
+                    Some(()) => "SIGHUP",
+                    None => return,
+                },
+                Some(()) = async {
+                    match pool_changes.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // One pass for a burst of changes.
+                    if let Some(rx) = pool_changes.as_mut() {
+                        while rx.try_recv().is_ok() {}
+                    }
+                    "IPPool change"
+                }
+                _ = tokio::time::sleep(DEFERRED_POOLS_RETRY), if deferred => "deferred IPPool change",
+            };
             let cfg = match reread() {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::error!(error = %format!("{e:#}"), "SIGHUP: config rejected; keeping the running one");
+                    tracing::error!(error = %format!("{e:#}"), "{why}: config rejected; keeping the running one");
                     continue;
                 }
             };
@@ -63,21 +93,29 @@ where
             };
             if restart_only(&cfg) != restart_only(&started) {
                 tracing::warn!(
-                    "SIGHUP: dataplane, uplinks, xdp.enabled, xdp.mode and resync_interval_secs \
+                    "{why}: dataplane, uplinks, xdp.enabled, xdp.mode and resync_interval_secs \
                      take effect when the agent restarts"
                 );
             }
-            if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
-                tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
+            match node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
+                Ok(()) => deferred = false,
+                Err(e) => {
+                    deferred = pool_changes.is_some();
+                    if deferred {
+                        tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools and trying again every {DEFERRED_POOLS_RETRY:?}");
+                    } else {
+                        tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools");
+                    }
+                }
             }
             // Both validated by `reread` (AgentConfig::validate).
             let (Ok(xdp), Ok(nat)) = (cfg.xdp_policy(), cfg.nat_settings()) else {
                 continue;
             };
             match node.endpoints.reload_dataplane(Reload { xdp, nat }).await {
-                Ok(()) => tracing::info!("SIGHUP: dataplane settings reloaded"),
+                Ok(()) => tracing::info!("{why}: dataplane settings reloaded"),
                 Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
-                    "SIGHUP: cannot apply the dataplane settings"),
+                    "{why}: cannot apply the dataplane settings"),
             }
         }
     });

@@ -156,6 +156,41 @@ impl KubeApi {
         }
     }
 
+    /// Applies `object` (server-side apply, forced), e.g. an `IPPool`: `apiVersion`, `kind`,
+    /// `metadata.name` and the rest. Cluster-scoped kinds only.
+    pub fn apply(&self, object: serde_json::Value) -> Result<()> {
+        let (ar, name) = resource_of(&object)?;
+        self.with_client(move |c| async move {
+            let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
+            let pp = PatchParams::apply("calix-testbed").force();
+            api.patch(&name, &pp, &Patch::Apply(&object))
+                .await
+                .map(|_| ())
+                .map_err(|e| Error::Kube {
+                    what: format!("apply {} {name}", ar.kind),
+                    detail: e.to_string(),
+                })
+        })
+    }
+
+    /// Deletes the cluster-scoped object `kind` `name` of `api_version` (gone already: fine).
+    pub fn delete(&self, api_version: &str, kind: &str, name: &str) -> Result<()> {
+        let (ar, name) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind, "metadata": {"name": name}
+        }))?;
+        self.with_client(move |c| async move {
+            let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
+            match api.delete(&name, &Default::default()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(Error::Kube {
+                    what: format!("delete {} {name}", ar.kind),
+                    detail: e.to_string(),
+                }),
+            }
+        })
+    }
+
     /// Stops the API server (SIGKILL: a crash); etcd keeps running.
     pub fn kill_apiserver(&self) {
         kill(&self.apiserver);
@@ -411,6 +446,28 @@ pub async fn client(kubeconfig: &Path) -> Result<kube::Client> {
         .await
         .map_err(|e| err(e.to_string()))?;
     kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))
+}
+
+/// The resource (plural guessed from the kind, as kube does) and name of an object.
+fn resource_of(object: &serde_json::Value) -> Result<(kube::api::ApiResource, String)> {
+    let field = |path: &[&str]| {
+        path.iter()
+            .fold(object, |v, k| &v[*k])
+            .as_str()
+            .map(String::from)
+            .ok_or_else(|| Error::Missing {
+                field: path.join("."),
+                value: object.to_string(),
+            })
+    };
+    let api_version = field(&["apiVersion"])?;
+    let kind = field(&["kind"])?;
+    let name = field(&["metadata", "name"])?;
+    let (group, version) = api_version
+        .rsplit_once('/')
+        .unwrap_or(("", api_version.as_str()));
+    let gvk = kube::api::GroupVersionKind::gvk(group, version, &kind);
+    Ok((kube::api::ApiResource::from_gvk(&gvk), name))
 }
 
 fn lock(m: &Mutex<Option<Child>>) -> std::sync::MutexGuard<'_, Option<Child>> {
