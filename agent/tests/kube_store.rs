@@ -419,14 +419,26 @@ async fn the_watch_caches_410_is_compacted_and_a_rotated_watch_loses_nothing() {
             other => panic!("expected {key}, got {other:?}"),
         }
     }
+    // From revision 0: what exists now, in revision order, then what follows.
+    let mut w0 = db.watch("nodes/a", 0).await.expect("watch");
+    let mut want = vec![("nodes/a".to_string(), r1)];
+    want.extend(expect.iter().cloned());
+    let late = create(&db, "nodes/a9", node("x")).await;
+    want.push(("nodes/a9".to_string(), late));
+    for (key, rev) in &want {
+        match tokio::time::timeout(Duration::from_secs(15), w0.next()).await {
+            Ok(Some(Ok(WatchEvent::Put(kv)))) => assert_eq!((&kv.key, kv.revision), (key, *rev)),
+            other => panic!("expected {key}, got {other:?}"),
+        }
+    }
     let mut got = Vec::new();
-    while got.len() < 8 {
+    while got.len() < 9 {
         match tokio::time::timeout(Duration::from_secs(15), w.next()).await {
             Ok(Some(Ok(e))) => got.push(e.key().to_string()),
             other => panic!("after {got:?}: {other:?}"),
         }
     }
-    assert_eq!(got.len(), 8, "{got:?}");
+    assert_eq!(got.len(), 9, "{got:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
