@@ -14,4 +14,5 @@ pub mod model;
 pub mod node;
 pub mod paths;
 pub mod reconcile;
+pub mod routes;
 pub mod tasks;

@@ -16,10 +16,12 @@ use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
 use calix_agent::ippools::IpPools;
 use calix_agent::model::NodeRecord;
+use calix_agent::node::mtu::PodMtu;
 use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
+use calix_agent::reconcile::remote::Underlay;
 use calix_agent::reconcile::Backoff;
-use calix_agent::{datastore, grpc, metrics, paths, tasks};
+use calix_agent::{datastore, grpc, metrics, paths, routes, tasks};
 use calix_kernel::host::NetlinkHost;
 use clap::Parser;
 
@@ -54,8 +56,9 @@ struct Flags {
     #[arg(long)]
     bpf_object: Option<PathBuf>,
     /// Remove this node's eBPF programs (from every cali* interface and the uplinks, the XDP
-    /// prefilter included), map entries and pins, and the kernel mode's nftables tables, then
-    /// exit. Pods keep their routes (kernel forwarding).
+    /// prefilter included), map entries and pins, the kernel mode's nftables tables and
+    /// calix's VXLAN devices (with the routes through them), then exit. Pods keep their
+    /// routes (kernel forwarding), and so do direct routes to other nodes.
     #[arg(long)]
     uninstall: bool,
 }
@@ -134,6 +137,9 @@ async fn main() -> Result<()> {
     let _instance = InstanceLock::acquire(&cfg.socket)?;
     if flags.uninstall {
         dataplane::uninstall(&ebpf_cfg)?;
+        let netlink = calix_kernel::netns::netlink_here().await?;
+        let removed = calix_kernel::vxlan::delete_all(&netlink).await?;
+        tracing::info!(?removed, "VXLAN devices removed");
         return Ok(());
     }
     // The HTTP door comes up first: /healthz and /readyz answer 503 until the initial sync.
@@ -179,17 +185,37 @@ async fn main() -> Result<()> {
     let driver = Driver::spawn(
         NetlinkHost::new,
         dataplane,
+        Underlay::from_config(&cfg),
         Timing {
             resync: Duration::from_secs(cfg.resync_interval_secs),
             backoff: Backoff::default(),
         },
     )?;
+    // Route distribution: what peers need of this node goes into its record.
+    let mut addresses = host_addrs::record_addresses();
+    let routes_start = match cfg.routes.enabled {
+        true => Some(
+            routes::task::Start::from_config(&cfg, &addresses)
+                .await
+                .context("route distribution ([routes]) cannot start")?,
+        ),
+        false => None,
+    };
+    if let Some(s) = &routes_start {
+        addresses = routes::task::record_addresses(addresses, &s.next_hops);
+    }
     let record = NodeRecord {
         name: cfg.node_name.clone(),
-        addresses: host_addrs::record_addresses(),
+        addresses,
         labels: cfg.node_labels.clone(),
         agent_version: env!("CARGO_PKG_VERSION").into(),
+        routes_endpoint: routes_start
+            .as_ref()
+            .map(|s| s.endpoint.clone())
+            .unwrap_or_default(),
+        reflector: routes_start.as_ref().is_some_and(|s| s.cfg.reflector),
     };
+    let remote_routes = driver.clone();
     let housekeeping = Housekeeping {
         leak_grace: Duration::from_secs(cfg.ipam.leak_grace_secs),
         empty_block_grace: Duration::from_secs(cfg.ipam.empty_block_grace_secs),
@@ -202,8 +228,9 @@ async fn main() -> Result<()> {
         store.clone(),
     )
     .await?;
-    let endpoints = EndpointRegistry::load(&cfg.node_name, store, driver, stats).await?;
+    let endpoints = EndpointRegistry::load(&cfg.node_name, store.clone(), driver, stats).await?;
     let node = Arc::new(Node::new(ipam, endpoints));
+    node.set_pod_mtu(PodMtu::from_config(&cfg));
     // The initial sync: every recorded endpoint programmed, then the sweep.
     let pools = node.ipam.pools().iter().map(|p| p.cidr).collect();
     node.endpoints.start(pools).await?;
@@ -230,10 +257,27 @@ async fn main() -> Result<()> {
         cfg.clone(),
         pool_changes,
     );
+    let routes = match routes_start {
+        Some(s) => Some(Arc::new(
+            routes::task::start(s, store, Arc::new(remote_routes))
+                .await
+                .context("route distribution ([routes]) cannot start")?,
+        )),
+        None => None,
+    };
+    if let Some(r) = &routes {
+        http.set_routes(r.clone());
+    }
     let socket = grpc::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.
     http.set_ready(node.clone());
-    socket.serve(node.clone(), tasks::shutdown_signal()).await?;
+    socket
+        .serve(node.clone(), routes.clone(), tasks::shutdown_signal())
+        .await?;
+    // Peers see this agent's streams end and keep its routes for their grace period.
+    if let Some(r) = &routes {
+        r.shutdown().await;
+    }
     node.endpoints.shutdown().await;
     tracing::info!("stopped");
     Ok(())

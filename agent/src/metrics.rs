@@ -1,5 +1,5 @@
 //! The agent's HTTP door: Prometheus `/metrics` (endpoint traffic counters, eBPF drop counters
-//! by reason, IPAM free addresses), `/healthz` and `/readyz` (200 once the initial sync is
+//! by reason, IPAM free addresses, route distribution), `/healthz` and `/readyz` (200 once the initial sync is
 //! done, 503 before). A tiny hand-written responder (one GET, then close) keeps the agent free
 //! of an HTTP server stack; it caps connections, bounds reads and writes in time and size,
 //! backs off when accept fails, and renders from the agent's snapshots (the endpoints lock is
@@ -104,6 +104,16 @@ pub async fn render(node: &Node) -> String {
         "# HELP calix_node_not_ok 1 while the node's own objects (forwarding, nftables tables) cannot be brought to their desired state (the agent's log says why).\n# TYPE calix_node_not_ok gauge\ncalix_node_not_ok {}",
         u8::from(rec.node_error.is_some())
     );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_not_ok 1 while the routes to other nodes (and their VXLAN devices) cannot be brought to their desired state (the agent's log says why).\n# TYPE calix_routes_not_ok gauge\ncalix_routes_not_ok {}",
+        u8::from(rec.routes_error.is_some())
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_not_programmed Desired routes to other nodes that cannot be programmed as asked (a next hop of another family, off every subnet with vxlan = never...; logged).\n# TYPE calix_routes_not_programmed gauge\ncalix_routes_not_programmed {}",
+        rec.route_problems.len()
+    );
     out
 }
 
@@ -111,6 +121,8 @@ pub async fn render(node: &Node) -> String {
 #[derive(Default)]
 pub struct HttpState {
     node: std::sync::OnceLock<Arc<Node>>,
+    /// Route distribution, when it runs.
+    routes: std::sync::OnceLock<Arc<crate::routes::RoutesHandle>>,
     ready: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicU64,
 }
@@ -120,6 +132,11 @@ impl HttpState {
     pub fn set_ready(&self, node: Arc<Node>) {
         let _ = self.node.set(node);
         self.ready.store(true, Ordering::Release);
+    }
+
+    /// Route distribution's metrics from now on.
+    pub fn set_routes(&self, routes: Arc<crate::routes::RoutesHandle>) {
+        let _ = self.routes.set(routes);
     }
 
     fn node(&self) -> Option<&Arc<Node>> {
@@ -225,6 +242,9 @@ async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: H
         ),
         ("/metrics", Some(node)) => {
             let mut body = render(node).await;
+            if let Some(routes) = state.routes.get() {
+                body.push_str(&routes.metrics().await);
+            }
             let _ = writeln!(
                 body,
                 "# HELP calix_http_refused_total Connections to this port closed at once: too many open.\n# TYPE calix_http_refused_total counter\ncalix_http_refused_total {}",

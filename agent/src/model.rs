@@ -47,6 +47,14 @@ pub struct NodeRecord {
     /// calix-agent version that last wrote this record.
     #[serde(default)]
     pub agent_version: String,
+    /// Where this node serves `calix.v1.Routes` (`address:port`, `[v6]:port`); empty when
+    /// route distribution is off (or the record predates it): peers do not follow it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub routes_endpoint: String,
+    /// This node's agent relays every node's routes (`routes.reflector`, with
+    /// `topology = "reflectors"`). Also what entitles it to announce other nodes' routes.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reflector: bool,
 }
 
 /// CNI GC's question about an attachment: given its (network, container ID), decoded from its

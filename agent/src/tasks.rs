@@ -89,16 +89,21 @@ pub fn spawn_reload<F>(
                     c.uplinks.clone(),
                     c.dataplane,
                     c.resync_interval_secs,
+                    c.vxlan.clone(),
+                    c.routes.clone(),
                 )
             };
-            if restart_only(&cfg) != restart_only(&started) {
+            if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
                 tracing::warn!(
-                    "{why}: dataplane, uplinks, xdp.enabled, xdp.mode and resync_interval_secs \
-                     take effect when the agent restarts"
+                    "{why}: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs, \
+                     [routes], [vxlan] and pools' vxlan take effect when the agent restarts"
                 );
             }
             match node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
-                Ok(()) => deferred = false,
+                Ok(()) => {
+                    deferred = false;
+                    node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
+                }
                 Err(e) => {
                     deferred = pool_changes.is_some();
                     if deferred {
@@ -119,6 +124,19 @@ pub fn spawn_reload<F>(
             }
         }
     });
+}
+
+/// Whether a pool's `vxlan` differs from what route distribution started with (a pool added
+/// since counts when it asks for anything but the default).
+fn vxlan_changed(started: &AgentConfig, now: &AgentConfig) -> bool {
+    now.pools.iter().any(|p| {
+        let was = started
+            .pools
+            .iter()
+            .find(|q| q.cidr == p.cidr)
+            .map(|q| q.vxlan);
+        was.unwrap_or_default() != p.vxlan
+    })
 }
 
 /// Resolves on SIGTERM or SIGINT.

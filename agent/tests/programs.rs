@@ -30,7 +30,7 @@ use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
     eui64_link_local, DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey,
     LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP,
+    EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
     STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
 };
@@ -722,6 +722,184 @@ fn pool_traffic_for_other_nodes_leaves_through_the_fib() {
         for dst in [[10, 244, 9, 9], [198, 51, 100, 1]] {
             h.passes(PROG_FROM_POD, a.ifindex, &ip.clone().to(dst).sent_by(&a));
         }
+    });
+}
+
+/// `__sk_buff` up to `gso_size` (`u32` words; 64-bit fields count as two): `gso_segs` and
+/// `gso_size` make the test skb a GSO packet, as TCP from a pod usually is (one frame of many
+/// MSS-sized segments, cut at the egress device or by its hardware).
+type SkBuffGso = [u32; 45];
+const SKB_GSO_SEGS: usize = 41;
+const SKB_GSO_SIZE: usize = 44;
+
+/// Runs `prog` on `frame` as a GSO packet of `segs` segments of `size` bytes, on `ifindex`.
+fn test_run_gso(h: &Harness, prog: &str, ifindex: u32, frame: &[u8], segs: u32, size: u32) -> Run {
+    let p: &SchedClassifier = h
+        .bpf
+        .program(prog)
+        .expect("a program of ALL_PROGRAMS")
+        .try_into()
+        .expect("a tc classifier");
+    let mut ctx: SkBuffGso = [0; 45];
+    ctx[SKB_IFINDEX] = ifindex;
+    ctx[SKB_INGRESS_IFINDEX] = FORWARDED_FROM;
+    ctx[SKB_GSO_SEGS] = segs;
+    ctx[SKB_GSO_SIZE] = size;
+    const _: () = assert!(size_of::<SkBuffGso>() == 180);
+    let fd = p.fd().expect("program fd");
+    common::test_run(fd.as_fd(), frame, &ctx).expect("BPF_PROG_TEST_RUN")
+}
+
+/// The uplink `cxtpu` (up, MAC 02:..:01, 192.168.77.1/24 and fd77::1/64) with the next hop
+/// 192.168.77.2 / fd77::2 known at 02:..:fe, forwarding on, and the pools in the maps.
+fn uplink_with_a_neighbour(h: &mut Harness) -> u32 {
+    let uplink = veth("cxtpu");
+    ip(&["link", "set", "cxtpu", "address", "02:00:00:00:00:01", "up"]);
+    ip(&["link", "set", "cxtpup", "up"]);
+    ip(&["addr", "add", "192.168.77.1/24", "dev", "cxtpu"]);
+    ip(&["addr", "add", "fd77::1/64", "dev", "cxtpu", "nodad"]);
+    for (gw, mac) in [
+        ("192.168.77.2", "02:00:00:00:00:fe"),
+        ("fd77::2", "02:00:00:00:00:fe"),
+    ] {
+        ip(&["neigh", "add", gw, "lladdr", mac, "dev", "cxtpu"]);
+    }
+    // bpf_fib_lookup wants forwarding on; /proc/sys/net is this thread's namespace's.
+    std::fs::write("/proc/sys/net/ipv4/conf/all/forwarding", "1").expect("forwarding");
+    std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1").expect("forwarding");
+    h.pools_v4
+        .insert(&Key::new(16, [10, 244, 0, 0]), 1, 0)
+        .expect("insert a pool");
+    let mut pools_v6: LpmTrie<MapData, [u8; 16], u32> = map(&mut h.bpf, POOLS_V6_MAP);
+    pools_v6
+        .insert(&Key::new(32, v6(0)), 1, 0)
+        .expect("insert a pool");
+    uplink
+}
+
+#[test]
+fn a_gso_packet_to_another_node_leaves_through_the_fib_whole() {
+    in_netns(|| {
+        let (mut h, a, _b) = setup();
+        uplink_with_a_neighbour(&mut h);
+        ip(&["route", "add", "10.244.1.0/24", "via", "192.168.77.2"]);
+        ip(&["-6", "route", "add", "fd00:244:0:1::/64", "via", "fd77::2"]);
+        // TCP from a pod to another node: 4 segments of 700 bytes in one frame, bigger than
+        // the uplink's MTU as a whole. It leaves as it is (the uplink or its hardware cuts
+        // it), never through the host stack.
+        let mut payload = tcp_syn(40000, 80);
+        payload.resize(20 + 2800, 0x5a);
+        let ip4 = Ip4::new(a.v4, [10, 244, 1, 5], TCP, payload.clone());
+        let routed = eth(
+            [2, 0, 0, 0, 0, 0xfe],
+            [2, 0, 0, 0, 0, 1],
+            ETH_P_IP,
+            &ip4.clone().ttl(63).bytes(),
+        );
+        let run = test_run_gso(&h, PROG_FROM_POD, a.ifindex, &ip4.sent_by(&a), 4, 700);
+        assert_eq!(run.verdict, TC_ACT_REDIRECT, "IPv4: to the host stack");
+        assert_eq!(run.frame, routed);
+        let mut dst6 = v6(5);
+        dst6[7] = 1;
+        let p6 = ip6(a.v6, dst6, TCP, &payload);
+        let mut routed6 = eth([2, 0, 0, 0, 0, 0xfe], [2, 0, 0, 0, 0, 1], ETH_P_IPV6, &p6);
+        routed6[14 + 7] = 63;
+        let sent6 = eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, &p6);
+        let run = test_run_gso(&h, PROG_FROM_POD, a.ifindex, &sent6, 4, 700);
+        assert_eq!(run.verdict, TC_ACT_REDIRECT, "IPv6: to the host stack");
+        assert_eq!(run.frame, routed6);
+        // One frame bigger than the MTU that is not GSO: the stack's (it answers "too big").
+        let big = test_run_gso(&h, PROG_FROM_POD, a.ifindex, &ip4.sent_by(&a), 0, 0);
+        assert_eq!(big.verdict, TC_ACT_OK);
+    });
+}
+
+#[test]
+fn pool_traffic_through_calix_vxlan_devices_is_redirected_to_them() {
+    use calix_kernel::host::{HostKernel, NetlinkHost};
+    use calix_kernel::node_route::NodeRoute;
+    use calix_kernel::vxlan::{vtep_mac, FdbEntry, VxlanSpec, DEVICE_V4, DEVICE_V6};
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let uplink = uplink_with_a_neighbour(&mut h);
+        // What the route reconciler programs for a peer on another subnet, with calix's own
+        // kernel code.
+        let mut k = NetlinkHost::new().expect("netlink");
+        let mut tunnel = |name, local: &str, peer: &str, block: &str, mtu| {
+            let (local, peer): (std::net::IpAddr, std::net::IpAddr) =
+                (local.parse().expect("ip"), peer.parse().expect("ip"));
+            let spec = VxlanSpec {
+                name,
+                vni: 4096,
+                port: 4789,
+                local,
+                underlay: uplink,
+                mtu,
+            };
+            let dev = k.create_vxlan(&spec).expect("create the device");
+            k.add_fdb(dev, &FdbEntry::of_peer(peer)).expect("fdb");
+            k.set_neighbour(dev, peer, vtep_mac(peer))
+                .expect("neighbour");
+            k.add_node_route(
+                &NodeRoute {
+                    dst: block.parse().expect("block"),
+                    gateway: peer,
+                    oif: dev,
+                    onlink: true,
+                },
+                false,
+            )
+            .expect("route");
+            (dev, spec.mac(), vtep_mac(peer))
+        };
+        let (dev4, mac4, peer4) = tunnel(
+            DEVICE_V4,
+            "192.168.77.1",
+            "172.31.2.3",
+            "10.244.2.0/26",
+            1450,
+        );
+        let (dev6, mac6, peer6) =
+            tunnel(DEVICE_V6, "fd77::1", "fd31:2::3", "fd00:244:0:2::/64", 1430);
+
+        // Into the device, addressed to the peer's VTEP: the device encapsulates.
+        let ip4 = Ip4::new(a.v4, [10, 244, 2, 5], TCP, tcp_syn(40000, 80));
+        let routed = eth(peer4, mac4, ETH_P_IP, &ip4.clone().ttl(63).bytes());
+        h.redirects(PROG_FROM_POD, a.ifindex, &ip4.sent_by(&a), &routed);
+        let mut dst6 = v6(5);
+        dst6[7] = 2;
+        let p6 = ip6(a.v6, dst6, UDP, &udp(5000, 53));
+        let mut routed6 = eth(peer6, mac6, ETH_P_IPV6, &p6);
+        routed6[14 + 7] = 63;
+        h.redirects(
+            PROG_FROM_POD,
+            a.ifindex,
+            &eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, &p6),
+            &routed6,
+        );
+        // A frame the device's MTU cannot carry (a pod with a bigger MTU than the tunnel's):
+        // the host stack's, which answers "fragmentation needed".
+        let mut payload = tcp_syn(40000, 80);
+        payload.resize(1460, 0);
+        let big = Ip4::new(a.v4, [10, 244, 2, 5], TCP, payload);
+        h.passes(PROG_FROM_POD, a.ifindex, &big.sent_by(&a));
+
+        // Decapsulated traffic for a local pod, on the device's ingress: straight into it.
+        let from_peer = Ip4::new([10, 244, 2, 5], b.v4, TCP, tcp_syn(80, 40000));
+        let arrived = eth(mac4, peer4, ETH_P_IP, &from_peer.bytes());
+        h.redirects(
+            PROG_FROM_HOST_DEV,
+            dev4,
+            &arrived,
+            &from_peer.delivered_to(&b),
+        );
+        let back6 = ip6(dst6, b.v6, UDP, &udp(53, 5000));
+        h.redirects(
+            PROG_FROM_HOST_DEV,
+            dev6,
+            &eth(mac6, peer6, ETH_P_IPV6, &back6),
+            &delivered_v6(&b, &back6),
+        );
     });
 }
 

@@ -20,6 +20,10 @@ use crate::error::{code, CniError};
 pub struct Assigned {
     pub addresses: Vec<IpAddr>,
     pub already: bool,
+    /// The MTU the agent wants for this pod when the network config sets none (a VXLAN
+    /// tunnel may carry it); `None` from a delegated IPAM plugin or when the agent has no
+    /// opinion.
+    pub mtu: Option<u32>,
 }
 
 /// Finds `plugin` in CNI_PATH.
@@ -128,6 +132,7 @@ pub async fn add(
         return Ok(Assigned {
             addresses,
             already: false,
+            mtu: None,
         });
     }
     let rc = conf.runtime()?;
@@ -172,6 +177,8 @@ pub async fn add(
     Ok(Assigned {
         addresses,
         already: resp.already_allocated,
+        // The same bounds as the conflist's `mtu`; anything else is ignored.
+        mtu: Some(resp.mtu).filter(|m| (68..=65535).contains(m)),
     })
 }
 

@@ -40,6 +40,8 @@ pub enum NetlinkError {
     /// alone.
     #[error("a route to {dst} already exists")]
     RouteExists { dst: IpNet },
+    #[error("invalid route {route}: {reason}")]
+    InvalidRoute { route: String, reason: &'static str },
     #[error("interface {name} not found")]
     LinkNotFound { name: String },
     #[error("no interface with index {index}")]
@@ -123,9 +125,22 @@ pub async fn add_route(
 }
 
 pub async fn set_link_up(handle: &Handle, ifindex: u32) -> Result<(), NetlinkError> {
+    set_link_up_with_mtu(handle, ifindex, None).await
+}
+
+/// Sets a link up and, with `mtu`, its MTU, in one request.
+pub async fn set_link_up_with_mtu(
+    handle: &Handle,
+    ifindex: u32,
+    mtu: Option<u32>,
+) -> Result<(), NetlinkError> {
+    let mut link = LinkUnspec::new_with_index(ifindex).up();
+    if let Some(mtu) = mtu {
+        link = link.mtu(mtu);
+    }
     handle
         .link()
-        .set(LinkUnspec::new_with_index(ifindex).up().build())
+        .set(link.build())
         .execute()
         .await
         .map_err(|source| {
@@ -314,7 +329,7 @@ pub struct LinkDetails {
 }
 
 impl LinkDetails {
-    fn from_message(message: &LinkMessage) -> LinkDetails {
+    pub(crate) fn from_message(message: &LinkMessage) -> LinkDetails {
         let mut details = LinkDetails {
             index: message.header.index,
             name: String::new(),
@@ -410,6 +425,8 @@ pub struct AddressEntry {
     pub address: IpNet,
     /// `IFA_F_*` bits (IFA_FLAGS when present, else the header's 8 bits).
     pub flags: u32,
+    /// `ifa_scope` (0 = global, 253 = link).
+    pub scope: u8,
 }
 
 impl AddressEntry {
@@ -450,6 +467,7 @@ pub async fn addresses(handle: &Handle, ifindex: u32) -> Result<Vec<AddressEntry
                 entries.push(AddressEntry {
                     address: net,
                     flags,
+                    scope: u8::from(message.header.scope),
                 });
             }
         }
@@ -485,6 +503,8 @@ pub struct RouteEntry {
     pub scope: u8,
     pub table: u32,
     pub priority: Option<u32>,
+    /// `RTNH_F_ONLINK`: the gateway is taken to be on the link whatever the subnets say.
+    pub onlink: bool,
 }
 
 impl RouteEntry {
@@ -522,6 +542,10 @@ impl RouteEntry {
             scope: u8::from(message.header.scope),
             table,
             priority,
+            onlink: message
+                .header
+                .flags
+                .contains(netlink_packet_route::route::RouteFlags::Onlink),
         })
     }
 }
@@ -581,17 +605,19 @@ pub async fn neighbours(
     ifindex: u32,
     family: Family,
 ) -> Result<Vec<NeighbourEntry>, NetlinkError> {
-    let messages: Vec<_> = handle
+    let mut request = handle
         .neighbours()
         .get()
-        .set_address_family(family.address_family())
-        .execute()
-        .try_collect()
-        .await
-        .map_err(netlink_err(
-            "list neighbours",
-            format!("of interface {ifindex}"),
-        ))?;
+        .set_address_family(family.address_family());
+    // NDA_IFINDEX: the kernel dumps only this device's entries (neigh_valid_dump_req).
+    request
+        .message_mut()
+        .attributes
+        .push(NeighbourAttribute::IfIndex(ifindex));
+    let messages: Vec<_> = request.execute().try_collect().await.map_err(netlink_err(
+        "list neighbours",
+        format!("of interface {ifindex}"),
+    ))?;
     let mut entries = Vec::new();
     for message in messages.iter().filter(|m| m.header.ifindex == ifindex) {
         let mut ip = None;
@@ -622,7 +648,46 @@ pub async fn neighbours(
     Ok(entries)
 }
 
-/// Sets a link's alias (`IFLA_IFALIAS`).
+/// The MTU of the link called `name` in the calling thread's namespace: one `SIOCGIFMTU`
+/// ioctl, for callers that have no netlink socket at hand (the agent's gRPC handlers).
+pub fn link_mtu(name: &str) -> Result<u32, NetlinkError> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    validate_ifname(name)?;
+    let failed = |source: std::io::Error| {
+        NetlinkError::Netns(NetnsError::Netlink {
+            path: format!("SIOCGIFMTU {name}").into(),
+            source,
+        })
+    };
+    // SAFETY: socket(2) with constant arguments; the descriptor is owned right away.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(failed(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` is a new descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ifreq is plain data; all-zero is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(name.bytes()) {
+        *dst = src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFMTU reads `ifr_name` (NUL-terminated: the name is at most 15 bytes and
+    // the array 16 zeroed) and writes `ifr_mtu` of the ifreq we pass, valid for the call.
+    if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU, &mut req) } < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENODEV) {
+            return Err(NetlinkError::LinkNotFound {
+                name: name.to_string(),
+            });
+        }
+        return Err(failed(e));
+    }
+    // SAFETY: SIOCGIFMTU filled the `ifru_mtu` member of the union.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    u32::try_from(mtu).map_err(|_| failed(std::io::Error::other(format!("MTU {mtu}"))))
+}
+
+/// Sets a link's alias (`IFLA_IFALIAS`)./// Sets a link's alias (`IFLA_IFALIAS`).
 pub async fn set_alias(handle: &Handle, ifindex: u32, alias: &str) -> Result<(), NetlinkError> {
     let mut message = LinkMessage::default();
     message.header.index = ifindex;

@@ -32,8 +32,8 @@ use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Handle, RouteMessageBuilder};
 
 use crate::netlink::{
-    add_route, delete_link, errno, link_details, link_index, netlink_err, routes, set_link_up,
-    validate_ifname, Family, NetlinkError, ROUTE_PROTO,
+    add_route, delete_link, errno, link_details, link_index, netlink_err, routes,
+    set_link_up_with_mtu, validate_ifname, Family, NetlinkError, ROUTE_PROTO,
 };
 use crate::netns::{self, NetNs, NetnsError};
 
@@ -254,14 +254,16 @@ pub async fn has_default_route(pod: &Handle, family: Family) -> Result<bool, Net
 ///
 /// With [`PodRouting::Secondary`] the routes go to its table and a rule `from <addr> lookup
 /// <table>` (priority [`SECONDARY_RULE_PRIORITY`], protocol [`ROUTE_PROTO`]) selects it.
+/// `mtu`, when given, is set in the same request that sets the link up.
 pub async fn configure_pod(
     pod: &Handle,
     pod_ifindex: u32,
     v4: Option<Ipv4Addr>,
     v6: Option<Ipv6Addr>,
     routing: PodRouting,
+    mtu: Option<u32>,
 ) -> Result<(), NetlinkError> {
-    set_link_up(pod, pod_ifindex).await?;
+    set_link_up_with_mtu(pod, pod_ifindex, mtu).await?;
     let table = routing.table();
 
     if let Some(ip) = v4 {
@@ -560,8 +562,8 @@ impl HostRoute {
 }
 
 /// Configures the host side; `host` must act on the calling thread's namespace, because the
-/// sysctls are written through that thread's /proc/sys/net: [`host_settings`], link up, then
-/// the [`HostRoute`]s.
+/// sysctls are written through that thread's /proc/sys/net: [`host_settings`], link up (with
+/// `mtu` when given, in the same request), then the [`HostRoute`]s.
 ///
 /// A route for the same prefix (same table and metric) that is already there is
 /// [`NetlinkError::RouteExists`] and is left untouched.
@@ -571,6 +573,7 @@ pub async fn configure_host(
     host_ifindex: u32,
     v4: Option<Ipv4Addr>,
     v6: Option<Ipv6Addr>,
+    mtu: Option<u32>,
 ) -> Result<(), NetlinkError> {
     validate_ifname(host_ifname)?;
     for setting in host_settings(host_ifname, v4.is_some(), v6.is_some()) {
@@ -583,7 +586,7 @@ pub async fn configure_host(
             Write::IfChanged => netns::write_sysctl_if_changed(file, setting.value)?,
         }
     }
-    set_link_up(host, host_ifindex).await?;
+    set_link_up_with_mtu(host, host_ifindex, mtu).await?;
     for route in HostRoute::of_pod(host_ifindex, v4, v6) {
         add_host_route(host, route.message(), route.dst, host_ifname).await?;
     }

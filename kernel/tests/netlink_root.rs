@@ -141,10 +141,11 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             Some(v4),
             Some(v6),
             pod::PodRouting::Main,
+            None,
         )
         .await
         .expect("configure pod");
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6), None)
             .await
             .expect("configure host");
 
@@ -266,15 +267,27 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
         .expect("enter pod ns")
         .expect("read accept_dad");
         assert_eq!(accept_dad, "0");
-        // ... so the pod's link-local (made when the host side came up) is not tentative.
-        let addresses = netlink::addresses(&pod, pair.pod_ifindex)
-            .await
-            .expect("addresses");
-        let link_local = addresses
-            .iter()
-            .find(|a| matches!(a.address, IpNet::V6(n) if n.addr().is_unicast_link_local()))
-            .unwrap_or_else(|| panic!("no link-local in {addresses:?}"));
-        assert_eq!(link_local.flags & IFA_F_TENTATIVE, 0, "{link_local:?}");
+        // ... so the pod's link-local (made when the host side came up) does not wait for DAD.
+        // The kernel marks a new address tentative and clears the mark from a workqueue even
+        // without DAD, so allow that a moment (DAD itself would take a second or more).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(500);
+        loop {
+            let addresses = netlink::addresses(&pod, pair.pod_ifindex)
+                .await
+                .expect("addresses");
+            let link_local = addresses
+                .iter()
+                .find(|a| matches!(a.address, IpNet::V6(n) if n.addr().is_unicast_link_local()))
+                .unwrap_or_else(|| panic!("no link-local in {addresses:?}"));
+            if link_local.flags & IFA_F_TENTATIVE == 0 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still tentative after 500 ms: {link_local:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
 
         // Host routes: ours, scope link for v4, through the veth.
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
@@ -369,7 +382,7 @@ fn wires_a_dual_stack_pod_and_tears_it_down() {
             .expect("delete v6 route again"));
 
         // Re-add the routes, then deleting the host side takes the peer and the routes along.
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6))
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), Some(v6), None)
             .await
             .expect("configure host again");
         assert_eq!(
@@ -422,10 +435,11 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
             Some(v4),
             None,
             pod::PodRouting::Main,
+            None,
         )
         .await
         .expect("configure pod");
-        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None)
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None, None)
             .await
             .expect("configure host");
 
@@ -457,6 +471,51 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
             sysctl(&format!("/proc/sys/net/ipv4/conf/{HOST_IF}/proxy_arp")),
             "1"
         );
+    });
+}
+
+/// The MTU the agent asks for (a VXLAN tunnel's): set on both sides with the links going up.
+#[test]
+fn an_mtu_given_at_configure_time_is_set_on_both_sides() {
+    require_root();
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000005";
+    let v4: Ipv4Addr = "10.244.5.5".parse().expect("v4");
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        let pair = pod::create_veth(&host, &pod_ns, HOST_IF, "eth0", None)
+            .await
+            .expect("create veth");
+        let pod = netns::netlink_in(&pod_ns).await.expect("pod netlink");
+        pod::configure_pod(
+            &pod,
+            pair.pod_ifindex,
+            Some(v4),
+            None,
+            pod::PodRouting::Main,
+            Some(1450),
+        )
+        .await
+        .expect("configure pod");
+        pod::configure_host(
+            &host,
+            HOST_IF,
+            pair.host_ifindex,
+            Some(v4),
+            None,
+            Some(1450),
+        )
+        .await
+        .expect("configure host");
+        for (h, name) in [(&pod, "eth0"), (&host, HOST_IF)] {
+            let link = netlink::link_details(h, name)
+                .await
+                .expect("link")
+                .expect("exists");
+            assert_eq!((link.mtu, link.up), (Some(1450), true), "{name}");
+        }
     });
 }
 
@@ -512,11 +571,11 @@ fn a_route_clash_is_an_error_and_the_foreign_route_stays() {
             .expect("create veth");
         let net4 = IpNet::new(IpAddr::V4(v4), 32).expect("net");
         let net6 = IpNet::new(IpAddr::V6(v6), 128).expect("net");
-        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None).await {
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None, None).await {
             Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net4),
             other => panic!("expected RouteExists, got {other:?}"),
         }
-        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6)).await {
+        match pod::configure_host(&host, HOST_IF, pair.host_ifindex, None, Some(v6), None).await {
             Err(NetlinkError::RouteExists { dst }) => assert_eq!(dst, net6),
             other => panic!("expected RouteExists, got {other:?}"),
         }
@@ -666,6 +725,234 @@ fn the_host_kernel_reads_and_repairs_for_real() {
         assert_eq!(k.sysctl("ipv4/conf/nope0/proxy_arp").expect("read"), None);
 
         assert_eq!(k.bpf_filters(link.index).expect("no clsact: none"), vec![]);
+    })
+    .expect("in the node namespace");
+}
+
+/// Routes to other nodes, the VXLAN devices, their forwarding and neighbour entries through
+/// the reconcilers' trait, for real: what is written reads back equal, only calix's is seen.
+#[test]
+fn routes_to_other_nodes_and_vxlan_devices_for_real() {
+    use calix_kernel::host::{HostKernel, NetlinkHost};
+    use calix_kernel::node_route::NodeRoute;
+    use calix_kernel::pod::HostRoute;
+    use calix_kernel::vxlan::{vtep_mac, FdbEntry, VxlanSpec, DEVICE_V4, DEVICE_V6};
+    require_root();
+    let node = TestNs::new("node");
+    let ns = node.fd();
+    netns::run_in(&ns, || {
+        let run = |args: &[&str]| {
+            let out = Command::new("ip").args(args).output().expect("ip");
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+            String::from_utf8_lossy(&out.stdout).into_owned()
+        };
+        run(&[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth0p",
+        ]);
+        run(&["addr", "add", "172.31.1.1/24", "dev", "eth0"]);
+        run(&["addr", "add", "fd31:1::1/64", "dev", "eth0", "nodad"]);
+        run(&["link", "set", "eth0", "up"]);
+        run(&["link", "set", "eth0p", "up"]);
+        run(&[
+            "link", "add", "calixt0", "type", "veth", "peer", "name", "calixt0p",
+        ]);
+        let ip = |s: &str| -> IpAddr { s.parse().expect("ip") };
+        let mut k = NetlinkHost::new().expect("netlink");
+
+        let up = k.uplink("eth0").expect("uplink").expect("exists");
+        assert_eq!(up.mtu, 1500);
+        assert_eq!(
+            up.addresses,
+            vec![
+                "172.31.1.1/24".parse::<IpNet>().expect("net"),
+                "fd31:1::1/64".parse().expect("net")
+            ],
+            "global addresses only (no fe80::)"
+        );
+        assert_eq!(k.uplink("nope0").expect("uplink"), None);
+        // The MTU without netlink (what the agent tells the plugin).
+        assert_eq!(netlink::link_mtu("eth0").expect("mtu"), 1500);
+        run(&["link", "set", "calixt0", "mtu", "1400"]);
+        assert_eq!(netlink::link_mtu("calixt0").expect("mtu"), 1400);
+        assert!(matches!(
+            netlink::link_mtu("nope0"),
+            Err(NetlinkError::LinkNotFound { .. })
+        ));
+
+        // The devices, as specified.
+        let spec4 = VxlanSpec {
+            name: DEVICE_V4,
+            vni: 4096,
+            port: 4789,
+            local: ip("172.31.1.1"),
+            underlay: up.index,
+            mtu: up.mtu - 50,
+        };
+        let spec6 = VxlanSpec {
+            name: DEVICE_V6,
+            local: ip("fd31:1::1"),
+            mtu: up.mtu - 70,
+            ..spec4.clone()
+        };
+        assert_eq!(k.vxlan(DEVICE_V4).expect("read"), None);
+        let v4 = k.create_vxlan(&spec4).expect("create v4");
+        let v6 = k.create_vxlan(&spec6).expect("create v6");
+        for (spec, index) in [(&spec4, v4), (&spec6, v6)] {
+            let dev = k.vxlan(spec.name).expect("read").expect("exists");
+            assert_eq!(dev.index, index);
+            assert_eq!(dev.mismatch(spec), None, "{dev:?}");
+            assert_eq!((dev.up, dev.mtu), (true, Some(spec.mtu)));
+        }
+        assert!(matches!(
+            k.create_vxlan(&spec4),
+            Err(NetlinkError::Exists { .. })
+        ));
+        // Another VNI reads back as a mismatch; a link of the name that is not VXLAN too.
+        let other = VxlanSpec {
+            vni: 7,
+            ..spec4.clone()
+        };
+        let why = k
+            .vxlan(DEVICE_V4)
+            .expect("read")
+            .expect("exists")
+            .mismatch(&other)
+            .expect("a mismatch");
+        assert!(why.contains("VNI"), "{why}");
+        let not_vxlan = k.vxlan("calixt0").expect("read").expect("exists");
+        assert!(not_vxlan.vxlan.is_none());
+        k.set_mtu(v4, 1400).expect("mtu");
+        assert_eq!(
+            k.vxlan(DEVICE_V4).expect("read").expect("exists").mtu,
+            Some(1400)
+        );
+
+        // Forwarding entries: only this device's, exactly what was written.
+        let peer = FdbEntry::of_peer(ip("172.31.2.3"));
+        assert_eq!(k.fdb(v4).expect("fdb"), vec![]);
+        k.add_fdb(v4, &peer).expect("add fdb");
+        k.add_fdb(v4, &peer).expect("add again: replaced");
+        k.add_fdb(v6, &FdbEntry::of_peer(ip("fd31:2::3")))
+            .expect("add fdb v6");
+        assert_eq!(k.fdb(v4).expect("fdb"), vec![peer]);
+        let shown = run(&["-d", "link", "show", DEVICE_V4]);
+        assert!(shown.contains("nolearning"), "{shown}");
+        let fdb = String::from_utf8_lossy(
+            &Command::new("bridge")
+                .args(["fdb", "show", "dev", DEVICE_V4])
+                .output()
+                .expect("bridge")
+                .stdout,
+        )
+        .into_owned();
+        assert!(
+            fdb.contains("0e:ca:ac:1f:02:03 dst 172.31.2.3 self permanent"),
+            "{fdb}"
+        );
+        k.delete_fdb(v4, &peer).expect("delete fdb");
+        k.delete_fdb(v4, &peer).expect("delete again: gone is fine");
+        assert_eq!(k.fdb(v4).expect("fdb"), vec![]);
+
+        // Permanent neighbours: set, replaced, deleted; others are not reported.
+        k.set_neighbour(v4, ip("172.31.2.3"), [2, 0, 0, 0, 0, 1])
+            .expect("neigh");
+        k.set_neighbour(v4, ip("172.31.2.3"), vtep_mac(ip("172.31.2.3")))
+            .expect("neigh replaced");
+        k.set_neighbour(v6, ip("fd31:2::3"), vtep_mac(ip("fd31:2::3")))
+            .expect("neigh v6");
+        run(&[
+            "neigh",
+            "add",
+            "172.31.1.9",
+            "lladdr",
+            "02:00:00:00:00:09",
+            "dev",
+            "eth0",
+            "nud",
+            "stale",
+        ]);
+        let n = k.permanent_neighbours(v4).expect("neighbours");
+        assert_eq!(
+            n.into_iter().collect::<Vec<_>>(),
+            vec![(ip("172.31.2.3"), vtep_mac(ip("172.31.2.3")))]
+        );
+        assert!(k
+            .permanent_neighbours(up.index)
+            .expect("neighbours")
+            .is_empty());
+        assert_eq!(k.permanent_neighbours(v6).expect("neighbours").len(), 1);
+
+        // Routes to other nodes: direct, and onlink through each device.
+        let direct = NodeRoute {
+            dst: "10.244.1.0/26".parse().expect("net"),
+            gateway: ip("172.31.1.2"),
+            oif: up.index,
+            onlink: false,
+        };
+        let tunnel4 = NodeRoute {
+            dst: "10.244.2.0/26".parse().expect("net"),
+            gateway: ip("172.31.2.3"),
+            oif: v4,
+            onlink: true,
+        };
+        let tunnel6 = NodeRoute {
+            dst: "fd00:244::40/122".parse().expect("net"),
+            gateway: ip("fd31:2::3"),
+            oif: v6,
+            onlink: true,
+        };
+        // A pod's host route and a route of another protocol: not routes to nodes.
+        let pod = k.link("calixt0").expect("link").expect("exists").index;
+        k.set_up(pod).expect("up");
+        let host = HostRoute::of_pod(pod, Some(Ipv4Addr::new(10, 244, 0, 5)), None);
+        k.add_route(&host[0]).expect("host route");
+        run(&[
+            "route",
+            "add",
+            "10.99.0.0/24",
+            "via",
+            "172.31.1.254",
+            "proto",
+            "static",
+        ]);
+        for r in [&direct, &tunnel4, &tunnel6] {
+            k.add_node_route(r, false).expect("add route");
+        }
+        let mut got = k.node_routes().expect("node routes");
+        got.sort();
+        assert_eq!(got, vec![direct, tunnel4, tunnel6]);
+        assert_eq!(k.routes().expect("host routes"), host, "no gateway routes");
+        let shown = run(&["route", "show", "10.244.2.0/26"]);
+        assert!(
+            shown.contains("via 172.31.2.3 dev vxlan.calix proto 202 onlink"),
+            "{shown}"
+        );
+        // Exclusive add; replace swaps the route in one step.
+        assert!(matches!(
+            k.add_node_route(&direct, false),
+            Err(NetlinkError::RouteExists { .. })
+        ));
+        let moved = NodeRoute {
+            gateway: ip("172.31.1.3"),
+            ..direct
+        };
+        k.add_node_route(&moved, true).expect("replace");
+        let moved6 = NodeRoute {
+            gateway: ip("fd31:2::4"),
+            ..tunnel6
+        };
+        k.add_node_route(&moved6, true).expect("replace v6");
+        let mut got = k.node_routes().expect("node routes");
+        got.sort();
+        assert_eq!(got, vec![moved, tunnel4, moved6]);
+        k.delete_node_route(&moved).expect("delete");
+        k.delete_node_route(&moved)
+            .expect("delete again: gone is fine");
+        // A device taken away takes its routes and entries with it.
+        assert!(k.delete_link(DEVICE_V6).expect("delete"));
+        assert!(!k.delete_link(DEVICE_V6).expect("delete again"));
+        assert_eq!(k.node_routes().expect("node routes"), vec![tunnel4]);
+        assert_eq!(k.vxlan(DEVICE_V6).expect("read"), None);
     })
     .expect("in the node namespace");
 }

@@ -1,6 +1,7 @@
-//! The calix gRPC API, `calix.v1`: generated tonic/prost code for `Ipam`, `Endpoints` and the
-//! draft `Routes` service, plus the unix-socket channel every client uses; and the clients of
-//! the part of etcd's v3 API the agent's etcd datastore speaks (`etcd`).
+//! The calix gRPC API, `calix.v1`: generated tonic/prost code for `Ipam`, `Endpoints`,
+//! `Routes` (between agents, TCP) and `RouteInfo` (calixctl), plus the unix-socket channel
+//! every client uses; and the clients of the part of etcd's v3 API the agent's etcd datastore
+//! speaks (`etcd`).
 //! `handle` is the IPAM handle encoding the plugin and the agent share.
 //! Domain conversions live with their users (agent/src/grpc, agent/src/datastore/etcd.rs).
 use std::path::{Path, PathBuf};

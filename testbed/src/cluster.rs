@@ -147,6 +147,22 @@ impl Cluster {
         format!("http://{}:2379", gateway(self.subnets[i], false))
     }
 
+    /// Node `i`'s name (its agent's `node_name`, its namespace's name).
+    pub fn name(&self, i: usize) -> &str {
+        &self.nodes[i].ns.name
+    }
+
+    /// A `[routes]` section turning route distribution on for node `i` with mutual TLS: its
+    /// certificate from `ca` (written to the node's directory), then `extra` lines of
+    /// `[routes]` (e.g. `grace_secs = 5`). Append after [`Cluster::base_config`] and pools.
+    pub fn routes_config(&self, i: usize, ca: &crate::tls::Ca, extra: &str) -> Result<String> {
+        let files = ca.write(&self.nodes[i].dir.join("tls"), self.name(i))?;
+        Ok(format!(
+            "[routes]\nenabled = true\n{extra}\n{}",
+            files.toml()
+        ))
+    }
+
     /// The config every cluster node needs (TOML, top-level keys then `[datastore]`): its
     /// uplink, etcd. Append pools and other sections after it.
     pub fn base_config(&self, i: usize) -> String {

@@ -27,6 +27,7 @@ pub mod packets;
 mod pod;
 mod process;
 pub mod stats;
+pub mod tls;
 mod tmpfs;
 pub mod traffic;
 

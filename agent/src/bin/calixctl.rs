@@ -43,6 +43,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BpfCmd,
     },
+    /// Routes between nodes: this node's advertised routes and the routes learned from peers
+    /// (node, next hop, via, source, age, state), and what the reconciler was handed.
+    Routes,
+    /// The peers this node follows for routes: stream state, last update, generation, grace
+    /// timer.
+    Nodes,
 }
 
 #[derive(Subcommand)]
@@ -208,6 +214,171 @@ enum IpamCmd {
 }
 
 use calix_agent::ipam::service::{CheckReport, IpamReport};
+use calix_agent::routes::report::RoutesReport;
+
+/// Seconds as "4s", "3m20s", "2h5m", "3d4h".
+fn age(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{}s", s / 60, s % 60),
+        3600..=86399 => format!("{}h{}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d{}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+fn routes_off(r: &RoutesReport) -> Option<String> {
+    (!r.enabled).then(|| {
+        format!(
+            "route distribution is off on node {} (routes.enabled = false)",
+            r.node
+        )
+    })
+}
+
+fn routes_table(r: &RoutesReport) -> String {
+    if let Some(off) = routes_off(r) {
+        return off;
+    }
+    let mut rows: Vec<Vec<String>> = r
+        .advertised
+        .iter()
+        .map(|a| {
+            vec![
+                a.prefix.clone(),
+                a.node.clone(),
+                a.next_hop.clone(),
+                "-".into(),
+                "(this node)".into(),
+                age(a.age_secs),
+                "advertised".into(),
+            ]
+        })
+        .collect();
+    rows.extend(r.learned.iter().map(|l| {
+        vec![
+            l.prefix.clone(),
+            l.node.clone(),
+            l.next_hop.clone(),
+            l.via.clone(),
+            l.source.clone(),
+            age(l.age_secs),
+            match &l.cause {
+                Some(c) => format!("{}: {c}", l.state),
+                None => l.state.clone(),
+            },
+        ]
+    }));
+    let mut out = table(
+        &[
+            "PREFIX", "NODE", "NEXT HOP", "VIA", "SOURCE", "AGE", "STATE",
+        ],
+        &rows,
+    );
+    out.push_str(&format!(
+        "\n{} advertised, {} learned; {} route(s) handed to the reconciler ({}){}",
+        r.advertised.len(),
+        r.learned.len(),
+        r.desired.len(),
+        if r.desired_complete {
+            "complete"
+        } else {
+            "incomplete: re-learning, stale routes kept"
+        },
+        r.desired_age_secs
+            .map(|s| format!(" {} ago", age(s)))
+            .unwrap_or_default()
+    ));
+    if !r.refusals.is_empty() {
+        let causes: Vec<String> = r.refusals.iter().map(|(c, n)| format!("{c} {n}")).collect();
+        out.push_str(&format!("\nrefused: {}", causes.join(", ")));
+    }
+    out
+}
+
+fn nodes_table(r: &RoutesReport) -> String {
+    if let Some(off) = routes_off(r) {
+        return off;
+    }
+    let rows: Vec<Vec<String>> = r
+        .peers
+        .iter()
+        .map(|p| {
+            vec![
+                p.name.clone(),
+                p.endpoint.clone(),
+                if p.reflector { "reflector" } else { "node" }.into(),
+                p.state.clone(),
+                p.last_update_secs
+                    .map(|s| format!("{} ago", age(s)))
+                    .unwrap_or("-".into()),
+                p.generation.to_string(),
+                p.grace_left_secs.map(age).unwrap_or("-".into()),
+                format!("{}/{}", p.accepted, p.routes),
+                p.error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    let mut out = table(
+        &[
+            "PEER",
+            "ENDPOINT",
+            "ROLE",
+            "STATE",
+            "LAST UPDATE",
+            "GENERATION",
+            "GRACE LEFT",
+            "ROUTES",
+            "LAST ERROR",
+        ],
+        &rows,
+    );
+    let d = &r.door;
+    out.push_str(&format!(
+        "\nnode {} ({}{}, {}) at {}: {} peer(s) followed, {} watcher(s); {}; refused connections: {} busy, {} TLS, {} identity",
+        r.node,
+        r.topology,
+        if r.reflector { ", reflector" } else { "" },
+        if r.tls { "mutual TLS" } else { "PLAIN TEXT" },
+        r.endpoint,
+        r.peers.len(),
+        r.watchers,
+        if r.complete {
+            "every peer answered"
+        } else {
+            "waiting for peers (stale routes kept)"
+        },
+        d.refused_busy,
+        d.refused_tls,
+        d.refused_identity
+    ));
+    out
+}
+
+fn nodes_json(r: &RoutesReport) -> serde_json::Value {
+    serde_json::json!({
+        "node": r.node,
+        "enabled": r.enabled,
+        "topology": r.topology,
+        "reflector": r.reflector,
+        "endpoint": r.endpoint,
+        "tls": r.tls,
+        "complete": r.complete,
+        "watchers": r.watchers,
+        "door": r.door,
+        "peers": r.peers,
+    })
+}
+
+async fn route_report(channel: tonic::transport::Channel) -> Result<RoutesReport> {
+    let json = pb::route_info_client::RouteInfoClient::new(channel)
+        .show(pb::RouteInfoRequest {})
+        .await
+        .context("reading route distribution")?
+        .into_inner()
+        .json;
+    serde_json::from_str(&json).context("agent sent a bad routes report")
+}
 
 fn ipam_show_table(r: &IpamReport) -> String {
     let pools: Vec<Vec<String>> = r
@@ -458,6 +629,20 @@ async fn main() -> Result<()> {
         })?;
     match cli.cmd {
         Cmd::Ipam { cmd } => return ipam(channel, cmd, cli.output).await,
+        Cmd::Routes => {
+            let r = route_report(channel).await?;
+            match cli.output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+                Output::Table => println!("{}", routes_table(&r)),
+            }
+        }
+        Cmd::Nodes => {
+            let r = route_report(channel).await?;
+            match cli.output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&nodes_json(&r))?),
+                Output::Table => println!("{}", nodes_table(&r)),
+            }
+        }
         Cmd::Bpf {
             cmd: BpfCmd::Conntrack { filter, flush },
         } => return flows(channel, filter, flush, false, cli.output).await,
@@ -630,6 +815,24 @@ mod tests {
         assert_eq!(t, "A    BB\nxxx  y\nz");
         let t = table(&["POD"], &[vec!["evil\u{1b}[2J\nforged".into()]]);
         assert_eq!(t, "POD\nevil\\u{1b}[2J\\nforged");
+    }
+
+    #[test]
+    fn ages_are_human() {
+        assert_eq!(age(4.2), "4s");
+        assert_eq!(age(200.0), "3m20s");
+        assert_eq!(age(7500.0), "2h5m");
+        assert_eq!(age(-1.0), "0s");
+    }
+
+    #[test]
+    fn routes_off_says_so() {
+        let r = RoutesReport {
+            node: "n1".into(),
+            ..Default::default()
+        };
+        assert!(routes_table(&r).contains("route distribution is off on node n1"));
+        assert!(nodes_table(&r).contains("routes.enabled = false"));
     }
 
     #[test]

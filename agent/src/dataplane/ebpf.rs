@@ -166,6 +166,8 @@ pub struct EbpfDataplane {
     carried: Option<pins::Carried>,
     /// The ids of the loaded `from_pod` and `to_pod`: what every endpoint's filters must run.
     endpoint_prog_ids: (u32, u32),
+    /// The ids of the loaded `from_host_dev` and `to_host_dev` (uplinks, VXLAN devices).
+    host_dev_prog_ids: (u32, u32),
     /// The host stack's masquerade (from the start or the last reload), and its table as the
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
@@ -181,6 +183,25 @@ fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
                 std::io::Error::other(e),
             )
         })
+}
+
+/// How calix's ingress and egress filters among `filters` differ from running the programs
+/// `(ingress, egress)`.
+fn filter_drift(filters: &[calix_kernel::netlink::BpfFilter], ids: (u32, u32)) -> Vec<Drift> {
+    let mut drift = Vec::new();
+    for (ingress, want) in [(true, ids.0), (false, ids.1)] {
+        let ours = filters
+            .iter()
+            .find(|f| f.ingress == ingress && f.priority == TC_PRIORITY && f.handle == TC_HANDLE);
+        match ours {
+            Some(f) if f.prog_id == want => {}
+            other => drift.push(Drift::Filter {
+                ingress,
+                found: other.map(|f| f.prog_id),
+            }),
+        }
+    }
+    drift
 }
 
 fn find<'a>(bpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DataplaneError> {
@@ -270,6 +291,10 @@ impl EbpfDataplane {
             prog_id(&mut bpf, PROG_FROM_POD)?,
             prog_id(&mut bpf, PROG_TO_POD)?,
         );
+        let host_dev_prog_ids = (
+            prog_id(&mut bpf, PROG_FROM_HOST_DEV)?,
+            prog_id(&mut bpf, PROG_TO_HOST_DEV)?,
+        );
         let mut dp = Self {
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
             endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
@@ -292,6 +317,7 @@ impl EbpfDataplane {
             nat: None,
             carried: Some(carried),
             endpoint_prog_ids,
+            host_dev_prog_ids,
             stack_nat: None,
             tables: Vec::new(),
         };
@@ -628,19 +654,7 @@ impl Dataplane for EbpfDataplane {
                 what: format!("the tc filters of {}", ep.host_ifname),
                 source: Box::new(source),
             })?;
-        let (from_pod, to_pod) = self.endpoint_prog_ids;
-        for (ingress, want) in [(true, from_pod), (false, to_pod)] {
-            let ours = filters.iter().find(|f| {
-                f.ingress == ingress && f.priority == TC_PRIORITY && f.handle == TC_HANDLE
-            });
-            match ours {
-                Some(f) if f.prog_id == want => {}
-                other => drift.push(Drift::Filter {
-                    ingress,
-                    found: other.map(|f| f.prog_id),
-                }),
-            }
-        }
+        drift.extend(filter_drift(&filters, self.endpoint_prog_ids));
         if self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep)) {
             drift.push(Drift::EndpointEntry);
         }
@@ -660,6 +674,27 @@ impl Dataplane for EbpfDataplane {
             }
         }
         Ok(drift)
+    }
+
+    fn attach_host_dev(&mut self, ifname: &str) -> Result<(), DataplaneError> {
+        self.attach_pair(ifname, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
+        tracing::info!(%ifname, "host device programs attached");
+        Ok(())
+    }
+
+    fn verify_host_dev(
+        &self,
+        ifname: &str,
+        index: u32,
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        let filters = kernel
+            .bpf_filters(index)
+            .map_err(|source| DataplaneError::Kernel {
+                what: format!("the tc filters of {ifname}"),
+                source: Box::new(source),
+            })?;
+        Ok(filter_drift(&filters, self.host_dev_prog_ids))
     }
 
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {

@@ -219,6 +219,17 @@ pub trait Dataplane: Send {
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError>;
     /// Writes the node-wide objects again, as the last start or reload left them.
     fn repair_node(&mut self) -> Result<(), DataplaneError>;
+    /// Programs a host device — an uplink, or calix's VXLAN device — for traffic between
+    /// nodes (eBPF: `from_host_dev` / `to_host_dev`, replaced in place). Idempotent.
+    fn attach_host_dev(&mut self, ifname: &str) -> Result<(), DataplaneError>;
+    /// What differs on host device `ifname` (link `index`) from what [`Self::attach_host_dev`]
+    /// did; empty when nothing drifted. Reads only.
+    fn verify_host_dev(
+        &self,
+        ifname: &str,
+        index: u32,
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError>;
     /// A reader of the counters that works without this object; `None` when the dataplane
     /// keeps none (kernel mode).
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError>;
@@ -380,6 +391,18 @@ impl Dataplane for KernelDataplane {
     }
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
         self.apply()
+    }
+    /// The kernel forwards between nodes by itself.
+    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn verify_host_dev(
+        &self,
+        _ifname: &str,
+        _index: u32,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
     }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)

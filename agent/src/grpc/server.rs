@@ -1,4 +1,5 @@
-//! `calix.v1.Ipam` and `calix.v1.Endpoints` on the agent's unix socket.
+//! `calix.v1.Ipam`, `calix.v1.Endpoints` and `calix.v1.RouteInfo` on the agent's unix socket
+//! (`calix.v1.Routes`, between agents, is served on TCP by `crate::routes`).
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -14,6 +15,8 @@ use crate::error::AgentError;
 use crate::ipam::IpamError;
 use crate::model::EndpointRecord;
 use crate::node::Node;
+use crate::routes::report::RoutesReport;
+use crate::routes::RoutesHandle;
 
 fn status(e: AgentError) -> Status {
     let msg = format!("{e:#}");
@@ -39,6 +42,33 @@ fn status(e: AgentError) -> Status {
 
 pub struct IpamSvc(pub Arc<Node>);
 pub struct EndpointsSvc(pub Arc<Node>);
+/// Route distribution's report for calixctl (`None`: `routes.enabled = false`).
+pub struct RouteInfoSvc {
+    pub node: String,
+    pub routes: Option<Arc<RoutesHandle>>,
+}
+
+#[tonic::async_trait]
+impl pb::route_info_server::RouteInfo for RouteInfoSvc {
+    async fn show(
+        &self,
+        _req: Request<pb::RouteInfoRequest>,
+    ) -> Result<Response<pb::RouteInfoResponse>, Status> {
+        let report = match &self.routes {
+            Some(r) => r
+                .report()
+                .await
+                .ok_or_else(|| Status::unavailable("route distribution is not running"))?,
+            None => RoutesReport {
+                node: self.node.clone(),
+                ..Default::default()
+            },
+        };
+        serde_json::to_string(&report)
+            .map(|json| Response::new(pb::RouteInfoResponse { json }))
+            .map_err(|e| Status::internal(format!("cannot encode the report: {e}")))
+    }
+}
 
 #[tonic::async_trait]
 impl pb::ipam_server::Ipam for IpamSvc {
@@ -66,9 +96,11 @@ impl pb::ipam_server::Ipam for IpamSvc {
             .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
             .await
             .map_err(status)?;
+        let addrs: Vec<std::net::IpAddr> = out.iter().map(|(a, _)| *a).collect();
         Ok(Response::new(pb::AllocateResponse {
             addresses: addresses(out),
             already_allocated: already,
+            mtu: self.0.pod_mtu(&addrs).unwrap_or(0),
         }))
     }
 
@@ -402,20 +434,26 @@ impl UnixSocket {
         })
     }
 
-    /// Serves both services until `shutdown` resolves; then removes the socket file, unless it
+    /// Serves the services until `shutdown` resolves; then removes the socket file, unless it
     /// is not the one [`UnixSocket::bind`] created any more (someone else's now).
     pub async fn serve(
         self,
         node: Arc<Node>,
+        routes: Option<Arc<RoutesHandle>>,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), ServeError> {
         let path = self.path;
         tracing::info!(socket = %path.display(), "serving gRPC");
+        let route_info = RouteInfoSvc {
+            node: node.name().to_string(),
+            routes,
+        };
         let result = tonic::transport::Server::builder()
             .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))
             .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
                 node,
             )))
+            .add_service(pb::route_info_server::RouteInfoServer::new(route_info))
             .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
             .await;
         match file_id(&path) {

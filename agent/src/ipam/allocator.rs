@@ -256,6 +256,16 @@ fn reserved(pool: &IpNet, addr: IpAddr) -> bool {
     }
 }
 
+/// Whether `block` holds an address that is not one of the pool's reserved ones.
+fn has_usable(pool: &IpNet, block: &IpNet) -> bool {
+    let mut reserved_here = [pool.network(), pool.broadcast()]
+        .into_iter()
+        .filter(|a| reserved(pool, *a) && block.contains(a))
+        .collect::<Vec<_>>();
+    reserved_here.dedup();
+    host_count(block) > reserved_here.len() as u64
+}
+
 fn offset_in(net: &IpNet, addr: IpAddr) -> u32 {
     match (net, addr) {
         (IpNet::V4(n), IpAddr::V4(a)) => u32::from(a).wrapping_sub(u32::from(n.network())),
@@ -582,8 +592,11 @@ impl IpamState {
         let subnets = pool.cidr.subnets(pool.block_size).ok()?;
         // A block overlapping any known block (possibly of another pool layout) is not free,
         // nor is one overlapping another layout's released block until that one is deleted.
+        // A block made only of the pool's reserved addresses (a /32 block on the pool's
+        // network or broadcast address) has nothing to hand out and is never claimed.
         let cidr = subnets.into_iter().find(|s| {
-            !self.blocks.values().any(|b| overlap(&b.cidr, s))
+            has_usable(&pool.cidr, s)
+                && !self.blocks.values().any(|b| overlap(&b.cidr, s))
                 && !self
                     .retired
                     .values()
@@ -671,6 +684,42 @@ mod tests {
         let err = alloc(&mut s, &pools, "h30").expect_err("full");
         assert!(matches!(err, IpamError::Exhausted { family: "IPv4", .. }));
         assert!(err.to_string().contains("10.1.0.0/27"), "{err}");
+    }
+
+    #[test]
+    fn single_address_blocks_skip_the_pools_reserved_addresses() {
+        // blockSize 32: the blocks on .0 and .3 (network, broadcast) hold nothing usable.
+        let pools = [pool("10.1.0.0/30", 32)];
+        let mut s = IpamState::default();
+        let a = alloc(&mut s, &pools, "h0").expect("first");
+        let b = alloc(&mut s, &pools, "h1").expect("second");
+        assert_eq!(a, "10.1.0.1".parse::<IpAddr>().expect("ip"));
+        assert_eq!(b, "10.1.0.2".parse::<IpAddr>().expect("ip"));
+        let err = alloc(&mut s, &pools, "h2").expect_err("full");
+        assert!(matches!(err, IpamError::Exhausted { .. }), "{err}");
+        assert_eq!(s.blocks.len(), 2, "no empty unusable block claimed");
+        // A /32 pool has one address, which is both its network and broadcast address.
+        let mut s = IpamState::default();
+        let one = [pool("10.9.0.7/32", 32)];
+        assert!(matches!(
+            alloc(&mut s, &one, "h0"),
+            Err(IpamError::Exhausted { .. })
+        ));
+        // IPv6 has no reserved addresses: a /128 block on the pool's first address is used.
+        let v6 = [pool("fd00::/126", 128)];
+        let mut s = IpamState::default();
+        let got = s
+            .allocate(
+                &v6,
+                &Policy::default(),
+                "n1",
+                "h",
+                "eth0",
+                false,
+                &BTreeMap::new(),
+            )
+            .expect("v6");
+        assert_eq!(got.addr, "fd00::".parse::<IpAddr>().expect("ip"));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! allocations with endpoints). Each keeps its own state and lock; where both are taken, the
 //! registry's comes first.
 mod conntrack;
+pub mod mtu;
 
 use std::collections::HashSet;
 use std::net::IpAddr;
@@ -23,6 +24,8 @@ pub struct Node {
     pub endpoints: EndpointRegistry,
     /// SNAT's conntrack table (pin directory, settings), once the eBPF dataplane is up.
     conntrack: std::sync::OnceLock<(PathBuf, NatConfig)>,
+    /// What decides the MTU of pods whose network config sets none.
+    pod_mtu: std::sync::RwLock<mtu::PodMtu>,
 }
 
 impl Node {
@@ -31,7 +34,24 @@ impl Node {
             ipam,
             endpoints,
             conntrack: std::sync::OnceLock::new(),
+            pod_mtu: Default::default(),
         }
+    }
+
+    /// Sets what decides pods' MTU (at start, on SIGHUP).
+    pub fn set_pod_mtu(&self, m: mtu::PodMtu) {
+        *self.pod_mtu.write().unwrap_or_else(|p| p.into_inner()) = m;
+    }
+
+    /// The MTU a pod with `addresses` should have when its network config sets none; `None`:
+    /// no opinion (see [`mtu`]).
+    pub fn pod_mtu(&self, addresses: &[IpAddr]) -> Option<u32> {
+        let m = self
+            .pod_mtu
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        m.of(addresses)
     }
 
     pub fn name(&self) -> &str {

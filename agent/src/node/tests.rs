@@ -45,6 +45,17 @@ impl Dataplane for NoDataplane {
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
         Ok(())
     }
+    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    fn verify_host_dev(
+        &self,
+        _ifname: &str,
+        _index: u32,
+        _kernel: &mut dyn calix_kernel::host::HostKernel,
+    ) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }
@@ -202,6 +213,7 @@ async fn agent_on(store: &Arc<TestStore>, node: &str, pools: Vec<Pool>, policy: 
     let driver = Driver::spawn(
         || Ok(FakeHost::default()),
         Box::new(NoDataplane),
+        Default::default(),
         Timing {
             resync: Duration::from_secs(3600),
             backoff: crate::reconcile::Backoff::default(),

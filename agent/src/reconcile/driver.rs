@@ -25,6 +25,10 @@ pub struct Snapshot {
     pub resyncs: u64,
     /// Why the node's own objects (forwarding, nftables tables) are not as desired.
     pub node_error: Option<String>,
+    /// Why the routes to other nodes are not as desired.
+    pub routes_error: Option<String>,
+    /// Desired routes to other nodes that cannot be programmed as asked, and why.
+    pub route_problems: BTreeMap<IpNet, String>,
 }
 
 enum Command {
@@ -76,6 +80,7 @@ impl Driver {
     pub fn spawn<K, F>(
         kernel: F,
         dataplane: Box<dyn Dataplane>,
+        underlay: super::remote::Underlay,
         timing: Timing,
     ) -> Result<Self, DriverError>
     where
@@ -98,7 +103,7 @@ impl Driver {
                     }
                 };
                 run(
-                    Reconciler::new(kernel, dataplane, timing.backoff),
+                    Reconciler::new(kernel, dataplane, timing.backoff).with_underlay(underlay),
                     rx,
                     timing.resync,
                 );
@@ -163,7 +168,8 @@ impl Driver {
     }
 
     /// Replaces the desired routes to other nodes' pods ([`Reconciler::set_remote_routes`]);
-    /// returns once the reconciler took them.
+    /// returns once the reconciler programmed them (or failed to: it retries by itself; see
+    /// [`Snapshot::routes_error`]).
     pub async fn set_remote_routes(
         &self,
         routes: Vec<super::remote::RemoteRoute>,
@@ -233,6 +239,8 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     repairs: r.repairs().clone(),
                     resyncs: r.resyncs(),
                     node_error: r.node_error().map(str::to_string),
+                    routes_error: r.routes_error().map(str::to_string),
+                    route_problems: r.route_problems().clone(),
                 });
             }
             Some(Command::RemoteRoutes(routes, complete, reply)) => {

@@ -18,9 +18,14 @@
 //! only what carries calix's mark: routes with calix's protocol to endpoint addresses, the
 //! settings of the veths it records, filters at calix's priority and handle, map entries.
 //!
-//! Each pass also checks the node's own objects: its forwarding sysctls ([`node_settings`])
-//! and the dataplane's nftables tables ([`Dataplane::node_drift`]); a failure there is retried
-//! with the same backoff.
+//! Each pass also checks the node's own objects: its forwarding sysctls ([`node_settings`]),
+//! the dataplane's nftables tables ([`Dataplane::node_drift`]) and the host-device programs on
+//! the uplinks and calix's VXLAN devices ([`Dataplane::verify_host_dev`]); a failure there is
+//! retried with the same backoff.
+//!
+//! Routes to other nodes' pods ([`remote`]) are desired state too: programmed when route
+//! distribution changes them ([`Reconciler::set_remote_routes`]), checked every pass, retried
+//! with backoff.
 pub mod driver;
 pub mod remote;
 
@@ -30,6 +35,7 @@ use std::time::{Duration, Instant};
 use calix_kernel::host::HostKernel;
 use calix_kernel::netlink::NetlinkError;
 use calix_kernel::pod::{host_settings, node_settings, HostRoute, HostSetting};
+use calix_kernel::vxlan;
 
 use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 
@@ -79,6 +85,8 @@ struct NodeState {
 
 /// The key node-wide repairs are reported under in a [`Pass`].
 pub const NODE: &str = "node";
+/// The key repairs of routes to other nodes (and their VXLAN devices) are reported under.
+pub const ROUTES: &str = "routes";
 
 /// One repair: its kind (`calix_repairs_total{kind}`) and what was wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -149,10 +157,10 @@ pub struct Reconciler<K: HostKernel> {
     desired: BTreeMap<String, EndpointSpec>,
     state: BTreeMap<String, State>,
     node: NodeState,
-    /// Routes to other nodes' pods, by prefix (route distribution's desired state).
-    remote: BTreeMap<ipnet::IpNet, remote::RemoteRoute>,
-    /// Whether `remote` is the whole truth yet (see [`Reconciler::set_remote_routes`]).
-    remote_complete: bool,
+    /// Routes to other nodes' pods (route distribution's desired state) and the underlay.
+    remote: remote::Remote,
+    /// Whether they are as desired.
+    remote_state: NodeState,
     repairs: BTreeMap<&'static str, u64>,
     /// Full passes ([`Reconciler::resync`]) so far.
     resyncs: u64,
@@ -167,12 +175,18 @@ impl<K: HostKernel> Reconciler<K> {
             desired: BTreeMap::new(),
             state: BTreeMap::new(),
             node: NodeState::default(),
-            remote: BTreeMap::new(),
-            remote_complete: false,
+            remote: remote::Remote::default(),
+            remote_state: NodeState::default(),
             repairs: BTreeMap::new(),
             resyncs: 0,
             backoff,
         }
+    }
+
+    /// What routes to other nodes leave through (the uplinks, this node's addresses, VXLAN).
+    pub fn with_underlay(mut self, underlay: remote::Underlay) -> Self {
+        self.remote.underlay = underlay;
+        self
     }
 
     /// The dataplane, for what is not per endpoint (pools, the sweep, release, uninstall).
@@ -268,12 +282,23 @@ impl<K: HostKernel> Reconciler<K> {
             .values()
             .filter_map(|s| s.retry_at)
             .chain(self.node.retry_at)
+            .chain(self.remote_state.retry_at)
             .min()
     }
 
     /// Why the node's own objects are not as desired; `None` when they are.
     pub fn node_error(&self) -> Option<&str> {
         self.node.error.as_deref()
+    }
+
+    /// Why the routes to other nodes are not as desired; `None` when they are.
+    pub fn routes_error(&self) -> Option<&str> {
+        self.remote_state.error.as_deref()
+    }
+
+    /// Desired routes to other nodes that cannot be programmed as asked, and why.
+    pub fn route_problems(&self) -> &BTreeMap<ipnet::IpNet, String> {
+        &self.remote.problems
     }
 
     /// Full passes so far.
@@ -286,6 +311,7 @@ impl<K: HostKernel> Reconciler<K> {
         self.resyncs += 1;
         let keys: Vec<String> = self.desired.keys().cloned().collect();
         let mut pass = self.check_all(&keys, now);
+        self.check_remote(now, &mut pass);
         self.check_node(now, &mut pass);
         pass
     }
@@ -302,10 +328,93 @@ impl<K: HostKernel> Reconciler<K> {
         if !keys.is_empty() {
             pass = self.check_all(&keys, now);
         }
+        if self.remote_state.retry_at.is_some_and(|t| t <= now) {
+            self.check_remote(now, &mut pass);
+        }
         if self.node.retry_at.is_some_and(|t| t <= now) {
             self.check_node(now, &mut pass);
         }
         pass
+    }
+
+    /// Routes to other nodes: programmed or repaired, retried with backoff when that fails.
+    /// What a pass writes after the desired set was applied counts as repairs; while it is
+    /// being applied (a change, its retries) it is programming.
+    fn check_remote(&mut self, now: Instant, pass: &mut Pass) {
+        let counting = self.remote.applied;
+        let synced = self.remote.sync(&mut self.kernel).and_then(|mut done| {
+            if !counting {
+                // Devices made just now get their programs at once, not at the next pass.
+                done.extend(self.sync_host_devs(&vxlan::DEVICES)?);
+            }
+            Ok(done)
+        });
+        match synced {
+            Ok(done) => {
+                if self.remote_state.error.take().is_some() {
+                    tracing::info!("routes to other nodes are in their desired state again");
+                }
+                self.remote.applied = true;
+                self.remote_state.failures = 0;
+                self.remote_state.retry_at = None;
+                if !counting && !done.is_empty() {
+                    for r in &done {
+                        tracing::debug!(kind = r.kind, what = %r.what, "programmed");
+                    }
+                    tracing::info!(
+                        changes = done.len(),
+                        routes = self.remote.desired.len(),
+                        complete = self.remote.complete,
+                        "routes to other nodes programmed"
+                    );
+                }
+                if counting {
+                    for r in done {
+                        tracing::warn!(kind = r.kind, what = %r.what, "repaired a route to another node");
+                        *self.repairs.entry(r.kind).or_default() += 1;
+                        pass.repairs.push((ROUTES.to_string(), r));
+                    }
+                }
+            }
+            Err(e) => {
+                self.remote_state.failures += 1;
+                let wait = self.backoff.after(self.remote_state.failures);
+                self.remote_state.retry_at = Some(now + wait);
+                let error = crate::dataplane::error_chain(&e);
+                tracing::warn!(%error, attempts = self.remote_state.failures, retry_in = ?wait,
+                    "cannot bring the routes to other nodes to their desired state");
+                self.remote_state.error = Some(error);
+            }
+        }
+    }
+
+    /// The host-device programs on each of `names` that exists (uplinks, VXLAN devices).
+    fn sync_host_devs<S: AsRef<str>>(
+        &mut self,
+        names: &[S],
+    ) -> Result<Vec<Repair>, ReconcileError> {
+        let mut repairs = Vec::new();
+        for name in names {
+            let name = name.as_ref();
+            let Some(link) = self
+                .kernel
+                .link(name)
+                .map_err(kernel_err(format!("reading link {name}")))?
+            else {
+                continue;
+            };
+            let drift = self
+                .dataplane
+                .verify_host_dev(name, link.index, &mut self.kernel)?;
+            if !drift.is_empty() {
+                self.dataplane.attach_host_dev(name)?;
+                repairs.extend(drift.iter().map(|d| Repair {
+                    kind: d.kind(),
+                    what: format!("{name}: {d}"),
+                }));
+            }
+        }
+        Ok(repairs)
     }
 
     /// The node's own objects: repaired when they drifted, retried with backoff when that
@@ -347,6 +456,15 @@ impl<K: HostKernel> Reconciler<K> {
                 what: d.to_string(),
             }));
         }
+        let devices: Vec<String> = self
+            .remote
+            .underlay
+            .uplinks
+            .iter()
+            .cloned()
+            .chain(vxlan::DEVICES.map(String::from))
+            .collect();
+        repairs.extend(self.sync_host_devs(&devices)?);
         Ok(repairs)
     }
 
@@ -495,21 +613,25 @@ impl<K: HostKernel> Reconciler<K> {
         Ok((Health::Ok, repairs, attached))
     }
 
-    /// Makes `routes` the desired routes to other nodes' pods (replacing the previous set).
-    /// `complete`: route distribution has heard from every peer (a snapshot, or its grace
-    /// ran out), so a calix route to another node that is not in the set is stale and may go.
-    /// Before that (an agent just started, re-learning) missing routes are added and none
-    /// removed: traffic to the peers keeps its routes meanwhile.
-    /// Kernel programming of these is the route reconciler's (issue 13, in progress): this
-    /// records the desired state only.
+    /// Makes `routes` the desired routes to other nodes' pods (replacing the previous set)
+    /// and programs them now: routes through an uplink or calix's VXLAN devices (made while
+    /// some route needs one), their forwarding and neighbour entries. `complete`: route
+    /// distribution has heard from every peer (a snapshot, or its grace ran out), so a calix
+    /// route to another node that is not in the set is stale and goes, and so does a VXLAN
+    /// device no route needs. Before that (an agent just started, re-learning) missing routes
+    /// are added and none removed: traffic to the peers keeps its routes meanwhile. A failure
+    /// is retried with backoff; every later pass checks them again.
     pub fn set_remote_routes(&mut self, routes: Vec<remote::RemoteRoute>, complete: bool) {
-        self.remote = routes.into_iter().map(|r| (r.prefix, r)).collect();
-        self.remote_complete = complete;
+        self.remote.desired = routes.into_iter().map(|r| (r.prefix, r)).collect();
+        self.remote.complete = complete;
+        self.remote.applied = false;
+        let mut pass = Pass::default();
+        self.check_remote(Instant::now(), &mut pass);
     }
 
     /// The desired routes to other nodes' pods.
     pub fn remote_routes(&self) -> impl Iterator<Item = &remote::RemoteRoute> {
-        self.remote.values()
+        self.remote.desired.values()
     }
 
     /// Endpoint keys the reconciler holds (for tests and listings).
@@ -550,5 +672,7 @@ fn sync_settings<K: HostKernel>(
     Ok(())
 }
 
+#[cfg(test)]
+mod remote_tests;
 #[cfg(test)]
 mod tests;

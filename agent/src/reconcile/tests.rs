@@ -11,7 +11,7 @@ use crate::dataplane::{DataplaneStats, Drift};
 
 /// What the fake dataplane saw, and the drift it reports next.
 #[derive(Default)]
-struct Seen {
+pub(super) struct Seen {
     attached: Vec<String>,
     detached: Vec<String>,
     drift: Vec<Drift>,
@@ -20,9 +20,12 @@ struct Seen {
     node_drift: Vec<Drift>,
     node_repairs: usize,
     fail_node_repair: usize,
+    /// Host devices' drift by name (cleared by an attach), and the attaches.
+    pub(super) host_dev_drift: std::collections::BTreeMap<String, Vec<Drift>>,
+    pub(super) host_dev_attached: Vec<String>,
 }
 
-struct FakeDataplane(Arc<Mutex<Seen>>);
+pub(super) struct FakeDataplane(pub(super) Arc<Mutex<Seen>>);
 
 impl Dataplane for FakeDataplane {
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
@@ -64,6 +67,27 @@ impl Dataplane for FakeDataplane {
         seen.node_drift.clear();
         Ok(())
     }
+    fn attach_host_dev(&mut self, ifname: &str) -> Result<(), DataplaneError> {
+        let mut seen = self.0.lock().expect("lock");
+        seen.host_dev_attached.push(ifname.into());
+        seen.host_dev_drift.remove(ifname);
+        Ok(())
+    }
+    fn verify_host_dev(
+        &self,
+        ifname: &str,
+        _index: u32,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(self
+            .0
+            .lock()
+            .expect("lock")
+            .host_dev_drift
+            .get(ifname)
+            .cloned()
+            .unwrap_or_default())
+    }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }
@@ -94,7 +118,7 @@ fn spec() -> EndpointSpec {
 }
 
 /// A node as the plugin leaves it after ADD: the veth up, its settings and its route.
-fn wired() -> FakeHost {
+pub(super) fn wired() -> FakeHost {
     let mut k = FakeHost::default();
     k.add_link(IF, IDX);
     for s in host_settings(IF, true, false)
@@ -107,13 +131,13 @@ fn wired() -> FakeHost {
     k
 }
 
-fn reconciler(k: FakeHost) -> (Reconciler<FakeHost>, Arc<Mutex<Seen>>) {
+pub(super) fn reconciler(k: FakeHost) -> (Reconciler<FakeHost>, Arc<Mutex<Seen>>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let r = Reconciler::new(k, Box::new(FakeDataplane(seen.clone())), Backoff::default());
     (r, seen)
 }
 
-fn kinds(pass: &Pass) -> Vec<&'static str> {
+pub(super) fn kinds(pass: &Pass) -> Vec<&'static str> {
     pass.repairs.iter().map(|(_, r)| r.kind).collect()
 }
 

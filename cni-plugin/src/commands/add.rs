@@ -110,6 +110,9 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
             return Err(e);
         }
     };
+    // The veth was made with the conflist's MTU; without one, the agent's (set with the
+    // links going up: no extra request).
+    let mtu = conf.mtu.is_none().then_some(assigned.mtu).flatten();
     match wire(
         inv,
         &pod_ns,
@@ -117,7 +120,7 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
         &host,
         &host_ifname,
         &pair,
-        &assigned.addresses,
+        (&assigned.addresses, mtu),
         &mut agent,
         &mut undo,
         &t,
@@ -228,7 +231,7 @@ async fn wire(
     host: &rtnetlink::Handle,
     host_ifname: &str,
     pair: &pod::VethPair,
-    addresses: &[IpAddr],
+    (addresses, mtu): (&[IpAddr], Option<u32>),
     agent: &mut AgentClient,
     undo: &mut Undo,
     t: &Phases,
@@ -259,7 +262,7 @@ async fn wire(
         pod_mac = mac;
     }
     let routing = pod_routing(pod, pair.pod_ifindex, v4.is_some(), v6.is_some()).await?;
-    pod::configure_pod(pod, pair.pod_ifindex, v4, v6, routing)
+    pod::configure_pod(pod, pair.pod_ifindex, v4, v6, routing, mtu)
         .await
         .map_err(|e| {
             wiring(
@@ -281,7 +284,7 @@ async fn wire(
                 .map_err(|e| wiring(format!("cannot set {k} in the container"), &e))?;
         }
     }
-    pod::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6)
+    pod::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6, mtu)
         .await
         .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
     t.mark("host side");

@@ -138,14 +138,15 @@ fn zeroed_params() -> FibParams {
     unsafe { core::mem::zeroed() }
 }
 
-/// The FIB lookup parameters of an IPv4 packet arriving on `ifindex` (`tot_len` 0: the kernel
-/// checks the MTU against the skb itself, which GSO packets need).
+/// The FIB lookup parameters of an IPv4 packet arriving on `ifindex`. `tot_len` stays 0: the
+/// kernel then checks the skb itself against the egress device's MTU, which a GSO packet (TCP
+/// from a pod: one frame of many segments, cut at the egress) passes; its IP header's length
+/// would not, and every such packet would take the host stack.
 #[inline(always)]
-pub fn fib_params_v4(ip: &Ipv4, ifindex: u32, tot_len: u16) -> FibParams {
+pub fn fib_params_v4(ip: &Ipv4, ifindex: u32) -> FibParams {
     let mut p = zeroed_params();
     p.family = AF_INET;
     p.l4_protocol = ip.proto;
-    p.__bindgen_anon_1.tot_len = tot_len;
     p.ifindex = ifindex;
     p.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes(ip.src);
     p.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes(ip.dst);
@@ -155,16 +156,15 @@ pub fn fib_params_v4(ip: &Ipv4, ifindex: u32, tot_len: u16) -> FibParams {
 /// IPv4 to another node.
 #[inline(always)]
 pub fn remote_v4(ctx: &mut TcContext, ip: &Ipv4, ifindex: u32) -> Result<i32, c_long> {
-    via_fib(ctx, fib_params_v4(ip, ifindex, ip.tot_len), Ttl::of_v4(ip))
+    via_fib(ctx, fib_params_v4(ip, ifindex), Ttl::of_v4(ip))
 }
 
-/// IPv6 to another node.
+/// IPv6 to another node (`tot_len` 0, as in [`fib_params_v4`]).
 #[inline(always)]
 pub fn remote_v6(ctx: &mut TcContext, ip: &Ipv6, ifindex: u32) -> Result<i32, c_long> {
     let mut p = zeroed_params();
     p.family = AF_INET6;
     p.l4_protocol = ip.next_hdr;
-    p.__bindgen_anon_1.tot_len = ip.payload_len;
     p.ifindex = ifindex;
     let words = |a: &[u8; 16]| {
         [

@@ -314,7 +314,7 @@ fn lookup_route(
     ifindex: u32,
     ip: &Ipv4,
 ) -> Option<(Route, [u8; 4])> {
-    let mut p: FibParams = forward::fib_params_v4(ip, ifindex, 0);
+    let mut p: FibParams = forward::fib_params_v4(ip, ifindex);
     // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
     let rc = unsafe {
         bpf_fib_lookup(

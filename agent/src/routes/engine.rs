@@ -1,0 +1,408 @@
+//! Route distribution's state, pure: the datastore's view, the followed peers' sessions and
+//! their routes' verdicts in, and out of [`Engine::flush`] everything the agent acts on — its
+//! own routes (served), what a reflector relays, the peers to follow, and the desired routes
+//! to other nodes' pods with whether that set is complete. No sockets, no clock: the async
+//! shell ([`super::task`]) feeds it events and the time.
+//!
+//! A refused route is not used, and is counted and logged once its refusal has lasted
+//! `settle` (the datastore watch of this agent and the peer's stream race: a route for a block
+//! claimed a moment ago may arrive before this agent's view has the claim). Logged once per
+//! peer and cause, counted every time a route is refused.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+
+use super::advertise::{self, NextHops};
+use super::peers::{self, Target};
+use super::session::Session;
+use super::validate::{validate, Refusal};
+use super::view::{Part, View};
+use super::Route;
+use crate::config::{Topology, VxlanMode};
+use crate::datastore::{KeyValue, WatchEvent};
+use crate::reconcile::remote::RemoteRoute;
+
+/// What route distribution is configured with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// This node's name.
+    pub me: String,
+    pub topology: Topology,
+    pub reflector: bool,
+    /// How long a dropped peer's routes stay.
+    pub grace: Duration,
+    /// How long a refusal lasts before it is counted and logged.
+    pub settle: Duration,
+    pub next_hops: NextHops,
+    /// Each configured pool and its `vxlan` mode.
+    pub pools: Vec<(IpNet, VxlanMode)>,
+}
+
+/// Time a route's refusal must last before it is counted and logged.
+pub const SETTLE: Duration = Duration::from_secs(2);
+
+/// What a followed peer's stream delivered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerEvent {
+    Snapshot {
+        generation: u64,
+        routes: Vec<Route>,
+        /// Routes that did not parse (their text).
+        malformed: Vec<String>,
+    },
+    Delta {
+        generation: u64,
+        routes: Vec<Route>,
+        withdrawn: Vec<IpNet>,
+        malformed: Vec<String>,
+    },
+    /// The stream ended, or could not be opened.
+    Down { reason: String },
+}
+
+/// What this agent makes of one route a peer announced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Accepted,
+    /// A route to this node itself (a reflector relays it back): not used, not a refusal.
+    Own,
+    /// Refused, for less than `settle` so far.
+    Pending {
+        cause: Refusal,
+        since: Instant,
+    },
+    Refused(Refusal),
+}
+
+/// What the agent acts on after a change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outputs {
+    /// This node's routes (served to every watcher).
+    pub own: BTreeMap<IpNet, Route>,
+    /// What a reflector relays: its own routes and every validated route its peers announced
+    /// as their own (equal to `own` on other agents).
+    pub relay: BTreeMap<IpNet, Route>,
+    /// The routes to other nodes' pods.
+    pub desired: Vec<RemoteRoute>,
+    /// Whether `desired` is the whole truth (see [`Engine`]).
+    pub complete: bool,
+    /// The peers to follow.
+    pub peers: BTreeMap<String, Target>,
+}
+
+/// Route distribution's state.
+pub struct Engine {
+    s: Settings,
+    view: View,
+    /// Whether each part of the view (blocks, nodes) has been listed.
+    listed: [bool; 2],
+    view_dirty: bool,
+    sessions: BTreeMap<String, Session>,
+    verdicts: HashMap<String, HashMap<IpNet, Verdict>>,
+    refusals: BTreeMap<Refusal, u64>,
+    /// (peer, cause) already logged.
+    logged: HashSet<(String, Refusal)>,
+    /// Every peer known at the first sync has answered (or waited out its grace). Latched:
+    /// peers that appear later have no routes of old in the kernel to protect.
+    complete: bool,
+    /// Prefixes warned about for lack of a next hop of their family.
+    unroutable_warned: bool,
+}
+
+impl Engine {
+    pub fn new(s: Settings) -> Self {
+        Self {
+            s,
+            view: View::default(),
+            listed: [false; 2],
+            view_dirty: true,
+            sessions: BTreeMap::new(),
+            verdicts: HashMap::new(),
+            refusals: BTreeMap::new(),
+            logged: HashSet::new(),
+            complete: false,
+            unroutable_warned: false,
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.s
+    }
+
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+
+    /// A fresh listing of one part of the datastore.
+    pub fn view_listed(&mut self, part: Part, kvs: &[KeyValue]) {
+        self.view.replace(part, kvs);
+        self.listed[part as usize] = true;
+        self.view_dirty = true;
+    }
+
+    /// One change in the datastore; returns whether the view changed.
+    pub fn view_event(&mut self, ev: &WatchEvent) -> bool {
+        let changed = self.view.apply(ev);
+        self.view_dirty |= changed;
+        changed
+    }
+
+    /// Both parts of the datastore are listed: peers and validation can be trusted.
+    pub fn synced(&self) -> bool {
+        self.listed.iter().all(|l| *l)
+    }
+
+    /// What peer `name`'s stream delivered. Events of a peer not followed (any more) are
+    /// ignored.
+    pub fn peer_event(&mut self, name: &str, ev: PeerEvent, now: Instant) {
+        let grace = self.s.grace;
+        let Some(session) = self.sessions.get_mut(name) else {
+            return;
+        };
+        let malformed = match ev {
+            PeerEvent::Snapshot {
+                generation,
+                routes,
+                malformed,
+            } => {
+                session.snapshot(generation, routes, now);
+                malformed
+            }
+            PeerEvent::Delta {
+                generation,
+                routes,
+                withdrawn,
+                malformed,
+            } => {
+                session.delta(generation, routes, &withdrawn, now);
+                malformed
+            }
+            PeerEvent::Down { reason } => {
+                if session.keeps_routes()
+                    && !matches!(session.state, super::session::State::Grace { .. })
+                {
+                    tracing::warn!(peer = %name, %reason, grace_secs = grace.as_secs(),
+                        "routes: peer's stream ended; its routes stay for the grace period");
+                }
+                session.down(reason, now, grace);
+                Vec::new()
+            }
+        };
+        if let Some(example) = malformed.first() {
+            *self.refusals.entry(Refusal::Malformed).or_default() += malformed.len() as u64;
+            if self.logged.insert((name.to_string(), Refusal::Malformed)) {
+                tracing::warn!(peer = %name, route = %example, count = malformed.len(),
+                    "routes: refused a route that does not parse (logged once per peer)");
+            }
+        }
+    }
+
+    /// Advances the timers: grace periods that ran out, refusals that lasted `settle`.
+    pub fn tick(&mut self, now: Instant) {
+        for (name, s) in &mut self.sessions {
+            if s.tick(now) {
+                tracing::warn!(peer = %name, "routes: peer did not come back within the grace period; its routes are withdrawn");
+            }
+        }
+        self.settle_refusals(now);
+    }
+
+    /// When [`Engine::tick`] (grace periods, refusals to settle: due until ticked, even if
+    /// already past) or [`Engine::flush`] (a peer never heard from counting as settled, for
+    /// `complete`: only while ahead of `now`) next have something to do.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        use super::session::State;
+        let sessions = self.sessions.values().filter_map(|s| match s.state {
+            State::Grace { until } => Some(until),
+            State::Connecting { since } if !self.complete => {
+                Some(since + self.s.grace).filter(|d| *d > now)
+            }
+            _ => None,
+        });
+        let pending = self
+            .verdicts
+            .values()
+            .flat_map(|v| v.values())
+            .filter_map(|v| match v {
+                Verdict::Pending { since, .. } => Some(*since + self.s.settle),
+                _ => None,
+            });
+        sessions.chain(pending).min()
+    }
+
+    /// Recomputes everything from the view and the sessions.
+    pub fn flush(&mut self, now: Instant) -> Outputs {
+        let peers = peers::wanted(&self.view, &self.s.me, self.s.topology, self.s.reflector);
+        self.sessions.retain(|name, s| {
+            let keep = peers.contains_key(name);
+            if !keep && s.keeps_routes() {
+                tracing::info!(peer = %name, "routes: no longer following this peer (its node record is gone or changed role); its routes are withdrawn");
+            }
+            keep
+        });
+        self.verdicts.retain(|name, _| peers.contains_key(name));
+        for (name, t) in &peers {
+            let s = self
+                .sessions
+                .entry(name.clone())
+                .or_insert_with(|| Session::new(t.endpoint.clone(), now));
+            s.endpoint.clone_from(&t.endpoint);
+        }
+        let names: Vec<String> = self
+            .sessions
+            .iter()
+            .filter(|(_, s)| self.view_dirty || s.dirty)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in names {
+            self.judge(&name, now);
+        }
+        self.settle_refusals(now);
+        self.view_dirty = false;
+
+        let own = advertise::own_routes(&self.view, &self.s.me, &self.s.next_hops);
+        if !self.unroutable_warned {
+            let lost = advertise::unroutable(&self.view, &self.s.me, &self.s.next_hops);
+            if let Some(p) = lost.first() {
+                self.unroutable_warned = true;
+                tracing::warn!(prefix = %p, count = lost.len(), "routes: this node has no address of this family to advertise its routes with (routes.node_addresses)");
+            }
+        }
+        let mut relay = own.clone();
+        let mut best: BTreeMap<IpNet, (&Route, bool)> = BTreeMap::new();
+        for (peer, s) in &self.sessions {
+            if !s.keeps_routes() {
+                continue;
+            }
+            let Some(verdicts) = self.verdicts.get(peer) else {
+                continue;
+            };
+            for (p, r) in &s.routes {
+                if verdicts.get(p) != Some(&Verdict::Accepted) {
+                    continue;
+                }
+                let direct = r.node == *peer;
+                if direct && self.s.reflector {
+                    relay.entry(*p).or_insert_with(|| r.clone());
+                }
+                match best.get(p) {
+                    Some((_, true)) => {}
+                    Some((_, false)) if !direct => {}
+                    _ => {
+                        best.insert(*p, (r, direct));
+                    }
+                }
+            }
+        }
+        let desired = best
+            .values()
+            .map(|(r, _)| RemoteRoute {
+                prefix: r.prefix,
+                node: r.node.clone(),
+                next_hop: r.next_hop,
+                vxlan: self.vxlan_for(&r.prefix),
+            })
+            .collect();
+        if !self.complete
+            && self.synced()
+            && self.sessions.values().all(|s| s.settled(now, self.s.grace))
+        {
+            self.complete = true;
+            tracing::info!(peers = self.sessions.len(), "routes: every peer answered (or its grace ran out): stale routes may go from now on");
+        }
+        Outputs {
+            own,
+            relay,
+            desired,
+            complete: self.complete,
+            peers,
+        }
+    }
+
+    /// Validates every route of `peer` again.
+    fn judge(&mut self, peer: &str, now: Instant) {
+        let Some(s) = self.sessions.get_mut(peer) else {
+            return;
+        };
+        s.dirty = false;
+        let old = self.verdicts.remove(peer).unwrap_or_default();
+        let relays = self.view.node(peer).is_some_and(|n| n.record.reflector);
+        let mut new = HashMap::with_capacity(s.routes.len());
+        for (p, r) in &s.routes {
+            let v = if r.node == self.s.me && relays {
+                Verdict::Own
+            } else {
+                match validate(&self.view, peer, r) {
+                    Ok(()) => Verdict::Accepted,
+                    Err(cause) => match old.get(p) {
+                        Some(Verdict::Pending { cause: c, since }) if *c == cause => {
+                            Verdict::Pending {
+                                cause,
+                                since: *since,
+                            }
+                        }
+                        Some(Verdict::Refused(c)) if *c == cause => Verdict::Refused(cause),
+                        _ => Verdict::Pending { cause, since: now },
+                    },
+                }
+            };
+            new.insert(*p, v);
+        }
+        self.verdicts.insert(peer.to_string(), new);
+    }
+
+    /// Refusals that lasted `settle`: counted, and logged once per peer and cause.
+    fn settle_refusals(&mut self, now: Instant) {
+        for (peer, verdicts) in &mut self.verdicts {
+            for (p, v) in verdicts.iter_mut() {
+                let Verdict::Pending { cause, since } = *v else {
+                    continue;
+                };
+                if since + self.s.settle > now {
+                    continue;
+                }
+                *v = Verdict::Refused(cause);
+                *self.refusals.entry(cause).or_default() += 1;
+                if self.logged.insert((peer.clone(), cause)) {
+                    let route = self.sessions.get(peer).and_then(|s| s.routes.get(p));
+                    tracing::warn!(peer = %peer, cause = %cause, prefix = %p,
+                        node = route.map(|r| r.node.as_str()).unwrap_or(""),
+                        next_hop = %route.map(|r| r.next_hop.to_string()).unwrap_or_default(),
+                        "routes: refused a route: {}; it is not used (further refusals of this peer for this cause are counted, not logged)",
+                        cause.explain());
+                }
+            }
+        }
+    }
+
+    /// The `vxlan` mode of the pool holding `prefix` (the default when none does).
+    pub fn vxlan_for(&self, prefix: &IpNet) -> VxlanMode {
+        self.s
+            .pools
+            .iter()
+            .find(|(pool, _)| pool.contains(prefix))
+            .map(|(_, m)| *m)
+            .unwrap_or_default()
+    }
+
+    pub fn sessions(&self) -> &BTreeMap<String, Session> {
+        &self.sessions
+    }
+
+    pub fn verdict(&self, peer: &str, prefix: &IpNet) -> Option<Verdict> {
+        self.verdicts.get(peer)?.get(prefix).copied()
+    }
+
+    /// Routes refused so far, by cause.
+    pub fn refusals(&self) -> &BTreeMap<Refusal, u64> {
+        &self.refusals
+    }
+
+    pub fn complete(&self) -> bool {
+        self.complete
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,504 @@
+use std::net::IpAddr;
+
+use super::*;
+use crate::datastore::keys;
+use crate::routes::view::tests::{block_kv, node_kv, put};
+
+const GRACE: Duration = Duration::from_secs(120);
+
+fn settings(me: &str, topology: Topology, reflector: bool) -> Settings {
+    let n = match me {
+        "a" => 1,
+        "b" => 2,
+        "c" => 3,
+        _ => 9,
+    };
+    Settings {
+        me: me.into(),
+        topology,
+        reflector,
+        grace: GRACE,
+        settle: SETTLE,
+        next_hops: NextHops {
+            v4: Some(format!("172.31.1.{n}").parse().expect("ip")),
+            v6: None,
+        },
+        pools: vec![
+            ("10.244.0.0/16".parse().expect("net"), VxlanMode::Always),
+            ("10.0.0.0/8".parse().expect("net"), VxlanMode::Never),
+        ],
+    }
+}
+
+/// Nodes a, b, c (and r, a reflector), each with a block; b borrowed 10.244.0.5 from a.
+fn node_kvs() -> Vec<KeyValue> {
+    vec![
+        node_kv("a", &["172.31.1.1"], false),
+        node_kv("b", &["172.31.1.2"], false),
+        node_kv("c", &["172.31.1.3"], false),
+        node_kv("r", &["172.31.1.9"], true),
+    ]
+}
+
+fn block_kvs() -> Vec<KeyValue> {
+    vec![
+        block_kv(
+            "10.244.0.0/26",
+            "a",
+            &[("10.244.0.1", "a"), ("10.244.0.5", "b")],
+        ),
+        block_kv("10.244.0.64/26", "b", &[("10.244.0.65", "b")]),
+        block_kv("10.244.0.128/26", "c", &[]),
+    ]
+}
+
+fn engine(me: &str, topology: Topology, reflector: bool) -> Engine {
+    let mut e = Engine::new(settings(me, topology, reflector));
+    e.view_listed(Part::Nodes, &node_kvs());
+    e.view_listed(Part::Blocks, &block_kvs());
+    e
+}
+
+fn route(prefix: &str, node: &str) -> Route {
+    let n = match node {
+        "a" => 1,
+        "b" => 2,
+        "c" => 3,
+        _ => 9,
+    };
+    Route {
+        prefix: prefix.parse().expect("net"),
+        node: node.into(),
+        next_hop: format!("172.31.1.{n}").parse::<IpAddr>().expect("ip"),
+    }
+}
+
+fn snapshot(routes: Vec<Route>) -> PeerEvent {
+    PeerEvent::Snapshot {
+        generation: 1,
+        routes,
+        malformed: vec![],
+    }
+}
+
+fn prefixes(o: &Outputs) -> Vec<String> {
+    o.desired.iter().map(|r| r.prefix.to_string()).collect()
+}
+
+#[test]
+fn mesh_learns_every_peer_and_completes_when_all_answered() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    let o = e.flush(t0);
+    assert_eq!(o.peers.keys().collect::<Vec<_>>(), ["b", "c", "r"]);
+    assert_eq!(
+        o.own.keys().map(ToString::to_string).collect::<Vec<_>>(),
+        ["10.244.0.0/26"],
+        "a's block (its own allocation is inside it)"
+    );
+    assert!(o.desired.is_empty() && !o.complete);
+    e.peer_event(
+        "b",
+        snapshot(vec![
+            route("10.244.0.64/26", "b"),
+            route("10.244.0.5/32", "b"),
+        ]),
+        t0,
+    );
+    let o = e.flush(t0);
+    assert_eq!(prefixes(&o), ["10.244.0.5/32", "10.244.0.64/26"]);
+    assert_eq!(o.desired[1].vxlan, VxlanMode::Always, "the pool's mode");
+    assert_eq!(
+        o.desired[1].next_hop,
+        "172.31.1.2".parse::<IpAddr>().expect("ip")
+    );
+    assert!(!o.complete, "c and r have not answered");
+    e.peer_event("c", snapshot(vec![route("10.244.0.128/26", "c")]), t0);
+    e.peer_event("r", snapshot(vec![]), t0);
+    let o = e.flush(t0);
+    assert_eq!(o.desired.len(), 3);
+    assert!(o.complete);
+    assert!(e.refusals().is_empty());
+    // A delta: c withdraws its block.
+    e.peer_event(
+        "c",
+        PeerEvent::Delta {
+            generation: 2,
+            routes: vec![],
+            withdrawn: vec!["10.244.0.128/26".parse().expect("net")],
+            malformed: vec![],
+        },
+        t0,
+    );
+    assert_eq!(e.flush(t0).desired.len(), 2);
+}
+
+#[test]
+fn refusals_are_not_used_and_counted_once_settled() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    // c (not a reflector) announces b's block, and claims a's block as its own.
+    e.peer_event(
+        "c",
+        snapshot(vec![
+            route("10.244.0.64/26", "b"),
+            route("10.244.0.0/26", "c"),
+        ]),
+        t0,
+    );
+    let o = e.flush(t0);
+    assert!(o.desired.is_empty(), "{:?}", o.desired);
+    assert!(
+        matches!(
+            e.verdict("c", &"10.244.0.64/26".parse().expect("net")),
+            Some(Verdict::Pending {
+                cause: Refusal::NotItsOwn,
+                ..
+            })
+        ),
+        "pending until it lasts"
+    );
+    assert!(e.refusals().is_empty());
+    assert!(e.next_deadline(t0).is_some_and(|d| d <= t0 + SETTLE));
+    e.tick(t0 + SETTLE);
+    assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
+    assert_eq!(e.refusals().get(&Refusal::BlockNotAffine), Some(&1));
+    // The same refusal again (another message, the view changing) is not counted again.
+    e.peer_event(
+        "c",
+        snapshot(vec![
+            route("10.244.0.64/26", "b"),
+            route("10.244.0.0/26", "c"),
+        ]),
+        t0 + SETTLE,
+    );
+    e.view_event(&put(node_kv("b", &["172.31.1.2", "fd31::2"], false)));
+    e.flush(t0 + SETTLE);
+    e.tick(t0 + SETTLE * 3);
+    assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
+    assert!(e.flush(t0 + SETTLE * 3).desired.is_empty());
+    // Malformed routes: counted at once.
+    e.peer_event(
+        "c",
+        PeerEvent::Delta {
+            generation: 2,
+            routes: vec![],
+            withdrawn: vec![],
+            malformed: vec!["10.244.0.300/26 via ?".into(), "x".into()],
+        },
+        t0,
+    );
+    assert_eq!(e.refusals().get(&Refusal::Malformed), Some(&2));
+}
+
+#[test]
+fn a_route_ahead_of_this_agents_view_is_accepted_when_the_view_catches_up() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    // c claimed a new block; its route arrives before this agent's watch has the block.
+    e.peer_event(
+        "c",
+        snapshot(vec![
+            route("10.244.0.128/26", "c"),
+            route("10.244.1.0/26", "c"),
+        ]),
+        t0,
+    );
+    assert_eq!(prefixes(&e.flush(t0)), ["10.244.0.128/26"]);
+    let t1 = t0 + Duration::from_millis(5);
+    assert!(e.view_event(&put(block_kv("10.244.1.0/26", "c", &[]))));
+    assert_eq!(prefixes(&e.flush(t1)), ["10.244.0.128/26", "10.244.1.0/26"]);
+    e.tick(t0 + SETTLE * 2);
+    assert!(e.refusals().is_empty(), "never refused: {:?}", e.refusals());
+}
+
+#[test]
+fn a_block_released_and_claimed_elsewhere_moves_its_route() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.peer_event("c", snapshot(vec![route("10.244.0.128/26", "c")]), t0);
+    assert_eq!(e.flush(t0).desired.len(), 2);
+    // b's block is released and c claims it; b's withdrawal has not arrived yet.
+    e.view_event(&put(block_kv("10.244.0.64/26", "c", &[])));
+    let o = e.flush(t0);
+    assert_eq!(
+        prefixes(&o),
+        ["10.244.0.128/26"],
+        "b's route is withdrawn at once"
+    );
+    e.peer_event(
+        "c",
+        PeerEvent::Delta {
+            generation: 2,
+            routes: vec![route("10.244.0.64/26", "c")],
+            withdrawn: vec![],
+            malformed: vec![],
+        },
+        t0,
+    );
+    let o = e.flush(t0);
+    assert_eq!(o.desired.len(), 2);
+    assert_eq!(o.desired[0].node, "c");
+}
+
+#[test]
+fn graceful_restart_keeps_a_dropped_peers_routes_for_the_grace_period() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    for (n, p) in [("b", "10.244.0.64/26"), ("c", "10.244.0.128/26")] {
+        e.peer_event(n, snapshot(vec![route(p, n)]), t0);
+    }
+    e.peer_event("r", snapshot(vec![]), t0);
+    assert_eq!(e.flush(t0).desired.len(), 2);
+    let t1 = t0 + Duration::from_secs(1);
+    e.peer_event(
+        "b",
+        PeerEvent::Down {
+            reason: "stream ended".into(),
+        },
+        t1,
+    );
+    let o = e.flush(t1);
+    assert_eq!(o.desired.len(), 2, "kept meanwhile");
+    assert!(o.complete);
+    assert_eq!(e.next_deadline(t1), Some(t1 + GRACE));
+    e.tick(t1 + GRACE - Duration::from_millis(1));
+    assert_eq!(e.flush(t1 + GRACE).desired.len(), 2);
+    e.tick(t1 + GRACE);
+    assert_eq!(prefixes(&e.flush(t1 + GRACE)), ["10.244.0.128/26"]);
+    // b comes back: its snapshot brings its routes back.
+    e.peer_event(
+        "b",
+        snapshot(vec![route("10.244.0.64/26", "b")]),
+        t1 + GRACE * 2,
+    );
+    assert_eq!(e.flush(t1 + GRACE * 2).desired.len(), 2);
+}
+
+#[test]
+fn a_restarted_agent_is_incomplete_until_every_peer_answered_or_its_grace_ran_out() {
+    let t0 = Instant::now();
+    let mut e = Engine::new(settings("a", Topology::Mesh, false));
+    assert!(!e.flush(t0).complete, "nothing listed yet");
+    e.view_listed(Part::Nodes, &node_kvs());
+    e.view_listed(Part::Blocks, &block_kvs());
+    let o = e.flush(t0);
+    assert!(!o.complete);
+    e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.peer_event("r", snapshot(vec![]), t0);
+    // c never answers (stopped for good).
+    e.peer_event(
+        "c",
+        PeerEvent::Down {
+            reason: "connection refused".into(),
+        },
+        t0,
+    );
+    assert!(!e.flush(t0 + GRACE - Duration::from_millis(1)).complete);
+    e.tick(t0 + GRACE);
+    let o = e.flush(t0 + GRACE);
+    assert!(o.complete);
+    assert_eq!(o.desired.len(), 1);
+    // A node that joins later does not make the set incomplete again.
+    e.view_event(&put(node_kv("d", &["172.31.1.4"], false)));
+    assert!(e.flush(t0 + GRACE).complete);
+}
+
+#[test]
+fn a_peer_whose_node_record_is_deleted_is_dropped_with_its_routes() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    assert_eq!(e.flush(t0).desired.len(), 1);
+    e.view_event(&WatchEvent::Delete {
+        key: keys::node("b"),
+        revision: 9,
+    });
+    let o = e.flush(t0);
+    assert!(o.desired.is_empty());
+    assert!(!o.peers.contains_key("b"));
+    assert!(!e.sessions().contains_key("b"));
+}
+
+#[test]
+fn a_reflector_relays_validated_routes_with_their_origin_and_next_hop() {
+    let t0 = Instant::now();
+    let mut r = engine("r", Topology::Reflectors, true);
+    let o = r.flush(t0);
+    assert_eq!(o.peers.keys().collect::<Vec<_>>(), ["a", "b", "c"]);
+    assert!(o.peers.values().all(|t| !t.relayed));
+    r.peer_event("a", snapshot(vec![route("10.244.0.0/26", "a")]), t0);
+    r.peer_event(
+        "b",
+        snapshot(vec![
+            route("10.244.0.64/26", "b"),
+            route("10.244.0.5/32", "b"),
+        ]),
+        t0,
+    );
+    // c lies about a's block: not relayed.
+    r.peer_event(
+        "c",
+        snapshot(vec![
+            route("10.244.0.128/26", "c"),
+            route("10.244.0.0/26", "c"),
+        ]),
+        t0,
+    );
+    let o = r.flush(t0);
+    let relayed: Vec<(String, String, String)> = o
+        .relay
+        .values()
+        .map(|x| (x.prefix.to_string(), x.node.clone(), x.next_hop.to_string()))
+        .collect();
+    assert_eq!(
+        relayed,
+        [
+            ("10.244.0.0/26".into(), "a".into(), "172.31.1.1".into()),
+            ("10.244.0.5/32".into(), "b".into(), "172.31.1.2".into()),
+            ("10.244.0.64/26".into(), "b".into(), "172.31.1.2".into()),
+            ("10.244.0.128/26".into(), "c".into(), "172.31.1.3".into()),
+        ]
+    );
+    assert!(o.own.is_empty(), "r has no block of its own");
+
+    // A client follows the reflector only and takes what it relays, its own routes aside.
+    let mut a = engine("a", Topology::Reflectors, false);
+    let o = a.flush(t0);
+    assert_eq!(o.peers.keys().collect::<Vec<_>>(), ["r"]);
+    assert!(o.peers["r"].relayed);
+    a.peer_event("r", snapshot(r.flush(t0).relay.into_values().collect()), t0);
+    let o = a.flush(t0);
+    assert_eq!(
+        prefixes(&o),
+        ["10.244.0.5/32", "10.244.0.64/26", "10.244.0.128/26"]
+    );
+    assert!(o.complete);
+    assert_eq!(
+        a.verdict("r", &"10.244.0.0/26".parse().expect("net")),
+        Some(Verdict::Own)
+    );
+    a.tick(t0 + SETTLE);
+    assert!(a.refusals().is_empty());
+}
+
+#[test]
+fn a_non_reflector_cannot_relay_and_a_direct_route_wins_over_a_relayed_one() {
+    let t0 = Instant::now();
+    let mut a = engine("a", Topology::Mesh, false);
+    a.flush(t0);
+    // b relays c's block (b is no reflector) and a's own block (a hijack attempt).
+    a.peer_event(
+        "b",
+        snapshot(vec![
+            route("10.244.0.128/26", "c"),
+            route("10.244.0.0/26", "a"),
+        ]),
+        t0,
+    );
+    a.flush(t0);
+    a.tick(t0 + SETTLE);
+    assert_eq!(a.refusals().get(&Refusal::NotItsOwn), Some(&2));
+    // r (a reflector, also followed in a mesh) relays c's block with an old next hop c
+    // still has on record; c's own announcement is preferred.
+    a.view_event(&put(node_kv("c", &["172.31.1.3", "172.31.1.33"], false)));
+    let mut old = route("10.244.0.128/26", "c");
+    old.next_hop = "172.31.1.33".parse().expect("ip");
+    a.peer_event("r", snapshot(vec![old]), t0);
+    let o = a.flush(t0);
+    assert_eq!(o.desired[0].next_hop.to_string(), "172.31.1.33");
+    a.peer_event("c", snapshot(vec![route("10.244.0.128/26", "c")]), t0);
+    let o = a.flush(t0);
+    assert_eq!(o.desired.len(), 1);
+    assert_eq!(o.desired[0].next_hop.to_string(), "172.31.1.3");
+}
+
+/// 100 peers × 100 blocks: every route validated and merged, and a re-validation of all of
+/// them after a datastore change, in well under the issue's 2 s (debug build).
+#[test]
+fn a_hundred_peers_with_a_hundred_blocks_each() {
+    let t0 = Instant::now();
+    let mut e = Engine::new(settings("a", Topology::Mesh, false));
+    let mut nodes = vec![node_kv("a", &["172.31.1.1"], false)];
+    let mut blocks = Vec::new();
+    let mut snapshots = Vec::new();
+    for n in 0..100u32 {
+        let name = format!("n{n}");
+        let hop = format!("172.30.{}.{}", n / 250, n % 250 + 1);
+        nodes.push(node_kv(&name, &[&hop], false));
+        let mut routes = Vec::new();
+        for b in 0..100u32 {
+            let i = n * 100 + b;
+            let cidr = format!(
+                "10.{}.{}.{}/26",
+                100 + i / 1024,
+                (i / 4) % 256,
+                (i % 4) * 64
+            );
+            blocks.push(block_kv(&cidr, &name, &[]));
+            routes.push(Route {
+                prefix: cidr.parse().expect("net"),
+                node: name.clone(),
+                next_hop: hop.parse().expect("ip"),
+            });
+        }
+        snapshots.push((name, routes));
+    }
+    e.view_listed(Part::Nodes, &nodes);
+    e.view_listed(Part::Blocks, &blocks);
+    e.flush(t0);
+    let start = Instant::now();
+    for (name, routes) in snapshots {
+        e.peer_event(&name, snapshot(routes), t0);
+    }
+    let o = e.flush(t0);
+    let learn = start.elapsed();
+    assert_eq!(o.desired.len(), 10_000);
+    assert!(o.complete);
+    let start = Instant::now();
+    e.view_event(&put(block_kv("10.200.0.0/26", "n1", &[])));
+    assert_eq!(e.flush(t0).desired.len(), 10_000);
+    let revalidate = start.elapsed();
+    eprintln!("learn 10000 routes: {learn:?}; revalidate all: {revalidate:?}");
+    assert!(learn < Duration::from_secs(2) && revalidate < Duration::from_secs(2));
+}
+
+/// A deadline that passed without a tick (the loop woke for something else just then) is
+/// still due: otherwise the refusal never settles and the grace never ends.
+#[test]
+fn a_missed_deadline_stays_due_until_ticked() {
+    let t0 = Instant::now();
+    let mut e = engine("a", Topology::Mesh, false);
+    e.flush(t0);
+    e.peer_event("c", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    e.flush(t0);
+    e.peer_event(
+        "b",
+        PeerEvent::Down {
+            reason: "gone".into(),
+        },
+        t0,
+    );
+    e.flush(t0);
+    let late = t0 + GRACE + Duration::from_secs(1);
+    assert_eq!(
+        e.next_deadline(late),
+        Some(t0 + SETTLE),
+        "the refusal is still due"
+    );
+    e.tick(late);
+    assert_eq!(
+        e.next_deadline(late),
+        None,
+        "nothing due after the tick (r and c settled or never)"
+    );
+    assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
+    assert!(e.flush(late).desired.is_empty(), "b's grace ran out");
+}

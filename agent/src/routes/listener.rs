@@ -1,0 +1,316 @@
+//! The TCP door of `calix.v1.Routes`, the only service served on TCP. Like the HTTP door
+//! ([`crate::metrics`]) nothing a connecting party does can cost the agent more than its
+//! limits: a cap on connections (and per remote address), on TLS handshakes in progress and
+//! their duration, on streams per connection, TCP and HTTP/2 keepalives that drop dead peers,
+//! backoff when accept fails. A handshake that fails (no certificate, one of another CA,
+//! expired...) is refused, logged with the reason (throttled) and counted.
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use calix_proto::v1 as pb;
+use rustls::ServerConfig;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::conn::{Accepted, Conn, PeerInfo};
+use super::server::RoutesSvc;
+
+/// Limits of the Routes door.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections open at once (a reflector serves every node of the cluster).
+    pub max_connections: usize,
+    /// Connections from one address at once.
+    pub max_per_address: usize,
+    /// TLS handshakes in progress at once.
+    pub max_handshakes: usize,
+    /// Time to complete the TLS handshake.
+    pub handshake_timeout: Duration,
+    /// TCP keepalive: idle time before the first probe (then every 10 s, 3 probes).
+    pub tcp_keepalive: Duration,
+    /// HTTP/2 pings on an idle connection, and the time to answer one.
+    pub h2_keepalive: Duration,
+    pub h2_keepalive_timeout: Duration,
+    /// Streams (watches) per connection.
+    pub max_streams: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 2048,
+            max_per_address: 8,
+            max_handshakes: 64,
+            handshake_timeout: Duration::from_secs(5),
+            tcp_keepalive: Duration::from_secs(30),
+            h2_keepalive: Duration::from_secs(20),
+            h2_keepalive_timeout: Duration::from_secs(10),
+            max_streams: 4,
+        }
+    }
+}
+
+/// What the door saw.
+#[derive(Default)]
+pub struct DoorStats {
+    accepted: AtomicU64,
+    refused_busy: AtomicU64,
+    refused_tls: AtomicU64,
+    refused_identity: AtomicU64,
+}
+
+/// [`DoorStats`] read at one time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DoorCounts {
+    /// Connections that passed the handshake.
+    pub accepted: u64,
+    /// Closed at once: too many connections (in total, from one address, or handshaking).
+    pub refused_busy: u64,
+    /// TLS handshakes that failed or timed out (missing, untrusted or bad certificates).
+    pub refused_tls: u64,
+    /// Watches refused: the certificate does not name the node asked for, or no such node.
+    pub refused_identity: u64,
+}
+
+impl DoorStats {
+    pub fn refused_identity(&self) {
+        self.refused_identity.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn counts(&self) -> DoorCounts {
+        DoorCounts {
+            accepted: self.accepted.load(Ordering::Relaxed),
+            refused_busy: self.refused_busy.load(Ordering::Relaxed),
+            refused_tls: self.refused_tls.load(Ordering::Relaxed),
+            refused_identity: self.refused_identity.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// At most [`Throttle::PER_WINDOW`] log lines per window: a flood of bad connections cannot
+/// flood the log (they are all counted).
+pub struct Throttle {
+    state: Mutex<(Instant, u32)>,
+}
+
+impl Default for Throttle {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new((Instant::now(), 0)),
+        }
+    }
+}
+
+impl Throttle {
+    const PER_WINDOW: u32 = 20;
+    const WINDOW: Duration = Duration::from_secs(60);
+
+    pub fn allow(&self) -> bool {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if s.0.elapsed() > Self::WINDOW {
+            *s = (Instant::now(), 0);
+        }
+        s.1 += 1;
+        if s.1 == Self::PER_WINDOW + 1 {
+            tracing::warn!("routes: more refused connections this minute are counted (calixctl nodes, /metrics), not logged");
+        }
+        s.1 <= Self::PER_WINDOW
+    }
+}
+
+/// Connections per remote address.
+#[derive(Default)]
+struct PerAddress(Mutex<HashMap<IpAddr, usize>>);
+
+/// A connection's place under the caps; freed on drop.
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+    addr: IpAddr,
+    per: Arc<PerAddress>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut m = self.per.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.addr) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.addr);
+            }
+        }
+    }
+}
+
+/// Serves the Routes service on `listener` until `shutdown` turns true (after which the
+/// service ends every stream); `tls` none is plain text.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<Arc<ServerConfig>>,
+    svc: RoutesSvc,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let (tx, rx) = mpsc::channel::<Result<Accepted, std::io::Error>>(16);
+    let stats = svc.stats.clone();
+    let throttle = svc.throttle.clone();
+    let accept = tokio::spawn(accept_loop(listener, tls, limits, tx, stats, throttle));
+    let signal = async move {
+        while !*shutdown.borrow() {
+            if shutdown.changed().await.is_err() {
+                break;
+            }
+        }
+    };
+    let served = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(limits.h2_keepalive))
+        .http2_keepalive_timeout(Some(limits.h2_keepalive_timeout))
+        .max_concurrent_streams(Some(limits.max_streams))
+        .add_service(pb::routes_server::RoutesServer::new(svc))
+        .serve_with_incoming_shutdown(ReceiverStream::new(rx), signal)
+        .await;
+    accept.abort();
+    served
+}
+
+/// First pause after a failed accept (EMFILE...); doubles up to a second.
+const FIRST_ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
+async fn accept_loop(
+    listener: TcpListener,
+    tls: Option<Arc<ServerConfig>>,
+    limits: Limits,
+    tx: mpsc::Sender<Result<Accepted, std::io::Error>>,
+    stats: Arc<DoorStats>,
+    throttle: Arc<Throttle>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let handshakes = Arc::new(Semaphore::new(limits.max_handshakes));
+    let per = Arc::new(PerAddress::default());
+    let mut backoff = FIRST_ACCEPT_BACKOFF;
+    loop {
+        let (sock, remote) = match listener.accept().await {
+            Ok(s) => {
+                backoff = FIRST_ACCEPT_BACKOFF;
+                s
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, ?backoff, "routes: accept failed");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        let Some((slot, handshake)) = admit(&slots, &handshakes, &per, remote.ip(), &limits) else {
+            stats.refused_busy.fetch_add(1, Ordering::Relaxed);
+            if throttle.allow() {
+                tracing::warn!(%remote, "routes: refused a connection: too many open");
+            }
+            continue;
+        };
+        keepalive(&sock, limits.tcp_keepalive);
+        let _ = sock.set_nodelay(true);
+        let (tls, tx, stats, throttle) = (tls.clone(), tx.clone(), stats.clone(), throttle.clone());
+        tokio::spawn(async move {
+            let conn = handshake_with(sock, remote, tls, limits.handshake_timeout).await;
+            drop(handshake);
+            match conn {
+                Ok((conn, cert)) => {
+                    stats.accepted.fetch_add(1, Ordering::Relaxed);
+                    let _ = tx
+                        .send(Ok(Accepted {
+                            conn,
+                            peer: PeerInfo { remote, cert },
+                            _slot: slot,
+                        }))
+                        .await;
+                }
+                Err(reason) => {
+                    stats.refused_tls.fetch_add(1, Ordering::Relaxed);
+                    if throttle.allow() {
+                        tracing::warn!(%remote, %reason, "routes: refused a connection: TLS handshake failed");
+                    }
+                }
+            }
+        });
+    }
+}
+
+fn admit(
+    slots: &Arc<Semaphore>,
+    handshakes: &Arc<Semaphore>,
+    per: &Arc<PerAddress>,
+    addr: IpAddr,
+    limits: &Limits,
+) -> Option<(Slot, OwnedSemaphorePermit)> {
+    let permit = slots.clone().try_acquire_owned().ok()?;
+    let handshake = handshakes.clone().try_acquire_owned().ok()?;
+    {
+        let mut m = per.0.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(addr).or_default();
+        if *n >= limits.max_per_address {
+            return None;
+        }
+        *n += 1;
+    }
+    Some((
+        Slot {
+            _permit: permit,
+            addr,
+            per: per.clone(),
+        },
+        handshake,
+    ))
+}
+
+type ServerConn = Conn<tokio_rustls::server::TlsStream<TcpStream>>;
+
+async fn handshake_with(
+    sock: TcpStream,
+    remote: SocketAddr,
+    tls: Option<Arc<ServerConfig>>,
+    timeout: Duration,
+) -> Result<
+    (
+        ServerConn,
+        Option<rustls::pki_types::CertificateDer<'static>>,
+    ),
+    String,
+> {
+    let Some(cfg) = tls else {
+        return Ok((Conn::Plain(sock), None));
+    };
+    let accept = tokio_rustls::TlsAcceptor::from(cfg).accept(sock);
+    match tokio::time::timeout(timeout, accept).await {
+        Err(_) => Err(format!("no handshake within {timeout:?}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Ok(Ok(s)) => {
+            let cert = s
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .map(|c| c.clone().into_owned());
+            if cert.is_none() {
+                // The verifier requires one; never reached.
+                return Err(format!("{remote} sent no certificate"));
+            }
+            Ok((Conn::Tls(Box::new(s)), cert))
+        }
+    }
+}
+
+/// TCP keepalive on an accepted socket: a peer that vanished without a FIN (power loss, a
+/// partition) is noticed.
+fn keepalive(sock: &TcpStream, idle: Duration) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let secs = u32::try_from(idle.as_secs()).unwrap_or(u32::MAX);
+    let _ = setsockopt(sock, sockopt::KeepAlive, &true);
+    let _ = setsockopt(sock, sockopt::TcpKeepIdle, &secs);
+    let _ = setsockopt(sock, sockopt::TcpKeepInterval, &10);
+    let _ = setsockopt(sock, sockopt::TcpKeepCount, &3);
+}

@@ -1,0 +1,367 @@
+//! What `calixctl routes` and `calixctl nodes` show (one report, JSON over the unix socket),
+//! and route distribution's lines of `/metrics`.
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::IpAddr;
+use std::time::Instant;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use super::engine::{Engine, Verdict};
+use super::feed::Feed;
+use super::listener::DoorCounts;
+use super::validate::Refusal;
+use crate::config::{Topology, VxlanMode};
+use crate::reconcile::remote::RemoteRoute;
+
+/// Route distribution on this node.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoutesReport {
+    pub node: String,
+    /// `routes.enabled`: off, the rest is empty.
+    pub enabled: bool,
+    pub topology: String,
+    pub reflector: bool,
+    /// Where peers reach this agent (its node record's `routes_endpoint`).
+    pub endpoint: String,
+    /// Mutual TLS between nodes (false: `routes.plaintext`).
+    pub tls: bool,
+    /// The datastore's blocks and nodes are listed.
+    pub synced: bool,
+    /// Every peer answered (or its grace ran out) since this agent started.
+    pub complete: bool,
+    /// This node's routes, as served.
+    pub advertised: Vec<Advertised>,
+    /// Routes a reflector relays (its own included).
+    pub relayed: usize,
+    /// Every route the peers announced, with what this agent made of it.
+    pub learned: Vec<Learned>,
+    /// What the reconciler was handed last (the desired routes to other nodes' pods).
+    pub desired: Vec<Desired>,
+    /// Whether that set was complete (stale routes may be removed).
+    pub desired_complete: bool,
+    /// Seconds since it was handed over; `None` before the first time.
+    pub desired_age_secs: Option<f64>,
+    pub peers: Vec<Peer>,
+    /// Watch streams this agent serves now.
+    pub watchers: usize,
+    /// Routes refused, by cause.
+    pub refusals: BTreeMap<String, u64>,
+    /// The TCP door's counters.
+    pub door: DoorCounts,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Advertised {
+    pub prefix: String,
+    pub node: String,
+    pub next_hop: String,
+    pub age_secs: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Learned {
+    pub prefix: String,
+    /// The node the prefix lives on.
+    pub node: String,
+    pub next_hop: String,
+    /// `direct` or `vxlan`: how this node reaches it, as configured (the pool's `vxlan`).
+    pub via: String,
+    /// The peer that announced it.
+    pub source: String,
+    pub age_secs: f64,
+    /// `accepted`, `pending` (refused for less than the settle time), `refused`, or `own`
+    /// (this node's own route relayed back).
+    pub state: String,
+    /// Why it is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cause: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Desired {
+    pub prefix: String,
+    pub node: String,
+    pub next_hop: String,
+    /// The pool's `vxlan` mode.
+    pub vxlan: String,
+    /// `direct` or `vxlan`.
+    pub via: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Peer {
+    pub name: String,
+    pub endpoint: String,
+    pub reflector: bool,
+    /// `connecting`, `up`, `grace` or `down` (its grace ran out).
+    pub state: String,
+    pub last_update_secs: Option<f64>,
+    /// The generation of its last update.
+    pub generation: u64,
+    /// Time left before its routes are withdrawn, while in grace.
+    pub grace_left_secs: Option<f64>,
+    /// Routes it announces, and how many of them are accepted.
+    pub routes: usize,
+    pub accepted: usize,
+    /// Snapshots received (1 + reconnects).
+    pub snapshots: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// How traffic to `next_hop` goes: VXLAN always or never as the pool says, or across
+/// subnets only (`crossSubnet`: direct when the next hop is in one of `subnets`).
+pub fn via(mode: VxlanMode, next_hop: IpAddr, subnets: &[IpNet]) -> &'static str {
+    match mode {
+        VxlanMode::Always => "vxlan",
+        VxlanMode::Never => "direct",
+        VxlanMode::CrossSubnet if subnets.iter().any(|s| s.contains(&next_hop)) => "direct",
+        VxlanMode::CrossSubnet => "vxlan",
+    }
+}
+
+pub fn mode_name(m: VxlanMode) -> &'static str {
+    match m {
+        VxlanMode::Never => "never",
+        VxlanMode::CrossSubnet => "crossSubnet",
+        VxlanMode::Always => "always",
+    }
+}
+
+/// What the report is built from besides the engine.
+pub struct Context<'a> {
+    pub endpoint: &'a str,
+    pub tls: bool,
+    pub own: &'a Feed,
+    pub relay: &'a Feed,
+    /// The last set handed to the reconciler: routes, complete, when.
+    pub handed: Option<(std::sync::Arc<Vec<RemoteRoute>>, bool, Instant)>,
+    pub subnets: &'a [IpNet],
+    pub door: DoorCounts,
+}
+
+pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
+    let s = e.settings();
+    let secs = |t: Instant| now.saturating_duration_since(t).as_secs_f64();
+    let advertised = cx
+        .own
+        .with_ages()
+        .into_iter()
+        .map(|(r, since)| Advertised {
+            prefix: r.prefix.to_string(),
+            node: r.node,
+            next_hop: r.next_hop.to_string(),
+            age_secs: secs(since),
+        })
+        .collect();
+    let mut learned = Vec::new();
+    let mut peers = Vec::new();
+    for (name, session) in e.sessions() {
+        let mut accepted = 0;
+        for (p, r) in &session.routes {
+            let (state, cause) = match e.verdict(name, p) {
+                Some(Verdict::Accepted) => {
+                    accepted += 1;
+                    ("accepted", None)
+                }
+                Some(Verdict::Own) => ("own", None),
+                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause.name().to_string())),
+                Some(Verdict::Refused(cause)) => ("refused", Some(cause.name().to_string())),
+                None => ("pending", None),
+            };
+            learned.push(Learned {
+                prefix: p.to_string(),
+                node: r.node.clone(),
+                next_hop: r.next_hop.to_string(),
+                via: via(e.vxlan_for(p), r.next_hop, cx.subnets).into(),
+                source: name.clone(),
+                age_secs: session.since.get(p).map(|t| secs(*t)).unwrap_or(0.0),
+                state: state.into(),
+                cause,
+            });
+        }
+        peers.push(Peer {
+            name: name.clone(),
+            endpoint: session.endpoint.clone(),
+            reflector: e.view().node(name).is_some_and(|n| n.record.reflector),
+            state: session.state.name().into(),
+            last_update_secs: session.last_update.map(secs),
+            generation: session.generation,
+            grace_left_secs: session.grace_left(now).map(|d| d.as_secs_f64()),
+            routes: session.routes.len(),
+            accepted,
+            snapshots: session.snapshots,
+            error: session.last_error.clone(),
+        });
+    }
+    let (desired, desired_complete, desired_age_secs) = match &cx.handed {
+        Some((routes, complete, at)) => (
+            routes
+                .iter()
+                .map(|r| Desired {
+                    prefix: r.prefix.to_string(),
+                    node: r.node.clone(),
+                    next_hop: r.next_hop.to_string(),
+                    vxlan: mode_name(r.vxlan).into(),
+                    via: via(r.vxlan, r.next_hop, cx.subnets).into(),
+                })
+                .collect(),
+            *complete,
+            Some(secs(*at)),
+        ),
+        None => (Vec::new(), false, None),
+    };
+    RoutesReport {
+        node: s.me.clone(),
+        enabled: true,
+        topology: match s.topology {
+            Topology::Mesh => "mesh",
+            Topology::Reflectors => "reflectors",
+        }
+        .into(),
+        reflector: s.reflector,
+        endpoint: cx.endpoint.into(),
+        tls: cx.tls,
+        synced: e.synced(),
+        complete: e.complete(),
+        advertised,
+        relayed: if s.reflector { cx.relay.len() } else { 0 },
+        learned,
+        desired,
+        desired_complete,
+        desired_age_secs,
+        peers,
+        watchers: cx.own.watchers() + cx.relay.watchers(),
+        refusals: e
+            .refusals()
+            .iter()
+            .map(|(c, n)| (c.name().to_string(), *n))
+            .collect(),
+        door: cx.door.clone(),
+    }
+}
+
+/// What `/metrics` shows, counted without building the report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Counts {
+    /// Peers by stream state.
+    pub peers: BTreeMap<&'static str, usize>,
+    /// Learned routes accepted.
+    pub learned: usize,
+    pub desired: usize,
+    pub advertised: usize,
+    pub complete: bool,
+    pub refusals: BTreeMap<String, u64>,
+    pub watchers: usize,
+    pub door: DoorCounts,
+}
+
+pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
+    let mut peers = BTreeMap::new();
+    let mut learned = 0;
+    for (name, s) in e.sessions() {
+        *peers.entry(s.state.name()).or_default() += 1;
+        learned += s
+            .routes
+            .keys()
+            .filter(|p| e.verdict(name, p) == Some(Verdict::Accepted))
+            .count();
+    }
+    Counts {
+        peers,
+        learned,
+        desired: cx.handed.as_ref().map_or(0, |h| h.0.len()),
+        advertised: cx.own.len(),
+        complete: e.complete(),
+        refusals: e
+            .refusals()
+            .iter()
+            .map(|(c, n)| (c.name().to_string(), *n))
+            .collect(),
+        watchers: cx.own.watchers() + cx.relay.watchers(),
+        door: cx.door.clone(),
+    }
+}
+
+/// Route distribution's lines of `/metrics`.
+pub fn metrics(r: &Counts) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_peers Followed peers by stream state (connecting, up, grace, down).\n# TYPE calix_route_peers gauge"
+    );
+    for state in ["connecting", "up", "grace", "down"] {
+        let n = r.peers.get(state).copied().unwrap_or(0);
+        let _ = writeln!(out, "calix_route_peers{{state=\"{state}\"}} {n}");
+    }
+    let accepted = r.learned;
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_learned Routes learned from peers and accepted.\n# TYPE calix_routes_learned gauge\ncalix_routes_learned {accepted}"
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_desired Routes to other nodes' pods handed to the reconciler.\n# TYPE calix_routes_desired gauge\ncalix_routes_desired {}",
+        r.desired
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_advertised Routes this node advertises (its blocks, borrowed addresses).\n# TYPE calix_routes_advertised gauge\ncalix_routes_advertised {}",
+        r.advertised
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_complete 1 once every peer answered (or its grace ran out) since the agent started.\n# TYPE calix_routes_complete gauge\ncalix_routes_complete {}",
+        u8::from(r.complete)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_refusals_total Routes from peers refused, by cause.\n# TYPE calix_route_refusals_total counter"
+    );
+    for cause in Refusal::ALL {
+        let n = r.refusals.get(cause.name()).copied().unwrap_or(0);
+        let _ = writeln!(out, "calix_route_refusals_total{{cause=\"{cause}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_watchers Watch streams this agent serves.\n# TYPE calix_route_watchers gauge\ncalix_route_watchers {}",
+        r.watchers
+    );
+    let d = &r.door;
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_connections_refused_total Connections to the Routes port refused, by cause (busy: caps; tls: handshake; identity: certificate or node).\n# TYPE calix_route_connections_refused_total counter\ncalix_route_connections_refused_total{{cause=\"busy\"}} {}\ncalix_route_connections_refused_total{{cause=\"tls\"}} {}\ncalix_route_connections_refused_total{{cause=\"identity\"}} {}",
+        d.refused_busy, d.refused_tls, d.refused_identity
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn via_follows_the_pools_mode_and_the_subnets() {
+        let subnets: Vec<IpNet> = vec!["172.31.1.0/24".parse().expect("net")];
+        let near: IpAddr = "172.31.1.2".parse().expect("ip");
+        let far: IpAddr = "172.31.2.3".parse().expect("ip");
+        assert_eq!(via(VxlanMode::CrossSubnet, near, &subnets), "direct");
+        assert_eq!(via(VxlanMode::CrossSubnet, far, &subnets), "vxlan");
+        assert_eq!(via(VxlanMode::Always, near, &subnets), "vxlan");
+        assert_eq!(via(VxlanMode::Never, far, &subnets), "direct");
+    }
+
+    #[test]
+    fn metrics_name_every_state_and_cause() {
+        let mut r = Counts::default();
+        r.refusals.insert("not_its_own".into(), 3);
+        r.peers.insert("up", 2);
+        let m = metrics(&r);
+        assert!(m.contains("calix_route_peers{state=\"up\"} 2"));
+        assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
+        assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));
+        assert!(m.contains("calix_route_peers{state=\"grace\"} 0"));
+    }
+}

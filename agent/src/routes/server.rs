@@ -1,0 +1,187 @@
+//! `calix.v1.Routes/Watch`: a peer asks to watch as node N; it is served only if its
+//! certificate names N and N has a node record. It gets a snapshot of this agent's routes
+//! (with `relayed`, on a reflector: everything it relays), then every delta. A watcher that
+//! falls behind gets a new snapshot. A watch waits (up to 10 s, then `UNAVAILABLE`) until
+//! the set it asks for is known: this node's routes once the datastore is listed, a
+//! reflector's relayed set once every peer answered (or its grace ran out). On shutdown every
+//! stream ends with `UNAVAILABLE`, so peers know at once (and keep the routes for their grace
+//! period).
+use std::collections::HashSet;
+use std::pin::Pin;
+use std::sync::{Arc, RwLock};
+
+use calix_proto::v1 as pb;
+use futures::Stream;
+use tokio::sync::{broadcast, mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status};
+
+use super::conn::PeerInfo;
+use super::feed::Feed;
+use super::listener::{DoorStats, Throttle};
+use super::tls::cert_is_for;
+use super::wire;
+
+/// The sets this agent serves.
+pub struct Feeds {
+    /// This node's routes.
+    pub own: Arc<Feed>,
+    /// A reflector's relayed set (its own routes and every node's validated ones).
+    pub relay: Arc<Feed>,
+    pub reflector: bool,
+}
+
+/// The node names the datastore records (who may watch), kept current by the routes task.
+#[derive(Default)]
+pub struct Known(RwLock<HashSet<String>>);
+
+impl Known {
+    pub fn set(&self, names: HashSet<String>) {
+        *self.0.write().unwrap_or_else(|p| p.into_inner()) = names;
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(name)
+    }
+
+    /// A node whose name `cert` carries, for the log.
+    fn named_in(&self, cert: &rustls::pki_types::CertificateDer<'_>) -> Option<String> {
+        self.0
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|n| cert_is_for(cert, n))
+            .cloned()
+    }
+}
+
+/// The Routes service.
+pub struct RoutesSvc {
+    pub feeds: Arc<Feeds>,
+    pub known: Arc<Known>,
+    pub stats: Arc<DoorStats>,
+    pub shutdown: watch::Receiver<bool>,
+    pub throttle: Arc<Throttle>,
+}
+
+/// How long a watch waits for the feed to be ready before it is told to try again.
+const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+type Updates = Pin<Box<dyn Stream<Item = Result<pb::RouteUpdate, Status>> + Send>>;
+
+impl RoutesSvc {
+    /// Who may watch as `node`: with TLS, a client whose certificate names `node`; and
+    /// `node` must be a node of the datastore.
+    fn authorize(&self, peer: Option<&PeerInfo>, node: &str) -> Result<(), String> {
+        let Some(peer) = peer else {
+            return Err("no connection information".into());
+        };
+        if let Some(cert) = &peer.cert {
+            if !cert_is_for(cert, node) {
+                return Err(match self.known.named_in(cert) {
+                    Some(other) => format!(
+                        "asked to watch as node {node:?} with the certificate of node {other:?}"
+                    ),
+                    None => format!(
+                        "asked to watch as node {node:?} with a certificate that does not name it"
+                    ),
+                });
+            }
+        }
+        if !self.known.contains(node) {
+            return Err(format!("node {node:?} has no node record in the datastore"));
+        }
+        Ok(())
+    }
+}
+
+#[tonic::async_trait]
+impl pb::routes_server::Routes for RoutesSvc {
+    type WatchStream = Updates;
+
+    async fn watch(
+        &self,
+        req: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let peer = req.extensions().get::<PeerInfo>().cloned();
+        let r = req.into_inner();
+        if *self.shutdown.borrow() {
+            return Err(Status::unavailable("calix-agent is shutting down"));
+        }
+        if let Err(reason) = self.authorize(peer.as_ref(), &r.node) {
+            self.stats.refused_identity();
+            let remote = peer.map(|p| p.remote.to_string()).unwrap_or_default();
+            if self.throttle.allow() {
+                tracing::warn!(%remote, %reason, "routes: refused a peer's watch");
+            }
+            return Err(Status::permission_denied(reason));
+        }
+        let feed = if r.relayed && self.feeds.reflector {
+            self.feeds.relay.clone()
+        } else {
+            self.feeds.own.clone()
+        };
+        // A starting agent serves nothing before its routes are known (a reflector: before
+        // every peer answered): an early, partial snapshot would withdraw routes from the
+        // watcher.
+        if !feed.ready(READY_WAIT).await {
+            return Err(Status::unavailable(
+                "calix-agent is still learning its routes; try again",
+            ));
+        }
+        tracing::info!(peer = %r.node, relayed = r.relayed && self.feeds.reflector, "routes: peer watches");
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(serve_stream(feed, tx, self.shutdown.clone()));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+/// Sends the snapshot, then the deltas, until the watcher goes or the agent stops.
+async fn serve_stream(
+    feed: Arc<Feed>,
+    tx: mpsc::Sender<Result<pb::RouteUpdate, Status>>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let (snapshot, mut rx) = feed.subscribe();
+    if send_all(&tx, wire::encode_snapshot(&snapshot))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        let msgs = tokio::select! {
+            d = rx.recv() => match d {
+                Ok(delta) => wire::encode_delta(&delta),
+                // Behind by more than the buffer: start over from a snapshot.
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    let (snapshot, fresh) = feed.subscribe();
+                    rx = fresh;
+                    wire::encode_snapshot(&snapshot)
+                }
+                Err(broadcast::error::RecvError::Closed) => return,
+            },
+            _ = shutdown.changed() => {
+                let _ = tx.send(Err(Status::unavailable("calix-agent is shutting down"))).await;
+                return;
+            }
+            _ = tx.closed() => return,
+        };
+        if send_all(&tx, msgs).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn send_all(
+    tx: &mpsc::Sender<Result<pb::RouteUpdate, Status>>,
+    msgs: Vec<pb::RouteUpdate>,
+) -> Result<(), ()> {
+    for m in msgs {
+        tx.send(Ok(m)).await.map_err(|_| ())?;
+    }
+    Ok(())
+}

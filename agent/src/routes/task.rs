@@ -1,0 +1,536 @@
+//! Route distribution in the agent: the async shell around the [`Engine`]. It watches the
+//! datastore's blocks and nodes, runs the TCP door, keeps a follower per peer, and after each
+//! batch of events (everything queued, so a burst is one recomputation and a single event
+//! costs no wait) publishes this node's routes to watchers and hands the desired routes to the
+//! reconciler (on a task of its own: the reconciler's thread never holds up the streams; the
+//! latest set wins).
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use ipnet::IpNet;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use super::advertise::NextHops;
+use super::client::{self, Dialer, PeerMessage};
+use super::engine::{Engine, Outputs, PeerEvent, Settings, SETTLE};
+use super::feed::Feed;
+use super::listener::{self, DoorStats, Limits, Throttle};
+use super::peers::Target;
+use super::report::{self, RoutesReport};
+use super::server::{Feeds, Known, RoutesSvc};
+use super::tls::TlsMaterial;
+use super::view::Part;
+use super::RoutesError;
+use crate::config::{AgentConfig, RoutesConfig, VxlanMode};
+use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
+use crate::reconcile::driver::Driver;
+use crate::reconcile::remote::RemoteRoute;
+
+/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests.
+#[tonic::async_trait]
+pub trait RouteSink: Send + Sync + 'static {
+    async fn set_remote_routes(
+        &self,
+        routes: Vec<RemoteRoute>,
+        complete: bool,
+    ) -> Result<(), String>;
+}
+
+#[tonic::async_trait]
+impl RouteSink for Driver {
+    async fn set_remote_routes(
+        &self,
+        routes: Vec<RemoteRoute>,
+        complete: bool,
+    ) -> Result<(), String> {
+        Driver::set_remote_routes(self, routes, complete)
+            .await
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// What route distribution starts with.
+pub struct Start {
+    pub me: String,
+    pub cfg: RoutesConfig,
+    /// Each configured pool and its `vxlan` mode.
+    pub pools: Vec<(IpNet, VxlanMode)>,
+    pub next_hops: NextHops,
+    /// Where peers reach this agent (recorded in its node record).
+    pub endpoint: String,
+    /// This node's subnets (for `calixctl routes`' VIA).
+    pub subnets: Vec<IpNet>,
+    /// `None`: plain text (`routes.plaintext`).
+    pub tls: Option<TlsMaterial>,
+    /// The Routes port, bound before this node's record announces it (peers that dial early
+    /// wait in its backlog instead of being refused).
+    pub listener: tokio::net::TcpListener,
+}
+
+impl Start {
+    /// From the agent's config: the next hops (`routes.node_addresses`, else the first
+    /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
+    /// node's subnets, and the TLS files (read and checked now: a bad file stops the agent);
+    /// binds the Routes port.
+    pub async fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
+        let next_hops =
+            super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
+        let endpoint =
+            super::local::endpoint(&cfg.routes.listen, &next_hops).ok_or(RoutesError::NoAddress)?;
+        let tls = if cfg.routes.plaintext {
+            None
+        } else {
+            Some(TlsMaterial::load(&cfg.routes.tls, &cfg.node_name)?)
+        };
+        let mut routes = cfg.routes.clone();
+        if routes.reflector && routes.topology != crate::config::Topology::Reflectors {
+            tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
+            routes.reflector = false;
+        }
+        let listener = tokio::net::TcpListener::bind(&routes.listen)
+            .await
+            .map_err(|source| RoutesError::Listen {
+                addr: routes.listen.clone(),
+                source,
+            })?;
+        Ok(Self {
+            listener,
+            me: cfg.node_name.clone(),
+            cfg: routes,
+            pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
+            next_hops,
+            endpoint,
+            subnets: super::local::subnets(),
+            tls,
+        })
+    }
+}
+
+/// A running route distribution.
+pub struct RoutesHandle {
+    requests: mpsc::Sender<Ask>,
+    shutdown: watch::Sender<bool>,
+    server: Mutex<Option<JoinHandle<()>>>,
+    engine: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A desired set, shared (not copied) between the loop, the hand-over and the report.
+type Desired = Arc<Vec<RemoteRoute>>;
+
+/// The last set the reconciler took: routes, complete, when.
+type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
+
+/// What calixctl and /metrics ask the loop.
+enum Ask {
+    Report(oneshot::Sender<RoutesReport>),
+    Metrics(oneshot::Sender<String>),
+}
+
+enum ViewInput {
+    Listed(Part, Vec<KeyValue>),
+    Event(WatchEvent),
+}
+
+/// Binds the Routes port and starts everything. Fails (and the agent with it) when the port
+/// cannot be bound or TLS cannot be set up.
+pub async fn start(
+    s: Start,
+    store: Arc<dyn Datastore>,
+    sink: Arc<dyn RouteSink>,
+) -> Result<RoutesHandle, RoutesError> {
+    let (server_tls, client_tls) = match &s.tls {
+        Some(m) => (Some(m.server_config()?), Some(m.client_config()?)),
+        None => {
+            tracing::warn!(listen = %s.cfg.listen, "routes: PLAIN TEXT between nodes (routes.plaintext = true): peers are not authenticated; use only on a network you trust");
+            (None, None)
+        }
+    };
+    let listener = s.listener;
+    tracing::info!(listen = %s.cfg.listen, endpoint = %s.endpoint, tls = server_tls.is_some(),
+        topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
+    let (shutdown, shutdown_rx) = watch::channel(false);
+    let feeds = Arc::new(Feeds {
+        own: Arc::new(Feed::default()),
+        relay: Arc::new(Feed::default()),
+        reflector: s.cfg.reflector,
+    });
+    let known = Arc::new(Known::default());
+    let stats = Arc::new(DoorStats::default());
+    let svc = RoutesSvc {
+        feeds: feeds.clone(),
+        known: known.clone(),
+        stats: stats.clone(),
+        shutdown: shutdown_rx.clone(),
+        throttle: Arc::new(Throttle::default()),
+    };
+    let server = tokio::spawn(async move {
+        if let Err(e) =
+            listener::serve(listener, server_tls, svc, Limits::default(), shutdown_rx).await
+        {
+            tracing::error!(error = %e, "routes: the Routes server failed");
+        }
+    });
+    let (view_tx, view_rx) = mpsc::channel(1024);
+    for part in [Part::Blocks, Part::Nodes] {
+        tokio::spawn(watch_part(store.clone(), part, view_tx.clone()));
+    }
+    let handed: Handed = Arc::default();
+    let (desired_tx, desired_rx) = watch::channel(None);
+    tokio::spawn(hand_over(sink, desired_rx, handed.clone()));
+    let (requests, req_rx) = mpsc::channel(8);
+    let (peer_tx, peer_rx) = mpsc::channel(1024);
+    let engine = Engine::new(Settings {
+        me: s.me.clone(),
+        topology: s.cfg.topology,
+        reflector: s.cfg.reflector,
+        grace: Duration::from_secs(s.cfg.grace_secs),
+        settle: SETTLE,
+        next_hops: s.next_hops,
+        pools: s.pools,
+    });
+    let state = Loop {
+        engine,
+        feeds,
+        known,
+        stats,
+        handed,
+        desired_tx,
+        last_desired: None,
+        clients: HashMap::new(),
+        next_id: 0,
+        dialer: Arc::new(Dialer {
+            me: s.me,
+            tls: client_tls,
+            connect_timeout: Duration::from_secs(3),
+        }),
+        peer_tx,
+        endpoint: s.endpoint,
+        tls: s.tls.is_some(),
+        subnets: s.subnets,
+    };
+    let engine = tokio::spawn(state.run(view_rx, peer_rx, req_rx, shutdown.subscribe()));
+    Ok(RoutesHandle {
+        requests,
+        shutdown,
+        server: Mutex::new(Some(server)),
+        engine: Mutex::new(Some(engine)),
+    })
+}
+
+impl RoutesHandle {
+    /// The report `calixctl routes` / `nodes` print.
+    pub async fn report(&self) -> Option<RoutesReport> {
+        let (tx, rx) = oneshot::channel();
+        self.requests.send(Ask::Report(tx)).await.ok()?;
+        rx.await.ok()
+    }
+
+    /// Route distribution's lines of `/metrics` (counted, without building the report).
+    pub async fn metrics(&self) -> String {
+        let (tx, rx) = oneshot::channel();
+        if self.requests.send(Ask::Metrics(tx)).await.is_err() {
+            return String::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// Ends every stream this agent serves (peers keep its routes for their grace period)
+    /// and every stream it follows; returns when the server has stopped (at most 3 s).
+    pub async fn shutdown(&self) {
+        let _ = self.shutdown.send(true);
+        let server = self.server.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(server) = server {
+            if tokio::time::timeout(Duration::from_secs(3), server)
+                .await
+                .is_err()
+            {
+                tracing::warn!("routes: server did not stop within 3 s");
+            }
+        }
+        let engine = self.engine.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(engine) = engine {
+            let _ = tokio::time::timeout(Duration::from_secs(1), engine).await;
+        }
+        tracing::info!("routes: streams closed");
+    }
+}
+
+/// The engine's loop and what it drives.
+struct Loop {
+    engine: Engine,
+    feeds: Arc<Feeds>,
+    known: Arc<Known>,
+    stats: Arc<DoorStats>,
+    handed: Handed,
+    desired_tx: watch::Sender<Option<(Desired, bool)>>,
+    last_desired: Option<(Desired, bool)>,
+    /// Peer → (what it follows, follower id, task).
+    clients: HashMap<String, (Target, u64, JoinHandle<()>)>,
+    next_id: u64,
+    dialer: Arc<Dialer>,
+    peer_tx: mpsc::Sender<PeerMessage>,
+    endpoint: String,
+    tls: bool,
+    subnets: Vec<IpNet>,
+}
+
+impl Loop {
+    async fn run(
+        mut self,
+        mut view_rx: mpsc::Receiver<ViewInput>,
+        mut peer_rx: mpsc::Receiver<PeerMessage>,
+        mut req_rx: mpsc::Receiver<Ask>,
+        mut shutdown: watch::Receiver<bool>,
+    ) {
+        loop {
+            let deadline = self.engine.next_deadline(Instant::now());
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                Some(v) = view_rx.recv() => {
+                    self.view(v);
+                }
+                Some(m) = peer_rx.recv() => {
+                    self.peer(m);
+                }
+                Some(ask) = req_rx.recv() => {
+                    match ask {
+                        Ask::Report(reply) => {
+                            let _ = reply.send(self.report());
+                        }
+                        Ask::Metrics(reply) => {
+                            let _ = reply.send(report::metrics(&self.counts()));
+                        }
+                    }
+                    continue;
+                }
+                () = sleep => {
+                    self.engine.tick(Instant::now());
+                }
+                _ = shutdown.changed() => break,
+            }
+            // Everything else already queued joins this batch.
+            while let Ok(v) = view_rx.try_recv() {
+                self.view(v);
+            }
+            while let Ok(m) = peer_rx.try_recv() {
+                self.peer(m);
+            }
+            if self.engine.synced() {
+                let now = Instant::now();
+                self.engine.tick(now);
+                let out = self.engine.flush(now);
+                self.apply(out, now);
+            }
+        }
+        for (_, (_, _, task)) in self.clients.drain() {
+            task.abort();
+        }
+    }
+
+    fn view(&mut self, v: ViewInput) {
+        match v {
+            ViewInput::Listed(part, kvs) => self.engine.view_listed(part, &kvs),
+            ViewInput::Event(ev) => {
+                self.engine.view_event(&ev);
+            }
+        }
+    }
+
+    fn peer(&mut self, m: PeerMessage) {
+        let current = self.clients.get(&m.peer).map(|c| c.1);
+        if current == Some(m.id) {
+            self.engine.peer_event(&m.peer, m.event, Instant::now());
+        }
+    }
+
+    fn apply(&mut self, out: Outputs, now: Instant) {
+        self.feeds.own.publish(&out.own, now);
+        // A restarted reflector relays nothing until it has heard from every peer: a partial
+        // set would withdraw the others' routes from everyone following it.
+        if self.feeds.reflector && out.complete {
+            self.feeds.relay.publish(&out.relay, now);
+        }
+        self.known.set(
+            self.engine
+                .view()
+                .nodes()
+                .map(|n| n.record.name.clone())
+                .collect::<HashSet<_>>(),
+        );
+        // Followers: one per wanted peer, replaced when its endpoint or role changes.
+        self.clients.retain(|name, (_, _, task)| {
+            let keep = out.peers.contains_key(name);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (name, target) in &out.peers {
+            if self.clients.get(name).is_some_and(|c| c.0 == *target) {
+                continue;
+            }
+            if let Some((_, _, old)) = self.clients.remove(name) {
+                old.abort();
+                self.engine.peer_event(
+                    name,
+                    PeerEvent::Down {
+                        reason: format!("now following it at {}", target.endpoint),
+                    },
+                    now,
+                );
+            }
+            self.next_id += 1;
+            let task = tokio::spawn(client::follow(
+                name.clone(),
+                target.clone(),
+                self.dialer.clone(),
+                self.next_id,
+                self.peer_tx.clone(),
+            ));
+            self.clients
+                .insert(name.clone(), (target.clone(), self.next_id, task));
+        }
+        let same = self
+            .last_desired
+            .as_ref()
+            .is_some_and(|(d, c)| **d == out.desired && *c == out.complete);
+        if !same {
+            let desired = Some((Arc::new(out.desired), out.complete));
+            self.last_desired.clone_from(&desired);
+            let _ = self.desired_tx.send(desired);
+        }
+    }
+
+    fn context(&self) -> report::Context<'_> {
+        let handed = self
+            .handed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        report::Context {
+            endpoint: &self.endpoint,
+            tls: self.tls,
+            own: &self.feeds.own,
+            relay: &self.feeds.relay,
+            handed,
+            subnets: &self.subnets,
+            door: self.stats.counts(),
+        }
+    }
+
+    fn report(&self) -> RoutesReport {
+        report::build(&self.engine, &self.context(), Instant::now())
+    }
+
+    fn counts(&self) -> report::Counts {
+        report::counts(&self.engine, &self.context())
+    }
+}
+
+/// Hands each new desired set to the reconciler; a failure is retried every second with the
+/// latest set.
+async fn hand_over(
+    sink: Arc<dyn RouteSink>,
+    mut rx: watch::Receiver<Option<(Desired, bool)>>,
+    handed: Handed,
+) {
+    loop {
+        let Some((routes, complete)) = rx.borrow_and_update().clone() else {
+            if rx.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        match sink.set_remote_routes(routes.to_vec(), complete).await {
+            Ok(()) => {
+                *handed.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((routes, complete, Instant::now()));
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "routes: the reconciler did not take the desired routes; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+/// Lists one part of the datastore, then follows it: a compacted watch lists again, an
+/// ended one resumes from the last revision seen.
+async fn watch_part(store: Arc<dyn Datastore>, part: Part, tx: mpsc::Sender<ViewInput>) {
+    let mut backoff = Duration::from_millis(100);
+    'list: loop {
+        let (kvs, revision) = match store.list_with_revision(part.prefix()).await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(prefix = part.prefix(), error = %e, "routes: cannot list the datastore; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        if tx.send(ViewInput::Listed(part, kvs)).await.is_err() {
+            return;
+        }
+        let mut after = revision;
+        loop {
+            let mut stream = match store.watch(part.prefix(), after).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(prefix = part.prefix(), error = %e, "routes: cannot watch the datastore; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            while let Some(item) = stream.next().await {
+                match item {
+                    Ok(ev) => {
+                        after = ev.revision();
+                        if tx.send(ViewInput::Event(ev)).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(DatastoreError::Compacted { .. }) => continue 'list,
+                    Err(e) => {
+                        tracing::debug!(prefix = part.prefix(), error = %e, "routes: datastore watch ended; resuming");
+                        break;
+                    }
+                }
+            }
+            tokio::time::sleep(backoff).await;
+        }
+    }
+}
+
+/// The next hops' addresses, for the node record (which must carry them: peers check a
+/// route's next hop against it).
+pub fn record_addresses(mut recorded: Vec<String>, hops: &NextHops) -> Vec<String> {
+    for a in hops.all() {
+        let text = a.to_string();
+        if !recorded.contains(&text) {
+            recorded.push(text);
+        }
+    }
+    recorded
+}
+
+/// The uplink's addresses (the first uplink's), parsed.
+pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
+    uplinks
+        .first()
+        .map(|u| super::local::interface_addresses(u))
+        .unwrap_or_default()
+}

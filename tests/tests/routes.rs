@@ -1,0 +1,1019 @@
+//! Route distribution between agents (issue 13): real agents in node namespaces on the test
+//! bed's underlay, real etcd, mutual TLS with certificates made by the test bed. What the
+//! kernel does with the routes is the reconciler's (tested with it); here: what each agent
+//! learns, refuses and hands to its reconciler (`calixctl routes -o json`, "desired").
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use calix_testbed::tls::Ca;
+use calix_testbed::{Cluster, Dataplane, Pod};
+use serde_json::Value;
+
+const POOLS: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n";
+
+/// `calixctl routes -o json` of node `i`.
+fn routes(c: &Cluster, i: usize) -> Value {
+    c.nodes[i]
+        .agent()
+        .calixctl_json(&["routes"])
+        .unwrap_or_else(|e| panic!("calixctl routes on node {i}: {e}"))
+}
+
+/// `calixctl nodes -o json` of node `i`.
+fn peers(c: &Cluster, i: usize) -> Value {
+    c.nodes[i]
+        .agent()
+        .calixctl_json(&["nodes"])
+        .unwrap_or_else(|e| panic!("calixctl nodes on node {i}: {e}"))
+}
+
+/// (prefix, node, next hop) of what node `i`'s agent handed to its reconciler.
+fn desired(c: &Cluster, i: usize) -> BTreeSet<(String, String, String)> {
+    triples(&routes(c, i)["desired"])
+}
+
+fn triples(v: &Value) -> BTreeSet<(String, String, String)> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let s = |k: &str| r[k].as_str().unwrap_or_default().to_string();
+            (s("prefix"), s("node"), s("next_hop"))
+        })
+        .collect()
+}
+
+/// Polls `f` every 10 ms until it gives something, at most `timeout`; panics naming `what`.
+fn wait_for<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T {
+    wait_showing(what, timeout, f, String::new)
+}
+
+/// [`wait_for`], and on failure shows `show()`.
+fn wait_showing<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+    show: impl Fn() -> String,
+) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not within {timeout:?}: {what}\n{}",
+            show()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The /26 block of an IPv4 address.
+fn block26(ip: &str) -> String {
+    let ip: std::net::Ipv4Addr = ip.parse().expect("ipv4");
+    let o = ip.octets();
+    format!("{}.{}.{}.{}/26", o[0], o[1], o[2], o[3] & 0xc0)
+}
+
+/// A cluster of nodes on `subnets` with route distribution on (mutual TLS from `ca`),
+/// `extra(i)` lines in each `[routes]`, started and settled: node `i`'s agent streams from
+/// `follows(i)` peers.
+fn cluster(
+    subnets: &[u8],
+    ca: &Ca,
+    extra: impl Fn(usize) -> String,
+    follows: impl Fn(usize) -> usize,
+) -> Cluster {
+    cluster_with(subnets, ca, POOLS, extra, follows)
+}
+
+/// [`cluster`] with `pools` (and any `[ipam]` section) instead of [`POOLS`].
+fn cluster_with(
+    subnets: &[u8],
+    ca: &Ca,
+    pools: &str,
+    extra: impl Fn(usize) -> String,
+    follows: impl Fn(usize) -> usize,
+) -> Cluster {
+    let c = Cluster::create(Dataplane::under_test(), subnets, |i, c| {
+        c.base_config(i)
+            + pools
+            + &c.routes_config(i, ca, &extra(i))
+                .unwrap_or_else(|e| panic!("{e}"))
+    });
+    c.start();
+    for i in 0..c.nodes.len() {
+        wait_for(
+            &format!("node {i} streams from its {} peer(s)", follows(i)),
+            Duration::from_secs(20),
+            || (up(&peers(&c, i)).len() == follows(i)).then_some(()),
+        );
+    }
+    c
+}
+
+/// The peers a `calixctl nodes` report shows streaming.
+fn up(nodes: &Value) -> Vec<String> {
+    nodes["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|x| x["state"] == "up")
+        .filter_map(|x| x["name"].as_str().map(String::from))
+        .collect()
+}
+
+/// Waits until node `i` hands its reconciler `want`'s routes, at most `timeout`; returns how
+/// long it took.
+fn until_desired(
+    c: &Cluster,
+    i: usize,
+    want: &(String, String, String),
+    timeout: Duration,
+) -> Duration {
+    let start = Instant::now();
+    wait_for(
+        &format!("node {i} hands its reconciler {want:?}"),
+        timeout,
+        || desired(c, i).contains(want).then_some(()),
+    );
+    start.elapsed()
+}
+
+#[test]
+fn every_node_learns_every_other_nodes_blocks_within_a_second_of_the_add() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let c = cluster(&[1, 1, 2], &ca, |_| "grace_secs = 10".into(), |_| 2);
+    for i in 0..3 {
+        let p = peers(&c, i);
+        assert_eq!(p["tls"], true);
+        assert_eq!(p["complete"], true);
+    }
+    let mut pods = Vec::new();
+    let mut slowest = Duration::ZERO;
+    for i in 0..3 {
+        let pod = Pod::add(&c.nodes[i], "p");
+        let added = Instant::now();
+        let want = (block26(&pod.ip()), c.name(i).to_string(), c.address(i));
+        for j in (0..3).filter(|j| *j != i) {
+            until_desired(&c, j, &want, Duration::from_secs(1));
+            slowest = slowest.max(added.elapsed());
+        }
+        pods.push(pod);
+    }
+    eprintln!("slowest: a pod's block on both other nodes {slowest:?} after its ADD returned");
+    // What node 0 learned, as calixctl shows it: node 1 on its subnet (direct), node 2
+    // across the router (the pool's default crossSubnet: VXLAN).
+    let r = routes(&c, 0);
+    let learned = r["learned"].as_array().expect("learned");
+    for (j, via) in [(1, "direct"), (2, "vxlan")] {
+        let l = learned
+            .iter()
+            .find(|l| l["node"] == c.name(j) && l["source"] == c.name(j))
+            .unwrap_or_else(|| panic!("node {j}'s block learned by node 0: {r:#}"));
+        assert_eq!(l["via"], via, "{l}");
+        assert_eq!(l["state"], "accepted");
+        assert_eq!(l["next_hop"], c.address(j).as_str());
+    }
+    assert_eq!(r["desired_complete"], true);
+    let advertised = triples(&r["advertised"]);
+    assert_eq!(
+        advertised,
+        BTreeSet::from([(block26(&pods[0].ip()), c.name(0).to_string(), c.address(0))])
+    );
+    assert!(
+        r["refusals"].as_object().is_some_and(|m| m.is_empty()),
+        "{r:#}"
+    );
+    // The tables print too, and /metrics counts.
+    let out = c.nodes[0].calixctl(&["routes"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("calixctl routes:\n{text}");
+    assert!(
+        out.status.success() && text.contains("NEXT HOP") && text.contains("accepted"),
+        "{text}"
+    );
+    let out = c.nodes[0].calixctl(&["nodes"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("calixctl nodes:\n{text}");
+    assert!(
+        out.status.success() && text.contains("GRACE LEFT") && text.contains("mutual TLS"),
+        "{text}"
+    );
+    let (code, metrics) = c.nodes[0].http_get("/metrics").expect("/metrics");
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("calix_route_peers{state=\"up\"} 2"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("calix_routes_learned 2"), "{metrics}");
+}
+
+/// Node `i`'s view of peer `peer` in `calixctl nodes -o json`.
+fn peer_state(c: &Cluster, i: usize, peer: &str) -> Value {
+    peers(c, i)["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == peer)
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn peers_keep_a_restarted_agents_routes_and_withdraw_a_stopped_ones_after_the_grace_period() {
+    const GRACE: u64 = 8;
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let c = cluster(&[1, 1, 2], &ca, |_| format!("grace_secs = {GRACE}"), |_| 2);
+    let pods: Vec<Pod> = (0..3).map(|i| Pod::add(&c.nodes[i], "p")).collect();
+    let block = |i: usize| (block26(&pods[i].ip()), c.name(i).to_string(), c.address(i));
+    for i in 0..3 {
+        for j in (0..3).filter(|j| *j != i) {
+            until_desired(&c, i, &block(j), Duration::from_secs(2));
+        }
+    }
+    let b = c.name(1).to_string();
+    // Node 1's agent goes and comes back, by SIGTERM and by SIGKILL: node 0 and node 2 keep
+    // its block all along.
+    type Stop = fn(&calix_testbed::Node);
+    let stops: [(&str, Stop); 2] = [
+        ("SIGTERM", calix_testbed::Node::stop_agent),
+        ("SIGKILL", calix_testbed::Node::kill_agent),
+    ];
+    for (n, (how, stop)) in stops.into_iter().enumerate() {
+        stop(&c.nodes[1]);
+        for i in [0, 2] {
+            let s = wait_for(
+                &format!("node {i} sees node 1's stream end after {how}"),
+                Duration::from_secs(5),
+                || Some(peer_state(&c, i, &b)).filter(|s| s["state"] == "grace"),
+            );
+            let left = s["grace_left_secs"].as_f64().expect("grace timer");
+            assert!(left > 0.0 && left <= GRACE as f64, "{s}");
+            assert!(
+                desired(&c, i).contains(&block(1)),
+                "node {i} keeps node 1's block"
+            );
+        }
+        if how == "SIGTERM" {
+            assert!(
+                c.nodes[0]
+                    .agent_log()
+                    .contains("calix-agent is shutting down"),
+                "SIGTERM closes the streams cleanly"
+            );
+        }
+        c.nodes[1].start_agent();
+        // Back: node 1 re-learns everything, and its peers stream from it again.
+        wait_for(
+            &format!("node 1 re-learns after {how}"),
+            Duration::from_secs(10),
+            || {
+                assert!(
+                    desired(&c, 0).contains(&block(1)),
+                    "node 0 keeps node 1's block meanwhile"
+                );
+                let r = routes(&c, 1);
+                let d = triples(&r["desired"]);
+                (r["desired_complete"] == true && d.contains(&block(0)) && d.contains(&block(2)))
+                    .then_some(())
+            },
+        );
+        // It waited for both peers before letting stale routes go.
+        assert!(
+            c.nodes[1]
+                .agent_log()
+                .contains("stale routes may go from now on peers=2"),
+            "{}",
+            c.nodes[1].agent_log()
+        );
+        for i in [0, 2] {
+            wait_for(
+                &format!("node {i} streams from node 1 again after {how}"),
+                Duration::from_secs(10),
+                || {
+                    let s = peer_state(&c, i, &b);
+                    (s["state"] == "up" && s["snapshots"] == n as u64 + 2).then_some(())
+                },
+            );
+            assert!(desired(&c, i).contains(&block(1)));
+        }
+    }
+    // Stopped for good: withdrawn once the grace period is over, not before.
+    c.nodes[1].stop_agent();
+    let stopped = Instant::now();
+    wait_for(
+        "node 0 withdraws node 1's block",
+        Duration::from_secs(GRACE + 5),
+        || (!desired(&c, 0).contains(&block(1))).then_some(()),
+    );
+    let took = stopped.elapsed();
+    assert!(
+        took >= Duration::from_secs(GRACE - 1),
+        "withdrawn after {took:?}, before the grace period"
+    );
+    eprintln!("node 1's block withdrawn {took:?} after its agent stopped (grace {GRACE} s)");
+    wait_for("node 2 withdraws it too", Duration::from_secs(2), || {
+        (!desired(&c, 2).contains(&block(1))).then_some(())
+    });
+    assert_eq!(peer_state(&c, 0, &b)["state"], "down");
+    assert!(desired(&c, 0).contains(&block(2)), "the others stay");
+}
+
+#[test]
+fn with_reflectors_nodes_follow_only_the_reflector_and_learn_every_node_through_it() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Node 0 relays; plain text between nodes this time (warned at start).
+    let c = cluster(
+        &[1, 1, 2],
+        &ca,
+        |i| {
+            format!(
+                "topology = \"reflectors\"\nreflector = {}\nplaintext = true",
+                i == 0
+            )
+        },
+        |i| if i == 0 { 2 } else { 1 },
+    );
+    for i in 1..3 {
+        let p = peers(&c, i);
+        assert_eq!(up(&p), [c.name(0)], "node {i} follows the reflector only");
+        assert_eq!(p["peers"][0]["reflector"], true);
+        assert_eq!(p["tls"], false);
+        assert!(c.nodes[i].agent_log().contains("PLAIN TEXT between nodes"));
+    }
+    let mut pods = Vec::new();
+    for i in [1, 2, 0] {
+        let pod = Pod::add(&c.nodes[i], "p");
+        let added = Instant::now();
+        let want = (block26(&pod.ip()), c.name(i).to_string(), c.address(i));
+        for j in (0..3).filter(|j| *j != i) {
+            until_desired(&c, j, &want, Duration::from_secs(1));
+        }
+        eprintln!(
+            "node {i}'s block on both others {:?} after the ADD",
+            added.elapsed()
+        );
+        pods.push(pod);
+    }
+    // Node 1 learned node 2's block from the reflector, origin and next hop kept.
+    let r = routes(&c, 1);
+    let l = r["learned"]
+        .as_array()
+        .expect("learned")
+        .iter()
+        .find(|l| l["node"] == c.name(2))
+        .cloned()
+        .expect("node 2's block");
+    assert_eq!(l["source"], c.name(0));
+    assert_eq!(l["next_hop"], c.address(2).as_str());
+    assert_eq!(l["state"], "accepted");
+    assert_eq!(
+        routes(&c, 0)["relayed"],
+        3,
+        "the reflector relays all three blocks"
+    );
+    assert!(
+        r["refusals"].as_object().is_some_and(|m| m.is_empty()),
+        "{r:#}"
+    );
+}
+
+/// One simulated peer: a Routes server announcing `routes` as node `name`, on `port`.
+struct SimServer {
+    name: String,
+    port: u16,
+    routes: Vec<Route>,
+}
+
+/// Simulated peers in the test process, on a thread inside node `i`'s namespace (whose agent
+/// does not run): node records and blocks written to etcd first, then a Routes server per
+/// [`SimServer`], each with a valid certificate of its own node (from `ca`). Stopped on drop.
+struct Sim {
+    stop: tokio::sync::watch::Sender<bool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sim {
+    fn start(
+        c: &Cluster,
+        i: usize,
+        ca: &Ca,
+        records: Vec<calix_agent::model::NodeRecord>,
+        blocks: Vec<calix_agent::ipam::Block>,
+        servers: Vec<SimServer>,
+        known: Vec<String>,
+    ) -> Self {
+        use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+        use calix_agent::routes::feed::Feed;
+        use calix_agent::routes::listener::{self, Limits};
+        use calix_agent::routes::server::{Feeds, Known, RoutesSvc};
+        use futures::StreamExt;
+        use std::sync::Arc;
+        let etcd = c.etcd_url(i);
+        let ca_pem = ca.pem();
+        let certs: Vec<_> = servers
+            .iter()
+            .map(|s| ca.issue(&s.name).expect("certificate"))
+            .collect();
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread = c.nodes[i]
+            .ns
+            .spawn(None, move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    let store = Arc::new(
+                        EtcdStore::connect(EtcdConfig {
+                            endpoints: vec![etcd],
+                            prefix: "/calix/".into(),
+                            timeout: Duration::from_secs(5),
+                            attempts: 3,
+                        })
+                        .await
+                        .expect("etcd"),
+                    );
+                    let puts: Vec<Op> = blocks
+                        .iter()
+                        .map(|b| Op::put_json(keys::block(&b.cidr), b))
+                        .chain(records.iter().map(|r| Op::put_json(keys::node(&r.name), r)))
+                        .collect();
+                    futures::stream::iter(puts)
+                        .map(|op| {
+                            let store = store.clone();
+                            async move {
+                                store
+                                    .txn(&[], &[op], Durability::Process)
+                                    .await
+                                    .expect("etcd put")
+                            }
+                        })
+                        .buffer_unordered(32)
+                        .collect::<Vec<_>>()
+                        .await;
+                    let mut served = Vec::new();
+                    for (s, cert) in servers.into_iter().zip(&certs) {
+                        let feeds = Arc::new(Feeds {
+                            own: Arc::new(Feed::default()),
+                            relay: Arc::new(Feed::default()),
+                            reflector: false,
+                        });
+                        feeds.own.publish(
+                            &s.routes.into_iter().map(|r| (r.prefix, r)).collect(),
+                            Instant::now(),
+                        );
+                        let known_nodes = Arc::new(Known::default());
+                        known_nodes.set(known.iter().cloned().collect());
+                        let sock = tokio::net::TcpListener::bind(("0.0.0.0", s.port))
+                            .await
+                            .expect("bind");
+                        let svc = RoutesSvc {
+                            feeds,
+                            known: known_nodes,
+                            stats: Arc::default(),
+                            shutdown: stop_rx.clone(),
+                            throttle: Arc::default(),
+                        };
+                        let tls = tls_material(&ca_pem, cert)
+                            .server_config()
+                            .expect("server TLS");
+                        served.push(tokio::spawn(listener::serve(
+                            sock,
+                            Some(tls),
+                            svc,
+                            Limits::default(),
+                            stop_rx.clone(),
+                        )));
+                    }
+                    let _ = ready_tx.send(());
+                    for s in served {
+                        let _ = s.await;
+                    }
+                });
+            })
+            .expect("simulator thread");
+        ready_rx
+            .recv_timeout(Duration::from_secs(120))
+            .expect("simulated peers up");
+        Self {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A node record as an agent writes it: `address`, and a Routes endpoint (`None`: none).
+fn record(
+    name: &str,
+    address: &str,
+    endpoint: Option<String>,
+    reflector: bool,
+) -> calix_agent::model::NodeRecord {
+    calix_agent::model::NodeRecord {
+        name: name.into(),
+        addresses: vec![address.into()],
+        routes_endpoint: endpoint.unwrap_or_default(),
+        reflector,
+        ..Default::default()
+    }
+}
+
+use calix_agent::routes::tls::TlsMaterial;
+use calix_agent::routes::Route;
+
+fn tls_material(ca_pem: &str, cert: &calix_testbed::tls::NodeCert) -> TlsMaterial {
+    let p = std::path::Path::new("(test)");
+    TlsMaterial::from_pem(
+        (p, ca_pem.as_bytes()),
+        (p, cert.cert_pem.as_bytes()),
+        (p, cert.key_pem.as_bytes()),
+    )
+    .expect("TLS material")
+}
+
+/// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
+/// plain text); `Ok` once the first update arrived, else why not.
+fn try_watch(
+    c: &Cluster,
+    from: usize,
+    to: usize,
+    as_node: &str,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> Result<(), String> {
+    use calix_agent::routes::client::{connect, Dialer};
+    use calix_proto::v1 as pb;
+    let dialer = Dialer {
+        me: as_node.to_string(),
+        tls,
+        connect_timeout: Duration::from_secs(3),
+    };
+    let peer = c.name(to).to_string();
+    let endpoint = format!("{}:5474", c.address(to));
+    c.nodes[from].ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let channel = connect(&peer, &endpoint, &dialer).await?;
+            let mut stream = pb::routes_client::RoutesClient::new(channel)
+                .watch(pb::WatchRequest {
+                    node: dialer.me.clone(),
+                    relayed: false,
+                })
+                .await
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
+                .into_inner();
+            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                Ok(Ok(Some(_))) => Ok(()),
+                Ok(Ok(None)) => Err("stream ended".into()),
+                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                Err(_) => Err("no update within 5 s".into()),
+            }
+        })
+    })
+}
+
+#[test]
+fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Node 2's agent never runs: its namespace hosts the rogue.
+    let c = Cluster::create(Dataplane::under_test(), &[1, 1, 2], |i, c| {
+        c.base_config(i)
+            + POOLS
+            + &c.routes_config(i, &ca, "grace_secs = 10")
+                .expect("routes config")
+    });
+    c.nodes[0].start_agent();
+    c.nodes[1].start_agent();
+    for i in 0..2 {
+        wait_for(
+            "nodes 0 and 1 stream from each other",
+            Duration::from_secs(20),
+            || (up(&peers(&c, i)).len() == 1).then_some(()),
+        );
+    }
+    let pod = Pod::add(&c.nodes[0], "p");
+    let a_block = (block26(&pod.ip()), c.name(0).to_string(), c.address(0));
+    until_desired(&c, 1, &a_block, Duration::from_secs(2));
+    let pod1 = Pod::add(&c.nodes[1], "p");
+    let b_block = (block26(&pod1.ip()), c.name(1).to_string(), c.address(1));
+    until_desired(&c, 0, &b_block, Duration::from_secs(2));
+
+    // The rogue, node 2, with its own valid certificate, announces node 1's block (relaying
+    // without being a reflector), claims node 0's block for itself, claims node 0's pod's
+    // address, and a prefix that is no block.
+    let rogue = c.name(2).to_string();
+    let route = |prefix: &str, node: &str, hop: &str| Route {
+        prefix: prefix.parse().expect("prefix"),
+        node: node.into(),
+        next_hop: hop.parse().expect("hop"),
+    };
+    let rogue_hop = c.address(2);
+    let announce = vec![
+        route(&b_block.0, c.name(1), &c.address(1)),
+        route(&a_block.0, &rogue, &rogue_hop),
+        route(&format!("{}/32", pod.ip()), &rogue, &rogue_hop),
+        route("10.244.200.0/26", &rogue, &rogue_hop),
+    ];
+    let _rogue = Sim::start(
+        &c,
+        2,
+        &ca,
+        vec![record(
+            &rogue,
+            &rogue_hop,
+            Some(format!("{rogue_hop}:5474")),
+            false,
+        )],
+        vec![],
+        vec![SimServer {
+            name: rogue.clone(),
+            port: 5474,
+            routes: announce,
+        }],
+        vec![c.name(0).into(), c.name(1).into()],
+    );
+    for i in 0..2 {
+        wait_for(
+            &format!("node {i} follows the rogue"),
+            Duration::from_secs(10),
+            || up(&peers(&c, i)).contains(&rogue).then_some(()),
+        );
+    }
+    let refused = |i: usize| -> BTreeSet<String> {
+        routes(&c, i)["learned"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["source"] == rogue.as_str() && l["state"] == "refused")
+            .filter_map(|l| l["cause"].as_str().map(String::from))
+            .collect()
+    };
+    for i in 0..2 {
+        let causes = wait_showing(
+            &format!("node {i} refuses all four of the rogue's routes"),
+            Duration::from_secs(6),
+            || Some(refused(i)).filter(|r| r.len() == 4),
+            || format!("{:#}", routes(&c, i)["learned"]),
+        );
+        // Node 1's own block relayed to it is refused as well: not the rogue's to say.
+        let want: BTreeSet<String> = [
+            "not_its_own",
+            "block_not_affine",
+            "address_of_other_node",
+            "not_a_block",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        assert_eq!(causes, want, "node {i}");
+        // Nothing of it reached the reconciler.
+        let d = desired(&c, i);
+        assert!(
+            d.iter()
+                .all(|(_, node, hop)| *node != rogue && *hop != rogue_hop),
+            "node {i} handed a rogue route to its reconciler: {d:?}"
+        );
+        let theirs = if i == 0 { &b_block } else { &a_block };
+        assert!(
+            d.contains(theirs),
+            "the block still via its own node: {d:?}"
+        );
+        let log = c.nodes[i].agent_log();
+        assert!(
+            log.contains("refused a route") && log.contains("is not a route reflector"),
+            "{log}"
+        );
+        let r = routes(&c, i);
+        assert_eq!(r["refusals"]["block_not_affine"], 1, "{r:#}");
+        let (_, metrics) = c.nodes[i].http_get("/metrics").expect("/metrics");
+        assert!(
+            metrics.contains("calix_route_refusals_total{cause=\"not_its_own\"} 1"),
+            "{metrics}"
+        );
+    }
+
+    // Strangers at node 0's door, from the rogue's namespace.
+    let other_ca = Ca::new("another-ca").expect("CA");
+    let node1_cert = ca.issue(c.name(1)).expect("cert");
+    let attempts: Vec<(
+        &str,
+        &str,
+        Option<std::sync::Arc<rustls::ClientConfig>>,
+        &str,
+    )> = vec![
+        (
+            "a certificate of another CA",
+            c.name(1),
+            Some(
+                tls_material(&ca.pem(), &other_ca.issue(c.name(1)).expect("cert"))
+                    .client_config()
+                    .expect("client"),
+            ),
+            "",
+        ),
+        (
+            "no certificate",
+            c.name(1),
+            Some(
+                calix_agent::routes::tls::anonymous_client_config(ca.pem().as_bytes())
+                    .expect("client"),
+            ),
+            "",
+        ),
+        ("plain text", c.name(1), None, ""),
+        (
+            "node 1's certificate, as another node",
+            &rogue,
+            Some(
+                tls_material(&ca.pem(), &node1_cert)
+                    .client_config()
+                    .expect("client"),
+            ),
+            "with the certificate of node",
+        ),
+        (
+            "a valid certificate of no node",
+            "cxt-ghost",
+            Some(
+                tls_material(&ca.pem(), &ca.issue("cxt-ghost").expect("cert"))
+                    .client_config()
+                    .expect("client"),
+            ),
+            "has no node record",
+        ),
+    ];
+    for (what, as_node, tls, says) in attempts {
+        let err = try_watch(&c, 2, 0, as_node, tls).expect_err(what);
+        assert!(err.contains(says), "{what}: {err}");
+        eprintln!("{what}: refused: {err}");
+    }
+    // The same door lets node 1's certificate in as node 1.
+    try_watch(
+        &c,
+        2,
+        0,
+        c.name(1),
+        Some(
+            tls_material(&ca.pem(), &node1_cert)
+                .client_config()
+                .expect("client"),
+        ),
+    )
+    .expect("node 1's certificate as node 1");
+    let door = &peers(&c, 0)["door"];
+    assert!(door["refused_tls"].as_u64() >= Some(3), "{door}");
+    assert!(door["refused_identity"].as_u64() >= Some(2), "{door}");
+    let log = c.nodes[0].agent_log();
+    for line in [
+        "TLS handshake failed",
+        "refused a peer's watch",
+        "with the certificate of node",
+    ] {
+        assert!(log.contains(line), "node 0's log lacks {line:?}:\n{log}");
+    }
+    let handshake_reasons: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("TLS handshake failed"))
+        .collect();
+    eprintln!("{}", handshake_reasons.join("\n"));
+}
+
+#[test]
+fn borrowed_addresses_are_advertised_as_host_routes_in_both_families() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    // Tiny blocks, one per family per node: a node's fifth pod borrows from the other's.
+    let pools = "[ipam]\nmaxBlocksPerNode = 2\n\
+        [[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 30\n\
+        [[pools]]\ncidr = \"fd00:244::/64\"\nblockSize = 126\n";
+    let c = cluster_with(&[1, 2], &ca, pools, |_| String::new(), |_| 1);
+    let dual = serde_json::json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
+    let _first = Pod::add_with(&c.nodes[1], "q", dual.clone());
+    let mut pods = Vec::new();
+    for k in 0..5 {
+        pods.push(Pod::add_with(&c.nodes[0], &format!("p{k}"), dual.clone()));
+    }
+    let added = Instant::now();
+    // Node 0's blocks (as it advertises them) and the addresses outside them: borrowed.
+    let r = routes(&c, 0);
+    let own: Vec<ipnet::IpNet> = r["advertised"]
+        .as_array()
+        .expect("advertised")
+        .iter()
+        .filter_map(|a| a["prefix"].as_str()?.parse().ok())
+        .filter(|p: &ipnet::IpNet| p.prefix_len() < p.max_prefix_len())
+        .collect();
+    assert_eq!(own.len(), 2, "one block per family: {r:#}");
+    let borrowed: Vec<std::net::IpAddr> = pods
+        .iter()
+        .flat_map(|p| p.ips())
+        .map(|a| a.parse().expect("ip"))
+        .filter(|a| !own.iter().any(|b| b.contains(a)))
+        .collect();
+    assert!(
+        borrowed.iter().any(|a| a.is_ipv4()) && borrowed.iter().any(|a| a.is_ipv6()),
+        "pods borrowed in both families: {borrowed:?}"
+    );
+    for a in &borrowed {
+        let (len, hop) = if a.is_ipv4() {
+            (32, c.address(0))
+        } else {
+            (128, c.address6(0))
+        };
+        let want = (format!("{a}/{len}"), c.name(0).to_string(), hop);
+        assert!(
+            triples(&r["advertised"]).contains(&want),
+            "node 0 advertises {want:?}"
+        );
+        until_desired(&c, 1, &want, Duration::from_secs(1));
+    }
+    eprintln!(
+        "borrowed host routes on node 1 {:?} after the last ADD",
+        added.elapsed()
+    );
+    // Node 1 reaches node 0 across the router: through VXLAN (the default crossSubnet).
+    let r1 = routes(&c, 1);
+    assert!(
+        r1["desired"]
+            .as_array()
+            .expect("desired")
+            .iter()
+            .all(|d| d["via"] == "vxlan" && d["vxlan"] == "crossSubnet"),
+        "{r1:#}"
+    );
+    // Releasing a borrowed address withdraws its route.
+    let gone = pods.pop().expect("the last pod");
+    let gone_ips: Vec<String> = gone.ips();
+    drop(gone);
+    wait_for(
+        "node 1 withdraws the released addresses",
+        Duration::from_secs(2),
+        || {
+            let d = desired(&c, 1);
+            d.iter()
+                .all(|(p, _, _)| !gone_ips.iter().any(|ip| p.starts_with(&format!("{ip}/"))))
+                .then_some(())
+        },
+    );
+}
+
+/// `calix_routes_desired` of node `i`'s `/metrics`.
+fn desired_count(c: &Cluster, i: usize) -> Option<u64> {
+    let (_, body) = c.nodes[i].http_get("/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix("calix_routes_desired "))
+        .and_then(|n| n.trim().parse().ok())
+}
+
+/// (resident memory in KiB, CPU seconds) of a process.
+fn rss_and_cpu(pid: u32) -> (u64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name in parentheses: state is field 3, utime 14, stime 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest.split_whitespace().collect())
+        .unwrap_or_default();
+    let ticks = |i: usize| {
+        fields
+            .get(i - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    (rss, (ticks(14) + ticks(15)) / hz.max(1.0))
+}
+
+/// One agent and 100 simulated peers with 100 blocks each: in a full mesh it follows all of
+/// them; with a (simulated) reflector it follows that one, which relays the 10,000 routes.
+/// Every route is validated against the datastore and handed to the reconciler.
+#[test]
+fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
+    const PEERS: u32 = 100;
+    const BLOCKS: u32 = 100;
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    for topology in ["mesh", "reflectors"] {
+        let c = Cluster::create(Dataplane::under_test(), &[1, 1], |i, c| {
+            c.base_config(i)
+                + "[[pools]]\ncidr = \"10.240.0.0/12\"\n"
+                + &c.routes_config(i, &ca, &format!("topology = \"{topology}\""))
+                    .expect("routes config")
+        });
+        let host = c.address(1);
+        let mut records = Vec::new();
+        let mut blocks = Vec::new();
+        let mut servers = Vec::new();
+        let mut all = Vec::new();
+        for k in 0..PEERS {
+            let name = format!("sim{k:03}");
+            let hop = format!("172.31.1.{}", 100 + k);
+            let port = 6000 + k as u16;
+            let endpoint = (topology == "mesh").then(|| format!("{host}:{port}"));
+            records.push(record(&name, &hop, endpoint, false));
+            let mut routes = Vec::new();
+            for b in 0..BLOCKS {
+                let base =
+                    u32::from(std::net::Ipv4Addr::new(10, 240, 0, 0)) + (k * BLOCKS + b) * 64;
+                let cidr: ipnet::IpNet = ipnet::Ipv4Net::new(std::net::Ipv4Addr::from(base), 26)
+                    .expect("cidr")
+                    .into();
+                blocks.push(calix_agent::ipam::Block::new(cidr, &name));
+                routes.push(Route {
+                    prefix: cidr,
+                    node: name.clone(),
+                    next_hop: hop.parse().expect("hop"),
+                });
+            }
+            if topology == "mesh" {
+                servers.push(SimServer { name, port, routes });
+            } else {
+                all.extend(routes);
+            }
+        }
+        if topology == "reflectors" {
+            records.push(record(
+                "simr",
+                "172.31.1.99",
+                Some(format!("{host}:6999")),
+                true,
+            ));
+            servers.push(SimServer {
+                name: "simr".into(),
+                port: 6999,
+                routes: all,
+            });
+        }
+        // Mesh: the agent starts on a datastore that has it all (a restart). Reflectors: the
+        // agent runs first (its own RSS measured), then the peers appear.
+        let start_agent = || {
+            let spawned = Instant::now();
+            c.nodes[0].start_agent();
+            spawned.elapsed()
+        };
+        let mut before = None;
+        if topology == "reflectors" {
+            start_agent();
+            std::thread::sleep(Duration::from_secs(1));
+            before = Some(rss_and_cpu(c.nodes[0].agent_pid().expect("agent pid")));
+        }
+        let written = Instant::now();
+        let _sim = Sim::start(&c, 1, &ca, records, blocks, servers, vec![c.name(0).into()]);
+        eprintln!(
+            "{topology}: simulated peers up ({:?} to write 10,000 blocks)",
+            written.elapsed()
+        );
+        let from = Instant::now();
+        let startup = (topology == "mesh").then(start_agent);
+        wait_showing(
+            &format!("{topology}: all 10,000 routes handed to the reconciler"),
+            Duration::from_secs(30),
+            || (desired_count(&c, 0) == Some(u64::from(PEERS * BLOCKS))).then_some(()),
+            || format!("{:?}", desired_count(&c, 0)),
+        );
+        let took = from.elapsed();
+        let (rss, cpu) = rss_and_cpu(c.nodes[0].agent_pid().expect("agent pid"));
+        eprintln!(
+            "{topology}: 10,000 routes from {} peer(s) handed to the reconciler {took:?} after {}; agent RSS {rss} KiB{}, CPU {cpu:.2} s{} (debug build)",
+            if topology == "mesh" { PEERS } else { 1 },
+            match startup {
+                Some(s) => format!("the agent started (it answered after {s:?})"),
+                None => "the peers were up".into(),
+            },
+            before.map(|(r, _)| format!(" ({r} KiB before)")).unwrap_or_default(),
+            before.map(|(_, c)| format!(" ({c:.2} s before)")).unwrap_or_default(),
+        );
+        let r = routes(&c, 0);
+        assert!(
+            r["refusals"].as_object().is_some_and(|m| m.is_empty()),
+            "no refusal"
+        );
+        assert_eq!(
+            up(&peers(&c, 0)).len(),
+            if topology == "mesh" {
+                PEERS as usize
+            } else {
+                1
+            }
+        );
+    }
+}
