@@ -34,6 +34,8 @@ pub enum ConfigError {
     },
     #[error("node name is empty: set `node_name` in the config or pass --node-name")]
     NoNodeName,
+    #[error("node name {name:?} has a '/' or a control character: calix keys a node's records by its name")]
+    BadNodeName { name: String },
     #[error("pools {a} and {b} overlap: every address must belong to one pool")]
     Overlap { a: IpNet, b: IpNet },
     #[error("pool {cidr} is configured twice")]
@@ -687,6 +689,11 @@ impl AgentConfig {
         if self.node_name.trim().is_empty() {
             return Err(ConfigError::NoNodeName);
         }
+        if self.node_name.contains('/') || self.node_name.chars().any(char::is_control) {
+            return Err(ConfigError::BadNodeName {
+                name: self.node_name.clone(),
+            });
+        }
         if self.resync_interval_secs == 0 {
             return Err(ConfigError::ResyncInterval);
         }
@@ -1308,6 +1315,16 @@ mod tests {
             AgentConfig::default().validate(),
             Err(ConfigError::NoNodeName)
         ));
+        for bad in ["a/b", "a\nb"] {
+            let c = AgentConfig {
+                node_name: bad.into(),
+                ..AgentConfig::default()
+            };
+            assert!(
+                matches!(c.validate(), Err(ConfigError::BadNodeName { .. })),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

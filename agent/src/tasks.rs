@@ -8,7 +8,7 @@ use crate::config::AgentConfig;
 use crate::dataplane::Reload;
 use crate::node::Node;
 
-/// Leak GC, empty-block release and handle-record repair, every `every`.
+/// Leak GC, empty-block release and handle- and affinity-record repair, every `every`.
 pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
@@ -22,6 +22,7 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
                     candidates = s.candidates,
                     blocks_released = s.blocks_released.len(),
                     handles_repaired = s.handles_repaired,
+                    affinities_repaired = s.affinities_repaired,
                     "housekeeping pass"
                 ),
                 Err(e) => tracing::warn!(error = %e, "housekeeping pass failed"),

@@ -173,6 +173,33 @@ impl KubeApi {
         })
     }
 
+    /// The cluster-scoped objects `kind` of `api_version` (every namespace for a namespaced
+    /// kind) matching `labels` (a label selector; "" for all), as JSON.
+    pub fn list(
+        &self,
+        api_version: &str,
+        kind: &str,
+        labels: &str,
+    ) -> Result<Vec<serde_json::Value>> {
+        let (ar, _) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind, "metadata": {"name": "-"}
+        }))?;
+        let labels = labels.to_string();
+        self.with_client(move |c| async move {
+            let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
+            let lp = kube::api::ListParams::default().labels(&labels);
+            let list = api.list(&lp).await.map_err(|e| Error::Kube {
+                what: format!("list {}", ar.plural),
+                detail: e.to_string(),
+            })?;
+            Ok(list
+                .items
+                .iter()
+                .map(|o| serde_json::to_value(o).unwrap_or_default())
+                .collect())
+        })
+    }
+
     /// Deletes the cluster-scoped object `kind` `name` of `api_version` (gone already: fine).
     pub fn delete(&self, api_version: &str, kind: &str, name: &str) -> Result<()> {
         let (ar, name) = resource_of(&serde_json::json!({

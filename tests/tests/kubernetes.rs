@@ -190,12 +190,43 @@ fn three_agents_on_the_kubernetes_api_never_give_an_address_twice() {
     for n in show["nodes"].as_array().expect("nodes") {
         assert_eq!(n["used"], 300, "{n}");
     }
+    // Each node's blocks, listed by label from its BlockAffinity objects, are the blocks
+    // whose IPAMBlock says so.
+    let blocks = api
+        .list("calix.dev/v1", "IPAMBlock", "")
+        .unwrap_or_else(|e| panic!("{e}"));
+    for n in &nodes {
+        let name = &n.ns.name;
+        let mut affine: Vec<&str> = blocks
+            .iter()
+            .filter(|b| b["spec"]["affinity"] == name.as_str())
+            .filter_map(|b| b["spec"]["cidr"].as_str())
+            .collect();
+        affine.sort();
+        let listed = api
+            .list(
+                "calix.dev/v1",
+                "BlockAffinity",
+                &format!("calix.dev/node={name}"),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut by_label: Vec<&str> = listed
+            .iter()
+            .inspect(|a| assert_eq!(a["spec"]["node"], name.as_str(), "{a}"))
+            .filter_map(|a| a["spec"]["cidr"].as_str())
+            .collect();
+        by_label.sort();
+        assert!(affine.len() >= 5, "{name}: {affine:?}");
+        assert_eq!(by_label, affine, "{name}'s BlockAffinity objects");
+    }
     let check = ipam_json(&nodes[1], "check");
     for kind in [
         "duplicate",
         "orphan-handle",
         "orphan-allocation",
         "orphan-block",
+        "missing-affinity",
+        "orphan-affinity",
     ] {
         assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
     }

@@ -129,6 +129,17 @@ pub struct HandleRecord {
     pub addresses: Vec<Held>,
 }
 
+/// A block's affinity to a node (Calico's BlockAffinity), one record per (node, block) at
+/// `ipam/affinities/<node>/<block>`: a node's blocks are listed without reading every block.
+/// Like [`HandleRecord`] an index that follows the blocks (written after the block's commit,
+/// repaired from them); the block's own `affinity` is the truth.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct AffinityRecord {
+    pub node: String,
+    #[schemars(with = "String")]
+    pub cidr: IpNet,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Held {
     #[schemars(with = "String")]

@@ -4,7 +4,7 @@ pub mod allocator;
 pub mod service;
 
 pub use allocator::{
-    pool_of, Allocated, Allocation, Block, HandleRecord, Held, IpamError, IpamState, Policy, Pool,
-    Retired,
+    pool_of, AffinityRecord, Allocated, Allocation, Block, HandleRecord, Held, IpamError,
+    IpamState, Policy, Pool, Retired,
 };
 pub use service::IpamService;

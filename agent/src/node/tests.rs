@@ -1115,3 +1115,97 @@ async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() 
         .contains_key("10.1.0.0/26"));
     assert!(seq_of(&a, again).await > seq1);
 }
+
+/// This node's affinity records, as (node, block) from the store.
+async fn affinities(s: &TestStore, node: &str) -> Vec<String> {
+    s.store
+        .list(&keys::affinities_of(node))
+        .await
+        .expect("list")
+        .iter()
+        .map(|kv| {
+            let r: crate::ipam::AffinityRecord = kv.decode().expect("affinity record");
+            assert_eq!(r.node, node);
+            r.cidr.to_string()
+        })
+        .collect()
+}
+
+/// One affinity record per block affine to a node (Calico's BlockAffinity): written right
+/// after the claim, gone with the release, listed by node without reading the blocks; one that
+/// failed to land (or a stray one) is repaired from the blocks, and `ipam check` names both.
+#[tokio::test]
+async fn affinity_records_follow_the_blocks_and_are_repaired_from_them() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let b = agent_on(&s, "n2", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    for i in 0..17 {
+        alloc4(&a, &format!("h{i}")).await.expect("alloc");
+    }
+    alloc4(&b, "g").await.expect("alloc");
+    assert_eq!(affinities(&s, "n1").await, ["10.1.0.0/28", "10.1.0.16/28"]);
+    assert_eq!(affinities(&s, "n2").await, ["10.1.0.32/28"]);
+    // A claim whose record write fails: the allocation stands, check finds the gap,
+    // housekeeping fills it.
+    s.fail(keys::AFFINITIES);
+    for i in 17..33 {
+        alloc4(&a, &format!("h{i}")).await.expect("alloc");
+    }
+    s.heal();
+    assert_eq!(affinities(&s, "n1").await.len(), 2);
+    let check = a.ipam.ipam_check().await.expect("check");
+    let missing: Vec<&str> = check
+        .findings
+        .iter()
+        .filter(|f| f.kind == "missing-affinity")
+        .map(|f| f.block.as_str())
+        .collect();
+    assert_eq!(missing, ["10.1.0.48/28"], "{:?}", check.findings);
+    // A stray record (a block n1 does not hold).
+    let stray = keys::affinity("n1", &"10.1.0.128/28".parse().expect("cidr"));
+    s.store
+        .txn(
+            &[],
+            &[Op::put_json(
+                stray.clone(),
+                &crate::ipam::AffinityRecord {
+                    node: "n1".into(),
+                    cidr: "10.1.0.128/28".parse().expect("cidr"),
+                },
+            )],
+            Durability::Process,
+        )
+        .await
+        .expect("put");
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        check.findings.iter().any(|f| f.kind == "orphan-affinity"),
+        "{:?}",
+        check.findings
+    );
+    let swept = a.housekeep(Instant::now()).await.expect("housekeep");
+    assert_eq!(swept.affinities_repaired, 2, "{swept:?}");
+    assert_eq!(
+        affinities(&s, "n1").await,
+        ["10.1.0.0/28", "10.1.0.16/28", "10.1.0.48/28"]
+    );
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        !check.findings.iter().any(|f| f.kind.ends_with("affinity")),
+        "{:?}",
+        check.findings
+    );
+    // Released blocks take their records with them.
+    for i in 0..33 {
+        a.ipam
+            .release(&format!("h{i}"), "eth0")
+            .await
+            .expect("release");
+    }
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("1");
+    let done = a.housekeep(t0 + GRACE).await.expect("2");
+    assert_eq!(done.blocks_released.len(), 3, "{done:?}");
+    assert!(affinities(&s, "n1").await.is_empty());
+    assert_eq!(affinities(&s, "n2").await, ["10.1.0.32/28"]);
+}

@@ -2,7 +2,7 @@
 //! stores under the matching key (`crate::ipam::Block`, `crate::ipam::HandleRecord`,
 //! `crate::model::NodeRecord`, `crate::model::EndpointRecord`, `crate::config::PoolConfig`),
 //! so the OpenAPI schema the API server validates against is generated from the same Rust types
-//! the agent reads and writes. [`manifests`] renders the CustomResourceDefinitions that
+//! the agent reads and writes (`crate::ipam::AffinityRecord` for `BlockAffinity`). [`manifests`] renders the CustomResourceDefinitions that
 //! `charts/calix/crds/` holds (a test keeps those files current: `crds_are_current`).
 //!
 //! The store itself reads and writes these objects untyped (`kube::core::DynamicObject`): it
@@ -14,7 +14,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::config::PoolConfig;
-use crate::ipam::{Block, HandleRecord};
+use crate::ipam::{AffinityRecord, Block, HandleRecord};
 use crate::model::{EndpointRecord, NodeRecord};
 
 /// An IPAM block: its CIDR, the node it is affine to, every allocation in it and its next
@@ -57,6 +57,27 @@ pub struct IPAMBlockSpec {
 pub struct IPAMHandleSpec {
     #[serde(flatten)]
     pub handle: HandleRecord,
+}
+
+/// A block's affinity to a node: one object per (node, block), so a node's blocks are listed
+/// by label without reading every block. Follows the block, which stays the truth.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "calix.dev",
+    version = "v1",
+    kind = "BlockAffinity",
+    plural = "blockaffinities",
+    singular = "blockaffinity",
+    shortname = "cxaffinity",
+    category = "calix",
+    doc = "calix block affinity: block spec.cidr is affine to node spec.node (an index that follows the IPAMBlock)",
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.node"}"#,
+    printcolumn = r#"{"name":"CIDR","type":"string","jsonPath":".spec.cidr"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+pub struct BlockAffinitySpec {
+    #[serde(flatten)]
+    pub affinity: AffinityRecord,
 }
 
 /// A node as its agent announces itself: what the Node object does not hold (the agent's
@@ -128,6 +149,7 @@ pub fn manifests() -> Vec<(String, CustomResourceDefinition)> {
     [
         IPAMBlock::crd(),
         IPAMHandle::crd(),
+        BlockAffinity::crd(),
         CalixNode::crd(),
         CalixEndpoint::crd(),
         IPPool::crd(),

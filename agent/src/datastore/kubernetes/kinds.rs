@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `ipam/blocks/<block>` | `IPAMBlock` (label `calix.dev/node`: its affinity) |
 //! | `ipam/handles/<handle>/<ifname>` | `IPAMHandle` (label `calix.dev/node`: its node) |
+//! | `ipam/affinities/<node>/<block>` | `BlockAffinity` (label `calix.dev/node`: selects by node) |
 //! | `nodes/<node>` | `CalixNode` |
 //! | `endpoints/<node>/<containerID>/<ifname>` | `CalixEndpoint` (label `calix.dev/node`: selects by node) |
 //! | `pools/<name>` | `IPPool` |
@@ -55,6 +56,13 @@ pub const KINDS: &[Kind] = &[
         plural: "ipamhandles",
         node_in_key: false,
         node_field: Some("node"),
+    },
+    Kind {
+        prefix: "ipam/affinities/",
+        kind: "BlockAffinity",
+        plural: "blockaffinities",
+        node_in_key: true,
+        node_field: None,
     },
     Kind {
         prefix: "nodes/",
@@ -197,6 +205,7 @@ mod tests {
             "nodes/Node_A",
             "nodes/a/b/c",
             "endpoints/node-a/0123abc/eth0",
+            "ipam/affinities/node-a/10.244.0.64-26",
             "endpoints/Node A/c/eth0",
             "pools/default-ipv4",
         ] {
@@ -262,7 +271,8 @@ mod tests {
         let names = |p: &str| -> Vec<&str> { kinds_under(p).iter().map(|k| k.kind).collect() };
         assert_eq!(names("endpoints/n1/"), ["CalixEndpoint"]);
         assert_eq!(names("ipam/blocks/"), ["IPAMBlock"]);
-        assert_eq!(names("ipam/"), ["IPAMBlock", "IPAMHandle"]);
+        assert_eq!(names("ipam/"), ["IPAMBlock", "IPAMHandle", "BlockAffinity"]);
+        assert_eq!(names("ipam/affinities/n1/"), ["BlockAffinity"]);
         assert_eq!(names("").len(), KINDS.len());
         assert!(names("ipam/retired/").is_empty());
         assert!(names("zzz").is_empty());

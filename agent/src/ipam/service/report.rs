@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::IpamService;
 use crate::datastore::keys;
 use crate::error::AgentError;
-use crate::ipam::{Block, HandleRecord};
+use crate::ipam::{AffinityRecord, Block, HandleRecord};
 use crate::model::{EndpointRecord, NodeRecord};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,7 +56,8 @@ pub struct IpamReport {
 /// One problem `ipam check` found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finding {
-    /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`.
+    /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`,
+    /// `missing-affinity`, `orphan-affinity`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<IpAddr>,
@@ -85,6 +86,8 @@ pub struct CheckReport {
 struct Snapshot {
     blocks: Vec<Block>,
     handles: Vec<(String, HandleRecord)>,
+    /// Affinity records: (key, record; `None` when it does not decode).
+    affinities: Vec<(String, Option<AffinityRecord>)>,
     endpoints: Vec<(String, EndpointRecord)>,
     nodes: Vec<NodeRecord>,
 }
@@ -108,6 +111,10 @@ impl IpamService {
         for kv in store.list(keys::HANDLES).await? {
             handles.push((kv.key.clone(), kv.decode::<HandleRecord>()?));
         }
+        let mut affinities = Vec::new();
+        for kv in store.list(keys::AFFINITIES).await? {
+            affinities.push((kv.key.clone(), kv.decode::<AffinityRecord>().ok()));
+        }
         let mut endpoints = Vec::new();
         for kv in store.list(keys::ENDPOINTS).await? {
             // endpoints/<node>/<cid>/<ifname>
@@ -126,6 +133,7 @@ impl IpamService {
         Ok(Snapshot {
             blocks,
             handles,
+            affinities,
             endpoints,
             nodes,
         })
@@ -300,6 +308,7 @@ impl IpamService {
                 }
             }
         }
+        findings.extend(affinity_findings(&snap));
         Ok(CheckReport {
             allocations,
             blocks: snap.blocks.len(),
@@ -308,4 +317,50 @@ impl IpamService {
             findings,
         })
     }
+}
+
+/// Blocks without their affinity record, and records without their block (each node's
+/// housekeeping repairs its own).
+fn affinity_findings(snap: &Snapshot) -> Vec<Finding> {
+    let finding = |kind: &str, node: &str, block: String, detail: String| Finding {
+        kind: kind.into(),
+        address: None,
+        seq: None,
+        handle: String::new(),
+        ifname: String::new(),
+        node: node.to_string(),
+        block,
+        detail,
+    };
+    let recorded: HashSet<String> = snap.affinities.iter().map(|(k, _)| k.clone()).collect();
+    let mut out = Vec::new();
+    for b in &snap.blocks {
+        if !recorded.contains(&keys::affinity(&b.affinity, &b.cidr)) {
+            out.push(finding(
+                "missing-affinity",
+                &b.affinity,
+                b.cidr.to_string(),
+                format!("block affine to {} has no affinity record", b.affinity),
+            ));
+        }
+    }
+    let affine: HashSet<String> = snap
+        .blocks
+        .iter()
+        .map(|b| keys::affinity(&b.affinity, &b.cidr))
+        .collect();
+    for (key, record) in &snap.affinities {
+        match record {
+            Some(r) if affine.contains(key) && keys::affinity(&r.node, &r.cidr) == *key => {}
+            _ => out.push(finding(
+                "orphan-affinity",
+                record.as_ref().map_or("", |r| r.node.as_str()),
+                record
+                    .as_ref()
+                    .map_or_else(String::new, |r| r.cidr.to_string()),
+                format!("affinity record {key} names no block affine to its node"),
+            )),
+        }
+    }
+    out
 }
