@@ -448,14 +448,26 @@ fn ippool_changes_apply_without_a_restart_and_never_under_live_addresses() {
         assert!(Instant::now() < deadline, "{}", node.agent_log());
         std::thread::sleep(Duration::from_millis(200));
     }
+    let refused = node.agent_log().matches("pool change rejected").count();
     api.delete("calix.dev/v1", "IPPool", "c")
         .unwrap_or_else(|e| panic!("{e}"));
+    // The agent sees c go (and refuses a's removal once more) before a's address is released:
+    // released first, that pass would apply the removal itself and nothing would be deferred.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while node.agent_log().matches("pool change rejected").count() == refused {
+        assert!(Instant::now() < deadline, "{}", node.agent_log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
     // Once a's last address is released the deferred removal applies, with no restart.
     rt.block_on(async { release(client(&node).await, "net.h-1".into()).await });
     wait_pools(&node, &[("10.65.0.0/24", false)]);
-    assert!(
-        node.agent_log().contains("deferred IPPool change"),
-        "{}",
-        node.agent_log()
-    );
+    // (Logged once the dataplane has them too, right after.)
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node
+        .agent_log()
+        .contains("deferred IPPool change: dataplane settings reloaded")
+    {
+        assert!(Instant::now() < deadline, "{}", node.agent_log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }

@@ -204,12 +204,23 @@ impl IpamService {
         attributes: &BTreeMap<String, String>,
     ) -> Result<(Allocated, i64), AgentError> {
         let mut listed = false;
+        let mut lost = false;
         for attempt in 0..CAS_ATTEMPTS {
             if inner.stale {
                 self.refresh_blocks(inner).await?;
                 listed = true;
             }
             let pools = self.pools();
+            if lost {
+                // A lost compare may be this very write, landed on a retried request (the
+                // store retried after a connection loss): the handle held nothing of this
+                // family when the request began, so an allocation of it now is ours.
+                if let Some(ours) = self.landed(inner, &pools, handle, ifname, v4) {
+                    tracing::info!(%handle, %ifname, addr = %ours.0.addr, attempt,
+                        "allocated (the write reported lost had landed)");
+                    return Ok(ours);
+                }
+            }
             let a = match requested {
                 Some(addr) => inner.ipam.allocate_specific(
                     &pools,
@@ -250,6 +261,7 @@ impl IpamService {
                 return Ok((a, rev));
             }
             listed = true;
+            lost = true;
             tracing::debug!(%handle, attempt, "allocation lost a race; retrying");
             cas_backoff(attempt).await;
         }
@@ -258,6 +270,34 @@ impl IpamService {
             what: format!("allocation for {handle}/{ifname}"),
         }
         .into())
+    }
+
+    /// The view's allocation of (handle, ifname) by this node in family `v4`, with its block's
+    /// revision.
+    fn landed(
+        &self,
+        inner: &Inner,
+        pools: &[crate::ipam::Pool],
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+    ) -> Option<(Allocated, i64)> {
+        let (key, addr, a) = inner
+            .ipam
+            .held_by(handle, ifname)
+            .into_iter()
+            .find(|(_, addr, a)| addr.is_ipv4() == v4 && a.node == self.node.name)?;
+        let block = inner.ipam.blocks.get(key)?;
+        Some((
+            Allocated {
+                addr,
+                pool: pool_of(pools, addr),
+                seq: a.seq,
+                block: key.to_string(),
+                borrowed: block.affinity != self.node.name,
+            },
+            block.revision,
+        ))
     }
 
     /// What (handle, ifname) holds — or, when nothing, what the previous plugin's handle for
