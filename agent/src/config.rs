@@ -54,6 +54,11 @@ pub enum ConfigError {
     },
     #[error("datastore type \"etcd\" needs `endpoints`, e.g. [\"http://10.0.0.1:2379\"]")]
     NoEtcdEndpoints,
+    #[error("kubernetes.{key} must be {what}")]
+    Kubernetes {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("ipam.{key} must be {what}")]
     Ipam {
         key: &'static str,
@@ -170,6 +175,29 @@ pub struct AgentConfig {
     pub routes: RoutesConfig,
     /// The VXLAN device that carries pod traffic across subnets (pools' `vxlan`).
     pub vxlan: VxlanConfig,
+    /// What the agent does in a Kubernetes cluster (the `kubernetes` datastore).
+    pub kubernetes: KubernetesConfig,
+}
+
+/// The agent in a Kubernetes cluster (`[kubernetes]`, with the `kubernetes` datastore).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// An endpoint whose pod is gone for this long (and still gone when the API server is
+    /// asked) is cleaned up: forgotten, its addresses released, its veth deleted (seconds).
+    pub pod_gone_grace_secs: u64,
+    /// How often endpoints are checked against this node's Pods (and after each Pod
+    /// deletion), seconds; 1 or more.
+    pub pod_check_interval_secs: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            pod_gone_grace_secs: 30,
+            pod_check_interval_secs: 10,
+        }
+    }
 }
 
 /// Route distribution between nodes (`[routes]`): each agent serves `calix.v1.Routes` on TCP
@@ -204,7 +232,7 @@ impl Default for RoutesConfig {
     fn default() -> Self {
         Self {
             enabled: false,
-            listen: "0.0.0.0:5474".into(),
+            listen: format!("0.0.0.0:{ROUTES_PORT}"),
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
@@ -282,6 +310,9 @@ impl TlsConfig {
             .all(|p| !p.as_os_str().is_empty())
     }
 }
+
+/// The default port of `calix.v1.Routes` between nodes.
+pub const ROUTES_PORT: u16 = 5474;
 
 /// The VXLAN device (`[vxlan]`), used for pools with `vxlan = "always"`, and with
 /// `"crossSubnet"` for peers outside this node's subnets.
@@ -508,6 +539,7 @@ impl Default for AgentConfig {
             nat: NatConfig::default(),
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
+            kubernetes: KubernetesConfig::default(),
         }
     }
 }
@@ -696,6 +728,12 @@ impl AgentConfig {
         }
         if self.resync_interval_secs == 0 {
             return Err(ConfigError::ResyncInterval);
+        }
+        if self.kubernetes.pod_check_interval_secs == 0 {
+            return Err(ConfigError::Kubernetes {
+                key: "pod_check_interval_secs",
+                what: "at least 1",
+            });
         }
         self.datastore.validate()?;
         if self.datastore.is_kubernetes() && self.pools_configured {
@@ -931,15 +969,17 @@ impl AgentConfig {
         })
     }
 
-    /// The pools this node allocates from, as the allocator sees them.
+    /// Every pool as this node's allocator sees it: one whose `nodeSelector` does not select
+    /// this node is disabled here (no new addresses from it), not gone — the addresses the node
+    /// holds in it stay valid, so a label change never counts as removing a pool under live
+    /// addresses, and the dataplane still knows the pool's addresses as pods'.
     pub fn node_pools(&self) -> Vec<crate::ipam::Pool> {
         self.pools
             .iter()
-            .filter(|p| p.selects(&self.node_labels))
             .map(|p| crate::ipam::Pool {
                 cidr: p.cidr.trunc(),
                 block_size: p.block_size(),
-                disabled: p.disabled,
+                disabled: p.disabled || !p.selects(&self.node_labels),
             })
             .collect()
     }
@@ -1094,8 +1134,10 @@ mod tests {
         c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
         c.validate().expect("valid");
         let pools = c.node_pools();
-        assert_eq!(pools.len(), 1);
+        assert_eq!(pools.len(), 2);
         assert_eq!(pools[0].cidr.to_string(), "10.1.0.0/16");
+        assert!(!pools[0].disabled);
+        assert!(pools[1].disabled, "zone b's pool: nothing new from it here");
         assert!(c.ipam.policy().strict_affinity);
         assert_eq!(c.ipam.policy().max_blocks_per_node, 4);
         c.datastore.kind = "consul".into();

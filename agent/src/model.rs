@@ -12,6 +12,10 @@ pub struct EndpointRecord {
     pub netns: String,
     pub pod_namespace: String,
     pub pod_name: String,
+    /// The pod's UID (`K8S_POD_UID`): a new pod of the same name is another pod. Empty from
+    /// runtimes that do not pass it, and from older plugins.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_uid: String,
     pub addresses: Vec<String>,
     pub handle: String,
     /// The pod interface's MAC ("aa:bb:cc:dd:ee:ff"); empty from older plugins.

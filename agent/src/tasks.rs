@@ -35,17 +35,19 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
 /// the pools come from IPPool objects: it takes effect once it is safe.
 const DEFERRED_POOLS_RETRY: Duration = Duration::from_secs(10);
 
-/// SIGHUP, or a change of the IPPools (`pool_changes`, with the `kubernetes` datastore):
-/// `reread` reads the config again (the file, overridden by the same flags, its pools the
-/// IPPools' when they are the source); pool changes that are safe, the XDP deny list and
-/// failsafe ports, the SNAT exclusions and the nftables tables are applied. What only a restart
-/// applies is compared against `started` and named in a warning. An IPPool change refused as
-/// unsafe is tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone.
+/// SIGHUP, or a change in the cluster (`cluster_changes`, with the `kubernetes` datastore:
+/// IPPools, this node's Node, ServiceCIDRs; see `crate::k8s::cluster`): `reread` reads the
+/// config again (the file, overridden by the same flags, merged with the cluster's part);
+/// pool changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and
+/// Service CIDRs and the nftables tables are applied. What only a restart applies is compared
+/// against `started` and named in a warning. A pool change refused as unsafe is tried again
+/// every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a refused
+/// change or config is also a Warning Event on the Node.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
     reread: F,
     started: AgentConfig,
-    mut pool_changes: Option<tokio::sync::mpsc::UnboundedReceiver<()>>,
+    mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
 ) where
     F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
 {
@@ -62,17 +64,17 @@ pub fn spawn_reload<F>(
                     Some(()) => "SIGHUP",
                     None => return,
                 },
-                Some(()) = async {
-                    match pool_changes.as_mut() {
+                Some(what) = async {
+                    match cluster_changes.as_mut() {
                         Some(rx) => rx.recv().await,
                         None => std::future::pending().await,
                     }
                 } => {
                     // One pass for a burst of changes.
-                    if let Some(rx) = pool_changes.as_mut() {
+                    if let Some(rx) = cluster_changes.as_mut() {
                         while rx.try_recv().is_ok() {}
                     }
-                    "IPPool change"
+                    what
                 }
                 _ = tokio::time::sleep(DEFERRED_POOLS_RETRY), if deferred => "deferred IPPool change",
             };
@@ -80,6 +82,13 @@ pub fn spawn_reload<F>(
                 Ok(c) => c,
                 Err(e) => {
                     tracing::error!(error = %format!("{e:#}"), "{why}: config rejected; keeping the running one");
+                    if cluster_changes.is_some() {
+                        node.notices.warning(
+                            "ConfigRefused",
+                            crate::notice::Subject::Node,
+                            format!("{why}: the agent keeps its running config: {e:#}"),
+                        );
+                    }
                     continue;
                 }
             };
@@ -106,9 +115,20 @@ pub fn spawn_reload<F>(
                     node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
                 }
                 Err(e) => {
-                    deferred = pool_changes.is_some();
+                    let again = deferred;
+                    deferred = cluster_changes.is_some();
                     if deferred {
                         tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools and trying again every {DEFERRED_POOLS_RETRY:?}");
+                        if !again {
+                            node.notices.warning(
+                                "IPPoolRefused",
+                                crate::notice::Subject::Node,
+                                format!(
+                                    "{why}: pool change refused, tried again every {}s: {e}",
+                                    DEFERRED_POOLS_RETRY.as_secs()
+                                ),
+                            );
+                        }
                     } else {
                         tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools");
                     }
@@ -119,7 +139,8 @@ pub fn spawn_reload<F>(
                 continue;
             };
             match node.endpoints.reload_dataplane(Reload { xdp, nat }).await {
-                Ok(()) => tracing::info!("{why}: dataplane settings reloaded"),
+                Ok(()) => tracing::info!(service_cidrs = ?cfg.nat.service_cidrs,
+                    node_labels = ?cfg.node_labels, "{why}: dataplane settings reloaded"),
                 Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
                     "{why}: cannot apply the dataplane settings"),
             }

@@ -146,6 +146,7 @@ fn endpoint(cid: &str) -> EndpointRecord {
         netns: "/run/netns/x".into(),
         pod_namespace: "default".into(),
         pod_name: "p".into(),
+        pod_uid: "0d4a3b36-5d1f-4c39-9d2e-6f7b7c2a1f10".into(),
         addresses: vec!["10.0.0.3/32".into()],
         handle: format!("k8s-pod-network:{cid}"),
         mac: "ee:ee:ee:ee:ee:ee".into(),

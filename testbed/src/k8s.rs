@@ -57,6 +57,42 @@ impl KubeApi {
         Self::launch(None, unique("k"), watch_cache).unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// One API server in a namespace of its own for the whole test binary: started by the
+    /// first caller, on a thread that lives until the process exits (its daemons die with the
+    /// thread that started them), stopped and removed when the process exits. Tests sharing it
+    /// keep to objects of their own (unique names, pools of their own) and never restart it.
+    pub fn shared() -> std::sync::Arc<Self> {
+        static SHARED: Mutex<Option<std::sync::Arc<KubeApi>>> = Mutex::new(None);
+        extern "C" fn stop_shared() {
+            let api = SHARED.lock().unwrap_or_else(|p| p.into_inner()).take();
+            drop(api);
+        }
+        let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(api) = shared.as_ref() {
+            return api.clone();
+        }
+        crate::require_root();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let name = unique("k");
+            let launched =
+                Netns::create(name.clone()).and_then(|ns| Self::launch(Some(ns), name, true));
+            let _ = tx.send(launched);
+            loop {
+                std::thread::park();
+            }
+        });
+        let api = std::sync::Arc::new(
+            rx.recv()
+                .expect("the API server's thread")
+                .unwrap_or_else(|e| panic!("{e}")),
+        );
+        // SAFETY: atexit takes a plain function; it runs once, after the tests, at exit.
+        unsafe { libc::atexit(stop_shared) };
+        *shared = Some(api.clone());
+        api
+    }
+
     /// In a namespace of its own; panics on failure.
     pub fn in_namespace() -> Self {
         crate::require_root();
@@ -110,6 +146,12 @@ impl KubeApi {
     /// Connects `node` to the API server's namespace by a veth pair and returns a kubeconfig
     /// for clients in `node` (the admin's credentials). Needs [`KubeApi::in_namespace`].
     pub fn wire(&self, node: &Netns) -> Result<PathBuf> {
+        self.wire_as(node, ADMIN_TOKEN)
+    }
+
+    /// As [`KubeApi::wire`], the kubeconfig authenticating with `token` (e.g. a
+    /// ServiceAccount's, [`KubeApi::service_account_token`]).
+    pub fn wire_as(&self, node: &Netns, token: &str) -> Result<PathBuf> {
         let Some(ns) = &self.ns else {
             return Err(Error::Unexpected {
                 what: "KubeApi::wire".into(),
@@ -125,7 +167,7 @@ impl KubeApi {
         node.ip(&format!("addr add 10.97.{i}.2/30 dev kube0"))?;
         node.ip("link set kube0 up")?;
         let path = self.dir.join(format!("node{i}.kubeconfig"));
-        self.write_kubeconfig(&path, &format!("10.97.{i}.1"))?;
+        self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
     }
 
@@ -137,7 +179,28 @@ impl KubeApi {
         F: FnOnce(kube::Client) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = T>,
     {
-        let kubeconfig = self.kubeconfig();
+        self.with_kubeconfig(self.kubeconfig(), f)
+    }
+
+    /// [`KubeApi::with_client`] with a client that authenticates with `token`.
+    pub fn with_token<T, F, Fut>(&self, token: &str, f: F) -> T
+    where
+        T: Send + 'static,
+        F: FnOnce(kube::Client) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T>,
+    {
+        let path = self.dir.join(format!("{}.kubeconfig", unique("t")));
+        self.write_kubeconfig(&path, "127.0.0.1", token)
+            .unwrap_or_else(|e| panic!("{e}"));
+        self.with_kubeconfig(path, f)
+    }
+
+    fn with_kubeconfig<T, F, Fut>(&self, kubeconfig: PathBuf, f: F) -> T
+    where
+        T: Send + 'static,
+        F: FnOnce(kube::Client) -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T>,
+    {
         let run = move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -156,19 +219,125 @@ impl KubeApi {
         }
     }
 
-    /// Applies `object` (server-side apply, forced), e.g. an `IPPool`: `apiVersion`, `kind`,
-    /// `metadata.name` and the rest. Cluster-scoped kinds only.
-    pub fn apply(&self, object: serde_json::Value) -> Result<()> {
-        let (ar, name) = resource_of(&object)?;
+    /// Applies `object` (server-side apply, forced), e.g. an `IPPool`, a `Pod`: `apiVersion`,
+    /// `kind`, `metadata.name` (`metadata.namespace` for a namespaced kind) and the rest.
+    /// Returns the object as the server has it.
+    pub fn apply(&self, object: serde_json::Value) -> Result<serde_json::Value> {
+        let (ar, ns, name) = resource_of(&object)?;
         self.with_client(move |c| async move {
-            let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
+            let api = dynamic_api(c, &ar, ns.as_deref());
             let pp = PatchParams::apply("calix-testbed").force();
             api.patch(&name, &pp, &Patch::Apply(&object))
                 .await
-                .map(|_| ())
+                .map(|o| serde_json::to_value(o).unwrap_or_default())
                 .map_err(|e| Error::Kube {
                     what: format!("apply {} {name}", ar.kind),
                     detail: e.to_string(),
+                })
+        })
+    }
+
+    /// Merges `status` into the status of `object` (`apiVersion`, `kind`, `metadata`), e.g. a
+    /// Node's addresses.
+    pub fn patch_status(&self, object: serde_json::Value, status: serde_json::Value) -> Result<()> {
+        let (ar, ns, name) = resource_of(&object)?;
+        self.with_client(move |c| async move {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            let patch = serde_json::json!({ "status": status });
+            api.patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| Error::Kube {
+                    what: format!("status of {} {name}", ar.kind),
+                    detail: e.to_string(),
+                })
+        })
+    }
+
+    /// Deletes `kind` `namespace/name` at once (no grace period: no kubelet would confirm it).
+    pub fn delete_now(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<()> {
+        let (ar, ns, name) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": namespace}
+        }))?;
+        self.with_client(move |c| async move {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            let dp = kube::api::DeleteParams {
+                grace_period_seconds: Some(0),
+                ..Default::default()
+            };
+            match api.delete(&name, &dp).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(Error::Kube {
+                    what: format!("delete {} {name}", ar.kind),
+                    detail: e.to_string(),
+                }),
+            }
+        })
+    }
+
+    /// A ServiceAccount `namespace/name` bound (ClusterRoleBinding `name`) to the ClusterRole
+    /// in the YAML file `cluster_role` (applied), and a token for it from the TokenRequest
+    /// API: what a pod of that ServiceAccount authenticates with.
+    pub fn service_account_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        cluster_role: &Path,
+    ) -> Result<String> {
+        let text = std::fs::read_to_string(cluster_role)
+            .map_err(Error::io(format!("read {}", cluster_role.display())))?;
+        let role: serde_json::Value =
+            serde_saphyr::from_str(&text).map_err(|e| Error::Unexpected {
+                what: cluster_role.display().to_string(),
+                found: e.to_string(),
+                expected: "a ClusterRole".into(),
+            })?;
+        let role_name = role["metadata"]["name"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        self.apply(role)?;
+        self.apply(serde_json::json!({
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": namespace}
+        }))?;
+        self.apply(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+        }))?;
+        let path = format!("/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token");
+        self.with_client(move |c| async move {
+            let body = serde_json::json!({
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"expirationSeconds": 7200}
+            });
+            let req = http::Request::post(&path)
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&body).unwrap_or_default())
+                .map_err(|e| Error::Kube {
+                    what: "token request".into(),
+                    detail: e.to_string(),
+                })?;
+            let answer: serde_json::Value = c.request(req).await.map_err(|e| Error::Kube {
+                what: format!("token for {path}"),
+                detail: e.to_string(),
+            })?;
+            answer["status"]["token"]
+                .as_str()
+                .map(String::from)
+                .ok_or_else(|| Error::Missing {
+                    field: "status.token".into(),
+                    value: answer.to_string(),
                 })
         })
     }
@@ -181,7 +350,7 @@ impl KubeApi {
         kind: &str,
         labels: &str,
     ) -> Result<Vec<serde_json::Value>> {
-        let (ar, _) = resource_of(&serde_json::json!({
+        let (ar, _, _) = resource_of(&serde_json::json!({
             "apiVersion": api_version, "kind": kind, "metadata": {"name": "-"}
         }))?;
         let labels = labels.to_string();
@@ -202,7 +371,7 @@ impl KubeApi {
 
     /// Deletes the cluster-scoped object `kind` `name` of `api_version` (gone already: fine).
     pub fn delete(&self, api_version: &str, kind: &str, name: &str) -> Result<()> {
-        let (ar, name) = resource_of(&serde_json::json!({
+        let (ar, _, name) = resource_of(&serde_json::json!({
             "apiVersion": api_version, "kind": kind, "metadata": {"name": name}
         }))?;
         self.with_client(move |c| async move {
@@ -255,7 +424,7 @@ impl KubeApi {
         let _ = std::fs::write(self.dir.join("apiserver.previous.log"), prior);
         *lock(&self.apiserver) = Some(child);
         self.wait_ready(&log)?;
-        self.write_kubeconfig(&self.kubeconfig(), "127.0.0.1")
+        self.write_kubeconfig(&self.kubeconfig(), "127.0.0.1", ADMIN_TOKEN)
     }
 
     /// Restarts the API server (SIGKILL, then start); etcd and its data stay.
@@ -327,7 +496,7 @@ impl KubeApi {
         loop {
             let ready = self.extract_ca().is_ok()
                 && self
-                    .write_kubeconfig(&self.kubeconfig(), "127.0.0.1")
+                    .write_kubeconfig(&self.kubeconfig(), "127.0.0.1", ADMIN_TOKEN)
                     .is_ok()
                 && self.with_client(|c| async move {
                     let req = http::Request::get("/readyz")
@@ -374,9 +543,9 @@ impl KubeApi {
         std::fs::write(&path, ca).map_err(Error::io(format!("write {}", path.display())))
     }
 
-    fn write_kubeconfig(&self, path: &Path, host: &str) -> Result<()> {
+    fn write_kubeconfig(&self, path: &Path, host: &str, token: &str) -> Result<()> {
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: calix-test\n  cluster:\n    server: https://{host}:{port}\n    certificate-authority: {ca}\n    tls-server-name: {TLS_NAME}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\ncontexts:\n- name: calix-test\n  context:\n    cluster: calix-test\n    user: admin\ncurrent-context: calix-test\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: calix-test\n  cluster:\n    server: https://{host}:{port}\n    certificate-authority: {ca}\n    tls-server-name: {TLS_NAME}\nusers:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: calix-test\n  context:\n    cluster: calix-test\n    user: admin\ncurrent-context: calix-test\n",
             port = self.api_port,
             ca = self.dir.join("ca.crt").display(),
         );
@@ -475,8 +644,22 @@ pub async fn client(kubeconfig: &Path) -> Result<kube::Client> {
     kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))
 }
 
-/// The resource (plural guessed from the kind, as kube does) and name of an object.
-fn resource_of(object: &serde_json::Value) -> Result<(kube::api::ApiResource, String)> {
+/// The API of `ar`'s objects in `namespace` (all of them when `None`).
+fn dynamic_api(
+    c: kube::Client,
+    ar: &kube::api::ApiResource,
+    namespace: Option<&str>,
+) -> Api<kube::api::DynamicObject> {
+    match namespace {
+        Some(ns) => Api::namespaced_with(c, ns, ar),
+        None => Api::all_with(c, ar),
+    }
+}
+
+/// The resource (plural guessed from the kind, as kube does), namespace and name of an object.
+fn resource_of(
+    object: &serde_json::Value,
+) -> Result<(kube::api::ApiResource, Option<String>, String)> {
     let field = |path: &[&str]| {
         path.iter()
             .fold(object, |v, k| &v[*k])
@@ -494,7 +677,8 @@ fn resource_of(object: &serde_json::Value) -> Result<(kube::api::ApiResource, St
         .rsplit_once('/')
         .unwrap_or(("", api_version.as_str()));
     let gvk = kube::api::GroupVersionKind::gvk(group, version, &kind);
-    Ok((kube::api::ApiResource::from_gvk(&gvk), name))
+    let namespace = object["metadata"]["namespace"].as_str().map(String::from);
+    Ok((kube::api::ApiResource::from_gvk(&gvk), namespace, name))
 }
 
 fn lock(m: &Mutex<Option<Child>>) -> std::sync::MutexGuard<'_, Option<Child>> {

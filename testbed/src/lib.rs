@@ -59,3 +59,25 @@ pub fn unique(tag: &str) -> String {
         N.fetch_add(1, Ordering::Relaxed)
     )
 }
+
+/// Polls `f` every 50 ms until it gives something, at most `timeout`; then panics naming
+/// `what` and showing `show()` (e.g. an agent's log).
+pub fn wait_for<T>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut f: impl FnMut() -> Option<T>,
+    show: impl Fn() -> String,
+) -> T {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {timeout:?}: {what}\n{}",
+            show()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}

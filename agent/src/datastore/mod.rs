@@ -111,6 +111,9 @@ pub enum DatastoreError {
     /// only: `datastore::keys` and `pools/`).
     #[error("datastore {backend} has no place for key {key:?}")]
     OutsideKeySpace { backend: &'static str, key: String },
+    /// A write to a key the backend only reads (kubernetes: Kubernetes' own objects, `k8s/`).
+    #[error("datastore {backend} only reads {key:?}: it is Kubernetes' own object")]
+    ReadOnly { backend: &'static str, key: String },
     /// A watch over a prefix the backend cannot watch as one ordered stream (kubernetes: a
     /// prefix spanning several kinds of object).
     #[error("datastore {backend} cannot watch {prefix:?}: {why}")]

@@ -90,12 +90,18 @@ impl pb::ipam_server::Ipam for IpamSvc {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let (out, already) = self
+        let (out, already) = match self
             .0
             .ipam
             .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
             .await
-            .map_err(status)?;
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.0.notice_allocation_failure(&e, &attrs);
+                return Err(status(e));
+            }
+        };
         let addrs: Vec<std::net::IpAddr> = out.iter().map(|(a, _)| *a).collect();
         Ok(Response::new(pb::AllocateResponse {
             addresses: addresses(out),
@@ -240,6 +246,7 @@ fn record(e: pb::Endpoint) -> EndpointRecord {
         netns: e.netns,
         pod_namespace: e.pod_namespace,
         pod_name: e.pod_name,
+        pod_uid: e.pod_uid,
         addresses: e.addresses,
         handle: e.handle,
         mac: e.mac,
@@ -255,6 +262,7 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
         netns: r.netns,
         pod_namespace: r.pod_namespace,
         pod_name: r.pod_name,
+        pod_uid: r.pod_uid,
         addresses: r.addresses,
         handle: r.handle,
         mac: r.mac,
@@ -262,8 +270,17 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
     }
 }
 
-fn view(v: EndpointView) -> pb::EndpointStatus {
+fn view(v: EndpointView, pods: Option<&crate::k8s::pods::Pods>) -> pb::EndpointStatus {
+    let pod = pods
+        .and_then(|p| p.get(&v.record.pod_namespace, &v.record.pod_name))
+        .map(|p| pb::PodInfo {
+            uid: p.uid,
+            labels: p.labels.into_iter().collect(),
+            phase: p.phase,
+            deleting: p.deleting,
+        });
     pb::EndpointStatus {
+        pod,
         state: v.health.map(|h| h.to_string()).unwrap_or_default(),
         endpoint: Some(endpoint(v.record)),
         host_ifindex: v.ifindex.unwrap_or(0),
@@ -382,7 +399,10 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
     ) -> Result<Response<pb::ListResponse>, Status> {
         let eps = self.0.endpoints.list().await.map_err(status)?;
         Ok(Response::new(pb::ListResponse {
-            endpoints: eps.into_iter().map(view).collect(),
+            endpoints: eps
+                .into_iter()
+                .map(|v| view(v, self.0.pods.get()))
+                .collect(),
             node: self.0.name().to_string(),
         }))
     }

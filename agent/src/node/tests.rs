@@ -272,6 +272,7 @@ fn ep(cid: &str, handle: &str) -> EndpointRecord {
         netns: String::new(),
         pod_namespace: String::new(),
         pod_name: String::new(),
+        pod_uid: String::new(),
         addresses: Vec::new(),
         handle: handle.into(),
         mac: String::new(),

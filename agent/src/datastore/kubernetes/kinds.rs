@@ -13,12 +13,15 @@
 //! Every object carries its key in the annotation `calix.dev/key` (hand-made `IPPool`s need not:
 //! a name that is not hashed reads as `<prefix><name>`). Keys outside these prefixes (the
 //! previous version's `ipam/retired/`) have no object: they read as absent and cannot be written.
+//!
+//! Below `k8s/` are Kubernetes' own objects, read-only ([`super::views`]).
 use std::collections::BTreeMap;
 
 use kube::api::{ApiResource, DynamicObject, ObjectMeta};
 use serde_json::Value;
 
 use super::names::{label_value, object_name};
+use super::views::{self, ViewOf};
 
 pub const GROUP: &str = "calix.dev";
 pub const VERSION: &str = "v1";
@@ -40,6 +43,12 @@ pub struct Kind {
     pub node_in_key: bool,
     /// The field of the value whose content is the object's [`NODE_LABEL`] (informational).
     pub node_field: Option<&'static str>,
+    /// API group (`""`: core) and version.
+    pub group: &'static str,
+    pub version: &'static str,
+    /// A Kubernetes object calix reads and never writes, seen through a projection; `None`:
+    /// calix's own record, the object's `spec`.
+    pub view: Option<&'static ViewOf>,
 }
 
 pub const KINDS: &[Kind] = &[
@@ -49,6 +58,9 @@ pub const KINDS: &[Kind] = &[
         plural: "ipamblocks",
         node_in_key: false,
         node_field: Some("affinity"),
+        group: GROUP,
+        version: VERSION,
+        view: None,
     },
     Kind {
         prefix: "ipam/handles/",
@@ -56,6 +68,9 @@ pub const KINDS: &[Kind] = &[
         plural: "ipamhandles",
         node_in_key: false,
         node_field: Some("node"),
+        group: GROUP,
+        version: VERSION,
+        view: None,
     },
     Kind {
         prefix: "ipam/affinities/",
@@ -63,6 +78,9 @@ pub const KINDS: &[Kind] = &[
         plural: "blockaffinities",
         node_in_key: true,
         node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
     },
     Kind {
         prefix: "nodes/",
@@ -70,6 +88,9 @@ pub const KINDS: &[Kind] = &[
         plural: "calixnodes",
         node_in_key: false,
         node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
     },
     Kind {
         prefix: "endpoints/",
@@ -77,6 +98,9 @@ pub const KINDS: &[Kind] = &[
         plural: "calixendpoints",
         node_in_key: true,
         node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
     },
     Kind {
         prefix: "pools/",
@@ -84,6 +108,39 @@ pub const KINDS: &[Kind] = &[
         plural: "ippools",
         node_in_key: false,
         node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
+    },
+    Kind {
+        prefix: views::NODES,
+        kind: "Node",
+        plural: "nodes",
+        node_in_key: false,
+        node_field: None,
+        group: "",
+        version: "v1",
+        view: Some(&views::NODE),
+    },
+    Kind {
+        prefix: views::PODS,
+        kind: "Pod",
+        plural: "pods",
+        node_in_key: false,
+        node_field: None,
+        group: "",
+        version: "v1",
+        view: Some(&views::POD),
+    },
+    Kind {
+        prefix: views::SERVICE_CIDRS,
+        kind: "ServiceCIDR",
+        plural: "servicecidrs",
+        node_in_key: false,
+        node_field: None,
+        group: "networking.k8s.io",
+        version: "v1",
+        view: Some(&views::SERVICE_CIDR),
     },
 ];
 
@@ -93,12 +150,30 @@ pub const MAX_KEY: usize = 4096;
 impl Kind {
     pub fn api_resource(&self) -> ApiResource {
         ApiResource {
-            group: GROUP.into(),
-            version: VERSION.into(),
-            api_version: format!("{GROUP}/{VERSION}"),
+            group: self.group.into(),
+            version: self.version.into(),
+            api_version: if self.group.is_empty() {
+                self.version.into()
+            } else {
+                format!("{}/{}", self.group, self.version)
+            },
             kind: self.kind.into(),
             plural: self.plural.into(),
         }
+    }
+
+    /// The value `obj` holds: its projection, or calix's record (its `spec`).
+    pub fn value_of(&self, obj: &DynamicObject) -> Value {
+        match self.view {
+            Some(v) => (v.value)(obj),
+            None => obj.data.get("spec").cloned().unwrap_or(Value::Null),
+        }
+    }
+
+    /// The field selector for a listing or watch of `prefix` (read-only kinds only).
+    pub fn field_selector(&self, prefix: &str) -> Option<String> {
+        let rest = prefix.strip_prefix(self.prefix)?;
+        (self.view?.field_selector)(rest)
     }
 
     /// The object name of `key` (of this kind).
@@ -141,6 +216,9 @@ impl Kind {
     /// plain name after the prefix. `None` for an object that is not a calix record of this
     /// kind (wrong annotation, a hashed name without one).
     pub fn key_of(&self, obj: &DynamicObject) -> Option<String> {
+        if let Some(v) = self.view {
+            return (v.key)(obj).filter(|k| k.starts_with(self.prefix));
+        }
         let name = obj.metadata.name.as_deref()?;
         match obj
             .metadata
@@ -179,7 +257,8 @@ pub fn kind_of(key: &str) -> Option<&'static Kind> {
 }
 
 /// The kinds that can hold keys starting with `prefix`: the one whose prefix `prefix` extends,
-/// or every kind whose prefix extends `prefix` (`""`, `ipam/`).
+/// or every kind whose prefix extends `prefix` (`""`, `ipam/`). Kubernetes' own objects only
+/// for a prefix below [`views::ROOT`]: a listing of everything is calix's records.
 pub fn kinds_under(prefix: &str) -> Vec<&'static Kind> {
     if let Some(k) = KINDS.iter().find(|k| prefix.starts_with(k.prefix)) {
         return vec![k];
@@ -187,6 +266,7 @@ pub fn kinds_under(prefix: &str) -> Vec<&'static Kind> {
     KINDS
         .iter()
         .filter(|k| k.prefix.starts_with(prefix))
+        .filter(|k| k.view.is_none() || prefix.starts_with(views::ROOT))
         .collect()
 }
 
@@ -273,8 +353,20 @@ mod tests {
         assert_eq!(names("ipam/blocks/"), ["IPAMBlock"]);
         assert_eq!(names("ipam/"), ["IPAMBlock", "IPAMHandle", "BlockAffinity"]);
         assert_eq!(names("ipam/affinities/n1/"), ["BlockAffinity"]);
-        assert_eq!(names("").len(), KINDS.len());
+        assert_eq!(
+            names("").len(),
+            KINDS.iter().filter(|k| k.view.is_none()).count()
+        );
         assert!(names("ipam/retired/").is_empty());
         assert!(names("zzz").is_empty());
+        assert_eq!(names("k8s/"), ["Node", "Pod", "ServiceCIDR"]);
+        assert_eq!(names("k8s/pods/n1/"), ["Pod"]);
+        assert_eq!(
+            kind_of("k8s/pods/n1/default/web")
+                .expect("pod")
+                .field_selector("k8s/pods/n1/")
+                .as_deref(),
+            Some("spec.nodeName=n1")
+        );
     }
 }

@@ -26,6 +26,7 @@ pub mod client;
 pub mod crds;
 pub mod kinds;
 pub mod names;
+pub mod views;
 mod watch;
 
 use std::future::Future;
@@ -144,6 +145,9 @@ impl KubeStore {
             return Ok(None);
         };
         check_key(key)?;
+        if let Some(view) = kind.view {
+            return self.read_view(kind, view, key).await;
+        }
         let api = self.api(kind);
         let name = kind.name_of(key);
         match self.retry(&format!("get {key}"), || api.get(&name)).await? {
@@ -169,6 +173,26 @@ impl KubeStore {
         }
     }
 
+    /// The Kubernetes object at read-only `key`: where the key says, if it is still that key's.
+    async fn read_view(
+        &self,
+        kind: &'static Kind,
+        view: &views::ViewOf,
+        key: &str,
+    ) -> Result<Option<(&'static Kind, DynamicObject)>, DatastoreError> {
+        let Some((namespace, name)) = (view.locate)(&key[kind.prefix.len()..]) else {
+            return Ok(None);
+        };
+        let api: Api<DynamicObject> = match &namespace {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, &kind.api_resource()),
+            None => self.api(kind),
+        };
+        match self.retry(&format!("get {key}"), || api.get(&name)).await? {
+            Answer::Done(obj) if kind.key_of(&obj).as_deref() == Some(key) => Ok(Some((kind, obj))),
+            _ => Ok(None),
+        }
+    }
+
     /// The store's current revision: a listing of one object of any kind.
     async fn current_revision(&self) -> Result<i64, DatastoreError> {
         let kind = &kinds::KINDS[0];
@@ -184,20 +208,24 @@ impl KubeStore {
         }
     }
 
-    /// Every object of `kind` (below `selector`) at one resourceVersion: `exact` when given,
-    /// else the newest. Returns them and the listing's revision.
+    /// Every object of `kind` (narrowed by label or field to `prefix` where it can be) at one
+    /// resourceVersion: `exact` when given, else the newest. Returns them and the listing's
+    /// revision.
     async fn list_kind(
         &self,
         kind: &Kind,
-        selector: Option<&str>,
+        prefix: &str,
         exact: Option<i64>,
     ) -> Result<(Vec<DynamicObject>, i64), DatastoreError> {
         let api = self.api(kind);
         // A continue token that expired (410) restarts the listing; bounded.
         'listing: for _ in 0..self.attempts {
             let mut lp = ListParams::default().limit(PAGE);
-            if let Some(s) = selector {
-                lp = lp.labels(s);
+            if let Some(s) = kind.selector(prefix) {
+                lp = lp.labels(&s);
+            }
+            if let Some(s) = kind.field_selector(prefix) {
+                lp = lp.fields(&s);
             }
             if let Some(rv) = exact {
                 lp = lp.at(&rv.to_string()).matching(VersionMatch::Exact);
@@ -370,9 +398,7 @@ impl Datastore for KubeStore {
         let mut out = Vec::new();
         let mut at = None;
         for kind in kinds {
-            let (objects, revision) = self
-                .list_kind(kind, kind.selector(prefix).as_deref(), at)
-                .await?;
+            let (objects, revision) = self.list_kind(kind, prefix, at).await?;
             at.get_or_insert(revision);
             for obj in objects {
                 match kind.key_of(&obj) {
@@ -402,6 +428,12 @@ impl Datastore for KubeStore {
             backend: BACKEND,
             key: key.into(),
         })?;
+        if kind.view.is_some() {
+            return Err(DatastoreError::ReadOnly {
+                backend: BACKEND,
+                key: key.into(),
+            });
+        }
         match (op, compare) {
             (Op::Put(_, value), compare) => {
                 let spec = spec_of(key, value)?;
@@ -513,7 +545,7 @@ fn spec_of(key: &str, value: &[u8]) -> Result<Value, DatastoreError> {
 /// A stored object as a [`KeyValue`].
 fn key_value(kind: &Kind, key: String, obj: &DynamicObject) -> Result<KeyValue, DatastoreError> {
     let revision = object_revision(kind, obj)?;
-    let spec = obj.data.get("spec").cloned().unwrap_or(Value::Null);
+    let spec = kind.value_of(obj);
     if !spec.is_object() {
         return Err(DatastoreError::BadValue {
             key,

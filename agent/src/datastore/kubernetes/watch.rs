@@ -56,6 +56,7 @@ pub(super) async fn open(
         prefix: prefix.to_string(),
         params: WatchParams {
             label_selector: kind.selector(prefix),
+            field_selector: kind.field_selector(prefix),
             timeout: Some(store.watch_secs),
             bookmarks: true,
             ..WatchParams::default()
