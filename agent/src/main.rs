@@ -16,6 +16,7 @@ use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
 use calix_agent::k8s::cluster::Cluster;
 use calix_agent::k8s::events::EventRecorder;
+use calix_agent::k8s::podipam::PodIpamSource;
 use calix_agent::k8s::pods::{self, PodsConfig};
 use calix_agent::model::NodeRecord;
 use calix_agent::node::mtu::PodMtu;
@@ -280,6 +281,11 @@ async fn main() -> Result<()> {
                 .await
                 .context("cannot read this node's Pods")?;
             let _ = node.pods.set(pods.clone());
+            let _ = node.pod_ipam.set(PodIpamSource::new(
+                store.clone(),
+                &cfg.node_name,
+                cluster.clone(),
+            ));
             pods::spawn(
                 pods,
                 follower,

@@ -72,10 +72,7 @@ impl<'a> Pod<'a> {
     /// ADDs a sandbox of the Kubernetes pod `namespace/name` with UID `uid` (as a kubelet
     /// does: every K8S_POD_* argument); panics if ADD fails.
     pub fn add_k8s(node: &'a Node, namespace: &str, name: &str, uid: &str, extra: Value) -> Self {
-        let args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID={uid}"
-        );
-        let pod = Self::try_add_with_args(node, Netns::new("p"), args, "eth0", extra);
+        let pod = Self::try_add_k8s(node, namespace, name, uid, extra);
         assert!(
             pod.result.success,
             "ADD of {namespace}/{name} failed: {}\n{}\nagent log:\n{}",
@@ -84,6 +81,20 @@ impl<'a> Pod<'a> {
             node.agent_log()
         );
         pod
+    }
+
+    /// [`Pod::add_k8s`]; the result may be a failure.
+    pub fn try_add_k8s(
+        node: &'a Node,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        extra: Value,
+    ) -> Self {
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID={uid}"
+        );
+        Self::try_add_with_args(node, Netns::new("p"), args, "eth0", extra)
     }
 
     fn try_add_in(node: &'a Node, ns: Netns, pod_name: &str, ifname: &str, extra: Value) -> Self {

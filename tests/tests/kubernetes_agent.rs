@@ -72,17 +72,23 @@ fn ippool(name: &str, cidr: &str, selector: Value) -> Value {
 
 /// A Pod `default/name` bound to `node`, labelled `app: web`; its UID.
 fn pod_object(api: &KubeApi, name: &str, node: &str) -> String {
+    pod_in(api, "default", name, node, json!({}))
+}
+
+/// A Pod `namespace/name` bound to `node` with `annotations`, labelled `app: web`; its UID.
+fn pod_in(api: &KubeApi, namespace: &str, name: &str, node: &str, annotations: Value) -> String {
     // (No controller-manager makes the namespace's default ServiceAccount, which admission
     // wants.)
     api.apply(json!({
         "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": "default", "namespace": "default"},
+        "metadata": {"name": "default", "namespace": namespace},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
     let pod = api
         .apply(json!({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default", "labels": {"app": "web"}},
+            "metadata": {"name": name, "namespace": namespace, "labels": {"app": "web"},
+                "annotations": annotations},
             "spec": {"nodeName": node, "containers": [{"name": "c", "image": "pause"}]},
         }))
         .unwrap_or_else(|e| panic!("{e}"));
@@ -448,6 +454,98 @@ fn endpoints_of_pods_that_are_gone_are_cleaned_up_also_those_deleted_while_the_a
         .unwrap_or_else(|e| panic!("{e}"));
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_are_named() {
+    let api = KubeApi::shared();
+    let token = agent_token(&api);
+    let u = unique("e");
+    let node = agent_node(&api, &token, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.13")],
+    );
+    for (pool, cidr) in [("x", "10.75.0.0/24"), ("y", "10.75.1.0/24")] {
+        api.apply(ippool(
+            &format!("{u}-{pool}"),
+            cidr,
+            json!({"calix.dev/test": u}),
+        ))
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    // The namespace's pools: y.
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": u, "annotations": {"calix.dev/ipv4pools": format!("[\"{u}-y\"]")}},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.75.0.0/24", "10.75.1.0/24"]);
+    let add = |pod: &str, annotations: Value| {
+        let uid = pod_in(&api, &u, pod, &name, annotations);
+        Pod::try_add_k8s(&node, &u, pod, &uid, Value::Null)
+    };
+    let from_ns = add("a", json!({}));
+    assert!(from_ns.result.success, "{}", from_ns.result.stdout);
+    assert!(from_ns.ip().starts_with("10.75.1."), "{}", from_ns.ip());
+    let own = add("b", json!({"calix.dev/ipv4pools": "[\"10.75.0.0/24\"]"}));
+    assert!(own.result.success, "{}", own.result.stdout);
+    assert!(
+        own.ip().starts_with("10.75.0."),
+        "the pod's own over its namespace's: {}",
+        own.ip()
+    );
+    let fixed = add("c", json!({"calix.dev/ipAddrs": "[\"10.75.0.77\"]"}));
+    assert!(fixed.result.success, "{}", fixed.result.stdout);
+    assert_eq!(fixed.ip(), "10.75.0.77");
+    // Bad annotations: a CNI error naming the annotation, nothing allocated.
+    for (pod, annotations, annotation, says) in [
+        (
+            "d",
+            json!({"calix.dev/ipv4pools": "x"}),
+            "calix.dev/ipv4pools",
+            "not a JSON list",
+        ),
+        (
+            "e",
+            json!({"calix.dev/ipv4pools": "[\"nope\"]"}),
+            "calix.dev/ipv4pools",
+            "names no IPPool",
+        ),
+        (
+            "f",
+            json!({"calix.dev/ipAddrs": "[\"10.75.0.77\"]"}),
+            "calix.dev/ipAddrs",
+            "in use",
+        ),
+        (
+            "g",
+            json!({"calix.dev/ipAddrs": "[\"10.99.99.1\"]"}),
+            "calix.dev/ipAddrs",
+            "not in any enabled pool",
+        ),
+    ] {
+        let bad = add(pod, annotations);
+        assert!(!bad.result.success, "{pod}: {}", bad.result.stdout);
+        let err: Value = serde_json::from_str(&bad.result.stdout).expect("CNI error JSON");
+        let msg = err["msg"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains(annotation)
+                && msg.contains(&format!("pod {u}/{pod}"))
+                && msg.contains(says),
+            "{pod}: {err}"
+        );
+    }
+    assert_eq!(used(&node), 3, "{}", ipam_show(&node));
+    drop((from_ns, own, fixed));
+    for pool in ["x", "y"] {
+        api.delete("calix.dev/v1", "IPPool", &format!("{u}-{pool}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[test]

@@ -25,7 +25,7 @@ fn status(e: AgentError) -> Status {
         None => msg,
     };
     match e {
-        AgentError::Invalid(_) => Status::invalid_argument(msg),
+        AgentError::Invalid(_) | AgentError::Annotation(_) => Status::invalid_argument(msg),
         AgentError::Ipam(IpamError::Exhausted { .. }) => Status::resource_exhausted(msg),
         AgentError::Ipam(IpamError::InUse { .. }) => Status::already_exists(msg),
         AgentError::Ipam(
@@ -37,6 +37,27 @@ fn status(e: AgentError) -> Status {
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
         AgentError::PoolChange(_) => Status::failed_precondition(msg),
         AgentError::Datastore(_) => Status::unavailable(msg),
+    }
+}
+
+/// An allocation error about an address a pod's `calix.dev/ipAddrs` asked for, as an error of
+/// that annotation.
+fn annotated(e: AgentError, fixed: &[(std::net::IpAddr, String)]) -> AgentError {
+    let addr = match &e {
+        AgentError::Ipam(
+            IpamError::NotInPool { addr }
+            | IpamError::InUse { addr }
+            | IpamError::ForeignBlock { addr, .. },
+        ) => *addr,
+        _ => return e,
+    };
+    match fixed.iter().find(|(a, _)| *a == addr) {
+        Some((_, on)) => AgentError::Annotation(crate::k8s::annotations::AnnotationError {
+            annotation: crate::k8s::annotations::IP_ADDRS,
+            on: on.clone(),
+            detail: e.to_string(),
+        }),
+        None => e,
     }
 }
 
@@ -78,7 +99,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = req.into_inner();
         let attrs: BTreeMap<String, String> = r.attributes.into_iter().collect();
-        let requested = r
+        let mut requested = r
             .requested
             .iter()
             .map(|a| {
@@ -90,16 +111,45 @@ impl pb::ipam_server::Ipam for IpamSvc {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // A Kubernetes pod's annotations (pools, a fixed address); the runtime's own request
+        // for a family wins.
+        let mut only = None;
+        let mut fixed = Vec::new();
+        if let (Some(src), Some(ns), Some(pod)) = (
+            self.0.pod_ipam.get(),
+            attrs.get("namespace").filter(|v| !v.is_empty()),
+            attrs.get("pod").filter(|v| !v.is_empty()),
+        ) {
+            let asked = src
+                .for_pod(ns, pod, &self.0.ipam.pools())
+                .await
+                .map_err(status)?;
+            for a in asked.addresses {
+                if !requested.iter().any(|r| r.is_ipv4() == a.is_ipv4()) {
+                    requested.push(a);
+                    fixed.push((a, format!("pod {ns}/{pod}")));
+                }
+            }
+            only = asked.pools;
+        }
         let (out, already) = match self
             .0
             .ipam
-            .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
+            .allocate_from(
+                &r.handle,
+                &r.ifname,
+                r.ipv4,
+                r.ipv6,
+                &requested,
+                &attrs,
+                only.as_deref(),
+            )
             .await
         {
             Ok(v) => v,
             Err(e) => {
                 self.0.notice_allocation_failure(&e, &attrs);
-                return Err(status(e));
+                return Err(status(annotated(e, &fixed)));
             }
         };
         let addrs: Vec<std::net::IpAddr> = out.iter().map(|(a, _)| *a).collect();

@@ -28,7 +28,8 @@ pub const REFLECTOR_LABEL: &str = "calix.dev/route-reflector";
 /// The cluster's part of the config, kept current.
 #[derive(Clone)]
 pub struct Cluster {
-    pools: Source<Vec<PoolConfig>>,
+    /// (IPPool name, pool).
+    pools: Source<Vec<(String, PoolConfig)>>,
     node: Source<Option<NodeView>>,
     services: Source<Vec<String>>,
     read_node: Read<Option<NodeView>>,
@@ -87,6 +88,11 @@ impl Cluster {
         ))
     }
 
+    /// The IPPools by name.
+    pub fn named_pools(&self) -> Vec<(String, PoolConfig)> {
+        self.pools.current()
+    }
+
     /// This node's Node as last seen.
     pub fn node(&self) -> Option<NodeView> {
         self.node.current()
@@ -96,7 +102,7 @@ impl Cluster {
     pub fn apply(&self, c: &mut AgentConfig) {
         if !c.pools_configured {
             // (Configured pools are refused by validate().)
-            c.pools = self.pools.current();
+            c.pools = self.pools.current().into_iter().map(|(_, p)| p).collect();
         }
         if let Some(node) = self.node() {
             c.node_labels.extend(node.labels.clone());
@@ -143,11 +149,12 @@ where
     Arc::new(f)
 }
 
-/// The pools of the IPPool objects; an object whose spec is not a pool is left out, logged.
-fn read_pools(kvs: &BTreeMap<String, KeyValue>) -> Vec<PoolConfig> {
+/// The pools of the IPPool objects, by name; an object whose spec is not a pool is left out,
+/// logged.
+fn read_pools(kvs: &BTreeMap<String, KeyValue>) -> Vec<(String, PoolConfig)> {
     kvs.values()
         .filter_map(|kv| match kv.decode::<PoolConfig>() {
-            Ok(p) => Some(p),
+            Ok(p) => Some((kv.key.strip_prefix(POOLS).unwrap_or(&kv.key).to_string(), p)),
             Err(e) => {
                 tracing::error!(key = %kv.key, error = %e, "IPPool ignored: its spec is not a pool");
                 None

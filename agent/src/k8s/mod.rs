@@ -6,12 +6,16 @@
 //! - [`cluster`]: the config's part that comes from the cluster (IPPools, this node's Node,
 //!   ServiceCIDRs);
 //! - [`pods`]: the Pods bound to this node, and the cleanup of endpoints whose pod is gone;
+//! - [`annotations`], [`podipam`]: a pod's IPAM annotations (pools, a fixed address), read at
+//!   its allocation;
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`source`]: a value followed from the store.
+pub mod annotations;
 pub mod cluster;
 pub mod events;
 pub mod peers;
+pub mod podipam;
 pub mod pods;
 pub mod source;
 

@@ -30,6 +30,8 @@ pub struct Node {
     pub notices: crate::notice::Notifier,
     /// This node's Pods (kubernetes datastore), once watched.
     pub pods: std::sync::OnceLock<crate::k8s::pods::Pods>,
+    /// Pods' IPAM annotations (kubernetes datastore).
+    pub pod_ipam: std::sync::OnceLock<crate::k8s::podipam::PodIpamSource>,
 }
 
 impl Node {
@@ -41,6 +43,7 @@ impl Node {
             pod_mtu: Default::default(),
             notices: Default::default(),
             pods: std::sync::OnceLock::new(),
+            pod_ipam: std::sync::OnceLock::new(),
         }
     }
 

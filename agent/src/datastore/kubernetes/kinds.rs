@@ -142,6 +142,16 @@ pub const KINDS: &[Kind] = &[
         version: "v1",
         view: Some(&views::SERVICE_CIDR),
     },
+    Kind {
+        prefix: views::NAMESPACES,
+        kind: "Namespace",
+        plural: "namespaces",
+        node_in_key: false,
+        node_field: None,
+        group: "",
+        version: "v1",
+        view: Some(&views::NAMESPACE),
+    },
 ];
 
 /// Longest key the store accepts (it travels in an annotation and in error messages).
@@ -359,7 +369,7 @@ mod tests {
         );
         assert!(names("ipam/retired/").is_empty());
         assert!(names("zzz").is_empty());
-        assert_eq!(names("k8s/"), ["Node", "Pod", "ServiceCIDR"]);
+        assert_eq!(names("k8s/"), ["Node", "Pod", "ServiceCIDR", "Namespace"]);
         assert_eq!(names("k8s/pods/n1/"), ["Pod"]);
         assert_eq!(
             kind_of("k8s/pods/n1/default/web")

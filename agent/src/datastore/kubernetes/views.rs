@@ -9,6 +9,7 @@
 //! | `k8s/nodes/<name>` | core/v1 Node | [`NodeView`] |
 //! | `k8s/pods/<node>/<namespace>/<name>` | core/v1 Pod with `spec.nodeName` | [`PodView`] (a listing or watch of `k8s/pods/<node>/` asks for `spec.nodeName=<node>`) |
 //! | `k8s/servicecidrs/<name>` | networking.k8s.io/v1 ServiceCIDR | [`ServiceCidrView`] |
+//! | `k8s/namespaces/<name>` | core/v1 Namespace | [`NamespaceView`] |
 //!
 //! A write to one of these keys is refused ([`crate::datastore::DatastoreError::ReadOnly`]).
 use std::collections::BTreeMap;
@@ -22,6 +23,7 @@ pub const ROOT: &str = "k8s/";
 pub const NODES: &str = "k8s/nodes/";
 pub const PODS: &str = "k8s/pods/";
 pub const SERVICE_CIDRS: &str = "k8s/servicecidrs/";
+pub const NAMESPACES: &str = "k8s/namespaces/";
 
 /// The key of Node `name`.
 pub fn node_key(name: &str) -> String {
@@ -93,6 +95,14 @@ pub struct ServiceCidrView {
 
 /// Where an object is: its namespace (`None`: cluster-scoped) and name.
 pub type Location = (Option<String>, String);
+
+/// What calix reads of a Namespace.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceView {
+    pub name: String,
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+}
 
 /// How one kind of Kubernetes object appears in the store.
 #[derive(Debug)]
@@ -200,6 +210,24 @@ pub const SERVICE_CIDR: ViewOf = ViewOf {
         serde_json::to_value(ServiceCidrView {
             name: o.metadata.name.clone().unwrap_or_default(),
             cidrs,
+        })
+        .unwrap_or_default()
+    },
+    locate: |rest| (!rest.is_empty() && !rest.contains('/')).then(|| (None, rest.to_string())),
+    field_selector: |_| None,
+};
+
+pub const NAMESPACE: ViewOf = ViewOf {
+    key: |o| {
+        o.metadata
+            .name
+            .as_deref()
+            .map(|n| format!("{NAMESPACES}{n}"))
+    },
+    value: |o| {
+        serde_json::to_value(NamespaceView {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            annotations: string_map(&o.metadata.annotations),
         })
         .unwrap_or_default()
     },

@@ -47,6 +47,27 @@ pub(super) const REPAIR_EVERY: u32 = 10;
 /// A handle record as stored: its revision and what it says; `None` when there is none.
 type Stored = Option<(i64, HandleRecord)>;
 
+/// `pools` with those of family `v4` not in `only` disabled, when `only` names any pool of
+/// that family.
+fn restrict(
+    pools: Vec<crate::ipam::Pool>,
+    only: Option<&[IpNet]>,
+    v4: bool,
+) -> Vec<crate::ipam::Pool> {
+    let Some(only) = only.filter(|o| o.iter().any(|c| c.addr().is_ipv4() == v4)) else {
+        return pools;
+    };
+    pools
+        .into_iter()
+        .map(|mut p| {
+            if p.cidr.addr().is_ipv4() == v4 && !only.contains(&p.cidr) {
+                p.disabled = true;
+            }
+            p
+        })
+        .collect()
+}
+
 /// Whether two records say the same (addresses in any order).
 fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
     let sorted = |r: &HandleRecord| {
@@ -75,6 +96,23 @@ impl IpamService {
         v6: bool,
         requested: &[IpAddr],
         attributes: &BTreeMap<String, String>,
+    ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
+        self.allocate_from(handle, ifname, v4, v6, requested, attributes, None)
+            .await
+    }
+
+    /// [`IpamService::allocate`], a family's new address only from the pools in `only` when it
+    /// names any of that family (a pod's `calix.dev/ipv4pools` / `ipv6pools`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn allocate_from(
+        &self,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        v6: bool,
+        requested: &[IpAddr],
+        attributes: &BTreeMap<String, String>,
+        only: Option<&[IpNet]>,
     ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
         if handle.is_empty() || ifname.is_empty() || handle.contains('/') || ifname.contains('/') {
             return Err(AgentError::Invalid(
@@ -142,7 +180,7 @@ impl IpamService {
             }
             let requested = requested.iter().find(|a| a.is_ipv4() == fam).copied();
             match self
-                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes)
+                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes, only)
                 .await
             {
                 Ok((a, rev)) => {
@@ -194,6 +232,7 @@ impl IpamService {
 
     /// Allocates one address of a family (`requested`, or the allocator's choice) and commits
     /// its block alone. Returns it with the revision of the commit.
+    #[allow(clippy::too_many_arguments)]
     async fn allocate_family(
         &self,
         inner: &mut Inner,
@@ -202,6 +241,7 @@ impl IpamService {
         v4: bool,
         requested: Option<IpAddr>,
         attributes: &BTreeMap<String, String>,
+        only: Option<&[IpNet]>,
     ) -> Result<(Allocated, i64), AgentError> {
         let mut listed = false;
         let mut lost = false;
@@ -210,7 +250,7 @@ impl IpamService {
                 self.refresh_blocks(inner).await?;
                 listed = true;
             }
-            let pools = self.pools();
+            let pools = restrict(self.pools(), only, v4);
             if lost {
                 // A lost compare may be this very write, landed on a retried request (the
                 // store retried after a connection loss): the handle held nothing of this
