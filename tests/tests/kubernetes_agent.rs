@@ -548,6 +548,121 @@ fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_a
     }
 }
 
+/// `calixctl --kubeconfig <admin> <args>`, run where the API server listens (no agent, no
+/// socket).
+fn calixctl_on_cluster(api: &KubeApi, args: &[&str]) -> std::process::Output {
+    let ns = api.ns.as_ref().expect("the API server's namespace");
+    calix_testbed::run(
+        std::process::Command::new("ip")
+            .args(["netns", "exec", &ns.name])
+            .arg(calix_testbed::bin("calixctl"))
+            .arg("--kubeconfig")
+            .arg(api.kubeconfig())
+            .args(args),
+    )
+}
+
+#[test]
+fn calixctl_shows_checks_and_releases_from_a_kubeconfig_with_the_agent_down() {
+    let api = KubeApi::shared();
+    let token = agent_token(&api);
+    let u = unique("f");
+    let node = agent_node(&api, &token, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.14")],
+    );
+    api.apply(ippool(&u, "10.76.0.0/24", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.76.0.0/24"]);
+    let addrs: Vec<String> = (0..3)
+        .map(|i| allocate(&node, &format!("net:f{i}"), "f").expect("allocate"))
+        .map(|a| a.split('/').next().unwrap_or(&a).to_string())
+        .collect();
+    let by_socket = ipam_show(&node);
+    node.stop_agent();
+    // Show: the same report as through the agent, for this node and its pool.
+    let out = calixctl_on_cluster(&api, &["ipam", "show", "-o", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let show: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let of = |r: &Value, n: &str| -> Value {
+        r["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| x["node"] == n)
+            .cloned()
+            .unwrap_or(Value::Null)
+    };
+    assert_eq!(of(&show, &name), of(&by_socket, &name), "{show}");
+    assert_eq!(of(&show, &name)["used"], 3);
+    assert!(
+        show["pools"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|p| p["cidr"] == "10.76.0.0/24"),
+        "{show}"
+    );
+    let table = calixctl_on_cluster(&api, &["ipam", "show"]);
+    assert!(String::from_utf8_lossy(&table.stdout).contains(&name));
+    // Check: this node's allocations have no endpoint; exit 1.
+    let out = calixctl_on_cluster(&api, &["ipam", "check", "-o", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let check: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let mut leaks: Vec<String> = check["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["kind"] == "leak" && f["node"] == name.as_str())
+        .filter_map(|f| f["address"].as_str().map(String::from))
+        .collect();
+    leaks.sort();
+    let mut want = addrs.clone();
+    want.sort();
+    assert_eq!(leaks, want, "{check}");
+    // Release one: committed on its block, its handle record follows.
+    let out = calixctl_on_cluster(&api, &["ipam", "release", "--ip", &addrs[0], "-o", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(r["released"], json!([addrs[0]]), "{r}");
+    let again = calixctl_on_cluster(&api, &["ipam", "release", "--ip", &addrs[0], "-o", "json"]);
+    let r: Value = serde_json::from_slice(&again.stdout).expect("json");
+    assert_eq!(r["unchanged"], json!([addrs[0]]), "{r}");
+    // The handle record followed (no orphan), and the agent, back, agrees: two left.
+    let out = calixctl_on_cluster(&api, &["ipam", "check", "-o", "json"]);
+    let check: Value = serde_json::from_slice(&out.stdout).expect("json");
+    let mine: Vec<&Value> = check["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["node"] == name.as_str())
+        .collect();
+    assert_eq!(mine.len(), 2, "{check}");
+    assert!(mine.iter().all(|f| f["kind"] == "leak"), "{check}");
+    node.start_agent();
+    assert_eq!(used(&node), 2);
+    for a in &addrs[1..] {
+        assert!(calixctl_on_cluster(&api, &["ipam", "release", "--ip", a])
+            .status
+            .success());
+    }
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
 #[test]
 fn the_node_and_pod_watches_carry_on_after_the_api_server_restarts() {
     let api = Arc::new(KubeApi::in_namespace());

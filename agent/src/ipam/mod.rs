@@ -1,5 +1,6 @@
 //! IP address management: pools carved into per-node blocks, allocation by handle. The pure
 //! allocator decides; the service commits its decisions to the datastore.
+pub mod admin;
 pub mod allocator;
 pub mod service;
 

@@ -6,7 +6,7 @@
 mod affinity;
 mod alloc;
 mod housekeeping;
-mod report;
+pub mod report;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
