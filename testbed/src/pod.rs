@@ -84,9 +84,47 @@ impl<'a> Pod<'a> {
         Ok(pod)
     }
 
+    /// ADDs a sandbox of the Kubernetes pod `namespace/name` with UID `uid` (as a kubelet
+    /// does: every K8S_POD_* argument); panics if ADD fails.
+    pub fn add_k8s(node: &'a Node, namespace: &str, name: &str, uid: &str, extra: Value) -> Self {
+        let pod = Self::try_add_k8s(node, namespace, name, uid, extra);
+        assert!(
+            pod.result.success,
+            "ADD of {namespace}/{name} failed: {}\n{}\nagent log:\n{}",
+            pod.result.stdout,
+            pod.result.stderr,
+            node.agent_log()
+        );
+        pod
+    }
+
+    /// [`Pod::add_k8s`]; the result may be a failure.
+    pub fn try_add_k8s(
+        node: &'a Node,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        extra: Value,
+    ) -> Self {
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID={uid}"
+        );
+        Self::try_add_with_args(node, Netns::new("p"), args, "eth0", extra)
+    }
+
     fn try_add_in(node: &'a Node, ns: Netns, pod_name: &str, ifname: &str, extra: Value) -> Self {
-        let container_id = format!("{}{}", ns.name, "0123456789abcdef");
         let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod_name}");
+        Self::try_add_with_args(node, ns, cni_args, ifname, extra)
+    }
+
+    fn try_add_with_args(
+        node: &'a Node,
+        ns: Netns,
+        cni_args: String,
+        ifname: &str,
+        extra: Value,
+    ) -> Self {
+        let container_id = format!("{}{}", ns.name, "0123456789abcdef");
         let mut pod = Self {
             ns,
             node,

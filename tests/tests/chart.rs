@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use calix_agent::config::{AgentConfig, ConfigError, DataplaneMode, PoolConfig, Topology};
+use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig, Topology};
 use calix_testbed::chart_tools;
 use serde_json::{json, Value};
 
@@ -470,8 +470,7 @@ fn one<'a>(r: &'a CaseResult, kind: &str, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no {kind} {name}"))
 }
 
-/// A rendered case must lint clean, render, and validate; calix's kinds against the CRDs
-/// (until branch h-k8sds brings charts/calix/crds, they are checked as the agent's pools only).
+/// A rendered case must lint clean, render, and validate; calix's kinds against the CRDs.
 fn assert_valid(name: &str) -> &'static CaseResult {
     let r = case(name);
     let noisy: Vec<&Value> = r.lint.iter().filter(|m| m["severity"] != "info").collect();
@@ -479,19 +478,7 @@ fn assert_valid(name: &str) -> &'static CaseResult {
     assert_eq!(r.schema_error, None, "{name}");
     assert_eq!(r.render_error, None, "{name}");
     assert!(r.problems.is_empty(), "{name}: {:#?}", r.problems);
-    let crds = chart_tools::workspace_root()
-        .join(chart_tools::CHART)
-        .join("crds");
-    if crds.is_dir() {
-        assert!(r.unchecked.is_empty(), "{name}: {:#?}", r.unchecked);
-    } else {
-        eprintln!(
-            "NOTE {name}: {} has no CRDs yet (they come with the kubernetes datastore): {:?} \
-             checked as the agent's pools only",
-            crds.display(),
-            r.unchecked
-        );
-    }
+    assert!(r.unchecked.is_empty(), "{name}: {:#?}", r.unchecked);
     assert!(
         r.objects.len() >= 6,
         "{name}: only {} objects",
@@ -515,19 +502,8 @@ fn agent_config(r: &CaseResult, file: &str) -> AgentConfig {
         "node_name must come from the pod, not the file"
     );
     c.node_name = "node-a".into();
-    match c.validate() {
-        Ok(()) => {}
-        // This build may not know the kubernetes datastore yet (branch h-k8sds adds it):
-        // then everything else is validated, and the kind is all that is left unchecked.
-        Err(ConfigError::DatastoreKind { kind }) if kind == "kubernetes" => {
-            eprintln!("NOTE: this agent build knows no kubernetes datastore; the rest of {file} is validated");
-            let mut rest = c.clone();
-            rest.datastore.kind = "embedded".into();
-            rest.validate()
-                .unwrap_or_else(|e| panic!("{file} refused by the agent: {e}\n{text}"));
-        }
-        Err(e) => panic!("{file} refused by the agent: {e}\n{text}"),
-    }
+    c.validate()
+        .unwrap_or_else(|e| panic!("{file} refused by the agent: {e}\n{text}"));
     c
 }
 
@@ -755,10 +731,19 @@ fn the_cluster_role_is_least_privilege() {
         v.sort();
         assert_eq!(v, ["get", "list", "watch"], "{resource}");
     }
-    let events = grants("", "events");
-    assert!(events.contains(&"create".to_string()) && events.contains(&"patch".to_string()));
+    assert_eq!(grants("", "events"), ["create"]);
+    assert_eq!(grants("", "namespaces"), ["get"]);
+    let mut cidrs = grants("networking.k8s.io", "servicecidrs");
+    cidrs.sort();
+    assert_eq!(cidrs, ["get", "list", "watch"]);
     assert!(!grants("", "pods").contains(&"delete".to_string()));
-    for kind in ["ipamblocks", "ipamhandles", "calixnodes", "calixendpoints"] {
+    for kind in [
+        "ipamblocks",
+        "ipamhandles",
+        "blockaffinities",
+        "calixnodes",
+        "calixendpoints",
+    ] {
         let v = grants("calix.dev", kind);
         for verb in ["get", "list", "watch", "create", "update", "delete"] {
             assert!(v.iter().any(|x| x == verb), "{kind}: {verb} missing");

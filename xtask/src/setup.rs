@@ -9,7 +9,8 @@ use std::{env, path::PathBuf, process::Command};
 use anyhow::{bail, Context, Result};
 
 /// Debian packages: LLVM for bpf-linker, the network tools the tests and benchmarks drive, the
-/// CNI reference plugins (loopback) and etcd for the datastore tests. No `protoc`: the protos
+/// CNI reference plugins (loopback) and etcd for the datastore tests (and under the shared
+/// kube-apiserver). No `protoc`: the protos
 /// are compiled by protox, in Rust, so building xtask itself needs nothing from this list.
 const APT_PACKAGES: &[&str] = &[
     "llvm-22-dev",
@@ -36,6 +37,10 @@ const APT_PACKAGES: &[&str] = &[
     // needs musl's compiler wrapper).
     "python3-venv",
     "musl-tools",
+    // The Kubernetes datastore's tests: the shared kube-apiserver is xz-compressed; its
+    // service-account key is made with openssl.
+    "xz-utils",
+    "openssl",
 ];
 
 /// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new

@@ -74,7 +74,7 @@ impl Default for Policy {
 }
 
 /// One allocated address.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Allocation {
     pub handle: String,
     pub ifname: String,
@@ -88,11 +88,14 @@ pub struct Allocation {
 }
 
 /// A block of a pool, affine to one node. `allocations` is keyed by offset in the block.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Block {
+    #[schemars(with = "String")]
     pub cidr: IpNet,
     /// The node that claimed it; empty once released to its pool.
     pub affinity: String,
+    /// (The schema says string keys: JSON object keys are strings, offsets as text.)
+    #[schemars(with = "BTreeMap<String, Allocation>")]
     pub allocations: BTreeMap<u32, Allocation>,
     pub next_seq: u64,
     /// Datastore revision this copy was read at; 0 for a block not yet stored.
@@ -120,15 +123,28 @@ pub struct Retired {
 /// What a handle holds: an index of the blocks' allocations by (handle, ifname), written after
 /// the block's commit (best effort) and repaired from the blocks. Never the truth: every read by
 /// handle checks it against the blocks.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct HandleRecord {
     pub node: String,
     pub addresses: Vec<Held>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A block's affinity to a node (Calico's BlockAffinity), one record per (node, block) at
+/// `ipam/affinities/<node>/<block>`: a node's blocks are listed without reading every block.
+/// Like [`HandleRecord`] an index that follows the blocks (written after the block's commit,
+/// repaired from them); the block's own `affinity` is the truth.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct AffinityRecord {
+    pub node: String,
+    #[schemars(with = "String")]
+    pub cidr: IpNet,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Held {
+    #[schemars(with = "String")]
     pub addr: IpAddr,
+    #[schemars(with = "String")]
     pub pool: IpNet,
     pub seq: u64,
 }
