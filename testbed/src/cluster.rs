@@ -119,6 +119,16 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// Sets every agent's config to `config(i, &cluster)` (TOML), for configs that can fail to
+    /// build (e.g. with [`Cluster::routes_config`]).
+    pub fn configure(&mut self, config: impl Fn(usize, &Cluster) -> Result<String>) -> Result<()> {
+        for i in 0..self.nodes.len() {
+            let text = config(i, self)?;
+            self.nodes[i].agent_mut().spec.config = Some(text);
+        }
+        Ok(())
+    }
+
     /// Starts every agent, in order, each until it answers. Panics on failure.
     pub fn start(&self) {
         self.try_start().unwrap_or_else(|e| panic!("{e}"));

@@ -99,6 +99,11 @@ pub struct ProcessUsage {
     pub rss_kib: u64,
     /// Resident set at its peak since the process started (KiB, `VmHWM`).
     pub peak_rss_kib: u64,
+    /// The resident set now, split: anonymous memory (the heap, stacks) and file pages (the
+    /// executable's code and data as mapped; shared with other processes running it, and
+    /// reclaimable) (KiB, `RssAnon`, `RssFile`).
+    pub rss_anon_kib: u64,
+    pub rss_file_kib: u64,
     /// User + system time of all its threads (s, utime + stime of /proc/<pid>/stat).
     pub cpu_secs: f64,
 }
@@ -128,6 +133,8 @@ impl ProcessUsage {
         Some(Self {
             rss_kib: kib("VmRSS:")?,
             peak_rss_kib: kib("VmHWM:")?,
+            rss_anon_kib: kib("RssAnon:")?,
+            rss_file_kib: kib("RssFile:")?,
             cpu_secs: (ticks(14)? + ticks(15)?) / hz,
         })
     }
@@ -157,10 +164,12 @@ mod tests {
 
     #[test]
     fn process_usage_reads_status_and_stat() {
-        let status = "Name:\tcalix-agent\nVmHWM:\t   30720 kB\nVmRSS:\t   20480 kB\n";
+        let status = "Name:\tcalix-agent\nVmHWM:\t   30720 kB\nVmRSS:\t   20480 kB\n\
+                      RssAnon:\t   12288 kB\nRssFile:\t    8192 kB\nRssShmem:\t       0 kB\n";
         let stat = "42 (calix (agent)) S 1 42 42 0 -1 4194560 100 0 0 0 150 50 0 0 20 0 4 0";
         let u = ProcessUsage::parse(status, stat, 100.0).expect("usage");
         assert_eq!((u.rss_kib, u.peak_rss_kib), (20480, 30720));
+        assert_eq!((u.rss_anon_kib, u.rss_file_kib), (12288, 8192));
         assert!((u.cpu_secs - 2.0).abs() < 1e-9, "{u:?}");
         assert_eq!(ProcessUsage::parse("", stat, 100.0), None);
         let me = ProcessUsage::read(std::process::id()).expect("this process");

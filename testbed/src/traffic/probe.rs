@@ -118,7 +118,14 @@ impl Pinger {
 fn unreachable(errno: Option<i32>) -> bool {
     matches!(
         errno,
-        Some(libc::ENETUNREACH | libc::EHOSTUNREACH | libc::EINVAL | libc::EAGAIN | libc::ENOBUFS)
+        Some(
+            libc::ENETUNREACH
+                | libc::EHOSTUNREACH
+                | libc::ECONNREFUSED
+                | libc::EINVAL
+                | libc::EAGAIN
+                | libc::ENOBUFS
+        )
     )
 }
 

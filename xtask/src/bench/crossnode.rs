@@ -137,19 +137,20 @@ struct Topology {
 }
 
 fn calix_cluster(b: &Bench, ca: &Ca, tag: &str, dataplane: Dataplane) -> Result<Cluster> {
-    let c = Cluster::launch_with(
+    let mut c = Cluster::launch_with(
         || b.name(&format!("{tag}-u")),
         |i| b.name(&format!("{tag}-n{i}")),
         b.spec(dataplane),
         &SUBNETS,
-        |i, c| {
-            format!(
-                "{}{POOLS}{}",
-                c.base_config(i),
-                c.routes_config(i, ca, "").unwrap_or_default()
-            )
-        },
+        |_, _| String::new(),
     )?;
+    c.configure(|i, c| {
+        Ok(format!(
+            "{}{POOLS}{}",
+            c.base_config(i),
+            c.routes_config(i, ca, "")?
+        ))
+    })?;
     c.try_start()?;
     Ok(c)
 }
@@ -325,43 +326,104 @@ fn build(b: &Bench, ca: &Ca, tools: &Tools) -> Result<(Beds, Vec<Topology>)> {
     Ok((beds, topo))
 }
 
-/// What an untimed TCP_CRR run showed of a variant's path.
+/// One BPF program (one id: one node's, on every device it is attached to) that ran.
+struct Prog {
+    /// 0: the client's node, 1: the server's.
+    node: usize,
+    name: String,
+    /// `dev/hook` of each attachment.
+    at: Vec<String>,
+    runs: u64,
+    ns: u64,
+}
+
+/// What the untimed runs showed of a variant's path.
 #[derive(Default)]
 struct PathRun {
-    /// Connections made.
+    /// Connections made in the TCP_CRR run.
     conns: f64,
     /// IpForwDatagrams per connection on the client's and the server's node.
     fwd: [f64; 2],
-    /// Per program that ran: (node: 0 client, 1 server; the program; runs, run time ns).
-    progs: Vec<(usize, Attached, u64, u64)>,
+    /// The eBPF variants' programs that ran during TCP_CRR.
+    progs: Vec<Prog>,
+    /// The eBPF variants' programs' run time per round trip of a TCP_RR run (ns).
+    rr_bpf_ns: f64,
+    /// The bench CPU's time by symbol during TCP_CRR (%, symbol).
+    profile: Vec<(f64, String)>,
 }
 
-fn path(tools: &Tools, t: &Topology, v: Variant) -> Result<PathRun> {
+impl PathRun {
+    /// BPF run time per connection (ns).
+    fn bpf_per_conn(&self) -> f64 {
+        self.progs.iter().map(|p| p.ns as f64).sum::<f64>() / self.conns.max(1.0)
+    }
+}
+
+/// The untimed runs of variant `v`: TCP_CRR with both nodes' forwarding counted and (eBPF
+/// variants) the BPF statistics on; for the eBPF variants TCP_RR with the statistics on; then
+/// TCP_CRR again with `perf` sampling the bench CPU.
+fn path(b: &Bench, tools: &Tools, t: &Topology, v: Variant) -> Result<PathRun> {
     let fwd = |n: &Netns| nstat(n, "IpForwDatagrams");
     let before = [fwd(&t.nodes[0])?, fwd(&t.nodes[1])?];
-    let mut progs: Vec<(usize, Attached)> = Vec::new();
+    let mut attachments: Vec<(usize, Attached)> = Vec::new();
     if v.ebpf() {
         for (k, n) in t.nodes.iter().enumerate() {
-            progs.extend(attached(n)?.into_iter().map(|a| (k, a)));
+            attachments.extend(attached(n)?.into_iter().map(|a| (k, a)));
         }
     }
-    let ids: Vec<u64> = progs.iter().map(|(_, a)| a.id).collect();
+    // One program id per (node, program): attached to several devices, it counts once.
+    let mut progs: Vec<Prog> = Vec::new();
+    let mut ids: Vec<u64> = Vec::new();
+    for (k, a) in attachments {
+        let at = format!("{}/{}", a.dev, a.hook);
+        match ids.iter().position(|&id| id == a.id) {
+            Some(i) => progs[i].at.push(at),
+            None => {
+                ids.push(a.id);
+                progs.push(Prog {
+                    node: k,
+                    name: a.name,
+                    at: vec![at],
+                    runs: 0,
+                    ns: 0,
+                });
+            }
+        }
+    }
     let mut conns = 0.0;
     let stats = run_time_by_id(&ids, || {
         conns = tools.netperf(&t.traffic, Mode::Crr, PATH_SECS)?.count;
         Ok::<_, anyhow::Error>(())
     })?;
     let after = [fwd(&t.nodes[0])?, fwd(&t.nodes[1])?];
-    let per = |k: usize| (after[k] - before[k]) / conns.max(1.0);
+    for (p, (ns, runs)) in progs.iter_mut().zip(stats) {
+        (p.ns, p.runs) = (ns, runs);
+    }
+    progs.retain(|p| p.runs > 0);
+    let mut rr_bpf_ns = f64::NAN;
+    if v.ebpf() {
+        let mut trips = 0.0;
+        let rr = run_time_by_id(&ids, || {
+            trips = tools.netperf(&t.traffic, Mode::Rr, PATH_SECS)?.count;
+            Ok::<_, anyhow::Error>(())
+        })?;
+        rr_bpf_ns = rr.iter().map(|x| x.0 as f64).sum::<f64>() / f64::max(trips, 1.0);
+    }
+    // Profiled apart: the BPF statistics' clock reads would show in the profile.
+    let softirqd = format!("ksoftirqd/{}", b.cpu);
+    let data = b.dir.join(format!("{}.perf.data", v.tag()));
+    let profile = super::profile::profile(b.cpu, &["xtask", &softirqd], &data, || {
+        tools.netperf(&t.traffic, Mode::Crr, PATH_SECS)?;
+        Ok(())
+    });
+    let _ = std::fs::remove_file(&data);
+    let per = |k: usize| (after[k] - before[k]) / f64::max(conns, 1.0);
     Ok(PathRun {
         conns,
         fwd: [per(0), per(1)],
-        progs: progs
-            .into_iter()
-            .zip(stats)
-            .filter(|(_, (_, runs))| *runs > 0)
-            .map(|((k, a), (ns, runs))| (k, a, runs, ns))
-            .collect(),
+        progs,
+        rr_bpf_ns,
+        profile: profile?,
     })
 }
 
@@ -381,7 +443,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let mut paths = Vec::new();
     for (v, t) in VARIANTS.iter().zip(&topo) {
         check_interrupted()?;
-        let p = path(&tools, t, *v).with_context(|| format!("{}: the path", v.label()))?;
+        let p = path(&b, &tools, t, *v).with_context(|| format!("{}: the path", v.label()))?;
         println!(
             "[setup] {}: path over {:.0} connections: IpForwDatagrams per connection {:.2} \
              (client node) {:.2} (server node){}",
@@ -393,8 +455,9 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
                 String::new()
             } else {
                 format!(
-                    ", BPF {:.0} ns per connection",
-                    p.progs.iter().map(|x| x.3 as f64).sum::<f64>() / p.conns.max(1.0)
+                    ", BPF {:.0} ns per connection, {:.0} ns per TCP_RR round trip",
+                    p.bpf_per_conn(),
+                    p.rr_bpf_ns
                 )
             }
         );
@@ -609,16 +672,23 @@ impl Report {
         s
     }
 
-    /// The paths: forwarding per connection and the BPF programs' run time.
+    fn path(&self, v: Variant) -> &PathRun {
+        &self.paths[v as usize]
+    }
+
+    /// The paths: forwarding per connection, the BPF programs' run time, the CPU's profile,
+    /// and what the missed targets would take.
     fn where_time_goes(&self) -> String {
         let mut s = format!(
             "\n## Where the time goes\n\nAn untimed {PATH_SECS} s TCP_CRR run per variant before \
-             the measurements. IpForwDatagrams per connection (`nstat`, both nodes; a TCP_CRR \
-             connection is about 5 packets each way, so ~10 per node means the node's IP stack \
-             forwarded every packet):\n\n\
+             the measurements (then, for the eBPF variants, an untimed TCP_RR run). \
+             IpForwDatagrams per connection (`nstat`, both nodes; a TCP_CRR connection is \
+             about 5 packets each way, so ~10 per node means the node's IP stack forwarded \
+             every packet):\n\n\
              | variant | connections | client node | server node |\n|---|---|---|---|\n"
         );
-        for (v, p) in VARIANTS.iter().zip(&self.paths) {
+        for v in VARIANTS {
+            let p = self.path(v);
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
                 v.label(),
@@ -628,42 +698,125 @@ impl Report {
             ));
         }
         s.push_str(
-            "\nThe eBPF variants' programs in the same run (kernel BPF statistics, per program \
-             id, both nodes; every program that ran): runs and run time per connection.\n\n\
-             | variant | node | device | hook | program | runs per connection | ns per run | ns \
-             per connection |\n|---|---|---|---|---|---|---|---|\n",
+            "\nThe eBPF variants' programs during the TCP_CRR run (kernel BPF statistics, \
+             `kernel.bpf_stats_enabled`, per program id: each node's agent loads its own \
+             programs, and one program attached to several devices counts once, over all of \
+             them; every program that ran; run times include the statistics' own two clock \
+             reads per run):\n\n\
+             | variant | node | program | attached to | runs per connection | ns per run | ns \
+             per connection |\n|---|---|---|---|---|---|---|\n",
         );
-        for (v, p) in VARIANTS.iter().zip(&self.paths).filter(|(v, _)| v.ebpf()) {
+        for v in VARIANTS.into_iter().filter(|v| v.ebpf()) {
+            let p = self.path(v);
             let conns = p.conns.max(1.0);
-            let mut total = 0.0;
-            for (k, a, runs, ns) in &p.progs {
-                let dev = if a.dev.starts_with("cali") {
-                    "cali… (pod's host veth)"
-                } else {
-                    &a.dev
-                };
-                total += *ns as f64 / conns;
+            for x in &p.progs {
+                let at: Vec<String> = x
+                    .at
+                    .iter()
+                    .map(|a| match a.strip_prefix("cali") {
+                        Some(rest) => format!("cali…/{}", rest.rsplit('/').next().unwrap_or("")),
+                        None => a.clone(),
+                    })
+                    .collect();
+                let mut at = at;
+                at.dedup();
                 s.push_str(&format!(
-                    "| {} | {} | {dev} | {} | `{}` | {} | {} | {} |\n",
+                    "| {} | {} | `{}` | {} | {} | {} | {} |\n",
                     v.label(),
-                    if *k == 0 { "client's" } else { "server's" },
-                    a.hook,
-                    a.name,
-                    fmt_1(*runs as f64 / conns),
-                    fmt_0(*ns as f64 / *runs as f64),
-                    fmt_0(*ns as f64 / conns),
+                    if x.node == 0 { "client's" } else { "server's" },
+                    x.name,
+                    at.join(", "),
+                    fmt_1(x.runs as f64 / conns),
+                    fmt_0(x.ns as f64 / x.runs as f64),
+                    fmt_0(x.ns as f64 / conns),
                 ));
             }
-            let conn_us = 1e6 / median(&self.get(*v).crr);
+            let conn_us = 1e6 / median(&self.get(v).crr);
             s.push_str(&format!(
-                "| {} | | | | **all programs** | | | **{} ns of a connection's {} µs ({:.0} %)** |\n",
+                "| {} | both | **all** | | | | **{} ns of a connection's {} µs ({:.0} %); {} ns \
+                 per TCP_RR round trip** |\n",
                 v.label(),
-                fmt_0(total),
+                fmt_0(p.bpf_per_conn()),
                 fmt_1(conn_us),
-                100.0 * total / 1e3 / conn_us
+                100.0 * p.bpf_per_conn() / 1e3 / conn_us,
+                fmt_0(p.rr_bpf_ns),
             ));
         }
+        s.push_str(&self.what_would_reach());
+        s.push_str(&format!(
+            "\n<details><summary>The bench CPU's time by symbol during a third untimed TCP_CRR \
+             run (`perf record -e cpu-clock` on CPU {}, the BPF statistics off; samples of the \
+             bench's processes and the CPU's softirq thread; the 20 largest symbols of at least \
+             0.5 %)</summary>\n\n",
+            self.cpu
+        ));
+        for v in VARIANTS {
+            s.push_str(&format!("**{}**:", v.label()));
+            let top: Vec<String> = self
+                .path(v)
+                .profile
+                .iter()
+                .take(20)
+                .map(|(share, sym)| format!(" {share:.1} % `{sym}`"))
+                .collect();
+            s.push_str(&top.join(","));
+            s.push_str("\n\n");
+        }
+        s.push_str("</details>\n");
         s
+    }
+
+    /// For each missed target, what the BPF programs' time would have to come down to, all
+    /// else equal.
+    fn what_would_reach(&self) -> String {
+        let conn_us = |v: Variant| 1e6 / median(&self.get(v).crr);
+        let rr_us = |v: Variant| median(&self.get(v).rr_p50);
+        let mut lines = Vec::new();
+        let mut need = |what: &str, now_us: f64, goal_us: f64, bpf_ns: f64, per: &str| {
+            let cut = (now_us - goal_us) * 1e3;
+            if cut > 0.0 {
+                lines.push(format!(
+                    "- {what}: {} µs {per} now, {} µs needed: {} ns less, i.e. the programs at \
+                     {} ns instead of {} ns {per} ({:.0} % less), everything else equal.",
+                    fmt_2(now_us),
+                    fmt_2(goal_us),
+                    fmt_0(cut),
+                    fmt_0(bpf_ns - cut),
+                    fmt_0(bpf_ns),
+                    100.0 * cut / bpf_ns
+                ));
+            }
+        };
+        let e = self.path(Variant::Ebpf);
+        need(
+            "eBPF ≥ 1.10× kernel conn/s",
+            conn_us(Variant::Ebpf),
+            conn_us(Variant::Kernel) / 1.10,
+            e.bpf_per_conn(),
+            "per connection",
+        );
+        need(
+            "eBPF TCP_RR p50 ≤ 0.9× kernel's",
+            rr_us(Variant::Ebpf),
+            0.9 * rr_us(Variant::Kernel),
+            e.rr_bpf_ns,
+            "per round trip",
+        );
+        need(
+            "calix VXLAN ≥ 1.0× plain VXLAN conn/s",
+            conn_us(Variant::EbpfVxlan),
+            conn_us(Variant::PlainVxlan),
+            self.path(Variant::EbpfVxlan).bpf_per_conn(),
+            "per connection",
+        );
+        if lines.is_empty() {
+            return String::new();
+        }
+        format!(
+            "\nWhat the missed targets would take, from the medians above (a connection's time \
+             is 1 / conn/s on the one CPU that runs the whole path):\n\n{}\n",
+            lines.join("\n")
+        )
     }
 }
 

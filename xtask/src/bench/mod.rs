@@ -11,6 +11,7 @@ mod crossnode;
 mod dataplane;
 mod harness;
 mod ipam;
+mod profile;
 mod report;
 mod routes;
 mod routewatch;

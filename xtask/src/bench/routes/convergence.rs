@@ -75,6 +75,8 @@ pub struct Seen {
     /// When the route to the pod appeared in its kernel (negative: before the ADD returned;
     /// NaN: never seen).
     pub route: Vec<f64>,
+    /// The same, in ms after the ADD started.
+    pub route_from_start: Vec<f64>,
     /// The first reply (infinite: none within [`PROBE_LIMIT`]).
     pub reply: Vec<f64>,
 }
@@ -116,20 +118,21 @@ fn ms_since(t0: Instant, t: Instant) -> f64 {
 /// first pod on A.
 fn bed(b: &Bench, ca: &Ca, v: Variant) -> Result<Bed> {
     let tag = v.tag();
-    let cluster = Cluster::launch_with(
+    let mut cluster = Cluster::launch_with(
         || b.name(&format!("{tag}-u")),
         |i| b.name(&format!("{tag}-n{i}")),
         b.spec(Dataplane::Ebpf),
         &SUBNETS,
-        |i, c| {
-            format!(
-                "{}{}{}",
-                c.base_config(i),
-                v.pools(),
-                c.routes_config(i, ca, "").unwrap_or_default()
-            )
-        },
+        |_, _| String::new(),
     )?;
+    cluster.configure(|i, c| {
+        Ok(format!(
+            "{}{}{}",
+            c.base_config(i),
+            v.pools(),
+            c.routes_config(i, ca, "")?
+        ))
+    })?;
     cluster.try_start()?;
     let conf = json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } });
     let plugins: Vec<Plugin> = cluster
@@ -209,6 +212,9 @@ impl Bed {
         for (o, who) in ["B", "C"].iter().enumerate() {
             // The reply came through the route, or none came: either way no more waiting.
             let route = self.watches[o].appeared(dst, Duration::from_millis(10))?;
+            s.seen[o]
+                .route_from_start
+                .push(route.map_or(f64::NAN, |at| ms_since(t, at)));
             let route = route.map_or(f64::NAN, |at| ms_since(added, at));
             let reply = got[o].map_or(f64::INFINITY, |at| ms_since(added, at));
             s.seen[o].route.push(route);
@@ -249,12 +255,11 @@ pub fn run(b: &Bench, ca: &Ca, pods: usize) -> Result<[Samples; 2]> {
         }
     }
     for bed in &beds {
-        let c = &bed.cluster;
-        let n = bed.pods.len();
         println!(
-            "[done] convergence, {}: {n} pods on {}, {} routes to nodes on C",
+            "[done] convergence, {}: {} pods on {}, {} routes seen appearing on C",
             bed.v.label(),
-            c.name(0),
+            bed.pods.len(),
+            bed.cluster.name(0),
             bed.watches[1].count()
         );
     }

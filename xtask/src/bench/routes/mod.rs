@@ -158,8 +158,10 @@ impl Report {
              runtime does and timed fork-to-exit; from the moment it returns, a probe pod on B \
              and one on C ping the new address every {} ms (raw ICMP sockets, one thread) until \
              the first reply, at most {} ms; a netlink listener in B's and C's namespaces \
-             stamps when the route to the new address appears in their kernels (negative: \
-             before the ADD returned — the block is claimed and advertised during the ADD). \
+             stamps when the route to the new address appears in their kernels, in ms after \
+             the ADD started and after it returned (negative: before — the address is \
+             allocated, and its block claimed and advertised, early in the ADD, while the \
+             plugin goes on wiring the pod). \
              The **floor**: in the same round, a pod on A that has long been reachable, \
              probed from C the same way — what probing itself takes. All times in ms after \
              the ADD returned, percentiles over every pod.\n\n",
@@ -168,17 +170,19 @@ impl Report {
             PROBE_LIMIT.as_millis(),
         ));
         s.push_str(
-            "| variant | seen from | ADD (fork-to-exit) p50 | route in the kernel p50 / p99 | \
-             first reply p50 | first reply p99 | first reply max |\n|---|---|---|---|---|---|---|\n",
+            "| variant | seen from | ADD (fork-to-exit) p50 | route in the kernel after the ADD \
+             started, p50 / p99 | route after the ADD returned, p50 / p99 | first reply p50 | \
+             first reply p99 | first reply max |\n|---|---|---|---|---|---|---|---|\n",
         );
         for v in VARIANTS {
             let c = &self.conv[v as usize];
             for (o, who) in OBSERVERS.iter().enumerate() {
                 let seen = &c.seen[o];
                 s.push_str(&format!(
-                    "| {} | {who} | {} | {} | {} | {} | {} |\n",
+                    "| {} | {who} | {} | {} | {} | {} | {} | {} |\n",
                     v.label(),
                     fmt_ms(percentile(&c.add, 50.0)),
+                    routes_cell(&seen.route_from_start),
                     routes_cell(&seen.route),
                     p(&seen.reply, 50.0),
                     p(&seen.reply, 99.0),
@@ -186,7 +190,7 @@ impl Report {
                 ));
             }
             s.push_str(&format!(
-                "| {} | floor: C → a pod long reachable | | | {} | {} | {} |\n",
+                "| {} | floor: C → a pod long reachable | | | | {} | {} | {} |\n",
                 v.label(),
                 p(&c.floor, 50.0),
                 p(&c.floor, 99.0),
@@ -206,7 +210,10 @@ impl Report {
              by hand, started again on a datastore that has it all; the clock runs from its \
              spawn. Agent CPU: utime + stime of every thread over the clock's run (from its \
              start for a restart). Peak RSS: `VmHWM` of the agent's process, a second after the \
-             last route; RSS after: `VmRSS` then. Median [min–max] over {} repetitions \
+             last route; RSS after: `VmRSS` then, split into anonymous memory (heap, stacks) \
+             and file pages (`RssAnon` + `RssFile`: the executable's pages as mapped, shared \
+             and reclaimable); RSS before (peers joining): idle a second after the agent's \
+             start, then once it had read the blocks. Median [min–max] over {} repetitions \
              (topologies alternating); the kernel routes are `ip route show proto 202` lines \
              at the end.\n\n",
             PEERS * BLOCKS,
@@ -214,8 +221,9 @@ impl Report {
             self.reps,
         ));
         s.push_str(
-            "| topology | phase | all routes in the kernel | agent CPU | peak RSS | RSS after | \
-             kernel routes |\n|---|---|---|---|---|---|---|\n",
+            "| topology | phase | all routes in the kernel | agent CPU | RSS before: idle, with \
+             the blocks | peak RSS | RSS after | of which anonymous + file | kernel routes \
+             |\n|---|---|---|---|---|---|---|---|---|\n",
         );
         for topo in TOPOLOGIES {
             for ph in PHASES {

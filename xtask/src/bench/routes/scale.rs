@@ -98,9 +98,16 @@ pub struct Samples {
     pub secs: Vec<f64>,
     /// The agent's CPU time over that (s).
     pub cpu: Vec<f64>,
-    /// Its peak resident memory, and a second after the last route (MiB).
+    /// Its peak resident memory, and a second after the last route: all, anonymous, file
+    /// pages (MiB).
     pub peak_mib: Vec<f64>,
     pub rss_mib: Vec<f64>,
+    pub anon_mib: Vec<f64>,
+    pub file_mib: Vec<f64>,
+    /// Peers joining: its resident memory before, idle (a second after its start) and once it
+    /// had read the 10,000 blocks (MiB).
+    pub idle_mib: Vec<f64>,
+    pub blocks_mib: Vec<f64>,
     /// `ip route show proto 202` lines at the end.
     pub kernel_routes: Vec<f64>,
 }
@@ -251,39 +258,45 @@ fn finish(
     s.cpu.push(cpu);
     s.peak_mib.push(mib(after.peak_rss_kib));
     s.rss_mib.push(mib(after.rss_kib));
+    s.anon_mib.push(mib(after.rss_anon_kib));
+    s.file_mib.push(mib(after.rss_file_kib));
     s.kernel_routes.push(routes as f64);
     if routes != ROUTES {
         bail!("{routes} routes of protocol 202 in the kernel, expected {ROUTES}");
     }
     Ok(format!(
         "{ROUTES} routes in the kernel after {:.0} ms, agent CPU {cpu:.2} s, peak RSS {:.1} MiB, \
-         RSS {:.1} MiB",
+         RSS {:.1} MiB ({:.1} anonymous, {:.1} file)",
         secs * 1e3,
         mib(after.peak_rss_kib),
-        mib(after.rss_kib)
+        mib(after.rss_kib),
+        mib(after.rss_anon_kib),
+        mib(after.rss_file_kib),
     ))
 }
 
 /// One repetition of topology `t`: both phases on a fresh cluster.
 fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<()> {
     let tag = format!("{}{rep}", t.tag());
-    let c = Cluster::launch_with(
+    let mut c = Cluster::launch_with(
         || b.name(&format!("{tag}-u")),
         |i| b.name(&format!("{tag}-n{i}")),
         b.spec(Dataplane::Ebpf),
         &[1, 1],
-        |i, c| {
-            format!(
-                "{}[[pools]]\ncidr = \"{POOL}\"\n{}",
-                c.base_config(i),
-                c.routes_config(i, ca, &format!("topology = \"{}\"", t.config()))
-                    .unwrap_or_default()
-            )
-        },
+        |_, _| String::new(),
     )?;
+    c.configure(|i, c| {
+        let topology = format!("topology = \"{}\"", t.config());
+        Ok(format!(
+            "{}[[pools]]\ncidr = \"{POOL}\"\n{}",
+            c.base_config(i),
+            c.routes_config(i, ca, &topology)?
+        ))
+    })?;
     let agent = c.nodes[0].agent();
     agent.start(&[])?;
     std::thread::sleep(Duration::from_secs(1));
+    let idle = usage(agent.pid())?;
     let watch = RouteWatch::start(&c.nodes[0].ns)?;
     let mut sim = Simulator::start(
         b,
@@ -297,7 +310,11 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
         .push(sim.expect("ready", Duration::from_secs(300))?);
     // Until the agent has read the blocks (its datastore watch) and is idle again.
     std::thread::sleep(Duration::from_secs(2));
-    let cpu0 = usage(agent.pid())?.cpu_secs;
+    let with_blocks = usage(agent.pid())?;
+    let join = &mut r.res[t as usize][Phase::Join as usize];
+    join.idle_mib.push(mib(idle.rss_kib));
+    join.blocks_mib.push(mib(with_blocks.rss_kib));
+    let cpu0 = with_blocks.cpu_secs;
     let t0 = Instant::now();
     sim.announce()?;
     r.records_ms.push(sim.expect("announced", LIMIT)?);
