@@ -228,18 +228,26 @@ impl Report {
         for topo in TOPOLOGIES {
             for ph in PHASES {
                 let x = &self.scale.res[topo as usize][ph as usize];
+                let before = if x.idle_mib.is_empty() {
+                    "–".to_string()
+                } else {
+                    format!(
+                        "{}, {}",
+                        fmt_spread_with(&x.idle_mib, " MiB", fmt_1),
+                        fmt_spread_with(&x.blocks_mib, " MiB", fmt_1)
+                    )
+                };
+                let ms: Vec<f64> = x.secs.iter().map(|v| v * 1e3).collect();
                 s.push_str(&format!(
-                    "| {} | {} | {} | {} | {} | {} | {} |\n",
+                    "| {} | {} | {} | {} | {before} | {} | {} | {} + {} MiB | {} |\n",
                     topo.label(),
                     ph.label(),
-                    fmt_spread_with(
-                        &x.secs.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
-                        " ms",
-                        fmt_ms
-                    ),
+                    fmt_spread_with(&ms, " ms", fmt_ms),
                     fmt_spread_with(&x.cpu, " s", super::report::fmt_2),
                     fmt_spread_with(&x.peak_mib, " MiB", fmt_1),
                     fmt_spread_with(&x.rss_mib, " MiB", fmt_1),
+                    fmt_1(median(&x.anon_mib)),
+                    fmt_1(median(&x.file_mib)),
                     fmt_spread_with(&x.kernel_routes, "", super::report::fmt_0),
                 ));
             }
