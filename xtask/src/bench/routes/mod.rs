@@ -16,7 +16,7 @@ use plotters::style::RGBColor;
 use super::harness::{Bench, Machine};
 use super::report::{fmt_1, fmt_ms, fmt_spread_with, median, panel, percentile, targets, Series};
 use convergence::{Samples as Conv, PROBE_INTERVAL, PROBE_LIMIT, VARIANTS};
-use scale::{Results as Scale, BLOCKS, PEERS, PHASES, TOPOLOGIES};
+use scale::{Phase, Results as Scale, BLOCKS, PEERS, PHASES, TOPOLOGIES};
 
 /// Issue 13's targets.
 const CONVERGENCE_P99_MS: f64 = 100.0;
@@ -252,6 +252,7 @@ impl Report {
                 ));
             }
         }
+        s.push_str(&self.memory());
         s.push_str(&format!(
             "\nThe simulator wrote the {} blocks to etcd in {} and the {} node records in {} \
              (32 writes in flight; the records' writing is inside the \"peers join\" clock).\n",
@@ -262,6 +263,38 @@ impl Report {
         ));
         s.push_str(&targets("Targets (issue 13):", &self.targets(), ""));
         s.push_str("\n![routes chart](routes.svg)\n");
+        s
+    }
+}
+
+impl Report {
+    /// Where the agent's resident memory goes as the peers join (medians).
+    fn memory(&self) -> String {
+        let mut s = String::from(
+            "\nWhere the memory goes as the peers join (medians; RSS counts the executable's \
+             file pages, the same ~14 MiB from start to end):\n",
+        );
+        for topo in TOPOLOGIES {
+            let x = &self.scale.res[topo as usize][Phase::Join as usize];
+            let (idle, blocks, peak, file) = (
+                median(&x.idle_mib),
+                median(&x.blocks_mib),
+                median(&x.peak_mib),
+                median(&x.file_mib),
+            );
+            s.push_str(&format!(
+                "- {}: idle {} MiB ({} of it anonymous); +{} MiB once the agent has read the \
+                 {} blocks (its datastore view); +{} MiB with the {} routes learned, validated \
+                 and programmed.\n",
+                topo.label(),
+                fmt_1(idle),
+                fmt_1(idle - file),
+                fmt_1(blocks - idle),
+                PEERS * BLOCKS,
+                fmt_1(peak - blocks),
+                PEERS * BLOCKS,
+            ));
+        }
         s
     }
 }
