@@ -90,6 +90,8 @@ pub struct Samples {
     pub seen: [Seen; 2],
     /// The floor: a pod long reachable, probed from C the same way (ms).
     pub floor: Vec<f64>,
+    /// The 1-minute load average before each pod.
+    pub load: Vec<f64>,
 }
 
 /// One variant's cluster, probes and watches; removed when dropped (the probes' pods, then
@@ -194,6 +196,7 @@ fn bed(b: &Bench, ca: &Ca, v: Variant) -> Result<Bed> {
 impl Bed {
     /// ADDs pod `k` on A and times its way to B and C; the progress line.
     fn pod(&mut self, b: &Bench, k: usize, s: &mut Samples) -> Result<String> {
+        s.load.push(calix_testbed::traffic::cpu::load_average());
         let name = format!("p{k}");
         let ns = b.netns(&format!("{}-{name}", self.v.tag()))?;
         let t = Instant::now();

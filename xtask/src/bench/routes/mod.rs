@@ -14,7 +14,9 @@ use anyhow::Result;
 use plotters::style::RGBColor;
 
 use super::harness::{Bench, Machine};
-use super::report::{fmt_1, fmt_ms, fmt_spread_with, median, panel, percentile, targets, Series};
+use super::report::{
+    fmt_1, fmt_ms, fmt_spread_with, load_note, loads, median, panel, percentile, targets, Series,
+};
 use convergence::{Samples as Conv, PROBE_INTERVAL, PROBE_LIMIT, VARIANTS};
 use scale::{Phase, Results as Scale, BLOCKS, PEERS, PHASES, TOPOLOGIES};
 
@@ -261,6 +263,27 @@ impl Report {
             PEERS,
             fmt_spread_with(&self.scale.records_ms, " ms", fmt_ms),
         ));
+        let conv_load: Vec<f64> = self
+            .conv
+            .iter()
+            .flat_map(|c| c.load.iter().copied())
+            .collect();
+        s.push_str(&format!(
+            "\nThe 1-minute load average was {} before the pods of the convergence part and {} \
+             before the phases of the scale part (median [min–max]; the bench's own agents \
+             included: 6 of them idle during convergence).\n",
+            loads(&conv_load),
+            loads(&self.scale.load),
+        ));
+        if let Some(note) = load_note(
+            &conv_load
+                .iter()
+                .chain(&self.scale.load)
+                .copied()
+                .collect::<Vec<_>>(),
+        ) {
+            s.push_str(&note);
+        }
         s.push_str(&targets("Targets (issue 13):", &self.targets(), ""));
         s.push_str("\n![routes chart](routes.svg)\n");
         s

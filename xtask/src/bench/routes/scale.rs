@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use calix_testbed::tls::Ca;
-use calix_testbed::traffic::cpu::ProcessUsage;
+use calix_testbed::traffic::cpu::{load_average, ProcessUsage};
 use calix_testbed::{Cluster, Dataplane, Netns};
 
 use super::super::harness::{check_interrupted, order, Bench};
@@ -118,6 +118,8 @@ pub struct Results {
     pub res: [[Samples; 2]; 2],
     pub blocks_ms: Vec<f64>,
     pub records_ms: Vec<f64>,
+    /// The 1-minute load average before each phase.
+    pub load: Vec<f64>,
 }
 
 /// The simulator process: its stdout lines as they come, its stdin to cue it. Killed on drop.
@@ -315,6 +317,7 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
     join.idle_mib.push(mib(idle.rss_kib));
     join.blocks_mib.push(mib(with_blocks.rss_kib));
     let cpu0 = with_blocks.cpu_secs;
+    r.load.push(load_average());
     let t0 = Instant::now();
     sim.announce()?;
     r.records_ms.push(sim.expect("announced", LIMIT)?);
@@ -343,6 +346,7 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    r.load.push(load_average());
     let t0 = Instant::now();
     agent.spawn(&[])?;
     let line = finish(
