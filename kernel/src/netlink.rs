@@ -508,7 +508,7 @@ pub struct RouteEntry {
 }
 
 impl RouteEntry {
-    fn from_message(message: &RouteMessage) -> Option<RouteEntry> {
+    pub(crate) fn from_message(message: &RouteMessage) -> Option<RouteEntry> {
         let mut dst = None;
         let mut gateway = None;
         let mut oif = None;

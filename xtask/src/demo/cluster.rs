@@ -83,7 +83,7 @@ fn cluster_demo(run: &str, mode: Mode) -> Result<()> {
     let mut cluster = Cluster::launch_with(
         || format!("{run}-underlay"),
         |i| format!("{run}-node{i}"),
-        mode.dataplane(),
+        calix_testbed::AgentSpec::new(calix_testbed::bin_dir(), mode.dataplane()),
         &SUBNETS,
         // Configured below, where a failure is an error rather than a panic.
         |_, _| String::new(),
