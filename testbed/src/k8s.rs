@@ -387,6 +387,32 @@ impl KubeApi {
         })
     }
 
+    /// Deletes `kind` `namespace/name` the ordinary way (its grace period; for a Pod the
+    /// kubelet confirms it). Gone already: fine.
+    pub fn delete_in(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<()> {
+        let (ar, ns, name) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": namespace}
+        }))?;
+        self.with_client(move |c| async move {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            match api.delete(&name, &Default::default()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(Error::Kube {
+                    what: format!("delete {} {name}", ar.kind),
+                    detail: e.to_string(),
+                }),
+            }
+        })
+    }
+
     /// Stops the API server (SIGKILL: a crash); etcd keeps running.
     pub fn kill_apiserver(&self) {
         kill(&self.apiserver);
