@@ -124,7 +124,7 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
     let config = serde_json::json!({
         "architecture": arch,
         "os": "linux",
-        "config": { "Cmd": cmd },
+        "config": { "Cmd": cmd, "Env": ["PATH=/bin"] },
         "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&layer))] },
     })
     .to_string()

@@ -40,11 +40,67 @@ pub struct KubeNode {
     sock: PathBuf,
     containerd: Option<Child>,
     kubelet: Option<Child>,
-    /// Host directories the kubelet, containerd or runc create on first use that did not
-    /// exist before this node: removed (when empty) at the end.
-    host_dirs: Vec<PathBuf>,
+    proxy: Option<Child>,
     /// Whether [`KubeNode::stop`] (or drop) has run.
     torn_down: bool,
+}
+
+/// The machine-wide sysctls the kubelet sets at start (its "kernel tunables":
+/// `vm.overcommit_memory=1`, `kernel.panic=10`, `kernel.panic_on_oops=1`...). Their values
+/// before the first node of this process started are put back when its last node stops.
+const KUBELET_SYSCTLS: [&str; 6] = [
+    "vm/overcommit_memory",
+    "vm/panic_on_oom",
+    "kernel/panic",
+    "kernel/panic_on_oops",
+    "kernel/keys/root_maxkeys",
+    "kernel/keys/root_maxbytes",
+];
+
+/// What the nodes of this process share on the host: the sysctls' values from before the
+/// first node, the host directories absent then, and how many nodes run.
+struct HostState {
+    sysctls: Vec<(String, String)>,
+    absent_dirs: Vec<PathBuf>,
+    nodes: usize,
+}
+
+static HOST: std::sync::Mutex<HostState> = std::sync::Mutex::new(HostState {
+    sysctls: Vec::new(),
+    absent_dirs: Vec::new(),
+    nodes: 0,
+});
+
+/// Counts a node in; the first one records [`KUBELET_SYSCTLS`] and the host directories the
+/// daemons will create.
+fn host_hold() {
+    let mut g = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    if g.nodes == 0 {
+        g.absent_dirs = absent_host_dirs();
+        g.sysctls = KUBELET_SYSCTLS
+            .iter()
+            .filter_map(|k| {
+                let v = std::fs::read_to_string(format!("/proc/sys/{k}")).ok()?;
+                Some((k.to_string(), v.trim().to_string()))
+            })
+            .collect();
+    }
+    g.nodes += 1;
+}
+
+/// Counts a node out; the last one writes the sysctls back and removes the host directories
+/// the daemons created (when empty).
+fn host_release() {
+    let mut g = HOST.lock().unwrap_or_else(|p| p.into_inner());
+    g.nodes = g.nodes.saturating_sub(1);
+    if g.nodes == 0 {
+        for (k, v) in std::mem::take(&mut g.sysctls) {
+            let _ = std::fs::write(format!("/proc/sys/{k}"), v);
+        }
+        for d in std::mem::take(&mut g.absent_dirs).iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
 }
 
 /// Host directories a node's daemons create outside its own directory (parents first):
@@ -79,9 +135,10 @@ impl KubeNode {
             sock: dir.join("containerd.sock"),
             containerd: None,
             kubelet: None,
-            host_dirs: absent_host_dirs(),
+            proxy: None,
             torn_down: false,
         };
+        host_hold();
         node.start_containerd(cni)?;
         node.import_images()?;
         node.start_kubelet(kubeconfig)?;
@@ -101,6 +158,27 @@ impl KubeNode {
         std::fs::read_to_string(self.dir.join("containerd.log")).unwrap_or_default()
     }
 
+    /// Every container's log (the kubelet's `podLogsDir`), each headed by its path.
+    pub fn container_logs(&self) -> String {
+        fn walk(dir: &Path, out: &mut String) {
+            let Ok(rd) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for e in rd.filter_map(|e| e.ok()) {
+                let p = e.path();
+                if p.is_dir() {
+                    walk(&p, out);
+                } else {
+                    out.push_str(&format!("{}:\n", p.display()));
+                    out.push_str(&std::fs::read_to_string(&p).unwrap_or_default());
+                }
+            }
+        }
+        let mut out = String::new();
+        walk(&self.dir.join("pod-logs"), &mut out);
+        out
+    }
+
     /// The tails of the kubelet's and containerd's logs, for a failure message.
     pub fn logs_tail(&self, lines: usize) -> String {
         let tail = |s: String| {
@@ -108,9 +186,10 @@ impl KubeNode {
             v[v.len().saturating_sub(lines)..].join("\n")
         };
         format!(
-            "--- kubelet ---\n{}\n--- containerd ---\n{}",
+            "--- kubelet ---\n{}\n--- containerd ---\n{}\n--- containers' logs ---\n{}",
             tail(self.kubelet_log()),
-            tail(self.containerd_log())
+            tail(self.containerd_log()),
+            tail(self.container_logs())
         )
     }
 
@@ -288,6 +367,65 @@ serializeImagePulls: false
         }
     }
 
+    /// Starts kube-proxy in iptables mode in the node's namespace (`--conntrack-max-per-core
+    /// 0`: the conntrack table is the machine's), talking to the API server by `kubeconfig`.
+    /// Returns once it answers on its healthz port with its rules synced.
+    pub fn start_kube_proxy(&mut self, kubeconfig: &Path) -> Result<()> {
+        let bin = crate::k8s::k8s_binary("kube-proxy")?;
+        let log = self.dir.join("kube-proxy.log");
+        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
+        cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .arg(format!("--hostname-override={}", self.name))
+            .arg("--proxy-mode=iptables")
+            .arg("--conntrack-max-per-core=0")
+            .arg("--oom-score-adj=0")
+            .arg("--metrics-bind-address=127.0.0.1:10249")
+            .arg("--healthz-bind-address=127.0.0.1:10256")
+            .arg("--v=2");
+        self.proxy = Some(spawn_logged(&mut cmd, &log)?);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("SyncProxyRules complete") || text.contains("syncProxyRules complete")
+            {
+                return Ok(());
+            }
+            let exited = self
+                .proxy
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "kube-proxy".into(),
+                    exited,
+                    log: text,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The network namespace (`/var/run/netns/cni-…`) of the running pod `namespace/name`'s
+    /// sandbox, from containerd's labels.
+    pub fn pod_netns(&self, namespace: &str, name: &str) -> Option<String> {
+        let out = self
+            .ctr(&[
+                "containers",
+                "ls",
+                "-q",
+                &format!("labels.\"io.kubernetes.pod.name\"=={name}"),
+                &format!("labels.\"io.kubernetes.pod.namespace\"=={namespace}"),
+                "labels.\"io.cri-containerd.kind\"==sandbox",
+            ])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|id| self.netns_of(id.trim()))
+            .find(|p| Path::new(p).exists())
+    }
+
     /// IDs of the containers (sandboxes included) containerd still has.
     pub fn containers(&self) -> Vec<String> {
         self.ctr(&["containers", "ls", "-q"])
@@ -335,6 +473,17 @@ serializeImagePulls: false
             .map(String::from)
     }
 
+    /// The kubelet's links in `/var/log/containers` to this node's container logs.
+    fn log_links(&self) -> Vec<PathBuf> {
+        let Ok(rd) = std::fs::read_dir(HOST_DIRS[0]) else {
+            return Vec::new();
+        };
+        rd.filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| std::fs::read_link(p).is_ok_and(|t| t.starts_with(&self.dir)))
+            .collect()
+    }
+
     /// Pids of processes whose command line names this node's containerd socket (its shims).
     fn shim_pids(&self) -> Vec<i32> {
         let sock = self.sock.display().to_string();
@@ -363,6 +512,9 @@ impl KubeNode {
             return Vec::new();
         }
         self.torn_down = true;
+        if let Some(mut p) = self.proxy.take() {
+            terminate(&mut p, Duration::from_secs(2));
+        }
         if let Some(mut k) = self.kubelet.take() {
             terminate(&mut k, Duration::from_secs(5));
         }
@@ -409,9 +561,12 @@ impl KubeNode {
         for c in &cgroups {
             remove_cgroup(c);
         }
-        for d in self.host_dirs.iter().rev() {
-            let _ = std::fs::remove_dir(d);
+        // The kubelet's links to its containers' logs (it removes them with the containers,
+        // which it did not get to).
+        for link in self.log_links() {
+            let _ = std::fs::remove_file(link);
         }
+        host_release();
         let mut left: Vec<String> = self
             .shim_pids()
             .iter()

@@ -8,7 +8,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use calix_testbed::kubelet::BUSYBOX_IMAGE;
-use calix_testbed::{bin, unique, wait_for, CniDirs, Dataplane, KubeApi, KubeNode, Node};
+use calix_testbed::tls::Ca;
+use calix_testbed::{bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, Node};
 use serde_json::{json, Value};
 
 /// The CRI plugin's CNI dirs under `dir`: Debian's reference plugins and `calix` in `bin`,
@@ -49,10 +50,58 @@ fn address_of(node: &Node, ifname: &str) -> String {
 }
 
 fn pod(api: &KubeApi, label: &str) -> Option<Value> {
-    api.list("v1", "Pod", &format!("calix.dev/test={label}"))
-        .unwrap_or_else(|e| panic!("{e}"))
+    pods(api, &format!("calix.dev/test={label}"))
         .into_iter()
         .next()
+}
+
+fn pods(api: &KubeApi, selector: &str) -> Vec<Value> {
+    api.list("v1", "Pod", selector)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Runs `argv` (host tools, busybox's applets through `/bin/busybox`) in the network namespace
+/// at `netns` (a pod's); its output when it succeeds.
+fn in_pod(netns: &str, argv: &[&str]) -> Option<String> {
+    let out = std::process::Command::new("nsenter")
+        .arg(format!("--net={netns}"))
+        .args(argv)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `GET http://<addr>/` (HTTP/1.0) from the pod whose namespace is `netns`, on a thread that
+/// entered it: the body, trimmed. (Debian's static busybox `wget` crashes outside its image.)
+fn http_get(netns: &str, addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(netns).ok()?;
+    let addr: std::net::SocketAddr = if addr.contains(':') {
+        addr.parse().ok()?
+    } else {
+        format!("{addr}:80").parse().ok()?
+    };
+    std::thread::spawn(move || {
+        // SAFETY: setns(2) of this thread only, on a namespace fd we hold.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return None;
+        }
+        let t = Duration::from_secs(2);
+        let mut s = std::net::TcpStream::connect_timeout(&addr, t).ok()?;
+        s.set_read_timeout(Some(t)).ok()?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok()?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).ok()?;
+        let (_, body) = answer.split_once("\r\n\r\n")?;
+        Some(body.trim().to_string())
+    })
+    .join()
+    .ok()
+    .flatten()
 }
 
 #[test]
@@ -179,6 +228,220 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     eprintln!("released after {:?}", started.elapsed());
     let left = kube.stop();
     assert!(left.is_empty(), "the kubelet node left behind: {left:?}");
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_released() {
+    let started = Instant::now();
+    let api = KubeApi::in_namespace();
+    api.start_controllers().unwrap_or_else(|e| panic!("{e}"));
+    eprintln!(
+        "API server, controller-manager, scheduler after {:?}",
+        started.elapsed()
+    );
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let kubeconfigs = std::cell::RefCell::new(Vec::new());
+    let cluster = Cluster::create(Dataplane::under_test(), &[1, 2], |i, c| {
+        let kubeconfig = api.wire(&c.nodes[i].ns).unwrap_or_else(|e| panic!("{e}"));
+        let text = format!(
+            "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n{}",
+            kubeconfig.display(),
+            c.routes_config(i, &ca, "grace_secs = 5")
+                .unwrap_or_else(|e| panic!("{e}"))
+        );
+        kubeconfigs.borrow_mut().push(kubeconfig);
+        text
+    });
+    let kubeconfigs = kubeconfigs.into_inner();
+    let u = unique("kc");
+    let pool = "10.75.0.0/16";
+    api.apply(json!({
+        "apiVersion": "calix.dev/v1", "kind": "IPPool", "metadata": {"name": u},
+        "spec": {"cidr": pool, "blockSize": 26},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let kubes: Vec<KubeNode> = (0..2)
+        .map(|i| {
+            let node = &cluster.nodes[i];
+            let cni = cni_dirs(&node.dir, node);
+            let mut kube = KubeNode::start(
+                &node.ns,
+                &node.dir.join("k8s"),
+                &kubeconfigs[i],
+                &cluster.address(i),
+                &cni,
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+            kube.start_kube_proxy(&kubeconfigs[i])
+                .unwrap_or_else(|e| panic!("{e}"));
+            kube
+        })
+        .collect();
+    cluster.start();
+    eprintln!(
+        "2 kubelet nodes, kube-proxy, agents after {:?}",
+        started.elapsed()
+    );
+    let show = || {
+        kubes
+            .iter()
+            .zip(&cluster.nodes)
+            .map(|(k, n)| format!("{}\n--- agent ---\n{}", k.logs_tail(30), n.agent_log()))
+            .collect::<Vec<_>>()
+            .join("\n=====\n")
+    };
+    // A web server pod on each node (busybox httpd answering its pod's name), behind a
+    // ClusterIP Service.
+    let names: Vec<String> = (0..2).map(|i| format!("{u}-web{i}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default",
+                "labels": {"calix.dev/test": u, "app": u}},
+            "spec": {
+                "nodeName": cluster.name(i),
+                "automountServiceAccountToken": false,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [{
+                    "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                    "command": ["/bin/sh", "-c",
+                        format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
+                    "ports": [{"containerPort": 8080}],
+                }],
+            },
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let svc = api
+        .apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": u, "namespace": "default"},
+            "spec": {"selector": {"app": u}, "ports": [{"port": 80, "targetPort": 8080}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let cluster_ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .expect("clusterIP")
+        .to_string();
+    let running = wait_for(
+        "both pods Running with addresses",
+        Duration::from_secs(120),
+        || {
+            let p = pods(&api, &format!("calix.dev/test={u}"));
+            (p.len() == 2
+                && p.iter().all(|p| {
+                    p["status"]["phase"] == "Running" && p["status"]["podIP"].as_str().is_some()
+                }))
+            .then_some(p)
+        },
+        show,
+    );
+    eprintln!("pods running after {:?}", started.elapsed());
+    let net: ipnet::Ipv4Net = pool.parse().expect("pool");
+    let ip_of = |name: &str| -> String {
+        let p = running
+            .iter()
+            .find(|p| p["metadata"]["name"] == name)
+            .expect("the pod");
+        let ip = p["status"]["podIP"].as_str().expect("podIP").to_string();
+        assert!(
+            net.contains(&ip.parse::<std::net::Ipv4Addr>().expect("IPv4")),
+            "{name}'s podIP {ip} is not in calix's pool {pool}"
+        );
+        ip
+    };
+    let ips: Vec<String> = names.iter().map(|n| ip_of(n)).collect();
+    let netns: Vec<String> = (0..2)
+        .map(|i| {
+            kubes[i]
+                .pod_netns("default", &names[i])
+                .unwrap_or_else(|| panic!("no sandbox namespace for {}", names[i]))
+        })
+        .collect();
+    for (from, to) in [(0, 1), (1, 0)] {
+        wait_for(
+            &format!("pod {from} pings pod {to} at {} across nodes", ips[to]),
+            Duration::from_secs(30),
+            || in_pod(&netns[from], &["ping", "-c", "1", "-W", "1", &ips[to]]).map(|_| ()),
+            show,
+        );
+        wait_for(
+            &format!(
+                "pod {from} gets pod {to}'s page from {}:8080 (TCP)",
+                ips[to]
+            ),
+            Duration::from_secs(20),
+            || {
+                (http_get(&netns[from], &format!("{}:8080", ips[to])).as_deref()
+                    == Some(names[to].as_str()))
+                .then_some(())
+            },
+            show,
+        );
+    }
+    eprintln!("pod to pod (ping, TCP) after {:?}", started.elapsed());
+    // The Service, from a pod on either node: kube-proxy's DNAT picks either backend; both
+    // answer within some tries.
+    for (from, ns) in netns.iter().enumerate() {
+        let mut seen = std::collections::BTreeSet::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while seen.len() < 2 {
+            if let Some(b) = http_get(ns, &cluster_ip) {
+                seen.insert(b);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "from pod {from}, the Service {cluster_ip} answered only as {seen:?}\n{}",
+                show()
+            );
+        }
+    }
+    eprintln!(
+        "ClusterIP Service from both nodes after {:?}",
+        started.elapsed()
+    );
+    for name in &names {
+        api.delete_in("v1", "Pod", "default", name)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    wait_for(
+        "the pods gone from the API",
+        Duration::from_secs(60),
+        || {
+            pods(&api, &format!("calix.dev/test={u}"))
+                .is_empty()
+                .then_some(())
+        },
+        show,
+    );
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        wait_for(
+            &format!("node {i}'s address, endpoint and veth released"),
+            Duration::from_secs(30),
+            || {
+                (node.cali_links().is_empty()
+                    && node.endpoints()["endpoints"]
+                        .as_array()
+                        .is_none_or(|a| a.is_empty()))
+                .then_some(())
+            },
+            show,
+        );
+    }
+    assert_eq!(
+        cluster.nodes[0].allocated(),
+        0,
+        "addresses left in the pool"
+    );
+    eprintln!("released after {:?}", started.elapsed());
+    for k in kubes {
+        let left = k.stop();
+        assert!(left.is_empty(), "a kubelet node left behind: {left:?}");
+    }
+    api.delete_in("v1", "Service", "default", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
 }
