@@ -4,6 +4,16 @@
 //! plugin in the CRI plugin's `bin_dir`/`conf_dir`. A Pod with `nodeName` set goes Running,
 //! its status shows the address calix gave it, the node reaches it; deleting it (the kubelet
 //! confirming) releases everything: the address, the endpoint, the veth, the route.
+//!
+//! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
+//! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
+//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, and their
+//! deletion releases every address.
+//!
+//! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
+//! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
+//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, and their
+//! deletion releases every address.
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -48,6 +58,9 @@ fn address_of(node: &Node, ifname: &str) -> String {
         .expect("an IPv4 address")
         .to_string()
 }
+
+/// The web pods' hostPort (the portmap plugin after calix in the conflist).
+const HOST_PORT: u16 = 18080;
 
 fn pod(api: &KubeApi, label: &str) -> Option<Value> {
     pods(api, &format!("calix.dev/test={label}"))
@@ -308,7 +321,7 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
                     "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
                     "command": ["/bin/sh", "-c",
                         format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
-                    "ports": [{"containerPort": 8080}],
+                    "ports": [{"containerPort": 8080, "hostPort": HOST_PORT}],
                 }],
             },
         }))
@@ -402,6 +415,18 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
         "ClusterIP Service from both nodes after {:?}",
         started.elapsed()
     );
+    // The hostPort, from outside the nodes (the underlay's router).
+    let underlay = cluster.underlay().path();
+    for (i, name) in names.iter().enumerate() {
+        let addr = format!("{}:{HOST_PORT}", cluster.address(i));
+        wait_for(
+            &format!("node {i}'s hostPort {addr} answers as {name}"),
+            Duration::from_secs(20),
+            || (http_get(&underlay, &addr).as_deref() == Some(name.as_str())).then_some(()),
+            show,
+        );
+    }
+    eprintln!("hostPort after {:?}", started.elapsed());
     for name in &names {
         api.delete_in("v1", "Pod", "default", name)
             .unwrap_or_else(|e| panic!("{e}"));
