@@ -31,6 +31,74 @@ pub struct CniDirs {
     pub conf: PathBuf,
 }
 
+impl CniDirs {
+    /// `<dir>/cni-bin` with Debian's reference plugins (`/usr/lib/cni`, linked) and `calix`
+    /// (`plugin`, linked), and `<dir>/cni-net.d` with calix's conflist: `calix` (the network
+    /// config `calix`, e.g. [`crate::Node::conf`]), then `portmap` for hostPorts.
+    pub fn create(dir: &Path, calix: serde_json::Value, plugin: &Path) -> Result<Self> {
+        let dirs = Self {
+            bin: dir.join("cni-bin"),
+            conf: dir.join("cni-net.d"),
+        };
+        for d in [&dirs.bin, &dirs.conf] {
+            std::fs::create_dir_all(d).map_err(Error::io(format!("create {}", d.display())))?;
+        }
+        let link = |from: &Path, to: PathBuf| {
+            std::os::unix::fs::symlink(from, &to)
+                .map_err(Error::io(format!("link {}", to.display())))
+        };
+        if let Ok(rd) = std::fs::read_dir("/usr/lib/cni") {
+            for e in rd.filter_map(|e| e.ok()) {
+                link(&e.path(), dirs.bin.join(e.file_name()))?;
+            }
+        }
+        link(plugin, dirs.bin.join("calix"))?;
+        let conflist = serde_json::json!({
+            "cniVersion": "1.0.0",
+            "name": "calix",
+            "plugins": [
+                calix,
+                {"type": "portmap", "capabilities": {"portMappings": true}, "snat": true},
+            ],
+        });
+        let path = dirs.conf.join("10-calix.conflist");
+        std::fs::write(&path, conflist.to_string())
+            .map_err(Error::io(format!("write {}", path.display())))?;
+        Ok(dirs)
+    }
+}
+
+/// `GET http://<addr>/` (HTTP/1.0; `addr` with its port, else 80) from the network namespace
+/// at `netns` (a pod's sandbox, [`KubeNode::pod_netns`], or any other), on a thread that
+/// entered it: the body, trimmed; `None` when it fails. (Debian's static busybox `wget`
+/// crashes when run outside its image.)
+pub fn http_get(netns: &str, addr: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let file = std::fs::File::open(netns).ok()?;
+    let addr: std::net::SocketAddr = addr
+        .parse()
+        .or_else(|_| format!("{addr}:80").parse())
+        .ok()?;
+    std::thread::spawn(move || {
+        // SAFETY: setns(2) of this thread only, on a namespace fd we hold.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return None;
+        }
+        let t = Duration::from_secs(2);
+        let mut s = std::net::TcpStream::connect_timeout(&addr, t).ok()?;
+        s.set_read_timeout(Some(t)).ok()?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok()?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).ok()?;
+        let (_, body) = answer.split_once("\r\n\r\n")?;
+        Some(body.trim().to_string())
+    })
+    .join()
+    .ok()
+    .flatten()
+}
+
 /// A kubelet node. See the module doc.
 pub struct KubeNode {
     pub name: String,

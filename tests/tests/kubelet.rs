@@ -14,40 +14,12 @@
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
 //! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, and their
 //! deletion releases every address.
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use calix_testbed::kubelet::BUSYBOX_IMAGE;
+use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
 use calix_testbed::tls::Ca;
 use calix_testbed::{bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, Node};
 use serde_json::{json, Value};
-
-/// The CRI plugin's CNI dirs under `dir`: Debian's reference plugins and `calix` in `bin`,
-/// calix's conflist (calix, then portmap) for `node`'s agent in `conf`.
-fn cni_dirs(dir: &Path, node: &Node) -> CniDirs {
-    let dirs = CniDirs {
-        bin: dir.join("cni-bin"),
-        conf: dir.join("cni-net.d"),
-    };
-    std::fs::create_dir_all(&dirs.bin).expect("cni bin dir");
-    std::fs::create_dir_all(&dirs.conf).expect("cni conf dir");
-    if let Ok(rd) = std::fs::read_dir("/usr/lib/cni") {
-        for e in rd.filter_map(Result::ok) {
-            let _ = std::os::unix::fs::symlink(e.path(), dirs.bin.join(e.file_name()));
-        }
-    }
-    std::os::unix::fs::symlink(bin("calix"), dirs.bin.join("calix")).expect("calix plugin");
-    let conflist = json!({
-        "cniVersion": "1.0.0",
-        "name": "calix",
-        "plugins": [
-            node.conf(json!({})),
-            {"type": "portmap", "capabilities": {"portMappings": true}, "snat": true},
-        ],
-    });
-    std::fs::write(dirs.conf.join("10-calix.conflist"), conflist.to_string()).expect("conflist");
-    dirs
-}
 
 /// The address of `ifname` in `node` (the one the API server's veth gave it).
 fn address_of(node: &Node, ifname: &str) -> String {
@@ -87,36 +59,6 @@ fn in_pod(netns: &str, argv: &[&str]) -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// `GET http://<addr>/` (HTTP/1.0) from the pod whose namespace is `netns`, on a thread that
-/// entered it: the body, trimmed. (Debian's static busybox `wget` crashes outside its image.)
-fn http_get(netns: &str, addr: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    use std::os::fd::AsRawFd;
-    let file = std::fs::File::open(netns).ok()?;
-    let addr: std::net::SocketAddr = if addr.contains(':') {
-        addr.parse().ok()?
-    } else {
-        format!("{addr}:80").parse().ok()?
-    };
-    std::thread::spawn(move || {
-        // SAFETY: setns(2) of this thread only, on a namespace fd we hold.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return None;
-        }
-        let t = Duration::from_secs(2);
-        let mut s = std::net::TcpStream::connect_timeout(&addr, t).ok()?;
-        s.set_read_timeout(Some(t)).ok()?;
-        s.write_all(b"GET / HTTP/1.0\r\n\r\n").ok()?;
-        let mut answer = String::new();
-        s.read_to_string(&mut answer).ok()?;
-        let (_, body) = answer.split_once("\r\n\r\n")?;
-        Some(body.trim().to_string())
-    })
-    .join()
-    .ok()
-    .flatten()
-}
-
 #[test]
 fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_everything() {
     let started = Instant::now();
@@ -141,7 +83,8 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
         "spec": {"cidr": pool, "blockSize": 28},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
-    let cni = cni_dirs(&node.dir, &node);
+    let cni = CniDirs::create(&node.dir, node.conf(json!({})), &bin("calix"))
+        .unwrap_or_else(|e| panic!("{e}"));
     let kube = KubeNode::start(&node.ns, &node.dir.join("k8s"), &kubeconfig, &node_ip, &cni)
         .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("kubelet registered after {:?}", started.elapsed());
@@ -278,7 +221,8 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
     let kubes: Vec<KubeNode> = (0..2)
         .map(|i| {
             let node = &cluster.nodes[i];
-            let cni = cni_dirs(&node.dir, node);
+            let cni = CniDirs::create(&node.dir, node.conf(json!({})), &bin("calix"))
+                .unwrap_or_else(|e| panic!("{e}"));
             let mut kube = KubeNode::start(
                 &node.ns,
                 &node.dir.join("k8s"),
