@@ -7,12 +7,14 @@
 //!
 //! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
-//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, and their
+//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, a TCP flow
+//! carries on while both agents restart, and their
 //! deletion releases every address.
 //!
 //! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
-//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, and their
+//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, a TCP flow
+//! carries on while both agents restart, and their
 //! deletion releases every address.
 use std::time::{Duration, Instant};
 
@@ -57,6 +59,76 @@ fn in_pod(netns: &str, argv: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The port of [`Flow`]'s echo server.
+const FLOW_PORT: u16 = 9000;
+
+/// One TCP connection from a pod to another, a byte echoed every 10 ms: the server in the
+/// second pod's namespace, the client in the first's (threads that entered them).
+struct Flow {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    client: std::thread::JoinHandle<Result<(u64, Duration), String>>,
+}
+
+impl Flow {
+    fn start(client_ns: &str, server_ns: &str, server_ip: &str) -> Self {
+        use std::io::{Read, Write};
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        let enter = |path: &str| {
+            let f = std::fs::File::open(path).expect("a pod's namespace");
+            // SAFETY: setns(2) of the calling thread only, on a namespace fd we hold.
+            assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let server_path = server_ns.to_string();
+        std::thread::spawn(move || {
+            enter(&server_path);
+            let l = std::net::TcpListener::bind(("0.0.0.0", FLOW_PORT)).expect("bind");
+            tx.send(()).expect("ready");
+            let (mut c, _) = l.accept().expect("accept");
+            let mut b = [0u8; 1];
+            while c.read_exact(&mut b).is_ok() && c.write_all(&b).is_ok() {}
+        });
+        rx.recv().expect("the echo server");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (client_path, addr, done) =
+            (client_ns.to_string(), server_ip.to_string(), stop.clone());
+        let client = std::thread::spawn(move || {
+            enter(&client_path);
+            let addr: std::net::SocketAddr = format!("{addr}:{FLOW_PORT}")
+                .parse()
+                .map_err(|e| format!("{e}"))?;
+            let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+                .map_err(|e| format!("connect: {e}"))?;
+            c.set_read_timeout(Some(Duration::from_secs(30)))
+                .map_err(|e| e.to_string())?;
+            let (mut n, mut gap, mut last) = (0u64, Duration::ZERO, Instant::now());
+            let mut b = [0u8; 1];
+            while !done.load(Ordering::Relaxed) {
+                c.write_all(b"x")
+                    .map_err(|e| format!("write after {n}: {e}"))?;
+                c.read_exact(&mut b)
+                    .map_err(|e| format!("read after {n}: {e}"))?;
+                n += 1;
+                gap = gap.max(last.elapsed());
+                last = Instant::now();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Ok((n, gap))
+        });
+        Self { stop, client }
+    }
+
+    /// Stops the client: the echoes and the longest time between two of them.
+    fn stop(self) -> (u64, Duration) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.client
+            .join()
+            .expect("the flow's client")
+            .unwrap_or_else(|e| panic!("the TCP flow broke: {e}"))
+    }
 }
 
 #[test]
@@ -371,6 +443,24 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
         );
     }
     eprintln!("hostPort after {:?}", started.elapsed());
+    // An established TCP flow from pod 0 to pod 1 carries on while both agents restart (what a
+    // DaemonSet rollout does to them, one node after the other).
+    let flow = Flow::start(&netns[0], &netns[1], &ips[1]);
+    std::thread::sleep(Duration::from_millis(500));
+    for node in &cluster.nodes {
+        node.stop_agent();
+        node.start_agent();
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let (echoes, gap) = flow.stop();
+    eprintln!(
+        "TCP flow across both agents' restarts: {echoes} echoes, longest gap {gap:?} (after {:?})",
+        started.elapsed()
+    );
+    assert!(
+        gap < Duration::from_secs(2),
+        "the flow stalled for {gap:?} while the agents restarted"
+    );
     for name in &names {
         api.delete_in("v1", "Pod", "default", name)
             .unwrap_or_else(|e| panic!("{e}"));
