@@ -8,14 +8,7 @@
 //! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
 //! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, a TCP flow
-//! carries on while both agents restart, and their
-//! deletion releases every address.
-//!
-//! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
-//! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
-//! a ClusterIP Service from a pod on either node, a hostPort from outside the nodes, a TCP flow
-//! carries on while both agents restart, and their
-//! deletion releases every address.
+//! carries on while both agents restart, and the pods' deletion releases every address.
 use std::time::{Duration, Instant};
 
 use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
