@@ -169,6 +169,23 @@ impl KubeApi {
         ns.ip(&format!("link set {host} up"))?;
         node.ip(&format!("addr add 10.97.{i}.2/30 dev kube0"))?;
         node.ip("link set kube0 up")?;
+        // The address the API server advertises (the `kubernetes` Service's endpoint, see
+        // [`KubeApi::serve_in_cluster`]) through this link, pods' traffic masqueraded as the
+        // node's: the API server's namespace has no routes to the pools.
+        node.ip(&format!(
+            "route add {NS_ADVERTISE}/32 via 10.97.{i}.1 dev kube0"
+        ))?;
+        checked(&mut node.cmd(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-o",
+            "kube0",
+            "-j",
+            "MASQUERADE",
+        ]))?;
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
@@ -527,6 +544,24 @@ impl KubeApi {
             }
             std::thread::sleep(Duration::from_millis(300));
         }
+    }
+
+    /// The `kubernetes` Service's endpoint (the API server runs with
+    /// `--endpoint-reconciler-type=none`): an EndpointSlice to the advertised address, so that
+    /// in-cluster clients (a DaemonSet's agent, through kube-proxy) reach the API server from
+    /// nodes [`KubeApi::wire`]d to it. Needs [`KubeApi::in_namespace`].
+    pub fn serve_in_cluster(&self) -> Result<()> {
+        self.apply(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kubernetes", "namespace": "default", "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "calix-testbed",
+            }},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [NS_ADVERTISE], "conditions": {"ready": true}}],
+            "ports": [{"name": "https", "port": NS_API_PORT, "protocol": "TCP"}],
+        }))
+        .map(|_| ())
     }
 
     /// Restarts the API server (SIGKILL, then start); etcd and its data stay.

@@ -258,6 +258,7 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
     let started = Instant::now();
     let api = KubeApi::in_namespace();
     api.start_controllers().unwrap_or_else(|e| panic!("{e}"));
+    api.serve_in_cluster().unwrap_or_else(|e| panic!("{e}"));
     eprintln!(
         "API server, controller-manager, scheduler after {:?}",
         started.elapsed()
@@ -436,6 +437,31 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
         );
     }
     eprintln!("hostPort after {:?}", started.elapsed());
+    // In-cluster clients reach the API server through the `kubernetes` Service.
+    for (i, ns) in netns.iter().enumerate() {
+        wait_for(
+            &format!("pod {i} connects to the kubernetes Service (10.96.0.1:443)"),
+            Duration::from_secs(20),
+            || {
+                let f = std::fs::File::open(ns).ok()?;
+                std::thread::spawn(move || {
+                    use std::os::fd::AsRawFd;
+                    // SAFETY: setns(2) of this thread only, on a namespace fd we hold.
+                    (unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0
+                        && std::net::TcpStream::connect_timeout(
+                            &"10.96.0.1:443".parse().expect("address"),
+                            Duration::from_secs(2),
+                        )
+                        .is_ok())
+                    .then_some(())
+                })
+                .join()
+                .ok()
+                .flatten()
+            },
+            show,
+        );
+    }
     // An established TCP flow from pod 0 to pod 1 carries on while both agents restart (what a
     // DaemonSet rollout does to them, one node after the other).
     let flow = Flow::start(&netns[0], &netns[1], &ips[1]);
