@@ -46,6 +46,8 @@ pub struct KubeApi {
     watch_cache: bool,
     etcd: Mutex<Option<Child>>,
     apiserver: Mutex<Option<Child>>,
+    /// kube-controller-manager and kube-scheduler, once [`KubeApi::start_controllers`] ran.
+    controllers: Mutex<Vec<Child>>,
     links: AtomicU32,
 }
 
@@ -122,6 +124,7 @@ impl KubeApi {
             watch_cache,
             etcd: Mutex::new(None),
             apiserver: Mutex::new(None),
+            controllers: Mutex::new(Vec::new()),
             links: AtomicU32::new(0),
         };
         api.write_credentials()?;
@@ -166,6 +169,23 @@ impl KubeApi {
         ns.ip(&format!("link set {host} up"))?;
         node.ip(&format!("addr add 10.97.{i}.2/30 dev kube0"))?;
         node.ip("link set kube0 up")?;
+        // The address the API server advertises (the `kubernetes` Service's endpoint, see
+        // [`KubeApi::serve_in_cluster`]) through this link, pods' traffic masqueraded as the
+        // node's: the API server's namespace has no routes to the pools.
+        node.ip(&format!(
+            "route add {NS_ADVERTISE}/32 via 10.97.{i}.1 dev kube0"
+        ))?;
+        checked(&mut node.cmd(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-o",
+            "kube0",
+            "-j",
+            "MASQUERADE",
+        ]))?;
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
@@ -387,6 +407,32 @@ impl KubeApi {
         })
     }
 
+    /// Deletes `kind` `namespace/name` the ordinary way (its grace period; for a Pod the
+    /// kubelet confirms it). Gone already: fine.
+    pub fn delete_in(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Result<()> {
+        let (ar, ns, name) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": namespace}
+        }))?;
+        self.with_client(move |c| async move {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            match api.delete(&name, &Default::default()).await {
+                Ok(_) => Ok(()),
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(Error::Kube {
+                    what: format!("delete {} {name}", ar.kind),
+                    detail: e.to_string(),
+                }),
+            }
+        })
+    }
+
     /// Stops the API server (SIGKILL: a crash); etcd keeps running.
     pub fn kill_apiserver(&self) {
         kill(&self.apiserver);
@@ -425,6 +471,97 @@ impl KubeApi {
         *lock(&self.apiserver) = Some(child);
         self.wait_ready(&log)?;
         self.write_kubeconfig(&self.kubeconfig(), "127.0.0.1", ADMIN_TOKEN)
+    }
+
+    /// Starts kube-controller-manager (ServiceAccounts and their tokens, EndpointSlices,
+    /// ReplicaSets, DaemonSets, the node lifecycle that lifts the not-ready taint; no node
+    /// CIDRs) and kube-scheduler beside the API server, both with the admin's kubeconfig and
+    /// no leader election, serving only on 127.0.0.1 of the API server's namespace. Returns
+    /// once the controller-manager made the `default` ServiceAccount of `default`.
+    pub fn start_controllers(&self) -> Result<()> {
+        let kubeconfig = self.kubeconfig();
+        let kc = kubeconfig.display().to_string();
+        let d = |f: &str| self.dir.join(f).display().to_string();
+        let mut kcm = command_in(
+            self.ns_path().as_deref(),
+            k8s_binary("kube-controller-manager")?,
+            None,
+            true,
+        )?;
+        kcm.arg(format!("--kubeconfig={kc}"))
+            .arg(format!("--authentication-kubeconfig={kc}"))
+            .arg(format!("--authorization-kubeconfig={kc}"))
+            .arg("--leader-elect=false")
+            .arg("--bind-address=127.0.0.1")
+            .arg(format!("--cert-dir={}", d("kcm-certs")))
+            .arg(format!(
+                "--service-account-private-key-file={}",
+                d("sa.key")
+            ))
+            .arg(format!("--root-ca-file={}", d("ca.crt")))
+            .arg("--use-service-account-credentials=false")
+            .arg("--allocate-node-cidrs=false")
+            .arg("--service-cluster-ip-range=10.96.0.0/16")
+            .arg("--node-monitor-grace-period=20s")
+            .arg("--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route");
+        let mut sched = command_in(
+            self.ns_path().as_deref(),
+            k8s_binary("kube-scheduler")?,
+            None,
+            true,
+        )?;
+        sched
+            .arg(format!("--kubeconfig={kc}"))
+            .arg(format!("--authentication-kubeconfig={kc}"))
+            .arg(format!("--authorization-kubeconfig={kc}"))
+            .arg("--leader-elect=false")
+            .arg("--bind-address=127.0.0.1");
+        {
+            let mut children = self.controllers.lock().unwrap_or_else(|p| p.into_inner());
+            children.push(spawn_logged(
+                &mut kcm,
+                &self.dir.join("controller-manager.log"),
+            )?);
+            children.push(spawn_logged(&mut sched, &self.dir.join("scheduler.log"))?);
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let made = self.with_client(|c| async move {
+                let api: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+                    Api::namespaced(c, "default");
+                api.get_opt("default").await.ok().flatten().is_some()
+            });
+            if made {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "kube-controller-manager (the default ServiceAccount)".into(),
+                    exited: None,
+                    log: std::fs::read_to_string(self.dir.join("controller-manager.log"))
+                        .unwrap_or_default(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// The `kubernetes` Service's endpoint (the API server runs with
+    /// `--endpoint-reconciler-type=none`): an EndpointSlice to the advertised address, so that
+    /// in-cluster clients (a DaemonSet's agent, through kube-proxy) reach the API server from
+    /// nodes [`KubeApi::wire`]d to it. Needs [`KubeApi::in_namespace`].
+    pub fn serve_in_cluster(&self) -> Result<()> {
+        self.apply(serde_json::json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "kubernetes", "namespace": "default", "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "calix-testbed",
+            }},
+            "addressType": "IPv4",
+            "endpoints": [{"addresses": [NS_ADVERTISE], "conditions": {"ready": true}}],
+            "ports": [{"name": "https", "port": NS_API_PORT, "protocol": "TCP"}],
+        }))
+        .map(|_| ())
     }
 
     /// Restarts the API server (SIGKILL, then start); etcd and its data stay.
@@ -614,6 +751,12 @@ impl KubeApi {
 
 impl Drop for KubeApi {
     fn drop(&mut self) {
+        for mut c in
+            std::mem::take(&mut *self.controllers.lock().unwrap_or_else(|p| p.into_inner()))
+        {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
         kill(&self.apiserver);
         kill(&self.etcd);
         if std::thread::panicking() {
