@@ -339,6 +339,8 @@ impl Sim {
             thread: Some(thread),
         };
         if done_rx.recv_timeout(Duration::from_secs(120)).is_err() {
+            // Stopped first: a simulation still starting would never end by itself.
+            let _ = sim.stop.send(true);
             let why = sim.thread.take().map(|t| t.join());
             panic!("the simulated peers did not come up: {why:?}");
         }

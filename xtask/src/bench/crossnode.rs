@@ -434,7 +434,9 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     );
     let b = Bench::setup(
         "the cross-node benchmark",
-        &["iperf3", "nstat", "sysctl", "bpftool", "bridge", "etcd"],
+        &[
+            "iperf3", "nstat", "sysctl", "bpftool", "bridge", "etcd", "perf",
+        ],
         &[],
     )?;
     let ca = Ca::new(CA_NAME)?;

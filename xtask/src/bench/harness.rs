@@ -242,13 +242,22 @@ impl Machine {
     }
 }
 
-/// The revision of `root` (short hash), marked when the work tree has uncommitted changes.
+/// The revision of `root` (short hash), marked when the work tree has uncommitted changes
+/// (outside docs/bench/).
 fn git_rev(root: &Path) -> String {
     let git = |args: &[&str]| output(Command::new("git").current_dir(root).args(args));
     let rev = git(&["rev-parse", "--short", "HEAD"])
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
-    match git(&["status", "--porcelain", "--untracked-files=no"]) {
+    // The benches' own output (docs/bench/) is not the code that was measured.
+    match git(&[
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":!docs/bench",
+    ]) {
         Ok(s) if !s.trim().is_empty() => format!("{rev} (with uncommitted changes)"),
         _ => rev,
     }
