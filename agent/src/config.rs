@@ -34,14 +34,31 @@ pub enum ConfigError {
     },
     #[error("node name is empty: set `node_name` in the config or pass --node-name")]
     NoNodeName,
+    #[error("node name {name:?} has a '/' or a control character: calix keys a node's records by its name")]
+    BadNodeName { name: String },
     #[error("pools {a} and {b} overlap: every address must belong to one pool")]
     Overlap { a: IpNet, b: IpNet },
     #[error("pool {cidr} is configured twice")]
     Duplicate { cidr: IpNet },
-    #[error("datastore type {kind:?} is unknown: use \"embedded\" or \"etcd\"")]
+    #[error("datastore type {kind:?} is unknown: use \"embedded\", \"etcd\" or \"kubernetes\"")]
     DatastoreKind { kind: String },
+    #[error(
+        "with datastore type \"kubernetes\" the pools are IPPool objects (kubectl get ippools): \
+         remove [[pools]] from the config and --pool from the command line"
+    )]
+    PoolsInKubernetes,
+    #[error("datastore.{key} must be {what}")]
+    Datastore {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("datastore type \"etcd\" needs `endpoints`, e.g. [\"http://10.0.0.1:2379\"]")]
     NoEtcdEndpoints,
+    #[error("kubernetes.{key} must be {what}")]
+    Kubernetes {
+        key: &'static str,
+        what: &'static str,
+    },
     #[error("ipam.{key} must be {what}")]
     Ipam {
         key: &'static str,
@@ -152,8 +169,12 @@ pub struct AgentConfig {
     /// This node's labels, matched by pools' `nodeSelector`.
     pub node_labels: std::collections::BTreeMap<String, String>,
     pub ipam: IpamConfig,
-    /// IP pools pods get their addresses from.
+    /// IP pools pods get their addresses from. With the `kubernetes` datastore they are the
+    /// cluster's IPPool objects instead (configuring any here is an error).
     pub pools: Vec<PoolConfig>,
+    /// Whether the config file or the command line named pools (the defaults aside).
+    #[serde(skip)]
+    pub pools_configured: bool,
     /// The XDP prefilter on the uplinks.
     pub xdp: XdpConfig,
     /// SNAT of `natOutgoing` pools (eBPF dataplane).
@@ -162,6 +183,29 @@ pub struct AgentConfig {
     pub routes: RoutesConfig,
     /// The VXLAN device that carries pod traffic across subnets (pools' `vxlan`).
     pub vxlan: VxlanConfig,
+    /// What the agent does in a Kubernetes cluster (the `kubernetes` datastore).
+    pub kubernetes: KubernetesConfig,
+}
+
+/// The agent in a Kubernetes cluster (`[kubernetes]`, with the `kubernetes` datastore).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// An endpoint whose pod is gone for this long (and still gone when the API server is
+    /// asked) is cleaned up: forgotten, its addresses released, its veth deleted (seconds).
+    pub pod_gone_grace_secs: u64,
+    /// How often endpoints are checked against this node's Pods (and after each Pod
+    /// deletion), seconds; 1 or more.
+    pub pod_check_interval_secs: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            pod_gone_grace_secs: 30,
+            pod_check_interval_secs: 10,
+        }
+    }
 }
 
 /// Route distribution between nodes (`[routes]`): each agent serves `calix.v1.Routes` on TCP
@@ -196,7 +240,7 @@ impl Default for RoutesConfig {
     fn default() -> Self {
         Self {
             enabled: false,
-            listen: "0.0.0.0:5474".into(),
+            listen: format!("0.0.0.0:{ROUTES_PORT}"),
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
@@ -275,6 +319,9 @@ impl TlsConfig {
     }
 }
 
+/// The default port of `calix.v1.Routes` between nodes.
+pub const ROUTES_PORT: u16 = 5474;
+
 /// The VXLAN device (`[vxlan]`), used for pools with `vxlan = "always"`, and with
 /// `"crossSubnet"` for peers outside this node's subnets.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -315,7 +362,18 @@ impl VxlanConfig {
 
 /// How traffic to a pool's addresses on another node travels (a pool's `vxlan`).
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    Default,
+    schemars::JsonSchema,
 )]
 #[serde(rename_all = "camelCase")]
 pub enum VxlanMode {
@@ -485,10 +543,12 @@ impl Default for AgentConfig {
             pools: vec![PoolConfig::new(
                 "10.244.0.0/16".parse().expect("constant CIDR"),
             )],
+            pools_configured: false,
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
+            kubernetes: KubernetesConfig::default(),
         }
     }
 }
@@ -496,7 +556,8 @@ impl Default for AgentConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DatastoreConfig {
-    /// `embedded` (a local file; single node) or `etcd` (shared by several nodes).
+    /// `embedded` (a local file; single node), `etcd` (shared by several nodes) or
+    /// `kubernetes` (custom resources in the cluster's API).
     #[serde(rename = "type")]
     pub kind: String,
     /// Embedded: the snapshot file (the journal is `<path>.journal`).
@@ -505,9 +566,12 @@ pub struct DatastoreConfig {
     pub endpoints: Vec<String>,
     /// etcd: prefix of every calix key.
     pub prefix: String,
-    /// etcd: per-request timeout in milliseconds.
+    /// kubernetes: a kubeconfig file; empty: the service account of the agent's pod.
+    pub kubeconfig: PathBuf,
+    /// etcd, kubernetes: per-request timeout in milliseconds.
     pub timeout_ms: u64,
-    /// etcd: attempts per operation while etcd is unreachable (exponential backoff).
+    /// etcd, kubernetes: attempts per operation while the backend is unreachable (exponential
+    /// backoff).
     pub attempts: u32,
 }
 
@@ -516,8 +580,28 @@ impl DatastoreConfig {
         match self.kind.as_str() {
             "embedded" => Ok(()),
             "etcd" if self.endpoints.is_empty() => Err(ConfigError::NoEtcdEndpoints),
-            "etcd" => Ok(()),
+            "etcd" | "kubernetes" if self.timeout_ms == 0 => Err(ConfigError::Datastore {
+                key: "timeout_ms",
+                what: "at least 1",
+            }),
+            "etcd" | "kubernetes" if self.attempts == 0 => Err(ConfigError::Datastore {
+                key: "attempts",
+                what: "at least 1",
+            }),
+            "etcd" | "kubernetes" => Ok(()),
             other => Err(ConfigError::DatastoreKind { kind: other.into() }),
+        }
+    }
+
+    pub fn is_kubernetes(&self) -> bool {
+        self.kind == "kubernetes"
+    }
+
+    pub fn kubernetes(&self) -> crate::datastore::KubeConfig {
+        crate::datastore::KubeConfig {
+            kubeconfig: (!self.kubeconfig.as_os_str().is_empty()).then(|| self.kubeconfig.clone()),
+            timeout: std::time::Duration::from_millis(self.timeout_ms),
+            attempts: self.attempts,
         }
     }
 
@@ -538,15 +622,17 @@ impl Default for DatastoreConfig {
             path: PathBuf::from(paths::EMBEDDED_STORE),
             endpoints: Vec::new(),
             prefix: "/calix/".into(),
+            kubeconfig: PathBuf::new(),
             timeout_ms: 2000,
             attempts: 12,
         }
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct PoolConfig {
+    #[schemars(with = "String")]
     pub cidr: IpNet,
     /// Prefix length of the per-node blocks; default 26 (IPv4) / 122 (IPv6).
     #[serde(default)]
@@ -633,7 +719,10 @@ impl AgentConfig {
     }
 
     pub fn from_toml(text: &str) -> Result<Self, toml::de::Error> {
-        toml::from_str(text)
+        let mut c: Self = toml::from_str(text)?;
+        // Parsed once more as a table: whether `pools` was written (a default is not).
+        c.pools_configured = toml::from_str::<toml::Table>(text)?.contains_key("pools");
+        Ok(c)
     }
 
     /// Checks what serde cannot: block sizes, a node name.
@@ -641,10 +730,24 @@ impl AgentConfig {
         if self.node_name.trim().is_empty() {
             return Err(ConfigError::NoNodeName);
         }
+        if self.node_name.contains('/') || self.node_name.chars().any(char::is_control) {
+            return Err(ConfigError::BadNodeName {
+                name: self.node_name.clone(),
+            });
+        }
         if self.resync_interval_secs == 0 {
             return Err(ConfigError::ResyncInterval);
         }
+        if self.kubernetes.pod_check_interval_secs == 0 {
+            return Err(ConfigError::Kubernetes {
+                key: "pod_check_interval_secs",
+                what: "at least 1",
+            });
+        }
         self.datastore.validate()?;
+        if self.datastore.is_kubernetes() && self.pools_configured {
+            return Err(ConfigError::PoolsInKubernetes);
+        }
         self.ipam.validate()?;
         self.routes.validate()?;
         self.vxlan.validate()?;
@@ -878,15 +981,17 @@ impl AgentConfig {
         })
     }
 
-    /// The pools this node allocates from, as the allocator sees them.
+    /// Every pool as this node's allocator sees it: one whose `nodeSelector` does not select
+    /// this node is disabled here (no new addresses from it), not gone — the addresses the node
+    /// holds in it stay valid, so a label change never counts as removing a pool under live
+    /// addresses, and the dataplane still knows the pool's addresses as pods'.
     pub fn node_pools(&self) -> Vec<crate::ipam::Pool> {
         self.pools
             .iter()
-            .filter(|p| p.selects(&self.node_labels))
             .map(|p| crate::ipam::Pool {
                 cidr: p.cidr.trunc(),
                 block_size: p.block_size(),
-                disabled: p.disabled,
+                disabled: p.disabled || !p.selects(&self.node_labels),
             })
             .collect()
     }
@@ -974,6 +1079,53 @@ mod tests {
     }
 
     #[test]
+    fn kubernetes_takes_a_kubeconfig_and_refuses_configured_pools() {
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"/etc/calix/kubeconfig\"\n",
+        )
+        .expect("parse");
+        c.validate().expect("valid");
+        let k = c.datastore.kubernetes();
+        assert_eq!(
+            k.kubeconfig.as_deref(),
+            Some(Path::new("/etc/calix/kubeconfig"))
+        );
+        assert_eq!((k.timeout.as_millis(), k.attempts), (2000, 12));
+        // No kubeconfig: the pod's service account.
+        let c = AgentConfig::from_toml("node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\n")
+            .expect("parse");
+        assert_eq!(c.datastore.kubernetes().kubeconfig, None);
+        // Pools are IPPool objects there: [[pools]] is an error that says so.
+        let c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\n[[pools]]\ncidr = \"10.1.0.0/16\"\n",
+        )
+        .expect("parse");
+        let e = c.validate().expect_err("pools refused");
+        assert!(matches!(e, ConfigError::PoolsInKubernetes), "{e}");
+        assert!(e.to_string().contains("IPPool"), "{e}");
+        let mut c = AgentConfig::from_toml(
+            "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\nattempts = 0\n",
+        )
+        .expect("parse");
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Datastore {
+                key: "attempts",
+                ..
+            })
+        ));
+        c.datastore.kind = "etcd".into();
+        c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
+        assert!(matches!(
+            c.validate(),
+            Err(ConfigError::Datastore {
+                key: "attempts",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn node_selector_picks_pools_and_etcd_needs_endpoints() {
         let mut c = AgentConfig::from_toml(
             r#"
@@ -997,8 +1149,10 @@ mod tests {
         c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
         c.validate().expect("valid");
         let pools = c.node_pools();
-        assert_eq!(pools.len(), 1);
+        assert_eq!(pools.len(), 2);
         assert_eq!(pools[0].cidr.to_string(), "10.1.0.0/16");
+        assert!(!pools[0].disabled);
+        assert!(pools[1].disabled, "zone b's pool: nothing new from it here");
         assert!(c.ipam.policy().strict_affinity);
         assert_eq!(c.ipam.policy().max_blocks_per_node, 4);
         c.datastore.kind = "consul".into();
@@ -1218,6 +1372,16 @@ mod tests {
             AgentConfig::default().validate(),
             Err(ConfigError::NoNodeName)
         ));
+        for bad in ["a/b", "a\nb"] {
+            let c = AgentConfig {
+                node_name: bad.into(),
+                ..AgentConfig::default()
+            };
+            assert!(
+                matches!(c.validate(), Err(ConfigError::BadNodeName { .. })),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -20,4 +20,7 @@ pub enum AgentError {
     Invalid(String),
     #[error("pool change refused: {0}")]
     PoolChange(String),
+    /// A pod's IPAM annotation that cannot be honoured.
+    #[error(transparent)]
+    Annotation(#[from] crate::k8s::annotations::AnnotationError),
 }

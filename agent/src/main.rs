@@ -14,6 +14,10 @@ use calix_agent::endpoints::EndpointRegistry;
 use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
+use calix_agent::k8s::cluster::Cluster;
+use calix_agent::k8s::events::EventRecorder;
+use calix_agent::k8s::podipam::PodIpamSource;
+use calix_agent::k8s::pods::{self, PodsConfig};
 use calix_agent::model::NodeRecord;
 use calix_agent::node::mtu::PodMtu;
 use calix_agent::node::Node;
@@ -30,7 +34,8 @@ struct Flags {
     /// Config file (TOML). Missing is fine at the default path.
     #[arg(long, short = 'c', env = "CALIX_CONFIG")]
     config: Option<PathBuf>,
-    /// This node's name (default: config, then the hostname).
+    /// This node's name (default: $CALIX_NODE_NAME, $NODE_NAME — a DaemonSet sets one from
+    /// the downward API, spec.nodeName —, then the config, then the hostname).
     #[arg(long)]
     node_name: Option<String>,
     /// gRPC unix socket.
@@ -62,22 +67,27 @@ struct Flags {
     uninstall: bool,
 }
 
-fn config(flags: Flags) -> Result<AgentConfig> {
-    // (Called again on SIGHUP with the same flags: flags keep overriding the file.)
+/// The config file, overridden by the flags (and the node name's environment variables),
+/// merged with the cluster's part once it is loaded (the `kubernetes` datastore: IPPools,
+/// this node's Node, ServiceCIDRs).
+fn config(flags: Flags, cluster: Option<&Cluster>) -> Result<AgentConfig> {
+    // (Called again on SIGHUP and cluster changes with the same flags: flags keep overriding
+    // the file.)
     let (path, required) = match &flags.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(paths::CONFIG_FILE), false),
     };
     let mut c = AgentConfig::load(&path, required)?;
-    if let Some(v) = flags.node_name {
-        c.node_name = v;
-    }
-    if c.node_name.is_empty() {
-        c.node_name = nix::unistd::gethostname()
-            .ok()
-            .and_then(|h| h.into_string().ok())
-            .unwrap_or_default();
-    }
+    c.node_name = calix_agent::k8s::node_name(
+        flags.node_name,
+        |k| std::env::var(k).ok(),
+        &c.node_name,
+        || {
+            nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+        },
+    );
     if let Some(v) = flags.socket {
         c.socket = v;
     }
@@ -89,6 +99,10 @@ fn config(flags: Flags) -> Result<AgentConfig> {
     }
     if !flags.pools.is_empty() {
         c.pools = flags.pools.into_iter().map(PoolConfig::new).collect();
+        c.pools_configured = true;
+    }
+    if let Some(cluster) = cluster.filter(|_| c.datastore.is_kubernetes()) {
+        cluster.apply(&mut c);
     }
     if let Some(v) = flags.log_level {
         c.log_level = v;
@@ -103,7 +117,7 @@ fn config(flags: Flags) -> Result<AgentConfig> {
 #[tokio::main]
 async fn main() -> Result<()> {
     let flags = Flags::parse();
-    let cfg = config(flags.clone())?;
+    let mut cfg = config(flags.clone(), None)?;
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&cfg.log_level)
@@ -115,7 +129,7 @@ async fn main() -> Result<()> {
         .init();
     tracing::info!(node = %cfg.node_name, dataplane = ?cfg.dataplane, datastore = %cfg.datastore.kind,
         pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(), "starting calix-agent");
-    let ebpf_cfg = EbpfConfig {
+    let mut ebpf_cfg = EbpfConfig {
         pin_root: cfg.bpf_pin_root.clone(),
         node: cfg.node_name.clone(),
         uplinks: cfg.uplinks.clone(),
@@ -144,9 +158,27 @@ async fn main() -> Result<()> {
         );
     }
     dataplane::enable_forwarding()?;
-    let store = datastore::open(&cfg.datastore)
+    let opened = datastore::open(&cfg.datastore)
         .await
         .with_context(|| format!("cannot open the {} datastore", cfg.datastore.kind))?;
+    let store = opened.store;
+    // With the kubernetes datastore the pools are the IPPool objects, and the node's labels
+    // and addresses and the Service CIDRs come from the cluster too: read them now (the
+    // dataplane's SNAT settings need them), follow them once the agent runs.
+    let cluster = if cfg.datastore.is_kubernetes() {
+        let (cluster, followers) = Cluster::load(store.clone(), &cfg.node_name)
+            .await
+            .context("cannot read the IPPools, Nodes and ServiceCIDRs")?;
+        cfg = config(flags.clone(), Some(&cluster))
+            .context("the cluster's IPPools, Node and ServiceCIDRs")?;
+        ebpf_cfg.nat = Some(cfg.nat_settings()?);
+        tracing::info!(pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
+            labels = ?cfg.node_labels, service_cidrs = ?cfg.nat.service_cidrs,
+            node_addresses = ?cfg.routes.node_addresses, "from the cluster");
+        Some((cluster, followers))
+    } else {
+        None
+    };
     let pin_dir = ebpf_cfg.pin_dir();
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
@@ -170,6 +202,20 @@ async fn main() -> Result<()> {
     )?;
     // Route distribution: what peers need of this node goes into its record.
     let mut addresses = host_addrs::record_addresses();
+    // In Kubernetes the node's InternalIPs first: what the cluster knows it by.
+    if let Some(node) = cluster.as_ref().and_then(|(c, _)| c.node()) {
+        let mut known: Vec<String> = node
+            .internal_ips()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for a in addresses {
+            if !known.contains(&a) {
+                known.push(a);
+            }
+        }
+        addresses = known;
+    }
     let routes_start = match cfg.routes.enabled {
         true => Some(
             routes::task::Start::from_config(&cfg, &addresses)
@@ -208,6 +254,12 @@ async fn main() -> Result<()> {
     let endpoints = EndpointRegistry::load(&cfg.node_name, store.clone(), driver, stats).await?;
     let node = Arc::new(Node::new(ipam, endpoints));
     node.set_pod_mtu(PodMtu::from_config(&cfg));
+    if let Some(client) = opened.kube.clone() {
+        node.notices.set(Arc::new(EventRecorder::spawn(
+            client,
+            cfg.node_name.clone(),
+        )));
+    }
     // The initial sync: every recorded endpoint programmed, then the sweep.
     let pools = node.ipam.pools().iter().map(|p| p.cidr).collect();
     node.endpoints.start(pools).await?;
@@ -220,10 +272,40 @@ async fn main() -> Result<()> {
         cleaner::spawn(pin_dir, cfg.nat_settings()?);
     }
     let reread_flags = flags.clone();
+    let (cluster, cluster_changes) = match cluster {
+        Some((cluster, followers)) => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            cluster.spawn_follow(followers, tx);
+            // The Pods bound to this node: who each endpoint is, and the cleanup of the
+            // endpoints of pods that are gone (also those deleted while the agent was down).
+            let (pods, follower) = pods::load(store.clone(), &cfg.node_name)
+                .await
+                .context("cannot read this node's Pods")?;
+            let _ = node.pods.set(pods.clone());
+            let _ = node.pod_ipam.set(PodIpamSource::new(
+                store.clone(),
+                &cfg.node_name,
+                cluster.clone(),
+            ));
+            pods::spawn(
+                pods,
+                follower,
+                node.clone(),
+                store.clone(),
+                PodsConfig {
+                    grace: Duration::from_secs(cfg.kubernetes.pod_gone_grace_secs),
+                    every: Duration::from_secs(cfg.kubernetes.pod_check_interval_secs),
+                },
+            );
+            (Some(cluster), Some(rx))
+        }
+        None => (None, None),
+    };
     tasks::spawn_reload(
         node.clone(),
-        move || config(reread_flags.clone()),
+        move || config(reread_flags.clone(), cluster.as_ref()),
         cfg.clone(),
+        cluster_changes,
     );
     let routes = match routes_start {
         Some(s) => Some(Arc::new(

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 /// An endpoint as the registry records it (key `endpoints/<node>/<containerID>/<ifname>`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct EndpointRecord {
     pub container_id: String,
     pub ifname: String,
@@ -12,6 +12,10 @@ pub struct EndpointRecord {
     pub netns: String,
     pub pod_namespace: String,
     pub pod_name: String,
+    /// The pod's UID (`K8S_POD_UID`): a new pod of the same name is another pod. Empty from
+    /// runtimes that do not pass it, and from older plugins.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub pod_uid: String,
     pub addresses: Vec<String>,
     pub handle: String,
     /// The pod interface's MAC ("aa:bb:cc:dd:ee:ff"); empty from older plugins.
@@ -37,7 +41,7 @@ impl EndpointRecord {
 }
 
 /// A node as it announces itself (key `nodes/<name>`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct NodeRecord {
     pub name: String,
     #[serde(default)]

@@ -1,5 +1,5 @@
-//! The agent's background loops, in one place: IPAM housekeeping, the SIGHUP reload, and the
-//! shutdown signal. (The dataplane's own loops run on its driver thread, `reconcile::driver`,
+//! The agent's background loops, in one place: IPAM housekeeping, the reload (SIGHUP, IPPool
+//! changes), and the shutdown signal. (The dataplane's own loops run on its driver thread, `reconcile::driver`,
 //! and the SNAT conntrack cleaner in `dataplane::cleaner`.)
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,7 +8,7 @@ use crate::config::AgentConfig;
 use crate::dataplane::Reload;
 use crate::node::Node;
 
-/// Leak GC, empty-block release and handle-record repair, every `every`.
+/// Leak GC, empty-block release and handle- and affinity-record repair, every `every`.
 pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
@@ -22,6 +22,7 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
                     candidates = s.candidates,
                     blocks_released = s.blocks_released.len(),
                     handles_repaired = s.handles_repaired,
+                    affinities_repaired = s.affinities_repaired,
                     "housekeeping pass"
                 ),
                 Err(e) => tracing::warn!(error = %e, "housekeeping pass failed"),
@@ -30,12 +31,24 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
     });
 }
 
-/// SIGHUP: `reread` reads the config again (the file, overridden by the same flags); pool
-/// changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and the
-/// nftables tables are applied. What only a restart applies is compared against `started`
-/// and named in a warning.
-pub fn spawn_reload<F>(node: Arc<Node>, reread: F, started: AgentConfig)
-where
+/// How often a pool change that was refused (a pool under live addresses) is tried again when
+/// the pools come from IPPool objects: it takes effect once it is safe.
+const DEFERRED_POOLS_RETRY: Duration = Duration::from_secs(10);
+
+/// SIGHUP, or a change in the cluster (`cluster_changes`, with the `kubernetes` datastore:
+/// IPPools, this node's Node, ServiceCIDRs; see `crate::k8s::cluster`): `reread` reads the
+/// config again (the file, overridden by the same flags, merged with the cluster's part);
+/// pool changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and
+/// Service CIDRs and the nftables tables are applied. What only a restart applies is compared
+/// against `started` and named in a warning. A pool change refused as unsafe is tried again
+/// every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a refused
+/// change or config is also a Warning Event on the Node.
+pub fn spawn_reload<F>(
+    node: Arc<Node>,
+    reread: F,
+    started: AgentConfig,
+    mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
+) where
     F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
 {
     tokio::spawn(async move {
@@ -44,11 +57,38 @@ where
             tracing::warn!("cannot listen for SIGHUP: config reload disabled");
             return;
         };
-        while hup.recv().await.is_some() {
+        let mut deferred = false;
+        loop {
+            let why = tokio::select! {
+                s = hup.recv() => match s {
+                    Some(()) => "SIGHUP",
+                    None => return,
+                },
+                Some(what) = async {
+                    match cluster_changes.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // One pass for a burst of changes.
+                    if let Some(rx) = cluster_changes.as_mut() {
+                        while rx.try_recv().is_ok() {}
+                    }
+                    what
+                }
+                _ = tokio::time::sleep(DEFERRED_POOLS_RETRY), if deferred => "deferred IPPool change",
+            };
             let cfg = match reread() {
                 Ok(c) => c,
                 Err(e) => {
-                    tracing::error!(error = %format!("{e:#}"), "SIGHUP: config rejected; keeping the running one");
+                    tracing::error!(error = %format!("{e:#}"), "{why}: config rejected; keeping the running one");
+                    if cluster_changes.is_some() {
+                        node.notices.warning(
+                            "ConfigRefused",
+                            crate::notice::Subject::Node,
+                            format!("{why}: the agent keeps its running config: {e:#}"),
+                        );
+                    }
                     continue;
                 }
             };
@@ -66,24 +106,45 @@ where
             };
             if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
                 tracing::warn!(
-                    "SIGHUP: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
+                    "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
                      resync_interval_secs, [routes], [vxlan] and pools' vxlan take effect when \
                      the agent restarts"
                 );
             }
-            if let Err(e) = node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
-                tracing::error!(error = %e, "SIGHUP: pool change rejected; keeping the running pools");
-            } else {
-                node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
+            match node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
+                Ok(()) => {
+                    deferred = false;
+                    node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
+                }
+                Err(e) => {
+                    let again = deferred;
+                    deferred = cluster_changes.is_some();
+                    if deferred {
+                        tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools and trying again every {DEFERRED_POOLS_RETRY:?}");
+                        if !again {
+                            node.notices.warning(
+                                "IPPoolRefused",
+                                crate::notice::Subject::Node,
+                                format!(
+                                    "{why}: pool change refused, tried again every {}s: {e}",
+                                    DEFERRED_POOLS_RETRY.as_secs()
+                                ),
+                            );
+                        }
+                    } else {
+                        tracing::error!(error = %e, "{why}: pool change rejected; keeping the running pools");
+                    }
+                }
             }
             // Both validated by `reread` (AgentConfig::validate).
             let (Ok(xdp), Ok(nat)) = (cfg.xdp_policy(), cfg.nat_settings()) else {
                 continue;
             };
             match node.endpoints.reload_dataplane(Reload { xdp, nat }).await {
-                Ok(()) => tracing::info!("SIGHUP: dataplane settings reloaded"),
+                Ok(()) => tracing::info!(service_cidrs = ?cfg.nat.service_cidrs,
+                    node_labels = ?cfg.node_labels, "{why}: dataplane settings reloaded"),
                 Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
-                    "SIGHUP: cannot apply the dataplane settings"),
+                    "{why}: cannot apply the dataplane settings"),
             }
         }
     });

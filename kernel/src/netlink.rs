@@ -508,7 +508,7 @@ pub struct RouteEntry {
 }
 
 impl RouteEntry {
-    fn from_message(message: &RouteMessage) -> Option<RouteEntry> {
+    pub(crate) fn from_message(message: &RouteMessage) -> Option<RouteEntry> {
         let mut dst = None;
         let mut gateway = None;
         let mut oif = None;
@@ -673,8 +673,7 @@ pub fn link_mtu(name: &str) -> Result<u32, NetlinkError> {
     }
     // SAFETY: SIOCGIFMTU reads `ifr_name` (NUL-terminated: the name is at most 15 bytes and
     // the array 16 zeroed) and writes `ifr_mtu` of the ifreq we pass, valid for the call.
-    // `as _`: the request is a `c_ulong` in glibc's declaration and a `c_int` in musl's (the
-    // plugin ships as a static musl build).
+    // (The request is a c_ulong for glibc and a c_int for musl, which the image is built for.)
     if unsafe { libc::ioctl(fd.as_raw_fd(), libc::SIOCGIFMTU as _, &mut req) } < 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ENODEV) {

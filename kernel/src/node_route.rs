@@ -127,6 +127,49 @@ pub async fn add(handle: &Handle, route: &NodeRoute, replace: bool) -> Result<()
     })
 }
 
+/// A change to calix's routes to nodes, as the kernel tells route listeners.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    Added(NodeRoute),
+    Removed(NodeRoute),
+}
+
+/// The changes to calix's node routes in one datagram read from a netlink socket that listens
+/// to the route groups (`RTMGRP_IPV4_ROUTE`, `RTMGRP_IPV6_ROUTE`): other routes and messages
+/// are skipped, and so is the rest of a datagram after a message that does not parse.
+pub fn changes(datagram: &[u8]) -> Vec<Change> {
+    use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+    use netlink_packet_route::RouteNetlinkMessage;
+    let mut out = Vec::new();
+    let mut rest = datagram;
+    while !rest.is_empty() {
+        let Ok(m) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(rest) else {
+            break;
+        };
+        // Messages are 4-byte aligned within a datagram.
+        let len = (m.header.length as usize).next_multiple_of(4);
+        let change = match &m.payload {
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewRoute(r)) => Some((true, r)),
+            NetlinkPayload::InnerMessage(RouteNetlinkMessage::DelRoute(r)) => Some((false, r)),
+            _ => None,
+        };
+        let route = change.and_then(|(added, r)| {
+            let route = NodeRoute::from_entry(&RouteEntry::from_message(r)?)?;
+            Some(if added {
+                Change::Added(route)
+            } else {
+                Change::Removed(route)
+            })
+        });
+        out.extend(route);
+        if len == 0 || len >= rest.len() {
+            break;
+        }
+        rest = &rest[len..];
+    }
+    out
+}
+
 /// Deletes exactly `route`; `Ok(false)` when there was none.
 pub async fn delete(handle: &Handle, route: &NodeRoute) -> Result<bool, NetlinkError> {
     let message = route.message().ok_or_else(|| family_mismatch(route))?;
@@ -158,6 +201,45 @@ mod tests {
         // A pod's host route (no gateway) and another protocol's route are not.
         assert_eq!(NodeRoute::from_entry(&entry(None, ROUTE_PROTO)), None);
         assert_eq!(NodeRoute::from_entry(&entry(Some("172.31.2.3"), 4)), None);
+    }
+
+    #[test]
+    fn route_changes_are_read_from_a_datagram() {
+        use netlink_packet_core::{NetlinkHeader, NetlinkMessage, NetlinkPayload};
+        use netlink_packet_route::RouteNetlinkMessage;
+        let ours = NodeRoute {
+            dst: "10.244.1.0/26".parse().expect("net"),
+            gateway: "172.31.1.2".parse().expect("ip"),
+            oif: 2,
+            onlink: false,
+        };
+        let pods = NodeRoute {
+            dst: "10.244.0.7/32".parse().expect("net"),
+            ..ours
+        };
+        let mut pods_host_route = pods.message().expect("message");
+        pods_host_route
+            .attributes
+            .retain(|a| !matches!(a, netlink_packet_route::route::RouteAttribute::Gateway(_)));
+        let messages = [
+            RouteNetlinkMessage::NewRoute(ours.message().expect("message")),
+            RouteNetlinkMessage::NewRoute(pods_host_route),
+            RouteNetlinkMessage::DelRoute(pods.message().expect("message")),
+        ];
+        let mut datagram = Vec::new();
+        for m in messages {
+            let mut m = NetlinkMessage::new(NetlinkHeader::default(), NetlinkPayload::from(m));
+            m.finalize();
+            let mut buf = vec![0; m.buffer_len()];
+            m.serialize(&mut buf);
+            datagram.extend(buf);
+        }
+        assert_eq!(
+            changes(&datagram),
+            [Change::Added(ours), Change::Removed(pods)],
+            "a host route (no gateway) is no node route"
+        );
+        assert_eq!(changes(&datagram[..10]), []);
     }
 
     #[test]

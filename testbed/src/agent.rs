@@ -50,6 +50,10 @@ pub struct AgentSpec {
     /// `--bpf-object`: programs other than the built-in ones.
     pub object: Option<PathBuf>,
     pub log_level: &'static str,
+    /// Environment variables for the agent.
+    pub env: Vec<(String, String)>,
+    /// Pass `--node-name` (else the agent finds its name itself, e.g. in `CALIX_NODE_NAME`).
+    pub node_name_flag: bool,
 }
 
 impl AgentSpec {
@@ -63,6 +67,8 @@ impl AgentSpec {
             store_path: None,
             object: None,
             log_level: "info",
+            env: Vec::new(),
+            node_name_flag: true,
         }
     }
 }
@@ -106,10 +112,11 @@ impl Agent {
         let s = &self.spec;
         let path = |p: &Path| p.display().to_string();
         let store = s.store_path.clone().unwrap_or(self.dir.join("store.json"));
-        let mut args: Vec<String> = vec![
-            path(&s.bins.join("calix-agent")),
-            "--node-name".into(),
-            self.name.clone(),
+        let mut args: Vec<String> = vec![path(&s.bins.join("calix-agent"))];
+        if s.node_name_flag {
+            args.extend(["--node-name".into(), self.name.clone()]);
+        }
+        args.extend([
             "--socket".into(),
             path(&self.socket),
             "--datastore-path".into(),
@@ -120,7 +127,7 @@ impl Agent {
             s.log_level.into(),
             "--bpf-pin-root".into(),
             path(&self.pin_root()),
-        ];
+        ]);
         match &s.config {
             Some(text) => {
                 let p = self.dir.join("agent.toml");
@@ -141,6 +148,7 @@ impl Agent {
     pub fn spawn(&self, extra: &[&str]) -> Result<()> {
         let args = self.args(extra)?;
         let mut cmd = command_in(self.netns.as_deref(), &args[0], None, true)?;
+        cmd.envs(self.spec.env.iter().map(|(k, v)| (k, v)));
         let child = spawn_logged(cmd.args(&args[1..]), &self.log_path())?;
         *self.child() = Some(child);
         Ok(())
@@ -213,6 +221,11 @@ impl Agent {
         )
     }
 
+    /// Number of addresses allocated in the datastore (`calixctl ipam show`).
+    pub fn allocated(&self) -> Result<usize> {
+        Ok(used(&self.calixctl_json(&["ipam", "show"])?))
+    }
+
     /// Packets dropped on `iface` for `reason` (0 when never), from `calixctl bpf counters`.
     pub fn dropped(&self, iface: &str, reason: &str) -> Result<u64> {
         let v = self.calixctl_json(&["bpf", "counters"])?;
@@ -245,7 +258,12 @@ pub fn allocated_from(out: &Output) -> usize {
         String::from_utf8_lossy(&out.stderr)
     );
     let v: Value = serde_json::from_slice(&out.stdout).expect("ipam show json");
-    v["blocks"]
+    used(&v)
+}
+
+/// Addresses in use in every block of a `calixctl ipam show -o json` report.
+fn used(report: &Value) -> usize {
+    report["blocks"]
         .as_array()
         .map(|b| {
             b.iter()

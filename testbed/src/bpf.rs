@@ -1,6 +1,6 @@
 //! The kernel's view of BPF objects through bpftool: a process's maps, a hash map's keys, a
-//! program's run time.
-use std::path::{Path, PathBuf};
+//! program's run time, the programs attached to a namespace's devices.
+use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
@@ -151,12 +151,12 @@ fn prog_stats(name: &str) -> Result<(u64, u64)> {
     }))
 }
 
-/// (run_time_ns, run_cnt) of the program pinned at `pin`.
-fn pinned_prog_stats(pin: &Path) -> Result<(u64, u64)> {
+/// (run_time_ns, run_cnt) of the one program `bpftool prog show <how> <what>` prints.
+fn one_prog_stats(how: &str, what: impl AsRef<std::ffi::OsStr>) -> Result<(u64, u64)> {
     let p = json(
         Command::new("bpftool")
-            .args(["-j", "prog", "show", "pinned"])
-            .arg(pin),
+            .args(["-j", "prog", "show", how])
+            .arg(what),
     )?;
     let field = |k: &str| p[k].as_u64().unwrap_or(0);
     Ok((field("run_time_ns"), field("run_cnt")))
@@ -210,7 +210,7 @@ pub fn pinned_run_time<E: From<Error>>(
     pins: &[PathBuf],
     load: impl FnOnce() -> Result<(), E>,
 ) -> Result<Vec<RunTime>, E> {
-    let read = || pins.iter().map(|p| pinned_prog_stats(p)).collect();
+    let read = || pins.iter().map(|p| one_prog_stats("pinned", p)).collect();
     Ok(with_stats(read, load)?
         .into_iter()
         .map(RunTime::of)
@@ -235,4 +235,90 @@ pub fn program_run_time<E: From<Error>>(
         .into());
     }
     Ok((ns as f64 / runs as f64, runs))
+}
+
+/// A BPF program attached to a device of a namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attached {
+    pub dev: String,
+    /// `xdp`, or tc's `ingress` / `egress`.
+    pub hook: String,
+    pub name: String,
+    pub id: u64,
+}
+
+/// The tc and XDP programs attached to the devices of `ns` (`bpftool net show`, run inside it).
+pub fn attached(ns: &crate::Netns) -> Result<Vec<Attached>> {
+    let v = json(ns.command("bpftool")?.args(["-j", "net", "show"]))?;
+    Ok(attached_from(&v))
+}
+
+fn attached_from(v: &Value) -> Vec<Attached> {
+    let mut out = Vec::new();
+    for section in v.as_array().into_iter().flatten() {
+        for (kind, hook) in [("xdp", None), ("tc", Some(()))] {
+            for p in section[kind].as_array().into_iter().flatten() {
+                let (Some(dev), Some(id)) = (
+                    p["devname"].as_str(),
+                    p["id"].as_u64().or(p["prog_id"].as_u64()),
+                ) else {
+                    continue;
+                };
+                let hook = match hook {
+                    None => "xdp".to_string(),
+                    // "clsact/ingress", "tcx/egress", ...
+                    Some(()) => p["kind"]
+                        .as_str()
+                        .and_then(|k| k.rsplit('/').next())
+                        .unwrap_or("tc")
+                        .to_string(),
+                };
+                out.push(Attached {
+                    dev: dev.to_string(),
+                    hook,
+                    name: p["name"].as_str().unwrap_or("?").to_string(),
+                    id,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Runs `load` with the kernel's BPF run-time statistics on; for each of `ids`, its
+/// (run_time_ns, run_cnt) during the load.
+pub fn run_time_by_id<E: From<Error>>(
+    ids: &[u64],
+    load: impl FnOnce() -> Result<(), E>,
+) -> Result<Vec<(u64, u64)>, E> {
+    let read = || {
+        ids.iter()
+            .map(|id| one_prog_stats("id", id.to_string()))
+            .collect()
+    };
+    with_stats(read, load)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attached_programs_are_read_from_bpftool_net() {
+        let v: Value = serde_json::from_str(
+            r#"[{"xdp":[{"devname":"eth0","ifindex":2,"mode":"driver","id":41}],
+                 "tc":[{"devname":"eth0","ifindex":2,"kind":"clsact/ingress","name":"from_host_dev","id":42},
+                       {"devname":"cali1234","ifindex":5,"kind":"tcx/egress","name":"to_pod","prog_id":43}],
+                 "flow_dissector":[],"netfilter":[]}]"#,
+        )
+        .expect("json");
+        let a = attached_from(&v);
+        assert_eq!(a.len(), 3);
+        assert_eq!((a[0].hook.as_str(), a[0].id), ("xdp", 41));
+        assert_eq!(
+            (a[1].dev.as_str(), a[1].hook.as_str(), a[1].name.as_str()),
+            ("eth0", "ingress", "from_host_dev")
+        );
+        assert_eq!((a[2].hook.as_str(), a[2].id), ("egress", 43));
+    }
 }

@@ -40,19 +40,19 @@ impl Cluster {
         Self::launch_with(
             || unique("u"),
             |i| unique(&format!("n{i}")),
-            dataplane,
+            AgentSpec::new(crate::bin_dir(), dataplane),
             subnets,
             config,
         )
         .unwrap_or_else(|e| panic!("{e}"))
     }
 
-    /// As [`Cluster::create`], named by `underlay_name` and `node_name(i)` (benches), errors
-    /// returned.
+    /// As [`Cluster::create`], named by `underlay_name` and `node_name(i)` (benches), every
+    /// agent as `spec` says (its binaries, dataplane; the config is replaced), errors returned.
     pub fn launch_with(
         underlay_name: impl FnOnce() -> String,
         node_name: impl Fn(usize) -> String,
-        dataplane: Dataplane,
+        spec: AgentSpec,
         subnets: &[u8],
         config: impl Fn(usize, &Cluster) -> String,
     ) -> Result<Self> {
@@ -92,8 +92,7 @@ impl Cluster {
             ns.ip("link set lo up")?;
             ns.ip(&format!("route add default via {}", gateway(s, false)))?;
             ns.ip(&format!("-6 route add default via {}", gateway(s, true)))?;
-            let spec = AgentSpec::new(crate::bin_dir(), dataplane);
-            let node = Node::in_ns(ns, spec, &node_address(i, s))?;
+            let node = Node::in_ns(ns, spec.clone(), &node_address(i, s))?;
             cluster.nodes.push(node);
         }
         // Until each node reaches its gateway both ways (IPv6 addresses and neighbours of
@@ -120,11 +119,24 @@ impl Cluster {
         Ok(cluster)
     }
 
+    /// Sets every agent's config to `config(i, &cluster)` (TOML), for configs that can fail to
+    /// build (e.g. with [`Cluster::routes_config`]).
+    pub fn configure(&mut self, config: impl Fn(usize, &Cluster) -> Result<String>) -> Result<()> {
+        for i in 0..self.nodes.len() {
+            let text = config(i, self)?;
+            self.nodes[i].agent_mut().spec.config = Some(text);
+        }
+        Ok(())
+    }
+
     /// Starts every agent, in order, each until it answers. Panics on failure.
     pub fn start(&self) {
-        for n in &self.nodes {
-            n.start_agent();
-        }
+        self.try_start().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Starts every agent, in order, each until it answers.
+    pub fn try_start(&self) -> Result<()> {
+        self.nodes.iter().try_for_each(|n| n.agent().start(&[]))
     }
 
     /// The underlay namespace (bridges, the router, etcd).

@@ -48,6 +48,8 @@ pub enum Error {
         stdout: String,
         stderr: String,
     },
+    #[error("Kubernetes API: {what}: {detail}")]
+    Kube { what: String, detail: String },
     #[error("a thread of the test bed panicked: {what}")]
     Panicked { what: String },
 }

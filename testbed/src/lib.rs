@@ -16,10 +16,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 mod agent;
 pub mod bpf;
+pub mod chart_tools;
 mod cluster;
 mod cni;
 mod error;
 mod etcd;
+pub mod image;
+pub mod k8s;
+pub mod kubelet;
 mod netns;
 mod node;
 pub mod packets;
@@ -36,6 +40,8 @@ pub use cluster::{Cluster, SUBNETS};
 pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;
+pub use k8s::KubeApi;
+pub use kubelet::{CniDirs, KubeNode};
 pub use netns::{uplink, veth, Capture, Netns};
 pub use node::{Node, NODE_IP, POOL};
 pub use pod::Pod;
@@ -56,4 +62,26 @@ pub fn unique(tag: &str) -> String {
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// Polls `f` every 50 ms until it gives something, at most `timeout`; then panics naming
+/// `what` and showing `show()` (e.g. an agent's log).
+pub fn wait_for<T>(
+    what: &str,
+    timeout: std::time::Duration,
+    mut f: impl FnMut() -> Option<T>,
+    show: impl Fn() -> String,
+) -> T {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {timeout:?}: {what}\n{}",
+            show()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

@@ -4,6 +4,7 @@ use serde_json::Value;
 use crate::cni::{cni_call, CniOutput};
 use crate::netns::Netns;
 use crate::node::Node;
+use crate::{Error, Result};
 
 /// A pod: a namespace wired through `calix` ADD on a node. DEL runs on drop if not done.
 pub struct Pod<'a> {
@@ -69,9 +70,61 @@ impl<'a> Pod<'a> {
         pod
     }
 
+    /// ADDs the Kubernetes pod `default/<pod_name>` in `ns` (a namespace the caller named,
+    /// e.g. the demo's); an error with the plugin's output when ADD fails.
+    pub fn launch(node: &'a Node, ns: Netns, pod_name: &str, extra: Value) -> Result<Self> {
+        let pod = Self::try_add_in(node, ns, pod_name, "eth0", extra);
+        if !pod.result.success {
+            return Err(Error::Unexpected {
+                what: format!("CNI ADD of {pod_name} on {}", node.ns.name),
+                found: format!("{}\n{}", pod.result.stdout.trim(), pod.result.stderr.trim()),
+                expected: "a result with the pod's addresses".into(),
+            });
+        }
+        Ok(pod)
+    }
+
+    /// ADDs a sandbox of the Kubernetes pod `namespace/name` with UID `uid` (as a kubelet
+    /// does: every K8S_POD_* argument); panics if ADD fails.
+    pub fn add_k8s(node: &'a Node, namespace: &str, name: &str, uid: &str, extra: Value) -> Self {
+        let pod = Self::try_add_k8s(node, namespace, name, uid, extra);
+        assert!(
+            pod.result.success,
+            "ADD of {namespace}/{name} failed: {}\n{}\nagent log:\n{}",
+            pod.result.stdout,
+            pod.result.stderr,
+            node.agent_log()
+        );
+        pod
+    }
+
+    /// [`Pod::add_k8s`]; the result may be a failure.
+    pub fn try_add_k8s(
+        node: &'a Node,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        extra: Value,
+    ) -> Self {
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_UID={uid}"
+        );
+        Self::try_add_with_args(node, Netns::new("p"), args, "eth0", extra)
+    }
+
     fn try_add_in(node: &'a Node, ns: Netns, pod_name: &str, ifname: &str, extra: Value) -> Self {
-        let container_id = format!("{}{}", ns.name, "0123456789abcdef");
         let cni_args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=default;K8S_POD_NAME={pod_name}");
+        Self::try_add_with_args(node, ns, cni_args, ifname, extra)
+    }
+
+    fn try_add_with_args(
+        node: &'a Node,
+        ns: Netns,
+        cni_args: String,
+        ifname: &str,
+        extra: Value,
+    ) -> Self {
+        let container_id = format!("{}{}", ns.name, "0123456789abcdef");
         let mut pod = Self {
             ns,
             node,
@@ -139,9 +192,21 @@ impl<'a> Pod<'a> {
 
     /// DELs the pod; panics if DEL fails.
     pub fn del(&mut self) {
+        self.try_del().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// DELs the pod; an error with the plugin's output when DEL fails.
+    pub fn try_del(&mut self) -> Result<()> {
         let out = self.call("DEL", Value::Null);
-        assert!(out.success, "DEL failed: {} {}", out.stdout, out.stderr);
+        if !out.success {
+            return Err(Error::Unexpected {
+                what: format!("CNI DEL of {}", self.container_id),
+                found: format!("{} {}", out.stdout.trim(), out.stderr.trim()),
+                expected: "success".into(),
+            });
+        }
         self.deleted = true;
+        Ok(())
     }
 }
 

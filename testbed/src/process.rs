@@ -185,13 +185,17 @@ pub fn require_root() {
     );
 }
 
-/// target/<profile> of the running test binary (it lives in target/<profile>/deps).
+/// target/<profile> of the running binary: a test binary lives in target/<profile>/deps, a
+/// workspace binary (xtask) in target/<profile> itself.
 pub fn bin_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/<profile>/deps")
-        .to_path_buf()
+    let dir = exe
+        .parent()
+        .expect("the running binary lives in a directory");
+    match dir.file_name() {
+        Some(name) if name == "deps" => dir.parent().unwrap_or(dir).to_path_buf(),
+        _ => dir.to_path_buf(),
+    }
 }
 
 /// Path of a workspace binary built next to this test (target/<profile>/<name>).

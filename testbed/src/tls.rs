@@ -54,6 +54,13 @@ impl TlsFiles {
 impl Ca {
     /// A new CA named `name` (its common name).
     pub fn new(name: &str) -> Result<Self> {
+        let key = KeyPair::generate().map_err(rcgen_err("CA key"))?;
+        Self::with_key(name, key)
+    }
+
+    /// The CA named `name` with `key`: the same key and name always make a certificate with
+    /// the same subject and public key, so what it issues chains to any earlier one of them.
+    fn with_key(name: &str, key: KeyPair) -> Result<Self> {
         let mut params = CertificateParams::new(Vec::<String>::new()).map_err(rcgen_err("CA"))?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -62,9 +69,25 @@ impl Ca {
             KeyUsagePurpose::CrlSign,
             KeyUsagePurpose::DigitalSignature,
         ];
-        let key = KeyPair::generate().map_err(rcgen_err("CA key"))?;
         let cert = params.self_signed(&key).map_err(rcgen_err("CA"))?;
         Ok(Self { cert, key })
+    }
+
+    /// Writes the CA itself into `dir` — `ca.crt`, and its key `ca.key` (mode 0600) — for a
+    /// process that issues certificates of its own ([`Ca::load`]).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(Error::io(format!("create {}", dir.display())))?;
+        write_file(&dir.join(CA_CERT), &self.pem(), 0o644)?;
+        write_file(&dir.join(CA_KEY), &self.key.serialize_pem(), 0o600)
+    }
+
+    /// The CA named `name` that [`Ca::save`] wrote into `dir`.
+    pub fn load(dir: &Path, name: &str) -> Result<Self> {
+        let path = dir.join(CA_KEY);
+        let pem = std::fs::read_to_string(&path)
+            .map_err(Error::io(format!("read {}", path.display())))?;
+        let key = KeyPair::from_pem(&pem).map_err(rcgen_err("CA key"))?;
+        Self::with_key(name, key)
     }
 
     /// The CA's certificate (PEM).
@@ -99,27 +122,33 @@ impl Ca {
 
     /// Writes `cert` as node `name`'s files in `dir`, with this CA.
     pub fn write_cert(&self, dir: &Path, name: &str, cert: &NodeCert) -> Result<TlsFiles> {
-        use std::os::unix::fs::OpenOptionsExt;
         std::fs::create_dir_all(dir).map_err(Error::io(format!("create {}", dir.display())))?;
         let files = TlsFiles {
-            ca: dir.join("ca.crt"),
+            ca: dir.join(CA_CERT),
             cert: dir.join(format!("{name}.crt")),
             key: dir.join(format!("{name}.key")),
         };
-        let write = |path: &Path, text: &str, mode: u32| {
-            use std::io::Write;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(mode)
-                .open(path)
-                .and_then(|mut f| f.write_all(text.as_bytes()))
-                .map_err(Error::io(format!("write {}", path.display())))
-        };
-        write(&files.ca, &self.pem(), 0o644)?;
-        write(&files.cert, &cert.cert_pem, 0o644)?;
-        write(&files.key, &cert.key_pem, 0o600)?;
+        write_file(&files.ca, &self.pem(), 0o644)?;
+        write_file(&files.cert, &cert.cert_pem, 0o644)?;
+        write_file(&files.key, &cert.key_pem, 0o600)?;
         Ok(files)
     }
+}
+
+/// The CA's certificate and key in a directory ([`Ca::write`], [`Ca::save`]).
+const CA_CERT: &str = "ca.crt";
+const CA_KEY: &str = "ca.key";
+
+/// Writes `text` to `path` (created with `mode`, or truncated).
+fn write_file(path: &Path, text: &str, mode: u32) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(path)
+        .and_then(|mut f| f.write_all(text.as_bytes()))
+        .map_err(Error::io(format!("write {}", path.display())))
 }

@@ -210,10 +210,11 @@ fn ipv6_and_dual_stack() {
 
 #[test]
 fn dual_stack_is_all_or_nothing() {
-    // IPv6 pool with room for exactly one pod.
+    // IPv6 pool with room for exactly one pod (fd00:20::, its Subnet-Router anycast address, is
+    // reserved).
     let node = Node::start_with_config(
         Dataplane::under_test(),
-        Some("[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:20::/128\"\nblockSize = 128\n"),
+        Some("[[pools]]\ncidr = \"10.244.0.0/16\"\n[[pools]]\ncidr = \"fd00:20::/127\"\nblockSize = 128\n"),
     );
     let extra = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
     let _a = Pod::add_with(&node, "a", extra.clone());

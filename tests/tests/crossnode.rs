@@ -22,6 +22,7 @@ use calix_kernel::host::{HostKernel, NetlinkHost};
 use calix_kernel::vxlan::{DEVICE_V4, DEVICE_V6};
 use calix_testbed::tls::Ca;
 use calix_testbed::traffic::echo::{echo_roundtrip, EchoServer, ECHO_PORT};
+use calix_testbed::traffic::probe::{first_replies, Pinger};
 use calix_testbed::{Cluster, Dataplane as Mode, Node, Pod};
 use ipnet::IpNet;
 use serde_json::Value;
@@ -188,17 +189,14 @@ fn calix_routes(c: &Cluster, i: usize) -> String {
     v4 + &v6
 }
 
-/// Pings `ip` from `from` until a reply, each try waiting 50 ms; how long it took, or `None`
-/// after `limit`.
+/// Pings `ip` from `from` every 5 ms until a reply; how long it took, or `None` after `limit`.
 fn first_reply(from: &Pod, ip: &str, limit: Duration) -> Option<Duration> {
     let t = Instant::now();
-    while t.elapsed() < limit {
-        let out = from.ns.exec(&["ping", "-c", "1", "-W", "0.05", "-q", ip]);
-        if out.status.success() {
-            return Some(t.elapsed());
-        }
-    }
-    None
+    let mut pinger = Pinger::open(&from.ns).expect("pinger");
+    let to = ip.parse().expect("IPv4 address");
+    let got =
+        first_replies(&mut [(&mut pinger, to)], Duration::from_millis(5), limit).expect("probe");
+    got[0].map(|at| at - t)
 }
 
 fn pods_reach_each_other_across_nodes(mode: Mode) {

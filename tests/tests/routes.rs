@@ -5,6 +5,8 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use calix_agent::routes::Route;
+use calix_routesim::{record, Plan, Server, Sim};
 use calix_testbed::tls::Ca;
 use calix_testbed::{Cluster, Dataplane, Pod};
 use serde_json::Value;
@@ -380,168 +382,74 @@ fn with_reflectors_nodes_follow_only_the_reflector_and_learn_every_node_through_
     );
 }
 
-/// One simulated peer: a Routes server announcing `routes` as node `name`, on `port`.
-struct SimServer {
-    name: String,
-    port: u16,
-    routes: Vec<Route>,
+/// [`calix_routesim::tls_material`], for tests.
+fn tls_material(
+    ca_pem: &str,
+    cert: &calix_testbed::tls::NodeCert,
+) -> calix_agent::routes::tls::TlsMaterial {
+    calix_routesim::tls_material(ca_pem, cert).expect("TLS material")
 }
 
-/// Simulated peers in the test process, on a thread inside node `i`'s namespace (whose agent
-/// does not run): node records and blocks written to etcd first, then a Routes server per
-/// [`SimServer`], each with a valid certificate of its own node (from `ca`). Stopped on drop.
-struct Sim {
-    stop: tokio::sync::watch::Sender<bool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Sim {
-    fn start(
-        c: &Cluster,
-        i: usize,
-        ca: &Ca,
-        records: Vec<calix_agent::model::NodeRecord>,
-        blocks: Vec<calix_agent::ipam::Block>,
-        servers: Vec<SimServer>,
-        known: Vec<String>,
-    ) -> Self {
-        use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
-        use calix_agent::routes::feed::Feed;
-        use calix_agent::routes::listener::{self, Limits};
-        use calix_agent::routes::server::{Feeds, Known, RoutesSvc};
-        use futures::StreamExt;
-        use std::sync::Arc;
-        let etcd = c.etcd_url(i);
-        let ca_pem = ca.pem();
-        let certs: Vec<_> = servers
-            .iter()
-            .map(|s| ca.issue(&s.name).expect("certificate"))
-            .collect();
-        let (stop, stop_rx) = tokio::sync::watch::channel(false);
-        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
-        let thread = c.nodes[i]
-            .ns
-            .spawn(None, move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("runtime");
-                rt.block_on(async move {
-                    let store = Arc::new(
-                        EtcdStore::connect(EtcdConfig {
-                            endpoints: vec![etcd],
-                            prefix: "/calix/".into(),
-                            timeout: Duration::from_secs(5),
-                            attempts: 3,
-                        })
-                        .await
-                        .expect("etcd"),
-                    );
-                    let puts: Vec<Op> = blocks
-                        .iter()
-                        .map(|b| Op::put_json(keys::block(&b.cidr), b))
-                        .chain(records.iter().map(|r| Op::put_json(keys::node(&r.name), r)))
-                        .collect();
-                    futures::stream::iter(puts)
-                        .map(|op| {
-                            let store = store.clone();
-                            async move {
-                                store
-                                    .txn(&[], &[op], Durability::Process)
-                                    .await
-                                    .expect("etcd put")
-                            }
-                        })
-                        .buffer_unordered(32)
-                        .collect::<Vec<_>>()
-                        .await;
-                    let mut served = Vec::new();
-                    for (s, cert) in servers.into_iter().zip(&certs) {
-                        let feeds = Arc::new(Feeds {
-                            own: Arc::new(Feed::default()),
-                            relay: Arc::new(Feed::default()),
-                            reflector: false,
-                        });
-                        feeds.own.publish(
-                            &s.routes.into_iter().map(|r| (r.prefix, r)).collect(),
-                            Instant::now(),
-                        );
-                        let known_nodes = Arc::new(Known::default());
-                        known_nodes.set(known.iter().cloned().collect());
-                        let sock = tokio::net::TcpListener::bind(("0.0.0.0", s.port))
+/// From node `from`'s namespace, through node `to`'s TCP door with a trusted certificate:
+/// the gRPC code each of the unix socket's services answers with (`Ipam.Status`,
+/// `Endpoints.List`, `RouteInfo.Show`).
+fn other_services_over_tcp(
+    c: &Cluster,
+    from: usize,
+    to: usize,
+    as_node: &str,
+    tls: std::sync::Arc<rustls::ClientConfig>,
+) -> Vec<(&'static str, tonic::Code)> {
+    use calix_agent::routes::client::{connect, Dialer};
+    use calix_proto::v1 as pb;
+    let dialer = Dialer {
+        me: as_node.to_string(),
+        tls: Some(tls),
+        connect_timeout: Duration::from_secs(3),
+    };
+    let peer = c.name(to).to_string();
+    let endpoint = format!("{}:5474", c.address(to));
+    c.nodes[from].ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let channel = connect(&peer, &endpoint, &dialer)
+                .await
+                .expect("the door lets a trusted certificate in");
+            let code = |r: Result<(), tonic::Status>| r.err().map_or(tonic::Code::Ok, |s| s.code());
+            vec![
+                (
+                    "Ipam.Status",
+                    code(
+                        pb::ipam_client::IpamClient::new(channel.clone())
+                            .status(pb::StatusRequest {})
                             .await
-                            .expect("bind");
-                        let svc = RoutesSvc {
-                            feeds,
-                            known: known_nodes,
-                            stats: Arc::default(),
-                            shutdown: stop_rx.clone(),
-                            throttle: Arc::default(),
-                        };
-                        let tls = tls_material(&ca_pem, cert)
-                            .server_config()
-                            .expect("server TLS");
-                        served.push(tokio::spawn(listener::serve(
-                            sock,
-                            Some(tls),
-                            svc,
-                            Limits::default(),
-                            stop_rx.clone(),
-                        )));
-                    }
-                    let _ = ready_tx.send(());
-                    for s in served {
-                        let _ = s.await;
-                    }
-                });
-            })
-            .expect("simulator thread");
-        ready_rx
-            .recv_timeout(Duration::from_secs(120))
-            .expect("simulated peers up");
-        Self {
-            stop,
-            thread: Some(thread),
-        }
-    }
-}
-
-impl Drop for Sim {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// A node record as an agent writes it: `address`, and a Routes endpoint (`None`: none).
-fn record(
-    name: &str,
-    address: &str,
-    endpoint: Option<String>,
-    reflector: bool,
-) -> calix_agent::model::NodeRecord {
-    calix_agent::model::NodeRecord {
-        name: name.into(),
-        addresses: vec![address.into()],
-        routes_endpoint: endpoint.unwrap_or_default(),
-        reflector,
-        ..Default::default()
-    }
-}
-
-use calix_agent::routes::tls::TlsMaterial;
-use calix_agent::routes::Route;
-
-fn tls_material(ca_pem: &str, cert: &calix_testbed::tls::NodeCert) -> TlsMaterial {
-    let p = std::path::Path::new("(test)");
-    TlsMaterial::from_pem(
-        (p, ca_pem.as_bytes()),
-        (p, cert.cert_pem.as_bytes()),
-        (p, cert.key_pem.as_bytes()),
-    )
-    .expect("TLS material")
+                            .map(drop),
+                    ),
+                ),
+                (
+                    "Endpoints.List",
+                    code(
+                        pb::endpoints_client::EndpointsClient::new(channel.clone())
+                            .list(pb::ListRequest {})
+                            .await
+                            .map(drop),
+                    ),
+                ),
+                (
+                    "RouteInfo.Show",
+                    code(
+                        pb::route_info_client::RouteInfoClient::new(channel)
+                            .show(pb::RouteInfoRequest {})
+                            .await
+                            .map(drop),
+                    ),
+                ),
+            ]
+        })
+    })
 }
 
 /// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
@@ -633,19 +541,21 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
         &c,
         2,
         &ca,
-        vec![record(
-            &rogue,
-            &rogue_hop,
-            Some(format!("{rogue_hop}:5474")),
-            false,
-        )],
-        vec![],
-        vec![SimServer {
-            name: rogue.clone(),
-            port: 5474,
-            routes: announce,
-        }],
-        vec![c.name(0).into(), c.name(1).into()],
+        Plan {
+            records: vec![record(
+                &rogue,
+                &rogue_hop,
+                Some(format!("{rogue_hop}:5474")),
+                false,
+            )],
+            blocks: vec![],
+            servers: vec![Server {
+                name: rogue.clone(),
+                port: 5474,
+                routes: announce,
+            }],
+            known: vec![c.name(0).into(), c.name(1).into()],
+        },
     );
     for i in 0..2 {
         wait_for(
@@ -775,6 +685,20 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
         ),
     )
     .expect("node 1's certificate as node 1");
+    // Only Routes is served on TCP: IPAM, endpoints and the route report stay on the unix
+    // socket, even for a trusted node.
+    let answers = other_services_over_tcp(
+        &c,
+        2,
+        0,
+        c.name(1),
+        tls_material(&ca.pem(), &node1_cert)
+            .client_config()
+            .expect("client"),
+    );
+    for (service, code) in answers {
+        assert_eq!(code, tonic::Code::Unimplemented, "{service} over TCP");
+    }
     let door = &peers(&c, 0)["door"];
     assert!(door["refused_tls"].as_u64() >= Some(3), "{door}");
     assert!(door["refused_identity"].as_u64() >= Some(2), "{door}");
@@ -881,27 +805,8 @@ fn desired_count(c: &Cluster, i: usize) -> Option<u64> {
 
 /// (resident memory in KiB, CPU seconds) of a process.
 fn rss_and_cpu(pid: u32) -> (u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // After the command name in parentheses: state is field 3, utime 14, stime 15.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |i: usize| {
-        fields
-            .get(i - 3)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    (rss, (ticks(14) + ticks(15)) / hz.max(1.0))
+    let u = calix_testbed::traffic::cpu::ProcessUsage::read(pid).expect("the agent runs");
+    (u.rss_kib, u.cpu_secs)
 }
 
 /// One agent and 100 simulated peers with 100 blocks each: in a full mesh it follows all of
@@ -919,50 +824,21 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
                 + &c.routes_config(i, &ca, &format!("topology = \"{topology}\""))
                     .expect("routes config")
         });
-        let host = c.address(1);
-        let mut records = Vec::new();
-        let mut blocks = Vec::new();
-        let mut servers = Vec::new();
-        let mut all = Vec::new();
-        for k in 0..PEERS {
-            let name = format!("sim{k:03}");
-            let hop = format!("172.31.1.{}", 100 + k);
-            let port = 6000 + k as u16;
-            let endpoint = (topology == "mesh").then(|| format!("{host}:{port}"));
-            records.push(record(&name, &hop, endpoint, false));
-            let mut routes = Vec::new();
-            for b in 0..BLOCKS {
-                let base =
-                    u32::from(std::net::Ipv4Addr::new(10, 240, 0, 0)) + (k * BLOCKS + b) * 64;
-                let cidr: ipnet::IpNet = ipnet::Ipv4Net::new(std::net::Ipv4Addr::from(base), 26)
-                    .expect("cidr")
-                    .into();
-                blocks.push(calix_agent::ipam::Block::new(cidr, &name));
-                routes.push(Route {
-                    prefix: cidr,
-                    node: name.clone(),
-                    next_hop: hop.parse().expect("hop"),
-                });
-            }
-            if topology == "mesh" {
-                servers.push(SimServer { name, port, routes });
-            } else {
-                all.extend(routes);
-            }
-        }
-        if topology == "reflectors" {
-            records.push(record(
-                "simr",
-                "172.31.1.99",
-                Some(format!("{host}:6999")),
-                true,
-            ));
-            servers.push(SimServer {
-                name: "simr".into(),
-                port: 6999,
-                routes: all,
-            });
-        }
+        let plan = calix_routesim::scale(
+            &calix_routesim::Scale {
+                peers: PEERS,
+                blocks_per_peer: BLOCKS,
+                pool: "10.240.0.0/12".parse().expect("pool"),
+                block_len: 26,
+                first_hop: std::net::Ipv4Addr::new(172, 31, 1, 100),
+                first_port: 6000,
+                host: c.address(1).parse().expect("address"),
+                reflector: (topology == "reflectors")
+                    .then_some((std::net::Ipv4Addr::new(172, 31, 1, 99), 6999)),
+            },
+            vec![c.name(0).into()],
+        )
+        .expect("plan");
         // Mesh: the agent starts on a datastore that has it all (a restart). Reflectors: the
         // agent runs first (its own RSS measured), then the peers appear.
         let start_agent = || {
@@ -977,7 +853,7 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
             before = Some(rss_and_cpu(c.nodes[0].agent_pid().expect("agent pid")));
         }
         let written = Instant::now();
-        let _sim = Sim::start(&c, 1, &ca, records, blocks, servers, vec![c.name(0).into()]);
+        let _sim = Sim::start(&c, 1, &ca, plan);
         eprintln!(
             "{topology}: simulated peers up ({:?} to write 10,000 blocks)",
             written.elapsed()

@@ -11,7 +11,6 @@
 //! small wrapper that logs every CNI call the runtime makes before it execs the real `calix`.
 use calix_testbed::{bin, require_root, run, unique, RootAgent};
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -184,165 +183,6 @@ fn unmount_under(dir: &Path) {
     for m in mounts_under(dir) {
         let _ = Command::new("umount").args(["-l", &m]).status();
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Container images: a busybox-static rootfs, and an OCI image tarball of it.
-
-const BUSYBOX: &str = "/bin/busybox";
-/// Directories of the rootfs, and the applets the containers use (symlinks to busybox).
-const ROOTFS_DIRS: [&str; 8] = ["bin", "dev", "etc", "proc", "run", "sys", "tmp", "var"];
-const APPLETS: [&str; 5] = ["cat", "ip", "ping", "sh", "sleep"];
-
-/// Whether `path` is an ELF executable without a program interpreter (statically linked).
-fn is_static_elf(path: &str) -> bool {
-    let Ok(b) = std::fs::read(path) else {
-        return false;
-    };
-    if b.len() < 64 || &b[..4] != b"\x7fELF" || b[4] != 2 {
-        return false; // not a 64-bit ELF
-    }
-    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
-    let phoff = u64::from_le_bytes(b[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
-    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
-    (0..phnum).all(|i| {
-        let o = phoff + i * phentsize;
-        // PT_INTERP = 3.
-        b.get(o..o + 4)
-            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != 3)
-    })
-}
-
-/// `<dir>/rootfs`: /bin/busybox (static) and a symlink per applet.
-fn busybox_rootfs(dir: &Path) -> PathBuf {
-    assert!(
-        is_static_elf(BUSYBOX),
-        "{BUSYBOX} is missing or not static: install busybox-static (`cargo xtask setup`)"
-    );
-    let root = dir.join("rootfs");
-    for d in ROOTFS_DIRS {
-        std::fs::create_dir_all(root.join(d)).expect("rootfs dir");
-    }
-    std::fs::copy(BUSYBOX, root.join("bin/busybox")).expect("copy busybox");
-    for a in APPLETS {
-        std::os::unix::fs::symlink("busybox", root.join("bin").join(a)).expect("applet symlink");
-    }
-    root
-}
-
-fn sha256_hex(data: &[u8]) -> String {
-    format!("{:x}", Sha256::digest(data))
-}
-
-fn tar_entry(
-    b: &mut tar::Builder<Vec<u8>>,
-    path: &str,
-    kind: tar::EntryType,
-    mode: u32,
-    data: &[u8],
-) {
-    let mut h = tar::Header::new_ustar();
-    h.set_entry_type(kind);
-    h.set_mode(mode);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h.set_size(data.len() as u64);
-    b.append_data(&mut h, path, data).expect("tar entry");
-}
-
-/// An OCI image layout tarball (one uncompressed layer with the busybox rootfs) that
-/// `ctr images import` takes, named `name`.
-fn oci_image_tar(name: &str) -> Vec<u8> {
-    let busybox = std::fs::read(BUSYBOX).expect("read busybox");
-    let mut layer = tar::Builder::new(Vec::new());
-    for d in ROOTFS_DIRS {
-        tar_entry(&mut layer, d, tar::EntryType::Directory, 0o755, &[]);
-    }
-    tar_entry(
-        &mut layer,
-        "bin/busybox",
-        tar::EntryType::Regular,
-        0o755,
-        &busybox,
-    );
-    for a in APPLETS {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_mode(0o777);
-        h.set_size(0);
-        h.set_mtime(0);
-        layer
-            .append_link(&mut h, format!("bin/{a}"), "busybox")
-            .expect("tar symlink");
-    }
-    let layer = layer.into_inner().expect("layer tar");
-    let arch = match std::env::consts::ARCH {
-        "x86_64" => "amd64",
-        "aarch64" => "arm64",
-        other => other,
-    };
-    let config = json!({
-        "architecture": arch,
-        "os": "linux",
-        "config": { "Cmd": ["/bin/sh"] },
-        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&layer))] },
-    })
-    .to_string()
-    .into_bytes();
-    let manifest = json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {
-            "mediaType": "application/vnd.oci.image.config.v1+json",
-            "digest": format!("sha256:{}", sha256_hex(&config)),
-            "size": config.len(),
-        },
-        "layers": [{
-            "mediaType": "application/vnd.oci.image.layer.v1.tar",
-            "digest": format!("sha256:{}", sha256_hex(&layer)),
-            "size": layer.len(),
-        }],
-    })
-    .to_string()
-    .into_bytes();
-    let index = json!({
-        "schemaVersion": 2,
-        "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "digest": format!("sha256:{}", sha256_hex(&manifest)),
-            "size": manifest.len(),
-            "annotations": {
-                "io.containerd.image.name": name,
-                "org.opencontainers.image.ref.name": name.rsplit(':').next().unwrap_or("latest"),
-            },
-        }],
-    })
-    .to_string()
-    .into_bytes();
-    let mut image = tar::Builder::new(Vec::new());
-    let file = tar::EntryType::Regular;
-    tar_entry(
-        &mut image,
-        "oci-layout",
-        file,
-        0o644,
-        br#"{"imageLayoutVersion":"1.0.0"}"#,
-    );
-    tar_entry(&mut image, "index.json", file, 0o644, &index);
-    tar_entry(&mut image, "blobs", tar::EntryType::Directory, 0o755, &[]);
-    tar_entry(
-        &mut image,
-        "blobs/sha256",
-        tar::EntryType::Directory,
-        0o755,
-        &[],
-    );
-    for blob in [&layer, &config, &manifest] {
-        let path = format!("blobs/sha256/{}", sha256_hex(blob));
-        tar_entry(&mut image, &path, file, 0o644, blob);
-    }
-    image.into_inner().expect("image tar")
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -632,7 +472,10 @@ fn podman_containers_reach_each_other() {
     let agent = RootAgent::start("pm", "10.251.10.0/24");
     let t0 = Instant::now();
     let pm = Podman::new(&agent);
-    let rootfs = busybox_rootfs(&pm.dir).display().to_string();
+    let rootfs = calix_testbed::image::busybox_rootfs(&pm.dir)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .display()
+        .to_string();
     let [nofile, nproc] = ulimits();
     let cgroup_parent = format!("/{}", pm.cgroup);
     let names = [unique("pa"), unique("pb")];
@@ -1073,7 +916,12 @@ fn containerd_containers_reach_each_other() {
     let t0 = Instant::now();
     let mut cd = Containerd::start(&agent);
     let tar = cd.dir.join("image.tar");
-    std::fs::write(&tar, oci_image_tar(IMAGE)).expect("write image tar");
+    std::fs::write(
+        &tar,
+        calix_testbed::image::busybox_oci_tar(IMAGE, &["/bin/sh"])
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .expect("write image tar");
     let tar = tar.display().to_string();
     cd.ok(&["images", "import", "--snapshotter", "native", &tar], 60);
 

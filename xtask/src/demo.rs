@@ -1,5 +1,12 @@
 //! `cargo xtask demo`: one node, two pods, on the embedded datastore, through the real `calix`
 //! CNI binary and a real conflist. Prints what it does; removes everything it made.
+//! `cargo xtask demo --nodes 3`: a cluster on one machine ([`cluster`]).
+//!
+//! Everything a demo creates is named `calix-demo-<pid>…`; Ctrl-C or SIGTERM stops it at the
+//! next step and it removes what it made on the way out; what a demo killed outright left is
+//! removed when the next one starts.
+mod cluster;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -9,6 +16,53 @@ use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 
 use crate::util::{self, output, run};
+use crate::{interrupt, leftovers};
+
+/// The dataplane the demo's agents run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// eBPF programs on every pod's veth (and the uplinks): the default.
+    Ebpf,
+    /// Plain kernel routing (routes, proxy ARP, IP forwarding), no BPF.
+    Kernel,
+}
+
+impl Mode {
+    fn dataplane(self) -> calix_testbed::Dataplane {
+        match self {
+            Self::Ebpf => calix_testbed::Dataplane::Ebpf,
+            Self::Kernel => calix_testbed::Dataplane::Kernel,
+        }
+    }
+
+    fn as_str(self) -> &'static str {
+        self.dataplane().as_str()
+    }
+
+    /// How the step lines name it.
+    fn label(self) -> &'static str {
+        match self {
+            Self::Ebpf => "eBPF",
+            Self::Kernel => "kernel",
+        }
+    }
+}
+
+/// Prefix of everything a demo creates: `calix-demo-<pid>…` namespaces, directories, pin roots.
+const PREFIX: &str = "calix-demo";
+
+/// `cargo xtask demo [--nodes N] [--mode M]`.
+pub fn run_demo(nodes: usize, mode: Mode) -> Result<()> {
+    match nodes {
+        // Ctrl-C also kills the running step's children: name the interrupt, not their failure.
+        1 => single_node(mode).or_else(|e| interrupt::check().and(Err(e))),
+        3 => cluster::run(mode),
+        n => bail!(
+            "--nodes {n}: the demo runs 1 node (the default) or 3 (two on one subnet, one on \
+             another)"
+        ),
+    }
+}
 
 const NODE_IP: &str = "10.99.0.1";
 const POOL: &str = "10.244.0.0/16";
@@ -58,8 +112,11 @@ impl Drop for Demo {
 /// bpffs directory of the demo agent's pins.
 const DEMO_PIN_ROOT: &str = "/sys/fs/bpf/calix-demo";
 
-fn step(n: u32, total: u32, what: &str) {
+/// Prints step `n`'s line; fails if the demo was interrupted (Ctrl-C, SIGTERM) meanwhile.
+fn step(n: u32, total: u32, what: &str) -> Result<()> {
+    interrupt::check()?;
     println!("\n[{n}/{total}] {what}");
+    Ok(())
 }
 
 /// Execs the calix plugin the way a runtime does: CNI_* env, the plugin's config on stdin.
@@ -124,25 +181,27 @@ fn ping(from_ns: &str, to: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn run_demo() -> Result<()> {
+fn single_node(mode: Mode) -> Result<()> {
     util::require_root("the demo")?;
     const TOTAL: u32 = 8;
-    step(1, TOTAL, "Installing prerequisites (cargo xtask setup)");
+    step(1, TOTAL, "Installing prerequisites (cargo xtask setup)")?;
     crate::setup::run()?;
     util::ensure_bpffs()?;
     step(
         2,
         TOTAL,
         "Building calix (CNI plugin), calix-agent and calixctl",
-    );
+    )?;
     let bins = util::build_bins()?;
+    interrupt::catch();
+    leftovers::remove_stale(PREFIX)?;
     let (calix, agent_bin, ctl) = (
         bins.join("calix"),
         bins.join("calix-agent"),
         bins.join("calixctl"),
     );
 
-    let prefix = format!("calix-demo-{}", std::process::id());
+    let prefix = format!("{PREFIX}-{}", std::process::id());
     let dir = std::env::temp_dir().join(&prefix);
     std::fs::create_dir_all(&dir)?;
     let mut demo = Demo {
@@ -156,7 +215,7 @@ pub fn run_demo() -> Result<()> {
         3,
         TOTAL,
         "Creating a node (a network namespace) and two pod namespaces",
-    );
+    )?;
     let node = demo.ns("node")?;
     run(Command::new("ip").args([
         "-n",
@@ -175,8 +234,11 @@ pub fn run_demo() -> Result<()> {
     step(
         4,
         TOTAL,
-        "Starting calix-agent in the node (embedded datastore, eBPF dataplane)",
-    );
+        &format!(
+            "Starting calix-agent in the node (embedded datastore, {} dataplane)",
+            mode.label()
+        ),
+    )?;
     let socket = dir.join("agent.sock");
     let log = std::fs::File::create(dir.join("agent.log"))?;
     let agent = Command::new("ip")
@@ -188,7 +250,7 @@ pub fn run_demo() -> Result<()> {
             "--pool",
             POOL,
             "--dataplane",
-            "ebpf",
+            mode.as_str(),
         ])
         .arg("--socket")
         .arg(&socket)
@@ -224,7 +286,7 @@ pub fn run_demo() -> Result<()> {
         5,
         TOTAL,
         "ADDing both pods through the calix CNI plugin (10-calix.conflist)",
-    );
+    )?;
     let conflist = json!({
         "cniVersion": "1.0.0",
         "name": "k8s-pod-network",
@@ -260,7 +322,7 @@ pub fn run_demo() -> Result<()> {
         ips.push(ip.split('/').next().unwrap_or_default().to_string());
     }
 
-    step(6, TOTAL, "Pinging pod to pod and pod to node");
+    step(6, TOTAL, "Pinging pod to pod and pod to node")?;
     println!("      pod-a -> pod-b ({})", ips[1]);
     ping(&pod_a, &ips[1])?;
     println!("      pod-b -> pod-a ({})", ips[0]);
@@ -271,14 +333,19 @@ pub fn run_demo() -> Result<()> {
     step(
         7,
         TOTAL,
-        "calixctl endpoints (counters come from the eBPF programs on each cali* veth)",
-    );
+        match mode {
+            Mode::Ebpf => {
+                "calixctl endpoints (counters come from the eBPF programs on each cali* veth)"
+            }
+            Mode::Kernel => "calixctl endpoints",
+        },
+    )?;
     let table = output(&mut ctl_cmd(&["endpoints"]))?;
     for l in table.lines() {
         println!("      {l}");
     }
 
-    step(8, TOTAL, "DELeting both pods and removing everything");
+    step(8, TOTAL, "DELeting both pods and removing everything")?;
     for (ns, pod) in [(&pod_a, "pod-a"), (&pod_b, "pod-b")] {
         let args = format!("IgnoreUnknown=1;K8S_POD_NAMESPACE=demo;K8S_POD_NAME={pod}");
         cni(

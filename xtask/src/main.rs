@@ -3,6 +3,9 @@ mod bench;
 mod build_ebpf;
 mod demo;
 mod fuzz;
+mod image;
+mod interrupt;
+mod leftovers;
 mod setup;
 mod test;
 mod util;
@@ -29,14 +32,26 @@ enum Task {
         #[arg(long)]
         feature: Option<String>,
     },
-    /// One node, two pods, pings, calixctl, teardown (needs root).
-    Demo,
+    /// One node, two pods, pings, calixctl, teardown (needs root). With `--nodes 3`: three
+    /// nodes on etcd (two on one subnet, one behind a router), route distribution over mutual
+    /// TLS, two dual-stack pods each, same-node, direct and VXLAN traffic checked.
+    Demo {
+        /// 1 (one node, embedded datastore) or 3 (a cluster).
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        /// The agents' dataplane.
+        #[arg(long, value_enum, default_value_t = demo::Mode::Ebpf)]
+        mode: demo::Mode,
+    },
     /// Setup, build, run every test, check nothing is left behind (needs root).
     Test {
         /// Extra arguments for `cargo test` (e.g. a test name filter after `--`).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The calix image, offline: static musl binaries, `podman build` (FROM scratch), then
+    /// `podman save --format oci-archive` to target/image/calix.oci.tar.
+    Image,
     /// Fuzz the CNI plugin's input parsing with cargo-fuzz (nightly); fails on any crash.
     Fuzz {
         /// How long to fuzz.
@@ -60,8 +75,9 @@ fn main() -> Result<()> {
     match Cli::parse().task {
         Task::Setup => setup::run(),
         Task::BuildEbpf { feature } => build_ebpf::run(feature.as_deref()),
-        Task::Demo => demo::run_demo(),
+        Task::Demo { nodes, mode } => demo::run_demo(nodes, mode),
         Task::Test { args } => test::run_tests(&args),
+        Task::Image => image::run_image().map(|_| ()),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
         Task::Netperf { mode } => bench::netperf(mode),

@@ -9,7 +9,8 @@ use std::{env, path::PathBuf, process::Command};
 use anyhow::{bail, Context, Result};
 
 /// Debian packages: LLVM for bpf-linker, the network tools the tests and benchmarks drive, the
-/// CNI reference plugins (loopback) and etcd for the datastore tests. No `protoc`: the protos
+/// CNI reference plugins (loopback) and etcd for the datastore tests (and under the shared
+/// kube-apiserver). No `protoc`: the protos
 /// are compiled by protox, in Rust, so building xtask itself needs nothing from this list.
 const APT_PACKAGES: &[&str] = &[
     "llvm-22-dev",
@@ -31,6 +32,15 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "python3",
     "runc",
+    // The chart's Python tools live in a virtual environment of Debian's python3 (PEP 668: no
+    // pip into the system); the image's binaries are static musl executables (ring's C code
+    // needs musl's compiler wrapper).
+    "python3-venv",
+    "musl-tools",
+    // The Kubernetes datastore's tests: the shared kube-apiserver is xz-compressed; its
+    // service-account key is made with openssl.
+    "xz-utils",
+    "openssl",
 ];
 
 /// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new
@@ -85,6 +95,11 @@ const STEPS: &[Step] = &[
         what: "bpf-linker",
         check: check_bpf_linker,
         install: install_bpf_linker,
+    },
+    Step {
+        what: "chart tools (helm-python-sdk, kubernetes-validate)",
+        check: check_chart_tools,
+        install: install_chart_tools,
     },
 ];
 
@@ -350,6 +365,66 @@ fn llvm_warning() -> Result<Option<String>> {
         )),
         _ => None,
     })
+}
+
+// --- the chart's Python tools ------------------------------------------------------------
+
+use calix_testbed::chart_tools;
+
+fn check_chart_tools() -> Result<State> {
+    let venv = chart_tools::venv_dir(&crate::util::workspace_root())
+        .with_context(|| format!("reading {}", chart_tools::REQUIREMENTS))?;
+    Ok(if chart_tools::is_complete(&venv) {
+        State::Present(venv.display().to_string())
+    } else {
+        State::Missing(venv.display().to_string())
+    })
+}
+
+/// A virtual environment of Debian's python3 with the pinned, hash-checked wheels, built in a
+/// temporary directory beside its final name and renamed into place when complete: a run that
+/// stops halfway leaves no environment that looks whole, and two runs at once do not mix.
+fn install_chart_tools() -> Result<()> {
+    let root = crate::util::workspace_root();
+    let venv = chart_tools::venv_dir(&root)?;
+    let parent = venv
+        .parent()
+        .context("the environment has a parent directory")?;
+    std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    let temp = parent.join(format!(
+        ".{}.tmp-{}",
+        venv.file_name().unwrap_or_default().to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&temp);
+    let result = (|| {
+        run_shown(
+            Command::new("/usr/bin/python3")
+                .arg("-m")
+                .arg("venv")
+                .arg(&temp),
+        )?;
+        run_shown(
+            Command::new(chart_tools::python(&temp))
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--disable-pip-version-check",
+                ])
+                .args(["--require-hashes", "--only-binary=:all:", "-r"])
+                .arg(root.join(chart_tools::REQUIREMENTS)),
+        )?;
+        std::fs::write(temp.join(chart_tools::COMPLETE_MARK), "")?;
+        match std::fs::rename(&temp, &venv) {
+            // Another run finished first: its environment is as good as this one.
+            Err(_) if chart_tools::is_complete(&venv) => Ok(()),
+            other => other.with_context(|| format!("renaming into {}", venv.display())),
+        }
+    })();
+    let _ = std::fs::remove_dir_all(&temp);
+    result
 }
 
 // --- running commands --------------------------------------------------------------------

@@ -44,7 +44,7 @@ fn cargo_test(
     env: Option<(&str, &str)>,
 ) -> Result<()> {
     use std::io::{BufRead, BufReader};
-    let mut cmd = Command::new(env!("CARGO"));
+    let mut cmd = util::cargo();
     cmd.current_dir(root).arg("test").args(which).args(extra);
     if let Some((k, v)) = env {
         cmd.env(k, v);
@@ -123,11 +123,13 @@ pub fn leftovers() -> Result<Vec<String>> {
             }
         }
     }
-    // Test nodes pin under /sys/fs/bpf/<node namespace name> (cxt...).
+    // Test nodes pin under /sys/fs/bpf/<node namespace name> (cxt...), the demos' under
+    // calix-demo (one node) and calix-demo-<pid>-node<i> (--nodes 3).
     if let Ok(rd) = std::fs::read_dir("/sys/fs/bpf") {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("cxt") || name.starts_with("cxb") || name == "calix-demo" {
+            if name.starts_with("cxt") || name.starts_with("cxb") || name.starts_with("calix-demo")
+            {
                 leaks.push(format!("bpffs pins under /sys/fs/bpf/{name}"));
             }
         }

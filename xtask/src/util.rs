@@ -57,24 +57,32 @@ pub fn ensure_bpffs() -> Result<()> {
     Ok(())
 }
 
+/// The cargo that runs xtask, in the workspace root, without the variables `cargo run` set
+/// for xtask itself (`CARGO_MANIFEST_DIR`, `CARGO_MANIFEST_PATH`, `CARGO_PKG_*`): build scripts
+/// that watch one of them (ring's watches `CARGO_MANIFEST_DIR`) would otherwise re-run, and
+/// everything above them rebuild, at every switch between a build from xtask and one from a
+/// shell.
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(env!("CARGO"));
+    for (key, _) in std::env::vars_os() {
+        let k = key.to_string_lossy();
+        if k.starts_with("CARGO_MANIFEST_") || k.starts_with("CARGO_PKG_") {
+            cmd.env_remove(&key);
+        }
+    }
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
 /// Builds every binary of the workspace (debug profile) and returns target/debug.
 pub fn build_bins() -> Result<PathBuf> {
-    let root = workspace_root();
-    run(Command::new(env!("CARGO"))
-        .current_dir(&root)
-        .args(["build", "--workspace", "--bins"]))?;
-    Ok(root.join("target").join("debug"))
+    run(cargo().args(["build", "--workspace", "--bins"]))?;
+    Ok(workspace_root().join("target").join("debug"))
 }
 
 /// Builds every binary of the workspace with the release profile and returns target/release
 /// (benchmarks measure release binaries).
 pub fn build_bins_release() -> Result<PathBuf> {
-    let root = workspace_root();
-    run(Command::new(env!("CARGO")).current_dir(&root).args([
-        "build",
-        "--release",
-        "--workspace",
-        "--bins",
-    ]))?;
-    Ok(root.join("target").join("release"))
+    run(cargo().args(["build", "--release", "--workspace", "--bins"]))?;
+    Ok(workspace_root().join("target").join("release"))
 }

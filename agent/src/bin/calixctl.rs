@@ -1,4 +1,5 @@
-//! calixctl: the operator's CLI. Talks to the local agent over its unix socket.
+//! calixctl: the operator's CLI. Talks to the local agent over its unix socket; `ipam` can
+//! also work from a kubeconfig, on the cluster's records directly (the `kubernetes` datastore).
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -13,9 +14,14 @@ use clap::{Parser, Subcommand, ValueEnum};
     about = "Inspect and operate calix on this node"
 )]
 struct Cli {
-    /// The agent's gRPC socket.
-    #[arg(long, global = true, env = "CALIX_SOCKET", default_value = calix_proto::DEFAULT_AGENT_SOCKET)]
-    socket: PathBuf,
+    /// The agent's gRPC socket [env: CALIX_SOCKET; default: /var/run/calix/agent.sock].
+    #[arg(long, global = true, env = "CALIX_SOCKET")]
+    socket: Option<PathBuf>,
+    /// `ipam show/check/release` on the cluster's calix.dev objects through this kubeconfig
+    /// instead of the agent (the `kubernetes` datastore). Also `$KUBECONFIG` when no socket is
+    /// given.
+    #[arg(long, global = true)]
+    kubeconfig: Option<PathBuf>,
     /// Output format.
     #[arg(long, short = 'o', global = true, value_enum, default_value_t = Output::Table)]
     output: Output,
@@ -535,6 +541,10 @@ fn endpoints_json(resp: &pb::ListResponse) -> serde_json::Value {
                 "pod": pod_name(&e),
                 "podNamespace": e.pod_namespace,
                 "podName": e.pod_name,
+                "podUID": s.pod.as_ref().map_or(e.pod_uid.clone(), |p| p.uid.clone()),
+                "podLabels": s.pod.as_ref().map(|p| p.labels.iter().collect::<std::collections::BTreeMap<_, _>>()),
+                "podPhase": s.pod.as_ref().map(|p| p.phase.clone()),
+                "podDeleting": s.pod.as_ref().map(|p| p.deleting),
                 "containerID": e.container_id,
                 "ifname": e.ifname,
                 "hostInterface": e.host_ifname,
@@ -619,16 +629,41 @@ fn endpoints_table(resp: &pb::ListResponse) -> String {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    let channel = calix_proto::connect_unix(&cli.socket, Duration::from_secs(5))
+    let kubeconfig = cli.kubeconfig.clone().or_else(|| {
+        cli.socket
+            .is_none()
+            .then(|| std::env::var_os("KUBECONFIG"))
+            .flatten()
+            .and_then(|v| std::env::split_paths(&v).next())
+    });
+    if let (Cmd::Ipam { cmd }, Some(path)) = (&cli.cmd, &kubeconfig) {
+        let store =
+            calix_agent::datastore::KubeStore::connect(&calix_agent::datastore::KubeConfig {
+                kubeconfig: Some(path.clone()),
+                timeout: Duration::from_secs(10),
+                attempts: 3,
+            })
+            .await
+            .with_context(|| format!("kubeconfig {}", path.display()))?;
+        return ipam(Ipam::Cluster(store), cmd, cli.output).await;
+    }
+    let socket = cli
+        .socket
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(calix_proto::DEFAULT_AGENT_SOCKET));
+    let channel = calix_proto::connect_unix(&socket, Duration::from_secs(5))
         .await
         .with_context(|| {
             format!(
                 "cannot reach calix-agent at {} (is it running? see --socket)",
-                cli.socket.display()
+                socket.display()
             )
         })?;
     match cli.cmd {
-        Cmd::Ipam { cmd } => return ipam(channel, cmd, cli.output).await,
+        Cmd::Ipam { cmd } => {
+            let client = pb::ipam_client::IpamClient::new(channel);
+            return ipam(Ipam::Agent(client), &cmd, cli.output).await;
+        }
         Cmd::Routes => {
             let r = route_report(channel).await?;
             match cli.output {
@@ -699,30 +734,79 @@ async fn main() -> Result<()> {
     Ok(())
 }
 
-async fn ipam(channel: tonic::transport::Channel, cmd: IpamCmd, output: Output) -> Result<()> {
-    let mut client = pb::ipam_client::IpamClient::new(channel);
+/// Where `ipam` works: through the agent, or on the cluster's records.
+enum Ipam {
+    Agent(pb::ipam_client::IpamClient<tonic::transport::Channel>),
+    Cluster(calix_agent::datastore::KubeStore),
+}
+
+impl Ipam {
+    async fn show(&mut self) -> Result<IpamReport> {
+        match self {
+            Ipam::Agent(client) => {
+                let json = client
+                    .show(pb::ShowRequest {})
+                    .await
+                    .context("ipam show")?
+                    .into_inner()
+                    .json;
+                serde_json::from_str(&json).context("agent sent a bad report")
+            }
+            Ipam::Cluster(store) => calix_agent::ipam::admin::show(store)
+                .await
+                .context("ipam show on the cluster"),
+        }
+    }
+
+    async fn check(&mut self) -> Result<CheckReport> {
+        match self {
+            Ipam::Agent(client) => {
+                let json = client
+                    .check(pb::CheckRequest {})
+                    .await
+                    .context("ipam check")?
+                    .into_inner()
+                    .json;
+                serde_json::from_str(&json).context("agent sent a bad report")
+            }
+            Ipam::Cluster(store) => calix_agent::ipam::admin::check(store)
+                .await
+                .context("ipam check on the cluster"),
+        }
+    }
+
+    async fn release(&mut self, addr: std::net::IpAddr, seq: u64, reason: String) -> Result<bool> {
+        match self {
+            Ipam::Agent(client) => Ok(client
+                .release_address(pb::ReleaseAddressRequest {
+                    address: addr.to_string(),
+                    seq,
+                    reason,
+                })
+                .await
+                .with_context(|| format!("releasing {addr}"))?
+                .into_inner()
+                .released),
+            Ipam::Cluster(store) => {
+                calix_agent::ipam::admin::release(store, addr, (seq > 0).then_some(seq), &reason)
+                    .await
+                    .with_context(|| format!("releasing {addr} on the cluster"))
+            }
+        }
+    }
+}
+
+async fn ipam(mut backend: Ipam, cmd: &IpamCmd, output: Output) -> Result<()> {
     match cmd {
         IpamCmd::Show => {
-            let json = client
-                .show(pb::ShowRequest {})
-                .await
-                .context("ipam show")?
-                .into_inner()
-                .json;
-            let r: IpamReport = serde_json::from_str(&json).context("agent sent a bad report")?;
+            let r = backend.show().await?;
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
                 Output::Table => println!("{}", ipam_show_table(&r)),
             }
         }
         IpamCmd::Check => {
-            let json = client
-                .check(pb::CheckRequest {})
-                .await
-                .context("ipam check")?
-                .into_inner()
-                .json;
-            let r: CheckReport = serde_json::from_str(&json).context("agent sent a bad report")?;
+            let r = backend.check().await?;
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
                 Output::Table => println!("{}", ipam_check_table(&r)),
@@ -733,9 +817,9 @@ async fn ipam(channel: tonic::transport::Channel, cmd: IpamCmd, output: Output) 
         }
         IpamCmd::Release { ip, from_report } => {
             let targets: Vec<(std::net::IpAddr, u64, String)> = match (ip, from_report) {
-                (Some(ip), _) => vec![(ip, 0, "released by calixctl ipam release --ip".into())],
+                (Some(ip), _) => vec![(*ip, 0, "released by calixctl ipam release --ip".into())],
                 (None, Some(path)) => {
-                    let text = std::fs::read_to_string(&path)
+                    let text = std::fs::read_to_string(path)
                         .with_context(|| format!("cannot read {}", path.display()))?;
                     let r: CheckReport = serde_json::from_str(&text).with_context(|| {
                         format!(
@@ -759,16 +843,7 @@ async fn ipam(channel: tonic::transport::Channel, cmd: IpamCmd, output: Output) 
             };
             let mut rows = Vec::new();
             for (addr, seq, reason) in targets {
-                let released = client
-                    .release_address(pb::ReleaseAddressRequest {
-                        address: addr.to_string(),
-                        seq,
-                        reason,
-                    })
-                    .await
-                    .with_context(|| format!("releasing {addr}"))?
-                    .into_inner()
-                    .released;
+                let released = backend.release(addr, seq, reason).await?;
                 rows.push((addr, released));
             }
             match output {

@@ -439,6 +439,7 @@ mod tests {
             netns: String::new(),
             pod_namespace: String::new(),
             pod_name: String::new(),
+            pod_uid: String::new(),
             addresses: vec!["10.1.0.5/32".into(), "fd00::5/128".into()],
             handle: "h".into(),
             mac: "02:00:0a:ff:00:01".into(),

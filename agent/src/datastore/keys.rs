@@ -5,6 +5,7 @@
 //! |---|---|
 //! | `ipam/blocks/<block>` | [`crate::ipam::Block`]: its affine node and its allocations; the truth, and the one object an IPAM write commits. A released block stays, affine to nobody, with its next sequence number |
 //! | `ipam/retired/<block>` | [`crate::ipam::Retired`]: written by the previous version when it released a block; read, and folded into a released block object |
+//! | `ipam/affinities/<node>/<block>` | [`crate::ipam::AffinityRecord`]: block `<block>` is affine to `<node>`; an index that follows the blocks (a node's blocks listed without reading every block) and is repaired from them |
 //! | `ipam/handles/<handle>/<ifname>` | [`crate::ipam::HandleRecord`]: the addresses it holds; an index that follows the blocks and is repaired from them |
 //! | `nodes/<node>` | [`crate::model::NodeRecord`] |
 //! | `endpoints/<node>/<containerID>/<ifname>` | [`crate::model::EndpointRecord`] |
@@ -17,6 +18,7 @@ use ipnet::IpNet;
 pub const BLOCKS: &str = "ipam/blocks/";
 pub const RETIRED: &str = "ipam/retired/";
 pub const HANDLES: &str = "ipam/handles/";
+pub const AFFINITIES: &str = "ipam/affinities/";
 pub const NODES: &str = "nodes/";
 pub const ENDPOINTS: &str = "endpoints/";
 
@@ -31,6 +33,16 @@ pub fn retired(cidr: &IpNet) -> String {
 
 fn flat(cidr: &IpNet) -> String {
     cidr.to_string().replace(['/', ':'], "-")
+}
+
+/// The affinity record of block `cidr` to `node`.
+pub fn affinity(node: &str, cidr: &IpNet) -> String {
+    format!("{AFFINITIES}{node}/{}", flat(cidr))
+}
+
+/// The prefix of `node`'s affinity records.
+pub fn affinities_of(node: &str) -> String {
+    format!("{AFFINITIES}{node}/")
 }
 
 pub fn handle(handle: &str, ifname: &str) -> String {

@@ -1,7 +1,8 @@
 //! Where the agent's durable state lives: a small key-value interface with per-key revisions
 //! and compare-and-swap transactions, so IPAM and the endpoint registry don't care which
 //! backend holds them. `embedded` (a crash-safe local journal) is the single-node default;
-//! `etcd` (etcd v3) is shared by several nodes.
+//! `etcd` (etcd v3) is shared by several nodes; `kubernetes` keeps them as custom resources in
+//! the cluster's API ([`kubernetes`]).
 //!
 //! Keys are `/`-separated text (see [`keys`]); values are JSON. Every write is a [`Datastore::txn`]:
 //! it applies only if each [`Compare`] still holds, which is how two agents (or two requests)
@@ -13,22 +14,43 @@
 //! list once ([`Datastore::list_with_revision`]) and then follow ([`WatchEvent`]).
 pub mod embedded;
 pub mod etcd;
+pub mod follow;
 mod history;
 pub mod keys;
+pub mod kubernetes;
 
 use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedStore;
 pub use etcd::{EtcdConfig, EtcdStore};
+pub use kubernetes::{KubeConfig, KubeStore};
 
-/// Opens the configured backend: `etcd`, or the embedded store (anything else is refused
-/// earlier, by the config's validation).
-pub async fn open(
-    cfg: &crate::config::DatastoreConfig,
-) -> Result<std::sync::Arc<dyn Datastore>, DatastoreError> {
+/// An opened backend, and the Kubernetes client when it is the `kubernetes` one (for the
+/// agent's other readers of the API).
+pub struct Opened {
+    pub store: std::sync::Arc<dyn Datastore>,
+    pub kube: Option<kube::Client>,
+}
+
+/// Opens the configured backend: `etcd`, `kubernetes`, or the embedded store (anything else is
+/// refused earlier, by the config's validation).
+pub async fn open(cfg: &crate::config::DatastoreConfig) -> Result<Opened, DatastoreError> {
     Ok(match cfg.kind.as_str() {
-        "etcd" => std::sync::Arc::new(EtcdStore::connect(cfg.etcd()).await?),
-        _ => std::sync::Arc::new(EmbeddedStore::open(&cfg.path)?),
+        "etcd" => Opened {
+            store: std::sync::Arc::new(EtcdStore::connect(cfg.etcd()).await?),
+            kube: None,
+        },
+        "kubernetes" => {
+            let store = KubeStore::connect(&cfg.kubernetes()).await?;
+            Opened {
+                kube: Some(store.client()),
+                store: std::sync::Arc::new(store),
+            }
+        }
+        _ => Opened {
+            store: std::sync::Arc::new(EmbeddedStore::open(&cfg.path)?),
+            kube: None,
+        },
     })
 }
 
@@ -75,6 +97,30 @@ pub enum DatastoreError {
     WatchEnded {
         backend: &'static str,
         detail: String,
+    },
+    /// The backend answered and refused: not something a retry fixes (a missing CRD, RBAC, a
+    /// value the API server's schema rejects). `code` is the HTTP status (0: none).
+    #[error("datastore {backend} refused {what} ({code}): {detail}")]
+    Rejected {
+        backend: &'static str,
+        what: String,
+        code: u16,
+        detail: String,
+    },
+    /// A key the backend has no place for (the kubernetes backend stores calix's key space
+    /// only: `datastore::keys` and `pools/`).
+    #[error("datastore {backend} has no place for key {key:?}")]
+    OutsideKeySpace { backend: &'static str, key: String },
+    /// A write to a key the backend only reads (kubernetes: Kubernetes' own objects, `k8s/`).
+    #[error("datastore {backend} only reads {key:?}: it is Kubernetes' own object")]
+    ReadOnly { backend: &'static str, key: String },
+    /// A watch over a prefix the backend cannot watch as one ordered stream (kubernetes: a
+    /// prefix spanning several kinds of object).
+    #[error("datastore {backend} cannot watch {prefix:?}: {why}")]
+    Unwatchable {
+        backend: &'static str,
+        prefix: String,
+        why: &'static str,
     },
     /// A transaction over more than one key, on a backend that commits one object at a time.
     #[error("datastore {backend} commits one object per transaction; this one touches {keys:?}")]

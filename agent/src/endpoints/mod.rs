@@ -227,6 +227,23 @@ impl EndpointRegistry {
         Ok(gone)
     }
 
+    /// Every endpoint's record.
+    pub async fn records(&self) -> Vec<EndpointRecord> {
+        self.records.lock().await.values().cloned().collect()
+    }
+
+    /// Deletes `ep`'s host veth if it is still `ep`'s (its owner alias): both ends go, and the
+    /// pod's route with them. Whether it was there.
+    pub async fn delete_host_link(&self, ep: &EndpointRecord) -> Result<bool, AgentError> {
+        self.driver
+            .delete_owned_link(
+                ep.host_ifname.clone(),
+                calix_kernel::pod::owner_alias(&ep.container_id, &ep.ifname),
+            )
+            .await
+            .map_err(dataplane_err(&ep.host_ifname))
+    }
+
     /// Every endpoint with its live state. The registry is copied under its lock; the health
     /// comes from the reconciler; the counters are read from the maps after both.
     pub async fn list(&self) -> Result<Vec<EndpointView>, AgentError> {

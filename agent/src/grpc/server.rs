@@ -25,7 +25,7 @@ fn status(e: AgentError) -> Status {
         None => msg,
     };
     match e {
-        AgentError::Invalid(_) => Status::invalid_argument(msg),
+        AgentError::Invalid(_) | AgentError::Annotation(_) => Status::invalid_argument(msg),
         AgentError::Ipam(IpamError::Exhausted { .. }) => Status::resource_exhausted(msg),
         AgentError::Ipam(IpamError::InUse { .. }) => Status::already_exists(msg),
         AgentError::Ipam(
@@ -37,6 +37,27 @@ fn status(e: AgentError) -> Status {
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
         AgentError::PoolChange(_) => Status::failed_precondition(msg),
         AgentError::Datastore(_) => Status::unavailable(msg),
+    }
+}
+
+/// An allocation error about an address a pod's `calix.dev/ipAddrs` asked for, as an error of
+/// that annotation.
+fn annotated(e: AgentError, fixed: &[(std::net::IpAddr, String)]) -> AgentError {
+    let addr = match &e {
+        AgentError::Ipam(
+            IpamError::NotInPool { addr }
+            | IpamError::InUse { addr }
+            | IpamError::ForeignBlock { addr, .. },
+        ) => *addr,
+        _ => return e,
+    };
+    match fixed.iter().find(|(a, _)| *a == addr) {
+        Some((_, on)) => AgentError::Annotation(crate::k8s::annotations::AnnotationError {
+            annotation: crate::k8s::annotations::IP_ADDRS,
+            on: on.clone(),
+            detail: e.to_string(),
+        }),
+        None => e,
     }
 }
 
@@ -78,7 +99,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
     ) -> Result<Response<pb::AllocateResponse>, Status> {
         let r = req.into_inner();
         let attrs: BTreeMap<String, String> = r.attributes.into_iter().collect();
-        let requested = r
+        let mut requested = r
             .requested
             .iter()
             .map(|a| {
@@ -90,12 +111,47 @@ impl pb::ipam_server::Ipam for IpamSvc {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let (out, already) = self
+        // A Kubernetes pod's annotations (pools, a fixed address); the runtime's own request
+        // for a family wins.
+        let mut only = None;
+        let mut fixed = Vec::new();
+        if let (Some(src), Some(ns), Some(pod)) = (
+            self.0.pod_ipam.get(),
+            attrs.get("namespace").filter(|v| !v.is_empty()),
+            attrs.get("pod").filter(|v| !v.is_empty()),
+        ) {
+            let asked = src
+                .for_pod(ns, pod, &self.0.ipam.pools())
+                .await
+                .map_err(status)?;
+            for a in asked.addresses {
+                if !requested.iter().any(|r| r.is_ipv4() == a.is_ipv4()) {
+                    requested.push(a);
+                    fixed.push((a, format!("pod {ns}/{pod}")));
+                }
+            }
+            only = asked.pools;
+        }
+        let (out, already) = match self
             .0
             .ipam
-            .allocate(&r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs)
+            .allocate_from(
+                &r.handle,
+                &r.ifname,
+                r.ipv4,
+                r.ipv6,
+                &requested,
+                &attrs,
+                only.as_deref(),
+            )
             .await
-            .map_err(status)?;
+        {
+            Ok(v) => v,
+            Err(e) => {
+                self.0.notice_allocation_failure(&e, &attrs);
+                return Err(status(annotated(e, &fixed)));
+            }
+        };
         let addrs: Vec<std::net::IpAddr> = out.iter().map(|(a, _)| *a).collect();
         Ok(Response::new(pb::AllocateResponse {
             addresses: addresses(out),
@@ -240,6 +296,7 @@ fn record(e: pb::Endpoint) -> EndpointRecord {
         netns: e.netns,
         pod_namespace: e.pod_namespace,
         pod_name: e.pod_name,
+        pod_uid: e.pod_uid,
         addresses: e.addresses,
         handle: e.handle,
         mac: e.mac,
@@ -255,6 +312,7 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
         netns: r.netns,
         pod_namespace: r.pod_namespace,
         pod_name: r.pod_name,
+        pod_uid: r.pod_uid,
         addresses: r.addresses,
         handle: r.handle,
         mac: r.mac,
@@ -262,8 +320,17 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
     }
 }
 
-fn view(v: EndpointView) -> pb::EndpointStatus {
+fn view(v: EndpointView, pods: Option<&crate::k8s::pods::Pods>) -> pb::EndpointStatus {
+    let pod = pods
+        .and_then(|p| p.get(&v.record.pod_namespace, &v.record.pod_name))
+        .map(|p| pb::PodInfo {
+            uid: p.uid,
+            labels: p.labels.into_iter().collect(),
+            phase: p.phase,
+            deleting: p.deleting,
+        });
     pb::EndpointStatus {
+        pod,
         state: v.health.map(|h| h.to_string()).unwrap_or_default(),
         endpoint: Some(endpoint(v.record)),
         host_ifindex: v.ifindex.unwrap_or(0),
@@ -382,7 +449,10 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
     ) -> Result<Response<pb::ListResponse>, Status> {
         let eps = self.0.endpoints.list().await.map_err(status)?;
         Ok(Response::new(pb::ListResponse {
-            endpoints: eps.into_iter().map(view).collect(),
+            endpoints: eps
+                .into_iter()
+                .map(|v| view(v, self.0.pods.get()))
+                .collect(),
             node: self.0.name().to_string(),
         }))
     }

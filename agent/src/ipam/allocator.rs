@@ -74,7 +74,7 @@ impl Default for Policy {
 }
 
 /// One allocated address.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Allocation {
     pub handle: String,
     pub ifname: String,
@@ -88,11 +88,14 @@ pub struct Allocation {
 }
 
 /// A block of a pool, affine to one node. `allocations` is keyed by offset in the block.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Block {
+    #[schemars(with = "String")]
     pub cidr: IpNet,
     /// The node that claimed it; empty once released to its pool.
     pub affinity: String,
+    /// (The schema says string keys: JSON object keys are strings, offsets as text.)
+    #[schemars(with = "BTreeMap<String, Allocation>")]
     pub allocations: BTreeMap<u32, Allocation>,
     pub next_seq: u64,
     /// Datastore revision this copy was read at; 0 for a block not yet stored.
@@ -120,15 +123,28 @@ pub struct Retired {
 /// What a handle holds: an index of the blocks' allocations by (handle, ifname), written after
 /// the block's commit (best effort) and repaired from the blocks. Never the truth: every read by
 /// handle checks it against the blocks.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct HandleRecord {
     pub node: String,
     pub addresses: Vec<Held>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// A block's affinity to a node (Calico's BlockAffinity), one record per (node, block) at
+/// `ipam/affinities/<node>/<block>`: a node's blocks are listed without reading every block.
+/// Like [`HandleRecord`] an index that follows the blocks (written after the block's commit,
+/// repaired from them); the block's own `affinity` is the truth.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct AffinityRecord {
+    pub node: String,
+    #[schemars(with = "String")]
+    pub cidr: IpNet,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub struct Held {
+    #[schemars(with = "String")]
     pub addr: IpAddr,
+    #[schemars(with = "String")]
     pub pool: IpNet,
     pub seq: u64,
 }
@@ -165,8 +181,8 @@ impl Block {
         self.affinity.is_empty() && self.allocations.is_empty()
     }
 
-    /// Free offsets in address order. An IPv4 pool's own network and broadcast addresses are
-    /// never handed out: routing would cope (/32s), but people and some tools don't.
+    /// Free offsets in address order. The pool's reserved addresses ([`reserved_addresses`])
+    /// are never handed out: routing would cope (/32s), but people and some tools don't.
     fn free_offsets<'a>(&'a self, pool: &'a IpNet) -> impl Iterator<Item = u32> + 'a {
         (0..self.size())
             .map(|o| o as u32)
@@ -243,22 +259,29 @@ fn nth(net: &IpNet, n: u128) -> IpAddr {
     }
 }
 
-/// An IPv4 pool's network or broadcast address.
+/// The addresses of `pool` never handed out: an IPv4 pool's network and broadcast addresses;
+/// an IPv6 pool's first address, the Subnet-Router anycast address of its prefix (RFC 4291
+/// 2.6.1).
+fn reserved_addresses(pool: &IpNet) -> Vec<IpAddr> {
+    let mut out = match pool {
+        IpNet::V4(p) => vec![IpAddr::V4(p.network()), IpAddr::V4(p.broadcast())],
+        IpNet::V6(p) => vec![IpAddr::V6(p.network())],
+    };
+    out.dedup();
+    out
+}
+
 fn reserved(pool: &IpNet, addr: IpAddr) -> bool {
-    match pool {
-        IpNet::V4(p) => addr == IpAddr::V4(p.network()) || addr == IpAddr::V4(p.broadcast()),
-        IpNet::V6(_) => false,
-    }
+    reserved_addresses(pool).contains(&addr)
 }
 
 /// Whether `block` holds an address that is not one of the pool's reserved ones.
 fn has_usable(pool: &IpNet, block: &IpNet) -> bool {
-    let mut reserved_here = [pool.network(), pool.broadcast()]
+    let reserved_here = reserved_addresses(pool)
         .into_iter()
-        .filter(|a| reserved(pool, *a) && block.contains(a))
-        .collect::<Vec<_>>();
-    reserved_here.dedup();
-    host_count(block) > reserved_here.len() as u64
+        .filter(|a| block.contains(a))
+        .count();
+    host_count(block) > reserved_here as u64
 }
 
 fn offset_in(net: &IpNet, addr: IpAddr) -> u32 {
@@ -548,19 +571,10 @@ impl IpamState {
                 host_count(&IpNet::new(pool.cidr.addr(), pool.block_size).unwrap_or(pool.cidr));
             let unclaimed = total_blocks.saturating_sub(claimed);
             free = free.saturating_add(unclaimed.saturating_mul(per_block));
-            // The pool's network/broadcast addresses sit in its first/last block.
-            if pool.cidr.addr().is_ipv4() && unclaimed > 0 {
-                let first = pool
-                    .cidr
-                    .subnets(pool.block_size)
-                    .ok()
-                    .and_then(|mut s| s.next());
-                let last = pool
-                    .cidr
-                    .subnets(pool.block_size)
-                    .ok()
-                    .and_then(|s| s.last());
-                for b in [first, last].into_iter().flatten() {
+            // The pool's reserved addresses in blocks not claimed yet.
+            for addr in reserved_addresses(&pool.cidr) {
+                let block = IpNet::new(addr, pool.block_size).map(|b| b.trunc());
+                if let Ok(b) = block {
                     if !self.blocks.contains_key(&b.to_string()) {
                         free = free.saturating_sub(1);
                     }
@@ -700,21 +714,23 @@ mod tests {
             alloc(&mut s, &one, "h0"),
             Err(IpamError::Exhausted { .. })
         ));
-        // IPv6 has no reserved addresses: a /128 block on the pool's first address is used.
-        let v6 = [pool("fd00::/126", 128)];
+        // IPv6: the pool's first address (Subnet-Router anycast) is reserved, the last is not.
+        let v6 = [pool("fd00::/127", 128)];
         let mut s = IpamState::default();
-        let got = s
-            .allocate(
+        let mut take = |h: &str| {
+            s.allocate(
                 &v6,
                 &Policy::default(),
                 "n1",
-                "h",
+                h,
                 "eth0",
                 false,
                 &BTreeMap::new(),
             )
-            .expect("v6");
-        assert_eq!(got.addr, "fd00::".parse::<IpAddr>().expect("ip"));
+        };
+        let got = take("h0").expect("v6");
+        assert_eq!(got.addr, "fd00::1".parse::<IpAddr>().expect("ip"));
+        assert!(matches!(take("h1"), Err(IpamError::Exhausted { .. })));
     }
 
     #[test]
@@ -861,7 +877,11 @@ mod tests {
             )
             .expect("v6")
             .addr;
-        assert_eq!(v6, "fd00::".parse::<IpAddr>().expect("ip"));
+        assert_eq!(
+            v6,
+            "fd00::1".parse::<IpAddr>().expect("ip"),
+            "fd00:: is reserved"
+        );
         pools[0].disabled = true;
         assert_eq!(
             alloc(&mut s, &pools, "h"),

@@ -1,10 +1,11 @@
 //! IP address management: pools carved into per-node blocks, allocation by handle. The pure
 //! allocator decides; the service commits its decisions to the datastore.
+pub mod admin;
 pub mod allocator;
 pub mod service;
 
 pub use allocator::{
-    pool_of, Allocated, Allocation, Block, HandleRecord, Held, IpamError, IpamState, Policy, Pool,
-    Retired,
+    pool_of, AffinityRecord, Allocated, Allocation, Block, HandleRecord, Held, IpamError,
+    IpamState, Policy, Pool, Retired,
 };
 pub use service::IpamService;

@@ -26,6 +26,12 @@ pub struct Node {
     conntrack: std::sync::OnceLock<(PathBuf, NatConfig)>,
     /// What decides the MTU of pods whose network config sets none.
     pod_mtu: std::sync::RwLock<mtu::PodMtu>,
+    /// What an operator must see (Kubernetes Events with the kubernetes datastore).
+    pub notices: crate::notice::Notifier,
+    /// This node's Pods (kubernetes datastore), once watched.
+    pub pods: std::sync::OnceLock<crate::k8s::pods::Pods>,
+    /// Pods' IPAM annotations (kubernetes datastore).
+    pub pod_ipam: std::sync::OnceLock<crate::k8s::podipam::PodIpamSource>,
 }
 
 impl Node {
@@ -35,6 +41,9 @@ impl Node {
             endpoints,
             conntrack: std::sync::OnceLock::new(),
             pod_mtu: Default::default(),
+            notices: Default::default(),
+            pods: std::sync::OnceLock::new(),
+            pod_ipam: std::sync::OnceLock::new(),
         }
     }
 
@@ -56,6 +65,36 @@ impl Node {
 
     pub fn name(&self) -> &str {
         self.ipam.node()
+    }
+
+    /// An allocation failed: when no pool can give an address, an operator must see it (a
+    /// Warning `IPAMExhausted` on the pod named by the request's attributes, else the node).
+    pub fn notice_allocation_failure(
+        &self,
+        e: &AgentError,
+        attributes: &std::collections::BTreeMap<String, String>,
+    ) {
+        use crate::ipam::IpamError;
+        if !matches!(
+            e,
+            AgentError::Ipam(IpamError::Exhausted { .. } | IpamError::NoPool { .. })
+        ) {
+            return;
+        }
+        let subject = match (attributes.get("namespace"), attributes.get("pod")) {
+            (Some(ns), Some(pod)) if !ns.is_empty() && !pod.is_empty() => {
+                crate::notice::Subject::Pod {
+                    namespace: ns.clone(),
+                    name: pod.clone(),
+                }
+            }
+            _ => crate::notice::Subject::Node,
+        };
+        self.notices.warning(
+            "IPAMExhausted",
+            subject,
+            format!("node {}: no address for the pod: {e}", self.name()),
+        );
     }
 
     /// CNI DEL: forgets the endpoint and, with `release_handle`, releases what that handle

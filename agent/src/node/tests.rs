@@ -80,6 +80,10 @@ struct TestStore {
     fail_prefixes: std::sync::Mutex<Vec<String>>,
     /// When set, this many more writes succeed; every one after fails (the agent "died").
     writes_left: std::sync::Mutex<Option<usize>>,
+    /// The next this many writes under the prefix land but are reported as a lost compare: a
+    /// retried request whose first try landed (the kubernetes store across an API server
+    /// restart; etcd when a response is lost).
+    land_then_lose: std::sync::Mutex<Option<(String, usize)>>,
 }
 
 impl TestStore {
@@ -90,6 +94,10 @@ impl TestStore {
     /// `n` more writes succeed, then every write fails.
     fn crash_after_writes(&self, n: usize) {
         *self.writes_left.lock().expect("lock") = Some(n);
+    }
+    /// The next `n` writes under `prefix` land but report a lost compare.
+    fn land_then_lose(&self, prefix: &str, n: usize) {
+        *self.land_then_lose.lock().expect("lock") = Some((prefix.into(), n));
     }
     /// Every write succeeds again.
     fn heal(&self) {
@@ -165,7 +173,18 @@ impl Datastore for Shared {
                 None => {}
             }
         }
-        self.0.store.txn(c, o, d).await
+        let lose = {
+            let mut l = self.0.land_then_lose.lock().expect("lock");
+            match l.as_mut() {
+                Some((p, n)) if *n > 0 && keys.iter().any(|k| k.starts_with(p.as_str())) => {
+                    *n -= 1;
+                    true
+                }
+                _ => false,
+            }
+        };
+        let done = self.0.store.txn(c, o, d).await?;
+        Ok(if lose { None } else { done })
     }
     async fn sync(&self, revision: i64) -> Result<(), DatastoreError> {
         self.0.store.sync(revision).await
@@ -233,6 +252,7 @@ fn store() -> (tempfile::TempDir, Arc<TestStore>) {
         store,
         fail_prefixes: Default::default(),
         writes_left: Default::default(),
+        land_then_lose: Default::default(),
     };
     (dir, Arc::new(s))
 }
@@ -252,6 +272,7 @@ fn ep(cid: &str, handle: &str) -> EndpointRecord {
         netns: String::new(),
         pod_namespace: String::new(),
         pod_name: String::new(),
+        pod_uid: String::new(),
         addresses: Vec::new(),
         handle: handle.into(),
         mac: String::new(),
@@ -317,11 +338,12 @@ async fn v6_exhausted_rolls_back_the_v4_half() {
     let a = agent_on(
         &s,
         "n1",
-        vec![pool("10.1.0.0/24", 28), pool("fd00::/127", 127)],
+        vec![pool("10.1.0.0/24", 28), pool("fd00::/126", 126)],
         Policy::default(),
     )
     .await;
-    for i in 0..2 {
+    // fd00:: is reserved: three addresses.
+    for i in 0..3 {
         a.ipam
             .allocate(&format!("h{i}"), "eth0", false, true, &[], &BTreeMap::new())
             .await
@@ -332,9 +354,9 @@ async fn v6_exhausted_rolls_back_the_v4_half() {
         .allocate("dual", "eth0", true, true, &[], &BTreeMap::new())
         .await
         .expect_err("v6 full");
-    assert!(err.to_string().contains("fd00::/127"), "{err}");
+    assert!(err.to_string().contains("fd00::/126"), "{err}");
     let ipam = a.ipam.ipam().await.expect("ipam");
-    assert_eq!(ipam.in_use(), 2, "the v4 half must not stay allocated");
+    assert_eq!(ipam.in_use(), 3, "the v4 half must not stay allocated");
 }
 
 #[tokio::test]
@@ -1114,4 +1136,126 @@ async fn blocks_of_an_old_layout_are_deleted_so_the_new_layout_can_be_claimed() 
         .blocks
         .contains_key("10.1.0.0/26"));
     assert!(seq_of(&a, again).await > seq1);
+}
+
+/// This node's affinity records, as (node, block) from the store.
+async fn affinities(s: &TestStore, node: &str) -> Vec<String> {
+    s.store
+        .list(&keys::affinities_of(node))
+        .await
+        .expect("list")
+        .iter()
+        .map(|kv| {
+            let r: crate::ipam::AffinityRecord = kv.decode().expect("affinity record");
+            assert_eq!(r.node, node);
+            r.cidr.to_string()
+        })
+        .collect()
+}
+
+/// One affinity record per block affine to a node (Calico's BlockAffinity): written right
+/// after the claim, gone with the release, listed by node without reading the blocks; one that
+/// failed to land (or a stray one) is repaired from the blocks, and `ipam check` names both.
+#[tokio::test]
+async fn affinity_records_follow_the_blocks_and_are_repaired_from_them() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let b = agent_on(&s, "n2", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    for i in 0..17 {
+        alloc4(&a, &format!("h{i}")).await.expect("alloc");
+    }
+    alloc4(&b, "g").await.expect("alloc");
+    assert_eq!(affinities(&s, "n1").await, ["10.1.0.0/28", "10.1.0.16/28"]);
+    assert_eq!(affinities(&s, "n2").await, ["10.1.0.32/28"]);
+    // A claim whose record write fails: the allocation stands, check finds the gap,
+    // housekeeping fills it.
+    s.fail(keys::AFFINITIES);
+    for i in 17..33 {
+        alloc4(&a, &format!("h{i}")).await.expect("alloc");
+    }
+    s.heal();
+    assert_eq!(affinities(&s, "n1").await.len(), 2);
+    let check = a.ipam.ipam_check().await.expect("check");
+    let missing: Vec<&str> = check
+        .findings
+        .iter()
+        .filter(|f| f.kind == "missing-affinity")
+        .map(|f| f.block.as_str())
+        .collect();
+    assert_eq!(missing, ["10.1.0.48/28"], "{:?}", check.findings);
+    // A stray record (a block n1 does not hold).
+    let stray = keys::affinity("n1", &"10.1.0.128/28".parse().expect("cidr"));
+    s.store
+        .txn(
+            &[],
+            &[Op::put_json(
+                stray.clone(),
+                &crate::ipam::AffinityRecord {
+                    node: "n1".into(),
+                    cidr: "10.1.0.128/28".parse().expect("cidr"),
+                },
+            )],
+            Durability::Process,
+        )
+        .await
+        .expect("put");
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        check.findings.iter().any(|f| f.kind == "orphan-affinity"),
+        "{:?}",
+        check.findings
+    );
+    let swept = a.housekeep(Instant::now()).await.expect("housekeep");
+    assert_eq!(swept.affinities_repaired, 2, "{swept:?}");
+    assert_eq!(
+        affinities(&s, "n1").await,
+        ["10.1.0.0/28", "10.1.0.16/28", "10.1.0.48/28"]
+    );
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        !check.findings.iter().any(|f| f.kind.ends_with("affinity")),
+        "{:?}",
+        check.findings
+    );
+    // Released blocks take their records with them.
+    for i in 0..33 {
+        a.ipam
+            .release(&format!("h{i}"), "eth0")
+            .await
+            .expect("release");
+    }
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("1");
+    let done = a.housekeep(t0 + GRACE).await.expect("2");
+    assert_eq!(done.blocks_released.len(), 3, "{done:?}");
+    assert!(affinities(&s, "n1").await.is_empty());
+    assert_eq!(affinities(&s, "n2").await, ["10.1.0.32/28"]);
+}
+
+/// A block write that lands but is reported as a lost compare (a retried request whose first
+/// try landed: the kubernetes store when the API server restarts mid-write) is the handle's
+/// allocation: the agent finds it on the fresh listing and answers with it. Before, it decided
+/// again and allocated a second address to the same handle, answering with that one.
+#[tokio::test]
+async fn a_block_write_that_landed_but_reported_a_lost_race_is_the_allocation() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    alloc4(&a, "warm").await.expect("the block is claimed");
+    s.land_then_lose(keys::BLOCKS, 1);
+    let (got, _) = a
+        .ipam
+        .allocate("h", "eth0", true, true, &[], &BTreeMap::new())
+        .await
+        .expect("allocate");
+    let held = a.ipam.lookup("h", "eth0").await.expect("lookup");
+    let mut want = got.clone();
+    want.sort();
+    let mut held_sorted = held.clone();
+    held_sorted.sort();
+    assert_eq!(
+        held_sorted, want,
+        "the handle holds what it was answered, and only that"
+    );
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(orphans(&check).is_empty(), "{:?}", check.findings);
 }

@@ -38,6 +38,12 @@ enum Command {
     ),
     Adopt(Vec<EndpointSpec>),
     Remove(String, oneshot::Sender<Result<(), DataplaneError>>),
+    /// A host link, if its alias names this owner.
+    DeleteOwnedLink(
+        String,
+        String,
+        oneshot::Sender<Result<bool, DataplaneError>>,
+    ),
     Resync(oneshot::Sender<()>),
     SetPools(Vec<IpNet>, oneshot::Sender<Result<(), DataplaneError>>),
     Reload(Box<Reload>, oneshot::Sender<Result<(), DataplaneError>>),
@@ -145,6 +151,18 @@ impl Driver {
             .map_err(gone)?
     }
 
+    /// Deletes host link `name` if its alias still names `owner`
+    /// ([`Reconciler::delete_owned_link`]); whether it did.
+    pub async fn delete_owned_link(
+        &self,
+        name: String,
+        owner: String,
+    ) -> Result<bool, DataplaneError> {
+        self.ask(|tx| Command::DeleteOwnedLink(name, owner, tx))
+            .await
+            .map_err(gone)?
+    }
+
     /// A full pass now; returns when it is done.
     pub async fn resync(&self) -> Result<(), DriverError> {
         self.ask(Command::Resync).await
@@ -210,6 +228,9 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             Some(Command::Adopt(specs)) => specs.into_iter().for_each(|s| r.adopt(s)),
             Some(Command::Remove(key, reply)) => {
                 let _ = reply.send(r.remove(&key));
+            }
+            Some(Command::DeleteOwnedLink(name, owner, reply)) => {
+                let _ = reply.send(r.delete_owned_link(&name, &owner));
             }
             Some(Command::Resync(reply)) => {
                 let now = Instant::now();

@@ -248,6 +248,21 @@ impl<K: HostKernel> Reconciler<K> {
         self.dataplane.detach(key)
     }
 
+    /// Deletes host link `name` if its alias still names `owner` (a pod's veth: both ends go,
+    /// and the kernel takes the pod's route with it). Whether it was deleted.
+    pub fn delete_owned_link(&mut self, name: &str, owner: &str) -> Result<bool, DataplaneError> {
+        let err = |source| DataplaneError::Kernel {
+            what: format!("link {name}"),
+            source: Box::new(source),
+        };
+        match self.kernel.link(name).map_err(err)? {
+            Some(l) if l.alias.as_deref() == Some(owner) => {
+                self.kernel.delete_link(name).map_err(err)
+            }
+            _ => Ok(false),
+        }
+    }
+
     /// The endpoint's attach result, when it is programmed.
     pub fn attached(&self, key: &str) -> Option<Attached> {
         self.state.get(key).and_then(|s| s.attached)

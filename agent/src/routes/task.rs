@@ -69,6 +69,46 @@ pub struct Start {
     /// The Routes port, bound before this node's record announces it (peers that dial early
     /// wait in its backlog instead of being refused).
     pub listener: tokio::net::TcpListener,
+    /// Where the peers come from.
+    pub nodes: NodeSource,
+}
+
+/// Where route distribution learns the nodes (its peers, and the addresses their routes may
+/// go through).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeSource {
+    /// The agents' node records (`nodes/`): each announces its own Routes endpoint.
+    Records,
+    /// Kubernetes' Node objects (`k8s/nodes/`), each agent listening on `port`
+    /// ([`crate::k8s::peers`]).
+    KubeNodes { port: u16 },
+}
+
+impl NodeSource {
+    fn prefix(self) -> &'static str {
+        match self {
+            NodeSource::Records => Part::Nodes.prefix(),
+            NodeSource::KubeNodes { .. } => crate::datastore::kubernetes::views::NODES,
+        }
+    }
+
+    /// What the view takes of a listing.
+    fn listed(self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
+        match self {
+            NodeSource::Records => kvs,
+            NodeSource::KubeNodes { port } => kvs
+                .iter()
+                .filter_map(|kv| crate::k8s::peers::as_record(kv, port))
+                .collect(),
+        }
+    }
+
+    fn event(self, ev: WatchEvent) -> Option<WatchEvent> {
+        match self {
+            NodeSource::Records => Some(ev),
+            NodeSource::KubeNodes { port } => crate::k8s::peers::as_record_event(&ev, port),
+        }
+    }
 }
 
 impl Start {
@@ -97,8 +137,19 @@ impl Start {
                 addr: routes.listen.clone(),
                 source,
             })?;
+        let nodes = if cfg.datastore.is_kubernetes() {
+            let port = routes
+                .listen
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse().ok())
+                .unwrap_or(crate::config::ROUTES_PORT);
+            NodeSource::KubeNodes { port }
+        } else {
+            NodeSource::Records
+        };
         Ok(Self {
             listener,
+            nodes,
             me: cfg.node_name.clone(),
             cfg: routes,
             pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
@@ -175,9 +226,18 @@ pub async fn start(
         }
     });
     let (view_tx, view_rx) = mpsc::channel(1024);
-    for part in [Part::Blocks, Part::Nodes] {
-        tokio::spawn(watch_part(store.clone(), part, view_tx.clone()));
-    }
+    tokio::spawn(watch_part(
+        store.clone(),
+        Part::Blocks,
+        NodeSource::Records,
+        view_tx.clone(),
+    ));
+    tokio::spawn(watch_part(
+        store.clone(),
+        Part::Nodes,
+        s.nodes,
+        view_tx.clone(),
+    ));
     let handed: Handed = Arc::default();
     let (desired_tx, desired_rx) = watch::channel(None);
     tokio::spawn(hand_over(sink, desired_rx, handed.clone()));
@@ -467,28 +527,41 @@ async fn hand_over(
 }
 
 /// Lists one part of the datastore, then follows it: a compacted watch lists again, an
-/// ended one resumes from the last revision seen.
-async fn watch_part(store: Arc<dyn Datastore>, part: Part, tx: mpsc::Sender<ViewInput>) {
+/// ended one resumes from the last revision seen. The nodes come from `nodes`.
+async fn watch_part(
+    store: Arc<dyn Datastore>,
+    part: Part,
+    nodes: NodeSource,
+    tx: mpsc::Sender<ViewInput>,
+) {
+    let prefix = match part {
+        Part::Blocks => part.prefix(),
+        Part::Nodes => nodes.prefix(),
+    };
     let mut backoff = Duration::from_millis(100);
     'list: loop {
-        let (kvs, revision) = match store.list_with_revision(part.prefix()).await {
+        let (kvs, revision) = match store.list_with_revision(prefix).await {
             Ok(l) => l,
             Err(e) => {
-                tracing::warn!(prefix = part.prefix(), error = %e, "routes: cannot list the datastore; retrying");
+                tracing::warn!(prefix, error = %e, "routes: cannot list the datastore; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
-        if tx.send(ViewInput::Listed(part, kvs)).await.is_err() {
+        if tx
+            .send(ViewInput::Listed(part, nodes.listed(kvs)))
+            .await
+            .is_err()
+        {
             return;
         }
         let mut after = revision;
         loop {
-            let mut stream = match store.watch(part.prefix(), after).await {
+            let mut stream = match store.watch(prefix, after).await {
                 Ok(s) => s,
                 Err(e) => {
-                    tracing::warn!(prefix = part.prefix(), error = %e, "routes: cannot watch the datastore; retrying");
+                    tracing::warn!(prefix, error = %e, "routes: cannot watch the datastore; retrying");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
@@ -499,13 +572,16 @@ async fn watch_part(store: Arc<dyn Datastore>, part: Part, tx: mpsc::Sender<View
                 match item {
                     Ok(ev) => {
                         after = ev.revision();
+                        let Some(ev) = nodes.event(ev) else {
+                            continue;
+                        };
                         if tx.send(ViewInput::Event(ev)).await.is_err() {
                             return;
                         }
                     }
                     Err(DatastoreError::Compacted { .. }) => continue 'list,
                     Err(e) => {
-                        tracing::debug!(prefix = part.prefix(), error = %e, "routes: datastore watch ended; resuming");
+                        tracing::debug!(prefix, error = %e, "routes: datastore watch ended; resuming");
                         break;
                     }
                 }

@@ -300,6 +300,7 @@ async fn wire(
                 netns: env.netns.clone(),
                 pod_namespace: env.args.pod_namespace.clone().unwrap_or_default(),
                 pod_name: env.args.pod_name.clone().unwrap_or_default(),
+                pod_uid: env.args.pod_uid.clone().unwrap_or_default(),
                 addresses: nets.iter().map(ToString::to_string).collect(),
                 handle: conf.handle(&env.container_id),
                 mac: calix_kernel::mac::format(&pod_mac),

@@ -1,5 +1,5 @@
-//! CPU accounting: per-CPU time from /proc/stat, a thread's or a task's CPU time, the load
-//! average.
+//! CPU accounting: per-CPU time from /proc/stat, a thread's or a task's CPU time, a process's
+//! CPU time and resident memory, the load average.
 
 /// /proc/stat's columns: user nice system idle iowait irq softirq steal (USER_HZ ticks).
 const IDLE: usize = 3;
@@ -92,6 +92,54 @@ pub fn task_cpu_ns(pid: Option<u32>) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// A process's resident memory and CPU time so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ProcessUsage {
+    /// Resident set now (KiB, `VmRSS` of /proc/<pid>/status).
+    pub rss_kib: u64,
+    /// Resident set at its peak since the process started (KiB, `VmHWM`).
+    pub peak_rss_kib: u64,
+    /// The resident set now, split: anonymous memory (the heap, stacks) and file pages (the
+    /// executable's code and data as mapped; shared with other processes running it, and
+    /// reclaimable) (KiB, `RssAnon`, `RssFile`).
+    pub rss_anon_kib: u64,
+    pub rss_file_kib: u64,
+    /// User + system time of all its threads (s, utime + stime of /proc/<pid>/stat).
+    pub cpu_secs: f64,
+}
+
+impl ProcessUsage {
+    /// Process `pid`'s usage; `None` when it is gone.
+    pub fn read(pid: u32) -> Option<Self> {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // SAFETY: sysconf has no preconditions.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+        Self::parse(&status, &stat, if hz > 0 { hz as f64 } else { 100.0 })
+    }
+
+    /// From the text of /proc/<pid>/status and /proc/<pid>/stat, `hz` ticks a second.
+    fn parse(status: &str, stat: &str, hz: f64) -> Option<Self> {
+        let kib = |key: &str| -> Option<u64> {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        };
+        // After the command name in parentheses (which may hold spaces and parentheses):
+        // state is field 3, utime 14, stime 15.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<f64>().ok());
+        Some(Self {
+            rss_kib: kib("VmRSS:")?,
+            peak_rss_kib: kib("VmHWM:")?,
+            rss_anon_kib: kib("RssAnon:")?,
+            rss_file_kib: kib("RssFile:")?,
+            cpu_secs: (ticks(14)? + ticks(15)?) / hz,
+        })
+    }
+}
+
 /// The kernel thread that runs CPU `cpu`'s softirqs when they pile up.
 pub fn ksoftirqd_pid(cpu: usize) -> Option<u32> {
     let want = format!("ksoftirqd/{cpu}");
@@ -108,4 +156,23 @@ pub fn load_average() -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().next().and_then(|l| l.parse().ok()))
         .unwrap_or(f64::NAN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn process_usage_reads_status_and_stat() {
+        let status = "Name:\tcalix-agent\nVmHWM:\t   30720 kB\nVmRSS:\t   20480 kB\n\
+                      RssAnon:\t   12288 kB\nRssFile:\t    8192 kB\nRssShmem:\t       0 kB\n";
+        let stat = "42 (calix (agent)) S 1 42 42 0 -1 4194560 100 0 0 0 150 50 0 0 20 0 4 0";
+        let u = ProcessUsage::parse(status, stat, 100.0).expect("usage");
+        assert_eq!((u.rss_kib, u.peak_rss_kib), (20480, 30720));
+        assert_eq!((u.rss_anon_kib, u.rss_file_kib), (12288, 8192));
+        assert!((u.cpu_secs - 2.0).abs() < 1e-9, "{u:?}");
+        assert_eq!(ProcessUsage::parse("", stat, 100.0), None);
+        let me = ProcessUsage::read(std::process::id()).expect("this process");
+        assert!(me.rss_kib > 0 && me.peak_rss_kib >= me.rss_kib, "{me:?}");
+    }
 }

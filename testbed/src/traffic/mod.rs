@@ -1,11 +1,12 @@
 //! Traffic measurements between two namespaces, as the benches take them: TCP_CRR and TCP_RR
 //! with the netperf-style tool ([`netperf`]), iperf3 throughput, nstat counters around them,
 //! how busy the rest of the machine was meanwhile ([`cpu`]); a packet flood ([`flood`]); a TCP
-//! echo for reachability checks ([`echo`]).
+//! echo for reachability checks ([`echo`]); ICMP probes that time reachability ([`probe`]).
 pub mod cpu;
 pub mod echo;
 pub mod flood;
 pub mod netperf;
+pub mod probe;
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};

@@ -4,7 +4,6 @@
 //! writing the report.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -55,8 +54,8 @@ impl Bench {
         let rev = git_rev(&util::workspace_root());
         println!("[setup] building release binaries (cargo build --release --workspace --bins)");
         let bins = util::build_bins_release()?;
-        remove_stale()?;
-        catch_interrupts();
+        crate::leftovers::remove_stale(PREFIX)?;
+        crate::interrupt::catch();
         let machine = Machine::read();
         let prefix = format!("{PREFIX}-{}", std::process::id());
         let dir = std::env::temp_dir().join(&prefix);
@@ -200,65 +199,9 @@ pub fn timed_cmd(cmd: &mut Command) -> Result<f64> {
     Ok(dt)
 }
 
-// --- leftovers and interrupts --------------------------------------------------------------
+// --- leftovers and interrupts: shared with the demo ----------------------------------------
 
-/// The pid in `name` when it is `<prefix>-<pid>` or `<prefix>-<pid>-…` and that process is
-/// gone: a leftover of a bench run that died without cleaning up.
-pub fn stale_pid(name: &str, prefix: &str) -> Option<u32> {
-    let pid = name
-        .strip_prefix(prefix)?
-        .strip_prefix('-')?
-        .split('-')
-        .next()?
-        .parse::<u32>()
-        .ok()?;
-    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
-}
-
-/// Removes the namespaces, pin roots and directories of earlier runs that died without
-/// cleaning up.
-fn remove_stale() -> Result<()> {
-    for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
-        let name = line.split_whitespace().next().unwrap_or_default();
-        if stale_pid(name, PREFIX).is_some() {
-            println!("      removing stale namespace {name}");
-            let _ = Command::new("ip").args(["netns", "del", name]).status();
-        }
-    }
-    for root in [PathBuf::from("/sys/fs/bpf"), std::env::temp_dir()] {
-        for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
-            if stale_pid(&e.file_name().to_string_lossy(), PREFIX).is_some() {
-                println!("      removing stale {}", e.path().display());
-                let _ = std::fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    Ok(())
-}
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_interrupt(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::Relaxed);
-}
-
-/// From now on SIGINT and SIGTERM only set a flag ([`check_interrupted`]), so the bench stops
-/// at the next check and the test bed's values remove what it created (Ctrl-C also reaches the
-/// children, which die and fail the running measurement).
-fn catch_interrupts() {
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: the handler only stores to an atomic (async-signal-safe).
-        unsafe { libc::signal(sig, on_interrupt as *const () as libc::sighandler_t) };
-    }
-}
-
-/// Fails when SIGINT or SIGTERM arrived since the bench's setup.
-pub fn check_interrupted() -> Result<()> {
-    if INTERRUPTED.load(Ordering::Relaxed) {
-        bail!("interrupted");
-    }
-    Ok(())
-}
+pub use crate::interrupt::check as check_interrupted;
 
 // --- what it was measured on ---------------------------------------------------------------
 
@@ -299,13 +242,22 @@ impl Machine {
     }
 }
 
-/// The revision of `root` (short hash), marked when the work tree has uncommitted changes.
+/// The revision of `root` (short hash), marked when the work tree has uncommitted changes
+/// (outside docs/bench/).
 fn git_rev(root: &Path) -> String {
     let git = |args: &[&str]| output(Command::new("git").current_dir(root).args(args));
     let rev = git(&["rev-parse", "--short", "HEAD"])
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into());
-    match git(&["status", "--porcelain", "--untracked-files=no"]) {
+    // The benches' own output (docs/bench/) is not the code that was measured.
+    match git(&[
+        "status",
+        "--porcelain",
+        "--untracked-files=no",
+        "--",
+        ".",
+        ":!docs/bench",
+    ]) {
         Ok(s) if !s.trim().is_empty() => format!("{rev} (with uncommitted changes)"),
         _ => rev,
     }
@@ -328,18 +280,6 @@ pub fn version(program: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stale_names_need_a_dead_pid() {
-        let me = std::process::id();
-        assert_eq!(stale_pid(&format!("cxb-{me}-ebpf"), PREFIX), None);
-        assert_eq!(stale_pid(&format!("cxb-{me}"), PREFIX), None);
-        assert_eq!(stale_pid("cxb-ipam-123", PREFIX), None);
-        assert_eq!(stale_pid("cxbother", PREFIX), None);
-        // pid_max is at most 2^22: this pid cannot exist.
-        assert_eq!(stale_pid("cxb-4294967295-kern-a", PREFIX), Some(4294967295));
-        assert_eq!(stale_pid("cxb-4294967295", PREFIX), Some(4294967295));
-    }
 
     #[test]
     fn orders_rotate_or_reverse() {

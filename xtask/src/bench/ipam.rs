@@ -1,5 +1,6 @@
-//! `cargo xtask bench ipam`: IPAM allocations per second, calix-agent with the embedded and the
-//! etcd datastore against Debian's reference `host-local` plugin, in one run (DESIGN.md §10).
+//! `cargo xtask bench ipam`: IPAM allocations per second, calix-agent with the embedded, the
+//! etcd and the kubernetes datastore against Debian's reference `host-local` plugin, in one run
+//! (DESIGN.md §10).
 //!
 //! calix is driven through its real gRPC API (`calix.v1.Ipam` on the agent's unix socket) from
 //! this process: one HTTP/2 connection, each call timed client-side. host-local is a process per
@@ -20,6 +21,10 @@
 //! bench in a namespace of its own, `cxb-<pid>-ipam`, and the agents run there too, reaching it
 //! on that namespace's 127.0.0.1 (and changing nothing of the host's). Everything is stopped and
 //! removed on drop, on error too; the children also die with the bench (`PR_SET_PDEATHSIG`).
+//! The kubernetes variant's API server (kube-apiserver v1.36.2 from `../shared/k8s`, its own
+//! etcd, calix's CRDs, one `IPPool`) runs likewise in `cxb-<pid>-kube`, with its agents; its
+//! objects stay across repetitions (each repetition's agent is a new node, whose blocks are
+//! new, or released ones claimed again).
 //!
 //! Writes docs/bench/ipam.md and docs/bench/ipam.svg.
 use std::future::Future;
@@ -33,7 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use calix_proto::v1 as pb;
 use calix_testbed::traffic::cpu::load_average;
-use calix_testbed::{Agent, AgentSpec, Call, Dataplane, EtcdNs, Netns, Plugin, CNI_DIR};
+use calix_testbed::{Agent, AgentSpec, Call, Dataplane, EtcdNs, KubeApi, Netns, Plugin, CNI_DIR};
 use serde_json::json;
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
@@ -62,10 +67,18 @@ type Client = pb::ipam_client::IpamClient<Channel>;
 enum Variant {
     Embedded,
     Etcd,
+    Kubernetes,
     HostLocal,
 }
 
-const VARIANTS: [Variant; 3] = [Variant::Embedded, Variant::Etcd, Variant::HostLocal];
+const VARIANTS: [Variant; 4] = [
+    Variant::Embedded,
+    Variant::Etcd,
+    Variant::Kubernetes,
+    Variant::HostLocal,
+];
+/// The calix variants (every one but host-local).
+const CALIX: [Variant; 3] = [Variant::Embedded, Variant::Etcd, Variant::Kubernetes];
 
 impl Variant {
     /// Its label and its tag (in the names of what it creates).
@@ -73,6 +86,7 @@ impl Variant {
         match self {
             Self::Embedded => ("calix, embedded", "e"),
             Self::Etcd => ("calix, etcd", "d"),
+            Self::Kubernetes => ("calix, kubernetes", "k"),
             Self::HostLocal => ("host-local", "h"),
         }
     }
@@ -107,10 +121,14 @@ fn start_agent(
     datastore: &str,
 ) -> Result<(Agent, Client)> {
     // Housekeeping (leak GC, empty-block release) every hour: no pass during a measurement.
-    let config = format!(
-        "[datastore]\n{datastore}\n\n[ipam]\nleakCheckIntervalSecs = 3600\n\n\
-         [[pools]]\ncidr = \"{CALIX_POOL}\"\nblockSize = {BLOCK_SIZE}\n"
-    );
+    // (With the kubernetes datastore the pool is an IPPool object.)
+    let pools = if datastore.contains("kubernetes") {
+        String::new()
+    } else {
+        format!("[[pools]]\ncidr = \"{CALIX_POOL}\"\nblockSize = {BLOCK_SIZE}\n")
+    };
+    let config =
+        format!("[datastore]\n{datastore}\n\n[ipam]\nleakCheckIntervalSecs = 3600\n\n{pools}");
     let spec = AgentSpec {
         config: Some(config),
         log_level: "warn",
@@ -536,13 +554,26 @@ pub fn run(allocs: usize, reps: usize) -> Result<()> {
         b.dir.display()
     );
     let etcd = EtcdNs::launch(b.netns("ipam")?)?;
+    println!("[setup] starting kube-apiserver in {}", b.name("kube"));
+    let kube = KubeApi::launch(Some(b.netns("kube")?), b.name("kube"), true)?;
+    kube.apply(json!({
+        "apiVersion": "calix.dev/v1",
+        "kind": "IPPool",
+        "metadata": {"name": "bench"},
+        "spec": {"cidr": CALIX_POOL, "blockSize": BLOCK_SIZE},
+    }))?;
+    let kube_store = format!(
+        "type = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 10000",
+        kube.kubeconfig().display()
+    );
+    let kube_ns = kube.ns.as_ref().context("the API server's namespace")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start a tokio runtime")?;
 
     let mut floors = Floors::default();
-    let mut res: [Samples; 3] = Default::default();
+    let mut res: [Samples; 4] = Default::default();
     for rep in 0..reps {
         repetition(
             rep,
@@ -572,6 +603,7 @@ pub fn run(allocs: usize, reps: usize) -> Result<()> {
                     );
                         run_calix(&b, &rt, &etcd.ns, &store, &ids)?
                     }
+                    Variant::Kubernetes => run_calix(&b, &rt, kube_ns, &kube_store, &ids)?,
                     Variant::HostLocal => {
                         let dir = b.dir.join(format!("r{}-{}", rep + 1, v.tag()));
                         let m = run_host_local(&rt, &dir, &ids);
@@ -585,7 +617,7 @@ pub fn run(allocs: usize, reps: usize) -> Result<()> {
             },
         )?;
     }
-    drop((rt, etcd));
+    drop((rt, etcd, kube));
     b.done();
 
     let etcd_version = output(Command::new(ETCD).arg("--version"))
@@ -616,7 +648,7 @@ struct Report {
     reps: usize,
     plugins_version: String,
     etcd_version: String,
-    res: [Samples; 3],
+    res: [Samples; 4],
     floors: Floors,
     bench: Bench,
 }
@@ -676,12 +708,16 @@ impl Report {
         let f = &self.floors;
         let n = self.allocs;
         let mut s = String::new();
-        s.push_str("# IPAM allocations per second: calix (embedded, etcd) vs host-local\n\n");
+        s.push_str(
+            "# IPAM allocations per second: calix (embedded, etcd, kubernetes) vs host-local\n\n",
+        );
         s.push_str(&format!(
             "Measured {} by `cargo xtask bench ipam --allocs {n} --reps {}` on {} × {} ({} CPUs), \
              kernel {}. calix {} (release build, `calix-agent --dataplane kernel`, pool \
              {CALIX_POOL} in /{BLOCK_SIZE} blocks); the etcd backend against etcd {} (one member on \
-             127.0.0.1, data on the same disk); `host-local` from Debian's \
+             127.0.0.1, data on the same disk); the kubernetes backend against kube-apiserver \
+             v1.36.2 (upstream, watch cache on) on its own etcd {}, both on 127.0.0.1 of a \
+             namespace of their own (its IPAM objects kept across repetitions); `host-local` from Debian's \
              containernetworking-plugins {} (a {HOST_LOCAL_SUBNET} range). Every datastore is \
              in /tmp, on the root ext4 disk.\n\n",
             m.date,
@@ -691,6 +727,7 @@ impl Report {
             m.cpus,
             m.kernel,
             self.bench.rev,
+            self.etcd_version,
             self.etcd_version,
             self.plugins_version,
         ));
@@ -726,7 +763,7 @@ impl Report {
         for v in VARIANTS {
             s.push_str(&self.row(v));
         }
-        for v in [Variant::Embedded, Variant::Etcd] {
+        for v in CALIX {
             s.push_str(&self.ratio_row(v));
         }
         s.push_str(
@@ -769,7 +806,7 @@ impl Report {
         s.push_str(&f.fsync.row(&format!(
             "append {FSYNC_LINE} B + `fdatasync` in /tmp (the least a durable allocation pays)"
         )));
-        for v in [Variant::Embedded, Variant::Etcd] {
+        for v in CALIX {
             s.push_str(&self.get(v).rpc.row(&format!(
                 "`calix.v1.Ipam/Status` round trip, {} agent (no datastore access: the gRPC \
                  floor of every call)",
@@ -778,11 +815,14 @@ impl Report {
         }
         s.push_str(
             "\nWhat each allocation does. calix: one gRPC call; the agent takes its IPAM lock, \
-             reads the handle key, picks an address in its in-memory block view and commits \
-             the block and the handle record in one compare-and-swap transaction; embedded: one \
-             journal append + `fdatasync` (releases append without fsync); etcd: a \
-             range and a txn round trip to etcd, which fsyncs its Raft WAL for every write \
-             (releases too). Allocations are serialized on the agent's lock, so calls in flight \
+             reads the handle key, picks an address in its in-memory block view, commits the \
+             block alone with a compare-and-swap on its revision, then writes the handle record \
+             (which follows the block); embedded: journal appends + one `fdatasync` (releases \
+             append without fsync); etcd: a range and txn round trips to etcd, which fsyncs its \
+             Raft WAL for every write (releases too); kubernetes: a GET of the handle object, a \
+             PUT of the block object carrying its resourceVersion and the handle object's \
+             create or replace, each an HTTPS request the API server turns into an etcd \
+             transaction. Allocations are serialized on the agent's lock, so calls in flight \
              overlap only their RPC work. host-local: a process; `flock` on the `dataDir`, then \
              it reads every address file it holds (looking for the container ID's earlier \
              allocation: the cost grows with the addresses held), creates one file for the new \
@@ -816,6 +856,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     let colors = [
         RGBColor(0x1f, 0x77, 0xb4),
         RGBColor(0x2c, 0xa0, 0x2c),
+        RGBColor(0x94, 0x67, 0xbd),
         RGBColor(0xff, 0x7f, 0x0e),
     ];
     let rates = |s: &Samples| vec![Some(median(&s.seq)), Some(median(&s.conc))];

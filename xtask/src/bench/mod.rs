@@ -7,10 +7,14 @@
 //! also takes the traffic measurements) and its report; `harness` and `report` hold what they
 //! share.
 mod cni;
+mod crossnode;
 mod dataplane;
 mod harness;
 mod ipam;
+mod profile;
 mod report;
+mod routes;
+mod routewatch;
 mod snat;
 
 use std::net::SocketAddr;
@@ -57,6 +61,36 @@ pub enum Scenario {
         #[arg(long)]
         quick: bool,
     },
+    /// Routes between nodes (issue 13): a new pod's way to two other nodes (3 real nodes, a
+    /// new block and a borrowed address), and one agent taking 100 simulated peers × 100
+    /// blocks (mesh, reflector): time to the kernel, RSS, CPU.
+    Routes {
+        /// Pods per convergence variant [default: 200; 20 with --quick].
+        #[arg(long)]
+        pods: Option<usize>,
+        /// Repetitions of the scale part (each runs both topologies) [default: 3; 1 with
+        /// --quick].
+        #[arg(long)]
+        reps: Option<usize>,
+        /// Development mode: 20 pods, 1 repetition, results in target/bench/.
+        #[arg(long)]
+        quick: bool,
+    },
+    /// Pod to pod across nodes: calix kernel, eBPF and VXLAN in both, against the underlay
+    /// (node to node, the ceiling) and a plain kernel VXLAN device with static routes
+    /// (flannel's way): conn/s (TCP_CRR), TCP_RR, iperf3 throughput, and where the time goes.
+    Crossnode {
+        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
+        /// --quick].
+        #[arg(long)]
+        reps: Option<usize>,
+        /// Seconds per measurement [default: 3; 1 with --quick].
+        #[arg(long)]
+        secs: Option<u64>,
+        /// Development mode: 2 repetitions of 1 s, results in target/bench/.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Pod → outside through calix eBPF SNAT against iptables/nftables MASQUERADE and routing
     /// without NAT (conn/s, TCP_RR, iperf3), and the XDP deny list's CPU per dropped packet
     /// against nftables drop rules.
@@ -85,6 +119,14 @@ pub fn run(scenario: Scenario) -> Result<()> {
         Scenario::Dataplane { reps, secs, quick } => {
             let (r, s) = if quick { (2, 1) } else { (6, 3) };
             dataplane::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        }
+        Scenario::Crossnode { reps, secs, quick } => {
+            let (r, s) = if quick { (2, 1) } else { (6, 3) };
+            crossnode::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        }
+        Scenario::Routes { pods, reps, quick } => {
+            let (p, r) = if quick { (20, 1) } else { (200, 3) };
+            routes::run(pods.unwrap_or(p), reps.unwrap_or(r), quick)
         }
         Scenario::Snat {
             reps,

@@ -47,6 +47,27 @@ pub(super) const REPAIR_EVERY: u32 = 10;
 /// A handle record as stored: its revision and what it says; `None` when there is none.
 type Stored = Option<(i64, HandleRecord)>;
 
+/// `pools` with those of family `v4` not in `only` disabled, when `only` names any pool of
+/// that family.
+fn restrict(
+    pools: Vec<crate::ipam::Pool>,
+    only: Option<&[IpNet]>,
+    v4: bool,
+) -> Vec<crate::ipam::Pool> {
+    let Some(only) = only.filter(|o| o.iter().any(|c| c.addr().is_ipv4() == v4)) else {
+        return pools;
+    };
+    pools
+        .into_iter()
+        .map(|mut p| {
+            if p.cidr.addr().is_ipv4() == v4 && !only.contains(&p.cidr) {
+                p.disabled = true;
+            }
+            p
+        })
+        .collect()
+}
+
 /// Whether two records say the same (addresses in any order).
 fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
     let sorted = |r: &HandleRecord| {
@@ -75,6 +96,23 @@ impl IpamService {
         v6: bool,
         requested: &[IpAddr],
         attributes: &BTreeMap<String, String>,
+    ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
+        self.allocate_from(handle, ifname, v4, v6, requested, attributes, None)
+            .await
+    }
+
+    /// [`IpamService::allocate`], a family's new address only from the pools in `only` when it
+    /// names any of that family (a pod's `calix.dev/ipv4pools` / `ipv6pools`).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn allocate_from(
+        &self,
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+        v6: bool,
+        requested: &[IpAddr],
+        attributes: &BTreeMap<String, String>,
+        only: Option<&[IpNet]>,
     ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
         if handle.is_empty() || ifname.is_empty() || handle.contains('/') || ifname.contains('/') {
             return Err(AgentError::Invalid(
@@ -142,7 +180,7 @@ impl IpamService {
             }
             let requested = requested.iter().find(|a| a.is_ipv4() == fam).copied();
             match self
-                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes)
+                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes, only)
                 .await
             {
                 Ok((a, rev)) => {
@@ -194,6 +232,7 @@ impl IpamService {
 
     /// Allocates one address of a family (`requested`, or the allocator's choice) and commits
     /// its block alone. Returns it with the revision of the commit.
+    #[allow(clippy::too_many_arguments)]
     async fn allocate_family(
         &self,
         inner: &mut Inner,
@@ -202,14 +241,26 @@ impl IpamService {
         v4: bool,
         requested: Option<IpAddr>,
         attributes: &BTreeMap<String, String>,
+        only: Option<&[IpNet]>,
     ) -> Result<(Allocated, i64), AgentError> {
         let mut listed = false;
+        let mut lost = false;
         for attempt in 0..CAS_ATTEMPTS {
             if inner.stale {
                 self.refresh_blocks(inner).await?;
                 listed = true;
             }
-            let pools = self.pools();
+            let pools = restrict(self.pools(), only, v4);
+            if lost {
+                // A lost compare may be this very write, landed on a retried request (the
+                // store retried after a connection loss): the handle held nothing of this
+                // family when the request began, so an allocation of it now is ours.
+                if let Some(ours) = self.landed(inner, &pools, handle, ifname, v4) {
+                    tracing::info!(%handle, %ifname, addr = %ours.0.addr, attempt,
+                        "allocated (the write reported lost had landed)");
+                    return Ok(ours);
+                }
+            }
             let a = match requested {
                 Some(addr) => inner.ipam.allocate_specific(
                     &pools,
@@ -250,6 +301,7 @@ impl IpamService {
                 return Ok((a, rev));
             }
             listed = true;
+            lost = true;
             tracing::debug!(%handle, attempt, "allocation lost a race; retrying");
             cas_backoff(attempt).await;
         }
@@ -258,6 +310,34 @@ impl IpamService {
             what: format!("allocation for {handle}/{ifname}"),
         }
         .into())
+    }
+
+    /// The view's allocation of (handle, ifname) by this node in family `v4`, with its block's
+    /// revision.
+    fn landed(
+        &self,
+        inner: &Inner,
+        pools: &[crate::ipam::Pool],
+        handle: &str,
+        ifname: &str,
+        v4: bool,
+    ) -> Option<(Allocated, i64)> {
+        let (key, addr, a) = inner
+            .ipam
+            .held_by(handle, ifname)
+            .into_iter()
+            .find(|(_, addr, a)| addr.is_ipv4() == v4 && a.node == self.node.name)?;
+        let block = inner.ipam.blocks.get(key)?;
+        Some((
+            Allocated {
+                addr,
+                pool: pool_of(pools, addr),
+                seq: a.seq,
+                block: key.to_string(),
+                borrowed: block.affinity != self.node.name,
+            },
+            block.revision,
+        ))
     }
 
     /// What (handle, ifname) holds — or, when nothing, what the previous plugin's handle for

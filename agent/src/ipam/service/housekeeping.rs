@@ -1,5 +1,5 @@
 //! Housekeeping: leak GC (allocations of this node that no endpoint uses), the release of this
-//! node's empty blocks, and the repair of handle records from the blocks. Leak GC and block
+//! node's empty blocks, and the repair of handle and affinity records from the blocks. Leak GC and block
 //! release wait a grace period and recheck before they act, and log every release with its
 //! reason. Every write is one object.
 use std::collections::HashSet;
@@ -31,6 +31,8 @@ pub struct Swept {
     pub blocks_released: Vec<String>,
     /// Handle records created, rewritten or deleted to match the blocks.
     pub handles_repaired: usize,
+    /// Affinity records created or deleted to match the blocks.
+    pub affinities_repaired: usize,
 }
 
 /// Whether `cidr` is a block of one of `pools` as configured now (disabled pools included).
@@ -100,6 +102,9 @@ impl IpamService {
         {
             inner.passes_since_repair = 0;
             out.handles_repaired = self.repair_handles(&mut inner).await?;
+            out.affinities_repaired = self.repair_affinities(&mut inner).await?;
+        } else if inner.affinities_dirty {
+            out.affinities_repaired = self.repair_affinities(&mut inner).await?;
         }
         Ok(out)
     }
@@ -198,6 +203,7 @@ impl IpamService {
                 inner.ipam.blocks.remove(&key);
                 inner.ipam.retired.remove(&key);
                 inner.ipam.revision = inner.ipam.revision.max(rev);
+                self.follow_affinity(inner, cidr).await;
                 Ok(true)
             }
             None => {

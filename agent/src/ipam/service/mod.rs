@@ -3,9 +3,10 @@
 //! and the reports `calixctl ipam show/check` print (`report`). Nothing is acknowledged before
 //! the datastore has it; every write is one object, and IPAM writes are compare-and-swap on one
 //! block's revision, so agents sharing a datastore never hand out an address twice.
+mod affinity;
 mod alloc;
 mod housekeeping;
-mod report;
+pub mod report;
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -48,6 +49,10 @@ struct Inner {
     leak_candidates: HashMap<(IpAddr, u64), Instant>,
     /// This node's empty blocks → first seen empty.
     empty_since: HashMap<String, Instant>,
+    /// This node's affinity records as last written or listed: block → revision.
+    affinities: std::collections::BTreeMap<IpNet, i64>,
+    /// The affinity records may not match the blocks (not listed yet, or a write failed).
+    affinities_dirty: bool,
 }
 
 /// IPAM for one node over a shared datastore.
@@ -95,6 +100,8 @@ impl IpamService {
                 passes_since_repair: 0,
                 leak_candidates: HashMap::new(),
                 empty_since: HashMap::new(),
+                affinities: Default::default(),
+                affinities_dirty: true,
             }),
         };
         {
@@ -106,6 +113,9 @@ impl IpamService {
             // record missing (or stale): rebuild the records from the blocks first thing.
             if let Err(e) = service.repair_handles(&mut inner).await {
                 tracing::warn!(error = %e, "handle records not repaired at start; housekeeping retries");
+            }
+            if let Err(e) = service.repair_affinities(&mut inner).await {
+                tracing::warn!(error = %e, "affinity records not repaired at start; housekeeping retries");
             }
         }
         Ok(service)
@@ -247,12 +257,14 @@ impl IpamService {
             .await
         {
             Ok(Some(rev)) => {
+                let cidr = b.cidr;
                 if let Some(mut b) = inner.ipam.blocks.remove(key) {
                     b.revision = rev;
                     // A released block moves to the retired; a claimed one leaves them.
                     inner.ipam.put_block(b);
                 }
                 inner.ipam.revision = inner.ipam.revision.max(rev);
+                self.follow_affinity(inner, &cidr).await;
                 Ok(Some(rev))
             }
             Ok(None) => {

@@ -6,9 +6,9 @@ use std::net::IpAddr;
 use serde::{Deserialize, Serialize};
 
 use super::IpamService;
-use crate::datastore::keys;
+use crate::datastore::{keys, Datastore};
 use crate::error::AgentError;
-use crate::ipam::{Block, HandleRecord};
+use crate::ipam::{AffinityRecord, Block, HandleRecord, Pool};
 use crate::model::{EndpointRecord, NodeRecord};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,7 +56,8 @@ pub struct IpamReport {
 /// One problem `ipam check` found.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finding {
-    /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`.
+    /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`,
+    /// `missing-affinity`, `orphan-affinity`.
     pub kind: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<IpAddr>,
@@ -82,9 +83,12 @@ pub struct CheckReport {
     pub findings: Vec<Finding>,
 }
 
-struct Snapshot {
+/// The datastore's IPAM records, read at once.
+pub struct Snapshot {
     blocks: Vec<Block>,
     handles: Vec<(String, HandleRecord)>,
+    /// Affinity records: (key, record; `None` when it does not decode).
+    affinities: Vec<(String, Option<AffinityRecord>)>,
     endpoints: Vec<(String, EndpointRecord)>,
     nodes: Vec<NodeRecord>,
 }
@@ -95,217 +99,281 @@ impl IpamService {
         // two, and a check would report the handle as an orphan. Other nodes' pairs can still be
         // seen half done; their housekeeping settles those.
         let _no_ipam_writes = self.inner.lock().await;
-        let store = &self.store;
-        let mut blocks = Vec::new();
-        for kv in store.list(keys::BLOCKS).await? {
-            let b = kv.decode::<Block>()?;
-            // A released block is back in its pool: not in use, affine to nobody.
-            if !b.is_released() {
-                blocks.push(b);
-            }
-        }
-        let mut handles = Vec::new();
-        for kv in store.list(keys::HANDLES).await? {
-            handles.push((kv.key.clone(), kv.decode::<HandleRecord>()?));
-        }
-        let mut endpoints = Vec::new();
-        for kv in store.list(keys::ENDPOINTS).await? {
-            // endpoints/<node>/<cid>/<ifname>
-            let node = kv
-                .key
-                .strip_prefix(keys::ENDPOINTS)
-                .and_then(|r| r.split('/').next())
-                .unwrap_or_default()
-                .to_string();
-            endpoints.push((node, kv.decode::<EndpointRecord>()?));
-        }
-        let mut nodes = Vec::new();
-        for kv in store.list(keys::NODES).await? {
-            nodes.push(kv.decode::<NodeRecord>()?);
-        }
-        Ok(Snapshot {
-            blocks,
-            handles,
-            endpoints,
-            nodes,
-        })
+        snapshot(&*self.store).await
     }
 
     /// Pools, blocks and per-node use, across every node of the datastore.
     pub async fn ipam_report(&self) -> Result<IpamReport, AgentError> {
         let snap = self.snapshot().await?;
-        let pools = self.pools();
-        let mut per_node: BTreeMap<String, NodeUse> = BTreeMap::new();
-        fn node_use<'a>(
-            per_node: &'a mut BTreeMap<String, NodeUse>,
-            name: &str,
-        ) -> &'a mut NodeUse {
-            per_node.entry(name.to_string()).or_insert_with(|| NodeUse {
-                node: name.to_string(),
-                addresses: Vec::new(),
-                blocks: 0,
-                used: 0,
-                endpoints: 0,
-            })
-        }
-        for n in &snap.nodes {
-            node_use(&mut per_node, &n.name).addresses = n.addresses.clone();
-        }
-        let mut blocks = Vec::new();
-        for b in &snap.blocks {
-            node_use(&mut per_node, &b.affinity).blocks += 1;
-            for a in b.allocations.values() {
-                node_use(&mut per_node, &a.node).used += 1;
-            }
-            blocks.push(BlockUse {
-                cidr: b.cidr.to_string(),
-                affinity: b.affinity.clone(),
-                size: b.size(),
-                used: b.allocations.len() as u64,
-                borrowed: b
-                    .allocations
-                    .values()
-                    .filter(|a| a.node != b.affinity)
-                    .count() as u64,
-            });
-        }
-        for (node, _) in &snap.endpoints {
-            node_use(&mut per_node, node).endpoints += 1;
-        }
-        let pools = pools
-            .iter()
-            .map(|p| {
-                let inside: Vec<&Block> = snap
-                    .blocks
-                    .iter()
-                    .filter(|b| p.cidr.contains(&b.cidr.network()))
-                    .collect();
-                let bits = u32::from(p.cidr.max_prefix_len() - p.cidr.prefix_len());
-                PoolUse {
-                    cidr: p.cidr.to_string(),
-                    block_size: p.block_size,
-                    disabled: p.disabled,
-                    size: if bits >= 63 { u64::MAX / 2 } else { 1 << bits },
-                    blocks: inside.len(),
-                    used: inside.iter().map(|b| b.allocations.len() as u64).sum(),
-                }
-            })
-            .collect();
-        let (free_v4, free_v6) = self.free().await;
-        Ok(IpamReport {
-            node: self.node.name.clone(),
-            pools,
-            blocks,
-            nodes: per_node.into_values().collect(),
-            free_v4,
-            free_v6,
-        })
+        let free = self.free().await;
+        Ok(report(&snap, &self.pools(), &self.node.name, free))
     }
 
     /// Leaks, duplicates and orphans across every node of the datastore.
     pub async fn ipam_check(&self) -> Result<CheckReport, AgentError> {
-        let snap = self.snapshot().await?;
-        let mut findings = Vec::new();
-        let live: HashSet<(&str, &str, &str)> = snap
-            .endpoints
-            .iter()
-            .map(|(n, e)| (n.as_str(), e.handle.as_str(), e.ifname.as_str()))
-            .collect();
-        let handles: HashMap<(String, String), &HandleRecord> = snap
-            .handles
-            .iter()
-            .filter_map(|(k, h)| {
-                let rest = k.strip_prefix(keys::HANDLES)?;
-                let (handle, ifname) = rest.rsplit_once('/')?;
-                Some(((handle.to_string(), ifname.to_string()), h))
-            })
-            .collect();
-        let known_nodes: HashSet<&str> = snap.nodes.iter().map(|n| n.name.as_str()).collect();
-        let mut seen: HashMap<IpAddr, String> = HashMap::new();
-        let mut allocations = 0u64;
-        for b in &snap.blocks {
-            if !known_nodes.contains(b.affinity.as_str()) {
-                findings.push(Finding {
-                    kind: "orphan-block".into(),
-                    address: None,
-                    seq: None,
-                    handle: String::new(),
-                    ifname: String::new(),
-                    node: b.affinity.clone(),
-                    block: b.cidr.to_string(),
-                    detail: format!("block affine to unknown node {}", b.affinity),
-                });
-            }
-            for (off, a) in &b.allocations {
-                allocations += 1;
-                let addr = b.address(*off);
-                let base = Finding {
-                    kind: String::new(),
-                    address: Some(addr),
-                    seq: Some(a.seq),
-                    handle: a.handle.clone(),
-                    ifname: a.ifname.clone(),
-                    node: a.node.clone(),
-                    block: b.cidr.to_string(),
-                    detail: String::new(),
-                };
-                if let Some(other) = seen.insert(addr, b.cidr.to_string()) {
-                    findings.push(Finding {
-                        kind: "duplicate".into(),
-                        detail: format!("{addr} is allocated in blocks {other} and {}", b.cidr),
-                        ..base.clone()
-                    });
-                }
-                let held = handles
-                    .get(&(a.handle.clone(), a.ifname.clone()))
-                    .is_some_and(|h| h.addresses.iter().any(|x| x.addr == addr && x.seq == a.seq));
-                if !held {
-                    findings.push(Finding {
-                        kind: "orphan-allocation".into(),
-                        detail: "allocated in its block but no handle record holds it (the \
-                                 allocating node's housekeeping rebuilds the record)"
-                            .into(),
-                        ..base.clone()
-                    });
-                }
-                if !live.contains(&(a.node.as_str(), a.handle.as_str(), a.ifname.as_str())) {
-                    findings.push(Finding {
-                        kind: "leak".into(),
-                        detail: format!("no endpoint on node {} uses it", a.node),
-                        ..base
-                    });
-                }
-            }
+        Ok(check(&self.snapshot().await?))
+    }
+}
+
+/// Reads every IPAM record of `store` (blocks not released, handles, affinities, endpoints,
+/// nodes).
+pub async fn snapshot(store: &dyn Datastore) -> Result<Snapshot, AgentError> {
+    let mut blocks = Vec::new();
+    for kv in store.list(keys::BLOCKS).await? {
+        let b = kv.decode::<Block>()?;
+        // A released block is back in its pool: not in use, affine to nobody.
+        if !b.is_released() {
+            blocks.push(b);
         }
-        for ((handle, ifname), rec) in &handles {
-            for h in &rec.addresses {
-                let in_block = snap.blocks.iter().any(|b| {
-                    b.offset_of(h.addr)
-                        .and_then(|o| b.allocations.get(&o))
-                        .is_some_and(|a| a.seq == h.seq && &a.handle == handle)
-                });
-                if !in_block {
-                    findings.push(Finding {
-                        kind: "orphan-handle".into(),
-                        address: Some(h.addr),
-                        seq: Some(h.seq),
-                        handle: handle.clone(),
-                        ifname: ifname.clone(),
-                        node: rec.node.clone(),
-                        block: String::new(),
-                        detail: "handle record names an address its block does not hold (reads \
-                                 ignore it; the node's housekeeping deletes it)"
-                            .into(),
-                    });
-                }
-            }
-        }
-        Ok(CheckReport {
-            allocations,
-            blocks: snap.blocks.len(),
-            handles: handles.len(),
-            endpoints: snap.endpoints.len(),
-            findings,
+    }
+    let mut handles = Vec::new();
+    for kv in store.list(keys::HANDLES).await? {
+        handles.push((kv.key.clone(), kv.decode::<HandleRecord>()?));
+    }
+    let mut affinities = Vec::new();
+    for kv in store.list(keys::AFFINITIES).await? {
+        affinities.push((kv.key.clone(), kv.decode::<AffinityRecord>().ok()));
+    }
+    let mut endpoints = Vec::new();
+    for kv in store.list(keys::ENDPOINTS).await? {
+        // endpoints/<node>/<cid>/<ifname>
+        let node = kv
+            .key
+            .strip_prefix(keys::ENDPOINTS)
+            .and_then(|r| r.split('/').next())
+            .unwrap_or_default()
+            .to_string();
+        endpoints.push((node, kv.decode::<EndpointRecord>()?));
+    }
+    let mut nodes = Vec::new();
+    for kv in store.list(keys::NODES).await? {
+        nodes.push(kv.decode::<NodeRecord>()?);
+    }
+    Ok(Snapshot {
+        blocks,
+        handles,
+        affinities,
+        endpoints,
+        nodes,
+    })
+}
+
+/// Pools, blocks and per-node use in `snap`; `node` is who asks, `free` what it can still
+/// allocate (IPv4, IPv6).
+pub fn report(snap: &Snapshot, pools: &[Pool], node: &str, free: (u64, u64)) -> IpamReport {
+    let mut per_node: BTreeMap<String, NodeUse> = BTreeMap::new();
+    fn node_use<'a>(per_node: &'a mut BTreeMap<String, NodeUse>, name: &str) -> &'a mut NodeUse {
+        per_node.entry(name.to_string()).or_insert_with(|| NodeUse {
+            node: name.to_string(),
+            addresses: Vec::new(),
+            blocks: 0,
+            used: 0,
+            endpoints: 0,
         })
     }
+    for n in &snap.nodes {
+        node_use(&mut per_node, &n.name).addresses = n.addresses.clone();
+    }
+    let mut blocks = Vec::new();
+    for b in &snap.blocks {
+        node_use(&mut per_node, &b.affinity).blocks += 1;
+        for a in b.allocations.values() {
+            node_use(&mut per_node, &a.node).used += 1;
+        }
+        blocks.push(BlockUse {
+            cidr: b.cidr.to_string(),
+            affinity: b.affinity.clone(),
+            size: b.size(),
+            used: b.allocations.len() as u64,
+            borrowed: b
+                .allocations
+                .values()
+                .filter(|a| a.node != b.affinity)
+                .count() as u64,
+        });
+    }
+    for (node, _) in &snap.endpoints {
+        node_use(&mut per_node, node).endpoints += 1;
+    }
+    let pools = pools
+        .iter()
+        .map(|p| {
+            let inside: Vec<&Block> = snap
+                .blocks
+                .iter()
+                .filter(|b| p.cidr.contains(&b.cidr.network()))
+                .collect();
+            let bits = u32::from(p.cidr.max_prefix_len() - p.cidr.prefix_len());
+            PoolUse {
+                cidr: p.cidr.to_string(),
+                block_size: p.block_size,
+                disabled: p.disabled,
+                size: if bits >= 63 { u64::MAX / 2 } else { 1 << bits },
+                blocks: inside.len(),
+                used: inside.iter().map(|b| b.allocations.len() as u64).sum(),
+            }
+        })
+        .collect();
+    let (free_v4, free_v6) = free;
+    IpamReport {
+        node: node.to_string(),
+        pools,
+        blocks,
+        nodes: per_node.into_values().collect(),
+        free_v4,
+        free_v6,
+    }
+}
+
+/// Leaks, duplicates and orphans in `snap`.
+pub fn check(snap: &Snapshot) -> CheckReport {
+    let mut findings = Vec::new();
+    let live: HashSet<(&str, &str, &str)> = snap
+        .endpoints
+        .iter()
+        .map(|(n, e)| (n.as_str(), e.handle.as_str(), e.ifname.as_str()))
+        .collect();
+    let handles: HashMap<(String, String), &HandleRecord> = snap
+        .handles
+        .iter()
+        .filter_map(|(k, h)| {
+            let rest = k.strip_prefix(keys::HANDLES)?;
+            let (handle, ifname) = rest.rsplit_once('/')?;
+            Some(((handle.to_string(), ifname.to_string()), h))
+        })
+        .collect();
+    let known_nodes: HashSet<&str> = snap.nodes.iter().map(|n| n.name.as_str()).collect();
+    let mut seen: HashMap<IpAddr, String> = HashMap::new();
+    let mut allocations = 0u64;
+    for b in &snap.blocks {
+        if !known_nodes.contains(b.affinity.as_str()) {
+            findings.push(Finding {
+                kind: "orphan-block".into(),
+                address: None,
+                seq: None,
+                handle: String::new(),
+                ifname: String::new(),
+                node: b.affinity.clone(),
+                block: b.cidr.to_string(),
+                detail: format!("block affine to unknown node {}", b.affinity),
+            });
+        }
+        for (off, a) in &b.allocations {
+            allocations += 1;
+            let addr = b.address(*off);
+            let base = Finding {
+                kind: String::new(),
+                address: Some(addr),
+                seq: Some(a.seq),
+                handle: a.handle.clone(),
+                ifname: a.ifname.clone(),
+                node: a.node.clone(),
+                block: b.cidr.to_string(),
+                detail: String::new(),
+            };
+            if let Some(other) = seen.insert(addr, b.cidr.to_string()) {
+                findings.push(Finding {
+                    kind: "duplicate".into(),
+                    detail: format!("{addr} is allocated in blocks {other} and {}", b.cidr),
+                    ..base.clone()
+                });
+            }
+            let held = handles
+                .get(&(a.handle.clone(), a.ifname.clone()))
+                .is_some_and(|h| h.addresses.iter().any(|x| x.addr == addr && x.seq == a.seq));
+            if !held {
+                findings.push(Finding {
+                    kind: "orphan-allocation".into(),
+                    detail: "allocated in its block but no handle record holds it (the \
+                             allocating node's housekeeping rebuilds the record)"
+                        .into(),
+                    ..base.clone()
+                });
+            }
+            if !live.contains(&(a.node.as_str(), a.handle.as_str(), a.ifname.as_str())) {
+                findings.push(Finding {
+                    kind: "leak".into(),
+                    detail: format!("no endpoint on node {} uses it", a.node),
+                    ..base
+                });
+            }
+        }
+    }
+    for ((handle, ifname), rec) in &handles {
+        for h in &rec.addresses {
+            let in_block = snap.blocks.iter().any(|b| {
+                b.offset_of(h.addr)
+                    .and_then(|o| b.allocations.get(&o))
+                    .is_some_and(|a| a.seq == h.seq && &a.handle == handle)
+            });
+            if !in_block {
+                findings.push(Finding {
+                    kind: "orphan-handle".into(),
+                    address: Some(h.addr),
+                    seq: Some(h.seq),
+                    handle: handle.clone(),
+                    ifname: ifname.clone(),
+                    node: rec.node.clone(),
+                    block: String::new(),
+                    detail: "handle record names an address its block does not hold (reads \
+                             ignore it; the node's housekeeping deletes it)"
+                        .into(),
+                });
+            }
+        }
+    }
+    findings.extend(affinity_findings(snap));
+    CheckReport {
+        allocations,
+        blocks: snap.blocks.len(),
+        handles: handles.len(),
+        endpoints: snap.endpoints.len(),
+        findings,
+    }
+}
+
+/// Blocks without their affinity record, and records without their block (each node's
+/// housekeeping repairs its own).
+fn affinity_findings(snap: &Snapshot) -> Vec<Finding> {
+    let finding = |kind: &str, node: &str, block: String, detail: String| Finding {
+        kind: kind.into(),
+        address: None,
+        seq: None,
+        handle: String::new(),
+        ifname: String::new(),
+        node: node.to_string(),
+        block,
+        detail,
+    };
+    let recorded: HashSet<String> = snap.affinities.iter().map(|(k, _)| k.clone()).collect();
+    let mut out = Vec::new();
+    for b in &snap.blocks {
+        if !recorded.contains(&keys::affinity(&b.affinity, &b.cidr)) {
+            out.push(finding(
+                "missing-affinity",
+                &b.affinity,
+                b.cidr.to_string(),
+                format!("block affine to {} has no affinity record", b.affinity),
+            ));
+        }
+    }
+    let affine: HashSet<String> = snap
+        .blocks
+        .iter()
+        .map(|b| keys::affinity(&b.affinity, &b.cidr))
+        .collect();
+    for (key, record) in &snap.affinities {
+        match record {
+            Some(r) if affine.contains(key) && keys::affinity(&r.node, &r.cidr) == *key => {}
+            _ => out.push(finding(
+                "orphan-affinity",
+                record.as_ref().map_or("", |r| r.node.as_str()),
+                record
+                    .as_ref()
+                    .map_or_else(String::new, |r| r.cidr.to_string()),
+                format!("affinity record {key} names no block affine to its node"),
+            )),
+        }
+    }
+    out
 }

@@ -1,0 +1,314 @@
+//! Kubernetes' own objects that the agent reads, as read-only keys of the store (under
+//! [`ROOT`]): each object's key and value are a projection of what calix needs of it, so the
+//! agent lists, watches and follows Nodes, Pods and ServiceCIDRs with the machinery it has for
+//! its own records (`datastore::follow`: re-watch after the API server restarts, re-list after
+//! 410 Gone, bookmarks), and the revisions are the objects' resourceVersions.
+//!
+//! | key | object | value |
+//! |---|---|---|
+//! | `k8s/nodes/<name>` | core/v1 Node | [`NodeView`] |
+//! | `k8s/pods/<node>/<namespace>/<name>` | core/v1 Pod with `spec.nodeName` | [`PodView`] (a listing or watch of `k8s/pods/<node>/` asks for `spec.nodeName=<node>`) |
+//! | `k8s/servicecidrs/<name>` | networking.k8s.io/v1 ServiceCIDR | [`ServiceCidrView`] |
+//! | `k8s/namespaces/<name>` | core/v1 Namespace | [`NamespaceView`] |
+//!
+//! A write to one of these keys is refused ([`crate::datastore::DatastoreError::ReadOnly`]).
+use std::collections::BTreeMap;
+
+use kube::api::DynamicObject;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// Every read-only key starts with it.
+pub const ROOT: &str = "k8s/";
+pub const NODES: &str = "k8s/nodes/";
+pub const PODS: &str = "k8s/pods/";
+pub const SERVICE_CIDRS: &str = "k8s/servicecidrs/";
+pub const NAMESPACES: &str = "k8s/namespaces/";
+
+/// The key of Node `name`.
+pub fn node_key(name: &str) -> String {
+    format!("{NODES}{name}")
+}
+
+/// The prefix of the Pods bound to `node`.
+pub fn pods_of(node: &str) -> String {
+    format!("{PODS}{node}/")
+}
+
+/// One of a Node's `status.addresses`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddress {
+    /// `InternalIP`, `ExternalIP`, `Hostname`...
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub address: String,
+}
+
+/// What calix reads of a Node.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub name: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub addresses: Vec<NodeAddress>,
+}
+
+impl NodeView {
+    /// The node's `InternalIP` addresses that parse, in the Node's order.
+    pub fn internal_ips(&self) -> Vec<std::net::IpAddr> {
+        self.addresses
+            .iter()
+            .filter(|a| a.kind == "InternalIP")
+            .filter_map(|a| a.address.parse().ok())
+            .collect()
+    }
+}
+
+/// What calix reads of a Pod.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PodView {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+    pub node: String,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    pub phase: String,
+    /// `metadata.deletionTimestamp` is set: the pod is going (its containers may still run).
+    #[serde(default)]
+    pub deleting: bool,
+    #[serde(default)]
+    pub host_network: bool,
+}
+
+/// What calix reads of a ServiceCIDR.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceCidrView {
+    pub name: String,
+    #[serde(default)]
+    pub cidrs: Vec<String>,
+}
+
+/// Where an object is: its namespace (`None`: cluster-scoped) and name.
+pub type Location = (Option<String>, String);
+
+/// What calix reads of a Namespace.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceView {
+    pub name: String,
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+}
+
+/// How one kind of Kubernetes object appears in the store.
+#[derive(Debug)]
+pub struct ViewOf {
+    /// The object's key, `None` for one calix does not show (a Pod not yet scheduled).
+    pub key: fn(&DynamicObject) -> Option<String>,
+    /// The object's value.
+    pub value: fn(&DynamicObject) -> Value,
+    /// Where a key's object is: (namespace, name), `None` for a key no object can have.
+    pub locate: fn(&str) -> Option<Location>,
+    /// The field selector that narrows a listing or watch of a prefix below the kind's.
+    pub field_selector: fn(&str) -> Option<String>,
+}
+
+fn text(obj: &DynamicObject, path: &[&str]) -> String {
+    path.iter()
+        .fold(&obj.data, |v, k| &v[*k])
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn string_map(m: &Option<BTreeMap<String, String>>) -> BTreeMap<String, String> {
+    m.clone().unwrap_or_default()
+}
+
+pub const NODE: ViewOf = ViewOf {
+    key: |o| o.metadata.name.as_deref().map(node_key),
+    value: |o| {
+        let addresses = o.data["status"]["addresses"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| serde_json::from_value::<NodeAddress>(x.clone()).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        serde_json::to_value(NodeView {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            labels: string_map(&o.metadata.labels),
+            addresses,
+        })
+        .unwrap_or_default()
+    },
+    locate: |rest| (!rest.is_empty() && !rest.contains('/')).then(|| (None, rest.to_string())),
+    field_selector: |_| None,
+};
+
+pub const POD: ViewOf = ViewOf {
+    key: |o| {
+        let node = text(o, &["spec", "nodeName"]);
+        let (ns, name) = (
+            o.metadata.namespace.as_deref()?,
+            o.metadata.name.as_deref()?,
+        );
+        (!node.is_empty()).then(|| format!("{PODS}{node}/{ns}/{name}"))
+    },
+    value: |o| {
+        serde_json::to_value(PodView {
+            namespace: o.metadata.namespace.clone().unwrap_or_default(),
+            name: o.metadata.name.clone().unwrap_or_default(),
+            uid: o.metadata.uid.clone().unwrap_or_default(),
+            node: text(o, &["spec", "nodeName"]),
+            labels: string_map(&o.metadata.labels),
+            annotations: string_map(&o.metadata.annotations),
+            phase: text(o, &["status", "phase"]),
+            deleting: o.metadata.deletion_timestamp.is_some(),
+            host_network: o.data["spec"]["hostNetwork"].as_bool().unwrap_or(false),
+        })
+        .unwrap_or_default()
+    },
+    locate: |rest| {
+        let mut parts = rest.splitn(3, '/');
+        let (_node, ns, name) = (parts.next()?, parts.next()?, parts.next()?);
+        (!ns.is_empty() && !name.is_empty() && !name.contains('/'))
+            .then(|| (Some(ns.to_string()), name.to_string()))
+    },
+    field_selector: |rest| {
+        let (node, _) = rest.split_once('/')?;
+        // Node names are DNS subdomains; anything else is filtered by the prefix alone.
+        let plain = !node.is_empty()
+            && node
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+        plain.then(|| format!("spec.nodeName={node}"))
+    },
+};
+
+pub const SERVICE_CIDR: ViewOf = ViewOf {
+    key: |o| {
+        o.metadata
+            .name
+            .as_deref()
+            .map(|n| format!("{SERVICE_CIDRS}{n}"))
+    },
+    value: |o| {
+        let cidrs = o.data["spec"]["cidrs"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|c| c.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        serde_json::to_value(ServiceCidrView {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            cidrs,
+        })
+        .unwrap_or_default()
+    },
+    locate: |rest| (!rest.is_empty() && !rest.contains('/')).then(|| (None, rest.to_string())),
+    field_selector: |_| None,
+};
+
+pub const NAMESPACE: ViewOf = ViewOf {
+    key: |o| {
+        o.metadata
+            .name
+            .as_deref()
+            .map(|n| format!("{NAMESPACES}{n}"))
+    },
+    value: |o| {
+        serde_json::to_value(NamespaceView {
+            name: o.metadata.name.clone().unwrap_or_default(),
+            annotations: string_map(&o.metadata.annotations),
+        })
+        .unwrap_or_default()
+    },
+    locate: |rest| (!rest.is_empty() && !rest.contains('/')).then(|| (None, rest.to_string())),
+    field_selector: |_| None,
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::api::{ApiResource, GroupVersionKind};
+
+    fn obj(kind: &str, json: Value) -> DynamicObject {
+        let ar = ApiResource::from_gvk(&GroupVersionKind::gvk("", "v1", kind));
+        let mut o: DynamicObject = serde_json::from_value(json).expect("object");
+        o.types = Some(kube::core::TypeMeta {
+            api_version: ar.api_version,
+            kind: ar.kind,
+        });
+        o
+    }
+
+    #[test]
+    fn pods_project_to_their_node_namespace_and_name() {
+        let p = obj(
+            "Pod",
+            serde_json::json!({
+                "metadata": {"name": "web-0", "namespace": "shop", "uid": "u-1",
+                    "labels": {"app": "web"}, "deletionTimestamp": "2026-01-01T00:00:00Z"},
+                "spec": {"nodeName": "node-a", "containers": []},
+                "status": {"phase": "Running"}
+            }),
+        );
+        assert_eq!((POD.key)(&p).as_deref(), Some("k8s/pods/node-a/shop/web-0"));
+        let v: PodView = serde_json::from_value((POD.value)(&p)).expect("view");
+        assert_eq!(
+            (v.uid.as_str(), v.phase.as_str(), v.deleting),
+            ("u-1", "Running", true)
+        );
+        assert_eq!(v.labels["app"], "web");
+        assert_eq!(
+            (POD.locate)("node-a/shop/web-0"),
+            Some((Some("shop".into()), "web-0".into()))
+        );
+        assert_eq!(
+            (POD.field_selector)("node-a/").as_deref(),
+            Some("spec.nodeName=node-a")
+        );
+        assert_eq!((POD.field_selector)("node-a"), None);
+        assert_eq!((POD.field_selector)("a,b=c/"), None);
+        // Not scheduled yet: no key.
+        let pending = obj(
+            "Pod",
+            serde_json::json!({"metadata": {"name": "x", "namespace": "d"}, "spec": {}}),
+        );
+        assert_eq!((POD.key)(&pending), None);
+    }
+
+    #[test]
+    fn nodes_keep_their_labels_and_addresses() {
+        let n = obj(
+            "Node",
+            serde_json::json!({
+                "metadata": {"name": "node-a", "labels": {"zone": "a"}},
+                "status": {"addresses": [
+                    {"type": "Hostname", "address": "node-a"},
+                    {"type": "InternalIP", "address": "10.0.0.5"},
+                    {"type": "InternalIP", "address": "fd00::5"},
+                    {"type": "InternalIP", "address": "not-an-ip"}
+                ]}
+            }),
+        );
+        let v: NodeView = serde_json::from_value((NODE.value)(&n)).expect("view");
+        assert_eq!(v.labels["zone"], "a");
+        assert_eq!(
+            v.internal_ips(),
+            [
+                "10.0.0.5".parse::<std::net::IpAddr>().expect("ip"),
+                "fd00::5".parse().expect("ip")
+            ]
+        );
+        assert_eq!((NODE.key)(&n).as_deref(), Some("k8s/nodes/node-a"));
+    }
+}

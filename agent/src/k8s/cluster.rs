@@ -1,0 +1,176 @@
+//! What the agent's config takes from the cluster with the `kubernetes` datastore, merged into
+//! the config file's every time it is read (at start, SIGHUP, and whenever one of these
+//! changes — each change applied by the rules of a SIGHUP reload):
+//!
+//! - the pools: the `IPPool` objects (`pools/`), instead of `[[pools]]`;
+//! - this node's Node (`k8s/nodes/<node>`): its labels over `node_labels` (the Node's win), so
+//!   a label change moves the pools' `nodeSelector` choice; its `InternalIP`s as
+//!   `routes.node_addresses` when the config sets none (the next hops peers route through);
+//!   the label [`REFLECTOR_LABEL`]` = "true"` makes it a route reflector;
+//! - the Service CIDRs: every ServiceCIDR object's (`k8s/servicecidrs/`), added to
+//!   `nat.service_cidrs` (never SNATed, always to the host stack).
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::source::{Read, Source};
+use crate::config::{AgentConfig, PoolConfig};
+use crate::datastore::follow::Follower;
+use crate::datastore::kubernetes::views::{self, NodeView, ServiceCidrView};
+use crate::datastore::{Datastore, DatastoreError, KeyValue};
+
+/// The prefix of every IPPool's key.
+pub const POOLS: &str = "pools/";
+/// A Node label that makes its agent a route reflector (`topology = "reflectors"`).
+pub const REFLECTOR_LABEL: &str = "calix.dev/route-reflector";
+
+/// The cluster's part of the config, kept current.
+#[derive(Clone)]
+pub struct Cluster {
+    /// (IPPool name, pool).
+    pools: Source<Vec<(String, PoolConfig)>>,
+    node: Source<Option<NodeView>>,
+    services: Source<Vec<String>>,
+    read_node: Read<Option<NodeView>>,
+}
+
+/// The followers that keep a [`Cluster`] current, until [`Cluster::spawn_follow`] runs them.
+pub struct Followers {
+    pools: Follower,
+    node: Follower,
+    services: Option<Follower>,
+}
+
+impl Cluster {
+    /// Reads the IPPools, this node's Node and the ServiceCIDRs. An API server without
+    /// ServiceCIDRs (before Kubernetes 1.33, or the agent not allowed to read them) leaves
+    /// the config's `service_cidrs` alone, logged.
+    pub async fn load(
+        store: Arc<dyn Datastore>,
+        node_name: &str,
+    ) -> Result<(Self, Followers), DatastoreError> {
+        let (pools, pools_f) = Source::load(store.clone(), POOLS, &read(read_pools)).await?;
+        let key = views::node_key(node_name);
+        let read_node: Read<Option<NodeView>> =
+            Arc::new(move |kvs| kvs.get(&key).and_then(|kv| kv.decode::<NodeView>().ok()));
+        // (Every Node is listed and watched: route distribution needs them all anyway.)
+        let (node, node_f) = Source::load(store.clone(), views::NODES, &read_node).await?;
+        let (services, services_f) = match Source::load(
+            store,
+            views::SERVICE_CIDRS,
+            &read(read_service_cidrs),
+        )
+        .await
+        {
+            Ok((s, f)) => (s, Some(f)),
+            Err(e @ DatastoreError::Rejected { .. }) => {
+                tracing::warn!(error = %e, "ServiceCIDR objects cannot be read: only nat.service_cidrs of the config file are Service addresses");
+                (Source::fixed(Vec::new()), None)
+            }
+            Err(e) => return Err(e),
+        };
+        if node.current().is_none() {
+            tracing::warn!(node = %node_name, "no Node object of this name (yet): node labels and addresses come from the config until it appears");
+        }
+        Ok((
+            Self {
+                pools,
+                node,
+                services,
+                read_node,
+            },
+            Followers {
+                pools: pools_f,
+                node: node_f,
+                services: services_f,
+            },
+        ))
+    }
+
+    /// The IPPools by name.
+    pub fn named_pools(&self) -> Vec<(String, PoolConfig)> {
+        self.pools.current()
+    }
+
+    /// This node's Node as last seen.
+    pub fn node(&self) -> Option<NodeView> {
+        self.node.current()
+    }
+
+    /// Merges the cluster's part into `c` (read from the config file).
+    pub fn apply(&self, c: &mut AgentConfig) {
+        if !c.pools_configured {
+            // (Configured pools are refused by validate().)
+            c.pools = self.pools.current().into_iter().map(|(_, p)| p).collect();
+        }
+        if let Some(node) = self.node() {
+            c.node_labels.extend(node.labels.clone());
+            if c.routes.node_addresses.is_empty() {
+                c.routes.node_addresses = node
+                    .internal_ips()
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect();
+            }
+            if node.labels.get(REFLECTOR_LABEL).map(String::as_str) == Some("true") {
+                c.routes.reflector = true;
+            }
+        }
+        for cidr in self.services.current() {
+            if !c.nat.service_cidrs.contains(&cidr) {
+                c.nat.service_cidrs.push(cidr);
+            }
+        }
+    }
+
+    /// Follows all three; `changed` is told what changed ("IPPool change", "Node change",
+    /// "ServiceCIDR change").
+    pub fn spawn_follow(&self, f: Followers, changed: UnboundedSender<&'static str>) {
+        self.pools
+            .spawn_follow(f.pools, read(read_pools), "IPPool change", changed.clone());
+        self.node.spawn_follow(
+            f.node,
+            self.read_node.clone(),
+            "Node change",
+            changed.clone(),
+        );
+        if let Some(f) = f.services {
+            self.services
+                .spawn_follow(f, read(read_service_cidrs), "ServiceCIDR change", changed);
+        }
+    }
+}
+
+fn read<T>(f: fn(&BTreeMap<String, KeyValue>) -> T) -> Read<T>
+where
+    T: 'static,
+{
+    Arc::new(f)
+}
+
+/// The pools of the IPPool objects, by name; an object whose spec is not a pool is left out,
+/// logged.
+fn read_pools(kvs: &BTreeMap<String, KeyValue>) -> Vec<(String, PoolConfig)> {
+    kvs.values()
+        .filter_map(|kv| match kv.decode::<PoolConfig>() {
+            Ok(p) => Some((kv.key.strip_prefix(POOLS).unwrap_or(&kv.key).to_string(), p)),
+            Err(e) => {
+                tracing::error!(key = %kv.key, error = %e, "IPPool ignored: its spec is not a pool");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Every ServiceCIDR object's CIDRs, sorted, once each.
+fn read_service_cidrs(kvs: &BTreeMap<String, KeyValue>) -> Vec<String> {
+    let mut out: Vec<String> = kvs
+        .values()
+        .filter_map(|kv| kv.decode::<ServiceCidrView>().ok())
+        .flat_map(|s| s.cidrs)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}

@@ -1,0 +1,68 @@
+//! A pod's IPAM annotations at its allocation. The plugin passes the pod's namespace and name
+//! (the allocation's `namespace` and `pod` attributes, from `K8S_POD_NAMESPACE` and
+//! `K8S_POD_NAME`); the agent, which may read the API, reads the pod and its namespace straight
+//! from the API server (not the watch: a pod just created may not have reached it) and
+//! resolves their annotations ([`super::annotations`]) against the IPPools. A pod the API
+//! server does not have (a static pod before its mirror) has no annotations of its own.
+use std::sync::Arc;
+
+use super::annotations::{self, NamedPool, PodIpam};
+use super::cluster::Cluster;
+use crate::datastore::kubernetes::views::{self, NamespaceView, PodView};
+use crate::datastore::Datastore;
+use crate::error::AgentError;
+use crate::ipam::Pool;
+
+/// Reads pods' IPAM annotations.
+pub struct PodIpamSource {
+    store: Arc<dyn Datastore>,
+    node: String,
+    cluster: Cluster,
+}
+
+impl PodIpamSource {
+    pub fn new(store: Arc<dyn Datastore>, node: &str, cluster: Cluster) -> Self {
+        Self {
+            store,
+            node: node.to_string(),
+            cluster,
+        }
+    }
+
+    /// What pod `namespace/name`'s annotations (and its namespace's) ask; `node_pools` are the
+    /// node's pools as its allocator has them (a disabled one is not usable).
+    pub async fn for_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        node_pools: &[Pool],
+    ) -> Result<PodIpam, AgentError> {
+        let pod_key = format!("{}{namespace}/{name}", views::pods_of(&self.node));
+        let pod = match self.store.get(&pod_key).await? {
+            Some(kv) => kv.decode::<PodView>()?.annotations,
+            None => Default::default(),
+        };
+        let ns = match self
+            .store
+            .get(&format!("{}{namespace}", views::NAMESPACES))
+            .await?
+        {
+            Some(kv) => kv.decode::<NamespaceView>()?.annotations,
+            None => Default::default(),
+        };
+        let pools: Vec<NamedPool> = self
+            .cluster
+            .named_pools()
+            .into_iter()
+            .map(|(name, p)| {
+                let cidr = p.cidr.trunc();
+                NamedPool {
+                    usable: node_pools.iter().any(|n| n.cidr == cidr && !n.disabled),
+                    name,
+                    cidr,
+                }
+            })
+            .collect();
+        Ok(annotations::resolve(namespace, name, &pod, &ns, &pools)?)
+    }
+}

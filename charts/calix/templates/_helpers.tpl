@@ -1,0 +1,51 @@
+{{/* The release's objects are named after it: <release>, or <release>-calix when the release
+name does not say calix. */}}
+{{- define "calix.fullname" -}}
+{{- if contains "calix" .Release.Name -}}
+{{- .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-calix" .Release.Name | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "calix.labels" -}}
+app.kubernetes.io/name: calix
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "calix.selectorLabels" -}}
+app.kubernetes.io/name: calix
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "calix.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "calix.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "calix.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* A host directory as the node sees it: with hostPathsPerNode, the node's own
+subdirectory (kubelet expands $(NODE_NAME) in args, not in hostPath: only for args). */}}
+{{- define "calix.nodePath" -}}
+{{- if .root.Values.hostPathsPerNode -}}
+{{- printf "%s/$(NODE_NAME)" (trimSuffix "/" .dir) -}}
+{{- else -}}
+{{- trimSuffix "/" .dir -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The subPathExpr of a mount of a per-node host directory. */}}
+{{- define "calix.perNodeSubPath" -}}
+{{- if .Values.hostPathsPerNode }}
+subPathExpr: $(NODE_NAME)
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,185 @@
+//! Container images built here, since nothing can be pulled: a rootfs of Debian's static busybox
+//! (`busybox-static`, `/bin/busybox`) with a symlink per applet, and an OCI image layout tarball
+//! of it (one uncompressed layer) that `ctr images import` and `podman load` take. The tests'
+//! pod images and the Kubernetes nodes' pause image are this, with different commands.
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::{Error, Result};
+
+const BUSYBOX: &str = "/bin/busybox";
+/// Directories of the rootfs.
+const ROOTFS_DIRS: [&str; 8] = ["bin", "dev", "etc", "proc", "run", "sys", "tmp", "var"];
+/// The applets the images offer (symlinks to busybox in /bin).
+pub const APPLETS: [&str; 12] = [
+    "cat", "hostname", "httpd", "ip", "nc", "ping", "sh", "sleep", "timeout", "true", "wget",
+    "echo",
+];
+
+/// Whether `path` is an ELF executable without a program interpreter (statically linked).
+fn is_static_elf(path: &str) -> bool {
+    let Ok(b) = std::fs::read(path) else {
+        return false;
+    };
+    if b.len() < 64 || &b[..4] != b"\x7fELF" || b[4] != 2 {
+        return false; // not a 64-bit ELF
+    }
+    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+    let phoff = u64::from_le_bytes(b[0x20..0x28].try_into().unwrap_or([0; 8])) as usize;
+    let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+    (0..phnum).all(|i| {
+        let o = phoff + i * phentsize;
+        // PT_INTERP = 3.
+        b.get(o..o + 4)
+            .is_some_and(|t| u32::from_le_bytes([t[0], t[1], t[2], t[3]]) != 3)
+    })
+}
+
+/// Debian's static busybox, or an error saying how to get it.
+fn busybox() -> Result<Vec<u8>> {
+    if !is_static_elf(BUSYBOX) {
+        return Err(Error::Missing {
+            field: format!("a static {BUSYBOX}"),
+            value: "this machine: install busybox-static (`cargo xtask setup`)".into(),
+        });
+    }
+    std::fs::read(BUSYBOX).map_err(Error::io(format!("read {BUSYBOX}")))
+}
+
+/// `<dir>/rootfs`: /bin/busybox (static) and a symlink per applet of [`APPLETS`].
+pub fn busybox_rootfs(dir: &Path) -> Result<PathBuf> {
+    let data = busybox()?;
+    let root = dir.join("rootfs");
+    for d in ROOTFS_DIRS {
+        let p = root.join(d);
+        std::fs::create_dir_all(&p).map_err(Error::io(format!("create {}", p.display())))?;
+    }
+    let bb = root.join("bin/busybox");
+    std::fs::write(&bb, data).map_err(Error::io(format!("write {}", bb.display())))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&bb, std::fs::Permissions::from_mode(0o755))
+        .map_err(Error::io(format!("chmod {}", bb.display())))?;
+    for a in APPLETS {
+        let link = root.join("bin").join(a);
+        std::os::unix::fs::symlink("busybox", &link)
+            .map_err(Error::io(format!("symlink {}", link.display())))?;
+    }
+    Ok(root)
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(data))
+}
+
+fn tar_entry(
+    b: &mut tar::Builder<Vec<u8>>,
+    path: &str,
+    kind: tar::EntryType,
+    mode: u32,
+    data: &[u8],
+) -> Result<()> {
+    let mut h = tar::Header::new_ustar();
+    h.set_entry_type(kind);
+    h.set_mode(mode);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h.set_size(data.len() as u64);
+    b.append_data(&mut h, path, data)
+        .map_err(Error::io(format!("tar entry {path}")))
+}
+
+/// An OCI image layout tarball named `name` (e.g. `localhost/cxt-busybox:test`): one
+/// uncompressed layer with the busybox rootfs, `cmd` its command.
+pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
+    let busybox = busybox()?;
+    let mut layer = tar::Builder::new(Vec::new());
+    for d in ROOTFS_DIRS {
+        tar_entry(&mut layer, d, tar::EntryType::Directory, 0o755, &[])?;
+    }
+    tar_entry(
+        &mut layer,
+        "bin/busybox",
+        tar::EntryType::Regular,
+        0o755,
+        &busybox,
+    )?;
+    for a in APPLETS {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_mode(0o777);
+        h.set_size(0);
+        h.set_mtime(0);
+        layer
+            .append_link(&mut h, format!("bin/{a}"), "busybox")
+            .map_err(Error::io(format!("tar symlink bin/{a}")))?;
+    }
+    let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    };
+    let config = serde_json::json!({
+        "architecture": arch,
+        "os": "linux",
+        "config": { "Cmd": cmd, "Env": ["PATH=/bin"] },
+        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&layer))] },
+    })
+    .to_string()
+    .into_bytes();
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": format!("sha256:{}", sha256_hex(&config)),
+            "size": config.len(),
+        },
+        "layers": [{
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "digest": format!("sha256:{}", sha256_hex(&layer)),
+            "size": layer.len(),
+        }],
+    })
+    .to_string()
+    .into_bytes();
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": format!("sha256:{}", sha256_hex(&manifest)),
+            "size": manifest.len(),
+            "annotations": {
+                "io.containerd.image.name": name,
+                "org.opencontainers.image.ref.name": name.rsplit(':').next().unwrap_or("latest"),
+            },
+        }],
+    })
+    .to_string()
+    .into_bytes();
+    let mut image = tar::Builder::new(Vec::new());
+    let file = tar::EntryType::Regular;
+    tar_entry(
+        &mut image,
+        "oci-layout",
+        file,
+        0o644,
+        br#"{"imageLayoutVersion":"1.0.0"}"#,
+    )?;
+    tar_entry(&mut image, "index.json", file, 0o644, &index)?;
+    tar_entry(&mut image, "blobs", tar::EntryType::Directory, 0o755, &[])?;
+    tar_entry(
+        &mut image,
+        "blobs/sha256",
+        tar::EntryType::Directory,
+        0o755,
+        &[],
+    )?;
+    for blob in [&layer, &config, &manifest] {
+        let path = format!("blobs/sha256/{}", sha256_hex(blob));
+        tar_entry(&mut image, &path, file, 0o644, blob)?;
+    }
+    image.into_inner().map_err(Error::io("the image tar"))
+}
