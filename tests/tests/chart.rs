@@ -779,24 +779,23 @@ fn the_agent_follows_its_daemonset_to_clean_up_on_uninstall() {
     assert!(has_mount(&pod["containers"][0], "/host/etc/cni/net.d"));
     // all-a: the etcd datastore (no API to follow the DaemonSet by) and cleanupOnUninstall
     // false: neither the flags nor the Role.
-    for case_name in ["all-a"] {
-        let r = assert_valid(case_name);
-        let ds = &objects(r, "DaemonSet")
-            .into_iter()
-            .find(|d| d["metadata"]["annotations"]["helm.sh/hook"].is_null())
-            .expect("the agents' DaemonSet");
-        let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
-        assert!(
-            !args.iter().any(|a| a.starts_with("--owner-daemonset")),
-            "{case_name}: {args:?}"
-        );
-        assert!(
-            objects(r, "Role")
-                .iter()
-                .all(|r| r["metadata"]["annotations"]["helm.sh/hook"] == "test"),
-            "{case_name}: only the helm test's Role"
-        );
-    }
+    let case_name = "all-a";
+    let r = assert_valid(case_name);
+    let ds = &objects(r, "DaemonSet")
+        .into_iter()
+        .find(|d| d["metadata"]["annotations"]["helm.sh/hook"].is_null())
+        .expect("the agents' DaemonSet");
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(
+        !args.iter().any(|a| a.starts_with("--owner-daemonset")),
+        "{case_name}: {args:?}"
+    );
+    assert!(
+        objects(r, "Role")
+            .iter()
+            .all(|r| r["metadata"]["annotations"]["helm.sh/hook"] == "test"),
+        "{case_name}: only the helm test's Role"
+    );
 }
 
 #[test]

@@ -72,7 +72,9 @@ pub enum Stop {
 /// The answer to the question asked at SIGTERM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
-    Present { deleting: bool },
+    Present {
+        deleting: bool,
+    },
     NotFound,
     /// Refused (RBAC gone), unreachable or late.
     Failed,
@@ -158,11 +160,11 @@ impl Owner {
 
     fn log(&self, stop: Stop, probe: Probe) {
         tracing::info!(daemonset = %format!("{}/{}", self.owner.namespace, self.owner.name),
-            ?probe, watch_saw_deletion = self.seen.deleted.load(Ordering::SeqCst),
-            "stopping: {}", match stop {
-                Stop::Restart => "a restart (everything stays for the next agent)",
-                Stop::Uninstall => "the DaemonSet is deleted: calix is being uninstalled from this node",
-            });
+        ?probe, watch_saw_deletion = self.seen.deleted.load(Ordering::SeqCst),
+        "stopping: {}", match stop {
+            Stop::Restart => "a restart (everything stays for the next agent)",
+            Stop::Uninstall => "the DaemonSet is deleted: calix is being uninstalled from this node",
+        });
     }
 }
 
@@ -195,7 +197,7 @@ async fn follow_once(api: &Api<DaemonSet>, fields: &str, seen: &Seen) -> Result<
             WatchEvent::Added(ds) | WatchEvent::Modified(ds) => note(seen, true, deleting(&ds)),
             WatchEvent::Deleted(_) => note(seen, false, false),
             WatchEvent::Bookmark(_) => {}
-            WatchEvent::Error(e) => return Err(kube::Error::Api(e.into())),
+            WatchEvent::Error(e) => return Err(kube::Error::Api(e)),
         }
     }
     Ok(())
@@ -224,7 +226,15 @@ mod tests {
         let o: OwnerRef = "kube-system/calix".parse().expect("valid");
         assert_eq!(o.namespace, "kube-system");
         assert_eq!(o.name, "calix");
-        for bad in ["calix", "/calix", "kube-system/", "Kube/calix", "a/b/c", "a/b c", ""] {
+        for bad in [
+            "calix",
+            "/calix",
+            "kube-system/",
+            "Kube/calix",
+            "a/b/c",
+            "a/b c",
+            "",
+        ] {
             let e = bad.parse::<OwnerRef>().expect_err(bad);
             assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
@@ -235,11 +245,20 @@ mod tests {
         use Probe::*;
         use Stop::*;
         // A rolling update: the DaemonSet is there.
-        assert_eq!(verdict(true, false, Present { deleting: false }), Some(Restart));
+        assert_eq!(
+            verdict(true, false, Present { deleting: false }),
+            Some(Restart)
+        );
         // Even if an old watch event said otherwise, what is there now wins.
-        assert_eq!(verdict(true, true, Present { deleting: false }), Some(Restart));
+        assert_eq!(
+            verdict(true, true, Present { deleting: false }),
+            Some(Restart)
+        );
         // Foreground deletion: there, but being deleted.
-        assert_eq!(verdict(true, false, Present { deleting: true }), Some(Uninstall));
+        assert_eq!(
+            verdict(true, false, Present { deleting: true }),
+            Some(Uninstall)
+        );
         // Background deletion (helm's default): gone.
         assert_eq!(verdict(true, true, NotFound), Some(Uninstall));
         assert_eq!(verdict(true, false, NotFound), Some(Uninstall));
@@ -255,11 +274,17 @@ mod tests {
     fn only_a_deletion_seen_after_a_sighting_counts() {
         let seen = Seen::default();
         note(&seen, false, false);
-        assert!(!seen.deleted.load(Ordering::SeqCst), "absent from the start");
+        assert!(
+            !seen.deleted.load(Ordering::SeqCst),
+            "absent from the start"
+        );
         note(&seen, true, false);
         assert!(!seen.deleted.load(Ordering::SeqCst));
         note(&seen, false, false);
-        assert!(seen.deleted.load(Ordering::SeqCst), "deleted after it was seen");
+        assert!(
+            seen.deleted.load(Ordering::SeqCst),
+            "deleted after it was seen"
+        );
         let seen = Seen::default();
         note(&seen, true, true);
         assert!(seen.deleted.load(Ordering::SeqCst), "seen being deleted");
