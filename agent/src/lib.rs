@@ -17,3 +17,4 @@ pub mod paths;
 pub mod reconcile;
 pub mod routes;
 pub mod tasks;
+pub mod uninstall;

@@ -16,6 +16,7 @@ use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
 use calix_agent::k8s::cluster::Cluster;
 use calix_agent::k8s::events::EventRecorder;
+use calix_agent::k8s::owner::{Owner, Stop};
 use calix_agent::k8s::podipam::PodIpamSource;
 use calix_agent::k8s::pods::{self, PodsConfig};
 use calix_agent::model::NodeRecord;
@@ -24,7 +25,7 @@ use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::remote::Underlay;
 use calix_agent::reconcile::Backoff;
-use calix_agent::{datastore, grpc, metrics, paths, routes, tasks};
+use calix_agent::{datastore, grpc, metrics, paths, routes, tasks, uninstall};
 use calix_kernel::host::NetlinkHost;
 use clap::Parser;
 
@@ -65,6 +66,20 @@ struct Flags {
     /// routes (kernel forwarding), and so do direct routes to other nodes.
     #[arg(long)]
     uninstall: bool,
+    /// With --uninstall: also every route calix added (pods' host routes, routes to other
+    /// nodes) and the CNI config named by --cni-conf. Pods still running lose their network.
+    #[arg(long, requires = "uninstall")]
+    all: bool,
+    /// The CNI network config (conflist) calix's install-cni wrote on this node, removed by
+    /// `--uninstall --all` and when the agent's DaemonSet is deleted.
+    #[arg(long)]
+    cni_conf: Option<PathBuf>,
+    /// `<namespace>/<name>` of the DaemonSet running this agent (kubernetes datastore; the
+    /// chart sets it). When the agent stops because that DaemonSet was deleted (`helm
+    /// uninstall`), it uninstalls calix from the node as `--uninstall --all` does; any other
+    /// stop (a rolling update) leaves everything for the next agent.
+    #[arg(long)]
+    owner_daemonset: Option<calix_agent::k8s::owner::OwnerRef>,
 }
 
 /// The config file, overridden by the flags (and the node name's environment variables),
@@ -141,11 +156,16 @@ async fn main() -> Result<()> {
     // Before anything is touched: one agent per node (an uninstall while one runs would pull
     // its programs from under it).
     let _instance = InstanceLock::acquire(&cfg.socket)?;
+    let uninstall_scope = uninstall::Scope {
+        all: true,
+        cni_conf: flags.cni_conf.clone(),
+    };
     if flags.uninstall {
-        dataplane::uninstall(&ebpf_cfg)?;
-        let netlink = calix_kernel::netns::netlink_here().await?;
-        let removed = calix_kernel::vxlan::delete_all(&netlink).await?;
-        tracing::info!(?removed, "VXLAN devices removed");
+        let scope = uninstall::Scope {
+            all: flags.all,
+            ..uninstall_scope
+        };
+        uninstall::node(&ebpf_cfg, &scope).await?;
         return Ok(());
     }
     // The HTTP door comes up first: /healthz and /readyz answer 503 until the initial sync.
@@ -180,6 +200,7 @@ async fn main() -> Result<()> {
         None
     };
     let pin_dir = ebpf_cfg.pin_dir();
+    let ebpf_uninstall = ebpf_cfg.clone();
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
         DataplaneMode::Ebpf => Box::new(
             EbpfDataplane::load(ebpf_cfg)
@@ -254,6 +275,12 @@ async fn main() -> Result<()> {
     let endpoints = EndpointRegistry::load(&cfg.node_name, store.clone(), driver, stats).await?;
     let node = Arc::new(Node::new(ipam, endpoints));
     node.set_pod_mtu(PodMtu::from_config(&cfg));
+    // Whether a stop is a restart or an uninstall (see k8s::owner), followed from now on.
+    let owner = match (flags.owner_daemonset.clone(), opened.kube.clone()) {
+        (Some(o), Some(client)) => Some(Owner::spawn(client, o)),
+        (Some(_), None) => anyhow::bail!("--owner-daemonset needs the kubernetes datastore"),
+        (None, _) => None,
+    };
     if let Some(client) = opened.kube.clone() {
         node.notices.set(Arc::new(EventRecorder::spawn(
             client,
@@ -324,11 +351,19 @@ async fn main() -> Result<()> {
     socket
         .serve(node.clone(), routes.clone(), tasks::shutdown_signal())
         .await?;
+    // Asked first, while the agent may still ask (see k8s::owner).
+    let stop = match &owner {
+        Some(o) => o.on_stop().await,
+        None => Stop::Restart,
+    };
     // Peers see this agent's streams end and keep its routes for their grace period.
     if let Some(r) = &routes {
         r.shutdown().await;
     }
     node.endpoints.shutdown().await;
+    if stop == Stop::Uninstall {
+        uninstall::node(&ebpf_uninstall, &uninstall_scope).await?;
+    }
     tracing::info!("stopped");
     Ok(())
 }

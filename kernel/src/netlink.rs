@@ -590,6 +590,29 @@ pub async fn routes_to(handle: &Handle, dst: IpNet) -> Result<Vec<RouteEntry>, N
         .collect())
 }
 
+/// Deletes every main-table route carrying [`ROUTE_PROTO`], both families (an uninstall):
+/// how many were deleted. Routes of other protocols are never touched.
+pub async fn delete_all_calix_routes(handle: &Handle) -> Result<usize, NetlinkError> {
+    let main = u32::from(RouteHeader::RT_TABLE_MAIN);
+    let mut n = 0;
+    for family in [Family::V4, Family::V6] {
+        let mut dsts: Vec<IpNet> = routes(handle, family)
+            .await?
+            .into_iter()
+            .filter(|r| r.protocol == ROUTE_PROTO && r.table == main)
+            .map(|r| r.dst)
+            .collect();
+        dsts.sort();
+        dsts.dedup();
+        for dst in dsts {
+            if delete_route(handle, dst).await? {
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
 /// A neighbour (ARP/NDP) entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NeighbourEntry {

@@ -39,6 +39,97 @@ pub fn is_complete(venv: &Path) -> bool {
     venv.join(COMPLETE_MARK).is_file() && python(venv).exists()
 }
 
+/// The Kubernetes version check.py validates against (the test cluster runs v1.36.2).
+pub const KUBE_VERSION: &str = "1.36.0";
+
+/// The chart rendered with some values, as `helm install` would send it.
+#[derive(Debug, Clone)]
+pub struct Rendered {
+    /// Every object, CRDs first, then the templates' (in template order; hooks included:
+    /// see [`hook`]).
+    pub objects: Vec<serde_json::Value>,
+    /// NOTES.txt.
+    pub notes: String,
+}
+
+/// The chart at `root` rendered with `values` (JSON, as `--set-json`/`-f` would give), linted
+/// (strict), checked against values.schema.json and every object validated against the
+/// Kubernetes schemas: any finding is an error.
+pub fn render(root: &Path, values: &serde_json::Value) -> crate::Result<Rendered> {
+    use crate::Error;
+    let venv = venv_dir(root).map_err(Error::io(format!("read {REQUIREMENTS}")))?;
+    if !is_complete(&venv) {
+        return Err(Error::Missing {
+            field: "the chart tools (run `cargo xtask setup`)".into(),
+            value: venv.display().to_string(),
+        });
+    }
+    let dir = std::env::temp_dir().join(crate::unique("chart"));
+    std::fs::create_dir_all(&dir).map_err(Error::io(format!("create {}", dir.display())))?;
+    let cases = dir.join("cases.json");
+    let written = std::fs::write(
+        &cases,
+        serde_json::json!([{"name": "render", "values": values}]).to_string(),
+    );
+    let out = written
+        .map_err(Error::io("write the values"))
+        .and_then(|()| {
+            crate::process::checked(
+                std::process::Command::new(python(&venv))
+                    .arg(root.join(CHECK_SCRIPT))
+                    .arg(root.join(CHART))
+                    .arg(&cases)
+                    .arg(KUBE_VERSION),
+            )
+        });
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = out?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|_| Error::NotJson {
+        what: CHECK_SCRIPT.into(),
+        text: String::from_utf8_lossy(&out.stdout).into_owned(),
+    })?;
+    let r = &v["results"][0];
+    let mut findings: Vec<String> = Vec::new();
+    for m in r["lint"].as_array().into_iter().flatten() {
+        if m["severity"] == "error" || m["severity"] == "warning" {
+            findings.push(format!("lint: {} {}", m["path"], m["error"]));
+        }
+    }
+    for k in ["schema_error", "render_error"] {
+        if let Some(e) = r[k].as_str() {
+            findings.push(format!("{k}: {e}"));
+        }
+    }
+    for k in ["problems", "unchecked"] {
+        for p in r[k].as_array().into_iter().flatten() {
+            findings.push(format!("{k}: {p}"));
+        }
+    }
+    if !findings.is_empty() {
+        return Err(Error::Unexpected {
+            what: "the chart rendered with the e2e values".into(),
+            found: findings.join("\n"),
+            expected: "no lint, schema or validation finding".into(),
+        });
+    }
+    let mut rendered = Rendered {
+        objects: Vec::new(),
+        notes: String::new(),
+    };
+    for o in r["objects"].as_array().into_iter().flatten() {
+        match o["object"]["notes"].as_str() {
+            Some(notes) => rendered.notes = notes.to_string(),
+            None => rendered.objects.push(o["object"].clone()),
+        }
+    }
+    Ok(rendered)
+}
+
+/// The Helm hook an object is (`helm.sh/hook`: `test`, `pre-delete`...), if any.
+pub fn hook(object: &serde_json::Value) -> Option<&str> {
+    object["metadata"]["annotations"]["helm.sh/hook"].as_str()
+}
+
 /// FNV-1a, 64 bits: a name for a pin set (not a security boundary: pip checks the hashes).
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {

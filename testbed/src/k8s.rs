@@ -407,6 +407,30 @@ impl KubeApi {
         })
     }
 
+    /// `kind` `name` (in `namespace` when given), `None` when there is none.
+    pub fn get(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Option<serde_json::Value>> {
+        let (ar, ns, name) = resource_of(&serde_json::json!({
+            "apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": namespace}
+        }))?;
+        self.with_client(move |c| async move {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            api.get_opt(&name)
+                .await
+                .map(|o| o.map(|o| serde_json::to_value(o).unwrap_or_default()))
+                .map_err(|e| Error::Kube {
+                    what: format!("get {} {name}", ar.kind),
+                    detail: e.to_string(),
+                })
+        })
+    }
+
     /// Deletes `kind` `namespace/name` the ordinary way (its grace period; for a Pod the
     /// kubelet confirms it). Gone already: fine.
     pub fn delete_in(

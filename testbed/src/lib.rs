@@ -28,6 +28,7 @@ mod netns;
 mod node;
 pub mod packets;
 mod pod;
+pub mod pod_net;
 mod process;
 pub mod stats;
 pub mod tls;

@@ -37,6 +37,7 @@ fn all_a() -> Value {
         "runDir": "/run/calix-test",
         "stateDir": "/var/lib/calix-test",
         "hostPathsPerNode": true,
+        "cleanupOnUninstall": false,
         "cni": {"networkName": "calix-net", "confName": "05-calix.conflist", "mtu": 1400,
                 "portmap": false, "logLevel": "debug", "logFile": "/var/log/calix/cni.log",
                 "uninstallOnStop": true},
@@ -753,6 +754,48 @@ fn the_cluster_role_is_least_privilege() {
     let mut pools = grants("calix.dev", "ippools");
     pools.sort();
     assert_eq!(pools, ["get", "list", "watch"]);
+    // cleanupOnUninstall: in the release's namespace, the agent's own DaemonSets only, read
+    // only (a stop is an uninstall when its DaemonSet is gone).
+    let role = one(r, "Role", "calix");
+    assert_eq!(
+        role["rules"],
+        json!([{"apiGroups": ["apps"], "resources": ["daemonsets"],
+            "resourceNames": ["calix", "calix-reflector"], "verbs": ["get", "list", "watch"]}])
+    );
+    assert_eq!(one(r, "RoleBinding", "calix")["roleRef"]["name"], "calix");
+}
+
+#[test]
+fn the_agent_follows_its_daemonset_to_clean_up_on_uninstall() {
+    let r = assert_valid("defaults");
+    let pod = &one(r, "DaemonSet", "calix")["spec"]["template"]["spec"];
+    let args = strings(&pod["containers"][0]["args"]);
+    for a in [
+        "--owner-daemonset=kube-system/calix",
+        "--cni-conf=/host/etc/cni/net.d/10-calix.conflist",
+    ] {
+        assert!(args.contains(&a.to_string()), "{a} not in {args:?}");
+    }
+    assert!(has_mount(&pod["containers"][0], "/host/etc/cni/net.d"));
+    // all-a: the etcd datastore (no API to follow the DaemonSet by) and cleanupOnUninstall
+    // false: neither the flags nor the Role.
+    let case_name = "all-a";
+    let r = assert_valid(case_name);
+    let ds = &objects(r, "DaemonSet")
+        .into_iter()
+        .find(|d| d["metadata"]["annotations"]["helm.sh/hook"].is_null())
+        .expect("the agents' DaemonSet");
+    let args = strings(&ds["spec"]["template"]["spec"]["containers"][0]["args"]);
+    assert!(
+        !args.iter().any(|a| a.starts_with("--owner-daemonset")),
+        "{case_name}: {args:?}"
+    );
+    assert!(
+        objects(r, "Role")
+            .iter()
+            .all(|r| r["metadata"]["annotations"]["helm.sh/hook"] == "test"),
+        "{case_name}: only the helm test's Role"
+    );
 }
 
 #[test]

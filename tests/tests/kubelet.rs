@@ -12,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
+use calix_testbed::pod_net::{in_pod, Flow};
 use calix_testbed::tls::Ca;
 use calix_testbed::{bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, Node};
 use serde_json::{json, Value};
@@ -38,90 +39,6 @@ fn pod(api: &KubeApi, label: &str) -> Option<Value> {
 fn pods(api: &KubeApi, selector: &str) -> Vec<Value> {
     api.list("v1", "Pod", selector)
         .unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// Runs `argv` (host tools, busybox's applets through `/bin/busybox`) in the network namespace
-/// at `netns` (a pod's); its output when it succeeds.
-fn in_pod(netns: &str, argv: &[&str]) -> Option<String> {
-    let out = std::process::Command::new("nsenter")
-        .arg(format!("--net={netns}"))
-        .args(argv)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// The port of [`Flow`]'s echo server.
-const FLOW_PORT: u16 = 9000;
-
-/// One TCP connection from a pod to another, a byte echoed every 10 ms: the server in the
-/// second pod's namespace, the client in the first's (threads that entered them).
-struct Flow {
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    client: std::thread::JoinHandle<Result<(u64, Duration), String>>,
-}
-
-impl Flow {
-    fn start(client_ns: &str, server_ns: &str, server_ip: &str) -> Self {
-        use std::io::{Read, Write};
-        use std::os::fd::AsRawFd;
-        use std::sync::atomic::Ordering;
-        let enter = |path: &str| {
-            let f = std::fs::File::open(path).expect("a pod's namespace");
-            // SAFETY: setns(2) of the calling thread only, on a namespace fd we hold.
-            assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        let server_path = server_ns.to_string();
-        std::thread::spawn(move || {
-            enter(&server_path);
-            let l = std::net::TcpListener::bind(("0.0.0.0", FLOW_PORT)).expect("bind");
-            tx.send(()).expect("ready");
-            let (mut c, _) = l.accept().expect("accept");
-            let mut b = [0u8; 1];
-            while c.read_exact(&mut b).is_ok() && c.write_all(&b).is_ok() {}
-        });
-        rx.recv().expect("the echo server");
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (client_path, addr, done) =
-            (client_ns.to_string(), server_ip.to_string(), stop.clone());
-        let client = std::thread::spawn(move || {
-            enter(&client_path);
-            let addr: std::net::SocketAddr = format!("{addr}:{FLOW_PORT}")
-                .parse()
-                .map_err(|e| format!("{e}"))?;
-            let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-                .map_err(|e| format!("connect: {e}"))?;
-            c.set_read_timeout(Some(Duration::from_secs(30)))
-                .map_err(|e| e.to_string())?;
-            let (mut n, mut gap, mut last) = (0u64, Duration::ZERO, Instant::now());
-            let mut b = [0u8; 1];
-            while !done.load(Ordering::Relaxed) {
-                c.write_all(b"x")
-                    .map_err(|e| format!("write after {n}: {e}"))?;
-                c.read_exact(&mut b)
-                    .map_err(|e| format!("read after {n}: {e}"))?;
-                n += 1;
-                gap = gap.max(last.elapsed());
-                last = Instant::now();
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            Ok((n, gap))
-        });
-        Self { stop, client }
-    }
-
-    /// Stops the client: the echoes and the longest time between two of them.
-    fn stop(self) -> (u64, Duration) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.client
-            .join()
-            .expect("the flow's client")
-            .unwrap_or_else(|e| panic!("the TCP flow broke: {e}"))
-    }
 }
 
 #[test]

@@ -69,6 +69,11 @@ pub fn run_image() -> Result<PathBuf> {
             size(std::fs::metadata(&to)?.len())
         );
     }
+    let files = stage_nft(&context.join("rootfs"))?;
+    println!(
+        "      nft and the {} shared libraries it loads (rootfs/)",
+        files - 1
+    );
     std::fs::copy(root.join("Containerfile"), context.join("Containerfile"))?;
 
     println!("[3/4] podman build {reference} (offline: FROM scratch, no RUN)");
@@ -106,6 +111,47 @@ pub fn run_image() -> Result<PathBuf> {
         archive.display()
     );
     Ok(archive)
+}
+
+/// The agent writes its nftables tables with `nft -f -` (agent/src/dataplane/nft.rs), so the
+/// image carries the node OS's `nft` with the shared libraries it loads (ldd) and its dynamic
+/// loader, at their paths below `rootfs`: the one dynamically linked program in the image.
+/// Returns how many files were staged.
+fn stage_nft(rootfs: &Path) -> Result<usize> {
+    let nft = PathBuf::from("/usr/sbin/nft");
+    if !nft.is_file() {
+        bail!(
+            "{} is missing (cargo xtask setup installs nftables)",
+            nft.display()
+        );
+    }
+    let ldd = output(Command::new("ldd").arg(&nft))?;
+    let mut files = vec![nft];
+    files.extend(ldd_paths(&ldd));
+    for f in &files {
+        let to = rootfs.join(f.strip_prefix("/").unwrap_or(f));
+        if let Some(dir) = to.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        // (Follows symlinks: the file under the name the loader asks for.)
+        std::fs::copy(f, &to).with_context(|| format!("copying {} into the image", f.display()))?;
+    }
+    Ok(files.len())
+}
+
+/// The absolute paths of the libraries `ldd` lists (`name => /path (addr)`, or the loader as
+/// `/path (addr)`; the vDSO has no file).
+fn ldd_paths(text: &str) -> Vec<PathBuf> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let path = match l.split_once("=>") {
+                Some((_, rest)) => rest.split_whitespace().next()?,
+                None => l.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect()
 }
 
 /// Refuses a dynamically linked binary: the image has no libc.
@@ -152,6 +198,18 @@ fn size(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ldd_output_gives_the_files_to_copy() {
+        let text = "\tlinux-vdso.so.1 (0x00007ffd)\n\tlibnftables.so.1 => /lib/x86_64-linux-gnu/libnftables.so.1 (0x00007f20)\n\t/lib64/ld-linux-x86-64.so.2 (0x00007f20d9465000)\n\tlibgone.so => not found\n";
+        assert_eq!(
+            ldd_paths(text),
+            [
+                PathBuf::from("/lib/x86_64-linux-gnu/libnftables.so.1"),
+                PathBuf::from("/lib64/ld-linux-x86-64.so.2")
+            ]
+        );
+    }
 
     #[test]
     fn a_dynamic_executable_is_told_from_a_static_one() {

@@ -2,6 +2,7 @@
 mod bench;
 mod build_ebpf;
 mod demo;
+mod e2e;
 mod fuzz;
 mod image;
 mod interrupt;
@@ -52,6 +53,17 @@ enum Task {
     /// The calix image, offline: static musl binaries, `podman build` (FROM scratch), then
     /// `podman save --format oci-archive` to target/image/calix.oci.tar.
     Image,
+    /// calix installed from its Helm chart on a real cluster on this machine (kube-apiserver,
+    /// controller-manager, scheduler, two kubelet nodes with containerd and kube-proxy), checked
+    /// in eBPF then kernel mode and uninstalled (needs root, ../shared/k8s).
+    E2e {
+        /// Use this image (an OCI archive) instead of building one with `cargo xtask image`.
+        #[arg(long)]
+        image: Option<std::path::PathBuf>,
+        /// The dataplane modes, in order.
+        #[arg(long, default_value = "ebpf,kernel")]
+        modes: String,
+    },
     /// Fuzz the CNI plugin's input parsing with cargo-fuzz (nightly); fails on any crash.
     Fuzz {
         /// How long to fuzz.
@@ -78,6 +90,7 @@ fn main() -> Result<()> {
         Task::Demo { nodes, mode } => demo::run_demo(nodes, mode),
         Task::Test { args } => test::run_tests(&args),
         Task::Image => image::run_image().map(|_| ()),
+        Task::E2e { image, modes } => e2e::run_e2e(image, &modes),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Bench { scenario } => bench::run(scenario),
         Task::Netperf { mode } => bench::netperf(mode),

@@ -10,10 +10,12 @@
 //!   its allocation;
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
+//! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
 //! - [`source`]: a value followed from the store.
 pub mod annotations;
 pub mod cluster;
 pub mod events;
+pub mod owner;
 pub mod peers;
 pub mod podipam;
 pub mod pods;

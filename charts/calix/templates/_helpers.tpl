@@ -49,3 +49,11 @@ subdirectory (kubelet expands $(NODE_NAME) in args, not in hostPath: only for ar
 subPathExpr: $(NODE_NAME)
 {{- end -}}
 {{- end -}}
+
+{{/*
+Whether agents take calix off their node when the DaemonSet is deleted: cleanupOnUninstall, with
+the kubernetes datastore (the agent follows its DaemonSet through the API).
+*/}}
+{{- define "calix.cleanupOnUninstall" -}}
+{{- if and .Values.cleanupOnUninstall (eq .Values.datastore.type "kubernetes") }}true{{ end }}
+{{- end }}

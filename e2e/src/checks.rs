@@ -1,0 +1,482 @@
+//! One dataplane mode, end to end: install the chart, wait for the DaemonSet, check what an
+//! operator expects of a pod network, restart the agents under a flow, release, uninstall.
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use calix_testbed::chart_tools;
+use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
+use calix_testbed::pod_net::{in_pod, Flow};
+use serde_json::{json, Value};
+
+use crate::cluster::{E2eCluster, POOL, RELEASE_NAMESPACE};
+use crate::progress::Progress;
+use crate::{helm, node_state, Mode};
+
+/// How many progress steps [`run`] shows.
+pub const STEPS: usize = 9;
+/// The web pods' hostPort (portmap, chained after calix).
+const HOST_PORT: u16 = 18080;
+/// The chart's release name (its DaemonSet's name).
+const RELEASE: &str = "calix";
+
+/// One mode's figures, a row of the final table.
+pub struct Report {
+    mode: Mode,
+    ready: Duration,
+    pods: Duration,
+    rollout: Duration,
+    gap: Duration,
+    echoes: u64,
+    uninstall: Duration,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "| {} | {:.1} s | {:.1} s | {:.1} s | {} ms ({} echoes) | {:.1} s |",
+            self.mode.value(),
+            self.ready.as_secs_f64(),
+            self.pods.as_secs_f64(),
+            self.rollout.as_secs_f64(),
+            self.gap.as_millis(),
+            self.echoes,
+            self.uninstall.as_secs_f64()
+        )
+    }
+}
+
+/// Polls `f` every 200 ms until it gives something, at most `timeout`; then an error naming
+/// `what` with the cluster's logs.
+fn wait<T>(
+    c: &E2eCluster,
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        match f() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if Instant::now() > deadline {
+            let why = last_err
+                .map(|e| format!(" (last error: {e:#})"))
+                .unwrap_or_default();
+            bail!("not within {timeout:?}: {what}{why}\n{}", c.show());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
+    let m = mode.value();
+    let api = &c.api;
+    p.step(&format!(
+        "[{m}] helm install: the chart rendered by Helm's library, applied in Helm's order; until the DaemonSet is ready"
+    ));
+    let rendered = chart_tools::render(&chart_tools::workspace_root(), &c.values(mode))
+        .context("rendering the chart")?;
+    let started = Instant::now();
+    let n = helm::install(api, &rendered)?;
+    p.note(&format!("{n} objects applied"));
+    daemonset_ready(c, None)?;
+    wait(c, "both nodes Ready", Duration::from_secs(60), || {
+        let nodes = api.list("v1", "Node", "")?;
+        Ok((nodes.len() == 2 && nodes.iter().all(ready)).then_some(()))
+    })?;
+    let ready = started.elapsed();
+    p.note(&format!(
+        "DaemonSet {RELEASE}: 2/2 ready, both nodes Ready, {ready:.1?} after install"
+    ));
+    let before: Vec<Vec<String>> = (0..2)
+        .map(|i| node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i)))
+        .collect();
+    for (i, found) in before.iter().enumerate() {
+        if !found.iter().any(|f| f.starts_with("the conflist")) {
+            bail!("node {i} has no calix conflist after install: {found:?}");
+        }
+        if mode == Mode::Ebpf && !found.iter().any(|f| f.starts_with("the pins")) {
+            bail!("node {i} has no calix pins after install in eBPF mode: {found:?}");
+        }
+    }
+
+    p.step(&format!(
+        "[{m}] pods: a web server on each node and a second one on node 0, behind a ClusterIP Service"
+    ));
+    let started = Instant::now();
+    let web = Web::create(c, mode)?;
+    let pods_took = started.elapsed();
+    p.note(&format!(
+        "Running with calix addresses in {POOL} after {pods_took:.1?}: {}",
+        web.pods
+            .iter()
+            .map(|w| format!("{} {} (node {})", w.name, w.ip, w.node))
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+
+    p.step(&format!(
+        "[{m}] pod to pod by ping and TCP: same node, and across nodes both ways (through VXLAN: the nodes' subnets differ)"
+    ));
+    for (from, to) in [(0, 2), (0, 1), (1, 0), (2, 1)] {
+        let (a, b) = (&web.pods[from], &web.pods[to]);
+        wait(
+            c,
+            &format!("{} pings {} at {}", a.name, b.name, b.ip),
+            Duration::from_secs(30),
+            || Ok(in_pod(&a.netns, &["ping", "-c", "1", "-W", "1", &b.ip]).map(|_| ())),
+        )?;
+        wait(
+            c,
+            &format!("{} gets {}'s page from {}:8080", a.name, b.name, b.ip),
+            Duration::from_secs(20),
+            || {
+                Ok((http_get(&a.netns, &format!("{}:8080", b.ip)).as_deref()
+                    == Some(b.name.as_str()))
+                .then_some(()))
+            },
+        )?;
+        p.note(&format!(
+            "{} (node {}) -> {} (node {}): ping, TCP",
+            a.name, a.node, b.name, b.node
+        ));
+    }
+
+    p.step(&format!(
+        "[{m}] the ClusterIP Service (kube-proxy) from a pod on each node, from calix's natOutgoing pool: every backend answers"
+    ));
+    for from in [0, 1] {
+        let a = &web.pods[from];
+        let mut seen = BTreeSet::new();
+        wait(
+            c,
+            &format!(
+                "{} reaches all 3 backends through {}:80 (seen {seen:?})",
+                a.name, web.cluster_ip
+            ),
+            Duration::from_secs(60),
+            || {
+                if let Some(b) = http_get(&a.netns, &web.cluster_ip) {
+                    seen.insert(b);
+                }
+                Ok((seen.len() == web.pods.len()).then_some(()))
+            },
+        )?;
+        p.note(&format!(
+            "from {} (node {}): {} answered",
+            a.name,
+            a.node,
+            seen.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+    }
+
+    p.step(&format!(
+        "[{m}] hostPort {HOST_PORT} on each node, from the underlay's router"
+    ));
+    let underlay = c.nodes.underlay().path();
+    for w in web.pods.iter().filter(|w| w.host_port) {
+        let addr = format!("{}:{HOST_PORT}", c.nodes.address(w.node));
+        wait(
+            c,
+            &format!("{addr} answers as {}", w.name),
+            Duration::from_secs(20),
+            || Ok((http_get(&underlay, &addr).as_deref() == Some(w.name.as_str())).then_some(())),
+        )?;
+        p.note(&format!("{addr} -> {}", w.name));
+    }
+
+    p.step(&format!(
+        "[{m}] helm test: the chart's pod-to-pod check (an echo server on every node, a client pod)"
+    ));
+    let took = helm::test(api, &rendered, Duration::from_secs(120), |_, _| c.show())?;
+    p.note(&format!("the test pod succeeded in {took:.1?}"));
+
+    p.step(&format!(
+        "[{m}] kubectl rollout restart daemonset/{RELEASE} under an established pod-to-pod TCP flow (node 0 -> node 1)"
+    ));
+    let old_agents = agent_pods(c)?;
+    let (w0, w1) = (&web.pods[0], &web.pods[1]);
+    let flow = Flow::start(&w0.netns, &w1.netns, &w1.ip);
+    std::thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    kubectl(c, &["rollout", "restart", &format!("daemonset/{RELEASE}")])?;
+    kubectl(
+        c,
+        &[
+            "rollout",
+            "status",
+            &format!("daemonset/{RELEASE}"),
+            "--timeout=240s",
+        ],
+    )?;
+    daemonset_ready(c, Some(&old_agents))?;
+    let rollout = started.elapsed();
+    std::thread::sleep(Duration::from_millis(500));
+    let (echoes, gap) = flow
+        .finish()
+        .map_err(|e| anyhow::anyhow!("the TCP flow broke during the rollout: {e}\n{}", c.show()))?;
+    p.note(&format!(
+        "both agents replaced in {rollout:.1?}; the flow carried on: {echoes} echoes, longest gap {gap:?}"
+    ));
+    if gap > Duration::from_secs(2) {
+        bail!("the flow stalled for {gap:?} during the rollout");
+    }
+
+    p.step(&format!(
+        "[{m}] the pods deleted: every address, endpoint and veth released"
+    ));
+    web.delete(c)?;
+    let released = wait(
+        c,
+        "no IPAMHandle, no CalixEndpoint, no cali* link left",
+        Duration::from_secs(60),
+        || {
+            let handles = api.list("calix.dev/v1", "IPAMHandle", "")?;
+            let endpoints = api.list("calix.dev/v1", "CalixEndpoint", "")?;
+            let links: usize = c.nodes.nodes.iter().map(|n| n.cali_links().len()).sum();
+            Ok((handles.is_empty() && endpoints.is_empty() && links == 0).then_some(()))
+        },
+    );
+    released?;
+    p.note("0 handles, 0 endpoints, 0 cali links on either node");
+
+    p.step(&format!(
+        "[{m}] helm uninstall: the conflist, pins, routes, VXLAN device and nftables tables gone from both nodes"
+    ));
+    for (i, found) in before.iter().enumerate() {
+        p.note(&format!("node {i} before: {}", found.join(", ")));
+    }
+    let started = Instant::now();
+    helm::uninstall(api, &rendered)?;
+    wait(
+        c,
+        "the calix agent pods gone",
+        Duration::from_secs(60),
+        || Ok(agent_pods(c)?.is_empty().then_some(())),
+    )?;
+    wait(
+        c,
+        "nothing of calix left on either node",
+        Duration::from_secs(30),
+        || {
+            let left: Vec<String> = (0..2)
+                .flat_map(|i| node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i)))
+                .collect();
+            Ok(left.is_empty().then_some(()))
+        },
+    )?;
+    let uninstall = started.elapsed();
+    p.note(&format!("both nodes clean {uninstall:.1?} after uninstall"));
+    Ok(Report {
+        mode,
+        ready,
+        pods: pods_took,
+        rollout,
+        gap,
+        echoes,
+        uninstall,
+    })
+}
+
+fn ready(node: &Value) -> bool {
+    node["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+}
+
+/// The agents' pods (name → UID).
+fn agent_pods(c: &E2eCluster) -> Result<BTreeSet<(String, String)>> {
+    Ok(c.api
+        .list(
+            "v1",
+            "Pod",
+            "app.kubernetes.io/name=calix,app.kubernetes.io/component=agent",
+        )?
+        .iter()
+        .filter(|p| p["metadata"]["namespace"] == RELEASE_NAMESPACE)
+        .map(|p| {
+            (
+                p["metadata"]["name"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                p["metadata"]["uid"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect())
+}
+
+/// Until the DaemonSet has 2 pods, all up to date, ready and available (and, after a
+/// restart, none of `old`).
+fn daemonset_ready(c: &E2eCluster, old: Option<&BTreeSet<(String, String)>>) -> Result<()> {
+    wait(
+        c,
+        &format!("DaemonSet {RELEASE} ready on both nodes"),
+        Duration::from_secs(240),
+        || {
+            let Some(ds) = c
+                .api
+                .get("apps/v1", "DaemonSet", Some(RELEASE_NAMESPACE), RELEASE)?
+            else {
+                return Ok(None);
+            };
+            let s = &ds["status"];
+            let n = |k: &str| s[k].as_i64().unwrap_or(0);
+            let current = s["observedGeneration"].as_i64() >= ds["metadata"]["generation"].as_i64();
+            let all = n("desiredNumberScheduled") == 2
+                && n("numberReady") == 2
+                && n("updatedNumberScheduled") == 2
+                && n("numberAvailable") == 2;
+            let renewed = match old {
+                Some(old) => agent_pods(c)?.is_disjoint(old),
+                None => true,
+            };
+            Ok((current && all && renewed).then_some(()))
+        },
+    )
+}
+
+/// `kubectl <args> -n kube-system` as the admin, in the API server's namespace.
+fn kubectl(c: &E2eCluster, args: &[&str]) -> Result<String> {
+    let ns = c.api.ns.as_ref().context("the API server's namespace")?;
+    let kubeconfig = c.api.kubeconfig().display().to_string();
+    let mut argv = vec![
+        "kubectl",
+        "--kubeconfig",
+        &kubeconfig,
+        "-n",
+        RELEASE_NAMESPACE,
+    ];
+    argv.extend_from_slice(args);
+    let out = ns.exec(&argv);
+    if !out.status.success() {
+        bail!(
+            "kubectl {}: {}\n{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr),
+            c.show()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+struct WebPod {
+    name: String,
+    node: usize,
+    ip: String,
+    netns: String,
+    host_port: bool,
+}
+
+/// The web pods (busybox httpd answering its pod's name) and their Service.
+struct Web {
+    pods: Vec<WebPod>,
+    service: String,
+    cluster_ip: String,
+}
+
+impl Web {
+    fn create(c: &E2eCluster, mode: Mode) -> Result<Self> {
+        let api = &c.api;
+        let app = format!("e2e-web-{}", mode.value());
+        // (node, hostPort): two on node 0 (one with the hostPort), one on node 1.
+        let layout = [(0, true), (1, true), (0, false)];
+        let names: Vec<String> = (0..layout.len()).map(|i| format!("{app}-{i}")).collect();
+        for (name, (node, host_port)) in names.iter().zip(layout) {
+            let mut port = json!({"containerPort": 8080});
+            if host_port {
+                port["hostPort"] = json!(HOST_PORT);
+            }
+            api.apply(json!({
+                "apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": "default", "labels": {"app": app}},
+                "spec": {
+                    "nodeName": c.name(node),
+                    "automountServiceAccountToken": false,
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{
+                        "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                        "command": ["/bin/sh", "-c",
+                            format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
+                        "ports": [port],
+                    }],
+                },
+            }))?;
+        }
+        let svc = api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": app, "namespace": "default"},
+            "spec": {"selector": {"app": app}, "ports": [{"port": 80, "targetPort": 8080}]},
+        }))?;
+        let cluster_ip = svc["spec"]["clusterIP"]
+            .as_str()
+            .context("the Service's clusterIP")?
+            .to_string();
+        let running = wait(
+            c,
+            "the web pods Running with addresses",
+            Duration::from_secs(120),
+            || {
+                let p = api.list("v1", "Pod", &format!("app={app}"))?;
+                Ok((p.len() == names.len()
+                    && p.iter().all(|p| {
+                        p["status"]["phase"] == "Running" && p["status"]["podIP"].is_string()
+                    }))
+                .then_some(p))
+            },
+        )?;
+        let pool: ipnet::Ipv4Net = POOL.parse()?;
+        let mut pods = Vec::new();
+        for (name, (node, host_port)) in names.iter().zip(layout) {
+            let p = running
+                .iter()
+                .find(|p| p["metadata"]["name"] == name.as_str())
+                .context("a web pod")?;
+            let ip = p["status"]["podIP"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let addr: std::net::Ipv4Addr = ip.parse().with_context(|| format!("podIP {ip}"))?;
+            if !pool.contains(&addr) {
+                bail!("{name}'s podIP {ip} is not in calix's pool {POOL}");
+            }
+            let netns = c.kubes[node]
+                .pod_netns("default", name)
+                .with_context(|| format!("no sandbox namespace for {name}"))?;
+            pods.push(WebPod {
+                name: name.clone(),
+                node,
+                ip,
+                netns,
+                host_port,
+            });
+        }
+        Ok(Self {
+            pods,
+            service: app,
+            cluster_ip,
+        })
+    }
+
+    /// Deletes the pods and the Service; until the pods are gone from the API.
+    fn delete(self, c: &E2eCluster) -> Result<()> {
+        for w in &self.pods {
+            c.api.delete_in("v1", "Pod", "default", &w.name)?;
+        }
+        c.api.delete_in("v1", "Service", "default", &self.service)?;
+        wait(c, "the web pods gone", Duration::from_secs(60), || {
+            let left = c.api.list("v1", "Pod", &format!("app={}", self.service))?;
+            Ok(left.is_empty().then_some(()))
+        })
+    }
+}

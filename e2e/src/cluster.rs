@@ -1,0 +1,191 @@
+//! The cluster the chart is installed on: the control plane in a namespace of its own, two
+//! kubelet nodes on the test underlay's two subnets, the calix image imported into both, and
+//! the Secret with the nodes' route-distribution certificates.
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use calix_testbed::tls::Ca;
+use calix_testbed::{unique, Cluster, CniDirs, Dataplane, KubeApi, KubeNode};
+use serde_json::{json, Value};
+
+use crate::node_state::NodePaths;
+use crate::progress::Progress;
+use crate::Mode;
+
+/// The namespace the chart is installed in.
+pub const RELEASE_NAMESPACE: &str = "kube-system";
+/// The Secret with the routes' mutual-TLS certificates.
+pub const TLS_SECRET: &str = "calix-e2e-routes";
+/// The pods' pool (natOutgoing: the ClusterIP check goes from a natOutgoing pool).
+pub const POOL: &str = "10.76.0.0/16";
+/// The reference plugins a node's CNI bin dir has before calix is installed (a node
+/// provisioned with containernetworking-plugins): the runtime's loopback, and portmap, which
+/// the chart chains after calix for hostPorts.
+const REFERENCE_PLUGINS: [&str; 2] = ["loopback", "portmap"];
+
+pub struct E2eCluster {
+    // Dropped in this order: the kubelet nodes, the node namespaces and underlay, the control
+    // plane.
+    pub kubes: Vec<KubeNode>,
+    pub nodes: Cluster,
+    pub api: KubeApi,
+    /// The chart's host paths (each node below them in a directory of its name).
+    pub dir: PathBuf,
+}
+
+impl E2eCluster {
+    pub fn start(p: &mut Progress, image: &Path) -> Result<Self> {
+        p.step("control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (v1.36.2)");
+        let api = KubeApi::in_namespace();
+        api.start_controllers()?;
+        api.serve_in_cluster()?;
+        p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet, kube-proxy (iptables); the calix image imported");
+        let nodes = Cluster::create(Dataplane::Ebpf, &[1, 2], |_, _| String::new());
+        let dir = std::env::temp_dir().join(unique("e2e"));
+        let mut kubes = Vec::new();
+        for (i, node) in nodes.nodes.iter().enumerate() {
+            let kubeconfig = api.wire(&node.ns)?;
+            let name = &node.ns.name;
+            let cni = CniDirs {
+                bin: dir.join("cni-bin").join(name),
+                conf: dir.join("cni-net.d").join(name),
+            };
+            for d in [&cni.bin, &cni.conf] {
+                std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+            }
+            for plugin in REFERENCE_PLUGINS {
+                let from = Path::new("/usr/lib/cni").join(plugin);
+                std::fs::copy(&from, cni.bin.join(plugin)).with_context(|| {
+                    format!(
+                        "copy {} (Debian's containernetworking-plugins)",
+                        from.display()
+                    )
+                })?;
+            }
+            let mut kube = KubeNode::start(
+                &node.ns,
+                &node.dir.join("k8s"),
+                &kubeconfig,
+                &nodes.address(i),
+                &cni,
+            )?;
+            kube.start_kube_proxy(&kubeconfig)?;
+            kube.import(image)
+                .with_context(|| format!("import {} into {name}", image.display()))?;
+            p.note(&format!(
+                "node {name}: {} (subnet {}), registered",
+                nodes.address(i),
+                nodes.subnets[i]
+            ));
+            kubes.push(kube);
+        }
+        let cluster = Self {
+            kubes,
+            nodes,
+            api,
+            dir,
+        };
+        cluster.tls_secret()?;
+        Ok(cluster)
+    }
+
+    /// Node `i`'s name.
+    pub fn name(&self, i: usize) -> &str {
+        self.nodes.name(i)
+    }
+
+    /// Where node `i` keeps what an uninstall must remove.
+    pub fn paths(&self, i: usize) -> NodePaths {
+        NodePaths {
+            conflist: self
+                .dir
+                .join("cni-net.d")
+                .join(self.name(i))
+                .join("10-calix.conflist"),
+            pins: Path::new("/sys/fs/bpf/calix").join(self.name(i)),
+        }
+    }
+
+    /// The chart's values for `mode`: the image imported (never pulled), per-node host paths
+    /// below [`E2eCluster::dir`], the uplinks, a natOutgoing pool, routes over mutual TLS.
+    pub fn values(&self, mode: Mode) -> Value {
+        let d = |s: &str| self.dir.join(s).display().to_string();
+        json!({
+            "image": {"repository": "localhost/calix", "pullPolicy": "Never"},
+            "cniBinDir": d("cni-bin"),
+            "cniNetDir": d("cni-net.d"),
+            "runDir": d("run"),
+            "stateDir": d("lib"),
+            "hostPathsPerNode": true,
+            "dataplane": mode.value(),
+            "uplinks": ["eth0"],
+            "pools": [{"name": "e2e-pods", "cidr": POOL, "blockSize": 26,
+                "natOutgoing": true, "vxlan": "crossSubnet"}],
+            "routes": {"enabled": true, "graceSecs": 30, "tls": {"secretName": TLS_SECRET}},
+            // Faster rollouts and readiness than a production default (the same probes).
+            "probes": {"readiness": {"periodSeconds": 1, "timeoutSeconds": 5, "failureThreshold": 3}},
+            "terminationGracePeriodSeconds": 10,
+            "test": {"timeoutSeconds": 90},
+        })
+    }
+
+    /// The routes' certificates: a CA, and one per node whose DNS SAN is its name.
+    fn tls_secret(&self) -> Result<()> {
+        let ca = Ca::new("calix-e2e-ca")?;
+        let mut data = serde_json::Map::new();
+        data.insert("ca.crt".into(), ca.pem().into());
+        for i in 0..self.kubes.len() {
+            let cert = ca.issue(self.name(i))?;
+            data.insert(format!("{}.crt", self.name(i)), cert.cert_pem.into());
+            data.insert(format!("{}.key", self.name(i)), cert.key_pem.into());
+        }
+        self.api.apply(json!({
+            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": TLS_SECRET, "namespace": RELEASE_NAMESPACE},
+            "stringData": data,
+        }))?;
+        Ok(())
+    }
+
+    /// What went on, for an error: each node's kubelet log and the calix containers' logs.
+    pub fn show(&self) -> String {
+        self.kubes
+            .iter()
+            .map(|k| {
+                let logs = k.container_logs();
+                let tail: Vec<&str> = logs.lines().rev().take(60).collect();
+                format!(
+                    "=== node {} ===\n{}\n--- container logs (last 60 lines) ---\n{}",
+                    k.name,
+                    k.logs_tail(25),
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Tears everything down; what is left behind (empty when all is gone).
+    pub fn stop(self) -> Vec<String> {
+        let Self {
+            kubes,
+            nodes,
+            api,
+            dir,
+        } = self;
+        let names: Vec<String> = kubes.iter().map(|k| k.name.clone()).collect();
+        let mut left: Vec<String> = kubes.into_iter().flat_map(KubeNode::stop).collect();
+        drop(nodes);
+        drop(api);
+        for name in names {
+            let pins = Path::new("/sys/fs/bpf/calix").join(&name);
+            if pins.exists() {
+                left.push(format!("pins {}", pins.display()));
+            }
+        }
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            left.push(format!("{}: {e}", dir.display()));
+        }
+        left
+    }
+}

@@ -1,0 +1,118 @@
+//! `calix-e2e` (run by `cargo xtask e2e`, as root): a real Kubernetes cluster on this machine
+//! with calix installed from its own Helm chart and image, checked the way an operator would.
+//!
+//! - The control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler
+//!   v1.36.2 (`../shared/k8s`) in a namespace of their own.
+//! - Two nodes, each a network namespace on the test underlay (two subnets joined by a router:
+//!   cross-node traffic goes through VXLAN), running containerd (CRI), the kubelet and
+//!   kube-proxy (iptables mode). Each node is its own directory for the chart's host paths
+//!   (`hostPathsPerNode`), with the reference plugins loopback and portmap in its CNI bin dir.
+//! - The calix image (`cargo xtask image`) imported into each node's containerd; the chart
+//!   rendered by Helm's own library and applied in Helm's order; route distribution over
+//!   mutual TLS from a Secret.
+//! - For each dataplane mode: install, the DaemonSet ready, then the checks ([`checks`]),
+//!   then uninstall and nothing of calix left on either node ([`node_state`]).
+//! - Everything torn down, and nothing left behind.
+//!
+//! The whole run happens in a private mount namespace, with a bpffs of its own mounted shared
+//! on /sys/fs/bpf (the agents mount it Bidirectional, as on a real node).
+mod checks;
+mod cluster;
+mod helm;
+mod node_state;
+mod progress;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+
+use crate::cluster::E2eCluster;
+use crate::progress::Progress;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "calix-e2e",
+    about = "calix installed from its chart on a real cluster"
+)]
+struct Args {
+    /// The calix image (an OCI archive: `cargo xtask image`).
+    #[arg(long)]
+    image: PathBuf,
+    /// The dataplane modes to install and check, in order.
+    #[arg(long, value_delimiter = ',', default_value = "ebpf,kernel")]
+    modes: Vec<Mode>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Ebpf,
+    Kernel,
+}
+
+impl Mode {
+    pub fn value(self) -> &'static str {
+        match self {
+            Mode::Ebpf => "ebpf",
+            Mode::Kernel => "kernel",
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if !args.image.is_file() {
+        bail!(
+            "no image at {} (cargo xtask image builds it)",
+            args.image.display()
+        );
+    }
+    private_mounts().context("a private mount namespace with a bpffs of its own")?;
+    let started = Instant::now();
+    let steps = 2 + args.modes.len() * checks::STEPS + 1;
+    let mut p = Progress::new(steps);
+    let cluster = E2eCluster::start(&mut p, &args.image)?;
+    let mut reports = Vec::new();
+    for mode in &args.modes {
+        reports.push(checks::run(&cluster, *mode, &mut p)?);
+    }
+    p.step("teardown: nodes (kubelet, containerd, kube-proxy), control plane, underlay");
+    let left = cluster.stop();
+    if !left.is_empty() {
+        bail!("the e2e cluster left behind: {left:?}");
+    }
+    println!();
+    println!("e2e passed in {:.1?}", started.elapsed());
+    println!();
+    println!("| mode | install to DaemonSet ready | pods Running | rollout restart | longest gap of the TCP flow | uninstall clean |");
+    println!("|---|---|---|---|---|---|");
+    for r in &reports {
+        println!("{r}");
+    }
+    Ok(())
+}
+
+/// Unshares the mount namespace (still single-threaded: before anything starts), makes every
+/// mount private to it, and mounts a bpffs of its own on /sys/fs/bpf, shared (what systemd
+/// does on a real node; the chart mounts it Bidirectional).
+fn private_mounts() -> Result<()> {
+    // SAFETY: unshare(2) of this (single-threaded) process's mount namespace.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("unshare(CLONE_NEWNS)");
+    }
+    let run = |argv: &[&str]| -> Result<()> {
+        let status = std::process::Command::new(argv[0])
+            .args(&argv[1..])
+            .status()
+            .with_context(|| format!("{argv:?}"))?;
+        if !status.success() {
+            bail!("{argv:?}: {status}");
+        }
+        Ok(())
+    };
+    run(&["mount", "--make-rprivate", "/"])?;
+    run(&["mount", "-t", "bpf", "calix-e2e-bpffs", "/sys/fs/bpf"])?;
+    run(&["mount", "--make-shared", "/sys/fs/bpf"])?;
+    Ok(())
+}
