@@ -1049,7 +1049,9 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn release(&mut self) {
-        // Filters stay attached (their links were forgotten at attach), maps stay pinned.
+        // Filters stay attached (their links were forgotten at attach), tcx links and maps
+        // stay pinned. The tcx mover stops: after this the agent may uninstall calix.
+        self.attacher.release();
         self.programmed.clear();
     }
 }

@@ -9,7 +9,8 @@
 //! and a background thread, the `Mover`, puts the program on a tcx link once the pods' comings
 //! and goings pause (`MOVE_AFTER`) and removes the filter: calix's programs never answer "next", so while
 //! both are there the tcx one alone decides, and the hook is never without a program.
-//! Updating a link in place is as fast as a filter (~10 µs).
+//! Updating a link in place is as fast as a filter (~10 µs). The `Mover` stops when the agent
+//! releases the dataplane (`Attacher::release`): what it has not moved keeps its filter.
 //!
 //! A tcx link is pinned at `<node pin dir>/tcx/<ifname>@<ingress|egress>` (outside the
 //! map-layout directory, like the XDP links) so that it outlives the agent; a new agent swaps
@@ -107,6 +108,12 @@ impl Attacher {
 
     pub fn how(&self) -> Attachment {
         self.how
+    }
+
+    /// The agent lets the dataplane go: the `Mover` stops (a move under way finishes first) and
+    /// moves nothing more; hooks not moved yet keep their filters for the next agent.
+    pub fn release(&mut self) {
+        self.mover = None;
     }
 
     /// The lock every change of an interface's attachments holds (see `Mover`).
@@ -245,18 +252,23 @@ struct Move {
 /// meanwhile, or is another link now: then the new link is dropped (its last descriptor
 /// closes, it detaches) and the filter stays as the newer call left it.
 struct Mover {
-    tx: mpsc::Sender<Move>,
+    tx: Option<mpsc::Sender<Move>>,
     generations: Arc<Mutex<Generations>>,
+    /// Dropped to stop the thread, even while it waits for a move to be due.
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Mover {
     fn start(dir: PathBuf) -> Self {
         let (tx, rx) = mpsc::channel::<Move>();
+        let (stop, stopped) = mpsc::channel::<()>();
         let generations = Arc::new(Mutex::new(Generations::default()));
         let g = Arc::clone(&generations);
         let spawned = std::thread::Builder::new()
             .name("tcx-mover".into())
             .spawn(move || {
+                // Moves still queued when the mover stops are dropped with it.
                 for m in rx {
                     loop {
                         let wait = g
@@ -266,7 +278,12 @@ impl Mover {
                         if wait.is_zero() {
                             break;
                         }
-                        std::thread::sleep(wait);
+                        if stopped.recv_timeout(wait) != Err(mpsc::RecvTimeoutError::Timeout) {
+                            return;
+                        }
+                    }
+                    if stopped.try_recv() != Err(mpsc::TryRecvError::Empty) {
+                        return;
                     }
                     if let Err(e) = move_to_link(&m, &dir, &g) {
                         tracing::warn!(ifname = %m.ifname, direction = direction(m.at),
@@ -275,15 +292,37 @@ impl Mover {
                     }
                 }
             });
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "cannot start the tcx mover: programs stay cls_bpf filters");
+        let thread = match spawned {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the tcx mover: programs stay cls_bpf filters");
+                None
+            }
+        };
+        Self {
+            tx: Some(tx),
+            generations,
+            stop: Some(stop),
+            thread,
         }
-        Self { tx, generations }
     }
 
     fn queue(&self, m: Move) {
-        // The thread ends only with the agent: a failed send leaves the filter, which works.
-        let _ = self.tx.send(m);
+        // A failed send (no thread) leaves the filter, which works.
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(m);
+        }
+    }
+}
+
+impl Drop for Mover {
+    /// Stops the thread and waits for it: a move under way (one link's creation, ~10 ms)
+    /// finishes, nothing after it starts.
+    fn drop(&mut self) {
+        drop((self.stop.take(), self.tx.take()));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
