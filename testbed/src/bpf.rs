@@ -247,10 +247,58 @@ pub struct Attached {
     pub id: u64,
 }
 
-/// The tc and XDP programs attached to the devices of `ns` (`bpftool net show`, run inside it).
+/// The tc (cls_bpf and tcx) and XDP programs attached to the devices of `ns` (`bpftool net
+/// show`, run inside it; tcx hooks also from the kernel: bpftool before 7.3, Debian 12's 7.1,
+/// does not list them).
 pub fn attached(ns: &crate::Netns) -> Result<Vec<Attached>> {
     let v = json(ns.command("bpftool")?.args(["-j", "net", "show"]))?;
-    Ok(attached_from(&v))
+    let mut out = attached_from(&v);
+    let links = json(ns.command("ip")?.args(["-j", "link", "show"]))?;
+    let devs: Vec<String> = links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|l| Some(l["ifname"].as_str()?.to_string()))
+        .collect();
+    let tcx = ns
+        .spawn(None, move || {
+            let mut found = Vec::new();
+            for dev in devs {
+                for hook in ["ingress", "egress"] {
+                    match tcx_attachments(&dev, hook) {
+                        Ok(a) => found.extend(a.into_iter().map(|(id, _)| (dev.clone(), hook, id))),
+                        // A kernel without tcx; a device gone meanwhile.
+                        Err(e)
+                            if matches!(
+                                e.raw_os_error(),
+                                Some(libc::EINVAL | libc::ENODEV | libc::ENXIO)
+                            ) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+            }
+            Ok(found)
+        })?
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        .map_err(Error::io("BPF_PROG_QUERY (tcx)"))?;
+    for (dev, hook, id) in tcx {
+        let id = u64::from(id);
+        if out
+            .iter()
+            .any(|a| a.dev == dev && a.hook == hook && a.id == id)
+        {
+            continue;
+        }
+        let p = json(Command::new("bpftool").args(["-j", "prog", "show", "id", &id.to_string()]))?;
+        out.push(Attached {
+            dev,
+            hook: hook.to_string(),
+            name: p["name"].as_str().unwrap_or("?").to_string(),
+            id,
+        });
+    }
+    Ok(out)
 }
 
 fn attached_from(v: &Value) -> Vec<Attached> {

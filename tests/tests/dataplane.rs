@@ -479,6 +479,16 @@ fn interfaces_move_between_cls_bpf_filters_and_tcx_links() {
             && !has_tc_filter(&node, &c_if, "ingress")
             && !has_tc_filter(&node, &c_if, "egress")
     });
+    // What the benches read of a node's programs (the crossnode bench's BPF run times) lists
+    // tcx hooks too: Debian's bpftool (7.1) leaves them out of `bpftool net show`.
+    let seen = calix_testbed::bpf::attached(&node.ns).expect("the node's programs");
+    for (hook, prog) in [("ingress", "from_pod"), ("egress", "to_pod")] {
+        assert!(
+            seen.iter()
+                .any(|p| p.dev == c_if && p.hook == hook && p.name == prog),
+            "{prog} at {c_if}/{hook} not among {seen:?}"
+        );
+    }
     assert!(c.ns.ping(&a.ip(), 2));
     node.stop_agent();
     node.start_agent_with(&with_tc);
