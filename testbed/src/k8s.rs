@@ -484,6 +484,8 @@ impl KubeApi {
             ))
             .arg(format!("--token-auth-file={}", d("tokens.csv")))
             .arg("--authorization-mode=Node,RBAC")
+            // What kubeadm and every CNI's DaemonSet need: privileged containers.
+            .arg("--allow-privileged=true")
             .arg("--service-cluster-ip-range=10.96.0.0/16")
             // No `kubernetes` Service endpoints (its address may be loopback here).
             .arg("--endpoint-reconciler-type=none")
