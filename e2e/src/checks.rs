@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use calix_testbed::chart_tools;
-use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
+use calix_testbed::kubelet::{http_get, web_pod};
 use calix_testbed::pod_net::{in_pod, Flow};
 use serde_json::{json, Value};
 
@@ -392,25 +392,12 @@ impl Web {
         let layout = [(0, true), (1, true), (0, false)];
         let names: Vec<String> = (0..layout.len()).map(|i| format!("{app}-{i}")).collect();
         for (name, (node, host_port)) in names.iter().zip(layout) {
-            let mut port = json!({"containerPort": 8080});
-            if host_port {
-                port["hostPort"] = json!(HOST_PORT);
-            }
-            api.apply(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": "default", "labels": {"app": app}},
-                "spec": {
-                    "nodeName": c.name(node),
-                    "automountServiceAccountToken": false,
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{
-                        "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/bin/sh", "-c",
-                            format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
-                        "ports": [port],
-                    }],
-                },
-            }))?;
+            api.apply(web_pod(
+                name,
+                c.name(node),
+                json!({"app": app}),
+                host_port.then_some(HOST_PORT),
+            ))?;
         }
         let svc = api.apply(json!({
             "apiVersion": "v1", "kind": "Service",
