@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use calix_testbed::chart_tools;
-use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
+use calix_testbed::kubelet::{http_get, web_pod};
 use calix_testbed::pod_net::{in_pod, Flow};
 use serde_json::{json, Value};
 
@@ -93,18 +93,6 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     p.note(&format!(
         "DaemonSet {RELEASE}: 2/2 ready, both nodes Ready, {ready:.1?} after install"
     ));
-    let before: Vec<Vec<String>> = (0..2)
-        .map(|i| node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i)))
-        .collect();
-    for (i, found) in before.iter().enumerate() {
-        if !found.iter().any(|f| f.starts_with("the conflist")) {
-            bail!("node {i} has no calix conflist after install: {found:?}");
-        }
-        if mode == Mode::Ebpf && !found.iter().any(|f| f.starts_with("the pins")) {
-            bail!("node {i} has no calix pins after install in eBPF mode: {found:?}");
-        }
-    }
-
     p.step(&format!(
         "[{m}] pods: a web server on each node and a second one on node 0, behind a ClusterIP Service"
     ));
@@ -248,7 +236,18 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     p.step(&format!(
         "[{m}] helm uninstall: the conflist, pins, routes, VXLAN device and nftables tables gone from both nodes"
     ));
-    for (i, found) in before.iter().enumerate() {
+    // What there is to remove: the pods are gone, their nodes' blocks and the routes to them
+    // stay (an empty block is released only after its grace period).
+    for i in 0..2 {
+        let found = node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i));
+        let has = |what: &str| found.iter().any(|f| f.starts_with(what));
+        let mut expected = vec!["the conflist", "route "];
+        if mode == Mode::Ebpf {
+            expected.push("the pins");
+        }
+        if let Some(missing) = expected.iter().find(|w| !has(w)) {
+            bail!("node {i} before uninstall lacks {missing:?}: {found:?}");
+        }
         p.note(&format!("node {i} before: {}", found.join(", ")));
     }
     let started = Instant::now();
@@ -393,25 +392,12 @@ impl Web {
         let layout = [(0, true), (1, true), (0, false)];
         let names: Vec<String> = (0..layout.len()).map(|i| format!("{app}-{i}")).collect();
         for (name, (node, host_port)) in names.iter().zip(layout) {
-            let mut port = json!({"containerPort": 8080});
-            if host_port {
-                port["hostPort"] = json!(HOST_PORT);
-            }
-            api.apply(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": "default", "labels": {"app": app}},
-                "spec": {
-                    "nodeName": c.name(node),
-                    "automountServiceAccountToken": false,
-                    "terminationGracePeriodSeconds": 1,
-                    "containers": [{
-                        "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                        "command": ["/bin/sh", "-c",
-                            format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
-                        "ports": [port],
-                    }],
-                },
-            }))?;
+            api.apply(web_pod(
+                name,
+                c.name(node),
+                json!({"app": app}),
+                host_port.then_some(HOST_PORT),
+            ))?;
         }
         let svc = api.apply(json!({
             "apiVersion": "v1", "kind": "Service",

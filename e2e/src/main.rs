@@ -112,7 +112,23 @@ fn private_mounts() -> Result<()> {
         Ok(())
     };
     run(&["mount", "--make-rprivate", "/"])?;
+    // The machine's bpffs (stacked instances too) out of sight, here only: the mount found
+    // at /sys/fs/bpf must be the shared one (containerd checks it for a Bidirectional mount).
+    while is_bpffs("/sys/fs/bpf") {
+        run(&["umount", "/sys/fs/bpf"])?;
+    }
     run(&["mount", "-t", "bpf", "calix-e2e-bpffs", "/sys/fs/bpf"])?;
     run(&["mount", "--make-shared", "/sys/fs/bpf"])?;
     Ok(())
+}
+
+/// Whether `path` is a bpffs mount (statfs magic).
+fn is_bpffs(path: &str) -> bool {
+    const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+    let Ok(c) = std::ffi::CString::new(path) else {
+        return false;
+    };
+    // SAFETY: statfs(2) into a zeroed struct we own, with a valid C string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0) && st.f_type as i64 == BPF_FS_MAGIC
 }

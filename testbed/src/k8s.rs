@@ -282,10 +282,7 @@ impl KubeApi {
         namespace: &str,
         name: &str,
     ) -> Result<()> {
-        let (ar, ns, name) = resource_of(&serde_json::json!({
-            "apiVersion": api_version, "kind": kind,
-            "metadata": {"name": name, "namespace": namespace}
-        }))?;
+        let (ar, ns, name) = named(api_version, kind, Some(namespace), name)?;
         self.with_client(move |c| async move {
             let api = dynamic_api(c, &ar, ns.as_deref());
             let dp = kube::api::DeleteParams {
@@ -370,9 +367,7 @@ impl KubeApi {
         kind: &str,
         labels: &str,
     ) -> Result<Vec<serde_json::Value>> {
-        let (ar, _, _) = resource_of(&serde_json::json!({
-            "apiVersion": api_version, "kind": kind, "metadata": {"name": "-"}
-        }))?;
+        let (ar, _, _) = named(api_version, kind, None, "-")?;
         let labels = labels.to_string();
         self.with_client(move |c| async move {
             let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
@@ -391,9 +386,7 @@ impl KubeApi {
 
     /// Deletes the cluster-scoped object `kind` `name` of `api_version` (gone already: fine).
     pub fn delete(&self, api_version: &str, kind: &str, name: &str) -> Result<()> {
-        let (ar, _, name) = resource_of(&serde_json::json!({
-            "apiVersion": api_version, "kind": kind, "metadata": {"name": name}
-        }))?;
+        let (ar, _, name) = named(api_version, kind, None, name)?;
         self.with_client(move |c| async move {
             let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
             match api.delete(&name, &Default::default()).await {
@@ -415,10 +408,7 @@ impl KubeApi {
         namespace: Option<&str>,
         name: &str,
     ) -> Result<Option<serde_json::Value>> {
-        let (ar, ns, name) = resource_of(&serde_json::json!({
-            "apiVersion": api_version, "kind": kind,
-            "metadata": {"name": name, "namespace": namespace}
-        }))?;
+        let (ar, ns, name) = named(api_version, kind, namespace, name)?;
         self.with_client(move |c| async move {
             let api = dynamic_api(c, &ar, ns.as_deref());
             api.get_opt(&name)
@@ -440,10 +430,7 @@ impl KubeApi {
         namespace: &str,
         name: &str,
     ) -> Result<()> {
-        let (ar, ns, name) = resource_of(&serde_json::json!({
-            "apiVersion": api_version, "kind": kind,
-            "metadata": {"name": name, "namespace": namespace}
-        }))?;
+        let (ar, ns, name) = named(api_version, kind, Some(namespace), name)?;
         self.with_client(move |c| async move {
             let api = dynamic_api(c, &ar, ns.as_deref());
             match api.delete(&name, &Default::default()).await {
@@ -484,6 +471,8 @@ impl KubeApi {
             ))
             .arg(format!("--token-auth-file={}", d("tokens.csv")))
             .arg("--authorization-mode=Node,RBAC")
+            // What kubeadm and every CNI's DaemonSet need: privileged containers.
+            .arg("--allow-privileged=true")
             .arg("--service-cluster-ip-range=10.96.0.0/16")
             // No `kubernetes` Service endpoints (its address may be loopback here).
             .arg("--endpoint-reconciler-type=none")
@@ -824,6 +813,19 @@ fn dynamic_api(
 }
 
 /// The resource (plural guessed from the kind, as kube does), namespace and name of an object.
+/// [`resource_of`] an object known by its kind and name only.
+fn named(
+    api_version: &str,
+    kind: &str,
+    namespace: Option<&str>,
+    name: &str,
+) -> Result<(kube::api::ApiResource, Option<String>, String)> {
+    resource_of(&serde_json::json!({
+        "apiVersion": api_version, "kind": kind,
+        "metadata": {"name": name, "namespace": namespace}
+    }))
+}
+
 fn resource_of(
     object: &serde_json::Value,
 ) -> Result<(kube::api::ApiResource, Option<String>, String)> {

@@ -68,6 +68,35 @@ impl CniDirs {
     }
 }
 
+/// A busybox web server Pod on node `node`: `httpd` on 8080 answering its own name (the page
+/// `GET /` gives), `labels`, and the hostPort `host_port` when given.
+pub fn web_pod(
+    name: &str,
+    node: &str,
+    labels: serde_json::Value,
+    host_port: Option<u16>,
+) -> serde_json::Value {
+    let mut port = serde_json::json!({"containerPort": 8080});
+    if let Some(p) = host_port {
+        port["hostPort"] = p.into();
+    }
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": labels},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                "command": ["/bin/sh", "-c",
+                    format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
+                "ports": [port],
+            }],
+        },
+    })
+}
+
 /// `GET http://<addr>/` (HTTP/1.0; `addr` with its port, else 80) from the network namespace
 /// at `netns` (a pod's sandbox, [`KubeNode::pod_netns`], or any other), on a thread that
 /// entered it: the body, trimmed; `None` when it fails. (Debian's static busybox `wget`

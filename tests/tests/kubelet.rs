@@ -11,7 +11,7 @@
 //! carries on while both agents restart, and the pods' deletion releases every address.
 use std::time::{Duration, Instant};
 
-use calix_testbed::kubelet::{http_get, BUSYBOX_IMAGE};
+use calix_testbed::kubelet::{http_get, web_pod, BUSYBOX_IMAGE};
 use calix_testbed::pod_net::{in_pod, Flow};
 use calix_testbed::tls::Ca;
 use calix_testbed::{bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, Node};
@@ -236,22 +236,12 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
     // ClusterIP Service.
     let names: Vec<String> = (0..2).map(|i| format!("{u}-web{i}")).collect();
     for (i, name) in names.iter().enumerate() {
-        api.apply(json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "default",
-                "labels": {"calix.dev/test": u, "app": u}},
-            "spec": {
-                "nodeName": cluster.name(i),
-                "automountServiceAccountToken": false,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [{
-                    "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                    "command": ["/bin/sh", "-c",
-                        format!("echo {name} > /tmp/index.html && exec httpd -f -p 8080 -h /tmp")],
-                    "ports": [{"containerPort": 8080, "hostPort": HOST_PORT}],
-                }],
-            },
-        }))
+        api.apply(web_pod(
+            name,
+            cluster.name(i),
+            json!({"calix.dev/test": u, "app": u}),
+            Some(HOST_PORT),
+        ))
         .unwrap_or_else(|e| panic!("{e}"));
     }
     let svc = api

@@ -46,11 +46,22 @@ pub fn run_e2e(image: Option<PathBuf>, modes: &str) -> Result<()> {
         .with_context(|| format!("running {}", bin.display()))?;
     println!("[5/5] checking that the run left nothing behind");
     let leaks = crate::test::leftovers()?;
+    let left = match leaks.is_empty() {
+        true => String::new(),
+        false => format!("the e2e run left things behind:\n  {}", leaks.join("\n  ")),
+    };
     if !status.success() {
-        bail!("calix-e2e failed ({status})");
+        bail!(
+            "calix-e2e failed ({status}){}",
+            if left.is_empty() {
+                String::new()
+            } else {
+                format!("; {left}")
+            }
+        );
     }
-    if !leaks.is_empty() {
-        bail!("the e2e run left things behind:\n  {}", leaks.join("\n  "));
+    if !left.is_empty() {
+        bail!("{left}");
     }
     println!(
         "e2e done in {:.0} s (image build included), nothing left behind",
