@@ -150,6 +150,10 @@ pub struct AgentConfig {
     pub socket: PathBuf,
     /// `ebpf` (default) or `kernel`.
     pub dataplane: DataplaneMode,
+    /// How the eBPF dataplane's tc programs attach: `auto` (default: tcx links where the
+    /// kernel has them, 6.6 and later, else cls_bpf filters), `tcx` or `tc` (cls_bpf filters
+    /// on a clsact qdisc).
+    pub tc_attach: crate::dataplane::tcx::TcAttach,
     /// `tracing` filter, e.g. "info" or "calix_agent=debug".
     pub log_level: String,
     /// bpffs directory for the pinned maps and programs (per node below it).
@@ -526,6 +530,7 @@ impl Default for AgentConfig {
             node_name: String::new(),
             socket: PathBuf::from(paths::AGENT_SOCKET),
             dataplane: DataplaneMode::default(),
+            tc_attach: Default::default(),
             log_level: "info".into(),
             bpf_pin_root: PathBuf::from(paths::BPF_PIN_ROOT),
             uplinks: Vec::new(),
@@ -1011,6 +1016,7 @@ mod tests {
             node_name = "node-a"
             socket = "/tmp/a.sock"
             dataplane = "kernel"
+            tc_attach = "tc"
             [datastore]
             type = "embedded"
             path = "/tmp/store.json"
@@ -1025,6 +1031,7 @@ mod tests {
         .expect("parse");
         assert_eq!(c.node_name, "node-a");
         assert_eq!(c.dataplane, DataplaneMode::Kernel);
+        assert_eq!(c.tc_attach, crate::dataplane::tcx::TcAttach::Tc);
         assert_eq!(c.datastore.path, PathBuf::from("/tmp/store.json"));
         assert_eq!(c.pools.len(), 2);
         assert_eq!(c.pools[0].block_size(), 28);
@@ -1037,6 +1044,7 @@ mod tests {
     fn unknown_keys_and_bad_values_are_errors() {
         assert!(AgentConfig::from_toml("nodename = \"x\"").is_err());
         assert!(AgentConfig::from_toml("dataplane = \"xdp\"").is_err());
+        assert!(AgentConfig::from_toml("tc_attach = \"netkit\"").is_err());
         assert!(AgentConfig::from_toml("[[pools]]\ncidr = \"10.0.0.0/33\"").is_err());
     }
 

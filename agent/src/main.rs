@@ -151,6 +151,7 @@ async fn main() -> Result<()> {
         object: flags.bpf_object.clone(),
         xdp: cfg.xdp_settings()?,
         nat: Some(cfg.nat_settings()?),
+        tc_attach: cfg.tc_attach,
     };
     // Before anything is touched: one agent per node (an uninstall while one runs would pull
     // its programs from under it).

@@ -98,6 +98,7 @@ pub fn spawn_reload<F>(
                     c.xdp.mode,
                     c.uplinks.clone(),
                     c.dataplane,
+                    c.tc_attach,
                     c.resync_interval_secs,
                     c.vxlan.clone(),
                     c.routes.clone(),
@@ -105,8 +106,9 @@ pub fn spawn_reload<F>(
             };
             if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
                 tracing::warn!(
-                    "{why}: dataplane, uplinks, xdp.enabled, xdp.mode, resync_interval_secs, \
-                     [routes], [vxlan] and pools' vxlan take effect when the agent restarts"
+                    "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
+                     resync_interval_secs, [routes], [vxlan] and pools' vxlan take effect when \
+                     the agent restarts"
                 );
             }
             match node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {

@@ -3,15 +3,18 @@
 //! cannot convert. Needs root (bpffs, BPF maps and programs).
 mod common;
 
-use aya::maps::{HashMap, Map, MapData, MapInfo};
+use std::net::Ipv4Addr;
+
+use aya::maps::{Array, HashMap, Map, MapData, MapInfo};
 use calix_agent::config::AgentConfig;
 use calix_agent::dataplane::ebpf::{EbpfConfig, EbpfDataplane};
 use calix_agent::dataplane::pins::{CtEntryV1, MapSpec};
-use calix_agent::dataplane::Dataplane;
+use calix_agent::dataplane::{Dataplane, EndpointSpec};
 use calix_common::{
-    layout, CtEntry, CtKey, FlowKey, StackFlow, BPF_MAP_TYPE_HASH, COUNTERS_MAP, CT_DIR_OUT,
-    CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION, NAT_CONFIG_MAP,
-    STACK_FLOWS_MAP,
+    layout, CtEntry, CtKey, EndpointInfo, FlowKey, StackFlow, BPF_MAP_TYPE_HASH, COUNTERS_MAP,
+    CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, ENDPOINTS_MAP, IPPROTO_TCP,
+    LAYOUT_VERSION, NAT_CONFIG_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP,
+    STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use common::*;
 
@@ -70,6 +73,7 @@ fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
         object: None,
         xdp: None,
         nat: Some(agent.nat_settings().expect("default [nat]")),
+        tc_attach: Default::default(),
     }
 }
 
@@ -172,7 +176,7 @@ fn mismatched_pins_are_migrated_or_recreated() {
 }
 
 /// An upgrade across a layout change: the maps of layout 1's directory (`v1/`) are carried
-/// into this layout's (`v2/`); the old directory goes once the agent has reconciled.
+/// into this layout's; the old directory goes once the agent has reconciled.
 #[test]
 fn an_older_layouts_flows_are_carried_into_this_one() {
     in_netns(|| {
@@ -204,5 +208,92 @@ fn an_older_layouts_flows_are_carried_into_this_one() {
         );
         dp.reconcile(&[]).expect("reconcile");
         assert!(!v1_dir.exists(), "layout 1's pins go after the reconcile");
+    });
+}
+
+/// An upgrade from layout 2, whose stack-flow marks are keyed by ifindex, into this layout's
+/// arrays keyed by slot: each endpoint inherits its mark when the agent gives it its slot (a
+/// plain mark; an overflow mark, unless the old agent had cleared it; a mark for a stack flow
+/// naming its address), and a mark the old programs add until they are replaced is written
+/// at the reconcile. Without this, the replies of flows the host stack NATed before the
+/// upgrade would take the fast path and skip the stack's reverse NAT.
+#[test]
+fn layout_2s_marks_follow_their_endpoints_into_their_slots() {
+    in_netns(|| {
+        let pins = PinDir::new();
+        let cfg = config(&pins, "n3", 4096);
+        let v2_dir = cfg.node_dir().join("v2");
+        std::fs::create_dir_all(&v2_dir).expect("v2 dir");
+        let v2 = layout(2).expect("layout 2");
+        for m in v2.maps {
+            MapSpec::from_layout(m)
+                .create_pinned(&v2_dir.join(m.name))
+                .unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        }
+        let names = ["cxtma", "cxtmb", "cxtmc", "cxtmd", "cxtme"];
+        let idx: Vec<u32> = names.iter().map(|n| veth(n)).collect();
+        let old = |name| hash::<u32, u32>(MapData::from_pin(v2_dir.join(name)).expect("pin"));
+        let (mut marks, mut cleared) = (old(STACK_EPS_MAP), old(STACK_CLEARED_MAP));
+        marks.insert(idx[0], 0, 0).expect("a plain mark");
+        marks.insert(idx[1], 17, 0).expect("an overflow mark");
+        marks.insert(idx[2], 20, 0).expect("an overflow mark");
+        cleared
+            .insert(idx[2], 20, 0)
+            .expect("cleared by the old agent");
+        // A flow the stack delivered to the pod behind cxtme (10.244.0.14).
+        let mut flows = hash::<FlowKey, StackFlow>(
+            MapData::from_pin(v2_dir.join(STACK_FLOWS_MAP)).expect("flows pin"),
+        );
+        let mut pod = [0u8; 16];
+        pod[..4].copy_from_slice(&[10, 244, 0, 14]);
+        let flow = FlowKey {
+            pod,
+            proto: IPPROTO_TCP,
+            family: 4,
+            ..FlowKey::default()
+        };
+        flows
+            .insert(flow, StackFlow::default(), 0)
+            .expect("a v2 flow");
+
+        let dir = cfg.pin_dir();
+        let mut dp = EbpfDataplane::load(cfg).expect("the dataplane loads over layout 2");
+        for (i, (name, ifindex)) in names.iter().zip(&idx).enumerate() {
+            let last = 10 + i as u8;
+            let spec = EndpointSpec {
+                key: format!("c{i}/eth0"),
+                host_ifname: name.to_string(),
+                host_ifindex: Some(*ifindex),
+                ipv4: Some(Ipv4Addr::new(10, 244, 0, last)),
+                ipv6: None,
+                mac: Some([2, 0, 0, 0, 0, last]),
+            };
+            dp.attach(&spec).expect("attach");
+        }
+        let endpoints =
+            hash::<u32, EndpointInfo>(MapData::from_pin(dir.join(ENDPOINTS_MAP)).expect("pin"));
+        let array = |name| {
+            Array::<MapData, u32>::try_from(Map::Array(
+                MapData::from_pin(dir.join(name)).expect("pin"),
+            ))
+            .expect("an array")
+        };
+        let (eps, ovf) = (array(STACK_EPS_MAP), array(STACK_OVERFLOW_MAP));
+        let state = |ifindex: u32| {
+            let slot = endpoints.get(&ifindex, 0).expect("registered").slot;
+            (
+                eps.get(&slot, 0).expect("mark"),
+                ovf.get(&slot, 0).expect("overflow"),
+            )
+        };
+        let m = STACK_MARKED;
+        let got: Vec<(u32, u32)> = idx.iter().map(|i| state(*i)).collect();
+        assert_eq!(got, [(m, 0), (m, 17), (m, 0), (0, 0), (m, 0)]);
+        // The old programs mark cxtmd before they are replaced.
+        marks.insert(idx[3], 30, 0).expect("a late overflow mark");
+        let known: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        dp.reconcile(&known).expect("reconcile");
+        assert_eq!(state(idx[3]), (m, 30));
+        assert!(!v2_dir.exists(), "layout 2's pins go after the reconcile");
     });
 }

@@ -22,17 +22,18 @@ use std::os::fd::AsFd;
 use std::time::Duration;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, MapData, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use aya::Ebpf;
 use calix_agent::dataplane::nat::monotonic_ns;
 use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
-    eui64_link_local, DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, FlowKey,
-    LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
+    direct_bucket, eui64_link_local, DirectEndpoint, DropCount, DropKey, DropReason,
+    EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS,
+    COUNTERS_MAP, DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
+    HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP,
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
-    STACK_FLOWS_MAP, TC_PROGRAMS, XDP_PROGRAMS,
+    STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
 use common::*;
 
@@ -82,10 +83,11 @@ fn test_run_ctx(
 
 // ---- Harness: the loaded object, its maps, two registered pods ----
 
-/// A pod as the agent registers it: its host-side veth, addresses and MAC.
+/// A pod as the agent registers it: its host-side veth, its slot, addresses and MAC.
 #[derive(Clone, Copy)]
 struct Pod {
     ifindex: u32,
+    slot: u32,
     v4: [u8; 4],
     v6: [u8; 16],
     mac: [u8; 6],
@@ -95,12 +97,13 @@ struct Harness {
     bpf: Ebpf,
     pins: PinDir,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
+    direct: Array<MapData, DirectEndpoint>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     flows: HashMap<MapData, FlowKey, StackFlow>,
-    stack_eps: HashMap<MapData, u32, u32>,
+    stack_eps: Array<MapData, u32>,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
 }
 
@@ -116,6 +119,7 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
     let mut bpf = load_object_sized(&pins, sizes);
     let mut h = Harness {
         endpoints: map(&mut bpf, ENDPOINTS_MAP),
+        direct: map(&mut bpf, ENDPOINTS_DIRECT_MAP),
         local_v4: map(&mut bpf, LOCAL_V4_MAP),
         local_v6: map(&mut bpf, LOCAL_V6_MAP),
         counters: map(&mut bpf, COUNTERS_MAP),
@@ -126,8 +130,10 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
         bpf,
         pins,
     };
-    let pod = |name, last| Pod {
+    // Slots other than 0 and 1: a program that mixed up slot and ifindex would miss them.
+    let pod = |name, last: u8| Pod {
         ifindex: veth(name),
+        slot: u32::from(last) * 7,
         v4: [10, 244, 0, last],
         v6: v6(last),
         mac: [0x02, 0, 0, 0, 0, last],
@@ -139,27 +145,27 @@ fn setup_sized(sizes: &[(&str, u32)]) -> (Harness, Pod, Pod) {
 }
 
 impl Harness {
-    /// Registers `pod` as the agent does: zeroed counters, addresses, local delivery.
+    /// Registers `pod` as the agent does: a zeroed slot, addresses, local delivery.
     fn register(&mut self, pod: &Pod) {
         let cpus = aya::util::nr_cpus().expect("number of CPUs");
         let zero = vec![EndpointCounters::default(); cpus];
         let zero = PerCpuValues::try_from(zero).expect("per-CPU zeros");
-        self.counters
-            .insert(pod.ifindex, zero, 0)
-            .expect("counters");
+        self.counters.set(pod.slot, zero, 0).expect("counters");
+        self.stack_eps.set(pod.slot, 0, 0).expect("mark");
         let flags = EP_HAS_V4 | EP_HAS_V6;
         let info = EndpointInfo {
             ipv4: pod.v4,
             flags,
             ipv6: pod.v6,
+            slot: pod.slot,
+            _pad: 0,
         };
-        self.endpoints
-            .insert(pod.ifindex, info, 0)
-            .expect("endpoint");
+        self.set_endpoint(pod.ifindex, info);
         let local = LocalEndpoint {
             ifindex: pod.ifindex,
-            _pad: 0,
+            slot: pod.slot,
             mac: pod.mac,
+            _pad: [0; 2],
         };
         self.local_v4.insert(pod.v4, local, 0).expect("local v4");
         self.local_v6.insert(pod.v6, local, 0).expect("local v6");
@@ -239,15 +245,50 @@ impl Harness {
         true
     }
 
-    /// The counters of `ifindex`, summed over the CPUs; the entry must exist.
+    /// Rewrites the endpoint on `ifindex` as the agent does: the table and its bucket.
+    fn set_endpoint(&mut self, ifindex: u32, info: EndpointInfo) {
+        self.endpoints.insert(ifindex, info, 0).expect("endpoint");
+        let d = DirectEndpoint {
+            ifindex,
+            _pad: 0,
+            info,
+        };
+        self.direct
+            .set(direct_bucket(ifindex), d, 0)
+            .expect("bucket");
+    }
+
+    /// The counters of the endpoint on `ifindex` (at the slot its entry names), summed over
+    /// the CPUs; the endpoint must be registered.
     fn counters(&self, ifindex: u32) -> EndpointCounters {
-        // aya 0.13's per-CPU `get` answers a missing key with zeros: check the key first.
-        let present = self.counters.keys().any(|k| k.ok() == Some(ifindex));
-        assert!(present, "no counters entry for ifindex {ifindex}");
+        let slot = self
+            .endpoints
+            .get(&ifindex, 0)
+            .unwrap_or_else(|e| panic!("no endpoint entry for ifindex {ifindex}: {e}"))
+            .slot;
         let mut sum = EndpointCounters::default();
-        let per_cpu = self.counters.get(&ifindex, 0).expect("read counters");
+        let per_cpu = self.counters.get(&slot, 0).expect("read counters");
         per_cpu.iter().for_each(|c| sum.accumulate(c));
         sum
+    }
+
+    /// Whether `pod` is marked as having flows through the stack.
+    fn marked(&self, pod: &Pod) -> bool {
+        self.stack_eps.get(&pod.slot, 0).expect("read the mark") == STACK_MARKED
+    }
+
+    /// Every counter of every slot, summed over the CPUs.
+    fn all_counters(&self) -> Vec<EndpointCounters> {
+        self.counters
+            .iter()
+            .map(|v| {
+                let mut sum = EndpointCounters::default();
+                v.expect("read counters")
+                    .iter()
+                    .for_each(|c| sum.accumulate(c));
+                sum
+            })
+            .collect()
     }
 
     /// Every drop counter, summed over the CPUs.
@@ -382,7 +423,7 @@ fn ipv4_with_options_is_forwarded_and_keyed_on_the_ports_after_them() {
         h.flows
             .insert(key, StackFlow::default(), 0)
             .expect("insert a flow");
-        h.stack_eps.insert(a.ifindex, 0, 0).expect("mark A");
+        h.stack_eps.set(a.slot, STACK_MARKED, 0).expect("mark A");
         h.passes(PROG_FROM_POD, a.ifindex, &sent);
     });
 }
@@ -473,7 +514,7 @@ fn ipv6_from_a_pod() {
         // A pod without an IPv6 address sends none (but for neighbour discovery).
         let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
         v4_only.flags = EP_HAS_V4;
-        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.set_endpoint(a.ifindex, v4_only);
         h.drops_as(a.ifindex, &sent, DropReason::FamilyNotAssigned);
     });
 }
@@ -540,8 +581,62 @@ fn unknown_interfaces_are_not_judged() {
             h.passes(PROG_FROM_POD, unknown, &sent);
         }
         assert!(h.all_drops().is_empty(), "no drop counted");
-        let created = h.counters.keys().any(|k| k.ok() == Some(unknown));
-        assert!(!created, "no counters entry created");
+        let counted = h
+            .all_counters()
+            .into_iter()
+            .any(|c| c != EndpointCounters::default());
+        assert!(!counted, "nothing counted");
+    });
+}
+
+/// The programs find an endpoint in its direct-mapped bucket when the bucket holds it, and in
+/// the endpoint table otherwise: a bucket that holds another interface (one whose ifindex
+/// shares it) is never taken for this one's, and a free bucket falls back to the table.
+#[test]
+fn an_endpoint_is_found_in_its_bucket_or_else_in_the_table() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let ip = Ip4::new(b.v4, a.v4, UDP, udp(1, 53));
+        let spoofed = Ip4::new([10, 244, 0, 99], a.v4, UDP, udp(1, 53)).sent_by(&b);
+        // B's bucket holds another interface, allowed to send from 10.244.0.99.
+        let other = DirectEndpoint {
+            ifindex: b.ifindex + MAX_ENDPOINTS,
+            _pad: 0,
+            info: EndpointInfo {
+                ipv4: [10, 244, 0, 99],
+                flags: EP_HAS_V4,
+                slot: a.slot,
+                ..EndpointInfo::default()
+            },
+        };
+        h.direct
+            .set(direct_bucket(b.ifindex), other, 0)
+            .expect("bucket");
+        h.redirects(
+            PROG_FROM_POD,
+            b.ifindex,
+            &ip.sent_by(&b),
+            &ip.delivered_to(&a),
+        );
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        assert_eq!(h.counters(b.ifindex).from_pod_packets, 2, "B's own slot");
+        // A free bucket: the table.
+        h.direct
+            .set(direct_bucket(b.ifindex), DirectEndpoint::default(), 0)
+            .expect("bucket");
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        // The bucket alone (the table lost B): still B's addresses.
+        h.register(&b);
+        h.endpoints
+            .remove(&b.ifindex)
+            .expect("remove from the table");
+        h.drops_as(b.ifindex, &spoofed, DropReason::SpoofedV4);
+        h.redirects(
+            PROG_FROM_POD,
+            b.ifindex,
+            &ip.sent_by(&b),
+            &ip.delivered_to(&a),
+        );
     });
 }
 
@@ -559,12 +654,8 @@ fn replies_of_flows_the_stack_delivered_go_back_through_it() {
         assert_eq!(h.counters(a.ifindex).to_pod_bytes, syn.len() as u64);
         let keys: Vec<FlowKey> = h.flows.keys().map(|k| k.expect("flow key")).collect();
         assert_eq!(keys, [flow_v4(a.v4, b.v4, 8080, 40000, TCP)]);
-        let marked: Vec<u32> = h.stack_eps.keys().map(|k| k.expect("ifindex")).collect();
-        assert_eq!(
-            marked,
-            [a.ifindex],
-            "A marked as having a flow through the stack"
-        );
+        assert!(h.marked(&a), "A marked as having a flow through the stack");
+        assert!(!h.marked(&b));
 
         // What the node itself sends (no input interface) is not recorded: its replies go to
         // the node, never the fast path.
@@ -585,10 +676,7 @@ fn replies_of_flows_the_stack_delivered_go_back_through_it() {
             1,
             "the node's own packet recorded no flow"
         );
-        assert!(
-            h.stack_eps.get(&b.ifindex, 0).is_err(),
-            "B not marked by the node's own packet"
-        );
+        assert!(!h.marked(&b), "B not marked by the node's own packet");
 
         // A's reply goes back through the stack (which undoes its NAT)...
         let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 40000));
@@ -1234,7 +1322,7 @@ fn link_local_and_unspecified_sources_may_only_do_neighbour_discovery() {
         // and nothing else.
         let mut v4_only = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
         v4_only.flags = EP_HAS_V4;
-        h.endpoints.insert(a.ifindex, v4_only, 0).expect("endpoint");
+        h.set_endpoint(a.ifindex, v4_only);
         h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[4]));
         h.passes(PROG_FROM_POD, a.ifindex, &from_a(&kernel_sends[6]));
         h.drops_as(

@@ -159,13 +159,16 @@ fn setup_budget(port_max: u16, ct_entries: u32, budget: u32) -> Snat {
         ipv4: POD,
         flags: EP_HAS_V4 | EP_NAT_OUTGOING,
         ipv6: [0; 16],
+        slot: 3,
+        _pad: 0,
     };
     endpoints.insert(pod_if, info, 0).expect("endpoint");
     let mut local: HashMap<MapData, [u8; 4], LocalEndpoint> = map(&mut bpf, LOCAL_V4_MAP);
     let le = LocalEndpoint {
         ifindex: pod_if,
-        _pad: 0,
+        slot: 3,
         mac: POD_MAC,
+        _pad: [0; 2],
     };
     local.insert(POD, le, 0).expect("local");
     let mut no_snat: LpmTrie<MapData, [u8; 4], u32> = map(&mut bpf, NO_SNAT_V4_MAP);
@@ -261,12 +264,15 @@ fn add_pod_b(h: &mut Snat) -> u32 {
         ipv4: POD_B,
         flags: EP_HAS_V4 | EP_NAT_OUTGOING,
         ipv6: [0; 16],
+        slot: 4,
+        _pad: 0,
     };
     h.endpoints.insert(b_if, info, 0).expect("endpoint b");
     let le = LocalEndpoint {
         ifindex: b_if,
-        _pad: 0,
+        slot: 4,
         mac: POD_MAC,
+        _pad: [0; 2],
     };
     h.local.insert(POD_B, le, 0).expect("local b");
     b_if

@@ -36,7 +36,7 @@ mod tmpfs;
 pub mod traffic;
 
 pub use agent::{Agent, AgentSpec, Dataplane, RootAgent};
-pub use bpf::{bpf_map_u32_keys, bpf_maps_of};
+pub use bpf::{bpf_map_dump, bpf_map_u32_keys, bpf_maps_of};
 pub use cluster::{Cluster, SUBNETS};
 pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
 pub use error::{Error, Result};

@@ -249,15 +249,71 @@ impl Node {
             .unwrap_or_else(|e| panic!("calixctl bpf counters: {e}"))
     }
 
-    /// The id of the BPF program calix's tc filter runs on `iface` in direction `dir`
-    /// (`ingress` or `egress`); `None` when there is no such filter.
+    /// Where this node's agent pinned its program `name` (`<pin root>/<node>/v<layout>/progs/`,
+    /// the newest layout directory that has it); `None` before the agent loaded it.
+    pub fn prog_pin(&self, name: &str) -> Option<PathBuf> {
+        let node_dir = self.pin_root().join(&self.agent.name);
+        let mut pins: Vec<(u32, PathBuf)> = std::fs::read_dir(&node_dir)
+            .ok()?
+            .flatten()
+            .filter_map(|e| {
+                let v = e.file_name().to_str()?.strip_prefix('v')?.parse().ok()?;
+                let pin = e.path().join("progs").join(name);
+                pin.exists().then_some((v, pin))
+            })
+            .collect();
+        pins.sort();
+        pins.pop().map(|(_, p)| p)
+    }
+
+    /// The id of the BPF program calix runs on `iface` in direction `dir` (`ingress` or
+    /// `egress`): the first tcx program there, else the program of a tc filter; `None` when
+    /// there is neither.
     pub fn filter_prog(&self, iface: &str, dir: &str) -> Option<String> {
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        if let Some((prog, _)) = tcx.ok().and_then(|a| a.first().copied()) {
+            return Some(prog.to_string());
+        }
         let out = self.ns.exec(&["tc", "filter", "show", "dev", iface, dir]);
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         text.split_whitespace()
             .skip_while(|w| *w != "id")
             .nth(1)
             .map(String::from)
+    }
+
+    /// The id of the program on `iface`'s tcx hook in direction `dir` (calix's once the agent
+    /// moved it there from its first cls_bpf filter); `None` without one.
+    pub fn tcx_prog(&self, iface: &str, dir: &str) -> Option<String> {
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        tcx.ok()
+            .and_then(|a| a.first().copied())
+            .map(|(prog, _)| prog.to_string())
+    }
+
+    /// Takes calix's program off `iface` in direction `dir` the way an operator could: detaches
+    /// its tcx link (`bpftool link detach`), or deletes its tc filter.
+    pub fn detach_prog(&self, iface: &str, dir: &str) {
+        let (i, d) = (iface.to_string(), dir.to_string());
+        let tcx = self.ns.run(move || crate::bpf::tcx_attachments(&i, &d));
+        match tcx.ok().and_then(|a| a.first().copied()) {
+            Some((_, link)) => {
+                let out = std::process::Command::new("bpftool")
+                    .args(["link", "detach", "id", &link.to_string()])
+                    .output()
+                    .expect("bpftool");
+                assert!(
+                    out.status.success(),
+                    "bpftool link detach id {link}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            None => {
+                self.ns.exec_ok(&["tc", "filter", "del", "dev", iface, dir]);
+            }
+        }
     }
 
     /// Wires the node's uplink ([`crate::uplink`]): veth `uplink`, addressed `node_cidr`,

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use calix_testbed::{bpf_maps_of, Dataplane, Guarded, Node, Pod};
+use calix_testbed::{bpf_map_dump, bpf_maps_of, Dataplane, Guarded, Node, Pod};
 use serde_json::Value;
 
 /// `nstat -az IpForwDatagrams` inside `node`: packets the node's IP stack forwarded.
@@ -264,15 +264,18 @@ fn churn_of_1000_pods_leaves_nothing_behind() {
         Some(0),
         "endpoints left"
     );
-    for m in [
-        "CALIX_COUNTERS",
-        "CALIX_ENDPOINTS",
-        "CALIX_LOCAL_V4",
-        "CALIX_LOCAL_V6",
-        "CALIX_STACK_EPS",
-    ] {
+    for m in ["CALIX_ENDPOINTS", "CALIX_LOCAL_V4", "CALIX_LOCAL_V6"] {
         assert_eq!(map_entries(pid, m), 0, "{m} has entries left");
     }
+    // The direct-mapped buckets are free again, and every slot is back (the per-endpoint
+    // arrays are indexed by it): the next endpoint gets the lowest, 0.
+    let held: Vec<Vec<u8>> = bpf_maps_of(pid, "CALIX_EP_DIRECT")
+        .into_iter()
+        .flat_map(bpf_map_dump)
+        .map(|(_, v)| v)
+        .filter(|v| v[..4] != [0; 4])
+        .collect();
+    assert!(held.is_empty(), "buckets still held: {held:?}");
     let pins: HashSet<String> = walk(&node.pin_root());
     assert!(
         pins.iter().all(|p| !p.contains("cali")),
@@ -285,6 +288,43 @@ fn churn_of_1000_pods_leaves_nothing_behind() {
         rss1 <= rss0 + 8 * 1024,
         "agent RSS grew from {rss0} kB to {rss1} kB over 1000 pods"
     );
+    let next = Pod::add(&node, "after");
+    assert_eq!(slot_of(&node, &next.host_ifname()), 0, "slots left taken");
+}
+
+/// The ifindex of `name` in `node`'s namespace.
+fn ifindex_of(node: &Node, name: &str) -> u32 {
+    let out = node
+        .ns
+        .exec_ok(&["cat", &format!("/sys/class/net/{name}/ifindex")]);
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("ifindex")
+}
+
+/// The slot of the endpoint on `host_if`, from the agent's endpoint table (`EndpointInfo`:
+/// the slot after the addresses and flags, at byte 24).
+fn slot_of(node: &Node, host_if: &str) -> u32 {
+    let key = ifindex_of(node, host_if).to_le_bytes();
+    let pid = node.agent_pid().expect("agent pid");
+    bpf_maps_of(pid, "CALIX_ENDPOINTS")
+        .into_iter()
+        .flat_map(bpf_map_dump)
+        .find(|(k, _)| k[..] == key)
+        .map(|(_, v)| u32::from_le_bytes(v[24..28].try_into().expect("4 bytes")))
+        .unwrap_or_else(|| panic!("{host_if} not in the endpoint table"))
+}
+
+/// Whether the endpoint on `host_if` is marked as having flows through the host stack
+/// (`CALIX_STACK_EPS` at its slot).
+fn stack_marked(node: &Node, host_if: &str) -> bool {
+    let key = slot_of(node, host_if).to_le_bytes();
+    let pid = node.agent_pid().expect("agent pid");
+    bpf_maps_of(pid, "CALIX_STACK_EPS")
+        .into_iter()
+        .flat_map(bpf_map_dump)
+        .any(|(k, v)| k[..] == key && v[..] != [0; 4])
 }
 
 fn walk(dir: &std::path::Path) -> HashSet<String> {
@@ -308,26 +348,10 @@ fn walk(dir: &std::path::Path) -> HashSet<String> {
 fn a_restarted_agent_marks_endpoints_with_stack_flows() {
     let node = Node::start(Dataplane::Ebpf);
     let a = Pod::add(&node, "marks-a");
-    let _b = Pod::add(&node, "marks-b");
-    let ifindex = |name: &str| -> u32 {
-        let out = node
-            .ns
-            .exec_ok(&["cat", &format!("/sys/class/net/{name}/ifindex")]);
-        String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .expect("ifindex")
-    };
-    let a_index = ifindex(&a.host_ifname());
-    let pid = node.agent_pid().expect("agent pid");
-    let marks = |pid: u32| -> Vec<u32> {
-        bpf_maps_of(pid, "CALIX_STACK_EPS")
-            .into_iter()
-            .flat_map(calix_testbed::bpf_map_u32_keys)
-            .collect()
-    };
+    let b = Pod::add(&node, "marks-b");
+    let (a_if, b_if) = (a.host_ifname(), b.host_ifname());
     assert!(
-        marks(pid).is_empty(),
+        !stack_marked(&node, &a_if) && !stack_marked(&node, &b_if),
         "no endpoint marked before any stack flow"
     );
     // A flow of A's as an older build would have left it: in the table, A not marked.
@@ -372,10 +396,103 @@ fn a_restarted_agent_marks_endpoints_with_stack_flows() {
 
     node.kill_agent();
     node.start_agent();
-    let pid = node.agent_pid().expect("agent pid after restart");
-    assert_eq!(
-        marks(pid),
-        [a_index],
+    assert!(
+        stack_marked(&node, &a_if) && !stack_marked(&node, &b_if),
         "A marked by the restarted agent, B not"
     );
+}
+
+/// Whether a cls_bpf filter runs on `iface` in `dir` (tcx programs are not tc filters).
+fn has_tc_filter(node: &Node, iface: &str, dir: &str) -> bool {
+    let out = node
+        .ns
+        .exec_ok(&["tc", "filter", "show", "dev", iface, dir]);
+    String::from_utf8_lossy(&out.stdout).contains("bpf")
+}
+
+/// The pinned tcx links of `node`'s agent.
+fn tcx_pins(node: &Node) -> Vec<String> {
+    let dir = node.pin_root().join(&node.ns.name).join("tcx");
+    let mut pins: Vec<String> = std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    pins.sort();
+    pins
+}
+
+/// Waits up to 5 s for `done`.
+fn within_5s(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done() {
+        assert!(Instant::now() < deadline, "not within 5 s: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A new pod's hooks get cls_bpf filters at once (ADD does not wait for a tcx link: creating
+/// one waits for an RCU grace period) and are moved to tcx links in the background; an
+/// upgrade from a build that attached filters only (`tc_attach = "tc"` stands in for it)
+/// moves every interface the same way, and `tc` moves them back. The new attachment runs
+/// before the old one goes, and pod traffic keeps its fast path throughout.
+#[test]
+fn interfaces_move_between_cls_bpf_filters_and_tcx_links() {
+    let node = Node::create(Dataplane::Ebpf, None);
+    let tc = node.dir.join("tc.toml");
+    std::fs::write(&tc, "tc_attach = \"tc\"\n").expect("write the config");
+    let with_tc = ["--config", tc.to_str().expect("a UTF-8 path")];
+    node.start_agent_with(&with_tc);
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    let a_if = a.host_ifname();
+    assert!(has_tc_filter(&node, &a_if, "ingress") && has_tc_filter(&node, &a_if, "egress"));
+    assert!(tcx_pins(&node).is_empty(), "{:?}", tcx_pins(&node));
+    node.stop_agent();
+    node.start_agent();
+    let mut want = Vec::new();
+    for p in [&a, &b] {
+        for dir in ["egress", "ingress"] {
+            want.push(format!("{}@{dir}", p.host_ifname()));
+        }
+    }
+    want.sort();
+    within_5s("every hook on its tcx link", || tcx_pins(&node) == want);
+    within_5s("the filters gone", || {
+        [&a, &b].iter().all(|p| {
+            ["ingress", "egress"]
+                .iter()
+                .all(|d| !has_tc_filter(&node, &p.host_ifname(), d))
+        })
+    });
+    let before = forwarded(&node);
+    assert!(a.ns.ping(&b.ip(), 2));
+    assert_eq!(forwarded(&node) - before, 0, "not bypassing on tcx");
+    // A new pod: its hooks move too.
+    let c = Pod::add(&node, "c");
+    let c_if = c.host_ifname();
+    within_5s("the new pod's hooks on tcx links", || {
+        node.tcx_prog(&c_if, "ingress").is_some()
+            && node.tcx_prog(&c_if, "egress").is_some()
+            && !has_tc_filter(&node, &c_if, "ingress")
+            && !has_tc_filter(&node, &c_if, "egress")
+    });
+    // What the benches read of a node's programs (the crossnode bench's BPF run times) lists
+    // tcx hooks too: Debian's bpftool (7.1) leaves them out of `bpftool net show`.
+    let seen = calix_testbed::bpf::attached(&node.ns).expect("the node's programs");
+    for (hook, prog) in [("ingress", "from_pod"), ("egress", "to_pod")] {
+        assert!(
+            seen.iter()
+                .any(|p| p.dev == c_if && p.hook == hook && p.name == prog),
+            "{prog} at {c_if}/{hook} not among {seen:?}"
+        );
+    }
+    assert!(c.ns.ping(&a.ip(), 2));
+    node.stop_agent();
+    node.start_agent_with(&with_tc);
+    assert!(tcx_pins(&node).is_empty(), "{:?}", tcx_pins(&node));
+    assert!(has_tc_filter(&node, &a_if, "ingress"));
+    assert!(a.ns.ping(&b.ip(), 2));
 }

@@ -85,16 +85,16 @@ fn two_pods_talk(dp: Dataplane) {
         );
     }
 
-    // The map holds one entry per endpoint, keyed by the host ifindex.
+    // The endpoint table holds one entry per endpoint, keyed by the host ifindex.
     let maps = node
         .agent_pid()
-        .map(|pid| bpf_maps_of(pid, "CALIX_COUNTERS"))
+        .map(|pid| bpf_maps_of(pid, "CALIX_ENDPOINTS"))
         .unwrap_or_default();
     if dp == Dataplane::Ebpf {
         assert_eq!(
             maps.len(),
             1,
-            "the agent should hold exactly one counters map"
+            "the agent should hold exactly one endpoint table"
         );
         assert_eq!(bpf_map_u32_keys(maps[0]).len(), 2);
     } else {
@@ -108,7 +108,7 @@ fn two_pods_talk(dp: Dataplane) {
     if dp == Dataplane::Ebpf {
         assert!(
             bpf_map_u32_keys(maps[0]).is_empty(),
-            "counters entries left after DEL"
+            "endpoint entries left after DEL"
         );
     }
     assert!(
@@ -356,13 +356,14 @@ fn agent_sigterm_is_clean_and_restart_reprograms_endpoints() {
     );
     // With the agent gone its programs stay attached (and its maps pinned): traffic keeps
     // flowing, still by eBPF.
-    let filters = node
+    let prog = node
+        .filter_prog(&a.host_ifname(), "ingress")
+        .expect("programs detached at SIGTERM");
+    let show = node
         .ns
-        .exec_ok(&["tc", "filter", "show", "dev", &a.host_ifname(), "ingress"]);
-    assert!(
-        String::from_utf8_lossy(&filters.stdout).contains("from_pod"),
-        "programs detached at SIGTERM"
-    );
+        .exec_ok(&["bpftool", "-j", "prog", "show", "id", &prog]);
+    let info: serde_json::Value = serde_json::from_slice(&show.stdout).expect("bpftool json");
+    assert_eq!(info["name"], "from_pod", "{info}");
     assert!(a.ns.ping(&b.ip(), 1));
     // A new agent reads its datastore and programs the recorded endpoints again.
     node.start_agent();

@@ -1,12 +1,14 @@
 //! The agent converges and repairs (issue 12): with `resync_interval_secs = 2`, what is
-//! sabotaged on a node — a pod's host route, its proxy_arp, its tc filter, its endpoint map
-//! entry, the node's forwarding, kernel mode's nftables table — is put back within 10 s,
+//! sabotaged on a node — a pod's host route, its proxy_arp, its tc program (a tcx link, or a
+//! cls_bpf filter with `tc_attach = "tc"`), its endpoint map entry, the node's forwarding,
+//! kernel mode's nftables table — is put back within 10 s,
 //! counted in `calix_repairs_total{kind}`, and traffic recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
 //! missing for a while is programmed once it is back; an idle node makes no netlink writes.
 //! Run as root, in both dataplane modes.
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use calix_common::{direct_bucket, DirectEndpoint};
 use calix_testbed::{bpf_maps_of, Dataplane, Node, Pod};
 use serde_json::Value;
 
@@ -54,8 +56,38 @@ fn sysctl(node: &Node, path: &str) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
-fn sabotage(dp: Dataplane) {
-    let node = Node::start_with_config(dp, Some(CONFIG));
+/// Hex bytes for `bpftool ... hex`.
+fn hex(bytes: &[u8]) -> Vec<String> {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// `bpftool map <op> id <map> key hex <key> [value hex <value>]`, which must succeed.
+fn bpftool_map(op: &str, map: u64, key: &[u8], value: Option<&[u8]>) {
+    let id = map.to_string();
+    let mut args: Vec<String> = ["map", op, "id", &id, "key", "hex"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(hex(key));
+    if let Some(v) = value {
+        args.extend(["value".into(), "hex".into()]);
+        args.extend(hex(v));
+    }
+    let out = Command::new("bpftool")
+        .args(&args)
+        .output()
+        .expect("bpftool");
+    assert!(
+        out.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `config_extra` is appended to the agent's config (e.g. `tc_attach`).
+fn sabotage(dp: Dataplane, config_extra: &str) {
+    let config = format!("{config_extra}\n{CONFIG}");
+    let node = Node::start_with_config(dp, Some(&config));
     let a = Pod::add(&node, "a");
     let b = Pod::add(&node, "b");
     let (b_if, b_ip) = (b.host_ifname(), b.ip());
@@ -82,41 +114,33 @@ fn sabotage(dp: Dataplane) {
     assert!(repairs(&node, "sysctl") >= 1);
 
     if dp == Dataplane::Ebpf {
-        // The tc filter: anti-spoofing and the fast path are gone until it is back.
-        node.ns
-            .exec_ok(&["tc", "filter", "del", "dev", &b_if, "ingress"]);
+        // The tc program: anti-spoofing and the fast path are gone until it is back. (With
+        // tcx, once the agent has moved it from its first filter to its link.)
+        if config_extra.is_empty() {
+            within_10s("the program on its tcx link", &node, || {
+                node.tcx_prog(&b_if, "ingress").is_some()
+            });
+        }
+        node.detach_prog(&b_if, "ingress");
         assert_eq!(node.filter_prog(&b_if, "ingress"), None);
-        within_10s("the tc filter", &node, || {
+        within_10s("the tc program", &node, || {
             node.filter_prog(&b_if, "ingress").is_some()
         });
         assert!(repairs(&node, "tc_filter") >= 1);
         assert!(b.ns.ping(&a.ip(), 2), "traffic recovered");
 
-        // The endpoint map entry: b's packets would pass unjudged without it.
+        // The endpoint's entries, in the table and its direct-mapped bucket: b's packets
+        // would pass unjudged without them.
         let ifindex = endpoint(&node, &b_if).expect("b listed")["hostIfindex"]
             .as_u64()
             .expect("ifindex") as u32;
-        let map = bpf_maps_of(node.agent_pid().expect("pid"), "CALIX_ENDPOINTS")[0];
-        let key: Vec<String> = ifindex
-            .to_le_bytes()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        let mut args = vec!["map", "delete", "id"];
-        let id = map.to_string();
-        args.push(&id);
-        args.push("key");
-        args.push("hex");
-        args.extend(key.iter().map(String::as_str));
-        let out = Command::new("bpftool")
-            .args(&args)
-            .output()
-            .expect("bpftool");
-        assert!(
-            out.status.success(),
-            "bpftool {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let pid = node.agent_pid().expect("pid");
+        let table = bpf_maps_of(pid, "CALIX_ENDPOINTS")[0];
+        let direct = bpf_maps_of(pid, "CALIX_EP_DIRECT")[0];
+        bpftool_map("delete", table, &ifindex.to_le_bytes(), None);
+        let free = [0u8; std::mem::size_of::<DirectEndpoint>()];
+        let bucket = direct_bucket(ifindex).to_le_bytes();
+        bpftool_map("update", direct, &bucket, Some(&free));
         within_10s("the endpoint map entry", &node, || {
             repairs(&node, "endpoint_map") >= 1
         });
@@ -176,12 +200,17 @@ fn sabotage(dp: Dataplane) {
 
 #[test]
 fn sabotage_is_repaired_in_ebpf_mode() {
-    sabotage(Dataplane::Ebpf);
+    sabotage(Dataplane::Ebpf, "");
+}
+
+#[test]
+fn sabotage_is_repaired_in_ebpf_mode_with_cls_bpf_filters() {
+    sabotage(Dataplane::Ebpf, "tc_attach = \"tc\"");
 }
 
 #[test]
 fn sabotage_is_repaired_in_kernel_mode() {
-    sabotage(Dataplane::Kernel);
+    sabotage(Dataplane::Kernel, "");
 }
 
 #[test]

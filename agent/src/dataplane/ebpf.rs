@@ -1,8 +1,8 @@
 //! The eBPF dataplane. Maps live pinned under `<pin root>/<node>/v<layout>/` and the programs
-//! under `.../progs/`, and filters stay attached when the agent exits: an agent restart (or a
-//! crash) never interrupts traffic. A new agent reuses the pinned maps and replaces each
-//! filter's program in place (same priority and handle: one atomic netlink replace), so an
-//! upgrade with a changed program never leaves an interface without one. A changed map layout
+//! under `.../progs/`, and the tc attachments (pinned tcx links, or cls_bpf filters: `tcx.rs`)
+//! stay when the agent exits: an agent restart (or a crash) never interrupts traffic. A new
+//! agent reuses the pinned maps and replaces each attachment's program in place (one atomic
+//! update), so an upgrade with a changed program never leaves an interface without one. A changed map layout
 //! gets a new version directory; the old one is removed once every interface runs the new
 //! programs ([`Dataplane::reconcile`]). With `[xdp]` enabled, the uplinks also run the XDP
 //! prefilter (`xdp.rs`: pinned links, replaced in place the same way).
@@ -11,24 +11,26 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{HashMap, MapData, MapError, PerCpuHashMap, PerCpuValues};
-use aya::programs::links::Link;
-use aya::programs::tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcAttachType, TcError};
+use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
+use aya::programs::tc::TcAttachType;
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow,
-    ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP,
-    EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
-    PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP,
-    STACK_EPS_MAP, STACK_FLOWS_MAP,
+    direct_bucket, DirectEndpoint, DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey,
+    LocalEndpoint, StackFlow, ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP,
+    DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION,
+    LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV,
+    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP, STACK_EPS_MAP,
+    STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use ipnet::IpNet;
 
-use super::bpf::{map_err, pin_err, prog_err, take};
+use super::bpf::{map_err, open_hash, open_per_cpu_array, pin_err, prog_err, take};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
+use super::slots::Slots;
+use super::tcx::{self, Attacher, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
@@ -38,10 +40,6 @@ use calix_kernel::host::HostKernel;
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
-
-/// tc priority and handle of every calix filter: fixed, so a new agent can replace them.
-pub const TC_PRIORITY: u16 = 1;
-pub const TC_HANDLE: u32 = 0xca11;
 
 /// Where and on what the dataplane works.
 #[derive(Debug, Clone)]
@@ -58,6 +56,8 @@ pub struct EbpfConfig {
     pub xdp: Option<XdpSettings>,
     /// SNAT for `natOutgoing` pools (`None`: the maps keep their defaults, SNAT is off).
     pub nat: Option<NatSettings>,
+    /// How the tc programs attach.
+    pub tc_attach: TcAttach,
 }
 
 impl EbpfConfig {
@@ -69,6 +69,11 @@ impl EbpfConfig {
     /// The pin directory of the current map layout.
     pub fn pin_dir(&self) -> PathBuf {
         self.node_dir().join(format!("v{LAYOUT_VERSION}"))
+    }
+
+    /// Where the tcx links are pinned (outside the layout directory, as the XDP links).
+    pub fn tcx_links_dir(&self) -> PathBuf {
+        tcx::links_dir(&self.node_dir())
     }
 
     /// Where the uplinks' XDP links are pinned (outside the layout directory: a build with
@@ -88,40 +93,42 @@ struct Programmed {
     ipv6: Option<Ipv6Addr>,
 }
 
-/// The counters and drops maps, opened from their pins: [`DataplaneStats`] for readers that
-/// must not wait for (or hold up) the dataplane.
+/// The counters and drops maps (and the endpoints, for their slots), opened from their pins:
+/// [`DataplaneStats`] for readers that must not wait for (or hold up) the dataplane.
 pub struct EbpfStats {
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
 }
 
 impl EbpfStats {
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
-        let open = |name: &'static str| {
-            let path = pin_dir.join(name);
-            MapData::from_pin(&path)
-                .map(aya::maps::Map::PerCpuHashMap)
-                .map_err(map_err(name, "open pin"))
-        };
+        let path = pin_dir.join(DROPS_MAP);
+        let drops = MapData::from_pin(&path)
+            .map(aya::maps::Map::PerCpuHashMap)
+            .map_err(map_err(DROPS_MAP, "open pin"))?;
         Ok(Self {
-            counters: PerCpuHashMap::try_from(open(COUNTERS_MAP)?)
-                .map_err(map_err(COUNTERS_MAP, "open"))?,
-            drops: PerCpuHashMap::try_from(open(DROPS_MAP)?).map_err(map_err(DROPS_MAP, "open"))?,
+            endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
+            counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
+            drops: PerCpuHashMap::try_from(drops).map_err(map_err(DROPS_MAP, "open"))?,
         })
     }
 }
 
 impl DataplaneStats for EbpfStats {
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
-        match self.counters.get(&ifindex, 0) {
-            Ok(per_cpu) => {
-                let mut sum = EndpointCounters::default();
-                per_cpu.iter().for_each(|c| sum.accumulate(c));
-                Ok(Some(sum))
-            }
-            Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err(COUNTERS_MAP, "lookup")(e)),
-        }
+        let slot = match self.endpoints.get(&ifindex, 0) {
+            Ok(info) => info.slot,
+            Err(MapError::KeyNotFound) => return Ok(None),
+            Err(e) => return Err(map_err(ENDPOINTS_MAP, "lookup")(e)),
+        };
+        let per_cpu = self
+            .counters
+            .get(&slot, 0)
+            .map_err(map_err(COUNTERS_MAP, "lookup"))?;
+        let mut sum = EndpointCounters::default();
+        per_cpu.iter().for_each(|c| sum.accumulate(c));
+        Ok(Some(sum))
     }
 
     fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
@@ -140,12 +147,21 @@ impl DataplaneStats for EbpfStats {
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
     bpf: Ebpf,
-    counters: PerCpuHashMap<MapData, u32, EndpointCounters>,
+    /// By slot.
+    counters: PerCpuArray<MapData, EndpointCounters>,
+    /// The endpoint table, and its direct-mapped copy the programs look in first
+    /// ([`Self::write_endpoint`]).
     endpoints: HashMap<MapData, u32, EndpointInfo>,
-    /// Endpoints the programs marked as having flows through the host stack.
-    stack_eps: HashMap<MapData, u32, u32>,
-    /// Per-endpoint entries the agent removes with the endpoint: cleared overflow marks,
-    /// the conntrack budget's counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
+    direct: Array<MapData, DirectEndpoint>,
+    /// The stack-flow marks by slot (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`,
+    /// `STACK_CLEARED_MAP`), zeroed with the counters when a slot is handed out.
+    stack_marks: [Array<MapData, u32>; 3],
+    /// Which slot each endpoint (host veth ifindex) has, as the endpoint map says.
+    slots: Slots,
+    /// Until the initial sync is over: the marks an endpoint inherits when it gets its slot.
+    inherited: Option<Inherited>,
+    /// Per-endpoint entries the agent removes with the endpoint: the conntrack budget's
+    /// counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
     per_endpoint: Vec<HashMap<MapData, u32, u32>>,
     local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
     local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
@@ -153,9 +169,6 @@ pub struct EbpfDataplane {
     pools_v6: LpmTrie<MapData, [u8; 16], u32>,
     /// Endpoint key ("containerID/ifname") → what was programmed for it.
     programmed: StdHashMap<String, Programmed>,
-    /// Keys of `counters`. aya 0.13's per-CPU `get` answers a missing key with zeros instead
-    /// of `KeyNotFound`, so presence is tracked here (read from the map at load).
-    counter_keys: std::collections::HashSet<u32>,
     pools: Vec<IpNet>,
     /// The XDP prefilter's maps while it runs (SIGHUP updates them).
     xdp: Option<XdpFilter>,
@@ -168,10 +181,48 @@ pub struct EbpfDataplane {
     endpoint_prog_ids: (u32, u32),
     /// The ids of the loaded `from_host_dev` and `to_host_dev` (uplinks, VXLAN devices).
     host_dev_prog_ids: (u32, u32),
+    /// tcx links or cls_bpf filters, for this kernel.
+    attacher: Attacher,
     /// The host stack's masquerade (from the start or the last reload), and its table as the
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
     tables: Vec<super::nft::OwnedTable>,
+}
+
+/// What an endpoint programmed during the initial sync inherits: the stack-flow marks of an
+/// older layout (by ifindex, into a new slot), and a mark when a flow in the stack-flow table
+/// names one of its addresses (flows recorded by a build from before the marks, or carried
+/// from an older layout): the fast path must check those flows.
+struct Inherited {
+    marks: pins::OldMarks,
+    flow_addrs: std::collections::HashSet<[u8; 16]>,
+}
+
+impl Inherited {
+    fn read(marks: pins::OldMarks, flows: &HashMap<MapData, FlowKey, StackFlow>) -> Self {
+        Self {
+            marks,
+            flow_addrs: flows.keys().filter_map(Result::ok).map(|k| k.pod).collect(),
+        }
+    }
+
+    /// (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`) values for the endpoint `ep` on `ifindex`.
+    fn for_endpoint(&self, ifindex: u32, ep: &EndpointSpec) -> (u32, u32) {
+        let old = self.marks.get(ifindex);
+        let mut v4 = [0u8; 16];
+        let named = ep.ipv4.is_some_and(|a| {
+            v4[..4].copy_from_slice(&a.octets());
+            self.flow_addrs.contains(&v4)
+        }) || ep
+            .ipv6
+            .is_some_and(|a| self.flow_addrs.contains(&a.octets()));
+        let marked = if old.is_some() || named {
+            STACK_MARKED
+        } else {
+            0
+        };
+        (marked, old.unwrap_or(0))
+    }
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -295,12 +346,45 @@ impl EbpfDataplane {
             prog_id(&mut bpf, PROG_FROM_HOST_DEV)?,
             prog_id(&mut bpf, PROG_TO_HOST_DEV)?,
         );
+        let mut endpoints: HashMap<MapData, u32, EndpointInfo> =
+            take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?;
+        // The slots as the pinned endpoint map has them (an agent restart keeps them, and the
+        // counters with them); an entry whose slot is out of range or taken twice goes (its
+        // endpoint gets a slot again when it is programmed).
+        let (slots, rejected) = Slots::restore(
+            MAX_ENDPOINTS,
+            endpoints
+                .iter()
+                .filter_map(Result::ok)
+                .map(|(i, e)| (i, e.slot)),
+        );
+        for i in rejected {
+            tracing::warn!(ifindex = i, "endpoint entry with a bad slot removed");
+            let _ = endpoints.remove(&i);
+        }
+        let flows = take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
+        let inherited = Inherited::read(carried.old_marks(), &flows);
+        let attachment = cfg.tc_attach.resolve();
+        let cfg_tcx_dir = cfg.tcx_links_dir();
+        tracing::info!(
+            "tc programs attach with {}",
+            match attachment {
+                Attachment::Tcx => "tcx links",
+                Attachment::ClsBpf => "cls_bpf filters",
+            }
+        );
         let mut dp = Self {
-            counters: take(&mut bpf, COUNTERS_MAP, PerCpuHashMap::try_from)?,
-            endpoints: take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
-            stack_eps: take(&mut bpf, STACK_EPS_MAP, HashMap::try_from)?,
+            counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
+            endpoints,
+            direct: take(&mut bpf, ENDPOINTS_DIRECT_MAP, Array::try_from)?,
+            stack_marks: [
+                take(&mut bpf, STACK_EPS_MAP, Array::try_from)?,
+                take(&mut bpf, STACK_OVERFLOW_MAP, Array::try_from)?,
+                take(&mut bpf, STACK_CLEARED_MAP, Array::try_from)?,
+            ],
+            slots,
+            inherited: Some(inherited),
             per_endpoint: vec![
-                take(&mut bpf, STACK_CLEARED_MAP, HashMap::try_from)?,
                 take(&mut bpf, CT_OWNED_MAP, HashMap::try_from)?,
                 take(&mut bpf, CT_FREED_MAP, HashMap::try_from)?,
             ],
@@ -311,13 +395,13 @@ impl EbpfDataplane {
             bpf,
             cfg,
             programmed: StdHashMap::new(),
-            counter_keys: std::collections::HashSet::new(),
             pools: Vec::new(),
             xdp: None,
             nat: None,
             carried: Some(carried),
             endpoint_prog_ids,
             host_dev_prog_ids,
+            attacher: Attacher::new(attachment, cfg_tcx_dir),
             stack_nat: None,
             tables: Vec::new(),
         };
@@ -326,9 +410,6 @@ impl EbpfDataplane {
             nat_maps.apply(n, &dp.cfg.uplinks)?;
         }
         dp.nat = Some(nat_maps);
-        dp.counter_keys = dp.counters.keys().filter_map(Result::ok).collect();
-        let flows = take(&mut dp.bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
-        dp.mark_stack_flow_endpoints(&flows);
         for uplink in dp.cfg.uplinks.clone() {
             dp.attach_pair(&uplink, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
             tracing::info!(%uplink, "uplink programs attached");
@@ -387,91 +468,83 @@ impl EbpfDataplane {
         Ok(())
     }
 
-    /// Attaches `name` at `at` on `ifname` with calix's fixed priority and handle; replaces
-    /// (atomically) whatever program a calix filter there runs now.
-    fn attach_prog(
-        &mut self,
-        name: &'static str,
-        ifname: &str,
-        at: TcAttachType,
-    ) -> Result<(), DataplaneError> {
-        let prog = program(&mut self.bpf, name)?;
-        let opts = TcAttachOptions::Netlink(NlOptions {
-            priority: TC_PRIORITY,
-            handle: TC_HANDLE,
-        });
-        let id = match prog.attach_with_options(ifname, at, opts) {
-            Ok(id) => id,
-            Err(ProgramError::TcError(TcError::NetlinkError { io_error }))
-                if io_error.raw_os_error() == Some(libc::EEXIST) =>
-            {
-                let link = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE)
-                    .map_err(|e| prog_err(name, "find filter")(ProgramError::IOError(e)))?;
-                prog.attach_to_link(link)
-                    .map_err(prog_err(name, "replace"))?
-            }
-            Err(e) => return Err(prog_err(name, "attach")(e)),
-        };
-        let link = prog.take_link(id).map_err(prog_err(name, "take link"))?;
-        // The filter outlives this process: detaching is explicit (`detach_prog`).
-        std::mem::forget(link);
-        Ok(())
-    }
-
+    /// Attaches `ingress` and `egress` on `ifname` ([`Attacher::attach`]: replacing what
+    /// runs there now, atomically).
     fn attach_pair(
         &mut self,
         ifname: &str,
         ingress: &'static str,
         egress: &'static str,
     ) -> Result<(), DataplaneError> {
-        match aya::programs::tc::qdisc_add_clsact(ifname) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(e) => {
-                return Err(prog_err(ingress, "add clsact qdisc")(
-                    ProgramError::IOError(e),
-                ))
-            }
+        let progs = self.cfg.pin_dir().join("progs");
+        for (name, at) in [
+            (ingress, TcAttachType::Ingress),
+            (egress, TcAttachType::Egress),
+        ] {
+            let prog = program(&mut self.bpf, name)?;
+            self.attacher
+                .attach(prog, name, &progs.join(name), ifname, at)?;
         }
-        self.attach_prog(ingress, ifname, TcAttachType::Ingress)?;
-        self.attach_prog(egress, ifname, TcAttachType::Egress)
+        Ok(())
     }
 
-    /// Removes calix's filters from `ifname` (either direction; missing is fine).
-    pub fn detach_filters(ifname: &str) {
-        for at in [TcAttachType::Ingress, TcAttachType::Egress] {
-            if let Ok(link) = SchedClassifierLink::attached(ifname, at, TC_PRIORITY, TC_HANDLE) {
-                let _ = link.detach();
-            }
-        }
+    /// Removes calix's programs from `ifname` (either direction and kind; missing is fine).
+    pub fn detach_filters(&self, ifname: &str) {
+        self.attacher.detach(ifname);
     }
 
-    /// Marks (`STACK_EPS_MAP`) every local endpoint with a flow in `STACK_FLOWS_MAP`. The
-    /// programs mark endpoints as they record flows; this covers flows recorded by a build
-    /// from before the marks (the fast path looks flows up only for marked endpoints).
-    fn mark_stack_flow_endpoints(&mut self, flows: &HashMap<MapData, FlowKey, StackFlow>) {
-        let mut marked = 0usize;
-        for key in flows.keys().filter_map(Result::ok) {
-            let local = match key.family {
-                4 => {
-                    let mut a = [0u8; 4];
-                    a.copy_from_slice(&key.pod[..4]);
-                    self.local_v4.get(&a, 0).ok()
-                }
-                6 => self.local_v6.get(&key.pod, 0).ok(),
-                _ => None,
+    /// How calix's attachments on `ifname` (link `index`) differ from running the programs
+    /// `ids` (ingress, egress): a tcx link or a cls_bpf filter runs each (a hook moving to tcx
+    /// has the filter until the move); a filter only, with `tc_attach = "tc"`.
+    fn attachment_drift(
+        &self,
+        ifname: &str,
+        index: u32,
+        ids: (u32, u32),
+        kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        let filters = kernel
+            .bpf_filters(index)
+            .map_err(|source| DataplaneError::Kernel {
+                what: format!("the tc filters of {ifname}"),
+                source: Box::new(source),
+            })?;
+        let mut drift = filter_drift(&filters, ids);
+        if self.attacher.how() == Attachment::Tcx && !drift.is_empty() {
+            let on_link = |at: TcAttachType, want: u32| {
+                tcx::programs(ifname, at)
+                    .map(|progs| progs.contains(&want))
+                    .map_err(|e| DataplaneError::Program {
+                        name: "tcx",
+                        op: "query",
+                        source: Box::new(e),
+                    })
             };
-            if let Some(l) = local {
-                // BPF_NOEXIST: never replace an overflow mark the programs set.
-                if self.stack_eps.get(&l.ifindex, 0).is_err()
-                    && self.stack_eps.insert(l.ifindex, 0, 1).is_ok()
-                {
-                    marked += 1;
-                }
-            }
+            let (ingress, egress) = (
+                on_link(TcAttachType::Ingress, ids.0)?,
+                on_link(TcAttachType::Egress, ids.1)?,
+            );
+            drift.retain(|d| match d {
+                Drift::Filter { ingress: true, .. } => !ingress,
+                Drift::Filter { ingress: false, .. } => !egress,
+                _ => true,
+            });
         }
-        if marked > 0 {
-            tracing::info!(marked, "endpoints with flows through the host stack marked");
+        Ok(drift)
+    }
+
+    /// Marks what an older layout's programs marked until they were replaced (the endpoints
+    /// have their slots now). Programs may write overflow marks meanwhile: either value
+    /// stands for an overflow, so the race is harmless.
+    fn write_old_marks(&mut self, marks: &pins::OldMarks) {
+        for (ifindex, overflow) in marks.iter() {
+            let Some(slot) = self.slots.get(ifindex) else {
+                continue;
+            };
+            let _ = self.stack_marks[0].set(slot, STACK_MARKED, 0);
+            if overflow != 0 {
+                let _ = self.stack_marks[1].set(slot, overflow, 0);
+            }
         }
     }
 
@@ -482,11 +555,86 @@ impl EbpfDataplane {
             .map_err(|e| map_err(COUNTERS_MAP, "build per-CPU value")(MapError::IoError(e)))
     }
 
+    /// Zeroes the per-endpoint arrays at `slot`, newly handed to the endpoint `ep` on
+    /// `ifindex` (marks it inherits during the initial sync excepted).
+    fn clear_slot(
+        &mut self,
+        slot: u32,
+        ifindex: u32,
+        ep: &EndpointSpec,
+    ) -> Result<(), DataplaneError> {
+        let (marked, overflow) = self
+            .inherited
+            .as_ref()
+            .map_or((0, 0), |i| i.for_endpoint(ifindex, ep));
+        self.counters
+            .set(slot, Self::zero_counters()?, 0)
+            .map_err(map_err(COUNTERS_MAP, "zero a slot"))?;
+        let names = [STACK_EPS_MAP, STACK_OVERFLOW_MAP, STACK_CLEARED_MAP];
+        for ((m, name), v) in self
+            .stack_marks
+            .iter_mut()
+            .zip(names)
+            .zip([marked, overflow, 0])
+        {
+            m.set(slot, v, 0).map_err(map_err(name, "set a slot"))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the endpoint on `idx` into the endpoint table, then into its direct-mapped bucket
+    /// when the bucket is free, stale (an interface that has no slot) or its own; a bucket
+    /// another live endpoint holds stays as it is, and the programs find this one in the
+    /// table.
+    fn write_endpoint(&mut self, idx: u32, info: EndpointInfo) -> Result<(), DataplaneError> {
+        self.endpoints
+            .insert(idx, info, 0)
+            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
+        let bucket = direct_bucket(idx);
+        let held = self
+            .direct
+            .get(&bucket, 0)
+            .map_err(map_err(ENDPOINTS_DIRECT_MAP, "lookup"))?
+            .ifindex;
+        if held == 0 || held == idx || self.slots.get(held).is_none() {
+            let d = DirectEndpoint {
+                ifindex: idx,
+                _pad: 0,
+                info,
+            };
+            self.direct
+                .set(bucket, d, 0)
+                .map_err(map_err(ENDPOINTS_DIRECT_MAP, "set"))?;
+        }
+        Ok(())
+    }
+
+    /// Removes the endpoint on `idx` from the table and its bucket; another endpoint that
+    /// shares the bucket moves in.
+    fn forget_endpoint(&mut self, idx: u32) {
+        let _ = self.endpoints.remove(&idx);
+        let bucket = direct_bucket(idx);
+        if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == idx) {
+            let next = self
+                .slots
+                .iter()
+                .map(|(i, _)| i)
+                .filter(|i| *i != idx && direct_bucket(*i) == bucket)
+                .find_map(|i| Some((i, self.endpoints.get(&i, 0).ok()?)));
+            let d = next.map_or(DirectEndpoint::default(), |(ifindex, info)| {
+                DirectEndpoint {
+                    ifindex,
+                    _pad: 0,
+                    info,
+                }
+            });
+            let _ = self.direct.set(bucket, d, 0);
+        }
+    }
+
     fn forget_entries(&mut self, p: &Programmed) {
-        let _ = self.counters.remove(&p.ifindex);
-        self.counter_keys.remove(&p.ifindex);
-        let _ = self.endpoints.remove(&p.ifindex);
-        let _ = self.stack_eps.remove(&p.ifindex);
+        self.forget_endpoint(p.ifindex);
+        self.slots.release(p.ifindex);
         for m in &mut self.per_endpoint {
             let _ = m.remove(&p.ifindex);
         }
@@ -521,9 +669,12 @@ impl EbpfDataplane {
         }
     }
 
-    /// The endpoint map's value for `ep`.
-    fn endpoint_info(&self, ep: &EndpointSpec) -> EndpointInfo {
-        let mut info = EndpointInfo::default();
+    /// The endpoint map's value for `ep` in `slot`.
+    fn endpoint_info(&self, ep: &EndpointSpec, slot: u32) -> EndpointInfo {
+        let mut info = EndpointInfo {
+            slot,
+            ..EndpointInfo::default()
+        };
         if let Some(v4) = ep.ipv4 {
             info.ipv4 = v4.octets();
             info.flags |= EP_HAS_V4;
@@ -539,23 +690,34 @@ impl EbpfDataplane {
     }
 
     fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
-        // Keep counters across an agent restart: only create a missing entry.
-        if !self.counter_keys.contains(&idx) {
-            let zero = Self::zero_counters()?;
-            self.counters
-                .insert(idx, zero, 0)
-                .map_err(map_err(COUNTERS_MAP, "insert"))?;
-            self.counter_keys.insert(idx);
+        // An endpoint keeps its slot (and its counters) across an agent restart; a new one
+        // gets a zeroed slot before anything points at it.
+        let (slot, new) = self.slots.assign(idx)?;
+        if new {
+            if let Err(e) = self.clear_slot(slot, idx, ep) {
+                self.slots.release(idx);
+                return Err(e);
+            }
+        } else if self
+            .inherited
+            .as_ref()
+            .is_some_and(|i| i.for_endpoint(idx, ep).0 != 0)
+        {
+            // A slot the endpoint kept across the restart, with a stack flow in the table but
+            // no mark (a build from before the marks recorded it): marked now. Only ever set
+            // (as the programs do), never cleared here.
+            self.stack_marks[0]
+                .set(slot, STACK_MARKED, 0)
+                .map_err(map_err(STACK_EPS_MAP, "mark"))?;
         }
-        let info = self.endpoint_info(ep);
-        self.endpoints
-            .insert(idx, info, 0)
-            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
+        let info = self.endpoint_info(ep, slot);
+        self.write_endpoint(idx, info)?;
         if let Some(mac) = ep.mac {
             let local = LocalEndpoint {
                 ifindex: idx,
-                _pad: 0,
+                slot,
                 mac,
+                _pad: [0; 2],
             };
             if let Some(v4) = ep.ipv4 {
                 self.local_v4
@@ -606,7 +768,7 @@ impl Dataplane for EbpfDataplane {
             .and_then(|()| self.attach_pair(ifname, PROG_FROM_POD, PROG_TO_POD));
         if let Err(e) = programmed {
             self.forget_entries(&p);
-            Self::detach_filters(ifname);
+            self.detach_filters(ifname);
             return Err(e);
         }
         self.programmed.insert(ep.key.clone(), p);
@@ -632,11 +794,14 @@ impl Dataplane for EbpfDataplane {
             return Ok(());
         }
         self.forget_entries(&p);
-        if ifindex(&p.ifname).ok() == Some(p.ifindex) {
-            // The veth is still ours: remove our filters. (When CNI DEL deleted the veth first,
-            // the kernel removed its filters with it; when a recreated pod's veth has the name
-            // now, its filters are not ours to remove.)
-            Self::detach_filters(&p.ifname);
+        match ifindex(&p.ifname) {
+            // The veth is still ours: remove our programs.
+            Ok(i) if i == p.ifindex => self.detach_filters(&p.ifname),
+            // CNI DEL deleted the veth first: the kernel detached the programs with it; only
+            // the tcx links' pins are left.
+            Err(_) => self.detach_filters(&p.ifname),
+            // A recreated pod's veth has the name now: its programs are not ours to remove.
+            Ok(_) => {}
         }
         Ok(())
     }
@@ -647,20 +812,25 @@ impl Dataplane for EbpfDataplane {
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
         let idx = endpoint_ifindex(ep)?;
-        let mut drift = Vec::new();
-        let filters = kernel
-            .bpf_filters(idx)
-            .map_err(|source| DataplaneError::Kernel {
-                what: format!("the tc filters of {}", ep.host_ifname),
-                source: Box::new(source),
-            })?;
-        drift.extend(filter_drift(&filters, self.endpoint_prog_ids));
-        if self.endpoints.get(&idx, 0).ok() != Some(self.endpoint_info(ep)) {
+        let mut drift =
+            self.attachment_drift(&ep.host_ifname, idx, self.endpoint_prog_ids, kernel)?;
+        let slot = self.slots.get(idx);
+        let want = slot.map(|s| self.endpoint_info(ep, s));
+        // Its bucket holds it, or another live endpoint (then the table alone does).
+        let bucket_ok = self
+            .direct
+            .get(&direct_bucket(idx), 0)
+            .is_ok_and(|d| match d.ifindex {
+                i if i == idx => Some(d.info) == want,
+                0 => false,
+                other => self.slots.get(other).is_some(),
+            });
+        if want.is_none() || self.endpoints.get(&idx, 0).ok() != want || !bucket_ok {
             drift.push(Drift::EndpointEntry);
         }
         if ep.mac.is_some() {
             let points_here = |l: Option<LocalEndpoint>| {
-                l.is_some_and(|l| l.ifindex == idx && Some(l.mac) == ep.mac)
+                l.is_some_and(|l| l.ifindex == idx && Some(l.slot) == slot && Some(l.mac) == ep.mac)
             };
             if let Some(v4) = ep.ipv4 {
                 if !points_here(self.local_v4.get(&v4.octets(), 0).ok()) {
@@ -688,13 +858,7 @@ impl Dataplane for EbpfDataplane {
         index: u32,
         kernel: &mut dyn HostKernel,
     ) -> Result<Vec<Drift>, DataplaneError> {
-        let filters = kernel
-            .bpf_filters(index)
-            .map_err(|source| DataplaneError::Kernel {
-                what: format!("the tc filters of {ifname}"),
-                source: Box::new(source),
-            })?;
-        Ok(filter_drift(&filters, self.host_dev_prog_ids))
+        self.attachment_drift(ifname, index, self.host_dev_prog_ids, kernel)
     }
 
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
@@ -753,14 +917,38 @@ impl Dataplane for EbpfDataplane {
         for i in &stale {
             let _ = self.endpoints.remove(i);
         }
-        let stale_marks: Vec<u32> = self
-            .stack_eps
-            .keys()
-            .filter_map(Result::ok)
+        // Direct-mapped buckets of interfaces no endpoint owns.
+        let mut stale_buckets = 0usize;
+        for bucket in 0..MAX_ENDPOINTS {
+            let held = self.direct.get(&bucket, 0).map_or(0, |d| d.ifindex);
+            if held != 0 && !known_idx.contains(&held) {
+                let _ = self.direct.set(bucket, DirectEndpoint::default(), 0);
+                stale_buckets += 1;
+            }
+        }
+        // An endpoint a stale one kept out of its bucket moves in.
+        for idx in known_idx.iter().copied() {
+            let bucket = direct_bucket(idx);
+            if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == 0) {
+                if let Ok(info) = self.endpoints.get(&idx, 0) {
+                    let d = DirectEndpoint {
+                        ifindex: idx,
+                        _pad: 0,
+                        info,
+                    };
+                    let _ = self.direct.set(bucket, d, 0);
+                }
+            }
+        }
+        // Slots of interfaces no endpoint owns go back (zeroed when handed out again).
+        let stale_slots: Vec<u32> = self
+            .slots
+            .iter()
+            .map(|(i, _)| i)
             .filter(|i| !known_idx.contains(i))
             .collect();
-        for i in &stale_marks {
-            let _ = self.stack_eps.remove(i);
+        for i in &stale_slots {
+            self.slots.release(*i);
         }
         let mut stale_budget = 0usize;
         for m in &mut self.per_endpoint {
@@ -773,16 +961,6 @@ impl Dataplane for EbpfDataplane {
                 let _ = m.remove(i);
             }
             stale_budget += stale.len();
-        }
-        let stale_ctr: Vec<u32> = self
-            .counters
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|i| !known_idx.contains(i))
-            .collect();
-        for i in &stale_ctr {
-            let _ = self.counters.remove(i);
-            self.counter_keys.remove(i);
         }
         let v4: Vec<[u8; 4]> = self
             .local_v4
@@ -810,7 +988,7 @@ impl Dataplane for EbpfDataplane {
             for i in ifaces.iter() {
                 let name = i.name().to_string_lossy().into_owned();
                 if name.starts_with("cali") && !known.contains(&name) {
-                    Self::detach_filters(&name);
+                    self.detach_filters(&name);
                     swept += 1;
                 }
             }
@@ -818,8 +996,11 @@ impl Dataplane for EbpfDataplane {
         // Every known interface runs this build's programs now: what the old ones added to
         // the maps carried over since the start is copied, then the old maps go.
         if let Some(c) = self.carried.take() {
-            c.catch_up();
+            let late = c.catch_up();
+            self.write_old_marks(&late);
         }
+        // From now on a new slot starts unmarked: the programs mark what they record.
+        self.inherited = None;
         // Pins of older map layouts: every known interface now runs this build's programs.
         let mut old_layouts = Vec::new();
         if let Ok(rd) = std::fs::read_dir(self.cfg.node_dir()) {
@@ -833,7 +1014,12 @@ impl Dataplane for EbpfDataplane {
             }
         }
         tracing::info!(
-            stale_entries = stale.len() + stale_ctr.len() + v4.len() + v6.len() + stale_budget,
+            stale_entries = stale.len()
+                + stale_buckets
+                + stale_slots.len()
+                + v4.len()
+                + v6.len()
+                + stale_budget,
             unknown_cali_interfaces = swept,
             ?old_layouts,
             "dataplane reconciled after the initial sync"
@@ -863,7 +1049,9 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn release(&mut self) {
-        // Filters stay attached (their links were forgotten at attach), maps stay pinned.
+        // Filters stay attached (their links were forgotten at attach), tcx links and maps
+        // stay pinned. The tcx mover stops: after this the agent may uninstall calix.
+        self.attacher.release();
         self.programmed.clear();
     }
 }

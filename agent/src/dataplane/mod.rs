@@ -10,7 +10,9 @@ pub mod masquerade;
 pub mod nat;
 mod nft;
 pub mod pins;
+pub mod slots;
 pub mod stack_flows;
+pub mod tcx;
 pub mod xdp;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -71,6 +73,8 @@ pub enum DataplaneError {
     Nftables(String),
     #[error("reading the node's addresses failed")]
     Addresses(#[source] nix::Error),
+    #[error(transparent)]
+    SlotsFull(#[from] slots::SlotsFull),
     #[error("{0}")]
     Driver(String),
     #[error("reading the kernel's state of {what} failed")]
@@ -342,10 +346,12 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     for i in ifaces.iter() {
         let name = i.name().to_string_lossy().into_owned();
         if name.starts_with("cali") || cfg.uplinks.contains(&name) {
-            EbpfDataplane::detach_filters(&name);
+            tcx::detach(&name, &cfg.tcx_links_dir());
             n += 1;
         }
     }
+    // tcx links of other interfaces (calix's VXLAN devices).
+    tcx::detach_all(&cfg.tcx_links_dir());
     let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
     if let Err(e) = masquerade::remove() {
         tracing::warn!(error = %e, "cannot remove the masquerade table");

@@ -8,7 +8,9 @@
 //! upgrade) — otherwise it starts empty (the agent repopulates what it owns) and the log says
 //! which map and what differed. Maps of an older layout directory (`v<N>`) are carried into
 //! this layout's the same way. After the agent has re-attached every endpoint, entries the
-//! old programs added meanwhile are copied too ([`Carried::catch_up`]).
+//! old programs added meanwhile are copied too ([`Carried::catch_up`]). The stack-flow marks of
+//! layouts 1 and 2 (keyed by ifindex) cannot be written until the endpoints have their slots:
+//! they are kept aside ([`OldMarks`]) for the dataplane to write as it programs each endpoint.
 use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
@@ -17,8 +19,8 @@ use aya_obj::maps::PinningType;
 use calix_common::{
     CtEntry, CtKey, FlowKey, StackFlow, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_HASH,
     BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_HASH, CT_DIR_OUT,
-    CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION, STACK_EPS_MAP,
-    STACK_FLOWS_MAP,
+    CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION, STACK_CLEARED_MAP,
+    STACK_EPS_MAP, STACK_FLOWS_MAP,
 };
 
 use super::bpf::monotonic_ns;
@@ -262,7 +264,10 @@ fn convertible(name: &str, have: &MapSpec) -> bool {
     let hash = matches!(have.map_type, BPF_MAP_TYPE_HASH | BPF_MAP_TYPE_LRU_HASH);
     hash && matches!(
         (name, have.key_size, have.value_size),
-        (CT_MAP, 16, 16 | 40 | 64) | (STACK_FLOWS_MAP, 40, 8 | 16) | (STACK_EPS_MAP, 4, 4)
+        (CT_MAP, 16, 16 | 40 | 64)
+            | (STACK_FLOWS_MAP, 40, 8 | 16)
+            | (STACK_EPS_MAP, 4, 4)
+            | (STACK_CLEARED_MAP, 4, 4)
     )
 }
 
@@ -323,11 +328,46 @@ fn write<K: Pod, V: Pod>(pin: &Path, entries: &[(K, V)]) -> Result<(usize, usize
     Ok((inserted, failed))
 }
 
-fn write_entries(pin: &Path, entries: &Entries) -> Result<(usize, usize), MapError> {
+/// Writes carried entries into the new map; marks are not written (see [`OldMarks`]):
+/// `None`.
+fn write_entries(pin: &Path, entries: &Entries) -> Option<Result<(usize, usize), MapError>> {
     match entries {
-        Entries::Conntrack(v) => write(pin, v),
-        Entries::StackFlows(v) => write(pin, v),
-        Entries::Marks(v) => write(pin, v),
+        Entries::Conntrack(v) => Some(write(pin, v)),
+        Entries::StackFlows(v) => Some(write(pin, v)),
+        Entries::Marks(_) => None,
+    }
+}
+
+/// The stack-flow marks of an older layout, by host veth ifindex (layouts 1 and 2: 0 for a
+/// plain mark, else an overflow mark), without the overflow marks its agent had cleared. The
+/// dataplane writes them into this layout's arrays as it gives each endpoint its slot, and
+/// once more after the old programs are gone ([`Carried::catch_up`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OldMarks(std::collections::HashMap<u32, u32>);
+
+impl OldMarks {
+    /// From an old mark map's and cleared map's entries.
+    pub fn new(marks: &[(u32, u32)], cleared: &[(u32, u32)]) -> Self {
+        let cleared: std::collections::HashMap<u32, u32> = cleared.iter().copied().collect();
+        Self(
+            marks
+                .iter()
+                .map(|&(i, m)| (i, if cleared.get(&i) == Some(&m) { 0 } else { m }))
+                .collect(),
+        )
+    }
+
+    /// `Some(overflow mark, 0 for none)` when the endpoint behind `ifindex` was marked.
+    pub fn get(&self, ifindex: u32) -> Option<u32> {
+        self.0.get(&ifindex).copied()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.0.iter().map(|(i, m)| (*i, *m))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -365,33 +405,64 @@ impl Carried {
         for c in &self.carries {
             let pin = self.pin_dir.join(&c.name);
             match write_entries(&pin, &c.entries) {
-                Ok((inserted, failed)) if failed > 0 => tracing::warn!(map = %c.name,
+                None => tracing::info!(map = %c.name, from = %c.from.display(),
+                    entries = c.entries.len(), "marks kept for the endpoints' new slots"),
+                Some(Ok((inserted, failed))) if failed > 0 => tracing::warn!(map = %c.name,
                     from = %c.from.display(), inserted, failed,
                     "entries carried into the new map; some did not fit (the new map is smaller)"),
-                Ok((inserted, _)) => tracing::info!(map = %c.name, from = %c.from.display(),
-                    inserted, "entries carried into the new map"),
-                Err(e) => tracing::error!(map = %c.name, error = %super::error_chain(&e),
+                Some(Ok((inserted, _))) => tracing::info!(map = %c.name,
+                    from = %c.from.display(), inserted, "entries carried into the new map"),
+                Some(Err(e)) => tracing::error!(map = %c.name, error = %super::error_chain(&e),
                     "cannot carry entries into the new map; it starts empty"),
             }
         }
     }
 
+    /// The marks of `name` as [`prepare`] read them.
+    fn marks_of(&self, name: &str) -> &[(u32, u32)] {
+        self.carries
+            .iter()
+            .find_map(|c| match &c.entries {
+                Entries::Marks(v) if c.name == name => Some(v.as_slice()),
+                _ => None,
+            })
+            .unwrap_or(&[])
+    }
+
+    /// The older layout's stack-flow marks (empty when none was carried).
+    pub fn old_marks(&self) -> OldMarks {
+        OldMarks::new(
+            self.marks_of(STACK_EPS_MAP),
+            self.marks_of(STACK_CLEARED_MAP),
+        )
+    }
+
     /// Once every interface runs the new programs: copies what the old ones added to the
     /// old maps since [`prepare`] read them (keys the new map lacks only), then lets go of
-    /// the old maps.
-    pub fn catch_up(self) {
+    /// the old maps. Returns the old marks as they are now, for the dataplane to write.
+    pub fn catch_up(self) -> OldMarks {
+        let cleared = self.marks_of(STACK_CLEARED_MAP).to_vec();
+        let mut marks = Vec::new();
         for c in self.carries {
             let pin = self.pin_dir.join(&c.name);
-            let added =
-                read_converted(&c.name, &c.have, c.source).and_then(|e| write_entries(&pin, &e));
-            match added {
-                Ok((0, _)) => {}
-                Ok((inserted, _)) => tracing::info!(map = %c.name, inserted,
+            let entries = read_converted(&c.name, &c.have, c.source);
+            let added = match &entries {
+                Ok(Entries::Marks(m)) if c.name == STACK_EPS_MAP => {
+                    marks.clone_from(m);
+                    continue;
+                }
+                Ok(e) => write_entries(&pin, e),
+                Err(_) => None,
+            };
+            match (added, entries) {
+                (Some(Ok((0, _))), _) | (None, Ok(_)) => {}
+                (Some(Ok((inserted, _))), _) => tracing::info!(map = %c.name, inserted,
                     "entries the old programs added meanwhile carried over"),
-                Err(e) => tracing::warn!(map = %c.name, error = %super::error_chain(&e),
-                    "cannot catch up with the old map"),
+                (Some(Err(e)), _) | (None, Err(e)) => tracing::warn!(map = %c.name,
+                    error = %super::error_chain(&e), "cannot catch up with the old map"),
             }
         }
+        OldMarks::new(&marks, &cleared)
     }
 }
 
@@ -528,6 +599,30 @@ mod tests {
             let carried = [CT_MAP, STACK_FLOWS_MAP, STACK_EPS_MAP].contains(&m.name);
             assert_eq!(convertible(m.name, &have), carried, "{}", m.name);
         }
+        // Layout 2's marks and cleared marks (hashes by ifindex) are read for the new slots;
+        // this layout's arrays are never "converted".
+        let v2 = layout(2).expect("layout 2");
+        for name in [STACK_EPS_MAP, STACK_CLEARED_MAP] {
+            let have = MapSpec::from_layout(v2.map(name).expect("in layout 2"));
+            assert!(convertible(name, &have), "{name}");
+            let now = MapSpec::from_layout(
+                layout(LAYOUT_VERSION)
+                    .expect("this")
+                    .map(name)
+                    .expect("a row"),
+            );
+            assert!(!convertible(name, &now), "{name}");
+        }
+    }
+
+    /// An old overflow mark its agent had cleared is a plain mark now; the others stand.
+    #[test]
+    fn old_marks_drop_the_cleared_overflow_marks() {
+        let m = OldMarks::new(&[(3, 0), (4, 17), (5, 20)], &[(4, 17), (5, 19)]);
+        assert_eq!(
+            (m.get(3), m.get(4), m.get(5), m.get(6)),
+            (Some(0), Some(0), Some(20), None)
+        );
     }
 
     #[test]

@@ -8,13 +8,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::{Array, HashMap, MapData};
 use calix_common::{
-    FlowKey, StackFlow, IPPROTO_TCP, IPPROTO_UDP, SF_CLOSING, STACK_CLEARED_MAP, STACK_EPS_MAP,
-    STACK_FLOWS_MAP,
+    EndpointInfo, FlowKey, StackFlow, ENDPOINTS_MAP, IPPROTO_TCP, IPPROTO_UDP, SF_CLOSING,
+    STACK_CLEARED_MAP, STACK_FLOWS_MAP, STACK_OVERFLOW_MAP,
 };
 
-use super::bpf::open_hash;
+use super::bpf::{open_array, open_hash};
 use super::DataplaneError;
 
 /// Where the host's conntrack timeouts are (per network namespace).
@@ -140,11 +140,12 @@ pub struct StackPass {
     pub overflowing: Vec<u32>,
 }
 
-/// The pinned stack-flow maps, opened by path.
+/// The pinned stack-flow maps (and the endpoints, for their slots), opened by path.
 pub struct StackFlows {
     flows: HashMap<MapData, FlowKey, StackFlow>,
-    eps: HashMap<MapData, u32, u32>,
-    cleared: HashMap<MapData, u32, u32>,
+    endpoints: HashMap<MapData, u32, EndpointInfo>,
+    overflow: Array<MapData, u32>,
+    cleared: Array<MapData, u32>,
 }
 
 impl StackFlows {
@@ -152,8 +153,9 @@ impl StackFlows {
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
         Ok(Self {
             flows: open_hash(pin_dir, STACK_FLOWS_MAP)?,
-            eps: open_hash(pin_dir, STACK_EPS_MAP)?,
-            cleared: open_hash(pin_dir, STACK_CLEARED_MAP)?,
+            endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
+            overflow: open_array(pin_dir, STACK_OVERFLOW_MAP)?,
+            cleared: open_array(pin_dir, STACK_CLEARED_MAP)?,
         })
     }
 
@@ -173,13 +175,21 @@ impl StackFlows {
                 pass.removed += 1;
             }
         }
-        let marks: Vec<(u32, u32)> = self.eps.iter().filter_map(Result::ok).collect();
-        for (ifindex, mark) in marks {
-            if mark == 0 || self.cleared.get(&ifindex, 0).ok() == Some(mark) {
+        // The endpoints' slots: only slots in use can hold a mark that matters.
+        let mut slots: Vec<(u32, u32)> = self
+            .endpoints
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(ifindex, info)| (ifindex, info.slot))
+            .collect();
+        slots.sort_unstable();
+        for (ifindex, slot) in slots {
+            let mark = self.overflow.get(&slot, 0).unwrap_or(0);
+            if mark == 0 || self.cleared.get(&slot, 0).ok() == Some(mark) {
                 continue;
             }
             if mark_expired(mark, t, now_ns) {
-                if self.cleared.insert(ifindex, mark, 0).is_ok() {
+                if self.cleared.set(slot, mark, 0).is_ok() {
                     pass.cleared += 1;
                 }
             } else {

@@ -15,7 +15,6 @@
 //! never disappears while it is still configured.
 use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
@@ -31,7 +30,7 @@ use calix_common::{
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
-use super::bpf::{map_err, take};
+use super::bpf::{link_detach, link_pin, link_pin_ifname, map_err, take};
 use super::{ifindex, DataplaneError};
 
 /// How the XDP program attaches (`[xdp] mode`).
@@ -173,16 +172,9 @@ pub fn links_dir(node_dir: &Path) -> PathBuf {
     node_dir.join("xdp")
 }
 
-/// `<dir>/<ifname>@<mode>`. bpffs refuses names with a dot (reserved), which interface names
-/// may have (`eth0.100`): those become colons, which interface names never have.
+/// `<dir>/<ifname>@<mode>` ([`link_pin`]).
 fn pin_path(dir: &Path, ifname: &str, mode: XdpAttachMode) -> PathBuf {
-    dir.join(format!("{}@{}", ifname.replace('.', ":"), mode.as_str()))
-}
-
-/// The interface a pin in the links directory is for.
-fn pin_ifname(pin_name: &str) -> String {
-    let name = pin_name.rsplit_once('@').map_or(pin_name, |(i, _)| i);
-    name.replace(':', ".")
+    link_pin(dir, ifname, mode.as_str())
 }
 
 fn xdp_err<'a, E>(ifname: &'a str, op: &'static str) -> impl FnOnce(E) -> DataplaneError + 'a
@@ -385,7 +377,7 @@ pub fn detach_except(dir: &Path, keep: &[String]) -> usize {
     };
     let mut n = 0;
     for e in rd.flatten() {
-        let ifname = pin_ifname(&e.file_name().to_string_lossy());
+        let ifname = link_pin_ifname(&e.file_name().to_string_lossy());
         if !keep.contains(&ifname) {
             detach_pin(&e.path());
             tracing::info!(interface = %ifname, "XDP program detached");
@@ -406,53 +398,6 @@ fn detach_pin(pin: &Path) {
             tracing::warn!(pin = %pin.display(), error = %e, "cannot remove the XDP link pin");
         }
     }
-}
-
-/// `bpf(2)` commands (`enum bpf_cmd`, include/uapi/linux/bpf.h).
-const BPF_OBJ_GET: libc::c_long = 7;
-const BPF_LINK_DETACH: libc::c_long = 34;
-
-/// `BPF_LINK_DETACH` of the link pinned at `pin`. (aya 0.13 only detaches a link by dropping
-/// its last reference, and a pin's reference goes away after an RCU grace period, so an unpin
-/// alone would leave the program attached for a moment after the caller returns.)
-fn link_detach(pin: &Path) -> std::io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())?;
-    // `union bpf_attr` for BPF_OBJ_GET: pathname, bpf_fd, file_flags, path_fd; zero-padded.
-    let mut get = [0u64; 3];
-    get[0] = path.as_ptr() as u64;
-    // SAFETY: the attribute points at a NUL-terminated path that outlives the call, and its
-    // size is passed; the kernel returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            get.as_mut_ptr(),
-            std::mem::size_of_val(&get) as libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let raw = i32::try_from(fd).map_err(std::io::Error::other)?;
-    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
-    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-    // `union bpf_attr` for BPF_LINK_DETACH: link_fd.
-    let mut detach = [0u32; 2];
-    detach[0] = u32::try_from(fd.as_raw_fd()).map_err(std::io::Error::other)?;
-    // SAFETY: as above; the attribute names a descriptor that stays open during the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_DETACH,
-            detach.as_mut_ptr(),
-            std::mem::size_of_val(&detach) as libc::c_uint,
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -501,7 +446,7 @@ mod tests {
             let pin = pin_path(dir, ifname, XdpAttachMode::Native);
             let name = pin.file_name().expect("a name").to_string_lossy();
             assert!(!name.contains('.'), "{name}");
-            assert_eq!(pin_ifname(&name), ifname);
+            assert_eq!(link_pin_ifname(&name), ifname);
         }
     }
 

@@ -10,14 +10,24 @@
 /// key and value size, `max_entries` and flags are in [`LAYOUTS`] under this number; a unit
 /// test (here for the types, in the agent for the built object) fails when they change
 /// without a new version.
-pub const LAYOUT_VERSION: u32 = 2;
+pub const LAYOUT_VERSION: u32 = 3;
 
-/// Per-CPU hash map: host-side ifindex of a `cali*` veth → [`EndpointCounters`].
-/// The agent inserts the entry when an endpoint is registered and removes it when the endpoint
-/// goes away; the programs only update entries that exist.
+/// Per-CPU array: an endpoint's slot → [`EndpointCounters`]. The slot is the endpoint's index
+/// in every per-endpoint array, below [`MAX_ENDPOINTS`]: the agent hands it out (and zeroes
+/// the endpoint's entries) when it registers the endpoint, and writes it into the endpoint's
+/// [`EndpointInfo`] and [`LocalEndpoint`]s, so a packet reaches these entries with array
+/// lookups (inlined by the verifier) once it has either.
 pub const COUNTERS_MAP: &str = "CALIX_COUNTERS";
-/// Hash map: host-side ifindex of a `cali*` veth → [`EndpointInfo`] (anti-spoofing).
+/// Hash map: host-side ifindex of a `cali*` veth → [`EndpointInfo`] (anti-spoofing, the slot).
+/// The endpoint table; the programs look in [`ENDPOINTS_DIRECT_MAP`] first.
 pub const ENDPOINTS_MAP: &str = "CALIX_ENDPOINTS";
+/// Array: [`direct_bucket`]`(ifindex)` → [`DirectEndpoint`]: a direct-mapped copy of
+/// [`ENDPOINTS_MAP`] that the agent keeps in step with it, so the programs find an endpoint
+/// with an array lookup (which the verifier inlines) instead of hashing its ifindex. A bucket
+/// whose `ifindex` is not the packet's (free: 0, or another endpoint's whose ifindex shares
+/// the bucket) sends the program to [`ENDPOINTS_MAP`]. The agent writes an endpoint into its
+/// bucket when the bucket is free, stale or its own, and clears it when the endpoint goes.
+pub const ENDPOINTS_DIRECT_MAP: &str = "CALIX_EP_DIRECT";
 /// Hash map: a local pod's IPv4 address (`u32` as in the packet) → [`LocalEndpoint`].
 pub const LOCAL_V4_MAP: &str = "CALIX_LOCAL_V4";
 /// Hash map: a local pod's IPv6 address (`[u8; 16]`) → [`LocalEndpoint`].
@@ -37,24 +47,29 @@ pub const MAX_POOLS: u32 = 256;
 /// replies must go back through the host stack too, so that its conntrack can undo a NAT it
 /// did (portmap hostPorts, kube-proxy services). The agent removes an entry once the host's
 /// conntrack would have forgotten the flow. A flow that finds the table full marks its
-/// endpoint as overflowing ([`STACK_EPS_MAP`]).
+/// endpoint as overflowing ([`STACK_OVERFLOW_MAP`]).
 pub const STACK_FLOWS_MAP: &str = "CALIX_STACK_FLOWS";
 /// Size of [`STACK_FLOWS_MAP`] (allocated as used: `BPF_F_NO_PREALLOC`).
 pub const MAX_STACK_FLOWS: u32 = 262_144;
-/// Hash map: host-side veth ifindex → `u32`. The endpoints with a flow in
-/// [`STACK_FLOWS_MAP`]: only their packets pay the flow lookup on the fast path (written by
-/// the programs; the agent removes an endpoint's entry when it goes). The value is 0, or
-/// [`stack_overflow_mark`] of the last time one of the endpoint's flows could not be
-/// recorded (the table was full): then every packet of the endpoint that the fast path would
-/// check against its flows goes to the stack instead, until the agent clears that mark
-/// ([`STACK_CLEARED_MAP`]).
+/// Array: an endpoint's slot → `u32`, [`STACK_MARKED`] when the endpoint has (or had) a flow
+/// in [`STACK_FLOWS_MAP`], else 0: only marked endpoints' packets pay the flow lookup on the
+/// fast path. Set by the programs as they record flows (and by the agent for flows an older
+/// layout recorded); the agent zeroes it with the slot.
 pub const STACK_EPS_MAP: &str = "CALIX_STACK_EPS";
-/// Hash map: host-side veth ifindex → `u32`, written by the agent only: the overflow mark of
-/// [`STACK_EPS_MAP`] it has cleared (the programs ignore a mark not newer than this). Kept
-/// apart so the agent never overwrites a mark the programs set meanwhile.
+/// Array: an endpoint's slot → `u32`, written by the programs only: 0, or
+/// [`stack_overflow_mark`] of the last time one of the endpoint's flows could not be recorded
+/// (the table was full). Then every packet of the endpoint that the fast path would check
+/// against its flows goes to the stack instead, until the agent clears that mark
+/// ([`STACK_CLEARED_MAP`]). An overflowing endpoint is marked in [`STACK_EPS_MAP`] too.
+pub const STACK_OVERFLOW_MAP: &str = "CALIX_STACK_OVF";
+/// Array: an endpoint's slot → `u32`, written by the agent only: the overflow mark of
+/// [`STACK_OVERFLOW_MAP`] it has cleared (the programs ignore a mark not newer than this).
+/// Kept apart so the agent never overwrites a mark the programs set meanwhile.
 pub const STACK_CLEARED_MAP: &str = "CALIX_STACK_CLEARED";
+/// The [`STACK_EPS_MAP`] value of a marked endpoint.
+pub const STACK_MARKED: u32 = 1;
 
-/// The [`STACK_EPS_MAP`] value for "a flow could not be recorded at `now_ns`"
+/// The [`STACK_OVERFLOW_MAP`] value for "a flow could not be recorded at `now_ns`"
 /// (`bpf_ktime_get_ns`): the second plus one, never 0.
 pub const fn stack_overflow_mark(now_ns: u64) -> u32 {
     (now_ns / 1_000_000_000) as u32 + 1
@@ -124,12 +139,14 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 pub const MAX_NAT_UPLINKS: usize = 8;
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 20] = [
+pub const ALL_MAPS: [&str; 22] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
+    STACK_OVERFLOW_MAP,
     STACK_CLEARED_MAP,
     COUNTERS_MAP,
     ENDPOINTS_MAP,
+    ENDPOINTS_DIRECT_MAP,
     LOCAL_V4_MAP,
     LOCAL_V6_MAP,
     DROPS_MAP,
@@ -147,8 +164,15 @@ pub const ALL_MAPS: [&str; 20] = [
     NO_SNAT_V4_MAP,
 ];
 
-/// Maximum number of endpoints (and local addresses per family) on one node.
+/// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
+/// the buckets of [`ENDPOINTS_DIRECT_MAP`] (a power of two).
 pub const MAX_ENDPOINTS: u32 = 16_384;
+const _: () = assert!(MAX_ENDPOINTS.is_power_of_two());
+
+/// The [`ENDPOINTS_DIRECT_MAP`] bucket of the endpoint whose host veth is `ifindex`.
+pub const fn direct_bucket(ifindex: u32) -> u32 {
+    ifindex & (MAX_ENDPOINTS - 1)
+}
 /// Maximum number of (ifindex, reason) drop counters.
 pub const MAX_DROP_KEYS: u32 = 65_536;
 
@@ -242,7 +266,8 @@ pub const EP_HAS_V6: u32 = 2;
 /// traffic to destinations outside [`NO_SNAT_V4_MAP`] leaves with the node's address.
 pub const EP_NAT_OUTGOING: u32 = 4;
 
-/// What the programs know of the endpoint behind a host veth: the addresses it may send from.
+/// What the programs know of the endpoint behind a host veth: the addresses it may send from,
+/// and its slot.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EndpointInfo {
@@ -252,6 +277,19 @@ pub struct EndpointInfo {
     pub flags: u32,
     /// IPv6 address (valid with [`EP_HAS_V6`]).
     pub ipv6: [u8; 16],
+    /// Its index in the per-endpoint arrays ([`COUNTERS_MAP`], [`STACK_EPS_MAP`]...).
+    pub slot: u32,
+    pub _pad: u32,
+}
+
+/// An [`ENDPOINTS_DIRECT_MAP`] bucket: the endpoint it holds (its host veth's `ifindex`, 0 when
+/// free) and that endpoint's [`ENDPOINTS_MAP`] value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DirectEndpoint {
+    pub ifindex: u32,
+    pub _pad: u32,
+    pub info: EndpointInfo,
 }
 
 /// A pod on this node, by address: where to deliver to it without the host stack.
@@ -260,9 +298,11 @@ pub struct EndpointInfo {
 pub struct LocalEndpoint {
     /// ifindex of the pod's host-side veth (`bpf_redirect_peer` target).
     pub ifindex: u32,
-    pub _pad: u16,
+    /// The endpoint's slot (as in its [`EndpointInfo`]).
+    pub slot: u32,
     /// The pod's own MAC address (the Ethernet destination of delivered frames).
     pub mac: [u8; 6],
+    pub _pad: [u8; 2],
 }
 
 /// One flow as seen from a local pod: the same key for both directions.
@@ -613,6 +653,7 @@ impl NatConfig {
 pub const BPF_MAP_TYPE_HASH: u32 = 1;
 pub const BPF_MAP_TYPE_ARRAY: u32 = 2;
 pub const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
+pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
 pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
 /// Map flag: the map's elements are allocated as they are inserted.
@@ -665,7 +706,7 @@ const fn m(
 
 /// Every published layout, oldest first; append a row for a new version, never edit one (the
 /// agent reads older pins by them, and the upgrade test recreates them from here).
-pub const LAYOUTS: [Layout; 2] = [
+pub const LAYOUTS: [Layout; 3] = [
     // Layout 1. `CtEntry` was 16 bytes in its first builds (no route cache) and 40 later,
     // without a version change: the agent migrates both.
     Layout {
@@ -751,6 +792,78 @@ pub const LAYOUTS: [Layout; 2] = [
             ),
         ],
     },
+    // Layout 3: the per-endpoint counters and stack-flow marks in arrays indexed by the
+    // endpoint's slot (in `EndpointInfo` and `LocalEndpoint`), overflow marks apart from the
+    // plain ones; the endpoints also in a direct-mapped array by ifindex.
+    Layout {
+        version: 3,
+        maps: &[
+            m(
+                STACK_FLOWS_MAP,
+                BPF_MAP_TYPE_HASH,
+                40,
+                16,
+                MAX_STACK_FLOWS,
+                1,
+            ),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_ARRAY, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                STACK_OVERFLOW_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                4,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(
+                STACK_CLEARED_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                4,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_ARRAY,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 32, MAX_ENDPOINTS, 0),
+            m(
+                ENDPOINTS_DIRECT_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                40,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 16, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 16, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
+            m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
+            m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+        ],
+    },
 ];
 
 /// The layout with this version, if one was published.
@@ -779,6 +892,7 @@ mod pod {
     // SAFETY (all): plain old data, `#[repr(C)]`, no padding, every bit pattern valid.
     unsafe impl aya::Pod for super::EndpointCounters {}
     unsafe impl aya::Pod for super::EndpointInfo {}
+    unsafe impl aya::Pod for super::DirectEndpoint {}
     unsafe impl aya::Pod for super::LocalEndpoint {}
     unsafe impl aya::Pod for super::DropKey {}
     unsafe impl aya::Pod for super::DropCount {}
@@ -797,7 +911,7 @@ mod tests {
 
     /// The key and value size of every map of this build, from the shared types: what
     /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-    fn sizes_of_this_build() -> [(&'static str, usize, usize); 20] {
+    fn sizes_of_this_build() -> [(&'static str, usize, usize); 22] {
         let lpm = |addr: usize| 4 + addr;
         [
             (
@@ -806,6 +920,7 @@ mod tests {
                 size_of::<StackFlow>(),
             ),
             (STACK_EPS_MAP, size_of::<u32>(), size_of::<u32>()),
+            (STACK_OVERFLOW_MAP, size_of::<u32>(), size_of::<u32>()),
             (STACK_CLEARED_MAP, size_of::<u32>(), size_of::<u32>()),
             (
                 COUNTERS_MAP,
@@ -813,6 +928,11 @@ mod tests {
                 size_of::<EndpointCounters>(),
             ),
             (ENDPOINTS_MAP, size_of::<u32>(), size_of::<EndpointInfo>()),
+            (
+                ENDPOINTS_DIRECT_MAP,
+                size_of::<u32>(),
+                size_of::<DirectEndpoint>(),
+            ),
             (LOCAL_V4_MAP, 4, size_of::<LocalEndpoint>()),
             (LOCAL_V6_MAP, 16, size_of::<LocalEndpoint>()),
             (DROPS_MAP, size_of::<DropKey>(), size_of::<DropCount>()),
@@ -855,7 +975,7 @@ mod tests {
 
     #[test]
     fn layouts_are_append_only() {
-        let versions: [u32; 2] = LAYOUTS.map(|l| l.version);
+        let versions: [u32; 3] = LAYOUTS.map(|l| l.version);
         assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
         assert_eq!(
             versions.last(),
@@ -884,8 +1004,9 @@ mod tests {
     #[test]
     fn layouts_have_no_padding() {
         assert_eq!(size_of::<EndpointCounters>(), 32);
-        assert_eq!(size_of::<EndpointInfo>(), 24);
-        assert_eq!(size_of::<LocalEndpoint>(), 12);
+        assert_eq!(size_of::<EndpointInfo>(), 32);
+        assert_eq!(size_of::<DirectEndpoint>(), 40);
+        assert_eq!(size_of::<LocalEndpoint>(), 16);
         assert_eq!(size_of::<DropKey>(), 8);
         assert_eq!(size_of::<DropCount>(), 16);
         assert_eq!(size_of::<FlowKey>(), 40);

@@ -1,4 +1,5 @@
-//! Per-endpoint packet and byte counters, and the one drop path (tc and XDP).
+//! Per-endpoint packet and byte counters (a per-CPU array indexed by the endpoint's slot), and
+//! the one drop path (tc and XDP).
 
 use aya_ebpf::{
     bindings::{xdp_action::XDP_DROP, TC_ACT_SHOT},
@@ -8,11 +9,11 @@ use calix_common::{DropCount, DropKey, DropReason, EndpointCounters};
 
 use crate::maps::{CALIX_COUNTERS, CALIX_DROPS};
 
-/// Applies `f` to the counters of the endpoint whose host-side veth is `ifindex`, if the agent
-/// registered it. Never creates an entry: an unknown ifindex is simply not counted.
+/// Applies `f` to the counters of the endpoint in `slot` (from its `EndpointInfo` or
+/// `LocalEndpoint`). A slot past the array is not counted.
 #[inline(always)]
-pub fn update(ifindex: u32, f: impl FnOnce(&mut EndpointCounters)) {
-    if let Some(value) = CALIX_COUNTERS.get_ptr_mut(&ifindex) {
+pub fn update(slot: u32, f: impl FnOnce(&mut EndpointCounters)) {
+    if let Some(value) = CALIX_COUNTERS.get_ptr_mut(slot) {
         // SAFETY: the pointer comes from a successful lookup, and the value stays valid until
         // the program returns. A per-CPU value belongs to this CPU and a BPF program runs to
         // completion without migrating, so nothing else writes it meanwhile.
@@ -23,17 +24,17 @@ pub fn update(ifindex: u32, f: impl FnOnce(&mut EndpointCounters)) {
 /// Counts a packet the pod sent.
 #[cfg_attr(feature = "bench-floor", allow(dead_code))]
 #[inline(always)]
-pub fn from_pod(ifindex: u32, len: u64) {
-    update(ifindex, |c| {
+pub fn from_pod(slot: u32, len: u64) {
+    update(slot, |c| {
         c.from_pod_packets = c.from_pod_packets.wrapping_add(1);
         c.from_pod_bytes = c.from_pod_bytes.wrapping_add(len);
     });
 }
 
-/// Counts a packet delivered to the pod behind `ifindex`.
+/// Counts a packet delivered to the pod in `slot`.
 #[inline(always)]
-pub fn to_pod(ifindex: u32, len: u64) {
-    update(ifindex, |c| {
+pub fn to_pod(slot: u32, len: u64) {
+    update(slot, |c| {
         c.to_pod_packets = c.to_pod_packets.wrapping_add(1);
         c.to_pod_bytes = c.to_pod_bytes.wrapping_add(len);
     });
@@ -54,8 +55,10 @@ pub fn drop_xdp(ifindex: u32, reason: DropReason, len: u64) -> u32 {
     XDP_DROP
 }
 
-/// Adds one packet of `len` bytes to the drop counter (ifindex, reason).
-#[inline(always)]
+/// Adds one packet of `len` bytes to the drop counter (ifindex, reason). A function of its
+/// own (a BPF-to-BPF call), not inlined at every drop site: drops are the cold path, and one
+/// copy keeps the programs' hot paths short and close together.
+#[inline(never)]
 fn count_drop(ifindex: u32, reason: u32, len: u64) {
     let key = DropKey { ifindex, reason };
     match CALIX_DROPS.get_ptr_mut(&key) {

@@ -5,9 +5,10 @@
 //! stack routed out of the node (fast-path packets carry a mark) and `from_host_dev` checks.
 //!
 //! The flow lookup costs about as much as the rest of the fast path together (a 40-byte key
-//! hashed into a large LRU table), so the programs also mark the endpoint itself
-//! (`CALIX_STACK_EPS`) and the fast path looks flows up only for marked endpoints: a pod that
-//! never had a flow through the stack pays one small hash lookup instead. Packets the stack
+//! hashed into a large table), so the programs also mark the endpoint itself
+//! (`CALIX_STACK_EPS`, an array indexed by the endpoint's slot) and the fast path looks flows
+//! up only for marked endpoints: a pod that never had a flow through the stack pays one array
+//! lookup (inlined by the verifier) instead. Packets the stack
 //! sends from the node itself (a socket of the node: kubelet probes, hostNetwork clients) are
 //! not recorded: their replies go to the node's own address, which the fast path never takes.
 //!
@@ -18,9 +19,9 @@
 //! also removes entries the host's conntrack has forgotten.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
-use calix_common::{stack_overflow_mark, FlowKey, StackFlow, SF_CLOSING};
+use calix_common::{stack_overflow_mark, FlowKey, StackFlow, SF_CLOSING, STACK_MARKED};
 
-use crate::maps::{CALIX_STACK_CLEARED, CALIX_STACK_EPS, CALIX_STACK_FLOWS};
+use crate::maps::{CALIX_STACK_CLEARED, CALIX_STACK_EPS, CALIX_STACK_FLOWS, CALIX_STACK_OVF};
 use crate::packet::{self, Ipv4, Ipv6, ETH_HLEN};
 
 const BPF_NOEXIST: u64 = 1;
@@ -116,9 +117,10 @@ fn refresh(f: *mut StackFlow, flags: u32, now: u64) {
 }
 
 /// Remembers that the stack handled this flow (closing: a FIN or RST) of the pod whose
-/// host-side veth is `ifindex`. When the table is full, marks the endpoint as overflowing.
+/// endpoint slot is `slot`, and marks the endpoint. When the table is full, marks the
+/// endpoint as overflowing.
 #[inline(always)]
-pub fn record(key: &FlowKey, ifindex: u32, closing: bool) {
+pub fn record(key: &FlowKey, slot: u32, closing: bool) {
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
     let flags = if closing { SF_CLOSING } else { 0 };
@@ -134,19 +136,27 @@ pub fn record(key: &FlowKey, ifindex: u32, closing: bool) {
                 && CALIX_STACK_FLOWS.get_ptr(key).is_none()
             {
                 // Full: this flow is unknown to the fast path, so its endpoint's traffic
-                // must all go to the stack.
-                let mark = stack_overflow_mark(now);
-                // SAFETY: a plain read of a value from a successful lookup.
-                if unsafe { CALIX_STACK_EPS.get(&ifindex) }.copied() != Some(mark) {
-                    let _ = CALIX_STACK_EPS.insert(&ifindex, &mark, 0);
-                }
-                return;
+                // must all go to the stack. The overflow mark first: a reader that sees the
+                // endpoint marked then reads it.
+                set(CALIX_STACK_OVF.get_ptr_mut(slot), stack_overflow_mark(now));
             }
         }
     }
-    // The plain mark never replaces an overflow mark.
-    if CALIX_STACK_EPS.get_ptr(&ifindex).is_none() {
-        let _ = CALIX_STACK_EPS.insert(&ifindex, &0, BPF_NOEXIST);
+    set(CALIX_STACK_EPS.get_ptr_mut(slot), STACK_MARKED);
+}
+
+/// Stores `v` at `p` (an array value) unless it holds it already (no needless write to a line
+/// other CPUs read).
+#[inline(always)]
+fn set(p: Option<*mut u32>, v: u32) {
+    if let Some(p) = p {
+        // SAFETY: a pointer from a successful array lookup, valid until the program returns;
+        // volatile: the stores keep their order (overflow mark, then the mark).
+        unsafe {
+            if core::ptr::read_volatile(p) != v {
+                core::ptr::write_volatile(p, v);
+            }
+        }
     }
 }
 
@@ -165,21 +175,23 @@ pub fn has_ports_v6(ip: &Ipv6) -> bool {
     matches!(ip.next_hdr, packet::IPPROTO_TCP | packet::IPPROTO_UDP) && ip.payload_len >= 4
 }
 
-/// Whether the fast path may take this packet of the pod whose host-side veth is `ifindex`:
-/// it has a flow key (`has_ports` says so without reading it; else `key` builds it) and the
+/// Whether the fast path may take this packet of the pod whose endpoint slot is `slot`: it
+/// has a flow key (`has_ports` says so without reading it; else `key` builds it) and the
 /// stack did not handle the flow's other direction. The key is built only when needed.
 /// An endpoint that overflowed the table sends everything the check covers to the stack.
 #[inline(always)]
-pub fn fast_path_ok(ifindex: u32, has_ports: bool, key: impl FnOnce() -> Option<FlowKey>) -> bool {
-    // SAFETY: a plain read of a value from a successful lookup.
-    let mark = unsafe { CALIX_STACK_EPS.get(&ifindex) }.copied();
-    let marked = mark.is_some();
+pub fn fast_path_ok(slot: u32, has_ports: bool, key: impl FnOnce() -> Option<FlowKey>) -> bool {
+    let read = |p: Option<*const u32>| {
+        // SAFETY: a pointer from a successful array lookup, valid until the program returns.
+        p.map_or(0, |p| unsafe { core::ptr::read_volatile(p) })
+    };
+    let marked = read(CALIX_STACK_EPS.get_ptr(slot)) != 0;
     if !marked && has_ports {
         return true;
     }
-    if let Some(m) = mark {
-        // SAFETY: as above.
-        if m != 0 && unsafe { CALIX_STACK_CLEARED.get(&ifindex) }.copied() != Some(m) {
+    if marked {
+        let overflow = read(CALIX_STACK_OVF.get_ptr(slot));
+        if overflow != 0 && read(CALIX_STACK_CLEARED.get_ptr(slot)) != overflow {
             return false;
         }
     }

@@ -12,7 +12,7 @@ use aya_ebpf::{
 use calix_common::{LocalEndpoint, HOST_VETH_MAC};
 
 use crate::counters;
-use crate::packet::{v4, v6, Ipv4, Ipv6};
+use crate::packet::{self, v4, v6, Ipv4, Ipv6};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -60,26 +60,32 @@ fn dec_ttl(ctx: &mut TcContext, t: Ttl) -> Result<bool, c_long> {
             sum = (sum & 0xffff) + (sum >> 16);
             sum = (sum & 0xffff) + (sum >> 16);
             let new = (!(sum as u16)).to_be_bytes();
-            ctx.store(v4::TTL, &[ttl - 1, proto, new[0], new[1]], 0)?;
+            packet::store(ctx, v4::TTL, &[ttl - 1, proto, new[0], new[1]])?;
             Ok(true)
         }
         Ttl::V6 { hop_limit } => {
             if hop_limit <= 1 {
                 return Ok(false);
             }
-            ctx.store(v6::HOP_LIMIT, &(hop_limit - 1), 0)?;
+            packet::store(ctx, v6::HOP_LIMIT, &(hop_limit - 1))?;
             Ok(true)
         }
     }
 }
 
-/// Writes the Ethernet destination and source in one store.
+/// Writes the Ethernet destination and source.
 #[inline(always)]
 fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_long> {
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(dst);
-    macs[6..].copy_from_slice(src);
-    ctx.store(0, &macs, 0)
+    let p = packet::linear(ctx, 12).ok_or(-1)? as *mut u8;
+    for i in 0..6 {
+        // SAFETY: the first 12 bytes lie in the linear data (`linear`), made writable by the
+        // kernel before the program ran.
+        unsafe {
+            *p.add(i) = dst[i];
+            *p.add(6 + i) = src[i];
+        }
+    }
+    Ok(())
 }
 
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
@@ -95,7 +101,7 @@ pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, 
 #[inline(always)]
 pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;
-    counters::to_pod(ep.ifindex, u64::from(ctx.len()));
+    counters::to_pod(ep.slot, u64::from(ctx.len()));
     // SAFETY: a plain helper call; the kernel validates the ifindex.
     Ok(unsafe { bpf_redirect_peer(ep.ifindex, 0) } as i32)
 }

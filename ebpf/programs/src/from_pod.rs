@@ -20,9 +20,7 @@ use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOI
 use crate::counters::{self, drop};
 use crate::flows;
 use crate::forward;
-use crate::maps::{
-    CALIX_ENDPOINTS, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6,
-};
+use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
 use crate::nat;
 use crate::packet::{
     self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
@@ -37,14 +35,15 @@ pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
 }
 
 /// The `bench-floor` build's `from_pod`: the least a same-node redirect needs, as the
-/// benchmark's floor. IPv4 only; everything else goes to the stack.
+/// benchmark's floor (direct packet reads, as calix's own). IPv4 only; everything else goes
+/// to the stack.
 #[cfg(feature = "bench-floor")]
 #[inline(always)]
 fn floor(ctx: &mut TcContext) -> Result<i32, c_long> {
     if packet::ethertype(ctx)? != ETH_P_IP {
         return Ok(TC_ACT_OK);
     }
-    let dst: [u8; 4] = ctx.load(packet::ETH_HLEN + 16)?;
+    let dst: [u8; 4] = packet::load(ctx, packet::ETH_HLEN + 16)?;
     match CALIX_LOCAL_V4.get_ptr(&dst) {
         // SAFETY: a pointer from a successful lookup; a plain helper call.
         Some(l) => Ok(unsafe { aya_ebpf::helpers::bpf_redirect_peer((*l).ifindex, 0) } as i32),
@@ -58,15 +57,16 @@ fn full(ctx: &mut TcContext) -> Result<i32, c_long> {
     // SAFETY: `ctx.skb.skb` is the `__sk_buff` the kernel passed to this program; reading a
     // field of it is a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    counters::from_pod(ifindex, u64::from(ctx.len()));
     #[cfg(feature = "upgrade-test")]
     counters::mark_upgrade_build(ctx, ifindex);
-    // An interface the agent has not (or no longer) registered: not ours to judge.
-    let Some(ep) = CALIX_ENDPOINTS.get_ptr(&ifindex) else {
+    // The one lookup by interface: the endpoint's addresses and its slot (its counters and
+    // marks). An interface the agent has not (or no longer) registered: not ours to judge.
+    let Some(ep) = crate::maps::endpoint(ifindex) else {
         return Ok(TC_ACT_OK);
     };
     // SAFETY: a pointer from a successful lookup, valid until the program returns.
-    let ep: EndpointInfo = unsafe { *ep };
+    let ep: &EndpointInfo = unsafe { &*ep };
+    counters::from_pod(ep.slot, u64::from(ctx.len()));
     // A VLAN tag: the kernel moves a received frame's (outer) tag into the skb's metadata
     // before tc runs, and the host stack may still strip priority tags (VLAN 0) after tc and
     // route what is inside, unchecked. A second tag stays in the header.
@@ -78,9 +78,9 @@ fn full(ctx: &mut TcContext) -> Result<i32, c_long> {
         return Ok(drop(ctx, ifindex, DropReason::EtherTypeNotAllowed));
     };
     match ethertype {
-        ETH_P_IP => ipv4(ctx, ifindex, &ep),
-        ETH_P_IPV6 => ipv6(ctx, ifindex, &ep),
-        ETH_P_ARP => arp(ctx, ifindex, &ep),
+        ETH_P_IP => ipv4(ctx, ifindex, ep),
+        ETH_P_IPV6 => ipv6(ctx, ifindex, ep),
+        ETH_P_ARP => arp(ctx, ifindex, ep),
         ETH_P_8021Q | ETH_P_8021AD => Ok(drop(ctx, ifindex, DropReason::VlanTagged)),
         _ => Ok(drop(ctx, ifindex, DropReason::EtherTypeNotAllowed)),
     }
@@ -100,7 +100,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
     if (local.is_some() || remote)
-        && !flows::fast_path_ok(ifindex, flows::has_ports_v4(&ip), || {
+        && !flows::fast_path_ok(ep.slot, flows::has_ports_v4(&ip), || {
             flows::key_v4(ctx, &ip, true)
         })
     {
@@ -108,14 +108,14 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     if let Some(local) = local {
         // SAFETY: as above.
-        let local = unsafe { *local };
-        return forward::to_local(ctx, &local, forward::Ttl::of_v4(&ip));
+        let local = unsafe { &*local };
+        return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip));
     }
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
     }
     if ep.flags & EP_NAT_OUTGOING != 0 {
-        return nat::snat_v4(ctx, ifindex, &ip);
+        return nat::snat_v4(ctx, ifindex, ep.slot, &ip);
     }
     Ok(TC_ACT_OK)
 }
@@ -148,7 +148,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
     if (local.is_some() || remote)
-        && !flows::fast_path_ok(ifindex, flows::has_ports_v6(&ip), || {
+        && !flows::fast_path_ok(ep.slot, flows::has_ports_v6(&ip), || {
             flows::key_v6(ctx, &ip, true)
         })
     {
@@ -156,8 +156,8 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     if let Some(local) = local {
         // SAFETY: as above.
-        let local = unsafe { *local };
-        return forward::to_local(ctx, &local, forward::Ttl::of_v6(&ip));
+        let local = unsafe { &*local };
+        return forward::to_local(ctx, local, forward::Ttl::of_v6(&ip));
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);

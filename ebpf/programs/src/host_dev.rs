@@ -17,34 +17,32 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             let Some(ip) = packet::ipv4(ctx) else {
                 return Ok(TC_ACT_OK);
             };
-            // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
-            if let Some(verdict) = crate::nat::reverse_v4(ctx, &ip)? {
-                return Ok(verdict);
-            }
+            // A pod here first: replies of SNATed flows are addressed to the node, never to a
+            // pod, so pod traffic from other nodes skips the NAT lookup.
             // SAFETY: a pointer from a successful lookup, valid until the program returns.
-            match CALIX_LOCAL_V4.get_ptr(&ip.dst).map(|l| unsafe { *l }) {
-                Some(local)
-                    if flows::fast_path_ok(local.ifindex, flows::has_ports_v4(&ip), || {
-                        flows::key_v4(ctx, &ip, false)
-                    }) =>
-                {
-                    forward::to_local(ctx, &local, forward::Ttl::of_v4(&ip))
+            if let Some(local) = CALIX_LOCAL_V4.get_ptr(&ip.dst).map(|l| unsafe { &*l }) {
+                if !flows::fast_path_ok(local.slot, flows::has_ports_v4(&ip), || {
+                    flows::key_v4(ctx, &ip, false)
+                }) {
+                    return Ok(TC_ACT_OK);
                 }
-                _ => Ok(TC_ACT_OK),
+                return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip));
             }
+            // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
+            Ok(crate::nat::reverse_v4(ctx, &ip)?.unwrap_or(TC_ACT_OK))
         }
         ETH_P_IPV6 => {
             let Some(ip) = packet::ipv6(ctx) else {
                 return Ok(TC_ACT_OK);
             };
             // SAFETY: as above.
-            match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { *l }) {
+            match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { &*l }) {
                 Some(local)
-                    if flows::fast_path_ok(local.ifindex, flows::has_ports_v6(&ip), || {
+                    if flows::fast_path_ok(local.slot, flows::has_ports_v6(&ip), || {
                         flows::key_v6(ctx, &ip, false)
                     }) =>
                 {
-                    forward::to_local(ctx, &local, forward::Ttl::of_v6(&ip))
+                    forward::to_local(ctx, local, forward::Ttl::of_v6(&ip))
                 }
                 _ => Ok(TC_ACT_OK),
             }
@@ -65,19 +63,19 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     // returns.
     let key = match packet::ethertype(ctx)? {
         ETH_P_IP => packet::ipv4(ctx).and_then(|ip| {
-            let local = unsafe { *CALIX_LOCAL_V4.get_ptr(&ip.src)? };
+            let slot = unsafe { (*CALIX_LOCAL_V4.get_ptr(&ip.src)?).slot };
             let closing = flows::closing_v4(ctx, &ip);
-            Some((flows::key_v4(ctx, &ip, true)?, local.ifindex, closing))
+            Some((flows::key_v4(ctx, &ip, true)?, slot, closing))
         }),
         ETH_P_IPV6 => packet::ipv6(ctx).and_then(|ip| {
-            let local = unsafe { *CALIX_LOCAL_V6.get_ptr(&ip.src)? };
+            let slot = unsafe { (*CALIX_LOCAL_V6.get_ptr(&ip.src)?).slot };
             let closing = flows::closing_v6(ctx, &ip);
-            Some((flows::key_v6(ctx, &ip, true)?, local.ifindex, closing))
+            Some((flows::key_v6(ctx, &ip, true)?, slot, closing))
         }),
         _ => None,
     };
-    if let Some((k, ifindex, closing)) = key {
-        flows::record(&k, ifindex, closing);
+    if let Some((k, slot, closing)) = key {
+        flows::record(&k, slot, closing);
     }
     Ok(TC_ACT_OK)
 }

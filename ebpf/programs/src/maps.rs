@@ -6,13 +6,13 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
 };
 use calix_common::{
-    CtEntry, CtKey, DropCount, DropKey, EndpointCounters, EndpointInfo, FailsafePort, FlowKey,
-    LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS,
-    MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_POOLS,
-    MAX_STACK_FLOWS,
+    direct_bucket, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey, EndpointCounters,
+    EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES,
+    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS,
+    MAX_NO_SNAT_CIDRS, MAX_POOLS, MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -21,23 +21,47 @@ use calix_common::{
 pub static CALIX_STACK_FLOWS: HashMap<FlowKey, StackFlow> =
     HashMap::pinned(MAX_STACK_FLOWS, BPF_F_NO_PREALLOC);
 
-/// Endpoints (host-side veth ifindex) with a flow in `CALIX_STACK_FLOWS` (value: 0, or an
-/// overflow mark).
+/// Endpoint slot → `STACK_MARKED` when the endpoint has a flow in `CALIX_STACK_FLOWS`.
 #[map(name = "CALIX_STACK_EPS")]
-pub static CALIX_STACK_EPS: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_STACK_EPS: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
 
-/// Endpoint → the overflow mark the agent has cleared.
+/// Endpoint slot → its overflow mark (0: none).
+#[map(name = "CALIX_STACK_OVF")]
+pub static CALIX_STACK_OVF: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
+
+/// Endpoint slot → the overflow mark the agent has cleared.
 #[map(name = "CALIX_STACK_CLEARED")]
-pub static CALIX_STACK_CLEARED: HashMap<u32, u32> = HashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_STACK_CLEARED: Array<u32> = Array::pinned(MAX_ENDPOINTS, 0);
 
-/// Host-side veth ifindex → that endpoint's counters. The agent creates and deletes the entries.
+/// Endpoint slot → that endpoint's counters. The agent zeroes a slot when it hands it out.
 #[map(name = "CALIX_COUNTERS")]
-pub static CALIX_COUNTERS: PerCpuHashMap<u32, EndpointCounters> =
-    PerCpuHashMap::pinned(MAX_ENDPOINTS, 0);
+pub static CALIX_COUNTERS: PerCpuArray<EndpointCounters> = PerCpuArray::pinned(MAX_ENDPOINTS, 0);
 
-/// Host-side veth ifindex → the addresses the endpoint may send from.
+/// Host-side veth ifindex → the addresses the endpoint may send from, and its slot.
 #[map(name = "CALIX_ENDPOINTS")]
 pub static CALIX_ENDPOINTS: HashMap<u32, EndpointInfo> = HashMap::pinned(MAX_ENDPOINTS, 0);
+
+/// The same, direct-mapped by ifindex (see `calix_common::ENDPOINTS_DIRECT_MAP`).
+#[map(name = "CALIX_EP_DIRECT")]
+pub static CALIX_EP_DIRECT: Array<DirectEndpoint> = Array::pinned(MAX_ENDPOINTS, 0);
+
+/// The endpoint whose host veth is `ifindex`: from its direct-mapped bucket when the bucket
+/// holds it (an array lookup, inlined by the verifier), else from the hash map. `None`: not
+/// an endpoint the agent registered. The pointer is valid until the program returns.
+#[inline(always)]
+pub fn endpoint(ifindex: u32) -> Option<*const EndpointInfo> {
+    if let Some(d) = CALIX_EP_DIRECT.get_ptr(direct_bucket(ifindex)) {
+        // SAFETY: a pointer from a successful array lookup, valid until the program returns.
+        // The agent may rewrite the bucket meanwhile: each field is read as written (aligned
+        // words), and a bucket is only ever handed from a gone endpoint to a new one whose
+        // interface runs no program yet.
+        if unsafe { (*d).ifindex } == ifindex {
+            // SAFETY: as above.
+            return Some(unsafe { &(*d).info });
+        }
+    }
+    CALIX_ENDPOINTS.get_ptr(&ifindex)
+}
 
 /// A local pod's IPv4 address → where to deliver to it.
 #[map(name = "CALIX_LOCAL_V4")]
@@ -122,12 +146,20 @@ const _: () = assert!(crate::str_eq(
     "CALIX_STACK_EPS"
 ));
 const _: () = assert!(crate::str_eq(
+    calix_common::STACK_OVERFLOW_MAP,
+    "CALIX_STACK_OVF"
+));
+const _: () = assert!(crate::str_eq(
     calix_common::STACK_CLEARED_MAP,
     "CALIX_STACK_CLEARED"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::ENDPOINTS_MAP,
     "CALIX_ENDPOINTS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::ENDPOINTS_DIRECT_MAP,
+    "CALIX_EP_DIRECT"
 ));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V4_MAP, "CALIX_LOCAL_V4"));
 const _: () = assert!(crate::str_eq(calix_common::LOCAL_V6_MAP, "CALIX_LOCAL_V6"));

@@ -292,7 +292,7 @@ fn rewrite_ip(ctx: &mut TcContext, ip: &Ipv4, src: bool, addr: [u8; 4]) -> Resul
         d[2],
         d[3],
     ];
-    ctx.store(ETH_HLEN + 8, &h, 0)
+    crate::packet::store(ctx, ETH_HLEN + 8, &h)
 }
 
 /// A route out of an uplink, from the FIB or from a flow's cache.
@@ -374,7 +374,7 @@ fn send_out(
     // Tell `to_host_dev` this packet took the fast path.
     ctx.set_mark(calix_common::FAST_PATH_MARK);
     if let Some(m) = r.macs {
-        ctx.store(0, &m, 0)?;
+        crate::packet::store(ctx, 0, &m)?;
         // SAFETY: a plain helper call.
         return Ok(unsafe { bpf_redirect(r.ifindex, 0) } as i32);
     }
@@ -390,7 +390,7 @@ fn send_out(
 /// route is reused from the entry for up to [`ROUTE_CACHE_NS`]. Only a new flow pays the
 /// exclusion lookup, the FIB and the port allocation.
 #[inline(always)]
-pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_long> {
+pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, slot: u32, ip: &Ipv4) -> Result<i32, c_long> {
     let Some(cfg) = conntrack::config() else {
         return Ok(TC_ACT_OK);
     };
@@ -460,7 +460,7 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, ip: &Ipv4) -> Result<i32, c_lo
     };
     // The reply of a flow the stack delivered (a hostPort, a service): the stack must undo
     // its own NAT.
-    if !flows::fast_path_ok(ifindex, flows::has_ports_v4(ip), || {
+    if !flows::fast_path_ok(slot, flows::has_ports_v4(ip), || {
         flows::key_v4(ctx, ip, true)
     }) {
         return Ok(TC_ACT_OK);

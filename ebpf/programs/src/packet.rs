@@ -1,8 +1,47 @@
-//! Header offsets and reads. The tc programs read everything with `bpf_skb_load_bytes`
-//! (`ctx.load`), which fails cleanly on a short packet instead of needing bounds proofs for the
-//! verifier; XDP (`xdp.rs`) uses direct packet access with its own bounds checks.
+//! Header offsets and reads. The tc programs read and write the headers at fixed offsets
+//! (Ethernet, the IPv4 and IPv6 fixed headers: the fast path) with direct packet access
+//! ([`linear`], [`load`], [`store`]); everything past them (transport headers, extension
+//! headers, ICMP payloads) with the helpers (`ctx.load`, `ctx.store`), which fail cleanly on a
+//! short packet instead of needing bounds proofs for the verifier. XDP (`xdp.rs`) uses direct
+//! packet access with its own bounds checks.
+
+use core::mem::size_of;
 
 use aya_ebpf::{cty::c_long, programs::TcContext};
+
+/// The address of the frame's first `len` bytes, once they are in the skb's linear data:
+/// where the kernel keeps the headers of nearly every packet, else pulled there
+/// (`bpf_skb_pull_data`). `None` when the frame is shorter. Valid until the next helper that
+/// changes the packet (a store, a checksum update, a pull); `len` must be a constant at every
+/// call site (the verifier refuses a packet pointer moved by an offset it cannot bound).
+#[inline(always)]
+pub fn linear(ctx: &TcContext, len: usize) -> Option<usize> {
+    if ctx.data() + len > ctx.data_end() {
+        ctx.pull_data(len as u32).ok()?;
+    }
+    let (data, end) = (ctx.data(), ctx.data_end());
+    (data + len <= end).then_some(data)
+}
+
+/// Reads a `T` at `off` bytes into the frame (through [`linear`]: `off` a constant).
+#[inline(always)]
+pub fn load<T: Copy>(ctx: &TcContext, off: usize) -> Result<T, c_long> {
+    let base = linear(ctx, off + size_of::<T>()).ok_or(-1)?;
+    // SAFETY: the bytes lie below the end of the linear data (checked by `linear`, and by the
+    // verifier); `read_unaligned`: headers sit at any alignment.
+    Ok(unsafe { core::ptr::read_unaligned((base + off) as *const T) })
+}
+
+/// Writes `v` at `off` bytes into the frame, no checksum updated (through [`linear`]: `off` a
+/// constant). A program that writes packets directly makes the kernel unclone a cloned skb's
+/// header before it runs.
+#[inline(always)]
+pub fn store<T: Copy>(ctx: &mut TcContext, off: usize, v: &T) -> Result<(), c_long> {
+    let base = linear(ctx, off + size_of::<T>()).ok_or(-1)?;
+    // SAFETY: as in `load`; the kernel made the header writable (see above).
+    unsafe { core::ptr::write_unaligned((base + off) as *mut T, *v) };
+    Ok(())
+}
 
 pub const ETH_HLEN: usize = 14;
 pub const ETH_P_IP: u16 = 0x0800;
@@ -39,7 +78,7 @@ pub mod arp {
 /// The frame's EtherType (host order).
 #[inline(always)]
 pub fn ethertype(ctx: &TcContext) -> Result<u16, c_long> {
-    Ok(u16::from_be(ctx.load::<u16>(12)?))
+    Ok(u16::from_be(load::<u16>(ctx, 12)?))
 }
 
 /// An IPv4 header that passed validation.
@@ -65,11 +104,12 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     if len < ETH_HLEN + v4::MIN_LEN {
         return None;
     }
-    // The fixed header in one helper call.
-    let h: [u8; v4::MIN_LEN] = ctx.load(ETH_HLEN).ok()?;
-    let ver_ihl = h[0];
+    let p = linear(ctx, ETH_HLEN + v4::MIN_LEN)? as *const u8;
+    // SAFETY: the header lies in the linear data (`linear`).
+    let b = |i: usize| unsafe { *p.add(ETH_HLEN + i) };
+    let ver_ihl = b(0);
     let ihl = usize::from(ver_ihl & 0x0f) * 4;
-    let tot_len = u16::from_be_bytes([h[2], h[3]]);
+    let tot_len = u16::from_be_bytes([b(2), b(3)]);
     if ver_ihl >> 4 != 4
         || ihl < v4::MIN_LEN
         || usize::from(tot_len) < ihl
@@ -77,16 +117,15 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
     {
         return None;
     }
-    let frag = u16::from_be_bytes([h[6], h[7]]);
     Some(Ipv4 {
-        src: [h[12], h[13], h[14], h[15]],
-        dst: [h[16], h[17], h[18], h[19]],
-        proto: h[9],
+        src: [b(12), b(13), b(14), b(15)],
+        dst: [b(16), b(17), b(18), b(19)],
+        proto: b(9),
         tot_len,
         ihl,
-        fragment: frag & 0x3fff != 0,
-        ttl: h[8],
-        csum: [h[10], h[11]],
+        fragment: (b(6) & 0x3f) | b(7) != 0,
+        ttl: b(8),
+        csum: [b(10), b(11)],
     })
 }
 
@@ -106,8 +145,7 @@ pub fn ipv6(ctx: &TcContext) -> Option<Ipv6> {
     if len < ETH_HLEN + v6::LEN {
         return None;
     }
-    // The fixed header in one helper call.
-    let h: [u8; v6::LEN] = ctx.load(ETH_HLEN).ok()?;
+    let h: [u8; v6::LEN] = load(ctx, ETH_HLEN).ok()?;
     let payload_len = u16::from_be_bytes([h[4], h[5]]);
     if h[0] >> 4 != 6 || ETH_HLEN + v6::LEN + usize::from(payload_len) > len {
         return None;

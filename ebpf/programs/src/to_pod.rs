@@ -9,7 +9,12 @@ use crate::{counters, flows};
 pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     // SAFETY: a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    counters::to_pod(ifindex, u64::from(ctx.len()));
+    // An interface the agent has not (or no longer) registered: nothing to count or record.
+    // SAFETY: a plain read of a value from a successful lookup.
+    let Some(slot) = crate::maps::endpoint(ifindex).map(|e| unsafe { (*e).slot }) else {
+        return Ok(TC_ACT_OK);
+    };
+    counters::to_pod(slot, u64::from(ctx.len()));
     // SAFETY: as above. A packet the node itself sent (no input interface: it was not
     // forwarded): its replies go to the node's own address, never the fast path; nothing to
     // record.
@@ -25,7 +30,7 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
         _ => None,
     };
     if let Some((k, closing)) = key {
-        flows::record(&k, ifindex, closing);
+        flows::record(&k, slot, closing);
     }
     Ok(TC_ACT_OK)
 }
