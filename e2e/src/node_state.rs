@@ -1,6 +1,6 @@
 //! What calix has on a node, seen from outside as an operator would look: the conflist in the
 //! node's CNI config dir, the pins under the bpffs, the routes of calix's protocol (202), the
-//! VXLAN devices, the nftables tables, BPF programs on the uplink and `cali*` links.
+//! VXLAN devices, the nftables tables, BPF programs on any device and `cali*` links.
 use std::path::PathBuf;
 
 use calix_testbed::Netns;
@@ -40,12 +40,15 @@ pub fn calix_on(ns: &Netns, paths: &NodePaths) -> Vec<String> {
     {
         found.push(format!("nftables table {t}"));
     }
-    let progs = ns.exec(&["bpftool", "-j", "net", "show", "dev", "eth0"]);
-    let progs: Value = serde_json::from_slice(&progs.stdout).unwrap_or(Value::Null);
-    for section in ["xdp", "tc", "tcx"] {
-        for p in progs[0][section].as_array().into_iter().flatten() {
-            found.push(format!("{section} program {} on eth0", p["name"]));
-        }
+    // Every device's tc (cls_bpf and tcx) and XDP programs (tcx from the kernel: Debian's
+    // bpftool does not list tcx links).
+    match calix_testbed::bpf::attached(ns) {
+        Ok(progs) => found.extend(
+            progs
+                .iter()
+                .map(|p| format!("{} program {} on {}", p.hook, p.name, p.dev)),
+        ),
+        Err(e) => found.push(format!("cannot list the BPF programs: {e}")),
     }
     found
 }
