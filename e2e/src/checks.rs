@@ -248,6 +248,13 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
         if let Some(missing) = expected.iter().find(|w| !has(w)) {
             bail!("node {i} before uninstall lacks {missing:?}: {found:?}");
         }
+        if mode == Mode::Ebpf
+            && !found
+                .iter()
+                .any(|f| f.contains("program from_host_dev on eth0"))
+        {
+            bail!("node {i} before uninstall has no from_host_dev on eth0: {found:?}");
+        }
         p.note(&format!("node {i} before: {}", found.join(", ")));
     }
     let started = Instant::now();
