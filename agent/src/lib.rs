@@ -9,6 +9,7 @@ pub mod grpc;
 pub mod instance;
 pub mod ipam;
 pub mod k8s;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod node;

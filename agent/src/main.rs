@@ -129,8 +129,17 @@ fn config(flags: Flags, cluster: Option<&Cluster>) -> Result<AgentConfig> {
     Ok(c)
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Before the runtime's threads exist (calix_agent::memory).
+    calix_agent::memory::configure_allocator();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let flags = Flags::parse();
     let mut cfg = config(flags.clone(), None)?;
     tracing_subscriber::fmt()

@@ -3,20 +3,27 @@
 //! stream ends or cannot be opened, says so (the engine starts the grace period) and tries
 //! again with backoff (100 ms doubling to 5 s, jittered; from the start after a stream that
 //! delivered a snapshot).
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use calix_proto::v1 as pb;
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::ClientConfig;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
+use tonic::body::Body;
+use tonic::codec::Codec;
 
 use super::conn::Conn;
 use super::engine::PeerEvent;
 use super::peers::Target;
 use super::tls;
 use super::wire::{self, Assembler};
+use crate::memory;
 
 /// How this agent dials its peers.
 pub struct Dialer {
@@ -89,16 +96,16 @@ async fn stream(
     delivered: &mut bool,
 ) -> Result<(), String> {
     let channel = connect(peer, &target.endpoint, dialer).await?;
-    let mut client = pb::routes_client::RoutesClient::new(channel)
-        .max_decoding_message_size(wire::MAX_MESSAGE_BYTES);
-    let mut updates = client
-        .watch(pb::WatchRequest {
+    let mut updates = watch(
+        channel,
+        pb::WatchRequest {
             node: dialer.me.clone(),
             relayed: target.relayed,
-        })
-        .await
-        .map_err(|s| format!("watch refused: {}: {}", s.code(), s.message()))?
-        .into_inner();
+        },
+    )
+    .await
+    .map_err(|s| format!("watch refused: {}: {}", s.code(), s.message()))?
+    .into_inner();
     let mut assembler = Assembler::default();
     loop {
         let msg = match updates.message().await {
@@ -124,53 +131,140 @@ async fn stream(
     }
 }
 
-/// A gRPC channel to `endpoint` (`address:port`): TCP, then TLS checking that the server is
-/// node `peer`, HTTP/2 pings every 10 s while idle (a peer that stops answering is dropped
-/// within 15 s).
-pub async fn connect(
-    peer: &str,
-    endpoint: &str,
-    dialer: &Dialer,
-) -> Result<tonic::transport::Channel, String> {
+/// `calix.v1.Routes/Watch` on `channel`: what the generated client does, with the decode
+/// buffer of [`memory::CODEC_BUFFER`] and messages up to [`wire::MAX_MESSAGE_BYTES`].
+pub async fn watch(
+    channel: PeerChannel,
+    req: pb::WatchRequest,
+) -> Result<tonic::Response<tonic::Streaming<pb::RouteUpdate>>, tonic::Status> {
+    let mut grpc =
+        tonic::client::Grpc::new(channel).max_decoding_message_size(wire::MAX_MESSAGE_BYTES);
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unavailable(error_text(&e)))?;
+    let mut req = tonic::Request::new(req);
+    req.extensions_mut()
+        .insert(tonic::GrpcMethod::new("calix.v1.Routes", "Watch"));
+    grpc.server_streaming(
+        req,
+        http::uri::PathAndQuery::from_static("/calix.v1.Routes/Watch"),
+        WatchCodec,
+    )
+    .await
+}
+
+/// prost's codec for `Watch`, with small starting buffers ([`memory::CODEC_BUFFER`]).
+struct WatchCodec;
+
+type Prost = tonic_prost::ProstCodec<pb::WatchRequest, pb::RouteUpdate>;
+
+impl Codec for WatchCodec {
+    type Encode = pb::WatchRequest;
+    type Decode = pb::RouteUpdate;
+    type Encoder = tonic_prost::ProstEncoder<pb::WatchRequest>;
+    type Decoder = tonic_prost::ProstDecoder<pb::RouteUpdate>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        Prost::raw_encoder(memory::codec_buffers())
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        Prost::raw_decoder(memory::codec_buffers())
+    }
+}
+
+/// A connection to a peer: HTTP/2 (hyper) straight on the TLS stream, requests sent with the
+/// peer's address as their authority. Not tonic's `Channel`: a follower makes one request per
+/// connection and reconnects by itself, and the channel's request queue (1024 slots), its
+/// worker task and its reconnect layer were ~12 KiB per peer for nothing ([`memory`]).
+#[derive(Clone)]
+pub struct PeerChannel {
+    send: SendRequest<Body>,
+    authority: http::uri::Authority,
+}
+
+type ResponseFuture = Pin<
+    Box<dyn Future<Output = Result<http::Response<hyper::body::Incoming>, hyper::Error>> + Send>,
+>;
+
+impl tower::Service<http::Request<Body>> for PeerChannel {
+    type Response = http::Response<hyper::body::Incoming>;
+    type Error = hyper::Error;
+    type Future = ResponseFuture;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), hyper::Error>> {
+        self.send.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<Body>) -> ResponseFuture {
+        // tonic's clients send the path only; HTTP/2 needs :scheme and :authority.
+        let mut parts = req.uri().clone().into_parts();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = Some(self.authority.clone());
+        if let Ok(uri) = http::Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+        Box::pin(self.send.send_request(req))
+    }
+}
+
+/// A connection to `endpoint` (`address:port`): TCP, then TLS checking that the server is
+/// node `peer`, then HTTP/2 with [`memory`]'s windows and pings (a peer that stops answering
+/// is dropped within 15 s), all within `dialer.connect_timeout`.
+pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<PeerChannel, String> {
     let server_name = tls::server_name(peer).map_err(|e| e.to_string())?;
-    let addr = endpoint.to_string();
-    let tls_cfg = dialer.tls.clone();
-    let connector = tower::service_fn(move |_: tonic::transport::Uri| {
-        let (addr, tls_cfg, server_name) = (addr.clone(), tls_cfg.clone(), server_name.clone());
-        async move {
-            let tcp = TcpStream::connect(&addr).await?;
-            tcp.set_nodelay(true)?;
-            let conn = match tls_cfg {
-                Some(cfg) => Conn::Tls(Box::new(
-                    tokio_rustls::TlsConnector::from(cfg)
-                        .connect(server_name, tcp)
-                        .await?,
-                )),
-                None => Conn::Plain(tcp),
-            };
-            Ok::<_, std::io::Error>(TokioIo::new(conn))
+    let authority: http::uri::Authority = endpoint
+        .parse()
+        .map_err(|e| format!("bad endpoint {endpoint:?}: {e}"))?;
+    let dial = async {
+        let tcp = TcpStream::connect(endpoint)
+            .await
+            .map_err(|e| error_text(&e))?;
+        tcp.set_nodelay(true).map_err(|e| error_text(&e))?;
+        let conn = match &dialer.tls {
+            Some(cfg) => Conn::Tls(Box::new(
+                tokio_rustls::TlsConnector::from(cfg.clone())
+                    .connect(server_name, tcp)
+                    .await
+                    .map_err(|e| error_text(&e))?,
+            )),
+            None => Conn::Plain(tcp),
+        };
+        hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .initial_stream_window_size(memory::STREAM_WINDOW)
+            .initial_connection_window_size(memory::CONNECTION_WINDOW)
+            .keep_alive_interval(memory::PEER_KEEPALIVE)
+            .keep_alive_timeout(memory::PEER_KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
+            .handshake(TokioIo::new(conn))
+            .await
+            .map_err(|e| error_text(&e))
+    };
+    let (send, connection) = tokio::time::timeout(dialer.connect_timeout, dial)
+        .await
+        .map_err(|_| format!("timed out connecting to {endpoint}"))??;
+    // Ends when the peer closes, or once every `PeerChannel` and stream is dropped.
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %error_text(&e), "routes: connection to a peer ended");
         }
     });
-    tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
-        .map_err(|e| format!("bad endpoint {endpoint:?}: {e}"))?
-        .connect_timeout(dialer.connect_timeout)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .keep_alive_while_idle(true)
-        .connect_with_connector(connector)
-        .await
-        .map_err(|e| {
-            let mut text = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                let more = s.to_string();
-                if !text.contains(&more) {
-                    text = format!("{text}: {more}");
-                }
-                src = s.source();
-            }
-            text
-        })
+    Ok(PeerChannel { send, authority })
+}
+
+/// An error with its sources, as one line.
+fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text = format!("{text}: {more}");
+        }
+        src = s.source();
+    }
+    text
 }
 
 /// ±20 % so that peers of a restarted agent do not all reconnect at once.

@@ -250,3 +250,57 @@ async fn a_watcher_waits_for_the_first_publication_instead_of_an_empty_snapshot(
     }
     follower.abort();
 }
+
+/// The follower's HTTP/2 windows ([`crate::memory::STREAM_WINDOW`]) pace a stream, they do not
+/// cap it: a snapshot of 20,000 routes in messages each larger than the window arrives whole.
+#[tokio::test]
+async fn a_snapshot_larger_than_the_window_arrives() {
+    use tonic_prost::prost::Message;
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server(&ca, Limits::default()).await;
+    // The longest node name a route may carry: ~230 bytes a route on the wire.
+    let node = "n".repeat(253);
+    let set: BTreeMap<_, _> = (0..20_000u32)
+        .map(|i| {
+            let r = Route {
+                prefix: ipnet::IpNet::from(std::net::IpAddr::from(std::net::Ipv4Addr::from(
+                    0x0a00_0000 + i,
+                ))),
+                node: node.clone(),
+                next_hop: "192.0.2.1".parse().expect("ip"),
+            };
+            (r.prefix, r)
+        })
+        .collect();
+    let messages = super::wire::encode_snapshot(&super::feed::Snapshot {
+        generation: 1,
+        routes: set.values().cloned().collect(),
+    });
+    let smallest = messages.iter().map(|m| m.encoded_len()).min().unwrap_or(0);
+    let window = crate::memory::STREAM_WINDOW as usize;
+    assert!(
+        messages.len() > 1 && smallest > window,
+        "{} messages of at least {smallest} bytes against a window of {window}",
+        messages.len()
+    );
+    s.own.publish(&set, Instant::now());
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        connect_timeout: Duration::from_secs(3),
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    match next(&mut rx).await {
+        PeerEvent::Snapshot { routes, .. } => {
+            assert_eq!(routes.len(), set.len());
+            assert!(routes.iter().all(|r| set.get(&r.prefix) == Some(r)));
+        }
+        other => panic!("{other:?}"),
+    }
+    follower.abort();
+}
