@@ -2,70 +2,14 @@
 //! namespace of its own, driven through the agents' gRPC API.
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use calix_proto::v1 as pb;
 use calix_testbed::{Dataplane, EtcdNs, Node, Tmpfs};
+use common::{allocate, allocate_many, client, findings_of, ipam_json, rt, Client};
 use serde_json::Value;
-
-type Client = pb::ipam_client::IpamClient<tonic::transport::Channel>;
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
-async fn client(node: &Node) -> Client {
-    // Generous: callers of an agent whose etcd restarts wait out the agent's retries.
-    let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(60))
-        .await
-        .expect("connect to agent");
-    pb::ipam_client::IpamClient::new(ch)
-}
-
-async fn allocate(mut c: Client, handle: String) -> Result<IpAddr, tonic::Status> {
-    let r = c
-        .allocate(pb::AllocateRequest {
-            handle,
-            ifname: "eth0".into(),
-            ipv4: true,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let a = &r.addresses[0].address;
-    Ok(a.split('/').next().unwrap_or(a).parse().expect("address"))
-}
-
-/// `n` allocations with handles `<tag>-<i>`, `in_flight` at a time; each result in order.
-async fn allocate_many(
-    c: &Client,
-    tag: &str,
-    n: usize,
-    in_flight: usize,
-) -> Vec<(String, Result<IpAddr, tonic::Status>)> {
-    let sem = Arc::new(tokio::sync::Semaphore::new(in_flight));
-    let mut tasks = Vec::new();
-    for i in 0..n {
-        let handle = format!("net.{tag}-{i}");
-        let c = c.clone();
-        let sem = sem.clone();
-        tasks.push(tokio::spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("semaphore");
-            let r = allocate(c, handle.clone()).await;
-            (handle, r)
-        }));
-    }
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.expect("join"));
-    }
-    out
-}
 
 /// Agent config on etcd at `url`; `extra` may bring its own `[[pools]]` (else 10.60.0.0/20).
 /// Asserts that `handle` (ifname eth0) holds exactly `addr` now.
@@ -100,23 +44,6 @@ fn etcd_node(etcd: &EtcdNs, extra: &str) -> Node {
     let node = probe.with_config(&etcd_config(&url, extra));
     node.start_agent();
     node
-}
-
-fn ipam_json(node: &Node, what: &str) -> Value {
-    let out = node.calixctl(&["ipam", what, "-o", "json"]);
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "calixctl ipam {what}: {e}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-fn findings_of(report: &Value, kind: &str) -> Vec<Value> {
-    report["findings"]
-        .as_array()
-        .map(|f| f.iter().filter(|x| x["kind"] == kind).cloned().collect())
-        .unwrap_or_default()
 }
 
 #[test]
