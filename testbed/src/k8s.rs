@@ -282,22 +282,11 @@ impl KubeApi {
         namespace: &str,
         name: &str,
     ) -> Result<()> {
-        let (ar, ns, name) = named(api_version, kind, Some(namespace), name)?;
-        self.with_client(move |c| async move {
-            let api = dynamic_api(c, &ar, ns.as_deref());
-            let dp = kube::api::DeleteParams {
-                grace_period_seconds: Some(0),
-                ..Default::default()
-            };
-            match api.delete(&name, &dp).await {
-                Ok(_) => Ok(()),
-                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                Err(e) => Err(Error::Kube {
-                    what: format!("delete {} {name}", ar.kind),
-                    detail: e.to_string(),
-                }),
-            }
-        })
+        let dp = kube::api::DeleteParams {
+            grace_period_seconds: Some(0),
+            ..Default::default()
+        };
+        self.delete_with(api_version, kind, Some(namespace), name, dp)
     }
 
     /// A ServiceAccount `namespace/name` bound (ClusterRoleBinding `name`) to the ClusterRole
@@ -386,10 +375,22 @@ impl KubeApi {
 
     /// Deletes the cluster-scoped object `kind` `name` of `api_version` (gone already: fine).
     pub fn delete(&self, api_version: &str, kind: &str, name: &str) -> Result<()> {
-        let (ar, _, name) = named(api_version, kind, None, name)?;
+        self.delete_with(api_version, kind, None, name, Default::default())
+    }
+
+    /// Deletes `kind` `name` (in `namespace` when given) with `dp`; gone already: fine.
+    fn delete_with(
+        &self,
+        api_version: &str,
+        kind: &str,
+        namespace: Option<&str>,
+        name: &str,
+        dp: kube::api::DeleteParams,
+    ) -> Result<()> {
+        let (ar, ns, name) = named(api_version, kind, namespace, name)?;
         self.with_client(move |c| async move {
-            let api: Api<kube::api::DynamicObject> = Api::all_with(c, &ar);
-            match api.delete(&name, &Default::default()).await {
+            let api = dynamic_api(c, &ar, ns.as_deref());
+            match api.delete(&name, &dp).await {
                 Ok(_) => Ok(()),
                 Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
                 Err(e) => Err(Error::Kube {
@@ -430,18 +431,7 @@ impl KubeApi {
         namespace: &str,
         name: &str,
     ) -> Result<()> {
-        let (ar, ns, name) = named(api_version, kind, Some(namespace), name)?;
-        self.with_client(move |c| async move {
-            let api = dynamic_api(c, &ar, ns.as_deref());
-            match api.delete(&name, &Default::default()).await {
-                Ok(_) => Ok(()),
-                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                Err(e) => Err(Error::Kube {
-                    what: format!("delete {} {name}", ar.kind),
-                    detail: e.to_string(),
-                }),
-            }
-        })
+        self.delete_with(api_version, kind, Some(namespace), name, Default::default())
     }
 
     /// Stops the API server (SIGKILL: a crash); etcd keeps running.
