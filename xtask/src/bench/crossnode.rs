@@ -37,7 +37,7 @@ use serde_json::json;
 
 use super::harness::{check_interrupted, order, repetition, version, Bench, Machine};
 use super::report::{
-    busy_note, fmt_0, fmt_1, fmt_2, median, panel, ratio, targets, Series, Traffic as Samples,
+    busy_note, fmt_0, fmt_1, fmt_2, median, ratio, targets, Series, Traffic as Samples,
 };
 
 /// Node 0 and 1 on subnet 1, node 2 on subnet 2.
@@ -840,32 +840,12 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             .map(|&v| (v.label(), v.info().2, f(r.get(v))))
             .collect()
     };
-    panel(
-        &panels[0],
-        "connections/s (TCP_CRR), higher is better",
-        "conn/s",
-        &["TCP_CRR"],
+    super::report::traffic_panels(
+        &panels,
+        "TCP_CRR",
         &series(&|s| vec![Some(median(&s.crr))]),
-        &|_, _, v| fmt_0(v),
-        None,
-    )?;
-    panel(
-        &panels[1],
-        "TCP_RR round trip (µs), lower is better",
-        "µs",
-        &["p50", "p99"],
         &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &|_, _, v| fmt_1(v),
-        None,
-    )?;
-    panel(
-        &panels[2],
-        "throughput (iperf3 cubic), higher is better",
-        "Gbit/s",
-        &["1 stream"],
         &series(&|s| vec![Some(median(&s.gbps))]),
-        &|_, _, v| fmt_1(v),
-        None,
     )?;
     root.present()?;
     Ok(())

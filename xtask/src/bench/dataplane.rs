@@ -38,8 +38,7 @@ use super::harness::{
     check_interrupted, cni_plugins_version, order, repetition, version, Bench, Machine,
 };
 use super::report::{
-    busy_note, fmt_1, fmt_2, fmt_spread_with, median, panel, ratio, targets, Series,
-    Traffic as Samples,
+    busy_note, fmt_1, fmt_2, fmt_spread_with, median, ratio, targets, Series, Traffic as Samples,
 };
 
 const BRIDGE_SUBNET: &str = "10.245.0.0/24";
@@ -719,32 +718,12 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             .map(|&v| (v.label(), v.info().2, f(r.get(v))))
             .collect()
     };
-    panel(
-        &panels[0],
-        "connections/s (TCP_CRR), higher is better",
-        "conn/s",
-        &["TCP_CRR"],
+    super::report::traffic_panels(
+        &panels,
+        "TCP_CRR",
         &series(&|s| vec![Some(median(&s.crr))]),
-        &|_, _, v| super::report::fmt_0(v),
-        None,
-    )?;
-    panel(
-        &panels[1],
-        "TCP_RR round trip (µs), lower is better",
-        "µs",
-        &["p50", "p99"],
         &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &|_, _, v| fmt_1(v),
-        None,
-    )?;
-    panel(
-        &panels[2],
-        "throughput (iperf3 cubic), higher is better",
-        "Gbit/s",
-        &["1 stream"],
         &series(&|s| vec![Some(median(&s.gbps))]),
-        &|_, _, v| fmt_1(v),
-        None,
     )?;
     root.present()?;
     Ok(())

@@ -383,6 +383,48 @@ where
 }
 
 /// A white SVG chart of `size` pixels at `path`, titled: the start of every bench's chart.
+/// The traffic benches' three panels side by side: connections/s (TCP_CRR, one group named
+/// `crr_group`), the TCP_RR round trip (p50, p99) and iperf3 throughput; each series' values
+/// given per panel.
+pub fn traffic_panels<DB: plotters::prelude::DrawingBackend>(
+    panels: &[plotters::prelude::DrawingArea<DB, plotters::coord::Shift>],
+    crr_group: &str,
+    crr: &[Series],
+    rr: &[Series],
+    gbps: &[Series],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    panel(
+        &panels[0],
+        "connections/s (TCP_CRR), higher is better",
+        "conn/s",
+        &[crr_group],
+        crr,
+        &|_, _, v| fmt_0(v),
+        None,
+    )?;
+    panel(
+        &panels[1],
+        "TCP_RR round trip (µs), lower is better",
+        "µs",
+        &["p50", "p99"],
+        rr,
+        &|_, _, v| fmt_1(v),
+        None,
+    )?;
+    panel(
+        &panels[2],
+        "throughput (iperf3 cubic), higher is better",
+        "Gbit/s",
+        &["1 stream"],
+        gbps,
+        &|_, _, v| fmt_1(v),
+        None,
+    )
+}
+
 pub fn chart_root<'a>(
     path: &'a std::path::Path,
     size: (u32, u32),

@@ -1072,32 +1072,12 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             })
             .collect()
     };
-    panel(
-        &panels[0],
-        "connections/s (TCP_CRR), higher is better",
-        "conn/s",
-        &["pod → outside"],
+    super::report::traffic_panels(
+        &panels,
+        "pod → outside",
         &series(&|s| vec![Some(median(&s.crr))]),
-        &|_, _, v| fmt_0(v),
-        None,
-    )?;
-    panel(
-        &panels[1],
-        "TCP_RR round trip (µs), lower is better",
-        "µs",
-        &["p50", "p99"],
         &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &|_, _, v| fmt_1(v),
-        None,
-    )?;
-    panel(
-        &panels[2],
-        "throughput (iperf3 cubic), higher is better",
-        "Gbit/s",
-        &["1 stream"],
         &series(&|s| vec![Some(median(&s.gbps))]),
-        &|_, _, v| fmt_1(v),
-        None,
     )?;
     let dseries: Vec<Series> = FILTERS
         .iter()
