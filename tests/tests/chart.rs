@@ -369,6 +369,10 @@ fn checked() -> &'static Checked {
             json!({"name": "defaults", "values": {}}),
             json!({"name": "all-a", "values": all_a()}),
             json!({"name": "all-b", "values": all_b()}),
+            // The kubernetes datastore with route reflectors: two DaemonSets of one release.
+            json!({"name": "reflectors", "values":
+                {"uplinks": ["eth0"],
+                 "routes": {"enabled": true, "topology": "reflectors", "plaintext": true}}}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -772,11 +776,21 @@ fn the_agent_follows_its_daemonset_to_clean_up_on_uninstall() {
     let args = strings(&pod["containers"][0]["args"]);
     for a in [
         "--owner-daemonset=kube-system/calix",
+        // Its sibling, even in mesh topology: a switch to reflectors and back deletes one.
+        "--sibling-daemonset=kube-system/calix-reflector",
         "--cni-conf=/host/etc/cni/net.d/10-calix.conflist",
     ] {
         assert!(args.contains(&a.to_string()), "{a} not in {args:?}");
     }
     assert!(has_mount(&pod["containers"][0], "/host/etc/cni/net.d"));
+    // With reflectors, each DaemonSet names the other.
+    let r = assert_valid("reflectors");
+    for (ds, sibling) in [("calix", "calix-reflector"), ("calix-reflector", "calix")] {
+        let args =
+            strings(&one(r, "DaemonSet", ds)["spec"]["template"]["spec"]["containers"][0]["args"]);
+        let want = format!("--sibling-daemonset=kube-system/{sibling}");
+        assert!(args.contains(&want), "{ds}: {want} not in {args:?}");
+    }
     // all-a: the etcd datastore (no API to follow the DaemonSet by) and cleanupOnUninstall
     // false: neither the flags nor the Role.
     let case_name = "all-a";
