@@ -1030,3 +1030,93 @@ fn an_uninstall_removes_only_calixs_conflist() {
         );
     }
 }
+
+/// Issue 20, item 8: `routes.reflector_label` reaches every agent. Node 0 carries the custom
+/// label; node 1 carries the old default (`calix.dev/route-reflector`), which must not count:
+/// nodes 1 and 2 follow node 0 alone, node 0 follows both, and their pods reach each other
+/// through it.
+#[test]
+fn a_custom_reflector_label_reaches_every_agent() {
+    let api = KubeApi::shared();
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let u = unique("r");
+    let label = format!("example.com/rr-{u}");
+    let cluster = Cluster::create(Dataplane::Kernel, &[1, 1, 1], |i, c| {
+        let kubeconfig = api.wire(&c.nodes[i].ns).unwrap_or_else(|e| panic!("{e}"));
+        format!(
+            "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n\
+             [kubernetes]\npod_gone_grace_secs = 3600\n{}",
+            kubeconfig.display(),
+            c.routes_config(
+                i,
+                &ca,
+                &format!(
+                    "grace_secs = 5\ntopology = \"reflectors\"\nreflector_label = \"{label}\""
+                )
+            )
+            .unwrap_or_else(|e| panic!("{e}"))
+        )
+    });
+    for i in 0..3 {
+        let mut labels = json!({"calix.dev/test": u});
+        if i == 0 {
+            labels[&label] = json!("true");
+        }
+        if i == 1 {
+            labels["calix.dev/route-reflector"] = json!("true");
+        }
+        node_object(
+            &api,
+            cluster.name(i),
+            labels,
+            &[("InternalIP", &cluster.address(i))],
+        );
+    }
+    api.apply(ippool(&u, "10.76.0.0/16", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    cluster.start();
+    let up = |i: usize| -> Vec<String> {
+        let nodes = cluster.nodes[i]
+            .agent()
+            .calixctl_json(&["nodes"])
+            .unwrap_or_else(|e| panic!("calixctl nodes: {e}"));
+        nodes["peers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["state"] == "up")
+            .filter_map(|p| p["name"].as_str().map(String::from))
+            .collect()
+    };
+    let name = |i: usize| cluster.name(i).to_string();
+    for (i, want) in [
+        (0, vec![name(1), name(2)]),
+        (1, vec![name(0)]),
+        (2, vec![name(0)]),
+    ] {
+        wait_for(
+            &format!("node {i} follows {want:?}"),
+            Duration::from_secs(30),
+            || (up(i) == want).then_some(()),
+            || format!("{:?}\n{}", up(i), cluster.nodes[i].agent_log()),
+        );
+    }
+    let pods: Vec<Pod> = (0..3).map(|i| Pod::add(&cluster.nodes[i], "p")).collect();
+    for (a, b) in [(1, 2), (2, 1), (1, 0)] {
+        wait_for(
+            &format!(
+                "the pod on node {a} reaches the pod on node {b} (through the reflector's routes)"
+            ),
+            Duration::from_secs(20),
+            || pods[a].ns.ping(&pods[b].ip(), 1).then_some(()),
+            || cluster.nodes[a].agent_log(),
+        );
+    }
+    drop(pods);
+    for i in 0..3 {
+        api.delete("v1", "Node", cluster.name(i))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
