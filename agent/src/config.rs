@@ -10,8 +10,13 @@ use crate::paths;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("resync_interval_secs must be at least 1")]
-    ResyncInterval,
+    #[error("{key} = {value} is out of range: {min}–{max}")]
+    OutOfRange {
+        key: &'static str,
+        value: u64,
+        min: u64,
+        max: u64,
+    },
     #[error("cannot read config file {path}")]
     Read {
         path: PathBuf,
@@ -227,6 +232,11 @@ pub struct RoutesConfig {
     pub topology: Topology,
     /// This agent relays every node's routes (with `topology = "reflectors"`).
     pub reflector: bool,
+    /// With the kubernetes datastore: the Node label (`<label> = "true"`) that makes a node a
+    /// route reflector, for its own agent and for every agent following it. The default is
+    /// in `node-restriction.kubernetes.io/`, which a kubelet cannot set on its own Node (the
+    /// NodeRestriction admission plugin), so a node cannot make itself a reflector.
+    pub reflector_label: String,
     /// How long a peer's routes stay after its stream drops (graceful restart), seconds.
     pub grace_secs: u64,
     /// Mutual TLS between nodes: PEM files. The certificate's SAN names this node.
@@ -244,6 +254,7 @@ impl Default for RoutesConfig {
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
+            reflector_label: REFLECTOR_LABEL.into(),
             grace_secs: 120,
             tls: TlsConfig::default(),
             plaintext: false,
@@ -256,16 +267,16 @@ impl RoutesConfig {
         if !self.enabled {
             return Ok(());
         }
-        if self.grace_secs == 0 {
-            return Err(ConfigError::Routes {
-                key: "grace_secs",
-                what: "at least 1",
-            });
-        }
         if self.listen_port().is_none() {
             return Err(ConfigError::Routes {
                 key: "listen",
                 what: "host:port with a port of 1–65535, e.g. \"0.0.0.0:5474\"",
+            });
+        }
+        if !is_label_key(&self.reflector_label) {
+            return Err(ConfigError::Routes {
+                key: "reflector_label",
+                what: "a Kubernetes label key ([prefix/]name, e.g. \"node-restriction.kubernetes.io/calix-route-reflector\")",
             });
         }
         for a in &self.node_addresses {
@@ -289,6 +300,34 @@ impl RoutesConfig {
             .and_then(|(_, port)| port.parse::<u16>().ok())
             .filter(|p| *p != 0)
     }
+}
+
+/// Whether `key` is a Kubernetes label key: an optional DNS subdomain prefix and `/`, then a
+/// name of at most 63 characters of `[A-Za-z0-9_.-]`, starting and ending alphanumeric.
+pub fn is_label_key(key: &str) -> bool {
+    let (prefix, name) = match key.rsplit_once('/') {
+        Some((p, n)) => (Some(p), n),
+        None => (None, key),
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+    let prefix_ok = prefix.is_none_or(|p| {
+        p.len() <= 253
+            && p.split('.').all(|l| {
+                !l.is_empty()
+                    && l.len() <= 63
+                    && l.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && l.ends_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+                    && l.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            })
+    });
+    name_ok && prefix_ok
 }
 
 /// Who follows whom (`routes.topology`).
@@ -321,6 +360,9 @@ impl TlsConfig {
 
 /// The default port of `calix.v1.Routes` between nodes.
 pub const ROUTES_PORT: u16 = 5474;
+
+/// The default `routes.reflector_label`.
+pub const REFLECTOR_LABEL: &str = "node-restriction.kubernetes.io/calix-route-reflector";
 
 /// The VXLAN device (`[vxlan]`), used for pools with `vxlan = "always"`, and with
 /// `"crossSubnet"` for peers outside this node's subnets.
@@ -501,18 +543,6 @@ impl Default for IpamConfig {
 
 impl IpamConfig {
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.max_blocks_per_node == 0 {
-            return Err(ConfigError::Ipam {
-                key: "maxBlocksPerNode",
-                what: "at least 1",
-            });
-        }
-        if self.leak_check_interval_secs == 0 {
-            return Err(ConfigError::Ipam {
-                key: "leakCheckIntervalSecs",
-                what: "at least 1",
-            });
-        }
         Ok(())
     }
 
@@ -580,14 +610,6 @@ impl DatastoreConfig {
         match self.kind.as_str() {
             "embedded" => Ok(()),
             "etcd" if self.endpoints.is_empty() => Err(ConfigError::NoEtcdEndpoints),
-            "etcd" | "kubernetes" if self.timeout_ms == 0 => Err(ConfigError::Datastore {
-                key: "timeout_ms",
-                what: "at least 1",
-            }),
-            "etcd" | "kubernetes" if self.attempts == 0 => Err(ConfigError::Datastore {
-                key: "attempts",
-                what: "at least 1",
-            }),
             "etcd" | "kubernetes" => Ok(()),
             other => Err(ConfigError::DatastoreKind { kind: other.into() }),
         }
@@ -702,6 +724,115 @@ impl PoolConfig {
     }
 }
 
+/// A day, in seconds: the longest most durations of the config may be.
+pub const DAY: u64 = 86_400;
+
+/// One number of the config and its bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounded {
+    /// Its key in the config file (`section.key`).
+    pub key: &'static str,
+    pub value: u64,
+    pub min: u64,
+    pub max: u64,
+}
+
+impl Bounded {
+    fn new(key: &'static str, value: impl Into<u64>, min: u64, max: u64) -> Self {
+        Self {
+            key,
+            value: value.into(),
+            min,
+            max,
+        }
+    }
+
+    fn check(&self) -> Result<(), ConfigError> {
+        if (self.min..=self.max).contains(&self.value) {
+            Ok(())
+        } else {
+            Err(ConfigError::OutOfRange {
+                key: self.key,
+                value: self.value,
+                min: self.min,
+                max: self.max,
+            })
+        }
+    }
+}
+
+impl AgentConfig {
+    /// Every duration and size of the config with its bounds, in one place: what
+    /// [`AgentConfig::validate`] checks, and what the chart's values.schema.json may not exceed
+    /// (tests/tests/chart.rs holds them together). Durations stay far below what an `Instant`
+    /// or a timer can add without overflowing, sizes below what the node can hold.
+    pub fn bounded(&self) -> Vec<Bounded> {
+        let (k, n, i, r, d) = (
+            &self.kubernetes,
+            &self.nat,
+            &self.ipam,
+            &self.routes,
+            &self.datastore,
+        );
+        let week = 7 * DAY;
+        vec![
+            Bounded::new("resync_interval_secs", self.resync_interval_secs, 1, DAY),
+            Bounded::new(
+                "kubernetes.pod_gone_grace_secs",
+                k.pod_gone_grace_secs,
+                0,
+                DAY,
+            ),
+            Bounded::new(
+                "kubernetes.pod_check_interval_secs",
+                k.pod_check_interval_secs,
+                1,
+                3_600,
+            ),
+            Bounded::new("routes.grace_secs", r.grace_secs, 1, DAY),
+            Bounded::new("datastore.timeout_ms", d.timeout_ms, 1, 300_000),
+            Bounded::new("datastore.attempts", d.attempts, 1, 1_000),
+            Bounded::new(
+                "ipam.maxBlocksPerNode",
+                i.max_blocks_per_node as u64,
+                1,
+                65_536,
+            ),
+            Bounded::new(
+                "ipam.leakCheckIntervalSecs",
+                i.leak_check_interval_secs,
+                1,
+                DAY,
+            ),
+            Bounded::new("ipam.leakGraceSecs", i.leak_grace_secs, 0, week),
+            Bounded::new(
+                "ipam.emptyBlockGraceSecs",
+                i.empty_block_grace_secs,
+                0,
+                week,
+            ),
+            Bounded::new("nat.conntrack_entries", n.conntrack_entries, 2, 1 << 24),
+            Bounded::new(
+                "nat.pressure_unanswered_secs",
+                n.pressure_unanswered_secs,
+                1,
+                3_600,
+            ),
+            Bounded::new("nat.tcp_established_secs", n.tcp_established_secs, 1, week),
+            Bounded::new("nat.tcp_syn_secs", n.tcp_syn_secs, 1, 3_600),
+            Bounded::new("nat.tcp_closing_secs", n.tcp_closing_secs, 1, 3_600),
+            Bounded::new("nat.udp_secs", n.udp_secs, 1, DAY),
+            Bounded::new("nat.icmp_secs", n.icmp_secs, 1, 3_600),
+            Bounded::new(
+                "nat.cleaner_interval_secs",
+                n.cleaner_interval_secs,
+                1,
+                3_600,
+            ),
+        ]
+    }
+}
+
 impl AgentConfig {
     /// Reads `path`; a missing file at the default location means "all defaults".
     pub fn load(path: &Path, required: bool) -> Result<Self, ConfigError> {
@@ -735,14 +866,8 @@ impl AgentConfig {
                 name: self.node_name.clone(),
             });
         }
-        if self.resync_interval_secs == 0 {
-            return Err(ConfigError::ResyncInterval);
-        }
-        if self.kubernetes.pod_check_interval_secs == 0 {
-            return Err(ConfigError::Kubernetes {
-                key: "pod_check_interval_secs",
-                what: "at least 1",
-            });
+        for b in self.bounded() {
+            b.check()?;
         }
         self.datastore.validate()?;
         if self.datastore.is_kubernetes() && self.pools_configured {
@@ -941,20 +1066,8 @@ impl AgentConfig {
                 what: "at most 4096 entries together, pools included",
             });
         }
-        let secs = [
-            n.tcp_established_secs,
-            n.tcp_syn_secs,
-            n.tcp_closing_secs,
-            n.udp_secs,
-            n.icmp_secs,
-            n.cleaner_interval_secs,
-            n.pressure_unanswered_secs,
-        ];
-        if secs.contains(&0) {
-            return Err(ConfigError::Nat {
-                key: "*_secs",
-                what: "at least 1",
-            });
+        for b in self.bounded().iter().filter(|b| b.key.starts_with("nat.")) {
+            b.check()?;
         }
         Ok(NatSettings {
             nat_pools: self
@@ -1109,8 +1222,8 @@ mod tests {
         .expect("parse");
         assert!(matches!(
             c.validate(),
-            Err(ConfigError::Datastore {
-                key: "attempts",
+            Err(ConfigError::OutOfRange {
+                key: "datastore.attempts",
                 ..
             })
         ));
@@ -1118,8 +1231,8 @@ mod tests {
         c.datastore.endpoints = vec!["http://127.0.0.1:2379".into()];
         assert!(matches!(
             c.validate(),
-            Err(ConfigError::Datastore {
-                key: "attempts",
+            Err(ConfigError::OutOfRange {
+                key: "datastore.attempts",
                 ..
             })
         ));
@@ -1285,7 +1398,13 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
         let mut bad = c;
         bad.nat.udp_secs = 0;
-        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::OutOfRange {
+                key: "nat.udp_secs",
+                ..
+            })
+        ));
         let d = NatConfig::default();
         assert!(d.port_max < 32768, "below the kernel's ephemeral ports");
     }
@@ -1356,7 +1475,13 @@ mod tests {
         assert_eq!((s.ct_budget, s.pressure_unanswered.as_secs()), (0, 5));
         let mut bad = c.clone();
         bad.nat.pressure_unanswered_secs = 0;
-        assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::OutOfRange {
+                key: "nat.pressure_unanswered_secs",
+                ..
+            })
+        ));
         let mut bad = c.clone();
         bad.nat.conntrack_flows_per_endpoint = Some(u32::MAX);
         assert!(matches!(bad.validate(), Err(ConfigError::Nat { .. })));
@@ -1471,5 +1596,86 @@ mod tests {
             ..RoutesConfig::default()
         };
         off.validate().expect("routes off");
+    }
+
+    /// A config with `key` (`section.name` or `name`) set to `value`, with what validation
+    /// needs besides (a node name; routes on over plain text, so that routes.* counts).
+    fn with(key: &str, value: u64) -> Result<AgentConfig, String> {
+        let (section, name) = key.split_once('.').unwrap_or(("", key));
+        let mut text = "node_name = \"n\"\nuplinks = [\"eth0\"]\n".to_string();
+        if section.is_empty() {
+            text.push_str(&format!("{name} = {value}\n"));
+        }
+        let mut routes = "[routes]\nenabled = true\nplaintext = true\n".to_string();
+        if section == "routes" {
+            routes.push_str(&format!("{name} = {value}\n"));
+        } else if !section.is_empty() {
+            text.push_str(&format!("[{section}]\n{name} = {value}\n"));
+        }
+        text.push_str(&routes);
+        let c = AgentConfig::from_toml(&text).map_err(|e| format!("{text}: {e}"))?;
+        c.validate().map_err(|e| e.to_string())?;
+        Ok(c)
+    }
+
+    #[test]
+    fn every_duration_and_size_has_a_bound_and_one_past_it_is_refused_naming_it() {
+        let c = AgentConfig::default();
+        for b in c.bounded() {
+            with(b.key, b.max).unwrap_or_else(|e| panic!("{}'s maximum is refused: {e}", b.key));
+            let e = with(b.key, b.max + 1).expect_err(b.key);
+            assert!(
+                e.contains(b.key) && e.contains(&b.max.to_string()),
+                "{}: {e}",
+                b.key
+            );
+            if b.min > 0 {
+                let e = with(b.key, b.min - 1).expect_err(b.key);
+                assert!(e.contains(b.key), "{}: {e}", b.key);
+            }
+        }
+        // What used to panic the routes task (an Instant plus the grace period).
+        let e = with("routes.grace_secs", i64::MAX as u64).expect_err("a huge grace period");
+        assert!(e.contains("routes.grace_secs"), "{e}");
+    }
+
+    #[test]
+    fn every_number_of_the_config_is_bounded() {
+        // Numbers bounded by their type or a check of their own.
+        let elsewhere = [
+            "vxlan.vni",
+            "vxlan.port",
+            "nat.port_min",
+            "nat.port_max",
+            "nat.conntrack_flows_per_endpoint",
+        ];
+        let c = AgentConfig::default();
+        let bounded: Vec<&str> = c.bounded().iter().map(|b| b.key).collect();
+        let tree = toml::Value::try_from(&c).expect("the config as TOML");
+        let mut numbers = Vec::new();
+        fn walk(v: &toml::Value, path: String, out: &mut Vec<String>) {
+            match v {
+                toml::Value::Integer(_) | toml::Value::Float(_) => out.push(path),
+                toml::Value::Table(t) if path != "pools" => {
+                    for (k, v) in t {
+                        let p = if path.is_empty() {
+                            k.clone()
+                        } else {
+                            format!("{path}.{k}")
+                        };
+                        walk(v, p, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        walk(&tree, String::new(), &mut numbers);
+        assert!(numbers.len() > 10, "{numbers:?}");
+        for n in &numbers {
+            assert!(
+                bounded.contains(&n.as_str()) || elsewhere.contains(&n.as_str()),
+                "{n} has no bound in AgentConfig::bounded()"
+            );
+        }
     }
 }

@@ -80,6 +80,12 @@ struct Flags {
     /// stop (a rolling update) leaves everything for the next agent.
     #[arg(long)]
     owner_daemonset: Option<calix_agent::k8s::owner::OwnerRef>,
+    /// `<namespace>/<name>` of another DaemonSet of the same release (repeatable; the chart
+    /// names the route reflectors' and everyone else's): while one of them stays, the deletion
+    /// of --owner-daemonset is a topology switch (that DaemonSet takes the node over), not an
+    /// uninstall.
+    #[arg(long, requires = "owner_daemonset")]
+    sibling_daemonset: Vec<calix_agent::k8s::owner::OwnerRef>,
 }
 
 /// The config file, overridden by the flags (and the node name's environment variables),
@@ -286,7 +292,7 @@ async fn run() -> Result<()> {
     node.set_pod_mtu(PodMtu::from_config(&cfg));
     // Whether a stop is a restart or an uninstall (see k8s::owner), followed from now on.
     let owner = match (flags.owner_daemonset.clone(), opened.kube.clone()) {
-        (Some(o), Some(client)) => Some(Owner::spawn(client, o)),
+        (Some(o), Some(client)) => Some(Owner::spawn(client, o, flags.sibling_daemonset.clone())),
         (Some(_), None) => anyhow::bail!("--owner-daemonset needs the kubernetes datastore"),
         (None, _) => None,
     };

@@ -492,3 +492,88 @@ async fn next(f: &mut Follower) -> WatchEvent {
         .await
         .expect("a change within 60 s")
 }
+
+/// Issue 20, item 8: a node lists its own handles alone: the API server selects them by the
+/// `calix.dev/node` label, and a label that disagrees with the record's node (a hand edit) does
+/// not make another node's record this node's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_lists_only_its_own_handles() {
+    let api = KubeApi::on_loopback(true);
+    let db = store(&api).await;
+    let handle = |node: &str| HandleRecord {
+        node: node.into(),
+        addresses: vec![Held {
+            addr: "10.0.0.3".parse().expect("ip"),
+            pool: "10.0.0.0/16".parse().expect("cidr"),
+            seq: 1,
+        }],
+    };
+    let long = "n".repeat(70); // a label value too long: the hashed form
+    for (key, node) in [
+        ("ipam/handles/net:a1/eth0", "n1"),
+        ("ipam/handles/net:a2/eth0", "n1"),
+        ("ipam/handles/net:b1/eth0", "n2"),
+        ("ipam/handles/net:b2/eth0", "n2"),
+        ("ipam/handles/net:l1/eth0", long.as_str()),
+    ] {
+        create(&db, key, json(&handle(node))).await;
+    }
+    let keys = |kvs: Vec<calix_agent::datastore::KeyValue>| -> Vec<String> {
+        kvs.into_iter().map(|kv| kv.key).collect()
+    };
+    let mine = db
+        .list_of_node("ipam/handles/", "n1")
+        .await
+        .expect("list n1's");
+    assert_eq!(
+        keys(mine),
+        ["ipam/handles/net:a1/eth0", "ipam/handles/net:a2/eth0"]
+    );
+    assert_eq!(
+        keys(db.list_of_node("ipam/handles/", &long).await.expect("list")),
+        ["ipam/handles/net:l1/eth0"]
+    );
+    // n2's record relabelled n1 by hand: selected by the server, dropped by its node.
+    let name = db.list("ipam/handles/net:b1/").await.expect("list").len();
+    assert_eq!(name, 1);
+    api.with_client(|c| async move {
+        let ar = kube::api::ApiResource {
+            group: "calix.dev".into(),
+            version: "v1".into(),
+            api_version: "calix.dev/v1".into(),
+            kind: "IPAMHandle".into(),
+            plural: "ipamhandles".into(),
+        };
+        let api: kube::Api<kube::api::DynamicObject> = kube::Api::all_with(c, &ar);
+        let list = api.list(&Default::default()).await.expect("list handles");
+        let b1 = list
+            .items
+            .iter()
+            .find(|o| {
+                o.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("calix.dev/key"))
+                    == Some(&"ipam/handles/net:b1/eth0".to_string())
+            })
+            .and_then(|o| o.metadata.name.clone())
+            .expect("b1's object");
+        let patch = serde_json::json!({"metadata": {"labels": {"calix.dev/node": "n1"}}});
+        api.patch(
+            &b1,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(patch),
+        )
+        .await
+        .expect("relabel");
+    });
+    assert_eq!(
+        keys(db.list_of_node("ipam/handles/", "n1").await.expect("list")),
+        ["ipam/handles/net:a1/eth0", "ipam/handles/net:a2/eth0"]
+    );
+    assert_eq!(
+        keys(db.list_of_node("ipam/handles/", "n2").await.expect("list")),
+        ["ipam/handles/net:b2/eth0"],
+        "the relabelled record is out of n2's selection (the label decides the listing)"
+    );
+}

@@ -369,6 +369,10 @@ fn checked() -> &'static Checked {
             json!({"name": "defaults", "values": {}}),
             json!({"name": "all-a", "values": all_a()}),
             json!({"name": "all-b", "values": all_b()}),
+            // The kubernetes datastore with route reflectors: two DaemonSets of one release.
+            json!({"name": "reflectors", "values":
+                {"uplinks": ["eth0"],
+                 "routes": {"enabled": true, "topology": "reflectors", "plaintext": true}}}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -600,6 +604,12 @@ fn host_paths(ds: &Value) -> Vec<String> {
 #[test]
 fn defaults_render_valid_objects_for_every_node() {
     let r = assert_valid("defaults");
+    // A reflector label no kubelet can set on its own Node.
+    let c = agent_config(r, "agent.toml");
+    assert_eq!(
+        c.routes.reflector_label,
+        "node-restriction.kubernetes.io/calix-route-reflector"
+    );
     let ds = one(r, "DaemonSet", "calix");
     let pod = &ds["spec"]["template"]["spec"];
     let agent = &pod["containers"][0];
@@ -772,11 +782,21 @@ fn the_agent_follows_its_daemonset_to_clean_up_on_uninstall() {
     let args = strings(&pod["containers"][0]["args"]);
     for a in [
         "--owner-daemonset=kube-system/calix",
+        // Its sibling, even in mesh topology: a switch to reflectors and back deletes one.
+        "--sibling-daemonset=kube-system/calix-reflector",
         "--cni-conf=/host/etc/cni/net.d/10-calix.conflist",
     ] {
         assert!(args.contains(&a.to_string()), "{a} not in {args:?}");
     }
     assert!(has_mount(&pod["containers"][0], "/host/etc/cni/net.d"));
+    // With reflectors, each DaemonSet names the other.
+    let r = assert_valid("reflectors");
+    for (ds, sibling) in [("calix", "calix-reflector"), ("calix-reflector", "calix")] {
+        let args =
+            strings(&one(r, "DaemonSet", ds)["spec"]["template"]["spec"]["containers"][0]["args"]);
+        let want = format!("--sibling-daemonset=kube-system/{sibling}");
+        assert!(args.contains(&want), "{ds}: {want} not in {args:?}");
+    }
     // all-a: the etcd datastore (no API to follow the DaemonSet by) and cleanupOnUninstall
     // false: neither the flags nor the Role.
     let case_name = "all-a";
@@ -819,6 +839,9 @@ fn every_value_set_renders_and_reaches_the_agent() {
     let rc = agent_config(r, "reflector.toml");
     assert!(!c.routes.reflector && rc.routes.reflector);
     assert_eq!(c.routes.topology, Topology::Reflectors);
+    // The Node label that makes a reflector reaches both kinds of agents.
+    assert_eq!(c.routes.reflector_label, "example.com/rr");
+    assert_eq!(rc.routes.reflector_label, "example.com/rr");
     // Every value of all-a, as the agent reads it.
     assert_eq!(c.dataplane, DataplaneMode::Ebpf);
     assert_eq!(c.log_level, "calix_agent=debug");
@@ -1066,6 +1089,85 @@ fn objects_kubernetes_would_refuse_are_caught_by_the_validation() {
             r.problems.iter().any(|p| p.contains(field)),
             "{name}: the validation did not see {field}: {:#?}",
             r.problems
+        );
+    }
+}
+
+/// Every integer of values.schema.json (path, minimum, maximum).
+fn schema_integers() -> Vec<(String, Option<u64>, Option<u64>)> {
+    let path = chart_tools::workspace_root().join("charts/calix/values.schema.json");
+    let schema: Value =
+        serde_json::from_slice(&std::fs::read(&path).expect("the schema")).expect("JSON");
+    fn walk(v: &Value, path: &str, out: &mut Vec<(String, Option<u64>, Option<u64>)>) {
+        match v {
+            Value::Object(m) => {
+                if m.get("type") == Some(&json!("integer")) {
+                    out.push((
+                        path.to_string(),
+                        m.get("minimum").and_then(Value::as_u64),
+                        m.get("maximum").and_then(Value::as_u64),
+                    ));
+                }
+                for (k, v) in m {
+                    let p = match k.as_str() {
+                        "properties" | "$defs" | "anyOf" | "oneOf" | "allOf" => path.to_string(),
+                        _ if path.is_empty() => k.clone(),
+                        _ => format!("{path}.{k}"),
+                    };
+                    walk(v, &p, out);
+                }
+            }
+            Value::Array(a) => a.iter().for_each(|v| walk(v, path, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(&schema, "", &mut out);
+    out
+}
+
+/// Issue 20, item 8: every duration and size of the values has a maximum, and a value the
+/// agent also bounds has the agent's maximum (AgentConfig::bounded, one truth): helm refuses
+/// what the agent would, and nothing it lets through makes the agent fail to start.
+#[test]
+fn every_number_of_the_values_has_a_maximum_the_agent_agrees_with() {
+    let integers = schema_integers();
+    assert!(integers.len() > 10, "{integers:?}");
+    let unbounded: Vec<&String> = integers
+        .iter()
+        .filter(|(_, _, max)| max.is_none())
+        .map(|(p, ..)| p)
+        .collect();
+    assert!(
+        unbounded.is_empty(),
+        "no maximum in values.schema.json: {unbounded:?}"
+    );
+    // The values the agent's config takes, and its key for each.
+    let agent_keys = [
+        ("datastore.timeoutMs", "datastore.timeout_ms"),
+        ("datastore.attempts", "datastore.attempts"),
+        ("resyncIntervalSecs", "resync_interval_secs"),
+        ("ipam.maxBlocksPerNode", "ipam.maxBlocksPerNode"),
+        ("ipam.leakCheckIntervalSecs", "ipam.leakCheckIntervalSecs"),
+        ("ipam.leakGraceSecs", "ipam.leakGraceSecs"),
+        ("ipam.emptyBlockGraceSecs", "ipam.emptyBlockGraceSecs"),
+        ("nat.conntrackEntries", "nat.conntrack_entries"),
+        ("routes.graceSecs", "routes.grace_secs"),
+    ];
+    let bounds = AgentConfig::default().bounded();
+    for (value, key) in agent_keys {
+        let (_, min, max) = integers
+            .iter()
+            .find(|(p, ..)| p == value)
+            .unwrap_or_else(|| panic!("{value} is not in the schema"));
+        let b = bounds
+            .iter()
+            .find(|b| b.key == key)
+            .unwrap_or_else(|| panic!("the agent does not bound {key}"));
+        assert_eq!(
+            (*min, *max),
+            (Some(b.min), Some(b.max)),
+            "{value}: the schema's range differs from the agent's {key}"
         );
     }
 }

@@ -829,3 +829,294 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// A DaemonSet `kube-system/name` (no controller runs here: it makes no pods; the agent under
+/// test stands for its pod).
+fn daemonset(api: &KubeApi, name: &str) {
+    api.apply(json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": "kube-system"},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}},
+                "spec": {"containers": [{"name": "agent", "image": "pause"}]}},
+        },
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Waits until the agent logged that it knows DaemonSet `name` to be in `state` (its watch's
+/// view, `k8s::owner`) for the `n`th time.
+fn wait_known(node: &Node, name: &str, state: &str, n: usize) {
+    wait_for(
+        &format!("the agent's watch sees DaemonSet {name} {state} ({n})"),
+        Duration::from_secs(20),
+        || {
+            let seen = node
+                .agent_log()
+                .lines()
+                .filter(|l| {
+                    l.contains("a DaemonSet of calix")
+                        && l.contains(&format!("kube-system/{name}"))
+                        && l.contains(&format!("state={state}"))
+                })
+                .count();
+            (seen >= n).then_some(())
+        },
+        || node.agent_log(),
+    );
+}
+
+/// A conflist at `path` whose first plugin is `first` (calix's, or another network's).
+fn conflist(path: &std::path::Path, first: &str) {
+    let text = json!({"cniVersion": "1.1.0", "name": "k8s-pod-network",
+        "plugins": [{"type": first}, {"type": "portmap", "capabilities": {"portMappings": true}}]});
+    std::fs::write(path, text.to_string()).expect("write the conflist");
+}
+
+/// An agent (kubernetes datastore, the admin's token: the DaemonSet Role is the chart tests'
+/// business) following DaemonSet `<u>-calix` with `<u>-calix-reflector` as its sibling, and
+/// the conflist path it removes on an uninstall.
+struct Owned {
+    node: Node,
+    own: String,
+    sibling: String,
+    conf: PathBuf,
+}
+
+impl Owned {
+    fn new(api: &KubeApi) -> Self {
+        let u = unique("o");
+        let node = agent_node(api, calix_testbed::k8s::ADMIN_TOKEN, "");
+        let name = node.ns.name.clone();
+        node_object(api, &name, json!({}), &[("InternalIP", "192.0.2.14")]);
+        let conf = node.dir.join("10-calix.conflist");
+        Self {
+            node,
+            own: format!("{u}-calix"),
+            sibling: format!("{u}-calix-reflector"),
+            conf,
+        }
+    }
+
+    fn start(&self) {
+        let flags = [
+            format!("--owner-daemonset=kube-system/{}", self.own),
+            format!("--sibling-daemonset=kube-system/{}", self.sibling),
+            format!("--cni-conf={}", self.conf.display()),
+        ];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        self.node.start_agent_with(&flags);
+    }
+
+    /// Whether the agent's stop was logged as `what`.
+    fn stop_said(&self, what: &str) -> bool {
+        self.node
+            .agent_log()
+            .lines()
+            .any(|l| l.contains("stopping:") && l.contains(what))
+    }
+
+    fn delete(&self, api: &KubeApi, name: &str) {
+        api.delete_in("apps/v1", "DaemonSet", "kube-system", name)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// Issue 20, item 7: a deletion the DaemonSet came back from, or one seen before the API
+/// server went away, is no uninstall: a stop then leaves everything in place.
+#[test]
+fn a_daemonset_seen_again_or_lost_from_sight_is_no_uninstall() {
+    let api = KubeApi::in_namespace();
+    let o = Owned::new(&api);
+    // 1. Deleted, then created again (what the agent sees of `kubectl delete
+    //    --cascade=orphan` and a re-create), then a stop with the API server unreachable.
+    conflist(&o.conf, "calix");
+    daemonset(&api, &o.own);
+    o.start();
+    wait_known(&o.node, &o.own, "Present", 1);
+    o.delete(&api, &o.own);
+    wait_known(&o.node, &o.own, "Absent", 1);
+    daemonset(&api, &o.own);
+    wait_known(&o.node, &o.own, "Present", 2);
+    api.kill_apiserver();
+    o.node.stop_agent();
+    assert!(
+        o.conf.exists(),
+        "a live node was uninstalled: the conflist is gone\n{}",
+        o.node.agent_log()
+    );
+    assert!(o.stop_said("a restart"), "{}", o.node.agent_log());
+    // 2. Deleted, then the API server went away before the stop: what the watch saw is
+    //    forgotten, and an unreachable API server is no deletion.
+    api.start_apiserver().unwrap_or_else(|e| panic!("{e}"));
+    o.start();
+    wait_known(&o.node, &o.own, "Present", 1);
+    o.delete(&api, &o.own);
+    wait_known(&o.node, &o.own, "Absent", 1);
+    api.kill_apiserver();
+    wait_for(
+        "the agent's watch loses the API server",
+        Duration::from_secs(20),
+        || {
+            o.node
+                .agent_log()
+                .contains("lost sight of a DaemonSet")
+                .then_some(())
+        },
+        || o.node.agent_log(),
+    );
+    o.node.stop_agent();
+    assert!(
+        o.conf.exists(),
+        "a node was uninstalled on an unreachable API server\n{}",
+        o.node.agent_log()
+    );
+    assert!(o.stop_said("a restart"), "{}", o.node.agent_log());
+}
+
+/// Issue 20, item 7: switching `routes.topology` from reflectors to mesh deletes the
+/// reflectors' DaemonSet while the other takes their nodes over: no uninstall.
+#[test]
+fn a_topology_switch_is_no_uninstall() {
+    let api = KubeApi::shared();
+    let o = Owned::new(&api);
+    conflist(&o.conf, "calix");
+    daemonset(&api, &o.own);
+    daemonset(&api, &o.sibling);
+    o.start();
+    wait_known(&o.node, &o.own, "Present", 1);
+    wait_known(&o.node, &o.sibling, "Present", 1);
+    o.delete(&api, &o.own);
+    wait_known(&o.node, &o.own, "Absent", 1);
+    o.node.stop_agent();
+    assert!(
+        o.conf.exists(),
+        "a topology switch uninstalled the node\n{}",
+        o.node.agent_log()
+    );
+    assert!(
+        o.stop_said("stays (a topology switch"),
+        "{}",
+        o.node.agent_log()
+    );
+    o.delete(&api, &o.sibling);
+}
+
+/// Issue 20, item 7: an uninstall (every DaemonSet of the release deleted) removes the
+/// conflist only when it is calix's, as `calix-install-cni --uninstall` does.
+#[test]
+fn an_uninstall_removes_only_calixs_conflist() {
+    let api = KubeApi::shared();
+    let o = Owned::new(&api);
+    for (first, removed) in [("bridge", false), ("calix", true)] {
+        conflist(&o.conf, first);
+        daemonset(&api, &o.own);
+        daemonset(&api, &o.sibling);
+        o.start();
+        wait_known(&o.node, &o.own, "Present", 1);
+        wait_known(&o.node, &o.sibling, "Present", 1);
+        o.delete(&api, &o.own);
+        o.delete(&api, &o.sibling);
+        wait_known(&o.node, &o.own, "Absent", 1);
+        wait_known(&o.node, &o.sibling, "Absent", 1);
+        o.node.stop_agent();
+        assert!(o.stop_said("an uninstall"), "{}", o.node.agent_log());
+        assert_eq!(
+            !o.conf.exists(),
+            removed,
+            "a conflist whose first plugin is {first}\n{}",
+            o.node.agent_log()
+        );
+    }
+}
+
+/// Issue 20, item 8: `routes.reflector_label` reaches every agent. Node 0 carries the custom
+/// label; node 1 carries the old default (`calix.dev/route-reflector`), which must not count:
+/// nodes 1 and 2 follow node 0 alone, node 0 follows both, and their pods reach each other
+/// through it.
+#[test]
+fn a_custom_reflector_label_reaches_every_agent() {
+    let api = KubeApi::shared();
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let u = unique("r");
+    let label = format!("example.com/rr-{u}");
+    let cluster = Cluster::create(Dataplane::Kernel, &[1, 1, 1], |i, c| {
+        let kubeconfig = api.wire(&c.nodes[i].ns).unwrap_or_else(|e| panic!("{e}"));
+        format!(
+            "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n\
+             [kubernetes]\npod_gone_grace_secs = 3600\n{}",
+            kubeconfig.display(),
+            c.routes_config(
+                i,
+                &ca,
+                &format!(
+                    "grace_secs = 5\ntopology = \"reflectors\"\nreflector_label = \"{label}\""
+                )
+            )
+            .unwrap_or_else(|e| panic!("{e}"))
+        )
+    });
+    for i in 0..3 {
+        let mut labels = json!({"calix.dev/test": u});
+        if i == 0 {
+            labels[&label] = json!("true");
+        }
+        if i == 1 {
+            labels["calix.dev/route-reflector"] = json!("true");
+        }
+        node_object(
+            &api,
+            cluster.name(i),
+            labels,
+            &[("InternalIP", &cluster.address(i))],
+        );
+    }
+    api.apply(ippool(&u, "10.76.0.0/16", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    cluster.start();
+    let up = |i: usize| -> Vec<String> {
+        let nodes = cluster.nodes[i]
+            .agent()
+            .calixctl_json(&["nodes"])
+            .unwrap_or_else(|e| panic!("calixctl nodes: {e}"));
+        nodes["peers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["state"] == "up")
+            .filter_map(|p| p["name"].as_str().map(String::from))
+            .collect()
+    };
+    let name = |i: usize| cluster.name(i).to_string();
+    for (i, want) in [
+        (0, vec![name(1), name(2)]),
+        (1, vec![name(0)]),
+        (2, vec![name(0)]),
+    ] {
+        wait_for(
+            &format!("node {i} follows {want:?}"),
+            Duration::from_secs(30),
+            || (up(i) == want).then_some(()),
+            || format!("{:?}\n{}", up(i), cluster.nodes[i].agent_log()),
+        );
+    }
+    let pods: Vec<Pod> = (0..3).map(|i| Pod::add(&cluster.nodes[i], "p")).collect();
+    for (a, b) in [(1, 2), (2, 1), (1, 0)] {
+        wait_for(
+            &format!(
+                "the pod on node {a} reaches the pod on node {b} (through the reflector's routes)"
+            ),
+            Duration::from_secs(20),
+            || pods[a].ns.ping(&pods[b].ip(), 1).then_some(()),
+            || cluster.nodes[a].agent_log(),
+        );
+    }
+    drop(pods);
+    for i in 0..3 {
+        api.delete("v1", "Node", cluster.name(i))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
+}

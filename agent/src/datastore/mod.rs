@@ -130,6 +130,19 @@ pub enum DatastoreError {
     },
 }
 
+/// The records of `kvs` whose value's `node` field is `node` (a value that does not decode
+/// belongs to nobody).
+pub fn keep_node(kvs: Vec<KeyValue>, node: &str) -> Vec<KeyValue> {
+    #[derive(Deserialize)]
+    struct Owner {
+        #[serde(default)]
+        node: String,
+    }
+    kvs.into_iter()
+        .filter(|kv| kv.decode::<Owner>().is_ok_and(|o| o.node == node))
+        .collect()
+}
+
 /// One stored key with the revision of its last change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyValue {
@@ -234,6 +247,18 @@ pub trait Datastore: Send + Sync {
     /// Every key starting with `prefix`, in key order.
     async fn list(&self, prefix: &str) -> Result<Vec<KeyValue>, DatastoreError> {
         Ok(self.list_with_revision(prefix).await?.0)
+    }
+    /// The records under `prefix` that belong to `node` (their value's `node` field), in key
+    /// order: what a node lists of its own (its handles) without reading every node's. The
+    /// kubernetes backend asks the API server for those alone (by the `calix.dev/node`
+    /// label); etcd and the embedded store, whose keys do not carry the node, list `prefix`
+    /// and keep `node`'s.
+    async fn list_of_node(
+        &self,
+        prefix: &str,
+        node: &str,
+    ) -> Result<Vec<KeyValue>, DatastoreError> {
+        Ok(keep_node(self.list(prefix).await?, node))
     }
     /// Applies `ops` atomically if every compare holds: `Some(revision)` of the write, or `None`
     /// when a compare failed (nothing was written). Errors are the backend failing, after the

@@ -6,7 +6,7 @@
 //! - this node's Node (`k8s/nodes/<node>`): its labels over `node_labels` (the Node's win), so
 //!   a label change moves the pools' `nodeSelector` choice; its `InternalIP`s as
 //!   `routes.node_addresses` when the config sets none (the next hops peers route through);
-//!   the label [`REFLECTOR_LABEL`]` = "true"` makes it a route reflector;
+//!   the label `routes.reflector_label` ` = "true"` makes it a route reflector;
 //! - the Service CIDRs: every ServiceCIDR object's (`k8s/servicecidrs/`), added to
 //!   `nat.service_cidrs` (never SNATed, always to the host stack).
 use std::collections::BTreeMap;
@@ -22,8 +22,6 @@ use crate::datastore::{Datastore, DatastoreError, KeyValue};
 
 /// The prefix of every IPPool's key.
 pub const POOLS: &str = "pools/";
-/// A Node label that makes its agent a route reflector (`topology = "reflectors"`).
-pub const REFLECTOR_LABEL: &str = "calix.dev/route-reflector";
 
 /// The cluster's part of the config, kept current.
 #[derive(Clone)]
@@ -113,7 +111,12 @@ impl Cluster {
                     .map(ToString::to_string)
                     .collect();
             }
-            if node.labels.get(REFLECTOR_LABEL).map(String::as_str) == Some("true") {
+            if node
+                .labels
+                .get(&c.routes.reflector_label)
+                .map(String::as_str)
+                == Some("true")
+            {
                 c.routes.reflector = true;
             }
         }

@@ -7,18 +7,26 @@
 //!   cannot redirect another node's routes by rewriting a record);
 //! - its Routes endpoint: its first `InternalIP` (IPv4 first) with the port every agent of
 //!   the cluster listens on (this agent's `routes.listen`);
-//! - a route reflector when it carries [`REFLECTOR_LABEL`]` = "true"`.
+//! - a route reflector when it carries the reflector label (`routes.reflector_label`) ` =
+//!   "true"`: by default a `node-restriction.kubernetes.io/` label, which a kubelet cannot set
+//!   on its own Node.
 //!
 //! A Node without an `InternalIP` is not followed (it has nowhere to be reached).
 use std::net::{IpAddr, SocketAddr};
 
-use super::cluster::REFLECTOR_LABEL;
 use crate::datastore::kubernetes::views::{self, NodeView};
 use crate::datastore::{keys, KeyValue, WatchEvent};
 use crate::model::NodeRecord;
 
-/// The node record route distribution sees for `node` when peers listen on `port`.
-pub fn record(node: &NodeView, port: u16) -> NodeRecord {
+/// How Node objects are read as peers: the port every agent listens on, the reflector label.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peering {
+    pub port: u16,
+    pub reflector_label: String,
+}
+
+/// The node record route distribution sees for `node`.
+pub fn record(node: &NodeView, p: &Peering) -> NodeRecord {
     let internal = node.internal_ips();
     let reach = internal
         .iter()
@@ -38,15 +46,15 @@ pub fn record(node: &NodeView, port: u16) -> NodeRecord {
         labels: node.labels.clone(),
         agent_version: String::new(),
         routes_endpoint: reach
-            .map(|ip| SocketAddr::new(ip, port).to_string())
+            .map(|ip| SocketAddr::new(ip, p.port).to_string())
             .unwrap_or_default(),
-        reflector: node.labels.get(REFLECTOR_LABEL).map(String::as_str) == Some("true"),
+        reflector: node.labels.get(&p.reflector_label).map(String::as_str) == Some("true"),
     }
 }
 
 /// A Node's key and value (under `k8s/nodes/`) as a node record's (under `nodes/`); `None`
 /// for what is not a Node.
-pub fn as_record(kv: &KeyValue, port: u16) -> Option<KeyValue> {
+pub fn as_record(kv: &KeyValue, p: &Peering) -> Option<KeyValue> {
     let name = kv.key.strip_prefix(views::NODES)?;
     let node: NodeView = match kv.decode() {
         Ok(n) => n,
@@ -57,15 +65,15 @@ pub fn as_record(kv: &KeyValue, port: u16) -> Option<KeyValue> {
     };
     Some(KeyValue {
         key: keys::node(name),
-        value: serde_json::to_vec(&record(&node, port)).ok()?,
+        value: serde_json::to_vec(&record(&node, p)).ok()?,
         revision: kv.revision,
     })
 }
 
 /// A change of a Node as a change of its node record.
-pub fn as_record_event(ev: &WatchEvent, port: u16) -> Option<WatchEvent> {
+pub fn as_record_event(ev: &WatchEvent, p: &Peering) -> Option<WatchEvent> {
     match ev {
-        WatchEvent::Put(kv) => as_record(kv, port).map(WatchEvent::Put),
+        WatchEvent::Put(kv) => as_record(kv, p).map(WatchEvent::Put),
         WatchEvent::Delete { key, revision } => Some(WatchEvent::Delete {
             key: keys::node(key.strip_prefix(views::NODES)?),
             revision: *revision,
@@ -76,7 +84,15 @@ pub fn as_record_event(ev: &WatchEvent, port: u16) -> Option<WatchEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::REFLECTOR_LABEL;
     use crate::datastore::kubernetes::views::NodeAddress;
+
+    fn peering(port: u16) -> Peering {
+        Peering {
+            port,
+            reflector_label: REFLECTOR_LABEL.into(),
+        }
+    }
 
     fn node(addresses: &[(&str, &str)], reflector: bool) -> NodeView {
         NodeView {
@@ -108,16 +124,28 @@ mod tests {
                 ],
                 true,
             ),
-            5474,
+            &peering(5474),
         );
         assert_eq!(r.routes_endpoint, "10.0.0.5:5474");
         assert_eq!(r.addresses, ["fd00::5", "10.0.0.5", "203.0.113.5"]);
         assert!(r.reflector);
-        let v6 = record(&node(&[("InternalIP", "fd00::5")], false), 5474);
+        // Another label makes a reflector only when it is the one configured.
+        let mut other = node(&[("InternalIP", "10.0.0.5")], false);
+        other
+            .labels
+            .insert("calix.dev/route-reflector".into(), "true".into());
+        assert!(!record(&other, &peering(5474)).reflector);
+        let custom = Peering {
+            port: 5474,
+            reflector_label: "example.com/rr".into(),
+        };
+        other.labels.insert("example.com/rr".into(), "true".into());
+        assert!(record(&other, &custom).reflector);
+        let v6 = record(&node(&[("InternalIP", "fd00::5")], false), &peering(5474));
         assert_eq!(v6.routes_endpoint, "[fd00::5]:5474");
         assert!(!v6.reflector);
         assert_eq!(
-            record(&node(&[("Hostname", "n1")], false), 1).routes_endpoint,
+            record(&node(&[("Hostname", "n1")], false), &peering(1)).routes_endpoint,
             ""
         );
     }
@@ -129,7 +157,7 @@ mod tests {
             value: serde_json::to_vec(&node(&[("InternalIP", "10.0.0.5")], false)).expect("json"),
             revision: 7,
         };
-        let Some(WatchEvent::Put(rec)) = as_record_event(&WatchEvent::Put(kv), 9) else {
+        let Some(WatchEvent::Put(rec)) = as_record_event(&WatchEvent::Put(kv), &peering(9)) else {
             panic!("a put");
         };
         assert_eq!(rec.key, "nodes/n1");
@@ -141,7 +169,7 @@ mod tests {
                 key: views::node_key("n1"),
                 revision: 8,
             },
-            9,
+            &peering(9),
         );
         assert_eq!(
             del,

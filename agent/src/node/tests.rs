@@ -84,6 +84,8 @@ struct TestStore {
     /// retried request whose first try landed (the kubernetes store across an API server
     /// restart; etcd when a response is lost).
     land_then_lose: std::sync::Mutex<Option<(String, usize)>>,
+    /// Every prefix listed in full (not by node), in order.
+    listed: std::sync::Mutex<Vec<String>>,
 }
 
 impl TestStore {
@@ -139,7 +141,15 @@ impl Datastore for Shared {
         &self,
         prefix: &str,
     ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
+        self.0.listed.lock().expect("lock").push(prefix.into());
         self.0.store.list_with_revision(prefix).await
+    }
+    async fn list_of_node(
+        &self,
+        prefix: &str,
+        node: &str,
+    ) -> Result<Vec<KeyValue>, DatastoreError> {
+        self.0.store.list_of_node(prefix, node).await
     }
     async fn txn(
         &self,
@@ -253,6 +263,7 @@ fn store() -> (tempfile::TempDir, Arc<TestStore>) {
         fail_prefixes: Default::default(),
         writes_left: Default::default(),
         land_then_lose: Default::default(),
+        listed: Default::default(),
     };
     (dir, Arc::new(s))
 }
@@ -1258,4 +1269,39 @@ async fn a_block_write_that_landed_but_reported_a_lost_race_is_the_allocation() 
     );
     let check = a.ipam.ipam_check().await.expect("check");
     assert!(orphans(&check).is_empty(), "{:?}", check.findings);
+}
+
+/// Issue 20, item 8: repairing handle records reads this node's handles, never every handle
+/// of the cluster (with the kubernetes datastore the API server selects them by label).
+#[tokio::test]
+async fn handle_repair_lists_only_this_nodes_handles() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    let b = agent_on(&s, "n2", dual_pools(), Policy::default()).await;
+    let (ha, hb) = (handle::encode("net", "ca"), handle::encode("net", "cb"));
+    // Records that fail to land: the next start and housekeeping repair them.
+    s.fail(keys::HANDLES);
+    a.ipam
+        .allocate(&ha, "eth0", true, false, &[], &cid_attr("ca"))
+        .await
+        .expect("a");
+    b.ipam
+        .allocate(&hb, "eth0", true, false, &[], &cid_attr("cb"))
+        .await
+        .expect("b");
+    s.heal();
+    s.listed.lock().expect("lock").clear();
+    drop(a);
+    let a = agent_on(&s, "n1", dual_pools(), Policy::default()).await;
+    assert!(handle_record(&s, &ha).await.is_some(), "repaired at start");
+    assert!(
+        handle_record(&s, &hb).await.is_none(),
+        "n2's is n2's to repair"
+    );
+    let full: Vec<String> = s.listed.lock().expect("lock").clone();
+    assert!(
+        !full.iter().any(|p| keys::HANDLES.starts_with(p.as_str())),
+        "listed every handle of the cluster: {full:?}"
+    );
+    drop((a, b));
 }

@@ -75,17 +75,16 @@ pub struct Start {
 
 /// Where route distribution learns the nodes (its peers, and the addresses their routes may
 /// go through).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum NodeSource {
     /// The agents' node records (`nodes/`): each announces its own Routes endpoint.
     Records,
-    /// Kubernetes' Node objects (`k8s/nodes/`), each agent listening on `port`
-    /// ([`crate::k8s::peers`]).
-    KubeNodes { port: u16 },
+    /// Kubernetes' Node objects (`k8s/nodes/`), read as [`crate::k8s::peers`] says.
+    KubeNodes(crate::k8s::peers::Peering),
 }
 
 impl NodeSource {
-    fn prefix(self) -> &'static str {
+    fn prefix(&self) -> &'static str {
         match self {
             NodeSource::Records => Part::Nodes.prefix(),
             NodeSource::KubeNodes { .. } => crate::datastore::kubernetes::views::NODES,
@@ -93,20 +92,20 @@ impl NodeSource {
     }
 
     /// What the view takes of a listing.
-    fn listed(self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
+    fn listed(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
         match self {
             NodeSource::Records => kvs,
-            NodeSource::KubeNodes { port } => kvs
+            NodeSource::KubeNodes(p) => kvs
                 .iter()
-                .filter_map(|kv| crate::k8s::peers::as_record(kv, port))
+                .filter_map(|kv| crate::k8s::peers::as_record(kv, p))
                 .collect(),
         }
     }
 
-    fn event(self, ev: WatchEvent) -> Option<WatchEvent> {
+    fn event(&self, ev: WatchEvent) -> Option<WatchEvent> {
         match self {
             NodeSource::Records => Some(ev),
-            NodeSource::KubeNodes { port } => crate::k8s::peers::as_record_event(&ev, port),
+            NodeSource::KubeNodes(p) => crate::k8s::peers::as_record_event(&ev, p),
         }
     }
 }
@@ -143,7 +142,10 @@ impl Start {
                 .rsplit_once(':')
                 .and_then(|(_, p)| p.parse().ok())
                 .unwrap_or(crate::config::ROUTES_PORT);
-            NodeSource::KubeNodes { port }
+            NodeSource::KubeNodes(crate::k8s::peers::Peering {
+                port,
+                reflector_label: routes.reflector_label.clone(),
+            })
         } else {
             NodeSource::Records
         };

@@ -216,12 +216,13 @@ impl KubeStore {
         kind: &Kind,
         prefix: &str,
         exact: Option<i64>,
+        labels: Option<&str>,
     ) -> Result<(Vec<DynamicObject>, i64), DatastoreError> {
         let api = self.api(kind);
         // A continue token that expired (410) restarts the listing; bounded.
         'listing: for _ in 0..self.attempts {
             let mut lp = ListParams::default().limit(PAGE);
-            if let Some(s) = kind.selector(prefix) {
+            if let Some(s) = labels.map(str::to_string).or_else(|| kind.selector(prefix)) {
                 lp = lp.labels(&s);
             }
             if let Some(s) = kind.field_selector(prefix) {
@@ -398,7 +399,7 @@ impl Datastore for KubeStore {
         let mut out = Vec::new();
         let mut at = None;
         for kind in kinds {
-            let (objects, revision) = self.list_kind(kind, prefix, at).await?;
+            let (objects, revision) = self.list_kind(kind, prefix, at, None).await?;
             at.get_or_insert(revision);
             for obj in objects {
                 match kind.key_of(&obj) {
@@ -411,6 +412,31 @@ impl Datastore for KubeStore {
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok((out, at.unwrap_or_default()))
+    }
+
+    async fn list_of_node(
+        &self,
+        prefix: &str,
+        node: &str,
+    ) -> Result<Vec<KeyValue>, DatastoreError> {
+        let kinds = kinds_under(prefix);
+        let [kind] = kinds.as_slice() else {
+            return Ok(super::keep_node(self.list(prefix).await?, node));
+        };
+        if kind.node_field != Some("node") {
+            return Ok(super::keep_node(self.list(prefix).await?, node));
+        }
+        let selector = format!("{}={}", kinds::NODE_LABEL, names::label_value(node));
+        let (objects, _) = self.list_kind(kind, prefix, None, Some(&selector)).await?;
+        let mut out = Vec::new();
+        for obj in objects {
+            if let Some(key) = kind.key_of(&obj).filter(|k| k.starts_with(prefix)) {
+                out.push(key_value(kind, key, &obj)?);
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        // The label is the writer's word; the record's own node decides.
+        Ok(super::keep_node(out, node))
     }
 
     async fn txn(

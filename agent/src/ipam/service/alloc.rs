@@ -676,7 +676,12 @@ impl IpamService {
         // Under the IPAM lock nothing of this node's changes meanwhile: the view has every
         // allocation this node made (listed again if a write left it in doubt).
         let mut stored: BTreeMap<(String, String), (i64, HandleRecord)> = BTreeMap::new();
-        for kv in self.store.list(keys::HANDLES).await? {
+        // This node's handles only (the API server selects them by label).
+        for kv in self
+            .store
+            .list_of_node(keys::HANDLES, &self.node.name)
+            .await?
+        {
             let Some((handle, ifname)) = kv
                 .key
                 .strip_prefix(keys::HANDLES)
