@@ -31,7 +31,11 @@ fn status(e: AgentError) -> Status {
         AgentError::Ipam(
             IpamError::NoPool { .. }
             | IpamError::NotInPool { .. }
+            | IpamError::PoolDisabled { .. }
+            | IpamError::Reserved { .. }
             | IpamError::ForeignBlock { .. }
+            | IpamError::Overlaps { .. }
+            | IpamError::MaxBlocks { .. }
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
@@ -46,8 +50,12 @@ fn annotated(e: AgentError, fixed: &[(std::net::IpAddr, String)]) -> AgentError 
     let addr = match &e {
         AgentError::Ipam(
             IpamError::NotInPool { addr }
+            | IpamError::PoolDisabled { addr, .. }
+            | IpamError::Reserved { addr, .. }
             | IpamError::InUse { addr }
-            | IpamError::ForeignBlock { addr, .. },
+            | IpamError::ForeignBlock { addr, .. }
+            | IpamError::Overlaps { addr, .. }
+            | IpamError::MaxBlocks { addr, .. },
         ) => *addr,
         _ => return e,
     };

@@ -264,6 +264,7 @@ impl IpamService {
             let a = match requested {
                 Some(addr) => inner.ipam.allocate_specific(
                     &pools,
+                    &self.policy(),
                     &self.node.name,
                     handle,
                     ifname,
