@@ -79,6 +79,50 @@ pub struct Pool {
     pub cidr: IpNet,
     pub block_size: u8,
     pub disabled: bool,
+    /// The pool has a `namespaceSelector`: an allocation uses it only when its
+    /// [`PoolChoice`] names it (the caller has matched the pod's namespace).
+    pub restricted: bool,
+}
+
+/// Which pools one allocation may use, per family: `None`, every pool of the family without a
+/// namespaceSelector ([`Pool::restricted`]); `Some(cidrs)`, only those (none when empty). A
+/// pod's choice comes from its namespace and annotations (`crate::k8s::annotations`); an
+/// allocation that names no pod has the default, so a restricted pool serves only the pods
+/// it was matched for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolChoice {
+    pub v4: Option<Vec<IpNet>>,
+    pub v6: Option<Vec<IpNet>>,
+}
+
+impl PoolChoice {
+    /// The choice of family `v4`.
+    pub fn of(&self, v4: bool) -> Option<&[IpNet]> {
+        if v4 {
+            self.v4.as_deref()
+        } else {
+            self.v6.as_deref()
+        }
+    }
+
+    /// `pools` as an allocation of family `v4` under this choice sees them: every pool of the
+    /// family it may not use disabled (addresses in them stay valid, none are handed out).
+    pub fn apply(&self, pools: Vec<Pool>, v4: bool) -> Vec<Pool> {
+        let only = self.of(v4);
+        pools
+            .into_iter()
+            .map(|mut p| {
+                if p.cidr.addr().is_ipv4() == v4 {
+                    let allowed = match only {
+                        Some(only) => only.contains(&p.cidr),
+                        None => !p.restricted,
+                    };
+                    p.disabled |= !allowed;
+                }
+                p
+            })
+            .collect()
+    }
 }
 
 /// How a node may grow beyond its own blocks.
@@ -790,6 +834,7 @@ mod tests {
             cidr: cidr.parse().expect("cidr"),
             block_size: bs,
             disabled: false,
+            restricted: false,
         }
     }
 
@@ -1113,6 +1158,69 @@ mod tests {
             &BTreeMap::new(),
         )
         .expect("in n1's block");
+    }
+
+    #[test]
+    fn a_pool_choice_disables_the_pools_an_allocation_may_not_use() {
+        let cidr = |s: &str| s.parse::<IpNet>().expect("cidr");
+        let mut tenant = pool("10.2.0.0/24", 28);
+        tenant.restricted = true;
+        let pools = vec![pool("10.1.0.0/24", 28), tenant, pool("fd00::/120", 122)];
+        let enabled = |c: &PoolChoice, v4: bool| -> Vec<String> {
+            c.apply(pools.clone(), v4)
+                .into_iter()
+                .filter(|p| !p.disabled)
+                .map(|p| p.cidr.to_string())
+                .collect()
+        };
+        // No choice: never a restricted pool; the other family untouched.
+        let none = PoolChoice::default();
+        assert_eq!(enabled(&none, true), ["10.1.0.0/24", "fd00::/120"]);
+        // The namespace may use the restricted pool only.
+        let only = PoolChoice {
+            v4: Some(vec![cidr("10.2.0.0/24")]),
+            v6: Some(vec![]),
+        };
+        assert_eq!(enabled(&only, true), ["10.2.0.0/24", "fd00::/120"]);
+        assert_eq!(enabled(&only, false), ["10.1.0.0/24", "10.2.0.0/24"]);
+        let mut s = IpamState::default();
+        let p = Policy::default();
+        let got = s
+            .allocate(
+                &only.apply(pools.clone(), true),
+                &p,
+                "n1",
+                "h",
+                "eth0",
+                true,
+                &BTreeMap::new(),
+            )
+            .expect("from the tenant's pool");
+        assert_eq!(got.pool, cidr("10.2.0.0/24"));
+        assert_eq!(
+            s.allocate(
+                &only.apply(pools.clone(), false),
+                &p,
+                "n1",
+                "h",
+                "eth0",
+                false,
+                &BTreeMap::new()
+            ),
+            Err(IpamError::NoPool { family: "IPv6" })
+        );
+        // A fixed address in the restricted pool, without a choice naming it: refused.
+        let msg = refused(
+            &mut s,
+            &none.apply(pools.clone(), true),
+            &p,
+            "n1",
+            "10.2.0.99",
+        );
+        assert!(
+            msg.contains("10.2.0.0/24") && msg.contains("no addresses here"),
+            "{msg}"
+        );
     }
 
     #[test]
