@@ -41,6 +41,17 @@ pub enum ConfigError {
     NoNodeName,
     #[error("node name {name:?} has a '/' or a control character: calix keys a node's records by its name")]
     BadNodeName { name: String },
+    #[error("pool {cidr}: namespaceSelector")]
+    NamespaceSelector {
+        cidr: IpNet,
+        #[source]
+        source: crate::selector::SelectorError,
+    },
+    #[error(
+        "pool {cidr}: a namespaceSelector needs datastore type \"kubernetes\" (the agent reads \
+         pods' namespaces from the API); with another datastore no pod could match it"
+    )]
+    NamespaceSelectorNeedsKubernetes { cidr: IpNet },
     #[error("pools {a} and {b} overlap: every address must belong to one pool")]
     Overlap { a: IpNet, b: IpNet },
     #[error("pool {cidr} is configured twice")]
@@ -673,6 +684,12 @@ pub struct PoolConfig {
     /// empty: every node.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub node_selector: std::collections::BTreeMap<String, String>,
+    /// Only pods whose Namespace's labels match this selector (matchLabels /
+    /// matchExpressions, as a NetworkPolicy's) get addresses from the pool, however they ask
+    /// (by default, by a pool annotation, or by a fixed address); absent: every namespace.
+    /// Needs the `kubernetes` datastore.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace_selector: Option<crate::selector::LabelSelector>,
 }
 
 impl PoolConfig {
@@ -684,6 +701,7 @@ impl PoolConfig {
             disabled: false,
             vxlan: VxlanMode::default(),
             node_selector: Default::default(),
+            namespace_selector: None,
         }
     }
 
@@ -719,6 +737,13 @@ impl PoolConfig {
                 block_size: bs,
                 prefix: self.cidr.prefix_len(),
             });
+        }
+        if let Some(sel) = &self.namespace_selector {
+            sel.validate()
+                .map_err(|source| ConfigError::NamespaceSelector {
+                    cidr: self.cidr,
+                    source,
+                })?;
         }
         Ok(())
     }
@@ -888,6 +913,13 @@ impl AgentConfig {
             return Err(ConfigError::RoutesNoUplinks);
         }
         self.pools.iter().try_for_each(PoolConfig::validate)?;
+        if let Some(p) = self
+            .pools
+            .iter()
+            .find(|p| p.namespace_selector.is_some() && !self.datastore.is_kubernetes())
+        {
+            return Err(ConfigError::NamespaceSelectorNeedsKubernetes { cidr: p.cidr });
+        }
         for (i, a) in self.pools.iter().enumerate() {
             for b in &self.pools[i + 1..] {
                 if a.cidr == b.cidr {
@@ -1105,6 +1137,7 @@ impl AgentConfig {
                 cidr: p.cidr.trunc(),
                 block_size: p.block_size(),
                 disabled: p.disabled || !p.selects(&self.node_labels),
+                restricted: p.namespace_selector.is_some(),
             })
             .collect()
     }
@@ -1273,6 +1306,45 @@ mod tests {
             c.validate(),
             Err(ConfigError::DatastoreKind { .. })
         ));
+    }
+
+    #[test]
+    fn a_namespace_selector_restricts_a_pool_and_needs_kubernetes() {
+        let text = r#"
+            node_name = "n"
+            [[pools]]
+            cidr = "10.1.0.0/16"
+            [[pools]]
+            cidr = "10.2.0.0/16"
+            namespaceSelector = { matchLabels = { tenant = "a" }, matchExpressions = [
+                { key = "env", operator = "NotIn", values = ["prod"] } ] }
+            "#;
+        let mut c = AgentConfig::from_toml(text).expect("parse");
+        let sel = c.pools[1].namespace_selector.clone().expect("the selector");
+        assert_eq!(sel.to_string(), "tenant=a,env notin (prod)");
+        let pools = c.node_pools();
+        assert!(!pools[0].restricted && pools[1].restricted);
+        assert!(!pools[1].disabled);
+        let e = c.validate().expect_err("embedded datastore");
+        assert!(
+            matches!(e, ConfigError::NamespaceSelectorNeedsKubernetes { .. }),
+            "{e}"
+        );
+        assert!(e.to_string().contains("10.2.0.0/16"), "{e}");
+        // With the kubernetes datastore the pools are IPPools, validated the same way.
+        c.datastore.kind = "kubernetes".into();
+        c.pools_configured = false;
+        c.validate().expect("valid");
+        c.pools[1].namespace_selector = Some(
+            serde_json::from_str(r#"{"matchExpressions": [{"key": "tenant", "operator": "In"}]}"#)
+                .expect("parse"),
+        );
+        let e = c.validate().expect_err("In without values");
+        assert!(matches!(e, ConfigError::NamespaceSelector { .. }), "{e}");
+        assert!(
+            format!("{:#}", anyhow::Error::from(e)).contains("needs at least one value"),
+            "the source says why"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub enum AgentError {
     Invalid(String),
     #[error("pool change refused: {0}")]
     PoolChange(String),
-    /// A pod's IPAM annotation that cannot be honoured.
+    /// A pod's IPAM annotation that cannot be honoured, or no pool serves its namespace.
     #[error(transparent)]
-    Annotation(#[from] crate::k8s::annotations::AnnotationError),
+    PodIpam(#[from] crate::k8s::annotations::PodIpamError),
 }

@@ -17,5 +17,6 @@ pub mod notice;
 pub mod paths;
 pub mod reconcile;
 pub mod routes;
+pub mod selector;
 pub mod tasks;
 pub mod uninstall;

@@ -76,3 +76,61 @@ pub fn call_error(what: &str, s: tonic::Status) -> CniError {
         ),
     }
 }
+
+/// Maps a refused address allocation: [`call_error`], with what to do in `details` (the
+/// message names the annotation, the pool and the rule).
+pub fn allocation_error(s: tonic::Status) -> CniError {
+    use tonic::Code;
+    let todo = match s.code() {
+        Code::InvalidArgument => {
+            "fix the pod's calix.dev/ipv4pools, ipv6pools or ipAddrs annotation (or its \
+             namespace's) and create the pod again: retries fail the same way"
+        }
+        Code::FailedPrecondition => {
+            "the pools this pod's namespace may use cannot give it that: choose another address \
+             or pool, or have the IPPools (namespaceSelector, nodeSelector, disabled) changed"
+        }
+        Code::AlreadyExists => {
+            "the address is taken: choose another address, or release it (calixctl ipam show)"
+        }
+        _ => "",
+    };
+    let mut e = call_error("the address allocation", s);
+    if e.details.is_empty() {
+        e.details = todo.to_string();
+    }
+    e
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_allocation_says_what_was_refused_and_what_to_do() {
+        let annotation = "annotation calix.dev/ipAddrs on pod shop/web: 10.1.0.9 is in pool \
+                          blue (10.1.0.0/16), which does not serve namespace shop";
+        for (status, todo) in [
+            (tonic::Status::invalid_argument(annotation), "annotation"),
+            (
+                tonic::Status::failed_precondition(
+                    "pod shop/web: no IPv6 pool of this node serves namespace shop: ...",
+                ),
+                "IPPools",
+            ),
+            (
+                tonic::Status::already_exists("requested address 10.1.0.9 is already in use"),
+                "another address",
+            ),
+        ] {
+            let said = status.message().to_string();
+            let e = allocation_error(status);
+            assert_eq!(e.code, code::AGENT_REFUSED, "{e}");
+            assert!(e.msg.contains(&said), "{e}");
+            assert!(e.details.contains(todo), "{e}");
+        }
+        // Unreachable stays "try again".
+        let e = allocation_error(tonic::Status::unavailable("down"));
+        assert_eq!(e.code, code::TRY_AGAIN);
+    }
+}

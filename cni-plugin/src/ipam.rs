@@ -11,7 +11,7 @@ use ipnet::IpNet;
 use serde_json::Value;
 
 use crate::args::CniEnv;
-use crate::client::{call_error, AgentClient};
+use crate::client::{allocation_error, call_error, AgentClient};
 use crate::config::NetConf;
 use crate::error::{code, CniError};
 
@@ -161,7 +161,7 @@ pub async fn add(
             requested: rc.ips.iter().map(ToString::to_string).collect(),
         })
         .await
-        .map_err(|s| call_error("the address allocation", s))?
+        .map_err(allocation_error)?
         .into_inner();
     let mut addresses = Vec::new();
     for a in &resp.addresses {

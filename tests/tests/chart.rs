@@ -93,7 +93,10 @@ fn all_b() -> Value {
         "pools": [
             {"name": "blue", "cidr": "10.244.0.0/16", "blockSize": 26, "natOutgoing": true, "vxlan": "crossSubnet"},
             {"name": "green", "cidr": "10.245.0.0/16", "natOutgoing": true, "disabled": false,
-             "nodeSelector": {"pool": "green"}}
+             "nodeSelector": {"pool": "green"},
+             "namespaceSelector": {"matchLabels": {"tenant": "green"},
+                                   "matchExpressions": [{"key": "env", "operator": "NotIn", "values": ["prod"]},
+                                                        {"key": "legacy", "operator": "DoesNotExist"}]}}
         ],
         "routes": {"enabled": true, "plaintext": true, "topology": "mesh"},
         "serviceAccount": {"create": true, "name": "calix-sa"}
@@ -299,6 +302,18 @@ fn bad_cases() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             json!({"nodeSelector": {"bad key!": "x"}}),
             vec!["/nodeSelector", "'bad key!'"],
         ),
+        (
+            "namespace selector with an unknown operator",
+            json!({"pools": [{"name": "p", "cidr": "10.244.0.0/16",
+                "namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "Like", "values": ["x"]}]}}]}),
+            vec!["/pools/0/namespaceSelector/matchExpressions/0/operator"],
+        ),
+        (
+            "namespace selector In without values",
+            json!({"pools": [{"name": "p", "cidr": "10.244.0.0/16",
+                "namespaceSelector": {"matchExpressions": [{"key": "a", "operator": "In"}]}}]}),
+            vec!["/pools/0/namespaceSelector/matchExpressions/0", "values"],
+        ),
     ]
 }
 
@@ -319,6 +334,18 @@ fn template_refusals() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             "block larger than its pool",
             json!({"pools": [{"name": "p", "cidr": "10.244.0.0/24", "blockSize": 22}]}),
             vec!["pools", "10.244.0.0/24", "blockSize 22"],
+        ),
+        (
+            "namespace selector outside the kubernetes datastore",
+            json!({"datastore": {"type": "etcd", "etcd": {"endpoints": ["http://192.0.2.10:2379"]}},
+                "pools": [{"name": "p", "cidr": "10.244.0.0/16",
+                    "namespaceSelector": {"matchLabels": {"tenant": "a"}}}]}),
+            vec![
+                "pools",
+                "p",
+                "namespaceSelector",
+                "datastore.type kubernetes",
+            ],
         ),
     ]
 }
@@ -527,6 +554,8 @@ fn ippools(r: &CaseResult) -> Vec<(String, PoolConfig)> {
         node_name: "node-a".into(),
         ..AgentConfig::default()
     };
+    // (IPPool objects are the kubernetes datastore's pools.)
+    c.datastore.kind = "kubernetes".into();
     c.pools = pools.iter().map(|(_, p)| p.clone()).collect();
     c.validate().expect("the IPPools are a valid pool set");
     pools
@@ -955,6 +984,16 @@ fn every_value_set_renders_and_reaches_the_agent() {
     assert_eq!(
         pools[1].1.node_selector.get("pool").map(String::as_str),
         Some("green")
+    );
+    assert_eq!(pools[0].1.namespace_selector, None, "{{}}: no selector");
+    assert_eq!(
+        pools[1]
+            .1
+            .namespace_selector
+            .as_ref()
+            .map(ToString::to_string)
+            .as_deref(),
+        Some("tenant=green,env notin (prod),!legacy")
     );
     assert_eq!(
         install_cni(one(r, "DaemonSet", "calix"), "n")["plugins"][0]["mtu"],

@@ -699,3 +699,98 @@ fn sighup_applies_pool_changes_and_refuses_unsafe_ones() {
         node.agent_log()
     );
 }
+
+/// A runtime's own address request (CNI `ips`, outside Kubernetes) is checked like every
+/// allocation: not in use in a block of an older block size, not inside another node's block,
+/// not a pool's network or broadcast address. Two agents on one etcd; a's pool goes from
+/// blockSize 26 to 28 (SIGHUP) under live blocks.
+#[test]
+fn a_requested_address_is_checked_like_every_allocation_across_block_sizes_and_nodes() {
+    let etcd = EtcdNs::start();
+    let pools = |bs: u8| format!("[[pools]]\ncidr = \"10.66.0.0/24\"\nblockSize = {bs}\n");
+    let a = Node::create(Dataplane::Kernel, None);
+    let url = etcd.wire(&a.ns);
+    let a = a.with_config(&etcd_config(&url, &pools(26)));
+    a.start_agent();
+    let b = etcd_node(&etcd, &pools(26));
+    let rt = rt();
+    let first = rt.block_on(async { allocate(client(&a).await, "net.a-0".into()).await });
+    assert_eq!(
+        first.expect("a"),
+        "10.66.0.1".parse::<IpAddr>().expect("ip")
+    );
+    let other = rt.block_on(async { allocate(client(&b).await, "net.b-0".into()).await });
+    assert_eq!(
+        other.expect("b"),
+        "10.66.0.64".parse::<IpAddr>().expect("ip")
+    );
+    std::fs::write(a.dir.join("agent.toml"), etcd_config(&url, &pools(28))).expect("config");
+    let pid = a.agent_pid().expect("agent pid");
+    // SAFETY: kill(2) on the agent this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGHUP) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ipam_json(&a, "show")["pools"][0]["block_size"] != 28 {
+        assert!(Instant::now() < deadline, "{}", a.agent_log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let request = |handle: &str, addr: &str| {
+        rt.block_on(async {
+            client(&a)
+                .await
+                .allocate(pb::AllocateRequest {
+                    handle: handle.into(),
+                    ifname: "eth0".into(),
+                    ipv4: true,
+                    requested: vec![format!("{addr}/32")],
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    for (handle, addr, code, says) in [
+        (
+            "net.a-1",
+            "10.66.0.1",
+            tonic::Code::AlreadyExists,
+            "10.66.0.1 is already in use".to_string(),
+        ),
+        (
+            "net.a-2",
+            "10.66.0.70",
+            tonic::Code::FailedPrecondition,
+            format!(
+                "10.66.0.70 lies in block 10.66.0.64/26 of node {}",
+                b.ns.name
+            ),
+        ),
+        (
+            "net.a-3",
+            "10.66.0.0",
+            tonic::Code::FailedPrecondition,
+            "network address of pool 10.66.0.0/24".into(),
+        ),
+        (
+            "net.a-4",
+            "10.66.0.255",
+            tonic::Code::FailedPrecondition,
+            "broadcast address of pool 10.66.0.0/24".into(),
+        ),
+    ] {
+        let e = request(handle, addr).expect_err(addr);
+        assert_eq!(e.code(), code, "{addr}: {e:?}");
+        assert!(e.message().contains(&says), "{addr}: {e:?}");
+    }
+    // A free address of a's old block takes no new block.
+    let ok = request("net.a-5", "10.66.0.9").expect("10.66.0.9 in a's block");
+    assert_eq!(ok.into_inner().addresses[0].address, "10.66.0.9/32");
+    let check = ipam_json(&a, "check");
+    assert!(findings_of(&check, "duplicate").is_empty(), "{check}");
+    let show = ipam_json(&a, "show");
+    let blocks: Vec<&str> = show["blocks"]
+        .as_array()
+        .expect("blocks")
+        .iter()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(blocks, ["10.66.0.0/26", "10.66.0.64/26"], "{show}");
+}

@@ -2,8 +2,9 @@
 //! v1.36.2 (in a namespace of its own) and a node namespace running the upstream kubelet with
 //! a private containerd 1.6 (CRI), the calix agent (kubernetes datastore) and the calix CNI
 //! plugin in the CRI plugin's `bin_dir`/`conf_dir`. A Pod with `nodeName` set goes Running,
-//! its status shows the address calix gave it, the node reaches it; deleting it (the kubelet
-//! confirming) releases everything: the address, the endpoint, the veth, the route.
+//! its status shows the address calix gave it (from the pool its namespace's labels select,
+//! not another tenant's), the node reaches it; deleting it (the kubelet confirming) releases
+//! everything: the address, the endpoint, the veth, the route.
 //!
 //! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
@@ -60,9 +61,23 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     }
     let u = unique("kp");
     let pool = "10.74.0.0/24";
+    // The pod's namespace is tenant u's; a pool of another tenant comes first by name and is
+    // never used for it.
+    let other = format!("{u}-0-other");
+    for (name, cidr, tenant) in [
+        (&other, "10.74.1.0/24", other.clone()),
+        (&u, pool, u.clone()),
+    ] {
+        api.apply(json!({
+            "apiVersion": "calix.dev/v1", "kind": "IPPool", "metadata": {"name": name},
+            "spec": {"cidr": cidr, "blockSize": 28,
+                     "namespaceSelector": {"matchLabels": {"calix.dev/tenant": tenant}}},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
     api.apply(json!({
-        "apiVersion": "calix.dev/v1", "kind": "IPPool", "metadata": {"name": u},
-        "spec": {"cidr": pool, "blockSize": 28},
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": u, "labels": {"calix.dev/tenant": u}},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
     let cni = CniDirs::create(&node.dir, node.conf(json!({})), &bin("calix"))
@@ -75,13 +90,13 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     // wants.)
     api.apply(json!({
         "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": "default", "namespace": "default"},
+        "metadata": {"name": "default", "namespace": u},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
     let name = format!("{u}-web");
     api.apply(json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default", "labels": {"calix.dev/test": u}},
+        "metadata": {"name": name, "namespace": u, "labels": {"calix.dev/test": u}},
         "spec": {
             "nodeName": node.ns.name,
             "automountServiceAccountToken": false,
@@ -135,7 +150,7 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     assert_eq!(node.cali_links().len(), 1, "{:?}", node.cali_links());
     assert!(node.ns.ping(&ip, 3), "the node cannot ping its pod at {ip}");
     // Deleting it: the kubelet stops the sandbox (CNI DEL) and confirms the deletion.
-    api.delete_in("v1", "Pod", "default", &name)
+    api.delete_in("v1", "Pod", &u, &name)
         .unwrap_or_else(|e| panic!("{e}"));
     wait_for(
         "the pod gone from the API",
@@ -166,8 +181,10 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     eprintln!("released after {:?}", started.elapsed());
     let left = kube.stop();
     assert!(left.is_empty(), "the kubelet node left behind: {left:?}");
-    api.delete("calix.dev/v1", "IPPool", &u)
-        .unwrap_or_else(|e| panic!("{e}"));
+    for p in [&u, &other] {
+        api.delete("calix.dev/v1", "IPPool", p)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
 }
 
 #[test]

@@ -542,7 +542,7 @@ fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_a
             "g",
             json!({"calix.dev/ipAddrs": "[\"10.99.99.1\"]"}),
             "calix.dev/ipAddrs",
-            "not in any enabled pool",
+            "10.99.99.1 is not in any IPPool",
         ),
     ] {
         let bad = add(pod, annotations);
@@ -560,6 +560,402 @@ fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_a
     drop((from_ns, own, fixed));
     for pool in ["x", "y"] {
         api.delete("calix.dev/v1", "IPPool", &format!("{u}-{pool}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// An IPPool `name` of `cidr` (`blockSize` `block_size`) for the nodes labelled
+/// `calix.dev/test: u`, with `namespace_selector` when not null.
+fn ippool_for(name: &str, cidr: &str, block_size: u8, u: &str, namespace_selector: Value) -> Value {
+    let mut pool = ippool(name, cidr, json!({"calix.dev/test": u}));
+    pool["spec"]["blockSize"] = json!(block_size);
+    if !namespace_selector.is_null() {
+        pool["spec"]["namespaceSelector"] = namespace_selector;
+    }
+    pool
+}
+
+/// Applies Namespace `name` with `labels` and `annotations`.
+fn namespace(api: &KubeApi, name: &str, labels: Value, annotations: Value) {
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": name, "labels": labels, "annotations": annotations},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The CNI ADD of pod `namespace/pod` (made with `annotations`) on `node` with network config
+/// `conf`, which must fail: its CNI error, checked to be the agent's refusal (code 100) whose
+/// message names each of `says`, and short.
+fn refused_add(
+    api: &KubeApi,
+    node: &Node,
+    (namespace, pod): (&str, &str),
+    annotations: Value,
+    conf: Value,
+    says: &[&str],
+) -> Value {
+    let uid = pod_in(api, namespace, pod, &node.ns.name, annotations);
+    let bad = Pod::try_add_k8s(node, namespace, pod, &uid, conf);
+    assert!(
+        !bad.result.success,
+        "{namespace}/{pod} was not refused: {}",
+        bad.result.stdout
+    );
+    let err: Value = serde_json::from_str(&bad.result.stdout)
+        .unwrap_or_else(|e| panic!("{pod}: not CNI error JSON ({e}): {}", bad.result.stdout));
+    let msg = err["msg"].as_str().unwrap_or_default();
+    assert_eq!(err["code"], 100, "{pod}: {err}");
+    for s in says {
+        assert!(msg.contains(s), "{pod}: {s:?} not in {err}");
+    }
+    assert!(
+        msg.len() < 1200,
+        "{pod}: a long message: {} bytes",
+        msg.len()
+    );
+    err
+}
+
+/// The CNI ADD of pod `namespace/pod` (made with `annotations`) on `node` with network config
+/// `conf`, which must succeed.
+fn added<'a>(
+    api: &KubeApi,
+    node: &'a Node,
+    (namespace, pod): (&str, &str),
+    annotations: Value,
+    conf: Value,
+) -> Pod<'a> {
+    let uid = pod_in(api, namespace, pod, &node.ns.name, annotations);
+    let p = Pod::try_add_k8s(node, namespace, pod, &uid, conf);
+    assert!(
+        p.result.success,
+        "{namespace}/{pod}: {}\n{}",
+        p.result.stdout,
+        node.agent_log()
+    );
+    p
+}
+
+/// The blocks `node`'s agent shows as `owner`'s.
+fn blocks_of(node: &Node, owner: &str) -> Vec<String> {
+    ipam_show(node)["blocks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["affinity"] == owner)
+        .filter_map(|b| b["cidr"].as_str().map(String::from))
+        .collect()
+}
+
+#[test]
+fn a_fixed_address_is_checked_like_every_allocation_and_refusals_name_the_rule() {
+    let api = KubeApi::shared();
+    let token = agent_token(&api);
+    let u = unique("x");
+    let a = agent_node(&api, &token, "[ipam]\nmaxBlocksPerNode = 2\n");
+    let b = agent_node(&api, &token, "");
+    let (na, nb) = (a.ns.name.clone(), b.ns.name.clone());
+    for (n, ip) in [(&na, "192.0.2.15"), (&nb, "192.0.2.16")] {
+        node_object(&api, n, json!({"calix.dev/test": u}), &[("InternalIP", ip)]);
+    }
+    let pool = format!("{u}-p");
+    api.apply(ippool_for(&pool, "10.77.0.0/24", 26, &u, Value::Null))
+        .unwrap_or_else(|e| panic!("{e}"));
+    namespace(&api, &u, json!({}), json!({}));
+    a.start_agent();
+    b.start_agent();
+    wait_pools(&a, &["10.77.0.0/24"]);
+    wait_pools(&b, &["10.77.0.0/24"]);
+    let add = |node, pod, annotations| added(&api, node, (&u, pod), annotations, Value::Null);
+    // a's block 10.77.0.0/26 and b's 10.77.0.64/26, of block size 26.
+    let p1 = add(&a, "p1", json!({}));
+    assert_eq!(p1.ip(), "10.77.0.1");
+    let q1 = add(&b, "q1", json!({}));
+    assert_eq!(q1.ip(), "10.77.0.64");
+    // The pool's block size becomes 28: those blocks stay as they are.
+    api.apply(ippool_for(&pool, "10.77.0.0/24", 28, &u, Value::Null))
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "a's agent uses blockSize 28",
+        Duration::from_secs(30),
+        || (ipam_show(&a)["pools"][0]["block_size"] == 28).then_some(()),
+        || a.agent_log(),
+    );
+    let ip_addrs = |addr: &str| json!({"calix.dev/ipAddrs": format!("[\"{addr}\"]")});
+    let fixed = |pod: &str| format!("annotation calix.dev/ipAddrs on pod {u}/{pod}");
+    // p1's address, inside a's block of the old size.
+    refused_add(
+        &api,
+        &a,
+        (&u, "p2"),
+        ip_addrs("10.77.0.1"),
+        Value::Null,
+        &[&fixed("p2"), "10.77.0.1 is already in use"],
+    );
+    refused_add(
+        &api,
+        &a,
+        (&u, "p3"),
+        ip_addrs("10.77.0.0"),
+        Value::Null,
+        &[&fixed("p3"), "network address of pool 10.77.0.0/24"],
+    );
+    refused_add(
+        &api,
+        &a,
+        (&u, "p4"),
+        ip_addrs("10.77.0.70"),
+        Value::Null,
+        &[
+            &fixed("p4"),
+            &format!("10.77.0.70 lies in block 10.77.0.64/26 of node {nb}"),
+        ],
+    );
+    // A new block of the new size for a fixed address: a's second and last.
+    let p5 = add(&a, "p5", ip_addrs("10.77.0.130"));
+    assert_eq!(p5.ip(), "10.77.0.130");
+    refused_add(
+        &api,
+        &a,
+        (&u, "p6"),
+        ip_addrs("10.77.0.200"),
+        Value::Null,
+        &[
+            &fixed("p6"),
+            "new block 10.77.0.192/28",
+            &format!("node {na} already holds maxBlocksPerNode=2 blocks"),
+        ],
+    );
+    // What a tenant may write: each a refusal naming the annotation.
+    let many: Vec<String> = (1..=17).map(|i| format!("10.77.0.{i}")).collect();
+    let huge = format!("[\"{}\"]", "9".repeat(100_000));
+    for (pod, value, says) in [
+        (
+            "h1",
+            serde_json::to_string(&many).expect("json"),
+            "17 entries, at most 16",
+        ),
+        (
+            "h2",
+            r#"["10.77.0.9","10.77.0.9"]"#.to_string(),
+            "more than one IPv4 address",
+        ),
+        (
+            "h3",
+            r#"["fd77::9"]"#.to_string(),
+            "assigns no IPv6 addresses",
+        ),
+        ("h4", huge, "is not an IP address"),
+        (
+            "h5",
+            r#"{"ip": "10.77.0.9"}"#.to_string(),
+            "not a JSON list",
+        ),
+        (
+            "h6",
+            r#"["10.99.0.9"]"#.to_string(),
+            "10.99.0.9 is not in any IPPool",
+        ),
+    ] {
+        refused_add(
+            &api,
+            &a,
+            (&u, pod),
+            json!({"calix.dev/ipAddrs": value}),
+            Value::Null,
+            &[&fixed(pod), says],
+        );
+    }
+    // Nothing was allocated by a refusal, and every address is in one block only.
+    assert_eq!(used(&a), 2, "{}", ipam_show(&a));
+    assert_eq!(used(&b), 1, "{}", ipam_show(&b));
+    assert_eq!(blocks_of(&a, &na), ["10.77.0.0/26", "10.77.0.128/28"]);
+    assert_eq!(blocks_of(&a, &nb), ["10.77.0.64/26"]);
+    drop((p1, q1, p5));
+    api.delete("calix.dev/v1", "IPPool", &pool)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn pools_restricted_to_namespaces_serve_only_them_however_a_pod_asks() {
+    let api = KubeApi::shared();
+    let token = agent_token(&api);
+    let u = unique("n");
+    let node = agent_node(&api, &token, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.17")],
+    );
+    let (ta, tb) = (format!("{u}-a"), format!("{u}-b"));
+    let tenant = |t: &str| json!({"matchLabels": {"tenant": t}});
+    // Listed by name, so a pool the namespace may not use comes first for every pod below.
+    let (pa, shared, pb6, pa6) = (
+        format!("{u}-0-a"),
+        format!("{u}-1-shared"),
+        format!("{u}-2-b6"),
+        format!("{u}-3-a6"),
+    );
+    for pool in [
+        ippool_for(&pa, "10.78.1.0/24", 28, &u, tenant(&ta)),
+        ippool_for(
+            &shared,
+            "10.78.0.0/24",
+            28,
+            &u,
+            json!({"matchExpressions": [{"key": "tenant", "operator": "NotIn", "values": [ta]}]}),
+        ),
+        ippool_for(&pb6, "fd78:2::/120", 124, &u, tenant(&tb)),
+        ippool_for(&pa6, "fd78:1::/120", 124, &u, tenant(&ta)),
+    ] {
+        api.apply(pool).unwrap_or_else(|e| panic!("{e}"));
+    }
+    // Namespace a is tenant a's; c has no labels; d names tenant a's pool for its pods.
+    let (ns_a, ns_c, ns_d) = (ta.clone(), format!("{u}-c"), format!("{u}-d"));
+    namespace(&api, &ns_a, json!({"tenant": ta}), json!({}));
+    namespace(&api, &ns_c, json!({}), json!({}));
+    namespace(
+        &api,
+        &ns_d,
+        json!({}),
+        json!({"calix.dev/ipv4pools": format!("[\"{pa}\"]")}),
+    );
+    node.start_agent();
+    wait_pools(
+        &node,
+        &[
+            "10.78.1.0/24",
+            "10.78.0.0/24",
+            "fd78:2::/120",
+            "fd78:1::/120",
+        ],
+    );
+    let dual = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
+    let add = |ns, pod, annotations, conf| added(&api, &node, (ns, pod), annotations, conf);
+    // By default: each namespace its own pools, never another's.
+    let c1 = add(&ns_c, "c1", json!({}), Value::Null);
+    assert!(
+        c1.ip().starts_with("10.78.0."),
+        "namespace c from the shared pool: {}",
+        c1.ip()
+    );
+    let a1 = add(&ns_a, "a1", json!({}), Value::Null);
+    assert!(
+        a1.ip().starts_with("10.78.1."),
+        "namespace a from its pool: {}",
+        a1.ip()
+    );
+    // Annotations choose only among them.
+    let not_c = format!("does not serve namespace {ns_c} (namespaceSelector tenant={ta})");
+    refused_add(
+        &api,
+        &node,
+        (&ns_c, "c2"),
+        json!({"calix.dev/ipv4pools": format!("[\"{pa}\"]")}),
+        Value::Null,
+        &[
+            &format!("annotation calix.dev/ipv4pools on pod {ns_c}/c2"),
+            &format!("pool {pa} (10.78.1.0/24) {not_c}"),
+        ],
+    );
+    refused_add(
+        &api,
+        &node,
+        (&ns_d, "d1"),
+        json!({}),
+        Value::Null,
+        &[
+            &format!("annotation calix.dev/ipv4pools on namespace {ns_d}"),
+            &format!("pool {pa} (10.78.1.0/24) does not serve namespace {ns_d}"),
+        ],
+    );
+    refused_add(
+        &api,
+        &node,
+        (&ns_c, "c3"),
+        json!({"calix.dev/ipAddrs": "[\"10.78.1.9\"]"}),
+        Value::Null,
+        &[
+            &format!("annotation calix.dev/ipAddrs on pod {ns_c}/c3"),
+            &format!("10.78.1.9 is in pool {pa} (10.78.1.0/24), which {not_c}"),
+        ],
+    );
+    refused_add(
+        &api,
+        &node,
+        (&ns_a, "a2"),
+        json!({"calix.dev/ipAddrs": "[\"10.78.0.9\"]"}),
+        Value::Null,
+        &[&format!(
+            "10.78.0.9 is in pool {shared} (10.78.0.0/24), which does not serve namespace {ns_a} \
+             (namespaceSelector tenant notin ({ta}))"
+        )],
+    );
+    // A fixed IPv4 address leaves IPv6 to the namespace's pools.
+    let a3 = add(
+        &ns_a,
+        "a3",
+        json!({"calix.dev/ipAddrs": "[\"10.78.1.20\"]"}),
+        dual.clone(),
+    );
+    let ips = a3.ips();
+    assert_eq!(ips.len(), 2, "{ips:?}");
+    assert_eq!(ips[0], "10.78.1.20");
+    assert!(
+        ips[1].starts_with("fd78:1::"),
+        "IPv6 from tenant a's pool: {ips:?}"
+    );
+    // No IPv6 pool serves namespace c: refused, each pool and its rule named, nothing taken.
+    refused_add(
+        &api,
+        &node,
+        (&ns_c, "c4"),
+        json!({}),
+        dual.clone(),
+        &[
+            &format!("no IPv6 pool of this node serves namespace {ns_c}"),
+            &format!("pool {pb6} (fd78:2::/120) does not serve namespace {ns_c} (namespaceSelector tenant={tb})"),
+            &format!("pool {pa6} (fd78:1::/120) does not serve namespace {ns_c} (namespaceSelector tenant={ta})"),
+        ],
+    );
+    refused_add(
+        &api,
+        &node,
+        (&ns_c, "c5"),
+        json!({"calix.dev/ipAddrs": "[\"10.78.0.30\"]"}),
+        dual,
+        &[&format!(
+            "no IPv6 pool of this node serves namespace {ns_c}"
+        )],
+    );
+    // An allocation that names no pod: never a pool with a namespaceSelector.
+    let e = rt()
+        .block_on(async {
+            let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(30))
+                .await
+                .expect("connect to the agent");
+            pb::ipam_client::IpamClient::new(ch)
+                .allocate(pb::AllocateRequest {
+                    handle: "net:no-pod".into(),
+                    ifname: "eth0".into(),
+                    ipv4: true,
+                    ..Default::default()
+                })
+                .await
+        })
+        .expect_err("every IPv4 pool here has a namespaceSelector");
+    assert!(e.message().contains("no enabled IPv4 pool"), "{e:?}");
+    // The namespace's labels are read at each allocation: c becomes tenant a's.
+    namespace(&api, &ns_c, json!({"tenant": ta}), json!({}));
+    let c6 = add(&ns_c, "c6", json!({}), Value::Null);
+    assert!(c6.ip().starts_with("10.78.1."), "{}", c6.ip());
+    assert_eq!(used(&node), 5, "{}", ipam_show(&node));
+    drop((c1, a1, a3, c6));
+    for pool in [pa, shared, pb6, pa6] {
+        api.delete("calix.dev/v1", "IPPool", &pool)
             .unwrap_or_else(|e| panic!("{e}"));
     }
 }

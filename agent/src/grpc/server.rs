@@ -12,7 +12,8 @@ use tonic::{Request, Response, Status};
 
 use crate::endpoints::EndpointView;
 use crate::error::AgentError;
-use crate::ipam::IpamError;
+use crate::ipam::{IpamError, PoolChoice};
+use crate::k8s::annotations::{self, AnnotationError, PodIpamError};
 use crate::model::EndpointRecord;
 use crate::node::Node;
 use crate::routes::report::RoutesReport;
@@ -25,13 +26,20 @@ fn status(e: AgentError) -> Status {
         None => msg,
     };
     match e {
-        AgentError::Invalid(_) | AgentError::Annotation(_) => Status::invalid_argument(msg),
+        AgentError::Invalid(_) | AgentError::PodIpam(PodIpamError::Annotation(_)) => {
+            Status::invalid_argument(msg)
+        }
+        AgentError::PodIpam(PodIpamError::NoPool { .. }) => Status::failed_precondition(msg),
         AgentError::Ipam(IpamError::Exhausted { .. }) => Status::resource_exhausted(msg),
         AgentError::Ipam(IpamError::InUse { .. }) => Status::already_exists(msg),
         AgentError::Ipam(
             IpamError::NoPool { .. }
             | IpamError::NotInPool { .. }
+            | IpamError::PoolDisabled { .. }
+            | IpamError::Reserved { .. }
             | IpamError::ForeignBlock { .. }
+            | IpamError::Overlaps { .. }
+            | IpamError::MaxBlocks { .. }
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
@@ -46,17 +54,21 @@ fn annotated(e: AgentError, fixed: &[(std::net::IpAddr, String)]) -> AgentError 
     let addr = match &e {
         AgentError::Ipam(
             IpamError::NotInPool { addr }
+            | IpamError::PoolDisabled { addr, .. }
+            | IpamError::Reserved { addr, .. }
             | IpamError::InUse { addr }
-            | IpamError::ForeignBlock { addr, .. },
+            | IpamError::ForeignBlock { addr, .. }
+            | IpamError::Overlaps { addr, .. }
+            | IpamError::MaxBlocks { addr, .. },
         ) => *addr,
         _ => return e,
     };
     match fixed.iter().find(|(a, _)| *a == addr) {
-        Some((_, on)) => AgentError::Annotation(crate::k8s::annotations::AnnotationError {
-            annotation: crate::k8s::annotations::IP_ADDRS,
+        Some((_, on)) => AgentError::PodIpam(PodIpamError::Annotation(AnnotationError {
+            annotation: annotations::IP_ADDRS,
             on: on.clone(),
             detail: e.to_string(),
-        }),
+        })),
         None => e,
     }
 }
@@ -111,9 +123,15 @@ impl pb::ipam_server::Ipam for IpamSvc {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        // A Kubernetes pod's annotations (pools, a fixed address); the runtime's own request
-        // for a family wins.
-        let mut only = None;
+        // A Kubernetes pod's pools (its namespace's, narrowed by its annotations) and fixed
+        // addresses; the runtime's own request for a family wins over the annotation's, and
+        // is held to the same pools. An allocation that names no pod uses the pools without a
+        // namespaceSelector.
+        let families = (
+            r.ipv4 || requested.iter().any(std::net::IpAddr::is_ipv4),
+            r.ipv6 || requested.iter().any(std::net::IpAddr::is_ipv6),
+        );
+        let mut choice = PoolChoice::default();
         let mut fixed = Vec::new();
         if let (Some(src), Some(ns), Some(pod)) = (
             self.0.pod_ipam.get(),
@@ -121,7 +139,7 @@ impl pb::ipam_server::Ipam for IpamSvc {
             attrs.get("pod").filter(|v| !v.is_empty()),
         ) {
             let asked = src
-                .for_pod(ns, pod, &self.0.ipam.pools())
+                .for_pod(ns, pod, &self.0.ipam.pools(), families)
                 .await
                 .map_err(status)?;
             for a in asked.addresses {
@@ -130,19 +148,13 @@ impl pb::ipam_server::Ipam for IpamSvc {
                     fixed.push((a, format!("pod {ns}/{pod}")));
                 }
             }
-            only = asked.pools;
+            choice = asked.pools;
         }
         let (out, already) = match self
             .0
             .ipam
             .allocate_from(
-                &r.handle,
-                &r.ifname,
-                r.ipv4,
-                r.ipv6,
-                &requested,
-                &attrs,
-                only.as_deref(),
+                &r.handle, &r.ifname, r.ipv4, r.ipv6, &requested, &attrs, &choice,
             )
             .await
         {

@@ -29,6 +29,7 @@ async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
             cidr: p.cidr.trunc(),
             block_size: p.block_size(),
             disabled: p.disabled,
+            restricted: p.namespace_selector.is_some(),
         });
     }
     Ok(out)

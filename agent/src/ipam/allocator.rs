@@ -23,11 +23,37 @@ pub enum IpamError {
     NotInPool { addr: IpAddr },
     #[error("requested address {addr} is already in use")]
     InUse { addr: IpAddr },
-    #[error("requested address {addr} is in block {block}, which belongs to node {owner}")]
+    #[error("requested address {addr} is in pool {pool}, which hands out no addresses here (disabled, not selecting this node, or not one this allocation may use)")]
+    PoolDisabled { addr: IpAddr, pool: IpNet },
+    #[error("requested address {addr} is the {what} of pool {pool}, which is never handed out")]
+    Reserved {
+        addr: IpAddr,
+        pool: IpNet,
+        what: &'static str,
+    },
+    #[error(
+        "requested address {addr} lies in block {block} of {}",
+        owner_text(owner)
+    )]
     ForeignBlock {
         addr: IpAddr,
         block: IpNet,
         owner: String,
+    },
+    #[error("requested address {addr} needs a new block {block}, which would overlap block {other} of {owner}")]
+    Overlaps {
+        addr: IpAddr,
+        block: IpNet,
+        other: IpNet,
+        /// "node b", or what a block affine to nobody is.
+        owner: String,
+    },
+    #[error("requested address {addr} needs a new block {block}, but node {node} already holds maxBlocksPerNode={max} blocks")]
+    MaxBlocks {
+        addr: IpAddr,
+        block: IpNet,
+        node: String,
+        max: usize,
     },
     #[error("{handle}/{ifname} already holds {held}, not the requested {addr}")]
     HeldOther {
@@ -53,6 +79,50 @@ pub struct Pool {
     pub cidr: IpNet,
     pub block_size: u8,
     pub disabled: bool,
+    /// The pool has a `namespaceSelector`: an allocation uses it only when its
+    /// [`PoolChoice`] names it (the caller has matched the pod's namespace).
+    pub restricted: bool,
+}
+
+/// Which pools one allocation may use, per family: `None`, every pool of the family without a
+/// namespaceSelector ([`Pool::restricted`]); `Some(cidrs)`, only those (none when empty). A
+/// pod's choice comes from its namespace and annotations (`crate::k8s::annotations`); an
+/// allocation that names no pod has the default, so a restricted pool serves only the pods
+/// it was matched for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolChoice {
+    pub v4: Option<Vec<IpNet>>,
+    pub v6: Option<Vec<IpNet>>,
+}
+
+impl PoolChoice {
+    /// The choice of family `v4`.
+    pub fn of(&self, v4: bool) -> Option<&[IpNet]> {
+        if v4 {
+            self.v4.as_deref()
+        } else {
+            self.v6.as_deref()
+        }
+    }
+
+    /// `pools` as an allocation of family `v4` under this choice sees them: every pool of the
+    /// family it may not use disabled (addresses in them stay valid, none are handed out).
+    pub fn apply(&self, pools: Vec<Pool>, v4: bool) -> Vec<Pool> {
+        let only = self.of(v4);
+        pools
+            .into_iter()
+            .map(|mut p| {
+                if p.cidr.addr().is_ipv4() == v4 {
+                    let allowed = match only {
+                        Some(only) => only.contains(&p.cidr),
+                        None => !p.restricted,
+                    };
+                    p.disabled |= !allowed;
+                }
+                p
+            })
+            .collect()
+    }
 }
 
 /// How a node may grow beyond its own blocks.
@@ -275,6 +345,27 @@ fn reserved(pool: &IpNet, addr: IpAddr) -> bool {
     reserved_addresses(pool).contains(&addr)
 }
 
+/// Which of `pool`'s reserved addresses `addr` is, if it is one.
+fn reserved_kind(pool: &IpNet, addr: IpAddr) -> Option<&'static str> {
+    match pool {
+        IpNet::V4(p) if IpAddr::V4(p.network()) == addr => Some("network address"),
+        IpNet::V4(p) if IpAddr::V4(p.broadcast()) == addr => Some("broadcast address"),
+        IpNet::V6(p) if IpAddr::V6(p.network()) == addr => {
+            Some("Subnet-Router anycast address (its first)")
+        }
+        _ => None,
+    }
+}
+
+/// A block's affinity as a refusal names it.
+fn owner_text(affinity: &str) -> String {
+    if affinity.is_empty() {
+        "no node".to_string()
+    } else {
+        format!("node {affinity}")
+    }
+}
+
 /// Whether `block` holds an address that is not one of the pool's reserved ones.
 fn has_usable(pool: &IpNet, block: &IpNet) -> bool {
     let reserved_here = reserved_addresses(pool)
@@ -480,10 +571,18 @@ impl IpamState {
         }
     }
 
-    /// Allocates exactly `addr` for (handle, ifname) on `node` (CNI runtimeConfig "ips").
+    /// Allocates exactly `addr` for (handle, ifname) on `node` (CNI runtimeConfig "ips", a
+    /// pod's `calix.dev/ipAddrs`), checked like every other allocation: in an enabled pool, not
+    /// one of the pool's reserved addresses, free. The block holding it is whichever block
+    /// contains it, whatever block size it was made with; it must be `node`'s (no borrowing of
+    /// a chosen address). When no block contains it, a new block of the pool's size is claimed,
+    /// as [`IpamState::allocate`] would: not overlapping any block (of any size, released ones
+    /// until they are deleted) and within `maxBlocksPerNode`. A refusal changes nothing.
+    #[allow(clippy::too_many_arguments)]
     pub fn allocate_specific(
         &mut self,
         pools: &[Pool],
+        policy: &Policy,
         node: &str,
         handle: &str,
         ifname: &str,
@@ -492,26 +591,60 @@ impl IpamState {
     ) -> Result<Allocated, IpamError> {
         let pool = pools
             .iter()
-            .find(|p| !p.disabled && p.cidr.contains(&addr))
+            .find(|p| p.cidr.contains(&addr))
             .ok_or(IpamError::NotInPool { addr })?;
-        let block_cidr = IpNet::new(addr, pool.block_size)
-            .map(|n| n.trunc())
-            .map_err(|_| IpamError::NotInPool { addr })?;
-        let key = block_cidr.to_string();
-        let fresh = self.fresh_block(block_cidr, node);
-        let block = self.blocks.entry(key.clone()).or_insert(fresh);
-        if block.affinity != node {
-            return Err(IpamError::ForeignBlock {
+        if pool.disabled {
+            return Err(IpamError::PoolDisabled {
                 addr,
-                block: block_cidr,
-                owner: block.affinity.clone(),
+                pool: pool.cidr,
             });
         }
-        let offset = offset_in(&block.cidr, addr);
-        if block.allocations.contains_key(&offset) {
-            return Err(IpamError::InUse { addr });
+        if let Some(what) = reserved_kind(&pool.cidr, addr) {
+            return Err(IpamError::Reserved {
+                addr,
+                pool: pool.cidr,
+                what,
+            });
         }
-        let seq = block.take(offset, node, handle, ifname, attributes);
+        let key = match self.blocks.iter().find(|(_, b)| b.cidr.contains(&addr)) {
+            Some((key, block)) => {
+                if block.affinity != node {
+                    return Err(IpamError::ForeignBlock {
+                        addr,
+                        block: block.cidr,
+                        owner: block.affinity.clone(),
+                    });
+                }
+                if block
+                    .allocations
+                    .contains_key(&offset_in(&block.cidr, addr))
+                {
+                    return Err(IpamError::InUse { addr });
+                }
+                key.clone()
+            }
+            None => {
+                let cidr = IpNet::new(addr, pool.block_size)
+                    .map(|n| n.trunc())
+                    .map_err(|_| IpamError::NotInPool { addr })?;
+                self.check_claim(&cidr, policy, node, addr)?;
+                let key = cidr.to_string();
+                let fresh = self.fresh_block(cidr, node);
+                self.blocks.insert(key.clone(), fresh);
+                key
+            }
+        };
+        let block = self
+            .blocks
+            .get_mut(&key)
+            .expect("allocate_specific: the block was just found or inserted");
+        let seq = block.take(
+            offset_in(&block.cidr, addr),
+            node,
+            handle,
+            ifname,
+            attributes,
+        );
         Ok(Allocated {
             addr,
             pool: pool.cidr,
@@ -519,6 +652,48 @@ impl IpamState {
             block: key,
             borrowed: false,
         })
+    }
+
+    /// Whether `node` may claim the new block `cidr` for `addr`: it overlaps no block of the
+    /// view (of any size), nor a stored released block of another layout (until housekeeping
+    /// deletes it), and `node` holds fewer than `maxBlocksPerNode` blocks.
+    fn check_claim(
+        &self,
+        cidr: &IpNet,
+        policy: &Policy,
+        node: &str,
+        addr: IpAddr,
+    ) -> Result<(), IpamError> {
+        if let Some(b) = self.blocks.values().find(|b| overlap(&b.cidr, cidr)) {
+            return Err(IpamError::Overlaps {
+                addr,
+                block: *cidr,
+                other: b.cidr,
+                owner: owner_text(&b.affinity),
+            });
+        }
+        if let Some(r) = self
+            .retired
+            .values()
+            .find(|r| r.revision != 0 && r.cidr != *cidr && overlap(&r.cidr, cidr))
+        {
+            return Err(IpamError::Overlaps {
+                addr,
+                block: *cidr,
+                other: r.cidr,
+                owner: "no node (released, stored until housekeeping deletes it)".into(),
+            });
+        }
+        let owned = self.blocks.values().filter(|b| b.affinity == node).count();
+        if owned >= policy.max_blocks_per_node {
+            return Err(IpamError::MaxBlocks {
+                addr,
+                block: *cidr,
+                node: node.to_string(),
+                max: policy.max_blocks_per_node,
+            });
+        }
+        Ok(())
     }
 
     /// Frees `addr` if it is allocated, and — when `seq` is given — only if it is still that
@@ -659,6 +834,7 @@ mod tests {
             cidr: cidr.parse().expect("cidr"),
             block_size: bs,
             disabled: false,
+            restricted: false,
         }
     }
 
@@ -822,21 +998,22 @@ mod tests {
         let want: IpAddr = "10.1.0.77".parse().expect("ip");
         let none = BTreeMap::new();
         let got = s
-            .allocate_specific(&pools, "n1", "h", "eth0", want, &none)
+            .allocate_specific(&pools, &Policy::default(), "n1", "h", "eth0", want, &none)
             .expect("specific");
         assert_eq!((got.addr, got.block.as_str()), (want, "10.1.0.64/28"));
         assert_eq!(
-            s.allocate_specific(&pools, "n1", "h2", "eth0", want, &none),
+            s.allocate_specific(&pools, &Policy::default(), "n1", "h2", "eth0", want, &none),
             Err(IpamError::InUse { addr: want })
         );
         let other: IpAddr = "10.1.0.78".parse().expect("ip");
         assert!(matches!(
-            s.allocate_specific(&pools, "n2", "h3", "eth0", other, &none),
+            s.allocate_specific(&pools, &Policy::default(), "n2", "h3", "eth0", other, &none),
             Err(IpamError::ForeignBlock { .. })
         ));
         assert!(matches!(
             s.allocate_specific(
                 &pools,
+                &Policy::default(),
                 "n1",
                 "h4",
                 "eth0",
@@ -845,6 +1022,205 @@ mod tests {
             ),
             Err(IpamError::NotInPool { .. })
         ));
+    }
+
+    /// `allocate_specific`'s refusal of `addr` for `node`: its message; the view unchanged.
+    fn refused(
+        s: &mut IpamState,
+        pools: &[Pool],
+        policy: &Policy,
+        node: &str,
+        addr: &str,
+    ) -> String {
+        let before = s.clone();
+        let addr: IpAddr = addr.parse().expect("ip");
+        let e = s
+            .allocate_specific(pools, policy, node, "fixed", "eth0", addr, &BTreeMap::new())
+            .map(|a| format!("{a:?}"))
+            .expect_err(&format!("{addr} refused"));
+        assert_eq!(*s, before, "a refusal of {addr} changes nothing: {e}");
+        e.to_string()
+    }
+
+    #[test]
+    fn a_fixed_address_never_lands_in_two_blocks_of_different_block_sizes() {
+        let p = Policy::default();
+        let old = [pool("10.1.0.0/24", 26)];
+        let mut s = IpamState::default();
+        // n1's block of the old size 26 holds 10.1.0.1-3.
+        for h in ["a", "b", "c"] {
+            alloc_on(&mut s, &old, &p, "n1", h).expect("old layout");
+        }
+        // n2's block 10.1.0.64/26, of the old size too.
+        alloc_on(&mut s, &old, &p, "n2", "d").expect("n2");
+        // A released block of the old layout, stored (revision 7): 10.1.0.128/26.
+        let mut released = Block::new("10.1.0.128/26".parse().expect("cidr"), "");
+        released.revision = 7;
+        s.put_block(released);
+        let new = [pool("10.1.0.0/24", 28)];
+        let msg = refused(&mut s, &new, &p, "n1", "10.1.0.2");
+        assert!(msg.contains("10.1.0.2") && msg.contains("in use"), "{msg}");
+        let msg = refused(&mut s, &new, &p, "n1", "10.1.0.70");
+        assert!(
+            msg.contains("10.1.0.70")
+                && msg.contains("block 10.1.0.64/26")
+                && msg.contains("node n2"),
+            "{msg}"
+        );
+        let msg = refused(&mut s, &new, &p, "n1", "10.1.0.130");
+        assert!(msg.contains("10.1.0.128/26"), "{msg}");
+        // The other way round: n2 holds 10.1.0.208/28 of the new size; back at size 26, a
+        // new block for 10.1.0.195 would be 10.1.0.192/26, which contains it.
+        let mut s2 = s.clone();
+        let taken = s2
+            .allocate_specific(
+                &new,
+                &p,
+                "n2",
+                "e",
+                "eth0",
+                "10.1.0.210".parse().expect("ip"),
+                &BTreeMap::new(),
+            )
+            .expect("n2's new block");
+        assert_eq!(taken.block, "10.1.0.208/28");
+        let msg = refused(&mut s2, &old, &p, "n1", "10.1.0.195");
+        assert!(
+            msg.contains("10.1.0.192/26")
+                && msg.contains("10.1.0.208/28")
+                && msg.contains("node n2"),
+            "{msg}"
+        );
+        // n1's own old block takes a fixed address beside its others.
+        let got = s
+            .allocate_specific(
+                &new,
+                &p,
+                "n1",
+                "f",
+                "eth0",
+                "10.1.0.9".parse().expect("ip"),
+                &BTreeMap::new(),
+            )
+            .expect("n1's own old block");
+        assert_eq!(got.block, "10.1.0.0/26");
+        assert_eq!(
+            s.blocks.len(),
+            2,
+            "no block of the new size beside it: {:?}",
+            s.blocks.keys()
+        );
+    }
+
+    #[test]
+    fn a_fixed_address_is_never_a_reserved_one_nor_beyond_max_blocks_per_node() {
+        let p = Policy::default();
+        let pools = [pool("10.1.0.0/24", 26), pool("fd00::/120", 122)];
+        let mut s = IpamState::default();
+        let msg = refused(&mut s, &pools, &p, "n1", "10.1.0.0");
+        assert!(
+            msg.contains("network address") && msg.contains("10.1.0.0/24"),
+            "{msg}"
+        );
+        let msg = refused(&mut s, &pools, &p, "n1", "10.1.0.255");
+        assert!(
+            msg.contains("broadcast address") && msg.contains("10.1.0.0/24"),
+            "{msg}"
+        );
+        let msg = refused(&mut s, &pools, &p, "n1", "fd00::");
+        assert!(
+            msg.contains("Subnet-Router anycast") && msg.contains("fd00::/120"),
+            "{msg}"
+        );
+        // Inside a block already claimed, too.
+        alloc(&mut s, &pools, "a").expect("10.1.0.1");
+        let msg = refused(&mut s, &pools, &p, "n1", "10.1.0.0");
+        assert!(msg.contains("network address"), "{msg}");
+        let one = Policy {
+            max_blocks_per_node: 1,
+            ..p
+        };
+        let msg = refused(&mut s, &pools, &one, "n1", "10.1.0.200");
+        assert!(
+            msg.contains("maxBlocksPerNode=1")
+                && msg.contains("node n1")
+                && msg.contains("10.1.0.192/26"),
+            "{msg}"
+        );
+        // In a block the node holds, the limit does not matter.
+        s.allocate_specific(
+            &pools,
+            &one,
+            "n1",
+            "b",
+            "eth0",
+            "10.1.0.9".parse().expect("ip"),
+            &BTreeMap::new(),
+        )
+        .expect("in n1's block");
+    }
+
+    #[test]
+    fn a_pool_choice_disables_the_pools_an_allocation_may_not_use() {
+        let cidr = |s: &str| s.parse::<IpNet>().expect("cidr");
+        let mut tenant = pool("10.2.0.0/24", 28);
+        tenant.restricted = true;
+        let pools = vec![pool("10.1.0.0/24", 28), tenant, pool("fd00::/120", 122)];
+        let enabled = |c: &PoolChoice, v4: bool| -> Vec<String> {
+            c.apply(pools.clone(), v4)
+                .into_iter()
+                .filter(|p| !p.disabled)
+                .map(|p| p.cidr.to_string())
+                .collect()
+        };
+        // No choice: never a restricted pool; the other family untouched.
+        let none = PoolChoice::default();
+        assert_eq!(enabled(&none, true), ["10.1.0.0/24", "fd00::/120"]);
+        // The namespace may use the restricted pool only.
+        let only = PoolChoice {
+            v4: Some(vec![cidr("10.2.0.0/24")]),
+            v6: Some(vec![]),
+        };
+        assert_eq!(enabled(&only, true), ["10.2.0.0/24", "fd00::/120"]);
+        assert_eq!(enabled(&only, false), ["10.1.0.0/24", "10.2.0.0/24"]);
+        let mut s = IpamState::default();
+        let p = Policy::default();
+        let got = s
+            .allocate(
+                &only.apply(pools.clone(), true),
+                &p,
+                "n1",
+                "h",
+                "eth0",
+                true,
+                &BTreeMap::new(),
+            )
+            .expect("from the tenant's pool");
+        assert_eq!(got.pool, cidr("10.2.0.0/24"));
+        assert_eq!(
+            s.allocate(
+                &only.apply(pools.clone(), false),
+                &p,
+                "n1",
+                "h",
+                "eth0",
+                false,
+                &BTreeMap::new()
+            ),
+            Err(IpamError::NoPool { family: "IPv6" })
+        );
+        // A fixed address in the restricted pool, without a choice naming it: refused.
+        let msg = refused(
+            &mut s,
+            &none.apply(pools.clone(), true),
+            &p,
+            "n1",
+            "10.2.0.99",
+        );
+        assert!(
+            msg.contains("10.2.0.0/24") && msg.contains("no addresses here"),
+            "{msg}"
+        );
     }
 
     #[test]

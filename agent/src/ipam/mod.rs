@@ -6,6 +6,6 @@ pub mod service;
 
 pub use allocator::{
     pool_of, AffinityRecord, Allocated, Allocation, Block, HandleRecord, Held, IpamError,
-    IpamState, Policy, Pool, Retired,
+    IpamState, Policy, Pool, PoolChoice, Retired,
 };
 pub use service::IpamService;

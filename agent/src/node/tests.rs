@@ -213,6 +213,7 @@ fn pool(cidr: &str, bs: u8) -> Pool {
         cidr: cidr.parse().expect("cidr"),
         block_size: bs,
         disabled: false,
+        restricted: false,
     }
 }
 

@@ -13,6 +13,9 @@ Included by configmap.yaml, so every render runs it.
 {{- fail (printf "pools: the name %q is used twice (each pool is an IPPool object of that name)" .name) -}}
 {{- end -}}
 {{- $_ := set $names .name true -}}
+{{- if and .namespaceSelector (ne $v.datastore.type "kubernetes") -}}
+{{- fail (printf "pools: %s has a namespaceSelector, which needs datastore.type kubernetes (the agents read pods' namespaces from the API)" .name) -}}
+{{- end -}}
 {{- $prefix := (split "/" .cidr)._1 | atoi -}}
 {{- if and .blockSize (lt (int .blockSize) $prefix) -}}
 {{- fail (printf "pools: %s has blockSize %d, shorter than its own prefix /%d" .cidr (int .blockSize) $prefix) -}}

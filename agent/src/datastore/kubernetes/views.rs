@@ -100,6 +100,9 @@ pub type Location = (Option<String>, String);
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NamespaceView {
     pub name: String,
+    /// Matched by IPPools' `namespaceSelector`.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
     #[serde(default)]
     pub annotations: BTreeMap<String, String>,
 }
@@ -227,6 +230,7 @@ pub const NAMESPACE: ViewOf = ViewOf {
     value: |o| {
         serde_json::to_value(NamespaceView {
             name: o.metadata.name.clone().unwrap_or_default(),
+            labels: string_map(&o.metadata.labels),
             annotations: string_map(&o.metadata.annotations),
         })
         .unwrap_or_default()

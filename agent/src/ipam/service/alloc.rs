@@ -18,7 +18,7 @@ use ipnet::IpNet;
 use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
 use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held};
+use crate::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held, PoolChoice};
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
 /// handle, or for a handle of the previous plugin's encoding, with the container ID stored
@@ -46,27 +46,6 @@ pub(super) const REPAIR_EVERY: u32 = 10;
 
 /// A handle record as stored: its revision and what it says; `None` when there is none.
 type Stored = Option<(i64, HandleRecord)>;
-
-/// `pools` with those of family `v4` not in `only` disabled, when `only` names any pool of
-/// that family.
-fn restrict(
-    pools: Vec<crate::ipam::Pool>,
-    only: Option<&[IpNet]>,
-    v4: bool,
-) -> Vec<crate::ipam::Pool> {
-    let Some(only) = only.filter(|o| o.iter().any(|c| c.addr().is_ipv4() == v4)) else {
-        return pools;
-    };
-    pools
-        .into_iter()
-        .map(|mut p| {
-            if p.cidr.addr().is_ipv4() == v4 && !only.contains(&p.cidr) {
-                p.disabled = true;
-            }
-            p
-        })
-        .collect()
-}
 
 /// Whether two records say the same (addresses in any order).
 fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
@@ -97,12 +76,22 @@ impl IpamService {
         requested: &[IpAddr],
         attributes: &BTreeMap<String, String>,
     ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
-        self.allocate_from(handle, ifname, v4, v6, requested, attributes, None)
-            .await
+        self.allocate_from(
+            handle,
+            ifname,
+            v4,
+            v6,
+            requested,
+            attributes,
+            &PoolChoice::default(),
+        )
+        .await
     }
 
-    /// [`IpamService::allocate`], a family's new address only from the pools in `only` when it
-    /// names any of that family (a pod's `calix.dev/ipv4pools` / `ipv6pools`).
+    /// [`IpamService::allocate`] from the pools `choice` allows (a pod's: the pools its
+    /// namespace may use, narrowed by its `calix.dev/ipv4pools` / `ipv6pools`); the default
+    /// choice uses every pool without a namespaceSelector. A requested address too must lie
+    /// in a pool the choice allows.
     #[allow(clippy::too_many_arguments)]
     pub async fn allocate_from(
         &self,
@@ -112,7 +101,7 @@ impl IpamService {
         v6: bool,
         requested: &[IpAddr],
         attributes: &BTreeMap<String, String>,
-        only: Option<&[IpNet]>,
+        choice: &PoolChoice,
     ) -> Result<(Vec<(IpAddr, IpNet)>, bool), AgentError> {
         if handle.is_empty() || ifname.is_empty() || handle.contains('/') || ifname.contains('/') {
             return Err(AgentError::Invalid(
@@ -180,7 +169,9 @@ impl IpamService {
             }
             let requested = requested.iter().find(|a| a.is_ipv4() == fam).copied();
             match self
-                .allocate_family(&mut inner, handle, ifname, fam, requested, attributes, only)
+                .allocate_family(
+                    &mut inner, handle, ifname, fam, requested, attributes, choice,
+                )
                 .await
             {
                 Ok((a, rev)) => {
@@ -241,7 +232,7 @@ impl IpamService {
         v4: bool,
         requested: Option<IpAddr>,
         attributes: &BTreeMap<String, String>,
-        only: Option<&[IpNet]>,
+        choice: &PoolChoice,
     ) -> Result<(Allocated, i64), AgentError> {
         let mut listed = false;
         let mut lost = false;
@@ -250,7 +241,7 @@ impl IpamService {
                 self.refresh_blocks(inner).await?;
                 listed = true;
             }
-            let pools = restrict(self.pools(), only, v4);
+            let pools = choice.apply(self.pools(), v4);
             if lost {
                 // A lost compare may be this very write, landed on a retried request (the
                 // store retried after a connection loss): the handle held nothing of this
@@ -264,6 +255,7 @@ impl IpamService {
             let a = match requested {
                 Some(addr) => inner.ipam.allocate_specific(
                     &pools,
+                    &self.policy(),
                     &self.node.name,
                     handle,
                     ifname,
