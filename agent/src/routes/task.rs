@@ -219,8 +219,14 @@ pub async fn start(
         throttle: Arc::new(Throttle::default()),
     };
     let server = tokio::spawn(async move {
-        if let Err(e) =
-            listener::serve(listener, server_tls, svc, Limits::default(), shutdown_rx).await
+        if let Err(e) = listener::serve(
+            vec![listener],
+            server_tls,
+            svc,
+            Limits::default(),
+            shutdown_rx,
+        )
+        .await
         {
             tracing::error!(error = %e, "routes: the Routes server failed");
         }
@@ -266,6 +272,7 @@ pub async fn start(
             me: s.me,
             tls: client_tls,
             connect_timeout: Duration::from_secs(3),
+            source: s.next_hops,
         }),
         peer_tx,
         endpoint: s.endpoint,
@@ -419,13 +426,12 @@ impl Loop {
         if self.feeds.reflector && out.complete {
             self.feeds.relay.publish(&out.relay, now);
         }
-        self.known.set(
-            self.engine
-                .view()
-                .nodes()
-                .map(|n| n.record.name.clone())
-                .collect::<HashSet<_>>(),
-        );
+        let nodes = self.engine.view().nodes();
+        let (names, addresses): (HashSet<_>, Vec<_>) = nodes
+            .map(|n| (n.record.name.clone(), n.addresses.iter().copied()))
+            .unzip();
+        self.known
+            .set(names, addresses.into_iter().flatten().collect());
         // Followers: one per wanted peer, replaced when its endpoint or role changes.
         self.clients.retain(|name, (_, _, task)| {
             let keep = out.peers.contains_key(name);
