@@ -216,7 +216,10 @@ pub struct RoutesConfig {
     /// Serve and follow routes. Off for a single node (the embedded datastore); on for a
     /// cluster.
     pub enabled: bool,
-    /// TCP address the Routes service listens on (`host:port`).
+    /// Where the Routes service listens: `:port` (the default, `:5474`) on this node's own
+    /// addresses — its next hops, one per family, what peers dial and its record carries —
+    /// or `address:port` on that one address (`0.0.0.0:5474` / `[::]:5474`: every address of
+    /// the node; strangers are still refused before TLS).
     pub listen: String,
     /// The addresses this node advertises (the next hop of its routes; what peers dial and
     /// check a certificate's node against): one IPv4 and/or one IPv6. Empty: the first global
@@ -240,7 +243,7 @@ impl Default for RoutesConfig {
     fn default() -> Self {
         Self {
             enabled: false,
-            listen: format!("0.0.0.0:{ROUTES_PORT}"),
+            listen: format!(":{ROUTES_PORT}"),
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
@@ -262,10 +265,10 @@ impl RoutesConfig {
                 what: "at least 1",
             });
         }
-        if self.listen_port().is_none() {
+        if self.listen_on().is_none() {
             return Err(ConfigError::Routes {
                 key: "listen",
-                what: "host:port with a port of 1–65535, e.g. \"0.0.0.0:5474\"",
+                what: "\":port\" (this node's addresses) or \"address:port\", with a port of 1–65535, e.g. \":5474\", \"192.0.2.10:5474\" or \"[::]:5474\"",
             });
         }
         for a in &self.node_addresses {
@@ -284,10 +287,41 @@ impl RoutesConfig {
 
     /// The port of `listen`.
     pub fn listen_port(&self) -> Option<u16> {
+        self.listen_on().map(ListenOn::port)
+    }
+
+    /// What `listen` says; `None` when it is not `:port` or `address:port` (port 1–65535).
+    pub fn listen_on(&self) -> Option<ListenOn> {
+        if let Some(port) = self.listen.strip_prefix(':') {
+            return port
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .map(|port| ListenOn::NodeAddresses { port });
+        }
         self.listen
-            .rsplit_once(':')
-            .and_then(|(_, port)| port.parse::<u16>().ok())
-            .filter(|p| *p != 0)
+            .parse::<std::net::SocketAddr>()
+            .ok()
+            .filter(|a| a.port() != 0)
+            .map(ListenOn::Address)
+    }
+}
+
+/// Where the Routes service listens (`routes.listen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenOn {
+    /// `:port`: on this node's own addresses (its next hops).
+    NodeAddresses { port: u16 },
+    /// `address:port`: on that address (unspecified: every address).
+    Address(std::net::SocketAddr),
+}
+
+impl ListenOn {
+    pub fn port(self) -> u16 {
+        match self {
+            ListenOn::NodeAddresses { port } => port,
+            ListenOn::Address(a) => a.port(),
+        }
     }
 }
 
@@ -1444,12 +1478,43 @@ mod tests {
         let err = bad.validate().expect_err("no uplinks");
         assert!(matches!(err, ConfigError::RoutesNoUplinks), "{err}");
         assert!(err.to_string().contains("uplinks"), "{err}");
-        let mut bad = c.clone();
-        bad.routes.listen = "0.0.0.0".into();
-        assert!(matches!(
-            bad.validate(),
-            Err(ConfigError::Routes { key: "listen", .. })
-        ));
+        assert_eq!(
+            c.routes.listen_on(),
+            Some(ListenOn::Address("0.0.0.0:5474".parse().expect("addr")))
+        );
+        assert_eq!(
+            RoutesConfig::default().listen_on(),
+            Some(ListenOn::NodeAddresses { port: 5474 }),
+            "the node's own addresses by default"
+        );
+        for (listen, want) in [
+            (":6000", Some(ListenOn::NodeAddresses { port: 6000 })),
+            (
+                "[fd00::1]:5474",
+                Some(ListenOn::Address("[fd00::1]:5474".parse().expect("addr"))),
+            ),
+            ("0.0.0.0", None),
+            (":0", None),
+            (":", None),
+            ("node-a:5474", None),
+            ("192.0.2.1:99999", None),
+        ] {
+            let mut r = c.routes.clone();
+            r.listen = listen.into();
+            assert_eq!(r.listen_on(), want, "{listen}");
+            let mut bad = c.clone();
+            bad.routes.listen = listen.into();
+            if want.is_none() {
+                let err = bad.validate().expect_err(listen);
+                assert!(
+                    matches!(err, ConfigError::Routes { key: "listen", .. }),
+                    "{listen}: {err}"
+                );
+                assert!(err.to_string().contains("\":5474\""), "{err}");
+            } else {
+                bad.validate().expect(listen);
+            }
+        }
         let mut bad = c.clone();
         bad.routes.node_addresses = vec!["node-a".into()];
         assert!(matches!(bad.validate(), Err(ConfigError::Routes { .. })));

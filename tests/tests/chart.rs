@@ -62,7 +62,7 @@ fn all_a() -> Value {
                 "failsafePorts": ["tcp:22", "udp:53"]},
         "nat": {"serviceCidrs": ["10.100.0.0/16", "fd00:96::/108"], "nonMasqueradeCidrs": ["172.16.0.0/12"],
                 "conntrackEntries": 65536, "portMin": 20000, "portMax": 30000},
-        "routes": {"enabled": true, "port": 5575, "topology": "reflectors",
+        "routes": {"enabled": true, "port": 5575, "bindAddress": "[::]", "topology": "reflectors",
                    "reflectorLabel": "example.com/rr", "graceSecs": 60, "plaintext": false,
                    "tls": {"secretName": "calix-routes-tls"}},
         "vxlan": {"vni": 4097, "port": 4790},
@@ -654,6 +654,10 @@ fn defaults_render_valid_objects_for_every_node() {
     let c = agent_config(r, "agent.toml");
     assert_eq!(c.datastore.kind, "kubernetes");
     assert_eq!(c.metrics_addr, "0.0.0.0:9091");
+    assert_eq!(
+        c.routes.listen, ":5474",
+        "the Routes port on the node's own addresses"
+    );
     assert_eq!(c.dataplane, DataplaneMode::Ebpf);
     // Pools are IPPool objects.
     let pools = ippools(r);
@@ -855,7 +859,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
         (65536, 20000, 30000)
     );
     assert!(c.routes.enabled && !c.routes.plaintext);
-    assert_eq!(c.routes.listen, "0.0.0.0:5575");
+    assert_eq!(c.routes.listen, "[::]:5575");
     assert_eq!(c.routes.grace_secs, 60);
     assert_eq!(
         c.routes.tls.cert,

@@ -351,6 +351,26 @@ async fn handshake_with(
     }
 }
 
+/// The backlog of a Routes listener: peers that dial while the agent starts wait in it.
+const BACKLOG: u32 = 1024;
+
+/// A Routes listener on `addr`, bound with `IP_FREEBIND`: an address the node does not have
+/// yet (DHCP, an interface that comes up after the agent) binds now and is served from the
+/// moment it appears.
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    // IP_FREEBIND is honoured by IPv6 sockets too (the kernel keeps one flag for both).
+    setsockopt(&sock, sockopt::IpFreebind, &true).map_err(std::io::Error::from)?;
+    sock.bind(addr)?;
+    sock.listen(BACKLOG)
+}
+
 /// TCP keepalive on an accepted socket: a peer that vanished without a FIN (power loss, a
 /// partition) is noticed.
 fn keepalive(sock: &TcpStream, idle: Duration) {

@@ -66,9 +66,9 @@ pub struct Start {
     pub subnets: Vec<IpNet>,
     /// `None`: plain text (`routes.plaintext`).
     pub tls: Option<TlsMaterial>,
-    /// The Routes port, bound before this node's record announces it (peers that dial early
-    /// wait in its backlog instead of being refused).
-    pub listener: tokio::net::TcpListener,
+    /// The Routes port on each address it listens on, bound before this node's record
+    /// announces it (peers that dial early wait in its backlog instead of being refused).
+    pub listeners: Vec<tokio::net::TcpListener>,
     /// Where the peers come from.
     pub nodes: NodeSource,
 }
@@ -119,8 +119,14 @@ impl Start {
     pub async fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
         let next_hops =
             super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
-        let endpoint =
-            super::local::endpoint(&cfg.routes.listen, &next_hops).ok_or(RoutesError::NoAddress)?;
+        let listen = cfg.routes.listen_on().ok_or_else(|| RoutesError::Listen {
+            addr: cfg.routes.listen.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not :port or address:port",
+            ),
+        })?;
+        let endpoint = super::local::endpoint(listen, &next_hops).ok_or(RoutesError::NoAddress)?;
         let tls = if cfg.routes.plaintext {
             None
         } else {
@@ -131,24 +137,16 @@ impl Start {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
             routes.reflector = false;
         }
-        let listener = tokio::net::TcpListener::bind(&routes.listen)
-            .await
-            .map_err(|source| RoutesError::Listen {
-                addr: routes.listen.clone(),
-                source,
-            })?;
+        let listeners = bind_all(&super::local::bind_addresses(listen, &next_hops))?;
         let nodes = if cfg.datastore.is_kubernetes() {
-            let port = routes
-                .listen
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.parse().ok())
-                .unwrap_or(crate::config::ROUTES_PORT);
-            NodeSource::KubeNodes { port }
+            NodeSource::KubeNodes {
+                port: listen.port(),
+            }
         } else {
             NodeSource::Records
         };
         Ok(Self {
-            listener,
+            listeners,
             nodes,
             me: cfg.node_name.clone(),
             cfg: routes,
@@ -200,8 +198,13 @@ pub async fn start(
             (None, None)
         }
     };
-    let listener = s.listener;
-    tracing::info!(listen = %s.cfg.listen, endpoint = %s.endpoint, tls = server_tls.is_some(),
+    let listeners = s.listeners;
+    let listening: Vec<String> = listeners
+        .iter()
+        .filter_map(|l| l.local_addr().ok())
+        .map(|a| a.to_string())
+        .collect();
+    tracing::info!(listen = ?listening, endpoint = %s.endpoint, tls = server_tls.is_some(),
         topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
     let (shutdown, shutdown_rx) = watch::channel(false);
     let feeds = Arc::new(Feeds {
@@ -219,14 +222,8 @@ pub async fn start(
         throttle: Arc::new(Throttle::default()),
     };
     let server = tokio::spawn(async move {
-        if let Err(e) = listener::serve(
-            vec![listener],
-            server_tls,
-            svc,
-            Limits::default(),
-            shutdown_rx,
-        )
-        .await
+        if let Err(e) =
+            listener::serve(listeners, server_tls, svc, Limits::default(), shutdown_rx).await
         {
             tracing::error!(error = %e, "routes: the Routes server failed");
         }
@@ -595,6 +592,26 @@ async fn watch_part(
             tokio::time::sleep(backoff).await;
         }
     }
+}
+
+/// Binds the Routes port on each of `addrs` ([`listener::bind`]). An address the node does
+/// not have (yet) is bound all the same and warned about: peers reach it once it is there.
+fn bind_all(addrs: &[std::net::SocketAddr]) -> Result<Vec<tokio::net::TcpListener>, RoutesError> {
+    let own = crate::dataplane::host_addrs::own_addresses().unwrap_or_default();
+    let mut out = Vec::new();
+    for a in addrs {
+        let l = listener::bind(*a).map_err(|source| RoutesError::Listen {
+            addr: a.to_string(),
+            source,
+        })?;
+        if a.ip().is_unspecified() {
+            tracing::info!(listen = %a, "routes: the Routes port listens on every address of this node (routes.listen); sources other than the nodes are refused before TLS");
+        } else if !own.contains(&a.ip()) {
+            tracing::warn!(listen = %a, "routes: this address is not (yet) one of this node's: peers reach the Routes port once it is");
+        }
+        out.push(l);
+    }
+    Ok(out)
 }
 
 /// The next hops' addresses, for the node record (which must carry them: peers check a

@@ -402,3 +402,16 @@ async fn a_snapshot_larger_than_the_window_arrives() {
     }
     follower.abort();
 }
+
+/// The door binds this node's own addresses, and one the node does not have yet (an
+/// interface that comes up later, DHCP) binds too: it is served once the address is there.
+#[tokio::test]
+async fn the_door_binds_an_address_the_node_does_not_have_yet() {
+    for addr in ["192.0.2.77:0", "[2001:db8::77]:0"] {
+        let a: std::net::SocketAddr = addr.parse().expect("addr");
+        let l = listener::bind(a).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        let got = l.local_addr().expect("local addr");
+        assert_eq!(got.ip(), a.ip(), "{addr}");
+        assert_ne!(got.port(), 0);
+    }
+}
