@@ -185,6 +185,23 @@ pub struct AgentConfig {
     pub vxlan: VxlanConfig,
     /// What the agent does in a Kubernetes cluster (the `kubernetes` datastore).
     pub kubernetes: KubernetesConfig,
+    /// Whether pods may reach the agents' ports on the nodes' addresses.
+    pub doors: DoorsConfig,
+}
+
+/// The agents' TCP ports and pods (`[doors]`). By default no pod reaches an agent's Routes
+/// or metrics port on any node's address (its own node's or another's): they are dropped on
+/// the pod's own node. The node itself (the kubelet's probes, host-network pods) always
+/// does. Read at start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DoorsConfig {
+    /// Pods may reach the metrics port (`metrics_addr`) on the nodes' addresses: Prometheus
+    /// running in a pod (hostNetwork Prometheus needs nothing).
+    pub pods_reach_metrics: bool,
+    /// Pods may reach the Routes port: never needed by calix (only nodes get past its door
+    /// anyway, before TLS); for a debugging tool in a pod.
+    pub pods_reach_routes: bool,
 }
 
 /// The agent in a Kubernetes cluster (`[kubernetes]`, with the `kubernetes` datastore).
@@ -583,6 +600,7 @@ impl Default for AgentConfig {
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
             kubernetes: KubernetesConfig::default(),
+            doors: DoorsConfig::default(),
         }
     }
 }
@@ -879,6 +897,27 @@ impl AgentConfig {
             });
         }
         Ok(XdpPolicy { deny, failsafe })
+    }
+
+    /// The TCP ports closed to pods ([`crate::dataplane::doors`]): the metrics port when it
+    /// listens beyond loopback, the Routes port (this node's and the other nodes') when route
+    /// distribution is on, each unless `[doors]` lets pods in.
+    pub fn door_policy(&self) -> crate::dataplane::doors::DoorPolicy {
+        let mut ports = std::collections::BTreeSet::new();
+        let metrics = self.metrics_addr.parse::<std::net::SocketAddr>().ok();
+        if let Some(m) = metrics.filter(|m| !m.ip().is_loopback() && m.port() != 0) {
+            if !self.doors.pods_reach_metrics {
+                ports.insert(m.port());
+            }
+        }
+        let routes = self.routes.enabled && !self.doors.pods_reach_routes;
+        if routes {
+            ports.extend(self.routes.listen_port());
+        }
+        crate::dataplane::doors::DoorPolicy {
+            ports,
+            peer_routes_ports: routes,
+        }
     }
 
     /// The XDP prefilter's settings when it is enabled.
@@ -1429,6 +1468,29 @@ mod tests {
             AgentConfig::load(p, true),
             Err(ConfigError::Read { .. })
         ));
+    }
+
+    #[test]
+    fn pods_reach_no_agent_port_unless_allowed() {
+        let mut c = AgentConfig::from_toml(
+            "metrics_addr = \"0.0.0.0:9091\"\n[routes]\nenabled = true\nlisten = \":6000\"\nplaintext = true\n",
+        )
+        .expect("parse");
+        assert_eq!(c.doors, DoorsConfig::default());
+        let p = c.door_policy();
+        assert_eq!(p.ports, [6000, 9091].into());
+        assert!(p.peer_routes_ports);
+        c.doors = AgentConfig::from_toml("[doors]\npods_reach_metrics = true\n")
+            .expect("parse")
+            .doors;
+        assert_eq!(c.door_policy().ports, [6000].into(), "Prometheus in a pod");
+        c.doors.pods_reach_routes = true;
+        let p = c.door_policy();
+        assert!(p.ports.is_empty() && !p.peer_routes_ports, "{p:?}");
+        // Metrics on loopback only: no pod reaches it anyway; routes off: no Routes port.
+        let d = AgentConfig::default();
+        assert!(d.door_policy().ports.is_empty(), "{:?}", d.door_policy());
+        assert!(AgentConfig::from_toml("[doors]\npods_reach_everything = true\n").is_err());
     }
 
     #[test]

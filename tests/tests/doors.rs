@@ -720,6 +720,13 @@ fn only_nodes_reach_the_routes_door() {
     }
 
     // Node 0's agent restarts in the flood: its peers are back within seconds.
+    let snapshots_of_0 = |i: usize| {
+        peer_states(&c, i)
+            .into_iter()
+            .find(|(name, _, _)| name == c.name(0))
+            .map_or(0, |(_, _, n)| n)
+    };
+    let seen = [snapshots_of_0(1), snapshots_of_0(2)];
     c.nodes[0].kill_agent();
     c.nodes[0].start_agent();
     let restarted = Instant::now();
@@ -736,6 +743,14 @@ fn only_nodes_reach_the_routes_door() {
         restarted.elapsed(),
         show()
     );
+    for (k, i) in [1, 2].into_iter().enumerate() {
+        within_showing(
+            15,
+            &format!("node {i} streams from the restarted node 0 (a new snapshot)"),
+            || snapshots_of_0(i) > seen[k],
+            || format!("{:?}\n{}", peer_states(&c, i), show()),
+        );
+    }
     let (code, _) = c.nodes[0].http_get("/metrics").expect("/metrics");
     assert_eq!(code, 200);
     assert!(

@@ -26,11 +26,13 @@ use super::tls::TlsMaterial;
 use super::view::Part;
 use super::RoutesError;
 use crate::config::{AgentConfig, RoutesConfig, VxlanMode};
+use crate::dataplane::doors::PeerNodes;
 use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
 use crate::reconcile::driver::Driver;
 use crate::reconcile::remote::RemoteRoute;
 
-/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests.
+/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
+/// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
 #[tonic::async_trait]
 pub trait RouteSink: Send + Sync + 'static {
     async fn set_remote_routes(
@@ -38,6 +40,8 @@ pub trait RouteSink: Send + Sync + 'static {
         routes: Vec<RemoteRoute>,
         complete: bool,
     ) -> Result<(), String>;
+
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String>;
 }
 
 #[tonic::async_trait]
@@ -50,6 +54,12 @@ impl RouteSink for Driver {
         Driver::set_remote_routes(self, routes, complete)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String> {
+        Driver::set_peer_nodes(self, peers)
+            .await
+            .map_err(|e| crate::dataplane::error_chain(&e))
     }
 }
 
@@ -243,7 +253,9 @@ pub async fn start(
     ));
     let handed: Handed = Arc::default();
     let (desired_tx, desired_rx) = watch::channel(None);
-    tokio::spawn(hand_over(sink, desired_rx, handed.clone()));
+    let (peers_tx, peers_rx) = watch::channel(None);
+    tokio::spawn(hand_over(sink.clone(), desired_rx, handed.clone()));
+    tokio::spawn(hand_peers(sink, peers_rx));
     let (requests, req_rx) = mpsc::channel(8);
     let (peer_tx, peer_rx) = mpsc::channel(1024);
     let engine = Engine::new(Settings {
@@ -263,6 +275,7 @@ pub async fn start(
         handed,
         desired_tx,
         last_desired: None,
+        peers_tx,
         clients: HashMap::new(),
         next_id: 0,
         dialer: Arc::new(Dialer {
@@ -332,6 +345,8 @@ struct Loop {
     handed: Handed,
     desired_tx: watch::Sender<Option<(Desired, bool)>>,
     last_desired: Option<(Desired, bool)>,
+    /// The other nodes, for the dataplane's doors (latest wins).
+    peers_tx: watch::Sender<Option<PeerNodes>>,
     /// Peer → (what it follows, follower id, task).
     clients: HashMap<String, (Target, u64, JoinHandle<()>)>,
     next_id: u64,
@@ -429,6 +444,14 @@ impl Loop {
             .unzip();
         self.known
             .set(names, addresses.into_iter().flatten().collect());
+        let peers = peer_nodes(self.engine.view(), &self.dialer.me);
+        self.peers_tx.send_if_modified(|cur| {
+            let changed = cur.as_ref() != Some(&peers);
+            if changed {
+                *cur = Some(peers);
+            }
+            changed
+        });
         // Followers: one per wanted peer, replaced when its endpoint or role changes.
         self.clients.retain(|name, (_, _, task)| {
             let keep = out.peers.contains_key(name);
@@ -496,6 +519,42 @@ impl Loop {
 
     fn counts(&self) -> report::Counts {
         report::counts(&self.engine, &self.context())
+    }
+}
+
+/// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
+fn peer_nodes(view: &super::view::View, me: &str) -> PeerNodes {
+    let mut out = PeerNodes::default();
+    for n in view.nodes().filter(|n| n.record.name != me) {
+        out.addresses.extend(n.addresses.iter().copied());
+        if let Ok(sa) = n.record.routes_endpoint.parse::<std::net::SocketAddr>() {
+            out.routes_ports.insert(sa.port());
+        }
+    }
+    out
+}
+
+/// Hands each new set of other nodes to the dataplane; a failure is retried every second
+/// with the latest set.
+async fn hand_peers(sink: Arc<dyn RouteSink>, mut rx: watch::Receiver<Option<PeerNodes>>) {
+    loop {
+        let Some(peers) = rx.borrow_and_update().clone() else {
+            if rx.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        match sink.set_peer_nodes(peers).await {
+            Ok(()) => {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "routes: the dataplane did not take the other nodes' addresses (doors); retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
     }
 }
 
@@ -632,4 +691,32 @@ pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
         .first()
         .map(|u| super::local::interface_addresses(u))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routes::view::tests::node_kv;
+    use crate::routes::view::View;
+
+    #[test]
+    fn the_other_nodes_are_every_recorded_node_but_this_one() {
+        let mut v = View::default();
+        v.replace(
+            Part::Nodes,
+            &[
+                node_kv("a", &["192.0.2.1", "fd00::1"], false),
+                node_kv("b", &["192.0.2.2", "fd00::2"], false),
+                node_kv("c", &["192.0.2.3"], true),
+            ],
+        );
+        let p = peer_nodes(&v, "a");
+        let want: std::collections::BTreeSet<IpAddr> = ["192.0.2.2", "fd00::2", "192.0.2.3"]
+            .iter()
+            .map(|a| a.parse().expect("ip"))
+            .collect();
+        assert_eq!(p.addresses, want);
+        assert_eq!(p.routes_ports, [5474].into());
+        assert_eq!(peer_nodes(&View::default(), "a"), PeerNodes::default());
+    }
 }
