@@ -759,3 +759,32 @@ fn only_nodes_reach_the_routes_door() {
     );
     assert_eq!(from_pod0.get()[0] + from_pod1.get()[0], 0, "{}", show());
 }
+
+/// Issue 20: the metrics port listening on every address (as the chart has it) is closed to
+/// pods on the node's addresses unless `[doors] pods_reach_metrics` (Prometheus in a pod);
+/// the node itself (the kubelet's probes) always reaches it.
+#[test]
+fn pods_reach_the_metrics_port_only_when_the_operator_allows_it() {
+    let dataplane = Dataplane::under_test();
+    for allowed in [false, true] {
+        let config = format!(
+            "metrics_addr = \"0.0.0.0:9091\"\n[doors]\npods_reach_metrics = {allowed}\n\
+             [[pools]]\ncidr = \"10.244.0.0/16\"\n"
+        );
+        let node = Node::start_with_config(dataplane, Some(&config));
+        let pod = Pod::add(&node, "p");
+        let door: SocketAddr = format!("{}:9091", node.node_ip).parse().expect("addr");
+        assert!(pod.ns.ping(&node.node_ip, 1), "the pod reaches the node");
+        assert!(
+            connects(&node.ns, door),
+            "the node reaches its own metrics port"
+        );
+        assert_eq!(
+            connects(&pod.ns, door),
+            allowed,
+            "a pod on the metrics port, pods_reach_metrics = {allowed}"
+        );
+        let (code, _) = node.http_get("/healthz").expect("/healthz from the node");
+        assert_eq!(code, 200);
+    }
+}
