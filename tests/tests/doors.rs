@@ -543,7 +543,7 @@ fn only_nodes_reach_the_routes_door() {
     let ca = Ca::new("calix-test-ca").expect("CA");
     let dataplane = Dataplane::under_test();
     let c = Cluster::create(dataplane, &[1, 1, 2], |i, c| {
-        format!("metrics_addr = \"0.0.0.0:9091\"\n")
+        "metrics_addr = \"0.0.0.0:9091\"\n".to_string()
             + &c.base_config(i)
             + "[[pools]]\ncidr = \"10.244.0.0/16\"\nnatOutgoing = true\n"
             + &c.routes_config(i, &ca, "grace_secs = 10")
