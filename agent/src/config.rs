@@ -201,6 +201,23 @@ pub struct AgentConfig {
     pub vxlan: VxlanConfig,
     /// What the agent does in a Kubernetes cluster (the `kubernetes` datastore).
     pub kubernetes: KubernetesConfig,
+    /// Whether pods may reach the agents' ports on the nodes' addresses.
+    pub doors: DoorsConfig,
+}
+
+/// The agents' TCP ports and pods (`[doors]`). By default no pod reaches an agent's Routes
+/// or metrics port on any node's address (its own node's or another's): they are dropped on
+/// the pod's own node. The node itself (the kubelet's probes, host-network pods) always
+/// does. Read at start.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DoorsConfig {
+    /// Pods may reach the metrics port (`metrics_addr`) on the nodes' addresses: Prometheus
+    /// running in a pod (hostNetwork Prometheus needs nothing).
+    pub pods_reach_metrics: bool,
+    /// Pods may reach the Routes port: never needed by calix (only nodes get past its door
+    /// anyway, before TLS); for a debugging tool in a pod.
+    pub pods_reach_routes: bool,
 }
 
 /// The agent in a Kubernetes cluster (`[kubernetes]`, with the `kubernetes` datastore).
@@ -232,7 +249,10 @@ pub struct RoutesConfig {
     /// Serve and follow routes. Off for a single node (the embedded datastore); on for a
     /// cluster.
     pub enabled: bool,
-    /// TCP address the Routes service listens on (`host:port`).
+    /// Where the Routes service listens: `:port` (the default, `:5474`) on this node's own
+    /// addresses — its next hops, one per family, what peers dial and its record carries —
+    /// or `address:port` on that one address (`0.0.0.0:5474` / `[::]:5474`: every address of
+    /// the node; strangers are still refused before TLS).
     pub listen: String,
     /// The addresses this node advertises (the next hop of its routes; what peers dial and
     /// check a certificate's node against): one IPv4 and/or one IPv6. Empty: the first global
@@ -261,7 +281,7 @@ impl Default for RoutesConfig {
     fn default() -> Self {
         Self {
             enabled: false,
-            listen: format!("0.0.0.0:{ROUTES_PORT}"),
+            listen: format!(":{ROUTES_PORT}"),
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
@@ -278,10 +298,10 @@ impl RoutesConfig {
         if !self.enabled {
             return Ok(());
         }
-        if self.listen_port().is_none() {
+        if self.listen_on().is_none() {
             return Err(ConfigError::Routes {
                 key: "listen",
-                what: "host:port with a port of 1–65535, e.g. \"0.0.0.0:5474\"",
+                what: "\":port\" (this node's addresses) or \"address:port\", with a port of 1–65535, e.g. \":5474\", \"192.0.2.10:5474\" or \"[::]:5474\"",
             });
         }
         if !is_label_key(&self.reflector_label) {
@@ -306,10 +326,41 @@ impl RoutesConfig {
 
     /// The port of `listen`.
     pub fn listen_port(&self) -> Option<u16> {
+        self.listen_on().map(ListenOn::port)
+    }
+
+    /// What `listen` says; `None` when it is not `:port` or `address:port` (port 1–65535).
+    pub fn listen_on(&self) -> Option<ListenOn> {
+        if let Some(port) = self.listen.strip_prefix(':') {
+            return port
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .map(|port| ListenOn::NodeAddresses { port });
+        }
         self.listen
-            .rsplit_once(':')
-            .and_then(|(_, port)| port.parse::<u16>().ok())
-            .filter(|p| *p != 0)
+            .parse::<std::net::SocketAddr>()
+            .ok()
+            .filter(|a| a.port() != 0)
+            .map(ListenOn::Address)
+    }
+}
+
+/// Where the Routes service listens (`routes.listen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenOn {
+    /// `:port`: on this node's own addresses (its next hops).
+    NodeAddresses { port: u16 },
+    /// `address:port`: on that address (unspecified: every address).
+    Address(std::net::SocketAddr),
+}
+
+impl ListenOn {
+    pub fn port(self) -> u16 {
+        match self {
+            ListenOn::NodeAddresses { port } => port,
+            ListenOn::Address(a) => a.port(),
+        }
     }
 }
 
@@ -590,6 +641,7 @@ impl Default for AgentConfig {
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
             kubernetes: KubernetesConfig::default(),
+            doors: DoorsConfig::default(),
         }
     }
 }
@@ -1002,6 +1054,27 @@ impl AgentConfig {
             });
         }
         Ok(XdpPolicy { deny, failsafe })
+    }
+
+    /// The TCP ports closed to pods ([`crate::dataplane::doors`]): the metrics port when it
+    /// listens beyond loopback, the Routes port (this node's and the other nodes') when route
+    /// distribution is on, each unless `[doors]` lets pods in.
+    pub fn door_policy(&self) -> crate::dataplane::doors::DoorPolicy {
+        let mut ports = std::collections::BTreeSet::new();
+        let metrics = self.metrics_addr.parse::<std::net::SocketAddr>().ok();
+        if let Some(m) = metrics.filter(|m| !m.ip().is_loopback() && m.port() != 0) {
+            if !self.doors.pods_reach_metrics {
+                ports.insert(m.port());
+            }
+        }
+        let routes = self.routes.enabled && !self.doors.pods_reach_routes;
+        if routes {
+            ports.extend(self.routes.listen_port());
+        }
+        crate::dataplane::doors::DoorPolicy {
+            ports,
+            peer_routes_ports: routes,
+        }
     }
 
     /// The XDP prefilter's settings when it is enabled.
@@ -1595,6 +1668,29 @@ mod tests {
     }
 
     #[test]
+    fn pods_reach_no_agent_port_unless_allowed() {
+        let mut c = AgentConfig::from_toml(
+            "metrics_addr = \"0.0.0.0:9091\"\n[routes]\nenabled = true\nlisten = \":6000\"\nplaintext = true\n",
+        )
+        .expect("parse");
+        assert_eq!(c.doors, DoorsConfig::default());
+        let p = c.door_policy();
+        assert_eq!(p.ports, [6000, 9091].into());
+        assert!(p.peer_routes_ports);
+        c.doors = AgentConfig::from_toml("[doors]\npods_reach_metrics = true\n")
+            .expect("parse")
+            .doors;
+        assert_eq!(c.door_policy().ports, [6000].into(), "Prometheus in a pod");
+        c.doors.pods_reach_routes = true;
+        let p = c.door_policy();
+        assert!(p.ports.is_empty() && !p.peer_routes_ports, "{p:?}");
+        // Metrics on loopback only: no pod reaches it anyway; routes off: no Routes port.
+        let d = AgentConfig::default();
+        assert!(d.door_policy().ports.is_empty(), "{:?}", d.door_policy());
+        assert!(AgentConfig::from_toml("[doors]\npods_reach_everything = true\n").is_err());
+    }
+
+    #[test]
     fn routes_and_vxlan_parse_and_validate() {
         let text = r#"
             node_name = "n1"
@@ -1641,12 +1737,43 @@ mod tests {
         let err = bad.validate().expect_err("no uplinks");
         assert!(matches!(err, ConfigError::RoutesNoUplinks), "{err}");
         assert!(err.to_string().contains("uplinks"), "{err}");
-        let mut bad = c.clone();
-        bad.routes.listen = "0.0.0.0".into();
-        assert!(matches!(
-            bad.validate(),
-            Err(ConfigError::Routes { key: "listen", .. })
-        ));
+        assert_eq!(
+            c.routes.listen_on(),
+            Some(ListenOn::Address("0.0.0.0:5474".parse().expect("addr")))
+        );
+        assert_eq!(
+            RoutesConfig::default().listen_on(),
+            Some(ListenOn::NodeAddresses { port: 5474 }),
+            "the node's own addresses by default"
+        );
+        for (listen, want) in [
+            (":6000", Some(ListenOn::NodeAddresses { port: 6000 })),
+            (
+                "[fd00::1]:5474",
+                Some(ListenOn::Address("[fd00::1]:5474".parse().expect("addr"))),
+            ),
+            ("0.0.0.0", None),
+            (":0", None),
+            (":", None),
+            ("node-a:5474", None),
+            ("192.0.2.1:99999", None),
+        ] {
+            let mut r = c.routes.clone();
+            r.listen = listen.into();
+            assert_eq!(r.listen_on(), want, "{listen}");
+            let mut bad = c.clone();
+            bad.routes.listen = listen.into();
+            if want.is_none() {
+                let err = bad.validate().expect_err(listen);
+                assert!(
+                    matches!(err, ConfigError::Routes { key: "listen", .. }),
+                    "{listen}: {err}"
+                );
+                assert!(err.to_string().contains("\":5474\""), "{err}");
+            } else {
+                bad.validate().expect(listen);
+            }
+        }
         let mut bad = c.clone();
         bad.routes.node_addresses = vec!["node-a".into()];
         assert!(matches!(bad.validate(), Err(ConfigError::Routes { .. })));

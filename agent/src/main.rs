@@ -167,6 +167,7 @@ async fn run() -> Result<()> {
         xdp: cfg.xdp_settings()?,
         nat: Some(cfg.nat_settings()?),
         tc_attach: cfg.tc_attach,
+        doors: cfg.door_policy(),
     };
     // Before anything is touched: one agent per node (an uninstall while one runs would pull
     // its programs from under it).
@@ -207,6 +208,7 @@ async fn run() -> Result<()> {
         cfg = config(flags.clone(), Some(&cluster))
             .context("the cluster's IPPools, Node and ServiceCIDRs")?;
         ebpf_cfg.nat = Some(cfg.nat_settings()?);
+        ebpf_cfg.doors = cfg.door_policy();
         tracing::info!(pools = ?cfg.node_pools().iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
             labels = ?cfg.node_labels, service_cidrs = ?cfg.nat.service_cidrs,
             node_addresses = ?cfg.routes.node_addresses, "from the cluster");
@@ -222,7 +224,7 @@ async fn run() -> Result<()> {
                 .context("cannot load the eBPF dataplane (try dataplane = \"kernel\")")?,
         ),
         DataplaneMode::Kernel => Box::new(
-            KernelDataplane::start(&cfg.nat_settings()?)
+            KernelDataplane::start(&cfg.nat_settings()?, cfg.door_policy())
                 .context("kernel mode: cannot set up its nftables tables")?,
         ),
     };

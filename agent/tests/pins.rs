@@ -74,6 +74,7 @@ fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
         xdp: None,
         nat: Some(agent.nat_settings().expect("default [nat]")),
         tc_attach: Default::default(),
+        doors: Default::default(),
     }
 }
 

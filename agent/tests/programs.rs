@@ -28,10 +28,11 @@ use aya::Ebpf;
 use calix_agent::dataplane::nat::monotonic_ns;
 use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
-    direct_bucket, eui64_link_local, DirectEndpoint, DropCount, DropKey, DropReason,
-    EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow, ALL_MAPS, ALL_PROGRAMS,
-    COUNTERS_MAP, DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6,
-    HOST_VETH_MAC, LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP,
+    direct_bucket, eui64_link_local, AgentPorts, DirectEndpoint, DropCount, DropKey, DropReason,
+    EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow, AGENT_PORTS_MAP, ALL_MAPS,
+    ALL_PROGRAMS, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4,
+    EP_HAS_V6, EP_NAT_OUTGOING, HOST_V4_MAP, HOST_V6_MAP, HOST_VETH_MAC, LOCAL_V4_MAP,
+    LOCAL_V6_MAP, MAX_ENDPOINTS, PEERS_V4_MAP, PEERS_V6_MAP, POOLS_V4_MAP, POOLS_V6_MAP,
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
     STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
@@ -1468,5 +1469,111 @@ fn a_full_stack_flow_table_fails_safe_to_the_stack() {
         h.passes(PROG_TO_POD, a.ifindex, &to_a(&syn));
         let reply = Ip4::new(a.v4, b.v4, TCP, tcp_syn(8080, 41000));
         h.passes(PROG_FROM_POD, a.ifindex, &reply.sent_by(&a));
+    });
+}
+
+/// Issue 20: TCP from a pod to a calix agent's port (Routes, metrics) on a node's address —
+/// this node's own (`CALIX_HOST_V4/V6`) or another node's (`CALIX_PEERS_V4/V6`) — is dropped
+/// and counted as `agent_port`, SYN or not, whether it would go to the stack or be SNATed
+/// out (natOutgoing: the other node would see its peer's address), IPv6 behind extension
+/// headers too. The same ports elsewhere, the nodes' other ports, UDP to those ports, later
+/// fragments (their first carries the header) and pods' own traffic on those ports pass;
+/// so does everything once no port is guarded (the operator let pods in).
+#[test]
+fn a_pod_does_not_reach_the_agents_ports_on_any_node() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let (own4, peer4, elsewhere4) = ([172, 31, 1, 1], [172, 31, 2, 3], [192, 0, 2, 1]);
+        let (own6, peer6) = ([0xfd, 0x31, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1], {
+            let mut p = [0u8; 16];
+            p[..4].copy_from_slice(&[0xfd, 0x31, 0, 2]);
+            p[15] = 3;
+            p
+        });
+        let mut host4: HashMap<MapData, [u8; 4], u32> = map(&mut h.bpf, HOST_V4_MAP);
+        let mut host6: HashMap<MapData, [u8; 16], u32> = map(&mut h.bpf, HOST_V6_MAP);
+        let mut peers4: HashMap<MapData, [u8; 4], u32> = map(&mut h.bpf, PEERS_V4_MAP);
+        let mut peers6: HashMap<MapData, [u8; 16], u32> = map(&mut h.bpf, PEERS_V6_MAP);
+        let mut ports: Array<MapData, AgentPorts> = map(&mut h.bpf, AGENT_PORTS_MAP);
+        host4.insert(own4, 1, 0).expect("host v4");
+        host6.insert(own6, 1, 0).expect("host v6");
+        peers4.insert(peer4, 1, 0).expect("peer v4");
+        peers6.insert(peer6, 1, 0).expect("peer v6");
+        let mut guarded = AgentPorts::default();
+        guarded.tcp[0] = 5474u16.to_be();
+        guarded.tcp[3] = 9091u16.to_be();
+        ports.set(0, guarded, 0).expect("ports");
+        let ack = |sport: u16, dport: u16| {
+            let mut t = tcp_syn(sport, dport);
+            t[13] = 0x10;
+            t
+        };
+        let from_a = |ip: &[u8]| eth(HOST_VETH_MAC, a.mac, ETH_P_IPV6, ip);
+
+        for dst in [own4, peer4] {
+            for port in [5474, 9091] {
+                let syn = Ip4::new(a.v4, dst, TCP, tcp_syn(40000, port));
+                h.drops_as(a.ifindex, &syn.sent_by(&a), DropReason::AgentPort);
+                let ack = Ip4::new(a.v4, dst, TCP, ack(40000, port));
+                h.drops_as(a.ifindex, &ack.sent_by(&a), DropReason::AgentPort);
+                // A first fragment carries the header: checked like a whole packet.
+                let first = Ip4::new(a.v4, dst, TCP, tcp_syn(40000, port)).frag(0x2000);
+                h.drops_as(a.ifindex, &first.sent_by(&a), DropReason::AgentPort);
+            }
+        }
+        for dst in [own6, peer6] {
+            for port in [5474, 9091] {
+                let syn = ip6(a.v6, dst, TCP, &tcp_syn(40000, port));
+                h.drops_as(a.ifindex, &from_a(&syn), DropReason::AgentPort);
+                let (next, behind) = behind_dstopts(2, TCP, &tcp_syn(40000, port));
+                let hidden = ip6(a.v6, dst, next, &behind);
+                h.drops_as(a.ifindex, &from_a(&hidden), DropReason::AgentPort);
+            }
+        }
+        // natOutgoing: dropped before it is translated.
+        let mut nat = h.endpoints.get(&a.ifindex, 0).expect("endpoint");
+        nat.flags |= EP_NAT_OUTGOING;
+        h.set_endpoint(a.ifindex, nat);
+        let syn = Ip4::new(a.v4, peer4, TCP, tcp_syn(40000, 5474));
+        h.drops_as(a.ifindex, &syn.sent_by(&a), DropReason::AgentPort);
+        nat.flags &= !EP_NAT_OUTGOING;
+        h.set_endpoint(a.ifindex, nat);
+        let drops = h.dropped(a.ifindex, DropReason::AgentPort).packets;
+        assert_eq!(drops, 2 * 2 * 3 + 2 * 2 * 2 + 1);
+
+        // What passes: the nodes' other ports, UDP, those ports elsewhere, a later fragment,
+        // the node itself sending from those ports to a pod's... and pod to pod.
+        let passing = [
+            Ip4::new(a.v4, own4, TCP, tcp_syn(40000, 22)),
+            Ip4::new(a.v4, peer4, TCP, tcp_syn(5474, 8080)),
+            Ip4::new(a.v4, own4, UDP, udp(40000, 5474)),
+            Ip4::new(a.v4, elsewhere4, TCP, tcp_syn(40000, 5474)),
+            Ip4::new(a.v4, own4, TCP, tcp_syn(40000, 5474)).frag(0x0003),
+        ];
+        for ip in &passing {
+            h.passes(PROG_FROM_POD, a.ifindex, &ip.sent_by(&a));
+        }
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(a.v6, own6, TCP, &tcp_syn(40000, 443))),
+        );
+        h.passes(
+            PROG_FROM_POD,
+            a.ifindex,
+            &from_a(&ip6(a.v6, own6, UDP, &udp(40000, 9091))),
+        );
+        let to_b = Ip4::new(a.v4, b.v4, TCP, tcp_syn(40000, 5474));
+        h.redirects(
+            PROG_FROM_POD,
+            a.ifindex,
+            &to_b.sent_by(&a),
+            &to_b.delivered_to(&b),
+        );
+        // No port guarded (pods allowed in): nothing of it is dropped.
+        ports.set(0, AgentPorts::default(), 0).expect("ports");
+        let syn = Ip4::new(a.v4, own4, TCP, tcp_syn(40000, 5474));
+        h.passes(PROG_FROM_POD, a.ifindex, &syn.sent_by(&a));
+        assert_eq!(h.dropped(a.ifindex, DropReason::AgentPort).packets, drops);
     });
 }

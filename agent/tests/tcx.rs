@@ -34,6 +34,7 @@ fn a_released_dataplane_moves_no_hook_afterwards() {
                     .expect("default [nat]"),
             ),
             tc_attach: TcAttach::Tcx,
+            doors: Default::default(),
         };
         let links = cfg.tcx_links_dir();
         let ifindex = veth("cxtmv");

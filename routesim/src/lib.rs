@@ -53,6 +53,9 @@ pub struct Plan {
     pub servers: Vec<Server>,
     /// The nodes the servers let watch (the real agents).
     pub known: Vec<String>,
+    /// The addresses those nodes connect from: the servers' doors refuse any other source
+    /// before TLS, as an agent's does.
+    pub known_addresses: Vec<IpAddr>,
 }
 
 /// How [`scale`] lays its peers out.
@@ -230,7 +233,10 @@ pub async fn run(
     .await?;
     let written = t.elapsed();
     let known = Arc::new(Known::default());
-    known.set(plan.known.iter().cloned().collect::<HashSet<_>>());
+    known.set(
+        plan.known.iter().cloned().collect::<HashSet<_>>(),
+        plan.known_addresses.iter().copied().collect(),
+    );
     let mut served = Vec::new();
     anyhow::ensure!(
         creds.certs.len() == plan.servers.len(),
@@ -262,7 +268,7 @@ pub async fn run(
             throttle: Arc::default(),
         };
         served.push(tokio::spawn(listener::serve(
-            sock,
+            vec![sock],
             Some(tls),
             svc,
             Limits::default(),

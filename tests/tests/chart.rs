@@ -48,7 +48,7 @@ fn all_a() -> Value {
         "dataplane": "ebpf",
         "logLevel": "calix_agent=debug",
         "uplinks": ["eth0", "eth1"],
-        "metrics": {"bindAddress": "127.0.0.1", "port": 9191},
+        "metrics": {"bindAddress": "127.0.0.1", "port": 9191, "reachableFromPods": true},
         "resyncIntervalSecs": 10,
         "pools": [
             {"name": "pods-a", "cidr": "10.250.0.0/16", "blockSize": 24, "natOutgoing": false,
@@ -62,7 +62,8 @@ fn all_a() -> Value {
                 "failsafePorts": ["tcp:22", "udp:53"]},
         "nat": {"serviceCidrs": ["10.100.0.0/16", "fd00:96::/108"], "nonMasqueradeCidrs": ["172.16.0.0/12"],
                 "conntrackEntries": 65536, "portMin": 20000, "portMax": 30000},
-        "routes": {"enabled": true, "port": 5575, "topology": "reflectors",
+        "routes": {"enabled": true, "port": 5575, "bindAddress": "[::]", "reachableFromPods": true,
+                   "topology": "reflectors",
                    "reflectorLabel": "example.com/rr", "graceSecs": 60, "plaintext": false,
                    "tls": {"secretName": "calix-routes-tls"}},
         "vxlan": {"vni": 4097, "port": 4790},
@@ -693,6 +694,14 @@ fn defaults_render_valid_objects_for_every_node() {
     let c = agent_config(r, "agent.toml");
     assert_eq!(c.datastore.kind, "kubernetes");
     assert_eq!(c.metrics_addr, "0.0.0.0:9091");
+    assert_eq!(
+        c.routes.listen, ":5474",
+        "the Routes port on the node's own addresses"
+    );
+    assert!(
+        !c.doors.pods_reach_metrics && !c.doors.pods_reach_routes,
+        "pods reach no agent port"
+    );
     assert_eq!(c.dataplane, DataplaneMode::Ebpf);
     // Pools are IPPool objects.
     let pools = ippools(r);
@@ -907,7 +916,8 @@ fn every_value_set_renders_and_reaches_the_agent() {
         (65536, 20000, 30000)
     );
     assert!(c.routes.enabled && !c.routes.plaintext);
-    assert_eq!(c.routes.listen, "0.0.0.0:5575");
+    assert_eq!(c.routes.listen, "[::]:5575");
+    assert!(c.doors.pods_reach_routes && c.doors.pods_reach_metrics);
     assert_eq!(c.routes.grace_secs, 60);
     assert_eq!(
         c.routes.tls.cert,

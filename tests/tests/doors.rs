@@ -1,14 +1,20 @@
 //! The agent's doors (issue 11): its HTTP port (/metrics, /healthz, /readyz) holds up against
 //! idle and slow clients; one agent per node, a second one changes nothing; a stopping agent
 //! never removes a socket it does not own; the plugin refuses the node's own namespace and an
-//! agent socket that is not served by root; logs escape control characters. Run as root.
+//! agent socket that is not served by root; logs escape control characters. Issue 20: only
+//! nodes reach the Routes door (bound to the node's addresses, strangers refused before TLS,
+//! pods' packets to the agent's ports dropped on their own node). Run as root.
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use calix_proto::v1 as pb;
-use calix_testbed::{cni_call, run, unique, Dataplane, EtcdNs, Node, Pod};
+use calix_testbed::tls::Ca;
+use calix_testbed::{cni_call, run, unique, Cluster, Dataplane, EtcdNs, Node, Pod};
 use serde_json::{json, Value};
 
 /// Opens `n` connections to the HTTP door from inside the node and sends nothing; returns
@@ -313,4 +319,472 @@ fn logs_escape_control_characters() {
         "{agent_log}"
     );
     assert!(agent_log.contains("evil\\nINFO forged=1"), "{agent_log}");
+}
+
+// ---- Only nodes reach the Routes door (issue 20, item 3) ----
+
+/// What the connections of one [`Flood`] came to.
+#[derive(Default, Debug)]
+struct FloodCounts {
+    /// TCP handshakes that completed (the node's kernel answered the SYN).
+    connected: AtomicU64,
+    /// Closed by the other end within a second of connecting (or reset while connecting).
+    closed_at_once: AtomicU64,
+    /// Held open by the other end for a second or more.
+    held: AtomicU64,
+    /// No answer to the SYN within 2 s.
+    timed_out: AtomicU64,
+    /// Refused (RST to the SYN) or unreachable.
+    failed: AtomicU64,
+}
+
+/// Idle TCP connections to `to` from inside a namespace, one task per source in `from`
+/// (`None`: the kernel picks), each reopened 200 ms after it ended, until dropped.
+struct Flood {
+    counts: Arc<FloodCounts>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Flood {
+    fn start(ns: &calix_testbed::Netns, from: Vec<Option<IpAddr>>, to: SocketAddr) -> Self {
+        let counts = Arc::new(FloodCounts::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (c, s) = (counts.clone(), stop.clone());
+        let thread = ns
+            .spawn(None, move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async move {
+                    let tasks: Vec<_> = from
+                        .into_iter()
+                        .map(|src| tokio::spawn(hold(src, to, c.clone(), s.clone())))
+                        .collect();
+                    for t in tasks {
+                        let _ = t.await;
+                    }
+                });
+            })
+            .expect("flood thread");
+        Self {
+            counts,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn get(&self) -> [u64; 5] {
+        let c = &self.counts;
+        [
+            &c.connected,
+            &c.closed_at_once,
+            &c.held,
+            &c.timed_out,
+            &c.failed,
+        ]
+        .map(|a| a.load(Ordering::Relaxed))
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One connection of a [`Flood`], again and again.
+async fn hold(src: Option<IpAddr>, to: SocketAddr, c: Arc<FloodCounts>, stop: Arc<AtomicBool>) {
+    use tokio::io::AsyncReadExt;
+    let add = |a: &AtomicU64| a.fetch_add(1, Ordering::Relaxed);
+    while !stop.load(Ordering::Relaxed) {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        if let Some(src) = src {
+            sock.bind(SocketAddr::new(src, 0)).expect("bind the source");
+        }
+        match tokio::time::timeout(Duration::from_secs(2), sock.connect(to)).await {
+            Err(_) => {
+                add(&c.timed_out);
+            }
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                add(&c.connected);
+                add(&c.closed_at_once);
+            }
+            Ok(Err(_)) => {
+                add(&c.failed);
+            }
+            Ok(Ok(mut s)) => {
+                add(&c.connected);
+                let opened = Instant::now();
+                let mut b = [0u8; 64];
+                loop {
+                    match tokio::time::timeout(Duration::from_millis(250), s.read(&mut b)).await {
+                        Ok(Ok(0) | Err(_)) => break,
+                        Ok(Ok(_)) | Err(_) if stop.load(Ordering::Relaxed) => break,
+                        _ => {}
+                    }
+                }
+                if opened.elapsed() < Duration::from_secs(1) {
+                    add(&c.closed_at_once);
+                } else {
+                    add(&c.held);
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `calixctl nodes -o json` of cluster node `i`.
+fn nodes_report(c: &Cluster, i: usize) -> Value {
+    c.nodes[i]
+        .agent()
+        .calixctl_json(&["nodes"])
+        .unwrap_or_else(|e| panic!("calixctl nodes on node {i}: {e}"))
+}
+
+/// (name, state, snapshots) of each peer node `i` follows.
+fn peer_states(c: &Cluster, i: usize) -> Vec<(String, String, u64)> {
+    nodes_report(c, i)["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap_or_default().to_string(),
+                p["state"].as_str().unwrap_or_default().to_string(),
+                p["snapshots"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect()
+}
+
+/// Polls `done` every 100 ms for up to `secs`; panics naming `what` (and showing `show()`).
+fn within_showing(
+    secs: u64,
+    what: &str,
+    mut done: impl FnMut() -> bool,
+    show: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "not within {secs} s: {what}\n{}",
+            show()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The local addresses of the TCP sockets listening on `port` in process `pid`'s namespace.
+fn listening_on(pid: u32, port: u16) -> BTreeSet<IpAddr> {
+    let mut out = BTreeSet::new();
+    for (file, v6) in [("tcp", false), ("tcp6", true)] {
+        let table = std::fs::read_to_string(format!("/proc/{pid}/net/{file}")).unwrap_or_default();
+        for l in table.lines().skip(1) {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            let Some((addr, p)) = cols.get(1).and_then(|a| a.split_once(':')) else {
+                continue;
+            };
+            if cols.get(3) != Some(&"0A") || u16::from_str_radix(p, 16).ok() != Some(port) {
+                continue;
+            }
+            // /proc/net/tcp{,6}: the address as 32-bit words in host byte order.
+            let words: Vec<u32> = (0..addr.len() / 8)
+                .filter_map(|i| u32::from_str_radix(&addr[i * 8..i * 8 + 8], 16).ok())
+                .collect();
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+            let ip = match (v6, bytes.len()) {
+                (false, 4) => IpAddr::from(<[u8; 4]>::try_from(bytes).expect("4 bytes")),
+                (true, 16) => IpAddr::from(<[u8; 16]>::try_from(bytes).expect("16 bytes")),
+                _ => continue,
+            };
+            out.insert(ip);
+        }
+    }
+    out
+}
+
+/// Whether `ns` completes a TCP handshake with `to` within 2 s.
+fn connects(ns: &calix_testbed::Netns, to: SocketAddr) -> bool {
+    ns.run(move || TcpStream::connect_timeout(&to, Duration::from_secs(2)).is_ok())
+}
+
+/// The packets counted by the rules of nftables table `inet <table>` in `node`'s namespace.
+fn nft_counted(node: &Node, table: &str) -> u64 {
+    let out = node.ns.exec(&["nft", "-j", "list", "table", "inet", table]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    v["nftables"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|o| o["rule"]["expr"].as_array())
+        .flatten()
+        .filter_map(|e| e["counter"]["packets"].as_u64())
+        .sum()
+}
+
+/// Issue 20, item 3: the Routes door (5474) of node 0 is flooded with 64 idle connections
+/// each from a pod on node 0, from a pod on node 1 (natOutgoing: SNATed to node 1's address,
+/// a known node) and from 8 addresses no node has, in a namespace of the test's own; pods
+/// also try the metrics port. The door listens on node 0's own addresses only; the pods'
+/// connections never complete (dropped on their own node: `from_pod` in eBPF mode, nftables
+/// in kernel mode), the strangers' are closed at once before TLS and counted; every real peer
+/// stays up throughout (no stream lost, no grace period), and when node 0's agent restarts
+/// its peers are back within seconds, through the flood. The node itself (the kubelet's
+/// probes) still reaches the metrics port.
+#[test]
+fn only_nodes_reach_the_routes_door() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let dataplane = Dataplane::under_test();
+    let c = Cluster::create(dataplane, &[1, 1, 2], |i, c| {
+        "metrics_addr = \"0.0.0.0:9091\"\n".to_string()
+            + &c.base_config(i)
+            + "[[pools]]\ncidr = \"10.244.0.0/16\"\nnatOutgoing = true\n"
+            + &c.routes_config(i, &ca, "grace_secs = 10")
+                .expect("routes config")
+    });
+    c.start();
+    let settled = |i: usize| {
+        let s = peer_states(&c, i);
+        s.len() == 2 && s.iter().all(|(_, state, _)| state == "up")
+    };
+    for i in 0..3 {
+        within_showing(
+            20,
+            &format!("node {i} streams from both peers"),
+            || settled(i),
+            || format!("{:?}", peer_states(&c, i)),
+        );
+    }
+    let pod0 = Pod::add(&c.nodes[0], "p");
+    let pod1 = Pod::add(&c.nodes[1], "q");
+    let node0: IpAddr = c.address(0).parse().expect("address");
+    let routes_door = SocketAddr::new(node0, 5474);
+    let metrics_door = SocketAddr::new(node0, 9091);
+    // The pods reach node 0 at all (ping), and the node reaches its own metrics port.
+    assert!(pod0.ns.ping(&c.address(0), 1) && pod1.ns.ping(&c.address(0), 1));
+    assert!(
+        connects(&c.nodes[0].ns, metrics_door),
+        "the node's own metrics port"
+    );
+
+    // The door listens on node 0's addresses, one per family, nothing else.
+    let pid = c.nodes[0].agent_pid().expect("agent pid");
+    let want: BTreeSet<IpAddr> = [c.address(0), c.address6(0)]
+        .iter()
+        .map(|a| a.parse().expect("address"))
+        .collect();
+    assert_eq!(
+        listening_on(pid, 5474),
+        want,
+        "what the Routes port listens on"
+    );
+
+    // A stranger: 8 addresses no node has, on node 0's subnet.
+    let stranger = calix_testbed::Netns::create(unique("s")).expect("namespace");
+    let port = format!("s{}", std::process::id() % 100_000);
+    calix_testbed::veth(&stranger, "eth0", c.underlay(), &port).expect("veth");
+    c.underlay()
+        .ip(&format!("link set {port} master bra up"))
+        .expect("bridge port");
+    let strangers: Vec<IpAddr> = (200..208)
+        .map(|k| format!("172.31.1.{k}").parse().expect("ip"))
+        .collect();
+    for a in &strangers {
+        stranger
+            .ip(&format!("addr add {a}/24 dev eth0"))
+            .expect("address");
+    }
+    stranger.ip("link set eth0 up").expect("up");
+    within_showing(
+        10,
+        "the stranger reaches node 0",
+        || stranger.ping(&c.address(0), 1),
+        String::new,
+    );
+
+    // The floods, held for the rest of the test.
+    let per_source = |addrs: &[IpAddr]| -> Vec<Option<IpAddr>> {
+        addrs.iter().flat_map(|a| [Some(*a); 8]).collect()
+    };
+    let from_stranger = Flood::start(&stranger, per_source(&strangers), routes_door);
+    let from_pod0 = Flood::start(&pod0.ns, vec![None; 64], routes_door);
+    let from_pod1 = Flood::start(&pod1.ns, vec![None; 64], routes_door);
+    let metrics_pod0 = Flood::start(&pod0.ns, vec![None; 4], metrics_door);
+    let metrics_pod1 = Flood::start(&pod1.ns, vec![None; 4], metrics_door);
+    let show = || {
+        format!(
+            "stranger {:?}, pod on node 0 {:?}, pod on node 1 {:?}, metrics from pods {:?} {:?} \
+             [connected, closed at once, held, timed out, failed]\nnode 0's door: {}",
+            from_stranger.get(),
+            from_pod0.get(),
+            from_pod1.get(),
+            metrics_pod0.get(),
+            metrics_pod1.get(),
+            nodes_report(&c, 0)["door"]
+        )
+    };
+
+    // 12 s of flood (more than two handshake timeouts): every stream stays up, none starts
+    // over, the routes stay.
+    let before: Vec<_> = (0..3).map(|i| peer_states(&c, i)).collect();
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(12) {
+        for (i, was) in before.iter().enumerate() {
+            assert_eq!(
+                &peer_states(&c, i),
+                was,
+                "node {i}'s peers during the flood\n{}",
+                show()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let [connected, ..] = from_pod0.get();
+    assert_eq!(
+        connected,
+        0,
+        "a pod reached its own node's Routes port\n{}",
+        show()
+    );
+    let [connected, ..] = from_pod1.get();
+    assert_eq!(
+        connected,
+        0,
+        "a pod reached another node's Routes port\n{}",
+        show()
+    );
+    assert_eq!(
+        metrics_pod0.get()[0] + metrics_pod1.get()[0],
+        0,
+        "pods reached the metrics port\n{}",
+        show()
+    );
+    assert!(
+        from_pod0.get()[3] >= 64 && from_pod1.get()[3] >= 64,
+        "the pods tried\n{}",
+        show()
+    );
+    let [connected, closed_at_once, held, ..] = from_stranger.get();
+    assert!(connected >= 64, "{}", show());
+    assert_eq!(
+        (closed_at_once, held),
+        (connected, 0),
+        "the strangers' connections\n{}",
+        show()
+    );
+    let door = nodes_report(&c, 0)["door"].clone();
+    assert!(door["refused_unknown"].as_u64() >= Some(64), "{door}");
+    assert_eq!(
+        (door["refused_busy"].as_u64(), door["refused_tls"].as_u64()),
+        (Some(0), Some(0)),
+        "{door}"
+    );
+    let (_, metrics) = c.nodes[0]
+        .http_get("/metrics")
+        .expect("/metrics from the node itself");
+    assert!(
+        metrics.contains("calix_route_connections_refused_total{cause=\"unknown\"}"),
+        "{metrics}"
+    );
+    // Where the pods' packets were dropped: on their own node.
+    match dataplane {
+        Dataplane::Ebpf => {
+            for (node, pod) in [(&c.nodes[0], &pod0), (&c.nodes[1], &pod1)] {
+                let n = node.dropped(&pod.host_ifname(), "agent_port");
+                assert!(
+                    n >= 64,
+                    "{} agent_port drops on {}\n{}",
+                    n,
+                    pod.host_ifname(),
+                    show()
+                );
+            }
+        }
+        Dataplane::Kernel => {
+            for i in [0, 1] {
+                let n = nft_counted(&c.nodes[i], "calix_doors");
+                assert!(
+                    n >= 64,
+                    "node {i}'s calix_doors table counted {n}\n{}",
+                    show()
+                );
+            }
+        }
+    }
+
+    // Node 0's agent restarts in the flood: its peers are back within seconds.
+    let snapshots_of_0 = |i: usize| {
+        peer_states(&c, i)
+            .into_iter()
+            .find(|(name, _, _)| name == c.name(0))
+            .map_or(0, |(_, _, n)| n)
+    };
+    let seen = [snapshots_of_0(1), snapshots_of_0(2)];
+    c.nodes[0].kill_agent();
+    c.nodes[0].start_agent();
+    let restarted = Instant::now();
+    for i in 0..3 {
+        within_showing(
+            15,
+            &format!("node {i} streams from both peers after node 0's restart"),
+            || settled(i),
+            || format!("{:?}\n{}", peer_states(&c, i), show()),
+        );
+    }
+    eprintln!(
+        "peers back {:?} after node 0's agent restarted, in the flood\n{}",
+        restarted.elapsed(),
+        show()
+    );
+    for (k, i) in [1, 2].into_iter().enumerate() {
+        within_showing(
+            15,
+            &format!("node {i} streams from the restarted node 0 (a new snapshot)"),
+            || snapshots_of_0(i) > seen[k],
+            || format!("{:?}\n{}", peer_states(&c, i), show()),
+        );
+    }
+    let (code, _) = c.nodes[0].http_get("/metrics").expect("/metrics");
+    assert_eq!(code, 200);
+    assert!(
+        connects(&c.nodes[0].ns, metrics_door),
+        "the node's own metrics port"
+    );
+    assert_eq!(from_pod0.get()[0] + from_pod1.get()[0], 0, "{}", show());
+}
+
+/// Issue 20: the metrics port listening on every address (as the chart has it) is closed to
+/// pods on the node's addresses unless `[doors] pods_reach_metrics` (Prometheus in a pod);
+/// the node itself (the kubelet's probes) always reaches it.
+#[test]
+fn pods_reach_the_metrics_port_only_when_the_operator_allows_it() {
+    let dataplane = Dataplane::under_test();
+    for allowed in [false, true] {
+        let config = format!(
+            "metrics_addr = \"0.0.0.0:9091\"\n[doors]\npods_reach_metrics = {allowed}\n\
+             [[pools]]\ncidr = \"10.244.0.0/16\"\n"
+        );
+        let node = Node::start_with_config(dataplane, Some(&config));
+        let pod = Pod::add(&node, "p");
+        let door: SocketAddr = format!("{}:9091", node.node_ip).parse().expect("addr");
+        assert!(pod.ns.ping(&node.node_ip, 1), "the pod reaches the node");
+        assert!(
+            connects(&node.ns, door),
+            "the node reaches its own metrics port"
+        );
+        assert_eq!(
+            connects(&pod.ns, door),
+            allowed,
+            "a pod on the metrics port, pods_reach_metrics = {allowed}"
+        );
+        let (code, _) = node.http_get("/healthz").expect("/healthz from the node");
+        assert_eq!(code, 200);
+    }
 }

@@ -406,6 +406,7 @@ fn other_services_over_tcp(
         me: as_node.to_string(),
         tls: Some(tls),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     };
     let peer = c.name(to).to_string();
     let endpoint = format!("{}:5474", c.address(to));
@@ -467,6 +468,7 @@ fn try_watch(
         me: as_node.to_string(),
         tls,
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     };
     let peer = c.name(to).to_string();
     let endpoint = format!("{}:5474", c.address(to));
@@ -555,6 +557,9 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
                 routes: announce,
             }],
             known: vec![c.name(0).into(), c.name(1).into()],
+            known_addresses: [0, 1]
+                .map(|i| c.address(i).parse().expect("address"))
+                .into(),
         },
     );
     for i in 0..2 {
@@ -824,7 +829,7 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
                 + &c.routes_config(i, &ca, &format!("topology = \"{topology}\""))
                     .expect("routes config")
         });
-        let plan = calix_routesim::scale(
+        let mut plan = calix_routesim::scale(
             &calix_routesim::Scale {
                 peers: PEERS,
                 blocks_per_peer: BLOCKS,
@@ -839,6 +844,7 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
             vec![c.name(0).into()],
         )
         .expect("plan");
+        plan.known_addresses = vec![c.address(0).parse().expect("address")];
         // Mesh: the agent starts on a datastore that has it all (a restart). Reflectors: the
         // agent runs first (its own RSS measured), then the peers appear.
         let start_agent = || {

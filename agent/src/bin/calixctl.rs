@@ -341,7 +341,7 @@ fn nodes_table(r: &RoutesReport) -> String {
     );
     let d = &r.door;
     out.push_str(&format!(
-        "\nnode {} ({}{}, {}) at {}: {} peer(s) followed, {} watcher(s); {}; refused connections: {} busy, {} TLS, {} identity",
+        "\nnode {} ({}{}, {}) at {}: {} peer(s) followed, {} watcher(s); {}; refused connections: {} unknown source, {} busy, {} TLS, {} identity",
         r.node,
         r.topology,
         if r.reflector { ", reflector" } else { "" },
@@ -354,6 +354,7 @@ fn nodes_table(r: &RoutesReport) -> String {
         } else {
             "waiting for peers (stale routes kept)"
         },
+        d.refused_unknown,
         d.refused_busy,
         d.refused_tls,
         d.refused_identity

@@ -26,6 +26,7 @@ use calix_common::{
 use ipnet::IpNet;
 
 use super::bpf::{map_err, open_hash, open_per_cpu_array, pin_err, prog_err, take};
+use super::doors::{DoorMaps, DoorPolicy, Doors, PeerNodes};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
@@ -58,6 +59,8 @@ pub struct EbpfConfig {
     pub nat: Option<NatSettings>,
     /// How the tc programs attach.
     pub tc_attach: TcAttach,
+    /// The agents' ports pods may not reach ([`super::doors`]).
+    pub doors: DoorPolicy,
 }
 
 impl EbpfConfig {
@@ -187,6 +190,9 @@ pub struct EbpfDataplane {
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
     tables: Vec<super::nft::OwnedTable>,
+    /// The doors' maps, and the other nodes as last told ([`Dataplane::set_peer_nodes`]).
+    doors: DoorMaps,
+    peers: PeerNodes,
 }
 
 /// What an endpoint programmed during the initial sync inherits: the stack-flow marks of an
@@ -373,7 +379,20 @@ impl EbpfDataplane {
                 Attachment::ClsBpf => "cls_bpf filters",
             }
         );
+        // The doors: this node's own addresses (kept current from now on, for the XDP
+        // failsafe too) and the agents' ports, before any pod's packet meets the programs;
+        // the other nodes' addresses as the pins hold them until route distribution says.
+        let mut host = HostAddrs::open(&mut bpf)?;
+        host.refresh()?;
+        host.watch();
+        let mut doors = DoorMaps::open(&mut bpf)?;
+        let kept = PeerNodes {
+            addresses: doors.peers(),
+            routes_ports: Default::default(),
+        };
+        doors.set(&Doors::of(&cfg.doors, &kept))?;
         let mut dp = Self {
+            doors,
             counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
             endpoints,
             direct: take(&mut bpf, ENDPOINTS_DIRECT_MAP, Array::try_from)?,
@@ -404,6 +423,7 @@ impl EbpfDataplane {
             attacher: Attacher::new(attachment, cfg_tcx_dir),
             stack_nat: None,
             tables: Vec::new(),
+            peers: PeerNodes::default(),
         };
         let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
         if let Some(n) = &dp.cfg.nat {
@@ -415,13 +435,12 @@ impl EbpfDataplane {
             tracing::info!(%uplink, "uplink programs attached");
         }
         dp.start_xdp()?;
-        if let Some(n) = dp.cfg.nat.clone() {
-            // What the programs leave to the host stack (Service traffic it DNATs out of the
-            // node, fragments, other protocols) is masqueraded there, on ports the programs
-            // never hand out.
-            dp.stack_nat = Some(n);
-            dp.apply_stack()?;
-        }
+        // What the programs leave to the host stack (Service traffic it DNATs out of the
+        // node, fragments, other protocols) is masqueraded there, on ports the programs never
+        // hand out; and it meets the doors' table.
+        dp.stack_nat = dp.cfg.nat.clone();
+        dp.peers = kept;
+        dp.apply_tables()?;
         // A table a kernel-mode run left behind: the programs guard the pods now.
         if let Err(e) = super::antispoof::remove() {
             tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
@@ -429,16 +448,25 @@ impl EbpfDataplane {
         Ok(dp)
     }
 
-    /// Writes the host stack's masquerade table as `stack_nat` says, and records it.
-    fn apply_stack(&mut self) -> Result<(), DataplaneError> {
+    /// Writes the host stack's masquerade table as `stack_nat` says, and the doors' table,
+    /// and records them.
+    fn apply_tables(&mut self) -> Result<(), DataplaneError> {
         self.tables.clear();
         if let Some(n) = &self.stack_nat {
             super::masquerade::apply_stack(n)?;
-            self.tables = vec![super::nft::OwnedTable::record(
+            self.tables.push(super::nft::OwnedTable::record(
                 "ip",
                 super::masquerade::TABLE,
-            )?];
+            )?);
         }
+        self.apply_doors_table()
+    }
+
+    fn apply_doors_table(&mut self) -> Result<(), DataplaneError> {
+        self.tables.retain(|t| !t.is("inet", super::doors::TABLE));
+        super::doors::apply(&Doors::of(&self.cfg.doors, &self.peers))?;
+        self.tables
+            .push(super::nft::OwnedTable::record("inet", super::doors::TABLE)?);
         Ok(())
     }
 
@@ -456,15 +484,12 @@ impl EbpfDataplane {
         let mut filter = XdpFilter::open(&mut self.bpf)?;
         filter.set_policy(&settings.policy)?;
         self.xdp = Some(filter);
-        // The failsafe ports apply to the node's own addresses only: those must be there
-        // before the program runs, and stay current after.
-        let mut host = HostAddrs::open(&mut self.bpf)?;
-        host.refresh()?;
+        // The failsafe ports apply to the node's own addresses only: those are in the maps
+        // since the load, and kept current.
         xdp::detach_except(&links, &self.cfg.uplinks);
         for uplink in &self.cfg.uplinks {
             xdp::attach(xdp_program(&mut self.bpf)?, uplink, settings.mode, &links)?;
         }
-        host.watch();
         Ok(())
     }
 
@@ -1037,7 +1062,16 @@ impl Dataplane for EbpfDataplane {
             tracing::info!("SNAT exclusions and service_cidrs reloaded");
         }
         self.stack_nat = Some(r.nat.clone());
-        self.apply_stack()
+        self.apply_tables()
+    }
+
+    fn set_peer_nodes(&mut self, peers: &PeerNodes) -> Result<(), DataplaneError> {
+        if *peers == self.peers {
+            return Ok(());
+        }
+        self.peers = peers.clone();
+        self.doors.set(&Doors::of(&self.cfg.doors, peers))?;
+        self.apply_doors_table()
     }
 
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
@@ -1045,7 +1079,7 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
-        self.apply_stack()
+        self.apply_tables()
     }
 
     fn release(&mut self) {

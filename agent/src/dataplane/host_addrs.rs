@@ -1,6 +1,7 @@
-//! The node's own addresses, for the XDP prefilter (`CALIX_HOST_V4` / `CALIX_HOST_V6`): its
-//! failsafe ports apply only to packets addressed to the node itself, never to a pod or
-//! anything else the node forwards to.
+//! The node's own addresses (`CALIX_HOST_V4` / `CALIX_HOST_V6`), in the eBPF dataplane: the
+//! XDP prefilter's failsafe ports apply only to packets addressed to the node itself, never to
+//! a pod or anything else the node forwards to; and `from_pod` closes the agents' ports on
+//! them to pods ([`super::doors`]).
 //!
 //! Why a map the agent fills rather than a FIB lookup in the program: `bpf_fib_lookup`
 //! answers "not forwarded" alike for local, broadcast and multicast destinations, and gives no
@@ -135,7 +136,11 @@ impl HostAddrs {
     pub fn refresh(&mut self) -> Result<(), DataplaneError> {
         let (added, removed) = self.set(&own_addresses()?)?;
         if !added.is_empty() || !removed.is_empty() {
-            tracing::info!(?added, ?removed, "XDP failsafe: the node's own addresses");
+            tracing::info!(
+                ?added,
+                ?removed,
+                "the node's own addresses (XDP failsafe, doors)"
+            );
         }
         Ok(())
     }
@@ -160,12 +165,12 @@ impl HostAddrs {
                         None => std::thread::sleep(RESYNC),
                     }
                     if let Err(e) = self.refresh() {
-                        tracing::warn!(error = %super::error_chain(&e), "cannot update the node's addresses for the XDP failsafe");
+                        tracing::warn!(error = %super::error_chain(&e), "cannot update the node's addresses for the XDP failsafe and the doors");
                     }
                 }
             });
         if let Err(e) = spawned {
-            tracing::error!(error = %e, "cannot start the address watcher: the XDP failsafe keeps the addresses it has");
+            tracing::error!(error = %e, "cannot start the address watcher: the XDP failsafe and the doors keep the addresses they have");
         }
     }
 }

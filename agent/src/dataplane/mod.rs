@@ -4,6 +4,7 @@
 pub mod antispoof;
 mod bpf;
 pub mod cleaner;
+pub mod doors;
 pub mod ebpf;
 pub mod host_addrs;
 pub mod masquerade;
@@ -242,6 +243,12 @@ pub trait Dataplane: Send {
     /// After the initial sync: forget map entries and detach programs of `cali*` interfaces
     /// that are not in `known` (host ifnames).
     fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError>;
+    /// The other nodes (route distribution's view, whenever it changes): pods may not reach
+    /// the agents' ports on their addresses either ([`doors`]). Until it is called only this
+    /// node's own addresses are closed.
+    fn set_peer_nodes(&mut self, _peers: &doors::PeerNodes) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// A config reload (SIGHUP): what may change while running. The XDP deny list and failsafe
     /// ports, the SNAT exclusions, and the host's nftables tables (kernel mode's masquerade
     /// and anti-spoofing, eBPF mode's stack masquerade).
@@ -291,19 +298,25 @@ pub struct Reload {
 }
 
 /// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding. It owns
-/// two nftables tables: the natOutgoing masquerade and the pods' anti-spoofing.
+/// three nftables tables: the natOutgoing masquerade, the pods' anti-spoofing, and the doors
+/// (pods do not reach the agents' ports).
 pub struct KernelDataplane {
     /// The masquerade's settings, from the start or the last reload (for repairs).
     nat: nat::NatSettings,
-    /// Both tables as the kernel held them after the agent wrote them.
+    doors: doors::DoorPolicy,
+    /// The other nodes, as last told ([`Dataplane::set_peer_nodes`]).
+    peers: doors::PeerNodes,
+    /// The tables as the kernel held them after the agent wrote them.
     tables: Vec<nft::OwnedTable>,
 }
 
 impl KernelDataplane {
     /// Installs (or replaces, atomically) the kernel mode's nftables tables.
-    pub fn start(nat: &nat::NatSettings) -> Result<Self, DataplaneError> {
+    pub fn start(nat: &nat::NatSettings, doors: doors::DoorPolicy) -> Result<Self, DataplaneError> {
         let mut dp = Self {
             nat: nat.clone(),
+            doors,
+            peers: doors::PeerNodes::default(),
             tables: Vec::new(),
         };
         dp.apply()?;
@@ -311,12 +324,22 @@ impl KernelDataplane {
     }
 
     fn apply(&mut self) -> Result<(), DataplaneError> {
+        // Recorded as written so far: a later failure leaves what was written repairable.
+        self.tables.clear();
         antispoof::apply()?;
+        self.tables
+            .push(nft::OwnedTable::record("inet", antispoof::TABLE)?);
         masquerade::apply(&self.nat)?;
-        self.tables = vec![
-            nft::OwnedTable::record("inet", antispoof::TABLE)?,
-            nft::OwnedTable::record("ip", masquerade::TABLE)?,
-        ];
+        self.tables
+            .push(nft::OwnedTable::record("ip", masquerade::TABLE)?);
+        self.apply_doors()
+    }
+
+    fn apply_doors(&mut self) -> Result<(), DataplaneError> {
+        self.tables.retain(|t| !t.is("inet", doors::TABLE));
+        doors::apply(&doors::Doors::of(&self.doors, &self.peers))?;
+        self.tables
+            .push(nft::OwnedTable::record("inet", doors::TABLE)?);
         Ok(())
     }
 }
@@ -358,6 +381,9 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     }
     if let Err(e) = antispoof::remove() {
         tracing::warn!(error = %e, "cannot remove the kernel-mode anti-spoofing table");
+    }
+    if let Err(e) = doors::remove() {
+        tracing::warn!(error = %e, "cannot remove the doors table");
     }
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {
@@ -418,6 +444,13 @@ impl Dataplane for KernelDataplane {
     }
     fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
         Ok(())
+    }
+    fn set_peer_nodes(&mut self, peers: &doors::PeerNodes) -> Result<(), DataplaneError> {
+        if *peers == self.peers {
+            return Ok(());
+        }
+        self.peers = peers.clone();
+        self.apply_doors()
     }
     fn reload(&mut self, r: &Reload) -> Result<(), DataplaneError> {
         self.nat = r.nat.clone();

@@ -1,5 +1,5 @@
 //! `nft -f -`: how the agent installs its nftables tables (kernel mode's masquerade and
-//! anti-spoofing, eBPF mode's stack masquerade). A leaf.
+//! anti-spoofing, eBPF mode's stack masquerade, both modes' doors). A leaf.
 use std::io::Write;
 use std::process::{Command, Stdio};
 
@@ -76,6 +76,11 @@ impl OwnedTable {
             name,
             want: list_table(family, name)?,
         })
+    }
+
+    /// Whether this is table `family name`.
+    pub(super) fn is(&self, family: &str, name: &str) -> bool {
+        self.family == family && self.name == name
     }
 
     /// How the table differs from what the agent left; `None` when it does not.

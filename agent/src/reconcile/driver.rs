@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use tokio::sync::oneshot;
 
 use super::{Backoff, Health, Reconciler};
+use crate::dataplane::doors::PeerNodes;
 use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec, Reload};
 
 /// What the reconciler reports about the endpoints.
@@ -53,6 +54,8 @@ enum Command {
     /// Route distribution's desired routes to other nodes' pods (the whole set), and whether
     /// it is complete.
     RemoteRoutes(Vec<super::remote::RemoteRoute>, bool, oneshot::Sender<()>),
+    /// The other nodes, for the doors ([`Dataplane::set_peer_nodes`]).
+    PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
     Release(oneshot::Sender<()>),
 }
@@ -197,6 +200,14 @@ impl Driver {
             .await
     }
 
+    /// The other nodes as route distribution knows them: pods may not reach the agents'
+    /// ports on their addresses ([`Dataplane::set_peer_nodes`]).
+    pub async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), DataplaneError> {
+        self.ask(|tx| Command::PeerNodes(peers, tx))
+            .await
+            .map_err(gone)?
+    }
+
     pub async fn snapshot(&self) -> Result<Snapshot, DriverError> {
         self.ask(Command::Snapshot).await
     }
@@ -267,6 +278,9 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             Some(Command::RemoteRoutes(routes, complete, reply)) => {
                 r.set_remote_routes(routes, complete);
                 let _ = reply.send(());
+            }
+            Some(Command::PeerNodes(peers, reply)) => {
+                let _ = reply.send(r.dataplane().set_peer_nodes(&peers));
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

@@ -4,6 +4,7 @@
 //! again with backoff (100 ms doubling to 5 s, jittered; from the start after a stream that
 //! delivered a snapshot).
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -13,11 +14,12 @@ use calix_proto::v1 as pb;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::ClientConfig;
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::sync::mpsc;
 use tonic::body::Body;
 use tonic::codec::Codec;
 
+use super::advertise::NextHops;
 use super::conn::Conn;
 use super::engine::PeerEvent;
 use super::peers::Target;
@@ -32,6 +34,10 @@ pub struct Dialer {
     /// `None`: plain text.
     pub tls: Option<Arc<ClientConfig>>,
     pub connect_timeout: Duration,
+    /// Where it dials from: this node's address of the endpoint's family, which its node
+    /// record (or Node object) carries — a peer's door refuses sources it does not know.
+    /// None for a family: the kernel picks.
+    pub source: NextHops,
 }
 
 /// What a follower tells the engine.
@@ -217,7 +223,7 @@ pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<Peer
         .parse()
         .map_err(|e| format!("bad endpoint {endpoint:?}: {e}"))?;
     let dial = async {
-        let tcp = TcpStream::connect(endpoint)
+        let tcp = dial_from(endpoint, &dialer.source)
             .await
             .map_err(|e| error_text(&e))?;
         tcp.set_nodelay(true).map_err(|e| error_text(&e))?;
@@ -251,6 +257,28 @@ pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<Peer
         }
     });
     Ok(PeerChannel { send, authority })
+}
+
+/// TCP to `endpoint` from `source`'s address of its family (when there is one; if that
+/// address cannot be bound, from what the kernel picks).
+async fn dial_from(endpoint: &str, source: &NextHops) -> std::io::Result<TcpStream> {
+    let Ok(to) = endpoint.parse::<SocketAddr>() else {
+        return TcpStream::connect(endpoint).await;
+    };
+    let from = if to.is_ipv4() { source.v4 } else { source.v6 };
+    let Some(from) = from.filter(|a| a.is_ipv4() == to.is_ipv4()) else {
+        return TcpStream::connect(to).await;
+    };
+    let sock = if to.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if let Err(e) = sock.bind(SocketAddr::new(from, 0)) {
+        tracing::debug!(%from, error = %e, "routes: cannot dial from this node's address; letting the kernel pick");
+        return TcpStream::connect(to).await;
+    }
+    sock.connect(to).await
 }
 
 /// An error with its sources, as one line.

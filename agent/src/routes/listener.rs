@@ -1,9 +1,13 @@
-//! The TCP door of `calix.v1.Routes`, the only service served on TCP. Like the HTTP door
+//! The TCP door of `calix.v1.Routes`, the only service served on TCP. Only the nodes get in:
+//! a connection whose source is no address of a known node (the node records, or the
+//! Kubernetes Node objects, route distribution follows: [`Known`]) is closed at once, before
+//! it takes a slot or a handshake, and counted (`refused_unknown`). Like the HTTP door
 //! ([`crate::metrics`]) nothing a connecting party does can cost the agent more than its
-//! limits: a cap on connections (and per remote address), on TLS handshakes in progress and
-//! their duration, on streams per connection, TCP and HTTP/2 keepalives that drop dead peers,
-//! backoff when accept fails. A handshake that fails (no certificate, one of another CA,
-//! expired...) is refused, logged with the reason (throttled) and counted.
+//! limits: a cap on connections (and per remote address, so one node's flood leaves the
+//! others their slots), on TLS handshakes in progress and their duration, on streams per
+//! connection, TCP and HTTP/2 keepalives that drop dead peers, backoff when accept fails. A
+//! handshake that fails (no certificate, one of another CA, expired...) is refused, logged
+//! with the reason (throttled) and counted.
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,7 +22,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::conn::{Accepted, Conn, PeerInfo};
-use super::server::RoutesSvc;
+use super::server::{Known, RoutesSvc};
 
 /// Limits of the Routes door.
 #[derive(Debug, Clone, Copy)]
@@ -59,6 +63,7 @@ impl Default for Limits {
 #[derive(Default)]
 pub struct DoorStats {
     accepted: AtomicU64,
+    refused_unknown: AtomicU64,
     refused_busy: AtomicU64,
     refused_tls: AtomicU64,
     refused_identity: AtomicU64,
@@ -69,6 +74,9 @@ pub struct DoorStats {
 pub struct DoorCounts {
     /// Connections that passed the handshake.
     pub accepted: u64,
+    /// Closed at once, before TLS: the source is no address of a known node.
+    #[serde(default)]
+    pub refused_unknown: u64,
     /// Closed at once: too many connections (in total, from one address, or handshaking).
     pub refused_busy: u64,
     /// TLS handshakes that failed or timed out (missing, untrusted or bad certificates).
@@ -85,6 +93,7 @@ impl DoorStats {
     pub fn counts(&self) -> DoorCounts {
         DoorCounts {
             accepted: self.accepted.load(Ordering::Relaxed),
+            refused_unknown: self.refused_unknown.load(Ordering::Relaxed),
             refused_busy: self.refused_busy.load(Ordering::Relaxed),
             refused_tls: self.refused_tls.load(Ordering::Relaxed),
             refused_identity: self.refused_identity.load(Ordering::Relaxed),
@@ -146,19 +155,33 @@ impl Drop for Slot {
     }
 }
 
-/// Serves the Routes service on `listener` until `shutdown` turns true (after which the
-/// service ends every stream); `tls` none is plain text.
+/// Serves the Routes service on `listeners` (this node's addresses: one per family) until
+/// `shutdown` turns true (after which the service ends every stream); `tls` none is plain
+/// text. The listeners share one set of caps.
 pub async fn serve(
-    listener: TcpListener,
+    listeners: Vec<TcpListener>,
     tls: Option<Arc<ServerConfig>>,
     svc: RoutesSvc,
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let (tx, rx) = mpsc::channel::<Result<Accepted, std::io::Error>>(16);
-    let stats = svc.stats.clone();
-    let throttle = svc.throttle.clone();
-    let accept = tokio::spawn(accept_loop(listener, tls, limits, tx, stats, throttle));
+    let door = Arc::new(Door {
+        tls,
+        limits,
+        tx,
+        stats: svc.stats.clone(),
+        throttle: svc.throttle.clone(),
+        known: svc.known.clone(),
+        slots: Arc::new(Semaphore::new(limits.max_connections)),
+        handshakes: Arc::new(Semaphore::new(limits.max_handshakes)),
+        per: Arc::new(PerAddress::default()),
+    });
+    let accepts: Vec<_> = listeners
+        .into_iter()
+        .map(|l| tokio::spawn(accept_loop(l, door.clone())))
+        .collect();
+    drop(door);
     let signal = async move {
         while !*shutdown.borrow() {
             if shutdown.changed().await.is_err() {
@@ -173,24 +196,33 @@ pub async fn serve(
         .add_service(pb::routes_server::RoutesServer::new(svc))
         .serve_with_incoming_shutdown(ReceiverStream::new(rx), signal)
         .await;
-    accept.abort();
+    for a in accepts {
+        a.abort();
+    }
     served
 }
 
-/// First pause after a failed accept (EMFILE...); doubles up to a second.
-const FIRST_ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
-
-async fn accept_loop(
-    listener: TcpListener,
+/// What every accept loop of the door shares: the caps, the counters, who is known.
+struct Door {
     tls: Option<Arc<ServerConfig>>,
     limits: Limits,
     tx: mpsc::Sender<Result<Accepted, std::io::Error>>,
     stats: Arc<DoorStats>,
     throttle: Arc<Throttle>,
-) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let handshakes = Arc::new(Semaphore::new(limits.max_handshakes));
-    let per = Arc::new(PerAddress::default());
+    known: Arc<Known>,
+    slots: Arc<Semaphore>,
+    handshakes: Arc<Semaphore>,
+    per: Arc<PerAddress>,
+}
+
+/// First pause after a failed accept (EMFILE...); doubles up to a second.
+const FIRST_ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
+async fn accept_loop(listener: TcpListener, door: Arc<Door>) {
+    // Until the nodes are known every source would be refused: peers that dial meanwhile
+    // wait in the backlog.
+    door.known.listed().await;
+    let limits = door.limits;
     let mut backoff = FIRST_ACCEPT_BACKOFF;
     loop {
         let (sock, remote) = match listener.accept().await {
@@ -205,23 +237,38 @@ async fn accept_loop(
                 continue;
             }
         };
-        let Some((slot, handshake)) = admit(&slots, &handshakes, &per, remote.ip(), &limits) else {
-            stats.refused_busy.fetch_add(1, Ordering::Relaxed);
-            if throttle.allow() {
+        let source = remote.ip().to_canonical();
+        // Before any slot, any handshake: only the nodes' own addresses get further. A pod
+        // on some node, a scanner, anything else is closed at once (a reset: nothing lingers).
+        if !door.known.has_address(source) {
+            door.stats.refused_unknown.fetch_add(1, Ordering::Relaxed);
+            let _ = sock.set_zero_linger();
+            if door.throttle.allow() {
+                tracing::warn!(%remote, "routes: refused a connection before TLS: the source is no address of a known node");
+            }
+            continue;
+        }
+        let Some((slot, handshake)) =
+            admit(&door.slots, &door.handshakes, &door.per, source, &limits)
+        else {
+            door.stats.refused_busy.fetch_add(1, Ordering::Relaxed);
+            if door.throttle.allow() {
                 tracing::warn!(%remote, "routes: refused a connection: too many open");
             }
             continue;
         };
         keepalive(&sock, limits.tcp_keepalive);
         let _ = sock.set_nodelay(true);
-        let (tls, tx, stats, throttle) = (tls.clone(), tx.clone(), stats.clone(), throttle.clone());
+        let door = door.clone();
         tokio::spawn(async move {
-            let conn = handshake_with(sock, remote, tls, limits.handshake_timeout).await;
+            let conn =
+                handshake_with(sock, remote, door.tls.clone(), limits.handshake_timeout).await;
             drop(handshake);
             match conn {
                 Ok((conn, cert)) => {
-                    stats.accepted.fetch_add(1, Ordering::Relaxed);
-                    let _ = tx
+                    door.stats.accepted.fetch_add(1, Ordering::Relaxed);
+                    let _ = door
+                        .tx
                         .send(Ok(Accepted {
                             conn,
                             peer: PeerInfo { remote, cert },
@@ -230,8 +277,8 @@ async fn accept_loop(
                         .await;
                 }
                 Err(reason) => {
-                    stats.refused_tls.fetch_add(1, Ordering::Relaxed);
-                    if throttle.allow() {
+                    door.stats.refused_tls.fetch_add(1, Ordering::Relaxed);
+                    if door.throttle.allow() {
                         tracing::warn!(%remote, %reason, "routes: refused a connection: TLS handshake failed");
                     }
                 }
@@ -302,6 +349,26 @@ async fn handshake_with(
             Ok((Conn::Tls(Box::new(s)), cert))
         }
     }
+}
+
+/// The backlog of a Routes listener: peers that dial while the agent starts wait in it.
+const BACKLOG: u32 = 1024;
+
+/// A Routes listener on `addr`, bound with `IP_FREEBIND`: an address the node does not have
+/// yet (DHCP, an interface that comes up after the agent) binds now and is served from the
+/// moment it appears.
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let sock = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    // IP_FREEBIND is honoured by IPv6 sockets too (the kernel keeps one flag for both).
+    setsockopt(&sock, sockopt::IpFreebind, &true).map_err(std::io::Error::from)?;
+    sock.bind(addr)?;
+    sock.listen(BACKLOG)
 }
 
 /// TCP keepalive on an accepted socket: a peer that vanished without a FIN (power loss, a

@@ -3,7 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use super::advertise::NextHops;
-use crate::config::RoutesConfig;
+use crate::config::{ListenOn, RoutesConfig};
 
 /// The next hops: `routes.node_addresses` (the first of each family); else the first global
 /// address of each family on the first uplink; else the first of each family the node record
@@ -80,15 +80,25 @@ pub fn subnets() -> Vec<ipnet::IpNet> {
 
 /// Where peers reach this node's Routes service: the listen address when it is a specific
 /// one, else this node's IPv4 next hop (IPv6 without one) with the listen port.
-pub fn endpoint(listen: &str, hops: &NextHops) -> Option<String> {
-    if let Ok(sa) = listen.parse::<SocketAddr>() {
+pub fn endpoint(listen: ListenOn, hops: &NextHops) -> Option<String> {
+    if let ListenOn::Address(sa) = listen {
         if !sa.ip().is_unspecified() {
             return Some(sa.to_string());
         }
     }
-    let port = listen.rsplit_once(':')?.1.parse::<u16>().ok()?;
     let ip = hops.v4.or(hops.v6)?;
-    Some(SocketAddr::new(ip, port).to_string())
+    Some(SocketAddr::new(ip, listen.port()).to_string())
+}
+
+/// What the Routes service binds: this node's next hops (one per family) with the port, or
+/// the one address `listen` names.
+pub fn bind_addresses(listen: ListenOn, hops: &NextHops) -> Vec<SocketAddr> {
+    match listen {
+        ListenOn::NodeAddresses { port } => {
+            hops.all().map(|ip| SocketAddr::new(ip, port)).collect()
+        }
+        ListenOn::Address(sa) => vec![sa],
+    }
 }
 
 #[cfg(test)]
@@ -127,6 +137,15 @@ mod tests {
         );
     }
 
+    fn on(listen: &str) -> ListenOn {
+        RoutesConfig {
+            listen: listen.into(),
+            ..RoutesConfig::default()
+        }
+        .listen_on()
+        .expect("valid listen")
+    }
+
     #[test]
     fn the_endpoint_peers_dial() {
         let h = NextHops {
@@ -134,22 +153,53 @@ mod tests {
             v6: Some("fd31:1::1".parse().expect("ip")),
         };
         assert_eq!(
-            endpoint("0.0.0.0:5474", &h).as_deref(),
+            endpoint(on(":5474"), &h).as_deref(),
             Some("172.31.1.1:5474")
         );
         assert_eq!(
-            endpoint("[::]:5474", &h).as_deref(),
+            endpoint(on("0.0.0.0:5474"), &h).as_deref(),
             Some("172.31.1.1:5474")
         );
         assert_eq!(
-            endpoint("192.0.2.3:6000", &h).as_deref(),
+            endpoint(on("[::]:5474"), &h).as_deref(),
+            Some("172.31.1.1:5474")
+        );
+        assert_eq!(
+            endpoint(on("192.0.2.3:6000"), &h).as_deref(),
             Some("192.0.2.3:6000")
         );
         let v6 = NextHops { v4: None, ..h };
         assert_eq!(
-            endpoint("0.0.0.0:5474", &v6).as_deref(),
+            endpoint(on(":5474"), &v6).as_deref(),
             Some("[fd31:1::1]:5474")
         );
-        assert_eq!(endpoint("0.0.0.0:5474", &NextHops::default()), None);
+        assert_eq!(endpoint(on(":5474"), &NextHops::default()), None);
+    }
+
+    #[test]
+    fn the_door_binds_the_next_hops_unless_told_otherwise() {
+        let h = NextHops {
+            v4: Some("172.31.1.1".parse().expect("ip")),
+            v6: Some("fd31:1::1".parse().expect("ip")),
+        };
+        let addrs = |v: &[&str]| -> Vec<SocketAddr> {
+            v.iter().map(|a| a.parse().expect("addr")).collect()
+        };
+        assert_eq!(
+            bind_addresses(on(":5474"), &h),
+            addrs(&["172.31.1.1:5474", "[fd31:1::1]:5474"]),
+            "both families"
+        );
+        let v4 = NextHops { v6: None, ..h };
+        assert_eq!(
+            bind_addresses(on(":6000"), &v4),
+            addrs(&["172.31.1.1:6000"])
+        );
+        assert_eq!(
+            bind_addresses(on("0.0.0.0:5474"), &h),
+            addrs(&["0.0.0.0:5474"]),
+            "an explicit address is kept"
+        );
+        assert!(bind_addresses(on(":5474"), &NextHops::default()).is_empty());
     }
 }

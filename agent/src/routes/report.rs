@@ -332,8 +332,8 @@ pub fn metrics(r: &Counts) -> String {
     let d = &r.door;
     let _ = writeln!(
         out,
-        "# HELP calix_route_connections_refused_total Connections to the Routes port refused, by cause (busy: caps; tls: handshake; identity: certificate or node).\n# TYPE calix_route_connections_refused_total counter\ncalix_route_connections_refused_total{{cause=\"busy\"}} {}\ncalix_route_connections_refused_total{{cause=\"tls\"}} {}\ncalix_route_connections_refused_total{{cause=\"identity\"}} {}",
-        d.refused_busy, d.refused_tls, d.refused_identity
+        "# HELP calix_route_connections_refused_total Connections to the Routes port refused, by cause (unknown: the source is no known node's address, before TLS; busy: caps; tls: handshake; identity: certificate or node).\n# TYPE calix_route_connections_refused_total counter\ncalix_route_connections_refused_total{{cause=\"unknown\"}} {}\ncalix_route_connections_refused_total{{cause=\"busy\"}} {}\ncalix_route_connections_refused_total{{cause=\"tls\"}} {}\ncalix_route_connections_refused_total{{cause=\"identity\"}} {}",
+        d.refused_unknown, d.refused_busy, d.refused_tls, d.refused_identity
     );
     out
 }

@@ -7,6 +7,7 @@
 //! stream ends with `UNAVAILABLE`, so peers know at once (and keep the routes for their grace
 //! period).
 use std::collections::HashSet;
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, RwLock};
 
@@ -31,27 +32,63 @@ pub struct Feeds {
     pub reflector: bool,
 }
 
-/// The node names the datastore records (who may watch), kept current by the routes task.
+/// The nodes the datastore records, kept current by the routes task: their names (who may
+/// watch) and their addresses (who may connect at all: the door refuses any other source
+/// before TLS, see [`super::listener`]).
+pub struct Known {
+    nodes: RwLock<KnownNodes>,
+    /// Turns true at the first [`Known::set`]: until then the door accepts nobody (peers
+    /// wait in the backlog), since every source would look unknown.
+    listed: watch::Sender<bool>,
+}
+
 #[derive(Default)]
-pub struct Known(RwLock<HashSet<String>>);
+struct KnownNodes {
+    names: HashSet<String>,
+    addresses: HashSet<IpAddr>,
+}
+
+impl Default for Known {
+    fn default() -> Self {
+        Self {
+            nodes: RwLock::default(),
+            listed: watch::Sender::new(false),
+        }
+    }
+}
 
 impl Known {
-    pub fn set(&self, names: HashSet<String>) {
-        *self.0.write().unwrap_or_else(|p| p.into_inner()) = names;
+    /// Replaces the nodes: their names and every address they are recorded with.
+    pub fn set(&self, names: HashSet<String>, addresses: HashSet<IpAddr>) {
+        let addresses = addresses.into_iter().map(|a| a.to_canonical()).collect();
+        *self.nodes.write().unwrap_or_else(|p| p.into_inner()) = KnownNodes { names, addresses };
+        self.listed.send_replace(true);
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.0
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(name)
+        self.read().names.contains(name)
+    }
+
+    /// Whether `addr` is an address of a known node (an IPv4-mapped IPv6 address as its IPv4
+    /// address).
+    pub fn has_address(&self, addr: IpAddr) -> bool {
+        self.read().addresses.contains(&addr.to_canonical())
+    }
+
+    /// Returns once the nodes have been set at least once.
+    pub async fn listed(&self) {
+        let mut rx = self.listed.subscribe();
+        let _ = rx.wait_for(|l| *l).await;
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, KnownNodes> {
+        self.nodes.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// A node whose name `cert` carries, for the log.
     fn named_in(&self, cert: &rustls::pki_types::CertificateDer<'_>) -> Option<String> {
-        self.0
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
+        self.read()
+            .names
             .iter()
             .find(|n| cert_is_for(cert, n))
             .cloned()

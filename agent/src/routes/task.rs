@@ -26,11 +26,13 @@ use super::tls::TlsMaterial;
 use super::view::Part;
 use super::RoutesError;
 use crate::config::{AgentConfig, RoutesConfig, VxlanMode};
+use crate::dataplane::doors::PeerNodes;
 use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
 use crate::reconcile::driver::Driver;
 use crate::reconcile::remote::RemoteRoute;
 
-/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests.
+/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
+/// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
 #[tonic::async_trait]
 pub trait RouteSink: Send + Sync + 'static {
     async fn set_remote_routes(
@@ -38,6 +40,8 @@ pub trait RouteSink: Send + Sync + 'static {
         routes: Vec<RemoteRoute>,
         complete: bool,
     ) -> Result<(), String>;
+
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String>;
 }
 
 #[tonic::async_trait]
@@ -50,6 +54,12 @@ impl RouteSink for Driver {
         Driver::set_remote_routes(self, routes, complete)
             .await
             .map_err(|e| e.to_string())
+    }
+
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String> {
+        Driver::set_peer_nodes(self, peers)
+            .await
+            .map_err(|e| crate::dataplane::error_chain(&e))
     }
 }
 
@@ -66,9 +76,9 @@ pub struct Start {
     pub subnets: Vec<IpNet>,
     /// `None`: plain text (`routes.plaintext`).
     pub tls: Option<TlsMaterial>,
-    /// The Routes port, bound before this node's record announces it (peers that dial early
-    /// wait in its backlog instead of being refused).
-    pub listener: tokio::net::TcpListener,
+    /// The Routes port on each address it listens on, bound before this node's record
+    /// announces it (peers that dial early wait in its backlog instead of being refused).
+    pub listeners: Vec<tokio::net::TcpListener>,
     /// Where the peers come from.
     pub nodes: NodeSource,
 }
@@ -118,8 +128,14 @@ impl Start {
     pub async fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
         let next_hops =
             super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
-        let endpoint =
-            super::local::endpoint(&cfg.routes.listen, &next_hops).ok_or(RoutesError::NoAddress)?;
+        let listen = cfg.routes.listen_on().ok_or_else(|| RoutesError::Listen {
+            addr: cfg.routes.listen.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not :port or address:port",
+            ),
+        })?;
+        let endpoint = super::local::endpoint(listen, &next_hops).ok_or(RoutesError::NoAddress)?;
         let tls = if cfg.routes.plaintext {
             None
         } else {
@@ -130,27 +146,17 @@ impl Start {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
             routes.reflector = false;
         }
-        let listener = tokio::net::TcpListener::bind(&routes.listen)
-            .await
-            .map_err(|source| RoutesError::Listen {
-                addr: routes.listen.clone(),
-                source,
-            })?;
+        let listeners = bind_all(&super::local::bind_addresses(listen, &next_hops))?;
         let nodes = if cfg.datastore.is_kubernetes() {
-            let port = routes
-                .listen
-                .rsplit_once(':')
-                .and_then(|(_, p)| p.parse().ok())
-                .unwrap_or(crate::config::ROUTES_PORT);
             NodeSource::KubeNodes(crate::k8s::peers::Peering {
-                port,
+                port: listen.port(),
                 reflector_label: routes.reflector_label.clone(),
             })
         } else {
             NodeSource::Records
         };
         Ok(Self {
-            listener,
+            listeners,
             nodes,
             me: cfg.node_name.clone(),
             cfg: routes,
@@ -202,8 +208,13 @@ pub async fn start(
             (None, None)
         }
     };
-    let listener = s.listener;
-    tracing::info!(listen = %s.cfg.listen, endpoint = %s.endpoint, tls = server_tls.is_some(),
+    let listeners = s.listeners;
+    let listening: Vec<String> = listeners
+        .iter()
+        .filter_map(|l| l.local_addr().ok())
+        .map(|a| a.to_string())
+        .collect();
+    tracing::info!(listen = ?listening, endpoint = %s.endpoint, tls = server_tls.is_some(),
         topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
     let (shutdown, shutdown_rx) = watch::channel(false);
     let feeds = Arc::new(Feeds {
@@ -222,7 +233,7 @@ pub async fn start(
     };
     let server = tokio::spawn(async move {
         if let Err(e) =
-            listener::serve(listener, server_tls, svc, Limits::default(), shutdown_rx).await
+            listener::serve(listeners, server_tls, svc, Limits::default(), shutdown_rx).await
         {
             tracing::error!(error = %e, "routes: the Routes server failed");
         }
@@ -242,7 +253,9 @@ pub async fn start(
     ));
     let handed: Handed = Arc::default();
     let (desired_tx, desired_rx) = watch::channel(None);
-    tokio::spawn(hand_over(sink, desired_rx, handed.clone()));
+    let (peers_tx, peers_rx) = watch::channel(None);
+    tokio::spawn(hand_over(sink.clone(), desired_rx, handed.clone()));
+    tokio::spawn(hand_peers(sink, peers_rx));
     let (requests, req_rx) = mpsc::channel(8);
     let (peer_tx, peer_rx) = mpsc::channel(1024);
     let engine = Engine::new(Settings {
@@ -262,12 +275,14 @@ pub async fn start(
         handed,
         desired_tx,
         last_desired: None,
+        peers_tx,
         clients: HashMap::new(),
         next_id: 0,
         dialer: Arc::new(Dialer {
             me: s.me,
             tls: client_tls,
             connect_timeout: Duration::from_secs(3),
+            source: s.next_hops,
         }),
         peer_tx,
         endpoint: s.endpoint,
@@ -330,6 +345,8 @@ struct Loop {
     handed: Handed,
     desired_tx: watch::Sender<Option<(Desired, bool)>>,
     last_desired: Option<(Desired, bool)>,
+    /// The other nodes, for the dataplane's doors (latest wins).
+    peers_tx: watch::Sender<Option<PeerNodes>>,
     /// Peer → (what it follows, follower id, task).
     clients: HashMap<String, (Target, u64, JoinHandle<()>)>,
     next_id: u64,
@@ -421,13 +438,20 @@ impl Loop {
         if self.feeds.reflector && out.complete {
             self.feeds.relay.publish(&out.relay, now);
         }
-        self.known.set(
-            self.engine
-                .view()
-                .nodes()
-                .map(|n| n.record.name.clone())
-                .collect::<HashSet<_>>(),
-        );
+        let nodes = self.engine.view().nodes();
+        let (names, addresses): (HashSet<_>, Vec<_>) = nodes
+            .map(|n| (n.record.name.clone(), n.addresses.iter().copied()))
+            .unzip();
+        self.known
+            .set(names, addresses.into_iter().flatten().collect());
+        let peers = peer_nodes(self.engine.view(), &self.dialer.me);
+        self.peers_tx.send_if_modified(|cur| {
+            let changed = cur.as_ref() != Some(&peers);
+            if changed {
+                *cur = Some(peers);
+            }
+            changed
+        });
         // Followers: one per wanted peer, replaced when its endpoint or role changes.
         self.clients.retain(|name, (_, _, task)| {
             let keep = out.peers.contains_key(name);
@@ -495,6 +519,42 @@ impl Loop {
 
     fn counts(&self) -> report::Counts {
         report::counts(&self.engine, &self.context())
+    }
+}
+
+/// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
+fn peer_nodes(view: &super::view::View, me: &str) -> PeerNodes {
+    let mut out = PeerNodes::default();
+    for n in view.nodes().filter(|n| n.record.name != me) {
+        out.addresses.extend(n.addresses.iter().copied());
+        if let Ok(sa) = n.record.routes_endpoint.parse::<std::net::SocketAddr>() {
+            out.routes_ports.insert(sa.port());
+        }
+    }
+    out
+}
+
+/// Hands each new set of other nodes to the dataplane; a failure is retried every second
+/// with the latest set.
+async fn hand_peers(sink: Arc<dyn RouteSink>, mut rx: watch::Receiver<Option<PeerNodes>>) {
+    loop {
+        let Some(peers) = rx.borrow_and_update().clone() else {
+            if rx.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        match sink.set_peer_nodes(peers).await {
+            Ok(()) => {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "routes: the dataplane did not take the other nodes' addresses (doors); retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
     }
 }
 
@@ -593,6 +653,26 @@ async fn watch_part(
     }
 }
 
+/// Binds the Routes port on each of `addrs` ([`listener::bind`]). An address the node does
+/// not have (yet) is bound all the same and warned about: peers reach it once it is there.
+fn bind_all(addrs: &[std::net::SocketAddr]) -> Result<Vec<tokio::net::TcpListener>, RoutesError> {
+    let own = crate::dataplane::host_addrs::own_addresses().unwrap_or_default();
+    let mut out = Vec::new();
+    for a in addrs {
+        let l = listener::bind(*a).map_err(|source| RoutesError::Listen {
+            addr: a.to_string(),
+            source,
+        })?;
+        if a.ip().is_unspecified() {
+            tracing::info!(listen = %a, "routes: the Routes port listens on every address of this node (routes.listen); sources other than the nodes are refused before TLS");
+        } else if !own.contains(&a.ip()) {
+            tracing::warn!(listen = %a, "routes: this address is not (yet) one of this node's: peers reach the Routes port once it is");
+        }
+        out.push(l);
+    }
+    Ok(out)
+}
+
 /// The next hops' addresses, for the node record (which must carry them: peers check a
 /// route's next hop against it).
 pub fn record_addresses(mut recorded: Vec<String>, hops: &NextHops) -> Vec<String> {
@@ -611,4 +691,32 @@ pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
         .first()
         .map(|u| super::local::interface_addresses(u))
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::routes::view::tests::node_kv;
+    use crate::routes::view::View;
+
+    #[test]
+    fn the_other_nodes_are_every_recorded_node_but_this_one() {
+        let mut v = View::default();
+        v.replace(
+            Part::Nodes,
+            &[
+                node_kv("a", &["192.0.2.1", "fd00::1"], false),
+                node_kv("b", &["192.0.2.2", "fd00::2"], false),
+                node_kv("c", &["192.0.2.3"], true),
+            ],
+        );
+        let p = peer_nodes(&v, "a");
+        let want: std::collections::BTreeSet<IpAddr> = ["192.0.2.2", "fd00::2", "192.0.2.3"]
+            .iter()
+            .map(|a| a.parse().expect("ip"))
+            .collect();
+        assert_eq!(p.addresses, want);
+        assert_eq!(p.routes_ports, [5474].into());
+        assert_eq!(peer_nodes(&View::default(), "a"), PeerNodes::default());
+    }
 }

@@ -44,15 +44,23 @@ struct Server {
     stop: watch::Sender<bool>,
 }
 
-/// Node "a"'s Routes server on 127.0.0.1, serving `own`; "b" may watch.
+/// Node "a"'s Routes server on 127.0.0.1, serving `own`; "b" may watch, from 127.0.0.1.
 async fn server(ca: &Ca, limits: Limits) -> Server {
+    server_knowing(ca, limits, &["127.0.0.1"]).await
+}
+
+/// [`server`], the known nodes at `addresses` (every other source is a stranger).
+async fn server_knowing(ca: &Ca, limits: Limits, addresses: &[&str]) -> Server {
     let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
     let addr = sock.local_addr().expect("addr").to_string();
     let own = Arc::new(Feed::default());
     let known = Arc::new(Known::default());
-    known.set(["b".to_string()].into());
+    known.set(
+        ["b".to_string()].into(),
+        addresses.iter().map(|a| a.parse().expect("ip")).collect(),
+    );
     let stats = Arc::new(DoorStats::default());
     let (stop, stop_rx) = watch::channel(false);
     let svc = RoutesSvc {
@@ -67,7 +75,7 @@ async fn server(ca: &Ca, limits: Limits) -> Server {
         throttle: Arc::default(),
     };
     let tls = material(ca, "a").server_config().expect("server");
-    tokio::spawn(listener::serve(sock, Some(tls), svc, limits, stop_rx));
+    tokio::spawn(listener::serve(vec![sock], Some(tls), svc, limits, stop_rx));
     Server {
         addr,
         own,
@@ -96,6 +104,7 @@ async fn a_follower_gets_the_snapshot_then_deltas_over_mutual_tls_and_sees_the_s
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     });
     let target = Target {
         endpoint: s.addr.clone(),
@@ -144,6 +153,7 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     });
     // "c" is expected at a's address: a's certificate does not name c.
     let target = Target {
@@ -206,6 +216,7 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     });
     let target = Target {
         endpoint: s.addr.clone(),
@@ -214,6 +225,91 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
     assert!(matches!(next(&mut rx).await, PeerEvent::Snapshot { .. }));
     follower.abort();
+}
+
+/// Whether the server closed `c` (EOF or a reset; `None`: reset before `connect` returned)
+/// within `wait`.
+async fn closed_within(c: &mut Option<tokio::net::TcpStream>, wait: Duration) -> bool {
+    let Some(c) = c else {
+        return true;
+    };
+    let mut buf = [0u8; 1];
+    matches!(
+        tokio::time::timeout(wait, c.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+/// `n` idle connections to `addr` from `from` (`None`: reset while connecting).
+async fn idle_from(addr: &str, from: &str, n: usize) -> Vec<Option<tokio::net::TcpStream>> {
+    let to: std::net::SocketAddr = addr.parse().expect("addr");
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind(format!("{from}:0").parse().expect("from"))
+            .expect("bind");
+        out.push(match sock.connect(to).await {
+            Ok(c) => Some(c),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+            Err(e) => panic!("connect from {from}: {e}"),
+        });
+    }
+    out
+}
+
+/// Issue 20: a source that is no known node's address never takes a slot of the door (it
+/// is closed before TLS, at once, and counted), and a known node flooding the door holds its
+/// own few slots, not the others'.
+#[tokio::test]
+async fn strangers_are_refused_before_tls_and_one_nodes_flood_leaves_the_others_their_slots() {
+    let ca = Ca::new("test-ca").expect("ca");
+    // Known nodes at 127.0.0.2 (the follower, "b") and 127.0.0.3 (a flooding node); 127.0.0.1
+    // is nobody's.
+    let s = server_knowing(&ca, Limits::default(), &["127.0.0.2", "127.0.0.3"]).await;
+    s.own.publish(&BTreeMap::new(), Instant::now());
+    let mut strangers = idle_from(&s.addr, "127.0.0.1", 64).await;
+    for (i, c) in strangers.iter_mut().enumerate() {
+        assert!(
+            closed_within(c, Duration::from_millis(500)).await,
+            "stranger connection {i} was held (waiting for a TLS handshake): {:?}",
+            s.stats.counts()
+        );
+    }
+    let counts = s.stats.counts();
+    assert_eq!(counts.refused_unknown, 64, "{counts:?}");
+    assert_eq!(
+        (counts.refused_busy, counts.refused_tls),
+        (0, 0),
+        "{counts:?}"
+    );
+    // A known node's flood: it keeps its 8 slots (per address), the rest is closed at once.
+    let _flood = idle_from(&s.addr, "127.0.0.3", 64).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        s.stats.counts().refused_busy,
+        64 - 8,
+        "{:?}",
+        s.stats.counts()
+    );
+    // The other known node still gets in and streams.
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        connect_timeout: Duration::from_secs(3),
+        source: super::advertise::NextHops {
+            v4: Some("127.0.0.2".parse().expect("ip")),
+            v6: None,
+        },
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    assert!(matches!(next(&mut rx).await, PeerEvent::Snapshot { .. }));
+    follower.abort();
+    assert_eq!(s.stats.counts().accepted, 1);
 }
 
 /// A starting agent's feed is empty until its datastore view is listed: a watcher that
@@ -228,6 +324,7 @@ async fn a_watcher_waits_for_the_first_publication_instead_of_an_empty_snapshot(
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     });
     let target = Target {
         endpoint: s.addr.clone(),
@@ -289,6 +386,7 @@ async fn a_snapshot_larger_than_the_window_arrives() {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
     });
     let target = Target {
         endpoint: s.addr.clone(),
@@ -303,4 +401,17 @@ async fn a_snapshot_larger_than_the_window_arrives() {
         other => panic!("{other:?}"),
     }
     follower.abort();
+}
+
+/// The door binds this node's own addresses, and one the node does not have yet (an
+/// interface that comes up later, DHCP) binds too: it is served once the address is there.
+#[tokio::test]
+async fn the_door_binds_an_address_the_node_does_not_have_yet() {
+    for addr in ["192.0.2.77:0", "[2001:db8::77]:0"] {
+        let a: std::net::SocketAddr = addr.parse().expect("addr");
+        let l = listener::bind(a).unwrap_or_else(|e| panic!("bind {addr}: {e}"));
+        let got = l.local_addr().expect("local addr");
+        assert_eq!(got.ip(), a.ip(), "{addr}");
+        assert_ne!(got.port(), 0);
+    }
 }

@@ -138,8 +138,31 @@ pub const MAX_NO_SNAT_CIDRS: u32 = 4096;
 /// Uplinks [`NatConfig`] can name.
 pub const MAX_NAT_UPLINKS: usize = 8;
 
+/// Array of one [`AgentPorts`]: the TCP ports of the calix agents (Routes, metrics) that
+/// pods may not reach on a node's address ([`HOST_V4_MAP`]: this node's, [`PEERS_V4_MAP`]:
+/// the others'). `from_pod` drops such packets (`agent_port`). Written by the agent at start.
+pub const AGENT_PORTS_MAP: &str = "CALIX_AGENT_PORTS";
+/// The most ports [`AgentPorts`] holds.
+pub const MAX_AGENT_PORTS: usize = 8;
+/// Hash map: an IPv4 address of another node of the cluster (`[u8; 4]`) → `u32` (unused), as
+/// route distribution knows the nodes (their records, or Kubernetes' Node objects); kept
+/// current by the agent.
+pub const PEERS_V4_MAP: &str = "CALIX_PEERS_V4";
+/// Hash map: an IPv6 address of another node (`[u8; 16]`) → `u32` (unused).
+pub const PEERS_V6_MAP: &str = "CALIX_PEERS_V6";
+/// Maximum number of other nodes' addresses per family (allocated as used).
+pub const MAX_PEER_ADDRS: u32 = 65_536;
+
+/// The [`AGENT_PORTS_MAP`] value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AgentPorts {
+    /// TCP destination ports, network byte order (as in the packet); 0: an unused slot.
+    pub tcp: [u16; MAX_AGENT_PORTS],
+}
+
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 22] = [
+pub const ALL_MAPS: [&str; 25] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -162,6 +185,9 @@ pub const ALL_MAPS: [&str; 22] = [
     CT_FREED_MAP,
     NAT_CONFIG_MAP,
     NO_SNAT_V4_MAP,
+    AGENT_PORTS_MAP,
+    PEERS_V4_MAP,
+    PEERS_V6_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -419,10 +445,13 @@ pub enum DropReason {
     /// before the other side has sent anything, that does not acknowledge its SYN): a blind
     /// reset. The flow stays as it was.
     ConntrackRstInvalid = 18,
+    /// TCP from a pod to a calix agent's port (Routes, metrics) on a node's address: this
+    /// node's or another's (issue 20). The port is an operator's to open (`[doors]`).
+    AgentPort = 19,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 18] = [
+    pub const ALL: [DropReason; 19] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -441,6 +470,7 @@ impl DropReason {
         DropReason::SpoofedNdTarget,
         DropReason::ConntrackBudget,
         DropReason::ConntrackRstInvalid,
+        DropReason::AgentPort,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -464,6 +494,7 @@ impl DropReason {
             DropReason::SpoofedNdTarget => "spoofed_nd_target",
             DropReason::ConntrackBudget => "conntrack_budget",
             DropReason::ConntrackRstInvalid => "ct_rst_out_of_window",
+            DropReason::AgentPort => "agent_port",
         }
     }
 
@@ -794,7 +825,9 @@ pub const LAYOUTS: [Layout; 3] = [
     },
     // Layout 3: the per-endpoint counters and stack-flow marks in arrays indexed by the
     // endpoint's slot (in `EndpointInfo` and `LocalEndpoint`), overflow marks apart from the
-    // plain ones; the endpoints also in a direct-mapped array by ifindex.
+    // plain ones; the endpoints also in a direct-mapped array by ifindex. Maps added since
+    // (an older build of this layout never opens them, a newer one creates them next to the
+    // pins): the agents' ports and the other nodes' addresses (issue 20).
     Layout {
         version: 3,
         maps: &[
@@ -862,6 +895,9 @@ pub const LAYOUTS: [Layout; 3] = [
                 MAX_NO_SNAT_CIDRS,
                 1,
             ),
+            m(AGENT_PORTS_MAP, BPF_MAP_TYPE_ARRAY, 4, 16, 1, 0),
+            m(PEERS_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_PEER_ADDRS, 1),
+            m(PEERS_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_PEER_ADDRS, 1),
         ],
     },
 ];
@@ -902,6 +938,7 @@ mod pod {
     unsafe impl aya::Pod for super::CtEntry {}
     unsafe impl aya::Pod for super::NatConfig {}
     unsafe impl aya::Pod for super::StackFlow {}
+    unsafe impl aya::Pod for super::AgentPorts {}
 }
 
 #[cfg(test)]
@@ -911,7 +948,7 @@ mod tests {
 
     /// The key and value size of every map of this build, from the shared types: what
     /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-    fn sizes_of_this_build() -> [(&'static str, usize, usize); 22] {
+    fn sizes_of_this_build() -> [(&'static str, usize, usize); 25] {
         let lpm = |addr: usize| 4 + addr;
         [
             (
@@ -948,6 +985,9 @@ mod tests {
             (CT_FREED_MAP, size_of::<u32>(), size_of::<u32>()),
             (NAT_CONFIG_MAP, size_of::<u32>(), size_of::<NatConfig>()),
             (NO_SNAT_V4_MAP, lpm(4), size_of::<u32>()),
+            (AGENT_PORTS_MAP, size_of::<u32>(), size_of::<AgentPorts>()),
+            (PEERS_V4_MAP, 4, size_of::<u32>()),
+            (PEERS_V6_MAP, 16, size_of::<u32>()),
         ]
     }
 
@@ -1015,6 +1055,7 @@ mod tests {
         assert_eq!(size_of::<CtEntry>(), 64);
         assert_eq!(size_of::<NatConfig>(), 88);
         assert_eq!(size_of::<StackFlow>(), 16);
+        assert_eq!(size_of::<AgentPorts>(), 16);
     }
 
     #[test]
@@ -1084,10 +1125,10 @@ mod tests {
         }
         assert_eq!(DropReason::from_u32(0), None);
         // Values are stable: they are keys in the pinned counters map.
-        let values: [u32; 18] = DropReason::ALL.map(|r| r as u32);
+        let values: [u32; 19] = DropReason::ALL.map(|r| r as u32);
         assert_eq!(
             values,
-            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+            [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
         );
     }
 

@@ -9,7 +9,8 @@
 //! (`bpf_redirect_peer`); a pool address on another node goes out via the FIB; anything else
 //! (the node itself, services, the outside world) continues into the host stack — as do the
 //! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
-//! protocols other than TCP, UDP and ICMP echo.
+//! protocols other than TCP, UDP and ICMP echo — or is SNATed out (`natOutgoing`), but never
+//! TCP to a calix agent's port on a node's address (`doors`).
 
 // The bench-floor build uses little of this module.
 #![cfg_attr(feature = "bench-floor", allow(unused_imports, dead_code))]
@@ -18,6 +19,7 @@ use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::
 use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING};
 
 use crate::counters::{self, drop};
+use crate::doors;
 use crate::flows;
 use crate::forward;
 use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
@@ -114,6 +116,10 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
     }
+    // To the stack or SNATed out: never to an agent's port on a node.
+    if doors::v4(ctx, &ip) {
+        return Ok(drop(ctx, ifindex, DropReason::AgentPort));
+    }
     if ep.flags & EP_NAT_OUTGOING != 0 {
         return nat::snat_v4(ctx, ifindex, ep.slot, &ip);
     }
@@ -161,6 +167,9 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);
+    }
+    if doors::v6(ctx, &ip) {
+        return Ok(drop(ctx, ifindex, DropReason::AgentPort));
     }
     Ok(TC_ACT_OK)
 }

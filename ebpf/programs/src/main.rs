@@ -15,6 +15,7 @@
 
 mod conntrack;
 mod counters;
+mod doors;
 mod flows;
 mod forward;
 mod from_pod;

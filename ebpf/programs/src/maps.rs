@@ -9,10 +9,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
 };
 use calix_common::{
-    direct_bucket, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey, EndpointCounters,
-    EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, StackFlow, DEFAULT_CT_ENTRIES,
-    MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS,
-    MAX_NO_SNAT_CIDRS, MAX_POOLS, MAX_STACK_FLOWS,
+    direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
+    EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, StackFlow,
+    DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
+    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POOLS, MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -126,7 +126,27 @@ pub static CALIX_NAT_CFG: Array<NatConfig> = Array::pinned(1, 0);
 pub static CALIX_NO_SNAT_V4: LpmTrie<[u8; 4], u32> =
     LpmTrie::pinned(MAX_NO_SNAT_CIDRS, BPF_F_NO_PREALLOC);
 
+/// The calix agents' TCP ports that pods may not reach on a node's address.
+#[map(name = "CALIX_AGENT_PORTS")]
+pub static CALIX_AGENT_PORTS: Array<AgentPorts> = Array::pinned(1, 0);
+
+/// The other nodes' IPv4 addresses (this node's own are `CALIX_HOST_V4`).
+#[map(name = "CALIX_PEERS_V4")]
+pub static CALIX_PEERS_V4: HashMap<[u8; 4], u32> =
+    HashMap::pinned(MAX_PEER_ADDRS, BPF_F_NO_PREALLOC);
+
+/// The other nodes' IPv6 addresses.
+#[map(name = "CALIX_PEERS_V6")]
+pub static CALIX_PEERS_V6: HashMap<[u8; 16], u32> =
+    HashMap::pinned(MAX_PEER_ADDRS, BPF_F_NO_PREALLOC);
+
 const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
+const _: () = assert!(crate::str_eq(
+    calix_common::AGENT_PORTS_MAP,
+    "CALIX_AGENT_PORTS"
+));
+const _: () = assert!(crate::str_eq(calix_common::PEERS_V4_MAP, "CALIX_PEERS_V4"));
+const _: () = assert!(crate::str_eq(calix_common::PEERS_V6_MAP, "CALIX_PEERS_V6"));
 const _: () = assert!(crate::str_eq(calix_common::CT_OWNED_MAP, "CALIX_CT_OWNED"));
 const _: () = assert!(crate::str_eq(calix_common::CT_FREED_MAP, "CALIX_CT_FREED"));
 const _: () = assert!(crate::str_eq(calix_common::NAT_CONFIG_MAP, "CALIX_NAT_CFG"));

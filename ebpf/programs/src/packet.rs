@@ -91,6 +91,8 @@ pub struct Ipv4 {
     pub ihl: usize,
     /// A fragment (more fragments follow, or not the first): no transport header to read.
     pub fragment: bool,
+    /// A fragment other than the first (offset > 0): it holds no transport header at all.
+    pub later_fragment: bool,
     pub ttl: u8,
     /// The header checksum as in the packet.
     pub csum: [u8; 2],
@@ -124,6 +126,7 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
         tot_len,
         ihl,
         fragment: (b(6) & 0x3f) | b(7) != 0,
+        later_fragment: (b(6) & 0x1f) | b(7) != 0,
         ttl: b(8),
         csum: [b(10), b(11)],
     })

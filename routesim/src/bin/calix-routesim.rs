@@ -50,12 +50,16 @@ struct Args {
     /// The node allowed to watch (the agent under test); repeatable.
     #[arg(long, required = true)]
     known: Vec<String>,
+    /// An address the known nodes connect from (every other source is refused before TLS);
+    /// repeatable.
+    #[arg(long, required = true)]
+    known_address: Vec<IpAddr>,
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
     let ca = Ca::load(&a.ca_dir, &a.ca_name).context("loading the CA")?;
-    let plan = scale(
+    let mut plan = scale(
         &Scale {
             peers: a.peers,
             blocks_per_peer: a.blocks,
@@ -68,6 +72,7 @@ fn main() -> Result<()> {
         },
         a.known,
     )?;
+    plan.known_addresses = a.known_address;
     let creds = Credentials::issue(&ca, &plan)?;
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let (announce_tx, announce_rx) = tokio::sync::oneshot::channel::<()>();

@@ -130,19 +130,21 @@ struct Simulator {
 }
 
 impl Simulator {
-    /// `calix-routesim` in `ns` for `topology`, dialed at `host`, letting `agent` watch.
+    /// `calix-routesim` in `ns` for `topology`, dialed at `host`, letting `agent` watch from
+    /// `agent_address`.
     fn start(
         b: &Bench,
         ns: &Netns,
         etcd: &str,
         host: &str,
         t: Topology,
-        agent: &str,
+        (agent, agent_address): (&str, &str),
     ) -> Result<Self> {
         let ca_dir = b.dir.join("ca");
         let mut cmd = ns.daemon(b.bins.join("calix-routesim"), None)?;
         cmd.args(["--etcd", etcd, "--ca-name", CA_NAME, "--pool", POOL])
             .args(["--first-hop", FIRST_HOP, "--host", host, "--known", agent])
+            .args(["--known-address", agent_address])
             .arg("--ca-dir")
             .arg(&ca_dir)
             .args([
@@ -306,7 +308,7 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
         &c.etcd_url(1),
         &c.address(1),
         t,
-        c.name(0),
+        (c.name(0), &c.address(0)),
     )?;
     r.blocks_ms
         .push(sim.expect("ready", Duration::from_secs(300))?);
