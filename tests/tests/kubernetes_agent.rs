@@ -1153,7 +1153,7 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     api.apply(ippool(&u, "10.74.0.0/16", json!({"calix.dev/test": u})))
         .unwrap_or_else(|e| panic!("{e}"));
     cluster.start();
-    let up = |i: usize| -> Vec<String> {
+    let up = |i: usize| -> std::collections::BTreeSet<String> {
         let nodes = cluster.nodes[i]
             .agent()
             .calixctl_json(&["nodes"])
@@ -1178,16 +1178,16 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     wait_for(
         "node 0 follows node 1, at its InternalIP",
         Duration::from_secs(30),
-        || (up(0) == [peer(1)]).then_some(()),
+        || (up(0) == [peer(1)].into()).then_some(()),
         || format!("{:?}\n{}", up(0), cluster.nodes[0].agent_log()),
     );
     std::thread::sleep(Duration::from_secs(1));
-    assert_eq!(up(0), [peer(1)]);
+    assert_eq!(up(0), [peer(1)].into());
     node(2);
     wait_for(
         "node 0 follows nodes 1 and 2",
         Duration::from_secs(30),
-        || (up(0) == [peer(1), peer(2)]).then_some(()),
+        || (up(0) == [peer(1), peer(2)].into()).then_some(()),
         || format!("{:?}\n{}", up(0), cluster.nodes[0].agent_log()),
     );
     // Pods on each node reach each other: the routes go through the Node objects'
@@ -1214,7 +1214,7 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     wait_for(
         "node 0 stops following node 1",
         Duration::from_secs(30),
-        || (up(0) == [peer(2)]).then_some(()),
+        || (up(0) == [peer(2)].into()).then_some(()),
         || format!("{:?}", up(0)),
     );
     drop(pods);
@@ -1471,7 +1471,7 @@ fn a_custom_reflector_label_reaches_every_agent() {
     api.apply(ippool(&u, "10.76.0.0/16", json!({"calix.dev/test": u})))
         .unwrap_or_else(|e| panic!("{e}"));
     cluster.start();
-    let up = |i: usize| -> Vec<String> {
+    let up = |i: usize| -> std::collections::BTreeSet<String> {
         let nodes = cluster.nodes[i]
             .agent()
             .calixctl_json(&["nodes"])
@@ -1482,14 +1482,15 @@ fn a_custom_reflector_label_reaches_every_agent() {
             .flatten()
             .filter(|p| p["state"] == "up")
             .filter_map(|p| p["name"].as_str().map(String::from))
-            .collect()
+            .collect::<std::collections::BTreeSet<String>>()
     };
     let name = |i: usize| cluster.name(i).to_string();
     for (i, want) in [
-        (0, vec![name(1), name(2)]),
-        (1, vec![name(0)]),
-        (2, vec![name(0)]),
+        (0, [name(1), name(2)].into()),
+        (1, [name(0)].into()),
+        (2, [name(0)].into()),
     ] {
+        let want: std::collections::BTreeSet<String> = want;
         wait_for(
             &format!("node {i} follows {want:?}"),
             Duration::from_secs(30),
