@@ -49,6 +49,9 @@ pub struct KubeApi {
     /// kube-controller-manager and kube-scheduler, once [`KubeApi::start_controllers`] ran.
     controllers: Mutex<Vec<Child>>,
     links: AtomicU32,
+    /// Whether the agents' ServiceAccount and the chart's node authority are installed
+    /// ([`KubeApi::calix_agent`]).
+    pub(crate) agent_account: Mutex<bool>,
 }
 
 /// What a node's token is bound to ([`KubeApi::node_token`]).
@@ -135,6 +138,7 @@ impl KubeApi {
             apiserver: Mutex::new(None),
             controllers: Mutex::new(Vec::new()),
             links: AtomicU32::new(0),
+            agent_account: Mutex::new(false),
         };
         api.write_credentials()?;
         api.start_etcd()?;
