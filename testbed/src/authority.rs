@@ -187,8 +187,14 @@ impl KubeApi {
     /// A token of the agents' ServiceAccount ([`KubeApi::calix_agent`]) for node `node`, bound
     /// to a Pod on it as a DaemonSet pod's is ([`KubeApi::node_token`]).
     pub fn agent_token(&self, node: &str) -> Result<String> {
+        self.agent_token_bound(node, BoundTo::Pod)
+    }
+
+    /// [`KubeApi::agent_token`] bound to `bound`: [`BoundTo::Node`] where a kubelet serves the
+    /// node (it would try to run a pod made for the binding).
+    pub fn agent_token_bound(&self, node: &str, bound: BoundTo) -> Result<String> {
         self.calix_agent()?;
-        self.node_token(AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT, node, BoundTo::Pod)
+        self.node_token(AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT, node, bound)
     }
 
     /// Until a dry-run create of every kind, with a token of the agents' ServiceAccount bound
@@ -238,4 +244,12 @@ impl KubeApi {
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+}
+
+/// The lines of an agent's log that report a write the node authority refused (an agent
+/// writing only its own records has none).
+pub fn refusals(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|l| l.contains("ValidatingAdmissionPolicy"))
+        .collect()
 }

@@ -204,6 +204,24 @@ impl KubeApi {
         Ok(path)
     }
 
+    /// Writes to `path` the kubeconfig `wired` (one [`KubeApi::wire`] wrote, the admin's)
+    /// authenticating with `token` instead: a second identity on a node already wired (its
+    /// kubelet as the admin, its agent as the agents' ServiceAccount).
+    pub fn kubeconfig_as(&self, wired: &Path, token: &str, path: &Path) -> Result<()> {
+        let text = std::fs::read_to_string(wired)
+            .map_err(Error::io(format!("read {}", wired.display())))?;
+        let admin = format!("token: {ADMIN_TOKEN}\n");
+        if !text.contains(&admin) {
+            return Err(Error::Unexpected {
+                what: wired.display().to_string(),
+                found: "another token".into(),
+                expected: "the admin's kubeconfig (KubeApi::wire)".into(),
+            });
+        }
+        std::fs::write(path, text.replace(&admin, &format!("token: {token}\n")))
+            .map_err(Error::io(format!("write {}", path.display())))
+    }
+
     /// Runs `f` with an admin client on a thread where the API server is reachable (inside its
     /// namespace, or here), on a runtime of its own.
     pub fn with_client<T, F, Fut>(&self, f: F) -> T
@@ -348,10 +366,12 @@ impl KubeApi {
     /// A token of ServiceAccount `namespace/name` (made with [`KubeApi::service_account`])
     /// for node `node`, as a node's agent has one: `bound` to a Pod of that ServiceAccount on
     /// the node (what the kubelet asks for a DaemonSet pod's projected token: the Pod
-    /// `<name>-<node>` in `namespace`, `spec.nodeName` the node, made here, never run when no
-    /// kubelet serves the node) or to the Node itself. Either way the API server puts the
-    /// node's name in the user's `extra["authentication.kubernetes.io/node-name"]`, and the
-    /// token stops working when its object is gone. The Node object is made when missing.
+    /// `<name>-<node>` in `namespace`, `spec.nodeName` the node, made here and never run when
+    /// no kubelet serves the node) or to the Node itself (made here when missing). Either way
+    /// the API server puts the node's name in the user's
+    /// `extra["authentication.kubernetes.io/node-name"]` (a pod's token even when its node has
+    /// no Node object: v1.36.2 names the pod's `spec.nodeName`), and the token stops working
+    /// when its Pod or Node is gone (a pod-bound one outlives its Node).
     pub fn node_token(
         &self,
         namespace: &str,
@@ -359,17 +379,19 @@ impl KubeApi {
         node: &str,
         bound: BoundTo,
     ) -> Result<String> {
-        let node_obj = match self.get("v1", "Node", None, node)? {
-            Some(n) => n,
-            None => self.apply(serde_json::json!({
-                "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}
-            }))?,
-        };
         let reference = match bound {
-            BoundTo::Node => serde_json::json!({
-                "kind": "Node", "apiVersion": "v1", "name": node,
-                "uid": node_obj["metadata"]["uid"],
-            }),
+            BoundTo::Node => {
+                let node_obj = match self.get("v1", "Node", None, node)? {
+                    Some(n) => n,
+                    None => self.apply(serde_json::json!({
+                        "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}
+                    }))?,
+                };
+                serde_json::json!({
+                    "kind": "Node", "apiVersion": "v1", "name": node,
+                    "uid": node_obj["metadata"]["uid"],
+                })
+            }
             BoundTo::Pod => {
                 let pod_name = format!("{name}-{node}");
                 let pod = match self.get("v1", "Pod", Some(namespace), &pod_name)? {

@@ -672,6 +672,13 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
             .all(|f| f["node"] != a.as_str() && f["node"] != b.as_str()),
         "{check}"
     );
+    // The agents' own writes (claims, handles, affinities, node records, endpoints): all
+    // admitted.
+    for n in &cluster.nodes {
+        let log = n.agent_log();
+        let refused = calix_testbed::authority::refusals(&log);
+        assert!(refused.is_empty(), "{}", refused.join("\n"));
+    }
     drop((pa, pb));
     for n in [&a, &b, &rogue] {
         let _ = api.delete_in("v1", "Pod", "kube-system", &format!("calix-agent-{n}"));
