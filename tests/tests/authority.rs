@@ -1,6 +1,16 @@
 //! A node's credentials write only what is that node's (issue 20, items 1b and 1c), against a
-//! real kube-apiserver v1.36.2: what a node's ServiceAccount token carries, and the chart's
-//! ValidatingAdmissionPolicy that keys on it.
+//! real kube-apiserver v1.36.2 (`KubeApi::shared`) with the chart's node authority installed
+//! (charts/calix/files/authority/, through calix_testbed::authority):
+//! - what a node's ServiceAccount token carries: bound to a pod on the node (as a DaemonSet
+//!   pod's projected token) or to the Node, the node's name in
+//!   `extra["authentication.kubernetes.io/node-name"]`; unbound, none;
+//! - the rogue node: one node's real pod-bound credentials try every attack on another node's
+//!   blocks, allocations, handles, affinities, CalixNode and endpoints while real agents on two
+//!   node namespaces (kubernetes datastore, route distribution) serve pods that ping each other
+//!   throughout; each attack is refused naming its rule, its own writes are admitted, no ping is
+//!   lost, nothing of the victim's changes;
+//! - the rules about a node's own records (keys, names, labels, CIDRs, sequence numbers, the
+//!   release of a block still holding an allocation, finalizers).
 use calix_testbed::k8s::BoundTo;
 use calix_testbed::{unique, KubeApi};
 use serde_json::{json, Value};
@@ -685,4 +695,212 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
         let _ = api.delete("v1", "Node", n);
     }
     let _ = api.delete("calix.dev/v1", "IPPool", &u);
+}
+
+#[test]
+fn the_rules_about_a_nodes_own_records_hold_too() {
+    // What a node may not do even to its own records: each refused by its own rule, the honest
+    // write next to it admitted (so no rule refuses the agent's own writes by mistake).
+    let api = KubeApi::shared();
+    let u = unique("o");
+    // A pool no node selects: blocks of it are this test's alone.
+    api.apply(json!({
+        "apiVersion": "calix.dev/v1", "kind": "IPPool", "metadata": {"name": u},
+        "spec": {"cidr": "10.246.0.0/16", "blockSize": 26, "nodeSelector": {"calix.dev/test": u}},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let me = unique("me");
+    let token = api.agent_token(&me).unwrap_or_else(|e| panic!("{e}"));
+    let m = me.clone();
+    let results = api.with_token(&token, move |c| async move {
+        let mut r: Vec<(&'static str, Option<&'static str>, Outcome)> = Vec::new();
+        let cidr = "10.246.1.0/26";
+        let block = |affinity: &str, label: &str, allocations: Value, next_seq: u64| {
+            record(
+                "IPAMBlock",
+                "10.246.1.0-26",
+                "ipam/blocks/10.246.1.0-26",
+                label,
+                json!({"cidr": cidr, "affinity": affinity, "allocations": allocations,
+                    "next_seq": next_seq}),
+            )
+        };
+        let mine =
+            json!({"5": {"handle": "k8s-pod-network:c1", "ifname": "eth0", "node": m, "seq": 1}});
+        // Blocks.
+        let mut misnamed = block(&m, &m, json!({}), 1);
+        misnamed["metadata"]["name"] = json!("10.246.2.0-26");
+        r.push((
+            "a block named as another CIDR",
+            Some("block-key"),
+            create(&c, &misnamed).await,
+        ));
+        let mut noncanonical = block(&m, &m, json!({}), 1);
+        noncanonical["spec"]["cidr"] = json!("10.246.1.7/26");
+        noncanonical["metadata"]["name"] = json!("10.246.1.7-26");
+        noncanonical["metadata"]["annotations"]["calix.dev/key"] =
+            json!("ipam/blocks/10.246.1.7-26");
+        r.push((
+            "a block on a host address",
+            Some("block-cidr"),
+            create(&c, &noncanonical).await,
+        ));
+        r.push((
+            "a block whose allocation's sequence number is not below next_seq",
+            Some("block-seq"),
+            create(&c, &block(&m, &m, mine.clone(), 1)).await,
+        ));
+        r.push((
+            "a block labelled as another node's",
+            Some("block-label"),
+            create(&c, &block(&m, "someone-else", json!({}), 1)).await,
+        ));
+        r.push((
+            "its own block, with its allocation",
+            None,
+            create(&c, &block(&m, &m, mine.clone(), 2)).await,
+        ));
+        let stored = get(&c, "IPAMBlock", "10.246.1.0-26").await;
+        let mut released = stored.clone();
+        released["spec"]["affinity"] = json!("");
+        released["metadata"]["labels"] = json!({});
+        r.push((
+            "its own block released with an allocation in it",
+            Some("block-release"),
+            replace(&c, &released).await,
+        ));
+        let mut moved = stored.clone();
+        moved["spec"]["cidr"] = json!("10.246.3.0/26");
+        // (The key is the CIDR's and never changes: block-key refuses before block-cidr.)
+        r.push((
+            "its block's CIDR changed",
+            Some("block-key"),
+            replace(&c, &moved).await,
+        ));
+        let mut rekeyed = stored.clone();
+        rekeyed["metadata"]["annotations"]["calix.dev/key"] = json!("ipam/blocks/other");
+        r.push((
+            "its block's key changed",
+            Some("key-immutable"),
+            replace(&c, &rekeyed).await,
+        ));
+        let mut finalized = stored.clone();
+        finalized["metadata"]["finalizers"] = json!(["example.com/keep"]);
+        r.push((
+            "a finalizer on its block",
+            Some("record-metadata"),
+            replace(&c, &finalized).await,
+        ));
+        let mut emptied = stored.clone();
+        emptied["spec"]["allocations"] = json!({});
+        r.push(("its allocation released", None, replace(&c, &emptied).await));
+        let mut released = get(&c, "IPAMBlock", "10.246.1.0-26").await;
+        released["spec"]["affinity"] = json!("");
+        released["metadata"]["labels"] = json!({});
+        r.push((
+            "its empty block released",
+            None,
+            replace(&c, &released).await,
+        ));
+        r.push((
+            "the released block deleted",
+            None,
+            delete(&c, "IPAMBlock", "10.246.1.0-26").await,
+        ));
+        // Handles, affinities, node records, endpoints.
+        r.push((
+            "a handle record outside ipam/handles/",
+            Some("handle-key"),
+            create(
+                &c,
+                &record(
+                    "IPAMHandle",
+                    &format!("{m}-h"),
+                    "nodes/x",
+                    &m,
+                    json!({"node": m, "addresses": []}),
+                ),
+            )
+            .await,
+        ));
+        r.push((
+            "an affinity record whose key names another block than its spec",
+            Some("affinity-owner"),
+            create(
+                &c,
+                &record(
+                    "BlockAffinity",
+                    &format!("{m}-a"),
+                    &format!("ipam/affinities/{m}/10.246.9.0-26"),
+                    &m,
+                    json!({"node": m, "cidr": "10.246.1.0/26"}),
+                ),
+            )
+            .await,
+        ));
+        r.push((
+            "an affinity record labelled as another node's",
+            Some("affinity-label"),
+            create(
+                &c,
+                &record(
+                    "BlockAffinity",
+                    &format!("{m}-a"),
+                    &format!("ipam/affinities/{m}/10.246.1.0-26"),
+                    "someone-else",
+                    json!({"node": m, "cidr": "10.246.1.0/26"}),
+                ),
+            )
+            .await,
+        ));
+        r.push((
+            "its CalixNode saying it is another node",
+            Some("node-owner"),
+            create(
+                &c,
+                &record(
+                    "CalixNode",
+                    &m,
+                    &format!("nodes/{m}"),
+                    "",
+                    json!({"name": "someone-else"}),
+                ),
+            )
+            .await,
+        ));
+        r.push((
+            "an endpoint whose key disagrees with its spec",
+            Some("endpoint-owner"),
+            create(
+                &c,
+                &record(
+                    "CalixEndpoint",
+                    &format!("{m}-e"),
+                    &format!("endpoints/{m}/c1/eth0"),
+                    &m,
+                    json!({"container_id": "c2", "ifname": "eth0", "host_ifname": "cali1",
+                        "netns": "", "pod_namespace": "", "pod_name": "", "addresses": [],
+                        "handle": "k8s-pod-network:c1"}),
+                ),
+            )
+            .await,
+        ));
+        r
+    });
+    let mut wrong = Vec::new();
+    for (what, rule, got) in &results {
+        eprintln!("{what}: {got:?}");
+        let ok = match (rule, got) {
+            (None, Ok(())) => true,
+            (Some(rule), Err((403, msg))) => msg.contains(&format!("(rule {rule})")),
+            _ => false,
+        };
+        if !ok {
+            wrong.push(format!("{what}: expected {rule:?}, got {got:?}"));
+        }
+    }
+    let _ = api.delete("calix.dev/v1", "IPAMBlock", "10.246.1.0-26");
+    let _ = api.delete_in("v1", "Pod", "kube-system", &format!("calix-agent-{me}"));
+    let _ = api.delete("calix.dev/v1", "IPPool", &u);
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
