@@ -8,8 +8,10 @@
 //! address there), and [`KubeApi::wire`] connects a node namespace to it by a veth pair
 //! (10.97.<i>.1 ↔ 10.97.<i>.2/30) and writes that node a kubeconfig.
 //!
-//! Authentication is a static token file (an admin in `system:masters`); authorization stays
-//! `Node,RBAC`. The API server makes its own serving certificate (`--cert-dir`, for the names
+//! Authentication is a static token file (an admin in `system:masters`) and ServiceAccount
+//! tokens from the TokenRequest API, bound to no object or to a node ([`KubeApi::node_token`]:
+//! a pod on the node, as a DaemonSet pod's, or the Node; the agents' own, with the chart's
+//! ClusterRole and node authority, in [`crate::authority`]); authorization stays `Node,RBAC`. The API server makes its own serving certificate (`--cert-dir`, for the names
 //! `kubernetes*` and 127.0.0.1): kubeconfigs trust its CA and verify the name `kubernetes`
 //! whatever address they dial. Everything is killed and removed on drop, even when a test
 //! fails; each daemon also dies with the thread that started it.
