@@ -20,6 +20,16 @@ pub enum AgentError {
     Invalid(String),
     #[error("pool change refused: {0}")]
     PoolChange(String),
+    /// An address another node allocated: only that node's agent releases it (or an operator,
+    /// with the datastore's own credentials).
+    #[error(
+        "{addr} was allocated by node {node}: only that node's agent releases it (an operator: \
+         calixctl --kubeconfig ipam release, or that node's calixctl)"
+    )]
+    ForeignAllocation {
+        addr: std::net::IpAddr,
+        node: String,
+    },
     /// A pod's IPAM annotation that cannot be honoured, or no pool serves its namespace.
     #[error(transparent)]
     PodIpam(#[from] crate::k8s::annotations::PodIpamError),

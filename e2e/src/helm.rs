@@ -84,13 +84,13 @@ fn name(o: &Value) -> &str {
     o["metadata"]["name"].as_str().unwrap_or_default()
 }
 
-/// `objects` sorted by `order` (stable: the chart's order within a kind).
+/// `objects` sorted by `order`, kinds it does not list last and among themselves by kind name,
+/// as Helm's `lessByKind` does (stable: the chart's order within a kind). So the node
+/// authority's ValidatingAdmissionPolicies go before their bindings.
 fn sorted<'a>(objects: impl Iterator<Item = &'a Value>, order: &[&str]) -> Vec<&'a Value> {
-    let rank = |o: &Value| {
-        order
-            .iter()
-            .position(|k| *k == kind(o))
-            .unwrap_or(order.len())
+    let rank = |o: &'a Value| match order.iter().position(|k| *k == kind(o)) {
+        Some(i) => (i, ""),
+        None => (order.len(), kind(o)),
     };
     let mut v: Vec<&Value> = objects.collect();
     v.sort_by_key(|o| rank(o));
@@ -223,7 +223,9 @@ mod tests {
     #[test]
     fn objects_go_in_helms_order_for_install_and_the_reverse_kinds_for_uninstall() {
         let objs = [
+            json!({"kind": "ValidatingAdmissionPolicyBinding", "metadata": {"name": "w"}}),
             json!({"kind": "IPPool", "metadata": {"name": "p"}}),
+            json!({"kind": "ValidatingAdmissionPolicy", "metadata": {"name": "v"}}),
             json!({"kind": "DaemonSet", "metadata": {"name": "d"}}),
             json!({"kind": "ClusterRoleBinding", "metadata": {"name": "b"}}),
             json!({"kind": "ConfigMap", "metadata": {"name": "c"}}),
@@ -231,8 +233,9 @@ mod tests {
             json!({"kind": "ClusterRole", "metadata": {"name": "r"}}),
         ];
         let names = |v: Vec<&Value>| v.iter().map(|o| name(o).to_string()).collect::<String>();
-        assert_eq!(names(sorted(objs.iter(), INSTALL_ORDER)), "scrbdp");
+        // Kinds Helm does not know last, by kind name: a policy before its binding.
+        assert_eq!(names(sorted(objs.iter(), INSTALL_ORDER)), "scrbdpvw");
         // The DaemonSet before its RBAC: its agents can still read it when they stop.
-        assert_eq!(names(sorted(objs.iter(), UNINSTALL_ORDER)), "dbrcsp");
+        assert_eq!(names(sorted(objs.iter(), UNINSTALL_ORDER)), "dbrcspvw");
     }
 }

@@ -622,6 +622,17 @@ pub fn owner_alias(container_id: &str, ifname: &str) -> String {
 
 const OWNER_ALIAS_PREFIX: &str = "calix:";
 
+/// The name prefix of every host veth calix makes (`cali` + 11 hex characters).
+pub const HOST_VETH_PREFIX: &str = "cali";
+
+/// Whether the host link `name` with `alias` carries calix's mark for the attachment
+/// (`container_id`, `ifname`): a `cali…` name and that attachment's [`owner_alias`]. Only such
+/// a link is ever programmed for an endpoint: a record naming anything else (the uplink, `lo`,
+/// another tool's link, another attachment's veth) is not calix's to touch.
+pub fn is_host_veth_of(name: &str, alias: Option<&str>, container_id: &str, ifname: &str) -> bool {
+    name.starts_with(HOST_VETH_PREFIX) && alias == Some(owner_alias(container_id, ifname).as_str())
+}
+
 /// Whether `alias` is an [`owner_alias`] (of any attachment).
 pub fn is_owner_alias(alias: &str) -> bool {
     alias
@@ -651,6 +662,30 @@ async fn add_permanent_neighbour(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_cali_link_with_the_attachments_alias_is_its_host_veth() {
+        let ours = owner_alias("c1", "eth0");
+        assert!(is_host_veth_of(
+            "cali0123456789a",
+            Some(&ours),
+            "c1",
+            "eth0"
+        ));
+        for (name, alias) in [
+            ("eth0", Some(ours.as_str())),
+            ("lo", None),
+            ("cali0123456789a", None),
+            ("cali0123456789a", Some("calix:c2/eth0")),
+            ("cali0123456789a", Some("calix:c1/eth1")),
+            ("cali0123456789a", Some("something else")),
+        ] {
+            assert!(
+                !is_host_veth_of(name, alias, "c1", "eth0"),
+                "{name} {alias:?}"
+            );
+        }
+    }
 
     #[test]
     fn host_settings_follow_the_families() {

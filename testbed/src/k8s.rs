@@ -8,8 +8,10 @@
 //! address there), and [`KubeApi::wire`] connects a node namespace to it by a veth pair
 //! (10.97.<i>.1 ↔ 10.97.<i>.2/30) and writes that node a kubeconfig.
 //!
-//! Authentication is a static token file (an admin in `system:masters`); authorization stays
-//! `Node,RBAC`. The API server makes its own serving certificate (`--cert-dir`, for the names
+//! Authentication is a static token file (an admin in `system:masters`) and ServiceAccount
+//! tokens from the TokenRequest API, bound to no object or to a node ([`KubeApi::node_token`]:
+//! a pod on the node, as a DaemonSet pod's, or the Node; the agents' own, with the chart's
+//! ClusterRole and node authority, in [`crate::authority`]); authorization stays `Node,RBAC`. The API server makes its own serving certificate (`--cert-dir`, for the names
 //! `kubernetes*` and 127.0.0.1): kubeconfigs trust its CA and verify the name `kubernetes`
 //! whatever address they dial. Everything is killed and removed on drop, even when a test
 //! fails; each daemon also dies with the thread that started it.
@@ -49,6 +51,18 @@ pub struct KubeApi {
     /// kube-controller-manager and kube-scheduler, once [`KubeApi::start_controllers`] ran.
     controllers: Mutex<Vec<Child>>,
     links: AtomicU32,
+    /// Whether the agents' ServiceAccount and the chart's node authority are installed
+    /// ([`KubeApi::calix_agent`]).
+    pub(crate) agent_account: Mutex<bool>,
+}
+
+/// What a node's token is bound to ([`KubeApi::node_token`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BoundTo {
+    /// A Pod on the node, as a DaemonSet pod's projected token is.
+    Pod,
+    /// The Node object.
+    Node,
 }
 
 impl KubeApi {
@@ -126,6 +140,7 @@ impl KubeApi {
             apiserver: Mutex::new(None),
             controllers: Mutex::new(Vec::new()),
             links: AtomicU32::new(0),
+            agent_account: Mutex::new(false),
         };
         api.write_credentials()?;
         api.start_etcd()?;
@@ -189,6 +204,24 @@ impl KubeApi {
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
+    }
+
+    /// Writes to `path` the kubeconfig `wired` (one [`KubeApi::wire`] wrote, the admin's)
+    /// authenticating with `token` instead: a second identity on a node already wired (its
+    /// kubelet as the admin, its agent as the agents' ServiceAccount).
+    pub fn kubeconfig_as(&self, wired: &Path, token: &str, path: &Path) -> Result<()> {
+        let text = std::fs::read_to_string(wired)
+            .map_err(Error::io(format!("read {}", wired.display())))?;
+        let admin = format!("token: {ADMIN_TOKEN}\n");
+        if !text.contains(&admin) {
+            return Err(Error::Unexpected {
+                what: wired.display().to_string(),
+                found: "another token".into(),
+                expected: "the admin's kubeconfig (KubeApi::wire)".into(),
+            });
+        }
+        std::fs::write(path, text.replace(&admin, &format!("token: {token}\n")))
+            .map_err(Error::io(format!("write {}", path.display())))
     }
 
     /// Runs `f` with an admin client on a thread where the API server is reachable (inside its
@@ -291,13 +324,21 @@ impl KubeApi {
 
     /// A ServiceAccount `namespace/name` bound (ClusterRoleBinding `name`) to the ClusterRole
     /// in the YAML file `cluster_role` (applied), and a token for it from the TokenRequest
-    /// API: what a pod of that ServiceAccount authenticates with.
+    /// API bound to no object: it names no node (a ServiceAccount's Secret-style token; the
+    /// chart's node-authority policy refuses every write made with it).
     pub fn service_account_token(
         &self,
         namespace: &str,
         name: &str,
         cluster_role: &Path,
     ) -> Result<String> {
+        self.service_account(namespace, name, cluster_role)?;
+        self.token_request(namespace, name, None)
+    }
+
+    /// The ServiceAccount `namespace/name` bound (ClusterRoleBinding `name`) to the ClusterRole
+    /// in the YAML (or JSON) file `cluster_role`, all applied.
+    pub fn service_account(&self, namespace: &str, name: &str, cluster_role: &Path) -> Result<()> {
         let text = std::fs::read_to_string(cluster_role)
             .map_err(Error::io(format!("read {}", cluster_role.display())))?;
         let role: serde_json::Value =
@@ -321,11 +362,80 @@ impl KubeApi {
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
         }))?;
+        Ok(())
+    }
+
+    /// A token of ServiceAccount `namespace/name` (made with [`KubeApi::service_account`])
+    /// for node `node`, as a node's agent has one: `bound` to a Pod of that ServiceAccount on
+    /// the node (what the kubelet asks for a DaemonSet pod's projected token: the Pod
+    /// `<name>-<node>` in `namespace`, `spec.nodeName` the node, made here and never run when
+    /// no kubelet serves the node) or to the Node itself (made here when missing). Either way
+    /// the API server puts the node's name in the user's
+    /// `extra["authentication.kubernetes.io/node-name"]` (a pod's token even when its node has
+    /// no Node object: v1.36.2 names the pod's `spec.nodeName`), and the token stops working
+    /// when its Pod or Node is gone (a pod-bound one outlives its Node).
+    pub fn node_token(
+        &self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+        bound: BoundTo,
+    ) -> Result<String> {
+        let reference = match bound {
+            BoundTo::Node => {
+                let node_obj = match self.get("v1", "Node", None, node)? {
+                    Some(n) => n,
+                    None => self.apply(serde_json::json!({
+                        "apiVersion": "v1", "kind": "Node", "metadata": {"name": node}
+                    }))?,
+                };
+                serde_json::json!({
+                    "kind": "Node", "apiVersion": "v1", "name": node,
+                    "uid": node_obj["metadata"]["uid"],
+                })
+            }
+            BoundTo::Pod => {
+                let pod_name = format!("{name}-{node}");
+                let pod = match self.get("v1", "Pod", Some(namespace), &pod_name)? {
+                    Some(p) => p,
+                    None => self.apply(serde_json::json!({
+                        "apiVersion": "v1", "kind": "Pod",
+                        "metadata": {"name": pod_name, "namespace": namespace,
+                            "labels": {"app.kubernetes.io/name": "calix-testbed-agent"}},
+                        "spec": {
+                            "nodeName": node,
+                            "serviceAccountName": name,
+                            "automountServiceAccountToken": false,
+                            "containers": [{"name": "agent", "image": "calix-testbed-agent"}],
+                        },
+                    }))?,
+                };
+                serde_json::json!({
+                    "kind": "Pod", "apiVersion": "v1", "name": pod_name,
+                    "uid": pod["metadata"]["uid"],
+                })
+            }
+        };
+        self.token_request(namespace, name, Some(reference))
+    }
+
+    /// A TokenRequest for ServiceAccount `namespace/name`, bound to `bound_object` (a
+    /// `boundObjectRef`) when given; valid two hours.
+    fn token_request(
+        &self,
+        namespace: &str,
+        name: &str,
+        bound_object: Option<serde_json::Value>,
+    ) -> Result<String> {
         let path = format!("/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token");
         self.with_client(move |c| async move {
+            let mut spec = serde_json::json!({"expirationSeconds": 7200});
+            if let Some(r) = bound_object {
+                spec["boundObjectRef"] = r;
+            }
             let body = serde_json::json!({
                 "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"expirationSeconds": 7200}
+                "spec": spec,
             });
             let req = http::Request::post(&path)
                 .header("content-type", "application/json")
@@ -345,6 +455,28 @@ impl KubeApi {
                     field: "status.token".into(),
                     value: answer.to_string(),
                 })
+        })
+    }
+
+    /// Who the API server says `token` is (a SelfSubjectReview): `status.userInfo`
+    /// (`username`, `uid`, `groups`, `extra`).
+    pub fn whoami(&self, token: &str) -> Result<serde_json::Value> {
+        self.with_token(token, |c| async move {
+            let body = serde_json::json!({
+                "apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview",
+            });
+            let req = http::Request::post("/apis/authentication.k8s.io/v1/selfsubjectreviews")
+                .header("content-type", "application/json")
+                .body(serde_json::to_vec(&body).unwrap_or_default())
+                .map_err(|e| Error::Kube {
+                    what: "self subject review".into(),
+                    detail: e.to_string(),
+                })?;
+            let answer: serde_json::Value = c.request(req).await.map_err(|e| Error::Kube {
+                what: "self subject review".into(),
+                detail: e.to_string(),
+            })?;
+            Ok(answer["status"]["userInfo"].clone())
         })
     }
 

@@ -15,6 +15,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 mod agent;
+pub mod authority;
 pub mod bpf;
 pub mod chart_tools;
 mod cluster;

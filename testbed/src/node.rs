@@ -222,14 +222,20 @@ impl Node {
             .collect()
     }
 
-    /// `n` links in the node namespace that stand in for pods' host veths (one veth pair each,
-    /// `cxk<i>` / `cxk<i>p`), for tests that register endpoints without the plugin: each
-    /// endpoint needs a link of its own. Returns the names; they go with the namespace.
-    pub fn stand_in_links(&self, n: usize) -> Vec<String> {
-        let names: Vec<String> = (0..n).map(|i| format!("cxk{i}")).collect();
+    /// Links in the node namespace that stand in for pods' host veths, one veth pair for each
+    /// of `owners` (`cali9<i>` / `cxk<i>p`), each carrying that owner alias as the plugin's veth
+    /// does (`calix_kernel::pod::owner_alias(containerID, ifname)`: the agent programs only a
+    /// `cali…` link carrying its endpoint's alias), for tests that register endpoints without
+    /// the plugin. Returns the names; they go with the namespace.
+    pub fn stand_in_links(&self, owners: &[String]) -> Vec<String> {
+        let names: Vec<String> = (0..owners.len()).map(|i| format!("cali9{i:010}")).collect();
         let script: String = names
             .iter()
-            .map(|l| format!("link add {l} type veth peer name {l}p\n"))
+            .zip(owners)
+            .enumerate()
+            .map(|(i, (l, alias))| {
+                format!("link add {l} type veth peer name cxk{i}p\nlink set {l} alias {alias}\n")
+            })
             .collect();
         self.ns.ip_batch(&script).unwrap_or_else(|e| panic!("{e}"));
         names

@@ -78,6 +78,7 @@ fn all_a() -> Value {
         "probes": {"liveness": {"initialDelaySeconds": 20, "periodSeconds": 15, "timeoutSeconds": 3, "failureThreshold": 4},
                    "readiness": {"periodSeconds": 3, "timeoutSeconds": 2, "failureThreshold": 5}},
         "serviceAccount": {"create": false, "name": "calix-existing"},
+        "nodeAuthority": {"enabled": false},
         "prometheus": {"scrape": false},
         "test": {"port": 9090, "timeoutSeconds": 300}
     })
@@ -100,7 +101,8 @@ fn all_b() -> Value {
                                                         {"key": "legacy", "operator": "DoesNotExist"}]}}
         ],
         "routes": {"enabled": true, "plaintext": true, "topology": "mesh"},
-        "serviceAccount": {"create": true, "name": "calix-sa"}
+        "serviceAccount": {"create": true, "name": "calix-sa"},
+        "nodeAuthority": {"validationActions": ["Warn", "Audit"]}
     })
 }
 
@@ -111,6 +113,24 @@ fn bad_cases() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             "unknown dataplane",
             json!({"dataplane": "bpf"}),
             vec!["/dataplane", "'ebpf', 'kernel'"],
+        ),
+        (
+            "node authority: deny and warn",
+            json!({"nodeAuthority": {"validationActions": ["Deny", "Warn"]}}),
+            vec!["/nodeAuthority/validationActions"],
+        ),
+        (
+            "node authority: no action",
+            json!({"nodeAuthority": {"validationActions": []}}),
+            vec!["/nodeAuthority/validationActions"],
+        ),
+        (
+            "node authority: unknown action",
+            json!({"nodeAuthority": {"validationActions": ["Block"]}}),
+            vec![
+                "/nodeAuthority/validationActions/0",
+                "'Deny', 'Warn', 'Audit'",
+            ],
         ),
         (
             "unknown datastore",
@@ -401,6 +421,7 @@ fn checked() -> &'static Checked {
             json!({"name": "reflectors", "values":
                 {"uplinks": ["eth0"],
                  "routes": {"enabled": true, "topology": "reflectors", "plaintext": true}}}),
+            json!({"name": "no-node-authority", "values": {"nodeAuthority": {"enabled": false}}}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -811,6 +832,83 @@ fn the_cluster_role_is_least_privilege() {
             "resourceNames": ["calix", "calix-reflector"], "verbs": ["get", "list", "watch"]}])
     );
     assert_eq!(one(r, "RoleBinding", "calix")["roleRef"]["name"], "calix");
+}
+
+/// `(kind, name) -> (apiVersion, spec)` of the node authority's rendered objects.
+fn authority_objects(r: &CaseResult) -> BTreeMap<(String, String), Value> {
+    r.objects
+        .iter()
+        .map(|(_, o)| o)
+        .filter(|o| {
+            o["kind"] == "ValidatingAdmissionPolicy"
+                || o["kind"] == "ValidatingAdmissionPolicyBinding"
+        })
+        .map(|o| {
+            (
+                (
+                    o["kind"].as_str().unwrap_or_default().to_string(),
+                    o["metadata"]["name"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                ),
+                json!({"apiVersion": o["apiVersion"], "spec": o["spec"]}),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_node_authority_is_the_one_the_test_bed_installs_for_the_agents_service_account() {
+    // The tests run their agents under calix_testbed::authority's objects: the chart must
+    // render exactly those, for its own ServiceAccount and actions.
+    for (case_name, sa, actions) in [
+        ("defaults", "calix", vec!["Deny"]),
+        ("all-b", "calix-sa", vec!["Warn", "Audit"]),
+    ] {
+        let r = assert_valid(case_name);
+        let want: BTreeMap<(String, String), Value> =
+            calix_testbed::authority::node_authority("calix", NAMESPACE, sa, &actions)
+                .expect("the test bed's node authority")
+                .into_iter()
+                .map(|o| {
+                    (
+                        (
+                            o["kind"].as_str().unwrap_or_default().to_string(),
+                            o["metadata"]["name"]
+                                .as_str()
+                                .unwrap_or_default()
+                                .to_string(),
+                        ),
+                        json!({"apiVersion": o["apiVersion"], "spec": o["spec"]}),
+                    )
+                })
+                .collect();
+        assert_eq!(want.len(), 12, "{case_name}: {:?}", want.keys());
+        assert_eq!(authority_objects(r), want, "{case_name}");
+        for (_, o) in r.objects.iter().filter(|(_, o)| {
+            o["kind"] == "ValidatingAdmissionPolicy"
+                || o["kind"] == "ValidatingAdmissionPolicyBinding"
+        }) {
+            assert_eq!(
+                o["metadata"]["labels"]["app.kubernetes.io/name"], "calix",
+                "{o}"
+            );
+        }
+        let policy = one(r, "ValidatingAdmissionPolicy", "calix-ipamblocks");
+        assert_eq!(
+            policy["spec"]["matchConditions"][0]["expression"],
+            format!("request.userInfo.username == \"system:serviceaccount:{NAMESPACE}:{sa}\""),
+        );
+        assert_eq!(policy["spec"]["failurePolicy"], "Fail");
+    }
+    // None with the etcd datastore (nothing in the API to guard), nor when turned off.
+    for case_name in ["all-a", "no-node-authority"] {
+        assert!(
+            authority_objects(assert_valid(case_name)).is_empty(),
+            "{case_name}"
+        );
+    }
 }
 
 #[test]

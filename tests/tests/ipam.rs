@@ -294,7 +294,11 @@ fn kill_nine_mid_allocation(node: &Node) {
         assert!(findings_of(&check, kind).is_empty(), "{kind}: {check}");
     }
     // One link per endpoint stands in for the pods' veths (the node runs the kernel dataplane).
-    let links = node.stand_in_links(acked.len());
+    let owners: Vec<String> = acked
+        .keys()
+        .map(|h| calix_kernel::pod::owner_alias(h.trim_start_matches("net."), "eth0"))
+        .collect();
+    let links = node.stand_in_links(&owners);
     rt.block_on(async {
         let ch = calix_proto::connect_unix(&node.socket, Duration::from_secs(10))
             .await
@@ -484,6 +488,7 @@ fn calixctl_check_finds_leaks_and_release_from_report_frees_exactly_them() {
     );
     node.start_agent();
     let rt = rt();
+    let link = node.stand_in_links(&[calix_kernel::pod::owner_alias("c-0", "eth0")]);
     let addrs = rt.block_on(async {
         let c = client(&node).await;
         let got = allocate_many(&c, "c", 3, 1).await;
@@ -496,7 +501,7 @@ fn calixctl_check_finds_leaks_and_release_from_report_frees_exactly_them() {
             endpoint: Some(pb::Endpoint {
                 container_id: "c-0".into(),
                 ifname: "eth0".into(),
-                host_ifname: "lo".into(),
+                host_ifname: link[0].clone(),
                 handle: "net.c-0".into(),
                 ..Default::default()
             }),

@@ -1,10 +1,11 @@
 //! One pod on a kubelet-managed node (issue 14's last acceptance item): a real kube-apiserver
 //! v1.36.2 (in a namespace of its own) and a node namespace running the upstream kubelet with
-//! a private containerd 1.6 (CRI), the calix agent (kubernetes datastore) and the calix CNI
-//! plugin in the CRI plugin's `bin_dir`/`conf_dir`. A Pod with `nodeName` set goes Running,
-//! its status shows the address calix gave it (from the pool its namespace's labels select,
-//! not another tenant's), the node reaches it; deleting it (the kubelet confirming) releases
-//! everything: the address, the endpoint, the veth, the route.
+//! a private containerd 1.6 (CRI), the calix agent (kubernetes datastore, as the agents'
+//! ServiceAccount with a token bound to its Node, under the chart's node authority) and the
+//! calix CNI plugin in the CRI plugin's `bin_dir`/`conf_dir`. A Pod with `nodeName` set goes
+//! Running, its status shows the address calix gave it (from the pool its namespace's labels
+//! select, not another tenant's), the node reaches it; deleting it (the kubelet confirming)
+//! releases everything: the address, the endpoint, the veth, the route.
 //!
 //! Then two kubelet nodes (kube-controller-manager, kube-scheduler, kube-proxy in iptables
 //! mode) on the test underlay's two subnets: pods reach each other across nodes (ping, TCP),
@@ -31,6 +32,29 @@ fn address_of(node: &Node, ifname: &str) -> String {
 /// The web pods' hostPort (the portmap plugin after calix in the conflist).
 const HOST_PORT: u16 = 18080;
 
+/// Writes `path`: the node's kubeconfig `wired` as the agents' ServiceAccount, with a token
+/// bound to Node `node` (its kubelet registered it; a pod made for a pod-bound token would be
+/// run by that kubelet), under the chart's node authority.
+fn agent_kubeconfig_for(
+    api: &KubeApi,
+    node: &str,
+    wired: &std::path::Path,
+    path: &std::path::Path,
+) {
+    let token = api
+        .agent_token_bound(node, calix_testbed::k8s::BoundTo::Node)
+        .unwrap_or_else(|e| panic!("{e}"));
+    api.kubeconfig_as(wired, &token, path)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Every write the agent made was its own node's: none refused by the node authority.
+fn assert_admitted(node: &Node) {
+    let log = node.agent_log();
+    let refused = calix_testbed::authority::refusals(&log);
+    assert!(refused.is_empty(), "{}", refused.join("\n"));
+}
+
 fn pod(api: &KubeApi, label: &str) -> Option<Value> {
     pods(api, &format!("calix.dev/test={label}"))
         .into_iter()
@@ -49,9 +73,12 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     let node = Node::create(Dataplane::under_test(), None);
     let kubeconfig = api.wire(&node.ns).unwrap_or_else(|e| panic!("{e}"));
     let node_ip = address_of(&node, "kube0");
+    // The kubelet as the admin; the agent as the agents' ServiceAccount with a token bound to
+    // the Node, once the kubelet has registered it (agent_kubeconfig).
+    let agent_kubeconfig = node.dir.join("agent.kubeconfig");
     let mut node = node.with_config(&format!(
         "[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 5000\nattempts = 40\n",
-        kubeconfig.display()
+        agent_kubeconfig.display()
     ));
     {
         let name = node.ns.name.clone();
@@ -85,6 +112,7 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     let kube = KubeNode::start(&node.ns, &node.dir.join("k8s"), &kubeconfig, &node_ip, &cni)
         .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("kubelet registered after {:?}", started.elapsed());
+    agent_kubeconfig_for(&api, &node.ns.name, &kubeconfig, &agent_kubeconfig);
     node.start_agent();
     // (No controller-manager makes the namespace's default ServiceAccount, which admission
     // wants.)
@@ -178,6 +206,7 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
         .filter(|r| r["dst"].as_str().is_some_and(|d| d.starts_with(&ip)))
         .collect();
     assert!(routes.is_empty(), "a route to {ip} is left: {routes:?}");
+    assert_admitted(&node);
     eprintln!("released after {:?}", started.elapsed());
     let left = kube.stop();
     assert!(left.is_empty(), "the kubelet node left behind: {left:?}");
@@ -201,9 +230,10 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
     let kubeconfigs = std::cell::RefCell::new(Vec::new());
     let cluster = Cluster::create(Dataplane::under_test(), &[1, 2], |i, c| {
         let kubeconfig = api.wire(&c.nodes[i].ns).unwrap_or_else(|e| panic!("{e}"));
+        // (Written once the kubelet registered the node: agent_kubeconfig_for.)
         let text = format!(
             "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n{}",
-            kubeconfig.display(),
+            c.nodes[i].dir.join("agent.kubeconfig").display(),
             c.routes_config(i, &ca, "grace_secs = 5")
                 .unwrap_or_else(|e| panic!("{e}"))
         );
@@ -233,6 +263,12 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
             .unwrap_or_else(|e| panic!("{e}"));
             kube.start_kube_proxy(&kubeconfigs[i])
                 .unwrap_or_else(|e| panic!("{e}"));
+            agent_kubeconfig_for(
+                &api,
+                cluster.name(i),
+                &kubeconfigs[i],
+                &node.dir.join("agent.kubeconfig"),
+            );
             kube
         })
         .collect();
@@ -437,6 +473,7 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
         0,
         "addresses left in the pool"
     );
+    cluster.nodes.iter().for_each(assert_admitted);
     eprintln!("released after {:?}", started.elapsed());
     for k in kubes {
         let left = k.stop();

@@ -1,7 +1,9 @@
 //! calix on the `kubernetes` datastore (issue 14): real agents in node namespaces on a real
 //! kube-apiserver v1.36.2 (with its etcd, in a namespace of its own; each node reaches it over
 //! a veth), driven through the agents' gRPC API: concurrent allocations on three nodes, with an
-//! agent killed and the API server restarted under them, and pools as IPPool objects.
+//! agent killed and the API server restarted under them, and pools as IPPool objects. Each
+//! agent runs as the agents' ServiceAccount with a token bound to a pod on its node, under the
+//! chart's node authority: every write it makes must be its node's own.
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
@@ -28,16 +30,30 @@ const HOUSEKEEPING: &str = "[ipam]\nleakCheckIntervalSecs = 1\n";
 /// Leak GC every second with a 2 s grace: for the end of a test only.
 const FAST_GC: &str = "[ipam]\nleakCheckIntervalSecs = 1\nleakGraceSecs = 2\n";
 
-/// A node on `api` (kubernetes datastore, `extra` config appended), its agent started.
+/// A node on `api` (kubernetes datastore, `extra` config appended), its agent started, as the
+/// agents' ServiceAccount with a token bound to a pod on its node, under the chart's node
+/// authority.
 fn kube_node(api: &KubeApi, extra: &str) -> Node {
     let probe = Node::create(Dataplane::Kernel, None);
-    let kubeconfig = api.wire(&probe.ns).unwrap_or_else(|e| panic!("{e}"));
+    let token = api
+        .agent_token(&probe.ns.name)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let kubeconfig = api
+        .wire_as(&probe.ns, &token)
+        .unwrap_or_else(|e| panic!("{e}"));
     let node = probe.with_config(&format!(
         "[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 5000\nattempts = 40\n{extra}",
         kubeconfig.display()
     ));
     node.start_agent();
     node
+}
+
+/// Every write the agent made was its own node's: none refused by the node authority.
+fn assert_admitted(node: &Node) {
+    let log = node.agent_log();
+    let refused = calix_testbed::authority::refusals(&log);
+    assert!(refused.is_empty(), "{}", refused.join("\n"));
 }
 
 /// No address acknowledged to two handles.
@@ -157,6 +173,7 @@ fn three_agents_on_the_kubernetes_api_never_give_an_address_twice() {
         }
     });
     wait_clean(&nodes[2]);
+    nodes.iter().for_each(assert_admitted);
 }
 
 #[test]
@@ -284,6 +301,7 @@ fn an_agent_killed_and_the_api_server_restarted_mid_run_lose_nothing() {
     nodes[0].stop_agent();
     nodes[0].start_agent();
     wait_clean(&nodes[1]);
+    nodes.iter().for_each(assert_admitted);
 }
 
 /// The pools as node's agent uses them now: (cidr, disabled).
@@ -387,4 +405,5 @@ fn ippool_changes_apply_without_a_restart_and_never_under_live_addresses() {
         assert!(Instant::now() < deadline, "{}", node.agent_log());
         std::thread::sleep(Duration::from_millis(200));
     }
+    assert_admitted(&node);
 }

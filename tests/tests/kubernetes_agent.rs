@@ -1,7 +1,9 @@
 //! The agent in Kubernetes (issue 14, item 2), against a real kube-apiserver v1.36.2 (one for
 //! the whole binary, `KubeApi::shared`; the restart test has its own): agents named by the
 //! downward API's environment variable, authenticated as a ServiceAccount bound only to the
-//! chart's ClusterRole (charts/calix/templates/clusterrole.yaml); their Node's labels moving
+//! chart's ClusterRole (charts/calix/templates/clusterrole.yaml), each with a token bound to a
+//! pod on its node as a DaemonSet pod's is, under the chart's node authority
+//! (templates/authority.yaml: every write must be the node's own); their Node's labels moving
 //! the pool selection and its addresses recorded; the Service CIDRs from ServiceCIDR objects;
 //! Events; the Pods bound to a node and the cleanup of endpoints whose pod is gone (deleted
 //! while the agent was down, replaced by a new pod of the same name, or deleted while it
@@ -15,42 +17,26 @@ use calix_testbed::tls::Ca;
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Node, Pod};
 use serde_json::{json, Value};
 
-/// The chart's ClusterRole for the agent with the kubernetes datastore: the rules the chart's
-/// template includes (charts/calix/files/rbac/), as one ClusterRole in a file of `dir`.
-fn cluster_role(dir: &std::path::Path) -> PathBuf {
-    let rbac = calix_testbed::k8s::crds_dir()
-        .parent()
-        .expect("charts/calix")
-        .join("files/rbac");
-    let mut rules: Vec<Value> = Vec::new();
-    for file in ["agent.yaml", "kubernetes-datastore.yaml"] {
-        let text = std::fs::read_to_string(rbac.join(file)).expect("the chart's rules");
-        let part: Vec<Value> = serde_saphyr::from_str(&text).expect("a list of rules");
-        rules.extend(part);
-    }
-    let role = json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {"name": "calix-agent"},
-        "rules": rules,
-    });
-    let path = dir.join("clusterrole.json");
-    std::fs::write(&path, role.to_string()).expect("write the ClusterRole");
-    path
+/// A token of the agents' ServiceAccount (bound to the chart's ClusterRole alone, under the
+/// chart's node authority) for `node`, bound to a pod on it as a DaemonSet pod's is.
+fn agent_token(api: &KubeApi, node: &str) -> String {
+    api.agent_token(node).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A token of the agent's ServiceAccount, bound to the chart's ClusterRole and nothing else.
-fn agent_token(api: &KubeApi) -> String {
-    api.service_account_token("kube-system", "calix-agent", &cluster_role(&api.dir))
-        .unwrap_or_else(|e| panic!("{e}"))
+/// A node (kernel dataplane) on `api` as its agent's ServiceAccount ([`agent_token`]), named
+/// only by `CALIX_NODE_NAME` (no `--node-name`), with `extra` config appended after
+/// `[datastore]`; not started.
+fn agent_node(api: &KubeApi, extra: &str) -> Node {
+    agent_node_as(api, None, extra)
 }
 
-/// A node (kernel dataplane) on `api` as `token`, named only by `CALIX_NODE_NAME` (no
-/// `--node-name`), with `extra` config appended after `[datastore]`; not started.
-fn agent_node(api: &KubeApi, token: &str, extra: &str) -> Node {
+/// [`agent_node`], authenticated with `token` instead when given (the admin's, for a test
+/// whose subject is not the agent's permissions).
+fn agent_node_as(api: &KubeApi, token: Option<&str>, extra: &str) -> Node {
     let probe = Node::create(Dataplane::Kernel, None);
+    let token = token.map_or_else(|| agent_token(api, &probe.ns.name), str::to_string);
     let kubeconfig = api
-        .wire_as(&probe.ns, token)
+        .wire_as(&probe.ns, &token)
         .unwrap_or_else(|e| panic!("{e}"));
     let mut node = probe.with_config(&format!(
         "[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 5000\nattempts = 40\n{extra}",
@@ -61,6 +47,13 @@ fn agent_node(api: &KubeApi, token: &str, extra: &str) -> Node {
     spec.node_name_flag = false;
     spec.env = vec![("CALIX_NODE_NAME".into(), name)];
     node
+}
+
+/// Every write the agent made was its own node's: none refused by the node authority.
+fn assert_admitted(node: &Node) {
+    let log = node.agent_log();
+    let refused = calix_testbed::authority::refusals(&log);
+    assert!(refused.is_empty(), "{}", refused.join("\n"));
 }
 
 /// Applies Node `name` with `labels` and `addresses` (type, address) in its status.
@@ -212,10 +205,10 @@ fn endpoints_by_pod(node: &Node) -> std::collections::BTreeMap<String, Value> {
 #[test]
 fn an_agent_with_only_its_cluster_role_follows_its_node_and_the_service_cidrs() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("a");
-    let node = agent_node(&api, &token, "");
+    let node = agent_node(&api, "");
     let name = node.ns.name.clone();
+    let token = agent_token(&api, &name);
     node_object(
         &api,
         &name,
@@ -358,6 +351,7 @@ fn an_agent_with_only_its_cluster_role_follows_its_node_and_the_service_cidrs() 
             ("delete a Node", 403)
         ]
     );
+    assert_admitted(&node);
     for zone in ["a", "b"] {
         api.delete("calix.dev/v1", "IPPool", &format!("{u}-{zone}"))
             .unwrap_or_else(|e| panic!("{e}"));
@@ -380,11 +374,9 @@ fn wait_endpoints(node: &Node, want: &[&str]) {
 #[test]
 fn endpoints_of_pods_that_are_gone_are_cleaned_up_also_those_deleted_while_the_agent_was_down() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("b");
     let node = agent_node(
         &api,
-        &token,
         "[kubernetes]\npod_gone_grace_secs = 1\npod_check_interval_secs = 1\n",
     );
     let name = node.ns.name.clone();
@@ -465,6 +457,7 @@ fn endpoints_of_pods_that_are_gone_are_cleaned_up_also_those_deleted_while_the_a
         || format!("{:?}", node.cali_links()),
     );
     assert_eq!(used(&node), 0);
+    assert_admitted(&node);
     drop(pods);
     api.delete_now("v1", "Pod", "default", &names[1])
         .unwrap_or_else(|e| panic!("{e}"));
@@ -475,9 +468,8 @@ fn endpoints_of_pods_that_are_gone_are_cleaned_up_also_those_deleted_while_the_a
 #[test]
 fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_are_named() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("e");
-    let node = agent_node(&api, &token, "");
+    let node = agent_node(&api, "");
     let name = node.ns.name.clone();
     node_object(
         &api,
@@ -557,6 +549,7 @@ fn pod_and_namespace_annotations_choose_pools_and_fixed_addresses_and_bad_ones_a
         );
     }
     assert_eq!(used(&node), 3, "{}", ipam_show(&node));
+    assert_admitted(&node);
     drop((from_ns, own, fixed));
     for pool in ["x", "y"] {
         api.delete("calix.dev/v1", "IPPool", &format!("{u}-{pool}"))
@@ -651,10 +644,9 @@ fn blocks_of(node: &Node, owner: &str) -> Vec<String> {
 #[test]
 fn a_fixed_address_is_checked_like_every_allocation_and_refusals_name_the_rule() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("x");
-    let a = agent_node(&api, &token, "[ipam]\nmaxBlocksPerNode = 2\n");
-    let b = agent_node(&api, &token, "");
+    let a = agent_node(&api, "[ipam]\nmaxBlocksPerNode = 2\n");
+    let b = agent_node(&api, "");
     let (na, nb) = (a.ns.name.clone(), b.ns.name.clone());
     for (n, ip) in [(&na, "192.0.2.15"), (&nb, "192.0.2.16")] {
         node_object(&api, n, json!({"calix.dev/test": u}), &[("InternalIP", ip)]);
@@ -780,9 +772,8 @@ fn a_fixed_address_is_checked_like_every_allocation_and_refusals_name_the_rule()
 #[test]
 fn pools_restricted_to_namespaces_serve_only_them_however_a_pod_asks() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("n");
-    let node = agent_node(&api, &token, "");
+    let node = agent_node(&api, "");
     let name = node.ns.name.clone();
     node_object(
         &api,
@@ -977,9 +968,8 @@ fn calixctl_on_cluster(api: &KubeApi, args: &[&str]) -> std::process::Output {
 #[test]
 fn calixctl_shows_checks_and_releases_from_a_kubeconfig_with_the_agent_down() {
     let api = KubeApi::shared();
-    let token = agent_token(&api);
     let u = unique("f");
-    let node = agent_node(&api, &token, "");
+    let node = agent_node(&api, "");
     let name = node.ns.name.clone();
     node_object(
         &api,
@@ -1071,6 +1061,7 @@ fn calixctl_shows_checks_and_releases_from_a_kubeconfig_with_the_agent_down() {
             .status
             .success());
     }
+    assert_admitted(&node);
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
 }
@@ -1080,7 +1071,6 @@ fn the_node_and_pod_watches_carry_on_after_the_api_server_restarts() {
     let api = Arc::new(KubeApi::in_namespace());
     let node = agent_node(
         &api,
-        calix_testbed::k8s::ADMIN_TOKEN,
         "[kubernetes]\npod_gone_grace_secs = 1\npod_check_interval_secs = 1\n",
     );
     let name = node.ns.name.clone();
@@ -1119,6 +1109,7 @@ fn the_node_and_pod_watches_carry_on_after_the_api_server_restarts() {
         || format!("{:?}", node.cali_links()),
     );
     assert_eq!(used(&node), 0);
+    assert_admitted(&node);
     drop(pod);
 }
 
@@ -1128,7 +1119,9 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     let ca = Ca::new("calix-test-ca").expect("CA");
     let u = unique("d");
     let cluster = Cluster::create(Dataplane::Kernel, &[1, 1, 2], |i, c| {
-        let kubeconfig = api.wire(&c.nodes[i].ns).unwrap_or_else(|e| panic!("{e}"));
+        let kubeconfig = api
+            .wire_as(&c.nodes[i].ns, &agent_token(&api, c.name(i)))
+            .unwrap_or_else(|e| panic!("{e}"));
         format!(
             "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n\
              [kubernetes]\npod_gone_grace_secs = 3600\n{}",
@@ -1217,6 +1210,9 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
         || (up(0) == [peer(2)].into()).then_some(()),
         || format!("{:?}", up(0)),
     );
+    for n in &cluster.nodes {
+        assert_admitted(n);
+    }
     drop(pods);
     for i in [0, 2] {
         api.delete("v1", "Node", cluster.name(i))
@@ -1283,7 +1279,7 @@ struct Owned {
 impl Owned {
     fn new(api: &KubeApi) -> Self {
         let u = unique("o");
-        let node = agent_node(api, calix_testbed::k8s::ADMIN_TOKEN, "");
+        let node = agent_node_as(api, Some(calix_testbed::k8s::ADMIN_TOKEN), "");
         let name = node.ns.name.clone();
         node_object(api, &name, json!({}), &[("InternalIP", "192.0.2.14")]);
         let conf = node.dir.join("10-calix.conflist");

@@ -282,3 +282,134 @@ fn an_idle_node_makes_no_netlink_writes_across_ten_resyncs() {
         assert_eq!(repairs(&node, kind), 0, "{kind}");
     }
 }
+
+/// The ifindex of `ifname` in `node`.
+fn ifindex(node: &Node, ifname: &str) -> u32 {
+    let out = node
+        .ns
+        .exec_ok(&["cat", &format!("/sys/class/net/{ifname}/ifindex")]);
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .expect("an ifindex")
+}
+
+/// Endpoint records are desired state only for interfaces that carry calix's mark: a record in
+/// the datastore (written by whoever holds its credentials) naming the node's uplink, or a
+/// `cali…` link whose owner alias names another endpoint, is never programmed — no route, no
+/// setting, no program, no map entry on it — and is reported; the node's real pod is not
+/// disturbed.
+fn forged_records_program_nothing(dp: Dataplane) {
+    use calix_agent::datastore::{keys, Datastore, Durability, EmbeddedStore, Op};
+    use calix_agent::model::EndpointRecord;
+    let node = Node::start_with_config(dp, Some(CONFIG));
+    let pod = Pod::add(&node, "a");
+    // The node's "uplink", and a cali link another endpoint owns (its alias says so).
+    node.ns.ip_batch(
+        "link add eth9 type veth peer name eth9p\nlink set eth9 up\naddr add 192.0.2.9/24 dev eth9\n\
+         link add cali0forged0000 type veth peer name cxtforgedp\nlink set cali0forged0000 up\n\
+         link set cali0forged0000 alias calix:someone-else/eth0\n",
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (uplink, impostor) = ("eth9", "cali0forged0000");
+    let sysctls = |ifname: &str| {
+        [
+            format!("/proc/sys/net/ipv4/conf/{ifname}/proxy_arp"),
+            format!("/proc/sys/net/ipv4/neigh/{ifname}/proxy_delay"),
+            format!("/proc/sys/net/ipv6/conf/{ifname}/accept_ra"),
+            format!("/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6"),
+            format!("/proc/sys/net/ipv4/conf/{ifname}/rp_filter"),
+        ]
+        .map(|p| (p.clone(), sysctl(&node, &p)))
+    };
+    let before = [sysctls(uplink), sysctls(impostor)];
+    node.stop_agent();
+    let store = EmbeddedStore::open(&node.dir.join("store.json")).expect("the node's store");
+    let forged = |cid: &str, host_ifname: &str, addr: &str| EndpointRecord {
+        container_id: cid.into(),
+        ifname: "eth0".into(),
+        host_ifname: host_ifname.into(),
+        netns: String::new(),
+        pod_namespace: String::new(),
+        pod_name: String::new(),
+        pod_uid: String::new(),
+        addresses: vec![addr.into()],
+        handle: format!("k8s-pod-network:{cid}"),
+        mac: "02:00:00:00:00:09".into(),
+        host_ifindex: ifindex(&node, host_ifname),
+    };
+    let records = [
+        forged("forged1", uplink, "10.244.9.9/32"),
+        forged("forged2", impostor, "10.244.9.10/32"),
+    ];
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+        .block_on(async {
+            for r in &records {
+                let key = keys::endpoint(&node.agent().name, &r.container_id, &r.ifname);
+                store
+                    .txn(&[], &[Op::put_json(key, r)], Durability::Process)
+                    .await
+                    .expect("write the forged record");
+            }
+        });
+    drop(store);
+    node.start_agent();
+    within_10s("the forged records reported", &node, || {
+        [uplink, impostor].iter().all(|i| {
+            endpoint(&node, i).is_some_and(|e| {
+                e["state"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("not calix's"))
+            })
+        })
+    });
+    // Two more resyncs (2 s each): still nothing on them.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!([sysctls(uplink), sysctls(impostor)], before);
+    for (ifname, addr) in [(uplink, "10.244.9.9/32"), (impostor, "10.244.9.10/32")] {
+        let routes = node.ns.exec_ok(&["ip", "route", "show", addr]);
+        assert!(
+            routes.stdout.is_empty(),
+            "{addr}: {}",
+            String::from_utf8_lossy(&routes.stdout)
+        );
+        if dp == Dataplane::Ebpf {
+            for dir in ["ingress", "egress"] {
+                assert_eq!(node.filter_prog(ifname, dir), None, "{ifname} {dir}");
+                assert_eq!(node.tcx_prog(ifname, dir), None, "{ifname} {dir}");
+            }
+            let pid = node.agent_pid().expect("pid");
+            let table = bpf_maps_of(pid, "CALIX_ENDPOINTS")[0];
+            let keys = calix_testbed::bpf_map_u32_keys(table);
+            assert!(
+                !keys.contains(&ifindex(&node, ifname)),
+                "{ifname} in {keys:?}"
+            );
+        }
+    }
+    let log = node.agent_log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("not calix's") && l.contains(uplink)),
+        "{log}"
+    );
+    // The real pod: programmed, reachable.
+    assert_eq!(
+        endpoint(&node, &pod.host_ifname()).expect("listed")["state"],
+        "ok"
+    );
+    assert!(node.ns.ping(&pod.ip(), 2));
+}
+
+#[test]
+fn forged_endpoint_records_program_nothing_in_ebpf_mode() {
+    forged_records_program_nothing(Dataplane::Ebpf);
+}
+
+#[test]
+fn forged_endpoint_records_program_nothing_in_kernel_mode() {
+    forged_records_program_nothing(Dataplane::Kernel);
+}

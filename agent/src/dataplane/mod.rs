@@ -40,6 +40,11 @@ pub enum DataplaneError {
         expected: u32,
         found: u32,
     },
+    #[error(
+        "interface {ifname} is not calix's ({found}): an endpoint is programmed only on the host \
+         veth the plugin made for it (a cali… name carrying its owner alias)"
+    )]
+    NotCalix { ifname: String, found: String },
     #[error("loading the eBPF object failed")]
     Load(#[source] Box<aya::EbpfError>),
     #[error("bpffs pin directory {path}: {op} failed")]

@@ -43,7 +43,9 @@ fn status(e: AgentError) -> Status {
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),
-        AgentError::PoolChange(_) => Status::failed_precondition(msg),
+        AgentError::PoolChange(_) | AgentError::ForeignAllocation { .. } => {
+            Status::failed_precondition(msg)
+        }
         AgentError::Datastore(_) => Status::unavailable(msg),
     }
 }

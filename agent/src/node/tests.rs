@@ -1306,3 +1306,83 @@ async fn handle_repair_lists_only_this_nodes_handles() {
     );
     drop((a, b));
 }
+
+/// An agent writes only what is its node's (the kubernetes datastore's node authority refuses
+/// the rest; etcd would let it through): another node's address is not released through this
+/// node's agent (calixctl on its socket names the owner and the way to do it), and a release
+/// by handle frees only this node's own allocations of it.
+#[tokio::test]
+async fn an_agent_releases_only_its_own_nodes_addresses() {
+    let (_d, s) = store();
+    let pools = vec![pool("10.1.0.0/24", 26)];
+    let a = agent_on(&s, "a", pools.clone(), Policy::default()).await;
+    let b = agent_on(&s, "b", pools, Policy::default()).await;
+    let h = handle::encode("net", "cb");
+    let theirs = alloc4(&b, &h).await.expect("b allocates");
+    let e = a
+        .ipam
+        .release_address(theirs, None, "calixctl ipam release --ip, on node a")
+        .await
+        .expect_err("b's address, released through a");
+    assert!(
+        matches!(&e, AgentError::ForeignAllocation { node, addr } if node == "b" && *addr == theirs),
+        "{e}"
+    );
+    assert!(e.to_string().contains("calixctl --kubeconfig"), "{e}");
+    assert_eq!(
+        a.ipam.release(&h, "eth0").await.expect("release on a"),
+        Vec::<IpAddr>::new(),
+        "a released b's allocation of the handle"
+    );
+    assert_eq!(
+        b.ipam.lookup(&h, "eth0").await.expect("lookup")[0].0,
+        theirs
+    );
+    assert_eq!(
+        handle_record(&s, &h).await.expect("b's handle record").node,
+        "b"
+    );
+    // A late release naming another allocation's sequence number is no release at all.
+    assert!(!a
+        .ipam
+        .release_address(theirs, Some(u64::MAX), "late")
+        .await
+        .expect("a late release"));
+    assert_eq!(
+        b.ipam.release(&h, "eth0").await.expect("release on b"),
+        vec![theirs]
+    );
+}
+
+/// A handle record that names another node (stale, or forged) at a key this node's allocation
+/// uses is that node's to fix (or an operator's): the repair leaves it, writing nothing.
+#[tokio::test]
+async fn the_repair_leaves_a_handle_record_of_another_node() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "a", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
+    let h = handle::encode("net", "ca");
+    alloc4(&a, &h).await.expect("a allocates");
+    let key = keys::handle(&h, "eth0");
+    let other = HandleRecord {
+        node: "b".into(),
+        addresses: Vec::new(),
+    };
+    s.store
+        .txn(
+            &[],
+            &[Op::put_json(key.clone(), &other)],
+            Durability::Process,
+        )
+        .await
+        .expect("another node's record");
+    let before = s.get(&key).await.expect("the record").revision;
+    drop(a);
+    // The next agent repairs the handle records at start.
+    let _a = agent_on(&s, "a", vec![pool("10.1.0.0/24", 26)], Policy::default()).await;
+    let after = s.get(&key).await.expect("the record");
+    assert_eq!(
+        after.revision, before,
+        "another node's handle record was rewritten"
+    );
+    assert_eq!(after.decode::<HandleRecord>().expect("record").node, "b");
+}

@@ -13,7 +13,11 @@
 //! Per endpoint it checks, in dependency order: the host veth (present, the same link, up),
 //! its settings ([`host_settings`]), its host routes ([`HostRoute`], protocol 202), then the
 //! dataplane's filters and map entries ([`Dataplane::verify`]). A veth that is gone is
-//! reported, never re-created: only the CNI plugin creates pods' interfaces. Every repair is
+//! reported, never re-created: only the CNI plugin creates pods' interfaces. An interface that
+//! does not carry calix's mark for the endpoint (a `cali…` name and the endpoint's owner alias,
+//! `calix:<containerID>/<ifname>`) is never programmed — a record naming the uplink or `lo`,
+//! from a forged datastore write, gets no route, setting, program or map entry — and is
+//! reported ([`Health::NotCalix`]). Every repair is
 //! logged with what was wrong and counted by kind (`calix_repairs_total{kind}`). It touches
 //! only what carries calix's mark: routes with calix's protocol to endpoint addresses, the
 //! settings of the veths it records, filters at calix's priority and handle, map entries.
@@ -48,6 +52,9 @@ pub enum Health {
     InterfaceMissing,
     /// Its host veth's name belongs to another link now (a newer sandbox's).
     Replaced { found: u32 },
+    /// The interface its record names does not carry calix's mark for it (a `cali…` name and
+    /// the endpoint's owner alias): never programmed, whatever the record says.
+    NotCalix { found: String },
     /// The last attempt to apply it failed; it is retried with backoff.
     Failing { error: String },
 }
@@ -58,6 +65,9 @@ impl std::fmt::Display for Health {
             Health::Ok => write!(f, "ok"),
             Health::InterfaceMissing => write!(f, "interface missing"),
             Health::Replaced { found } => write!(f, "interface replaced (now ifindex {found})"),
+            Health::NotCalix { found } => {
+                write!(f, "interface not calix's ({found}): never programmed")
+            }
             Health::Failing { error } => write!(f, "failing: {error}"),
         }
     }
@@ -197,6 +207,19 @@ impl<K: HostKernel> Reconciler<K> {
     /// Makes `spec` desired and programs it now (CNI ADD waits for this). A failure is
     /// returned and the endpoint is not kept: the caller (the registry) rolls back.
     pub fn upsert(&mut self, spec: EndpointSpec) -> Result<Attached, DataplaneError> {
+        let link =
+            self.kernel
+                .link(&spec.host_ifname)
+                .map_err(|source| DataplaneError::Kernel {
+                    what: format!("link {}", spec.host_ifname),
+                    source: Box::new(source),
+                })?;
+        if let Some(found) = link.and_then(|l| not_its_veth(&spec, &l)) {
+            return Err(DataplaneError::NotCalix {
+                ifname: spec.host_ifname.clone(),
+                found,
+            });
+        }
         // Another endpoint on the same interface name is an older sandbox of the same pod:
         // its interface is gone or is this one; it is no longer desired.
         let older: Vec<String> = self
@@ -568,6 +591,9 @@ impl<K: HostKernel> Reconciler<K> {
                 return Ok((Health::Replaced { found: link.index }, Vec::new(), None));
             }
         }
+        if let Some(found) = not_its_veth(spec, &link) {
+            return Ok((Health::NotCalix { found }, Vec::new(), None));
+        }
         let mut repairs = Vec::new();
         if !link.up {
             self.kernel
@@ -653,6 +679,25 @@ impl<K: HostKernel> Reconciler<K> {
     pub fn keys(&self) -> HashSet<String> {
         self.desired.keys().cloned().collect()
     }
+}
+
+/// Why `link` (named as `spec` says) is not the host veth calix made for `spec`'s endpoint;
+/// `None` when it is ([`calix_kernel::pod::is_host_veth_of`]).
+fn not_its_veth(spec: &EndpointSpec, link: &calix_kernel::host::Link) -> Option<String> {
+    let (container_id, ifname) = spec.key.split_once('/').unwrap_or((spec.key.as_str(), ""));
+    let name = spec.host_ifname.as_str();
+    let alias = link.alias.as_deref();
+    if calix_kernel::pod::is_host_veth_of(name, alias, container_id, ifname) {
+        return None;
+    }
+    Some(if !name.starts_with(calix_kernel::pod::HOST_VETH_PREFIX) {
+        format!("not a {}… link", calix_kernel::pod::HOST_VETH_PREFIX)
+    } else {
+        match alias {
+            Some(a) => format!("its owner alias is {a:?}"),
+            None => "it has no owner alias".to_string(),
+        }
+    })
 }
 
 /// Writes each of `settings` that differs from what the kernel has, adding a repair for it.

@@ -121,6 +121,7 @@ fn spec() -> EndpointSpec {
 pub(super) fn wired() -> FakeHost {
     let mut k = FakeHost::default();
     k.add_link(IF, IDX);
+    mark(&mut k, IF, "c1/eth0");
     for s in host_settings(IF, true, false)
         .into_iter()
         .chain(node_settings())
@@ -129,6 +130,13 @@ pub(super) fn wired() -> FakeHost {
     }
     k.routes.extend(HostRoute::of_pod(IDX, spec().ipv4, None));
     k
+}
+
+/// Gives link `name` the owner alias the plugin gives the veth of endpoint `key`.
+pub(super) fn mark(k: &mut FakeHost, name: &str, key: &str) {
+    let (cid, ifname) = key.split_once('/').expect("containerID/ifname");
+    k.links.get_mut(name).expect("the link").alias =
+        Some(calix_kernel::pod::owner_alias(cid, ifname));
 }
 
 pub(super) fn reconciler(k: FakeHost) -> (Reconciler<FakeHost>, Arc<Mutex<Seen>>) {
@@ -241,6 +249,7 @@ fn a_missing_or_replaced_veth_is_reported_not_recreated() {
     // Its own link back (renamed back): programmed again.
     r.kernel.links.clear();
     r.kernel.add_link(IF, IDX);
+    mark(&mut r.kernel, IF, "c1/eth0");
     let before = seen.lock().expect("lock").attached.len();
     let pass = r.resync(now + Duration::from_secs(2));
     assert_eq!(r.health()["c1/eth0"], Health::Ok);
@@ -288,6 +297,8 @@ fn an_older_sandbox_on_the_same_interface_is_no_longer_desired() {
     r.upsert(spec()).expect("upsert A");
     let mut b = spec();
     b.key = "c2/eth0".into();
+    // The plugin replaced A's veth with B's (same name, B's owner alias).
+    mark(&mut r.kernel, IF, "c2/eth0");
     r.upsert(b).expect("upsert B");
     assert_eq!(r.keys(), HashSet::from(["c2/eth0".to_string()]));
     // Removing A's key later (its late DEL) detaches only A.
@@ -363,4 +374,78 @@ fn an_optional_node_setting_the_kernel_lacks_is_left_alone() {
     let (mut r, _) = reconciler(k);
     assert!(r.resync(Instant::now()).repairs.is_empty());
     assert!(r.kernel.writes.is_empty(), "{:?}", r.kernel.writes);
+}
+
+/// A record (from the datastore: whoever can write it) naming an interface calix did not make
+/// for that endpoint — the uplink, or a cali link whose owner alias names another endpoint —
+/// is never programmed: no write to the kernel, nothing attached; reported, and refused at
+/// once on the CNI path.
+#[test]
+fn an_interface_without_calixs_mark_for_the_endpoint_is_never_programmed() {
+    let mut k = FakeHost::default();
+    k.add_link("eth0", 2);
+    k.add_link(IF, IDX);
+    mark(&mut k, IF, "someone-else/eth0");
+    k.add_link("cali1111111111a", 8);
+    let (mut r, seen) = reconciler(k);
+    let uplink = EndpointSpec {
+        key: "forged/eth0".into(),
+        host_ifname: "eth0".into(),
+        host_ifindex: Some(2),
+        ..spec()
+    };
+    let impostor = EndpointSpec {
+        key: "forged2/eth0".into(),
+        ..spec()
+    };
+    let unmarked = EndpointSpec {
+        key: "forged3/eth0".into(),
+        host_ifname: "cali1111111111a".into(),
+        host_ifindex: Some(8),
+        ..spec()
+    };
+    for s in [&uplink, &impostor, &unmarked] {
+        r.adopt(s.clone());
+    }
+    let now = Instant::now();
+    for i in 0..3 {
+        let pass = r.resync(now + Duration::from_secs(30 * i));
+        assert_eq!(pass.unhealthy, 3, "{pass:?}");
+    }
+    let health = r.health();
+    assert_eq!(
+        health["forged/eth0"],
+        Health::NotCalix {
+            found: "not a cali… link".into()
+        }
+    );
+    assert_eq!(
+        health["forged2/eth0"],
+        Health::NotCalix {
+            found: "its owner alias is \"calix:someone-else/eth0\"".into()
+        }
+    );
+    assert_eq!(
+        health["forged3/eth0"],
+        Health::NotCalix {
+            found: "it has no owner alias".into()
+        }
+    );
+    assert!(health["forged/eth0"].to_string().contains("not calix's"));
+    // Nothing written, nothing attached: only the node's own settings.
+    let node_paths: Vec<String> = node_settings().into_iter().map(|s| s.path).collect();
+    let writes: Vec<&String> = r
+        .kernel
+        .writes
+        .iter()
+        .filter(|w| !node_paths.iter().any(|p| w.contains(p.as_str())))
+        .collect();
+    assert!(writes.is_empty(), "{writes:?}");
+    assert!(r.kernel.routes.is_empty());
+    assert!(seen.lock().expect("lock").attached.is_empty());
+    assert!(r.programmed_interfaces().is_empty());
+    // The CNI path: refused before anything is programmed.
+    let e = r.upsert(uplink).expect_err("the uplink");
+    assert!(matches!(e, DataplaneError::NotCalix { .. }), "{e}");
+    assert!(seen.lock().expect("lock").attached.is_empty());
 }

@@ -14,10 +14,11 @@
 //!   (a field the installed CRD does not know is refused, not pruned: CRDs older than the
 //!   agent fail the write loudly instead of losing data), and every write compares the `spec`
 //!   it gets back with the record sent.
-//! - Transient failures (connection refused or reset, timeouts, 429, 5xx) are retried, up to
-//!   `attempts` tries each bounded by `timeout`, with a backoff of 50 ms doubling up to 2 s. A
-//!   retried write whose first try did land sees its own write as a lost compare (`Ok(None)`),
-//!   as with etcd: callers re-read.
+//! - Transient failures (connection refused or reset, timeouts, 429, 5xx, and a 403 while the
+//!   API server's `/readyz` is not `ok`: just restarted, its authorizer not loaded yet) are
+//!   retried, up to `attempts` tries each bounded by `timeout`, with a backoff of 50 ms
+//!   doubling up to 2 s. A retried write whose first try did land sees its own write as a lost
+//!   compare (`Ok(None)`), as with etcd: callers re-read.
 //! - Listings page through the API (500 objects a page) and are one snapshot (the first page's
 //!   resourceVersion; a listing over several kinds reads the others at exactly that version).
 //! - A watch covers one kind ([`watch`]). Prefixes that span several kinds can be listed but
@@ -114,6 +115,15 @@ impl KubeStore {
                 Ok(Ok(v)) => return Ok(Answer::Done(v)),
                 Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Ok(Answer::Missing(s)),
                 Ok(Err(kube::Error::Api(s))) if s.code == 409 => return Ok(Answer::Lost),
+                // A server just (re)started answers before its authorizer has loaded the RBAC
+                // objects, refusing every ServiceAccount meanwhile: retried while it says it
+                // is not ready; from a ready one, a 403 is the answer.
+                Ok(Err(e @ kube::Error::Api(_))) if forbidden(&e) => {
+                    if self.ready().await {
+                        return Err(rejected(what, &e));
+                    }
+                    detail = format!("{what}: {e} (the API server is not ready yet)");
+                }
                 Ok(Err(e)) if !transient(&e) => return Err(rejected(what, &e)),
                 Ok(Err(e)) => detail = format!("{what}: {e}"),
                 Err(_) => detail = format!("{what}: no answer within {:?}", self.timeout),
@@ -134,6 +144,17 @@ impl KubeStore {
             attempts: self.attempts,
             detail,
         })
+    }
+
+    /// Whether the API server says it is ready (`/readyz` answers `ok`).
+    async fn ready(&self) -> bool {
+        let Ok(req) = http::Request::get("/readyz").body(Vec::new()) else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(self.timeout, self.client.request_text(req)).await,
+            Ok(Ok(body)) if body.trim() == "ok"
+        )
     }
 
     /// The object at `key`, and its kind.
@@ -633,6 +654,11 @@ pub(crate) fn parse_revision(rv: Option<&str>, kind: &Kind) -> Result<i64, Datas
         })
 }
 
+/// A 403 Forbidden.
+fn forbidden(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 403)
+}
+
 /// Whether a failure may go away by itself.
 fn transient(e: &kube::Error) -> bool {
     match e {
@@ -680,5 +706,92 @@ fn unexpected_conflict(what: &str) -> DatastoreError {
         what: what.into(),
         code: 409,
         detail: "conflict on a read".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    /// A store over a scripted API server: each request's path is recorded and answered by
+    /// `answer` (status, body).
+    fn scripted(
+        answer: impl Fn(&str, usize) -> (u16, String) + Send + Sync + 'static,
+    ) -> (KubeStore, Arc<Mutex<Vec<String>>>) {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = seen.clone();
+        let answer = Arc::new(answer);
+        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
+            let path = req.uri().path().to_string();
+            let n = {
+                let mut log = log.lock().expect("lock");
+                log.push(path.clone());
+                log.iter().filter(|p| **p == path).count()
+            };
+            let (status, body) = answer(&path, n);
+            async move {
+                http::Response::builder()
+                    .status(status)
+                    .header("content-type", "application/json")
+                    .body(kube::client::Body::from(body.into_bytes()))
+            }
+        });
+        let client = kube::Client::new(service, "default");
+        (KubeStore::new(client, Duration::from_secs(2), 5), seen)
+    }
+
+    fn forbidden() -> (u16, String) {
+        (
+            403,
+            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                "reason": "Forbidden", "code": 403,
+                "message": "calixnodes.calix.dev \"n1\" is forbidden: User \"system:serviceaccount:kube-system:calix\" cannot get resource \"calixnodes\""})
+            .to_string(),
+        )
+    }
+
+    fn node_object() -> String {
+        serde_json::json!({"apiVersion": "calix.dev/v1", "kind": "CalixNode",
+            "metadata": {"name": "n1", "resourceVersion": "7",
+                "annotations": {"calix.dev/key": "nodes/n1"}},
+            "spec": {"name": "n1"}})
+        .to_string()
+    }
+
+    /// An API server just (re)started serves requests before its authorizer has loaded the
+    /// RBAC objects, refusing every ServiceAccount meanwhile (seen in kubernetes.rs's API server
+    /// restart, once agents no longer ran as system:masters): a 403 while /readyz is not ok is
+    /// retried; from a ready server it is the answer, at once.
+    #[tokio::test]
+    async fn a_403_is_retried_only_while_the_api_server_is_not_ready() {
+        let (store, seen) = scripted(|path, n| match path {
+            "/readyz" => (500, "[-]informer-sync failed".into()),
+            _ if n == 1 => forbidden(),
+            _ => (200, node_object()),
+        });
+        let got = store
+            .get("nodes/n1")
+            .await
+            .expect("the node record, once ready");
+        assert_eq!(got.expect("present").revision, 7);
+        assert!(seen.lock().expect("lock").contains(&"/readyz".to_string()));
+        let (store, seen) = scripted(|path, _| match path {
+            "/readyz" => (200, "ok".into()),
+            _ => forbidden(),
+        });
+        let e = store.get("nodes/n1").await.expect_err("refused");
+        assert!(
+            matches!(&e, DatastoreError::Rejected { code: 403, .. }),
+            "{e}"
+        );
+        let gets = seen
+            .lock()
+            .expect("lock")
+            .iter()
+            .filter(|p| p.ends_with("/n1"))
+            .count();
+        assert_eq!(gets, 1, "a refusal from a ready server is not retried");
     }
 }

@@ -444,7 +444,8 @@ impl IpamService {
     }
 
     /// Makes the stored record of (handle, ifname) say `desired` (deleted when `None`), with a
-    /// compare-and-swap on what `stored` says it is. Best effort: a lost race or a failure is
+    /// compare-and-swap on what `stored` says it is. A stored record of another node is left as
+    /// it is (not this node's to write). Best effort: a lost race or a failure is
     /// logged, reads check the blocks anyway, and [`Self::repair_handles`] settles it at the
     /// next housekeeping pass. Returns whether the record now says `desired`.
     pub(super) async fn write_record(
@@ -456,6 +457,15 @@ impl IpamService {
         desired: Option<&HandleRecord>,
     ) -> bool {
         let hkey = keys::handle(handle, ifname);
+        if let Some((_, cur)) = stored {
+            if !cur.node.is_empty() && cur.node != self.node.name {
+                // Another node's record (stale, or forged): that node's to fix, or an
+                // operator's. Reads check the blocks; `ipam check` reports it.
+                tracing::debug!(%handle, %ifname, node = %cur.node,
+                    "handle record of another node left as it is");
+                return false;
+            }
+        }
         let (compare, op) = match (stored, desired) {
             (Some((_, cur)), Some(d)) if same_record(cur, d) => return true,
             (None, None) => return true,
@@ -556,8 +566,9 @@ impl IpamService {
         Ok(released)
     }
 
-    /// Releases every address of (handle, ifname) — one compare-and-swap per block, each
-    /// freeing only the very allocations (sequence numbers) the block holds for it — then
+    /// Releases every address this node allocated for (handle, ifname) — one compare-and-swap
+    /// per block, each freeing only the very allocations (sequence numbers) the block holds
+    /// for it; another node's allocation of the handle is that node's to release — then
     /// deletes its record (best effort: a record left behind names addresses the blocks no
     /// longer give the handle, which reads ignore and the repair deletes).
     pub(super) async fn release_handle_locked(
@@ -570,10 +581,12 @@ impl IpamService {
         let (_, stored) = self.held(inner, handle, ifname, false).await?;
         let mut released = Vec::new();
         for attempt in 0..CAS_ATTEMPTS {
+            // This node's allocations of it only: another node's are that node's to release.
             let held: Vec<(String, IpAddr, u64)> = inner
                 .ipam
                 .held_by(handle, ifname)
                 .into_iter()
+                .filter(|(_, _, a)| a.node == self.node.name)
                 .map(|(key, addr, a)| (key.to_string(), addr, a.seq))
                 .collect();
             let Some((block, ..)) = held.first().cloned() else {
@@ -611,7 +624,9 @@ impl IpamService {
 
     /// Releases one address (calixctl, leak GC, a rollback) — only if it is still allocation
     /// `seq` when given — then brings its handle's record in line. Returns whether it was
-    /// released.
+    /// released. An address another node allocated is refused
+    /// ([`AgentError::ForeignAllocation`]): only that node's agent writes its allocations (the
+    /// kubernetes datastore's node authority would refuse the write anyway).
     pub async fn release_address(
         &self,
         addr: IpAddr,
@@ -633,6 +648,15 @@ impl IpamService {
         for attempt in 0..CAS_ATTEMPTS {
             if inner.stale || inner.ipam.block_of(addr).is_none() {
                 self.refresh_blocks(inner).await?;
+            }
+            let owner = inner
+                .ipam
+                .block_of(addr)
+                .and_then(|b| b.allocations.get(&b.offset_of(addr)?))
+                .filter(|a| seq.is_none_or(|s| s == a.seq))
+                .map(|a| a.node.clone());
+            if let Some(node) = owner.filter(|n| *n != self.node.name) {
+                return Err(AgentError::ForeignAllocation { addr, node });
             }
             let Some((block, gone)) = inner.ipam.release_address(addr, seq) else {
                 return Ok(false);
