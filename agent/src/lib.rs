@@ -15,6 +15,7 @@ pub mod model;
 pub mod node;
 pub mod notice;
 pub mod paths;
+pub mod pki;
 pub mod reconcile;
 pub mod routes;
 pub mod tasks;

@@ -160,6 +160,95 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
     follower.abort();
 }
 
+fn material_names(ca: &Ca, names: &[&str]) -> TlsMaterial {
+    let c = ca.issue_names(names).expect("cert");
+    let p = Path::new("(test)");
+    TlsMaterial::from_pem(
+        (p, ca.pem().as_bytes()),
+        (p, c.cert_pem.as_bytes()),
+        (p, c.key_pem.as_bytes()),
+    )
+    .expect("material")
+}
+
+/// A certificate that names two nodes (both DNS SANs valid, signed by the CA) identifies
+/// neither: a client presenting one is refused whichever of its names it watches as, and a
+/// server presenting one is refused by a follower that dialed one of its names.
+#[tokio::test]
+async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server(&ca, Limits::default()).await;
+    s.own.publish(&BTreeMap::new(), Instant::now());
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(
+            material_names(&ca, &["b", "c"])
+                .client_config()
+                .expect("client"),
+        ),
+        connect_timeout: Duration::from_secs(3),
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    match next(&mut rx).await {
+        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        other => panic!("a client certificate naming b and c watched as b: {other:?}"),
+    }
+    follower.abort();
+
+    // A server whose certificate names a and c, dialed as a.
+    let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = sock.local_addr().expect("addr").to_string();
+    let known = Arc::new(Known::default());
+    known.set(["b".to_string()].into());
+    let own = Arc::new(Feed::default());
+    own.publish(&BTreeMap::new(), Instant::now());
+    let (_stop, stop_rx) = watch::channel(false);
+    let svc = RoutesSvc {
+        feeds: Arc::new(Feeds {
+            own,
+            relay: Arc::new(Feed::default()),
+            reflector: false,
+        }),
+        known,
+        stats: Arc::new(DoorStats::default()),
+        shutdown: stop_rx.clone(),
+        throttle: Arc::default(),
+    };
+    let tls = material_names(&ca, &["a", "c"])
+        .server_config()
+        .expect("server");
+    tokio::spawn(listener::serve(
+        sock,
+        Some(tls),
+        svc,
+        Limits::default(),
+        stop_rx,
+    ));
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        connect_timeout: Duration::from_secs(3),
+    });
+    let target = Target {
+        endpoint: addr,
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    match next(&mut rx).await {
+        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        other => panic!("a server certificate naming a and c passed as a: {other:?}"),
+    }
+    follower.abort();
+}
+
 #[tokio::test]
 async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     let ca = Ca::new("test-ca").expect("ca");
