@@ -18,5 +18,6 @@ pub mod paths;
 pub mod pki;
 pub mod reconcile;
 pub mod routes;
+pub mod signer;
 pub mod tasks;
 pub mod uninstall;

@@ -204,8 +204,16 @@ mod tests {
             webpki::KeyUsage::server_auth(),
             webpki::KeyUsage::client_auth(),
         ] {
-            ee.verify_for_usage(algs.all, std::slice::from_ref(&anchor), &[], t, usage, None, None)
-                .expect("chains to the CA");
+            ee.verify_for_usage(
+                algs.all,
+                std::slice::from_ref(&anchor),
+                &[],
+                t,
+                usage,
+                None,
+                None,
+            )
+            .expect("chains to the CA");
         }
         let name = ServerName::try_from("node-a").expect("name");
         ee.verify_is_valid_for_subject_name(&name)

@@ -187,6 +187,7 @@ pub fn new_request(node: &str) -> Result<NewRequest, PkiError> {
     let make = |what| move |source| PkiError::Make { what, source };
     let key = KeyPair::generate().map_err(make("key"))?;
     let mut params = CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
     params
         .distinguished_name
         .push(DnType::CommonName, node.to_string());

@@ -15,8 +15,9 @@ use super::feed::Feed;
 use super::listener::{self, DoorStats, Limits};
 use super::peers::Target;
 use super::server::{Feeds, Known, RoutesSvc};
-use super::tls::TlsMaterial;
+use super::tls::{LiveTls, TlsMaterial};
 use super::Route;
+use crate::config::CertSource;
 
 fn material(ca: &Ca, name: &str) -> TlsMaterial {
     let c = ca.issue(name).expect("cert");
@@ -95,6 +96,7 @@ async fn a_follower_gets_the_snapshot_then_deltas_over_mutual_tls_and_sees_the_s
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {
@@ -143,6 +145,7 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     // "c" is expected at a's address: a's certificate does not name c.
@@ -187,6 +190,7 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
                 .client_config()
                 .expect("client"),
         ),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {
@@ -235,6 +239,7 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {
@@ -246,6 +251,126 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
         PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
         other => panic!("a server certificate naming a and c passed as a: {other:?}"),
     }
+    follower.abort();
+}
+
+/// `name`'s certificate from `ca`, put in `live`; its serial.
+fn renew(live: &LiveTls, ca: &Ca, name: &str) -> String {
+    use rustls::pki_types::pem::PemObject;
+    let c = ca.issue(name).expect("cert");
+    let chain = rustls::pki_types::CertificateDer::pem_slice_iter(c.cert_pem.as_bytes())
+        .map(|c| c.expect("pem"))
+        .collect();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).expect("key");
+    live.set_identity(chain, key).expect("identity").serial
+}
+
+/// The serial of the certificate the server at `addr` presents to a client of `live`.
+async fn served_serial(addr: &str, live: &Arc<LiveTls>, node: &str) -> String {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let tls = tokio_rustls::TlsConnector::from(live.client_config().expect("client"))
+        .connect(super::tls::server_name(node).expect("name"), tcp)
+        .await
+        .expect("handshake");
+    let cert = tls.get_ref().1.peer_certificates().expect("certs")[0].clone();
+    crate::pki::cert::facts(cert.as_ref())
+        .expect("facts")
+        .serial
+}
+
+/// A renewed certificate is served from the next handshake on, while the stream that is open
+/// carries on (no reconnect, the next delta on the same stream); a node still waiting for its
+/// first certificate neither serves nor dials, and starts both once it is there.
+#[tokio::test]
+async fn a_renewed_certificate_is_used_by_new_connections_and_open_streams_go_on() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = sock.local_addr().expect("addr").to_string();
+    let known = Arc::new(Known::default());
+    known.set(["b".to_string()].into());
+    let own = Arc::new(Feed::default());
+    let stats = Arc::new(DoorStats::default());
+    let (_stop, stop_rx) = watch::channel(false);
+    let svc = RoutesSvc {
+        feeds: Arc::new(Feeds {
+            own: own.clone(),
+            relay: Arc::new(Feed::default()),
+            reflector: false,
+        }),
+        known,
+        stats: stats.clone(),
+        shutdown: stop_rx.clone(),
+        throttle: Arc::default(),
+    };
+    let bundle = super::tls::bundle(Path::new("(ca)"), ca.pem().as_bytes()).expect("bundle");
+    let server_tls = LiveTls::pending("a", CertSource::Kubernetes);
+    server_tls.set_roots(bundle.clone()).expect("roots");
+    let config = server_tls.server_config().expect("server");
+    tokio::spawn(listener::serve(
+        sock,
+        Some(config),
+        svc,
+        Limits::default(),
+        stop_rx,
+    ));
+    // The follower's own certificate is not there yet: it does not dial.
+    let client_tls = LiveTls::pending("b", CertSource::Kubernetes);
+    client_tls.set_roots(bundle).expect("roots");
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(client_tls.client_config().expect("client")),
+        live: Some(client_tls.clone()),
+        connect_timeout: Duration::from_secs(3),
+    });
+    let mut set = BTreeMap::new();
+    set.insert(route("10.0.0.0/26").prefix, route("10.0.0.0/26"));
+    own.publish(&set, Instant::now());
+    let (tx, mut rx) = mpsc::channel(16);
+    let target = Target {
+        endpoint: addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rx.try_recv().is_err(),
+        "no event while it has no certificate"
+    );
+    assert_eq!(
+        stats.counts().refused_tls + stats.counts().accepted,
+        0,
+        "nothing dialed"
+    );
+    renew(&client_tls, &ca, "b");
+    // Now it dials, but the server has no certificate yet: refused at the handshake.
+    assert!(matches!(next(&mut rx).await, PeerEvent::Down { .. }));
+    assert!(stats.counts().refused_tls >= 1);
+    let first = renew(&server_tls, &ca, "a");
+    let generation = loop {
+        match next(&mut rx).await {
+            PeerEvent::Snapshot { generation, .. } => break generation,
+            PeerEvent::Down { .. } => continue,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(served_serial(&addr, &client_tls, "a").await, first);
+    let accepted = stats.counts().accepted;
+    // Renewed on both sides: the open stream carries the next delta.
+    let second = renew(&server_tls, &ca, "a");
+    renew(&client_tls, &ca, "b");
+    assert_ne!(first, second);
+    set.insert(route("10.0.0.64/26").prefix, route("10.0.0.64/26"));
+    own.publish(&set, Instant::now());
+    match next(&mut rx).await {
+        PeerEvent::Delta { generation: g, .. } => assert_eq!(g, generation + 1),
+        other => panic!("the stream did not go on: {other:?}"),
+    }
+    assert_eq!(served_serial(&addr, &client_tls, "a").await, second);
+    // One more accepted connection: served_serial's, not a reconnect of the follower.
+    assert_eq!(stats.counts().accepted, accepted + 1);
+    assert_eq!(server_tls.status(std::time::SystemTime::now()).issued, 2);
     follower.abort();
 }
 
@@ -294,6 +419,7 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {
@@ -316,6 +442,7 @@ async fn a_watcher_waits_for_the_first_publication_instead_of_an_empty_snapshot(
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {
@@ -377,6 +504,7 @@ async fn a_snapshot_larger_than_the_window_arrives() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
     });
     let target = Target {

@@ -29,7 +29,7 @@ use rustls::{ServerConfig, SignatureScheme};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::config::TlsConfig;
+use crate::config::{CertSource, TlsConfig};
 use crate::pki::cert::{self, CertFacts, NameError};
 
 #[derive(Debug, thiserror::Error)]
@@ -143,7 +143,7 @@ impl TlsMaterial {
     /// The material, live (fixed: nothing renews it), as it is: a test's or a simulation's
     /// certificate may name anything ([`TlsMaterial::load`] is the agent's, checked).
     fn live(&self) -> Result<Arc<LiveTls>, TlsError> {
-        let live = LiveTls::pending("", TlsSource::Files);
+        let live = LiveTls::pending("", CertSource::Files);
         live.set_roots(self.roots.clone())?;
         live.install(self.chain.clone(), self.key.clone_key(), false)?;
         Ok(live)
@@ -211,16 +211,6 @@ pub fn server_name(node: &str) -> Result<ServerName<'static>, TlsError> {
     }
 }
 
-/// Where this node's certificate comes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TlsSource {
-    /// `routes.tls.{ca,cert,key}`.
-    Files,
-    /// A CertificateSigningRequest ([`crate::k8s::certificates`]).
-    Kubernetes,
-}
-
 /// What `calixctl nodes` and `/metrics` show of this node's certificate.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct CertStatus {
@@ -246,7 +236,7 @@ pub struct CertStatus {
 /// which may be replaced at any time (see the module doc).
 pub struct LiveTls {
     me: String,
-    source: TlsSource,
+    source: CertSource,
     state: RwLock<State>,
     /// Ready: a bundle and a certificate.
     ready: watch::Sender<bool>,
@@ -278,7 +268,7 @@ impl std::fmt::Debug for LiveTls {
 
 impl LiveTls {
     /// Empty: no bundle, no certificate yet.
-    pub fn pending(me: &str, source: TlsSource) -> Arc<Self> {
+    pub fn pending(me: &str, source: CertSource) -> Arc<Self> {
         Arc::new(Self {
             me: me.to_string(),
             source,
@@ -292,7 +282,7 @@ impl LiveTls {
     /// CA file.
     pub fn from_files(files: &TlsConfig, me: &str) -> Result<Arc<Self>, TlsError> {
         let m = TlsMaterial::load(files, me)?;
-        let live = Self::pending(me, TlsSource::Files);
+        let live = Self::pending(me, CertSource::Files);
         live.set_roots(m.roots.clone())?;
         live.set_identity(m.chain.clone(), m.key.clone_key())?;
         Ok(live)
@@ -445,8 +435,8 @@ impl LiveTls {
         let not_after = s.facts.as_ref().map(|f| crate::pki::unix_secs(f.not_after));
         CertStatus {
             source: match self.source {
-                TlsSource::Files => "files",
-                TlsSource::Kubernetes => "kubernetes",
+                CertSource::Files => "files",
+                CertSource::Kubernetes => "kubernetes",
             }
             .into(),
             serial: s.facts.as_ref().map(|f| f.serial.clone()),
