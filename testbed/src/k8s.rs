@@ -321,11 +321,63 @@ impl KubeApi {
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role_name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
         }))?;
+        self.token(namespace, name, None)
+    }
+
+    /// ServiceAccount `namespace/name` (created if absent).
+    pub fn service_account(&self, namespace: &str, name: &str) -> Result<()> {
+        self.apply(serde_json::json!({
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": namespace}
+        }))
+        .map(drop)
+    }
+
+    /// Grants ServiceAccount `namespace/service_account` `rules` (RBAC rules as JSON): a
+    /// ClusterRole and ClusterRoleBinding named `name`, or with `in_namespace` a Role and
+    /// RoleBinding there.
+    pub fn grant(
+        &self,
+        name: &str,
+        in_namespace: Option<&str>,
+        namespace: &str,
+        service_account: &str,
+        rules: Vec<serde_json::Value>,
+    ) -> Result<()> {
+        let (role, binding) = match in_namespace {
+            Some(_) => ("Role", "RoleBinding"),
+            None => ("ClusterRole", "ClusterRoleBinding"),
+        };
+        let meta = serde_json::json!({"name": name, "namespace": in_namespace});
+        self.apply(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": role,
+            "metadata": meta, "rules": rules,
+        }))?;
+        self.apply(serde_json::json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": binding,
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": role, "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}]
+        }))
+        .map(drop)
+    }
+
+    /// A token of ServiceAccount `namespace/name` from the TokenRequest API, bound to
+    /// `bound` (a `boundObjectRef`: a Pod or a Node) when given.
+    pub fn token(
+        &self,
+        namespace: &str,
+        name: &str,
+        bound: Option<serde_json::Value>,
+    ) -> Result<String> {
         let path = format!("/api/v1/namespaces/{namespace}/serviceaccounts/{name}/token");
         self.with_client(move |c| async move {
+            let mut spec = serde_json::json!({"expirationSeconds": 7200});
+            if let Some(b) = bound {
+                spec["boundObjectRef"] = b;
+            }
             let body = serde_json::json!({
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"expirationSeconds": 7200}
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec,
             });
             let req = http::Request::post(&path)
                 .header("content-type", "application/json")
@@ -346,6 +398,42 @@ impl KubeApi {
                     value: answer.to_string(),
                 })
         })
+    }
+
+    /// What the kubelet gives an agent's pod: a Pod `namespace/pod` of ServiceAccount
+    /// `service_account` bound to node `node` (applied: a stand-in, no container runs), and a
+    /// token bound to that Pod, which the API server binds to its node (the user's
+    /// `authentication.kubernetes.io/node-name`). Valid while the Pod exists.
+    pub fn pod_bound_token(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        pod: &str,
+        node: &str,
+    ) -> Result<String> {
+        let p = self.apply(serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "namespace": namespace},
+            "spec": {"nodeName": node, "serviceAccountName": service_account,
+                "containers": [{"name": "agent", "image": "pause"}]},
+        }))?;
+        let uid = p["metadata"]["uid"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        self.token(
+            namespace,
+            service_account,
+            Some(serde_json::json!({"kind": "Pod", "apiVersion": "v1", "name": pod, "uid": uid})),
+        )
+    }
+
+    /// A kubeconfig authenticating with `token` for a client where the API server listens
+    /// (inside [`KubeApi::ns`], or here on loopback).
+    pub fn kubeconfig_as(&self, token: &str) -> Result<PathBuf> {
+        let path = self.dir.join(format!("{}.kubeconfig", unique("t")));
+        self.write_kubeconfig(&path, "127.0.0.1", token)?;
+        Ok(path)
     }
 
     /// The cluster-scoped objects `kind` of `api_version` (every namespace for a namespaced

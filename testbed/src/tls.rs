@@ -90,6 +90,13 @@ impl Ca {
         Self::with_key(name, key)
     }
 
+    /// The CA named `name` whose key is `key_pem` (e.g. calix-signer's, read from its Secret):
+    /// what it issues chains to that CA's certificate.
+    pub fn from_key_pem(name: &str, key_pem: &str) -> Result<Self> {
+        let key = KeyPair::from_pem(key_pem).map_err(rcgen_err("CA key"))?;
+        Self::with_key(name, key)
+    }
+
     /// The CA's certificate (PEM).
     pub fn pem(&self) -> String {
         self.cert.pem()
