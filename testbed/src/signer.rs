@@ -16,7 +16,6 @@ use crate::{Error, Result};
 /// The placeholders of the chart's RBAC files, and the signer name they carry.
 pub const CA_SECRET_PLACEHOLDER: &str = "CALIX_CA_SECRET";
 pub const CA_CONFIG_MAP_PLACEHOLDER: &str = "CALIX_CA_CONFIG_MAP";
-pub const SIGNER_SA_PLACEHOLDER: &str = "CALIX_SIGNER_SERVICE_ACCOUNT";
 pub const CHART_SIGNER_NAME: &str = "calix.dev/routes";
 
 /// The rules of the chart's `files/rbac/<file>`, with `replace` applied to the text first.
@@ -81,7 +80,6 @@ impl Signer {
             (CHART_SIGNER_NAME, setup.signer_name.as_str()),
             (CA_SECRET_PLACEHOLDER, setup.ca_secret.as_str()),
             (CA_CONFIG_MAP_PLACEHOLDER, setup.ca_config_map.as_str()),
-            (SIGNER_SA_PLACEHOLDER, sa.as_str()),
         ];
         api.grant(
             sa,
@@ -109,7 +107,6 @@ impl Signer {
             .arg(format!("--ca-secret={}", setup.ca_secret))
             .arg(format!("--ca-config-map={}", setup.ca_config_map))
             .arg(format!("--lifetime-secs={}", setup.lifetime_secs))
-            .arg(format!("--owner-service-account={sa}"))
             .arg("--log-level=info");
         let child = spawn_logged(&mut cmd, &log)?;
         Ok(Self {

@@ -41,10 +41,6 @@ struct Flags {
     /// The CA's lifetime when it is made, days.
     #[arg(long, default_value_t = 3650)]
     ca_validity_days: u64,
-    /// A ServiceAccount of `--namespace` that owns the Secret and ConfigMap made (they are
-    /// deleted with it).
-    #[arg(long)]
-    owner_service_account: Option<String>,
     /// A kubeconfig (default: the pod's ServiceAccount).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
@@ -103,7 +99,6 @@ async fn run() -> Result<()> {
         ca_config_map: f.ca_config_map,
         lifetime: Duration::from_secs(f.lifetime_secs),
         ca_validity: Duration::from_secs(f.ca_validity_days.saturating_mul(86_400)),
-        owner_service_account: f.owner_service_account,
     };
     let client = connect(&KubeConfig {
         kubeconfig: f.kubeconfig,

@@ -2,12 +2,12 @@
 //! `tls.key`) that only the signer may read, made at the first start when absent (a create,
 //! so two signers starting at once end with one CA: the loser reads the winner's); and the
 //! bundle the agents trust, the CA certificate alone, in a ConfigMap's `ca.crt`, written when
-//! missing or different. Both may be owned by a ServiceAccount, so they go with the release.
+//! missing or different. Both outlive the signer (and `helm uninstall`, as CRDs do): a
+//! reinstalled signer keeps the CA, and the agents' certificates stay valid.
 use std::collections::BTreeMap;
 use std::time::SystemTime;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::ByteString;
 use kube::api::{Api, ObjectMeta, PostParams};
 
@@ -29,29 +29,7 @@ fn is_status(e: &kube::Error, code: u16) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == code)
 }
 
-/// The owner reference for what the signer creates, from `cfg.owner_service_account`.
-pub async fn owner(
-    client: &kube::Client,
-    cfg: &SignerConfig,
-) -> Result<Option<OwnerReference>, SignerError> {
-    let Some(name) = &cfg.owner_service_account else {
-        return Ok(None);
-    };
-    let api: Api<ServiceAccount> = Api::namespaced(client.clone(), &cfg.namespace);
-    let sa = api.get(name).await.map_err(api_err(format!(
-        "read ServiceAccount {}/{name}",
-        cfg.namespace
-    )))?;
-    Ok(Some(OwnerReference {
-        api_version: "v1".into(),
-        kind: "ServiceAccount".into(),
-        name: name.clone(),
-        uid: sa.metadata.uid.unwrap_or_default(),
-        ..Default::default()
-    }))
-}
-
-fn meta(cfg: &SignerConfig, name: &str, owner: &Option<OwnerReference>) -> ObjectMeta {
+fn meta(cfg: &SignerConfig, name: &str) -> ObjectMeta {
     ObjectMeta {
         name: Some(name.to_string()),
         namespace: Some(cfg.namespace.clone()),
@@ -65,17 +43,12 @@ fn meta(cfg: &SignerConfig, name: &str, owner: &Option<OwnerReference>) -> Objec
             ]
             .into(),
         ),
-        owner_references: owner.clone().map(|o| vec![o]),
         ..Default::default()
     }
 }
 
 /// The CA from its Secret, made (and stored) when there is none.
-pub async fn ensure_ca(
-    client: &kube::Client,
-    cfg: &SignerConfig,
-    owner: &Option<OwnerReference>,
-) -> Result<Ca, SignerError> {
+pub async fn ensure_ca(client: &kube::Client, cfg: &SignerConfig) -> Result<Ca, SignerError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), &cfg.namespace);
     let what = format!("Secret {}/{}", cfg.namespace, cfg.ca_secret);
     loop {
@@ -92,7 +65,7 @@ pub async fn ensure_ca(
         }
         let ca = Ca::generate(CA_NAME, SystemTime::now(), cfg.ca_validity)?;
         let secret = Secret {
-            metadata: meta(cfg, &cfg.ca_secret, owner),
+            metadata: meta(cfg, &cfg.ca_secret),
             type_: Some("kubernetes.io/tls".into()),
             data: Some(BTreeMap::from([
                 (
@@ -132,7 +105,6 @@ pub async fn publish(
     client: &kube::Client,
     cfg: &SignerConfig,
     ca: &Ca,
-    owner: &Option<OwnerReference>,
 ) -> Result<bool, SignerError> {
     let api: Api<ConfigMap> = Api::namespaced(client.clone(), &cfg.namespace);
     let what = format!("ConfigMap {}/{}", cfg.namespace, cfg.ca_config_map);
@@ -144,7 +116,7 @@ pub async fn publish(
     {
         None => {
             let cm = ConfigMap {
-                metadata: meta(cfg, &cfg.ca_config_map, owner),
+                metadata: meta(cfg, &cfg.ca_config_map),
                 data: Some(data),
                 ..Default::default()
             };

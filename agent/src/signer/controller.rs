@@ -248,11 +248,7 @@ impl SignerApi for KubeSignerApi {
 /// forever. Returns only when the CA cannot be had (a Secret that holds no usable CA, or the
 /// API refusing to show it).
 pub async fn run(client: kube::Client, cfg: SignerConfig) -> Result<(), SignerError> {
-    let owner = retry("the owner ServiceAccount", || {
-        ca_store::owner(&client, &cfg)
-    })
-    .await?;
-    let ca = retry("the CA", || ca_store::ensure_ca(&client, &cfg, &owner)).await?;
+    let ca = retry("the CA", || ca_store::ensure_ca(&client, &cfg)).await?;
     let api = KubeSignerApi::new(client.clone());
     let policy = cfg.policy();
     let csrs: Api<CertificateSigningRequest> = Api::all(client.clone());
@@ -261,7 +257,7 @@ pub async fn run(client: kube::Client, cfg: SignerConfig) -> Result<(), SignerEr
         "signer: answering CertificateSigningRequests");
     let mut backoff = Duration::from_secs(1);
     loop {
-        if let Err(e) = ca_store::publish(&client, &cfg, &ca, &owner).await {
+        if let Err(e) = ca_store::publish(&client, &cfg, &ca).await {
             tracing::warn!(error = %e, "signer: cannot publish the trust bundle; retrying");
         }
         let list = match csrs.list(&ListParams::default().fields(&fields)).await {

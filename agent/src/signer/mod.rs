@@ -39,9 +39,6 @@ pub struct SignerConfig {
     pub lifetime: Duration,
     /// The CA's own lifetime (when made).
     pub ca_validity: Duration,
-    /// A ServiceAccount in `namespace` that owns the Secret and ConfigMap it creates (so they
-    /// go when it goes: `helm uninstall`).
-    pub owner_service_account: Option<String>,
 }
 
 impl SignerConfig {

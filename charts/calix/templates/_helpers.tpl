@@ -78,7 +78,7 @@ the chart runs calix-signer): routes over TLS with routes.tls.source kubernetes.
 
 {{/* A file of files/rbac/ with the names of this release in place of its placeholders. */}}
 {{- define "calix.rbacRules" -}}
-{{- .root.Files.Get (printf "files/rbac/%s" .file) | replace "CALIX_CA_SECRET" (include "calix.routesCa" .root) | replace "CALIX_CA_CONFIG_MAP" (include "calix.routesCa" .root) | replace "CALIX_SIGNER_SERVICE_ACCOUNT" (include "calix.signerName" .root) -}}
+{{- .root.Files.Get (printf "files/rbac/%s" .file) | replace "CALIX_CA_SECRET" (include "calix.routesCa" .root) | replace "CALIX_CA_CONFIG_MAP" (include "calix.routesCa" .root) -}}
 {{- end -}}
 
 {{/* Whether the agents read their certificates from files on the node (routes.tls.source hostPath). */}}
