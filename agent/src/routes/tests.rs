@@ -521,3 +521,55 @@ async fn a_snapshot_larger_than_the_window_arrives() {
     }
     follower.abort();
 }
+
+/// What an agent puts in place as its own certificate is checked first: it names this node
+/// alone, its key is the certificate's, it chains to the bundle; and a new bundle that does
+/// not trust it says so (the agent then renews at once).
+#[test]
+fn only_a_certificate_of_this_node_trusted_by_the_bundle_is_put_in_place() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let parts = |c: &calix_testbed::tls::NodeCert| {
+        (
+            CertificateDer::pem_slice_iter(c.cert_pem.as_bytes())
+                .map(|c| c.expect("pem"))
+                .collect::<Vec<_>>(),
+            PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).expect("key"),
+        )
+    };
+    let ca = Ca::new("test-ca").expect("ca");
+    let other_ca = Ca::new("other-ca").expect("ca");
+    let live = LiveTls::pending("a", CertSource::Kubernetes);
+    live.set_roots(super::tls::bundle(Path::new("(ca)"), ca.pem().as_bytes()).expect("bundle"))
+        .expect("roots");
+    let refused = |c: &calix_testbed::tls::NodeCert| {
+        let (chain, key) = parts(c);
+        live.set_identity(chain, key)
+            .expect_err("refused")
+            .to_string()
+    };
+    assert!(refused(&ca.issue("b").expect("cert")).contains("not for node \"a\""));
+    assert!(refused(&ca.issue_names(&["a", "b"]).expect("cert")).contains("more than one"));
+    assert!(refused(&other_ca.issue("a").expect("cert")).contains("does not verify"));
+    let (chain, _) = parts(&ca.issue("a").expect("cert"));
+    let (_, other_key) = parts(&ca.issue("a").expect("cert"));
+    assert!(
+        live.set_identity(chain, other_key).is_err(),
+        "a key that is not the certificate's"
+    );
+    assert!(!live.is_ready());
+    assert_eq!(live.status(std::time::SystemTime::now()).issued, 0);
+    let serial = renew(&live, &ca, "a");
+    assert!(live.is_ready() && live.identity_trusted());
+    assert_eq!(
+        live.status(std::time::SystemTime::now()).serial.as_deref(),
+        Some(serial.as_str())
+    );
+    let mut changes = live.bundle_changes();
+    live.set_roots(
+        super::tls::bundle(Path::new("(ca)"), other_ca.pem().as_bytes()).expect("bundle"),
+    )
+    .expect("roots");
+    assert!(changes.has_changed().expect("open"));
+    assert!(!live.identity_trusted(), "the new bundle does not trust it");
+}
