@@ -565,7 +565,7 @@ fn only_a_certificate_of_this_node_trusted_by_the_bundle_is_put_in_place() {
         live.status(std::time::SystemTime::now()).serial.as_deref(),
         Some(serial.as_str())
     );
-    let mut changes = live.bundle_changes();
+    let changes = live.bundle_changes();
     live.set_roots(
         super::tls::bundle(Path::new("(ca)"), other_ca.pem().as_bytes()).expect("bundle"),
     )
