@@ -475,6 +475,13 @@ impl KubeApi {
         name: &str,
         dp: kube::api::DeleteParams,
     ) -> Result<()> {
+        // An empty name would be the collection's path: a delete of every object of the kind.
+        if name.is_empty() {
+            return Err(Error::Missing {
+                field: format!("the name of the {kind} to delete"),
+                value: String::new(),
+            });
+        }
         let (ar, ns, name) = named(api_version, kind, namespace, name)?;
         self.with_client(move |c| async move {
             let api = dynamic_api(c, &ar, ns.as_deref());

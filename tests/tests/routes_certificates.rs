@@ -13,7 +13,8 @@
 //!   somebody else approved for another node (Failed); a certificate a node got for itself is
 //!   refused at another node's door when it claims a third node, and so is one naming two.
 //!
-//! Each test has a signer of its own (its own signerName, CA Secret and bundle ConfigMap).
+//! Each test has a signer of its own (its own signerName, CA Secret and bundle ConfigMap); the
+//! two with agents run one after the other (agents follow every Node of the shared API server).
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,13 @@ use calix_testbed::pod_net::Flow;
 use calix_testbed::signer::{self, Signer, SignerSetup};
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Pod};
 use serde_json::{json, Value};
+
+/// One cluster of agents at a time: agents follow every Node of the API server they share,
+/// and two test beds' nodes have the same underlay addresses.
+fn one_cluster_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static CLUSTERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    CLUSTERS.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// Where the agents' ServiceAccount and the signer's objects live.
 const NS: &str = "kube-system";
@@ -356,17 +364,20 @@ fn try_watch(
     })
 }
 
-/// Removes what a test put in the shared API server.
-fn clean_up(api: &KubeApi, nodes: &[String], pool: &str) {
+/// Removes what a test put in the shared API server (its stand-in agent pods, Nodes, pool).
+fn clean_up(api: &KubeApi, nodes: &[String], pool: Option<&str>) {
     for n in nodes {
         let _ = api.delete_now("v1", "Pod", NS, &agent_pod(n));
         let _ = api.delete("v1", "Node", n);
     }
-    let _ = api.delete("calix.dev/v1", "IPPool", pool);
+    if let Some(pool) = pool {
+        let _ = api.delete("calix.dev/v1", "IPPool", pool);
+    }
 }
 
 #[test]
 fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within_seconds() {
+    let _one = one_cluster_at_a_time();
     let api = KubeApi::shared();
     let u = unique("c");
     let s = setup(&u, 3600);
@@ -512,7 +523,8 @@ fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within
     // A compromised node's credentials: Node "rogue" and a token bound to a pod on it. Its
     // own certificate comes through the API like any node's, and names it alone...
     let rogue = unique("rogue");
-    node_object(&api, &rogue, json!({}), &[("InternalIP", "192.0.2.99")]);
+    // (No address: known to every agent, followed by none.)
+    node_object(&api, &rogue, json!({}), &[]);
     let token = api
         .pod_bound_token(NS, AGENT_SA, &agent_pod(&rogue), &rogue)
         .unwrap_or_else(|e| panic!("{e}"));
@@ -551,11 +563,12 @@ fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within
     let door = &nodes(&c, 0)["door"];
     assert!(door["refused_identity"].as_u64() >= Some(3), "{door}");
     drop((p0, p2));
-    clean_up(&api, &[n0, n1, n2, rogue], &u);
+    clean_up(&api, &[n0, n1, n2, rogue], Some(&u));
 }
 
 #[test]
 fn certificates_are_renewed_before_they_expire_under_traffic_without_loss() {
+    let _one = one_cluster_at_a_time();
     let api = KubeApi::shared();
     let u = unique("r");
     let s = setup(&u, 30);
@@ -683,7 +696,7 @@ fn certificates_are_renewed_before_they_expire_under_traffic_without_loss() {
         "the TCP flow stalled for {gap:?}"
     );
     drop((p0, p1));
-    clean_up(&api, &[n0, n1], &u);
+    clean_up(&api, &[n0, n1], Some(&u));
 }
 
 #[test]
@@ -693,8 +706,9 @@ fn the_signer_signs_only_an_agents_request_for_its_own_node_and_says_why_not() {
     let s = setup(&u, 3600);
     agent_rules(&api, &s);
     let (a, b) = (unique("a"), unique("b"));
+    // (No address: no agent of another test follows them.)
     for n in [&a, &b] {
-        node_object(&api, n, json!({}), &[("InternalIP", "192.0.2.1")]);
+        node_object(&api, n, json!({}), &[]);
     }
     // Node a's agent's token; the agents' ServiceAccount with a token bound to no node; and
     // another ServiceAccount (allowed to ask, as a workload might be) bound to node a.
@@ -837,5 +851,5 @@ fn the_signer_signs_only_an_agents_request_for_its_own_node_and_says_why_not() {
         );
     }
     let _ = api.delete_now("v1", "Pod", NS, &web_pod);
-    clean_up(&api, &[a, b], "");
+    clean_up(&api, &[a, b], None);
 }

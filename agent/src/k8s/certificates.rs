@@ -397,7 +397,7 @@ where
                 continue;
             }
         };
-        backoff = Duration::from_secs(1);
+        let opened = Instant::now();
         let mut stream = std::pin::pin!(stream);
         let stopped = tokio::time::timeout(left, async {
             loop {
@@ -421,6 +421,15 @@ where
         .await;
         if let Ok(Some(t)) = stopped {
             return Some(t);
+        }
+        // A watch that ends at once (an error event, a server that closes it) is not retried
+        // in a tight loop.
+        if opened.elapsed() < Duration::from_secs(1) {
+            tokio::time::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())))
+                .await;
+            backoff = (backoff * 2).min(Duration::from_secs(10));
+        } else {
+            backoff = Duration::from_secs(1);
         }
     }
     None

@@ -257,6 +257,7 @@ pub async fn run(client: kube::Client, cfg: SignerConfig) -> Result<(), SignerEr
         "signer: answering CertificateSigningRequests");
     let mut backoff = Duration::from_secs(1);
     loop {
+        let round = std::time::Instant::now();
         if let Err(e) = ca_store::publish(&client, &cfg, &ca).await {
             tracing::warn!(error = %e, "signer: cannot publish the trust bundle; retrying");
         }
@@ -269,7 +270,6 @@ pub async fn run(client: kube::Client, cfg: SignerConfig) -> Result<(), SignerEr
                 continue;
             }
         };
-        backoff = Duration::from_secs(1);
         for csr in list.items {
             process(&api, &policy, &ca, &cfg, &csrs, csr).await;
         }
@@ -302,6 +302,13 @@ pub async fn run(client: kube::Client, cfg: SignerConfig) -> Result<(), SignerEr
                     break;
                 }
             }
+        }
+        // A watch that ends at once is not relisted in a tight loop.
+        if round.elapsed() < Duration::from_secs(1) {
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(10));
+        } else {
+            backoff = Duration::from_secs(1);
         }
     }
 }
