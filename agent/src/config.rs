@@ -113,7 +113,7 @@ pub enum ConfigError {
         what: &'static str,
     },
     #[error(
-        "routes.enabled needs mutual TLS between nodes: set routes.tls.cert, .key and .ca (PEM files), or routes.plaintext = true on a trusted network"
+        "routes.enabled needs mutual TLS between nodes: set routes.tls.cert, .key and .ca (PEM files), or routes.tls.source = \"kubernetes\" (a certificate through the Kubernetes API), or routes.plaintext = true on a trusted network"
     )]
     RoutesNoTls,
     #[error(
@@ -318,8 +318,8 @@ impl RoutesConfig {
                 });
             }
         }
-        if !self.plaintext && !self.tls.is_set() {
-            return Err(ConfigError::RoutesNoTls);
+        if !self.plaintext {
+            self.tls.validate()?;
         }
         Ok(())
     }
@@ -401,15 +401,50 @@ pub enum Topology {
     Reflectors,
 }
 
-/// PEM files for mutual TLS (`[routes.tls]`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+/// Mutual TLS between nodes (`[routes.tls]`): where this node's certificate and the CA come
+/// from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct TlsConfig {
-    /// This node's certificate (chain); its SAN is the node's name.
+    /// `files`: the PEM files below. `kubernetes`: a key made on this node, in memory, and
+    /// its certificate through the Kubernetes API (a CertificateSigningRequest for
+    /// `signer_name`, renewed before it expires), the CA from `ca_config_map`.
+    pub source: CertSource,
+    /// This node's certificate (chain); its one SAN is the node's name.
     pub cert: PathBuf,
     pub key: PathBuf,
     /// The CA that signs every node's certificate.
     pub ca: PathBuf,
+    /// With `kubernetes`: the signer that issues route-distribution certificates.
+    pub signer_name: String,
+    /// With `kubernetes`: `<namespace>/<name>` of the ConfigMap whose `ca.crt` is the trust
+    /// bundle (the signer publishes it).
+    pub ca_config_map: String,
+}
+
+/// Where a node's route-distribution certificate comes from (`routes.tls.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CertSource {
+    #[default]
+    Files,
+    Kubernetes,
+}
+
+/// The signer calix-signer answers for, by default (`routes.tls.signer_name`).
+pub const ROUTES_SIGNER: &str = "calix.dev/routes";
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        Self {
+            source: CertSource::Files,
+            cert: PathBuf::new(),
+            key: PathBuf::new(),
+            ca: PathBuf::new(),
+            signer_name: ROUTES_SIGNER.into(),
+            ca_config_map: "kube-system/calix-routes-ca".into(),
+        }
+    }
 }
 
 impl TlsConfig {
@@ -417,6 +452,36 @@ impl TlsConfig {
         [&self.cert, &self.key, &self.ca]
             .iter()
             .all(|p| !p.as_os_str().is_empty())
+    }
+
+    /// `ca_config_map` as (namespace, name).
+    pub fn ca_config_map(&self) -> Option<(&str, &str)> {
+        self.ca_config_map
+            .split_once('/')
+            .filter(|(ns, name)| !ns.is_empty() && !name.is_empty() && !name.contains('/'))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        match self.source {
+            CertSource::Files if !self.is_set() => Err(ConfigError::RoutesNoTls),
+            CertSource::Files => Ok(()),
+            CertSource::Kubernetes => {
+                let signer = self.signer_name.split_once('/');
+                if !signer.is_some_and(|(d, p)| !d.is_empty() && !p.is_empty()) {
+                    return Err(ConfigError::Routes {
+                        key: "tls.signer_name",
+                        what: "a signer name <domain>/<path>, e.g. \"calix.dev/routes\"",
+                    });
+                }
+                if self.ca_config_map().is_none() {
+                    return Err(ConfigError::Routes {
+                        key: "tls.ca_config_map",
+                        what: "<namespace>/<name> of a ConfigMap, e.g. \"kube-system/calix-routes-ca\"",
+                    });
+                }
+                Ok(())
+            }
+        }
     }
 }
 
@@ -1732,6 +1797,38 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ConfigError::RoutesNoTls)));
         bad.routes.plaintext = true;
         bad.validate().expect("plain text when asked for");
+        // A certificate through the Kubernetes API: no files needed, a signer and a
+        // ConfigMap named.
+        let k = AgentConfig::from_toml(
+            "node_name = \"n1\"\nuplinks = [\"eth0\"]\n[routes]\nenabled = true\n[routes.tls]\nsource = \"kubernetes\"\n",
+        )
+        .expect("parse");
+        k.validate().expect("kubernetes source");
+        assert_eq!(k.routes.tls.source, CertSource::Kubernetes);
+        assert_eq!(k.routes.tls.signer_name, "calix.dev/routes");
+        assert_eq!(
+            k.routes.tls.ca_config_map(),
+            Some(("kube-system", "calix-routes-ca"))
+        );
+        for (signer, cm, key) in [
+            ("calix.dev", "kube-system/x", "tls.signer_name"),
+            ("/routes", "kube-system/x", "tls.signer_name"),
+            ("calix.dev/routes", "x", "tls.ca_config_map"),
+            ("calix.dev/routes", "ns/", "tls.ca_config_map"),
+            ("calix.dev/routes", "a/b/c", "tls.ca_config_map"),
+        ] {
+            let mut bad = k.clone();
+            bad.routes.tls.signer_name = signer.into();
+            bad.routes.tls.ca_config_map = cm.into();
+            match bad.validate() {
+                Err(ConfigError::Routes { key: k, .. }) => assert_eq!(k, key, "{signer} {cm}"),
+                other => panic!("{signer} {cm}: {other:?}"),
+            }
+        }
+        assert!(
+            AgentConfig::from_toml("[routes.tls]\nsource = \"secret\"\n").is_err(),
+            "an unknown source"
+        );
         let mut bad = c.clone();
         bad.uplinks.clear();
         let err = bad.validate().expect_err("no uplinks");

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig};
+use calix_agent::config::{AgentConfig, CertSource, DataplaneMode, PoolConfig};
 use calix_agent::dataplane::ebpf::EbpfConfig;
 use calix_agent::dataplane::{
     self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane,
@@ -14,6 +14,7 @@ use calix_agent::endpoints::EndpointRegistry;
 use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::service::Housekeeping;
 use calix_agent::ipam::IpamService;
+use calix_agent::k8s::certificates;
 use calix_agent::k8s::cluster::Cluster;
 use calix_agent::k8s::events::EventRecorder;
 use calix_agent::k8s::owner::{Owner, Stop};
@@ -216,6 +217,26 @@ async fn run() -> Result<()> {
     } else {
         None
     };
+    // Route distribution's TLS material: the files, read now; or this node's certificate
+    // asked of the Kubernetes API from now on (usually in place long before the routes start).
+    let routes_tls = routes::task::tls_for(&cfg).context("route distribution ([routes.tls])")?;
+    if let (Some(live), CertSource::Kubernetes) = (&routes_tls, cfg.routes.tls.source) {
+        let client = match opened.kube.clone() {
+            Some(c) => c,
+            None => datastore::kubernetes::connect(&datastore::KubeConfig {
+                kubeconfig: None,
+                timeout: Duration::from_secs(10),
+                attempts: 1,
+            })
+            .await
+            .context("routes.tls.source = \"kubernetes\" needs the Kubernetes API")?,
+        };
+        certificates::spawn(
+            client,
+            certificates::Settings::from_config(&cfg.node_name, &cfg.routes.tls),
+            live.clone(),
+        );
+    }
     let pin_dir = ebpf_cfg.pin_dir();
     let ebpf_uninstall = ebpf_cfg.clone();
     let dataplane: Box<dyn Dataplane> = match cfg.dataplane {
@@ -256,7 +277,7 @@ async fn run() -> Result<()> {
     }
     let routes_start = match cfg.routes.enabled {
         true => Some(
-            routes::task::Start::from_config(&cfg, &addresses)
+            routes::task::Start::from_config(&cfg, &addresses, routes_tls.clone())
                 .await
                 .context("route distribution ([routes]) cannot start")?,
         ),

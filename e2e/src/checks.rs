@@ -19,6 +19,10 @@ pub const STEPS: usize = 9;
 const HOST_PORT: u16 = 18080;
 /// The chart's release name (its DaemonSet's name).
 const RELEASE: &str = "calix";
+/// The chart's signer Deployment.
+const SIGNER: &str = "calix-signer";
+/// The signer name the agents' requests carry.
+const SIGNER_NAME: &str = "calix.dev/routes";
 
 /// One mode's figures, a row of the final table.
 pub struct Report {
@@ -81,6 +85,7 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     ));
     let rendered = chart_tools::render(&chart_tools::workspace_root(), &c.values(mode))
         .context("rendering the chart")?;
+    let earlier_requests = certificate_requests(c)?;
     let started = Instant::now();
     let n = helm::install(api, &rendered)?;
     p.note(&format!("{n} objects applied"));
@@ -92,6 +97,11 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     let ready = started.elapsed();
     p.note(&format!(
         "DaemonSet {RELEASE}: 2/2 ready, both nodes Ready, {ready:.1?} after install"
+    ));
+    let issued = certificates_issued(c, &earlier_requests)?;
+    p.note(&format!(
+        "{SIGNER} available; each agent's certificate through the API ({issued}), {:.1?} after install",
+        started.elapsed()
     ));
     p.step(&format!(
         "[{m}] pods: a web server on each node and a second one on node 0, behind a ClusterIP Service"
@@ -188,6 +198,7 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
         "[{m}] kubectl rollout restart daemonset/{RELEASE} under an established pod-to-pod TCP flow (node 0 -> node 1)"
     ));
     let old_agents = agent_pods(c)?;
+    let before_rollout = certificate_requests(c)?;
     let (w0, w1) = (&web.pods[0], &web.pods[1]);
     let flow = Flow::start(&w0.netns, &w1.netns, &w1.ip);
     std::thread::sleep(Duration::from_millis(500));
@@ -210,6 +221,10 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
         .map_err(|e| anyhow::anyhow!("the TCP flow broke during the rollout: {e}\n{}", c.show()))?;
     p.note(&format!(
         "both agents replaced in {rollout:.1?}; the flow carried on: {echoes} echoes, longest gap {gap:?}"
+    ));
+    let reissued = certificates_issued(c, &before_rollout)?;
+    p.note(&format!(
+        "the new agents made new keys and got new certificates ({reissued})"
     ));
     if gap > Duration::from_secs(2) {
         bail!("the flow stalled for {gap:?} during the rollout");
@@ -287,6 +302,59 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
         echoes,
         uninstall,
     })
+}
+
+/// The names of the CertificateSigningRequests for calix's signer.
+fn certificate_requests(c: &E2eCluster) -> Result<BTreeSet<String>> {
+    Ok(c.api
+        .list("certificates.k8s.io/v1", "CertificateSigningRequest", "")?
+        .iter()
+        .filter(|r| r["spec"]["signerName"] == SIGNER_NAME)
+        .filter_map(|r| r["metadata"]["name"].as_str().map(String::from))
+        .collect())
+}
+
+/// Until the signer's Deployment is available and every node has a certificate issued
+/// through a request not in `earlier`, made by the agents' ServiceAccount with credentials
+/// the API server bound to that node; "node: request" of each.
+fn certificates_issued(c: &E2eCluster, earlier: &BTreeSet<String>) -> Result<String> {
+    let agents = format!("system:serviceaccount:{RELEASE_NAMESPACE}:{RELEASE}");
+    wait(
+        c,
+        &format!("{SIGNER} available and a certificate issued through the API for each node"),
+        Duration::from_secs(120),
+        || {
+            let available = c
+                .api
+                .get("apps/v1", "Deployment", Some(RELEASE_NAMESPACE), SIGNER)?
+                .is_some_and(|d| d["status"]["availableReplicas"] == 1);
+            let requests = c
+                .api
+                .list("certificates.k8s.io/v1", "CertificateSigningRequest", "")?;
+            let mut issued = Vec::new();
+            for i in 0..2 {
+                let node = c.name(i);
+                let found = requests.iter().find(|r| {
+                    let name = r["metadata"]["name"].as_str().unwrap_or_default();
+                    !earlier.contains(name)
+                        && r["spec"]["signerName"] == SIGNER_NAME
+                        && r["spec"]["username"] == agents.as_str()
+                        && r["spec"]["extra"]["authentication.kubernetes.io/node-name"]
+                            == json!([node])
+                        && r["status"]["certificate"]
+                            .as_str()
+                            .is_some_and(|c| !c.is_empty())
+                });
+                if let Some(r) = found {
+                    issued.push(format!(
+                        "{node}: {}",
+                        r["metadata"]["name"].as_str().unwrap_or_default()
+                    ));
+                }
+            }
+            Ok((available && issued.len() == 2).then(|| issued.join(", ")))
+        },
+    )
 }
 
 fn ready(node: &Value) -> bool {

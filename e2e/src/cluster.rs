@@ -1,10 +1,9 @@
 //! The cluster the chart is installed on: the control plane in a namespace of its own, two
-//! kubelet nodes on the test underlay's two subnets, the calix image imported into both, and
-//! the Secret with the nodes' route-distribution certificates.
+//! kubelet nodes on the test underlay's two subnets, the calix image imported into both. (The
+//! nodes' route-distribution certificates come through the Kubernetes API: nothing to issue.)
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use calix_testbed::tls::Ca;
 use calix_testbed::{unique, Cluster, CniDirs, Dataplane, KubeApi, KubeNode};
 use serde_json::{json, Value};
 
@@ -14,8 +13,6 @@ use crate::Mode;
 
 /// The namespace the chart is installed in.
 pub const RELEASE_NAMESPACE: &str = "kube-system";
-/// The Secret with the routes' mutual-TLS certificates.
-pub const TLS_SECRET: &str = "calix-e2e-routes";
 /// The pods' pool (natOutgoing: the ClusterIP check goes from a natOutgoing pool).
 pub const POOL: &str = "10.76.0.0/16";
 /// The reference plugins a node's CNI bin dir has before calix is installed (a node
@@ -79,14 +76,12 @@ impl E2eCluster {
             ));
             kubes.push(kube);
         }
-        let cluster = Self {
+        Ok(Self {
             kubes,
             nodes,
             api,
             dir,
-        };
-        cluster.tls_secret()?;
-        Ok(cluster)
+        })
     }
 
     /// Node `i`'s name.
@@ -107,7 +102,8 @@ impl E2eCluster {
     }
 
     /// The chart's values for `mode`: the image imported (never pulled), per-node host paths
-    /// below [`E2eCluster::dir`], the uplinks, a natOutgoing pool, routes over mutual TLS.
+    /// below [`E2eCluster::dir`], the uplinks, a natOutgoing pool, routes over mutual TLS with
+    /// the chart's default: each node's certificate through the Kubernetes API (calix-signer).
     pub fn values(&self, mode: Mode) -> Value {
         let d = |s: &str| self.dir.join(s).display().to_string();
         json!({
@@ -121,30 +117,12 @@ impl E2eCluster {
             "uplinks": ["eth0"],
             "pools": [{"name": "e2e-pods", "cidr": POOL, "blockSize": 26,
                 "natOutgoing": true, "vxlan": "crossSubnet"}],
-            "routes": {"enabled": true, "graceSecs": 30, "tls": {"secretName": TLS_SECRET}},
+            "routes": {"enabled": true, "graceSecs": 30},
             // Faster rollouts and readiness than a production default (the same probes).
             "probes": {"readiness": {"periodSeconds": 1, "timeoutSeconds": 5, "failureThreshold": 3}},
             "terminationGracePeriodSeconds": 10,
             "test": {"timeoutSeconds": 90},
         })
-    }
-
-    /// The routes' certificates: a CA, and one per node whose DNS SAN is its name.
-    fn tls_secret(&self) -> Result<()> {
-        let ca = Ca::new("calix-e2e-ca")?;
-        let mut data = serde_json::Map::new();
-        data.insert("ca.crt".into(), ca.pem().into());
-        for i in 0..self.kubes.len() {
-            let cert = ca.issue(self.name(i))?;
-            data.insert(format!("{}.crt", self.name(i)), cert.cert_pem.into());
-            data.insert(format!("{}.key", self.name(i)), cert.key_pem.into());
-        }
-        self.api.apply(json!({
-            "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": TLS_SECRET, "namespace": RELEASE_NAMESPACE},
-            "stringData": data,
-        }))?;
-        Ok(())
     }
 
     /// What went on, for an error: each node's kubelet log and the calix containers' logs.

@@ -9,7 +9,7 @@
 //!   (`hostPathsPerNode`), with the reference plugins loopback and portmap in its CNI bin dir.
 //! - The calix image (`cargo xtask image`) imported into each node's containerd; the chart
 //!   rendered by Helm's own library and applied in Helm's order; route distribution over
-//!   mutual TLS from a Secret.
+//!   mutual TLS, each node's certificate from the Kubernetes API (calix-signer signs it).
 //! - For each dataplane mode: install, the DaemonSet ready, then the checks ([`checks`]),
 //!   then uninstall and nothing of calix left on either node ([`node_state`]).
 //! - Everything torn down, and nothing left behind.

@@ -170,7 +170,7 @@ impl KubeApi {
         let role = self.dir.join("calix-agent-clusterrole.json");
         std::fs::write(&role, cluster_role(AGENT_SERVICE_ACCOUNT)?.to_string())
             .map_err(Error::io(format!("write {}", role.display())))?;
-        self.service_account(AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT, &role)?;
+        self.service_account_with_role(AGENT_NAMESPACE, AGENT_SERVICE_ACCOUNT, &role)?;
         for object in node_authority(
             AGENT_SERVICE_ACCOUNT,
             AGENT_NAMESPACE,

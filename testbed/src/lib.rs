@@ -31,6 +31,7 @@ pub mod packets;
 mod pod;
 pub mod pod_net;
 mod process;
+pub mod signer;
 pub mod stats;
 pub mod tls;
 mod tmpfs;

@@ -90,6 +90,13 @@ impl Ca {
         Self::with_key(name, key)
     }
 
+    /// The CA named `name` whose key is `key_pem` (e.g. calix-signer's, read from its Secret):
+    /// what it issues chains to that CA's certificate.
+    pub fn from_key_pem(name: &str, key_pem: &str) -> Result<Self> {
+        let key = KeyPair::from_pem(key_pem).map_err(rcgen_err("CA key"))?;
+        Self::with_key(name, key)
+    }
+
     /// The CA's certificate (PEM).
     pub fn pem(&self) -> String {
         self.cert.pem()
@@ -97,7 +104,15 @@ impl Ca {
 
     /// A certificate for node `name` (SAN DNS `name`, client and server use).
     pub fn issue(&self, name: &str) -> Result<NodeCert> {
-        let mut params = CertificateParams::new(vec![name.to_string()]).map_err(rcgen_err(name))?;
+        self.issue_names(&[name])
+    }
+
+    /// A certificate whose DNS SANs are `names` (CN the first), client and server use: what
+    /// no node may present (a certificate naming two nodes).
+    pub fn issue_names(&self, names: &[&str]) -> Result<NodeCert> {
+        let name = names.first().copied().unwrap_or_default();
+        let sans: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let mut params = CertificateParams::new(sans).map_err(rcgen_err(name))?;
         params.distinguished_name.push(DnType::CommonName, name);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![

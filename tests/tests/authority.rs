@@ -40,7 +40,7 @@ fn cluster_role(dir: &std::path::Path) -> std::path::PathBuf {
 fn a_node_token_names_its_node_and_an_unbound_one_names_none() {
     let api = KubeApi::shared();
     let node = unique("n");
-    api.service_account("kube-system", "calix-agent", &cluster_role(&api.dir))
+    api.service_account_with_role("kube-system", "calix-agent", &cluster_role(&api.dir))
         .unwrap_or_else(|e| panic!("{e}"));
     let unbound = api
         .service_account_token("kube-system", "calix-agent", &cluster_role(&api.dir))

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use calix_agent::config::{AgentConfig, DataplaneMode, PoolConfig, Topology};
+use calix_agent::config::{AgentConfig, CertSource, DataplaneMode, PoolConfig, Topology};
 use calix_testbed::chart_tools;
 use serde_json::{json, Value};
 
@@ -27,7 +27,8 @@ const KUBE_VERSION: &str = "1.36.0";
 const NAMESPACE: &str = "kube-system";
 
 /// Every value changed from its default (with `ALL_B`, every key of values.yaml): the etcd
-/// datastore, eBPF with XDP, route reflectors over TLS, per-node host paths.
+/// datastore, eBPF with XDP, route reflectors over TLS from files on each node, per-node host
+/// paths.
 fn all_a() -> Value {
     json!({
         "image": {"repository": "registry.example/calix/calix", "tag": "v9.9.9", "pullPolicy": "Never"},
@@ -65,7 +66,7 @@ fn all_a() -> Value {
         "routes": {"enabled": true, "port": 5575, "bindAddress": "[::]", "reachableFromPods": true,
                    "topology": "reflectors",
                    "reflectorLabel": "example.com/rr", "graceSecs": 60, "plaintext": false,
-                   "tls": {"secretName": "calix-routes-tls"}},
+                   "tls": {"source": "hostPath", "hostPath": "/etc/calix/pki"}},
         "vxlan": {"vni": 4097, "port": 4790},
         "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 2}},
         "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
@@ -100,9 +101,21 @@ fn all_b() -> Value {
                                    "matchExpressions": [{"key": "env", "operator": "NotIn", "values": ["prod"]},
                                                         {"key": "legacy", "operator": "DoesNotExist"}]}}
         ],
-        "routes": {"enabled": true, "plaintext": true, "topology": "mesh"},
+        "routes": {"enabled": true, "plaintext": true, "topology": "mesh",
+                   "tls": {"signer": {"certificateLifetimeSecs": 3600,
+                                      "resources": {"requests": {"cpu": "20m", "memory": "48Mi"}}}}},
         "serviceAccount": {"create": true, "name": "calix-sa"},
         "nodeAuthority": {"validationActions": ["Warn", "Audit"]}
+    })
+}
+
+/// Routes over TLS with the defaults: certificates through the Kubernetes API, the signer.
+const ROUTES_CERTIFICATES: &str = "routes-certificates";
+
+fn routes_certificates() -> Value {
+    json!({
+        "routes": {"enabled": true, "tls": {"signer": {"certificateLifetimeSecs": 7200}}},
+        "uplinks": ["eth0"],
     })
 }
 
@@ -294,9 +307,24 @@ fn bad_cases() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             vec!["/uplinks"],
         ),
         (
-            "routes without tls",
-            json!({"routes": {"enabled": true}, "uplinks": ["eth0"]}),
-            vec!["/routes/plaintext", "/routes/tls/secretName"],
+            "the removed Secret of every node's keys",
+            json!({"routes": {"enabled": true, "tls": {"secretName": "calix-routes-tls"}}, "uplinks": ["eth0"]}),
+            vec!["/routes/tls", "'secretName'"],
+        ),
+        (
+            "unknown tls source",
+            json!({"routes": {"tls": {"source": "secret"}}}),
+            vec!["/routes/tls/source", "'kubernetes', 'hostPath'"],
+        ),
+        (
+            "relative tls host path",
+            json!({"routes": {"tls": {"source": "hostPath", "hostPath": "etc/calix/tls"}}}),
+            vec!["/routes/tls/hostPath", "etc/calix/tls"],
+        ),
+        (
+            "certificate lifetime too short",
+            json!({"routes": {"tls": {"signer": {"certificateLifetimeSecs": 30}}}}),
+            vec!["/routes/tls/signer/certificateLifetimeSecs", "minimum"],
         ),
         (
             "unknown topology",
@@ -422,6 +450,7 @@ fn checked() -> &'static Checked {
                 {"uplinks": ["eth0"],
                  "routes": {"enabled": true, "topology": "reflectors", "plaintext": true}}}),
             json!({"name": "no-node-authority", "values": {"nodeAuthority": {"enabled": false}}}),
+            json!({"name": ROUTES_CERTIFICATES, "values": routes_certificates()}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -1036,16 +1065,33 @@ fn every_value_set_renders_and_reaches_the_agent() {
     );
     assert_eq!(c.pools[1].cidr.to_string(), "fd00:250::/48");
     assert!(objects(r, "IPPool").is_empty(), "etcd: no IPPool objects");
-    // The TLS secret: ca.crt, and the node's own certificate and key by its name.
+    // TLS from files on each node: its own directory of the host path, read only; no
+    // Secret, no signer.
+    assert_eq!(c.routes.tls.source, CertSource::Files);
     let pod = &agents["spec"]["template"]["spec"];
     let mounts = pod["containers"][0]["volumeMounts"]
         .as_array()
         .expect("mounts");
-    let cert = mounts
+    let tls = mounts
         .iter()
-        .find(|m| m["mountPath"] == "/etc/calix/tls/node.crt")
-        .expect("cert mount");
-    assert_eq!(cert["subPathExpr"], "$(NODE_NAME).crt");
+        .find(|m| m["mountPath"] == "/etc/calix/tls")
+        .expect("the TLS mount");
+    assert_eq!(
+        (&tls["subPathExpr"], &tls["readOnly"]),
+        (&json!("$(NODE_NAME)"), &json!(true))
+    );
+    let volume = pod["volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|v| v["name"] == tls["name"])
+        .expect("its volume");
+    assert_eq!(
+        volume["hostPath"],
+        json!({"path": "/etc/calix/pki", "type": "Directory"})
+    );
+    assert!(objects(r, "Deployment").is_empty(), "no signer with files");
+    assert!(objects(r, "Secret").is_empty());
     // Per-node host paths: each node's own subdirectory, and its socket in the conflist.
     assert!(mounts
         .iter()
@@ -1112,6 +1158,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
 /// Values that are maps handed to Kubernetes as they are: documented and compared whole.
 const FREE_FORM: &[&str] = &[
     "nodeSelector",
+    "routes.tls.signer.resources",
     "podAnnotations",
     "podLabels",
     "resources",
@@ -1315,6 +1362,170 @@ fn every_number_of_the_values_has_a_maximum_the_agent_agrees_with() {
             (*min, *max),
             (Some(b.min), Some(b.max)),
             "{value}: the schema's range differs from the agent's {key}"
+        );
+    }
+}
+
+/// The rules of a rendered (Cluster)Role `name` that grant `verb` on `resource` of `group`,
+/// as (resourceNames, verbs).
+fn grants_of(role: &Value, group: &str, resource: &str) -> Vec<(Vec<String>, Vec<String>)> {
+    role["rules"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| strings(&r["apiGroups"]).iter().any(|g| g == group))
+        .filter(|r| strings(&r["resources"]).iter().any(|x| x == resource))
+        .map(|r| (strings(&r["resourceNames"]), strings(&r["verbs"])))
+        .collect()
+}
+
+#[test]
+fn routes_over_tls_by_default_get_certificates_through_the_api_from_a_least_privileged_signer() {
+    let r = assert_valid(ROUTES_CERTIFICATES);
+    let c = agent_config(r, "agent.toml");
+    assert!(c.routes.enabled && !c.routes.plaintext);
+    assert_eq!(c.routes.tls.source, CertSource::Kubernetes);
+    assert_eq!(c.routes.tls.signer_name, "calix.dev/routes");
+    assert_eq!(
+        c.routes.tls.ca_config_map(),
+        Some((NAMESPACE, "calix-routes-ca"))
+    );
+    // No key reaches the agents' pods: no Secret, no TLS volume.
+    let ds = one(r, "DaemonSet", "calix");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert!(!has_mount(&pod["containers"][0], "/etc/calix/tls"));
+    assert!(
+        !pod["volumes"].to_string().contains("secret"),
+        "{}",
+        pod["volumes"]
+    );
+    assert!(objects(r, "Secret").is_empty());
+    // The signer: one, on the host network, on any node, unprivileged, its lifetime.
+    let d = one(r, "Deployment", "calix-signer");
+    assert_eq!(d["spec"]["replicas"], 1);
+    assert_eq!(d["spec"]["strategy"]["type"], "Recreate");
+    let spec = &d["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"], true);
+    assert_eq!(spec["tolerations"], json!([{"operator": "Exists"}]));
+    assert_eq!(spec["serviceAccountName"], "calix-signer");
+    let container = &spec["containers"][0];
+    assert_eq!(container["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+    let args = strings(&container["args"]);
+    for a in [
+        "--agent-service-account=kube-system/calix",
+        "--namespace=kube-system",
+        "--ca-secret=calix-routes-ca",
+        "--ca-config-map=calix-routes-ca",
+        "--lifetime-secs=7200",
+    ] {
+        assert!(args.contains(&a.to_string()), "{a} not in {args:?}");
+    }
+    assert_eq!(
+        one(r, "ServiceAccount", "calix-signer")["kind"],
+        "ServiceAccount"
+    );
+    // The agents: ask and follow requests, read the bundle; never approve or sign, never a
+    // Secret.
+    let agent = one(r, "ClusterRole", "calix");
+    let mut csr = grants_of(agent, "certificates.k8s.io", "certificatesigningrequests");
+    assert_eq!(csr.len(), 1, "{csr:?}");
+    csr[0].1.sort();
+    assert_eq!(csr[0].1, ["create", "get", "list", "watch"]);
+    for sub in [
+        "certificatesigningrequests/approval",
+        "certificatesigningrequests/status",
+        "signers",
+    ] {
+        assert!(
+            grants_of(agent, "certificates.k8s.io", sub).is_empty(),
+            "{sub}"
+        );
+    }
+    let reader = one(r, "Role", "calix-routes-ca-reader");
+    assert_eq!(
+        reader["rules"],
+        json!([{"apiGroups": [""], "resources": ["configmaps"],
+            "resourceNames": ["calix-routes-ca"], "verbs": ["get", "list", "watch"]}])
+    );
+    let binding = one(r, "RoleBinding", "calix-routes-ca-reader");
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": "calix", "namespace": NAMESPACE}])
+    );
+    for b in objects(r, "RoleBinding")
+        .into_iter()
+        .chain(objects(r, "ClusterRoleBinding"))
+    {
+        if b["subjects"][0]["name"] != "calix" {
+            continue;
+        }
+        let role = one(
+            r,
+            b["roleRef"]["kind"].as_str().unwrap_or_default(),
+            b["roleRef"]["name"].as_str().unwrap_or_default(),
+        );
+        assert!(
+            grants_of(role, "", "secrets").is_empty(),
+            "the agents may read a Secret: {role}"
+        );
+    }
+    // The signer: approve and sign for calix.dev/routes only; the requests' approval and
+    // status patched, nothing else of them written; Nodes read.
+    let signer = one(r, "ClusterRole", "calix-signer");
+    assert_eq!(
+        grants_of(signer, "certificates.k8s.io", "signers"),
+        [(
+            vec!["calix.dev/routes".to_string()],
+            vec!["approve".to_string(), "sign".to_string()]
+        )]
+    );
+    for sub in [
+        "certificatesigningrequests/approval",
+        "certificatesigningrequests/status",
+    ] {
+        assert_eq!(
+            grants_of(signer, "certificates.k8s.io", sub),
+            [(vec![], vec!["patch".to_string()])],
+            "{sub}"
+        );
+    }
+    let mut read = grants_of(signer, "certificates.k8s.io", "certificatesigningrequests");
+    read[0].1.sort();
+    assert_eq!(read[0].1, ["get", "list", "watch"]);
+    assert_eq!(
+        grants_of(signer, "", "nodes"),
+        [(vec![], vec!["get".to_string()])]
+    );
+    assert!(
+        grants_of(signer, "", "secrets").is_empty(),
+        "no Secret cluster-wide"
+    );
+    // In the release's namespace: its CA's Secret read by name, the bundle read and written
+    // by name, both created (a create has no name to limit it to), its ServiceAccount read.
+    let role = one(r, "Role", "calix-signer");
+    let secrets = grants_of(role, "", "secrets");
+    assert!(secrets.contains(&(vec!["calix-routes-ca".to_string()], vec!["get".to_string()])));
+    assert!(secrets.contains(&(vec![], vec!["create".to_string()])));
+    assert_eq!(secrets.len(), 2, "{secrets:?}");
+    let cms = grants_of(role, "", "configmaps");
+    assert!(cms.contains(&(
+        vec!["calix-routes-ca".to_string()],
+        vec!["get".to_string(), "update".to_string()]
+    )));
+    assert!(grants_of(role, "", "serviceaccounts").is_empty());
+    // Off without routes, or in plain text.
+    for name in ["defaults", "all-b"] {
+        let r = assert_valid(name);
+        assert!(objects(r, "Deployment").is_empty(), "{name}");
+        assert!(
+            grants_of(
+                one(r, "ClusterRole", "calix"),
+                "certificates.k8s.io",
+                "certificatesigningrequests"
+            )
+            .is_empty(),
+            "{name}"
         );
     }
 }

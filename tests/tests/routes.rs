@@ -405,6 +405,7 @@ fn other_services_over_tcp(
     let dialer = Dialer {
         me: as_node.to_string(),
         tls: Some(tls),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     };
@@ -467,6 +468,7 @@ fn try_watch(
     let dialer = Dialer {
         me: as_node.to_string(),
         tls,
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     };

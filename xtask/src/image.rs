@@ -18,6 +18,7 @@ use crate::util::{self, output, run};
 const BINARIES: &[(&str, &str)] = &[
     ("calix-agent", "calix-agent"),
     ("calix-agent", "calixctl"),
+    ("calix-agent", "calix-signer"),
     ("calix-cni", "calix"),
     ("calix-install-cni", "calix-install-cni"),
     ("calix-probe", "calix-probe"),

@@ -359,6 +359,29 @@ fn nodes_table(r: &RoutesReport) -> String {
         d.refused_tls,
         d.refused_identity
     ));
+    if let Some(c) = &r.certificate {
+        out.push_str(&format!(
+            "\ncertificate ({}): {}{}; {} issued, {} failed attempt(s){}",
+            c.source,
+            match (&c.serial, c.expires_in_secs) {
+                (Some(serial), Some(left)) if left >= 0 =>
+                    format!("serial {serial}, expires in {}", age(left as f64)),
+                (Some(serial), _) => format!("serial {serial}, EXPIRED"),
+                _ => "none yet".to_string(),
+            },
+            if c.bundle {
+                ""
+            } else {
+                ", no trust bundle yet"
+            },
+            c.issued,
+            c.failures,
+            c.last_error
+                .as_ref()
+                .map(|e| format!("; last error: {e}"))
+                .unwrap_or_default()
+        ));
+    }
     out
 }
 
@@ -370,6 +393,7 @@ fn nodes_json(r: &RoutesReport) -> serde_json::Value {
         "reflector": r.reflector,
         "endpoint": r.endpoint,
         "tls": r.tls,
+        "certificate": r.certificate,
         "complete": r.complete,
         "watchers": r.watchers,
         "door": r.door,

@@ -11,8 +11,12 @@
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
-//! - [`source`]: a value followed from the store.
+//! - [`source`]: a value followed from the store;
+//! - [`certificates`]: this node's route-distribution certificate, asked of the API server
+//!   (a CertificateSigningRequest) and renewed, and the CA bundle from its ConfigMap (with
+//!   any datastore: read with the agent's own client, not the store).
 pub mod annotations;
+pub mod certificates;
 pub mod cluster;
 pub mod events;
 pub mod owner;

@@ -2,7 +2,8 @@
 //! peer's node), watches, and turns the stream into [`PeerEvent`]s for the engine; when the
 //! stream ends or cannot be opened, says so (the engine starts the grace period) and tries
 //! again with backoff (100 ms doubling to 5 s, jittered; from the start after a stream that
-//! delivered a snapshot).
+//! delivered a snapshot). With a certificate still on its way (`Dialer::live`), it first
+//! waits for it.
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -23,7 +24,7 @@ use super::advertise::NextHops;
 use super::conn::Conn;
 use super::engine::PeerEvent;
 use super::peers::Target;
-use super::tls;
+use super::tls::{self, LiveTls};
 use super::wire::{self, Assembler};
 use crate::memory;
 
@@ -33,6 +34,9 @@ pub struct Dialer {
     pub me: String,
     /// `None`: plain text.
     pub tls: Option<Arc<ClientConfig>>,
+    /// The material `tls` presents, when it may not be there yet (a certificate from the
+    /// Kubernetes API): followers wait until it is ready before they dial.
+    pub live: Option<Arc<LiveTls>>,
     pub connect_timeout: Duration,
     /// Where it dials from: this node's address of the endpoint's family, which its node
     /// record (or Node object) carries — a peer's door refuses sources it does not know.
@@ -60,6 +64,10 @@ pub async fn follow(
     id: u64,
     tx: mpsc::Sender<PeerMessage>,
 ) {
+    if let Some(live) = dialer.live.as_ref().filter(|l| !l.is_ready()) {
+        tracing::debug!(%peer, "routes: waiting for this node's certificate before following");
+        live.wait_ready().await;
+    }
     let mut backoff = FIRST_BACKOFF;
     let mut last_error = String::new();
     loop {

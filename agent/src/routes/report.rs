@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::engine::{Engine, Verdict};
 use super::feed::Feed;
 use super::listener::DoorCounts;
+use super::tls::CertStatus;
 use super::validate::Refusal;
 use crate::config::{Topology, VxlanMode};
 use crate::reconcile::remote::RemoteRoute;
@@ -27,6 +28,9 @@ pub struct RoutesReport {
     pub endpoint: String,
     /// Mutual TLS between nodes (false: `routes.plaintext`).
     pub tls: bool,
+    /// This node's certificate (with TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificate: Option<CertStatus>,
     /// The datastore's blocks and nodes are listed.
     pub synced: bool,
     /// Every peer answered (or its grace ran out) since this agent started.
@@ -133,7 +137,8 @@ pub fn mode_name(m: VxlanMode) -> &'static str {
 /// What the report is built from besides the engine.
 pub struct Context<'a> {
     pub endpoint: &'a str,
-    pub tls: bool,
+    /// This node's certificate; `None`: plain text.
+    pub tls: Option<CertStatus>,
     pub own: &'a Feed,
     pub relay: &'a Feed,
     /// The last set handed to the reconciler: routes, complete, when.
@@ -223,7 +228,8 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
         .into(),
         reflector: s.reflector,
         endpoint: cx.endpoint.into(),
-        tls: cx.tls,
+        tls: cx.tls.is_some(),
+        certificate: cx.tls.clone(),
         synced: e.synced(),
         complete: e.complete(),
         advertised,
@@ -256,6 +262,7 @@ pub struct Counts {
     pub refusals: BTreeMap<String, u64>,
     pub watchers: usize,
     pub door: DoorCounts,
+    pub certificate: Option<CertStatus>,
 }
 
 pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
@@ -282,6 +289,7 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
             .collect(),
         watchers: cx.own.watchers() + cx.relay.watchers(),
         door: cx.door.clone(),
+        certificate: cx.tls.clone(),
     }
 }
 
@@ -335,6 +343,23 @@ pub fn metrics(r: &Counts) -> String {
         "# HELP calix_route_connections_refused_total Connections to the Routes port refused, by cause (unknown: the source is no known node's address, before TLS; busy: caps; tls: handshake; identity: certificate or node).\n# TYPE calix_route_connections_refused_total counter\ncalix_route_connections_refused_total{{cause=\"unknown\"}} {}\ncalix_route_connections_refused_total{{cause=\"busy\"}} {}\ncalix_route_connections_refused_total{{cause=\"tls\"}} {}\ncalix_route_connections_refused_total{{cause=\"identity\"}} {}",
         d.refused_unknown, d.refused_busy, d.refused_tls, d.refused_identity
     );
+    if let Some(c) = &r.certificate {
+        let _ = writeln!(
+            out,
+            "# HELP calix_routes_certificate_expiry_timestamp_seconds When this node's route-distribution certificate expires (0: none yet).\n# TYPE calix_routes_certificate_expiry_timestamp_seconds gauge\ncalix_routes_certificate_expiry_timestamp_seconds {}",
+            c.not_after.unwrap_or(0)
+        );
+        let _ = writeln!(
+            out,
+            "# HELP calix_routes_certificates_issued_total Certificates put in place for route distribution since the agent started.\n# TYPE calix_routes_certificates_issued_total counter\ncalix_routes_certificates_issued_total {}",
+            c.issued
+        );
+        let _ = writeln!(
+            out,
+            "# HELP calix_routes_certificate_failures_total Attempts to get this node's certificate that failed.\n# TYPE calix_routes_certificate_failures_total counter\ncalix_routes_certificate_failures_total {}",
+            c.failures
+        );
+    }
     out
 }
 
@@ -363,5 +388,19 @@ mod tests {
         assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
         assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));
         assert!(m.contains("calix_route_peers{state=\"grace\"} 0"));
+        assert!(
+            !m.contains("calix_routes_certificate"),
+            "plain text: no certificate lines"
+        );
+        r.certificate = Some(CertStatus {
+            not_after: Some(1_700_000_000),
+            issued: 3,
+            failures: 2,
+            ..CertStatus::default()
+        });
+        let m = metrics(&r);
+        assert!(m.contains("calix_routes_certificate_expiry_timestamp_seconds 1700000000"));
+        assert!(m.contains("calix_routes_certificates_issued_total 3"));
+        assert!(m.contains("calix_routes_certificate_failures_total 2"));
     }
 }

@@ -1,5 +1,5 @@
 //! `calix.v1.Routes/Watch`: a peer asks to watch as node N; it is served only if its
-//! certificate names N and N has a node record. It gets a snapshot of this agent's routes
+//! certificate names N and nothing else, and N has a node record. It gets a snapshot of this agent's routes
 //! (with `relayed`, on a reflector: everything it relays), then every delta. A watcher that
 //! falls behind gets a new snapshot. A watch waits (up to 10 s, then `UNAVAILABLE`) until
 //! the set it asks for is known: this node's routes once the datastore is listed, a
@@ -22,6 +22,7 @@ use super::feed::Feed;
 use super::listener::{DoorStats, Throttle};
 use super::tls::cert_is_for;
 use super::wire;
+use crate::pki::cert::NameError;
 
 /// The sets this agent serves.
 pub struct Feeds {
@@ -84,15 +85,6 @@ impl Known {
     fn read(&self) -> std::sync::RwLockReadGuard<'_, KnownNodes> {
         self.nodes.read().unwrap_or_else(|p| p.into_inner())
     }
-
-    /// A node whose name `cert` carries, for the log.
-    fn named_in(&self, cert: &rustls::pki_types::CertificateDer<'_>) -> Option<String> {
-        self.read()
-            .names
-            .iter()
-            .find(|n| cert_is_for(cert, n))
-            .cloned()
-    }
 }
 
 /// The Routes service.
@@ -117,14 +109,15 @@ impl RoutesSvc {
             return Err("no connection information".into());
         };
         if let Some(cert) = &peer.cert {
-            if !cert_is_for(cert, node) {
-                return Err(match self.known.named_in(cert) {
-                    Some(other) => format!(
-                        "asked to watch as node {node:?} with the certificate of node {other:?}"
+            if let Err(e) = cert_is_for(cert, node) {
+                return Err(match e {
+                    NameError::Other { found, .. } if self.known.contains(&found) => format!(
+                        "asked to watch as node {node:?} with the certificate of node {found:?}"
                     ),
-                    None => format!(
+                    NameError::Other { .. } => format!(
                         "asked to watch as node {node:?} with a certificate that does not name it"
                     ),
+                    e => format!("asked to watch as node {node:?}: {e}"),
                 });
             }
         }

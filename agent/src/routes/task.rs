@@ -22,10 +22,10 @@ use super::listener::{self, DoorStats, Limits, Throttle};
 use super::peers::Target;
 use super::report::{self, RoutesReport};
 use super::server::{Feeds, Known, RoutesSvc};
-use super::tls::TlsMaterial;
+use super::tls::LiveTls;
 use super::view::Part;
 use super::RoutesError;
-use crate::config::{AgentConfig, RoutesConfig, VxlanMode};
+use crate::config::{AgentConfig, CertSource, RoutesConfig, VxlanMode};
 use crate::dataplane::doors::PeerNodes;
 use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
 use crate::reconcile::driver::Driver;
@@ -74,8 +74,9 @@ pub struct Start {
     pub endpoint: String,
     /// This node's subnets (for `calixctl routes`' VIA).
     pub subnets: Vec<IpNet>,
-    /// `None`: plain text (`routes.plaintext`).
-    pub tls: Option<TlsMaterial>,
+    /// `None`: plain text (`routes.plaintext`). Live: renewed certificates and bundles are
+    /// used by the next handshake.
+    pub tls: Option<Arc<LiveTls>>,
     /// The Routes port on each address it listens on, bound before this node's record
     /// announces it (peers that dial early wait in its backlog instead of being refused).
     pub listeners: Vec<tokio::net::TcpListener>,
@@ -123,9 +124,12 @@ impl NodeSource {
 impl Start {
     /// From the agent's config: the next hops (`routes.node_addresses`, else the first
     /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
-    /// node's subnets, and the TLS files (read and checked now: a bad file stops the agent);
-    /// binds the Routes port.
-    pub async fn from_config(cfg: &AgentConfig, recorded: &[String]) -> Result<Self, RoutesError> {
+    /// node's subnets, and `tls` ([`tls_for`]); binds the Routes port.
+    pub async fn from_config(
+        cfg: &AgentConfig,
+        recorded: &[String],
+        tls: Option<Arc<LiveTls>>,
+    ) -> Result<Self, RoutesError> {
         let next_hops =
             super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
         let listen = cfg.routes.listen_on().ok_or_else(|| RoutesError::Listen {
@@ -136,11 +140,6 @@ impl Start {
             ),
         })?;
         let endpoint = super::local::endpoint(listen, &next_hops).ok_or(RoutesError::NoAddress)?;
-        let tls = if cfg.routes.plaintext {
-            None
-        } else {
-            Some(TlsMaterial::load(&cfg.routes.tls, &cfg.node_name)?)
-        };
         let mut routes = cfg.routes.clone();
         if routes.reflector && routes.topology != crate::config::Topology::Reflectors {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
@@ -167,6 +166,19 @@ impl Start {
             tls,
         })
     }
+}
+
+/// Route distribution's TLS material from `[routes]`: none in plain text (or with routes
+/// off); the files, read and checked now (a bad file stops the agent); or, with
+/// `routes.tls.source = "kubernetes"`, empty until [`crate::k8s::certificates`] fills it.
+pub fn tls_for(cfg: &AgentConfig) -> Result<Option<Arc<LiveTls>>, RoutesError> {
+    if !cfg.routes.enabled || cfg.routes.plaintext {
+        return Ok(None);
+    }
+    Ok(Some(match cfg.routes.tls.source {
+        CertSource::Files => LiveTls::from_files(&cfg.routes.tls, &cfg.node_name)?,
+        CertSource::Kubernetes => LiveTls::pending(&cfg.node_name, CertSource::Kubernetes),
+    }))
 }
 
 /// A running route distribution.
@@ -281,12 +293,13 @@ pub async fn start(
         dialer: Arc::new(Dialer {
             me: s.me,
             tls: client_tls,
+            live: s.tls.clone(),
             connect_timeout: Duration::from_secs(3),
             source: s.next_hops,
         }),
         peer_tx,
         endpoint: s.endpoint,
-        tls: s.tls.is_some(),
+        tls: s.tls,
         subnets: s.subnets,
     };
     let engine = tokio::spawn(state.run(view_rx, peer_rx, req_rx, shutdown.subscribe()));
@@ -353,7 +366,7 @@ struct Loop {
     dialer: Arc<Dialer>,
     peer_tx: mpsc::Sender<PeerMessage>,
     endpoint: String,
-    tls: bool,
+    tls: Option<Arc<LiveTls>>,
     subnets: Vec<IpNet>,
 }
 
@@ -504,7 +517,10 @@ impl Loop {
             .clone();
         report::Context {
             endpoint: &self.endpoint,
-            tls: self.tls,
+            tls: self
+                .tls
+                .as_ref()
+                .map(|t| t.status(std::time::SystemTime::now())),
             own: &self.feeds.own,
             relay: &self.feeds.relay,
             handed,

@@ -15,8 +15,9 @@ use super::feed::Feed;
 use super::listener::{self, DoorStats, Limits};
 use super::peers::Target;
 use super::server::{Feeds, Known, RoutesSvc};
-use super::tls::TlsMaterial;
+use super::tls::{LiveTls, TlsMaterial};
 use super::Route;
+use crate::config::CertSource;
 
 fn material(ca: &Ca, name: &str) -> TlsMaterial {
     let c = ca.issue(name).expect("cert");
@@ -103,6 +104,7 @@ async fn a_follower_gets_the_snapshot_then_deltas_over_mutual_tls_and_sees_the_s
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     });
@@ -152,6 +154,7 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     });
@@ -167,6 +170,226 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
         }
         other => panic!("{other:?}"),
     }
+    follower.abort();
+}
+
+fn material_names(ca: &Ca, names: &[&str]) -> TlsMaterial {
+    let c = ca.issue_names(names).expect("cert");
+    let p = Path::new("(test)");
+    TlsMaterial::from_pem(
+        (p, ca.pem().as_bytes()),
+        (p, c.cert_pem.as_bytes()),
+        (p, c.key_pem.as_bytes()),
+    )
+    .expect("material")
+}
+
+/// A certificate that names two nodes (both DNS SANs valid, signed by the CA) identifies
+/// neither: a client presenting one is refused whichever of its names it watches as, and a
+/// server presenting one is refused by a follower that dialed one of its names.
+#[tokio::test]
+async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server(&ca, Limits::default()).await;
+    s.own.publish(&BTreeMap::new(), Instant::now());
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(
+            material_names(&ca, &["b", "c"])
+                .client_config()
+                .expect("client"),
+        ),
+        live: None,
+        connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    match next(&mut rx).await {
+        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        other => panic!("a client certificate naming b and c watched as b: {other:?}"),
+    }
+    follower.abort();
+
+    // A server whose certificate names a and c, dialed as a.
+    let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = sock.local_addr().expect("addr").to_string();
+    let known = Arc::new(Known::default());
+    known.set(
+        ["b".to_string()].into(),
+        ["127.0.0.1".parse().expect("ip")].into(),
+    );
+    let own = Arc::new(Feed::default());
+    own.publish(&BTreeMap::new(), Instant::now());
+    let (_stop, stop_rx) = watch::channel(false);
+    let svc = RoutesSvc {
+        feeds: Arc::new(Feeds {
+            own,
+            relay: Arc::new(Feed::default()),
+            reflector: false,
+        }),
+        known,
+        stats: Arc::new(DoorStats::default()),
+        shutdown: stop_rx.clone(),
+        throttle: Arc::default(),
+    };
+    let tls = material_names(&ca, &["a", "c"])
+        .server_config()
+        .expect("server");
+    tokio::spawn(listener::serve(
+        vec![sock],
+        Some(tls),
+        svc,
+        Limits::default(),
+        stop_rx,
+    ));
+    let (tx, mut rx) = mpsc::channel(16);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
+        connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
+    });
+    let target = Target {
+        endpoint: addr,
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    match next(&mut rx).await {
+        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        other => panic!("a server certificate naming a and c passed as a: {other:?}"),
+    }
+    follower.abort();
+}
+
+/// `name`'s certificate from `ca`, put in `live`; its serial.
+fn renew(live: &LiveTls, ca: &Ca, name: &str) -> String {
+    use rustls::pki_types::pem::PemObject;
+    let c = ca.issue(name).expect("cert");
+    let chain = rustls::pki_types::CertificateDer::pem_slice_iter(c.cert_pem.as_bytes())
+        .map(|c| c.expect("pem"))
+        .collect();
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).expect("key");
+    live.set_identity(chain, key).expect("identity").serial
+}
+
+/// The serial of the certificate the server at `addr` presents to a client of `live`.
+async fn served_serial(addr: &str, live: &Arc<LiveTls>, node: &str) -> String {
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let tls = tokio_rustls::TlsConnector::from(live.client_config().expect("client"))
+        .connect(super::tls::server_name(node).expect("name"), tcp)
+        .await
+        .expect("handshake");
+    let cert = tls.get_ref().1.peer_certificates().expect("certs")[0].clone();
+    crate::pki::cert::facts(cert.as_ref())
+        .expect("facts")
+        .serial
+}
+
+/// A renewed certificate is served from the next handshake on, while the stream that is open
+/// carries on (no reconnect, the next delta on the same stream); a node still waiting for its
+/// first certificate neither serves nor dials, and starts both once it is there.
+#[tokio::test]
+async fn a_renewed_certificate_is_used_by_new_connections_and_open_streams_go_on() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = sock.local_addr().expect("addr").to_string();
+    let known = Arc::new(Known::default());
+    known.set(
+        ["b".to_string()].into(),
+        ["127.0.0.1".parse().expect("ip")].into(),
+    );
+    let own = Arc::new(Feed::default());
+    let stats = Arc::new(DoorStats::default());
+    let (_stop, stop_rx) = watch::channel(false);
+    let svc = RoutesSvc {
+        feeds: Arc::new(Feeds {
+            own: own.clone(),
+            relay: Arc::new(Feed::default()),
+            reflector: false,
+        }),
+        known,
+        stats: stats.clone(),
+        shutdown: stop_rx.clone(),
+        throttle: Arc::default(),
+    };
+    let bundle = super::tls::bundle(Path::new("(ca)"), ca.pem().as_bytes()).expect("bundle");
+    let server_tls = LiveTls::pending("a", CertSource::Kubernetes);
+    server_tls.set_roots(bundle.clone()).expect("roots");
+    let config = server_tls.server_config().expect("server");
+    tokio::spawn(listener::serve(
+        vec![sock],
+        Some(config),
+        svc,
+        Limits::default(),
+        stop_rx,
+    ));
+    // The follower's own certificate is not there yet: it does not dial.
+    let client_tls = LiveTls::pending("b", CertSource::Kubernetes);
+    client_tls.set_roots(bundle).expect("roots");
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(client_tls.client_config().expect("client")),
+        live: Some(client_tls.clone()),
+        connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
+    });
+    let mut set = BTreeMap::new();
+    set.insert(route("10.0.0.0/26").prefix, route("10.0.0.0/26"));
+    own.publish(&set, Instant::now());
+    let (tx, mut rx) = mpsc::channel(16);
+    let target = Target {
+        endpoint: addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        rx.try_recv().is_err(),
+        "no event while it has no certificate"
+    );
+    assert_eq!(
+        stats.counts().refused_tls + stats.counts().accepted,
+        0,
+        "nothing dialed"
+    );
+    renew(&client_tls, &ca, "b");
+    // Now it dials, but the server has no certificate yet: refused at the handshake.
+    assert!(matches!(next(&mut rx).await, PeerEvent::Down { .. }));
+    assert!(stats.counts().refused_tls >= 1);
+    let first = renew(&server_tls, &ca, "a");
+    let generation = loop {
+        match next(&mut rx).await {
+            PeerEvent::Snapshot { generation, .. } => break generation,
+            PeerEvent::Down { .. } => continue,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(served_serial(&addr, &client_tls, "a").await, first);
+    let accepted = stats.counts().accepted;
+    // Renewed on both sides: the open stream carries the next delta.
+    let second = renew(&server_tls, &ca, "a");
+    renew(&client_tls, &ca, "b");
+    assert_ne!(first, second);
+    set.insert(route("10.0.0.64/26").prefix, route("10.0.0.64/26"));
+    own.publish(&set, Instant::now());
+    match next(&mut rx).await {
+        PeerEvent::Delta { generation: g, .. } => assert_eq!(g, generation + 1),
+        other => panic!("the stream did not go on: {other:?}"),
+    }
+    assert_eq!(served_serial(&addr, &client_tls, "a").await, second);
+    // One more accepted connection: served_serial's, not a reconnect of the follower.
+    assert_eq!(stats.counts().accepted, accepted + 1);
+    assert_eq!(server_tls.status(std::time::SystemTime::now()).issued, 2);
     follower.abort();
 }
 
@@ -215,6 +438,7 @@ async fn the_door_caps_connections_per_address_and_times_out_handshakes() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     });
@@ -301,6 +525,7 @@ async fn strangers_are_refused_before_tls_and_one_nodes_flood_leaves_the_others_
             v4: Some("127.0.0.2".parse().expect("ip")),
             v6: None,
         },
+        live: None,
     });
     let target = Target {
         endpoint: s.addr.clone(),
@@ -323,6 +548,7 @@ async fn a_watcher_waits_for_the_first_publication_instead_of_an_empty_snapshot(
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     });
@@ -385,6 +611,7 @@ async fn a_snapshot_larger_than_the_window_arrives() {
     let dialer = Arc::new(Dialer {
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
     });
@@ -414,4 +641,56 @@ async fn the_door_binds_an_address_the_node_does_not_have_yet() {
         assert_eq!(got.ip(), a.ip(), "{addr}");
         assert_ne!(got.port(), 0);
     }
+}
+
+/// What an agent puts in place as its own certificate is checked first: it names this node
+/// alone, its key is the certificate's, it chains to the bundle; and a new bundle that does
+/// not trust it says so (the agent then renews at once).
+#[test]
+fn only_a_certificate_of_this_node_trusted_by_the_bundle_is_put_in_place() {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let parts = |c: &calix_testbed::tls::NodeCert| {
+        (
+            CertificateDer::pem_slice_iter(c.cert_pem.as_bytes())
+                .map(|c| c.expect("pem"))
+                .collect::<Vec<_>>(),
+            PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).expect("key"),
+        )
+    };
+    let ca = Ca::new("test-ca").expect("ca");
+    let other_ca = Ca::new("other-ca").expect("ca");
+    let live = LiveTls::pending("a", CertSource::Kubernetes);
+    live.set_roots(super::tls::bundle(Path::new("(ca)"), ca.pem().as_bytes()).expect("bundle"))
+        .expect("roots");
+    let refused = |c: &calix_testbed::tls::NodeCert| {
+        let (chain, key) = parts(c);
+        live.set_identity(chain, key)
+            .expect_err("refused")
+            .to_string()
+    };
+    assert!(refused(&ca.issue("b").expect("cert")).contains("not for node \"a\""));
+    assert!(refused(&ca.issue_names(&["a", "b"]).expect("cert")).contains("more than one"));
+    assert!(refused(&other_ca.issue("a").expect("cert")).contains("does not verify"));
+    let (chain, _) = parts(&ca.issue("a").expect("cert"));
+    let (_, other_key) = parts(&ca.issue("a").expect("cert"));
+    assert!(
+        live.set_identity(chain, other_key).is_err(),
+        "a key that is not the certificate's"
+    );
+    assert!(!live.is_ready());
+    assert_eq!(live.status(std::time::SystemTime::now()).issued, 0);
+    let serial = renew(&live, &ca, "a");
+    assert!(live.is_ready() && live.identity_trusted());
+    assert_eq!(
+        live.status(std::time::SystemTime::now()).serial.as_deref(),
+        Some(serial.as_str())
+    );
+    let changes = live.bundle_changes();
+    live.set_roots(
+        super::tls::bundle(Path::new("(ca)"), other_ca.pem().as_bytes()).expect("bundle"),
+    )
+    .expect("roots");
+    assert!(changes.has_changed().expect("open"));
+    assert!(!live.identity_trusted(), "the new bundle does not trust it");
 }

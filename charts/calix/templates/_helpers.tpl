@@ -57,3 +57,31 @@ the kubernetes datastore (the agent follows its DaemonSet through the API).
 {{- define "calix.cleanupOnUninstall" -}}
 {{- if and .Values.cleanupOnUninstall (eq .Values.datastore.type "kubernetes") }}true{{ end }}
 {{- end }}
+
+{{/*
+Whether the agents get their route-distribution certificates through the Kubernetes API (and
+the chart runs calix-signer): routes over TLS with routes.tls.source kubernetes.
+*/}}
+{{- define "calix.routesCertificates" -}}
+{{- if and .Values.routes.enabled (not .Values.routes.plaintext) (eq .Values.routes.tls.source "kubernetes") }}true{{ end }}
+{{- end }}
+
+{{/* The CA's Secret and the trust bundle's ConfigMap (one name, two kinds). */}}
+{{- define "calix.routesCa" -}}
+{{- printf "%s-routes-ca" (include "calix.fullname" .) -}}
+{{- end -}}
+
+{{/* calix-signer's name (Deployment, ServiceAccount, roles). */}}
+{{- define "calix.signerName" -}}
+{{- printf "%s-signer" (include "calix.fullname" .) -}}
+{{- end -}}
+
+{{/* A file of files/rbac/ with the names of this release in place of its placeholders. */}}
+{{- define "calix.rbacRules" -}}
+{{- .root.Files.Get (printf "files/rbac/%s" .file) | replace "CALIX_CA_SECRET" (include "calix.routesCa" .root) | replace "CALIX_CA_CONFIG_MAP" (include "calix.routesCa" .root) -}}
+{{- end -}}
+
+{{/* Whether the agents read their certificates from files on the node (routes.tls.source hostPath). */}}
+{{- define "calix.routesHostPath" -}}
+{{- if and .Values.routes.enabled (not .Values.routes.plaintext) (eq .Values.routes.tls.source "hostPath") }}true{{ end }}
+{{- end }}
