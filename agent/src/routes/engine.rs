@@ -18,6 +18,7 @@ use super::peers::{self, Target};
 use super::session::Session;
 use super::validate::{validate, Refusal};
 use super::view::{Part, View};
+use super::wire::{self, WireError};
 use super::Route;
 use crate::config::{Topology, VxlanMode};
 use crate::datastore::{KeyValue, WatchEvent};
@@ -48,17 +49,43 @@ pub enum PeerEvent {
     Snapshot {
         generation: u64,
         routes: Vec<Route>,
-        /// Routes that did not parse (their text).
-        malformed: Vec<String>,
+        unused: Unused,
     },
     Delta {
         generation: u64,
         routes: Vec<Route>,
+        /// Prefixes the peer held (see [`Unused::unknown_withdrawals`] for the others).
         withdrawn: Vec<IpNet>,
-        malformed: Vec<String>,
+        unused: Unused,
     },
     /// The stream ended, or could not be opened.
-    Down { reason: String },
+    Down {
+        reason: String,
+        /// The peer broke the protocol or a bound: why its stream was dropped.
+        broke: Option<WireError>,
+    },
+}
+
+/// What an update carried that is not used.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Unused {
+    /// Entries that do not parse (routes, withdrawn prefixes).
+    pub malformed: u64,
+    /// The text of the first few ([`wire::MALFORMED_EXAMPLES`], cut short).
+    pub examples: Vec<String>,
+    /// Withdrawals of prefixes the peer does not hold (never announced, or gone already):
+    /// ignored.
+    pub unknown_withdrawals: u64,
+}
+
+impl Unused {
+    /// One more malformed entry, whose text `text` makes (only while examples are wanted).
+    pub fn add_malformed(&mut self, text: impl FnOnce() -> String) {
+        self.malformed += 1;
+        if self.examples.len() < wire::MALFORMED_EXAMPLES {
+            self.examples.push(text());
+        }
+    }
 }
 
 /// What this agent makes of one route a peer announced.
@@ -103,6 +130,12 @@ pub struct Engine {
     refusals: BTreeMap<Refusal, u64>,
     /// (peer, cause) already logged.
     logged: HashSet<(String, Refusal)>,
+    /// Withdrawals of prefixes their peer did not hold, ignored.
+    unknown_withdrawals: u64,
+    /// Peers whose ignored withdrawals were logged.
+    logged_withdrawals: HashSet<String>,
+    /// Streams dropped because the peer broke the protocol or a bound, by cause.
+    dropped: BTreeMap<&'static str, u64>,
     /// Every peer known at the first sync has answered (or waited out its grace). Latched:
     /// peers that appear later have no routes of old in the kernel to protect.
     complete: bool,
@@ -121,6 +154,9 @@ impl Engine {
             verdicts: HashMap::new(),
             refusals: BTreeMap::new(),
             logged: HashSet::new(),
+            unknown_withdrawals: 0,
+            logged_withdrawals: HashSet::new(),
+            dropped: BTreeMap::new(),
             complete: false,
             unroutable_warned: false,
         }
@@ -160,40 +196,54 @@ impl Engine {
         let Some(session) = self.sessions.get_mut(name) else {
             return;
         };
-        let malformed = match ev {
+        let unused = match ev {
             PeerEvent::Snapshot {
                 generation,
                 routes,
-                malformed,
+                unused,
             } => {
                 session.snapshot(generation, routes, now);
-                malformed
+                unused
             }
             PeerEvent::Delta {
                 generation,
                 routes,
                 withdrawn,
-                malformed,
+                unused,
             } => {
                 session.delta(generation, routes, &withdrawn, now);
-                malformed
+                unused
             }
-            PeerEvent::Down { reason } => {
+            PeerEvent::Down { reason, broke } => {
                 if session.keeps_routes()
                     && !matches!(session.state, super::session::State::Grace { .. })
                 {
                     tracing::warn!(peer = %name, %reason, grace_secs = grace.as_secs(),
                         "routes: peer's stream ended; its routes stay for the grace period");
                 }
+                if let Some(e) = broke {
+                    *session.dropped.entry(e.name()).or_default() += 1;
+                    *self.dropped.entry(e.name()).or_default() += 1;
+                }
                 session.down(reason, now, grace);
-                Vec::new()
+                Unused::default()
             }
         };
-        if let Some(example) = malformed.first() {
-            *self.refusals.entry(Refusal::Malformed).or_default() += malformed.len() as u64;
+        session.malformed += unused.malformed;
+        session.unknown_withdrawals += unused.unknown_withdrawals;
+        if unused.malformed > 0 {
+            *self.refusals.entry(Refusal::Malformed).or_default() += unused.malformed;
             if self.logged.insert((name.to_string(), Refusal::Malformed)) {
-                tracing::warn!(peer = %name, route = %example, count = malformed.len(),
+                let example = unused.examples.first().map(String::as_str).unwrap_or("");
+                tracing::warn!(peer = %name, route = %example, count = unused.malformed,
                     "routes: refused a route that does not parse (logged once per peer)");
+            }
+        }
+        if unused.unknown_withdrawals > 0 {
+            self.unknown_withdrawals += unused.unknown_withdrawals;
+            if self.logged_withdrawals.insert(name.to_string()) {
+                tracing::warn!(peer = %name, count = unused.unknown_withdrawals,
+                    "routes: ignored withdrawals of prefixes the peer does not hold (counted, logged once per peer)");
             }
         }
     }
@@ -401,6 +451,17 @@ impl Engine {
 
     pub fn complete(&self) -> bool {
         self.complete
+    }
+
+    /// Withdrawals of prefixes their peer did not hold, ignored so far.
+    pub fn unknown_withdrawals(&self) -> u64 {
+        self.unknown_withdrawals
+    }
+
+    /// Streams dropped so far because the peer broke the protocol or a bound, by cause
+    /// ([`WireError::name`]).
+    pub fn dropped(&self) -> &BTreeMap<&'static str, u64> {
+        &self.dropped
     }
 }
 

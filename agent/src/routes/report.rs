@@ -12,6 +12,7 @@ use super::engine::{Engine, Verdict};
 use super::feed::Feed;
 use super::listener::DoorCounts;
 use super::validate::Refusal;
+use super::wire::WireError;
 use crate::config::{Topology, VxlanMode};
 use crate::reconcile::remote::RemoteRoute;
 
@@ -48,9 +49,22 @@ pub struct RoutesReport {
     pub watchers: usize,
     /// Routes refused, by cause.
     pub refusals: BTreeMap<String, u64>,
+    /// Withdrawals of prefixes their peer did not hold: ignored.
+    #[serde(default)]
+    pub unknown_withdrawals: u64,
+    /// Peers' streams dropped because they broke the protocol or a bound, by cause.
+    #[serde(default)]
+    pub dropped: BTreeMap<String, u64>,
+    /// Learned routes not listed in `learned`: beyond [`LISTED_UNUSED`] per peer that are not
+    /// accepted (a peer can announce many; the report stays small).
+    #[serde(default)]
+    pub learned_omitted: usize,
     /// The TCP door's counters.
     pub door: DoorCounts,
 }
+
+/// Routes of one peer listed in the report that are not accepted (refused, pending).
+pub const LISTED_UNUSED: usize = 100;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Advertised {
@@ -107,6 +121,15 @@ pub struct Peer {
     pub accepted: usize,
     /// Snapshots received (1 + reconnects).
     pub snapshots: u64,
+    /// Entries it sent that did not parse.
+    #[serde(default)]
+    pub malformed: u64,
+    /// Withdrawals of prefixes it did not hold (ignored).
+    #[serde(default)]
+    pub unknown_withdrawals: u64,
+    /// Its streams dropped because it broke the protocol or a bound, by cause.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dropped: BTreeMap<String, u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -157,9 +180,11 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
         })
         .collect();
     let mut learned = Vec::new();
+    let mut learned_omitted = 0;
     let mut peers = Vec::new();
     for (name, session) in e.sessions() {
         let mut accepted = 0;
+        let mut listed_unused = 0;
         for (p, r) in &session.routes {
             let (state, cause) = match e.verdict(name, p) {
                 Some(Verdict::Accepted) => {
@@ -171,6 +196,13 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
                 Some(Verdict::Refused(cause)) => ("refused", Some(cause.name().to_string())),
                 None => ("pending", None),
             };
+            if cause.is_some() || state == "pending" {
+                if listed_unused == LISTED_UNUSED {
+                    learned_omitted += 1;
+                    continue;
+                }
+                listed_unused += 1;
+            }
             learned.push(Learned {
                 prefix: p.to_string(),
                 node: r.node.clone(),
@@ -193,6 +225,9 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             routes: session.routes.len(),
             accepted,
             snapshots: session.snapshots,
+            malformed: session.malformed,
+            unknown_withdrawals: session.unknown_withdrawals,
+            dropped: names(&session.dropped),
             error: session.last_error.clone(),
         });
     }
@@ -239,8 +274,15 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        unknown_withdrawals: e.unknown_withdrawals(),
+        dropped: names(e.dropped()),
+        learned_omitted,
         door: cx.door.clone(),
     }
+}
+
+fn names(m: &BTreeMap<&'static str, u64>) -> BTreeMap<String, u64> {
+    m.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
 /// What `/metrics` shows, counted without building the report.
@@ -254,6 +296,8 @@ pub struct Counts {
     pub advertised: usize,
     pub complete: bool,
     pub refusals: BTreeMap<String, u64>,
+    pub unknown_withdrawals: u64,
+    pub dropped: BTreeMap<String, u64>,
     pub watchers: usize,
     pub door: DoorCounts,
 }
@@ -280,6 +324,8 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        unknown_withdrawals: e.unknown_withdrawals(),
+        dropped: names(e.dropped()),
         watchers: cx.own.watchers() + cx.relay.watchers(),
         door: cx.door.clone(),
     }
@@ -326,6 +372,22 @@ pub fn metrics(r: &Counts) -> String {
     }
     let _ = writeln!(
         out,
+        "# HELP calix_route_withdrawals_ignored_total Withdrawals of prefixes their peer did not hold (never announced, or gone already): ignored.\n# TYPE calix_route_withdrawals_ignored_total counter\ncalix_route_withdrawals_ignored_total {}",
+        r.unknown_withdrawals
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_streams_dropped_total Peers' streams dropped because the peer broke the protocol or a bound, by cause.\n# TYPE calix_route_streams_dropped_total counter"
+    );
+    for cause in WireError::NAMES {
+        let n = r.dropped.get(cause).copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "calix_route_streams_dropped_total{{cause=\"{cause}\"}} {n}"
+        );
+    }
+    let _ = writeln!(
+        out,
         "# HELP calix_route_watchers Watch streams this agent serves.\n# TYPE calix_route_watchers gauge\ncalix_route_watchers {}",
         r.watchers
     );
@@ -353,12 +415,81 @@ mod tests {
         assert_eq!(via(VxlanMode::Never, far, &subnets), "direct");
     }
 
+    /// A peer that announces many routes no datastore backs does not make the report (and
+    /// calixctl's message) as large: a few of them are listed, the rest counted.
+    #[test]
+    fn routes_not_accepted_are_listed_up_to_a_cap_per_peer() {
+        use crate::config::Topology;
+        use crate::routes::advertise::NextHops;
+        use crate::routes::engine::{PeerEvent, Settings, Unused, SETTLE};
+        use crate::routes::view::tests::node_kv;
+        use crate::routes::view::Part;
+        let t0 = Instant::now();
+        let mut e = Engine::new(Settings {
+            me: "a".into(),
+            topology: Topology::Mesh,
+            reflector: false,
+            grace: std::time::Duration::from_secs(120),
+            settle: SETTLE,
+            next_hops: NextHops {
+                v4: Some("172.31.1.1".parse().expect("ip")),
+                v6: None,
+            },
+            pools: vec![],
+        });
+        e.view_listed(
+            Part::Nodes,
+            &[
+                node_kv("a", &["172.31.1.1"], false),
+                node_kv("b", &["172.31.1.2"], false),
+            ],
+        );
+        e.view_listed(Part::Blocks, &[]);
+        e.flush(t0);
+        let routes = (0..LISTED_UNUSED as u32 + 50)
+            .map(|i| crate::routes::Route {
+                prefix: ipnet::IpNet::from(IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i))),
+                node: "b".into(),
+                next_hop: "172.31.1.2".parse().expect("ip"),
+            })
+            .collect();
+        e.peer_event(
+            "b",
+            PeerEvent::Snapshot {
+                generation: 1,
+                routes,
+                unused: Unused::default(),
+            },
+            t0,
+        );
+        e.flush(t0);
+        let feed = Feed::default();
+        let cx = Context {
+            endpoint: "172.31.1.1:5474",
+            tls: true,
+            own: &feed,
+            relay: &feed,
+            handed: None,
+            subnets: &[],
+            door: DoorCounts::default(),
+        };
+        let r = build(&e, &cx, t0);
+        assert_eq!(r.learned.len(), LISTED_UNUSED);
+        assert_eq!(r.learned_omitted, 50);
+        assert_eq!(r.peers[0].routes, LISTED_UNUSED + 50);
+    }
+
     #[test]
     fn metrics_name_every_state_and_cause() {
         let mut r = Counts::default();
         r.refusals.insert("not_its_own".into(), 3);
         r.peers.insert("up", 2);
+        r.unknown_withdrawals = 7;
+        r.dropped.insert("update_bytes".into(), 2);
         let m = metrics(&r);
+        assert!(m.contains("calix_route_withdrawals_ignored_total 7"));
+        assert!(m.contains("calix_route_streams_dropped_total{cause=\"update_bytes\"} 2"));
+        assert!(m.contains("calix_route_streams_dropped_total{cause=\"too_many_routes\"} 0"));
         assert!(m.contains("calix_route_peers{state=\"up\"} 2"));
         assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
         assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));

@@ -52,6 +52,12 @@ pub struct Session {
     pub snapshots: u64,
     /// The routes changed since they were last validated.
     pub dirty: bool,
+    /// Entries that did not parse, over every stream of this peer.
+    pub malformed: u64,
+    /// Withdrawals of prefixes it did not hold (ignored), over every stream.
+    pub unknown_withdrawals: u64,
+    /// Its streams dropped because it broke the protocol or a bound, by cause.
+    pub dropped: BTreeMap<&'static str, u64>,
 }
 
 impl Session {
@@ -66,6 +72,9 @@ impl Session {
             last_error: None,
             snapshots: 0,
             dirty: false,
+            malformed: 0,
+            unknown_withdrawals: 0,
+            dropped: BTreeMap::new(),
         }
     }
 

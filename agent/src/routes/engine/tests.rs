@@ -77,7 +77,7 @@ fn snapshot(routes: Vec<Route>) -> PeerEvent {
     PeerEvent::Snapshot {
         generation: 1,
         routes,
-        malformed: vec![],
+        unused: Unused::default(),
     }
 }
 
@@ -126,7 +126,7 @@ fn mesh_learns_every_peer_and_completes_when_all_answered() {
             generation: 2,
             routes: vec![],
             withdrawn: vec!["10.244.0.128/26".parse().expect("net")],
-            malformed: vec![],
+            unused: Unused::default(),
         },
         t0,
     );
@@ -178,18 +178,37 @@ fn refusals_are_not_used_and_counted_once_settled() {
     e.tick(t0 + SETTLE * 3);
     assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
     assert!(e.flush(t0 + SETTLE * 3).desired.is_empty());
-    // Malformed routes: counted at once.
+    // Malformed routes: counted at once (the stream keeps a few examples of them); so are
+    // withdrawals of prefixes the peer does not hold, which are ignored.
     e.peer_event(
         "c",
         PeerEvent::Delta {
             generation: 2,
             routes: vec![],
             withdrawn: vec![],
-            malformed: vec!["10.244.0.300/26 via ?".into(), "x".into()],
+            unused: Unused {
+                malformed: 5,
+                examples: vec!["10.244.0.300/26 via ?".into(), "x".into()],
+                unknown_withdrawals: 3,
+            },
         },
         t0,
     );
-    assert_eq!(e.refusals().get(&Refusal::Malformed), Some(&2));
+    assert_eq!(e.refusals().get(&Refusal::Malformed), Some(&5));
+    assert_eq!(e.unknown_withdrawals(), 3);
+    let c = &e.sessions()["c"];
+    assert_eq!((c.malformed, c.unknown_withdrawals), (5, 3));
+    // A stream dropped for breaking a bound is counted by cause, for the peer and in all.
+    e.peer_event(
+        "c",
+        PeerEvent::Down {
+            reason: "peer broke the protocol: ...".into(),
+            broke: Some(WireError::TooMany { limit: 10 }),
+        },
+        t0,
+    );
+    assert_eq!(e.dropped().get("too_many_routes"), Some(&1));
+    assert_eq!(e.sessions()["c"].dropped.get("too_many_routes"), Some(&1));
 }
 
 #[test]
@@ -236,7 +255,7 @@ fn a_block_released_and_claimed_elsewhere_moves_its_route() {
             generation: 2,
             routes: vec![route("10.244.0.64/26", "c")],
             withdrawn: vec![],
-            malformed: vec![],
+            unused: Unused::default(),
         },
         t0,
     );
@@ -260,6 +279,7 @@ fn graceful_restart_keeps_a_dropped_peers_routes_for_the_grace_period() {
         "b",
         PeerEvent::Down {
             reason: "stream ended".into(),
+            broke: None,
         },
         t1,
     );
@@ -296,6 +316,7 @@ fn a_restarted_agent_is_incomplete_until_every_peer_answered_or_its_grace_ran_ou
         "c",
         PeerEvent::Down {
             reason: "connection refused".into(),
+            broke: None,
         },
         t0,
     );
@@ -483,6 +504,7 @@ fn a_missed_deadline_stays_due_until_ticked() {
         "b",
         PeerEvent::Down {
             reason: "gone".into(),
+            broke: None,
         },
         t0,
     );
