@@ -307,11 +307,7 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
     let mut learned = 0;
     for (name, s) in e.sessions() {
         *peers.entry(s.state.name()).or_default() += 1;
-        learned += s
-            .routes
-            .keys()
-            .filter(|p| e.verdict(name, p) == Some(Verdict::Accepted))
-            .count();
+        learned += e.accepted(name);
     }
     Counts {
         peers,
