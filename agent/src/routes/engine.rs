@@ -26,11 +26,11 @@ use super::peers::{self, Target};
 use super::session::Session;
 use super::validate::{validate, Refusal};
 use super::view::{Part, Touched, View};
-use super::wire::{self, WireError};
 use super::Route;
 use crate::config::{Topology, VxlanMode};
 use crate::datastore::{KeyValue, WatchEvent};
 use crate::reconcile::remote::RemoteRoute;
+pub use calix_core::update::{PeerEvent, Unused};
 
 /// What route distribution is configured with.
 #[derive(Debug, Clone)]
@@ -50,51 +50,6 @@ pub struct Settings {
 
 /// Time a route's refusal must last before it is counted and logged.
 pub const SETTLE: Duration = Duration::from_secs(2);
-
-/// What a followed peer's stream delivered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PeerEvent {
-    Snapshot {
-        generation: u64,
-        routes: Vec<Route>,
-        unused: Unused,
-    },
-    Delta {
-        generation: u64,
-        routes: Vec<Route>,
-        /// Prefixes the peer held (see [`Unused::unknown_withdrawals`] for the others).
-        withdrawn: Vec<IpNet>,
-        unused: Unused,
-    },
-    /// The stream ended, or could not be opened.
-    Down {
-        reason: String,
-        /// The peer broke the protocol or a bound: why its stream was dropped.
-        broke: Option<WireError>,
-    },
-}
-
-/// What an update carried that is not used.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Unused {
-    /// Entries that do not parse (routes, withdrawn prefixes).
-    pub malformed: u64,
-    /// The text of the first few ([`wire::MALFORMED_EXAMPLES`], cut short).
-    pub examples: Vec<String>,
-    /// Withdrawals of prefixes the peer does not hold (never announced, or gone already):
-    /// ignored.
-    pub unknown_withdrawals: u64,
-}
-
-impl Unused {
-    /// One more malformed entry, whose text `text` makes (only while examples are wanted).
-    pub fn add_malformed(&mut self, text: impl FnOnce() -> String) {
-        self.malformed += 1;
-        if self.examples.len() < wire::MALFORMED_EXAMPLES {
-            self.examples.push(text());
-        }
-    }
-}
 
 /// What this agent makes of one route a peer announced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -3,6 +3,7 @@ use std::net::IpAddr;
 use super::*;
 use crate::datastore::keys;
 use crate::routes::view::tests::{block_kv, node_kv, put};
+use crate::routes::wire::WireError;
 
 const GRACE: Duration = Duration::from_secs(120);
 
