@@ -153,11 +153,24 @@ pub async fn serve(
     tls: Option<Arc<ServerConfig>>,
     svc: RoutesSvc,
     limits: Limits,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let (stats, throttle) = (svc.stats.clone(), svc.throttle.clone());
+    serve_with(listener, tls, svc, stats, throttle, limits, shutdown).await
+}
+
+/// [`serve`] for any implementation of `calix.v1.Routes` (the test bed's hostile peer),
+/// counting in `stats`.
+pub async fn serve_with<S: pb::routes_server::Routes>(
+    listener: TcpListener,
+    tls: Option<Arc<ServerConfig>>,
+    svc: S,
+    stats: Arc<DoorStats>,
+    throttle: Arc<Throttle>,
+    limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let (tx, rx) = mpsc::channel::<Result<Accepted, std::io::Error>>(16);
-    let stats = svc.stats.clone();
-    let throttle = svc.throttle.clone();
     let accept = tokio::spawn(accept_loop(listener, tls, limits, tx, stats, throttle));
     let signal = async move {
         while !*shutdown.borrow() {

@@ -55,8 +55,9 @@ pub struct RoutesReport {
     /// Peers' streams dropped because they broke the protocol or a bound, by cause.
     #[serde(default)]
     pub dropped: BTreeMap<String, u64>,
-    /// Learned routes not listed in `learned`: beyond [`LISTED_UNUSED`] per peer that are not
-    /// accepted (a peer can announce many; the report stays small).
+    /// Learned routes not listed in `learned`: every accepted route is, and the first
+    /// [`LISTED_UNUSED`] of each peer's others (a peer can announce many that are refused;
+    /// the report, and the time it takes, stay small).
     #[serde(default)]
     pub learned_omitted: usize,
     /// The TCP door's counters.
@@ -183,26 +184,32 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
     let mut learned_omitted = 0;
     let mut peers = Vec::new();
     for (name, session) in e.sessions() {
-        let mut accepted = 0;
-        let mut listed_unused = 0;
+        // Every accepted (and own) route is listed, and the first LISTED_UNUSED of the
+        // others; the walk stops once nothing more would be listed but accepted routes still
+        // to come, so a peer's refused routes cost the report nothing beyond those.
+        let accepted = e.accepted(name);
+        let (mut listed_accepted, mut listed_unused, mut listed) = (0, 0, 0);
         for (p, r) in &session.routes {
+            if listed_unused >= LISTED_UNUSED && listed_accepted == accepted {
+                break;
+            }
             let (state, cause) = match e.verdict(name, p) {
                 Some(Verdict::Accepted) => {
-                    accepted += 1;
+                    listed_accepted += 1;
                     ("accepted", None)
                 }
                 Some(Verdict::Own) => ("own", None),
-                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause.name().to_string())),
-                Some(Verdict::Refused(cause)) => ("refused", Some(cause.name().to_string())),
+                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause)),
+                Some(Verdict::Refused(cause)) => ("refused", Some(cause)),
                 None => ("pending", None),
             };
-            if cause.is_some() || state == "pending" {
+            if state == "pending" || state == "refused" {
                 if listed_unused == LISTED_UNUSED {
-                    learned_omitted += 1;
                     continue;
                 }
                 listed_unused += 1;
             }
+            listed += 1;
             learned.push(Learned {
                 prefix: p.to_string(),
                 node: r.node.clone(),
@@ -211,9 +218,10 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
                 source: name.clone(),
                 age_secs: session.since.get(p).map(|t| secs(*t)).unwrap_or(0.0),
                 state: state.into(),
-                cause,
+                cause: cause.map(|c| c.name().to_string()),
             });
         }
+        learned_omitted += session.routes.len() - listed;
         peers.push(Peer {
             name: name.clone(),
             endpoint: session.endpoint.clone(),
