@@ -4,18 +4,25 @@
 //!
 //! - `calix/v1/*`: calix's own API, clients and servers.
 //! - `etcd/*`: the subset of etcd's v3 API the agent's etcd datastore uses, clients only.
+//!
+//! Without the `grpc` feature: `calix/v1/*`'s messages only, with prost-build (no tonic).
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let calix = [
         "calix/v1/ipam.proto",
         "calix/v1/endpoints.proto",
         "calix/v1/routes.proto",
     ];
-    let etcd = ["etcd/etcdserverpb/rpc.proto"];
     println!("cargo:rerun-if-changed=calix");
     println!("cargo:rerun-if-changed=etcd");
-    tonic_prost_build::configure().compile_fds(protox::compile(calix, ["."])?)?;
-    tonic_prost_build::configure()
-        .build_server(false)
-        .compile_fds(protox::compile(etcd, ["."])?)?;
+    #[cfg(feature = "grpc")]
+    {
+        let etcd = ["etcd/etcdserverpb/rpc.proto"];
+        tonic_prost_build::configure().compile_fds(protox::compile(calix, ["."])?)?;
+        tonic_prost_build::configure()
+            .build_server(false)
+            .compile_fds(protox::compile(etcd, ["."])?)?;
+    }
+    #[cfg(not(feature = "grpc"))]
+    prost_build::Config::new().compile_fds(protox::compile(calix, ["."])?)?;
     Ok(())
 }

@@ -4,17 +4,22 @@
 //! speaks (`etcd`).
 //! `handle` is the IPAM handle encoding the plugin and the agent share.
 //! Domain conversions live with their users (agent/src/grpc, agent/src/datastore/etcd.rs).
+//!
+//! Without the `grpc` feature (on by default), `calix.v1`'s messages only: no tonic, no tokio.
+#[cfg(feature = "grpc")]
 use std::path::{Path, PathBuf};
+#[cfg(feature = "grpc")]
 use std::time::Duration;
 
 pub mod handle;
 
 pub mod v1 {
     #![allow(clippy::all, missing_docs)]
-    tonic::include_proto!("calix.v1");
+    include!(concat!(env!("OUT_DIR"), "/calix.v1.rs"));
 }
 
 /// etcd's v3 API, the subset calix uses: `KV` (Range, Put, DeleteRange, Txn, Compact) and `Watch`.
+#[cfg(feature = "grpc")]
 pub mod etcd {
     #![allow(clippy::all, missing_docs)]
     pub mod mvccpb {
@@ -36,6 +41,7 @@ pub const DEFAULT_AGENT_SOCKET: &str = "/var/run/calix/agent.sock";
 /// The peer must be root (`SO_PEERCRED`): the agent runs as root, and a process of anyone else
 /// listening on the socket's path (a stale path in a world-writable directory, a mount) is not
 /// the agent. Such a connection fails with `PermissionDenied`, naming the peer's uid and pid.
+#[cfg(feature = "grpc")]
 pub async fn connect_unix(
     path: impl AsRef<Path>,
     timeout: Duration,

@@ -11,6 +11,10 @@
 //! Used in the test process ([`Sim::start`], on a thread inside a node's namespace) by
 //! tests/tests/routes.rs, and as the `calix-routesim` binary by `cargo xtask bench routes`
 //! (xtask cannot depend on this crate: it builds before the eBPF toolchain exists).
+//!
+//! [`hostile`] is a peer of another kind: one that streams what a follower must survive.
+pub mod hostile;
+
 use std::collections::HashSet;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};

@@ -1,10 +1,14 @@
-//! `cargo xtask fuzz [--seconds N]`: runs the cargo-fuzz target `cni_input` (fuzz/) over the
-//! CNI plugin's input parsing (CNI env, CNI_ARGS, stdin config, version, veth name, result
-//! rendering) for N seconds and fails on any crash. Installs cargo-fuzz when it is missing.
+//! `cargo xtask fuzz [--seconds N]`: runs every cargo-fuzz target (fuzz/) for N seconds each
+//! and fails on any crash. Installs cargo-fuzz when it is missing. The targets:
+//! - `cni_input`: the CNI plugin's input parsing (CNI env, CNI_ARGS, stdin config, version,
+//!   veth name, result rendering);
+//! - `route_stream`: the decoder of a peer's route stream (calix-core's `wire::Assembler`,
+//!   from protobuf bytes on), within its bounds.
 //!
-//! The corpus grows in fuzz/corpus/cni_input (not committed); the committed seeds are in
-//! fuzz/seeds/cni_input and the dictionary in fuzz/cni_input.dict. A crash leaves its input in
-//! fuzz/artifacts/cni_input/; reproduce it with `cargo +nightly fuzz run cni_input <file>`.
+//! Each target's corpus grows in fuzz/corpus/<target> (not committed); the committed seeds are
+//! in fuzz/seeds/<target> and its dictionary, if it has one, in fuzz/<target>.dict. A crash
+//! leaves its input in fuzz/artifacts/<target>/; reproduce it with
+//! `cargo +nightly fuzz run <target> <file>`.
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -14,7 +18,8 @@ use anyhow::{bail, Context, Result};
 
 use crate::util::{self, run};
 
-const TARGET: &str = "cni_input";
+/// Every target, in the order they run.
+const TARGETS: [&str; 2] = ["cni_input", "route_stream"];
 
 /// `cargo +nightly ...` through the rustup proxy, without the toolchain pin of the `cargo`
 /// that runs xtask.
@@ -64,28 +69,40 @@ pub fn run_fuzz(seconds: u64) -> Result<()> {
         }
     }
 
-    println!("[2/3] building the fuzz target {TARGET} (nightly, AddressSanitizer)");
-    run(nightly_cargo()
-        .current_dir(&root)
-        .args(["fuzz", "build", TARGET]))?;
+    println!("[2/3] building the fuzz targets {TARGETS:?} (nightly, AddressSanitizer)");
+    run(nightly_cargo().current_dir(&root).args(["fuzz", "build"]))?;
 
-    println!("[3/3] fuzzing {TARGET} for {seconds}s");
-    let corpus = fuzz.join("corpus").join(TARGET);
+    for target in TARGETS {
+        println!("[3/3] fuzzing {target} for {seconds}s");
+        fuzz_one(&root, &fuzz, target, seconds)?;
+    }
+    Ok(())
+}
+
+/// Runs `target` for `seconds`; fails on a crash.
+fn fuzz_one(root: &Path, fuzz: &Path, target: &str, seconds: u64) -> Result<()> {
+    let corpus = fuzz.join("corpus").join(target);
     std::fs::create_dir_all(&corpus).with_context(|| format!("creating {}", corpus.display()))?;
-    let seeds = fuzz.join("seeds").join(TARGET);
-    let artifact_dir = fuzz.join("artifacts").join(TARGET);
+    let seeds = fuzz.join("seeds").join(target);
+    let artifact_dir = fuzz.join("artifacts").join(target);
     let before = artifacts(&artifact_dir);
-    // libFuzzer writes new inputs to the first corpus directory only: the seeds stay as they are.
-    let mut child = nightly_cargo()
-        .current_dir(&root)
-        .args(["fuzz", "run", TARGET])
-        .arg(&corpus)
-        .arg(&seeds)
-        .arg("--")
+    let dict = fuzz.join(format!("{target}.dict"));
+    let mut cmd = nightly_cargo();
+    cmd.current_dir(root)
+        .args(["fuzz", "run", target])
+        .arg(&corpus);
+    if seeds.is_dir() {
+        // libFuzzer writes new inputs to the first corpus directory only: the seeds stay.
+        cmd.arg(&seeds);
+    }
+    cmd.arg("--")
         .arg(format!("-max_total_time={seconds}"))
-        .arg(format!("-dict={}", fuzz.join("cni_input.dict").display()))
         .arg("-timeout=30")
-        .arg("-print_final_stats=1")
+        .arg("-print_final_stats=1");
+    if dict.is_file() {
+        cmd.arg(format!("-dict={}", dict.display()));
+    }
+    let mut child = cmd
         .stderr(Stdio::piped())
         .spawn()
         .context("cannot run cargo fuzz")?;
@@ -130,11 +147,11 @@ pub fn run_fuzz(seconds: u64) -> Result<()> {
     if !status.success() || !crashes.is_empty() {
         let list: Vec<String> = crashes.iter().map(|p| p.display().to_string()).collect();
         bail!(
-            "fuzzing {TARGET} failed ({status}); crash inputs: [{}]. Reproduce with \
-             `cargo +nightly fuzz run {TARGET} <input>`",
+            "fuzzing {target} failed ({status}); crash inputs: [{}]. Reproduce with \
+             `cargo +nightly fuzz run {target} <input>`",
             list.join(", ")
         );
     }
-    println!("fuzz: {TARGET} ran {seconds}s without a crash");
+    println!("fuzz: {target} ran {seconds}s without a crash");
     Ok(())
 }

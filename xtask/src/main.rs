@@ -64,9 +64,10 @@ enum Task {
         #[arg(long, default_value = "ebpf,kernel")]
         modes: String,
     },
-    /// Fuzz the CNI plugin's input parsing with cargo-fuzz (nightly); fails on any crash.
+    /// Fuzz with cargo-fuzz (nightly): the CNI plugin's input parsing, the route stream's
+    /// decoder; fails on any crash.
     Fuzz {
-        /// How long to fuzz.
+        /// How long to fuzz each target.
         #[arg(long, default_value_t = 60)]
         seconds: u64,
     },

@@ -295,6 +295,12 @@ fn routes_table(r: &RoutesReport) -> String {
             .map(|s| format!(" {} ago", age(s)))
             .unwrap_or_default()
     ));
+    if r.learned_omitted > 0 {
+        out.push_str(&format!(
+            "\n{} more learned route(s) not accepted, not listed",
+            r.learned_omitted
+        ));
+    }
     if !r.refusals.is_empty() {
         let causes: Vec<String> = r.refusals.iter().map(|(c, n)| format!("{c} {n}")).collect();
         out.push_str(&format!("\nrefused: {}", causes.join(", ")));
@@ -382,6 +388,18 @@ fn nodes_table(r: &RoutesReport) -> String {
                 .unwrap_or_default()
         ));
     }
+    if r.unknown_withdrawals > 0 || !r.dropped.is_empty() {
+        let dropped: Vec<String> = r.dropped.iter().map(|(c, n)| format!("{c} {n}")).collect();
+        out.push_str(&format!(
+            "\nwithdrawals of prefixes not held (ignored): {}; streams dropped for breaking the protocol: {}",
+            r.unknown_withdrawals,
+            if dropped.is_empty() {
+                "none".to_string()
+            } else {
+                dropped.join(", ")
+            }
+        ));
+    }
     out
 }
 
@@ -397,6 +415,8 @@ fn nodes_json(r: &RoutesReport) -> serde_json::Value {
         "complete": r.complete,
         "watchers": r.watchers,
         "door": r.door,
+        "unknown_withdrawals": r.unknown_withdrawals,
+        "dropped": r.dropped,
         "peers": r.peers,
     })
 }

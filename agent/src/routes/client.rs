@@ -16,7 +16,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use rustls::ClientConfig;
 use tokio::net::{TcpSocket, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::body::Body;
 use tonic::codec::Codec;
 
@@ -25,7 +25,7 @@ use super::conn::Conn;
 use super::engine::PeerEvent;
 use super::peers::Target;
 use super::tls::{self, LiveTls};
-use super::wire::{self, Assembler};
+use super::wire::{self, Assembler, WireError};
 use crate::memory;
 
 /// How this agent dials its peers.
@@ -51,7 +51,15 @@ pub struct PeerMessage {
     /// Which follower of that peer (a replaced follower's late messages are ignored).
     pub id: u64,
     pub event: PeerEvent,
+    /// One of the follower's [`IN_FLIGHT`] places, freed when the message is dropped (once
+    /// the engine took it). `None` for [`PeerEvent::Down`].
+    pub place: Option<OwnedSemaphorePermit>,
 }
+
+/// Updates of one peer read from its stream and not yet taken by the engine, at most: the
+/// follower reads no more until the engine takes one, and the peer's stream waits (HTTP/2
+/// flow control), so a peer faster than the engine cannot fill this agent's memory.
+pub const IN_FLIGHT: usize = 2;
 
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
@@ -70,12 +78,14 @@ pub async fn follow(
     }
     let mut backoff = FIRST_BACKOFF;
     let mut last_error = String::new();
+    let places = Arc::new(Semaphore::new(IN_FLIGHT));
     loop {
         let mut delivered = false;
-        let result = stream(&peer, &target, &dialer, id, &tx, &mut delivered).await;
-        let reason = match result {
-            Ok(()) => "the stream ended".to_string(),
-            Err(e) => e,
+        let result = stream(&peer, &target, &dialer, id, &tx, &places, &mut delivered).await;
+        let (reason, broke) = match result {
+            Ok(()) => ("the stream ended".to_string(), None),
+            Err(Ended::Broke(e)) => (format!("peer broke the protocol: {e}"), Some(e)),
+            Err(Ended::Failed(reason)) => (reason, None),
         };
         if reason != last_error {
             tracing::warn!(%peer, endpoint = %target.endpoint, %reason, "routes: cannot follow peer; retrying");
@@ -83,15 +93,19 @@ pub async fn follow(
         } else {
             tracing::debug!(%peer, %reason, "routes: still cannot follow peer");
         }
+        // A peer that breaks the protocol is retried with a growing backoff, even when it
+        // delivered something first.
+        let fresh = delivered && broke.is_none();
         let down = PeerMessage {
             peer: peer.clone(),
             id,
-            event: PeerEvent::Down { reason },
+            event: PeerEvent::Down { reason, broke },
+            place: None,
         };
         if tx.send(down).await.is_err() {
             return;
         }
-        if delivered {
+        if fresh {
             backoff = FIRST_BACKOFF;
             last_error.clear();
         }
@@ -100,16 +114,27 @@ pub async fn follow(
     }
 }
 
-/// One stream: connect, watch, forward updates. `Err` says why it could not go on.
+/// Why a stream ended.
+enum Ended {
+    /// The peer broke the protocol or a bound.
+    Broke(WireError),
+    /// Anything else (could not connect, the connection or the peer ended it).
+    Failed(String),
+}
+
+/// One stream: connect, watch, forward updates.
 async fn stream(
     peer: &str,
     target: &Target,
     dialer: &Dialer,
     id: u64,
     tx: &mpsc::Sender<PeerMessage>,
+    places: &Arc<Semaphore>,
     delivered: &mut bool,
-) -> Result<(), String> {
-    let channel = connect(peer, &target.endpoint, dialer).await?;
+) -> Result<(), Ended> {
+    let channel = connect(peer, &target.endpoint, dialer)
+        .await
+        .map_err(Ended::Failed)?;
     let mut updates = watch(
         channel,
         pb::WatchRequest {
@@ -118,19 +143,25 @@ async fn stream(
         },
     )
     .await
-    .map_err(|s| format!("watch refused: {}: {}", s.code(), s.message()))?
+    .map_err(|s| Ended::Failed(format!("watch refused: {}: {}", s.code(), s.message())))?
     .into_inner();
     let mut assembler = Assembler::default();
     loop {
+        // Read on only with a place for what the read may complete.
+        let Ok(place) = places.clone().acquire_owned().await else {
+            return Ok(());
+        };
         let msg = match updates.message().await {
             Ok(Some(m)) => m,
             Ok(None) => return Ok(()),
-            Err(s) => return Err(format!("stream ended: {}: {}", s.code(), s.message())),
+            Err(s) => {
+                return Err(match broken(&s) {
+                    Some(e) => Ended::Broke(e),
+                    None => Ended::Failed(format!("stream ended: {}: {}", s.code(), s.message())),
+                })
+            }
         };
-        let Some(event) = assembler
-            .push(msg)
-            .map_err(|e| format!("peer broke the protocol: {e}"))?
-        else {
+        let Some(event) = assembler.push(msg).map_err(Ended::Broke)? else {
             continue;
         };
         *delivered = true;
@@ -138,10 +169,27 @@ async fn stream(
             peer: peer.to_string(),
             id,
             event,
+            place: Some(place),
         };
         if tx.send(m).await.is_err() {
             return Ok(());
         }
+    }
+}
+
+/// The stream's error when it is the peer's doing: a message over
+/// [`wire::MAX_MESSAGE_BYTES`], or one that does not decode (tonic's and prost's words).
+fn broken(s: &tonic::Status) -> Option<WireError> {
+    match s.code() {
+        tonic::Code::OutOfRange if s.message().contains("message length too large") => {
+            Some(WireError::MessageTooLarge {
+                limit: wire::MAX_MESSAGE_BYTES,
+            })
+        }
+        tonic::Code::Internal if s.message().starts_with("failed to decode Protobuf message") => {
+            Some(WireError::Undecodable)
+        }
+        _ => None,
     }
 }
 

@@ -8,7 +8,15 @@
 //! `settle` (the datastore watch of this agent and the peer's stream race: a route for a block
 //! claimed a moment ago may arrive before this agent's view has the claim). Logged once per
 //! peer and cause, counted every time a route is refused.
-use std::collections::{BTreeMap, HashMap, HashSet};
+//!
+//! Judging costs what changed: a peer's update re-judges the prefixes it changed; a block's
+//! change, the routes inside its CIDR; a node record's change, that node's routes and
+//! everything its own peer says; only a fresh listing of the datastore re-judges everything.
+//! Merging reads only the accepted routes, settling only the refusals due: what a peer says
+//! that no datastore backs costs nothing after it was judged once
+//! (`incremental_verdicts_equal_a_judge_from_scratch` holds the incremental verdicts to a
+//! full judge over random sequences).
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -17,11 +25,12 @@ use super::advertise::{self, NextHops};
 use super::peers::{self, Target};
 use super::session::Session;
 use super::validate::{validate, Refusal};
-use super::view::{Part, View};
+use super::view::{Part, Touched, View};
 use super::Route;
 use crate::config::{Topology, VxlanMode};
 use crate::datastore::{KeyValue, WatchEvent};
 use crate::reconcile::remote::RemoteRoute;
+pub use calix_core::update::{PeerEvent, Unused};
 
 /// What route distribution is configured with.
 #[derive(Debug, Clone)]
@@ -42,25 +51,6 @@ pub struct Settings {
 /// Time a route's refusal must last before it is counted and logged.
 pub const SETTLE: Duration = Duration::from_secs(2);
 
-/// What a followed peer's stream delivered.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PeerEvent {
-    Snapshot {
-        generation: u64,
-        routes: Vec<Route>,
-        /// Routes that did not parse (their text).
-        malformed: Vec<String>,
-    },
-    Delta {
-        generation: u64,
-        routes: Vec<Route>,
-        withdrawn: Vec<IpNet>,
-        malformed: Vec<String>,
-    },
-    /// The stream ended, or could not be opened.
-    Down { reason: String },
-}
-
 /// What this agent makes of one route a peer announced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -73,6 +63,43 @@ pub enum Verdict {
         since: Instant,
     },
     Refused(Refusal),
+}
+
+/// The verdicts of one peer's routes, with the accepted ones and the pending ones (by when
+/// their refusal began) indexed: merging reads only the accepted, settling only the due.
+#[derive(Debug, Default)]
+struct Judged {
+    verdicts: HashMap<IpNet, Verdict>,
+    accepted: BTreeSet<IpNet>,
+    pending: BTreeSet<(Instant, IpNet)>,
+}
+
+impl Judged {
+    /// Sets (`None`: removes) the verdict of `p`, keeping the indexes.
+    fn set(&mut self, p: IpNet, v: Option<Verdict>) {
+        let old = match v {
+            Some(v) => self.verdicts.insert(p, v),
+            None => self.verdicts.remove(&p),
+        };
+        match old {
+            Some(Verdict::Accepted) => {
+                self.accepted.remove(&p);
+            }
+            Some(Verdict::Pending { since, .. }) => {
+                self.pending.remove(&(since, p));
+            }
+            _ => {}
+        }
+        match v {
+            Some(Verdict::Accepted) => {
+                self.accepted.insert(p);
+            }
+            Some(Verdict::Pending { since, .. }) => {
+                self.pending.insert((since, p));
+            }
+            _ => {}
+        }
+    }
 }
 
 /// What the agent acts on after a change.
@@ -97,17 +124,26 @@ pub struct Engine {
     view: View,
     /// Whether each part of the view (blocks, nodes) has been listed.
     listed: [bool; 2],
-    view_dirty: bool,
+    /// Every route is to be judged again (the view was listed afresh).
+    rejudge_all: bool,
     sessions: BTreeMap<String, Session>,
-    verdicts: HashMap<String, HashMap<IpNet, Verdict>>,
+    verdicts: HashMap<String, Judged>,
     refusals: BTreeMap<Refusal, u64>,
     /// (peer, cause) already logged.
     logged: HashSet<(String, Refusal)>,
+    /// Withdrawals of prefixes their peer did not hold, ignored.
+    unknown_withdrawals: u64,
+    /// Peers whose ignored withdrawals were logged.
+    logged_withdrawals: HashSet<String>,
+    /// Streams dropped because the peer broke the protocol or a bound, by cause.
+    dropped: BTreeMap<&'static str, u64>,
     /// Every peer known at the first sync has answered (or waited out its grace). Latched:
     /// peers that appear later have no routes of old in the kernel to protect.
     complete: bool,
     /// Prefixes warned about for lack of a next hop of their family.
     unroutable_warned: bool,
+    /// Routes judged so far (what judging costs).
+    judged: u64,
 }
 
 impl Engine {
@@ -116,13 +152,17 @@ impl Engine {
             s,
             view: View::default(),
             listed: [false; 2],
-            view_dirty: true,
+            rejudge_all: true,
             sessions: BTreeMap::new(),
             verdicts: HashMap::new(),
             refusals: BTreeMap::new(),
             logged: HashSet::new(),
+            unknown_withdrawals: 0,
+            logged_withdrawals: HashSet::new(),
+            dropped: BTreeMap::new(),
             complete: false,
             unroutable_warned: false,
+            judged: 0,
         }
     }
 
@@ -138,14 +178,35 @@ impl Engine {
     pub fn view_listed(&mut self, part: Part, kvs: &[KeyValue]) {
         self.view.replace(part, kvs);
         self.listed[part as usize] = true;
-        self.view_dirty = true;
+        self.rejudge_all = true;
     }
 
-    /// One change in the datastore; returns whether the view changed.
+    /// One change in the datastore; returns whether the view changed. Only the routes it can
+    /// affect are judged again: those inside a changed block's CIDR; for a node record, that
+    /// node's routes, and every route its own peer announces (the record says whether it may
+    /// relay).
     pub fn view_event(&mut self, ev: &WatchEvent) -> bool {
-        let changed = self.view.apply(ev);
-        self.view_dirty |= changed;
-        changed
+        match self.view.change(ev) {
+            Touched::Nothing => false,
+            Touched::Blocks(cidrs) => {
+                for s in self.sessions.values_mut() {
+                    for cidr in &cidrs {
+                        s.touch_inside(cidr);
+                    }
+                }
+                true
+            }
+            Touched::Node(node) => {
+                for (peer, s) in &mut self.sessions {
+                    if *peer == node {
+                        s.changed_all = true;
+                    } else {
+                        s.touch_node(&node);
+                    }
+                }
+                true
+            }
+        }
     }
 
     /// Both parts of the datastore are listed: peers and validation can be trusted.
@@ -160,40 +221,54 @@ impl Engine {
         let Some(session) = self.sessions.get_mut(name) else {
             return;
         };
-        let malformed = match ev {
+        let unused = match ev {
             PeerEvent::Snapshot {
                 generation,
                 routes,
-                malformed,
+                unused,
             } => {
                 session.snapshot(generation, routes, now);
-                malformed
+                unused
             }
             PeerEvent::Delta {
                 generation,
                 routes,
                 withdrawn,
-                malformed,
+                unused,
             } => {
                 session.delta(generation, routes, &withdrawn, now);
-                malformed
+                unused
             }
-            PeerEvent::Down { reason } => {
+            PeerEvent::Down { reason, broke } => {
                 if session.keeps_routes()
                     && !matches!(session.state, super::session::State::Grace { .. })
                 {
                     tracing::warn!(peer = %name, %reason, grace_secs = grace.as_secs(),
                         "routes: peer's stream ended; its routes stay for the grace period");
                 }
+                if let Some(e) = broke {
+                    *session.dropped.entry(e.name()).or_default() += 1;
+                    *self.dropped.entry(e.name()).or_default() += 1;
+                }
                 session.down(reason, now, grace);
-                Vec::new()
+                Unused::default()
             }
         };
-        if let Some(example) = malformed.first() {
-            *self.refusals.entry(Refusal::Malformed).or_default() += malformed.len() as u64;
+        session.malformed += unused.malformed;
+        session.unknown_withdrawals += unused.unknown_withdrawals;
+        if unused.malformed > 0 {
+            *self.refusals.entry(Refusal::Malformed).or_default() += unused.malformed;
             if self.logged.insert((name.to_string(), Refusal::Malformed)) {
-                tracing::warn!(peer = %name, route = %example, count = malformed.len(),
+                let example = unused.examples.first().map(String::as_str).unwrap_or("");
+                tracing::warn!(peer = %name, route = %example, count = unused.malformed,
                     "routes: refused a route that does not parse (logged once per peer)");
+            }
+        }
+        if unused.unknown_withdrawals > 0 {
+            self.unknown_withdrawals += unused.unknown_withdrawals;
+            if self.logged_withdrawals.insert(name.to_string()) {
+                tracing::warn!(peer = %name, count = unused.unknown_withdrawals,
+                    "routes: ignored withdrawals of prefixes the peer does not hold (counted, logged once per peer)");
             }
         }
     }
@@ -223,11 +298,7 @@ impl Engine {
         let pending = self
             .verdicts
             .values()
-            .flat_map(|v| v.values())
-            .filter_map(|v| match v {
-                Verdict::Pending { since, .. } => Some(*since + self.s.settle),
-                _ => None,
-            });
+            .filter_map(|j| j.pending.first().map(|(since, _)| *since + self.s.settle));
         sessions.chain(pending).min()
     }
 
@@ -252,14 +323,14 @@ impl Engine {
         let names: Vec<String> = self
             .sessions
             .iter()
-            .filter(|(_, s)| self.view_dirty || s.dirty)
+            .filter(|(_, s)| self.rejudge_all || s.stale())
             .map(|(n, _)| n.clone())
             .collect();
         for name in names {
-            self.judge(&name, now);
+            self.judge(&name, self.rejudge_all, now);
         }
         self.settle_refusals(now);
-        self.view_dirty = false;
+        self.rejudge_all = false;
 
         let own = advertise::own_routes(&self.view, &self.s.me, &self.s.next_hops);
         if !self.unroutable_warned {
@@ -275,13 +346,14 @@ impl Engine {
             if !s.keeps_routes() {
                 continue;
             }
-            let Some(verdicts) = self.verdicts.get(peer) else {
+            let Some(judged) = self.verdicts.get(peer) else {
                 continue;
             };
-            for (p, r) in &s.routes {
-                if verdicts.get(p) != Some(&Verdict::Accepted) {
+            // The accepted routes only: what a peer says that is refused costs nothing here.
+            for p in &judged.accepted {
+                let Some(r) = s.routes.get(p) else {
                     continue;
-                }
+                };
                 let direct = r.node == *peer;
                 if direct && self.s.reflector {
                     relay.entry(*p).or_insert_with(|| r.clone());
@@ -320,22 +392,34 @@ impl Engine {
         }
     }
 
-    /// Validates every route of `peer` again.
-    fn judge(&mut self, peer: &str, now: Instant) {
+    /// Judges the routes of `peer` that changed since it was last judged (`all`: every one).
+    fn judge(&mut self, peer: &str, all: bool, now: Instant) {
         let Some(s) = self.sessions.get_mut(peer) else {
             return;
         };
-        s.dirty = false;
-        let old = self.verdicts.remove(peer).unwrap_or_default();
+        let judged = self.verdicts.entry(peer.to_string()).or_default();
         let relays = self.view.node(peer).is_some_and(|n| n.record.reflector);
-        let mut new = HashMap::with_capacity(s.routes.len());
-        for (p, r) in &s.routes {
+        let prefixes: Vec<IpNet> = if all || s.changed_all {
+            // Verdicts of prefixes gone, and every route there is.
+            let gone = judged.verdicts.keys().filter(|p| !s.routes.contains_key(p));
+            gone.chain(s.routes.keys()).copied().collect()
+        } else {
+            s.changed.iter().copied().collect()
+        };
+        s.changed.clear();
+        s.changed_all = false;
+        for p in prefixes {
+            let Some(r) = s.routes.get(&p) else {
+                judged.set(p, None);
+                continue;
+            };
+            self.judged += 1;
             let v = if r.node == self.s.me && relays {
                 Verdict::Own
             } else {
                 match validate(&self.view, peer, r) {
                     Ok(()) => Verdict::Accepted,
-                    Err(cause) => match old.get(p) {
+                    Err(cause) => match judged.verdicts.get(&p) {
                         Some(Verdict::Pending { cause: c, since }) if *c == cause => {
                             Verdict::Pending {
                                 cause,
@@ -347,25 +431,25 @@ impl Engine {
                     },
                 }
             };
-            new.insert(*p, v);
+            judged.set(p, Some(v));
         }
-        self.verdicts.insert(peer.to_string(), new);
     }
 
     /// Refusals that lasted `settle`: counted, and logged once per peer and cause.
     fn settle_refusals(&mut self, now: Instant) {
-        for (peer, verdicts) in &mut self.verdicts {
-            for (p, v) in verdicts.iter_mut() {
-                let Verdict::Pending { cause, since } = *v else {
+        for (peer, judged) in &mut self.verdicts {
+            while let Some(&(since, p)) = judged.pending.first() {
+                if since + self.s.settle > now {
+                    break;
+                }
+                let Some(Verdict::Pending { cause, .. }) = judged.verdicts.get(&p).copied() else {
+                    judged.pending.remove(&(since, p));
                     continue;
                 };
-                if since + self.s.settle > now {
-                    continue;
-                }
-                *v = Verdict::Refused(cause);
+                judged.set(p, Some(Verdict::Refused(cause)));
                 *self.refusals.entry(cause).or_default() += 1;
                 if self.logged.insert((peer.clone(), cause)) {
-                    let route = self.sessions.get(peer).and_then(|s| s.routes.get(p));
+                    let route = self.sessions.get(peer).and_then(|s| s.routes.get(&p));
                     tracing::warn!(peer = %peer, cause = %cause, prefix = %p,
                         node = route.map(|r| r.node.as_str()).unwrap_or(""),
                         next_hop = %route.map(|r| r.next_hop.to_string()).unwrap_or_default(),
@@ -391,7 +475,12 @@ impl Engine {
     }
 
     pub fn verdict(&self, peer: &str, prefix: &IpNet) -> Option<Verdict> {
-        self.verdicts.get(peer)?.get(prefix).copied()
+        self.verdicts.get(peer)?.verdicts.get(prefix).copied()
+    }
+
+    /// How many routes of `peer` are accepted.
+    pub fn accepted(&self, peer: &str) -> usize {
+        self.verdicts.get(peer).map_or(0, |j| j.accepted.len())
     }
 
     /// Routes refused so far, by cause.
@@ -401,6 +490,22 @@ impl Engine {
 
     pub fn complete(&self) -> bool {
         self.complete
+    }
+
+    /// Routes judged (validated, or found to be this node's own) so far: what judging costs.
+    pub fn judged(&self) -> u64 {
+        self.judged
+    }
+
+    /// Withdrawals of prefixes their peer did not hold, ignored so far.
+    pub fn unknown_withdrawals(&self) -> u64 {
+        self.unknown_withdrawals
+    }
+
+    /// Streams dropped so far because the peer broke the protocol or a bound, by cause
+    /// ([`WireError::name`]).
+    pub fn dropped(&self) -> &BTreeMap<&'static str, u64> {
+        &self.dropped
     }
 }
 

@@ -12,24 +12,10 @@ use ipnet::IpNet;
 use tokio::sync::broadcast;
 
 use super::Route;
+pub use calix_core::update::{Delta, Snapshot};
 
 /// Deltas a slow watcher may be behind before it is sent a snapshot instead.
 const BUFFER: usize = 1024;
-
-/// One change of the set.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Delta {
-    pub generation: u64,
-    pub routes: Vec<Route>,
-    pub withdrawn: Vec<IpNet>,
-}
-
-/// The whole set at one generation.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Snapshot {
-    pub generation: u64,
-    pub routes: Vec<Route>,
-}
 
 struct Inner {
     generation: u64,

@@ -163,6 +163,26 @@ pub async fn serve(
     tls: Option<Arc<ServerConfig>>,
     svc: RoutesSvc,
     limits: Limits,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let (stats, throttle, known) = (svc.stats.clone(), svc.throttle.clone(), svc.known.clone());
+    serve_with(
+        listeners, tls, svc, stats, throttle, known, limits, shutdown,
+    )
+    .await
+}
+
+/// [`serve`] for any implementation of `calix.v1.Routes` (the test bed's hostile peer),
+/// counting in `stats`, admitting the sources `known` has.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_with<S: pb::routes_server::Routes>(
+    listeners: Vec<TcpListener>,
+    tls: Option<Arc<ServerConfig>>,
+    svc: S,
+    stats: Arc<DoorStats>,
+    throttle: Arc<Throttle>,
+    known: Arc<Known>,
+    limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let (tx, rx) = mpsc::channel::<Result<Accepted, std::io::Error>>(16);
@@ -170,9 +190,9 @@ pub async fn serve(
         tls,
         limits,
         tx,
-        stats: svc.stats.clone(),
-        throttle: svc.throttle.clone(),
-        known: svc.known.clone(),
+        stats,
+        throttle,
+        known,
         slots: Arc::new(Semaphore::new(limits.max_connections)),
         handshakes: Arc::new(Semaphore::new(limits.max_handshakes)),
         per: Arc::new(PerAddress::default()),

@@ -39,22 +39,8 @@ pub mod validate;
 pub mod view;
 pub mod wire;
 
-use std::net::IpAddr;
-
-use ipnet::IpNet;
-use serde::{Deserialize, Serialize};
-
+pub use calix_core::Route;
 pub use task::{RouteSink, RoutesHandle};
-
-/// One route to pods: `prefix` lives on `node`, reached through `next_hop` (that node's
-/// address of the prefix's family).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct Route {
-    pub prefix: IpNet,
-    /// The node the addresses live on (the origin; a reflector relays it unchanged).
-    pub node: String,
-    pub next_hop: IpAddr,
-}
 
 /// Why route distribution could not start.
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,7 @@ use super::feed::Feed;
 use super::listener::DoorCounts;
 use super::tls::CertStatus;
 use super::validate::Refusal;
+use super::wire::WireError;
 use crate::config::{Topology, VxlanMode};
 use crate::reconcile::remote::RemoteRoute;
 
@@ -52,9 +53,23 @@ pub struct RoutesReport {
     pub watchers: usize,
     /// Routes refused, by cause.
     pub refusals: BTreeMap<String, u64>,
+    /// Withdrawals of prefixes their peer did not hold: ignored.
+    #[serde(default)]
+    pub unknown_withdrawals: u64,
+    /// Peers' streams dropped because they broke the protocol or a bound, by cause.
+    #[serde(default)]
+    pub dropped: BTreeMap<String, u64>,
+    /// Learned routes not listed in `learned`: every accepted route is, and the first
+    /// [`LISTED_UNUSED`] of each peer's others (a peer can announce many that are refused;
+    /// the report, and the time it takes, stay small).
+    #[serde(default)]
+    pub learned_omitted: usize,
     /// The TCP door's counters.
     pub door: DoorCounts,
 }
+
+/// Routes of one peer listed in the report that are not accepted (refused, pending).
+pub const LISTED_UNUSED: usize = 100;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Advertised {
@@ -111,6 +126,15 @@ pub struct Peer {
     pub accepted: usize,
     /// Snapshots received (1 + reconnects).
     pub snapshots: u64,
+    /// Entries it sent that did not parse.
+    #[serde(default)]
+    pub malformed: u64,
+    /// Withdrawals of prefixes it did not hold (ignored).
+    #[serde(default)]
+    pub unknown_withdrawals: u64,
+    /// Its streams dropped because it broke the protocol or a bound, by cause.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dropped: BTreeMap<String, u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
@@ -162,20 +186,35 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
         })
         .collect();
     let mut learned = Vec::new();
+    let mut learned_omitted = 0;
     let mut peers = Vec::new();
     for (name, session) in e.sessions() {
-        let mut accepted = 0;
+        // Every accepted (and own) route is listed, and the first LISTED_UNUSED of the
+        // others; the walk stops once nothing more would be listed but accepted routes still
+        // to come, so a peer's refused routes cost the report nothing beyond those.
+        let accepted = e.accepted(name);
+        let (mut listed_accepted, mut listed_unused, mut listed) = (0, 0, 0);
         for (p, r) in &session.routes {
+            if listed_unused >= LISTED_UNUSED && listed_accepted == accepted {
+                break;
+            }
             let (state, cause) = match e.verdict(name, p) {
                 Some(Verdict::Accepted) => {
-                    accepted += 1;
+                    listed_accepted += 1;
                     ("accepted", None)
                 }
                 Some(Verdict::Own) => ("own", None),
-                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause.name().to_string())),
-                Some(Verdict::Refused(cause)) => ("refused", Some(cause.name().to_string())),
+                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause)),
+                Some(Verdict::Refused(cause)) => ("refused", Some(cause)),
                 None => ("pending", None),
             };
+            if state == "pending" || state == "refused" {
+                if listed_unused == LISTED_UNUSED {
+                    continue;
+                }
+                listed_unused += 1;
+            }
+            listed += 1;
             learned.push(Learned {
                 prefix: p.to_string(),
                 node: r.node.clone(),
@@ -184,9 +223,10 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
                 source: name.clone(),
                 age_secs: session.since.get(p).map(|t| secs(*t)).unwrap_or(0.0),
                 state: state.into(),
-                cause,
+                cause: cause.map(|c| c.name().to_string()),
             });
         }
+        learned_omitted += session.routes.len() - listed;
         peers.push(Peer {
             name: name.clone(),
             endpoint: session.endpoint.clone(),
@@ -198,6 +238,9 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             routes: session.routes.len(),
             accepted,
             snapshots: session.snapshots,
+            malformed: session.malformed,
+            unknown_withdrawals: session.unknown_withdrawals,
+            dropped: names(&session.dropped),
             error: session.last_error.clone(),
         });
     }
@@ -245,8 +288,15 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        unknown_withdrawals: e.unknown_withdrawals(),
+        dropped: names(e.dropped()),
+        learned_omitted,
         door: cx.door.clone(),
     }
+}
+
+fn names(m: &BTreeMap<&'static str, u64>) -> BTreeMap<String, u64> {
+    m.iter().map(|(k, v)| (k.to_string(), *v)).collect()
 }
 
 /// What `/metrics` shows, counted without building the report.
@@ -260,6 +310,8 @@ pub struct Counts {
     pub advertised: usize,
     pub complete: bool,
     pub refusals: BTreeMap<String, u64>,
+    pub unknown_withdrawals: u64,
+    pub dropped: BTreeMap<String, u64>,
     pub watchers: usize,
     pub door: DoorCounts,
     pub certificate: Option<CertStatus>,
@@ -270,11 +322,7 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
     let mut learned = 0;
     for (name, s) in e.sessions() {
         *peers.entry(s.state.name()).or_default() += 1;
-        learned += s
-            .routes
-            .keys()
-            .filter(|p| e.verdict(name, p) == Some(Verdict::Accepted))
-            .count();
+        learned += e.accepted(name);
     }
     Counts {
         peers,
@@ -287,6 +335,8 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        unknown_withdrawals: e.unknown_withdrawals(),
+        dropped: names(e.dropped()),
         watchers: cx.own.watchers() + cx.relay.watchers(),
         door: cx.door.clone(),
         certificate: cx.tls.clone(),
@@ -334,6 +384,22 @@ pub fn metrics(r: &Counts) -> String {
     }
     let _ = writeln!(
         out,
+        "# HELP calix_route_withdrawals_ignored_total Withdrawals of prefixes their peer did not hold (never announced, or gone already): ignored.\n# TYPE calix_route_withdrawals_ignored_total counter\ncalix_route_withdrawals_ignored_total {}",
+        r.unknown_withdrawals
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_streams_dropped_total Peers' streams dropped because the peer broke the protocol or a bound, by cause.\n# TYPE calix_route_streams_dropped_total counter"
+    );
+    for cause in WireError::NAMES {
+        let n = r.dropped.get(cause).copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "calix_route_streams_dropped_total{{cause=\"{cause}\"}} {n}"
+        );
+    }
+    let _ = writeln!(
+        out,
         "# HELP calix_route_watchers Watch streams this agent serves.\n# TYPE calix_route_watchers gauge\ncalix_route_watchers {}",
         r.watchers
     );
@@ -378,12 +444,81 @@ mod tests {
         assert_eq!(via(VxlanMode::Never, far, &subnets), "direct");
     }
 
+    /// A peer that announces many routes no datastore backs does not make the report (and
+    /// calixctl's message) as large: a few of them are listed, the rest counted.
+    #[test]
+    fn routes_not_accepted_are_listed_up_to_a_cap_per_peer() {
+        use crate::config::Topology;
+        use crate::routes::advertise::NextHops;
+        use crate::routes::engine::{PeerEvent, Settings, Unused, SETTLE};
+        use crate::routes::view::tests::node_kv;
+        use crate::routes::view::Part;
+        let t0 = Instant::now();
+        let mut e = Engine::new(Settings {
+            me: "a".into(),
+            topology: Topology::Mesh,
+            reflector: false,
+            grace: std::time::Duration::from_secs(120),
+            settle: SETTLE,
+            next_hops: NextHops {
+                v4: Some("172.31.1.1".parse().expect("ip")),
+                v6: None,
+            },
+            pools: vec![],
+        });
+        e.view_listed(
+            Part::Nodes,
+            &[
+                node_kv("a", &["172.31.1.1"], false),
+                node_kv("b", &["172.31.1.2"], false),
+            ],
+        );
+        e.view_listed(Part::Blocks, &[]);
+        e.flush(t0);
+        let routes = (0..LISTED_UNUSED as u32 + 50)
+            .map(|i| crate::routes::Route {
+                prefix: ipnet::IpNet::from(IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i))),
+                node: "b".into(),
+                next_hop: "172.31.1.2".parse().expect("ip"),
+            })
+            .collect();
+        e.peer_event(
+            "b",
+            PeerEvent::Snapshot {
+                generation: 1,
+                routes,
+                unused: Unused::default(),
+            },
+            t0,
+        );
+        e.flush(t0);
+        let feed = Feed::default();
+        let cx = Context {
+            endpoint: "172.31.1.1:5474",
+            tls: None,
+            own: &feed,
+            relay: &feed,
+            handed: None,
+            subnets: &[],
+            door: DoorCounts::default(),
+        };
+        let r = build(&e, &cx, t0);
+        assert_eq!(r.learned.len(), LISTED_UNUSED);
+        assert_eq!(r.learned_omitted, 50);
+        assert_eq!(r.peers[0].routes, LISTED_UNUSED + 50);
+    }
+
     #[test]
     fn metrics_name_every_state_and_cause() {
         let mut r = Counts::default();
         r.refusals.insert("not_its_own".into(), 3);
         r.peers.insert("up", 2);
+        r.unknown_withdrawals = 7;
+        r.dropped.insert("update_bytes".into(), 2);
         let m = metrics(&r);
+        assert!(m.contains("calix_route_withdrawals_ignored_total 7"));
+        assert!(m.contains("calix_route_streams_dropped_total{cause=\"update_bytes\"} 2"));
+        assert!(m.contains("calix_route_streams_dropped_total{cause=\"too_many_routes\"} 0"));
         assert!(m.contains("calix_route_peers{state=\"up\"} 2"));
         assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
         assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));

@@ -2,7 +2,13 @@
 //! its stream, with graceful restart: when the stream drops, the routes stay for the grace
 //! period and go only if the peer has not come back by then; a reconnect's snapshot replaces
 //! everything the peer said before. Time is passed in.
-use std::collections::{BTreeMap, HashMap};
+//!
+//! It also keeps which prefixes changed since they were last judged, and can name the routes
+//! a change of the datastore can affect (those inside a block's CIDR, those of one node), so
+//! that judging costs what changed, not the peer's whole table.
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -50,8 +56,19 @@ pub struct Session {
     pub last_error: Option<String>,
     /// Snapshots received (1 + reconnects).
     pub snapshots: u64,
-    /// The routes changed since they were last validated.
-    pub dirty: bool,
+    /// Prefixes whose route changed (or went) since they were last judged.
+    pub changed: HashSet<IpNet>,
+    /// Every route is to be judged again.
+    pub changed_all: bool,
+    /// Prefixes by a hash of their route's node (for a node record's change; a collision
+    /// only re-judges more).
+    by_node: HashMap<u64, HashSet<IpNet>>,
+    /// Entries that did not parse, over every stream of this peer.
+    pub malformed: u64,
+    /// Withdrawals of prefixes it did not hold (ignored), over every stream.
+    pub unknown_withdrawals: u64,
+    /// Its streams dropped because it broke the protocol or a bound, by cause.
+    pub dropped: BTreeMap<&'static str, u64>,
 }
 
 impl Session {
@@ -65,7 +82,12 @@ impl Session {
             last_update: None,
             last_error: None,
             snapshots: 0,
-            dirty: false,
+            changed: HashSet::new(),
+            changed_all: false,
+            by_node: HashMap::new(),
+            malformed: 0,
+            unknown_withdrawals: 0,
+            dropped: BTreeMap::new(),
         }
     }
 
@@ -76,7 +98,20 @@ impl Session {
         for (p, r) in &new {
             if self.routes.get(p) != Some(r) {
                 self.since.insert(*p, now);
+                self.changed.insert(*p);
             }
+        }
+        for p in self.routes.keys() {
+            if !new.contains_key(p) {
+                self.changed.insert(*p);
+            }
+        }
+        self.by_node.clear();
+        for r in new.values() {
+            self.by_node
+                .entry(node_hash(&r.node))
+                .or_default()
+                .insert(r.prefix);
         }
         self.routes = new;
         self.generation = generation;
@@ -84,7 +119,6 @@ impl Session {
         self.last_error = None;
         self.snapshots += 1;
         self.state = State::Up;
-        self.dirty = true;
     }
 
     /// A delta (the stream checked its generation follows).
@@ -96,18 +130,69 @@ impl Session {
         now: Instant,
     ) {
         for p in withdrawn {
-            self.routes.remove(p);
+            if let Some(old) = self.routes.remove(p) {
+                self.unindex(node_hash(&old.node), p);
+                self.changed.insert(*p);
+            }
             self.since.remove(p);
         }
         for r in routes {
-            if self.routes.get(&r.prefix) != Some(&r) {
-                self.since.insert(r.prefix, now);
-                self.routes.insert(r.prefix, r);
+            let old = self.routes.get(&r.prefix);
+            if old == Some(&r) {
+                continue;
             }
+            let (was, is) = (old.map(|o| node_hash(&o.node)), node_hash(&r.node));
+            if let Some(was) = was.filter(|h| *h != is) {
+                self.unindex(was, &r.prefix);
+            }
+            self.by_node.entry(is).or_default().insert(r.prefix);
+            self.since.insert(r.prefix, now);
+            self.changed.insert(r.prefix);
+            self.routes.insert(r.prefix, r);
         }
         self.generation = generation;
         self.last_update = Some(now);
-        self.dirty = true;
+    }
+
+    fn unindex(&mut self, hash: u64, p: &IpNet) {
+        if let Some(set) = self.by_node.get_mut(&hash) {
+            set.remove(p);
+            if set.is_empty() {
+                self.by_node.remove(&hash);
+            }
+        }
+    }
+
+    /// Marks for judging again the routes a change of the block `cidr` can affect: those
+    /// inside it (the block itself, and addresses in it).
+    pub fn touch_inside(&mut self, cidr: &IpNet) {
+        let (first, last) = match (IpNet::new(cidr.network(), 0), bound(cidr.broadcast())) {
+            (Ok(first), Some(last)) => (first, last),
+            _ => {
+                self.changed_all = true;
+                return;
+            }
+        };
+        // Ordered by address, then length: the nets inside `cidr` are between its network
+        // address and its broadcast address; at most one shorter net per length is too.
+        self.changed.extend(
+            self.routes
+                .range(first..=last)
+                .map(|(p, _)| *p)
+                .filter(|p| cidr.contains(p)),
+        );
+    }
+
+    /// Marks for judging again the routes of node `node`.
+    pub fn touch_node(&mut self, node: &str) {
+        if let Some(set) = self.by_node.get(&node_hash(node)) {
+            self.changed.extend(set.iter().copied());
+        }
+    }
+
+    /// Whether anything is to be judged.
+    pub fn stale(&self) -> bool {
+        self.changed_all || !self.changed.is_empty()
     }
 
     /// The stream ended (or could not be opened): a streaming peer's routes go into grace. A
@@ -125,9 +210,10 @@ impl Session {
             State::Grace { until } if until <= now => {
                 self.state = State::Expired;
                 let had = !self.routes.is_empty();
+                self.changed.extend(self.routes.keys().copied());
                 self.routes.clear();
                 self.since.clear();
-                self.dirty = true;
+                self.by_node.clear();
                 had
             }
             _ => false,
@@ -154,6 +240,19 @@ impl Session {
             _ => None,
         }
     }
+}
+
+/// The last net of `addr`'s family starting at `addr` (its host route).
+fn bound(addr: IpAddr) -> Option<IpNet> {
+    let len = if addr.is_ipv4() { 32 } else { 128 };
+    IpNet::new(addr, len).ok()
+}
+
+/// A node name's hash, for [`Session`]'s index (a fixed hasher: the same in every run).
+fn node_hash(node: &str) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    node.hash(&mut h);
+    h.finish()
 }
 
 #[cfg(test)]

@@ -483,6 +483,7 @@ impl Loop {
                     name,
                     PeerEvent::Down {
                         reason: format!("now following it at {}", target.endpoint),
+                        broke: None,
                     },
                     now,
                 );

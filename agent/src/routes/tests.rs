@@ -139,7 +139,7 @@ async fn a_follower_gets_the_snapshot_then_deltas_over_mutual_tls_and_sees_the_s
     }
     let _ = s.stop.send(true);
     match next(&mut rx).await {
-        PeerEvent::Down { reason } => assert!(reason.contains("shutting down"), "{reason}"),
+        PeerEvent::Down { reason, .. } => assert!(reason.contains("shutting down"), "{reason}"),
         other => panic!("{other:?}"),
     }
     follower.abort();
@@ -165,7 +165,7 @@ async fn a_server_certificate_of_another_node_is_refused_by_the_follower() {
     };
     let follower = tokio::spawn(client::follow("c".into(), target, dialer, 1, tx));
     match next(&mut rx).await {
-        PeerEvent::Down { reason } => {
+        PeerEvent::Down { reason, .. } => {
             assert!(reason.contains("not valid for name \"c\""), "{reason}")
         }
         other => panic!("{other:?}"),
@@ -210,7 +210,7 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
     };
     let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
     match next(&mut rx).await {
-        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        PeerEvent::Down { reason, .. } => assert!(reason.contains("more than one"), "{reason}"),
         other => panic!("a client certificate naming b and c watched as b: {other:?}"),
     }
     follower.abort();
@@ -263,7 +263,7 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
     };
     let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
     match next(&mut rx).await {
-        PeerEvent::Down { reason } => assert!(reason.contains("more than one"), "{reason}"),
+        PeerEvent::Down { reason, .. } => assert!(reason.contains("more than one"), "{reason}"),
         other => panic!("a server certificate naming a and c passed as a: {other:?}"),
     }
     follower.abort();
@@ -693,4 +693,52 @@ fn only_a_certificate_of_this_node_trusted_by_the_bundle_is_put_in_place() {
     .expect("roots");
     assert!(changes.has_changed().expect("open"));
     assert!(!live.identity_trusted(), "the new bundle does not trust it");
+}
+
+/// A peer that streams faster than this agent takes its updates cannot queue more than a few
+/// of them in this agent's memory: the follower reads the next update only once the engine
+/// has taken an earlier one (the rest wait in the peer, held back by HTTP/2 flow control).
+#[tokio::test]
+async fn a_follower_holds_few_updates_the_engine_has_not_taken() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server(&ca, Limits::default()).await;
+    s.own.publish(&BTreeMap::new(), Instant::now());
+    let (tx, mut rx) = mpsc::channel(64);
+    let dialer = Arc::new(Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        connect_timeout: Duration::from_secs(3),
+        live: None,
+        source: Default::default(),
+    });
+    let target = Target {
+        endpoint: s.addr.clone(),
+        relayed: false,
+    };
+    let follower = tokio::spawn(client::follow("a".into(), target, dialer, 1, tx));
+    // The engine takes the snapshot...
+    assert!(matches!(next(&mut rx).await, PeerEvent::Snapshot { .. }));
+    // ...then stops taking updates while the peer publishes 200 of them.
+    for i in 0..200u32 {
+        let r = route(&format!("10.1.{}.{}/32", i / 256, i % 256));
+        s.own.publish(&[(r.prefix, r)].into(), Instant::now());
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let queued = rx.len();
+    assert!(
+        queued <= client::IN_FLIGHT,
+        "{queued} updates of one peer queued for the engine"
+    );
+    // Taken, they keep coming, in order.
+    let mut generation = 0;
+    for _ in 0..20 {
+        match next(&mut rx).await {
+            PeerEvent::Delta { generation: g, .. } => {
+                assert!(generation == 0 || g == generation + 1);
+                generation = g;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    follower.abort();
 }

@@ -38,8 +38,9 @@ pub struct View {
     lengths: BTreeMap<(bool, u8), usize>,
     /// Node → blocks affine to it.
     affine: HashMap<String, BTreeSet<IpNet>>,
-    /// Node → addresses it allocated (in any block).
-    allocated_by: HashMap<String, BTreeSet<IpAddr>>,
+    /// Node → addresses it allocated (in any block), each with the number of blocks that
+    /// list it (blocks may overlap).
+    allocated_by: HashMap<String, BTreeMap<IpAddr, usize>>,
     nodes: BTreeMap<String, NodeEntry>,
 }
 
@@ -59,20 +60,41 @@ impl Part {
     }
 }
 
+/// What one watch event changed, for validation: a route's verdict depends on the block of
+/// its prefix (exactly, or the one holding its address: either is a block its prefix is
+/// inside), on its node's record, and on its peer's record (may it relay?).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Touched {
+    Nothing,
+    /// The blocks of these CIDRs appeared, changed or went.
+    Blocks(Vec<IpNet>),
+    /// This node's record appeared, changed or went.
+    Node(String),
+}
+
 impl View {
     /// Applies one watch event; returns whether anything changed.
     pub fn apply(&mut self, ev: &WatchEvent) -> bool {
+        self.change(ev) != Touched::Nothing
+    }
+
+    /// Applies one watch event; returns what it changed.
+    pub fn change(&mut self, ev: &WatchEvent) -> Touched {
         match ev {
             WatchEvent::Put(kv) => self.put(kv),
             WatchEvent::Delete { key, .. } => {
                 if key.starts_with(keys::BLOCKS) {
-                    self.block_keys
-                        .remove(key)
-                        .is_some_and(|cidr| self.remove_block(&cidr))
+                    match self.block_keys.remove(key) {
+                        Some(cidr) if self.remove_block(&cidr) => Touched::Blocks(vec![cidr]),
+                        _ => Touched::Nothing,
+                    }
                 } else if let Some(name) = key.strip_prefix(keys::NODES) {
-                    self.nodes.remove(name).is_some()
+                    match self.nodes.remove(name) {
+                        Some(_) => Touched::Node(name.to_string()),
+                        None => Touched::Nothing,
+                    }
                 } else {
-                    false
+                    Touched::Nothing
                 }
             }
         }
@@ -95,13 +117,13 @@ impl View {
         }
     }
 
-    fn put(&mut self, kv: &KeyValue) -> bool {
+    fn put(&mut self, kv: &KeyValue) -> Touched {
         if kv.key.starts_with(keys::BLOCKS) {
             let block: Block = match kv.decode() {
                 Ok(b) => b,
                 Err(e) => {
                     tracing::warn!(key = %kv.key, error = %e, "routes: block not understood; ignored");
-                    return false;
+                    return Touched::Nothing;
                 }
             };
             let entry = BlockEntry {
@@ -112,28 +134,33 @@ impl View {
                     .map(|(off, a)| (block.address(*off), a.node.clone()))
                     .collect(),
             };
+            let mut touched = Vec::new();
             if let Some(old) = self.block_keys.insert(kv.key.clone(), block.cidr) {
-                if old != block.cidr {
-                    self.remove_block(&old);
+                if old != block.cidr && self.remove_block(&old) {
+                    touched.push(old);
                 }
             }
-            if self.blocks.get(&block.cidr) == Some(&entry) {
-                return false;
+            if self.blocks.get(&block.cidr) != Some(&entry) {
+                self.remove_block(&block.cidr);
+                self.add_block(block.cidr, entry);
+                touched.push(block.cidr);
             }
-            self.remove_block(&block.cidr);
-            self.add_block(block.cidr, entry);
-            true
+            if touched.is_empty() {
+                Touched::Nothing
+            } else {
+                Touched::Blocks(touched)
+            }
         } else if let Some(name) = kv.key.strip_prefix(keys::NODES) {
             let record: NodeRecord = match kv.decode() {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::warn!(key = %kv.key, error = %e, "routes: node record not understood; ignored");
-                    return false;
+                    return Touched::Nothing;
                 }
             };
             if record.name != name {
                 tracing::warn!(key = %kv.key, name = %record.name, "routes: node record names another node; ignored");
-                return false;
+                return Touched::Nothing;
             }
             let addresses = record
                 .addresses
@@ -143,9 +170,13 @@ impl View {
             let entry = NodeEntry { record, addresses };
             let changed = self.nodes.get(name) != Some(&entry);
             self.nodes.insert(name.to_string(), entry);
-            changed
+            if changed {
+                Touched::Node(name.to_string())
+            } else {
+                Touched::Nothing
+            }
         } else {
-            false
+            Touched::Nothing
         }
     }
 
@@ -161,10 +192,12 @@ impl View {
                 .insert(cidr);
         }
         for (addr, node) in &entry.allocations {
-            self.allocated_by
+            *self
+                .allocated_by
                 .entry(node.clone())
                 .or_default()
-                .insert(*addr);
+                .entry(*addr)
+                .or_default() += 1;
         }
         self.blocks.insert(cidr, entry);
     }
@@ -188,7 +221,12 @@ impl View {
         }
         for (addr, node) in &entry.allocations {
             if let Some(set) = self.allocated_by.get_mut(node) {
-                set.remove(addr);
+                if let Some(n) = set.get_mut(addr) {
+                    *n -= 1;
+                    if *n == 0 {
+                        set.remove(addr);
+                    }
+                }
                 if set.is_empty() {
                     self.allocated_by.remove(node);
                 }
@@ -221,7 +259,10 @@ impl View {
 
     /// Addresses `node` allocated, in any block.
     pub fn allocated_by(&self, node: &str) -> impl Iterator<Item = &IpAddr> {
-        self.allocated_by.get(node).into_iter().flatten()
+        self.allocated_by
+            .get(node)
+            .into_iter()
+            .flat_map(|m| m.keys())
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
@@ -329,6 +370,29 @@ pub mod tests {
         assert_eq!(v.affine_to("a").count(), 0);
         assert!(v.block_of("fd00::3".parse().expect("ip")).is_none());
         assert_eq!(v.blocks(), 1);
+    }
+
+    /// Blocks can overlap (a pool's block size changed): an address both list stays
+    /// allocated while either does.
+    #[test]
+    fn an_address_in_two_overlapping_blocks_stays_while_one_lists_it() {
+        let mut v = View::default();
+        v.apply(&put(block_kv("10.244.0.0/25", "b", &[("10.244.0.1", "a")])));
+        v.apply(&put(block_kv("10.244.0.0/26", "c", &[("10.244.0.1", "a")])));
+        v.apply(&WatchEvent::Delete {
+            key: keys::block(&"10.244.0.0/26".parse().expect("cidr")),
+            revision: 2,
+        });
+        assert_eq!(
+            v.allocated_by("a").collect::<Vec<_>>(),
+            vec![&"10.244.0.1".parse::<IpAddr>().expect("ip")],
+            "the /25 still lists it"
+        );
+        v.apply(&WatchEvent::Delete {
+            key: keys::block(&"10.244.0.0/25".parse().expect("cidr")),
+            revision: 3,
+        });
+        assert_eq!(v.allocated_by("a").count(), 0);
     }
 
     #[test]

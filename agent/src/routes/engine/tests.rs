@@ -3,6 +3,7 @@ use std::net::IpAddr;
 use super::*;
 use crate::datastore::keys;
 use crate::routes::view::tests::{block_kv, node_kv, put};
+use crate::routes::wire::WireError;
 
 const GRACE: Duration = Duration::from_secs(120);
 
@@ -77,7 +78,7 @@ fn snapshot(routes: Vec<Route>) -> PeerEvent {
     PeerEvent::Snapshot {
         generation: 1,
         routes,
-        malformed: vec![],
+        unused: Unused::default(),
     }
 }
 
@@ -126,7 +127,7 @@ fn mesh_learns_every_peer_and_completes_when_all_answered() {
             generation: 2,
             routes: vec![],
             withdrawn: vec!["10.244.0.128/26".parse().expect("net")],
-            malformed: vec![],
+            unused: Unused::default(),
         },
         t0,
     );
@@ -178,18 +179,37 @@ fn refusals_are_not_used_and_counted_once_settled() {
     e.tick(t0 + SETTLE * 3);
     assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
     assert!(e.flush(t0 + SETTLE * 3).desired.is_empty());
-    // Malformed routes: counted at once.
+    // Malformed routes: counted at once (the stream keeps a few examples of them); so are
+    // withdrawals of prefixes the peer does not hold, which are ignored.
     e.peer_event(
         "c",
         PeerEvent::Delta {
             generation: 2,
             routes: vec![],
             withdrawn: vec![],
-            malformed: vec!["10.244.0.300/26 via ?".into(), "x".into()],
+            unused: Unused {
+                malformed: 5,
+                examples: vec!["10.244.0.300/26 via ?".into(), "x".into()],
+                unknown_withdrawals: 3,
+            },
         },
         t0,
     );
-    assert_eq!(e.refusals().get(&Refusal::Malformed), Some(&2));
+    assert_eq!(e.refusals().get(&Refusal::Malformed), Some(&5));
+    assert_eq!(e.unknown_withdrawals(), 3);
+    let c = &e.sessions()["c"];
+    assert_eq!((c.malformed, c.unknown_withdrawals), (5, 3));
+    // A stream dropped for breaking a bound is counted by cause, for the peer and in all.
+    e.peer_event(
+        "c",
+        PeerEvent::Down {
+            reason: "peer broke the protocol: ...".into(),
+            broke: Some(WireError::TooMany { limit: 10 }),
+        },
+        t0,
+    );
+    assert_eq!(e.dropped().get("too_many_routes"), Some(&1));
+    assert_eq!(e.sessions()["c"].dropped.get("too_many_routes"), Some(&1));
 }
 
 #[test]
@@ -236,7 +256,7 @@ fn a_block_released_and_claimed_elsewhere_moves_its_route() {
             generation: 2,
             routes: vec![route("10.244.0.64/26", "c")],
             withdrawn: vec![],
-            malformed: vec![],
+            unused: Unused::default(),
         },
         t0,
     );
@@ -260,6 +280,7 @@ fn graceful_restart_keeps_a_dropped_peers_routes_for_the_grace_period() {
         "b",
         PeerEvent::Down {
             reason: "stream ended".into(),
+            broke: None,
         },
         t1,
     );
@@ -296,6 +317,7 @@ fn a_restarted_agent_is_incomplete_until_every_peer_answered_or_its_grace_ran_ou
         "c",
         PeerEvent::Down {
             reason: "connection refused".into(),
+            broke: None,
         },
         t0,
     );
@@ -464,8 +486,14 @@ fn a_hundred_peers_with_a_hundred_blocks_each() {
     let start = Instant::now();
     e.view_event(&put(block_kv("10.200.0.0/26", "n1", &[])));
     assert_eq!(e.flush(t0).desired.len(), 10_000);
+    let block = start.elapsed();
+    let start = Instant::now();
+    e.view_listed(Part::Blocks, &blocks);
+    assert_eq!(e.flush(t0).desired.len(), 10_000);
     let revalidate = start.elapsed();
-    eprintln!("learn 10000 routes: {learn:?}; revalidate all: {revalidate:?}");
+    eprintln!(
+        "learn 10000 routes: {learn:?}; a block's change: {block:?}; a fresh listing (re-judges all): {revalidate:?}"
+    );
     assert!(learn < Duration::from_secs(2) && revalidate < Duration::from_secs(2));
 }
 
@@ -483,6 +511,7 @@ fn a_missed_deadline_stays_due_until_ticked() {
         "b",
         PeerEvent::Down {
             reason: "gone".into(),
+            broke: None,
         },
         t0,
     );
@@ -501,4 +530,319 @@ fn a_missed_deadline_stays_due_until_ticked() {
     );
     assert_eq!(e.refusals().get(&Refusal::NotItsOwn), Some(&1));
     assert!(e.flush(late).desired.is_empty(), "b's grace ran out");
+}
+
+/// `peers` peers n0.. with `blocks` blocks each (in the view and announced), listed and
+/// learned by "a".
+fn learned(peers: u32, blocks: u32) -> Engine {
+    let t0 = Instant::now();
+    let mut e = Engine::new(settings("a", Topology::Mesh, false));
+    let mut nodes = vec![node_kv("a", &["172.31.1.1"], false)];
+    let mut kvs = Vec::new();
+    let mut snapshots = Vec::new();
+    for n in 0..peers {
+        let name = format!("n{n}");
+        let hop = format!("172.30.{}.{}", n / 250, n % 250 + 1);
+        nodes.push(node_kv(&name, &[&hop], false));
+        let mut routes = Vec::new();
+        for b in 0..blocks {
+            let cidr = big_block(n * blocks + b);
+            kvs.push(block_kv(&cidr, &name, &[]));
+            routes.push(Route {
+                prefix: cidr.parse().expect("net"),
+                node: name.clone(),
+                next_hop: hop.parse().expect("ip"),
+            });
+        }
+        snapshots.push((name, routes));
+    }
+    e.view_listed(Part::Nodes, &nodes);
+    e.view_listed(Part::Blocks, &kvs);
+    e.flush(t0);
+    for (name, routes) in snapshots {
+        e.peer_event(&name, snapshot(routes), t0);
+    }
+    assert_eq!(e.flush(t0).desired.len(), (peers * blocks) as usize);
+    e
+}
+
+/// Block `i` of [`learned`]: a /26 in 10.100.0.0/8.
+fn big_block(i: u32) -> String {
+    format!(
+        "10.{}.{}.{}/26",
+        100 + i / 1024,
+        (i / 4) % 256,
+        (i % 4) * 64
+    )
+}
+
+/// Checking one delta costs what the delta changes, not the peer's whole table.
+#[test]
+fn a_delta_re_judges_only_the_prefixes_it_changed() {
+    let t0 = Instant::now();
+    let mut e = learned(2, 1000);
+    let before = e.judged();
+    let hop: std::net::IpAddr = "172.30.0.1".parse().expect("ip");
+    // n0 announces one new route (refused: no such block) and withdraws one.
+    e.peer_event(
+        "n0",
+        PeerEvent::Delta {
+            generation: 2,
+            routes: vec![Route {
+                prefix: "10.99.0.0/26".parse().expect("net"),
+                node: "n0".into(),
+                next_hop: hop,
+            }],
+            withdrawn: vec![big_block(0).parse().expect("net")],
+            unused: Unused::default(),
+        },
+        t0,
+    );
+    let start = Instant::now();
+    assert_eq!(e.flush(t0).desired.len(), 1999);
+    eprintln!(
+        "a delta of 2 prefixes, 2000 routes held: flushed in {:?}",
+        start.elapsed()
+    );
+    let cost = e.judged() - before;
+    assert!(
+        cost <= 2,
+        "a delta of 2 prefixes of a peer holding 1000 re-judged {cost} routes"
+    );
+}
+
+/// A block's change re-judges the routes inside its CIDR only; a node record's change, the
+/// routes of that node (and everything its own peer says, since the record says whether it
+/// may relay).
+#[test]
+fn a_view_change_re_judges_only_the_routes_it_can_affect() {
+    let t0 = Instant::now();
+    let mut e = learned(100, 100);
+    let before = e.judged();
+    // n1's block 100 (its first) released.
+    e.view_event(&put(block_kv(&big_block(100), "", &[])));
+    assert_eq!(e.flush(t0).desired.len(), 9999);
+    let cost = e.judged() - before;
+    assert!(
+        cost <= 1,
+        "a block's change re-judged {cost} routes of 10,000"
+    );
+    let before = e.judged();
+    e.view_event(&put(node_kv("n2", &["172.30.0.3", "172.30.9.9"], false)));
+    assert_eq!(e.flush(t0).desired.len(), 9999);
+    let cost = e.judged() - before;
+    assert!(
+        cost <= 100,
+        "n2's node record's change re-judged {cost} routes (n2 has 100)"
+    );
+}
+
+/// A small deterministic generator (xorshift64*), for the random sequences below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+
+    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
+        &xs[self.below(xs.len())]
+    }
+}
+
+/// Every verdict, as judged incrementally, is what judging from scratch gives, over random
+/// sequences of datastore changes (blocks claimed, released, overlapping, with allocations;
+/// node records changing addresses and role, deleted) and of what peers say (snapshots,
+/// deltas, drops): the cause or acceptance of each route against `validate` itself, and
+/// every verdict and output against a full re-judge of the same state.
+#[test]
+fn incremental_verdicts_equal_a_judge_from_scratch() {
+    const NODES: [&str; 4] = ["a", "b", "c", "r"];
+    const PEERS: [&str; 3] = ["b", "c", "r"];
+    const HOPS: [&str; 4] = ["172.31.1.2", "172.31.1.3", "172.31.1.9", "172.31.1.7"];
+    // Blocks of two lengths that overlap (a /25 and the /26s in it), and one apart.
+    const CIDRS: [&str; 5] = [
+        "10.244.0.0/26",
+        "10.244.0.64/26",
+        "10.244.0.0/25",
+        "10.244.0.128/26",
+        "10.244.1.0/26",
+    ];
+    const ADDRS: [&str; 6] = [
+        "10.244.0.1",
+        "10.244.0.5",
+        "10.244.0.70",
+        "10.244.0.130",
+        "10.244.1.9",
+        "10.244.2.1",
+    ];
+    for seed in 1..=24u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut t = Instant::now();
+        let mut e = engine("a", Topology::Mesh, false);
+        let mut blocks: BTreeMap<String, KeyValue> = block_kvs()
+            .into_iter()
+            .map(|kv| (kv.key.clone(), kv))
+            .collect();
+        let mut nodes: BTreeMap<String, KeyValue> = node_kvs()
+            .into_iter()
+            .map(|kv| (kv.key.clone(), kv))
+            .collect();
+        let mut generation: BTreeMap<&str, u64> = BTreeMap::new();
+        e.flush(t);
+        let prefixes: Vec<String> = CIDRS
+            .iter()
+            .map(|c| c.to_string())
+            .chain(ADDRS.iter().map(|a| format!("{a}/32")))
+            .chain(["10.244.0.0/27".to_string()])
+            .collect();
+        let random_route = |rng: &mut Rng| Route {
+            prefix: rng.pick(&prefixes).parse().expect("net"),
+            node: rng.pick(&NODES).to_string(),
+            next_hop: rng.pick(&HOPS).parse().expect("ip"),
+        };
+        for step in 0..400 {
+            match rng.below(10) {
+                0 | 1 => {
+                    let cidr = *rng.pick(&CIDRS);
+                    let affinity = *rng.pick(&["a", "b", "c", "r", ""]);
+                    let net: IpNet = cidr.parse().expect("net");
+                    let mut allocs: Vec<(&str, &str)> = Vec::new();
+                    for a in ADDRS {
+                        if net.contains(&a.parse::<IpAddr>().expect("ip")) && rng.below(2) == 0 {
+                            allocs.push((a, *rng.pick(&NODES)));
+                        }
+                    }
+                    let kv = block_kv(cidr, affinity, &allocs);
+                    e.view_event(&put(kv.clone()));
+                    blocks.insert(kv.key.clone(), kv);
+                }
+                2 => {
+                    let key = keys::block(&rng.pick(&CIDRS).parse().expect("net"));
+                    blocks.remove(&key);
+                    e.view_event(&WatchEvent::Delete { key, revision: 1 });
+                }
+                3 => {
+                    let name = *rng.pick(&PEERS);
+                    if rng.below(4) == 0 {
+                        let key = keys::node(name);
+                        nodes.remove(&key);
+                        e.view_event(&WatchEvent::Delete { key, revision: 1 });
+                    } else {
+                        let hops: Vec<&str> =
+                            HOPS.iter().copied().filter(|_| rng.below(2) == 0).collect();
+                        let kv = node_kv(name, &hops, rng.below(3) == 0);
+                        e.view_event(&put(kv.clone()));
+                        nodes.insert(kv.key.clone(), kv);
+                    }
+                }
+                4 => {
+                    let peer = *rng.pick(&PEERS);
+                    let routes = (0..rng.below(6)).map(|_| random_route(&mut rng)).collect();
+                    let g = rng.next() % 1000;
+                    generation.insert(peer, g);
+                    e.peer_event(
+                        peer,
+                        PeerEvent::Snapshot {
+                            generation: g,
+                            routes,
+                            unused: Unused::default(),
+                        },
+                        t,
+                    );
+                }
+                5..=7 => {
+                    let peer = *rng.pick(&PEERS);
+                    let g = generation.entry(peer).or_default();
+                    *g += 1;
+                    let routes = (0..rng.below(3)).map(|_| random_route(&mut rng)).collect();
+                    let withdrawn = (0..rng.below(3))
+                        .map(|_| rng.pick(&prefixes).parse().expect("net"))
+                        .collect();
+                    e.peer_event(
+                        peer,
+                        PeerEvent::Delta {
+                            generation: *g,
+                            routes,
+                            withdrawn,
+                            unused: Unused::default(),
+                        },
+                        t,
+                    );
+                }
+                8 => {
+                    let peer = *rng.pick(&PEERS);
+                    e.peer_event(
+                        peer,
+                        PeerEvent::Down {
+                            reason: "gone".into(),
+                            broke: None,
+                        },
+                        t,
+                    );
+                }
+                _ => {
+                    t += Duration::from_millis(rng.below(4000) as u64);
+                    if rng.below(8) == 0 {
+                        t += GRACE;
+                    }
+                    e.tick(t);
+                }
+            }
+            let inc = e.flush(t);
+            let judged_inc: BTreeMap<(String, IpNet), Verdict> = all_verdicts(&e);
+            // Each verdict is validate's own answer.
+            for (peer, s) in e.sessions() {
+                let relays = e.view().node(peer).is_some_and(|n| n.record.reflector);
+                for (p, r) in &s.routes {
+                    let want = if r.node == "a" && relays {
+                        Ok(Verdict::Own)
+                    } else {
+                        validate(e.view(), peer, r).map(|()| Verdict::Accepted)
+                    };
+                    let got = match e.verdict(peer, p) {
+                        Some(Verdict::Pending { cause, .. }) | Some(Verdict::Refused(cause)) => {
+                            Err(cause)
+                        }
+                        Some(v) => Ok(v),
+                        None => panic!("seed {seed} step {step}: {peer}'s {p} has no verdict"),
+                    };
+                    assert_eq!(got, want, "seed {seed} step {step}: {peer}'s {r:?}");
+                }
+                assert_eq!(
+                    judged_inc.keys().filter(|(n, _)| n == peer).count(),
+                    s.routes.len(),
+                    "seed {seed} step {step}: verdicts of {peer}'s prefixes gone"
+                );
+                let accepted = s
+                    .routes
+                    .keys()
+                    .filter(|p| e.verdict(peer, p) == Some(Verdict::Accepted))
+                    .count();
+                assert_eq!(e.accepted(peer), accepted, "seed {seed} step {step}");
+            }
+            // And a full re-judge of the same state changes nothing.
+            if step % 7 == 0 {
+                e.view_listed(Part::Blocks, &blocks.values().cloned().collect::<Vec<_>>());
+                e.view_listed(Part::Nodes, &nodes.values().cloned().collect::<Vec<_>>());
+                let full = e.flush(t);
+                assert_eq!(inc, full, "seed {seed} step {step}");
+                assert_eq!(judged_inc, all_verdicts(&e), "seed {seed} step {step}");
+            }
+        }
+    }
+}
+
+fn all_verdicts(e: &Engine) -> BTreeMap<(String, IpNet), Verdict> {
+    e.verdicts
+        .iter()
+        .flat_map(|(peer, j)| j.verdicts.iter().map(|(p, v)| ((peer.clone(), *p), *v)))
+        .collect()
 }
