@@ -63,6 +63,7 @@ mod tests {
             key: keys::node("old"),
             value: br#"{"name":"old","addresses":["192.0.2.7"]}"#.to_vec(),
             revision: 1,
+            created: 1,
         }));
         v
     }

@@ -269,6 +269,7 @@ pub mod tests {
             key: keys::block(&cidr),
             value: serde_json::to_vec(&b).expect("json"),
             revision: 1,
+            created: 1,
         }
     }
 
@@ -284,6 +285,7 @@ pub mod tests {
             key: keys::node(name),
             value: serde_json::to_vec(&r).expect("json"),
             revision: 1,
+            created: 1,
         }
     }
 
@@ -339,6 +341,7 @@ pub mod tests {
             key: keys::node("old"),
             value: br#"{"name":"old","addresses":["192.0.2.1","nonsense"],"labels":{},"agent_version":"0.1.0"}"#.to_vec(),
             revision: 1,
+            created: 1,
         };
         assert!(v.apply(&put(old)));
         let n = v.node("old").expect("parsed");
@@ -348,6 +351,7 @@ pub mod tests {
             key: keys::node("bad"),
             value: b"{not json".to_vec(),
             revision: 2,
+            created: 2,
         };
         assert!(!v.apply(&put(bad)));
         // A record whose name is not its key's.
