@@ -51,7 +51,7 @@ fn all_a() -> Value {
         "metrics": {"bindAddress": "127.0.0.1", "port": 9191},
         "resyncIntervalSecs": 10,
         "pools": [
-            {"name": "pods-a", "cidr": "10.250.0.0/16", "blockSize": 24, "natOutgoing": false,
+            {"name": "pods-a", "cidr": "10.250.0.0/16", "blockSize": 24, "previousBlockSizes": [26, 28], "natOutgoing": false,
              "disabled": true, "vxlan": "always", "nodeSelector": {"zone": "a", "calix.dev/tier": "x"}},
             {"name": "pods-v6", "cidr": "fd00:250::/48", "blockSize": 120, "natOutgoing": false,
              "vxlan": "never"}
@@ -91,7 +91,7 @@ fn all_b() -> Value {
         "uplinks": ["ens3"],
         "cni": {"mtu": 9000, "portmap": true, "logLevel": "", "uninstallOnStop": false},
         "pools": [
-            {"name": "blue", "cidr": "10.244.0.0/16", "blockSize": 26, "natOutgoing": true, "vxlan": "crossSubnet"},
+            {"name": "blue", "cidr": "10.244.0.0/16", "blockSize": 26, "previousBlockSizes": [24], "natOutgoing": true, "vxlan": "crossSubnet"},
             {"name": "green", "cidr": "10.245.0.0/16", "natOutgoing": true, "disabled": false,
              "nodeSelector": {"pool": "green"}}
         ],
@@ -866,6 +866,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
     assert_eq!(c.pools.len(), 2);
     assert_eq!(c.pools[0].cidr.to_string(), "10.250.0.0/16");
     assert_eq!(c.pools[0].block_size, Some(24));
+    assert_eq!(c.pools[0].previous_block_sizes, [26, 28]);
     assert!(c.pools[0].disabled && !c.pools[0].nat_outgoing);
     assert_eq!(
         c.pools[0]
@@ -933,6 +934,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
         pools[1].1.node_selector.get("pool").map(String::as_str),
         Some("green")
     );
+    assert_eq!(pools[0].1.previous_block_sizes, [24]);
     assert_eq!(
         install_cni(one(r, "DaemonSet", "calix"), "n")["plugins"][0]["mtu"],
         9000

@@ -29,6 +29,7 @@ async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
             cidr: p.cidr.trunc(),
             block_size: p.block_size(),
             disabled: p.disabled,
+            previous_block_sizes: p.previous_block_sizes.clone(),
         });
     }
     Ok(out)

@@ -53,6 +53,9 @@ pub struct Pool {
     pub cidr: IpNet,
     pub block_size: u8,
     pub disabled: bool,
+    /// Block sizes the pool had before `block_size` (the operator's `previousBlockSizes`):
+    /// blocks of these sizes still count (`super::wellformed`); new blocks are `block_size`.
+    pub previous_block_sizes: Vec<u8>,
 }
 
 /// How a node may grow beyond its own blocks.
@@ -659,6 +662,7 @@ mod tests {
             cidr: cidr.parse().expect("cidr"),
             block_size: bs,
             disabled: false,
+            previous_block_sizes: Vec::new(),
         }
     }
 

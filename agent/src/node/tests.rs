@@ -203,6 +203,7 @@ fn pool(cidr: &str, bs: u8) -> Pool {
         cidr: cidr.parse().expect("cidr"),
         block_size: bs,
         disabled: false,
+        previous_block_sizes: Vec::new(),
     }
 }
 
