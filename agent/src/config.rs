@@ -686,10 +686,7 @@ impl PoolConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let range = match self.cidr {
-            IpNet::V4(_) => 20..=32,
-            IpNet::V6(_) => 116..=128,
-        };
+        let range = crate::ipam::wellformed::block_sizes(matches!(self.cidr, IpNet::V4(_)));
         for bs in
             std::iter::once(self.block_size()).chain(self.previous_block_sizes.iter().copied())
         {
