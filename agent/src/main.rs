@@ -296,6 +296,8 @@ async fn run() -> Result<()> {
             cfg.node_name.clone(),
         )));
     }
+    // What the start found wrong with the stored blocks (later: each housekeeping pass).
+    node.notice_ignored_blocks().await;
     // The initial sync: every recorded endpoint programmed, then the sweep.
     let pools = node.ipam.pools().iter().map(|p| p.cidr).collect();
     node.endpoints.start(pools).await?;

@@ -32,6 +32,7 @@ fn status(e: AgentError) -> Status {
             IpamError::NoPool { .. }
             | IpamError::NotInPool { .. }
             | IpamError::ForeignBlock { .. }
+            | IpamError::BadBlock { .. }
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),

@@ -95,8 +95,8 @@ pub struct Ignored {
     pub cidr: Option<IpNet>,
     /// The node it says it is affine to.
     pub affinity: String,
-    /// The nodes it says allocated addresses in it, one entry per allocation.
-    pub allocated_by: Vec<String>,
+    /// The allocations it says it holds: (address, the node that allocated it).
+    pub allocations: Vec<(std::net::IpAddr, String)>,
     pub rule: Rule,
     /// What exactly, for people: "10.244.7.9/32 is a /32; pool 10.244.0.0/16 makes /26".
     pub detail: String,
@@ -178,7 +178,7 @@ pub fn sort<'a>(kvs: impl IntoIterator<Item = &'a KeyValue>, pools: &[Pool]) -> 
                     key: kv.key.clone(),
                     cidr: None,
                     affinity: String::new(),
-                    allocated_by: Vec::new(),
+                    allocations: Vec::new(),
                     rule: Rule::Undecodable,
                     detail: e.to_string(),
                 });
@@ -261,7 +261,11 @@ fn ignored(key: String, b: &Block, rule: Rule, detail: String) -> Ignored {
         key,
         cidr: Some(b.cidr),
         affinity: b.affinity.clone(),
-        allocated_by: b.allocations.values().map(|a| a.node.clone()).collect(),
+        allocations: b
+            .allocations
+            .iter()
+            .map(|(o, a)| (b.address(*o), a.node.clone()))
+            .collect(),
         rule,
         detail,
     }

@@ -18,7 +18,8 @@ use tokio::sync::Mutex;
 
 use crate::datastore::{keys, Datastore, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::{Block, IpamState, Policy, Pool, Retired};
+use crate::ipam::wellformed::{self, Ignored, Rule};
+use crate::ipam::{Block, IpamError, IpamState, Policy, Pool, Retired};
 use crate::model::NodeRecord;
 
 pub use housekeeping::{AddressUsers, Swept};
@@ -53,6 +54,13 @@ struct Inner {
     affinities: std::collections::BTreeMap<IpNet, i64>,
     /// The affinity records may not match the blocks (not listed yet, or a write failed).
     affinities_dirty: bool,
+    /// The stored blocks that do not count (`wellformed`), as of the last listing, each with
+    /// the revision it was read at.
+    ignored: Vec<(Ignored, i64)>,
+    /// Ignored blocks already reported (key, rule): each is logged and noticed once.
+    reported: std::collections::BTreeSet<(String, Rule)>,
+    /// Ignored blocks found since the last [`IpamService::take_ignored`].
+    newly_ignored: Vec<Ignored>,
 }
 
 /// IPAM for one node over a shared datastore.
@@ -102,13 +110,17 @@ impl IpamService {
                 empty_since: HashMap::new(),
                 affinities: Default::default(),
                 affinities_dirty: true,
+                ignored: Vec::new(),
+                reported: Default::default(),
+                newly_ignored: Vec::new(),
             }),
         };
         {
             let mut inner = service.inner.lock().await;
-            service.refresh_blocks(&mut inner).await?;
-            service.check_pools(&inner.ipam, &pools)?;
+            // The blocks are sorted against the pools (`wellformed`): set them first.
             service.set_pools_unchecked(pools, policy);
+            service.refresh_blocks(&mut inner).await?;
+            service.check_start(&inner)?;
             // An agent that died between a block's commit and its handle record left the
             // record missing (or stale): rebuild the records from the blocks first thing.
             if let Err(e) = service.repair_handles(&mut inner).await {
@@ -155,27 +167,64 @@ impl IpamService {
             strict_affinity = policy.strict_affinity, max_blocks_per_node = policy.max_blocks_per_node,
             "pools updated");
         self.set_pools_unchecked(pools, policy);
+        // Blocks count or not by the pools: sort them again.
+        self.refresh_blocks(&mut inner).await?;
         Ok(())
     }
 
+    /// Refuses `pools` when a block holding an address of this node would no longer count
+    /// under them: a pool shrunk or removed under it, or its block size no longer the pool's
+    /// (neither `blockSize` nor in `previousBlockSizes`).
     fn check_pools(&self, ipam: &IpamState, pools: &[Pool]) -> Result<(), AgentError> {
         for (addr, a) in ipam.allocations_of(&self.node.name) {
-            if !pools.iter().any(|p| p.cidr.contains(&addr)) {
-                let block = ipam
-                    .block_of(addr)
-                    .map(|b| b.cidr.to_string())
-                    .unwrap_or_default();
-                let was = self
-                    .pools()
-                    .iter()
-                    .find(|p| p.cidr.contains(&addr))
-                    .map(|p| format!("pool {}", p.cidr))
-                    .unwrap_or_else(|| format!("the pool of block {block}"));
+            let Some(block) = ipam.block_of(addr) else {
+                continue;
+            };
+            let why = match wellformed::check(&keys::block(&block.cidr), block, pools) {
+                Ok(_) => continue,
+                Err((Rule::OutsidePools, _)) => {
+                    let was = self
+                        .pools()
+                        .iter()
+                        .find(|p| p.cidr.contains(&addr))
+                        .map(|p| format!("pool {}", p.cidr))
+                        .unwrap_or_else(|| format!("the pool of block {}", block.cidr));
+                    format!(
+                        "{was} no longer contains {addr}, which {}/{} still holds: keep the \
+                         pool (set disabled = true to stop new allocations) until its \
+                         addresses are released",
+                        a.handle, a.ifname
+                    )
+                }
+                Err((_, detail)) => format!(
+                    "block {} would no longer count ({detail}), and {}/{} holds {addr} in it: \
+                     add /{} to the pool's previousBlockSizes",
+                    block.cidr,
+                    a.handle,
+                    a.ifname,
+                    block.cidr.prefix_len()
+                ),
+            };
+            return Err(AgentError::PoolChange(why));
+        }
+        Ok(())
+    }
+
+    /// At start: refused, as a pool change would be, when a block holding an address of this
+    /// node does not count under the configured pools.
+    fn check_start(&self, inner: &Inner) -> Result<(), AgentError> {
+        let me = &self.node.name;
+        for (i, _) in &inner.ignored {
+            if !matches!(i.rule, Rule::OutsidePools | Rule::BlockSize) {
+                continue;
+            }
+            if let Some((addr, _)) = i.allocations.iter().find(|(_, n)| n == me) {
                 return Err(AgentError::PoolChange(format!(
-                    "{was} no longer contains {addr}, which {}/{} still holds: \
-                     keep the pool (set disabled = true to stop new allocations) until its \
-                     addresses are released",
-                    a.handle, a.ifname
+                    "block {} holds {addr} of this node but does not count under the \
+                     configured pools: {}; keep the pool (set disabled = true to stop new \
+                     allocations) until its addresses are released",
+                    i.cidr.map_or_else(|| i.key.clone(), |c| c.to_string()),
+                    i.detail
                 )));
             }
         }
@@ -183,36 +232,94 @@ impl IpamService {
     }
 
     /// Re-reads every block (released ones included, and the previous version's retired-block
-    /// records) from the datastore.
+    /// records) from the datastore, and sorts them by the rule (`wellformed`): those that do
+    /// not count are left out of the view, remembered and reported once.
     /// Until it succeeds the view counts as stale: a caller that changed the view and could
     /// not commit leaves it to be listed again before the next decision.
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
         inner.stale = true;
         let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
-        let mut blocks = Vec::new();
-        for kv in kvs {
-            let mut b: Block = kv.decode()?;
-            b.revision = kv.revision;
-            blocks.push(b);
-        }
+        let sorted = wellformed::sort(&kvs, &self.pools());
         let mut retired = Vec::new();
         let mut legacy = Vec::new();
         for kv in self.store.list(keys::RETIRED).await? {
-            let r: Retired = kv.decode()?;
-            legacy.push((r.cidr, kv.revision));
-            retired.push(r);
+            match kv.decode::<Retired>() {
+                Ok(r) => {
+                    legacy.push((r.cidr, kv.revision));
+                    retired.push(r);
+                }
+                Err(e) => {
+                    tracing::warn!(key = %kv.key, error = %e, "retired-block record not understood; ignored")
+                }
+            }
         }
-        inner.ipam.replace(blocks, retired, revision);
+        inner.ipam.replace(sorted.counted, retired, revision);
+        inner.ipam.avoid = sorted.avoid;
+        let revisions: std::collections::HashMap<&str, i64> = kvs
+            .iter()
+            .map(|kv| (kv.key.as_str(), kv.revision))
+            .collect();
+        let ignored: Vec<(Ignored, i64)> = sorted
+            .ignored
+            .into_iter()
+            .map(|i| {
+                let rev = revisions.get(i.key.as_str()).copied().unwrap_or(0);
+                (i, rev)
+            })
+            .collect();
+        self.note_ignored(inner, ignored);
         inner.legacy_retired = legacy;
         inner.stale = false;
         Ok(())
     }
 
-    /// Reads one block again into the view (gone: out of the view).
+    /// Keeps the ignored blocks of the last listing; logs each new (block, rule) once.
+    fn note_ignored(&self, inner: &mut Inner, ignored: Vec<(Ignored, i64)>) {
+        let now: std::collections::BTreeSet<(String, Rule)> = ignored
+            .iter()
+            .map(|(i, _)| (i.key.clone(), i.rule))
+            .collect();
+        for (i, _) in &ignored {
+            if inner.reported.contains(&(i.key.clone(), i.rule)) {
+                continue;
+            }
+            tracing::warn!(key = %i.key, rule = %i.rule, affinity = %i.affinity,
+                addresses = i.allocations.len(), detail = %i.detail,
+                "IPAM block ignored: it breaks the rule for blocks (calixctl ipam check)");
+            inner.newly_ignored.push(i.clone());
+        }
+        inner.reported = now;
+        inner.ignored = ignored;
+    }
+
+    /// The ignored blocks found since the last call (each once), for the node's notices.
+    pub async fn take_ignored(&self) -> Vec<Ignored> {
+        std::mem::take(&mut self.inner.lock().await.newly_ignored)
+    }
+
+    /// The stored blocks that do not count, as of the last listing.
+    pub async fn ignored(&self) -> Vec<Ignored> {
+        self.inner
+            .lock()
+            .await
+            .ignored
+            .iter()
+            .map(|(i, _)| i.clone())
+            .collect()
+    }
+
+    /// Reads one block again into the view (gone: out of the view). A block that no longer
+    /// passes the rule has the whole view sorted again.
     async fn reread_block(&self, inner: &mut Inner, cidr: &IpNet) -> Result<(), AgentError> {
-        match self.store.get(&keys::block(cidr)).await? {
+        let key = keys::block(cidr);
+        match self.store.get(&key).await? {
             Some(kv) => {
-                let mut b: Block = kv.decode()?;
+                let decoded = kv.decode::<Block>().ok().filter(|b| {
+                    b.cidr == *cidr && wellformed::check(&key, b, &self.pools()).is_ok()
+                });
+                let Some(mut b) = decoded else {
+                    return self.refresh_blocks(inner).await;
+                };
                 b.revision = kv.revision;
                 inner.ipam.put_block(b);
             }
@@ -246,6 +353,16 @@ impl IpamService {
         let Some(b) = inner.ipam.blocks.get(key) else {
             return Ok(None);
         };
+        if b.revision == 0 {
+            // A new block: never one that would not count.
+            if let Err(why) = self.creatable(&inner.ipam, key, b) {
+                let block = b.cidr;
+                inner.ipam.blocks.remove(key);
+                inner.stale = true;
+                tracing::warn!(%block, %why, "IPAM: refused to create a block that would not count");
+                return Err(IpamError::BadBlock { block, why }.into());
+            }
+        }
         let k = keys::block(&b.cidr);
         let compare = match b.revision {
             0 => Compare::Absent(k.clone()),
@@ -279,6 +396,31 @@ impl IpamService {
                 Err(e.into())
             }
         }
+    }
+
+    /// Why new block `b` (at view key `key`) would not count, if it would not: the rule's own
+    /// checks, and no overlap with a block of the view (claimed or released) or a block the
+    /// view keeps clear of.
+    fn creatable(&self, ipam: &IpamState, key: &str, b: &Block) -> Result<(), String> {
+        wellformed::check(&keys::block(&b.cidr), b, &self.pools()).map_err(|(_, d)| d)?;
+        let overlaps = |other: &IpNet| crate::ipam::allocator::overlap(&b.cidr, other);
+        if let Some(o) = ipam
+            .blocks
+            .iter()
+            .filter(|(k, _)| k.as_str() != key)
+            .map(|(_, o)| o.cidr)
+            .chain(
+                ipam.retired
+                    .values()
+                    .filter(|r| r.revision != 0 && r.cidr != b.cidr)
+                    .map(|r| r.cidr),
+            )
+            .chain(ipam.avoid.iter().copied())
+            .find(|o| overlaps(o))
+        {
+            return Err(format!("{} overlaps block {o}", b.cidr));
+        }
+        Ok(())
     }
 
     /// A copy of the IPAM view, re-read from the datastore (for calixctl and tests).
