@@ -339,11 +339,13 @@ async fn run() -> Result<()> {
         }
         None => (None, None),
     };
+    let routes_handle = Arc::new(std::sync::OnceLock::new());
     tasks::spawn_reload(
         node.clone(),
         move || config(reread_flags.clone(), cluster.as_ref()),
         cfg.clone(),
         cluster_changes,
+        routes_handle.clone(),
     );
     let routes = match routes_start {
         Some(s) => Some(Arc::new(
@@ -355,6 +357,7 @@ async fn run() -> Result<()> {
     };
     if let Some(r) = &routes {
         http.set_routes(r.clone());
+        let _ = routes_handle.set(r.clone());
     }
     let socket = grpc::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.

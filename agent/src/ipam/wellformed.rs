@@ -277,20 +277,20 @@ struct Candidate {
     block: Block,
 }
 
-/// The blocks taken so far, for overlap checks in O(log n): aligned networks overlap only by
-/// containment, so a block overlaps a taken one iff a taken one starts inside it, or it starts
-/// inside a taken one (found by truncating its start to each length taken).
-#[derive(Default)]
-struct Taken {
-    /// (IPv6, first address) → the taken block starting there.
+/// Blocks that do not overlap each other, for overlap checks in O(log n): aligned networks
+/// overlap only by containment, so a block overlaps one of them iff one starts inside it, or
+/// it starts inside one (found by truncating its start to each length present).
+#[derive(Debug, Default, Clone)]
+pub struct Index {
+    /// (IPv6, first address) → the block starting there.
     by_start: BTreeMap<(bool, u128), IpNet>,
-    /// (IPv6, prefix length) → how many taken blocks have it.
+    /// (IPv6, prefix length) → how many blocks have it.
     lengths: BTreeMap<(bool, u8), usize>,
-    created: BTreeMap<IpNet, i64>,
 }
 
-impl Taken {
-    fn overlapping(&self, cidr: &IpNet) -> Option<IpNet> {
+impl Index {
+    /// A block of the index that shares an address with `cidr`.
+    pub fn overlapping(&self, cidr: &IpNet) -> Option<IpNet> {
         let (v6, first, last) = span(cidr);
         if let Some((_, b)) = self.by_start.range((v6, first)..=(v6, last)).next() {
             return Some(*b);
@@ -308,10 +308,44 @@ impl Taken {
             })
     }
 
-    fn insert(&mut self, cidr: IpNet, created: i64) {
+    /// Adds `cidr`, which must overlap none of the index.
+    pub fn insert(&mut self, cidr: IpNet) {
         let (v6, first, _) = span(&cidr);
         self.by_start.insert((v6, first), cidr);
         *self.lengths.entry((v6, cidr.prefix_len())).or_default() += 1;
+    }
+
+    /// Takes `cidr` out (nothing when it is not in).
+    pub fn remove(&mut self, cidr: &IpNet) {
+        let (v6, first, _) = span(cidr);
+        if self.by_start.get(&(v6, first)) != Some(cidr) {
+            return;
+        }
+        self.by_start.remove(&(v6, first));
+        let len = (v6, cidr.prefix_len());
+        if let Some(n) = self.lengths.get_mut(&len) {
+            *n -= 1;
+            if *n == 0 {
+                self.lengths.remove(&len);
+            }
+        }
+    }
+}
+
+/// The blocks taken so far by [`sort`], with their creation stamps.
+#[derive(Default)]
+struct Taken {
+    index: Index,
+    created: BTreeMap<IpNet, i64>,
+}
+
+impl Taken {
+    fn overlapping(&self, cidr: &IpNet) -> Option<IpNet> {
+        self.index.overlapping(cidr)
+    }
+
+    fn insert(&mut self, cidr: IpNet, created: i64) {
+        self.index.insert(cidr);
         self.created.insert(cidr, created);
     }
 }

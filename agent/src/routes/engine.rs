@@ -37,6 +37,10 @@ pub struct Settings {
     pub next_hops: NextHops,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
+    /// Every pool of the cluster as the rule for blocks needs it ([`crate::ipam::wellformed`]):
+    /// blocks that break it are neither advertised nor accepted. Follows config reloads and
+    /// IPPool changes ([`Engine::set_block_pools`]).
+    pub blocks: Vec<crate::ipam::Pool>,
 }
 
 /// Time a route's refusal must last before it is counted and logged.
@@ -113,8 +117,8 @@ pub struct Engine {
 impl Engine {
     pub fn new(s: Settings) -> Self {
         Self {
+            view: View::with_pools(s.blocks.clone()),
             s,
-            view: View::default(),
             listed: [false; 2],
             view_dirty: true,
             sessions: BTreeMap::new(),
@@ -146,6 +150,13 @@ impl Engine {
         let changed = self.view.apply(ev);
         self.view_dirty |= changed;
         changed
+    }
+
+    /// New pools for the rule for blocks (a reload, an IPPool change): every block is sorted
+    /// again, and every route judged again at the next flush.
+    pub fn set_block_pools(&mut self, pools: Vec<crate::ipam::Pool>) {
+        self.s.blocks.clone_from(&pools);
+        self.view_dirty |= self.view.set_pools(pools);
     }
 
     /// Both parts of the datastore are listed: peers and validation can be trusted.

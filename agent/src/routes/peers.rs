@@ -49,7 +49,7 @@ mod tests {
     use crate::routes::view::tests::{node_kv, put};
 
     fn view() -> View {
-        let mut v = View::default();
+        let mut v = crate::routes::view::tests::view();
         for (n, a, refl) in [
             ("a", "192.0.2.1", false),
             ("b", "192.0.2.2", false),

@@ -1,14 +1,23 @@
-//! The datastore as route distribution needs it: every block (its affine node, who allocated
-//! each address) and every node record, indexed so that advertising and validating a route are
-//! a few hash lookups, never a datastore read. Kept current by a watch on `ipam/blocks/` and
-//! `nodes/` ([`crate::routes::task`]); a value that does not decode is logged and skipped.
+//! The datastore as route distribution needs it: every block that counts (its affine node, who
+//! allocated each address) and every node record, indexed so that advertising and validating a
+//! route are a few hash lookups, never a datastore read. Kept current by a watch on
+//! `ipam/blocks/` and `nodes/` ([`crate::routes::task`]); a value that does not decode is logged
+//! and skipped. The blocks are sorted by IPAM's rule for blocks
+//! ([`crate::ipam::wellformed`]) against the pools: a block that breaks it is in no index
+//! (neither advertised nor accepted) and is logged once, with the rule it broke.
+//!
+//! A change re-sorts every block only when it can change which blocks count: a block's CIDR,
+//! creation or verdict changing, a new block overlapping one that counts, a block deleted that
+//! others lost an overlap to, new pools. A new block, an allocation or a release is a few map
+//! updates.
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
 use crate::datastore::{keys, KeyValue, WatchEvent};
-use crate::ipam::Block;
+use crate::ipam::wellformed::{self, Ignored, Rule};
+use crate::ipam::{Block, Pool};
 use crate::model::NodeRecord;
 
 /// One block, as far as routes care.
@@ -27,11 +36,32 @@ pub struct NodeEntry {
     pub addresses: HashSet<IpAddr>,
 }
 
+/// A stored block as last seen, and what decides whether it counts.
+#[derive(Debug, Clone)]
+struct Stored {
+    kv: KeyValue,
+    /// (CIDR, creation stamp, the rule's verdict but for overlaps); `None`: it does not decode.
+    shape: Option<(IpNet, i64, Result<(), Rule>)>,
+}
+
 /// The blocks and node records of the datastore.
 #[derive(Debug, Default)]
 pub struct View {
+    /// The pools, as the rule for blocks needs them.
+    pools: Vec<Pool>,
+    /// Every stored block by key, counted or not.
+    stored: HashMap<String, Stored>,
+    /// The blocks that count, by CIDR.
     blocks: HashMap<IpNet, BlockEntry>,
-    /// Block key → CIDR (a delete event carries only the key).
+    /// The blocks that count, for overlap checks.
+    index: wellformed::Index,
+    /// The blocks that do not, and why.
+    ignored: Vec<Ignored>,
+    /// Their CIDRs.
+    ignored_cidrs: HashSet<IpNet>,
+    /// (key, rule) already logged.
+    logged: HashSet<(String, Rule)>,
+    /// Key → CIDR of the blocks that count (a delete event carries only the key).
     block_keys: HashMap<String, IpNet>,
     /// Prefix lengths of the blocks (family, length) → how many: an address's block is found
     /// by truncating it to each length present.
@@ -60,15 +90,41 @@ impl Part {
 }
 
 impl View {
+    /// An empty view whose blocks are sorted against `pools` (every pool of the cluster).
+    pub fn with_pools(pools: Vec<Pool>) -> Self {
+        Self {
+            pools,
+            ..Self::default()
+        }
+    }
+
+    /// New pools: every block sorted again. Returns whether anything changed.
+    pub fn set_pools(&mut self, pools: Vec<Pool>) -> bool {
+        if pools == self.pools {
+            return false;
+        }
+        self.pools = pools;
+        self.resort();
+        true
+    }
+
+    /// The stored blocks that do not count, and why.
+    pub fn ignored(&self) -> &[Ignored] {
+        &self.ignored
+    }
+
+    /// Whether `cidr` is the CIDR of a stored block that does not count.
+    pub fn is_ignored_block(&self, cidr: &IpNet) -> bool {
+        self.ignored_cidrs.contains(cidr)
+    }
+
     /// Applies one watch event; returns whether anything changed.
     pub fn apply(&mut self, ev: &WatchEvent) -> bool {
         match ev {
             WatchEvent::Put(kv) => self.put(kv),
             WatchEvent::Delete { key, .. } => {
                 if key.starts_with(keys::BLOCKS) {
-                    self.block_keys
-                        .remove(key)
-                        .is_some_and(|cidr| self.remove_block(&cidr))
+                    self.delete_block(key)
                 } else if let Some(name) = key.strip_prefix(keys::NODES) {
                     self.nodes.remove(name).is_some()
                 } else {
@@ -82,47 +138,158 @@ impl View {
     pub fn replace(&mut self, part: Part, kvs: &[KeyValue]) {
         match part {
             Part::Blocks => {
-                self.blocks.clear();
-                self.block_keys.clear();
-                self.lengths.clear();
-                self.affine.clear();
-                self.allocated_by.clear();
+                self.stored = kvs
+                    .iter()
+                    .filter(|kv| kv.key.starts_with(keys::BLOCKS))
+                    .map(|kv| (kv.key.clone(), self.stored_of(kv).0))
+                    .collect();
+                self.resort();
             }
-            Part::Nodes => self.nodes.clear(),
+            Part::Nodes => {
+                self.nodes.clear();
+                for kv in kvs {
+                    self.put(kv);
+                }
+            }
         }
-        for kv in kvs {
-            self.put(kv);
+    }
+
+    /// A stored block and, when it decodes, the block.
+    fn stored_of(&self, kv: &KeyValue) -> (Stored, Option<Block>) {
+        let block = kv.decode::<Block>().ok();
+        let shape = block.as_ref().map(|b| {
+            let verdict = wellformed::check(&kv.key, b, &self.pools)
+                .map(|_| ())
+                .map_err(|(rule, _)| rule);
+            (b.cidr, kv.created, verdict)
+        });
+        (
+            Stored {
+                kv: kv.clone(),
+                shape,
+            },
+            block,
+        )
+    }
+
+    /// Sorts every stored block by the rule again and rebuilds the indexes.
+    fn resort(&mut self) {
+        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
+        self.blocks.clear();
+        self.index = wellformed::Index::default();
+        self.block_keys.clear();
+        self.lengths.clear();
+        self.affine.clear();
+        self.allocated_by.clear();
+        for b in sorted.counted {
+            self.block_keys.insert(keys::block(&b.cidr), b.cidr);
+            self.add_block(b.cidr, entry_of(&b));
+        }
+        self.ignored = sorted.ignored;
+        self.log_ignored();
+    }
+
+    /// Logs each ignored block once per rule (and indexes their CIDRs).
+    fn log_ignored(&mut self) {
+        self.ignored_cidrs = self.ignored.iter().filter_map(|i| i.cidr).collect();
+        let now: HashSet<(String, Rule)> = self
+            .ignored
+            .iter()
+            .map(|i| (i.key.clone(), i.rule))
+            .collect();
+        for i in &self.ignored {
+            if !self.logged.contains(&(i.key.clone(), i.rule)) {
+                tracing::warn!(key = %i.key, rule = %i.rule, affinity = %i.affinity,
+                    detail = %i.detail,
+                    "routes: block ignored: it breaks the rule for blocks; its routes are neither advertised nor accepted");
+            }
+        }
+        self.logged = now;
+    }
+
+    fn put_block(&mut self, kv: &KeyValue) -> bool {
+        let (new, block) = self.stored_of(kv);
+        let shape = new.shape;
+        let old = self.stored.insert(kv.key.clone(), new);
+        let counted = self.block_keys.get(&kv.key).copied();
+        match (old.map(|o| o.shape), shape, block) {
+            // Same CIDR, age and verdict: counted or not as before.
+            (Some(was), Some(now), Some(b)) if was == Some(now) => match counted {
+                Some(cidr) => {
+                    let entry = entry_of(&b);
+                    if self.blocks.get(&cidr) == Some(&entry) {
+                        return false;
+                    }
+                    self.remove_block(&cidr);
+                    self.add_block(cidr, entry);
+                    true
+                }
+                None => false,
+            },
+            // A new block: counts at once when it overlaps none that counts (it is the
+            // youngest); one that breaks the rule changes nothing else.
+            (None, Some((cidr, _, verdict)), Some(b)) => match verdict {
+                Ok(()) if self.index.overlapping(&cidr).is_none() => {
+                    self.block_keys.insert(kv.key.clone(), cidr);
+                    self.add_block(cidr, entry_of(&b));
+                    true
+                }
+                Ok(()) => {
+                    self.resort();
+                    true
+                }
+                Err(_) => {
+                    self.resort_ignored_only();
+                    false
+                }
+            },
+            (None, None, _) => {
+                self.resort_ignored_only();
+                false
+            }
+            _ => {
+                self.resort();
+                true
+            }
+        }
+    }
+
+    /// A block that cannot count was stored or changed: only the list of ignored blocks (and
+    /// what a claim keeps clear of) changes, but the list comes from one sort.
+    fn resort_ignored_only(&mut self) {
+        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
+        self.ignored = sorted.ignored;
+        self.log_ignored();
+    }
+
+    fn delete_block(&mut self, key: &str) -> bool {
+        let Some(old) = self.stored.remove(key) else {
+            return false;
+        };
+        match self.block_keys.remove(key) {
+            Some(cidr) => {
+                self.remove_block(&cidr);
+                // Blocks that lost an overlap to it may count now.
+                if self.ignored.iter().any(|i| i.rule == Rule::Overlap) {
+                    self.resort();
+                }
+                true
+            }
+            None => {
+                if old.shape.is_none() || old.shape.is_some_and(|s| s.2.is_err()) {
+                    self.ignored.retain(|i| i.key != key);
+                    self.log_ignored();
+                } else {
+                    self.resort();
+                }
+                false
+            }
         }
     }
 
     fn put(&mut self, kv: &KeyValue) -> bool {
         if kv.key.starts_with(keys::BLOCKS) {
-            let block: Block = match kv.decode() {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!(key = %kv.key, error = %e, "routes: block not understood; ignored");
-                    return false;
-                }
-            };
-            let entry = BlockEntry {
-                affinity: block.affinity.clone(),
-                allocations: block
-                    .allocations
-                    .iter()
-                    .map(|(off, a)| (block.address(*off), a.node.clone()))
-                    .collect(),
-            };
-            if let Some(old) = self.block_keys.insert(kv.key.clone(), block.cidr) {
-                if old != block.cidr {
-                    self.remove_block(&old);
-                }
-            }
-            if self.blocks.get(&block.cidr) == Some(&entry) {
-                return false;
-            }
-            self.remove_block(&block.cidr);
-            self.add_block(block.cidr, entry);
-            true
+            self.put_block(kv)
         } else if let Some(name) = kv.key.strip_prefix(keys::NODES) {
             let record: NodeRecord = match kv.decode() {
                 Ok(r) => r,
@@ -150,6 +317,7 @@ impl View {
     }
 
     fn add_block(&mut self, cidr: IpNet, entry: BlockEntry) {
+        self.index.insert(cidr);
         *self
             .lengths
             .entry((is_v6(&cidr), cidr.prefix_len()))
@@ -173,6 +341,7 @@ impl View {
         let Some(entry) = self.blocks.remove(cidr) else {
             return false;
         };
+        self.index.remove(cidr);
         let len = (is_v6(cidr), cidr.prefix_len());
         if let Some(n) = self.lengths.get_mut(&len) {
             *n -= 1;
@@ -237,6 +406,18 @@ impl View {
     }
 }
 
+/// What routes keep of a block.
+fn entry_of(b: &Block) -> BlockEntry {
+    BlockEntry {
+        affinity: b.affinity.clone(),
+        allocations: b
+            .allocations
+            .iter()
+            .map(|(off, a)| (b.address(*off), a.node.clone()))
+            .collect(),
+    }
+}
+
 fn is_v6(n: &IpNet) -> bool {
     matches!(n, IpNet::V6(_))
 }
@@ -245,6 +426,30 @@ fn is_v6(n: &IpNet) -> bool {
 pub mod tests {
     use super::*;
     use crate::ipam::Allocation;
+
+    /// The pools the routes tests' blocks come from: 10.0.0.0/8 (/26 blocks, /24 before) and
+    /// fd00::/64 (/122).
+    pub fn pools() -> Vec<Pool> {
+        vec![
+            Pool {
+                cidr: "10.0.0.0/8".parse().expect("cidr"),
+                block_size: 26,
+                disabled: false,
+                previous_block_sizes: vec![24],
+            },
+            Pool {
+                cidr: "fd00::/64".parse().expect("cidr"),
+                block_size: 122,
+                disabled: false,
+                previous_block_sizes: Vec::new(),
+            },
+        ]
+    }
+
+    /// An empty view over [`pools`].
+    pub fn view() -> View {
+        View::with_pools(pools())
+    }
 
     /// A block put event: `cidr` affine to `affinity`, with `allocs` (address, node).
     pub fn block_kv(cidr: &str, affinity: &str, allocs: &[(&str, &str)]) -> KeyValue {
@@ -295,7 +500,7 @@ pub mod tests {
 
     #[test]
     fn blocks_index_by_affinity_and_allocating_node() {
-        let mut v = View::default();
+        let mut v = view();
         assert!(v.apply(&put(block_kv(
             "10.244.0.0/26",
             "a",
@@ -335,7 +540,7 @@ pub mod tests {
 
     #[test]
     fn node_records_parse_old_and_new_and_bad_ones_are_skipped() {
-        let mut v = View::default();
+        let mut v = view();
         // A record of an older agent: no routes endpoint, no reflector flag.
         let old = KeyValue {
             key: keys::node("old"),
