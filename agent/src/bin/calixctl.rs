@@ -299,6 +299,28 @@ fn routes_table(r: &RoutesReport) -> String {
         let causes: Vec<String> = r.refusals.iter().map(|(c, n)| format!("{c} {n}")).collect();
         out.push_str(&format!("\nrefused: {}", causes.join(", ")));
     }
+    if !r.guard_refusals.is_empty() {
+        let causes: Vec<String> = r
+            .guard_refusals
+            .iter()
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "\nkept out of the kernel by the route guard: {}",
+            causes.join(", ")
+        ));
+    }
+    if !r.ignored_blocks.is_empty() {
+        let rules: Vec<String> = r
+            .ignored_blocks
+            .iter()
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "\nblocks ignored (calixctl ipam check): {}",
+            rules.join(", ")
+        ));
+    }
     out
 }
 

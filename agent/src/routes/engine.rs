@@ -9,6 +9,7 @@
 //! claimed a moment ago may arrive before this agent's view has the claim). Logged once per
 //! peer and cause, counted every time a route is refused.
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -21,7 +22,7 @@ use super::view::{Part, View};
 use super::Route;
 use crate::config::{Topology, VxlanMode};
 use crate::datastore::{KeyValue, WatchEvent};
-use crate::reconcile::remote::RemoteRoute;
+use crate::reconcile::remote::{self, Guarded, RemoteRoute};
 
 /// What route distribution is configured with.
 #[derive(Debug, Clone)]
@@ -112,7 +113,16 @@ pub struct Engine {
     complete: bool,
     /// Prefixes warned about for lack of a next hop of their family.
     unroutable_warned: bool,
+    /// Accepted routes the route guard keeps out of the desired set, and why.
+    guarded: BTreeMap<IpNet, (Route, Guarded)>,
+    /// Routes the guard kept out, by cause (each counted when it starts being kept out).
+    guard_counts: BTreeMap<Guarded, u64>,
+    /// The guard's log, throttled per cause: when it last logged, and what it held back since.
+    guard_logged: HashMap<Guarded, (Instant, u64)>,
 }
+
+/// The route guard logs at most one line per cause this often.
+pub const GUARD_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl Engine {
     pub fn new(s: Settings) -> Self {
@@ -127,6 +137,9 @@ impl Engine {
             logged: HashSet::new(),
             complete: false,
             unroutable_warned: false,
+            guarded: BTreeMap::new(),
+            guard_counts: BTreeMap::new(),
+            guard_logged: HashMap::new(),
         }
     }
 
@@ -306,15 +319,8 @@ impl Engine {
                 }
             }
         }
-        let desired = best
-            .values()
-            .map(|(r, _)| RemoteRoute {
-                prefix: r.prefix,
-                node: r.node.clone(),
-                next_hop: r.next_hop,
-                vxlan: self.vxlan_for(&r.prefix),
-            })
-            .collect();
+        let accepted: Vec<Route> = best.values().map(|(r, _)| (*r).clone()).collect();
+        let desired = self.guard(accepted, now);
         if !self.complete
             && self.synced()
             && self.sessions.values().all(|s| s.settled(now, self.s.grace))
@@ -329,6 +335,75 @@ impl Engine {
             complete: self.complete,
             peers,
         }
+    }
+
+    /// The route guard over the accepted routes, whatever validation said: a route outside every
+    /// pool, shorter than its pool's blocks, or covering a node's address (any node record's,
+    /// this node's next hops) never reaches the reconciler. Counted when a route starts being
+    /// kept out; logged at most once per cause per [`GUARD_LOG_EVERY`].
+    fn guard(&mut self, accepted: Vec<Route>, now: Instant) -> Vec<RemoteRoute> {
+        let pools = &self.s.blocks;
+        // Only an address inside a pool can be covered by a route that passed the pool checks.
+        let protected: Vec<(IpAddr, String)> = self
+            .view
+            .nodes()
+            .flat_map(|n| n.addresses.iter().map(|a| (*a, n.record.name.clone())))
+            .chain(self.s.next_hops.all().map(|a| (a, self.s.me.clone())))
+            .filter(|(a, _)| pools.iter().any(|p| p.cidr.contains(a)))
+            .collect();
+        let mut guarded = BTreeMap::new();
+        let mut desired = Vec::with_capacity(accepted.len());
+        for r in accepted {
+            let verdict = remote::guard(&r.prefix, pools).and_then(|()| {
+                match remote::covered(&r.prefix, protected.iter().map(|(a, _)| a)) {
+                    Some(_) => Err(Guarded::CoversNodeAddress),
+                    None => Ok(()),
+                }
+            });
+            match verdict {
+                Ok(()) => desired.push(RemoteRoute {
+                    prefix: r.prefix,
+                    node: r.node.clone(),
+                    next_hop: r.next_hop,
+                    vxlan: self.vxlan_for(&r.prefix),
+                }),
+                Err(cause) => {
+                    guarded.insert(r.prefix, (r, cause));
+                }
+            }
+        }
+        for (prefix, (r, cause)) in &guarded {
+            if self.guarded.get(prefix).is_some_and(|(_, c)| c == cause) {
+                continue;
+            }
+            *self.guard_counts.entry(*cause).or_default() += 1;
+            let logged = self.guard_logged.get(cause).copied();
+            match logged {
+                Some((at, held)) if now.saturating_duration_since(at) < GUARD_LOG_EVERY => {
+                    self.guard_logged.insert(*cause, (at, held + 1));
+                }
+                _ => {
+                    let held = logged.map_or(0, |(_, h)| h);
+                    tracing::warn!(cause = %cause, %prefix, node = %r.node, next_hop = %r.next_hop,
+                        held_back = held,
+                        "routes: route guard: {}; never programmed (at most one line per cause a minute)",
+                        cause.explain());
+                    self.guard_logged.insert(*cause, (now, 0));
+                }
+            }
+        }
+        self.guarded = guarded;
+        desired
+    }
+
+    /// Accepted routes the route guard keeps out, and why.
+    pub fn guarded(&self) -> &BTreeMap<IpNet, (Route, Guarded)> {
+        &self.guarded
+    }
+
+    /// Routes the route guard kept out so far, by cause.
+    pub fn guard_counts(&self) -> &BTreeMap<Guarded, u64> {
+        &self.guard_counts
     }
 
     /// Validates every route of `peer` again.

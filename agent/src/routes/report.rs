@@ -48,6 +48,12 @@ pub struct RoutesReport {
     pub watchers: usize,
     /// Routes refused, by cause.
     pub refusals: BTreeMap<String, u64>,
+    /// Accepted routes the route guard kept out of the kernel so far, by cause.
+    #[serde(default)]
+    pub guard_refusals: BTreeMap<String, u64>,
+    /// Stored blocks the view ignores (they break the rule for blocks), by rule.
+    #[serde(default)]
+    pub ignored_blocks: BTreeMap<String, u64>,
     /// The TCP door's counters.
     pub door: DoorCounts,
 }
@@ -71,7 +77,8 @@ pub struct Learned {
     /// The peer that announced it.
     pub source: String,
     pub age_secs: f64,
-    /// `accepted`, `pending` (refused for less than the settle time), `refused`, or `own`
+    /// `accepted`, `pending` (refused for less than the settle time), `refused`, `guarded`
+    /// (accepted, but kept out of the kernel by the route guard: `cause` says why), or `own`
     /// (this node's own route relayed back).
     pub state: String,
     /// Why it is refused.
@@ -164,7 +171,10 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             let (state, cause) = match e.verdict(name, p) {
                 Some(Verdict::Accepted) => {
                     accepted += 1;
-                    ("accepted", None)
+                    match e.guarded().get(p) {
+                        Some((_, g)) => ("guarded", Some(g.name().to_string())),
+                        None => ("accepted", None),
+                    }
                 }
                 Some(Verdict::Own) => ("own", None),
                 Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause.name().to_string())),
@@ -239,8 +249,25 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        guard_refusals: guard_refusals(e),
+        ignored_blocks: ignored_blocks(e),
         door: cx.door.clone(),
     }
+}
+
+fn guard_refusals(e: &Engine) -> BTreeMap<String, u64> {
+    e.guard_counts()
+        .iter()
+        .map(|(c, n)| (c.name().to_string(), *n))
+        .collect()
+}
+
+fn ignored_blocks(e: &Engine) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for i in e.view().ignored() {
+        *out.entry(i.rule.name().to_string()).or_default() += 1;
+    }
+    out
 }
 
 /// What `/metrics` shows, counted without building the report.
@@ -254,6 +281,9 @@ pub struct Counts {
     pub advertised: usize,
     pub complete: bool,
     pub refusals: BTreeMap<String, u64>,
+    pub guard_refusals: BTreeMap<String, u64>,
+    /// Accepted routes the guard keeps out now.
+    pub guarded: usize,
     pub watchers: usize,
     pub door: DoorCounts,
 }
@@ -280,6 +310,8 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
             .iter()
             .map(|(c, n)| (c.name().to_string(), *n))
             .collect(),
+        guard_refusals: guard_refusals(e),
+        guarded: e.guarded().len(),
         watchers: cx.own.watchers() + cx.relay.watchers(),
         door: cx.door.clone(),
     }
@@ -326,6 +358,22 @@ pub fn metrics(r: &Counts) -> String {
     }
     let _ = writeln!(
         out,
+        "# HELP calix_route_guard_refusals_total Accepted routes the route guard kept out of the kernel, by cause (outside every pool, shorter than the pool's blocks, covering a node's or an uplink's address).\n# TYPE calix_route_guard_refusals_total counter"
+    );
+    for cause in crate::reconcile::remote::Guarded::ALL {
+        let n = r.guard_refusals.get(cause.name()).copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "calix_route_guard_refusals_total{{cause=\"{cause}\"}} {n}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_guarded Accepted routes the route guard keeps out of the kernel now.\n# TYPE calix_routes_guarded gauge\ncalix_routes_guarded {}",
+        r.guarded
+    );
+    let _ = writeln!(
+        out,
         "# HELP calix_route_watchers Watch streams this agent serves.\n# TYPE calix_route_watchers gauge\ncalix_route_watchers {}",
         r.watchers
     );
@@ -363,5 +411,7 @@ mod tests {
         assert!(m.contains("calix_route_refusals_total{cause=\"not_its_own\"} 3"));
         assert!(m.contains("calix_route_refusals_total{cause=\"block_not_affine\"} 0"));
         assert!(m.contains("calix_route_peers{state=\"grace\"} 0"));
+        assert!(m.contains("calix_route_guard_refusals_total{cause=\"too_short\"} 0"));
+        assert!(m.contains("calix_routes_guarded 0"));
     }
 }

@@ -573,3 +573,33 @@ fn new_pools_sort_the_blocks_again() {
     c.set_block_pools(pools);
     assert!(own(&mut c).is_empty());
 }
+
+/// The route guard, whatever validation said: c's block 10.244.0.128/26 is valid, but it
+/// covers node d's recorded address 10.244.0.130 (a node whose address sits in a pod pool), so
+/// it never reaches the reconciler: counted once, kept out while it lasts. Before, it was
+/// handed over, and traffic to node d would have gone to c.
+#[test]
+fn the_route_guard_keeps_out_a_valid_route_covering_a_nodes_address() {
+    let t0 = Instant::now();
+    let mut a = engine("a", Topology::Mesh, false);
+    a.view_event(&put(node_kv("d", &["10.244.0.130"], false)));
+    a.flush(t0);
+    a.peer_event("c", snapshot(vec![route("10.244.0.128/26", "c")]), t0);
+    a.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    let o = a.flush(t0);
+    assert_eq!(
+        a.verdict("c", &"10.244.0.128/26".parse().expect("net")),
+        Some(Verdict::Accepted),
+        "validation accepts it"
+    );
+    assert_eq!(prefixes(&o), ["10.244.0.64/26"], "the guard keeps it out");
+    let o = a.flush(t0 + Duration::from_secs(1));
+    assert_eq!(prefixes(&o), ["10.244.0.64/26"]);
+    assert_eq!(
+        a.guard_counts()
+            .get(&crate::reconcile::remote::Guarded::CoversNodeAddress),
+        Some(&1),
+        "counted once"
+    );
+    assert_eq!(a.guarded().len(), 1);
+}
