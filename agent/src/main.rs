@@ -348,11 +348,14 @@ async fn run() -> Result<()> {
         routes_handle.clone(),
     );
     let routes = match routes_start {
-        Some(s) => Some(Arc::new(
+        Some(mut s) => Some(Arc::new({
+            // The pools IPAM works with: a block it retains under a refused pool change is
+            // still this node's to advertise.
+            s.blocks = node.ipam.pools();
             routes::task::start(s, store, Arc::new(remote_routes))
                 .await
-                .context("route distribution ([routes]) cannot start")?,
-        )),
+                .context("route distribution ([routes]) cannot start")?
+        })),
         None => None,
     };
     if let Some(r) = &routes {

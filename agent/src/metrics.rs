@@ -81,6 +81,9 @@ pub async fn render(node: &Node) -> String {
     out.push_str(&crate::ipam::service::report::ignored_metrics(
         &node.ipam.ignored().await,
     ));
+    out.push_str(&crate::ipam::service::report::retained_metrics(
+        node.ipam.retained().len(),
+    ));
     let _ = writeln!(
         out,
         "# HELP calix_repairs_total Drift the reconciler found and repaired, by kind.\n# TYPE calix_repairs_total counter"

@@ -118,7 +118,8 @@ pub fn spawn_reload<F>(
                     deferred = false;
                     node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
                     if let Some(r) = routes.get() {
-                        r.set_block_pools(cfg.node_pools()).await;
+                        // With the blocks IPAM retains under a refused change.
+                        r.set_block_pools(node.ipam.pools()).await;
                     }
                 }
                 Err(e) => {

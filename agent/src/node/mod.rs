@@ -153,8 +153,13 @@ impl Node {
     }
 
     /// The IPAM blocks found ignored since the last call (they break the rule for blocks:
-    /// `crate::ipam::wellformed`), each a Warning on this node (an Event in Kubernetes).
+    /// `crate::ipam::wellformed`), and blocks retained under a refused pool change, each a
+    /// Warning on this node (an Event in Kubernetes).
     pub async fn notice_ignored_blocks(&self) {
+        if let Some(msg) = self.ipam.take_retention_notice() {
+            self.notices
+                .warning("IPPoolRefused", crate::notice::Subject::Node, msg);
+        }
         for i in self.ipam.take_ignored().await {
             self.notices.warning(
                 "IPAMBlockIgnored",

@@ -545,22 +545,65 @@ async fn shrinking_a_pool_under_live_addresses_is_refused() {
         .expect("grow");
     let next = alloc4(&a, "h2").await.expect("from the new pool");
     assert!(next.to_string().starts_with("10.2.0."), "{next}");
+}
+
+/// Issue 20, item 6: an agent that restarts while its pool is gone (deleted or shrunk under
+/// live addresses) starts, keeps what it holds, allocates from the pools it has, and reports
+/// the refusal. Before, the startup check refused and the agent exited, in a loop.
+#[tokio::test]
+async fn a_restart_under_a_deleted_pool_starts_keeps_its_addresses_and_reports() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let held = alloc4(&a, "h").await.expect("alloc");
     drop(a);
-    // At startup too.
-    let err = IpamService::new(
-        NodeRecord {
-            name: "n1".into(),
-            ..Default::default()
-        },
-        vec![pool("10.3.0.0/24", 28)],
-        Policy::default(),
-        housekeeping(),
-        Arc::new(Shared(s.clone())),
-    )
-    .await
-    .err()
-    .expect("refused at startup");
-    assert!(err.to_string().contains("10.1.0.1"), "{err}");
+    let a = agent_on(&s, "n1", vec![pool("10.3.0.0/24", 28)], Policy::default()).await;
+    let seen = Arc::new(Recorded::default());
+    a.notices.set(seen.clone());
+    let block: ipnet::IpNet = "10.1.0.0/28".parse().expect("cidr");
+    assert_eq!(
+        a.ipam.retained().iter().map(|p| p.cidr).collect::<Vec<_>>(),
+        [block]
+    );
+    // What it holds is still its own: found by handle, the same ADD gets it back.
+    let got = a.ipam.lookup("h", "eth0").await.expect("lookup");
+    assert_eq!(got.iter().map(|(a, _)| *a).collect::<Vec<_>>(), [held]);
+    let again = alloc4(&a, "h").await.expect("idempotent ADD");
+    assert_eq!(again, held);
+    // New addresses come from the configured pool only.
+    let new = alloc4(&a, "h2").await.expect("from the new pool");
+    assert!(new.to_string().starts_with("10.3.0."), "{new}");
+    // Reported: a notice (Event), a check row, the metric.
+    a.notice_ignored_blocks().await;
+    let notices = seen.0.lock().expect("lock").clone();
+    assert!(
+        notices
+            .iter()
+            .any(|n| n.reason == "IPPoolRefused" && n.message.contains("10.1.0.0/28")),
+        "{notices:?}"
+    );
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        check
+            .findings
+            .iter()
+            .any(|f| f.kind == "retained-block" && f.block == "10.1.0.0/28"),
+        "{:?}",
+        check.findings
+    );
+    assert!(
+        crate::ipam::service::report::retained_metrics(a.ipam.retained().len())
+            .contains("calix_ipam_retained_blocks 1")
+    );
+    // Released: the retention ends, and the empty block goes.
+    assert_eq!(a.ipam.release("h", "eth0").await.expect("release"), [held]);
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    assert!(a.ipam.retained().is_empty());
+    a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert!(
+        s.get(&keys::block(&block)).await.is_none(),
+        "the empty block outside every pool is deleted"
+    );
 }
 
 #[tokio::test]

@@ -66,7 +66,16 @@ struct Inner {
 /// IPAM for one node over a shared datastore.
 pub struct IpamService {
     node: NodeRecord,
+    /// The configured pools and the policy.
     pools: RwLock<(Vec<Pool>, Policy)>,
+    /// Blocks kept as pools of their own, disabled: blocks holding addresses of this node that
+    /// the configured pools no longer make (a pool deleted or shrunk, or its blockSize changed,
+    /// while this agent was down). Kept so the node keeps serving those addresses (found by
+    /// handle, released, never handed out twice) and reports the refusal; each goes once it
+    /// holds none of this node's addresses.
+    retained: RwLock<Vec<Pool>>,
+    /// A retention not yet noticed (the node turns it into a Warning).
+    retention_notice: std::sync::Mutex<Option<String>>,
     housekeeping: Housekeeping,
     store: Arc<dyn Datastore>,
     inner: Mutex<Inner>,
@@ -98,6 +107,8 @@ impl IpamService {
         let service = Self {
             node,
             pools: RwLock::new((Vec::new(), policy)),
+            retained: RwLock::new(Vec::new()),
+            retention_notice: std::sync::Mutex::new(None),
             housekeeping,
             store,
             inner: Mutex::new(Inner {
@@ -119,8 +130,9 @@ impl IpamService {
             let mut inner = service.inner.lock().await;
             // The blocks are sorted against the pools (`wellformed`): set them first.
             service.set_pools_unchecked(pools, policy);
+            // A block of this node the pools no longer make does not stop the agent: it is
+            // retained (and reported) by the listing.
             service.refresh_blocks(&mut inner).await?;
-            service.check_start(&inner)?;
             // An agent that died between a block's commit and its handle record left the
             // record missing (or stale): rebuild the records from the blocks first thing.
             if let Err(e) = service.repair_handles(&mut inner).await {
@@ -141,12 +153,37 @@ impl IpamService {
         self.store.kind()
     }
 
+    /// The pools the node works with: the configured ones, then the retained blocks (disabled
+    /// pools of their own).
     pub fn pools(&self) -> Vec<Pool> {
+        let mut pools = self.configured_pools();
+        pools.extend(self.retained());
+        pools
+    }
+
+    /// The pools as configured.
+    pub fn configured_pools(&self) -> Vec<Pool> {
         self.pools
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .0
             .clone()
+    }
+
+    /// The blocks retained under a refused pool change (see `retained`).
+    pub fn retained(&self) -> Vec<Pool> {
+        self.retained
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A retention not yet noticed, once.
+    pub fn take_retention_notice(&self) -> Option<String> {
+        self.retention_notice
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     fn policy(&self) -> Policy {
@@ -210,27 +247,6 @@ impl IpamService {
         Ok(())
     }
 
-    /// At start: refused, as a pool change would be, when a block holding an address of this
-    /// node does not count under the configured pools.
-    fn check_start(&self, inner: &Inner) -> Result<(), AgentError> {
-        let me = &self.node.name;
-        for (i, _) in &inner.ignored {
-            if !matches!(i.rule, Rule::OutsidePools | Rule::BlockSize) {
-                continue;
-            }
-            if let Some((addr, _)) = i.allocations.iter().find(|(_, n)| n == me) {
-                return Err(AgentError::PoolChange(format!(
-                    "block {} holds {addr} of this node but does not count under the \
-                     configured pools: {}; keep the pool (set disabled = true to stop new \
-                     allocations) until its addresses are released",
-                    i.cidr.map_or_else(|| i.key.clone(), |c| c.to_string()),
-                    i.detail
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Re-reads every block (released ones included, and the previous version's retired-block
     /// records) from the datastore, and sorts them by the rule (`wellformed`): those that do
     /// not count are left out of the view, remembered and reported once.
@@ -239,7 +255,15 @@ impl IpamService {
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
         inner.stale = true;
         let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
-        let sorted = wellformed::sort(&kvs, &self.pools());
+        let configured = self.configured_pools();
+        let mut sorted = wellformed::sort(&kvs, &configured);
+        let retained = self.retention(&sorted.ignored);
+        if !retained.is_empty() {
+            let mut pools = configured;
+            pools.extend(retained.iter().cloned());
+            sorted = wellformed::sort(&kvs, &pools);
+        }
+        self.set_retained(retained);
         let mut retired = Vec::new();
         let mut legacy = Vec::new();
         for kv in self.store.list(keys::RETIRED).await? {
@@ -271,6 +295,58 @@ impl IpamService {
         inner.legacy_retired = legacy;
         inner.stale = false;
         Ok(())
+    }
+
+    /// The blocks to retain: ignored only because the configured pools do not make them (inside
+    /// none, or not of a size the pool makes), otherwise sound (key, alignment, an allowed
+    /// size), and holding an address this node allocated.
+    fn retention(&self, ignored: &[Ignored]) -> Vec<Pool> {
+        let me = &self.node.name;
+        ignored
+            .iter()
+            .filter(|i| matches!(i.rule, Rule::OutsidePools | Rule::BlockSize))
+            .filter(|i| i.allocations.iter().any(|(_, n)| n == me))
+            .filter_map(|i| i.cidr)
+            .filter(|c| {
+                c.trunc() == *c
+                    && wellformed::block_sizes(matches!(c, IpNet::V4(_))).contains(&c.prefix_len())
+            })
+            .map(|c| Pool {
+                cidr: c,
+                block_size: c.prefix_len(),
+                disabled: true,
+                previous_block_sizes: Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Sets the retained blocks; a change is logged, and a new retention noticed.
+    fn set_retained(&self, retained: Vec<Pool>) {
+        let mut current = self.retained.write().unwrap_or_else(|p| p.into_inner());
+        if *current == retained {
+            return;
+        }
+        let cidrs: Vec<String> = retained.iter().map(|p| p.cidr.to_string()).collect();
+        if retained.is_empty() {
+            tracing::info!(
+                "IPAM: no block retained any more: the pools hold every address of this node"
+            );
+        } else {
+            let msg = format!(
+                "pool change refused for {} block(s) ({}): they hold addresses of this node but \
+                 the configured pools no longer make them (a pool deleted or shrunk, or its \
+                 blockSize changed without previousBlockSizes); they are kept, with no new \
+                 addresses from them, until those addresses are released (or restore the pool)",
+                cidrs.len(),
+                cidrs.join(", ")
+            );
+            tracing::error!("{msg}");
+            *self
+                .retention_notice
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(msg);
+        }
+        *current = retained;
     }
 
     /// Keeps the ignored blocks of the last listing; logs each new (block, rule) once.

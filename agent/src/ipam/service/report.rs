@@ -119,9 +119,28 @@ impl IpamService {
         Ok(report(&snap, &self.pools(), &self.node.name, free))
     }
 
-    /// Leaks, duplicates and orphans across every node of the datastore.
+    /// Leaks, duplicates and orphans across every node of the datastore, and the blocks this
+    /// node retains under a refused pool change.
     pub async fn ipam_check(&self) -> Result<CheckReport, AgentError> {
-        Ok(check(&self.snapshot().await?))
+        let mut r = check(&self.snapshot().await?);
+        for p in self.retained() {
+            r.findings.push(Finding {
+                kind: "retained-block".into(),
+                rule: String::new(),
+                address: None,
+                seq: None,
+                handle: String::new(),
+                ifname: String::new(),
+                node: self.node.name.clone(),
+                block: p.cidr.to_string(),
+                detail: "holds addresses of this node, but no configured pool makes this block \
+                         any more (a pool deleted or shrunk, or its blockSize changed): kept \
+                         on this node, no new addresses from it, until they are released; \
+                         restore the pool (or add its size to previousBlockSizes)"
+                    .into(),
+            });
+        }
+        Ok(r)
     }
 }
 
@@ -446,6 +465,13 @@ fn affinity_findings(snap: &Snapshot) -> Vec<Finding> {
         }
     }
     out
+}
+
+/// `/metrics` line: blocks retained under a refused pool change.
+pub fn retained_metrics(retained: usize) -> String {
+    format!(
+        "# HELP calix_ipam_retained_blocks Blocks holding this node's addresses that no configured pool makes any more (a refused pool change, kept until released).\n# TYPE calix_ipam_retained_blocks gauge\ncalix_ipam_retained_blocks {retained}\n"
+    )
 }
 
 /// `/metrics` lines: the stored blocks that do not count, by the rule they broke (every rule
