@@ -1567,3 +1567,42 @@ async fn an_ignored_block_is_noticed_once_and_counted() {
         "{metrics}"
     );
 }
+
+/// The overlap attack on IPAM: a rogue writes a block of a size the pool really had before
+/// (/24) over the victim's /26, holding fake allocations. The older block wins: the victim's
+/// block still counts and it goes on allocating in it; the rogue's is ignored (`overlap`) and
+/// kept clear of by claims.
+#[tokio::test]
+async fn an_older_size_block_over_a_victims_block_loses() {
+    let (_d, s) = store();
+    let mut p = pool("10.1.0.0/16", 26);
+    p.previous_block_sizes = vec![24];
+    let victim = agent_on(&s, "victim", vec![p.clone()], Policy::default()).await;
+    let first = alloc4(&victim, "v1").await.expect("victim's first");
+    forge(
+        &s,
+        &block_key("10.1.0.0/24"),
+        &forged_block("10.1.0.0/24", "rogue", &[1, 2, 3, 100]),
+    )
+    .await;
+    let second = alloc4(&victim, "v2").await.expect("victim's second");
+    let ipam = victim.ipam.ipam().await.expect("view");
+    assert_eq!(
+        ipam.blocks.keys().collect::<Vec<_>>(),
+        ["10.1.0.0/26"],
+        "{first} {second}"
+    );
+    let other = agent_on(&s, "other", vec![p], Policy::default()).await;
+    let theirs = alloc4(&other, "o1").await.expect("another node claims");
+    let rogue_block: ipnet::IpNet = "10.1.0.0/24".parse().expect("cidr");
+    assert!(
+        !rogue_block.contains(&theirs),
+        "{theirs}: claimed inside the rogue's /24"
+    );
+    let check = other.ipam.ipam_check().await.expect("check");
+    assert!(
+        ignored_rows(&check).contains(&("10.1.0.0/24".into(), "overlap".into())),
+        "{:?}",
+        check.findings
+    );
+}

@@ -538,6 +538,49 @@ pub mod tests {
         assert_eq!(v.blocks(), 1);
     }
 
+    /// [`block_kv`] created at `created`.
+    fn aged(cidr: &str, affinity: &str, created: i64) -> KeyValue {
+        KeyValue {
+            created,
+            ..block_kv(cidr, affinity, &[])
+        }
+    }
+
+    #[test]
+    fn overlaps_follow_age_as_blocks_come_and_go() {
+        let mut v = view();
+        let victim: IpNet = "10.244.0.64/26".parse().expect("cidr");
+        let rogue: IpNet = "10.244.0.0/24".parse().expect("cidr");
+        assert!(v.apply(&put(aged("10.244.0.64/26", "victim", 10))));
+        // A younger /24 (a size the pool had before) over it: ignored.
+        v.apply(&put(aged("10.244.0.0/24", "rogue", 20)));
+        assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
+        assert!(v.is_ignored_block(&rogue));
+        assert_eq!(v.affine_to("rogue").count(), 0);
+        // Writing it again (a release, an allocation) changes nothing.
+        v.apply(&put(aged("10.244.0.0/24", "rogue", 20)));
+        assert!(v.block(&rogue).is_none());
+        // The victim's block goes: the /24 counts now.
+        assert!(v.apply(&WatchEvent::Delete {
+            key: keys::block(&victim),
+            revision: 30
+        }));
+        assert!(v.block(&rogue).is_some() && !v.is_ignored_block(&rogue));
+        // A block created later inside it is the one ignored.
+        v.apply(&put(aged("10.244.0.64/26", "victim", 40)));
+        assert!(v.block(&victim).is_none() && v.block(&rogue).is_some());
+        // A new block beside everything counts at once; a forged one changes nothing else.
+        assert!(v.apply(&put(aged("10.244.1.0/26", "c", 50))));
+        assert!(!v.apply(&put(aged("0.0.0.0/0", "rogue", 60))));
+        assert_eq!(v.blocks(), 2);
+        assert_eq!(v.ignored().len(), 2);
+        // New pools: the /24 is no size the pool makes any more; the /26 inside counts.
+        let mut pools = pools();
+        pools[0].previous_block_sizes.clear();
+        assert!(v.set_pools(pools));
+        assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
+    }
+
     #[test]
     fn node_records_parse_old_and_new_and_bad_ones_are_skipped() {
         let mut v = view();
