@@ -807,6 +807,11 @@ pub struct PoolConfig {
     /// Needs the `kubernetes` datastore.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub namespace_selector: Option<crate::selector::LabelSelector>,
+    /// Block sizes the pool had before `blockSize` (each in blockSize's range): blocks of
+    /// these sizes, made before the change, still count. A block of any other size is
+    /// ignored by every node (docs/decisions.md, "Blocks are well-formed or ignored").
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous_block_sizes: Vec<u8>,
 }
 
 impl PoolConfig {
@@ -819,6 +824,7 @@ impl PoolConfig {
             vxlan: VxlanMode::default(),
             node_selector: Default::default(),
             namespace_selector: None,
+            previous_block_sizes: Vec::new(),
         }
     }
 
@@ -837,23 +843,23 @@ impl PoolConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let bs = self.block_size();
-        let range = match self.cidr {
-            IpNet::V4(_) => 20..=32,
-            IpNet::V6(_) => 116..=128,
-        };
-        if !range.contains(&bs) {
-            return Err(ConfigError::BlockSize {
-                cidr: self.cidr,
-                block_size: bs,
-            });
-        }
-        if bs < self.cidr.prefix_len() {
-            return Err(ConfigError::BlockLargerThanPool {
-                cidr: self.cidr,
-                block_size: bs,
-                prefix: self.cidr.prefix_len(),
-            });
+        let range = crate::ipam::wellformed::block_sizes(matches!(self.cidr, IpNet::V4(_)));
+        for bs in
+            std::iter::once(self.block_size()).chain(self.previous_block_sizes.iter().copied())
+        {
+            if !range.contains(&bs) {
+                return Err(ConfigError::BlockSize {
+                    cidr: self.cidr,
+                    block_size: bs,
+                });
+            }
+            if bs < self.cidr.prefix_len() {
+                return Err(ConfigError::BlockLargerThanPool {
+                    cidr: self.cidr,
+                    block_size: bs,
+                    prefix: self.cidr.prefix_len(),
+                });
+            }
         }
         if let Some(sel) = &self.namespace_selector {
             sel.validate()
@@ -1276,6 +1282,7 @@ impl AgentConfig {
                 block_size: p.block_size(),
                 disabled: p.disabled || !p.selects(&self.node_labels),
                 restricted: p.namespace_selector.is_some(),
+                previous_block_sizes: p.previous_block_sizes.clone(),
             })
             .collect()
     }
@@ -1347,6 +1354,22 @@ mod tests {
             c.validate(),
             Err(ConfigError::BlockLargerThanPool { .. })
         ));
+    }
+
+    #[test]
+    fn previous_block_sizes_are_checked_like_the_block_size_and_reach_the_allocator() {
+        let text = "node_name = \"n\"\n[[pools]]\ncidr = \"10.0.0.0/16\"\nblockSize = 28\npreviousBlockSizes = [26, 24]";
+        let c = AgentConfig::from_toml(text).expect("parse");
+        c.validate().expect("valid");
+        assert_eq!(c.node_pools()[0].previous_block_sizes, [26, 24]);
+        for bad in ["[19]", "[15]", "[33]"] {
+            let c = AgentConfig::from_toml(&format!(
+                "node_name = \"n\"\n[[pools]]\ncidr = \"10.0.0.0/16\"\npreviousBlockSizes = {bad}"
+            ))
+            .expect("parse");
+            let err = c.validate().expect_err(bad).to_string();
+            assert!(err.contains("10.0.0.0/16"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -325,6 +325,8 @@ async fn run() -> Result<()> {
             cfg.node_name.clone(),
         )));
     }
+    // What the start found wrong with the stored blocks (later: each housekeeping pass).
+    node.notice_ignored_blocks().await;
     // The initial sync: every recorded endpoint programmed, then the sweep.
     let pools = node.ipam.pools().iter().map(|p| p.cidr).collect();
     node.endpoints.start(pools).await?;
@@ -366,22 +368,28 @@ async fn run() -> Result<()> {
         }
         None => (None, None),
     };
+    let routes_handle = Arc::new(std::sync::OnceLock::new());
     tasks::spawn_reload(
         node.clone(),
         move || config(reread_flags.clone(), cluster.as_ref()),
         cfg.clone(),
         cluster_changes,
+        routes_handle.clone(),
     );
     let routes = match routes_start {
-        Some(s) => Some(Arc::new(
+        Some(mut s) => Some(Arc::new({
+            // The pools IPAM works with: a block it retains under a refused pool change is
+            // still this node's to advertise.
+            s.blocks = node.ipam.pools();
             routes::task::start(s, store, Arc::new(remote_routes))
                 .await
-                .context("route distribution ([routes]) cannot start")?,
-        )),
+                .context("route distribution ([routes]) cannot start")?
+        })),
         None => None,
     };
     if let Some(r) = &routes {
         http.set_routes(r.clone());
+        let _ = routes_handle.set(r.clone());
     }
     let socket = grpc::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.

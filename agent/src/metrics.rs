@@ -78,6 +78,12 @@ pub async fn render(node: &Node) -> String {
         out,
         "# HELP calix_ipam_free_addresses Addresses this node can still allocate.\n# TYPE calix_ipam_free_addresses gauge\ncalix_ipam_free_addresses{{family=\"ipv4\"}} {v4}\ncalix_ipam_free_addresses{{family=\"ipv6\"}} {v6}"
     );
+    out.push_str(&crate::ipam::service::report::ignored_metrics(
+        &node.ipam.ignored().await,
+    ));
+    out.push_str(&crate::ipam::service::report::retained_metrics(
+        node.ipam.retained().len(),
+    ));
     let _ = writeln!(
         out,
         "# HELP calix_repairs_total Drift the reconciler found and repaired, by kind.\n# TYPE calix_repairs_total counter"

@@ -42,12 +42,14 @@ const DEFERRED_POOLS_RETRY: Duration = Duration::from_secs(10);
 /// Service CIDRs and the nftables tables are applied. What only a restart applies is compared
 /// against `started` and named in a warning. A pool change refused as unsafe is tried again
 /// every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a refused
-/// change or config is also a Warning Event on the Node.
+/// change or config is also a Warning Event on the Node. Applied pools also go to route
+/// distribution (`routes`, once it runs), whose rule for blocks depends on them.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
     reread: F,
     started: AgentConfig,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
+    routes: Arc<std::sync::OnceLock<Arc<crate::routes::RoutesHandle>>>,
 ) where
     F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
 {
@@ -115,6 +117,10 @@ pub fn spawn_reload<F>(
                 Ok(()) => {
                     deferred = false;
                     node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
+                    if let Some(r) = routes.get() {
+                        // With the blocks IPAM retains under a refused change.
+                        r.set_block_pools(node.ipam.pools()).await;
+                    }
                 }
                 Err(e) => {
                     let again = deferred;

@@ -52,7 +52,7 @@ fn all_a() -> Value {
         "metrics": {"bindAddress": "127.0.0.1", "port": 9191, "reachableFromPods": true},
         "resyncIntervalSecs": 10,
         "pools": [
-            {"name": "pods-a", "cidr": "10.250.0.0/16", "blockSize": 24, "natOutgoing": false,
+            {"name": "pods-a", "cidr": "10.250.0.0/16", "blockSize": 24, "previousBlockSizes": [26, 28], "natOutgoing": false,
              "disabled": true, "vxlan": "always", "nodeSelector": {"zone": "a", "calix.dev/tier": "x"}},
             {"name": "pods-v6", "cidr": "fd00:250::/48", "blockSize": 120, "natOutgoing": false,
              "vxlan": "never"}
@@ -94,7 +94,7 @@ fn all_b() -> Value {
         "uplinks": ["ens3"],
         "cni": {"mtu": 9000, "portmap": true, "logLevel": "", "uninstallOnStop": false},
         "pools": [
-            {"name": "blue", "cidr": "10.244.0.0/16", "blockSize": 26, "natOutgoing": true, "vxlan": "crossSubnet"},
+            {"name": "blue", "cidr": "10.244.0.0/16", "blockSize": 26, "previousBlockSizes": [24], "natOutgoing": true, "vxlan": "crossSubnet"},
             {"name": "green", "cidr": "10.245.0.0/16", "natOutgoing": true, "disabled": false,
              "nodeSelector": {"pool": "green"},
              "namespaceSelector": {"matchLabels": {"tenant": "green"},
@@ -1055,6 +1055,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
     assert_eq!(c.pools.len(), 2);
     assert_eq!(c.pools[0].cidr.to_string(), "10.250.0.0/16");
     assert_eq!(c.pools[0].block_size, Some(24));
+    assert_eq!(c.pools[0].previous_block_sizes, [26, 28]);
     assert!(c.pools[0].disabled && !c.pools[0].nat_outgoing);
     assert_eq!(
         c.pools[0]
@@ -1149,6 +1150,7 @@ fn every_value_set_renders_and_reaches_the_agent() {
             .as_deref(),
         Some("tenant=green,env notin (prod),!legacy")
     );
+    assert_eq!(pools[0].1.previous_block_sizes, [24]);
     assert_eq!(
         install_cni(one(r, "DaemonSet", "calix"), "n")["plugins"][0]["mtu"],
         9000

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 mod common;
 
 use calix_proto::v1 as pb;
-use calix_testbed::{Dataplane, EtcdNs, Node, Tmpfs};
+use calix_testbed::{Dataplane, EtcdNs, Node, Pod, Tmpfs};
 use common::{allocate, allocate_many, client, findings_of, ipam_json, rt, Client};
 use serde_json::Value;
 
@@ -798,4 +798,170 @@ fn a_requested_address_is_checked_like_every_allocation_across_block_sizes_and_n
         .filter_map(|b| b["cidr"].as_str())
         .collect();
     assert_eq!(blocks, ["10.66.0.0/26", "10.66.0.64/26"], "{show}");
+}
+
+/// Issue 20, item 6: an agent restarted while the pool of its pods is gone (an IPPool deleted,
+/// a pool shrunk or dropped from the config under live addresses) starts, keeps its pods'
+/// network and addresses, allocates from the pools it has, and reports the refusal. Before,
+/// its start-up check refused the pools and it exited, every restart.
+#[test]
+fn an_agent_restarted_without_the_pool_of_its_pods_starts_serves_them_and_reports_it() {
+    let node = Node::create(
+        Dataplane::Kernel,
+        Some(
+            "[ipam]\nleakCheckIntervalSecs = 1\nemptyBlockGraceSecs = 1\n\
+             [[pools]]\ncidr = \"10.69.0.0/24\"\nblockSize = 28\n",
+        ),
+    );
+    node.start_agent();
+    let mut pod = Pod::add(&node, "p");
+    let ip = pod.ip();
+    assert!(ip.starts_with("10.69.0."), "{ip}");
+    node.stop_agent();
+    // --pool replaces the configured pools: 10.69.0.0/24 is gone.
+    node.start_agent_with(&["--pool", "10.71.0.0/24"]);
+    let log = node.agent_log();
+    assert!(
+        log.contains("pool change refused") && log.contains("10.69.0.0/28"),
+        "{log}"
+    );
+    // Its pod keeps its network and its address.
+    assert!(
+        node.ns.ping(&ip, 2),
+        "the pod at {ip} answers after the restart"
+    );
+    let check = pod.check();
+    assert!(
+        check.success,
+        "CNI CHECK: {} {}",
+        check.stdout, check.stderr
+    );
+    // New pods come from the pool it has.
+    let mut other = Pod::add(&node, "q");
+    assert!(other.ip().starts_with("10.71.0."), "{}", other.ip());
+    // Reported: ipam check (exit 1) and /metrics.
+    let out = node.calixctl(&["ipam", "check"]);
+    assert_eq!(out.status.code(), Some(1));
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("retained-block") && table.contains("10.69.0.0/28"),
+        "{table}"
+    );
+    let (_, metrics) = node.http_get("/metrics").expect("/metrics");
+    assert!(
+        metrics.contains("calix_ipam_retained_blocks 1"),
+        "{metrics}"
+    );
+    // Once the pod is gone, so is the retained block.
+    pod.del();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !findings_of(&ipam_json(&node, "check"), "retained-block").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the block is still retained:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    other.del();
+}
+
+/// Issue 20, item 6: no loop walks an edited block's address space. A block edited to
+/// fd00:10::/64 (a pool of /122s), affine to this node and holding an allocation, written
+/// straight into etcd: the agent's ipam show, /metrics and allocations answer at once. Before,
+/// counting the block's free addresses walked 2^62 of them under the IPAM lock.
+#[test]
+fn an_edited_slash_64_block_never_locks_ipam() {
+    let etcd = EtcdNs::start();
+    let probe = Node::create(Dataplane::Kernel, None);
+    let url = etcd.wire(&probe.ns);
+    let node = probe.with_config(&etcd_config(
+        &url,
+        "[[pools]]\ncidr = \"10.72.0.0/24\"\nblockSize = 28\n\
+         [[pools]]\ncidr = \"fd00:10::/48\"\nblockSize = 122\n",
+    ));
+    node.start_agent();
+    let name = node.ns.name.clone();
+    node.ns.run(move || {
+        use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+        let rt = rt();
+        rt.block_on(async {
+            let store = EtcdStore::connect(EtcdConfig {
+                endpoints: vec![url],
+                prefix: "/calix-test/".into(),
+                timeout: Duration::from_secs(5),
+                attempts: 3,
+            })
+            .await
+            .expect("etcd");
+            let cidr: ipnet::IpNet = "fd00:10::/64".parse().expect("cidr");
+            let mut b = calix_agent::ipam::Block::new(cidr, &name);
+            b.allocations.insert(
+                1,
+                calix_agent::ipam::Allocation {
+                    handle: "edited".into(),
+                    ifname: "eth0".into(),
+                    node: name.clone(),
+                    seq: 1,
+                    attributes: Default::default(),
+                },
+            );
+            store
+                .txn(
+                    &[],
+                    &[Op::put_json(keys::block(&cidr), &b)],
+                    Durability::Power,
+                )
+                .await
+                .expect("edit")
+                .expect("written");
+        });
+    });
+    // In a thread of their own, bounded: before, each of these waited on the walk.
+    let start = Instant::now();
+    let node = std::sync::Arc::new(node);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let n = node.clone();
+    std::thread::spawn(move || {
+        let v6 = rt().block_on(async {
+            let ch = calix_proto::connect_unix(&n.socket, Duration::from_secs(10))
+                .await
+                .expect("connect");
+            pb::ipam_client::IpamClient::new(ch)
+                .allocate(pb::AllocateRequest {
+                    handle: "net.v6".into(),
+                    ifname: "eth0".into(),
+                    ipv6: true,
+                    ..Default::default()
+                })
+                .await
+                .map(|r| r.into_inner().addresses[0].address.clone())
+        });
+        let show = ipam_json(&n, "show");
+        let metrics = n.http_get("/metrics");
+        let _ = tx.send((v6, show, metrics));
+    });
+    let (v6, show, metrics) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("IPAM did not answer within 30 s: it walks the /64");
+    let took = start.elapsed();
+    eprintln!("allocation, ipam show and /metrics beside the /64: {took:?}");
+    // From a real /122 block of the pool, never from the edited /64.
+    assert_eq!(v6.expect("IPv6 allocation"), "fd00:10::1/128");
+    let blocks: Vec<&str> = show["blocks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(blocks, ["fd00:10::/122"], "{show}");
+    assert!(show["free_v6"].as_u64() > Some(0), "{show}");
+    let (code, metrics) = metrics.expect("/metrics");
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("calix_ipam_ignored_blocks{rule=\"block_size\"} 1"),
+        "{metrics}"
+    );
+    let check = ipam_json(&node, "check");
+    assert_eq!(findings_of(&check, "ignored-block").len(), 1, "{check}");
 }

@@ -1513,3 +1513,124 @@ fn a_custom_reflector_label_reaches_every_agent() {
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// An IPAMBlock object as anyone who may write IPAMBlocks (every agent's ServiceAccount) can
+/// create it: `name`, and `cidr` affine to `node`.
+fn ipam_block(name: &str, cidr: &str, node: &str) -> Value {
+    json!({
+        "apiVersion": "calix.dev/v1",
+        "kind": "IPAMBlock",
+        "metadata": {"name": name},
+        "spec": {"cidr": cidr, "affinity": node, "allocations": {}, "next_seq": 1},
+    })
+}
+
+/// Issue 20, items 1a and 6, with the kubernetes datastore against a real API server of its
+/// own (the forged 0.0.0.0/0 block is cluster-wide): IPAMBlocks forged by hand — 0.0.0.0/0 and a /32 over the node's pod's address affine to a
+/// rogue node, and one whose CIDR does not parse — are ignored and reported (ipam check, an
+/// Event on the Node, the metric), and the agent goes on allocating and claiming blocks.
+/// Before, the block that does not decode failed every listing of the blocks, so every
+/// allocation, and 0.0.0.0/0 left no block to claim.
+#[test]
+fn forged_and_undecodable_ipam_blocks_are_ignored_and_reported_in_kubernetes() {
+    let api = KubeApi::in_namespace();
+    // Forged by hand (the admin's token): the node authority would refuse an agent's token
+    // a block affine to another node (tests/tests/authority.rs); here the question is what the
+    // agents make of such objects, whoever wrote them.
+    let token = calix_testbed::k8s::ADMIN_TOKEN.to_string();
+    let node = agent_node(&api, "[ipam]\nleakCheckIntervalSecs = 1\n");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"zone": "a"}),
+        &[("InternalIP", "192.0.2.15")],
+    );
+    let mut pool = ippool("forged", "10.78.0.0/24", json!({"zone": "a"}));
+    pool["spec"]["blockSize"] = json!(30);
+    api.apply(pool).unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.78.0.0/24"]);
+    let first = allocate(&node, "net:k0", "k").expect("first address");
+    let first = first.split('/').next().unwrap_or(&first).to_string();
+    let rogue = "cxt-rogue";
+    let forged = [
+        ipam_block("0.0.0.0-0", "0.0.0.0/0", rogue),
+        ipam_block(&format!("{first}-32"), &format!("{first}/32"), rogue),
+        ipam_block("10.78.0.128-30", "not a cidr", rogue),
+    ];
+    api.with_token(&token, |client| async move {
+        let blocks: kube::Api<kube::api::DynamicObject> = kube::Api::all_with(
+            client,
+            &kube::api::ApiResource {
+                group: "calix.dev".into(),
+                version: "v1".into(),
+                api_version: "calix.dev/v1".into(),
+                kind: "IPAMBlock".into(),
+                plural: "ipamblocks".into(),
+            },
+        );
+        for b in forged {
+            let obj: kube::api::DynamicObject = serde_json::from_value(b).expect("object");
+            blocks
+                .create(&kube::api::PostParams::default(), &obj)
+                .await
+                .expect("the admin may create IPAMBlocks");
+        }
+    });
+    // Three more addresses: the first /30 holds three, so a second block is claimed.
+    for i in 1..4 {
+        allocate(&node, &format!("net:k{i}"), "k")
+            .unwrap_or_else(|e| panic!("allocation {i} beside the forged blocks: {e}"));
+    }
+    let show = ipam_show(&node);
+    let blocks: Vec<&str> = show["blocks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(blocks, ["10.78.0.0/30", "10.78.0.4/30"], "{show}");
+    // (ipam check exits 1 on findings.)
+    let out = node.calixctl(&["ipam", "check", "-o", "json"]);
+    let check: Value = serde_json::from_slice(&out.stdout).expect("ipam check json");
+    let rows: std::collections::BTreeSet<(String, String)> = check["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["kind"] == "ignored-block")
+        .map(|f| {
+            let s = |k: &str| f[k].as_str().unwrap_or_default().to_string();
+            (s("block"), s("rule"))
+        })
+        .collect();
+    let want: std::collections::BTreeSet<(String, String)> = [
+        ("0.0.0.0/0".to_string(), "outside_pools"),
+        (format!("{first}/32"), "block_size"),
+        ("ipam/blocks/10.78.0.128-30".to_string(), "undecodable"),
+    ]
+    .into_iter()
+    .map(|(b, r)| (b, r.to_string()))
+    .collect();
+    assert_eq!(rows, want, "{check}");
+    // An Event on the Node for each.
+    wait_for(
+        "an IPAMBlockIgnored Event per forged block on the Node",
+        Duration::from_secs(30),
+        || (events(&api, "IPAMBlockIgnored", "Node", &name).len() >= 3).then_some(()),
+        || format!("{:#?}", events(&api, "IPAMBlockIgnored", "Node", &name)),
+    );
+    let (_, metrics) = node.http_get("/metrics").expect("/metrics");
+    assert!(
+        metrics.contains("calix_ipam_ignored_blocks{rule=\"undecodable\"} 1"),
+        "{metrics}"
+    );
+    // calixctl on the cluster, with no agent, reports them too.
+    let out = calixctl_on_cluster(&api, &["ipam", "check"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("ignored-block (outside_pools)") && text.contains("0.0.0.0/0"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

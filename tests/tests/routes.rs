@@ -901,3 +901,255 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
         );
     }
 }
+
+/// Writes `blocks` into the cluster's etcd as a stolen agent token could: straight to their
+/// keys, no compare (from node 0's namespace, where etcd is reachable).
+fn forge_blocks(c: &Cluster, blocks: Vec<calix_agent::ipam::Block>) {
+    use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+    let etcd = c.etcd_url(0);
+    c.nodes[0].ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let store = EtcdStore::connect(EtcdConfig {
+                endpoints: vec![etcd],
+                prefix: "/calix/".into(),
+                timeout: Duration::from_secs(5),
+                attempts: 3,
+            })
+            .await
+            .expect("etcd");
+            for b in &blocks {
+                store
+                    .txn(
+                        &[],
+                        &[Op::put_json(keys::block(&b.cidr), b)],
+                        Durability::Power,
+                    )
+                    .await
+                    .expect("forge")
+                    .expect("written");
+            }
+        });
+    });
+}
+
+/// A forged block: `cidr` affine to `node`, holding one allocation by it at offset 0.
+fn forged(cidr: &str, node: &str) -> calix_agent::ipam::Block {
+    let mut b = calix_agent::ipam::Block::new(cidr.parse().expect("cidr"), node);
+    b.allocations.insert(
+        0,
+        calix_agent::ipam::Allocation {
+            handle: "forged".into(),
+            ifname: "eth0".into(),
+            node: node.into(),
+            seq: 1,
+            attributes: Default::default(),
+        },
+    );
+    b
+}
+
+/// `calixctl ipam check -o json` of node `i`: (block, rule, node) of its ignored-block rows.
+fn ignored_rows(c: &Cluster, i: usize) -> BTreeSet<(String, String, String)> {
+    let out = c.nodes[i].calixctl(&["ipam", "check", "-o", "json"]);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "ipam check on node {i}: {e}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    });
+    v["findings"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|f| f["kind"] == "ignored-block")
+        .map(|f| {
+            let s = |k: &str| f[k].as_str().unwrap_or_default().to_string();
+            (s("block"), s("rule"), s("node"))
+        })
+        .collect()
+}
+
+/// Issue 20, item 1a: blocks forged affine to node 2 — a /32 over node 0's pod's address, and
+/// 0.0.0.0/0 — written straight into etcd. Node 2's own agent does not advertise them (before,
+/// it did, and every peer took them: longest-prefix match pulled node 0's pod's traffic, or
+/// everything, to node 2), node 1 still claims a block (before, 0.0.0.0/0 overlapped every
+/// block a claim could make), and every node reports them.
+#[test]
+fn blocks_forged_affine_to_a_node_are_not_advertised_and_stop_no_claim() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let c = cluster(&[1, 1, 1], &ca, |_| "grace_secs = 10".into(), |_| 2);
+    let pod0 = Pod::add(&c.nodes[0], "p");
+    let victim = format!("{}/32", pod0.ip());
+    let rogue = c.name(2).to_string();
+    forge_blocks(
+        &c,
+        vec![forged(&victim, &rogue), forged("0.0.0.0/0", &rogue)],
+    );
+    let forged_prefixes = [victim.clone(), "0.0.0.0/0".to_string()];
+    // Node 1 claims its first block beside them, and node 0 learns it.
+    let pod1 = Pod::add(&c.nodes[1], "p");
+    let b1 = (block26(&pod1.ip()), c.name(1).to_string(), c.address(1));
+    until_desired(&c, 0, &b1, Duration::from_secs(5));
+    // Node 2 says it ignores both; it never advertised them, and nobody hands them over.
+    wait_showing(
+        "node 2's route view ignores the forged blocks",
+        Duration::from_secs(10),
+        || {
+            let r = routes(&c, 2);
+            (r["ignored_blocks"]["outside_pools"] == 1 && r["ignored_blocks"]["block_size"] == 1)
+                .then_some(())
+        },
+        || format!("{:#}", routes(&c, 2)),
+    );
+    let advertised = triples(&routes(&c, 2)["advertised"]);
+    for p in &forged_prefixes {
+        assert!(
+            advertised.iter().all(|(prefix, ..)| prefix != p),
+            "node 2 advertises the forged {p}: {advertised:?}"
+        );
+        for i in 0..2 {
+            assert!(
+                desired(&c, i).iter().all(|(prefix, ..)| prefix != p),
+                "node {i} hands the forged {p} to its reconciler"
+            );
+        }
+    }
+    let text = String::from_utf8_lossy(&c.nodes[2].calixctl(&["routes"]).stdout).to_string();
+    assert!(text.contains("blocks ignored"), "{text}");
+    // Reported by IPAM on every node: ipam check rows, the metric, the log.
+    for i in 0..3 {
+        let rows = ignored_rows(&c, i);
+        for (block, rule) in [
+            (victim.as_str(), "block_size"),
+            ("0.0.0.0/0", "outside_pools"),
+        ] {
+            assert!(
+                rows.contains(&(block.to_string(), rule.to_string(), rogue.clone())),
+                "node {i}: {block} {rule} not in {rows:?}"
+            );
+        }
+    }
+    let (_, metrics) = c.nodes[1].http_get("/metrics").expect("/metrics");
+    assert!(
+        metrics.contains("calix_ipam_ignored_blocks{rule=\"outside_pools\"} 1")
+            && metrics.contains("calix_ipam_ignored_blocks{rule=\"block_size\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        c.nodes[2].agent_log().contains("block ignored"),
+        "{}",
+        c.nodes[2].agent_log()
+    );
+}
+
+/// Issue 20, item 1a, the receiving side: a rogue node (simulated, with its own valid
+/// certificate) has blocks forged affine to itself — a /32 over node 0's pod's address and
+/// 0.0.0.0/0 — and announces them. Every node refuses both (`block_ignored`) and keeps its
+/// own routes; the rogue's real block is taken.
+#[test]
+fn a_rogue_announcing_its_forged_blocks_is_refused() {
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let c = Cluster::create(Dataplane::under_test(), &[1, 1, 2], |i, c| {
+        c.base_config(i)
+            + POOLS
+            + &c.routes_config(i, &ca, "grace_secs = 10")
+                .expect("routes config")
+    });
+    c.nodes[0].start_agent();
+    c.nodes[1].start_agent();
+    for i in 0..2 {
+        wait_for(
+            "nodes 0 and 1 stream from each other",
+            Duration::from_secs(20),
+            || (up(&peers(&c, i)).len() == 1).then_some(()),
+        );
+    }
+    let pod = Pod::add(&c.nodes[0], "p");
+    let a_block = (block26(&pod.ip()), c.name(0).to_string(), c.address(0));
+    until_desired(&c, 1, &a_block, Duration::from_secs(2));
+    let rogue = c.name(2).to_string();
+    let rogue_hop = c.address(2);
+    let victim = format!("{}/32", pod.ip());
+    let route = |prefix: &str| Route {
+        prefix: prefix.parse().expect("prefix"),
+        node: rogue.clone(),
+        next_hop: rogue_hop.parse().expect("hop"),
+    };
+    let _rogue = Sim::start(
+        &c,
+        2,
+        &ca,
+        Plan {
+            records: vec![record(
+                &rogue,
+                &rogue_hop,
+                Some(format!("{rogue_hop}:5474")),
+                false,
+            )],
+            blocks: vec![
+                forged(&victim, &rogue),
+                forged("0.0.0.0/0", &rogue),
+                calix_agent::ipam::Block::new("10.244.201.0/26".parse().expect("cidr"), &rogue),
+            ],
+            servers: vec![Server {
+                name: rogue.clone(),
+                port: 5474,
+                routes: vec![route(&victim), route("0.0.0.0/0"), route("10.244.201.0/26")],
+            }],
+            known: vec![c.name(0).into(), c.name(1).into()],
+            known_addresses: [0, 1]
+                .iter()
+                .map(|i| c.address(*i).parse().expect("address"))
+                .collect(),
+        },
+    );
+    for i in 0..2 {
+        let states = wait_showing(
+            &format!("node {i} refuses the rogue's forged blocks"),
+            Duration::from_secs(10),
+            || {
+                let learned: BTreeSet<(String, String, String)> = routes(&c, i)["learned"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|l| l["source"] == rogue.as_str())
+                    .map(|l| {
+                        let s = |k: &str| l[k].as_str().unwrap_or_default().to_string();
+                        (s("prefix"), s("state"), s("cause"))
+                    })
+                    .collect();
+                let settled =
+                    learned.len() == 3 && learned.iter().all(|(_, state, _)| state != "pending");
+                settled.then_some(learned)
+            },
+            || format!("{:#}", routes(&c, i)["learned"]),
+        );
+        let want: BTreeSet<(String, String, String)> = [
+            (victim.clone(), "refused", "block_ignored"),
+            ("0.0.0.0/0".into(), "refused", "block_ignored"),
+            ("10.244.201.0/26".into(), "accepted", ""),
+        ]
+        .into_iter()
+        .map(|(p, s, c)| (p, s.to_string(), c.to_string()))
+        .collect();
+        assert_eq!(states, want, "node {i}");
+        let d = desired(&c, i);
+        assert!(
+            d.iter().all(|(p, ..)| *p != victim && p != "0.0.0.0/0"),
+            "node {i} hands a forged route to its reconciler: {d:?}"
+        );
+        let (_, metrics) = c.nodes[i].http_get("/metrics").expect("/metrics");
+        assert!(
+            metrics.contains("calix_route_refusals_total{cause=\"block_ignored\"} 2"),
+            "{metrics}"
+        );
+    }
+    assert!(
+        desired(&c, 1).contains(&a_block),
+        "node 0's block still via node 0"
+    );
+}

@@ -305,6 +305,28 @@ fn routes_table(r: &RoutesReport) -> String {
         let causes: Vec<String> = r.refusals.iter().map(|(c, n)| format!("{c} {n}")).collect();
         out.push_str(&format!("\nrefused: {}", causes.join(", ")));
     }
+    if !r.guard_refusals.is_empty() {
+        let causes: Vec<String> = r
+            .guard_refusals
+            .iter()
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "\nkept out of the kernel by the route guard: {}",
+            causes.join(", ")
+        ));
+    }
+    if !r.ignored_blocks.is_empty() {
+        let rules: Vec<String> = r
+            .ignored_blocks
+            .iter()
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        out.push_str(&format!(
+            "\nblocks ignored (calixctl ipam check): {}",
+            rules.join(", ")
+        ));
+    }
     out
 }
 
@@ -488,9 +510,14 @@ fn ipam_check_table(r: &CheckReport) -> String {
         .iter()
         .map(|f| {
             vec![
-                f.kind.clone(),
+                if f.rule.is_empty() {
+                    f.kind.clone()
+                } else {
+                    format!("{} ({})", f.kind, f.rule)
+                },
                 f.address.map(|a| a.to_string()).unwrap_or_default(),
                 f.node.clone(),
+                f.block.clone(),
                 if f.handle.is_empty() {
                     String::new()
                 } else {
@@ -513,7 +540,10 @@ fn ipam_check_table(r: &CheckReport) -> String {
     } else {
         format!(
             "{}\n{summary}",
-            table(&["KIND", "ADDRESS", "NODE", "HANDLE", "DETAIL"], &rows)
+            table(
+                &["KIND", "ADDRESS", "NODE", "BLOCK", "HANDLE", "DETAIL"],
+                &rows
+            )
         )
     }
 }
@@ -953,6 +983,36 @@ mod tests {
         };
         assert!(routes_table(&r).contains("route distribution is off on node n1"));
         assert!(nodes_table(&r).contains("routes.enabled = false"));
+    }
+
+    #[test]
+    fn an_ignored_block_shows_its_block_and_rule() {
+        let r = CheckReport {
+            blocks: 1,
+            findings: vec![calix_agent::ipam::service::Finding {
+                kind: "ignored-block".into(),
+                rule: "block_size".into(),
+                address: None,
+                seq: None,
+                handle: String::new(),
+                ifname: String::new(),
+                node: "rogue".into(),
+                block: "10.244.7.9/32".into(),
+                detail: "10.244.7.9/32 is a /32; pool 10.244.0.0/16 makes /26".into(),
+            }],
+            ..Default::default()
+        };
+        let t = ipam_check_table(&r);
+        let row = t.lines().nth(1).expect("a row");
+        for want in [
+            "ignored-block (block_size)",
+            "rogue",
+            "10.244.7.9/32",
+            "makes /26",
+        ] {
+            assert!(row.contains(want), "{want:?} not in {t}");
+        }
+        assert!(t.lines().next().is_some_and(|h| h.contains("BLOCK")), "{t}");
     }
 
     #[test]

@@ -131,6 +131,7 @@ impl EtcdStore {
             key: key.to_owned(),
             value: kv.value,
             revision: kv.mod_revision,
+            created: kv.create_revision,
         }
     }
 
@@ -325,6 +326,7 @@ impl EtcdWatch {
                         key,
                         value: kv.value,
                         revision,
+                        created: kv.create_revision,
                     }),
                     Ok(mvccpb::event::EventType::Delete) => WatchEvent::Delete { key, revision },
                     Err(_) => {

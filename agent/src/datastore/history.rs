@@ -19,10 +19,14 @@ const MAX_TXNS: usize = 10_000;
 /// Most bytes of keys and values kept for watches (blocks are a few KiB each).
 const MAX_BYTES: usize = 16 << 20;
 
+/// One change of a transaction: the key with its new value and creation revision, or `None`
+/// for a delete.
+pub(super) type Change = (String, Option<(Vec<u8>, i64)>);
+
 /// One committed transaction: each key with its new value, or `None` for a delete.
 struct Committed {
     revision: i64,
-    changes: Vec<(String, Option<Vec<u8>>)>,
+    changes: Vec<Change>,
     bytes: usize,
 }
 
@@ -51,10 +55,10 @@ impl History {
 
     /// Records transaction `revision` (newer than every one recorded), dropping the oldest
     /// beyond the window.
-    pub(super) fn push(&mut self, revision: i64, changes: Vec<(String, Option<Vec<u8>>)>) {
+    pub(super) fn push(&mut self, revision: i64, changes: Vec<Change>) {
         let bytes = changes
             .iter()
-            .map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len))
+            .map(|(k, v)| k.len() + v.as_ref().map_or(0, |(v, _)| v.len()))
             .sum();
         self.txns.push_back(Committed {
             revision,
@@ -99,10 +103,11 @@ impl History {
         for txn in self.txns.range(start..) {
             for (key, value) in txn.changes.iter().filter(|(k, _)| k.starts_with(prefix)) {
                 out.push_back(match value {
-                    Some(value) => WatchEvent::Put(KeyValue {
+                    Some((value, created)) => WatchEvent::Put(KeyValue {
                         key: key.clone(),
                         value: value.clone(),
                         revision: txn.revision,
+                        created: *created,
                     }),
                     None => WatchEvent::Delete {
                         key: key.clone(),
@@ -194,8 +199,8 @@ pub(super) fn stream(
 mod tests {
     use super::*;
 
-    fn put(k: &str) -> (String, Option<Vec<u8>>) {
-        (k.to_string(), Some(b"v".to_vec()))
+    fn put(k: &str) -> Change {
+        (k.to_string(), Some((b"v".to_vec(), 1)))
     }
 
     #[test]
@@ -228,7 +233,7 @@ mod tests {
         let mut h = History::new(0);
         h.max_bytes = 100;
         for rev in 1..=10 {
-            h.push(rev, vec![("k".into(), Some(vec![0; 40]))]);
+            h.push(rev, vec![("k".into(), Some((vec![0; 40], rev)))]);
         }
         assert!(h.bytes <= 100, "{}", h.bytes);
         assert_eq!(h.floor, 8);

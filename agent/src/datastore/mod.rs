@@ -150,6 +150,11 @@ pub struct KeyValue {
     pub value: Vec<u8>,
     /// Revision at which this key was last written (etcd's `mod_revision`); never 0.
     pub revision: i64,
+    /// When the key was created, as the backend itself stamps it (no client sets it, and
+    /// later writes leave it): etcd's `create_revision`, the embedded store's revision of the
+    /// creating write, Kubernetes' `creationTimestamp` in seconds (two objects created in
+    /// one second tie). Only comparable between keys of one store; 0 when unknown.
+    pub created: i64,
 }
 
 impl KeyValue {

@@ -40,6 +40,7 @@ fn status(e: AgentError) -> Status {
             | IpamError::ForeignBlock { .. }
             | IpamError::Overlaps { .. }
             | IpamError::MaxBlocks { .. }
+            | IpamError::BadBlock { .. }
             | IpamError::HeldOther { .. },
         ) => Status::failed_precondition(msg),
         AgentError::Dataplane { .. } => Status::failed_precondition(msg),

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use super::service::report::{self, Snapshot};
 use super::service::{CheckReport, IpamReport};
-use super::{Block, HandleRecord, IpamState, Pool};
+use super::{HandleRecord, IpamState, Pool};
 use crate::config::PoolConfig;
 use crate::datastore::{keys, Compare, Datastore, DatastoreError, Durability, Op};
 use crate::error::AgentError;
@@ -20,16 +20,23 @@ const POOLS: &str = "pools/";
 const ATTEMPTS: u32 = 32;
 
 /// The pools the store holds (IPPool objects), none disabled by a node's selection: who
-/// asks is no node.
+/// asks is no node. An IPPool that does not decode is skipped (logged).
 async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
     let mut out = Vec::new();
     for kv in store.list(POOLS).await? {
-        let p: PoolConfig = kv.decode()?;
+        let p: PoolConfig = match kv.decode() {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!(key = %kv.key, error = %e, "IPPool not understood; skipped");
+                continue;
+            }
+        };
         out.push(Pool {
             cidr: p.cidr.trunc(),
             block_size: p.block_size(),
             disabled: p.disabled,
             restricted: p.namespace_selector.is_some(),
+            previous_block_sizes: p.previous_block_sizes.clone(),
         });
     }
     Ok(out)
@@ -37,13 +44,16 @@ async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
 
 /// `ipam show` of the whole store (no node's free count: 0).
 pub async fn show(store: &dyn Datastore) -> Result<IpamReport, AgentError> {
-    let snap: Snapshot = report::snapshot(store).await?;
-    Ok(report::report(&snap, &pools(store).await?, "", (0, 0)))
+    let pools = pools(store).await?;
+    let snap: Snapshot = report::snapshot(store, &pools).await?;
+    Ok(report::report(&snap, &pools, "", (0, 0)))
 }
 
 /// `ipam check` of the whole store.
 pub async fn check(store: &dyn Datastore) -> Result<CheckReport, AgentError> {
-    Ok(report::check(&report::snapshot(store).await?))
+    Ok(report::check(
+        &report::snapshot(store, &pools(store).await?).await?,
+    ))
 }
 
 /// Releases `addr` if it is allocated (and still allocation `seq` when given): one
@@ -54,16 +64,13 @@ pub async fn release(
     seq: Option<u64>,
     reason: &str,
 ) -> Result<bool, AgentError> {
+    let pools = pools(store).await?;
     for attempt in 0..ATTEMPTS {
         let (kvs, revision) = store.list_with_revision(keys::BLOCKS).await?;
-        let mut blocks = Vec::new();
-        for kv in kvs {
-            let mut b: Block = kv.decode()?;
-            b.revision = kv.revision;
-            blocks.push(b);
-        }
+        // Only a block that counts is released from: the agents' own rule.
+        let sorted = super::wellformed::sort(&kvs, &pools);
         let mut view = IpamState::default();
-        view.replace(blocks, Vec::new(), revision);
+        view.replace(sorted.counted, Vec::new(), revision);
         let Some((key, gone)) = view.release_address(addr, seq) else {
             return Ok(false);
         };

@@ -62,6 +62,8 @@ pub enum IpamError {
         held: IpAddr,
         addr: IpAddr,
     },
+    #[error("block {block} would not count, so it is not created: {why}")]
+    BadBlock { block: IpNet, why: String },
     #[error("no enabled {family} pool is configured for this node")]
     NoPool { family: &'static str },
     #[error("every {family} pool is full ({pools}){why}: add a pool or free addresses (calixctl ipam check)")]
@@ -79,6 +81,9 @@ pub struct Pool {
     pub cidr: IpNet,
     pub block_size: u8,
     pub disabled: bool,
+    /// Block sizes the pool had before `block_size` (the operator's `previousBlockSizes`):
+    /// blocks of these sizes still count (`super::wellformed`); new blocks are `block_size`.
+    pub previous_block_sizes: Vec<u8>,
     /// The pool has a `namespaceSelector`: an allocation uses it only when its
     /// [`PoolChoice`] names it (the caller has matched the pod's namespace).
     pub restricted: bool,
@@ -253,8 +258,10 @@ impl Block {
 
     /// Free offsets in address order. The pool's reserved addresses ([`reserved_addresses`])
     /// are never handed out: routing would cope (/32s), but people and some tools don't.
+    /// Bounded by the largest block any pool makes: the view holds only blocks that count
+    /// (`super::wellformed`), and even an edited one cannot make this walk 2^63 addresses.
     fn free_offsets<'a>(&'a self, pool: &'a IpNet) -> impl Iterator<Item = u32> + 'a {
-        (0..self.size())
+        (0..self.size().min(super::wellformed::MAX_BLOCK_ADDRESSES))
             .map(|o| o as u32)
             .filter(move |o| !self.allocations.contains_key(o) && !reserved(pool, self.address(*o)))
     }
@@ -310,6 +317,9 @@ pub struct IpamState {
     /// number a block's earlier life handed out is at most the revision its release was
     /// written at, so a new block starts above this.
     pub revision: i64,
+    /// Stored blocks that do not count but hold addresses (`wellformed::Sorted::avoid`): no
+    /// claim overlaps them.
+    pub avoid: Vec<IpNet>,
 }
 
 /// Number of addresses in a network, capped so IPv6 blocks stay countable.
@@ -781,6 +791,7 @@ impl IpamState {
         let cidr = subnets.into_iter().find(|s| {
             has_usable(&pool.cidr, s)
                 && !self.blocks.values().any(|b| overlap(&b.cidr, s))
+                && !self.avoid.iter().any(|a| overlap(a, s))
                 && !self
                     .retired
                     .values()
@@ -820,7 +831,7 @@ impl IpamState {
 }
 
 /// Whether two networks share an address.
-fn overlap(a: &IpNet, b: &IpNet) -> bool {
+pub fn overlap(a: &IpNet, b: &IpNet) -> bool {
     a.contains(&b.network()) || b.contains(&a.network())
 }
 
@@ -835,6 +846,7 @@ mod tests {
             block_size: bs,
             disabled: false,
             restricted: false,
+            previous_block_sizes: Vec::new(),
         }
     }
 

@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod allocator;
 pub mod service;
+pub mod wellformed;
 
 pub use allocator::{
     pool_of, AffinityRecord, Allocated, Allocation, Block, HandleRecord, Held, IpamError,

@@ -67,6 +67,7 @@ pub fn as_record(kv: &KeyValue, p: &Peering) -> Option<KeyValue> {
         key: keys::node(name),
         value: serde_json::to_vec(&record(&node, p)).ok()?,
         revision: kv.revision,
+        created: kv.created,
     })
 }
 
@@ -156,6 +157,7 @@ mod tests {
             key: views::node_key("n1"),
             value: serde_json::to_vec(&node(&[("InternalIP", "10.0.0.5")], false)).expect("json"),
             revision: 7,
+            created: 7,
         };
         let Some(WatchEvent::Put(rec)) = as_record_event(&WatchEvent::Put(kv), &peering(9)) else {
             panic!("a put");

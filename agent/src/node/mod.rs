@@ -147,7 +147,34 @@ impl Node {
     /// One housekeeping pass: leak GC against the registry's endpoints, empty blocks, handle
     /// records.
     pub async fn housekeep(&self, now: Instant) -> Result<Swept, AgentError> {
-        self.ipam.housekeep(now, &self.endpoints).await
+        let swept = self.ipam.housekeep(now, &self.endpoints).await;
+        self.notice_ignored_blocks().await;
+        swept
+    }
+
+    /// The IPAM blocks found ignored since the last call (they break the rule for blocks:
+    /// `crate::ipam::wellformed`), and blocks retained under a refused pool change, each a
+    /// Warning on this node (an Event in Kubernetes).
+    pub async fn notice_ignored_blocks(&self) {
+        if let Some(msg) = self.ipam.take_retention_notice() {
+            self.notices
+                .warning("IPPoolRefused", crate::notice::Subject::Node, msg);
+        }
+        for i in self.ipam.take_ignored().await {
+            self.notices.warning(
+                "IPAMBlockIgnored",
+                crate::notice::Subject::Node,
+                format!(
+                    "IPAM block {} (affine to {:?}, {} allocation(s)) is ignored: it breaks \
+                     the rule for blocks ({}: {}); calixctl ipam check lists it",
+                    i.key,
+                    i.affinity,
+                    i.allocations.len(),
+                    i.rule,
+                    i.detail
+                ),
+            );
+        }
     }
 
     /// New pools (SIGHUP): refused, naming the pool, when one would drop live addresses; the

@@ -214,6 +214,7 @@ fn pool(cidr: &str, bs: u8) -> Pool {
         block_size: bs,
         disabled: false,
         restricted: false,
+        previous_block_sizes: Vec::new(),
     }
 }
 
@@ -556,22 +557,65 @@ async fn shrinking_a_pool_under_live_addresses_is_refused() {
         .expect("grow");
     let next = alloc4(&a, "h2").await.expect("from the new pool");
     assert!(next.to_string().starts_with("10.2.0."), "{next}");
+}
+
+/// Issue 20, item 6: an agent that restarts while its pool is gone (deleted or shrunk under
+/// live addresses) starts, keeps what it holds, allocates from the pools it has, and reports
+/// the refusal. Before, the startup check refused and the agent exited, in a loop.
+#[tokio::test]
+async fn a_restart_under_a_deleted_pool_starts_keeps_its_addresses_and_reports() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let held = alloc4(&a, "h").await.expect("alloc");
     drop(a);
-    // At startup too.
-    let err = IpamService::new(
-        NodeRecord {
-            name: "n1".into(),
-            ..Default::default()
-        },
-        vec![pool("10.3.0.0/24", 28)],
-        Policy::default(),
-        housekeeping(),
-        Arc::new(Shared(s.clone())),
-    )
-    .await
-    .err()
-    .expect("refused at startup");
-    assert!(err.to_string().contains("10.1.0.1"), "{err}");
+    let a = agent_on(&s, "n1", vec![pool("10.3.0.0/24", 28)], Policy::default()).await;
+    let seen = Arc::new(Recorded::default());
+    a.notices.set(seen.clone());
+    let block: ipnet::IpNet = "10.1.0.0/28".parse().expect("cidr");
+    assert_eq!(
+        a.ipam.retained().iter().map(|p| p.cidr).collect::<Vec<_>>(),
+        [block]
+    );
+    // What it holds is still its own: found by handle, the same ADD gets it back.
+    let got = a.ipam.lookup("h", "eth0").await.expect("lookup");
+    assert_eq!(got.iter().map(|(a, _)| *a).collect::<Vec<_>>(), [held]);
+    let again = alloc4(&a, "h").await.expect("idempotent ADD");
+    assert_eq!(again, held);
+    // New addresses come from the configured pool only.
+    let new = alloc4(&a, "h2").await.expect("from the new pool");
+    assert!(new.to_string().starts_with("10.3.0."), "{new}");
+    // Reported: a notice (Event), a check row, the metric.
+    a.notice_ignored_blocks().await;
+    let notices = seen.0.lock().expect("lock").clone();
+    assert!(
+        notices
+            .iter()
+            .any(|n| n.reason == "IPPoolRefused" && n.message.contains("10.1.0.0/28")),
+        "{notices:?}"
+    );
+    let check = a.ipam.ipam_check().await.expect("check");
+    assert!(
+        check
+            .findings
+            .iter()
+            .any(|f| f.kind == "retained-block" && f.block == "10.1.0.0/28"),
+        "{:?}",
+        check.findings
+    );
+    assert!(
+        crate::ipam::service::report::retained_metrics(a.ipam.retained().len())
+            .contains("calix_ipam_retained_blocks 1")
+    );
+    // Released: the retention ends, and the empty block goes.
+    assert_eq!(a.ipam.release("h", "eth0").await.expect("release"), [held]);
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    assert!(a.ipam.retained().is_empty());
+    a.housekeep(t0 + GRACE).await.expect("pass 2");
+    assert!(
+        s.get(&keys::block(&block)).await.is_none(),
+        "the empty block outside every pool is deleted"
+    );
 }
 
 #[tokio::test]
@@ -1385,4 +1429,307 @@ async fn the_repair_leaves_a_handle_record_of_another_node() {
         "another node's handle record was rewritten"
     );
     assert_eq!(after.decode::<HandleRecord>().expect("record").node, "b");
+}
+
+/// Writes `value` at `key` as a stolen agent token (or a hand edit) would: no compare, any
+/// bytes.
+async fn forge(s: &TestStore, key: &str, value: &[u8]) {
+    s.store
+        .txn(
+            &[],
+            &[Op::Put(key.to_string(), value.to_vec())],
+            Durability::Process,
+        )
+        .await
+        .expect("forge")
+        .expect("written");
+}
+
+/// A block object as JSON: `cidr` affine to `node`, one allocation by `node` per offset.
+fn forged_block(cidr: &str, node: &str, offsets: &[u32]) -> Vec<u8> {
+    let allocations: serde_json::Map<String, serde_json::Value> = offsets
+        .iter()
+        .map(|o| {
+            (
+                o.to_string(),
+                serde_json::json!({"handle": format!("forged-{o}"), "ifname": "eth0",
+                    "node": node, "seq": 1}),
+            )
+        })
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "cidr": cidr, "affinity": node, "allocations": allocations, "next_seq": 2
+    }))
+    .expect("json")
+}
+
+fn block_key(cidr: &str) -> String {
+    keys::block(&cidr.parse().expect("cidr"))
+}
+
+fn ignored_rows(check: &CheckReport) -> Vec<(String, String)> {
+    check
+        .findings
+        .iter()
+        .filter(|f| f.kind == "ignored-block")
+        .map(|f| (f.block.clone(), f.rule.clone()))
+        .collect()
+}
+
+/// Issue 20, item 6: a block object that does not decode used to fail every listing of the
+/// blocks, so every allocation on every node. Now it is skipped and reported.
+#[tokio::test]
+async fn a_block_that_does_not_decode_fails_no_allocation_and_is_reported() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    forge(&s, "ipam/blocks/10.1.0.64-28", b"{\"cidr\": 7").await;
+    forge(&s, "ipam/blocks/10.1.0.80-28", b"not json at all").await;
+    let got = alloc4(&a, "h1")
+        .await
+        .expect("allocation beside bad blocks");
+    assert!(got.to_string().starts_with("10.1.0."), "{got}");
+    // ...and an agent starting on such a store starts.
+    let b = agent_on(&s, "n2", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    alloc4(&b, "h2").await.expect("n2 allocates");
+    let check = b.ipam.ipam_check().await.expect("check");
+    let rows = ignored_rows(&check);
+    assert!(
+        rows.contains(&("ipam/blocks/10.1.0.64-28".into(), "undecodable".into()))
+            && rows.contains(&("ipam/blocks/10.1.0.80-28".into(), "undecodable".into())),
+        "{:?}",
+        check.findings
+    );
+    assert_eq!(b.ipam.ignored().await.len(), 2);
+}
+
+/// Issue 20, item 1a: forged blocks affine to a rogue node — a /32 over a victim's address, a
+/// default route's 0.0.0.0/0 — do not count. Before, 0.0.0.0/0 overlapped every block a claim
+/// could make, so no node could claim a block any more.
+#[tokio::test]
+async fn forged_blocks_do_not_count_and_do_not_stop_claims() {
+    let (_d, s) = store();
+    let pools = vec![pool("10.1.0.0/24", 28)];
+    let victim = agent_on(&s, "victim", pools.clone(), Policy::default()).await;
+    let first = alloc4(&victim, "v1").await.expect("victim's first");
+    forge(
+        &s,
+        &block_key("0.0.0.0/0"),
+        &forged_block("0.0.0.0/0", "rogue", &[1]),
+    )
+    .await;
+    let slash32 = format!("{first}/32");
+    forge(
+        &s,
+        &block_key(&slash32),
+        &forged_block(&slash32, "rogue", &[0]),
+    )
+    .await;
+    // A victim's block key holding another CIDR.
+    forge(
+        &s,
+        &block_key("10.1.0.128/28"),
+        &forged_block("10.1.0.0/25", "rogue", &[]),
+    )
+    .await;
+    let other = agent_on(&s, "other", pools.clone(), Policy::default()).await;
+    let got = alloc4(&other, "o1")
+        .await
+        .expect("another node still claims a block");
+    assert_ne!(got, first);
+    let mine = alloc4(&victim, "v2").await.expect("the victim goes on");
+    assert_ne!(mine, first);
+    let ipam = other.ipam.ipam().await.expect("view");
+    let blocks: Vec<&String> = ipam.blocks.keys().collect();
+    assert_eq!(
+        blocks.len(),
+        2,
+        "only the two real blocks count: {blocks:?}"
+    );
+    let check = other.ipam.ipam_check().await.expect("check");
+    let rows = ignored_rows(&check);
+    for want in [
+        ("0.0.0.0/0".to_string(), "outside_pools".to_string()),
+        (slash32.clone(), "block_size".into()),
+        ("10.1.0.0/25".into(), "key_mismatch".into()),
+    ] {
+        assert!(rows.contains(&want), "{want:?} not in {rows:?}");
+    }
+    // ipam show lists neither as a block.
+    let show = other.ipam.ipam_report().await.expect("show");
+    assert!(
+        show.blocks.iter().all(|b| b.affinity != "rogue"),
+        "{:?}",
+        show.blocks
+    );
+}
+
+/// Issue 20, item 6: no loop walks an edited block's address space. A "block" edited to
+/// fd00::/64 inside a pool of /122s, affine to this node: before, counting its free addresses
+/// (STATUS, /metrics, ipam show) walked 2^62 of them under the IPAM lock, and every allocation
+/// behind it waited.
+#[test]
+fn an_edited_slash_64_block_locks_nothing() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let (_d, s) = store();
+            let pools = vec![pool("10.1.0.0/24", 28), pool("fd00::/48", 122)];
+            let a = agent_on(&s, "n1", pools, Policy::default()).await;
+            forge(
+                &s,
+                &block_key("fd00::/64"),
+                &forged_block("fd00::/64", "n1", &[1]),
+            )
+            .await;
+            let v6 = a
+                .ipam
+                .allocate("h", "eth0", false, true, &[], &BTreeMap::new())
+                .await
+                .map(|(v, _)| v[0].0);
+            let free = a.ipam.free().await;
+            let report = a.ipam.ipam_report().await.map(|r| r.free_v6);
+            let _ = tx.send((
+                v6.map_err(|e| e.to_string()),
+                free,
+                report.map_err(|e| e.to_string()),
+            ));
+        });
+    });
+    let (v6, free, report) = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("IPAM did not answer within 20 s: it walks the /64");
+    let v6 = v6.expect("v6 allocation");
+    let fd00_122: ipnet::IpNet = "fd00::/122".parse().expect("cidr");
+    assert!(fd00_122.contains(&v6), "{v6}: from a real /122 block");
+    assert!(free.1 > 0, "{free:?}");
+    assert_eq!(report.expect("report"), free.1);
+}
+
+/// The IPAM writes never create a block that would not count: here a specific address whose
+/// /28 sits inside another node's /26 (a size the pool had before).
+#[tokio::test]
+async fn no_write_creates_a_block_overlapping_one_that_counts() {
+    let (_d, s) = store();
+    let mut p = pool("10.1.0.0/24", 28);
+    p.previous_block_sizes = vec![26];
+    let other = agent_on(&s, "n2", vec![p.clone()], Policy::default()).await;
+    forge(
+        &s,
+        &block_key("10.1.0.0/26"),
+        &forged_block("10.1.0.0/26", "n2", &[5]),
+    )
+    .await;
+    drop(other);
+    let a = agent_on(&s, "n1", vec![p], Policy::default()).await;
+    let inside: IpAddr = "10.1.0.20".parse().expect("ip");
+    let r = a
+        .ipam
+        .allocate("h", "eth0", true, false, &[inside], &BTreeMap::new())
+        .await;
+    assert!(
+        r.is_err(),
+        "allocated {r:?} in a block overlapping n2's /26"
+    );
+    assert!(
+        s.get(&block_key("10.1.0.16/28")).await.is_none(),
+        "an overlapping /28 was stored"
+    );
+    // Automatic allocation claims beside it.
+    let got = alloc4(&a, "h2").await.expect("alloc");
+    assert!(
+        !"10.1.0.0/26"
+            .parse::<ipnet::IpNet>()
+            .expect("cidr")
+            .contains(&got),
+        "{got}"
+    );
+}
+
+/// Notices as a test sees them.
+#[derive(Default)]
+struct Recorded(std::sync::Mutex<Vec<crate::notice::Notice>>);
+
+impl crate::notice::Notices for Recorded {
+    fn notice(&self, n: crate::notice::Notice) {
+        self.0.lock().expect("lock").push(n);
+    }
+}
+
+/// Every ignored block is a Warning notice on the node (an Event in Kubernetes), once, and a
+/// `calix_ipam_ignored_blocks{rule}` gauge.
+#[tokio::test]
+async fn an_ignored_block_is_noticed_once_and_counted() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.1.0.0/24", 28)], Policy::default()).await;
+    let seen = Arc::new(Recorded::default());
+    a.notices.set(seen.clone());
+    forge(
+        &s,
+        &block_key("0.0.0.0/0"),
+        &forged_block("0.0.0.0/0", "rogue", &[]),
+    )
+    .await;
+    alloc4(&a, "h").await.expect("alloc");
+    let t0 = Instant::now();
+    a.housekeep(t0).await.expect("pass 1");
+    a.housekeep(t0 + Duration::from_secs(1))
+        .await
+        .expect("pass 2");
+    let notices = seen.0.lock().expect("lock").clone();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert_eq!(notices[0].reason, "IPAMBlockIgnored");
+    assert!(
+        notices[0].message.contains("0.0.0.0-0") && notices[0].message.contains("outside_pools"),
+        "{}",
+        notices[0].message
+    );
+    let metrics = crate::ipam::service::report::ignored_metrics(&a.ipam.ignored().await);
+    assert!(
+        metrics.contains("calix_ipam_ignored_blocks{rule=\"outside_pools\"} 1")
+            && metrics.contains("calix_ipam_ignored_blocks{rule=\"overlap\"} 0"),
+        "{metrics}"
+    );
+}
+
+/// The overlap attack on IPAM: a rogue writes a block of a size the pool really had before
+/// (/24) over the victim's /26, holding fake allocations. The older block wins: the victim's
+/// block still counts and it goes on allocating in it; the rogue's is ignored (`overlap`) and
+/// kept clear of by claims.
+#[tokio::test]
+async fn an_older_size_block_over_a_victims_block_loses() {
+    let (_d, s) = store();
+    let mut p = pool("10.1.0.0/16", 26);
+    p.previous_block_sizes = vec![24];
+    let victim = agent_on(&s, "victim", vec![p.clone()], Policy::default()).await;
+    let first = alloc4(&victim, "v1").await.expect("victim's first");
+    forge(
+        &s,
+        &block_key("10.1.0.0/24"),
+        &forged_block("10.1.0.0/24", "rogue", &[1, 2, 3, 100]),
+    )
+    .await;
+    let second = alloc4(&victim, "v2").await.expect("victim's second");
+    let ipam = victim.ipam.ipam().await.expect("view");
+    assert_eq!(
+        ipam.blocks.keys().collect::<Vec<_>>(),
+        ["10.1.0.0/26"],
+        "{first} {second}"
+    );
+    let other = agent_on(&s, "other", vec![p], Policy::default()).await;
+    let theirs = alloc4(&other, "o1").await.expect("another node claims");
+    let rogue_block: ipnet::IpNet = "10.1.0.0/24".parse().expect("cidr");
+    assert!(
+        !rogue_block.contains(&theirs),
+        "{theirs}: claimed inside the rogue's /24"
+    );
+    let check = other.ipam.ipam_check().await.expect("check");
+    assert!(
+        ignored_rows(&check).contains(&("10.1.0.0/24".into(), "overlap".into())),
+        "{:?}",
+        check.findings
+    );
 }

@@ -14,6 +14,12 @@
 //! programmed: a peer without an IPv6 address has no IPv6 routes, its IPv6 pods are unreachable
 //! from here.
 //!
+//! The route guard ([`guard`], [`covered`]): whatever route distribution's validation said, a
+//! route outside every pool, shorter than its pool's blocks (a default route among them), or
+//! covering a node's address or one of this node's uplink addresses is never programmed. The
+//! engine applies it to the desired set (pools and node records: `crate::routes::engine`), and
+//! [`plan`] once more against the uplinks' addresses as the kernel has them.
+//!
 //! [`plan`] is pure: desired routes + the uplinks as the kernel has them → the routes, VXLAN
 //! devices and their entries the kernel should have. [`sync`] reads the kernel and writes the
 //! difference in dependency order (devices and their entries, then routes; stale routes, then
@@ -44,6 +50,82 @@ pub struct RemoteRoute {
     /// The pool's `vxlan` setting: whether the route goes through the VXLAN device (always, or
     /// when `next_hop` is not on one of this node's subnets) or straight to `next_hop`.
     pub vxlan: VxlanMode,
+}
+
+/// Why the route guard keeps a route out of the kernel. Each has a stable name (metrics,
+/// calixctl).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Guarded {
+    /// Inside no pool (a default route, for one).
+    OutsidePools,
+    /// Shorter than every block its pool makes (`blockSize` and `previousBlockSizes`).
+    TooShort,
+    /// Covers an address of a node (its node record): traffic to a node must not follow a
+    /// pod route.
+    CoversNodeAddress,
+    /// Covers an address of this node's uplinks.
+    CoversUplinkAddress,
+}
+
+impl Guarded {
+    pub const ALL: [Guarded; 4] = [
+        Guarded::OutsidePools,
+        Guarded::TooShort,
+        Guarded::CoversNodeAddress,
+        Guarded::CoversUplinkAddress,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Guarded::OutsidePools => "outside_pools",
+            Guarded::TooShort => "too_short",
+            Guarded::CoversNodeAddress => "covers_node_address",
+            Guarded::CoversUplinkAddress => "covers_uplink_address",
+        }
+    }
+
+    /// What it means, for the log.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Guarded::OutsidePools => "the prefix lies inside no pool",
+            Guarded::TooShort => "the prefix is shorter than any block its pool makes",
+            Guarded::CoversNodeAddress => "the prefix covers a node's address",
+            Guarded::CoversUplinkAddress => "the prefix covers one of this node's uplink addresses",
+        }
+    }
+}
+
+impl std::fmt::Display for Guarded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The route guard's pool checks: `prefix` inside a pool (any, disabled ones too) and no
+/// shorter than the smallest block that pool makes, or has made.
+pub fn guard(prefix: &IpNet, pools: &[crate::ipam::Pool]) -> Result<(), Guarded> {
+    let inside: Vec<&crate::ipam::Pool> =
+        pools.iter().filter(|p| p.cidr.contains(prefix)).collect();
+    if inside.is_empty() {
+        return Err(Guarded::OutsidePools);
+    }
+    let shortest = inside
+        .iter()
+        .flat_map(|p| std::iter::once(p.block_size).chain(p.previous_block_sizes.iter().copied()))
+        .min()
+        .unwrap_or(u8::MAX);
+    if prefix.prefix_len() < shortest {
+        return Err(Guarded::TooShort);
+    }
+    Ok(())
+}
+
+/// The first of `addresses` that `prefix` covers.
+pub fn covered<'a>(
+    prefix: &IpNet,
+    addresses: impl IntoIterator<Item = &'a IpAddr>,
+) -> Option<IpAddr> {
+    addresses.into_iter().find(|a| prefix.contains(*a)).copied()
 }
 
 /// This node's side of the underlay, from the config: what routes leave through.
@@ -119,6 +201,23 @@ pub fn plan(
     let first = uplinks.first().and_then(Option::as_ref);
     let present: Vec<&Uplink> = uplinks.iter().flatten().collect();
     for r in desired.values() {
+        // The route guard, against the uplinks as the kernel has them now.
+        let mut uplink_addrs = present
+            .iter()
+            .flat_map(|u| u.addresses.iter().map(|a| a.addr()));
+        if let Some(a) = uplink_addrs.find(|a| r.prefix.contains(a)) {
+            plan.problems.insert(
+                r.prefix,
+                format!(
+                    "route guard: {} of node {} covers this node's uplink address {a}: never \
+                     programmed ({})",
+                    r.prefix,
+                    r.node,
+                    Guarded::CoversUplinkAddress
+                ),
+            );
+            continue;
+        }
         let family = vxlan::Underlay::of(r.next_hop);
         if vxlan::Underlay::of(r.prefix.addr()) != family {
             plan.problems.insert(

@@ -381,3 +381,58 @@ fn vxlan_devices_get_the_host_device_programs() {
         [DEVICE_V4, "eth0"]
     );
 }
+
+/// The route guard at the kernel's door: whatever it is handed, a route covering one of this
+/// node's uplink addresses (here a default route and the uplink's own /24, both "via" node 2)
+/// is never planned, and is reported. Before, both were planned as routes via 172.31.1.2.
+#[test]
+fn a_route_covering_an_uplink_address_is_never_planned() {
+    let k = node();
+    let uplinks = vec![k.uplinks.get("eth0").cloned()];
+    let mut desired: BTreeMap<IpNet, RemoteRoute> = BTreeMap::new();
+    for r in [
+        route("0.0.0.0/0", "n2", "172.31.1.2", VxlanMode::CrossSubnet),
+        route("172.31.1.0/24", "n2", "172.31.1.2", VxlanMode::CrossSubnet),
+        route("10.244.1.0/26", "n2", "172.31.1.2", VxlanMode::CrossSubnet),
+    ] {
+        desired.insert(r.prefix, r);
+    }
+    let p = plan(&desired, &underlay(), &uplinks);
+    assert_eq!(
+        p.routes.keys().map(ToString::to_string).collect::<Vec<_>>(),
+        ["10.244.1.0/26"]
+    );
+    for bad in ["0.0.0.0/0", "172.31.1.0/24"] {
+        let why = p.problems.get(&net(bad)).expect("reported");
+        assert!(
+            why.contains("covers_uplink_address") && why.contains("172.31.1.1"),
+            "{why}"
+        );
+    }
+}
+
+#[test]
+fn the_guard_keeps_routes_to_blocks_of_the_pools() {
+    use super::remote::{guard, Guarded};
+    let pools = vec![crate::ipam::Pool {
+        cidr: net("10.244.0.0/16"),
+        block_size: 26,
+        disabled: true,
+        previous_block_sizes: vec![24],
+        restricted: false,
+    }];
+    assert_eq!(guard(&net("10.244.1.0/26"), &pools), Ok(()));
+    assert_eq!(guard(&net("10.244.1.0/24"), &pools), Ok(()));
+    assert_eq!(guard(&net("10.244.1.9/32"), &pools), Ok(()));
+    assert_eq!(guard(&net("10.244.0.0/20"), &pools), Err(Guarded::TooShort));
+    assert_eq!(guard(&net("10.244.0.0/16"), &pools), Err(Guarded::TooShort));
+    assert_eq!(guard(&net("0.0.0.0/0"), &pools), Err(Guarded::OutsidePools));
+    assert_eq!(
+        guard(&net("10.245.0.0/26"), &pools),
+        Err(Guarded::OutsidePools)
+    );
+    assert_eq!(
+        guard(&net("fd00::/122"), &pools),
+        Err(Guarded::OutsidePools)
+    );
+}

@@ -84,7 +84,7 @@ mod tests {
 
     #[test]
     fn own_blocks_and_borrowed_addresses() {
-        let mut v = View::default();
+        let mut v = crate::routes::view::tests::view();
         v.apply(&put(block_kv("10.244.0.0/26", "a", &[("10.244.0.1", "a")])));
         v.apply(&put(block_kv("fd00::/122", "a", &[])));
         // b's block: a borrowed .70 from it; b's own allocation is b's.

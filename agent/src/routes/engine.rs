@@ -17,6 +17,7 @@
 //! (`incremental_verdicts_equal_a_judge_from_scratch` holds the incremental verdicts to a
 //! full judge over random sequences).
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
@@ -29,7 +30,7 @@ use super::view::{Part, Touched, View};
 use super::Route;
 use crate::config::{Topology, VxlanMode};
 use crate::datastore::{KeyValue, WatchEvent};
-use crate::reconcile::remote::RemoteRoute;
+use crate::reconcile::remote::{self, Guarded, RemoteRoute};
 pub use calix_core::update::{PeerEvent, Unused};
 
 /// What route distribution is configured with.
@@ -46,6 +47,10 @@ pub struct Settings {
     pub next_hops: NextHops,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
+    /// Every pool of the cluster as the rule for blocks needs it ([`crate::ipam::wellformed`]):
+    /// blocks that break it are neither advertised nor accepted. Follows config reloads and
+    /// IPPool changes ([`Engine::set_block_pools`]).
+    pub blocks: Vec<crate::ipam::Pool>,
 }
 
 /// Time a route's refusal must last before it is counted and logged.
@@ -144,13 +149,22 @@ pub struct Engine {
     unroutable_warned: bool,
     /// Routes judged so far (what judging costs).
     judged: u64,
+    /// Accepted routes the route guard keeps out of the desired set, and why.
+    guarded: BTreeMap<IpNet, (Route, Guarded)>,
+    /// Routes the guard kept out, by cause (each counted when it starts being kept out).
+    guard_counts: BTreeMap<Guarded, u64>,
+    /// The guard's log, throttled per cause: when it last logged, and what it held back since.
+    guard_logged: HashMap<Guarded, (Instant, u64)>,
 }
+
+/// The route guard logs at most one line per cause this often.
+pub const GUARD_LOG_EVERY: Duration = Duration::from_secs(60);
 
 impl Engine {
     pub fn new(s: Settings) -> Self {
         Self {
+            view: View::with_pools(s.blocks.clone()),
             s,
-            view: View::default(),
             listed: [false; 2],
             rejudge_all: true,
             sessions: BTreeMap::new(),
@@ -163,6 +177,9 @@ impl Engine {
             complete: false,
             unroutable_warned: false,
             judged: 0,
+            guarded: BTreeMap::new(),
+            guard_counts: BTreeMap::new(),
+            guard_logged: HashMap::new(),
         }
     }
 
@@ -207,6 +224,13 @@ impl Engine {
                 true
             }
         }
+    }
+
+    /// New pools for the rule for blocks (a reload, an IPPool change): every block is sorted
+    /// again, and every route judged again at the next flush.
+    pub fn set_block_pools(&mut self, pools: Vec<crate::ipam::Pool>) {
+        self.s.blocks.clone_from(&pools);
+        self.rejudge_all |= self.view.set_pools(pools);
     }
 
     /// Both parts of the datastore are listed: peers and validation can be trusted.
@@ -367,15 +391,8 @@ impl Engine {
                 }
             }
         }
-        let desired = best
-            .values()
-            .map(|(r, _)| RemoteRoute {
-                prefix: r.prefix,
-                node: r.node.clone(),
-                next_hop: r.next_hop,
-                vxlan: self.vxlan_for(&r.prefix),
-            })
-            .collect();
+        let accepted: Vec<Route> = best.values().map(|(r, _)| (*r).clone()).collect();
+        let desired = self.guard(accepted, now);
         if !self.complete
             && self.synced()
             && self.sessions.values().all(|s| s.settled(now, self.s.grace))
@@ -390,6 +407,75 @@ impl Engine {
             complete: self.complete,
             peers,
         }
+    }
+
+    /// The route guard over the accepted routes, whatever validation said: a route outside every
+    /// pool, shorter than its pool's blocks, or covering a node's address (any node record's,
+    /// this node's next hops) never reaches the reconciler. Counted when a route starts being
+    /// kept out; logged at most once per cause per [`GUARD_LOG_EVERY`].
+    fn guard(&mut self, accepted: Vec<Route>, now: Instant) -> Vec<RemoteRoute> {
+        let pools = &self.s.blocks;
+        // Only an address inside a pool can be covered by a route that passed the pool checks.
+        let protected: Vec<(IpAddr, String)> = self
+            .view
+            .nodes()
+            .flat_map(|n| n.addresses.iter().map(|a| (*a, n.record.name.clone())))
+            .chain(self.s.next_hops.all().map(|a| (a, self.s.me.clone())))
+            .filter(|(a, _)| pools.iter().any(|p| p.cidr.contains(a)))
+            .collect();
+        let mut guarded = BTreeMap::new();
+        let mut desired = Vec::with_capacity(accepted.len());
+        for r in accepted {
+            let verdict = remote::guard(&r.prefix, pools).and_then(|()| {
+                match remote::covered(&r.prefix, protected.iter().map(|(a, _)| a)) {
+                    Some(_) => Err(Guarded::CoversNodeAddress),
+                    None => Ok(()),
+                }
+            });
+            match verdict {
+                Ok(()) => desired.push(RemoteRoute {
+                    prefix: r.prefix,
+                    node: r.node.clone(),
+                    next_hop: r.next_hop,
+                    vxlan: self.vxlan_for(&r.prefix),
+                }),
+                Err(cause) => {
+                    guarded.insert(r.prefix, (r, cause));
+                }
+            }
+        }
+        for (prefix, (r, cause)) in &guarded {
+            if self.guarded.get(prefix).is_some_and(|(_, c)| c == cause) {
+                continue;
+            }
+            *self.guard_counts.entry(*cause).or_default() += 1;
+            let logged = self.guard_logged.get(cause).copied();
+            match logged {
+                Some((at, held)) if now.saturating_duration_since(at) < GUARD_LOG_EVERY => {
+                    self.guard_logged.insert(*cause, (at, held + 1));
+                }
+                _ => {
+                    let held = logged.map_or(0, |(_, h)| h);
+                    tracing::warn!(cause = %cause, %prefix, node = %r.node, next_hop = %r.next_hop,
+                        held_back = held,
+                        "routes: route guard: {}; never programmed (at most one line per cause a minute)",
+                        cause.explain());
+                    self.guard_logged.insert(*cause, (now, 0));
+                }
+            }
+        }
+        self.guarded = guarded;
+        desired
+    }
+
+    /// Accepted routes the route guard keeps out, and why.
+    pub fn guarded(&self) -> &BTreeMap<IpNet, (Route, Guarded)> {
+        &self.guarded
+    }
+
+    /// Routes the route guard kept out so far, by cause.
+    pub fn guard_counts(&self) -> &BTreeMap<Guarded, u64> {
+        &self.guard_counts
     }
 
     /// Judges the routes of `peer` that changed since it was last judged (`all`: every one).

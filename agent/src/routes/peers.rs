@@ -49,7 +49,7 @@ mod tests {
     use crate::routes::view::tests::{node_kv, put};
 
     fn view() -> View {
-        let mut v = View::default();
+        let mut v = crate::routes::view::tests::view();
         for (n, a, refl) in [
             ("a", "192.0.2.1", false),
             ("b", "192.0.2.2", false),
@@ -63,6 +63,7 @@ mod tests {
             key: keys::node("old"),
             value: br#"{"name":"old","addresses":["192.0.2.7"]}"#.to_vec(),
             revision: 1,
+            created: 1,
         }));
         v
     }

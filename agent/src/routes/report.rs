@@ -64,6 +64,12 @@ pub struct RoutesReport {
     /// the report, and the time it takes, stay small).
     #[serde(default)]
     pub learned_omitted: usize,
+    /// Accepted routes the route guard kept out of the kernel so far, by cause.
+    #[serde(default)]
+    pub guard_refusals: BTreeMap<String, u64>,
+    /// Stored blocks the view ignores (they break the rule for blocks), by rule.
+    #[serde(default)]
+    pub ignored_blocks: BTreeMap<String, u64>,
     /// The TCP door's counters.
     pub door: DoorCounts,
 }
@@ -90,7 +96,8 @@ pub struct Learned {
     /// The peer that announced it.
     pub source: String,
     pub age_secs: f64,
-    /// `accepted`, `pending` (refused for less than the settle time), `refused`, or `own`
+    /// `accepted`, `pending` (refused for less than the settle time), `refused`, `guarded`
+    /// (accepted, but kept out of the kernel by the route guard: `cause` says why), or `own`
     /// (this node's own route relayed back).
     pub state: String,
     /// Why it is refused.
@@ -201,11 +208,14 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
             let (state, cause) = match e.verdict(name, p) {
                 Some(Verdict::Accepted) => {
                     listed_accepted += 1;
-                    ("accepted", None)
+                    match e.guarded().get(p) {
+                        Some((_, g)) => ("guarded", Some(g.name().to_string())),
+                        None => ("accepted", None),
+                    }
                 }
                 Some(Verdict::Own) => ("own", None),
-                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause)),
-                Some(Verdict::Refused(cause)) => ("refused", Some(cause)),
+                Some(Verdict::Pending { cause, .. }) => ("pending", Some(cause.name().to_string())),
+                Some(Verdict::Refused(cause)) => ("refused", Some(cause.name().to_string())),
                 None => ("pending", None),
             };
             if state == "pending" || state == "refused" {
@@ -223,7 +233,7 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
                 source: name.clone(),
                 age_secs: session.since.get(p).map(|t| secs(*t)).unwrap_or(0.0),
                 state: state.into(),
-                cause: cause.map(|c| c.name().to_string()),
+                cause,
             });
         }
         learned_omitted += session.routes.len() - listed;
@@ -291,12 +301,29 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
         unknown_withdrawals: e.unknown_withdrawals(),
         dropped: names(e.dropped()),
         learned_omitted,
+        guard_refusals: guard_refusals(e),
+        ignored_blocks: ignored_blocks(e),
         door: cx.door.clone(),
     }
 }
 
 fn names(m: &BTreeMap<&'static str, u64>) -> BTreeMap<String, u64> {
     m.iter().map(|(k, v)| (k.to_string(), *v)).collect()
+}
+
+fn guard_refusals(e: &Engine) -> BTreeMap<String, u64> {
+    e.guard_counts()
+        .iter()
+        .map(|(c, n)| (c.name().to_string(), *n))
+        .collect()
+}
+
+fn ignored_blocks(e: &Engine) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for i in e.view().ignored() {
+        *out.entry(i.rule.name().to_string()).or_default() += 1;
+    }
+    out
 }
 
 /// What `/metrics` shows, counted without building the report.
@@ -312,6 +339,9 @@ pub struct Counts {
     pub refusals: BTreeMap<String, u64>,
     pub unknown_withdrawals: u64,
     pub dropped: BTreeMap<String, u64>,
+    pub guard_refusals: BTreeMap<String, u64>,
+    /// Accepted routes the guard keeps out now.
+    pub guarded: usize,
     pub watchers: usize,
     pub door: DoorCounts,
     pub certificate: Option<CertStatus>,
@@ -337,6 +367,8 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
             .collect(),
         unknown_withdrawals: e.unknown_withdrawals(),
         dropped: names(e.dropped()),
+        guard_refusals: guard_refusals(e),
+        guarded: e.guarded().len(),
         watchers: cx.own.watchers() + cx.relay.watchers(),
         door: cx.door.clone(),
         certificate: cx.tls.clone(),
@@ -398,6 +430,22 @@ pub fn metrics(r: &Counts) -> String {
             "calix_route_streams_dropped_total{{cause=\"{cause}\"}} {n}"
         );
     }
+    let _ = writeln!(
+        out,
+        "# HELP calix_route_guard_refusals_total Accepted routes the route guard kept out of the kernel, by cause (outside every pool, shorter than the pool's blocks, covering a node's or an uplink's address).\n# TYPE calix_route_guard_refusals_total counter"
+    );
+    for cause in crate::reconcile::remote::Guarded::ALL {
+        let n = r.guard_refusals.get(cause.name()).copied().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "calix_route_guard_refusals_total{{cause=\"{cause}\"}} {n}"
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP calix_routes_guarded Accepted routes the route guard keeps out of the kernel now.\n# TYPE calix_routes_guarded gauge\ncalix_routes_guarded {}",
+        r.guarded
+    );
     let _ = writeln!(
         out,
         "# HELP calix_route_watchers Watch streams this agent serves.\n# TYPE calix_route_watchers gauge\ncalix_route_watchers {}",
@@ -465,6 +513,7 @@ mod tests {
                 v6: None,
             },
             pools: vec![],
+            blocks: crate::routes::view::tests::pools(),
         });
         e.view_listed(
             Part::Nodes,
@@ -537,5 +586,7 @@ mod tests {
         assert!(m.contains("calix_routes_certificate_expiry_timestamp_seconds 1700000000"));
         assert!(m.contains("calix_routes_certificates_issued_total 3"));
         assert!(m.contains("calix_routes_certificate_failures_total 2"));
+        assert!(m.contains("calix_route_guard_refusals_total{cause=\"too_short\"} 0"));
+        assert!(m.contains("calix_routes_guarded 0"));
     }
 }

@@ -69,6 +69,8 @@ pub struct Start {
     pub cfg: RoutesConfig,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
+    /// Every pool as the rule for blocks needs it.
+    pub blocks: Vec<crate::ipam::Pool>,
     pub next_hops: NextHops,
     /// Where peers reach this agent (recorded in its node record).
     pub endpoint: String,
@@ -160,6 +162,7 @@ impl Start {
             me: cfg.node_name.clone(),
             cfg: routes,
             pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
+            blocks: cfg.node_pools(),
             next_hops,
             endpoint,
             subnets: super::local::subnets(),
@@ -199,6 +202,8 @@ type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
 enum Ask {
     Report(oneshot::Sender<RoutesReport>),
     Metrics(oneshot::Sender<String>),
+    /// New pools for the rule for blocks (a reload).
+    Pools(Vec<crate::ipam::Pool>),
 }
 
 enum ViewInput {
@@ -278,6 +283,7 @@ pub async fn start(
         settle: SETTLE,
         next_hops: s.next_hops,
         pools: s.pools,
+        blocks: s.blocks,
     });
     let state = Loop {
         engine,
@@ -326,6 +332,12 @@ impl RoutesHandle {
             return String::new();
         }
         rx.await.unwrap_or_default()
+    }
+
+    /// New pools (a reload, an IPPool change): the blocks are sorted again by the rule for
+    /// blocks, and every route judged again.
+    pub async fn set_block_pools(&self, pools: Vec<crate::ipam::Pool>) {
+        let _ = self.requests.send(Ask::Pools(pools)).await;
     }
 
     /// Ends every stream this agent serves (peers keep its routes for their grace period)
@@ -397,12 +409,19 @@ impl Loop {
                     match ask {
                         Ask::Report(reply) => {
                             let _ = reply.send(self.report());
+                            continue;
                         }
                         Ask::Metrics(reply) => {
                             let _ = reply.send(report::metrics(&self.counts()));
+                            continue;
+                        }
+                        // Then flushed like a view change.
+                        Ask::Pools(pools) => {
+                            tracing::info!(pools = ?pools.iter().map(|p| p.cidr.to_string()).collect::<Vec<_>>(),
+                                "routes: blocks sorted again against new pools");
+                            self.engine.set_block_pools(pools);
                         }
                     }
-                    continue;
                 }
                 () = sleep => {
                     self.engine.tick(Instant::now());

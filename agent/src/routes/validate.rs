@@ -35,10 +35,13 @@ pub enum Refusal {
     AddressNotAllocated,
     /// A single address allocated by another node.
     AddressOfOtherNode,
+    /// The prefix is a stored block that breaks the rule for blocks (outside the pools, of a
+    /// size its pool does not make, overlapping an older block...: `ipam::wellformed`).
+    BlockIgnored,
 }
 
 impl Refusal {
-    pub const ALL: [Refusal; 9] = [
+    pub const ALL: [Refusal; 10] = [
         Refusal::Malformed,
         Refusal::NotItsOwn,
         Refusal::UnknownNode,
@@ -48,6 +51,7 @@ impl Refusal {
         Refusal::NotABlock,
         Refusal::AddressNotAllocated,
         Refusal::AddressOfOtherNode,
+        Refusal::BlockIgnored,
     ];
 
     pub fn name(self) -> &'static str {
@@ -61,6 +65,7 @@ impl Refusal {
             Refusal::NotABlock => "not_a_block",
             Refusal::AddressNotAllocated => "address_not_allocated",
             Refusal::AddressOfOtherNode => "address_of_other_node",
+            Refusal::BlockIgnored => "block_ignored",
         }
     }
 
@@ -80,6 +85,9 @@ impl Refusal {
             Refusal::NotABlock => "the prefix is neither a block nor a single address",
             Refusal::AddressNotAllocated => "the address is not allocated in any block",
             Refusal::AddressOfOtherNode => "the address was allocated by another node",
+            Refusal::BlockIgnored => {
+                "the prefix is a stored block that breaks the rule for blocks (calixctl ipam check)"
+            }
         }
     }
 }
@@ -90,8 +98,21 @@ impl std::fmt::Display for Refusal {
     }
 }
 
-/// Checks `route`, announced by peer `source`, against the datastore's `view`.
+/// Checks `route`, announced by peer `source`, against the datastore's `view`. A prefix the
+/// view knows as an ignored block is refused as such ([`Refusal::BlockIgnored`]) when nothing
+/// else backs it.
 pub fn validate(view: &View, source: &str, route: &Route) -> Result<(), Refusal> {
+    match backed(view, source, route) {
+        Err(Refusal::NotABlock | Refusal::AddressNotAllocated | Refusal::AddressOfOtherNode)
+            if view.is_ignored_block(&route.prefix) =>
+        {
+            Err(Refusal::BlockIgnored)
+        }
+        other => other,
+    }
+}
+
+fn backed(view: &View, source: &str, route: &Route) -> Result<(), Refusal> {
     if route.node != source {
         let relays = view.node(source).is_some_and(|n| n.record.reflector);
         if !relays {
@@ -130,7 +151,7 @@ mod tests {
     use crate::routes::view::tests::{block_kv, node_kv, put};
 
     fn view() -> View {
-        let mut v = View::default();
+        let mut v = crate::routes::view::tests::view();
         v.apply(&put(node_kv("a", &["172.31.1.1", "fd31:1::1"], false)));
         v.apply(&put(node_kv("b", &["172.31.1.2"], false)));
         v.apply(&put(node_kv("r", &["172.31.1.9"], true)));

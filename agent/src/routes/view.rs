@@ -1,14 +1,23 @@
-//! The datastore as route distribution needs it: every block (its affine node, who allocated
-//! each address) and every node record, indexed so that advertising and validating a route are
-//! a few hash lookups, never a datastore read. Kept current by a watch on `ipam/blocks/` and
-//! `nodes/` ([`crate::routes::task`]); a value that does not decode is logged and skipped.
+//! The datastore as route distribution needs it: every block that counts (its affine node, who
+//! allocated each address) and every node record, indexed so that advertising and validating a
+//! route are a few hash lookups, never a datastore read. Kept current by a watch on
+//! `ipam/blocks/` and `nodes/` ([`crate::routes::task`]); a value that does not decode is logged
+//! and skipped. The blocks are sorted by IPAM's rule for blocks
+//! ([`crate::ipam::wellformed`]) against the pools: a block that breaks it is in no index
+//! (neither advertised nor accepted) and is logged once, with the rule it broke.
+//!
+//! A change re-sorts every block only when it can change which blocks count: a block's CIDR,
+//! creation or verdict changing, a new block overlapping one that counts, a block deleted that
+//! others lost an overlap to, new pools. A new block, an allocation or a release is a few map
+//! updates.
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 
 use ipnet::IpNet;
 
 use crate::datastore::{keys, KeyValue, WatchEvent};
-use crate::ipam::Block;
+use crate::ipam::wellformed::{self, Ignored, Rule};
+use crate::ipam::{Block, Pool};
 use crate::model::NodeRecord;
 
 /// One block, as far as routes care.
@@ -27,20 +36,40 @@ pub struct NodeEntry {
     pub addresses: HashSet<IpAddr>,
 }
 
+/// A stored block as last seen, and what decides whether it counts.
+#[derive(Debug, Clone)]
+struct Stored {
+    kv: KeyValue,
+    /// (CIDR, creation stamp, the rule's verdict but for overlaps); `None`: it does not decode.
+    shape: Option<(IpNet, i64, Result<(), Rule>)>,
+}
+
 /// The blocks and node records of the datastore.
 #[derive(Debug, Default)]
 pub struct View {
+    /// The pools, as the rule for blocks needs them.
+    pools: Vec<Pool>,
+    /// Every stored block by key, counted or not.
+    stored: HashMap<String, Stored>,
+    /// The blocks that count, by CIDR.
     blocks: HashMap<IpNet, BlockEntry>,
-    /// Block key → CIDR (a delete event carries only the key).
+    /// The blocks that count, for overlap checks.
+    index: wellformed::Index,
+    /// The blocks that do not, and why.
+    ignored: Vec<Ignored>,
+    /// Their CIDRs.
+    ignored_cidrs: HashSet<IpNet>,
+    /// (key, rule) already logged.
+    logged: HashSet<(String, Rule)>,
+    /// Key → CIDR of the blocks that count (a delete event carries only the key).
     block_keys: HashMap<String, IpNet>,
     /// Prefix lengths of the blocks (family, length) → how many: an address's block is found
     /// by truncating it to each length present.
     lengths: BTreeMap<(bool, u8), usize>,
     /// Node → blocks affine to it.
     affine: HashMap<String, BTreeSet<IpNet>>,
-    /// Node → addresses it allocated (in any block), each with the number of blocks that
-    /// list it (blocks may overlap).
-    allocated_by: HashMap<String, BTreeMap<IpAddr, usize>>,
+    /// Node → addresses it allocated (in any block).
+    allocated_by: HashMap<String, BTreeSet<IpAddr>>,
     nodes: BTreeMap<String, NodeEntry>,
 }
 
@@ -66,28 +95,84 @@ impl Part {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Touched {
     Nothing,
-    /// The blocks of these CIDRs appeared, changed or went.
+    /// The counted blocks of these CIDRs appeared, changed or went (a block that starts or
+    /// stops counting is one of them).
     Blocks(Vec<IpNet>),
     /// This node's record appeared, changed or went.
     Node(String),
 }
 
+impl Touched {
+    fn blocks(cidrs: Vec<IpNet>) -> Self {
+        if cidrs.is_empty() {
+            Touched::Nothing
+        } else {
+            Touched::Blocks(cidrs)
+        }
+    }
+}
+
 impl View {
-    /// Applies one watch event; returns whether anything changed.
-    pub fn apply(&mut self, ev: &WatchEvent) -> bool {
-        self.change(ev) != Touched::Nothing
+    /// An empty view whose blocks are sorted against `pools` (every pool of the cluster).
+    pub fn with_pools(pools: Vec<Pool>) -> Self {
+        Self {
+            pools,
+            ..Self::default()
+        }
     }
 
-    /// Applies one watch event; returns what it changed.
+    /// New pools: every block sorted again. Returns whether anything changed.
+    pub fn set_pools(&mut self, pools: Vec<Pool>) -> bool {
+        if pools == self.pools {
+            return false;
+        }
+        self.pools = pools;
+        self.resort();
+        true
+    }
+
+    /// The stored blocks that do not count, and why.
+    pub fn ignored(&self) -> &[Ignored] {
+        &self.ignored
+    }
+
+    /// Whether `cidr` is the CIDR of a stored block that does not count.
+    pub fn is_ignored_block(&self, cidr: &IpNet) -> bool {
+        self.ignored_cidrs.contains(cidr)
+    }
+
+    /// Applies one watch event; returns whether the blocks that count or the node records
+    /// changed (a block that is stored and ignored changes neither).
+    pub fn apply(&mut self, ev: &WatchEvent) -> bool {
+        self.change_counted(ev) != Touched::Nothing
+    }
+
+    /// Applies one watch event; returns what it changed: the counted blocks that appeared,
+    /// changed or went, and the stored blocks that started or stopped being ignored (a route
+    /// for one is refused as such).
     pub fn change(&mut self, ev: &WatchEvent) -> Touched {
+        let ignored_before = self.ignored_cidrs.clone();
+        let touched = self.change_counted(ev);
+        let flipped: Vec<IpNet> = ignored_before
+            .symmetric_difference(&self.ignored_cidrs)
+            .copied()
+            .collect();
+        match touched {
+            _ if flipped.is_empty() => touched,
+            Touched::Blocks(mut cidrs) => {
+                cidrs.extend(flipped);
+                Touched::Blocks(cidrs)
+            }
+            _ => Touched::Blocks(flipped),
+        }
+    }
+
+    fn change_counted(&mut self, ev: &WatchEvent) -> Touched {
         match ev {
             WatchEvent::Put(kv) => self.put(kv),
             WatchEvent::Delete { key, .. } => {
                 if key.starts_with(keys::BLOCKS) {
-                    match self.block_keys.remove(key) {
-                        Some(cidr) if self.remove_block(&cidr) => Touched::Blocks(vec![cidr]),
-                        _ => Touched::Nothing,
-                    }
+                    self.delete_block(key)
                 } else if let Some(name) = key.strip_prefix(keys::NODES) {
                     match self.nodes.remove(name) {
                         Some(_) => Touched::Node(name.to_string()),
@@ -104,52 +189,162 @@ impl View {
     pub fn replace(&mut self, part: Part, kvs: &[KeyValue]) {
         match part {
             Part::Blocks => {
-                self.blocks.clear();
-                self.block_keys.clear();
-                self.lengths.clear();
-                self.affine.clear();
-                self.allocated_by.clear();
+                self.stored = kvs
+                    .iter()
+                    .filter(|kv| kv.key.starts_with(keys::BLOCKS))
+                    .map(|kv| (kv.key.clone(), self.stored_of(kv).0))
+                    .collect();
+                self.resort();
             }
-            Part::Nodes => self.nodes.clear(),
+            Part::Nodes => {
+                self.nodes.clear();
+                for kv in kvs {
+                    self.put(kv);
+                }
+            }
         }
-        for kv in kvs {
-            self.put(kv);
+    }
+
+    /// A stored block and, when it decodes, the block.
+    fn stored_of(&self, kv: &KeyValue) -> (Stored, Option<Block>) {
+        let block = kv.decode::<Block>().ok();
+        let shape = block.as_ref().map(|b| {
+            let verdict = wellformed::check(&kv.key, b, &self.pools)
+                .map(|_| ())
+                .map_err(|(rule, _)| rule);
+            (b.cidr, kv.created, verdict)
+        });
+        (
+            Stored {
+                kv: kv.clone(),
+                shape,
+            },
+            block,
+        )
+    }
+
+    /// Sorts every stored block by the rule again and rebuilds the indexes; returns the CIDRs
+    /// of the counted blocks that appeared, changed or went.
+    fn resort(&mut self) -> Vec<IpNet> {
+        let before = std::mem::take(&mut self.blocks);
+        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
+        self.blocks.clear();
+        self.index = wellformed::Index::default();
+        self.block_keys.clear();
+        self.lengths.clear();
+        self.affine.clear();
+        self.allocated_by.clear();
+        for b in sorted.counted {
+            self.block_keys.insert(keys::block(&b.cidr), b.cidr);
+            self.add_block(b.cidr, entry_of(&b));
+        }
+        self.ignored = sorted.ignored;
+        self.log_ignored();
+        let mut touched: Vec<IpNet> = before
+            .iter()
+            .filter(|(cidr, entry)| self.blocks.get(cidr) != Some(entry))
+            .map(|(cidr, _)| *cidr)
+            .collect();
+        touched.extend(self.blocks.keys().filter(|c| !before.contains_key(c)));
+        touched
+    }
+
+    /// Logs each ignored block once per rule (and indexes their CIDRs).
+    fn log_ignored(&mut self) {
+        self.ignored_cidrs = self.ignored.iter().filter_map(|i| i.cidr).collect();
+        let now: HashSet<(String, Rule)> = self
+            .ignored
+            .iter()
+            .map(|i| (i.key.clone(), i.rule))
+            .collect();
+        for i in &self.ignored {
+            if !self.logged.contains(&(i.key.clone(), i.rule)) {
+                tracing::warn!(key = %i.key, rule = %i.rule, affinity = %i.affinity,
+                    detail = %i.detail,
+                    "routes: block ignored: it breaks the rule for blocks; its routes are neither advertised nor accepted");
+            }
+        }
+        self.logged = now;
+    }
+
+    fn put_block(&mut self, kv: &KeyValue) -> Touched {
+        let (new, block) = self.stored_of(kv);
+        let shape = new.shape;
+        let old = self.stored.insert(kv.key.clone(), new);
+        let counted = self.block_keys.get(&kv.key).copied();
+        match (old.map(|o| o.shape), shape, block) {
+            // Same CIDR, age and verdict: counted or not as before.
+            (Some(was), Some(now), Some(b)) if was == Some(now) => match counted {
+                Some(cidr) => {
+                    let entry = entry_of(&b);
+                    if self.blocks.get(&cidr) == Some(&entry) {
+                        return Touched::Nothing;
+                    }
+                    self.remove_block(&cidr);
+                    self.add_block(cidr, entry);
+                    Touched::Blocks(vec![cidr])
+                }
+                None => Touched::Nothing,
+            },
+            // A new block: counts at once when it overlaps none that counts (it is the
+            // youngest); one that breaks the rule changes nothing else.
+            (None, Some((cidr, _, verdict)), Some(b)) => match verdict {
+                Ok(()) if self.index.overlapping(&cidr).is_none() => {
+                    self.block_keys.insert(kv.key.clone(), cidr);
+                    self.add_block(cidr, entry_of(&b));
+                    Touched::Blocks(vec![cidr])
+                }
+                Ok(()) => Touched::blocks(self.resort()),
+                Err(_) => {
+                    self.resort_ignored_only();
+                    Touched::Nothing
+                }
+            },
+            (None, None, _) => {
+                self.resort_ignored_only();
+                Touched::Nothing
+            }
+            _ => Touched::blocks(self.resort()),
+        }
+    }
+
+    /// A block that cannot count was stored or changed: only the list of ignored blocks (and
+    /// what a claim keeps clear of) changes, but the list comes from one sort.
+    fn resort_ignored_only(&mut self) {
+        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
+        self.ignored = sorted.ignored;
+        self.log_ignored();
+    }
+
+    fn delete_block(&mut self, key: &str) -> Touched {
+        let Some(old) = self.stored.remove(key) else {
+            return Touched::Nothing;
+        };
+        match self.block_keys.remove(key) {
+            Some(cidr) => {
+                self.remove_block(&cidr);
+                let mut touched = vec![cidr];
+                // Blocks that lost an overlap to it may count now.
+                if self.ignored.iter().any(|i| i.rule == Rule::Overlap) {
+                    touched.extend(self.resort());
+                }
+                Touched::Blocks(touched)
+            }
+            None => {
+                if old.shape.is_none() || old.shape.is_some_and(|s| s.2.is_err()) {
+                    self.ignored.retain(|i| i.key != key);
+                    self.log_ignored();
+                    Touched::Nothing
+                } else {
+                    Touched::blocks(self.resort())
+                }
+            }
         }
     }
 
     fn put(&mut self, kv: &KeyValue) -> Touched {
         if kv.key.starts_with(keys::BLOCKS) {
-            let block: Block = match kv.decode() {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!(key = %kv.key, error = %e, "routes: block not understood; ignored");
-                    return Touched::Nothing;
-                }
-            };
-            let entry = BlockEntry {
-                affinity: block.affinity.clone(),
-                allocations: block
-                    .allocations
-                    .iter()
-                    .map(|(off, a)| (block.address(*off), a.node.clone()))
-                    .collect(),
-            };
-            let mut touched = Vec::new();
-            if let Some(old) = self.block_keys.insert(kv.key.clone(), block.cidr) {
-                if old != block.cidr && self.remove_block(&old) {
-                    touched.push(old);
-                }
-            }
-            if self.blocks.get(&block.cidr) != Some(&entry) {
-                self.remove_block(&block.cidr);
-                self.add_block(block.cidr, entry);
-                touched.push(block.cidr);
-            }
-            if touched.is_empty() {
-                Touched::Nothing
-            } else {
-                Touched::Blocks(touched)
-            }
+            self.put_block(kv)
         } else if let Some(name) = kv.key.strip_prefix(keys::NODES) {
             let record: NodeRecord = match kv.decode() {
                 Ok(r) => r,
@@ -181,6 +376,7 @@ impl View {
     }
 
     fn add_block(&mut self, cidr: IpNet, entry: BlockEntry) {
+        self.index.insert(cidr);
         *self
             .lengths
             .entry((is_v6(&cidr), cidr.prefix_len()))
@@ -192,12 +388,10 @@ impl View {
                 .insert(cidr);
         }
         for (addr, node) in &entry.allocations {
-            *self
-                .allocated_by
+            self.allocated_by
                 .entry(node.clone())
                 .or_default()
-                .entry(*addr)
-                .or_default() += 1;
+                .insert(*addr);
         }
         self.blocks.insert(cidr, entry);
     }
@@ -206,6 +400,7 @@ impl View {
         let Some(entry) = self.blocks.remove(cidr) else {
             return false;
         };
+        self.index.remove(cidr);
         let len = (is_v6(cidr), cidr.prefix_len());
         if let Some(n) = self.lengths.get_mut(&len) {
             *n -= 1;
@@ -221,12 +416,7 @@ impl View {
         }
         for (addr, node) in &entry.allocations {
             if let Some(set) = self.allocated_by.get_mut(node) {
-                if let Some(n) = set.get_mut(addr) {
-                    *n -= 1;
-                    if *n == 0 {
-                        set.remove(addr);
-                    }
-                }
+                set.remove(addr);
                 if set.is_empty() {
                     self.allocated_by.remove(node);
                 }
@@ -259,10 +449,7 @@ impl View {
 
     /// Addresses `node` allocated, in any block.
     pub fn allocated_by(&self, node: &str) -> impl Iterator<Item = &IpAddr> {
-        self.allocated_by
-            .get(node)
-            .into_iter()
-            .flat_map(|m| m.keys())
+        self.allocated_by.get(node).into_iter().flatten()
     }
 
     pub fn node(&self, name: &str) -> Option<&NodeEntry> {
@@ -278,6 +465,18 @@ impl View {
     }
 }
 
+/// What routes keep of a block.
+fn entry_of(b: &Block) -> BlockEntry {
+    BlockEntry {
+        affinity: b.affinity.clone(),
+        allocations: b
+            .allocations
+            .iter()
+            .map(|(off, a)| (b.address(*off), a.node.clone()))
+            .collect(),
+    }
+}
+
 fn is_v6(n: &IpNet) -> bool {
     matches!(n, IpNet::V6(_))
 }
@@ -286,6 +485,32 @@ fn is_v6(n: &IpNet) -> bool {
 pub mod tests {
     use super::*;
     use crate::ipam::Allocation;
+
+    /// The pools the routes tests' blocks come from: 10.0.0.0/8 (/26 blocks, /24 before) and
+    /// fd00::/64 (/122).
+    pub fn pools() -> Vec<Pool> {
+        vec![
+            Pool {
+                cidr: "10.0.0.0/8".parse().expect("cidr"),
+                block_size: 26,
+                disabled: false,
+                previous_block_sizes: vec![24],
+                restricted: false,
+            },
+            Pool {
+                cidr: "fd00::/64".parse().expect("cidr"),
+                block_size: 122,
+                disabled: false,
+                previous_block_sizes: Vec::new(),
+                restricted: false,
+            },
+        ]
+    }
+
+    /// An empty view over [`pools`].
+    pub fn view() -> View {
+        View::with_pools(pools())
+    }
 
     /// A block put event: `cidr` affine to `affinity`, with `allocs` (address, node).
     pub fn block_kv(cidr: &str, affinity: &str, allocs: &[(&str, &str)]) -> KeyValue {
@@ -310,6 +535,7 @@ pub mod tests {
             key: keys::block(&cidr),
             value: serde_json::to_vec(&b).expect("json"),
             revision: 1,
+            created: 1,
         }
     }
 
@@ -325,6 +551,7 @@ pub mod tests {
             key: keys::node(name),
             value: serde_json::to_vec(&r).expect("json"),
             revision: 1,
+            created: 1,
         }
     }
 
@@ -334,7 +561,7 @@ pub mod tests {
 
     #[test]
     fn blocks_index_by_affinity_and_allocating_node() {
-        let mut v = View::default();
+        let mut v = view();
         assert!(v.apply(&put(block_kv(
             "10.244.0.0/26",
             "a",
@@ -372,37 +599,58 @@ pub mod tests {
         assert_eq!(v.blocks(), 1);
     }
 
-    /// Blocks can overlap (a pool's block size changed): an address both list stays
-    /// allocated while either does.
+    /// [`block_kv`] created at `created`.
+    fn aged(cidr: &str, affinity: &str, created: i64) -> KeyValue {
+        KeyValue {
+            created,
+            ..block_kv(cidr, affinity, &[])
+        }
+    }
+
     #[test]
-    fn an_address_in_two_overlapping_blocks_stays_while_one_lists_it() {
-        let mut v = View::default();
-        v.apply(&put(block_kv("10.244.0.0/25", "b", &[("10.244.0.1", "a")])));
-        v.apply(&put(block_kv("10.244.0.0/26", "c", &[("10.244.0.1", "a")])));
-        v.apply(&WatchEvent::Delete {
-            key: keys::block(&"10.244.0.0/26".parse().expect("cidr")),
-            revision: 2,
-        });
-        assert_eq!(
-            v.allocated_by("a").collect::<Vec<_>>(),
-            vec![&"10.244.0.1".parse::<IpAddr>().expect("ip")],
-            "the /25 still lists it"
-        );
-        v.apply(&WatchEvent::Delete {
-            key: keys::block(&"10.244.0.0/25".parse().expect("cidr")),
-            revision: 3,
-        });
-        assert_eq!(v.allocated_by("a").count(), 0);
+    fn overlaps_follow_age_as_blocks_come_and_go() {
+        let mut v = view();
+        let victim: IpNet = "10.244.0.64/26".parse().expect("cidr");
+        let rogue: IpNet = "10.244.0.0/24".parse().expect("cidr");
+        assert!(v.apply(&put(aged("10.244.0.64/26", "victim", 10))));
+        // A younger /24 (a size the pool had before) over it: ignored.
+        v.apply(&put(aged("10.244.0.0/24", "rogue", 20)));
+        assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
+        assert!(v.is_ignored_block(&rogue));
+        assert_eq!(v.affine_to("rogue").count(), 0);
+        // Writing it again (a release, an allocation) changes nothing.
+        v.apply(&put(aged("10.244.0.0/24", "rogue", 20)));
+        assert!(v.block(&rogue).is_none());
+        // The victim's block goes: the /24 counts now.
+        assert!(v.apply(&WatchEvent::Delete {
+            key: keys::block(&victim),
+            revision: 30
+        }));
+        assert!(v.block(&rogue).is_some() && !v.is_ignored_block(&rogue));
+        // A block created later inside it is the one ignored.
+        v.apply(&put(aged("10.244.0.64/26", "victim", 40)));
+        assert!(v.block(&victim).is_none() && v.block(&rogue).is_some());
+        // A new block beside everything counts at once; a forged one changes nothing else.
+        assert!(v.apply(&put(aged("10.244.1.0/26", "c", 50))));
+        assert!(!v.apply(&put(aged("0.0.0.0/0", "rogue", 60))));
+        assert_eq!(v.blocks(), 2);
+        assert_eq!(v.ignored().len(), 2);
+        // New pools: the /24 is no size the pool makes any more; the /26 inside counts.
+        let mut pools = pools();
+        pools[0].previous_block_sizes.clear();
+        assert!(v.set_pools(pools));
+        assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
     }
 
     #[test]
     fn node_records_parse_old_and_new_and_bad_ones_are_skipped() {
-        let mut v = View::default();
+        let mut v = view();
         // A record of an older agent: no routes endpoint, no reflector flag.
         let old = KeyValue {
             key: keys::node("old"),
             value: br#"{"name":"old","addresses":["192.0.2.1","nonsense"],"labels":{},"agent_version":"0.1.0"}"#.to_vec(),
             revision: 1,
+            created: 1,
         };
         assert!(v.apply(&put(old)));
         let n = v.node("old").expect("parsed");
@@ -412,6 +660,7 @@ pub mod tests {
             key: keys::node("bad"),
             value: b"{not json".to_vec(),
             revision: 2,
+            created: 2,
         };
         assert!(!v.apply(&put(bad)));
         // A record whose name is not its key's.

@@ -74,7 +74,8 @@ macro_rules! datastore_conformance {
             watch_from_a_past_revision_replays_what_followed,
             watch_sees_deletes,
             watch_from_a_compacted_revision_says_so,
-            watch_ends_when_the_backend_restarts_and_resumes_from_the_last_revision
+            watch_ends_when_the_backend_restarts_and_resumes_from_the_last_revision,
+            creation_is_stamped_by_the_store_and_kept_by_later_writes
         );
     };
     (@cases $backend:expr; $($case:ident),+) => {
@@ -478,4 +479,52 @@ pub async fn watch_ends_when_the_backend_restarts_and_resumes_from_the_last_revi
     assert_eq!(event(b, &mut w).await, put_event("w/b", "2", r2));
     let r3 = set(b, &db, "w/c", "3").await;
     assert_eq!(event(b, &mut w).await, put_event("w/c", "3", r3));
+}
+
+/// `KeyValue::created` is the store's own stamp of a key's creation: set (not 0), kept by later
+/// writes and by a restart, the same in a listing, a get and a watch event, never older for a
+/// key created later, and new again once the key is deleted and created anew. (IPAM orders
+/// overlapping blocks by it: a client must not be able to make its object look older.)
+pub async fn creation_is_stamped_by_the_store_and_kept_by_later_writes<B: Backend>(b: &B) {
+    let db = b.open().await;
+    let first = |kvs: Vec<KeyValue>, key: &str| {
+        kvs.into_iter()
+            .find(|kv| b.suite_key(&kv.key) == key)
+            .unwrap_or_else(|| panic!("{key} listed"))
+    };
+    set(b, &db, "c/a", "1").await;
+    let (_, from) = list(b, &db, "c/").await;
+    let a = first(db.list(&b.key("c/")).await.expect("list"), "c/a");
+    assert!(a.created > 0, "no creation stamp: {a:?}");
+    let mut w = watch(b, &db, "c/", from).await;
+    set(b, &db, "c/a", "2").await;
+    let changed = db.get(&b.key("c/a")).await.expect("get").expect("c/a");
+    assert_eq!(
+        changed.created, a.created,
+        "a later write changed the creation stamp"
+    );
+    assert!(changed.revision > a.revision);
+    match item(&mut w).await {
+        Some(Ok(WatchEvent::Put(kv))) => assert_eq!(kv.created, a.created, "watch: {kv:?}"),
+        other => panic!("expected a put, got {other:?}"),
+    }
+    set(b, &db, "c/b", "1").await;
+    let b_kv = first(db.list(&b.key("c/")).await.expect("list"), "c/b");
+    assert!(
+        b_kv.created >= a.created,
+        "created later, stamped older: {b_kv:?} {a:?}"
+    );
+    let db = b.restart(db).await;
+    let again = first(db.list(&b.key("c/")).await.expect("list"), "c/a");
+    assert_eq!(
+        again.created, a.created,
+        "the restart changed the creation stamp"
+    );
+    delete(b, &db, "c/a").await;
+    set(b, &db, "c/a", "3").await;
+    let recreated = db.get(&b.key("c/a")).await.expect("get").expect("c/a");
+    assert!(
+        recreated.created >= b_kv.created,
+        "re-created, stamped as before: {recreated:?}"
+    );
 }

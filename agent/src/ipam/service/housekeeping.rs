@@ -122,7 +122,8 @@ impl IpamService {
         now: Instant,
         out: &mut Swept,
     ) -> Result<(), AgentError> {
-        let pools = self.pools();
+        // The configured pools only: a retained block is no layout to keep.
+        let pools = self.configured_pools();
         let empty: Vec<(String, ipnet::IpNet)> = inner
             .ipam
             .blocks
@@ -176,6 +177,33 @@ impl IpamService {
         for (cidr, rev) in old_layout {
             if self.delete_block(inner, &cidr, rev).await? {
                 tracing::info!(block = %cidr, "released block of an old layout deleted");
+            }
+        }
+        // Blocks of a size their pool no longer makes (not in previousBlockSizes either), or in
+        // no pool any more, do not count for anyone (`wellformed`): an empty one of this
+        // node's, or released, is deleted, so it is not reported for ever and the new layout's
+        // claims are clear.
+        let me = self.node.name.clone();
+        let gone: Vec<(ipnet::IpNet, i64, bool)> = inner
+            .ignored
+            .iter()
+            .filter(|(i, _)| {
+                matches!(
+                    i.rule,
+                    crate::ipam::wellformed::Rule::BlockSize
+                        | crate::ipam::wellformed::Rule::OutsidePools
+                ) && i.allocations.is_empty()
+                    && (i.affinity == me || i.affinity.is_empty())
+            })
+            .filter_map(|(i, rev)| Some((i.cidr?, *rev, i.affinity == me)))
+            .collect();
+        for (cidr, rev, mine) in gone {
+            if self.delete_block(inner, &cidr, rev).await? {
+                tracing::info!(block = %cidr, layout = "a size its pool no longer makes",
+                    "empty block deleted");
+                if mine {
+                    out.blocks_released.push(cidr.to_string());
+                }
             }
         }
         Ok(())

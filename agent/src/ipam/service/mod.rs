@@ -18,7 +18,8 @@ use tokio::sync::Mutex;
 
 use crate::datastore::{keys, Datastore, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::{Block, IpamState, Policy, Pool, Retired};
+use crate::ipam::wellformed::{self, Ignored, Rule};
+use crate::ipam::{Block, IpamError, IpamState, Policy, Pool, Retired};
 use crate::model::NodeRecord;
 
 pub use housekeeping::{AddressUsers, Swept};
@@ -53,12 +54,28 @@ struct Inner {
     affinities: std::collections::BTreeMap<IpNet, i64>,
     /// The affinity records may not match the blocks (not listed yet, or a write failed).
     affinities_dirty: bool,
+    /// The stored blocks that do not count (`wellformed`), as of the last listing, each with
+    /// the revision it was read at.
+    ignored: Vec<(Ignored, i64)>,
+    /// Ignored blocks already reported (key, rule): each is logged and noticed once.
+    reported: std::collections::BTreeSet<(String, Rule)>,
+    /// Ignored blocks found since the last [`IpamService::take_ignored`].
+    newly_ignored: Vec<Ignored>,
 }
 
 /// IPAM for one node over a shared datastore.
 pub struct IpamService {
     node: NodeRecord,
+    /// The configured pools and the policy.
     pools: RwLock<(Vec<Pool>, Policy)>,
+    /// Blocks kept as pools of their own, disabled: blocks holding addresses of this node that
+    /// the configured pools no longer make (a pool deleted or shrunk, or its blockSize changed,
+    /// while this agent was down). Kept so the node keeps serving those addresses (found by
+    /// handle, released, never handed out twice) and reports the refusal; each goes once it
+    /// holds none of this node's addresses.
+    retained: RwLock<Vec<Pool>>,
+    /// A retention not yet noticed (the node turns it into a Warning).
+    retention_notice: std::sync::Mutex<Option<String>>,
     housekeeping: Housekeeping,
     store: Arc<dyn Datastore>,
     inner: Mutex<Inner>,
@@ -90,6 +107,8 @@ impl IpamService {
         let service = Self {
             node,
             pools: RwLock::new((Vec::new(), policy)),
+            retained: RwLock::new(Vec::new()),
+            retention_notice: std::sync::Mutex::new(None),
             housekeeping,
             store,
             inner: Mutex::new(Inner {
@@ -102,13 +121,18 @@ impl IpamService {
                 empty_since: HashMap::new(),
                 affinities: Default::default(),
                 affinities_dirty: true,
+                ignored: Vec::new(),
+                reported: Default::default(),
+                newly_ignored: Vec::new(),
             }),
         };
         {
             let mut inner = service.inner.lock().await;
-            service.refresh_blocks(&mut inner).await?;
-            service.check_pools(&inner.ipam, &pools)?;
+            // The blocks are sorted against the pools (`wellformed`): set them first.
             service.set_pools_unchecked(pools, policy);
+            // A block of this node the pools no longer make does not stop the agent: it is
+            // retained (and reported) by the listing.
+            service.refresh_blocks(&mut inner).await?;
             // An agent that died between a block's commit and its handle record left the
             // record missing (or stale): rebuild the records from the blocks first thing.
             if let Err(e) = service.repair_handles(&mut inner).await {
@@ -129,12 +153,37 @@ impl IpamService {
         self.store.kind()
     }
 
+    /// The pools the node works with: the configured ones, then the retained blocks (disabled
+    /// pools of their own).
     pub fn pools(&self) -> Vec<Pool> {
+        let mut pools = self.configured_pools();
+        pools.extend(self.retained());
+        pools
+    }
+
+    /// The pools as configured.
+    pub fn configured_pools(&self) -> Vec<Pool> {
         self.pools
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .0
             .clone()
+    }
+
+    /// The blocks retained under a refused pool change (see `retained`).
+    pub fn retained(&self) -> Vec<Pool> {
+        self.retained
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// A retention not yet noticed, once.
+    pub fn take_retention_notice(&self) -> Option<String> {
+        self.retention_notice
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
     }
 
     fn policy(&self) -> Policy {
@@ -155,64 +204,199 @@ impl IpamService {
             strict_affinity = policy.strict_affinity, max_blocks_per_node = policy.max_blocks_per_node,
             "pools updated");
         self.set_pools_unchecked(pools, policy);
+        // Blocks count or not by the pools: sort them again.
+        self.refresh_blocks(&mut inner).await?;
         Ok(())
     }
 
+    /// Refuses `pools` when a block holding an address of this node would no longer count
+    /// under them: a pool shrunk or removed under it, or its block size no longer the pool's
+    /// (neither `blockSize` nor in `previousBlockSizes`).
     fn check_pools(&self, ipam: &IpamState, pools: &[Pool]) -> Result<(), AgentError> {
         for (addr, a) in ipam.allocations_of(&self.node.name) {
-            if !pools.iter().any(|p| p.cidr.contains(&addr)) {
-                let block = ipam
-                    .block_of(addr)
-                    .map(|b| b.cidr.to_string())
-                    .unwrap_or_default();
-                let was = self
-                    .pools()
-                    .iter()
-                    .find(|p| p.cidr.contains(&addr))
-                    .map(|p| format!("pool {}", p.cidr))
-                    .unwrap_or_else(|| format!("the pool of block {block}"));
-                return Err(AgentError::PoolChange(format!(
-                    "{was} no longer contains {addr}, which {}/{} still holds: \
-                     keep the pool (set disabled = true to stop new allocations) until its \
-                     addresses are released",
-                    a.handle, a.ifname
-                )));
-            }
+            let Some(block) = ipam.block_of(addr) else {
+                continue;
+            };
+            let why = match wellformed::check(&keys::block(&block.cidr), block, pools) {
+                Ok(_) => continue,
+                Err((Rule::OutsidePools, _)) => {
+                    let was = self
+                        .pools()
+                        .iter()
+                        .find(|p| p.cidr.contains(&addr))
+                        .map(|p| format!("pool {}", p.cidr))
+                        .unwrap_or_else(|| format!("the pool of block {}", block.cidr));
+                    format!(
+                        "{was} no longer contains {addr}, which {}/{} still holds: keep the \
+                         pool (set disabled = true to stop new allocations) until its \
+                         addresses are released",
+                        a.handle, a.ifname
+                    )
+                }
+                Err((_, detail)) => format!(
+                    "block {} would no longer count ({detail}), and {}/{} holds {addr} in it: \
+                     add /{} to the pool's previousBlockSizes",
+                    block.cidr,
+                    a.handle,
+                    a.ifname,
+                    block.cidr.prefix_len()
+                ),
+            };
+            return Err(AgentError::PoolChange(why));
         }
         Ok(())
     }
 
     /// Re-reads every block (released ones included, and the previous version's retired-block
-    /// records) from the datastore.
+    /// records) from the datastore, and sorts them by the rule (`wellformed`): those that do
+    /// not count are left out of the view, remembered and reported once.
     /// Until it succeeds the view counts as stale: a caller that changed the view and could
     /// not commit leaves it to be listed again before the next decision.
     async fn refresh_blocks(&self, inner: &mut Inner) -> Result<(), AgentError> {
         inner.stale = true;
         let (kvs, revision) = self.store.list_with_revision(keys::BLOCKS).await?;
-        let mut blocks = Vec::new();
-        for kv in kvs {
-            let mut b: Block = kv.decode()?;
-            b.revision = kv.revision;
-            blocks.push(b);
+        let configured = self.configured_pools();
+        let mut sorted = wellformed::sort(&kvs, &configured);
+        let retained = self.retention(&sorted.ignored);
+        if !retained.is_empty() {
+            let mut pools = configured;
+            pools.extend(retained.iter().cloned());
+            sorted = wellformed::sort(&kvs, &pools);
         }
+        self.set_retained(retained);
         let mut retired = Vec::new();
         let mut legacy = Vec::new();
         for kv in self.store.list(keys::RETIRED).await? {
-            let r: Retired = kv.decode()?;
-            legacy.push((r.cidr, kv.revision));
-            retired.push(r);
+            match kv.decode::<Retired>() {
+                Ok(r) => {
+                    legacy.push((r.cidr, kv.revision));
+                    retired.push(r);
+                }
+                Err(e) => {
+                    tracing::warn!(key = %kv.key, error = %e, "retired-block record not understood; ignored")
+                }
+            }
         }
-        inner.ipam.replace(blocks, retired, revision);
+        inner.ipam.replace(sorted.counted, retired, revision);
+        inner.ipam.avoid = sorted.avoid;
+        let revisions: std::collections::HashMap<&str, i64> = kvs
+            .iter()
+            .map(|kv| (kv.key.as_str(), kv.revision))
+            .collect();
+        let ignored: Vec<(Ignored, i64)> = sorted
+            .ignored
+            .into_iter()
+            .map(|i| {
+                let rev = revisions.get(i.key.as_str()).copied().unwrap_or(0);
+                (i, rev)
+            })
+            .collect();
+        self.note_ignored(inner, ignored);
         inner.legacy_retired = legacy;
         inner.stale = false;
         Ok(())
     }
 
-    /// Reads one block again into the view (gone: out of the view).
+    /// The blocks to retain: ignored only because the configured pools do not make them (inside
+    /// none, or not of a size the pool makes), otherwise sound (key, alignment, an allowed
+    /// size), and holding an address this node allocated.
+    fn retention(&self, ignored: &[Ignored]) -> Vec<Pool> {
+        let me = &self.node.name;
+        ignored
+            .iter()
+            .filter(|i| matches!(i.rule, Rule::OutsidePools | Rule::BlockSize))
+            .filter(|i| i.allocations.iter().any(|(_, n)| n == me))
+            .filter_map(|i| i.cidr)
+            .filter(|c| {
+                c.trunc() == *c
+                    && wellformed::block_sizes(matches!(c, IpNet::V4(_))).contains(&c.prefix_len())
+            })
+            .map(|c| Pool {
+                cidr: c,
+                block_size: c.prefix_len(),
+                disabled: true,
+                previous_block_sizes: Vec::new(),
+                restricted: false,
+            })
+            .collect()
+    }
+
+    /// Sets the retained blocks; a change is logged, and a new retention noticed.
+    fn set_retained(&self, retained: Vec<Pool>) {
+        let mut current = self.retained.write().unwrap_or_else(|p| p.into_inner());
+        if *current == retained {
+            return;
+        }
+        let cidrs: Vec<String> = retained.iter().map(|p| p.cidr.to_string()).collect();
+        if retained.is_empty() {
+            tracing::info!(
+                "IPAM: no block retained any more: the pools hold every address of this node"
+            );
+        } else {
+            let msg = format!(
+                "pool change refused for {} block(s) ({}): they hold addresses of this node but \
+                 the configured pools no longer make them (a pool deleted or shrunk, or its \
+                 blockSize changed without previousBlockSizes); they are kept, with no new \
+                 addresses from them, until those addresses are released (or restore the pool)",
+                cidrs.len(),
+                cidrs.join(", ")
+            );
+            tracing::error!("{msg}");
+            *self
+                .retention_notice
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(msg);
+        }
+        *current = retained;
+    }
+
+    /// Keeps the ignored blocks of the last listing; logs each new (block, rule) once.
+    fn note_ignored(&self, inner: &mut Inner, ignored: Vec<(Ignored, i64)>) {
+        let now: std::collections::BTreeSet<(String, Rule)> = ignored
+            .iter()
+            .map(|(i, _)| (i.key.clone(), i.rule))
+            .collect();
+        for (i, _) in &ignored {
+            if inner.reported.contains(&(i.key.clone(), i.rule)) {
+                continue;
+            }
+            tracing::warn!(key = %i.key, rule = %i.rule, affinity = %i.affinity,
+                addresses = i.allocations.len(), detail = %i.detail,
+                "IPAM block ignored: it breaks the rule for blocks (calixctl ipam check)");
+            inner.newly_ignored.push(i.clone());
+        }
+        inner.reported = now;
+        inner.ignored = ignored;
+    }
+
+    /// The ignored blocks found since the last call (each once), for the node's notices.
+    pub async fn take_ignored(&self) -> Vec<Ignored> {
+        std::mem::take(&mut self.inner.lock().await.newly_ignored)
+    }
+
+    /// The stored blocks that do not count, as of the last listing.
+    pub async fn ignored(&self) -> Vec<Ignored> {
+        self.inner
+            .lock()
+            .await
+            .ignored
+            .iter()
+            .map(|(i, _)| i.clone())
+            .collect()
+    }
+
+    /// Reads one block again into the view (gone: out of the view). A block that no longer
+    /// passes the rule has the whole view sorted again.
     async fn reread_block(&self, inner: &mut Inner, cidr: &IpNet) -> Result<(), AgentError> {
-        match self.store.get(&keys::block(cidr)).await? {
+        let key = keys::block(cidr);
+        match self.store.get(&key).await? {
             Some(kv) => {
-                let mut b: Block = kv.decode()?;
+                let decoded = kv.decode::<Block>().ok().filter(|b| {
+                    b.cidr == *cidr && wellformed::check(&key, b, &self.pools()).is_ok()
+                });
+                let Some(mut b) = decoded else {
+                    return self.refresh_blocks(inner).await;
+                };
                 b.revision = kv.revision;
                 inner.ipam.put_block(b);
             }
@@ -246,6 +430,16 @@ impl IpamService {
         let Some(b) = inner.ipam.blocks.get(key) else {
             return Ok(None);
         };
+        if b.revision == 0 {
+            // A new block: never one that would not count.
+            if let Err(why) = self.creatable(&inner.ipam, key, b) {
+                let block = b.cidr;
+                inner.ipam.blocks.remove(key);
+                inner.stale = true;
+                tracing::warn!(%block, %why, "IPAM: refused to create a block that would not count");
+                return Err(IpamError::BadBlock { block, why }.into());
+            }
+        }
         let k = keys::block(&b.cidr);
         let compare = match b.revision {
             0 => Compare::Absent(k.clone()),
@@ -279,6 +473,31 @@ impl IpamService {
                 Err(e.into())
             }
         }
+    }
+
+    /// Why new block `b` (at view key `key`) would not count, if it would not: the rule's own
+    /// checks, and no overlap with a block of the view (claimed or released) or a block the
+    /// view keeps clear of.
+    fn creatable(&self, ipam: &IpamState, key: &str, b: &Block) -> Result<(), String> {
+        wellformed::check(&keys::block(&b.cidr), b, &self.pools()).map_err(|(_, d)| d)?;
+        let overlaps = |other: &IpNet| crate::ipam::allocator::overlap(&b.cidr, other);
+        if let Some(o) = ipam
+            .blocks
+            .iter()
+            .filter(|(k, _)| k.as_str() != key)
+            .map(|(_, o)| o.cidr)
+            .chain(
+                ipam.retired
+                    .values()
+                    .filter(|r| r.revision != 0 && r.cidr != b.cidr)
+                    .map(|r| r.cidr),
+            )
+            .chain(ipam.avoid.iter().copied())
+            .find(|o| overlaps(o))
+        {
+            return Err(format!("{} overlaps block {o}", b.cidr));
+        }
+        Ok(())
     }
 
     /// A copy of the IPAM view, re-read from the datastore (for calixctl and tests).

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::IpamService;
 use crate::datastore::{keys, Datastore};
 use crate::error::AgentError;
+use crate::ipam::wellformed::{self, Ignored};
 use crate::ipam::{AffinityRecord, Block, HandleRecord, Pool};
 use crate::model::{EndpointRecord, NodeRecord};
 
@@ -57,8 +58,12 @@ pub struct IpamReport {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finding {
     /// `leak`, `duplicate`, `orphan-handle`, `orphan-allocation`, `orphan-block`,
-    /// `missing-affinity`, `orphan-affinity`.
+    /// `missing-affinity`, `orphan-affinity`, `ignored-block` (a stored block that breaks the
+    /// rule for blocks: `rule` says which), `unreadable` (a record that does not decode).
     pub kind: String,
+    /// For `ignored-block`: the rule it broke (`ipam::wellformed::Rule` names).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub rule: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<IpAddr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -85,7 +90,12 @@ pub struct CheckReport {
 
 /// The datastore's IPAM records, read at once.
 pub struct Snapshot {
+    /// The blocks that count, released ones left out.
     blocks: Vec<Block>,
+    /// The blocks that do not.
+    ignored: Vec<Ignored>,
+    /// Records that do not decode: (key, why). Skipped by everything else.
+    unreadable: Vec<(String, String)>,
     handles: Vec<(String, HandleRecord)>,
     /// Affinity records: (key, record; `None` when it does not decode).
     affinities: Vec<(String, Option<AffinityRecord>)>,
@@ -99,7 +109,7 @@ impl IpamService {
         // two, and a check would report the handle as an orphan. Other nodes' pairs can still be
         // seen half done; their housekeeping settles those.
         let _no_ipam_writes = self.inner.lock().await;
-        snapshot(&*self.store).await
+        snapshot(&*self.store, &self.pools()).await
     }
 
     /// Pools, blocks and per-node use, across every node of the datastore.
@@ -109,26 +119,61 @@ impl IpamService {
         Ok(report(&snap, &self.pools(), &self.node.name, free))
     }
 
-    /// Leaks, duplicates and orphans across every node of the datastore.
+    /// Leaks, duplicates and orphans across every node of the datastore, and the blocks this
+    /// node retains under a refused pool change.
     pub async fn ipam_check(&self) -> Result<CheckReport, AgentError> {
-        Ok(check(&self.snapshot().await?))
+        let mut r = check(&self.snapshot().await?);
+        for p in self.retained() {
+            r.findings.push(Finding {
+                kind: "retained-block".into(),
+                rule: String::new(),
+                address: None,
+                seq: None,
+                handle: String::new(),
+                ifname: String::new(),
+                node: self.node.name.clone(),
+                block: p.cidr.to_string(),
+                detail: "holds addresses of this node, but no configured pool makes this block \
+                         any more (a pool deleted or shrunk, or its blockSize changed): kept \
+                         on this node, no new addresses from it, until they are released; \
+                         restore the pool (or add its size to previousBlockSizes)"
+                    .into(),
+            });
+        }
+        Ok(r)
     }
 }
 
 /// Reads every IPAM record of `store` (blocks not released, handles, affinities, endpoints,
-/// nodes).
-pub async fn snapshot(store: &dyn Datastore) -> Result<Snapshot, AgentError> {
-    let mut blocks = Vec::new();
-    for kv in store.list(keys::BLOCKS).await? {
-        let b = kv.decode::<Block>()?;
-        // A released block is back in its pool: not in use, affine to nobody.
-        if !b.is_released() {
-            blocks.push(b);
+/// nodes), the blocks sorted by the rule against `pools`. A record that does not decode is
+/// skipped and reported (`unreadable`), never the end of the report.
+pub async fn snapshot(store: &dyn Datastore, pools: &[Pool]) -> Result<Snapshot, AgentError> {
+    let sorted = wellformed::sort(&store.list(keys::BLOCKS).await?, pools);
+    // A released block is back in its pool: not in use, affine to nobody.
+    let blocks = sorted
+        .counted
+        .into_iter()
+        .filter(|b| !b.is_released())
+        .collect();
+    let mut unreadable: Vec<(String, String)> = Vec::new();
+    /// `kv` decoded, or `None` and `kv` in `bad`.
+    fn typed<T: for<'de> Deserialize<'de>>(
+        kv: &crate::datastore::KeyValue,
+        bad: &mut Vec<(String, String)>,
+    ) -> Option<T> {
+        match kv.decode::<T>() {
+            Ok(v) => Some(v),
+            Err(e) => {
+                bad.push((kv.key.clone(), e.to_string()));
+                None
+            }
         }
     }
     let mut handles = Vec::new();
     for kv in store.list(keys::HANDLES).await? {
-        handles.push((kv.key.clone(), kv.decode::<HandleRecord>()?));
+        if let Some(h) = typed::<HandleRecord>(&kv, &mut unreadable) {
+            handles.push((kv.key.clone(), h));
+        }
     }
     let mut affinities = Vec::new();
     for kv in store.list(keys::AFFINITIES).await? {
@@ -143,14 +188,20 @@ pub async fn snapshot(store: &dyn Datastore) -> Result<Snapshot, AgentError> {
             .and_then(|r| r.split('/').next())
             .unwrap_or_default()
             .to_string();
-        endpoints.push((node, kv.decode::<EndpointRecord>()?));
+        if let Some(e) = typed::<EndpointRecord>(&kv, &mut unreadable) {
+            endpoints.push((node, e));
+        }
     }
     let mut nodes = Vec::new();
     for kv in store.list(keys::NODES).await? {
-        nodes.push(kv.decode::<NodeRecord>()?);
+        if let Some(n) = typed::<NodeRecord>(&kv, &mut unreadable) {
+            nodes.push(n);
+        }
     }
     Ok(Snapshot {
         blocks,
+        ignored: sorted.ignored,
+        unreadable,
         handles,
         affinities,
         endpoints,
@@ -249,6 +300,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
         if !known_nodes.contains(b.affinity.as_str()) {
             findings.push(Finding {
                 kind: "orphan-block".into(),
+                rule: String::new(),
                 address: None,
                 seq: None,
                 handle: String::new(),
@@ -263,6 +315,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
             let addr = b.address(*off);
             let base = Finding {
                 kind: String::new(),
+                rule: String::new(),
                 address: Some(addr),
                 seq: Some(a.seq),
                 handle: a.handle.clone(),
@@ -274,6 +327,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
             if let Some(other) = seen.insert(addr, b.cidr.to_string()) {
                 findings.push(Finding {
                     kind: "duplicate".into(),
+                    rule: String::new(),
                     detail: format!("{addr} is allocated in blocks {other} and {}", b.cidr),
                     ..base.clone()
                 });
@@ -284,6 +338,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
             if !held {
                 findings.push(Finding {
                     kind: "orphan-allocation".into(),
+                    rule: String::new(),
                     detail: "allocated in its block but no handle record holds it (the \
                              allocating node's housekeeping rebuilds the record)"
                         .into(),
@@ -293,6 +348,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
             if !live.contains(&(a.node.as_str(), a.handle.as_str(), a.ifname.as_str())) {
                 findings.push(Finding {
                     kind: "leak".into(),
+                    rule: String::new(),
                     detail: format!("no endpoint on node {} uses it", a.node),
                     ..base
                 });
@@ -309,6 +365,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
             if !in_block {
                 findings.push(Finding {
                     kind: "orphan-handle".into(),
+                    rule: String::new(),
                     address: Some(h.addr),
                     seq: Some(h.seq),
                     handle: handle.clone(),
@@ -323,6 +380,37 @@ pub fn check(snap: &Snapshot) -> CheckReport {
         }
     }
     findings.extend(affinity_findings(snap));
+    for i in &snap.ignored {
+        findings.push(Finding {
+            kind: "ignored-block".into(),
+            rule: i.rule.name().into(),
+            address: None,
+            seq: None,
+            handle: String::new(),
+            ifname: String::new(),
+            node: i.affinity.clone(),
+            block: i.cidr.map_or_else(|| i.key.clone(), |c| c.to_string()),
+            detail: format!(
+                "{} ({}; {} allocation(s)): not used by any node",
+                i.detail,
+                i.key,
+                i.allocations.len()
+            ),
+        });
+    }
+    for (key, why) in &snap.unreadable {
+        findings.push(Finding {
+            kind: "unreadable".into(),
+            rule: String::new(),
+            address: None,
+            seq: None,
+            handle: String::new(),
+            ifname: String::new(),
+            node: String::new(),
+            block: String::new(),
+            detail: format!("{key} does not decode ({why}): skipped"),
+        });
+    }
     CheckReport {
         allocations,
         blocks: snap.blocks.len(),
@@ -337,6 +425,7 @@ pub fn check(snap: &Snapshot) -> CheckReport {
 fn affinity_findings(snap: &Snapshot) -> Vec<Finding> {
     let finding = |kind: &str, node: &str, block: String, detail: String| Finding {
         kind: kind.into(),
+        rule: String::new(),
         address: None,
         seq: None,
         handle: String::new(),
@@ -374,6 +463,29 @@ fn affinity_findings(snap: &Snapshot) -> Vec<Finding> {
                 format!("affinity record {key} names no block affine to its node"),
             )),
         }
+    }
+    out
+}
+
+/// `/metrics` line: blocks retained under a refused pool change.
+pub fn retained_metrics(retained: usize) -> String {
+    format!(
+        "# HELP calix_ipam_retained_blocks Blocks holding this node's addresses that no configured pool makes any more (a refused pool change, kept until released).\n# TYPE calix_ipam_retained_blocks gauge\ncalix_ipam_retained_blocks {retained}\n"
+    )
+}
+
+/// `/metrics` lines: the stored blocks that do not count, by the rule they broke (every rule
+/// listed, 0 included, so an alert can watch for any of them).
+pub fn ignored_metrics(ignored: &[Ignored]) -> String {
+    let mut out = String::from(
+        "# HELP calix_ipam_ignored_blocks Stored IPAM blocks that break the rule for blocks and are ignored, by rule (calixctl ipam check lists them).\n# TYPE calix_ipam_ignored_blocks gauge\n",
+    );
+    for rule in wellformed::Rule::ALL {
+        let n = ignored.iter().filter(|i| i.rule == rule).count();
+        out.push_str(&format!(
+            "calix_ipam_ignored_blocks{{rule=\"{}\"}} {n}\n",
+            rule.name()
+        ));
     }
     out
 }

@@ -28,6 +28,7 @@ fn settings(me: &str, topology: Topology, reflector: bool) -> Settings {
             ("10.244.0.0/16".parse().expect("net"), VxlanMode::Always),
             ("10.0.0.0/8".parse().expect("net"), VxlanMode::Never),
         ],
+        blocks: crate::routes::view::tests::pools(),
     }
 }
 
@@ -845,4 +846,104 @@ fn all_verdicts(e: &Engine) -> BTreeMap<(String, IpNet), Verdict> {
         .iter()
         .flat_map(|(peer, j)| j.verdicts.iter().map(|(p, v)| ((peer.clone(), *p), *v)))
         .collect()
+}
+
+/// Issue 20, item 1a: blocks forged affine to node c — a /32 over a's pod's address, and
+/// 0.0.0.0/0 — are not advertised by c's own agent, and a refuses them when c announces them
+/// (before: c advertised both, a accepted both, and longest-prefix match pulled a's pod's
+/// traffic, or everything, to c).
+#[test]
+fn forged_blocks_are_neither_advertised_nor_accepted() {
+    let t0 = Instant::now();
+    let forged = [
+        block_kv("10.244.0.1/32", "c", &[]),
+        block_kv("0.0.0.0/0", "c", &[]),
+    ];
+    let mut c = engine("c", Topology::Mesh, false);
+    for kv in &forged {
+        c.view_event(&put(kv.clone()));
+    }
+    let own: Vec<String> = c.flush(t0).own.keys().map(ToString::to_string).collect();
+    assert_eq!(own, ["10.244.0.128/26"], "c advertises only its real block");
+    let mut a = engine("a", Topology::Mesh, false);
+    for kv in &forged {
+        a.view_event(&put(kv.clone()));
+    }
+    a.flush(t0);
+    a.peer_event(
+        "c",
+        snapshot(vec![
+            route("10.244.0.1/32", "c"),
+            route("0.0.0.0/0", "c"),
+            route("10.244.0.128/26", "c"),
+        ]),
+        t0,
+    );
+    a.flush(t0);
+    a.tick(t0 + SETTLE);
+    let o = a.flush(t0 + SETTLE);
+    assert_eq!(
+        prefixes(&o),
+        ["10.244.0.128/26"],
+        "a takes only c's real block"
+    );
+    for p in ["10.244.0.1/32", "0.0.0.0/0"] {
+        assert_eq!(
+            a.verdict("c", &p.parse().expect("net")),
+            Some(Verdict::Refused(Refusal::BlockIgnored)),
+            "{p}"
+        );
+    }
+    assert_eq!(a.refusals().get(&Refusal::BlockIgnored), Some(&2));
+    assert_eq!(a.view().ignored().len(), 2);
+}
+
+/// New pools sort the blocks again: a block of a size the pool did not make counts once the
+/// pool says it had that size before, and stops counting when the pool goes.
+#[test]
+fn new_pools_sort_the_blocks_again() {
+    let t0 = Instant::now();
+    let mut c = engine("c", Topology::Mesh, false);
+    c.view_event(&put(block_kv("10.244.1.0/28", "c", &[])));
+    let own = |e: &mut Engine| -> Vec<String> {
+        e.flush(t0).own.keys().map(ToString::to_string).collect()
+    };
+    assert_eq!(own(&mut c), ["10.244.0.128/26"]);
+    let mut pools = crate::routes::view::tests::pools();
+    pools[0].previous_block_sizes.push(28);
+    c.set_block_pools(pools.clone());
+    assert_eq!(own(&mut c), ["10.244.0.128/26", "10.244.1.0/28"]);
+    pools.remove(0);
+    c.set_block_pools(pools);
+    assert!(own(&mut c).is_empty());
+}
+
+/// The route guard, whatever validation said: c's block 10.244.0.128/26 is valid, but it
+/// covers node d's recorded address 10.244.0.130 (a node whose address sits in a pod pool), so
+/// it never reaches the reconciler: counted once, kept out while it lasts. Before, it was
+/// handed over, and traffic to node d would have gone to c.
+#[test]
+fn the_route_guard_keeps_out_a_valid_route_covering_a_nodes_address() {
+    let t0 = Instant::now();
+    let mut a = engine("a", Topology::Mesh, false);
+    a.view_event(&put(node_kv("d", &["10.244.0.130"], false)));
+    a.flush(t0);
+    a.peer_event("c", snapshot(vec![route("10.244.0.128/26", "c")]), t0);
+    a.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
+    let o = a.flush(t0);
+    assert_eq!(
+        a.verdict("c", &"10.244.0.128/26".parse().expect("net")),
+        Some(Verdict::Accepted),
+        "validation accepts it"
+    );
+    assert_eq!(prefixes(&o), ["10.244.0.64/26"], "the guard keeps it out");
+    let o = a.flush(t0 + Duration::from_secs(1));
+    assert_eq!(prefixes(&o), ["10.244.0.64/26"]);
+    assert_eq!(
+        a.guard_counts()
+            .get(&crate::reconcile::remote::Guarded::CoversNodeAddress),
+        Some(&1),
+        "counted once"
+    );
+    assert_eq!(a.guarded().len(), 1);
 }
