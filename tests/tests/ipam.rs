@@ -712,7 +712,13 @@ fn sighup_applies_pool_changes_and_refuses_unsafe_ones() {
 #[test]
 fn a_requested_address_is_checked_like_every_allocation_across_block_sizes_and_nodes() {
     let etcd = EtcdNs::start();
-    let pools = |bs: u8| format!("[[pools]]\ncidr = \"10.66.0.0/24\"\nblockSize = {bs}\n");
+    // The old size stays one the pool had (previousBlockSizes): its blocks still count.
+    let pools = |bs: u8| {
+        format!(
+            "[[pools]]\ncidr = \"10.66.0.0/24\"\nblockSize = {bs}\npreviousBlockSizes = [{}]\n",
+            if bs == 26 { "" } else { "26" }
+        )
+    };
     let a = Node::create(Dataplane::Kernel, None);
     let url = etcd.wire(&a.ns);
     let a = a.with_config(&etcd_config(&url, &pools(26)));

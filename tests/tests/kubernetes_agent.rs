@@ -666,8 +666,10 @@ fn a_fixed_address_is_checked_like_every_allocation_and_refusals_name_the_rule()
     let q1 = add(&b, "q1", json!({}));
     assert_eq!(q1.ip(), "10.77.0.64");
     // The pool's block size becomes 28: those blocks stay as they are.
-    api.apply(ippool_for(&pool, "10.77.0.0/24", 28, &u, Value::Null))
-        .unwrap_or_else(|e| panic!("{e}"));
+    // The old size stays one the pool had (previousBlockSizes): its blocks still count.
+    let mut resized = ippool_for(&pool, "10.77.0.0/24", 28, &u, Value::Null);
+    resized["spec"]["previousBlockSizes"] = json!([26]);
+    api.apply(resized).unwrap_or_else(|e| panic!("{e}"));
     wait_for(
         "a's agent uses blockSize 28",
         Duration::from_secs(30),
