@@ -139,13 +139,21 @@ mod tests {
             .arg("30")
             .spawn()
             .expect("sleep");
-        let left = left_behind(&run).expect("left_behind");
+        // spawn returns once the child has exec'd, but the kernel sets the new argv's bounds
+        // a moment later (after the parent wakes), so /proc/<pid>/cmdline can still be empty:
+        // look until the child is listed, for at most 5 s.
+        let pid = child.id().to_string();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let left = loop {
+            let left = left_behind(&run).expect("left_behind");
+            if left.iter().any(|l| l.contains(&pid)) || std::time::Instant::now() > deadline {
+                break left;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
         let _ = child.kill();
         let _ = child.wait();
-        assert!(
-            left.iter().any(|l| l.contains(&child.id().to_string())),
-            "{left:?}"
-        );
+        assert!(left.iter().any(|l| l.contains(&pid)), "{left:?}");
         assert!(left_behind(&run).expect("left_behind").is_empty());
     }
 }
