@@ -442,8 +442,10 @@ fn a_non_reflector_cannot_relay_and_a_direct_route_wins_over_a_relayed_one() {
     assert_eq!(o.desired[0].next_hop.to_string(), "172.31.1.3");
 }
 
-/// 100 peers × 100 blocks: every route validated and merged, and a re-validation of all of
-/// them after a datastore change, in well under the 2 s (debug build).
+/// 100 peers × 100 blocks: every route validated and merged; a block's change re-judges only
+/// the routes inside it, a fresh listing all of them. What judging costs is counted in routes
+/// judged, not timed: speed is measured by `cargo xtask bench routes`, not asserted here (the
+/// times are printed for the curious).
 #[test]
 fn a_hundred_peers_with_a_hundred_blocks_each() {
     let t0 = Instant::now();
@@ -476,26 +478,33 @@ fn a_hundred_peers_with_a_hundred_blocks_each() {
     e.view_listed(Part::Nodes, &nodes);
     e.view_listed(Part::Blocks, &blocks);
     e.flush(t0);
-    let start = Instant::now();
+    let (start, before) = (Instant::now(), e.judged());
     for (name, routes) in snapshots {
         e.peer_event(&name, snapshot(routes), t0);
     }
     let o = e.flush(t0);
-    let learn = start.elapsed();
+    let (learn, learn_cost) = (start.elapsed(), e.judged() - before);
     assert_eq!(o.desired.len(), 10_000);
     assert!(o.complete);
-    let start = Instant::now();
+    let (start, before) = (Instant::now(), e.judged());
     e.view_event(&put(block_kv("10.200.0.0/26", "n1", &[])));
     assert_eq!(e.flush(t0).desired.len(), 10_000);
-    let block = start.elapsed();
-    let start = Instant::now();
+    let (block, block_cost) = (start.elapsed(), e.judged() - before);
+    let (start, before) = (Instant::now(), e.judged());
     e.view_listed(Part::Blocks, &blocks);
     assert_eq!(e.flush(t0).desired.len(), 10_000);
-    let revalidate = start.elapsed();
+    let (revalidate, revalidate_cost) = (start.elapsed(), e.judged() - before);
     eprintln!(
         "learn 10000 routes: {learn:?}; a block's change: {block:?}; a fresh listing (re-judges all): {revalidate:?}"
     );
-    assert!(learn < Duration::from_secs(2) && revalidate < Duration::from_secs(2));
+    // Every route judged once to learn it, the one route inside the changed block again,
+    // and every route again after a fresh listing.
+    assert_eq!(learn_cost, 10_000);
+    assert!(
+        block_cost <= 1,
+        "a block's change judged {block_cost} routes"
+    );
+    assert_eq!(revalidate_cost, 10_000);
 }
 
 /// A deadline that passed without a tick (the loop woke for something else just then) is
