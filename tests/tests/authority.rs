@@ -4,16 +4,29 @@
 //! - what a node's ServiceAccount token carries: bound to a pod on the node (as a DaemonSet
 //!   pod's projected token) or to the Node, the node's name in
 //!   `extra["authentication.kubernetes.io/node-name"]`; unbound, none;
-//! - the rogue node: one node's real pod-bound credentials try every attack on another node's
-//!   blocks, allocations, handles, affinities, CalixNode and endpoints while real agents on two
-//!   node namespaces (kubernetes datastore, route distribution) serve pods that ping each other
-//!   throughout; each attack is refused naming its rule, its own writes are admitted, no ping is
-//!   lost, nothing of the victim's changes;
+//! - the rogue node: a node of the cluster (its namespace on the underlay, its Node object,
+//!   its route-distribution certificate, its agent's pod-bound token; its agent stopped by the
+//!   attacker) tries every attack on the other nodes while their real agents (kubernetes
+//!   datastore, route distribution) serve pods that ping each other throughout: writes to
+//!   another node's blocks, allocations, handles, affinities, CalixNode and endpoints (each
+//!   refused naming its rule; its own writes admitted), a certificate for another node's name
+//!   (denied by calix-signer), posing as another node at a Routes door with its own
+//!   certificate or a forged one (refused), and 64 idle connections to each other node's
+//!   Routes door (the other nodes' streams never drop). No ping is lost, nothing of the
+//!   victim's changes;
 //! - the rules about a node's own records (keys, names, labels, CIDRs, sequence numbers, the
 //!   release of a block still holding an allocation, finalizers).
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
 use calix_testbed::k8s::BoundTo;
-use calix_testbed::{unique, KubeApi};
+use calix_testbed::signer::Signer;
+use calix_testbed::{unique, Cluster, KubeApi};
+use common::certs::{ask, condition, request, setup, try_watch, AGENT_SA, NS};
+use common::flood::Flood;
 use serde_json::{json, Value};
+
+mod common;
 
 /// The chart's ClusterRole for the agent (charts/calix/files/rbac/), as one file in `dir`.
 fn cluster_role(dir: &std::path::Path) -> std::path::PathBuf {
@@ -199,6 +212,35 @@ fn victim(api: &KubeApi, kind: &str, node: &str, pick: impl Fn(&Value) -> bool) 
         .unwrap_or_else(|| panic!("no {kind} of {node}"))
 }
 
+/// Node `i`'s Routes door's counters (`calixctl nodes -o json`).
+fn door_of(c: &Cluster, i: usize) -> Value {
+    c.nodes[i]
+        .agent()
+        .calixctl_json(&["nodes"])
+        .unwrap_or_else(|e| panic!("{e}"))["door"]
+        .clone()
+}
+
+/// Node `i`'s stream from peer `peer`: (state, snapshots received).
+fn a_b_stream(c: &Cluster, i: usize, peer: &str) -> (String, u64) {
+    let report = c.nodes[i]
+        .agent()
+        .calixctl_json(&["nodes"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    report["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == peer)
+        .map(|p| {
+            (
+                p["state"].as_str().unwrap_or_default().to_string(),
+                p["snapshots"].as_u64().unwrap_or(0),
+            )
+        })
+        .unwrap_or_default()
+}
+
 #[test]
 fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_pods_keep_their_traffic(
 ) {
@@ -206,7 +248,7 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
     let ca = calix_testbed::tls::Ca::new("calix-test-ca").expect("CA");
     let u = unique("r");
     let cluster =
-        calix_testbed::Cluster::create(calix_testbed::Dataplane::Kernel, &[1, 1], |i, c| {
+        calix_testbed::Cluster::create(calix_testbed::Dataplane::Kernel, &[1, 1, 1], |i, c| {
             let token = api.agent_token(c.name(i)).unwrap_or_else(|e| panic!("{e}"));
             let kubeconfig = api
                 .wire_as(&c.nodes[i].ns, &token)
@@ -219,8 +261,9 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
                     .unwrap_or_else(|e| panic!("{e}"))
             )
         });
+    // Nodes a and b, and the rogue: node 2, whose agent never runs (its attacker stopped it).
     let (a, b) = (cluster.name(0).to_string(), cluster.name(1).to_string());
-    for i in [0, 1] {
+    for i in [0, 1, 2] {
         node_object(
             &api,
             cluster.name(i),
@@ -233,7 +276,22 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
         "spec": {"cidr": "10.244.0.0/16", "blockSize": 26, "nodeSelector": {"calix.dev/test": u}},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
-    cluster.start();
+    // A signer for the cluster's certificate requests (the agents here use certificate files;
+    // the rogue's requests are what it judges), and the agents' right to make requests.
+    let sign = setup(&u, 3600);
+    let (certs, _) =
+        calix_testbed::signer::agent_certificate_rules(&sign).unwrap_or_else(|e| panic!("{e}"));
+    api.grant(
+        &format!("{AGENT_SA}-{u}-requests"),
+        None,
+        NS,
+        AGENT_SA,
+        certs,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let signer = Signer::start(&api, sign.clone()).unwrap_or_else(|e| panic!("{e}"));
+    cluster.nodes[0].start_agent();
+    cluster.nodes[1].start_agent();
     let pa = calix_testbed::Pod::add(&cluster.nodes[0], "a");
     let pb = calix_testbed::Pod::add(&cluster.nodes[1], "b");
     calix_testbed::wait_for(
@@ -273,7 +331,7 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
     // The rogue: a node of the cluster with its agent's real credentials (a token of the
     // agents' ServiceAccount bound to a pod on it), and the same ServiceAccount's token
     // bound to nothing.
-    let rogue = unique("rogue");
+    let rogue = cluster.name(2).to_string();
     let token = api.agent_token(&rogue).unwrap_or_else(|e| panic!("{e}"));
     let unbound = api
         .service_account_token(
@@ -602,6 +660,77 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
             .await,
         )]
     });
+
+    // From the rogue's place in the network. A certificate for another node's name, asked for
+    // with the rogue's own token: denied.
+    for victim in [&a, &b] {
+        let r = ask(&api, &token, &sign, &request(victim, &[victim]).0);
+        let d = condition(&r, "Denied").unwrap_or_else(|| {
+            panic!("a request for {victim} as {rogue}: {r:#}\n{}", signer.log())
+        });
+        assert_eq!(d["reason"], "OtherNode", "{d}");
+        assert!(r["status"]["certificate"].is_null(), "{r:#}");
+    }
+    // Its own certificate (its node's files), claiming to be node b at node a's door; and one
+    // for node b from a CA of its own making with the cluster CA's name: refused.
+    let rogue_tls = cluster.nodes[2].dir.join("tls");
+    let read =
+        |f: String| std::fs::read_to_string(rogue_tls.join(f)).expect("the rogue's TLS files");
+    let (own_cert, own_key) = (read(format!("{rogue}.crt")), read(format!("{rogue}.key")));
+    let forged = calix_testbed::tls::Ca::new("calix-test-ca")
+        .and_then(|f| f.issue(&b))
+        .expect("a forged certificate");
+    for (what, cert, key) in [
+        ("its own certificate", &own_cert, &own_key),
+        ("a forged certificate", &forged.cert_pem, &forged.key_pem),
+    ] {
+        let got = try_watch(&cluster, 2, 0, &b, &ca.pem(), cert, key);
+        assert!(
+            got.is_err(),
+            "{what}, posing as node b at node a's door: {got:?}"
+        );
+        eprintln!("{what}, posing as node b at node a's door: {got:?}");
+    }
+    assert!(
+        door_of(&cluster, 0)["refused_identity"].as_u64() >= Some(1),
+        "{}",
+        door_of(&cluster, 0)
+    );
+    // 64 idle connections from the rogue to each other node's Routes door, for 12 s (more than
+    // two handshake timeouts): a's and b's streams from each other never drop or start over.
+    let door = |i: usize| SocketAddr::new(cluster.address(i).parse().expect("address"), 5474);
+    let floods = [0, 1].map(|i| Flood::start(&cluster.nodes[2].ns, vec![None; 64], door(i)));
+    let before = [a_b_stream(&cluster, 0, &b), a_b_stream(&cluster, 1, &a)];
+    assert!(before.iter().all(|(state, _)| state == "up"), "{before:?}");
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(12) {
+        let now = [a_b_stream(&cluster, 0, &b), a_b_stream(&cluster, 1, &a)];
+        assert_eq!(
+            now,
+            before,
+            "a's and b's streams from each other in the rogue's flood: [connected, closed at \
+             once, held, timed out, failed] {:?} {:?}",
+            floods[0].get(),
+            floods[1].get()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    for (i, f) in floods.iter().enumerate() {
+        let [connected, ..] = f.get();
+        eprintln!(
+            "the rogue's flood of node {i}'s door: {:?}; the door: {}",
+            f.get(),
+            door_of(&cluster, i)
+        );
+        assert!(
+            connected >= 8,
+            "the flood of node {i}'s door reached it: {:?}",
+            f.get()
+        );
+    }
+    drop(floods);
+    drop(signer);
+
     // The pods keep pinging a while after the last attempt: long enough for anything that had
     // got through to reach the agents' watches and routes.
     std::thread::sleep(std::time::Duration::from_secs(5));
@@ -684,7 +813,7 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
     );
     // The agents' own writes (claims, handles, affinities, node records, endpoints): all
     // admitted.
-    for n in &cluster.nodes {
+    for n in &cluster.nodes[..2] {
         let log = n.agent_log();
         let refused = calix_testbed::authority::refusals(&log);
         assert!(refused.is_empty(), "{}", refused.join("\n"));

@@ -15,58 +15,24 @@
 //!
 //! Each test has a signer of its own (its own signerName, CA Secret and bundle ConfigMap); the
 //! two with agents run one after the other (agents follow every Node of the shared API server).
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use calix_testbed::pod_net::Flow;
-use calix_testbed::signer::{self, Signer, SignerSetup};
+use calix_testbed::signer::{Signer, SignerSetup};
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Pod};
+use common::certs::{
+    agent_rules, ask, base64, condition, decided, decode_base64, request, setup, try_watch,
+    AGENT_SA, NS,
+};
 use serde_json::{json, Value};
+
+mod common;
 
 /// One cluster of agents at a time: agents follow every Node of the API server they share,
 /// and two test beds' nodes have the same underlay addresses.
 fn one_cluster_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static CLUSTERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
     CLUSTERS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Where the agents' ServiceAccount and the signer's objects live.
-const NS: &str = "kube-system";
-const AGENT_SA: &str = "calix-agent";
-
-fn setup(u: &str, lifetime_secs: u64) -> SignerSetup {
-    SignerSetup {
-        signer_name: format!("calix.dev/{u}"),
-        namespace: NS.into(),
-        ca_secret: format!("{u}-ca"),
-        ca_config_map: format!("{u}-bundle"),
-        service_account: format!("{u}-signer"),
-        agents: format!("{NS}/{AGENT_SA}"),
-        lifetime_secs,
-    }
-}
-
-/// The agents' ServiceAccount with the chart's rules and nothing else: the agent's, the
-/// kubernetes datastore's, and (for `s`) the certificate requests and the bundle.
-fn agent_rules(api: &KubeApi, s: &SignerSetup) {
-    api.service_account(NS, AGENT_SA)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut cluster = Vec::new();
-    for f in ["agent.yaml", "kubernetes-datastore.yaml"] {
-        cluster.extend(signer::chart_rules(f, &[]).unwrap_or_else(|e| panic!("{e}")));
-    }
-    let (certs, bundle) = signer::agent_certificate_rules(s).unwrap_or_else(|e| panic!("{e}"));
-    cluster.extend(certs);
-    api.grant(AGENT_SA, None, NS, AGENT_SA, cluster)
-        .unwrap_or_else(|e| panic!("{e}"));
-    api.grant(
-        &format!("{AGENT_SA}-{}", s.ca_config_map),
-        Some(NS),
-        NS,
-        AGENT_SA,
-        bundle,
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// Node `name` as the kubelet registers it: `labels`, and `addresses` (type, address).
@@ -194,175 +160,6 @@ fn bundle(api: &KubeApi, s: &SignerSetup) -> String {
         },
         String::new,
     )
-}
-
-/// A CertificateSigningRequest for `s`'s signer with `request` (PEM), made as `token`;
-/// the request as the API has it once the signer decided (at most 60 s).
-fn ask(api: &KubeApi, token: &str, s: &SignerSetup, request: &str) -> Value {
-    let csr = json!({
-        "apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
-        "metadata": {"generateName": "cxt-test-"},
-        "spec": {"request": base64(request.as_bytes()), "signerName": s.signer_name,
-            "usages": ["digital signature", "server auth", "client auth"]},
-    });
-    let created = api.with_token(token, move |c| async move {
-        use k8s_openapi::api::certificates::v1::CertificateSigningRequest;
-        let api: kube::Api<CertificateSigningRequest> = kube::Api::all(c);
-        let obj: CertificateSigningRequest = serde_json::from_value(csr).expect("a CSR");
-        api.create(&Default::default(), &obj)
-            .await
-            .map(|o| o.metadata.name.unwrap_or_default())
-    });
-    let name = created.unwrap_or_else(|e| panic!("create the CSR as the token's user: {e}"));
-    decided(api, &name)
-}
-
-/// CertificateSigningRequest `name` once decided (issued, denied or failed), at most 60 s.
-fn decided(api: &KubeApi, name: &str) -> Value {
-    wait_for(
-        &format!("the signer decides {name}"),
-        Duration::from_secs(60),
-        || {
-            let csr = api
-                .get(
-                    "certificates.k8s.io/v1",
-                    "CertificateSigningRequest",
-                    None,
-                    name,
-                )
-                .ok()
-                .flatten()?;
-            let done = csr["status"]["certificate"]
-                .as_str()
-                .is_some_and(|c| !c.is_empty())
-                || condition(&csr, "Denied").is_some()
-                || condition(&csr, "Failed").is_some();
-            done.then_some(csr)
-        },
-        String::new,
-    )
-}
-
-/// The condition `type_` of a request, if true.
-fn condition(csr: &Value, type_: &str) -> Option<Value> {
-    csr["status"]["conditions"]
-        .as_array()?
-        .iter()
-        .find(|c| c["type"] == type_ && c["status"] == "True")
-        .cloned()
-}
-
-fn base64(data: &[u8]) -> String {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::new();
-    for chunk in data.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for i in 0..4 {
-            out.push(if i <= chunk.len() {
-                A[((n >> (18 - 6 * i)) & 63) as usize] as char
-            } else {
-                '='
-            });
-        }
-    }
-    out
-}
-
-fn decode_base64(text: &str) -> Vec<u8> {
-    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = Vec::new();
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for c in text
-        .bytes()
-        .filter(|c| *c != b'=' && !c.is_ascii_whitespace())
-    {
-        let v = A.iter().position(|a| *a == c).expect("base64") as u32;
-        acc = (acc << 6) | v;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    out
-}
-
-/// A request with subject CN `cn` and DNS names `sans`, with a fresh key; (request, key).
-fn request(cn: &str, sans: &[&str]) -> (String, String) {
-    let key = rcgen::KeyPair::generate().expect("key");
-    let mut p = rcgen::CertificateParams::default();
-    p.distinguished_name = rcgen::DistinguishedName::new();
-    p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-    p.subject_alt_names = sans
-        .iter()
-        .map(|n| rcgen::SanType::DnsName(n.to_string().try_into().expect("ia5")))
-        .collect();
-    let pem = p
-        .serialize_request(&key)
-        .expect("request")
-        .pem()
-        .expect("pem");
-    (pem, key.serialize_pem())
-}
-
-/// From node `from`'s namespace: watch node `to` as node `as_node` presenting `cert`/`key`
-/// (trusting `bundle`); `Ok` once the first update arrived, else why not.
-fn try_watch(
-    c: &Cluster,
-    from: usize,
-    to: usize,
-    as_node: &str,
-    bundle: &str,
-    cert: &str,
-    key: &str,
-) -> Result<(), String> {
-    use calix_agent::routes::client::{connect, Dialer};
-    use calix_proto::v1 as pb;
-    let p = Path::new("(test)");
-    let tls = calix_agent::routes::tls::TlsMaterial::from_pem(
-        (p, bundle.as_bytes()),
-        (p, cert.as_bytes()),
-        (p, key.as_bytes()),
-    )
-    .and_then(|m| m.client_config())
-    .expect("TLS material");
-    let dialer = Dialer {
-        me: as_node.to_string(),
-        tls: Some(tls),
-        live: None,
-        connect_timeout: Duration::from_secs(3),
-        source: Default::default(),
-    };
-    let peer = c.name(to).to_string();
-    let endpoint = format!("{}:5474", c.address(to));
-    c.nodes[from].ns.run(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let channel = connect(&peer, &endpoint, &dialer).await?;
-            let mut stream = pb::routes_client::RoutesClient::new(channel)
-                .watch(pb::WatchRequest {
-                    node: dialer.me.clone(),
-                    relayed: false,
-                })
-                .await
-                .map_err(|s| format!("{}: {}", s.code(), s.message()))?
-                .into_inner();
-            stream
-                .message()
-                .await
-                .map_err(|s| format!("{}: {}", s.code(), s.message()))?
-                .map(|_| ())
-                .ok_or_else(|| "the stream ended".to_string())
-        })
-    })
 }
 
 /// Removes what a test put in the shared API server (its stand-in agent pods, Nodes, pool).
