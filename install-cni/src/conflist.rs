@@ -19,7 +19,8 @@ pub const CNI_VERSION: &str = "1.0.0";
 #[derive(Debug, Clone, PartialEq)]
 pub struct Conflist {
     pub network: String,
-    /// The pods' MTU; `None`: the agent's answer (README, "CNI network config").
+    /// The pods' MTU; `None`: the agent's answer (docs/reference/config.md, "The CNI network
+    /// config").
     pub mtu: Option<u32>,
     /// The agent's socket as the plugin sees it: a path on the node.
     pub agent_socket: PathBuf,

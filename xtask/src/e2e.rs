@@ -20,7 +20,7 @@ pub fn run_e2e(image: Option<PathBuf>, modes: &str) -> Result<()> {
     let k8s = util::workspace_root().join("../shared/k8s/bin");
     if !k8s.join("kubelet.xz").is_file() {
         bail!(
-            "no Kubernetes binaries in {} (see README, \"The end-to-end run\")",
+            "no Kubernetes binaries in {} (see docs/testing.md, \"The end-to-end run\")",
             k8s.display()
         );
     }
