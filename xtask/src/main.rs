@@ -2,6 +2,7 @@
 mod bench;
 mod build_ebpf;
 mod demo;
+mod docs;
 mod e2e;
 mod fuzz;
 mod image;
@@ -71,6 +72,9 @@ enum Task {
         #[arg(long, default_value_t = 60)]
         seconds: u64,
     },
+    /// Check that every relative link in README.md and docs/ resolves (files and #anchors) and
+    /// that the README is at most 200 lines (also a unit test, so `cargo xtask test` runs it).
+    Docs,
     /// Benchmarks (need root); results go to docs/bench/.
     Bench {
         #[command(subcommand)]
@@ -93,6 +97,7 @@ fn main() -> Result<()> {
         Task::Image => image::run_image().map(|_| ()),
         Task::E2e { image, modes } => e2e::run_e2e(image, &modes),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
+        Task::Docs => docs::run(),
         Task::Bench { scenario } => bench::run(scenario),
         Task::Netperf { mode } => bench::netperf(mode),
     }
