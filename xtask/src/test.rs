@@ -8,6 +8,9 @@ use crate::util::{self, output};
 
 pub fn run_tests(extra: &[String]) -> Result<()> {
     util::require_root("the test suite")?;
+    // First, as it takes seconds and builds nothing: the layers and structure of the crates.
+    println!("[0/4] layers (cargo xtask layers)");
+    crate::layers::run(!crate::layers::ENFORCE_LAYERS)?;
     println!("[1/4] prerequisites");
     crate::setup::run()?;
     util::ensure_bpffs()?;
