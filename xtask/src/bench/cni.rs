@@ -511,3 +511,38 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     root.present()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::harness::{around, render};
+
+    #[test]
+    fn the_report_renders() {
+        let reps = 2;
+        let samples = |add: f64, del: f64| Samples {
+            add: Calls::fake(add, reps),
+            del: Calls::fake(del, reps),
+            conc: [around(20.0 * add, reps), around(50.0 * add, reps)],
+            load: around(0.4, reps),
+        };
+        let r = Report {
+            pods: 40,
+            reps,
+            plugins_version: "1.1.1".into(),
+            calix: samples(2.5, 2.0),
+            ptp: samples(9.0, 6.0),
+            floors: Floors {
+                truth: Calls::fake(0.6, reps),
+                nsexec: Calls::fake(0.8, reps),
+                link_del: Calls::fake(1.9, reps),
+                load: around(0.3, reps),
+            },
+            bench: Bench::fake(),
+        };
+        let md = r.markdown();
+        let svg = render("cni", &md, |p| chart(p, &r));
+        assert!(md.starts_with("# CNI"));
+        assert!(svg.contains("ptp + host-local") && svg.contains("ip link del floor"));
+    }
+}

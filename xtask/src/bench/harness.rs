@@ -132,6 +132,56 @@ impl Bench {
     }
 }
 
+#[cfg(test)]
+impl Bench {
+    /// A bench that set nothing up, on a fixed machine: for rendering reports in unit tests.
+    pub fn fake() -> Self {
+        Self {
+            prefix: format!("{PREFIX}-test"),
+            // Never created; removed on drop if a test made it.
+            dir: std::env::temp_dir().join(format!("{PREFIX}-test-{}", std::process::id())),
+            bins: PathBuf::from("target/release"),
+            rev: "0123abc".into(),
+            machine: Machine {
+                date: "2026-01-02 03:04 UTC".into(),
+                kernel: "6.12.0-test".into(),
+                cpu: "Test CPU @ 2.00GHz".into(),
+                cpus: 2,
+            },
+            cpu: 1,
+            started: Instant::now(),
+        }
+    }
+}
+
+/// Renders a report as [`Bench::publish`] writes it (`<name>.md`, `<name>.svg`) into the
+/// directory `$XTASK_BENCH_RENDER` (to look at them), or a temporary one; returns the SVG.
+#[cfg(test)]
+pub fn render(name: &str, md: &str, chart: impl FnOnce(&Path) -> Result<()>) -> String {
+    let dir = std::env::var_os("XTASK_BENCH_RENDER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("{PREFIX}-render-{}", std::process::id()))
+        });
+    std::fs::create_dir_all(&dir).expect("render directory");
+    std::fs::write(dir.join(format!("{name}.md")), md).expect("markdown written");
+    let svg = dir.join(format!("{name}.svg"));
+    chart(&svg).expect("chart drawn");
+    let text = std::fs::read_to_string(&svg).expect("chart written");
+    if std::env::var_os("XTASK_BENCH_RENDER").is_none() {
+        let _ = std::fs::remove_file(&svg);
+        let _ = std::fs::remove_file(dir.join(format!("{name}.md")));
+        let _ = std::fs::remove_dir(&dir);
+    }
+    text
+}
+
+/// `n` made-up samples around `x` (for reports rendered in tests).
+#[cfg(test)]
+pub fn around(x: f64, n: usize) -> Vec<f64> {
+    (0..n).map(|i| x * (1.0 + 0.02 * i as f64)).collect()
+}
+
 impl Drop for Bench {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);

@@ -438,6 +438,39 @@ pub fn chart_root<'a>(
 }
 
 #[cfg(test)]
+impl Calls {
+    /// Made-up calls around `x` ms over `reps` repetitions (for reports rendered in tests).
+    pub fn fake(x: f64, reps: usize) -> Self {
+        Self {
+            all: super::harness::around(x, 20 * reps),
+            p50s: super::harness::around(x * 1.1, reps),
+        }
+    }
+}
+
+#[cfg(test)]
+impl Traffic {
+    /// Made-up samples of `reps` repetitions, scaled by `k` (for reports rendered in tests).
+    pub fn fake(k: f64, reps: usize) -> Self {
+        let a = |x: f64| super::harness::around(x, reps);
+        Self {
+            crr: a(30_000.0 * k),
+            rr_p50: a(20.0 / k),
+            rr_p99: a(35.0 / k),
+            rr_rate: a(45_000.0 * k),
+            gbps: a(40.0 * k),
+            zero_windows: a(3.0),
+            fwd_per_conn: a(5.0 * (k - 1.0).abs()),
+            fwd_per_rt: a(2.0 * (k - 1.0).abs()),
+            fwd_iperf: a(1e5 * (k - 1.0).abs()),
+            load: a(1.1),
+            others_busy: a(6.0),
+            steal: a(0.5),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -417,3 +417,53 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     root.present()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::harness::{around, render};
+
+    #[test]
+    fn the_report_renders() {
+        let (pods, reps) = (20, 2);
+        let seen = |ms: f64| convergence::Seen {
+            route: around(ms / 2.0, pods),
+            route_from_start: around(ms, pods),
+            reply: around(ms, pods),
+        };
+        let conv = |ms: f64| Conv {
+            add: around(3.0, pods),
+            seen: [seen(ms), seen(2.0 * ms)],
+            floor: around(0.3, pods),
+            load: around(0.5, pods),
+        };
+        let phase = |s: f64| scale::Samples {
+            secs: around(s, reps),
+            cpu: around(s / 2.0, reps),
+            peak_mib: around(20.0, reps),
+            rss_mib: around(18.0, reps),
+            anon_mib: around(10.0, reps),
+            file_mib: around(8.0, reps),
+            idle_mib: around(6.0, reps),
+            blocks_mib: around(15.0, reps),
+            kernel_routes: around(10_000.0, reps),
+        };
+        let r = Report {
+            pods,
+            reps,
+            quick: true,
+            conv: [conv(40.0), conv(60.0)],
+            scale: Scale {
+                res: [[phase(0.8), phase(1.1)], [phase(0.6), phase(0.9)]],
+                blocks_ms: around(900.0, reps),
+                records_ms: around(300.0, reps),
+                load: around(0.7, reps),
+            },
+            bench: Bench::fake(),
+        };
+        let md = r.markdown();
+        let svg = render("routes", &md, |p| chart(p, &r));
+        assert!(md.starts_with("# Routes between nodes"));
+        assert!(svg.contains("agent peak RSS"));
+    }
+}
