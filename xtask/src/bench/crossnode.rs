@@ -35,9 +35,11 @@ use calix_testbed::{veth, Cluster, Dataplane, Guarded, Netns, Plugin};
 use plotters::style::RGBColor;
 use serde_json::json;
 
-use super::harness::{check_interrupted, order, repetition, version, Bench, Machine};
+use super::chart::{self, traffic_chart, traffic_title};
+use super::harness::{check_interrupted, repetitions, version, warm_up, Bench, Compared, Machine};
 use super::report::{
-    busy_note, fmt_0, fmt_1, fmt_2, median, ratio, targets, Series, Traffic as Samples,
+    busy_note_of, fmt_0, fmt_1, fmt_2, heading, median, ratio, targets, traffic_table,
+    Traffic as Samples, RATIOS_NOTE,
 };
 
 /// Node 0 and 1 on subnet 1, node 2 on subnet 2.
@@ -72,31 +74,20 @@ const VARIANTS: [Variant; 6] = [
     Variant::PlainVxlan,
 ];
 
-impl Variant {
-    /// Its label, its tag and its chart colour.
+impl Compared for Variant {
     fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::Underlay => ("underlay (node to node)", "und", RGBColor(0x7f, 0x7f, 0x7f)),
-            Self::Kernel => ("calix kernel", "kern", RGBColor(0x2c, 0xa0, 0x2c)),
-            Self::Ebpf => ("calix eBPF", "ebpf", RGBColor(0x1f, 0x77, 0xb4)),
-            Self::KernelVxlan => ("calix kernel, VXLAN", "kvx", RGBColor(0x98, 0xdf, 0x8a)),
-            Self::EbpfVxlan => ("calix eBPF, VXLAN", "evx", RGBColor(0xae, 0xc7, 0xe8)),
-            Self::PlainVxlan => (
-                "plain VXLAN (flannel-like)",
-                "pvx",
-                RGBColor(0xff, 0x7f, 0x0e),
-            ),
+            Self::Underlay => ("underlay (node to node)", "und", chart::GREY),
+            Self::Kernel => ("calix kernel", "kern", chart::GREEN),
+            Self::Ebpf => ("calix eBPF", "ebpf", chart::BLUE),
+            Self::KernelVxlan => ("calix kernel, VXLAN", "kvx", chart::LIGHT_GREEN),
+            Self::EbpfVxlan => ("calix eBPF, VXLAN", "evx", chart::LIGHT_BLUE),
+            Self::PlainVxlan => ("plain VXLAN (flannel-like)", "pvx", chart::ORANGE),
         }
     }
+}
 
-    fn label(self) -> &'static str {
-        self.info().0
-    }
-
-    fn tag(self) -> &'static str {
-        self.info().1
-    }
-
+impl Variant {
     /// The server's node in its cluster (the client is always on node 0).
     fn server_node(self) -> usize {
         match self {
@@ -296,30 +287,14 @@ fn build(b: &Bench, ca: &Ca, tools: &Tools) -> Result<(Beds, Vec<Topology>)> {
             _servers: servers,
         };
         // The first connections wait for routes to spread and devices to appear.
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let w = loop {
-            match tools.warm_up(&t.traffic) {
-                Ok(w) => break w,
-                Err(e) if std::time::Instant::now() > deadline => {
-                    return Err(e).with_context(|| {
-                        format!(
-                            "{}: {} cannot reach {} (warm-up)",
-                            v.label(),
-                            client.name,
-                            server_ip
-                        )
-                    })
-                }
-                Err(_) => std::thread::sleep(std::time::Duration::from_millis(500)),
-            }
-        };
-        println!(
-            "[setup] {}: {} → {} ({server_ip}), warm-up RR p50 {:.1} µs",
+        let patience = std::time::Duration::from_secs(20);
+        warm_up(
+            tools,
             v.label(),
-            client.name,
-            server.name,
-            w.p50_us
-        );
+            &t.traffic,
+            &server_ip.to_string(),
+            patience,
+        )?;
         topo.push(t);
     }
     beds.pods = pods;
@@ -428,10 +403,6 @@ fn path(b: &Bench, tools: &Tools, t: &Topology, v: Variant) -> Result<PathRun> {
 }
 
 pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
-    anyhow::ensure!(
-        reps >= 1 && secs >= 1,
-        "--reps and --secs must be at least 1"
-    );
     let b = Bench::setup(
         "the cross-node benchmark",
         &[
@@ -466,19 +437,11 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         paths.push(p);
     }
     let mut res: [Samples; 6] = Default::default();
-    for rep in 0..reps {
-        repetition(
-            rep,
-            reps,
-            &order(&VARIANTS, rep, true),
-            |v| v.label().into(),
-            |v| {
-                let t = &topo[v as usize];
-                let m = tools.measure(&t.traffic, secs, Some(&t.nodes[0]), false)?;
-                Ok(res[v as usize].push(&m))
-            },
-        )?;
-    }
+    repetitions(reps, &VARIANTS, |v| {
+        let t = &topo[v as usize];
+        let m = tools.measure(&t.traffic, secs, Some(&t.nodes[0]), false)?;
+        Ok(res[v as usize].push(&m))
+    })?;
     drop(topo);
     drop(beds);
     b.done();
@@ -578,22 +541,17 @@ impl Report {
 
     fn markdown(&self) -> String {
         let m = self.machine();
-        let mut s = String::from("# Cross-node pod to pod: calix kernel, eBPF and VXLAN vs the underlay and plain VXLAN\n\n");
-        if self.quick {
-            s.push_str("**Development run (`--quick`): too short to publish.**\n\n");
-        }
+        let mut s = heading(
+            "Cross-node pod to pod: calix kernel, eBPF and VXLAN vs the underlay and plain VXLAN",
+            self.quick,
+        );
         s.push_str(&format!(
-            "Measured {} by `cargo xtask bench crossnode --reps {} --secs {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {}: release build, `calix-agent --dataplane ebpf` / `kernel`, etcd, \
-             route distribution over mutual TLS, pods wired by the `calix` CNI plugin; {}.\n\n",
-            m.date,
-            self.reps,
-            self.secs,
-            m.cpu,
-            m.cpus,
-            m.cpus,
-            m.kernel,
-            self.bench.rev,
+            "{}: release build, `calix-agent --dataplane ebpf` / `kernel`, etcd, route \
+             distribution over mutual TLS, pods wired by the `calix` CNI plugin; {}.\n\n",
+            self.bench.measured(&format!(
+                "crossnode --reps {} --secs {}",
+                self.reps, self.secs
+            )),
             self.iperf_version,
         ));
         s.push_str(&format!(
@@ -625,51 +583,29 @@ impl Report {
             self.secs,
             self.reps,
         ));
-        s.push_str(
-            "| variant | conn/s (TCP_CRR) | TCP_RR p50 | TCP_RR p99 | TCP_RR round trips/s | \
-             throughput | load before | other CPU busy |\n|---|---|---|---|---|---|---|---|\n",
-        );
-        for v in VARIANTS {
-            s.push_str(&self.get(v).row(v.label(), true));
-        }
-        for (a, b) in [
-            (Variant::Ebpf, Variant::Kernel),
-            (Variant::EbpfVxlan, Variant::PlainVxlan),
-            (Variant::KernelVxlan, Variant::PlainVxlan),
-            (Variant::EbpfVxlan, Variant::KernelVxlan),
-            (Variant::Ebpf, Variant::Underlay),
-            (Variant::Kernel, Variant::Underlay),
-            (Variant::EbpfVxlan, Variant::Underlay),
-            (Variant::PlainVxlan, Variant::Underlay),
-        ] {
-            let label = format!("{} / {}", a.label(), b.label());
-            s.push_str(&Samples::ratio_row(
-                &label,
-                self.get(a),
-                Some(self.get(b)),
-                true,
-            ));
-        }
-        s.push_str(
-            "\nRatios of medians: above 1× is better for conn/s, round trips/s and throughput, \
-             below 1× is better for the round-trip latencies.\n",
-        );
+        let row = |v: Variant| (v.label(), self.get(v));
+        s.push_str(&traffic_table(
+            VARIANTS.map(row),
+            [
+                (Variant::Ebpf, Variant::Kernel),
+                (Variant::EbpfVxlan, Variant::PlainVxlan),
+                (Variant::KernelVxlan, Variant::PlainVxlan),
+                (Variant::EbpfVxlan, Variant::KernelVxlan),
+                (Variant::Ebpf, Variant::Underlay),
+                (Variant::Kernel, Variant::Underlay),
+                (Variant::EbpfVxlan, Variant::Underlay),
+                (Variant::PlainVxlan, Variant::Underlay),
+            ]
+            .map(|(a, b)| (row(a), row(b))),
+        ));
+        s.push_str(RATIOS_NOTE);
         s.push_str(&targets(
             "Targets (issue 13, medians):",
             &self.targets(),
             "",
         ));
         s.push_str(&self.where_time_goes());
-        let all = |f: fn(&Samples) -> &Vec<f64>| -> Vec<f64> {
-            self.res.iter().flat_map(|r| f(r).iter().copied()).collect()
-        };
-        s.push_str(&busy_note(
-            self.cpu,
-            m.cpus,
-            &all(|r| &r.others_busy),
-            &all(|r| &r.steal),
-            &all(|r| &r.load),
-        ));
+        s.push_str(&busy_note_of(self.cpu, m.cpus, &self.res));
         s.push_str("\n![crossnode chart](crossnode.svg)\n");
         s
     }
@@ -823,32 +759,9 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    let root = super::report::chart_root(
-        path,
-        (1300, 480),
-        &format!(
-            "Cross-node pod to pod, medians of {} reps × {} s ({})",
-            r.reps,
-            r.secs,
-            r.machine().date
-        ),
-    )?;
-    let panels = root.split_evenly((1, 3));
-    let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<Series> {
-        VARIANTS
-            .iter()
-            .map(|&v| (v.label(), v.info().2, f(r.get(v))))
-            .collect()
-    };
-    super::report::traffic_panels(
-        &panels,
-        "TCP_CRR",
-        &series(&|s| vec![Some(median(&s.crr))]),
-        &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &series(&|s| vec![Some(median(&s.gbps))]),
-    )?;
-    root.present()?;
-    Ok(())
+    let title = traffic_title("Cross-node pod to pod", r.reps, r.secs, &r.machine().date);
+    let variants = VARIANTS.map(|v| (v.label(), v.color(), Some(r.get(v))));
+    traffic_chart(path, (1300, 480), &title, &variants)
 }
 
 #[cfg(test)]

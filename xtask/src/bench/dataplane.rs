@@ -23,8 +23,10 @@
 //! target/bench/ instead: development numbers are not published).
 use std::net::Ipv4Addr;
 use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
+use calix_kernel::pod::HOST_VETH_MAC;
 use calix_testbed::packets::{eth, udp_with, Ip4, ETH_P_IP, UDP};
 use calix_testbed::traffic::cpu::{ksoftirqd_pid, task_cpu_ns};
 use calix_testbed::traffic::flood::flood;
@@ -34,11 +36,13 @@ use calix_testbed::{veth, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin, CN
 use plotters::style::RGBColor;
 use serde_json::json;
 
+use super::chart::{self, traffic_chart, traffic_title};
 use super::harness::{
-    check_interrupted, cni_plugins_version, order, repetition, version, Bench, Machine,
+    check_interrupted, cni_plugins_version, repetitions, version, warm_up, Bench, Compared, Machine,
 };
 use super::report::{
-    busy_note, fmt_1, fmt_2, fmt_spread_with, median, ratio, targets, Series, Traffic as Samples,
+    busy_note_of, fmt_0, fmt_1, fmt_2, fmt_spread_with, heading, median, ratio, targets,
+    traffic_table, Traffic as Samples, RATIOS_NOTE,
 };
 
 const BRIDGE_SUBNET: &str = "10.245.0.0/24";
@@ -52,8 +56,6 @@ const PROG_COST_SECS: f64 = 2.0;
 const FLOOD_SECS: f64 = 1.0;
 /// The flood's source: not the client pod's address, so `from_pod` drops every frame.
 const SPOOFED: [u8; 4] = [10, 244, 250, 250];
-/// The MAC of every host-side `cali*` veth (`calix_common::HOST_VETH_MAC`).
-const HOST_VETH_MAC: [u8; 6] = [0xee; 6];
 /// The programs whose run time is read (from their pins): the pod-side pair.
 const COST_PROGS: [&str; 2] = ["from_pod", "to_pod"];
 /// calix `from_pod`'s cost above the minimal tc program's before issue 13's work on it (ns per
@@ -80,25 +82,16 @@ const VARIANTS: [Variant; 6] = [
     Variant::EbpfClsBpf,
 ];
 
-impl Variant {
-    /// Its label, its tag (in the names of what it creates) and its chart colour.
+impl Compared for Variant {
     fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::Ebpf => ("calix eBPF", "ebpf", RGBColor(0x1f, 0x77, 0xb4)),
-            Self::Kernel => ("calix kernel", "kern", RGBColor(0x2c, 0xa0, 0x2c)),
-            Self::Bridge => ("bridge", "brdg", RGBColor(0xff, 0x7f, 0x0e)),
-            Self::Veth => ("raw veth", "veth", RGBColor(0x7f, 0x7f, 0x7f)),
-            Self::Floor => ("minimal tc program", "flor", RGBColor(0x94, 0x67, 0xbd)),
-            Self::EbpfClsBpf => ("calix eBPF, cls_bpf", "ebtc", RGBColor(0x17, 0xbe, 0xcf)),
+            Self::Ebpf => ("calix eBPF", "ebpf", chart::BLUE),
+            Self::Kernel => ("calix kernel", "kern", chart::GREEN),
+            Self::Bridge => ("bridge", "brdg", chart::ORANGE),
+            Self::Veth => ("raw veth", "veth", chart::GREY),
+            Self::Floor => ("minimal tc program", "flor", chart::PURPLE),
+            Self::EbpfClsBpf => ("calix eBPF, cls_bpf", "ebtc", chart::CYAN),
         }
-    }
-
-    fn label(self) -> &'static str {
-        self.info().0
-    }
-
-    fn tag(self) -> &'static str {
-        self.info().1
     }
 }
 
@@ -194,10 +187,6 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
 }
 
 pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
-    anyhow::ensure!(
-        reps >= 1 && secs >= 1,
-        "--reps and --secs must be at least 1"
-    );
     let tools_needed = ["iperf3", "nstat", "sysctl"];
     let b = Bench::setup(
         "the dataplane benchmark",
@@ -215,22 +204,13 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         let t =
             topology(&b, &tools, v, &floor).with_context(|| format!("setting up {}", v.label()))?;
         let tr = &t.traffic;
-        let w = tools.warm_up(tr).with_context(|| {
-            format!(
-                "{}: {} cannot reach {} (warm-up)",
-                v.label(),
-                tr.client.name,
-                tr.server_ip
-            )
-        })?;
-        println!(
-            "[setup] {}: {} → {} ({}), warm-up RR p50 {:.1} µs",
+        warm_up(
+            &tools,
             v.label(),
-            tr.client.name,
-            tr.server.name,
-            tr.server_ip,
-            w.p50_us
-        );
+            tr,
+            &tr.server_ip.to_string(),
+            Duration::ZERO,
+        )?;
         topo.push(t);
     }
 
@@ -238,27 +218,19 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let mut cost: [Cost; 6] = Default::default();
     let mut attach: [Attach; 6] = Default::default();
     let ksoftirqd = ksoftirqd_pid(tools.cpu);
-    for rep in 0..reps {
-        repetition(
-            rep,
-            reps,
-            &order(&VARIANTS, rep, true),
-            |v| v.label().into(),
-            |v| {
-                let t = &topo[v as usize];
-                let m = tools.measure(&t.traffic, secs, t.node_ns.as_ref(), true)?;
-                let mut line = res[v as usize].push(&m);
-                if let Some(pins) = &t.prog_pins {
-                    line.push_str(&cost[v as usize].measure(&tools, &t.traffic, pins)?);
-                }
-                if let (Variant::Ebpf | Variant::EbpfClsBpf, Some(n)) = (v, &t._node) {
-                    let a = &mut attach[v as usize];
-                    line.push_str(&a.measure(n, &t.traffic, (tools.cpu, ksoftirqd))?);
-                }
-                Ok(line)
-            },
-        )?;
-    }
+    repetitions(reps, &VARIANTS, |v| {
+        let t = &topo[v as usize];
+        let m = tools.measure(&t.traffic, secs, t.node_ns.as_ref(), true)?;
+        let mut line = res[v as usize].push(&m);
+        if let Some(pins) = &t.prog_pins {
+            line.push_str(&cost[v as usize].measure(&tools, &t.traffic, pins)?);
+        }
+        if let (Variant::Ebpf | Variant::EbpfClsBpf, Some(n)) = (v, &t._node) {
+            let a = &mut attach[v as usize];
+            line.push_str(&a.measure(n, &t.traffic, (tools.cpu, ksoftirqd))?);
+        }
+        Ok(line)
+    })?;
     drop(topo);
     b.done();
     let report = Report {
@@ -409,7 +381,7 @@ impl Report {
         let (ec, kc, rc) = (median(&e.crr), median(&k.crr), median(&r.crr));
         let (el, kl) = (median(&e.rr_p50), median(&k.rr_p50));
         let (eg, rg) = (median(&e.gbps), median(&r.gbps));
-        let f0 = super::report::fmt_0;
+        let f0 = fmt_0;
         let fc = median(&self.get(Variant::Floor).crr);
         let above = median(&self.above_floor());
         let (base, base_rev) = BASELINE_ABOVE_FLOOR;
@@ -475,28 +447,18 @@ impl Report {
 
     fn markdown(&self) -> String {
         let m = self.machine();
-        let mut s = String::new();
-        s.push_str(
-            "# Same-node pod-to-pod dataplane: calix eBPF and kernel mode vs bridge and a raw \
-             veth\n\n",
+        let mut s = heading(
+            "Same-node pod-to-pod dataplane: calix eBPF and kernel mode vs bridge and a raw veth",
+            self.quick,
         );
-        if self.quick {
-            s.push_str("**Development run (`--quick`): too short to publish.**\n\n");
-        }
         s.push_str(&format!(
-            "Measured {} by `cargo xtask bench dataplane --reps {} --secs {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {}: release build, `calix-agent --dataplane ebpf` / `kernel` with \
-             the embedded datastore, pods wired by the `calix` CNI plugin; `bridge` + \
-             `host-local` from Debian's containernetworking-plugins {} (`isGateway`, \
-             {BRIDGE_SUBNET}); {}.\n\n",
-            m.date,
-            self.reps,
-            self.secs,
-            m.cpu,
-            m.cpus,
-            m.cpus,
-            m.kernel,
-            self.bench.rev,
+            "{}: release build, `calix-agent --dataplane ebpf` / `kernel` with the embedded \
+             datastore, pods wired by the `calix` CNI plugin; `bridge` + `host-local` from \
+             Debian's containernetworking-plugins {} (`isGateway`, {BRIDGE_SUBNET}); {}.\n\n",
+            self.bench.measured(&format!(
+                "dataplane --reps {} --secs {}",
+                self.reps, self.secs
+            )),
             self.plugins_version,
             self.iperf_version,
         ));
@@ -532,38 +494,24 @@ impl Report {
             self.secs,
             self.reps,
         ));
-        s.push_str(
-            "| variant | conn/s (TCP_CRR) | TCP_RR p50 | TCP_RR p99 | TCP_RR round trips/s | \
-             throughput | load before | other CPU busy |\n",
-        );
-        s.push_str("|---|---|---|---|---|---|---|---|\n");
-        for v in VARIANTS {
-            s.push_str(&self.get(v).row(v.label(), true));
-        }
-        for (a, b) in [
-            (Variant::Ebpf, Variant::Veth),
-            (Variant::Ebpf, Variant::Kernel),
-            (Variant::Ebpf, Variant::Bridge),
-            (Variant::Ebpf, Variant::Floor),
-            (Variant::Ebpf, Variant::EbpfClsBpf),
-            (Variant::Floor, Variant::Veth),
-            (Variant::Floor, Variant::Kernel),
-            (Variant::Kernel, Variant::Veth),
-            (Variant::Bridge, Variant::Veth),
-        ] {
-            let label = format!("{} / {}", a.label(), b.label());
-            s.push_str(&Samples::ratio_row(
-                &label,
-                self.get(a),
-                Some(self.get(b)),
-                true,
-            ));
-        }
+        let row = |v: Variant| (v.label(), self.get(v));
+        s.push_str(&traffic_table(
+            VARIANTS.map(row),
+            [
+                (Variant::Ebpf, Variant::Veth),
+                (Variant::Ebpf, Variant::Kernel),
+                (Variant::Ebpf, Variant::Bridge),
+                (Variant::Ebpf, Variant::Floor),
+                (Variant::Ebpf, Variant::EbpfClsBpf),
+                (Variant::Floor, Variant::Veth),
+                (Variant::Floor, Variant::Kernel),
+                (Variant::Kernel, Variant::Veth),
+                (Variant::Bridge, Variant::Veth),
+            ]
+            .map(|(a, b)| (row(a), row(b))),
+        ));
         s.push_str(&self.cost_markdown());
-        s.push_str(
-            "\nRatios of medians: above 1× is better for conn/s, round trips/s and throughput, \
-             below 1× is better for the round-trip latencies.\n",
-        );
+        s.push_str(RATIOS_NOTE);
         s.push_str(&format!(
             "\nWhy the iperf3 receiver runs at nice {IPERF_NICE}: with client and server on one \
              CPU the sender also runs the receive softirq, and an equal-priority receiver fell \
@@ -576,7 +524,7 @@ impl Report {
                 .map(|&v| format!(
                     "{} {}",
                     v.label(),
-                    fmt_spread_with(&self.get(v).zero_windows, "", super::report::fmt_0)
+                    fmt_spread_with(&self.get(v).zero_windows, "", fmt_0)
                 ))
                 .collect::<Vec<_>>()
                 .join("; ")
@@ -600,7 +548,7 @@ impl Report {
                 v.label(),
                 fmt_spread_with(&x.fwd_per_conn, "", fmt_2),
                 fmt_spread_with(&x.fwd_per_rt, "", fmt_2),
-                fmt_spread_with(&x.fwd_iperf, "", super::report::fmt_0),
+                fmt_spread_with(&x.fwd_iperf, "", fmt_0),
             ));
         }
         let (e, k) = (self.get(Variant::Ebpf), self.get(Variant::Kernel));
@@ -624,16 +572,7 @@ impl Report {
             &self.targets(),
             "",
         ));
-        let all = |f: fn(&Samples) -> &Vec<f64>| -> Vec<f64> {
-            self.res.iter().flat_map(|r| f(r).iter().copied()).collect()
-        };
-        s.push_str(&busy_note(
-            self.cpu,
-            m.cpus,
-            &all(|r| &r.others_busy),
-            &all(|r| &r.steal),
-            &all(|r| &r.load),
-        ));
+        s.push_str(&busy_note_of(self.cpu, m.cpus, &self.res));
         s.push_str("\n![dataplane chart](dataplane.svg)\n");
         s
     }
@@ -642,7 +581,7 @@ impl Report {
 impl Report {
     fn cost_markdown(&self) -> String {
         let f1 = |v: &[f64]| fmt_spread_with(v, "", fmt_1);
-        let f0 = |v: &[f64]| fmt_spread_with(v, "", super::report::fmt_0);
+        let f0 = |v: &[f64]| fmt_spread_with(v, "", fmt_0);
         let mut s = format!(
             "\nWhat the programs cost per packet: the kernel's BPF run-time statistics \
              (`kernel.bpf_stats_enabled`, run_time_ns / run_cnt of each program, read from its \
@@ -701,32 +640,9 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    let root = super::report::chart_root(
-        path,
-        (1200, 460),
-        &format!(
-            "Same-node pod-to-pod, medians of {} reps × {} s ({})",
-            r.reps,
-            r.secs,
-            r.machine().date
-        ),
-    )?;
-    let panels = root.split_evenly((1, 3));
-    let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<Series> {
-        VARIANTS
-            .iter()
-            .map(|&v| (v.label(), v.info().2, f(r.get(v))))
-            .collect()
-    };
-    super::report::traffic_panels(
-        &panels,
-        "TCP_CRR",
-        &series(&|s| vec![Some(median(&s.crr))]),
-        &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &series(&|s| vec![Some(median(&s.gbps))]),
-    )?;
-    root.present()?;
-    Ok(())
+    let title = traffic_title("Same-node pod-to-pod", r.reps, r.secs, &r.machine().date);
+    let variants = VARIANTS.map(|v| (v.label(), v.color(), Some(r.get(v))));
+    traffic_chart(path, (1200, 460), &title, &variants)
 }
 
 #[cfg(test)]

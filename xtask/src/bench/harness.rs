@@ -4,11 +4,12 @@
 //! writing the report.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use calix_testbed::traffic::Tools;
+use calix_testbed::traffic::{Tools, Traffic};
 use calix_testbed::{AgentSpec, Dataplane, Netns, Node, CNI_DIR};
+use plotters::style::RGBColor;
 
 use crate::util::{self, output};
 
@@ -96,6 +97,16 @@ impl Bench {
             netperf: self.bins.join("xtask"),
             cpu: self.cpu,
         }
+    }
+
+    /// `Measured <date> by `cargo xtask bench <args>` on <CPU> × <n> (<n> CPUs), kernel <k>.
+    /// calix <rev>`: how a report says what it was measured on, to go on with what calix was.
+    pub fn measured(&self, args: &str) -> String {
+        let m = &self.machine;
+        format!(
+            "Measured {} by `cargo xtask bench {args}` on {} × {} ({} CPUs), kernel {}. calix {}",
+            m.date, m.cpu, m.cpus, m.cpus, m.kernel, self.rev
+        )
     }
 
     /// Says the measurements are over (call it once everything is dropped).
@@ -199,6 +210,75 @@ pub fn order<V: Copy>(variants: &[V], rep: usize, rotate: bool) -> Vec<V> {
         false => {}
     }
     v
+}
+
+/// Warms up `tr`, variant `label`'s traffic, retrying for `patience` (the first connections
+/// may wait for routes to spread and devices to appear), and says so with the server's
+/// `address` as the line shows it.
+pub fn warm_up(
+    tools: &Tools,
+    label: &str,
+    tr: &Traffic,
+    address: &str,
+    patience: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + patience;
+    let w = loop {
+        match tools.warm_up(tr) {
+            Ok(w) => break w,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "{label}: {} cannot reach {} (warm-up)",
+                        tr.client.name, tr.server_ip
+                    )
+                })
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    println!(
+        "[setup] {label}: {} → {} ({address}), warm-up RR p50 {:.1} µs",
+        tr.client.name, tr.server.name, w.p50_us
+    );
+    Ok(())
+}
+
+/// What a bench compares (a variant, a filter): its label (in the report and the chart), its
+/// tag (in the names of what it creates) and its colour (in the chart).
+pub trait Compared: Copy {
+    fn info(self) -> (&'static str, &'static str, RGBColor);
+
+    fn label(self) -> &'static str {
+        self.info().0
+    }
+
+    fn tag(self) -> &'static str {
+        self.info().1
+    }
+
+    fn color(self) -> RGBColor {
+        self.info().2
+    }
+}
+
+/// Every repetition of `variants`, interleaved (the order rotated every repetition):
+/// `measure` for each.
+pub fn repetitions<V: Compared>(
+    reps: usize,
+    variants: &[V],
+    mut measure: impl FnMut(V) -> Result<String>,
+) -> Result<()> {
+    for rep in 0..reps {
+        repetition(
+            rep,
+            reps,
+            &order(variants, rep, true),
+            |v| v.label().into(),
+            &mut measure,
+        )?;
+    }
+    Ok(())
 }
 
 /// Repetition `rep` (from 0) of `reps`: `measure` for each of `variants` in turn, stopping at

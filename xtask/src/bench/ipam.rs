@@ -39,13 +39,15 @@ use anyhow::{bail, Context, Result};
 use calix_proto::v1 as pb;
 use calix_testbed::traffic::cpu::load_average;
 use calix_testbed::{Agent, AgentSpec, Call, Dataplane, EtcdNs, KubeApi, Netns, Plugin, CNI_DIR};
+use plotters::style::RGBColor;
 use serde_json::json;
 use tokio::runtime::Runtime;
 use tonic::transport::Channel;
 
-use super::harness::{cni_plugins_version, order, repetition, true_floor, Bench};
+use super::chart::{self, Layout, Panel};
+use super::harness::{cni_plugins_version, order, repetition, true_floor, Bench, Compared};
 use super::report::{
-    fmt_ms, fmt_spread_with, load_note, loads, median, panel, percentile, ratio, Calls,
+    fmt_ms, fmt_spread_with, heading, load_note, loads, median, percentile, ratio, Calls,
 };
 use crate::util::output;
 
@@ -80,23 +82,14 @@ const VARIANTS: [Variant; 4] = [
 /// The calix variants (every one but host-local).
 const CALIX: [Variant; 3] = [Variant::Embedded, Variant::Etcd, Variant::Kubernetes];
 
-impl Variant {
-    /// Its label and its tag (in the names of what it creates).
-    fn info(self) -> (&'static str, &'static str) {
+impl Compared for Variant {
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::Embedded => ("calix, embedded", "e"),
-            Self::Etcd => ("calix, etcd", "d"),
-            Self::Kubernetes => ("calix, kubernetes", "k"),
-            Self::HostLocal => ("host-local", "h"),
+            Self::Embedded => ("calix, embedded", "e", chart::BLUE),
+            Self::Etcd => ("calix, etcd", "d", chart::GREEN),
+            Self::Kubernetes => ("calix, kubernetes", "k", chart::PURPLE),
+            Self::HostLocal => ("host-local", "h", chart::ORANGE),
         }
-    }
-
-    fn label(self) -> &'static str {
-        self.info().0
-    }
-
-    fn tag(self) -> &'static str {
-        self.info().1
     }
 }
 
@@ -704,29 +697,22 @@ impl Report {
     }
 
     fn markdown(&self) -> String {
-        let m = &self.bench.machine;
         let f = &self.floors;
         let n = self.allocs;
-        let mut s = String::new();
-        s.push_str(
-            "# IPAM allocations per second: calix (embedded, etcd, kubernetes) vs host-local\n\n",
+        let mut s = heading(
+            "IPAM allocations per second: calix (embedded, etcd, kubernetes) vs host-local",
+            false,
         );
         s.push_str(&format!(
-            "Measured {} by `cargo xtask bench ipam --allocs {n} --reps {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {} (release build, `calix-agent --dataplane kernel`, pool \
+            "{} (release build, `calix-agent --dataplane kernel`, pool \
              {CALIX_POOL} in /{BLOCK_SIZE} blocks); the etcd backend against etcd {} (one member on \
              127.0.0.1, data on the same disk); the kubernetes backend against kube-apiserver \
              v1.36.2 (upstream, watch cache on) on its own etcd {}, both on 127.0.0.1 of a \
              namespace of their own (its IPAM objects kept across repetitions); `host-local` from Debian's \
              containernetworking-plugins {} (a {HOST_LOCAL_SUBNET} range). Every datastore is \
              in /tmp, on the root ext4 disk.\n\n",
-            m.date,
-            self.reps,
-            m.cpu,
-            m.cpus,
-            m.cpus,
-            m.kernel,
-            self.bench.rev,
+            self.bench
+                .measured(&format!("ipam --allocs {n} --reps {}", self.reps)),
             self.etcd_version,
             self.etcd_version,
             self.plugins_version,
@@ -844,29 +830,13 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    use plotters::prelude::*;
-    let root = super::report::chart_root(
-        path,
-        (900, 460),
-        &format!(
-            "IPAM allocations/s, calix vs host-local ({} allocations × {} reps, {})",
-            r.allocs, r.reps, r.bench.machine.date
-        ),
-    )?;
-    let colors = [
-        RGBColor(0x1f, 0x77, 0xb4),
-        RGBColor(0x2c, 0xa0, 0x2c),
-        RGBColor(0x94, 0x67, 0xbd),
-        RGBColor(0xff, 0x7f, 0x0e),
-    ];
     let rates = |s: &Samples| vec![Some(median(&s.seq)), Some(median(&s.conc))];
-    let series: Vec<_> = VARIANTS
+    let series = VARIANTS
         .iter()
-        .zip(colors)
-        .map(|(&v, c)| (v.label(), c, rates(r.get(v))))
+        .map(|&v| (v.label(), v.color(), rates(r.get(v))))
         .collect();
     let host_local = rates(r.get(Variant::HostLocal));
-    let label = |si: usize, gi: usize, v: f64| {
+    let label = move |si: usize, gi: usize, v: f64| {
         if VARIANTS[si] == Variant::HostLocal {
             fmt_rate(v)
         } else {
@@ -874,17 +844,23 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             format!("{} ({})", fmt_rate(v), ratio(v, reference))
         }
     };
-    panel(
-        &root,
-        "allocations per second (median); calix labels: ratio to host-local",
-        "allocations/s",
-        &["sequential", &format!("{IN_FLIGHT} in flight")],
-        &series,
-        &label,
-        None,
-    )?;
-    root.present()?;
-    Ok(())
+    let in_flight = format!("{IN_FLIGHT} in flight");
+    chart::chart(
+        path,
+        (900, 460),
+        &format!(
+            "IPAM allocations/s, calix vs host-local ({} allocations × {} reps, {})",
+            r.allocs, r.reps, r.bench.machine.date
+        ),
+        Layout::Grid(1, 1),
+        &[Panel::new(
+            "allocations per second (median); calix labels: ratio to host-local",
+            "allocations/s",
+            &["sequential", &in_flight],
+            series,
+            label,
+        )],
+    )
 }
 
 #[cfg(test)]

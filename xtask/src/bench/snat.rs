@@ -51,9 +51,10 @@ use calix_testbed::{json, uplink, AgentSpec, Dataplane, Guarded, Netns, Node, Pl
 use plotters::style::RGBColor;
 use serde_json::Value;
 
-use super::harness::{check_interrupted, order, repetition, version, Bench};
+use super::chart::{self, traffic_panels, Layout, Panel, Series};
+use super::harness::{check_interrupted, order, repetition, version, warm_up, Bench, Compared};
 use super::report::{
-    busy_note, fmt_0, fmt_1, fmt_2, fmt_spread_with, median, panel, ratio, targets, Series,
+    busy_note, fmt_0, fmt_1, fmt_2, fmt_spread_with, heading, median, ratio, targets,
     Traffic as Samples,
 };
 
@@ -93,26 +94,19 @@ const VARIANTS: [Variant; 5] = [
     Variant::CalixSnat,
 ];
 
-impl Variant {
-    /// Its label, its tag (in the names of what it creates) and its chart colour.
+impl Compared for Variant {
     fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::Routing => ("routing (no NAT)", "rt", RGBColor(0x7f, 0x7f, 0x7f)),
-            Self::EbpfRouting => ("calix eBPF, no NAT", "ert", RGBColor(0x9e, 0xc9, 0xe2)),
-            Self::Iptables => ("iptables MASQUERADE", "ipt", RGBColor(0xff, 0x7f, 0x0e)),
-            Self::Nftables => ("nftables masquerade", "nft", RGBColor(0xd6, 0x27, 0x28)),
-            Self::CalixSnat => ("calix eBPF SNAT", "snat", RGBColor(0x1f, 0x77, 0xb4)),
+            Self::Routing => ("routing (no NAT)", "rt", chart::GREY),
+            Self::EbpfRouting => ("calix eBPF, no NAT", "ert", chart::PALE_BLUE),
+            Self::Iptables => ("iptables MASQUERADE", "ipt", chart::ORANGE),
+            Self::Nftables => ("nftables masquerade", "nft", chart::RED),
+            Self::CalixSnat => ("calix eBPF SNAT", "snat", chart::BLUE),
         }
     }
+}
 
-    fn label(self) -> &'static str {
-        self.info().0
-    }
-
-    fn tag(self) -> &'static str {
-        self.info().1
-    }
-
+impl Variant {
     /// Whether the node translates the pod's address (no route back to the pool).
     fn nat(self) -> bool {
         matches!(self, Self::Iptables | Self::Nftables | Self::CalixSnat)
@@ -142,26 +136,19 @@ const FILTERS: [Filter; 5] = [
     Filter::Floor,
 ];
 
-impl Filter {
-    /// Its label, its tag (in the names of what it creates) and its chart colour.
+impl Compared for Filter {
     fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
-            Self::XdpNative => ("calix XDP native", "xn", RGBColor(0x1f, 0x77, 0xb4)),
-            Self::XdpGeneric => ("calix XDP generic", "xg", RGBColor(0x9e, 0xc9, 0xe2)),
-            Self::NftIngress => ("nft netdev ingress", "fi", RGBColor(0xff, 0x7f, 0x0e)),
-            Self::NftPrerouting => ("nft ip prerouting", "fp", RGBColor(0xd6, 0x27, 0x28)),
-            Self::Floor => ("no filter (floor)", "fl", RGBColor(0x7f, 0x7f, 0x7f)),
+            Self::XdpNative => ("calix XDP native", "xn", chart::BLUE),
+            Self::XdpGeneric => ("calix XDP generic", "xg", chart::PALE_BLUE),
+            Self::NftIngress => ("nft netdev ingress", "fi", chart::ORANGE),
+            Self::NftPrerouting => ("nft ip prerouting", "fp", chart::RED),
+            Self::Floor => ("no filter (floor)", "fl", chart::GREY),
         }
     }
+}
 
-    fn label(self) -> &'static str {
-        self.info().0
-    }
-
-    fn tag(self) -> &'static str {
-        self.info().1
-    }
-
+impl Filter {
     fn xdp_mode(self) -> Option<&'static str> {
         match self {
             Self::XdpNative => Some("native"),
@@ -570,10 +557,6 @@ fn measure_drops(
 // --- run -----------------------------------------------------------------------------------
 
 pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) -> Result<()> {
-    anyhow::ensure!(
-        reps >= 1 && secs >= 1,
-        "--reps and --secs must be at least 1"
-    );
     let extra = match &snat_config {
         Some(p) => Some(
             std::fs::read_to_string(p)
@@ -609,18 +592,9 @@ pub fn run(reps: usize, secs: u64, quick: bool, snat_config: Option<PathBuf>) ->
         if v == Variant::CalixSnat {
             snat_args = Some(t.node.agent_args(&[]).join(" "));
         }
-        let w = tools
-            .warm_up(&t.traffic)
-            .with_context(|| format!("{}: warm-up", v.label()))?;
-        println!(
-            "[setup] {}: {} → {} ({} seen as {}), warm-up RR p50 {:.1} µs",
-            v.label(),
-            t.traffic.client.name,
-            t.traffic.server.name,
-            t.pod_ip,
-            if v.nat() { NODE_UP } else { t.pod_ip },
-            w.p50_us
-        );
+        let seen_as = if v.nat() { NODE_UP } else { t.pod_ip };
+        let address = format!("{} seen as {seen_as}", t.pod_ip);
+        warm_up(&tools, v.label(), &t.traffic, &address, Duration::ZERO)?;
         topo.push(Ok(t));
     }
 
@@ -888,14 +862,11 @@ impl Report {
 
     fn markdown(&self) -> String {
         let (m, cpu) = (&self.bench.machine, self.bench.cpu);
-        let mut s = String::new();
-        s.push_str(
-            "# Pod → outside: calix eBPF SNAT vs MASQUERADE vs routing; XDP deny list vs nftables \
-             drops\n\n",
+        let mut s = heading(
+            "Pod → outside: calix eBPF SNAT vs MASQUERADE vs routing; XDP deny list vs nftables \
+             drops",
+            self.quick,
         );
-        if self.quick {
-            s.push_str("**Development run (`--quick`): too short to publish.**\n\n");
-        }
         s.push_str(&format!(
             "Measured {} by `cargo xtask bench snat --reps {} --secs {}{}` on {} × {} ({} CPUs, \
              Debian 12), kernel {}. calix {}: release build, `calix-agent` with the embedded \
@@ -1050,60 +1021,36 @@ impl Report {
 }
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    let root = super::report::chart_root(
+    let variants = VARIANTS.map(|v| {
+        let samples = r.unavailable(v).is_none().then(|| r.get(v));
+        (v.label(), v.color(), samples)
+    });
+    let mut panels = traffic_panels("pod → outside", &variants);
+    let drops: Vec<Series> = FILTERS
+        .iter()
+        .map(|&f| {
+            let s = r.dget(f);
+            let above = (f != Filter::Floor).then(|| median(&r.above_floor(f)));
+            (f.label(), f.color(), vec![Some(median(&s.total_ns)), above])
+        })
+        .collect();
+    panels.push(Panel::new(
+        "CPU ns per dropped packet, lower is better",
+        "ns",
+        &["sender + receive", "above the floor"],
+        drops,
+        |_, _, v| fmt_0(v),
+    ));
+    chart::chart(
         path,
         (1200, 820),
         &format!(
             "Pod → outside and drop filters, medians of {} reps × {} s ({})",
             r.reps, r.secs, r.bench.machine.date
         ),
-    )?;
-    let panels = root.split_evenly((2, 2));
-    let series = |f: &dyn Fn(&Samples) -> Vec<Option<f64>>| -> Vec<Series> {
-        VARIANTS
-            .iter()
-            .map(|&v| {
-                let values = if r.unavailable(v).is_some() {
-                    f(&Samples::default()).iter().map(|_| None).collect()
-                } else {
-                    f(r.get(v))
-                };
-                (v.label(), v.info().2, values)
-            })
-            .collect()
-    };
-    super::report::traffic_panels(
+        Layout::Grid(2, 2),
         &panels,
-        "pod → outside",
-        &series(&|s| vec![Some(median(&s.crr))]),
-        &series(&|s| vec![Some(median(&s.rr_p50)), Some(median(&s.rr_p99))]),
-        &series(&|s| vec![Some(median(&s.gbps))]),
-    )?;
-    let dseries: Vec<Series> = FILTERS
-        .iter()
-        .map(|&f| {
-            let s = r.dget(f);
-            (
-                f.label(),
-                f.info().2,
-                vec![
-                    Some(median(&s.total_ns)),
-                    (f != Filter::Floor).then(|| median(&r.above_floor(f))),
-                ],
-            )
-        })
-        .collect();
-    panel(
-        &panels[3],
-        "CPU ns per dropped packet, lower is better",
-        "ns",
-        &["sender + receive", "above the floor"],
-        &dseries,
-        &|_, _, v| fmt_0(v),
-        None,
-    )?;
-    root.present()?;
-    Ok(())
+    )
 }
 
 #[cfg(test)]
