@@ -10,6 +10,7 @@
 mod crates;
 mod files;
 mod modules;
+mod refs;
 #[cfg(test)]
 mod tests;
 
