@@ -7,6 +7,7 @@ mod e2e;
 mod fuzz;
 mod image;
 mod interrupt;
+mod layers;
 mod leftovers;
 mod setup;
 mod test;
@@ -51,6 +52,15 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Check the crates' layers (no crate depends on a layer above it or beside it), that
+    /// calix-core pulls in no tokio, aya, kube, tonic or netlink, that no crate's modules form a
+    /// cycle, and that no source file outside tests is over 700 lines. `cargo xtask test` runs
+    /// it first.
+    Layers {
+        /// Print what the checks find without failing.
+        #[arg(long)]
+        report: bool,
+    },
     /// The calix image, offline: static musl binaries, `podman build` (FROM scratch), then
     /// `podman save --format oci-archive` to target/image/calix.oci.tar.
     Image,
@@ -94,6 +104,7 @@ fn main() -> Result<()> {
         Task::BuildEbpf { feature } => build_ebpf::run(feature.as_deref()),
         Task::Demo { nodes, mode } => demo::run_demo(nodes, mode),
         Task::Test { args } => test::run_tests(&args),
+        Task::Layers { report } => layers::run(report),
         Task::Image => image::run_image().map(|_| ()),
         Task::E2e { image, modes } => e2e::run_e2e(image, &modes),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),

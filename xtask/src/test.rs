@@ -8,14 +8,17 @@ use crate::util::{self, output};
 
 pub fn run_tests(extra: &[String]) -> Result<()> {
     util::require_root("the test suite")?;
-    println!("[1/4] prerequisites");
+    // First, as it takes seconds and builds nothing: the layers and structure of the crates.
+    println!("[1/5] layers (cargo xtask layers)");
+    crate::layers::run(!crate::layers::ENFORCE_LAYERS)?;
+    println!("[2/5] prerequisites");
     crate::setup::run()?;
     util::ensure_bpffs()?;
-    println!("[2/4] building every binary, and the upgrade-test build of the eBPF programs");
+    println!("[3/5] building every binary, and the upgrade-test build of the eBPF programs");
     util::build_bins()?;
     calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), "upgrade-test")
         .map_err(|e| anyhow::anyhow!("building the upgrade-test eBPF object: {e}"))?;
-    println!("[3/4] cargo test --workspace (eBPF dataplane), then the dataplane-agnostic suites again in kernel mode");
+    println!("[4/5] cargo test --workspace (eBPF dataplane), then the dataplane-agnostic suites again in kernel mode");
     let root = util::workspace_root();
     let result = cargo_test(&root, &["--workspace".to_string()], extra, None).and_then(|()| {
         cargo_test(
@@ -25,7 +28,7 @@ pub fn run_tests(extra: &[String]) -> Result<()> {
             Some(("CALIX_TEST_DATAPLANE", "kernel")),
         )
     });
-    println!("[4/4] checking that the tests left nothing behind");
+    println!("[5/5] checking that the tests left nothing behind");
     let leaks = leftovers()?;
     result?;
     if !leaks.is_empty() {

@@ -24,9 +24,10 @@ use calix_testbed::traffic::cpu::load_average;
 use calix_testbed::{Call, Dataplane, Netns, Plugin, CNI_DIR, NODE_IP};
 use serde_json::json;
 
+use super::chart::{self, Layout, Panel};
 use super::harness::{cni_plugins_version, order, repetition, timed_cmd, true_floor, Bench};
 use super::report::{
-    fmt_ms, fmt_spread, load_note, loads, median, panel, percentile, ratio, targets, Calls,
+    fmt_ms, fmt_spread, heading, load_note, loads, median, percentile, ratio, targets, Calls,
 };
 use crate::util::{self, output, run as run_cmd};
 
@@ -355,25 +356,16 @@ impl Report {
     }
 
     fn markdown(&self) -> String {
-        let m = &self.bench.machine;
         let (c, p) = (&self.calix, &self.ptp);
         let f = &self.floors;
         let floor = self.link_del_p50();
-        let mut s = String::new();
-        s.push_str("# CNI ADD/DEL latency: calix vs ptp + host-local\n\n");
+        let mut s = heading("CNI ADD/DEL latency: calix vs ptp + host-local", false);
         s.push_str(&format!(
-            "Measured {} by `cargo xtask bench cni --pods {} --reps {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {} (release build, the plugin static (musl) as it ships, `calix-agent` with the \
+            "{} (release build, the plugin static (musl) as it ships, `calix-agent` with the \
              eBPF dataplane and the embedded datastore); `ptp` + `host-local` from Debian's containernetworking-plugins \
              {} (`ipMasq: false`, a /16).\n\n",
-            m.date,
-            self.pods,
-            self.reps,
-            m.cpu,
-            m.cpus,
-            m.cpus,
-            m.kernel,
-            self.bench.rev,
+            self.bench
+                .measured(&format!("cni --pods {} --reps {}", self.pods, self.reps)),
             self.plugins_version
         ));
         s.push_str(&format!(
@@ -437,77 +429,97 @@ impl Report {
 // --- chart ---------------------------------------------------------------------------------
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    use plotters::prelude::*;
-    let root = super::report::chart_root(
+    let (c, p) = (&r.calix, &r.ptp);
+    let floors = &r.floors.link_del;
+    let per_call = Panel::new(
+        "per call (ms)",
+        "ms",
+        &["ADD p50", "ADD p99", "DEL p50", "DEL p99"],
+        vec![
+            (
+                "calix",
+                chart::BLUE,
+                [c.add.p(50.0), c.add.p(99.0), c.del.p(50.0), c.del.p(99.0)]
+                    .map(Some)
+                    .to_vec(),
+            ),
+            (
+                "ptp + host-local",
+                chart::ORANGE,
+                [p.add.p(50.0), p.add.p(99.0), p.del.p(50.0), p.del.p(99.0)]
+                    .map(Some)
+                    .to_vec(),
+            ),
+            (
+                "ip link del floor",
+                chart::GREY,
+                vec![None, None, Some(floors.p(50.0)), Some(floors.p(99.0))],
+            ),
+        ],
+        |_, _, v| fmt_ms(v),
+    )
+    .reference("/bin/true in node netns p50", r.floors.nsexec.p(50.0));
+    let concurrent = Panel::new(
+        "concurrent ADDs, wall (ms)",
+        "ms",
+        &["20×ADD", "50×ADD"],
+        vec![
+            (
+                "calix",
+                chart::BLUE,
+                vec![Some(c.conc_median(0)), Some(c.conc_median(1))],
+            ),
+            (
+                "ptp + host-local",
+                chart::ORANGE,
+                vec![Some(p.conc_median(0)), Some(p.conc_median(1))],
+            ),
+        ],
+        |_, _, v| fmt_ms(v),
+    );
+    chart::chart(
         path,
         (1000, 460),
         &format!(
             "CNI fork-to-exit latency, calix vs ptp + host-local ({} pods × {} reps, {})",
             r.pods, r.reps, r.bench.machine.date
         ),
-    )?;
-    let (left, right) = root.split_horizontally(640);
-    let (c, p) = (&r.calix, &r.ptp);
-    let floor50 = r.floors.link_del.p(50.0);
-    let floor99 = r.floors.link_del.p(99.0);
-    let calix_color = RGBColor(0x1f, 0x77, 0xb4);
-    let ptp_color = RGBColor(0xff, 0x7f, 0x0e);
-    let floor_color = RGBColor(0x7f, 0x7f, 0x7f);
-    panel(
-        &left,
-        "per call (ms)",
-        "ms",
-        &["ADD p50", "ADD p99", "DEL p50", "DEL p99"],
-        &[
-            (
-                "calix",
-                calix_color,
-                vec![
-                    Some(c.add.p(50.0)),
-                    Some(c.add.p(99.0)),
-                    Some(c.del.p(50.0)),
-                    Some(c.del.p(99.0)),
-                ],
-            ),
-            (
-                "ptp + host-local",
-                ptp_color,
-                vec![
-                    Some(p.add.p(50.0)),
-                    Some(p.add.p(99.0)),
-                    Some(p.del.p(50.0)),
-                    Some(p.del.p(99.0)),
-                ],
-            ),
-            (
-                "ip link del floor",
-                floor_color,
-                vec![None, None, Some(floor50), Some(floor99)],
-            ),
-        ],
-        &|_, _, v| fmt_ms(v),
-        Some(("/bin/true in node netns p50", r.floors.nsexec.p(50.0))),
-    )?;
-    panel(
-        &right,
-        "concurrent ADDs, wall (ms)",
-        "ms",
-        &["20×ADD", "50×ADD"],
-        &[
-            (
-                "calix",
-                calix_color,
-                vec![Some(c.conc_median(0)), Some(c.conc_median(1))],
-            ),
-            (
-                "ptp + host-local",
-                ptp_color,
-                vec![Some(p.conc_median(0)), Some(p.conc_median(1))],
-            ),
-        ],
-        &|_, _, v| fmt_ms(v),
-        None,
-    )?;
-    root.present()?;
-    Ok(())
+        Layout::Columns(&[640]),
+        &[per_call, concurrent],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::harness::{around, render};
+
+    #[test]
+    fn the_report_renders() {
+        let reps = 2;
+        let samples = |add: f64, del: f64| Samples {
+            add: Calls::fake(add, reps),
+            del: Calls::fake(del, reps),
+            conc: [around(20.0 * add, reps), around(50.0 * add, reps)],
+            load: around(0.4, reps),
+        };
+        let r = Report {
+            pods: 40,
+            reps,
+            plugins_version: "1.1.1".into(),
+            calix: samples(2.5, 2.0),
+            ptp: samples(9.0, 6.0),
+            floors: Floors {
+                truth: Calls::fake(0.6, reps),
+                nsexec: Calls::fake(0.8, reps),
+                link_del: Calls::fake(1.9, reps),
+                load: around(0.3, reps),
+            },
+            bench: Bench::fake(),
+        };
+        let md = r.markdown();
+        let svg = render("cni", &md, |p| chart(p, &r));
+        assert!(md.starts_with("# CNI"));
+        assert!(svg.contains("ptp + host-local") && svg.contains("ip link del floor"));
+    }
 }

@@ -4,11 +4,12 @@
 //! writing the report.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use calix_testbed::traffic::Tools;
+use calix_testbed::traffic::{Tools, Traffic};
 use calix_testbed::{AgentSpec, Dataplane, Netns, Node, CNI_DIR};
+use plotters::style::RGBColor;
 
 use crate::util::{self, output};
 
@@ -98,6 +99,16 @@ impl Bench {
         }
     }
 
+    /// `Measured <date> by `cargo xtask bench <args>` on <CPU> × <n> (<n> CPUs), kernel <k>.
+    /// calix <rev>`: how a report says what it was measured on, to go on with what calix was.
+    pub fn measured(&self, args: &str) -> String {
+        let m = &self.machine;
+        format!(
+            "Measured {} by `cargo xtask bench {args}` on {} × {} ({} CPUs), kernel {}. calix {}",
+            m.date, m.cpu, m.cpus, m.cpus, m.kernel, self.rev
+        )
+    }
+
     /// Says the measurements are over (call it once everything is dropped).
     pub fn done(&self) {
         println!(
@@ -132,6 +143,56 @@ impl Bench {
     }
 }
 
+#[cfg(test)]
+impl Bench {
+    /// A bench that set nothing up, on a fixed machine: for rendering reports in unit tests.
+    pub fn fake() -> Self {
+        Self {
+            prefix: format!("{PREFIX}-test"),
+            // Never created; removed on drop if a test made it.
+            dir: std::env::temp_dir().join(format!("{PREFIX}-test-{}", std::process::id())),
+            bins: PathBuf::from("target/release"),
+            rev: "0123abc".into(),
+            machine: Machine {
+                date: "2026-01-02 03:04 UTC".into(),
+                kernel: "6.12.0-test".into(),
+                cpu: "Test CPU @ 2.00GHz".into(),
+                cpus: 2,
+            },
+            cpu: 1,
+            started: Instant::now(),
+        }
+    }
+}
+
+/// Renders a report as [`Bench::publish`] writes it (`<name>.md`, `<name>.svg`) into the
+/// directory `$XTASK_BENCH_RENDER` (to look at them), or a temporary one; returns the SVG.
+#[cfg(test)]
+pub fn render(name: &str, md: &str, chart: impl FnOnce(&Path) -> Result<()>) -> String {
+    let dir = std::env::var_os("XTASK_BENCH_RENDER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            std::env::temp_dir().join(format!("{PREFIX}-render-{}", std::process::id()))
+        });
+    std::fs::create_dir_all(&dir).expect("render directory");
+    std::fs::write(dir.join(format!("{name}.md")), md).expect("markdown written");
+    let svg = dir.join(format!("{name}.svg"));
+    chart(&svg).expect("chart drawn");
+    let text = std::fs::read_to_string(&svg).expect("chart written");
+    if std::env::var_os("XTASK_BENCH_RENDER").is_none() {
+        let _ = std::fs::remove_file(&svg);
+        let _ = std::fs::remove_file(dir.join(format!("{name}.md")));
+        let _ = std::fs::remove_dir(&dir);
+    }
+    text
+}
+
+/// `n` made-up samples around `x` (for reports rendered in tests).
+#[cfg(test)]
+pub fn around(x: f64, n: usize) -> Vec<f64> {
+    (0..n).map(|i| x * (1.0 + 0.02 * i as f64)).collect()
+}
+
 impl Drop for Bench {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -149,6 +210,75 @@ pub fn order<V: Copy>(variants: &[V], rep: usize, rotate: bool) -> Vec<V> {
         false => {}
     }
     v
+}
+
+/// Warms up `tr`, variant `label`'s traffic, retrying for `patience` (the first connections
+/// may wait for routes to spread and devices to appear), and says so with the server's
+/// `address` as the line shows it.
+pub fn warm_up(
+    tools: &Tools,
+    label: &str,
+    tr: &Traffic,
+    address: &str,
+    patience: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + patience;
+    let w = loop {
+        match tools.warm_up(tr) {
+            Ok(w) => break w,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "{label}: {} cannot reach {} (warm-up)",
+                        tr.client.name, tr.server_ip
+                    )
+                })
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    println!(
+        "[setup] {label}: {} → {} ({address}), warm-up RR p50 {:.1} µs",
+        tr.client.name, tr.server.name, w.p50_us
+    );
+    Ok(())
+}
+
+/// What a bench compares (a variant, a filter): its label (in the report and the chart), its
+/// tag (in the names of what it creates) and its colour (in the chart).
+pub trait Compared: Copy {
+    fn info(self) -> (&'static str, &'static str, RGBColor);
+
+    fn label(self) -> &'static str {
+        self.info().0
+    }
+
+    fn tag(self) -> &'static str {
+        self.info().1
+    }
+
+    fn color(self) -> RGBColor {
+        self.info().2
+    }
+}
+
+/// Every repetition of `variants`, interleaved (the order rotated every repetition):
+/// `measure` for each.
+pub fn repetitions<V: Compared>(
+    reps: usize,
+    variants: &[V],
+    mut measure: impl FnMut(V) -> Result<String>,
+) -> Result<()> {
+    for rep in 0..reps {
+        repetition(
+            rep,
+            reps,
+            &order(variants, rep, true),
+            |v| v.label().into(),
+            &mut measure,
+        )?;
+    }
+    Ok(())
 }
 
 /// Repetition `rep` (from 0) of `reps`: `measure` for each of `variants` in turn, stopping at

@@ -6,6 +6,7 @@
 //! Each scenario's file holds its topology (what it wires, on the calix-testbed test bed, which
 //! also takes the traffic measurements) and its report; `harness` and `report` hold what they
 //! share.
+mod chart;
 mod cni;
 mod crossnode;
 mod dataplane;
@@ -50,16 +51,8 @@ pub enum Scenario {
     /// plugin and a raw veth pair: connections/s (TCP_CRR), TCP_RR latency, iperf3 throughput,
     /// and the node's IpForwDatagrams.
     Dataplane {
-        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
-        /// --quick].
-        #[arg(long)]
-        reps: Option<usize>,
-        /// Seconds per measurement (TCP_CRR, TCP_RR, iperf3 each) [default: 3; 1 with --quick].
-        #[arg(long)]
-        secs: Option<u64>,
-        /// Development mode: 2 repetitions of 1 s (numbers not worth publishing).
-        #[arg(long)]
-        quick: bool,
+        #[command(flatten)]
+        run: TrafficArgs,
     },
     /// Routes between nodes (issue 13): a new pod's way to two other nodes (3 real nodes, a
     /// new block and a borrowed address), and one agent taking 100 simulated peers × 100
@@ -80,35 +73,48 @@ pub enum Scenario {
     /// (node to node, the ceiling) and a plain kernel VXLAN device with static routes
     /// (flannel's way): conn/s (TCP_CRR), TCP_RR, iperf3 throughput, and where the time goes.
     Crossnode {
-        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
-        /// --quick].
-        #[arg(long)]
-        reps: Option<usize>,
-        /// Seconds per measurement [default: 3; 1 with --quick].
-        #[arg(long)]
-        secs: Option<u64>,
-        /// Development mode: 2 repetitions of 1 s, results in target/bench/.
-        #[arg(long)]
-        quick: bool,
+        #[command(flatten)]
+        run: TrafficArgs,
     },
     /// Pod → outside through calix eBPF SNAT against iptables/nftables MASQUERADE and routing
     /// without NAT (conn/s, TCP_RR, iperf3), and the XDP deny list's CPU per dropped packet
     /// against nftables drop rules.
     Snat {
-        /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
-        /// --quick].
-        #[arg(long)]
-        reps: Option<usize>,
-        /// Seconds per measurement [default: 3; 1 with --quick].
-        #[arg(long)]
-        secs: Option<u64>,
-        /// Development mode: 2 repetitions of 1 s, results in target/bench/.
-        #[arg(long)]
-        quick: bool,
+        #[command(flatten)]
+        run: TrafficArgs,
         /// TOML appended to the calix SNAT node's agent config (e.g. a `[nat]` section).
         #[arg(long)]
         snat_config: Option<PathBuf>,
     },
+}
+
+/// The traffic benches' repetitions, durations and mode.
+#[derive(clap::Args)]
+pub struct TrafficArgs {
+    /// Repetitions (each runs every variant once, in rotating order) [default: 6; 2 with
+    /// --quick].
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Seconds per measurement (TCP_CRR, TCP_RR, iperf3 each) [default: 3; 1 with --quick].
+    #[arg(long)]
+    secs: Option<u64>,
+    /// Development mode: 2 repetitions of 1 s, results in target/bench/ (numbers not worth
+    /// publishing).
+    #[arg(long)]
+    quick: bool,
+}
+
+impl TrafficArgs {
+    /// Repetitions and seconds (each at least 1), and whether it is a development run.
+    fn resolve(&self) -> Result<(usize, u64, bool)> {
+        let (r, s) = if self.quick { (2, 1) } else { (6, 3) };
+        let (reps, secs) = (self.reps.unwrap_or(r), self.secs.unwrap_or(s));
+        anyhow::ensure!(
+            reps >= 1 && secs >= 1,
+            "--reps and --secs must be at least 1"
+        );
+        Ok((reps, secs, self.quick))
+    }
 }
 
 pub fn run(scenario: Scenario) -> Result<()> {
@@ -116,26 +122,21 @@ pub fn run(scenario: Scenario) -> Result<()> {
     match scenario {
         Scenario::Cni { pods, reps } => cni::run(pods, reps),
         Scenario::Ipam { allocs, reps } => ipam::run(allocs, reps),
-        Scenario::Dataplane { reps, secs, quick } => {
-            let (r, s) = if quick { (2, 1) } else { (6, 3) };
-            dataplane::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        Scenario::Dataplane { run } => {
+            let (reps, secs, quick) = run.resolve()?;
+            dataplane::run(reps, secs, quick)
         }
-        Scenario::Crossnode { reps, secs, quick } => {
-            let (r, s) = if quick { (2, 1) } else { (6, 3) };
-            crossnode::run(reps.unwrap_or(r), secs.unwrap_or(s), quick)
+        Scenario::Crossnode { run } => {
+            let (reps, secs, quick) = run.resolve()?;
+            crossnode::run(reps, secs, quick)
         }
         Scenario::Routes { pods, reps, quick } => {
             let (p, r) = if quick { (20, 1) } else { (200, 3) };
             routes::run(pods.unwrap_or(p), reps.unwrap_or(r), quick)
         }
-        Scenario::Snat {
-            reps,
-            secs,
-            quick,
-            snat_config,
-        } => {
-            let (r, s) = if quick { (2, 1) } else { (6, 3) };
-            snat::run(reps.unwrap_or(r), secs.unwrap_or(s), quick, snat_config)
+        Scenario::Snat { run, snat_config } => {
+            let (reps, secs, quick) = run.resolve()?;
+            snat::run(reps, secs, quick, snat_config)
         }
     }
 }

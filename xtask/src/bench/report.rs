@@ -1,6 +1,5 @@
 //! What the benches' reports share: number formats, medians with their range, ratios, load
-//! notes, target lists, the traffic benches' samples and rows, and the bar charts.
-use anyhow::Result;
+//! notes, target lists, the traffic benches' samples and rows (their charts: `chart`).
 use calix_testbed::traffic::Measured;
 
 pub use calix_testbed::stats::{median, percentile, spread};
@@ -134,6 +133,15 @@ pub fn fmt_2(v: f64) -> String {
     }
 }
 
+/// A report's first lines: its title, and whether it is a development run.
+pub fn heading(title: &str, quick: bool) -> String {
+    let mut s = format!("# {title}\n\n");
+    if quick {
+        s.push_str("**Development run (`--quick`): too short to publish.**\n\n");
+    }
+    s
+}
+
 /// `title` and its targets as a markdown list: met, **not met**, or pending (`None`, with why).
 pub fn targets(title: &str, list: &[(String, Option<bool>)], pending: &str) -> String {
     let mut s = format!("\n{title}\n\n");
@@ -148,7 +156,7 @@ pub fn targets(title: &str, list: &[(String, Option<bool>)], pending: &str) -> S
     s
 }
 
-// --- the traffic benches (dataplane, snat) -------------------------------------------------
+// --- the traffic benches (dataplane, crossnode, snat) ---------------------------------------
 
 /// Busy share (%) of the CPUs the bench does not use above which a run counts as shared.
 const OTHERS_BUSY_LIMIT: f64 = 25.0;
@@ -247,6 +255,48 @@ impl Traffic {
     }
 }
 
+/// The traffic benches' table with round trips/s: a row per variant (label, samples), then a
+/// ratio row per pair (`a / b`).
+pub fn traffic_table<'a>(
+    rows: impl IntoIterator<Item = (&'a str, &'a Traffic)>,
+    ratios: impl IntoIterator<Item = ((&'a str, &'a Traffic), (&'a str, &'a Traffic))>,
+) -> String {
+    let mut s = String::from(
+        "| variant | conn/s (TCP_CRR) | TCP_RR p50 | TCP_RR p99 | TCP_RR round trips/s | \
+         throughput | load before | other CPU busy |\n|---|---|---|---|---|---|---|---|\n",
+    );
+    for (label, t) in rows {
+        s.push_str(&t.row(label, true));
+    }
+    for ((a, at), (b, bt)) in ratios {
+        s.push_str(&Traffic::ratio_row(
+            &format!("{a} / {b}"),
+            at,
+            Some(bt),
+            true,
+        ));
+    }
+    s
+}
+
+/// What [`traffic_table`]'s ratios mean.
+pub const RATIOS_NOTE: &str = "\nRatios of medians: above 1× is better for conn/s, round trips/s \
+                               and throughput, below 1× is better for the round-trip latencies.\n";
+
+/// [`busy_note`] over every measurement of `res`.
+pub fn busy_note_of(cpu: usize, cpus: usize, res: &[Traffic]) -> String {
+    let all = |f: fn(&Traffic) -> &Vec<f64>| -> Vec<f64> {
+        res.iter().flat_map(|r| f(r).iter().copied()).collect()
+    };
+    busy_note(
+        cpu,
+        cpus,
+        &all(|r| &r.others_busy),
+        &all(|r| &r.steal),
+        &all(|r| &r.load),
+    )
+}
+
 /// The load note of a traffic bench. The load average before a variant includes the bench
 /// itself (the pinned client and server keep one CPU busy, so it sits near 1–2 and cannot fall
 /// below ~1.2 between variants); the other CPUs' busy share over each measurement shows what
@@ -276,165 +326,37 @@ pub fn busy_note(cpu: usize, cpus: usize, others: &[f64], steal: &[f64], load: &
     s
 }
 
-// --- charts --------------------------------------------------------------------------------
-
-/// One series of a bar chart: name, colour, one value per group (None: no bar).
-pub type Series<'a> = (&'a str, plotters::style::RGBColor, Vec<Option<f64>>);
-
-/// Grouped bars: one group per label, one bar per series, `label(series, group, value)` on
-/// top of each bar, `unit` on the y axis; an optional dashed reference line.
-pub fn panel<DB: plotters::prelude::DrawingBackend>(
-    area: &plotters::prelude::DrawingArea<DB, plotters::coord::Shift>,
-    title: &str,
-    unit: &str,
-    groups: &[&str],
-    series: &[Series],
-    label: &dyn Fn(usize, usize, f64) -> String,
-    reference: Option<(&str, f64)>,
-) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    use plotters::prelude::*;
-    use plotters::style::text_anchor::{HPos, Pos, VPos};
-    let err = |what: &'static str| move |e| anyhow::anyhow!("chart {what}: {e:?}");
-    let n = groups.len();
-    let ymax = series
-        .iter()
-        .flat_map(|s| s.2.iter().flatten())
-        .copied()
-        .chain(reference.map(|r| r.1))
-        .filter(|v| v.is_finite())
-        .fold(1.0f64, f64::max)
-        * 1.4;
-    let mut chart = ChartBuilder::on(area)
-        .caption(title, ("sans-serif", 15))
-        .margin(12)
-        .x_label_area_size(28)
-        .y_label_area_size(48)
-        .build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..ymax)
-        .map_err(err("axes"))?;
-    let group_label = |x: &f64| {
-        let i = x.round();
-        if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < n {
-            groups[i as usize].to_string()
-        } else {
-            String::new()
+#[cfg(test)]
+impl Calls {
+    /// Made-up calls around `x` ms over `reps` repetitions (for reports rendered in tests).
+    pub fn fake(x: f64, reps: usize) -> Self {
+        Self {
+            all: super::harness::around(x, 20 * reps),
+            p50s: super::harness::around(x * 1.1, reps),
         }
-    };
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&group_label)
-        .y_label_formatter(&|v: &f64| format!("{v:.0}"))
-        .y_desc(unit)
-        .draw()
-        .map_err(err("mesh"))?;
-    let width = 0.8 / series.len() as f64;
-    for (si, (name, color, values)) in series.iter().enumerate() {
-        let color = *color;
-        let bars: Vec<(usize, f64, f64)> = values
-            .iter()
-            .enumerate()
-            .filter_map(|(g, v)| {
-                v.filter(|v| v.is_finite())
-                    .map(|v| (g, g as f64 - 0.4 + si as f64 * width, v))
-            })
-            .collect();
-        chart
-            .draw_series(bars.iter().map(|&(_, x0, v)| {
-                Rectangle::new([(x0, 0.0), (x0 + width * 0.9, v)], color.filled())
-            }))
-            .map_err(err("bars"))?
-            .label(*name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled()));
-        let style = TextStyle::from(("sans-serif", 11).into_font())
-            .color(&BLACK)
-            .pos(Pos::new(HPos::Center, VPos::Bottom));
-        chart
-            .draw_series(bars.iter().map(|&(g, x0, v)| {
-                Text::new(label(si, g, v), (x0 + width * 0.45, v), style.clone())
-            }))
-            .map_err(err("labels"))?;
     }
-    if let Some((name, y)) = reference.filter(|r| r.1.is_finite()) {
-        let line = BLACK.stroke_width(1);
-        // A dashed horizontal line across the panel.
-        let step = n as f64 / 60.0;
-        let dashes = (0..30).map(|i| {
-            let a = -0.5 + 2.0 * i as f64 * step;
-            PathElement::new(vec![(a, y), (a + step, y)], line)
-        });
-        chart
-            .draw_series(dashes)
-            .map_err(err("line"))?
-            .label(format!("{name} ({} {unit})", fmt_ms(y)))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 10, y)], line));
-    }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(err("legend"))?;
-    Ok(())
 }
 
-/// A white SVG chart of `size` pixels at `path`, titled: the start of every bench's chart.
-/// The traffic benches' three panels side by side: connections/s (TCP_CRR, one group named
-/// `crr_group`), the TCP_RR round trip (p50, p99) and iperf3 throughput; each series' values
-/// given per panel.
-pub fn traffic_panels<DB: plotters::prelude::DrawingBackend>(
-    panels: &[plotters::prelude::DrawingArea<DB, plotters::coord::Shift>],
-    crr_group: &str,
-    crr: &[Series],
-    rr: &[Series],
-    gbps: &[Series],
-) -> Result<()>
-where
-    DB::ErrorType: 'static,
-{
-    panel(
-        &panels[0],
-        "connections/s (TCP_CRR), higher is better",
-        "conn/s",
-        &[crr_group],
-        crr,
-        &|_, _, v| fmt_0(v),
-        None,
-    )?;
-    panel(
-        &panels[1],
-        "TCP_RR round trip (µs), lower is better",
-        "µs",
-        &["p50", "p99"],
-        rr,
-        &|_, _, v| fmt_1(v),
-        None,
-    )?;
-    panel(
-        &panels[2],
-        "throughput (iperf3 cubic), higher is better",
-        "Gbit/s",
-        &["1 stream"],
-        gbps,
-        &|_, _, v| fmt_1(v),
-        None,
-    )
-}
-
-pub fn chart_root<'a>(
-    path: &'a std::path::Path,
-    size: (u32, u32),
-    title: &str,
-) -> Result<plotters::drawing::DrawingArea<plotters::backend::SVGBackend<'a>, plotters::coord::Shift>>
-{
-    use plotters::prelude::*;
-    let root = SVGBackend::new(path, size).into_drawing_area();
-    root.fill(&WHITE)?;
-    Ok(root.titled(title, ("sans-serif", 18))?)
+#[cfg(test)]
+impl Traffic {
+    /// Made-up samples of `reps` repetitions, scaled by `k` (for reports rendered in tests).
+    pub fn fake(k: f64, reps: usize) -> Self {
+        let a = |x: f64| super::harness::around(x, reps);
+        Self {
+            crr: a(30_000.0 * k),
+            rr_p50: a(20.0 / k),
+            rr_p99: a(35.0 / k),
+            rr_rate: a(45_000.0 * k),
+            gbps: a(40.0 * k),
+            zero_windows: a(3.0),
+            fwd_per_conn: a(5.0 * (k - 1.0).abs()),
+            fwd_per_rt: a(2.0 * (k - 1.0).abs()),
+            fwd_iperf: a(1e5 * (k - 1.0).abs()),
+            load: a(1.1),
+            others_busy: a(6.0),
+            steal: a(0.5),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -24,9 +24,11 @@ use calix_testbed::tls::Ca;
 use calix_testbed::traffic::probe::{first_replies, Pinger};
 use calix_testbed::{Cluster, Dataplane, Netns, Plugin};
 use ipnet::{IpNet, Ipv4Net};
+use plotters::style::RGBColor;
 use serde_json::json;
 
-use super::super::harness::{check_interrupted, order, Bench};
+use super::super::chart;
+use super::super::harness::{check_interrupted, order, Bench, Compared};
 use super::super::routewatch::RouteWatch;
 
 /// How often a probe pings until the first reply.
@@ -46,21 +48,16 @@ pub enum Variant {
 
 pub const VARIANTS: [Variant; 2] = [Variant::NewBlock, Variant::Borrowed];
 
+impl Compared for Variant {
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
+        match self {
+            Self::NewBlock => ("new block (blockSize 32)", "cb", chart::BLUE),
+            Self::Borrowed => ("borrowed address (/32)", "cw", chart::ORANGE),
+        }
+    }
+}
+
 impl Variant {
-    pub fn label(self) -> &'static str {
-        match self {
-            Self::NewBlock => "new block (blockSize 32)",
-            Self::Borrowed => "borrowed address (/32)",
-        }
-    }
-
-    fn tag(self) -> &'static str {
-        match self {
-            Self::NewBlock => "cb",
-            Self::Borrowed => "cw",
-        }
-    }
-
     fn pools(self) -> String {
         match self {
             Self::NewBlock => "[[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 32\n".into(),

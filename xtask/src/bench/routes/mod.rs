@@ -10,13 +10,13 @@ mod scale;
 
 use std::path::Path;
 
-use anyhow::Result;
-use plotters::style::RGBColor;
-
-use super::harness::{Bench, Machine};
+use super::chart::{self, Layout, Panel, Series};
+use super::harness::{Bench, Compared, Machine};
 use super::report::{
-    fmt_1, fmt_ms, fmt_spread_with, load_note, loads, median, panel, percentile, targets, Series,
+    fmt_0, fmt_1, fmt_2, fmt_ms, fmt_spread_with, heading, load_note, loads, median, percentile,
+    targets,
 };
+use anyhow::Result;
 use convergence::{Samples as Conv, PROBE_INTERVAL, PROBE_LIMIT, VARIANTS};
 use scale::{Phase, Results as Scale, BLOCKS, PEERS, PHASES, TOPOLOGIES};
 
@@ -136,17 +136,13 @@ impl Report {
     }
 
     fn markdown(&self) -> String {
-        let m = self.machine();
-        let mut s = String::from("# Routes between nodes: convergence and scale\n\n");
-        if self.quick {
-            s.push_str("**Development run (`--quick`): too short to publish.**\n\n");
-        }
+        let mut s = heading("Routes between nodes: convergence and scale", self.quick);
         s.push_str(&format!(
-            "Measured {} by `cargo xtask bench routes --pods {} --reps {}` on {} × {} ({} CPUs), \
-             kernel {}. calix {}: release build, `calix-agent --dataplane ebpf`, etcd \
+            "{}: release build, `calix-agent --dataplane ebpf`, etcd \
              datastore, route distribution over mutual TLS (certificates made by the test bed), \
              pods wired by the `calix` CNI plugin.\n\n",
-            m.date, self.pods, self.reps, m.cpu, m.cpus, m.cpus, m.kernel, self.bench.rev,
+            self.bench
+                .measured(&format!("routes --pods {} --reps {}", self.pods, self.reps)),
         ));
         s.push_str("## Convergence: a new pod on node A, reachable from B and C\n\n");
         s.push_str(&format!(
@@ -245,12 +241,12 @@ impl Report {
                     topo.label(),
                     ph.label(),
                     fmt_spread_with(&ms, " ms", fmt_ms),
-                    fmt_spread_with(&x.cpu, " s", super::report::fmt_2),
+                    fmt_spread_with(&x.cpu, " s", fmt_2),
                     fmt_spread_with(&x.peak_mib, " MiB", fmt_1),
                     fmt_spread_with(&x.rss_mib, " MiB", fmt_1),
                     fmt_1(median(&x.anon_mib)),
                     fmt_1(median(&x.file_mib)),
-                    fmt_spread_with(&x.kernel_routes, "", super::report::fmt_0),
+                    fmt_spread_with(&x.kernel_routes, "", fmt_0),
                 ));
             }
         }
@@ -322,25 +318,15 @@ impl Report {
     }
 }
 
-const COLORS: [RGBColor; 3] = [
-    RGBColor(0x1f, 0x77, 0xb4),
-    RGBColor(0xff, 0x7f, 0x0e),
-    RGBColor(0x7f, 0x7f, 0x7f),
-];
+/// The phases' colours.
+fn phase_color(ph: Phase) -> plotters::style::RGBColor {
+    match ph {
+        Phase::Join => chart::BLUE,
+        Phase::Restart => chart::ORANGE,
+    }
+}
 
 fn chart(path: &Path, r: &Report) -> Result<()> {
-    let root = super::report::chart_root(
-        path,
-        (1300, 460),
-        &format!(
-            "Routes between nodes: {} pods per variant; {PEERS} peers × {BLOCKS} blocks, {} reps ({})",
-            r.pods,
-            r.reps,
-            r.machine().date
-        ),
-    )?;
-    let (left, right) = root.split_horizontally(560);
-    let (mid, right) = right.split_horizontally(420);
     let finite = |v: f64| v.is_finite().then_some(v);
     let mut series: Vec<Series> = VARIANTS
         .iter()
@@ -349,7 +335,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             let q = |o: usize, q: f64| finite(percentile(&c.seen[o].reply, q));
             (
                 v.label(),
-                COLORS[v as usize],
+                v.color(),
                 vec![q(0, 50.0), q(0, 99.0), q(1, 50.0), q(1, 99.0)],
             )
         })
@@ -357,7 +343,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
     let floor = &r.conv[0].floor;
     series.push((
         "floor (a reachable pod)",
-        COLORS[2],
+        chart::GREY,
         vec![
             None,
             None,
@@ -365,15 +351,6 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             finite(percentile(floor, 99.0)),
         ],
     ));
-    panel(
-        &left,
-        "new pod on A: first reply, ms after its ADD returned",
-        "ms",
-        &["from B p50", "from B p99", "from C p50", "from C p99"],
-        &series,
-        &|_, _, v| fmt_ms(v),
-        Some(("target p99", CONVERGENCE_P99_MS)),
-    )?;
     let groups: Vec<&str> = TOPOLOGIES
         .iter()
         .map(|t| match t {
@@ -387,7 +364,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             .map(|&ph| {
                 (
                     ph.label(),
-                    COLORS[ph as usize],
+                    phase_color(ph),
                     TOPOLOGIES
                         .iter()
                         .map(|&t| finite(f(&r.scale.res[t as usize][ph as usize])))
@@ -396,24 +373,92 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
             })
             .collect()
     };
-    panel(
-        &mid,
-        &format!("{} routes in the kernel (ms), median", PEERS * BLOCKS),
-        "ms",
-        &groups,
-        &per_phase(&|s| median(&s.secs) * 1e3),
-        &|_, _, v| format!("{v:.0}"),
-        Some(("target", SCALE_SECS * 1e3)),
-    )?;
-    panel(
-        &right,
-        "agent peak RSS (MiB), median",
-        "MiB",
-        &groups,
-        &per_phase(&|s| median(&s.peak_mib)),
-        &|_, _, v| fmt_1(v),
-        Some(("target", SCALE_RSS_MIB)),
-    )?;
-    root.present()?;
-    Ok(())
+    let panels = [
+        Panel::new(
+            "new pod on A: first reply, ms after its ADD returned",
+            "ms",
+            &["from B p50", "from B p99", "from C p50", "from C p99"],
+            series,
+            |_, _, v| fmt_ms(v),
+        )
+        .reference("target p99", CONVERGENCE_P99_MS),
+        Panel::new(
+            format!("{} routes in the kernel (ms), median", PEERS * BLOCKS),
+            "ms",
+            &groups,
+            per_phase(&|s| median(&s.secs) * 1e3),
+            |_, _, v| format!("{v:.0}"),
+        )
+        .reference("target", SCALE_SECS * 1e3),
+        Panel::new(
+            "agent peak RSS (MiB), median",
+            "MiB",
+            &groups,
+            per_phase(&|s| median(&s.peak_mib)),
+            |_, _, v| fmt_1(v),
+        )
+        .reference("target", SCALE_RSS_MIB),
+    ];
+    chart::chart(
+        path,
+        (1300, 460),
+        &format!(
+            "Routes between nodes: {} pods per variant; {PEERS} peers × {BLOCKS} blocks, {} reps ({})",
+            r.pods,
+            r.reps,
+            r.machine().date
+        ),
+        Layout::Columns(&[560, 420]),
+        &panels,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::harness::{around, render};
+
+    #[test]
+    fn the_report_renders() {
+        let (pods, reps) = (20, 2);
+        let seen = |ms: f64| convergence::Seen {
+            route: around(ms / 2.0, pods),
+            route_from_start: around(ms, pods),
+            reply: around(ms, pods),
+        };
+        let conv = |ms: f64| Conv {
+            add: around(3.0, pods),
+            seen: [seen(ms), seen(2.0 * ms)],
+            floor: around(0.3, pods),
+            load: around(0.5, pods),
+        };
+        let phase = |s: f64| scale::Samples {
+            secs: around(s, reps),
+            cpu: around(s / 2.0, reps),
+            peak_mib: around(20.0, reps),
+            rss_mib: around(18.0, reps),
+            anon_mib: around(10.0, reps),
+            file_mib: around(8.0, reps),
+            idle_mib: around(6.0, reps),
+            blocks_mib: around(15.0, reps),
+            kernel_routes: around(10_000.0, reps),
+        };
+        let r = Report {
+            pods,
+            reps,
+            quick: true,
+            conv: [conv(40.0), conv(60.0)],
+            scale: Scale {
+                res: [[phase(0.8), phase(1.1)], [phase(0.6), phase(0.9)]],
+                blocks_ms: around(900.0, reps),
+                records_ms: around(300.0, reps),
+                load: around(0.7, reps),
+            },
+            bench: Bench::fake(),
+        };
+        let md = r.markdown();
+        let svg = render("routes", &md, |p| chart(p, &r));
+        assert!(md.starts_with("# Routes between nodes"));
+        assert!(svg.contains("agent peak RSS"));
+    }
 }

@@ -1,0 +1,46 @@
+//! The dataplane report, rendered from made-up samples.
+use super::*;
+use crate::bench::harness::{around, render};
+
+#[test]
+fn the_report_renders() {
+    let reps = 3;
+    let res = [1.2, 1.0, 0.9, 1.3, 1.25, 1.15].map(|k| Samples::fake(k, reps));
+    let mut cost: [Cost; 6] = Default::default();
+    for (v, ns) in [
+        (Variant::Ebpf, 90.0),
+        (Variant::EbpfClsBpf, 95.0),
+        (Variant::Floor, 40.0),
+    ] {
+        cost[v as usize] = Cost {
+            from_pod_ns: around(ns, reps),
+            from_pod_runs: around(1e6, reps),
+            to_pod_runs: around(0.0, reps),
+        };
+    }
+    let mut attach: [Attach; 6] = Default::default();
+    for (v, ns) in [(Variant::Ebpf, 300.0), (Variant::EbpfClsBpf, 340.0)] {
+        attach[v as usize] = Attach {
+            ns_per_packet: around(ns, reps),
+            mpps: around(1e3 / ns, reps),
+        };
+    }
+    let r = Report {
+        reps,
+        secs: 3,
+        quick: false,
+        cpu: 1,
+        tw_delay: true,
+        plugins_version: "1.1.1".into(),
+        iperf_version: "iperf 3.18".into(),
+        res,
+        cost,
+        attach,
+        bench: Bench::fake(),
+    };
+    let md = r.markdown();
+    let svg = render("dataplane", &md, |p| chart(p, &r));
+    assert!(md.starts_with("# Same-node pod-to-pod dataplane"));
+    assert!(md.contains("| calix eBPF, cls_bpf |"));
+    assert!(svg.contains("calix eBPF") && svg.contains("TCP_RR round trip"));
+}
