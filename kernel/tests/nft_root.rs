@@ -17,13 +17,14 @@ fn require_root() {
 }
 
 /// A throwaway namespace, deleted on drop. Fields drop in order: the fd first.
-struct TestNs {
+pub struct TestNs {
     ns: NetNs,
-    name: String,
+    pub name: String,
 }
 
 impl TestNs {
-    fn new() -> TestNs {
+    #[allow(clippy::new_without_default)] // makes a namespace: not a default value
+    pub fn new() -> TestNs {
         require_root();
         static NEXT: AtomicUsize = AtomicUsize::new(0);
         let name = format!(
@@ -41,11 +42,11 @@ impl TestNs {
     }
 
     /// Runs `f` on a thread inside the namespace (the socket is made there).
-    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
         netns::run_in(&self.ns, f).expect("run in the test namespace")
     }
 
-    fn apply(&self, t: &Table) -> Result<(), nft::NftError> {
+    pub fn apply(&self, t: &Table) -> Result<(), nft::NftError> {
         let t = t.clone();
         self.run(move || nft::apply(&t))
     }
@@ -65,7 +66,7 @@ impl TestNs {
     }
 
     /// Runs a command in the namespace; panics with its stderr when it fails.
-    fn exec_ok(&self, args: &[&str]) -> String {
+    pub fn exec_ok(&self, args: &[&str]) -> String {
         let out = self.exec(args);
         assert!(
             out.status.success(),
@@ -210,7 +211,8 @@ fn drift_by_another_tool_is_seen() {
             .expect("a rule with a handle");
         line.rsplit(' ').next().expect("handle").to_string()
     };
-    let edits: Vec<(&str, Box<dyn Fn()>)> = vec![
+    type Edit<'a> = (&'a str, Box<dyn Fn() + 'a>);
+    let edits: Vec<Edit> = vec![
         (
             "deleted",
             Box::new(|| {

@@ -29,6 +29,7 @@ pub mod expr;
 pub mod model;
 mod read;
 pub mod rule;
+mod show;
 mod socket;
 #[cfg(test)]
 mod tests;

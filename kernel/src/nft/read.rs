@@ -5,9 +5,9 @@
 //! counters' counts are dropped: the result compares with what was written.
 
 use super::batch::{
-    msg_type, DATA_VERDICT, ELEM_INTERVAL_END, GETCHAIN, GETGEN, GETRULE, GETSET, GETSETELEM,
-    GETTABLE, NEWCHAIN, NEWGEN, NEWRULE, NEWSET, NEWSETELEM, NEWTABLE, SET_ANONYMOUS, SET_CONSTANT,
-    SET_INTERVAL, SET_MAP, UDATA_COMMENT,
+    msg_type, RawElement, DATA_VERDICT, ELEM_INTERVAL_END, GETCHAIN, GETGEN, GETRULE, GETSET,
+    GETSETELEM, GETTABLE, NEWCHAIN, NEWGEN, NEWRULE, NEWSET, NEWSETELEM, NEWTABLE, SET_ANONYMOUS,
+    SET_CONSTANT, SET_INTERVAL, SET_MAP, UDATA_COMMENT,
 };
 use super::expr::{self, data_of, Expr, SetRef, LIST_ELEM};
 use super::model::{
@@ -266,7 +266,7 @@ fn set_of(a: &[(u16, &[u8])]) -> Result<(Set, u32), Malformed> {
     Ok((set, flags))
 }
 
-fn raw_elements_of(a: &[(u16, &[u8])]) -> Result<Vec<(Vec<u8>, bool, Option<Data>)>, Malformed> {
+fn raw_elements_of(a: &[(u16, &[u8])]) -> Result<Vec<RawElement>, Malformed> {
     let mut out = Vec::new();
     let Some(list) = get(a, 3) else {
         return Ok(out);
@@ -283,45 +283,45 @@ fn raw_elements_of(a: &[(u16, &[u8])]) -> Result<Vec<(Vec<u8>, bool, Option<Data
         };
         let end = get(&ea, 3).map(be32).transpose()?.unwrap_or(0) & ELEM_INTERVAL_END != 0;
         let data = get(&ea, 2).map(data_of).transpose()?;
-        out.push((key, end, data));
+        out.push(RawElement { key, end, data });
     }
     Ok(out)
 }
 
 /// The model's elements: as they are, or for interval sets each start with the end after it
 /// as one range (a start with no end runs to the largest key; a lone end is dropped).
-fn elements_of(
-    mut raw: Vec<(Vec<u8>, bool, Option<Data>)>,
+pub(crate) fn elements_of(
+    mut raw: Vec<RawElement>,
     interval: bool,
     key_len: usize,
 ) -> Vec<Element> {
     if !interval {
         let mut out: Vec<Element> = raw
             .into_iter()
-            .map(|(key, _, data)| Element {
-                key,
+            .map(|e| Element {
+                key: e.key,
                 last: None,
-                data,
+                data: e.data,
             })
             .collect();
         out.sort();
         return out;
     }
     // Ends before starts at the same key: a range ending where the next starts.
-    raw.sort_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+    raw.sort_by(|a, b| a.key.cmp(&b.key).then(b.end.cmp(&a.end)));
     let mut out = Vec::new();
-    for (i, (key, end, data)) in raw.iter().enumerate() {
-        if *end {
+    for (i, e) in raw.iter().enumerate() {
+        if e.end {
             continue;
         }
         let last = match raw.get(i + 1) {
-            Some((next, true, _)) => predecessor(next).unwrap_or_else(|| vec![0; key_len]),
+            Some(next) if next.end => predecessor(&next.key).unwrap_or_else(|| vec![0; key_len]),
             _ => vec![0xff; key_len],
         };
         out.push(Element {
-            key: key.clone(),
+            key: e.key.clone(),
             last: Some(last),
-            data: data.clone(),
+            data: e.data.clone(),
         });
     }
     out

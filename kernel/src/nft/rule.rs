@@ -200,7 +200,7 @@ impl RuleBuilder {
             let net = net.trunc();
             let bytes = addr_bytes(net.addr());
             let prefix = net.prefix_len() as usize;
-            if prefix == full * 8 || (prefix % 8 == 0 && prefix > 0) {
+            if prefix == full * 8 || (prefix.is_multiple_of(8) && prefix > 0) {
                 let n = prefix / 8;
                 return self.load_cmp(
                     Self::addr_load(v6, which, n as u32),
