@@ -384,3 +384,57 @@ fn bad_input_is_a_clear_error() {
 mod fixtures;
 #[path = "nft_root/traffic.rs"]
 mod traffic;
+
+/// What applying a table costs, over netlink and with `nft -f` (the figures in
+/// docs/decisions.md): `cargo test -p calix-kernel --test nft_root -- --ignored --nocapture`.
+#[test]
+#[ignore = "a measurement, not a check"]
+fn timing_of_apply_and_read_against_nft() {
+    let ns = TestNs::new();
+    let (table, script) = (fixtures::doors(), fixtures::DOORS);
+    let path = std::env::temp_dir().join(format!("{}-timing.nft", ns.name));
+    std::fs::write(&path, script).expect("write the script");
+    const N: u32 = 50;
+    let per = |d: std::time::Duration| d / N;
+    let t = table.clone();
+    let ours = ns.run(move || {
+        let mut sock = nft::Socket::open().expect("socket");
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            sock.apply(&t).expect("apply");
+        }
+        let apply = start.elapsed();
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            sock.read(Family::Inet, "calix_doors").expect("read");
+        }
+        (apply, start.elapsed())
+    });
+    // `nft` started from a thread inside the namespace (a child takes its thread's
+    // namespace), as the agent started it.
+    let file = path.display().to_string();
+    let nft = ns.run(move || {
+        let run = |args: &[&str]| {
+            let out = Command::new("nft").args(args).output().expect("run nft");
+            assert!(out.status.success(), "nft {args:?}");
+        };
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            run(&["-f", &file]);
+        }
+        let apply = start.elapsed();
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            run(&["-s", "list", "table", "inet", "calix_doors"]);
+        }
+        (apply, start.elapsed())
+    });
+    let _ = std::fs::remove_file(path);
+    println!(
+        "doors table, mean of {N}: apply over netlink {:?}, nft -f {:?}; read over netlink {:?}, nft -s list {:?}",
+        per(ours.0),
+        per(nft.0),
+        per(ours.1),
+        per(nft.1)
+    );
+}
