@@ -82,7 +82,14 @@ fn assert_same_as_script(script: &str, table: Table) {
         .run(move || nft::apply(&t))
         .unwrap_or_else(|e| panic!("apply {}: {e}", table.id()));
     let list = |ns: &Netns| {
-        let out = ns.exec_ok(&["nft", "-s", "list", "table", table.family.as_str(), &table.name]);
+        let out = ns.exec_ok(&[
+            "nft",
+            "-s",
+            "list",
+            "table",
+            table.family.as_str(),
+            &table.name,
+        ]);
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     assert_eq!(list(&by_agent), list(&by_nft), "{}", table.id());
@@ -91,7 +98,12 @@ fn assert_same_as_script(script: &str, table: Table) {
         .run(move || nft::read(family, &name))
         .expect("read back")
         .expect("the table is there");
-    assert_eq!(back.canonical(), table.canonical(), "{} read back", table.id());
+    assert_eq!(
+        back.canonical(),
+        table.canonical(),
+        "{} read back",
+        table.id()
+    );
 }
 
 #[test]

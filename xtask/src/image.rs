@@ -154,7 +154,9 @@ fn dynamic_files(root: &Path) -> Result<(usize, Vec<String>)> {
     let mut dynamic = Vec::new();
     let mut dirs = vec![root.to_path_buf()];
     while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
             let entry = entry?;
             let ty = entry.file_type()?;
             if ty.is_dir() {
@@ -193,7 +195,10 @@ fn elf_dynamic(b: &[u8]) -> Option<&'static str> {
         if u32_at(ph)? != 2 {
             continue;
         }
-        let (off, size) = (usize::try_from(u64_at(ph + 8)?).ok()?, usize::try_from(u64_at(ph + 32)?).ok()?);
+        let (off, size) = (
+            usize::try_from(u64_at(ph + 8)?).ok()?,
+            usize::try_from(u64_at(ph + 32)?).ok()?,
+        );
         for e in (off..off + size).step_by(16) {
             match u64_at(e)? {
                 0 => break,
@@ -274,7 +279,10 @@ mod tests {
         let copy = |from: &Path, to: &str| {
             std::fs::copy(from, root.join(to)).expect("copy");
         };
-        copy(&std::env::current_exe().expect("exe"), "usr/local/bin/dynamic");
+        copy(
+            &std::env::current_exe().expect("exe"),
+            "usr/local/bin/dynamic",
+        );
         copy(Path::new("/bin/busybox"), "usr/local/bin/static");
         let loader = Path::new("/lib64/ld-linux-x86-64.so.2");
         copy(loader, "lib64/ld-linux-x86-64.so.2");
