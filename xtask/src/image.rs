@@ -297,8 +297,8 @@ mod tests {
                 "/usr/local/bin/dynamic (a program interpreter)"
             ]
         );
-        // A library that needs others.
-        let libc = std::fs::read("/lib/x86_64-linux-gnu/libc.so.6").expect("libc");
-        assert_eq!(elf_dynamic(&libc), Some("needs shared libraries"));
+        // A library that needs others (libc itself names a loader: it runs as a program).
+        let libm = std::fs::read("/lib/x86_64-linux-gnu/libm.so.6").expect("libm");
+        assert_eq!(elf_dynamic(&libm), Some("needs shared libraries"));
     }
 }
