@@ -10,7 +10,9 @@
 //!   MAC every node derives from a peer's address;
 //! - [`host`]: the narrow trait the agent's reconcilers use, over netlink or in memory;
 //! - [`mac`]: MAC addresses as text;
-//! - [`bpffs`]: mounting the BPF filesystem.
+//! - [`bpffs`]: mounting the BPF filesystem;
+//! - [`nft`]: nftables tables over nfnetlink (no `nft` binary): write one atomically, read it
+//!   back to compare.
 //!
 //! This crate builds with cargo alone (no eBPF toolchain), so xtask can use it before
 //! `cargo xtask setup` has run.
@@ -19,6 +21,7 @@ pub mod host;
 pub mod mac;
 pub mod netlink;
 pub mod netns;
+pub mod nft;
 pub mod node_route;
 pub mod pod;
 pub mod vxlan;

@@ -1,6 +1,8 @@
 //! `cargo xtask image`: the calix image, built offline. The binaries as static musl
 //! executables (release), stripped copies staged in target/image/context (the build context
 //! holds only them), `podman build` from the Containerfile (FROM scratch: nothing to pull),
+//! every file of the built image checked (exported, no dynamically linked ELF: no program
+//! calix runs needs a libc or a loader, and calix execs none: nftables go over netlink),
 //! then `podman save --format oci-archive` to target/image/calix.oci.tar, which containerd
 //! imports (`ctr -n k8s.io images import`). The image is tagged `localhost/calix:<version>`,
 //! the chart's default (`image.repository`, appVersion), and untagged from podman's store once
@@ -39,7 +41,7 @@ pub fn run_image() -> Result<PathBuf> {
     let archive = out_dir.join("calix.oci.tar");
     let reference = format!("{REPOSITORY}:{}", tag());
 
-    println!("[1/4] building the binaries: static ({MUSL_TARGET}), release");
+    println!("[1/5] building the binaries: static ({MUSL_TARGET}), release");
     let mut cargo = crate::util::cargo();
     cargo.args(["build", "--release", "--target", MUSL_TARGET]);
     let mut packages: Vec<&str> = BINARIES.iter().map(|(p, _)| *p).collect();
@@ -55,7 +57,7 @@ pub fn run_image() -> Result<PathBuf> {
     )?;
     let built = root.join("target").join(MUSL_TARGET).join("release");
 
-    println!("[2/4] staging {}", context.display());
+    println!("[2/5] staging {}", context.display());
     let _ = std::fs::remove_dir_all(&context);
     std::fs::create_dir_all(&context)?;
     for (_, bin) in BINARIES {
@@ -70,14 +72,9 @@ pub fn run_image() -> Result<PathBuf> {
             size(std::fs::metadata(&to)?.len())
         );
     }
-    let files = stage_nft(&context.join("rootfs"))?;
-    println!(
-        "      nft and the {} shared libraries it loads (rootfs/)",
-        files - 1
-    );
     std::fs::copy(root.join("Containerfile"), context.join("Containerfile"))?;
 
-    println!("[3/4] podman build {reference} (offline: FROM scratch, no RUN)");
+    println!("[3/5] podman build {reference} (offline: FROM scratch, no RUN)");
     run(Command::new("podman")
         .args(["build", "--pull=never", "--network=none", "--quiet", "-f"])
         .arg(context.join("Containerfile"))
@@ -88,8 +85,15 @@ pub fn run_image() -> Result<PathBuf> {
         Command::new("podman").args(["image", "inspect", "--format", "{{.Id}}", &reference]),
     )?;
 
+    println!("[4/5] checking every file of the image: no dynamically linked ELF");
+    let checked = check_image(&reference, &out_dir.join("rootfs"));
+    if checked.is_err() {
+        let _ = output(Command::new("podman").args(["rmi", &reference]));
+    }
+    println!("      {} files, all static", checked?);
+
     println!(
-        "[4/4] podman save --format oci-archive -> {}",
+        "[5/5] podman save --format oci-archive -> {}",
         archive.display()
     );
     let _ = std::fs::remove_file(&archive);
@@ -114,45 +118,97 @@ pub fn run_image() -> Result<PathBuf> {
     Ok(archive)
 }
 
-/// The agent writes its nftables tables with `nft -f -` (agent/src/dataplane/nft.rs), so the
-/// image carries the node OS's `nft` with the shared libraries it loads (ldd) and its dynamic
-/// loader, at their paths below `rootfs`: the one dynamically linked program in the image.
-/// Returns how many files were staged.
-fn stage_nft(rootfs: &Path) -> Result<usize> {
-    let nft = PathBuf::from("/usr/sbin/nft");
-    if !nft.is_file() {
+/// Exports image `reference`'s file system (a container created, not run, then removed)
+/// into `dir` and checks every file in it ([`dynamic_files`]). Returns how many files it holds.
+fn check_image(reference: &str, dir: &Path) -> Result<usize> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    let tar = dir.with_extension("tar");
+    let id = output(Command::new("podman").args(["create", "--pull=never", reference]))?;
+    let id = id.trim();
+    let exported = run(Command::new("podman")
+        .args(["export", "-o"])
+        .arg(&tar)
+        .arg(id));
+    let _ = output(Command::new("podman").args(["rm", id]));
+    exported.context("podman export")?;
+    run(Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(dir))?;
+    let _ = std::fs::remove_file(&tar);
+    let (files, dynamic) = dynamic_files(dir)?;
+    let _ = std::fs::remove_dir_all(dir);
+    if !dynamic.is_empty() {
         bail!(
-            "{} is missing (cargo xtask setup installs nftables)",
-            nft.display()
+            "the image holds dynamically linked files: {}",
+            dynamic.join(", ")
         );
     }
-    let ldd = output(Command::new("ldd").arg(&nft))?;
-    let mut files = vec![nft];
-    files.extend(ldd_paths(&ldd));
-    for f in &files {
-        let to = rootfs.join(f.strip_prefix("/").unwrap_or(f));
-        if let Some(dir) = to.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        // (Follows symlinks: the file under the name the loader asks for.)
-        std::fs::copy(f, &to).with_context(|| format!("copying {} into the image", f.display()))?;
-    }
-    Ok(files.len())
+    Ok(files)
 }
 
-/// The absolute paths of the libraries `ldd` lists (`name => /path (addr)`, or the loader as
-/// `/path (addr)`; the vDSO has no file).
-fn ldd_paths(text: &str) -> Vec<PathBuf> {
-    text.lines()
-        .filter_map(|l| {
-            let l = l.trim();
-            let path = match l.split_once("=>") {
-                Some((_, rest)) => rest.split_whitespace().next()?,
-                None => l.split_whitespace().next()?,
-            };
-            path.starts_with('/').then(|| PathBuf::from(path))
-        })
-        .collect()
+/// Every regular file under `root` (an image's file system), and those that are dynamically
+/// linked ELF objects, with why: a program that names a loader (`PT_INTERP`), an object
+/// that needs shared libraries (`DT_NEEDED`), or a shared library (`DT_SONAME`). A static
+/// (or static-pie) executable has none of these.
+fn dynamic_files(root: &Path) -> Result<(usize, Vec<String>)> {
+    let mut files = 0;
+    let mut dynamic = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for entry in
+            std::fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))?
+        {
+            let entry = entry?;
+            let ty = entry.file_type()?;
+            if ty.is_dir() {
+                dirs.push(entry.path());
+                continue;
+            }
+            if !ty.is_file() {
+                continue;
+            }
+            files += 1;
+            let bytes = std::fs::read(entry.path())?;
+            if let Some(why) = elf_dynamic(&bytes) {
+                let name = entry.path();
+                let name = name.strip_prefix(root).unwrap_or(&name);
+                dynamic.push(format!("/{} ({why})", name.display()));
+            }
+        }
+    }
+    dynamic.sort();
+    Ok((files, dynamic))
+}
+
+/// Why an ELF file is dynamically linked; `None` for a static one or a file that is not ELF.
+fn elf_dynamic(b: &[u8]) -> Option<&'static str> {
+    if elf_has_interp(b)? {
+        return Some("a program interpreter");
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(b.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(b.get(o..o + 8)?.try_into().ok()?));
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    for i in 0..usize::from(u16_at(0x38)?) {
+        let ph = phoff + i * phentsize;
+        // PT_DYNAMIC: its entries, (tag, value) pairs up to DT_NULL.
+        if u32_at(ph)? != 2 {
+            continue;
+        }
+        let (off, size) = (
+            usize::try_from(u64_at(ph + 8)?).ok()?,
+            usize::try_from(u64_at(ph + 32)?).ok()?,
+        );
+        for e in (off..off + size).step_by(16) {
+            match u64_at(e)? {
+                0 => break,
+                1 => return Some("needs shared libraries"),
+                14 => return Some("a shared library"),
+                _ => {}
+            }
+        }
+    }
+    None
 }
 
 /// Refuses a dynamically linked binary: the image has no libc.
@@ -201,18 +257,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ldd_output_gives_the_files_to_copy() {
-        let text = "\tlinux-vdso.so.1 (0x00007ffd)\n\tlibnftables.so.1 => /lib/x86_64-linux-gnu/libnftables.so.1 (0x00007f20)\n\t/lib64/ld-linux-x86-64.so.2 (0x00007f20d9465000)\n\tlibgone.so => not found\n";
-        assert_eq!(
-            ldd_paths(text),
-            [
-                PathBuf::from("/lib/x86_64-linux-gnu/libnftables.so.1"),
-                PathBuf::from("/lib64/ld-linux-x86-64.so.2")
-            ]
-        );
-    }
-
-    #[test]
     fn a_dynamic_executable_is_told_from_a_static_one() {
         // This test binary is dynamically linked (glibc).
         let me = std::fs::read(std::env::current_exe().expect("exe")).expect("read");
@@ -221,5 +265,40 @@ mod tests {
         // busybox-static (cargo xtask setup installs it) has no interpreter.
         let b = std::fs::read("/bin/busybox").expect("busybox-static: run cargo xtask setup");
         assert_eq!(elf_has_interp(&b), Some(false));
+    }
+
+    /// What `cargo xtask image` checks in the image it built: a tree with a dynamically
+    /// linked program, a shared library with its loader, a static program and a text file
+    /// gives the first three, each with why.
+    #[test]
+    fn every_dynamically_linked_file_of_a_tree_is_found() {
+        let root = std::env::temp_dir().join(format!("calix-image-check-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("usr/local/bin")).expect("mkdir");
+        std::fs::create_dir_all(root.join("lib64")).expect("mkdir");
+        let copy = |from: &Path, to: &str| {
+            std::fs::copy(from, root.join(to)).expect("copy");
+        };
+        copy(
+            &std::env::current_exe().expect("exe"),
+            "usr/local/bin/dynamic",
+        );
+        copy(Path::new("/bin/busybox"), "usr/local/bin/static");
+        let loader = Path::new("/lib64/ld-linux-x86-64.so.2");
+        copy(loader, "lib64/ld-linux-x86-64.so.2");
+        std::fs::write(root.join("usr/local/bin/notes.txt"), "not ELF").expect("write");
+        let (files, dynamic) = dynamic_files(&root).expect("walk");
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(files, 4);
+        assert_eq!(
+            dynamic,
+            [
+                "/lib64/ld-linux-x86-64.so.2 (a shared library)",
+                "/usr/local/bin/dynamic (a program interpreter)"
+            ]
+        );
+        // A library that needs others (libc itself names a loader: it runs as a program).
+        let libm = std::fs::read("/lib/x86_64-linux-gnu/libm.so.6").expect("libm");
+        assert_eq!(elf_dynamic(&libm), Some("needs shared libraries"));
     }
 }

@@ -25,11 +25,17 @@ use aya::Ebpf;
 use calix_common::{AgentPorts, AGENT_PORTS_MAP, MAX_AGENT_PORTS, PEERS_V4_MAP, PEERS_V6_MAP};
 
 use super::bpf::{map_err, take};
-use super::nft::nft;
+use calix_kernel::nft::rule::IPPROTO_TCP;
+use calix_kernel::nft::{
+    priority, Addr, Chain, ChainType, CmpOp, CtDirection, Element, Family, Hook, KeyType, Rule,
+    Set, Table, Verdict,
+};
+
 use super::DataplaneError;
 
-/// The nftables table (family `inet`) the agent owns in both dataplanes.
+/// The nftables table the agent owns in both dataplanes.
 pub const TABLE: &str = "calix_doors";
+pub const FAMILY: Family = Family::Inet;
 
 /// What the agent's config closes to pods: its own TCP ports (Routes, metrics, unless the
 /// operator let pods in), and whether the other nodes' Routes ports are closed too.
@@ -84,74 +90,84 @@ impl Doors {
     }
 }
 
-/// The `nft -f` script that makes the table what `d` says, in one transaction (created if
-/// missing, deleted and recreated); with no port to close, only deleted.
-pub fn ruleset(d: &Doors) -> String {
-    let mut out = format!("add table inet {TABLE}\ndelete table inet {TABLE}\n");
+/// The table `d` asks for, written in one transaction (created if missing, else deleted and
+/// recreated); `None` with no port to close (the table is only deleted then).
+pub fn table(d: &Doors) -> Option<Table> {
     if d.ports.is_empty() {
-        return out;
+        return None;
     }
-    let list = |items: Vec<String>| items.join(", ");
-    let ports = list(d.ports.iter().map(u16::to_string).collect());
+    let ports: Vec<u16> = d.ports.iter().copied().collect();
     let set = |v6: bool| {
-        let elems: Vec<String> = d
+        let (name, key) = if v6 {
+            ("peers_v6", KeyType::IPV6_ADDR)
+        } else {
+            ("peers_v4", KeyType::IPV4_ADDR)
+        };
+        let mut set = Set::new(name, key);
+        set.elements = d
             .peers
             .iter()
-            .filter(|a| a.is_ipv6() == v6)
-            .map(IpAddr::to_string)
+            .filter_map(|a| match a {
+                IpAddr::V4(a) if !v6 => Some(Element::key(a.octets())),
+                IpAddr::V6(a) if v6 => Some(Element::key(a.octets())),
+                _ => None,
+            })
             .collect();
-        let ty = if v6 { "ipv6_addr" } else { "ipv4_addr" };
-        let name = if v6 { "peers_v6" } else { "peers_v4" };
-        if elems.is_empty() {
-            format!("\tset {name} {{\n\t\ttype {ty}\n\t}}\n")
-        } else {
-            format!(
-                "\tset {name} {{\n\t\ttype {ty}\n\t\telements = {{ {} }}\n\t}}\n",
-                list(elems)
-            )
-        }
+        set
     };
+    let rule = || Rule::builder(FAMILY);
     // What every chain lets through first: not from a pod, not TCP, not a closed port, the
     // answers to the node's own connections.
-    let head = format!(
-        "\t\tiifname != \"cali*\" accept\n\
-         \t\tmeta l4proto != tcp accept\n\
-         \t\ttcp dport != {{ {ports} }} accept\n\
-         \t\tct direction reply accept\n"
-    );
-    out.push_str(&format!(
-        "table inet {TABLE} {{\n\
-         \tcomment \"calix: pods do not reach the calix agents' ports on the nodes' addresses; calix-agent --uninstall removes it\"\n"
-    ));
-    out.push_str(&set(false));
-    out.push_str(&set(true));
-    out.push_str(&format!(
-        "\tchain input {{\n\
-         \t\ttype filter hook input priority filter; policy accept;\n\
-         {head}\
-         \t\tcounter drop\n\
-         \t}}\n\
-         \tchain forward {{\n\
-         \t\ttype filter hook forward priority filter; policy accept;\n\
-         {head}\
-         \t\tip daddr @peers_v4 counter drop\n\
-         \t\tip6 daddr @peers_v6 counter drop\n\
-         \t}}\n\
-         }}\n"
-    ));
-    out
+    let chain = |name: &str, hook: Hook| {
+        Chain::base(
+            name,
+            ChainType::Filter,
+            hook,
+            priority::FILTER,
+            Verdict::Accept,
+        )
+        // iifname != "cali*" accept
+        .with_rule(rule().iifname(CmpOp::Neq, "cali*").accept())
+        // meta l4proto != tcp accept
+        .with_rule(rule().l4proto(CmpOp::Neq, IPPROTO_TCP).accept())
+        // tcp dport != { ports } accept
+        .with_rule(rule().dport_in(IPPROTO_TCP, &ports, true).accept())
+        // ct direction reply accept
+        .with_rule(rule().ct_direction(CmpOp::Eq, CtDirection::Reply).accept())
+    };
+    let peers = |v6: bool, set: &str| {
+        // ip daddr @peers_v4 counter drop (ip6 daddr @peers_v6 ...)
+        rule()
+            .addr_in_set(v6, Addr::Destination, set, false)
+            .counter()
+            .drop()
+    };
+    Some(
+        Table::new(FAMILY, TABLE)
+            .with_comment("calix: pods do not reach the calix agents' ports on the nodes' addresses; calix-agent --uninstall removes it")
+            .with_set(set(false))
+            .with_set(set(true))
+            // ... counter drop
+            .with_chain(chain("input", Hook::Input).with_rule(rule().counter().drop()))
+            .with_chain(
+                chain("forward", Hook::Forward)
+                    .with_rule(peers(false, "peers_v4"))
+                    .with_rule(peers(true, "peers_v6")),
+            ),
+    )
 }
 
 /// Installs (or replaces) the table in the agent's network namespace.
 pub fn apply(d: &Doors) -> Result<(), DataplaneError> {
-    nft(&ruleset(d))
+    match table(d) {
+        Some(t) => super::nft::apply(&t),
+        None => remove(),
+    }
 }
 
 /// Deletes the table (if there is one).
 pub fn remove() -> Result<(), DataplaneError> {
-    nft(&format!(
-        "add table inet {TABLE}\ndelete table inet {TABLE}\n"
-    ))
+    super::nft::remove(FAMILY, TABLE)
 }
 
 /// The eBPF maps of the doors: the ports and the other nodes' addresses.
@@ -262,79 +278,136 @@ mod tests {
         assert!(left.is_empty());
     }
 
+    fn lines(r: &Rule) -> Vec<String> {
+        r.exprs.iter().map(ToString::to_string).collect()
+    }
+
+    /// The rules are what `nft` compiled the old script's lines to (`nft --debug=netlink`).
     #[test]
     fn the_table_drops_pods_tcp_to_the_ports_of_the_nodes() {
         let d = Doors {
             ports: [5474, 9091].into(),
             peers: ips(&["172.31.1.2", "172.31.2.3", "fd31:1::2"]),
         };
-        let r = ruleset(&d);
-        assert!(
-            r.starts_with("add table inet calix_doors\ndelete table inet calix_doors\n"),
-            "{r}"
+        let t = table(&d).expect("a table");
+        assert_eq!(t.id(), "inet calix_doors");
+        assert!(t
+            .comment
+            .as_deref()
+            .is_some_and(|c| c.starts_with("calix: ")));
+        let keys = |name: &str| -> Vec<IpAddr> {
+            let s = t.set(name).unwrap_or_else(|| panic!("set {name}"));
+            assert!(!s.interval && !s.constant && s.map.is_none(), "{s:?}");
+            s.elements
+                .iter()
+                .map(|e| match e.key.len() {
+                    4 => IpAddr::from(<[u8; 4]>::try_from(e.key.as_slice()).expect("v4")),
+                    _ => IpAddr::from(<[u8; 16]>::try_from(e.key.as_slice()).expect("v6")),
+                })
+                .collect()
+        };
+        assert_eq!(
+            keys("peers_v4"),
+            Vec::from_iter(ips(&["172.31.1.2", "172.31.2.3"]))
         );
-        assert!(r.contains("comment \"calix: "), "{r}");
-        assert!(
-            r.contains("type ipv4_addr\n\t\telements = { 172.31.1.2, 172.31.2.3 }"),
-            "{r}"
-        );
-        assert!(
-            r.contains("type ipv6_addr\n\t\telements = { fd31:1::2 }"),
-            "{r}"
-        );
-        for chain in ["input", "forward"] {
-            let body = r
-                .split(&format!("chain {chain} {{"))
-                .nth(1)
-                .and_then(|b| b.split("\t}").next())
-                .unwrap_or_else(|| panic!("chain {chain}: {r}"));
-            let lines: Vec<&str> = body.lines().map(str::trim).collect();
-            let at = |l: &str| {
-                lines
-                    .iter()
-                    .position(|x| *x == l)
-                    .unwrap_or_else(|| panic!("{chain}: {l:?} missing\n{r}"))
-            };
-            let first = at(&format!(
-                "type filter hook {chain} priority filter; policy accept;"
-            ));
-            let order = [
-                at("iifname != \"cali*\" accept"),
-                at("meta l4proto != tcp accept"),
-                at("tcp dport != { 5474, 9091 } accept"),
-                at("ct direction reply accept"),
-            ];
-            assert!(
-                first < order[0] && order.windows(2).all(|w| w[0] < w[1]),
-                "{chain}: {r}"
-            );
-            let drops: Vec<&&str> = lines.iter().filter(|l| l.ends_with("drop")).collect();
-            match chain {
-                "input" => assert_eq!(drops, [&"counter drop"], "{r}"),
-                _ => assert_eq!(
-                    drops,
-                    [
-                        &"ip daddr @peers_v4 counter drop",
-                        &"ip6 daddr @peers_v6 counter drop"
+        assert_eq!(keys("peers_v6"), Vec::from_iter(ips(&["fd31:1::2"])));
+        assert_eq!(t.set("peers_v4").map(|s| s.key), Some(KeyType::IPV4_ADDR));
+        assert_eq!(t.set("peers_v6").map(|s| s.key), Some(KeyType::IPV6_ADDR));
+        let head: [Vec<&str>; 4] = [
+            // iifname != "cali*" accept
+            vec![
+                "[ meta load iifname => reg 1 ]",
+                "[ cmp neq reg 1 0x696c6163 ]",
+                "[ immediate reg 0 accept ]",
+            ],
+            // meta l4proto != tcp accept
+            vec![
+                "[ meta load l4proto => reg 1 ]",
+                "[ cmp neq reg 1 0x00000006 ]",
+                "[ immediate reg 0 accept ]",
+            ],
+            // tcp dport != { 5474, 9091 } accept
+            vec![
+                "[ meta load l4proto => reg 1 ]",
+                "[ cmp eq reg 1 0x00000006 ]",
+                "[ payload load 2b @ transport header + 2 => reg 1 ]",
+                "[ lookup reg 1 set __set%d 0x1 ]",
+                "[ immediate reg 0 accept ]",
+            ],
+            // ct direction reply accept
+            vec![
+                "[ ct load direction => reg 1 ]",
+                "[ cmp eq reg 1 0x00000001 ]",
+                "[ immediate reg 0 accept ]",
+            ],
+        ];
+        for (chain, hook, tail) in [
+            (
+                "input",
+                Hook::Input,
+                vec![vec![
+                    "[ counter pkts 0 bytes 0 ]",
+                    "[ immediate reg 0 drop ]",
+                ]],
+            ),
+            (
+                "forward",
+                Hook::Forward,
+                vec![
+                    vec![
+                        "[ meta load nfproto => reg 1 ]",
+                        "[ cmp eq reg 1 0x00000002 ]",
+                        "[ payload load 4b @ network header + 16 => reg 1 ]",
+                        "[ lookup reg 1 set peers_v4 ]",
+                        "[ counter pkts 0 bytes 0 ]",
+                        "[ immediate reg 0 drop ]",
                     ],
-                    "{r}"
-                ),
-            }
-            assert!(lines.iter().rposition(|l| l.ends_with("drop")) > Some(order[3]));
+                    vec![
+                        "[ meta load nfproto => reg 1 ]",
+                        "[ cmp eq reg 1 0x0000000a ]",
+                        "[ payload load 16b @ network header + 24 => reg 1 ]",
+                        "[ lookup reg 1 set peers_v6 ]",
+                        "[ counter pkts 0 bytes 0 ]",
+                        "[ immediate reg 0 drop ]",
+                    ],
+                ],
+            ),
+        ] {
+            let c = t.chain(chain).unwrap_or_else(|| panic!("chain {chain}"));
+            let base = c.base.as_ref().expect("a base chain");
+            assert_eq!(
+                (&base.kind, base.hook, base.priority, &base.policy),
+                (&ChainType::Filter, hook, 0, &Verdict::Accept),
+                "type filter hook {chain} priority filter; policy accept;"
+            );
+            let want: Vec<Vec<&str>> = head.iter().cloned().chain(tail).collect();
+            let got: Vec<Vec<String>> = c.rules.iter().map(lines).collect();
+            assert_eq!(got, want, "chain {chain}");
         }
+        // The ports' set: 5474 and 9091, in network order.
+        let Some(calix_kernel::nft::Expr::Lookup {
+            set: calix_kernel::nft::SetRef::Anonymous(ports),
+            ..
+        }) = t.chains[0].rules[2].exprs.get(3)
+        else {
+            panic!("the ports' set")
+        };
+        assert_eq!(
+            ports.elements,
+            [
+                Element::key(5474u16.to_be_bytes()),
+                Element::key(9091u16.to_be_bytes())
+            ]
+        );
         // No peer yet: empty sets, still valid.
-        let alone = ruleset(&Doors {
+        let alone = table(&Doors {
             ports: [9091].into(),
             peers: BTreeSet::new(),
-        });
-        assert!(
-            alone.contains("\tset peers_v4 {\n\t\ttype ipv4_addr\n\t}\n"),
-            "{alone}"
-        );
+        })
+        .expect("a table");
+        assert!(alone.sets.iter().all(|s| s.elements.is_empty()));
+        alone.validate().expect("valid");
         // Nothing to close: the table only goes.
-        assert_eq!(
-            ruleset(&Doors::default()),
-            "add table inet calix_doors\ndelete table inet calix_doors\n"
-        );
+        assert_eq!(table(&Doors::default()), None);
     }
 }

@@ -455,7 +455,7 @@ impl EbpfDataplane {
         if let Some(n) = &self.stack_nat {
             super::masquerade::apply_stack(n)?;
             self.tables.push(super::nft::OwnedTable::record(
-                "ip",
+                super::masquerade::FAMILY,
                 super::masquerade::TABLE,
             )?);
         }
@@ -463,10 +463,13 @@ impl EbpfDataplane {
     }
 
     fn apply_doors_table(&mut self) -> Result<(), DataplaneError> {
-        self.tables.retain(|t| !t.is("inet", super::doors::TABLE));
-        super::doors::apply(&Doors::of(&self.cfg.doors, &self.peers))?;
         self.tables
-            .push(super::nft::OwnedTable::record("inet", super::doors::TABLE)?);
+            .retain(|t| !t.is(super::doors::FAMILY, super::doors::TABLE));
+        super::doors::apply(&Doors::of(&self.cfg.doors, &self.peers))?;
+        self.tables.push(super::nft::OwnedTable::record(
+            super::doors::FAMILY,
+            super::doors::TABLE,
+        )?);
         Ok(())
     }
 

@@ -75,8 +75,8 @@ pub enum DataplaneError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    #[error("nftables: {0}")]
-    Nftables(String),
+    #[error(transparent)]
+    Nftables(#[from] calix_kernel::nft::NftError),
     #[error("reading the node's addresses failed")]
     Addresses(#[source] nix::Error),
     #[error(transparent)]
@@ -332,19 +332,23 @@ impl KernelDataplane {
         // Recorded as written so far: a later failure leaves what was written repairable.
         self.tables.clear();
         antispoof::apply()?;
-        self.tables
-            .push(nft::OwnedTable::record("inet", antispoof::TABLE)?);
+        self.tables.push(nft::OwnedTable::record(
+            antispoof::FAMILY,
+            antispoof::TABLE,
+        )?);
         masquerade::apply(&self.nat)?;
-        self.tables
-            .push(nft::OwnedTable::record("ip", masquerade::TABLE)?);
+        self.tables.push(nft::OwnedTable::record(
+            masquerade::FAMILY,
+            masquerade::TABLE,
+        )?);
         self.apply_doors()
     }
 
     fn apply_doors(&mut self) -> Result<(), DataplaneError> {
-        self.tables.retain(|t| !t.is("inet", doors::TABLE));
+        self.tables.retain(|t| !t.is(doors::FAMILY, doors::TABLE));
         doors::apply(&doors::Doors::of(&self.doors, &self.peers))?;
         self.tables
-            .push(nft::OwnedTable::record("inet", doors::TABLE)?);
+            .push(nft::OwnedTable::record(doors::FAMILY, doors::TABLE)?);
         Ok(())
     }
 }

@@ -61,7 +61,14 @@ impl Dataplane for FakeDataplane {
         let mut seen = self.0.lock().expect("lock");
         if seen.fail_node_repair > 0 {
             seen.fail_node_repair -= 1;
-            return Err(DataplaneError::Nftables("nft: permission denied".into()));
+            return Err(DataplaneError::Nftables(
+                calix_kernel::nft::NftError::Refused {
+                    table: "inet calix_antispoof".into(),
+                    message: "creating the table".into(),
+                    errno: nix::errno::Errno::EPERM,
+                    others: 0,
+                },
+            ));
         }
         seen.node_repairs += 1;
         seen.node_drift.clear();

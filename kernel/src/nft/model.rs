@@ -1,0 +1,514 @@
+//! What a table is: the typed model the batch writes and the reader gives back. Plain data,
+//! compared with `==` after [`Table::canonical`] (the reader's order and the writer's may
+//! differ where order means nothing: chains, named sets, set elements).
+
+use std::fmt;
+
+use super::expr::{Expr, SetRef};
+use super::wire::{NAME_MAX, USERDATA_MAX};
+use super::NftError;
+
+/// An nftables address family (`NFPROTO_*`): which packets a table's base chains see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    /// IPv4 and IPv6.
+    Inet,
+    Ip,
+    Ip6,
+    Arp,
+    Bridge,
+    Netdev,
+}
+
+impl Family {
+    pub const fn nfproto(self) -> u8 {
+        match self {
+            Family::Inet => 1,
+            Family::Ip => 2,
+            Family::Arp => 3,
+            Family::Netdev => 5,
+            Family::Bridge => 7,
+            Family::Ip6 => 10,
+        }
+    }
+
+    pub const fn from_nfproto(v: u8) -> Option<Family> {
+        Some(match v {
+            1 => Family::Inet,
+            2 => Family::Ip,
+            3 => Family::Arp,
+            5 => Family::Netdev,
+            7 => Family::Bridge,
+            10 => Family::Ip6,
+            _ => return None,
+        })
+    }
+
+    /// As `nft` spells it.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Family::Inet => "inet",
+            Family::Ip => "ip",
+            Family::Ip6 => "ip6",
+            Family::Arp => "arp",
+            Family::Bridge => "bridge",
+            Family::Netdev => "netdev",
+        }
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A table: its named sets and its chains. Anonymous sets live inside the rules that use
+/// them ([`SetRef::Anonymous`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Table {
+    pub family: Family,
+    pub name: String,
+    /// Stored as the table's user data, as `nft` stores `comment "..."` (so `nft list` shows
+    /// it): how an operator tells calix's tables from others.
+    pub comment: Option<String>,
+    /// `NFT_TABLE_F_*` (e.g. 1: dormant, its chains see no packet). calix writes 0; read back,
+    /// another value is drift.
+    pub flags: u32,
+    pub sets: Vec<Set>,
+    pub chains: Vec<Chain>,
+}
+
+impl Table {
+    pub fn new(family: Family, name: impl Into<String>) -> Self {
+        Self {
+            family,
+            name: name.into(),
+            comment: None,
+            flags: 0,
+            sets: Vec::new(),
+            chains: Vec::new(),
+        }
+    }
+
+    /// `family name`, as `nft list table` takes it.
+    pub fn id(&self) -> String {
+        format!("{} {}", self.family, self.name)
+    }
+
+    pub fn with_comment(mut self, comment: impl Into<String>) -> Self {
+        self.comment = Some(comment.into());
+        self
+    }
+
+    pub fn with_set(mut self, set: Set) -> Self {
+        self.sets.push(set);
+        self
+    }
+
+    pub fn with_chain(mut self, chain: Chain) -> Self {
+        self.chains.push(chain);
+        self
+    }
+
+    pub fn chain(&self, name: &str) -> Option<&Chain> {
+        self.chains.iter().find(|c| c.name == name)
+    }
+
+    pub fn set(&self, name: &str) -> Option<&Set> {
+        self.sets.iter().find(|s| s.name == name)
+    }
+
+    /// The same table in the one order two equal tables share: chains and named sets by
+    /// name, every set's elements sorted, anonymous sets without their (kernel-given) names.
+    /// Rules keep their order: it is their meaning.
+    pub fn canonical(&self) -> Table {
+        let mut t = self.clone();
+        t.chains.sort_by(|a, b| a.name.cmp(&b.name));
+        t.sets.sort_by(|a, b| a.name.cmp(&b.name));
+        for s in &mut t.sets {
+            s.elements.sort();
+        }
+        for c in &mut t.chains {
+            for r in &mut c.rules {
+                for e in &mut r.exprs {
+                    if let Expr::Lookup {
+                        set: SetRef::Anonymous(s),
+                        ..
+                    } = e
+                    {
+                        s.name.clear();
+                        s.elements.sort();
+                    }
+                }
+            }
+        }
+        t
+    }
+
+    /// Checks what the kernel would refuse less clearly: names (empty, too long, with a NUL),
+    /// comments too long, elements whose key is not the set's key length.
+    pub fn validate(&self) -> Result<(), NftError> {
+        let bad = |what: String, why: &'static str| NftError::Invalid {
+            table: self.id(),
+            what,
+            why,
+        };
+        check_name(&self.name).map_err(|why| bad(format!("table name {:?}", self.name), why))?;
+        check_comment(self.comment.as_deref()).map_err(|why| bad("the comment".into(), why))?;
+        for s in &self.sets {
+            check_name(&s.name).map_err(|why| bad(format!("set name {:?}", s.name), why))?;
+            s.validate()
+                .map_err(|why| bad(format!("set {}", s.name), why))?;
+        }
+        for c in &self.chains {
+            check_name(&c.name).map_err(|why| bad(format!("chain name {:?}", c.name), why))?;
+            for (i, r) in c.rules.iter().enumerate() {
+                let what = || format!("rule {} of chain {}", i + 1, c.name);
+                check_comment(r.comment.as_deref()).map_err(|why| bad(what(), why))?;
+                for e in &r.exprs {
+                    if let Expr::Lookup {
+                        set: SetRef::Anonymous(s),
+                        ..
+                    } = e
+                    {
+                        s.validate().map_err(|why| bad(what(), why))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_name(name: &str) -> Result<(), &'static str> {
+    if name.is_empty() {
+        Err("is empty")
+    } else if name.len() > NAME_MAX {
+        Err("is longer than the kernel's 255 bytes")
+    } else if name.contains('\0') {
+        Err("holds a NUL byte")
+    } else {
+        Ok(())
+    }
+}
+
+fn check_comment(c: Option<&str>) -> Result<(), &'static str> {
+    match c {
+        // Type, length, the text and its NUL: one TLV of the user data.
+        Some(c) if c.len() + 3 > USERDATA_MAX.min(255 + 2) => {
+            Err("has a comment longer than the kernel's user data holds")
+        }
+        Some(c) if c.contains('\0') => Err("has a comment with a NUL byte"),
+        _ => Ok(()),
+    }
+}
+
+/// A chain: a base chain (hooked into the stack) or a regular one (reached by jump/goto).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chain {
+    pub name: String,
+    pub base: Option<BaseChain>,
+    pub rules: Vec<Rule>,
+}
+
+impl Chain {
+    /// A regular chain.
+    pub fn regular(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            base: None,
+            rules: Vec::new(),
+        }
+    }
+
+    /// A base chain: `type <kind> hook <hook> priority <priority>; policy <policy>;`.
+    pub fn base(
+        name: impl Into<String>,
+        kind: ChainType,
+        hook: Hook,
+        priority: i32,
+        policy: Verdict,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            base: Some(BaseChain {
+                kind,
+                hook,
+                priority,
+                policy,
+            }),
+            rules: Vec::new(),
+        }
+    }
+
+    pub fn with_rule(mut self, rule: Rule) -> Self {
+        self.rules.push(rule);
+        self
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BaseChain {
+    pub kind: ChainType,
+    pub hook: Hook,
+    pub priority: i32,
+    /// [`Verdict::Accept`] or [`Verdict::Drop`].
+    pub policy: Verdict,
+}
+
+/// The standard priorities, as `nft` names them.
+pub mod priority {
+    pub const RAW: i32 = -300;
+    pub const MANGLE: i32 = -150;
+    pub const DSTNAT: i32 = -100;
+    pub const FILTER: i32 = 0;
+    pub const SECURITY: i32 = 50;
+    pub const SRCNAT: i32 = 100;
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChainType {
+    Filter,
+    Nat,
+    Route,
+    /// As read back: a type this module does not write.
+    Other(String),
+}
+
+impl ChainType {
+    pub fn as_str(&self) -> &str {
+        match self {
+            ChainType::Filter => "filter",
+            ChainType::Nat => "nat",
+            ChainType::Route => "route",
+            ChainType::Other(s) => s,
+        }
+    }
+
+    pub fn parse(s: &str) -> Self {
+        match s {
+            "filter" => ChainType::Filter,
+            "nat" => ChainType::Nat,
+            "route" => ChainType::Route,
+            other => ChainType::Other(other.to_string()),
+        }
+    }
+}
+
+/// The netfilter hooks of the ip, ip6 and inet families (`NF_INET_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Hook {
+    Prerouting,
+    Input,
+    Forward,
+    Output,
+    Postrouting,
+    /// As read back: another hook number.
+    Other(u32),
+}
+
+impl Hook {
+    pub const fn number(self) -> u32 {
+        match self {
+            Hook::Prerouting => 0,
+            Hook::Input => 1,
+            Hook::Forward => 2,
+            Hook::Output => 3,
+            Hook::Postrouting => 4,
+            Hook::Other(n) => n,
+        }
+    }
+
+    pub const fn from_number(n: u32) -> Self {
+        match n {
+            0 => Hook::Prerouting,
+            1 => Hook::Input,
+            2 => Hook::Forward,
+            3 => Hook::Output,
+            4 => Hook::Postrouting,
+            n => Hook::Other(n),
+        }
+    }
+}
+
+/// A rule: expressions run in order; a comment (user data, as `nft` stores it).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Rule {
+    pub exprs: Vec<Expr>,
+    pub comment: Option<String>,
+}
+
+/// A verdict: of an immediate, a chain's policy, a verdict map's element.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Verdict {
+    Accept,
+    Drop,
+    Continue,
+    Return,
+    Jump(String),
+    Goto(String),
+}
+
+impl Verdict {
+    /// `NF_DROP`, `NF_ACCEPT` and nf_tables' own (negative) codes.
+    pub(crate) fn code(&self) -> i32 {
+        match self {
+            Verdict::Drop => 0,
+            Verdict::Accept => 1,
+            Verdict::Continue => -1,
+            Verdict::Jump(_) => -3,
+            Verdict::Goto(_) => -4,
+            Verdict::Return => -5,
+        }
+    }
+
+    pub(crate) fn chain(&self) -> Option<&str> {
+        match self {
+            Verdict::Jump(c) | Verdict::Goto(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn from_code(code: i32, chain: Option<String>) -> Option<Self> {
+        Some(match (code, chain) {
+            (0, _) => Verdict::Drop,
+            (1, _) => Verdict::Accept,
+            (-1, _) => Verdict::Continue,
+            (-5, _) => Verdict::Return,
+            (-3, Some(c)) => Verdict::Jump(c),
+            (-4, Some(c)) => Verdict::Goto(c),
+            _ => return None,
+        })
+    }
+}
+
+/// The value of an immediate or of a map element: bytes, or a verdict.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Data {
+    Value(Vec<u8>),
+    Verdict(Verdict),
+}
+
+/// What a set's keys (or a map's values) are: nft's datatype number (how `nft list` prints
+/// them; the kernel only stores it) and the length in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct KeyType {
+    pub id: u32,
+    pub len: u32,
+}
+
+impl KeyType {
+    pub const IPV4_ADDR: KeyType = KeyType { id: 7, len: 4 };
+    pub const IPV6_ADDR: KeyType = KeyType { id: 8, len: 16 };
+    pub const INET_PROTO: KeyType = KeyType { id: 12, len: 1 };
+    pub const INET_SERVICE: KeyType = KeyType { id: 13, len: 2 };
+    pub const ICMP_TYPE: KeyType = KeyType { id: 14, len: 1 };
+    pub const MARK: KeyType = KeyType { id: 19, len: 4 };
+    pub const ICMPV6_TYPE: KeyType = KeyType { id: 29, len: 1 };
+    pub const IFNAME: KeyType = KeyType { id: 41, len: 16 };
+}
+
+/// What a map's elements map to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapData {
+    /// A verdict map (`vmap`): `NFT_DATA_VERDICT`.
+    Verdict,
+    Value(KeyType),
+}
+
+/// A set (or a map, with [`Set::map`]). Named sets are in [`Table::sets`]; anonymous ones
+/// inside a lookup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Set {
+    /// Ignored for anonymous sets (the kernel names them `__set<n>`).
+    pub name: String,
+    pub key: KeyType,
+    /// Elements are ranges ([`Element::last`]): CIDRs, port ranges.
+    pub interval: bool,
+    /// Elements cannot change after the set is made (anonymous sets always are).
+    pub constant: bool,
+    pub map: Option<MapData>,
+    pub elements: Vec<Element>,
+}
+
+impl Set {
+    pub fn new(name: impl Into<String>, key: KeyType) -> Self {
+        Self {
+            name: name.into(),
+            key,
+            interval: false,
+            constant: false,
+            map: None,
+            elements: Vec::new(),
+        }
+    }
+
+    /// An anonymous set: constant, bound to the rule whose lookup holds it.
+    pub fn anonymous(key: KeyType) -> Self {
+        Self {
+            constant: true,
+            ..Self::new("", key)
+        }
+    }
+
+    pub fn with_element(mut self, e: Element) -> Self {
+        self.elements.push(e);
+        self
+    }
+
+    fn validate(&self) -> Result<(), &'static str> {
+        if self.key.len == 0 || self.key.len > 64 {
+            return Err("has a key length the kernel does not take (1 to 64 bytes)");
+        }
+        for e in &self.elements {
+            if e.key.len() != self.key.len as usize
+                || e.last.as_ref().is_some_and(|l| l.len() != e.key.len())
+            {
+                return Err("has an element whose key is not the set's key length");
+            }
+            if e.last.is_some() != self.interval {
+                return Err("mixes ranges and single keys (ranges need an interval set)");
+            }
+            if e.last.as_ref().is_some_and(|l| *l < e.key) {
+                return Err("has a range that ends before it starts");
+            }
+            if e.data.is_some() != self.map.is_some() {
+                return Err("has elements with data but is no map, or without data in a map");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A set element: a key (network byte order), or for interval sets the range `key..=last`;
+/// in a map, the data it maps to.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Element {
+    pub key: Vec<u8>,
+    pub last: Option<Vec<u8>>,
+    pub data: Option<Data>,
+}
+
+impl Element {
+    pub fn key(key: impl Into<Vec<u8>>) -> Self {
+        Self {
+            key: key.into(),
+            last: None,
+            data: None,
+        }
+    }
+
+    pub fn range(first: impl Into<Vec<u8>>, last: impl Into<Vec<u8>>) -> Self {
+        Self {
+            key: first.into(),
+            last: Some(last.into()),
+            data: None,
+        }
+    }
+
+    pub fn with_data(mut self, data: Data) -> Self {
+        self.data = Some(data);
+        self
+    }
+}
