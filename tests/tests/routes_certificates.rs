@@ -18,7 +18,7 @@
 use std::time::{Duration, Instant};
 
 use calix_testbed::pod_net::Flow;
-use calix_testbed::signer::{Signer, SignerSetup};
+use calix_testbed::signer::{self, Signer, SignerSetup};
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Pod};
 use common::certs::{
     agent_rules, ask, base64, condition, decided, decode_base64, request, setup, try_watch,
