@@ -10,6 +10,7 @@
 //!   MAC every node derives from a peer's address;
 //! - [`host`]: the narrow trait the agent's reconcilers use, over netlink or in memory;
 //! - [`mac`]: MAC addresses as text;
+//! - [`nftables`]: nftables' ruleset generation (has any table changed?);
 //! - [`bpffs`]: mounting the BPF filesystem.
 //!
 //! This crate builds with cargo alone (no eBPF toolchain), so xtask can use it before
@@ -19,6 +20,7 @@ pub mod host;
 pub mod mac;
 pub mod netlink;
 pub mod netns;
+pub mod nftables;
 pub mod node_route;
 pub mod pod;
 pub mod vxlan;

@@ -3,7 +3,8 @@
 //! cls_bpf filter with `tc_attach = "tc"`), its endpoint map entry, the node's forwarding,
 //! kernel mode's nftables table — is put back within 10 s,
 //! counted in `calix_repairs_total{kind}`, and traffic recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
-//! missing for a while is programmed once it is back; an idle node makes no netlink writes.
+//! missing for a while is programmed once it is back; an idle node makes no netlink writes,
+//! and in kernel mode runs no `nft` (nftables' ruleset generation says nothing changed).
 //! Run as root, in both dataplane modes.
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -281,6 +282,95 @@ fn an_idle_node_makes_no_netlink_writes_across_ten_resyncs() {
     ] {
         assert_eq!(repairs(&node, kind), 0, "{kind}");
     }
+}
+
+/// Where `nft` is for this process (the agents' wrapper hands over to it).
+fn real_nft() -> String {
+    std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(|d| std::path::Path::new(d).join("nft"))
+        .find(|p| p.is_file())
+        .map(|p| p.display().to_string())
+        .expect("nft in PATH (apt-get install nftables)")
+}
+
+/// nftables' ruleset generation (what the agent asks before it lists its tables) moves with
+/// every committed change of the namespace, and not with a listing.
+#[test]
+fn the_nftables_generation_moves_with_changes_not_with_listings() {
+    let ns = calix_testbed::Netns::new("g");
+    let generation = || {
+        ns.run(calix_kernel::nftables::generation)
+            .expect("the generation")
+    };
+    let g0 = generation();
+    ns.exec_ok(&["nft", "list", "ruleset"]);
+    ns.exec_ok(&["nft", "-s", "list", "tables"]);
+    assert_eq!(generation(), g0, "a listing moved it");
+    ns.exec_ok(&["nft", "add", "table", "ip", "cxt_generation"]);
+    let g1 = generation();
+    assert_ne!(g1, g0, "a new table did not move it");
+    ns.exec_ok(&["nft", "flush", "ruleset"]);
+    assert_ne!(generation(), g1, "a flush did not move it");
+}
+
+/// Kernel mode's passes run no `nft` while nftables does not change (issue 20, item 9): they
+/// listed each of the agent's three tables, a process each, every pass — on a busy machine
+/// hundreds of milliseconds to seconds on the reconciler's thread, where a route to another
+/// node's new pod waited behind them. A change by anyone is still seen and repaired.
+#[test]
+fn an_idle_node_in_kernel_mode_runs_no_nft() {
+    let mut node = Node::create(Dataplane::Kernel, Some(CONFIG));
+    // `nft` in the agent's PATH: a wrapper that writes down each run.
+    let log = node.dir.join("nft-runs");
+    let wrapper = node.dir.join("bin");
+    std::fs::create_dir_all(&wrapper).expect("mkdir");
+    let script = wrapper.join("nft");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
+            log.display(),
+            real_nft()
+        ),
+    )
+    .expect("write the wrapper");
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let path = format!(
+        "{}:{}",
+        wrapper.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    node.agent_mut().spec.env.push(("PATH".into(), path));
+    node.start_agent();
+    let a = Pod::add(&node, "a");
+    let b = Pod::add(&node, "b");
+    assert!(a.ns.ping(&b.ip(), 1));
+    let runs = || std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        runs().contains("-f -"),
+        "the agent's tables went through the wrapper"
+    );
+    // After the first pass (which lists the tables written before the last one), three
+    // passes: no nft at all.
+    let passes = |n: u64| {
+        let before = metric(&node, "calix_resyncs_total");
+        within_10s(&format!("{n} passes"), &node, || {
+            metric(&node, "calix_resyncs_total") >= before + n
+        });
+    };
+    passes(1);
+    std::fs::write(&log, "").expect("truncate");
+    passes(3);
+    assert_eq!(runs(), "", "nft run while nothing changed");
+    // A firewall's restart moves the generation: the tables are listed, found gone, written.
+    node.ns.exec_ok(&["nft", "flush", "ruleset"]);
+    within_10s("the tables", &node, || repairs(&node, "nft_table") >= 1);
+    let seen = runs();
+    assert!(seen.contains("-s list table"), "{seen}");
+    assert!(a.ns.ping(&b.ip(), 2), "traffic recovered");
 }
 
 /// The ifindex of `ifname` in `node`.
