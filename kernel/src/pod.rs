@@ -593,6 +593,54 @@ pub async fn configure_host(
     Ok(())
 }
 
+/// How long [`wait_operational`] waits for the kernel to take a new veth into service.
+pub const OPERATIONAL_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Waits until both ends of a new veth are operational (`IFLA_OPERSTATE` up), at most
+/// `limit`; returns whether they are. Bringing the second end up gives both their carrier,
+/// but the end brought up first starts transmitting only once the kernel's link watch (a
+/// deferred work item that needs the RTNL lock) has run for it: until then its queue is the
+/// noop qdisc, which drops every packet (`QDISC_DROP`). The link watch sets the operational
+/// state just before it starts the queue. Returning from ADD before then let the pod drop its
+/// first ARP reply to the node on a busy machine, and the node asked again only a second
+/// later (`retrans_time_ms`): a new pod unreachable for a second (issue 20, item 9).
+pub async fn wait_operational(
+    pod: &Handle,
+    pod_ifindex: u32,
+    host: &Handle,
+    host_ifindex: u32,
+    limit: std::time::Duration,
+) -> Result<bool, NetlinkError> {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if operational(pod, pod_ifindex).await? && operational(host, host_ifindex).await? {
+            return Ok(true);
+        }
+        if std::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// Whether link `index` is operationally up.
+async fn operational(handle: &Handle, index: u32) -> Result<bool, NetlinkError> {
+    use netlink_packet_route::link::State;
+    let message = handle
+        .link()
+        .get()
+        .match_index(index)
+        .execute()
+        .try_next()
+        .await
+        .map_err(netlink_err("get link", format!("interface {index}")))?;
+    Ok(message.is_some_and(|m| {
+        m.attributes
+            .iter()
+            .any(|a| matches!(a, LinkAttribute::OperState(State::Up)))
+    }))
+}
+
 async fn add_host_route(
     host: &Handle,
     route: RouteMessage,

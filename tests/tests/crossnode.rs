@@ -159,10 +159,14 @@ fn repairs(node: &Node, kind: &str) -> u64 {
     metric(node, &format!("calix_repairs_total{{kind=\"{kind}\"}}"))
 }
 
+/// The agents' log level: route distribution's and the reconciler's steps at debug, so that
+/// a route late to arrive shows where it waited (the agents' logs are printed on failure).
+const LOG_LEVEL: &str = "info,calix_agent::routes=debug,calix_agent::reconcile=debug";
+
 /// A started cluster: route distribution with mutual TLS from `ca`, a 10 s grace period, the
-/// reconcilers resyncing every second.
+/// reconcilers resyncing every second, the agents logging at [`LOG_LEVEL`].
 fn cluster(mode: Mode, ca: &Ca) -> Cluster {
-    let c = Cluster::create(mode, &SUBNETS, |i, c| {
+    let mut c = Cluster::create(mode, &SUBNETS, |i, c| {
         format!(
             "resync_interval_secs = 1\n{}{POOLS}{}",
             c.base_config(i),
@@ -170,6 +174,9 @@ fn cluster(mode: Mode, ca: &Ca) -> Cluster {
                 .unwrap_or_else(|e| panic!("{e}"))
         )
     });
+    for n in &mut c.nodes {
+        n.agent_mut().spec.log_level = LOG_LEVEL;
+    }
     c.start();
     c
 }
@@ -296,6 +303,7 @@ fn pods_reach_each_other_across_nodes(mode: Mode) {
     // A new pod on node 0 needs a new block: reachable from node 2 within 1 s of its ADD (the
     // block claimed, advertised, validated, programmed).
     let t = Instant::now();
+    let t_wall = std::time::SystemTime::now();
     let c = Pod::add_with(&cluster.nodes[0], "c", dual.clone());
     let added = t.elapsed();
     let new_block = block_of(c.ip().parse().expect("ip"));
@@ -309,11 +317,32 @@ fn pods_reach_each_other_across_nodes(mode: Mode) {
     );
     let reply = first_reply(&pods[2][0], &c.ip(), Duration::from_secs(1));
     eprintln!("new pod on node 0: ADD took {added:?}, first reply from node 2 after {reply:?}");
-    assert!(
-        reply.is_some(),
-        "not reachable from node 2 within 1 s of its ADD\n{}",
-        calix_routes(&cluster, 2)
-    );
+    if reply.is_none() {
+        // Where the path stood: the route on node 2, the neighbours on the way, and whether
+        // it came later.
+        let shown = |ns: &calix_testbed::Netns, argv: &[&str]| text(ns.exec_ok(argv));
+        let state = format!(
+            "node 2's calix routes:\n{}\nnode 2: {}node 0, neighbours on {}:\n{}pod c, neighbours:\n{}",
+            calix_routes(&cluster, 2),
+            shown(&cluster.nodes[2].ns, &["ip", "route", "get", &c.ip()]),
+            c.host_ifname(),
+            shown(
+                &cluster.nodes[0].ns,
+                &["ip", "-s", "neigh", "show", "dev", &c.host_ifname()]
+            ),
+            shown(&c.ns, &["ip", "-s", "neigh", "show"]),
+        );
+        let later = first_reply(&pods[2][0], &c.ip(), Duration::from_secs(5));
+        panic!(
+            "not reachable from node 2 within 1 s of its ADD (pod c {:?}, ADD started {}, took \
+             {added:?}; a second probe's first reply after {later:?})\n{state}\n\
+             agent log of node 0:\n{}\nagent log of node 2:\n{}",
+            c.ips(),
+            utc(t_wall),
+            cluster.nodes[0].agent_log(),
+            cluster.nodes[2].agent_log()
+        );
+    }
 
     // Node 1's agent restarted (SIGTERM, then kill -9) under a flow from node 2: no loss, and
     // its peers keep its routes meanwhile.
@@ -423,6 +452,31 @@ fn pods_reach_each_other_across_nodes(mode: Mode) {
         !links.iter().any(|l| l == DEVICE_V4 || l == DEVICE_V6),
         "{links:?}"
     );
+}
+
+/// `at` as the agents' log lines stamp their time (UTC, RFC 3339, microseconds).
+fn utc(at: std::time::SystemTime) -> String {
+    let d = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970");
+    let (days, secs) = (d.as_secs() / 86_400, d.as_secs() % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        secs / 3600,
+        secs % 3600 / 60,
+        secs % 60,
+        d.subsec_micros()
+    )
 }
 
 fn text_of(bytes: &[u8]) -> String {

@@ -3,7 +3,9 @@
 //! cls_bpf filter with `tc_attach = "tc"`), its endpoint map entry, the node's forwarding,
 //! kernel mode's nftables table — is put back within 10 s,
 //! counted in `calix_repairs_total{kind}`, and traffic recovers; a veth deleted by hand is reported, never re-created; an endpoint whose veth is
-//! missing for a while is programmed once it is back; an idle node makes no netlink writes.
+//! missing for a while is programmed once it is back; an idle node makes no netlink writes,
+//! and nftables' ruleset generation, which spares an idle node's pass reading its tables,
+//! moves with every change and not with a read.
 //! Run as root, in both dataplane modes.
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -281,6 +283,26 @@ fn an_idle_node_makes_no_netlink_writes_across_ten_resyncs() {
     ] {
         assert_eq!(repairs(&node, kind), 0, "{kind}");
     }
+}
+
+/// nftables' ruleset generation (what the agent asks before it lists its tables) moves with
+/// every committed change of the namespace, and not with a listing.
+#[test]
+fn the_nftables_generation_moves_with_changes_not_with_listings() {
+    let ns = calix_testbed::Netns::new("g");
+    let generation = || {
+        ns.run(calix_kernel::nft::generation)
+            .expect("the generation")
+    };
+    let g0 = generation();
+    ns.exec_ok(&["nft", "list", "ruleset"]);
+    ns.exec_ok(&["nft", "-s", "list", "tables"]);
+    assert_eq!(generation(), g0, "a listing moved it");
+    ns.exec_ok(&["nft", "add", "table", "ip", "cxt_generation"]);
+    let g1 = generation();
+    assert_ne!(g1, g0, "a new table did not move it");
+    ns.exec_ok(&["nft", "flush", "ruleset"]);
+    assert_ne!(generation(), g1, "a flush did not move it");
 }
 
 /// The ifindex of `ifname` in `node`.

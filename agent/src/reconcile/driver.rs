@@ -52,8 +52,13 @@ enum Command {
     Sweep(oneshot::Sender<Result<(), DataplaneError>>),
     Snapshot(oneshot::Sender<Snapshot>),
     /// Route distribution's desired routes to other nodes' pods (the whole set), and whether
-    /// it is complete.
-    RemoteRoutes(Vec<super::remote::RemoteRoute>, bool, oneshot::Sender<()>),
+    /// it is complete; when it was sent.
+    RemoteRoutes(
+        Vec<super::remote::RemoteRoute>,
+        bool,
+        Instant,
+        oneshot::Sender<()>,
+    ),
     /// The other nodes, for the doors ([`Dataplane::set_peer_nodes`]).
     PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
@@ -196,7 +201,7 @@ impl Driver {
         routes: Vec<super::remote::RemoteRoute>,
         complete: bool,
     ) -> Result<(), DriverError> {
-        self.ask(|tx| Command::RemoteRoutes(routes, complete, tx))
+        self.ask(|tx| Command::RemoteRoutes(routes, complete, Instant::now(), tx))
             .await
     }
 
@@ -245,7 +250,7 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             }
             Some(Command::Resync(reply)) => {
                 let now = Instant::now();
-                log_pass(&r.resync(now), "resync");
+                log_pass(&r.resync(now), "resync", now);
                 next_resync = now + every;
                 let _ = reply.send(());
             }
@@ -275,8 +280,12 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
                     route_problems: r.route_problems().clone(),
                 });
             }
-            Some(Command::RemoteRoutes(routes, complete, reply)) => {
+            Some(Command::RemoteRoutes(routes, complete, sent, reply)) => {
+                let taken = Instant::now();
+                let count = routes.len();
                 r.set_remote_routes(routes, complete);
+                tracing::debug!(routes = count, complete, queued = ?taken.saturating_duration_since(sent),
+                    took = ?taken.elapsed(), "remote routes set");
                 let _ = reply.send(());
             }
             Some(Command::PeerNodes(peers, reply)) => {
@@ -290,19 +299,19 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             None => {
                 let now = Instant::now();
                 if now >= next_resync {
-                    log_pass(&r.resync(now), "periodic resync");
+                    log_pass(&r.resync(now), "periodic resync", now);
                     next_resync = now + every;
                 } else {
-                    log_pass(&r.retry_due(now), "retry");
+                    log_pass(&r.retry_due(now), "retry", now);
                 }
             }
         }
     }
 }
 
-fn log_pass(pass: &super::Pass, what: &str) {
+fn log_pass(pass: &super::Pass, what: &str, started: Instant) {
     if pass.repairs.is_empty() && pass.unhealthy == 0 {
-        tracing::debug!(checked = pass.checked, "{what}: nothing drifted");
+        tracing::debug!(checked = pass.checked, took = ?started.elapsed(), "{what}: nothing drifted");
     } else {
         tracing::info!(
             checked = pass.checked,

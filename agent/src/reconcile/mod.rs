@@ -348,9 +348,13 @@ impl<K: HostKernel> Reconciler<K> {
     pub fn resync(&mut self, now: Instant) -> Pass {
         self.resyncs += 1;
         let keys: Vec<String> = self.desired.keys().cloned().collect();
+        let t0 = Instant::now();
         let mut pass = self.check_all(&keys, now);
+        let t1 = Instant::now();
         self.check_remote(now, &mut pass);
+        let t2 = Instant::now();
         self.check_node(now, &mut pass);
+        tracing::debug!(endpoints = ?t1 - t0, remote = ?t2 - t1, node = ?t2.elapsed(), "resync stages");
         pass
     }
 

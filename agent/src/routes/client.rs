@@ -165,6 +165,8 @@ async fn stream(
             continue;
         };
         *delivered = true;
+        tracing::debug!(%peer, update = %super::engine::describe(&event),
+            "routes: update read from peer's stream");
         let m = PeerMessage {
             peer: peer.to_string(),
             id,

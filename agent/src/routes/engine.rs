@@ -123,6 +123,36 @@ pub struct Outputs {
     pub peers: BTreeMap<String, Target>,
 }
 
+/// A peer's update in a few words, for the debug log: its kind, generation, and the first
+/// few prefixes it adds and withdraws.
+pub fn describe(ev: &PeerEvent) -> String {
+    fn some<T: std::fmt::Display>(items: &[T]) -> String {
+        const SHOWN: usize = 4;
+        let mut text: Vec<String> = items.iter().take(SHOWN).map(|i| i.to_string()).collect();
+        if items.len() > SHOWN {
+            text.push(format!("… {} more", items.len() - SHOWN));
+        }
+        format!("[{}]", text.join(", "))
+    }
+    let prefixes = |routes: &[Route]| some(&routes.iter().map(|r| r.prefix).collect::<Vec<_>>());
+    match ev {
+        PeerEvent::Snapshot {
+            generation, routes, ..
+        } => format!("snapshot {generation}: {}", prefixes(routes)),
+        PeerEvent::Delta {
+            generation,
+            routes,
+            withdrawn,
+            ..
+        } => format!(
+            "delta {generation}: +{} -{}",
+            prefixes(routes),
+            some(withdrawn)
+        ),
+        PeerEvent::Down { reason, .. } => format!("down: {reason}"),
+    }
+}
+
 /// Route distribution's state.
 pub struct Engine {
     s: Settings,
@@ -245,6 +275,7 @@ impl Engine {
         let Some(session) = self.sessions.get_mut(name) else {
             return;
         };
+        tracing::debug!(peer = %name, update = %describe(&ev), "routes: peer's update taken");
         let unused = match ev {
             PeerEvent::Snapshot {
                 generation,
@@ -517,6 +548,20 @@ impl Engine {
                     },
                 }
             };
+            match (judged.verdicts.get(&p), v) {
+                (Some(old), new) if *old == new => {}
+                (Some(Verdict::Pending { since, .. }), Verdict::Accepted) => {
+                    tracing::debug!(%peer, prefix = %p, pending_for = ?now.saturating_duration_since(*since),
+                        "routes: route accepted (was pending)");
+                }
+                (old, Verdict::Pending { cause, .. }) => {
+                    tracing::debug!(%peer, prefix = %p, %cause, was = ?old,
+                        "routes: route pending (refused for now; judged again when the datastore changes)");
+                }
+                (old, new) => {
+                    tracing::debug!(%peer, prefix = %p, verdict = ?new, was = ?old, "routes: route judged");
+                }
+            }
             judged.set(p, Some(v));
         }
     }

@@ -451,7 +451,13 @@ impl Loop {
         match v {
             ViewInput::Listed(part, kvs) => self.engine.view_listed(part, &kvs),
             ViewInput::Event(ev) => {
-                self.engine.view_event(&ev);
+                let changed = self.engine.view_event(&ev);
+                tracing::debug!(
+                    key = ev.key(),
+                    revision = ev.revision(),
+                    changed,
+                    "routes: datastore event"
+                );
             }
         }
     }
@@ -464,7 +470,11 @@ impl Loop {
     }
 
     fn apply(&mut self, out: Outputs, now: Instant) {
-        self.feeds.own.publish(&out.own, now);
+        if let Some(d) = self.feeds.own.publish(&out.own, now) {
+            tracing::debug!(generation = d.generation,
+                routes = ?d.routes.iter().map(|r| r.prefix).collect::<Vec<_>>(),
+                withdrawn = ?d.withdrawn, "routes: this node's routes published");
+        }
         // A restarted reflector relays nothing until it has heard from every peer: a partial
         // set would withdraw the others' routes from everyone following it.
         if self.feeds.reflector && out.complete {
@@ -523,6 +533,11 @@ impl Loop {
             .as_ref()
             .is_some_and(|(d, c)| **d == out.desired && *c == out.complete);
         if !same {
+            tracing::debug!(
+                routes = out.desired.len(),
+                complete = out.complete,
+                "routes: new desired routes for the reconciler"
+            );
             let desired = Some((Arc::new(out.desired), out.complete));
             self.last_desired.clone_from(&desired);
             let _ = self.desired_tx.send(desired);
@@ -608,8 +623,11 @@ async fn hand_over(
             }
             continue;
         };
+        let asked = Instant::now();
         match sink.set_remote_routes(routes.to_vec(), complete).await {
             Ok(()) => {
+                tracing::debug!(routes = routes.len(), complete, took = ?asked.elapsed(),
+                    "routes: the reconciler took the desired routes");
                 *handed.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((routes, complete, Instant::now()));
                 if rx.changed().await.is_err() {

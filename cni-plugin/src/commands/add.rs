@@ -311,6 +311,21 @@ async fn wire(
         .map_err(|s| call_error("registering the endpoint", s))?;
     undo.registered = true;
     t.mark("register");
+    // Not before both ends transmit: the pod's first answers would be dropped.
+    let ready = pod::wait_operational(
+        pod,
+        pair.pod_ifindex,
+        host,
+        pair.host_ifindex,
+        pod::OPERATIONAL_WITHIN,
+    )
+    .await
+    .map_err(|e| wiring(format!("cannot read the state of {host_ifname}"), &e))?;
+    if !ready {
+        tracing::warn!(host_ifname = %host_ifname, within = ?pod::OPERATIONAL_WITHIN,
+            "the veth is not operational yet; its first packets may be dropped");
+    }
+    t.mark("operational");
 
     let mut result = AddResult {
         interfaces: vec![

@@ -154,6 +154,17 @@ impl Socket {
         self.transact(&table, batch)
     }
 
+    /// The namespace's nftables ruleset generation: the kernel moves it at every committed
+    /// transaction (any table, any tool) and at nothing else; a read does not move it. While
+    /// it stands still, no table changed, so a drift check need not read them.
+    pub fn generation(&mut self) -> Result<u32, NftError> {
+        read::generation(self).map_err(|source| NftError::Netlink {
+            table: "(the ruleset)".into(),
+            doing: "reading its generation",
+            source,
+        })
+    }
+
     /// Table `family name` as the kernel holds it now; `None` when there is none.
     pub fn read(&mut self, family: Family, name: &str) -> Result<Option<Table>, NftError> {
         for _ in 0..READ_TRIES {
@@ -236,6 +247,11 @@ pub fn apply(t: &Table) -> Result<(), NftError> {
 /// [`Socket::delete`] on a socket opened in the calling thread's network namespace.
 pub fn delete(family: Family, name: &str) -> Result<(), NftError> {
     Socket::open()?.delete(family, name)
+}
+
+/// [`Socket::generation`] on a socket opened in the calling thread's network namespace.
+pub fn generation() -> Result<u32, NftError> {
+    Socket::open()?.generation()
 }
 
 /// [`Socket::read`] on a socket opened in the calling thread's network namespace.

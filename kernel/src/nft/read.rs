@@ -59,7 +59,7 @@ fn request(
 }
 
 /// The ruleset's generation: every committed batch increments it.
-fn generation(sock: &mut Socket) -> Result<u32, NetlinkError> {
+pub(super) fn generation(sock: &mut Socket) -> Result<u32, NetlinkError> {
     let (replies, _) = request(sock, GETGEN, NEWGEN, NLM_F_ACK, Family::Inet, &|_| {})?;
     for p in &replies {
         for a in nf(p)?.1 {
