@@ -10,14 +10,10 @@ use netlink_packet_route::route::{RouteHeader, RouteProtocol, RouteScope};
 use netlink_packet_route::rule::{RuleAction, RuleAttribute, RuleMessage};
 use rtnetlink::{Handle, RouteMessageBuilder};
 
-#[cfg(doc)]
-use super::create_veth;
 use super::{GATEWAY_V4, GATEWAY_V6, HOST_VETH_MAC};
 use crate::netlink::{
     add_route, errno, netlink_err, routes, set_link_up_with_mtu, Family, NetlinkError, ROUTE_PROTO,
 };
-#[cfg(doc)]
-use crate::netns;
 
 /// Where a pod attachment's routes go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,8 +57,8 @@ pub async fn has_default_route(pod: &Handle, family: Family) -> Result<bool, Net
         .any(|r| r.table == main && r.dst.prefix_len() == 0))
 }
 
-/// Configures the pod side of a veth made by [`create_veth`] (which already turned DAD off);
-/// `pod` must be a handle in the pod's namespace (see [`netns::netlink_in`]). Expects a freshly
+/// Configures the pod side of a veth made by [`create_veth`](super::create_veth) (which already turned DAD off);
+/// `pod` must be a handle in the pod's namespace (see [`netns::netlink_in`](crate::netns::netlink_in)). Expects a freshly
 /// created interface: anything already there is an error.
 ///
 /// - link up;

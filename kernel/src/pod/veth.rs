@@ -8,8 +8,6 @@ use netlink_packet_route::link::{
 };
 use rtnetlink::Handle;
 
-#[cfg(doc)]
-use super::configure_pod;
 use super::HOST_VETH_MAC;
 use crate::netlink::{delete_link, errno, link_details, link_index, validate_ifname, NetlinkError};
 use crate::netns::{self, NetNs, NetnsError};
@@ -47,7 +45,7 @@ pub async fn create_veth(
         .map(|(pair, _pod)| pair)
 }
 
-/// [`create_veth`], also returning a netlink handle in `pod_ns` (for [`configure_pod`]): made
+/// [`create_veth`], also returning a netlink handle in `pod_ns` (for [`configure_pod`](super::configure_pod)): made
 /// on the thread that turned DAD off, so an ADD enters the pod's namespace once.
 pub async fn create_veth_with_handle(
     host: &Handle,
