@@ -21,21 +21,9 @@ fn main() -> ExitCode {
             // cargo shows this build script's stderr when it fails.
             eprintln!(
                 "error: building the calix eBPF object failed: {}",
-                chain(&e)
+                calix_log::error_chain(&e)
             );
             ExitCode::FAILURE
         }
     }
-}
-
-/// `e: cause: cause…`, as anyhow's `{:#}` would print it.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        out.push_str(": ");
-        out.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    out
 }

@@ -1,9 +1,11 @@
-//! The plugin's connection to calix-agent: bounded in time, errors mapped to CNI codes.
+//! The plugin's connection to calix-agent: bounded in time, errors mapped to CNI codes. The
+//! verbs call the agent through [`Agent`], so their sequence is unit-tested against a fake.
 use std::path::Path;
 use std::time::Duration;
 
 use calix_proto::v1 as pb;
 use tonic::transport::Channel;
+use tonic::Status;
 
 use crate::error::{code, CniError};
 
@@ -23,7 +25,7 @@ impl AgentClient {
         )
         .await
         .map_err(|_| unreachable_err(socket, "timed out"))?
-        .map_err(|e| unreachable_err(socket, &source_chain(&e)))?;
+        .map_err(|e| unreachable_err(socket, &calix_log::error_chain(&e)))?;
         Ok(Self {
             ipam: pb::ipam_client::IpamClient::new(channel.clone()),
             endpoints: pb::endpoints_client::EndpointsClient::new(channel),
@@ -31,15 +33,52 @@ impl AgentClient {
     }
 }
 
-fn source_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
+/// What the plugin asks of calix-agent (its IPAM and its endpoint registry), one method per
+/// call. [`AgentClient`] is the real one (gRPC over the agent's unix socket).
+///
+/// `async fn` in a public trait cannot promise `Send` futures; the plugin runs on a
+/// current-thread runtime and never needs them to be.
+#[allow(async_fn_in_trait)]
+pub trait Agent {
+    async fn allocate(&mut self, r: pb::AllocateRequest) -> Result<pb::AllocateResponse, Status>;
+    async fn release(&mut self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Status>;
+    async fn lookup(&mut self, r: pb::LookupRequest) -> Result<pb::LookupResponse, Status>;
+    async fn register(&mut self, r: pb::RegisterRequest) -> Result<pb::RegisterResponse, Status>;
+    async fn unregister(
+        &mut self,
+        r: pb::UnregisterRequest,
+    ) -> Result<pb::UnregisterResponse, Status>;
+}
+
+impl Agent for AgentClient {
+    async fn allocate(&mut self, r: pb::AllocateRequest) -> Result<pb::AllocateResponse, Status> {
+        self.ipam.allocate(r).await.map(tonic::Response::into_inner)
     }
-    s
+
+    async fn release(&mut self, r: pb::ReleaseRequest) -> Result<pb::ReleaseResponse, Status> {
+        self.ipam.release(r).await.map(tonic::Response::into_inner)
+    }
+
+    async fn lookup(&mut self, r: pb::LookupRequest) -> Result<pb::LookupResponse, Status> {
+        self.ipam.lookup(r).await.map(tonic::Response::into_inner)
+    }
+
+    async fn register(&mut self, r: pb::RegisterRequest) -> Result<pb::RegisterResponse, Status> {
+        self.endpoints
+            .register(r)
+            .await
+            .map(tonic::Response::into_inner)
+    }
+
+    async fn unregister(
+        &mut self,
+        r: pb::UnregisterRequest,
+    ) -> Result<pb::UnregisterResponse, Status> {
+        self.endpoints
+            .unregister(r)
+            .await
+            .map(tonic::Response::into_inner)
+    }
 }
 
 fn unreachable_err(socket: &Path, why: &str) -> CniError {
@@ -54,7 +93,7 @@ fn unreachable_err(socket: &Path, why: &str) -> CniError {
 }
 
 /// Maps a failed agent call to a CNI error.
-pub fn call_error(what: &str, s: tonic::Status) -> CniError {
+pub fn call_error(what: &str, s: Status) -> CniError {
     use tonic::Code;
     match s.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => {
@@ -79,7 +118,7 @@ pub fn call_error(what: &str, s: tonic::Status) -> CniError {
 
 /// Maps a refused address allocation: [`call_error`], with what to do in `details` (the
 /// message names the annotation, the pool and the rule).
-pub fn allocation_error(s: tonic::Status) -> CniError {
+pub fn allocation_error(s: Status) -> CniError {
     use tonic::Code;
     let todo = match s.code() {
         Code::InvalidArgument => {

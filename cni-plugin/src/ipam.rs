@@ -1,6 +1,7 @@
 //! Where addresses come from: the agent (`ipam.type: calix-ipam`, the default) or any CNI IPAM
 //! plugin, delegated the standard way — exec'd from CNI_PATH with our environment and the same
-//! network configuration on stdin.
+//! network configuration on stdin. Both behind traits ([`Agent`], [`Delegate`]), so the verbs
+//! are unit-tested against fakes.
 use std::io::Write;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -11,7 +12,7 @@ use ipnet::IpNet;
 use serde_json::Value;
 
 use crate::args::CniEnv;
-use crate::client::{allocation_error, call_error, AgentClient};
+use crate::client::{allocation_error, call_error, Agent};
 use crate::config::NetConf;
 use crate::error::{code, CniError};
 
@@ -24,6 +25,34 @@ pub struct Assigned {
     /// tunnel may carry it); `None` from a delegated IPAM plugin or when the agent has no
     /// opinion.
     pub mtu: Option<u32>,
+}
+
+/// A delegated CNI IPAM plugin. [`ExecPlugin`] is the real one.
+pub trait Delegate {
+    /// Calls IPAM plugin `plugin` with `command` and the network configuration `stdin`:
+    /// its parsed stdout, or its error.
+    fn call(
+        &mut self,
+        env: &CniEnv,
+        plugin: &str,
+        command: &str,
+        stdin: &[u8],
+    ) -> Result<Option<Value>, CniError>;
+}
+
+/// The real [`Delegate`]: [`exec_plugin`].
+pub struct ExecPlugin;
+
+impl Delegate for ExecPlugin {
+    fn call(
+        &mut self,
+        env: &CniEnv,
+        plugin: &str,
+        command: &str,
+        stdin: &[u8],
+    ) -> Result<Option<Value>, CniError> {
+        exec_plugin(env, plugin, command, stdin)
+    }
 }
 
 /// Finds `plugin` in CNI_PATH.
@@ -116,11 +145,14 @@ pub async fn add(
     env: &CniEnv,
     conf: &NetConf,
     raw: &[u8],
-    agent: &mut AgentClient,
+    agent: &mut impl Agent,
+    delegate: &mut impl Delegate,
 ) -> Result<Assigned, CniError> {
     let (v4, v6) = conf.ipam.families()?;
     if !conf.agent_ipam() {
-        let res = exec_plugin(env, &conf.ipam.ipam_type, "ADD", raw)?.unwrap_or(Value::Null);
+        let res = delegate
+            .call(env, &conf.ipam.ipam_type, "ADD", raw)?
+            .unwrap_or(Value::Null);
         let addresses = addresses_of(&res);
         if addresses.is_empty() {
             return Err(CniError::new(
@@ -151,7 +183,6 @@ pub async fn add(
         attributes.insert("node".to_string(), n.clone());
     }
     let resp = agent
-        .ipam
         .allocate(pb::AllocateRequest {
             handle: conf.handle(&env.container_id),
             ifname: env.ifname.clone(),
@@ -161,8 +192,7 @@ pub async fn add(
             requested: rc.ips.iter().map(ToString::to_string).collect(),
         })
         .await
-        .map_err(allocation_error)?
-        .into_inner();
+        .map_err(allocation_error)?;
     let mut addresses = Vec::new();
     for a in &resp.addresses {
         let net: IpNet = a.address.parse().map_err(|_| {
@@ -187,13 +217,15 @@ pub async fn del(
     env: &CniEnv,
     conf: &NetConf,
     raw: &[u8],
-    agent: &mut AgentClient,
+    agent: &mut impl Agent,
+    delegate: &mut impl Delegate,
 ) -> Result<(), CniError> {
     if !conf.agent_ipam() {
-        return exec_plugin(env, &conf.ipam.ipam_type, "DEL", raw).map(|_| ());
+        return delegate
+            .call(env, &conf.ipam.ipam_type, "DEL", raw)
+            .map(|_| ());
     }
     agent
-        .ipam
         .release(pb::ReleaseRequest {
             handle: conf.handle(&env.container_id),
             ifname: env.ifname.clone(),
@@ -208,21 +240,22 @@ pub async fn check(
     env: &CniEnv,
     conf: &NetConf,
     raw: &[u8],
-    agent: &mut AgentClient,
+    agent: &mut impl Agent,
+    delegate: &mut impl Delegate,
     expected: &[IpAddr],
 ) -> Result<(), CniError> {
     if !conf.agent_ipam() {
-        return exec_plugin(env, &conf.ipam.ipam_type, "CHECK", raw).map(|_| ());
+        return delegate
+            .call(env, &conf.ipam.ipam_type, "CHECK", raw)
+            .map(|_| ());
     }
     let held = agent
-        .ipam
         .lookup(pb::LookupRequest {
             handle: conf.handle(&env.container_id),
             ifname: env.ifname.clone(),
         })
         .await
-        .map_err(|s| call_error("looking up the addresses", s))?
-        .into_inner();
+        .map_err(|s| call_error("looking up the addresses", s))?;
     let mut held: Vec<IpAddr> = held
         .addresses
         .iter()

@@ -5,6 +5,7 @@ pub mod commands;
 pub mod config;
 pub mod error;
 pub mod ipam;
+pub mod kernel;
 pub mod logging;
 pub mod result;
 pub mod version;

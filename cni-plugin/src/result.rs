@@ -153,7 +153,7 @@ mod tests {
             interfaces: vec![
                 Interface {
                     name: "cali0123456789a".into(),
-                    mac: [0xee; 6],
+                    mac: calix_kernel::pod::HOST_VETH_MAC,
                     sandbox: None,
                 },
                 Interface {

@@ -216,9 +216,13 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     daemonset_ready(c, Some(&old_agents))?;
     let rollout = started.elapsed();
     std::thread::sleep(Duration::from_millis(500));
-    let (echoes, gap) = flow
-        .finish()
-        .map_err(|e| anyhow::anyhow!("the TCP flow broke during the rollout: {e}\n{}", c.show()))?;
+    let (echoes, gap) = flow.finish().map_err(|e| {
+        anyhow::anyhow!(
+            "the TCP flow broke during the rollout: {}\n{}",
+            calix_log::error_chain(&e),
+            c.show()
+        )
+    })?;
     p.note(&format!(
         "both agents replaced in {rollout:.1?}; the flow carried on: {echoes} echoes, longest gap {gap:?}"
     ));

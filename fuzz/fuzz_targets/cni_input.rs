@@ -189,7 +189,7 @@ fn sample_result(cni: Option<&CniEnv>, bytes: &[u8]) -> AddResult {
         interfaces: vec![
             Interface {
                 name: host,
-                mac: [0xee; 6],
+                mac: calix_kernel::pod::HOST_VETH_MAC,
                 sandbox: None,
             },
             Interface {

@@ -126,10 +126,7 @@ fn check_with_plugin(network: &str, entry: &Value) -> Result<(), InstallError> {
     conf["name"] = json!(network);
     conf["cniVersion"] = json!(CNI_VERSION);
     let bytes = serde_json::to_vec(&conf).unwrap_or_default();
-    calix_cni::config::NetConf::parse(&bytes).map_err(|e| InstallError::Refused {
-        msg: e.msg,
-        details: e.details,
-    })?;
+    calix_cni::config::NetConf::parse(&bytes).map_err(InstallError::Refused)?;
     Ok(())
 }
 

@@ -42,8 +42,9 @@ pub enum InstallError {
         value: String,
         why: &'static str,
     },
-    #[error("the calix plugin would refuse this configuration: {msg} ({details})")]
-    Refused { msg: String, details: String },
+    /// The plugin's own error: its CNI code, message and what to do.
+    #[error("the calix plugin would refuse this configuration: {} ({})", .0.msg, .0.details)]
+    Refused(calix_cni::error::CniError),
     #[error(
         "`portmap` is not in the CNI bin dir {bin_dir}: the conflist chains it after calix \
          (hostPort). Install the CNI reference plugins on the node, or turn portmap off \

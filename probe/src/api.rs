@@ -54,8 +54,12 @@ pub enum ApiError {
     },
     #[error("GET {path}: more than {MAX_BODY} bytes")]
     TooLarge { path: String },
-    #[error("GET {path}: reading the answer: {msg}")]
-    Body { path: String, msg: String },
+    #[error("GET {path}: reading the answer")]
+    Body {
+        path: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("GET {path}: not JSON")]
     Json {
         path: String,
@@ -163,7 +167,7 @@ impl Api {
                 } else {
                     ApiError::Body {
                         path: path.to_string(),
-                        msg: e.to_string(),
+                        source: e,
                     }
                 }
             })?

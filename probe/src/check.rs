@@ -126,7 +126,7 @@ pub async fn run(api: &Api, plan: &Plan) -> Result<usize, CheckError> {
         // A transient API error (it may restart) is a reason to wait, not to fail.
         let state = match (api.get(&ds_path).await, api.get(&pods_path).await) {
             (Ok(ds), Ok(pods)) => readiness(&ds, &pods),
-            (Err(e), _) | (_, Err(e)) => Readiness::Waiting(format!("{:#}", anyhow_chain(&e))),
+            (Err(e), _) | (_, Err(e)) => Readiness::Waiting(calix_log::error_chain(&e)),
         };
         match state {
             Readiness::Ready(t) => break t,
@@ -173,7 +173,7 @@ pub async fn run(api: &Api, plan: &Plan) -> Result<usize, CheckError> {
             Ok(rtt) => println!("ok   {} on {}: {addr} answered in {rtt:?}", t.pod, t.node),
             Err(e) => {
                 failed += 1;
-                let why = e.map(|e| anyhow_chain(&e)).unwrap_or_default();
+                let why = e.map(|e| calix_log::error_chain(&e)).unwrap_or_default();
                 println!("FAIL {} on {}: {why}", t.pod, t.node);
             }
         }
@@ -185,18 +185,6 @@ pub async fn run(api: &Api, plan: &Plan) -> Result<usize, CheckError> {
         });
     }
     Ok(targets.len())
-}
-
-/// An error and its sources on one line.
-fn anyhow_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut source = e.source();
-    while let Some(inner) = source {
-        s.push_str(": ");
-        s.push_str(&inner.to_string());
-        source = inner.source();
-    }
-    s
 }
 
 /// Percent-encodes a label selector for a query string.

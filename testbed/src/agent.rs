@@ -9,7 +9,10 @@ use serde_json::Value;
 
 use crate::netns::Netns;
 use crate::process::{checked, command_in, run, spawn_logged, terminate, wait_ready};
-use crate::{Error, Result, POOL};
+use crate::{Error, Result};
+
+/// The pool of an agent started without a config file.
+pub const POOL: &str = "10.244.0.0/16";
 
 /// Which dataplane an agent runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

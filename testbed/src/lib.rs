@@ -20,6 +20,7 @@ pub mod bpf;
 pub mod chart_tools;
 mod cluster;
 mod cni;
+mod conflist;
 mod error;
 mod etcd;
 pub mod image;
@@ -37,16 +38,17 @@ pub mod tls;
 mod tmpfs;
 pub mod traffic;
 
-pub use agent::{Agent, AgentSpec, Dataplane, RootAgent};
+pub use agent::{Agent, AgentSpec, Dataplane, RootAgent, POOL};
 pub use bpf::{bpf_map_dump, bpf_map_u32_keys, bpf_maps_of};
 pub use cluster::{Cluster, SUBNETS};
-pub use cni::{cni_call, Call, CniOutput, ConfList, Plugin, CNI_DIR};
+pub use cni::{cni_call, Call, CniOutput, Plugin, CNI_DIR};
+pub use conflist::ConfList;
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;
 pub use k8s::KubeApi;
 pub use kubelet::{CniDirs, KubeNode};
 pub use netns::{uplink, veth, Capture, Netns};
-pub use node::{Node, NODE_IP, POOL};
+pub use node::{Node, NODE_IP};
 pub use pod::Pod;
 pub use process::{
     bin, bin_dir, checked, json, num, require_root, run, run_ok, stdout, upgrade_test_object,

@@ -11,8 +11,6 @@ use crate::{unique, Result};
 
 /// The address every node has on its loopback.
 pub const NODE_IP: &str = "10.99.0.1";
-/// The pool of an agent started without a config file.
-pub const POOL: &str = "10.244.0.0/16";
 
 /// A node. Its namespace, node name, directory (`$TMPDIR/<name>`) and pin root
 /// (`/sys/fs/bpf/<name>`) share one name; all of it goes on drop, the agent stopped first.

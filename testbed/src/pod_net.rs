@@ -24,7 +24,30 @@ pub const FLOW_PORT: u16 = 9000;
 /// second pod's namespace, the client in the first's (threads that entered them).
 pub struct Flow {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    client: std::thread::JoinHandle<Result<(u64, Duration), String>>,
+    client: std::thread::JoinHandle<Result<(u64, Duration), FlowError>>,
+}
+
+/// How a [`Flow`] broke: it never started, or it stopped after `after` echoes.
+#[derive(Debug, thiserror::Error)]
+pub enum FlowError {
+    #[error("{addr} is not an address and port")]
+    Address { addr: String },
+    #[error("connect")]
+    Connect(#[source] std::io::Error),
+    #[error("write after {after} echoes")]
+    Write {
+        after: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("read after {after} echoes")]
+    Read {
+        after: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the flow's client panicked")]
+    Panicked,
 }
 
 impl Flow {
@@ -53,20 +76,21 @@ impl Flow {
             (client_ns.to_string(), server_ip.to_string(), stop.clone());
         let client = std::thread::spawn(move || {
             enter(&client_path);
-            let addr: std::net::SocketAddr = format!("{addr}:{FLOW_PORT}")
+            let text = format!("{addr}:{FLOW_PORT}");
+            let addr: std::net::SocketAddr = text
                 .parse()
-                .map_err(|e| format!("{e}"))?;
+                .map_err(|_| FlowError::Address { addr: text })?;
             let mut c = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-                .map_err(|e| format!("connect: {e}"))?;
+                .map_err(FlowError::Connect)?;
             c.set_read_timeout(Some(Duration::from_secs(30)))
-                .map_err(|e| e.to_string())?;
+                .map_err(FlowError::Connect)?;
             let (mut n, mut gap, mut last) = (0u64, Duration::ZERO, Instant::now());
             let mut b = [0u8; 1];
             while !done.load(Ordering::Relaxed) {
                 c.write_all(b"x")
-                    .map_err(|e| format!("write after {n}: {e}"))?;
+                    .map_err(|source| FlowError::Write { after: n, source })?;
                 c.read_exact(&mut b)
-                    .map_err(|e| format!("read after {n}: {e}"))?;
+                    .map_err(|source| FlowError::Read { after: n, source })?;
                 n += 1;
                 gap = gap.max(last.elapsed());
                 last = Instant::now();
@@ -81,15 +105,13 @@ impl Flow {
     /// the flow broke.
     pub fn stop(self) -> (u64, Duration) {
         self.finish()
-            .unwrap_or_else(|e| panic!("the TCP flow broke: {e}"))
+            .unwrap_or_else(|e| panic!("the TCP flow broke: {}", calix_log::error_chain(&e)))
     }
 
     /// Stops the client: the echoes and the longest time between two of them, or how the
     /// flow broke.
-    pub fn finish(self) -> Result<(u64, Duration), String> {
+    pub fn finish(self) -> Result<(u64, Duration), FlowError> {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.client
-            .join()
-            .map_err(|_| "the flow's client panicked".to_string())?
+        self.client.join().map_err(|_| FlowError::Panicked)?
     }
 }

@@ -265,14 +265,7 @@ pub trait Dataplane: Send {
 
 /// `e: cause: cause…`, for logs.
 pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
+    calix_log::error_chain(e)
 }
 
 /// Resolves an interface name in the agent's network namespace.

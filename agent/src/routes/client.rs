@@ -341,16 +341,7 @@ async fn dial_from(endpoint: &str, source: &NextHops) -> std::io::Result<TcpStre
 
 /// An error with its sources, as one line.
 fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut src = e.source();
-    while let Some(s) = src {
-        let more = s.to_string();
-        if !text.contains(&more) {
-            text = format!("{text}: {more}");
-        }
-        src = s.source();
-    }
-    text
+    calix_log::error_chain(e)
 }
 
 /// ±20 % so that peers of a restarted agent do not all reconnect at once.

@@ -9,21 +9,28 @@ use serde_json::Value;
 
 use super::{wiring, Invocation};
 use crate::args::{host_veth_name, pod_identity};
-use crate::client::{call_error, AgentClient};
+use crate::client::{call_error, Agent, AgentClient};
 use crate::error::{code, CniError};
-use crate::ipam;
+use crate::ipam::{self, Delegate, ExecPlugin};
+use crate::kernel::{Kernel, NodeKernel};
 use crate::result::{AddResult, Interface};
-use calix_kernel::netns::{self, NetNs};
+use calix_kernel::netns;
 use calix_kernel::{
     netlink::{self, NetlinkError},
     pod,
 };
 
-/// What ADD has done so far.
+/// What ADD has done so far, undone in reverse by [`Undo::run`].
 #[derive(Default)]
 struct Undo {
+    /// Addresses were allocated for this attachment by this ADD (not held before it).
     allocated: bool,
+    /// The host side of the veth this ADD created.
     veth: Option<String>,
+    /// A secondary attachment's addresses whose source rules ADD may have added in the pod's
+    /// namespace: they outlive the veth.
+    source_rules: Vec<IpAddr>,
+    /// The agent has the endpoint.
     registered: bool,
 }
 
@@ -31,12 +38,12 @@ impl Undo {
     async fn run(
         self,
         inv: &Invocation<'_>,
-        agent: &mut AgentClient,
-        host: Option<&rtnetlink::Handle>,
+        kernel: &mut impl Kernel,
+        agent: &mut impl Agent,
+        delegate: &mut impl Delegate,
     ) {
         if self.registered {
             if let Err(e) = agent
-                .endpoints
                 .unregister(pb::UnregisterRequest {
                     container_id: inv.env.container_id.clone(),
                     ifname: inv.env.ifname.clone(),
@@ -47,13 +54,18 @@ impl Undo {
                 tracing::error!(error = %e, "rollback: unregister failed");
             }
         }
-        if let (Some(name), Some(h)) = (self.veth, host) {
-            if let Err(e) = netlink::delete_link(h, &name).await {
+        if !self.source_rules.is_empty() {
+            kernel
+                .forget_source_rules(&inv.env.netns, &self.source_rules)
+                .await;
+        }
+        if let Some(name) = self.veth {
+            if let Err(e) = kernel.delete_host_link(&name).await {
                 tracing::error!(error = %e, %name, "rollback: deleting veth failed");
             }
         }
         if self.allocated {
-            if let Err(e) = ipam::del(inv.env, inv.conf, inv.raw, agent).await {
+            if let Err(e) = ipam::del(inv.env, inv.conf, inv.raw, agent, delegate).await {
                 tracing::error!(error = %e, "rollback: releasing addresses failed");
             }
         }
@@ -61,9 +73,13 @@ impl Undo {
 }
 
 /// Logs how long each ADD phase took (debug level), so slow steps show in the log file.
-struct Phases(std::time::Instant);
+pub struct Phases(std::time::Instant);
 
 impl Phases {
+    pub fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
     fn mark(&self, phase: &str) {
         tracing::debug!(
             phase,
@@ -74,25 +90,38 @@ impl Phases {
 }
 
 pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
-    let (env, conf) = (inv.env, inv.conf);
-    let t = Phases(std::time::Instant::now());
-    let pod_ns = super::open_pod_ns(env)?;
-    let mut agent = AgentClient::connect(&conf.agent_socket()).await?;
+    let t = Phases::start();
+    let pod_ns = super::open_pod_ns(inv.env)?;
+    let mut agent = AgentClient::connect(&inv.conf.agent_socket()).await?;
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
     t.mark("connect");
+    let mut kernel = NodeKernel::new(host, Some(pod_ns));
+    add(inv, &mut kernel, &mut agent, &mut ExecPlugin, &t).await
+}
+
+/// ADD once the pod's namespace, the agent and netlink are open: the addresses and the veth
+/// (at once), the veth's owner mark, the pod side, the host side, the endpoint, the result.
+/// On failure, every step done is undone in reverse.
+pub async fn add(
+    inv: &Invocation<'_>,
+    kernel: &mut impl Kernel,
+    agent: &mut impl Agent,
+    delegate: &mut impl Delegate,
+    t: &Phases,
+) -> Result<Value, CniError> {
+    let (env, conf) = (inv.env, inv.conf);
     let host_ifname = host_veth_name(&env.args, &env.container_id, &env.ifname);
     // The address and the veth don't depend on each other: get both at once.
-    let create = create_veth(inv, &host, &pod_ns, &host_ifname);
     let (assigned, pair) = tokio::join!(
         async {
-            let r = ipam::add(env, conf, inv.raw, &mut agent).await;
+            let r = ipam::add(env, conf, inv.raw, &mut *agent, &mut *delegate).await;
             t.mark("ipam");
             r
         },
         async {
-            let r = create.await;
+            let r = create_veth(inv, &mut *kernel, &host_ifname).await;
             t.mark("veth");
             r
         }
@@ -100,13 +129,13 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     let mut undo = Undo {
         allocated: assigned.as_ref().is_ok_and(|a| !a.already),
         veth: pair.as_ref().ok().map(|_| host_ifname.clone()),
-        registered: false,
+        ..Undo::default()
     };
     t.mark("ipam and veth");
-    let (assigned, (pair, pod)) = match (assigned, pair) {
+    let (assigned, pair) = match (assigned, pair) {
         (Ok(a), Ok(p)) => (a, p),
         (Err(e), _) | (_, Err(e)) => {
-            undo.run(inv, &mut agent, Some(&host)).await;
+            undo.run(inv, kernel, agent, delegate).await;
             return Err(e);
         }
     };
@@ -115,21 +144,19 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
     let mtu = conf.mtu.is_none().then_some(assigned.mtu).flatten();
     match wire(
         inv,
-        &pod_ns,
-        &pod,
-        &host,
+        &mut *kernel,
+        &mut *agent,
         &host_ifname,
         &pair,
         (&assigned.addresses, mtu),
-        &mut agent,
         &mut undo,
-        &t,
+        t,
     )
     .await
     {
         Ok(v) => Ok(v),
         Err(e) => {
-            undo.run(inv, &mut agent, Some(&host)).await;
+            undo.run(inv, kernel, agent, delegate).await;
             Err(e)
         }
     }
@@ -142,13 +169,11 @@ pub async fn run(inv: &Invocation<'_>) -> Result<Value, CniError> {
 /// agent when this one registers — or it is an error that says whose it is.
 async fn create_veth(
     inv: &Invocation<'_>,
-    host: &rtnetlink::Handle,
-    pod_ns: &NetNs,
+    kernel: &mut impl Kernel,
     host_ifname: &str,
-) -> Result<(pod::VethPair, rtnetlink::Handle), CniError> {
+) -> Result<pod::VethPair, CniError> {
     let (env, conf) = (inv.env, inv.conf);
-    let create = || pod::create_veth_with_handle(host, pod_ns, host_ifname, &env.ifname, conf.mtu);
-    let exists = match create().await {
+    let exists = match kernel.create_veth(host_ifname, &env.ifname, conf.mtu).await {
         Err(NetlinkError::Exists { name }) if name == host_ifname => name,
         Err(NetlinkError::Exists { name }) => {
             return Err(CniError::new(
@@ -160,7 +185,8 @@ async fn create_veth(
         other => return other.map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e)),
     };
     let ours = pod::owner_alias(&env.container_id, &env.ifname);
-    let alias = netlink::link_details(host, &exists)
+    let alias = kernel
+        .host_link(&exists)
         .await
         .map_err(|e| wiring(format!("cannot inspect the existing {exists}"), &e))?
         .and_then(|l| l.alias);
@@ -176,7 +202,7 @@ async fn create_veth(
         Some(alias) if pod::is_owner_alias(&alias) && pod_identity(&env.args).is_some() => {
             tracing::info!(%host_ifname, old_owner = %alias, new_owner = %ours,
                 "replacing the veth of an older sandbox of this pod");
-            super::delete_owned_link(host, host_ifname, &alias)
+            super::delete_owned_link(kernel, host_ifname, &alias)
                 .await
                 .map_err(|e| {
                     wiring(
@@ -184,7 +210,8 @@ async fn create_veth(
                         &e,
                     )
                 })?;
-            create()
+            kernel
+                .create_veth(host_ifname, &env.ifname, conf.mtu)
                 .await
                 .map_err(|e| wiring(format!("cannot create veth {host_ifname}"), &e))
         }
@@ -202,18 +229,20 @@ async fn create_veth(
 /// The pod's first attachment takes the main table; when the pod has a default route already
 /// (another calix attachment, or another network's), this one is secondary.
 async fn pod_routing(
-    pod: &rtnetlink::Handle,
+    kernel: &mut impl Kernel,
     pod_ifindex: u32,
     v4: bool,
     v6: bool,
 ) -> Result<pod::PodRouting, CniError> {
     let read = |e: NetlinkError| wiring("cannot read the container's routes".into(), &e);
     let taken = (v4
-        && pod::has_default_route(pod, netlink::Family::V4)
+        && kernel
+            .pod_has_default_route(netlink::Family::V4)
             .await
             .map_err(read)?)
         || (v6
-            && pod::has_default_route(pod, netlink::Family::V6)
+            && kernel
+                .pod_has_default_route(netlink::Family::V6)
                 .await
                 .map_err(read)?);
     Ok(if taken {
@@ -226,13 +255,11 @@ async fn pod_routing(
 #[allow(clippy::too_many_arguments)]
 async fn wire(
     inv: &Invocation<'_>,
-    pod_ns: &NetNs,
-    pod: &rtnetlink::Handle,
-    host: &rtnetlink::Handle,
+    kernel: &mut impl Kernel,
+    agent: &mut impl Agent,
     host_ifname: &str,
     pair: &pod::VethPair,
     (addresses, mtu): (&[IpAddr], Option<u32>),
-    agent: &mut AgentClient,
     undo: &mut Undo,
     t: &Phases,
 ) -> Result<Value, CniError> {
@@ -246,23 +273,29 @@ async fn wire(
         IpAddr::V6(v) => Some(*v),
         IpAddr::V4(_) => None,
     });
-    netlink::set_alias(
-        host,
-        pair.host_ifindex,
-        &pod::owner_alias(&env.container_id, &env.ifname),
-    )
-    .await
-    .map_err(|e| wiring(format!("cannot mark {host_ifname} as ours"), &e))?;
+    kernel
+        .set_host_alias(
+            pair.host_ifindex,
+            &pod::owner_alias(&env.container_id, &env.ifname),
+        )
+        .await
+        .map_err(|e| wiring(format!("cannot mark {host_ifname} as ours"), &e))?;
 
     let mut pod_mac = pair.pod_mac;
     if let Some(mac) = conf.runtime()?.mac {
-        netlink::set_mac(pod, pair.pod_ifindex, mac)
+        kernel
+            .set_pod_mac(pair.pod_ifindex, mac)
             .await
             .map_err(|e| wiring(format!("cannot set MAC of {}", env.ifname), &e))?;
         pod_mac = mac;
     }
-    let routing = pod_routing(pod, pair.pod_ifindex, v4.is_some(), v6.is_some()).await?;
-    pod::configure_pod(pod, pair.pod_ifindex, v4, v6, routing, mtu)
+    let routing = pod_routing(kernel, pair.pod_ifindex, v4.is_some(), v6.is_some()).await?;
+    if routing != pod::PodRouting::Main {
+        // Its source rules outlive the veth: a rollback removes them.
+        undo.source_rules = addresses.to_vec();
+    }
+    kernel
+        .configure_pod(pair.pod_ifindex, v4, v6, routing, mtu)
         .await
         .map_err(|e| {
             wiring(
@@ -280,18 +313,19 @@ async fn wire(
             knobs.push("/proc/sys/net/ipv6/conf/all/forwarding");
         }
         for k in knobs {
-            netns::write_sysctl_in(pod_ns, k, "1")
+            kernel
+                .set_pod_sysctl(k, "1")
                 .map_err(|e| wiring(format!("cannot set {k} in the container"), &e))?;
         }
     }
-    pod::configure_host(host, &host_ifname, pair.host_ifindex, v4, v6, mtu)
+    kernel
+        .configure_host(&host_ifname, pair.host_ifindex, v4, v6, mtu)
         .await
         .map_err(|e| wiring(format!("cannot configure host side {host_ifname}"), &e))?;
     t.mark("host side");
 
     let nets: Vec<IpNet> = addresses.iter().map(|a| IpNet::from(*a)).collect();
     agent
-        .endpoints
         .register(pb::RegisterRequest {
             endpoint: Some(pb::Endpoint {
                 container_id: env.container_id.clone(),
@@ -312,15 +346,10 @@ async fn wire(
     undo.registered = true;
     t.mark("register");
     // Not before both ends transmit: the pod's first answers would be dropped.
-    let ready = pod::wait_operational(
-        pod,
-        pair.pod_ifindex,
-        host,
-        pair.host_ifindex,
-        pod::OPERATIONAL_WITHIN,
-    )
-    .await
-    .map_err(|e| wiring(format!("cannot read the state of {host_ifname}"), &e))?;
+    let ready = kernel
+        .wait_operational(pair.pod_ifindex, pair.host_ifindex, pod::OPERATIONAL_WITHIN)
+        .await
+        .map_err(|e| wiring(format!("cannot read the state of {host_ifname}"), &e))?;
     if !ready {
         tracing::warn!(host_ifname = %host_ifname, within = ?pod::OPERATIONAL_WITHIN,
             "the veth is not operational yet; its first packets may be dropped");

@@ -135,5 +135,13 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
         )));
     }
     let addrs: Vec<IpAddr> = ours.iter().map(|(a, _)| a.addr()).collect();
-    ipam::check(env, conf, inv.raw, &mut agent, &addrs).await
+    ipam::check(
+        env,
+        conf,
+        inv.raw,
+        &mut agent,
+        &mut ipam::ExecPlugin,
+        &addrs,
+    )
+    .await
 }

@@ -8,6 +8,7 @@ use super::{wiring, Invocation};
 use crate::client::{call_error, AgentClient};
 use crate::error::{code, CniError};
 use crate::ipam;
+use crate::kernel::NodeKernel;
 use calix_kernel::{netns, pod};
 
 pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
@@ -38,9 +39,10 @@ pub async fn run(inv: &Invocation<'_>) -> Result<(), CniError> {
     let host = netns::netlink_here()
         .await
         .map_err(|e| wiring("cannot open netlink in the host namespace".into(), &e))?;
+    let mut kernel = NodeKernel::new(host, None);
     for st in &resp.stale {
         let owner = pod::owner_alias(&st.container_id, &st.ifname);
-        match super::delete_owned_link(&host, &st.host_ifname, &owner).await {
+        match super::delete_owned_link(&mut kernel, &st.host_ifname, &owner).await {
             Ok(true) => tracing::info!(name = %st.host_ifname, "GC: deleted stale veth"),
             Ok(false) => {}
             Err(e) => {

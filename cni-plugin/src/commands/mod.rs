@@ -5,9 +5,15 @@ pub mod del;
 pub mod gc;
 pub mod status;
 
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod tests;
+
 use crate::args::CniEnv;
 use crate::config::NetConf;
 use crate::error::{code, CniError};
+use crate::kernel::Kernel;
 
 /// One invocation: the environment, the parsed config and the raw stdin (for delegation).
 pub struct Invocation<'a> {
@@ -19,15 +25,13 @@ pub struct Invocation<'a> {
 /// Deletes host link `name` only if its alias says `owner` owns it. Returns whether it was
 /// deleted; a missing link, or one owned by another attachment, is left alone (and logged).
 pub(crate) async fn delete_owned_link(
-    host: &rtnetlink::Handle,
+    kernel: &mut impl Kernel,
     name: &str,
     owner: &str,
 ) -> Result<bool, calix_kernel::netlink::NetlinkError> {
-    match calix_kernel::netlink::link_details(host, name).await? {
+    match kernel.host_link(name).await? {
         None => Ok(false),
-        Some(l) if l.alias.as_deref() == Some(owner) => {
-            calix_kernel::netlink::delete_link(host, name).await
-        }
+        Some(l) if l.alias.as_deref() == Some(owner) => kernel.delete_host_link(name).await,
         Some(l) => {
             tracing::warn!(
                 %name,
@@ -74,12 +78,5 @@ pub(crate) fn open_pod_ns(env: &CniEnv) -> Result<calix_kernel::netns::NetNs, Cn
 
 /// A wiring failure with the whole error chain in `details`.
 pub(crate) fn wiring(msg: String, e: &dyn std::error::Error) -> CniError {
-    let mut details = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        details.push_str(": ");
-        details.push_str(&c.to_string());
-        cur = c.source();
-    }
-    CniError::new(code::WIRING_FAILED, msg, details)
+    CniError::new(code::WIRING_FAILED, msg, calix_log::error_chain(e))
 }

@@ -1,0 +1,247 @@
+//! Every published map layout: what a pinned map of each [`LAYOUT_VERSION`] must be (type, key
+//! and value size, entries, flags) to be reused as it is.
+// The map names and sizes the rows are made of.
+use crate::*;
+
+/// `enum bpf_map_type` values the layouts use.
+pub const BPF_MAP_TYPE_HASH: u32 = 1;
+pub const BPF_MAP_TYPE_ARRAY: u32 = 2;
+pub const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
+pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+/// Map flag: the map's elements are allocated as they are inserted.
+pub const BPF_F_NO_PREALLOC: u32 = 1;
+
+/// One map of a layout: what a pinned map must match to be reused as is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapLayout {
+    pub name: &'static str,
+    /// `BPF_MAP_TYPE_*`.
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    /// For a map the agent sizes at load ([`CT_MAP`]), the default.
+    pub max_entries: u32,
+    pub flags: u32,
+}
+
+/// The maps of one [`LAYOUT_VERSION`].
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    pub version: u32,
+    pub maps: &'static [MapLayout],
+}
+
+impl Layout {
+    /// The map called `name`, if this layout has it.
+    pub fn map(&self, name: &str) -> Option<&'static MapLayout> {
+        self.maps.iter().find(|m| str_eq(m.name, name))
+    }
+}
+
+const fn m(
+    name: &'static str,
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    flags: u32,
+) -> MapLayout {
+    MapLayout {
+        name,
+        map_type,
+        key_size,
+        value_size,
+        max_entries,
+        flags,
+    }
+}
+
+/// Every published layout, oldest first; append a row for a new version, never edit one (the
+/// agent reads older pins by them, and the upgrade test recreates them from here).
+pub const LAYOUTS: [Layout; 3] = [
+    // Layout 1. `CtEntry` was 16 bytes in its first builds (no route cache) and 40 later,
+    // without a version change: the agent migrates both.
+    Layout {
+        version: 1,
+        maps: &[
+            m(STACK_FLOWS_MAP, BPF_MAP_TYPE_LRU_HASH, 40, 8, 65_536, 0),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_HASH,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 24, MAX_ENDPOINTS, 0),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 12, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 12, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 40, DEFAULT_CT_ENTRIES, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 80, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+        ],
+    },
+    // Layout 2: stack flows in a hash (no silent eviction) with a time and flags, overflow
+    // marks; conntrack entries with TCP sequence tracking and an owner; the conntrack budget;
+    // the node's own addresses (the XDP failsafe applies only to them).
+    Layout {
+        version: 2,
+        maps: &[
+            m(
+                STACK_FLOWS_MAP,
+                BPF_MAP_TYPE_HASH,
+                40,
+                16,
+                MAX_STACK_FLOWS,
+                1,
+            ),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(STACK_CLEARED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_HASH,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 24, MAX_ENDPOINTS, 0),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 12, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 12, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
+            m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
+            m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+        ],
+    },
+    // Layout 3: the per-endpoint counters and stack-flow marks in arrays indexed by the
+    // endpoint's slot (in `EndpointInfo` and `LocalEndpoint`), overflow marks apart from the
+    // plain ones; the endpoints also in a direct-mapped array by ifindex. Maps added since
+    // (an older build of this layout never opens them, a newer one creates them next to the
+    // pins): the agents' ports and the other nodes' addresses (issue 20).
+    Layout {
+        version: 3,
+        maps: &[
+            m(
+                STACK_FLOWS_MAP,
+                BPF_MAP_TYPE_HASH,
+                40,
+                16,
+                MAX_STACK_FLOWS,
+                1,
+            ),
+            m(STACK_EPS_MAP, BPF_MAP_TYPE_ARRAY, 4, 4, MAX_ENDPOINTS, 0),
+            m(
+                STACK_OVERFLOW_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                4,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(
+                STACK_CLEARED_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                4,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(
+                COUNTERS_MAP,
+                BPF_MAP_TYPE_PERCPU_ARRAY,
+                4,
+                32,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 32, MAX_ENDPOINTS, 0),
+            m(
+                ENDPOINTS_DIRECT_MAP,
+                BPF_MAP_TYPE_ARRAY,
+                4,
+                40,
+                MAX_ENDPOINTS,
+                0,
+            ),
+            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 16, MAX_ENDPOINTS, 0),
+            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 16, MAX_ENDPOINTS, 0),
+            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+            m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
+            m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
+            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
+            m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
+            m(
+                NO_SNAT_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_NO_SNAT_CIDRS,
+                1,
+            ),
+            m(AGENT_PORTS_MAP, BPF_MAP_TYPE_ARRAY, 4, 16, 1, 0),
+            m(PEERS_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_PEER_ADDRS, 1),
+            m(PEERS_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_PEER_ADDRS, 1),
+        ],
+    },
+];
+
+/// The layout with this version, if one was published.
+pub fn layout(version: u32) -> Option<&'static Layout> {
+    LAYOUTS.iter().find(|l| l.version == version)
+}
+
+/// `&str` equality usable in `const` context.
+pub const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}

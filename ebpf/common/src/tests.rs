@@ -1,0 +1,197 @@
+//! The layout of the shared types: their sizes, the published layouts, the reasons' values.
+use super::*;
+use core::mem::size_of;
+
+/// The key and value size of every map of this build, from the shared types: what
+/// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 25] {
+    let lpm = |addr: usize| 4 + addr;
+    [
+        (
+            STACK_FLOWS_MAP,
+            size_of::<FlowKey>(),
+            size_of::<StackFlow>(),
+        ),
+        (STACK_EPS_MAP, size_of::<u32>(), size_of::<u32>()),
+        (STACK_OVERFLOW_MAP, size_of::<u32>(), size_of::<u32>()),
+        (STACK_CLEARED_MAP, size_of::<u32>(), size_of::<u32>()),
+        (
+            COUNTERS_MAP,
+            size_of::<u32>(),
+            size_of::<EndpointCounters>(),
+        ),
+        (ENDPOINTS_MAP, size_of::<u32>(), size_of::<EndpointInfo>()),
+        (
+            ENDPOINTS_DIRECT_MAP,
+            size_of::<u32>(),
+            size_of::<DirectEndpoint>(),
+        ),
+        (LOCAL_V4_MAP, 4, size_of::<LocalEndpoint>()),
+        (LOCAL_V6_MAP, 16, size_of::<LocalEndpoint>()),
+        (DROPS_MAP, size_of::<DropKey>(), size_of::<DropCount>()),
+        (POOLS_V4_MAP, lpm(4), size_of::<u32>()),
+        (POOLS_V6_MAP, lpm(16), size_of::<u32>()),
+        (DENY_V4_MAP, lpm(4), size_of::<u32>()),
+        (DENY_V6_MAP, lpm(16), size_of::<u32>()),
+        (FAILSAFE_MAP, size_of::<FailsafePort>(), size_of::<u32>()),
+        (HOST_V4_MAP, 4, size_of::<u32>()),
+        (HOST_V6_MAP, 16, size_of::<u32>()),
+        (CT_MAP, size_of::<CtKey>(), size_of::<CtEntry>()),
+        (CT_OWNED_MAP, size_of::<u32>(), size_of::<u32>()),
+        (CT_FREED_MAP, size_of::<u32>(), size_of::<u32>()),
+        (NAT_CONFIG_MAP, size_of::<u32>(), size_of::<NatConfig>()),
+        (NO_SNAT_V4_MAP, lpm(4), size_of::<u32>()),
+        (AGENT_PORTS_MAP, size_of::<u32>(), size_of::<AgentPorts>()),
+        (PEERS_V4_MAP, 4, size_of::<u32>()),
+        (PEERS_V6_MAP, 16, size_of::<u32>()),
+    ]
+}
+
+/// A shared type that changes size without a new [`LAYOUT_VERSION`] (and a new row in
+/// [`LAYOUTS`]) fails here: pinned maps of the old size would be reused as they are.
+#[test]
+fn the_layout_version_names_these_sizes() {
+    let current = layout(LAYOUT_VERSION).expect("a row for LAYOUT_VERSION in LAYOUTS");
+    let sizes = sizes_of_this_build();
+    assert_eq!(current.maps.len(), sizes.len(), "every map has a row");
+    for (name, key, value) in sizes {
+        let row = current
+            .map(name)
+            .unwrap_or_else(|| panic!("{name} missing from layout {LAYOUT_VERSION}"));
+        assert_eq!(
+            (row.key_size as usize, row.value_size as usize),
+            (key, value),
+            "{name}: the types changed size; bump LAYOUT_VERSION and add a row to LAYOUTS"
+        );
+    }
+    for name in ALL_MAPS {
+        assert!(current.map(name).is_some(), "{name} in ALL_MAPS has no row");
+    }
+}
+
+#[test]
+fn layouts_are_append_only() {
+    let versions: [u32; 3] = LAYOUTS.map(|l| l.version);
+    assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
+    assert_eq!(
+        versions.last(),
+        Some(&LAYOUT_VERSION),
+        "the newest is this build's"
+    );
+    for l in LAYOUTS {
+        for (i, a) in l.maps.iter().enumerate() {
+            assert!(
+                l.maps[i + 1..].iter().all(|b| b.name != a.name),
+                "layout {}: {} twice",
+                l.version,
+                a.name
+            );
+        }
+    }
+    // Layout 1 as it was published (the agent migrates from it).
+    let v1 = layout(1).expect("layout 1");
+    assert_eq!(v1.map(CT_MAP).map(|m| m.value_size), Some(40));
+    assert_eq!(
+        v1.map(STACK_FLOWS_MAP).map(|m| m.map_type),
+        Some(BPF_MAP_TYPE_LRU_HASH)
+    );
+}
+
+#[test]
+fn layouts_have_no_padding() {
+    assert_eq!(size_of::<EndpointCounters>(), 32);
+    assert_eq!(size_of::<EndpointInfo>(), 32);
+    assert_eq!(size_of::<DirectEndpoint>(), 40);
+    assert_eq!(size_of::<LocalEndpoint>(), 16);
+    assert_eq!(size_of::<DropKey>(), 8);
+    assert_eq!(size_of::<DropCount>(), 16);
+    assert_eq!(size_of::<FlowKey>(), 40);
+    assert_eq!(size_of::<FailsafePort>(), 4);
+    assert_eq!(size_of::<CtKey>(), 16);
+    assert_eq!(size_of::<CtEntry>(), 64);
+    assert_eq!(size_of::<NatConfig>(), 88);
+    assert_eq!(size_of::<StackFlow>(), 16);
+    assert_eq!(size_of::<AgentPorts>(), 16);
+}
+
+#[test]
+fn the_gateway_link_local_is_the_eui64_of_the_host_veth_mac() {
+    let want = [
+        0xfe, 0x80, 0, 0, 0, 0, 0, 0, 0xec, 0xee, 0xee, 0xff, 0xfe, 0xee, 0xee, 0xee,
+    ];
+    assert_eq!(HOST_VETH_LINK_LOCAL, want); // fe80::ecee:eeff:feee:eeee
+}
+
+#[test]
+fn conntrack_keys_go_both_ways() {
+    let out = CtKey {
+        src: [10, 244, 0, 5],
+        dst: [198, 51, 100, 7],
+        sport: 40000u16.to_be(),
+        dport: 443u16.to_be(),
+        proto: IPPROTO_TCP,
+        dir: CT_DIR_OUT,
+        _pad: [0; 2],
+    };
+    let nat = ([192, 0, 2, 1], 20000u16.to_be());
+    let r = out.reply(nat.0, nat.1);
+    assert_eq!(
+        (r.src, r.dst, r.sport, r.dport),
+        (out.dst, nat.0, out.dport, nat.1)
+    );
+    assert_eq!(r.original(out.src, out.sport), out);
+    // ICMP echo: the identifier is both "ports".
+    let ping = CtKey { proto: 1, ..out };
+    let r = ping.reply(nat.0, nat.1);
+    assert_eq!((r.sport, r.dport), (nat.1, nat.1));
+    assert_eq!(r.original(ping.src, ping.sport).dport, ping.sport);
+}
+
+#[test]
+fn accumulate_adds_every_field() {
+    let mut a = EndpointCounters {
+        from_pod_packets: 1,
+        from_pod_bytes: 2,
+        to_pod_packets: 3,
+        to_pod_bytes: 4,
+    };
+    a.accumulate(&a.clone());
+    assert_eq!(
+        a,
+        EndpointCounters {
+            from_pod_packets: 2,
+            from_pod_bytes: 4,
+            to_pod_packets: 6,
+            to_pod_bytes: 8
+        }
+    );
+}
+
+#[test]
+fn reasons_round_trip_and_have_distinct_names() {
+    for r in DropReason::ALL {
+        assert_eq!(DropReason::from_u32(r as u32), Some(r));
+        assert_eq!(
+            DropReason::ALL
+                .iter()
+                .filter(|o| o.name() == r.name())
+                .count(),
+            1
+        );
+    }
+    assert_eq!(DropReason::from_u32(0), None);
+    // Values are stable: they are keys in the pinned counters map.
+    let values: [u32; 19] = DropReason::ALL.map(|r| r as u32);
+    assert_eq!(
+        values,
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    );
+}
+
+#[test]
+fn programs_are_the_tc_ones_then_the_xdp_ones() {
+    let mut both = [""; 5];
+    both[..4].copy_from_slice(&TC_PROGRAMS);
+    both[4..].copy_from_slice(&XDP_PROGRAMS);
+    assert_eq!(both, ALL_PROGRAMS);
+}

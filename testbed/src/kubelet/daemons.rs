@@ -1,0 +1,202 @@
+//! The node's daemons: containerd with its CRI plugin (and the test images), the kubelet,
+//! kube-proxy.
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::{CniDirs, KubeNode, BUSYBOX_IMAGE, PAUSE_IMAGE};
+use crate::process::{command_in, spawn_logged};
+use crate::{Error, Result};
+
+impl KubeNode {
+    pub(super) fn start_containerd(&mut self, cni: &CniDirs) -> Result<()> {
+        let d = self.dir.display();
+        let config = format!(
+            r#"version = 2
+root = "{d}/containerd/root"
+state = "{d}/containerd/state"
+
+[grpc]
+  address = "{sock}"
+
+[ttrpc]
+  address = "{sock}.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d}/containerd/opt"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+  enable_selinux = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "native"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        Root = "{d}/containerd/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{bin}"
+    conf_dir = "{conf}"
+"#,
+            sock = self.sock.display(),
+            bin = cni.bin.display(),
+            conf = cni.conf.display(),
+        );
+        let path = self.dir.join("containerd.toml");
+        std::fs::write(&path, config).map_err(Error::io(format!("write {}", path.display())))?;
+        let log = self.dir.join("containerd.log");
+        let mut cmd = command_in(Some(&self.netns), "containerd", None, false)?;
+        cmd.arg("--config").arg(&path);
+        self.containerd = Some(spawn_logged(&mut cmd, &log)?);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let up = self
+                .ctr(&["version"])
+                .stdin(std::process::Stdio::null())
+                .output()
+                .is_ok_and(|o| o.status.success());
+            if up {
+                return Ok(());
+            }
+            let exited = self
+                .containerd
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "containerd".into(),
+                    exited,
+                    log: self.containerd_log(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The pause image (busybox sleeping forever) and the busybox test image.
+    pub(super) fn import_images(&self) -> Result<()> {
+        for (name, cmd) in [
+            (PAUSE_IMAGE, &["/bin/sleep", "2147483647"][..]),
+            (BUSYBOX_IMAGE, &["/bin/sh"][..]),
+        ] {
+            let tar = self.dir.join(format!(
+                "{}.oci.tar",
+                name.rsplit('/').next().unwrap_or(name)
+            ));
+            let data = crate::image::busybox_oci_tar(name, cmd)?;
+            std::fs::write(&tar, data).map_err(Error::io(format!("write {}", tar.display())))?;
+            self.import(&tar)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn start_kubelet(&mut self, kubeconfig: &Path) -> Result<()> {
+        let bin = crate::k8s::k8s_binary("kubelet")?;
+        let d = self.dir.display();
+        for sub in ["kubelet", "pod-logs"] {
+            let p = self.dir.join(sub);
+            std::fs::create_dir_all(&p).map_err(Error::io(format!("create {}", p.display())))?;
+        }
+        let config = format!(
+            r#"apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+cgroupDriver: cgroupfs
+failCgroupV1: false
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+failSwapOn: false
+localStorageCapacityIsolation: false
+evictionHard: {{}}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+containerRuntimeEndpoint: unix://{sock}
+resolvConf: ""
+podLogsDir: {d}/pod-logs
+staticPodPath: ""
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+address: {ip}
+authentication:
+  anonymous:
+    enabled: false
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+serializeImagePulls: false
+"#,
+            sock = self.sock.display(),
+            ip = self.node_ip,
+        );
+        let path = self.dir.join("kubelet.yaml");
+        std::fs::write(&path, config).map_err(Error::io(format!("write {}", path.display())))?;
+        let log = self.dir.join("kubelet.log");
+        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
+        cmd.arg(format!("--config={}", path.display()))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .arg(format!("--root-dir={d}/kubelet"))
+            .arg(format!("--hostname-override={}", self.name))
+            .arg(format!("--node-ip={}", self.node_ip))
+            .arg("--v=2");
+        self.kubelet = Some(spawn_logged(&mut cmd, &log)?);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if self.kubelet_log().contains("Successfully registered node") {
+                return Ok(());
+            }
+            let exited = self
+                .kubelet
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "kubelet".into(),
+                    exited,
+                    log: self.kubelet_log(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Starts kube-proxy in iptables mode in the node's namespace (`--conntrack-max-per-core
+    /// 0`: the conntrack table is the machine's), talking to the API server by `kubeconfig`.
+    /// Returns once it answers on its healthz port with its rules synced.
+    pub fn start_kube_proxy(&mut self, kubeconfig: &Path) -> Result<()> {
+        let bin = crate::k8s::k8s_binary("kube-proxy")?;
+        let log = self.dir.join("kube-proxy.log");
+        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
+        cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .arg(format!("--hostname-override={}", self.name))
+            .arg("--proxy-mode=iptables")
+            .arg("--conntrack-max-per-core=0")
+            .arg("--oom-score-adj=0")
+            .arg("--metrics-bind-address=127.0.0.1:10249")
+            .arg("--healthz-bind-address=127.0.0.1:10256")
+            .arg("--v=2");
+        self.proxy = Some(spawn_logged(&mut cmd, &log)?);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("SyncProxyRules complete") || text.contains("syncProxyRules complete")
+            {
+                return Ok(());
+            }
+            let exited = self
+                .proxy
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            if exited.is_some() || Instant::now() > deadline {
+                return Err(Error::NotReady {
+                    what: "kube-proxy".into(),
+                    exited,
+                    log: text,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
