@@ -32,23 +32,33 @@ pub struct Opened {
     pub kube: Option<kube::Client>,
 }
 
-/// Opens the configured backend: `etcd`, `kubernetes`, or the embedded store (anything else is
-/// refused earlier, by the config's validation).
-pub async fn open(cfg: &crate::config::DatastoreConfig) -> Result<Opened, DatastoreError> {
-    Ok(match cfg.kind.as_str() {
-        "etcd" => Opened {
-            store: std::sync::Arc::new(EtcdStore::connect(cfg.etcd()).await?),
+/// Which backend holds the agent's records, and how to reach it (the config's `[datastore]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// A local file (its journal is `<path>.journal`): a single node.
+    Embedded { path: std::path::PathBuf },
+    /// etcd v3, shared by several nodes.
+    Etcd(EtcdConfig),
+    /// Custom resources in the cluster's API.
+    Kubernetes(KubeConfig),
+}
+
+/// Opens `backend`.
+pub async fn open(backend: &Backend) -> Result<Opened, DatastoreError> {
+    Ok(match backend {
+        Backend::Etcd(cfg) => Opened {
+            store: std::sync::Arc::new(EtcdStore::connect(cfg.clone()).await?),
             kube: None,
         },
-        "kubernetes" => {
-            let store = KubeStore::connect(&cfg.kubernetes()).await?;
+        Backend::Kubernetes(cfg) => {
+            let store = KubeStore::connect(cfg).await?;
             Opened {
                 kube: Some(store.client()),
                 store: std::sync::Arc::new(store),
             }
         }
-        _ => Opened {
-            store: std::sync::Arc::new(EmbeddedStore::open(&cfg.path)?),
+        Backend::Embedded { path } => Opened {
+            store: std::sync::Arc::new(EmbeddedStore::open(path)?),
             kube: None,
         },
     })

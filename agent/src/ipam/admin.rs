@@ -7,10 +7,10 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use super::pool::PoolSpec;
 use super::service::report::{self, Snapshot};
 use super::service::{CheckReport, IpamReport};
 use super::{HandleRecord, IpamState, Pool};
-use crate::config::PoolConfig;
 use crate::datastore::{keys, Compare, Datastore, DatastoreError, Durability, Op};
 use crate::error::AgentError;
 
@@ -24,7 +24,7 @@ const ATTEMPTS: u32 = 32;
 async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
     let mut out = Vec::new();
     for kv in store.list(POOLS).await? {
-        let p: PoolConfig = match kv.decode() {
+        let p: PoolSpec = match kv.decode() {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(key = %kv.key, error = %e, "IPPool not understood; skipped");

@@ -18,6 +18,11 @@ use crate::datastore::kubernetes::views::{self, NodeView};
 use crate::datastore::{keys, KeyValue, WatchEvent};
 use crate::model::NodeRecord;
 
+/// The Node label (` = "true"`) that makes a node a route reflector, by default
+/// (`routes.reflector_label`): in `node-restriction.kubernetes.io/`, which a kubelet cannot set
+/// on its own Node (the NodeRestriction admission plugin), so a node cannot make itself one.
+pub const REFLECTOR_LABEL: &str = "node-restriction.kubernetes.io/calix-route-reflector";
+
 /// How Node objects are read as peers: the port every agent listens on, the reflector label.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Peering {
@@ -85,7 +90,6 @@ pub fn as_record_event(ev: &WatchEvent, p: &Peering) -> Option<WatchEvent> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::REFLECTOR_LABEL;
     use crate::datastore::kubernetes::views::NodeAddress;
 
     fn peering(port: u16) -> Peering {

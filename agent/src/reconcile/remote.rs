@@ -35,7 +35,7 @@ use calix_kernel::vxlan::{self, FdbEntry, VxlanSpec};
 use ipnet::IpNet;
 
 use super::{kernel_err, ReconcileError, Repair};
-use crate::config::{AgentConfig, VxlanConfig, VxlanMode};
+use crate::ipam::pool::VxlanMode;
 
 /// One route to another node's pods: a block affine to `node`, or one address it borrowed
 /// from another node's block (/32, /128).
@@ -128,7 +128,8 @@ pub fn covered<'a>(
     addresses.into_iter().find(|a| prefix.contains(*a)).copied()
 }
 
-/// This node's side of the underlay, from the config: what routes leave through.
+/// This node's side of the underlay (from `uplinks`, `[routes] node_addresses` and `[vxlan]`):
+/// what routes leave through.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Underlay {
     /// The uplinks (`uplinks`): a direct route leaves through the one whose subnet holds its
@@ -137,24 +138,28 @@ pub struct Underlay {
     /// This node's underlay addresses (`[routes] node_addresses`): the VXLAN devices' local
     /// addresses. Empty: the first global address of each family on the first uplink.
     pub node_addresses: Vec<IpAddr>,
-    pub vxlan: VxlanConfig,
+    pub vxlan: VxlanSettings,
+}
+
+/// The VXLAN devices' network identifier and UDP port (`[vxlan]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VxlanSettings {
+    /// 1–16777215.
+    pub vni: u32,
+    pub port: u16,
+}
+
+impl Default for VxlanSettings {
+    /// The config's defaults (`[vxlan]`): VNI 4096, the IANA port 4789.
+    fn default() -> Self {
+        Self {
+            vni: 4096,
+            port: 4789,
+        }
+    }
 }
 
 impl Underlay {
-    pub fn from_config(cfg: &AgentConfig) -> Self {
-        Self {
-            uplinks: cfg.uplinks.clone(),
-            // Validated with the rest of `[routes]`.
-            node_addresses: cfg
-                .routes
-                .node_addresses
-                .iter()
-                .filter_map(|a| a.parse().ok())
-                .collect(),
-            vxlan: cfg.vxlan.clone(),
-        }
-    }
-
     /// This node's address of `family`: configured, else the first uplink's first.
     fn local(&self, family: vxlan::Underlay, first: Option<&Uplink>) -> Option<IpAddr> {
         let of_family = |a: &IpAddr| vxlan::Underlay::of(*a) == family;

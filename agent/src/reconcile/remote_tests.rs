@@ -15,8 +15,8 @@ use ipnet::IpNet;
 use super::remote::{plan, RemoteRoute, Underlay, Via};
 use super::tests::{kinds, reconciler, wired, Seen};
 use super::{Reconciler, ROUTES};
-use crate::config::VxlanMode;
 use crate::dataplane::Drift;
+use crate::ipam::pool::VxlanMode;
 
 const UPLINK: u32 = 2;
 

@@ -21,6 +21,7 @@
 //!   TCP door with mutual TLS, and the follower of one peer;
 //! - [`report`]: what `calixctl routes` / `nodes` and `/metrics` show;
 //! - [`local`]: this node's next hops and subnets;
+//! - [`settings`]: what it starts with (from `[routes]`);
 //! - [`task`]: the async loop that runs it in the agent.
 pub mod advertise;
 pub mod client;
@@ -33,6 +34,7 @@ pub mod peers;
 pub mod report;
 pub mod server;
 pub mod session;
+pub mod settings;
 pub mod task;
 pub mod tls;
 pub mod validate;

@@ -11,10 +11,11 @@ use serde::{Deserialize, Serialize};
 use super::engine::{Engine, Verdict};
 use super::feed::Feed;
 use super::listener::DoorCounts;
+use super::peers::Topology;
 use super::tls::CertStatus;
 use super::validate::Refusal;
 use super::wire::WireError;
-use crate::config::{Topology, VxlanMode};
+use crate::ipam::pool::VxlanMode;
 use crate::reconcile::remote::RemoteRoute;
 
 /// Route distribution on this node.
@@ -496,9 +497,9 @@ mod tests {
     /// calixctl's message) as large: a few of them are listed, the rest counted.
     #[test]
     fn routes_not_accepted_are_listed_up_to_a_cap_per_peer() {
-        use crate::config::Topology;
         use crate::routes::advertise::NextHops;
         use crate::routes::engine::{PeerEvent, Settings, Unused, SETTLE};
+        use crate::routes::peers::Topology;
         use crate::routes::view::tests::node_kv;
         use crate::routes::view::Part;
         let t0 = Instant::now();

@@ -20,14 +20,16 @@ use super::engine::{Engine, Outputs, PeerEvent, Settings, SETTLE};
 use super::feed::Feed;
 use super::listener::{self, DoorStats, Limits, Throttle};
 use super::peers::Target;
+use super::peers::Topology;
 use super::report::{self, RoutesReport};
 use super::server::{Feeds, Known, RoutesSvc};
-use super::tls::LiveTls;
+use super::settings::{ListenOn, RoutesSettings};
+use super::tls::{CertSource, LiveTls};
 use super::view::Part;
 use super::RoutesError;
-use crate::config::{AgentConfig, CertSource, RoutesConfig, VxlanMode};
 use crate::dataplane::doors::PeerNodes;
 use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
+use crate::ipam::pool::VxlanMode;
 use crate::reconcile::driver::Driver;
 use crate::reconcile::remote::RemoteRoute;
 
@@ -66,7 +68,13 @@ impl RouteSink for Driver {
 /// What route distribution starts with.
 pub struct Start {
     pub me: String,
-    pub cfg: RoutesConfig,
+    /// Where the Routes service listens (for the logs: the listeners are bound).
+    pub listen: ListenOn,
+    pub topology: Topology,
+    /// This agent relays every node's routes (only with [`Topology::Reflectors`]).
+    pub reflector: bool,
+    /// How long a peer's routes stay after its stream drops.
+    pub grace: Duration,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
     /// Every pool as the rule for blocks needs it.
@@ -124,34 +132,28 @@ impl NodeSource {
 }
 
 impl Start {
-    /// From the agent's config: the next hops (`routes.node_addresses`, else the first
+    /// From route distribution's settings: the next hops (`node_addresses`, else the first
     /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
     /// node's subnets, and `tls` ([`tls_for`]); binds the Routes port.
-    pub async fn from_config(
-        cfg: &AgentConfig,
+    pub async fn new(
+        s: RoutesSettings,
         recorded: &[String],
         tls: Option<Arc<LiveTls>>,
     ) -> Result<Self, RoutesError> {
         let next_hops =
-            super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
-        let listen = cfg.routes.listen_on().ok_or_else(|| RoutesError::Listen {
-            addr: cfg.routes.listen.clone(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "not :port or address:port",
-            ),
-        })?;
+            super::local::next_hops(&s.node_addresses, &uplink_addresses(&s.uplinks), recorded);
+        let listen = s.listen;
         let endpoint = super::local::endpoint(listen, &next_hops).ok_or(RoutesError::NoAddress)?;
-        let mut routes = cfg.routes.clone();
-        if routes.reflector && routes.topology != crate::config::Topology::Reflectors {
+        let mut reflector = s.reflector;
+        if reflector && s.topology != Topology::Reflectors {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
-            routes.reflector = false;
+            reflector = false;
         }
         let listeners = bind_all(&super::local::bind_addresses(listen, &next_hops))?;
-        let nodes = if cfg.datastore.is_kubernetes() {
+        let nodes = if s.kube_nodes {
             NodeSource::KubeNodes(crate::k8s::peers::Peering {
                 port: listen.port(),
-                reflector_label: routes.reflector_label.clone(),
+                reflector_label: s.reflector_label.clone(),
             })
         } else {
             NodeSource::Records
@@ -159,10 +161,13 @@ impl Start {
         Ok(Self {
             listeners,
             nodes,
-            me: cfg.node_name.clone(),
-            cfg: routes,
-            pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
-            blocks: cfg.node_pools(),
+            me: s.me,
+            listen,
+            topology: s.topology,
+            reflector,
+            grace: s.grace,
+            pools: s.pools,
+            blocks: s.blocks,
             next_hops,
             endpoint,
             subnets: super::local::subnets(),
@@ -171,16 +176,19 @@ impl Start {
     }
 }
 
-/// Route distribution's TLS material from `[routes]`: none in plain text (or with routes
-/// off); the files, read and checked now (a bad file stops the agent); or, with
-/// `routes.tls.source = "kubernetes"`, empty until [`crate::k8s::certificates`] fills it.
-pub fn tls_for(cfg: &AgentConfig) -> Result<Option<Arc<LiveTls>>, RoutesError> {
-    if !cfg.routes.enabled || cfg.routes.plaintext {
+/// Route distribution's TLS material: none in plain text (`tls` is `None`); the files, read
+/// and checked now (a bad file stops the agent); or, with [`CertSource::Kubernetes`], empty
+/// until [`crate::k8s::certificates`] fills it.
+pub fn tls_for(
+    me: &str,
+    tls: Option<&super::settings::TlsSettings>,
+) -> Result<Option<Arc<LiveTls>>, RoutesError> {
+    let Some(tls) = tls else {
         return Ok(None);
-    }
-    Ok(Some(match cfg.routes.tls.source {
-        CertSource::Files => LiveTls::from_files(&cfg.routes.tls, &cfg.node_name)?,
-        CertSource::Kubernetes => LiveTls::pending(&cfg.node_name, CertSource::Kubernetes),
+    };
+    Ok(Some(match tls.source {
+        CertSource::Files => LiveTls::from_files(&tls.files, me)?,
+        CertSource::Kubernetes => LiveTls::pending(me, CertSource::Kubernetes),
     }))
 }
 
@@ -221,7 +229,7 @@ pub async fn start(
     let (server_tls, client_tls) = match &s.tls {
         Some(m) => (Some(m.server_config()?), Some(m.client_config()?)),
         None => {
-            tracing::warn!(listen = %s.cfg.listen, "routes: PLAIN TEXT between nodes (routes.plaintext = true): peers are not authenticated; use only on a network you trust");
+            tracing::warn!(listen = %s.listen, "routes: PLAIN TEXT between nodes (routes.plaintext = true): peers are not authenticated; use only on a network you trust");
             (None, None)
         }
     };
@@ -232,12 +240,12 @@ pub async fn start(
         .map(|a| a.to_string())
         .collect();
     tracing::info!(listen = ?listening, endpoint = %s.endpoint, tls = server_tls.is_some(),
-        topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
+        topology = ?s.topology, reflector = s.reflector, "routes: serving calix.v1.Routes");
     let (shutdown, shutdown_rx) = watch::channel(false);
     let feeds = Arc::new(Feeds {
         own: Arc::new(Feed::default()),
         relay: Arc::new(Feed::default()),
-        reflector: s.cfg.reflector,
+        reflector: s.reflector,
     });
     let known = Arc::new(Known::default());
     let stats = Arc::new(DoorStats::default());
@@ -277,9 +285,9 @@ pub async fn start(
     let (peer_tx, peer_rx) = mpsc::channel(1024);
     let engine = Engine::new(Settings {
         me: s.me.clone(),
-        topology: s.cfg.topology,
-        reflector: s.cfg.reflector,
-        grace: Duration::from_secs(s.cfg.grace_secs),
+        topology: s.topology,
+        reflector: s.reflector,
+        grace: s.grace,
         settle: SETTLE,
         next_hops: s.next_hops,
         pools: s.pools,

@@ -17,7 +17,7 @@ use super::peers::Target;
 use super::server::{Feeds, Known, RoutesSvc};
 use super::tls::{LiveTls, TlsMaterial};
 use super::Route;
-use crate::config::CertSource;
+use crate::routes::tls::CertSource;
 
 fn material(ca: &Ca, name: &str) -> TlsMaterial {
     let c = ca.issue(name).expect("cert");

@@ -29,8 +29,27 @@ use rustls::{ServerConfig, SignatureScheme};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::config::{CertSource, TlsConfig};
 use crate::pki::cert::{self, CertFacts, NameError};
+
+/// Where a node's route-distribution certificate comes from (`routes.tls.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CertSource {
+    /// PEM files ([`TlsFiles`]).
+    #[default]
+    Files,
+    /// A key made on this node and its certificate through the Kubernetes API
+    /// (`crate::k8s::certificates`).
+    Kubernetes,
+}
+
+/// This node's certificate (chain), its key and the CA, as PEM files (`routes.tls.{cert,key,ca}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -98,7 +117,7 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
 
 impl TlsMaterial {
     /// Reads the PEM files of `routes.tls`; the certificate must name node `me` alone.
-    pub fn load(files: &TlsConfig, me: &str) -> Result<Self, TlsError> {
+    pub fn load(files: &TlsFiles, me: &str) -> Result<Self, TlsError> {
         let m = Self::from_pem(
             (&files.ca, &read("ca", &files.ca)?),
             (&files.cert, &read("cert", &files.cert)?),
@@ -280,7 +299,7 @@ impl LiveTls {
 
     /// From PEM files, checked: the certificate must name node `me` alone and chain to the
     /// CA file.
-    pub fn from_files(files: &TlsConfig, me: &str) -> Result<Arc<Self>, TlsError> {
+    pub fn from_files(files: &TlsFiles, me: &str) -> Result<Arc<Self>, TlsError> {
         let m = TlsMaterial::load(files, me)?;
         let live = Self::pending(me, CertSource::Files);
         live.set_roots(m.roots.clone())?;

@@ -1,6 +1,6 @@
 //! The custom resources of group `calix.dev`, defined once: each one's spec IS the record calix
 //! stores under the matching key (`crate::ipam::Block`, `crate::ipam::HandleRecord`,
-//! `crate::model::NodeRecord`, `crate::model::EndpointRecord`, `crate::config::PoolConfig`),
+//! `crate::model::NodeRecord`, `crate::model::EndpointRecord`, `crate::ipam::pool::PoolSpec`),
 //! so the OpenAPI schema the API server validates against is generated from the same Rust types
 //! the agent reads and writes (`crate::ipam::AffinityRecord` for `BlockAffinity`). [`manifests`] renders the CustomResourceDefinitions that
 //! `charts/calix/crds/` holds (a test keeps those files current: `crds_are_current`).
@@ -13,7 +13,7 @@ use kube::CustomResourceExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::config::PoolConfig;
+use crate::ipam::pool::PoolSpec;
 use crate::ipam::{AffinityRecord, Block, HandleRecord};
 use crate::model::{EndpointRecord, NodeRecord};
 
@@ -141,7 +141,7 @@ pub struct CalixEndpointSpec {
 )]
 pub struct IPPoolSpec {
     #[serde(flatten)]
-    pub pool: PoolConfig,
+    pub pool: PoolSpec,
 }
 
 /// Every CRD, with the file name it has under `charts/calix/crds/`.
