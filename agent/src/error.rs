@@ -32,5 +32,5 @@ pub enum AgentError {
     },
     /// A pod's IPAM annotation that cannot be honoured, or no pool serves its namespace.
     #[error(transparent)]
-    PodIpam(#[from] crate::k8s::annotations::PodIpamError),
+    PodIpam(#[from] crate::ipam::annotations::PodIpamError),
 }

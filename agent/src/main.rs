@@ -14,6 +14,7 @@ use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::IpamService;
 use calix_agent::k8s::certificates;
 use calix_agent::k8s::cluster::Cluster;
+use calix_agent::k8s::directory::KubePods;
 use calix_agent::k8s::events::EventRecorder;
 use calix_agent::k8s::owner::{Owner, Stop};
 use calix_agent::k8s::podipam::PodIpamSource;
@@ -158,9 +159,14 @@ async fn run() -> Result<()> {
         }
         addresses = known;
     }
+    // Where the peers come from: the agents' node records, or Kubernetes' Nodes.
+    let peers: Arc<dyn routes::nodes::NodeSource> = match cfg.peering()? {
+        Some(p) => Arc::new(p),
+        None => Arc::new(routes::nodes::Records),
+    };
     let routes_start = match routes_settings {
         Some(s) => Some(
-            routes::task::Start::new(s, &addresses, routes_tls.clone())
+            routes::task::Start::new(s, &addresses, routes_tls.clone(), peers)
                 .await
                 .context("route distribution ([routes]) cannot start")?,
         ),
@@ -227,12 +233,10 @@ async fn run() -> Result<()> {
             let (pods, follower) = pods::load(store.clone(), &cfg.node_name)
                 .await
                 .context("cannot read this node's Pods")?;
-            let _ = node.pods.set(pods.clone());
-            let _ = node.pod_ipam.set(PodIpamSource::new(
-                store.clone(),
-                &cfg.node_name,
-                cluster.clone(),
-            ));
+            let _ = node.pods.set(Arc::new(KubePods {
+                pods: pods.clone(),
+                ipam: PodIpamSource::new(store.clone(), &cfg.node_name, cluster.clone()),
+            }));
             pods::spawn(
                 pods,
                 follower,

@@ -235,7 +235,7 @@ impl Hostile {
             .unwrap_or_else(|e| panic!("{e:#}"));
         let sent = Arc::new(Sent::default());
         // The door admits the cluster's nodes (its followers) and refuses anyone else.
-        let known = Arc::new(calix_agent::routes::server::Known::default());
+        let known = Arc::new(calix_agent::routes::door::Known::default());
         known.set(
             (0..c.nodes.len()).map(|j| c.name(j).to_string()).collect(),
             (0..c.nodes.len())

@@ -18,6 +18,7 @@ use crate::datastore::Backend;
 use crate::ipam::pool::VxlanMode;
 use crate::ipam::service::Housekeeping;
 use crate::k8s::certificates;
+use crate::k8s::peers::Peering;
 use crate::k8s::pods::PodsConfig;
 use crate::node::mtu::PodMtu;
 use crate::reconcile::remote::{Underlay, VxlanSettings};
@@ -325,7 +326,6 @@ impl AgentConfig {
             uplinks: self.uplinks.clone(),
             topology: r.topology,
             reflector: r.reflector,
-            reflector_label: r.reflector_label.clone(),
             grace: Duration::from_secs(r.grace_secs),
             tls: (!r.plaintext).then(|| TlsSettings {
                 source: r.tls.source,
@@ -335,9 +335,21 @@ impl AgentConfig {
                     ca: r.tls.ca.clone(),
                 },
             }),
-            kube_nodes: self.datastore.is_kubernetes(),
             pools: self.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
             blocks: self.node_pools(),
+        }))
+    }
+
+    /// How route distribution reads Kubernetes' Node objects as its peers, with the
+    /// `kubernetes` datastore (routes on): the port every agent listens on, the reflector
+    /// label. `None`: the agents' own node records.
+    pub fn peering(&self) -> Result<Option<Peering>, ConfigError> {
+        if !self.routes.enabled || !self.datastore.is_kubernetes() {
+            return Ok(None);
+        }
+        Ok(Some(Peering {
+            port: self.routes.checked_listen()?.port(),
+            reflector_label: self.routes.reflector_label.clone(),
         }))
     }
 

@@ -816,9 +816,22 @@ fn routes_settings_come_from_routes_uplinks_and_pools() {
     assert_eq!(s.node_addresses, [addr]);
     assert_eq!((s.topology, s.grace.as_secs()), (Topology::Reflectors, 30));
     assert_eq!(s.tls, None, "plain text");
-    assert!(!s.kube_nodes);
+    assert_eq!(
+        c.peering().expect("peering"),
+        None,
+        "the agents' node records"
+    );
     assert_eq!(s.pools, [(c.pools[0].cidr, VxlanMode::Always)]);
     assert_eq!(s.blocks, c.node_pools());
     assert_eq!(c.underlay().node_addresses, [addr]);
     assert_eq!(c.underlay().uplinks, ["eth0"]);
+    let mut k = c.clone();
+    k.datastore.kind = "kubernetes".into();
+    k.pools_configured = false;
+    k.validate().expect("valid");
+    let p = k.peering().expect("peering").expect("Kubernetes' Nodes");
+    assert_eq!(
+        (p.port, p.reflector_label.as_str()),
+        (6000, crate::k8s::peers::REFLECTOR_LABEL)
+    );
 }

@@ -2,6 +2,7 @@
 //! allocator decides; the service commits its decisions to the datastore.
 pub mod admin;
 pub mod allocator;
+pub mod annotations;
 pub mod pool;
 pub mod service;
 pub mod wellformed;

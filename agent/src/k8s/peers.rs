@@ -17,6 +17,7 @@ use std::net::{IpAddr, SocketAddr};
 use crate::datastore::kubernetes::views::{self, NodeView};
 use crate::datastore::{keys, KeyValue, WatchEvent};
 use crate::model::NodeRecord;
+use crate::routes::nodes::NodeSource;
 
 /// The Node label (` = "true"`) that makes a node a route reflector, by default
 /// (`routes.reflector_label`): in `node-restriction.kubernetes.io/`, which a kubelet cannot set
@@ -84,6 +85,21 @@ pub fn as_record_event(ev: &WatchEvent, p: &Peering) -> Option<WatchEvent> {
             key: keys::node(key.strip_prefix(views::NODES)?),
             revision: *revision,
         }),
+    }
+}
+
+/// Kubernetes' Node objects (`k8s/nodes/`) as route distribution's node records.
+impl NodeSource for Peering {
+    fn prefix(&self) -> &'static str {
+        views::NODES
+    }
+
+    fn listed(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
+        kvs.iter().filter_map(|kv| as_record(kv, self)).collect()
+    }
+
+    fn event(&self, ev: WatchEvent) -> Option<WatchEvent> {
+        as_record_event(&ev, self)
     }
 }
 

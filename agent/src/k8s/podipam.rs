@@ -7,11 +7,11 @@
 //! own; a namespace it does not have matches no `namespaceSelector`.
 use std::sync::Arc;
 
-use super::annotations::{self, NamedPool, Namespace, PodIpam};
 use super::cluster::Cluster;
 use crate::datastore::kubernetes::views::{self, NamespaceView, PodView};
 use crate::datastore::Datastore;
 use crate::error::AgentError;
+use crate::ipam::annotations::{self, NamedPool, Namespace, PodIpam};
 use crate::ipam::Pool;
 
 /// Reads pods' IPAM annotations.

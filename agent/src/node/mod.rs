@@ -4,10 +4,12 @@
 //! registry's comes first.
 mod conntrack;
 pub mod mtu;
+pub mod pods;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use calix_common::NatConfig;
@@ -15,9 +17,11 @@ use calix_proto::handle;
 
 use crate::endpoints::EndpointRegistry;
 use crate::error::AgentError;
+use crate::ipam::annotations::PodIpam;
 use crate::ipam::service::Swept;
 use crate::ipam::{IpamService, Policy, Pool};
 use crate::model::EndpointRecord;
+use pods::{PodDirectory, PodInfo};
 
 pub struct Node {
     pub ipam: IpamService,
@@ -28,10 +32,9 @@ pub struct Node {
     pod_mtu: std::sync::RwLock<mtu::PodMtu>,
     /// What an operator must see (Kubernetes Events with the kubernetes datastore).
     pub notices: crate::notice::Notifier,
-    /// This node's Pods (kubernetes datastore), once watched.
-    pub pods: std::sync::OnceLock<crate::k8s::pods::Pods>,
-    /// Pods' IPAM annotations (kubernetes datastore).
-    pub pod_ipam: std::sync::OnceLock<crate::k8s::podipam::PodIpamSource>,
+    /// Where pods are looked up (the kubernetes datastore: this node's Pods, once watched, and
+    /// their IPAM annotations).
+    pub pods: std::sync::OnceLock<Arc<dyn PodDirectory>>,
 }
 
 impl Node {
@@ -43,7 +46,6 @@ impl Node {
             pod_mtu: Default::default(),
             notices: Default::default(),
             pods: std::sync::OnceLock::new(),
-            pod_ipam: std::sync::OnceLock::new(),
         }
     }
 
@@ -65,6 +67,31 @@ impl Node {
 
     pub fn name(&self) -> &str {
         self.ipam.node()
+    }
+
+    /// Pod `namespace/name` as the pod directory last saw it; `None` without a directory.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        self.pods.get()?.pod(namespace, name)
+    }
+
+    /// What an allocation for the pod its `attributes` name (`namespace`, `pod`) may use: the
+    /// pod's pools (its namespace's, narrowed by its annotations) and fixed addresses, for the
+    /// families `(v4, v6)`. `None` when the allocation names no pod or there is no pod
+    /// directory: the default pools.
+    pub async fn pod_ipam(
+        &self,
+        attributes: &BTreeMap<String, String>,
+        families: (bool, bool),
+    ) -> Result<Option<PodIpam>, AgentError> {
+        let (Some(directory), Some(ns), Some(pod)) = (
+            self.pods.get(),
+            attributes.get("namespace").filter(|v| !v.is_empty()),
+            attributes.get("pod").filter(|v| !v.is_empty()),
+        ) else {
+            return Ok(None);
+        };
+        let pools = self.ipam.pools();
+        Ok(Some(directory.ipam(ns, pod, &pools, families).await?))
     }
 
     /// An allocation failed: when no pool can give an address, an operator must see it (a

@@ -1733,3 +1733,97 @@ async fn an_older_size_block_over_a_victims_block_loses() {
         check.findings
     );
 }
+
+/// A pod directory that knows one pod, `tenant/web`, with a fixed address and one pool; it
+/// records what it was asked.
+#[derive(Default)]
+struct FakePods {
+    asked: std::sync::Mutex<Vec<Asked>>,
+}
+
+/// One question to [`FakePods::ipam`]: namespace, name, the node's pools, the families.
+type Asked = (String, String, Vec<ipnet::IpNet>, (bool, bool));
+
+#[tonic::async_trait]
+impl PodDirectory for FakePods {
+    fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        (namespace == "tenant" && name == "web").then(|| PodInfo {
+            uid: "u1".into(),
+            phase: "Running".into(),
+            ..PodInfo::default()
+        })
+    }
+
+    async fn ipam(
+        &self,
+        namespace: &str,
+        name: &str,
+        node_pools: &[Pool],
+        families: (bool, bool),
+    ) -> Result<PodIpam, AgentError> {
+        self.asked.lock().expect("lock").push((
+            namespace.into(),
+            name.into(),
+            node_pools.iter().map(|p| p.cidr).collect(),
+            families,
+        ));
+        Ok(PodIpam {
+            pools: crate::ipam::PoolChoice {
+                v4: Some(vec!["10.9.0.0/16".parse().expect("cidr")]),
+                v6: Some(Vec::new()),
+            },
+            addresses: vec!["10.9.0.7".parse().expect("ip")],
+        })
+    }
+}
+
+/// The node asks its pod directory about the pod an allocation names, with its own pools;
+/// an allocation that names no pod, or a node without a directory, has the default pools.
+#[tokio::test]
+async fn the_pod_directory_is_asked_for_the_pod_an_allocation_names() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.9.0.0/16", 26)], Policy::default()).await;
+    let attrs = |ns: &str, pod: &str| -> BTreeMap<String, String> {
+        [("namespace", ns), ("pod", pod)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    // No directory (another datastore than kubernetes): nothing to ask.
+    assert_eq!(
+        a.pod_ipam(&attrs("tenant", "web"), (true, false))
+            .await
+            .expect("no directory"),
+        None
+    );
+    assert_eq!(a.pod("tenant", "web"), None);
+    let pods = Arc::new(FakePods::default());
+    assert!(a.pods.set(pods.clone()).is_ok());
+    let asked = a
+        .pod_ipam(&attrs("tenant", "web"), (true, false))
+        .await
+        .expect("asked")
+        .expect("a pod");
+    assert_eq!(asked.addresses, ["10.9.0.7".parse::<IpAddr>().expect("ip")]);
+    assert_eq!(
+        *pods.asked.lock().expect("lock"),
+        [(
+            "tenant".to_string(),
+            "web".to_string(),
+            vec!["10.9.0.0/16".parse().expect("cidr")],
+            (true, false)
+        )]
+    );
+    // An allocation that names no pod (another runtime) is not asked about.
+    for (ns, pod) in [("", "web"), ("tenant", "")] {
+        assert_eq!(
+            a.pod_ipam(&attrs(ns, pod), (true, false))
+                .await
+                .expect("no pod"),
+            None
+        );
+    }
+    assert_eq!(pods.asked.lock().expect("lock").len(), 1);
+    assert_eq!(a.pod("tenant", "web").map(|p| p.uid).as_deref(), Some("u1"));
+    assert_eq!(a.pod("tenant", "db"), None);
+}

@@ -17,19 +17,23 @@
 //! - [`session`]: what one peer said, and its graceful-restart timer;
 //! - [`validate`]: who may say what (block affinity, the owner of a borrowed address, next hop);
 //! - [`engine`]: all of the above together, pure (time injected), no sockets;
-//! - [`wire`], [`tls`], [`conn`], [`listener`], [`server`], [`client`]: the gRPC service and its
-//!   TCP door with mutual TLS, and the follower of one peer;
+//! - [`wire`], [`tls`], [`conn`], [`listener`], [`door`], [`server`], [`client`]: the gRPC
+//!   service and its TCP door with mutual TLS (the door's bookkeeping in [`door`]), and the
+//!   follower of one peer;
 //! - [`report`]: what `calixctl routes` / `nodes` and `/metrics` show;
 //! - [`local`]: this node's next hops and subnets;
+//! - [`nodes`]: where the peers come from (node records, or Kubernetes' Nodes read as such);
 //! - [`settings`]: what it starts with (from `[routes]`);
 //! - [`task`]: the async loop that runs it in the agent.
 pub mod advertise;
 pub mod client;
 pub mod conn;
+pub mod door;
 pub mod engine;
 pub mod feed;
 pub mod listener;
 pub mod local;
+pub mod nodes;
 pub mod peers;
 pub mod report;
 pub mod server;

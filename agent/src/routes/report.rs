@@ -8,9 +8,9 @@ use std::time::Instant;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+use super::door::DoorCounts;
 use super::engine::{Engine, Verdict};
 use super::feed::Feed;
-use super::listener::DoorCounts;
 use super::peers::Topology;
 use super::tls::CertStatus;
 use super::validate::Refusal;

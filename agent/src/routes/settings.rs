@@ -23,15 +23,10 @@ pub struct RoutesSettings {
     pub topology: Topology,
     /// This agent relays every node's routes (with [`Topology::Reflectors`]).
     pub reflector: bool,
-    /// The Node label that makes a node a route reflector (with the Kubernetes Nodes as peers).
-    pub reflector_label: String,
     /// How long a peer's routes stay after its stream drops (graceful restart).
     pub grace: Duration,
     /// Mutual TLS between nodes; `None`: plain text (`routes.plaintext`).
     pub tls: Option<TlsSettings>,
-    /// The peers are Kubernetes' Node objects (the `kubernetes` datastore), not the agents'
-    /// node records.
-    pub kube_nodes: bool,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
     /// Every pool as the rule for blocks needs it.

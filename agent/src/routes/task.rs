@@ -16,13 +16,15 @@ use tokio::task::JoinHandle;
 
 use super::advertise::NextHops;
 use super::client::{self, Dialer, PeerMessage};
+use super::door::{DoorStats, Known, Throttle};
 use super::engine::{Engine, Outputs, PeerEvent, Settings, SETTLE};
 use super::feed::Feed;
-use super::listener::{self, DoorStats, Limits, Throttle};
+use super::listener::{self, Limits};
+use super::nodes::{NodeSource, Records};
 use super::peers::Target;
 use super::peers::Topology;
 use super::report::{self, RoutesReport};
-use super::server::{Feeds, Known, RoutesSvc};
+use super::server::{Feeds, RoutesSvc};
 use super::settings::{ListenOn, RoutesSettings};
 use super::tls::{CertSource, LiveTls};
 use super::view::Part;
@@ -91,54 +93,19 @@ pub struct Start {
     /// announces it (peers that dial early wait in its backlog instead of being refused).
     pub listeners: Vec<tokio::net::TcpListener>,
     /// Where the peers come from.
-    pub nodes: NodeSource,
-}
-
-/// Where route distribution learns the nodes (its peers, and the addresses their routes may
-/// go through).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeSource {
-    /// The agents' node records (`nodes/`): each announces its own Routes endpoint.
-    Records,
-    /// Kubernetes' Node objects (`k8s/nodes/`), read as [`crate::k8s::peers`] says.
-    KubeNodes(crate::k8s::peers::Peering),
-}
-
-impl NodeSource {
-    fn prefix(&self) -> &'static str {
-        match self {
-            NodeSource::Records => Part::Nodes.prefix(),
-            NodeSource::KubeNodes { .. } => crate::datastore::kubernetes::views::NODES,
-        }
-    }
-
-    /// What the view takes of a listing.
-    fn listed(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
-        match self {
-            NodeSource::Records => kvs,
-            NodeSource::KubeNodes(p) => kvs
-                .iter()
-                .filter_map(|kv| crate::k8s::peers::as_record(kv, p))
-                .collect(),
-        }
-    }
-
-    fn event(&self, ev: WatchEvent) -> Option<WatchEvent> {
-        match self {
-            NodeSource::Records => Some(ev),
-            NodeSource::KubeNodes(p) => crate::k8s::peers::as_record_event(&ev, p),
-        }
-    }
+    pub nodes: Arc<dyn NodeSource>,
 }
 
 impl Start {
     /// From route distribution's settings: the next hops (`node_addresses`, else the first
     /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
-    /// node's subnets, and `tls` ([`tls_for`]); binds the Routes port.
+    /// node's subnets, `tls` ([`tls_for`]) and where the peers come from (`nodes`); binds the
+    /// Routes port.
     pub async fn new(
         s: RoutesSettings,
         recorded: &[String],
         tls: Option<Arc<LiveTls>>,
+        nodes: Arc<dyn NodeSource>,
     ) -> Result<Self, RoutesError> {
         let next_hops =
             super::local::next_hops(&s.node_addresses, &uplink_addresses(&s.uplinks), recorded);
@@ -150,14 +117,6 @@ impl Start {
             reflector = false;
         }
         let listeners = bind_all(&super::local::bind_addresses(listen, &next_hops))?;
-        let nodes = if s.kube_nodes {
-            NodeSource::KubeNodes(crate::k8s::peers::Peering {
-                port: listen.port(),
-                reflector_label: s.reflector_label.clone(),
-            })
-        } else {
-            NodeSource::Records
-        };
         Ok(Self {
             listeners,
             nodes,
@@ -267,7 +226,7 @@ pub async fn start(
     tokio::spawn(watch_part(
         store.clone(),
         Part::Blocks,
-        NodeSource::Records,
+        Arc::new(Records),
         view_tx.clone(),
     ));
     tokio::spawn(watch_part(
@@ -637,7 +596,7 @@ async fn hand_over(
 async fn watch_part(
     store: Arc<dyn Datastore>,
     part: Part,
-    nodes: NodeSource,
+    nodes: Arc<dyn NodeSource>,
     tx: mpsc::Sender<ViewInput>,
 ) {
     let prefix = match part {

@@ -10,11 +10,12 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
 
 use super::client::{self, Dialer, PeerMessage};
+use super::door::{DoorStats, Known};
 use super::engine::PeerEvent;
 use super::feed::Feed;
-use super::listener::{self, DoorStats, Limits};
+use super::listener::{self, Limits};
 use super::peers::Target;
-use super::server::{Feeds, Known, RoutesSvc};
+use super::server::{Feeds, RoutesSvc};
 use super::tls::{LiveTls, TlsMaterial};
 use super::Route;
 use crate::routes::tls::CertSource;
