@@ -19,12 +19,12 @@ use calix_agent::k8s::events::EventRecorder;
 use calix_agent::k8s::owner::{Owner, Stop};
 use calix_agent::k8s::podipam::PodIpamSource;
 use calix_agent::k8s::pods;
-use calix_agent::model::NodeRecord;
 use calix_agent::node::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
 use calix_agent::routes::tls::CertSource;
 use calix_agent::{datastore, grpc, metrics, routes, tasks, uninstall};
+use calix_core::model::NodeRecord;
 use calix_kernel::host::NetlinkHost;
 use clap::Parser;
 

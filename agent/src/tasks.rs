@@ -4,8 +4,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use calix_core::ipam::{Policy, Pool};
+
 use crate::dataplane::Reload;
-use crate::ipam::{Policy, Pool};
 use crate::node::mtu::PodMtu;
 use crate::node::Node;
 

@@ -22,9 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_agent::routes::listener::{self, Limits};
-use calix_agent::routes::wire::pb;
+use calix_core::store::keys;
+use calix_core::wire::pb;
 use calix_testbed::tls::Ca;
 use calix_testbed::Cluster;
 use futures::Stream;

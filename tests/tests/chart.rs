@@ -19,9 +19,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use calix_agent::config::{AgentConfig, DataplaneMode};
-use calix_agent::ipam::pool::PoolSpec;
-use calix_agent::routes::peers::Topology;
 use calix_agent::routes::tls::CertSource;
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::routes::peers::Topology;
 use calix_testbed::chart_tools;
 use serde_json::{json, Value};
 

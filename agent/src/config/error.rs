@@ -41,7 +41,7 @@ pub enum ConfigError {
     NamespaceSelector {
         cidr: IpNet,
         #[source]
-        source: crate::selector::SelectorError,
+        source: calix_core::selector::SelectorError,
     },
     #[error(
         "pool {cidr}: a namespaceSelector needs datastore type \"kubernetes\" (the agent reads \

@@ -2,11 +2,11 @@
 //! environment variables, and the cluster's part with the `kubernetes` datastore).
 use std::path::PathBuf;
 
+use calix_core::ipam::pool::PoolSpec;
 use clap::Parser;
 
 use super::error::ConfigError;
 use super::{AgentConfig, DataplaneMode};
-use crate::ipam::pool::PoolSpec;
 use crate::k8s::cluster::Cluster;
 use crate::paths;
 

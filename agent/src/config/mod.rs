@@ -18,6 +18,7 @@ pub mod validate;
 
 use std::path::{Path, PathBuf};
 
+use calix_core::ipam::pool::PoolSpec;
 use serde::{Deserialize, Serialize};
 
 use self::error::ConfigError;
@@ -25,7 +26,6 @@ use self::sections::{
     DatastoreConfig, DoorsConfig, IpamConfig, KubernetesConfig, NatConfig, RoutesConfig,
     VxlanConfig, XdpConfig,
 };
-use crate::ipam::pool::PoolSpec;
 use crate::paths;
 
 /// Which dataplane programs pod traffic.

@@ -2,11 +2,11 @@
 //! `[vxlan]`, `[kubernetes]`, `[doors]`): the serde schema, each with its defaults.
 use std::path::PathBuf;
 
+use calix_core::routes::peers::Topology;
 use serde::{Deserialize, Serialize};
 
 use crate::dataplane::xdp::XdpMode;
 use crate::paths;
-use crate::routes::peers::Topology;
 use crate::routes::settings::ListenOn;
 use crate::routes::tls::CertSource;
 

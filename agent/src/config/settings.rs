@@ -6,6 +6,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use calix_core::ipam::pool::VxlanMode;
+use calix_core::reconcile::remote::{Underlay, VxlanSettings};
 use ipnet::IpNet;
 
 use super::error::ConfigError;
@@ -15,20 +17,18 @@ use crate::dataplane::ebpf::EbpfConfig;
 use crate::dataplane::xdp::{self, Failsafe, XdpPolicy, XdpSettings};
 use crate::dataplane::Reload;
 use crate::datastore::Backend;
-use crate::ipam::pool::VxlanMode;
 use crate::ipam::service::Housekeeping;
 use crate::k8s::certificates;
 use crate::k8s::peers::Peering;
 use crate::k8s::pods::PodsConfig;
 use crate::node::mtu::PodMtu;
-use crate::reconcile::remote::{Underlay, VxlanSettings};
 use crate::routes::settings::{RoutesSettings, TlsSettings};
 use crate::routes::tls::TlsFiles;
 use crate::tasks::Reloaded;
 
 impl IpamConfig {
-    pub fn policy(&self) -> crate::ipam::Policy {
-        crate::ipam::Policy {
+    pub fn policy(&self) -> calix_core::ipam::Policy {
+        calix_core::ipam::Policy {
             strict_affinity: self.strict_affinity,
             max_blocks_per_node: self.max_blocks_per_node,
         }
@@ -281,10 +281,10 @@ impl AgentConfig {
     /// this node is disabled here (no new addresses from it), not gone — the addresses the node
     /// holds in it stay valid, so a label change never counts as removing a pool under live
     /// addresses, and the dataplane still knows the pool's addresses as pods'.
-    pub fn node_pools(&self) -> Vec<crate::ipam::Pool> {
+    pub fn node_pools(&self) -> Vec<calix_core::ipam::Pool> {
         self.pools
             .iter()
-            .map(|p| crate::ipam::Pool {
+            .map(|p| calix_core::ipam::Pool {
                 cidr: p.cidr.trunc(),
                 block_size: p.block_size(),
                 disabled: p.disabled || !p.selects(&self.node_labels),

@@ -3,12 +3,13 @@
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
+use calix_core::ipam::pool::VxlanMode;
+use calix_core::routes::peers::Topology;
+
 use super::error::ConfigError;
 use super::sections::{DoorsConfig, NatConfig, RoutesConfig, TlsConfig};
 use super::*;
 use crate::dataplane::xdp::XdpMode;
-use crate::ipam::pool::VxlanMode;
-use crate::routes::peers::Topology;
 use crate::routes::settings::ListenOn;
 use crate::routes::tls::CertSource;
 
@@ -779,7 +780,7 @@ fn the_modules_test_defaults_are_the_configs() {
         crate::dataplane::nat::NatSettings::example(),
         no_pools.nat_settings().expect("default [nat]")
     );
-    let v = crate::reconcile::remote::VxlanSettings::default();
+    let v = calix_core::reconcile::remote::VxlanSettings::default();
     assert_eq!((v.vni, v.port), (c.vxlan.vni, c.vxlan.port));
     assert_eq!(c.routes.reflector_label, crate::k8s::peers::REFLECTOR_LABEL);
     assert_eq!(c.routes.tls.signer_name, crate::pki::ROUTES_SIGNER);

@@ -1,12 +1,12 @@
 //! What serde cannot check: a node name, every number's bounds ([`Bounded`], one list that
 //! the chart's values.schema.json is held to as well), pools (block sizes, overlaps,
 //! selectors), and each section's rules.
+use calix_core::ipam::pool::PoolSpec;
 use ipnet::IpNet;
 
 use super::error::ConfigError;
 use super::sections::{DatastoreConfig, IpamConfig, RoutesConfig, TlsConfig, VxlanConfig};
 use super::{AgentConfig, DataplaneMode};
-use crate::ipam::pool::PoolSpec;
 use crate::routes::settings::ListenOn;
 use crate::routes::tls::CertSource;
 
@@ -135,7 +135,7 @@ impl DatastoreConfig {
 
 /// A pool's block sizes (the current one and `previousBlockSizes`) and namespace selector.
 fn validate_pool(p: &PoolSpec) -> Result<(), ConfigError> {
-    let range = crate::ipam::wellformed::block_sizes(matches!(p.cidr, IpNet::V4(_)));
+    let range = calix_core::ipam::wellformed::block_sizes(matches!(p.cidr, IpNet::V4(_)));
     for bs in std::iter::once(p.block_size()).chain(p.previous_block_sizes.iter().copied()) {
         if !range.contains(&bs) {
             return Err(ConfigError::BlockSize {

@@ -55,30 +55,6 @@ pub struct Timeouts {
 }
 
 impl NatSettings {
-    /// Settings with the config's default sizes, ports and timeouts (`[nat]`), no pool and no
-    /// exception: a start for tests.
-    #[cfg(test)]
-    pub(crate) fn example() -> Self {
-        Self {
-            nat_pools: Vec::new(),
-            no_snat: Vec::new(),
-            service: Vec::new(),
-            conntrack_entries: calix_common::DEFAULT_CT_ENTRIES,
-            ct_budget: calix_common::DEFAULT_CT_ENTRIES / 8,
-            pressure_unanswered: Duration::from_secs(2),
-            timeouts: Timeouts {
-                tcp_established: Duration::from_secs(21_600),
-                tcp_syn: Duration::from_secs(60),
-                tcp_closing: Duration::from_secs(10),
-                udp: Duration::from_secs(60),
-                icmp: Duration::from_secs(30),
-            },
-            port_min: 16_384,
-            port_max: 32_767,
-            cleaner_interval: Duration::from_secs(5),
-        }
-    }
-
     /// Whether `addr` belongs to a `natOutgoing` pool.
     pub fn translates(&self, addr: Ipv4Addr) -> bool {
         self.nat_pools.iter().any(|p| p.contains(&addr))

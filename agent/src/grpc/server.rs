@@ -5,6 +5,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use calix_core::ipam::annotations::{self, AnnotationError, PodIpamError};
+use calix_core::ipam::{IpamError, PoolChoice};
+use calix_core::model::EndpointRecord;
+use calix_core::routes::report::RoutesReport;
 use calix_proto::v1 as pb;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -12,11 +16,7 @@ use tonic::{Request, Response, Status};
 
 use crate::endpoints::EndpointView;
 use crate::error::AgentError;
-use crate::ipam::annotations::{self, AnnotationError, PodIpamError};
-use crate::ipam::{IpamError, PoolChoice};
-use crate::model::EndpointRecord;
 use crate::node::Node;
-use crate::routes::report::RoutesReport;
 use crate::routes::RoutesHandle;
 
 fn status(e: AgentError) -> Status {

@@ -12,13 +12,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::store::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::source::{Read, Source};
 use crate::datastore::follow::Follower;
 use crate::datastore::kubernetes::views::{self, NodeView, ServiceCidrView};
-use crate::datastore::{Datastore, DatastoreError, KeyValue};
-use crate::ipam::pool::PoolSpec;
+use crate::datastore::{Datastore, DatastoreError};
 
 /// The prefix of every IPPool's key.
 pub const POOLS: &str = "pools/";

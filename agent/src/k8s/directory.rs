@@ -1,9 +1,10 @@
 //! The node's pod directory ([`PodDirectory`]) in Kubernetes: who a pod is, from this node's
 //! Pods as watched ([`Pods`]); what its IPAM annotations allow, read at its allocation
 //! ([`PodIpamSource`]).
+use calix_core::ipam::annotations::PodIpam;
+use calix_core::ipam::Pool;
+
 use crate::error::AgentError;
-use crate::ipam::annotations::PodIpam;
-use crate::ipam::Pool;
 use crate::node::pods::{PodDirectory, PodInfo};
 
 use super::podipam::PodIpamSource;

@@ -8,7 +8,7 @@
 //! - [`pods`]: the Pods bound to this node, and the cleanup of endpoints whose pod is gone;
 //! - [`directory`]: the node's pod directory (who a pod is, what its annotations allow);
 //! - [`podipam`]: a pod's IPAM annotations (pools, a fixed address; read by
-//!   `crate::ipam::annotations`), read at its allocation;
+//!   `calix_core::ipam::annotations`), read at its allocation;
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;

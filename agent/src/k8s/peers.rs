@@ -14,9 +14,12 @@
 //! A Node without an `InternalIP` is not followed (it has nowhere to be reached).
 use std::net::{IpAddr, SocketAddr};
 
+use calix_core::model::NodeRecord;
+use calix_core::store::keys;
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
+
 use crate::datastore::kubernetes::views::{self, NodeView};
-use crate::datastore::{keys, KeyValue, WatchEvent};
-use crate::model::NodeRecord;
 use crate::routes::nodes::NodeSource;
 
 /// The Node label (` = "true"`) that makes a node a route reflector, by default

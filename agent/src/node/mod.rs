@@ -13,14 +13,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use calix_common::NatConfig;
+use calix_core::ipam::annotations::PodIpam;
+use calix_core::ipam::{Policy, Pool};
+use calix_core::model::EndpointRecord;
 use calix_proto::handle;
 
 use crate::endpoints::EndpointRegistry;
 use crate::error::AgentError;
-use crate::ipam::annotations::PodIpam;
 use crate::ipam::service::Swept;
-use crate::ipam::{IpamService, Policy, Pool};
-use crate::model::EndpointRecord;
+use crate::ipam::IpamService;
 use pods::{PodDirectory, PodInfo};
 
 pub struct Node {
@@ -101,7 +102,7 @@ impl Node {
         e: &AgentError,
         attributes: &std::collections::BTreeMap<String, String>,
     ) {
-        use crate::ipam::IpamError;
+        use calix_core::ipam::IpamError;
         if !matches!(
             e,
             AgentError::Ipam(IpamError::Exhausted { .. } | IpamError::NoPool { .. })
@@ -180,7 +181,7 @@ impl Node {
     }
 
     /// The IPAM blocks found ignored since the last call (they break the rule for blocks:
-    /// `crate::ipam::wellformed`), and blocks retained under a refused pool change, each a
+    /// `calix_core::ipam::wellformed`), and blocks retained under a refused pool change, each a
     /// Warning on this node (an Event in Kubernetes).
     pub async fn notice_ignored_blocks(&self) {
         if let Some(msg) = self.ipam.take_retention_notice() {

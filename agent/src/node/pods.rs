@@ -4,9 +4,10 @@
 //! KubePods`); with another there is no directory, and every allocation has the default pools.
 use std::collections::BTreeMap;
 
+use calix_core::ipam::annotations::PodIpam;
+use calix_core::ipam::Pool;
+
 use crate::error::AgentError;
-use crate::ipam::annotations::PodIpam;
-use crate::ipam::Pool;
 
 /// A pod as last seen.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

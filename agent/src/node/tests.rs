@@ -6,17 +6,17 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use calix_core::ipam::HandleRecord;
+use calix_core::model::NodeRecord;
+use calix_core::store::keys;
+use calix_core::store::KeyValue;
 use calix_proto::handle;
 
 use super::*;
 use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
-use crate::datastore::{
-    keys, Compare, Datastore, DatastoreError, Durability, EmbeddedStore, KeyValue, Op,
-};
+use crate::datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
 use crate::endpoints::EndpointRegistry;
 use crate::ipam::service::{CheckReport, Finding, Housekeeping};
-use crate::ipam::HandleRecord;
-use crate::model::NodeRecord;
 use crate::reconcile::driver::{Driver, Timing};
 use calix_kernel::host::FakeHost;
 
@@ -1110,7 +1110,7 @@ async fn a_retired_record_of_the_previous_version_is_honoured_and_folded_into_th
             &[],
             &[Op::put_json(
                 keys::retired(&cidr),
-                &crate::ipam::Retired {
+                &calix_core::ipam::Retired {
                     cidr,
                     next_seq: 1_000_000,
                     revision: 0,
@@ -1202,7 +1202,7 @@ async fn affinities(s: &TestStore, node: &str) -> Vec<String> {
         .expect("list")
         .iter()
         .map(|kv| {
-            let r: crate::ipam::AffinityRecord = kv.decode().expect("affinity record");
+            let r: calix_core::ipam::AffinityRecord = kv.decode().expect("affinity record");
             assert_eq!(r.node, node);
             r.cidr.to_string()
         })
@@ -1246,7 +1246,7 @@ async fn affinity_records_follow_the_blocks_and_are_repaired_from_them() {
             &[],
             &[Op::put_json(
                 stray.clone(),
-                &crate::ipam::AffinityRecord {
+                &calix_core::ipam::AffinityRecord {
                     node: "n1".into(),
                     cidr: "10.1.0.128/28".parse().expect("cidr"),
                 },
@@ -1768,7 +1768,7 @@ impl PodDirectory for FakePods {
             families,
         ));
         Ok(PodIpam {
-            pools: crate::ipam::PoolChoice {
+            pools: calix_core::ipam::PoolChoice {
                 v4: Some(vec!["10.9.0.0/16".parse().expect("cidr")]),
                 v6: Some(Vec::new()),
             },

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use calix_core::routes::report::DoorCounts;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 /// The nodes the datastore records, kept current by the routes task: their names (who may
@@ -73,22 +73,6 @@ pub struct DoorStats {
     pub(super) refused_busy: AtomicU64,
     pub(super) refused_tls: AtomicU64,
     pub(super) refused_identity: AtomicU64,
-}
-
-/// [`DoorStats`] read at one time.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DoorCounts {
-    /// Connections that passed the handshake.
-    pub accepted: u64,
-    /// Closed at once, before TLS: the source is no address of a known node.
-    #[serde(default)]
-    pub refused_unknown: u64,
-    /// Closed at once: too many connections (in total, from one address, or handshaking).
-    pub refused_busy: u64,
-    /// TLS handshakes that failed or timed out (missing, untrusted or bad certificates).
-    pub refused_tls: u64,
-    /// Watches refused: the certificate does not name the node asked for, or no such node.
-    pub refused_identity: u64,
 }
 
 impl DoorStats {

@@ -2,7 +2,8 @@
 //! next hops) and the endpoint it records for its peers.
 use std::net::{IpAddr, SocketAddr};
 
-use super::advertise::NextHops;
+use calix_core::routes::advertise::NextHops;
+
 use super::settings::ListenOn;
 
 /// The next hops: `routes.node_addresses` (the first of each family); else the first global

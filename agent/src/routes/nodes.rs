@@ -1,9 +1,10 @@
 //! Where route distribution learns the nodes (its peers, and the addresses their routes may go
 //! through): the agents' own node records ([`Records`]), or another source read as node
 //! records (Kubernetes' Node objects: `crate::k8s::peers`, with the `kubernetes` datastore).
-use crate::datastore::{KeyValue, WatchEvent};
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
 
-use super::view::Part;
+use calix_core::routes::view::Part;
 
 /// A source of node records in the datastore.
 pub trait NodeSource: Send + Sync + 'static {

@@ -9,6 +9,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
+use calix_core::wire;
 use calix_proto::v1 as pb;
 use futures::Stream;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -19,7 +20,6 @@ use super::conn::PeerInfo;
 use super::door::{DoorStats, Known, Throttle};
 use super::feed::Feed;
 use super::tls::cert_is_for;
-use super::wire;
 use crate::pki::cert::NameError;
 
 /// The sets this agent serves.

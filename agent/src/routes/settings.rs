@@ -3,11 +3,11 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use calix_core::ipam::pool::VxlanMode;
+use calix_core::routes::peers::Topology;
 use ipnet::IpNet;
 
-use super::peers::Topology;
 use super::tls::{CertSource, TlsFiles};
-use crate::ipam::pool::VxlanMode;
 
 /// Route distribution's settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,7 +30,7 @@ pub struct RoutesSettings {
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
     /// Every pool as the rule for blocks needs it.
-    pub blocks: Vec<crate::ipam::Pool>,
+    pub blocks: Vec<calix_core::ipam::Pool>,
 }
 
 /// Where this node's certificate and the CA come from.

@@ -9,31 +9,34 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use calix_core::ipam::pool::VxlanMode;
+use calix_core::reconcile::remote::RemoteRoute;
+use calix_core::routes::advertise::NextHops;
+use calix_core::routes::engine::{Engine, Outputs, Settings, SETTLE};
+use calix_core::routes::peers::Target;
+use calix_core::routes::peers::Topology;
+use calix_core::routes::report::{self, RoutesReport};
+use calix_core::routes::view::Part;
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
+use calix_core::update::PeerEvent;
 use futures::StreamExt;
 use ipnet::IpNet;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use super::advertise::NextHops;
 use super::client::{self, Dialer, PeerMessage};
 use super::door::{DoorStats, Known, Throttle};
-use super::engine::{Engine, Outputs, PeerEvent, Settings, SETTLE};
 use super::feed::Feed;
 use super::listener::{self, Limits};
 use super::nodes::{NodeSource, Records};
-use super::peers::Target;
-use super::peers::Topology;
-use super::report::{self, RoutesReport};
 use super::server::{Feeds, RoutesSvc};
 use super::settings::{ListenOn, RoutesSettings};
 use super::tls::{CertSource, LiveTls};
-use super::view::Part;
 use super::RoutesError;
 use crate::dataplane::doors::PeerNodes;
-use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
-use crate::ipam::pool::VxlanMode;
+use crate::datastore::{Datastore, DatastoreError};
 use crate::reconcile::driver::Driver;
-use crate::reconcile::remote::RemoteRoute;
 
 /// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
 /// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
@@ -80,7 +83,7 @@ pub struct Start {
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
     /// Every pool as the rule for blocks needs it.
-    pub blocks: Vec<crate::ipam::Pool>,
+    pub blocks: Vec<calix_core::ipam::Pool>,
     pub next_hops: NextHops,
     /// Where peers reach this agent (recorded in its node record).
     pub endpoint: String,
@@ -170,7 +173,7 @@ enum Ask {
     Report(oneshot::Sender<RoutesReport>),
     Metrics(oneshot::Sender<String>),
     /// New pools for the rule for blocks (a reload).
-    Pools(Vec<crate::ipam::Pool>),
+    Pools(Vec<calix_core::ipam::Pool>),
 }
 
 enum ViewInput {
@@ -303,7 +306,7 @@ impl RoutesHandle {
 
     /// New pools (a reload, an IPPool change): the blocks are sorted again by the rule for
     /// blocks, and every route judged again.
-    pub async fn set_block_pools(&self, pools: Vec<crate::ipam::Pool>) {
+    pub async fn set_block_pools(&self, pools: Vec<calix_core::ipam::Pool>) {
         let _ = self.requests.send(Ask::Pools(pools)).await;
     }
 
@@ -508,8 +511,8 @@ impl Loop {
                 .tls
                 .as_ref()
                 .map(|t| t.status(std::time::SystemTime::now())),
-            own: &self.feeds.own,
-            relay: &self.feeds.relay,
+            own: &*self.feeds.own,
+            relay: &*self.feeds.relay,
             handed,
             subnets: &self.subnets,
             door: self.stats.counts(),
@@ -526,7 +529,7 @@ impl Loop {
 }
 
 /// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
-fn peer_nodes(view: &super::view::View, me: &str) -> PeerNodes {
+fn peer_nodes(view: &calix_core::routes::view::View, me: &str) -> PeerNodes {
     let mut out = PeerNodes::default();
     for n in view.nodes().filter(|n| n.record.name != me) {
         out.addresses.extend(n.addresses.iter().copied());
@@ -699,8 +702,26 @@ pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routes::view::tests::node_kv;
-    use crate::routes::view::View;
+    use calix_core::model::NodeRecord;
+    use calix_core::routes::view::View;
+    use calix_core::store::keys;
+
+    /// Node `name`'s record (its Routes endpoint on its first address, port 5474).
+    fn node_kv(name: &str, addresses: &[&str], reflector: bool) -> KeyValue {
+        let r = NodeRecord {
+            name: name.into(),
+            addresses: addresses.iter().map(|a| a.to_string()).collect(),
+            routes_endpoint: format!("{}:5474", addresses.first().copied().unwrap_or("")),
+            reflector,
+            ..Default::default()
+        };
+        KeyValue {
+            key: keys::node(name),
+            value: serde_json::to_vec(&r).expect("json"),
+            revision: 1,
+            created: 1,
+        }
+    }
 
     #[test]
     fn the_other_nodes_are_every_recorded_node_but_this_one() {

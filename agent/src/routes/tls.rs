@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
+use calix_core::routes::report::CertStatus;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
 use rustls::crypto::CryptoProvider;
@@ -228,27 +229,6 @@ pub fn server_name(node: &str) -> Result<ServerName<'static>, TlsError> {
         Ok(n @ ServerName::DnsName(_)) => Ok(n),
         _ => Err(TlsError::NodeName(node.into())),
     }
-}
-
-/// What `calixctl nodes` and `/metrics` show of this node's certificate.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CertStatus {
-    /// `files` or `kubernetes`.
-    pub source: String,
-    /// Its serial (hex); `None` while there is none.
-    pub serial: Option<String>,
-    /// Its end of validity, seconds since the epoch.
-    pub not_after: Option<i64>,
-    /// Seconds it is still valid (negative: expired).
-    pub expires_in_secs: Option<i64>,
-    /// The trust bundle is known.
-    pub bundle: bool,
-    /// Certificates put in place since the agent started (the first included).
-    pub issued: u64,
-    /// Attempts to get one that failed.
-    pub failures: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_error: Option<String>,
 }
 
 /// This node's live TLS material: the trust bundle and its certificate with key, either of

@@ -57,8 +57,8 @@ pub fn wanted(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datastore::{keys, KeyValue};
     use crate::routes::view::tests::{node_kv, put};
+    use crate::store::{keys, KeyValue};
 
     fn view() -> View {
         let mut v = crate::routes::view::tests::view();
