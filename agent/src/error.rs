@@ -1,8 +1,9 @@
 //! The error of the agent's services (IPAM, the endpoint registry, the node that composes
 //! them), mapped to gRPC codes in `grpc/`.
+use calix_core::ipam::IpamError;
+
 use crate::dataplane::DataplaneError;
 use crate::datastore::DatastoreError;
-use crate::ipam::IpamError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -32,5 +33,12 @@ pub enum AgentError {
     },
     /// A pod's IPAM annotation that cannot be honoured, or no pool serves its namespace.
     #[error(transparent)]
-    PodIpam(#[from] crate::k8s::annotations::PodIpamError),
+    PodIpam(#[from] calix_core::ipam::annotations::PodIpamError),
+}
+
+/// A stored value that does not decode: the datastore's `BadValue`.
+impl From<calix_core::store::BadValue> for AgentError {
+    fn from(e: calix_core::store::BadValue) -> Self {
+        AgentError::Datastore(e.into())
+    }
 }

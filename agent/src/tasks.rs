@@ -4,8 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::config::AgentConfig;
+use calix_core::ipam::{Policy, Pool};
+
 use crate::dataplane::Reload;
+use crate::node::mtu::PodMtu;
 use crate::node::Node;
 
 /// Leak GC, empty-block release and handle- and affinity-record repair, every `every`.
@@ -35,23 +37,40 @@ pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
 /// the pools come from IPPool objects: it takes effect once it is safe.
 const DEFERRED_POOLS_RETRY: Duration = Duration::from_secs(10);
 
+/// What a reload applies: the settings read again (from the config file and flags, and the
+/// cluster's part), and whether something changed that only a restart applies.
+#[derive(Debug, Clone)]
+pub struct Reloaded {
+    /// Every pool as this node's allocator sees it.
+    pub pools: Vec<Pool>,
+    pub policy: Policy,
+    pub pod_mtu: PodMtu,
+    /// The XDP deny list and failsafe ports, SNAT's settings.
+    pub dataplane: Reload,
+    /// Something changed that only a restart applies (dataplane, tc_attach, uplinks,
+    /// xdp.enabled, xdp.mode, resync_interval_secs, `[routes]`, `[vxlan]`, a pool's `vxlan`).
+    pub needs_restart: bool,
+    /// For the log: the Service CIDRs and this node's labels now.
+    pub service_cidrs: Vec<String>,
+    pub node_labels: std::collections::BTreeMap<String, String>,
+}
+
 /// SIGHUP, or a change in the cluster (`cluster_changes`, with the `kubernetes` datastore:
 /// IPPools, this node's Node, ServiceCIDRs; see `crate::k8s::cluster`): `reread` reads the
-/// config again (the file, overridden by the same flags, merged with the cluster's part);
-/// pool changes that are safe, the XDP deny list and failsafe ports, the SNAT exclusions and
-/// Service CIDRs and the nftables tables are applied. What only a restart applies is compared
-/// against `started` and named in a warning. A pool change refused as unsafe is tried again
-/// every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a refused
-/// change or config is also a Warning Event on the Node. Applied pools also go to route
-/// distribution (`routes`, once it runs), whose rule for blocks depends on them.
+/// config again (the file, overridden by the same flags, merged with the cluster's part) into
+/// what a reload applies ([`Reloaded`]); pool changes that are safe, the XDP deny list and
+/// failsafe ports, the SNAT exclusions and Service CIDRs and the nftables tables are applied.
+/// What only a restart applies is named in a warning. A pool change refused as unsafe is
+/// tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a
+/// refused change or config is also a Warning Event on the Node. Applied pools also go to
+/// route distribution (`routes`, once it runs), whose rule for blocks depends on them.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
     reread: F,
-    started: AgentConfig,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
     routes: Arc<std::sync::OnceLock<Arc<crate::routes::RoutesHandle>>>,
 ) where
-    F: Fn() -> anyhow::Result<AgentConfig> + Send + 'static,
+    F: Fn() -> anyhow::Result<Reloaded> + Send + 'static,
 {
     tokio::spawn(async move {
         use tokio::signal::unix::{signal, SignalKind};
@@ -94,29 +113,17 @@ pub fn spawn_reload<F>(
                     continue;
                 }
             };
-            let restart_only = |c: &AgentConfig| {
-                (
-                    c.xdp.enabled,
-                    c.xdp.mode,
-                    c.uplinks.clone(),
-                    c.dataplane,
-                    c.tc_attach,
-                    c.resync_interval_secs,
-                    c.vxlan.clone(),
-                    c.routes.clone(),
-                )
-            };
-            if restart_only(&cfg) != restart_only(&started) || vxlan_changed(&started, &cfg) {
+            if cfg.needs_restart {
                 tracing::warn!(
                     "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
                      resync_interval_secs, [routes], [vxlan] and pools' vxlan take effect when \
                      the agent restarts"
                 );
             }
-            match node.set_pools(cfg.node_pools(), cfg.ipam.policy()).await {
+            match node.set_pools(cfg.pools, cfg.policy).await {
                 Ok(()) => {
                     deferred = false;
-                    node.set_pod_mtu(crate::node::mtu::PodMtu::from_config(&cfg));
+                    node.set_pod_mtu(cfg.pod_mtu.clone());
                     if let Some(r) = routes.get() {
                         // With the blocks IPAM retains under a refused change.
                         r.set_block_pools(node.ipam.pools()).await;
@@ -142,31 +149,14 @@ pub fn spawn_reload<F>(
                     }
                 }
             }
-            // Both validated by `reread` (AgentConfig::validate).
-            let (Ok(xdp), Ok(nat)) = (cfg.xdp_policy(), cfg.nat_settings()) else {
-                continue;
-            };
-            match node.endpoints.reload_dataplane(Reload { xdp, nat }).await {
-                Ok(()) => tracing::info!(service_cidrs = ?cfg.nat.service_cidrs,
+            match node.endpoints.reload_dataplane(cfg.dataplane).await {
+                Ok(()) => tracing::info!(service_cidrs = ?cfg.service_cidrs,
                     node_labels = ?cfg.node_labels, "{why}: dataplane settings reloaded"),
                 Err(e) => tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)),
                     "{why}: cannot apply the dataplane settings"),
             }
         }
     });
-}
-
-/// Whether a pool's `vxlan` differs from what route distribution started with (a pool added
-/// since counts when it asks for anything but the default).
-fn vxlan_changed(started: &AgentConfig, now: &AgentConfig) -> bool {
-    now.pools.iter().any(|p| {
-        let was = started
-            .pools
-            .iter()
-            .find(|q| q.cidr == p.cidr)
-            .map(|q| q.vxlan);
-        was.unwrap_or_default() != p.vxlan
-    })
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use calix_agent::datastore::follow::Follower;
 use calix_agent::datastore::{
-    Compare, Datastore, DatastoreError, Durability, KubeConfig, KubeStore, Op, WatchEvent,
+    Compare, Datastore, DatastoreError, Durability, KubeConfig, KubeStore, Op,
 };
-use calix_agent::ipam::{Allocation, Block, HandleRecord, Held};
-use calix_agent::model::{EndpointRecord, NodeRecord};
+use calix_core::ipam::{Allocation, Block, HandleRecord, Held};
+use calix_core::model::{EndpointRecord, NodeRecord};
+use calix_core::store::WatchEvent;
 use calix_proto::etcd::etcdserverpb::{kv_client::KvClient, CompactionRequest};
 use calix_testbed::KubeApi;
 use futures::StreamExt;
@@ -518,7 +519,7 @@ async fn a_node_lists_only_its_own_handles() {
     ] {
         create(&db, key, json(&handle(node))).await;
     }
-    let keys = |kvs: Vec<calix_agent::datastore::KeyValue>| -> Vec<String> {
+    let keys = |kvs: Vec<calix_core::store::KeyValue>| -> Vec<String> {
         kvs.into_iter().map(|kv| kv.key).collect()
     };
     let mine = db

@@ -1,8 +1,23 @@
-//! calix's pure core: code with no I/O, no clock and no runtime, that the agent and the fuzz
-//! targets share. For now the decoder of a peer's route stream ([`wire`]) and the plain
-//! types it works on ([`Route`], [`update`]); the model, the allocator and the route engine
-//! are to follow. No tokio, aya or kube here (and calix-proto without its `grpc` feature), so
-//! that a sanitizer build of the fuzz targets stays small.
+//! calix's pure core: code with no I/O, no clock (time is passed in) and no runtime, that the
+//! agent, its tests and the fuzz targets share. No tokio, aya, kube, tonic or netlink here
+//! (and calix-proto without its `grpc` feature): it builds and tests in seconds, as any user.
+//!
+//! - [`model`]: the records the agent keeps besides IPAM's (nodes, endpoints);
+//! - [`selector`]: Kubernetes label selectors (a pool's `namespaceSelector`);
+//! - [`store`]: the datastore's plain types (a key's value and revision, a watch event) and
+//!   its key layout;
+//! - [`ipam`]: pools, blocks and the records IPAM stores, the allocator, the rule for blocks,
+//!   a pod's IPAM annotations;
+//! - [`routes`]: the route engine of route distribution (the view of blocks and nodes, what
+//!   this node advertises, whom it follows, each peer's session, validation, the report);
+//! - [`wire`], [`update`]: the decoder of a peer's route stream and what it yields;
+//! - [`reconcile`]: the planners (routes to other nodes).
+pub mod ipam;
+pub mod model;
+pub mod reconcile;
+pub mod routes;
+pub mod selector;
+pub mod store;
 pub mod update;
 pub mod wire;
 

@@ -12,7 +12,7 @@ pub use calix_proto::v1 as pb;
 use ipnet::IpNet;
 use prost::Message as _;
 
-use crate::update::{Delta, PeerEvent, Snapshot, Unused};
+use crate::update::{Delta, PeerEvent, Snapshot, Unused, WireError};
 use crate::Route;
 
 /// Routes per message.
@@ -29,8 +29,6 @@ pub const MAX_UPDATE_BYTES: usize = 80 * 1024 * 1024;
 pub const MAX_PARTS: usize = 1024;
 /// Largest message a receiver takes (a chunk of routes is ~100 KiB).
 pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
-/// Malformed entries of one update whose text is kept (the rest are counted).
-pub const MALFORMED_EXAMPLES: usize = 4;
 /// Characters kept of each field of a malformed entry's text.
 pub const EXAMPLE_CHARS: usize = 64;
 
@@ -54,63 +52,6 @@ impl Default for Limits {
             held_bytes: MAX_HELD_BYTES,
             update_bytes: MAX_UPDATE_BYTES,
             parts: MAX_PARTS,
-        }
-    }
-}
-
-/// A stream that broke its promises: the receiver drops it and reconnects.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum WireError {
-    #[error("the stream did not start with a snapshot")]
-    NoSnapshot,
-    #[error("delta generation {got} does not follow {had}")]
-    Generation { had: u64, got: u64 },
-    #[error("a continued update changed its kind or generation")]
-    BrokenUpdate,
-    #[error("update kind {0} is not known")]
-    Kind(i32),
-    #[error("the peer would hold more than {limit} routes")]
-    TooMany { limit: usize },
-    #[error("the peer's routes would take more than {limit} bytes")]
-    HeldBytes { limit: usize },
-    #[error("an update of more than {limit} bytes")]
-    UpdateBytes { limit: usize },
-    #[error("an update of more than {limit} messages")]
-    UpdateParts { limit: usize },
-    #[error("a message of more than {limit} bytes")]
-    MessageTooLarge { limit: usize },
-    #[error("a message that does not decode")]
-    Undecodable,
-}
-
-impl WireError {
-    /// Every cause's name, in [`WireError::name`]'s terms (for `/metrics`).
-    pub const NAMES: [&'static str; 10] = [
-        "no_snapshot",
-        "generation",
-        "broken_update",
-        "kind",
-        "too_many_routes",
-        "held_bytes",
-        "update_bytes",
-        "update_parts",
-        "message_too_large",
-        "undecodable",
-    ];
-
-    /// A stable name (metrics, calixctl).
-    pub fn name(&self) -> &'static str {
-        match self {
-            WireError::NoSnapshot => "no_snapshot",
-            WireError::Generation { .. } => "generation",
-            WireError::BrokenUpdate => "broken_update",
-            WireError::Kind(_) => "kind",
-            WireError::TooMany { .. } => "too_many_routes",
-            WireError::HeldBytes { .. } => "held_bytes",
-            WireError::UpdateBytes { .. } => "update_bytes",
-            WireError::UpdateParts { .. } => "update_parts",
-            WireError::MessageTooLarge { .. } => "message_too_large",
-            WireError::Undecodable => "undecodable",
         }
     }
 }
@@ -702,7 +643,7 @@ mod bounds {
         match a.push(m) {
             Ok(Some(PeerEvent::Delta { unused, .. })) => {
                 assert_eq!(unused.malformed, 100 * CHUNK as u64);
-                assert_eq!(unused.examples.len(), MALFORMED_EXAMPLES);
+                assert_eq!(unused.examples.len(), crate::update::MALFORMED_EXAMPLES);
             }
             other => panic!("{other:?}"),
         }

@@ -22,9 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_agent::routes::listener::{self, Limits};
-use calix_agent::routes::wire::pb;
+use calix_core::store::keys;
+use calix_core::wire::pb;
 use calix_testbed::tls::Ca;
 use calix_testbed::Cluster;
 use futures::Stream;
@@ -235,7 +236,7 @@ impl Hostile {
             .unwrap_or_else(|e| panic!("{e:#}"));
         let sent = Arc::new(Sent::default());
         // The door admits the cluster's nodes (its followers) and refuses anyone else.
-        let known = Arc::new(calix_agent::routes::server::Known::default());
+        let known = Arc::new(calix_agent::routes::door::Known::default());
         known.set(
             (0..c.nodes.len()).map(|j| c.name(j).to_string()).collect(),
             (0..c.nodes.len())

@@ -18,7 +18,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use calix_agent::config::{AgentConfig, CertSource, DataplaneMode, PoolConfig, Topology};
+use calix_agent::config::{AgentConfig, DataplaneMode};
+use calix_agent::routes::tls::CertSource;
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::routes::peers::Topology;
 use calix_testbed::chart_tools;
 use serde_json::{json, Value};
 
@@ -591,12 +594,12 @@ fn agent_config(r: &CaseResult, file: &str) -> AgentConfig {
 }
 
 /// The IPPool objects' specs, as the agent reads them, validated together as its pools.
-fn ippools(r: &CaseResult) -> Vec<(String, PoolConfig)> {
-    let pools: Vec<(String, PoolConfig)> = objects(r, "IPPool")
+fn ippools(r: &CaseResult) -> Vec<(String, PoolSpec)> {
+    let pools: Vec<(String, PoolSpec)> = objects(r, "IPPool")
         .into_iter()
         .map(|o| {
             let name = o["metadata"]["name"].as_str().expect("name").to_string();
-            let pool: PoolConfig = serde_json::from_value(o["spec"].clone())
+            let pool: PoolSpec = serde_json::from_value(o["spec"].clone())
                 .unwrap_or_else(|e| panic!("IPPool {name}: not a pool for the agent: {e}"));
             (name, pool)
         })

@@ -16,8 +16,8 @@ use calix_agent::dataplane::{
     Attached, Dataplane, DataplaneError, DataplaneStats, Drift, EndpointSpec, Reload,
 };
 use calix_agent::reconcile::driver::{Driver, Snapshot, Timing};
-use calix_agent::reconcile::remote::{RemoteRoute, Underlay};
 use calix_agent::reconcile::Backoff;
+use calix_core::reconcile::remote::{RemoteRoute, Underlay};
 use calix_kernel::host::{HostKernel, NetlinkHost};
 use calix_kernel::vxlan::{DEVICE_V4, DEVICE_V6};
 use calix_testbed::tls::Ca;

@@ -889,7 +889,8 @@ fn an_edited_slash_64_block_never_locks_ipam() {
     node.start_agent();
     let name = node.ns.name.clone();
     node.ns.run(move || {
-        use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+        use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
+        use calix_core::store::keys;
         let rt = rt();
         rt.block_on(async {
             let store = EtcdStore::connect(EtcdConfig {
@@ -901,10 +902,10 @@ fn an_edited_slash_64_block_never_locks_ipam() {
             .await
             .expect("etcd");
             let cidr: ipnet::IpNet = "fd00:10::/64".parse().expect("cidr");
-            let mut b = calix_agent::ipam::Block::new(cidr, &name);
+            let mut b = calix_core::ipam::Block::new(cidr, &name);
             b.allocations.insert(
                 1,
-                calix_agent::ipam::Allocation {
+                calix_core::ipam::Allocation {
                     handle: "edited".into(),
                     ifname: "eth0".into(),
                     node: name.clone(),

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use calix_agent::routes::Route;
+use calix_core::Route;
 use calix_routesim::{record, Plan, Server, Sim};
 use calix_testbed::tls::Ca;
 use calix_testbed::{Cluster, Dataplane, Pod};
@@ -904,8 +904,9 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
 
 /// Writes `blocks` into the cluster's etcd as a stolen agent token could: straight to their
 /// keys, no compare (from node 0's namespace, where etcd is reachable).
-fn forge_blocks(c: &Cluster, blocks: Vec<calix_agent::ipam::Block>) {
-    use calix_agent::datastore::{keys, Datastore, Durability, EtcdConfig, EtcdStore, Op};
+fn forge_blocks(c: &Cluster, blocks: Vec<calix_core::ipam::Block>) {
+    use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
+    use calix_core::store::keys;
     let etcd = c.etcd_url(0);
     c.nodes[0].ns.run(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -937,11 +938,11 @@ fn forge_blocks(c: &Cluster, blocks: Vec<calix_agent::ipam::Block>) {
 }
 
 /// A forged block: `cidr` affine to `node`, holding one allocation by it at offset 0.
-fn forged(cidr: &str, node: &str) -> calix_agent::ipam::Block {
-    let mut b = calix_agent::ipam::Block::new(cidr.parse().expect("cidr"), node);
+fn forged(cidr: &str, node: &str) -> calix_core::ipam::Block {
+    let mut b = calix_core::ipam::Block::new(cidr.parse().expect("cidr"), node);
     b.allocations.insert(
         0,
-        calix_agent::ipam::Allocation {
+        calix_core::ipam::Allocation {
             handle: "forged".into(),
             ifname: "eth0".into(),
             node: node.into(),
@@ -1093,7 +1094,7 @@ fn a_rogue_announcing_its_forged_blocks_is_refused() {
             blocks: vec![
                 forged(&victim, &rogue),
                 forged("0.0.0.0/0", &rogue),
-                calix_agent::ipam::Block::new("10.244.201.0/26".parse().expect("cidr"), &rogue),
+                calix_core::ipam::Block::new("10.244.201.0/26".parse().expect("cidr"), &rogue),
             ],
             servers: vec![Server {
                 name: rogue.clone(),

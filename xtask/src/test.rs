@@ -48,7 +48,11 @@ fn cargo_test(
 ) -> Result<()> {
     use std::io::{BufRead, BufReader};
     let mut cmd = util::cargo();
-    cmd.current_dir(root).arg("test").args(which).args(extra);
+    // Every test binary runs even when one fails: a run shows all its failures.
+    cmd.current_dir(root)
+        .args(["test", "--no-fail-fast"])
+        .args(which)
+        .args(extra);
     if let Some((k, v)) = env {
         cmd.env(k, v);
         println!("--- again with {k}={v} ---");

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use calix_agent::config::ROUTES_SIGNER;
 use calix_agent::datastore::kubernetes::{connect, KubeConfig};
+use calix_agent::pki::ROUTES_SIGNER;
 use calix_agent::signer::{controller, SignerConfig};
 use clap::Parser;
 

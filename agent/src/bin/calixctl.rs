@@ -220,7 +220,7 @@ enum IpamCmd {
 }
 
 use calix_agent::ipam::service::{CheckReport, IpamReport};
-use calix_agent::routes::report::RoutesReport;
+use calix_core::routes::report::RoutesReport;
 
 /// Seconds as "4s", "3m20s", "2h5m", "3d4h".
 fn age(secs: f64) -> String {

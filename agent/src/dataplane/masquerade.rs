@@ -94,9 +94,7 @@ mod tests {
 
     fn settings(nat: &[&str], no: &[&str]) -> NatSettings {
         let nets = |v: &[&str]| v.iter().map(|s| s.parse().expect("cidr")).collect();
-        let mut s = crate::config::AgentConfig::default()
-            .nat_settings()
-            .expect("default [nat]");
+        let mut s = NatSettings::example();
         s.nat_pools = nets(nat);
         s.no_snat = nets(no);
         s

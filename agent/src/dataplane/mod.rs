@@ -25,7 +25,7 @@ use ipnet::IpNet;
 
 pub use ebpf::EbpfDataplane;
 
-use crate::model::EndpointRecord;
+use calix_core::model::EndpointRecord;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -293,6 +293,32 @@ pub fn endpoint_ifindex(ep: &EndpointSpec) -> Result<u32, DataplaneError> {
 pub struct Reload {
     pub xdp: xdp::XdpPolicy,
     pub nat: nat::NatSettings,
+}
+
+#[cfg(test)]
+impl nat::NatSettings {
+    /// Settings with the config's default sizes, ports and timeouts (`[nat]`), no pool and no
+    /// exception: a start for tests.
+    pub(crate) fn example() -> Self {
+        Self {
+            nat_pools: Vec::new(),
+            no_snat: Vec::new(),
+            service: Vec::new(),
+            conntrack_entries: calix_common::DEFAULT_CT_ENTRIES,
+            ct_budget: calix_common::DEFAULT_CT_ENTRIES / 8,
+            pressure_unanswered: std::time::Duration::from_secs(2),
+            timeouts: nat::Timeouts {
+                tcp_established: std::time::Duration::from_secs(21_600),
+                tcp_syn: std::time::Duration::from_secs(60),
+                tcp_closing: std::time::Duration::from_secs(10),
+                udp: std::time::Duration::from_secs(60),
+                icmp: std::time::Duration::from_secs(30),
+            },
+            port_min: 16_384,
+            port_max: 32_767,
+            cleaner_interval: std::time::Duration::from_secs(5),
+        }
+    }
 }
 
 /// Kernel mode: no BPF; routes and proxy_arp (set by the CNI plugin) do the forwarding. It owns

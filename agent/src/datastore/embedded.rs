@@ -31,10 +31,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use calix_core::store::KeyValue;
 use serde::{Deserialize, Serialize};
 
 use super::history::{self, History};
-use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchStream};
+use super::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 
 /// The keys: key → (revision of its last write, revision that created it, value).
 type Keys = BTreeMap<String, (i64, i64, Vec<u8>)>;

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::time::Duration;
 
+use calix_core::store::{KeyValue, WatchEvent};
 use calix_proto::etcd::etcdserverpb::{
     compare, kv_client::KvClient as RawKvClient, request_op, watch_client::WatchClient,
     watch_request, Compare as EtcdCompare, DeleteRangeRequest, PutRequest, RangeRequest, RequestOp,
@@ -15,9 +16,7 @@ use futures::StreamExt;
 use tokio::sync::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
-use super::{
-    Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchEvent, WatchStream,
-};
+use super::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 
 /// First pause between attempts; it doubles after each failed attempt, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);

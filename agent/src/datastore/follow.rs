@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use calix_core::store::{KeyValue, WatchEvent};
 use futures::StreamExt;
 
-use super::{Datastore, DatastoreError, KeyValue, WatchEvent, WatchStream};
+use super::{Datastore, DatastoreError, WatchStream};
 
 /// First pause after a failure; it doubles up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);

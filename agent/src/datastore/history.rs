@@ -9,10 +9,11 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
+use calix_core::store::{KeyValue, WatchEvent};
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use super::{DatastoreError, KeyValue, WatchEvent, WatchStream};
+use super::{DatastoreError, WatchStream};
 
 /// Most transactions kept for watches.
 const MAX_TXNS: usize = 10_000;

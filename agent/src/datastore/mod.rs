@@ -4,21 +4,23 @@
 //! `etcd` (etcd v3) is shared by several nodes; `kubernetes` keeps them as custom resources in
 //! the cluster's API ([`kubernetes`]).
 //!
-//! Keys are `/`-separated text (see [`keys`]); values are JSON. Every write is a [`Datastore::txn`]:
-//! it applies only if each [`Compare`] still holds, which is how two agents (or two requests)
-//! can never both take the same address. calix's own writes compare and write ONE key per
-//! transaction: a Kubernetes backend can only compare-and-swap one object at a time, so that is
-//! the contract every backend must meet (embedded and etcd accept more).
+//! Keys are `/`-separated text (see `calix_core::store::keys`); values are JSON. Every write is
+//! a [`Datastore::txn`]: it applies only if each [`Compare`] still holds, which is how two
+//! agents (or two requests) can never both take the same address. calix's own writes compare
+//! and write ONE key per transaction: a Kubernetes backend can only compare-and-swap one
+//! object at a time, so that is the contract every backend must meet (embedded and etcd
+//! accept more).
 //!
 //! [`Datastore::watch`] streams every change under a prefix after a revision, so a reader can
-//! list once ([`Datastore::list_with_revision`]) and then follow ([`WatchEvent`]).
+//! list once ([`Datastore::list_with_revision`]) and then follow
+//! (`calix_core::store::WatchEvent`).
 pub mod embedded;
 pub mod etcd;
 pub mod follow;
 mod history;
-pub mod keys;
 pub mod kubernetes;
 
+use calix_core::store::{KeyValue, WatchEvent};
 use serde::{Deserialize, Serialize};
 
 pub use embedded::EmbeddedStore;
@@ -32,23 +34,33 @@ pub struct Opened {
     pub kube: Option<kube::Client>,
 }
 
-/// Opens the configured backend: `etcd`, `kubernetes`, or the embedded store (anything else is
-/// refused earlier, by the config's validation).
-pub async fn open(cfg: &crate::config::DatastoreConfig) -> Result<Opened, DatastoreError> {
-    Ok(match cfg.kind.as_str() {
-        "etcd" => Opened {
-            store: std::sync::Arc::new(EtcdStore::connect(cfg.etcd()).await?),
+/// Which backend holds the agent's records, and how to reach it (the config's `[datastore]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// A local file (its journal is `<path>.journal`): a single node.
+    Embedded { path: std::path::PathBuf },
+    /// etcd v3, shared by several nodes.
+    Etcd(EtcdConfig),
+    /// Custom resources in the cluster's API.
+    Kubernetes(KubeConfig),
+}
+
+/// Opens `backend`.
+pub async fn open(backend: &Backend) -> Result<Opened, DatastoreError> {
+    Ok(match backend {
+        Backend::Etcd(cfg) => Opened {
+            store: std::sync::Arc::new(EtcdStore::connect(cfg.clone()).await?),
             kube: None,
         },
-        "kubernetes" => {
-            let store = KubeStore::connect(&cfg.kubernetes()).await?;
+        Backend::Kubernetes(cfg) => {
+            let store = KubeStore::connect(cfg).await?;
             Opened {
                 kube: Some(store.client()),
                 store: std::sync::Arc::new(store),
             }
         }
-        _ => Opened {
-            store: std::sync::Arc::new(EmbeddedStore::open(&cfg.path)?),
+        Backend::Embedded { path } => Opened {
+            store: std::sync::Arc::new(EmbeddedStore::open(path)?),
             kube: None,
         },
     })
@@ -143,27 +155,12 @@ pub fn keep_node(kvs: Vec<KeyValue>, node: &str) -> Vec<KeyValue> {
         .collect()
 }
 
-/// One stored key with the revision of its last change.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeyValue {
-    pub key: String,
-    pub value: Vec<u8>,
-    /// Revision at which this key was last written (etcd's `mod_revision`); never 0.
-    pub revision: i64,
-    /// When the key was created, as the backend itself stamps it (no client sets it, and
-    /// later writes leave it): etcd's `create_revision`, the embedded store's revision of the
-    /// creating write, Kubernetes' `creationTimestamp` in seconds (two objects created in
-    /// one second tie). Only comparable between keys of one store; 0 when unknown.
-    pub created: i64,
-}
-
-impl KeyValue {
-    /// Decodes the JSON value.
-    pub fn decode<T: for<'de> Deserialize<'de>>(&self) -> Result<T, DatastoreError> {
-        serde_json::from_slice(&self.value).map_err(|e| DatastoreError::BadValue {
-            key: self.key.clone(),
-            detail: e.to_string(),
-        })
+impl From<calix_core::store::BadValue> for DatastoreError {
+    fn from(e: calix_core::store::BadValue) -> Self {
+        DatastoreError::BadValue {
+            key: e.key,
+            detail: e.detail,
+        }
     }
 }
 
@@ -191,32 +188,6 @@ impl Op {
             key.into(),
             serde_json::to_vec(value).unwrap_or_else(|_| b"null".to_vec()),
         )
-    }
-}
-
-/// One change seen by a [`Datastore::watch`]. Backend-neutral: etcd's events, the embedded
-/// store's commits and (later) Kubernetes watch events all map to it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WatchEvent {
-    /// The key was created or changed; its `revision` is that of the change.
-    Put(KeyValue),
-    /// The key was deleted at `revision`.
-    Delete { key: String, revision: i64 },
-}
-
-impl WatchEvent {
-    pub fn key(&self) -> &str {
-        match self {
-            WatchEvent::Put(kv) => &kv.key,
-            WatchEvent::Delete { key, .. } => key,
-        }
-    }
-
-    pub fn revision(&self) -> i64 {
-        match self {
-            WatchEvent::Put(kv) => kv.revision,
-            WatchEvent::Delete { revision, .. } => *revision,
-        }
     }
 }
 

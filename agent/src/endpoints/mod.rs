@@ -6,14 +6,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use calix_common::EndpointCounters;
+use calix_core::model::EndpointRecord;
+use calix_core::store::keys;
 use ipnet::IpNet;
 use tokio::sync::Mutex;
 
 use crate::dataplane::{Attached, DataplaneError, DataplaneStats, EndpointSpec};
-use crate::datastore::{keys, Datastore, Durability, Op};
+use crate::datastore::{Datastore, Durability, Op};
 use crate::error::AgentError;
 use crate::ipam::service::AddressUsers;
-use crate::model::EndpointRecord;
 use crate::reconcile::driver::{Driver, Snapshot};
 use crate::reconcile::Health;
 
@@ -206,7 +207,7 @@ impl EndpointRegistry {
     /// `stale` says the runtime no longer has. Returns them.
     pub async fn gc(
         &self,
-        stale: &crate::model::IsStale<'_>,
+        stale: &calix_core::model::IsStale<'_>,
     ) -> Result<Vec<EndpointRecord>, AgentError> {
         let gone: Vec<EndpointRecord> = self
             .records

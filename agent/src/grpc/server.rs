@@ -5,6 +5,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use calix_core::ipam::annotations::{self, AnnotationError, PodIpamError};
+use calix_core::ipam::{IpamError, PoolChoice};
+use calix_core::model::EndpointRecord;
+use calix_core::routes::report::RoutesReport;
 use calix_proto::v1 as pb;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -12,11 +16,7 @@ use tonic::{Request, Response, Status};
 
 use crate::endpoints::EndpointView;
 use crate::error::AgentError;
-use crate::ipam::{IpamError, PoolChoice};
-use crate::k8s::annotations::{self, AnnotationError, PodIpamError};
-use crate::model::EndpointRecord;
 use crate::node::Node;
-use crate::routes::report::RoutesReport;
 use crate::routes::RoutesHandle;
 
 fn status(e: AgentError) -> Status {
@@ -136,15 +136,8 @@ impl pb::ipam_server::Ipam for IpamSvc {
         );
         let mut choice = PoolChoice::default();
         let mut fixed = Vec::new();
-        if let (Some(src), Some(ns), Some(pod)) = (
-            self.0.pod_ipam.get(),
-            attrs.get("namespace").filter(|v| !v.is_empty()),
-            attrs.get("pod").filter(|v| !v.is_empty()),
-        ) {
-            let asked = src
-                .for_pod(ns, pod, &self.0.ipam.pools(), families)
-                .await
-                .map_err(status)?;
+        if let Some(asked) = self.0.pod_ipam(&attrs, families).await.map_err(status)? {
+            let (ns, pod) = (&attrs["namespace"], &attrs["pod"]);
             for a in asked.addresses {
                 if !requested.iter().any(|r| r.is_ipv4() == a.is_ipv4()) {
                     requested.push(a);
@@ -335,9 +328,9 @@ fn endpoint(r: EndpointRecord) -> pb::Endpoint {
     }
 }
 
-fn view(v: EndpointView, pods: Option<&crate::k8s::pods::Pods>) -> pb::EndpointStatus {
-    let pod = pods
-        .and_then(|p| p.get(&v.record.pod_namespace, &v.record.pod_name))
+fn view(v: EndpointView, node: &Node) -> pb::EndpointStatus {
+    let pod = node
+        .pod(&v.record.pod_namespace, &v.record.pod_name)
         .map(|p| pb::PodInfo {
             uid: p.uid,
             labels: p.labels.into_iter().collect(),
@@ -464,10 +457,7 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
     ) -> Result<Response<pb::ListResponse>, Status> {
         let eps = self.0.endpoints.list().await.map_err(status)?;
         Ok(Response::new(pb::ListResponse {
-            endpoints: eps
-                .into_iter()
-                .map(|v| view(v, self.0.pods.get()))
-                .collect(),
+            endpoints: eps.into_iter().map(|v| view(v, &self.0)).collect(),
             node: self.0.name().to_string(),
         }))
     }

@@ -7,11 +7,14 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use calix_core::ipam::allocator::IpamState;
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::ipam::{HandleRecord, Pool};
+use calix_core::store::keys;
+
 use super::service::report::{self, Snapshot};
 use super::service::{CheckReport, IpamReport};
-use super::{HandleRecord, IpamState, Pool};
-use crate::config::PoolConfig;
-use crate::datastore::{keys, Compare, Datastore, DatastoreError, Durability, Op};
+use crate::datastore::{Compare, Datastore, DatastoreError, Durability, Op};
 use crate::error::AgentError;
 
 /// Where IPPool objects are (the `kubernetes` datastore's pools).
@@ -24,7 +27,7 @@ const ATTEMPTS: u32 = 32;
 async fn pools(store: &dyn Datastore) -> Result<Vec<Pool>, AgentError> {
     let mut out = Vec::new();
     for kv in store.list(POOLS).await? {
-        let p: PoolConfig = match kv.decode() {
+        let p: PoolSpec = match kv.decode() {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!(key = %kv.key, error = %e, "IPPool not understood; skipped");
@@ -68,7 +71,7 @@ pub async fn release(
     for attempt in 0..ATTEMPTS {
         let (kvs, revision) = store.list_with_revision(keys::BLOCKS).await?;
         // Only a block that counts is released from: the agents' own rule.
-        let sorted = super::wellformed::sort(&kvs, &pools);
+        let sorted = calix_core::ipam::wellformed::sort(&kvs, &pools);
         let mut view = IpamState::default();
         view.replace(sorted.counted, Vec::new(), revision);
         let Some((key, gone)) = view.release_address(addr, seq) else {

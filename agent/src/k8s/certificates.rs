@@ -37,7 +37,6 @@ use kube::api::{Api, ObjectMeta, PostParams, WatchEvent, WatchParams};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
-use crate::config::TlsConfig;
 use crate::pki::cert::CertFacts;
 use crate::routes::tls::{self, LiveTls};
 
@@ -59,21 +58,6 @@ pub struct Settings {
     pub signer: String,
     pub ca_namespace: String,
     pub ca_name: String,
-}
-
-impl Settings {
-    /// From `[routes.tls]` (validated: `ca_config_map` is `<namespace>/<name>`).
-    pub fn from_config(node: &str, tls: &TlsConfig) -> Self {
-        let (ns, name) = tls
-            .ca_config_map()
-            .unwrap_or(("kube-system", "calix-routes-ca"));
-        Self {
-            node: node.to_string(),
-            signer: tls.signer_name.clone(),
-            ca_namespace: ns.to_string(),
-            ca_name: name.to_string(),
-        }
-    }
 }
 
 #[derive(Debug, thiserror::Error)]

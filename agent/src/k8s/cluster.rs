@@ -1,5 +1,5 @@
 //! What the agent's config takes from the cluster with the `kubernetes` datastore, merged into
-//! the config file's every time it is read (at start, SIGHUP, and whenever one of these
+//! the config file's (`crate::config`) every time it is read (at start, SIGHUP, and whenever one of these
 //! changes — each change applied by the rules of a SIGHUP reload):
 //!
 //! - the pools: the `IPPool` objects (`pools/`), instead of `[[pools]]`;
@@ -12,13 +12,14 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::store::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::source::{Read, Source};
-use crate::config::{AgentConfig, PoolConfig};
 use crate::datastore::follow::Follower;
 use crate::datastore::kubernetes::views::{self, NodeView, ServiceCidrView};
-use crate::datastore::{Datastore, DatastoreError, KeyValue};
+use crate::datastore::{Datastore, DatastoreError};
 
 /// The prefix of every IPPool's key.
 pub const POOLS: &str = "pools/";
@@ -27,7 +28,7 @@ pub const POOLS: &str = "pools/";
 #[derive(Clone)]
 pub struct Cluster {
     /// (IPPool name, pool).
-    pools: Source<Vec<(String, PoolConfig)>>,
+    pools: Source<Vec<(String, PoolSpec)>>,
     node: Source<Option<NodeView>>,
     services: Source<Vec<String>>,
     read_node: Read<Option<NodeView>>,
@@ -87,7 +88,7 @@ impl Cluster {
     }
 
     /// The IPPools by name.
-    pub fn named_pools(&self) -> Vec<(String, PoolConfig)> {
+    pub fn named_pools(&self) -> Vec<(String, PoolSpec)> {
         self.pools.current()
     }
 
@@ -96,35 +97,9 @@ impl Cluster {
         self.node.current()
     }
 
-    /// Merges the cluster's part into `c` (read from the config file).
-    pub fn apply(&self, c: &mut AgentConfig) {
-        if !c.pools_configured {
-            // (Configured pools are refused by validate().)
-            c.pools = self.pools.current().into_iter().map(|(_, p)| p).collect();
-        }
-        if let Some(node) = self.node() {
-            c.node_labels.extend(node.labels.clone());
-            if c.routes.node_addresses.is_empty() {
-                c.routes.node_addresses = node
-                    .internal_ips()
-                    .iter()
-                    .map(ToString::to_string)
-                    .collect();
-            }
-            if node
-                .labels
-                .get(&c.routes.reflector_label)
-                .map(String::as_str)
-                == Some("true")
-            {
-                c.routes.reflector = true;
-            }
-        }
-        for cidr in self.services.current() {
-            if !c.nat.service_cidrs.contains(&cidr) {
-                c.nat.service_cidrs.push(cidr);
-            }
-        }
+    /// Every ServiceCIDR object's CIDRs, sorted, once each.
+    pub fn service_cidrs(&self) -> Vec<String> {
+        self.services.current()
     }
 
     /// Follows all three; `changed` is told what changed ("IPPool change", "Node change",
@@ -154,9 +129,9 @@ where
 
 /// The pools of the IPPool objects, by name; an object whose spec is not a pool is left out,
 /// logged.
-fn read_pools(kvs: &BTreeMap<String, KeyValue>) -> Vec<(String, PoolConfig)> {
+fn read_pools(kvs: &BTreeMap<String, KeyValue>) -> Vec<(String, PoolSpec)> {
     kvs.values()
-        .filter_map(|kv| match kv.decode::<PoolConfig>() {
+        .filter_map(|kv| match kv.decode::<PoolSpec>() {
             Ok(p) => Some((kv.key.strip_prefix(POOLS).unwrap_or(&kv.key).to_string(), p)),
             Err(e) => {
                 tracing::error!(key = %kv.key, error = %e, "IPPool ignored: its spec is not a pool");

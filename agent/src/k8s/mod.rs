@@ -6,8 +6,9 @@
 //! - [`cluster`]: the config's part that comes from the cluster (IPPools, this node's Node,
 //!   ServiceCIDRs);
 //! - [`pods`]: the Pods bound to this node, and the cleanup of endpoints whose pod is gone;
-//! - [`annotations`], [`podipam`]: a pod's IPAM annotations (pools, a fixed address), read at
-//!   its allocation;
+//! - [`directory`]: the node's pod directory (who a pod is, what its annotations allow);
+//! - [`podipam`]: a pod's IPAM annotations (pools, a fixed address; read by
+//!   `calix_core::ipam::annotations`), read at its allocation;
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
@@ -15,9 +16,9 @@
 //! - [`certificates`]: this node's route-distribution certificate, asked of the API server
 //!   (a CertificateSigningRequest) and renewed, and the CA bundle from its ConfigMap (with
 //!   any datastore: read with the agent's own client, not the store).
-pub mod annotations;
 pub mod certificates;
 pub mod cluster;
+pub mod directory;
 pub mod events;
 pub mod owner;
 pub mod peers;

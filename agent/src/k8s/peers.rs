@@ -14,9 +14,18 @@
 //! A Node without an `InternalIP` is not followed (it has nowhere to be reached).
 use std::net::{IpAddr, SocketAddr};
 
+use calix_core::model::NodeRecord;
+use calix_core::store::keys;
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
+
 use crate::datastore::kubernetes::views::{self, NodeView};
-use crate::datastore::{keys, KeyValue, WatchEvent};
-use crate::model::NodeRecord;
+use crate::routes::nodes::NodeSource;
+
+/// The Node label (` = "true"`) that makes a node a route reflector, by default
+/// (`routes.reflector_label`): in `node-restriction.kubernetes.io/`, which a kubelet cannot set
+/// on its own Node (the NodeRestriction admission plugin), so a node cannot make itself one.
+pub const REFLECTOR_LABEL: &str = "node-restriction.kubernetes.io/calix-route-reflector";
 
 /// How Node objects are read as peers: the port every agent listens on, the reflector label.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,10 +91,24 @@ pub fn as_record_event(ev: &WatchEvent, p: &Peering) -> Option<WatchEvent> {
     }
 }
 
+/// Kubernetes' Node objects (`k8s/nodes/`) as route distribution's node records.
+impl NodeSource for Peering {
+    fn prefix(&self) -> &'static str {
+        views::NODES
+    }
+
+    fn listed(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
+        kvs.iter().filter_map(|kv| as_record(kv, self)).collect()
+    }
+
+    fn event(&self, ev: WatchEvent) -> Option<WatchEvent> {
+        as_record_event(&ev, self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::REFLECTOR_LABEL;
     use crate::datastore::kubernetes::views::NodeAddress;
 
     fn peering(port: u16) -> Peering {

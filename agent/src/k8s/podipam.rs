@@ -7,12 +7,13 @@
 //! own; a namespace it does not have matches no `namespaceSelector`.
 use std::sync::Arc;
 
-use super::annotations::{self, NamedPool, Namespace, PodIpam};
+use calix_core::ipam::annotations::{self, NamedPool, Namespace, PodIpam};
+use calix_core::ipam::Pool;
+
 use super::cluster::Cluster;
 use crate::datastore::kubernetes::views::{self, NamespaceView, PodView};
 use crate::datastore::Datastore;
 use crate::error::AgentError;
-use crate::ipam::Pool;
 
 /// Reads pods' IPAM annotations.
 pub struct PodIpamSource {

@@ -14,10 +14,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use calix_core::model::EndpointRecord;
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
+
 use crate::datastore::follow::Follower;
 use crate::datastore::kubernetes::views::{self, PodView};
-use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
-use crate::model::EndpointRecord;
+use crate::datastore::{Datastore, DatastoreError};
 use crate::node::Node;
 use crate::notice::Subject;
 

@@ -5,10 +5,11 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
+use calix_core::store::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::datastore::follow::Follower;
-use crate::datastore::{Datastore, DatastoreError, KeyValue};
+use crate::datastore::{Datastore, DatastoreError};
 
 /// What a source's value is, from the keys under its prefix.
 pub type Read<T> = Arc<dyn Fn(&BTreeMap<String, KeyValue>) -> T + Send + Sync>;

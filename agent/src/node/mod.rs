@@ -4,20 +4,25 @@
 //! registry's comes first.
 mod conntrack;
 pub mod mtu;
+pub mod pods;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use calix_common::NatConfig;
+use calix_core::ipam::annotations::PodIpam;
+use calix_core::ipam::{Policy, Pool};
+use calix_core::model::EndpointRecord;
 use calix_proto::handle;
 
 use crate::endpoints::EndpointRegistry;
 use crate::error::AgentError;
 use crate::ipam::service::Swept;
-use crate::ipam::{IpamService, Policy, Pool};
-use crate::model::EndpointRecord;
+use crate::ipam::IpamService;
+use pods::{PodDirectory, PodInfo};
 
 pub struct Node {
     pub ipam: IpamService,
@@ -28,10 +33,9 @@ pub struct Node {
     pod_mtu: std::sync::RwLock<mtu::PodMtu>,
     /// What an operator must see (Kubernetes Events with the kubernetes datastore).
     pub notices: crate::notice::Notifier,
-    /// This node's Pods (kubernetes datastore), once watched.
-    pub pods: std::sync::OnceLock<crate::k8s::pods::Pods>,
-    /// Pods' IPAM annotations (kubernetes datastore).
-    pub pod_ipam: std::sync::OnceLock<crate::k8s::podipam::PodIpamSource>,
+    /// Where pods are looked up (the kubernetes datastore: this node's Pods, once watched, and
+    /// their IPAM annotations).
+    pub pods: std::sync::OnceLock<Arc<dyn PodDirectory>>,
 }
 
 impl Node {
@@ -43,7 +47,6 @@ impl Node {
             pod_mtu: Default::default(),
             notices: Default::default(),
             pods: std::sync::OnceLock::new(),
-            pod_ipam: std::sync::OnceLock::new(),
         }
     }
 
@@ -67,6 +70,31 @@ impl Node {
         self.ipam.node()
     }
 
+    /// Pod `namespace/name` as the pod directory last saw it; `None` without a directory.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        self.pods.get()?.pod(namespace, name)
+    }
+
+    /// What an allocation for the pod its `attributes` name (`namespace`, `pod`) may use: the
+    /// pod's pools (its namespace's, narrowed by its annotations) and fixed addresses, for the
+    /// families `(v4, v6)`. `None` when the allocation names no pod or there is no pod
+    /// directory: the default pools.
+    pub async fn pod_ipam(
+        &self,
+        attributes: &BTreeMap<String, String>,
+        families: (bool, bool),
+    ) -> Result<Option<PodIpam>, AgentError> {
+        let (Some(directory), Some(ns), Some(pod)) = (
+            self.pods.get(),
+            attributes.get("namespace").filter(|v| !v.is_empty()),
+            attributes.get("pod").filter(|v| !v.is_empty()),
+        ) else {
+            return Ok(None);
+        };
+        let pools = self.ipam.pools();
+        Ok(Some(directory.ipam(ns, pod, &pools, families).await?))
+    }
+
     /// An allocation failed: when no pool can give an address, an operator must see it (a
     /// Warning `IPAMExhausted` on the pod named by the request's attributes, else the node).
     pub fn notice_allocation_failure(
@@ -74,7 +102,7 @@ impl Node {
         e: &AgentError,
         attributes: &std::collections::BTreeMap<String, String>,
     ) {
-        use crate::ipam::IpamError;
+        use calix_core::ipam::IpamError;
         if !matches!(
             e,
             AgentError::Ipam(IpamError::Exhausted { .. } | IpamError::NoPool { .. })
@@ -153,7 +181,7 @@ impl Node {
     }
 
     /// The IPAM blocks found ignored since the last call (they break the rule for blocks:
-    /// `crate::ipam::wellformed`), and blocks retained under a refused pool change, each a
+    /// `calix_core::ipam::wellformed`), and blocks retained under a refused pool change, each a
     /// Warning on this node (an Event in Kubernetes).
     pub async fn notice_ignored_blocks(&self) {
         if let Some(msg) = self.ipam.take_retention_notice() {

@@ -11,8 +11,6 @@ use std::net::IpAddr;
 use calix_kernel::vxlan;
 use ipnet::IpNet;
 
-use crate::config::{AgentConfig, VxlanMode};
-
 /// What decides a pod's MTU (from the config; replaced on SIGHUP).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PodMtu {
@@ -23,20 +21,11 @@ pub struct PodMtu {
 }
 
 impl PodMtu {
-    pub fn from_config(cfg: &AgentConfig) -> Self {
-        if !cfg.routes.enabled {
-            // A single node: nothing is ever encapsulated.
-            return Self::default();
-        }
-        Self {
-            uplink: cfg.uplinks.first().cloned(),
-            tunnelled: cfg
-                .pools
-                .iter()
-                .filter(|p| p.selects(&cfg.node_labels) && p.vxlan != VxlanMode::Never)
-                .map(|p| p.cidr)
-                .collect(),
-        }
+    /// `uplink`: the one the VXLAN devices sit on (`None`: no opinion, e.g. a single node,
+    /// where nothing is ever encapsulated); `tunnelled`: this node's pools whose traffic to
+    /// other nodes may be encapsulated.
+    pub fn new(uplink: Option<String>, tunnelled: Vec<IpNet>) -> Self {
+        Self { uplink, tunnelled }
     }
 
     /// The MTU for a pod with `addresses` when the uplink's is `uplink_mtu`; `None` when none
@@ -62,56 +51,5 @@ impl PodMtu {
                 None
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn config(toml: &str) -> AgentConfig {
-        let cfg: AgentConfig = toml::from_str(toml).expect("config");
-        cfg
-    }
-
-    const POOLS: &str = r#"
-uplinks = ["eth0"]
-[routes]
-enabled = true
-plaintext = true
-[[pools]]
-cidr = "10.244.0.0/16"
-[[pools]]
-cidr = "fd00:244::/64"
-[[pools]]
-cidr = "10.245.0.0/16"
-vxlan = "never"
-"#;
-
-    #[test]
-    fn the_encapsulation_comes_off_where_vxlan_may_carry_the_pod() {
-        let m = PodMtu::from_config(&config(POOLS));
-        let ip = |s: &str| -> IpAddr { s.parse().expect("ip") };
-        assert_eq!(m.compute(&[ip("10.244.0.5")], 1500), Some(1450));
-        assert_eq!(m.compute(&[ip("fd00:244::5")], 1500), Some(1430));
-        // Dual stack: the larger encapsulation.
-        assert_eq!(
-            m.compute(&[ip("10.244.0.5"), ip("fd00:244::5")], 9000),
-            Some(8930)
-        );
-        // A pool that never tunnels, an address outside every pool: no opinion.
-        assert_eq!(m.compute(&[ip("10.245.0.5")], 1500), None);
-        assert_eq!(m.compute(&[ip("192.0.2.1")], 1500), None);
-    }
-
-    #[test]
-    fn no_opinion_on_a_single_node_or_without_an_uplink() {
-        let single = POOLS.replace("enabled = true", "enabled = false");
-        let m = PodMtu::from_config(&config(&single));
-        assert_eq!(m, PodMtu::default());
-        assert_eq!(m.compute(&["10.244.0.5".parse().expect("ip")], 1500), None);
-        let no_uplink = POOLS.replace("uplinks = [\"eth0\"]", "");
-        let m = PodMtu::from_config(&config(&no_uplink));
-        assert_eq!(m.compute(&["10.244.0.5".parse().expect("ip")], 1500), None);
     }
 }

@@ -6,17 +6,17 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use calix_core::ipam::HandleRecord;
+use calix_core::model::NodeRecord;
+use calix_core::store::keys;
+use calix_core::store::KeyValue;
 use calix_proto::handle;
 
 use super::*;
 use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
-use crate::datastore::{
-    keys, Compare, Datastore, DatastoreError, Durability, EmbeddedStore, KeyValue, Op,
-};
+use crate::datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
 use crate::endpoints::EndpointRegistry;
 use crate::ipam::service::{CheckReport, Finding, Housekeeping};
-use crate::ipam::HandleRecord;
-use crate::model::NodeRecord;
 use crate::reconcile::driver::{Driver, Timing};
 use calix_kernel::host::FakeHost;
 
@@ -1110,7 +1110,7 @@ async fn a_retired_record_of_the_previous_version_is_honoured_and_folded_into_th
             &[],
             &[Op::put_json(
                 keys::retired(&cidr),
-                &crate::ipam::Retired {
+                &calix_core::ipam::Retired {
                     cidr,
                     next_seq: 1_000_000,
                     revision: 0,
@@ -1202,7 +1202,7 @@ async fn affinities(s: &TestStore, node: &str) -> Vec<String> {
         .expect("list")
         .iter()
         .map(|kv| {
-            let r: crate::ipam::AffinityRecord = kv.decode().expect("affinity record");
+            let r: calix_core::ipam::AffinityRecord = kv.decode().expect("affinity record");
             assert_eq!(r.node, node);
             r.cidr.to_string()
         })
@@ -1246,7 +1246,7 @@ async fn affinity_records_follow_the_blocks_and_are_repaired_from_them() {
             &[],
             &[Op::put_json(
                 stray.clone(),
-                &crate::ipam::AffinityRecord {
+                &calix_core::ipam::AffinityRecord {
                     node: "n1".into(),
                     cidr: "10.1.0.128/28".parse().expect("cidr"),
                 },
@@ -1732,4 +1732,98 @@ async fn an_older_size_block_over_a_victims_block_loses() {
         "{:?}",
         check.findings
     );
+}
+
+/// A pod directory that knows one pod, `tenant/web`, with a fixed address and one pool; it
+/// records what it was asked.
+#[derive(Default)]
+struct FakePods {
+    asked: std::sync::Mutex<Vec<Asked>>,
+}
+
+/// One question to [`FakePods::ipam`]: namespace, name, the node's pools, the families.
+type Asked = (String, String, Vec<ipnet::IpNet>, (bool, bool));
+
+#[tonic::async_trait]
+impl PodDirectory for FakePods {
+    fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        (namespace == "tenant" && name == "web").then(|| PodInfo {
+            uid: "u1".into(),
+            phase: "Running".into(),
+            ..PodInfo::default()
+        })
+    }
+
+    async fn ipam(
+        &self,
+        namespace: &str,
+        name: &str,
+        node_pools: &[Pool],
+        families: (bool, bool),
+    ) -> Result<PodIpam, AgentError> {
+        self.asked.lock().expect("lock").push((
+            namespace.into(),
+            name.into(),
+            node_pools.iter().map(|p| p.cidr).collect(),
+            families,
+        ));
+        Ok(PodIpam {
+            pools: calix_core::ipam::PoolChoice {
+                v4: Some(vec!["10.9.0.0/16".parse().expect("cidr")]),
+                v6: Some(Vec::new()),
+            },
+            addresses: vec!["10.9.0.7".parse().expect("ip")],
+        })
+    }
+}
+
+/// The node asks its pod directory about the pod an allocation names, with its own pools;
+/// an allocation that names no pod, or a node without a directory, has the default pools.
+#[tokio::test]
+async fn the_pod_directory_is_asked_for_the_pod_an_allocation_names() {
+    let (_d, s) = store();
+    let a = agent_on(&s, "n1", vec![pool("10.9.0.0/16", 26)], Policy::default()).await;
+    let attrs = |ns: &str, pod: &str| -> BTreeMap<String, String> {
+        [("namespace", ns), ("pod", pod)]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    // No directory (another datastore than kubernetes): nothing to ask.
+    assert_eq!(
+        a.pod_ipam(&attrs("tenant", "web"), (true, false))
+            .await
+            .expect("no directory"),
+        None
+    );
+    assert_eq!(a.pod("tenant", "web"), None);
+    let pods = Arc::new(FakePods::default());
+    assert!(a.pods.set(pods.clone()).is_ok());
+    let asked = a
+        .pod_ipam(&attrs("tenant", "web"), (true, false))
+        .await
+        .expect("asked")
+        .expect("a pod");
+    assert_eq!(asked.addresses, ["10.9.0.7".parse::<IpAddr>().expect("ip")]);
+    assert_eq!(
+        *pods.asked.lock().expect("lock"),
+        [(
+            "tenant".to_string(),
+            "web".to_string(),
+            vec!["10.9.0.0/16".parse().expect("cidr")],
+            (true, false)
+        )]
+    );
+    // An allocation that names no pod (another runtime) is not asked about.
+    for (ns, pod) in [("", "web"), ("tenant", "")] {
+        assert_eq!(
+            a.pod_ipam(&attrs(ns, pod), (true, false))
+                .await
+                .expect("no pod"),
+            None
+        );
+    }
+    assert_eq!(pods.asked.lock().expect("lock").len(), 1);
+    assert_eq!(a.pod("tenant", "web").map(|p| p.uid).as_deref(), Some("u1"));
+    assert_eq!(a.pod("tenant", "db"), None);
 }

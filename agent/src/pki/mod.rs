@@ -22,6 +22,11 @@ pub mod request;
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The signer (a CertificateSigningRequest's `signerName`) of route-distribution
+/// certificates, by default: what the agents ask (`routes.tls.signer_name`) and calix-signer
+/// answers for.
+pub const ROUTES_SIGNER: &str = "calix.dev/routes";
+
 /// A name in a certificate or request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Name {

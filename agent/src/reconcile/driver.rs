@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use calix_core::reconcile::remote::{RemoteRoute, Underlay};
 use calix_kernel::host::HostKernel;
 use ipnet::IpNet;
 use tokio::sync::oneshot;
@@ -53,12 +54,7 @@ enum Command {
     Snapshot(oneshot::Sender<Snapshot>),
     /// Route distribution's desired routes to other nodes' pods (the whole set), and whether
     /// it is complete; when it was sent.
-    RemoteRoutes(
-        Vec<super::remote::RemoteRoute>,
-        bool,
-        Instant,
-        oneshot::Sender<()>,
-    ),
+    RemoteRoutes(Vec<RemoteRoute>, bool, Instant, oneshot::Sender<()>),
     /// The other nodes, for the doors ([`Dataplane::set_peer_nodes`]).
     PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
@@ -94,7 +90,7 @@ impl Driver {
     pub fn spawn<K, F>(
         kernel: F,
         dataplane: Box<dyn Dataplane>,
-        underlay: super::remote::Underlay,
+        underlay: Underlay,
         timing: Timing,
     ) -> Result<Self, DriverError>
     where
@@ -198,7 +194,7 @@ impl Driver {
     /// [`Snapshot::routes_error`]).
     pub async fn set_remote_routes(
         &self,
-        routes: Vec<super::remote::RemoteRoute>,
+        routes: Vec<RemoteRoute>,
         complete: bool,
     ) -> Result<(), DriverError> {
         self.ask(|tx| Command::RemoteRoutes(routes, complete, Instant::now(), tx))

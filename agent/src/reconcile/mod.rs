@@ -36,6 +36,7 @@ pub mod remote;
 use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
+use calix_core::reconcile::remote::{RemoteRoute, Underlay};
 use calix_kernel::host::HostKernel;
 use calix_kernel::netlink::NetlinkError;
 use calix_kernel::pod::{host_settings, node_settings, HostRoute, HostSetting};
@@ -194,7 +195,7 @@ impl<K: HostKernel> Reconciler<K> {
     }
 
     /// What routes to other nodes leave through (the uplinks, this node's addresses, VXLAN).
-    pub fn with_underlay(mut self, underlay: remote::Underlay) -> Self {
+    pub fn with_underlay(mut self, underlay: Underlay) -> Self {
         self.remote.underlay = underlay;
         self
     }
@@ -666,7 +667,7 @@ impl<K: HostKernel> Reconciler<K> {
     /// device no route needs. Before that (an agent just started, re-learning) missing routes
     /// are added and none removed: traffic to the peers keeps its routes meanwhile. A failure
     /// is retried with backoff; every later pass checks them again.
-    pub fn set_remote_routes(&mut self, routes: Vec<remote::RemoteRoute>, complete: bool) {
+    pub fn set_remote_routes(&mut self, routes: Vec<RemoteRoute>, complete: bool) {
         self.remote.desired = routes.into_iter().map(|r| (r.prefix, r)).collect();
         self.remote.complete = complete;
         self.remote.applied = false;
@@ -675,7 +676,7 @@ impl<K: HostKernel> Reconciler<K> {
     }
 
     /// The desired routes to other nodes' pods.
-    pub fn remote_routes(&self) -> impl Iterator<Item = &remote::RemoteRoute> {
+    pub fn remote_routes(&self) -> impl Iterator<Item = &RemoteRoute> {
         self.remote.desired.values()
     }
 

@@ -11,6 +11,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use calix_core::routes::advertise::NextHops;
+use calix_core::routes::peers::Target;
+use calix_core::update::PeerEvent;
+use calix_core::update::WireError;
+use calix_core::wire::{self, Assembler};
 use calix_proto::v1 as pb;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -20,12 +25,8 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tonic::body::Body;
 use tonic::codec::Codec;
 
-use super::advertise::NextHops;
 use super::conn::Conn;
-use super::engine::PeerEvent;
-use super::peers::Target;
 use super::tls::{self, LiveTls};
-use super::wire::{self, Assembler, WireError};
 use crate::memory;
 
 /// How this agent dials its peers.
@@ -165,7 +166,7 @@ async fn stream(
             continue;
         };
         *delivered = true;
-        tracing::debug!(%peer, update = %super::engine::describe(&event),
+        tracing::debug!(%peer, update = %calix_core::routes::engine::describe(&event),
             "routes: update read from peer's stream");
         let m = PeerMessage {
             peer: peer.to_string(),

@@ -87,7 +87,7 @@ pub struct PeerInfo {
 pub struct Accepted {
     pub conn: Conn<tokio_rustls::server::TlsStream<TcpStream>>,
     pub peer: PeerInfo,
-    pub _slot: super::listener::Slot,
+    pub _slot: super::door::Slot,
 }
 
 impl AsyncRead for Accepted {

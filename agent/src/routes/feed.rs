@@ -11,8 +11,9 @@ use std::time::Instant;
 use ipnet::IpNet;
 use tokio::sync::broadcast;
 
-use super::Route;
-pub use calix_core::update::{Delta, Snapshot};
+use calix_core::routes::report::Served;
+use calix_core::update::{Delta, Snapshot};
+use calix_core::Route;
 
 /// Deltas a slow watcher may be behind before it is sent a snapshot instead.
 const BUFFER: usize = 1024;
@@ -145,6 +146,20 @@ impl Feed {
     /// Watchers subscribed now.
     pub fn watchers(&self) -> usize {
         self.tx.receiver_count()
+    }
+}
+
+impl Served for Feed {
+    fn with_ages(&self) -> Vec<(Route, Instant)> {
+        Feed::with_ages(self)
+    }
+
+    fn routes(&self) -> usize {
+        self.len()
+    }
+
+    fn watchers(&self) -> usize {
+        Feed::watchers(self)
     }
 }
 

@@ -8,21 +8,20 @@
 //! connection, TCP and HTTP/2 keepalives that drop dead peers, backoff when accept fails. A
 //! handshake that fails (no certificate, one of another CA, expired...) is refused, logged
 //! with the reason (throttled) and counted.
-use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
 use calix_proto::v1 as pb;
 use rustls::ServerConfig;
-use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::conn::{Accepted, Conn, PeerInfo};
-use super::server::{Known, RoutesSvc};
+use super::door::{DoorStats, Known, PerAddress, Slot, Throttle};
+use super::server::RoutesSvc;
 
 /// Limits of the Routes door.
 #[derive(Debug, Clone, Copy)]
@@ -55,102 +54,6 @@ impl Default for Limits {
             h2_keepalive: Duration::from_secs(20),
             h2_keepalive_timeout: Duration::from_secs(10),
             max_streams: 4,
-        }
-    }
-}
-
-/// What the door saw.
-#[derive(Default)]
-pub struct DoorStats {
-    accepted: AtomicU64,
-    refused_unknown: AtomicU64,
-    refused_busy: AtomicU64,
-    refused_tls: AtomicU64,
-    refused_identity: AtomicU64,
-}
-
-/// [`DoorStats`] read at one time.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DoorCounts {
-    /// Connections that passed the handshake.
-    pub accepted: u64,
-    /// Closed at once, before TLS: the source is no address of a known node.
-    #[serde(default)]
-    pub refused_unknown: u64,
-    /// Closed at once: too many connections (in total, from one address, or handshaking).
-    pub refused_busy: u64,
-    /// TLS handshakes that failed or timed out (missing, untrusted or bad certificates).
-    pub refused_tls: u64,
-    /// Watches refused: the certificate does not name the node asked for, or no such node.
-    pub refused_identity: u64,
-}
-
-impl DoorStats {
-    pub fn refused_identity(&self) {
-        self.refused_identity.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn counts(&self) -> DoorCounts {
-        DoorCounts {
-            accepted: self.accepted.load(Ordering::Relaxed),
-            refused_unknown: self.refused_unknown.load(Ordering::Relaxed),
-            refused_busy: self.refused_busy.load(Ordering::Relaxed),
-            refused_tls: self.refused_tls.load(Ordering::Relaxed),
-            refused_identity: self.refused_identity.load(Ordering::Relaxed),
-        }
-    }
-}
-
-/// At most [`Throttle::PER_WINDOW`] log lines per window: a flood of bad connections cannot
-/// flood the log (they are all counted).
-pub struct Throttle {
-    state: Mutex<(Instant, u32)>,
-}
-
-impl Default for Throttle {
-    fn default() -> Self {
-        Self {
-            state: Mutex::new((Instant::now(), 0)),
-        }
-    }
-}
-
-impl Throttle {
-    const PER_WINDOW: u32 = 20;
-    const WINDOW: Duration = Duration::from_secs(60);
-
-    pub fn allow(&self) -> bool {
-        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if s.0.elapsed() > Self::WINDOW {
-            *s = (Instant::now(), 0);
-        }
-        s.1 += 1;
-        if s.1 == Self::PER_WINDOW + 1 {
-            tracing::warn!("routes: more refused connections this minute are counted (calixctl nodes, /metrics), not logged");
-        }
-        s.1 <= Self::PER_WINDOW
-    }
-}
-
-/// Connections per remote address.
-#[derive(Default)]
-struct PerAddress(Mutex<HashMap<IpAddr, usize>>);
-
-/// A connection's place under the caps; freed on drop.
-pub struct Slot {
-    _permit: OwnedSemaphorePermit,
-    addr: IpAddr,
-    per: Arc<PerAddress>,
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut m = self.per.0.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.addr) {
-            *n -= 1;
-            if *n == 0 {
-                m.remove(&self.addr);
-            }
         }
     }
 }
@@ -316,22 +219,7 @@ fn admit(
 ) -> Option<(Slot, OwnedSemaphorePermit)> {
     let permit = slots.clone().try_acquire_owned().ok()?;
     let handshake = handshakes.clone().try_acquire_owned().ok()?;
-    {
-        let mut m = per.0.lock().unwrap_or_else(|p| p.into_inner());
-        let n = m.entry(addr).or_default();
-        if *n >= limits.max_per_address {
-            return None;
-        }
-        *n += 1;
-    }
-    Some((
-        Slot {
-            _permit: permit,
-            addr,
-            per: per.clone(),
-        },
-        handshake,
-    ))
+    Some((per.slot(permit, addr, limits.max_per_address)?, handshake))
 }
 
 type ServerConn = Conn<tokio_rustls::server::TlsStream<TcpStream>>;

@@ -2,21 +2,17 @@
 //! next hops) and the endpoint it records for its peers.
 use std::net::{IpAddr, SocketAddr};
 
-use super::advertise::NextHops;
-use crate::config::{ListenOn, RoutesConfig};
+use calix_core::routes::advertise::NextHops;
+
+use super::settings::ListenOn;
 
 /// The next hops: `routes.node_addresses` (the first of each family); else the first global
 /// address of each family on the first uplink; else the first of each family the node record
 /// carries (every global address of the node).
-pub fn next_hops(cfg: &RoutesConfig, uplink: &[IpAddr], record: &[String]) -> NextHops {
-    let configured: Vec<IpAddr> = cfg
-        .node_addresses
-        .iter()
-        .filter_map(|a| a.parse().ok())
-        .collect();
+pub fn next_hops(configured: &[IpAddr], uplink: &[IpAddr], record: &[String]) -> NextHops {
     let recorded: Vec<IpAddr> = record.iter().filter_map(|a| a.parse().ok()).collect();
     let pick = |v6: bool| {
-        [&configured[..], uplink, &recorded[..]]
+        [configured, uplink, &recorded[..]]
             .into_iter()
             .find_map(|list| {
                 list.iter()
@@ -111,39 +107,31 @@ mod tests {
 
     #[test]
     fn configured_then_uplink_then_record() {
-        let mut cfg = RoutesConfig::default();
+        let mut configured = Vec::new();
         let uplink = ips(&["fe80::1", "172.31.1.1", "fd31:1::1", "172.31.1.50"]);
         let record = vec!["10.0.0.1".to_string(), "2001:db8::1".to_string()];
-        let h = next_hops(&cfg, &uplink, &record);
+        let h = next_hops(&configured, &uplink, &record);
         assert_eq!(h.v4, Some("172.31.1.1".parse().expect("ip")));
         assert_eq!(
             h.v6,
             Some("fd31:1::1".parse().expect("ip")),
             "not the link-local"
         );
-        cfg.node_addresses = vec!["192.0.2.7".into()];
-        let h = next_hops(&cfg, &uplink, &record);
+        configured = ips(&["192.0.2.7"]);
+        let h = next_hops(&configured, &uplink, &record);
         assert_eq!(h.v4, Some("192.0.2.7".parse().expect("ip")));
         assert_eq!(
             h.v6,
             Some("fd31:1::1".parse().expect("ip")),
             "the other family from the uplink"
         );
-        let h = next_hops(&RoutesConfig::default(), &[], &record);
+        let h = next_hops(&[], &[], &record);
         assert_eq!(h.v6, Some("2001:db8::1".parse().expect("ip")));
-        assert_eq!(
-            next_hops(&RoutesConfig::default(), &[], &[]),
-            NextHops::default()
-        );
+        assert_eq!(next_hops(&[], &[], &[]), NextHops::default());
     }
 
     fn on(listen: &str) -> ListenOn {
-        RoutesConfig {
-            listen: listen.into(),
-            ..RoutesConfig::default()
-        }
-        .listen_on()
-        .expect("valid listen")
+        ListenOn::parse(listen).expect("valid listen")
     }
 
     #[test]

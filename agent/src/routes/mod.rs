@@ -1,5 +1,7 @@
 //! Route distribution between agents (issue 13): every agent tells its peers which pod
-//! addresses live on its node, and learns theirs.
+//! addresses live on its node, and learns theirs. The engine (what to advertise, whom to
+//! follow, what to accept) is pure and lives in `calix_core::routes`; this module is its
+//! transport and its loop.
 //!
 //! ```text
 //!  datastore ──watch──► view ──► advertise ──► feed ──► server (TCP, mTLS) ──► peers
@@ -10,36 +12,28 @@
 //!                                 └──► desired routes ──► the reconciler (RemoteRoute)
 //! ```
 //!
-//! - [`view`]: the datastore's blocks and node records, kept current by a watch;
-//! - [`advertise`]: this node's routes (its blocks, and /32 /128 for borrowed addresses);
+//! - `calix_core::routes`: the view, advertise, peers, sessions, validate, the engine, the
+//!   report; `calix_core::wire`: the stream's decoder;
 //! - [`feed`]: what this agent serves, with generation numbers (snapshot, then deltas);
-//! - [`peers`]: whom to follow (full mesh, or route reflectors);
-//! - [`session`]: what one peer said, and its graceful-restart timer;
-//! - [`validate`]: who may say what (block affinity, the owner of a borrowed address, next hop);
-//! - [`engine`]: all of the above together, pure (time injected), no sockets;
-//! - [`wire`], [`tls`], [`conn`], [`listener`], [`server`], [`client`]: the gRPC service and its
-//!   TCP door with mutual TLS, and the follower of one peer;
-//! - [`report`]: what `calixctl routes` / `nodes` and `/metrics` show;
+//! - [`tls`], [`conn`], [`listener`], [`door`], [`server`], [`client`]: the gRPC service and
+//!   its TCP door with mutual TLS (the door's bookkeeping in [`door`]), and the follower of
+//!   one peer;
 //! - [`local`]: this node's next hops and subnets;
+//! - [`nodes`]: where the peers come from (node records, or Kubernetes' Nodes read as such);
+//! - [`settings`]: what it starts with (from `[routes]`);
 //! - [`task`]: the async loop that runs it in the agent.
-pub mod advertise;
 pub mod client;
 pub mod conn;
-pub mod engine;
+pub mod door;
 pub mod feed;
 pub mod listener;
 pub mod local;
-pub mod peers;
-pub mod report;
+pub mod nodes;
 pub mod server;
-pub mod session;
+pub mod settings;
 pub mod task;
 pub mod tls;
-pub mod validate;
-pub mod view;
-pub mod wire;
 
-pub use calix_core::Route;
 pub use task::{RouteSink, RoutesHandle};
 
 /// Why route distribution could not start.

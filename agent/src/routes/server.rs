@@ -6,11 +6,10 @@
 //! reflector's relayed set once every peer answered (or its grace ran out). On shutdown every
 //! stream ends with `UNAVAILABLE`, so peers know at once (and keep the routes for their grace
 //! period).
-use std::collections::HashSet;
-use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
+use calix_core::wire;
 use calix_proto::v1 as pb;
 use futures::Stream;
 use tokio::sync::{broadcast, mpsc, watch};
@@ -18,10 +17,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 use super::conn::PeerInfo;
+use super::door::{DoorStats, Known, Throttle};
 use super::feed::Feed;
-use super::listener::{DoorStats, Throttle};
 use super::tls::cert_is_for;
-use super::wire;
 use crate::pki::cert::NameError;
 
 /// The sets this agent serves.
@@ -31,60 +29,6 @@ pub struct Feeds {
     /// A reflector's relayed set (its own routes and every node's validated ones).
     pub relay: Arc<Feed>,
     pub reflector: bool,
-}
-
-/// The nodes the datastore records, kept current by the routes task: their names (who may
-/// watch) and their addresses (who may connect at all: the door refuses any other source
-/// before TLS, see [`super::listener`]).
-pub struct Known {
-    nodes: RwLock<KnownNodes>,
-    /// Turns true at the first [`Known::set`]: until then the door accepts nobody (peers
-    /// wait in the backlog), since every source would look unknown.
-    listed: watch::Sender<bool>,
-}
-
-#[derive(Default)]
-struct KnownNodes {
-    names: HashSet<String>,
-    addresses: HashSet<IpAddr>,
-}
-
-impl Default for Known {
-    fn default() -> Self {
-        Self {
-            nodes: RwLock::default(),
-            listed: watch::Sender::new(false),
-        }
-    }
-}
-
-impl Known {
-    /// Replaces the nodes: their names and every address they are recorded with.
-    pub fn set(&self, names: HashSet<String>, addresses: HashSet<IpAddr>) {
-        let addresses = addresses.into_iter().map(|a| a.to_canonical()).collect();
-        *self.nodes.write().unwrap_or_else(|p| p.into_inner()) = KnownNodes { names, addresses };
-        self.listed.send_replace(true);
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.read().names.contains(name)
-    }
-
-    /// Whether `addr` is an address of a known node (an IPv4-mapped IPv6 address as its IPv4
-    /// address).
-    pub fn has_address(&self, addr: IpAddr) -> bool {
-        self.read().addresses.contains(&addr.to_canonical())
-    }
-
-    /// Returns once the nodes have been set at least once.
-    pub async fn listed(&self) {
-        let mut rx = self.listed.subscribe();
-        let _ = rx.wait_for(|l| *l).await;
-    }
-
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, KnownNodes> {
-        self.nodes.read().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
 /// The Routes service.

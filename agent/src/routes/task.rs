@@ -9,27 +9,34 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use calix_core::ipam::pool::VxlanMode;
+use calix_core::reconcile::remote::RemoteRoute;
+use calix_core::routes::advertise::NextHops;
+use calix_core::routes::engine::{Engine, Outputs, Settings, SETTLE};
+use calix_core::routes::peers::Target;
+use calix_core::routes::peers::Topology;
+use calix_core::routes::report::{self, RoutesReport};
+use calix_core::routes::view::Part;
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
+use calix_core::update::PeerEvent;
 use futures::StreamExt;
 use ipnet::IpNet;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
-use super::advertise::NextHops;
 use super::client::{self, Dialer, PeerMessage};
-use super::engine::{Engine, Outputs, PeerEvent, Settings, SETTLE};
+use super::door::{DoorStats, Known, Throttle};
 use super::feed::Feed;
-use super::listener::{self, DoorStats, Limits, Throttle};
-use super::peers::Target;
-use super::report::{self, RoutesReport};
-use super::server::{Feeds, Known, RoutesSvc};
-use super::tls::LiveTls;
-use super::view::Part;
+use super::listener::{self, Limits};
+use super::nodes::{NodeSource, Records};
+use super::server::{Feeds, RoutesSvc};
+use super::settings::{ListenOn, RoutesSettings};
+use super::tls::{CertSource, LiveTls};
 use super::RoutesError;
-use crate::config::{AgentConfig, CertSource, RoutesConfig, VxlanMode};
 use crate::dataplane::doors::PeerNodes;
-use crate::datastore::{Datastore, DatastoreError, KeyValue, WatchEvent};
+use crate::datastore::{Datastore, DatastoreError};
 use crate::reconcile::driver::Driver;
-use crate::reconcile::remote::RemoteRoute;
 
 /// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
 /// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
@@ -66,11 +73,17 @@ impl RouteSink for Driver {
 /// What route distribution starts with.
 pub struct Start {
     pub me: String,
-    pub cfg: RoutesConfig,
+    /// Where the Routes service listens (for the logs: the listeners are bound).
+    pub listen: ListenOn,
+    pub topology: Topology,
+    /// This agent relays every node's routes (only with [`Topology::Reflectors`]).
+    pub reflector: bool,
+    /// How long a peer's routes stay after its stream drops.
+    pub grace: Duration,
     /// Each configured pool and its `vxlan` mode.
     pub pools: Vec<(IpNet, VxlanMode)>,
     /// Every pool as the rule for blocks needs it.
-    pub blocks: Vec<crate::ipam::Pool>,
+    pub blocks: Vec<calix_core::ipam::Pool>,
     pub next_hops: NextHops,
     /// Where peers reach this agent (recorded in its node record).
     pub endpoint: String,
@@ -83,86 +96,40 @@ pub struct Start {
     /// announces it (peers that dial early wait in its backlog instead of being refused).
     pub listeners: Vec<tokio::net::TcpListener>,
     /// Where the peers come from.
-    pub nodes: NodeSource,
-}
-
-/// Where route distribution learns the nodes (its peers, and the addresses their routes may
-/// go through).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NodeSource {
-    /// The agents' node records (`nodes/`): each announces its own Routes endpoint.
-    Records,
-    /// Kubernetes' Node objects (`k8s/nodes/`), read as [`crate::k8s::peers`] says.
-    KubeNodes(crate::k8s::peers::Peering),
-}
-
-impl NodeSource {
-    fn prefix(&self) -> &'static str {
-        match self {
-            NodeSource::Records => Part::Nodes.prefix(),
-            NodeSource::KubeNodes { .. } => crate::datastore::kubernetes::views::NODES,
-        }
-    }
-
-    /// What the view takes of a listing.
-    fn listed(&self, kvs: Vec<KeyValue>) -> Vec<KeyValue> {
-        match self {
-            NodeSource::Records => kvs,
-            NodeSource::KubeNodes(p) => kvs
-                .iter()
-                .filter_map(|kv| crate::k8s::peers::as_record(kv, p))
-                .collect(),
-        }
-    }
-
-    fn event(&self, ev: WatchEvent) -> Option<WatchEvent> {
-        match self {
-            NodeSource::Records => Some(ev),
-            NodeSource::KubeNodes(p) => crate::k8s::peers::as_record_event(&ev, p),
-        }
-    }
+    pub nodes: Arc<dyn NodeSource>,
 }
 
 impl Start {
-    /// From the agent's config: the next hops (`routes.node_addresses`, else the first
+    /// From route distribution's settings: the next hops (`node_addresses`, else the first
     /// uplink's addresses, else `recorded`, the node record's), the endpoint peers dial, this
-    /// node's subnets, and `tls` ([`tls_for`]); binds the Routes port.
-    pub async fn from_config(
-        cfg: &AgentConfig,
+    /// node's subnets, `tls` ([`tls_for`]) and where the peers come from (`nodes`); binds the
+    /// Routes port.
+    pub async fn new(
+        s: RoutesSettings,
         recorded: &[String],
         tls: Option<Arc<LiveTls>>,
+        nodes: Arc<dyn NodeSource>,
     ) -> Result<Self, RoutesError> {
         let next_hops =
-            super::local::next_hops(&cfg.routes, &uplink_addresses(&cfg.uplinks), recorded);
-        let listen = cfg.routes.listen_on().ok_or_else(|| RoutesError::Listen {
-            addr: cfg.routes.listen.clone(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "not :port or address:port",
-            ),
-        })?;
+            super::local::next_hops(&s.node_addresses, &uplink_addresses(&s.uplinks), recorded);
+        let listen = s.listen;
         let endpoint = super::local::endpoint(listen, &next_hops).ok_or(RoutesError::NoAddress)?;
-        let mut routes = cfg.routes.clone();
-        if routes.reflector && routes.topology != crate::config::Topology::Reflectors {
+        let mut reflector = s.reflector;
+        if reflector && s.topology != Topology::Reflectors {
             tracing::warn!("routes.reflector = true has no effect with topology = \"mesh\"");
-            routes.reflector = false;
+            reflector = false;
         }
         let listeners = bind_all(&super::local::bind_addresses(listen, &next_hops))?;
-        let nodes = if cfg.datastore.is_kubernetes() {
-            NodeSource::KubeNodes(crate::k8s::peers::Peering {
-                port: listen.port(),
-                reflector_label: routes.reflector_label.clone(),
-            })
-        } else {
-            NodeSource::Records
-        };
         Ok(Self {
             listeners,
             nodes,
-            me: cfg.node_name.clone(),
-            cfg: routes,
-            pools: cfg.pools.iter().map(|p| (p.cidr, p.vxlan)).collect(),
-            blocks: cfg.node_pools(),
+            me: s.me,
+            listen,
+            topology: s.topology,
+            reflector,
+            grace: s.grace,
+            pools: s.pools,
+            blocks: s.blocks,
             next_hops,
             endpoint,
             subnets: super::local::subnets(),
@@ -171,16 +138,19 @@ impl Start {
     }
 }
 
-/// Route distribution's TLS material from `[routes]`: none in plain text (or with routes
-/// off); the files, read and checked now (a bad file stops the agent); or, with
-/// `routes.tls.source = "kubernetes"`, empty until [`crate::k8s::certificates`] fills it.
-pub fn tls_for(cfg: &AgentConfig) -> Result<Option<Arc<LiveTls>>, RoutesError> {
-    if !cfg.routes.enabled || cfg.routes.plaintext {
+/// Route distribution's TLS material: none in plain text (`tls` is `None`); the files, read
+/// and checked now (a bad file stops the agent); or, with [`CertSource::Kubernetes`], empty
+/// until [`crate::k8s::certificates`] fills it.
+pub fn tls_for(
+    me: &str,
+    tls: Option<&super::settings::TlsSettings>,
+) -> Result<Option<Arc<LiveTls>>, RoutesError> {
+    let Some(tls) = tls else {
         return Ok(None);
-    }
-    Ok(Some(match cfg.routes.tls.source {
-        CertSource::Files => LiveTls::from_files(&cfg.routes.tls, &cfg.node_name)?,
-        CertSource::Kubernetes => LiveTls::pending(&cfg.node_name, CertSource::Kubernetes),
+    };
+    Ok(Some(match tls.source {
+        CertSource::Files => LiveTls::from_files(&tls.files, me)?,
+        CertSource::Kubernetes => LiveTls::pending(me, CertSource::Kubernetes),
     }))
 }
 
@@ -203,7 +173,7 @@ enum Ask {
     Report(oneshot::Sender<RoutesReport>),
     Metrics(oneshot::Sender<String>),
     /// New pools for the rule for blocks (a reload).
-    Pools(Vec<crate::ipam::Pool>),
+    Pools(Vec<calix_core::ipam::Pool>),
 }
 
 enum ViewInput {
@@ -221,7 +191,7 @@ pub async fn start(
     let (server_tls, client_tls) = match &s.tls {
         Some(m) => (Some(m.server_config()?), Some(m.client_config()?)),
         None => {
-            tracing::warn!(listen = %s.cfg.listen, "routes: PLAIN TEXT between nodes (routes.plaintext = true): peers are not authenticated; use only on a network you trust");
+            tracing::warn!(listen = %s.listen, "routes: PLAIN TEXT between nodes (routes.plaintext = true): peers are not authenticated; use only on a network you trust");
             (None, None)
         }
     };
@@ -232,12 +202,12 @@ pub async fn start(
         .map(|a| a.to_string())
         .collect();
     tracing::info!(listen = ?listening, endpoint = %s.endpoint, tls = server_tls.is_some(),
-        topology = ?s.cfg.topology, reflector = s.cfg.reflector, "routes: serving calix.v1.Routes");
+        topology = ?s.topology, reflector = s.reflector, "routes: serving calix.v1.Routes");
     let (shutdown, shutdown_rx) = watch::channel(false);
     let feeds = Arc::new(Feeds {
         own: Arc::new(Feed::default()),
         relay: Arc::new(Feed::default()),
-        reflector: s.cfg.reflector,
+        reflector: s.reflector,
     });
     let known = Arc::new(Known::default());
     let stats = Arc::new(DoorStats::default());
@@ -259,7 +229,7 @@ pub async fn start(
     tokio::spawn(watch_part(
         store.clone(),
         Part::Blocks,
-        NodeSource::Records,
+        Arc::new(Records),
         view_tx.clone(),
     ));
     tokio::spawn(watch_part(
@@ -277,9 +247,9 @@ pub async fn start(
     let (peer_tx, peer_rx) = mpsc::channel(1024);
     let engine = Engine::new(Settings {
         me: s.me.clone(),
-        topology: s.cfg.topology,
-        reflector: s.cfg.reflector,
-        grace: Duration::from_secs(s.cfg.grace_secs),
+        topology: s.topology,
+        reflector: s.reflector,
+        grace: s.grace,
         settle: SETTLE,
         next_hops: s.next_hops,
         pools: s.pools,
@@ -336,7 +306,7 @@ impl RoutesHandle {
 
     /// New pools (a reload, an IPPool change): the blocks are sorted again by the rule for
     /// blocks, and every route judged again.
-    pub async fn set_block_pools(&self, pools: Vec<crate::ipam::Pool>) {
+    pub async fn set_block_pools(&self, pools: Vec<calix_core::ipam::Pool>) {
         let _ = self.requests.send(Ask::Pools(pools)).await;
     }
 
@@ -556,8 +526,8 @@ impl Loop {
                 .tls
                 .as_ref()
                 .map(|t| t.status(std::time::SystemTime::now())),
-            own: &self.feeds.own,
-            relay: &self.feeds.relay,
+            own: &*self.feeds.own,
+            relay: &*self.feeds.relay,
             handed,
             subnets: &self.subnets,
             door: self.stats.counts(),
@@ -574,7 +544,7 @@ impl Loop {
 }
 
 /// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
-fn peer_nodes(view: &super::view::View, me: &str) -> PeerNodes {
+fn peer_nodes(view: &calix_core::routes::view::View, me: &str) -> PeerNodes {
     let mut out = PeerNodes::default();
     for n in view.nodes().filter(|n| n.record.name != me) {
         out.addresses.extend(n.addresses.iter().copied());
@@ -647,7 +617,7 @@ async fn hand_over(
 async fn watch_part(
     store: Arc<dyn Datastore>,
     part: Part,
-    nodes: NodeSource,
+    nodes: Arc<dyn NodeSource>,
     tx: mpsc::Sender<ViewInput>,
 ) {
     let prefix = match part {
@@ -750,8 +720,26 @@ pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::routes::view::tests::node_kv;
-    use crate::routes::view::View;
+    use calix_core::model::NodeRecord;
+    use calix_core::routes::view::View;
+    use calix_core::store::keys;
+
+    /// Node `name`'s record (its Routes endpoint on its first address, port 5474).
+    fn node_kv(name: &str, addresses: &[&str], reflector: bool) -> KeyValue {
+        let r = NodeRecord {
+            name: name.into(),
+            addresses: addresses.iter().map(|a| a.to_string()).collect(),
+            routes_endpoint: format!("{}:5474", addresses.first().copied().unwrap_or("")),
+            reflector,
+            ..Default::default()
+        };
+        KeyValue {
+            key: keys::node(name),
+            value: serde_json::to_vec(&r).expect("json"),
+            revision: 1,
+            created: 1,
+        }
+    }
 
     #[test]
     fn the_other_nodes_are_every_recorded_node_but_this_one() {

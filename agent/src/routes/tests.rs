@@ -5,19 +5,20 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use calix_core::routes::peers::Target;
+use calix_core::update::PeerEvent;
+use calix_core::Route;
 use calix_testbed::tls::Ca;
 use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
 
 use super::client::{self, Dialer, PeerMessage};
-use super::engine::PeerEvent;
+use super::door::{DoorStats, Known};
 use super::feed::Feed;
-use super::listener::{self, DoorStats, Limits};
-use super::peers::Target;
-use super::server::{Feeds, Known, RoutesSvc};
+use super::listener::{self, Limits};
+use super::server::{Feeds, RoutesSvc};
 use super::tls::{LiveTls, TlsMaterial};
-use super::Route;
-use crate::config::CertSource;
+use crate::routes::tls::CertSource;
 
 fn material(ca: &Ca, name: &str) -> TlsMaterial {
     let c = ca.issue(name).expect("cert");
@@ -521,7 +522,7 @@ async fn strangers_are_refused_before_tls_and_one_nodes_flood_leaves_the_others_
         me: "b".into(),
         tls: Some(material(&ca, "b").client_config().expect("client")),
         connect_timeout: Duration::from_secs(3),
-        source: super::advertise::NextHops {
+        source: calix_core::routes::advertise::NextHops {
             v4: Some("127.0.0.2".parse().expect("ip")),
             v6: None,
         },
@@ -595,7 +596,7 @@ async fn a_snapshot_larger_than_the_window_arrives() {
             (r.prefix, r)
         })
         .collect();
-    let messages = super::wire::encode_snapshot(&super::feed::Snapshot {
+    let messages = calix_core::wire::encode_snapshot(&calix_core::update::Snapshot {
         generation: 1,
         routes: set.values().cloned().collect(),
     });

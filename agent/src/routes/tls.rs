@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 
+use calix_core::routes::report::CertStatus;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::client::{ResolvesClientCert, WebPkiServerVerifier};
 use rustls::crypto::CryptoProvider;
@@ -29,8 +30,27 @@ use rustls::{ServerConfig, SignatureScheme};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::config::{CertSource, TlsConfig};
 use crate::pki::cert::{self, CertFacts, NameError};
+
+/// Where a node's route-distribution certificate comes from (`routes.tls.source`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CertSource {
+    /// PEM files ([`TlsFiles`]).
+    #[default]
+    Files,
+    /// A key made on this node and its certificate through the Kubernetes API
+    /// (`crate::k8s::certificates`).
+    Kubernetes,
+}
+
+/// This node's certificate (chain), its key and the CA, as PEM files (`routes.tls.{cert,key,ca}`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -98,7 +118,7 @@ fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
 
 impl TlsMaterial {
     /// Reads the PEM files of `routes.tls`; the certificate must name node `me` alone.
-    pub fn load(files: &TlsConfig, me: &str) -> Result<Self, TlsError> {
+    pub fn load(files: &TlsFiles, me: &str) -> Result<Self, TlsError> {
         let m = Self::from_pem(
             (&files.ca, &read("ca", &files.ca)?),
             (&files.cert, &read("cert", &files.cert)?),
@@ -211,27 +231,6 @@ pub fn server_name(node: &str) -> Result<ServerName<'static>, TlsError> {
     }
 }
 
-/// What `calixctl nodes` and `/metrics` show of this node's certificate.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct CertStatus {
-    /// `files` or `kubernetes`.
-    pub source: String,
-    /// Its serial (hex); `None` while there is none.
-    pub serial: Option<String>,
-    /// Its end of validity, seconds since the epoch.
-    pub not_after: Option<i64>,
-    /// Seconds it is still valid (negative: expired).
-    pub expires_in_secs: Option<i64>,
-    /// The trust bundle is known.
-    pub bundle: bool,
-    /// Certificates put in place since the agent started (the first included).
-    pub issued: u64,
-    /// Attempts to get one that failed.
-    pub failures: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub last_error: Option<String>,
-}
-
 /// This node's live TLS material: the trust bundle and its certificate with key, either of
 /// which may be replaced at any time (see the module doc).
 pub struct LiveTls {
@@ -280,7 +279,7 @@ impl LiveTls {
 
     /// From PEM files, checked: the certificate must name node `me` alone and chain to the
     /// CA file.
-    pub fn from_files(files: &TlsConfig, me: &str) -> Result<Arc<Self>, TlsError> {
+    pub fn from_files(files: &TlsFiles, me: &str) -> Result<Arc<Self>, TlsError> {
         let m = TlsMaterial::load(files, me)?;
         let live = Self::pending(me, CertSource::Files);
         live.set_roots(m.roots.clone())?;

@@ -18,9 +18,9 @@
 
 use std::time::Duration;
 
-use calix_agent::datastore::{
-    Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchEvent, WatchStream,
-};
+use calix_agent::datastore::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
+use calix_core::store::KeyValue;
+use calix_core::store::WatchEvent;
 use futures::StreamExt;
 
 /// The longest a case waits for one watch item.

@@ -1,8 +1,8 @@
 //! The custom resources of group `calix.dev`, defined once: each one's spec IS the record calix
-//! stores under the matching key (`crate::ipam::Block`, `crate::ipam::HandleRecord`,
-//! `crate::model::NodeRecord`, `crate::model::EndpointRecord`, `crate::config::PoolConfig`),
+//! stores under the matching key (`calix_core::ipam::Block`, `calix_core::ipam::HandleRecord`,
+//! `calix_core::model::NodeRecord`, `calix_core::model::EndpointRecord`, `calix_core::ipam::pool::PoolSpec`),
 //! so the OpenAPI schema the API server validates against is generated from the same Rust types
-//! the agent reads and writes (`crate::ipam::AffinityRecord` for `BlockAffinity`). [`manifests`] renders the CustomResourceDefinitions that
+//! the agent reads and writes (`calix_core::ipam::AffinityRecord` for `BlockAffinity`). [`manifests`] renders the CustomResourceDefinitions that
 //! `charts/calix/crds/` holds (a test keeps those files current: `crds_are_current`).
 //!
 //! The store itself reads and writes these objects untyped (`kube::core::DynamicObject`): it
@@ -13,9 +13,9 @@ use kube::CustomResourceExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::config::PoolConfig;
-use crate::ipam::{AffinityRecord, Block, HandleRecord};
-use crate::model::{EndpointRecord, NodeRecord};
+use calix_core::ipam::pool::PoolSpec;
+use calix_core::ipam::{AffinityRecord, Block, HandleRecord};
+use calix_core::model::{EndpointRecord, NodeRecord};
 
 /// An IPAM block: its CIDR, the node it is affine to, every allocation in it and its next
 /// sequence number. The one object an IPAM write commits.
@@ -141,7 +141,7 @@ pub struct CalixEndpointSpec {
 )]
 pub struct IPPoolSpec {
     #[serde(flatten)]
-    pub pool: PoolConfig,
+    pub pool: PoolSpec,
 }
 
 /// Every CRD, with the file name it has under `charts/calix/crds/`.

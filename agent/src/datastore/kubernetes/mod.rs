@@ -33,6 +33,7 @@ mod watch;
 use std::future::Future;
 use std::time::Duration;
 
+use calix_core::store::KeyValue;
 use kube::api::{
     Api, DeleteParams, DynamicObject, ListParams, PostParams, Preconditions, VersionMatch,
 };
@@ -40,7 +41,7 @@ use kube::core::Status;
 use serde_json::Value;
 
 use self::kinds::{kind_of, kinds_under, Kind};
-use super::{Compare, Datastore, DatastoreError, Durability, KeyValue, Op, WatchStream};
+use super::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 pub use client::{connect, KubeConfig};
 
 const BACKEND: &str = "kubernetes";

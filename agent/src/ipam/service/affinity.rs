@@ -7,12 +7,13 @@
 //! and by housekeeping after a failure (and every `REPAIR_EVERY` passes).
 use std::collections::{BTreeMap, BTreeSet};
 
+use calix_core::ipam::AffinityRecord;
+use calix_core::store::keys;
 use ipnet::IpNet;
 
 use super::{Inner, IpamService};
-use crate::datastore::{keys, Compare, Durability, Op};
+use crate::datastore::{Compare, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::AffinityRecord;
 
 impl IpamService {
     /// This node's blocks, by the view.

@@ -12,13 +12,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use calix_core::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held, PoolChoice};
+use calix_core::store::keys;
 use calix_proto::handle;
 use ipnet::IpNet;
 
 use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
-use crate::datastore::{keys, Compare, DatastoreError, Durability, Op};
+use crate::datastore::{Compare, DatastoreError, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held, PoolChoice};
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
 /// handle, or for a handle of the previous plugin's encoding, with the container ID stored
@@ -137,7 +138,7 @@ impl IpamService {
                 };
                 if let Some(r) = requested.iter().find(|a| a.is_ipv4() == fam) {
                     if *r != h.addr {
-                        return Err(crate::ipam::IpamError::HeldOther {
+                        return Err(calix_core::ipam::IpamError::HeldOther {
                             handle: handle.into(),
                             ifname: ifname.into(),
                             held: h.addr,
@@ -309,7 +310,7 @@ impl IpamService {
     fn landed(
         &self,
         inner: &Inner,
-        pools: &[crate::ipam::Pool],
+        pools: &[calix_core::ipam::Pool],
         handle: &str,
         ifname: &str,
         v4: bool,
@@ -771,7 +772,7 @@ impl IpamService {
                     .is_some_and(|r| r.revision != 0);
             if !has_object {
                 let next_seq = inner.ipam.retired.get(&key).map_or(1, |r| r.next_seq);
-                let mut released = crate::ipam::Block::new(cidr, "");
+                let mut released = calix_core::ipam::Block::new(cidr, "");
                 released.next_seq = next_seq;
                 let bkey = keys::block(&cidr);
                 let put = self
@@ -824,7 +825,10 @@ impl IpamService {
     /// ID; ifname) `stale` says the runtime no longer has. The runtime's list is authoritative,
     /// so this is immediate (leak GC, for allocations nobody vouches for, waits a grace
     /// period). Returns the released addresses.
-    pub async fn gc(&self, stale: &crate::model::IsStale<'_>) -> Result<Vec<IpAddr>, AgentError> {
+    pub async fn gc(
+        &self,
+        stale: &calix_core::model::IsStale<'_>,
+    ) -> Result<Vec<IpAddr>, AgentError> {
         let mut inner = self.inner.lock().await;
         self.refresh_blocks(&mut inner).await?;
         let handles: BTreeSet<(String, String)> = inner

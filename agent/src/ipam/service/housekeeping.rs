@@ -6,10 +6,12 @@ use std::collections::HashSet;
 use std::net::IpAddr;
 use std::time::Instant;
 
+use calix_core::ipam::Pool;
+use calix_core::store::keys;
+
 use super::{Inner, IpamService};
-use crate::datastore::{keys, Compare, Durability, Op};
+use crate::datastore::{Compare, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::Pool;
 
 /// Who uses this node's addresses: the endpoints, each as (IPAM handle, ifname). Leak GC
 /// releases an allocation only when neither the endpoints in memory nor, rechecked just
@@ -190,8 +192,8 @@ impl IpamService {
             .filter(|(i, _)| {
                 matches!(
                     i.rule,
-                    crate::ipam::wellformed::Rule::BlockSize
-                        | crate::ipam::wellformed::Rule::OutsidePools
+                    calix_core::ipam::wellformed::Rule::BlockSize
+                        | calix_core::ipam::wellformed::Rule::OutsidePools
                 ) && i.allocations.is_empty()
                     && (i.affinity == me || i.affinity.is_empty())
             })

@@ -13,14 +13,16 @@ use std::net::IpAddr;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use calix_core::ipam::allocator::IpamState;
+use calix_core::ipam::wellformed::{self, Ignored, Rule};
+use calix_core::ipam::{Block, IpamError, Policy, Pool, Retired};
+use calix_core::model::NodeRecord;
+use calix_core::store::keys;
 use ipnet::IpNet;
 use tokio::sync::Mutex;
 
-use crate::datastore::{keys, Datastore, Durability, Op};
+use crate::datastore::{Datastore, Durability, Op};
 use crate::error::AgentError;
-use crate::ipam::wellformed::{self, Ignored, Rule};
-use crate::ipam::{Block, IpamError, IpamState, Policy, Pool, Retired};
-use crate::model::NodeRecord;
 
 pub use housekeeping::{AddressUsers, Swept};
 pub use report::{BlockUse, CheckReport, Finding, IpamReport, NodeUse, PoolUse};
@@ -480,7 +482,7 @@ impl IpamService {
     /// view keeps clear of.
     fn creatable(&self, ipam: &IpamState, key: &str, b: &Block) -> Result<(), String> {
         wellformed::check(&keys::block(&b.cidr), b, &self.pools()).map_err(|(_, d)| d)?;
-        let overlaps = |other: &IpNet| crate::ipam::allocator::overlap(&b.cidr, other);
+        let overlaps = |other: &IpNet| calix_core::ipam::overlap(&b.cidr, other);
         if let Some(o) = ipam
             .blocks
             .iter()

@@ -3,14 +3,15 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::IpAddr;
 
+use calix_core::ipam::wellformed::{self, Ignored};
+use calix_core::ipam::{AffinityRecord, Block, HandleRecord, Pool};
+use calix_core::model::{EndpointRecord, NodeRecord};
+use calix_core::store::keys;
 use serde::{Deserialize, Serialize};
 
 use super::IpamService;
-use crate::datastore::{keys, Datastore};
+use crate::datastore::Datastore;
 use crate::error::AgentError;
-use crate::ipam::wellformed::{self, Ignored};
-use crate::ipam::{AffinityRecord, Block, HandleRecord, Pool};
-use crate::model::{EndpointRecord, NodeRecord};
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolUse {
@@ -158,7 +159,7 @@ pub async fn snapshot(store: &dyn Datastore, pools: &[Pool]) -> Result<Snapshot,
     let mut unreadable: Vec<(String, String)> = Vec::new();
     /// `kv` decoded, or `None` and `kv` in `bad`.
     fn typed<T: for<'de> Deserialize<'de>>(
-        kv: &crate::datastore::KeyValue,
+        kv: &calix_core::store::KeyValue,
         bad: &mut Vec<(String, String)>,
     ) -> Option<T> {
         match kv.decode::<T>() {

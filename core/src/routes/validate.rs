@@ -12,7 +12,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::view::View;
-use super::Route;
+use crate::Route;
 
 /// Why a route was refused. Each has a stable name (metrics, calixctl).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -1,9 +1,11 @@
+//! The route engine as a whole, time passed in: learning, validating, advertising and
+//! withdrawing routes, graceful restart, the guard, at scale (a hundred peers).
 use std::net::IpAddr;
 
 use super::*;
-use crate::datastore::keys;
 use crate::routes::view::tests::{block_kv, node_kv, put};
-use crate::routes::wire::WireError;
+use crate::store::keys;
+use crate::update::WireError;
 
 const GRACE: Duration = Duration::from_secs(120);
 

@@ -30,7 +30,7 @@ use std::ops::RangeInclusive;
 use ipnet::IpNet;
 
 use super::{Block, Pool};
-use crate::datastore::{keys, KeyValue};
+use crate::store::{keys, KeyValue};
 
 /// Block sizes a pool may have, IPv4 and IPv6 (the config refuses others).
 pub const fn block_sizes(v4: bool) -> RangeInclusive<u8> {

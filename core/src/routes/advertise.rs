@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::view::View;
-use super::Route;
+use crate::Route;
 
 /// This node's addresses, the next hops of its routes (at most one per family).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

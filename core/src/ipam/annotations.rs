@@ -18,7 +18,7 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::ipam::PoolChoice;
+use super::PoolChoice;
 use crate::selector::LabelSelector;
 
 pub const IPV4_POOLS: &str = "calix.dev/ipv4pools";

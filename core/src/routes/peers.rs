@@ -3,8 +3,20 @@
 //! its own routes and every other agent follows the reflectors for everything they relay.
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
 use super::view::View;
-use crate::config::Topology;
+
+/// Who follows whom (`routes.topology`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Topology {
+    /// Every node follows every other.
+    #[default]
+    Mesh,
+    /// Nodes follow only the route reflectors, which follow everyone.
+    Reflectors,
+}
 
 /// A peer to follow.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,8 +57,8 @@ pub fn wanted(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datastore::{keys, KeyValue};
     use crate::routes::view::tests::{node_kv, put};
+    use crate::store::{keys, KeyValue};
 
     fn view() -> View {
         let mut v = crate::routes::view::tests::view();

@@ -23,15 +23,16 @@ use std::time::{Duration, Instant};
 use ipnet::IpNet;
 
 use super::advertise::{self, NextHops};
+use super::peers::Topology;
 use super::peers::{self, Target};
 use super::session::Session;
 use super::validate::{validate, Refusal};
 use super::view::{Part, Touched, View};
-use super::Route;
-use crate::config::{Topology, VxlanMode};
-use crate::datastore::{KeyValue, WatchEvent};
+use crate::ipam::pool::VxlanMode;
 use crate::reconcile::remote::{self, Guarded, RemoteRoute};
-pub use calix_core::update::{PeerEvent, Unused};
+use crate::store::{KeyValue, WatchEvent};
+use crate::update::{PeerEvent, Unused};
+use crate::Route;
 
 /// What route distribution is configured with.
 #[derive(Debug, Clone)]

@@ -9,13 +9,60 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::engine::{Engine, Verdict};
-use super::feed::Feed;
-use super::listener::DoorCounts;
-use super::tls::CertStatus;
+use super::peers::Topology;
 use super::validate::Refusal;
-use super::wire::WireError;
-use crate::config::{Topology, VxlanMode};
+use crate::ipam::pool::VxlanMode;
 use crate::reconcile::remote::RemoteRoute;
+use crate::update::WireError;
+use crate::Route;
+
+/// A set of routes this agent serves to its watchers (the agent's feed), as the report reads
+/// it.
+pub trait Served {
+    /// Each route with when it took its current value.
+    fn with_ages(&self) -> Vec<(Route, Instant)>;
+    /// How many routes it holds.
+    fn routes(&self) -> usize;
+    /// Watchers subscribed now.
+    fn watchers(&self) -> usize;
+}
+
+/// What `calixctl nodes` and `/metrics` show of this node's certificate.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct CertStatus {
+    /// `files` or `kubernetes`.
+    pub source: String,
+    /// Its serial (hex); `None` while there is none.
+    pub serial: Option<String>,
+    /// Its end of validity, seconds since the epoch.
+    pub not_after: Option<i64>,
+    /// Seconds it is still valid (negative: expired).
+    pub expires_in_secs: Option<i64>,
+    /// The trust bundle is known.
+    pub bundle: bool,
+    /// Certificates put in place since the agent started (the first included).
+    pub issued: u64,
+    /// Attempts to get one that failed.
+    pub failures: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// What the Routes door saw (its counters, read at one time).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DoorCounts {
+    /// Connections that passed the handshake.
+    pub accepted: u64,
+    /// Closed at once, before TLS: the source is no address of a known node.
+    #[serde(default)]
+    pub refused_unknown: u64,
+    /// Closed at once: too many connections (in total, from one address, or handshaking).
+    pub refused_busy: u64,
+    /// TLS handshakes that failed or timed out (missing, untrusted or bad certificates).
+    pub refused_tls: u64,
+    /// Watches refused: the certificate does not name the node asked for, or no such node.
+    pub refused_identity: u64,
+}
 
 /// Route distribution on this node.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -170,8 +217,8 @@ pub struct Context<'a> {
     pub endpoint: &'a str,
     /// This node's certificate; `None`: plain text.
     pub tls: Option<CertStatus>,
-    pub own: &'a Feed,
-    pub relay: &'a Feed,
+    pub own: &'a dyn Served,
+    pub relay: &'a dyn Served,
     /// The last set handed to the reconciler: routes, complete, when.
     pub handed: Option<(std::sync::Arc<Vec<RemoteRoute>>, bool, Instant)>,
     pub subnets: &'a [IpNet],
@@ -286,7 +333,7 @@ pub fn build(e: &Engine, cx: &Context<'_>, now: Instant) -> RoutesReport {
         synced: e.synced(),
         complete: e.complete(),
         advertised,
-        relayed: if s.reflector { cx.relay.len() } else { 0 },
+        relayed: if s.reflector { cx.relay.routes() } else { 0 },
         learned,
         desired,
         desired_complete,
@@ -358,7 +405,7 @@ pub fn counts(e: &Engine, cx: &Context<'_>) -> Counts {
         peers,
         learned,
         desired: cx.handed.as_ref().map_or(0, |h| h.0.len()),
-        advertised: cx.own.len(),
+        advertised: cx.own.routes(),
         complete: e.complete(),
         refusals: e
             .refusals()
@@ -496,11 +543,12 @@ mod tests {
     /// calixctl's message) as large: a few of them are listed, the rest counted.
     #[test]
     fn routes_not_accepted_are_listed_up_to_a_cap_per_peer() {
-        use crate::config::Topology;
         use crate::routes::advertise::NextHops;
-        use crate::routes::engine::{PeerEvent, Settings, Unused, SETTLE};
+        use crate::routes::engine::{Settings, SETTLE};
+        use crate::routes::peers::Topology;
         use crate::routes::view::tests::node_kv;
         use crate::routes::view::Part;
+        use crate::update::{PeerEvent, Unused};
         let t0 = Instant::now();
         let mut e = Engine::new(Settings {
             me: "a".into(),
@@ -525,7 +573,7 @@ mod tests {
         e.view_listed(Part::Blocks, &[]);
         e.flush(t0);
         let routes = (0..LISTED_UNUSED as u32 + 50)
-            .map(|i| crate::routes::Route {
+            .map(|i| crate::Route {
                 prefix: ipnet::IpNet::from(IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + i))),
                 node: "b".into(),
                 next_hop: "172.31.1.2".parse().expect("ip"),
@@ -541,7 +589,20 @@ mod tests {
             t0,
         );
         e.flush(t0);
-        let feed = Feed::default();
+        /// Nothing served.
+        struct NoRoutes;
+        impl Served for NoRoutes {
+            fn with_ages(&self) -> Vec<(Route, Instant)> {
+                Vec::new()
+            }
+            fn routes(&self) -> usize {
+                0
+            }
+            fn watchers(&self) -> usize {
+                0
+            }
+        }
+        let feed = NoRoutes;
         let cx = Context {
             endpoint: "172.31.1.1:5474",
             tls: None,

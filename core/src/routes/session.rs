@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use ipnet::IpNet;
 
-use super::Route;
+use crate::Route;
 
 /// The state of a peer's stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -15,10 +15,10 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::datastore::{keys, KeyValue, WatchEvent};
 use crate::ipam::wellformed::{self, Ignored, Rule};
 use crate::ipam::{Block, Pool};
 use crate::model::NodeRecord;
+use crate::store::{keys, KeyValue, WatchEvent};
 
 /// One block, as far as routes care.
 #[derive(Debug, Clone, PartialEq, Eq)]
