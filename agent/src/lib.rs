@@ -2,7 +2,9 @@
 //! calixctl shares with it.
 pub mod config;
 pub mod dataplane;
-pub mod datastore;
+/// The datastore is its own crate (layer 2); re-exported so `crate::datastore::…` paths keep
+/// working.
+pub use calix_datastore as datastore;
 pub mod endpoints;
 pub mod error;
 pub mod grpc;

@@ -729,7 +729,9 @@ mod tests {
         if std::env::var_os(CHILD).is_some() {
             return true;
         }
-        let full = format!("datastore::embedded::tests::{name}");
+        // The test's path in the binary: this module's, without the crate's name.
+        let module = module_path!().split_once("::").map_or("", |(_, m)| m);
+        let full = format!("{module}::{name}");
         let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
             .args([full.as_str(), "--exact", "--nocapture", "--test-threads=1"])
             .env(CHILD, "1")

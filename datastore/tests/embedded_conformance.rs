@@ -5,7 +5,7 @@ mod conformance;
 
 use std::path::PathBuf;
 
-use calix_agent::datastore::EmbeddedStore;
+use calix_datastore::EmbeddedStore;
 
 /// An embedded store in a directory of its own; a restart drops it and opens the same files.
 struct Embedded {

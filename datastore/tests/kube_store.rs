@@ -13,13 +13,11 @@ mod conformance;
 use std::sync::Arc;
 use std::time::Duration;
 
-use calix_agent::datastore::follow::Follower;
-use calix_agent::datastore::{
-    Compare, Datastore, DatastoreError, Durability, KubeConfig, KubeStore, Op,
-};
 use calix_core::ipam::{Allocation, Block, HandleRecord, Held};
 use calix_core::model::{EndpointRecord, NodeRecord};
 use calix_core::store::WatchEvent;
+use calix_datastore::follow::Follower;
+use calix_datastore::{Compare, Datastore, DatastoreError, Durability, KubeConfig, KubeStore, Op};
 use calix_proto::etcd::etcdserverpb::{kv_client::KvClient, CompactionRequest};
 use calix_testbed::KubeApi;
 use futures::StreamExt;

@@ -18,9 +18,9 @@
 
 use std::time::Duration;
 
-use calix_agent::datastore::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 use calix_core::store::KeyValue;
 use calix_core::store::WatchEvent;
+use calix_datastore::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 use futures::StreamExt;
 
 /// The longest a case waits for one watch item.

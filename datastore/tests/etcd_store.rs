@@ -13,9 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use calix_agent::datastore::{
-    Compare, Datastore, DatastoreError, Durability, EtcdConfig, EtcdStore, Op,
-};
+use calix_datastore::{Compare, Datastore, DatastoreError, Durability, EtcdConfig, EtcdStore, Op};
 use calix_proto::etcd::etcdserverpb::{kv_client::KvClient, CompactionRequest};
 use futures::StreamExt;
 
@@ -297,7 +295,7 @@ async fn down_etcd_fails_bounded_then_recovers() {
     assert!(started.elapsed() < Duration::from_millis(300));
     let started = Instant::now();
     match db.get("a").await {
-        Err(calix_agent::datastore::DatastoreError::Unavailable {
+        Err(calix_datastore::DatastoreError::Unavailable {
             backend, attempts, ..
         }) => assert_eq!((backend, attempts), ("etcd", 3)),
         other => panic!("expected Unavailable, got {other:?}"),
@@ -337,7 +335,7 @@ async fn down_etcd_fails_bounded_then_recovers() {
 
     assert!(matches!(
         EtcdStore::connect(config("not a url".into(), "/calix/", 300, 3)).await,
-        Err(calix_agent::datastore::DatastoreError::Unavailable { attempts: 0, .. })
+        Err(calix_datastore::DatastoreError::Unavailable { attempts: 0, .. })
     ));
 }
 

@@ -138,7 +138,7 @@ impl Follower {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datastore::{Durability, EmbeddedStore, Op};
+    use crate::{Durability, EmbeddedStore, Op};
 
     async fn put(db: &EmbeddedStore, key: &str, v: &str) -> i64 {
         db.txn(

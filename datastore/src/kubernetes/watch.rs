@@ -27,7 +27,7 @@ use kube::api::{Api, DynamicObject, WatchEvent as KubeEvent, WatchParams};
 
 use super::kinds::{kinds_under, Kind};
 use super::{key_value, object_revision, KubeStore, BACKEND};
-use crate::datastore::{Datastore, DatastoreError, WatchStream};
+use crate::{Datastore, DatastoreError, WatchStream};
 
 /// How long the server keeps one watch request open (kube accepts less than 295 s).
 pub const WATCH_SECS: u32 = 240;

@@ -11,7 +11,7 @@
 //! | `k8s/servicecidrs/<name>` | networking.k8s.io/v1 ServiceCIDR | [`ServiceCidrView`] |
 //! | `k8s/namespaces/<name>` | core/v1 Namespace | [`NamespaceView`] |
 //!
-//! A write to one of these keys is refused ([`crate::datastore::DatastoreError::ReadOnly`]).
+//! A write to one of these keys is refused ([`crate::DatastoreError::ReadOnly`]).
 use std::collections::BTreeMap;
 
 use kube::api::DynamicObject;

@@ -211,7 +211,7 @@ mod tests {
     /// One CRD as the YAML file the chart ships.
     fn to_yaml(crd: &CustomResourceDefinition) -> String {
         let body = serde_saphyr::to_string(crd).expect("CRD as YAML");
-        format!("# Generated from agent/src/datastore/kubernetes/crds.rs: do not edit (CALIX_UPDATE_CRDS=1 cargo test -p calix-agent --lib crds_are_current).\n{body}")
+        format!("# Generated from datastore/src/kubernetes/crds.rs: do not edit (CALIX_UPDATE_CRDS=1 cargo test -p calix-datastore --lib crds_are_current).\n{body}")
     }
 
     /// The manifests under charts/calix/crds/ are what the types say. Run with

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::datastore::DatastoreError;
+use crate::DatastoreError;
 
 /// How to reach the API server.
 #[derive(Debug, Clone, PartialEq, Eq)]
