@@ -27,27 +27,30 @@ pub mod client;
 pub mod crds;
 pub mod kinds;
 pub mod names;
+mod objects;
+mod retry;
+#[cfg(test)]
+mod tests;
 pub mod views;
 mod watch;
 
-use std::future::Future;
 use std::time::Duration;
 
 use calix_core::store::KeyValue;
 use kube::api::{
     Api, DeleteParams, DynamicObject, ListParams, PostParams, Preconditions, VersionMatch,
 };
-use kube::core::Status;
 use serde_json::Value;
 
 use self::kinds::{kind_of, kinds_under, Kind};
-use super::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
+use self::objects::{
+    check_key, key_value, list_revision, object_revision, one_object, spec_of, written,
+};
+use self::retry::{crd_missing, unexpected_conflict, Answer};
+use crate::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
 pub use client::{connect, KubeConfig};
 
 const BACKEND: &str = "kubernetes";
-/// First pause between attempts; it doubles after each failed attempt, up to [`MAX_BACKOFF`].
-const FIRST_BACKOFF: Duration = Duration::from_millis(50);
-const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Objects per page of a listing.
 const PAGE: u32 = 500;
 
@@ -59,16 +62,6 @@ pub struct KubeStore {
     attempts: u32,
     /// How long the server keeps one watch request open ([`watch::WATCH_SECS`]).
     watch_secs: u32,
-}
-
-/// What one try of a request came to, before the store decides (a lost compare is an
-/// answer, not a failure).
-enum Answer<T> {
-    Done(T),
-    /// 404 Not Found.
-    Missing(Box<Status>),
-    /// 409: AlreadyExists or Conflict.
-    Lost,
 }
 
 impl KubeStore {
@@ -101,61 +94,6 @@ impl KubeStore {
 
     fn api(&self, kind: &Kind) -> Api<DynamicObject> {
         Api::all_with(self.client.clone(), &kind.api_resource())
-    }
-
-    /// Runs `call` with retries on transient failures, a timeout per try.
-    async fn retry<T, F, Fut>(&self, what: &str, call: F) -> Result<Answer<T>, DatastoreError>
-    where
-        F: Fn() -> Fut,
-        Fut: Future<Output = Result<T, kube::Error>>,
-    {
-        let mut backoff = FIRST_BACKOFF;
-        let mut detail = String::new();
-        for attempt in 1..=self.attempts {
-            match tokio::time::timeout(self.timeout, call()).await {
-                Ok(Ok(v)) => return Ok(Answer::Done(v)),
-                Ok(Err(kube::Error::Api(s))) if s.code == 404 => return Ok(Answer::Missing(s)),
-                Ok(Err(kube::Error::Api(s))) if s.code == 409 => return Ok(Answer::Lost),
-                // A server just (re)started answers before its authorizer has loaded the RBAC
-                // objects, refusing every ServiceAccount meanwhile: retried while it says it
-                // is not ready; from a ready one, a 403 is the answer.
-                Ok(Err(e @ kube::Error::Api(_))) if forbidden(&e) => {
-                    if self.ready().await {
-                        return Err(rejected(what, &e));
-                    }
-                    detail = format!("{what}: {e} (the API server is not ready yet)");
-                }
-                Ok(Err(e)) if !transient(&e) => return Err(rejected(what, &e)),
-                Ok(Err(e)) => detail = format!("{what}: {e}"),
-                Err(_) => detail = format!("{what}: no answer within {:?}", self.timeout),
-            }
-            if attempt < self.attempts {
-                tracing::warn!(
-                    attempt,
-                    attempts = self.attempts,
-                    ?backoff,
-                    "kubernetes {detail}; retrying"
-                );
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-            }
-        }
-        Err(DatastoreError::Unavailable {
-            backend: BACKEND,
-            attempts: self.attempts,
-            detail,
-        })
-    }
-
-    /// Whether the API server says it is ready (`/readyz` answers `ok`).
-    async fn ready(&self) -> bool {
-        let Ok(req) = http::Request::get("/readyz").body(Vec::new()) else {
-            return false;
-        };
-        matches!(
-            tokio::time::timeout(self.timeout, self.client.request_text(req)).await,
-            Ok(Ok(body)) if body.trim() == "ok"
-        )
     }
 
     /// The object at `key`, and its kind.
@@ -535,270 +473,5 @@ impl KubeStore {
             attempts: self.attempts.max(8),
             what: format!("put {key}"),
         })
-    }
-}
-
-/// The single (op, compare) of a transaction, on one key.
-fn one_object<'a>(
-    compares: &'a [Compare],
-    ops: &'a [Op],
-) -> Result<(&'a Op, Option<&'a Compare>), DatastoreError> {
-    let key_of_op = |op: &'a Op| match op {
-        Op::Put(k, _) | Op::Delete(k) => k.as_str(),
-    };
-    let key_of_compare = |c: &'a Compare| match c {
-        Compare::Absent(k) | Compare::Revision(k, _) => k.as_str(),
-    };
-    let mut keys: Vec<&str> = ops
-        .iter()
-        .map(key_of_op)
-        .chain(compares.iter().map(key_of_compare))
-        .collect();
-    keys.dedup();
-    match (ops, compares) {
-        ([op], []) => Ok((op, None)),
-        ([op], [c]) if key_of_op(op) == key_of_compare(c) => Ok((op, Some(c))),
-        _ => Err(DatastoreError::TooManyObjects {
-            backend: BACKEND,
-            keys: keys.into_iter().map(String::from).collect(),
-        }),
-    }
-}
-
-fn check_key(key: &str) -> Result<(), DatastoreError> {
-    if key.len() > kinds::MAX_KEY {
-        return Err(DatastoreError::BadValue {
-            key: key.chars().take(64).collect::<String>() + "…",
-            detail: format!("keys are at most {} bytes", kinds::MAX_KEY),
-        });
-    }
-    Ok(())
-}
-
-/// The record in `value` as an object's spec (a JSON object).
-fn spec_of(key: &str, value: &[u8]) -> Result<Value, DatastoreError> {
-    match serde_json::from_slice::<Value>(value) {
-        Ok(v @ Value::Object(_)) => Ok(v),
-        Ok(_) => Err(DatastoreError::BadValue {
-            key: key.into(),
-            detail: "the kubernetes datastore stores JSON objects (an object's spec)".into(),
-        }),
-        Err(e) => Err(DatastoreError::BadValue {
-            key: key.into(),
-            detail: format!("not JSON: {e}"),
-        }),
-    }
-}
-
-/// A stored object as a [`KeyValue`]. An object without a `spec` object (the CRDs' schemas
-/// require one, but a CRD can be replaced) still is one, its value that spec (`null` when
-/// missing): it is the reader's to refuse, and one such object never fails a listing.
-fn key_value(kind: &Kind, key: String, obj: &DynamicObject) -> Result<KeyValue, DatastoreError> {
-    let revision = object_revision(kind, obj)?;
-    let spec = kind.value_of(obj);
-    Ok(KeyValue {
-        value: serde_json::to_vec(&spec).unwrap_or_default(),
-        key,
-        revision,
-        created: created_of(obj),
-    })
-}
-
-/// The object's `creationTimestamp` in seconds (set by the API server at creation, kept by
-/// every update); 0 when it has none.
-pub(crate) fn created_of(obj: &DynamicObject) -> i64 {
-    obj.metadata
-        .creation_timestamp
-        .as_ref()
-        .map_or(0, |t| t.0.as_second())
-}
-
-/// The revision of a write: the object's new resourceVersion, once its spec is checked to be
-/// what was sent.
-fn written(
-    kind: &Kind,
-    key: &str,
-    sent: &Value,
-    obj: &DynamicObject,
-) -> Result<i64, DatastoreError> {
-    let revision = object_revision(kind, obj)?;
-    if obj.data.get("spec") != Some(sent) {
-        return Err(DatastoreError::BadValue {
-            key: key.into(),
-            detail: format!(
-                "the API server stored another {} than calix wrote (fields dropped or changed: \
-                 are the installed CRDs older than this agent? apply charts/calix/crds); \
-                 sent {sent}, stored {}",
-                kind.kind,
-                obj.data.get("spec").cloned().unwrap_or(Value::Null)
-            ),
-        });
-    }
-    Ok(revision)
-}
-
-fn object_revision(kind: &Kind, obj: &DynamicObject) -> Result<i64, DatastoreError> {
-    parse_revision(obj.metadata.resource_version.as_deref(), kind)
-}
-
-fn list_revision(
-    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ListMeta,
-    kind: &Kind,
-) -> Result<i64, DatastoreError> {
-    parse_revision(meta.resource_version.as_deref(), kind)
-}
-
-/// A resourceVersion as a revision (see the module doc).
-pub(crate) fn parse_revision(rv: Option<&str>, kind: &Kind) -> Result<i64, DatastoreError> {
-    rv.and_then(|r| r.parse::<i64>().ok())
-        .filter(|r| *r > 0)
-        .ok_or_else(|| DatastoreError::BadValue {
-            key: kind.plural.into(),
-            detail: format!(
-                "resourceVersion {rv:?} is not a positive number: this API server's storage is \
-                 not one calix can compare revisions on"
-            ),
-        })
-}
-
-/// A 403 Forbidden.
-fn forbidden(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 403)
-}
-
-/// Whether a failure may go away by itself.
-fn transient(e: &kube::Error) -> bool {
-    match e {
-        kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504),
-        kube::Error::HyperError(_)
-        | kube::Error::Service(_)
-        | kube::Error::ReadEvents(_)
-        | kube::Error::SerdeError(_) => true,
-        _ => false,
-    }
-}
-
-fn rejected(what: &str, e: &kube::Error) -> DatastoreError {
-    match e {
-        kube::Error::Api(s) => DatastoreError::Rejected {
-            backend: BACKEND,
-            what: what.into(),
-            code: s.code,
-            detail: format!("{}: {}", s.reason, s.message),
-        },
-        other => DatastoreError::Rejected {
-            backend: BACKEND,
-            what: what.into(),
-            code: 0,
-            detail: other.to_string(),
-        },
-    }
-}
-
-fn crd_missing(kind: &Kind, s: &Status) -> DatastoreError {
-    DatastoreError::Rejected {
-        backend: BACKEND,
-        what: format!("{}.{}", kind.plural, kinds::GROUP),
-        code: s.code,
-        detail: format!(
-            "{}: the CustomResourceDefinition is not installed (apply charts/calix/crds)",
-            s.message
-        ),
-    }
-}
-
-fn unexpected_conflict(what: &str) -> DatastoreError {
-    DatastoreError::Rejected {
-        backend: BACKEND,
-        what: what.into(),
-        code: 409,
-        detail: "conflict on a read".into(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use super::*;
-
-    /// A store over a scripted API server: each request's path is recorded and answered by
-    /// `answer` (status, body).
-    fn scripted(
-        answer: impl Fn(&str, usize) -> (u16, String) + Send + Sync + 'static,
-    ) -> (KubeStore, Arc<Mutex<Vec<String>>>) {
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let log = seen.clone();
-        let answer = Arc::new(answer);
-        let service = tower::service_fn(move |req: http::Request<kube::client::Body>| {
-            let path = req.uri().path().to_string();
-            let n = {
-                let mut log = log.lock().expect("lock");
-                log.push(path.clone());
-                log.iter().filter(|p| **p == path).count()
-            };
-            let (status, body) = answer(&path, n);
-            async move {
-                http::Response::builder()
-                    .status(status)
-                    .header("content-type", "application/json")
-                    .body(kube::client::Body::from(body.into_bytes()))
-            }
-        });
-        let client = kube::Client::new(service, "default");
-        (KubeStore::new(client, Duration::from_secs(2), 5), seen)
-    }
-
-    fn forbidden() -> (u16, String) {
-        (
-            403,
-            serde_json::json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                "reason": "Forbidden", "code": 403,
-                "message": "calixnodes.calix.dev \"n1\" is forbidden: User \"system:serviceaccount:kube-system:calix\" cannot get resource \"calixnodes\""})
-            .to_string(),
-        )
-    }
-
-    fn node_object() -> String {
-        serde_json::json!({"apiVersion": "calix.dev/v1", "kind": "CalixNode",
-            "metadata": {"name": "n1", "resourceVersion": "7",
-                "annotations": {"calix.dev/key": "nodes/n1"}},
-            "spec": {"name": "n1"}})
-        .to_string()
-    }
-
-    /// An API server just (re)started serves requests before its authorizer has loaded the
-    /// RBAC objects, refusing every ServiceAccount meanwhile (seen in kubernetes.rs's API server
-    /// restart, once agents no longer ran as system:masters): a 403 while /readyz is not ok is
-    /// retried; from a ready server it is the answer, at once.
-    #[tokio::test]
-    async fn a_403_is_retried_only_while_the_api_server_is_not_ready() {
-        let (store, seen) = scripted(|path, n| match path {
-            "/readyz" => (500, "[-]informer-sync failed".into()),
-            _ if n == 1 => forbidden(),
-            _ => (200, node_object()),
-        });
-        let got = store
-            .get("nodes/n1")
-            .await
-            .expect("the node record, once ready");
-        assert_eq!(got.expect("present").revision, 7);
-        assert!(seen.lock().expect("lock").contains(&"/readyz".to_string()));
-        let (store, seen) = scripted(|path, _| match path {
-            "/readyz" => (200, "ok".into()),
-            _ => forbidden(),
-        });
-        let e = store.get("nodes/n1").await.expect_err("refused");
-        assert!(
-            matches!(&e, DatastoreError::Rejected { code: 403, .. }),
-            "{e}"
-        );
-        let gets = seen
-            .lock()
-            .expect("lock")
-            .iter()
-            .filter(|p| p.ends_with("/n1"))
-            .count();
-        assert_eq!(gets, 1, "a refusal from a ready server is not retried");
     }
 }

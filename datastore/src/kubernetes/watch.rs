@@ -26,7 +26,9 @@ use futures::StreamExt;
 use kube::api::{Api, DynamicObject, WatchEvent as KubeEvent, WatchParams};
 
 use super::kinds::{kinds_under, Kind};
-use super::{key_value, object_revision, KubeStore, BACKEND};
+use super::objects::{key_value, object_revision};
+use super::retry::{transient, FIRST_BACKOFF, MAX_BACKOFF};
+use super::{KubeStore, BACKEND};
 use crate::{Datastore, DatastoreError, WatchStream};
 
 /// How long the server keeps one watch request open (kube accepts less than 295 s).
@@ -81,7 +83,7 @@ pub(super) async fn open(
         watch.resume = revision;
     }
     // Opening retries like any request; a refusal (410 included) is the stream's first item.
-    let mut backoff = super::FIRST_BACKOFF;
+    let mut backoff = FIRST_BACKOFF;
     for attempt in 1..=store.attempts {
         match tokio::time::timeout(store.timeout, watch.connect()).await {
             Ok(Ok(events)) => {
@@ -89,7 +91,7 @@ pub(super) async fn open(
                 watch.opened = std::time::Instant::now();
                 break;
             }
-            Ok(Err(e)) if !super::transient(&e) => {
+            Ok(Err(e)) if !transient(&e) => {
                 watch.end = Some(watch.failure(&e));
                 break;
             }
@@ -109,7 +111,7 @@ pub(super) async fn open(
             }
             _ => {
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(super::MAX_BACKOFF);
+                backoff = (backoff * 2).min(MAX_BACKOFF);
             }
         }
     }
