@@ -16,7 +16,9 @@ pub mod metrics;
 pub mod node;
 pub mod notice;
 pub mod paths;
-pub mod pki;
+/// X.509 for route distribution is its own crate (layer 1); re-exported so `crate::pki::…`
+/// paths keep working.
+pub use calix_pki as pki;
 pub mod reconcile;
 pub mod routes;
 pub mod signer;

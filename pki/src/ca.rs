@@ -62,8 +62,8 @@ impl Ca {
     /// certificate's subject a common name calix-signer reproduces byte for byte (issued
     /// certificates must name it as their issuer exactly).
     pub fn from_pem(cert_pem: &str, key_pem: &str) -> Result<Self, PkiError> {
-        use rustls::pki_types::pem::PemObject;
-        let der = rustls::pki_types::CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(
+        use rustls_pki_types::pem::PemObject;
+        let der = rustls_pki_types::CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(
             |_| PkiError::Pem {
                 expected: "CERTIFICATE",
             },
@@ -165,8 +165,8 @@ mod tests {
     use super::super::request::{new_request, parse_pem};
     use super::super::Name;
     use super::*;
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, ServerName, UnixTime};
 
     fn der(pem: &str) -> CertificateDer<'static> {
         CertificateDer::from_pem_slice(pem.as_bytes()).expect("pem")

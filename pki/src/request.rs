@@ -166,8 +166,8 @@ pub fn parse(der: &[u8]) -> Result<RequestFacts, PkiError> {
 
 /// Reads a PEM request (what a CertificateSigningRequest's `spec.request` holds).
 pub fn parse_pem(pem: &[u8]) -> Result<RequestFacts, PkiError> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::CertificateSigningRequestDer;
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::CertificateSigningRequestDer;
     let der = CertificateSigningRequestDer::from_pem_slice(pem).map_err(|_| PkiError::Pem {
         expected: "CERTIFICATE REQUEST",
     })?;
@@ -218,9 +218,9 @@ mod tests {
     #[test]
     fn a_request_whose_signature_is_not_its_keys_is_refused() {
         let r = new_request("node-a").expect("request");
-        use rustls::pki_types::pem::PemObject;
+        use rustls_pki_types::pem::PemObject;
         let mut der =
-            rustls::pki_types::CertificateSigningRequestDer::from_pem_slice(r.pem.as_bytes())
+            rustls_pki_types::CertificateSigningRequestDer::from_pem_slice(r.pem.as_bytes())
                 .expect("pem")
                 .as_ref()
                 .to_vec();
@@ -229,11 +229,10 @@ mod tests {
         der[last] ^= 1;
         assert!(matches!(parse(&der), Err(PkiError::Signature(_))));
         // And garbage, truncated or trailing bytes are errors, never a panic.
-        let good =
-            rustls::pki_types::CertificateSigningRequestDer::from_pem_slice(r.pem.as_bytes())
-                .expect("pem")
-                .as_ref()
-                .to_vec();
+        let good = rustls_pki_types::CertificateSigningRequestDer::from_pem_slice(r.pem.as_bytes())
+            .expect("pem")
+            .as_ref()
+            .to_vec();
         for n in 0..good.len() {
             assert!(parse(&good[..n]).is_err());
         }
