@@ -64,8 +64,8 @@ pub const SAME_LAYER_ALLOWED: &[(&str, &str, &str)] = &[
 /// tests without them) may not hold: a name, or a family (the name and `name-*`).
 pub const CORE_BANNED: &[&str] = &["tokio", "aya", "kube", "tonic", "netlink", "rtnetlink"];
 
-/// The pure core, whose closure is checked.
-pub const CORE: &str = "calix-core";
+/// The pure crates, whose closures are checked: the core, and the PKI (pure crypto).
+pub const PURE: &[&str] = &["calix-core", "calix-pki"];
 
 pub fn layer_of(name: &str) -> Option<u8> {
     LAYERS.iter().find(|(n, _)| *n == name).map(|(_, l)| *l)
@@ -229,13 +229,13 @@ pub fn check_layers(packages: &[Package]) -> Vec<String> {
     problems
 }
 
-/// calix-core's closure: `cargo tree` (which resolves features for this one crate, as building
-/// it alone does) checked by [`banned_in_tree`].
-pub fn check_core_closure(root: &Path) -> Result<Vec<String>> {
+/// A pure crate's closure: `cargo tree` (which resolves features for this one crate, as
+/// building it alone does) checked by [`banned_in_tree`].
+pub fn check_pure_closure(root: &Path, krate: &str) -> Result<Vec<String>> {
     let tree = output(util::cargo().current_dir(root).args([
         "tree",
         "-p",
-        CORE,
+        krate,
         "-e",
         "normal,build,dev",
         "--prefix",

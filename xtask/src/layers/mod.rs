@@ -1,7 +1,8 @@
 //! `cargo xtask layers`: the structure issue 21 asks for, checked.
 //! - Each workspace crate has a layer, and depends only on crates of lower layers
 //!   ([`crates::LAYERS`]).
-//! - calix-core's dependency closure holds no tokio, aya, kube, tonic or netlink.
+//! - the pure crates' (calix-core's, calix-pki's) dependency closures hold no tokio, aya,
+//!   kube, tonic or netlink.
 //! - No crate's modules form a cycle (between sibling modules, at every level).
 //! - No source file outside tests is over [`files::MAX_LINES`] lines.
 //!
@@ -44,15 +45,16 @@ fn check(root: &Path) -> Result<usize> {
     let packages = crates::load(root)?;
     let mut total = 0;
     total += section("crate layers", &crates::check_layers(&packages));
-    if packages.iter().any(|p| p.name == crates::CORE) {
-        total += section(
-            &format!(
-                "{}'s dependency closure (none of {})",
-                crates::CORE,
-                crates::CORE_BANNED.join(", ")
-            ),
-            &crates::check_core_closure(root)?,
-        );
+    for pure in crates::PURE {
+        if packages.iter().any(|p| p.name == *pure) {
+            total += section(
+                &format!(
+                    "{pure}'s dependency closure (none of {})",
+                    crates::CORE_BANNED.join(", ")
+                ),
+                &crates::check_pure_closure(root, pure)?,
+            );
+        }
     }
     let mut cycles = Vec::new();
     let mut notes = Vec::new();
