@@ -1,7 +1,9 @@
 //! calix-agent: the node daemon (IPAM, endpoint registry, eBPF dataplane) and the pieces
 //! calixctl shares with it.
 pub mod config;
-pub mod dataplane;
+/// The dataplane is its own crate (calix-dataplane, issue 21); re-exported under its old path so
+/// `crate::dataplane::…` keeps naming it.
+pub use calix_dataplane as dataplane;
 pub mod datastore;
 pub mod endpoints;
 pub mod error;

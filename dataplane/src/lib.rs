@@ -295,11 +295,10 @@ pub struct Reload {
     pub nat: nat::NatSettings,
 }
 
-#[cfg(test)]
 impl nat::NatSettings {
     /// Settings with the config's default sizes, ports and timeouts (`[nat]`), no pool and no
-    /// exception: a start for tests.
-    pub(crate) fn example() -> Self {
+    /// exception: a start for tests (the agent's among them).
+    pub fn example() -> Self {
         Self {
             nat_pools: Vec::new(),
             no_snat: Vec::new(),
