@@ -1,9 +1,10 @@
 //! calix-agent: the node daemon (IPAM, endpoint registry, eBPF dataplane) and the pieces
 //! calixctl shares with it.
 pub mod config;
-pub mod dataplane;
-/// The datastore is its own crate (layer 2); re-exported so `crate::datastore::…` paths keep
-/// working.
+/// The dataplane and the datastore are crates of their own (calix-dataplane and
+/// calix-datastore, layer 2; issue 21); re-exported under their old paths so
+/// `crate::dataplane::…` and `crate::datastore::…` keep naming them.
+pub use calix_dataplane as dataplane;
 pub use calix_datastore as datastore;
 pub mod endpoints;
 pub mod error;

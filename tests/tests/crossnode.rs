@@ -12,13 +12,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_agent::dataplane::{
-    Attached, Dataplane, DataplaneError, DataplaneStats, Drift, EndpointSpec, Reload,
-};
+use calix_agent::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use calix_agent::reconcile::driver::{Driver, Snapshot, Timing};
 use calix_agent::reconcile::Backoff;
 use calix_core::reconcile::remote::{RemoteRoute, Underlay};
-use calix_kernel::host::{HostKernel, NetlinkHost};
+use calix_kernel::host::NetlinkHost;
 use calix_kernel::vxlan::{DEVICE_V4, DEVICE_V6};
 use calix_testbed::tls::Ca;
 use calix_testbed::traffic::echo::{echo_roundtrip, EchoServer, ECHO_PORT};
@@ -43,46 +41,6 @@ impl Dataplane for RoutesOnly {
             ifname: ep.host_ifname.clone(),
         })
     }
-    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify(
-        &self,
-        _ep: &EndpointSpec,
-        _kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn repair_node(&mut self) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify_host_dev(
-        &self,
-        _ifname: &str,
-        _index: u32,
-        _kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
-        Ok(None)
-    }
-    fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reload(&mut self, _r: &Reload) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn release(&mut self) {}
 }
 
 fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {

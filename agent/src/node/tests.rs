@@ -13,7 +13,7 @@ use calix_core::store::KeyValue;
 use calix_proto::handle;
 
 use super::*;
-use crate::dataplane::{Attached, Dataplane, DataplaneError, DataplaneStats, EndpointSpec};
+use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use crate::datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
 use crate::endpoints::EndpointRegistry;
 use crate::ipam::service::{CheckReport, Finding, Housekeeping};
@@ -29,46 +29,6 @@ impl Dataplane for NoDataplane {
             bpf: false,
         })
     }
-    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify(
-        &self,
-        _ep: &EndpointSpec,
-        _kernel: &mut dyn calix_kernel::host::HostKernel,
-    ) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn node_drift(&self) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn repair_node(&mut self) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify_host_dev(
-        &self,
-        _ifname: &str,
-        _index: u32,
-        _kernel: &mut dyn calix_kernel::host::HostKernel,
-    ) -> Result<Vec<crate::dataplane::Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
-        Ok(None)
-    }
-    fn set_pools(&mut self, _pools: &[ipnet::IpNet]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reload(&mut self, _r: &crate::dataplane::Reload) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn release(&mut self) {}
 }
 
 /// One store shared by several agents, as etcd would be, that commits one object per

@@ -423,7 +423,7 @@ impl<K: HostKernel> Reconciler<K> {
                 self.remote_state.failures += 1;
                 let wait = self.backoff.after(self.remote_state.failures);
                 self.remote_state.retry_at = Some(now + wait);
-                let error = crate::dataplane::error_chain(&e);
+                let error = calix_log::error_chain(&e);
                 tracing::warn!(%error, attempts = self.remote_state.failures, retry_in = ?wait,
                     "cannot bring the routes to other nodes to their desired state");
                 self.remote_state.error = Some(error);
@@ -480,7 +480,7 @@ impl<K: HostKernel> Reconciler<K> {
                 self.node.failures += 1;
                 let wait = self.backoff.after(self.node.failures);
                 self.node.retry_at = Some(now + wait);
-                let error = crate::dataplane::error_chain(&e);
+                let error = calix_log::error_chain(&e);
                 tracing::warn!(%error, attempts = self.node.failures, retry_in = ?wait,
                     "cannot bring the node's objects to their desired state");
                 self.node.error = Some(error);
@@ -563,7 +563,7 @@ impl<K: HostKernel> Reconciler<K> {
                     state.failures += 1;
                     let wait = self.backoff.after(state.failures);
                     state.retry_at = Some(now + wait);
-                    let error = crate::dataplane::error_chain(&e);
+                    let error = calix_log::error_chain(&e);
                     tracing::warn!(endpoint = %key, host_ifname = %spec.host_ifname,
                         %error, attempts = state.failures, retry_in = ?wait, "cannot apply endpoint");
                     state.health = Health::Failing { error };

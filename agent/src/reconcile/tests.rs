@@ -7,7 +7,7 @@ use calix_kernel::host::FakeHost;
 use calix_kernel::pod::{host_settings, node_settings};
 
 use super::*;
-use crate::dataplane::{DataplaneStats, Drift};
+use crate::dataplane::Drift;
 
 /// What the fake dataplane saw, and the drift it reports next.
 #[derive(Default)]
@@ -95,19 +95,6 @@ impl Dataplane for FakeDataplane {
             .cloned()
             .unwrap_or_default())
     }
-    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
-        Ok(None)
-    }
-    fn set_pools(&mut self, _pools: &[ipnet::IpNet]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reload(&mut self, _r: &crate::dataplane::Reload) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn release(&mut self) {}
 }
 
 const IF: &str = "cali0123456789a";

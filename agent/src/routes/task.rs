@@ -66,7 +66,7 @@ impl RouteSink for Driver {
     async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String> {
         Driver::set_peer_nodes(self, peers)
             .await
-            .map_err(|e| crate::dataplane::error_chain(&e))
+            .map_err(|e| calix_log::error_chain(&e))
     }
 }
 

@@ -4,7 +4,7 @@
 //! ordinary dependency of the agent. [`build_ebpf`] runs a nested
 //! `cargo +nightly build --release --target bpfel-unknown-none -Z build-std=core` for it, with a
 //! clean environment, and copies the object to `<out_dir>/calix.bpf.o`. It is called from
-//! `agent/build.rs` (so every agent build embeds the object of the current sources) and from
+//! `dataplane/build.rs` (so every agent build embeds the object of the current sources) and from
 //! `cargo xtask build-ebpf`.
 //!
 //! The nested build always uses `target/ebpf/<arch>` (see [`ebpf_target_dir`]), never the outer

@@ -1,6 +1,6 @@
 //! Builds the eBPF object from `ebpf/programs` and leaves it at `$OUT_DIR/calix.bpf.o`, where
-//! `dataplane` embeds it with `include_bytes_aligned!`. Runs again whenever an eBPF source
-//! changes, so the agent never embeds a stale object.
+//! `ebpf::OBJECT` embeds it with `include_bytes_aligned!`. Runs again whenever an eBPF source
+//! changes, so the dataplane (and the agent) never embeds a stale object.
 
 use std::{env, path::PathBuf, process::ExitCode};
 

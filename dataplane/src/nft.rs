@@ -203,7 +203,7 @@ mod tests {
         vec![a, d]
     }
 
-    fn kinds(d: &[crate::dataplane::Drift]) -> Vec<String> {
+    fn kinds(d: &[crate::Drift]) -> Vec<String> {
         d.iter().map(ToString::to_string).collect()
     }
 

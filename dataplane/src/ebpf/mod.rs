@@ -6,31 +6,30 @@
 //! gets a new version directory; the old one is removed once every interface runs the new
 //! programs ([`Dataplane::reconcile`]). With `[xdp]` enabled, the uplinks also run the XDP
 //! prefilter (`xdp.rs`: pinned links, replaced in place the same way).
-use std::collections::HashMap as StdHashMap;
-use std::net::{Ipv4Addr, Ipv6Addr};
+//!
+//! The endpoints' map entries (slots, endpoint table and its direct-mapped copy, local
+//! delivery) are kept by `endpoints.rs`, through the map seam of `maps.rs`: unit-tested on
+//! in-memory maps (`tests.rs`). The counters' readers are in `stats.rs`.
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap, PerCpuValues};
+use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
 use aya::programs::tc::TcAttachType;
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use calix_common::{
-    direct_bucket, DirectEndpoint, DropCount, DropKey, EndpointCounters, EndpointInfo, FlowKey,
-    LocalEndpoint, StackFlow, ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP,
-    DROPS_MAP, ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_HAS_V6, LAYOUT_VERSION,
-    LOCAL_V4_MAP, LOCAL_V6_MAP, MAX_ENDPOINTS, POOLS_V4_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV,
-    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_CLEARED_MAP, STACK_EPS_MAP,
-    STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
+    FlowKey, StackFlow, ALL_PROGRAMS, COUNTERS_MAP, CT_FREED_MAP, CT_MAP, CT_OWNED_MAP,
+    ENDPOINTS_DIRECT_MAP, ENDPOINTS_MAP, LAYOUT_VERSION, LOCAL_V4_MAP, LOCAL_V6_MAP, POOLS_V4_MAP,
+    POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP, STACK_OVERFLOW_MAP,
 };
 use ipnet::IpNet;
 
-use super::bpf::{map_err, open_hash, open_per_cpu_array, pin_err, prog_err, take};
+use super::bpf::{map_err, pin_err, prog_err, take};
 use super::doors::{DoorMaps, DoorPolicy, Doors, PeerNodes};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
-use super::slots::Slots;
 use super::tcx::{self, Attacher, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
@@ -38,6 +37,16 @@ use super::{
     EndpointSpec,
 };
 use calix_kernel::host::HostKernel;
+
+mod endpoints;
+mod maps;
+mod stats;
+#[cfg(test)]
+mod tests;
+
+use endpoints::{Endpoints, Inherited};
+use maps::{EndpointMaps, Pinned, PinnedSlotArrays, Table};
+pub use stats::EbpfStats;
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/calix.bpf.o"));
@@ -86,92 +95,14 @@ impl EbpfConfig {
     }
 }
 
-/// One endpoint as this process programmed it.
-#[derive(Debug, Clone)]
-struct Programmed {
-    /// The host veth's name and the link it named when programmed.
-    ifname: String,
-    ifindex: u32,
-    ipv4: Option<Ipv4Addr>,
-    ipv6: Option<Ipv6Addr>,
-}
-
-/// The counters and drops maps (and the endpoints, for their slots), opened from their pins:
-/// [`DataplaneStats`] for readers that must not wait for (or hold up) the dataplane.
-pub struct EbpfStats {
-    endpoints: HashMap<MapData, u32, EndpointInfo>,
-    counters: PerCpuArray<MapData, EndpointCounters>,
-    drops: PerCpuHashMap<MapData, DropKey, DropCount>,
-}
-
-impl EbpfStats {
-    pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
-        let path = pin_dir.join(DROPS_MAP);
-        let drops = MapData::from_pin(&path)
-            .map(aya::maps::Map::PerCpuHashMap)
-            .map_err(map_err(DROPS_MAP, "open pin"))?;
-        Ok(Self {
-            endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
-            counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
-            drops: PerCpuHashMap::try_from(drops).map_err(map_err(DROPS_MAP, "open"))?,
-        })
-    }
-}
-
-impl DataplaneStats for EbpfStats {
-    fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
-        let slot = match self.endpoints.get(&ifindex, 0) {
-            Ok(info) => info.slot,
-            Err(MapError::KeyNotFound) => return Ok(None),
-            Err(e) => return Err(map_err(ENDPOINTS_MAP, "lookup")(e)),
-        };
-        let per_cpu = self
-            .counters
-            .get(&slot, 0)
-            .map_err(map_err(COUNTERS_MAP, "lookup"))?;
-        let mut sum = EndpointCounters::default();
-        per_cpu.iter().for_each(|c| sum.accumulate(c));
-        Ok(Some(sum))
-    }
-
-    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
-        let mut out = Vec::new();
-        for item in self.drops.iter() {
-            let (k, per_cpu) = item.map_err(map_err(DROPS_MAP, "iterate"))?;
-            let mut sum = DropCount::default();
-            per_cpu.iter().for_each(|c| sum.accumulate(c));
-            out.push((k, sum));
-        }
-        out.sort_by_key(|(k, _)| *k);
-        Ok(out)
-    }
-}
-
 pub struct EbpfDataplane {
     cfg: EbpfConfig,
     bpf: Ebpf,
-    /// By slot.
-    counters: PerCpuArray<MapData, EndpointCounters>,
-    /// The endpoint table, and its direct-mapped copy the programs look in first
-    /// ([`Self::write_endpoint`]).
-    endpoints: HashMap<MapData, u32, EndpointInfo>,
-    direct: Array<MapData, DirectEndpoint>,
-    /// The stack-flow marks by slot (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`,
-    /// `STACK_CLEARED_MAP`), zeroed with the counters when a slot is handed out.
-    stack_marks: [Array<MapData, u32>; 3],
-    /// Which slot each endpoint (host veth ifindex) has, as the endpoint map says.
-    slots: Slots,
-    /// Until the initial sync is over: the marks an endpoint inherits when it gets its slot.
-    inherited: Option<Inherited>,
-    /// Per-endpoint entries the agent removes with the endpoint: the conntrack budget's
-    /// counts (`CT_OWNED_MAP`, `CT_FREED_MAP`).
-    per_endpoint: Vec<HashMap<MapData, u32, u32>>,
-    local_v4: HashMap<MapData, [u8; 4], LocalEndpoint>,
-    local_v6: HashMap<MapData, [u8; 16], LocalEndpoint>,
+    /// The endpoints' map entries (slots, endpoint table and its direct-mapped copy,
+    /// local delivery, counters and marks by slot) and what this process programmed.
+    endpoints: Endpoints,
     pools_v4: LpmTrie<MapData, [u8; 4], u32>,
     pools_v6: LpmTrie<MapData, [u8; 16], u32>,
-    /// Endpoint key ("containerID/ifname") → what was programmed for it.
-    programmed: StdHashMap<String, Programmed>,
     pools: Vec<IpNet>,
     /// The XDP prefilter's maps while it runs (SIGHUP updates them).
     xdp: Option<XdpFilter>,
@@ -193,42 +124,6 @@ pub struct EbpfDataplane {
     /// The doors' maps, and the other nodes as last told ([`Dataplane::set_peer_nodes`]).
     doors: DoorMaps,
     peers: PeerNodes,
-}
-
-/// What an endpoint programmed during the initial sync inherits: the stack-flow marks of an
-/// older layout (by ifindex, into a new slot), and a mark when a flow in the stack-flow table
-/// names one of its addresses (flows recorded by a build from before the marks, or carried
-/// from an older layout): the fast path must check those flows.
-struct Inherited {
-    marks: pins::OldMarks,
-    flow_addrs: std::collections::HashSet<[u8; 16]>,
-}
-
-impl Inherited {
-    fn read(marks: pins::OldMarks, flows: &HashMap<MapData, FlowKey, StackFlow>) -> Self {
-        Self {
-            marks,
-            flow_addrs: flows.keys().filter_map(Result::ok).map(|k| k.pod).collect(),
-        }
-    }
-
-    /// (`STACK_EPS_MAP`, `STACK_OVERFLOW_MAP`) values for the endpoint `ep` on `ifindex`.
-    fn for_endpoint(&self, ifindex: u32, ep: &EndpointSpec) -> (u32, u32) {
-        let old = self.marks.get(ifindex);
-        let mut v4 = [0u8; 16];
-        let named = ep.ipv4.is_some_and(|a| {
-            v4[..4].copy_from_slice(&a.octets());
-            self.flow_addrs.contains(&v4)
-        }) || ep
-            .ipv6
-            .is_some_and(|a| self.flow_addrs.contains(&a.octets()));
-        let marked = if old.is_some() || named {
-            STACK_MARKED
-        } else {
-            0
-        };
-        (marked, old.unwrap_or(0))
-    }
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -292,6 +187,39 @@ fn load_program(bpf: &mut Ebpf, name: &'static str) -> Result<(), DataplaneError
     .map_err(prog_err(name, "load"))
 }
 
+/// Attaches `ingress` and `egress` of `bpf` on `ifname` ([`Attacher::attach`]: replacing what
+/// runs there now, atomically).
+fn attach_pair(
+    bpf: &mut Ebpf,
+    attacher: &Attacher,
+    cfg: &EbpfConfig,
+    ifname: &str,
+    ingress: &'static str,
+    egress: &'static str,
+) -> Result<(), DataplaneError> {
+    let progs = cfg.pin_dir().join("progs");
+    for (name, at) in [
+        (ingress, TcAttachType::Ingress),
+        (egress, TcAttachType::Egress),
+    ] {
+        let prog = program(bpf, name)?;
+        attacher.attach(prog, name, &progs.join(name), ifname, at)?;
+    }
+    Ok(())
+}
+
+/// A pinned map of `bpf` as a [`Table`].
+fn pinned<M, K, V>(
+    bpf: &mut Ebpf,
+    name: &'static str,
+    convert: impl FnOnce(aya::maps::Map) -> Result<M, MapError>,
+) -> Result<Box<dyn Table<K, V>>, DataplaneError>
+where
+    Pinned<M>: Table<K, V> + 'static,
+{
+    Ok(Box::new(Pinned::new(name, take(bpf, name, convert)?)))
+}
+
 impl EbpfDataplane {
     /// Loads the object (reusing this node's pinned maps), loads and pins every program, and
     /// attaches the uplink programs.
@@ -352,24 +280,32 @@ impl EbpfDataplane {
             prog_id(&mut bpf, PROG_FROM_HOST_DEV)?,
             prog_id(&mut bpf, PROG_TO_HOST_DEV)?,
         );
-        let mut endpoints: HashMap<MapData, u32, EndpointInfo> =
-            take(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?;
-        // The slots as the pinned endpoint map has them (an agent restart keeps them, and the
-        // counters with them); an entry whose slot is out of range or taken twice goes (its
-        // endpoint gets a slot again when it is programmed).
-        let (slots, rejected) = Slots::restore(
-            MAX_ENDPOINTS,
-            endpoints
-                .iter()
-                .filter_map(Result::ok)
-                .map(|(i, e)| (i, e.slot)),
-        );
-        for i in rejected {
-            tracing::warn!(ifindex = i, "endpoint entry with a bad slot removed");
-            let _ = endpoints.remove(&i);
-        }
-        let flows = take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
-        let inherited = Inherited::read(carried.old_marks(), &flows);
+        let maps = EndpointMaps {
+            endpoints: pinned(&mut bpf, ENDPOINTS_MAP, HashMap::try_from)?,
+            direct: pinned(&mut bpf, ENDPOINTS_DIRECT_MAP, Array::try_from)?,
+            local_v4: pinned(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
+            local_v6: pinned(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
+            per_endpoint: vec![
+                pinned(&mut bpf, CT_OWNED_MAP, HashMap::try_from)?,
+                pinned(&mut bpf, CT_FREED_MAP, HashMap::try_from)?,
+            ],
+            slots: Box::new(PinnedSlotArrays {
+                counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
+                marks: [
+                    take(&mut bpf, STACK_EPS_MAP, Array::try_from)?,
+                    take(&mut bpf, STACK_OVERFLOW_MAP, Array::try_from)?,
+                    take(&mut bpf, STACK_CLEARED_MAP, Array::try_from)?,
+                ],
+            }),
+        };
+        let flows: HashMap<MapData, FlowKey, StackFlow> =
+            take(&mut bpf, STACK_FLOWS_MAP, HashMap::try_from)?;
+        let inherited = Inherited {
+            marks: carried.old_marks(),
+            flow_addrs: flows.keys().filter_map(Result::ok).map(|k| k.pod).collect(),
+        };
+        // The slots as the pinned endpoint map has them; entries with a bad slot go.
+        let endpoints = Endpoints::restore(maps, Some(inherited), cfg.nat.clone());
         let attachment = cfg.tc_attach.resolve();
         let cfg_tcx_dir = cfg.tcx_links_dir();
         tracing::info!(
@@ -393,27 +329,11 @@ impl EbpfDataplane {
         doors.set(&Doors::of(&cfg.doors, &kept))?;
         let mut dp = Self {
             doors,
-            counters: take(&mut bpf, COUNTERS_MAP, PerCpuArray::try_from)?,
             endpoints,
-            direct: take(&mut bpf, ENDPOINTS_DIRECT_MAP, Array::try_from)?,
-            stack_marks: [
-                take(&mut bpf, STACK_EPS_MAP, Array::try_from)?,
-                take(&mut bpf, STACK_OVERFLOW_MAP, Array::try_from)?,
-                take(&mut bpf, STACK_CLEARED_MAP, Array::try_from)?,
-            ],
-            slots,
-            inherited: Some(inherited),
-            per_endpoint: vec![
-                take(&mut bpf, CT_OWNED_MAP, HashMap::try_from)?,
-                take(&mut bpf, CT_FREED_MAP, HashMap::try_from)?,
-            ],
-            local_v4: take(&mut bpf, LOCAL_V4_MAP, HashMap::try_from)?,
-            local_v6: take(&mut bpf, LOCAL_V6_MAP, HashMap::try_from)?,
             pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
             pools_v6: take(&mut bpf, POOLS_V6_MAP, LpmTrie::try_from)?,
             bpf,
             cfg,
-            programmed: StdHashMap::new(),
             pools: Vec::new(),
             xdp: None,
             nat: None,
@@ -504,16 +424,14 @@ impl EbpfDataplane {
         ingress: &'static str,
         egress: &'static str,
     ) -> Result<(), DataplaneError> {
-        let progs = self.cfg.pin_dir().join("progs");
-        for (name, at) in [
-            (ingress, TcAttachType::Ingress),
-            (egress, TcAttachType::Egress),
-        ] {
-            let prog = program(&mut self.bpf, name)?;
-            self.attacher
-                .attach(prog, name, &progs.join(name), ifname, at)?;
-        }
-        Ok(())
+        attach_pair(
+            &mut self.bpf,
+            &self.attacher,
+            &self.cfg,
+            ifname,
+            ingress,
+            egress,
+        )
     }
 
     /// Removes calix's programs from `ifname` (either direction and kind; missing is fine).
@@ -560,246 +478,20 @@ impl EbpfDataplane {
         }
         Ok(drift)
     }
-
-    /// Marks what an older layout's programs marked until they were replaced (the endpoints
-    /// have their slots now). Programs may write overflow marks meanwhile: either value
-    /// stands for an overflow, so the race is harmless.
-    fn write_old_marks(&mut self, marks: &pins::OldMarks) {
-        for (ifindex, overflow) in marks.iter() {
-            let Some(slot) = self.slots.get(ifindex) else {
-                continue;
-            };
-            let _ = self.stack_marks[0].set(slot, STACK_MARKED, 0);
-            if overflow != 0 {
-                let _ = self.stack_marks[1].set(slot, overflow, 0);
-            }
-        }
-    }
-
-    fn zero_counters() -> Result<PerCpuValues<EndpointCounters>, DataplaneError> {
-        let n = aya::util::nr_cpus()
-            .map_err(|(_, e)| map_err(COUNTERS_MAP, "count CPUs")(MapError::IoError(e)))?;
-        PerCpuValues::try_from(vec![EndpointCounters::default(); n])
-            .map_err(|e| map_err(COUNTERS_MAP, "build per-CPU value")(MapError::IoError(e)))
-    }
-
-    /// Zeroes the per-endpoint arrays at `slot`, newly handed to the endpoint `ep` on
-    /// `ifindex` (marks it inherits during the initial sync excepted).
-    fn clear_slot(
-        &mut self,
-        slot: u32,
-        ifindex: u32,
-        ep: &EndpointSpec,
-    ) -> Result<(), DataplaneError> {
-        let (marked, overflow) = self
-            .inherited
-            .as_ref()
-            .map_or((0, 0), |i| i.for_endpoint(ifindex, ep));
-        self.counters
-            .set(slot, Self::zero_counters()?, 0)
-            .map_err(map_err(COUNTERS_MAP, "zero a slot"))?;
-        let names = [STACK_EPS_MAP, STACK_OVERFLOW_MAP, STACK_CLEARED_MAP];
-        for ((m, name), v) in self
-            .stack_marks
-            .iter_mut()
-            .zip(names)
-            .zip([marked, overflow, 0])
-        {
-            m.set(slot, v, 0).map_err(map_err(name, "set a slot"))?;
-        }
-        Ok(())
-    }
-
-    /// Writes the endpoint on `idx` into the endpoint table, then into its direct-mapped bucket
-    /// when the bucket is free, stale (an interface that has no slot) or its own; a bucket
-    /// another live endpoint holds stays as it is, and the programs find this one in the
-    /// table.
-    fn write_endpoint(&mut self, idx: u32, info: EndpointInfo) -> Result<(), DataplaneError> {
-        self.endpoints
-            .insert(idx, info, 0)
-            .map_err(map_err(ENDPOINTS_MAP, "insert"))?;
-        let bucket = direct_bucket(idx);
-        let held = self
-            .direct
-            .get(&bucket, 0)
-            .map_err(map_err(ENDPOINTS_DIRECT_MAP, "lookup"))?
-            .ifindex;
-        if held == 0 || held == idx || self.slots.get(held).is_none() {
-            let d = DirectEndpoint {
-                ifindex: idx,
-                _pad: 0,
-                info,
-            };
-            self.direct
-                .set(bucket, d, 0)
-                .map_err(map_err(ENDPOINTS_DIRECT_MAP, "set"))?;
-        }
-        Ok(())
-    }
-
-    /// Removes the endpoint on `idx` from the table and its bucket; another endpoint that
-    /// shares the bucket moves in.
-    fn forget_endpoint(&mut self, idx: u32) {
-        let _ = self.endpoints.remove(&idx);
-        let bucket = direct_bucket(idx);
-        if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == idx) {
-            let next = self
-                .slots
-                .iter()
-                .map(|(i, _)| i)
-                .filter(|i| *i != idx && direct_bucket(*i) == bucket)
-                .find_map(|i| Some((i, self.endpoints.get(&i, 0).ok()?)));
-            let d = next.map_or(DirectEndpoint::default(), |(ifindex, info)| {
-                DirectEndpoint {
-                    ifindex,
-                    _pad: 0,
-                    info,
-                }
-            });
-            let _ = self.direct.set(bucket, d, 0);
-        }
-    }
-
-    fn forget_entries(&mut self, p: &Programmed) {
-        self.forget_endpoint(p.ifindex);
-        self.slots.release(p.ifindex);
-        for m in &mut self.per_endpoint {
-            let _ = m.remove(&p.ifindex);
-        }
-        self.forget_addresses(p, None, None);
-    }
-
-    /// Removes `p`'s local-delivery entries that still point at its ifindex, except for the
-    /// addresses `keep_v4` / `keep_v6` (those of an endpoint taking over the same link).
-    fn forget_addresses(
-        &mut self,
-        p: &Programmed,
-        keep_v4: Option<Ipv4Addr>,
-        keep_v6: Option<Ipv6Addr>,
-    ) {
-        if let Some(v4) = p.ipv4.filter(|a| Some(*a) != keep_v4) {
-            if self
-                .local_v4
-                .get(&v4.octets(), 0)
-                .is_ok_and(|l| l.ifindex == p.ifindex)
-            {
-                let _ = self.local_v4.remove(&v4.octets());
-            }
-        }
-        if let Some(v6) = p.ipv6.filter(|a| Some(*a) != keep_v6) {
-            if self
-                .local_v6
-                .get(&v6.octets(), 0)
-                .is_ok_and(|l| l.ifindex == p.ifindex)
-            {
-                let _ = self.local_v6.remove(&v6.octets());
-            }
-        }
-    }
-
-    /// The endpoint map's value for `ep` in `slot`.
-    fn endpoint_info(&self, ep: &EndpointSpec, slot: u32) -> EndpointInfo {
-        let mut info = EndpointInfo {
-            slot,
-            ..EndpointInfo::default()
-        };
-        if let Some(v4) = ep.ipv4 {
-            info.ipv4 = v4.octets();
-            info.flags |= EP_HAS_V4;
-            if self.cfg.nat.as_ref().is_some_and(|n| n.translates(v4)) {
-                info.flags |= calix_common::EP_NAT_OUTGOING;
-            }
-        }
-        if let Some(v6) = ep.ipv6 {
-            info.ipv6 = v6.octets();
-            info.flags |= EP_HAS_V6;
-        }
-        info
-    }
-
-    fn program_entries(&mut self, idx: u32, ep: &EndpointSpec) -> Result<(), DataplaneError> {
-        // An endpoint keeps its slot (and its counters) across an agent restart; a new one
-        // gets a zeroed slot before anything points at it.
-        let (slot, new) = self.slots.assign(idx)?;
-        if new {
-            if let Err(e) = self.clear_slot(slot, idx, ep) {
-                self.slots.release(idx);
-                return Err(e);
-            }
-        } else if self
-            .inherited
-            .as_ref()
-            .is_some_and(|i| i.for_endpoint(idx, ep).0 != 0)
-        {
-            // A slot the endpoint kept across the restart, with a stack flow in the table but
-            // no mark (a build from before the marks recorded it): marked now. Only ever set
-            // (as the programs do), never cleared here.
-            self.stack_marks[0]
-                .set(slot, STACK_MARKED, 0)
-                .map_err(map_err(STACK_EPS_MAP, "mark"))?;
-        }
-        let info = self.endpoint_info(ep, slot);
-        self.write_endpoint(idx, info)?;
-        if let Some(mac) = ep.mac {
-            let local = LocalEndpoint {
-                ifindex: idx,
-                slot,
-                mac,
-                _pad: [0; 2],
-            };
-            if let Some(v4) = ep.ipv4 {
-                self.local_v4
-                    .insert(v4.octets(), local, 0)
-                    .map_err(map_err(LOCAL_V4_MAP, "insert"))?;
-            }
-            if let Some(v6) = ep.ipv6 {
-                self.local_v6
-                    .insert(v6.octets(), local, 0)
-                    .map_err(map_err(LOCAL_V6_MAP, "insert"))?;
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Dataplane for EbpfDataplane {
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         let ifname = ep.host_ifname.as_str();
         let idx = endpoint_ifindex(ep)?;
-        // What was programmed before on this interface name (an older sandbox of a recreated
-        // pod, or this endpoint before a restart of its veth): entries of another link are
-        // stale; on this very link only the addresses this endpoint doesn't have.
-        let earlier: Vec<String> = self
-            .programmed
-            .iter()
-            .filter(|(k, p)| *k == &ep.key || p.ifname == ifname)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in earlier {
-            if let Some(old) = self.programmed.remove(&k) {
-                if old.ifindex == idx {
-                    self.forget_addresses(&old, ep.ipv4, ep.ipv6);
-                } else {
-                    self.forget_entries(&old);
-                }
-            }
-        }
-        let p = Programmed {
-            ifname: ifname.to_string(),
-            ifindex: idx,
-            ipv4: ep.ipv4,
-            ipv6: ep.ipv6,
-        };
-        // Entries before programs: the programs must find the endpoint from the first packet.
-        let programmed = self
-            .program_entries(idx, ep)
-            .and_then(|()| self.attach_pair(ifname, PROG_FROM_POD, PROG_TO_POD));
-        if let Err(e) = programmed {
-            self.forget_entries(&p);
+        let (bpf, attacher, cfg) = (&mut self.bpf, &self.attacher, &self.cfg);
+        let attached = self.endpoints.attach(ep, idx, || {
+            attach_pair(bpf, attacher, cfg, ifname, PROG_FROM_POD, PROG_TO_POD)
+        });
+        if let Err(e) = attached {
             self.detach_filters(ifname);
             return Err(e);
         }
-        self.programmed.insert(ep.key.clone(), p);
         Ok(Attached {
             ifindex: idx,
             bpf: true,
@@ -807,21 +499,9 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn detach(&mut self, key: &str) -> Result<(), DataplaneError> {
-        let Some(p) = self.programmed.remove(key) else {
+        let Some(p) = self.endpoints.detach(key) else {
             return Ok(());
         };
-        if let Some(other) = self
-            .programmed
-            .values()
-            .find(|o| o.ifindex == p.ifindex)
-            .cloned()
-        {
-            // Another endpoint runs on this very link now: it keeps the link's entries and
-            // programs; only our own addresses go.
-            self.forget_addresses(&p, other.ipv4, other.ipv6);
-            return Ok(());
-        }
-        self.forget_entries(&p);
         match ifindex(&p.ifname) {
             // The veth is still ours: remove our programs.
             Ok(i) if i == p.ifindex => self.detach_filters(&p.ifname),
@@ -842,35 +522,7 @@ impl Dataplane for EbpfDataplane {
         let idx = endpoint_ifindex(ep)?;
         let mut drift =
             self.attachment_drift(&ep.host_ifname, idx, self.endpoint_prog_ids, kernel)?;
-        let slot = self.slots.get(idx);
-        let want = slot.map(|s| self.endpoint_info(ep, s));
-        // Its bucket holds it, or another live endpoint (then the table alone does).
-        let bucket_ok = self
-            .direct
-            .get(&direct_bucket(idx), 0)
-            .is_ok_and(|d| match d.ifindex {
-                i if i == idx => Some(d.info) == want,
-                0 => false,
-                other => self.slots.get(other).is_some(),
-            });
-        if want.is_none() || self.endpoints.get(&idx, 0).ok() != want || !bucket_ok {
-            drift.push(Drift::EndpointEntry);
-        }
-        if ep.mac.is_some() {
-            let points_here = |l: Option<LocalEndpoint>| {
-                l.is_some_and(|l| l.ifindex == idx && Some(l.slot) == slot && Some(l.mac) == ep.mac)
-            };
-            if let Some(v4) = ep.ipv4 {
-                if !points_here(self.local_v4.get(&v4.octets(), 0).ok()) {
-                    drift.push(Drift::LocalEntry(v4.into()));
-                }
-            }
-            if let Some(v6) = ep.ipv6 {
-                if !points_here(self.local_v6.get(&v6.octets(), 0).ok()) {
-                    drift.push(Drift::LocalEntry(v6.into()));
-                }
-            }
-        }
+        drift.extend(self.endpoints.drift(ep, idx));
         Ok(drift)
     }
 
@@ -933,83 +585,9 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError> {
-        let known_idx: std::collections::HashSet<u32> =
-            self.programmed.values().map(|p| p.ifindex).collect();
-        // Map entries of interfaces no endpoint owns (a DEL while the agent was away).
-        let stale: Vec<u32> = self
-            .endpoints
-            .keys()
-            .filter_map(Result::ok)
-            .filter(|i| !known_idx.contains(i))
-            .collect();
-        for i in &stale {
-            let _ = self.endpoints.remove(i);
-        }
-        // Direct-mapped buckets of interfaces no endpoint owns.
-        let mut stale_buckets = 0usize;
-        for bucket in 0..MAX_ENDPOINTS {
-            let held = self.direct.get(&bucket, 0).map_or(0, |d| d.ifindex);
-            if held != 0 && !known_idx.contains(&held) {
-                let _ = self.direct.set(bucket, DirectEndpoint::default(), 0);
-                stale_buckets += 1;
-            }
-        }
-        // An endpoint a stale one kept out of its bucket moves in.
-        for idx in known_idx.iter().copied() {
-            let bucket = direct_bucket(idx);
-            if self.direct.get(&bucket, 0).is_ok_and(|d| d.ifindex == 0) {
-                if let Ok(info) = self.endpoints.get(&idx, 0) {
-                    let d = DirectEndpoint {
-                        ifindex: idx,
-                        _pad: 0,
-                        info,
-                    };
-                    let _ = self.direct.set(bucket, d, 0);
-                }
-            }
-        }
-        // Slots of interfaces no endpoint owns go back (zeroed when handed out again).
-        let stale_slots: Vec<u32> = self
-            .slots
-            .iter()
-            .map(|(i, _)| i)
-            .filter(|i| !known_idx.contains(i))
-            .collect();
-        for i in &stale_slots {
-            self.slots.release(*i);
-        }
-        let mut stale_budget = 0usize;
-        for m in &mut self.per_endpoint {
-            let stale: Vec<u32> = m
-                .keys()
-                .filter_map(Result::ok)
-                .filter(|i| !known_idx.contains(i))
-                .collect();
-            for i in &stale {
-                let _ = m.remove(i);
-            }
-            stale_budget += stale.len();
-        }
-        let v4: Vec<[u8; 4]> = self
-            .local_v4
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, l)| !known_idx.contains(&l.ifindex))
-            .map(|(k, _)| k)
-            .collect();
-        for k in &v4 {
-            let _ = self.local_v4.remove(k);
-        }
-        let v6: Vec<[u8; 16]> = self
-            .local_v6
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(_, l)| !known_idx.contains(&l.ifindex))
-            .map(|(k, _)| k)
-            .collect();
-        for k in &v6 {
-            let _ = self.local_v6.remove(k);
-        }
+        // Map entries, buckets, slots and local entries of interfaces no endpoint owns (a DEL
+        // while the agent was away).
+        let stale_entries = self.endpoints.sweep();
         // cali* interfaces that still run calix filters but belong to no endpoint.
         let mut swept = 0usize;
         if let Ok(ifaces) = nix::net::if_::if_nameindex() {
@@ -1025,10 +603,10 @@ impl Dataplane for EbpfDataplane {
         // the maps carried over since the start is copied, then the old maps go.
         if let Some(c) = self.carried.take() {
             let late = c.catch_up();
-            self.write_old_marks(&late);
+            self.endpoints.write_old_marks(&late);
         }
         // From now on a new slot starts unmarked: the programs mark what they record.
-        self.inherited = None;
+        self.endpoints.end_initial_sync();
         // Pins of older map layouts: every known interface now runs this build's programs.
         let mut old_layouts = Vec::new();
         if let Ok(rd) = std::fs::read_dir(self.cfg.node_dir()) {
@@ -1042,12 +620,7 @@ impl Dataplane for EbpfDataplane {
             }
         }
         tracing::info!(
-            stale_entries = stale.len()
-                + stale_buckets
-                + stale_slots.len()
-                + v4.len()
-                + v6.len()
-                + stale_budget,
+            stale_entries,
             unknown_cali_interfaces = swept,
             ?old_layouts,
             "dataplane reconciled after the initial sync"
@@ -1089,6 +662,6 @@ impl Dataplane for EbpfDataplane {
         // Filters stay attached (their links were forgotten at attach), tcx links and maps
         // stay pinned. The tcx mover stops: after this the agent may uninstall calix.
         self.attacher.release();
-        self.programmed.clear();
+        self.endpoints.release();
     }
 }

@@ -205,6 +205,9 @@ pub trait DataplaneStats: Send + Sync {
     fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
 }
 
+/// Every method but [`Self::attach`] has a default that does nothing and finds nothing drifted
+/// (what a dataplane that keeps no state of its own, e.g. a test's fake, would write); the eBPF
+/// and kernel dataplanes implement them all.
 pub trait Dataplane: Send {
     /// Programs the endpoint `ep.key` on its host-side veth `ep.host_ifname` (which must still
     /// be the link `ep.host_ifindex`, else [`DataplaneError::Replaced`]). Idempotent; on an
@@ -215,39 +218,57 @@ pub trait Dataplane: Send {
     /// Removes what `attach` did for endpoint `key`, and only what is still its own: map
     /// entries that point at its ifindex, filters only while its interface name still names
     /// its link (a recreated pod's veth of the same name keeps its programs). Idempotent.
-    fn detach(&mut self, key: &str) -> Result<(), DataplaneError>;
+    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// What differs now from what `attach` did for `ep` (its filters and map entries, read back
     /// from `kernel` and the maps); empty when nothing drifted. The caller repairs with
     /// `attach`, which rewrites all of it.
     fn verify(
         &self,
-        ep: &EndpointSpec,
-        kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError>;
+        _ep: &EndpointSpec,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
     /// What differs now from the node-wide objects the dataplane keeps (its nftables tables);
     /// empty when nothing drifted. Reads only. The caller repairs with [`Self::repair_node`].
-    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError>;
+    fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
     /// Writes the node-wide objects again, as the last start or reload left them.
-    fn repair_node(&mut self) -> Result<(), DataplaneError>;
+    fn repair_node(&mut self) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// Programs a host device — an uplink, or calix's VXLAN device — for traffic between
     /// nodes (eBPF: `from_host_dev` / `to_host_dev`, replaced in place). Idempotent.
-    fn attach_host_dev(&mut self, ifname: &str) -> Result<(), DataplaneError>;
+    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// What differs on host device `ifname` (link `index`) from what [`Self::attach_host_dev`]
     /// did; empty when nothing drifted. Reads only.
     fn verify_host_dev(
         &self,
-        ifname: &str,
-        index: u32,
-        kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError>;
+        _ifname: &str,
+        _index: u32,
+        _kernel: &mut dyn HostKernel,
+    ) -> Result<Vec<Drift>, DataplaneError> {
+        Ok(Vec::new())
+    }
     /// A reader of the counters that works without this object; `None` when the dataplane
     /// keeps none (kernel mode).
-    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError>;
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
+        Ok(None)
+    }
     /// The pools (remote pod addresses are forwarded without the host stack).
-    fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError>;
+    fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// After the initial sync: forget map entries and detach programs of `cali*` interfaces
     /// that are not in `known` (host ifnames).
-    fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError>;
+    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// The other nodes (route distribution's view, whenever it changes): pods may not reach
     /// the agents' ports on their addresses either ([`doors`]). Until it is called only this
     /// node's own addresses are closed.
@@ -257,10 +278,12 @@ pub trait Dataplane: Send {
     /// A config reload (SIGHUP): what may change while running. The XDP deny list and failsafe
     /// ports, the SNAT exclusions, and the host's nftables tables (kernel mode's masquerade
     /// and anti-spoofing, eBPF mode's stack masquerade).
-    fn reload(&mut self, r: &Reload) -> Result<(), DataplaneError>;
+    fn reload(&mut self, _r: &Reload) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing
     /// while the agent is away.
-    fn release(&mut self);
+    fn release(&mut self) {}
 }
 
 /// `e: cause: cause…`, for logs.
@@ -295,11 +318,10 @@ pub struct Reload {
     pub nat: nat::NatSettings,
 }
 
-#[cfg(test)]
 impl nat::NatSettings {
     /// Settings with the config's default sizes, ports and timeouts (`[nat]`), no pool and no
-    /// exception: a start for tests.
-    pub(crate) fn example() -> Self {
+    /// exception: a start for tests (the agent's among them).
+    pub fn example() -> Self {
         Self {
             nat_pools: Vec::new(),
             no_snat: Vec::new(),
