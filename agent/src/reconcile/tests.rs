@@ -4,7 +4,7 @@ use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
 
 use calix_kernel::host::FakeHost;
-use calix_kernel::pod::{host_settings, node_settings};
+use calix_kernel::pod::{host_settings, node_settings, HostRoute};
 
 use super::*;
 use crate::dataplane::Drift;

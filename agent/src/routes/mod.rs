@@ -21,11 +21,13 @@
 //! - [`local`]: this node's next hops and subnets;
 //! - [`nodes`]: where the peers come from (node records, or Kubernetes' Nodes read as such);
 //! - [`settings`]: what it starts with (from `[routes]`);
-//! - [`task`]: the async loop that runs it in the agent.
+//! - [`task`]: the async loop that runs it in the agent; `watch`: the datastore parts it
+//!   follows; [`handover`]: what it hands the reconciler and the dataplane ([`RouteSink`]).
 pub mod client;
 pub mod conn;
 pub mod door;
 pub mod feed;
+pub mod handover;
 pub mod listener;
 pub mod local;
 pub mod nodes;
@@ -33,8 +35,10 @@ pub mod server;
 pub mod settings;
 pub mod task;
 pub mod tls;
+mod watch;
 
-pub use task::{RouteSink, RoutesHandle};
+pub use handover::RouteSink;
+pub use task::RoutesHandle;
 
 /// Why route distribution could not start.
 #[derive(Debug, thiserror::Error)]

@@ -10,17 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use calix_core::ipam::pool::VxlanMode;
-use calix_core::reconcile::remote::RemoteRoute;
 use calix_core::routes::advertise::NextHops;
 use calix_core::routes::engine::{Engine, Outputs, Settings, SETTLE};
 use calix_core::routes::peers::Target;
 use calix_core::routes::peers::Topology;
 use calix_core::routes::report::{self, RoutesReport};
 use calix_core::routes::view::Part;
-use calix_core::store::KeyValue;
-use calix_core::store::WatchEvent;
 use calix_core::update::PeerEvent;
-use futures::StreamExt;
 use ipnet::IpNet;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -28,47 +24,16 @@ use tokio::task::JoinHandle;
 use super::client::{self, Dialer, PeerMessage};
 use super::door::{DoorStats, Known, Throttle};
 use super::feed::Feed;
+use super::handover::{hand_over, hand_peers, peer_nodes, Desired, Handed, RouteSink};
 use super::listener::{self, Limits};
 use super::nodes::{NodeSource, Records};
 use super::server::{Feeds, RoutesSvc};
 use super::settings::{ListenOn, RoutesSettings};
 use super::tls::{CertSource, LiveTls};
+use super::watch::{watch_part, ViewInput};
 use super::RoutesError;
 use crate::dataplane::doors::PeerNodes;
-use crate::datastore::{Datastore, DatastoreError};
-use crate::reconcile::driver::Driver;
-
-/// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
-/// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
-#[tonic::async_trait]
-pub trait RouteSink: Send + Sync + 'static {
-    async fn set_remote_routes(
-        &self,
-        routes: Vec<RemoteRoute>,
-        complete: bool,
-    ) -> Result<(), String>;
-
-    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String>;
-}
-
-#[tonic::async_trait]
-impl RouteSink for Driver {
-    async fn set_remote_routes(
-        &self,
-        routes: Vec<RemoteRoute>,
-        complete: bool,
-    ) -> Result<(), String> {
-        Driver::set_remote_routes(self, routes, complete)
-            .await
-            .map_err(|e| e.to_string())
-    }
-
-    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String> {
-        Driver::set_peer_nodes(self, peers)
-            .await
-            .map_err(|e| calix_log::error_chain(&e))
-    }
-}
+use crate::datastore::Datastore;
 
 /// What route distribution starts with.
 pub struct Start {
@@ -162,23 +127,12 @@ pub struct RoutesHandle {
     engine: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// A desired set, shared (not copied) between the loop, the hand-over and the report.
-type Desired = Arc<Vec<RemoteRoute>>;
-
-/// The last set the reconciler took: routes, complete, when.
-type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
-
 /// What calixctl and /metrics ask the loop.
 enum Ask {
     Report(oneshot::Sender<RoutesReport>),
     Metrics(oneshot::Sender<String>),
     /// New pools for the rule for blocks (a reload).
     Pools(Vec<calix_core::ipam::Pool>),
-}
-
-enum ViewInput {
-    Listed(Part, Vec<KeyValue>),
-    Event(WatchEvent),
 }
 
 /// Binds the Routes port and starts everything. Fails (and the agent with it) when the port
@@ -543,140 +497,6 @@ impl Loop {
     }
 }
 
-/// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
-fn peer_nodes(view: &calix_core::routes::view::View, me: &str) -> PeerNodes {
-    let mut out = PeerNodes::default();
-    for n in view.nodes().filter(|n| n.record.name != me) {
-        out.addresses.extend(n.addresses.iter().copied());
-        if let Ok(sa) = n.record.routes_endpoint.parse::<std::net::SocketAddr>() {
-            out.routes_ports.insert(sa.port());
-        }
-    }
-    out
-}
-
-/// Hands each new set of other nodes to the dataplane; a failure is retried every second
-/// with the latest set.
-async fn hand_peers(sink: Arc<dyn RouteSink>, mut rx: watch::Receiver<Option<PeerNodes>>) {
-    loop {
-        let Some(peers) = rx.borrow_and_update().clone() else {
-            if rx.changed().await.is_err() {
-                return;
-            }
-            continue;
-        };
-        match sink.set_peer_nodes(peers).await {
-            Ok(()) => {
-                if rx.changed().await.is_err() {
-                    return;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "routes: the dataplane did not take the other nodes' addresses (doors); retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-}
-
-/// Hands each new desired set to the reconciler; a failure is retried every second with the
-/// latest set.
-async fn hand_over(
-    sink: Arc<dyn RouteSink>,
-    mut rx: watch::Receiver<Option<(Desired, bool)>>,
-    handed: Handed,
-) {
-    loop {
-        let Some((routes, complete)) = rx.borrow_and_update().clone() else {
-            if rx.changed().await.is_err() {
-                return;
-            }
-            continue;
-        };
-        let asked = Instant::now();
-        match sink.set_remote_routes(routes.to_vec(), complete).await {
-            Ok(()) => {
-                tracing::debug!(routes = routes.len(), complete, took = ?asked.elapsed(),
-                    "routes: the reconciler took the desired routes");
-                *handed.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((routes, complete, Instant::now()));
-                if rx.changed().await.is_err() {
-                    return;
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "routes: the reconciler did not take the desired routes; retrying");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-}
-
-/// Lists one part of the datastore, then follows it: a compacted watch lists again, an
-/// ended one resumes from the last revision seen. The nodes come from `nodes`.
-async fn watch_part(
-    store: Arc<dyn Datastore>,
-    part: Part,
-    nodes: Arc<dyn NodeSource>,
-    tx: mpsc::Sender<ViewInput>,
-) {
-    let prefix = match part {
-        Part::Blocks => part.prefix(),
-        Part::Nodes => nodes.prefix(),
-    };
-    let mut backoff = Duration::from_millis(100);
-    'list: loop {
-        let (kvs, revision) = match store.list_with_revision(prefix).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(prefix, error = %e, "routes: cannot list the datastore; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        if tx
-            .send(ViewInput::Listed(part, nodes.listed(kvs)))
-            .await
-            .is_err()
-        {
-            return;
-        }
-        let mut after = revision;
-        loop {
-            let mut stream = match store.watch(prefix, after).await {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(prefix, error = %e, "routes: cannot watch the datastore; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                    continue;
-                }
-            };
-            backoff = Duration::from_millis(100);
-            while let Some(item) = stream.next().await {
-                match item {
-                    Ok(ev) => {
-                        after = ev.revision();
-                        let Some(ev) = nodes.event(ev) else {
-                            continue;
-                        };
-                        if tx.send(ViewInput::Event(ev)).await.is_err() {
-                            return;
-                        }
-                    }
-                    Err(DatastoreError::Compacted { .. }) => continue 'list,
-                    Err(e) => {
-                        tracing::debug!(prefix, error = %e, "routes: datastore watch ended; resuming");
-                        break;
-                    }
-                }
-            }
-            tokio::time::sleep(backoff).await;
-        }
-    }
-}
-
 /// Binds the Routes port on each of `addrs` ([`listener::bind`]). An address the node does
 /// not have (yet) is bound all the same and warned about: peers reach it once it is there.
 fn bind_all(addrs: &[std::net::SocketAddr]) -> Result<Vec<tokio::net::TcpListener>, RoutesError> {
@@ -715,50 +535,4 @@ pub fn uplink_addresses(uplinks: &[String]) -> Vec<IpAddr> {
         .first()
         .map(|u| super::local::interface_addresses(u))
         .unwrap_or_default()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use calix_core::model::NodeRecord;
-    use calix_core::routes::view::View;
-    use calix_core::store::keys;
-
-    /// Node `name`'s record (its Routes endpoint on its first address, port 5474).
-    fn node_kv(name: &str, addresses: &[&str], reflector: bool) -> KeyValue {
-        let r = NodeRecord {
-            name: name.into(),
-            addresses: addresses.iter().map(|a| a.to_string()).collect(),
-            routes_endpoint: format!("{}:5474", addresses.first().copied().unwrap_or("")),
-            reflector,
-            ..Default::default()
-        };
-        KeyValue {
-            key: keys::node(name),
-            value: serde_json::to_vec(&r).expect("json"),
-            revision: 1,
-            created: 1,
-        }
-    }
-
-    #[test]
-    fn the_other_nodes_are_every_recorded_node_but_this_one() {
-        let mut v = View::default();
-        v.replace(
-            Part::Nodes,
-            &[
-                node_kv("a", &["192.0.2.1", "fd00::1"], false),
-                node_kv("b", &["192.0.2.2", "fd00::2"], false),
-                node_kv("c", &["192.0.2.3"], true),
-            ],
-        );
-        let p = peer_nodes(&v, "a");
-        let want: std::collections::BTreeSet<IpAddr> = ["192.0.2.2", "fd00::2", "192.0.2.3"]
-            .iter()
-            .map(|a| a.parse().expect("ip"))
-            .collect();
-        assert_eq!(p.addresses, want);
-        assert_eq!(p.routes_ports, [5474].into());
-        assert_eq!(peer_nodes(&View::default(), "a"), PeerNodes::default());
-    }
 }

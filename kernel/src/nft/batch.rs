@@ -4,8 +4,9 @@
 //! Each message but the delimiters asks for an ack, and [`Batch::what`] says what each
 //! sequence number did, so an error names the message the kernel refused.
 
+use super::data::{Element, MapData, Set};
 use super::expr::{self, put_data, Expr, SetRef, LIST_ELEM};
-use super::model::{Element, Family, MapData, Set, Table};
+use super::model::{Family, Table};
 use super::rule::successor;
 use super::wire::{
     Writer, NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NFNL_SUBSYS_NFTABLES, NLM_F_ACK,
@@ -221,7 +222,7 @@ pub(crate) fn udata_comment(c: &str) -> Vec<u8> {
 pub(crate) struct RawElement {
     pub key: Vec<u8>,
     pub end: bool,
-    pub data: Option<super::model::Data>,
+    pub data: Option<super::data::Data>,
 }
 
 pub(crate) fn raw_elements(set: &Set) -> Vec<RawElement> {

@@ -1,7 +1,7 @@
 //! nf_tables expressions: the kernel's instruction set, one variant each, with their netlink
 //! encoding and decoding. [`super::rule`] builds the sequences `nft` would emit for a match.
 
-use super::model::{Data, Set, Verdict};
+use super::data::{Data, Set, Verdict};
 use super::wire::{be32, be64, malformed, string, u8_of, Attrs, Malformed, Writer};
 
 /// A register: [`Reg::VERDICT`], the 16-byte `NFT_REG_1..4`, or the 4-byte `NFT_REG32_00..15`

@@ -15,7 +15,8 @@
 //!   drift detection (the agent's OwnedTable)
 //! ```
 //!
-//! - [`model`]: what a table is; [`expr`]: the kernel's expressions; [`rule`]: matches.
+//! - [`model`]: what a table is; [`data`]: verdicts, sets, elements; [`expr`]: the kernel's
+//!   expressions; [`rule`]: matches.
 //! - [`Socket`]: create it in the namespace it acts on (a netlink socket belongs to the
 //!   namespace it was created in): the agent in the node's, tests on a thread that entered a
 //!   test namespace ([`crate::netns::run_in`]).
@@ -25,6 +26,7 @@
 //! expressions payload, meta, ct, cmp, bitwise, lookup, fib, masq, immediate, counter.
 //! Anything else another tool writes reads back as [`Expr::Other`] (so it is seen as drift).
 mod batch;
+pub mod data;
 pub mod expr;
 pub mod model;
 mod read;
@@ -37,11 +39,9 @@ mod wire;
 
 use nix::errno::Errno;
 
+pub use data::{Data, Element, KeyType, MapData, Set, Verdict};
 pub use expr::{CmpOp, CtKey, Expr, MetaKey, PayloadBase, Reg, SetRef};
-pub use model::{
-    priority, BaseChain, Chain, ChainType, Data, Element, Family, Hook, KeyType, MapData, Rule,
-    Set, Table, Verdict,
-};
+pub use model::{priority, BaseChain, Chain, ChainType, Family, Hook, Rule, Table};
 pub use rule::{Addr, CtDirection, RuleBuilder};
 pub use socket::Socket;
 pub use wire::{Malformed, NAME_MAX};

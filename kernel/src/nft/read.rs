@@ -9,11 +9,9 @@ use super::batch::{
     GETSETELEM, GETTABLE, NEWCHAIN, NEWGEN, NEWRULE, NEWSET, NEWSETELEM, NEWTABLE, SET_ANONYMOUS,
     SET_CONSTANT, SET_INTERVAL, SET_MAP, UDATA_COMMENT,
 };
+use super::data::{Data, Element, KeyType, MapData, Set, Verdict};
 use super::expr::{self, data_of, Expr, SetRef, LIST_ELEM};
-use super::model::{
-    BaseChain, Chain, ChainType, Data, Element, Family, Hook, KeyType, MapData, Rule, Set, Table,
-    Verdict,
-};
+use super::model::{BaseChain, Chain, ChainType, Family, Hook, Rule, Table};
 use super::rule::predecessor;
 use super::socket::Socket;
 use super::wire::{

@@ -7,8 +7,9 @@ use std::net::{IpAddr, Ipv6Addr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
+use super::data::{Data, Element, KeyType, Set, Verdict};
 use super::expr::{fib, nat, CmpOp, CtKey, Expr, MetaKey, PayloadBase, Reg, SetRef};
-use super::model::{Data, Element, Family, KeyType, Rule, Set, Verdict};
+use super::model::{Family, Rule};
 
 /// `IFNAMSIZ`: an interface name compared whole is this long, NUL-padded.
 const IFNAMSIZ: usize = 16;

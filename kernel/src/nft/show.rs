@@ -4,8 +4,8 @@
 
 use std::fmt;
 
+use super::data::{Data, Verdict};
 use super::expr::{fib, CmpOp, Expr, PayloadBase, SetRef};
-use super::model::{Data, Verdict};
 
 /// Bytes as libnftnl prints register data: 32-bit words in host order, `0x%08x` each.
 fn words(f: &mut fmt::Formatter<'_>, bytes: &[u8]) -> fmt::Result {

@@ -7,8 +7,9 @@ use std::net::Ipv6Addr;
 use ipnet::Ipv4Net;
 
 use super::batch::{self, msg_type, raw_elements, RawElement};
+use super::data::{Element, KeyType, Set, Verdict};
 use super::expr::{Expr, SetRef};
-use super::model::{Chain, ChainType, Element, Family, Hook, KeyType, Rule, Set, Table, Verdict};
+use super::model::{Chain, ChainType, Family, Hook, Rule, Table};
 use super::rule::{self, ct_state, icmpv6, merge, Addr, CtDirection, IPPROTO_TCP};
 use super::wire::{self, Attrs, NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END, NLM_F_ACK};
 use super::{priority, CmpOp};

@@ -13,18 +13,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use calix_core::ipam::{pool_of, Allocated, Allocation, HandleRecord, Held, PoolChoice};
-use calix_core::store::keys;
 use calix_proto::handle;
 use ipnet::IpNet;
 
+use super::records::Stored;
 use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
-use crate::datastore::{Compare, DatastoreError, Durability, Op};
+use crate::datastore::{DatastoreError, Durability};
 use crate::error::AgentError;
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
 /// handle, or for a handle of the previous plugin's encoding, with the container ID stored
 /// beside it.
-fn attachment_of(a: &Allocation) -> Option<(&str, &str)> {
+pub(super) fn attachment_of(a: &Allocation) -> Option<(&str, &str)> {
     handle::attachment(
         &a.handle,
         a.attributes
@@ -35,31 +35,11 @@ fn attachment_of(a: &Allocation) -> Option<(&str, &str)> {
 
 /// One allocation of a (handle, ifname), as its block holds it.
 #[derive(Debug, Clone)]
-struct Holding {
+pub(super) struct Holding {
     addr: IpAddr,
     allocation: Allocation,
     /// Revision of the block it was read from.
     revision: i64,
-}
-
-/// Housekeeping repairs the handle records at least every this many passes.
-pub(super) const REPAIR_EVERY: u32 = 10;
-
-/// A handle record as stored: its revision and what it says; `None` when there is none.
-type Stored = Option<(i64, HandleRecord)>;
-
-/// Whether two records say the same (addresses in any order).
-fn same_record(a: &HandleRecord, b: &HandleRecord) -> bool {
-    let sorted = |r: &HandleRecord| {
-        let mut v: Vec<(IpAddr, u64, IpNet)> = r
-            .addresses
-            .iter()
-            .map(|h| (h.addr, h.seq, h.pool))
-            .collect();
-        v.sort();
-        v
-    };
-    a.node == b.node && sorted(a) == sorted(b)
 }
 
 impl IpamService {
@@ -225,7 +205,7 @@ impl IpamService {
     /// Allocates one address of a family (`requested`, or the allocator's choice) and commits
     /// its block alone. Returns it with the revision of the commit.
     #[allow(clippy::too_many_arguments)]
-    async fn allocate_family(
+    pub(super) async fn allocate_family(
         &self,
         inner: &mut Inner,
         handle: &str,
@@ -307,7 +287,7 @@ impl IpamService {
 
     /// The view's allocation of (handle, ifname) by this node in family `v4`, with its block's
     /// revision.
-    fn landed(
+    pub(super) fn landed(
         &self,
         inner: &Inner,
         pools: &[calix_core::ipam::Pool],
@@ -358,7 +338,7 @@ impl IpamService {
     /// The record is only a hint: when it names an address the view does not give this handle,
     /// the view may be behind (or the record stale), and the blocks are listed again. With
     /// `fresh`, for an answer no write will check, the blocks involved are read again.
-    async fn held(
+    pub(super) async fn held(
         &self,
         inner: &mut Inner,
         handle: &str,
@@ -407,119 +387,11 @@ impl IpamService {
         Ok((held, stored))
     }
 
-    /// The handle record of (handle, ifname) as stored. One that does not decode is reported
-    /// and treated as an empty record, which the next write by handle (or the repair) replaces.
-    async fn read_record(&self, handle: &str, ifname: &str) -> Result<Stored, AgentError> {
-        let Some(kv) = self.store.get(&keys::handle(handle, ifname)).await? else {
-            return Ok(None);
-        };
-        let rec = kv.decode::<HandleRecord>().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "unreadable handle record: the blocks decide, and it is rewritten");
-            HandleRecord::default()
-        });
-        Ok(Some((kv.revision, rec)))
-    }
-
-    /// The record the blocks say a handle should have: `None` when it holds nothing.
-    fn record_of<'a>(
-        &self,
-        held: impl IntoIterator<Item = (IpAddr, &'a Allocation)>,
-    ) -> Option<HandleRecord> {
-        let pools = self.pools();
-        let mut node = None;
-        let addresses: Vec<Held> = held
-            .into_iter()
-            .map(|(addr, a)| {
-                node.get_or_insert_with(|| a.node.clone());
-                Held {
-                    addr,
-                    pool: pool_of(&pools, addr),
-                    seq: a.seq,
-                }
-            })
-            .collect();
-        Some(HandleRecord {
-            node: node?,
-            addresses,
-        })
-    }
-
-    /// Makes the stored record of (handle, ifname) say `desired` (deleted when `None`), with a
-    /// compare-and-swap on what `stored` says it is. A stored record of another node is left as
-    /// it is (not this node's to write). Best effort: a lost race or a failure is
-    /// logged, reads check the blocks anyway, and [`Self::repair_handles`] settles it at the
-    /// next housekeeping pass. Returns whether the record now says `desired`.
-    pub(super) async fn write_record(
-        &self,
-        inner: &mut Inner,
-        handle: &str,
-        ifname: &str,
-        stored: &Stored,
-        desired: Option<&HandleRecord>,
-    ) -> bool {
-        let hkey = keys::handle(handle, ifname);
-        if let Some((_, cur)) = stored {
-            if !cur.node.is_empty() && cur.node != self.node.name {
-                // Another node's record (stale, or forged): that node's to fix, or an
-                // operator's. Reads check the blocks; `ipam check` reports it.
-                tracing::debug!(%handle, %ifname, node = %cur.node,
-                    "handle record of another node left as it is");
-                return false;
-            }
-        }
-        let (compare, op) = match (stored, desired) {
-            (Some((_, cur)), Some(d)) if same_record(cur, d) => return true,
-            (None, None) => return true,
-            (Some((rev, _)), None) => (Compare::Revision(hkey.clone(), *rev), Op::Delete(hkey)),
-            (Some((rev, _)), Some(d)) => {
-                (Compare::Revision(hkey.clone(), *rev), Op::put_json(hkey, d))
-            }
-            (None, Some(d)) => (Compare::Absent(hkey.clone()), Op::put_json(hkey, d)),
-        };
-        match self.store.txn(&[compare], &[op], Durability::Process).await {
-            Ok(Some(_)) => true,
-            Ok(None) => {
-                tracing::debug!(%handle, %ifname,
-                    "handle record changed meanwhile; the repair settles it from the blocks");
-                inner.handles_dirty = true;
-                false
-            }
-            Err(e) => {
-                tracing::warn!(%handle, %ifname, error = %e,
-                    "handle record not written: reads check the blocks, and the repair rewrites it");
-                inner.handles_dirty = true;
-                false
-            }
-        }
-    }
-
-    /// Makes the record of (handle, ifname) say what the view's blocks hold for it.
-    async fn follow_record(&self, inner: &mut Inner, handle: &str, ifname: &str) {
-        let desired = self.record_of(
-            inner
-                .ipam
-                .held_by(handle, ifname)
-                .into_iter()
-                .map(|(_, addr, a)| (addr, a)),
-        );
-        match self.read_record(handle, ifname).await {
-            Ok(stored) => {
-                self.write_record(inner, handle, ifname, &stored, desired.as_ref())
-                    .await;
-            }
-            Err(e) => {
-                tracing::warn!(%handle, %ifname, error = %e,
-                    "handle record not read; the repair rewrites it");
-                inner.handles_dirty = true;
-            }
-        }
-    }
-
     /// The previous plugin's handle (`<network>.<containerID>`) of the attachment `handle`
     /// names, when the blocks hold addresses of it for `ifname` that were all allocated for that
     /// very container. Its encoding is ambiguous (`a.b.c`: network `a` or `a.b`), so ownership
     /// is proven by the container ID every allocation of the plugin carries, never assumed.
-    async fn legacy_handle(
+    pub(super) async fn legacy_handle(
         &self,
         inner: &mut Inner,
         handle: &str,
@@ -536,289 +408,6 @@ impl IpamService {
                 .iter()
                 .all(|h| attachment_of(&h.allocation) == Some((network, container_id)));
         Ok(ours.then_some(legacy))
-    }
-
-    /// Releases what (handle, ifname) holds. Idempotent; returns what was released.
-    pub async fn release(&self, handle: &str, ifname: &str) -> Result<Vec<IpAddr>, AgentError> {
-        let mut inner = self.inner.lock().await;
-        self.release_attachment_locked(&mut inner, handle, ifname, "released by CNI DEL")
-            .await
-    }
-
-    /// [`Self::release_handle_locked`] for an attachment's handle; when that held nothing,
-    /// also what the previous plugin's handle for the same attachment holds.
-    pub(super) async fn release_attachment_locked(
-        &self,
-        inner: &mut Inner,
-        handle: &str,
-        ifname: &str,
-        reason: &str,
-    ) -> Result<Vec<IpAddr>, AgentError> {
-        let mut released = self
-            .release_handle_locked(inner, handle, ifname, reason)
-            .await?;
-        if released.is_empty() {
-            if let Some(legacy) = self.legacy_handle(inner, handle, ifname, false).await? {
-                released = self
-                    .release_handle_locked(inner, &legacy, ifname, reason)
-                    .await?;
-            }
-        }
-        Ok(released)
-    }
-
-    /// Releases every address this node allocated for (handle, ifname) — one compare-and-swap
-    /// per block, each freeing only the very allocations (sequence numbers) the block holds
-    /// for it; another node's allocation of the handle is that node's to release — then
-    /// deletes its record (best effort: a record left behind names addresses the blocks no
-    /// longer give the handle, which reads ignore and the repair deletes).
-    pub(super) async fn release_handle_locked(
-        &self,
-        inner: &mut Inner,
-        handle: &str,
-        ifname: &str,
-        reason: &str,
-    ) -> Result<Vec<IpAddr>, AgentError> {
-        let (_, stored) = self.held(inner, handle, ifname, false).await?;
-        let mut released = Vec::new();
-        for attempt in 0..CAS_ATTEMPTS {
-            // This node's allocations of it only: another node's are that node's to release.
-            let held: Vec<(String, IpAddr, u64)> = inner
-                .ipam
-                .held_by(handle, ifname)
-                .into_iter()
-                .filter(|(_, _, a)| a.node == self.node.name)
-                .map(|(key, addr, a)| (key.to_string(), addr, a.seq))
-                .collect();
-            let Some((block, ..)) = held.first().cloned() else {
-                self.write_record(inner, handle, ifname, &stored, None)
-                    .await;
-                return Ok(released);
-            };
-            let freed: Vec<(IpAddr, u64)> = held
-                .iter()
-                .filter(|(key, ..)| *key == block)
-                .filter_map(|(_, addr, seq)| {
-                    inner.ipam.release_address(*addr, Some(*seq))?;
-                    Some((*addr, *seq))
-                })
-                .collect();
-            if self
-                .commit_block(inner, &block, Durability::Process)
-                .await?
-                .is_some()
-            {
-                for (addr, seq) in freed {
-                    tracing::info!(%handle, %ifname, %addr, seq, %reason, "released");
-                    released.push(addr);
-                }
-                continue;
-            }
-            cas_backoff(attempt).await;
-        }
-        Err(DatastoreError::Contended {
-            attempts: CAS_ATTEMPTS,
-            what: format!("release of {handle}/{ifname}"),
-        }
-        .into())
-    }
-
-    /// Releases one address (calixctl, leak GC, a rollback) — only if it is still allocation
-    /// `seq` when given — then brings its handle's record in line. Returns whether it was
-    /// released. An address another node allocated is refused
-    /// ([`AgentError::ForeignAllocation`]): only that node's agent writes its allocations (the
-    /// kubernetes datastore's node authority would refuse the write anyway).
-    pub async fn release_address(
-        &self,
-        addr: IpAddr,
-        seq: Option<u64>,
-        reason: &str,
-    ) -> Result<bool, AgentError> {
-        let mut inner = self.inner.lock().await;
-        self.release_address_locked(&mut inner, addr, seq, reason)
-            .await
-    }
-
-    pub(super) async fn release_address_locked(
-        &self,
-        inner: &mut Inner,
-        addr: IpAddr,
-        seq: Option<u64>,
-        reason: &str,
-    ) -> Result<bool, AgentError> {
-        for attempt in 0..CAS_ATTEMPTS {
-            if inner.stale || inner.ipam.block_of(addr).is_none() {
-                self.refresh_blocks(inner).await?;
-            }
-            let owner = inner
-                .ipam
-                .block_of(addr)
-                .and_then(|b| b.allocations.get(&b.offset_of(addr)?))
-                .filter(|a| seq.is_none_or(|s| s == a.seq))
-                .map(|a| a.node.clone());
-            if let Some(node) = owner.filter(|n| *n != self.node.name) {
-                return Err(AgentError::ForeignAllocation { addr, node });
-            }
-            let Some((block, gone)) = inner.ipam.release_address(addr, seq) else {
-                return Ok(false);
-            };
-            if self
-                .commit_block(inner, &block, Durability::Process)
-                .await?
-                .is_some()
-            {
-                tracing::info!(handle = %gone.handle, ifname = %gone.ifname, %addr, seq = gone.seq,
-                    %reason, "released");
-                self.follow_record(inner, &gone.handle, &gone.ifname).await;
-                return Ok(true);
-            }
-            cas_backoff(attempt).await;
-        }
-        Err(DatastoreError::Contended {
-            attempts: CAS_ATTEMPTS,
-            what: format!("release of {addr}"),
-        }
-        .into())
-    }
-
-    /// Rebuilds this node's handle records from the blocks: a record missing for an allocation
-    /// of this node is created, one that says otherwise than the blocks is rewritten, one of
-    /// this node for a handle the blocks give nothing is deleted. Records of other nodes are
-    /// theirs to repair. Also folds the previous version's retired-block records into released
-    /// block objects. Runs at start, and in housekeeping after a record write failed or lost a
-    /// race (and every [`REPAIR_EVERY`] passes: another node may have written this node's
-    /// records); it lists every handle record of the store. Returns the records fixed.
-    pub(super) async fn repair_handles(&self, inner: &mut Inner) -> Result<usize, AgentError> {
-        inner.handles_dirty = false;
-        // Under the IPAM lock nothing of this node's changes meanwhile: the view has every
-        // allocation this node made (listed again if a write left it in doubt).
-        let mut stored: BTreeMap<(String, String), (i64, HandleRecord)> = BTreeMap::new();
-        // This node's handles only (the API server selects them by label).
-        for kv in self
-            .store
-            .list_of_node(keys::HANDLES, &self.node.name)
-            .await?
-        {
-            let Some((handle, ifname)) = kv
-                .key
-                .strip_prefix(keys::HANDLES)
-                .and_then(|rest| rest.rsplit_once('/'))
-            else {
-                continue;
-            };
-            let rec = kv.decode::<HandleRecord>().unwrap_or_default();
-            stored.insert((handle.to_string(), ifname.to_string()), (kv.revision, rec));
-        }
-        if inner.stale {
-            self.refresh_blocks(inner).await?;
-        }
-        let mut held: BTreeMap<(String, String), Vec<(IpAddr, &Allocation)>> = BTreeMap::new();
-        for (addr, a) in inner.ipam.allocations_of(&self.node.name) {
-            held.entry((a.handle.clone(), a.ifname.clone()))
-                .or_default()
-                .push((addr, a));
-        }
-        let desired: BTreeMap<(String, String), HandleRecord> = held
-            .into_iter()
-            .filter_map(|(k, mut v)| {
-                v.sort_by_key(|(addr, _)| (addr.is_ipv6(), *addr));
-                Some((k, self.record_of(v)?))
-            })
-            .collect();
-        let mut fixed = 0;
-        for ((handle, ifname), want) in &desired {
-            let have = stored.get(&(handle.clone(), ifname.clone())).cloned();
-            if matches!(&have, Some((_, h)) if same_record(h, want)) {
-                continue;
-            }
-            if self
-                .write_record(inner, handle, ifname, &have, Some(want))
-                .await
-            {
-                tracing::info!(%handle, %ifname, missing = have.is_none(),
-                    "handle record repaired from the blocks");
-                fixed += 1;
-            }
-        }
-        for ((handle, ifname), have) in &stored {
-            if have.1.node != self.node.name
-                || desired.contains_key(&(handle.clone(), ifname.clone()))
-            {
-                continue;
-            }
-            if self
-                .write_record(inner, handle, ifname, &Some(have.clone()), None)
-                .await
-            {
-                tracing::info!(%handle, %ifname,
-                    "stale handle record deleted: the blocks give the handle nothing");
-                fixed += 1;
-            }
-        }
-        self.fold_legacy_retired(inner).await;
-        Ok(fixed)
-    }
-
-    /// The previous version released a block by deleting it and writing `ipam/retired/<block>`.
-    /// Each such record becomes a released block object (compared absent), then goes.
-    async fn fold_legacy_retired(&self, inner: &mut Inner) {
-        for (cidr, record_rev) in std::mem::take(&mut inner.legacy_retired) {
-            let key = cidr.to_string();
-            let has_object = inner.ipam.blocks.contains_key(&key)
-                || inner
-                    .ipam
-                    .retired
-                    .get(&key)
-                    .is_some_and(|r| r.revision != 0);
-            if !has_object {
-                let next_seq = inner.ipam.retired.get(&key).map_or(1, |r| r.next_seq);
-                let mut released = calix_core::ipam::Block::new(cidr, "");
-                released.next_seq = next_seq;
-                let bkey = keys::block(&cidr);
-                let put = self
-                    .store
-                    .txn(
-                        &[Compare::Absent(bkey.clone())],
-                        &[Op::put_json(bkey, &released)],
-                        Durability::Process,
-                    )
-                    .await;
-                match put {
-                    Ok(Some(rev)) => {
-                        released.revision = rev;
-                        inner.ipam.put_block(released);
-                    }
-                    Ok(None) => {
-                        inner.stale = true;
-                        inner.legacy_retired.push((cidr, record_rev));
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(block = %cidr, error = %e, "retired record not folded; retrying later");
-                        inner.legacy_retired.push((cidr, record_rev));
-                        continue;
-                    }
-                }
-            }
-            let rkey = keys::retired(&cidr);
-            match self
-                .store
-                .txn(
-                    &[Compare::Revision(rkey.clone(), record_rev)],
-                    &[Op::Delete(rkey)],
-                    Durability::Process,
-                )
-                .await
-            {
-                Ok(_) => {
-                    tracing::info!(block = %cidr, "retired record folded into the block object")
-                }
-                Err(e) => {
-                    tracing::warn!(block = %cidr, error = %e, "retired record not deleted; retrying later");
-                    inner.legacy_retired.push((cidr, record_rev));
-                }
-            }
-        }
     }
 
     /// CNI GC: releases every allocation of this node whose attachment (network, container

@@ -100,7 +100,7 @@ impl IpamService {
         inner.passes_since_repair += 1;
         if inner.handles_dirty
             || !inner.legacy_retired.is_empty()
-            || inner.passes_since_repair >= super::alloc::REPAIR_EVERY
+            || inner.passes_since_repair >= super::records::REPAIR_EVERY
         {
             inner.passes_since_repair = 0;
             out.handles_repaired = self.repair_handles(&mut inner).await?;

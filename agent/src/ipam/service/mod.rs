@@ -1,11 +1,13 @@
 //! The IPAM service: this node's view of the blocks over the datastore, allocation and release
-//! by handle (`alloc`), housekeeping (leak GC, empty blocks, handle records: `housekeeping`),
+//! by handle (`alloc`, `release`; the handle records: `records`), housekeeping (leak GC, empty blocks, handle records: `housekeeping`),
 //! and the reports `calixctl ipam show/check` print (`report`). Nothing is acknowledged before
 //! the datastore has it; every write is one object, and IPAM writes are compare-and-swap on one
 //! block's revision, so agents sharing a datastore never hand out an address twice.
 mod affinity;
 mod alloc;
 mod housekeeping;
+mod records;
+mod release;
 pub mod report;
 
 use std::collections::HashMap;

@@ -1,0 +1,5 @@
+//! calixctl's commands: ask the agent (or the cluster), print through [`crate::render`].
+pub(crate) mod bpf;
+pub(crate) mod endpoints;
+pub(crate) mod ipam;
+pub(crate) mod routes;

@@ -1,0 +1,214 @@
+use calix_agent::ipam::service::{CheckReport, Finding};
+use calix_core::routes::report::RoutesReport;
+use calix_proto::v1 as pb;
+
+use super::bpf::{drops_json, drops_table, flows_table};
+use super::endpoints::{endpoints_json, endpoints_table};
+use super::ipam::ipam_check_table;
+use super::routes::{nodes_table, routes_table};
+use super::{age, human_bytes, table};
+
+#[test]
+fn table_aligns_columns() {
+    let t = table(
+        &["A", "BB"],
+        &[vec!["xxx".into(), "y".into()], vec!["z".into(), "".into()]],
+    );
+    assert_eq!(t, "A    BB\nxxx  y\nz");
+    let t = table(&["POD"], &[vec!["evil\u{1b}[2J\nforged".into()]]);
+    assert_eq!(t, "POD\nevil\\u{1b}[2J\\nforged");
+}
+
+#[test]
+fn ages_are_human() {
+    assert_eq!(age(4.2), "4s");
+    assert_eq!(age(200.0), "3m20s");
+    assert_eq!(age(7500.0), "2h5m");
+    assert_eq!(age(-1.0), "0s");
+}
+
+#[test]
+fn routes_off_says_so() {
+    let r = RoutesReport {
+        node: "n1".into(),
+        ..Default::default()
+    };
+    assert!(routes_table(&r).contains("route distribution is off on node n1"));
+    assert!(nodes_table(&r).contains("routes.enabled = false"));
+}
+
+#[test]
+fn an_ignored_block_shows_its_block_and_rule() {
+    let r = CheckReport {
+        blocks: 1,
+        findings: vec![Finding {
+            kind: "ignored-block".into(),
+            rule: "block_size".into(),
+            address: None,
+            seq: None,
+            handle: String::new(),
+            ifname: String::new(),
+            node: "rogue".into(),
+            block: "10.244.7.9/32".into(),
+            detail: "10.244.7.9/32 is a /32; pool 10.244.0.0/16 makes /26".into(),
+        }],
+        ..Default::default()
+    };
+    let t = ipam_check_table(&r);
+    let row = t.lines().nth(1).expect("a row");
+    for want in [
+        "ignored-block (block_size)",
+        "rogue",
+        "10.244.7.9/32",
+        "makes /26",
+    ] {
+        assert!(row.contains(want), "{want:?} not in {t}");
+    }
+    assert!(t.lines().next().is_some_and(|h| h.contains("BLOCK")), "{t}");
+}
+
+#[test]
+fn bytes_are_human() {
+    assert_eq!(human_bytes(12), "12 B");
+    assert_eq!(human_bytes(2048), "2.0 KiB");
+}
+
+fn flow() -> serde_json::Value {
+    serde_json::json!({
+        "proto": "tcp", "pod": "10.244.0.5", "pod_port": 40000,
+        "nat": "192.168.1.10", "nat_port": 61000, "dst": "1.1.1.1", "dst_port": 443,
+        "state": "established", "idle_secs": 3, "expires_in_secs": 7437,
+    })
+}
+
+#[test]
+fn conntrack_and_nat_views_order_their_columns() {
+    let t = flows_table(&[flow()], false, "n1");
+    let mut lines = t.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "PROTO",
+            "POD",
+            "DESTINATION",
+            "NAT",
+            "STATE",
+            "IDLE",
+            "EXPIRES"
+        ]
+    );
+    let row: Vec<&str> = lines.next().expect("a row").split_whitespace().collect();
+    assert_eq!(
+        row,
+        [
+            "tcp",
+            "10.244.0.5:40000",
+            "1.1.1.1:443",
+            "192.168.1.10:61000",
+            "established",
+            "3s",
+            "7437s"
+        ]
+    );
+    assert_eq!(lines.next(), Some("1 flow(s) on node n1"));
+
+    let t = flows_table(&[flow()], true, "n1");
+    let row: Vec<&str> = t
+        .lines()
+        .nth(1)
+        .expect("a row")
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        row,
+        [
+            "tcp",
+            "10.244.0.5:40000",
+            "192.168.1.10:61000",
+            "1.1.1.1:443"
+        ]
+    );
+}
+
+#[test]
+fn drops_name_the_interface_or_its_index_and_sum_the_packets() {
+    let resp = pb::DropsResponse {
+        node: "n1".into(),
+        drops: vec![
+            pb::DropCounter {
+                ifindex: 7,
+                ifname: "cali1".into(),
+                reason: "policy".into(),
+                packets: 3,
+                bytes: 3072,
+            },
+            pb::DropCounter {
+                ifindex: 9,
+                ifname: String::new(),
+                reason: "no-route".into(),
+                packets: 2,
+                bytes: 100,
+            },
+        ],
+    };
+    let t = drops_table(&resp);
+    assert_eq!(
+        t,
+        "INTERFACE    REASON    PACKETS  BYTES\n\
+         cali1        policy    3        3.0 KiB\n\
+         (ifindex 9)  no-route  2        100 B\n\
+         5 packet(s) dropped on node n1"
+    );
+    let j = drops_json(&resp);
+    assert_eq!(j["node"], "n1");
+    assert_eq!(j["drops"][1]["interface"], "");
+    assert_eq!(j["drops"][1]["ifindex"], 9);
+    assert_eq!(j["drops"][0]["bytes"], 3072);
+}
+
+#[test]
+fn endpoints_show_their_pod_and_say_which_are_not_ok() {
+    let status = |ns: &str, pod: &str, container: &str, state: &str| pb::EndpointStatus {
+        endpoint: Some(pb::Endpoint {
+            container_id: container.into(),
+            pod_namespace: ns.into(),
+            pod_name: pod.into(),
+            host_ifname: "cali1".into(),
+            addresses: vec!["10.244.0.5/32".into()],
+            ..Default::default()
+        }),
+        bpf_attached: true,
+        state: state.into(),
+        counters: Some(pb::Counters {
+            from_pod_packets: 1,
+            from_pod_bytes: 2048,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let resp = pb::ListResponse {
+        node: "n1".into(),
+        endpoints: vec![
+            status("default", "web", "c1", "ok"),
+            status("", "", "0123456789abcdef", "unreachable"),
+            status("", "", "c3", ""),
+        ],
+    };
+    let t = endpoints_table(&resp);
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 5, "{t}");
+    assert!(lines[1].starts_with("default/web "), "{t}");
+    assert!(lines[1].contains("1 pkts / 2.0 KiB"), "{t}");
+    assert!(lines[2].starts_with("0123456789ab "), "{t}");
+    assert!(lines[3].contains(" - "), "{t}");
+    assert_eq!(
+        lines[4],
+        "3 endpoint(s) on node n1, 1 not in their desired state (STATE says why)"
+    );
+    let j = endpoints_json(&resp);
+    assert_eq!(j["endpoints"][0]["pod"], "default/web");
+    assert_eq!(j["endpoints"][1]["pod"], "0123456789ab");
+    assert_eq!(j["endpoints"][0]["counters"]["fromPodBytes"], 2048);
+    assert!(j["endpoints"][0]["podLabels"].is_null());
+}
