@@ -8,20 +8,20 @@ pub use calix_dataplane as dataplane;
 pub use calix_datastore as datastore;
 pub mod endpoints;
 pub mod error;
-pub mod grpc;
 pub mod instance;
 pub mod ipam;
-pub mod k8s;
+pub mod kubernetes;
+pub mod local_api;
 pub mod memory;
 pub mod metrics;
-pub mod node;
 pub mod notice;
 pub mod paths;
+pub mod pod_network;
 /// X.509 for route distribution is its own crate (layer 1); re-exported so `crate::pki::…`
 /// paths keep working.
 pub use calix_pki as pki;
+pub mod distribution;
 pub mod reconcile;
-pub mod routes;
 pub mod signer;
 pub mod tasks;
 pub mod uninstall;

@@ -9,21 +9,21 @@ use calix_agent::config::DataplaneMode;
 use calix_agent::dataplane::{
     self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane,
 };
+use calix_agent::distribution::tls::CertSource;
 use calix_agent::endpoints::EndpointRegistry;
 use calix_agent::instance::InstanceLock;
 use calix_agent::ipam::IpamService;
-use calix_agent::k8s::certificates;
-use calix_agent::k8s::cluster::Cluster;
-use calix_agent::k8s::directory::KubePods;
-use calix_agent::k8s::events::EventRecorder;
-use calix_agent::k8s::owner::{Owner, Stop};
-use calix_agent::k8s::podipam::PodIpamSource;
-use calix_agent::k8s::pods;
-use calix_agent::node::Node;
+use calix_agent::kubernetes::certificates;
+use calix_agent::kubernetes::cluster::Cluster;
+use calix_agent::kubernetes::directory::KubePods;
+use calix_agent::kubernetes::events::EventRecorder;
+use calix_agent::kubernetes::owner::{Owner, Stop};
+use calix_agent::kubernetes::podipam::PodIpamSource;
+use calix_agent::kubernetes::pods;
+use calix_agent::pod_network::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
-use calix_agent::routes::tls::CertSource;
-use calix_agent::{datastore, grpc, metrics, routes, tasks, uninstall};
+use calix_agent::{datastore, distribution, local_api, metrics, tasks, uninstall};
 use calix_core::model::NodeRecord;
 use calix_kernel::host::NetlinkHost;
 use clap::Parser;
@@ -103,7 +103,7 @@ async fn run() -> Result<()> {
     // Route distribution's TLS material: the files, read now; or this node's certificate
     // asked of the Kubernetes API from now on (usually in place long before the routes start).
     let routes_settings = cfg.routes_settings()?;
-    let routes_tls = routes::task::tls_for(
+    let routes_tls = distribution::task::tls_for(
         &cfg.node_name,
         routes_settings.as_ref().and_then(|s| s.tls.as_ref()),
     )
@@ -160,20 +160,20 @@ async fn run() -> Result<()> {
         addresses = known;
     }
     // Where the peers come from: the agents' node records, or Kubernetes' Nodes.
-    let peers: Arc<dyn routes::nodes::NodeSource> = match cfg.peering()? {
+    let peers: Arc<dyn distribution::nodes::NodeSource> = match cfg.peering()? {
         Some(p) => Arc::new(p),
-        None => Arc::new(routes::nodes::Records),
+        None => Arc::new(distribution::nodes::Records),
     };
     let routes_start = match routes_settings {
         Some(s) => Some(
-            routes::task::Start::new(s, &addresses, routes_tls.clone(), peers)
+            distribution::task::Start::new(s, &addresses, routes_tls.clone(), peers)
                 .await
                 .context("route distribution ([routes]) cannot start")?,
         ),
         None => None,
     };
     if let Some(s) = &routes_start {
-        addresses = routes::task::record_addresses(addresses, &s.next_hops);
+        addresses = distribution::task::record_addresses(addresses, &s.next_hops);
     }
     let record = NodeRecord {
         name: cfg.node_name.clone(),
@@ -198,7 +198,7 @@ async fn run() -> Result<()> {
     let endpoints = EndpointRegistry::load(&cfg.node_name, store.clone(), driver, stats).await?;
     let node = Arc::new(Node::new(ipam, endpoints));
     node.set_pod_mtu(cfg.pod_mtu());
-    // Whether a stop is a restart or an uninstall (see k8s::owner), followed from now on.
+    // Whether a stop is a restart or an uninstall (see kubernetes::owner), followed from now on.
     let owner = match (flags.owner_daemonset.clone(), opened.kube.clone()) {
         (Some(o), Some(client)) => Some(Owner::spawn(client, o, flags.sibling_daemonset.clone())),
         (Some(_), None) => anyhow::bail!("--owner-daemonset needs the kubernetes datastore"),
@@ -261,7 +261,7 @@ async fn run() -> Result<()> {
             // The pools IPAM works with: a block it retains under a refused pool change is
             // still this node's to advertise.
             s.blocks = node.ipam.pools();
-            routes::task::start(s, store, Arc::new(remote_routes))
+            distribution::task::start(s, store, Arc::new(remote_routes))
                 .await
                 .context("route distribution ([routes]) cannot start")?
         })),
@@ -271,13 +271,13 @@ async fn run() -> Result<()> {
         http.set_routes(r.clone());
         let _ = routes_handle.set(r.clone());
     }
-    let socket = grpc::UnixSocket::bind(&cfg.socket)?;
+    let socket = local_api::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.
     http.set_ready(node.clone());
     socket
         .serve(node.clone(), routes.clone(), tasks::shutdown_signal())
         .await?;
-    // Asked first, while the agent may still ask (see k8s::owner).
+    // Asked first, while the agent may still ask (see kubernetes::owner).
     let stop = match &owner {
         Some(o) => o.on_stop().await,
         None => Stop::Restart,

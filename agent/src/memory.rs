@@ -33,7 +33,7 @@ pub fn configure_allocator() {
 /// send this much that the agent has not read yet; hyper's defaults (2 MiB per stream, 5 MiB
 /// per connection) would let 100 peers park 500 MiB in the agent while its engine is busy.
 /// The windows pace a stream, they do not cap a message: a 4 MiB message
-/// ([`crate::routes::wire::MAX_MESSAGE_BYTES`]) still arrives, in window-sized steps (tested:
+/// ([`crate::distribution::wire::MAX_MESSAGE_BYTES`]) still arrives, in window-sized steps (tested:
 /// `a_snapshot_larger_than_the_window_arrives`). 256 KiB is ~2.5 messages of 2048 routes, and
 /// on a LAN (RTT ≤ 1 ms) still ≥ 256 MB/s.
 pub const STREAM_WINDOW: u32 = 256 * 1024;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-use crate::node::Node;
+use crate::pod_network::Node;
 use crate::reconcile::Health;
 
 /// Renders the metrics text.
@@ -128,7 +128,7 @@ pub async fn render(node: &Node) -> String {
 pub struct HttpState {
     node: std::sync::OnceLock<Arc<Node>>,
     /// Route distribution, when it runs.
-    routes: std::sync::OnceLock<Arc<crate::routes::RoutesHandle>>,
+    routes: std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>,
     ready: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicU64,
 }
@@ -141,7 +141,7 @@ impl HttpState {
     }
 
     /// Route distribution's metrics from now on.
-    pub fn set_routes(&self, routes: Arc<crate::routes::RoutesHandle>) {
+    pub fn set_routes(&self, routes: Arc<crate::distribution::RoutesHandle>) {
         let _ = self.routes.set(routes);
     }
 

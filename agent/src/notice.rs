@@ -1,6 +1,6 @@
 //! What an operator must see beyond the agent's log: IPAM exhausted, a pool change refused, a
 //! gone pod's endpoint cleaned up. Every notice is logged; with the `kubernetes` datastore it
-//! also becomes a Kubernetes Event (`crate::k8s::events`), so `kubectl get events` and
+//! also becomes a Kubernetes Event (`crate::kubernetes::events`), so `kubectl get events` and
 //! `kubectl describe node|pod` show it.
 use std::sync::{Arc, RwLock};
 

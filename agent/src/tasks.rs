@@ -7,8 +7,8 @@ use std::time::Duration;
 use calix_core::ipam::{Policy, Pool};
 
 use crate::dataplane::Reload;
-use crate::node::mtu::PodMtu;
-use crate::node::Node;
+use crate::pod_network::mtu::PodMtu;
+use crate::pod_network::Node;
 
 /// Leak GC, empty-block release and handle- and affinity-record repair, every `every`.
 pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {
@@ -56,7 +56,7 @@ pub struct Reloaded {
 }
 
 /// SIGHUP, or a change in the cluster (`cluster_changes`, with the `kubernetes` datastore:
-/// IPPools, this node's Node, ServiceCIDRs; see `crate::k8s::cluster`): `reread` reads the
+/// IPPools, this node's Node, ServiceCIDRs; see `crate::kubernetes::cluster`): `reread` reads the
 /// config again (the file, overridden by the same flags, merged with the cluster's part) into
 /// what a reload applies ([`Reloaded`]); pool changes that are safe, the XDP deny list and
 /// failsafe ports, the SNAT exclusions and Service CIDRs and the nftables tables are applied.
@@ -68,7 +68,7 @@ pub fn spawn_reload<F>(
     node: Arc<Node>,
     reread: F,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
-    routes: Arc<std::sync::OnceLock<Arc<crate::routes::RoutesHandle>>>,
+    routes: Arc<std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>>,
 ) where
     F: Fn() -> anyhow::Result<Reloaded> + Send + 'static,
 {

@@ -1,5 +1,5 @@
 //! Taking calix off a node: `calix-agent --uninstall [--all]`, and what an agent does when it
-//! stops because its DaemonSet was deleted (`crate::k8s::owner`).
+//! stops because its DaemonSet was deleted (`crate::kubernetes::owner`).
 //!
 //! - Always: the eBPF programs off every `cali*` interface and the uplinks, XDP off the
 //!   uplinks, the node's pins, both modes' nftables tables (`crate::dataplane::uninstall`),

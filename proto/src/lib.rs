@@ -3,7 +3,7 @@
 //! every client uses; and the clients of the part of etcd's v3 API the agent's etcd datastore
 //! speaks (`etcd`).
 //! `handle` is the IPAM handle encoding the plugin and the agent share.
-//! Domain conversions live with their users (agent/src/grpc, datastore/src/etcd.rs).
+//! Domain conversions live with their users (agent/src/local_api, datastore/src/etcd.rs).
 //!
 //! Without the `grpc` feature (on by default), `calix.v1`'s messages only: no tonic, no tokio.
 #[cfg(feature = "grpc")]

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
-use calix_agent::routes::listener::{self, Limits};
+use calix_agent::distribution::listener::{self, Limits};
 use calix_core::store::keys;
 use calix_core::wire::pb;
 use calix_testbed::tls::Ca;
@@ -236,7 +236,7 @@ impl Hostile {
             .unwrap_or_else(|e| panic!("{e:#}"));
         let sent = Arc::new(Sent::default());
         // The door admits the cluster's nodes (its followers) and refuses anyone else.
-        let known = Arc::new(calix_agent::routes::door::Known::default());
+        let known = Arc::new(calix_agent::distribution::door::Known::default());
         known.set(
             (0..c.nodes.len()).map(|j| c.name(j).to_string()).collect(),
             (0..c.nodes.len())

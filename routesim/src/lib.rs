@@ -1,7 +1,7 @@
 //! Simulated peers of route distribution: many "nodes" that are only their datastore records
 //! and a `calix.v1.Routes` server each, with a certificate of their own, so one real agent can
 //! be shown hundreds of peers on one machine. The servers are the agent's own
-//! ([`calix_agent::routes::listener::serve`] with [`RoutesSvc`]), speaking real gRPC over
+//! ([`calix_agent::distribution::listener::serve`] with [`RoutesSvc`]), speaking real gRPC over
 //! mutual TLS; what they announce is whatever the [`Plan`] says (a rogue is a plan too).
 //!
 //! A simulation runs in three steps, in this order, so that no agent dials a server that is
@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
-use calix_agent::routes::door::Known;
-use calix_agent::routes::feed::Feed;
-use calix_agent::routes::listener::{self, Limits};
-use calix_agent::routes::server::{Feeds, RoutesSvc};
-use calix_agent::routes::tls::TlsMaterial;
+use calix_agent::distribution::door::Known;
+use calix_agent::distribution::feed::Feed;
+use calix_agent::distribution::listener::{self, Limits};
+use calix_agent::distribution::server::{Feeds, RoutesSvc};
+use calix_agent::distribution::tls::TlsMaterial;
 use calix_core::ipam::Block;
 use calix_core::model::NodeRecord;
 use calix_core::store::keys;
@@ -381,7 +381,7 @@ mod tests {
         name: &str,
     ) -> Result<(), rustls::Error> {
         let mut s = rustls::ServerConnection::new(server.server_config().expect("server"))?;
-        let sni = calix_agent::routes::tls::server_name(name).expect("name");
+        let sni = calix_agent::distribution::tls::server_name(name).expect("name");
         let mut c = rustls::ClientConnection::new(client.client_config().expect("client"), sni)?;
         for _ in 0..10 {
             let mut buf = Vec::new();

@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use calix_agent::config::{AgentConfig, DataplaneMode};
-use calix_agent::routes::tls::CertSource;
+use calix_agent::distribution::tls::CertSource;
 use calix_core::ipam::pool::PoolSpec;
 use calix_core::routes::peers::Topology;
 use calix_testbed::chart_tools;

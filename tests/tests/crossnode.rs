@@ -119,7 +119,7 @@ fn repairs(node: &Node, kind: &str) -> u64 {
 
 /// The agents' log level: route distribution's and the reconciler's steps at debug, so that
 /// a route late to arrive shows where it waited (the agents' logs are printed on failure).
-const LOG_LEVEL: &str = "info,calix_agent::routes=debug,calix_agent::reconcile=debug";
+const LOG_LEVEL: &str = "info,calix_agent::distribution=debug,calix_agent::reconcile=debug";
 
 /// A started cluster: route distribution with mutual TLS from `ca`, a 10 s grace period, the
 /// reconcilers resyncing every second, the agents logging at [`LOG_LEVEL`].

@@ -386,7 +386,7 @@ fn with_reflectors_nodes_follow_only_the_reflector_and_learn_every_node_through_
 fn tls_material(
     ca_pem: &str,
     cert: &calix_testbed::tls::NodeCert,
-) -> calix_agent::routes::tls::TlsMaterial {
+) -> calix_agent::distribution::tls::TlsMaterial {
     calix_routesim::tls_material(ca_pem, cert).expect("TLS material")
 }
 
@@ -400,7 +400,7 @@ fn other_services_over_tcp(
     as_node: &str,
     tls: std::sync::Arc<rustls::ClientConfig>,
 ) -> Vec<(&'static str, tonic::Code)> {
-    use calix_agent::routes::client::{connect, Dialer};
+    use calix_agent::distribution::client::{connect, Dialer};
     use calix_proto::v1 as pb;
     let dialer = Dialer {
         me: as_node.to_string(),
@@ -463,7 +463,7 @@ fn try_watch(
     as_node: &str,
     tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 ) -> Result<(), String> {
-    use calix_agent::routes::client::{connect, Dialer};
+    use calix_agent::distribution::client::{connect, Dialer};
     use calix_proto::v1 as pb;
     let dialer = Dialer {
         me: as_node.to_string(),
@@ -647,7 +647,7 @@ fn a_rogue_peer_cannot_hijack_and_bad_certificates_are_refused() {
             "no certificate",
             c.name(1),
             Some(
-                calix_agent::routes::tls::anonymous_client_config(ca.pem().as_bytes())
+                calix_agent::distribution::tls::anonymous_client_config(ca.pem().as_bytes())
                     .expect("client"),
             ),
             "",

@@ -7,7 +7,7 @@ use clap::Parser;
 
 use super::error::ConfigError;
 use super::{AgentConfig, DataplaneMode};
-use crate::k8s::cluster::Cluster;
+use crate::kubernetes::cluster::Cluster;
 use crate::paths;
 
 #[derive(Parser, Debug, Clone)]
@@ -60,13 +60,13 @@ pub struct Flags {
     /// uninstall`), it uninstalls calix from the node as `--uninstall --all` does; any other
     /// stop (a rolling update) leaves everything for the next agent.
     #[arg(long)]
-    pub owner_daemonset: Option<crate::k8s::owner::OwnerRef>,
+    pub owner_daemonset: Option<crate::kubernetes::owner::OwnerRef>,
     /// `<namespace>/<name>` of another DaemonSet of the same release (repeatable; the chart
     /// names the route reflectors' and everyone else's): while one of them stays, the deletion
     /// of --owner-daemonset is a topology switch (that DaemonSet takes the node over), not an
     /// uninstall.
     #[arg(long, requires = "owner_daemonset")]
-    pub sibling_daemonset: Vec<crate::k8s::owner::OwnerRef>,
+    pub sibling_daemonset: Vec<crate::kubernetes::owner::OwnerRef>,
 }
 
 /// The config file, overridden by the flags (and the node name's environment variables),
@@ -80,7 +80,7 @@ pub fn read(flags: Flags, cluster: Option<&Cluster>) -> Result<AgentConfig, Conf
         None => (PathBuf::from(paths::CONFIG_FILE), false),
     };
     let mut c = AgentConfig::load(&path, required)?;
-    c.node_name = crate::k8s::node_name(
+    c.node_name = crate::kubernetes::node_name(
         flags.node_name,
         |k| std::env::var(k).ok(),
         &c.node_name,
@@ -119,7 +119,7 @@ pub fn read(flags: Flags, cluster: Option<&Cluster>) -> Result<AgentConfig, Conf
 /// Merges the cluster's part into `c` (read from the config file): the IPPools (unless the
 /// file or the flags named pools, which validation refuses), this node's Node's labels (they
 /// win), its InternalIPs as `routes.node_addresses` when none are configured, the reflector
-/// label, and the ServiceCIDRs (see [`crate::k8s::cluster`]).
+/// label, and the ServiceCIDRs (see [`crate::kubernetes::cluster`]).
 fn merge_cluster(c: &mut AgentConfig, cluster: &Cluster) {
     if !c.pools_configured {
         // (Configured pools are refused by validate().)

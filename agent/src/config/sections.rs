@@ -6,9 +6,9 @@ use calix_core::routes::peers::Topology;
 use serde::{Deserialize, Serialize};
 
 use crate::dataplane::xdp::XdpMode;
+use crate::distribution::settings::ListenOn;
+use crate::distribution::tls::CertSource;
 use crate::paths;
-use crate::routes::settings::ListenOn;
-use crate::routes::tls::CertSource;
 
 /// The agents' TCP ports and pods (`[doors]`). By default no pod reaches an agent's Routes
 /// or metrics port on any node's address (its own node's or another's): they are dropped on
@@ -90,7 +90,7 @@ impl Default for RoutesConfig {
             node_addresses: Vec::new(),
             topology: Topology::Mesh,
             reflector: false,
-            reflector_label: crate::k8s::peers::REFLECTOR_LABEL.into(),
+            reflector_label: crate::kubernetes::peers::REFLECTOR_LABEL.into(),
             grace_secs: 120,
             tls: TlsConfig::default(),
             plaintext: false,

@@ -17,13 +17,13 @@ use crate::dataplane::ebpf::EbpfConfig;
 use crate::dataplane::xdp::{self, Failsafe, XdpPolicy, XdpSettings};
 use crate::dataplane::Reload;
 use crate::datastore::Backend;
+use crate::distribution::settings::{RoutesSettings, TlsSettings};
+use crate::distribution::tls::TlsFiles;
 use crate::ipam::service::Housekeeping;
-use crate::k8s::certificates;
-use crate::k8s::peers::Peering;
-use crate::k8s::pods::PodsConfig;
-use crate::node::mtu::PodMtu;
-use crate::routes::settings::{RoutesSettings, TlsSettings};
-use crate::routes::tls::TlsFiles;
+use crate::kubernetes::certificates;
+use crate::kubernetes::peers::Peering;
+use crate::kubernetes::pods::PodsConfig;
+use crate::pod_network::mtu::PodMtu;
 use crate::tasks::Reloaded;
 
 impl IpamConfig {

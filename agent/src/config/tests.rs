@@ -10,8 +10,8 @@ use super::error::ConfigError;
 use super::sections::{DoorsConfig, NatConfig, RoutesConfig, TlsConfig};
 use super::*;
 use crate::dataplane::xdp::XdpMode;
-use crate::routes::settings::ListenOn;
-use crate::routes::tls::CertSource;
+use crate::distribution::settings::ListenOn;
+use crate::distribution::tls::CertSource;
 
 #[test]
 fn empty_file_gives_defaults() {
@@ -719,7 +719,7 @@ fn every_number_of_the_config_is_bounded() {
     }
 }
 
-// A pod's MTU (crate::node::mtu) from the config.
+// A pod's MTU (crate::pod_network::mtu) from the config.
 
 fn mtu_config(toml: &str) -> AgentConfig {
     let cfg: AgentConfig = toml::from_str(toml).expect("config");
@@ -760,7 +760,7 @@ fn the_encapsulation_comes_off_where_vxlan_may_carry_the_pod() {
 fn no_opinion_on_a_single_node_or_without_an_uplink() {
     let single = POOLS.replace("enabled = true", "enabled = false");
     let m = mtu_config(&single).pod_mtu();
-    assert_eq!(m, crate::node::mtu::PodMtu::default());
+    assert_eq!(m, crate::pod_network::mtu::PodMtu::default());
     assert_eq!(m.compute(&["10.244.0.5".parse().expect("ip")], 1500), None);
     let no_uplink = POOLS.replace("uplinks = [\"eth0\"]", "");
     let m = mtu_config(&no_uplink).pod_mtu();
@@ -782,7 +782,10 @@ fn the_modules_test_defaults_are_the_configs() {
     );
     let v = calix_core::reconcile::remote::VxlanSettings::default();
     assert_eq!((v.vni, v.port), (c.vxlan.vni, c.vxlan.port));
-    assert_eq!(c.routes.reflector_label, crate::k8s::peers::REFLECTOR_LABEL);
+    assert_eq!(
+        c.routes.reflector_label,
+        crate::kubernetes::peers::REFLECTOR_LABEL
+    );
     assert_eq!(c.routes.tls.signer_name, crate::pki::ROUTES_SIGNER);
 }
 
@@ -833,6 +836,6 @@ fn routes_settings_come_from_routes_uplinks_and_pools() {
     let p = k.peering().expect("peering").expect("Kubernetes' Nodes");
     assert_eq!(
         (p.port, p.reflector_label.as_str()),
-        (6000, crate::k8s::peers::REFLECTOR_LABEL)
+        (6000, crate::kubernetes::peers::REFLECTOR_LABEL)
     );
 }

@@ -7,8 +7,8 @@ use ipnet::IpNet;
 use super::error::ConfigError;
 use super::sections::{DatastoreConfig, IpamConfig, RoutesConfig, TlsConfig, VxlanConfig};
 use super::{AgentConfig, DataplaneMode};
-use crate::routes::settings::ListenOn;
-use crate::routes::tls::CertSource;
+use crate::distribution::settings::ListenOn;
+use crate::distribution::tls::CertSource;
 
 impl RoutesConfig {
     /// `listen`, or what it must be.

@@ -12,7 +12,7 @@ use k8s_openapi::ByteString;
 use kube::api::{Api, ObjectMeta, PostParams};
 
 use super::{SignerConfig, SignerError};
-use crate::k8s::certificates::BUNDLE_KEY;
+use crate::kubernetes::certificates::BUNDLE_KEY;
 use crate::pki::ca::Ca;
 
 /// The CA's common name.

@@ -96,7 +96,7 @@ pub fn check(policy: &Policy, asked: &Asked<'_>) -> Result<Granted, Denial> {
         Some([uid]) => Some(uid.clone()),
         _ => None,
     };
-    if crate::routes::tls::server_name(&node).is_err() {
+    if crate::distribution::tls::server_name(&node).is_err() {
         return Err(deny(
             "NodeNameNotDns",
             format!("node name {node:?} is not a DNS name: no certificate can name it"),

@@ -173,10 +173,10 @@ pub fn try_watch(
     cert: &str,
     key: &str,
 ) -> Result<(), String> {
-    use calix_agent::routes::client::{connect, Dialer};
+    use calix_agent::distribution::client::{connect, Dialer};
     use calix_proto::v1 as pb;
     let p = Path::new("(test)");
-    let tls = calix_agent::routes::tls::TlsMaterial::from_pem(
+    let tls = calix_agent::distribution::tls::TlsMaterial::from_pem(
         (p, bundle.as_bytes()),
         (p, cert.as_bytes()),
         (p, key.as_bytes()),

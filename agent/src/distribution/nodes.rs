@@ -1,6 +1,6 @@
 //! Where route distribution learns the nodes (its peers, and the addresses their routes may go
 //! through): the agents' own node records ([`Records`]), or another source read as node
-//! records (Kubernetes' Node objects: `crate::k8s::peers`, with the `kubernetes` datastore).
+//! records (Kubernetes' Node objects: `crate::kubernetes::peers`, with the `kubernetes` datastore).
 use calix_core::store::KeyValue;
 use calix_core::store::WatchEvent;
 

@@ -37,8 +37,8 @@ use kube::api::{Api, ObjectMeta, PostParams, WatchEvent, WatchParams};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+use crate::distribution::tls::{self, LiveTls};
 use crate::pki::cert::CertFacts;
-use crate::routes::tls::{self, LiveTls};
 
 /// The usages every request asks for (and the signer issues).
 pub const USAGES: [&str; 3] = ["digital signature", "server auth", "client auth"];

@@ -5,7 +5,7 @@ use calix_core::ipam::annotations::PodIpam;
 use calix_core::ipam::Pool;
 
 use crate::error::AgentError;
-use crate::node::pods::{PodDirectory, PodInfo};
+use crate::pod_network::pods::{PodDirectory, PodInfo};
 
 use super::podipam::PodIpamSource;
 use super::pods::Pods;

@@ -105,7 +105,7 @@ impl Start {
 
 /// Route distribution's TLS material: none in plain text (`tls` is `None`); the files, read
 /// and checked now (a bad file stops the agent); or, with [`CertSource::Kubernetes`], empty
-/// until [`crate::k8s::certificates`] fills it.
+/// until [`crate::kubernetes::certificates`] fills it.
 pub fn tls_for(
     me: &str,
     tls: Option<&super::settings::TlsSettings>,

@@ -1,5 +1,5 @@
 //! `calix.v1.Ipam`, `calix.v1.Endpoints` and `calix.v1.RouteInfo` on the agent's unix socket
-//! (`calix.v1.Routes`, between agents, is served on TCP by `crate::routes`).
+//! (`calix.v1.Routes`, between agents, is served on TCP by `crate::distribution`).
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -14,10 +14,10 @@ use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
+use crate::distribution::RoutesHandle;
 use crate::endpoints::EndpointView;
 use crate::error::AgentError;
-use crate::node::Node;
-use crate::routes::RoutesHandle;
+use crate::pod_network::Node;
 
 fn status(e: AgentError) -> Status {
     let msg = format!("{e:#}");

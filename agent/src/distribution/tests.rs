@@ -18,7 +18,7 @@ use super::feed::Feed;
 use super::listener::{self, Limits};
 use super::server::{Feeds, RoutesSvc};
 use super::tls::{LiveTls, TlsMaterial};
-use crate::routes::tls::CertSource;
+use crate::distribution::tls::CertSource;
 
 fn material(ca: &Ca, name: &str) -> TlsMaterial {
     let c = ca.issue(name).expect("cert");

@@ -20,7 +20,7 @@ use calix_core::store::KeyValue;
 use calix_core::store::WatchEvent;
 
 use crate::datastore::kubernetes::views::{self, NodeView};
-use crate::routes::nodes::NodeSource;
+use crate::distribution::nodes::NodeSource;
 
 /// The Node label (` = "true"`) that makes a node a route reflector, by default
 /// (`routes.reflector_label`): in `node-restriction.kubernetes.io/`, which a kubelet cannot set

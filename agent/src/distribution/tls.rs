@@ -9,7 +9,7 @@
 //! certificate resolver and both verifiers read the current certificate and bundle at each
 //! handshake, so a renewed certificate (or a new bundle) is used by the next connection while
 //! established ones go on untouched. It comes from PEM files (`routes.tls.{ca,cert,key}`,
-//! [`TlsMaterial`]), or from the Kubernetes API ([`crate::k8s::certificates`]), which starts
+//! [`TlsMaterial`]), or from the Kubernetes API ([`crate::kubernetes::certificates`]), which starts
 //! it empty ([`LiveTls::pending`]): followers wait until it is ready, and the door refuses
 //! handshakes until then.
 use std::path::{Path, PathBuf};
@@ -40,7 +40,7 @@ pub enum CertSource {
     #[default]
     Files,
     /// A key made on this node and its certificate through the Kubernetes API
-    /// (`crate::k8s::certificates`).
+    /// (`crate::kubernetes::certificates`).
     Kubernetes,
 }
 

@@ -1,6 +1,6 @@
 //! The pods this node hosts, as the node's services ask about them: who a pod is (`calixctl
 //! endpoints` shows it) and which pools and fixed addresses its IPAM annotations allow it.
-//! With the `kubernetes` datastore the Kubernetes adapter answers (`crate::k8s::pods::
+//! With the `kubernetes` datastore the Kubernetes adapter answers (`crate::kubernetes::pods::
 //! KubePods`); with another there is no directory, and every allocation has the default pools.
 use std::collections::BTreeMap;
 

@@ -21,8 +21,8 @@ use calix_core::store::WatchEvent;
 use crate::datastore::follow::Follower;
 use crate::datastore::kubernetes::views::{self, PodView};
 use crate::datastore::{Datastore, DatastoreError};
-use crate::node::Node;
 use crate::notice::Subject;
+use crate::pod_network::Node;
 
 /// How the cleanup runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
