@@ -7,7 +7,17 @@ use calix_core::reconcile::remote::RemoteRoute;
 use tokio::sync::watch;
 
 use crate::dataplane::doors::PeerNodes;
-use crate::reconcile::driver::Driver;
+use crate::dataplane::DataplaneError;
+use crate::reconcile::driver::{Driver, DriverError};
+
+/// Why a hand-over did not take (it is retried).
+#[derive(Debug, thiserror::Error)]
+pub enum HandoverError {
+    #[error("the reconciler did not answer")]
+    Driver(#[from] DriverError),
+    #[error("the dataplane refused it")]
+    Dataplane(#[from] DataplaneError),
+}
 
 /// Where the desired routes go: the reconciler ([`Driver`]), or a fake in tests; and who the
 /// other nodes are (the dataplane closes the agents' ports on their addresses to pods).
@@ -17,9 +27,9 @@ pub trait RouteSink: Send + Sync + 'static {
         &self,
         routes: Vec<RemoteRoute>,
         complete: bool,
-    ) -> Result<(), String>;
+    ) -> Result<(), HandoverError>;
 
-    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String>;
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), HandoverError>;
 }
 
 #[tonic::async_trait]
@@ -28,16 +38,12 @@ impl RouteSink for Driver {
         &self,
         routes: Vec<RemoteRoute>,
         complete: bool,
-    ) -> Result<(), String> {
-        Driver::set_remote_routes(self, routes, complete)
-            .await
-            .map_err(|e| e.to_string())
+    ) -> Result<(), HandoverError> {
+        Ok(Driver::set_remote_routes(self, routes, complete).await?)
     }
 
-    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), String> {
-        Driver::set_peer_nodes(self, peers)
-            .await
-            .map_err(|e| calix_log::error_chain(&e))
+    async fn set_peer_nodes(&self, peers: PeerNodes) -> Result<(), HandoverError> {
+        Ok(Driver::set_peer_nodes(self, peers).await?)
     }
 }
 
@@ -79,6 +85,7 @@ pub(super) async fn hand_peers(
                 }
             }
             Err(e) => {
+                let e = calix_log::error_chain(&e);
                 tracing::warn!(error = %e, "routes: the dataplane did not take the other nodes' addresses (doors); retrying");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
@@ -112,6 +119,7 @@ pub(super) async fn hand_over(
                 }
             }
             Err(e) => {
+                let e = calix_log::error_chain(&e);
                 tracing::warn!(error = %e, "routes: the reconciler did not take the desired routes; retrying");
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
