@@ -69,8 +69,9 @@ impl Socket {
         };
         s.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
             .map_err(open)?;
+        // `time_t` by inference (naming it is deprecated on musl, whose width changes).
         let tv = libc::timeval {
-            tv_sec: TIMEOUT.as_secs() as libc::time_t,
+            tv_sec: TIMEOUT.as_secs().try_into().unwrap_or(1),
             tv_usec: 0,
         };
         // SAFETY: SO_RCVTIMEO takes a timeval of this size.
