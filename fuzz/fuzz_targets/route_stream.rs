@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use calix_core::update::{PeerEvent, Snapshot, Unused};
+use calix_core::update::{PeerEvent, Snapshot, Unused, MALFORMED_EXAMPLES};
 use calix_core::wire::{self, pb, Assembler, Limits};
 use calix_core::Route;
 use ipnet::IpNet;
@@ -135,7 +135,7 @@ fn distinct(routes: &[Route]) {
 }
 
 fn check_unused(u: &Unused) {
-    assert!(u.examples.len() <= wire::MALFORMED_EXAMPLES);
+    assert!(u.examples.len() <= MALFORMED_EXAMPLES);
     assert!(u.examples.len() as u64 <= u.malformed);
     // Three fields of at most EXAMPLE_CHARS characters (4 bytes each) and "…".
     let most = 3 * (wire::EXAMPLE_CHARS * 4 + 3) + 16;
