@@ -452,48 +452,19 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
 }
 
 impl Dataplane for KernelDataplane {
+    // What the kernel does by itself (no programs, maps or host devices to manage: it
+    // forwards between nodes alone) is the trait's defaults.
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
         Ok(Attached {
             ifindex: endpoint_ifindex(ep)?,
             bpf: false,
         })
     }
-    fn detach(&mut self, _key: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify(
-        &self,
-        _ep: &EndpointSpec,
-        _kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
         nft::drift_of(&self.tables)
     }
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
         self.apply()
-    }
-    /// The kernel forwards between nodes by itself.
-    fn attach_host_dev(&mut self, _ifname: &str) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn verify_host_dev(
-        &self,
-        _ifname: &str,
-        _index: u32,
-        _kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError> {
-        Ok(Vec::new())
-    }
-    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
-        Ok(None)
-    }
-    fn set_pools(&mut self, _pools: &[IpNet]) -> Result<(), DataplaneError> {
-        Ok(())
-    }
-    fn reconcile(&mut self, _known: &[String]) -> Result<(), DataplaneError> {
-        Ok(())
     }
     fn set_peer_nodes(&mut self, peers: &doors::PeerNodes) -> Result<(), DataplaneError> {
         if *peers == self.peers {
@@ -506,7 +477,6 @@ impl Dataplane for KernelDataplane {
         self.nat = r.nat.clone();
         self.apply()
     }
-    fn release(&mut self) {}
 }
 
 #[cfg(test)]
