@@ -11,64 +11,14 @@ use calix_kernel::nft::{self, Table};
 use calix_testbed::Netns;
 
 /// `antispoof::ruleset()` before issue 21.
-const ANTISPOOF: &str = r#"add table inet calix_antispoof
-delete table inet calix_antispoof
-table inet calix_antispoof {
-	comment "calix: pods send only from their own addresses (kernel dataplane); calix-agent --uninstall removes it"
-	chain prerouting {
-		type filter hook prerouting priority raw; policy accept;
-		iifname != "cali*" accept
-		ip6 saddr :: icmpv6 type { nd-router-solicit, nd-neighbor-solicit, mld-listener-report, mld-listener-done, mld2-listener-report } accept
-		fib saddr . iif oif missing counter drop
-	}
-}
-"#;
+const ANTISPOOF: &str = include_str!("../../kernel/tests/nft_root/scripts/antispoof.nft");
 
 /// `masquerade::ruleset(10.244.0.0/16 except 10.244.0.0/16, 10.245.0.0/16, 172.16.0.0/12,
 /// ports 32768-65535)` before issue 21.
-const MASQUERADE: &str = r#"add table ip calix
-delete table ip calix
-table ip calix {
-	chain postrouting {
-		type nat hook postrouting priority srcnat; policy accept;
-		ip saddr { 10.244.0.0/16 } ip daddr != { 10.244.0.0/16, 10.245.0.0/16, 172.16.0.0/12 } meta l4proto { tcp, udp, icmp } masquerade to :32768-65535
-		ip saddr { 10.244.0.0/16 } ip daddr != { 10.244.0.0/16, 10.245.0.0/16, 172.16.0.0/12 } masquerade
-	}
-}
-"#;
+const MASQUERADE: &str = include_str!("../../kernel/tests/nft_root/scripts/masquerade.nft");
 
 /// `doors::ruleset(ports 5474, 9091; peers 172.31.1.2, 172.31.2.3, fd31:1::2)` before issue 21.
-const DOORS: &str = r#"add table inet calix_doors
-delete table inet calix_doors
-table inet calix_doors {
-	comment "calix: pods do not reach the calix agents' ports on the nodes' addresses; calix-agent --uninstall removes it"
-	set peers_v4 {
-		type ipv4_addr
-		elements = { 172.31.1.2, 172.31.2.3 }
-	}
-	set peers_v6 {
-		type ipv6_addr
-		elements = { fd31:1::2 }
-	}
-	chain input {
-		type filter hook input priority filter; policy accept;
-		iifname != "cali*" accept
-		meta l4proto != tcp accept
-		tcp dport != { 5474, 9091 } accept
-		ct direction reply accept
-		counter drop
-	}
-	chain forward {
-		type filter hook forward priority filter; policy accept;
-		iifname != "cali*" accept
-		meta l4proto != tcp accept
-		tcp dport != { 5474, 9091 } accept
-		ct direction reply accept
-		ip daddr @peers_v4 counter drop
-		ip6 daddr @peers_v6 counter drop
-	}
-}
-"#;
+const DOORS: &str = include_str!("../../kernel/tests/nft_root/scripts/doors.nft");
 
 fn assert_same_as_script(script: &str, table: Table) {
     let by_nft = Netns::new("nftold");

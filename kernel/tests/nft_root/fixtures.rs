@@ -10,61 +10,11 @@ use calix_kernel::nft::{
     KeyType, MapData, Rule, Set, Table, Verdict,
 };
 
-pub const ANTISPOOF: &str = r#"add table inet calix_antispoof
-delete table inet calix_antispoof
-table inet calix_antispoof {
-	comment "calix: pods send only from their own addresses (kernel dataplane); calix-agent --uninstall removes it"
-	chain prerouting {
-		type filter hook prerouting priority raw; policy accept;
-		iifname != "cali*" accept
-		ip6 saddr :: icmpv6 type { nd-router-solicit, nd-neighbor-solicit, mld-listener-report, mld-listener-done, mld2-listener-report } accept
-		fib saddr . iif oif missing counter drop
-	}
-}
-"#;
+pub const ANTISPOOF: &str = include_str!("scripts/antispoof.nft");
 
-pub const MASQUERADE: &str = r#"add table ip calix
-delete table ip calix
-table ip calix {
-	chain postrouting {
-		type nat hook postrouting priority srcnat; policy accept;
-		ip saddr { 10.244.0.0/16 } ip daddr != { 10.244.0.0/16, 10.245.0.0/16, 172.16.0.0/12 } meta l4proto { tcp, udp, icmp } masquerade to :32768-65535
-		ip saddr { 10.244.0.0/16 } ip daddr != { 10.244.0.0/16, 10.245.0.0/16, 172.16.0.0/12 } masquerade
-	}
-}
-"#;
+pub const MASQUERADE: &str = include_str!("scripts/masquerade.nft");
 
-pub const DOORS: &str = r#"add table inet calix_doors
-delete table inet calix_doors
-table inet calix_doors {
-	comment "calix: pods do not reach the calix agents' ports on the nodes' addresses; calix-agent --uninstall removes it"
-	set peers_v4 {
-		type ipv4_addr
-		elements = { 172.31.1.2, 172.31.2.3 }
-	}
-	set peers_v6 {
-		type ipv6_addr
-		elements = { fd31:1::2 }
-	}
-	chain input {
-		type filter hook input priority filter; policy accept;
-		iifname != "cali*" accept
-		meta l4proto != tcp accept
-		tcp dport != { 5474, 9091 } accept
-		ct direction reply accept
-		counter drop
-	}
-	chain forward {
-		type filter hook forward priority filter; policy accept;
-		iifname != "cali*" accept
-		meta l4proto != tcp accept
-		tcp dport != { 5474, 9091 } accept
-		ct direction reply accept
-		ip daddr @peers_v4 counter drop
-		ip6 daddr @peers_v6 counter drop
-	}
-}
-"#;
+pub const DOORS: &str = include_str!("scripts/doors.nft");
 
 /// Everything else the module writes: a named interval set, a verdict map, regular chains,
 /// jump, goto, return, ct state, an IPv6 interval set, a comment, a prefix that is not
