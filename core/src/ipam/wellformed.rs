@@ -165,79 +165,137 @@ pub fn check(key: &str, b: &Block, pools: &[Pool]) -> Result<bool, (Rule, String
     Ok(current)
 }
 
+/// One stored block as [`sort_items`] takes it: its key, the store's creation stamp, and its
+/// value decoded (its revision set) or why it does not decode.
+#[derive(Debug, Clone)]
+pub struct Item {
+    pub key: String,
+    pub created: i64,
+    pub block: Result<Block, String>,
+}
+
+impl Item {
+    /// A stored key-value, decoded.
+    pub fn of(kv: &KeyValue) -> Self {
+        Self {
+            key: kv.key.clone(),
+            created: kv.created,
+            block: kv
+                .decode::<Block>()
+                .map(|mut b| {
+                    b.revision = kv.revision;
+                    b
+                })
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
 /// Sorts stored blocks (`ipam/blocks/` key-values) by the rule, against `pools` (every pool of
 /// the cluster, disabled ones included).
 pub fn sort<'a>(kvs: impl IntoIterator<Item = &'a KeyValue>, pools: &[Pool]) -> Sorted {
+    sort_items(kvs.into_iter().map(Item::of).collect(), pools).sorted
+}
+
+/// [`sort`]'s answer for blocks already decoded, and the items themselves back: each counted
+/// block's creation stamp, and the items that do not count as they were given.
+#[derive(Debug, Default)]
+pub struct SortedItems {
+    pub sorted: Sorted,
+    /// The creation stamp of each block of `sorted.counted`, in its order.
+    pub created: Vec<i64>,
+    /// The items that do not count.
+    pub rest: Vec<Item>,
+}
+
+/// [`sort`] of blocks already decoded, taking them (a reader that keeps decoded blocks, not
+/// their bytes, gets back what it keeps): nothing is copied.
+pub fn sort_items(items: Vec<Item>, pools: &[Pool]) -> SortedItems {
+    let (sorted, winners) = judge(&items, pools);
+    let mut wins = vec![false; items.len()];
+    for i in winners {
+        wins[i] = true;
+    }
+    let mut counted = Vec::new();
+    let mut rest = Vec::new();
+    for (item, wins) in items.into_iter().zip(wins) {
+        match item.block {
+            Ok(b) if wins => counted.push((keys::block(&b.cidr), b, item.created)),
+            block => rest.push(Item { block, ..item }),
+        }
+    }
+    counted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut out = SortedItems {
+        sorted,
+        created: Vec::with_capacity(counted.len()),
+        rest,
+    };
+    for (_, b, created) in counted {
+        out.sorted.counted.push(b);
+        out.created.push(created);
+    }
+    out.sorted.ignored.sort_by(|a, b| a.key.cmp(&b.key));
+    out
+}
+
+/// The rule over `items`: what is ignored and avoided, and the indexes of the items that
+/// count (in `Sorted::counted`'s place).
+fn judge(items: &[Item], pools: &[Pool]) -> (Sorted, Vec<usize>) {
     let mut out = Sorted::default();
     let mut candidates: Vec<Candidate> = Vec::new();
-    for kv in kvs {
-        let mut b: Block = match kv.decode() {
+    for (index, item) in items.iter().enumerate() {
+        let b = match &item.block {
             Ok(b) => b,
-            Err(e) => {
-                out.ignored.push(Ignored {
-                    key: kv.key.clone(),
-                    cidr: None,
-                    affinity: String::new(),
-                    allocations: Vec::new(),
-                    rule: Rule::Undecodable,
-                    detail: e.to_string(),
-                });
+            Err(detail) => {
+                out.ignored
+                    .push(undecodable(item.key.clone(), detail.clone()));
                 continue;
             }
         };
-        b.revision = kv.revision;
-        match check(&kv.key, &b, pools) {
+        match check(&item.key, b, pools) {
             Ok(current) => candidates.push(Candidate {
-                created: kv.created,
+                index,
+                created: item.created,
                 current,
                 block: b,
             }),
             Err((rule, detail)) => {
-                if plausible(&kv.key, &b, pools) {
+                if plausible(&item.key, b, pools) {
                     out.avoid.push(b.cidr);
                 }
-                out.ignored.push(ignored(kv.key.clone(), &b, rule, detail));
+                out.ignored.push(ignored(item.key.clone(), b, rule, detail));
             }
         }
     }
-    // Oldest first; at the same stamp current sizes, then the smaller block, then by key.
-    candidates.sort_by_cached_key(|c| {
-        (
-            c.created,
-            !c.current,
-            std::cmp::Reverse(c.block.cidr.prefix_len()),
-            keys::block(&c.block.cidr),
-        )
-    });
-    let mut taken = Taken::default();
-    for c in candidates {
-        match taken.overlapping(&c.block.cidr) {
-            Some(older) => {
-                let detail = format!(
-                    "{} overlaps {older}, which was created {}",
-                    c.block.cidr,
-                    if c.created == taken.created[&older] {
-                        "at the same time and wins (of its pool's blockSize, or smaller)"
-                    } else {
-                        "before it"
-                    }
-                );
+    let verdicts = arbitrate(
+        candidates
+            .iter()
+            .map(|c| Contender {
+                cidr: c.block.cidr,
+                created: c.created,
+                current: c.current,
+            })
+            .collect(),
+    );
+    let mut winners = Vec::new();
+    for (c, verdict) in candidates.into_iter().zip(verdicts) {
+        match verdict {
+            Some(lost) => {
                 if !c.block.allocations.is_empty() {
                     out.avoid.push(c.block.cidr);
                 }
                 let key = keys::block(&c.block.cidr);
-                out.ignored
-                    .push(ignored(key, &c.block, Rule::Overlap, detail));
+                out.ignored.push(ignored(
+                    key,
+                    c.block,
+                    Rule::Overlap,
+                    lost.detail(&c.block.cidr),
+                ));
             }
-            None => {
-                taken.insert(c.block.cidr, c.created);
-                out.counted.push(c.block);
-            }
+            None => winners.push(c.index),
         }
     }
-    out.counted.sort_by_key(|b| keys::block(&b.cidr));
-    out.ignored.sort_by(|a, b| a.key.cmp(&b.key));
-    out
+    (out, winners)
 }
 
 /// Whether a block that broke the rule could still hold pods' addresses a claim must not hand
@@ -252,7 +310,20 @@ fn plausible(key: &str, b: &Block, pools: &[Pool]) -> bool {
         && !b.allocations.is_empty()
 }
 
-fn ignored(key: String, b: &Block, rule: Rule, detail: String) -> Ignored {
+/// What is reported of a block stored at `key` that does not decode.
+pub fn undecodable(key: String, detail: String) -> Ignored {
+    Ignored {
+        key,
+        cidr: None,
+        affinity: String::new(),
+        allocations: Vec::new(),
+        rule: Rule::Undecodable,
+        detail,
+    }
+}
+
+/// What is reported of block `b`, stored at `key`, that breaks `rule`.
+pub fn ignored(key: String, b: &Block, rule: Rule, detail: String) -> Ignored {
     Ignored {
         key,
         cidr: Some(b.cidr),
@@ -267,10 +338,76 @@ fn ignored(key: String, b: &Block, rule: Rule, detail: String) -> Ignored {
     }
 }
 
-struct Candidate {
+struct Candidate<'a> {
+    /// Its place among the items.
+    index: usize,
     created: i64,
     current: bool,
-    block: Block,
+    block: &'a Block,
+}
+
+/// A block that passed [`check`], contending for its addresses with the others: rule 6.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Contender {
+    pub cidr: IpNet,
+    /// The store's creation stamp.
+    pub created: i64,
+    /// Of its pool's current `blockSize` ([`check`]'s answer).
+    pub current: bool,
+}
+
+/// Why a contender does not count: the older block it overlaps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lost {
+    pub to: IpNet,
+    /// Created at the same stamp, and won on size or key.
+    pub same_stamp: bool,
+}
+
+impl Lost {
+    /// What [`Ignored::detail`] says of the loser `cidr`.
+    pub fn detail(&self, cidr: &IpNet) -> String {
+        format!(
+            "{cidr} overlaps {}, which was created {}",
+            self.to,
+            if self.same_stamp {
+                "at the same time and wins (of its pool's blockSize, or smaller)"
+            } else {
+                "before it"
+            }
+        )
+    }
+}
+
+/// Rule 6 over `contenders`: for each, in their order, `None` when it counts, else what it
+/// lost to. Taken oldest first; at the same stamp current sizes, then the smaller block, then
+/// by key; one that overlaps a block already taken loses.
+pub fn arbitrate(contenders: Vec<Contender>) -> Vec<Option<Lost>> {
+    let mut order: Vec<usize> = (0..contenders.len()).collect();
+    order.sort_by_cached_key(|&i| {
+        let c = &contenders[i];
+        (
+            c.created,
+            !c.current,
+            std::cmp::Reverse(c.cidr.prefix_len()),
+            keys::block(&c.cidr),
+        )
+    });
+    let mut verdicts = vec![None; contenders.len()];
+    let mut taken = Taken::default();
+    for i in order {
+        let c = &contenders[i];
+        match taken.overlapping(&c.cidr) {
+            Some(older) => {
+                verdicts[i] = Some(Lost {
+                    to: older,
+                    same_stamp: c.created == taken.created[&older],
+                })
+            }
+            None => taken.insert(c.cidr, c.created),
+        }
+    }
+    verdicts
 }
 
 /// Blocks that do not overlap each other, for overlap checks in O(log n): aligned networks
@@ -328,7 +465,7 @@ impl Index {
     }
 }
 
-/// The blocks taken so far by [`sort`], with their creation stamps.
+/// The blocks taken so far by [`arbitrate`], with their creation stamps.
 #[derive(Default)]
 struct Taken {
     index: Index,

@@ -15,8 +15,8 @@ use std::net::IpAddr;
 
 use ipnet::IpNet;
 
-use crate::ipam::wellformed::{self, Ignored, Rule};
-use crate::ipam::{Block, Pool};
+use crate::ipam::wellformed::{self, Ignored, Item, Rule, SortedItems};
+use crate::ipam::{Allocation, Block, Pool};
 use crate::model::NodeRecord;
 use crate::store::{keys, KeyValue, WatchEvent};
 
@@ -36,33 +36,47 @@ pub struct NodeEntry {
     pub addresses: HashSet<IpAddr>,
 }
 
-/// A stored block as last seen, and what decides whether it counts.
+/// A block that counts, as routes keep it.
 #[derive(Debug, Clone)]
-struct Stored {
-    kv: KeyValue,
-    /// (CIDR, creation stamp, the rule's verdict but for overlaps); `None`: it does not decode.
-    shape: Option<(IpNet, i64, Result<(), Rule>)>,
+struct Counted {
+    entry: BlockEntry,
+    /// The store's creation stamp: its age under the overlap rule.
+    created: i64,
+    /// Of its pool's current `blockSize`.
+    current: bool,
+}
+
+/// A stored block that does not count now, kept as decoded (or why it does not decode) to be
+/// sorted again when blocks, pools or overlaps change. Rare: only forged, stale or broken
+/// objects are held.
+#[derive(Debug, Clone)]
+struct Held {
+    created: i64,
+    block: Result<Block, String>,
 }
 
 /// The blocks and node records of the datastore.
+///
+/// Nothing keeps a block's stored bytes: a block that counts is its [`BlockEntry`] and
+/// its age, and sorting again rebuilds it as a [`Block`] from that ([`block_of_entry`]).
 #[derive(Debug, Default)]
 pub struct View {
     /// The pools, as the rule for blocks needs them.
     pools: Vec<Pool>,
-    /// Every stored block by key, counted or not.
-    stored: HashMap<String, Stored>,
     /// The blocks that count, by CIDR.
-    blocks: HashMap<IpNet, BlockEntry>,
+    blocks: HashMap<IpNet, Counted>,
+    /// Key → CIDR of the blocks that count (a delete event carries only the key).
+    block_keys: HashMap<String, IpNet>,
+    /// The stored blocks that do not count, by key.
+    held: HashMap<String, Held>,
     /// The blocks that count, for overlap checks.
     index: wellformed::Index,
-    /// The blocks that do not, and why.
+    /// The blocks that do not, and why (one per held block, by key).
     ignored: Vec<Ignored>,
     /// Their CIDRs.
     ignored_cidrs: HashSet<IpNet>,
     /// (key, rule) already logged.
     logged: HashSet<(String, Rule)>,
-    /// Key → CIDR of the blocks that count (a delete event carries only the key).
-    block_keys: HashMap<String, IpNet>,
     /// Prefix lengths of the blocks (family, length) → how many: an address's block is found
     /// by truncating it to each length present.
     lengths: BTreeMap<(bool, u8), usize>,
@@ -189,12 +203,14 @@ impl View {
     pub fn replace(&mut self, part: Part, kvs: &[KeyValue]) {
         match part {
             Part::Blocks => {
-                self.stored = kvs
+                let items: Vec<Item> = kvs
                     .iter()
                     .filter(|kv| kv.key.starts_with(keys::BLOCKS))
-                    .map(|kv| (kv.key.clone(), self.stored_of(kv).0))
+                    .map(Item::of)
                     .collect();
-                self.resort();
+                self.blocks.clear();
+                self.held.clear();
+                self.sort(items, HashMap::new());
             }
             Part::Nodes => {
                 self.nodes.clear();
@@ -205,44 +221,74 @@ impl View {
         }
     }
 
-    /// A stored block and, when it decodes, the block.
-    fn stored_of(&self, kv: &KeyValue) -> (Stored, Option<Block>) {
-        let block = kv.decode::<Block>().ok();
-        let shape = block.as_ref().map(|b| {
-            let verdict = wellformed::check(&kv.key, b, &self.pools)
-                .map(|_| ())
-                .map_err(|(rule, _)| rule);
-            (b.cidr, kv.created, verdict)
-        });
-        (
-            Stored {
-                kv: kv.clone(),
-                shape,
-            },
-            block,
-        )
-    }
-
     /// Sorts every stored block by the rule again and rebuilds the indexes; returns the CIDRs
     /// of the counted blocks that appeared, changed or went.
     fn resort(&mut self) -> Vec<IpNet> {
         let before = std::mem::take(&mut self.blocks);
-        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
+        let held = std::mem::take(&mut self.held);
+        // A held block of a counted one's key is its newer value.
+        let mut items: Vec<Item> = before
+            .iter()
+            .map(|(cidr, c)| (keys::block(cidr), cidr, c))
+            .filter(|(key, _, _)| !held.contains_key(key))
+            .map(|(key, cidr, c)| Item {
+                key,
+                created: c.created,
+                block: Ok(block_of_entry(*cidr, &c.entry)),
+            })
+            .collect();
+        items.extend(held.into_iter().map(|(key, h)| Item {
+            key,
+            created: h.created,
+            block: h.block,
+        }));
+        self.sort(items, before)
+    }
+
+    /// Sorts `items` (every stored block) into the blocks that count and those held; returns
+    /// the CIDRs whose counted block differs from `before`'s.
+    fn sort(&mut self, items: Vec<Item>, before: HashMap<IpNet, Counted>) -> Vec<IpNet> {
+        let SortedItems {
+            sorted,
+            created,
+            rest,
+        } = wellformed::sort_items(items, &self.pools);
         self.blocks.clear();
         self.index = wellformed::Index::default();
         self.block_keys.clear();
         self.lengths.clear();
         self.affine.clear();
         self.allocated_by.clear();
-        for b in sorted.counted {
-            self.block_keys.insert(keys::block(&b.cidr), b.cidr);
-            self.add_block(b.cidr, entry_of(&b));
+        for (b, created) in sorted.counted.into_iter().zip(created) {
+            let key = keys::block(&b.cidr);
+            let current = wellformed::check(&key, &b, &self.pools).unwrap_or(true);
+            self.block_keys.insert(key, b.cidr);
+            self.add_block(
+                b.cidr,
+                Counted {
+                    entry: entry_of(&b),
+                    created,
+                    current,
+                },
+            );
         }
+        self.held = rest
+            .into_iter()
+            .map(|i| {
+                (
+                    i.key,
+                    Held {
+                        created: i.created,
+                        block: i.block,
+                    },
+                )
+            })
+            .collect();
         self.ignored = sorted.ignored;
         self.log_ignored();
         let mut touched: Vec<IpNet> = before
             .iter()
-            .filter(|(cidr, entry)| self.blocks.get(cidr) != Some(entry))
+            .filter(|(cidr, c)| self.block(cidr) != Some(&c.entry))
             .map(|(cidr, _)| *cidr)
             .collect();
         touched.extend(self.blocks.keys().filter(|c| !before.contains_key(c)));
@@ -268,78 +314,105 @@ impl View {
     }
 
     fn put_block(&mut self, kv: &KeyValue) -> Touched {
-        let (new, block) = self.stored_of(kv);
-        let shape = new.shape;
-        let old = self.stored.insert(kv.key.clone(), new);
+        let item = Item::of(kv);
+        // Everything of the rule but overlaps: whether it is of its pool's current size, or
+        // what is reported of it.
+        let judged: Result<bool, Ignored> = match &item.block {
+            Ok(b) => wellformed::check(&item.key, b, &self.pools)
+                .map_err(|(rule, detail)| wellformed::ignored(item.key.clone(), b, rule, detail)),
+            Err(detail) => Err(wellformed::undecodable(item.key.clone(), detail.clone())),
+        };
+        let verdict = judged.as_ref().ok().copied();
         let counted = self.block_keys.get(&kv.key).copied();
-        match (old.map(|o| o.shape), shape, block) {
-            // Same CIDR, age and verdict: counted or not as before.
-            (Some(was), Some(now), Some(b)) if was == Some(now) => match counted {
-                Some(cidr) => {
-                    let entry = entry_of(&b);
-                    if self.blocks.get(&cidr) == Some(&entry) {
-                        return Touched::Nothing;
-                    }
-                    self.remove_block(&cidr);
-                    self.add_block(cidr, entry);
-                    Touched::Blocks(vec![cidr])
+        match (counted, verdict, &item.block) {
+            // Counted, and counts as before (same CIDR, age and size): only its content may
+            // have changed.
+            (Some(cidr), Some(current), Ok(b))
+                if b.cidr == cidr
+                    && self
+                        .blocks
+                        .get(&cidr)
+                        .is_some_and(|c| c.created == item.created && c.current == current) =>
+            {
+                let entry = entry_of(b);
+                if self.block(&cidr) == Some(&entry) {
+                    return Touched::Nothing;
                 }
-                None => Touched::Nothing,
-            },
+                self.remove_block(&cidr);
+                self.add_block(
+                    cidr,
+                    Counted {
+                        entry,
+                        created: item.created,
+                        current,
+                    },
+                );
+                Touched::Blocks(vec![cidr])
+            }
             // A new block: counts at once when it overlaps none that counts (it is the
-            // youngest); one that breaks the rule changes nothing else.
-            (None, Some((cidr, _, verdict)), Some(b)) => match verdict {
-                Ok(()) if self.index.overlapping(&cidr).is_none() => {
-                    self.block_keys.insert(kv.key.clone(), cidr);
-                    self.add_block(cidr, entry_of(&b));
-                    Touched::Blocks(vec![cidr])
-                }
-                Ok(()) => Touched::blocks(self.resort()),
-                Err(_) => {
-                    self.resort_ignored_only();
-                    Touched::Nothing
-                }
-            },
+            // youngest).
+            (None, Some(current), Ok(b))
+                if !self.held.contains_key(&kv.key)
+                    && self.index.overlapping(&b.cidr).is_none() =>
+            {
+                let cidr = b.cidr;
+                self.block_keys.insert(kv.key.clone(), cidr);
+                self.add_block(
+                    cidr,
+                    Counted {
+                        entry: entry_of(b),
+                        created: item.created,
+                        current,
+                    },
+                );
+                Touched::Blocks(vec![cidr])
+            }
+            // Breaks the rule, and did not count: only the list of ignored blocks changes.
             (None, None, _) => {
-                self.resort_ignored_only();
+                self.ignored.retain(|i| i.key != item.key);
+                self.ignored.extend(judged.err());
+                self.ignored.sort_by(|a, b| a.key.cmp(&b.key));
+                self.held.insert(
+                    item.key,
+                    Held {
+                        created: item.created,
+                        block: item.block,
+                    },
+                );
+                self.log_ignored();
                 Touched::Nothing
             }
-            _ => Touched::blocks(self.resort()),
+            // Anything else may change which blocks count: held, then everything sorted again.
+            _ => {
+                self.held.insert(
+                    item.key,
+                    Held {
+                        created: item.created,
+                        block: item.block,
+                    },
+                );
+                Touched::blocks(self.resort())
+            }
         }
-    }
-
-    /// A block that cannot count was stored or changed: only the list of ignored blocks (and
-    /// what a claim keeps clear of) changes, but the list comes from one sort.
-    fn resort_ignored_only(&mut self) {
-        let sorted = wellformed::sort(self.stored.values().map(|s| &s.kv), &self.pools);
-        self.ignored = sorted.ignored;
-        self.log_ignored();
     }
 
     fn delete_block(&mut self, key: &str) -> Touched {
-        let Some(old) = self.stored.remove(key) else {
+        if self.held.remove(key).is_some() {
+            // It counted for nothing: only the list of ignored blocks changes.
+            self.ignored.retain(|i| i.key != key);
+            self.log_ignored();
+            return Touched::Nothing;
+        }
+        let Some(cidr) = self.block_keys.remove(key) else {
             return Touched::Nothing;
         };
-        match self.block_keys.remove(key) {
-            Some(cidr) => {
-                self.remove_block(&cidr);
-                let mut touched = vec![cidr];
-                // Blocks that lost an overlap to it may count now.
-                if self.ignored.iter().any(|i| i.rule == Rule::Overlap) {
-                    touched.extend(self.resort());
-                }
-                Touched::Blocks(touched)
-            }
-            None => {
-                if old.shape.is_none() || old.shape.is_some_and(|s| s.2.is_err()) {
-                    self.ignored.retain(|i| i.key != key);
-                    self.log_ignored();
-                    Touched::Nothing
-                } else {
-                    Touched::blocks(self.resort())
-                }
-            }
+        self.remove_block(&cidr);
+        let mut touched = vec![cidr];
+        // Blocks that lost an overlap to it may count now.
+        if self.ignored.iter().any(|i| i.rule == Rule::Overlap) {
+            touched.extend(self.resort());
         }
+        Touched::Blocks(touched)
     }
 
     fn put(&mut self, kv: &KeyValue) -> Touched {
@@ -375,7 +448,8 @@ impl View {
         }
     }
 
-    fn add_block(&mut self, cidr: IpNet, entry: BlockEntry) {
+    fn add_block(&mut self, cidr: IpNet, counted: Counted) {
+        let entry = &counted.entry;
         self.index.insert(cidr);
         *self
             .lengths
@@ -393,11 +467,11 @@ impl View {
                 .or_default()
                 .insert(*addr);
         }
-        self.blocks.insert(cidr, entry);
+        self.blocks.insert(cidr, counted);
     }
 
     fn remove_block(&mut self, cidr: &IpNet) -> bool {
-        let Some(entry) = self.blocks.remove(cidr) else {
+        let Some(Counted { entry, .. }) = self.blocks.remove(cidr) else {
             return false;
         };
         self.index.remove(cidr);
@@ -427,7 +501,7 @@ impl View {
 
     /// The block with exactly this CIDR.
     pub fn block(&self, cidr: &IpNet) -> Option<&BlockEntry> {
-        self.blocks.get(cidr)
+        self.blocks.get(cidr).map(|c| &c.entry)
     }
 
     /// The block holding `addr`.
@@ -438,7 +512,7 @@ impl View {
             .filter(|(f, _)| *f == v6)
             .find_map(|(_, len)| {
                 let cidr = IpNet::new(addr, *len).ok()?.trunc();
-                self.blocks.get(&cidr).map(|b| (cidr, b))
+                self.blocks.get(&cidr).map(|c| (cidr, &c.entry))
             })
     }
 
@@ -463,6 +537,27 @@ impl View {
     pub fn blocks(&self) -> usize {
         self.blocks.len()
     }
+}
+
+/// A counted block as the rule reads it again, from what routes keep of it: its CIDR,
+/// affinity and each allocation's offset and node (the rest of an allocation is not kept).
+fn block_of_entry(cidr: IpNet, entry: &BlockEntry) -> Block {
+    let mut b = Block::new(cidr, &entry.affinity);
+    for (addr, node) in &entry.allocations {
+        if let Some(off) = b.offset_of(*addr) {
+            b.allocations.insert(
+                off,
+                Allocation {
+                    handle: String::new(),
+                    ifname: String::new(),
+                    node: node.clone(),
+                    seq: 0,
+                    attributes: Default::default(),
+                },
+            );
+        }
+    }
+    b
 }
 
 /// What routes keep of a block.
@@ -640,6 +735,32 @@ pub mod tests {
         pools[0].previous_block_sizes.clear();
         assert!(v.set_pools(pools));
         assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
+    }
+
+    #[test]
+    fn a_counted_block_sorted_again_keeps_its_allocations() {
+        // The view keeps no stored bytes: a counted block sorted again is rebuilt from what
+        // routes keep of it. Its allocations must survive leaving and rejoining the blocks
+        // that count.
+        let mut v = view();
+        let cidr: IpNet = "10.244.0.0/24".parse().expect("cidr");
+        let allocs = [("10.244.0.1", "a"), ("10.244.0.200", "b")];
+        assert!(v.apply(&put(block_kv("10.244.0.0/24", "a", &allocs))));
+        let before = v.block(&cidr).expect("counts").clone();
+        // Pools without /24: it stops counting, reported with its allocations.
+        let mut shrunk = pools();
+        shrunk[0].previous_block_sizes.clear();
+        assert!(v.set_pools(shrunk));
+        assert!(v.block(&cidr).is_none() && v.is_ignored_block(&cidr));
+        let ignored = &v.ignored()[0];
+        assert_eq!(ignored.rule, Rule::BlockSize);
+        assert_eq!(ignored.allocations.len(), 2);
+        assert_eq!(v.allocated_by("b").count(), 0);
+        // The old pools again: it counts as it did.
+        assert!(v.set_pools(pools()));
+        assert_eq!(v.block(&cidr), Some(&before));
+        assert_eq!(v.allocated_by("b").count(), 1);
+        assert!(v.ignored().is_empty());
     }
 
     #[test]

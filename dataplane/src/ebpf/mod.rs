@@ -250,9 +250,17 @@ impl EbpfDataplane {
             .map_err(|e| DataplaneError::Load(Box::new(e)))?;
         // Before any program runs from the new maps.
         carried.restore();
+        let verifying = std::time::Instant::now();
         for name in ALL_PROGRAMS {
+            let t = std::time::Instant::now();
             load_program(&mut bpf, name)?;
             let prog = find(&mut bpf, name)?;
+            let insns = prog
+                .info()
+                .ok()
+                .and_then(|i| i.verified_instruction_count());
+            tracing::debug!(program = name, ms = t.elapsed().as_secs_f64() * 1e3,
+                verified_insns = ?insns, "eBPF program loaded (verified by the kernel)");
             // Re-pin: the pin names the program the filters run from now on.
             let pin = progs_dir.join(name);
             match std::fs::remove_file(&pin) {
@@ -266,6 +274,11 @@ impl EbpfDataplane {
                 source: std::io::Error::other(e.to_string()),
             })?;
         }
+        tracing::info!(
+            programs = ALL_PROGRAMS.len(),
+            ms = verifying.elapsed().as_secs_f64() * 1e3,
+            "eBPF programs loaded and verified"
+        );
         let prog_id = |bpf: &mut Ebpf, name: &'static str| -> Result<u32, DataplaneError> {
             Ok(program(bpf, name)?
                 .info()

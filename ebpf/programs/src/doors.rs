@@ -50,7 +50,7 @@ fn guarded_at(ctx: &TcContext, l4: usize, l4_len: usize) -> Option<bool> {
 /// Whether the pod's IPv4 packet `ip` is TCP to an agent's port on a node's address.
 #[inline(always)]
 pub fn v4(ctx: &TcContext, ip: &Ipv4) -> bool {
-    if ip.proto != IPPROTO_TCP || ip.later_fragment {
+    if ip.proto != IPPROTO_TCP || ip.later_fragment() {
         return false;
     }
     let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);

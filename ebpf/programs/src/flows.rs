@@ -35,7 +35,7 @@ const TCP_RST: u8 = 0x04;
 /// packet has no ports to key on (fragments, other protocols): those never take the fast path.
 #[inline(always)]
 pub fn key_v4(ctx: &TcContext, ip: &Ipv4, pod_is_src: bool) -> Option<FlowKey> {
-    if ip.fragment {
+    if ip.fragment() {
         return None;
     }
     let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
@@ -81,7 +81,7 @@ pub fn key_v6(ctx: &TcContext, ip: &Ipv6, pod_is_src: bool) -> Option<FlowKey> {
 /// Whether an IPv4 packet is a TCP FIN or RST (its flow is closing).
 #[inline(always)]
 pub fn closing_v4(ctx: &TcContext, ip: &Ipv4) -> bool {
-    !ip.fragment
+    !ip.fragment()
         && ip.proto == packet::IPPROTO_TCP
         && usize::from(ip.tot_len) >= ip.ihl + 14
         && tcp_closing(ctx, ETH_HLEN + ip.ihl)
@@ -164,7 +164,7 @@ fn set(p: Option<*mut u32>, v: u32) {
 /// flow key, which then need not be built unless its endpoint is marked.
 #[inline(always)]
 pub fn has_ports_v4(ip: &Ipv4) -> bool {
-    !ip.fragment
+    !ip.fragment()
         && matches!(ip.proto, packet::IPPROTO_TCP | packet::IPPROTO_UDP)
         && usize::from(ip.tot_len) >= ip.ihl + 4
 }

@@ -395,7 +395,7 @@ pub fn snat_v4(ctx: &mut TcContext, ifindex: u32, slot: u32, ip: &Ipv4) -> Resul
         return Ok(TC_ACT_OK);
     };
     // A TTL about to expire: the stack sends the ICMP error.
-    if ip.fragment || ip.ttl <= 1 {
+    if ip.fragment() || ip.ttl <= 1 {
         return Ok(TC_ACT_OK);
     }
     let l4 = ETH_HLEN + ip.ihl;
@@ -486,7 +486,7 @@ pub fn reverse_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, c_long>
         return Ok(None);
     };
     // A TTL about to expire: the stack sends the ICMP error.
-    if ip.fragment || ip.ttl <= 1 {
+    if ip.fragment() || ip.ttl <= 1 {
         return Ok(None);
     }
     let l4 = ETH_HLEN + ip.ihl;

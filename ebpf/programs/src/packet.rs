@@ -89,13 +89,28 @@ pub struct Ipv4 {
     pub tot_len: u16,
     /// Header length in bytes (options included).
     pub ihl: usize,
-    /// A fragment (more fragments follow, or not the first): no transport header to read.
-    pub fragment: bool,
-    /// A fragment other than the first (offset > 0): it holds no transport header at all.
-    pub later_fragment: bool,
+    /// The flags and fragment offset as in the packet (network order), read through
+    /// [`Ipv4::fragment`] and [`Ipv4::later_fragment`]. Kept raw, not as two booleans decided
+    /// at parse time: each boolean would be a branch whose two outcomes the verifier follows
+    /// separately through everything after the parse (it doubled the instructions it walks).
+    pub frag: u16,
     pub ttl: u8,
     /// The header checksum as in the packet.
     pub csum: [u8; 2],
+}
+
+impl Ipv4 {
+    /// A fragment (more fragments follow, or not the first): no transport header to read.
+    #[inline(always)]
+    pub fn fragment(&self) -> bool {
+        self.frag & 0x3fff != 0
+    }
+
+    /// A fragment other than the first (offset > 0): it holds no transport header at all.
+    #[inline(always)]
+    pub fn later_fragment(&self) -> bool {
+        self.frag & 0x1fff != 0
+    }
 }
 
 /// Reads and validates the IPv4 header: `None` when it is truncated or invalid. IP options
@@ -125,8 +140,7 @@ pub fn ipv4(ctx: &TcContext) -> Option<Ipv4> {
         proto: b(9),
         tot_len,
         ihl,
-        fragment: (b(6) & 0x3f) | b(7) != 0,
-        later_fragment: (b(6) & 0x1f) | b(7) != 0,
+        frag: u16::from_be_bytes([b(6), b(7)]),
         ttl: b(8),
         csum: [b(10), b(11)],
     })

@@ -6,6 +6,7 @@
 //! Each scenario's file holds its topology (what it wires, on the calix-testbed test bed, which
 //! also takes the traffic measurements) and its report; `harness` and `report` hold what they
 //! share.
+mod baseline;
 mod chart;
 mod cni;
 mod crossnode;
@@ -68,6 +69,10 @@ pub enum Scenario {
         /// Development mode: 20 pods, 1 repetition, results in target/bench/.
         #[arg(long)]
         quick: bool,
+        /// Also run the scale part with the agent of this git revision (built in release
+        /// mode under target/baseline/), interleaved, and report this build against it.
+        #[arg(long, value_name = "REV")]
+        baseline: Option<String>,
     },
     /// Pod to pod across nodes: calix kernel, eBPF and VXLAN in both, against the underlay
     /// (node to node, the ceiling) and a plain kernel VXLAN device with static routes
@@ -130,9 +135,19 @@ pub fn run(scenario: Scenario) -> Result<()> {
             let (reps, secs, quick) = run.resolve()?;
             crossnode::run(reps, secs, quick)
         }
-        Scenario::Routes { pods, reps, quick } => {
+        Scenario::Routes {
+            pods,
+            reps,
+            quick,
+            baseline,
+        } => {
             let (p, r) = if quick { (20, 1) } else { (200, 3) };
-            routes::run(pods.unwrap_or(p), reps.unwrap_or(r), quick)
+            routes::run(
+                pods.unwrap_or(p),
+                reps.unwrap_or(r),
+                quick,
+                baseline.as_deref(),
+            )
         }
         Scenario::Snat { run, snat_config } => {
             let (reps, secs, quick) = run.resolve()?;

@@ -25,15 +25,28 @@ const CONVERGENCE_P99_MS: f64 = 100.0;
 const SCALE_SECS: f64 = 2.0;
 const SCALE_RSS_MIB: f64 = 32.0;
 
-pub fn run(pods: usize, reps: usize, quick: bool) -> Result<()> {
+/// Runs the bench; with `baseline` (a revision), the scale part measures that revision's agent
+/// too, interleaved with this build's.
+pub fn run(pods: usize, reps: usize, quick: bool, baseline: Option<&str>) -> Result<()> {
     anyhow::ensure!(
         (1..=1000).contains(&pods) && reps >= 1,
         "--pods must be 1–1000 and --reps at least 1"
     );
     let b = Bench::setup("the routes benchmark", &["ip", "etcd"], &[])?;
+    let mut agents = vec![scale::Agent {
+        label: format!("this build ({})", b.rev),
+        bins: b.bins.clone(),
+    }];
+    if let Some(rev) = baseline {
+        let base = super::baseline::build(rev, &["calix-agent"])?;
+        agents.push(scale::Agent {
+            label: format!("baseline {}", base.label),
+            bins: base.bins,
+        });
+    }
     let ca = scale::ca()?;
     let conv = convergence::run(&b, &ca, pods)?;
-    let scale = scale::run(&b, &ca, reps)?;
+    let scale = scale::run(&b, &ca, reps, &agents)?;
     b.done();
     let report = Report {
         pods,
@@ -106,7 +119,7 @@ impl Report {
         }
         for topo in TOPOLOGIES {
             for ph in PHASES {
-                let s = &self.scale.res[topo as usize][ph as usize];
+                let s = &self.scale.runs[0].res[topo as usize][ph as usize];
                 let (secs, peak) = (
                     s.secs.iter().copied().fold(f64::NAN, f64::max),
                     s.peak_mib.iter().copied().fold(f64::NAN, f64::max),
@@ -225,7 +238,7 @@ impl Report {
         );
         for topo in TOPOLOGIES {
             for ph in PHASES {
-                let x = &self.scale.res[topo as usize][ph as usize];
+                let x = &self.scale.runs[0].res[topo as usize][ph as usize];
                 let before = if x.idle_mib.is_empty() {
                     "–".to_string()
                 } else {
@@ -251,6 +264,7 @@ impl Report {
             }
         }
         s.push_str(&self.memory());
+        s.push_str(&self.against_baseline());
         s.push_str(&format!(
             "\nThe simulator wrote the {} blocks to etcd in {} and the {} node records in {} \
              (32 writes in flight; the records' writing is inside the \"peers join\" clock).\n",
@@ -287,6 +301,59 @@ impl Report {
 }
 
 impl Report {
+    /// This build's medians against the baseline's, measured in the same run (empty without
+    /// a baseline).
+    fn against_baseline(&self) -> String {
+        let [this, base] = match self.scale.runs.as_slice() {
+            [a, b] => [a, b],
+            _ => return String::new(),
+        };
+        let mut s = format!(
+            "\n### Against the baseline\n\nThe same phases, in the same run, with the agent of \
+             {} (its repetitions interleaved with this build's, on fresh clusters alike). \
+             Medians; the ratio is this build's over the baseline's, the difference this \
+             build's minus the baseline's.\n\n\
+             | topology | phase | all routes in the kernel: this, baseline, ratio | agent CPU: \
+             this, baseline, ratio | peak RSS: this, baseline, difference | RSS with the blocks \
+             read: this, baseline, difference |\n|---|---|---|---|---|---|\n",
+            base.label
+        );
+        let ratio = |a: f64, b: f64| format!("{:.2}×", a / b);
+        let diff = |a: f64, b: f64| format!("{:+.1} MiB", a - b);
+        for topo in TOPOLOGIES {
+            for ph in PHASES {
+                let (x, y) = (
+                    &this.res[topo as usize][ph as usize],
+                    &base.res[topo as usize][ph as usize],
+                );
+                let (tx, ty) = (median(&x.secs) * 1e3, median(&y.secs) * 1e3);
+                let (cx, cy) = (median(&x.cpu), median(&y.cpu));
+                let (px, py) = (median(&x.peak_mib), median(&y.peak_mib));
+                let blocks = if x.blocks_mib.is_empty() {
+                    "–".to_string()
+                } else {
+                    let (bx, by) = (median(&x.blocks_mib), median(&y.blocks_mib));
+                    format!("{}, {}, {}", fmt_1(bx), fmt_1(by), diff(bx, by))
+                };
+                s.push_str(&format!(
+                    "| {} | {} | {} ms, {} ms, {} | {} s, {} s, {} | {}, {}, {} | {blocks} |\n",
+                    topo.label(),
+                    ph.label(),
+                    fmt_ms(tx),
+                    fmt_ms(ty),
+                    ratio(tx, ty),
+                    fmt_2(cx),
+                    fmt_2(cy),
+                    ratio(cx, cy),
+                    fmt_1(px),
+                    fmt_1(py),
+                    diff(px, py),
+                ));
+            }
+        }
+        s
+    }
+
     /// Where the agent's resident memory goes as the peers join (medians).
     fn memory(&self) -> String {
         let mut s = String::from(
@@ -294,7 +361,7 @@ impl Report {
              file pages, the same ~14 MiB from start to end):\n",
         );
         for topo in TOPOLOGIES {
-            let x = &self.scale.res[topo as usize][Phase::Join as usize];
+            let x = &self.scale.runs[0].res[topo as usize][Phase::Join as usize];
             let (idle, blocks, peak, file) = (
                 median(&x.idle_mib),
                 median(&x.blocks_mib),
@@ -367,7 +434,7 @@ fn chart(path: &Path, r: &Report) -> Result<()> {
                     phase_color(ph),
                     TOPOLOGIES
                         .iter()
-                        .map(|&t| finite(f(&r.scale.res[t as usize][ph as usize])))
+                        .map(|&t| finite(f(&r.scale.runs[0].res[t as usize][ph as usize])))
                         .collect(),
                 )
             })
@@ -449,7 +516,16 @@ mod tests {
             quick: true,
             conv: [conv(40.0), conv(60.0)],
             scale: Scale {
-                res: [[phase(0.8), phase(1.1)], [phase(0.6), phase(0.9)]],
+                runs: vec![
+                    scale::Runs {
+                        label: "this build (abc)".into(),
+                        res: [[phase(0.8), phase(1.1)], [phase(0.6), phase(0.9)]],
+                    },
+                    scale::Runs {
+                        label: "baseline main~3 (def)".into(),
+                        res: [[phase(0.4), phase(1.0)], [phase(0.3), phase(0.8)]],
+                    },
+                ],
                 blocks_ms: around(900.0, reps),
                 records_ms: around(300.0, reps),
                 load: around(0.7, reps),
@@ -460,5 +536,12 @@ mod tests {
         let svg = render("routes", &md, |p| chart(p, &r));
         assert!(md.starts_with("# Routes between nodes"));
         assert!(svg.contains("agent peak RSS"));
+        // This build against the baseline: 0.8 s over 0.4 s is 2.00×.
+        assert!(md.contains("### Against the baseline"), "{md}");
+        assert!(md.contains("baseline main~3 (def)"));
+        assert!(
+            md.contains("| full mesh (100 streams) | peers join | 800 ms, 400 ms, 2.00× |"),
+            "{md}"
+        );
     }
 }

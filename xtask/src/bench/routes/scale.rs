@@ -17,6 +17,7 @@
 //! (`VmRSS`), CPU time (utime + stime, all threads) over the clock's run, and `ip route show
 //! proto 202` counted at the end.
 use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -112,10 +113,25 @@ pub struct Samples {
     pub kernel_routes: Vec<f64>,
 }
 
-/// Per topology, per phase; and the simulator's etcd writes (blocks, records; ms).
+/// One agent's measurements: per topology, per phase.
+#[derive(Default)]
+pub struct Runs {
+    /// Which agent: this build, or a baseline's revision.
+    pub label: String,
+    pub res: [[Samples; 2]; 2],
+}
+
+/// An agent to measure: what the report calls it, where its binaries are.
+pub struct Agent {
+    pub label: String,
+    pub bins: PathBuf,
+}
+
+/// Each agent's runs (this build first, then the baseline if any); and the simulator's etcd
+/// writes (blocks, records; ms).
 #[derive(Default)]
 pub struct Results {
-    pub res: [[Samples; 2]; 2],
+    pub runs: Vec<Runs>,
     pub blocks_ms: Vec<f64>,
     pub records_ms: Vec<f64>,
     /// The 1-minute load average before each phase.
@@ -280,12 +296,21 @@ fn finish(
 }
 
 /// One repetition of topology `t`: both phases on a fresh cluster.
-fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<()> {
-    let tag = format!("{}{rep}", t.tag());
+fn one(
+    b: &Bench,
+    ca: &Ca,
+    rep: usize,
+    t: Topology,
+    (a, bins): (usize, &Path),
+    r: &mut Results,
+) -> Result<()> {
+    let tag = format!("{}{a}{rep}", t.tag());
+    let mut spec = b.spec(Dataplane::Ebpf);
+    spec.bins = bins.to_path_buf();
     let mut c = Cluster::launch_with(
         || b.name(&format!("{tag}-u")),
         |i| b.name(&format!("{tag}-n{i}")),
-        b.spec(Dataplane::Ebpf),
+        spec,
         &[1, 1],
         |_, _| String::new(),
     )?;
@@ -315,7 +340,7 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
     // Until the agent has read the blocks (its datastore watch) and is idle again.
     std::thread::sleep(Duration::from_secs(2));
     let with_blocks = usage(agent.pid())?;
-    let join = &mut r.res[t as usize][Phase::Join as usize];
+    let join = &mut r.runs[a].res[t as usize][Phase::Join as usize];
     join.idle_mib.push(mib(idle.rss_kib));
     join.blocks_mib.push(mib(with_blocks.rss_kib));
     let cpu0 = with_blocks.cpu_secs;
@@ -328,11 +353,12 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
         &watch,
         t0,
         cpu0,
-        &mut r.res[t as usize][Phase::Join as usize],
+        &mut r.runs[a].res[t as usize][Phase::Join as usize],
     )?;
     println!(
-        "[rep {}] {}, {}: {line}",
+        "[rep {}] {}, {}, {}: {line}",
         rep + 1,
+        r.runs[a].label,
         t.label(),
         Phase::Join.label()
     );
@@ -356,11 +382,12 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
         &watch,
         t0,
         0.0,
-        &mut r.res[t as usize][Phase::Restart as usize],
+        &mut r.runs[a].res[t as usize][Phase::Restart as usize],
     )?;
     println!(
-        "[rep {}] {}, {}: {line}",
+        "[rep {}] {}, {}, {}: {line}",
         rep + 1,
+        r.runs[a].label,
         t.label(),
         Phase::Restart.label()
     );
@@ -368,19 +395,40 @@ fn one(b: &Bench, ca: &Ca, rep: usize, t: Topology, r: &mut Results) -> Result<(
     Ok(())
 }
 
-/// Runs the scale part: `reps` repetitions of both topologies, alternating.
-pub fn run(b: &Bench, ca: &Ca, reps: usize) -> Result<Results> {
+/// Runs the scale part: `reps` repetitions of both topologies, alternating, each with every
+/// agent of `agents` (this build first), alternating too.
+pub fn run(b: &Bench, ca: &Ca, reps: usize, agents: &[Agent]) -> Result<Results> {
     ca.save(&b.dir.join("ca"))?;
-    let mut r = Results::default();
+    let mut r = Results {
+        runs: agents
+            .iter()
+            .map(|a| Runs {
+                label: a.label.clone(),
+                ..Runs::default()
+            })
+            .collect(),
+        ..Results::default()
+    };
+    let indexes: Vec<usize> = (0..agents.len()).collect();
     for rep in 0..reps {
-        for t in order(&TOPOLOGIES, rep, false) {
-            check_interrupted()?;
-            println!(
-                "[setup] scale, {}: a 2-node cluster, {PEERS} simulated peers × {BLOCKS} blocks",
-                t.label()
-            );
-            one(b, ca, rep, t, &mut r)
-                .with_context(|| format!("{} (repetition {})", t.label(), rep + 1))?;
+        for (k, t) in order(&TOPOLOGIES, rep, false).into_iter().enumerate() {
+            for a in order(&indexes, rep + k, false) {
+                check_interrupted()?;
+                println!(
+                    "[setup] scale, {}, {}: a 2-node cluster, {PEERS} simulated peers × \
+                     {BLOCKS} blocks",
+                    agents[a].label,
+                    t.label()
+                );
+                one(b, ca, rep, t, (a, &agents[a].bins), &mut r).with_context(|| {
+                    format!(
+                        "{}, {} (repetition {})",
+                        agents[a].label,
+                        t.label(),
+                        rep + 1
+                    )
+                })?;
+            }
         }
     }
     Ok(r)

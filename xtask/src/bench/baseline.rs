@@ -1,0 +1,67 @@
+//! A bench's baseline: calix's binaries at another revision, built the way this run's are
+//! (release), so that one run measures both, interleaved, and reports this build against it.
+//!
+//! The revision is checked out in a git worktree under `target/baseline/<commit>/src` and built
+//! with its own target directory beside it; both stay for the next run, which builds only what
+//! changed.
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::util::{self, output};
+
+/// Binaries built from one revision.
+#[derive(Clone, Debug)]
+pub struct Baseline {
+    /// As given on the command line, then its commit: what the report names.
+    pub label: String,
+    /// Its `target/release`.
+    pub bins: PathBuf,
+}
+
+/// Builds `bins` (binary names of the workspace, e.g. `calix-agent`) at revision `rev`.
+pub fn build(rev: &str, bins: &[&str]) -> Result<Baseline> {
+    let root = util::workspace_root();
+    let commit = output(
+        Command::new("git")
+            .current_dir(&root)
+            .args(["rev-parse", "--verify", "--short=12"])
+            .arg(format!("{rev}^{{commit}}")),
+    )
+    .with_context(|| format!("--baseline {rev}: not a revision of this repository"))?
+    .trim()
+    .to_string();
+    let dir = root.join("target").join("baseline").join(&commit);
+    let src = dir.join("src");
+    if !src.join("Cargo.toml").exists() {
+        println!(
+            "[setup] baseline {rev}: checking out {commit} in {}",
+            src.display()
+        );
+        let _ = std::fs::remove_dir_all(&src);
+        util::run(
+            Command::new("git")
+                .current_dir(&root)
+                .args(["worktree", "add", "--force", "--detach"])
+                .arg(&src)
+                .arg(&commit),
+        )?;
+    }
+    println!(
+        "[setup] baseline {rev}: building {} at {commit} (cargo build --release)",
+        bins.join(", ")
+    );
+    let mut cmd = Command::new("cargo");
+    cmd.current_dir(&src)
+        .env("CARGO_TARGET_DIR", dir.join("target"))
+        .args(["build", "--release"]);
+    for b in bins {
+        cmd.args(["--bin", b]);
+    }
+    util::run(&mut cmd)?;
+    Ok(Baseline {
+        label: format!("{rev} ({commit})"),
+        bins: dir.join("target").join("release"),
+    })
+}
