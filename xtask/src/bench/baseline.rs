@@ -20,8 +20,9 @@ pub struct Baseline {
     pub bins: PathBuf,
 }
 
-/// Builds `bins` (binary names of the workspace, e.g. `calix-agent`) at revision `rev`.
-pub fn build(rev: &str, bins: &[&str]) -> Result<Baseline> {
+/// Builds `bins` (binary names of the workspace, e.g. `calix-agent`) at revision `rev`, for
+/// `target` (a target triple, e.g. the plugin's static musl one) or the host.
+pub fn build(rev: &str, bins: &[&str], target: Option<&str>) -> Result<Baseline> {
     let root = util::workspace_root();
     let commit = output(
         Command::new("git")
@@ -59,9 +60,14 @@ pub fn build(rev: &str, bins: &[&str]) -> Result<Baseline> {
     for b in bins {
         cmd.args(["--bin", b]);
     }
+    let mut out = dir.join("target");
+    if let Some(t) = target {
+        cmd.args(["--target", t]);
+        out = out.join(t);
+    }
     util::run(&mut cmd)?;
     Ok(Baseline {
         label: format!("{rev} ({commit})"),
-        bins: dir.join("target").join("release"),
+        bins: out.join("release"),
     })
 }

@@ -200,7 +200,8 @@ fn run_variant(
     ))
 }
 
-pub fn run(pods: usize, reps: usize) -> Result<()> {
+/// Runs the bench; with `baseline` (a revision), calix built from it is a third variant.
+pub fn run(pods: usize, reps: usize, baseline: Option<&str>) -> Result<()> {
     util::require_root("the CNI benchmark")?;
     if pods < 2 || reps < 1 {
         bail!("--pods must be at least 2 and --reps at least 1");
@@ -210,10 +211,26 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
     let b = Bench::setup("the CNI benchmark", &[], &["ptp", "host-local"])?;
     println!("[setup] building the static plugin (--target {STATIC_TARGET})");
     let plugin = build_static_plugin()?;
+    let base = match baseline {
+        Some(rev) => {
+            let agent = super::baseline::build(rev, &["calix-agent"], None)?;
+            let plugin = super::baseline::build(rev, &["calix"], Some(STATIC_TARGET))?;
+            Some((agent, plugin.bins.join("calix")))
+        }
+        None => None,
+    };
 
     let n_ns = pods.max(CONCURRENCY[1]);
     println!("[setup] 3 node namespaces (calix, ptp, floor) and {n_ns} pod namespaces");
     let calix_node = b.node("calix", b.spec(Dataplane::Ebpf))?;
+    let base_node = match &base {
+        Some((agent, _)) => {
+            let mut spec = b.spec(Dataplane::Ebpf);
+            spec.bins = agent.bins.clone();
+            Some(b.node("calixb", spec)?)
+        }
+        None => None,
+    };
     let (ptp_node, floor_node) = (b.netns("ptp")?, b.netns("floor")?);
     for n in [&ptp_node, &floor_node] {
         n.ip(&format!("addr add {NODE_IP}/32 dev lo"))?;
@@ -226,7 +243,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
         "calix",
         plugin,
         Some(&calix_node.ns),
-        &calix_node.conf(calix_conf),
+        &calix_node.conf(calix_conf.clone()),
     );
     let ptp_conf = json!({
         "cniVersion": "1.0.0", "name": "cxb-ptp", "type": "ptp", "ipMasq": false, "mtu": 1500,
@@ -244,15 +261,29 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
         &ptp_conf,
     );
 
+    let base_plugin = match (&base, &base_node) {
+        (Some((agent, plugin)), Some(node)) => Some(Plugin::new(
+            &format!("calix baseline {}", agent.label),
+            plugin.clone(),
+            Some(&node.ns),
+            &node.conf(calix_conf.clone()),
+        )),
+        _ => None,
+    };
+
     // One untimed warm-up call of each (page cache, the agent's first connection).
-    for p in [&calix, &ptp] {
+    for p in [Some(&calix), Some(&ptp), base_plugin.as_ref()].into_iter().flatten() {
         p.timed(&pod_call("ADD", 0, "w", 0, &pod_ns[0]))?;
         p.timed(&pod_call("DEL", 0, "w", 0, &pod_ns[0]))?;
     }
 
     let mut floors = Floors::default();
-    let mut res = [Samples::default(), Samples::default()];
-    let variants = [(&calix, &calix_node.ns, "c"), (&ptp, &ptp_node, "p")];
+    let mut res = [Samples::default(), Samples::default(), Samples::default()];
+    let mut variants = vec![(&calix, &calix_node.ns, "c"), (&ptp, &ptp_node, "p")];
+    if let (Some(p), Some(node)) = (&base_plugin, &base_node) {
+        variants.push((p, &node.ns, "b"));
+    }
+    let indexes: Vec<usize> = (0..variants.len()).collect();
     for rep in 0..reps {
         repetition(
             rep,
@@ -264,7 +295,7 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
         repetition(
             rep,
             reps,
-            &order(&[0, 1], rep, false),
+            &order(&indexes, rep, variants.len() > 2),
             |v| variants[v].0.label.clone(),
             |v| {
                 let (p, node, tag) = variants[v];
@@ -272,16 +303,18 @@ pub fn run(pods: usize, reps: usize) -> Result<()> {
             },
         )?;
     }
-    drop((calix_node, ptp_node, floor_node, pod_ns));
+    let base_label = base_plugin.as_ref().map(|p| p.label.clone());
+    drop((calix_node, ptp_node, floor_node, base_node, pod_ns));
     b.done();
 
-    let [c, p] = res;
+    let [c, p, base] = res;
     let report = Report {
         pods,
         reps,
         plugins_version: cni_plugins_version(),
         calix: c,
         ptp: p,
+        baseline: base_label.map(|l| (l, base)),
         floors,
         bench: b,
     };
@@ -294,6 +327,8 @@ struct Report {
     plugins_version: String,
     calix: Samples,
     ptp: Samples,
+    /// calix built from another revision, and what it measured.
+    baseline: Option<(String, Samples)>,
     floors: Floors,
     bench: Bench,
 }
@@ -392,6 +427,18 @@ impl Report {
             ratio(c.conc_median(0), p.conc_median(0)),
             ratio(c.conc_median(1), p.conc_median(1)),
         ));
+        if let Some((label, b)) = &self.baseline {
+            s.push_str(&self.row(label, b));
+            s.push_str(&format!(
+                "| calix / its baseline | {} | {} | {} | {} | {} | {} | |\n",
+                ratio(c.add.p(50.0), b.add.p(50.0)),
+                ratio(c.add.p(99.0), b.add.p(99.0)),
+                ratio(c.del.p(50.0), b.del.p(50.0)),
+                ratio(c.del.p(99.0), b.del.p(99.0)),
+                ratio(c.conc_median(0), b.conc_median(0)),
+                ratio(c.conc_median(1), b.conc_median(1)),
+            ));
+        }
         let floor99 = f.link_del.p(99.0);
         for (label, v) in [("calix", c), ("ptp + host-local", p)] {
             s.push_str(&format!(
@@ -415,6 +462,7 @@ impl Report {
         s.push_str(&targets("Targets (issue 3):", &self.targets(), ""));
         let all_loads: Vec<f64> = [&c.load, &p.load, &f.load]
             .into_iter()
+            .chain(self.baseline.as_ref().map(|(_, b)| &b.load))
             .flatten()
             .copied()
             .collect();
@@ -509,6 +557,7 @@ mod tests {
             plugins_version: "1.1.1".into(),
             calix: samples(2.5, 2.0),
             ptp: samples(9.0, 6.0),
+            baseline: Some(("calix baseline main~1 (abc)".into(), samples(2.0, 2.0))),
             floors: Floors {
                 truth: Calls::fake(0.6, reps),
                 nsexec: Calls::fake(0.8, reps),
@@ -521,5 +570,8 @@ mod tests {
         let svg = render("cni", &md, |p| chart(p, &r));
         assert!(md.starts_with("# CNI"));
         assert!(svg.contains("ptp + host-local") && svg.contains("ip link del floor"));
+        // This build against its baseline: 2.5 ms over 2.0 ms.
+        assert!(md.contains("| calix baseline main~1 (abc) |"), "{md}");
+        assert!(md.contains("| calix / its baseline | 1.25× |"), "{md}");
     }
 }

@@ -37,6 +37,10 @@ pub enum Scenario {
         /// Repetitions (each runs every variant once, in alternating order).
         #[arg(long, default_value_t = 4)]
         reps: usize,
+        /// Also run calix (plugin and agent) built from this git revision (under
+        /// target/baseline/), as a third variant, and report this build against it.
+        #[arg(long, value_name = "REV")]
+        baseline: Option<String>,
     },
     /// IPAM allocations per second: calix-agent over gRPC with the embedded and the etcd
     /// datastore, against Debian's host-local plugin (a process per allocation).
@@ -125,7 +129,11 @@ impl TrafficArgs {
 pub fn run(scenario: Scenario) -> Result<()> {
     crate::util::ensure_bpffs()?;
     match scenario {
-        Scenario::Cni { pods, reps } => cni::run(pods, reps),
+        Scenario::Cni {
+            pods,
+            reps,
+            baseline,
+        } => cni::run(pods, reps, baseline.as_deref()),
         Scenario::Ipam { allocs, reps } => ipam::run(allocs, reps),
         Scenario::Dataplane { run } => {
             let (reps, secs, quick) = run.resolve()?;

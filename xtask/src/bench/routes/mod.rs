@@ -38,7 +38,7 @@ pub fn run(pods: usize, reps: usize, quick: bool, baseline: Option<&str>) -> Res
         bins: b.bins.clone(),
     }];
     if let Some(rev) = baseline {
-        let base = super::baseline::build(rev, &["calix-agent"])?;
+        let base = super::baseline::build(rev, &["calix-agent"], None)?;
         agents.push(scale::Agent {
             label: format!("baseline {}", base.label),
             bins: base.bins,
