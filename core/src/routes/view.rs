@@ -69,8 +69,6 @@ pub struct View {
     block_keys: HashMap<String, IpNet>,
     /// The stored blocks that do not count, by key.
     held: HashMap<String, Held>,
-    /// The blocks that count, for overlap checks.
-    index: wellformed::Index,
     /// The blocks that do not, and why (one per held block, by key).
     ignored: Vec<Ignored>,
     /// Their CIDRs.
@@ -254,7 +252,6 @@ impl View {
             rest,
         } = wellformed::sort_items(items, &self.pools);
         self.blocks.clear();
-        self.index = wellformed::Index::default();
         self.block_keys.clear();
         self.lengths.clear();
         self.affine.clear();
@@ -352,8 +349,7 @@ impl View {
             // A new block: counts at once when it overlaps none that counts (it is the
             // youngest).
             (None, Some(current), Ok(b))
-                if !self.held.contains_key(&kv.key)
-                    && self.index.overlapping(&b.cidr).is_none() =>
+                if !self.held.contains_key(&kv.key) && self.overlapping(&b.cidr).is_none() =>
             {
                 let cidr = b.cidr;
                 self.block_keys.insert(kv.key.clone(), cidr);
@@ -450,7 +446,6 @@ impl View {
 
     fn add_block(&mut self, cidr: IpNet, counted: Counted) {
         let entry = &counted.entry;
-        self.index.insert(cidr);
         *self
             .lengths
             .entry((is_v6(&cidr), cidr.prefix_len()))
@@ -474,7 +469,6 @@ impl View {
         let Some(Counted { entry, .. }) = self.blocks.remove(cidr) else {
             return false;
         };
-        self.index.remove(cidr);
         let len = (is_v6(cidr), cidr.prefix_len());
         if let Some(n) = self.lengths.get_mut(&len) {
             *n -= 1;
@@ -497,6 +491,42 @@ impl View {
             }
         }
         true
+    }
+
+    /// A counted block that shares an address with `cidr`, a block that passed the rule (of
+    /// an allowed size). Aligned networks overlap only by containment: one of the lengths
+    /// present at or above its own holds it (its start truncated to that length), or one of
+    /// the longer lengths has a block inside it — looked up one by one (at most
+    /// [`wellformed::MAX_BLOCK_ADDRESSES`] of each length, as the rule bounds a block's size),
+    /// or, when fewer blocks have that length, among those. No index beyond the blocks' own
+    /// map: it was a megabyte at 10,000 blocks.
+    fn overlapping(&self, cidr: &IpNet) -> Option<IpNet> {
+        let v6 = is_v6(cidr);
+        let len = cidr.prefix_len();
+        for (&(_, l), &count) in self.lengths.iter().filter(|((f, _), _)| *f == v6) {
+            if l <= len {
+                let outer = IpNet::new(cidr.network(), l).ok()?.trunc();
+                if self.blocks.contains_key(&outer) {
+                    return Some(outer);
+                }
+                continue;
+            }
+            let inside = 1u64.checked_shl(u32::from(l - len)).unwrap_or(u64::MAX);
+            if inside > count as u64 && inside > self.blocks.len() as u64 {
+                let found = self
+                    .blocks
+                    .keys()
+                    .find(|b| b.prefix_len() == l && cidr.contains(&b.network()));
+                if found.is_some() {
+                    return found.copied();
+                }
+            } else if let Ok(subnets) = cidr.subnets(l) {
+                if let Some(b) = subnets.into_iter().find(|s| self.blocks.contains_key(s)) {
+                    return Some(b);
+                }
+            }
+        }
+        None
     }
 
     /// The block with exactly this CIDR.
@@ -735,6 +765,36 @@ pub mod tests {
         pools[0].previous_block_sizes.clear();
         assert!(v.set_pools(pools));
         assert!(v.block(&victim).is_some() && v.block(&rogue).is_none());
+    }
+
+    #[test]
+    fn a_new_block_over_counted_ones_is_found_whichever_way_is_cheaper() {
+        let mut v = view();
+        // Eight /26s: a /24 over the ones at 10.244.1.x holds four /26 starts, fewer than
+        // the blocks there are, so they are looked up one by one.
+        for i in 0..8 {
+            let cidr = format!("10.244.{}.{}/26", i / 4, (i % 4) * 64);
+            assert!(v.apply(&put(aged(&cidr, "a", 10 + i))));
+        }
+        let outer: IpNet = "10.244.1.0/24".parse().expect("cidr");
+        assert_eq!(
+            v.overlapping(&outer),
+            Some("10.244.1.0/26".parse().expect("cidr"))
+        );
+        // A /26 inside a counted /24: found at the /24's length.
+        assert!(v.apply(&put(aged("10.244.9.0/24", "b", 30))));
+        let inner: IpNet = "10.244.9.128/26".parse().expect("cidr");
+        assert_eq!(
+            v.overlapping(&inner),
+            Some("10.244.9.0/24".parse().expect("cidr"))
+        );
+        // Beside everything: none.
+        assert_eq!(v.overlapping(&"10.244.7.0/24".parse().expect("cidr")), None);
+        // Written, the younger overlapping blocks do not count.
+        v.apply(&put(aged("10.244.1.0/24", "rogue", 40)));
+        v.apply(&put(aged("10.244.9.128/26", "rogue", 41)));
+        assert!(v.block(&outer).is_none() && v.block(&inner).is_none());
+        assert_eq!(v.blocks(), 9);
     }
 
     #[test]
