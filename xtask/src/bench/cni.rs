@@ -272,7 +272,10 @@ pub fn run(pods: usize, reps: usize, baseline: Option<&str>) -> Result<()> {
     };
 
     // One untimed warm-up call of each (page cache, the agent's first connection).
-    for p in [Some(&calix), Some(&ptp), base_plugin.as_ref()].into_iter().flatten() {
+    for p in [Some(&calix), Some(&ptp), base_plugin.as_ref()]
+        .into_iter()
+        .flatten()
+    {
         p.timed(&pod_call("ADD", 0, "w", 0, &pod_ns[0]))?;
         p.timed(&pod_call("DEL", 0, "w", 0, &pod_ns[0]))?;
     }
