@@ -450,6 +450,14 @@ impl Report {
                 ratio(v.del.p(99.0), floor99),
             ));
         }
+        if let Some((label, _)) = &self.baseline {
+            s.push_str(&format!(
+                "\n{label}: the plugin and agent built from that revision the same way (static \
+                 musl plugin, release agent), on a node of their own, run as a third variant \
+                 (the order of the three rotating between repetitions); \"calix / its \
+                 baseline\" is this build over it.\n"
+            ));
+        }
         s.push_str("\nFloors, timed the same way (fork-to-exit), load before: ");
         s.push_str(&loads(&f.load));
         s.push_str(":\n\n| floor | p50 | p99 |\n|---|---|---|\n");
