@@ -336,6 +336,19 @@ struct Report {
     bench: Bench,
 }
 
+/// A table row of `a`'s figures over `b`'s.
+fn ratio_row(label: &str, a: &Samples, b: &Samples) -> String {
+    format!(
+        "| {label} | {} | {} | {} | {} | {} | {} | |\n",
+        ratio(a.add.p(50.0), b.add.p(50.0)),
+        ratio(a.add.p(99.0), b.add.p(99.0)),
+        ratio(a.del.p(50.0), b.del.p(50.0)),
+        ratio(a.del.p(99.0), b.del.p(99.0)),
+        ratio(a.conc_median(0), b.conc_median(0)),
+        ratio(a.conc_median(1), b.conc_median(1)),
+    )
+}
+
 impl Report {
     fn row(&self, label: &str, s: &Samples) -> String {
         format!(
@@ -421,26 +434,10 @@ impl Report {
         s.push_str("|---|---|---|---|---|---|---|---|\n");
         s.push_str(&self.row("calix", c));
         s.push_str(&self.row("ptp + host-local", p));
-        s.push_str(&format!(
-            "| calix / ptp | {} | {} | {} | {} | {} | {} | |\n",
-            ratio(c.add.p(50.0), p.add.p(50.0)),
-            ratio(c.add.p(99.0), p.add.p(99.0)),
-            ratio(c.del.p(50.0), p.del.p(50.0)),
-            ratio(c.del.p(99.0), p.del.p(99.0)),
-            ratio(c.conc_median(0), p.conc_median(0)),
-            ratio(c.conc_median(1), p.conc_median(1)),
-        ));
+        s.push_str(&ratio_row("calix / ptp", c, p));
         if let Some((label, b)) = &self.baseline {
             s.push_str(&self.row(label, b));
-            s.push_str(&format!(
-                "| calix / its baseline | {} | {} | {} | {} | {} | {} | |\n",
-                ratio(c.add.p(50.0), b.add.p(50.0)),
-                ratio(c.add.p(99.0), b.add.p(99.0)),
-                ratio(c.del.p(50.0), b.del.p(50.0)),
-                ratio(c.del.p(99.0), b.del.p(99.0)),
-                ratio(c.conc_median(0), b.conc_median(0)),
-                ratio(c.conc_median(1), b.conc_median(1)),
-            ));
+            s.push_str(&ratio_row("calix / its baseline", c, b));
         }
         let floor99 = f.link_del.p(99.0);
         for (label, v) in [("calix", c), ("ptp + host-local", p)] {

@@ -42,8 +42,6 @@ struct Counted {
     entry: BlockEntry,
     /// The store's creation stamp: its age under the overlap rule.
     created: i64,
-    /// Of its pool's current `blockSize`.
-    current: bool,
 }
 
 /// A stored block that does not count now, kept as decoded (or why it does not decode) to be
@@ -258,14 +256,12 @@ impl View {
         self.allocated_by.clear();
         for (b, created) in sorted.counted.into_iter().zip(created) {
             let key = keys::block(&b.cidr);
-            let current = wellformed::check(&key, &b, &self.pools).unwrap_or(true);
             self.block_keys.insert(key, b.cidr);
             self.add_block(
                 b.cidr,
                 Counted {
                     entry: entry_of(&b),
                     created,
-                    current,
                 },
             );
         }
@@ -312,8 +308,7 @@ impl View {
 
     fn put_block(&mut self, kv: &KeyValue) -> Touched {
         let item = Item::of(kv);
-        // Everything of the rule but overlaps: whether it is of its pool's current size, or
-        // what is reported of it.
+        // Everything of the rule but overlaps: it passes, or what is reported of it.
         let judged: Result<bool, Ignored> = match &item.block {
             Ok(b) => wellformed::check(&item.key, b, &self.pools)
                 .map_err(|(rule, detail)| wellformed::ignored(item.key.clone(), b, rule, detail)),
@@ -322,14 +317,15 @@ impl View {
         let verdict = judged.as_ref().ok().copied();
         let counted = self.block_keys.get(&kv.key).copied();
         match (counted, verdict, &item.block) {
-            // Counted, and counts as before (same CIDR, age and size): only its content may
-            // have changed.
-            (Some(cidr), Some(current), Ok(b))
+            // Counted, and counts as before (same CIDR and age; its size's verdict follows from
+            // the CIDR, and new pools sort everything again): only its content may have
+            // changed.
+            (Some(cidr), Some(_), Ok(b))
                 if b.cidr == cidr
                     && self
                         .blocks
                         .get(&cidr)
-                        .is_some_and(|c| c.created == item.created && c.current == current) =>
+                        .is_some_and(|c| c.created == item.created) =>
             {
                 let entry = entry_of(b);
                 if self.block(&cidr) == Some(&entry) {
@@ -341,14 +337,13 @@ impl View {
                     Counted {
                         entry,
                         created: item.created,
-                        current,
                     },
                 );
                 Touched::Blocks(vec![cidr])
             }
             // A new block: counts at once when it overlaps none that counts (it is the
             // youngest).
-            (None, Some(current), Ok(b))
+            (None, Some(_), Ok(b))
                 if !self.held.contains_key(&kv.key) && self.overlapping(&b.cidr).is_none() =>
             {
                 let cidr = b.cidr;
@@ -358,7 +353,6 @@ impl View {
                     Counted {
                         entry: entry_of(b),
                         created: item.created,
-                        current,
                     },
                 );
                 Touched::Blocks(vec![cidr])
