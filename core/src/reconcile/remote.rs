@@ -99,15 +99,13 @@ impl std::fmt::Display for Guarded {
 /// The route guard's pool checks: `prefix` inside a pool (any, disabled ones too) and no
 /// shorter than the smallest block that pool makes, or has made.
 pub fn guard(prefix: &IpNet, pools: &[Pool]) -> Result<(), Guarded> {
-    let inside: Vec<&Pool> = pools.iter().filter(|p| p.cidr.contains(prefix)).collect();
-    if inside.is_empty() {
-        return Err(Guarded::OutsidePools);
-    }
-    let shortest = inside
+    // Runs for every accepted route at every flush: no allocation.
+    let shortest = pools
         .iter()
+        .filter(|p| p.cidr.contains(prefix))
         .flat_map(|p| std::iter::once(p.block_size).chain(p.previous_block_sizes.iter().copied()))
         .min()
-        .unwrap_or(u8::MAX);
+        .ok_or(Guarded::OutsidePools)?;
     if prefix.prefix_len() < shortest {
         return Err(Guarded::TooShort);
     }

@@ -405,11 +405,8 @@ impl Engine {
             let Some(judged) = self.verdicts.get(peer) else {
                 continue;
             };
-            // The accepted routes only: what a peer says that is refused costs nothing here.
-            for p in &judged.accepted {
-                let Some(r) = s.routes.get(p) else {
-                    continue;
-                };
+            for r in accepted_routes(&judged.accepted, &s.routes) {
+                let p = &r.prefix;
                 let direct = r.node == *peer;
                 if direct && self.s.reflector {
                     relay.entry(*p).or_insert_with(|| r.clone());
@@ -423,8 +420,13 @@ impl Engine {
                 }
             }
         }
-        let accepted: Vec<Route> = best.values().map(|(r, _)| (*r).clone()).collect();
-        let desired = self.guard(accepted, now);
+        let (desired, guarded) = guard(
+            best.values().map(|(r, _)| *r),
+            &self.s.blocks,
+            &self.protected(),
+            |p| self.vxlan_for(p),
+        );
+        self.count_guarded(guarded, now);
         if !self.complete
             && self.synced()
             && self.sessions.values().all(|s| s.settled(now, self.s.grace))
@@ -441,41 +443,21 @@ impl Engine {
         }
     }
 
-    /// The route guard over the accepted routes, whatever validation said: a route outside every
-    /// pool, shorter than its pool's blocks, or covering a node's address (any node record's,
-    /// this node's next hops) never reaches the reconciler. Counted when a route starts being
-    /// kept out; logged at most once per cause per [`GUARD_LOG_EVERY`].
-    fn guard(&mut self, accepted: Vec<Route>, now: Instant) -> Vec<RemoteRoute> {
+    /// The addresses no route may cover: every node record's, and this node's next hops'.
+    /// Only those inside a pool: a route that passed the pool checks covers no other.
+    fn protected(&self) -> Vec<IpAddr> {
         let pools = &self.s.blocks;
-        // Only an address inside a pool can be covered by a route that passed the pool checks.
-        let protected: Vec<(IpAddr, String)> = self
-            .view
+        self.view
             .nodes()
-            .flat_map(|n| n.addresses.iter().map(|a| (*a, n.record.name.clone())))
-            .chain(self.s.next_hops.all().map(|a| (a, self.s.me.clone())))
-            .filter(|(a, _)| pools.iter().any(|p| p.cidr.contains(a)))
-            .collect();
-        let mut guarded = BTreeMap::new();
-        let mut desired = Vec::with_capacity(accepted.len());
-        for r in accepted {
-            let verdict = remote::guard(&r.prefix, pools).and_then(|()| {
-                match remote::covered(&r.prefix, protected.iter().map(|(a, _)| a)) {
-                    Some(_) => Err(Guarded::CoversNodeAddress),
-                    None => Ok(()),
-                }
-            });
-            match verdict {
-                Ok(()) => desired.push(RemoteRoute {
-                    prefix: r.prefix,
-                    node: r.node.clone(),
-                    next_hop: r.next_hop,
-                    vxlan: self.vxlan_for(&r.prefix),
-                }),
-                Err(cause) => {
-                    guarded.insert(r.prefix, (r, cause));
-                }
-            }
-        }
+            .flat_map(|n| n.addresses.iter().copied())
+            .chain(self.s.next_hops.all())
+            .filter(|a| pools.iter().any(|p| p.cidr.contains(a)))
+            .collect()
+    }
+
+    /// Counts and logs the routes the guard keeps out ([`guard`]): each counted when it starts
+    /// being kept out, logged at most once per cause per [`GUARD_LOG_EVERY`].
+    fn count_guarded(&mut self, guarded: BTreeMap<IpNet, (Route, Guarded)>, now: Instant) {
         for (prefix, (r, cause)) in &guarded {
             if self.guarded.get(prefix).is_some_and(|(_, c)| c == cause) {
                 continue;
@@ -497,7 +479,6 @@ impl Engine {
             }
         }
         self.guarded = guarded;
-        desired
     }
 
     /// Accepted routes the route guard keeps out, and why.
@@ -638,6 +619,59 @@ impl Engine {
     /// ([`WireError::name`]).
     pub fn dropped(&self) -> &BTreeMap<&'static str, u64> {
         &self.dropped
+    }
+}
+
+/// The route guard over the accepted routes, whatever validation said: a route outside every
+/// pool, shorter than its pool's blocks, or covering one of the `protected` addresses never
+/// reaches the reconciler. The routes to program, and those kept out with why.
+fn guard<'a>(
+    accepted: impl Iterator<Item = &'a Route>,
+    pools: &[crate::ipam::Pool],
+    protected: &[IpAddr],
+    vxlan_for: impl Fn(&IpNet) -> VxlanMode,
+) -> (Vec<RemoteRoute>, BTreeMap<IpNet, (Route, Guarded)>) {
+    let mut desired = Vec::with_capacity(accepted.size_hint().0);
+    let mut guarded = BTreeMap::new();
+    for r in accepted {
+        let verdict = remote::guard(&r.prefix, pools).and_then(|()| {
+            match remote::covered(&r.prefix, protected) {
+                Some(_) => Err(Guarded::CoversNodeAddress),
+                None => Ok(()),
+            }
+        });
+        match verdict {
+            Ok(()) => desired.push(RemoteRoute {
+                prefix: r.prefix,
+                node: r.node.clone(),
+                next_hop: r.next_hop,
+                vxlan: vxlan_for(&r.prefix),
+            }),
+            Err(cause) => {
+                guarded.insert(r.prefix, (r.clone(), cause));
+            }
+        }
+    }
+    (desired, guarded)
+}
+
+/// The routes of `routes` whose prefix is in `accepted` (a subset of its keys), in order: by
+/// lookup when few are accepted (what a peer says that is refused costs nothing here), by
+/// walking both in step when most are.
+fn accepted_routes<'a>(
+    accepted: &'a BTreeSet<IpNet>,
+    routes: &'a BTreeMap<IpNet, Route>,
+) -> Box<dyn Iterator<Item = &'a Route> + 'a> {
+    // A lookup costs about log2(routes) steps of a walk.
+    let lookup = routes.len().max(2).ilog2() as usize;
+    if accepted.len().saturating_mul(lookup) < routes.len() {
+        Box::new(accepted.iter().filter_map(|p| routes.get(p)))
+    } else {
+        let mut wanted = accepted.iter().peekable();
+        Box::new(routes.iter().filter_map(move |(p, r)| {
+            while wanted.next_if(|w| *w < p).is_some() {}
+            wanted.next_if(|w| *w == p).map(|_| r)
+        }))
     }
 }
 

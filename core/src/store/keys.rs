@@ -31,6 +31,14 @@ pub fn retired(cidr: &IpNet) -> String {
     format!("{RETIRED}{}", flat(cidr))
 }
 
+/// The CIDR whose block key `key` is (the inverse of [`block`]): `None` for any other key,
+/// and for one that is not exactly how [`block`] writes its CIDR.
+pub fn block_cidr(key: &str) -> Option<IpNet> {
+    let (address, len) = key.strip_prefix(BLOCKS)?.rsplit_once('-')?;
+    let cidr = IpNet::new(address.replace('-', ":").parse().ok()?, len.parse().ok()?).ok()?;
+    (block(&cidr) == key).then_some(cidr)
+}
+
 fn flat(cidr: &IpNet) -> String {
     cidr.to_string().replace(['/', ':'], "-")
 }
@@ -64,6 +72,33 @@ pub fn endpoint(node: &str, container_id: &str, ifname: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_key_gives_back_its_cidr_and_nothing_else_does() {
+        for cidr in [
+            "10.244.0.64/26",
+            "fd00::40/122",
+            "0.0.0.0/0",
+            "::/0",
+            "10.0.0.1/32",
+        ] {
+            let cidr: IpNet = cidr.parse().expect("cidr");
+            assert_eq!(block_cidr(&block(&cidr)), Some(cidr), "{cidr}");
+        }
+        for key in [
+            "ipam/blocks/10.244.0.64",
+            "ipam/blocks/10.244.0.64-33",
+            "ipam/blocks/010.244.0.64-26",
+            "ipam/blocks/10.244.0.64-026",
+            "ipam/blocks/fd00:0:0:0:0:0:0:40-122",
+            "ipam/blocks/10.244.0.64-26-",
+            "ipam/retired/10.244.0.64-26",
+            "nodes/10.244.0.64-26",
+            "ipam/blocks/",
+        ] {
+            assert_eq!(block_cidr(key), None, "{key}");
+        }
+    }
 
     #[test]
     fn block_keys_are_flat_and_distinct() {

@@ -958,3 +958,36 @@ fn the_route_guard_keeps_out_a_valid_route_covering_a_nodes_address() {
     );
     assert_eq!(a.guarded().len(), 1);
 }
+
+/// Both ways of reading the accepted routes (by lookup, walking in step) give exactly the
+/// accepted ones, in order, whatever the share accepted.
+#[test]
+fn accepted_routes_are_the_accepted_ones_both_ways() {
+    let routes: BTreeMap<IpNet, Route> = (0..200u32)
+        .map(|i| {
+            let p: IpNet = format!("10.244.{}.{}/32", i / 64, (i % 64) * 4)
+                .parse()
+                .expect("net");
+            let r = Route {
+                prefix: p,
+                node: format!("n{i}"),
+                next_hop: "172.31.1.2".parse().expect("ip"),
+            };
+            (p, r)
+        })
+        .collect();
+    for every in [1usize, 2, 3, 7, 50, 199, 1000] {
+        let mut accepted: BTreeSet<IpNet> = routes.keys().step_by(every).copied().collect();
+        // A prefix the peer no longer says: skipped, whichever way.
+        accepted.insert("10.245.0.0/26".parse().expect("net"));
+        let want: Vec<IpNet> = routes
+            .keys()
+            .filter(|p| accepted.contains(p))
+            .copied()
+            .collect();
+        let got: Vec<IpNet> = accepted_routes(&accepted, &routes)
+            .map(|r| r.prefix)
+            .collect();
+        assert_eq!(got, want, "every {every}th accepted");
+    }
+}

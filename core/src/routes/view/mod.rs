@@ -63,8 +63,6 @@ pub struct View {
     pools: Vec<Pool>,
     /// The blocks that count, by CIDR.
     blocks: HashMap<IpNet, Counted>,
-    /// Key → CIDR of the blocks that count (a delete event carries only the key).
-    block_keys: HashMap<String, IpNet>,
     /// The stored blocks that do not count, by key.
     held: HashMap<String, Held>,
     /// The blocks that do not, and why (one per held block, by key).
@@ -250,13 +248,10 @@ impl View {
             rest,
         } = wellformed::sort_items(items, &self.pools);
         self.blocks.clear();
-        self.block_keys.clear();
         self.lengths.clear();
         self.affine.clear();
         self.allocated_by.clear();
         for (b, created) in sorted.counted.into_iter().zip(created) {
-            let key = keys::block(&b.cidr);
-            self.block_keys.insert(key, b.cidr);
             self.add_block(
                 b.cidr,
                 Counted {
@@ -306,6 +301,12 @@ impl View {
         self.logged = now;
     }
 
+    /// The CIDR of the block of `key` if it counts. A block counts only under its own key
+    /// ([`Rule`]: the key matches the CIDR), so the key names the CIDR: no index of keys.
+    fn counted_cidr(&self, key: &str) -> Option<IpNet> {
+        keys::block_cidr(key).filter(|cidr| self.blocks.contains_key(cidr))
+    }
+
     fn put_block(&mut self, kv: &KeyValue) -> Touched {
         let item = Item::of(kv);
         // Everything of the rule but overlaps: it passes, or what is reported of it.
@@ -315,7 +316,7 @@ impl View {
             Err(detail) => Err(wellformed::undecodable(item.key.clone(), detail.clone())),
         };
         let verdict = judged.as_ref().ok().copied();
-        let counted = self.block_keys.get(&kv.key).copied();
+        let counted = self.counted_cidr(&kv.key);
         match (counted, verdict, &item.block) {
             // Counted, and counts as before (same CIDR and age; its size's verdict follows from
             // the CIDR, and new pools sort everything again): only its content may have
@@ -347,7 +348,6 @@ impl View {
                 if !self.held.contains_key(&kv.key) && self.overlapping(&b.cidr).is_none() =>
             {
                 let cidr = b.cidr;
-                self.block_keys.insert(kv.key.clone(), cidr);
                 self.add_block(
                     cidr,
                     Counted {
@@ -393,7 +393,7 @@ impl View {
             self.log_ignored();
             return Touched::Nothing;
         }
-        let Some(cidr) = self.block_keys.remove(key) else {
+        let Some(cidr) = self.counted_cidr(key) else {
             return Touched::Nothing;
         };
         self.remove_block(&cidr);

@@ -314,40 +314,47 @@ impl Report {
              Medians; the ratio is this build's over the baseline's, the difference this \
              build's minus the baseline's.\n\n\
              | topology | phase | all routes in the kernel: this, baseline, ratio | agent CPU: \
-             this, baseline, ratio | peak RSS: this, baseline, difference | RSS with the blocks \
-             read: this, baseline, difference |\n|---|---|---|---|---|---|\n",
+             this, baseline, ratio | peak RSS: this, baseline, difference | RSS idle: this, \
+             baseline, difference | RSS with the blocks read: this, baseline, difference | \
+             anonymous RSS after: this, baseline, difference |\n|---|---|---|---|---|---|---|---|\n",
             base.label
         );
-        let ratio = |a: f64, b: f64| format!("{:.2}×", a / b);
-        let diff = |a: f64, b: f64| format!("{:+.1} MiB", a - b);
+        // Median of this build, of the baseline, and how they compare (`–`: not measured in
+        // this phase).
+        let cell = |x: &[f64], y: &[f64], fmt: fn(f64) -> String, ratio: bool| {
+            if x.is_empty() || y.is_empty() {
+                return "–".to_string();
+            }
+            let (a, b) = (median(x), median(y));
+            let compared = if ratio {
+                format!("{:.2}×", a / b)
+            } else {
+                format!("{:+.1} MiB", a - b)
+            };
+            format!("{}, {}, {compared}", fmt(a), fmt(b))
+        };
+        let ms = |v: &[f64]| v.iter().map(|s| s * 1e3).collect::<Vec<_>>();
         for topo in TOPOLOGIES {
             for ph in PHASES {
                 let (x, y) = (
                     &this.res[topo as usize][ph as usize],
                     &base.res[topo as usize][ph as usize],
                 );
-                let (tx, ty) = (median(&x.secs) * 1e3, median(&y.secs) * 1e3);
-                let (cx, cy) = (median(&x.cpu), median(&y.cpu));
-                let (px, py) = (median(&x.peak_mib), median(&y.peak_mib));
-                let blocks = if x.blocks_mib.is_empty() {
-                    "–".to_string()
-                } else {
-                    let (bx, by) = (median(&x.blocks_mib), median(&y.blocks_mib));
-                    format!("{}, {}, {}", fmt_1(bx), fmt_1(by), diff(bx, by))
-                };
                 s.push_str(&format!(
-                    "| {} | {} | {} ms, {} ms, {} | {} s, {} s, {} | {}, {}, {} | {blocks} |\n",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
                     topo.label(),
                     ph.label(),
-                    fmt_ms(tx),
-                    fmt_ms(ty),
-                    ratio(tx, ty),
-                    fmt_2(cx),
-                    fmt_2(cy),
-                    ratio(cx, cy),
-                    fmt_1(px),
-                    fmt_1(py),
-                    diff(px, py),
+                    cell(
+                        &ms(&x.secs),
+                        &ms(&y.secs),
+                        |v| format!("{} ms", fmt_ms(v)),
+                        true
+                    ),
+                    cell(&x.cpu, &y.cpu, |v| format!("{} s", fmt_2(v)), true),
+                    cell(&x.peak_mib, &y.peak_mib, fmt_1, false),
+                    cell(&x.idle_mib, &y.idle_mib, fmt_1, false),
+                    cell(&x.blocks_mib, &y.blocks_mib, fmt_1, false),
+                    cell(&x.anon_mib, &y.anon_mib, fmt_1, false),
                 ));
             }
         }
