@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use calix_kernel::netlink::{self, Family, LinkDetails, NetlinkError};
 use calix_kernel::netns::{self, NetNs, NetnsError};
-use calix_kernel::pod::{self, PodRouting, VethPair};
+use calix_kernel::pod::{self, PodNetlink, PodRouting, VethPair};
 use rtnetlink::Handle;
 
 /// What the verbs do to the node's and the pod's network namespaces. "Host" acts in the node's
@@ -73,10 +73,10 @@ pub struct NodeKernel {
     host: Handle,
     /// The pod's namespace, when the verb opened it (ADD does, DEL need not).
     pod_ns: Option<NetNs>,
-    /// A netlink handle in `pod_ns`: the one [`pod::create_veth_with_handle`] made on the
-    /// thread that turned DAD off, so an ADD enters the pod's namespace once; else opened when
-    /// first needed.
-    pod: Option<Handle>,
+    /// A netlink connection in `pod_ns`: the one [`pod::create_veth_with_handle`] made on the
+    /// thread that turned DAD off (hearing the pod's links), so an ADD enters the pod's
+    /// namespace once; else opened when first needed (hearing nothing).
+    pod: Option<PodNetlink>,
 }
 
 impl NodeKernel {
@@ -96,12 +96,16 @@ impl NodeKernel {
         })
     }
 
-    async fn pod(&mut self) -> Result<&Handle, NetlinkError> {
-        let handle = match self.pod.take() {
-            Some(handle) => handle,
-            None => netns::netlink_in(self.pod_ns()?).await?,
+    async fn pod(&mut self) -> Result<&mut PodNetlink, NetlinkError> {
+        let pod = match self.pod.take() {
+            Some(pod) => pod,
+            None => {
+                let (handle, links, ()) =
+                    netns::netlink_hearing_in_with(self.pod_ns()?, &[], || ()).await?;
+                PodNetlink { handle, links }
+            }
         };
-        Ok(self.pod.insert(handle))
+        Ok(self.pod.insert(pod))
     }
 }
 
@@ -132,11 +136,11 @@ impl Kernel for NodeKernel {
     }
 
     async fn set_pod_mac(&mut self, ifindex: u32, mac: [u8; 6]) -> Result<(), NetlinkError> {
-        netlink::set_mac(self.pod().await?, ifindex, mac).await
+        netlink::set_mac(&self.pod().await?.handle, ifindex, mac).await
     }
 
     async fn pod_has_default_route(&mut self, family: Family) -> Result<bool, NetlinkError> {
-        pod::has_default_route(self.pod().await?, family).await
+        pod::has_default_route(&self.pod().await?.handle, family).await
     }
 
     async fn configure_pod(
@@ -147,7 +151,7 @@ impl Kernel for NodeKernel {
         routing: PodRouting,
         mtu: Option<u32>,
     ) -> Result<(), NetlinkError> {
-        pod::configure_pod(self.pod().await?, ifindex, v4, v6, routing, mtu).await
+        pod::configure_pod(&self.pod().await?.handle, ifindex, v4, v6, routing, mtu).await
     }
 
     fn set_pod_sysctl(&mut self, path: &str, value: &str) -> Result<(), NetlinkError> {
@@ -184,7 +188,7 @@ impl Kernel for NodeKernel {
         }
         match self.pod().await {
             Ok(pod) => {
-                if let Err(e) = pod::delete_source_rules(pod, addrs).await {
+                if let Err(e) = pod::delete_source_rules(&pod.handle, addrs).await {
                     tracing::warn!(error = %calix_log::ErrorChain(&e), "cannot remove the attachment's source rules");
                 }
             }

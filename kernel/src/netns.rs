@@ -273,19 +273,38 @@ pub async fn netlink_in_with<T: Send + 'static>(
     ns: &NetNs,
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<(rtnetlink::Handle, T), NetnsError> {
+    netlink_hearing_in_with(ns, &[], f)
+        .await
+        .map(|(handle, _events, out)| (handle, out))
+}
+
+/// What a netlink connection hears of the multicast groups it joined.
+pub type NetlinkEvents = futures::channel::mpsc::UnboundedReceiver<(
+    netlink_packet_core::NetlinkMessage<netlink_packet_route::RouteNetlinkMessage>,
+    rtnetlink::sys::SocketAddr,
+)>;
+
+/// [`netlink_in_with`], the connection also joining `groups` in `ns`: what it hears from then
+/// on comes on the returned [`NetlinkEvents`] (unread, it queues: join only groups that say
+/// little, such as a pod namespace's links).
+pub async fn netlink_hearing_in_with<T: Send + 'static>(
+    ns: &NetNs,
+    groups: &'static [rtnetlink::MulticastGroup],
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<(rtnetlink::Handle, NetlinkEvents, T), NetnsError> {
     let runtime = tokio::runtime::Handle::try_current().map_err(|_| NetnsError::NoRuntime)?;
     let path = ns.path.clone();
-    let (connection, handle, out) = run_in_async(ns, move || {
+    let (connection, handle, events, out) = run_in_async(ns, move || {
         let out = f();
         // The tokio socket registers with the runtime's reactor when it is created.
         let _entered = runtime.enter();
-        rtnetlink::new_connection()
-            .map(|(connection, handle, _unsolicited)| (connection, handle, out))
+        rtnetlink::new_multicast_connection(groups)
+            .map(|(connection, handle, events)| (connection, handle, events, out))
     })
     .await?
     .map_err(|source| NetnsError::Netlink { path, source })?;
     tokio::spawn(connection);
-    Ok((handle, out))
+    Ok((handle, events, out))
 }
 
 /// An rtnetlink connection in the calling thread's namespace (the host's, in the CNI plugin).

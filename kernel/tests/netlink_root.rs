@@ -474,6 +474,69 @@ fn wires_a_v4_only_pod_with_the_default_mtu() {
     });
 }
 
+/// `wait_operational` hears the pod's end come into service: not while its peer is down (it
+/// cannot be: no carrier), then as soon as both are up; and it names the state it found.
+#[test]
+fn waits_until_both_ends_of_the_veth_are_operational() {
+    require_root();
+    let node = TestNs::new("node");
+    let pod = TestNs::new("pod");
+    let pod_ns = pod.fd();
+    const HOST_IF: &str = "calitest0000008";
+    let v4: Ipv4Addr = "10.244.8.8".parse().expect("v4");
+    block_on_in(&node.ns, move || async move {
+        let host = netns::netlink_here().await.expect("host netlink");
+        let (pair, mut pod) = pod::create_veth_with_handle(&host, &pod_ns, HOST_IF, "eth0", None)
+            .await
+            .expect("create veth");
+        pod::configure_pod(
+            &pod.handle,
+            pair.pod_ifindex,
+            Some(v4),
+            None,
+            pod::PodRouting::Main,
+            None,
+        )
+        .await
+        .expect("configure pod");
+        // The pod's end is up, its peer down: no carrier, never operational.
+        let short = std::time::Duration::from_millis(200);
+        let ready =
+            pod::wait_operational(&mut pod, pair.pod_ifindex, &host, pair.host_ifindex, short)
+                .await
+                .expect("read the links");
+        assert!(!ready, "operational with its peer down");
+        pod::configure_host(&host, HOST_IF, pair.host_ifindex, Some(v4), None, None)
+            .await
+            .expect("configure host");
+        let ready = pod::wait_operational(
+            &mut pod,
+            pair.pod_ifindex,
+            &host,
+            pair.host_ifindex,
+            pod::OPERATIONAL_WITHIN,
+        )
+        .await
+        .expect("read the links");
+        assert!(
+            ready,
+            "both ends up, yet not operational within {:?}",
+            pod::OPERATIONAL_WITHIN
+        );
+        for (h, name) in [(&pod.handle, "eth0"), (&host, HOST_IF)] {
+            let link = raw_link(h, name).await;
+            assert!(
+                link.attributes.iter().any(|a| matches!(
+                    a,
+                    LinkAttribute::OperState(netlink_packet_route::link::State::Up)
+                )),
+                "{name}: {:?}",
+                link.attributes
+            );
+        }
+    });
+}
+
 /// The MTU the agent asks for (a VXLAN tunnel's): set on both sides with the links going up.
 #[test]
 fn an_mtu_given_at_configure_time_is_set_on_both_sides() {

@@ -29,7 +29,8 @@ pub use inside::{
     SECONDARY_TABLE_BASE,
 };
 pub use veth::{
-    create_veth, create_veth_with_handle, wait_operational, VethPair, OPERATIONAL_WITHIN,
+    create_veth, create_veth_with_handle, wait_operational, PodNetlink, VethPair,
+    OPERATIONAL_WITHIN,
 };
 
 use std::net::{Ipv4Addr, Ipv6Addr};

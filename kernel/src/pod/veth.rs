@@ -9,13 +9,13 @@ use futures::TryStreamExt;
 use netlink_packet_route::link::{
     InfoData, InfoKind, InfoVeth, LinkAttribute, LinkInfo, LinkMessage,
 };
-use rtnetlink::Handle;
+use rtnetlink::{Handle, MulticastGroup};
 
 use super::HOST_VETH_MAC;
 use crate::netlink::{
     delete_link, errno, link_details, link_index, netlink_err, validate_ifname, NetlinkError,
 };
-use crate::netns::{self, NetNs, NetnsError};
+use crate::netns::{self, NetNs, NetlinkEvents, NetnsError};
 
 /// The two ends of a freshly created veth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,15 +50,24 @@ pub async fn create_veth(
         .map(|(pair, _pod)| pair)
 }
 
-/// [`create_veth`], also returning a netlink handle in `pod_ns` (for [`configure_pod`](super::configure_pod)): made
-/// on the thread that turned DAD off, so an ADD enters the pod's namespace once.
+/// A netlink connection in a pod's namespace that hears its links change (for
+/// [`wait_operational`]).
+pub struct PodNetlink {
+    pub handle: Handle,
+    /// The pod namespace's link changes since the connection was made.
+    pub links: NetlinkEvents,
+}
+
+/// [`create_veth`], also returning a netlink connection in `pod_ns` (for
+/// [`configure_pod`](super::configure_pod) and [`wait_operational`]): made on the thread that
+/// turned DAD off, so an ADD enters the pod's namespace once.
 pub async fn create_veth_with_handle(
     host: &Handle,
     pod_ns: &NetNs,
     host_ifname: &str,
     pod_ifname: &str,
     mtu: Option<u32>,
-) -> Result<(VethPair, Handle), NetlinkError> {
+) -> Result<(VethPair, PodNetlink), NetlinkError> {
     validate_ifname(host_ifname)?;
     validate_ifname(pod_ifname)?;
 
@@ -128,11 +137,15 @@ async fn finish_pod_side(
     pod_ns: &NetNs,
     host_ifname: &str,
     pod_ifname: &str,
-) -> Result<(VethPair, Handle), NetlinkError> {
-    // One thread in the pod's namespace: DAD off, then the netlink socket.
+) -> Result<(VethPair, PodNetlink), NetlinkError> {
+    // One thread in the pod's namespace: DAD off, then the netlink socket (hearing the links:
+    // the pod's namespace has few, and they change only while the plugin wires them).
     let path = format!("/proc/sys/net/ipv6/conf/{pod_ifname}/accept_dad");
-    let (pod, dad) =
-        netns::netlink_in_with(pod_ns, move || netns::write_sysctl(&path, "0")).await?;
+    let (pod, links, dad) =
+        netns::netlink_hearing_in_with(pod_ns, &[MulticastGroup::Link], move || {
+            netns::write_sysctl(&path, "0")
+        })
+        .await?;
     match dad {
         Ok(()) => {}
         // No IPv6 in this kernel (ipv6.disable=1): nothing to disable.
@@ -162,7 +175,7 @@ async fn finish_pod_side(
             pod_ifindex: pod_link.index,
             pod_mac,
         },
-        pod,
+        PodNetlink { handle: pod, links },
     ))
 }
 
@@ -177,24 +190,53 @@ pub const OPERATIONAL_WITHIN: Duration = Duration::from_secs(2);
 /// state just before it starts the queue. Returning from ADD before then let the pod drop its
 /// first ARP reply to the node on a busy machine, and the node asked again only a second
 /// later (`retrans_time_ms`): a new pod unreachable for a second (issue 20, item 9).
+///
+/// The pod's end (brought up first) is waited for on its namespace's link changes
+/// (`pod.links`), not by polling: twenty ADDs at once polling every millisecond took a CPU's
+/// worth from the ADDs that hold the lock the link watch needs. The host's end, up last and
+/// served by the same run of the link watch, is then read, and polled only if it lags.
 pub async fn wait_operational(
-    pod: &Handle,
+    pod: &mut PodNetlink,
     pod_ifindex: u32,
     host: &Handle,
     host_ifindex: u32,
     limit: Duration,
 ) -> Result<bool, NetlinkError> {
+    use futures::StreamExt;
     let deadline = Instant::now() + limit;
     loop {
-        if operational(pod, pod_ifindex).await? && operational(host, host_ifindex).await? {
+        // What was heard before the read below is older than it: drop it.
+        while pod.links.try_recv().is_ok() {}
+        if operational(&pod.handle, pod_ifindex).await? {
+            break;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Ok(false);
+        }
+        // Any change of a link there is worth a read. A bounded wait all the same: a
+        // notification the socket had no room for is lost.
+        match tokio::time::timeout(left.min(HEARD_OR_READ), pod.links.next()).await {
+            Ok(Some(_)) | Err(_) => {}
+            // The connection is gone: no more notifications, read at intervals.
+            Ok(None) => tokio::time::sleep(Duration::from_millis(1)).await,
+        }
+    }
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if operational(host, host_ifindex).await? {
             return Ok(true);
         }
         if Instant::now() >= deadline {
             return Ok(false);
         }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(HEARD_OR_READ);
     }
 }
+
+/// The longest [`wait_operational`] goes without reading a link's state.
+const HEARD_OR_READ: Duration = Duration::from_millis(20);
 
 /// Whether link `index` is operationally up.
 async fn operational(handle: &Handle, index: u32) -> Result<bool, NetlinkError> {
