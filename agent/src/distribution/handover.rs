@@ -157,7 +157,7 @@ mod tests {
         let mut v = View::default();
         v.replace(
             Part::Nodes,
-            &[
+            vec![
                 node_kv("a", &["192.0.2.1", "fd00::1"], false),
                 node_kv("b", &["192.0.2.2", "fd00::2"], false),
                 node_kv("c", &["192.0.2.3"], true),

@@ -373,7 +373,7 @@ impl Loop {
 
     fn view(&mut self, v: ViewInput) {
         match v {
-            ViewInput::Listed(part, kvs) => self.engine.view_listed(part, &kvs),
+            ViewInput::Listed(part, kvs) => self.engine.view_listed(part, kvs),
             ViewInput::Event(ev) => {
                 let changed = self.engine.view_event(&ev);
                 tracing::debug!(

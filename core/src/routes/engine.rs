@@ -223,7 +223,7 @@ impl Engine {
     }
 
     /// A fresh listing of one part of the datastore.
-    pub fn view_listed(&mut self, part: Part, kvs: &[KeyValue]) {
+    pub fn view_listed(&mut self, part: Part, kvs: Vec<KeyValue>) {
         self.view.replace(part, kvs);
         self.listed[part as usize] = true;
         self.rejudge_all = true;

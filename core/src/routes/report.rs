@@ -565,12 +565,12 @@ mod tests {
         });
         e.view_listed(
             Part::Nodes,
-            &[
+            vec![
                 node_kv("a", &["172.31.1.1"], false),
                 node_kv("b", &["172.31.1.2"], false),
             ],
         );
-        e.view_listed(Part::Blocks, &[]);
+        e.view_listed(Part::Blocks, vec![]);
         e.flush(t0);
         let routes = (0..LISTED_UNUSED as u32 + 50)
             .map(|i| crate::Route {

@@ -180,15 +180,30 @@ impl Item {
         Self {
             key: kv.key.clone(),
             created: kv.created,
-            block: kv
-                .decode::<Block>()
-                .map(|mut b| {
-                    b.revision = kv.revision;
-                    b
-                })
-                .map_err(|e| e.to_string()),
+            block: decode(kv),
         }
     }
+}
+
+/// [`Item::of`] for a key-value no longer needed: its key is moved, its value dropped.
+impl From<KeyValue> for Item {
+    fn from(kv: KeyValue) -> Self {
+        let block = decode(&kv);
+        Self {
+            key: kv.key,
+            created: kv.created,
+            block,
+        }
+    }
+}
+
+fn decode(kv: &KeyValue) -> Result<Block, String> {
+    kv.decode::<Block>()
+        .map(|mut b| {
+            b.revision = kv.revision;
+            b
+        })
+        .map_err(|e| e.to_string())
 }
 
 /// Sorts stored blocks (`ipam/blocks/` key-values) by the rule, against `pools` (every pool of

@@ -58,8 +58,8 @@ fn block_kvs() -> Vec<KeyValue> {
 
 fn engine(me: &str, topology: Topology, reflector: bool) -> Engine {
     let mut e = Engine::new(settings(me, topology, reflector));
-    e.view_listed(Part::Nodes, &node_kvs());
-    e.view_listed(Part::Blocks, &block_kvs());
+    e.view_listed(Part::Nodes, node_kvs());
+    e.view_listed(Part::Blocks, block_kvs());
     e
 }
 
@@ -309,8 +309,8 @@ fn a_restarted_agent_is_incomplete_until_every_peer_answered_or_its_grace_ran_ou
     let t0 = Instant::now();
     let mut e = Engine::new(settings("a", Topology::Mesh, false));
     assert!(!e.flush(t0).complete, "nothing listed yet");
-    e.view_listed(Part::Nodes, &node_kvs());
-    e.view_listed(Part::Blocks, &block_kvs());
+    e.view_listed(Part::Nodes, node_kvs());
+    e.view_listed(Part::Blocks, block_kvs());
     let o = e.flush(t0);
     assert!(!o.complete);
     e.peer_event("b", snapshot(vec![route("10.244.0.64/26", "b")]), t0);
@@ -477,8 +477,8 @@ fn a_hundred_peers_with_a_hundred_blocks_each() {
         }
         snapshots.push((name, routes));
     }
-    e.view_listed(Part::Nodes, &nodes);
-    e.view_listed(Part::Blocks, &blocks);
+    e.view_listed(Part::Nodes, nodes.clone());
+    e.view_listed(Part::Blocks, blocks.clone());
     e.flush(t0);
     let (start, before) = (Instant::now(), e.judged());
     for (name, routes) in snapshots {
@@ -493,7 +493,7 @@ fn a_hundred_peers_with_a_hundred_blocks_each() {
     assert_eq!(e.flush(t0).desired.len(), 10_000);
     let (block, block_cost) = (start.elapsed(), e.judged() - before);
     let (start, before) = (Instant::now(), e.judged());
-    e.view_listed(Part::Blocks, &blocks);
+    e.view_listed(Part::Blocks, blocks.clone());
     assert_eq!(e.flush(t0).desired.len(), 10_000);
     let (revalidate, revalidate_cost) = (start.elapsed(), e.judged() - before);
     eprintln!(
@@ -568,8 +568,8 @@ fn learned(peers: u32, blocks: u32) -> Engine {
         }
         snapshots.push((name, routes));
     }
-    e.view_listed(Part::Nodes, &nodes);
-    e.view_listed(Part::Blocks, &kvs);
+    e.view_listed(Part::Nodes, nodes.clone());
+    e.view_listed(Part::Blocks, kvs.clone());
     e.flush(t0);
     for (name, routes) in snapshots {
         e.peer_event(&name, snapshot(routes), t0);
@@ -842,8 +842,8 @@ fn incremental_verdicts_equal_a_judge_from_scratch() {
             }
             // And a full re-judge of the same state changes nothing.
             if step % 7 == 0 {
-                e.view_listed(Part::Blocks, &blocks.values().cloned().collect::<Vec<_>>());
-                e.view_listed(Part::Nodes, &nodes.values().cloned().collect::<Vec<_>>());
+                e.view_listed(Part::Blocks, blocks.values().cloned().collect());
+                e.view_listed(Part::Nodes, nodes.values().cloned().collect());
                 let full = e.flush(t);
                 assert_eq!(inc, full, "seed {seed} step {step}");
                 assert_eq!(judged_inc, all_verdicts(&e), "seed {seed} step {step}");

@@ -194,13 +194,15 @@ impl View {
     }
 
     /// Replaces one part with a fresh listing (after a compacted watch, or the first one).
-    pub fn replace(&mut self, part: Part, kvs: &[KeyValue]) {
+    /// Taken by value: each stored value is dropped once decoded, so a big listing is never
+    /// held twice (as stored, and decoded).
+    pub fn replace(&mut self, part: Part, kvs: Vec<KeyValue>) {
         match part {
             Part::Blocks => {
                 let items: Vec<Item> = kvs
-                    .iter()
+                    .into_iter()
                     .filter(|kv| kv.key.starts_with(keys::BLOCKS))
-                    .map(Item::of)
+                    .map(Item::from)
                     .collect();
                 self.blocks.clear();
                 self.held.clear();
@@ -208,7 +210,7 @@ impl View {
             }
             Part::Nodes => {
                 self.nodes.clear();
-                for kv in kvs {
+                for kv in &kvs {
                     self.put(kv);
                 }
             }

@@ -241,6 +241,6 @@ fn node_records_parse_old_and_new_and_bad_ones_are_skipped() {
     assert!(v.node("d").is_none());
     assert!(v.apply(&put(node_kv("r", &["192.0.2.9"], true))));
     assert!(v.node("r").expect("r").record.reflector);
-    v.replace(Part::Nodes, &[node_kv("r", &["192.0.2.9"], true)]);
+    v.replace(Part::Nodes, vec![node_kv("r", &["192.0.2.9"], true)]);
     assert_eq!(v.nodes().count(), 1);
 }
