@@ -40,17 +40,20 @@ pub enum DataplaneMode {
 }
 
 impl std::str::FromStr for DataplaneMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownDataplane;
+    fn from_str(s: &str) -> Result<Self, UnknownDataplane> {
         match s {
             "ebpf" => Ok(Self::Ebpf),
             "kernel" => Ok(Self::Kernel),
-            other => Err(format!(
-                "unknown dataplane {other:?}: use \"ebpf\" or \"kernel\""
-            )),
+            other => Err(UnknownDataplane(other.to_string())),
         }
     }
 }
+
+/// A dataplane name that is neither `ebpf` nor `kernel`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dataplane {0:?}: use \"ebpf\" or \"kernel\"")]
+pub struct UnknownDataplane(pub String);
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -26,7 +26,7 @@ use tonic::body::Body;
 use tonic::codec::Codec;
 
 use super::conn::Conn;
-use super::tls::{self, LiveTls};
+use super::tls::{self, LiveTls, TlsError};
 use crate::memory;
 
 /// How this agent dials its peers.
@@ -135,7 +135,7 @@ async fn stream(
 ) -> Result<(), Ended> {
     let channel = connect(peer, &target.endpoint, dialer)
         .await
-        .map_err(Ended::Failed)?;
+        .map_err(|e| Ended::Failed(error_text(&e)))?;
     let mut updates = watch(
         channel,
         pb::WatchRequest {
@@ -276,22 +276,28 @@ impl tower::Service<http::Request<Body>> for PeerChannel {
 /// A connection to `endpoint` (`address:port`): TCP, then TLS checking that the server is
 /// node `peer`, then HTTP/2 with [`memory`]'s windows and pings (a peer that stops answering
 /// is dropped within 15 s), all within `dialer.connect_timeout`.
-pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<PeerChannel, String> {
-    let server_name = tls::server_name(peer).map_err(|e| e.to_string())?;
-    let authority: http::uri::Authority = endpoint
-        .parse()
-        .map_err(|e| format!("bad endpoint {endpoint:?}: {e}"))?;
+pub async fn connect(
+    peer: &str,
+    endpoint: &str,
+    dialer: &Dialer,
+) -> Result<PeerChannel, ConnectError> {
+    let server_name = tls::server_name(peer)?;
+    let authority: http::uri::Authority =
+        endpoint.parse().map_err(|source| ConnectError::Endpoint {
+            endpoint: endpoint.to_string(),
+            source,
+        })?;
     let dial = async {
         let tcp = dial_from(endpoint, &dialer.source)
             .await
-            .map_err(|e| error_text(&e))?;
-        tcp.set_nodelay(true).map_err(|e| error_text(&e))?;
+            .map_err(ConnectError::Tcp)?;
+        tcp.set_nodelay(true).map_err(ConnectError::Tcp)?;
         let conn = match &dialer.tls {
             Some(cfg) => Conn::Tls(Box::new(
                 tokio_rustls::TlsConnector::from(cfg.clone())
                     .connect(server_name, tcp)
                     .await
-                    .map_err(|e| error_text(&e))?,
+                    .map_err(ConnectError::Tls)?,
             )),
             None => Conn::Plain(tcp),
         };
@@ -304,11 +310,13 @@ pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<Peer
             .keep_alive_while_idle(true)
             .handshake(TokioIo::new(conn))
             .await
-            .map_err(|e| error_text(&e))
+            .map_err(ConnectError::Http2)
     };
     let (send, connection) = tokio::time::timeout(dialer.connect_timeout, dial)
         .await
-        .map_err(|_| format!("timed out connecting to {endpoint}"))??;
+        .map_err(|_| ConnectError::TimedOut {
+            endpoint: endpoint.to_string(),
+        })??;
     // Ends when the peer closes, or once every `PeerChannel` and stream is dropped.
     tokio::spawn(async move {
         if let Err(e) = connection.await {
@@ -316,6 +324,26 @@ pub async fn connect(peer: &str, endpoint: &str, dialer: &Dialer) -> Result<Peer
         }
     });
     Ok(PeerChannel { send, authority })
+}
+
+/// Why [`connect`] did not give a channel to the peer.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("the peer's name is not one a certificate can hold")]
+    Name(#[from] TlsError),
+    #[error("bad endpoint {endpoint:?}")]
+    Endpoint {
+        endpoint: String,
+        source: http::uri::InvalidUri,
+    },
+    #[error("TCP")]
+    Tcp(#[source] std::io::Error),
+    #[error("TLS")]
+    Tls(#[source] std::io::Error),
+    #[error("HTTP/2 handshake")]
+    Http2(#[source] hyper::Error),
+    #[error("timed out connecting to {endpoint}")]
+    TimedOut { endpoint: String },
 }
 
 /// TCP to `endpoint` from `source`'s address of its family (when there is one; if that

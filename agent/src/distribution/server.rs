@@ -48,28 +48,43 @@ type Updates = Pin<Box<dyn Stream<Item = Result<pb::RouteUpdate, Status>> + Send
 impl RoutesSvc {
     /// Who may watch as `node`: with TLS, a client whose certificate names `node`; and
     /// `node` must be a node of the datastore.
-    fn authorize(&self, peer: Option<&PeerInfo>, node: &str) -> Result<(), String> {
+    fn authorize(&self, peer: Option<&PeerInfo>, node: &str) -> Result<(), Unauthorized> {
+        let node = node.to_string();
         let Some(peer) = peer else {
-            return Err("no connection information".into());
+            return Err(Unauthorized::NoConnection);
         };
         if let Some(cert) = &peer.cert {
-            if let Err(e) = cert_is_for(cert, node) {
+            if let Err(e) = cert_is_for(cert, &node) {
                 return Err(match e {
-                    NameError::Other { found, .. } if self.known.contains(&found) => format!(
-                        "asked to watch as node {node:?} with the certificate of node {found:?}"
-                    ),
-                    NameError::Other { .. } => format!(
-                        "asked to watch as node {node:?} with a certificate that does not name it"
-                    ),
-                    e => format!("asked to watch as node {node:?}: {e}"),
+                    NameError::Other { found, .. } if self.known.contains(&found) => {
+                        Unauthorized::OtherNodesCertificate { node, found }
+                    }
+                    NameError::Other { .. } => Unauthorized::NotNamed { node },
+                    why => Unauthorized::Certificate { node, why },
                 });
             }
         }
-        if !self.known.contains(node) {
-            return Err(format!("node {node:?} has no node record in the datastore"));
+        if !self.known.contains(&node) {
+            return Err(Unauthorized::UnknownNode { node });
         }
         Ok(())
     }
+}
+
+/// Why a peer may not watch as the node it names.
+#[derive(Debug, thiserror::Error)]
+pub enum Unauthorized {
+    #[error("no connection information")]
+    NoConnection,
+    #[error("asked to watch as node {node:?} with the certificate of node {found:?}")]
+    OtherNodesCertificate { node: String, found: String },
+    #[error("asked to watch as node {node:?} with a certificate that does not name it")]
+    NotNamed { node: String },
+    /// (`why` is shown, not chained: the peer gets this one line.)
+    #[error("asked to watch as node {node:?}: {why}")]
+    Certificate { node: String, why: NameError },
+    #[error("node {node:?} has no node record in the datastore")]
+    UnknownNode { node: String },
 }
 
 #[tonic::async_trait]
@@ -91,7 +106,7 @@ impl pb::routes_server::Routes for RoutesSvc {
             if self.throttle.allow() {
                 tracing::warn!(%remote, %reason, "routes: refused a peer's watch");
             }
-            return Err(Status::permission_denied(reason));
+            return Err(Status::permission_denied(reason.to_string()));
         }
         let feed = if r.relayed && self.feeds.reflector {
             self.feeds.relay.clone()

@@ -49,12 +49,21 @@ impl std::fmt::Display for OwnerRef {
     }
 }
 
+/// An owner reference that is not `<namespace>/<name>` of Kubernetes names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadOwnerRef {
+    #[error("{0:?}: expected <namespace>/<daemonset name>")]
+    NoSlash(String),
+    #[error("{0:?}: a namespace and a name of lowercase letters, digits, '-' and '.'")]
+    Characters(String),
+}
+
 impl std::str::FromStr for OwnerRef {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = BadOwnerRef;
+    fn from_str(s: &str) -> Result<Self, BadOwnerRef> {
         let (ns, name) = s
             .split_once('/')
-            .ok_or_else(|| format!("{s:?}: expected <namespace>/<daemonset name>"))?;
+            .ok_or_else(|| BadOwnerRef::NoSlash(s.into()))?;
         let valid = |v: &str| {
             !v.is_empty()
                 && v.len() <= 253
@@ -62,9 +71,7 @@ impl std::str::FromStr for OwnerRef {
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
         };
         if !valid(ns) || !valid(name) {
-            return Err(format!(
-                "{s:?}: a namespace and a name of lowercase letters, digits, '-' and '.'"
-            ));
+            return Err(BadOwnerRef::Characters(s.into()));
         }
         Ok(Self {
             namespace: ns.into(),
@@ -354,7 +361,7 @@ mod tests {
             "a/b c",
             "",
         ] {
-            let e = bad.parse::<OwnerRef>().expect_err(bad);
+            let e = bad.parse::<OwnerRef>().expect_err(bad).to_string();
             assert!(e.contains(&format!("{bad:?}")), "{e}");
         }
     }

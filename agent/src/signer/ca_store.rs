@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use k8s_openapi::ByteString;
 use kube::api::{Api, ObjectMeta, PostParams};
 
-use super::{SignerConfig, SignerError};
+use super::{BadCaSecret, SignerConfig, SignerError};
 use crate::kubernetes::certificates::BUNDLE_KEY;
 use crate::pki::ca::Ca;
 
@@ -88,15 +88,15 @@ pub async fn ensure_ca(client: &kube::Client, cfg: &SignerConfig) -> Result<Ca, 
     }
 }
 
-fn from_secret(s: &Secret) -> Result<Ca, String> {
-    let field = |k: &str| {
+fn from_secret(s: &Secret) -> Result<Ca, BadCaSecret> {
+    let field = |k: &'static str| {
         s.data
             .as_ref()
             .and_then(|d| d.get(k))
             .map(|b| String::from_utf8_lossy(&b.0).into_owned())
-            .ok_or_else(|| format!("no {k}"))
+            .ok_or(BadCaSecret::Missing(k))
     };
-    Ca::from_pem(&field("tls.crt")?, &field("tls.key")?).map_err(|e| e.to_string())
+    Ca::from_pem(&field("tls.crt")?, &field("tls.key")?).map_err(BadCaSecret::Pem)
 }
 
 /// The bundle ConfigMap's `ca.crt` is `ca`'s certificate: created, or replaced when it

@@ -58,6 +58,16 @@ impl SignerConfig {
     }
 }
 
+/// Why the CA Secret holds no usable CA.
+#[derive(Debug, thiserror::Error)]
+pub enum BadCaSecret {
+    #[error("no {0}")]
+    Missing(&'static str),
+    /// Shown whole, not chained: [`SignerError::BadCa`] shows it as its detail.
+    #[error("{}", calix_log::error_chain(.0))]
+    Pem(crate::pki::PkiError),
+}
+
 /// Why the signer cannot go on.
 #[derive(Debug, thiserror::Error)]
 pub enum SignerError {
@@ -69,7 +79,7 @@ pub enum SignerError {
     BadCa {
         namespace: String,
         name: String,
-        detail: String,
+        detail: BadCaSecret,
     },
     #[error("making the CA")]
     Make(#[from] crate::pki::PkiError),

@@ -93,28 +93,40 @@ impl NamedPool {
     }
 
     /// `Err(rule)` when the pod's namespace may not use this pool here.
-    fn serves(&self, ns: &Namespace<'_>) -> Result<(), String> {
+    fn serves(&self, ns: &Namespace<'_>) -> Result<(), PoolRefusal> {
         if !self.usable {
-            return Err("is disabled or does not select this node (nodeSelector)".into());
+            return Err(PoolRefusal::NotHere);
         }
         match (&self.namespace_selector, ns.labels) {
             (None, _) => Ok(()),
             (Some(sel), Some(labels)) if sel.matches(labels) => Ok(()),
-            (Some(sel), Some(_)) => Err(format!(
-                "does not serve namespace {} (namespaceSelector {sel})",
-                ns.name
-            )),
-            (Some(sel), None) => Err(format!(
-                "serves only namespaces its namespaceSelector ({sel}) matches, and namespace {} \
-                 was not found",
-                ns.name
-            )),
+            (Some(sel), Some(_)) => Err(PoolRefusal::OtherNamespaces {
+                namespace: ns.name.to_string(),
+                selector: sel.to_string(),
+            }),
+            (Some(sel), None) => Err(PoolRefusal::NamespaceNotFound {
+                namespace: ns.name.to_string(),
+                selector: sel.to_string(),
+            }),
         }
     }
 
     fn describe(&self) -> String {
         format!("pool {} ({})", self.name, self.cidr)
     }
+}
+
+/// Why a pool does not serve a pod's namespace here: the rule, read after the pool's name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolRefusal {
+    #[error("is disabled or does not select this node (nodeSelector)")]
+    NotHere,
+    #[error("does not serve namespace {namespace} (namespaceSelector {selector})")]
+    OtherNamespaces { namespace: String, selector: String },
+    #[error(
+        "serves only namespaces its namespaceSelector ({selector}) matches, and namespace {namespace} was not found"
+    )]
+    NamespaceNotFound { namespace: String, selector: String },
 }
 
 fn family_name(v4: bool) -> &'static str {
@@ -184,7 +196,10 @@ pub fn resolve(
                                 format!(
                                     "{} {}",
                                     p.describe(),
-                                    p.serves(ns).err().unwrap_or_default()
+                                    p.serves(ns)
+                                        .err()
+                                        .map(|r| r.to_string())
+                                        .unwrap_or_default()
                                 )
                             })
                             .collect::<Vec<_>>()

@@ -19,6 +19,20 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
+/// Why a new block would not count (the rule for blocks, [`wellformed`]).
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum NotCounted {
+    /// It breaks the rule on its own: `detail` says how.
+    #[error("{detail}")]
+    Breaks {
+        rule: wellformed::Rule,
+        detail: String,
+    },
+    /// It overlaps a block of the view (claimed or released) or one the view keeps clear of.
+    #[error("{block} overlaps block {other}")]
+    Overlaps { block: IpNet, other: IpNet },
+}
+
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum IpamError {
     #[error("requested address {addr} is not in any enabled pool for this node")]
@@ -65,7 +79,7 @@ pub enum IpamError {
         addr: IpAddr,
     },
     #[error("block {block} would not count, so it is not created: {why}")]
-    BadBlock { block: IpNet, why: String },
+    BadBlock { block: IpNet, why: NotCounted },
     #[error("no enabled {family} pool is configured for this node")]
     NoPool { family: &'static str },
     #[error("every {family} pool is full ({pools}){why}: add a pool or free addresses (calixctl ipam check)")]

@@ -198,7 +198,9 @@ pub fn try_watch(
             .build()
             .expect("runtime");
         rt.block_on(async move {
-            let channel = connect(&peer, &endpoint, &dialer).await?;
+            let channel = connect(&peer, &endpoint, &dialer)
+                .await
+                .map_err(|e| calix_log::error_chain(&e))?;
             let mut stream = pb::routes_client::RoutesClient::new(channel)
                 .watch(pb::WatchRequest {
                     node: dialer.me.clone(),

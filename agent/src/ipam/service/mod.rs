@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use calix_core::ipam::allocator::IpamState;
 use calix_core::ipam::wellformed::{self, Ignored, Rule};
-use calix_core::ipam::{Block, IpamError, Policy, Pool, Retired};
+use calix_core::ipam::{Block, IpamError, NotCounted, Policy, Pool, Retired};
 use calix_core::model::NodeRecord;
 use calix_core::store::keys;
 use ipnet::IpNet;
@@ -482,8 +482,9 @@ impl IpamService {
     /// Why new block `b` (at view key `key`) would not count, if it would not: the rule's own
     /// checks, and no overlap with a block of the view (claimed or released) or a block the
     /// view keeps clear of.
-    fn creatable(&self, ipam: &IpamState, key: &str, b: &Block) -> Result<(), String> {
-        wellformed::check(&keys::block(&b.cidr), b, &self.pools()).map_err(|(_, d)| d)?;
+    fn creatable(&self, ipam: &IpamState, key: &str, b: &Block) -> Result<(), NotCounted> {
+        wellformed::check(&keys::block(&b.cidr), b, &self.pools())
+            .map_err(|(rule, detail)| NotCounted::Breaks { rule, detail })?;
         let overlaps = |other: &IpNet| calix_core::ipam::overlap(&b.cidr, other);
         if let Some(o) = ipam
             .blocks
@@ -499,7 +500,10 @@ impl IpamService {
             .chain(ipam.avoid.iter().copied())
             .find(|o| overlaps(o))
         {
-            return Err(format!("{} overlaps block {o}", b.cidr));
+            return Err(NotCounted::Overlaps {
+                block: b.cidr,
+                other: o,
+            });
         }
         Ok(())
     }
