@@ -11,6 +11,9 @@ use calix_testbed::tls::Ca;
 use calix_testbed::{Cluster, Dataplane, Pod};
 use serde_json::Value;
 
+mod common;
+use common::certs::try_watch_with as try_watch;
+
 const POOLS: &str = "[[pools]]\ncidr = \"10.244.0.0/16\"\n";
 
 /// `calixctl routes -o json` of node `i`.
@@ -450,53 +453,6 @@ fn other_services_over_tcp(
                     ),
                 ),
             ]
-        })
-    })
-}
-
-/// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
-/// plain text); `Ok` once the first update arrived, else why not.
-fn try_watch(
-    c: &Cluster,
-    from: usize,
-    to: usize,
-    as_node: &str,
-    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
-) -> Result<(), String> {
-    use calix_agent::distribution::client::{connect, Dialer};
-    use calix_proto::v1 as pb;
-    let dialer = Dialer {
-        me: as_node.to_string(),
-        tls,
-        live: None,
-        connect_timeout: Duration::from_secs(3),
-        source: Default::default(),
-    };
-    let peer = c.name(to).to_string();
-    let endpoint = format!("{}:5474", c.address(to));
-    c.nodes[from].ns.run(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let channel = connect(&peer, &endpoint, &dialer)
-                .await
-                .map_err(|e| calix_log::error_chain(&e))?;
-            let mut stream = pb::routes_client::RoutesClient::new(channel)
-                .watch(pb::WatchRequest {
-                    node: dialer.me.clone(),
-                    relayed: false,
-                })
-                .await
-                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
-                .into_inner();
-            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
-                Ok(Ok(Some(_))) => Ok(()),
-                Ok(Ok(None)) => Err("stream ended".into()),
-                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
-                Err(_) => Err("no update within 5 s".into()),
-            }
         })
     })
 }

@@ -173,8 +173,6 @@ pub fn try_watch(
     cert: &str,
     key: &str,
 ) -> Result<(), String> {
-    use calix_agent::distribution::client::{connect, Dialer};
-    use calix_proto::v1 as pb;
     let p = Path::new("(test)");
     let tls = calix_agent::distribution::tls::TlsMaterial::from_pem(
         (p, bundle.as_bytes()),
@@ -183,9 +181,23 @@ pub fn try_watch(
     )
     .and_then(|m| m.client_config())
     .expect("TLS material");
+    try_watch_with(c, from, to, as_node, Some(tls))
+}
+
+/// From node `from`'s namespace: watch node `to` as node `as_node`, with `tls` (`None`:
+/// plain text); `Ok` once the first update arrived (within 5 s), else why not.
+pub fn try_watch_with(
+    c: &Cluster,
+    from: usize,
+    to: usize,
+    as_node: &str,
+    tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+) -> Result<(), String> {
+    use calix_agent::distribution::client::{connect, Dialer};
+    use calix_proto::v1 as pb;
     let dialer = Dialer {
         me: as_node.to_string(),
-        tls: Some(tls),
+        tls,
         live: None,
         connect_timeout: Duration::from_secs(3),
         source: Default::default(),
@@ -207,14 +219,14 @@ pub fn try_watch(
                     relayed: false,
                 })
                 .await
-                .map_err(|s| format!("{}: {}", s.code(), s.message()))?
+                .map_err(|s| format!("{:?}: {}", s.code(), s.message()))?
                 .into_inner();
-            stream
-                .message()
-                .await
-                .map_err(|s| format!("{}: {}", s.code(), s.message()))?
-                .map(|_| ())
-                .ok_or_else(|| "the stream ended".to_string())
+            match tokio::time::timeout(Duration::from_secs(5), stream.message()).await {
+                Ok(Ok(Some(_))) => Ok(()),
+                Ok(Ok(None)) => Err("stream ended".into()),
+                Ok(Err(s)) => Err(format!("{:?}: {}", s.code(), s.message())),
+                Err(_) => Err("no update within 5 s".into()),
+            }
         })
     })
 }
