@@ -2,68 +2,27 @@
 //! only with a complete set, the VXLAN devices and their entries, no writes when nothing
 //! drifted, failures retried.
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use calix_core::ipam::pool::VxlanMode;
-use calix_core::reconcile::remote::{Family, RemoteRoute, Underlay, VxlanDevice};
+use calix_core::reconcile::remote::fixtures::{cluster_routes, ip, net, route, underlay, UPLINK};
+use calix_core::reconcile::remote::{Family, VxlanDevice};
 use calix_kernel::host::FakeHost;
 use calix_kernel::node_route::NodeRoute;
 use calix_kernel::pod::HostRoute;
 use calix_kernel::vxlan::{vtep_mac, FdbEntry, DEVICE_V4, DEVICE_V6};
-use ipnet::IpNet;
 
 use super::remote::device_spec;
 use super::tests::{kinds, reconciler, wired, Seen};
 use super::{Reconciler, ROUTES};
 use crate::dataplane::Drift;
 
-const UPLINK: u32 = 2;
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("ip")
-}
-
-fn net(s: &str) -> IpNet {
-    s.parse().expect("net")
-}
-
-fn route(prefix: &str, node: &str, next_hop: &str, vxlan: VxlanMode) -> RemoteRoute {
-    RemoteRoute {
-        prefix: net(prefix),
-        node: node.into(),
-        next_hop: ip(next_hop),
-        vxlan,
-    }
-}
-
 /// Node 1 of a cluster: uplink eth0 on 172.31.1.0/24 and fd31:1::/64.
 fn node() -> FakeHost {
     let mut k = wired();
     k.add_uplink("eth0", UPLINK, 1500, &["172.31.1.1/24", "fd31:1::1/64"]);
     k
-}
-
-fn underlay() -> Underlay {
-    Underlay {
-        uplinks: vec!["eth0".into()],
-        ..Underlay::default()
-    }
-}
-
-/// Node 2 on the same subnet, node 3 on the other; IPv4 and IPv6 blocks.
-fn cluster_routes() -> Vec<RemoteRoute> {
-    vec![
-        route("10.244.1.0/26", "n2", "172.31.1.2", VxlanMode::CrossSubnet),
-        route("10.244.2.0/26", "n3", "172.31.2.3", VxlanMode::CrossSubnet),
-        route(
-            "fd00:244::40/122",
-            "n3",
-            "fd31:2::3",
-            VxlanMode::CrossSubnet,
-        ),
-    ]
 }
 
 fn routed(k: FakeHost) -> (Reconciler<FakeHost>, Arc<Mutex<Seen>>) {

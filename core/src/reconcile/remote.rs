@@ -342,5 +342,7 @@ pub fn plan(
     plan
 }
 
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 #[cfg(test)]
 mod tests;

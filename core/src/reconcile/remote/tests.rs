@@ -2,30 +2,11 @@
 //! what is a problem, the route guard. (The agent's reconciler tests write the plan into an
 //! in-memory kernel.)
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 
 use ipnet::IpNet;
 
+use super::fixtures::{cluster_routes, ip, net, route, underlay, UPLINK};
 use super::*;
-
-const UPLINK: u32 = 2;
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().expect("ip")
-}
-
-fn net(s: &str) -> IpNet {
-    s.parse().expect("net")
-}
-
-fn route(prefix: &str, node: &str, next_hop: &str, vxlan: VxlanMode) -> RemoteRoute {
-    RemoteRoute {
-        prefix: net(prefix),
-        node: node.into(),
-        next_hop: ip(next_hop),
-        vxlan,
-    }
-}
 
 /// Node 1 of a cluster: uplink eth0 on 172.31.1.0/24 and fd31:1::/64.
 fn uplinks() -> Vec<Option<Uplink>> {
@@ -34,27 +15,6 @@ fn uplinks() -> Vec<Option<Uplink>> {
         mtu: 1500,
         addresses: vec![net("172.31.1.1/24"), net("fd31:1::1/64")],
     })]
-}
-
-fn underlay() -> Underlay {
-    Underlay {
-        uplinks: vec!["eth0".into()],
-        ..Underlay::default()
-    }
-}
-
-/// Node 2 on the same subnet, node 3 on the other; IPv4 and IPv6 blocks.
-fn cluster_routes() -> Vec<RemoteRoute> {
-    vec![
-        route("10.244.1.0/26", "n2", "172.31.1.2", VxlanMode::CrossSubnet),
-        route("10.244.2.0/26", "n3", "172.31.2.3", VxlanMode::CrossSubnet),
-        route(
-            "fd00:244::40/122",
-            "n3",
-            "fd31:2::3",
-            VxlanMode::CrossSubnet,
-        ),
-    ]
 }
 
 #[test]
