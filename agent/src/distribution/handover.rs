@@ -130,27 +130,9 @@ pub(super) async fn hand_over(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use calix_core::model::NodeRecord;
+    use calix_core::routes::view::fixtures::node_kv;
     use calix_core::routes::view::{Part, View};
-    use calix_core::store::{keys, KeyValue};
     use std::net::IpAddr;
-
-    /// Node `name`'s record (its Routes endpoint on its first address, port 5474).
-    fn node_kv(name: &str, addresses: &[&str], reflector: bool) -> KeyValue {
-        let r = NodeRecord {
-            name: name.into(),
-            addresses: addresses.iter().map(|a| a.to_string()).collect(),
-            routes_endpoint: format!("{}:5474", addresses.first().copied().unwrap_or("")),
-            reflector,
-            ..Default::default()
-        };
-        KeyValue {
-            key: keys::node(name),
-            value: serde_json::to_vec(&r).expect("json"),
-            revision: 1,
-            created: 1,
-        }
-    }
 
     #[test]
     fn the_other_nodes_are_every_recorded_node_but_this_one() {

@@ -602,5 +602,7 @@ fn is_v6(n: &IpNet) -> bool {
     matches!(n, IpNet::V6(_))
 }
 
+#[cfg(any(test, feature = "fixtures"))]
+pub mod fixtures;
 #[cfg(test)]
 pub mod tests;

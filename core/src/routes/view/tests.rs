@@ -1,3 +1,4 @@
+pub use super::fixtures::node_kv;
 use super::*;
 use crate::ipam::Allocation;
 
@@ -49,22 +50,6 @@ pub fn block_kv(cidr: &str, affinity: &str, allocs: &[(&str, &str)]) -> KeyValue
     KeyValue {
         key: keys::block(&cidr),
         value: serde_json::to_vec(&b).expect("json"),
-        revision: 1,
-        created: 1,
-    }
-}
-
-pub fn node_kv(name: &str, addresses: &[&str], reflector: bool) -> KeyValue {
-    let r = NodeRecord {
-        name: name.into(),
-        addresses: addresses.iter().map(|a| a.to_string()).collect(),
-        routes_endpoint: format!("{}:5474", addresses.first().copied().unwrap_or("")),
-        reflector,
-        ..Default::default()
-    };
-    KeyValue {
-        key: keys::node(name),
-        value: serde_json::to_vec(&r).expect("json"),
         revision: 1,
         created: 1,
     }
