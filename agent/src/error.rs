@@ -2,8 +2,8 @@
 //! them), mapped to gRPC codes in `grpc/`.
 use calix_core::ipam::IpamError;
 
-use crate::dataplane::DataplaneError;
-use crate::datastore::DatastoreError;
+use calix_dataplane::DataplaneError;
+use calix_datastore::DatastoreError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {

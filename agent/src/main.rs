@@ -6,9 +6,6 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use calix_agent::config::flags::{self, Flags};
 use calix_agent::config::DataplaneMode;
-use calix_agent::dataplane::{
-    self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane,
-};
 use calix_agent::distribution::tls::CertSource;
 use calix_agent::endpoints::EndpointRegistry;
 use calix_agent::instance::InstanceLock;
@@ -23,8 +20,9 @@ use calix_agent::kubernetes::pods;
 use calix_agent::pod_network::Node;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
-use calix_agent::{datastore, distribution, local_api, metrics, tasks, uninstall};
+use calix_agent::{distribution, local_api, metrics, tasks, uninstall};
 use calix_core::model::NodeRecord;
+use calix_dataplane::{self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane};
 use calix_kernel::host::NetlinkHost;
 use clap::Parser;
 
@@ -77,8 +75,8 @@ async fn run() -> Result<()> {
             metrics::HttpLimits::default(),
         );
     }
-    dataplane::enable_forwarding()?;
-    let opened = datastore::open(&cfg.datastore.backend())
+    calix_dataplane::enable_forwarding()?;
+    let opened = calix_datastore::open(&cfg.datastore.backend())
         .await
         .with_context(|| format!("cannot open the {} datastore", cfg.datastore.kind))?;
     let store = opened.store;
@@ -111,7 +109,7 @@ async fn run() -> Result<()> {
     if let (Some(live), CertSource::Kubernetes) = (&routes_tls, cfg.routes.tls.source) {
         let client = match opened.kube.clone() {
             Some(c) => c,
-            None => datastore::kubernetes::connect(&datastore::KubeConfig {
+            None => calix_datastore::kubernetes::connect(&calix_datastore::KubeConfig {
                 kubeconfig: None,
                 timeout: Duration::from_secs(10),
                 attempts: 1,

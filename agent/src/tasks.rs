@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use calix_core::ipam::{Policy, Pool};
 
-use crate::dataplane::Reload;
 use crate::pod_network::mtu::PodMtu;
 use crate::pod_network::Node;
+use calix_dataplane::Reload;
 
 /// Leak GC, empty-block release and handle- and affinity-record repair, every `every`.
 pub fn spawn_housekeeping(node: Arc<Node>, every: Duration) {

@@ -2,7 +2,7 @@
 //! stops because its DaemonSet was deleted (`crate::kubernetes::owner`).
 //!
 //! - Always: the eBPF programs off every `cali*` interface and the uplinks, XDP off the
-//!   uplinks, the node's pins, both modes' nftables tables (`crate::dataplane::uninstall`),
+//!   uplinks, the node's pins, both modes' nftables tables (`calix_dataplane::uninstall`),
 //!   and calix's VXLAN devices (with the routes through them).
 //! - [`Scope::all`]: also every route calix added (protocol
 //!   [`netlink::ROUTE_PROTO`]: pods' host routes, routes to other nodes' blocks)
@@ -17,7 +17,7 @@ use calix_kernel::netlink;
 
 use calix_install_cni::Removal;
 
-use crate::dataplane::{self, ebpf::EbpfConfig};
+use calix_dataplane::{self, ebpf::EbpfConfig};
 
 /// What to remove besides the dataplane.
 #[derive(Debug, Clone, Default)]
@@ -42,7 +42,7 @@ pub struct Removed {
 #[derive(Debug, thiserror::Error)]
 pub enum UninstallError {
     #[error(transparent)]
-    Dataplane(#[from] dataplane::DataplaneError),
+    Dataplane(#[from] calix_dataplane::DataplaneError),
     #[error(transparent)]
     Netlink(#[from] netlink::NetlinkError),
     #[error(transparent)]
@@ -78,7 +78,7 @@ pub async fn node(cfg: &EbpfConfig, scope: &Scope) -> Result<Removed, UninstallE
             }
         }
     }
-    removed.interfaces = dataplane::uninstall(cfg)?;
+    removed.interfaces = calix_dataplane::uninstall(cfg)?;
     let handle = calix_kernel::netns::netlink_here().await?;
     removed.vxlan = calix_kernel::vxlan::delete_all(&handle).await?;
     if scope.all {

@@ -22,10 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_agent::distribution::listener::{self, Limits};
 use calix_core::store::keys;
 use calix_core::wire::pb;
+use calix_datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_testbed::tls::Ca;
 use calix_testbed::Cluster;
 use futures::Stream;

@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_agent::distribution::door::Known;
 use calix_agent::distribution::feed::Feed;
 use calix_agent::distribution::listener::{self, Limits};
@@ -33,6 +32,7 @@ use calix_core::ipam::Block;
 use calix_core::model::NodeRecord;
 use calix_core::store::keys;
 use calix_core::Route;
+use calix_datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
 use calix_testbed::tls::{Ca, NodeCert};
 use calix_testbed::Cluster;
 use futures::StreamExt;

@@ -1,4 +1,4 @@
-//! Frame and packet builders shared by the program tests (agent/tests, BPF_PROG_TEST_RUN), the
+//! Frame and packet builders shared by the program tests (dataplane/tests, BPF_PROG_TEST_RUN), the
 //! namespace integration tests (frames a pod writes with a raw socket) and the benches (the
 //! flood's frame): one copy of each contract. Plain bytes.
 

@@ -12,10 +12,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use calix_agent::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use calix_agent::reconcile::driver::{Driver, Snapshot, Timing};
 use calix_agent::reconcile::Backoff;
 use calix_core::reconcile::remote::{RemoteRoute, Underlay};
+use calix_dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use calix_kernel::host::NetlinkHost;
 use calix_kernel::vxlan::{DEVICE_V4, DEVICE_V6};
 use calix_testbed::tls::Ca;

@@ -889,8 +889,8 @@ fn an_edited_slash_64_block_never_locks_ipam() {
     node.start_agent();
     let name = node.ns.name.clone();
     node.ns.run(move || {
-        use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
         use calix_core::store::keys;
+        use calix_datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
         let rt = rt();
         rt.block_on(async {
             let store = EtcdStore::connect(EtcdConfig {

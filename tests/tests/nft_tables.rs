@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 
-use calix_agent::dataplane::{antispoof, doors, masquerade};
+use calix_dataplane::{antispoof, doors, masquerade};
 use calix_kernel::nft::{self, Table};
 use calix_testbed::Netns;
 

@@ -322,9 +322,9 @@ fn ifindex(node: &Node, ifname: &str) -> u32 {
 /// setting, no program, no map entry on it — and is reported; the node's real pod is not
 /// disturbed.
 fn forged_records_program_nothing(dp: Dataplane) {
-    use calix_agent::datastore::{Datastore, Durability, EmbeddedStore, Op};
     use calix_core::model::EndpointRecord;
     use calix_core::store::keys;
+    use calix_datastore::{Datastore, Durability, EmbeddedStore, Op};
     let node = Node::start_with_config(dp, Some(CONFIG));
     let pod = Pod::add(&node, "a");
     // The node's "uplink", and a cali link another endpoint owns (its alias says so).

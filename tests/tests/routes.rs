@@ -863,8 +863,8 @@ fn one_agent_takes_a_hundred_peers_with_a_hundred_blocks_each() {
 /// Writes `blocks` into the cluster's etcd as a stolen agent token could: straight to their
 /// keys, no compare (from node 0's namespace, where etcd is reachable).
 fn forge_blocks(c: &Cluster, blocks: Vec<calix_core::ipam::Block>) {
-    use calix_agent::datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
     use calix_core::store::keys;
+    use calix_datastore::{Datastore, Durability, EtcdConfig, EtcdStore, Op};
     let etcd = c.etcd_url(0);
     c.nodes[0].ns.run(move || {
         let rt = tokio::runtime::Builder::new_current_thread()

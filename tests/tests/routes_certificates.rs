@@ -254,8 +254,8 @@ fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within
         let pem = decode_base64(r["status"]["certificate"].as_str().unwrap_or_default());
         use rustls::pki_types::pem::PemObject;
         let der = rustls::pki_types::CertificateDer::from_pem_slice(&pem).expect("a certificate");
-        let facts = calix_agent::pki::cert::facts(der.as_ref()).expect("facts");
-        assert_eq!(facts.names, [calix_agent::pki::Name::Dns(n.to_string())]);
+        let facts = calix_pki::cert::facts(der.as_ref()).expect("facts");
+        assert_eq!(facts.names, [calix_pki::Name::Dns(n.to_string())]);
     }
     // Pods on the two nodes reach each other.
     {
@@ -600,8 +600,8 @@ fn the_signer_signs_only_an_agents_request_for_its_own_node_and_says_why_not() {
     use rustls::pki_types::pem::PemObject;
     let der = rustls::pki_types::CertificateDer::from_pem_slice(&pem)
         .unwrap_or_else(|_| panic!("no certificate: {r:#}\n{}", sig.log()));
-    let facts = calix_agent::pki::cert::facts(der.as_ref()).expect("facts");
-    assert_eq!(facts.names, [calix_agent::pki::Name::Dns(a.clone())]);
+    let facts = calix_pki::cert::facts(der.as_ref()).expect("facts");
+    assert_eq!(facts.names, [calix_pki::Name::Dns(a.clone())]);
     let lifetime = facts
         .not_after
         .duration_since(std::time::SystemTime::now())

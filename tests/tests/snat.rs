@@ -607,8 +607,8 @@ fn service_addresses_are_left_to_the_host_stack_nat() {
 /// (unpinned) maps, as a previous release's would on its own.
 fn back_to_layout_1(node: &Node) -> usize {
     use aya::maps::{HashMap, Map, MapData};
-    use calix_agent::dataplane::pins::{CtEntryV1, MapSpec};
     use calix_common::{layout, CtEntry, CtKey, FlowKey, StackFlow, CT_MAP, STACK_FLOWS_MAP};
+    use calix_dataplane::pins::{CtEntryV1, MapSpec};
 
     let node_dir = node.pin_root().join(&node.ns.name);
     let now_dir = node_dir.join(format!("v{}", calix_common::LAYOUT_VERSION));

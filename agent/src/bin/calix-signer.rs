@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use calix_agent::datastore::kubernetes::{connect, KubeConfig};
-use calix_agent::pki::ROUTES_SIGNER;
 use calix_agent::signer::{controller, SignerConfig};
+use calix_datastore::kubernetes::{connect, KubeConfig};
+use calix_pki::ROUTES_SIGNER;
 use clap::Parser;
 
 #[derive(Parser, Debug)]

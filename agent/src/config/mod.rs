@@ -67,7 +67,7 @@ pub struct AgentConfig {
     /// How the eBPF dataplane's tc programs attach: `auto` (default: tcx links where the
     /// kernel has them, 6.6 and later, else cls_bpf filters), `tcx` or `tc` (cls_bpf filters
     /// on a clsact qdisc).
-    pub tc_attach: crate::dataplane::tcx::TcAttach,
+    pub tc_attach: calix_dataplane::tcx::TcAttach,
     /// `tracing` filter, e.g. "info" or "calix_agent=debug".
     pub log_level: String,
     /// bpffs directory for the pinned maps and programs (per node below it).

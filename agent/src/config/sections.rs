@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use calix_core::routes::peers::Topology;
 use serde::{Deserialize, Serialize};
 
-use crate::dataplane::xdp::XdpMode;
 use crate::distribution::settings::ListenOn;
 use crate::distribution::tls::CertSource;
 use crate::paths;
+use calix_dataplane::xdp::XdpMode;
 
 /// The agents' TCP ports and pods (`[doors]`). By default no pod reaches an agent's Routes
 /// or metrics port on any node's address (its own node's or another's): they are dropped on
@@ -138,7 +138,7 @@ impl Default for TlsConfig {
             cert: PathBuf::new(),
             key: PathBuf::new(),
             ca: PathBuf::new(),
-            signer_name: crate::pki::ROUTES_SIGNER.into(),
+            signer_name: calix_pki::ROUTES_SIGNER.into(),
             ca_config_map: "kube-system/calix-routes-ca".into(),
         }
     }

@@ -13,10 +13,6 @@ use ipnet::IpNet;
 use super::error::ConfigError;
 use super::sections::{DatastoreConfig, IpamConfig};
 use super::AgentConfig;
-use crate::dataplane::ebpf::EbpfConfig;
-use crate::dataplane::xdp::{self, Failsafe, XdpPolicy, XdpSettings};
-use crate::dataplane::Reload;
-use crate::datastore::Backend;
 use crate::distribution::settings::{RoutesSettings, TlsSettings};
 use crate::distribution::tls::TlsFiles;
 use crate::ipam::service::Housekeeping;
@@ -25,6 +21,10 @@ use crate::kubernetes::peers::Peering;
 use crate::kubernetes::pods::PodsConfig;
 use crate::pod_network::mtu::PodMtu;
 use crate::tasks::Reloaded;
+use calix_dataplane::ebpf::EbpfConfig;
+use calix_dataplane::xdp::{self, Failsafe, XdpPolicy, XdpSettings};
+use calix_dataplane::Reload;
+use calix_datastore::Backend;
 
 impl IpamConfig {
     pub fn policy(&self) -> calix_core::ipam::Policy {
@@ -36,16 +36,16 @@ impl IpamConfig {
 }
 
 impl DatastoreConfig {
-    pub fn kubernetes(&self) -> crate::datastore::KubeConfig {
-        crate::datastore::KubeConfig {
+    pub fn kubernetes(&self) -> calix_datastore::KubeConfig {
+        calix_datastore::KubeConfig {
             kubeconfig: (!self.kubeconfig.as_os_str().is_empty()).then(|| self.kubeconfig.clone()),
             timeout: std::time::Duration::from_millis(self.timeout_ms),
             attempts: self.attempts,
         }
     }
 
-    pub fn etcd(&self) -> crate::datastore::EtcdConfig {
-        crate::datastore::EtcdConfig {
+    pub fn etcd(&self) -> calix_datastore::EtcdConfig {
+        calix_datastore::EtcdConfig {
             endpoints: self.endpoints.clone(),
             prefix: self.prefix.clone(),
             timeout: std::time::Duration::from_millis(self.timeout_ms),
@@ -134,10 +134,10 @@ impl AgentConfig {
         Ok(XdpPolicy { deny, failsafe })
     }
 
-    /// The TCP ports closed to pods ([`crate::dataplane::doors`]): the metrics port when it
+    /// The TCP ports closed to pods ([`calix_dataplane::doors`]): the metrics port when it
     /// listens beyond loopback, the Routes port (this node's and the other nodes') when route
     /// distribution is on, each unless `[doors]` lets pods in.
-    pub fn door_policy(&self) -> crate::dataplane::doors::DoorPolicy {
+    pub fn door_policy(&self) -> calix_dataplane::doors::DoorPolicy {
         let mut ports = std::collections::BTreeSet::new();
         let metrics = self.metrics_addr.parse::<std::net::SocketAddr>().ok();
         if let Some(m) = metrics.filter(|m| !m.ip().is_loopback() && m.port() != 0) {
@@ -149,7 +149,7 @@ impl AgentConfig {
         if routes {
             ports.extend(self.routes.listen_port());
         }
-        crate::dataplane::doors::DoorPolicy {
+        calix_dataplane::doors::DoorPolicy {
             ports,
             peer_routes_ports: routes,
         }
@@ -168,8 +168,8 @@ impl AgentConfig {
 
     /// SNAT's settings: `natOutgoing` IPv4 pools (of this node), no-SNAT destinations (every
     /// pool, whatever node it is for, plus `non_masquerade_cidrs`), sizes and timeouts.
-    pub fn nat_settings(&self) -> Result<crate::dataplane::nat::NatSettings, ConfigError> {
-        use crate::dataplane::nat::{NatSettings, Timeouts};
+    pub fn nat_settings(&self) -> Result<calix_dataplane::nat::NatSettings, ConfigError> {
+        use calix_dataplane::nat::{NatSettings, Timeouts};
         use std::time::Duration;
         let n = &self.nat;
         let v4 = |p: &IpNet| match p {

@@ -9,9 +9,9 @@ use calix_core::routes::peers::Topology;
 use super::error::ConfigError;
 use super::sections::{DoorsConfig, NatConfig, RoutesConfig, TlsConfig};
 use super::*;
-use crate::dataplane::xdp::XdpMode;
 use crate::distribution::settings::ListenOn;
 use crate::distribution::tls::CertSource;
+use calix_dataplane::xdp::XdpMode;
 
 #[test]
 fn empty_file_gives_defaults() {
@@ -43,7 +43,7 @@ fn full_file_parses() {
     .expect("parse");
     assert_eq!(c.node_name, "node-a");
     assert_eq!(c.dataplane, DataplaneMode::Kernel);
-    assert_eq!(c.tc_attach, crate::dataplane::tcx::TcAttach::Tc);
+    assert_eq!(c.tc_attach, calix_dataplane::tcx::TcAttach::Tc);
     assert_eq!(c.datastore.path, PathBuf::from("/tmp/store.json"));
     assert_eq!(c.pools.len(), 2);
     assert_eq!(c.pools[0].block_size(), 28);
@@ -777,7 +777,7 @@ fn the_modules_test_defaults_are_the_configs() {
         ..c.clone()
     };
     assert_eq!(
-        crate::dataplane::nat::NatSettings::example(),
+        calix_dataplane::nat::NatSettings::example(),
         no_pools.nat_settings().expect("default [nat]")
     );
     let v = calix_core::reconcile::remote::VxlanSettings::default();
@@ -786,7 +786,7 @@ fn the_modules_test_defaults_are_the_configs() {
         c.routes.reflector_label,
         crate::kubernetes::peers::REFLECTOR_LABEL
     );
-    assert_eq!(c.routes.tls.signer_name, crate::pki::ROUTES_SIGNER);
+    assert_eq!(c.routes.tls.signer_name, calix_pki::ROUTES_SIGNER);
 }
 
 /// Route distribution's settings: off, or everything it needs from `[routes]`, the uplinks and

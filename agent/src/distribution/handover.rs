@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 use calix_core::reconcile::remote::RemoteRoute;
 use tokio::sync::watch;
 
-use crate::dataplane::doors::PeerNodes;
-use crate::dataplane::DataplaneError;
 use crate::reconcile::driver::{Driver, DriverError};
+use calix_dataplane::doors::PeerNodes;
+use calix_dataplane::DataplaneError;
 
 /// Why a hand-over did not take (it is retried).
 #[derive(Debug, thiserror::Error)]

@@ -37,7 +37,7 @@ pub fn is_global(a: &IpAddr) -> bool {
 
 /// The addresses of interface `ifname` (none when it has none or does not exist).
 pub fn interface_addresses(ifname: &str) -> Vec<IpAddr> {
-    crate::dataplane::host_addrs::interface_addresses()
+    calix_dataplane::host_addrs::interface_addresses()
         .unwrap_or_default()
         .into_iter()
         .filter(|(n, _)| n == ifname)

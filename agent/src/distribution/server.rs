@@ -20,7 +20,7 @@ use super::conn::PeerInfo;
 use super::door::{DoorStats, Known, Throttle};
 use super::feed::Feed;
 use super::tls::cert_is_for;
-use crate::pki::cert::NameError;
+use calix_pki::cert::NameError;
 
 /// The sets this agent serves.
 pub struct Feeds {

@@ -32,8 +32,8 @@ use super::settings::{ListenOn, RoutesSettings};
 use super::tls::{CertSource, LiveTls};
 use super::watch::{watch_part, ViewInput};
 use super::RoutesError;
-use crate::dataplane::doors::PeerNodes;
-use crate::datastore::Datastore;
+use calix_dataplane::doors::PeerNodes;
+use calix_datastore::Datastore;
 
 /// What route distribution starts with.
 pub struct Start {
@@ -500,7 +500,7 @@ impl Loop {
 /// Binds the Routes port on each of `addrs` ([`listener::bind`]). An address the node does
 /// not have (yet) is bound all the same and warned about: peers reach it once it is there.
 fn bind_all(addrs: &[std::net::SocketAddr]) -> Result<Vec<tokio::net::TcpListener>, RoutesError> {
-    let own = crate::dataplane::host_addrs::own_addresses().unwrap_or_default();
+    let own = calix_dataplane::host_addrs::own_addresses().unwrap_or_default();
     let mut out = Vec::new();
     for a in addrs {
         let l = listener::bind(*a).map_err(|source| RoutesError::Listen {

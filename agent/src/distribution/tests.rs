@@ -289,9 +289,7 @@ async fn served_serial(addr: &str, live: &Arc<LiveTls>, node: &str) -> String {
         .await
         .expect("handshake");
     let cert = tls.get_ref().1.peer_certificates().expect("certs")[0].clone();
-    crate::pki::cert::facts(cert.as_ref())
-        .expect("facts")
-        .serial
+    calix_pki::cert::facts(cert.as_ref()).expect("facts").serial
 }
 
 /// A renewed certificate is served from the next handshake on, while the stream that is open

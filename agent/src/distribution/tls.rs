@@ -1,6 +1,6 @@
 //! Mutual TLS between agents (rustls, ring): every node's certificate is signed by a CA of
 //! the trust bundle and names the node in one DNS subject alternative name, and nothing else
-//! ([`crate::pki::cert::names_only`]). A server asks every client for its certificate and
+//! ([`calix_pki::cert::names_only`]). A server asks every client for its certificate and
 //! refuses the connection unless it chains to the bundle; a client checks that the server's
 //! certificate names the node it dialed, and only it. Which node a client may act as is
 //! checked per request ([`cert_is_for`], in [`super::server`]).
@@ -30,7 +30,7 @@ use rustls::{ServerConfig, SignatureScheme};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::pki::cert::{self, CertFacts, NameError};
+use calix_pki::cert::{self, CertFacts, NameError};
 
 /// Where a node's route-distribution certificate comes from (`routes.tls.source`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -431,7 +431,7 @@ impl LiveTls {
 
     pub fn status(&self, now: SystemTime) -> CertStatus {
         let s = self.read();
-        let not_after = s.facts.as_ref().map(|f| crate::pki::unix_secs(f.not_after));
+        let not_after = s.facts.as_ref().map(|f| calix_pki::unix_secs(f.not_after));
         CertStatus {
             source: match self.source {
                 CertSource::Files => "files",
@@ -440,7 +440,7 @@ impl LiveTls {
             .into(),
             serial: s.facts.as_ref().map(|f| f.serial.clone()),
             not_after,
-            expires_in_secs: not_after.map(|t| t - crate::pki::unix_secs(now)),
+            expires_in_secs: not_after.map(|t| t - calix_pki::unix_secs(now)),
             bundle: s.roots.is_some(),
             issued: s.issued,
             failures: s.failures,

@@ -8,7 +8,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use super::nodes::NodeSource;
-use crate::datastore::{Datastore, DatastoreError};
+use calix_datastore::{Datastore, DatastoreError};
 
 pub(super) enum ViewInput {
     Listed(Part, Vec<KeyValue>),

@@ -11,12 +11,12 @@ use calix_core::store::keys;
 use ipnet::IpNet;
 use tokio::sync::Mutex;
 
-use crate::dataplane::{Attached, DataplaneError, DataplaneStats, EndpointSpec};
-use crate::datastore::{Datastore, Durability, Op};
 use crate::error::AgentError;
 use crate::ipam::service::AddressUsers;
 use crate::reconcile::driver::{Driver, Snapshot};
 use crate::reconcile::Health;
+use calix_dataplane::{Attached, DataplaneError, DataplaneStats, EndpointSpec};
+use calix_datastore::{Datastore, Durability, Op};
 
 /// One endpoint with its live state, for listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -321,7 +321,7 @@ impl EndpointRegistry {
     }
 
     /// A config reload (SIGHUP) for the dataplane.
-    pub async fn reload_dataplane(&self, r: crate::dataplane::Reload) -> Result<(), AgentError> {
+    pub async fn reload_dataplane(&self, r: calix_dataplane::Reload) -> Result<(), AgentError> {
         self.driver.reload(r).await.map_err(dataplane_err(""))
     }
 

@@ -14,8 +14,8 @@ use calix_core::store::keys;
 
 use super::service::report::{self, Snapshot};
 use super::service::{CheckReport, IpamReport};
-use crate::datastore::{Compare, Datastore, DatastoreError, Durability, Op};
 use crate::error::AgentError;
+use calix_datastore::{Compare, Datastore, DatastoreError, Durability, Op};
 
 /// Where IPPool objects are (the `kubernetes` datastore's pools).
 const POOLS: &str = "pools/";

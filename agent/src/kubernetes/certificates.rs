@@ -38,7 +38,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
 use crate::distribution::tls::{self, LiveTls};
-use crate::pki::cert::CertFacts;
+use calix_pki::cert::CertFacts;
 
 /// The usages every request asks for (and the signer issues).
 pub const USAGES: [&str; 3] = ["digital signature", "server auth", "client auth"];
@@ -89,7 +89,7 @@ pub enum CertError {
         source: tls::TlsError,
     },
     #[error("making the key and request")]
-    Request(#[from] crate::pki::PkiError),
+    Request(#[from] calix_pki::PkiError),
 }
 
 fn api_err(what: impl Into<String>) -> impl FnOnce(kube::Error) -> CertError {
@@ -242,7 +242,7 @@ async fn obtain(
     s: &Settings,
     live: &LiveTls,
 ) -> Result<CertFacts, CertError> {
-    let req = crate::pki::request::new_request(&s.node)?;
+    let req = calix_pki::request::new_request(&s.node)?;
     let api: Api<CertificateSigningRequest> = Api::all(client.clone());
     let csr = CertificateSigningRequest {
         metadata: ObjectMeta {

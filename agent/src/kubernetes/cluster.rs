@@ -17,9 +17,9 @@ use calix_core::store::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::source::{Read, Source};
-use crate::datastore::follow::Follower;
-use crate::datastore::kubernetes::views::{self, NodeView, ServiceCidrView};
-use crate::datastore::{Datastore, DatastoreError};
+use calix_datastore::follow::Follower;
+use calix_datastore::kubernetes::views::{self, NodeView, ServiceCidrView};
+use calix_datastore::{Datastore, DatastoreError};
 
 /// The prefix of every IPPool's key.
 pub const POOLS: &str = "pools/";

@@ -19,8 +19,8 @@ use calix_core::store::keys;
 use calix_core::store::KeyValue;
 use calix_core::store::WatchEvent;
 
-use crate::datastore::kubernetes::views::{self, NodeView};
 use crate::distribution::nodes::NodeSource;
+use calix_datastore::kubernetes::views::{self, NodeView};
 
 /// The Node label (` = "true"`) that makes a node a route reflector, by default
 /// (`routes.reflector_label`): in `node-restriction.kubernetes.io/`, which a kubelet cannot set
@@ -109,7 +109,7 @@ impl NodeSource for Peering {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datastore::kubernetes::views::NodeAddress;
+    use calix_datastore::kubernetes::views::NodeAddress;
 
     fn peering(port: u16) -> Peering {
         Peering {

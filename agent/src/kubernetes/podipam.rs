@@ -11,9 +11,9 @@ use calix_core::ipam::annotations::{self, NamedPool, Namespace, PodIpam};
 use calix_core::ipam::Pool;
 
 use super::cluster::Cluster;
-use crate::datastore::kubernetes::views::{self, NamespaceView, PodView};
-use crate::datastore::Datastore;
 use crate::error::AgentError;
+use calix_datastore::kubernetes::views::{self, NamespaceView, PodView};
+use calix_datastore::Datastore;
 
 /// Reads pods' IPAM annotations.
 pub struct PodIpamSource {

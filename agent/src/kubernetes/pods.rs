@@ -18,11 +18,11 @@ use calix_core::model::EndpointRecord;
 use calix_core::store::KeyValue;
 use calix_core::store::WatchEvent;
 
-use crate::datastore::follow::Follower;
-use crate::datastore::kubernetes::views::{self, PodView};
-use crate::datastore::{Datastore, DatastoreError};
 use crate::notice::Subject;
 use crate::pod_network::Node;
+use calix_datastore::follow::Follower;
+use calix_datastore::kubernetes::views::{self, PodView};
+use calix_datastore::{Datastore, DatastoreError};
 
 /// How the cleanup runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

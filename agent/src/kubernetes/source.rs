@@ -1,5 +1,5 @@
 //! A value the agent takes from the cluster and keeps current: read from everything under one
-//! prefix of the store, then followed ([`crate::datastore::follow`]: through API server
+//! prefix of the store, then followed ([`calix_datastore::follow`]: through API server
 //! restarts, 410 Gone and bookmarks). Whoever uses it is told when the value changes — not on
 //! every event: a Node's status heartbeat changes its resourceVersion, not what calix reads.
 use std::collections::BTreeMap;
@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use calix_core::store::KeyValue;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::datastore::follow::Follower;
-use crate::datastore::{Datastore, DatastoreError};
+use calix_datastore::follow::Follower;
+use calix_datastore::{Datastore, DatastoreError};
 
 /// What a source's value is, from the keys under its prefix.
 pub type Read<T> = Arc<dyn Fn(&BTreeMap<String, KeyValue>) -> T + Send + Sync>;

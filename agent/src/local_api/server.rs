@@ -416,7 +416,7 @@ impl pb::endpoints_server::Endpoints for EndpointsSvc {
         req: Request<pb::ConntrackRequest>,
     ) -> Result<Response<pb::ConntrackResponse>, Status> {
         let r = req.into_inner();
-        let filter = crate::dataplane::nat::FlowFilter {
+        let filter = calix_dataplane::nat::FlowFilter {
             ip: match r.ip.as_str() {
                 "" => None,
                 s => Some(

@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use calix_common::NatConfig;
 
 use super::Node;
-use crate::dataplane::nat::{Conntrack, FlowFilter, FlowView};
 use crate::error::AgentError;
+use calix_dataplane::nat::{Conntrack, FlowFilter, FlowView};
 
 impl Node {
     /// Makes the conntrack table (pinned in `pin_dir`) available to the API.

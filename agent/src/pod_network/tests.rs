@@ -13,11 +13,11 @@ use calix_core::store::KeyValue;
 use calix_proto::handle;
 
 use super::*;
-use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
-use crate::datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
 use crate::endpoints::EndpointRegistry;
 use crate::ipam::service::{CheckReport, Finding, Housekeeping};
 use crate::reconcile::driver::{Driver, Timing};
+use calix_dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
+use calix_datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
 use calix_kernel::host::FakeHost;
 
 struct NoDataplane;
@@ -163,7 +163,7 @@ impl Datastore for Shared {
         &self,
         prefix: &str,
         after: i64,
-    ) -> Result<crate::datastore::WatchStream, DatastoreError> {
+    ) -> Result<calix_datastore::WatchStream, DatastoreError> {
         self.0.store.watch(prefix, after).await
     }
 }

@@ -14,8 +14,8 @@ use ipnet::IpNet;
 use tokio::sync::oneshot;
 
 use super::{Backoff, Health, Reconciler};
-use crate::dataplane::doors::PeerNodes;
-use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec, Reload};
+use calix_dataplane::doors::PeerNodes;
+use calix_dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec, Reload};
 
 /// What the reconciler reports about the endpoints.
 #[derive(Debug, Clone, Default)]

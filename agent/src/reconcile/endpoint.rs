@@ -8,7 +8,7 @@ use calix_kernel::netlink::NetlinkError;
 use calix_kernel::pod::{host_settings, HostRoute};
 
 use super::{kernel_err, sync_settings, Health, Pass, ReconcileError, Reconciler, Repair, State};
-use crate::dataplane::{Attached, EndpointSpec};
+use calix_dataplane::{Attached, EndpointSpec};
 
 impl<K: HostKernel> Reconciler<K> {
     pub(super) fn check_all(&mut self, keys: &[String], now: Instant) -> Pass {

@@ -43,7 +43,7 @@ use calix_kernel::netlink::NetlinkError;
 use calix_kernel::pod::{node_settings, HostSetting};
 use calix_kernel::vxlan;
 
-use crate::dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
+use calix_dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use endpoint::not_its_veth;
 
 /// Why an endpoint is not in its desired state.

@@ -16,7 +16,7 @@ use calix_kernel::vxlan::{vtep_mac, FdbEntry, DEVICE_V4, DEVICE_V6};
 use super::remote::device_spec;
 use super::tests::{kinds, reconciler, wired, Seen};
 use super::{Reconciler, ROUTES};
-use crate::dataplane::Drift;
+use calix_dataplane::Drift;
 
 /// Node 1 of a cluster: uplink eth0 on 172.31.1.0/24 and fd31:1::/64.
 fn node() -> FakeHost {

@@ -7,7 +7,7 @@ use calix_kernel::host::FakeHost;
 use calix_kernel::pod::{host_settings, node_settings, HostRoute};
 
 use super::*;
-use crate::dataplane::Drift;
+use calix_dataplane::Drift;
 
 /// What the fake dataplane saw, and the drift it reports next.
 #[derive(Default)]

@@ -13,7 +13,7 @@ use kube::api::{Api, ObjectMeta, PostParams};
 
 use super::{BadCaSecret, SignerConfig, SignerError};
 use crate::kubernetes::certificates::BUNDLE_KEY;
-use crate::pki::ca::Ca;
+use calix_pki::ca::Ca;
 
 /// The CA's common name.
 pub const CA_NAME: &str = "calix routes CA";

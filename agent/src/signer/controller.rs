@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::policy::{self, Asked, Denial, NodeState};
 use super::{ca_store, SignerConfig, SignerError};
-use crate::pki::ca::{random_serial, Ca};
+use calix_pki::ca::{random_serial, Ca};
 
 /// How often every request is listed again (and the bundle checked).
 pub const RESYNC: Duration = Duration::from_secs(60);
@@ -451,7 +451,7 @@ mod tests {
     }
 
     fn csr(node_binding: &str, asks_for: &str, approved: bool) -> CertificateSigningRequest {
-        let req = crate::pki::request::new_request(asks_for).expect("request");
+        let req = calix_pki::request::new_request(asks_for).expect("request");
         let mut extra = BTreeMap::new();
         extra.insert(
             policy::NODE_NAME_EXTRA.to_string(),
@@ -489,21 +489,24 @@ mod tests {
         Ca::generate("t", SystemTime::now(), Duration::from_secs(3600)).expect("ca")
     }
 
+    /// One request through the signer: this fake, the test policy, a lifetime of 30 s.
+    async fn sign(
+        f: &Fake,
+        ca: &Ca,
+        csr: CertificateSigningRequest,
+        now: SystemTime,
+    ) -> Result<Handled, ApiError> {
+        handle(f, &policy(), ca, Duration::from_secs(30), csr, now).await
+    }
+
     #[tokio::test]
     async fn its_own_nodes_request_is_approved_then_signed_for_the_lifetime() {
         let f = fake();
         let ca = ca();
         let now = SystemTime::now();
-        let r = handle(
-            &f,
-            &policy(),
-            &ca,
-            Duration::from_secs(30),
-            csr("node-a", "node-a", false),
-            now,
-        )
-        .await
-        .expect("handled");
+        let r = sign(&f, &ca, csr("node-a", "node-a", false), now)
+            .await
+            .expect("handled");
         assert!(
             matches!(r, Handled::Issued { ref node, .. } if node == "node-a"),
             "{r:?}"
@@ -515,22 +518,20 @@ mod tests {
         let first = f.certificates.lock().expect("lock")[0].clone();
         use rustls::pki_types::pem::PemObject;
         let der = rustls::pki_types::CertificateDer::from_pem_slice(first.as_bytes()).expect("pem");
-        let facts = crate::pki::cert::facts(der.as_ref()).expect("facts");
-        assert_eq!(facts.names, vec![crate::pki::Name::Dns("node-a".into())]);
+        let facts = calix_pki::cert::facts(der.as_ref()).expect("facts");
+        assert_eq!(facts.names, vec![calix_pki::Name::Dns("node-a".into())]);
         let lifetime = facts.not_after.duration_since(now).expect("after now");
         assert!(lifetime <= Duration::from_secs(30) && lifetime >= Duration::from_secs(29));
         // A request asking for less gets less; for more, the signer's lifetime.
         let mut short = csr("node-a", "node-a", false);
         short.spec.expiration_seconds = Some(10);
-        handle(&f, &policy(), &ca, Duration::from_secs(30), short, now)
-            .await
-            .expect("handled");
+        sign(&f, &ca, short, now).await.expect("handled");
         let second = f.certificates.lock().expect("lock")[1].clone();
         let der =
             rustls::pki_types::CertificateDer::from_pem_slice(second.as_bytes()).expect("pem");
-        let facts = crate::pki::cert::facts(der.as_ref()).expect("facts");
+        let facts = calix_pki::cert::facts(der.as_ref()).expect("facts");
         assert_eq!(
-            crate::pki::unix_secs(facts.not_after) - crate::pki::unix_secs(now),
+            calix_pki::unix_secs(facts.not_after) - calix_pki::unix_secs(now),
             10
         );
     }
@@ -540,46 +541,25 @@ mod tests {
         let f = fake();
         let ca = ca();
         let now = SystemTime::now();
-        let r = handle(
-            &f,
-            &policy(),
-            &ca,
-            Duration::from_secs(30),
-            csr("node-a", "node-b", false),
-            now,
-        )
-        .await
-        .expect("handled");
+        let r = sign(&f, &ca, csr("node-a", "node-b", false), now)
+            .await
+            .expect("handled");
         assert!(
             matches!(r, Handled::Denied(ref d) if d.reason == "OtherNode"),
             "{r:?}"
         );
         // An administrator approved it anyway: calix does not sign it.
-        let r = handle(
-            &f,
-            &policy(),
-            &ca,
-            Duration::from_secs(30),
-            csr("node-a", "node-b", true),
-            now,
-        )
-        .await
-        .expect("handled");
+        let r = sign(&f, &ca, csr("node-a", "node-b", true), now)
+            .await
+            .expect("handled");
         assert!(
             matches!(r, Handled::Failed(ref d) if d.reason == "OtherNode"),
             "{r:?}"
         );
         // A node that does not exist.
-        let r = handle(
-            &f,
-            &policy(),
-            &ca,
-            Duration::from_secs(30),
-            csr("node-z", "node-z", false),
-            now,
-        )
-        .await
-        .expect("handled");
+        let r = sign(&f, &ca, csr("node-z", "node-z", false), now)
+            .await
+            .expect("handled");
         assert!(
             matches!(r, Handled::Denied(ref d) if d.reason == "NoSuchNode"),
             "{r:?}"
@@ -600,24 +580,16 @@ mod tests {
         let f = fake();
         let ca = ca();
         let now = SystemTime::now();
-        let lifetime = Duration::from_secs(30);
         let mut other = csr("node-a", "node-a", false);
         other.spec.signer_name = "kubernetes.io/kube-apiserver-client".into();
         assert_eq!(
-            handle(&f, &policy(), &ca, lifetime, other, now)
-                .await
-                .expect("h"),
+            sign(&f, &ca, other, now).await.expect("h"),
             Handled::NotOurs
         );
         let mut issued = csr("node-a", "node-a", true);
         issued.status.as_mut().expect("status").certificate =
             Some(k8s_openapi::ByteString(b"PEM".to_vec()));
-        assert_eq!(
-            handle(&f, &policy(), &ca, lifetime, issued, now)
-                .await
-                .expect("h"),
-            Handled::Done
-        );
+        assert_eq!(sign(&f, &ca, issued, now).await.expect("h"), Handled::Done);
         let mut denied = csr("node-a", "node-a", false);
         denied.status = Some(CertificateSigningRequestStatus {
             conditions: Some(vec![CertificateSigningRequestCondition {
@@ -627,23 +599,10 @@ mod tests {
             }]),
             ..Default::default()
         });
-        assert_eq!(
-            handle(&f, &policy(), &ca, lifetime, denied, now)
-                .await
-                .expect("h"),
-            Handled::Done
-        );
+        assert_eq!(sign(&f, &ca, denied, now).await.expect("h"), Handled::Done);
         *f.conflict_once.lock().expect("lock") = true;
         assert!(matches!(
-            handle(
-                &f,
-                &policy(),
-                &ca,
-                lifetime,
-                csr("node-a", "node-a", false),
-                now
-            )
-            .await,
+            sign(&f, &ca, csr("node-a", "node-a", false), now).await,
             Err(ApiError::Conflict)
         ));
         assert!(f.conditions.lock().expect("lock").is_empty());

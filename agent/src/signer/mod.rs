@@ -65,7 +65,7 @@ pub enum BadCaSecret {
     Missing(&'static str),
     /// Shown whole, not chained: [`SignerError::BadCa`] shows it as its detail.
     #[error("{}", calix_log::error_chain(.0))]
-    Pem(crate::pki::PkiError),
+    Pem(calix_pki::PkiError),
 }
 
 /// Why the signer cannot go on.
@@ -82,5 +82,5 @@ pub enum SignerError {
         detail: BadCaSecret,
     },
     #[error("making the CA")]
-    Make(#[from] crate::pki::PkiError),
+    Make(#[from] calix_pki::PkiError),
 }

@@ -8,8 +8,8 @@
 //! that says what to change.
 use std::collections::BTreeMap;
 
-use crate::pki::request::{self, RequestKey};
-use crate::pki::Name;
+use calix_pki::request::{self, RequestKey};
+use calix_pki::Name;
 
 /// The node the requester's credentials are bound to (set by the API server).
 pub const NODE_NAME_EXTRA: &str = "authentication.kubernetes.io/node-name";

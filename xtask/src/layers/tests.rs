@@ -260,7 +260,7 @@ fn a_long_source_file_is_found_and_tests_are_excepted() {
         f("xtask/src/bench/snat.rs", 1142),
         f("agent/src/node/tests.rs", 1735),
         f("agent/src/routes/engine_tests.rs", 900),
-        f("agent/tests/programs.rs", 1579),
+        f("dataplane/tests/programs.rs", 1579),
         f("tests/tests/chart.rs", 1533),
     ]);
     assert_eq!(

@@ -74,14 +74,13 @@ async fn main() -> Result<()> {
             .and_then(|v| std::env::split_paths(&v).next())
     });
     if let (Cmd::Ipam { cmd }, Some(path)) = (&cli.cmd, &kubeconfig) {
-        let store =
-            calix_agent::datastore::KubeStore::connect(&calix_agent::datastore::KubeConfig {
-                kubeconfig: Some(path.clone()),
-                timeout: Duration::from_secs(10),
-                attempts: 3,
-            })
-            .await
-            .with_context(|| format!("kubeconfig {}", path.display()))?;
+        let store = calix_datastore::KubeStore::connect(&calix_datastore::KubeConfig {
+            kubeconfig: Some(path.clone()),
+            timeout: Duration::from_secs(10),
+            attempts: 3,
+        })
+        .await
+        .with_context(|| format!("kubeconfig {}", path.display()))?;
         return commands::ipam::run(Ipam::Cluster(store), cmd, cli.output).await;
     }
     let socket = cli

@@ -12,8 +12,8 @@ use calix_core::store::keys;
 use ipnet::IpNet;
 
 use super::{Inner, IpamService};
-use crate::datastore::{Compare, Durability, Op};
 use crate::error::AgentError;
+use calix_datastore::{Compare, Durability, Op};
 
 impl IpamService {
     /// This node's blocks, by the view.

@@ -18,8 +18,8 @@ use ipnet::IpNet;
 
 use super::records::Stored;
 use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
-use crate::datastore::{DatastoreError, Durability};
 use crate::error::AgentError;
+use calix_datastore::{DatastoreError, Durability};
 
 /// The (network, container ID) an allocation was made for, if a CNI plugin made it: from its
 /// handle, or for a handle of the previous plugin's encoding, with the container ID stored

@@ -10,8 +10,8 @@ use calix_core::ipam::Pool;
 use calix_core::store::keys;
 
 use super::{Inner, IpamService};
-use crate::datastore::{Compare, Durability, Op};
 use crate::error::AgentError;
+use calix_datastore::{Compare, Durability, Op};
 
 /// Who uses this node's addresses: the endpoints, each as (IPAM handle, ifname). Leak GC
 /// releases an allocation only when neither the endpoints in memory nor, rechecked just

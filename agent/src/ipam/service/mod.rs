@@ -23,8 +23,8 @@ use calix_core::store::keys;
 use ipnet::IpNet;
 use tokio::sync::Mutex;
 
-use crate::datastore::{Datastore, Durability, Op};
 use crate::error::AgentError;
+use calix_datastore::{Datastore, Durability, Op};
 
 pub use housekeeping::{AddressUsers, Swept};
 pub use report::{BlockUse, CheckReport, Finding, IpamReport, NodeUse, PoolUse};
@@ -430,7 +430,7 @@ impl IpamService {
         key: &str,
         durability: Durability,
     ) -> Result<Option<i64>, AgentError> {
-        use crate::datastore::Compare;
+        use calix_datastore::Compare;
         let Some(b) = inner.ipam.blocks.get(key) else {
             return Ok(None);
         };

@@ -10,8 +10,8 @@ use calix_core::store::keys;
 use ipnet::IpNet;
 
 use super::{Inner, IpamService};
-use crate::datastore::{Compare, Durability, Op};
 use crate::error::AgentError;
+use calix_datastore::{Compare, Durability, Op};
 
 /// Housekeeping repairs the handle records at least every this many passes.
 pub(super) const REPAIR_EVERY: u32 = 10;

@@ -3,8 +3,8 @@
 use std::net::IpAddr;
 
 use super::{cas_backoff, Inner, IpamService, CAS_ATTEMPTS};
-use crate::datastore::{DatastoreError, Durability};
 use crate::error::AgentError;
+use calix_datastore::{DatastoreError, Durability};
 
 impl IpamService {
     /// Releases what (handle, ifname) holds. Idempotent; returns what was released.

@@ -10,8 +10,8 @@ use calix_core::store::keys;
 use serde::{Deserialize, Serialize};
 
 use super::IpamService;
-use crate::datastore::Datastore;
 use crate::error::AgentError;
+use calix_datastore::Datastore;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolUse {

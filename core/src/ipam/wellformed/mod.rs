@@ -30,7 +30,7 @@ use std::ops::RangeInclusive;
 use ipnet::IpNet;
 
 use super::{Block, Pool};
-use crate::store::{keys, KeyValue};
+use crate::store::{keys, BadValue, KeyValue};
 
 /// Block sizes a pool may have, IPv4 and IPv6 (the config refuses others).
 pub const fn block_sizes(v4: bool) -> RangeInclusive<u8> {
@@ -171,7 +171,7 @@ pub fn check(key: &str, b: &Block, pools: &[Pool]) -> Result<bool, (Rule, String
 pub struct Item {
     pub key: String,
     pub created: i64,
-    pub block: Result<Block, String>,
+    pub block: Result<Block, BadValue>,
 }
 
 impl Item {
@@ -197,13 +197,11 @@ impl From<KeyValue> for Item {
     }
 }
 
-fn decode(kv: &KeyValue) -> Result<Block, String> {
-    kv.decode::<Block>()
-        .map(|mut b| {
-            b.revision = kv.revision;
-            b
-        })
-        .map_err(|e| e.to_string())
+fn decode(kv: &KeyValue) -> Result<Block, BadValue> {
+    kv.decode::<Block>().map(|mut b| {
+        b.revision = kv.revision;
+        b
+    })
 }
 
 /// Sorts stored blocks (`ipam/blocks/` key-values) by the rule, against `pools` (every pool of
@@ -261,9 +259,9 @@ fn judge(items: &[Item], pools: &[Pool]) -> (Sorted, Vec<usize>) {
     for (index, item) in items.iter().enumerate() {
         let b = match &item.block {
             Ok(b) => b,
-            Err(detail) => {
+            Err(bad) => {
                 out.ignored
-                    .push(undecodable(item.key.clone(), detail.clone()));
+                    .push(undecodable(item.key.clone(), bad.to_string()));
                 continue;
             }
         };

@@ -18,7 +18,7 @@ use ipnet::IpNet;
 use crate::ipam::wellformed::{self, Ignored, Item, Rule, SortedItems};
 use crate::ipam::{Allocation, Block, Pool};
 use crate::model::NodeRecord;
-use crate::store::{keys, KeyValue, WatchEvent};
+use crate::store::{keys, BadValue, KeyValue, WatchEvent};
 
 /// One block, as far as routes care.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +50,7 @@ struct Counted {
 #[derive(Debug, Clone)]
 struct Held {
     created: i64,
-    block: Result<Block, String>,
+    block: Result<Block, BadValue>,
 }
 
 /// The blocks and node records of the datastore.
@@ -315,7 +315,7 @@ impl View {
         let judged: Result<bool, Ignored> = match &item.block {
             Ok(b) => wellformed::check(&item.key, b, &self.pools)
                 .map_err(|(rule, detail)| wellformed::ignored(item.key.clone(), b, rule, detail)),
-            Err(detail) => Err(wellformed::undecodable(item.key.clone(), detail.clone())),
+            Err(bad) => Err(wellformed::undecodable(item.key.clone(), bad.to_string())),
         };
         let verdict = judged.as_ref().ok().copied();
         let counted = self.counted_cidr(&kv.key);

@@ -33,7 +33,7 @@ pub(crate) enum IpamCmd {
 /// Where `ipam` works: through the agent, or on the cluster's records.
 pub(crate) enum Ipam {
     Agent(pb::ipam_client::IpamClient<tonic::transport::Channel>),
-    Cluster(calix_agent::datastore::KubeStore),
+    Cluster(calix_datastore::KubeStore),
 }
 
 impl Ipam {

@@ -15,8 +15,6 @@ use aya::programs::{Program, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
 use std::time::Duration;
 
-use calix_agent::dataplane::ebpf::OBJECT;
-use calix_agent::dataplane::nat::{Conntrack, FlowFilter};
 use calix_common::{
     CtEntry, CtKey, DropCount, DropKey, DropReason, EndpointInfo, LocalEndpoint, NatConfig,
     ALL_PROGRAMS, CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_F_SEQ,
@@ -24,6 +22,8 @@ use calix_common::{
     LOCAL_V4_MAP, MAX_NAT_UPLINKS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV,
     PROG_FROM_POD,
 };
+use calix_dataplane::ebpf::OBJECT;
+use calix_dataplane::nat::{Conntrack, FlowFilter};
 use common::*;
 
 const TC_ACT_OK: u32 = 0;

@@ -7,10 +7,10 @@ use std::net::Ipv4Addr;
 use std::time::Duration;
 
 use aya::programs::tc::TcAttachType;
-use calix_agent::config::AgentConfig;
-use calix_agent::dataplane::ebpf::{EbpfConfig, EbpfDataplane};
-use calix_agent::dataplane::tcx::{self, TcAttach};
-use calix_agent::dataplane::{Dataplane, EndpointSpec};
+use calix_dataplane::ebpf::{EbpfConfig, EbpfDataplane};
+use calix_dataplane::nat::NatSettings;
+use calix_dataplane::tcx::{self, TcAttach};
+use calix_dataplane::{Dataplane, EndpointSpec};
 use common::*;
 
 /// A pod's hooks start as cls_bpf filters and the mover would put them on tcx links 2 s later.
@@ -28,11 +28,7 @@ fn a_released_dataplane_moves_no_hook_afterwards() {
             uplinks: Vec::new(),
             object: None,
             xdp: None,
-            nat: Some(
-                AgentConfig::default()
-                    .nat_settings()
-                    .expect("default [nat]"),
-            ),
+            nat: Some(NatSettings::example()),
             tc_attach: TcAttach::Tcx,
             doors: Default::default(),
         };

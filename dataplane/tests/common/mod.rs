@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use aya::maps::{Map, MapData, MapError, PerCpuHashMap};
 use aya::programs::Program;
 use aya::{Ebpf, EbpfLoader};
-use calix_agent::dataplane::ebpf::OBJECT;
 use calix_common::{DropCount, DropKey, DropReason, ALL_PROGRAMS};
+use calix_dataplane::ebpf::OBJECT;
 
 // The packet builders of the test bed: one copy for these tests and the namespace tests.
 // Each test binary uses its own part of them (pins.rs none).

@@ -25,8 +25,6 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuArray, PerCpuHashMap, PerCpuValues};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use aya::Ebpf;
-use calix_agent::dataplane::nat::monotonic_ns;
-use calix_agent::dataplane::stack_flows::{HostTimeouts, StackFlows};
 use calix_common::{
     direct_bucket, eui64_link_local, AgentPorts, DirectEndpoint, DropCount, DropKey, DropReason,
     EndpointCounters, EndpointInfo, FlowKey, LocalEndpoint, StackFlow, AGENT_PORTS_MAP, ALL_MAPS,
@@ -36,6 +34,8 @@ use calix_common::{
     PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD, STACK_EPS_MAP,
     STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
+use calix_dataplane::nat::monotonic_ns;
+use calix_dataplane::stack_flows::{HostTimeouts, StackFlows};
 use common::*;
 
 const TC_ACT_OK: u32 = 0;

@@ -6,16 +6,16 @@ mod common;
 use std::net::Ipv4Addr;
 
 use aya::maps::{Array, HashMap, Map, MapData, MapInfo};
-use calix_agent::config::AgentConfig;
-use calix_agent::dataplane::ebpf::{EbpfConfig, EbpfDataplane};
-use calix_agent::dataplane::pins::{CtEntryV1, MapSpec};
-use calix_agent::dataplane::{Dataplane, EndpointSpec};
 use calix_common::{
     layout, CtEntry, CtKey, EndpointInfo, FlowKey, StackFlow, BPF_MAP_TYPE_HASH, COUNTERS_MAP,
     CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, ENDPOINTS_MAP, IPPROTO_TCP,
     LAYOUT_VERSION, NAT_CONFIG_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP,
     STACK_MARKED, STACK_OVERFLOW_MAP,
 };
+use calix_dataplane::ebpf::{EbpfConfig, EbpfDataplane};
+use calix_dataplane::nat::NatSettings;
+use calix_dataplane::pins::{CtEntryV1, MapSpec};
+use calix_dataplane::{Dataplane, EndpointSpec};
 use common::*;
 
 /// Both entries of a translated TCP flow, as layout 1 wrote them: pod 10.244.0.10:40000 →
@@ -64,15 +64,15 @@ fn spec(name: &str) -> MapSpec {
 }
 
 fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
-    let mut agent = AgentConfig::default();
-    agent.nat.conntrack_entries = ct_entries;
+    let mut nat = NatSettings::example();
+    nat.conntrack_entries = ct_entries;
     EbpfConfig {
         pin_root: pins.0.clone(),
         node: node.into(),
         uplinks: Vec::new(),
         object: None,
         xdp: None,
-        nat: Some(agent.nat_settings().expect("default [nat]")),
+        nat: Some(nat),
         tc_attach: Default::default(),
         doors: Default::default(),
     }

@@ -19,12 +19,12 @@ use aya::maps::lpm_trie::LpmTrie;
 use aya::maps::{HashMap, Map, MapData, PerCpuHashMap};
 use aya::programs::Xdp;
 use aya::Ebpf;
-use calix_agent::dataplane::host_addrs::HostAddrs;
-use calix_agent::dataplane::xdp::{parse_deny, Failsafe, XdpFilter, XdpPolicy};
 use calix_common::{
     DropCount, DropKey, DropReason, FailsafePort, DENY_V4_MAP, DROPS_MAP, FAILSAFE_MAP,
     PROG_XDP_HOST_DEV,
 };
+use calix_dataplane::host_addrs::HostAddrs;
+use calix_dataplane::xdp::{parse_deny, Failsafe, XdpFilter, XdpPolicy};
 use common::*;
 
 const XDP_DROP: u32 = 1;
