@@ -71,3 +71,24 @@ pub fn build(rev: &str, bins: &[&str], target: Option<&str>) -> Result<Baseline>
         bins: out.join("release"),
     })
 }
+
+/// What a traffic bench runs of a baseline: its agent's directory and its static plugin.
+pub struct Calix {
+    /// What the report names.
+    pub label: String,
+    /// Its `target/release`, with `calix-agent` in it.
+    pub agent_bins: PathBuf,
+    /// Its `calix` CNI plugin (static).
+    pub plugin: PathBuf,
+}
+
+/// Builds revision `rev`'s agent (host) and static plugin.
+pub fn calix(rev: &str) -> Result<Calix> {
+    let agent = build(rev, &["calix-agent"], None)?;
+    let plugin = build(rev, &["calix"], Some(crate::setup::MUSL_TARGET))?;
+    Ok(Calix {
+        label: agent.label,
+        agent_bins: agent.bins,
+        plugin: plugin.bins.join("calix"),
+    })
+}

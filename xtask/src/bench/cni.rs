@@ -211,22 +211,15 @@ pub fn run(pods: usize, reps: usize, baseline: Option<&str>) -> Result<()> {
     let b = Bench::setup("the CNI benchmark", &[], &["ptp", "host-local"])?;
     println!("[setup] building the static plugin (--target {STATIC_TARGET})");
     let plugin = build_static_plugin()?;
-    let base = match baseline {
-        Some(rev) => {
-            let agent = super::baseline::build(rev, &["calix-agent"], None)?;
-            let plugin = super::baseline::build(rev, &["calix"], Some(STATIC_TARGET))?;
-            Some((agent, plugin.bins.join("calix")))
-        }
-        None => None,
-    };
+    let base = baseline.map(super::baseline::calix).transpose()?;
 
     let n_ns = pods.max(CONCURRENCY[1]);
     println!("[setup] 3 node namespaces (calix, ptp, floor) and {n_ns} pod namespaces");
     let calix_node = b.node("calix", b.spec(Dataplane::Ebpf))?;
     let base_node = match &base {
-        Some((agent, _)) => {
+        Some(base) => {
             let mut spec = b.spec(Dataplane::Ebpf);
-            spec.bins = agent.bins.clone();
+            spec.bins = base.agent_bins.clone();
             Some(b.node("calixb", spec)?)
         }
         None => None,
@@ -262,9 +255,9 @@ pub fn run(pods: usize, reps: usize, baseline: Option<&str>) -> Result<()> {
     );
 
     let base_plugin = match (&base, &base_node) {
-        (Some((agent, plugin)), Some(node)) => Some(Plugin::new(
-            &format!("calix baseline {}", agent.label),
-            plugin.clone(),
+        (Some(base), Some(node)) => Some(Plugin::new(
+            &format!("calix baseline {}", base.label),
+            base.plugin.clone(),
             Some(&node.ns),
             &node.conf(calix_conf.clone()),
         )),

@@ -58,6 +58,10 @@ pub enum Scenario {
     Dataplane {
         #[command(flatten)]
         run: TrafficArgs,
+        /// Also run calix eBPF built from this git revision (its agent and static plugin,
+        /// under target/baseline/) as one more variant, and report this build against it.
+        #[arg(long, value_name = "REV")]
+        baseline: Option<String>,
     },
     /// Routes between nodes (issue 13): a new pod's way to two other nodes (3 real nodes, a
     /// new block and a borrowed address), and one agent taking 100 simulated peers × 100
@@ -84,6 +88,10 @@ pub enum Scenario {
     Crossnode {
         #[command(flatten)]
         run: TrafficArgs,
+        /// Also run a calix eBPF cluster built from this git revision (its agent and static
+        /// plugin, under target/baseline/): two more variants, this build reported against it.
+        #[arg(long, value_name = "REV")]
+        baseline: Option<String>,
     },
     /// Pod → outside through calix eBPF SNAT against iptables/nftables MASQUERADE and routing
     /// without NAT (conn/s, TCP_RR, iperf3), and the XDP deny list's CPU per dropped packet
@@ -135,13 +143,13 @@ pub fn run(scenario: Scenario) -> Result<()> {
             baseline,
         } => cni::run(pods, reps, baseline.as_deref()),
         Scenario::Ipam { allocs, reps } => ipam::run(allocs, reps),
-        Scenario::Dataplane { run } => {
+        Scenario::Dataplane { run, baseline } => {
             let (reps, secs, quick) = run.resolve()?;
-            dataplane::run(reps, secs, quick)
+            dataplane::run(reps, secs, quick, baseline.as_deref())
         }
-        Scenario::Crossnode { run } => {
+        Scenario::Crossnode { run, baseline } => {
             let (reps, secs, quick) = run.resolve()?;
-            crossnode::run(reps, secs, quick)
+            crossnode::run(reps, secs, quick, baseline.as_deref())
         }
         Scenario::Routes {
             pods,

@@ -21,7 +21,10 @@
 //! Before the measurements, an untimed TCP_CRR run per variant shows the path: both nodes'
 //! forwarded datagrams per connection, and for the eBPF variants the kernel's run time of every
 //! calix program on both nodes (`kernel.bpf_stats_enabled`, per program id). Everything is
-//! named `cxb-<pid>-…` and removed on drop, on error and Ctrl-C too. Writes
+//! named `cxb-<pid>-…` and removed on drop, on error and Ctrl-C too. With `--baseline REV`, a
+//! fourth cluster: calix eBPF of another revision (its agent and static plugin, built under
+//! target/baseline/), and two more variants, direct and VXLAN, measured as this build's are.
+//! Writes
 //! docs/bench/crossnode.md and .svg (with `--quick`, target/bench/ instead).
 mod path;
 mod report;
@@ -64,6 +67,21 @@ enum Variant {
     KernelVxlan,
     EbpfVxlan,
     PlainVxlan,
+    /// calix eBPF of another revision (`--baseline`): direct, and through VXLAN.
+    BaseEbpf,
+    BaseEbpfVxlan,
+}
+
+/// Every variant's slot in the per-variant arrays ([`Variant`] as usize).
+const SLOTS: usize = 8;
+
+/// The variants of a run: [`VARIANTS`], and the baseline's when there is one.
+fn variants(baseline: bool) -> Vec<Variant> {
+    let mut v = VARIANTS.to_vec();
+    if baseline {
+        v.extend([Variant::BaseEbpf, Variant::BaseEbpfVxlan]);
+    }
+    v
 }
 
 const VARIANTS: [Variant; 6] = [
@@ -84,6 +102,8 @@ impl Compared for Variant {
             Self::KernelVxlan => ("calix kernel, VXLAN", "kvx", chart::LIGHT_GREEN),
             Self::EbpfVxlan => ("calix eBPF, VXLAN", "evx", chart::LIGHT_BLUE),
             Self::PlainVxlan => ("plain VXLAN (flannel-like)", "pvx", chart::ORANGE),
+            Self::BaseEbpf => ("calix eBPF, baseline", "bas", chart::RED),
+            Self::BaseEbpfVxlan => ("calix eBPF, VXLAN, baseline", "bvx", chart::PURPLE),
         }
     }
 }
@@ -92,17 +112,20 @@ impl Variant {
     /// The server's node in its cluster (the client is always on node 0).
     fn server_node(self) -> usize {
         match self {
-            Self::Underlay | Self::Kernel | Self::Ebpf => 1,
+            Self::Underlay | Self::Kernel | Self::Ebpf | Self::BaseEbpf => 1,
             _ => 2,
         }
     }
 
     fn ebpf(self) -> bool {
-        matches!(self, Self::Ebpf | Self::EbpfVxlan)
+        matches!(
+            self,
+            Self::Ebpf | Self::EbpfVxlan | Self::BaseEbpf | Self::BaseEbpfVxlan
+        )
     }
 }
 
-pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
+pub fn run(reps: usize, secs: u64, quick: bool, baseline: Option<&str>) -> Result<()> {
     let b = Bench::setup(
         "the cross-node benchmark",
         &[
@@ -110,11 +133,13 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         ],
         &[],
     )?;
+    let base = baseline.map(super::baseline::calix).transpose()?;
     let ca = Ca::new(CA_NAME)?;
     let tools = b.tools();
-    let (beds, topo) = build(&b, &ca, &tools)?;
+    let all = variants(base.is_some());
+    let (beds, topo) = build(&b, &ca, &tools, &all, base.as_ref())?;
     let mut paths = Vec::new();
-    for (v, t) in VARIANTS.iter().zip(&topo) {
+    for (v, t) in all.iter().zip(&topo) {
         check_interrupted()?;
         let p = path(&b, &tools, t, *v).with_context(|| format!("{}: the path", v.label()))?;
         println!(
@@ -136,8 +161,8 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         );
         paths.push(p);
     }
-    let mut res: [Samples; 6] = Default::default();
-    repetitions(reps, &VARIANTS, |v| {
+    let mut res: [Samples; SLOTS] = Default::default();
+    repetitions(reps, &all, |v| {
         let t = &topo[v as usize];
         let m = tools.measure(&t.traffic, secs, Some(&t.nodes[0]), false)?;
         Ok(res[v as usize].push(&m))
@@ -154,6 +179,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         iperf_version: version("iperf3"),
         res,
         paths,
+        baseline: base.map(|b| b.label),
         bench: b,
     };
     Bench::publish("crossnode", &report.markdown(), quick, |p| {

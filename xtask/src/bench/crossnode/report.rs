@@ -5,7 +5,7 @@ use anyhow::Result;
 use calix_testbed::traffic::IPERF_NICE;
 
 use super::path::PathRun;
-use super::{Variant, PATH_SECS, PLAIN_DEV, PLAIN_MTU, PLAIN_VNI, VARIANTS, VXLAN_PORT};
+use super::{variants, Variant, PATH_SECS, PLAIN_DEV, PLAIN_MTU, PLAIN_VNI, SLOTS, VXLAN_PORT};
 use crate::bench::chart::{traffic_chart, traffic_title};
 use crate::bench::harness::{Bench, Compared, Machine};
 use crate::bench::report::{
@@ -20,12 +20,19 @@ pub(super) struct Report {
     pub(super) cpu: usize,
     pub(super) tw_delay: bool,
     pub(super) iperf_version: String,
-    pub(super) res: [Samples; 6],
+    pub(super) res: [Samples; SLOTS],
+    /// Each variant's path, in [`variants`]' order.
     pub(super) paths: Vec<PathRun>,
+    /// The baseline's revision, when the run had one (`--baseline`).
+    pub(super) baseline: Option<String>,
     pub(super) bench: Bench,
 }
 
 impl Report {
+    fn variants(&self) -> Vec<Variant> {
+        variants(self.baseline.is_some())
+    }
+
     fn get(&self, v: Variant) -> &Samples {
         &self.res[v as usize]
     }
@@ -133,20 +140,36 @@ impl Report {
             self.secs,
             self.reps,
         ));
+        if let Some(label) = &self.baseline {
+            s.push_str(&format!(
+                "**calix eBPF, baseline** and **calix eBPF, VXLAN, baseline**: a fourth cluster \
+                 of calix eBPF as it was at {label} (its agents and static plugin, release, built \
+                 under target/baseline/), measured as this build's in the same repetitions; the \
+                 rows \"… / … baseline\" are this build over it.\n\n"
+            ));
+        }
         let row = |v: Variant| (v.label(), self.get(v));
-        s.push_str(&traffic_table(
-            VARIANTS.map(row),
+        let baseline_ratios = self.baseline.iter().flat_map(|_| {
             [
-                (Variant::Ebpf, Variant::Kernel),
-                (Variant::EbpfVxlan, Variant::PlainVxlan),
-                (Variant::KernelVxlan, Variant::PlainVxlan),
-                (Variant::EbpfVxlan, Variant::KernelVxlan),
-                (Variant::Ebpf, Variant::Underlay),
-                (Variant::Kernel, Variant::Underlay),
-                (Variant::EbpfVxlan, Variant::Underlay),
-                (Variant::PlainVxlan, Variant::Underlay),
+                (row(Variant::Ebpf), row(Variant::BaseEbpf)),
+                (row(Variant::EbpfVxlan), row(Variant::BaseEbpfVxlan)),
             ]
-            .map(|(a, b)| (row(a), row(b))),
+        });
+        s.push_str(&traffic_table(
+            self.variants().into_iter().map(row),
+            baseline_ratios.chain(
+                [
+                    (Variant::Ebpf, Variant::Kernel),
+                    (Variant::EbpfVxlan, Variant::PlainVxlan),
+                    (Variant::KernelVxlan, Variant::PlainVxlan),
+                    (Variant::EbpfVxlan, Variant::KernelVxlan),
+                    (Variant::Ebpf, Variant::Underlay),
+                    (Variant::Kernel, Variant::Underlay),
+                    (Variant::EbpfVxlan, Variant::Underlay),
+                    (Variant::PlainVxlan, Variant::Underlay),
+                ]
+                .map(|(a, b)| (row(a), row(b))),
+            ),
         ));
         s.push_str(RATIOS_NOTE);
         s.push_str(&targets(
@@ -175,7 +198,7 @@ impl Report {
              every packet):\n\n\
              | variant | connections | client node | server node |\n|---|---|---|---|\n"
         );
-        for v in VARIANTS {
+        for v in self.variants() {
             let p = self.path(v);
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
@@ -194,7 +217,7 @@ impl Report {
              | variant | node | program | attached to | runs per connection | ns per run | ns \
              per connection |\n|---|---|---|---|---|---|---|\n",
         );
-        for v in VARIANTS.into_iter().filter(|v| v.ebpf()) {
+        for v in self.variants().into_iter().filter(|v| v.ebpf()) {
             let p = self.path(v);
             let conns = p.conns.max(1.0);
             for x in &p.progs {
@@ -238,7 +261,7 @@ impl Report {
              0.5 %)</summary>\n\n",
             self.cpu
         ));
-        for v in VARIANTS {
+        for v in self.variants() {
             s.push_str(&format!("**{}**:", v.label()));
             let top: Vec<String> = self
                 .path(v)
@@ -310,6 +333,10 @@ impl Report {
 
 pub(super) fn chart(path: &Path, r: &Report) -> Result<()> {
     let title = traffic_title("Cross-node pod to pod", r.reps, r.secs, &r.machine().date);
-    let variants = VARIANTS.map(|v| (v.label(), v.color(), Some(r.get(v))));
+    let variants: Vec<_> = r
+        .variants()
+        .into_iter()
+        .map(|v| (v.label(), v.color(), Some(r.get(v))))
+        .collect();
     traffic_chart(path, (1300, 480), &title, &variants)
 }

@@ -6,8 +6,8 @@ use crate::bench::harness::render;
 #[test]
 fn the_report_renders() {
     let reps = 3;
-    let res = [1.5, 1.0, 1.1, 0.8, 0.9, 0.85].map(|k| Samples::fake(k, reps));
-    let paths = VARIANTS
+    let res = [1.5, 1.0, 1.1, 0.8, 0.9, 0.85, 1.0, 0.75].map(|k| Samples::fake(k, reps));
+    let paths = variants(true)
         .iter()
         .map(|v| PathRun {
             conns: 50_000.0,
@@ -36,6 +36,7 @@ fn the_report_renders() {
         iperf_version: "iperf 3.18".into(),
         res,
         paths,
+        baseline: Some("main~1 (abc)".into()),
         bench: Bench::fake(),
     };
     let md = r.markdown();
@@ -43,4 +44,9 @@ fn the_report_renders() {
     assert!(md.starts_with("# Cross-node pod to pod"));
     assert!(md.contains("## Where the time goes"));
     assert!(svg.contains("plain VXLAN (flannel-like)"));
+    assert!(md.contains("| calix eBPF, VXLAN, baseline |"), "{md}");
+    assert!(
+        md.contains("calix eBPF, VXLAN / calix eBPF, VXLAN, baseline"),
+        "{md}"
+    );
 }

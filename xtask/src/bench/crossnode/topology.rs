@@ -8,7 +8,8 @@ use calix_testbed::traffic::{Tools, Traffic};
 use calix_testbed::{veth, Cluster, Dataplane, Guarded, Netns, Plugin};
 use serde_json::json;
 
-use super::{Variant, PLAIN_DEV, PLAIN_MTU, PLAIN_VNI, POOLS, SUBNETS, VARIANTS, VXLAN_PORT};
+use super::{Variant, PLAIN_DEV, PLAIN_MTU, PLAIN_VNI, POOLS, SUBNETS, VXLAN_PORT};
+use crate::bench::baseline::Calix;
 use crate::bench::harness::{check_interrupted, warm_up, Bench, Compared};
 
 /// The three clusters, and every pod; removed when dropped (pods first).
@@ -17,15 +18,21 @@ pub(super) struct Beds {
     ebpf: Cluster,
     kernel: Cluster,
     plain: Cluster,
+    /// The baseline's calix eBPF cluster (`--baseline`).
+    base: Option<Cluster>,
 }
 
 impl Beds {
-    fn cluster(&self, v: Variant) -> &Cluster {
-        match v {
+    fn cluster(&self, v: Variant) -> Result<&Cluster> {
+        Ok(match v {
             Variant::Ebpf | Variant::EbpfVxlan => &self.ebpf,
             Variant::Kernel | Variant::KernelVxlan => &self.kernel,
             Variant::Underlay | Variant::PlainVxlan => &self.plain,
-        }
+            Variant::BaseEbpf | Variant::BaseEbpfVxlan => self
+                .base
+                .as_ref()
+                .context("a baseline variant without a baseline")?,
+        })
     }
 }
 
@@ -37,11 +44,12 @@ pub(super) struct Topology {
     _servers: Vec<Guarded>,
 }
 
-fn calix_cluster(b: &Bench, ca: &Ca, tag: &str, dataplane: Dataplane) -> Result<Cluster> {
+/// A calix cluster with `spec`'s agents (`bins`: this build's or a baseline's).
+fn calix_cluster(b: &Bench, ca: &Ca, tag: &str, spec: calix_testbed::AgentSpec) -> Result<Cluster> {
     let mut c = Cluster::launch_with(
         || b.name(&format!("{tag}-u")),
         |i| b.name(&format!("{tag}-n{i}")),
-        b.spec(dataplane),
+        spec,
         &SUBNETS,
         |_, _| String::new(),
     )?;
@@ -122,11 +130,29 @@ fn plain_vxlan(b: &Bench, c: &Cluster) -> Result<(Netns, Netns, Ipv4Addr)> {
 }
 
 /// Builds every variant's wiring: the clusters, the pods, the servers.
-pub(super) fn build(b: &Bench, ca: &Ca, tools: &Tools) -> Result<(Beds, Vec<Topology>)> {
+pub(super) fn build(
+    b: &Bench,
+    ca: &Ca,
+    tools: &Tools,
+    variants: &[Variant],
+    base: Option<&Calix>,
+) -> Result<(Beds, Vec<Topology>)> {
     println!("[setup] calix eBPF cluster (3 nodes)");
-    let ebpf = calix_cluster(b, ca, "e", Dataplane::Ebpf)?;
+    let ebpf = calix_cluster(b, ca, "e", b.spec(Dataplane::Ebpf))?;
     println!("[setup] calix kernel cluster (3 nodes)");
-    let kernel = calix_cluster(b, ca, "k", Dataplane::Kernel)?;
+    let kernel = calix_cluster(b, ca, "k", b.spec(Dataplane::Kernel))?;
+    let base_cluster = match base {
+        Some(base) => {
+            println!(
+                "[setup] calix eBPF cluster of the baseline {} (3 nodes)",
+                base.label
+            );
+            let mut spec = b.spec(Dataplane::Ebpf);
+            spec.bins = base.agent_bins.clone();
+            Some(calix_cluster(b, ca, "b", spec)?)
+        }
+        None => None,
+    };
     println!("[setup] plain cluster (3 nodes, no calix)");
     let plain = Cluster::launch_with(
         || b.name("p-u"),
@@ -140,15 +166,16 @@ pub(super) fn build(b: &Bench, ca: &Ca, tools: &Tools) -> Result<(Beds, Vec<Topo
         ebpf,
         kernel,
         plain,
+        base: base_cluster,
     };
     let conf = json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } });
     // Declared after the clusters: dropped before them on an error.
     let mut pods = Vec::new();
     let mut topo = Vec::new();
-    for v in VARIANTS {
+    for &v in variants {
         check_interrupted()?;
         let tag = v.tag();
-        let c = beds.cluster(v);
+        let c = beds.cluster(v)?;
         let s = v.server_node();
         let (client, server, server_ip) = match v {
             Variant::Underlay => (
@@ -167,11 +194,15 @@ pub(super) fn build(b: &Bench, ca: &Ca, tools: &Tools) -> Result<(Beds, Vec<Topo
                 t
             }
             _ => {
+                let binary = match (v, base) {
+                    (Variant::BaseEbpf | Variant::BaseEbpfVxlan, Some(base)) => base.plugin.clone(),
+                    _ => b.bins.join("calix"),
+                };
                 let plugin = |i: usize| {
                     let n = &c.nodes[i];
                     Plugin::new(
                         v.label(),
-                        b.bins.join("calix"),
+                        binary.clone(),
                         Some(&n.ns),
                         &n.conf(conf.clone()),
                     )

@@ -18,7 +18,9 @@
 //! (order rotated every repetition). For the eBPF variants, the programs' own run time per
 //! packet (the kernel's BPF statistics, over an untimed TCP_CRR run); for the two calix eBPF
 //! variants, what the attachment costs: the CPU per packet of a flood from the client pod that
-//! `from_pod` drops (a spoofed source), tcx against cls_bpf. Everything is named `cxb-<pid>-…` and removed on drop, on
+//! `from_pod` drops (a spoofed source), tcx against cls_bpf. With `--baseline REV`, a seventh
+//! variant: **calix eBPF, baseline**, the agent and static plugin of another revision (built
+//! under target/baseline/), wired and measured as calix eBPF is. Everything is named `cxb-<pid>-…` and removed on drop, on
 //! error and Ctrl-C too. Writes docs/bench/dataplane.md and .svg (with `--quick`,
 //! target/bench/ instead: development numbers are not published).
 mod cost;
@@ -37,6 +39,7 @@ use calix_testbed::{veth, AgentSpec, Dataplane, Guarded, Netns, Node, Plugin, CN
 use plotters::style::RGBColor;
 use serde_json::json;
 
+use super::baseline::Calix;
 use super::chart;
 use super::harness::{
     check_interrupted, cni_plugins_version, repetitions, version, warm_up, Bench, Compared,
@@ -71,7 +74,12 @@ enum Variant {
     Veth,
     Floor,
     EbpfClsBpf,
+    /// calix eBPF of another revision (`--baseline`).
+    Baseline,
 }
+
+/// Every variant's slot in the per-variant arrays ([`Variant`] as usize).
+const SLOTS: usize = 7;
 
 const VARIANTS: [Variant; 6] = [
     Variant::Ebpf,
@@ -91,8 +99,18 @@ impl Compared for Variant {
             Self::Veth => ("raw veth", "veth", chart::GREY),
             Self::Floor => ("minimal tc program", "flor", chart::PURPLE),
             Self::EbpfClsBpf => ("calix eBPF, cls_bpf", "ebtc", chart::CYAN),
+            Self::Baseline => ("calix eBPF, baseline", "base", chart::RED),
         }
     }
+}
+
+/// The variants of a run: [`VARIANTS`], and the baseline's when there is one.
+fn variants(baseline: bool) -> Vec<Variant> {
+    let mut v = VARIANTS.to_vec();
+    if baseline {
+        v.push(Variant::Baseline);
+    }
+    v
 }
 
 /// One variant's wiring, removed when dropped (servers first).
@@ -108,7 +126,13 @@ struct Topology {
 }
 
 /// Builds `v`: its node (calix, bridge) and two pods, or the veth pair; servers up.
-fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topology> {
+fn topology(
+    b: &Bench,
+    tools: &Tools,
+    v: Variant,
+    floor: &Path,
+    base: Option<&Calix>,
+) -> Result<Topology> {
     let tag = v.tag();
     let (client, server) = (b.netns(&format!("{tag}-a"))?, b.netns(&format!("{tag}-b"))?);
     let (mut node, mut namespaces, mut server_ip) = (None::<Node>, Vec::new(), VETH_SERVER);
@@ -144,14 +168,20 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
             };
             let config = (v == Variant::EbpfClsBpf)
                 .then(|| format!("tc_attach = \"tc\"\n[[pools]]\ncidr = \"{POOL}\"\n"));
-            let spec = AgentSpec {
+            let mut spec = AgentSpec {
                 object,
                 config,
                 ..b.spec(dataplane)
             };
+            let mut plugin = b.bins.join("calix");
+            if v == Variant::Baseline {
+                let base = base.context("the baseline variant without a baseline")?;
+                spec.bins = base.agent_bins.clone();
+                plugin = base.plugin.clone();
+            }
             let n = b.node(tag, spec)?;
             let conf = n.conf(json!({ "name": "k8s", "ipam": { "type": "calix-ipam" } }));
-            let p = Plugin::new(v.label(), b.bins.join("calix"), Some(&n.ns), &conf);
+            let p = Plugin::new(v.label(), plugin, Some(&n.ns), &conf);
             let ns = Netns::borrowed(&n.ns.name);
             node = Some(n);
             (Some(p), Some(ns))
@@ -165,15 +195,17 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
     let servers = tools.start(&traffic, &b.dir)?;
     namespaces.extend([client, server]);
     let prog_pins = match (v, &node) {
-        (Variant::Ebpf | Variant::EbpfClsBpf | Variant::Floor, Some(n)) => Some(
-            COST_PROGS
-                .iter()
-                .map(|p| {
-                    n.prog_pin(p)
-                        .with_context(|| format!("{}: no pin of {p}", v.label()))
-                })
-                .collect::<Result<Vec<_>>>()?,
-        ),
+        (Variant::Ebpf | Variant::EbpfClsBpf | Variant::Floor | Variant::Baseline, Some(n)) => {
+            Some(
+                COST_PROGS
+                    .iter()
+                    .map(|p| {
+                        n.prog_pin(p)
+                            .with_context(|| format!("{}: no pin of {p}", v.label()))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            )
+        }
         _ => None,
     };
     Ok(Topology {
@@ -186,7 +218,7 @@ fn topology(b: &Bench, tools: &Tools, v: Variant, floor: &Path) -> Result<Topolo
     })
 }
 
-pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
+pub fn run(reps: usize, secs: u64, quick: bool, baseline: Option<&str>) -> Result<()> {
     let tools_needed = ["iperf3", "nstat", "sysctl"];
     let b = Bench::setup(
         "the dataplane benchmark",
@@ -197,12 +229,14 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
     let floor =
         calix_ebpf_build::build_ebpf_feature(&calix_ebpf_build::ebpf_target_dir(), FLOOR_FEATURE)
             .map_err(|e| anyhow::anyhow!("building the {FLOOR_FEATURE} eBPF object: {e}"))?;
+    let base = baseline.map(super::baseline::calix).transpose()?;
     let tools = b.tools();
-    let mut topo = Vec::with_capacity(VARIANTS.len());
-    for v in VARIANTS {
+    let all = variants(base.is_some());
+    let mut topo = Vec::with_capacity(all.len());
+    for &v in &all {
         check_interrupted()?;
-        let t =
-            topology(&b, &tools, v, &floor).with_context(|| format!("setting up {}", v.label()))?;
+        let t = topology(&b, &tools, v, &floor, base.as_ref())
+            .with_context(|| format!("setting up {}", v.label()))?;
         let tr = &t.traffic;
         warm_up(
             &tools,
@@ -214,11 +248,11 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         topo.push(t);
     }
 
-    let mut res: [Samples; 6] = Default::default();
-    let mut cost: [Cost; 6] = Default::default();
-    let mut attach: [Attach; 6] = Default::default();
+    let mut res: [Samples; SLOTS] = Default::default();
+    let mut cost: [Cost; SLOTS] = Default::default();
+    let mut attach: [Attach; SLOTS] = Default::default();
     let ksoftirqd = ksoftirqd_pid(tools.cpu);
-    repetitions(reps, &VARIANTS, |v| {
+    repetitions(reps, &all, |v| {
         let t = &topo[v as usize];
         let m = tools.measure(&t.traffic, secs, t.node_ns.as_ref(), true)?;
         let mut line = res[v as usize].push(&m);
@@ -244,6 +278,7 @@ pub fn run(reps: usize, secs: u64, quick: bool) -> Result<()> {
         res,
         cost,
         attach,
+        baseline: base.map(|b| b.label),
         bench: b,
     };
     Bench::publish("dataplane", &report.markdown(), quick, |p| {

@@ -5,7 +5,9 @@ use anyhow::Result;
 use calix_testbed::traffic::IPERF_NICE;
 
 use super::cost::{Attach, Cost};
-use super::{Variant, BASELINE_ABOVE_FLOOR, BRIDGE_SUBNET, FLOOD_SECS, PROG_COST_SECS, VARIANTS};
+use super::{
+    variants, Variant, BASELINE_ABOVE_FLOOR, BRIDGE_SUBNET, FLOOD_SECS, PROG_COST_SECS, SLOTS,
+};
 use crate::bench::chart::{traffic_chart, traffic_title};
 use crate::bench::harness::{Bench, Compared, Machine};
 use crate::bench::report::{
@@ -22,11 +24,13 @@ pub(super) struct Report {
     pub(super) tw_delay: bool,
     pub(super) plugins_version: String,
     pub(super) iperf_version: String,
-    pub(super) res: [Samples; 6],
+    pub(super) res: [Samples; SLOTS],
     /// The programs' run time (eBPF variants).
-    pub(super) cost: [Cost; 6],
+    pub(super) cost: [Cost; SLOTS],
     /// The attachment's cost (the calix eBPF variants).
-    pub(super) attach: [Attach; 6],
+    pub(super) attach: [Attach; SLOTS],
+    /// The baseline's revision, when the run had one (`--baseline`).
+    pub(super) baseline: Option<String>,
     pub(super) bench: Bench,
 }
 
@@ -35,14 +39,23 @@ impl Report {
         &self.res[v as usize]
     }
 
-    /// calix `from_pod`'s ns per packet above the minimal tc program's, per repetition (the
-    /// two measured in the same repetition).
-    fn above_floor(&self) -> Vec<f64> {
+    fn variants(&self) -> Vec<Variant> {
+        variants(self.baseline.is_some())
+    }
+
+    /// `v`'s `from_pod` ns per packet above the minimal tc program's, per repetition (the two
+    /// measured in the same repetition).
+    fn above_floor_of(&self, v: Variant) -> Vec<f64> {
         let (c, f) = (
-            &self.cost[Variant::Ebpf as usize].from_pod_ns,
+            &self.cost[v as usize].from_pod_ns,
             &self.cost[Variant::Floor as usize].from_pod_ns,
         );
         c.iter().zip(f).map(|(c, f)| c - f).collect()
+    }
+
+    /// calix `from_pod`'s ns per packet above the minimal tc program's, per repetition.
+    fn above_floor(&self) -> Vec<f64> {
+        self.above_floor_of(Variant::Ebpf)
     }
 
     fn machine(&self) -> &Machine {
@@ -171,21 +184,35 @@ impl Report {
             self.secs,
             self.reps,
         ));
+        if let Some(label) = &self.baseline {
+            s.push_str(&format!(
+                "**calix eBPF, baseline**: calix eBPF as it was at {label} (its agent and static \
+                 plugin, release, built under target/baseline/), wired and measured as calix \
+                 eBPF is, in the same repetitions; the row \"calix eBPF / calix eBPF, \
+                 baseline\" is this build over it.\n\n"
+            ));
+        }
         let row = |v: Variant| (v.label(), self.get(v));
+        let baseline_ratio = self
+            .baseline
+            .as_ref()
+            .map(|_| (row(Variant::Ebpf), row(Variant::Baseline)));
         s.push_str(&traffic_table(
-            VARIANTS.map(row),
-            [
-                (Variant::Ebpf, Variant::Veth),
-                (Variant::Ebpf, Variant::Kernel),
-                (Variant::Ebpf, Variant::Bridge),
-                (Variant::Ebpf, Variant::Floor),
-                (Variant::Ebpf, Variant::EbpfClsBpf),
-                (Variant::Floor, Variant::Veth),
-                (Variant::Floor, Variant::Kernel),
-                (Variant::Kernel, Variant::Veth),
-                (Variant::Bridge, Variant::Veth),
-            ]
-            .map(|(a, b)| (row(a), row(b))),
+            self.variants().into_iter().map(row),
+            baseline_ratio.into_iter().chain(
+                [
+                    (Variant::Ebpf, Variant::Veth),
+                    (Variant::Ebpf, Variant::Kernel),
+                    (Variant::Ebpf, Variant::Bridge),
+                    (Variant::Ebpf, Variant::Floor),
+                    (Variant::Ebpf, Variant::EbpfClsBpf),
+                    (Variant::Floor, Variant::Veth),
+                    (Variant::Floor, Variant::Kernel),
+                    (Variant::Kernel, Variant::Veth),
+                    (Variant::Bridge, Variant::Veth),
+                ]
+                .map(|(a, b)| (row(a), row(b))),
+            ),
         ));
         s.push_str(&self.cost_markdown());
         s.push_str(RATIOS_NOTE);
@@ -196,9 +223,9 @@ impl Report {
              veth): its window closed thousands of times a second and the run settled near 16 \
              instead of ~55 Gbit/s. Zero-window advertisements of the receiver per run, median \
              [min–max]: {}.\n",
-            VARIANTS
-                .iter()
-                .map(|&v| format!(
+            self.variants()
+                .into_iter()
+                .map(|v| format!(
                     "{} {}",
                     v.label(),
                     fmt_spread_with(&self.get(v).zero_windows, "", fmt_0)
@@ -212,13 +239,17 @@ impl Report {
              | variant | per connection (TCP_CRR) | per round trip (TCP_RR) | during iperf3 |\n\
              |---|---|---|---|\n",
         );
+        let baseline = self.baseline.as_ref().map(|_| Variant::Baseline);
         for v in [
             Variant::Ebpf,
             Variant::EbpfClsBpf,
             Variant::Floor,
             Variant::Kernel,
             Variant::Bridge,
-        ] {
+        ]
+        .into_iter()
+        .chain(baseline)
+        {
             let x = self.get(v);
             s.push_str(&format!(
                 "| {} | {} | {} | {} |\n",
@@ -271,10 +302,14 @@ impl Report {
              | variant | `from_pod` ns per packet | above the floor | packets per run | `to_pod` runs |\n\
              |---|---|---|---|---|\n"
         );
-        for v in [Variant::Ebpf, Variant::EbpfClsBpf, Variant::Floor] {
+        let baseline = self.baseline.as_ref().map(|_| Variant::Baseline);
+        for v in [Variant::Ebpf, Variant::EbpfClsBpf, Variant::Floor]
+            .into_iter()
+            .chain(baseline)
+        {
             let c = &self.cost[v as usize];
             let above = match v {
-                Variant::Ebpf => f1(&self.above_floor()),
+                Variant::Ebpf | Variant::Baseline => f1(&self.above_floor_of(v)),
                 _ => "—".into(),
             };
             s.push_str(&format!(
@@ -283,6 +318,19 @@ impl Report {
                 f1(&c.from_pod_ns),
                 f0(&c.from_pod_runs),
                 f0(&c.to_pod_runs),
+            ));
+        }
+        if baseline.is_some() {
+            let (this, base) = (
+                median(&self.cost[Variant::Ebpf as usize].from_pod_ns),
+                median(&self.cost[Variant::Baseline as usize].from_pod_ns),
+            );
+            s.push_str(&format!(
+                "\nThis build's `from_pod` over the baseline's: {} ({} against {} ns per \
+                 packet, medians).\n",
+                ratio(this, base),
+                fmt_1(this),
+                fmt_1(base)
             ));
         }
         let (t, c) = (
@@ -318,6 +366,10 @@ impl Report {
 
 pub(super) fn chart(path: &Path, r: &Report) -> Result<()> {
     let title = traffic_title("Same-node pod-to-pod", r.reps, r.secs, &r.machine().date);
-    let variants = VARIANTS.map(|v| (v.label(), v.color(), Some(r.get(v))));
+    let variants: Vec<_> = r
+        .variants()
+        .into_iter()
+        .map(|v| (v.label(), v.color(), Some(r.get(v))))
+        .collect();
     traffic_chart(path, (1200, 460), &title, &variants)
 }
