@@ -11,9 +11,11 @@
 //! - [`routes`]: the route engine of route distribution (the view of blocks and nodes, what
 //!   this node advertises, whom it follows, each peer's session, validation, the report);
 //! - [`wire`], [`update`]: the decoder of a peer's route stream and what it yields;
-//! - [`reconcile`]: the planners (routes to other nodes).
+//! - [`reconcile`]: the planners (routes to other nodes);
+//! - [`policy`]: NetworkPolicy calculated (per endpoint rules over address sets).
 pub mod ipam;
 pub mod model;
+pub mod policy;
 pub mod reconcile;
 pub mod routes;
 pub mod selector;

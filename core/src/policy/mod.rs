@@ -1,0 +1,16 @@
+//! NetworkPolicy, calculated: which policies select an endpoint, what each direction allows,
+//! as rules over address sets, and the sets' members; kept up to date one change at a time.
+//! Pure: the Kubernetes adapter feeds it plain values ([`model`]), the dataplanes program what
+//! it answers.
+//!
+//! - [`model`]: policies, pods, namespaces, and the checks of a rule;
+//! - [`sets`]: the address sets rules name (a pod selector in its namespaces, an ipBlock, a
+//!   named port) and who is in them;
+//! - [`endpoint`]: one endpoint's policy (Kubernetes' isolation and union of rules);
+//! - [`cluster`]: the state, and what each change touches.
+pub mod cluster;
+pub mod endpoint;
+pub mod model;
+pub mod sets;
+#[cfg(test)]
+mod tests;
