@@ -9,6 +9,7 @@
 //! - [`directory`]: the node's pod directory (who a pod is, what its annotations allow);
 //! - [`podipam`]: a pod's IPAM annotations (pools, a fixed address; read by
 //!   `calix_core::ipam::annotations`), read at its allocation;
+//! - [`policy`]: NetworkPolicies, Pods and Namespaces read for the policy calculation;
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
@@ -24,6 +25,7 @@ pub mod owner;
 pub mod peers;
 pub mod podipam;
 pub mod pods;
+pub mod policy;
 pub mod source;
 
 /// Environment variables that name the node, in order (a DaemonSet sets one from the downward

@@ -119,7 +119,7 @@ impl EndpointPolicy {
 /// allows nothing, rather than leave any open.
 pub fn selects(policy: &Policy, pod: &Pod) -> bool {
     policy.key.namespace == pod.key.namespace
-        && (policy.check_selector().is_err() || policy.pod_selector.matches(&pod.labels))
+        && (policy.selector_problem().is_some() || policy.pod_selector.matches(&pod.labels))
 }
 
 /// The endpoint policy of `pod` under `policies` (those of other namespaces are skipped).
@@ -134,12 +134,12 @@ pub fn compute<'a>(
     let mut out = EndpointPolicy::default();
     for policy in policies.into_iter().filter(|p| selects(p, pod)) {
         out.policies.push(policy.key.clone());
-        if let Err(e) = policy.check_selector() {
+        if let Some(why) = policy.selector_problem() {
             out.problems.push(Problem {
                 policy: policy.key.clone(),
                 direction: None,
                 rule: None,
-                error: format!("podSelector: {e}"),
+                error: format!("podSelector: {why}"),
             });
         }
         for (d, rules) in [

@@ -85,6 +85,9 @@ pub struct Rule {
     pub peers: Vec<Peer>,
     /// Empty: every port and protocol.
     pub ports: Vec<PortMatch>,
+    /// Why the adapter could not read the rule as written (an unknown operator or protocol, a
+    /// port out of range): it then allows nothing.
+    pub unreadable: Option<String>,
 }
 
 /// A policy's namespace and name.
@@ -110,6 +113,9 @@ pub struct Policy {
     pub pod_selector: LabelSelector,
     pub ingress: Option<Vec<Rule>>,
     pub egress: Option<Vec<Rule>>,
+    /// Why the adapter could not read `podSelector`: the policy then selects every pod of its
+    /// namespace and allows nothing.
+    pub unreadable_selector: Option<String>,
 }
 
 /// A pod's namespace and name.
@@ -174,18 +180,27 @@ pub enum RuleError {
     EndPortBelowPort { port: u16, end: u16 },
     #[error("an empty port name")]
     EmptyPortName,
+    #[error("{0}")]
+    Unreadable(String),
 }
 
 impl Policy {
-    /// Checks the policy's own selector.
-    pub fn check_selector(&self) -> Result<(), SelectorError> {
-        self.pod_selector.validate()
+    /// Why its own selector cannot be read, if it cannot.
+    pub fn selector_problem(&self) -> Option<String> {
+        match (&self.unreadable_selector, self.pod_selector.validate()) {
+            (Some(why), _) => Some(why.clone()),
+            (None, Err(e)) => Some(e.to_string()),
+            (None, Ok(())) => None,
+        }
     }
 }
 
 impl Rule {
     /// Checks every peer and port of the rule.
     pub fn check(&self) -> Result<(), RuleError> {
+        if let Some(why) = &self.unreadable {
+            return Err(RuleError::Unreadable(why.clone()));
+        }
         for peer in &self.peers {
             match peer {
                 Peer::Pods { namespaces, pods } => {

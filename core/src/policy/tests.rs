@@ -54,6 +54,7 @@ fn policy(
         pod_selector: selector,
         ingress,
         egress,
+        unreadable_selector: None,
     }
 }
 
@@ -140,6 +141,7 @@ fn several_policies_allow_the_union_of_their_rules() {
         Some(vec![Rule {
             peers: vec![pods_in("a", &[("app", "fe")])],
             ports: vec![tcp(80)],
+            ..Default::default()
         }]),
         None,
     );
@@ -155,6 +157,7 @@ fn several_policies_allow_the_union_of_their_rules() {
                 port: Some(PortRef::Number(53)),
                 end_port: None,
             }],
+            ..Default::default()
         }]),
     );
     let e = compute(&web, [&p1, &p2]).expect("subject");
@@ -197,6 +200,7 @@ fn ports_ranges_protocols_and_named_ports_on_ingress() {
     let rule = |ports: Vec<PortMatch>| Rule {
         peers: vec![],
         ports,
+        ..Default::default()
     };
     let p = policy(
         "a",
@@ -261,6 +265,7 @@ fn a_rule_that_cannot_be_enforced_allows_nothing_and_is_reported() {
                 except: vec![net("10.1.0.0/28")],
             }],
             ports: vec![],
+            ..Default::default()
         },
         Rule {
             peers: vec![],
@@ -269,6 +274,7 @@ fn a_rule_that_cannot_be_enforced_allows_nothing_and_is_reported() {
                 port: Some(PortRef::Number(90)),
                 end_port: Some(80),
             }],
+            ..Default::default()
         },
         Rule {
             peers: vec![Peer::Pods {
@@ -283,6 +289,7 @@ fn a_rule_that_cannot_be_enforced_allows_nothing_and_is_reported() {
                 pods: LabelSelector::default(),
             }],
             ports: vec![],
+            ..Default::default()
         },
         Rule {
             peers: vec![],
@@ -291,6 +298,13 @@ fn a_rule_that_cannot_be_enforced_allows_nothing_and_is_reported() {
                 port: Some(PortRef::Name("http".into())),
                 end_port: Some(90),
             }],
+            ..Default::default()
+        },
+        // What the adapter could not read (e.g. an operator Kubernetes does not have).
+        Rule {
+            peers: vec![],
+            ports: vec![],
+            unreadable: Some("namespaceSelector: operator \"Like\"".into()),
         },
     ];
     for (i, rule) in bad.into_iter().enumerate() {
@@ -341,6 +355,7 @@ fn pod_sets_follow_labels_namespaces_and_addresses() {
                 },
             ],
             ports: vec![],
+            ..Default::default()
         }]),
         None,
     );
@@ -407,6 +422,7 @@ fn ip_blocks_keep_their_excepts_and_match_any_address() {
         Some(vec![Rule {
             peers: vec![block],
             ports: vec![],
+            ..Default::default()
         }]),
     ))]);
     assert_eq!(
@@ -451,6 +467,7 @@ fn egress_to_a_named_port_resolves_on_each_destination() {
             Rule {
                 peers: vec![pods_in("a", &[("app", "srv")])],
                 ports: vec![named.clone()],
+                ..Default::default()
             },
             Rule {
                 peers: vec![Peer::Block {
@@ -458,6 +475,7 @@ fn egress_to_a_named_port_resolves_on_each_destination() {
                     except: vec![],
                 }],
                 ports: vec![named],
+                ..Default::default()
             },
         ]),
     );
@@ -510,6 +528,7 @@ fn an_address_taken_over_by_another_pod_stays_in_the_set() {
         Some(vec![Rule {
             peers: vec![pods_in("a", &[("app", "fe")])],
             ports: vec![],
+            ..Default::default()
         }]),
         None,
     );
@@ -558,6 +577,7 @@ fn every_change_leaves_the_sets_as_a_fresh_calculation_would() {
         Some(vec![Rule {
             peers: vec![fe.clone(), team.clone()],
             ports: vec![tcp(80)],
+            ..Default::default()
         }]),
         None,
     );
@@ -568,6 +588,7 @@ fn every_change_leaves_the_sets_as_a_fresh_calculation_would() {
         Some(vec![Rule {
             peers: vec![fe],
             ports: vec![],
+            ..Default::default()
         }]),
         Some(vec![Rule {
             peers: vec![team],
@@ -576,6 +597,7 @@ fn every_change_leaves_the_sets_as_a_fresh_calculation_would() {
                 port: Some(PortRef::Name("http".into())),
                 end_port: None,
             }],
+            ..Default::default()
         }]),
     );
     let mut named = pod("b", "n", &[("tier", "1")], "10.0.1.9");
