@@ -18,6 +18,9 @@ pub const IPPROTO_ICMP: u8 = 1;
 pub const IPPROTO_TCP: u8 = 6;
 pub const IPPROTO_UDP: u8 = 17;
 pub const IPPROTO_ICMPV6: u8 = 58;
+/// TCP header flags (`tcp flags`).
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_ACK: u8 = 0x10;
 
 /// ICMPv6 types (`icmpv6 type ...`).
 pub mod icmpv6 {
@@ -304,6 +307,29 @@ impl RuleBuilder {
             dreg: None,
             invert,
         })
+    }
+
+    /// `tcp flags & (syn | ack) [!=] syn`: the segment opens a connection (a SYN without an
+    /// ACK). Stateless: unlike a `ct` match it needs no connection tracking in the namespace.
+    pub fn tcp_syn(self, op: CmpOp) -> Self {
+        self.need_l4(IPPROTO_TCP)
+            .expr(Expr::Payload {
+                base: PayloadBase::Transport,
+                offset: 13,
+                len: 1,
+                dreg: Reg::R1,
+            })
+            .expr(Expr::Bitwise {
+                sreg: Reg::R1,
+                dreg: Reg::R1,
+                mask: vec![TCP_SYN | TCP_ACK],
+                xor: vec![0],
+            })
+            .expr(Expr::Cmp {
+                sreg: Reg::R1,
+                op,
+                data: vec![TCP_SYN],
+            })
     }
 
     /// `ct direction [!=] dir`.

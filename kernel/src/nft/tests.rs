@@ -102,6 +102,21 @@ fn interface_names_and_protocols_compile_as_nft_compiles_them() {
             "[ cmp eq reg 1 0x00000001 ]"
         ]
     );
+    // `tcp flags & (syn | ack) != syn`, as nft compiles it.
+    let r = Rule::builder(Family::Inet)
+        .l4proto(CmpOp::Eq, IPPROTO_TCP)
+        .tcp_syn(CmpOp::Neq)
+        .build();
+    assert_eq!(
+        lines(&r),
+        [
+            "[ meta load l4proto => reg 1 ]",
+            "[ cmp eq reg 1 0x00000006 ]",
+            "[ payload load 1b @ transport header + 13 => reg 1 ]",
+            "[ bitwise reg 1 = ( reg 1 & 0x00000012 ) ^ 0x00000000 ]",
+            "[ cmp neq reg 1 0x00000002 ]"
+        ]
+    );
 }
 
 #[test]

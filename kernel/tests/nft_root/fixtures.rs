@@ -6,7 +6,7 @@ use std::net::Ipv6Addr;
 use calix_kernel::nft::expr::{PayloadBase, Reg, SetRef};
 use calix_kernel::nft::rule::{ct_state, icmpv6, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 use calix_kernel::nft::{
-    priority, Addr, Chain, ChainType, CmpOp, CtDirection, Data, Element, Expr, Family, Hook,
+    priority, Addr, Chain, ChainType, CmpOp, Data, Element, Expr, Family, Hook,
     KeyType, MapData, Rule, Set, Table, Verdict,
 };
 
@@ -108,7 +108,7 @@ pub fn doors() -> Table {
         c.with_rule(r().iifname(CmpOp::Neq, "cali*").accept())
             .with_rule(r().l4proto(CmpOp::Neq, IPPROTO_TCP).accept())
             .with_rule(r().dport_in(IPPROTO_TCP, &[5474, 9091], true).accept())
-            .with_rule(r().ct_direction(CmpOp::Eq, CtDirection::Reply).accept())
+            .with_rule(r().tcp_syn(CmpOp::Neq).accept())
     };
     let mut v4 = Set::new("peers_v4", KeyType::IPV4_ADDR);
     v4.elements = vec![Element::key([172, 31, 1, 2]), Element::key([172, 31, 2, 3])];
