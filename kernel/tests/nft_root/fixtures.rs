@@ -6,8 +6,8 @@ use std::net::Ipv6Addr;
 use calix_kernel::nft::expr::{PayloadBase, Reg, SetRef};
 use calix_kernel::nft::rule::{ct_state, icmpv6, IPPROTO_ICMP, IPPROTO_TCP, IPPROTO_UDP};
 use calix_kernel::nft::{
-    priority, Addr, Chain, ChainType, CmpOp, Data, Element, Expr, Family, Hook,
-    KeyType, MapData, Rule, Set, Table, Verdict,
+    priority, Addr, Chain, ChainType, CmpOp, Data, Element, Expr, Family, Hook, KeyType, MapData,
+    Rule, Set, Table, Verdict,
 };
 
 pub const ANTISPOOF: &str = include_str!("scripts/antispoof.nft");
