@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod notice;
 pub mod paths;
 pub mod pod_network;
+pub mod policy;
 pub mod reconcile;
 pub mod signer;
 pub mod tasks;

@@ -17,7 +17,9 @@ use calix_agent::kubernetes::events::EventRecorder;
 use calix_agent::kubernetes::owner::{Owner, Stop};
 use calix_agent::kubernetes::podipam::PodIpamSource;
 use calix_agent::kubernetes::pods;
+use calix_agent::kubernetes::policy::watch as policy_watch;
 use calix_agent::pod_network::Node;
+use calix_agent::policy::PolicyService;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
 use calix_agent::{distribution, local_api, metrics, tasks, uninstall};
@@ -246,6 +248,18 @@ async fn run() -> Result<()> {
         }
         None => (None, None),
     };
+    // NetworkPolicy (Kubernetes mode): namespaces, every pod and the policies, followed and
+    // calculated for this node's pods (calixctl policy). Not programmed yet (issue 22).
+    let policy = if cfg.datastore.is_kubernetes() {
+        let watches = policy_watch::load(store.clone())
+            .await
+            .context("cannot read the Namespaces, Pods and NetworkPolicies")?;
+        let service = Arc::new(PolicyService::new(&cfg.node_name));
+        policy_watch::spawn(watches, service.clone(), cfg.node_name.clone());
+        Some(service)
+    } else {
+        None
+    };
     let routes_handle = Arc::new(std::sync::OnceLock::new());
     let started = cfg.clone();
     tasks::spawn_reload(
@@ -273,7 +287,12 @@ async fn run() -> Result<()> {
     // Ready: synced, and the plugin can connect.
     http.set_ready(node.clone());
     socket
-        .serve(node.clone(), routes.clone(), tasks::shutdown_signal())
+        .serve(
+            node.clone(),
+            routes.clone(),
+            policy,
+            tasks::shutdown_signal(),
+        )
         .await?;
     // Asked first, while the agent may still ask (see kubernetes::owner).
     let stop = match &owner {

@@ -828,16 +828,18 @@ fn the_cluster_role_is_least_privilege() {
             "{rule}"
         );
     }
-    for resource in ["nodes", "pods"] {
+    // Read only: every Node, Pod and Namespace (NetworkPolicy's selectors read them all).
+    for resource in ["nodes", "pods", "namespaces"] {
         let mut v = grants("", resource);
         v.sort();
         assert_eq!(v, ["get", "list", "watch"], "{resource}");
     }
     assert_eq!(grants("", "events"), ["create"]);
-    assert_eq!(grants("", "namespaces"), ["get"]);
-    let mut cidrs = grants("networking.k8s.io", "servicecidrs");
-    cidrs.sort();
-    assert_eq!(cidrs, ["get", "list", "watch"]);
+    for resource in ["servicecidrs", "networkpolicies"] {
+        let mut v = grants("networking.k8s.io", resource);
+        v.sort();
+        assert_eq!(v, ["get", "list", "watch"], "{resource}");
+    }
     assert!(!grants("", "pods").contains(&"delete".to_string()));
     for kind in [
         "ipamblocks",

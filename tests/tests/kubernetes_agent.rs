@@ -1636,3 +1636,147 @@ fn forged_and_undecodable_ipam_blocks_are_ignored_and_reported_in_kubernetes() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Pod `namespace/name` bound to `node` with `labels`, a container port `http` (TCP 8080), and
+/// `ip` in its status, as a kubelet would report it.
+fn pod_with_ip(api: &KubeApi, namespace: &str, name: &str, node: &str, labels: Value, ip: &str) {
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": namespace},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let meta = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace}});
+    let mut pod = meta.clone();
+    pod["metadata"]["labels"] = labels;
+    pod["spec"] = json!({"nodeName": node, "containers": [{"name": "c", "image": "pause",
+        "ports": [{"name": "http", "containerPort": 8080}]}]});
+    api.apply(pod).unwrap_or_else(|e| panic!("{e}"));
+    api.patch_status(meta, json!({"podIP": ip, "podIPs": [{"ip": ip}]}))
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `calixctl policy <pod> -o json` once it satisfies `ok`.
+fn wait_policy(node: &Node, pod: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    wait_for(
+        what,
+        Duration::from_secs(20),
+        || {
+            node.agent()
+                .calixctl_json(&["policy", pod])
+                .ok()
+                .filter(|r| ok(r))
+        },
+        || {
+            format!(
+                "{:?}\n{}",
+                node.agent().calixctl_json(&["policy", pod]),
+                node.agent_log()
+            )
+        },
+    )
+}
+
+#[test]
+fn network_policies_namespaces_and_every_pod_are_followed_with_only_the_cluster_role() {
+    let api = KubeApi::shared();
+    let u = unique("np");
+    let node = agent_node(&api, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.31")],
+    );
+    api.apply(ippool(&u, "10.73.0.0/24", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.73.0.0/24"]);
+    let ns = format!("{u}-shop");
+    namespace(&api, &ns, json!({"team": u}), json!({}));
+    let elsewhere = format!("{u}-other-node");
+    pod_with_ip(&api, &ns, "web", &name, json!({"app": "web"}), "10.73.0.5");
+    pod_with_ip(
+        &api,
+        &ns,
+        "c1",
+        &elsewhere,
+        json!({"role": "client"}),
+        "10.74.0.1",
+    );
+    pod_with_ip(
+        &api,
+        &ns,
+        "c2",
+        &elsewhere,
+        json!({"role": "other"}),
+        "10.74.0.2",
+    );
+    let web = format!("{ns}/web");
+    // Before any policy: known, here, open both ways.
+    wait_policy(&node, &web, "the pod is known and open", |r| {
+        r["ready"] == true
+            && r["endpoint"]["local"] == true
+            && r["endpoint"]["ingress"].is_null()
+            && r["endpoint"]["egress"].is_null()
+    });
+    api.apply(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "web", "namespace": ns},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "web"}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{
+                "from": [{"podSelector": {"matchLabels": {"role": "client"}}}],
+                "ports": [{"port": "http"}, {"protocol": "UDP", "port": 9000, "endPort": 9010}]
+            }]
+        }
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let r = wait_policy(&node, &web, "the policy isolates web", |r| {
+        r["endpoint"]["ingress"].is_array()
+    });
+    let e = &r["endpoint"];
+    assert_eq!(e["policies"], json!([format!("{ns}/web")]), "{r}");
+    assert_eq!(
+        e["egress"],
+        json!([]),
+        "egress isolated, nothing allowed: {r}"
+    );
+    let rule = &e["ingress"][0];
+    assert_eq!(rule["peer"], format!("pods role=client in {ns}"), "{r}");
+    assert_eq!(rule["ports"], "TCP/8080,UDP/9000-9010", "{r}");
+    assert_eq!(rule["members"], 1, "{r}");
+    // A pod on another node takes the label: the set grows, the rules stay.
+    pod_with_ip(
+        &api,
+        &ns,
+        "c2",
+        &elsewhere,
+        json!({"role": "client"}),
+        "10.74.0.2",
+    );
+    wait_policy(&node, &web, "c2 joins the clients", |r| {
+        r["endpoint"]["ingress"][0]["members"] == 2
+    });
+    // Another node's pod: known, not programmed here.
+    let c1 = node
+        .agent()
+        .calixctl_json(&["policy", &format!("{ns}/c1")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(c1["endpoint"]["local"], false, "{c1}");
+    // The policy goes: open again.
+    api.delete_now("networking.k8s.io/v1", "NetworkPolicy", &ns, "web")
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_policy(&node, &web, "open again without the policy", |r| {
+        r["endpoint"]["ingress"].is_null() && r["policies"] == 0
+    });
+    assert_admitted(&node);
+    for p in ["web", "c1", "c2"] {
+        api.delete_now("v1", "Pod", &ns, p)
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
+}

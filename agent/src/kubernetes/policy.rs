@@ -15,6 +15,8 @@ use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, Network
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector as KubeSelector;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
+pub mod watch;
+
 /// A NetworkPolicy as the calculation takes it. None without a namespace or name (the API
 /// server always sets both).
 pub fn policy(np: &NetworkPolicy) -> Option<Policy> {

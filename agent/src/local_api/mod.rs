@@ -1,4 +1,4 @@
 //! gRPC services over the agent core. Domain errors become `tonic::Status` only here.
 pub mod server;
 
-pub use server::{EndpointsSvc, IpamSvc, RouteInfoSvc, UnixSocket};
+pub use server::{EndpointsSvc, IpamSvc, PolicyInfoSvc, RouteInfoSvc, UnixSocket};

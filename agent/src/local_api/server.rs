@@ -1,5 +1,5 @@
-//! `calix.v1.Ipam`, `calix.v1.Endpoints` and `calix.v1.RouteInfo` on the agent's unix socket
-//! (`calix.v1.Routes`, between agents, is served on TCP by `crate::distribution`).
+//! `calix.v1.Ipam`, `calix.v1.Endpoints`, `calix.v1.RouteInfo` and `calix.v1.PolicyInfo` on
+//! the agent's unix socket (`calix.v1.Routes`, between agents, is served on TCP by `crate::distribution`).
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -8,6 +8,8 @@ use std::sync::Arc;
 use calix_core::ipam::annotations::{self, AnnotationError, PodIpamError};
 use calix_core::ipam::{IpamError, PoolChoice};
 use calix_core::model::EndpointRecord;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::report::PolicyReport;
 use calix_core::routes::report::RoutesReport;
 use calix_proto::v1 as pb;
 use tokio::net::UnixListener;
@@ -18,6 +20,7 @@ use crate::distribution::RoutesHandle;
 use crate::endpoints::EndpointView;
 use crate::error::AgentError;
 use crate::pod_network::Node;
+use crate::policy::PolicyService;
 
 fn status(e: AgentError) -> Status {
     let msg = format!("{e:#}");
@@ -102,6 +105,37 @@ impl pb::route_info_server::RouteInfo for RouteInfoSvc {
         };
         serde_json::to_string(&report)
             .map(|json| Response::new(pb::RouteInfoResponse { json }))
+            .map_err(|e| Status::internal(format!("cannot encode the report: {e}")))
+    }
+}
+
+/// NetworkPolicy's report for calixctl (`None`: not followed here, outside Kubernetes).
+pub struct PolicyInfoSvc {
+    pub node: String,
+    pub policy: Option<Arc<PolicyService>>,
+}
+
+#[tonic::async_trait]
+impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
+    async fn show(
+        &self,
+        req: Request<pb::PolicyInfoRequest>,
+    ) -> Result<Response<pb::PolicyInfoResponse>, Status> {
+        let req = req.into_inner();
+        let asked = !req.namespace.is_empty() || !req.name.is_empty();
+        let pod = asked.then_some(PodKey {
+            namespace: req.namespace,
+            name: req.name,
+        });
+        let report = match &self.policy {
+            Some(p) => p.report(pod.as_ref()),
+            None => PolicyReport {
+                node: self.node.clone(),
+                ..Default::default()
+            },
+        };
+        serde_json::to_string(&report)
+            .map(|json| Response::new(pb::PolicyInfoResponse { json }))
             .map_err(|e| Status::internal(format!("cannot encode the report: {e}")))
     }
 }
@@ -515,6 +549,7 @@ impl UnixSocket {
         self,
         node: Arc<Node>,
         routes: Option<Arc<RoutesHandle>>,
+        policy: Option<Arc<PolicyService>>,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), ServeError> {
         let path = self.path;
@@ -523,12 +558,17 @@ impl UnixSocket {
             node: node.name().to_string(),
             routes,
         };
+        let policy_info = PolicyInfoSvc {
+            node: node.name().to_string(),
+            policy,
+        };
         let result = tonic::transport::Server::builder()
             .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))
             .add_service(pb::endpoints_server::EndpointsServer::new(EndpointsSvc(
                 node,
             )))
             .add_service(pb::route_info_server::RouteInfoServer::new(route_info))
+            .add_service(pb::policy_info_server::PolicyInfoServer::new(policy_info))
             .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
             .await;
         match file_id(&path) {

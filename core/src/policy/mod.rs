@@ -7,10 +7,12 @@
 //! - [`sets`]: the address sets rules name (a pod selector in its namespaces, an ipBlock, a
 //!   named port) and who is in them;
 //! - [`endpoint`]: one endpoint's policy (Kubernetes' isolation and union of rules);
-//! - [`cluster`]: the state, and what each change touches.
+//! - [`cluster`]: the state, and what each change touches;
+//! - [`report`]: one endpoint's policy as `calixctl policy` shows it.
 pub mod cluster;
 pub mod endpoint;
 pub mod model;
+pub mod report;
 pub mod sets;
 #[cfg(test)]
 mod tests;

@@ -669,3 +669,64 @@ fn every_change_leaves_the_sets_as_a_fresh_calculation_would() {
     }
     assert_eq!(c.counts().3, 0, "no policy left, no set left");
 }
+
+#[test]
+fn the_report_names_each_rule_whom_it_opens_to_and_how_many_are_in_its_set() {
+    use super::report::EndpointReport;
+    let allow_web = policy(
+        "a",
+        "web",
+        sel(&[("app", "web")]),
+        Some(vec![Rule {
+            peers: vec![
+                pods_in("a", &[("role", "client")]),
+                Peer::Block {
+                    cidr: net("10.9.0.0/16"),
+                    except: vec![net("10.9.1.0/24")],
+                },
+            ],
+            ports: vec![
+                tcp(80),
+                PortMatch {
+                    protocol: Protocol::Udp,
+                    port: Some(PortRef::Number(5000)),
+                    end_port: Some(5010),
+                },
+            ],
+            ..Rule::default()
+        }]),
+        None,
+    );
+    let c = cluster(vec![
+        ns("a", &[]),
+        Change::Pod(pod("a", "web", &[("app", "web")], "10.0.0.1")),
+        Change::Pod(pod("a", "c1", &[("role", "client")], "10.0.0.2")),
+        Change::Pod(pod("a", "c2", &[("role", "client")], "10.0.0.3")),
+        Change::Policy(allow_web),
+    ]);
+    let r = EndpointReport::of(&c, &pk("a", "web"), true).expect("known pod");
+    assert_eq!(r.policies, ["a/web"]);
+    assert_eq!(r.egress, None, "not isolated for egress");
+    let ingress = r.ingress.expect("isolated for ingress");
+    let shown: Vec<(&str, &str, Option<usize>)> = ingress
+        .iter()
+        .map(|x| (x.peer.as_str(), x.ports.as_str(), x.members))
+        .collect();
+    assert!(
+        shown.contains(&("pods role=client in a", "TCP/80,UDP/5000-5010", Some(2))),
+        "{shown:?}"
+    );
+    assert!(
+        shown.contains(&(
+            "10.9.0.0/16 except 10.9.1.0/24",
+            "TCP/80,UDP/5000-5010",
+            Some(1)
+        )),
+        "{shown:?}"
+    );
+    assert!(ingress.iter().all(|x| x.policy == "a/web" && x.rule == 0));
+    // A pod no policy selects: known, not isolated.
+    let open = EndpointReport::of(&c, &pk("a", "c1"), false).expect("known pod");
+    assert_eq!((open.ingress, open.egress, open.local), (None, None, false));
+    assert!(EndpointReport::of(&c, &pk("a", "nobody"), true).is_none());
+}

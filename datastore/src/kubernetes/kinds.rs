@@ -152,6 +152,26 @@ pub const KINDS: &[Kind] = &[
         version: "v1",
         view: Some(&views::NAMESPACE),
     },
+    Kind {
+        prefix: views::CLUSTER_PODS,
+        kind: "Pod",
+        plural: "pods",
+        node_in_key: false,
+        node_field: None,
+        group: "",
+        version: "v1",
+        view: Some(&views::CLUSTER_POD),
+    },
+    Kind {
+        prefix: views::NETWORK_POLICIES,
+        kind: "NetworkPolicy",
+        plural: "networkpolicies",
+        node_in_key: false,
+        node_field: None,
+        group: "networking.k8s.io",
+        version: "v1",
+        view: Some(&views::NETWORK_POLICY),
+    },
 ];
 
 /// Longest key the store accepts (it travels in an annotation and in error messages).
@@ -369,8 +389,27 @@ mod tests {
         );
         assert!(names("ipam/retired/").is_empty());
         assert!(names("zzz").is_empty());
-        assert_eq!(names("k8s/"), ["Node", "Pod", "ServiceCIDR", "Namespace"]);
+        assert_eq!(
+            names("k8s/"),
+            [
+                "Node",
+                "Pod",
+                "ServiceCIDR",
+                "Namespace",
+                "Pod",
+                "NetworkPolicy"
+            ]
+        );
         assert_eq!(names("k8s/pods/n1/"), ["Pod"]);
+        assert_eq!(names("k8s/clusterpods/"), ["Pod"]);
+        assert_eq!(names("k8s/networkpolicies/"), ["NetworkPolicy"]);
+        // Every pod of the cluster: no field selector.
+        assert_eq!(
+            kind_of("k8s/clusterpods/default/web")
+                .expect("pod")
+                .field_selector("k8s/clusterpods/"),
+            None
+        );
         assert_eq!(
             kind_of("k8s/pods/n1/default/web")
                 .expect("pod")

@@ -10,6 +10,8 @@
 //! | `k8s/pods/<node>/<namespace>/<name>` | core/v1 Pod with `spec.nodeName` | [`PodView`] (a listing or watch of `k8s/pods/<node>/` asks for `spec.nodeName=<node>`) |
 //! | `k8s/servicecidrs/<name>` | networking.k8s.io/v1 ServiceCIDR | [`ServiceCidrView`] |
 //! | `k8s/namespaces/<name>` | core/v1 Namespace | [`NamespaceView`] |
+//! | `k8s/clusterpods/<namespace>/<name>` | core/v1 Pod, every one | the Pod cut to what NetworkPolicy reads ([`CLUSTER_POD`]) |
+//! | `k8s/networkpolicies/<namespace>/<name>` | networking.k8s.io/v1 NetworkPolicy | its namespace, name and `spec` ([`NETWORK_POLICY`]) |
 //!
 //! A write to one of these keys is refused ([`crate::DatastoreError::ReadOnly`]).
 use std::collections::BTreeMap;
@@ -24,6 +26,8 @@ pub const NODES: &str = "k8s/nodes/";
 pub const PODS: &str = "k8s/pods/";
 pub const SERVICE_CIDRS: &str = "k8s/servicecidrs/";
 pub const NAMESPACES: &str = "k8s/namespaces/";
+pub const CLUSTER_PODS: &str = "k8s/clusterpods/";
+pub const NETWORK_POLICIES: &str = "k8s/networkpolicies/";
 
 /// The key of Node `name`.
 pub fn node_key(name: &str) -> String {
@@ -239,6 +243,85 @@ pub const NAMESPACE: ViewOf = ViewOf {
     field_selector: |_| None,
 };
 
+/// `(namespace, name)` of a `<namespace>/<name>` key's rest.
+fn namespaced(rest: &str) -> Option<Location> {
+    let (ns, name) = rest.split_once('/')?;
+    (!ns.is_empty() && !name.is_empty() && !name.contains('/'))
+        .then(|| (Some(ns.to_string()), name.to_string()))
+}
+
+/// `<prefix><namespace>/<name>` of a namespaced object.
+fn namespaced_key(prefix: &str, o: &DynamicObject) -> Option<String> {
+    Some(format!(
+        "{prefix}{}/{}",
+        o.metadata.namespace.as_deref()?,
+        o.metadata.name.as_deref()?
+    ))
+}
+
+/// Every Pod of the cluster, cut to what NetworkPolicy reads of it: still a Pod (a client
+/// reads it as one) with its namespace, name, labels, `spec.hostNetwork`, `spec.nodeName`,
+/// its containers' names and ports, and `status.podIP(s)`. Annotations, images, probes and
+/// the rest of the status stay out: the agent holds every pod of the cluster.
+pub const CLUSTER_POD: ViewOf = ViewOf {
+    key: |o| namespaced_key(CLUSTER_PODS, o),
+    value: |o| {
+        let containers: Vec<Value> = o.data["spec"]["containers"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|c| {
+                        let mut out = serde_json::json!({ "name": c["name"].clone() });
+                        if c["ports"].is_array() {
+                            out["ports"] = c["ports"].clone();
+                        }
+                        out
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut spec = serde_json::json!({ "containers": containers });
+        for field in ["hostNetwork", "nodeName"] {
+            if !o.data["spec"][field].is_null() {
+                spec[field] = o.data["spec"][field].clone();
+            }
+        }
+        let mut status = serde_json::json!({});
+        for field in ["podIP", "podIPs"] {
+            if !o.data["status"][field].is_null() {
+                status[field] = o.data["status"][field].clone();
+            }
+        }
+        serde_json::json!({
+            "metadata": {
+                "namespace": o.metadata.namespace,
+                "name": o.metadata.name,
+                "labels": string_map(&o.metadata.labels),
+            },
+            "spec": spec,
+            "status": status,
+        })
+    },
+    locate: namespaced,
+    field_selector: |_| None,
+};
+
+/// A NetworkPolicy: its namespace, name and `spec`, still a NetworkPolicy.
+pub const NETWORK_POLICY: ViewOf = ViewOf {
+    key: |o| namespaced_key(NETWORK_POLICIES, o),
+    value: |o| {
+        serde_json::json!({
+            "metadata": {
+                "namespace": o.metadata.namespace,
+                "name": o.metadata.name,
+            },
+            "spec": o.data["spec"].clone(),
+        })
+    },
+    locate: namespaced,
+    field_selector: |_| None,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -288,6 +371,78 @@ mod tests {
             serde_json::json!({"metadata": {"name": "x", "namespace": "d"}, "spec": {}}),
         );
         assert_eq!((POD.key)(&pending), None);
+    }
+
+    #[test]
+    fn cluster_pods_keep_what_policy_reads_and_nothing_else() {
+        let p = obj(
+            "Pod",
+            serde_json::json!({
+                "metadata": {"name": "web-0", "namespace": "shop", "uid": "u-1",
+                    "labels": {"app": "web"},
+                    "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{...}"}},
+                "spec": {"nodeName": "node-a", "containers": [
+                    {"name": "web", "image": "nginx", "ports": [
+                        {"name": "http", "containerPort": 80, "protocol": "TCP"}]},
+                    {"name": "side", "image": "x", "args": ["--a"]}]},
+                "status": {"phase": "Running", "podIP": "10.0.0.7",
+                    "podIPs": [{"ip": "10.0.0.7"}, {"ip": "fd00::7"}],
+                    "containerStatuses": [{"name": "web"}]}
+            }),
+        );
+        assert_eq!(
+            (CLUSTER_POD.key)(&p).as_deref(),
+            Some("k8s/clusterpods/shop/web-0")
+        );
+        assert_eq!(
+            (CLUSTER_POD.value)(&p),
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "web-0", "labels": {"app": "web"}},
+                "spec": {"nodeName": "node-a", "containers": [
+                    {"name": "web", "ports": [
+                        {"name": "http", "containerPort": 80, "protocol": "TCP"}]},
+                    {"name": "side"}]},
+                "status": {"podIP": "10.0.0.7",
+                    "podIPs": [{"ip": "10.0.0.7"}, {"ip": "fd00::7"}]}
+            })
+        );
+        assert_eq!(
+            (CLUSTER_POD.locate)("shop/web-0"),
+            Some((Some("shop".into()), "web-0".into()))
+        );
+        assert_eq!((CLUSTER_POD.locate)("shop/"), None);
+        assert_eq!((CLUSTER_POD.locate)("shop/a/b"), None);
+        // Not scheduled yet: still a pod of the cluster (its labels count once it has an IP).
+        let pending = obj(
+            "Pod",
+            serde_json::json!({"metadata": {"name": "x", "namespace": "d"}, "spec": {}}),
+        );
+        assert_eq!(
+            (CLUSTER_POD.key)(&pending).as_deref(),
+            Some("k8s/clusterpods/d/x")
+        );
+    }
+
+    #[test]
+    fn network_policies_keep_their_spec() {
+        let np = obj(
+            "NetworkPolicy",
+            serde_json::json!({
+                "metadata": {"name": "deny", "namespace": "shop", "generation": 3},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}
+            }),
+        );
+        assert_eq!(
+            (NETWORK_POLICY.key)(&np).as_deref(),
+            Some("k8s/networkpolicies/shop/deny")
+        );
+        assert_eq!(
+            (NETWORK_POLICY.value)(&np),
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "deny"},
+                "spec": {"podSelector": {}, "policyTypes": ["Ingress"]}
+            })
+        );
     }
 
     #[test]

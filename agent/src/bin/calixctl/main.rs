@@ -61,6 +61,9 @@ enum Cmd {
     /// The peers this node follows for routes: stream state, last update, generation, grace
     /// timer.
     Nodes,
+    /// NetworkPolicy: the agent's calculation, and a pod's policies and rules in force
+    /// (`<namespace>/<name>`, or a name in `default`).
+    Policy { pod: Option<String> },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -112,6 +115,7 @@ async fn main() -> Result<()> {
             cmd: BpfCmd::Counters,
         } => commands::bpf::counters(channel, cli.output).await?,
         Cmd::Endpoints => commands::endpoints::run(channel, cli.output).await?,
+        Cmd::Policy { pod } => commands::policy::run(channel, pod, cli.output).await?,
     }
     Ok(())
 }

@@ -2,4 +2,5 @@
 pub(crate) mod bpf;
 pub(crate) mod endpoints;
 pub(crate) mod ipam;
+pub(crate) mod policy;
 pub(crate) mod routes;

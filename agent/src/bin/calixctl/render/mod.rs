@@ -3,6 +3,7 @@
 pub(crate) mod bpf;
 pub(crate) mod endpoints;
 pub(crate) mod ipam;
+pub(crate) mod policy;
 pub(crate) mod routes;
 #[cfg(test)]
 mod tests;

@@ -212,3 +212,61 @@ fn endpoints_show_their_pod_and_say_which_are_not_ok() {
     assert_eq!(j["endpoints"][0]["counters"]["fromPodBytes"], 2048);
     assert!(j["endpoints"][0]["podLabels"].is_null());
 }
+
+#[test]
+fn a_pods_policy_reads_direction_by_direction() {
+    use calix_core::policy::report::{EndpointReport, PolicyReport, RuleReport};
+    let mut r = PolicyReport {
+        node: "n1".into(),
+        enabled: true,
+        ready: true,
+        pods: 3,
+        policies: 1,
+        ..PolicyReport::default()
+    };
+    assert!(super::policy::policy(&r, None)
+        .starts_with("node n1: in sync (0 namespaces, 3 pods, 1 policies"));
+    assert!(super::policy::policy(&r, Some("a/x")).ends_with("pod a/x: not known to the agent"));
+    r.endpoint = Some(EndpointReport {
+        pod: "a/web".into(),
+        local: true,
+        policies: vec!["a/web".into(), "a/deny-egress".into()],
+        ingress: Some(vec![RuleReport {
+            policy: "a/web".into(),
+            rule: 0,
+            peer: "pods role=client in a".into(),
+            ports: "TCP/80".into(),
+            members: Some(2),
+        }]),
+        egress: Some(vec![]),
+        problems: vec!["a/web ingress rule 1: unknown protocol \"ICMP\"".into()],
+        ..EndpointReport::default()
+    });
+    let text = super::policy::policy(&r, Some("a/web"));
+    assert!(text.contains("policies: a/web, a/deny-egress"), "{text}");
+    assert!(text.contains("ingress: isolated, allowed:"), "{text}");
+    assert!(text.contains("pods role=client in a  2"), "{text}");
+    assert!(text.contains("egress: isolated, nothing allowed"), "{text}");
+    assert!(
+        text.contains("not enforceable, allows nothing: a/web ingress rule 1"),
+        "{text}"
+    );
+    r.enabled = false;
+    assert!(super::policy::policy(&r, None).contains("needs the kubernetes datastore"));
+}
+
+#[test]
+fn a_pod_is_named_as_kubectl_names_it() {
+    use crate::commands::policy::pod_ref;
+    assert_eq!(
+        pod_ref("shop/web").expect("ok"),
+        ("shop".into(), "web".into())
+    );
+    assert_eq!(
+        pod_ref("web").expect("ok"),
+        ("default".into(), "web".into())
+    );
+    assert!(pod_ref("a/b/c").is_err());
+    assert!(pod_ref("/x").is_err());
+    assert!(pod_ref("x/").is_err());
+}

@@ -1,0 +1,42 @@
+//! `policy [<namespace>/<pod>]`.
+use anyhow::{bail, Context, Result};
+use calix_core::policy::report::PolicyReport;
+use calix_proto::v1 as pb;
+
+use crate::render::policy as render;
+use crate::Output;
+
+/// `namespace/name` split; a bare name is in `default`, as kubectl takes it.
+pub(crate) fn pod_ref(s: &str) -> Result<(String, String)> {
+    let (ns, name) = s.split_once('/').unwrap_or(("default", s));
+    if ns.is_empty() || name.is_empty() || name.contains('/') {
+        bail!("{s:?} is not a pod: expected <namespace>/<name> or <name>");
+    }
+    Ok((ns.to_string(), name.to_string()))
+}
+
+pub(crate) async fn run(
+    channel: tonic::transport::Channel,
+    pod: Option<String>,
+    output: Output,
+) -> Result<()> {
+    let (namespace, name) = match &pod {
+        Some(p) => pod_ref(p)?,
+        None => Default::default(),
+    };
+    let json = pb::policy_info_client::PolicyInfoClient::new(channel)
+        .show(pb::PolicyInfoRequest { namespace, name })
+        .await
+        .context("reading the policy calculation")?
+        .into_inner()
+        .json;
+    let r: PolicyReport = serde_json::from_str(&json).context("agent sent a bad policy report")?;
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+        Output::Table => println!("{}", render::policy(&r, pod.as_deref())),
+    }
+    if pod.is_some() && r.enabled && r.endpoint.is_none() {
+        bail!("no such pod known to the agent");
+    }
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! `policy`.
+use calix_core::policy::report::{PolicyReport, RuleReport};
+
+use super::table;
+
+/// The calculation's summary, then the pod's policy when one was asked for.
+pub(crate) fn policy(r: &PolicyReport, asked: Option<&str>) -> String {
+    if !r.enabled {
+        return format!(
+            "NetworkPolicy is not followed on node {} (it needs the kubernetes datastore)",
+            r.node
+        );
+    }
+    let mut out = format!(
+        "node {}: {} ({} namespaces, {} pods, {} policies, {} address sets; {} endpoints here; {} changes)",
+        r.node,
+        if r.ready { "in sync" } else { "listing" },
+        r.namespaces,
+        r.pods,
+        r.policies,
+        r.sets,
+        r.local_endpoints,
+        r.changes
+    );
+    let Some(asked) = asked else {
+        return out;
+    };
+    let Some(e) = &r.endpoint else {
+        out.push_str(&format!("\npod {asked}: not known to the agent"));
+        return out;
+    };
+    out.push_str(&format!(
+        "\n\npod {}{}",
+        e.pod,
+        if e.local {
+            ""
+        } else {
+            " (on another node: its policy is programmed there)"
+        }
+    ));
+    if e.host_network {
+        out.push_str("\non the host's network: NetworkPolicy does not apply");
+        return out;
+    }
+    out.push_str(&format!(
+        "\npolicies: {}",
+        if e.policies.is_empty() {
+            "none".to_string()
+        } else {
+            e.policies.join(", ")
+        }
+    ));
+    for (direction, rules) in [("ingress", &e.ingress), ("egress", &e.egress)] {
+        match rules {
+            None => out.push_str(&format!("\n{direction}: not isolated, everything allowed")),
+            Some(rules) if rules.is_empty() => {
+                out.push_str(&format!("\n{direction}: isolated, nothing allowed"))
+            }
+            Some(rules) => {
+                out.push_str(&format!("\n{direction}: isolated, allowed:\n"));
+                out.push_str(&rules_table(rules));
+            }
+        }
+    }
+    for p in &e.problems {
+        out.push_str(&format!("\nnot enforceable, allows nothing: {p}"));
+    }
+    out
+}
+
+fn rules_table(rules: &[RuleReport]) -> String {
+    let rows: Vec<Vec<String>> = rules
+        .iter()
+        .map(|x| {
+            vec![
+                x.policy.clone(),
+                x.rule.to_string(),
+                x.peer.clone(),
+                x.members.map_or("-".to_string(), |m| m.to_string()),
+                x.ports.clone(),
+            ]
+        })
+        .collect();
+    table(&["POLICY", "RULE", "PEER", "ADDRESSES", "PORTS"], &rows)
+}

@@ -1,0 +1,131 @@
+//! NetworkPolicy in the agent: the cluster as policy sees it (calix-core's calculation), fed
+//! one change at a time by the Kubernetes adapter (`kubernetes::policy::watch`), and this
+//! node's endpoints' policies computed again when a change touches them; what `calixctl
+//! policy` shows. Programming them into the dataplanes is the next step (issue 22).
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use calix_core::policy::cluster::{Change, Cluster};
+use calix_core::policy::endpoint::EndpointPolicy;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::report::{EndpointReport, PolicyReport};
+
+#[cfg(test)]
+mod tests;
+
+/// What one change did, for logs and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// This node's endpoints whose policy was computed again.
+    pub endpoints: usize,
+    /// Of those, how many changed.
+    pub changed: usize,
+    /// Sets whose members changed.
+    pub sets: usize,
+    pub took: Duration,
+}
+
+#[derive(Default)]
+struct Inner {
+    cluster: Cluster,
+    /// This node's pods.
+    local: BTreeSet<PodKey>,
+    /// Their policies as last computed (a host-network pod has none).
+    computed: BTreeMap<PodKey, EndpointPolicy>,
+    ready: bool,
+    changes: u64,
+}
+
+/// The policy calculation of one agent.
+pub struct PolicyService {
+    node: String,
+    inner: Mutex<Inner>,
+}
+
+impl PolicyService {
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_string(),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies one change. `on_this_node`: for a pod, whether it runs here (its policy is then
+    /// computed and kept); ignored for other changes.
+    pub fn apply(&self, change: Change, on_this_node: bool) -> Applied {
+        let start = Instant::now();
+        let mut inner = self.lock();
+        match &change {
+            Change::Pod(p) if on_this_node => {
+                inner.local.insert(p.key.clone());
+            }
+            Change::Pod(p) => {
+                let key = p.key.clone();
+                // Moved away (or never here): not this node's any more.
+                if inner.local.remove(&key) {
+                    inner.computed.remove(&key);
+                }
+            }
+            Change::PodGone(key) => {
+                let key = key.clone();
+                inner.local.remove(&key);
+                inner.computed.remove(&key);
+            }
+            _ => {}
+        }
+        let touched = inner.cluster.apply(change);
+        inner.changes += 1;
+        let mut out = Applied {
+            sets: touched.sets.len(),
+            ..Applied::default()
+        };
+        for key in &touched.endpoints {
+            if !inner.local.contains(key) {
+                continue;
+            }
+            out.endpoints += 1;
+            let changed = match inner.cluster.endpoint(key) {
+                Some(ep) => inner.computed.insert(key.clone(), ep.clone()).as_ref() != Some(&ep),
+                None => inner.computed.remove(key).is_some(),
+            };
+            out.changed += usize::from(changed);
+        }
+        out.took = start.elapsed();
+        out
+    }
+
+    /// The first listing of namespaces, pods and policies is in.
+    pub fn set_ready(&self) {
+        self.lock().ready = true;
+    }
+
+    /// This node's endpoint policy of `pod` as last computed (None: not here, host network, or
+    /// not known).
+    pub fn endpoint(&self, pod: &PodKey) -> Option<EndpointPolicy> {
+        self.lock().computed.get(pod).cloned()
+    }
+
+    /// The report `calixctl policy` shows, for `pod` when one is asked for.
+    pub fn report(&self, pod: Option<&PodKey>) -> PolicyReport {
+        let inner = self.lock();
+        let (namespaces, pods, policies, sets) = inner.cluster.counts();
+        PolicyReport {
+            node: self.node.clone(),
+            enabled: true,
+            ready: inner.ready,
+            namespaces,
+            pods,
+            policies,
+            sets,
+            local_endpoints: inner.computed.len(),
+            changes: inner.changes,
+            endpoint: pod
+                .and_then(|k| EndpointReport::of(&inner.cluster, k, inner.local.contains(k))),
+        }
+    }
+}

@@ -1,0 +1,178 @@
+//! What `calixctl policy <pod>` shows: one endpoint's policy as the agent computed it (the
+//! policies that select it, each direction's rules with whom and which ports they open, the
+//! rules that cannot be enforced), and the agent's calculation as a whole. Plain text and
+//! numbers, so the agent and calixctl share one contract (JSON over the local API).
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use super::cluster::Cluster;
+use super::endpoint::{Allow, Direction, EndpointPolicy, PeerMatch, Ports};
+use super::model::{Namespaces, PodKey};
+use super::sets::SetKey;
+use crate::selector::LabelSelector;
+
+/// The agent's policy calculation, and one endpoint's policy when one was asked for.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PolicyReport {
+    pub node: String,
+    /// Whether NetworkPolicy is followed here (Kubernetes mode).
+    pub enabled: bool,
+    /// Whether the first listing of namespaces, pods and policies is in.
+    pub ready: bool,
+    pub namespaces: usize,
+    pub pods: usize,
+    pub policies: usize,
+    /// Address sets that rules name.
+    pub sets: usize,
+    /// This node's pods with a computed policy.
+    pub local_endpoints: usize,
+    /// Changes applied since the agent started.
+    pub changes: u64,
+    pub endpoint: Option<EndpointReport>,
+}
+
+/// One endpoint's policy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointReport {
+    /// `namespace/name`.
+    pub pod: String,
+    /// Whether the pod is on this node (only then is its policy programmed here).
+    pub local: bool,
+    /// On the host's network: NetworkPolicy does not apply.
+    pub host_network: bool,
+    pub policies: Vec<String>,
+    /// None: not isolated in that direction (everything allowed).
+    pub ingress: Option<Vec<RuleReport>>,
+    pub egress: Option<Vec<RuleReport>>,
+    /// Rules that allow nothing because they cannot be enforced.
+    pub problems: Vec<String>,
+}
+
+/// One thing a direction allows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RuleReport {
+    /// `namespace/name` of the policy.
+    pub policy: String,
+    /// The rule's index in the policy's ingress or egress.
+    pub rule: usize,
+    /// Whom: `any`, or the set (its selector or CIDR).
+    pub peer: String,
+    /// Which ports: `any`, ranges like `TCP/80`, `TCP/8000-8080`, or `TCP/<named port>`.
+    pub ports: String,
+    /// Addresses in the set now (None: any peer).
+    pub members: Option<usize>,
+}
+
+impl EndpointReport {
+    /// The report of `pod` in `cluster` (None: no such pod). `local`: whether it is on this
+    /// node.
+    pub fn of(cluster: &Cluster, pod: &PodKey, local: bool) -> Option<Self> {
+        let p = cluster.pod(pod)?;
+        let Some(ep) = cluster.endpoint(pod) else {
+            return Some(Self {
+                pod: pod.to_string(),
+                local,
+                host_network: p.host_network,
+                ..Self::default()
+            });
+        };
+        Some(Self::from_policy(cluster, pod, local, &ep))
+    }
+
+    fn from_policy(cluster: &Cluster, pod: &PodKey, local: bool, ep: &EndpointPolicy) -> Self {
+        let rules = |d: Direction| {
+            ep.direction(d)
+                .map(|allows| allows.iter().map(|a| rule_report(cluster, a)).collect())
+        };
+        Self {
+            pod: pod.to_string(),
+            local,
+            host_network: false,
+            policies: ep.policies.iter().map(ToString::to_string).collect(),
+            ingress: rules(Direction::Ingress),
+            egress: rules(Direction::Egress),
+            problems: ep.problems.iter().map(ToString::to_string).collect(),
+        }
+    }
+}
+
+fn rule_report(cluster: &Cluster, a: &Allow) -> RuleReport {
+    let (peer, members) = match &a.peer {
+        PeerMatch::Any => ("any".to_string(), None),
+        PeerMatch::Set(s) => (
+            s.to_string(),
+            Some(cluster.members(s).iter().filter(|m| !m.excluded).count()),
+        ),
+    };
+    RuleReport {
+        policy: a.policy.to_string(),
+        rule: a.rule,
+        peer,
+        ports: a.ports.to_string(),
+        members,
+    }
+}
+
+/// A pod selector as text: its requirements, or `every pod`.
+fn pods_text(s: &LabelSelector) -> String {
+    if s.match_labels.is_empty() && s.match_expressions.is_empty() {
+        "every pod".to_string()
+    } else {
+        format!("pods {s}")
+    }
+}
+
+impl fmt::Display for SetKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Pods { namespaces, pods } => match namespaces {
+                Namespaces::Named(ns) => write!(f, "{} in {ns}", pods_text(pods)),
+                Namespaces::Selected(s)
+                    if s.match_labels.is_empty() && s.match_expressions.is_empty() =>
+                {
+                    write!(f, "{} in every namespace", pods_text(pods))
+                }
+                Namespaces::Selected(s) => {
+                    write!(f, "{} in namespaces {s}", pods_text(pods))
+                }
+            },
+            Self::Block { cidr, except } => {
+                write!(f, "{cidr}")?;
+                if !except.is_empty() {
+                    let e: Vec<String> = except.iter().map(ToString::to_string).collect();
+                    write!(f, " except {}", e.join(","))?;
+                }
+                Ok(())
+            }
+            Self::NamedPort {
+                within,
+                protocol,
+                name,
+            } => match within {
+                Some(w) => write!(f, "{w}, with port {protocol}/{name}"),
+                None => write!(f, "any pod with port {protocol}/{name}"),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Ports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Any => f.write_str("any"),
+            Self::OfMember(p) => write!(f, "{p}/<named port>"),
+            Self::Ranges(ranges) => {
+                let parts: Vec<String> = ranges
+                    .iter()
+                    .map(|r| match (r.first, r.last) {
+                        (0, u16::MAX) => format!("{}/any", r.protocol),
+                        (a, b) if a == b => format!("{}/{a}", r.protocol),
+                        (a, b) => format!("{}/{a}-{b}", r.protocol),
+                    })
+                    .collect();
+                f.write_str(&parts.join(","))
+            }
+        }
+    }
+}
