@@ -26,6 +26,8 @@ use ipnet::IpNet;
 pub use ebpf::EbpfDataplane;
 
 use calix_core::model::EndpointRecord;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::tables::Tables;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -114,6 +116,8 @@ pub struct EndpointSpec {
     /// The pod interface's MAC; without it the endpoint is not a target for direct delivery
     /// (the host stack delivers to it).
     pub mac: Option<[u8; 6]>,
+    /// The pod it belongs to (its NetworkPolicy); `None` outside Kubernetes.
+    pub pod: Option<PodKey>,
 }
 
 impl EndpointSpec {
@@ -141,6 +145,10 @@ impl EndpointSpec {
                 IpAddr::V4(_) => None,
             }),
             mac: calix_kernel::mac::parse(&r.mac),
+            pod: (!r.pod_name.is_empty()).then(|| PodKey {
+                namespace: r.pod_namespace.clone(),
+                name: r.pod_name.clone(),
+            }),
         }
     }
 }
@@ -279,6 +287,13 @@ pub trait Dataplane: Send {
     /// ports, the SNAT exclusions, and the host's nftables tables (kernel mode's masquerade
     /// and anti-spoofing, eBPF mode's stack masquerade).
     fn reload(&mut self, _r: &Reload) -> Result<(), DataplaneError> {
+        Ok(())
+    }
+    /// NetworkPolicy: the tables this node's pods' endpoints enforce from now on
+    /// (`calix_core::policy::tables`; a pod not in them is not isolated). Until the first call
+    /// the dataplane keeps what it enforced before (an agent restart). An endpoint attached
+    /// later gets its pod's entries before `attach` returns.
+    fn set_policy(&mut self, _tables: Tables) -> Result<(), DataplaneError> {
         Ok(())
     }
     /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing

@@ -268,6 +268,7 @@ fn layout_2s_marks_follow_their_endpoints_into_their_slots() {
                 ipv4: Some(Ipv4Addr::new(10, 244, 0, last)),
                 ipv6: None,
                 mac: Some([2, 0, 0, 0, 0, last]),
+                pod: None,
             };
             dp.attach(&spec).expect("attach");
         }

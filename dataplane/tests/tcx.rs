@@ -42,6 +42,7 @@ fn a_released_dataplane_moves_no_hook_afterwards() {
             ipv4: Some(Ipv4Addr::new(10, 244, 0, 10)),
             ipv6: None,
             mac: Some([2, 0, 0, 0, 0, 10]),
+            pod: None,
         })
         .expect("attach");
         let tcx_progs = || -> Vec<u32> {

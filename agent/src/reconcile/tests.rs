@@ -108,6 +108,7 @@ fn spec() -> EndpointSpec {
         ipv4: Some(Ipv4Addr::new(10, 244, 0, 5)),
         ipv6: None,
         mac: Some([2, 0, 0, 0, 0, 1]),
+        pod: None,
     }
 }
 

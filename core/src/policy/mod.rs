@@ -8,11 +8,16 @@
 //!   named port) and who is in them;
 //! - [`endpoint`]: one endpoint's policy (Kubernetes' isolation and union of rules);
 //! - [`cluster`]: the state, and what each change touches;
-//! - [`report`]: one endpoint's policy as `calixctl policy` shows it.
+//! - [`report`]: one endpoint's policy as `calixctl policy` shows it;
+//! - [`tables`]: this node's endpoints' policies as the eBPF dataplane looks them up
+//!   (identities and entries), and the order to change them in.
 pub mod cluster;
 pub mod endpoint;
 pub mod model;
 pub mod report;
 pub mod sets;
+pub mod tables;
+#[cfg(test)]
+mod tables_tests;
 #[cfg(test)]
 mod tests;

@@ -24,6 +24,8 @@ pub struct Programmed {
     pub ifindex: u32,
     pub ipv4: Option<Ipv4Addr>,
     pub ipv6: Option<Ipv6Addr>,
+    /// Its pod (NetworkPolicy).
+    pub pod: Option<calix_core::policy::model::PodKey>,
 }
 
 /// What an endpoint programmed during the initial sync inherits: the stack-flow marks of an
@@ -131,6 +133,7 @@ impl Endpoints {
             ifindex: idx,
             ipv4: ep.ipv4,
             ipv6: ep.ipv6,
+            pod: ep.pod.clone(),
         };
         if let Err(e) = self.program_entries(idx, ep).and_then(|()| programs()) {
             self.forget_entries(&p);
@@ -280,6 +283,19 @@ impl Endpoints {
             self.maps.local_v6.remove(k);
         }
         stale.len() + stale_buckets + stale_slots.len() + v4.len() + v6.len() + stale_budget
+    }
+
+    /// Each programmed endpoint's pod and slot (those with a pod).
+    pub fn pod_slots(&self) -> Vec<(calix_core::policy::model::PodKey, u32)> {
+        self.programmed
+            .values()
+            .filter_map(|p| Some((p.pod.clone()?, self.slots.get(p.ifindex)?)))
+            .collect()
+    }
+
+    /// The slot of endpoint `key`.
+    pub fn slot_of(&self, key: &str) -> Option<u32> {
+        self.slots.get(self.programmed.get(key)?.ifindex)
     }
 
     /// The initial sync is over: from now on a new slot starts unmarked (the programs mark

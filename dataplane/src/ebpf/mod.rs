@@ -36,10 +36,12 @@ use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
     EndpointSpec,
 };
+use calix_core::policy::tables::Tables;
 use calix_kernel::host::HostKernel;
 
 mod endpoints;
 mod maps;
+pub mod policy;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -124,6 +126,8 @@ pub struct EbpfDataplane {
     /// The doors' maps, and the other nodes as last told ([`Dataplane::set_peer_nodes`]).
     doors: DoorMaps,
     peers: PeerNodes,
+    /// NetworkPolicy's maps, as the pins held them until the agent says otherwise.
+    policy: policy::PolicyProgrammer,
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -340,7 +344,10 @@ impl EbpfDataplane {
             routes_ports: Default::default(),
         };
         doors.set(&Doors::of(&cfg.doors, &kept))?;
+        let policy =
+            policy::PolicyProgrammer::restore(Box::new(policy::PinnedPolicyMaps::open(&mut bpf)?));
         let mut dp = Self {
+            policy,
             doors,
             endpoints,
             pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
@@ -501,7 +508,8 @@ impl Dataplane for EbpfDataplane {
         let attached = self.endpoints.attach(ep, idx, || {
             attach_pair(bpf, attacher, cfg, ifname, PROG_FROM_POD, PROG_TO_POD)
         });
-        if let Err(e) = attached {
+        // Its pod's policy before the pod runs: a failure fails the ADD (never unpoliced).
+        if let Err(e) = attached.and_then(|()| self.policy.attached(&self.endpoints.pod_slots())) {
             self.detach_filters(ifname);
             return Err(e);
         }
@@ -512,9 +520,14 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn detach(&mut self, key: &str) -> Result<(), DataplaneError> {
+        let slot = self.endpoints.slot_of(key);
         let Some(p) = self.endpoints.detach(key) else {
             return Ok(());
         };
+        // Its policy entries go with its slot.
+        if let Some(slot) = slot {
+            self.policy.detached(slot);
+        }
         match ifindex(&p.ifname) {
             // The veth is still ours: remove our programs.
             Ok(i) if i == p.ifindex => self.detach_filters(&p.ifname),
@@ -661,6 +674,10 @@ impl Dataplane for EbpfDataplane {
         self.peers = peers.clone();
         self.doors.set(&Doors::of(&self.cfg.doors, peers))?;
         self.apply_doors_table()
+    }
+
+    fn set_policy(&mut self, tables: Tables) -> Result<(), DataplaneError> {
+        self.policy.set(tables, &self.endpoints.pod_slots())
     }
 
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {

@@ -135,6 +135,7 @@ fn spec(key: &str, ifname: &str, v4: [u8; 4]) -> EndpointSpec {
         ipv4: Some(Ipv4Addr::from(v4)),
         ipv6: Some(Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, u16::from(v4[3]))),
         mac: Some(MAC),
+        pod: None,
     }
 }
 

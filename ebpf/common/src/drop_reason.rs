@@ -50,10 +50,15 @@ pub enum DropReason {
     /// TCP from a pod to a calix agent's port (Routes, metrics) on a node's address: this
     /// node's or another's (issue 20). The port is an operator's to open (`[doors]`).
     AgentPort = 19,
+    /// NetworkPolicy: the pod is isolated for ingress and no rule allows the packet (nor is
+    /// it part of a flow one allowed).
+    PolicyIngress = 20,
+    /// NetworkPolicy: the pod is isolated for egress and no rule allows the packet.
+    PolicyEgress = 21,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 19] = [
+    pub const ALL: [DropReason; 21] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -73,6 +78,8 @@ impl DropReason {
         DropReason::ConntrackBudget,
         DropReason::ConntrackRstInvalid,
         DropReason::AgentPort,
+        DropReason::PolicyIngress,
+        DropReason::PolicyEgress,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -97,6 +104,8 @@ impl DropReason {
             DropReason::ConntrackBudget => "conntrack_budget",
             DropReason::ConntrackRstInvalid => "ct_rst_out_of_window",
             DropReason::AgentPort => "agent_port",
+            DropReason::PolicyIngress => "policy_ingress",
+            DropReason::PolicyEgress => "policy_egress",
         }
     }
 

@@ -150,7 +150,8 @@ pub const LAYOUTS: [Layout; 3] = [
     // endpoint's slot (in `EndpointInfo` and `LocalEndpoint`), overflow marks apart from the
     // plain ones; the endpoints also in a direct-mapped array by ifindex. Maps added since
     // (an older build of this layout never opens them, a newer one creates them next to the
-    // pins): the agents' ports and the other nodes' addresses (issue 20).
+    // pins): the agents' ports and the other nodes' addresses (issue 20); NetworkPolicy's
+    // identities, entries, per-endpoint state and flows (issue 22).
     Layout {
         version: 3,
         maps: &[
@@ -221,6 +222,40 @@ pub const LAYOUTS: [Layout; 3] = [
             m(AGENT_PORTS_MAP, BPF_MAP_TYPE_ARRAY, 4, 16, 1, 0),
             m(PEERS_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_PEER_ADDRS, 1),
             m(PEERS_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_PEER_ADDRS, 1),
+            m(
+                POLICY_IDS_V4_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                8,
+                4,
+                MAX_POLICY_PREFIXES,
+                1,
+            ),
+            m(
+                POLICY_IDS_V6_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                20,
+                4,
+                MAX_POLICY_PREFIXES,
+                1,
+            ),
+            m(
+                POLICY_MAP,
+                BPF_MAP_TYPE_LPM_TRIE,
+                16,
+                4,
+                DEFAULT_POLICY_ENTRIES,
+                1,
+            ),
+            m(POLICY_STATE_MAP, BPF_MAP_TYPE_ARRAY, 4, 8, MAX_ENDPOINTS, 0),
+            m(
+                POLICY_FLOWS_MAP,
+                BPF_MAP_TYPE_LRU_HASH,
+                40,
+                16,
+                DEFAULT_POLICY_FLOWS,
+                0,
+            ),
+            m(POLICY_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 104, 1, 0),
         ],
     },
 ];

@@ -5,11 +5,13 @@
 //! packets (network byte order).
 //!
 //! Here: the map and program names, the map keys and values. Apart: why a packet is dropped
-//! (`drop_reason.rs`), and every published map layout (`layouts.rs`); both re-exported here.
+//! (`drop_reason.rs`), every published map layout (`layouts.rs`) and NetworkPolicy's maps
+//! (`policy.rs`); all re-exported here.
 #![no_std]
 
 mod drop_reason;
 mod layouts;
+mod policy;
 
 pub use drop_reason::DropReason;
 pub use layouts::{
@@ -17,6 +19,7 @@ pub use layouts::{
     BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY,
     BPF_MAP_TYPE_PERCPU_HASH, LAYOUTS,
 };
+pub use policy::*;
 
 /// Version of the map layout below. Maps are pinned under `<pin root>/v<LAYOUT_VERSION>/`: a
 /// build with a different layout never opens (half-reads) maps of another. Every map's type,
@@ -175,7 +178,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 25] = [
+pub const ALL_MAPS: [&str; 31] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -201,6 +204,12 @@ pub const ALL_MAPS: [&str; 25] = [
     AGENT_PORTS_MAP,
     PEERS_V4_MAP,
     PEERS_V6_MAP,
+    POLICY_IDS_V4_MAP,
+    POLICY_IDS_V6_MAP,
+    POLICY_MAP,
+    POLICY_STATE_MAP,
+    POLICY_FLOWS_MAP,
+    POLICY_SCRATCH_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -604,6 +613,10 @@ mod pod {
     unsafe impl aya::Pod for super::NatConfig {}
     unsafe impl aya::Pod for super::StackFlow {}
     unsafe impl aya::Pod for super::AgentPorts {}
+    unsafe impl aya::Pod for super::PolicyState {}
+    unsafe impl aya::Pod for super::PolicyKey {}
+    unsafe impl aya::Pod for super::PolicyFlow {}
+    unsafe impl aya::Pod for super::PolicyScratch {}
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 25] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 31] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -44,6 +44,20 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 25] {
         (AGENT_PORTS_MAP, size_of::<u32>(), size_of::<AgentPorts>()),
         (PEERS_V4_MAP, 4, size_of::<u32>()),
         (PEERS_V6_MAP, 16, size_of::<u32>()),
+        (POLICY_IDS_V4_MAP, lpm(4), size_of::<u32>()),
+        (POLICY_IDS_V6_MAP, lpm(16), size_of::<u32>()),
+        (POLICY_MAP, lpm(size_of::<PolicyKey>()), size_of::<u32>()),
+        (POLICY_STATE_MAP, size_of::<u32>(), size_of::<PolicyState>()),
+        (
+            POLICY_FLOWS_MAP,
+            size_of::<FlowKey>(),
+            size_of::<PolicyFlow>(),
+        ),
+        (
+            POLICY_SCRATCH_MAP,
+            size_of::<u32>(),
+            size_of::<PolicyScratch>(),
+        ),
     ]
 }
 
@@ -181,10 +195,10 @@ fn reasons_round_trip_and_have_distinct_names() {
     }
     assert_eq!(DropReason::from_u32(0), None);
     // Values are stable: they are keys in the pinned counters map.
-    let values: [u32; 19] = DropReason::ALL.map(|r| r as u32);
+    let values: [u32; 21] = DropReason::ALL.map(|r| r as u32);
     assert_eq!(
         values,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     );
 }
 
@@ -194,4 +208,20 @@ fn programs_are_the_tc_ones_then_the_xdp_ones() {
     both[..4].copy_from_slice(&TC_PROGRAMS);
     both[4..].copy_from_slice(&XDP_PROGRAMS);
     assert_eq!(both, ALL_PROGRAMS);
+}
+
+/// The scratch space's keys lie as their maps' keys: a prefix length, then the data.
+#[test]
+fn the_policy_scratch_keys_are_contiguous() {
+    use core::mem::offset_of;
+    assert_eq!(
+        offset_of!(PolicyScratch, rule),
+        offset_of!(PolicyScratch, rule_len) + 4
+    );
+    assert_eq!(
+        offset_of!(PolicyScratch, addr),
+        offset_of!(PolicyScratch, addr_len) + 4
+    );
+    assert_eq!(size_of::<PolicyKey>(), 12);
+    assert_eq!(offset_of!(PolicyScratch, value) % 8, 0);
 }

@@ -9,9 +9,10 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
 };
-use calix_common::{LocalEndpoint, HOST_VETH_MAC};
+use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC};
 
 use crate::counters;
+use crate::policy;
 use crate::packet::{self, v4, v6, Ipv4, Ipv6};
 
 const AF_INET: u8 = 2;
@@ -97,9 +98,13 @@ pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, 
     deliver_local(ctx, ep)
 }
 
-/// As [`to_local`] for a packet whose TTL the caller already decremented.
+/// As [`to_local`] for a packet whose TTL the caller already decremented. The pod's ingress
+/// policy first: this path skips its veth's `to_pod`.
 #[inline(always)]
 pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
+    if policy::isolated(ep.slot) && !policy::ingress(ctx.skb.skb, ep.slot) {
+        return Ok(counters::drop(ctx, ep.ifindex, DropReason::PolicyIngress));
+    }
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;
     counters::to_pod(ep.slot, u64::from(ctx.len()));
     // SAFETY: a plain helper call; the kernel validates the ifindex.

@@ -24,6 +24,7 @@ use crate::flows;
 use crate::forward;
 use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
 use crate::nat;
+use crate::policy;
 use crate::packet::{
     self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
     IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
@@ -99,6 +100,10 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if ip.src != ep.ipv4 {
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV4));
     }
+    // Egress policy, once the source is the pod's own.
+    if policy::isolated(ep.slot) && !policy::egress(ctx.skb.skb, ep.slot) {
+        return Ok(drop(ctx, ifindex, DropReason::PolicyEgress));
+    }
     let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
     if (local.is_some() || remote)
@@ -150,6 +155,9 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         if let Err(reason) = guard::own_source(ctx, ep, &ip) {
             return Ok(drop(ctx, ifindex, reason));
         }
+    }
+    if policy::isolated(ep.slot) && !policy::egress(ctx.skb.skb, ep.slot) {
+        return Ok(drop(ctx, ifindex, DropReason::PolicyEgress));
     }
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();

@@ -23,6 +23,7 @@ mod host_dev;
 mod maps;
 mod nat;
 mod packet;
+mod policy;
 mod to_pod;
 mod xdp;
 

@@ -6,13 +6,15 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
 };
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
-    EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, StackFlow,
-    DEFAULT_CT_ENTRIES, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
-    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POOLS, MAX_STACK_FLOWS,
+    EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow,
+    PolicyKey, PolicyScratch, PolicyState, StackFlow, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
+    DEFAULT_POLICY_FLOWS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
+    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
+    MAX_STACK_FLOWS,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -140,6 +142,55 @@ pub static CALIX_PEERS_V4: HashMap<[u8; 4], u32> =
 pub static CALIX_PEERS_V6: HashMap<[u8; 16], u32> =
     HashMap::pinned(MAX_PEER_ADDRS, BPF_F_NO_PREALLOC);
 
+/// NetworkPolicy: an IPv4 prefix → its identity.
+#[map(name = "CALIX_POL_IDS_V4")]
+pub static CALIX_POL_IDS_V4: LpmTrie<[u8; 4], u32> =
+    LpmTrie::pinned(MAX_POLICY_PREFIXES, BPF_F_NO_PREALLOC);
+
+/// NetworkPolicy: an IPv6 prefix → its identity.
+#[map(name = "CALIX_POL_IDS_V6")]
+pub static CALIX_POL_IDS_V6: LpmTrie<[u8; 16], u32> =
+    LpmTrie::pinned(MAX_POLICY_PREFIXES, BPF_F_NO_PREALLOC);
+
+/// NetworkPolicy: {slot, direction, identity, protocol, port} prefixes → the allowing rule.
+#[map(name = "CALIX_POLICY")]
+pub static CALIX_POLICY: LpmTrie<PolicyKey, u32> =
+    LpmTrie::pinned(DEFAULT_POLICY_ENTRIES, BPF_F_NO_PREALLOC);
+
+/// NetworkPolicy: an endpoint's slot → whether it is isolated, and its generation.
+#[map(name = "CALIX_POL_STATE")]
+pub static CALIX_POL_STATE: Array<PolicyState> = Array::pinned(MAX_ENDPOINTS, 0);
+
+/// NetworkPolicy: the flows isolated endpoints let through.
+#[map(name = "CALIX_POL_FLOWS")]
+pub static CALIX_POL_FLOWS: LruHashMap<FlowKey, PolicyFlow> =
+    LruHashMap::pinned(DEFAULT_POLICY_FLOWS, 0);
+
+/// NetworkPolicy: the verdict's working space, one per CPU.
+#[map(name = "CALIX_POL_SCRATCH")]
+pub static CALIX_POL_SCRATCH: PerCpuArray<PolicyScratch> = PerCpuArray::pinned(1, 0);
+
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_SCRATCH_MAP,
+    "CALIX_POL_SCRATCH"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_IDS_V4_MAP,
+    "CALIX_POL_IDS_V4"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_IDS_V6_MAP,
+    "CALIX_POL_IDS_V6"
+));
+const _: () = assert!(crate::str_eq(calix_common::POLICY_MAP, "CALIX_POLICY"));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_STATE_MAP,
+    "CALIX_POL_STATE"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_FLOWS_MAP,
+    "CALIX_POL_FLOWS"
+));
 const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
 const _: () = assert!(crate::str_eq(
     calix_common::AGENT_PORTS_MAP,

@@ -2,9 +2,10 @@
 //! Traffic redirected by `from_pod`/`from_host_dev` skips this hook and is counted there.
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
+use calix_common::DropReason;
 
 use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
-use crate::{counters, flows};
+use crate::{counters, flows, policy};
 
 pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     // SAFETY: a plain context access the verifier checks.
@@ -14,13 +15,20 @@ pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
     let Some(slot) = crate::maps::endpoint(ifindex).map(|e| unsafe { (*e).slot }) else {
         return Ok(TC_ACT_OK);
     };
-    counters::to_pod(slot, u64::from(ctx.len()));
     // SAFETY: as above. A packet the node itself sent (no input interface: it was not
-    // forwarded): its replies go to the node's own address, never the fast path; nothing to
-    // record.
+    // forwarded): always allowed (kubelet probes), its flow remembered for the pod's policy;
+    // its replies go to the node's own address, never the fast path: no stack flow to record.
     if unsafe { (*ctx.skb.skb).ingress_ifindex } == 0 {
+        if policy::isolated(slot) {
+            policy::from_node(ctx.skb.skb, slot);
+        }
+        counters::to_pod(slot, u64::from(ctx.len()));
         return Ok(TC_ACT_OK);
     }
+    if policy::isolated(slot) && !policy::ingress(ctx.skb.skb, slot) {
+        return Ok(counters::drop(ctx, ifindex, DropReason::PolicyIngress));
+    }
+    counters::to_pod(slot, u64::from(ctx.len()));
     // The stack delivered this flow: its replies must go back through the stack.
     let key = match packet::ethertype(ctx)? {
         ETH_P_IP => packet::ipv4(ctx)

@@ -84,7 +84,8 @@ pub struct Calix {
 
 /// Builds revision `rev`'s agent (host) and static plugin.
 pub fn calix(rev: &str) -> Result<Calix> {
-    let agent = build(rev, &["calix-agent"], None)?;
+    // The test bed asks the agent through calixctl (readiness, endpoints): the same revision's.
+    let agent = build(rev, &["calix-agent", "calixctl"], None)?;
     let plugin = build(rev, &["calix"], Some(crate::setup::MUSL_TARGET))?;
     Ok(Calix {
         label: agent.label,

@@ -1,0 +1,349 @@
+//! NetworkPolicy in the eBPF maps: calix-core's tables (`calix_core::policy::tables`) written
+//! into the identity tries, the entry trie and the per-slot state, step by step in the order
+//! of their plan, so that a flow allowed before and after a change never meets a denial.
+//!
+//! The tables name endpoints by their pod; the maps by slot (a pod's endpoints on this node). What the maps hold is
+//! kept by slot ([`PolicyProgrammer::applied`]), read back from the pins at start: after an
+//! agent restart the pinned policy stays in force, untouched, until the new agent has
+//! computed its own and the first [`PolicyProgrammer::set`] moves the maps to it. An
+//! endpoint attached later gets its entries and isolation before its programs run
+//! ([`PolicyProgrammer::attached`]); one that goes takes its entries with it.
+use std::collections::BTreeMap;
+
+use aya::maps::lpm_trie::{Key, LpmTrie};
+use aya::maps::{Array, MapData};
+use calix_common::{
+    PolicyKey, PolicyState, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP, POLICY_KEY_PEER_BITS,
+    POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_STATE_MAP, POL_DIR_EGRESS, POL_DIR_INGRESS,
+    POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
+};
+use calix_core::policy::endpoint::Direction;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::tables::{plan, EndpointTables, EntryKey, RuleId, Tables};
+use ipnet::IpNet;
+
+use crate::bpf::{map_err, take};
+use crate::DataplaneError;
+
+/// The map operations policy programming does: implemented by the pinned maps here, and by
+/// an in-memory fake in the unit tests.
+pub trait PolicyMaps: Send {
+    fn set_prefix(&mut self, net: IpNet, identity: u32) -> Result<(), DataplaneError>;
+    fn remove_prefix(&mut self, net: &IpNet);
+    fn set_entry(
+        &mut self,
+        slot: u32,
+        d: Direction,
+        e: &EntryKey,
+        rule: RuleId,
+    ) -> Result<(), DataplaneError>;
+    fn remove_entry(&mut self, slot: u32, d: Direction, e: &EntryKey);
+    fn set_state(&mut self, slot: u32, s: PolicyState) -> Result<(), DataplaneError>;
+    /// What the maps hold: prefixes, entries by slot, and the states that are not zero.
+    fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>);
+}
+
+fn dir_byte(d: Direction) -> u8 {
+    match d {
+        Direction::Ingress => POL_DIR_INGRESS,
+        Direction::Egress => POL_DIR_EGRESS,
+    }
+}
+
+/// The trie key of entry `e` of `slot` in direction `d`.
+pub fn trie_key(slot: u32, d: Direction, e: &EntryKey) -> Key<PolicyKey> {
+    match e.proto {
+        None => Key::new(
+            POLICY_KEY_PEER_BITS,
+            PolicyKey::new(slot, dir_byte(d), e.identity, 0, [0; 2]),
+        ),
+        Some(p) => Key::new(
+            POLICY_KEY_PROTO_BITS + u32::from(e.port_bits),
+            PolicyKey::new(slot, dir_byte(d), e.identity, p, e.port.to_be_bytes()),
+        ),
+    }
+}
+
+/// The entry a trie key stands for: (slot, direction, entry); `None` for a key no entry makes.
+pub fn entry_of(k: &Key<PolicyKey>) -> Option<(u32, Direction, EntryKey)> {
+    let (len, data) = (k.prefix_len(), k.data());
+    let d = match data.dir {
+        POL_DIR_INGRESS => Direction::Ingress,
+        POL_DIR_EGRESS => Direction::Egress,
+        _ => return None,
+    };
+    let slot = u32::from_be_bytes(data.slot);
+    let identity = u32::from_be_bytes(data.identity);
+    let e = if len == POLICY_KEY_PEER_BITS {
+        EntryKey {
+            identity,
+            proto: None,
+            port: 0,
+            port_bits: 0,
+        }
+    } else {
+        let bits = len.checked_sub(POLICY_KEY_PROTO_BITS)?;
+        if bits > 16 {
+            return None;
+        }
+        EntryKey {
+            identity,
+            proto: Some(data.proto),
+            port: u16::from_be_bytes(data.port),
+            port_bits: bits as u8,
+        }
+    };
+    Some((slot, d, e))
+}
+
+/// The pinned maps.
+pub struct PinnedPolicyMaps {
+    ids_v4: LpmTrie<MapData, [u8; 4], u32>,
+    ids_v6: LpmTrie<MapData, [u8; 16], u32>,
+    entries: LpmTrie<MapData, PolicyKey, u32>,
+    state: Array<MapData, PolicyState>,
+}
+
+impl PinnedPolicyMaps {
+    pub fn open(bpf: &mut aya::Ebpf) -> Result<Self, DataplaneError> {
+        Ok(Self {
+            ids_v4: take(bpf, POLICY_IDS_V4_MAP, LpmTrie::try_from)?,
+            ids_v6: take(bpf, POLICY_IDS_V6_MAP, LpmTrie::try_from)?,
+            entries: take(bpf, POLICY_MAP, LpmTrie::try_from)?,
+            state: take(bpf, POLICY_STATE_MAP, Array::try_from)?,
+        })
+    }
+}
+
+impl PolicyMaps for PinnedPolicyMaps {
+    fn set_prefix(&mut self, net: IpNet, identity: u32) -> Result<(), DataplaneError> {
+        let len = u32::from(net.prefix_len());
+        match net {
+            IpNet::V4(n) => self
+                .ids_v4
+                .insert(&Key::new(len, n.addr().octets()), identity, 0)
+                .map_err(map_err(POLICY_IDS_V4_MAP, "insert")),
+            IpNet::V6(n) => self
+                .ids_v6
+                .insert(&Key::new(len, n.addr().octets()), identity, 0)
+                .map_err(map_err(POLICY_IDS_V6_MAP, "insert")),
+        }
+    }
+
+    fn remove_prefix(&mut self, net: &IpNet) {
+        let len = u32::from(net.prefix_len());
+        let _ = match net {
+            IpNet::V4(n) => self.ids_v4.remove(&Key::new(len, n.addr().octets())),
+            IpNet::V6(n) => self.ids_v6.remove(&Key::new(len, n.addr().octets())),
+        };
+    }
+
+    fn set_entry(
+        &mut self,
+        slot: u32,
+        d: Direction,
+        e: &EntryKey,
+        rule: RuleId,
+    ) -> Result<(), DataplaneError> {
+        self.entries
+            .insert(&trie_key(slot, d, e), rule, 0)
+            .map_err(map_err(POLICY_MAP, "insert"))
+    }
+
+    fn remove_entry(&mut self, slot: u32, d: Direction, e: &EntryKey) {
+        let _ = self.entries.remove(&trie_key(slot, d, e));
+    }
+
+    fn set_state(&mut self, slot: u32, s: PolicyState) -> Result<(), DataplaneError> {
+        self.state
+            .set(slot, s, 0)
+            .map_err(map_err(POLICY_STATE_MAP, "set"))
+    }
+
+    fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
+        let mut t = Tables::default();
+        for (k, id) in self.ids_v4.iter().filter_map(Result::ok) {
+            if let Ok(n) = ipnet::Ipv4Net::new(k.data().into(), k.prefix_len() as u8) {
+                t.prefixes.insert(IpNet::V4(n), id);
+            }
+        }
+        for (k, id) in self.ids_v6.iter().filter_map(Result::ok) {
+            if let Ok(n) = ipnet::Ipv6Net::new(k.data().into(), k.prefix_len() as u8) {
+                t.prefixes.insert(IpNet::V6(n), id);
+            }
+        }
+        let states: BTreeMap<u32, PolicyState> = (0..self.state.len())
+            .filter_map(|i| Some((i, self.state.get(&i, 0).ok()?)))
+            .filter(|(_, s)| *s != PolicyState::default())
+            .collect();
+        for (slot, s) in &states {
+            let e: &mut EndpointTables = t.endpoints.entry(*slot).or_default();
+            if s.flags & POL_ISOLATED_INGRESS != 0 {
+                e.ingress = Some(BTreeMap::new());
+            }
+            if s.flags & POL_ISOLATED_EGRESS != 0 {
+                e.egress = Some(BTreeMap::new());
+            }
+        }
+        for (k, rule) in self.entries.iter().filter_map(Result::ok) {
+            let Some((slot, d, e)) = entry_of(&k) else {
+                continue;
+            };
+            let t = t.endpoints.entry(slot).or_default();
+            let m = match d {
+                Direction::Ingress => &mut t.ingress,
+                Direction::Egress => &mut t.egress,
+            };
+            // Entries of a direction that is not isolated: the plan removes them.
+            m.get_or_insert_with(BTreeMap::new).insert(e, rule);
+        }
+        (t, states)
+    }
+}
+
+fn flags(t: (bool, bool)) -> u32 {
+    (if t.0 { POL_ISOLATED_INGRESS } else { 0 }) | (if t.1 { POL_ISOLATED_EGRESS } else { 0 })
+}
+
+/// Keeps the maps as the desired tables say, for the endpoints attached.
+pub struct PolicyProgrammer {
+    maps: Box<dyn PolicyMaps>,
+    /// What the agent last asked for; None until it first does (the pins stay as they are).
+    desired: Option<Tables>,
+    /// What the maps hold, by slot.
+    applied: Tables<u32>,
+    /// Each slot's state as written.
+    states: BTreeMap<u32, PolicyState>,
+    /// The last generation handed out (node-wide; never reused while the pins live).
+    generation: u32,
+}
+
+impl PolicyProgrammer {
+    /// Over `maps` as they are pinned.
+    pub fn restore(maps: Box<dyn PolicyMaps>) -> Self {
+        let (applied, states) = maps.read_back();
+        let generation = states.values().map(|s| s.generation).max().unwrap_or(0);
+        Self {
+            maps,
+            desired: None,
+            applied,
+            states,
+            generation,
+        }
+    }
+
+    /// The tables the maps should hold for `desired` with the pods' endpoints in the slots
+    /// `slots` says.
+    fn target(desired: &Tables, slots: &[(PodKey, u32)]) -> Tables<u32> {
+        Tables {
+            prefixes: desired.prefixes.clone(),
+            endpoints: slots
+                .iter()
+                .filter_map(|(pod, slot)| Some((*slot, desired.endpoints.get(pod)?.clone())))
+                .collect(),
+            rules: desired.rules.clone(),
+        }
+    }
+
+    /// Moves the maps to `desired`, for the endpoints attached (`slots`: each one's pod and
+    /// slot). A failed write stops there; the next call plans again from what the maps hold.
+    pub fn set(&mut self, desired: Tables, slots: &[(PodKey, u32)]) -> Result<(), DataplaneError> {
+        let target = Self::target(&desired, slots);
+        self.desired = Some(desired);
+        self.move_to(target)
+    }
+
+    /// The endpoints attached changed (`slots`: each one's pod and slot; one attached, or its
+    /// pod known): their entries and isolation as desired. Nothing until the agent has said
+    /// what it wants (the pins stay as they are).
+    pub fn attached(&mut self, slots: &[(PodKey, u32)]) -> Result<(), DataplaneError> {
+        let Some(desired) = &self.desired else {
+            return Ok(());
+        };
+        let target = Self::target(desired, slots);
+        self.move_to(target)
+    }
+
+    /// The endpoint in `slot` is gone: its entries go, its state is zeroed.
+    pub fn detached(&mut self, slot: u32) {
+        let mut target = self.applied.clone();
+        target.endpoints.remove(&slot);
+        if let Err(e) = self.move_to(target) {
+            tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
+        }
+    }
+
+    fn next_generation(&mut self) -> u32 {
+        self.generation = self.generation.wrapping_add(1).max(1);
+        self.generation
+    }
+
+    fn write_state(&mut self, slot: u32, s: PolicyState) -> Result<(), DataplaneError> {
+        if self.states.get(&slot).copied().unwrap_or_default() == s {
+            return Ok(());
+        }
+        self.maps.set_state(slot, s)?;
+        if s == PolicyState::default() {
+            self.states.remove(&slot);
+        } else {
+            self.states.insert(slot, s);
+        }
+        Ok(())
+    }
+
+    fn move_to(&mut self, target: Tables<u32>) -> Result<(), DataplaneError> {
+        let p = plan(&self.applied, &target);
+        let state = |me: &Self, slot: u32| me.states.get(&slot).copied().unwrap_or_default();
+        for (slot, iso) in &p.open {
+            let s = PolicyState {
+                flags: flags(*iso),
+                ..state(self, *slot)
+            };
+            self.write_state(*slot, s)?;
+        }
+        for (e, rule) in &p.add_entries {
+            self.maps
+                .set_entry(e.endpoint, e.direction, &e.key, *rule)?;
+        }
+        for (net, id) in &p.set_prefixes {
+            self.maps.set_prefix(*net, *id)?;
+        }
+        for net in &p.remove_prefixes {
+            self.maps.remove_prefix(net);
+        }
+        for (slot, iso) in &p.isolation {
+            let s = PolicyState {
+                flags: flags(*iso),
+                ..state(self, *slot)
+            };
+            self.write_state(*slot, s)?;
+        }
+        for e in &p.remove_entries {
+            self.maps.remove_entry(e.endpoint, e.direction, &e.key);
+        }
+        for slot in &p.recheck {
+            let s = PolicyState {
+                flags: state(self, *slot).flags,
+                generation: self.next_generation(),
+            };
+            self.write_state(*slot, s)?;
+        }
+        // Slots no endpoint holds any more: open, for whoever gets them next.
+        let gone: Vec<u32> = self
+            .states
+            .keys()
+            .filter(|s| !target.endpoints.contains_key(s))
+            .copied()
+            .collect();
+        for slot in gone {
+            self.write_state(slot, PolicyState::default())?;
+        }
+        self.applied = target;
+        Ok(())
+    }
+
+    /// What the maps hold now, by slot (for `calixctl` and tests).
+    pub fn applied(&self) -> &Tables<u32> {
+        &self.applied
+    }
+}

@@ -1,0 +1,338 @@
+//! NetworkPolicy in the tc programs, run with BPF_PROG_TEST_RUN (see `programs.rs` for what
+//! test_run does): the policy calculated by calix-core, compiled into tables, written into the
+//! pinned maps by the dataplane's own programmer, and the verdicts the programs give on
+//! crafted frames: ingress and egress, replies, a change that revokes a flow, protocols and
+//! fragments, the stack's path and the node's own traffic, IPv6. Needs root.
+mod common;
+
+#[path = "common/harness.rs"]
+mod harness;
+
+use std::collections::BTreeMap;
+
+use calix_common::{DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_POD};
+use calix_core::policy::cluster::{Change, Cluster};
+use calix_core::policy::model::{
+    Namespaces, Peer, Pod as PodModel, PodKey, Policy, PolicyKey, PortMatch, PortRef, Protocol,
+    Rule,
+};
+use calix_core::policy::tables::Compiler;
+use calix_core::selector::LabelSelector;
+use calix_dataplane::ebpf::policy::{PinnedPolicyMaps, PolicyProgrammer};
+use common::*;
+use harness::*;
+
+const NS: &str = "team";
+
+fn key(name: &str) -> PodKey {
+    PodKey {
+        namespace: NS.into(),
+        name: name.into(),
+    }
+}
+
+fn labels(app: &str) -> BTreeMap<String, String> {
+    [("app".to_string(), app.to_string())].into()
+}
+
+fn model(name: &str, app: &str, pod: &Pod) -> PodModel {
+    PodModel {
+        key: key(name),
+        labels: labels(app),
+        ips: vec![
+            std::net::Ipv4Addr::from(pod.v4).into(),
+            std::net::Ipv6Addr::from(pod.v6).into(),
+        ],
+        ports: Vec::new(),
+        host_network: false,
+    }
+}
+
+fn tcp_port(port: u16) -> PortMatch {
+    PortMatch {
+        protocol: Protocol::Tcp,
+        port: Some(PortRef::Number(port)),
+        end_port: None,
+    }
+}
+
+/// A policy selecting `app=b` that lets `app=a` in on `ports` (empty: all) and, when
+/// `egress` is `Some`, isolates egress with those rules.
+fn policy(ports: Vec<PortMatch>, egress: Option<Vec<Rule>>) -> Policy {
+    Policy {
+        key: PolicyKey {
+            namespace: NS.into(),
+            name: "b-in".into(),
+        },
+        pod_selector: LabelSelector {
+            match_labels: labels("b"),
+            match_expressions: Vec::new(),
+        },
+        ingress: Some(vec![Rule {
+            peers: vec![Peer::Pods {
+                namespaces: Namespaces::Named(NS.into()),
+                pods: LabelSelector {
+                    match_labels: labels("a"),
+                    match_expressions: Vec::new(),
+                },
+            }],
+            ports,
+            unreadable: None,
+        }]),
+        egress,
+        unreadable_selector: None,
+    }
+}
+
+/// The cluster's policy for pods A and B, programmed the way the agent does: calculated,
+/// compiled, written by the dataplane's programmer.
+struct Policed {
+    cluster: Cluster,
+    compiler: Compiler,
+    programmer: PolicyProgrammer,
+    slots: Vec<(PodKey, u32)>,
+}
+
+impl Policed {
+    fn new(h: &mut Harness, a: &Pod, b: &Pod) -> Self {
+        let mut cluster = Cluster::new();
+        cluster.apply(Change::Namespace {
+            name: NS.into(),
+            labels: BTreeMap::new(),
+        });
+        cluster.apply(Change::Pod(model("a", "a", a)));
+        cluster.apply(Change::Pod(model("b", "b", b)));
+        let maps = PinnedPolicyMaps::open(&mut h.bpf).expect("policy maps");
+        Self {
+            cluster,
+            compiler: Compiler::new(),
+            programmer: PolicyProgrammer::restore(Box::new(maps)),
+            slots: vec![(key("a"), a.slot), (key("b"), b.slot)],
+        }
+    }
+
+    fn apply(&mut self, change: Change) {
+        self.cluster.apply(change);
+        let endpoints = ["a", "b"]
+            .into_iter()
+            .filter_map(|n| Some((key(n), self.cluster.endpoint(&key(n))?)))
+            .collect();
+        let tables = self
+            .compiler
+            .compile(&endpoints, |s| self.cluster.members(s));
+        self.programmer
+            .set(tables, &self.slots)
+            .expect("program the policy maps");
+    }
+}
+
+/// A TCP segment with `flags` (0x02 SYN, 0x10 ACK, 0x12 SYN-ACK).
+fn tcp(sport: u16, dport: u16, flags: u8) -> Vec<u8> {
+    let mut t = tcp_syn(sport, dport);
+    t[13] = flags;
+    t
+}
+
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+const SYN_ACK: u8 = 0x12;
+
+/// `from_pod` on `from`'s veth, for a frame from `from` to `to`: the verdict.
+fn send(h: &Harness, from: &Pod, to: &Pod, proto: u8, l4: Vec<u8>) -> u32 {
+    let frame = Ip4::new(from.v4, to.v4, proto, l4).sent_by(from);
+    h.run(PROG_FROM_POD, from.ifindex, &frame).verdict
+}
+
+#[test]
+fn an_isolated_pod_takes_only_what_its_rules_allow_and_the_replies() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        // Nothing isolates B yet: everything passes.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        // B lets A in on TCP 80 only, and sends nothing it is not answering.
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        let before = h.dropped(b.ifindex, DropReason::PolicyIngress);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, UDP, udp(40000, 80)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, ICMP, icmp(8, 7)), TC_ACT_SHOT);
+        let after = h.dropped(b.ifindex, DropReason::PolicyIngress);
+        assert_eq!(after.packets, before.packets + 3, "counted on B's veth");
+        // Port 80: in, and B's answers out although its egress allows nothing.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(80, 40000, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_REDIRECT);
+        // B opening anything of its own: refused at its egress.
+        let before = h.dropped(b.ifindex, DropReason::PolicyEgress);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(40001, 80, SYN)), TC_ACT_SHOT);
+        // A reply-looking segment of a connection A could not have opened: refused too (one
+        // A could have opened passes: an established connection older than the policy).
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40002, SYN_ACK)), TC_ACT_SHOT);
+        let after = h.dropped(b.ifindex, DropReason::PolicyEgress);
+        assert_eq!(after.packets, before.packets + 2);
+        // A SYN is always a new connection: B cannot pass a SYN off as part of the flow.
+        assert_eq!(send(&h, &b, &a, TCP, tcp(80, 40000, SYN)), TC_ACT_SHOT);
+    });
+}
+
+#[test]
+fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_REDIRECT);
+        // A change that keeps port 80 keeps the flow.
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80), tcp_port(81)],
+            None,
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_REDIRECT);
+        // One that takes it away refuses the established flow from its next packet, both
+        // ways, and lets the new port in.
+        p.apply(Change::Policy(policy(vec![tcp_port(81)], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        // A's label change takes it out of the set: its flows to B go too.
+        p.apply(Change::Pod(model("a", "other", &a)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
+        // The policy gone: B is open again.
+        p.apply(Change::PolicyGone(PolicyKey {
+            namespace: NS.into(),
+            name: "b-in".into(),
+        }));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 99, SYN)), TC_ACT_REDIRECT);
+    });
+}
+
+#[test]
+fn fragments_and_portless_protocols_pass_only_a_rule_for_every_port() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], None)));
+        let first = Ip4::new(a.v4, b.v4, TCP, tcp(40000, 80, SYN)).frag(0x2000);
+        let later = Ip4::new(a.v4, b.v4, TCP, vec![0; 16]).frag(0x0003);
+        for ip in [first.clone(), later.clone()] {
+            let frame = ip.sent_by(&a);
+            let run = h.run(PROG_FROM_POD, a.ifindex, &frame);
+            // Fragments go to the host stack (TC_ACT_OK) and meet B's policy at its veth.
+            assert_eq!(run.verdict, TC_ACT_OK);
+            let delivered = ip.sent_by(&b);
+            assert_eq!(
+                h.run(PROG_TO_POD, b.ifindex, &delivered).verdict,
+                TC_ACT_SHOT
+            );
+        }
+        // A rule with no ports covers every protocol, fragments included.
+        p.apply(Change::Policy(policy(vec![], None)));
+        for ip in [first, later] {
+            assert_eq!(
+                h.run(PROG_TO_POD, b.ifindex, &ip.sent_by(&b)).verdict,
+                TC_ACT_OK
+            );
+        }
+        assert_eq!(send(&h, &a, &b, ICMP, icmp(8, 7)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &a, &b, 47, vec![0; 8]),
+            TC_ACT_OK,
+            "GRE: to the stack"
+        );
+    });
+}
+
+#[test]
+fn the_stack_path_and_other_nodes_meet_the_same_policy_and_the_node_always_passes() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        // Delivered by the host stack (a NodePort after kube-proxy's DNAT, a hostPort): B's
+        // veth judges it against the pod's real address and port.
+        let to_b =
+            |src: [u8; 4], port: u16| Ip4::new(src, b.v4, TCP, tcp(40000, port, SYN)).sent_by(&b);
+        assert_eq!(
+            h.run(PROG_TO_POD, b.ifindex, &to_b(a.v4, 80)).verdict,
+            TC_ACT_OK
+        );
+        assert_eq!(
+            h.run(PROG_TO_POD, b.ifindex, &to_b(a.v4, 81)).verdict,
+            TC_ACT_SHOT
+        );
+        assert_eq!(
+            h.run(PROG_TO_POD, b.ifindex, &to_b([192, 0, 2, 9], 80))
+                .verdict,
+            TC_ACT_SHOT,
+            "an address in no set"
+        );
+        // From another node, through the uplink: the same.
+        let uplink = veth("cxtpu");
+        let from_wire = Ip4::new([10, 244, 1, 5], b.v4, TCP, tcp(40000, 80, SYN));
+        let frame = eth(
+            [0xee; 6],
+            [2, 0, 0, 0, 0, 0x55],
+            ETH_P_IP,
+            &from_wire.bytes(),
+        );
+        assert_eq!(
+            h.run(PROG_FROM_HOST_DEV, uplink, &frame).verdict,
+            TC_ACT_SHOT
+        );
+        // The node's own traffic (a kubelet probe): always in, and the pod's answer goes out
+        // although its egress allows nothing.
+        let probe = to_b([10, 0, 0, 1], 8080);
+        let prog = h.bpf.program(PROG_TO_POD).expect("to_pod");
+        let run =
+            test_run_ctx(prog.try_into().expect("tc"), b.ifindex, &probe, 0, 0).expect("test_run");
+        assert_eq!(run.verdict, TC_ACT_OK);
+        let answer = Ip4::new(b.v4, [10, 0, 0, 1], TCP, tcp(8080, 40000, SYN_ACK)).sent_by(&b);
+        assert_eq!(h.run(PROG_FROM_POD, b.ifindex, &answer).verdict, TC_ACT_OK);
+    });
+}
+
+#[test]
+fn ipv6_is_policed_and_neighbour_discovery_never_is() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        let v6 = |from: &Pod, to: &Pod, next: u8, l4: &[u8]| {
+            eth(
+                HOST_VETH_MAC,
+                from.mac,
+                ETH_P_IPV6,
+                &ip6(from.v6, to.v6, next, l4),
+            )
+        };
+        let run = |from: &Pod, frame: &[u8]| h.run(PROG_FROM_POD, from.ifindex, frame).verdict;
+        assert_eq!(run(&a, &v6(&a, &b, TCP, &tcp(40000, 81, SYN))), TC_ACT_SHOT);
+        assert_eq!(
+            run(&a, &v6(&a, &b, TCP, &tcp(40000, 80, SYN))),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(
+            run(&b, &v6(&b, &a, TCP, &tcp(80, 40000, SYN_ACK))),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(run(&b, &v6(&b, &a, TCP, &tcp(40001, 80, SYN))), TC_ACT_SHOT);
+        // An extension header hides the ports: only a rule for every port would let it by.
+        let hidden = ext_header(TCP, &tcp(40000, 80, SYN));
+        assert_eq!(
+            run(&a, &v6(&a, &b, IPV6_DSTOPTS, &hidden)),
+            TC_ACT_OK,
+            "to the stack"
+        );
+        let delivered = v6(&a, &b, IPV6_DSTOPTS, &hidden);
+        assert_eq!(
+            h.run(PROG_TO_POD, b.ifindex, &delivered).verdict,
+            TC_ACT_SHOT
+        );
+        // B's neighbour advertisement of its own address passes its egress isolation.
+        let na = v6(&b, &a, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, b.v6));
+        assert_ne!(run(&b, &na), TC_ACT_SHOT);
+    });
+}

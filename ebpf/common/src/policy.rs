@@ -1,0 +1,139 @@
+//! NetworkPolicy in the eBPF dataplane (issue 22): the maps, their keys and values. The layout
+//! is calix-core's `policy::tables`: identities by longest match on the peer's address, then
+//! per endpoint and direction the entries that allow {identity, protocol, port block}; flows
+//! remembered per endpoint so that replies pass and a policy change re-checks established
+//! flows (docs/decisions.md, "NetworkPolicy in eBPF: identities").
+
+/// LPM trie: an IPv4 prefix (key: prefix length + `[u8; 4]`) → its identity (`u32`). Shared by
+/// every endpoint of the node; an address under no prefix is [`POLICY_WORLD`].
+pub const POLICY_IDS_V4_MAP: &str = "CALIX_POL_IDS_V4";
+/// LPM trie: an IPv6 prefix (key: prefix length + `[u8; 16]`) → its identity.
+pub const POLICY_IDS_V6_MAP: &str = "CALIX_POL_IDS_V6";
+/// Most prefixes per family in the identity tries (allocated as used).
+pub const MAX_POLICY_PREFIXES: u32 = 262_144;
+/// LPM trie: [`PolicyKey`] → `u32`, the number of the rule that allows it. Allow entries only.
+pub const POLICY_MAP: &str = "CALIX_POLICY";
+/// Default size of [`POLICY_MAP`] (entries over every endpoint; `[policy] entries`).
+pub const DEFAULT_POLICY_ENTRIES: u32 = 262_144;
+/// Array: an endpoint's slot → [`PolicyState`]. Zeroed with the slot: not isolated.
+pub const POLICY_STATE_MAP: &str = "CALIX_POL_STATE";
+/// LRU hash: [`crate::FlowKey`] (as seen from the pod) → [`PolicyFlow`]: the flows of isolated
+/// endpoints, so that replies pass and established flows are checked again after a change.
+pub const POLICY_FLOWS_MAP: &str = "CALIX_POL_FLOWS";
+/// Default size of [`POLICY_FLOWS_MAP`] (`[policy] flows`).
+pub const DEFAULT_POLICY_FLOWS: u32 = 262_144;
+
+/// Per-CPU array of one [`PolicyScratch`]: where the programs build the verdict's keys (the
+/// BPF stack, 512 bytes for every frame of a call chain, is too small for them beside the fast
+/// path's own).
+pub const POLICY_SCRATCH_MAP: &str = "CALIX_POL_SCRATCH";
+
+/// The identity of an address under no prefix.
+pub const POLICY_WORLD: u32 = 0;
+/// The identity of entries that allow every peer.
+pub const POLICY_ANY_PEER: u32 = u32::MAX;
+
+/// [`PolicyState::flags`]: the endpoint is isolated for ingress.
+pub const POL_ISOLATED_INGRESS: u32 = 1;
+/// [`PolicyState::flags`]: the endpoint is isolated for egress.
+pub const POL_ISOLATED_EGRESS: u32 = 2;
+
+/// [`PolicyKey::dir`]: traffic to the pod.
+pub const POL_DIR_INGRESS: u8 = 0;
+/// [`PolicyKey::dir`]: traffic from the pod.
+pub const POL_DIR_EGRESS: u8 = 1;
+
+/// [`PolicyFlow::flags`]: the pod opened the flow (its egress allowed it).
+pub const PF_FROM_POD: u32 = 1;
+/// [`PolicyFlow::flags`]: the peer opened the flow (the pod's ingress allowed it).
+pub const PF_TO_POD: u32 = 2;
+
+/// Bits of a [`PolicyKey`] before the protocol: the slot, the direction, the identity.
+pub const POLICY_KEY_PEER_BITS: u32 = 72;
+/// Bits of a [`PolicyKey`] before the port.
+pub const POLICY_KEY_PROTO_BITS: u32 = 80;
+/// Bits of a whole [`PolicyKey`].
+pub const POLICY_KEY_BITS: u32 = 96;
+
+/// One endpoint's policy state ([`POLICY_STATE_MAP`] value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyState {
+    /// `POL_ISOLATED_*` bits.
+    pub flags: u32,
+    /// Changed by the agent whenever the endpoint's verdicts may have changed (node-wide
+    /// counter, never reused): a flow remembered under another generation is checked again.
+    pub generation: u32,
+}
+
+/// The data of a [`POLICY_MAP`] key (after the LPM prefix length): big-endian fields, most
+/// significant first, so that a prefix of the key leaves the protocol or the port open.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PolicyKey {
+    /// The endpoint's slot, big-endian.
+    pub slot: [u8; 4],
+    /// `POL_DIR_*`.
+    pub dir: u8,
+    /// The peer's identity (or [`POLICY_ANY_PEER`]), big-endian.
+    pub identity: [u8; 4],
+    /// IP protocol number.
+    pub proto: u8,
+    /// The pod's port on ingress, the peer's on egress, big-endian (as in the packet).
+    pub port: [u8; 2],
+}
+
+impl PolicyKey {
+    pub const fn new(slot: u32, dir: u8, identity: u32, proto: u8, port_be: [u8; 2]) -> Self {
+        Self {
+            slot: slot.to_be_bytes(),
+            dir,
+            identity: identity.to_be_bytes(),
+            proto,
+            port: port_be,
+        }
+    }
+}
+
+/// A flow an isolated endpoint let through ([`POLICY_FLOWS_MAP`] value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyFlow {
+    /// `bpf_ktime_get_ns()` of the last packet (refreshed at most about once a second).
+    pub last_seen_ns: u64,
+    /// The endpoint's [`PolicyState::generation`] when the flow was last allowed.
+    pub generation: u32,
+    /// `PF_*`: who opened it.
+    pub flags: u32,
+}
+
+/// [`PolicyScratch::flags`]: the packet has ports (or an echo identifier): its flow is
+/// remembered.
+pub const PS_KEYED: u32 = 1;
+/// [`PolicyScratch::flags`]: a TCP SYN without ACK (a new connection, never a remembered one).
+pub const PS_SYN: u32 = 2;
+/// [`PolicyScratch::flags`]: IPv6 neighbour discovery or MLD (never subject to policy).
+pub const PS_EXEMPT: u32 = 4;
+
+/// The programs' working space for one verdict ([`POLICY_SCRATCH_MAP`] value). Each key lies
+/// as the map it is looked up in wants it: `rule_len` + `rule` is a [`POLICY_MAP`] key,
+/// `addr_len` + `addr` an identity trie's (IPv4 in the first 4 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyScratch {
+    pub flow: crate::FlowKey,
+    pub rule_len: u32,
+    pub rule: PolicyKey,
+    pub addr_len: u32,
+    pub addr: [u8; 16],
+    pub _pad0: u32,
+    pub value: PolicyFlow,
+    /// `PS_*` bits.
+    pub flags: u32,
+    pub _pad1: u32,
+}
+
+/// How long a remembered flow lives after its last packet: TCP (established or not: a new
+/// connection is always checked as new), and everything else.
+pub const POLICY_FLOW_TCP_NS: u64 = 3_600 * 1_000_000_000;
+pub const POLICY_FLOW_OTHER_NS: u64 = 120 * 1_000_000_000;

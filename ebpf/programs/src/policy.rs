@@ -1,0 +1,351 @@
+//! NetworkPolicy: the verdict on a packet of an isolated endpoint (`calix_common::policy`).
+//!
+//! An endpoint isolated in no direction costs one array lookup (its state, inlined by the
+//! verifier). For an isolated one, a packet of a flow it let through passes on one flow
+//! lookup, as long as the endpoint's generation has not changed since; otherwise the rules
+//! decide: the peer's identity (longest match), then an entry for that identity or for any
+//! peer, and an allowed flow is remembered. After a change (a new generation) a remembered
+//! flow is checked again against the direction that opened it, and forgotten if that no
+//! longer allows it: a revoked flow is refused from its next packet on.
+//!
+//! IPv6 neighbour discovery and MLD are never subject to policy. Packets with no ports to key
+//! on (fragments, IPv6 behind extension headers, protocols other than TCP, UDP, SCTP and ICMP
+//! echo) are judged alone, as protocol `proto` port 0: only a rule that allows every protocol
+//! lets them through. Fail closed: a packet whose headers cannot be read is denied.
+//!
+//! A TCP segment without SYN that matches no remembered flow (an established connection that
+//! predates the endpoint's isolation, or a flow the LRU table let go) passes when either
+//! direction's rules allow the flow, and is remembered as opened by that side; a SYN is always
+//! checked as a new connection in its own direction.
+//!
+//! The verdict runs as functions of their own (BPF-to-BPF calls), each building its keys in a
+//! per-CPU scratch value rather than on the stack: the 512 bytes of stack are shared by every
+//! frame of a call chain, and the fast path's frame takes most of them.
+
+// The bench-floor build uses none of this.
+#![cfg_attr(feature = "bench-floor", allow(dead_code))]
+
+use aya_ebpf::{
+    bindings::__sk_buff,
+    helpers::{bpf_ktime_get_ns, bpf_skb_load_bytes},
+    maps::lpm_trie::Key,
+    programs::TcContext,
+};
+use calix_common::{
+    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_TO_POD, POLICY_ANY_PEER,
+    POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_WORLD, POL_DIR_EGRESS,
+    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, PS_EXEMPT, PS_KEYED, PS_SYN,
+};
+
+use crate::maps::{
+    CALIX_POLICY, CALIX_POL_FLOWS, CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_SCRATCH,
+    CALIX_POL_STATE,
+};
+use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP};
+
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_SCTP: u8 = 132;
+const TCP_SYN: u8 = 0x02;
+const TCP_ACK: u8 = 0x10;
+/// A remembered flow's time is refreshed when older than this (fewer writes per packet).
+const REFRESH_NS: u64 = 1_000_000_000;
+const BPF_ANY: u64 = 0;
+
+/// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
+/// pays (an array lookup the verifier inlines); the verdict itself is a function of its own
+/// ([`ingress`], [`egress`], [`from_node`]).
+#[inline(always)]
+pub fn isolated(slot: u32) -> bool {
+    CALIX_POL_STATE.get(slot).is_some_and(|s| s.flags != 0)
+}
+
+/// The state of the endpoint in `slot`: `None` when it is isolated in no direction.
+#[inline(always)]
+fn state(slot: u32) -> Option<PolicyState> {
+    let s = CALIX_POL_STATE.get(slot)?;
+    (s.flags != 0).then_some(*s)
+}
+
+/// This CPU's scratch value.
+#[inline(always)]
+fn scratch() -> Option<&'static mut PolicyScratch> {
+    // SAFETY: a per-CPU value from a successful lookup; a program runs to completion on its
+    // CPU without migrating, so nothing else uses it meanwhile.
+    CALIX_POL_SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
+}
+
+/// Copies 16 bytes of the packet at `off` into `dst` (a constant length, for the verifier).
+#[inline(always)]
+fn load16(ctx: &TcContext, off: usize, dst: &mut [u8; 16]) -> bool {
+    // SAFETY: `dst` is 16 writable bytes; the helper checks the packet's bounds.
+    unsafe {
+        bpf_skb_load_bytes(
+            ctx.skb.skb as *const _,
+            off as u32,
+            dst.as_mut_ptr() as *mut _,
+            16,
+        ) == 0
+    }
+}
+
+/// Reads the packet in `ctx` into `s.flow` (seen from the pod: `pod_is_src`, the pod sent it)
+/// and `s.flags`; false when it is neither IPv4 nor IPv6, or its header cannot be read.
+#[inline(always)]
+fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
+    s.flow = FlowKey::default();
+    s.flags = 0;
+    let (l4, l4_len) = match packet::ethertype(ctx) {
+        Ok(ETH_P_IP) => {
+            let Some(ip) = packet::ipv4(ctx) else {
+                return false;
+            };
+            let (pod, peer) = if pod_is_src {
+                (ip.src, ip.dst)
+            } else {
+                (ip.dst, ip.src)
+            };
+            s.flow.pod[..4].copy_from_slice(&pod);
+            s.flow.peer[..4].copy_from_slice(&peer);
+            s.flow.proto = ip.proto;
+            s.flow.family = 4;
+            if ip.fragment() {
+                return true;
+            }
+            (
+                ETH_HLEN + ip.ihl,
+                usize::from(ip.tot_len).saturating_sub(ip.ihl),
+            )
+        }
+        Ok(ETH_P_IPV6) => {
+            // Version, payload length, next header: the addresses are read in place.
+            let Ok(h) = packet::load::<[u8; 8]>(ctx, ETH_HLEN) else {
+                return false;
+            };
+            let payload = usize::from(u16::from_be_bytes([h[4], h[5]]));
+            if h[0] >> 4 != 6 || ETH_HLEN + packet::v6::LEN + payload > ctx.len() as usize {
+                return false;
+            }
+            let (pod_at, peer_at) = if pod_is_src { (8, 24) } else { (24, 8) };
+            if !load16(ctx, ETH_HLEN + pod_at, &mut s.flow.pod)
+                || !load16(ctx, ETH_HLEN + peer_at, &mut s.flow.peer)
+            {
+                return false;
+            }
+            s.flow.proto = h[6];
+            s.flow.family = 6;
+            let l4 = ETH_HLEN + packet::v6::LEN;
+            if h[6] == IPPROTO_ICMPV6
+                && payload >= 8
+                && ctx
+                    .load::<u8>(l4)
+                    .is_ok_and(|t| matches!(t, 130..=137 | 143))
+            {
+                s.flags = PS_EXEMPT;
+                return true;
+            }
+            (l4, payload)
+        }
+        _ => return false,
+    };
+    let Some((sport, dport)) = ports(ctx, l4, l4_len, s.flow.proto) else {
+        return true;
+    };
+    (s.flow.pod_port, s.flow.peer_port) = if pod_is_src {
+        (sport, dport)
+    } else {
+        (dport, sport)
+    };
+    s.flags = PS_KEYED;
+    if s.flow.proto == IPPROTO_TCP
+        && l4_len >= 14
+        && ctx
+            .load::<u8>(l4 + 13)
+            .is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN)
+    {
+        s.flags |= PS_SYN;
+    }
+    true
+}
+
+/// Source and destination ports (network order) of TCP, UDP and SCTP, or an ICMP echo's
+/// identifier as both; `None` for anything else.
+#[inline(always)]
+fn ports(ctx: &TcContext, l4: usize, l4_len: usize, proto: u8) -> Option<(u16, u16)> {
+    if proto == IPPROTO_SCTP {
+        if l4_len < 4 {
+            return None;
+        }
+        let p: [u8; 4] = ctx.load(l4).ok()?;
+        return Some((
+            u16::from_ne_bytes([p[0], p[1]]),
+            u16::from_ne_bytes([p[2], p[3]]),
+        ));
+    }
+    packet::ports(ctx, l4, l4_len, proto)
+}
+
+/// Whether the rules of the endpoint in `slot` allow, in `dir`, the flow in `s`.
+#[inline(always)]
+fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
+    let bit = if dir == POL_DIR_INGRESS {
+        POL_ISOLATED_INGRESS
+    } else {
+        POL_ISOLATED_EGRESS
+    };
+    if st.flags & bit == 0 {
+        return true;
+    }
+    // The peer's identity: longest match on its address.
+    s.addr = s.flow.peer;
+    let identity = if s.flow.family == 4 {
+        s.addr_len = 32;
+        // SAFETY: `addr_len` then `addr` are laid out as an LPM key (a length, then the
+        // address; the IPv4 trie reads its first 4 bytes).
+        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 4]>) };
+        CALIX_POL_IDS_V4.get(k).copied()
+    } else {
+        s.addr_len = 128;
+        // SAFETY: as above.
+        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 16]>) };
+        CALIX_POL_IDS_V6.get(k).copied()
+    }
+    .unwrap_or(POLICY_WORLD);
+    let keyed = s.flags & PS_KEYED != 0;
+    let ported = keyed && matches!(s.flow.proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP);
+    let port = match (ported, dir == POL_DIR_INGRESS) {
+        (false, _) => [0; 2],
+        (true, true) => s.flow.pod_port.to_ne_bytes(),
+        (true, false) => s.flow.peer_port.to_ne_bytes(),
+    };
+    s.rule_len = POLICY_KEY_BITS;
+    s.rule = PolicyKey::new(slot, dir, identity, s.flow.proto, port);
+    // SAFETY: `rule_len` then `rule` are laid out as the entry trie's key.
+    let k = unsafe { &*(&s.rule_len as *const u32 as *const Key<PolicyKey>) };
+    if CALIX_POLICY.get(k).is_some() {
+        return true;
+    }
+    s.rule.identity = POLICY_ANY_PEER.to_be_bytes();
+    CALIX_POLICY.get(k).is_some()
+}
+
+/// Whether the endpoint in `slot` (state `st`) lets the packet in `s` through in `dir`
+/// ([`POL_DIR_INGRESS`]: to the pod).
+#[inline(always)]
+fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
+    if s.flags & PS_EXEMPT != 0 {
+        return true;
+    }
+    if s.flags & PS_KEYED == 0 {
+        return rules_allow(slot, st, dir, s);
+    }
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let syn = s.flags & PS_SYN != 0;
+    if !syn {
+        if let Some(f) = CALIX_POL_FLOWS.get_ptr_mut(&s.flow) {
+            // SAFETY: a pointer from a successful lookup, valid until the program returns;
+            // racing writers store the same kind of values (benign).
+            let f = unsafe { &mut *f };
+            let ttl = if s.flow.proto == IPPROTO_TCP {
+                POLICY_FLOW_TCP_NS
+            } else {
+                POLICY_FLOW_OTHER_NS
+            };
+            if now.wrapping_sub(f.last_seen_ns) <= ttl {
+                if f.generation != st.generation {
+                    let opened = if f.flags & PF_FROM_POD != 0 {
+                        POL_DIR_EGRESS
+                    } else {
+                        POL_DIR_INGRESS
+                    };
+                    if !rules_allow(slot, st, opened, s) {
+                        let _ = CALIX_POL_FLOWS.remove(&s.flow);
+                        return false;
+                    }
+                    f.generation = st.generation;
+                }
+                if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
+                    f.last_seen_ns = now;
+                }
+                return true;
+            }
+        }
+    }
+    let other = if dir == POL_DIR_INGRESS {
+        POL_DIR_EGRESS
+    } else {
+        POL_DIR_INGRESS
+    };
+    let opened_by = if rules_allow(slot, st, dir, s) {
+        dir
+    } else if s.flow.proto == IPPROTO_TCP && !syn && rules_allow(slot, st, other, s) {
+        // Mid-connection: a segment of a connection the other side opened.
+        other
+    } else {
+        return false;
+    };
+    remember(s, st, opened_by == POL_DIR_EGRESS, now);
+    true
+}
+
+/// Remembers the flow in `s` as allowed now (`from_pod`: the pod opened it).
+#[inline(always)]
+fn remember(s: &mut PolicyScratch, st: &PolicyState, from_pod: bool, now: u64) {
+    s.value.last_seen_ns = now;
+    s.value.generation = st.generation;
+    s.value.flags = if from_pod { PF_FROM_POD } else { PF_TO_POD };
+    // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
+    let _ = CALIX_POL_FLOWS.insert(&s.flow, &s.value, BPF_ANY);
+}
+
+/// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`.
+#[inline(always)]
+fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> bool {
+    let ctx = TcContext::new(skb);
+    let Some(st) = state(slot) else {
+        return true;
+    };
+    let Some(s) = scratch() else {
+        return false;
+    };
+    read(&ctx, s, dir == POL_DIR_EGRESS) && allows(slot, &st, dir, s)
+}
+
+/// The egress verdict on the frame in `skb`, sent by the pod in `slot` (its source already
+/// checked): true when the endpoint is not isolated for egress, or its policy lets the frame
+/// out. A frame whose header cannot be read is denied.
+#[inline(never)]
+pub fn egress(skb: *mut __sk_buff, slot: u32) -> bool {
+    verdict(skb, slot, POL_DIR_EGRESS)
+}
+
+/// The ingress verdict on the frame in `skb` for the endpoint in `slot`: true when it is not
+/// isolated for ingress, or its policy lets the frame in. A frame that is neither IPv4 nor
+/// IPv6, or whose header cannot be read, is denied to an isolated endpoint.
+#[inline(never)]
+pub fn ingress(skb: *mut __sk_buff, slot: u32) -> bool {
+    verdict(skb, slot, POL_DIR_INGRESS)
+}
+
+/// Remembers the flow of a frame the node itself sends to the endpoint in `slot` (always
+/// allowed, so that probes work): the pod's replies then pass its egress policy.
+#[inline(never)]
+pub fn from_node(skb: *mut __sk_buff, slot: u32) {
+    let ctx = TcContext::new(skb);
+    let (Some(st), Some(s)) = (state(slot), scratch()) else {
+        return;
+    };
+    if !read(&ctx, s, false) || s.flags & PS_KEYED == 0 {
+        return;
+    }
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(old) = CALIX_POL_FLOWS.get_ptr(&s.flow) {
+        // SAFETY: as in `allows`.
+        let old = unsafe { &*old };
+        if old.generation == st.generation && now.wrapping_sub(old.last_seen_ns) <= REFRESH_NS {
+            return;
+        }
+    }
+    remember(s, &st, false, now);
+}
