@@ -187,6 +187,7 @@ async fn run() -> Result<()> {
         reflector: routes_start.as_ref().is_some_and(|s| s.reflector),
     };
     let remote_routes = driver.clone();
+    let policy_driver = driver.clone();
     let ipam = IpamService::new(
         record,
         cfg.node_pools(),
@@ -249,13 +250,23 @@ async fn run() -> Result<()> {
         None => (None, None),
     };
     // NetworkPolicy (Kubernetes mode): namespaces, every pod and the policies, followed and
-    // calculated for this node's pods (calixctl policy). Not programmed yet (issue 22).
+    // calculated for this node's pods (calixctl policy), and programmed into the dataplane
+    // once the first listings are in (until then the pinned policy stays as it was).
     let policy = if cfg.datastore.is_kubernetes() {
         let watches = policy_watch::load(store.clone())
             .await
             .context("cannot read the Namespaces, Pods and NetworkPolicies")?;
         let service = Arc::new(PolicyService::new(&cfg.node_name));
-        policy_watch::spawn(watches, service.clone(), cfg.node_name.clone());
+        let (changed, follow) = tokio::sync::watch::channel(0u64);
+        policy_watch::spawn(watches, service.clone(), cfg.node_name.clone(), changed);
+        tokio::spawn(calix_agent::policy::program(
+            service.clone(),
+            follow,
+            move |t| {
+                let driver = policy_driver.clone();
+                async move { driver.set_policy(t).await }
+            },
+        ));
         Some(service)
     } else {
         None

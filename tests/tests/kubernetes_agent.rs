@@ -33,7 +33,12 @@ fn agent_node(api: &KubeApi, extra: &str) -> Node {
 /// [`agent_node`], authenticated with `token` instead when given (the admin's, for a test
 /// whose subject is not the agent's permissions).
 fn agent_node_as(api: &KubeApi, token: Option<&str>, extra: &str) -> Node {
-    let probe = Node::create(Dataplane::Kernel, None);
+    agent_node_on(api, Dataplane::Kernel, token, extra)
+}
+
+/// As [`agent_node_as`], with `dataplane`.
+fn agent_node_on(api: &KubeApi, dataplane: Dataplane, token: Option<&str>, extra: &str) -> Node {
+    let probe = Node::create(dataplane, None);
     let token = token.map_or_else(|| agent_token(api, &probe.ns.name), str::to_string);
     let kubeconfig = api
         .wire_as(&probe.ns, &token)
@@ -1779,4 +1784,106 @@ fn network_policies_namespaces_and_every_pod_are_followed_with_only_the_cluster_
     }
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Pod `namespace/name` with `labels`, bound to `node`, ADDed there, and its address in its
+/// status (what the kubelet reports once the sandbox runs).
+fn running_pod<'a>(
+    api: &KubeApi,
+    node: &'a Node,
+    namespace: &str,
+    name: &str,
+    labels: Value,
+) -> Pod<'a> {
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "default", "namespace": namespace},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let meta = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace}});
+    let mut pod = meta.clone();
+    pod["metadata"]["labels"] = labels;
+    pod["spec"] =
+        json!({"nodeName": node.ns.name, "containers": [{"name": "c", "image": "pause"}]});
+    let made = api.apply(pod).unwrap_or_else(|e| panic!("{e}"));
+    let uid = made["metadata"]["uid"].as_str().expect("the pod's UID");
+    let p = Pod::try_add_k8s(node, namespace, name, uid, Value::Null);
+    assert!(
+        p.result.success,
+        "{namespace}/{name}: {}\n{}",
+        p.result.stdout,
+        node.agent_log()
+    );
+    let ip = p.ip();
+    api.patch_status(meta, json!({"podIP": ip, "podIPs": [{"ip": ip}]}))
+        .unwrap_or_else(|e| panic!("{e}"));
+    p
+}
+
+/// NetworkPolicy enforced end to end in the eBPF dataplane: real pods (CNI ADD through the
+/// agent), their Pod objects in a real API server, the agent holding only its ClusterRole. A
+/// policy lets one client in: the other's packets are dropped, the client's pass, the
+/// isolated pod's own traffic and its replies pass; the policy gone, all pass again.
+#[test]
+fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
+    let api = KubeApi::shared();
+    let u = unique("npe");
+    let node = agent_node_on(&api, Dataplane::Ebpf, None, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.32")],
+    );
+    api.apply(ippool(&u, "10.75.0.0/24", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.75.0.0/24"]);
+    let ns = format!("{u}-np");
+    namespace(&api, &ns, json!({}), json!({}));
+    let web = running_pod(&api, &node, &ns, "web", json!({"app": "web"}));
+    let client = running_pod(&api, &node, &ns, "client", json!({"role": "client"}));
+    let other = running_pod(&api, &node, &ns, "other", json!({"role": "other"}));
+    let (web_ip, other_ip) = (web.ip(), other.ip());
+    assert!(other.ns.ping(&web_ip, 1), "open before any policy");
+    api.apply(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "web", "namespace": ns},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "web"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "client"}}}]}]
+        }
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let show = || node.agent_log();
+    wait_for(
+        "the policy drops other's packets to web",
+        Duration::from_secs(20),
+        || (!other.ns.ping(&web_ip, 1)).then_some(()),
+        show,
+    );
+    assert!(client.ns.ping(&web_ip, 2), "the client is let in");
+    assert!(
+        web.ns.ping(&other_ip, 2),
+        "web's own traffic and its replies pass"
+    );
+    assert!(!other.ns.ping(&web_ip, 2), "still dropped");
+    let drops = node
+        .agent()
+        .calixctl_json(&["bpf", "counters"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        drops.to_string().contains("policy_ingress"),
+        "counted as policy drops: {drops}"
+    );
+    api.delete_now("networking.k8s.io/v1", "NetworkPolicy", &ns, "web")
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the policy gone, other reaches web again",
+        Duration::from_secs(20),
+        || other.ns.ping(&web_ip, 1).then_some(()),
+        show,
+    );
 }

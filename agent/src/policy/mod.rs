@@ -1,7 +1,8 @@
 //! NetworkPolicy in the agent: the cluster as policy sees it (calix-core's calculation), fed
 //! one change at a time by the Kubernetes adapter (`kubernetes::policy::watch`), and this
 //! node's endpoints' policies computed again when a change touches them; what `calixctl
-//! policy` shows. Programming them into the dataplanes is the next step (issue 22).
+//! policy` shows; and the tables the dataplane programs ([`PolicyService::tables`], sent to
+//! it by [`program`]).
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -10,6 +11,7 @@ use calix_core::policy::cluster::{Change, Cluster};
 use calix_core::policy::endpoint::EndpointPolicy;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::report::{EndpointReport, PolicyReport};
+use calix_core::policy::tables::{Compiler, Tables};
 
 #[cfg(test)]
 mod tests;
@@ -35,6 +37,8 @@ struct Inner {
     computed: BTreeMap<PodKey, EndpointPolicy>,
     ready: bool,
     changes: u64,
+    /// Identity and rule numbers, stable from one compilation to the next.
+    compiler: Compiler,
 }
 
 /// The policy calculation of one agent.
@@ -104,6 +108,23 @@ impl PolicyService {
         self.lock().ready = true;
     }
 
+    /// The tables this node's pods enforce, compiled from their policies now; `None` until the
+    /// first listings are in (until then the dataplane keeps what it enforced before: an
+    /// agent restart opens and closes nothing).
+    pub fn tables(&self) -> Option<Tables> {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        if !inner.ready {
+            return None;
+        }
+        let cluster = &inner.cluster;
+        Some(
+            inner
+                .compiler
+                .compile(&inner.computed, |s| cluster.members(s)),
+        )
+    }
+
     /// This node's endpoint policy of `pod` as last computed (None: not here, host network, or
     /// not known).
     pub fn endpoint(&self, pod: &PodKey) -> Option<EndpointPolicy> {
@@ -126,6 +147,51 @@ impl PolicyService {
             changes: inner.changes,
             endpoint: pod
                 .and_then(|k| EndpointReport::of(&inner.cluster, k, inner.local.contains(k))),
+        }
+    }
+}
+
+/// Sends the service's tables to the dataplane whenever `changed` says they may have changed
+/// (a burst of changes is one compilation), until the agent stops. A failed write is tried
+/// again a second later with the tables as they are then.
+pub async fn program<F, Fut, E>(
+    service: std::sync::Arc<PolicyService>,
+    mut changed: tokio::sync::watch::Receiver<u64>,
+    set: F,
+) where
+    F: Fn(Tables) -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    let mut failing = false;
+    loop {
+        let Some(tables) = service.tables() else {
+            if changed.changed().await.is_err() {
+                return;
+            }
+            continue;
+        };
+        let start = Instant::now();
+        let (prefixes, entries) = (tables.prefixes.len(), tables.entry_count());
+        match set(tables).await {
+            Ok(()) => {
+                if failing {
+                    tracing::info!("NetworkPolicy programmed again");
+                }
+                failing = false;
+                tracing::debug!(prefixes, entries, took = ?start.elapsed(), "NetworkPolicy programmed");
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::error!(error = %e, "NetworkPolicy cannot be programmed; trying again");
+                }
+                failing = true;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        }
+        if changed.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use calix_core::policy::tables::Tables;
 use calix_core::reconcile::remote::{RemoteRoute, Underlay};
 use calix_kernel::host::HostKernel;
 use ipnet::IpNet;
@@ -57,6 +58,8 @@ enum Command {
     RemoteRoutes(Vec<RemoteRoute>, bool, Instant, oneshot::Sender<()>),
     /// The other nodes, for the doors ([`Dataplane::set_peer_nodes`]).
     PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
+    /// NetworkPolicy's tables for this node's pods ([`Dataplane::set_policy`]).
+    Policy(Box<Tables>, oneshot::Sender<Result<(), DataplaneError>>),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
     Release(oneshot::Sender<()>),
 }
@@ -209,6 +212,14 @@ impl Driver {
             .map_err(gone)?
     }
 
+    /// NetworkPolicy: the tables this node's pods enforce from now on
+    /// ([`Dataplane::set_policy`]).
+    pub async fn set_policy(&self, tables: Tables) -> Result<(), DataplaneError> {
+        self.ask(|tx| Command::Policy(Box::new(tables), tx))
+            .await
+            .map_err(gone)?
+    }
+
     pub async fn snapshot(&self) -> Result<Snapshot, DriverError> {
         self.ask(Command::Snapshot).await
     }
@@ -286,6 +297,9 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             }
             Some(Command::PeerNodes(peers, reply)) => {
                 let _ = reply.send(r.dataplane().set_peer_nodes(&peers));
+            }
+            Some(Command::Policy(tables, reply)) => {
+                let _ = reply.send(r.dataplane().set_policy(*tables));
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

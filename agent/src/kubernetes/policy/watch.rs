@@ -155,7 +155,14 @@ pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> 
 }
 
 /// Feeds the service: the first listings, then every change, for as long as the agent runs.
-pub fn spawn(w: Watches, service: Arc<PolicyService>, node: String) {
+/// `changed` counts the changes applied since the first listings were in (the dataplane's
+/// programmer follows it).
+pub fn spawn(
+    w: Watches,
+    service: Arc<PolicyService>,
+    node: String,
+    changed: tokio::sync::watch::Sender<u64>,
+) {
     let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
     let kinds = w.followers.len();
     for mut follower in w.followers {
@@ -192,11 +199,18 @@ pub fn spawn(w: Watches, service: Arc<PolicyService>, node: String) {
                 if listed == kinds {
                     service.set_ready();
                     tracing::info!(report = ?service.report(None), "NetworkPolicy: first listings in");
+                    changed.send_modify(|n| *n += 1);
                 }
                 continue;
             };
             let what = change_name(&seen.change);
+            let gone = matches!(seen.change, Change::PodGone(_));
             let applied = service.apply(seen.change, seen.on_this_node);
+            // What the dataplane holds may have changed: a set's members, an endpoint's rules,
+            // a pod of this node come or gone.
+            if listed == kinds && (applied.sets > 0 || applied.endpoints > 0 || gone) {
+                changed.send_modify(|n| *n += 1);
+            }
             if applied.took > Duration::from_millis(100) {
                 tracing::warn!(change = %what, took = ?applied.took, endpoints = applied.endpoints,
                     "NetworkPolicy: a change took long to compute");
