@@ -83,6 +83,17 @@ pub enum DataplaneError {
     Addresses(#[source] nix::Error),
     #[error(transparent)]
     SlotsFull(#[from] slots::SlotsFull),
+    /// Some endpoints' policy entries could not all be written (a full map): those endpoints
+    /// are isolated with what was written, and deny the rest; the others are as asked.
+    #[error(
+        "NetworkPolicy is not fully programmed for {} endpoint(s) (slots {slots:?}), which deny          what could not be written",
+        slots.len()
+    )]
+    PolicyIncomplete {
+        slots: Vec<u32>,
+        #[source]
+        source: Box<DataplaneError>,
+    },
     #[error("{0}")]
     Driver(String),
     #[error("reading the kernel's state of {what} failed")]

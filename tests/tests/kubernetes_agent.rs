@@ -1824,7 +1824,8 @@ fn running_pod<'a>(
 /// NetworkPolicy enforced end to end in the eBPF dataplane: real pods (CNI ADD through the
 /// agent), their Pod objects in a real API server, the agent holding only its ClusterRole. A
 /// policy lets one client in: the other's packets are dropped, the client's pass, the
-/// isolated pod's own traffic and its replies pass; the policy gone, all pass again.
+/// isolated pod's own traffic and its replies pass; across the agent's `kill -9` and restart
+/// all of it holds; the policy gone, all pass again.
 #[test]
 fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
     let api = KubeApi::shared();
@@ -1878,6 +1879,33 @@ fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
         drops.to_string().contains("policy_ingress"),
         "counted as policy drops: {drops}"
     );
+    // kill -9: the pinned policy stays in force while the agent is away, and after it is back
+    // (before and after it has computed the policy again): no window open, none closed.
+    node.kill_agent();
+    assert!(!other.ns.ping(&web_ip, 2), "dropped with the agent down");
+    assert!(
+        client.ns.ping(&web_ip, 1),
+        "the client let in with the agent down"
+    );
+    node.start_agent();
+    for _ in 0..3 {
+        assert!(!other.ns.ping(&web_ip, 1), "dropped after the restart");
+        assert!(
+            client.ns.ping(&web_ip, 1),
+            "the client let in after the restart"
+        );
+    }
+    wait_policy(
+        &node,
+        &format!("{ns}/web"),
+        "the restarted agent has the policy",
+        |r| r["ready"] == true && r["endpoint"]["ingress"].is_array(),
+    );
+    assert!(
+        !other.ns.ping(&web_ip, 2),
+        "dropped once the policy is computed again"
+    );
+    assert!(client.ns.ping(&web_ip, 1));
     api.delete_now("networking.k8s.io/v1", "NetworkPolicy", &ns, "web")
         .unwrap_or_else(|e| panic!("{e}"));
     wait_for(

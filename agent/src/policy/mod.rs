@@ -39,6 +39,8 @@ struct Inner {
     changes: u64,
     /// Identity and rule numbers, stable from one compilation to the next.
     compiler: Compiler,
+    /// The last programming's outcome, as `calixctl policy` shows it.
+    programmed: Option<String>,
 }
 
 /// The policy calculation of one agent.
@@ -103,6 +105,11 @@ impl PolicyService {
         out
     }
 
+    /// Records the last programming's outcome (`calixctl policy`).
+    pub fn set_programmed(&self, outcome: String) {
+        self.lock().programmed = Some(outcome);
+    }
+
     /// The first listing of namespaces, pods and policies is in.
     pub fn set_ready(&self) {
         self.lock().ready = true;
@@ -145,6 +152,7 @@ impl PolicyService {
             sets,
             local_endpoints: inner.computed.len(),
             changes: inner.changes,
+            dataplane: inner.programmed.clone(),
             endpoint: pod
                 .and_then(|k| EndpointReport::of(&inner.cluster, k, inner.local.contains(k))),
         }
@@ -161,7 +169,7 @@ pub async fn program<F, Fut, E>(
 ) where
     F: Fn(Tables) -> Fut,
     Fut: std::future::Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
+    E: std::error::Error,
 {
     let mut failing = false;
     loop {
@@ -179,12 +187,15 @@ pub async fn program<F, Fut, E>(
                     tracing::info!("NetworkPolicy programmed again");
                 }
                 failing = false;
+                service.set_programmed(format!("{prefixes} prefixes, {entries} entries"));
                 tracing::debug!(prefixes, entries, took = ?start.elapsed(), "NetworkPolicy programmed");
             }
             Err(e) => {
+                let e = calix_log::error_chain(&e);
                 if !failing {
                     tracing::error!(error = %e, "NetworkPolicy cannot be programmed; trying again");
                 }
+                service.set_programmed(format!("not fully programmed: {e}"));
                 failing = true;
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;

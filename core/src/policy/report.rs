@@ -29,6 +29,10 @@ pub struct PolicyReport {
     pub local_endpoints: usize,
     /// Changes applied since the agent started.
     pub changes: u64,
+    /// What the dataplane holds of it: the last programming's outcome (None: not programmed
+    /// yet, or a dataplane that enforces no policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataplane: Option<String>,
     pub endpoint: Option<EndpointReport>,
 }
 

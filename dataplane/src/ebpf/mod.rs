@@ -42,6 +42,8 @@ use calix_kernel::host::HostKernel;
 mod endpoints;
 mod maps;
 pub mod policy;
+#[cfg(test)]
+mod policy_tests;
 mod stats;
 #[cfg(test)]
 mod tests;

@@ -13,13 +13,13 @@ use std::collections::BTreeMap;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, MapData};
 use calix_common::{
-    PolicyKey, PolicyState, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP, POLICY_KEY_PEER_BITS,
-    POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_STATE_MAP, POL_DIR_EGRESS, POL_DIR_INGRESS,
-    POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
+    PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP,
+    POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_STATE_MAP, POLICY_WORLD,
+    POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
 };
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
-use calix_core::policy::tables::{plan, EndpointTables, EntryKey, RuleId, Tables};
+use calix_core::policy::tables::{plan, EndpointTables, Entries, EntryKey, RuleId, Tables};
 use ipnet::IpNet;
 
 use crate::bpf::{map_err, take};
@@ -216,6 +216,11 @@ pub struct PolicyProgrammer {
     states: BTreeMap<u32, PolicyState>,
     /// The last generation handed out (node-wide; never reused while the pins live).
     generation: u32,
+    /// Added to every identity the agent's tables name: above every identity the pins held
+    /// at start. A restarted agent numbers its identities afresh; without the offset its
+    /// first entries could land on an identity the maps still give addresses of another
+    /// meaning, and let them through while the prefixes move.
+    offset: u32,
 }
 
 impl PolicyProgrammer {
@@ -223,23 +228,70 @@ impl PolicyProgrammer {
     pub fn restore(maps: Box<dyn PolicyMaps>) -> Self {
         let (applied, states) = maps.read_back();
         let generation = states.values().map(|s| s.generation).max().unwrap_or(0);
+        let entries = applied
+            .endpoints
+            .values()
+            .flat_map(|t| [&t.ingress, &t.egress])
+            .flatten()
+            .flat_map(|m| m.keys().map(|k| k.identity));
+        let offset = applied
+            .prefixes
+            .values()
+            .copied()
+            .chain(entries)
+            .filter(|i| *i != POLICY_ANY_PEER)
+            .max()
+            .unwrap_or(0);
         Self {
             maps,
             desired: None,
             applied,
             states,
             generation,
+            offset,
+        }
+    }
+
+    /// An identity of the agent's tables as the maps hold it.
+    fn shifted(&self, identity: u32) -> u32 {
+        match identity {
+            POLICY_WORLD | POLICY_ANY_PEER => identity,
+            i => i.saturating_add(self.offset).min(POLICY_ANY_PEER - 1),
         }
     }
 
     /// The tables the maps should hold for `desired` with the pods' endpoints in the slots
     /// `slots` says.
-    fn target(desired: &Tables, slots: &[(PodKey, u32)]) -> Tables<u32> {
+    fn target(&self, desired: &Tables, slots: &[(PodKey, u32)]) -> Tables<u32> {
+        let shift_entries = |e: &Entries| {
+            e.as_ref().map(|m| {
+                m.iter()
+                    .map(|(k, r)| {
+                        let k = EntryKey {
+                            identity: self.shifted(k.identity),
+                            ..*k
+                        };
+                        (k, *r)
+                    })
+                    .collect()
+            })
+        };
         Tables {
-            prefixes: desired.prefixes.clone(),
+            prefixes: desired
+                .prefixes
+                .iter()
+                .map(|(n, i)| (*n, self.shifted(*i)))
+                .collect(),
             endpoints: slots
                 .iter()
-                .filter_map(|(pod, slot)| Some((*slot, desired.endpoints.get(pod)?.clone())))
+                .filter_map(|(pod, slot)| {
+                    let t = desired.endpoints.get(pod)?;
+                    let t = EndpointTables {
+                        ingress: shift_entries(&t.ingress),
+                        egress: shift_entries(&t.egress),
+                    };
+                    Some((*slot, t))
+                })
                 .collect(),
             rules: desired.rules.clone(),
         }
@@ -248,7 +300,7 @@ impl PolicyProgrammer {
     /// Moves the maps to `desired`, for the endpoints attached (`slots`: each one's pod and
     /// slot). A failed write stops there; the next call plans again from what the maps hold.
     pub fn set(&mut self, desired: Tables, slots: &[(PodKey, u32)]) -> Result<(), DataplaneError> {
-        let target = Self::target(&desired, slots);
+        let target = self.target(&desired, slots);
         self.desired = Some(desired);
         self.move_to(target)
     }
@@ -260,7 +312,7 @@ impl PolicyProgrammer {
         let Some(desired) = &self.desired else {
             return Ok(());
         };
-        let target = Self::target(desired, slots);
+        let target = self.target(desired, slots);
         self.move_to(target)
     }
 
@@ -301,9 +353,18 @@ impl PolicyProgrammer {
             };
             self.write_state(*slot, s)?;
         }
+        // An entry that cannot be written (a full map) is left out, and the endpoint still
+        // becomes isolated: it denies what it cannot check. The other endpoints carry on.
+        let mut failed: BTreeMap<(u32, Direction), Vec<EntryKey>> = BTreeMap::new();
+        let mut first_error = None;
         for (e, rule) in &p.add_entries {
-            self.maps
-                .set_entry(e.endpoint, e.direction, &e.key, *rule)?;
+            if let Err(err) = self.maps.set_entry(e.endpoint, e.direction, &e.key, *rule) {
+                failed
+                    .entry((e.endpoint, e.direction))
+                    .or_default()
+                    .push(e.key);
+                first_error.get_or_insert(err);
+            }
         }
         for (net, id) in &p.set_prefixes {
             self.maps.set_prefix(*net, *id)?;
@@ -338,8 +399,33 @@ impl PolicyProgrammer {
         for slot in gone {
             self.write_state(slot, PolicyState::default())?;
         }
+        // What the maps hold: the target less what could not be written (the next call
+        // tries those again).
+        let mut target = target;
+        for ((slot, d), keys) in &failed {
+            let held = target.endpoints.get_mut(slot).and_then(|t| match d {
+                Direction::Ingress => t.ingress.as_mut(),
+                Direction::Egress => t.egress.as_mut(),
+            });
+            if let Some(m) = held {
+                for k in keys {
+                    m.remove(k);
+                }
+            }
+        }
         self.applied = target;
-        Ok(())
+        match first_error {
+            None => Ok(()),
+            Some(e) => Err(DataplaneError::PolicyIncomplete {
+                slots: failed
+                    .keys()
+                    .map(|(s, _)| *s)
+                    .collect::<std::collections::BTreeSet<_>>()
+                    .into_iter()
+                    .collect(),
+                source: Box::new(e),
+            }),
+        }
     }
 
     /// What the maps hold now, by slot (for `calixctl` and tests).

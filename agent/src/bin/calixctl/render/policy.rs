@@ -22,6 +22,9 @@ pub(crate) fn policy(r: &PolicyReport, asked: Option<&str>) -> String {
         r.local_endpoints,
         r.changes
     );
+    if let Some(d) = &r.dataplane {
+        out.push_str(&format!("\ndataplane: {d}"));
+    }
     let Some(asked) = asked else {
         return out;
     };

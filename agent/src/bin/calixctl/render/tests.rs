@@ -227,6 +227,8 @@ fn a_pods_policy_reads_direction_by_direction() {
     assert!(super::policy::policy(&r, None)
         .starts_with("node n1: in sync (0 namespaces, 3 pods, 1 policies"));
     assert!(super::policy::policy(&r, Some("a/x")).ends_with("pod a/x: not known to the agent"));
+    r.dataplane = Some("3 prefixes, 9 entries".into());
+    assert!(super::policy::policy(&r, None).ends_with("\ndataplane: 3 prefixes, 9 entries"));
     r.endpoint = Some(EndpointReport {
         pod: "a/web".into(),
         local: true,

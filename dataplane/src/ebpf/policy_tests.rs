@@ -1,0 +1,235 @@
+//! The policy programmer over in-memory maps: what it leaves pinned across a restart, the
+//! identities it writes, endpoints that come and go.
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use calix_common::{PolicyState, POL_ISOLATED_INGRESS};
+use calix_core::policy::endpoint::Direction;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::tables::{EndpointTables, EntryKey, RuleId, Tables};
+use ipnet::IpNet;
+
+use super::policy::{PolicyMaps, PolicyProgrammer};
+use crate::DataplaneError;
+
+#[derive(Default)]
+struct Held {
+    prefixes: BTreeMap<IpNet, u32>,
+    entries: BTreeMap<(u32, Direction, EntryKey), RuleId>,
+    states: BTreeMap<u32, PolicyState>,
+    /// The entry map's size (None: unbounded).
+    capacity: Option<usize>,
+}
+
+#[derive(Clone, Default)]
+struct Fake(Arc<Mutex<Held>>);
+
+impl Fake {
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.0.lock().expect("lock")
+    }
+}
+
+impl PolicyMaps for Fake {
+    fn set_prefix(&mut self, net: IpNet, identity: u32) -> Result<(), DataplaneError> {
+        self.held().prefixes.insert(net, identity);
+        Ok(())
+    }
+    fn remove_prefix(&mut self, net: &IpNet) {
+        self.held().prefixes.remove(net);
+    }
+    fn set_entry(
+        &mut self,
+        slot: u32,
+        d: Direction,
+        e: &EntryKey,
+        rule: RuleId,
+    ) -> Result<(), DataplaneError> {
+        let mut h = self.held();
+        let full = h
+            .capacity
+            .is_some_and(|c| h.entries.len() >= c && !h.entries.contains_key(&(slot, d, *e)));
+        if full {
+            return Err(DataplaneError::Driver("no space left in the map".into()));
+        }
+        h.entries.insert((slot, d, *e), rule);
+        Ok(())
+    }
+    fn remove_entry(&mut self, slot: u32, d: Direction, e: &EntryKey) {
+        self.held().entries.remove(&(slot, d, *e));
+    }
+    fn set_state(&mut self, slot: u32, s: PolicyState) -> Result<(), DataplaneError> {
+        if s == PolicyState::default() {
+            self.held().states.remove(&slot);
+        } else {
+            self.held().states.insert(slot, s);
+        }
+        Ok(())
+    }
+    fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
+        let h = self.held();
+        let mut t = Tables {
+            prefixes: h.prefixes.clone(),
+            ..Tables::default()
+        };
+        for (slot, s) in &h.states {
+            let e = t.endpoints.entry(*slot).or_default();
+            if s.flags & POL_ISOLATED_INGRESS != 0 {
+                e.ingress = Some(BTreeMap::new());
+            }
+        }
+        for ((slot, d, k), r) in &h.entries {
+            let e = t.endpoints.entry(*slot).or_default();
+            let m = match d {
+                Direction::Ingress => &mut e.ingress,
+                Direction::Egress => &mut e.egress,
+            };
+            m.get_or_insert_with(BTreeMap::new).insert(*k, *r);
+        }
+        (t, h.states.clone())
+    }
+}
+
+fn pod(name: &str) -> PodKey {
+    PodKey {
+        namespace: "ns".into(),
+        name: name.into(),
+    }
+}
+
+fn entry(identity: u32) -> EntryKey {
+    EntryKey {
+        identity,
+        proto: Some(6),
+        port: 80,
+        port_bits: 16,
+    }
+}
+
+/// Tables in which `web` lets identity 1 (`net`) in on TCP 80.
+fn tables(net: &str) -> Tables {
+    let mut t = Tables::default();
+    t.prefixes.insert(net.parse().expect("net"), 1);
+    t.endpoints.insert(
+        pod("web"),
+        EndpointTables {
+            ingress: Some([(entry(1), 1)].into()),
+            egress: None,
+        },
+    );
+    t
+}
+
+#[test]
+fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
+    let fake = Fake::default();
+    // What an earlier agent left: slot 3 isolated, identity 7 let in.
+    {
+        let mut h = fake.held();
+        h.prefixes.insert("10.0.0.9/32".parse().expect("net"), 7);
+        h.entries.insert((3, Direction::Ingress, entry(7)), 4);
+        h.states.insert(
+            3,
+            PolicyState {
+                flags: POL_ISOLATED_INGRESS,
+                generation: 12,
+            },
+        );
+    }
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    // An endpoint attached before the agent has computed anything: the pins stay.
+    p.attached(&[(pod("web"), 3)]).expect("attach");
+    assert_eq!(fake.held().entries.len(), 1);
+    assert_eq!(fake.held().prefixes.len(), 1);
+    // The agent's first tables (its identity 1): written above every pinned identity, the
+    // old ones gone, a new generation so established flows are checked again.
+    p.set(tables("10.0.0.5/32"), &[(pod("web"), 3)])
+        .expect("set");
+    let h = fake.held();
+    assert_eq!(
+        h.prefixes,
+        [("10.0.0.5/32".parse().expect("net"), 8)].into(),
+        "identity 1 shifted past 7"
+    );
+    assert_eq!(
+        h.entries.keys().copied().collect::<Vec<_>>(),
+        vec![(3, Direction::Ingress, entry(8))]
+    );
+    assert_eq!(h.states[&3].flags, POL_ISOLATED_INGRESS);
+    assert!(h.states[&3].generation > 12, "{:?}", h.states[&3]);
+}
+
+#[test]
+fn endpoints_get_their_pods_entries_when_attached_and_lose_them_when_gone() {
+    let fake = Fake::default();
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    // Desired before the endpoint exists: nothing to write for it yet.
+    p.set(tables("10.0.0.5/32"), &[]).expect("set");
+    assert!(fake.held().entries.is_empty());
+    assert!(fake.held().states.is_empty());
+    // Attached in slot 5: its pod's entries and isolation.
+    p.attached(&[(pod("web"), 5)]).expect("attach");
+    assert_eq!(fake.held().entries.len(), 1);
+    assert_eq!(fake.held().states[&5].flags, POL_ISOLATED_INGRESS);
+    // Gone: entries and state go, the slot is open for whoever gets it next.
+    p.detached(5);
+    assert!(fake.held().entries.is_empty());
+    assert!(!fake.held().states.contains_key(&5));
+    // A pod no policy names is attached: nothing isolates it.
+    p.attached(&[(pod("other"), 6)]).expect("attach");
+    assert!(fake.held().states.is_empty());
+}
+
+#[test]
+fn an_endpoint_whose_entries_do_not_fit_denies_what_is_missing_and_the_others_are_untouched() {
+    let fake = Fake::default();
+    fake.held().capacity = Some(3);
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    let mut t = tables("10.0.0.5/32");
+    // web: three entries; db: one more, which does not fit.
+    let web = t.endpoints.get_mut(&pod("web")).expect("web");
+    let ingress = web.ingress.as_mut().expect("isolated");
+    ingress.insert(
+        EntryKey {
+            port: 81,
+            ..entry(1)
+        },
+        1,
+    );
+    ingress.insert(
+        EntryKey {
+            port: 82,
+            ..entry(1)
+        },
+        1,
+    );
+    t.endpoints.insert(
+        pod("db"),
+        EndpointTables {
+            ingress: Some([(entry(1), 2)].into()),
+            egress: None,
+        },
+    );
+    let slots = [(pod("web"), 1), (pod("db"), 2)];
+    let err = p.set(t.clone(), &slots).expect_err("the map is full");
+    match &err {
+        DataplaneError::PolicyIncomplete { slots, .. } => assert_eq!(slots, &vec![2]),
+        other => panic!("{other}"),
+    }
+    {
+        let h = fake.held();
+        assert_eq!(
+            h.entries.keys().filter(|(s, _, _)| *s == 1).count(),
+            3,
+            "web whole"
+        );
+        assert_eq!(h.entries.keys().filter(|(s, _, _)| *s == 2).count(), 0);
+        // db is isolated all the same: it denies what could not be written.
+        assert_eq!(h.states[&2].flags, POL_ISOLATED_INGRESS);
+        assert_eq!(h.states[&1].flags, POL_ISOLATED_INGRESS);
+    }
+    // Room again: the next call writes what is missing.
+    fake.held().capacity = None;
+    p.set(t, &slots).expect("set");
+    assert_eq!(fake.held().entries.len(), 4);
+}
