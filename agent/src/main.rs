@@ -257,6 +257,7 @@ async fn run() -> Result<()> {
             .await
             .context("cannot read the Namespaces, Pods and NetworkPolicies")?;
         let service = Arc::new(PolicyService::new(&cfg.node_name));
+        http.set_policy(service.clone());
         let (changed, follow) = tokio::sync::watch::channel(0u64);
         policy_watch::spawn(watches, service.clone(), cfg.node_name.clone(), changed);
         tokio::spawn(calix_agent::policy::program(

@@ -129,6 +129,8 @@ pub struct HttpState {
     node: std::sync::OnceLock<Arc<Node>>,
     /// Route distribution, when it runs.
     routes: std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>,
+    /// NetworkPolicy, when it is followed (Kubernetes mode).
+    policy: std::sync::OnceLock<Arc<crate::policy::PolicyService>>,
     ready: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicU64,
 }
@@ -143,6 +145,11 @@ impl HttpState {
     /// Route distribution's metrics from now on.
     pub fn set_routes(&self, routes: Arc<crate::distribution::RoutesHandle>) {
         let _ = self.routes.set(routes);
+    }
+
+    /// NetworkPolicy's metrics from now on.
+    pub fn set_policy(&self, policy: Arc<crate::policy::PolicyService>) {
+        let _ = self.policy.set(policy);
     }
 
     fn node(&self) -> Option<&Arc<Node>> {
@@ -250,6 +257,9 @@ async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: H
             let mut body = render(node).await;
             if let Some(routes) = state.routes.get() {
                 body.push_str(&routes.metrics().await);
+            }
+            if let Some(policy) = state.policy.get() {
+                body.push_str(&policy.metrics());
             }
             let _ = writeln!(
                 body,

@@ -1871,6 +1871,24 @@ fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
         "web's own traffic and its replies pass"
     );
     assert!(!other.ns.ping(&web_ip, 2), "still dropped");
+    let report = node
+        .agent()
+        .calixctl_json(&["policy"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let programmed = report["dataplane"].as_str().unwrap_or_default();
+    assert!(
+        programmed.ends_with(" entries") && !programmed.starts_with("not"),
+        "calixctl policy says what the dataplane holds: {report}"
+    );
+    let (_, metrics) = node.http_get("/metrics").expect("/metrics");
+    for line in [
+        "calix_policy_ready 1",
+        "calix_policy_isolated_endpoints{direction=\"ingress\"} 1",
+        "calix_policy_isolated_endpoints{direction=\"egress\"} 0",
+        "calix_policy_not_programmed 0",
+    ] {
+        assert!(metrics.contains(line), "{line} not in /metrics:\n{metrics}");
+    }
     let drops = node
         .agent()
         .calixctl_json(&["bpf", "counters"])

@@ -41,6 +41,12 @@ struct Inner {
     compiler: Compiler,
     /// The last programming's outcome, as `calixctl policy` shows it.
     programmed: Option<String>,
+    /// Whether the last programming failed, and how many have since the start.
+    failing: bool,
+    failures: u64,
+    /// What the last successful programming wrote.
+    prefixes: usize,
+    entries: usize,
 }
 
 /// The policy calculation of one agent.
@@ -105,9 +111,75 @@ impl PolicyService {
         out
     }
 
-    /// Records the last programming's outcome (`calixctl policy`).
-    pub fn set_programmed(&self, outcome: String) {
-        self.lock().programmed = Some(outcome);
+    /// Records a programming that wrote everything: `prefixes` and `entries`.
+    pub fn programmed(&self, prefixes: usize, entries: usize) {
+        let mut inner = self.lock();
+        inner.programmed = Some(format!("{prefixes} prefixes, {entries} entries"));
+        inner.failing = false;
+        (inner.prefixes, inner.entries) = (prefixes, entries);
+    }
+
+    /// Records a programming that failed (in part: the endpoints it names deny what could not
+    /// be written), and why.
+    pub fn not_programmed(&self, why: &str) {
+        let mut inner = self.lock();
+        inner.programmed = Some(format!("not fully programmed: {why}"));
+        inner.failing = true;
+        inner.failures += 1;
+    }
+
+    /// The Prometheus text of policy: no label per pod or policy (bounded cardinality).
+    pub fn metrics(&self) -> String {
+        let inner = self.lock();
+        let isolated = |ingress: bool| {
+            inner
+                .computed
+                .values()
+                .filter(|e| {
+                    if ingress {
+                        e.ingress.is_some()
+                    } else {
+                        e.egress.is_some()
+                    }
+                })
+                .count()
+        };
+        let problems: usize = inner.computed.values().map(|e| e.problems.len()).sum();
+        let (namespaces, pods, policies, sets) = inner.cluster.counts();
+        format!(
+            "# HELP calix_policy_ready 1 once the first listings of namespaces, pods and NetworkPolicies are in.\n\
+             # TYPE calix_policy_ready gauge\ncalix_policy_ready {}\n\
+             # HELP calix_policy_objects What the policy calculation holds, cluster-wide.\n\
+             # TYPE calix_policy_objects gauge\n\
+             calix_policy_objects{{kind=\"namespace\"}} {namespaces}\n\
+             calix_policy_objects{{kind=\"pod\"}} {pods}\n\
+             calix_policy_objects{{kind=\"networkpolicy\"}} {policies}\n\
+             calix_policy_objects{{kind=\"set\"}} {sets}\n\
+             # HELP calix_policy_isolated_endpoints This node's pods a NetworkPolicy isolates, by direction.\n\
+             # TYPE calix_policy_isolated_endpoints gauge\n\
+             calix_policy_isolated_endpoints{{direction=\"ingress\"}} {}\n\
+             calix_policy_isolated_endpoints{{direction=\"egress\"}} {}\n\
+             # HELP calix_policy_unenforceable_rules Rules selecting this node's pods that cannot be enforced as written: they allow nothing (calixctl policy names them).\n\
+             # TYPE calix_policy_unenforceable_rules gauge\ncalix_policy_unenforceable_rules {problems}\n\
+             # HELP calix_policy_changes_total Changes of namespaces, pods and NetworkPolicies applied.\n\
+             # TYPE calix_policy_changes_total counter\ncalix_policy_changes_total {}\n\
+             # HELP calix_policy_dataplane_entries What the dataplane holds for policy after the last full programming.\n\
+             # TYPE calix_policy_dataplane_entries gauge\n\
+             calix_policy_dataplane_entries{{kind=\"prefix\"}} {}\n\
+             calix_policy_dataplane_entries{{kind=\"entry\"}} {}\n\
+             # HELP calix_policy_not_programmed 1 while the last programming failed (the endpoints it could not finish deny what is missing; the agent retries).\n\
+             # TYPE calix_policy_not_programmed gauge\ncalix_policy_not_programmed {}\n\
+             # HELP calix_policy_program_failures_total Programmings of the policy that failed.\n\
+             # TYPE calix_policy_program_failures_total counter\ncalix_policy_program_failures_total {}\n",
+            u8::from(inner.ready),
+            isolated(true),
+            isolated(false),
+            inner.changes,
+            inner.prefixes,
+            inner.entries,
+            u8::from(inner.failing),
+            inner.failures,
+        )
     }
 
     /// The first listing of namespaces, pods and policies is in.
@@ -187,7 +259,7 @@ pub async fn program<F, Fut, E>(
                     tracing::info!("NetworkPolicy programmed again");
                 }
                 failing = false;
-                service.set_programmed(format!("{prefixes} prefixes, {entries} entries"));
+                service.programmed(prefixes, entries);
                 tracing::debug!(prefixes, entries, took = ?start.elapsed(), "NetworkPolicy programmed");
             }
             Err(e) => {
@@ -195,7 +267,7 @@ pub async fn program<F, Fut, E>(
                 if !failing {
                     tracing::error!(error = %e, "NetworkPolicy cannot be programmed; trying again");
                 }
-                service.set_programmed(format!("not fully programmed: {e}"));
+                service.not_programmed(&e);
                 failing = true;
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 continue;
