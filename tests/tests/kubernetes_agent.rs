@@ -1694,14 +1694,14 @@ fn network_policies_namespaces_and_every_pod_are_followed_with_only_the_cluster_
         json!({"calix.dev/test": u}),
         &[("InternalIP", "192.0.2.31")],
     );
-    api.apply(ippool(&u, "10.73.0.0/24", json!({"calix.dev/test": u})))
+    api.apply(ippool(&u, "10.81.0.0/24", json!({"calix.dev/test": u})))
         .unwrap_or_else(|e| panic!("{e}"));
     node.start_agent();
-    wait_pools(&node, &["10.73.0.0/24"]);
+    wait_pools(&node, &["10.81.0.0/24"]);
     let ns = format!("{u}-shop");
     namespace(&api, &ns, json!({"team": u}), json!({}));
     let elsewhere = format!("{u}-other-node");
-    pod_with_ip(&api, &ns, "web", &name, json!({"app": "web"}), "10.73.0.5");
+    pod_with_ip(&api, &ns, "web", &name, json!({"app": "web"}), "10.81.0.5");
     pod_with_ip(
         &api,
         &ns,
@@ -1838,10 +1838,10 @@ fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
         json!({"calix.dev/test": u}),
         &[("InternalIP", "192.0.2.32")],
     );
-    api.apply(ippool(&u, "10.75.0.0/24", json!({"calix.dev/test": u})))
+    api.apply(ippool(&u, "10.82.0.0/24", json!({"calix.dev/test": u})))
         .unwrap_or_else(|e| panic!("{e}"));
     node.start_agent();
-    wait_pools(&node, &["10.75.0.0/24"]);
+    wait_pools(&node, &["10.82.0.0/24"]);
     let ns = format!("{u}-np");
     namespace(&api, &ns, json!({}), json!({}));
     let web = running_pod(&api, &node, &ns, "web", json!({"app": "web"}));

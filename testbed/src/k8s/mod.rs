@@ -75,9 +75,22 @@ pub enum BoundTo {
 impl KubeApi {
     /// On 127.0.0.1 of the caller's namespace; panics on failure. `watch_cache: false` serves
     /// every watch from etcd (its compaction then shows as 410 Gone).
+    /// Its ports are picked free, then bound by etcd and the API server: another test may
+    /// take one in between ("address already in use"), so a failed start is tried again, on
+    /// new ports (a failed launch stops what it started).
     pub fn on_loopback(watch_cache: bool) -> Self {
         crate::require_root();
-        Self::launch(None, unique("k"), watch_cache).unwrap_or_else(|e| panic!("{e}"))
+        let mut tries = 3;
+        loop {
+            match Self::launch(None, unique("k"), watch_cache) {
+                Ok(api) => return api,
+                Err(e) if tries > 1 => {
+                    tries -= 1;
+                    eprintln!("kube-apiserver on loopback did not start ({e}); again on new ports");
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
     }
 
     /// One API server in a namespace of its own for the whole test binary: started by the
