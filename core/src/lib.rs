@@ -20,6 +20,8 @@ pub mod reconcile;
 pub mod routes;
 pub mod selector;
 pub mod store;
+#[cfg(test)]
+mod test_rng;
 pub mod update;
 pub mod wire;
 

@@ -1661,6 +1661,24 @@ fn pod_with_ip(api: &KubeApi, namespace: &str, name: &str, node: &str, labels: V
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// A node on `dataplane` whose Node object (address `ip`) is labelled `calix.dev/test: u`, with
+/// an IPPool `cidr` of its own (one CIDR in two IPPools of the shared API server would stop
+/// every agent reading them), its agent started and the pool in use.
+fn started_with_pool(api: &KubeApi, dataplane: Dataplane, u: &str, cidr: &str, ip: &str) -> Node {
+    let node = agent_node_on(api, dataplane, None, "");
+    node_object(
+        api,
+        &node.ns.name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", ip)],
+    );
+    api.apply(ippool(u, cidr, json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &[cidr]);
+    node
+}
+
 /// `calixctl policy <pod> -o json` once it satisfies `ok`.
 fn wait_policy(node: &Node, pod: &str, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
     wait_for(
@@ -1686,18 +1704,8 @@ fn wait_policy(node: &Node, pod: &str, what: &str, ok: impl Fn(&Value) -> bool) 
 fn network_policies_namespaces_and_every_pod_are_followed_with_only_the_cluster_role() {
     let api = KubeApi::shared();
     let u = unique("np");
-    let node = agent_node(&api, "");
+    let node = started_with_pool(&api, Dataplane::Kernel, &u, "10.81.0.0/24", "192.0.2.31");
     let name = node.ns.name.clone();
-    node_object(
-        &api,
-        &name,
-        json!({"calix.dev/test": u}),
-        &[("InternalIP", "192.0.2.31")],
-    );
-    api.apply(ippool(&u, "10.81.0.0/24", json!({"calix.dev/test": u})))
-        .unwrap_or_else(|e| panic!("{e}"));
-    node.start_agent();
-    wait_pools(&node, &["10.81.0.0/24"]);
     let ns = format!("{u}-shop");
     namespace(&api, &ns, json!({"team": u}), json!({}));
     let elsewhere = format!("{u}-other-node");
@@ -1830,18 +1838,7 @@ fn running_pod<'a>(
 fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
     let api = KubeApi::shared();
     let u = unique("npe");
-    let node = agent_node_on(&api, Dataplane::Ebpf, None, "");
-    let name = node.ns.name.clone();
-    node_object(
-        &api,
-        &name,
-        json!({"calix.dev/test": u}),
-        &[("InternalIP", "192.0.2.32")],
-    );
-    api.apply(ippool(&u, "10.82.0.0/24", json!({"calix.dev/test": u})))
-        .unwrap_or_else(|e| panic!("{e}"));
-    node.start_agent();
-    wait_pools(&node, &["10.82.0.0/24"]);
+    let node = started_with_pool(&api, Dataplane::Ebpf, &u, "10.82.0.0/24", "192.0.2.32");
     let ns = format!("{u}-np");
     namespace(&api, &ns, json!({}), json!({}));
     let web = running_pod(&api, &node, &ns, "web", json!({"app": "web"}));

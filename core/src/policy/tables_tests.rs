@@ -13,30 +13,7 @@ use super::model::*;
 use super::sets::SetKey;
 use super::tables::*;
 use crate::selector::LabelSelector;
-
-/// xorshift64*: deterministic, seeded per test.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
-        &v[self.below(v.len())]
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
+use crate::test_rng::Rng;
 
 const NAMESPACES: [&str; 3] = ["a", "b", "c"];
 const LOCAL: [(&str, &str); 3] = [("a", "l0"), ("a", "l1"), ("b", "l2")];

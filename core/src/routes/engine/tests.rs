@@ -5,6 +5,7 @@ use std::net::IpAddr;
 use super::*;
 use crate::routes::view::tests::{block_kv, node_kv, put};
 use crate::store::keys;
+use crate::test_rng::Rng;
 use crate::update::WireError;
 
 const GRACE: Duration = Duration::from_secs(120);
@@ -647,26 +648,6 @@ fn a_view_change_re_judges_only_the_routes_it_can_affect() {
         cost <= 100,
         "n2's node record's change re-judged {cost} routes (n2 has 100)"
     );
-}
-
-/// A small deterministic generator (xorshift64*), for the random sequences below.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
 }
 
 /// Every verdict, as judged incrementally, is what judging from scratch gives, over random
