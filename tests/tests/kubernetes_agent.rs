@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use calix_proto::v1 as pb;
+use calix_testbed::k8s::{ippool, wait_pools};
 use calix_testbed::tls::Ca;
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Node, Pod};
 use serde_json::{json, Value};
@@ -38,20 +39,8 @@ fn agent_node_as(api: &KubeApi, token: Option<&str>, extra: &str) -> Node {
 
 /// As [`agent_node_as`], with `dataplane`.
 fn agent_node_on(api: &KubeApi, dataplane: Dataplane, token: Option<&str>, extra: &str) -> Node {
-    let probe = Node::create(dataplane, None);
-    let token = token.map_or_else(|| agent_token(api, &probe.ns.name), str::to_string);
-    let kubeconfig = api
-        .wire_as(&probe.ns, &token)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let mut node = probe.with_config(&format!(
-        "[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 5000\nattempts = 40\n{extra}",
-        kubeconfig.display()
-    ));
-    let name = node.ns.name.clone();
-    let spec = &mut node.agent_mut().spec;
-    spec.node_name_flag = false;
-    spec.env = vec![("CALIX_NODE_NAME".into(), name)];
-    node
+    api.kubernetes_node(Node::create(dataplane, None), token, extra)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Every write the agent made was its own node's: none refused by the node authority.
@@ -63,26 +52,10 @@ fn assert_admitted(node: &Node) {
 
 /// Applies Node `name` with `labels` and `addresses` (type, address) in its status.
 fn node_object(api: &KubeApi, name: &str, labels: Value, addresses: &[(&str, &str)]) {
-    let meta = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}});
-    let mut object = meta.clone();
-    object["metadata"]["labels"] = labels;
-    api.apply(object).unwrap_or_else(|e| panic!("{e}"));
-    let addresses: Vec<Value> = addresses
-        .iter()
-        .map(|(t, a)| json!({"type": t, "address": a}))
-        .collect();
-    api.patch_status(meta, json!({ "addresses": addresses }))
+    api.node_object(name, labels, addresses)
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-fn ippool(name: &str, cidr: &str, selector: Value) -> Value {
-    json!({
-        "apiVersion": "calix.dev/v1",
-        "kind": "IPPool",
-        "metadata": {"name": name},
-        "spec": {"cidr": cidr, "blockSize": 28, "nodeSelector": selector},
-    })
-}
 
 /// A Pod `default/name` bound to `node`, labelled `app: web`; its UID.
 fn pod_object(api: &KubeApi, name: &str, node: &str) -> String {
@@ -159,25 +132,6 @@ fn ipam_show(node: &Node) -> Value {
         .unwrap_or_else(|e| panic!("calixctl ipam show: {e}"))
 }
 
-/// Waits until the pools the agent allocates from (the enabled ones its node selects) are
-/// `want`.
-fn wait_pools(node: &Node, want: &[&str]) {
-    wait_for(
-        &format!("the agent allocates from {want:?}"),
-        Duration::from_secs(30),
-        || {
-            let pools: Vec<String> = ipam_show(node)["pools"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|p| p["disabled"] == false)
-                .filter_map(|p| p["cidr"].as_str().map(String::from))
-                .collect();
-            (pools == want).then_some(())
-        },
-        || node.agent_log(),
-    );
-}
 
 /// The Events whose reason is `reason` about `kind` `name`.
 fn events(api: &KubeApi, reason: &str, kind: &str, name: &str) -> Vec<Value> {
@@ -575,11 +529,8 @@ fn ippool_for(name: &str, cidr: &str, block_size: u8, u: &str, namespace_selecto
 
 /// Applies Namespace `name` with `labels` and `annotations`.
 fn namespace(api: &KubeApi, name: &str, labels: Value, annotations: Value) {
-    api.apply(json!({
-        "apiVersion": "v1", "kind": "Namespace",
-        "metadata": {"name": name, "labels": labels, "annotations": annotations},
-    }))
-    .unwrap_or_else(|e| panic!("{e}"));
+    api.namespace(name, labels, annotations)
+        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// The CNI ADD of pod `namespace/pod` (made with `annotations`) on `node` with network config
@@ -1666,17 +1617,8 @@ fn pod_with_ip(api: &KubeApi, namespace: &str, name: &str, node: &str, labels: V
 /// every agent reading them), its agent started and the pool in use.
 fn started_with_pool(api: &KubeApi, dataplane: Dataplane, u: &str, cidr: &str, ip: &str) -> Node {
     let node = agent_node_on(api, dataplane, None, "");
-    node_object(
-        api,
-        &node.ns.name,
-        json!({"calix.dev/test": u}),
-        &[("InternalIP", ip)],
-    );
-    api.apply(ippool(u, cidr, json!({"calix.dev/test": u})))
-        .unwrap_or_else(|e| panic!("{e}"));
-    node.start_agent();
-    wait_pools(&node, &[cidr]);
-    node
+    api.started_with_pool(node, u, cidr, ip)
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// `calixctl policy <pod> -o json` once it satisfies `ok`.
@@ -1803,30 +1745,8 @@ fn running_pod<'a>(
     name: &str,
     labels: Value,
 ) -> Pod<'a> {
-    api.apply(json!({
-        "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": "default", "namespace": namespace},
-    }))
-    .unwrap_or_else(|e| panic!("{e}"));
-    let meta = json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace}});
-    let mut pod = meta.clone();
-    pod["metadata"]["labels"] = labels;
-    pod["spec"] =
-        json!({"nodeName": node.ns.name, "containers": [{"name": "c", "image": "pause"}]});
-    let made = api.apply(pod).unwrap_or_else(|e| panic!("{e}"));
-    let uid = made["metadata"]["uid"].as_str().expect("the pod's UID");
-    let p = Pod::try_add_k8s(node, namespace, name, uid, Value::Null);
-    assert!(
-        p.result.success,
-        "{namespace}/{name}: {}\n{}",
-        p.result.stdout,
-        node.agent_log()
-    );
-    let ip = p.ip();
-    api.patch_status(meta, json!({"podIP": ip, "podIPs": [{"ip": ip}]}))
-        .unwrap_or_else(|e| panic!("{e}"));
-    p
+    api.running_pod(node, namespace, name, labels)
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
 }
 
 /// NetworkPolicy enforced end to end in the eBPF dataplane: real pods (CNI ADD through the

@@ -47,6 +47,12 @@ struct Inner {
     /// What the last successful programming wrote.
     prefixes: usize,
     entries: usize,
+    /// Time spent, since the start: applying changes, compiling tables (how many times), and
+    /// writing them to the dataplane.
+    applying: Duration,
+    compiling: Duration,
+    compilations: u64,
+    programming: Duration,
 }
 
 /// The policy calculation of one agent.
@@ -108,12 +114,14 @@ impl PolicyService {
             out.changed += usize::from(changed);
         }
         out.took = start.elapsed();
+        inner.applying += out.took;
         out
     }
 
-    /// Records a programming that wrote everything: `prefixes` and `entries`.
-    pub fn programmed(&self, prefixes: usize, entries: usize) {
+    /// Records a programming that wrote everything (`prefixes` and `entries`) in `took`.
+    pub fn programmed(&self, prefixes: usize, entries: usize, took: Duration) {
         let mut inner = self.lock();
+        inner.programming += took;
         inner.programmed = Some(format!("{prefixes} prefixes, {entries} entries"));
         inner.failing = false;
         (inner.prefixes, inner.entries) = (prefixes, entries);
@@ -170,7 +178,14 @@ impl PolicyService {
              # HELP calix_policy_not_programmed 1 while the last programming failed (the endpoints it could not finish deny what is missing; the agent retries).\n\
              # TYPE calix_policy_not_programmed gauge\ncalix_policy_not_programmed {}\n\
              # HELP calix_policy_program_failures_total Programmings of the policy that failed.\n\
-             # TYPE calix_policy_program_failures_total counter\ncalix_policy_program_failures_total {}\n",
+             # TYPE calix_policy_program_failures_total counter\ncalix_policy_program_failures_total {}\n\
+             # HELP calix_policy_seconds_total Time the policy calculation took, by step: applying changes, compiling this node's tables, writing them to the dataplane.\n\
+             # TYPE calix_policy_seconds_total counter\n\
+             calix_policy_seconds_total{{step=\"apply\"}} {:.6}\n\
+             calix_policy_seconds_total{{step=\"compile\"}} {:.6}\n\
+             calix_policy_seconds_total{{step=\"program\"}} {:.6}\n\
+             # HELP calix_policy_compilations_total Compilations of this node's tables (a burst of changes is one).\n\
+             # TYPE calix_policy_compilations_total counter\ncalix_policy_compilations_total {}\n",
             u8::from(inner.ready),
             isolated(true),
             isolated(false),
@@ -179,6 +194,10 @@ impl PolicyService {
             inner.entries,
             u8::from(inner.failing),
             inner.failures,
+            inner.applying.as_secs_f64(),
+            inner.compiling.as_secs_f64(),
+            inner.programming.as_secs_f64(),
+            inner.compilations,
         )
     }
 
@@ -196,12 +215,14 @@ impl PolicyService {
         if !inner.ready {
             return None;
         }
+        let start = Instant::now();
         let cluster = &inner.cluster;
-        Some(
-            inner
-                .compiler
-                .compile(&inner.computed, |s| cluster.members(s)),
-        )
+        let tables = inner
+            .compiler
+            .compile(&inner.computed, |s| cluster.members(s));
+        inner.compiling += start.elapsed();
+        inner.compilations += 1;
+        Some(tables)
     }
 
     /// This node's endpoint policy of `pod` as last computed (None: not here, host network, or
@@ -259,8 +280,9 @@ pub async fn program<F, Fut, E>(
                     tracing::info!("NetworkPolicy programmed again");
                 }
                 failing = false;
-                service.programmed(prefixes, entries);
-                tracing::debug!(prefixes, entries, took = ?start.elapsed(), "NetworkPolicy programmed");
+                let took = start.elapsed();
+                service.programmed(prefixes, entries, took);
+                tracing::debug!(prefixes, entries, ?took, "NetworkPolicy programmed");
             }
             Err(e) => {
                 let e = calix_log::error_chain(&e);

@@ -17,14 +17,17 @@
 //! fails; each daemon also dies with the thread that started it.
 //!
 //! Here: where it runs and how clients reach it. `daemons.rs` starts etcd, the API server and
-//! the controllers; `objects.rs` applies, reads and deletes objects; `tokens.rs` makes
+//! the controllers; `objects.rs` applies, reads and deletes objects; `nodes.rs` makes calix
+//! nodes of it and the Node, Namespace, IPPool and Pod objects they serve; `tokens.rs` makes
 //! ServiceAccounts and their tokens; `binaries.rs` finds the Kubernetes binaries.
 mod binaries;
 mod daemons;
+mod nodes;
 mod objects;
 mod tokens;
 
 pub use binaries::{crds_dir, k8s_binary, kube_apiserver};
+pub use nodes::{ippool, wait_pools};
 
 use std::path::{Path, PathBuf};
 use std::process::Child;

@@ -1,0 +1,143 @@
+//! calix nodes in Kubernetes mode on this API server, and the objects they serve: Node and
+//! Namespace objects, IPPools, and pods wired by the real CNI plugin through the agent with
+//! their Pod objects (what the kubelet would write), shared by the tests and the benches.
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::KubeApi;
+use crate::{wait_for, Error, Node, Pod, Result};
+
+/// An IPPool `name` of `cidr` (blocks of /28) for the nodes `selector` selects.
+pub fn ippool(name: &str, cidr: &str, selector: Value) -> Value {
+    json!({
+        "apiVersion": "calix.dev/v1",
+        "kind": "IPPool",
+        "metadata": {"name": name},
+        "spec": {"cidr": cidr, "blockSize": 28, "nodeSelector": selector},
+    })
+}
+
+impl KubeApi {
+    /// `node` (not started) made a Kubernetes-mode node of this API server: its agent reads
+    /// the datastore through a kubeconfig of its own, authenticated with `token` (by default
+    /// the agents' ServiceAccount bound to a pod on the node, as a DaemonSet pod's), named
+    /// only by `CALIX_NODE_NAME` (no `--node-name`), `extra` config appended after
+    /// `[datastore]`.
+    pub fn kubernetes_node(&self, node: Node, token: Option<&str>, extra: &str) -> Result<Node> {
+        let token = match token {
+            Some(t) => t.to_string(),
+            None => self.agent_token(&node.ns.name)?,
+        };
+        let kubeconfig = self.wire_as(&node.ns, &token)?;
+        let mut node = node.with_config(&format!(
+            "[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\ntimeout_ms = 5000\nattempts = 40\n{extra}",
+            kubeconfig.display()
+        ));
+        let name = node.ns.name.clone();
+        let spec = &mut node.agent_mut().spec;
+        spec.node_name_flag = false;
+        spec.env = vec![("CALIX_NODE_NAME".into(), name)];
+        Ok(node)
+    }
+
+    /// Applies Node `name` with `labels` and `addresses` (type, address) in its status.
+    pub fn node_object(&self, name: &str, labels: Value, addresses: &[(&str, &str)]) -> Result<()> {
+        let meta = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}});
+        let mut object = meta.clone();
+        object["metadata"]["labels"] = labels;
+        self.apply(object)?;
+        let addresses: Vec<Value> = addresses
+            .iter()
+            .map(|(t, a)| json!({"type": t, "address": a}))
+            .collect();
+        self.patch_status(meta, json!({ "addresses": addresses }))
+    }
+
+    /// Applies Namespace `name` with `labels` and `annotations`.
+    pub fn namespace(&self, name: &str, labels: Value, annotations: Value) -> Result<()> {
+        self.apply(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels, "annotations": annotations},
+        }))
+        .map(drop)
+    }
+
+    /// `node` with a Node object labelled `calix.dev/test: tag` at InternalIP `ip`, an IPPool
+    /// `cidr` of its own (one CIDR in two IPPools stops every agent reading them), its agent
+    /// started and allocating from that pool.
+    pub fn started_with_pool(&self, node: Node, tag: &str, cidr: &str, ip: &str) -> Result<Node> {
+        self.node_object(
+            &node.ns.name,
+            json!({"calix.dev/test": tag}),
+            &[("InternalIP", ip)],
+        )?;
+        self.apply(ippool(tag, cidr, json!({"calix.dev/test": tag})))?;
+        node.agent().start(&[])?;
+        wait_pools(&node, &[cidr]);
+        Ok(node)
+    }
+
+    /// Pod `namespace/name` labelled `labels` on `node`: its Pod object, its network through
+    /// the CNI plugin and the agent, and its address in the Pod's status (as the kubelet
+    /// writes it).
+    pub fn running_pod<'a>(
+        &self,
+        node: &'a Node,
+        namespace: &str,
+        name: &str,
+        labels: Value,
+    ) -> Result<Pod<'a>> {
+        // (No controller-manager makes the namespace's default ServiceAccount, which admission
+        // wants.)
+        self.apply(json!({
+            "apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": "default", "namespace": namespace},
+        }))?;
+        let meta = json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace}});
+        let mut pod = meta.clone();
+        pod["metadata"]["labels"] = labels;
+        pod["spec"] =
+            json!({"nodeName": node.ns.name, "containers": [{"name": "c", "image": "pause"}]});
+        let made = self.apply(pod)?;
+        let uid = made["metadata"]["uid"]
+            .as_str()
+            .ok_or_else(|| Error::Kube {
+                what: format!("pod {namespace}/{name}"),
+                detail: "no UID in the API server's answer".into(),
+            })?
+            .to_string();
+        let p = Pod::try_add_k8s(node, namespace, name, &uid, Value::Null);
+        if !p.result.success {
+            return Err(Error::Kube {
+                what: format!("CNI ADD of {namespace}/{name}"),
+                detail: p.result.stdout.clone(),
+            });
+        }
+        let ip = p.ip();
+        self.patch_status(meta, json!({"podIP": ip, "podIPs": [{"ip": ip}]}))?;
+        Ok(p)
+    }
+}
+
+/// Waits until the pools `node`'s agent allocates from (the enabled ones its node selects) are
+/// `want`; panics with its log after 30 s.
+pub fn wait_pools(node: &Node, want: &[&str]) {
+    wait_for(
+        &format!("the agent allocates from {want:?}"),
+        Duration::from_secs(30),
+        || {
+            let show = node.agent().calixctl_json(&["ipam", "show"]).ok()?;
+            let pools: Vec<String> = show["pools"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["disabled"] == false)
+                .filter_map(|p| p["cidr"].as_str().map(String::from))
+                .collect();
+            (pools == want).then_some(())
+        },
+        || node.agent_log(),
+    );
+}
