@@ -56,7 +56,6 @@ fn node_object(api: &KubeApi, name: &str, labels: Value, addresses: &[(&str, &st
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-
 /// A Pod `default/name` bound to `node`, labelled `app: web`; its UID.
 fn pod_object(api: &KubeApi, name: &str, node: &str) -> String {
     pod_in(api, "default", name, node, json!({}))
@@ -131,7 +130,6 @@ fn ipam_show(node: &Node) -> Value {
         .calixctl_json(&["ipam", "show"])
         .unwrap_or_else(|e| panic!("calixctl ipam show: {e}"))
 }
-
 
 /// The Events whose reason is `reason` about `kind` `name`.
 fn events(api: &KubeApi, reason: &str, kind: &str, name: &str) -> Vec<Value> {

@@ -1,0 +1,216 @@
+//! Per packet: a client and a server pod on one node, isolated both ways by a NetworkPolicy of
+//! `n` rules in each direction (one lets the pair talk; the others name other peers (an
+//! ipBlock /32 each) on other ports, a fifth of them port ranges), against the same pair with
+//! no policy. Measured per repetition and variant, interleaved: conn/s, TCP_RR and throughput
+//! (the test bed's traffic tools), then `from_pod`'s and `to_pod`'s run time per packet (the
+//! kernel's BPF statistics over an untimed TCP_CRR run).
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use calix_testbed::traffic::netperf::Mode;
+use calix_testbed::traffic::{Tools, Traffic};
+use calix_testbed::{Guarded, KubeApi, Node, Pod};
+use plotters::style::RGBColor;
+use serde_json::{json, Value};
+
+use crate::bench::chart;
+use crate::bench::harness::{repetitions, warm_up, Bench, Compared};
+use crate::bench::report::Traffic as Samples;
+
+/// The untimed TCP_CRR run the programs' cost per packet is measured over (seconds).
+pub(super) const PROG_COST_SECS: f64 = 2.0;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Variant {
+    None,
+    R10,
+    R100,
+    R1000,
+}
+
+pub(super) const VARIANTS: [Variant; 4] =
+    [Variant::None, Variant::R10, Variant::R100, Variant::R1000];
+
+impl Variant {
+    /// Rules in each direction (0: no policy selects the pods).
+    pub(super) fn rules(self) -> usize {
+        match self {
+            Self::None => 0,
+            Self::R10 => 10,
+            Self::R100 => 100,
+            Self::R1000 => 1000,
+        }
+    }
+}
+
+impl Compared for Variant {
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
+        match self {
+            Self::None => ("no policy", "none", chart::GREY),
+            Self::R10 => ("10 rules", "r10", chart::LIGHT_BLUE),
+            Self::R100 => ("100 rules", "r100", chart::BLUE),
+            Self::R1000 => ("1,000 rules", "r1000", chart::PURPLE),
+        }
+    }
+}
+
+/// The programs' run time in one variant, per repetition.
+#[derive(Default)]
+pub(super) struct PerPacket {
+    /// ns per run.
+    pub(super) from_pod_ns: Vec<f64>,
+    pub(super) to_pod_ns: Vec<f64>,
+    pub(super) to_pod_runs: Vec<f64>,
+}
+
+/// Every variant's results (by [`Variant`] as usize), and what the policies held.
+pub(super) struct Results {
+    pub(super) traffic: [Samples; 4],
+    pub(super) by_variant: [PerPacket; 4],
+    /// What the dataplane held for policy (`calixctl policy`'s dataplane line).
+    pub(super) programmed: String,
+    pub(super) cpu: usize,
+}
+
+/// The NetworkPolicy of `rules` rules each way for the pods labelled `bench: tag`.
+pub(super) fn policy(namespace: &str, tag: &str, rules: usize) -> Value {
+    let pair = json!({"podSelector": {"matchLabels": {"bench": tag}}});
+    let other = |i: usize| {
+        let port = 10_000 + 60 * i as u64;
+        let mut p = json!({"protocol": if i % 3 == 1 { "UDP" } else { "TCP" }, "port": port});
+        if i.is_multiple_of(5) {
+            p["endPort"] = json!(port + 40);
+        }
+        (
+            json!({"ipBlock": {"cidr": format!("172.16.{}.{}/32", i / 256, i % 256)}}),
+            json!([p]),
+        )
+    };
+    let rules_of = |peer: &str| -> Vec<Value> {
+        let mut v = vec![json!({ peer: [pair.clone()] })];
+        v.extend((1..rules).map(|i| {
+            let (who, ports) = other(i);
+            json!({ peer: [who], "ports": ports })
+        }));
+        v
+    };
+    json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "bench", "namespace": namespace},
+        "spec": {
+            "podSelector": {"matchLabels": {"bench": tag}},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": rules_of("from"),
+            "egress": rules_of("to"),
+        }
+    })
+}
+
+struct Pair<'a> {
+    traffic: Traffic,
+    _servers: Vec<Guarded>,
+    _pods: [Pod<'a>; 2],
+}
+
+pub(super) fn run(
+    b: &Bench,
+    api: &KubeApi,
+    tools: &Tools,
+    node: &Node,
+    reps: usize,
+    secs: u64,
+) -> Result<Results> {
+    let mut pairs = Vec::new();
+    for v in VARIANTS {
+        let namespace = b.name(v.tag());
+        api.namespace(&namespace, json!({}), json!({}))?;
+        let labels = |role: &str| json!({"bench": v.tag(), "role": role});
+        let client = api.running_pod(node, &namespace, "client", labels("client"))?;
+        let server = api.running_pod(node, &namespace, "server", labels("server"))?;
+        if v.rules() > 0 {
+            api.apply(policy(&namespace, v.tag(), v.rules()))?;
+        }
+        let ip = server.ip().parse().context("the server pod's address")?;
+        let traffic = Traffic::new(&client.ns, &server.ns, ip);
+        let servers = tools.start(&traffic, &b.dir)?;
+        pairs.push(Pair {
+            traffic,
+            _servers: servers,
+            _pods: [client, server],
+        });
+    }
+    let programmed = wait_programmed(node)?;
+    println!("[setup] policies programmed: {programmed}");
+    for (v, p) in VARIANTS.iter().zip(&pairs) {
+        let tr = &p.traffic;
+        warm_up(
+            tools,
+            v.label(),
+            tr,
+            &tr.server_ip.to_string(),
+            Duration::from_secs(20),
+        )?;
+    }
+    let pins = ["from_pod", "to_pod"]
+        .iter()
+        .map(|p| node.prog_pin(p).with_context(|| format!("no pin of {p}")))
+        .collect::<Result<Vec<_>>>()?;
+    let mut by_variant: [PerPacket; 4] = Default::default();
+    let mut traffic: [Samples; 4] = Default::default();
+    repetitions(reps, &VARIANTS, |v| {
+        let (p, r) = (&pairs[v as usize], &mut by_variant[v as usize]);
+        let m = tools.measure(&p.traffic, secs, Some(&node.ns), true)?;
+        let mut line = traffic[v as usize].push(&m);
+        let rt = calix_testbed::bpf::pinned_run_time(&pins, || {
+            tools
+                .netperf(&p.traffic, Mode::Crr, PROG_COST_SECS)
+                .map(drop)
+        })
+        .context("measuring the programs' run time")?;
+        let from = rt[0].ns_per_run.context("from_pod did not run")?;
+        r.from_pod_ns.push(from);
+        r.to_pod_runs.push(rt[1].runs as f64);
+        if let Some(to) = rt[1].ns_per_run {
+            r.to_pod_ns.push(to);
+        }
+        line.push_str(&format!(", from_pod {from:.1} ns/packet"));
+        Ok(line)
+    })?;
+    Ok(Results {
+        traffic,
+        by_variant,
+        programmed,
+        cpu: tools.cpu,
+    })
+}
+
+/// Waits until the agent isolates the six pods of the three policies both ways and what it
+/// programmed has stayed the same for a second; returns what the dataplane holds.
+fn wait_programmed(node: &Node) -> Result<String> {
+    let want = 2.0 * (VARIANTS.len() - 1) as f64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (mut last, mut same) = (-1.0, 0);
+    loop {
+        if let Some(m) = super::metrics(node) {
+            let get = |k: &str| m.get(k).copied().unwrap_or(-1.0);
+            let entries = get("calix_policy_dataplane_entries{kind=\"entry\"}");
+            same = if entries == last { same + 1 } else { 0 };
+            last = entries;
+            if get("calix_policy_isolated_endpoints{direction=\"ingress\"}") == want
+                && get("calix_policy_isolated_endpoints{direction=\"egress\"}") == want
+                && get("calix_policy_not_programmed") == 0.0
+                && entries > 0.0
+                && same >= 4
+            {
+                let report = node.agent().calixctl_json(&["policy"])?;
+                return Ok(report["dataplane"].as_str().unwrap_or("?").to_string());
+            }
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the policies were not programmed within 60 s:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}

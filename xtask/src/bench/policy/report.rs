@@ -1,0 +1,320 @@
+//! The policy bench's report: the markdown and the chart.
+use std::path::Path;
+
+use anyhow::Result;
+
+use super::latency::{Latency, ATTEMPT};
+use super::perf::{Results, Variant, PROG_COST_SECS, VARIANTS};
+use super::scale::Scale;
+use crate::bench::chart::{self, Layout, Panel};
+use crate::bench::harness::{Bench, Compared};
+use crate::bench::report::{
+    busy_note_of, fmt_0, fmt_1, fmt_2, fmt_spread_with, heading, median, percentile, ratio,
+    targets, traffic_table, Traffic as Samples, RATIOS_NOTE,
+};
+
+pub(super) struct Report {
+    pub(super) reps: usize,
+    pub(super) secs: u64,
+    pub(super) quick: bool,
+    pub(super) per_packet: Results,
+    pub(super) latency: Latency,
+    pub(super) scale: Scale,
+    pub(super) bench: Bench,
+}
+
+impl Report {
+    fn traffic(&self, v: Variant) -> &Samples {
+        &self.per_packet.traffic[v as usize]
+    }
+
+    /// `v`'s `from_pod` ns per packet above no policy's, per repetition (the two measured in
+    /// the same repetition).
+    fn above_none(&self, v: Variant) -> Vec<f64> {
+        let (c, n) = (
+            &self.per_packet.by_variant[v as usize].from_pod_ns,
+            &self.per_packet.by_variant[Variant::None as usize].from_pod_ns,
+        );
+        c.iter().zip(n).map(|(c, n)| c - n).collect()
+    }
+
+    fn targets(&self) -> Vec<(String, Option<bool>)> {
+        let above = median(&self.above_none(Variant::R100));
+        let (c100, c0) = (
+            median(&self.traffic(Variant::R100).crr),
+            median(&self.traffic(Variant::None).crr),
+        );
+        let p99 = |v: &[f64]| percentile(v, 99.0);
+        let worst = p99(&self.latency.policy_ms).max(p99(&self.latency.label_ms));
+        let s = &self.scale;
+        let added = s.rss_after_mib - s.rss_before_mib;
+        let change = median(&s.local_change_ms).max(median(&s.remote_change_ms));
+        vec![
+            (
+                format!(
+                    "from_pod with 100 rules ≤ 15 ns per packet above no policy: {} ns",
+                    fmt_1(above)
+                ),
+                Some(above <= 15.0),
+            ),
+            (
+                format!(
+                    "same-node conn/s with 100 rules ≥ 0.97× no policy: {} vs {} ({})",
+                    fmt_0(c100),
+                    fmt_0(0.97 * c0),
+                    ratio(c100, c0)
+                ),
+                Some(c100 >= 0.97 * c0),
+            ),
+            (
+                format!(
+                    "programming latency p99 ≤ 250 ms (a policy written or deleted, a label \
+                     changed; all 3 nodes): {} ms",
+                    fmt_1(worst)
+                ),
+                Some(worst <= 250.0),
+            ),
+            (
+                format!(
+                    "{} pods and {} policies all programmed ≤ 2 s (from the agent's start): {} s",
+                    s.pods,
+                    s.policies,
+                    fmt_2(s.programmed_s)
+                ),
+                Some(s.programmed_s <= 2.0),
+            ),
+            (
+                format!("≤ 32 MiB added: {} MiB", fmt_1(added)),
+                Some(added <= 32.0),
+            ),
+            (
+                format!(
+                    "one label change ≤ 10 ms of the agent's time (median, the worse kind): {} ms",
+                    fmt_1(change)
+                ),
+                Some(change <= 10.0),
+            ),
+            (
+                "eBPF ≥ 1.3× kernel-mode nftables conn/s at 1,000 rules".into(),
+                None,
+            ),
+        ]
+    }
+
+    pub(super) fn markdown(&self) -> String {
+        let mut s = heading(
+            "NetworkPolicy: cost per packet, programming latency, scale",
+            self.quick,
+        );
+        s.push_str(&format!(
+            "{}: release build; calix nodes in Kubernetes mode (`calix-agent --dataplane ebpf`, \
+             each authenticated as the agents' ServiceAccount with the chart's ClusterRole) on a \
+             real kube-apiserver v1.36.2 and etcd; pods wired by the `calix` CNI plugin through \
+             the agent, their Pod objects and addresses in the API server as a kubelet writes \
+             them.\n\n",
+            self.bench.measured(&format!(
+                "policy --reps {} --secs {} --changes {} --scale-pods {}",
+                self.reps,
+                self.secs,
+                self.latency.policy_ms.len(),
+                self.scale.pods
+            )),
+        ));
+        s.push_str(&self.per_packet_section());
+        s.push_str(&self.latency_section());
+        s.push_str(&self.scale_section());
+        s.push_str(&targets(
+            "## Targets (issue 22)",
+            &self.targets(),
+            "kernel mode enforces no NetworkPolicy yet",
+        ));
+        s
+    }
+
+    fn per_packet_section(&self) -> String {
+        let mut s = format!(
+            "## Per packet\n\nA client and a server pod on one node; with policy, one \
+             NetworkPolicy selects both and isolates them both ways with *n* rules in each \
+             direction: one lets the pair in (`podSelector`), the other *n*−1 each name another \
+             peer (an `ipBlock` /32) on other ports (TCP or UDP, a fifth of them port ranges). \
+             What the dataplane held: {}. Per variant and repetition, each {} s long, client and \
+             server pinned to CPU {}: TCP_CRR, TCP_RR and iperf3 as in \
+             [dataplane](dataplane.md), then the programs' own run time per packet (the \
+             kernel's BPF statistics, over an untimed {PROG_COST_SECS} s TCP_CRR run). {} \
+             repetitions, variants interleaved; median [min–max] over repetitions.\n\n",
+            self.per_packet.programmed, self.secs, self.per_packet.cpu, self.reps
+        );
+        let none = (Variant::None.label(), self.traffic(Variant::None));
+        s.push_str(&traffic_table(
+            VARIANTS.iter().map(|&v| (v.label(), self.traffic(v))),
+            VARIANTS[1..]
+                .iter()
+                .map(|&v| ((v.label(), self.traffic(v)), none)),
+        ));
+        s.push_str(RATIOS_NOTE);
+        s.push_str(&busy_note_of(
+            self.per_packet.cpu,
+            self.bench.machine.cpus,
+            &self.per_packet.traffic,
+        ));
+        s.push_str(
+            "\n| variant | from_pod ns/packet | above no policy | to_pod runs |\n|---|---|---|---|\n",
+        );
+        for v in VARIANTS {
+            let r = &self.per_packet.by_variant[v as usize];
+            let above = match v {
+                Variant::None => "–".to_string(),
+                _ => fmt_spread_with(&self.above_none(v), " ns", fmt_1),
+            };
+            s.push_str(&format!(
+                "| {} | {} | {above} | {} |\n",
+                v.label(),
+                fmt_spread_with(&r.from_pod_ns, " ns", fmt_1),
+                fmt_spread_with(&r.to_pod_runs, "", fmt_0),
+            ));
+        }
+        s.push_str(
+            "\nOn one node `from_pod` delivers into the destination pod (`bpf_redirect_peer`) \
+             and judges both directions there (the client's egress, the server's ingress): \
+             `to_pod` does not run. A new flow pays the peer's identity (a longest-prefix \
+             match) and one rule lookup per direction; its later packets one flow lookup: the \
+             number of rules changes the size of the tables, not the lookups.\n\n",
+        );
+        s
+    }
+
+    fn latency_section(&self) -> String {
+        let l = &self.latency;
+        let row = |what: &str, v: &[f64]| {
+            format!(
+                "| {what} | {} | {} ms | {} ms | {} ms |\n",
+                v.len(),
+                fmt_1(median(v)),
+                fmt_1(percentile(v, 99.0)),
+                fmt_1(v.iter().copied().fold(f64::NAN, f64::max)),
+            )
+        };
+        format!(
+            "## Programming latency\n\nThree nodes, a client and a server pod on each; a \
+             policy isolating the servers always in force. Changes, alternating: the \
+             NetworkPolicy `allow` (clients labelled `access: yes` may reach the servers) \
+             deleted then written again, and with it in force every client's label set to \
+             `access: no` then back. Before each change a probe starts in every client: TCP \
+             connection attempts to its server, each given {} ms (answered, accepted or reset: \
+             open; timed out: closed). A change's latency is the slowest node's, from just \
+             before its write to the API server to the start of the first attempt that saw the \
+             new verdict (an opening is seen up to one attempt late).\n\n\
+             | change | n | p50 | p99 | max |\n|---|---|---|---|---|\n{}{}\n",
+            ATTEMPT.as_millis(),
+            row("NetworkPolicy written or deleted", &l.policy_ms),
+            row("pod label changed", &l.label_ms),
+        )
+    }
+
+    fn scale_section(&self) -> String {
+        let s = &self.scale;
+        let [apply, compile, program] = s.steps_s;
+        let changes = |v: &[f64]| {
+            format!(
+                "{} ms [{}–{}]",
+                fmt_1(median(v)),
+                fmt_1(v.iter().copied().fold(f64::NAN, f64::min)),
+                fmt_1(v.iter().copied().fold(f64::NAN, f64::max))
+            )
+        };
+        format!(
+            "## Scale\n\nOne agent (the other nodes' stopped) facing {} pods and {} \
+             NetworkPolicies cluster-wide, 100 of the pods its own (wired by the CNI plugin), \
+             the others in 100 namespaces of other nodes; pods labelled `app` (20 values) and \
+             `tier` (5), namespaces `team` (10); each policy selects an `app` in its namespace, \
+             lets in another `app` on one TCP port, a `tier` of the namespaces of a `team`, and \
+             an ipBlock /16 with a /24 `except`, and lets out to a `tier` on UDP 53.\n\n\
+             | | |\n|---|---|\n\
+             | agent RSS, its 100 pods and no policy | {} MiB |\n\
+             | agent RSS, everything | {} MiB (+{} MiB) |\n\
+             | from the agent's start: every object listed | {} s |\n\
+             | from the agent's start: everything programmed | {} s |\n\
+             | the agent's time over that start: apply / compile / program | {} / {} / {} s |\n\
+             | what the dataplane holds | {} |\n\
+             | one label change, a local pod's (agent time, {} changes) | {} |\n\
+             | one label change, another node's pod's | {} |\n\n\
+             The agent's time is its `calix_policy_seconds_total` (every step: the change into \
+             the calculation, the compilation of this node's tables, the writes to the maps). \
+             Each compilation compiles every local endpoint's tables again.\n\n",
+            s.pods,
+            s.policies,
+            fmt_1(s.rss_before_mib),
+            fmt_1(s.rss_after_mib),
+            fmt_1(s.rss_after_mib - s.rss_before_mib),
+            fmt_2(s.ready_s),
+            fmt_2(s.programmed_s),
+            fmt_2(apply),
+            fmt_2(compile),
+            fmt_2(program),
+            s.dataplane,
+            s.local_change_ms.len(),
+            changes(&s.local_change_ms),
+            changes(&s.remote_change_ms),
+        )
+    }
+
+    pub(super) fn chart(&self, path: &Path) -> Result<()> {
+        let groups: Vec<&str> = VARIANTS.iter().map(|v| v.label()).collect();
+        let one = |f: &dyn Fn(Variant) -> f64| -> Vec<chart::Series> {
+            vec![(
+                "median",
+                chart::BLUE,
+                VARIANTS.iter().map(|&v| Some(f(v))).collect(),
+            )]
+        };
+        let l = &self.latency;
+        let title = format!(
+            "NetworkPolicy in calix eBPF, {} reps × {} s ({})",
+            self.reps, self.secs, self.bench.machine.date
+        );
+        chart::chart(
+            path,
+            (1200, 420),
+            &title,
+            Layout::Grid(1, 3),
+            &[
+                Panel::new(
+                    "from_pod ns per packet, lower is better",
+                    "ns",
+                    &groups,
+                    one(&|v| median(&self.per_packet.by_variant[v as usize].from_pod_ns)),
+                    |_, _, v| fmt_1(v),
+                ),
+                Panel::new(
+                    "same-node conn/s (TCP_CRR), higher is better",
+                    "conn/s",
+                    &groups,
+                    one(&|v| median(&self.traffic(v).crr)),
+                    |_, _, v| fmt_0(v),
+                ),
+                Panel::new(
+                    "programming latency, 3 nodes (ms)",
+                    "ms",
+                    &["policy", "label"],
+                    vec![
+                        (
+                            "p50",
+                            chart::LIGHT_BLUE,
+                            vec![Some(median(&l.policy_ms)), Some(median(&l.label_ms))],
+                        ),
+                        (
+                            "p99",
+                            chart::BLUE,
+                            vec![
+                                Some(percentile(&l.policy_ms, 99.0)),
+                                Some(percentile(&l.label_ms, 99.0)),
+                            ],
+                        ),
+                    ],
+                    |_, _, v| fmt_1(v),
+                )
+                .reference("target p99", 250.0),
+            ],
+        )
+    }
+}
