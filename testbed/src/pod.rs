@@ -1,7 +1,7 @@
 //! A test pod: a namespace wired through `calix` ADD on a node, DEL on drop.
 use serde_json::Value;
 
-use crate::cni::{cni_call, CniOutput};
+use crate::cni::{plugin_call, CniOutput};
 use crate::netns::Netns;
 use crate::node::Node;
 use crate::{Error, Result};
@@ -173,8 +173,10 @@ impl<'a> Pod<'a> {
                 c.insert(k.clone(), v.clone());
             }
         }
-        cni_call(
+        // The plugin built with the node's agent (release binaries for a bench).
+        plugin_call(
             &self.node.ns,
+            &self.node.agent().spec.bins.join("calix"),
             command,
             &self.container_id,
             &self.ns.path(),
