@@ -76,7 +76,7 @@ pub(super) struct Results {
 pub(super) fn policy(namespace: &str, tag: &str, rules: usize) -> Value {
     let pair = json!({"podSelector": {"matchLabels": {"bench": tag}}});
     let other = |i: usize| {
-        let port = 10_000 + 60 * i as u64;
+        let port = 10_000 + (50 * i as u64) % 50_000;
         let mut p = json!({"protocol": if i % 3 == 1 { "UDP" } else { "TCP" }, "port": port});
         if i.is_multiple_of(5) {
             p["endPort"] = json!(port + 40);
