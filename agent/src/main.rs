@@ -211,6 +211,7 @@ async fn run() -> Result<()> {
             cfg.node_name.clone(),
         )));
     }
+    tasks::report_refused_pools(&node, &cfg.refused_pools);
     // What the start found wrong with the stored blocks (later: each housekeeping pass).
     node.notice_ignored_blocks().await;
     // The initial sync: every recorded endpoint programmed, then the sweep.
@@ -276,6 +277,7 @@ async fn run() -> Result<()> {
     let started = cfg.clone();
     tasks::spawn_reload(
         node.clone(),
+        started.refused_pools.clone(),
         move || Ok(flags::read(reread_flags.clone(), cluster.as_ref())?.reloaded(&started)?),
         cluster_changes,
         routes_handle.clone(),

@@ -53,6 +53,20 @@ pub struct Reloaded {
     /// For the log: the Service CIDRs and this node's labels now.
     pub service_cidrs: Vec<String>,
     pub node_labels: std::collections::BTreeMap<String, String>,
+    /// The cluster's IPPools not served, by name, with why.
+    pub refused_pools: Vec<(String, String)>,
+}
+
+/// Logs each IPPool of `refused` (name, why) and posts a Warning Event on the Node.
+pub fn report_refused_pools(node: &Node, refused: &[(String, String)]) {
+    for (name, why) in refused {
+        tracing::error!(pool = %name, reason = %why, "IPPool refused; the other pools are served");
+        node.notices.warning(
+            "IPPoolRefused",
+            crate::notice::Subject::Node,
+            format!("IPPool {name} is not served: {why}"),
+        );
+    }
 }
 
 /// SIGHUP, or a change in the cluster (`cluster_changes`, with the `kubernetes` datastore:
@@ -63,9 +77,11 @@ pub struct Reloaded {
 /// What only a restart applies is named in a warning. A pool change refused as unsafe is
 /// tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a
 /// refused change or config is also a Warning Event on the Node. Applied pools also go to
-/// route distribution (`routes`, once it runs), whose rule for blocks depends on them.
+/// route distribution (`routes`, once it runs), whose rule for blocks depends on them. An
+/// IPPool refused (`refused`: those the start reported) is reported when it first is.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
+    mut refused: Vec<(String, String)>,
     reread: F,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
     routes: Arc<std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>>,
@@ -113,6 +129,14 @@ pub fn spawn_reload<F>(
                     continue;
                 }
             };
+            let new: Vec<_> = cfg
+                .refused_pools
+                .iter()
+                .filter(|r| !refused.contains(r))
+                .cloned()
+                .collect();
+            report_refused_pools(&node, &new);
+            refused = cfg.refused_pools.clone();
             if cfg.needs_restart {
                 tracing::warn!(
                     "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \

@@ -375,7 +375,8 @@ fn ippool_changes_apply_without_a_restart_and_never_under_live_addresses() {
             ("10.65.0.0/24".to_string(), false)
         ]
     );
-    // A pool the config checks refuse (overlapping b): the whole change is refused too.
+    // A pool that cannot be served (overlapping b): refused alone, named in the log; the rest
+    // of the change (a's removal) is still refused while a holds an address.
     api.apply(ippool("c", "10.65.0.128/25", 28, false))
         .unwrap_or_else(|e| panic!("{e}"));
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -1848,3 +1848,88 @@ fn network_policy_is_enforced_on_real_pods_in_the_ebpf_dataplane() {
         show,
     );
 }
+
+/// IPPools that cannot be served (a CIDR already another IPPool's, one inside another's, a
+/// block larger than the pool) are refused one by one, each named in a Warning Event on the
+/// Node, and the agent starts and serves the others; one written while it runs is refused the
+/// same way, and a valid one is served. (Before, one such object stopped every agent that
+/// read it.) The CIDRs are this test's own: in the shared API server, a pool of another
+/// test's CIDR would take it from that test.
+#[test]
+fn ippools_that_cannot_be_served_are_refused_one_by_one_and_the_others_served() {
+    let api = KubeApi::shared();
+    let u = unique("dup");
+    let node = agent_node(&api, "");
+    let name = node.ns.name.clone();
+    node_object(
+        &api,
+        &name,
+        json!({"calix.dev/test": u}),
+        &[("InternalIP", "192.0.2.36")],
+    );
+    let sel = json!({"calix.dev/test": u});
+    let apply = |n: &str, cidr: &str| {
+        api.apply(ippool(&format!("{u}-{n}"), cidr, sel.clone()))
+            .unwrap_or_else(|e| panic!("{e}"));
+    };
+    apply("a", "10.83.0.0/24");
+    apply("b", "10.83.0.0/24");
+    apply("c", "10.83.0.128/25");
+    let mut bad = ippool(&format!("{u}-d"), "10.83.1.0/28", sel.clone());
+    bad["spec"]["blockSize"] = json!(26);
+    api.apply(bad).unwrap_or_else(|e| panic!("{e}"));
+    node.start_agent();
+    wait_pools(&node, &["10.83.0.0/24"]);
+    let refusals = |want: usize| {
+        wait_for(
+            &format!("{want} IPPoolRefused Events on the Node"),
+            Duration::from_secs(20),
+            || {
+                let ev = events(&api, "IPPoolRefused", "Node", &name);
+                (ev.len() >= want).then_some(ev)
+            },
+            || node.agent_log(),
+        )
+    };
+    let said = |ev: &[Value]| -> String {
+        ev.iter()
+            .filter_map(|e| e["message"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let ev = refusals(3);
+    let text = said(&ev);
+    assert!(ev.iter().all(|e| e["type"] == "Warning"), "{ev:?}");
+    assert!(
+        text.contains(&format!(
+            "IPPool {u}-b is not served: its CIDR 10.83.0.0/24 is IPPool {u}-a's"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "IPPool {u}-c is not served: 10.83.0.128/25 overlaps IPPool {u}-a"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("IPPool {u}-d is not served")),
+        "{text}"
+    );
+    assert!(node.agent().exited().is_none(), "the agent runs");
+    // While it runs: a valid pool is served, another duplicate refused.
+    apply("e", "10.83.2.0/24");
+    apply("f", "10.83.2.0/24");
+    wait_pools(&node, &["10.83.0.0/24", "10.83.2.0/24"]);
+    let text = said(&refusals(4));
+    assert!(
+        text.contains(&format!(
+            "IPPool {u}-f is not served: its CIDR 10.83.2.0/24 is IPPool {u}-e's"
+        )),
+        "{text}"
+    );
+    for n in ["a", "b", "c", "d", "e", "f"] {
+        api.delete("calix.dev/v1", "IPPool", &format!("{u}-{n}"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+}

@@ -119,11 +119,18 @@ pub fn read(flags: Flags, cluster: Option<&Cluster>) -> Result<AgentConfig, Conf
 /// Merges the cluster's part into `c` (read from the config file): the IPPools (unless the
 /// file or the flags named pools, which validation refuses), this node's Node's labels (they
 /// win), its InternalIPs as `routes.node_addresses` when none are configured, the reflector
-/// label, and the ServiceCIDRs (see [`crate::kubernetes::cluster`]).
+/// label, and the ServiceCIDRs (see [`crate::kubernetes::cluster`]); IPPools that cannot be
+/// served are left out, named in `refused_pools` ([`super::validate::admit_pools`]).
 fn merge_cluster(c: &mut AgentConfig, cluster: &Cluster) {
+    for cidr in cluster.service_cidrs() {
+        if !c.nat.service_cidrs.contains(&cidr) {
+            c.nat.service_cidrs.push(cidr);
+        }
+    }
     if !c.pools_configured {
         // (Configured pools are refused by validate().)
-        c.pools = cluster.named_pools().into_iter().map(|(_, p)| p).collect();
+        (c.pools, c.refused_pools) =
+            super::validate::admit_pools(cluster.named_pools(), &c.nat.service_cidrs);
     }
     if let Some(node) = cluster.node() {
         c.node_labels.extend(node.labels.clone());
@@ -141,11 +148,6 @@ fn merge_cluster(c: &mut AgentConfig, cluster: &Cluster) {
             == Some("true")
         {
             c.routes.reflector = true;
-        }
-    }
-    for cidr in cluster.service_cidrs() {
-        if !c.nat.service_cidrs.contains(&cidr) {
-            c.nat.service_cidrs.push(cidr);
         }
     }
 }

@@ -89,6 +89,9 @@ pub struct AgentConfig {
     /// Whether the config file or the command line named pools (the defaults aside).
     #[serde(skip)]
     pub pools_configured: bool,
+    /// The cluster's IPPools not served, by name, with why (`validate::admit_pools`).
+    #[serde(skip)]
+    pub refused_pools: Vec<(String, String)>,
     /// The XDP prefilter on the uplinks.
     pub xdp: XdpConfig,
     /// SNAT of `natOutgoing` pools (eBPF dataplane).
@@ -123,6 +126,7 @@ impl Default for AgentConfig {
                 "10.244.0.0/16".parse().expect("constant CIDR"),
             )],
             pools_configured: false,
+            refused_pools: Vec::new(),
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
             routes: RoutesConfig::default(),

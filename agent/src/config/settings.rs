@@ -445,6 +445,7 @@ impl AgentConfig {
                 || vxlan_changed(started, self),
             service_cidrs: self.nat.service_cidrs.clone(),
             node_labels: self.node_labels.clone(),
+            refused_pools: self.refused_pools.clone(),
         })
     }
 }

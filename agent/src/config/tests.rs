@@ -839,3 +839,57 @@ fn routes_settings_come_from_routes_uplinks_and_pools() {
         (6000, crate::kubernetes::peers::REFLECTOR_LABEL)
     );
 }
+
+#[test]
+fn cluster_ippools_that_cannot_be_served_are_refused_one_by_one_in_name_order() {
+    let pool = |cidr: &str, block: Option<u8>| {
+        let mut p = PoolSpec::new(cidr.parse().expect("test CIDR"));
+        p.block_size = block;
+        p
+    };
+    let named = vec![
+        ("b-dup".to_string(), pool("10.1.0.0/24", None)),
+        ("a-first".to_string(), pool("10.1.0.0/24", None)),
+        ("c-inside".to_string(), pool("10.1.0.128/25", None)),
+        ("d-services".to_string(), pool("10.96.0.0/16", None)),
+        ("e-block".to_string(), pool("10.2.0.0/24", Some(20))),
+        ("f-fine".to_string(), pool("10.3.0.0/24", None)),
+        ("g-around".to_string(), pool("10.0.0.0/8", None)),
+    ];
+    let (pools, refused) =
+        super::validate::admit_pools(named, &["10.96.0.0/12".to_string(), "bad".to_string()]);
+    let cidrs: Vec<String> = pools.iter().map(|p| p.cidr.to_string()).collect();
+    assert_eq!(cidrs, ["10.1.0.0/24", "10.3.0.0/24"]);
+    let names: Vec<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["b-dup", "c-inside", "d-services", "e-block", "g-around"]
+    );
+    let why = |n: &str| &refused.iter().find(|(r, _)| r == n).expect("refused").1;
+    assert!(
+        why("b-dup").contains("is IPPool a-first's"),
+        "{}",
+        why("b-dup")
+    );
+    assert!(
+        why("c-inside").contains("overlaps IPPool a-first"),
+        "{}",
+        why("c-inside")
+    );
+    assert!(
+        why("d-services").contains("Service CIDR 10.96.0.0/12"),
+        "{}",
+        why("d-services")
+    );
+    assert!(why("e-block").contains("block"), "{}", why("e-block"));
+    assert!(
+        why("g-around").contains("overlaps IPPool a-first"),
+        "{}",
+        why("g-around")
+    );
+    // Nothing refused: every pool served, as given.
+    let (pools, refused) =
+        super::validate::admit_pools(vec![("x".into(), pool("10.5.0.0/24", None))], &[]);
+    assert_eq!(pools.len(), 1);
+    assert!(refused.is_empty());
+}

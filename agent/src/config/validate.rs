@@ -134,6 +134,45 @@ impl DatastoreConfig {
 }
 
 /// A pool's block sizes (the current one and `previousBlockSizes`) and namespace selector.
+/// The cluster's IPPools that this agent serves, and the others by name with why: in name
+/// order, each is checked as a configured pool is, and refused when it is malformed, has the
+/// CIDR of a pool admitted before it or overlaps one, or overlaps a Service CIDR (of
+/// `service_cidrs`). A pool in the config file is an error that stops the agent; an object in
+/// the cluster is anyone's, and one bad IPPool must not stop every agent that reads it.
+pub fn admit_pools(
+    mut named: Vec<(String, PoolSpec)>,
+    service_cidrs: &[String],
+) -> (Vec<PoolSpec>, Vec<(String, String)>) {
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    let services: Vec<IpNet> = service_cidrs
+        .iter()
+        .filter_map(|s| calix_dataplane::xdp::parse_deny(s))
+        .collect();
+    let overlap = |a: &IpNet, b: &IpNet| a.contains(&b.network()) || b.contains(&a.network());
+    let mut admitted: Vec<(String, PoolSpec)> = Vec::new();
+    let mut refused = Vec::new();
+    for (name, p) in named {
+        let why = if let Err(e) = validate_pool(&p) {
+            Some(e.to_string())
+        } else if let Some((other, q)) = admitted.iter().find(|(_, q)| overlap(&q.cidr, &p.cidr)) {
+            Some(match q.cidr == p.cidr {
+                true => format!("its CIDR {} is IPPool {other}'s", p.cidr),
+                false => format!("{} overlaps IPPool {other} ({})", p.cidr, q.cidr),
+            })
+        } else {
+            services
+                .iter()
+                .find(|s| overlap(s, &p.cidr.trunc()))
+                .map(|s| format!("{} overlaps the Service CIDR {s}", p.cidr))
+        };
+        match why {
+            Some(why) => refused.push((name, why)),
+            None => admitted.push((name, p)),
+        }
+    }
+    (admitted.into_iter().map(|(_, p)| p).collect(), refused)
+}
+
 fn validate_pool(p: &PoolSpec) -> Result<(), ConfigError> {
     let range = calix_core::ipam::wellformed::block_sizes(matches!(p.cidr, IpNet::V4(_)));
     for bs in std::iter::once(p.block_size()).chain(p.previous_block_sizes.iter().copied()) {

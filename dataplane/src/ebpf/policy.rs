@@ -284,13 +284,21 @@ impl PolicyProgrammer {
                 .collect(),
             endpoints: slots
                 .iter()
-                .filter_map(|(pod, slot)| {
-                    let t = desired.endpoints.get(pod)?;
-                    let t = EndpointTables {
-                        ingress: shift_entries(&t.ingress),
-                        egress: shift_entries(&t.egress),
+                .map(|(pod, slot)| {
+                    let t = match desired.endpoints.get(pod) {
+                        Some(t) => EndpointTables {
+                            ingress: shift_entries(&t.ingress),
+                            egress: shift_entries(&t.egress),
+                        },
+                        // A pod the calculation does not know (yet: its Pod object not seen
+                        // when its CNI ADD came, or gone already): isolated both ways with no
+                        // rule. Fail closed; its node still reaches it.
+                        None => EndpointTables {
+                            ingress: Some(Default::default()),
+                            egress: Some(Default::default()),
+                        },
                     };
-                    Some((*slot, t))
+                    (*slot, t)
                 })
                 .collect(),
             rules: desired.rules.clone(),

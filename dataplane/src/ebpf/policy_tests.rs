@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use calix_common::{PolicyState, POL_ISOLATED_INGRESS};
+use calix_common::{PolicyState, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS};
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::tables::{EndpointTables, EntryKey, RuleId, Tables};
@@ -76,6 +76,9 @@ impl PolicyMaps for Fake {
             let e = t.endpoints.entry(*slot).or_default();
             if s.flags & POL_ISOLATED_INGRESS != 0 {
                 e.ingress = Some(BTreeMap::new());
+            }
+            if s.flags & POL_ISOLATED_EGRESS != 0 {
+                e.egress = Some(BTreeMap::new());
             }
         }
         for ((slot, d, k), r) in &h.entries {
@@ -175,9 +178,28 @@ fn endpoints_get_their_pods_entries_when_attached_and_lose_them_when_gone() {
     p.detached(5);
     assert!(fake.held().entries.is_empty());
     assert!(!fake.held().states.contains_key(&5));
-    // A pod no policy names is attached: nothing isolates it.
+    // A pod the calculation knows and no policy names is attached: nothing isolates it.
+    let mut t = tables("10.0.0.5/32");
+    t.endpoints.insert(pod("other"), EndpointTables::default());
+    p.set(t, &[]).expect("set");
     p.attached(&[(pod("other"), 6)]).expect("attach");
     assert!(fake.held().states.is_empty());
+    // A pod it does not know yet (its CNI ADD ahead of the watch): isolated both ways, no
+    // entry; once known, as its policy says.
+    p.attached(&[(pod("other"), 6), (pod("new"), 7)])
+        .expect("attach");
+    assert_eq!(
+        fake.held().states[&7].flags,
+        POL_ISOLATED_INGRESS | POL_ISOLATED_EGRESS
+    );
+    assert!(fake.held().entries.is_empty());
+    let mut t = tables("10.0.0.5/32");
+    t.endpoints.insert(pod("other"), EndpointTables::default());
+    t.endpoints.insert(pod("new"), EndpointTables::default());
+    p.set(t, &[(pod("other"), 6), (pod("new"), 7)])
+        .expect("set");
+    let flags = |slot| fake.held().states.get(&slot).map_or(0, |s| s.flags);
+    assert_eq!((flags(6), flags(7)), (0, 0), "neither isolated");
 }
 
 #[test]
