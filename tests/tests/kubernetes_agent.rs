@@ -1933,3 +1933,71 @@ fn ippools_that_cannot_be_served_are_refused_one_by_one_and_the_others_served() 
             .unwrap_or_else(|e| panic!("{e}"));
     }
 }
+
+/// A policy deleted and written again, and a peer's label taken away and given back, with a
+/// policy isolating the server in force throughout: the client is refused and let in again
+/// each time (what `cargo xtask bench policy` measures the latency of).
+#[test]
+fn a_policy_and_a_label_toggled_are_enforced_each_time() {
+    let api = KubeApi::shared();
+    let u = unique("npt");
+    let node = started_with_pool(&api, Dataplane::Ebpf, &u, "10.84.0.0/24", "192.0.2.37");
+    let ns = format!("{u}-np");
+    namespace(&api, &ns, json!({}), json!({}));
+    let server = running_pod(&api, &node, &ns, "server", json!({"lat": "server"}));
+    let client = running_pod(&api, &node, &ns, "client", json!({"access": "yes"}));
+    let server_ip = server.ip();
+    let policy = |name: &str, ingress: Value| {
+        json!({
+            "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"podSelector": {"matchLabels": {"lat": "server"}},
+                     "policyTypes": ["Ingress"], "ingress": ingress}
+        })
+    };
+    let allow = policy(
+        "allow",
+        json!([{"from": [{"podSelector": {"matchLabels": {"access": "yes"}}}]}]),
+    );
+    api.apply(policy("isolate", json!([])))
+        .unwrap_or_else(|e| panic!("{e}"));
+    api.apply(allow.clone()).unwrap_or_else(|e| panic!("{e}"));
+    let show = || {
+        format!(
+            "{:?}\n{}",
+            node.agent()
+                .calixctl_json(&["policy", &format!("{ns}/server")]),
+            node.agent_log()
+        )
+    };
+    let wait = |what: &str, open: bool| {
+        wait_for(
+            what,
+            Duration::from_secs(10),
+            || (client.ns.ping(&server_ip, 1) == open).then_some(()),
+            show,
+        )
+    };
+    wait("let in with allow", true);
+    let meta = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "client", "namespace": ns}});
+    for round in 0..2 {
+        api.delete_in("networking.k8s.io/v1", "NetworkPolicy", &ns, "allow")
+            .unwrap_or_else(|e| panic!("{e}"));
+        wait(&format!("round {round}: refused, allow deleted"), false);
+        api.apply(allow.clone()).unwrap_or_else(|e| panic!("{e}"));
+        wait(&format!("round {round}: let in, allow written again"), true);
+        api.merge_patch(
+            meta.clone(),
+            json!({"metadata": {"labels": {"access": "no"}}}),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        wait(&format!("round {round}: refused, label taken"), false);
+        api.merge_patch(
+            meta.clone(),
+            json!({"metadata": {"labels": {"access": "yes"}}}),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        wait(&format!("round {round}: let in, label given back"), true);
+    }
+}

@@ -255,3 +255,96 @@ fn an_endpoint_whose_entries_do_not_fit_denies_what_is_missing_and_the_others_ar
     p.set(t, &slots).expect("set");
     assert_eq!(fake.held().entries.len(), 4);
 }
+
+/// The bench's sequence on one node: a policy isolating `server` always in force, `allow`
+/// (pods labelled `access: yes` may come in) deleted and written again, the tables compiled
+/// by one compiler as the agent does: after every programming, what the maps hold gives the
+/// client the verdict the tables do.
+#[test]
+fn a_policy_deleted_and_written_again_is_enforced_again() {
+    use calix_core::policy::cluster::{Change, Cluster};
+    use calix_core::policy::model::{Namespaces, Peer, Pod, Policy, PolicyKey, Rule};
+    use calix_core::policy::tables::{Compiler, Verdict};
+    use calix_core::selector::LabelSelector;
+    let sel = |k: &str, v: &str| LabelSelector {
+        match_labels: [(k.to_string(), v.to_string())].into(),
+        ..Default::default()
+    };
+    let pod_at = |name: &str, labels: &[(&str, &str)], ip: &str| Pod {
+        key: pod(name),
+        labels: labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ips: vec![ip.parse().expect("ip")],
+        ports: Vec::new(),
+        host_network: false,
+    };
+    let policy = |name: &str, ingress: Vec<Rule>| Policy {
+        key: PolicyKey {
+            namespace: "ns".into(),
+            name: name.into(),
+        },
+        pod_selector: sel("lat", "server"),
+        ingress: Some(ingress),
+        egress: None,
+        unreadable_selector: None,
+    };
+    let allow = policy(
+        "allow",
+        vec![Rule {
+            peers: vec![Peer::Pods {
+                namespaces: Namespaces::Named("ns".into()),
+                pods: sel("access", "yes"),
+            }],
+            ports: Vec::new(),
+            unreadable: None,
+        }],
+    );
+    let mut c = Cluster::new();
+    c.apply(Change::Namespace {
+        name: "ns".into(),
+        labels: Default::default(),
+    });
+    c.apply(Change::Pod(pod_at(
+        "client",
+        &[("access", "yes")],
+        "10.0.0.1",
+    )));
+    c.apply(Change::Pod(pod_at(
+        "server",
+        &[("lat", "server")],
+        "10.0.0.2",
+    )));
+    c.apply(Change::Policy(policy("isolate", Vec::new())));
+    c.apply(Change::Policy(allow.clone()));
+    let fake = Fake::default();
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    let mut compiler = Compiler::new();
+    let slots = [(pod("client"), 1), (pod("server"), 2)];
+    let client: std::net::IpAddr = "10.0.0.1".parse().expect("ip");
+    let mut program = |c: &Cluster, want_open: bool, step: &str| {
+        let computed = [pod("client"), pod("server")]
+            .into_iter()
+            .filter_map(|k| Some((k.clone(), c.endpoint(&k)?)))
+            .collect();
+        let t = compiler.compile(&computed, |s| c.members(s));
+        let wanted = t.verdict(&pod("server"), Direction::Ingress, client, 6, 7100);
+        assert_eq!(wanted != Verdict::Denied, want_open, "{step}: the tables");
+        p.set(t, &slots).expect("set");
+        let (held, _) = fake.read_back();
+        let got = held.verdict(&2, Direction::Ingress, client, 6, 7100);
+        assert_eq!(
+            got != Verdict::Denied,
+            want_open,
+            "{step}: the maps hold {got:?}"
+        );
+    };
+    program(&c, true, "allow in force");
+    for round in 0..3 {
+        c.apply(Change::PolicyGone(allow.key.clone()));
+        program(&c, false, &format!("round {round}: allow deleted"));
+        c.apply(Change::Policy(allow.clone()));
+        program(&c, true, &format!("round {round}: allow written again"));
+    }
+}

@@ -107,11 +107,11 @@ pub(super) fn run(b: &Bench, api: &KubeApi, nodes: &[Node], changes: usize) -> R
             }
             Ok(vec![t; probes.len()])
         })
-        .with_context(|| format!("policy change {}", k + 1))?;
+        .with_context(|| format!("policy change {}{}", k + 1, diagnose(nodes, &namespace)))?;
         out.policy_ms.push(ms);
         // The label: `no` (closes), `yes` (opens).
         let lms = change(&probes, open, || label(if open { "yes" } else { "no" }))
-            .with_context(|| format!("label change {}", k + 1))?;
+            .with_context(|| format!("label change {}{}", k + 1, diagnose(nodes, &namespace)))?;
         out.label_ms.push(lms);
         if (k + 1) % 10 == 0 || k + 1 == changes {
             println!(
@@ -121,6 +121,26 @@ pub(super) fn run(b: &Bench, api: &KubeApi, nodes: &[Node], changes: usize) -> R
         }
     }
     Ok(out)
+}
+
+/// Each node's policy of its server and the end of its agent's log, to say why a change was
+/// not seen.
+fn diagnose(nodes: &[Node], namespace: &str) -> String {
+    let mut s = String::new();
+    for (i, n) in nodes.iter().enumerate() {
+        let policy = n
+            .agent()
+            .calixctl_json(&["policy", &format!("{namespace}/server-{i}")])
+            .map(|v| v.to_string())
+            .unwrap_or_else(|e| e.to_string());
+        let log = n.agent_log();
+        let tail: Vec<&str> = log.lines().rev().take(20).collect();
+        s.push_str(&format!(
+            "\n--- node {i}: calixctl policy {namespace}/server-{i}: {policy}\n{}",
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        ));
+    }
+    s
 }
 
 /// Starts a probe in every client for verdict `open`, makes the change with `write` (which
