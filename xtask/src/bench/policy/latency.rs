@@ -93,11 +93,13 @@ pub(super) fn run(b: &Bench, api: &KubeApi, nodes: &[Node], changes: usize) -> R
             })
             .collect()
     };
-    for k in 0..changes {
+    // Rounds of four changes: the policy deleted (closes) and written again (opens), then,
+    // with it in force, the clients' label taken (closes) and given back (opens).
+    let rounds = changes.div_ceil(2);
+    for k in 0..rounds {
         check_interrupted()?;
-        let open = k % 2 == 1;
-        // The policy: deleted (closes), written again (opens).
-        let ms = change(&probes, open, || {
+        let why = |what: &str| format!("round {}: {what}{}", k + 1, diagnose(nodes, &namespace));
+        let policy_write = |open: bool| -> Result<Vec<Instant>> {
             let t = Instant::now();
             match open {
                 true => api.apply(allow.clone()).map(drop)?,
@@ -106,17 +108,19 @@ pub(super) fn run(b: &Bench, api: &KubeApi, nodes: &[Node], changes: usize) -> R
                 }
             }
             Ok(vec![t; probes.len()])
-        })
-        .with_context(|| format!("policy change {}{}", k + 1, diagnose(nodes, &namespace)))?;
-        out.policy_ms.push(ms);
-        // The label: `no` (closes), `yes` (opens).
-        let lms = change(&probes, open, || label(if open { "yes" } else { "no" }))
-            .with_context(|| format!("label change {}{}", k + 1, diagnose(nodes, &namespace)))?;
-        out.label_ms.push(lms);
-        if (k + 1) % 10 == 0 || k + 1 == changes {
+        };
+        let pc =
+            change(&probes, false, || policy_write(false)).with_context(|| why("allow deleted"))?;
+        let po = change(&probes, true, || policy_write(true))
+            .with_context(|| why("allow written again"))?;
+        let lc = change(&probes, false, || label("no")).with_context(|| why("label taken"))?;
+        let lo = change(&probes, true, || label("yes")).with_context(|| why("label given back"))?;
+        out.policy_ms.extend([pc, po]);
+        out.label_ms.extend([lc, lo]);
+        if (k + 1) % 5 == 0 || k + 1 == rounds {
             println!(
-                "[latency] {}/{changes}: policy {ms:.1} ms, label {lms:.1} ms",
-                k + 1
+                "[latency] {}/{changes}: policy {pc:.1} / {po:.1} ms, label {lc:.1} / {lo:.1} ms (closing / opening)",
+                2 * (k + 1)
             );
         }
     }

@@ -57,8 +57,9 @@ impl Compared for Variant {
 /// The programs' run time in one variant, per repetition.
 #[derive(Default)]
 pub(super) struct PerPacket {
-    /// ns per run.
+    /// ns per run over TCP_CRR (new connections) and over TCP_RR (one established).
     pub(super) from_pod_ns: Vec<f64>,
+    pub(super) from_pod_rr_ns: Vec<f64>,
     pub(super) to_pod_ns: Vec<f64>,
     pub(super) to_pod_runs: Vec<f64>,
 }
@@ -173,7 +174,17 @@ pub(super) fn run(
         if let Some(to) = rt[1].ns_per_run {
             r.to_pod_ns.push(to);
         }
-        line.push_str(&format!(", from_pod {from:.1} ns/packet"));
+        let rr = calix_testbed::bpf::pinned_run_time(&pins[..1], || {
+            tools
+                .netperf(&p.traffic, Mode::Rr, PROG_COST_SECS)
+                .map(drop)
+        })
+        .context("measuring the programs' run time over TCP_RR")?;
+        let from_rr = rr[0].ns_per_run.context("from_pod did not run")?;
+        r.from_pod_rr_ns.push(from_rr);
+        line.push_str(&format!(
+            ", from_pod {from:.1} ns/packet (TCP_CRR), {from_rr:.1} (TCP_RR)"
+        ));
         Ok(line)
     })?;
     Ok(Results {
