@@ -181,9 +181,9 @@ impl PolicyService {
              # TYPE calix_policy_program_failures_total counter\ncalix_policy_program_failures_total {}\n\
              # HELP calix_policy_seconds_total Time the policy calculation took, by step: applying changes, compiling this node's tables, writing them to the dataplane.\n\
              # TYPE calix_policy_seconds_total counter\n\
-             calix_policy_seconds_total{{step=\"apply\"}} {:.6}\n\
-             calix_policy_seconds_total{{step=\"compile\"}} {:.6}\n\
-             calix_policy_seconds_total{{step=\"program\"}} {:.6}\n\
+             calix_policy_seconds_total{{step=\"apply\"}} {:.9}\n\
+             calix_policy_seconds_total{{step=\"compile\"}} {:.9}\n\
+             calix_policy_seconds_total{{step=\"program\"}} {:.9}\n\
              # HELP calix_policy_compilations_total Compilations of this node's tables (a burst of changes is one).\n\
              # TYPE calix_policy_compilations_total counter\ncalix_policy_compilations_total {}\n",
             u8::from(inner.ready),

@@ -27,7 +27,7 @@
 
 use aya_ebpf::{
     bindings::__sk_buff,
-    helpers::{bpf_ktime_get_ns, bpf_skb_load_bytes},
+    helpers::{bpf_ktime_get_coarse_ns, bpf_skb_load_bytes},
     maps::lpm_trie::Key,
     programs::TcContext,
 };
@@ -147,24 +147,67 @@ fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
         }
         _ => return false,
     };
-    let Some((sport, dport)) = ports(ctx, l4, l4_len, s.flow.proto) else {
-        return true;
+    // Nearly every packet: TCP or UDP right after a fixed-size IP header (no IPv4 options, no
+    // IPv6 extension headers), read directly at a constant offset; the rest through the
+    // helpers.
+    let direct = match (s.flow.family, l4) {
+        (4, x) if x == ETH_HLEN + 20 => transport_at::<{ ETH_HLEN + 20 }>(ctx, l4_len, s.flow.proto),
+        (6, x) if x == ETH_HLEN + packet::v6::LEN => {
+            transport_at::<{ ETH_HLEN + packet::v6::LEN }>(ctx, l4_len, s.flow.proto)
+        }
+        _ => None,
+    };
+    let (sport, dport, syn) = match direct {
+        Some(t) => t,
+        None => {
+            let Some((sport, dport)) = ports(ctx, l4, l4_len, s.flow.proto) else {
+                return true;
+            };
+            let syn = s.flow.proto == IPPROTO_TCP
+                && l4_len >= 14
+                && ctx
+                    .load::<u8>(l4 + 13)
+                    .is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN);
+            (sport, dport, syn)
+        }
     };
     (s.flow.pod_port, s.flow.peer_port) = if pod_is_src {
         (sport, dport)
     } else {
         (dport, sport)
     };
-    s.flags = PS_KEYED;
-    if s.flow.proto == IPPROTO_TCP
-        && l4_len >= 14
-        && ctx
-            .load::<u8>(l4 + 13)
-            .is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN)
-    {
-        s.flags |= PS_SYN;
-    }
+    s.flags = if syn { PS_KEYED | PS_SYN } else { PS_KEYED };
     true
+}
+
+/// The ports (network order) and whether it is a SYN, of a TCP or UDP header at `AT` bytes
+/// into the frame (`l4_len` bytes of IP payload), read directly; `None` for other protocols
+/// or a short header (the helpers' path then decides).
+#[inline(always)]
+fn transport_at<const AT: usize>(
+    ctx: &TcContext,
+    l4_len: usize,
+    proto: u8,
+) -> Option<(u16, u16, bool)> {
+    match proto {
+        IPPROTO_TCP if l4_len >= 14 => {
+            let h = packet::load::<[u8; 14]>(ctx, AT).ok()?;
+            Some((
+                u16::from_ne_bytes([h[0], h[1]]),
+                u16::from_ne_bytes([h[2], h[3]]),
+                h[13] & (TCP_SYN | TCP_ACK) == TCP_SYN,
+            ))
+        }
+        IPPROTO_UDP if l4_len >= 8 => {
+            let h = packet::load::<[u8; 4]>(ctx, AT).ok()?;
+            Some((
+                u16::from_ne_bytes([h[0], h[1]]),
+                u16::from_ne_bytes([h[2], h[3]]),
+                false,
+            ))
+        }
+        _ => None,
+    }
 }
 
 /// Source and destination ports (network order) of TCP, UDP and SCTP, or an ICMP echo's
@@ -239,7 +282,7 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
         return rules_allow(slot, st, dir, s);
     }
     // SAFETY: a plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
     let syn = s.flags & PS_SYN != 0;
     if !syn {
         if let Some(f) = CALIX_POL_FLOWS.get_ptr_mut(&s.flow) {
@@ -339,7 +382,7 @@ pub fn from_node(skb: *mut __sk_buff, slot: u32) {
         return;
     }
     // SAFETY: a plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
     if let Some(old) = CALIX_POL_FLOWS.get_ptr(&s.flow) {
         // SAFETY: as in `allows`.
         let old = unsafe { &*old };

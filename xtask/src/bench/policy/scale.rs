@@ -273,7 +273,7 @@ fn settle(node: &Node, pods: usize, policies: usize) -> Result<BTreeMap<String, 
 }
 
 /// What the agent spent (ms, every step) on the change `write` makes: from its metrics before,
-/// and once it has compiled and programmed again and settled.
+/// and once it has compiled again (and programmed: the same task, right after) and settled.
 fn one_change(node: &Node, write: impl FnOnce() -> Result<()>) -> Result<f64> {
     let before = metrics(node).context("the agent's metrics")?;
     let spent = |m: &BTreeMap<String, f64>| SECONDS.iter().filter_map(|k| m.get(*k)).sum::<f64>();
@@ -283,8 +283,7 @@ fn one_change(node: &Node, write: impl FnOnce() -> Result<()>) -> Result<f64> {
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let m = metrics(node).context("the agent's metrics")?;
-        let programs = |m: &BTreeMap<String, f64>| m.get(SECONDS[2]).copied();
-        if compiled(&m) > compiled(&before) && programs(&m) > programs(&before) {
+        if compiled(&m) > compiled(&before) {
             // Let a second compilation of the same burst land too.
             std::thread::sleep(Duration::from_millis(300));
             let m = metrics(node).context("the agent's metrics")?;
