@@ -194,10 +194,25 @@ pub(super) fn run(b: &Bench, api: &KubeApi, pods: usize) -> Result<Scale> {
             };
             let meta = json!({"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "namespace": ns}});
+            // A local pod's `app`: its own policy changes. Another node's pod's `tier`: into
+            // or out of the set of its namespace's team and the tier that team's policies name
+            // (every one of those sets exists), so the change always moves a set's members.
+            let labels = match is_local {
+                true => json!({"app": format!("a{}", (j + 1 + c) % 20)}),
+                false => {
+                    let team = j % REMOTE_NAMESPACES % 10;
+                    let tier = if j % 5 == team % 5 {
+                        (team + 1) % 5
+                    } else {
+                        team % 5
+                    };
+                    json!({"tier": format!("t{tier}")})
+                }
+            };
             let ms = one_change(&node, || {
-                let app = format!("a{}", (j + 1 + c) % 20);
-                Ok(api.merge_patch(meta.clone(), json!({"metadata": {"labels": {"app": app}}}))?)
-            })?;
+                Ok(api.merge_patch(meta.clone(), json!({"metadata": {"labels": labels}}))?)
+            })
+            .with_context(|| format!("{name}'s labels changed to {labels}"))?;
             match is_local {
                 true => local_change_ms.push(ms),
                 false => remote_change_ms.push(ms),
