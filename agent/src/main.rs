@@ -261,14 +261,19 @@ async fn run() -> Result<()> {
         http.set_policy(service.clone());
         let (changed, follow) = tokio::sync::watch::channel(0u64);
         policy_watch::spawn(watches, service.clone(), cfg.node_name.clone(), changed);
-        tokio::spawn(calix_agent::policy::program(
-            service.clone(),
-            follow,
+        tokio::spawn(calix_agent::policy::program(service.clone(), follow, {
+            let node = node.clone();
             move |t| {
-                let driver = policy_driver.clone();
-                async move { driver.set_policy(t).await }
-            },
-        ));
+                let (driver, node) = (policy_driver.clone(), node.clone());
+                async move {
+                    let r = driver.set_policy(t).await;
+                    if let Err(e) = &r {
+                        calix_agent::policy::notice_not_programmed(&node.notices, e);
+                    }
+                    r
+                }
+            }
+        }));
         Some(service)
     } else {
         None

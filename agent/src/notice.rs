@@ -36,6 +36,18 @@ pub trait Notices: Send + Sync {
     fn notice(&self, n: Notice);
 }
 
+/// Notices as a test sees them.
+#[cfg(test)]
+#[derive(Default)]
+pub struct Recorded(pub std::sync::Mutex<Vec<Notice>>);
+
+#[cfg(test)]
+impl Notices for Recorded {
+    fn notice(&self, n: Notice) {
+        self.0.lock().expect("lock").push(n);
+    }
+}
+
 /// Notices go to the log only.
 pub struct LogOnly;
 

@@ -91,6 +91,8 @@ pub enum DataplaneError {
     )]
     PolicyIncomplete {
         slots: Vec<u32>,
+        /// Their pods, as far as known.
+        pods: Vec<calix_core::policy::model::PodKey>,
         #[source]
         source: Box<DataplaneError>,
     },

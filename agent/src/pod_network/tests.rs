@@ -15,6 +15,7 @@ use calix_proto::handle;
 use super::*;
 use crate::endpoints::EndpointRegistry;
 use crate::ipam::service::{CheckReport, Finding, Housekeeping};
+use crate::notice::Recorded;
 use crate::reconcile::driver::{Driver, Timing};
 use calix_dataplane::{Attached, Dataplane, DataplaneError, EndpointSpec};
 use calix_datastore::{Compare, Datastore, DatastoreError, Durability, EmbeddedStore, Op};
@@ -1607,16 +1608,6 @@ async fn no_write_creates_a_block_overlapping_one_that_counts() {
             .contains(&got),
         "{got}"
     );
-}
-
-/// Notices as a test sees them.
-#[derive(Default)]
-struct Recorded(std::sync::Mutex<Vec<crate::notice::Notice>>);
-
-impl crate::notice::Notices for Recorded {
-    fn notice(&self, n: crate::notice::Notice) {
-        self.0.lock().expect("lock").push(n);
-    }
 }
 
 /// Every ignored block is a Warning notice on the node (an Event in Kubernetes), once, and a

@@ -252,6 +252,31 @@ impl PolicyService {
     }
 }
 
+/// A Warning Event `NetworkPolicyNotProgrammed` on each pod whose policy the dataplane could
+/// not fully write (`e`): it denies what is missing until there is room.
+pub fn notice_not_programmed(
+    notices: &crate::notice::Notifier,
+    e: &calix_dataplane::DataplaneError,
+) {
+    let calix_dataplane::DataplaneError::PolicyIncomplete { pods, source, .. } = e else {
+        return;
+    };
+    for pod in pods {
+        notices.warning(
+            "NetworkPolicyNotProgrammed",
+            crate::notice::Subject::Pod {
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+            },
+            format!(
+                "NetworkPolicy is not fully programmed for this pod: it denies what could not be \
+                 written until there is room ({})",
+                calix_log::error_chain(source.as_ref())
+            ),
+        );
+    }
+}
+
 /// Sends the service's tables to the dataplane whenever `changed` says they may have changed
 /// (a burst of changes is one compilation), until the agent stops. A failed write is tried
 /// again a second later with the tables as they are then.

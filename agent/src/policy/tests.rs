@@ -106,3 +106,40 @@ fn only_this_nodes_pods_are_computed_and_a_label_change_touches_only_whom_it_mov
     svc.apply(Change::PodGone(pk("other-here")), false);
     assert_eq!(svc.report(None).local_endpoints, 0);
 }
+
+/// A pod whose policy the dataplane could not fully write gets a Warning Event naming why;
+/// other errors name no pod.
+#[test]
+fn a_pod_not_fully_programmed_gets_a_warning() {
+    use std::sync::Arc;
+
+    use calix_dataplane::DataplaneError;
+
+    use crate::notice::{Notifier, Recorded, Severity, Subject};
+    let notifier = Notifier::default();
+    let seen = Arc::new(Recorded::default());
+    notifier.set(seen.clone());
+    let full = DataplaneError::PolicyIncomplete {
+        slots: vec![3],
+        pods: vec![pk("web")],
+        source: Box::new(DataplaneError::Driver("no space left in the map".into())),
+    };
+    super::notice_not_programmed(&notifier, &full);
+    super::notice_not_programmed(&notifier, &DataplaneError::Driver("other".into()));
+    let got = seen.0.lock().expect("lock").clone();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0].severity, Severity::Warning);
+    assert_eq!(got[0].reason, "NetworkPolicyNotProgrammed");
+    assert_eq!(
+        got[0].subject,
+        Subject::Pod {
+            namespace: "a".into(),
+            name: "web".into()
+        }
+    );
+    assert!(
+        got[0].message.contains("no space left"),
+        "{}",
+        got[0].message
+    );
+}

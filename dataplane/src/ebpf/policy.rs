@@ -310,7 +310,7 @@ impl PolicyProgrammer {
     pub fn set(&mut self, desired: Tables, slots: &[(PodKey, u32)]) -> Result<(), DataplaneError> {
         let target = self.target(&desired, slots);
         self.desired = Some(desired);
-        self.move_to(target)
+        self.move_to(target).map_err(|e| name_pods(e, slots))
     }
 
     /// The endpoints attached changed (`slots`: each one's pod and slot; one attached, or its
@@ -321,7 +321,7 @@ impl PolicyProgrammer {
             return Ok(());
         };
         let target = self.target(desired, slots);
-        self.move_to(target)
+        self.move_to(target).map_err(|e| name_pods(e, slots))
     }
 
     /// The endpoint in `slot` is gone: its entries go, its state is zeroed.
@@ -425,6 +425,7 @@ impl PolicyProgrammer {
         match first_error {
             None => Ok(()),
             Some(e) => Err(DataplaneError::PolicyIncomplete {
+                pods: Vec::new(),
                 slots: failed
                     .keys()
                     .map(|(s, _)| *s)
@@ -439,5 +440,25 @@ impl PolicyProgrammer {
     /// What the maps hold now, by slot (for `calixctl` and tests).
     pub fn applied(&self) -> &Tables<u32> {
         &self.applied
+    }
+}
+
+/// `e` with the pods of the slots it names (`slots`: each endpoint's pod and slot).
+fn name_pods(e: DataplaneError, slots: &[(PodKey, u32)]) -> DataplaneError {
+    match e {
+        DataplaneError::PolicyIncomplete {
+            slots: failed,
+            source,
+            ..
+        } => DataplaneError::PolicyIncomplete {
+            pods: slots
+                .iter()
+                .filter(|(_, s)| failed.contains(s))
+                .map(|(p, _)| p.clone())
+                .collect(),
+            slots: failed,
+            source,
+        },
+        other => other,
     }
 }

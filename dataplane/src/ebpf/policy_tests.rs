@@ -235,7 +235,10 @@ fn an_endpoint_whose_entries_do_not_fit_denies_what_is_missing_and_the_others_ar
     let slots = [(pod("web"), 1), (pod("db"), 2)];
     let err = p.set(t.clone(), &slots).expect_err("the map is full");
     match &err {
-        DataplaneError::PolicyIncomplete { slots, .. } => assert_eq!(slots, &vec![2]),
+        DataplaneError::PolicyIncomplete { slots, pods, .. } => {
+            assert_eq!(slots, &vec![2]);
+            assert_eq!(pods, &vec![pod("db")], "the error names the pod");
+        }
         other => panic!("{other}"),
     }
     {
