@@ -5,22 +5,24 @@
 //! (`BPF_OBJ_GET_INFO_BY_FD`): a match is reused as is; a mismatch is unpinned, so the loader
 //! creates the map anew, and its entries are carried into the new map where a conversion
 //! exists (the conntrack table, the stack flows: translated and stack-NATed flows survive an
-//! upgrade) — otherwise it starts empty (the agent repopulates what it owns) and the log says
-//! which map and what differed. Maps of an older layout directory (`v<N>`) are carried into
+//! upgrade; the NetworkPolicy entries and flows: a resized policy map goes on enforcing what it
+//! did) — otherwise it starts empty (the agent repopulates what it owns) and the log says which
+//! map and what differed. Maps of an older layout directory (`v<N>`) are carried into
 //! this layout's the same way. After the agent has re-attached every endpoint, entries the
 //! old programs added meanwhile are copied too ([`Carried::catch_up`]). The stack-flow marks of
 //! layouts 1 and 2 (keyed by ifindex) cannot be written until the endpoints have their slots:
 //! they are kept aside ([`OldMarks`]) for the dataplane to write as it programs each endpoint.
 use std::path::{Path, PathBuf};
 
+use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
 use aya::Pod;
 use aya_obj::maps::PinningType;
 use calix_common::{
-    CtEntry, CtKey, FlowKey, StackFlow, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_HASH,
-    BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_HASH, CT_DIR_OUT,
-    CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION, STACK_CLEARED_MAP,
-    STACK_EPS_MAP, STACK_FLOWS_MAP,
+    CtEntry, CtKey, FlowKey, PolicyFlow, PolicyKey, StackFlow, BPF_MAP_TYPE_ARRAY,
+    BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_HASH,
+    CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION,
+    POLICY_FLOWS_MAP, POLICY_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP,
 };
 
 use super::bpf::monotonic_ns;
@@ -236,6 +238,9 @@ fn mark_answered(entries: &mut [(CtKey, CtEntry)]) {
 enum Entries {
     Conntrack(Vec<(CtKey, CtEntry)>),
     StackFlows(Vec<(FlowKey, StackFlow)>),
+    /// The NetworkPolicy allow entries (written by the agent only).
+    Policy(Vec<(Key<PolicyKey>, u32)>),
+    PolicyFlows(Vec<(FlowKey, PolicyFlow)>),
     Marks(Vec<(u32, u32)>),
 }
 
@@ -244,9 +249,17 @@ impl Entries {
         match self {
             Entries::Conntrack(v) => v.len(),
             Entries::StackFlows(v) => v.len(),
+            Entries::Policy(v) => v.len(),
+            Entries::PolicyFlows(v) => v.len(),
             Entries::Marks(v) => v.len(),
         }
     }
+}
+
+/// The entries of an LPM trie.
+fn read_trie<K: Pod, V: Pod>(data: MapData) -> Result<Vec<(Key<K>, V)>, MapError> {
+    let trie: LpmTrie<MapData, K, V> = LpmTrie::try_from(Map::LpmTrie(data))?;
+    Ok(trie.iter().filter_map(Result::ok).collect())
 }
 
 fn read<K: Pod, V: Pod>(data: MapData, lru: bool) -> Result<Vec<(K, V)>, MapError> {
@@ -262,13 +275,18 @@ fn read<K: Pod, V: Pod>(data: MapData, lru: bool) -> Result<Vec<(K, V)>, MapErro
 /// Whether entries of map `name` with layout `have` can be carried into this build's.
 fn convertible(name: &str, have: &MapSpec) -> bool {
     let hash = matches!(have.map_type, BPF_MAP_TYPE_HASH | BPF_MAP_TYPE_LRU_HASH);
-    hash && matches!(
-        (name, have.key_size, have.value_size),
-        (CT_MAP, 16, 16 | 40 | 64)
-            | (STACK_FLOWS_MAP, 40, 8 | 16)
-            | (STACK_EPS_MAP, 4, 4)
-            | (STACK_CLEARED_MAP, 4, 4)
-    )
+    let key_value = (name, have.key_size, have.value_size);
+    let hashes = hash
+        && matches!(
+            key_value,
+            (CT_MAP, 16, 16 | 40 | 64)
+                | (STACK_FLOWS_MAP, 40, 8 | 16)
+                | (STACK_EPS_MAP, 4, 4)
+                | (STACK_CLEARED_MAP, 4, 4)
+                | (POLICY_FLOWS_MAP, 40, 16)
+        );
+    let tries = have.map_type == BPF_MAP_TYPE_LPM_TRIE && key_value == (POLICY_MAP, 16, 4);
+    hashes || tries
 }
 
 /// Reads the entries of map `name` (layout `have`) in this build's layout.
@@ -308,6 +326,8 @@ fn read_converted(name: &str, have: &MapSpec, data: MapData) -> Result<Entries, 
             Entries::StackFlows(v)
         }
         (STACK_FLOWS_MAP, _) => Entries::StackFlows(read(data, lru)?),
+        (POLICY_MAP, _) => Entries::Policy(read_trie(data)?),
+        (POLICY_FLOWS_MAP, _) => Entries::PolicyFlows(read(data, lru)?),
         _ => Entries::Marks(read(data, lru)?),
     })
 }
@@ -328,12 +348,32 @@ fn write<K: Pod, V: Pod>(pin: &Path, entries: &[(K, V)]) -> Result<(usize, usize
     Ok((inserted, failed))
 }
 
+/// As [`write`], into the LPM trie pinned at `pin`.
+fn write_trie<K: Pod, V: Pod>(
+    pin: &Path,
+    entries: &[(Key<K>, V)],
+) -> Result<(usize, usize), MapError> {
+    let data = MapData::from_pin(pin)?;
+    let mut trie: LpmTrie<MapData, K, V> = LpmTrie::try_from(Map::LpmTrie(data))?;
+    let (mut inserted, mut failed) = (0, 0);
+    for (k, v) in entries {
+        match trie.insert(k, v, 1 /* BPF_NOEXIST */) {
+            Ok(()) => inserted += 1,
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(_) => failed += 1,
+        }
+    }
+    Ok((inserted, failed))
+}
+
 /// Writes carried entries into the new map; marks are not written (see [`OldMarks`]):
 /// `None`.
 fn write_entries(pin: &Path, entries: &Entries) -> Option<Result<(usize, usize), MapError>> {
     match entries {
         Entries::Conntrack(v) => Some(write(pin, v)),
         Entries::StackFlows(v) => Some(write(pin, v)),
+        Entries::Policy(v) => Some(write_trie(pin, v)),
+        Entries::PolicyFlows(v) => Some(write(pin, v)),
         Entries::Marks(_) => None,
     }
 }
@@ -444,6 +484,11 @@ impl Carried {
         let cleared = self.marks_of(STACK_CLEARED_MAP).to_vec();
         let mut marks = Vec::new();
         for c in self.carries {
+            if c.name == POLICY_MAP {
+                // Only the agent writes it, and it may have revoked an entry in the new map
+                // since: copying the old one's would bring it back.
+                continue;
+            }
             let pin = self.pin_dir.join(&c.name);
             let entries = read_converted(&c.name, &c.have, c.source);
             let added = match &entries {

@@ -5,12 +5,14 @@ mod common;
 
 use std::net::Ipv4Addr;
 
+use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, MapInfo};
 use calix_common::{
-    layout, CtEntry, CtKey, EndpointInfo, FlowKey, StackFlow, BPF_MAP_TYPE_HASH, COUNTERS_MAP,
-    CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, ENDPOINTS_MAP, IPPROTO_TCP,
-    LAYOUT_VERSION, NAT_CONFIG_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP,
-    STACK_MARKED, STACK_OVERFLOW_MAP,
+    layout, CtEntry, CtKey, EndpointInfo, FlowKey, PolicyFlow, PolicyKey, StackFlow,
+    BPF_MAP_TYPE_HASH, COUNTERS_MAP, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP,
+    ENDPOINTS_MAP, IPPROTO_TCP, LAYOUT_VERSION, NAT_CONFIG_MAP, PF_TO_POD, POLICY_FLOWS_MAP,
+    POLICY_KEY_BITS, POLICY_MAP, POL_DIR_INGRESS, STACK_CLEARED_MAP, STACK_EPS_MAP,
+    STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use calix_dataplane::ebpf::{EbpfConfig, EbpfDataplane};
 use calix_dataplane::nat::NatSettings;
@@ -75,6 +77,7 @@ fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
         nat: Some(nat),
         tc_attach: Default::default(),
         doors: Default::default(),
+        policy: Default::default(),
     }
 }
 
@@ -173,6 +176,90 @@ fn mismatched_pins_are_migrated_or_recreated() {
         drop(again);
         let ct = hash::<CtKey, CtEntry>(MapData::from_pin(dir.join(CT_MAP)).expect("CT pin"));
         assert_eq!(ct.keys().count(), 2);
+    });
+}
+
+/// `[policy] entries` and `flows` changed: at the next start the policy maps have the new
+/// sizes and still hold what the old ones did, so the endpoints go on being policed as they
+/// were until the agent has recomputed their policy (no window open, none closed). A map
+/// smaller than its entries takes what fits: the dataplane still loads.
+#[test]
+fn resized_policy_maps_keep_their_entries() {
+    in_netns(|| {
+        let pins = PinDir::new();
+        let cfg = config(&pins, "n4", 1024);
+        let dir = cfg.pin_dir();
+        let mut dp = EbpfDataplane::load(cfg).expect("the dataplane loads");
+        dp.release();
+        drop(dp);
+        let trie = |dir: &std::path::Path| {
+            LpmTrie::<MapData, PolicyKey, u32>::try_from(Map::LpmTrie(
+                MapData::from_pin(dir.join(POLICY_MAP)).expect("policy pin"),
+            ))
+            .expect("an LPM trie")
+        };
+        let entries: Vec<(Key<PolicyKey>, u32)> = (0..3u32)
+            .map(|slot| {
+                let k =
+                    PolicyKey::new(slot, POL_DIR_INGRESS, 7, IPPROTO_TCP, 8080u16.to_be_bytes());
+                (Key::new(POLICY_KEY_BITS, k), slot + 1)
+            })
+            .collect();
+        let mut t = trie(&dir);
+        for (k, v) in &entries {
+            t.insert(k, v, 0).expect("a policy entry");
+        }
+        let flow = FlowKey {
+            proto: IPPROTO_TCP,
+            family: 4,
+            pod_port: 8080u16.to_be(),
+            ..FlowKey::default()
+        };
+        let remembered = PolicyFlow {
+            last_seen_ns: 5,
+            generation: 3,
+            flags: PF_TO_POD,
+        };
+        let mut flows = HashMap::<MapData, FlowKey, PolicyFlow>::try_from(Map::LruHashMap(
+            MapData::from_pin(dir.join(POLICY_FLOWS_MAP)).expect("flows pin"),
+        ))
+        .expect("an LRU hash");
+        flows.insert(flow, remembered, 0).expect("a flow");
+        drop((t, flows));
+
+        let mut cfg = config(&pins, "n4", 1024);
+        cfg.policy.entries = 64;
+        cfg.policy.flows = 128;
+        let mut dp = EbpfDataplane::load(cfg).expect("the dataplane loads with new policy sizes");
+        let size = |name: &str| {
+            MapInfo::from_pin(dir.join(name))
+                .expect("pinned map info")
+                .max_entries()
+        };
+        assert_eq!((size(POLICY_MAP), size(POLICY_FLOWS_MAP)), (64, 128));
+        let t = trie(&dir);
+        for (k, v) in &entries {
+            assert_eq!(t.get(k, 0).ok(), Some(*v), "an allow entry carried over");
+        }
+        let flows = HashMap::<MapData, FlowKey, PolicyFlow>::try_from(Map::LruHashMap(
+            MapData::from_pin(dir.join(POLICY_FLOWS_MAP)).expect("flows pin"),
+        ))
+        .expect("an LRU hash");
+        assert_eq!(
+            flows.get(&flow, 0).ok(),
+            Some(remembered),
+            "the flow carried over"
+        );
+        dp.release();
+        drop((dp, t, flows));
+
+        // Smaller than what it holds: what fits is kept.
+        let mut cfg = config(&pins, "n4", 1024);
+        cfg.policy.entries = 2;
+        let dp = EbpfDataplane::load(cfg).expect("the dataplane loads into a smaller policy map");
+        assert_eq!(size(POLICY_MAP), 2);
+        assert_eq!(trie(&dir).keys().filter(Result::is_ok).count(), 2);
+        drop(dp);
     });
 }
 

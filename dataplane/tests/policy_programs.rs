@@ -209,6 +209,45 @@ fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
     });
 }
 
+/// `[policy] keep_established`: a flow a change would refuse goes on (both ways), a new
+/// connection meets the new rules, and turning the option off refuses the kept flow from its
+/// next packet.
+#[test]
+fn keeping_established_flows_lets_a_revoked_flow_go_on_and_refuses_new_ones() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.programmer
+            .set_keep_established(true)
+            .expect("keep established");
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(80, 40000, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        p.apply(Change::Policy(policy(vec![tcp_port(81)], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(80, 40000, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &a, &b, TCP, tcp(40001, 80, SYN)),
+            TC_ACT_SHOT,
+            "a new connection meets the new rules"
+        );
+        assert_eq!(
+            send(&h, &a, &b, TCP, tcp(40000, 80, SYN)),
+            TC_ACT_SHOT,
+            "a SYN is a new connection, even on a kept flow"
+        );
+        // The option off: the kept flow is checked again, and refused.
+        p.programmer
+            .set_keep_established(false)
+            .expect("keep established off");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+    });
+}
+
 #[test]
 fn fragments_and_portless_protocols_pass_only_a_rule_for_every_port() {
     in_netns(|| {

@@ -31,6 +31,7 @@ fn a_released_dataplane_moves_no_hook_afterwards() {
             nat: Some(NatSettings::example()),
             tc_attach: TcAttach::Tcx,
             doors: Default::default(),
+            policy: Default::default(),
         };
         let links = cfg.tcx_links_dir();
         let ifindex = veth("cxtmv");

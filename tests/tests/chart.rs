@@ -66,6 +66,7 @@ fn all_a() -> Value {
                 "failsafePorts": ["tcp:22", "udp:53"]},
         "nat": {"serviceCidrs": ["10.100.0.0/16", "fd00:96::/108"], "nonMasqueradeCidrs": ["172.16.0.0/12"],
                 "conntrackEntries": 65536, "portMin": 20000, "portMax": 30000},
+        "policy": {"entries": 100000, "flows": 65536, "keepEstablished": true},
         "routes": {"enabled": true, "port": 5575, "bindAddress": "[::]", "reachableFromPods": true,
                    "topology": "reflectors",
                    "reflectorLabel": "example.com/rr", "graceSecs": 60, "plaintext": false,
@@ -1047,6 +1048,10 @@ fn every_value_set_renders_and_reaches_the_agent() {
         (c.nat.conntrack_entries, c.nat.port_min, c.nat.port_max),
         (65536, 20000, 30000)
     );
+    assert_eq!(
+        (c.policy.entries, c.policy.flows, c.policy.keep_established),
+        (100000, 65536, true)
+    );
     assert!(c.routes.enabled && !c.routes.plaintext);
     assert_eq!(c.routes.listen, "[::]:5575");
     assert!(c.doors.pods_reach_routes && c.doors.pods_reach_metrics);
@@ -1353,6 +1358,8 @@ fn every_number_of_the_values_has_a_maximum_the_agent_agrees_with() {
         ("ipam.leakGraceSecs", "ipam.leakGraceSecs"),
         ("ipam.emptyBlockGraceSecs", "ipam.emptyBlockGraceSecs"),
         ("nat.conntrackEntries", "nat.conntrack_entries"),
+        ("policy.entries", "policy.entries"),
+        ("policy.flows", "policy.flows"),
         ("routes.graceSecs", "routes.grace_secs"),
     ];
     let bounds = AgentConfig::default().bounded();

@@ -23,8 +23,8 @@ use serde::{Deserialize, Serialize};
 
 use self::error::ConfigError;
 use self::sections::{
-    DatastoreConfig, DoorsConfig, IpamConfig, KubernetesConfig, NatConfig, RoutesConfig,
-    VxlanConfig, XdpConfig,
+    DatastoreConfig, DoorsConfig, IpamConfig, KubernetesConfig, NatConfig, PolicyConfig,
+    RoutesConfig, VxlanConfig, XdpConfig,
 };
 use crate::paths;
 
@@ -96,6 +96,8 @@ pub struct AgentConfig {
     pub xdp: XdpConfig,
     /// SNAT of `natOutgoing` pools (eBPF dataplane).
     pub nat: NatConfig,
+    /// The NetworkPolicy maps' sizes (eBPF dataplane).
+    pub policy: PolicyConfig,
     /// Route distribution between nodes.
     pub routes: RoutesConfig,
     /// The VXLAN device that carries pod traffic across subnets (pools' `vxlan`).
@@ -129,6 +131,7 @@ impl Default for AgentConfig {
             refused_pools: Vec::new(),
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
+            policy: PolicyConfig::default(),
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
             kubernetes: KubernetesConfig::default(),

@@ -182,6 +182,33 @@ impl Default for VxlanConfig {
     }
 }
 
+/// NetworkPolicy in the eBPF dataplane (`[policy]`), read at start. A changed size carries the
+/// entries into a map of the new size at the next start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PolicyConfig {
+    /// Allow entries of every endpoint of the node together (allocated as used). An endpoint
+    /// whose entries do not fit denies what is missing and is reported.
+    pub entries: u32,
+    /// Flows of isolated endpoints remembered, so that replies pass (an LRU allocated in full
+    /// at start, about 100 bytes a flow; when full, the least recently used is forgotten and
+    /// its next packet checked again as a new flow).
+    pub flows: u32,
+    /// A connection a policy change would refuse goes on until it goes idle (new connections
+    /// meet the new rules), as Calico does; off (the default): refused from its next packet.
+    pub keep_established: bool,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        Self {
+            entries: calix_common::DEFAULT_POLICY_ENTRIES,
+            flows: calix_common::DEFAULT_POLICY_FLOWS,
+            keep_established: false,
+        }
+    }
+}
+
 /// SNAT of `natOutgoing` pools' traffic to the outside (`[nat]`); eBPF dataplane, IPv4.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -305,6 +305,11 @@ impl AgentConfig {
             nat: Some(self.nat_settings()?),
             tc_attach: self.tc_attach,
             doors: self.door_policy(),
+            policy: calix_dataplane::ebpf::PolicySettings {
+                entries: self.policy.entries,
+                flows: self.policy.flows,
+                keep_established: self.policy.keep_established,
+            },
         })
     }
 

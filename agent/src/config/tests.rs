@@ -412,6 +412,44 @@ fn service_cidrs_parse_and_never_overlap_pools() {
     ));
 }
 
+/// `[policy]` sizes the eBPF dataplane's NetworkPolicy maps, within bounds, and says whether
+/// established flows outlive a change.
+#[test]
+fn the_policy_map_sizes_come_from_the_config() {
+    let c = AgentConfig::from_toml(
+        "node_name = \"n\"\n[policy]\nentries = 1000\nflows = 4096\nkeep_established = true\n",
+    )
+    .expect("parse");
+    let e = c.ebpf_config(None).expect("settings");
+    assert_eq!(
+        (e.policy.entries, e.policy.flows, e.policy.keep_established),
+        (1000, 4096, true)
+    );
+    let d = AgentConfig::default().ebpf_config(None).expect("settings");
+    assert_eq!(
+        (d.policy.entries, d.policy.flows, d.policy.keep_established),
+        (
+            calix_common::DEFAULT_POLICY_ENTRIES,
+            calix_common::DEFAULT_POLICY_FLOWS,
+            false
+        )
+    );
+    for (toml, key) in [
+        ("entries = 0", "policy.entries"),
+        ("entries = 16777217", "policy.entries"),
+        ("flows = 8", "policy.flows"),
+        ("flows = 4194305", "policy.flows"),
+    ] {
+        let c = AgentConfig::from_toml(&format!("node_name = \"n\"\n[policy]\n{toml}\n"))
+            .expect("parse");
+        match c.validate() {
+            Err(ConfigError::OutOfRange { key: k, .. }) => assert_eq!(k, key, "{toml}"),
+            other => panic!("{toml}: {other:?}"),
+        }
+    }
+    assert!(AgentConfig::from_toml("node_name = \"n\"\n[policy]\nsize = 5\n").is_err());
+}
+
 /// The per-endpoint budget defaults to a quarter of the table's flows; 0 turns it off.
 #[test]
 fn the_conntrack_budget_and_pressure_settings() {

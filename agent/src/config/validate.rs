@@ -288,6 +288,8 @@ impl AgentConfig {
                 week,
             ),
             Bounded::new("nat.conntrack_entries", n.conntrack_entries, 2, 1 << 24),
+            Bounded::new("policy.entries", self.policy.entries, 1, 1 << 24),
+            Bounded::new("policy.flows", self.policy.flows, 16, 1 << 22),
             Bounded::new(
                 "nat.pressure_unanswered_secs",
                 n.pressure_unanswered_secs,

@@ -74,6 +74,35 @@ pub struct EbpfConfig {
     pub tc_attach: TcAttach,
     /// The agents' ports pods may not reach ([`super::doors`]).
     pub doors: DoorPolicy,
+    /// The NetworkPolicy maps' sizes, and whether established flows outlive a change.
+    pub policy: PolicySettings,
+}
+
+/// NetworkPolicy in the eBPF dataplane (`[policy]`). The configured size is always the size in
+/// effect: a pinned map of another size is replaced at start by one of this size, its entries
+/// carried over (what does not fit is left out, and the agent's next programming reports the
+/// endpoints it could not finish, which deny what is missing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicySettings {
+    /// Allow entries of every endpoint of the node together (`CALIX_POLICY`, allocated as
+    /// used).
+    pub entries: u32,
+    /// Flows of isolated endpoints remembered so that replies pass (`CALIX_POL_FLOWS`, an LRU,
+    /// allocated in full when created).
+    pub flows: u32,
+    /// A flow a change would refuse goes on until it goes idle (new flows meet the new
+    /// rules); off: it is refused from its next packet.
+    pub keep_established: bool,
+}
+
+impl Default for PolicySettings {
+    fn default() -> Self {
+        Self {
+            entries: calix_common::DEFAULT_POLICY_ENTRIES,
+            flows: calix_common::DEFAULT_POLICY_FLOWS,
+            keep_established: false,
+        }
+    }
 }
 
 impl EbpfConfig {
@@ -240,10 +269,12 @@ impl EbpfDataplane {
             }
             None => std::borrow::Cow::Borrowed(OBJECT),
         };
-        // The configured conntrack size is always the size in effect: a pinned table of
-        // another size is migrated into a new one.
+        // The configured conntrack and policy sizes are always the sizes in effect: a pinned
+        // map of another size is migrated into a new one.
         let ct_entries = cfg.nat.as_ref().map(|n| n.conntrack_entries);
-        let sizes: Vec<(&str, u32)> = ct_entries.map(|n| (CT_MAP, n)).into_iter().collect();
+        let mut sizes: Vec<(&str, u32)> = ct_entries.map(|n| (CT_MAP, n)).into_iter().collect();
+        sizes.push((calix_common::POLICY_MAP, cfg.policy.entries));
+        sizes.push((calix_common::POLICY_FLOWS_MAP, cfg.policy.flows));
         let specs = pins::object_specs(&object, &sizes)?;
         let mut carried = pins::prepare(&pin_dir, &cfg.node_dir(), &specs)?;
         let mut loader = EbpfLoader::new();
@@ -346,8 +377,9 @@ impl EbpfDataplane {
             routes_ports: Default::default(),
         };
         doors.set(&Doors::of(&cfg.doors, &kept))?;
-        let policy =
+        let mut policy =
             policy::PolicyProgrammer::restore(Box::new(policy::PinnedPolicyMaps::open(&mut bpf)?));
+        policy.set_keep_established(cfg.policy.keep_established)?;
         let mut dp = Self {
             policy,
             doors,

@@ -16,6 +16,7 @@ use calix_common::{
     PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP,
     POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_STATE_MAP, POLICY_WORLD,
     POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
+    POL_KEEP_ESTABLISHED,
 };
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
@@ -216,6 +217,8 @@ pub struct PolicyProgrammer {
     states: BTreeMap<u32, PolicyState>,
     /// The last generation handed out (node-wide; never reused while the pins live).
     generation: u32,
+    /// `POL_KEEP_ESTABLISHED` or 0: in the flags of every isolated endpoint's state.
+    keep: u32,
     /// Added to every identity the agent's tables name: above every identity the pins held
     /// at start. A restarted agent numbers its identities afresh; without the offset its
     /// first entries could land on an identity the maps still give addresses of another
@@ -249,6 +252,35 @@ impl PolicyProgrammer {
             states,
             generation,
             offset,
+            keep: 0,
+        }
+    }
+
+    /// Whether isolated endpoints keep the flows they let through after a change that would
+    /// refuse them (until they go idle). A change of this setting rewrites every isolated
+    /// endpoint's state with a new generation, so that their flows are checked again under
+    /// it.
+    pub fn set_keep_established(&mut self, keep: bool) -> Result<(), DataplaneError> {
+        self.keep = if keep { POL_KEEP_ESTABLISHED } else { 0 };
+        let isolated = POL_ISOLATED_INGRESS | POL_ISOLATED_EGRESS;
+        let stale: Vec<(u32, u32)> = self
+            .states
+            .iter()
+            .filter(|(_, s)| s.flags & isolated != 0 && s.flags & POL_KEEP_ESTABLISHED != self.keep)
+            .map(|(slot, s)| (*slot, (s.flags & !POL_KEEP_ESTABLISHED) | self.keep))
+            .collect();
+        for (slot, flags) in stale {
+            let generation = self.next_generation();
+            self.write_state(slot, PolicyState { flags, generation })?;
+        }
+        Ok(())
+    }
+
+    /// The state flags of an endpoint isolated as `iso` says (ingress, egress).
+    fn flags(&self, iso: (bool, bool)) -> u32 {
+        match flags(iso) {
+            0 => 0,
+            f => f | self.keep,
         }
     }
 
@@ -356,7 +388,7 @@ impl PolicyProgrammer {
         let state = |me: &Self, slot: u32| me.states.get(&slot).copied().unwrap_or_default();
         for (slot, iso) in &p.open {
             let s = PolicyState {
-                flags: flags(*iso),
+                flags: self.flags(*iso),
                 ..state(self, *slot)
             };
             self.write_state(*slot, s)?;
@@ -382,7 +414,7 @@ impl PolicyProgrammer {
         }
         for (slot, iso) in &p.isolation {
             let s = PolicyState {
-                flags: flags(*iso),
+                flags: self.flags(*iso),
                 ..state(self, *slot)
             };
             self.write_state(*slot, s)?;

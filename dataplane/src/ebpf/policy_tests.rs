@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use calix_common::{PolicyState, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS};
+use calix_common::{PolicyState, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED};
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::tables::{EndpointTables, EntryKey, RuleId, Tables};
@@ -350,4 +350,32 @@ fn a_policy_deleted_and_written_again_is_enforced_again() {
         c.apply(Change::Policy(allow.clone()));
         program(&c, true, &format!("round {round}: allow written again"));
     }
+}
+
+/// `keep_established` marks every isolated endpoint's state, and only those; changing it
+/// (a restart with the option changed) rewrites them with a new generation, so that their
+/// flows are checked again under the new setting.
+#[test]
+fn keep_established_marks_isolated_endpoints_and_a_change_rechecks_their_flows() {
+    let fake = Fake::default();
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    p.set_keep_established(true).expect("keep");
+    let mut t = tables("10.0.0.5/32");
+    t.endpoints.insert(pod("open"), EndpointTables::default());
+    p.set(t, &[(pod("web"), 3), (pod("open"), 4)]).expect("set");
+    let before = fake.held().states.clone();
+    assert_eq!(
+        before[&3].flags,
+        POL_ISOLATED_INGRESS | POL_KEEP_ESTABLISHED
+    );
+    assert!(!before.contains_key(&4), "an open endpoint stays zeroed");
+    // Restarted with the option off.
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    p.set_keep_established(false).expect("keep off");
+    let after = fake.held().states.clone();
+    assert_eq!(after[&3].flags, POL_ISOLATED_INGRESS);
+    assert!(after[&3].generation > before[&3].generation, "{after:?}");
+    // The same setting again: nothing moves.
+    p.set_keep_established(false).expect("keep off again");
+    assert_eq!(fake.held().states, after);
 }

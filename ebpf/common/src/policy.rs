@@ -37,6 +37,9 @@ pub const POLICY_ANY_PEER: u32 = u32::MAX;
 pub const POL_ISOLATED_INGRESS: u32 = 1;
 /// [`PolicyState::flags`]: the endpoint is isolated for egress.
 pub const POL_ISOLATED_EGRESS: u32 = 2;
+/// [`PolicyState::flags`]: a flow the endpoint let through is kept after a change that would
+/// refuse it (`[policy] keep_established`), until it goes idle; new flows meet the new rules.
+pub const POL_KEEP_ESTABLISHED: u32 = 4;
 
 /// [`PolicyKey::dir`]: traffic to the pod.
 pub const POL_DIR_INGRESS: u8 = 0;

@@ -6,7 +6,8 @@
 //! decide: the peer's identity (longest match), then an entry for that identity or for any
 //! peer, and an allowed flow is remembered. After a change (a new generation) a remembered
 //! flow is checked again against the direction that opened it, and forgotten if that no
-//! longer allows it: a revoked flow is refused from its next packet on.
+//! longer allows it: a revoked flow is refused from its next packet on. An endpoint with
+//! `POL_KEEP_ESTABLISHED` keeps its remembered flows instead, until they go idle.
 //!
 //! IPv6 neighbour discovery and MLD are never subject to policy. Packets with no ports to key
 //! on (fragments, IPv6 behind extension headers, protocols other than TCP, UDP, SCTP and ICMP
@@ -34,7 +35,8 @@ use aya_ebpf::{
 use calix_common::{
     FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_TO_POD, POLICY_ANY_PEER,
     POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_WORLD, POL_DIR_EGRESS,
-    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, PS_EXEMPT, PS_KEYED, PS_SYN,
+    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
+    PS_KEYED, PS_SYN,
 };
 
 use crate::maps::{
@@ -301,7 +303,8 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
                     } else {
                         POL_DIR_INGRESS
                     };
-                    if !rules_allow(slot, st, opened, s) {
+                    if st.flags & POL_KEEP_ESTABLISHED == 0 && !rules_allow(slot, st, opened, s)
+                    {
                         let _ = CALIX_POL_FLOWS.remove(&s.flow);
                         return false;
                     }
