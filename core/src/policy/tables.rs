@@ -272,7 +272,7 @@ impl Compiler {
     ) -> Tables<K> {
         let named: BTreeSet<&SetKey> = endpoints.values().flat_map(|e| e.sets()).collect();
         let mut exact: HashMap<IpNet, Vec<(u32, Member)>> = HashMap::new();
-        let mut blocks: Vec<(u32, Member)> = Vec::new();
+        let mut blocks = Blocks::default();
         let mut used_sets = BTreeSet::new();
         for set in named {
             let id = self.sets.get(set);
@@ -280,7 +280,7 @@ impl Compiler {
             for m in members(set) {
                 exact.entry(m.net).or_default().push((id, m));
                 if m.net.prefix_len() < m.net.max_prefix_len() {
-                    blocks.push((id, m));
+                    blocks.add(id, m);
                 }
             }
         }
@@ -364,18 +364,53 @@ impl Compiler {
 
 /// The sets (with their ports) `net` is in: for each set, its longest member that covers
 /// `net` decides; an excluded one (an ipBlock's except) keeps it out.
+/// The members of the sets that are blocks (not a single address), by network, so that the
+/// blocks covering a prefix are found with one lookup per block length rather than a pass over
+/// every block (10,000 pods' addresses against a few hundred `ipBlock`s).
+#[derive(Default)]
+struct Blocks {
+    by_net: HashMap<IpNet, Vec<(u32, Member)>>,
+    /// The blocks' lengths, IPv4 then IPv6 (`false`, `true`).
+    lengths: BTreeSet<(bool, u8)>,
+}
+
+impl Blocks {
+    fn add(&mut self, set: u32, m: Member) {
+        let net = m.net.trunc();
+        self.lengths
+            .insert((matches!(net, IpNet::V6(_)), net.prefix_len()));
+        self.by_net.entry(net).or_default().push((set, m));
+    }
+
+    /// The blocks that contain `net` and are not `net` itself.
+    fn covering<'a>(&'a self, net: &'a IpNet) -> impl Iterator<Item = &'a (u32, Member)> + 'a {
+        let v6 = matches!(net, IpNet::V6(_));
+        self.lengths
+            .range((v6, 0)..=(v6, net.prefix_len()))
+            .filter_map(move |(_, len)| {
+                let outer = match net {
+                    IpNet::V4(n) => ipnet::Ipv4Net::new(n.addr(), *len).ok().map(IpNet::V4),
+                    IpNet::V6(n) => ipnet::Ipv6Net::new(n.addr(), *len).ok().map(IpNet::V6),
+                }?;
+                self.by_net.get(&outer.trunc())
+            })
+            .flatten()
+            .filter(move |(_, m)| m.net != *net)
+    }
+}
+
 fn signature(
     net: &IpNet,
     exact: &HashMap<IpNet, Vec<(u32, Member)>>,
-    blocks: &[(u32, Member)],
+    blocks: &Blocks,
 ) -> Signature {
     // Per set: the longest covering length, and the members at that length.
     let mut best: BTreeMap<u32, (u8, Vec<Member>)> = BTreeMap::new();
-    let candidates = exact.get(net).into_iter().flatten().chain(
-        blocks
-            .iter()
-            .filter(|(_, m)| m.net != *net && m.net.contains(net)),
-    );
+    let candidates = exact
+        .get(net)
+        .into_iter()
+        .flatten()
+        .chain(blocks.covering(net));
     for (set, m) in candidates {
         let len = m.net.prefix_len();
         let e = best.entry(*set).or_insert((len, Vec::new()));
