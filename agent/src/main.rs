@@ -82,6 +82,12 @@ async fn run() -> Result<()> {
         .await
         .with_context(|| format!("cannot open the {} datastore", cfg.datastore.kind))?;
     let store = opened.store;
+    // NetworkPolicy's first listings (every Pod of the cluster: the longest read at start) go
+    // on while the agent reads the rest and loads the dataplane.
+    let policy_listings = cfg
+        .datastore
+        .is_kubernetes()
+        .then(|| tokio::spawn(policy_watch::load(store.clone())));
     // With the kubernetes datastore the pools are the IPPool objects, and the node's labels
     // and addresses and the Service CIDRs come from the cluster too: read them now (the
     // dataplane's SNAT settings need them), follow them once the agent runs.
@@ -253,9 +259,10 @@ async fn run() -> Result<()> {
     // NetworkPolicy (Kubernetes mode): namespaces, every pod and the policies, followed and
     // calculated for this node's pods (calixctl policy), and programmed into the dataplane
     // once the first listings are in (until then the pinned policy stays as it was).
-    let policy = if cfg.datastore.is_kubernetes() {
-        let watches = policy_watch::load(store.clone())
+    let policy = if let Some(listings) = policy_listings {
+        let watches = listings
             .await
+            .context("the NetworkPolicy listings' task")?
             .context("cannot read the Namespaces, Pods and NetworkPolicies")?;
         let service = Arc::new(PolicyService::new(&cfg.node_name));
         http.set_policy(service.clone());

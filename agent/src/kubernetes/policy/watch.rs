@@ -145,12 +145,14 @@ pub struct Watches {
     followers: Vec<Follower>,
 }
 
-/// Lists namespaces, pods and policies (each follower's first listing).
+/// Lists namespaces, pods and policies (each follower's first listing, the three at once).
 pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
-    let mut followers = Vec::new();
-    for (_, prefix) in PREFIXES {
-        followers.push(Follower::start(store.clone(), prefix).await?);
-    }
+    let followers = futures::future::try_join_all(
+        PREFIXES
+            .iter()
+            .map(|(_, prefix)| Follower::start(store.clone(), prefix)),
+    )
+    .await?;
     Ok(Watches { followers })
 }
 
