@@ -119,6 +119,21 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     ));
 
     p.step(&format!(
+        "[{m}] kubectl exec through the API server into a pod on each node (how the upstream suites probe)"
+    ));
+    for w in web.pods.iter().take(2) {
+        let out = kubectl(c, &["exec", "-n", "default", &w.name, "--", "hostname"])?;
+        if out.trim() != w.name {
+            bail!(
+                "kubectl exec {} -- hostname answered {out:?}\n{}",
+                w.name,
+                c.show()
+            );
+        }
+        p.note(&format!("{} (node {}): hostname answered", w.name, w.node));
+    }
+
+    p.step(&format!(
         "[{m}] pod to pod by ping and TCP: same node, and across nodes both ways (through VXLAN: the nodes' subnets differ)"
     ));
     for (from, to) in [(0, 2), (0, 1), (1, 0), (2, 1)] {

@@ -65,7 +65,11 @@ impl E2eCluster {
                 &kubeconfig,
                 &nodes.address(i),
                 &cni,
+                Some(&api.kubelet_client_ca()),
             )?;
+            // Exec through the API (kubectl exec, the upstream suites' probes): the API
+            // server dials this kubelet at its InternalIP.
+            api.reach_kubelet(&node.ns, &nodes.address(i))?;
             kube.start_kube_proxy(&kubeconfig)?;
             kube.import(image)
                 .with_context(|| format!("import {} into {name}", image.display()))?;

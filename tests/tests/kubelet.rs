@@ -109,8 +109,15 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
     .unwrap_or_else(|e| panic!("{e}"));
     let cni = CniDirs::create(&node.dir, node.conf(json!({})), &bin("calix"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let kube = KubeNode::start(&node.ns, &node.dir.join("k8s"), &kubeconfig, &node_ip, &cni)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let kube = KubeNode::start(
+        &node.ns,
+        &node.dir.join("k8s"),
+        &kubeconfig,
+        &node_ip,
+        &cni,
+        None,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("kubelet registered after {:?}", started.elapsed());
     agent_kubeconfig_for(&api, &node.ns.name, &kubeconfig, &agent_kubeconfig);
     node.start_agent();
@@ -259,6 +266,7 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
                 &kubeconfigs[i],
                 &cluster.address(i),
                 &cni,
+                None,
             )
             .unwrap_or_else(|e| panic!("{e}"));
             kube.start_kube_proxy(&kubeconfigs[i])

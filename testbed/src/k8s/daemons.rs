@@ -43,7 +43,13 @@ impl KubeApi {
             .arg("--service-cluster-ip-range=10.96.0.0/16")
             // No `kubernetes` Service endpoints (its address may be loopback here).
             .arg("--endpoint-reconciler-type=none")
-            .arg(format!("--watch-cache={}", self.watch_cache));
+            .arg(format!("--watch-cache={}", self.watch_cache))
+            // Exec, logs and port-forward through the API: the API server dials each kubelet at
+            // its Node's InternalIP (it cannot resolve the names) as a client the kubelets trust
+            // (their `authentication.x509.clientCAFile`, [`KubeApi::kubelet_client_ca`]).
+            .arg("--kubelet-preferred-address-types=InternalIP")
+            .arg(format!("--kubelet-client-certificate={}", d("kubelet-client.crt")))
+            .arg(format!("--kubelet-client-key={}", d("kubelet-client.key")));
         // Appended to across restarts.
         let prior = std::fs::read_to_string(&log).unwrap_or_default();
         let child = spawn_logged(&mut cmd, &log)?;
@@ -180,12 +186,81 @@ impl KubeApi {
                 .arg("-out")
                 .arg(self.dir.join("sa.pub")),
         )?;
+        self.write_kubelet_client()?;
         let tokens = self.dir.join("tokens.csv");
         std::fs::write(
             &tokens,
             format!("{ADMIN_TOKEN},calix-testbed-admin,calix-testbed-admin,\"system:masters\"\n"),
         )
         .map_err(Error::io(format!("write {}", tokens.display())))
+    }
+
+    /// The API server's client certificate for the kubelets (`kubelet-client.crt`, the
+    /// `system:masters` group), signed by a CA of its own (`kubelet-client-ca.crt`) that the
+    /// kubelets are given.
+    fn write_kubelet_client(&self) -> Result<()> {
+        let d = |f: &str| self.dir.join(f);
+        let openssl = |args: &[&str]| {
+            let mut cmd = std::process::Command::new("openssl");
+            cmd.args(args).current_dir(&self.dir);
+            checked(&mut cmd)
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "kubelet-client-ca.key",
+            "-out",
+            "kubelet-client-ca.crt",
+            "-days",
+            "3650",
+            "-subj",
+            "/CN=calix-testbed-kubelet-client-ca",
+        ])?;
+        openssl(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "kubelet-client.key",
+            "-out",
+            "kubelet-client.csr",
+            "-subj",
+            "/O=system:masters/CN=kube-apiserver-kubelet-client",
+        ])?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "kubelet-client.csr",
+            "-CA",
+            "kubelet-client-ca.crt",
+            "-CAkey",
+            "kubelet-client-ca.key",
+            "-CAcreateserial",
+            "-out",
+            "kubelet-client.crt",
+            "-days",
+            "3650",
+        ])?;
+        for f in ["kubelet-client-ca.crt", "kubelet-client.crt", "kubelet-client.key"] {
+            if !d(f).exists() {
+                return Err(Error::Unexpected {
+                    what: "openssl".into(),
+                    found: format!("no {}", d(f).display()),
+                    expected: "the kubelet client credentials".into(),
+                });
+            }
+        }
+        Ok(())
     }
 
     pub(super) fn start_etcd(&self) -> Result<()> {

@@ -61,6 +61,8 @@ pub struct KubeApi {
     /// kube-controller-manager and kube-scheduler, once [`KubeApi::start_controllers`] ran.
     controllers: Mutex<Vec<Child>>,
     links: AtomicU32,
+    /// Each wired node namespace's link number ([`KubeApi::wire`]).
+    wired: Mutex<std::collections::BTreeMap<String, u32>>,
     /// Whether the agents' ServiceAccount and the chart's node authority are installed
     /// ([`KubeApi::calix_agent`]).
     pub(crate) agent_account: Mutex<bool>,
@@ -163,6 +165,7 @@ impl KubeApi {
             apiserver: Mutex::new(None),
             controllers: Mutex::new(Vec::new()),
             links: AtomicU32::new(0),
+            wired: Mutex::new(Default::default()),
             agent_account: Mutex::new(false),
         };
         api.write_credentials()?;
@@ -201,6 +204,7 @@ impl KubeApi {
             });
         };
         let i = self.links.fetch_add(1, Ordering::Relaxed) + 1;
+        lock(&self.wired).insert(node.name.clone(), i);
         let host = format!("k{i}");
         veth(ns, &host, node, "kube0")?;
         ns.ip(&format!("addr add 10.97.{i}.1/30 dev {host}"))?;
@@ -227,6 +231,27 @@ impl KubeApi {
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
+    }
+
+    /// Routes the API server's namespace to `node_ip` (the kubelet's `--node-ip`, its Node's
+    /// InternalIP) through `node`'s link ([`KubeApi::wire`] first): the API server reaches
+    /// that kubelet for exec, logs and port-forward.
+    pub fn reach_kubelet(&self, node: &Netns, node_ip: &str) -> Result<()> {
+        let (Some(ns), Some(i)) = (&self.ns, lock(&self.wired).get(&node.name).copied()) else {
+            return Err(Error::Unexpected {
+                what: "KubeApi::reach_kubelet".into(),
+                found: format!("{} not wired", node.name),
+                expected: "a node namespace KubeApi::wire connected".into(),
+            });
+        };
+        ns.ip(&format!("route replace {node_ip}/32 via 10.97.{i}.2 dev k{i}"))
+    }
+
+    /// The CA of the API server's client certificate for the kubelets: a kubelet that trusts
+    /// it (`authentication.x509.clientCAFile`) serves exec, logs and port-forward to the API
+    /// server.
+    pub fn kubelet_client_ca(&self) -> PathBuf {
+        self.dir.join("kubelet-client-ca.crt")
     }
 
     /// Writes to `path` the kubeconfig `wired` (one [`KubeApi::wire`] wrote, the admin's)
@@ -342,7 +367,7 @@ pub async fn client(kubeconfig: &Path) -> Result<kube::Client> {
     kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))
 }
 
-fn lock(m: &Mutex<Option<Child>>) -> std::sync::MutexGuard<'_, Option<Child>> {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -124,12 +124,19 @@ authentication:
     enabled: false
   webhook:
     enabled: false
+  x509:
+    clientCAFile: "{client_ca}"
 authorization:
   mode: AlwaysAllow
 serializeImagePulls: false
 "#,
             sock = self.sock.display(),
             ip = self.node_ip,
+            client_ca = self
+                .client_ca
+                .as_deref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default(),
         );
         let path = self.dir.join("kubelet.yaml");
         std::fs::write(&path, config).map_err(Error::io(format!("write {}", path.display())))?;

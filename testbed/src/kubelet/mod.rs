@@ -147,6 +147,9 @@ pub struct KubeNode {
     containerd: Option<Child>,
     kubelet: Option<Child>,
     proxy: Option<Child>,
+    /// The CA of the clients the kubelet serves (exec, logs, port-forward): the API server's
+    /// ([`crate::KubeApi::kubelet_client_ca`]); `None`: it serves no one.
+    client_ca: Option<PathBuf>,
     /// Whether [`KubeNode::stop`] (or drop) has run.
     torn_down: bool,
 }
@@ -155,13 +158,15 @@ impl KubeNode {
     /// containerd and the kubelet in `ns` (node name `ns.name`, InternalIP `node_ip`, an
     /// address of `ns`), the kubelet talking to the API server by `kubeconfig`; files in
     /// `<dir>`. Returns once the kubelet has registered its Node (not yet Ready: that needs
-    /// the CNI config in `cni.conf`).
+    /// the CNI config in `cni.conf`). `client_ca`: the CA of the clients it serves (the API
+    /// server's, [`crate::KubeApi::kubelet_client_ca`], for exec through the API).
     pub fn start(
         ns: &Netns,
         dir: &Path,
         kubeconfig: &Path,
         node_ip: &str,
         cni: &CniDirs,
+        client_ca: Option<&Path>,
     ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(Error::io(format!("create {}", dir.display())))?;
         let mut node = Self {
@@ -173,6 +178,7 @@ impl KubeNode {
             containerd: None,
             kubelet: None,
             proxy: None,
+            client_ca: client_ca.map(Path::to_path_buf),
             torn_down: false,
         };
         host_hold();
