@@ -48,7 +48,10 @@ impl KubeApi {
             // its Node's InternalIP (it cannot resolve the names) as a client the kubelets trust
             // (their `authentication.x509.clientCAFile`, [`KubeApi::kubelet_client_ca`]).
             .arg("--kubelet-preferred-address-types=InternalIP")
-            .arg(format!("--kubelet-client-certificate={}", d("kubelet-client.crt")))
+            .arg(format!(
+                "--kubelet-client-certificate={}",
+                d("kubelet-client.crt")
+            ))
             .arg(format!("--kubelet-client-key={}", d("kubelet-client.key")));
         // Appended to across restarts.
         let prior = std::fs::read_to_string(&log).unwrap_or_default();
@@ -251,7 +254,11 @@ impl KubeApi {
             "-days",
             "3650",
         ])?;
-        for f in ["kubelet-client-ca.crt", "kubelet-client.crt", "kubelet-client.key"] {
+        for f in [
+            "kubelet-client-ca.crt",
+            "kubelet-client.crt",
+            "kubelet-client.key",
+        ] {
             if !d(f).exists() {
                 return Err(Error::Unexpected {
                     what: "openssl".into(),

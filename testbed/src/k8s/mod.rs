@@ -244,7 +244,9 @@ impl KubeApi {
                 expected: "a node namespace KubeApi::wire connected".into(),
             });
         };
-        ns.ip(&format!("route replace {node_ip}/32 via 10.97.{i}.2 dev k{i}"))
+        ns.ip(&format!(
+            "route replace {node_ip}/32 via 10.97.{i}.2 dev k{i}"
+        ))
     }
 
     /// The CA of the API server's client certificate for the kubelets: a kubelet that trusts
