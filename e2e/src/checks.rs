@@ -14,7 +14,7 @@ use crate::progress::Progress;
 use crate::{helm, node_state, Mode};
 
 /// How many progress steps [`run`] shows.
-pub const STEPS: usize = 9;
+pub const STEPS: usize = 10;
 /// The web pods' hostPort (portmap, chained after calix).
 const HOST_PORT: u16 = 18080;
 /// The chart's release name (its DaemonSet's name).
