@@ -152,3 +152,18 @@ pub struct EndpointMaps {
     pub per_endpoint: Vec<Box<dyn Table<u32, u32>>>,
     pub slots: Box<dyn SlotArrays>,
 }
+
+/// A pinned map of `bpf` as a [`Table`].
+pub(super) fn pinned<M, K, V>(
+    bpf: &mut aya::Ebpf,
+    name: &'static str,
+    convert: impl FnOnce(aya::maps::Map) -> Result<M, MapError>,
+) -> Result<Box<dyn Table<K, V>>, DataplaneError>
+where
+    Pinned<M>: Table<K, V> + 'static,
+{
+    Ok(Box::new(Pinned::new(
+        name,
+        crate::bpf::take(bpf, name, convert)?,
+    )))
+}

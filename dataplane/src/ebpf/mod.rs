@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, HashMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
 use aya::programs::tc::TcAttachType;
 use aya::programs::{Program, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfLoader};
@@ -49,7 +49,8 @@ mod stats;
 mod tests;
 
 use endpoints::{Endpoints, Inherited};
-use maps::{EndpointMaps, Pinned, PinnedSlotArrays, Table};
+use maps::{pinned, EndpointMaps, PinnedSlotArrays};
+pub use policy::PolicySettings;
 pub use stats::EbpfStats;
 
 /// The object built from ebpf/programs by build.rs, always matching the current sources.
@@ -76,33 +77,6 @@ pub struct EbpfConfig {
     pub doors: DoorPolicy,
     /// The NetworkPolicy maps' sizes, and whether established flows outlive a change.
     pub policy: PolicySettings,
-}
-
-/// NetworkPolicy in the eBPF dataplane (`[policy]`). The configured size is always the size in
-/// effect: a pinned map of another size is replaced at start by one of this size, its entries
-/// carried over (what does not fit is left out, and the agent's next programming reports the
-/// endpoints it could not finish, which deny what is missing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PolicySettings {
-    /// Allow entries of every endpoint of the node together (`CALIX_POLICY`, allocated as
-    /// used).
-    pub entries: u32,
-    /// Flows of isolated endpoints remembered so that replies pass (`CALIX_POL_FLOWS`, an LRU,
-    /// allocated in full when created).
-    pub flows: u32,
-    /// A flow a change would refuse goes on until it goes idle (new flows meet the new
-    /// rules); off: it is refused from its next packet.
-    pub keep_established: bool,
-}
-
-impl Default for PolicySettings {
-    fn default() -> Self {
-        Self {
-            entries: calix_common::DEFAULT_POLICY_ENTRIES,
-            flows: calix_common::DEFAULT_POLICY_FLOWS,
-            keep_established: false,
-        }
-    }
 }
 
 impl EbpfConfig {
@@ -241,18 +215,6 @@ fn attach_pair(
         attacher.attach(prog, name, &progs.join(name), ifname, at)?;
     }
     Ok(())
-}
-
-/// A pinned map of `bpf` as a [`Table`].
-fn pinned<M, K, V>(
-    bpf: &mut Ebpf,
-    name: &'static str,
-    convert: impl FnOnce(aya::maps::Map) -> Result<M, MapError>,
-) -> Result<Box<dyn Table<K, V>>, DataplaneError>
-where
-    Pinned<M>: Table<K, V> + 'static,
-{
-    Ok(Box::new(Pinned::new(name, take(bpf, name, convert)?)))
 }
 
 impl EbpfDataplane {

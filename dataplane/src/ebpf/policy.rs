@@ -494,3 +494,30 @@ fn name_pods(e: DataplaneError, slots: &[(PodKey, u32)]) -> DataplaneError {
         other => other,
     }
 }
+
+/// NetworkPolicy in the eBPF dataplane (`[policy]`). The configured size is always the size in
+/// effect: a pinned map of another size is replaced at start by one of this size, its entries
+/// carried over (what does not fit is left out, and the agent's next programming reports the
+/// endpoints it could not finish, which deny what is missing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PolicySettings {
+    /// Allow entries of every endpoint of the node together (`CALIX_POLICY`, allocated as
+    /// used).
+    pub entries: u32,
+    /// Flows of isolated endpoints remembered so that replies pass (`CALIX_POL_FLOWS`, an LRU,
+    /// allocated in full when created).
+    pub flows: u32,
+    /// A flow a change would refuse goes on until it goes idle (new flows meet the new
+    /// rules); off: it is refused from its next packet.
+    pub keep_established: bool,
+}
+
+impl Default for PolicySettings {
+    fn default() -> Self {
+        Self {
+            entries: calix_common::DEFAULT_POLICY_ENTRIES,
+            flows: calix_common::DEFAULT_POLICY_FLOWS,
+            keep_established: false,
+        }
+    }
+}
