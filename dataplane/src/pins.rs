@@ -337,15 +337,9 @@ fn read_converted(name: &str, have: &MapSpec, data: MapData) -> Result<Entries, 
 fn write<K: Pod, V: Pod>(pin: &Path, entries: &[(K, V)]) -> Result<(usize, usize), MapError> {
     let data = MapData::from_pin(pin)?;
     let mut map: HashMap<MapData, K, V> = HashMap::try_from(Map::HashMap(data))?;
-    let (mut inserted, mut failed) = (0, 0);
-    for (k, v) in entries {
-        match map.insert(k, v, 1 /* BPF_NOEXIST */) {
-            Ok(()) => inserted += 1,
-            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
-            Err(_) => failed += 1,
-        }
-    }
-    Ok((inserted, failed))
+    Ok(insert_missing(entries, |k, v| {
+        map.insert(k, v, 1 /* BPF_NOEXIST */)
+    }))
 }
 
 /// As [`write`], into the LPM trie pinned at `pin`.
@@ -355,15 +349,26 @@ fn write_trie<K: Pod, V: Pod>(
 ) -> Result<(usize, usize), MapError> {
     let data = MapData::from_pin(pin)?;
     let mut trie: LpmTrie<MapData, K, V> = LpmTrie::try_from(Map::LpmTrie(data))?;
+    Ok(insert_missing(entries, |k, v| {
+        trie.insert(k, v, 1 /* BPF_NOEXIST */)
+    }))
+}
+
+/// Inserts each entry with `insert` (a `BPF_NOEXIST` insert: a key present already is
+/// skipped): (inserted, did not fit).
+fn insert_missing<K, V>(
+    entries: &[(K, V)],
+    mut insert: impl FnMut(&K, &V) -> Result<(), MapError>,
+) -> (usize, usize) {
     let (mut inserted, mut failed) = (0, 0);
     for (k, v) in entries {
-        match trie.insert(k, v, 1 /* BPF_NOEXIST */) {
+        match insert(k, v) {
             Ok(()) => inserted += 1,
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
             Err(_) => failed += 1,
         }
     }
-    Ok((inserted, failed))
+    (inserted, failed)
 }
 
 /// Writes carried entries into the new map; marks are not written (see [`OldMarks`]):
