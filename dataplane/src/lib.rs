@@ -10,6 +10,7 @@ pub mod host_addrs;
 pub mod masquerade;
 pub mod nat;
 mod nft;
+pub mod pending;
 pub mod pins;
 pub mod slots;
 pub mod stack_flows;
@@ -354,6 +355,7 @@ impl nat::NatSettings {
             nat_pools: Vec::new(),
             no_snat: Vec::new(),
             service: Vec::new(),
+            service_v6: Vec::new(),
             conntrack_entries: calix_common::DEFAULT_CT_ENTRIES,
             ct_budget: calix_common::DEFAULT_CT_ENTRIES / 8,
             pressure_unanswered: std::time::Duration::from_secs(2),
@@ -462,6 +464,9 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     }
     if let Err(e) = doors::remove() {
         tracing::warn!(error = %e, "cannot remove the doors table");
+    }
+    if let Err(e) = pending::remove() {
+        tracing::warn!(error = %e, "cannot remove the pending-verdict table");
     }
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {

@@ -14,7 +14,7 @@ use calix_common::{
     CT_MAP, CT_OWNED_MAP, IPPROTO_TCP, IPPROTO_UDP, MAX_NAT_UPLINKS, MAX_NO_SNAT_CIDRS,
     NAT_CONFIG_MAP, NO_SNAT_V4_MAP,
 };
-use ipnet::Ipv4Net;
+use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 use serde::Serialize;
 
 pub use super::bpf::monotonic_ns;
@@ -30,6 +30,9 @@ pub struct NatSettings {
     pub no_snat: Vec<Ipv4Net>,
     /// IPv4 `service_cidrs`: the host stack NATs them, so the programs leave them to it.
     pub service: Vec<Ipv4Net>,
+    /// IPv6 `service_cidrs` (NetworkPolicy judges egress to every Service range after the
+    /// stack's DNAT).
+    pub service_v6: Vec<Ipv6Net>,
     /// Size of the conntrack map (entries; two per flow).
     pub conntrack_entries: u32,
     /// Flows one endpoint may hold (0: no limit).
@@ -81,6 +84,13 @@ impl NatSettings {
             ct_budget: self.ct_budget,
             _pad: 0,
         }
+    }
+
+    /// Every `service_cidrs` range, both families.
+    pub fn services(&self) -> Vec<IpNet> {
+        let v4 = self.service.iter().copied().map(IpNet::V4);
+        v4.chain(self.service_v6.iter().copied().map(IpNet::V6))
+            .collect()
     }
 
     /// Destinations the programs never translate (they go to the host stack): every pool,
@@ -665,6 +675,7 @@ mod tests {
             nat_pools: vec!["10.0.0.0/16".parse().expect("cidr")],
             no_snat: vec![],
             service: vec![],
+            service_v6: vec![],
             conntrack_entries: 1024,
             ct_budget: 100,
             pressure_unanswered: Duration::from_secs(1),

@@ -10,7 +10,9 @@ mod harness;
 
 use std::collections::BTreeMap;
 
-use calix_common::{DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_POD};
+use calix_common::{
+    DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+};
 use calix_core::policy::cluster::{Change, Cluster};
 use calix_core::policy::model::{
     Namespaces, Peer, Pod as PodModel, PodKey, Policy, PolicyKey, PortMatch, PortRef, Protocol,
@@ -373,5 +375,133 @@ fn ipv6_is_policed_and_neighbour_discovery_never_is() {
         // B's neighbour advertisement of its own address passes its egress isolation.
         let na = v6(&b, &a, ICMPV6, &nd(ND_NEIGHBOR_ADVERT, b.v6));
         assert_ne!(run(&b, &na), TC_ACT_SHOT);
+    });
+}
+
+/// A pod's egress to a Service address waits for the host stack's DNAT: `from_pod` hands the
+/// packet to the stack marked with the pod's slot (whatever the rules say of the Service
+/// address), and the hook after the stack judges it against the backend it now goes to:
+/// `to_pod` of a backend on this node, `to_host_dev` of an uplink (mark cleared). The replies
+/// come back from the Service address; nothing else does.
+#[test]
+fn service_traffic_is_judged_after_the_dnat_against_its_backend() {
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.programmer
+            .set_services(&["10.96.0.0/16".parse().expect("cidr")], &p.slots)
+            .expect("service ranges");
+        // B lets A in on 80; A may go out only to B on 80, and takes nothing in.
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], None)));
+        let to_b = Rule {
+            peers: vec![Peer::Pods {
+                namespaces: Namespaces::Named(NS.into()),
+                pods: LabelSelector {
+                    match_labels: labels("b"),
+                    match_expressions: Vec::new(),
+                },
+            }],
+            ports: vec![tcp_port(80)],
+            unreadable: None,
+        };
+        p.apply(Change::Policy(Policy {
+            key: PolicyKey {
+                namespace: NS.into(),
+                name: "a-out".into(),
+            },
+            pod_selector: LabelSelector {
+                match_labels: labels("a"),
+                match_expressions: Vec::new(),
+            },
+            ingress: Some(vec![]),
+            egress: Some(vec![to_b]),
+            unreadable_selector: None,
+        }));
+        let service = [10, 96, 0, 10];
+        let pending = calix_common::policy_pending_mark(a.slot);
+        // To the Service address: to the stack, marked (no rule names the address).
+        let to_service = Ip4::new(a.v4, service, TCP, tcp(40000, 80, SYN)).sent_by(&a);
+        let run = h.run(PROG_FROM_POD, a.ifindex, &to_service);
+        assert_eq!(run.verdict, TC_ACT_OK);
+        assert_eq!(run.ctx[SKB_MARK], pending, "marked with A's slot");
+        // Straight to B's address (no DNAT): judged at once, and not marked.
+        let direct = Ip4::new(a.v4, b.v4, TCP, tcp(40001, 81, SYN)).sent_by(&a);
+        assert_eq!(
+            h.run(PROG_FROM_POD, a.ifindex, &direct).verdict,
+            TC_ACT_SHOT
+        );
+        // After the DNAT, on B's veth: A's egress, then B's ingress.
+        let after =
+            |port: u16, dst: [u8; 4]| Ip4::new(a.v4, dst, TCP, tcp(40000, port, SYN)).sent_by(&b);
+        let run_to = |name: &str, ifindex: u32, frame: &[u8]| {
+            let p = h.bpf.program(name).expect("program");
+            test_run_ctx(
+                p.try_into().expect("tc"),
+                ifindex,
+                frame,
+                pending,
+                a.ifindex,
+            )
+            .expect("test_run")
+        };
+        let allowed = run_to(PROG_TO_POD, b.ifindex, &after(80, b.v4));
+        assert_eq!(allowed.verdict, TC_ACT_OK, "the backend B on 80: allowed");
+        assert_eq!(allowed.ctx[SKB_MARK], 0, "the mark is cleared");
+        let before = h.dropped(a.ifindex, DropReason::PolicyEgress).packets;
+        assert_eq!(
+            run_to(PROG_TO_POD, b.ifindex, &after(81, b.v4)).verdict,
+            TC_ACT_SHOT,
+            "a backend port A's egress does not allow"
+        );
+        assert_eq!(
+            h.dropped(a.ifindex, DropReason::PolicyEgress).packets,
+            before + 1,
+            "counted on A's veth"
+        );
+        // Out of the node (a backend elsewhere, or nothing translated it): the uplink judges.
+        let uplink = veth("cxtps");
+        let out = run_to(PROG_TO_HOST_DEV, uplink, &after(80, b.v4));
+        assert_eq!(out.verdict, TC_ACT_OK);
+        assert_eq!(out.ctx[SKB_MARK], 0, "cleared before the uplink's own hook");
+        assert_eq!(
+            run_to(PROG_TO_HOST_DEV, uplink, &after(80, [192, 0, 2, 9])).verdict,
+            TC_ACT_SHOT,
+            "a backend in no set"
+        );
+        assert_eq!(
+            run_to(PROG_TO_HOST_DEV, uplink, &after(80, service)).verdict,
+            TC_ACT_SHOT,
+            "still the Service address: nothing translated it"
+        );
+        // Unmarked traffic on the uplink is not A's to judge.
+        assert_eq!(
+            h.run(PROG_TO_HOST_DEV, uplink, &after(80, [192, 0, 2, 9]))
+                .verdict,
+            TC_ACT_OK
+        );
+        // The reply, from the Service address once the stack undid the DNAT: in, although A
+        // takes nothing in; from another Service address, or a new connection: not.
+        let reply = |src: [u8; 4], sport: u16, flags: u8| {
+            Ip4::new(src, a.v4, TCP, tcp(sport, 40000, flags)).sent_by(&a)
+        };
+        assert_eq!(
+            h.run(PROG_TO_POD, a.ifindex, &reply(service, 80, SYN_ACK))
+                .verdict,
+            TC_ACT_OK
+        );
+        assert_eq!(
+            h.run(PROG_TO_POD, a.ifindex, &reply([10, 96, 0, 11], 80, SYN_ACK))
+                .verdict,
+            TC_ACT_SHOT
+        );
+        assert_eq!(
+            h.run(PROG_TO_POD, a.ifindex, &reply(service, 80, SYN))
+                .verdict,
+            TC_ACT_SHOT
+        );
+        // A's next packets to the Service address: marked again, every one.
+        let ack = Ip4::new(a.v4, service, TCP, tcp(40000, 80, ACK)).sent_by(&a);
+        let run = h.run(PROG_FROM_POD, a.ifindex, &ack);
+        assert_eq!((run.verdict, run.ctx[SKB_MARK]), (TC_ACT_OK, pending));
     });
 }

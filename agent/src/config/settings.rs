@@ -225,6 +225,7 @@ impl AgentConfig {
             });
         }
         let mut service = Vec::new();
+        let mut service_v6 = Vec::new();
         for entry in &n.service_cidrs {
             let net = xdp::parse_deny(entry).ok_or_else(|| ConfigError::ServiceCidr {
                 entry: entry.clone(),
@@ -237,10 +238,10 @@ impl AgentConfig {
                     pool: pool.cidr,
                 });
             }
-            if let IpNet::V4(v4) = net {
-                if !service.contains(&v4) {
-                    service.push(v4);
-                }
+            match net {
+                IpNet::V4(v4) if !service.contains(&v4) => service.push(v4),
+                IpNet::V6(v6) if !service_v6.contains(&v6) => service_v6.push(v6),
+                _ => {}
             }
         }
         if no_snat.len() + service.len() > calix_common::MAX_NO_SNAT_CIDRS as usize {
@@ -261,6 +262,7 @@ impl AgentConfig {
                 .collect(),
             no_snat,
             service,
+            service_v6,
             conntrack_entries: n.conntrack_entries,
             ct_budget,
             pressure_unanswered: Duration::from_secs(n.pressure_unanswered_secs),

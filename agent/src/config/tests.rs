@@ -382,6 +382,14 @@ fn service_cidrs_parse_and_never_overlap_pools() {
     let strs = |v: &[ipnet::Ipv4Net]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
     assert_eq!(strs(&s.service), ["10.96.0.0/12", "203.0.113.7/32"]);
     assert_eq!(
+        s.services()
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>(),
+        ["10.96.0.0/12", "203.0.113.7/32", "fd00:96::/108"],
+        "NetworkPolicy's Service ranges: both families"
+    );
+    assert_eq!(
         strs(&s.untranslated()),
         [
             "10.244.0.0/16",

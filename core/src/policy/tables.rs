@@ -32,6 +32,8 @@ pub type Identity = u32;
 pub const WORLD: Identity = 0;
 /// The identity entries use for a rule that allows every peer.
 pub const ANY_PEER: Identity = u32::MAX;
+/// The identity of the Service ranges ([`Tables::with_services`]): no entry names it.
+pub const SERVICE: Identity = u32::MAX - 1;
 /// A rule's number on this node (counters, traces): stable while the rule exists.
 pub type RuleId = u32;
 
@@ -126,6 +128,37 @@ impl<K> Default for Tables<K> {
             rules: BTreeMap::new(),
         }
     }
+}
+
+impl<K> Tables<K> {
+    /// These tables with the Service ranges `services` (the addresses the host stack
+    /// translates: kube-proxy's cluster IPs) as identity [`SERVICE`]. The dataplane judges a
+    /// pod's egress to such an address after the translation, against the backend it was
+    /// given, so what the rules say of the Service address itself never applies: a prefix
+    /// inside a Service range (an ipBlock naming cluster IPs) is left out, and a wider one
+    /// (an ipBlock around the range) no longer covers it.
+    pub fn with_services(mut self, services: &[IpNet]) -> Self {
+        self.prefixes = with_services(&self.prefixes, services);
+        self
+    }
+}
+
+/// `prefixes` with the Service ranges `services` as identity [`SERVICE`], and without the
+/// prefixes inside them ([`Tables::with_services`]).
+pub fn with_services(
+    prefixes: &BTreeMap<IpNet, Identity>,
+    services: &[IpNet],
+) -> BTreeMap<IpNet, Identity> {
+    let services: Vec<IpNet> = services.iter().map(IpNet::trunc).collect();
+    let mut out: BTreeMap<IpNet, Identity> = prefixes
+        .iter()
+        .filter(|(p, _)| !services.iter().any(|s| s.contains(*p)))
+        .map(|(p, i)| (*p, *i))
+        .collect();
+    for s in services {
+        out.insert(s, SERVICE);
+    }
+    out
 }
 
 impl<K: Ord + Clone> Tables<K> {

@@ -550,3 +550,45 @@ fn identities_and_rules_keep_their_numbers_while_they_live() {
     assert_eq!(a, b);
     assert!(plan(&a, &b).is_empty());
 }
+
+/// The Service ranges become one identity of their own, which no rule names: an ipBlock inside
+/// a range is left out, one around it stops at it, and the other addresses keep theirs.
+#[test]
+fn service_ranges_take_their_addresses_out_of_every_rule() {
+    let t: Tables = Tables {
+        prefixes: [
+            (net("10.0.0.0/8"), 3),
+            (net("10.96.4.0/24"), 4),
+            (net("10.244.1.7/32"), 5),
+            (net("fd00:96::1/128"), 6),
+        ]
+        .into(),
+        ..Tables::default()
+    };
+    let t = t.with_services(&[
+        net("10.96.0.0/12"),
+        net("fd00:96::/108"),
+        net("10.96.3.9/12"),
+    ]);
+    let id = |a: &str| t.identity_of(a.parse().expect("ip"));
+    assert_eq!(id("10.96.0.10"), SERVICE);
+    assert_eq!(
+        id("10.96.4.1"),
+        SERVICE,
+        "an ipBlock inside the range is gone"
+    );
+    assert_eq!(id("fd00:96::1"), SERVICE);
+    assert_eq!(
+        id("10.1.2.3"),
+        3,
+        "the ipBlock around it still covers the rest"
+    );
+    assert_eq!(id("10.244.1.7"), 5);
+    assert_eq!(id("192.0.2.1"), WORLD);
+    assert!(!t.prefixes.contains_key(&net("10.96.4.0/24")));
+    assert_eq!(
+        t.prefixes.len(),
+        4,
+        "10/8, the pod, and the two ranges (the third repeats one)"
+    );
+}

@@ -10,6 +10,7 @@
 //! The endpoints' map entries (slots, endpoint table and its direct-mapped copy, local
 //! delivery) are kept by `endpoints.rs`, through the map seam of `maps.rs`: unit-tested on
 //! in-memory maps (`tests.rs`). The counters' readers are in `stats.rs`.
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
@@ -40,6 +41,7 @@ use calix_core::policy::tables::Tables;
 use calix_kernel::host::HostKernel;
 
 mod endpoints;
+mod host_tables;
 mod maps;
 pub mod policy;
 #[cfg(test)]
@@ -128,6 +130,9 @@ pub struct EbpfDataplane {
     /// kernel held it after the agent wrote it (for repairs).
     stack_nat: Option<super::nat::NatSettings>,
     tables: Vec<super::nft::OwnedTable>,
+    /// The host devices attached since the start (VXLAN devices): their `to_host_dev` judges
+    /// Service traffic after the DNAT ([`super::pending`]).
+    host_devs: BTreeSet<String>,
     /// The doors' maps, and the other nodes as last told ([`Dataplane::set_peer_nodes`]).
     doors: DoorMaps,
     peers: PeerNodes,
@@ -342,6 +347,9 @@ impl EbpfDataplane {
         let mut policy =
             policy::PolicyProgrammer::restore(Box::new(policy::PinnedPolicyMaps::open(&mut bpf)?));
         policy.set_keep_established(cfg.policy.keep_established)?;
+        if let Some(n) = &cfg.nat {
+            policy.set_services(&n.services(), &[])?;
+        }
         let mut dp = Self {
             policy,
             doors,
@@ -360,6 +368,7 @@ impl EbpfDataplane {
             stack_nat: None,
             tables: Vec::new(),
             peers: PeerNodes::default(),
+            host_devs: BTreeSet::new(),
         };
         let mut nat_maps = NatMaps::open(&mut dp.bpf)?;
         if let Some(n) = &dp.cfg.nat {
@@ -382,31 +391,6 @@ impl EbpfDataplane {
             tracing::warn!(error = %e, "cannot remove a kernel-mode anti-spoofing table");
         }
         Ok(dp)
-    }
-
-    /// Writes the host stack's masquerade table as `stack_nat` says, and the doors' table,
-    /// and records them.
-    fn apply_tables(&mut self) -> Result<(), DataplaneError> {
-        self.tables.clear();
-        if let Some(n) = &self.stack_nat {
-            super::masquerade::apply_stack(n)?;
-            self.tables.push(super::nft::OwnedTable::record(
-                super::masquerade::FAMILY,
-                super::masquerade::TABLE,
-            )?);
-        }
-        self.apply_doors_table()
-    }
-
-    fn apply_doors_table(&mut self) -> Result<(), DataplaneError> {
-        self.tables
-            .retain(|t| !t.is(super::doors::FAMILY, super::doors::TABLE));
-        super::doors::apply(&Doors::of(&self.cfg.doors, &self.peers))?;
-        self.tables.push(super::nft::OwnedTable::record(
-            super::doors::FAMILY,
-            super::doors::TABLE,
-        )?);
-        Ok(())
     }
 
     /// The XDP prefilter: maps filled before the program attaches (it must enforce the policy
@@ -551,6 +535,9 @@ impl Dataplane for EbpfDataplane {
     fn attach_host_dev(&mut self, ifname: &str) -> Result<(), DataplaneError> {
         self.attach_pair(ifname, PROG_FROM_HOST_DEV, PROG_TO_HOST_DEV)?;
         tracing::info!(%ifname, "host device programs attached");
+        if self.host_devs.insert(ifname.to_string()) {
+            self.apply_pending_table()?;
+        }
         Ok(())
     }
 
@@ -659,6 +646,8 @@ impl Dataplane for EbpfDataplane {
             maps.set_no_snat(&r.nat.untranslated())?;
             tracing::info!("SNAT exclusions and service_cidrs reloaded");
         }
+        self.policy
+            .set_services(&r.nat.services(), &self.endpoints.pod_slots())?;
         self.stack_nat = Some(r.nat.clone());
         self.apply_tables()
     }

@@ -14,17 +14,26 @@ use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, MapData};
 use calix_common::{
     PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP,
-    POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_STATE_MAP, POLICY_WORLD,
-    POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
+    POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_SERVICE, POLICY_STATE_MAP,
+    POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
     POL_KEEP_ESTABLISHED,
 };
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
-use calix_core::policy::tables::{plan, EndpointTables, Entries, EntryKey, RuleId, Tables};
+use calix_core::policy::tables::{
+    plan, with_services, EndpointTables, Entries, EntryKey, RuleId, Tables,
+};
 use ipnet::IpNet;
 
 use crate::bpf::{map_err, take};
 use crate::DataplaneError;
+
+// The calculation's reserved identities are the programs'.
+const _: () = assert!(
+    calix_core::policy::tables::WORLD == POLICY_WORLD
+        && calix_core::policy::tables::ANY_PEER == POLICY_ANY_PEER
+        && calix_core::policy::tables::SERVICE == POLICY_SERVICE
+);
 
 /// The map operations policy programming does: implemented by the pinned maps here, and by
 /// an in-memory fake in the unit tests.
@@ -224,6 +233,8 @@ pub struct PolicyProgrammer {
     /// first entries could land on an identity the maps still give addresses of another
     /// meaning, and let them through while the prefixes move.
     offset: u32,
+    /// The Service ranges ([`Self::set_services`]).
+    services: Vec<IpNet>,
 }
 
 impl PolicyProgrammer {
@@ -242,7 +253,7 @@ impl PolicyProgrammer {
             .values()
             .copied()
             .chain(entries)
-            .filter(|i| *i != POLICY_ANY_PEER)
+            .filter(|i| *i != POLICY_ANY_PEER && *i != POLICY_SERVICE)
             .max()
             .unwrap_or(0);
         Self {
@@ -253,7 +264,24 @@ impl PolicyProgrammer {
             generation,
             offset,
             keep: 0,
+            services: Vec::new(),
         }
+    }
+
+    /// The Service ranges (`service_cidrs`): identity [`POLICY_SERVICE`] in the tries, so
+    /// that `from_pod` leaves its egress verdict on them to after the host stack's DNAT. The
+    /// maps follow at once when the agent has said what it wants (`slots`: each attached
+    /// endpoint's pod and slot).
+    pub fn set_services(
+        &mut self,
+        services: &[IpNet],
+        slots: &[(PodKey, u32)],
+    ) -> Result<(), DataplaneError> {
+        if self.services == services {
+            return Ok(());
+        }
+        self.services = services.to_vec();
+        self.attached(slots)
     }
 
     /// Whether isolated endpoints keep the flows they let through after a change that would
@@ -287,8 +315,8 @@ impl PolicyProgrammer {
     /// An identity of the agent's tables as the maps hold it.
     fn shifted(&self, identity: u32) -> u32 {
         match identity {
-            POLICY_WORLD | POLICY_ANY_PEER => identity,
-            i => i.saturating_add(self.offset).min(POLICY_ANY_PEER - 1),
+            POLICY_WORLD | POLICY_ANY_PEER | POLICY_SERVICE => identity,
+            i => i.saturating_add(self.offset).min(POLICY_SERVICE - 1),
         }
     }
 
@@ -309,8 +337,7 @@ impl PolicyProgrammer {
             })
         };
         Tables {
-            prefixes: desired
-                .prefixes
+            prefixes: with_services(&desired.prefixes, &self.services)
                 .iter()
                 .map(|(n, i)| (*n, self.shifted(*i)))
                 .collect(),

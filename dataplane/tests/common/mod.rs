@@ -51,16 +51,20 @@ struct TestRunAttr {
 }
 const _: () = assert!(size_of::<TestRunAttr>() == 80);
 
-/// A program's verdict and the frame it left.
+/// A program's verdict, the frame it left, and its context as it left it.
 pub struct Run {
     pub verdict: u32,
     pub frame: Vec<u8>,
+    pub ctx: Vec<u32>,
 }
 
 /// Runs the program behind `prog` once on `frame`, with `ctx` (the program type's context
 /// struct, `__sk_buff` or `xdp_md`, as `u32` words) as its context.
 pub fn test_run(prog: BorrowedFd<'_>, frame: &[u8], ctx: &[u32]) -> std::io::Result<Run> {
     let mut out = vec![0u8; frame.len() + 256];
+    // Room for the whole context struct (`__sk_buff` is 192 bytes): a shorter buffer fails
+    // the run with ENOSPC.
+    let mut ctx_out = vec![0u32; 64];
     let mut attr = TestRunAttr {
         prog_fd: u32::try_from(prog.as_raw_fd()).expect("fd"),
         data_size_in: u32::try_from(frame.len()).expect("frame size"),
@@ -70,6 +74,8 @@ pub fn test_run(prog: BorrowedFd<'_>, frame: &[u8], ctx: &[u32]) -> std::io::Res
         repeat: 1,
         ctx_size_in: u32::try_from(size_of_val(ctx)).expect("context size"),
         ctx_in: ctx.as_ptr() as u64,
+        ctx_size_out: u32::try_from(size_of_val(ctx_out.as_slice())).expect("context size"),
+        ctx_out: ctx_out.as_mut_ptr() as u64,
         ..TestRunAttr::default()
     };
     // SAFETY: `attr` is a BPF_PROG_TEST_RUN attribute of the size given; the frame, the output
@@ -90,6 +96,7 @@ pub fn test_run(prog: BorrowedFd<'_>, frame: &[u8], ctx: &[u32]) -> std::io::Res
     Ok(Run {
         verdict,
         frame: out,
+        ctx: ctx_out,
     })
 }
 

@@ -32,6 +32,10 @@ pub const POLICY_SCRATCH_MAP: &str = "CALIX_POL_SCRATCH";
 pub const POLICY_WORLD: u32 = 0;
 /// The identity of entries that allow every peer.
 pub const POLICY_ANY_PEER: u32 = u32::MAX;
+/// The identity of the Service ranges (`service_cidrs`): addresses the host stack translates
+/// (kube-proxy's DNAT). Egress to them is judged after the translation, against the backend
+/// that was chosen ([`POLICY_PENDING_MARK`]); no entry names this identity.
+pub const POLICY_SERVICE: u32 = u32::MAX - 1;
 
 /// [`PolicyState::flags`]: the endpoint is isolated for ingress.
 pub const POL_ISOLATED_INGRESS: u32 = 1;
@@ -50,6 +54,37 @@ pub const POL_DIR_EGRESS: u8 = 1;
 pub const PF_FROM_POD: u32 = 1;
 /// [`PolicyFlow::flags`]: the peer opened the flow (the pod's ingress allowed it).
 pub const PF_TO_POD: u32 = 2;
+/// [`PolicyFlow::flags`]: the pod's flow to a Service address ([`POLICY_SERVICE`]), before the
+/// host stack's DNAT: its packets are judged after the DNAT, every one; the flow lets the
+/// replies (from the Service address, after the stack undid the DNAT) back in.
+pub const PF_SERVICE: u32 = 4;
+
+/// `skb->mark` of a packet whose egress verdict waits for the host stack's DNAT: `from_pod`
+/// sets it, with the sender's slot in bits 16–29 ([`policy_pending_mark`]), on a packet of an
+/// egress-isolated pod to a Service address; the first calix hook after the stack (`to_pod`
+/// of the backend's veth, `to_host_dev` of an uplink or VXLAN device) judges the packet
+/// against the backend it now goes to and clears the mark; the node's nftables input chain
+/// drops a marked packet the stack delivers to the node itself. Bits 30–31 are `10`: clear of
+/// kube-proxy's marks (0x4000, 0x8000) and of [`crate::FAST_PATH_MARK`].
+pub const POLICY_PENDING_MARK: u32 = 0x8000_0000;
+/// The bits of `skb->mark` that say [`POLICY_PENDING_MARK`].
+pub const POLICY_PENDING_MASK: u32 = 0xc000_0000;
+const PENDING_SLOT_SHIFT: u32 = 16;
+const PENDING_SLOT_BITS: u32 = 0x3fff;
+
+/// The mark of a packet from the endpoint in `slot` whose verdict waits for the DNAT.
+pub const fn policy_pending_mark(slot: u32) -> u32 {
+    POLICY_PENDING_MARK | ((slot & PENDING_SLOT_BITS) << PENDING_SLOT_SHIFT)
+}
+
+/// The sender's slot, when `mark` is a [`policy_pending_mark`].
+pub const fn policy_pending_slot(mark: u32) -> Option<u32> {
+    if mark & POLICY_PENDING_MASK == POLICY_PENDING_MARK {
+        Some((mark >> PENDING_SLOT_SHIFT) & PENDING_SLOT_BITS)
+    } else {
+        None
+    }
+}
 
 /// Bits of a [`PolicyKey`] before the protocol: the slot, the direction, the identity.
 pub const POLICY_KEY_PEER_BITS: u32 = 72;
@@ -140,3 +175,6 @@ pub struct PolicyScratch {
 /// connection is always checked as new), and everything else.
 pub const POLICY_FLOW_TCP_NS: u64 = 3_600 * 1_000_000_000;
 pub const POLICY_FLOW_OTHER_NS: u64 = 120 * 1_000_000_000;
+
+// Every slot fits the pending mark's 14 bits.
+const _: () = assert!(crate::MAX_ENDPOINTS - 1 <= PENDING_SLOT_BITS);

@@ -225,3 +225,17 @@ fn the_policy_scratch_keys_are_contiguous() {
     assert_eq!(size_of::<PolicyKey>(), 12);
     assert_eq!(offset_of!(PolicyScratch, value) % 8, 0);
 }
+
+#[test]
+fn a_pending_mark_carries_its_slot_and_no_other_mark_reads_as_one() {
+    for slot in [0, 1, 4242, MAX_ENDPOINTS - 1] {
+        let mark = policy_pending_mark(slot);
+        assert_eq!(policy_pending_slot(mark), Some(slot));
+        // kube-proxy ORs its masquerade bit in, and XORs it out again.
+        assert_eq!(policy_pending_slot(mark | 0x4000), Some(slot));
+        assert_eq!(mark & 0xc000, 0, "clear of kube-proxy's bits");
+    }
+    for other in [0, FAST_PATH_MARK, 0x4000, 0x8000, 0xc000_0000, 0x4000_0000] {
+        assert_eq!(policy_pending_slot(other), None, "{other:#x}");
+    }
+}

@@ -7,7 +7,9 @@
 //!
 //! A pod on this node gets the packet straight into its namespace
 //! (`bpf_redirect_peer`); a pool address on another node goes out via the FIB; anything else
-//! (the node itself, services, the outside world) continues into the host stack — as do the
+//! (the node itself, services, the outside world) continues into the host stack (an
+//! egress-isolated pod's packets to a Service address marked: their policy verdict waits for
+//! the stack's DNAT) — as do the
 //! replies of flows the stack delivered (it may have NATed them, see `flows`), fragments, and
 //! protocols other than TCP, UDP and ICMP echo — or is SNATed out (`natOutgoing`), but never
 //! TCP to a calix agent's port on a node's address (`doors`).
@@ -16,7 +18,9 @@
 #![cfg_attr(feature = "bench-floor", allow(unused_imports, dead_code))]
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
-use calix_common::{DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING};
+use calix_common::{
+    policy_pending_mark, DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING,
+};
 
 use crate::counters::{self, drop};
 use crate::doors;
@@ -101,8 +105,8 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV4));
     }
     // Egress policy, once the source is the pod's own.
-    if policy::isolated(ep.slot) && !policy::egress(ctx.skb.skb, ep.slot) {
-        return Ok(drop(ctx, ifindex, DropReason::PolicyEgress));
+    if let Some(decided) = egress_policy(ctx, ifindex, ep.slot) {
+        return Ok(decided);
     }
     let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
@@ -156,8 +160,8 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
             return Ok(drop(ctx, ifindex, reason));
         }
     }
-    if policy::isolated(ep.slot) && !policy::egress(ctx.skb.skb, ep.slot) {
-        return Ok(drop(ctx, ifindex, DropReason::PolicyEgress));
+    if let Some(decided) = egress_policy(ctx, ifindex, ep.slot) {
+        return Ok(decided);
     }
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
@@ -180,6 +184,25 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         return Ok(drop(ctx, ifindex, DropReason::AgentPort));
     }
     Ok(TC_ACT_OK)
+}
+
+/// The endpoint's egress policy on the packet: `None` when it goes on (not isolated for
+/// egress, or allowed); else what becomes of it: dropped, or handed to the host stack marked
+/// with the endpoint's slot when it goes to a Service address (its verdict then waits for
+/// the DNAT: `to_pod` or `to_host_dev` judges it against the backend).
+#[inline(always)]
+fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32) -> Option<i32> {
+    if !policy::isolated(slot) {
+        return None;
+    }
+    match policy::egress(ctx.skb.skb, slot) {
+        policy::ALLOW => None,
+        policy::DEFER => {
+            ctx.set_mark(policy_pending_mark(slot));
+            Some(TC_ACT_OK)
+        }
+        _ => Some(drop(ctx, ifindex, DropReason::PolicyEgress)),
+    }
 }
 
 #[inline(always)]

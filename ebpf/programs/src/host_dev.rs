@@ -2,7 +2,8 @@
 //! straight into the pod (`bpf_redirect_peer`) instead of through the host's routing — unless
 //! it is the reply of a flow the host stack routed out (it may have NATed it: a service whose
 //! backend is on another node), which goes back through the stack. `to_host_dev` (tc egress):
-//! records those stack-routed pod flows; passes everything (SNAT will hook in here).
+//! records those stack-routed pod flows, and judges what a pod of this node sent to a
+//! Service address against the backend the stack's DNAT chose (the pod's egress policy).
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
@@ -57,6 +58,20 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     if mark == calix_common::FAST_PATH_MARK {
         ctx.set_mark(0);
         return Ok(TC_ACT_OK);
+    }
+    if let Some(sender) = calix_common::policy_pending_slot(mark) {
+        // Cleared here: a VXLAN device's packet keeps its mark into the uplink's hook.
+        ctx.set_mark(0);
+        if !crate::policy::after_nat(ctx.skb.skb, sender) {
+            // Counted on the sender's veth (where the stack received it).
+            // SAFETY: a plain context access the verifier checks.
+            let sender_if = unsafe { (*ctx.skb.skb).ingress_ifindex };
+            return Ok(crate::counters::drop(
+                ctx,
+                sender_if,
+                calix_common::DropReason::PolicyEgress,
+            ));
+        }
     }
     // A local pod's flow the stack routed out: its replies must come back through the stack.
     // SAFETY (both lookups): a pointer from a successful lookup, valid until the program

@@ -45,9 +45,9 @@ pub fn from_pod(mut ctx: TcContext) -> i32 {
 
 /// tc egress on each host-side `cali*` veth: packets the host delivers to the pod.
 #[classifier]
-pub fn to_pod(ctx: TcContext) -> i32 {
+pub fn to_pod(mut ctx: TcContext) -> i32 {
     // Fail open, as in `from_pod`.
-    match to_pod::try_to_pod(&ctx) {
+    match to_pod::try_to_pod(&mut ctx) {
         Ok(verdict) => verdict,
         Err(_) => TC_ACT_OK,
     }

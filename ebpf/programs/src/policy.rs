@@ -33,8 +33,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_TO_POD, POLICY_ANY_PEER,
-    POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_WORLD, POL_DIR_EGRESS,
+    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_SERVICE, PF_TO_POD,
+    POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
+    POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
     PS_KEYED, PS_SYN,
 };
@@ -52,6 +53,14 @@ const TCP_ACK: u8 = 0x10;
 /// A remembered flow's time is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
 const BPF_ANY: u64 = 0;
+
+/// A verdict: the packet is denied.
+pub const DENY: u8 = 0;
+/// A verdict: the packet is allowed.
+pub const ALLOW: u8 = 1;
+/// An egress verdict: the packet goes to a Service address; the verdict waits for the host
+/// stack's DNAT, against the backend it chooses (`calix_common::POLICY_PENDING_MARK`).
+pub const DEFER: u8 = 2;
 
 /// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
 /// pays (an array lookup the verifier inlines); the verdict itself is a function of its own
@@ -232,13 +241,20 @@ fn ports(ctx: &TcContext, l4: usize, l4_len: usize, proto: u8) -> Option<(u16, u
 /// Whether the rules of the endpoint in `slot` allow, in `dir`, the flow in `s`.
 #[inline(always)]
 fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
+    rules_verdict(slot, st, dir, s) == ALLOW
+}
+
+/// The rules' verdict on the flow in `s`, in `dir`, for the endpoint in `slot`: [`DEFER`]
+/// for egress to a Service address.
+#[inline(always)]
+fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     let bit = if dir == POL_DIR_INGRESS {
         POL_ISOLATED_INGRESS
     } else {
         POL_ISOLATED_EGRESS
     };
     if st.flags & bit == 0 {
-        return true;
+        return ALLOW;
     }
     // The peer's identity: longest match on its address.
     s.addr = s.flow.peer;
@@ -255,6 +271,9 @@ fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> b
         CALIX_POL_IDS_V6.get(k).copied()
     }
     .unwrap_or(POLICY_WORLD);
+    if identity == POLICY_SERVICE && dir == POL_DIR_EGRESS {
+        return DEFER;
+    }
     let keyed = s.flags & PS_KEYED != 0;
     let ported = keyed && matches!(s.flow.proto, IPPROTO_TCP | IPPROTO_UDP | IPPROTO_SCTP);
     let port = match (ported, dir == POL_DIR_INGRESS) {
@@ -267,21 +286,27 @@ fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> b
     // SAFETY: `rule_len` then `rule` are laid out as the entry trie's key.
     let k = unsafe { &*(&s.rule_len as *const u32 as *const Key<PolicyKey>) };
     if CALIX_POLICY.get(k).is_some() {
-        return true;
+        return ALLOW;
     }
     s.rule.identity = POLICY_ANY_PEER.to_be_bytes();
-    CALIX_POLICY.get(k).is_some()
+    if CALIX_POLICY.get(k).is_some() {
+        ALLOW
+    } else {
+        DENY
+    }
 }
 
-/// Whether the endpoint in `slot` (state `st`) lets the packet in `s` through in `dir`
-/// ([`POL_DIR_INGRESS`]: to the pod).
+/// The verdict of the endpoint in `slot` (state `st`) on the packet in `s` in `dir`
+/// ([`POL_DIR_INGRESS`]: to the pod): [`ALLOW`], [`DENY`], or [`DEFER`] (egress to a Service
+/// address: every packet of such a flow waits for the DNAT; the flow is remembered so that
+/// its replies, from the Service address, come back in).
 #[inline(always)]
-fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
+fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     if s.flags & PS_EXEMPT != 0 {
-        return true;
+        return ALLOW;
     }
     if s.flags & PS_KEYED == 0 {
-        return rules_allow(slot, st, dir, s);
+        return rules_verdict(slot, st, dir, s);
     }
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
@@ -297,6 +322,12 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
                 POLICY_FLOW_OTHER_NS
             };
             if now.wrapping_sub(f.last_seen_ns) <= ttl {
+                if f.flags & PF_SERVICE != 0 {
+                    if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
+                        f.last_seen_ns = now;
+                    }
+                    return if dir == POL_DIR_EGRESS { DEFER } else { ALLOW };
+                }
                 if f.generation != st.generation {
                     let opened = if f.flags & PF_FROM_POD != 0 {
                         POL_DIR_EGRESS
@@ -306,14 +337,14 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
                     if st.flags & POL_KEEP_ESTABLISHED == 0 && !rules_allow(slot, st, opened, s)
                     {
                         let _ = CALIX_POL_FLOWS.remove(&s.flow);
-                        return false;
+                        return DENY;
                     }
                     f.generation = st.generation;
                 }
                 if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
                     f.last_seen_ns = now;
                 }
-                return true;
+                return ALLOW;
             }
         }
     }
@@ -322,47 +353,68 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
     } else {
         POL_DIR_INGRESS
     };
-    let opened_by = if rules_allow(slot, st, dir, s) {
-        dir
-    } else if s.flow.proto == IPPROTO_TCP && !syn && rules_allow(slot, st, other, s) {
+    let flags = match rules_verdict(slot, st, dir, s) {
+        DEFER => {
+            remember(s, st, PF_FROM_POD | PF_SERVICE, now);
+            return DEFER;
+        }
+        ALLOW if dir == POL_DIR_EGRESS => PF_FROM_POD,
+        ALLOW => PF_TO_POD,
         // Mid-connection: a segment of a connection the other side opened.
-        other
-    } else {
-        return false;
+        _ if s.flow.proto == IPPROTO_TCP && !syn && rules_allow(slot, st, other, s) => {
+            if other == POL_DIR_EGRESS {
+                PF_FROM_POD
+            } else {
+                PF_TO_POD
+            }
+        }
+        _ => return DENY,
     };
-    remember(s, st, opened_by == POL_DIR_EGRESS, now);
-    true
+    remember(s, st, flags, now);
+    ALLOW
 }
 
-/// Remembers the flow in `s` as allowed now (`from_pod`: the pod opened it).
+/// Remembers the flow in `s` as allowed now (`flags`: `PF_*`, who opened it).
 #[inline(always)]
-fn remember(s: &mut PolicyScratch, st: &PolicyState, from_pod: bool, now: u64) {
+fn remember(s: &mut PolicyScratch, st: &PolicyState, flags: u32, now: u64) {
     s.value.last_seen_ns = now;
     s.value.generation = st.generation;
-    s.value.flags = if from_pod { PF_FROM_POD } else { PF_TO_POD };
+    s.value.flags = flags;
     // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
     let _ = CALIX_POL_FLOWS.insert(&s.flow, &s.value, BPF_ANY);
 }
 
 /// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`.
 #[inline(always)]
-fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> bool {
+fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
     let ctx = TcContext::new(skb);
     let Some(st) = state(slot) else {
-        return true;
+        return ALLOW;
     };
     let Some(s) = scratch() else {
-        return false;
+        return DENY;
     };
-    read(&ctx, s, dir == POL_DIR_EGRESS) && allows(slot, &st, dir, s)
+    if !read(&ctx, s, dir == POL_DIR_EGRESS) {
+        return DENY;
+    }
+    allows(slot, &st, dir, s)
 }
 
 /// The egress verdict on the frame in `skb`, sent by the pod in `slot` (its source already
-/// checked): true when the endpoint is not isolated for egress, or its policy lets the frame
-/// out. A frame whose header cannot be read is denied.
+/// checked): [`ALLOW`] when the endpoint is not isolated for egress, or its policy lets the
+/// frame out; [`DEFER`] for a frame to a Service address (judged after the DNAT:
+/// [`after_nat`]); else [`DENY`]. A frame whose header cannot be read is denied.
 #[inline(never)]
-pub fn egress(skb: *mut __sk_buff, slot: u32) -> bool {
+pub fn egress(skb: *mut __sk_buff, slot: u32) -> u8 {
     verdict(skb, slot, POL_DIR_EGRESS)
+}
+
+/// The egress verdict, after the host stack's DNAT, on a frame the pod in `slot` sent to a
+/// Service address: true when its policy lets it out to where it goes now. Still a Service
+/// address (nothing translated it): denied.
+#[inline(never)]
+pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
+    verdict(skb, slot, POL_DIR_EGRESS) == ALLOW
 }
 
 /// The ingress verdict on the frame in `skb` for the endpoint in `slot`: true when it is not
@@ -370,7 +422,7 @@ pub fn egress(skb: *mut __sk_buff, slot: u32) -> bool {
 /// IPv6, or whose header cannot be read, is denied to an isolated endpoint.
 #[inline(never)]
 pub fn ingress(skb: *mut __sk_buff, slot: u32) -> bool {
-    verdict(skb, slot, POL_DIR_INGRESS)
+    verdict(skb, slot, POL_DIR_INGRESS) == ALLOW
 }
 
 /// Remembers the flow of a frame the node itself sends to the endpoint in `slot` (always
@@ -393,5 +445,5 @@ pub fn from_node(skb: *mut __sk_buff, slot: u32) {
             return;
         }
     }
-    remember(s, &st, false, now);
+    remember(s, &st, PF_TO_POD, now);
 }

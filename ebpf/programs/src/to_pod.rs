@@ -1,15 +1,27 @@
 //! Traffic the host stack delivers to the pod (tc egress on the host-side `cali*` veth).
 //! Traffic redirected by `from_pod`/`from_host_dev` skips this hook and is counted there.
+//! A packet another pod of this node sent to a Service address meets that pod's egress policy
+//! here first, after the stack's DNAT chose this pod as the backend.
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
-use calix_common::DropReason;
+use calix_common::{policy_pending_slot, DropReason};
 
 use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
 use crate::{counters, flows, policy};
 
-pub fn try_to_pod(ctx: &TcContext) -> Result<i32, c_long> {
+pub fn try_to_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
     // SAFETY: a plain context access the verifier checks.
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: as above.
+    if let Some(sender) = policy_pending_slot(unsafe { (*ctx.skb.skb).mark }) {
+        ctx.set_mark(0);
+        if !policy::after_nat(ctx.skb.skb, sender) {
+            // Counted on the sender's veth (where the stack received it).
+            // SAFETY: as above.
+            let sender_if = unsafe { (*ctx.skb.skb).ingress_ifindex };
+            return Ok(counters::drop(ctx, sender_if, DropReason::PolicyEgress));
+        }
+    }
     // An interface the agent has not (or no longer) registered: nothing to count or record.
     // SAFETY: a plain read of a value from a successful lookup.
     let Some(slot) = crate::maps::endpoint(ifindex).map(|e| unsafe { (*e).slot }) else {

@@ -115,6 +115,22 @@ impl RuleBuilder {
         self.load_cmp(Self::meta(MetaKey::OIFNAME), op, ifname(pattern))
     }
 
+    /// `meta mark & mask [!=] value`.
+    pub fn mark_masked(self, mask: u32, op: CmpOp, value: u32) -> Self {
+        self.expr(Self::meta(MetaKey::MARK))
+            .expr(Expr::Bitwise {
+                sreg: Reg::R1,
+                dreg: Reg::R1,
+                mask: mask.to_ne_bytes().to_vec(),
+                xor: vec![0; 4],
+            })
+            .expr(Expr::Cmp {
+                sreg: Reg::R1,
+                op,
+                data: value.to_ne_bytes().to_vec(),
+            })
+    }
+
     /// `meta l4proto [!=] proto`.
     pub fn l4proto(mut self, op: CmpOp, proto: u8) -> Self {
         if op == CmpOp::Eq {
