@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::cluster::{E2eCluster, POOL, RELEASE_NAMESPACE};
 use crate::progress::Progress;
-use crate::{helm, node_state, Mode};
+use crate::{conformance, helm, node_state, Mode};
 
 /// How many progress steps [`run`] shows.
 pub const STEPS: usize = 10;
@@ -77,7 +77,14 @@ fn wait<T>(
     }
 }
 
-pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
+/// `suite`: an upstream conformance suite to run after the checks, before the uninstall, and
+/// where its outcome goes.
+pub fn run(
+    c: &E2eCluster,
+    mode: Mode,
+    p: &mut Progress,
+    suite: Option<(conformance::Suite, &mut Vec<conformance::Outcome>)>,
+) -> Result<Report> {
     let m = mode.value();
     let api = &c.api;
     p.step(&format!(
@@ -249,6 +256,21 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
         bail!("the flow stalled for {gap:?} during the rollout");
     }
 
+    if let Some((suite, outcomes)) = suite {
+        p.step(&format!(
+            "[{m}] the upstream {} suite (e2e-network.test v1.36.2), from the API server's namespace",
+            suite.name()
+        ));
+        let o = conformance::run(c, mode, suite, p)?;
+        p.note(&format!(
+            "{} specs: {} failed, in {:.0} s",
+            o.cases.len(),
+            o.failed().len(),
+            o.took.as_secs_f64()
+        ));
+        outcomes.push(o);
+    }
+
     p.step(&format!(
         "[{m}] the pods deleted: every address, endpoint and veth released"
     ));
@@ -266,7 +288,6 @@ pub fn run(c: &E2eCluster, mode: Mode, p: &mut Progress) -> Result<Report> {
     );
     released?;
     p.note("0 handles, 0 endpoints, 0 cali links on either node");
-
     p.step(&format!(
         "[{m}] helm uninstall: the conflist, pins, routes, VXLAN device and nftables tables gone from both nodes"
     ));

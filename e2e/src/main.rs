@@ -18,6 +18,7 @@
 //! on /sys/fs/bpf (the agents mount it Bidirectional, as on a real node).
 mod checks;
 mod cluster;
+mod conformance;
 mod helm;
 mod node_state;
 mod progress;
@@ -43,6 +44,19 @@ struct Args {
     /// The dataplane modes to install and check, in order.
     #[arg(long, value_delimiter = ',', default_value = "ebpf,kernel")]
     modes: Vec<Mode>,
+    /// Also run this upstream conformance suite in each mode of `--conformance-modes`, after
+    /// the checks (before the uninstall), and write its report to `--conformance-report`.
+    #[arg(long)]
+    conformance: Option<conformance::Suite>,
+    /// The modes the suite runs in (default: every mode of `--modes`).
+    #[arg(long, value_delimiter = ',')]
+    conformance_modes: Option<Vec<Mode>>,
+    /// Where the suite's report goes (Markdown).
+    #[arg(long)]
+    conformance_report: Option<PathBuf>,
+    /// The calix commit the report names.
+    #[arg(long, default_value = "(unknown commit)")]
+    commit: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -70,17 +84,54 @@ fn main() -> Result<()> {
     }
     private_mounts().context("a private mount namespace with a bpffs of its own")?;
     let started = Instant::now();
-    let steps = 2 + args.modes.len() * checks::STEPS + 1;
+    let suite_modes: Vec<Mode> = match (args.conformance, &args.conformance_modes) {
+        (None, _) => Vec::new(),
+        (Some(_), Some(m)) => m.clone(),
+        (Some(_), None) => args.modes.clone(),
+    };
+    let steps = 2 + args.modes.len() * checks::STEPS + suite_modes.len() + 1;
     let mut p = Progress::new(steps);
     let cluster = E2eCluster::start(&mut p, &args.image)?;
+    if args.conformance.is_some() {
+        conformance::import_agnhost(&cluster)?;
+        p.note("the upstream suites' agnhost image imported into both nodes");
+    }
     let mut reports = Vec::new();
+    let mut outcomes = Vec::new();
     for mode in &args.modes {
-        reports.push(checks::run(&cluster, *mode, &mut p)?);
+        let suite = args
+            .conformance
+            .filter(|_| suite_modes.contains(mode))
+            .map(|s| (s, &mut outcomes));
+        reports.push(checks::run(&cluster, *mode, &mut p, suite)?);
+    }
+    let mut suite_failed = Vec::new();
+    if let Some(suite) = args.conformance {
+        let md = conformance::markdown(&outcomes, &suite_modes, &args.commit);
+        if let Some(path) = &args.conformance_report {
+            std::fs::write(path, &md).with_context(|| format!("write {}", path.display()))?;
+            println!("the {} suite's report: {}", suite.name(), path.display());
+        }
+        suite_failed = outcomes
+            .iter()
+            .flat_map(|o| {
+                o.failed()
+                    .into_iter()
+                    .map(move |c| format!("[{}] {}", o.mode.value(), c.name))
+            })
+            .collect();
     }
     p.step("teardown: nodes (kubelet, containerd, kube-proxy), control plane, underlay");
     let left = cluster.stop();
     if !left.is_empty() {
         bail!("the e2e cluster left behind: {left:?}");
+    }
+    if !suite_failed.is_empty() {
+        bail!(
+            "{} spec(s) of the conformance suite failed:\n  {}",
+            suite_failed.len(),
+            suite_failed.join("\n  ")
+        );
     }
     println!();
     println!("e2e passed in {:.1?}", started.elapsed());

@@ -116,6 +116,21 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
             .map_err(Error::io(format!("tar symlink bin/{a}")))?;
     }
     let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
+    oci_tar(name, &layer, cmd, &["PATH=/bin"])
+}
+
+/// An OCI image layout tarball named `name` with one static `binary` at `/<file>` (and `/tmp`),
+/// `cmd` its command: how the upstream suites' `agnhost` image is made here.
+pub fn binary_oci_tar(name: &str, file: &str, binary: &[u8], cmd: &[&str]) -> Result<Vec<u8>> {
+    let mut layer = tar::Builder::new(Vec::new());
+    tar_entry(&mut layer, "tmp", tar::EntryType::Directory, 0o1777, &[])?;
+    tar_entry(&mut layer, file, tar::EntryType::Regular, 0o755, binary)?;
+    let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
+    oci_tar(name, &layer, cmd, &["PATH=/"])
+}
+
+/// The image layout tarball of one uncompressed `layer`.
+fn oci_tar(name: &str, layer: &[u8], cmd: &[&str], env: &[&str]) -> Result<Vec<u8>> {
     let arch = match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
@@ -124,8 +139,8 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
     let config = serde_json::json!({
         "architecture": arch,
         "os": "linux",
-        "config": { "Cmd": cmd, "Env": ["PATH=/bin"] },
-        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(&layer))] },
+        "config": { "Cmd": cmd, "Env": env },
+        "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(layer))] },
     })
     .to_string()
     .into_bytes();
@@ -139,7 +154,7 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
         },
         "layers": [{
             "mediaType": "application/vnd.oci.image.layer.v1.tar",
-            "digest": format!("sha256:{}", sha256_hex(&layer)),
+            "digest": format!("sha256:{}", sha256_hex(layer)),
             "size": layer.len(),
         }],
     })
@@ -177,7 +192,7 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
         0o755,
         &[],
     )?;
-    for blob in [&layer, &config, &manifest] {
+    for blob in [layer, &config, &manifest] {
         let path = format!("blobs/sha256/{}", sha256_hex(blob));
         tar_entry(&mut image, &path, file, 0o644, blob)?;
     }

@@ -10,7 +10,12 @@ use anyhow::{bail, Context, Result};
 
 use crate::util::{self, run};
 
-pub fn run_e2e(image: Option<PathBuf>, modes: &str) -> Result<()> {
+pub fn run_e2e(
+    image: Option<PathBuf>,
+    modes: &str,
+    conformance: Option<&str>,
+    conformance_modes: Option<&str>,
+) -> Result<()> {
     util::require_root("the e2e run")?;
     let started = Instant::now();
     println!("[1/5] prerequisites");
@@ -37,11 +42,22 @@ pub fn run_e2e(image: Option<PathBuf>, modes: &str) -> Result<()> {
     println!("[4/5] building calix-e2e and running it: install, check, uninstall ({modes})");
     run(util::cargo().args(["build", "-p", "calix-e2e", "--bin", "calix-e2e"]))?;
     let bin = util::workspace_root().join("target/debug/calix-e2e");
-    let status = Command::new(&bin)
-        .arg("--image")
-        .arg(&image)
-        .arg("--modes")
-        .arg(modes)
+    let mut cmd = Command::new(&bin);
+    cmd.arg("--image").arg(&image).arg("--modes").arg(modes);
+    if let Some(suite) = conformance {
+        let docs = util::workspace_root().join("docs/conformance");
+        std::fs::create_dir_all(&docs).with_context(|| format!("create {}", docs.display()))?;
+        cmd.arg("--conformance")
+            .arg(suite)
+            .arg("--conformance-report")
+            .arg(docs.join(format!("{suite}.md")))
+            .arg("--commit")
+            .arg(commit());
+        if let Some(m) = conformance_modes {
+            cmd.arg("--conformance-modes").arg(m);
+        }
+    }
+    let status = cmd
         .status()
         .with_context(|| format!("running {}", bin.display()))?;
     println!("[5/5] checking that the run left nothing behind");
@@ -63,9 +79,33 @@ pub fn run_e2e(image: Option<PathBuf>, modes: &str) -> Result<()> {
     if !left.is_empty() {
         bail!("{left}");
     }
+    if let Some(suite) = conformance {
+        println!("the {suite} suite's report: docs/conformance/{suite}.md");
+    }
     println!(
         "e2e done in {:.0} s (image build included), nothing left behind",
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// `git describe`-style name of the tree the run tests: the short commit, `+dirty` when the
+/// work tree differs from it.
+fn commit() -> String {
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .args(args)
+            .current_dir(util::workspace_root())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let Some(head) = git(&["rev-parse", "--short", "HEAD"]) else {
+        return "(not a git checkout)".into();
+    };
+    match git(&["status", "--porcelain", "--untracked-files=no"]) {
+        Some(s) if !s.is_empty() => format!("{head}+dirty"),
+        _ => head,
+    }
 }

@@ -66,7 +66,8 @@ enum Task {
     Image,
     /// calix installed from its Helm chart on a real cluster on this machine (kube-apiserver,
     /// controller-manager, scheduler, two kubelet nodes with containerd and kube-proxy), checked
-    /// in eBPF then kernel mode and uninstalled (needs root, ../shared/k8s).
+    /// in eBPF then kernel mode and uninstalled (needs root, ../shared/k8s); with
+    /// `--conformance netpol`, Kubernetes' own NetworkPolicy suite too.
     E2e {
         /// Use this image (an OCI archive) instead of building one with `cargo xtask image`.
         #[arg(long)]
@@ -74,6 +75,13 @@ enum Task {
         /// The dataplane modes, in order.
         #[arg(long, default_value = "ebpf,kernel")]
         modes: String,
+        /// Also run an upstream conformance suite (`netpol`: `[sig-network] Netpol`) after the
+        /// checks, and write docs/conformance/<suite>.md; fails if a spec fails.
+        #[arg(long)]
+        conformance: Option<String>,
+        /// The modes the suite runs in (default: all of `--modes`).
+        #[arg(long)]
+        conformance_modes: Option<String>,
     },
     /// Fuzz with cargo-fuzz (nightly): the CNI plugin's input parsing, the route stream's
     /// decoder; fails on any crash.
@@ -106,7 +114,17 @@ fn main() -> Result<()> {
         Task::Test { args } => test::run_tests(&args),
         Task::Layers { report } => layers::run(report),
         Task::Image => image::run_image().map(|_| ()),
-        Task::E2e { image, modes } => e2e::run_e2e(image, &modes),
+        Task::E2e {
+            image,
+            modes,
+            conformance,
+            conformance_modes,
+        } => e2e::run_e2e(
+            image,
+            &modes,
+            conformance.as_deref(),
+            conformance_modes.as_deref(),
+        ),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Docs => docs::run(),
         Task::Bench { scenario } => bench::run(scenario),

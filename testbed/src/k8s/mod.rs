@@ -324,6 +324,15 @@ impl KubeApi {
 
     /// A kubeconfig authenticating with `token` for a client where the API server listens
     /// (inside [`KubeApi::ns`], or here on loopback).
+    /// A kubeconfig (the admin's) for a client inside the API server's own namespace
+    /// ([`KubeApi::in_namespace`]) that does not honour `tls-server-name` (the upstream e2e
+    /// framework): the server named by an address its certificate carries.
+    pub fn kubeconfig_advertised(&self) -> Result<PathBuf> {
+        let path = self.dir.join("advertised.kubeconfig");
+        self.write_kubeconfig(&path, NS_ADVERTISE, ADMIN_TOKEN)?;
+        Ok(path)
+    }
+
     pub fn kubeconfig_for(&self, token: &str) -> Result<PathBuf> {
         let path = self.dir.join(format!("{}.kubeconfig", unique("t")));
         self.write_kubeconfig(&path, "127.0.0.1", token)?;
