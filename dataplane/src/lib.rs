@@ -7,6 +7,7 @@ pub mod cleaner;
 pub mod doors;
 pub mod ebpf;
 pub mod host_addrs;
+pub mod kernel_policy;
 pub mod masquerade;
 pub mod nat;
 mod nft;
@@ -384,6 +385,8 @@ pub struct KernelDataplane {
     peers: doors::PeerNodes,
     /// The tables as the kernel held them after the agent wrote them.
     tables: Vec<nft::OwnedTable>,
+    /// NetworkPolicy: the endpoints and what the agent wants ([`kernel_policy`]).
+    policy: kernel_policy::KernelPolicy,
 }
 
 impl KernelDataplane {
@@ -394,6 +397,7 @@ impl KernelDataplane {
             doors,
             peers: doors::PeerNodes::default(),
             tables: Vec::new(),
+            policy: Default::default(),
         };
         dp.apply()?;
         Ok(dp)
@@ -412,7 +416,22 @@ impl KernelDataplane {
             masquerade::FAMILY,
             masquerade::TABLE,
         )?);
-        self.apply_doors()
+        self.apply_doors()?;
+        self.apply_policy()
+    }
+
+    /// The policy table, once the agent has said what it wants (until then an earlier
+    /// agent's stays in force).
+    fn apply_policy(&mut self) -> Result<(), DataplaneError> {
+        self.tables
+            .retain(|t| !t.is(kernel_policy::FAMILY, kernel_policy::TABLE));
+        if self.policy.apply()? {
+            self.tables.push(nft::OwnedTable::record(
+                kernel_policy::FAMILY,
+                kernel_policy::TABLE,
+            )?);
+        }
+        Ok(())
     }
 
     fn apply_doors(&mut self) -> Result<(), DataplaneError> {
@@ -468,6 +487,9 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     if let Err(e) = pending::remove() {
         tracing::warn!(error = %e, "cannot remove the pending-verdict table");
     }
+    if let Err(e) = kernel_policy::remove() {
+        tracing::warn!(error = %e, "cannot remove the kernel-mode policy table");
+    }
     let dir = cfg.node_dir();
     match std::fs::remove_dir_all(&dir) {
         Ok(()) => {}
@@ -488,10 +510,31 @@ impl Dataplane for KernelDataplane {
     // What the kernel does by itself (no programs, maps or host devices to manage: it
     // forwards between nodes alone) is the trait's defaults.
     fn attach(&mut self, ep: &EndpointSpec) -> Result<Attached, DataplaneError> {
+        let ifindex = endpoint_ifindex(ep)?;
+        // Its pod's policy before the pod runs: a failure fails the ADD (never unpoliced).
+        self.policy
+            .attached(&ep.key, ep.pod.as_ref(), &ep.host_ifname);
+        self.apply_policy()?;
         Ok(Attached {
-            ifindex: endpoint_ifindex(ep)?,
+            ifindex,
             bpf: false,
         })
+    }
+    fn detach(&mut self, key: &str) -> Result<(), DataplaneError> {
+        if self.policy.detached(key) {
+            self.apply_policy()?;
+        }
+        Ok(())
+    }
+    fn reconcile(&mut self, known: &[String]) -> Result<(), DataplaneError> {
+        if self.policy.retain(known) {
+            self.apply_policy()?;
+        }
+        Ok(())
+    }
+    fn set_policy(&mut self, tables: Tables) -> Result<(), DataplaneError> {
+        self.policy.set(tables);
+        self.apply_policy()
     }
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
         nft::drift_of(&self.tables)

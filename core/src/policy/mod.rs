@@ -10,10 +10,12 @@
 //! - [`cluster`]: the state, and what each change touches;
 //! - [`report`]: one endpoint's policy as `calixctl policy` shows it;
 //! - [`tables`]: this node's endpoints' policies as the eBPF dataplane looks them up
-//!   (identities and entries), and the order to change them in.
+//!   (identities and entries), and the order to change them in;
+//! - [`ranges`]: the identities as address ranges (kernel mode's nftables sets).
 pub mod cluster;
 pub mod endpoint;
 pub mod model;
+pub mod ranges;
 pub mod report;
 pub mod sets;
 pub mod tables;

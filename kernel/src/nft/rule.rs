@@ -291,6 +291,26 @@ impl RuleBuilder {
             .key_in(load, KeyType::INET_SERVICE, keys, invert)
     }
 
+    /// `th sport|dport lo-hi` (`source`: the source port; one port: a compare), for a
+    /// transport protocol with ports checked before (TCP, UDP, SCTP).
+    pub fn th_port_range(self, source: bool, lo: u16, hi: u16) -> Self {
+        let load = Expr::Payload {
+            base: PayloadBase::Transport,
+            offset: if source { 0 } else { 2 },
+            len: 2,
+            dreg: Reg::R1,
+        };
+        if lo == hi {
+            return self.load_cmp(load, CmpOp::Eq, lo.to_be_bytes().to_vec());
+        }
+        self.load_cmp(load, CmpOp::Gte, lo.to_be_bytes().to_vec())
+            .expr(Expr::Cmp {
+                sreg: Reg::R1,
+                op: CmpOp::Lte,
+                data: hi.to_be_bytes().to_vec(),
+            })
+    }
+
     /// `icmpv6 type { types }`.
     pub fn icmpv6_type_in(self, types: &[u8]) -> Self {
         let keys = dedup(types.iter().map(|t| vec![*t]));
