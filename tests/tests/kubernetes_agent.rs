@@ -1952,9 +1952,19 @@ fn ippools_that_cannot_be_served_are_refused_one_by_one_and_the_others_served() 
 /// each time (what `cargo xtask bench policy` measures the latency of).
 #[test]
 fn a_policy_and_a_label_toggled_are_enforced_each_time() {
+    policy_and_label_toggled(Dataplane::Ebpf, "npt", "10.84.0.0/24", "192.0.2.37");
+}
+
+/// The same in kernel mode (nftables).
+#[test]
+fn a_policy_and_a_label_toggled_are_enforced_each_time_in_kernel_mode() {
+    policy_and_label_toggled(Dataplane::Kernel, "nptk", "10.86.0.0/24", "192.0.2.39");
+}
+
+fn policy_and_label_toggled(dataplane: Dataplane, tag: &str, cidr: &str, node_ip: &str) {
     let api = KubeApi::shared();
-    let u = unique("npt");
-    let node = started_with_pool(&api, Dataplane::Ebpf, &u, "10.84.0.0/24", "192.0.2.37");
+    let u = unique(tag);
+    let node = started_with_pool(&api, dataplane, &u, cidr, node_ip);
     let ns = format!("{u}-np");
     namespace(&api, &ns, json!({}), json!({}));
     let server = running_pod(&api, &node, &ns, "server", json!({"lat": "server"}));
