@@ -37,11 +37,12 @@ impl Suite {
         }
     }
 
-    /// The `--ginkgo.focus` and `--ginkgo.skip` of the suite. SCTP: this kernel has no SCTP
-    /// (`CONFIG_IP_SCTP` is not set), so its specs cannot pass anywhere here.
+    /// The `--ginkgo.focus` and `--ginkgo.skip` of the suite. SCTP connectivity: this kernel
+    /// has no SCTP (`CONFIG_IP_SCTP` is not set), so those specs cannot pass anywhere here (the
+    /// specs about SCTP rules that probe over TCP run).
     fn ginkgo(self) -> (&'static str, &'static str) {
         match self {
-            Suite::Netpol => (r"\[sig-network\] Netpol", "SCTP"),
+            Suite::Netpol => (r"\[sig-network\] Netpol", r"\[Feature:SCTPConnectivity\]"),
         }
     }
 
@@ -270,8 +271,10 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
          Written by `cargo xtask e2e --conformance {}` (the e2e cluster: kube-apiserver, two kubelet\n\
          nodes with containerd and kube-proxy in iptables mode, calix installed from its chart), with\n\
          Kubernetes' own test binary `e2e-network.test` v1.36.2 from `../shared/k8s`, run from the API\n\
-         server's namespace: `--ginkgo.focus '{}' --ginkgo.skip '{}'`. SCTP specs are skipped: this\n\
-         kernel has no SCTP (`CONFIG_IP_SCTP` is not set), so they cannot run here.\n\n\
+         server's namespace:\n\n\
+         `--ginkgo.focus '{}' --ginkgo.skip '{}'`\n\n\
+         The SCTP connectivity specs are skipped: this kernel has no SCTP (`CONFIG_IP_SCTP` is not\n\
+         set), so they cannot run here.\n\n\
          calix {commit}.\n\n",
         suite.title(),
         suite.name(),
