@@ -12,9 +12,13 @@
 //! - **Per endpoint and isolated direction**, a chain of the entries that allow: peer set,
 //!   protocol, port range, `return`; then `drop`. Each is written twice: for the packets that
 //!   open a connection in that direction (`ct direction original`), and for its replies
-//!   (`ct direction reply`, the addresses and ports swapped). Every packet is judged, replies
-//!   included: a change that revokes a connection refuses its next packet both ways, not only
-//!   new connections (conntrack keeps the connection; its packets no longer pass).
+//!   (`ct direction reply`, the addresses and ports swapped).
+//! - **Judged once per table**: a packet that passes every chain marks its connection with the
+//!   table's generation (16 bits of the `ct mark`, the rest kept); the connection's later
+//!   packets, both ways, go on at the hook's first rule. A new table (any change) has a new
+//!   generation, so every connection is judged again on its next packet: a change that revokes
+//!   a connection refuses that packet, both ways, not only new connections (the `ct state
+//!   established accept` shortcut is how Calico keeps a revoked flow going, calico#6399).
 //! - A pod the calculation does not know (yet) is isolated both ways with no rule: fail closed;
 //!   its node still reaches it.
 //!
@@ -40,6 +44,14 @@ const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_SCTP: u8 = 132;
 
+/// The bits of a connection's `ct mark` that say under which table it was judged.
+pub const MARK_MASK: u32 = 0xffff_0000;
+
+/// The `ct mark` bits of table generation `generation` (never 0: a connection no table judged).
+pub fn mark_of(generation: u32) -> u32 {
+    ((generation % 0xffff) + 1) << 16
+}
+
 fn set_name(id: Identity, v6: bool) -> String {
     format!("id{id}_{}", if v6 { 6 } else { 4 })
 }
@@ -54,7 +66,8 @@ fn addr_bytes(a: IpAddr) -> Vec<u8> {
 /// The table for `t`, its endpoints named by their host veth; `open`: the host veths of
 /// endpoints no pod owns (outside Kubernetes: never policed). A packet of any other `cali*`
 /// interface is dropped (fail closed: an endpoint the agent has not attached yet).
-pub fn table(t: &Tables<String>, open: &[String]) -> Table {
+/// `mark`: this table's [`mark_of`] its generation.
+pub fn table(t: &Tables<String>, open: &[String], mark: u32) -> Table {
     let rule = || Rule::builder(FAMILY);
     let mut table = Table::new(FAMILY, TABLE).with_comment(
         "calix: NetworkPolicy (kernel dataplane); calix-agent --uninstall removes it",
@@ -92,15 +105,30 @@ pub fn table(t: &Tables<String>, open: &[String]) -> Table {
         )
     };
     let jump = |c: &str| Verdict::Jump(c.to_string());
+    // A connection judged under this table already: on at once (`ct mark`, see [`mark_of`]).
+    let judged = || rule().ct_mark_masked(MARK_MASK, CmpOp::Eq, mark).accept();
+    let mark_if = |from: bool| {
+        let r = if from {
+            rule().iifname(CmpOp::Eq, "cali*")
+        } else {
+            rule().oifname(CmpOp::Eq, "cali*")
+        };
+        r.ct_mark_set_masked(MARK_MASK, mark).build()
+    };
+    let from = || {
+        rule()
+            .iifname(CmpOp::Eq, "cali*")
+            .verdict(jump("from_pods"))
+    };
+    let to = || rule().oifname(CmpOp::Eq, "cali*").verdict(jump("to_pods"));
     table = table
         .with_chain(
             base("forward", Hook::Forward)
-                .with_rule(
-                    rule()
-                        .iifname(CmpOp::Eq, "cali*")
-                        .verdict(jump("from_pods")),
-                )
-                .with_rule(rule().oifname(CmpOp::Eq, "cali*").verdict(jump("to_pods"))),
+                .with_rule(judged())
+                .with_rule(from())
+                .with_rule(to())
+                .with_rule(mark_if(true))
+                .with_rule(mark_if(false)),
         )
         .with_chain(
             base("input", Hook::Input)
@@ -111,11 +139,9 @@ pub fn table(t: &Tables<String>, open: &[String]) -> Table {
                         .ct_direction(CmpOp::Eq, CtDirection::Reply)
                         .accept(),
                 )
-                .with_rule(
-                    rule()
-                        .iifname(CmpOp::Eq, "cali*")
-                        .verdict(jump("from_pods")),
-                ),
+                .with_rule(judged())
+                .with_rule(from())
+                .with_rule(mark_if(true)),
         )
         .with_chain(
             base("output", Hook::Output)
@@ -126,7 +152,9 @@ pub fn table(t: &Tables<String>, open: &[String]) -> Table {
                         .ct_direction(CmpOp::Eq, CtDirection::Original)
                         .accept(),
                 )
-                .with_rule(rule().oifname(CmpOp::Eq, "cali*").verdict(jump("to_pods"))),
+                .with_rule(judged())
+                .with_rule(to())
+                .with_rule(mark_if(false)),
         );
     let mut from_pods = Chain::regular("from_pods");
     let mut to_pods = Chain::regular("to_pods");
@@ -262,10 +290,28 @@ fn entry_chain(
 
 /// Kernel mode's policy state: the endpoints (pod and host veth, by endpoint key) and what the
 /// agent wants; [`KernelPolicy::table`] is what to write.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KernelPolicy {
     endpoints: BTreeMap<String, (Option<PodKey>, String)>,
     desired: Option<Tables>,
+    /// The generation of the table written last; the first from the clock, so that a
+    /// restarted agent's table does not reuse the one before's (whose connections' marks
+    /// would let them through unjudged).
+    generation: std::cell::Cell<u32>,
+}
+
+impl Default for KernelPolicy {
+    fn default() -> Self {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos() ^ d.as_secs() as u32)
+            .unwrap_or(0);
+        Self {
+            endpoints: BTreeMap::new(),
+            desired: None,
+            generation: std::cell::Cell::new(now),
+        }
+    }
 }
 
 impl KernelPolicy {
@@ -291,7 +337,8 @@ impl KernelPolicy {
         self.desired = Some(desired);
     }
 
-    /// The table to write; `None` until the agent has said what it wants.
+    /// The table to write, of a new generation; `None` until the agent has said what it
+    /// wants.
     pub fn table(&self) -> Option<Table> {
         let desired = self.desired.as_ref()?;
         let endpoints = self
@@ -323,6 +370,11 @@ impl KernelPolicy {
                 rules: desired.rules.clone(),
             },
             &open,
+            {
+                let g = self.generation.get().wrapping_add(1);
+                self.generation.set(g);
+                mark_of(g)
+            },
         ))
     }
 
@@ -371,7 +423,7 @@ mod tests {
             .into(),
             rules: BTreeMap::<RuleId, RuleRef>::new(),
         };
-        let table = table(&t, &["cali9".to_string()]);
+        let table = table(&t, &["cali9".to_string()], mark_of(7));
         table.validate().expect("valid");
         assert_eq!(table.id(), "inet calix_policy");
         let set = table.set("id3_4").expect("identity 3's IPv4 set");

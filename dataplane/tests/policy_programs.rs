@@ -198,10 +198,21 @@ fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
         // ways, and lets the new port in.
         p.apply(Change::Policy(policy(vec![tcp_port(81)], None)));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_SHOT);
+        // And every packet after it, both ways: B's egress is open, yet the mid-connection
+        // rule (a segment of no remembered flow passes when either direction allows it) does
+        // not let the revoked flow in again.
+        for _ in 0..3 {
+            assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, ACK)), TC_ACT_SHOT);
+            assert_eq!(send(&h, &b, &a, TCP, tcp(80, 40000, ACK)), TC_ACT_SHOT);
+        }
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         // A's label change takes it out of the set: its flows to B go too.
         p.apply(Change::Pod(model("a", "other", &a)));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
+        // The label back: the flow is let through again.
+        p.apply(Change::Pod(model("a", "a", &a)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
         // The policy gone: B is open again.
         p.apply(Change::PolicyGone(PolicyKey {
             namespace: NS.into(),

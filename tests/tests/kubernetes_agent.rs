@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use calix_proto::v1 as pb;
 use calix_testbed::k8s::{ippool, wait_pools};
+use calix_testbed::pod_net::Flow;
 use calix_testbed::tls::Ca;
 use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Node, Pod};
 use serde_json::{json, Value};
@@ -1764,6 +1765,64 @@ fn network_policy_is_enforced_on_real_pods_in_the_kernel_dataplane() {
     policy_enforced_on_real_pods(Dataplane::Kernel, "npk", "10.85.0.0/24", "192.0.2.38");
 }
 
+/// With `web` isolated and `client` let in: an established connection from the client meets a
+/// change that keeps it allowed (another policy written) without a gap, and one that revokes
+/// it (the client's label taken) stops it, both ways, until it is allowed again: no
+/// established-flow shortcut (calico#6399).
+fn established_flows_across_changes(api: &KubeApi, node: &Node, ns: &str, client: &Pod, web: &Pod) {
+    let web_ip = web.ip();
+    let show = || node.agent_log();
+    let flow = Flow::start(&client.ns.path(), &web.ns.path(), &web_ip);
+    std::thread::sleep(Duration::from_millis(500));
+    api.apply(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "unrelated", "namespace": ns},
+        "spec": {"podSelector": {"matchLabels": {"app": "nobody"}}, "ingress": []}
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    std::thread::sleep(Duration::from_secs(2));
+    let (echoes, gap) = flow.stop();
+    assert!(
+        gap < Duration::from_millis(500),
+        "an unrelated change cost the allowed flow {gap:?} ({echoes} echoes)"
+    );
+    let flow = Flow::start(&client.ns.path(), &web.ns.path(), &web_ip);
+    std::thread::sleep(Duration::from_millis(500));
+    let meta = json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "client", "namespace": ns}});
+    let label = |role: &str| {
+        api.merge_patch(
+            meta.clone(),
+            json!({"metadata": {"labels": {"role": role}}}),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    };
+    label("revoked");
+    wait_for(
+        "the client's label taken: refused",
+        Duration::from_secs(20),
+        || (!client.ns.ping(&web_ip, 1)).then_some(()),
+        show,
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    label("client");
+    wait_for(
+        "the label back: let in again",
+        Duration::from_secs(20),
+        || client.ns.ping(&web_ip, 1).then_some(()),
+        show,
+    );
+    // TCP retransmits with backoff: give the connection time to come back.
+    std::thread::sleep(Duration::from_secs(8));
+    let (echoes, gap) = flow.stop();
+    assert!(
+        gap >= Duration::from_secs(2),
+        "the revoked connection went on: longest gap {gap:?} ({echoes} echoes)"
+    );
+    api.delete_now("networking.k8s.io/v1", "NetworkPolicy", ns, "unrelated")
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
 fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, node_ip: &str) {
     let api = KubeApi::shared();
     let u = unique(tag);
@@ -1797,6 +1856,7 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
         "web's own traffic and its replies pass"
     );
     assert!(!other.ns.ping(&web_ip, 2), "still dropped");
+    established_flows_across_changes(&api, &node, &ns, &client, &web);
     let report = node
         .agent()
         .calixctl_json(&["policy"])

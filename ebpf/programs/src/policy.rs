@@ -5,9 +5,10 @@
 //! lookup, as long as the endpoint's generation has not changed since; otherwise the rules
 //! decide: the peer's identity (longest match), then an entry for that identity or for any
 //! peer, and an allowed flow is remembered. After a change (a new generation) a remembered
-//! flow is checked again against the direction that opened it, and forgotten if that no
-//! longer allows it: a revoked flow is refused from its next packet on. An endpoint with
-//! `POL_KEEP_ESTABLISHED` keeps its remembered flows instead, until they go idle.
+//! flow is checked again against the direction that opened it, and marked revoked if that no
+//! longer allows it: a revoked flow is refused from its next packet on, both ways, for as
+//! long as its packets keep coming (and let through again if a later change allows it). An
+//! endpoint with `POL_KEEP_ESTABLISHED` keeps its remembered flows instead, until they go idle.
 //!
 //! IPv6 neighbour discovery and MLD are never subject to policy. Packets with no ports to key
 //! on (fragments, IPv6 behind extension headers, protocols other than TCP, UDP, SCTP and ICMP
@@ -33,7 +34,8 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_SERVICE, PF_TO_POD,
+    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
+    PF_TO_POD,
     POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
     POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
@@ -334,17 +336,21 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                     } else {
                         POL_DIR_INGRESS
                     };
-                    if st.flags & POL_KEEP_ESTABLISHED == 0 && !rules_allow(slot, st, opened, s)
-                    {
-                        let _ = CALIX_POL_FLOWS.remove(&s.flow);
-                        return DENY;
-                    }
+                    let allowed = (st.flags & POL_KEEP_ESTABLISHED != 0 && f.flags & PF_REVOKED == 0)
+                        || rules_allow(slot, st, opened, s);
                     f.generation = st.generation;
+                    f.flags = if allowed {
+                        f.flags & !PF_REVOKED
+                    } else {
+                        f.flags | PF_REVOKED
+                    };
                 }
                 if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
                     f.last_seen_ns = now;
                 }
-                return ALLOW;
+                // A revoked flow stays remembered as such while its packets keep coming: the
+                // mid-connection rule below must not let it in again by the other direction.
+                return if f.flags & PF_REVOKED != 0 { DENY } else { ALLOW };
             }
         }
     }

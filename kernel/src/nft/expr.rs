@@ -154,6 +154,11 @@ pub enum Expr {
         dir: Option<u8>,
         dreg: Reg,
     },
+    /// `ct <key> set <sreg>` (`ct mark set ...`).
+    CtSet {
+        key: CtKey,
+        sreg: Reg,
+    },
     Cmp {
         sreg: Reg,
         op: CmpOp,
@@ -210,7 +215,7 @@ impl Expr {
         match self {
             Expr::Payload { .. } => "payload",
             Expr::Meta { .. } => "meta",
-            Expr::Ct { .. } => "ct",
+            Expr::Ct { .. } | Expr::CtSet { .. } => "ct",
             Expr::Cmp { .. } => "cmp",
             Expr::Bitwise { .. } => "bitwise",
             Expr::Lookup { .. } => "lookup",
@@ -304,6 +309,11 @@ pub(crate) fn encode(w: &mut Writer, e: &Expr, anon: &mut dyn FnMut() -> (String
                 w.put_u8(3, *d);
             }
             w.put_be32(1, dreg.0);
+        }
+        Expr::CtSet { key, sreg } => {
+            // NFTA_CT_KEY, NFTA_CT_SREG.
+            w.put_be32(2, key.0);
+            w.put_be32(4, sreg.0);
         }
         Expr::Cmp { sreg, op, data } => {
             w.put_be32(1, sreg.0);
@@ -412,6 +422,10 @@ pub(crate) fn decode(elem: &[u8]) -> Result<Expr, Malformed> {
             key: CtKey(be32(need(2)?)?),
             dir: get(3).map(u8_of).transpose()?,
             dreg: reg(1)?,
+        },
+        "ct" if get(1).is_none() && get(3).is_none() => Expr::CtSet {
+            key: CtKey(be32(need(2)?)?),
+            sreg: reg(4)?,
         },
         "cmp" => Expr::Cmp {
             sreg: reg(1)?,

@@ -131,6 +131,46 @@ impl RuleBuilder {
             })
     }
 
+    /// `ct mark & mask [!=] value`.
+    pub fn ct_mark_masked(self, mask: u32, op: CmpOp, value: u32) -> Self {
+        self.expr(Expr::Ct {
+            key: CtKey::MARK,
+            dir: None,
+            dreg: Reg::R1,
+        })
+        .expr(Expr::Bitwise {
+            sreg: Reg::R1,
+            dreg: Reg::R1,
+            mask: mask.to_ne_bytes().to_vec(),
+            xor: vec![0; 4],
+        })
+        .expr(Expr::Cmp {
+            sreg: Reg::R1,
+            op,
+            data: value.to_ne_bytes().to_vec(),
+        })
+    }
+
+    /// `ct mark set ct mark & !mask | value` (`value` within `mask`): the bits of `mask` set to
+    /// `value`, the others kept.
+    pub fn ct_mark_set_masked(self, mask: u32, value: u32) -> Self {
+        self.expr(Expr::Ct {
+            key: CtKey::MARK,
+            dir: None,
+            dreg: Reg::R1,
+        })
+        .expr(Expr::Bitwise {
+            sreg: Reg::R1,
+            dreg: Reg::R1,
+            mask: (!mask).to_ne_bytes().to_vec(),
+            xor: (value & mask).to_ne_bytes().to_vec(),
+        })
+        .expr(Expr::CtSet {
+            key: CtKey::MARK,
+            sreg: Reg::R1,
+        })
+    }
+
     /// `meta l4proto [!=] proto`.
     pub fn l4proto(mut self, op: CmpOp, proto: u8) -> Self {
         if op == CmpOp::Eq {

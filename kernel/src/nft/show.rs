@@ -105,6 +105,10 @@ impl fmt::Display for Expr {
                     write!(f, " , dir {}", if *d == 0 { "original" } else { "reply" })?;
                 }
             }
+            Expr::CtSet { key, sreg } => match ct_key(key.0) {
+                Some(k) => write!(f, "ct set {k} with reg {}", sreg.0)?,
+                None => write!(f, "ct set {} with reg {}", key.0, sreg.0)?,
+            },
             Expr::Cmp { sreg, op, data } => {
                 let op = match op {
                     CmpOp::Eq => "eq",
