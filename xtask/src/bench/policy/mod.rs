@@ -13,13 +13,16 @@
 //!   of the pods its own: the time from its start until everything is programmed, the RSS the
 //!   objects add, and what one label change costs it.
 //!
-//! Not here: eBPF against kernel mode at 1,000 rules (kernel mode enforces no NetworkPolicy
-//! yet). Everything is named `cxb-<pid>-…` and removed on drop. Writes docs/bench/policy.md
-//! and .svg (with `--quick`, target/bench/).
+//! - **eBPF against kernel mode** ([`versus`]): the 1,000-rule pair on an eBPF node and on a
+//!   kernel-mode node (nftables), interleaved: conn/s and TCP_RR.
+//!
+//! Everything is named `cxb-<pid>-…` and removed on drop. Writes docs/bench/policy.md and .svg
+//! (with `--quick`, target/bench/).
 mod latency;
 mod perf;
 mod report;
 mod scale;
+mod versus;
 
 use std::collections::BTreeMap;
 
@@ -57,6 +60,22 @@ pub fn run(args: Args) -> Result<()> {
     let tools = b.tools();
 
     let per_packet = perf::run(&b, &api, &tools, &nodes[0], args.reps, args.secs)?;
+    let kernel = node_of(
+        &b,
+        &api,
+        Dataplane::Kernel,
+        ("10.231.3.0/24", "192.0.2.234", "k0"),
+    )?;
+    let versus = versus::run(
+        &b,
+        &api,
+        &tools,
+        [&nodes[0], &kernel],
+        args.reps,
+        args.secs,
+    )?;
+    kernel.agent().stop();
+    drop(kernel);
     let latency = latency::run(&b, &api, &nodes, args.changes)?;
     // The three agents would share the CPUs with the one measured at scale.
     for n in &nodes {
@@ -71,6 +90,7 @@ pub fn run(args: Args) -> Result<()> {
         secs: args.secs,
         quick: args.quick,
         per_packet,
+        versus,
         latency,
         scale,
         bench: b,
@@ -82,13 +102,27 @@ pub fn run(args: Args) -> Result<()> {
 
 /// Node `tag` (eBPF, release agent) of `api` with a pool `cidr` of its own, started.
 fn node(b: &Bench, api: &KubeApi, tag: &str, cidr: &str, ip: &str) -> Result<Node> {
+    node_of(b, api, Dataplane::Ebpf, (cidr, ip, tag))
+}
+
+/// As [`node`], in `dataplane`.
+fn node_of(
+    b: &Bench,
+    api: &KubeApi,
+    dataplane: Dataplane,
+    (cidr, ip, tag): (&str, &str, &str),
+) -> Result<Node> {
     let name = b.name(tag);
-    let n = Node::new(name.clone(), b.spec(Dataplane::Ebpf))?;
+    let n = Node::new(name.clone(), b.spec(dataplane))?;
     let n = api.kubernetes_node(n, None, "")?;
     let n = api
         .started_with_pool(n, &name, cidr, ip)
         .with_context(|| format!("starting node {name}"))?;
-    println!("[setup] node {name}: calix eBPF, Kubernetes mode, pool {cidr}");
+    let mode = match dataplane {
+        Dataplane::Ebpf => "eBPF",
+        _ => "kernel mode (nftables)",
+    };
+    println!("[setup] node {name}: calix {mode}, Kubernetes mode, pool {cidr}");
     Ok(n)
 }
 

@@ -1,0 +1,124 @@
+//! eBPF against kernel mode (nftables) at 1,000 rules: [`perf`](super::perf)'s pair and
+//! 1,000-rule policy, once on an eBPF node and once on a kernel-mode node of the same API
+//! server; conn/s (TCP_CRR), TCP_RR and throughput, the two interleaved in each repetition.
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use calix_testbed::traffic::{Tools, Traffic};
+use calix_testbed::{Guarded, KubeApi, Node, Pod};
+use plotters::style::RGBColor;
+use serde_json::json;
+
+use crate::bench::chart;
+use crate::bench::harness::{repetitions, warm_up, Bench, Compared};
+use crate::bench::report::Traffic as Samples;
+
+/// Rules in each direction.
+pub(super) const RULES: usize = 1000;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Engine {
+    Ebpf,
+    Nft,
+}
+
+pub(super) const ENGINES: [Engine; 2] = [Engine::Ebpf, Engine::Nft];
+
+impl Compared for Engine {
+    fn info(self) -> (&'static str, &'static str, RGBColor) {
+        match self {
+            Self::Ebpf => ("eBPF, 1,000 rules", "vs-ebpf", chart::PURPLE),
+            Self::Nft => ("nftables, 1,000 rules", "vs-nft", chart::ORANGE),
+        }
+    }
+}
+
+pub(super) struct Versus {
+    /// By [`Engine`] as usize.
+    pub(super) traffic: [Samples; 2],
+}
+
+struct Pair<'a> {
+    traffic: Traffic,
+    node: &'a Node,
+    _servers: Vec<Guarded>,
+    _pods: [Pod<'a>; 2],
+}
+
+pub(super) fn run(
+    b: &Bench,
+    api: &KubeApi,
+    tools: &Tools,
+    nodes: [&Node; 2],
+    reps: usize,
+    secs: u64,
+) -> Result<Versus> {
+    let mut pairs = Vec::new();
+    for (e, node) in ENGINES.into_iter().zip(nodes) {
+        let namespace = b.name(e.tag());
+        api.namespace(&namespace, json!({}), json!({}))?;
+        let labels = |role: &str| json!({"bench": e.tag(), "role": role});
+        let client = api.running_pod(node, &namespace, "client", labels("client"))?;
+        let server = api.running_pod(node, &namespace, "server", labels("server"))?;
+        api.apply(super::perf::policy(&namespace, e.tag(), RULES))?;
+        let ip = server.ip().parse().context("the server pod's address")?;
+        let traffic = Traffic::new(&client.ns, &server.ns, ip);
+        let servers = tools.start(&traffic, &b.dir)?;
+        pairs.push(Pair {
+            traffic,
+            node,
+            _servers: servers,
+            _pods: [client, server],
+        });
+    }
+    for (e, p) in ENGINES.iter().zip(&pairs) {
+        wait_isolated(p.node).with_context(|| format!("{}: the policy programmed", e.label()))?;
+    }
+    println!("[setup] eBPF against nftables: both pairs isolated by {RULES} rules each way");
+    for (e, p) in ENGINES.iter().zip(&pairs) {
+        let tr = &p.traffic;
+        warm_up(
+            tools,
+            e.label(),
+            tr,
+            &tr.server_ip.to_string(),
+            Duration::from_secs(20),
+        )?;
+    }
+    let mut traffic: [Samples; 2] = Default::default();
+    repetitions(reps, &ENGINES, |e| {
+        let p = &pairs[e as usize];
+        let m = tools.measure(&p.traffic, secs, Some(&p.node.ns), true)?;
+        Ok(traffic[e as usize].push(&m))
+    })?;
+    Ok(Versus { traffic })
+}
+
+/// Waits until `node`'s agent isolates exactly the pair both ways, with every entry programmed
+/// and the same for a second.
+fn wait_isolated(node: &Node) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let (mut last, mut same) = (-1.0, 0);
+    loop {
+        if let Some(m) = super::metrics(node) {
+            let get = |k: &str| m.get(k).copied().unwrap_or(-1.0);
+            let entries = get("calix_policy_dataplane_entries{kind=\"entry\"}");
+            same = if entries == last { same + 1 } else { 0 };
+            last = entries;
+            if get("calix_policy_isolated_endpoints{direction=\"ingress\"}") == 2.0
+                && get("calix_policy_isolated_endpoints{direction=\"egress\"}") == 2.0
+                && get("calix_policy_not_programmed") == 0.0
+                && entries > 0.0
+                && same >= 4
+            {
+                return Ok(());
+            }
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "not within 90 s:\n{}",
+            node.agent_log()
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
