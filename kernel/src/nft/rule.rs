@@ -117,7 +117,25 @@ impl RuleBuilder {
 
     /// `meta mark & mask [!=] value`.
     pub fn mark_masked(self, mask: u32, op: CmpOp, value: u32) -> Self {
-        self.expr(Self::meta(MetaKey::MARK))
+        self.masked_cmp(Self::meta(MetaKey::MARK), mask, op, value)
+    }
+
+    /// `ct mark & mask [!=] value`.
+    pub fn ct_mark_masked(self, mask: u32, op: CmpOp, value: u32) -> Self {
+        self.masked_cmp(Self::ct_load(CtKey::MARK), mask, op, value)
+    }
+
+    fn ct_load(key: CtKey) -> Expr {
+        Expr::Ct {
+            key,
+            dir: None,
+            dreg: Reg::R1,
+        }
+    }
+
+    /// `<load> & mask <op> value` (4-byte host-order values: marks, ct state bits).
+    fn masked_cmp(self, load: Expr, mask: u32, op: CmpOp, value: u32) -> Self {
+        self.expr(load)
             .expr(Expr::Bitwise {
                 sreg: Reg::R1,
                 dreg: Reg::R1,
@@ -131,44 +149,20 @@ impl RuleBuilder {
             })
     }
 
-    /// `ct mark & mask [!=] value`.
-    pub fn ct_mark_masked(self, mask: u32, op: CmpOp, value: u32) -> Self {
-        self.expr(Expr::Ct {
-            key: CtKey::MARK,
-            dir: None,
-            dreg: Reg::R1,
-        })
-        .expr(Expr::Bitwise {
-            sreg: Reg::R1,
-            dreg: Reg::R1,
-            mask: mask.to_ne_bytes().to_vec(),
-            xor: vec![0; 4],
-        })
-        .expr(Expr::Cmp {
-            sreg: Reg::R1,
-            op,
-            data: value.to_ne_bytes().to_vec(),
-        })
-    }
-
     /// `ct mark set ct mark & !mask | value` (`value` within `mask`): the bits of `mask` set to
     /// `value`, the others kept.
     pub fn ct_mark_set_masked(self, mask: u32, value: u32) -> Self {
-        self.expr(Expr::Ct {
-            key: CtKey::MARK,
-            dir: None,
-            dreg: Reg::R1,
-        })
-        .expr(Expr::Bitwise {
-            sreg: Reg::R1,
-            dreg: Reg::R1,
-            mask: (!mask).to_ne_bytes().to_vec(),
-            xor: (value & mask).to_ne_bytes().to_vec(),
-        })
-        .expr(Expr::CtSet {
-            key: CtKey::MARK,
-            sreg: Reg::R1,
-        })
+        self.expr(Self::ct_load(CtKey::MARK))
+            .expr(Expr::Bitwise {
+                sreg: Reg::R1,
+                dreg: Reg::R1,
+                mask: (!mask).to_ne_bytes().to_vec(),
+                xor: (value & mask).to_ne_bytes().to_vec(),
+            })
+            .expr(Expr::CtSet {
+                key: CtKey::MARK,
+                sreg: Reg::R1,
+            })
     }
 
     /// `meta l4proto [!=] proto`.
@@ -420,22 +414,7 @@ impl RuleBuilder {
 
     /// `ct state { states }` ([`ct_state`] bits): the state is one of them.
     pub fn ct_state_in(self, states: u32) -> Self {
-        self.expr(Expr::Ct {
-            key: CtKey::STATE,
-            dir: None,
-            dreg: Reg::R1,
-        })
-        .expr(Expr::Bitwise {
-            sreg: Reg::R1,
-            dreg: Reg::R1,
-            mask: states.to_ne_bytes().to_vec(),
-            xor: vec![0; 4],
-        })
-        .expr(Expr::Cmp {
-            sreg: Reg::R1,
-            op: CmpOp::Neq,
-            data: vec![0; 4],
-        })
+        self.masked_cmp(Self::ct_load(CtKey::STATE), states, CmpOp::Neq, 0)
     }
 
     /// `fib saddr . iif oif missing`: the source does not route back out of the interface

@@ -66,14 +66,7 @@ pub fn run(args: Args) -> Result<()> {
         Dataplane::Kernel,
         ("10.231.3.0/24", "192.0.2.234", "k0"),
     )?;
-    let versus = versus::run(
-        &b,
-        &api,
-        &tools,
-        [&nodes[0], &kernel],
-        args.reps,
-        args.secs,
-    )?;
+    let versus = versus::run(&b, &api, &tools, [&nodes[0], &kernel], args.reps, args.secs)?;
     kernel.agent().stop();
     drop(kernel);
     let latency = latency::run(&b, &api, &nodes, args.changes)?;

@@ -107,10 +107,40 @@ pub(super) fn policy(namespace: &str, tag: &str, rules: usize) -> Value {
     })
 }
 
-struct Pair<'a> {
-    traffic: Traffic,
+/// A client and a server pod on one node (namespace and labels `bench: tag`), isolated by
+/// [`policy`] of `rules` rules (none: 0), the traffic tools' servers running.
+pub(super) struct Pair<'a> {
+    pub(super) traffic: Traffic,
     _servers: Vec<Guarded>,
     _pods: [Pod<'a>; 2],
+}
+
+impl<'a> Pair<'a> {
+    pub(super) fn start(
+        b: &Bench,
+        api: &KubeApi,
+        tools: &Tools,
+        node: &'a Node,
+        tag: &str,
+        rules: usize,
+    ) -> Result<Self> {
+        let namespace = b.name(tag);
+        api.namespace(&namespace, json!({}), json!({}))?;
+        let labels = |role: &str| json!({"bench": tag, "role": role});
+        let client = api.running_pod(node, &namespace, "client", labels("client"))?;
+        let server = api.running_pod(node, &namespace, "server", labels("server"))?;
+        if rules > 0 {
+            api.apply(policy(&namespace, tag, rules))?;
+        }
+        let ip = server.ip().parse().context("the server pod's address")?;
+        let traffic = Traffic::new(&client.ns, &server.ns, ip);
+        let servers = tools.start(&traffic, &b.dir)?;
+        Ok(Self {
+            traffic,
+            _servers: servers,
+            _pods: [client, server],
+        })
+    }
 }
 
 pub(super) fn run(
@@ -123,22 +153,7 @@ pub(super) fn run(
 ) -> Result<Results> {
     let mut pairs = Vec::new();
     for v in VARIANTS {
-        let namespace = b.name(v.tag());
-        api.namespace(&namespace, json!({}), json!({}))?;
-        let labels = |role: &str| json!({"bench": v.tag(), "role": role});
-        let client = api.running_pod(node, &namespace, "client", labels("client"))?;
-        let server = api.running_pod(node, &namespace, "server", labels("server"))?;
-        if v.rules() > 0 {
-            api.apply(policy(&namespace, v.tag(), v.rules()))?;
-        }
-        let ip = server.ip().parse().context("the server pod's address")?;
-        let traffic = Traffic::new(&client.ns, &server.ns, ip);
-        let servers = tools.start(&traffic, &b.dir)?;
-        pairs.push(Pair {
-            traffic,
-            _servers: servers,
-            _pods: [client, server],
-        });
+        pairs.push(Pair::start(b, api, tools, node, v.tag(), v.rules())?);
     }
     let programmed = wait_programmed(node)?;
     println!("[setup] policies programmed: {programmed}");

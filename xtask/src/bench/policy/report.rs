@@ -148,11 +148,7 @@ impl Report {
         s.push_str(&self.versus_section());
         s.push_str(&self.latency_section());
         s.push_str(&self.scale_section());
-        s.push_str(&targets(
-            "## Targets (issue 22)",
-            &self.targets(),
-            "",
-        ));
+        s.push_str(&targets("## Targets (issue 22)", &self.targets(), ""));
         s
     }
 

@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use calix_testbed::traffic::{Tools, Traffic};
-use calix_testbed::{Guarded, KubeApi, Node, Pod};
+use calix_testbed::traffic::Tools;
+use calix_testbed::{KubeApi, Node};
 use plotters::style::RGBColor;
-use serde_json::json;
+
+use super::perf::Pair;
 
 use crate::bench::chart;
 use crate::bench::harness::{repetitions, warm_up, Bench, Compared};
@@ -38,13 +39,6 @@ pub(super) struct Versus {
     pub(super) traffic: [Samples; 2],
 }
 
-struct Pair<'a> {
-    traffic: Traffic,
-    node: &'a Node,
-    _servers: Vec<Guarded>,
-    _pods: [Pod<'a>; 2],
-}
-
 pub(super) fn run(
     b: &Bench,
     api: &KubeApi,
@@ -55,27 +49,13 @@ pub(super) fn run(
 ) -> Result<Versus> {
     let mut pairs = Vec::new();
     for (e, node) in ENGINES.into_iter().zip(nodes) {
-        let namespace = b.name(e.tag());
-        api.namespace(&namespace, json!({}), json!({}))?;
-        let labels = |role: &str| json!({"bench": e.tag(), "role": role});
-        let client = api.running_pod(node, &namespace, "client", labels("client"))?;
-        let server = api.running_pod(node, &namespace, "server", labels("server"))?;
-        api.apply(super::perf::policy(&namespace, e.tag(), RULES))?;
-        let ip = server.ip().parse().context("the server pod's address")?;
-        let traffic = Traffic::new(&client.ns, &server.ns, ip);
-        let servers = tools.start(&traffic, &b.dir)?;
-        pairs.push(Pair {
-            traffic,
-            node,
-            _servers: servers,
-            _pods: [client, server],
-        });
+        pairs.push((Pair::start(b, api, tools, node, e.tag(), RULES)?, node));
     }
-    for (e, p) in ENGINES.iter().zip(&pairs) {
-        wait_isolated(p.node).with_context(|| format!("{}: the policy programmed", e.label()))?;
+    for (e, (_, node)) in ENGINES.iter().zip(&pairs) {
+        wait_isolated(node).with_context(|| format!("{}: the policy programmed", e.label()))?;
     }
     println!("[setup] eBPF against nftables: both pairs isolated by {RULES} rules each way");
-    for (e, p) in ENGINES.iter().zip(&pairs) {
+    for (e, (p, _)) in ENGINES.iter().zip(&pairs) {
         let tr = &p.traffic;
         warm_up(
             tools,
@@ -87,8 +67,8 @@ pub(super) fn run(
     }
     let mut traffic: [Samples; 2] = Default::default();
     repetitions(reps, &ENGINES, |e| {
-        let p = &pairs[e as usize];
-        let m = tools.measure(&p.traffic, secs, Some(&p.node.ns), true)?;
+        let (p, node) = &pairs[e as usize];
+        let m = tools.measure(&p.traffic, secs, Some(&node.ns), true)?;
         Ok(traffic[e as usize].push(&m))
     })?;
     Ok(Versus { traffic })
