@@ -292,8 +292,8 @@ fn a_rogue_node_is_refused_everything_that_is_not_its_own_while_the_other_nodes_
     let signer = Signer::start(&api, sign.clone()).unwrap_or_else(|e| panic!("{e}"));
     cluster.nodes[0].start_agent();
     cluster.nodes[1].start_agent();
-    let pa = calix_testbed::Pod::add(&cluster.nodes[0], "a");
-    let pb = calix_testbed::Pod::add(&cluster.nodes[1], "b");
+    let pa = api.node_pod(&cluster.nodes[0], "a");
+    let pb = api.node_pod(&cluster.nodes[1], "b");
     calix_testbed::wait_for(
         "the pods reach each other across the nodes",
         std::time::Duration::from_secs(60),

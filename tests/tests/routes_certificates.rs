@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use calix_testbed::pod_net::Flow;
 use calix_testbed::signer::{self, Signer, SignerSetup};
-use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi, Pod};
+use calix_testbed::{unique, wait_for, Cluster, Dataplane, KubeApi};
 use common::certs::{
     agent_rules, ask, base64, condition, decided, decode_base64, request, setup, try_watch,
     AGENT_SA, NS,
@@ -259,8 +259,8 @@ fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within
     }
     // Pods on the two nodes reach each other.
     {
-        let p0 = Pod::add(&c.nodes[0], "p");
-        let p1 = Pod::add(&c.nodes[1], "p");
+        let p0 = api.node_pod(&c.nodes[0], "p");
+        let p1 = api.node_pod(&c.nodes[1], "p");
         for (a, b) in [(&p0, &p1), (&p1, &p0)] {
             wait_for(
                 &format!("{} reaches {}", a.ip(), b.ip()),
@@ -296,8 +296,8 @@ fn agents_get_certificates_from_the_api_and_a_node_that_joins_gets_routes_within
         || format!("{}\n{}", nodes(&c, 2), c.nodes[2].agent_log()),
     );
     let followed = t0.elapsed();
-    let p0 = Pod::add(&c.nodes[0], "q");
-    let p2 = Pod::add(&c.nodes[2], "q");
+    let p0 = api.node_pod(&c.nodes[0], "q");
+    let p2 = api.node_pod(&c.nodes[2], "q");
     let t1 = Instant::now();
     for (a, b) in [(&p0, &p2), (&p2, &p0)] {
         wait_for(
@@ -391,8 +391,8 @@ fn certificates_are_renewed_before_they_expire_under_traffic_without_loss() {
         || (up(&c, 0) == [n1.clone()] && up(&c, 1) == [n0.clone()]).then_some(()),
         || format!("{}\n{}", c.nodes[0].agent_log(), sig.log()),
     );
-    let p0 = Pod::add(&c.nodes[0], "p");
-    let p1 = Pod::add(&c.nodes[1], "p");
+    let p0 = api.node_pod(&c.nodes[0], "p");
+    let p1 = api.node_pod(&c.nodes[1], "p");
     wait_for(
         "the pods reach each other (VXLAN: the nodes' subnets differ)",
         Duration::from_secs(20),

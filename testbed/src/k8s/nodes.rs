@@ -81,6 +81,15 @@ impl KubeApi {
     /// Pod `namespace/name` labelled `labels` on `node`: its Pod object, its network through
     /// the CNI plugin and the agent, and its address in the Pod's status (as the kubelet
     /// writes it).
+    /// A pod named `<name>-<node>` in `default` on `node`, with its Pod object (what a
+    /// kubelet's pod has: the agent's NetworkPolicy isolates a pod it has no object of), wired
+    /// by the CNI plugin; panics when that fails. For tests of other things than policy.
+    pub fn node_pod<'a>(&self, node: &'a Node, name: &str) -> Pod<'a> {
+        let name = format!("{name}-{}", node.ns.name);
+        self.running_pod(node, "default", &name, serde_json::json!({}))
+            .unwrap_or_else(|e| panic!("pod {name}: {e}"))
+    }
+
     pub fn running_pod<'a>(
         &self,
         node: &'a Node,
