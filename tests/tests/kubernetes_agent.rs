@@ -1142,7 +1142,9 @@ fn route_distribution_finds_its_peers_in_the_node_objects() {
     );
     // Pods on each node reach each other: the routes go through the Node objects'
     // addresses, directly on subnet 1, through VXLAN to subnet 2.
-    let pods: Vec<Pod> = (0..3).map(|i| api.node_pod(&cluster.nodes[i], "p")).collect();
+    let pods: Vec<Pod> = (0..3)
+        .map(|i| api.node_pod(&cluster.nodes[i], "p"))
+        .collect();
     for j in [1, 2] {
         wait_for(
             &format!("the pod on node 0 reaches the pod on node {j}"),
@@ -1451,7 +1453,9 @@ fn a_custom_reflector_label_reaches_every_agent() {
             || format!("{:?}\n{}", up(i), cluster.nodes[i].agent_log()),
         );
     }
-    let pods: Vec<Pod> = (0..3).map(|i| api.node_pod(&cluster.nodes[i], "p")).collect();
+    let pods: Vec<Pod> = (0..3)
+        .map(|i| api.node_pod(&cluster.nodes[i], "p"))
+        .collect();
     for (a, b) in [(1, 2), (2, 1), (1, 0)] {
         wait_for(
             &format!(
