@@ -29,10 +29,7 @@ use calix_common::{AgentPorts, AGENT_PORTS_MAP, MAX_AGENT_PORTS, PEERS_V4_MAP, P
 
 use super::bpf::{map_err, take};
 use calix_kernel::nft::rule::IPPROTO_TCP;
-use calix_kernel::nft::{
-    priority, Addr, Chain, ChainType, CmpOp, Element, Family, Hook, KeyType, Rule, Set, Table,
-    Verdict,
-};
+use calix_kernel::nft::{Addr, Chain, CmpOp, Element, Family, Hook, KeyType, Rule, Set, Table};
 
 use super::DataplaneError;
 
@@ -123,21 +120,15 @@ pub fn table(d: &Doors) -> Option<Table> {
     // connection's opening (what else a pod sends there belongs to no connection of its own,
     // or answers one the node opened).
     let chain = |name: &str, hook: Hook| {
-        Chain::base(
-            name,
-            ChainType::Filter,
-            hook,
-            priority::FILTER,
-            Verdict::Accept,
-        )
-        // iifname != "cali*" accept
-        .with_rule(rule().iifname(CmpOp::Neq, "cali*").accept())
-        // meta l4proto != tcp accept
-        .with_rule(rule().l4proto(CmpOp::Neq, IPPROTO_TCP).accept())
-        // tcp dport != { ports } accept
-        .with_rule(rule().dport_in(IPPROTO_TCP, &ports, true).accept())
-        // tcp flags & (syn | ack) != syn accept
-        .with_rule(rule().tcp_syn(CmpOp::Neq).accept())
+        Chain::filter(name, hook)
+            // iifname != "cali*" accept
+            .with_rule(rule().iifname(CmpOp::Neq, "cali*").accept())
+            // meta l4proto != tcp accept
+            .with_rule(rule().l4proto(CmpOp::Neq, IPPROTO_TCP).accept())
+            // tcp dport != { ports } accept
+            .with_rule(rule().dport_in(IPPROTO_TCP, &ports, true).accept())
+            // tcp flags & (syn | ack) != syn accept
+            .with_rule(rule().tcp_syn(CmpOp::Neq).accept())
     };
     let peers = |v6: bool, set: &str| {
         // ip daddr @peers_v4 counter drop (ip6 daddr @peers_v6 ...)
@@ -237,6 +228,7 @@ fn family_map(ip: &IpAddr) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use calix_kernel::nft::{ChainType, Verdict};
 
     fn ips(v: &[&str]) -> BTreeSet<IpAddr> {
         v.iter().map(|a| a.parse().expect("ip")).collect()

@@ -31,8 +31,7 @@ use calix_core::policy::model::PodKey;
 use calix_core::policy::ranges::identity_ranges;
 use calix_core::policy::tables::{EndpointTables, EntryKey, Identity, RuleId, Tables, ANY_PEER};
 use calix_kernel::nft::{
-    priority, Addr, Chain, ChainType, CmpOp, CtDirection, Element, Family, Hook, KeyType, Rule,
-    Set, Table, Verdict,
+    Addr, Chain, CmpOp, CtDirection, Element, Family, Hook, KeyType, Rule, Set, Table, Verdict,
 };
 
 use super::DataplaneError;
@@ -95,15 +94,6 @@ pub fn table(t: &Tables<String>, open: &[String], mark: u32) -> Table {
             sets.insert((id, v6));
         }
     }
-    let base = |name: &str, hook: Hook| {
-        Chain::base(
-            name,
-            ChainType::Filter,
-            hook,
-            priority::FILTER,
-            Verdict::Accept,
-        )
-    };
     let jump = |c: &str| Verdict::Jump(c.to_string());
     // A connection judged under this table already: on at once (`ct mark`, see [`mark_of`]).
     let judged = || rule().ct_mark_masked(MARK_MASK, CmpOp::Eq, mark).accept();
@@ -123,7 +113,7 @@ pub fn table(t: &Tables<String>, open: &[String], mark: u32) -> Table {
     let to = || rule().oifname(CmpOp::Eq, "cali*").verdict(jump("to_pods"));
     table = table
         .with_chain(
-            base("forward", Hook::Forward)
+            Chain::filter("forward", Hook::Forward)
                 .with_rule(judged())
                 .with_rule(from())
                 .with_rule(to())
@@ -131,7 +121,7 @@ pub fn table(t: &Tables<String>, open: &[String], mark: u32) -> Table {
                 .with_rule(mark_if(false)),
         )
         .with_chain(
-            base("input", Hook::Input)
+            Chain::filter("input", Hook::Input)
                 // A pod answering the node (a probe): always.
                 .with_rule(
                     rule()
@@ -144,7 +134,7 @@ pub fn table(t: &Tables<String>, open: &[String], mark: u32) -> Table {
                 .with_rule(mark_if(true)),
         )
         .with_chain(
-            base("output", Hook::Output)
+            Chain::filter("output", Hook::Output)
                 // The node's own connections to its pods: always.
                 .with_rule(
                     rule()

@@ -10,7 +10,7 @@
 //! such hook: this table drops it (fail closed: the pod's policy could not be checked there).
 //! Stateless, like the doors' table: no `ct` match.
 use calix_common::{POLICY_PENDING_MARK, POLICY_PENDING_MASK};
-use calix_kernel::nft::{priority, Chain, ChainType, CmpOp, Family, Hook, Rule, Table, Verdict};
+use calix_kernel::nft::{Chain, CmpOp, Family, Hook, Rule, Table};
 
 use super::DataplaneError;
 
@@ -22,15 +22,6 @@ pub const FAMILY: Family = Family::Inet;
 pub fn table(judged: &[String]) -> Table {
     let marked =
         || Rule::builder(FAMILY).mark_masked(POLICY_PENDING_MASK, CmpOp::Eq, POLICY_PENDING_MARK);
-    let chain = |name: &str, hook: Hook| {
-        Chain::base(
-            name,
-            ChainType::Filter,
-            hook,
-            priority::FILTER,
-            Verdict::Accept,
-        )
-    };
     // meta mark & 0xc0000000 == 0x80000000 oifname != "cali*" oifname != "<dev>" … counter drop
     let mut out = marked().oifname(CmpOp::Neq, "cali*");
     for dev in judged {
@@ -39,8 +30,8 @@ pub fn table(judged: &[String]) -> Table {
     Table::new(FAMILY, TABLE)
         .with_comment("calix: Service traffic whose NetworkPolicy verdict the eBPF programs cannot take; calix-agent --uninstall removes it")
         // meta mark & 0xc0000000 == 0x80000000 counter drop
-        .with_chain(chain("input", Hook::Input).with_rule(marked().counter().drop()))
-        .with_chain(chain("forward", Hook::Forward).with_rule(out.counter().drop()))
+        .with_chain(Chain::filter("input", Hook::Input).with_rule(marked().counter().drop()))
+        .with_chain(Chain::filter("forward", Hook::Forward).with_rule(out.counter().drop()))
 }
 
 /// Installs (or replaces) the table in the agent's network namespace.

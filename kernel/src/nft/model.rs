@@ -243,6 +243,18 @@ impl Chain {
         }
     }
 
+    /// A filter base chain at the filter priority that accepts what no rule decides: `type
+    /// filter hook <hook> priority filter; policy accept;`.
+    pub fn filter(name: impl Into<String>, hook: Hook) -> Self {
+        Self::base(
+            name,
+            ChainType::Filter,
+            hook,
+            priority::FILTER,
+            Verdict::Accept,
+        )
+    }
+
     pub fn with_rule(mut self, rule: Rule) -> Self {
         self.rules.push(rule);
         self
