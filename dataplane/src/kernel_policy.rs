@@ -249,7 +249,7 @@ fn entry_chain(
     sets: &BTreeSet<(Identity, bool)>,
 ) -> Chain {
     let mut chain = Chain::regular(name);
-    for k in entries.keys() {
+    for (k, rule_id) in entries {
         let families: Vec<Option<bool>> = if k.identity == ANY_PEER {
             vec![None]
         } else {
@@ -272,10 +272,19 @@ fn entry_chain(
                     r = r.th_port_range(source_port, k.port, hi);
                 }
             }
-            chain = chain.with_rule(r.counter().verdict(Verdict::Return));
+            chain = chain.with_rule(
+                r.counter()
+                    .comment(super::kernel_counts::rule_comment(*rule_id))
+                    .verdict(Verdict::Return),
+            );
         }
     }
-    chain.with_rule(Rule::builder(FAMILY).counter().drop())
+    chain.with_rule(
+        Rule::builder(FAMILY)
+            .counter()
+            .comment(super::kernel_counts::DENY_COMMENT)
+            .drop(),
+    )
 }
 
 /// Kernel mode's policy state: the endpoints (pod and host veth, by endpoint key) and what the
@@ -288,6 +297,8 @@ pub struct KernelPolicy {
     /// restarted agent's table does not reuse the one before's (whose connections' marks
     /// would let them through unjudged).
     generation: std::cell::Cell<u32>,
+    /// The rules' counts, kept across rewrites.
+    counts: super::kernel_counts::KernelCounts,
 }
 
 impl Default for KernelPolicy {
@@ -300,6 +311,7 @@ impl Default for KernelPolicy {
             endpoints: BTreeMap::new(),
             desired: None,
             generation: std::cell::Cell::new(now),
+            counts: Default::default(),
         }
     }
 }
@@ -368,13 +380,27 @@ impl KernelPolicy {
         ))
     }
 
-    /// Writes the table (if the agent has said what it wants); whether it did.
+    /// Writes the table (if the agent has said what it wants); whether it did. The counts of
+    /// the table it replaces are kept ([`Self::counts`]).
     pub fn apply(&self) -> Result<bool, DataplaneError> {
-        match self.table() {
-            Some(t) => super::nft::apply(&t).map(|()| true),
-            None => Ok(false),
-        }
+        let Some(t) = self.table() else {
+            return Ok(false);
+        };
+        let endpoints = self.endpoints.values().map(|(_, i)| i.clone()).collect();
+        self.counts
+            .rewrite(read_counts, &endpoints, || super::nft::apply(&t))
+            .map(|()| true)
     }
+
+    /// The rules' counts, for a reader apart from the dataplane.
+    pub fn counts(&self) -> super::kernel_counts::KernelCounts {
+        self.counts.clone()
+    }
+}
+
+/// The counters of the table in force.
+pub fn read_counts() -> Result<Vec<calix_kernel::nft::RuleCount>, DataplaneError> {
+    Ok(calix_kernel::nft::counters(FAMILY, TABLE)?)
 }
 
 /// Deletes the table (if there is one).

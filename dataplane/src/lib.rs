@@ -7,6 +7,7 @@ pub mod cleaner;
 pub mod doors;
 pub mod ebpf;
 pub mod host_addrs;
+pub mod kernel_counts;
 pub mod kernel_policy;
 pub mod masquerade;
 pub mod nat;
@@ -226,6 +227,26 @@ pub trait DataplaneStats: Send + Sync {
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
     /// Every drop counter, summed over CPUs.
     fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
+    /// NetworkPolicy's counts of the endpoint whose host veth is `ifindex` (named
+    /// `host_ifname`); `None` when there is no such endpoint or the dataplane counts none.
+    fn policy_counts(
+        &self,
+        _ifindex: u32,
+        _host_ifname: &str,
+    ) -> Result<Option<PolicyCounts>, DataplaneError> {
+        Ok(None)
+    }
+}
+
+/// NetworkPolicy's counts of one endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PolicyCounts {
+    /// How many times each rule (its number in `calix_core::policy::tables`) decided for the
+    /// endpoint: a new flow, a flow checked again after a change, or a packet judged alone.
+    pub hits: std::collections::BTreeMap<calix_core::policy::tables::RuleId, u64>,
+    /// Packets denied to the pod, and from it.
+    pub denied_ingress: u64,
+    pub denied_egress: u64,
 }
 
 /// Every method but [`Self::attach`] has a default that does nothing and finds nothing drifted
@@ -506,6 +527,26 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     Ok(n)
 }
 
+/// Kernel mode's counters: NetworkPolicy's, from its nftables table (no per-endpoint packet
+/// counters, no drop map).
+struct KernelStats(kernel_counts::KernelCounts);
+
+impl DataplaneStats for KernelStats {
+    fn counters(&self, _ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError> {
+        Ok(None)
+    }
+    fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError> {
+        Ok(Vec::new())
+    }
+    fn policy_counts(
+        &self,
+        _ifindex: u32,
+        host_ifname: &str,
+    ) -> Result<Option<PolicyCounts>, DataplaneError> {
+        self.0.of(host_ifname, kernel_policy::read_counts)
+    }
+}
+
 impl Dataplane for KernelDataplane {
     // What the kernel does by itself (no programs, maps or host devices to manage: it
     // forwards between nodes alone) is the trait's defaults.
@@ -538,6 +579,9 @@ impl Dataplane for KernelDataplane {
     }
     fn node_drift(&self) -> Result<Vec<Drift>, DataplaneError> {
         nft::drift_of(&self.tables)
+    }
+    fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
+        Ok(Some(Box::new(KernelStats(self.policy.counts()))))
     }
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
         self.apply()

@@ -1870,6 +1870,30 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
         programmed.ends_with(" entries") && !programmed.starts_with("not"),
         "calixctl policy says what the dataplane holds: {report}"
     );
+    // Which rule let the client in, how often, and how much the policy denied: counted for
+    // the endpoint, in both dataplanes (kernel mode: its nft counters, kept across the
+    // rewrites the changes above made).
+    let pod_report = node
+        .agent()
+        .calixctl_json(&["policy", &format!("{ns}/web")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ep = &pod_report["endpoint"];
+    assert_eq!(
+        ep["ingress"][0]["policy"],
+        format!("{ns}/web"),
+        "{pod_report}"
+    );
+    assert!(
+        ep["ingress"][0]["hits"].as_u64().is_some_and(|n| n > 0),
+        "the client's rule counted its hits: {pod_report}"
+    );
+    assert!(
+        ep["denied_ingress"].as_u64().is_some_and(|n| n > 0),
+        "other's packets counted as denied: {pod_report}"
+    );
+    // Web's answers on the revoked connection above were refused too (counted by the
+    // direction that met them in eBPF, by the revoking direction's reply chain in nftables).
+    assert!(ep["denied_egress"].is_u64(), "{pod_report}");
     let (_, metrics) = node.http_get("/metrics").expect("/metrics");
     for line in [
         "calix_policy_ready 1",

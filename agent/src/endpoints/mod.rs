@@ -312,6 +312,47 @@ impl EndpointRegistry {
             .collect())
     }
 
+    /// NetworkPolicy's counts of pod `namespace/name`'s endpoints on this node, summed (None:
+    /// it has none attached, or the dataplane counts none).
+    pub async fn policy_counts(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<calix_dataplane::PolicyCounts>, AgentError> {
+        let Some(stats) = &self.stats else {
+            return Ok(None);
+        };
+        let targets: Vec<(u32, String)> = {
+            let records = self.records.lock().await;
+            let snapshot = self.driver.snapshot().await.unwrap_or_default();
+            records
+                .iter()
+                .filter(|(_, r)| r.pod_namespace == namespace && r.pod_name == name)
+                .filter_map(|(k, r)| {
+                    Some((snapshot.attached.get(k)?.ifindex, r.host_ifname.clone()))
+                })
+                .collect()
+        };
+        blocking(|| {
+            let mut sum: Option<calix_dataplane::PolicyCounts> = None;
+            for (ifindex, ifname) in &targets {
+                let Some(c) = stats
+                    .policy_counts(*ifindex, ifname)
+                    .map_err(dataplane_err(ifname))?
+                else {
+                    continue;
+                };
+                let s = sum.get_or_insert_with(Default::default);
+                for (rule, n) in c.hits {
+                    *s.hits.entry(rule).or_insert(0) += n;
+                }
+                s.denied_ingress += c.denied_ingress;
+                s.denied_egress += c.denied_egress;
+            }
+            Ok(sum)
+        })
+    }
+
     /// The pools changed: remote pod addresses the dataplane forwards directly.
     pub async fn set_pools(&self, pools: Vec<IpNet>) -> Result<(), AgentError> {
         self.driver

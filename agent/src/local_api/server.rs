@@ -111,7 +111,7 @@ impl pb::route_info_server::RouteInfo for RouteInfoSvc {
 
 /// NetworkPolicy's report for calixctl (`None`: not followed here, outside Kubernetes).
 pub struct PolicyInfoSvc {
-    pub node: String,
+    pub node: Arc<Node>,
     pub policy: Option<Arc<PolicyService>>,
 }
 
@@ -127,10 +127,20 @@ impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
             namespace: req.namespace,
             name: req.name,
         });
-        let report = match &self.policy {
-            Some(p) => p.report(pod.as_ref()),
-            None => PolicyReport {
-                node: self.node.clone(),
+        let report = match (&self.policy, &pod) {
+            (Some(p), Some(k)) => {
+                // Counted only where the pod's endpoints are (a pod of another node: none).
+                let counts = self
+                    .node
+                    .endpoints
+                    .policy_counts(&k.namespace, &k.name)
+                    .await
+                    .map_err(status)?;
+                p.report_counted(pod.as_ref(), counts.as_ref())
+            }
+            (Some(p), None) => p.report(None),
+            (None, _) => PolicyReport {
+                node: self.node.name().to_string(),
                 ..Default::default()
             },
         };
@@ -559,7 +569,7 @@ impl UnixSocket {
             routes,
         };
         let policy_info = PolicyInfoSvc {
-            node: node.name().to_string(),
+            node: node.clone(),
             policy,
         };
         let result = tonic::transport::Server::builder()

@@ -8,10 +8,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use calix_core::policy::cluster::{Change, Cluster};
+use calix_core::policy::endpoint::Direction;
 use calix_core::policy::endpoint::EndpointPolicy;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::report::{EndpointReport, PolicyReport};
-use calix_core::policy::tables::{Compiler, Tables};
+use calix_core::policy::tables::{Compiler, RuleId, RuleRef, Tables};
+use calix_dataplane::PolicyCounts;
 
 #[cfg(test)]
 mod tests;
@@ -39,6 +41,8 @@ struct Inner {
     changes: u64,
     /// Identity and rule numbers, stable from one compilation to the next.
     compiler: Compiler,
+    /// The rules' numbers in the last tables compiled (the dataplane counts hits by them).
+    rules: BTreeMap<RuleId, RuleRef>,
     /// The last programming's outcome, as `calixctl policy` shows it.
     programmed: Option<String>,
     /// Whether the last programming failed, and how many have since the start.
@@ -222,6 +226,7 @@ impl PolicyService {
             .compile(&inner.computed, |s| cluster.members(s));
         inner.compiling += start.elapsed();
         inner.compilations += 1;
+        inner.rules.clone_from(&tables.rules);
         Some(tables)
     }
 
@@ -229,6 +234,35 @@ impl PolicyService {
     /// not known).
     pub fn endpoint(&self, pod: &PodKey) -> Option<EndpointPolicy> {
         self.lock().computed.get(pod).cloned()
+    }
+
+    /// The report `calixctl policy` shows, for `pod` when one is asked for, with the
+    /// dataplane's `counts` of its endpoint when there are some.
+    pub fn report_counted(
+        &self,
+        pod: Option<&PodKey>,
+        counts: Option<&PolicyCounts>,
+    ) -> PolicyReport {
+        let mut r = self.report(pod);
+        let Some(c) = counts else {
+            return r;
+        };
+        let hits: BTreeMap<(String, Direction, usize), u64> = {
+            let inner = self.lock();
+            let mut hits = BTreeMap::new();
+            for (id, n) in &c.hits {
+                if let Some(rule) = inner.rules.get(id) {
+                    *hits
+                        .entry((rule.policy.to_string(), rule.direction, rule.rule))
+                        .or_insert(0) += n;
+                }
+            }
+            hits
+        };
+        r.endpoint = r
+            .endpoint
+            .map(|e| e.with_counts(&hits, c.denied_ingress, c.denied_egress));
+        r
     }
 
     /// The report `calixctl policy` shows, for `pod` when one is asked for.

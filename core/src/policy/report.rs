@@ -51,6 +51,12 @@ pub struct EndpointReport {
     pub egress: Option<Vec<RuleReport>>,
     /// Rules that allow nothing because they cannot be enforced.
     pub problems: Vec<String>,
+    /// Packets the dataplane denied to the pod and from it (None: not counted here, e.g. the
+    /// pod is on another node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_ingress: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub denied_egress: Option<u64>,
 }
 
 /// One thing a direction allows.
@@ -66,6 +72,38 @@ pub struct RuleReport {
     pub ports: String,
     /// Addresses in the set now (None: any peer).
     pub members: Option<usize>,
+    /// How many times the rule decided for this endpoint since the agent started: new
+    /// connections (and packets without a connection) it let through, and flows it let go on
+    /// after a change (None: not counted here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hits: Option<u64>,
+}
+
+impl EndpointReport {
+    /// Fills in the dataplane's counts: `hits` by (the policy's `namespace/name`, direction,
+    /// rule index), and the packets denied each way.
+    pub fn with_counts(
+        mut self,
+        hits: &std::collections::BTreeMap<(String, Direction, usize), u64>,
+        denied_ingress: u64,
+        denied_egress: u64,
+    ) -> Self {
+        for (d, rules) in [
+            (Direction::Ingress, &mut self.ingress),
+            (Direction::Egress, &mut self.egress),
+        ] {
+            for r in rules.iter_mut().flatten() {
+                r.hits = Some(
+                    hits.get(&(r.policy.clone(), d, r.rule))
+                        .copied()
+                        .unwrap_or(0),
+                );
+            }
+        }
+        self.denied_ingress = Some(denied_ingress);
+        self.denied_egress = Some(denied_egress);
+        self
+    }
 }
 
 impl EndpointReport {
@@ -97,6 +135,8 @@ impl EndpointReport {
             ingress: rules(Direction::Ingress),
             egress: rules(Direction::Egress),
             problems: ep.problems.iter().map(ToString::to_string).collect(),
+            denied_ingress: None,
+            denied_egress: None,
         }
     }
 }
@@ -115,6 +155,7 @@ fn rule_report(cluster: &Cluster, a: &Allow) -> RuleReport {
         peer,
         ports: a.ports.to_string(),
         members,
+        hits: None,
     }
 }
 

@@ -11,17 +11,17 @@
 use std::collections::BTreeMap;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, MapData};
+use aya::maps::{Array, MapData, PerCpuHashMap};
 use calix_common::{
-    PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP,
-    POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_SERVICE, POLICY_STATE_MAP,
-    POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
-    POL_KEEP_ESTABLISHED,
+    PolicyHitKey, PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_HITS_MAP, POLICY_IDS_V4_MAP,
+    POLICY_IDS_V6_MAP, POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_SERVICE,
+    POLICY_STATE_MAP, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS,
+    POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED,
 };
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::tables::{
-    plan, with_services, EndpointTables, Entries, EntryKey, RuleId, Tables,
+    plan, with_services, EndpointTables, Entries, EntryKey, EntryRef, Plan, RuleId, Tables,
 };
 use ipnet::IpNet;
 
@@ -49,6 +49,10 @@ pub trait PolicyMaps: Send {
     ) -> Result<(), DataplaneError>;
     fn remove_entry(&mut self, slot: u32, d: Direction, e: &EntryKey);
     fn set_state(&mut self, slot: u32, s: PolicyState) -> Result<(), DataplaneError>;
+    /// Forgets the hit count of rule `rule` for the endpoint in `slot`.
+    fn remove_hits(&mut self, slot: u32, rule: RuleId);
+    /// Forgets every hit count (the rules' numbers start over).
+    fn clear_hits(&mut self);
     /// What the maps hold: prefixes, entries by slot, and the states that are not zero.
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>);
 }
@@ -112,6 +116,7 @@ pub struct PinnedPolicyMaps {
     ids_v6: LpmTrie<MapData, [u8; 16], u32>,
     entries: LpmTrie<MapData, PolicyKey, u32>,
     state: Array<MapData, PolicyState>,
+    hits: PerCpuHashMap<MapData, PolicyHitKey, u64>,
 }
 
 impl PinnedPolicyMaps {
@@ -121,6 +126,7 @@ impl PinnedPolicyMaps {
             ids_v6: take(bpf, POLICY_IDS_V6_MAP, LpmTrie::try_from)?,
             entries: take(bpf, POLICY_MAP, LpmTrie::try_from)?,
             state: take(bpf, POLICY_STATE_MAP, Array::try_from)?,
+            hits: take(bpf, POLICY_HITS_MAP, PerCpuHashMap::try_from)?,
         })
     }
 }
@@ -168,6 +174,17 @@ impl PolicyMaps for PinnedPolicyMaps {
         self.state
             .set(slot, s, 0)
             .map_err(map_err(POLICY_STATE_MAP, "set"))
+    }
+
+    fn remove_hits(&mut self, slot: u32, rule: RuleId) {
+        let _ = self.hits.remove(&PolicyHitKey { slot, rule });
+    }
+
+    fn clear_hits(&mut self) {
+        let keys: Vec<PolicyHitKey> = self.hits.keys().filter_map(Result::ok).collect();
+        for k in keys {
+            let _ = self.hits.remove(&k);
+        }
     }
 
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
@@ -367,6 +384,10 @@ impl PolicyProgrammer {
     /// Moves the maps to `desired`, for the endpoints attached (`slots`: each one's pod and
     /// slot). A failed write stops there; the next call plans again from what the maps hold.
     pub fn set(&mut self, desired: Tables, slots: &[(PodKey, u32)]) -> Result<(), DataplaneError> {
+        if self.desired.is_none() {
+            // The pins' entries name the rules by an agent before's numbers.
+            self.maps.clear_hits();
+        }
         let target = self.target(&desired, slots);
         self.desired = Some(desired);
         self.move_to(target).map_err(|e| name_pods(e, slots))
@@ -480,6 +501,9 @@ impl PolicyProgrammer {
                 }
             }
         }
+        for (slot, rule) in stale_hits(&self.applied, &target, &p) {
+            self.maps.remove_hits(slot, rule);
+        }
         self.applied = target;
         match first_error {
             None => Ok(()),
@@ -500,6 +524,48 @@ impl PolicyProgrammer {
     pub fn applied(&self) -> &Tables<u32> {
         &self.applied
     }
+}
+
+/// The (slot, rule) pairs `before` has entries of and `after` none: their hit counts go, so
+/// that a rule's number handed out again (or a slot) starts from zero. Only the entries `p`
+/// touches, and the endpoints that went, are looked at.
+fn stale_hits(
+    before: &Tables<u32>,
+    after: &Tables<u32>,
+    p: &Plan<u32>,
+) -> std::collections::BTreeSet<(u32, RuleId)> {
+    let rule_of = |t: &Tables<u32>, e: &EntryRef<u32>| {
+        t.endpoints
+            .get(&e.endpoint)
+            .and_then(|x| x.direction(e.direction).as_ref())
+            .and_then(|m| m.get(&e.key))
+            .copied()
+    };
+    let rules = |t: &EndpointTables| -> Vec<RuleId> {
+        [&t.ingress, &t.egress]
+            .into_iter()
+            .flatten()
+            .flat_map(|m| m.values().copied())
+            .collect()
+    };
+    let mut stale: std::collections::BTreeSet<(u32, RuleId)> = p
+        .remove_entries
+        .iter()
+        .chain(p.add_entries.iter().map(|(e, _)| e))
+        .filter_map(|e| Some((e.endpoint, rule_of(before, e)?)))
+        .collect();
+    for (slot, t) in &before.endpoints {
+        if !after.endpoints.contains_key(slot) {
+            stale.extend(rules(t).into_iter().map(|r| (*slot, r)));
+        }
+    }
+    stale.retain(|(slot, rule)| {
+        !after
+            .endpoints
+            .get(slot)
+            .is_some_and(|t| rules(t).contains(rule))
+    });
+    stale
 }
 
 /// `e` with the pods of the slots it names (`slots`: each endpoint's pod and slot).

@@ -19,6 +19,8 @@ struct Held {
     states: BTreeMap<u32, PolicyState>,
     /// The entry map's size (None: unbounded).
     capacity: Option<usize>,
+    /// Hit counts by (slot, rule).
+    hits: BTreeMap<(u32, RuleId), u64>,
 }
 
 #[derive(Clone, Default)]
@@ -65,6 +67,12 @@ impl PolicyMaps for Fake {
             self.held().states.insert(slot, s);
         }
         Ok(())
+    }
+    fn remove_hits(&mut self, slot: u32, rule: RuleId) {
+        self.held().hits.remove(&(slot, rule));
+    }
+    fn clear_hits(&mut self) {
+        self.held().hits.clear();
     }
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
         let h = self.held();
@@ -378,4 +386,50 @@ fn keep_established_marks_isolated_endpoints_and_a_change_rechecks_their_flows()
     // The same setting again: nothing moves.
     p.set_keep_established(false).expect("keep off again");
     assert_eq!(fake.held().states, after);
+}
+
+#[test]
+fn hit_counts_go_with_their_rules_entries_and_endpoints_and_start_over_with_the_agent() {
+    let fake = Fake::default();
+    // Counts an agent before left: its rule numbers mean nothing to this one.
+    fake.held().hits.insert((9, 4), 7);
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    p.set(tables("10.0.0.5/32"), &[(pod("web"), 5)])
+        .expect("set");
+    assert!(fake.held().hits.is_empty(), "cleared at the first tables");
+    // The programs count: rule 1 decided for slot 5 (and for slot 6, another endpoint).
+    fake.held().hits.insert((5, 1), 3);
+    // Another rule number for the same entry, and a second entry of rule 1: the count of
+    // (5, 1) stays while one of its entries does.
+    let mut t = tables("10.0.0.5/32");
+    t.endpoints.insert(
+        pod("web"),
+        EndpointTables {
+            ingress: Some([(entry(1), 1), (entry(2), 2)].into()),
+            egress: None,
+        },
+    );
+    t.prefixes.insert("10.0.0.6/32".parse().expect("net"), 2);
+    p.set(t, &[(pod("web"), 5)]).expect("set");
+    assert_eq!(fake.held().hits.get(&(5, 1)), Some(&3));
+    fake.held().hits.insert((5, 2), 1);
+    // Rule 1's entry goes: its count goes; rule 2's stays.
+    let mut t = tables("10.0.0.6/32");
+    t.prefixes.clear();
+    t.prefixes.insert("10.0.0.6/32".parse().expect("net"), 2);
+    t.endpoints.insert(
+        pod("web"),
+        EndpointTables {
+            ingress: Some([(entry(2), 2)].into()),
+            egress: None,
+        },
+    );
+    p.set(t, &[(pod("web"), 5)]).expect("set");
+    assert_eq!(
+        fake.held().hits.keys().copied().collect::<Vec<_>>(),
+        vec![(5, 2)]
+    );
+    // The endpoint goes: every count of its slot goes.
+    p.detached(5);
+    assert!(fake.held().hits.is_empty());
 }

@@ -3,29 +3,37 @@ use std::path::Path;
 
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use calix_common::{
-    DropCount, DropKey, EndpointCounters, EndpointInfo, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP,
+    DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, PolicyHitKey, COUNTERS_MAP,
+    DROPS_MAP, ENDPOINTS_MAP, POLICY_HITS_MAP,
 };
 
 use crate::bpf::{map_err, open_hash, open_per_cpu_array};
-use crate::{DataplaneError, DataplaneStats};
+use crate::{DataplaneError, DataplaneStats, PolicyCounts};
 
 /// [`DataplaneStats`] for readers that must not wait for (or hold up) the dataplane.
 pub struct EbpfStats {
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
+    hits: PerCpuHashMap<MapData, PolicyHitKey, u64>,
+}
+
+/// The per-CPU hash pinned at `pin_dir/name`.
+fn open_per_cpu_hash<K: aya::Pod, V: aya::Pod>(
+    pin_dir: &Path,
+    name: &'static str,
+) -> Result<PerCpuHashMap<MapData, K, V>, DataplaneError> {
+    let data = MapData::from_pin(pin_dir.join(name)).map_err(map_err(name, "open pin"))?;
+    PerCpuHashMap::try_from(aya::maps::Map::PerCpuHashMap(data)).map_err(map_err(name, "open"))
 }
 
 impl EbpfStats {
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
-        let path = pin_dir.join(DROPS_MAP);
-        let drops = MapData::from_pin(&path)
-            .map(aya::maps::Map::PerCpuHashMap)
-            .map_err(map_err(DROPS_MAP, "open pin"))?;
         Ok(Self {
             endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
             counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
-            drops: PerCpuHashMap::try_from(drops).map_err(map_err(DROPS_MAP, "open"))?,
+            drops: open_per_cpu_hash(pin_dir, DROPS_MAP)?,
+            hits: open_per_cpu_hash(pin_dir, POLICY_HITS_MAP)?,
         })
     }
 }
@@ -56,5 +64,39 @@ impl DataplaneStats for EbpfStats {
         }
         out.sort_by_key(|(k, _)| *k);
         Ok(out)
+    }
+
+    fn policy_counts(
+        &self,
+        ifindex: u32,
+        _host_ifname: &str,
+    ) -> Result<Option<PolicyCounts>, DataplaneError> {
+        let slot = match self.endpoints.get(&ifindex, 0) {
+            Ok(info) => info.slot,
+            Err(MapError::KeyNotFound) => return Ok(None),
+            Err(e) => return Err(map_err(ENDPOINTS_MAP, "lookup")(e)),
+        };
+        let mut counts = PolicyCounts::default();
+        for item in self.hits.iter() {
+            let (k, per_cpu) = item.map_err(map_err(POLICY_HITS_MAP, "iterate"))?;
+            if k.slot == slot {
+                let n = per_cpu.iter().fold(0u64, |a, c| a.wrapping_add(*c));
+                counts.hits.insert(k.rule, n);
+            }
+        }
+        let denied = |reason: DropReason| -> Result<u64, DataplaneError> {
+            let key = DropKey {
+                ifindex,
+                reason: reason as u32,
+            };
+            match self.drops.get(&key, 0) {
+                Ok(per_cpu) => Ok(per_cpu.iter().map(|c| c.packets).sum()),
+                Err(MapError::KeyNotFound) => Ok(0),
+                Err(e) => Err(map_err(DROPS_MAP, "lookup")(e)),
+            }
+        };
+        counts.denied_ingress = denied(DropReason::PolicyIngress)?;
+        counts.denied_egress = denied(DropReason::PolicyEgress)?;
+        Ok(Some(counts))
     }
 }

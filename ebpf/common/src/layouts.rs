@@ -10,6 +10,7 @@ pub const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
 pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
 pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
+pub const BPF_MAP_TYPE_RINGBUF: u32 = 27;
 /// Map flag: the map's elements are allocated as they are inserted.
 pub const BPF_F_NO_PREALLOC: u32 = 1;
 
@@ -256,6 +257,30 @@ pub const LAYOUTS: [Layout; 3] = [
                 0,
             ),
             m(POLICY_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 104, 1, 0),
+            m(
+                POLICY_HITS_MAP,
+                BPF_MAP_TYPE_PERCPU_HASH,
+                8,
+                8,
+                MAX_POLICY_HITS,
+                1,
+            ),
+            m(
+                POLICY_EVENTS_MAP,
+                BPF_MAP_TYPE_RINGBUF,
+                0,
+                0,
+                POLICY_EVENTS_BYTES,
+                0,
+            ),
+            m(
+                POLICY_EVENT_BUDGET_MAP,
+                BPF_MAP_TYPE_PERCPU_ARRAY,
+                4,
+                88,
+                1,
+                0,
+            ),
         ],
     },
 ];

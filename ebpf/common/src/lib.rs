@@ -178,7 +178,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 31] = [
+pub const ALL_MAPS: [&str; 34] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -210,6 +210,9 @@ pub const ALL_MAPS: [&str; 31] = [
     POLICY_STATE_MAP,
     POLICY_FLOWS_MAP,
     POLICY_SCRATCH_MAP,
+    POLICY_HITS_MAP,
+    POLICY_EVENTS_MAP,
+    POLICY_EVENT_BUDGET_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -617,6 +620,9 @@ mod pod {
     unsafe impl aya::Pod for super::PolicyKey {}
     unsafe impl aya::Pod for super::PolicyFlow {}
     unsafe impl aya::Pod for super::PolicyScratch {}
+    unsafe impl aya::Pod for super::PolicyHitKey {}
+    unsafe impl aya::Pod for super::PolicyDropEvent {}
+    unsafe impl aya::Pod for super::EventBudget {}
 }
 
 #[cfg(test)]

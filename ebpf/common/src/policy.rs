@@ -23,6 +23,24 @@ pub const POLICY_FLOWS_MAP: &str = "CALIX_POL_FLOWS";
 /// Default size of [`POLICY_FLOWS_MAP`] (`[policy] flows`).
 pub const DEFAULT_POLICY_FLOWS: u32 = 262_144;
 
+/// Per-CPU hash: [`PolicyHitKey`] (an endpoint's slot, a rule's number) → `u64`, how many
+/// times that rule decided for that endpoint (a new flow, a flow checked again after a change,
+/// a packet judged alone). The agent removes a pair's count when the pair's entries go.
+pub const POLICY_HITS_MAP: &str = "CALIX_POL_HITS";
+/// Most (endpoint, rule) pairs counted; a pair past it is not counted (the verdict stands).
+pub const MAX_POLICY_HITS: u32 = 65_536;
+/// Ring buffer of [`PolicyDropEvent`]s: the packets policy denied, as they happen, at most
+/// [`POLICY_EVENTS_PER_SEC`] per CPU (`calixctl monitor --drops`). With no reader it fills
+/// up and the programs' writes fail: nothing waits for it.
+pub const POLICY_EVENTS_MAP: &str = "CALIX_POL_EVENTS";
+/// Bytes of [`POLICY_EVENTS_MAP`] (a power of two, a multiple of the page size).
+pub const POLICY_EVENTS_BYTES: u32 = 256 * 1024;
+/// Per-CPU array of one [`EventBudget`]: the drop events' rate limit.
+pub const POLICY_EVENT_BUDGET_MAP: &str = "CALIX_POL_EVBUDGET";
+/// The drop events' rate per CPU, and the burst allowed after a quiet time.
+pub const POLICY_EVENTS_PER_SEC: u64 = 1_000;
+pub const POLICY_EVENTS_BURST: u64 = 100;
+
 /// Per-CPU array of one [`PolicyScratch`]: where the programs build the verdict's keys (the
 /// BPF stack, 512 bytes for every frame of a call chain, is too small for them beside the fast
 /// path's own).
@@ -149,6 +167,56 @@ pub struct PolicyFlow {
     pub flags: u32,
 }
 
+/// [`PolicyDropEvent::why`]: no rule allows the packet.
+pub const DENIED_NO_RULE: u8 = 1;
+/// [`PolicyDropEvent::why`]: the packet's flow was allowed once, and a change revoked it.
+pub const DENIED_REVOKED: u8 = 2;
+/// [`PolicyDropEvent::why`]: the packet's headers cannot be read (fail closed).
+pub const DENIED_UNREADABLE: u8 = 3;
+
+/// A [`POLICY_HITS_MAP`] key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyHitKey {
+    pub slot: u32,
+    pub rule: u32,
+}
+
+/// A packet policy denied ([`POLICY_EVENTS_MAP`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyDropEvent {
+    /// `bpf_ktime_get_coarse_ns()` (CLOCK_MONOTONIC_COARSE).
+    pub ktime_ns: u64,
+    /// The flow seen from the pod (as far as it was read: `why` [`DENIED_UNREADABLE`] may
+    /// leave it partly empty).
+    pub flow: crate::FlowKey,
+    /// The endpoint's slot.
+    pub slot: u32,
+    /// The peer's identity ([`POLICY_WORLD`] when no prefix covers it).
+    pub identity: u32,
+    /// Events this CPU left out (rate limit) since the one before this.
+    pub suppressed: u32,
+    /// `POL_DIR_*`.
+    pub dir: u8,
+    /// `DENIED_*`.
+    pub why: u8,
+    pub _pad: [u8; 2],
+}
+
+/// The rate limit of the drop events, per CPU ([`POLICY_EVENT_BUDGET_MAP`] value): a token
+/// bucket counted in nanoseconds of credit; and where the next event is built (the stack has
+/// no room for it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventBudget {
+    pub credit_ns: u64,
+    pub last_ns: u64,
+    /// Events left out since the last one sent.
+    pub suppressed: u64,
+    pub event: PolicyDropEvent,
+}
+
 /// [`PolicyScratch::flags`]: the packet has ports (or an echo identifier): its flow is
 /// remembered.
 pub const PS_KEYED: u32 = 1;
@@ -168,11 +236,13 @@ pub struct PolicyScratch {
     pub rule: PolicyKey,
     pub addr_len: u32,
     pub addr: [u8; 16],
-    pub _pad0: u32,
+    /// The peer's identity, once looked up.
+    pub identity: u32,
     pub value: PolicyFlow,
     /// `PS_*` bits.
     pub flags: u32,
-    pub _pad1: u32,
+    /// Why the verdict denied (`DENIED_*`), once it did.
+    pub why: u32,
 }
 
 /// How long a remembered flow lives after its last packet: TCP (established or not: a new

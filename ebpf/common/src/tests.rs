@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 31] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 34] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -57,6 +57,13 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 31] {
             POLICY_SCRATCH_MAP,
             size_of::<u32>(),
             size_of::<PolicyScratch>(),
+        ),
+        (POLICY_HITS_MAP, size_of::<PolicyHitKey>(), size_of::<u64>()),
+        (POLICY_EVENTS_MAP, 0, 0),
+        (
+            POLICY_EVENT_BUDGET_MAP,
+            size_of::<u32>(),
+            size_of::<EventBudget>(),
         ),
     ]
 }
@@ -120,6 +127,8 @@ fn layouts_have_no_padding() {
     assert_eq!(size_of::<DropKey>(), 8);
     assert_eq!(size_of::<DropCount>(), 16);
     assert_eq!(size_of::<FlowKey>(), 40);
+    assert_eq!(size_of::<PolicyDropEvent>(), 64);
+    assert_eq!(size_of::<EventBudget>(), 88);
     assert_eq!(size_of::<FailsafePort>(), 4);
     assert_eq!(size_of::<CtKey>(), 16);
     assert_eq!(size_of::<CtEntry>(), 64);

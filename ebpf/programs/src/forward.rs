@@ -103,6 +103,7 @@ pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, 
 #[inline(always)]
 pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
     if policy::isolated(ep.slot) && !policy::ingress(ctx.skb.skb, ep.slot) {
+        policy::report_denied(ep.slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ep.ifindex, DropReason::PolicyIngress));
     }
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;

@@ -201,7 +201,10 @@ fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32) -> Option<i32> {
             ctx.set_mark(policy_pending_mark(slot));
             Some(TC_ACT_OK)
         }
-        _ => Some(drop(ctx, ifindex, DropReason::PolicyEgress)),
+        _ => {
+            policy::report_denied(slot, calix_common::POL_DIR_EGRESS);
+            Some(drop(ctx, ifindex, DropReason::PolicyEgress))
+        }
     }
 }
 

@@ -63,6 +63,7 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
         // Cleared here: a VXLAN device's packet keeps its mark into the uplink's hook.
         ctx.set_mark(0);
         if !crate::policy::after_nat(ctx.skb.skb, sender) {
+            crate::policy::report_denied(sender, calix_common::POL_DIR_EGRESS);
             // Counted on the sender's veth (where the stack received it).
             // SAFETY: a plain context access the verifier checks.
             let sender_if = unsafe { (*ctx.skb.skb).ingress_ifindex };

@@ -6,15 +6,15 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
-    EndpointCounters, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow,
+    EndpointCounters, EventBudget, PolicyHitKey, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow,
     PolicyKey, PolicyScratch, PolicyState, StackFlow, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
     DEFAULT_POLICY_FLOWS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
     MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
-    MAX_STACK_FLOWS,
+    MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -170,6 +170,28 @@ pub static CALIX_POL_FLOWS: LruHashMap<FlowKey, PolicyFlow> =
 #[map(name = "CALIX_POL_SCRATCH")]
 pub static CALIX_POL_SCRATCH: PerCpuArray<PolicyScratch> = PerCpuArray::pinned(1, 0);
 
+/// NetworkPolicy: how often each rule decided, per endpoint.
+#[map(name = "CALIX_POL_HITS")]
+pub static CALIX_POL_HITS: PerCpuHashMap<PolicyHitKey, u64> =
+    PerCpuHashMap::pinned(MAX_POLICY_HITS, BPF_F_NO_PREALLOC);
+
+/// NetworkPolicy: the packets it denied, for `calixctl monitor --drops`.
+#[map(name = "CALIX_POL_EVENTS")]
+pub static CALIX_POL_EVENTS: RingBuf = RingBuf::pinned(POLICY_EVENTS_BYTES, 0);
+
+/// NetworkPolicy: the drop events' rate limit, one per CPU.
+#[map(name = "CALIX_POL_EVBUDGET")]
+pub static CALIX_POL_EVBUDGET: PerCpuArray<EventBudget> = PerCpuArray::pinned(1, 0);
+
+const _: () = assert!(crate::str_eq(calix_common::POLICY_HITS_MAP, "CALIX_POL_HITS"));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_EVENTS_MAP,
+    "CALIX_POL_EVENTS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_EVENT_BUDGET_MAP,
+    "CALIX_POL_EVBUDGET"
+));
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_SCRATCH_MAP,
     "CALIX_POL_SCRATCH"

@@ -34,8 +34,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    FlowKey, PolicyKey, PolicyScratch, PolicyState, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
-    PF_TO_POD,
+    FlowKey, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
+    DENIED_NO_RULE, DENIED_REVOKED, DENIED_UNREADABLE, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
+    PF_TO_POD, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
     POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
@@ -43,8 +44,8 @@ use calix_common::{
 };
 
 use crate::maps::{
-    CALIX_POLICY, CALIX_POL_FLOWS, CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_SCRATCH,
-    CALIX_POL_STATE,
+    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_FLOWS, CALIX_POL_HITS,
+    CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_SCRATCH, CALIX_POL_STATE,
 };
 use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP};
 
@@ -55,6 +56,7 @@ const TCP_ACK: u8 = 0x10;
 /// A remembered flow's time is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
 const BPF_ANY: u64 = 0;
+const BPF_NOEXIST: u64 = 1;
 
 /// A verdict: the packet is denied.
 pub const DENY: u8 = 0;
@@ -273,6 +275,7 @@ fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) ->
         CALIX_POL_IDS_V6.get(k).copied()
     }
     .unwrap_or(POLICY_WORLD);
+    s.identity = identity;
     if identity == POLICY_SERVICE && dir == POL_DIR_EGRESS {
         return DEFER;
     }
@@ -287,15 +290,91 @@ fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) ->
     s.rule = PolicyKey::new(slot, dir, identity, s.flow.proto, port);
     // SAFETY: `rule_len` then `rule` are laid out as the entry trie's key.
     let k = unsafe { &*(&s.rule_len as *const u32 as *const Key<PolicyKey>) };
-    if CALIX_POLICY.get(k).is_some() {
+    if let Some(rule) = CALIX_POLICY.get(k) {
+        hit(s, slot, *rule);
         return ALLOW;
     }
     s.rule.identity = POLICY_ANY_PEER.to_be_bytes();
-    if CALIX_POLICY.get(k).is_some() {
+    if let Some(rule) = CALIX_POLICY.get(k) {
+        hit(s, slot, *rule);
         ALLOW
     } else {
+        s.why = u32::from(DENIED_NO_RULE);
         DENY
     }
+}
+
+/// A hit count's key and first value, built in the scratch's `value` (a flow's value, not in
+/// use until the flow is remembered, after the rules decided): the stack has no room for
+/// them.
+#[repr(C)]
+struct HitEntry {
+    key: PolicyHitKey,
+    count: u64,
+}
+const _: () = assert!(
+    core::mem::size_of::<HitEntry>() == core::mem::size_of::<calix_common::PolicyFlow>()
+        && core::mem::align_of::<HitEntry>() <= core::mem::align_of::<calix_common::PolicyFlow>()
+);
+
+/// Counts a decision of rule `rule` for the endpoint in `slot`.
+#[inline(always)]
+fn hit(s: &mut PolicyScratch, slot: u32, rule: u32) {
+    // SAFETY: `HitEntry` has `PolicyFlow`'s size and no stricter alignment (checked above);
+    // both are plain data.
+    let h = unsafe { &mut *(&mut s.value as *mut calix_common::PolicyFlow as *mut HitEntry) };
+    h.key = PolicyHitKey { slot, rule };
+    h.count = 1;
+    match CALIX_POL_HITS.get_ptr_mut(&h.key) {
+        // SAFETY: this CPU's value, from a successful lookup, valid until the program returns.
+        Some(c) => unsafe { *c = (*c).wrapping_add(1) },
+        None => {
+            // A full map leaves the pair uncounted; the verdict stands.
+            let _ = CALIX_POL_HITS.insert(&h.key, &h.count, BPF_NOEXIST);
+        }
+    }
+}
+
+/// Sends the packet a verdict just denied (its flow in this CPU's scratch) to the drop
+/// events, within the rate limit; what the limit leaves out is counted in the next event
+/// sent. Called by the program itself, after the verdict returned: the verdict's frame and
+/// this one's do not fit the 512 bytes of stack together with the fast path's.
+#[inline(never)]
+pub fn report_denied(slot: u32, dir: u8) {
+    const COST_NS: u64 = 1_000_000_000 / POLICY_EVENTS_PER_SEC;
+    const MAX_NS: u64 = COST_NS * POLICY_EVENTS_BURST;
+    let (Some(s), Some(b)) = (scratch(), CALIX_POL_EVBUDGET.get_ptr_mut(0)) else {
+        return;
+    };
+    // SAFETY: this CPU's value, from a successful lookup (see `scratch`).
+    let b = unsafe { &mut *b };
+    // SAFETY: a plain helper call.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let credit = b
+        .credit_ns
+        .saturating_add(now.wrapping_sub(b.last_ns))
+        .min(MAX_NS);
+    b.last_ns = now;
+    if credit < COST_NS {
+        b.credit_ns = credit;
+        b.suppressed = b.suppressed.wrapping_add(1);
+        return;
+    }
+    b.event.ktime_ns = now;
+    b.event.flow = s.flow;
+    b.event.slot = slot;
+    b.event.identity = s.identity;
+    b.event.suppressed = b.suppressed.min(u64::from(u32::MAX)) as u32;
+    b.event.dir = dir;
+    b.event.why = s.why as u8;
+    if CALIX_POL_EVENTS.output(&b.event, 0).is_err() {
+        // Nobody reads (or not fast enough): nothing waits for it.
+        b.credit_ns = credit;
+        b.suppressed = b.suppressed.wrapping_add(1);
+        return;
+    }
+    b.credit_ns = credit - COST_NS;
+    b.suppressed = 0;
 }
 
 /// The verdict of the endpoint in `slot` (state `st`) on the packet in `s` in `dir`
@@ -350,7 +429,11 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                 }
                 // A revoked flow stays remembered as such while its packets keep coming: the
                 // mid-connection rule below must not let it in again by the other direction.
-                return if f.flags & PF_REVOKED != 0 { DENY } else { ALLOW };
+                if f.flags & PF_REVOKED != 0 {
+                    s.why = u32::from(DENIED_REVOKED);
+                    return DENY;
+                }
+                return ALLOW;
             }
         }
     }
@@ -374,7 +457,10 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                 PF_TO_POD
             }
         }
-        _ => return DENY,
+        _ => {
+            s.why = u32::from(DENIED_NO_RULE);
+            return DENY;
+        }
     };
     remember(s, st, flags, now);
     ALLOW
@@ -400,10 +486,15 @@ fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
     let Some(s) = scratch() else {
         return DENY;
     };
-    if !read(&ctx, s, dir == POL_DIR_EGRESS) {
-        return DENY;
-    }
-    allows(slot, &st, dir, s)
+    s.identity = POLICY_WORLD;
+    s.why = 0;
+    let v = if read(&ctx, s, dir == POL_DIR_EGRESS) {
+        allows(slot, &st, dir, s)
+    } else {
+        s.why = u32::from(DENIED_UNREADABLE);
+        DENY
+    };
+    v
 }
 
 /// The egress verdict on the frame in `skb`, sent by the pod in `slot` (its source already

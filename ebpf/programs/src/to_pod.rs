@@ -16,6 +16,7 @@ pub fn try_to_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
     if let Some(sender) = policy_pending_slot(unsafe { (*ctx.skb.skb).mark }) {
         ctx.set_mark(0);
         if !policy::after_nat(ctx.skb.skb, sender) {
+            policy::report_denied(sender, calix_common::POL_DIR_EGRESS);
             // Counted on the sender's veth (where the stack received it).
             // SAFETY: as above.
             let sender_if = unsafe { (*ctx.skb.skb).ingress_ifindex };
@@ -38,6 +39,7 @@ pub fn try_to_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
         return Ok(TC_ACT_OK);
     }
     if policy::isolated(slot) && !policy::ingress(ctx.skb.skb, slot) {
+        policy::report_denied(slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ifindex, DropReason::PolicyIngress));
     }
     counters::to_pod(slot, u64::from(ctx.len()));

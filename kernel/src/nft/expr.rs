@@ -386,6 +386,32 @@ pub(crate) fn encode(w: &mut Writer, e: &Expr, anon: &mut dyn FnMut() -> (String
     w.end_nest();
 }
 
+/// The counts of one `NFTA_LIST_ELEM` of a rule's expressions when it is a counter: (packets,
+/// bytes).
+pub(crate) fn counts(elem: &[u8]) -> Result<Option<(u64, u64)>, Malformed> {
+    let (mut name, mut data) = (None, None);
+    for a in Attrs::new(elem) {
+        match a? {
+            (EXPR_NAME, v) => name = Some(string(v)?),
+            (EXPR_DATA, v) => data = Some(v),
+            _ => {}
+        }
+    }
+    if name.as_deref() != Some("counter") {
+        return Ok(None);
+    }
+    let (mut packets, mut bytes) = (0, 0);
+    for a in Attrs::new(data.unwrap_or_default()) {
+        match a? {
+            // NFTA_COUNTER_BYTES, NFTA_COUNTER_PACKETS.
+            (1, v) => bytes = be64(v)?,
+            (2, v) => packets = be64(v)?,
+            _ => {}
+        }
+    }
+    Ok(Some((packets, bytes)))
+}
+
 /// Reads one `NFTA_LIST_ELEM` of a rule's expressions. Lookups come back as
 /// [`SetRef::Named`], also for anonymous sets (the reader swaps those in).
 pub(crate) fn decode(elem: &[u8]) -> Result<Expr, Malformed> {

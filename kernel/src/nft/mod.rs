@@ -42,6 +42,7 @@ use nix::errno::Errno;
 pub use data::{Data, Element, KeyType, MapData, Set, Verdict};
 pub use expr::{CmpOp, CtKey, Expr, MetaKey, PayloadBase, Reg, SetRef};
 pub use model::{priority, BaseChain, Chain, ChainType, Family, Hook, Rule, Table};
+pub use read::RuleCount;
 pub use rule::{Addr, CtDirection, RuleBuilder};
 pub use socket::Socket;
 pub use wire::{Malformed, NAME_MAX};
@@ -186,6 +187,17 @@ impl Socket {
         })
     }
 
+    /// The counts of table `family name`'s rules that have a counter (none when there is no
+    /// such table). One dump: a table written meanwhile gives the old rules' counts or the
+    /// new ones', each rule whole.
+    pub fn counters(&mut self, family: Family, name: &str) -> Result<Vec<RuleCount>, NftError> {
+        read::counters(self, family, name).map_err(|source| NftError::Netlink {
+            table: format!("{family} {name}"),
+            doing: "reading its counters",
+            source,
+        })
+    }
+
     /// Sends a batch and reads an answer to every message that asked for one. The kernel
     /// answers while it handles the `send`, so once one error is in, the rest are queued.
     fn transact(&mut self, table: &str, batch: batch::Batch) -> Result<(), NftError> {
@@ -252,6 +264,11 @@ pub fn delete(family: Family, name: &str) -> Result<(), NftError> {
 /// [`Socket::generation`] on a socket opened in the calling thread's network namespace.
 pub fn generation() -> Result<u32, NftError> {
     Socket::open()?.generation()
+}
+
+/// [`Socket::counters`] on a socket opened in the calling thread's network namespace.
+pub fn counters(family: Family, name: &str) -> Result<Vec<RuleCount>, NftError> {
+    Socket::open()?.counters(family, name)
 }
 
 /// [`Socket::read`] on a socket opened in the calling thread's network namespace.

@@ -198,6 +198,57 @@ pub(crate) fn read_once(
     Ok(Read::Done(Some(t)))
 }
 
+/// The counts of one rule with a counter ([`counters`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuleCount {
+    pub chain: String,
+    pub comment: Option<String>,
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// The counters of table `family name`'s rules, in the kernel's order (empty when there is no
+/// such table). A rule with several counters gives its first's counts.
+pub(crate) fn counters(
+    sock: &mut Socket,
+    family: Family,
+    name: &str,
+) -> Result<Vec<RuleCount>, NetlinkError> {
+    let rules = match request(sock, GETRULE, NEWRULE, NLM_F_DUMP, family, &|w| {
+        w.put_str(1, name)
+    }) {
+        Ok((rules, _)) => rules,
+        Err(NetlinkError::Errno(nix::errno::Errno::ENOENT)) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for p in &rules {
+        let a = attrs_of(p)?;
+        if string(need(&a, 1)?)? != name {
+            continue;
+        }
+        let mut found = None;
+        for e in Attrs::new(get(&a, 4).unwrap_or_default()) {
+            let (ty, v) = e?;
+            if ty == LIST_ELEM {
+                if let Some(c) = expr::counts(v)? {
+                    found = Some(c);
+                    break;
+                }
+            }
+        }
+        if let Some((packets, bytes)) = found {
+            out.push(RuleCount {
+                chain: string(need(&a, 2)?)?,
+                comment: comment_of(get(&a, 7)),
+                packets,
+                bytes,
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// A lookup in an anonymous set holds the set itself.
 fn anonymous_in(e: Expr, anonymous: &[Set]) -> Expr {
     match e {

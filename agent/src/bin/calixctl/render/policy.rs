@@ -53,14 +53,21 @@ pub(crate) fn policy(r: &PolicyReport, asked: Option<&str>) -> String {
             e.policies.join(", ")
         }
     ));
-    for (direction, rules) in [("ingress", &e.ingress), ("egress", &e.egress)] {
+    for (direction, rules, denied) in [
+        ("ingress", &e.ingress, e.denied_ingress),
+        ("egress", &e.egress, e.denied_egress),
+    ] {
+        let denied = match denied {
+            Some(n) if rules.is_some() => format!(" ({n} packets denied)"),
+            _ => String::new(),
+        };
         match rules {
             None => out.push_str(&format!("\n{direction}: not isolated, everything allowed")),
             Some(rules) if rules.is_empty() => {
-                out.push_str(&format!("\n{direction}: isolated, nothing allowed"))
+                out.push_str(&format!("\n{direction}: isolated, nothing allowed{denied}"))
             }
             Some(rules) => {
-                out.push_str(&format!("\n{direction}: isolated, allowed:\n"));
+                out.push_str(&format!("\n{direction}: isolated{denied}, allowed:\n"));
                 out.push_str(&rules_table(rules));
             }
         }
@@ -81,8 +88,12 @@ fn rules_table(rules: &[RuleReport]) -> String {
                 x.peer.clone(),
                 x.members.map_or("-".to_string(), |m| m.to_string()),
                 x.ports.clone(),
+                x.hits.map_or("-".to_string(), |h| h.to_string()),
             ]
         })
         .collect();
-    table(&["POLICY", "RULE", "PEER", "ADDRESSES", "PORTS"], &rows)
+    table(
+        &["POLICY", "RULE", "PEER", "ADDRESSES", "PORTS", "HITS"],
+        &rows,
+    )
 }

@@ -239,16 +239,26 @@ fn a_pods_policy_reads_direction_by_direction() {
             peer: "pods role=client in a".into(),
             ports: "TCP/80".into(),
             members: Some(2),
+            hits: Some(17),
         }]),
         egress: Some(vec![]),
         problems: vec!["a/web ingress rule 1: unknown protocol \"ICMP\"".into()],
+        denied_ingress: Some(4),
+        denied_egress: Some(9),
         ..EndpointReport::default()
     });
     let text = super::policy::policy(&r, Some("a/web"));
     assert!(text.contains("policies: a/web, a/deny-egress"), "{text}");
-    assert!(text.contains("ingress: isolated, allowed:"), "{text}");
+    assert!(
+        text.contains("ingress: isolated (4 packets denied), allowed:"),
+        "{text}"
+    );
     assert!(text.contains("pods role=client in a  2"), "{text}");
-    assert!(text.contains("egress: isolated, nothing allowed"), "{text}");
+    assert!(text.contains("TCP/80  17"), "{text}");
+    assert!(
+        text.contains("egress: isolated, nothing allowed (9 packets denied)"),
+        "{text}"
+    );
     assert!(
         text.contains("not enforceable, allows nothing: a/web ingress rule 1"),
         "{text}"
