@@ -140,6 +140,7 @@ async fn run() -> Result<()> {
         ),
     };
     let stats = dataplane.stats()?;
+    let policy_events = dataplane.policy_events()?;
     let driver = Driver::spawn(
         NetlinkHost::new,
         dataplane,
@@ -312,11 +313,19 @@ async fn run() -> Result<()> {
     let socket = local_api::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.
     http.set_ready(node.clone());
+    let monitor = match policy_events {
+        Some(events) => Some(
+            calix_agent::policy::monitor::spawn(events, node.clone(), policy.clone())
+                .context("cannot follow the policy drop events")?,
+        ),
+        None => None,
+    };
     socket
         .serve(
             node.clone(),
             routes.clone(),
             policy,
+            monitor,
             tasks::shutdown_signal(),
         )
         .await?;

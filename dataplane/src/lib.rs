@@ -227,6 +227,11 @@ pub trait DataplaneStats: Send + Sync {
     fn counters(&self, ifindex: u32) -> Result<Option<EndpointCounters>, DataplaneError>;
     /// Every drop counter, summed over CPUs.
     fn drops(&self) -> Result<Vec<(DropKey, DropCount)>, DataplaneError>;
+    /// Each endpoint's slot → the ifindex of its host veth (what the drop events name an
+    /// endpoint by); empty when the dataplane has no slots.
+    fn slots(&self) -> Result<std::collections::BTreeMap<u32, u32>, DataplaneError> {
+        Ok(Default::default())
+    }
     /// NetworkPolicy's counts of the endpoint whose host veth is `ifindex` (named
     /// `host_ifname`); `None` when there is no such endpoint or the dataplane counts none.
     fn policy_counts(
@@ -299,8 +304,13 @@ pub trait Dataplane: Send {
     ) -> Result<Vec<Drift>, DataplaneError> {
         Ok(Vec::new())
     }
+    /// The consumer of NetworkPolicy's drop events; `None` when the dataplane sends none
+    /// (kernel mode). One consumer at a time.
+    fn policy_events(&self) -> Result<Option<ebpf::PolicyEvents>, DataplaneError> {
+        Ok(None)
+    }
     /// A reader of the counters that works without this object; `None` when the dataplane
-    /// keeps none (kernel mode).
+    /// keeps none.
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(None)
     }

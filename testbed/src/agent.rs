@@ -213,6 +213,14 @@ impl Agent {
             .args(args))
     }
 
+    /// `calixctl --socket <this agent's>`, to add arguments to and run (e.g. spawn, for a
+    /// command that streams).
+    pub fn calixctl_command(&self) -> Command {
+        let mut c = Command::new(self.spec.bins.join("calixctl"));
+        c.arg("--socket").arg(&self.socket);
+        c
+    }
+
     /// `calixctl <args> -o json`, parsed.
     pub fn calixctl_json(&self, args: &[&str]) -> Result<Value> {
         crate::process::json(

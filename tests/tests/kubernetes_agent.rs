@@ -1827,6 +1827,59 @@ fn established_flows_across_changes(api: &KubeApi, node: &Node, ns: &str, client
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// `calixctl monitor --drops` while `other` pings the isolated `web`: each denied packet as it
+/// happens, named (eBPF: its ring of drop events); kernel mode says it has none.
+fn monitor_sees_the_drops(node: &Node, dataplane: Dataplane, ns: &str, other: &Pod, web: &Pod) {
+    use std::process::Stdio;
+    let mut child = node
+        .agent()
+        .calixctl_command()
+        .args(["monitor", "--drops", "--count", "2", "-o", "json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("calixctl monitor");
+    let web_ip = web.ip();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("calixctl monitor --drops saw no 2 drops in 20 s");
+        }
+        other.ns.ping(&web_ip, 1);
+    };
+    let out = child.wait_with_output().expect("output");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    if dataplane == Dataplane::Kernel {
+        assert!(
+            !status.success() && stderr.contains("kernel dataplane"),
+            "kernel mode says it has no drop events: {stderr}"
+        );
+        return;
+    }
+    assert!(status.success(), "{stderr}");
+    let events: Vec<Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(events.len(), 2, "{stdout}");
+    for e in &events {
+        assert_eq!(e["pod"], format!("{ns}/web"), "{e}");
+        assert_eq!(e["direction"], "ingress", "{e}");
+        assert_eq!(e["protocol"], "ICMP", "{e}");
+        assert_eq!(e["pod_address"], web_ip.as_str(), "{e}");
+        assert_eq!(e["peer_address"], other.ip().as_str(), "{e}");
+        assert_eq!(e["peer_pod"], format!("{ns}/other"), "{e}");
+        assert_eq!(e["why"], "no rule allows it", "{e}");
+    }
+}
+
 fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, node_ip: &str) {
     let api = KubeApi::shared();
     let u = unique(tag);
@@ -1894,6 +1947,7 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
     // Web's answers on the revoked connection above were refused too (counted by the
     // direction that met them in eBPF, by the revoking direction's reply chain in nftables).
     assert!(ep["denied_egress"].is_u64(), "{pod_report}");
+    monitor_sees_the_drops(&node, dataplane, &ns, &other, &web);
     let (_, metrics) = node.http_get("/metrics").expect("/metrics");
     for line in [
         "calix_policy_ready 1",

@@ -312,6 +312,39 @@ impl EndpointRegistry {
             .collect())
     }
 
+    /// Each endpoint's slot → its host veth and its pod (`namespace/name`, when it has one):
+    /// how drop events name an endpoint. Empty without a dataplane that has slots.
+    pub async fn slot_names(&self) -> HashMap<u32, (String, Option<String>)> {
+        let Some(stats) = &self.stats else {
+            return HashMap::new();
+        };
+        let by_ifindex: HashMap<u32, (String, Option<String>)> = {
+            let records = self.records.lock().await;
+            let snapshot = self.driver.snapshot().await.unwrap_or_default();
+            snapshot
+                .attached
+                .iter()
+                .filter_map(|(k, a)| {
+                    let r = records.get(k)?;
+                    let pod = (!r.pod_name.is_empty())
+                        .then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
+                    Some((a.ifindex, (r.host_ifname.clone(), pod)))
+                })
+                .collect()
+        };
+        let slots = match blocking(|| stats.slots()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the endpoints' slots");
+                return HashMap::new();
+            }
+        };
+        slots
+            .into_iter()
+            .filter_map(|(slot, ifindex)| Some((slot, by_ifindex.get(&ifindex)?.clone())))
+            .collect()
+    }
+
     /// NetworkPolicy's counts of pod `namespace/name`'s endpoints on this node, summed (None:
     /// it has none attached, or the dataplane counts none).
     pub async fn policy_counts(

@@ -113,10 +113,57 @@ impl pb::route_info_server::RouteInfo for RouteInfoSvc {
 pub struct PolicyInfoSvc {
     pub node: Arc<Node>,
     pub policy: Option<Arc<PolicyService>>,
+    /// The drop events (eBPF dataplane only).
+    pub monitor: Option<crate::policy::monitor::DropMonitor>,
 }
+
+type MonitorStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::MonitorEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
+    type MonitorStream = MonitorStream;
+
+    async fn monitor(
+        &self,
+        _req: Request<pb::MonitorRequest>,
+    ) -> Result<Response<Self::MonitorStream>, Status> {
+        let Some(m) = &self.monitor else {
+            return Err(Status::unavailable(
+                "no drop events on this node: the kernel dataplane sends none (calixctl \
+                 policy <pod> shows its nftables counters)",
+            ));
+        };
+        let mut rx = m.subscribe();
+        let (tx, out) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(async move {
+            loop {
+                let item = match rx.recv().await {
+                    Ok(d) => serde_json::to_string(&*d)
+                        .map(|json| pb::MonitorEvent { json })
+                        .map_err(|e| Status::internal(format!("encoding an event: {e}"))),
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                        let lost = calix_core::policy::report::DroppedPacket {
+                            why: format!("{n} events lost: the watcher read too slowly"),
+                            suppressed: u32::try_from(n).unwrap_or(u32::MAX),
+                            ..Default::default()
+                        };
+                        serde_json::to_string(&lost)
+                            .map(|json| pb::MonitorEvent { json })
+                            .map_err(|e| Status::internal(format!("encoding an event: {e}")))
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                };
+                if tx.send(item).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
+    }
+
     async fn show(
         &self,
         req: Request<pb::PolicyInfoRequest>,
@@ -560,6 +607,7 @@ impl UnixSocket {
         node: Arc<Node>,
         routes: Option<Arc<RoutesHandle>>,
         policy: Option<Arc<PolicyService>>,
+        monitor: Option<crate::policy::monitor::DropMonitor>,
         shutdown: impl std::future::Future<Output = ()>,
     ) -> Result<(), ServeError> {
         let path = self.path;
@@ -571,6 +619,7 @@ impl UnixSocket {
         let policy_info = PolicyInfoSvc {
             node: node.clone(),
             policy,
+            monitor,
         };
         let result = tonic::transport::Server::builder()
             .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))

@@ -15,6 +15,7 @@ use calix_core::policy::report::{EndpointReport, PolicyReport};
 use calix_core::policy::tables::{Compiler, RuleId, RuleRef, Tables};
 use calix_dataplane::PolicyCounts;
 
+pub mod monitor;
 #[cfg(test)]
 mod tests;
 
@@ -228,6 +229,14 @@ impl PolicyService {
         inner.compilations += 1;
         inner.rules.clone_from(&tables.rules);
         Some(tables)
+    }
+
+    /// The pod (`namespace/name`) that has address `ip`, when the agent knows one.
+    pub fn pod_with_address(&self, ip: std::net::IpAddr) -> Option<String> {
+        self.lock()
+            .cluster
+            .pod_with_address(ip)
+            .map(ToString::to_string)
     }
 
     /// This node's endpoint policy of `pod` as last computed (None: not here, host network, or

@@ -87,6 +87,14 @@ impl Cluster {
         self.policies.get(key)
     }
 
+    /// The pod (not on the host's network) that has address `ip`, if one does.
+    pub fn pod_with_address(&self, ip: std::net::IpAddr) -> Option<&PodKey> {
+        self.pods
+            .values()
+            .find(|p| !p.host_network && p.ips.contains(&ip))
+            .map(|p| &p.key)
+    }
+
     pub fn counts(&self) -> (usize, usize, usize, usize) {
         (
             self.namespaces.len(),

@@ -59,6 +59,31 @@ pub struct EndpointReport {
     pub denied_egress: Option<u64>,
 }
 
+/// A packet NetworkPolicy denied (`calixctl monitor --drops`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DroppedPacket {
+    /// When (RFC 3339, UTC; to the dataplane's coarse clock).
+    pub time: String,
+    /// `namespace/name` of the endpoint's pod (None: an endpoint the agent cannot name).
+    pub pod: Option<String>,
+    /// Its host veth.
+    pub interface: Option<String>,
+    /// `ingress` (to the pod) or `egress` (from it).
+    pub direction: String,
+    /// `TCP`, `UDP`, `SCTP`, `ICMP`, `ICMPv6`, or the protocol's number.
+    pub protocol: String,
+    pub pod_address: String,
+    pub pod_port: Option<u16>,
+    pub peer_address: String,
+    pub peer_port: Option<u16>,
+    /// `namespace/name` of the pod the peer address is, when the agent knows one.
+    pub peer_pod: Option<String>,
+    /// Why: `no rule allows it`, `revoked by a policy change`, `headers cannot be read`.
+    pub why: String,
+    /// Packets denied on that CPU just before this one and left out (rate limit).
+    pub suppressed: u32,
+}
+
 /// One thing a direction allows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RuleReport {

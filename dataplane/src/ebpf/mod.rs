@@ -41,6 +41,7 @@ use calix_core::policy::tables::Tables;
 use calix_kernel::host::HostKernel;
 
 mod endpoints;
+mod events;
 mod host_tables;
 mod maps;
 pub mod policy;
@@ -51,6 +52,7 @@ mod stats;
 mod tests;
 
 use endpoints::{Endpoints, Inherited};
+pub use events::PolicyEvents;
 use maps::{pinned, EndpointMaps, PinnedSlotArrays};
 pub use policy::PolicySettings;
 pub use stats::EbpfStats;
@@ -552,6 +554,10 @@ impl Dataplane for EbpfDataplane {
 
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(Some(Box::new(EbpfStats::open(&self.cfg.pin_dir())?)))
+    }
+
+    fn policy_events(&self) -> Result<Option<PolicyEvents>, DataplaneError> {
+        PolicyEvents::open(&self.cfg.pin_dir()).map(Some)
     }
 
     fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError> {

@@ -66,6 +66,15 @@ impl DataplaneStats for EbpfStats {
         Ok(out)
     }
 
+    fn slots(&self) -> Result<std::collections::BTreeMap<u32, u32>, DataplaneError> {
+        let mut out = std::collections::BTreeMap::new();
+        for item in self.endpoints.iter() {
+            let (ifindex, info) = item.map_err(map_err(ENDPOINTS_MAP, "iterate"))?;
+            out.insert(info.slot, ifindex);
+        }
+        Ok(out)
+    }
+
     fn policy_counts(
         &self,
         ifindex: u32,

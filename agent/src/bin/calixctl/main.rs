@@ -64,6 +64,18 @@ enum Cmd {
     /// NetworkPolicy: the agent's calculation, and a pod's policies and rules in force
     /// (`<namespace>/<name>`, or a name in `default`).
     Policy { pod: Option<String> },
+    /// What happens now: with `--drops`, each packet NetworkPolicy denies on this node, as it
+    /// happens (the endpoint, the flow, the peer, why), until interrupted. At most 1,000
+    /// events a second per CPU; what the limit leaves out is counted on the next line. With
+    /// `-o json`, one JSON object per line.
+    Monitor {
+        /// The packets NetworkPolicy denies (eBPF dataplane).
+        #[arg(long, required = true)]
+        drops: bool,
+        /// Stop after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+    },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -116,6 +128,9 @@ async fn main() -> Result<()> {
         } => commands::bpf::counters(channel, cli.output).await?,
         Cmd::Endpoints => commands::endpoints::run(channel, cli.output).await?,
         Cmd::Policy { pod } => commands::policy::run(channel, pod, cli.output).await?,
+        Cmd::Monitor { drops: _, count } => {
+            commands::policy::monitor(channel, count, cli.output).await?
+        }
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! `policy [<namespace>/<pod>]`.
 use anyhow::{bail, Context, Result};
-use calix_core::policy::report::PolicyReport;
+use calix_core::policy::report::{DroppedPacket, PolicyReport};
 use calix_proto::v1 as pb;
 
 use crate::render::policy as render;
@@ -37,6 +37,36 @@ pub(crate) async fn run(
     }
     if pod.is_some() && r.enabled && r.endpoint.is_none() {
         bail!("no such pod known to the agent");
+    }
+    Ok(())
+}
+
+/// `monitor --drops`: the agent's drop events, one line each, until interrupted or `count`.
+pub(crate) async fn monitor(
+    channel: tonic::transport::Channel,
+    count: Option<u64>,
+    output: Output,
+) -> Result<()> {
+    let mut stream = pb::policy_info_client::PolicyInfoClient::new(channel)
+        .monitor(pb::MonitorRequest {})
+        .await
+        .context("following the drop events")?
+        .into_inner();
+    if matches!(output, Output::Table) {
+        println!("{}", render::drop_header());
+    }
+    let mut seen = 0u64;
+    while count.is_none_or(|c| seen < c) {
+        let Some(event) = stream.message().await.context("the drop events")? else {
+            bail!("the agent ended the stream (stopping?)");
+        };
+        let d: DroppedPacket =
+            serde_json::from_str(&event.json).context("agent sent a bad drop event")?;
+        match output {
+            Output::Json => println!("{}", serde_json::to_string(&d)?),
+            Output::Table => println!("{}", render::drop_line(&d)),
+        }
+        seen += 1;
     }
     Ok(())
 }

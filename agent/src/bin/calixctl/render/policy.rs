@@ -1,5 +1,5 @@
 //! `policy`.
-use calix_core::policy::report::{PolicyReport, RuleReport};
+use calix_core::policy::report::{DroppedPacket, PolicyReport, RuleReport};
 
 use super::table;
 
@@ -96,4 +96,45 @@ fn rules_table(rules: &[RuleReport]) -> String {
         &["POLICY", "RULE", "PEER", "ADDRESSES", "PORTS", "HITS"],
         &rows,
     )
+}
+
+/// The columns of [`drop_line`] (a stream: fixed widths, not a table sized to its rows).
+pub(crate) fn drop_header() -> String {
+    format!(
+        "{:<24} {:<32} {:<7} {:<6} {:<46} {:<46} WHY",
+        "TIME", "POD", "DIR", "PROTO", "POD ADDRESS", "PEER"
+    )
+}
+
+/// One denied packet, on one line.
+pub(crate) fn drop_line(d: &DroppedPacket) -> String {
+    let at = |a: &str, p: Option<u16>| match (p, a.contains(':')) {
+        (Some(p), true) => format!("[{a}]:{p}"),
+        (Some(p), false) => format!("{a}:{p}"),
+        (None, _) => a.to_string(),
+    };
+    let peer = match &d.peer_pod {
+        Some(p) => format!("{} ({p})", at(&d.peer_address, d.peer_port)),
+        None => at(&d.peer_address, d.peer_port),
+    };
+    let pod = d
+        .pod
+        .clone()
+        .or_else(|| d.interface.clone())
+        .unwrap_or_else(|| "?".to_string());
+    let mut why = d.why.clone();
+    if d.suppressed > 0 && !d.pod_address.is_empty() {
+        why.push_str(&format!(" (+{} left out before it)", d.suppressed));
+    }
+    let line = format!(
+        "{:<24} {:<32} {:<7} {:<6} {:<46} {:<46} {}",
+        d.time,
+        pod,
+        d.direction,
+        d.protocol,
+        at(&d.pod_address, d.pod_port),
+        peer,
+        why
+    );
+    calix_log::escape_control(line.trim_end()).into_owned()
 }

@@ -282,3 +282,36 @@ fn a_pod_is_named_as_kubectl_names_it() {
     assert!(pod_ref("/x").is_err());
     assert!(pod_ref("x/").is_err());
 }
+
+#[test]
+fn a_dropped_packet_reads_on_one_line() {
+    use calix_core::policy::report::DroppedPacket;
+    let d = DroppedPacket {
+        time: "2026-12-03T15:00:00.123Z".into(),
+        pod: Some("shop/web".into()),
+        interface: Some("cali0123456789a".into()),
+        direction: "ingress".into(),
+        protocol: "TCP".into(),
+        pod_address: "fd00::5".into(),
+        pod_port: Some(80),
+        peer_address: "10.0.1.9".into(),
+        peer_port: Some(43210),
+        peer_pod: Some("shop/evil\n".into()),
+        why: "no rule allows it".into(),
+        suppressed: 3,
+    };
+    let line = super::policy::drop_line(&d);
+    assert!(line.starts_with("2026-12-03T15:00:00.123Z "), "{line}");
+    assert!(line.contains(" shop/web "), "{line}");
+    assert!(line.contains(" [fd00::5]:80 "), "{line}");
+    assert!(line.contains(" 10.0.1.9:43210 (shop/evil\\n) "), "{line}");
+    assert!(
+        line.ends_with("no rule allows it (+3 left out before it)"),
+        "{line}"
+    );
+    assert!(
+        !line.contains('\n'),
+        "a pod's name cannot break the line: {line}"
+    );
+    assert!(super::policy::drop_header().starts_with("TIME "));
+}
