@@ -232,6 +232,20 @@ pub trait DataplaneStats: Send + Sync {
     fn slots(&self) -> Result<std::collections::BTreeMap<u32, u32>, DataplaneError> {
         Ok(Default::default())
     }
+    /// What the live policy maps say of a packet of `proto` between the endpoint whose host
+    /// veth is `ifindex` and `peer`, in direction `ingress` or not; `port` is the endpoint's
+    /// port on ingress, the peer's on egress (0: none). `None` when there is no such endpoint
+    /// or no maps to read.
+    fn policy_verdict(
+        &self,
+        _ifindex: u32,
+        _ingress: bool,
+        _peer: std::net::IpAddr,
+        _proto: u8,
+        _port: u16,
+    ) -> Result<Option<LiveVerdict>, DataplaneError> {
+        Ok(None)
+    }
     /// NetworkPolicy's counts of the endpoint whose host veth is `ifindex` (named
     /// `host_ifname`); `None` when there is no such endpoint or the dataplane counts none.
     fn policy_counts(
@@ -241,6 +255,19 @@ pub trait DataplaneStats: Send + Sync {
     ) -> Result<Option<PolicyCounts>, DataplaneError> {
         Ok(None)
     }
+}
+
+/// What an endpoint's NetworkPolicy maps say of a packet (`calixctl trace`), read from the
+/// live maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveVerdict {
+    /// Whether the endpoint is isolated in that direction (if not: everything passes).
+    pub isolated: bool,
+    /// The peer's identity in the maps (the agent's number, shifted; `calix_common`'s
+    /// `POLICY_WORLD` when no prefix covers it, `POLICY_SERVICE` for a Service address).
+    pub identity: u32,
+    /// The rule an entry names, when one covers the packet.
+    pub rule: Option<calix_core::policy::tables::RuleId>,
 }
 
 /// NetworkPolicy's counts of one endpoint.

@@ -1827,6 +1827,63 @@ fn established_flows_across_changes(api: &KubeApi, node: &Node, ns: &str, client
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
+/// `calixctl trace`: other's packet to web is dropped by web's ingress policy (the policy
+/// named), the client's allowed by the policy's rule 0; from the live maps in eBPF, from the
+/// tables written to nftables in kernel mode. A dropped packet's trace exits non-zero.
+fn trace_names_the_deciding_rule(node: &Node, dataplane: Dataplane, ns: &str) {
+    let trace = |src: &str, proto: &str| {
+        let out = node
+            .agent()
+            .calixctl_command()
+            .args(["trace", &format!("{ns}/{src}"), &format!("{ns}/web"), proto])
+            .args(["-o", "json"])
+            .output()
+            .expect("calixctl trace");
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        (out.status.success(), v)
+    };
+    let source = match dataplane {
+        Dataplane::Ebpf => "live maps",
+        Dataplane::Kernel => "tables written to nftables",
+    };
+    let (ok, v) = trace("other", "icmp");
+    assert!(!ok, "a dropped packet's trace exits non-zero: {v}");
+    let last = &v["steps"]
+        .as_array()
+        .expect("steps")
+        .last()
+        .cloned()
+        .expect("a step");
+    assert_eq!(last["stage"], "ingress policy", "{v}");
+    assert_eq!(last["outcome"], "drop", "{v}");
+    assert_eq!(last["source"], source, "{v}");
+    assert!(
+        last["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains(&format!("by {ns}/web"))),
+        "{v}"
+    );
+    let (ok, v) = trace("client", "tcp/80");
+    assert!(ok, "{v}");
+    let last = &v["steps"]
+        .as_array()
+        .expect("steps")
+        .last()
+        .cloned()
+        .expect("a step");
+    assert_eq!(last["outcome"], "pass", "{v}");
+    assert_eq!(
+        last["detail"],
+        format!("allowed by policy {ns}/web ingress rule 0"),
+        "{v}"
+    );
+    assert_eq!(last["source"], source, "{v}");
+    let egress = &v["steps"][1];
+    assert_eq!(egress["stage"], "egress policy", "{v}");
+    assert_eq!(egress["outcome"], "pass", "{v}");
+}
+
 /// `calixctl monitor --drops` while `other` pings the isolated `web`: each denied packet as it
 /// happens, named (eBPF: its ring of drop events); kernel mode says it has none.
 fn monitor_sees_the_drops(node: &Node, dataplane: Dataplane, ns: &str, other: &Pod, web: &Pod) {
@@ -1948,6 +2005,7 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
     // direction that met them in eBPF, by the revoking direction's reply chain in nftables).
     assert!(ep["denied_egress"].is_u64(), "{pod_report}");
     monitor_sees_the_drops(&node, dataplane, &ns, &other, &web);
+    trace_names_the_deciding_rule(&node, dataplane, &ns);
     let (_, metrics) = node.http_get("/metrics").expect("/metrics");
     for line in [
         "calix_policy_ready 1",

@@ -312,6 +312,44 @@ impl EndpointRegistry {
             .collect())
     }
 
+    /// The endpoint on this node with address `ip`: its host veth, the ifindex it is attached
+    /// on (None: not attached), its pod (`namespace/name`).
+    pub async fn local_with_address(
+        &self,
+        ip: std::net::IpAddr,
+    ) -> Option<(String, Option<u32>, Option<String>)> {
+        let records = self.records.lock().await;
+        let (key, r) = records.iter().find(|(_, r)| {
+            r.addresses
+                .iter()
+                .any(|a| a.split('/').next().and_then(|a| a.parse().ok()) == Some(ip))
+        })?;
+        let snapshot = self.driver.snapshot().await.unwrap_or_default();
+        let pod = (!r.pod_name.is_empty()).then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
+        Some((
+            r.host_ifname.clone(),
+            snapshot.attached.get(key).map(|a| a.ifindex),
+            pod,
+        ))
+    }
+
+    /// What the live policy maps say (see `DataplaneStats::policy_verdict`); `None` without
+    /// maps to read (kernel mode).
+    pub async fn live_verdict(
+        &self,
+        ifindex: u32,
+        ingress: bool,
+        peer: std::net::IpAddr,
+        proto: u8,
+        port: u16,
+    ) -> Result<Option<calix_dataplane::LiveVerdict>, AgentError> {
+        let Some(stats) = &self.stats else {
+            return Ok(None);
+        };
+        blocking(|| stats.policy_verdict(ifindex, ingress, peer, proto, port))
+            .map_err(dataplane_err(""))
+    }
+
     /// Each endpoint's slot → its host veth and its pod (`namespace/name`, when it has one):
     /// how drop events name an endpoint. Empty without a dataplane that has slots.
     pub async fn slot_names(&self) -> HashMap<u32, (String, Option<String>)> {

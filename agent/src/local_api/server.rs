@@ -124,6 +124,27 @@ type MonitorStream =
 impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
     type MonitorStream = MonitorStream;
 
+    async fn trace(
+        &self,
+        req: Request<pb::TraceRequest>,
+    ) -> Result<Response<pb::TraceResponse>, Status> {
+        let r = req.into_inner();
+        let Some(policy) = &self.policy else {
+            return Err(Status::failed_precondition(
+                "NetworkPolicy is not followed here (it needs the kubernetes datastore)",
+            ));
+        };
+        let proto = u8::try_from(r.protocol)
+            .map_err(|_| Status::invalid_argument("protocol: a number 0-255"))?;
+        let port = u16::try_from(r.port).map_err(|_| Status::invalid_argument("port: 0-65535"))?;
+        let report = crate::policy::trace::trace(&self.node, policy, &r.src, &r.dst, proto, port)
+            .await
+            .map_err(Status::invalid_argument)?;
+        serde_json::to_string(&report)
+            .map(|json| Response::new(pb::TraceResponse { json }))
+            .map_err(|e| Status::internal(format!("cannot encode the trace: {e}")))
+    }
+
     async fn monitor(
         &self,
         _req: Request<pb::MonitorRequest>,

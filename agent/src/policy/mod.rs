@@ -18,6 +18,7 @@ use calix_dataplane::PolicyCounts;
 pub mod monitor;
 #[cfg(test)]
 mod tests;
+pub mod trace;
 
 /// What one change did, for logs and metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -231,6 +232,56 @@ impl PolicyService {
         Some(tables)
     }
 
+    /// Pod `pod`'s addresses and whether it is on the host's network (None: not known).
+    pub fn pod_addresses(&self, pod: &PodKey) -> Option<(Vec<std::net::IpAddr>, bool)> {
+        let inner = self.lock();
+        let p = inner.cluster.pod(pod)?;
+        Some((p.ips.clone(), p.host_network))
+    }
+
+    /// Rule number `id` of the tables last compiled, as `policy ns/name ingress rule 0`.
+    pub fn rule_name(&self, id: RuleId) -> Option<String> {
+        self.lock().rules.get(&id).map(rule_text)
+    }
+
+    /// The policies that select `pod` now.
+    pub fn policies_of(&self, pod: &PodKey) -> Vec<String> {
+        let inner = self.lock();
+        inner
+            .cluster
+            .endpoint(pod)
+            .map(|e| e.policies.iter().map(ToString::to_string).collect())
+            .unwrap_or_default()
+    }
+
+    /// What pod `pod`'s policy (as computed now from the cluster's objects) makes of a packet
+    /// of `proto` with `peer` in direction `d` (`port`: the pod's on ingress, the peer's on
+    /// egress): `None` when the pod is unknown or on the host's network; else `Ok(None)` when
+    /// it is not isolated that way, `Ok(Some(rule))` when a rule allows it, `Err(())` when
+    /// none does.
+    #[allow(clippy::result_unit_err)]
+    pub fn computed_verdict(
+        &self,
+        pod: &PodKey,
+        d: Direction,
+        peer: std::net::IpAddr,
+        proto: u8,
+        port: u16,
+    ) -> Option<Result<Option<String>, ()>> {
+        let inner = self.lock();
+        let ep = inner.cluster.endpoint(pod)?;
+        let cluster = &inner.cluster;
+        let endpoints = BTreeMap::from([(pod.clone(), ep)]);
+        let t = Compiler::new().compile(&endpoints, |s| cluster.members(s));
+        Some(match t.verdict(pod, d, peer, proto, port) {
+            calix_core::policy::tables::Verdict::Open => Ok(None),
+            calix_core::policy::tables::Verdict::Allowed(r) => {
+                Ok(Some(t.rules.get(&r).map(rule_text).unwrap_or_default()))
+            }
+            calix_core::policy::tables::Verdict::Denied => Err(()),
+        })
+    }
+
     /// The pod (`namespace/name`) that has address `ip`, when the agent knows one.
     pub fn pod_with_address(&self, ip: std::net::IpAddr) -> Option<String> {
         self.lock()
@@ -293,6 +344,11 @@ impl PolicyService {
                 .and_then(|k| EndpointReport::of(&inner.cluster, k, inner.local.contains(k))),
         }
     }
+}
+
+/// A rule as `calixctl trace` names it.
+fn rule_text(r: &RuleRef) -> String {
+    format!("policy {} {} rule {}", r.policy, r.direction, r.rule)
 }
 
 /// A Warning Event `NetworkPolicyNotProgrammed` on each pod whose policy the dataplane could

@@ -11,7 +11,8 @@
 //! - [`report`]: one endpoint's policy as `calixctl policy` shows it;
 //! - [`tables`]: this node's endpoints' policies as the eBPF dataplane looks them up
 //!   (identities and entries), and the order to change them in;
-//! - [`ranges`]: the identities as address ranges (kernel mode's nftables sets).
+//! - [`ranges`]: the identities as address ranges (kernel mode's nftables sets);
+//! - [`trace`]: what `calixctl trace` answers, step by step.
 pub mod cluster;
 pub mod endpoint;
 pub mod model;
@@ -23,3 +24,4 @@ pub mod tables;
 mod tables_tests;
 #[cfg(test)]
 mod tests;
+pub mod trace;

@@ -50,6 +50,7 @@ mod policy_tests;
 mod stats;
 #[cfg(test)]
 mod tests;
+mod trace;
 
 use endpoints::{Endpoints, Inherited};
 pub use events::PolicyEvents;

@@ -8,10 +8,11 @@ use calix_common::{
 };
 
 use crate::bpf::{map_err, open_hash, open_per_cpu_array};
-use crate::{DataplaneError, DataplaneStats, PolicyCounts};
+use crate::{DataplaneError, DataplaneStats, LiveVerdict, PolicyCounts};
 
 /// [`DataplaneStats`] for readers that must not wait for (or hold up) the dataplane.
 pub struct EbpfStats {
+    pin_dir: std::path::PathBuf,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
@@ -30,6 +31,7 @@ fn open_per_cpu_hash<K: aya::Pod, V: aya::Pod>(
 impl EbpfStats {
     pub fn open(pin_dir: &Path) -> Result<Self, DataplaneError> {
         Ok(Self {
+            pin_dir: pin_dir.to_path_buf(),
             endpoints: open_hash(pin_dir, ENDPOINTS_MAP)?,
             counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
             drops: open_per_cpu_hash(pin_dir, DROPS_MAP)?,
@@ -73,6 +75,22 @@ impl DataplaneStats for EbpfStats {
             out.insert(info.slot, ifindex);
         }
         Ok(out)
+    }
+
+    fn policy_verdict(
+        &self,
+        ifindex: u32,
+        ingress: bool,
+        peer: std::net::IpAddr,
+        proto: u8,
+        port: u16,
+    ) -> Result<Option<LiveVerdict>, DataplaneError> {
+        let slot = match self.endpoints.get(&ifindex, 0) {
+            Ok(info) => info.slot,
+            Err(MapError::KeyNotFound) => return Ok(None),
+            Err(e) => return Err(map_err(ENDPOINTS_MAP, "lookup")(e)),
+        };
+        super::trace::verdict(&self.pin_dir, slot, ingress, peer, proto, port).map(Some)
     }
 
     fn policy_counts(

@@ -64,6 +64,16 @@ enum Cmd {
     /// NetworkPolicy: the agent's calculation, and a pod's policies and rules in force
     /// (`<namespace>/<name>`, or a name in `default`).
     Policy { pod: Option<String> },
+    /// Every verdict a packet would meet on its way, in order (anti-spoofing, egress policy,
+    /// route, NAT, ingress policy), naming the rule that decides: from the live maps for a
+    /// pod on this node, from the agent's calculation for a pod elsewhere. SRC and DST: a
+    /// pod (`<namespace>/<name>`, or a name in `default`) or an address; PROTO: `tcp/80`,
+    /// `udp/53`, `sctp/9`, `icmp`, `icmpv6`, or a protocol number.
+    Trace {
+        src: String,
+        dst: String,
+        proto: String,
+    },
     /// What happens now: with `--drops`, each packet NetworkPolicy denies on this node, as it
     /// happens (the endpoint, the flow, the peer, why), until interrupted. At most 1,000
     /// events a second per CPU; what the limit leaves out is counted on the next line. With
@@ -128,6 +138,9 @@ async fn main() -> Result<()> {
         } => commands::bpf::counters(channel, cli.output).await?,
         Cmd::Endpoints => commands::endpoints::run(channel, cli.output).await?,
         Cmd::Policy { pod } => commands::policy::run(channel, pod, cli.output).await?,
+        Cmd::Trace { src, dst, proto } => {
+            commands::policy::trace(channel, src, dst, &proto, cli.output).await?
+        }
         Cmd::Monitor { drops: _, count } => {
             commands::policy::monitor(channel, count, cli.output).await?
         }

@@ -1,6 +1,7 @@
 //! `policy [<namespace>/<pod>]`.
 use anyhow::{bail, Context, Result};
 use calix_core::policy::report::{DroppedPacket, PolicyReport};
+use calix_core::policy::trace::{parse_proto_port, TraceReport};
 use calix_proto::v1 as pb;
 
 use crate::render::policy as render;
@@ -67,6 +68,38 @@ pub(crate) async fn monitor(
             Output::Table => println!("{}", render::drop_line(&d)),
         }
         seen += 1;
+    }
+    Ok(())
+}
+
+/// `trace <src> <dst> <proto>/<port>`: fails (non-zero) when the packet would be dropped, so
+/// scripts can branch on it.
+pub(crate) async fn trace(
+    channel: tonic::transport::Channel,
+    src: String,
+    dst: String,
+    proto: &str,
+    output: Output,
+) -> Result<()> {
+    let (protocol, port) = parse_proto_port(proto).map_err(anyhow::Error::msg)?;
+    let json = pb::policy_info_client::PolicyInfoClient::new(channel)
+        .trace(pb::TraceRequest {
+            src,
+            dst,
+            protocol: u32::from(protocol),
+            port: u32::from(port),
+        })
+        .await
+        .context("tracing the packet")?
+        .into_inner()
+        .json;
+    let r: TraceReport = serde_json::from_str(&json).context("agent sent a bad trace")?;
+    match output {
+        Output::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+        Output::Table => println!("{}", render::trace(&r)),
+    }
+    if r.dropped_at().is_some() {
+        std::process::exit(1);
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! `policy`.
 use calix_core::policy::report::{DroppedPacket, PolicyReport, RuleReport};
+use calix_core::policy::trace::{Outcome, TraceReport};
 
 use super::table;
 
@@ -137,4 +138,35 @@ pub(crate) fn drop_line(d: &DroppedPacket) -> String {
         why
     );
     calix_log::escape_control(line.trim_end()).into_owned()
+}
+
+/// A trace: the packet, each step as a row, then where it ends.
+pub(crate) fn trace(r: &TraceReport) -> String {
+    let rows: Vec<Vec<String>> = r
+        .steps
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            vec![
+                (i + 1).to_string(),
+                s.stage.clone(),
+                s.node.clone(),
+                match s.outcome {
+                    Outcome::Pass => "pass",
+                    Outcome::Drop => "DROP",
+                    Outcome::Defer => "later",
+                    Outcome::Note => "-",
+                }
+                .to_string(),
+                s.detail.clone(),
+                s.source.clone(),
+            ]
+        })
+        .collect();
+    format!(
+        "{}\n{}\n=> {}",
+        calix_log::escape_control(&r.packet),
+        table(&["#", "STAGE", "NODE", "VERDICT", "DETAIL", "FROM"], &rows),
+        calix_log::escape_control(&r.conclusion())
+    )
 }

@@ -315,3 +315,31 @@ fn a_dropped_packet_reads_on_one_line() {
     );
     assert!(super::policy::drop_header().starts_with("TIME "));
 }
+
+#[test]
+fn a_trace_reads_step_by_step_and_ends_with_its_verdict() {
+    use calix_core::policy::trace::{Outcome, TraceReport, TraceStep};
+    let step = |stage: &str, outcome, detail: &str| TraceStep {
+        stage: stage.into(),
+        node: "n1".into(),
+        outcome,
+        detail: detail.into(),
+        source: "live maps".into(),
+    };
+    let r = TraceReport {
+        node: "n1".into(),
+        packet: "TCP 10.0.0.5 (a/client) → 10.0.0.6:80 (a/web)".into(),
+        steps: vec![
+            step("egress policy", Outcome::Pass, "a/client is not isolated"),
+            step("route", Outcome::Note, "delivered on n1 to cali1"),
+            step("ingress policy", Outcome::Drop, "no rule allows it"),
+        ],
+    };
+    let text = super::policy::trace(&r);
+    assert!(text.starts_with("TCP 10.0.0.5 (a/client)"), "{text}");
+    assert!(text.contains("3  ingress policy  n1    DROP"), "{text}");
+    assert!(
+        text.ends_with("=> dropped by ingress policy on n1: no rule allows it"),
+        "{text}"
+    );
+}

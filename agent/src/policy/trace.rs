@@ -1,0 +1,332 @@
+//! `calixctl trace <src> <dst> <proto>/<port>`: the verdicts one packet would meet, gathered
+//! here. An end on this node is answered from the live maps (eBPF) or from the tables the
+//! kernel dataplane writes to nftables; an end on another node from this agent's calculation
+//! of that pod's policy, the same calculation its own agent programs (run `calixctl trace`
+//! there for its live maps).
+use std::net::IpAddr;
+
+use calix_common::POLICY_SERVICE;
+use calix_core::policy::endpoint::Direction;
+use calix_core::policy::model::PodKey;
+use calix_core::policy::trace::{
+    proto_name, Outcome, TraceReport, TraceStep, FROM_AGENT, FROM_CALCULATION, FROM_LIVE_MAPS,
+};
+
+use super::PolicyService;
+use crate::pod_network::Node;
+
+/// One end of the packet.
+struct End {
+    ip: IpAddr,
+    pod: Option<PodKey>,
+    host_network: bool,
+    /// On this node: its host veth, and the ifindex its programs run on.
+    local: Option<(String, Option<u32>)>,
+}
+
+impl End {
+    fn text(&self) -> String {
+        match &self.pod {
+            Some(p) => format!("{} ({p})", self.ip),
+            None => self.ip.to_string(),
+        }
+    }
+}
+
+fn pod_ref(s: &str) -> Result<PodKey, String> {
+    let (ns, name) = s.split_once('/').unwrap_or(("default", s));
+    if ns.is_empty() || name.is_empty() || name.contains('/') {
+        return Err(format!(
+            "{s:?} is neither an address nor a pod (<namespace>/<name>)"
+        ));
+    }
+    Ok(PodKey {
+        namespace: ns.to_string(),
+        name: name.to_string(),
+    })
+}
+
+/// The addresses `s` stands for (an address, or a pod's), and the pod.
+fn candidates(
+    policy: &PolicyService,
+    s: &str,
+) -> Result<(Vec<IpAddr>, Option<PodKey>, bool), String> {
+    if let Ok(ip) = s.parse::<IpAddr>() {
+        let pod = policy.pod_with_address(ip).and_then(|p| pod_ref(&p).ok());
+        return Ok((vec![ip], pod, false));
+    }
+    let pod = pod_ref(s)?;
+    let (ips, host) = policy
+        .pod_addresses(&pod)
+        .ok_or_else(|| format!("pod {pod} is not known to the agent"))?;
+    if ips.is_empty() {
+        return Err(format!("pod {pod} has no address yet"));
+    }
+    Ok((ips, Some(pod), host))
+}
+
+/// The traced packet's ends, of one family (IPv4 first when both ends have it).
+async fn ends(
+    node: &Node,
+    policy: &PolicyService,
+    src: &str,
+    dst: &str,
+) -> Result<(End, End), String> {
+    let (s_ips, s_pod, s_host) = candidates(policy, src)?;
+    let (d_ips, d_pod, d_host) = candidates(policy, dst)?;
+    let pick = |v6: bool| {
+        Some((
+            *s_ips.iter().find(|a| a.is_ipv6() == v6)?,
+            *d_ips.iter().find(|a| a.is_ipv6() == v6)?,
+        ))
+    };
+    let (s, d) = pick(false)
+        .or_else(|| pick(true))
+        .ok_or("the two ends have no address family in common")?;
+    let local = |ip| async move {
+        node.endpoints
+            .local_with_address(ip)
+            .await
+            .map(|(i, x, _)| (i, x))
+    };
+    Ok((
+        End {
+            ip: s,
+            pod: s_pod,
+            host_network: s_host,
+            local: local(s).await,
+        },
+        End {
+            ip: d,
+            pod: d_pod,
+            host_network: d_host,
+            local: local(d).await,
+        },
+    ))
+}
+
+/// The trace of a packet of `proto` (to port `port`) from `src` to `dst`: a pod
+/// (`namespace/name`, or a name in `default`) or an address each.
+pub async fn trace(
+    node: &Node,
+    policy: &PolicyService,
+    src: &str,
+    dst: &str,
+    proto: u8,
+    port: u16,
+) -> Result<TraceReport, String> {
+    let (s, d) = ends(node, policy, src, dst).await?;
+    let here = node.name().to_string();
+    let ported = matches!(proto, 6 | 17 | 132);
+    let mut steps = Vec::new();
+    let step = |stage: &str, node: &str, outcome, detail: String, source: &str| TraceStep {
+        stage: stage.into(),
+        node: node.into(),
+        outcome,
+        detail,
+        source: source.into(),
+    };
+    // The packet leaves its pod.
+    let src_node = if s.local.is_some() {
+        here.as_str()
+    } else {
+        "its node"
+    };
+    if s.local.is_some() {
+        steps.push(step(
+            "anti-spoofing",
+            &here,
+            Outcome::Pass,
+            format!("{} is the pod's own address", s.ip),
+            FROM_AGENT,
+        ));
+    }
+    steps.push(
+        policy_step(
+            node,
+            policy,
+            &s,
+            Direction::Egress,
+            d.ip,
+            proto,
+            port,
+            src_node,
+        )
+        .await,
+    );
+    // Where it goes.
+    let pools = node.ipam.pools();
+    let pool_of = |ip: IpAddr| pools.iter().find(|p| p.cidr.contains(&ip));
+    let route = match (&d.local, pool_of(d.ip)) {
+        (Some((ifname, _)), _) => format!("delivered on {here} to {ifname}"),
+        (None, Some(p)) => format!("to another node: pool {}", p.cidr),
+        (None, None) => "out of the cluster network (not a pool address)".to_string(),
+    };
+    steps.push(step("route", src_node, Outcome::Note, route, FROM_AGENT));
+    let nat = match (pool_of(s.ip), pool_of(d.ip)) {
+        (Some(p), None) if d.local.is_none() => format!(
+            "the source is translated to the node's address if pool {} has natOutgoing \
+             (eBPF: CALIX_NAT_CFG; kernel mode: nftables table ip calix)",
+            p.cidr
+        ),
+        _ => "none: pod addresses stay as they are".to_string(),
+    };
+    steps.push(step("NAT", src_node, Outcome::Note, nat, FROM_AGENT));
+    // It arrives.
+    let dst_node = if d.local.is_some() {
+        here.as_str()
+    } else {
+        "its node"
+    };
+    steps.push(
+        policy_step(
+            node,
+            policy,
+            &d,
+            Direction::Ingress,
+            s.ip,
+            proto,
+            port,
+            dst_node,
+        )
+        .await,
+    );
+    let packet = format!(
+        "{} {} → {}{}",
+        proto_name(proto),
+        s.text(),
+        if ported {
+            match d.ip {
+                IpAddr::V6(_) => format!("[{}]:{port}", d.ip),
+                IpAddr::V4(_) => format!("{}:{port}", d.ip),
+            }
+        } else {
+            d.ip.to_string()
+        },
+        d.pod
+            .as_ref()
+            .map(|p| format!(" ({p})"))
+            .unwrap_or_default()
+    );
+    Ok(TraceReport {
+        node: here,
+        packet,
+        steps,
+    })
+}
+
+/// End `e`'s policy verdict in `d` on a packet with `peer` (`port`: the destination port).
+#[allow(clippy::too_many_arguments)]
+async fn policy_step(
+    node: &Node,
+    policy: &PolicyService,
+    e: &End,
+    d: Direction,
+    peer: IpAddr,
+    proto: u8,
+    port: u16,
+    at: &str,
+) -> TraceStep {
+    let stage = format!("{d} policy");
+    let mk = |outcome, detail: String, source: &str| TraceStep {
+        stage: stage.clone(),
+        node: at.to_string(),
+        outcome,
+        detail,
+        source: source.to_string(),
+    };
+    let Some(pod) = &e.pod else {
+        return mk(
+            Outcome::Note,
+            format!("{} is not a pod: no NetworkPolicy of its own", e.ip),
+            FROM_CALCULATION,
+        );
+    };
+    if e.host_network {
+        return mk(
+            Outcome::Note,
+            format!("{pod} is on the host's network: NetworkPolicy does not apply"),
+            FROM_CALCULATION,
+        );
+    }
+    let denied = || {
+        let by = policy.policies_of(pod);
+        format!(
+            "{pod} is isolated for {d} ({}): no rule allows it",
+            if by.is_empty() {
+                "its policy is not known yet: fail closed".to_string()
+            } else {
+                format!("by {}", by.join(", "))
+            }
+        )
+    };
+    // The live maps, for an end on this node in the eBPF dataplane.
+    if let Some((_, Some(ifindex))) = &e.local {
+        let live = node
+            .endpoints
+            .live_verdict(*ifindex, d == Direction::Ingress, peer, proto, port)
+            .await;
+        match live {
+            Ok(Some(v)) if !v.isolated => {
+                return mk(
+                    Outcome::Pass,
+                    format!("{pod} is not isolated for {d}: everything allowed"),
+                    FROM_LIVE_MAPS,
+                )
+            }
+            Ok(Some(v)) if v.identity == POLICY_SERVICE && d == Direction::Egress => {
+                return mk(
+                    Outcome::Defer,
+                    format!(
+                        "{peer} is a Service address: judged after kube-proxy's DNAT, against \
+                         the backend it picks (trace the backend's address)"
+                    ),
+                    FROM_LIVE_MAPS,
+                )
+            }
+            Ok(Some(v)) => {
+                return match v.rule {
+                    Some(r) => mk(
+                        Outcome::Pass,
+                        format!(
+                            "allowed by {}",
+                            policy
+                                .rule_name(r)
+                                .unwrap_or_else(|| format!("rule number {r}"))
+                        ),
+                        FROM_LIVE_MAPS,
+                    ),
+                    None => mk(Outcome::Drop, denied(), FROM_LIVE_MAPS),
+                }
+            }
+            Ok(None) => {}
+            Err(err) => {
+                return mk(
+                    Outcome::Note,
+                    format!("the live maps cannot be read: {err}"),
+                    FROM_LIVE_MAPS,
+                )
+            }
+        }
+    }
+    let source = if e.local.is_some() {
+        // Kernel mode: the tables it writes to nftables come from this calculation.
+        calix_core::policy::trace::FROM_NFTABLES
+    } else {
+        FROM_CALCULATION
+    };
+    match policy.computed_verdict(pod, d, peer, proto, port) {
+        None => mk(
+            Outcome::Note,
+            format!("{pod}'s policy is not known"),
+            FROM_CALCULATION,
+        ),
+        Some(Ok(None)) => mk(
+            Outcome::Pass,
+            format!("{pod} is not isolated for {d}: everything allowed"),
+            source,
+        ),
+        Some(Ok(Some(rule))) => mk(Outcome::Pass, format!("allowed by {rule}"), source),
+        Some(Err(())) => mk(Outcome::Drop, denied(), source),
+    }
+}
