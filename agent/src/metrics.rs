@@ -15,6 +15,13 @@ use tokio::net::TcpListener;
 use crate::pod_network::Node;
 use crate::reconcile::Health;
 
+/// `s` as a Prometheus label value: backslash, double quote and newline escaped.
+fn label_value(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// Renders the metrics text.
 pub async fn render(node: &Node) -> String {
     let mut out = String::new();
@@ -73,6 +80,19 @@ pub async fn render(node: &Node) -> String {
     }
     let _ = writeln!(out, "# HELP calix_drop_bytes_total Bytes the eBPF dataplane dropped.\n# TYPE calix_drop_bytes_total counter");
     out.push_str(&drop_bytes);
+    let _ = writeln!(
+        out,
+        "# HELP calix_policy_denied_packets_total Packets NetworkPolicy denied, by endpoint and direction (both dataplanes; kernel mode from its nftables counters).\n# TYPE calix_policy_denied_packets_total counter"
+    );
+    for (iface, pod, ingress, egress) in node.endpoints.policy_denied().await {
+        let pod = label_value(pod.as_deref().unwrap_or(""));
+        for (dir, n) in [("ingress", ingress), ("egress", egress)] {
+            let _ = writeln!(
+                out,
+                "calix_policy_denied_packets_total{{interface=\"{iface}\",pod=\"{pod}\",direction=\"{dir}\"}} {n}"
+            );
+        }
+    }
     let (v4, v6) = node.ipam.free().await;
     let _ = writeln!(
         out,
@@ -302,5 +322,14 @@ async fn read_head(sock: &mut tokio::net::TcpStream, max: usize) -> Option<Strin
         if buf.len() > max {
             return None;
         }
+    }
+}
+
+#[cfg(test)]
+mod label_tests {
+    #[test]
+    fn a_label_value_cannot_end_its_quotes_or_its_line() {
+        assert_eq!(super::label_value("ns/web"), "ns/web");
+        assert_eq!(super::label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

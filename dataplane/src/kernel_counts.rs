@@ -138,6 +138,35 @@ impl KernelCounts {
     }
 }
 
+impl KernelCounts {
+    /// Packets denied (to the pod, from it) for each endpoint of `ifnames`, in order: the
+    /// tally plus one read of the table's counters (`read`).
+    pub fn denied(
+        &self,
+        ifnames: &[&str],
+        read: impl FnOnce() -> Result<Vec<RuleCount>, DataplaneError>,
+    ) -> Result<Vec<(u64, u64)>, DataplaneError> {
+        let tally = self.lock();
+        if !tally.written {
+            return Ok(vec![(0, 0); ifnames.len()]);
+        }
+        let now = tally_of(&read()?);
+        let mut by: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+        for ((ifname, kind), n) in tally.base.iter().chain(now.iter()) {
+            let e = by.entry(ifname.as_str()).or_default();
+            match kind {
+                Kind::DeniedIngress => e.0 += n,
+                Kind::DeniedEgress => e.1 += n,
+                Kind::Hit(_) => {}
+            }
+        }
+        Ok(ifnames
+            .iter()
+            .map(|i| by.get(i).copied().unwrap_or_default())
+            .collect())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,6 +222,12 @@ mod tests {
             .expect("some");
         assert_eq!(c.hits, [(4, 3)].into());
         assert_eq!((c.denied_ingress, c.denied_egress), (2, 3));
+        assert_eq!(
+            counts
+                .denied(&["cali1", "cali9"], || Ok(table(1, 0)))
+                .expect("denied"),
+            vec![(2, 3), (0, 0)]
+        );
         // An endpoint that goes takes its counts with it.
         counts
             .rewrite(|| Ok(table(1, 0)), &BTreeSet::new(), || Ok(()))

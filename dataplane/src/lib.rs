@@ -232,6 +232,14 @@ pub trait DataplaneStats: Send + Sync {
     fn slots(&self) -> Result<std::collections::BTreeMap<u32, u32>, DataplaneError> {
         Ok(Default::default())
     }
+    /// Packets NetworkPolicy denied (to the pod, from it) for each endpoint of `endpoints`
+    /// (ifindex, host ifname), in order; zeros when the dataplane counts none.
+    fn policy_denied(
+        &self,
+        endpoints: &[(u32, String)],
+    ) -> Result<Vec<(u64, u64)>, DataplaneError> {
+        Ok(vec![(0, 0); endpoints.len()])
+    }
     /// What the live policy maps say of a packet of `proto` between the endpoint whose host
     /// veth is `ifindex` and `peer`, in direction `ingress` or not; `port` is the endpoint's
     /// port on ingress, the peer's on egress (0: none). `None` when there is no such endpoint
@@ -581,6 +589,13 @@ impl DataplaneStats for KernelStats {
         host_ifname: &str,
     ) -> Result<Option<PolicyCounts>, DataplaneError> {
         self.0.of(host_ifname, kernel_policy::read_counts)
+    }
+    fn policy_denied(
+        &self,
+        endpoints: &[(u32, String)],
+    ) -> Result<Vec<(u64, u64)>, DataplaneError> {
+        let names: Vec<&str> = endpoints.iter().map(|(_, n)| n.as_str()).collect();
+        self.0.denied(&names, kernel_policy::read_counts)
     }
 }
 

@@ -2015,6 +2015,17 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
     ] {
         assert!(metrics.contains(line), "{line} not in /metrics:\n{metrics}");
     }
+    let denied = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("calix_policy_denied_packets_total{")
+                && l.contains(&format!("pod=\"{ns}/web\",direction=\"ingress\""))
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok());
+    assert!(
+        denied.is_some_and(|n| n > 0),
+        "web's denied packets on /metrics:\n{metrics}"
+    );
     if dataplane == Dataplane::Ebpf {
         let drops = node
             .agent()

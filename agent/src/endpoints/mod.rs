@@ -312,6 +312,40 @@ impl EndpointRegistry {
             .collect())
     }
 
+    /// Packets NetworkPolicy denied per attached endpoint: (host ifname, pod, to the pod, from
+    /// it). Empty without counts.
+    pub async fn policy_denied(&self) -> Vec<(String, Option<String>, u64, u64)> {
+        let Some(stats) = &self.stats else {
+            return Vec::new();
+        };
+        let eps: Vec<(u32, String, Option<String>)> = {
+            let records = self.records.lock().await;
+            let snapshot = self.driver.snapshot().await.unwrap_or_default();
+            snapshot
+                .attached
+                .iter()
+                .filter_map(|(k, a)| {
+                    let r = records.get(k)?;
+                    let pod = (!r.pod_name.is_empty())
+                        .then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
+                    Some((a.ifindex, r.host_ifname.clone(), pod))
+                })
+                .collect()
+        };
+        let keys: Vec<(u32, String)> = eps.iter().map(|(i, n, _)| (*i, n.clone())).collect();
+        match blocking(|| stats.policy_denied(&keys)) {
+            Ok(counts) => eps
+                .into_iter()
+                .zip(counts)
+                .map(|((_, ifname, pod), (i, e))| (ifname, pod, i, e))
+                .collect(),
+            Err(e) => {
+                tracing::debug!(error = %e, "reading the policy's denied counts");
+                Vec::new()
+            }
+        }
+    }
+
     /// The endpoint on this node with address `ip`: its host veth, the ifindex it is attached
     /// on (None: not attached), its pod (`namespace/name`).
     pub async fn local_with_address(

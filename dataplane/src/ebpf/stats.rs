@@ -77,6 +77,32 @@ impl DataplaneStats for EbpfStats {
         Ok(out)
     }
 
+    fn policy_denied(
+        &self,
+        endpoints: &[(u32, String)],
+    ) -> Result<Vec<(u64, u64)>, DataplaneError> {
+        let denied = |ifindex: u32, reason: DropReason| -> Result<u64, DataplaneError> {
+            let key = DropKey {
+                ifindex,
+                reason: reason as u32,
+            };
+            match self.drops.get(&key, 0) {
+                Ok(per_cpu) => Ok(per_cpu.iter().map(|c| c.packets).sum()),
+                Err(MapError::KeyNotFound) => Ok(0),
+                Err(e) => Err(map_err(DROPS_MAP, "lookup")(e)),
+            }
+        };
+        endpoints
+            .iter()
+            .map(|(i, _)| {
+                Ok((
+                    denied(*i, DropReason::PolicyIngress)?,
+                    denied(*i, DropReason::PolicyEgress)?,
+                ))
+            })
+            .collect()
+    }
+
     fn policy_verdict(
         &self,
         ifindex: u32,
@@ -111,19 +137,12 @@ impl DataplaneStats for EbpfStats {
                 counts.hits.insert(k.rule, n);
             }
         }
-        let denied = |reason: DropReason| -> Result<u64, DataplaneError> {
-            let key = DropKey {
-                ifindex,
-                reason: reason as u32,
-            };
-            match self.drops.get(&key, 0) {
-                Ok(per_cpu) => Ok(per_cpu.iter().map(|c| c.packets).sum()),
-                Err(MapError::KeyNotFound) => Ok(0),
-                Err(e) => Err(map_err(DROPS_MAP, "lookup")(e)),
-            }
+        let ifname = String::new();
+        let [(ingress, egress)] = self.policy_denied(&[(ifindex, ifname)])?[..] else {
+            return Ok(Some(counts));
         };
-        counts.denied_ingress = denied(DropReason::PolicyIngress)?;
-        counts.denied_egress = denied(DropReason::PolicyEgress)?;
+        counts.denied_ingress = ingress;
+        counts.denied_egress = egress;
         Ok(Some(counts))
     }
 }
