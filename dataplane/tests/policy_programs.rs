@@ -14,11 +14,11 @@ use calix_common::{
     DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
 };
 use calix_core::policy::cluster::{Change, Cluster};
+use calix_core::policy::compiler::Compiler;
 use calix_core::policy::model::{
     Namespaces, Peer, Pod as PodModel, PodKey, Policy, PolicyKey, PortMatch, PortRef, Protocol,
     Rule,
 };
-use calix_core::policy::tables::Compiler;
 use calix_core::selector::LabelSelector;
 use calix_dataplane::ebpf::policy::{PinnedPolicyMaps, PolicyProgrammer};
 use common::*;

@@ -8,11 +8,12 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use calix_core::policy::cluster::{Change, Cluster};
+use calix_core::policy::compiler::Compiler;
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::endpoint::EndpointPolicy;
 use calix_core::policy::model::PodKey;
 use calix_core::policy::report::{EndpointReport, PolicyReport};
-use calix_core::policy::tables::{Compiler, RuleId, RuleRef, Tables};
+use calix_core::policy::tables::{RuleId, RuleRef, Tables};
 use calix_dataplane::PolicyCounts;
 
 pub mod monitor;
@@ -43,6 +44,8 @@ struct Inner {
     changes: u64,
     /// Identity and rule numbers, stable from one compilation to the next.
     compiler: Compiler,
+    /// Sets whose members moved since the last compilation (the next starts from the last).
+    changed_sets: BTreeSet<calix_core::policy::sets::SetKey>,
     /// The rules' numbers in the last tables compiled (the dataplane counts hits by them).
     rules: BTreeMap<RuleId, RuleRef>,
     /// The last programming's outcome, as `calixctl policy` shows it.
@@ -104,6 +107,7 @@ impl PolicyService {
         }
         let touched = inner.cluster.apply(change);
         inner.changes += 1;
+        inner.changed_sets.extend(touched.sets.keys().cloned());
         let mut out = Applied {
             sets: touched.sets.len(),
             ..Applied::default()
@@ -223,9 +227,10 @@ impl PolicyService {
         }
         let start = Instant::now();
         let cluster = &inner.cluster;
+        let changed = std::mem::take(&mut inner.changed_sets);
         let tables = inner
             .compiler
-            .compile(&inner.computed, |s| cluster.members(s));
+            .compile_changed(&inner.computed, &changed, |s| cluster.members(s));
         inner.compiling += start.elapsed();
         inner.compilations += 1;
         inner.rules.clone_from(&tables.rules);

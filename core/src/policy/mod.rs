@@ -14,6 +14,7 @@
 //! - [`ranges`]: the identities as address ranges (kernel mode's nftables sets);
 //! - [`trace`]: what `calixctl trace` answers, step by step.
 pub mod cluster;
+pub mod compiler;
 pub mod endpoint;
 pub mod model;
 pub mod ranges;

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use ipnet::IpNet;
 
 use super::cluster::{Change, Cluster};
+use super::compiler::Compiler;
 use super::endpoint::{Direction, EndpointPolicy, PeerMatch, Ports};
 use super::model::*;
 use super::sets::SetKey;
@@ -591,4 +592,92 @@ fn service_ranges_take_their_addresses_out_of_every_rule() {
         4,
         "10/8, the pod, and the two ranges (the third repeats one)"
     );
+}
+
+/// `t` with each identity named by its first prefix (numbers differ between compilers of
+/// different histories) and each rule by what it stands for.
+type Canonical = (
+    BTreeMap<IpNet, String>,
+    BTreeSet<(PodKey, Direction, String, Option<u8>, u16, u8, String)>,
+);
+
+fn canonical(t: &Tables) -> Canonical {
+    let mut first: BTreeMap<Identity, IpNet> = BTreeMap::new();
+    for (net, id) in &t.prefixes {
+        first.entry(*id).or_insert(*net);
+    }
+    let name = |id: Identity| match id {
+        WORLD => "world".to_string(),
+        ANY_PEER => "any".to_string(),
+        x => first
+            .get(&x)
+            .map_or_else(|| format!("unnamed {x}"), ToString::to_string),
+    };
+    let prefixes = t.prefixes.iter().map(|(n, id)| (*n, name(*id))).collect();
+    let mut entries = BTreeSet::new();
+    for (k, e) in &t.endpoints {
+        for d in [Direction::Ingress, Direction::Egress] {
+            for (ek, r) in e.direction(d).iter().flat_map(|m| m.iter()) {
+                entries.insert((
+                    k.clone(),
+                    d,
+                    name(ek.identity),
+                    ek.proto,
+                    ek.port,
+                    ek.port_bits,
+                    format!("{:?}", t.rules.get(r)),
+                ));
+            }
+        }
+        // Isolation without entries.
+        for d in [Direction::Ingress, Direction::Egress] {
+            if e.direction(d).as_ref().is_some_and(|m| m.is_empty()) {
+                entries.insert((k.clone(), d, "isolated".into(), None, 0, 0, String::new()));
+            }
+        }
+    }
+    (prefixes, entries)
+}
+
+#[test]
+fn a_compilation_from_the_last_gives_what_a_fresh_one_does() {
+    for seed in 1..=40u64 {
+        let mut r = Rng(seed.wrapping_mul(0xa076_1d64_78bd_642f) | 1);
+        let mut c = Cluster::new();
+        for ch in changes(&mut r) {
+            c.apply(ch);
+        }
+        let (mut inc, mut full) = (Compiler::new(), Compiler::new());
+        let mut changed: BTreeSet<SetKey> = BTreeSet::new();
+        let a = inc.compile_changed(&endpoints(&c), &changed, |s| c.members(s));
+        let b = full.compile(&endpoints(&c), |s| c.members(s));
+        assert_eq!(canonical(&a), canonical(&b), "seed {seed}, first");
+        for step in 1..=30 {
+            let ch = churn(&mut r, &c);
+            changed.extend(c.apply(ch).sets.into_keys());
+            // Sometimes a burst of changes, compiled once.
+            if r.chance(40) {
+                continue;
+            }
+            let a = inc.compile_changed(&endpoints(&c), &changed, |s| c.members(s));
+            changed.clear();
+            let b = full.compile(&endpoints(&c), |s| c.members(s));
+            assert_eq!(canonical(&a), canonical(&b), "seed {seed}, step {step}");
+            check_against_oracle(&c, &a, seed, step);
+            // The identities of the prefixes are numbers the entries name, and only those.
+            let ids: BTreeSet<Identity> = a.prefixes.values().copied().collect();
+            for e in a.endpoints.values() {
+                for k in [&e.ingress, &e.egress]
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|m| m.keys())
+                {
+                    assert!(
+                        k.identity == ANY_PEER || ids.contains(&k.identity),
+                        "seed {seed}"
+                    );
+                }
+            }
+        }
+    }
 }

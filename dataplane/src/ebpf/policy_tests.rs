@@ -274,8 +274,9 @@ fn an_endpoint_whose_entries_do_not_fit_denies_what_is_missing_and_the_others_ar
 #[test]
 fn a_policy_deleted_and_written_again_is_enforced_again() {
     use calix_core::policy::cluster::{Change, Cluster};
+    use calix_core::policy::compiler::Compiler;
     use calix_core::policy::model::{Namespaces, Peer, Pod, Policy, PolicyKey, Rule};
-    use calix_core::policy::tables::{Compiler, Verdict};
+    use calix_core::policy::tables::Verdict;
     use calix_core::selector::LabelSelector;
     let sel = |k: &str, v: &str| LabelSelector {
         match_labels: [(k.to_string(), v.to_string())].into(),
