@@ -288,7 +288,8 @@ impl Report {
              | one label change, another node's pod's | {} |\n\n\
              The agent's time is its `calix_policy_seconds_total` (every step: the change into \
              the calculation, the compilation of this node's tables, the writes to the maps). \
-             Each compilation compiles every local endpoint's tables again.\n\n",
+             Each compilation starts from the last: only the sets whose members moved, and \
+             their addresses, are looked at again.\n\n",
             s.pods,
             s.policies,
             fmt_1(s.rss_before_mib),
