@@ -312,26 +312,27 @@ impl EndpointRegistry {
             .collect())
     }
 
+    /// Each attached endpoint: its ifindex, host ifname and pod (`namespace/name`).
+    async fn attached_pods(&self) -> Vec<(u32, String, Option<String>)> {
+        let records = self.records.lock().await;
+        let snapshot = self.driver.snapshot().await.unwrap_or_default();
+        snapshot
+            .attached
+            .iter()
+            .filter_map(|(k, a)| {
+                let r = records.get(k)?;
+                Some((a.ifindex, r.host_ifname.clone(), pod_of(r)))
+            })
+            .collect()
+    }
+
     /// Packets NetworkPolicy denied per attached endpoint: (host ifname, pod, to the pod, from
     /// it). Empty without counts.
     pub async fn policy_denied(&self) -> Vec<(String, Option<String>, u64, u64)> {
         let Some(stats) = &self.stats else {
             return Vec::new();
         };
-        let eps: Vec<(u32, String, Option<String>)> = {
-            let records = self.records.lock().await;
-            let snapshot = self.driver.snapshot().await.unwrap_or_default();
-            snapshot
-                .attached
-                .iter()
-                .filter_map(|(k, a)| {
-                    let r = records.get(k)?;
-                    let pod = (!r.pod_name.is_empty())
-                        .then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
-                    Some((a.ifindex, r.host_ifname.clone(), pod))
-                })
-                .collect()
-        };
+        let eps = self.attached_pods().await;
         let keys: Vec<(u32, String)> = eps.iter().map(|(i, n, _)| (*i, n.clone())).collect();
         match blocking(|| stats.policy_denied(&keys)) {
             Ok(counts) => eps
@@ -359,7 +360,7 @@ impl EndpointRegistry {
                 .any(|a| a.split('/').next().and_then(|a| a.parse().ok()) == Some(ip))
         })?;
         let snapshot = self.driver.snapshot().await.unwrap_or_default();
-        let pod = (!r.pod_name.is_empty()).then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
+        let pod = pod_of(r);
         Some((
             r.host_ifname.clone(),
             snapshot.attached.get(key).map(|a| a.ifindex),
@@ -390,20 +391,12 @@ impl EndpointRegistry {
         let Some(stats) = &self.stats else {
             return HashMap::new();
         };
-        let by_ifindex: HashMap<u32, (String, Option<String>)> = {
-            let records = self.records.lock().await;
-            let snapshot = self.driver.snapshot().await.unwrap_or_default();
-            snapshot
-                .attached
-                .iter()
-                .filter_map(|(k, a)| {
-                    let r = records.get(k)?;
-                    let pod = (!r.pod_name.is_empty())
-                        .then(|| format!("{}/{}", r.pod_namespace, r.pod_name));
-                    Some((a.ifindex, (r.host_ifname.clone(), pod)))
-                })
-                .collect()
-        };
+        let by_ifindex: HashMap<u32, (String, Option<String>)> = self
+            .attached_pods()
+            .await
+            .into_iter()
+            .map(|(i, ifname, pod)| (i, (ifname, pod)))
+            .collect();
         let slots = match blocking(|| stats.slots()) {
             Ok(s) => s,
             Err(e) => {
@@ -506,4 +499,9 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
         Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
         _ => f(),
     }
+}
+
+/// The pod of endpoint `r`, as `namespace/name` (None: a runtime that did not say).
+fn pod_of(r: &EndpointRecord) -> Option<String> {
+    (!r.pod_name.is_empty()).then(|| format!("{}/{}", r.pod_namespace, r.pod_name))
 }

@@ -386,9 +386,8 @@ pub(crate) fn encode(w: &mut Writer, e: &Expr, anon: &mut dyn FnMut() -> (String
     w.end_nest();
 }
 
-/// The counts of one `NFTA_LIST_ELEM` of a rule's expressions when it is a counter: (packets,
-/// bytes).
-pub(crate) fn counts(elem: &[u8]) -> Result<Option<(u64, u64)>, Malformed> {
+/// The name and the data of one `NFTA_LIST_ELEM` of a rule's expressions.
+fn name_and_data(elem: &[u8]) -> Result<(Option<String>, Option<&[u8]>), Malformed> {
     let (mut name, mut data) = (None, None);
     for a in Attrs::new(elem) {
         match a? {
@@ -397,6 +396,13 @@ pub(crate) fn counts(elem: &[u8]) -> Result<Option<(u64, u64)>, Malformed> {
             _ => {}
         }
     }
+    Ok((name, data))
+}
+
+/// The counts of one `NFTA_LIST_ELEM` of a rule's expressions when it is a counter: (packets,
+/// bytes).
+pub(crate) fn counts(elem: &[u8]) -> Result<Option<(u64, u64)>, Malformed> {
+    let (name, data) = name_and_data(elem)?;
     if name.as_deref() != Some("counter") {
         return Ok(None);
     }
@@ -415,14 +421,7 @@ pub(crate) fn counts(elem: &[u8]) -> Result<Option<(u64, u64)>, Malformed> {
 /// Reads one `NFTA_LIST_ELEM` of a rule's expressions. Lookups come back as
 /// [`SetRef::Named`], also for anonymous sets (the reader swaps those in).
 pub(crate) fn decode(elem: &[u8]) -> Result<Expr, Malformed> {
-    let (mut name, mut data) = (None, None);
-    for a in Attrs::new(elem) {
-        match a? {
-            (EXPR_NAME, v) => name = Some(string(v)?),
-            (EXPR_DATA, v) => data = Some(v),
-            _ => {}
-        }
-    }
+    let (name, data) = name_and_data(elem)?;
     let name = name.ok_or(malformed("an expression without a name"))?;
     let data = data.unwrap_or_default();
     let attrs: Vec<(u16, &[u8])> = Attrs::new(data).collect_all()?;
