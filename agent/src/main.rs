@@ -140,7 +140,12 @@ async fn run() -> Result<()> {
         ),
     };
     let stats = dataplane.stats()?;
-    let policy_events = dataplane.policy_events()?;
+    // Drop events are a view: without them (kernel mode's log group taken by another
+    // listener) the agent runs, and `calixctl monitor --drops` says why.
+    let policy_events = dataplane.policy_events().unwrap_or_else(|e| {
+        tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "policy drop events unavailable");
+        None
+    });
     let driver = Driver::spawn(
         NetlinkHost::new,
         dataplane,

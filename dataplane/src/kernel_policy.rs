@@ -279,12 +279,66 @@ fn entry_chain(
             );
         }
     }
-    chain.with_rule(
-        Rule::builder(FAMILY)
-            .counter()
-            .comment(super::kernel_counts::DENY_COMMENT)
-            .drop(),
-    )
+    chain
+        .with_rule(
+            Rule::builder(FAMILY)
+                .limit(LOG_PER_SECOND, LOG_BURST)
+                .log_group(LOG_GROUP, format!("{LOG_PREFIX}{name}"), LOG_SNAPLEN)
+                .build(),
+        )
+        .with_rule(
+            Rule::builder(FAMILY)
+                .counter()
+                .comment(super::kernel_counts::DENY_COMMENT)
+                .drop(),
+        )
+}
+
+/// The `nfnetlink_log` group the endpoints' drops are logged to (`calixctl monitor --drops`;
+/// Calico's own NFLOG groups are 1 and 2).
+pub const LOG_GROUP: u16 = 2240;
+/// How much of a dropped packet is logged: its IP and transport headers.
+pub const LOG_SNAPLEN: u32 = 128;
+/// Drops logged per second and chain (one endpoint's direction), and the burst: the rest are
+/// counted (`deny`), not logged.
+const LOG_PER_SECOND: u64 = 100;
+const LOG_BURST: u32 = 100;
+/// What a logged drop's prefix starts with; the chain's name follows.
+const LOG_PREFIX: &str = "calix-policy ";
+
+/// Where a logged drop ([`LOG_GROUP`]) was dropped, from its prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedDrop {
+    /// The endpoint's host veth.
+    pub ifname: String,
+    /// Its ingress (else its egress) policy dropped it.
+    pub ingress: bool,
+    /// The pod sent it (else it was sent to the pod).
+    pub pod_is_src: bool,
+}
+
+/// The drop a logged packet's prefix names; `None`: not one of this table's.
+pub fn logged_drop(prefix: &str) -> Option<LoggedDrop> {
+    let chain = prefix.strip_prefix(LOG_PREFIX)?;
+    let (ifname, kind) = chain.rsplit_once('_').map(|(i, k)| match k {
+        // `<if>_ing_r`, `<if>_eg_r`: the reply chains.
+        "r" => i
+            .rsplit_once('_')
+            .map_or((i, k.to_string()), |(i, k)| (i, format!("{k}_r"))),
+        _ => (i, k.to_string()),
+    })?;
+    let (ingress, pod_is_src) = match kind.as_str() {
+        "ing" => (true, false),
+        "ing_r" => (true, true),
+        "eg" => (false, true),
+        "eg_r" => (false, false),
+        _ => return None,
+    };
+    (!ifname.is_empty()).then(|| LoggedDrop {
+        ifname: ifname.to_string(),
+        ingress,
+        pod_is_src,
+    })
 }
 
 /// Kernel mode's policy state: the endpoints (pod and host veth, by endpoint key) and what the
@@ -458,9 +512,10 @@ mod tests {
                 .map(lines)
                 .collect::<Vec<_>>()
         };
-        // Opening, to the pod: peer = source, the pod's port = destination; then drop.
+        // Opening, to the pod: peer = source, the pod's port = destination; then the drop,
+        // logged within a rate first.
         let ing = chain("cali1_ing");
-        assert_eq!(ing.len(), 2);
+        assert_eq!(ing.len(), 3);
         assert!(
             ing[0].contains(&"[ payload load 4b @ network header + 12 => reg 1 ]".to_string()),
             "{ing:?}"
@@ -486,7 +541,14 @@ mod tests {
             Some("[ immediate reg 0 return ]")
         );
         assert_eq!(
-            ing[1].last().map(String::as_str),
+            ing[1],
+            [
+                "[ limit rate 100/second burst 100 packets ]",
+                "[ log prefix \"calix-policy cali1_ing\" group 2240 snaplen 128 ]"
+            ],
+        );
+        assert_eq!(
+            ing[2].last().map(String::as_str),
             Some("[ immediate reg 0 drop ]")
         );
         // Its replies, from the pod: peer = destination, port = source.
@@ -526,5 +588,28 @@ mod tests {
             from[2].last().map(String::as_str),
             Some("[ immediate reg 0 drop ]")
         );
+    }
+
+    /// A logged drop's prefix names its endpoint, its direction, and which way the packet
+    /// went; other prefixes are not ours.
+    #[test]
+    fn a_logged_drop_names_its_endpoint_and_direction() {
+        let d = |chain: &str| logged_drop(&format!("{LOG_PREFIX}{chain}"));
+        let want = |ingress, pod_is_src| {
+            Some(LoggedDrop {
+                ifname: "cali0a1b2c3d4e5".into(),
+                ingress,
+                pod_is_src,
+            })
+        };
+        assert_eq!(d("cali0a1b2c3d4e5_ing"), want(true, false));
+        assert_eq!(d("cali0a1b2c3d4e5_ing_r"), want(true, true));
+        assert_eq!(d("cali0a1b2c3d4e5_eg"), want(false, true));
+        assert_eq!(d("cali0a1b2c3d4e5_eg_r"), want(false, false));
+        for other in ["cali1_out", "cali1", "_ing", "_ing_r"] {
+            assert_eq!(d(other), None, "{other}");
+        }
+        assert_eq!(logged_drop("other cali1_ing"), None);
+        assert_eq!(logged_drop(""), None);
     }
 }

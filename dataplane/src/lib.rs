@@ -8,6 +8,7 @@ pub mod doors;
 pub mod ebpf;
 pub mod host_addrs;
 pub mod kernel_counts;
+pub mod kernel_events;
 pub mod kernel_policy;
 pub mod masquerade;
 pub mod nat;
@@ -82,6 +83,12 @@ pub enum DataplaneError {
     },
     #[error(transparent)]
     Nftables(#[from] calix_kernel::nft::NftError),
+    #[error("nfnetlink_log group {group} (kernel mode's policy drops)")]
+    Nflog {
+        group: u16,
+        #[source]
+        source: calix_kernel::nft::NetlinkError,
+    },
     #[error("reading the node's addresses failed")]
     Addresses(#[source] nix::Error),
     #[error(transparent)]
@@ -339,9 +346,9 @@ pub trait Dataplane: Send {
     ) -> Result<Vec<Drift>, DataplaneError> {
         Ok(Vec::new())
     }
-    /// The consumer of NetworkPolicy's drop events; `None` when the dataplane sends none
-    /// (kernel mode). One consumer at a time.
-    fn policy_events(&self) -> Result<Option<ebpf::PolicyEvents>, DataplaneError> {
+    /// The consumer of NetworkPolicy's drop events; `None` when the dataplane sends none.
+    /// One consumer at a time.
+    fn policy_events(&self) -> Result<Option<PolicyDrops>, DataplaneError> {
         Ok(None)
     }
     /// A reader of the counters that works without this object; `None` when the dataplane
@@ -599,6 +606,14 @@ impl DataplaneStats for KernelStats {
     }
 }
 
+/// Where NetworkPolicy's drop events come from.
+pub enum PolicyDrops {
+    /// The eBPF programs' ring buffer.
+    Ebpf(ebpf::PolicyEvents),
+    /// Kernel mode's policy chains, through `nfnetlink_log`.
+    Kernel(kernel_events::KernelDrops),
+}
+
 impl Dataplane for KernelDataplane {
     // What the kernel does by itself (no programs, maps or host devices to manage: it
     // forwards between nodes alone) is the trait's defaults.
@@ -634,6 +649,9 @@ impl Dataplane for KernelDataplane {
     }
     fn stats(&self) -> Result<Option<Box<dyn DataplaneStats>>, DataplaneError> {
         Ok(Some(Box::new(KernelStats(self.policy.counts()))))
+    }
+    fn policy_events(&self) -> Result<Option<PolicyDrops>, DataplaneError> {
+        kernel_events::KernelDrops::open().map(|d| Some(PolicyDrops::Kernel(d)))
     }
     fn repair_node(&mut self) -> Result<(), DataplaneError> {
         self.apply()

@@ -313,7 +313,7 @@ impl EndpointRegistry {
     }
 
     /// Each attached endpoint: its ifindex, host ifname and pod (`namespace/name`).
-    async fn attached_pods(&self) -> Vec<(u32, String, Option<String>)> {
+    pub async fn attached_pods(&self) -> Vec<(u32, String, Option<String>)> {
         let records = self.records.lock().await;
         let snapshot = self.driver.snapshot().await.unwrap_or_default();
         snapshot

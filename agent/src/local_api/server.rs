@@ -151,8 +151,8 @@ impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
     ) -> Result<Response<Self::MonitorStream>, Status> {
         let Some(m) = &self.monitor else {
             return Err(Status::unavailable(
-                "no drop events on this node: the kernel dataplane sends none (calixctl \
-                 policy <pod> shows its nftables counters)",
+                "no drop events on this node: the agent could not open them (its log says \
+                 why; calixctl policy <pod> still shows the counts)",
             ));
         };
         let mut rx = m.subscribe();

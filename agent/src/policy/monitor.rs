@@ -1,8 +1,9 @@
 //! `calixctl monitor --drops`: the packets NetworkPolicy denies, as they happen. One task
-//! consumes the eBPF dataplane's ring of drop events (rate-limited by the programs, per CPU),
-//! names each endpoint and peer, and hands the events to every watcher (a broadcast: a slow
-//! watcher loses events, and is told how many). With no watcher the events are read and
-//! dropped, so the ring never holds up the programs.
+//! consumes the dataplane's drop events — the eBPF programs' ring (rate-limited by the
+//! programs, per CPU), or the packets kernel mode's policy chains log to `nfnetlink_log`
+//! (rate-limited per chain) — names each endpoint and peer, and hands the events to every
+//! watcher (a broadcast: a slow watcher loses events, and is told how many). With no watcher
+//! the events are read and dropped, so nothing holds up the dataplane.
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::Arc;
@@ -13,6 +14,8 @@ use calix_common::{
 };
 use calix_core::policy::report::DroppedPacket;
 use calix_dataplane::ebpf::PolicyEvents;
+use calix_dataplane::kernel_events::KernelDrops;
+use calix_dataplane::PolicyDrops;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::broadcast;
 
@@ -37,21 +40,102 @@ impl DropMonitor {
 /// Starts consuming `events`; the endpoints are named from `node`'s, the peers from
 /// `policy`'s view of the cluster.
 pub fn spawn(
-    events: PolicyEvents,
+    events: PolicyDrops,
     node: Arc<Node>,
     policy: Option<Arc<PolicyService>>,
 ) -> std::io::Result<DropMonitor> {
     let (tx, _) = broadcast::channel(BACKLOG);
-    // SAFETY: the ring's map fd is owned by `events`, open and the same for as long as the
-    // `AsyncFd` owns it.
-    let fd = unsafe { AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE) }
-        .map_err(std::io::Error::from)?;
     let monitor = DropMonitor { tx: tx.clone() };
-    tokio::spawn(run(fd, node, policy, tx));
+    match events {
+        PolicyDrops::Ebpf(events) => {
+            // SAFETY: the ring's map fd is owned by `events`, open and the same for as long
+            // as the `AsyncFd` owns it.
+            let fd =
+                unsafe { AsyncFd::register_with_interest(events, tokio::io::Interest::READABLE) }
+                    .map_err(std::io::Error::from)?;
+            tokio::spawn(run_ebpf(fd, node, policy, tx));
+        }
+        PolicyDrops::Kernel(drops) => {
+            // SAFETY: the socket is owned by `drops`, open and the same for as long as the
+            // `AsyncFd` owns it.
+            let fd =
+                unsafe { AsyncFd::register_with_interest(drops, tokio::io::Interest::READABLE) }
+                    .map_err(std::io::Error::from)?;
+            tokio::spawn(run_kernel(fd, node, policy, tx));
+        }
+    }
     Ok(monitor)
 }
 
-async fn run(
+/// Kernel mode: the logged drops, named by their endpoint's host veth; what the kernel could
+/// not queue is counted into the next event.
+async fn run_kernel(
+    mut fd: AsyncFd<KernelDrops>,
+    node: Arc<Node>,
+    policy: Option<Arc<PolicyService>>,
+    tx: broadcast::Sender<Arc<DroppedPacket>>,
+) {
+    let mut names: HashMap<String, Option<String>> = HashMap::new();
+    let mut lost_before = 0;
+    loop {
+        let mut guard = match fd.readable_mut().await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(error = %e, "policy drop events: cannot wait on the log group; stopped");
+                return;
+            }
+        };
+        let batch = guard.get_inner_mut().drain();
+        let lost = guard.get_inner().lost();
+        guard.clear_ready();
+        let batch = match batch {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, "policy drop events: reading the log group failed");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        if tx.receiver_count() == 0 || batch.is_empty() {
+            continue;
+        }
+        if batch.iter().any(|(i, _)| !names.contains_key(i)) {
+            names = node
+                .endpoints
+                .attached_pods()
+                .await
+                .into_iter()
+                .map(|(_, ifname, pod)| (ifname, pod))
+                .collect();
+        }
+        let clock = Clock::now();
+        for (ifname, mut e) in batch {
+            e.ktime_ns = clock.mono_ns;
+            e.suppressed = u32::try_from(lost - lost_before).unwrap_or(u32::MAX);
+            lost_before = lost;
+            let pod = names.get(&ifname).cloned().flatten();
+            publish(&tx, &policy, describe(&e, &clock), Some(ifname), pod);
+        }
+    }
+}
+
+/// Names the event's endpoint and peer, and hands it to the watchers.
+fn publish(
+    tx: &broadcast::Sender<Arc<DroppedPacket>>,
+    policy: &Option<Arc<PolicyService>>,
+    mut d: DroppedPacket,
+    interface: Option<String>,
+    pod: Option<String>,
+) {
+    d.interface = interface;
+    d.pod = pod;
+    d.peer_pod = policy
+        .as_ref()
+        .and_then(|p| p.pod_with_address(d.peer_address.parse().ok()?));
+    let _ = tx.send(Arc::new(d));
+}
+
+async fn run_ebpf(
     mut fd: AsyncFd<PolicyEvents>,
     node: Arc<Node>,
     policy: Option<Arc<PolicyService>>,
@@ -83,13 +167,7 @@ async fn run(
                 .get(&e.slot)
                 .cloned()
                 .map_or((None, None), |(i, p)| (Some(i), p));
-            let mut d = describe(e, &clock);
-            d.interface = interface;
-            d.pod = pod;
-            d.peer_pod = policy
-                .as_ref()
-                .and_then(|p| p.pod_with_address(d.peer_address.parse().ok()?));
-            let _ = tx.send(Arc::new(d));
+            publish(&tx, &policy, describe(e, &clock), interface, pod);
         }
     }
 }

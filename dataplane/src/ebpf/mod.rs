@@ -557,8 +557,8 @@ impl Dataplane for EbpfDataplane {
         Ok(Some(Box::new(EbpfStats::open(&self.cfg.pin_dir())?)))
     }
 
-    fn policy_events(&self) -> Result<Option<PolicyEvents>, DataplaneError> {
-        PolicyEvents::open(&self.cfg.pin_dir()).map(Some)
+    fn policy_events(&self) -> Result<Option<crate::PolicyDrops>, DataplaneError> {
+        PolicyEvents::open(&self.cfg.pin_dir()).map(|e| Some(crate::PolicyDrops::Ebpf(e)))
     }
 
     fn set_pools(&mut self, pools: &[IpNet]) -> Result<(), DataplaneError> {

@@ -194,6 +194,20 @@ pub enum Expr {
     },
     /// Counts packets and bytes; the counts are not part of the model (they change).
     Counter,
+    /// `limit rate <rate>/<unit> burst <burst> packets`: matches while within the rate (the
+    /// rule goes on), else ends the rule; `unit` in seconds.
+    Limit {
+        rate: u64,
+        unit: u64,
+        burst: u32,
+    },
+    /// `log group <group> prefix <prefix> snaplen <snaplen>`: the packet's first `snaplen`
+    /// bytes to `nfnetlink_log`'s group (a listener reads them: [`super::log`]).
+    Log {
+        group: u16,
+        prefix: String,
+        snaplen: u32,
+    },
     /// As read back: an expression this module does not decode, kept as its name and
     /// attributes (so that a rule another tool wrote still compares unequal).
     Other {
@@ -223,6 +237,8 @@ impl Expr {
             Expr::Masquerade { .. } => "masq",
             Expr::Immediate { .. } => "immediate",
             Expr::Counter => "counter",
+            Expr::Limit { .. } => "limit",
+            Expr::Log { .. } => "log",
             Expr::Other { name, .. } => name,
         }
     }
@@ -380,6 +396,24 @@ pub(crate) fn encode(w: &mut Writer, e: &Expr, anon: &mut dyn FnMut() -> (String
             w.put_be64(1, 0);
             w.put_be64(2, 0);
         }
+        Expr::Limit { rate, unit, burst } => {
+            // NFTA_LIMIT_RATE, _UNIT, _BURST, _TYPE (packets), _FLAGS.
+            w.put_be64(1, *rate);
+            w.put_be64(2, *unit);
+            w.put_be32(3, *burst);
+            w.put_be32(4, 0);
+            w.put_be32(5, 0);
+        }
+        Expr::Log {
+            group,
+            prefix,
+            snaplen,
+        } => {
+            // NFTA_LOG_GROUP, _PREFIX, _SNAPLEN.
+            w.put(1, &group.to_be_bytes());
+            w.put_str(2, prefix);
+            w.put_be32(3, *snaplen);
+        }
         Expr::Other { .. } => unreachable!("the writer refuses Expr::Other before encoding"),
     }
     w.end_nest();
@@ -491,6 +525,26 @@ pub(crate) fn decode(elem: &[u8]) -> Result<Expr, Malformed> {
             let _ = get(1).map(be64).transpose()?;
             Expr::Counter
         }
+        // Packets only, no inversion: anything else stays Other.
+        "limit"
+            if get(4).is_none_or(|v| be32(v) == Ok(0))
+                && get(5).is_none_or(|v| be32(v) == Ok(0)) =>
+        {
+            Expr::Limit {
+                rate: be64(need(1)?)?,
+                unit: be64(need(2)?)?,
+                burst: get(3).map(be32).transpose()?.unwrap_or(0),
+            }
+        }
+        // To a group, with nothing but a prefix and a snap length.
+        "log" if attrs.iter().all(|(t, _)| matches!(t, 1..=3)) => Expr::Log {
+            group: match need(1)? {
+                [a, b] => u16::from_be_bytes([*a, *b]),
+                _ => return Err(malformed("a log group that is not 16 bits")),
+            },
+            prefix: get(2).map(string).transpose()?.unwrap_or_default(),
+            snaplen: get(3).map(be32).transpose()?.unwrap_or(0),
+        },
         _ => Expr::Other {
             name,
             data: data.to_vec(),

@@ -23,11 +23,13 @@
 //!
 //! Supported: tables of any family, base chains (filter, nat, route) and regular chains,
 //! named and anonymous sets and maps (plain or interval keys, verdict or value data), and the
-//! expressions payload, meta, ct, cmp, bitwise, lookup, fib, masq, immediate, counter.
+//! expressions payload, meta, ct, cmp, bitwise, lookup, fib, masq, immediate, counter, limit
+//! and log (to a group: [`log`] reads what it sends).
 //! Anything else another tool writes reads back as [`Expr::Other`] (so it is seen as drift).
 mod batch;
 pub mod data;
 pub mod expr;
+pub mod log;
 pub mod model;
 mod read;
 pub mod rule;
@@ -41,6 +43,7 @@ use nix::errno::Errno;
 
 pub use data::{Data, Element, KeyType, MapData, Set, Verdict};
 pub use expr::{CmpOp, CtKey, Expr, MetaKey, PayloadBase, Reg, SetRef};
+pub use log::{LogListener, Logged};
 pub use model::{priority, BaseChain, Chain, ChainType, Family, Hook, Rule, Table};
 pub use read::RuleCount;
 pub use rule::{Addr, CtDirection, RuleBuilder};

@@ -436,6 +436,26 @@ impl RuleBuilder {
         self.expr(Expr::Counter)
     }
 
+    /// `limit rate <per_second>/second burst <burst> packets`: the rest of the rule only
+    /// while within the rate.
+    pub fn limit(self, per_second: u64, burst: u32) -> Self {
+        self.expr(Expr::Limit {
+            rate: per_second,
+            unit: 1,
+            burst,
+        })
+    }
+
+    /// `log group <group> prefix <prefix> snaplen <snaplen>`: the packet to an
+    /// `nfnetlink_log` listener ([`crate::nft::log`]).
+    pub fn log_group(self, group: u16, prefix: impl Into<String>, snaplen: u32) -> Self {
+        self.expr(Expr::Log {
+            group,
+            prefix: prefix.into(),
+            snaplen,
+        })
+    }
+
     /// `masquerade` (with `ports`: `masquerade to :lo-hi`).
     pub fn masquerade(self, ports: Option<(u16, u16)>) -> Rule {
         let Some((lo, hi)) = ports else {

@@ -202,6 +202,19 @@ impl fmt::Display for Expr {
                 }
             }
             Expr::Counter => f.write_str("counter pkts 0 bytes 0")?,
+            Expr::Limit { rate, unit, burst } => {
+                let unit = match unit {
+                    1 => "second".to_string(),
+                    60 => "minute".to_string(),
+                    u => format!("{u} seconds"),
+                };
+                write!(f, "limit rate {rate}/{unit} burst {burst} packets")?
+            }
+            Expr::Log {
+                group,
+                prefix,
+                snaplen,
+            } => write!(f, "log prefix {prefix:?} group {group} snaplen {snaplen}")?,
             Expr::Other { name, .. } => write!(f, "{name}")?,
         }
         f.write_str(" ]")

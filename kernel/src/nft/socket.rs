@@ -90,6 +90,11 @@ impl Socket {
         Ok(s)
     }
 
+    /// The descriptor (for waiting on it).
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+
     fn setsockopt(&self, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
         // SAFETY: an int option, passed by pointer with its size.
         let rc = unsafe {

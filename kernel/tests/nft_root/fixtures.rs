@@ -18,7 +18,7 @@ pub const DOORS: &str = include_str!("scripts/doors.nft");
 
 /// Everything else the module writes: a named interval set, a verdict map, regular chains,
 /// jump, goto, return, ct state, an IPv6 interval set, a comment, a prefix that is not
-/// byte-aligned, an interface-name prefix.
+/// byte-aligned, an interface-name prefix, a rate limit and a log to a group.
 pub const EVERYTHING: &str = r#"table inet e {
 	comment "every feature"
 	set nets4 {
@@ -44,6 +44,7 @@ pub const EVERYTHING: &str = r#"table inet e {
 		return
 	}
 	chain other {
+		limit rate 100/second burst 20 packets log prefix "calix-policy cali1_ing" group 2240 snaplen 128
 	}
 }
 "#;
@@ -211,5 +212,11 @@ pub fn everything() -> Table {
         .with_set(ports)
         .with_chain(input)
         .with_chain(ssh)
-        .with_chain(Chain::regular("other"))
+        .with_chain(
+            Chain::regular("other").with_rule(
+                r().limit(100, 20)
+                    .log_group(2240, "calix-policy cali1_ing", 128)
+                    .build(),
+            ),
+        )
 }
