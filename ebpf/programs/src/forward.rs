@@ -90,19 +90,37 @@ fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_l
 }
 
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
+/// `read`: the sender's egress verdict on this very packet left its flow in the policy
+/// scratch (`policy::ALLOW_READ`).
 #[inline(always)]
-pub fn to_local(ctx: &mut TcContext, ep: &LocalEndpoint, t: Ttl) -> Result<i32, c_long> {
+pub fn to_local(
+    ctx: &mut TcContext,
+    ep: &LocalEndpoint,
+    t: Ttl,
+    read: bool,
+) -> Result<i32, c_long> {
     if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
-    deliver_local(ctx, ep)
+    deliver(ctx, ep, read)
 }
 
 /// As [`to_local`] for a packet whose TTL the caller already decremented. The pod's ingress
 /// policy first: this path skips its veth's `to_pod`.
 #[inline(always)]
 pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
-    if policy::isolated(ep.slot) && !policy::ingress(ctx.skb.skb, ep.slot) {
+    deliver(ctx, ep, false)
+}
+
+#[inline(always)]
+fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, read: bool) -> Result<i32, c_long> {
+    let allowed = !policy::isolated(ep.slot)
+        || if read {
+            policy::ingress_of_sent(ep.slot)
+        } else {
+            policy::ingress(ctx.skb.skb, ep.slot)
+        };
+    if !allowed {
         policy::report_denied(ep.slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ep.ifindex, DropReason::PolicyIngress));
     }

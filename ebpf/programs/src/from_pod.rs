@@ -105,9 +105,10 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV4));
     }
     // Egress policy, once the source is the pod's own.
-    if let Some(decided) = egress_policy(ctx, ifindex, ep.slot) {
-        return Ok(decided);
-    }
+    let read = match egress_policy(ctx, ifindex, ep.slot) {
+        Ok(read) => read,
+        Err(decided) => return Ok(decided),
+    };
     let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
     if (local.is_some() || remote)
@@ -120,7 +121,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { &*local };
-        return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip));
+        return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), read);
     }
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
@@ -160,9 +161,10 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
             return Ok(drop(ctx, ifindex, reason));
         }
     }
-    if let Some(decided) = egress_policy(ctx, ifindex, ep.slot) {
-        return Ok(decided);
-    }
+    let read = match egress_policy(ctx, ifindex, ep.slot) {
+        Ok(read) => read,
+        Err(decided) => return Ok(decided),
+    };
     let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
     if (local.is_some() || remote)
@@ -175,7 +177,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { &*local };
-        return forward::to_local(ctx, local, forward::Ttl::of_v6(&ip));
+        return forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), read);
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);
@@ -186,24 +188,26 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     Ok(TC_ACT_OK)
 }
 
-/// The endpoint's egress policy on the packet: `None` when it goes on (not isolated for
-/// egress, or allowed); else what becomes of it: dropped, or handed to the host stack marked
-/// with the endpoint's slot when it goes to a Service address (its verdict then waits for
-/// the DNAT: `to_pod` or `to_host_dev` judges it against the backend).
+/// The endpoint's egress policy on the packet: `Ok` when it goes on (not isolated for
+/// egress, or allowed; `true`: the verdict left the packet's flow in the policy scratch, see
+/// `policy::ALLOW_READ`); else what becomes of it: dropped, or handed to the host stack
+/// marked with the endpoint's slot when it goes to a Service address (its verdict then waits
+/// for the DNAT: `to_pod` or `to_host_dev` judges it against the backend).
 #[inline(always)]
-fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32) -> Option<i32> {
+fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32) -> Result<bool, i32> {
     if !policy::isolated(slot) {
-        return None;
+        return Ok(false);
     }
     match policy::egress(ctx.skb.skb, slot) {
-        policy::ALLOW => None,
+        policy::ALLOW => Ok(false),
+        policy::ALLOW_READ => Ok(true),
         policy::DEFER => {
             ctx.set_mark(policy_pending_mark(slot));
-            Some(TC_ACT_OK)
+            Err(TC_ACT_OK)
         }
         _ => {
             policy::report_denied(slot, calix_common::POL_DIR_EGRESS);
-            Some(drop(ctx, ifindex, DropReason::PolicyEgress))
+            Err(drop(ctx, ifindex, DropReason::PolicyEgress))
         }
     }
 }

@@ -27,7 +27,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 }) {
                     return Ok(TC_ACT_OK);
                 }
-                return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip));
+                return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), false);
             }
             // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
             Ok(crate::nat::reverse_v4(ctx, &ip)?.unwrap_or(TC_ACT_OK))
@@ -43,7 +43,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                         flows::key_v6(ctx, &ip, false)
                     }) =>
                 {
-                    forward::to_local(ctx, local, forward::Ttl::of_v6(&ip))
+                    forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), false)
                 }
                 _ => Ok(TC_ACT_OK),
             }

@@ -659,5 +659,5 @@ fn icmp_error(
         proto: ip.proto,
         csum,
     };
-    forward::to_local(ctx, &local, ttl).map(Some)
+    forward::to_local(ctx, &local, ttl, false).map(Some)
 }

@@ -65,6 +65,10 @@ pub const ALLOW: u8 = 1;
 /// An egress verdict: the packet goes to a Service address; the verdict waits for the host
 /// stack's DNAT, against the backend it chooses (`calix_common::POLICY_PENDING_MARK`).
 pub const DEFER: u8 = 2;
+/// A verdict: the packet is allowed, and its flow, as the verdict read it, is in this CPU's
+/// scratch: [`ingress_of_sent`] judges the same packet for a receiver on this node without
+/// reading it again.
+pub const ALLOW_READ: u8 = 3;
 
 /// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
 /// pays (an array lookup the verifier inlines); the verdict itself is a function of its own
@@ -488,19 +492,20 @@ fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
     };
     s.identity = POLICY_WORLD;
     s.why = 0;
-    let v = if read(&ctx, s, dir == POL_DIR_EGRESS) {
-        allows(slot, &st, dir, s)
-    } else {
+    if !read(&ctx, s, dir == POL_DIR_EGRESS) {
         s.why = u32::from(DENIED_UNREADABLE);
-        DENY
-    };
-    v
+        return DENY;
+    }
+    match allows(slot, &st, dir, s) {
+        ALLOW => ALLOW_READ,
+        v => v,
+    }
 }
 
 /// The egress verdict on the frame in `skb`, sent by the pod in `slot` (its source already
-/// checked): [`ALLOW`] when the endpoint is not isolated for egress, or its policy lets the
-/// frame out; [`DEFER`] for a frame to a Service address (judged after the DNAT:
-/// [`after_nat`]); else [`DENY`]. A frame whose header cannot be read is denied.
+/// checked): [`ALLOW`] when the endpoint is not isolated for egress, [`ALLOW_READ`] when its
+/// policy lets the frame out; [`DEFER`] for a frame to a Service address (judged after the
+/// DNAT: [`after_nat`]); else [`DENY`]. A frame whose header cannot be read is denied.
 #[inline(never)]
 pub fn egress(skb: *mut __sk_buff, slot: u32) -> u8 {
     verdict(skb, slot, POL_DIR_EGRESS)
@@ -511,7 +516,7 @@ pub fn egress(skb: *mut __sk_buff, slot: u32) -> u8 {
 /// address (nothing translated it): denied.
 #[inline(never)]
 pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
-    verdict(skb, slot, POL_DIR_EGRESS) == ALLOW
+    matches!(verdict(skb, slot, POL_DIR_EGRESS), ALLOW | ALLOW_READ)
 }
 
 /// The ingress verdict on the frame in `skb` for the endpoint in `slot`: true when it is not
@@ -519,7 +524,25 @@ pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
 /// IPv6, or whose header cannot be read, is denied to an isolated endpoint.
 #[inline(never)]
 pub fn ingress(skb: *mut __sk_buff, slot: u32) -> bool {
-    verdict(skb, slot, POL_DIR_INGRESS) == ALLOW
+    matches!(verdict(skb, slot, POL_DIR_INGRESS), ALLOW | ALLOW_READ)
+}
+
+/// As [`ingress`], for a packet whose sender's egress verdict just returned [`ALLOW_READ`]
+/// (same node): its flow is taken from the scratch, seen from the receiver, instead of read
+/// from the packet again.
+#[inline(never)]
+pub fn ingress_of_sent(slot: u32) -> bool {
+    let Some(st) = state(slot) else {
+        return true;
+    };
+    let Some(s) = scratch() else {
+        return false;
+    };
+    core::mem::swap(&mut s.flow.pod, &mut s.flow.peer);
+    core::mem::swap(&mut s.flow.pod_port, &mut s.flow.peer_port);
+    s.identity = POLICY_WORLD;
+    s.why = 0;
+    allows(slot, &st, POL_DIR_INGRESS, s) == ALLOW
 }
 
 /// Remembers the flow of a frame the node itself sends to the endpoint in `slot` (always
