@@ -305,6 +305,13 @@ async fn run() -> Result<()> {
             // The pools IPAM works with: a block it retains under a refused pool change is
             // still this node's to advertise.
             s.blocks = node.ipam.pools();
+            // Other nodes' `calixctl trace` asks this one for its pods' verdicts.
+            s.verdicts = policy.clone().map(|policy| {
+                Arc::new(calix_agent::policy::trace::PeerVerdicts {
+                    node: node.clone(),
+                    policy,
+                }) as Arc<dyn distribution::server::Verdicts>
+            });
             distribution::task::start(s, store, Arc::new(remote_routes))
                 .await
                 .context("route distribution ([routes]) cannot start")?

@@ -103,6 +103,13 @@ impl pb::routes_server::Routes for Svc {
         ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+
+    async fn verdict(
+        &self,
+        _req: Request<pb::VerdictRequest>,
+    ) -> Result<Response<pb::VerdictResponse>, Status> {
+        Err(Status::unimplemented("a hostile peer traces nothing"))
+    }
 }
 
 fn route(prefix: String, node: &str, hop: Ipv4Addr) -> pb::Route {

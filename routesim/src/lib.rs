@@ -272,6 +272,7 @@ pub async fn run(
             stats: Arc::default(),
             shutdown: stop.clone(),
             throttle: Arc::default(),
+            verdicts: None,
         };
         served.push(tokio::spawn(listener::serve(
             vec![sock],

@@ -1831,18 +1831,7 @@ fn established_flows_across_changes(api: &KubeApi, node: &Node, ns: &str, client
 /// named), the client's allowed by the policy's rule 0; from the live maps in eBPF, from the
 /// tables written to nftables in kernel mode. A dropped packet's trace exits non-zero.
 fn trace_names_the_deciding_rule(node: &Node, dataplane: Dataplane, ns: &str) {
-    let trace = |src: &str, proto: &str| {
-        let out = node
-            .agent()
-            .calixctl_command()
-            .args(["trace", &format!("{ns}/{src}"), &format!("{ns}/web"), proto])
-            .args(["-o", "json"])
-            .output()
-            .expect("calixctl trace");
-        let v: Value = serde_json::from_slice(&out.stdout)
-            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
-        (out.status.success(), v)
-    };
+    let trace = |src: &str, proto: &str| trace_to_web(node, ns, src, proto);
     let source = match dataplane {
         Dataplane::Ebpf => "live maps",
         Dataplane::Kernel => "tables written to nftables",
@@ -1943,15 +1932,7 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
     let other = running_pod(&api, &node, &ns, "other", json!({"role": "other"}));
     let (web_ip, other_ip) = (web.ip(), other.ip());
     assert!(other.ns.ping(&web_ip, 1), "open before any policy");
-    api.apply(json!({
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": "web", "namespace": ns},
-        "spec": {
-            "podSelector": {"matchLabels": {"app": "web"}},
-            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "client"}}}]}]
-        }
-    }))
-    .unwrap_or_else(|e| panic!("{e}"));
+    web_lets_in_the_client(&api, &ns);
     let show = || node.agent_log();
     wait_for(
         "the policy drops other's packets to web",
@@ -2229,4 +2210,133 @@ fn policy_and_label_toggled(dataplane: Dataplane, tag: &str, cidr: &str, node_ip
         .unwrap_or_else(|e| panic!("{e}"));
         wait(&format!("round {round}: let in, label given back"), true);
     }
+}
+
+/// NetworkPolicy `ns/web`: pods `app: web` let in only pods `role: client` of `ns`.
+fn web_lets_in_the_client(api: &KubeApi, ns: &str) {
+    api.apply(json!({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "web", "namespace": ns},
+        "spec": {
+            "podSelector": {"matchLabels": {"app": "web"}},
+            "ingress": [{"from": [{"podSelector": {"matchLabels": {"role": "client"}}}]}]
+        }
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// `calixctl trace <ns>/<src> <ns>/web <proto> -o json` on `node`: whether it exited 0, and
+/// the report.
+fn trace_to_web(node: &Node, ns: &str, src: &str, proto: &str) -> (bool, Value) {
+    let out = node
+        .agent()
+        .calixctl_command()
+        .args(["trace", &format!("{ns}/{src}"), &format!("{ns}/web"), proto])
+        .args(["-o", "json"])
+        .output()
+        .expect("calixctl trace");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.success(), v)
+}
+
+/// `calixctl trace` across nodes (eBPF): a pod's end on another node is answered by that
+/// node's agent, from its live maps, over route distribution's mutual TLS
+/// (`calix.v1.Routes/Verdict`): the deciding rule or the isolating policy, named, with the
+/// node that answered; the trace of a dropped packet exits non-zero.
+#[test]
+fn trace_asks_the_node_a_traced_pod_lives_on() {
+    let api = KubeApi::shared();
+    let ca = Ca::new("calix-test-ca").expect("CA");
+    let u = unique("tr");
+    let cluster = Cluster::create(Dataplane::Ebpf, &[1, 1], |i, c| {
+        let kubeconfig = api
+            .wire_as(&c.nodes[i].ns, &agent_token(&api, c.name(i)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        format!(
+            "uplinks = [\"eth0\"]\n[datastore]\ntype = \"kubernetes\"\nkubeconfig = \"{}\"\n{}",
+            kubeconfig.display(),
+            c.routes_config(i, &ca, "")
+                .unwrap_or_else(|e| panic!("{e}"))
+        )
+    });
+    for i in 0..2 {
+        node_object(
+            &api,
+            cluster.name(i),
+            json!({"calix.dev/test": u}),
+            &[("InternalIP", &cluster.address(i))],
+        );
+    }
+    api.apply(ippool(&u, "10.87.0.0/16", json!({"calix.dev/test": u})))
+        .unwrap_or_else(|e| panic!("{e}"));
+    cluster.start();
+    let ns = format!("{u}-ns");
+    namespace(&api, &ns, json!({}), json!({}));
+    let pod = |i: usize, name: &str, labels: Value| {
+        api.running_pod(&cluster.nodes[i], &ns, name, labels)
+            .unwrap_or_else(|e| panic!("pod {name}: {e}"))
+    };
+    let web = pod(1, "web", json!({"app": "web"}));
+    let client = pod(0, "client", json!({"role": "client"}));
+    let other = pod(0, "other", json!({"role": "other"}));
+    web_lets_in_the_client(&api, &ns);
+    let web_ip = web.ip();
+    wait_for(
+        "the client reaches web on the other node, and other does not",
+        Duration::from_secs(30),
+        || (client.ns.ping(&web_ip, 1) && !other.ns.ping(&web_ip, 1)).then_some(()),
+        || cluster.nodes[1].agent_log(),
+    );
+    let trace =
+        |on: usize, src: &str, proto: &str| trace_to_web(&cluster.nodes[on], &ns, src, proto);
+    let step = |v: &Value, stage: &str| {
+        v["steps"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|s| s["stage"] == stage)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {stage} step: {v}"))
+    };
+    // From node 0: web's ingress is answered by node 1, from its live maps.
+    let (ok, v) = trace(0, "client", "tcp/80");
+    assert!(ok, "{v}");
+    let ingress = step(&v, "ingress policy");
+    assert_eq!(ingress["node"], cluster.name(1), "{v}");
+    assert_eq!(ingress["source"], "live maps", "{v}");
+    assert_eq!(ingress["outcome"], "pass", "{v}");
+    assert_eq!(
+        ingress["detail"],
+        format!("allowed by policy {ns}/web ingress rule 0"),
+        "{v}"
+    );
+    let (ok, v) = trace(0, "other", "icmp");
+    assert!(!ok, "a dropped packet's trace exits non-zero: {v}");
+    let ingress = step(&v, "ingress policy");
+    assert_eq!(ingress["node"], cluster.name(1), "{v}");
+    assert_eq!(ingress["source"], "live maps", "{v}");
+    assert_eq!(ingress["outcome"], "drop", "{v}");
+    assert!(
+        ingress["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains(&format!("by {ns}/web"))),
+        "{v}"
+    );
+    // From node 1: the client's egress is answered by node 0 (not isolated), web's ingress
+    // here.
+    let (ok, v) = trace(1, "client", "tcp/80");
+    assert!(ok, "{v}");
+    let egress = step(&v, "egress policy");
+    assert_eq!(egress["node"], cluster.name(0), "{v}");
+    assert_eq!(egress["source"], "live maps", "{v}");
+    assert_eq!(egress["outcome"], "pass", "{v}");
+    assert_eq!(step(&v, "ingress policy")["node"], cluster.name(1), "{v}");
+    drop((web, client, other));
+    for i in 0..2 {
+        api.delete("v1", "Node", cluster.name(i))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    api.delete("calix.dev/v1", "IPPool", &u)
+        .unwrap_or_else(|e| panic!("{e}"));
 }

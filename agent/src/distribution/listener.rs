@@ -1,4 +1,5 @@
-//! The TCP door of `calix.v1.Routes`, the only service served on TCP. Only the nodes get in:
+//! The TCP door of `calix.v1.Routes` (watches, and the verdict calls of `calixctl trace`), the
+//! only service served on TCP. Only the nodes get in:
 //! a connection whose source is no address of a known node (the node records, or the
 //! Kubernetes Node objects, route distribution follows: [`Known`]) is closed at once, before
 //! it takes a slot or a handshake, and counted (`refused_unknown`). Like the HTTP door

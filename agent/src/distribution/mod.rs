@@ -21,6 +21,8 @@
 //! - [`local`]: this node's next hops and subnets;
 //! - [`nodes`]: where the peers come from (node records, or Kubernetes' Nodes read as such);
 //! - [`settings`]: what it starts with (from `[routes]`);
+//! - [`verdict`]: `calixctl trace`'s question to the node a traced pod lives on (the server's
+//!   side answers through [`server::Verdicts`]);
 //! - [`task`]: the async loop that runs it in the agent; `watch`: the datastore parts it
 //!   follows; [`handover`]: what it hands the reconciler and the dataplane ([`RouteSink`]).
 pub mod client;
@@ -35,6 +37,7 @@ pub mod server;
 pub mod settings;
 pub mod task;
 pub mod tls;
+pub mod verdict;
 mod watch;
 
 pub use handover::RouteSink;

@@ -38,7 +38,19 @@ pub struct RoutesSvc {
     pub stats: Arc<DoorStats>,
     pub shutdown: watch::Receiver<bool>,
     pub throttle: Arc<Throttle>,
+    /// What `Verdict` answers with; `None`: this node computes no NetworkPolicy.
+    pub verdicts: Option<Arc<dyn Verdicts>>,
 }
+
+/// What a node answers its peers' `Verdict` calls with (`calixctl trace` on another node).
+#[tonic::async_trait]
+pub trait Verdicts: Send + Sync + 'static {
+    /// The step as JSON; `Err`: why there is none (the pod is not on this node...).
+    async fn verdict(&self, req: &pb::VerdictRequest) -> Result<String, String>;
+}
+
+/// `Verdict` calls answered at once: a trace is an operator's command, not traffic.
+static VERDICT_SLOTS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
 
 /// How long a watch waits for the feed to be ready before it is told to try again.
 const READY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -71,6 +83,20 @@ impl RoutesSvc {
     }
 }
 
+impl RoutesSvc {
+    /// [`RoutesSvc::authorize`], a refusal counted, logged (throttled) and answered.
+    fn admit(&self, peer: Option<&PeerInfo>, node: &str, what: &str) -> Result<(), Status> {
+        self.authorize(peer, node).map_err(|reason| {
+            self.stats.refused_identity();
+            let remote = peer.map(|p| p.remote.to_string()).unwrap_or_default();
+            if self.throttle.allow() {
+                tracing::warn!(%remote, %reason, "routes: refused a peer's {what}");
+            }
+            Status::permission_denied(reason.to_string())
+        })
+    }
+}
+
 /// Why a peer may not watch as the node it names.
 #[derive(Debug, thiserror::Error)]
 pub enum Unauthorized {
@@ -100,14 +126,7 @@ impl pb::routes_server::Routes for RoutesSvc {
         if *self.shutdown.borrow() {
             return Err(Status::unavailable("calix-agent is shutting down"));
         }
-        if let Err(reason) = self.authorize(peer.as_ref(), &r.node) {
-            self.stats.refused_identity();
-            let remote = peer.map(|p| p.remote.to_string()).unwrap_or_default();
-            if self.throttle.allow() {
-                tracing::warn!(%remote, %reason, "routes: refused a peer's watch");
-            }
-            return Err(Status::permission_denied(reason.to_string()));
-        }
+        self.admit(peer.as_ref(), &r.node, "watch")?;
         let feed = if r.relayed && self.feeds.reflector {
             self.feeds.relay.clone()
         } else {
@@ -125,6 +144,30 @@ impl pb::routes_server::Routes for RoutesSvc {
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(serve_stream(feed, tx, self.shutdown.clone()));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn verdict(
+        &self,
+        req: Request<pb::VerdictRequest>,
+    ) -> Result<Response<pb::VerdictResponse>, Status> {
+        let peer = req.extensions().get::<PeerInfo>().cloned();
+        let r = req.into_inner();
+        self.admit(peer.as_ref(), &r.node, "verdict call")?;
+        let Some(v) = &self.verdicts else {
+            return Err(Status::unimplemented(
+                "this node computes no NetworkPolicy (not in Kubernetes mode)",
+            ));
+        };
+        let Ok(_slot) = VERDICT_SLOTS.try_acquire() else {
+            return Err(Status::resource_exhausted(
+                "too many trace calls at once; try again",
+            ));
+        };
+        tracing::debug!(peer = %r.node, pod = %r.pod_address, "routes: a peer asks a verdict");
+        v.verdict(&r)
+            .await
+            .map(|json| Response::new(pb::VerdictResponse { json }))
+            .map_err(Status::failed_precondition)
     }
 }
 

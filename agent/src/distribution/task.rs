@@ -27,7 +27,7 @@ use super::feed::Feed;
 use super::handover::{hand_over, hand_peers, peer_nodes, Desired, Handed, RouteSink};
 use super::listener::{self, Limits};
 use super::nodes::{NodeSource, Records};
-use super::server::{Feeds, RoutesSvc};
+use super::server::{Feeds, RoutesSvc, Verdicts};
 use super::settings::{ListenOn, RoutesSettings};
 use super::tls::{CertSource, LiveTls};
 use super::watch::{watch_part, ViewInput};
@@ -62,6 +62,8 @@ pub struct Start {
     pub listeners: Vec<tokio::net::TcpListener>,
     /// Where the peers come from.
     pub nodes: Arc<dyn NodeSource>,
+    /// What this node answers its peers' `Verdict` calls with (set once NetworkPolicy runs).
+    pub verdicts: Option<Arc<dyn Verdicts>>,
 }
 
 impl Start {
@@ -99,6 +101,7 @@ impl Start {
             endpoint,
             subnets: super::local::subnets(),
             tls,
+            verdicts: None,
         })
     }
 }
@@ -122,6 +125,9 @@ pub fn tls_for(
 /// A running route distribution.
 pub struct RoutesHandle {
     requests: mpsc::Sender<Ask>,
+    /// How this agent dials its peers (also for `Verdict` calls).
+    dialer: Arc<Dialer>,
+    me: String,
     shutdown: watch::Sender<bool>,
     server: Mutex<Option<JoinHandle<()>>>,
     engine: Mutex<Option<JoinHandle<()>>>,
@@ -133,6 +139,8 @@ enum Ask {
     Metrics(oneshot::Sender<String>),
     /// New pools for the rule for blocks (a reload).
     Pools(Vec<calix_core::ipam::Pool>),
+    /// The node holding an address and its endpoint ([`super::verdict::locate`]).
+    Locate(IpAddr, oneshot::Sender<Option<(String, String)>>),
 }
 
 /// Binds the Routes port and starts everything. Fails (and the agent with it) when the port
@@ -171,6 +179,7 @@ pub async fn start(
         stats: stats.clone(),
         shutdown: shutdown_rx.clone(),
         throttle: Arc::new(Throttle::default()),
+        verdicts: s.verdicts.clone(),
     };
     let server = tokio::spawn(async move {
         if let Err(e) =
@@ -199,6 +208,14 @@ pub async fn start(
     tokio::spawn(hand_peers(sink, peers_rx));
     let (requests, req_rx) = mpsc::channel(8);
     let (peer_tx, peer_rx) = mpsc::channel(1024);
+    let dialer = Arc::new(Dialer {
+        me: s.me.clone(),
+        tls: client_tls,
+        live: s.tls.clone(),
+        connect_timeout: Duration::from_secs(3),
+        source: s.next_hops,
+    });
+    let me = s.me.clone();
     let engine = Engine::new(Settings {
         me: s.me.clone(),
         topology: s.topology,
@@ -220,13 +237,7 @@ pub async fn start(
         peers_tx,
         clients: HashMap::new(),
         next_id: 0,
-        dialer: Arc::new(Dialer {
-            me: s.me,
-            tls: client_tls,
-            live: s.tls.clone(),
-            connect_timeout: Duration::from_secs(3),
-            source: s.next_hops,
-        }),
+        dialer: dialer.clone(),
         peer_tx,
         endpoint: s.endpoint,
         tls: s.tls,
@@ -235,6 +246,8 @@ pub async fn start(
     let engine = tokio::spawn(state.run(view_rx, peer_rx, req_rx, shutdown.subscribe()));
     Ok(RoutesHandle {
         requests,
+        dialer,
+        me,
         shutdown,
         server: Mutex::new(Some(server)),
         engine: Mutex::new(Some(engine)),
@@ -256,6 +269,32 @@ impl RoutesHandle {
             return String::new();
         }
         rx.await.unwrap_or_default()
+    }
+
+    /// The policy verdict of the node holding `pod` (another node) on the packet `req`
+    /// describes (`req.node` is filled in): (that node, the step as JSON).
+    pub async fn verdict_of(
+        &self,
+        pod: IpAddr,
+        mut req: calix_proto::v1::VerdictRequest,
+    ) -> Result<(String, String), String> {
+        let (tx, rx) = oneshot::channel();
+        self.requests
+            .send(Ask::Locate(pod, tx))
+            .await
+            .map_err(|_| "route distribution has stopped".to_string())?;
+        let (node, endpoint) = rx
+            .await
+            .map_err(|_| "route distribution has stopped".to_string())?
+            .ok_or_else(|| format!("no node of route distribution's view holds {pod}"))?;
+        if node == self.me {
+            return Err(format!("{pod} is this node's, but no endpoint of it"));
+        }
+        req.node.clone_from(&self.me);
+        let json = super::verdict::ask(&self.dialer, &node, &endpoint, req)
+            .await
+            .map_err(|e| format!("node {node} did not answer: {e}"))?;
+        Ok((node, json))
     }
 
     /// New pools (a reload, an IPPool change): the blocks are sorted again by the rule for
@@ -337,6 +376,10 @@ impl Loop {
                         }
                         Ask::Metrics(reply) => {
                             let _ = reply.send(report::metrics(&self.counts()));
+                            continue;
+                        }
+                        Ask::Locate(ip, reply) => {
+                            let _ = reply.send(super::verdict::locate(self.engine.view(), ip));
                             continue;
                         }
                         // Then flushed like a view change.

@@ -53,6 +53,16 @@ async fn server(ca: &Ca, limits: Limits) -> Server {
 
 /// [`server`], the known nodes at `addresses` (every other source is a stranger).
 async fn server_knowing(ca: &Ca, limits: Limits, addresses: &[&str]) -> Server {
+    server_answering(ca, limits, addresses, None).await
+}
+
+/// [`server_knowing`], answering `Verdict` calls with `verdicts`.
+async fn server_answering(
+    ca: &Ca,
+    limits: Limits,
+    addresses: &[&str],
+    verdicts: Option<Arc<dyn super::server::Verdicts>>,
+) -> Server {
     let sock = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -75,6 +85,7 @@ async fn server_knowing(ca: &Ca, limits: Limits, addresses: &[&str]) -> Server {
         stats: stats.clone(),
         shutdown: stop_rx.clone(),
         throttle: Arc::default(),
+        verdicts,
     };
     let tls = material(ca, "a").server_config().expect("server");
     tokio::spawn(listener::serve(vec![sock], Some(tls), svc, limits, stop_rx));
@@ -239,6 +250,7 @@ async fn a_certificate_naming_two_nodes_is_refused_on_both_sides() {
         stats: Arc::new(DoorStats::default()),
         shutdown: stop_rx.clone(),
         throttle: Arc::default(),
+        verdicts: None,
     };
     let tls = material_names(&ca, &["a", "c"])
         .server_config()
@@ -320,6 +332,7 @@ async fn a_renewed_certificate_is_used_by_new_connections_and_open_streams_go_on
         stats: stats.clone(),
         shutdown: stop_rx.clone(),
         throttle: Arc::default(),
+        verdicts: None,
     };
     let bundle = super::tls::bundle(Path::new("(ca)"), ca.pem().as_bytes()).expect("bundle");
     let server_tls = LiveTls::pending("a", CertSource::Kubernetes);
@@ -740,4 +753,67 @@ async fn a_follower_holds_few_updates_the_engine_has_not_taken() {
         }
     }
     follower.abort();
+}
+
+/// Answers every verdict call with the pod address it was asked about.
+struct Echo;
+
+#[tonic::async_trait]
+impl super::server::Verdicts for Echo {
+    async fn verdict(&self, req: &calix_proto::v1::VerdictRequest) -> Result<String, String> {
+        match req.pod_address.as_str() {
+            "" => Err("no pod address".into()),
+            a => Ok(format!("{{\"asked\":\"{a}\"}}")),
+        }
+    }
+}
+
+/// `Verdict` (calixctl trace on another node): answered over the same mutual TLS as a watch,
+/// to a node asking as itself only; a node that computes no policy says so.
+#[tokio::test]
+async fn a_verdict_is_answered_to_the_node_its_certificate_names() {
+    let ca = Ca::new("test-ca").expect("ca");
+    let s = server_answering(&ca, Limits::default(), &["127.0.0.1"], Some(Arc::new(Echo))).await;
+    let dialer = Dialer {
+        me: "b".into(),
+        tls: Some(material(&ca, "b").client_config().expect("client")),
+        live: None,
+        connect_timeout: Duration::from_secs(3),
+        source: Default::default(),
+    };
+    let req = |node: &str, pod: &str| calix_proto::v1::VerdictRequest {
+        node: node.into(),
+        pod_address: pod.into(),
+        ..Default::default()
+    };
+    let answer = super::verdict::ask(&dialer, "a", &s.addr, req("b", "10.0.0.5")).await;
+    assert_eq!(answer, Ok(r#"{"asked":"10.0.0.5"}"#.to_string()));
+    // Its own refusal, as the caller reads it.
+    let refused = super::verdict::ask(&dialer, "a", &s.addr, req("b", "")).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.contains("no pod address")),
+        "{refused:?}"
+    );
+    // Asking as another node with b's certificate: refused, counted.
+    let before = s.stats.counts().refused_identity;
+    let refused = super::verdict::ask(&dialer, "a", &s.addr, req("c", "10.0.0.5")).await;
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.contains("PermissionDenied") || e.contains("permission")),
+        "{refused:?}"
+    );
+    assert_eq!(s.stats.counts().refused_identity, before + 1);
+    // A server with no policy: unimplemented, said.
+    let plain = server(&ca, Limits::default()).await;
+    let none = super::verdict::ask(&dialer, "a", &plain.addr, req("b", "10.0.0.5")).await;
+    assert!(
+        none.as_ref()
+            .is_err_and(|e| e.contains("computes no NetworkPolicy")),
+        "{none:?}"
+    );
+    let _ = s.stop.send(true);
+    let _ = plain.stop.send(true);
 }

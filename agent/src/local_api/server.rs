@@ -113,8 +113,10 @@ impl pb::route_info_server::RouteInfo for RouteInfoSvc {
 pub struct PolicyInfoSvc {
     pub node: Arc<Node>,
     pub policy: Option<Arc<PolicyService>>,
-    /// The drop events (eBPF dataplane only).
+    /// The drop events.
     pub monitor: Option<crate::policy::monitor::DropMonitor>,
+    /// Route distribution: `trace` asks other nodes through it.
+    pub routes: Option<Arc<RoutesHandle>>,
 }
 
 type MonitorStream =
@@ -137,9 +139,11 @@ impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
         let proto = u8::try_from(r.protocol)
             .map_err(|_| Status::invalid_argument("protocol: a number 0-255"))?;
         let port = u16::try_from(r.port).map_err(|_| Status::invalid_argument("port: 0-65535"))?;
-        let report = crate::policy::trace::trace(&self.node, policy, &r.src, &r.dst, proto, port)
-            .await
-            .map_err(Status::invalid_argument)?;
+        let routes = self.routes.as_deref();
+        let report =
+            crate::policy::trace::trace(&self.node, policy, routes, &r.src, &r.dst, proto, port)
+                .await
+                .map_err(Status::invalid_argument)?;
         serde_json::to_string(&report)
             .map(|json| Response::new(pb::TraceResponse { json }))
             .map_err(|e| Status::internal(format!("cannot encode the trace: {e}")))
@@ -635,12 +639,13 @@ impl UnixSocket {
         tracing::info!(socket = %path.display(), "serving gRPC");
         let route_info = RouteInfoSvc {
             node: node.name().to_string(),
-            routes,
+            routes: routes.clone(),
         };
         let policy_info = PolicyInfoSvc {
             node: node.clone(),
             policy,
             monitor,
+            routes,
         };
         let result = tonic::transport::Server::builder()
             .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))

@@ -1,8 +1,10 @@
 //! `calixctl trace <src> <dst> <proto>/<port>`: the verdicts one packet would meet, gathered
 //! here. An end on this node is answered from the live maps (eBPF) or from the tables the
-//! kernel dataplane writes to nftables; an end on another node from this agent's calculation
-//! of that pod's policy, the same calculation its own agent programs (run `calixctl trace`
-//! there for its live maps).
+//! kernel dataplane writes to nftables; an end on another node by that node's agent, from its
+//! own live maps or tables (`calix.v1.Routes/Verdict`, over route distribution's mutual TLS:
+//! [`PeerVerdicts`] answers it); when that node cannot be asked (no route distribution, or
+//! it does not answer), from this agent's calculation of that pod's policy, the same
+//! calculation its own agent programs, and the step says why.
 use std::net::IpAddr;
 
 use calix_common::POLICY_SERVICE;
@@ -12,7 +14,13 @@ use calix_core::policy::trace::{
     proto_name, Outcome, TraceReport, TraceStep, FROM_AGENT, FROM_CALCULATION, FROM_LIVE_MAPS,
 };
 
+use std::sync::Arc;
+
+use calix_proto::v1 as pb;
+
 use super::PolicyService;
+use crate::distribution::server::Verdicts;
+use crate::distribution::RoutesHandle;
 use crate::pod_network::Node;
 
 /// One end of the packet.
@@ -110,6 +118,7 @@ async fn ends(
 pub async fn trace(
     node: &Node,
     policy: &PolicyService,
+    routes: Option<&RoutesHandle>,
     src: &str,
     dst: &str,
     proto: u8,
@@ -142,15 +151,15 @@ pub async fn trace(
         ));
     }
     steps.push(
-        policy_step(
+        end_step(
             node,
             policy,
+            routes,
             &s,
             Direction::Egress,
             d.ip,
             proto,
             port,
-            src_node,
         )
         .await,
     );
@@ -173,21 +182,16 @@ pub async fn trace(
     };
     steps.push(step("NAT", src_node, Outcome::Note, nat, FROM_AGENT));
     // It arrives.
-    let dst_node = if d.local.is_some() {
-        here.as_str()
-    } else {
-        "its node"
-    };
     steps.push(
-        policy_step(
+        end_step(
             node,
             policy,
+            routes,
             &d,
             Direction::Ingress,
             s.ip,
             proto,
             port,
-            dst_node,
         )
         .await,
     );
@@ -213,6 +217,102 @@ pub async fn trace(
         packet,
         steps,
     })
+}
+
+/// End `e`'s policy verdict in `d` on a packet with `peer`: from this node when `e` is one of
+/// its pods, else asked of `e`'s node; from the calculation when that node cannot answer.
+#[allow(clippy::too_many_arguments)]
+async fn end_step(
+    node: &Node,
+    policy: &PolicyService,
+    routes: Option<&RoutesHandle>,
+    e: &End,
+    d: Direction,
+    peer: IpAddr,
+    proto: u8,
+    port: u16,
+) -> TraceStep {
+    if e.local.is_some() {
+        return policy_step(node, policy, e, d, peer, proto, port, node.name()).await;
+    }
+    let asked = match (routes, &e.pod) {
+        (Some(r), Some(_)) if !e.host_network => {
+            let req = pb::VerdictRequest {
+                node: String::new(),
+                pod_address: e.ip.to_string(),
+                peer_address: peer.to_string(),
+                ingress: d == Direction::Ingress,
+                protocol: u32::from(proto),
+                port: u32::from(port),
+            };
+            Some(r.verdict_of(e.ip, req).await.and_then(|(n, json)| {
+                serde_json::from_str::<TraceStep>(&json)
+                    .map_err(|err| format!("node {n} answered what does not read: {err}"))
+            }))
+        }
+        _ => None,
+    };
+    match asked {
+        Some(Ok(step)) => step,
+        Some(Err(why)) => {
+            let mut step = policy_step(node, policy, e, d, peer, proto, port, "its node").await;
+            step.detail = format!("{} ({why})", step.detail);
+            step
+        }
+        None => policy_step(node, policy, e, d, peer, proto, port, "its node").await,
+    }
+}
+
+/// What this node answers its peers' `Verdict` calls with: the step of a pod of this node,
+/// as its own `calixctl trace` gives it.
+pub struct PeerVerdicts {
+    pub node: Arc<Node>,
+    pub policy: Arc<PolicyService>,
+}
+
+#[tonic::async_trait]
+impl Verdicts for PeerVerdicts {
+    async fn verdict(&self, r: &pb::VerdictRequest) -> Result<String, String> {
+        let addr = |s: &str, what: &str| {
+            s.parse::<IpAddr>()
+                .map_err(|_| format!("{what} {s:?} is not an address"))
+        };
+        let ip = addr(&r.pod_address, "pod_address")?;
+        let peer = addr(&r.peer_address, "peer_address")?;
+        let proto = u8::try_from(r.protocol).map_err(|_| "protocol: a number 0-255")?;
+        let port = u16::try_from(r.port).map_err(|_| "port: 0-65535")?;
+        let local = self
+            .node
+            .endpoints
+            .local_with_address(ip)
+            .await
+            .map(|(i, x, _)| (i, x))
+            .ok_or_else(|| format!("{ip} is no pod of node {}", self.node.name()))?;
+        let (_, pod, host_network) = candidates(&self.policy, &r.pod_address)?;
+        let end = End {
+            ip,
+            pod,
+            host_network,
+            local: Some(local),
+        };
+        let d = if r.ingress {
+            Direction::Ingress
+        } else {
+            Direction::Egress
+        };
+        let step = policy_step(
+            &self.node,
+            &self.policy,
+            &end,
+            d,
+            peer,
+            proto,
+            port,
+            self.node.name(),
+        )
+        .await;
+        serde_json::to_string(&step).map_err(|e| format!("cannot encode the step: {e}"))
+    }
 }
 
 /// End `e`'s policy verdict in `d` on a packet with `peer` (`port`: the destination port).
