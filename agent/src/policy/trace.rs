@@ -41,29 +41,19 @@ impl End {
     }
 }
 
-fn pod_ref(s: &str) -> Result<PodKey, String> {
-    let (ns, name) = s.split_once('/').unwrap_or(("default", s));
-    if ns.is_empty() || name.is_empty() || name.contains('/') {
-        return Err(format!(
-            "{s:?} is neither an address nor a pod (<namespace>/<name>)"
-        ));
-    }
-    Ok(PodKey {
-        namespace: ns.to_string(),
-        name: name.to_string(),
-    })
-}
-
 /// The addresses `s` stands for (an address, or a pod's), and the pod.
 fn candidates(
     policy: &PolicyService,
     s: &str,
 ) -> Result<(Vec<IpAddr>, Option<PodKey>, bool), String> {
     if let Ok(ip) = s.parse::<IpAddr>() {
-        let pod = policy.pod_with_address(ip).and_then(|p| pod_ref(&p).ok());
+        let pod = policy
+            .pod_with_address(ip)
+            .and_then(|p| PodKey::parse(&p).ok());
         return Ok((vec![ip], pod, false));
     }
-    let pod = pod_ref(s)?;
+    let pod = PodKey::parse(s)
+        .map_err(|_| format!("{s:?} is neither an address nor a pod (<namespace>/<name>)"))?;
     let (ips, host) = policy
         .pod_addresses(&pod)
         .ok_or_else(|| format!("pod {pod} is not known to the agent"))?;

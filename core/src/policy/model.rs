@@ -125,6 +125,22 @@ pub struct PodKey {
     pub name: String,
 }
 
+impl PodKey {
+    /// `namespace/name`; a bare name is in `default`, as kubectl takes it.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let (namespace, name) = s.split_once('/').unwrap_or(("default", s));
+        if namespace.is_empty() || name.is_empty() || name.contains('/') {
+            return Err(format!(
+                "{s:?} is not a pod: expected <namespace>/<name> or <name>"
+            ));
+        }
+        Ok(Self {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+        })
+    }
+}
+
 impl fmt::Display for PodKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)

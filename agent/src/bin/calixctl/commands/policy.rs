@@ -6,14 +6,12 @@ use calix_proto::v1 as pb;
 
 use crate::render::policy as render;
 use crate::Output;
+use calix_core::policy::model::PodKey;
 
-/// `namespace/name` split; a bare name is in `default`, as kubectl takes it.
+/// `namespace/name` split ([`PodKey::parse`]).
 pub(crate) fn pod_ref(s: &str) -> Result<(String, String)> {
-    let (ns, name) = s.split_once('/').unwrap_or(("default", s));
-    if ns.is_empty() || name.is_empty() || name.contains('/') {
-        bail!("{s:?} is not a pod: expected <namespace>/<name> or <name>");
-    }
-    Ok((ns.to_string(), name.to_string()))
+    let k = PodKey::parse(s).map_err(anyhow::Error::msg)?;
+    Ok((k.namespace, k.name))
 }
 
 pub(crate) async fn run(
