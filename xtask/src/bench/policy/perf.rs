@@ -73,8 +73,17 @@ pub(super) struct Results {
     pub(super) cpu: usize,
 }
 
-/// The NetworkPolicy of `rules` rules each way for the pods labelled `bench: tag`.
-pub(super) fn policy(namespace: &str, tag: &str, rules: usize) -> Value {
+/// The NetworkPolicy of `rules` rules each way for the pods labelled `bench: tag`: one lets
+/// the pair in, the others each name a /32 in `net`.0.0/16 (the per-packet pairs': 172.16).
+/// The compiler numbers identities in address order, and kernel mode's chain lists an
+/// endpoint's entries by identity: peers below the pool's addresses put the pair's own entry
+/// last in that chain, peers above it first (eBPF's lookups do not depend on it).
+pub(super) fn policy_with_others_in(
+    namespace: &str,
+    tag: &str,
+    rules: usize,
+    net: [u8; 2],
+) -> Value {
     let pair = json!({"podSelector": {"matchLabels": {"bench": tag}}});
     let other = |i: usize| {
         let port = 10_000 + (50 * i as u64) % 50_000;
@@ -83,7 +92,7 @@ pub(super) fn policy(namespace: &str, tag: &str, rules: usize) -> Value {
             p["endPort"] = json!(port + 40);
         }
         (
-            json!({"ipBlock": {"cidr": format!("172.16.{}.{}/32", i / 256, i % 256)}}),
+            json!({"ipBlock": {"cidr": format!("{}.{}.{}.{}/32", net[0], net[1], i / 256, i % 256)}}),
             json!([p]),
         )
     };
@@ -124,13 +133,27 @@ impl<'a> Pair<'a> {
         tag: &str,
         rules: usize,
     ) -> Result<Self> {
+        Self::start_with(b, api, tools, node, tag, rules, [172, 16])
+    }
+
+    /// [`Pair::start`], the policy's other peers in `others`.0.0/16
+    /// ([`policy_with_others_in`]).
+    pub(super) fn start_with(
+        b: &Bench,
+        api: &KubeApi,
+        tools: &Tools,
+        node: &'a Node,
+        tag: &str,
+        rules: usize,
+        others: [u8; 2],
+    ) -> Result<Self> {
         let namespace = b.name(tag);
         api.namespace(&namespace, json!({}), json!({}))?;
         let labels = |role: &str| json!({"bench": tag, "role": role});
         let client = api.running_pod(node, &namespace, "client", labels("client"))?;
         let server = api.running_pod(node, &namespace, "server", labels("server"))?;
         if rules > 0 {
-            api.apply(policy(&namespace, tag, rules))?;
+            api.apply(policy_with_others_in(&namespace, tag, rules, others))?;
         }
         let ip = server.ip().parse().context("the server pod's address")?;
         let traffic = Traffic::new(&client.ns, &server.ns, ip);

@@ -1,6 +1,8 @@
 //! eBPF against kernel mode (nftables) at 1,000 rules: [`perf`](super::perf)'s pair and
-//! 1,000-rule policy, once on an eBPF node and once on a kernel-mode node of the same API
-//! server; conn/s (TCP_CRR), TCP_RR and throughput, the two interleaved in each repetition.
+//! 1,000-rule policy, once on an eBPF node and twice on a kernel-mode node of the same API
+//! server: kernel mode walks an endpoint's entries in order, so once with the pair's own
+//! entry first in its chain and once with it last (eBPF's lookups do not depend on it);
+//! conn/s (TCP_CRR), TCP_RR and throughput, the three interleaved in each repetition.
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -20,36 +22,61 @@ pub(super) const RULES: usize = 1000;
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(super) enum Engine {
     Ebpf,
+    /// The pair's entry first in its endpoint's chain.
     Nft,
+    /// The pair's entry last: 999 entries walked before it.
+    NftLast,
 }
 
-pub(super) const ENGINES: [Engine; 2] = [Engine::Ebpf, Engine::Nft];
+pub(super) const ENGINES: [Engine; 3] = [Engine::Ebpf, Engine::Nft, Engine::NftLast];
 
 impl Compared for Engine {
     fn info(self) -> (&'static str, &'static str, RGBColor) {
         match self {
             Self::Ebpf => ("eBPF, 1,000 rules", "vs-ebpf", chart::PURPLE),
-            Self::Nft => ("nftables, 1,000 rules", "vs-nft", chart::ORANGE),
+            Self::Nft => (
+                "nftables, 1,000 rules, allowing entry first",
+                "vs-nft",
+                chart::ORANGE,
+            ),
+            Self::NftLast => (
+                "nftables, 1,000 rules, allowing entry last",
+                "vs-nftl",
+                chart::RED,
+            ),
+        }
+    }
+}
+
+impl Engine {
+    /// Where the policy's other peers are ([`super::perf::policy_with_others_in`]): above
+    /// the pool's addresses, or below.
+    fn others(self) -> [u8; 2] {
+        match self {
+            Self::NftLast => [10, 0],
+            _ => [172, 16],
         }
     }
 }
 
 pub(super) struct Versus {
     /// By [`Engine`] as usize.
-    pub(super) traffic: [Samples; 2],
+    pub(super) traffic: [Samples; 3],
 }
 
 pub(super) fn run(
     b: &Bench,
     api: &KubeApi,
     tools: &Tools,
-    nodes: [&Node; 2],
+    [ebpf, kernel]: [&Node; 2],
     reps: usize,
     secs: u64,
 ) -> Result<Versus> {
     let mut pairs = Vec::new();
-    for (e, node) in ENGINES.into_iter().zip(nodes) {
-        pairs.push((Pair::start(b, api, tools, node, e.tag(), RULES)?, node));
+    for e in ENGINES {
+        let node = if e == Engine::Ebpf { ebpf } else { kernel };
+        let pair = Pair::start_with(b, api, tools, node, e.tag(), RULES, e.others())?;
+        pairs.push((pair, node));
     }
     for (e, (_, node)) in ENGINES.iter().zip(&pairs) {
         wait_isolated(node).with_context(|| format!("{}: the policy programmed", e.label()))?;
@@ -65,7 +92,7 @@ pub(super) fn run(
             Duration::from_secs(20),
         )?;
     }
-    let mut traffic: [Samples; 2] = Default::default();
+    let mut traffic: [Samples; 3] = Default::default();
     repetitions(reps, &ENGINES, |e| {
         let (p, node) = &pairs[e as usize];
         let m = tools.measure(&p.traffic, secs, Some(&node.ns), true)?;
