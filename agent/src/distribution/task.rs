@@ -127,7 +127,6 @@ pub struct RoutesHandle {
     requests: mpsc::Sender<Ask>,
     /// How this agent dials its peers (also for `Verdict` calls).
     dialer: Arc<Dialer>,
-    me: String,
     shutdown: watch::Sender<bool>,
     server: Mutex<Option<JoinHandle<()>>>,
     engine: Mutex<Option<JoinHandle<()>>>,
@@ -215,7 +214,6 @@ pub async fn start(
         connect_timeout: Duration::from_secs(3),
         source: s.next_hops,
     });
-    let me = s.me.clone();
     let engine = Engine::new(Settings {
         me: s.me.clone(),
         topology: s.topology,
@@ -247,7 +245,6 @@ pub async fn start(
     Ok(RoutesHandle {
         requests,
         dialer,
-        me,
         shutdown,
         server: Mutex::new(Some(server)),
         engine: Mutex::new(Some(engine)),
@@ -287,10 +284,10 @@ impl RoutesHandle {
             .await
             .map_err(|_| "route distribution has stopped".to_string())?
             .ok_or_else(|| format!("no node of route distribution's view holds {pod}"))?;
-        if node == self.me {
+        if node == self.dialer.me {
             return Err(format!("{pod} is this node's, but no endpoint of it"));
         }
-        req.node.clone_from(&self.me);
+        req.node.clone_from(&self.dialer.me);
         let json = super::verdict::ask(&self.dialer, &node, &endpoint, req)
             .await
             .map_err(|e| format!("node {node} did not answer: {e}"))?;

@@ -73,8 +73,11 @@ pub(super) struct Results {
     pub(super) cpu: usize,
 }
 
+/// Where the per-packet pairs' policies name their other peers: above the pool's addresses.
+const OTHERS: [u8; 2] = [172, 16];
+
 /// The NetworkPolicy of `rules` rules each way for the pods labelled `bench: tag`: one lets
-/// the pair in, the others each name a /32 in `net`.0.0/16 (the per-packet pairs': 172.16).
+/// the pair in, the others each name a /32 in `net`.0.0/16 (the per-packet pairs': [`OTHERS`]).
 /// The compiler numbers identities in address order, and kernel mode's chain lists an
 /// endpoint's entries by identity: peers below the pool's addresses put the pair's own entry
 /// last in that chain, peers above it first (eBPF's lookups do not depend on it).
@@ -117,7 +120,7 @@ pub(super) fn policy_with_others_in(
 }
 
 /// A client and a server pod on one node (namespace and labels `bench: tag`), isolated by
-/// [`policy`] of `rules` rules (none: 0), the traffic tools' servers running.
+/// [`policy_with_others_in`] of `rules` rules (none: 0; the others in `others`.0.0/16), the traffic tools' servers running.
 pub(super) struct Pair<'a> {
     pub(super) traffic: Traffic,
     _servers: Vec<Guarded>,
@@ -126,19 +129,6 @@ pub(super) struct Pair<'a> {
 
 impl<'a> Pair<'a> {
     pub(super) fn start(
-        b: &Bench,
-        api: &KubeApi,
-        tools: &Tools,
-        node: &'a Node,
-        tag: &str,
-        rules: usize,
-    ) -> Result<Self> {
-        Self::start_with(b, api, tools, node, tag, rules, [172, 16])
-    }
-
-    /// [`Pair::start`], the policy's other peers in `others`.0.0/16
-    /// ([`policy_with_others_in`]).
-    pub(super) fn start_with(
         b: &Bench,
         api: &KubeApi,
         tools: &Tools,
@@ -176,7 +166,15 @@ pub(super) fn run(
 ) -> Result<Results> {
     let mut pairs = Vec::new();
     for v in VARIANTS {
-        pairs.push(Pair::start(b, api, tools, node, v.tag(), v.rules())?);
+        pairs.push(Pair::start(
+            b,
+            api,
+            tools,
+            node,
+            v.tag(),
+            v.rules(),
+            OTHERS,
+        )?);
     }
     let programmed = wait_programmed(node)?;
     println!("[setup] policies programmed: {programmed}");

@@ -75,7 +75,7 @@ pub(super) fn run(
     let mut pairs = Vec::new();
     for e in ENGINES {
         let node = if e == Engine::Ebpf { ebpf } else { kernel };
-        let pair = Pair::start_with(b, api, tools, node, e.tag(), RULES, e.others())?;
+        let pair = Pair::start(b, api, tools, node, e.tag(), RULES, e.others())?;
         pairs.push((pair, node));
     }
     for (e, (_, node)) in ENGINES.iter().zip(&pairs) {
