@@ -11,7 +11,8 @@ mod harness;
 use std::collections::BTreeMap;
 
 use calix_common::{
-    DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    DropReason, FlowKey, PolicyFlow, HOST_VETH_MAC, POLICY_FLOWS_MAP, PROG_FROM_HOST_DEV,
+    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
 };
 use calix_core::policy::cluster::{Change, Cluster};
 use calix_core::policy::compiler::Compiler;
@@ -225,6 +226,89 @@ fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
 /// `[policy] keep_established`: a flow a change would refuse goes on (both ways), a new
 /// connection meets the new rules, and turning the option off refuses the kept flow from its
 /// next packet.
+/// The flows `CALIX_POL_FLOWS` remembers.
+fn remembered(h: &Harness) -> usize {
+    let map = h.bpf.map(POLICY_FLOWS_MAP).expect("CALIX_POL_FLOWS");
+    let flows: aya::maps::HashMap<_, FlowKey, PolicyFlow> =
+        aya::maps::HashMap::try_from(map).expect("a hash map");
+    flows.keys().filter(Result::is_ok).count()
+}
+
+/// A connection that ends (both FINs and the last ACK, or a RST) takes its remembered flow
+/// with it, on the pod's path and on the node's: a busy node's table holds live connections,
+/// not closed ones that every new connection would have to evict. What comes after is judged
+/// as any segment of no remembered flow.
+#[test]
+fn a_closed_connection_leaves_no_remembered_flow() {
+    const FIN_ACK: u8 = 0x11;
+    const RST: u8 = 0x04;
+    in_netns(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        let (ab, ba) = (
+            |h: &Harness, port: u16, flags| send(h, &a, &b, TCP, tcp(port, 80, flags)),
+            |h: &Harness, port: u16, flags| send(h, &b, &a, TCP, tcp(80, port, flags)),
+        );
+        for port in [40000, 40001] {
+            assert_eq!(ab(&h, port, SYN), TC_ACT_REDIRECT);
+            assert_eq!(ba(&h, port, SYN_ACK), TC_ACT_REDIRECT);
+            assert_eq!(ab(&h, port, ACK), TC_ACT_REDIRECT);
+        }
+        assert_eq!(remembered(&h), 2, "B's two connections");
+        // A closes 40000 first, then B; the flow stays until A's last ACK.
+        assert_eq!(ab(&h, 40000, FIN_ACK), TC_ACT_REDIRECT);
+        assert_eq!(ba(&h, 40000, ACK), TC_ACT_REDIRECT);
+        assert_eq!(ba(&h, 40000, FIN_ACK), TC_ACT_REDIRECT);
+        assert_eq!(
+            remembered(&h),
+            2,
+            "half closed both ways, the last ACK not seen yet"
+        );
+        assert_eq!(ab(&h, 40000, ACK), TC_ACT_REDIRECT);
+        assert_eq!(remembered(&h), 1, "40000 closed");
+        // B resets 40001.
+        assert_eq!(ba(&h, 40001, RST), TC_ACT_REDIRECT);
+        assert_eq!(remembered(&h), 0, "40001 reset");
+        // A RST of no remembered flow is judged, never remembered.
+        assert_eq!(ab(&h, 40002, RST), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40003, RST)),
+            TC_ACT_SHOT,
+            "nothing A could have opened, and B's egress allows nothing"
+        );
+        assert_eq!(remembered(&h), 0);
+        // A revoked flow is kept as such, FIN or not: its segments stay refused.
+        assert_eq!(ab(&h, 40004, SYN), TC_ACT_REDIRECT);
+        p.apply(Change::Policy(policy(vec![tcp_port(81)], Some(vec![]))));
+        assert_eq!(ab(&h, 40004, FIN_ACK), TC_ACT_SHOT);
+        assert_eq!(ba(&h, 40004, FIN_ACK), TC_ACT_SHOT);
+        assert_eq!(ab(&h, 40004, ACK), TC_ACT_SHOT);
+        assert_eq!(remembered(&h), 1, "the revoked flow");
+        // The node's own connection (a kubelet probe to port 8080): remembered when it opens,
+        // forgotten when it closes, whichever end's packets run which program.
+        let node = [10, 0, 0, 1];
+        let from_node = |h: &Harness, flags| {
+            let frame = Ip4::new(node, b.v4, TCP, tcp(41000, 8080, flags)).sent_by(&b);
+            let prog = h.bpf.program(PROG_TO_POD).expect("to_pod");
+            test_run_ctx(prog.try_into().expect("tc"), b.ifindex, &frame, 0, 0)
+                .expect("test_run")
+                .verdict
+        };
+        let to_node = |h: &Harness, flags| {
+            let frame = Ip4::new(b.v4, node, TCP, tcp(8080, 41000, flags)).sent_by(&b);
+            h.run(PROG_FROM_POD, b.ifindex, &frame).verdict
+        };
+        assert_eq!(from_node(&h, SYN), TC_ACT_OK);
+        assert_eq!(to_node(&h, SYN_ACK), TC_ACT_OK);
+        assert_eq!(remembered(&h), 2, "the probe's flow");
+        assert_eq!(from_node(&h, FIN_ACK), TC_ACT_OK);
+        assert_eq!(to_node(&h, FIN_ACK), TC_ACT_OK);
+        assert_eq!(from_node(&h, ACK), TC_ACT_OK);
+        assert_eq!(remembered(&h), 1, "the probe's flow closed");
+    });
+}
+
 #[test]
 fn keeping_established_flows_lets_a_revoked_flow_go_on_and_refuses_new_ones() {
     in_netns(|| {

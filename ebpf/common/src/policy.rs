@@ -80,6 +80,11 @@ pub const PF_REVOKED: u32 = 8;
 /// host stack's DNAT: its packets are judged after the DNAT, every one; the flow lets the
 /// replies (from the Service address, after the stack undid the DNAT) back in.
 pub const PF_SERVICE: u32 = 4;
+/// [`PolicyFlow::flags`]: the pod sent a TCP FIN on the flow.
+pub const PF_FIN_POD: u32 = 16;
+/// [`PolicyFlow::flags`]: the peer sent a TCP FIN on the flow. With both, the next segment
+/// without FIN (the last ACK) ends the entry, as a RST does.
+pub const PF_FIN_PEER: u32 = 32;
 
 /// `skb->mark` of a packet whose egress verdict waits for the host stack's DNAT: `from_pod`
 /// sets it, with the sender's slot in bits 16–29 ([`policy_pending_mark`]), on a packet of an
@@ -224,6 +229,10 @@ pub const PS_KEYED: u32 = 1;
 pub const PS_SYN: u32 = 2;
 /// [`PolicyScratch::flags`]: IPv6 neighbour discovery or MLD (never subject to policy).
 pub const PS_EXEMPT: u32 = 4;
+/// [`PolicyScratch::flags`]: a TCP segment with FIN.
+pub const PS_FIN: u32 = 8;
+/// [`PolicyScratch::flags`]: a TCP segment with RST.
+pub const PS_RST: u32 = 16;
 
 /// The programs' working space for one verdict ([`POLICY_SCRATCH_MAP`] value). Each key lies
 /// as the map it is looked up in wants it: `rule_len` + `rule` is a [`POLICY_MAP`] key,

@@ -34,13 +34,13 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    FlowKey, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
+    FlowKey, PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
     DENIED_NO_RULE, DENIED_REVOKED, DENIED_UNREADABLE, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
-    PF_TO_POD, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
+    PF_FIN_PEER, PF_FIN_POD, PF_TO_POD, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
     POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
-    PS_KEYED, PS_SYN,
+    PS_FIN, PS_KEYED, PS_RST, PS_SYN,
 };
 
 use crate::maps::{
@@ -51,7 +51,9 @@ use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROT
 
 const IPPROTO_UDP: u8 = 17;
 const IPPROTO_SCTP: u8 = 132;
+const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 /// A remembered flow's time is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
@@ -176,18 +178,18 @@ fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
         }
         _ => None,
     };
-    let (sport, dport, syn) = match direct {
+    let (sport, dport, tcp) = match direct {
         Some(t) => t,
         None => {
             let Some((sport, dport)) = ports(ctx, l4, l4_len, s.flow.proto) else {
                 return true;
             };
-            let syn = s.flow.proto == IPPROTO_TCP
-                && l4_len >= 14
-                && ctx
-                    .load::<u8>(l4 + 13)
-                    .is_ok_and(|f| f & (TCP_SYN | TCP_ACK) == TCP_SYN);
-            (sport, dport, syn)
+            let tcp = if s.flow.proto == IPPROTO_TCP && l4_len >= 14 {
+                ctx.load::<u8>(l4 + 13).unwrap_or(0)
+            } else {
+                0
+            };
+            (sport, dport, tcp)
         }
     };
     (s.flow.pod_port, s.flow.peer_port) = if pod_is_src {
@@ -195,11 +197,27 @@ fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
     } else {
         (dport, sport)
     };
-    s.flags = if syn { PS_KEYED | PS_SYN } else { PS_KEYED };
+    s.flags = PS_KEYED | tcp_bits(tcp);
     true
 }
 
-/// The ports (network order) and whether it is a SYN, of a TCP or UDP header at `AT` bytes
+/// The `PS_*` bits of a TCP header's flags byte (0 for other protocols).
+#[inline(always)]
+fn tcp_bits(f: u8) -> u32 {
+    let mut bits = 0;
+    if f & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        bits |= PS_SYN;
+    }
+    if f & TCP_FIN != 0 {
+        bits |= PS_FIN;
+    }
+    if f & TCP_RST != 0 {
+        bits |= PS_RST;
+    }
+    bits
+}
+
+/// The ports (network order) and TCP flags (0 for UDP) of a TCP or UDP header at `AT` bytes
 /// into the frame (`l4_len` bytes of IP payload), read directly; `None` for other protocols
 /// or a short header (the helpers' path then decides).
 #[inline(always)]
@@ -207,14 +225,14 @@ fn transport_at<const AT: usize>(
     ctx: &TcContext,
     l4_len: usize,
     proto: u8,
-) -> Option<(u16, u16, bool)> {
+) -> Option<(u16, u16, u8)> {
     match proto {
         IPPROTO_TCP if l4_len >= 14 => {
             let h = packet::load::<[u8; 14]>(ctx, AT).ok()?;
             Some((
                 u16::from_ne_bytes([h[0], h[1]]),
                 u16::from_ne_bytes([h[2], h[3]]),
-                h[13] & (TCP_SYN | TCP_ACK) == TCP_SYN,
+                h[13],
             ))
         }
         IPPROTO_UDP if l4_len >= 8 => {
@@ -222,7 +240,7 @@ fn transport_at<const AT: usize>(
             Some((
                 u16::from_ne_bytes([h[0], h[1]]),
                 u16::from_ne_bytes([h[2], h[3]]),
-                false,
+                0,
             ))
         }
         _ => None,
@@ -437,6 +455,9 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                     s.why = u32::from(DENIED_REVOKED);
                     return DENY;
                 }
+                if closed(f, dir, s.flags) {
+                    let _ = CALIX_POL_FLOWS.remove(&s.flow);
+                }
                 return ALLOW;
             }
         }
@@ -466,8 +487,36 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             return DENY;
         }
     };
-    remember(s, st, flags, now);
+    // A RST ends whatever it belongs to: nothing to remember.
+    if s.flags & PS_RST == 0 {
+        remember(s, st, flags, now);
+    }
     ALLOW
+}
+
+/// Notes a TCP packet's closing flags (`s_flags`: `PS_*`) sent in `dir` on its remembered
+/// flow `f`; true once the connection is over and its entry can go: a RST, or the first
+/// segment without FIN after both ends sent theirs (the last ACK). A new flow's insertion into
+/// a full table evicts the oldest entry, and a closed connection's entry is the one to go
+/// first: left in place, a busy node's table stays full of them and every new connection
+/// pays an eviction of a cold entry. Other protocols are left to the table's LRU order.
+#[inline(always)]
+fn closed(f: &mut PolicyFlow, dir: u8, s_flags: u32) -> bool {
+    if s_flags & PS_RST != 0 {
+        return true;
+    }
+    if s_flags & PS_FIN != 0 {
+        let fin = if dir == POL_DIR_EGRESS {
+            PF_FIN_POD
+        } else {
+            PF_FIN_PEER
+        };
+        if f.flags & fin == 0 {
+            f.flags |= fin;
+        }
+        return false;
+    }
+    f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER
 }
 
 /// Remembers the flow in `s` as allowed now (`flags`: `PF_*`, who opened it).
@@ -558,9 +607,13 @@ pub fn from_node(skb: *mut __sk_buff, slot: u32) {
     }
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    if let Some(old) = CALIX_POL_FLOWS.get_ptr(&s.flow) {
+    if let Some(old) = CALIX_POL_FLOWS.get_ptr_mut(&s.flow) {
         // SAFETY: as in `allows`.
-        let old = unsafe { &*old };
+        let old = unsafe { &mut *old };
+        if old.flags & PF_REVOKED == 0 && closed(old, POL_DIR_INGRESS, s.flags) {
+            let _ = CALIX_POL_FLOWS.remove(&s.flow);
+            return;
+        }
         if old.generation == st.generation && now.wrapping_sub(old.last_seen_ns) <= REFRESH_NS {
             return;
         }
