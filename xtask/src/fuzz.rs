@@ -3,7 +3,9 @@
 //! - `cni_input`: the CNI plugin's input parsing (CNI env, CNI_ARGS, stdin config, version,
 //!   veth name, result rendering);
 //! - `route_stream`: the decoder of a peer's route stream (calix-core's `wire::Assembler`,
-//!   from protobuf bytes on), within its bounds.
+//!   from protobuf bytes on), within its bounds;
+//! - `bgp_message`: the BGP speaker (calix-bgp) fed a peer's byte stream: framing, decoding,
+//!   the session and the peer's routes within its prefix limit.
 //!
 //! Each target's corpus grows in fuzz/corpus/<target> (not committed); the committed seeds are
 //! in fuzz/seeds/<target> and its dictionary, if it has one, in fuzz/<target>.dict. A crash
@@ -19,7 +21,7 @@ use anyhow::{bail, Context, Result};
 use crate::util::{self, run};
 
 /// Every target, in the order they run.
-const TARGETS: [&str; 2] = ["cni_input", "route_stream"];
+const TARGETS: [&str; 3] = ["cni_input", "route_stream", "bgp_message"];
 
 /// `cargo +nightly ...` through the rustup proxy, without the toolchain pin of the `cargo`
 /// that runs xtask.

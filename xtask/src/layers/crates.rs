@@ -21,6 +21,7 @@ pub const LAYERS: &[(&str, u8)] = &[
     // 1: the pure core, the kernel's primitives, the certificates' crypto. calix-ebpf-build
     // (compiles the eBPF programs) is the agent's build-dependency, so it sits below it.
     ("calix-core", 1),
+    ("calix-bgp", 1),
     ("calix-kernel", 1),
     ("calix-pki", 1),
     ("calix-ebpf-build", 1),
