@@ -1,5 +1,6 @@
 //! calix-agent: the node daemon (IPAM, endpoint registry, eBPF dataplane) and the pieces
 //! calixctl shares with it.
+pub mod bgp;
 pub mod config;
 pub mod distribution;
 pub mod endpoints;

@@ -32,6 +32,8 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "python3",
     "runc",
+    // BGP's real peers (issue 23): BIRD 2 in a network namespace.
+    "bird2",
     // The chart's Python tools live in a virtual environment of Debian's python3 (PEP 668: no
     // pip into the system); the image's binaries are static musl executables (ring's C code
     // needs musl's compiler wrapper).
