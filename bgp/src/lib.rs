@@ -11,13 +11,17 @@
 //! - [`session`]: one connection's state machine (OPEN, KEEPALIVE, the hold timer), fed
 //!   messages and the clock by the caller;
 //! - [`peer`]: what a peer announced, across its connections: the import rule's verdicts,
-//!   the prefix limit, graceful restart's stale routes.
+//!   the prefix limit, graceful restart's stale routes;
+//! - [`advertise`]: what a session announced, and the UPDATEs a new set of routes takes;
+//! - [`import`]: which announced routes are installed (the pools', never this node's own).
 //!
 //! Why a codec of our own, and not a crate's: docs/decisions.md, "BGP: a speaker of our own".
 //! Everything here works on byte slices bounded by one message (4,096 bytes): what a peer
 //! sends cannot make it allocate more than a few times that, and nothing panics on input
 //! (the fuzz target `bgp_message` holds it to that).
 
+pub mod advertise;
+pub mod import;
 pub mod notification;
 pub mod open;
 pub mod peer;

@@ -297,3 +297,78 @@ fn graceful_restart_keeps_routes_stale_until_end_of_rib_or_the_restart_time() {
     rib.session_down(t0, Some(&n), true);
     assert_eq!(rib.session_up(&negotiated(Some((60, false)))).len(), 1);
 }
+
+#[test]
+fn a_changed_set_of_routes_sends_only_the_difference() {
+    use crate::advertise::Advertised;
+    use std::collections::BTreeMap;
+    let builder = UpdateBuilder {
+        four_octet_as: true,
+        attributes: PathAttributes::default(),
+    };
+    let hop: IpAddr = "192.0.2.1".parse().expect("ip");
+    let hop6: IpAddr = "fd00::1".parse().expect("ip");
+    let set = |nets: &[&str]| -> BTreeMap<IpNet, IpAddr> {
+        nets.iter()
+            .map(|n| {
+                let n: IpNet = n.parse().expect("prefix");
+                (n, if matches!(n, IpNet::V4(_)) { hop } else { hop6 })
+            })
+            .collect()
+    };
+    let read = |msgs: Vec<Vec<u8>>| -> (Vec<IpNet>, Vec<IpNet>) {
+        let (mut a, mut w) = (Vec::new(), Vec::new());
+        for m in msgs {
+            let Ok(Message::Update(u)) = Message::decode(&m, true) else {
+                panic!("not an UPDATE");
+            };
+            a.extend(u.announced.into_iter().map(|(n, _)| n));
+            w.extend(u.withdrawn);
+        }
+        (a, w)
+    };
+    let v4 = [Family::IPV4_UNICAST];
+    let mut adv = Advertised::default();
+    let first = adv.update_to(
+        &set(&["10.0.0.0/26", "10.0.0.64/26", "fd00::/122"]),
+        &v4,
+        &builder,
+    );
+    assert_eq!(
+        read(first).0.len(),
+        2,
+        "the IPv6 route is not this session's family"
+    );
+    assert!(adv
+        .update_to(&set(&["10.0.0.0/26", "10.0.0.64/26"]), &v4, &builder)
+        .is_empty());
+    let (a, w) = read(adv.update_to(&set(&["10.0.0.0/26", "10.0.1.5/32"]), &v4, &builder));
+    assert_eq!(a, vec!["10.0.1.5/32".parse::<IpNet>().expect("p")]);
+    assert_eq!(w, vec!["10.0.0.64/26".parse::<IpNet>().expect("p")]);
+    assert_eq!(adv.routes().len(), 2);
+}
+
+#[test]
+fn the_import_rule_takes_the_pools_routes_and_never_this_nodes_own() {
+    use crate::import::ImportRule;
+    let p = |s: &str| -> IpNet { s.parse().expect("prefix") };
+    let rule = ImportRule {
+        within: vec![p("10.244.0.0/16"), p("fd44::/48")],
+        own: vec![p("10.244.3.0/26"), p("10.244.9.7/32")],
+    };
+    assert!(rule.accepts(&p("10.244.1.0/26")));
+    assert!(rule.accepts(&p("10.244.2.9/32")));
+    assert!(rule.accepts(&p("fd44::40/122")));
+    assert!(!rule.accepts(&p("10.244.0.0/15")), "wider than the pool");
+    assert!(!rule.accepts(&p("0.0.0.0/0")));
+    assert!(!rule.accepts(&p("192.168.0.0/24")));
+    assert!(!rule.accepts(&p("10.244.3.0/26")), "this node's block");
+    assert!(
+        !rule.accepts(&p("10.244.3.5/32")),
+        "inside this node's block"
+    );
+    assert!(
+        !rule.accepts(&p("10.244.9.0/24")),
+        "covering this node's pod"
+    );
+}
