@@ -16,6 +16,7 @@ pub mod paths;
 pub mod pod_network;
 pub mod policy;
 pub mod reconcile;
+pub mod remote_routes;
 pub mod signer;
 pub mod tasks;
 pub mod uninstall;

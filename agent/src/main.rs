@@ -4,6 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use calix_agent::bgp::peer_task::Stop as BgpStop;
+use calix_agent::bgp::speaker;
 use calix_agent::config::flags::{self, Flags};
 use calix_agent::config::DataplaneMode;
 use calix_agent::distribution::tls::CertSource;
@@ -22,6 +24,7 @@ use calix_agent::pod_network::Node;
 use calix_agent::policy::PolicyService;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
+use calix_agent::remote_routes::{RemoteSources, Source};
 use calix_agent::{distribution, local_api, metrics, tasks, uninstall};
 use calix_core::model::NodeRecord;
 use calix_dataplane::{self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane};
@@ -198,7 +201,16 @@ async fn run() -> Result<()> {
             .unwrap_or_default(),
         reflector: routes_start.as_ref().is_some_and(|s| s.reflector),
     };
-    let remote_routes = driver.clone();
+    // The routes to other nodes' pods: route distribution's and the BGP speaker's, merged.
+    let bgp_settings = cfg.bgp_settings()?;
+    let running: Vec<Source> = [
+        (routes_start.is_some(), Source::Distribution),
+        (bgp_settings.is_some(), Source::Bgp),
+    ]
+    .into_iter()
+    .filter_map(|(on, s)| on.then_some(s))
+    .collect();
+    let remote_routes = RemoteSources::new(Arc::new(driver.clone()), &running);
     let policy_driver = driver.clone();
     let ipam = IpamService::new(
         record,
@@ -292,6 +304,7 @@ async fn run() -> Result<()> {
         None
     };
     let routes_handle = Arc::new(std::sync::OnceLock::new());
+    let bgp_handle = Arc::new(std::sync::OnceLock::new());
     let started = cfg.clone();
     tasks::spawn_reload(
         node.clone(),
@@ -299,6 +312,7 @@ async fn run() -> Result<()> {
         move || Ok(flags::read(reread_flags.clone(), cluster.as_ref())?.reloaded(&started)?),
         cluster_changes,
         routes_handle.clone(),
+        bgp_handle.clone(),
     );
     let routes = match routes_start {
         Some(mut s) => Some(Arc::new({
@@ -312,7 +326,7 @@ async fn run() -> Result<()> {
                     policy,
                 }) as Arc<dyn distribution::server::Verdicts>
             });
-            distribution::task::start(s, store, Arc::new(remote_routes))
+            distribution::task::start(s, store.clone(), remote_routes.sink(Source::Distribution))
                 .await
                 .context("route distribution ([routes]) cannot start")?
         })),
@@ -322,6 +336,20 @@ async fn run() -> Result<()> {
         http.set_routes(r.clone());
         let _ = routes_handle.set(r.clone());
     }
+    // BGP with the data centre's routers: this node's blocks out, the peers' routes in.
+    let bgp = match bgp_settings {
+        Some(mut s) => {
+            s.blocks = node.ipam.pools();
+            let b = Arc::new(
+                speaker::start(s, store.clone(), remote_routes.sink(Source::Bgp))
+                    .context("the BGP speaker ([bgp]) cannot start")?,
+            );
+            http.set_bgp(b.clone());
+            let _ = bgp_handle.set(b.clone());
+            Some(b)
+        }
+        None => None,
+    };
     let socket = local_api::UnixSocket::bind(&cfg.socket)?;
     // Ready: synced, and the plugin can connect.
     http.set_ready(node.clone());
@@ -336,6 +364,7 @@ async fn run() -> Result<()> {
         .serve(
             node.clone(),
             routes.clone(),
+            bgp.clone(),
             policy,
             monitor,
             tasks::shutdown_signal(),
@@ -349,6 +378,15 @@ async fn run() -> Result<()> {
     // Peers see this agent's streams end and keep its routes for their grace period.
     if let Some(r) = &routes {
         r.shutdown().await;
+    }
+    // A restart leaves the routers this node's routes (graceful restart); an uninstall
+    // withdraws them.
+    if let Some(b) = &bgp {
+        let how = match stop {
+            Stop::Uninstall => BgpStop::ForGood,
+            _ => BgpStop::Restart,
+        };
+        b.shutdown(how).await;
     }
     node.endpoints.shutdown().await;
     if stop == Stop::Uninstall {

@@ -149,6 +149,8 @@ pub struct HttpState {
     node: std::sync::OnceLock<Arc<Node>>,
     /// Route distribution, when it runs.
     routes: std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>,
+    /// The BGP speaker, when it runs.
+    bgp: std::sync::OnceLock<Arc<crate::bgp::speaker::BgpHandle>>,
     /// NetworkPolicy, when it is followed (Kubernetes mode).
     policy: std::sync::OnceLock<Arc<crate::policy::PolicyService>>,
     ready: std::sync::atomic::AtomicBool,
@@ -165,6 +167,11 @@ impl HttpState {
     /// Route distribution's metrics from now on.
     pub fn set_routes(&self, routes: Arc<crate::distribution::RoutesHandle>) {
         let _ = self.routes.set(routes);
+    }
+
+    /// The BGP speaker's metrics from now on.
+    pub fn set_bgp(&self, bgp: Arc<crate::bgp::speaker::BgpHandle>) {
+        let _ = self.bgp.set(bgp);
     }
 
     /// NetworkPolicy's metrics from now on.
@@ -277,6 +284,9 @@ async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: H
             let mut body = render(node).await;
             if let Some(routes) = state.routes.get() {
                 body.push_str(&routes.metrics().await);
+            }
+            if let Some(bgp) = state.bgp.get() {
+                body.push_str(&bgp.metrics().await);
             }
             if let Some(policy) = state.policy.get() {
                 body.push_str(&policy.metrics());

@@ -77,7 +77,8 @@ pub fn report_refused_pools(node: &Node, refused: &[(String, String)]) {
 /// What only a restart applies is named in a warning. A pool change refused as unsafe is
 /// tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a
 /// refused change or config is also a Warning Event on the Node. Applied pools also go to
-/// route distribution (`routes`, once it runs), whose rule for blocks depends on them. An
+/// route distribution (`routes`, once it runs) and the BGP speaker (`bgp`), whose rule for
+/// blocks depends on them. An
 /// IPPool refused (`refused`: those the start reported) is reported when it first is.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
@@ -85,6 +86,7 @@ pub fn spawn_reload<F>(
     reread: F,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
     routes: Arc<std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>>,
+    bgp: Arc<std::sync::OnceLock<Arc<crate::bgp::speaker::BgpHandle>>>,
 ) where
     F: Fn() -> anyhow::Result<Reloaded> + Send + 'static,
 {
@@ -151,6 +153,9 @@ pub fn spawn_reload<F>(
                     if let Some(r) = routes.get() {
                         // With the blocks IPAM retains under a refused change.
                         r.set_block_pools(node.ipam.pools()).await;
+                    }
+                    if let Some(b) = bgp.get() {
+                        b.set_pools(node.ipam.pools()).await;
                     }
                 }
                 Err(e) => {

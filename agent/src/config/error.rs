@@ -116,6 +116,8 @@ pub enum ConfigError {
         "routes.enabled needs `uplinks`: the interfaces other nodes are reached through (routes leave through them, the VXLAN devices sit on the first), e.g. [\"eth0\"]"
     )]
     RoutesNoUplinks,
+    #[error("bgp.{key} must be {what}")]
+    Bgp { key: String, what: String },
     #[error("vxlan.{key} must be {what}")]
     Vxlan {
         key: &'static str,

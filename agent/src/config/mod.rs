@@ -10,6 +10,7 @@
 //! - [`error`]: what is wrong, by key.
 //!
 //! No other module imports this one: each takes its own settings, and `main` hands them over.
+pub mod bgp;
 pub mod error;
 pub mod flags;
 pub mod sections;
@@ -106,6 +107,8 @@ pub struct AgentConfig {
     pub kubernetes: KubernetesConfig,
     /// Whether pods may reach the agents' ports on the nodes' addresses.
     pub doors: DoorsConfig,
+    /// BGP with the data centre's routers.
+    pub bgp: bgp::BgpConfig,
 }
 
 impl Default for AgentConfig {
@@ -136,6 +139,7 @@ impl Default for AgentConfig {
             vxlan: VxlanConfig::default(),
             kubernetes: KubernetesConfig::default(),
             doors: DoorsConfig::default(),
+            bgp: bgp::BgpConfig::default(),
         }
     }
 }

@@ -332,6 +332,7 @@ impl AgentConfig {
         self.ipam.validate()?;
         self.routes.validate()?;
         self.vxlan.validate()?;
+        self.bgp.validate()?;
         self.xdp_policy()?;
         self.nat_settings()?;
         if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {

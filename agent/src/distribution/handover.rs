@@ -48,10 +48,10 @@ impl RouteSink for Driver {
 }
 
 /// A desired set, shared (not copied) between the loop, the hand-over and the report.
-pub(super) type Desired = Arc<Vec<RemoteRoute>>;
+pub(crate) type Desired = Arc<Vec<RemoteRoute>>;
 
 /// The last set the reconciler took: routes, complete, when.
-pub(super) type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
+pub(crate) type Handed = Arc<Mutex<Option<(Desired, bool, Instant)>>>;
 
 /// The other nodes of `view` (all but `me`): their addresses and their Routes ports.
 pub(super) fn peer_nodes(view: &calix_core::routes::view::View, me: &str) -> PeerNodes {
@@ -95,7 +95,7 @@ pub(super) async fn hand_peers(
 
 /// Hands each new desired set to the reconciler; a failure is retried every second with the
 /// latest set.
-pub(super) async fn hand_over(
+pub(crate) async fn hand_over(
     sink: Arc<dyn RouteSink>,
     mut rx: watch::Receiver<Option<(Desired, bool)>>,
     handed: Handed,

@@ -38,7 +38,7 @@ pub mod settings;
 pub mod task;
 pub mod tls;
 pub mod verdict;
-mod watch;
+pub(crate) mod watch;
 
 pub use handover::RouteSink;
 pub use task::RoutesHandle;

@@ -10,14 +10,14 @@ use tokio::sync::mpsc;
 use super::nodes::NodeSource;
 use calix_datastore::{Datastore, DatastoreError};
 
-pub(super) enum ViewInput {
+pub(crate) enum ViewInput {
     Listed(Part, Vec<KeyValue>),
     Event(WatchEvent),
 }
 
 /// Lists one part of the datastore, then follows it: a compacted watch lists again, an
 /// ended one resumes from the last revision seen. The nodes come from `nodes`.
-pub(super) async fn watch_part(
+pub(crate) async fn watch_part(
     store: Arc<dyn Datastore>,
     part: Part,
     nodes: Arc<dyn NodeSource>,

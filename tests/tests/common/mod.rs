@@ -4,6 +4,7 @@
 //! uses part of it.)
 #![allow(dead_code)]
 
+pub mod bird;
 pub mod certs;
 pub mod flood;
 

@@ -61,6 +61,11 @@ enum Cmd {
     /// The peers this node follows for routes: stream state, last update, generation, grace
     /// timer.
     Nodes,
+    /// BGP with the data centre's routers.
+    Bgp {
+        #[command(subcommand)]
+        cmd: BgpCmd,
+    },
     /// NetworkPolicy: the agent's calculation, and a pod's policies and rules in force
     /// (`<namespace>/<name>`, or a name in `default`).
     Policy { pod: Option<String> },
@@ -86,6 +91,16 @@ enum Cmd {
         #[arg(long)]
         count: Option<u64>,
     },
+}
+
+#[derive(Subcommand)]
+enum BgpCmd {
+    /// Each peer: state, uptime, prefixes sent, accepted and received, graceful restart,
+    /// the last error, and what it got wrong (malformed UPDATEs, over its limit).
+    Peers,
+    /// The routes advertised to each peer and learned from each (AS path, whether the import
+    /// rule took it, whether it is installed or stale).
+    Routes,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -127,6 +142,9 @@ async fn main() -> Result<()> {
         }
         Cmd::Routes => commands::routes::routes(channel, cli.output).await?,
         Cmd::Nodes => commands::routes::nodes(channel, cli.output).await?,
+        Cmd::Bgp { cmd } => {
+            commands::bgp::run(channel, matches!(cmd, BgpCmd::Routes), cli.output).await?
+        }
         Cmd::Bpf {
             cmd: BpfCmd::Conntrack { filter, flush },
         } => return commands::bpf::flows(channel, filter, flush, false, cli.output).await,

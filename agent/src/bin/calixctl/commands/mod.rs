@@ -1,4 +1,5 @@
 //! calixctl's commands: ask the agent (or the cluster), print through [`crate::render`].
+pub(crate) mod bgp;
 pub(crate) mod bpf;
 pub(crate) mod endpoints;
 pub(crate) mod ipam;

@@ -1,5 +1,6 @@
 //! calixctl's renderers: reports in, the text (or JSON) printed out. Pure, no I/O, so each is
 //! tested on its own ([`tests`]).
+pub(crate) mod bgp;
 pub(crate) mod bpf;
 pub(crate) mod endpoints;
 pub(crate) mod ipam;

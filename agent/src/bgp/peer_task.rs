@@ -1,0 +1,548 @@
+//! One configured peer, for the agent's lifetime: connect (with back-off), run a session,
+//! announce this node's routes and follow their changes, take the peer's routes through the
+//! import rule into its [`PeerRib`], and tell the speaker what to install. Graceful restart
+//! both ways: this node's sessions offer it (the R bit on the first session after a start, the
+//! F bit always: the dataplane forwards while the agent is away), and a peer's routes are kept
+//! as stale when its connection drops without a NOTIFICATION.
+//!
+//! Only this task reads and writes the connection. Writes never wait for longer than the hold
+//! time (a peer that stops reading loses its session, not the node's memory: nothing is queued
+//! beyond the socket's buffer).
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use calix_bgp::advertise::Advertised;
+use calix_bgp::import::ImportRule;
+use calix_bgp::notification;
+use calix_bgp::peer::{Change, PeerRib};
+use calix_bgp::session::{LocalConfig, LocalRestart, Negotiated, Output, Session, State};
+use calix_bgp::update::AsSegment;
+use calix_bgp::{Family, PathAttributes, UpdateBuilder};
+use ipnet::IpNet;
+use tokio::sync::{mpsc, watch};
+
+use super::conn::{self, sleep_until, Connection, Read};
+use super::settings::{connect_backoff, PeerSettings};
+use super::status::PeerReport;
+
+/// The routes this node advertises: prefix → next hop.
+pub type Wanted = BTreeMap<IpNet, IpAddr>;
+
+/// How the agent stops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// A restart (SIGTERM): connections close without a NOTIFICATION, so peers keep this
+    /// node's routes for the restart time.
+    Restart,
+    /// For good (an uninstall): Cease, administrative shutdown; peers drop the routes now.
+    ForGood,
+}
+
+/// What every peer task shares.
+#[derive(Clone)]
+pub struct Ctx {
+    pub asn: u32,
+    pub router_id: Ipv4Addr,
+    /// This node's next hops (also its source address toward a peer of that family).
+    pub own: Vec<IpAddr>,
+    pub restart_time: u16,
+    pub wanted: watch::Receiver<Arc<Wanted>>,
+    pub import: watch::Receiver<Arc<ImportRule>>,
+    pub stop: watch::Receiver<Option<Stop>>,
+}
+
+/// A peer's routes and report, shared with the speaker (for `calixctl bgp`).
+pub struct PeerState {
+    pub rib: PeerRib,
+    pub report: PeerReport,
+    pub established_at: Option<Instant>,
+}
+
+pub type Shared = Arc<Mutex<PeerState>>;
+
+/// What a peer task tells the speaker: changes of the routes to install from it, and whether
+/// its routes are whole (its End-of-RIB came in, for every family, since the agent started).
+#[derive(Debug)]
+pub struct PeerEvent {
+    pub peer: usize,
+    pub changes: Vec<Change>,
+    pub synced: bool,
+}
+
+fn lock(s: &Shared) -> std::sync::MutexGuard<'_, PeerState> {
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The session's families: those this node has a next hop for.
+fn families(own: &[IpAddr]) -> Vec<Family> {
+    let mut f = Vec::new();
+    if own.iter().any(IpAddr::is_ipv4) {
+        f.push(Family::IPV4_UNICAST);
+    }
+    if own.iter().any(IpAddr::is_ipv6) {
+        f.push(Family::IPV6_UNICAST);
+    }
+    f
+}
+
+/// Whether a route the peer announced is taken: the import rule's prefixes, a next hop of the
+/// prefix's family that is not this node's, and no loop through this node's AS.
+pub fn accepts(
+    rule: &ImportRule,
+    asn: u32,
+    own: &[IpAddr],
+    prefix: &IpNet,
+    next_hop: &IpAddr,
+    mut as_path: impl Iterator<Item = u32>,
+) -> bool {
+    let same_family = matches!(
+        (prefix, next_hop),
+        (IpNet::V4(_), IpAddr::V4(_)) | (IpNet::V6(_), IpAddr::V6(_))
+    );
+    same_family
+        && !next_hop.is_unspecified()
+        && !own.contains(next_hop)
+        && rule.accepts(prefix)
+        && !as_path.any(|a| a == asn)
+}
+
+/// Runs peer `idx` until the agent stops.
+pub async fn run(
+    idx: usize,
+    spec: PeerSettings,
+    mut ctx: Ctx,
+    state: Shared,
+    events: mpsc::Sender<PeerEvent>,
+) {
+    let mut p = Peer {
+        idx,
+        local: ctx
+            .own
+            .iter()
+            .find(|a| a.is_ipv4() == spec.address.is_ipv4())
+            .copied(),
+        spec,
+        state,
+        events,
+        synced: false,
+        restarted: true,
+    };
+    let mut failures = 0u32;
+    loop {
+        p.set_state("Connect");
+        let target = SocketAddr::new(p.spec.address, p.spec.port);
+        let password = p.spec.password.clone();
+        let connect = conn::connect(p.local, target, password.as_deref(), Duration::from_secs(5));
+        tokio::pin!(connect);
+        let stream = loop {
+            let stale = lock(&p.state).rib.stale_deadline();
+            tokio::select! {
+                r = &mut connect => break r,
+                () = sleep_until(stale) => p.expire().await,
+                r = ctx.import.changed() => {
+                    if r.is_err() { return; }
+                    p.reimport(&ctx).await;
+                }
+                _ = ctx.stop.changed() => return,
+            }
+        };
+        let ended = match stream {
+            Ok(stream) => {
+                tracing::info!(peer = %p.spec.name, address = %target, "bgp: connected");
+                match p.session(Connection::new(stream), &mut ctx).await {
+                    Some(e) => e,
+                    None => return,
+                }
+            }
+            Err(e) => Ended::Failed(format!("cannot connect to {target}: {e}")),
+        };
+        match ended {
+            Ended::Failed(why) => {
+                failures = failures.saturating_add(1);
+                p.note_error(&why);
+            }
+            Ended::Down(why) => {
+                failures = 1;
+                p.note_error(&why);
+            }
+        }
+        p.set_state("Idle");
+        let wait = connect_backoff(failures.saturating_sub(1));
+        let until = Instant::now() + wait;
+        loop {
+            let stale = lock(&p.state).rib.stale_deadline();
+            tokio::select! {
+                () = sleep_until(Some(until)) => break,
+                () = sleep_until(stale) => p.expire().await,
+                r = ctx.import.changed() => {
+                    if r.is_err() { return; }
+                    p.reimport(&ctx).await;
+                }
+                _ = ctx.stop.changed() => return,
+            }
+        }
+    }
+}
+
+/// How a connection ended: it never reached Established, or a session went down.
+enum Ended {
+    Failed(String),
+    Down(String),
+}
+
+struct Peer {
+    idx: usize,
+    spec: PeerSettings,
+    /// This node's address of the peer's family: the connection's source.
+    local: Option<IpAddr>,
+    state: Shared,
+    events: mpsc::Sender<PeerEvent>,
+    /// The peer's routes are whole since the agent started.
+    synced: bool,
+    /// No session reached Established since the agent started (the R bit).
+    restarted: bool,
+}
+
+impl Peer {
+    fn set_state(&self, s: &str) {
+        let mut st = lock(&self.state);
+        st.report.state = s.to_string();
+        if s != "Established" {
+            st.established_at = None;
+        }
+    }
+
+    fn note_error(&self, why: &str) {
+        tracing::warn!(peer = %self.spec.name, error = %why, "bgp: peer down");
+        lock(&self.state).report.last_error = why.to_string();
+    }
+
+    async fn tell(&mut self, changes: Vec<Change>) {
+        if changes.is_empty() {
+            return;
+        }
+        let ev = PeerEvent {
+            peer: self.idx,
+            changes,
+            synced: self.synced,
+        };
+        let _ = self.events.send(ev).await;
+    }
+
+    async fn expire(&mut self) {
+        let changes = lock(&self.state).rib.expire(Instant::now());
+        if !changes.is_empty() {
+            tracing::info!(peer = %self.spec.name, routes = changes.len(),
+                "bgp: the peer's restart time ran out: its stale routes go");
+        }
+        self.tell(changes).await;
+    }
+
+    async fn reimport(&mut self, ctx: &Ctx) {
+        let rule = ctx.import.borrow().clone();
+        let changes = lock(&self.state)
+            .rib
+            .reimport(|n, nh, path| accepts(&rule, ctx.asn, &ctx.own, n, nh, path.iter().copied()));
+        self.tell(changes).await;
+    }
+
+    fn local_config(&self, ctx: &Ctx) -> LocalConfig {
+        LocalConfig {
+            asn: ctx.asn,
+            router_id: ctx.router_id,
+            peer_asn: self.spec.asn,
+            hold_time: self.spec.hold_time,
+            families: families(&ctx.own),
+            graceful_restart: self.spec.graceful_restart.then_some(LocalRestart {
+                restart_time: ctx.restart_time,
+                restarting: self.restarted,
+                forwarding_preserved: true,
+            }),
+        }
+    }
+
+    fn builder(&self, ctx: &Ctx, n: &Negotiated) -> UpdateBuilder {
+        let external = self.spec.external(ctx.asn);
+        UpdateBuilder {
+            four_octet_as: n.four_octet_as,
+            attributes: PathAttributes {
+                as_path: if external {
+                    vec![AsSegment {
+                        set: false,
+                        asns: vec![ctx.asn],
+                    }]
+                } else {
+                    Vec::new()
+                },
+                local_pref: (!external).then_some(100),
+                communities: self.spec.communities.clone(),
+                ..PathAttributes::default()
+            },
+        }
+    }
+
+    /// Runs one connection until it closes; `None`: the agent stops.
+    async fn session(&mut self, mut c: Connection, ctx: &mut Ctx) -> Option<Ended> {
+        let now = Instant::now();
+        let (mut session, first) = Session::start(self.local_config(ctx), now);
+        self.set_state("OpenSent");
+        let mut queue: VecDeque<Output> = first.into();
+        let mut advertised = Advertised::default();
+        let mut negotiated: Option<Negotiated> = None;
+        let mut builder: Option<UpdateBuilder> = None;
+        let mut awaiting_eor: BTreeSet<Family> = BTreeSet::new();
+        loop {
+            // Everything the last step asked for, in order.
+            while let Some(o) = queue.pop_front() {
+                match o {
+                    Output::Send(bytes) => {
+                        let limit = negotiated
+                            .as_ref()
+                            .filter(|n| n.hold_time > 0)
+                            .map_or(Duration::from_secs(90), |n| {
+                                Duration::from_secs(u64::from(n.hold_time))
+                            });
+                        let r = tokio::time::timeout(limit, c.write(&bytes)).await;
+                        let failed = match r {
+                            Ok(Ok(())) => None,
+                            Ok(Err(e)) => Some(e.to_string()),
+                            Err(_) => Some(format!(
+                                "the peer read nothing for {}s (its receive window stayed full)",
+                                limit.as_secs()
+                            )),
+                        };
+                        if let Some(why) = failed {
+                            queue.clear();
+                            queue.extend(session.connection_lost(&why));
+                        }
+                    }
+                    Output::Established(n) => {
+                        tracing::info!(peer = %self.spec.name, hold_time = n.hold_time,
+                            families = ?n.families.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                            graceful_restart = n.peer_restart.is_some(), "bgp: session established");
+                        self.restarted = false;
+                        let changes = {
+                            let mut st = lock(&self.state);
+                            st.report.state = "Established".into();
+                            st.report.established_total += 1;
+                            st.established_at = Some(Instant::now());
+                            st.rib.session_up(&n)
+                        };
+                        // Without graceful restart the peer sends no End-of-RIB.
+                        awaiting_eor = if n.peer_restart.is_some() {
+                            n.families.iter().copied().collect()
+                        } else {
+                            BTreeSet::new()
+                        };
+                        self.synced |= awaiting_eor.is_empty();
+                        self.tell(changes).await;
+                        let b = self.builder(ctx, &n);
+                        let wanted = ctx.wanted.borrow_and_update().clone();
+                        for m in advertised.update_to(&wanted, &n.families, &b) {
+                            queue.push_back(Output::Send(m));
+                        }
+                        for f in &n.families {
+                            queue.push_back(Output::Send(UpdateBuilder::end_of_rib(*f)));
+                        }
+                        lock(&self.state).report.sent = advertised.routes().len();
+                        builder = Some(b);
+                        negotiated = Some(n);
+                    }
+                    Output::Update(u) => {
+                        let rule = ctx.import.borrow().clone();
+                        let applied = lock(&self.state).rib.apply(&u, |n, nh, attrs| {
+                            accepts(&rule, ctx.asn, &ctx.own, n, nh, attrs.asns())
+                        });
+                        for issue in &u.issues {
+                            tracing::warn!(peer = %self.spec.name, attribute = issue.type_code,
+                                disposition = ?issue.disposition, what = issue.what,
+                                "bgp: malformed attribute (RFC 7606): the session stays up");
+                        }
+                        if applied.refused > 0 {
+                            tracing::warn!(peer = %self.spec.name, refused = applied.refused,
+                                limit = self.spec.max_prefixes,
+                                "bgp: the peer is over its prefix limit: routes refused");
+                        }
+                        if let Some(f) = applied.end_of_rib {
+                            awaiting_eor.remove(&f);
+                            if awaiting_eor.is_empty() && !self.synced {
+                                tracing::info!(peer = %self.spec.name, "bgp: the peer's routes are whole (End-of-RIB)");
+                                self.synced = true;
+                                // Told even without changes: the installed set may be whole now.
+                                let ev = PeerEvent {
+                                    peer: self.idx,
+                                    changes: Vec::new(),
+                                    synced: true,
+                                };
+                                let _ = self.events.send(ev).await;
+                            }
+                        }
+                        self.tell(applied.changes).await;
+                        if let Some(n) = applied.reset {
+                            lock(&self.state).report.limit_resets += 1;
+                            tracing::warn!(peer = %self.spec.name, limit = self.spec.max_prefixes,
+                                "bgp: the peer is over its prefix limit: the session is reset");
+                            queue.extend(session.close_with(n, "over the prefix limit"));
+                        }
+                    }
+                    Output::RouteRefresh(family) => {
+                        if let (Some(b), Some(n)) = (&builder, &negotiated) {
+                            // Everything of the family again, then its End-of-RIB.
+                            let again: Wanted =
+                                advertised.routes().iter().map(|(k, v)| (*k, *v)).collect();
+                            let mut fresh = Advertised::default();
+                            let only: Vec<Family> = n
+                                .families
+                                .iter()
+                                .copied()
+                                .filter(|f| *f == family)
+                                .collect();
+                            for m in fresh.update_to(&again, &only, b) {
+                                queue.push_back(Output::Send(m));
+                            }
+                            queue.push_back(Output::Send(UpdateBuilder::end_of_rib(family)));
+                        }
+                    }
+                    Output::Closed {
+                        reason,
+                        sent,
+                        received,
+                    } => {
+                        let graceful =
+                            sent.is_none() && received.is_none() && self.spec.graceful_restart;
+                        let changes = {
+                            let mut st = lock(&self.state);
+                            if sent
+                                .as_ref()
+                                .is_some_and(|n| n.code == notification::OPEN_ERROR)
+                            {
+                                st.report.open_refused += 1;
+                            }
+                            if negotiated.is_some() {
+                                st.report.down_total += 1;
+                            }
+                            st.report.sent = 0;
+                            st.rib
+                                .session_down(Instant::now(), negotiated.as_ref(), graceful)
+                        };
+                        if !changes.is_empty() || graceful {
+                            tracing::info!(peer = %self.spec.name, removed = changes.len(),
+                                stale = lock(&self.state).rib.stale_count(), "bgp: session down");
+                        }
+                        self.tell(changes).await;
+                        return Some(if negotiated.is_some() {
+                            Ended::Down(reason)
+                        } else {
+                            Ended::Failed(reason)
+                        });
+                    }
+                }
+            }
+            if negotiated.is_none() && session.state() == State::OpenConfirm {
+                self.set_state("OpenConfirm");
+            }
+            let four = session.four_octet_as();
+            let deadline = session.next_deadline();
+            let stale = lock(&self.state).rib.stale_deadline();
+            let established = negotiated.is_some();
+            tokio::select! {
+                r = c.read(four) => {
+                    let out = match r {
+                        Ok(Read::Message(m)) => session.on_message(Instant::now(), m),
+                        Ok(Read::Eof) => session.connection_lost("closed by the peer"),
+                        Err(e) => session.connection_lost(&e.to_string()),
+                    };
+                    queue.extend(out);
+                }
+                () = sleep_until(deadline) => queue.extend(session.tick(Instant::now())),
+                () = sleep_until(stale) => self.expire().await,
+                r = ctx.wanted.changed(), if established => {
+                    if r.is_err() { return None; }
+                    if let (Some(b), Some(n)) = (&builder, &negotiated) {
+                        let wanted = ctx.wanted.borrow_and_update().clone();
+                        for m in advertised.update_to(&wanted, &n.families, b) {
+                            queue.push_back(Output::Send(m));
+                        }
+                        lock(&self.state).report.sent = advertised.routes().len();
+                    }
+                }
+                r = ctx.import.changed() => {
+                    if r.is_err() { return None; }
+                    self.reimport(ctx).await;
+                }
+                r = ctx.stop.changed() => {
+                    let stop = if r.is_err() { Some(Stop::Restart) } else { *ctx.stop.borrow() };
+                    if stop == Some(Stop::ForGood) {
+                        for o in session.shutdown() {
+                            if let Output::Send(bytes) = o {
+                                let _ = tokio::time::timeout(Duration::from_secs(1), c.write(&bytes)).await;
+                            }
+                        }
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn net(s: &str) -> IpNet {
+        s.parse().expect("net")
+    }
+
+    #[test]
+    fn the_import_rule_and_more() {
+        let rule = ImportRule {
+            within: vec![net("10.244.0.0/16"), net("fd44::/48")],
+            own: vec![net("10.244.1.0/26")],
+        };
+        let own = [ip("172.31.1.1")];
+        let ok = |p: &str, nh: &str, path: &[u32]| {
+            accepts(&rule, 64512, &own, &net(p), &ip(nh), path.iter().copied())
+        };
+        assert!(ok("10.244.2.0/26", "172.31.1.254", &[65000, 64513]));
+        assert!(ok("fd44::/122", "fd31:1::fe", &[65000]));
+        assert!(!ok("10.244.1.0/26", "172.31.1.254", &[65000]), "own block");
+        assert!(
+            !ok("10.245.0.0/26", "172.31.1.254", &[65000]),
+            "outside the pools"
+        );
+        assert!(!ok("0.0.0.0/0", "172.31.1.254", &[65000]), "default route");
+        assert!(
+            !ok("10.244.2.0/26", "fd31:1::fe", &[65000]),
+            "another family's next hop"
+        );
+        assert!(
+            !ok("10.244.2.0/26", "172.31.1.1", &[65000]),
+            "via this node"
+        );
+        assert!(
+            !ok("10.244.2.0/26", "0.0.0.0", &[65000]),
+            "unspecified next hop"
+        );
+        assert!(
+            !ok("10.244.2.0/26", "172.31.1.254", &[65000, 64512]),
+            "an AS loop"
+        );
+    }
+
+    #[test]
+    fn families_follow_the_next_hops() {
+        assert_eq!(families(&[ip("172.31.1.1")]), [Family::IPV4_UNICAST]);
+        assert_eq!(
+            families(&[ip("172.31.1.1"), ip("fd31:1::1")]),
+            [Family::IPV4_UNICAST, Family::IPV6_UNICAST]
+        );
+        assert!(families(&[]).is_empty());
+    }
+}

@@ -1,0 +1,357 @@
+//! `[bgp]`: the speaker that tells the data centre's routers where this node's pods live
+//! (issue 23), and its peers (`[[bgp.peers]]`). Parsed, checked and turned into the speaker's
+//! own settings ([`crate::bgp::settings`]) here.
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use calix_bgp::peer::LimitAction;
+use serde::{Deserialize, Serialize};
+
+use super::error::ConfigError;
+use super::AgentConfig;
+use crate::bgp::settings::{BgpSettings, PeerSettings};
+
+/// The speaker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BgpConfig {
+    pub enabled: bool,
+    /// This node's AS number (1–4294967295; 23456, AS_TRANS, is reserved).
+    pub as_number: u32,
+    /// The BGP identifier, an IPv4 address; empty: this node's IPv4 next hop.
+    pub router_id: String,
+    /// The next hops this node advertises (one IPv4, one IPv6); empty: the first global
+    /// address of each family on the first uplink.
+    pub node_addresses: Vec<String>,
+    /// How long the routers keep this node's routes when the agent restarts (graceful
+    /// restart), and how long a restarted agent waits for its peers' routes before it
+    /// removes those not announced again. 1–4095 s (RFC 4724's 12 bits).
+    pub restart_time_secs: u64,
+    pub peers: Vec<BgpPeerConfig>,
+}
+
+impl Default for BgpConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            as_number: 64512,
+            router_id: String::new(),
+            node_addresses: Vec::new(),
+            restart_time_secs: 120,
+            peers: Vec::new(),
+        }
+    }
+}
+
+/// What happens when a peer announces more prefixes than `max_prefixes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LimitConfig {
+    /// The prefixes past the limit are not taken; the session stays up.
+    #[default]
+    Refuse,
+    /// The session ends with Cease "maximum number of prefixes reached" and comes back after
+    /// a back-off.
+    Reset,
+}
+
+/// One peer (`[[bgp.peers]]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BgpPeerConfig {
+    /// A name for logs, metrics and calixctl: letters, digits, '.', '-' and '_', 1–63.
+    pub name: String,
+    pub address: String,
+    pub port: u16,
+    pub as_number: u32,
+    /// A file holding the TCP MD5 password (RFC 2385), e.g. a mounted Secret's key; its
+    /// trailing newline is not part of it. Empty: no password.
+    pub password_file: PathBuf,
+    /// Proposed hold time: 0 (none), or 3–65535 s. Keepalives every third of it.
+    pub hold_time_secs: u64,
+    pub graceful_restart: bool,
+    /// The most prefixes taken from the peer (1 or more).
+    pub max_prefixes: u64,
+    pub max_prefixes_action: LimitConfig,
+    /// Communities put on every route advertised to the peer: "asn:value".
+    pub communities: Vec<String>,
+}
+
+impl Default for BgpPeerConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            address: String::new(),
+            port: crate::bgp::conn::PORT,
+            as_number: 0,
+            password_file: PathBuf::new(),
+            hold_time_secs: 90,
+            graceful_restart: true,
+            max_prefixes: 10_000,
+            max_prefixes_action: LimitConfig::Refuse,
+            communities: Vec::new(),
+        }
+    }
+}
+
+fn bad(key: String, what: &str) -> ConfigError {
+    ConfigError::Bgp {
+        key,
+        what: what.to_string(),
+    }
+}
+
+fn check_asn(key: String, asn: u32) -> Result<(), ConfigError> {
+    if asn == 0 || asn == 23456 {
+        return Err(bad(
+            key,
+            "an AS number of 1–4294967295 other than 23456 (AS_TRANS)",
+        ));
+    }
+    Ok(())
+}
+
+fn community(text: &str) -> Option<u32> {
+    let (a, v) = text.split_once(':')?;
+    let (a, v): (u16, u16) = (a.trim().parse().ok()?, v.trim().parse().ok()?);
+    Some((u32::from(a) << 16) | u32::from(v))
+}
+
+fn valid_name(n: &str) -> bool {
+    (1..=63).contains(&n.len())
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+}
+
+impl BgpConfig {
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        if !self.enabled {
+            return Ok(());
+        }
+        check_asn("as_number".into(), self.as_number)?;
+        if !self.router_id.is_empty() && self.router_id.parse::<Ipv4Addr>().is_err() {
+            return Err(bad(
+                "router_id".into(),
+                "an IPv4 address, e.g. \"172.31.1.1\"",
+            ));
+        }
+        if self
+            .node_addresses
+            .iter()
+            .any(|a| a.parse::<IpAddr>().is_err())
+        {
+            return Err(bad(
+                "node_addresses".into(),
+                "addresses, e.g. [\"172.31.1.1\"]",
+            ));
+        }
+        if !(1..=4095).contains(&self.restart_time_secs) {
+            return Err(bad("restart_time_secs".into(), "1–4095"));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            let key = |k: &str| format!("peers[{i}].{k}");
+            if !valid_name(&p.name) {
+                return Err(bad(key("name"), "1–63 letters, digits, '.', '-' or '_'"));
+            }
+            if !names.insert(p.name.as_str()) {
+                return Err(bad(key("name"), "unique among the peers"));
+            }
+            if p.address.parse::<IpAddr>().is_err() {
+                return Err(bad(key("address"), "an IP address, e.g. \"172.31.1.254\""));
+            }
+            if p.port == 0 {
+                return Err(bad(key("port"), "1–65535"));
+            }
+            check_asn(key("as_number"), p.as_number)?;
+            if p.hold_time_secs != 0 && !(3..=65535).contains(&p.hold_time_secs) {
+                return Err(bad(key("hold_time_secs"), "0 or 3–65535"));
+            }
+            if p.max_prefixes == 0 {
+                return Err(bad(key("max_prefixes"), "1 or more"));
+            }
+            if let Some(c) = p.communities.iter().find(|c| community(c).is_none()) {
+                return Err(ConfigError::Bgp {
+                    key: key("communities"),
+                    what: format!("\"asn:value\" with each 0–65535, not {c:?}"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AgentConfig {
+    /// The speaker's settings; `None` when `bgp.enabled` is off. Reads the password files.
+    pub fn bgp_settings(&self) -> Result<Option<BgpSettings>, ConfigError> {
+        let b = &self.bgp;
+        if !b.enabled {
+            return Ok(None);
+        }
+        b.validate()?;
+        let mut peers = Vec::new();
+        for (i, p) in b.peers.iter().enumerate() {
+            let password = if p.password_file.as_os_str().is_empty() {
+                None
+            } else {
+                let text = std::fs::read(&p.password_file).map_err(|e| ConfigError::Bgp {
+                    key: format!("peers[{i}].password_file"),
+                    what: format!("a readable file ({}: {e})", p.password_file.display()),
+                })?;
+                let key = text.strip_suffix(b"\n").unwrap_or(&text).to_vec();
+                if key.is_empty() || key.len() > crate::bgp::md5::MAX_KEY_LEN {
+                    return Err(bad(
+                        format!("peers[{i}].password_file"),
+                        "a file holding a password of 1–80 bytes",
+                    ));
+                }
+                Some(key)
+            };
+            peers.push(PeerSettings {
+                name: p.name.clone(),
+                // Validated above.
+                address: p
+                    .address
+                    .parse()
+                    .map_err(|_| bad(format!("peers[{i}].address"), "an IP address"))?,
+                port: p.port,
+                asn: p.as_number,
+                password,
+                hold_time: u16::try_from(p.hold_time_secs).unwrap_or(u16::MAX),
+                graceful_restart: p.graceful_restart,
+                max_prefixes: usize::try_from(p.max_prefixes).unwrap_or(usize::MAX),
+                limit_action: match p.max_prefixes_action {
+                    LimitConfig::Refuse => LimitAction::Refuse,
+                    LimitConfig::Reset => LimitAction::Reset,
+                },
+                communities: p.communities.iter().filter_map(|c| community(c)).collect(),
+            });
+        }
+        Ok(Some(BgpSettings {
+            me: self.node_name.clone(),
+            asn: b.as_number,
+            router_id: b.router_id.parse().ok(),
+            node_addresses: b
+                .node_addresses
+                .iter()
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+            uplinks: self.uplinks.clone(),
+            restart_time: Duration::from_secs(b.restart_time_secs),
+            pools: self.pools.iter().map(|p| p.cidr).collect(),
+            blocks: self.node_pools(),
+            peers,
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> AgentConfig {
+        let mut c = AgentConfig::from_toml(text).expect("toml");
+        c.node_name = "n1".into();
+        c
+    }
+
+    const GOOD: &str = r#"
+uplinks = ["eth0"]
+[bgp]
+enabled = true
+as_number = 64601
+[[bgp.peers]]
+name = "tor-a"
+address = "172.31.1.254"
+as_number = 65000
+communities = ["65000:100"]
+max_prefixes_action = "reset"
+"#;
+
+    #[test]
+    fn a_peer_with_defaults() {
+        let c = parse(GOOD);
+        c.validate().expect("valid");
+        let s = c.bgp_settings().expect("settings").expect("enabled");
+        assert_eq!(s.asn, 64601);
+        let p = &s.peers[0];
+        assert_eq!((p.port, p.hold_time, p.max_prefixes), (179, 90, 10_000));
+        assert!(p.graceful_restart);
+        assert_eq!(p.limit_action, LimitAction::Reset);
+        assert_eq!(p.communities, [(65000 << 16) | 100]);
+        assert_eq!(p.password, None);
+        assert!(parse("").bgp_settings().expect("off").is_none());
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (edit, key) in [
+            (("as_number = 64601", "as_number = 23456"), "bgp.as_number"),
+            (
+                ("as_number = 65000", "as_number = 0"),
+                "bgp.peers[0].as_number",
+            ),
+            (("\"172.31.1.254\"", "\"tor\""), "bgp.peers[0].address"),
+            (("\"tor-a\"", "\"tor a\""), "bgp.peers[0].name"),
+            (
+                ("\"65000:100\"", "\"65000:70000\""),
+                "bgp.peers[0].communities",
+            ),
+            (
+                ("enabled = true", "enabled = true\nrouter_id = \"fd00::1\""),
+                "bgp.router_id",
+            ),
+            (
+                ("enabled = true", "enabled = true\nrestart_time_secs = 5000"),
+                "bgp.restart_time_secs",
+            ),
+            (
+                (
+                    "max_prefixes_action",
+                    "hold_time_secs = 2\nmax_prefixes_action",
+                ),
+                "bgp.peers[0].hold_time_secs",
+            ),
+            (
+                (
+                    "max_prefixes_action",
+                    "max_prefixes = 0\nmax_prefixes_action",
+                ),
+                "bgp.peers[0].max_prefixes",
+            ),
+        ] {
+            let c = parse(&GOOD.replace(edit.0, edit.1));
+            let e = c.validate().expect_err(key).to_string();
+            assert!(e.starts_with(key), "{key}: {e}");
+        }
+        let twice = format!("{GOOD}\n[[bgp.peers]]\nname = \"tor-a\"\naddress = \"172.31.1.253\"\nas_number = 65000\n");
+        let e = parse(&twice).validate().expect_err("twice").to_string();
+        assert!(e.contains("unique"), "{e}");
+    }
+
+    #[test]
+    fn the_password_comes_from_its_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("password");
+        std::fs::write(&file, "s3cret\n").expect("write");
+        let text = GOOD.replace(
+            "as_number = 65000",
+            &format!(
+                "as_number = 65000\npassword_file = {:?}",
+                file.display().to_string()
+            ),
+        );
+        let s = parse(&text).bgp_settings().expect("settings").expect("on");
+        assert_eq!(s.peers[0].password.as_deref(), Some(&b"s3cret"[..]));
+        std::fs::write(&file, "").expect("write");
+        let e = parse(&text).bgp_settings().expect_err("empty").to_string();
+        assert!(e.contains("password_file"), "{e}");
+        std::fs::remove_file(&file).expect("rm");
+        let e = parse(&text)
+            .bgp_settings()
+            .expect_err("missing")
+            .to_string();
+        assert!(e.contains("readable"), "{e}");
+    }
+}
