@@ -1,4 +1,5 @@
 //! gRPC services over the agent core. Domain errors become `tonic::Status` only here.
+pub mod bgp;
 pub mod server;
 
 pub use server::{EndpointsSvc, IpamSvc, PolicyInfoSvc, RouteInfoSvc, UnixSocket};

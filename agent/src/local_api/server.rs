@@ -109,32 +109,6 @@ impl pb::route_info_server::RouteInfo for RouteInfoSvc {
     }
 }
 
-/// The BGP speaker's report for calixctl (`None`: `bgp.enabled = false`).
-pub struct BgpInfoSvc {
-    pub bgp: Option<Arc<crate::bgp::speaker::BgpHandle>>,
-}
-
-#[tonic::async_trait]
-impl pb::bgp_info_server::BgpInfo for BgpInfoSvc {
-    async fn show(
-        &self,
-        _req: Request<pb::BgpInfoRequest>,
-    ) -> Result<Response<pb::BgpInfoResponse>, Status> {
-        let Some(bgp) = &self.bgp else {
-            return Ok(Response::new(pb::BgpInfoResponse {
-                json: String::new(),
-            }));
-        };
-        let report = bgp
-            .report()
-            .await
-            .ok_or_else(|| Status::unavailable("the BGP speaker is not running"))?;
-        serde_json::to_string(&report)
-            .map(|json| Response::new(pb::BgpInfoResponse { json }))
-            .map_err(|e| Status::internal(format!("cannot encode the report: {e}")))
-    }
-}
-
 /// NetworkPolicy's report for calixctl (`None`: not followed here, outside Kubernetes).
 pub struct PolicyInfoSvc {
     pub node: Arc<Node>,
@@ -681,7 +655,9 @@ impl UnixSocket {
             )))
             .add_service(pb::route_info_server::RouteInfoServer::new(route_info))
             .add_service(pb::policy_info_server::PolicyInfoServer::new(policy_info))
-            .add_service(pb::bgp_info_server::BgpInfoServer::new(BgpInfoSvc { bgp }))
+            .add_service(pb::bgp_info_server::BgpInfoServer::new(
+                super::bgp::BgpInfoSvc { bgp },
+            ))
             .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
             .await;
         match file_id(&path) {
