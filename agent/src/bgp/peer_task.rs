@@ -168,6 +168,9 @@ pub async fn run(
                 p.note_error(&why);
             }
         }
+        // Nothing more to wait for from it: the routes installed need not wait for a peer
+        // that cannot be reached (its stale routes, if any, keep their timer).
+        p.mark_synced().await;
         p.set_state("Idle");
         let wait = connect_backoff(failures.saturating_sub(1));
         let until = Instant::now() + wait;
@@ -227,6 +230,21 @@ impl Peer {
             peer: self.idx,
             changes,
             synced: self.synced,
+        };
+        let _ = self.events.send(ev).await;
+    }
+
+    /// The peer's routes are whole (or it has none to wait for): told once, even without
+    /// changes, as the installed set may be whole now.
+    async fn mark_synced(&mut self) {
+        if self.synced {
+            return;
+        }
+        self.synced = true;
+        let ev = PeerEvent {
+            peer: self.idx,
+            changes: Vec::new(),
+            synced: true,
         };
         let _ = self.events.send(ev).await;
     }
@@ -336,8 +354,10 @@ impl Peer {
                         } else {
                             BTreeSet::new()
                         };
-                        self.synced |= awaiting_eor.is_empty();
                         self.tell(changes).await;
+                        if awaiting_eor.is_empty() {
+                            self.mark_synced().await;
+                        }
                         let b = self.builder(ctx, &n);
                         let wanted = ctx.wanted.borrow_and_update().clone();
                         for m in advertised.update_to(&wanted, &n.families, &b) {
@@ -369,14 +389,7 @@ impl Peer {
                             awaiting_eor.remove(&f);
                             if awaiting_eor.is_empty() && !self.synced {
                                 tracing::info!(peer = %self.spec.name, "bgp: the peer's routes are whole (End-of-RIB)");
-                                self.synced = true;
-                                // Told even without changes: the installed set may be whole now.
-                                let ev = PeerEvent {
-                                    peer: self.idx,
-                                    changes: Vec::new(),
-                                    synced: true,
-                                };
-                                let _ = self.events.send(ev).await;
+                                self.mark_synced().await;
                             }
                         }
                         self.tell(applied.changes).await;

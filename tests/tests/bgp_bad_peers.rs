@@ -1,0 +1,398 @@
+//! A hostile or broken BGP peer cannot hurt the node (issue 23): a real agent peers with
+//! test peers that speak raw BGP from the underlay namespace, each on its own address:
+//! - `raw-a` (limit 5, refuse): a route it announces is installed; the same route again with a
+//!   malformed ORIGIN is withdrawn (RFC 7606 treat-as-withdraw) and the session stays up; ten
+//!   more routes: five are taken, the rest refused, the session stays up;
+//!   then 20,000 UPDATEs withdrawing and announcing five routes, then two withdrawn: memory
+//!   stays bounded and the end state is right;
+//! - `raw-b` (limit 5, reset): six routes end the session with Cease "maximum number of
+//!   prefixes reached", and its routes go;
+//! - `raw-c`: its OPEN names an AS other than the one configured: refused with OPEN Message
+//!   Error "Bad Peer AS", never established.
+//!
+//! Each is counted (calixctl bgp peers, /metrics) and logged; a peer's trouble does not touch
+//! another's session. Run as root.
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use calix_bgp::open::{Capabilities, Open};
+use calix_bgp::update::AsSegment;
+use calix_bgp::wire::frame_len;
+use calix_bgp::{Family, Message, PathAttributes, UpdateBuilder};
+use calix_testbed::{Cluster, Dataplane as Mode, Node};
+use ipnet::IpNet;
+use serde_json::Value;
+
+const PEER_AS: u32 = 65000;
+const NODE_AS: u32 = 64601;
+/// The peers' addresses on the node's subnet, in the underlay namespace.
+const PEERS: [(&str, &str, &str); 3] = [
+    ("raw-a", "172.31.1.251", "refuse"),
+    ("raw-b", "172.31.1.252", "reset"),
+    ("raw-c", "172.31.1.253", "refuse"),
+];
+
+fn config(i: usize, c: &Cluster) -> String {
+    let mut peers = String::new();
+    for (name, addr, action) in PEERS {
+        peers.push_str(&format!(
+            "[[bgp.peers]]\nname = \"{name}\"\naddress = \"{addr}\"\nas_number = {PEER_AS}\n\
+             max_prefixes = 5\nmax_prefixes_action = \"{action}\"\n"
+        ));
+    }
+    format!(
+        "{}[[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 28\n\
+         [bgp]\nenabled = true\nas_number = {NODE_AS}\nnode_addresses = [\"{}\"]\n{peers}",
+        c.base_config(i),
+        c.address(i)
+    )
+}
+
+/// One connection of a raw peer, read and written by hand.
+struct Raw {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Raw {
+    fn accept(l: &TcpListener) -> Self {
+        l.set_nonblocking(false).expect("blocking");
+        let (s, _) = l.accept().expect("the agent connects");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        Self { s, buf: Vec::new() }
+    }
+
+    fn read(&mut self) -> Option<Vec<u8>> {
+        loop {
+            if let Ok(Some(n)) = frame_len(&self.buf) {
+                if self.buf.len() >= n {
+                    return Some(self.buf.drain(..n).collect());
+                }
+            }
+            let mut chunk = [0u8; 4096];
+            match self.s.read(&mut chunk) {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    fn message(&mut self) -> Option<Message> {
+        self.read()
+            .map(|m| Message::decode(&m, true).expect("the agent's message decodes"))
+    }
+
+    /// The next message that is not a KEEPALIVE or an UPDATE.
+    fn next_notification(&mut self) -> Option<calix_bgp::Notification> {
+        loop {
+            match self.message()? {
+                Message::Notification(n) => return Some(n),
+                _ => continue,
+            }
+        }
+    }
+
+    fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).expect("write to the agent");
+    }
+
+    /// OPEN both ways (ours says `asn`), then KEEPALIVE both ways unless the agent refuses.
+    fn open(&mut self, asn: u32) {
+        let theirs = self.message().expect("the agent's OPEN");
+        assert!(matches!(theirs, Message::Open(_)), "{theirs:?}");
+        let open = Open {
+            asn,
+            hold_time: 90,
+            router_id: Ipv4Addr::new(172, 31, 1, 250),
+            capabilities: Capabilities {
+                families: vec![Family::IPV4_UNICAST],
+                route_refresh: true,
+                enhanced_route_refresh: false,
+                four_octet_as: Some(asn),
+                graceful_restart: None,
+                other: Vec::new(),
+            },
+        };
+        self.send(&Message::Open(open).encode(true));
+        self.send(&Message::Keepalive.encode(true));
+    }
+}
+
+fn builder() -> UpdateBuilder {
+    UpdateBuilder {
+        four_octet_as: true,
+        attributes: PathAttributes {
+            as_path: vec![AsSegment {
+                set: false,
+                asns: vec![PEER_AS],
+            }],
+            ..PathAttributes::default()
+        },
+    }
+}
+
+fn nets(first: u8, n: u8) -> Vec<IpNet> {
+    (first..first + n)
+        .map(|i| format!("10.244.{i}.0/28").parse().expect("net"))
+        .collect()
+}
+
+fn announce(raw: &mut Raw, prefixes: &[IpNet], hop: &str) {
+    for m in builder().announce(
+        Family::IPV4_UNICAST,
+        hop.parse().expect("ip"),
+        None,
+        prefixes,
+    ) {
+        raw.send(&m);
+    }
+}
+
+fn peer<'a>(report: &'a Value, name: &str) -> &'a Value {
+    report
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["name"] == name))
+        .unwrap_or_else(|| panic!("no peer {name} in {report}"))
+}
+
+fn peers(node: &Node) -> Value {
+    let out = node.calixctl(&["bgp", "peers", "-o", "json"]);
+    serde_json::from_slice(&out.stdout).expect("calixctl bgp peers -o json")
+}
+
+fn kernel_routes(node: &Node) -> String {
+    String::from_utf8_lossy(
+        &node
+            .ns
+            .exec_ok(&["ip", "route", "show", "proto", "202"])
+            .stdout,
+    )
+    .into_owned()
+}
+
+fn within(secs: u64, what: &str, mut done: impl FnMut() -> bool, show: impl Fn() -> String) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "not within {secs} s: {what}\n{}",
+            show()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn metric(node: &Node, line: &str) -> Option<String> {
+    let (_, body) = node.http_get("/metrics")?;
+    body.lines()
+        .find_map(|l| l.strip_prefix(line).map(|v| v.trim().to_string()))
+}
+
+#[test]
+fn hostile_peers_are_handled_by_the_rfcs_rules() {
+    let cluster = Cluster::create(Mode::Ebpf, &[1], config);
+    let under = cluster.underlay();
+    let listeners: Vec<TcpListener> = PEERS
+        .iter()
+        .map(|(_, addr, _)| {
+            under
+                .ip(&format!("addr add {addr}/24 dev bra"))
+                .expect("peer address");
+            let sa: SocketAddr = format!("{addr}:179").parse().expect("addr");
+            under.run(move || TcpListener::bind(sa).expect("listen on 179"))
+        })
+        .collect();
+    cluster.start();
+    let node = &cluster.nodes[0];
+    let (mut a, mut b, mut c) = (
+        Raw::accept(&listeners[0]),
+        Raw::accept(&listeners[1]),
+        Raw::accept(&listeners[2]),
+    );
+    a.open(PEER_AS);
+    b.open(PEER_AS);
+
+    // raw-c: the wrong AS.
+    c.open(65099);
+    let n = c
+        .next_notification()
+        .expect("a NOTIFICATION for the wrong AS");
+    assert_eq!(
+        (n.code, n.subcode),
+        (2, 2),
+        "OPEN Message Error, Bad Peer AS: {n:?}"
+    );
+
+    within(
+        10,
+        "raw-a and raw-b established",
+        || {
+            let p = peers(node);
+            peer(&p, "raw-a")["state"] == "Established"
+                && peer(&p, "raw-b")["state"] == "Established"
+        },
+        || node.agent_log(),
+    );
+
+    // raw-a: a good route, then the same with a malformed ORIGIN.
+    let good = nets(200, 1);
+    announce(&mut a, &good, "172.31.1.251");
+    within(
+        5,
+        "raw-a's route installed",
+        || kernel_routes(node).contains("10.244.200.0/28 via 172.31.1.251"),
+        || kernel_routes(node),
+    );
+    let mut bad = builder().announce(
+        Family::IPV4_UNICAST,
+        "172.31.1.251".parse().expect("ip"),
+        None,
+        &good,
+    );
+    let m = &mut bad[0];
+    let at = m
+        .windows(4)
+        .position(|w| w == [0x40, 0x01, 0x01, 0x00])
+        .expect("the ORIGIN attribute");
+    m[at + 3] = 7;
+    a.send(m);
+    within(
+        5,
+        "the malformed route withdrawn",
+        || !kernel_routes(node).contains("10.244.200.0/28"),
+        || format!("{}\n{}", kernel_routes(node), node.agent_log()),
+    );
+    let p = peers(node);
+    assert_eq!(
+        peer(&p, "raw-a")["state"],
+        "Established",
+        "the session stays up: {p}"
+    );
+    assert_eq!(peer(&p, "raw-a")["malformed_updates"], 1, "{p}");
+
+    // raw-a: ten routes over a limit of five: five taken, the session up.
+    announce(&mut a, &nets(210, 10), "172.31.1.251");
+    within(
+        5,
+        "five of ten taken",
+        || {
+            let p = peers(node);
+            peer(&p, "raw-a")["refused_over_limit"] == 5
+        },
+        || peers(node).to_string(),
+    );
+    let p = peers(node);
+    assert_eq!(peer(&p, "raw-a")["received"], 5, "{p}");
+    assert_eq!(peer(&p, "raw-a")["state"], "Established", "{p}");
+    within(
+        5,
+        "five routes installed",
+        || kernel_routes(node).matches("via 172.31.1.251").count() == 5,
+        || kernel_routes(node),
+    );
+
+    // raw-a floods: 20,000 UPDATEs withdrawing and announcing its five routes again. The
+    // agent's memory stays where it was, and the end state is right.
+    let rss = || {
+        let pid = node.agent_pid().expect("agent pid");
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .expect("VmRSS")
+    };
+    let before = rss();
+    let five = nets(210, 5);
+    let withdraw = builder().withdraw(Family::IPV4_UNICAST, &five);
+    let again = builder().announce(
+        Family::IPV4_UNICAST,
+        "172.31.1.251".parse().expect("ip"),
+        None,
+        &five,
+    );
+    let flood_started = Instant::now();
+    for _ in 0..10_000 {
+        a.send(&withdraw[0]);
+        a.send(&again[0]);
+    }
+    // Last, two of them withdrawn: an end state that shows every UPDATE was read.
+    a.send(&builder().withdraw(Family::IPV4_UNICAST, &five[..2])[0]);
+    within(
+        30,
+        "the flood's end state: three routes",
+        || {
+            let p = peers(node);
+            peer(&p, "raw-a")["received"] == 3
+                && kernel_routes(node).matches("via 172.31.1.251").count() == 3
+        },
+        || kernel_routes(node),
+    );
+    let after = rss();
+    eprintln!(
+        "20,000 UPDATEs taken in {:?}; agent RSS {before} kB before, {after} kB after",
+        flood_started.elapsed()
+    );
+    assert!(
+        after < before + 20 * 1024,
+        "the flood grew the agent by {} kB",
+        after - before
+    );
+    assert_eq!(peer(&peers(node), "raw-a")["state"], "Established");
+
+    // raw-b: six routes over a limit of five with "reset": Cease 1, the routes go.
+    announce(&mut b, &nets(230, 6), "172.31.1.252");
+    let n = b.next_notification().expect("a NOTIFICATION for the limit");
+    assert_eq!(
+        (n.code, n.subcode),
+        (6, 1),
+        "Cease, maximum number of prefixes: {n:?}"
+    );
+    within(
+        5,
+        "raw-b's reset counted",
+        || peer(&peers(node), "raw-b")["limit_resets"] == 1,
+        || peers(node).to_string(),
+    );
+    assert!(
+        !kernel_routes(node).contains("via 172.31.1.252"),
+        "{}",
+        kernel_routes(node)
+    );
+
+    // raw-a was never touched by the others' trouble.
+    let p = peers(node);
+    assert_eq!(peer(&p, "raw-a")["state"], "Established", "{p}");
+    assert_eq!(peer(&p, "raw-a")["down_total"], 0, "{p}");
+    assert!(
+        peer(&p, "raw-c")["open_refused"].as_u64().unwrap_or(0) >= 1,
+        "{p}"
+    );
+    assert_ne!(peer(&p, "raw-c")["state"], "Established", "{p}");
+    let table = String::from_utf8_lossy(&node.calixctl(&["bgp", "peers"]).stdout).into_owned();
+    assert!(
+        table.contains("1 malformed UPDATE(s), 5 route(s) over the limit"),
+        "{table}"
+    );
+    for (line, want) in [
+        ("calix_bgp_malformed_updates_total{peer=\"raw-a\"}", "1"),
+        ("calix_bgp_refused_over_limit_total{peer=\"raw-a\"}", "5"),
+        ("calix_bgp_limit_resets_total{peer=\"raw-b\"}", "1"),
+    ] {
+        assert_eq!(metric(node, line).as_deref(), Some(want), "{line}");
+    }
+    let log = node.agent_log();
+    for said in [
+        "malformed attribute",
+        "over its prefix limit: routes refused",
+        "over its prefix limit: the session is reset",
+        "Bad Peer AS",
+    ] {
+        assert!(
+            log.to_lowercase().contains(&said.to_lowercase()),
+            "the log does not say {said:?}:\n{log}"
+        );
+    }
+}
