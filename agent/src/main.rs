@@ -341,8 +341,13 @@ async fn run() -> Result<()> {
         Some(mut s) => {
             s.blocks = node.ipam.pools();
             let b = Arc::new(
-                speaker::start(s, store.clone(), remote_routes.sink(Source::Bgp))
-                    .context("the BGP speaker ([bgp]) cannot start")?,
+                speaker::start(
+                    s,
+                    store.clone(),
+                    remote_routes.sink(Source::Bgp),
+                    node.notices.clone(),
+                )
+                .context("the BGP speaker ([bgp]) cannot start")?,
             );
             http.set_bgp(b.clone());
             let _ = bgp_handle.set(b.clone());

@@ -51,6 +51,8 @@ pub struct Ctx {
     pub wanted: watch::Receiver<Arc<Wanted>>,
     pub import: watch::Receiver<Arc<ImportRule>>,
     pub stop: watch::Receiver<Option<Stop>>,
+    /// Where a session going down is told (a Warning Event on the Node in Kubernetes).
+    pub notices: Arc<crate::notice::Notifier>,
 }
 
 /// A peer's routes and report, shared with the speaker (for `calixctl bgp`).
@@ -166,6 +168,14 @@ pub async fn run(
             Ended::Down(why) => {
                 failures = 1;
                 p.note_error(&why);
+                ctx.notices.warning(
+                    "BGPSessionDown",
+                    crate::notice::Subject::Node,
+                    format!(
+                        "BGP session with {} ({} AS {}) went down: {why}",
+                        p.spec.name, p.spec.address, p.spec.asn
+                    ),
+                );
             }
         }
         // Nothing more to wait for from it: the routes installed need not wait for a peer

@@ -70,11 +70,13 @@ pub fn next_hops(s: &BgpSettings) -> Result<(NextHops, Ipv4Addr), BgpError> {
     Ok((hops, router_id))
 }
 
-/// Starts the speaker: the blocks' watch, a task per peer, the hand-over to `sink`.
+/// Starts the speaker: the blocks' watch, a task per peer, the hand-over to `sink`; a
+/// session that goes down is told to `notices`.
 pub fn start(
     s: BgpSettings,
     store: Arc<dyn Datastore>,
     sink: Arc<dyn RouteSink>,
+    notices: Arc<crate::notice::Notifier>,
 ) -> Result<BgpHandle, BgpError> {
     let (hops, router_id) = next_hops(&s)?;
     tracing::info!(asn = s.asn, %router_id, next_hops = ?hops.all().collect::<Vec<_>>(),
@@ -102,6 +104,7 @@ pub fn start(
         wanted: wanted_rx,
         import: import_rx,
         stop: stop_rx.clone(),
+        notices,
     };
     let mut peers = Vec::new();
     for (i, p) in s.peers.iter().enumerate() {

@@ -32,7 +32,7 @@ pub struct Node {
     /// What decides the MTU of pods whose network config sets none.
     pod_mtu: std::sync::RwLock<mtu::PodMtu>,
     /// What an operator must see (Kubernetes Events with the kubernetes datastore).
-    pub notices: crate::notice::Notifier,
+    pub notices: Arc<crate::notice::Notifier>,
     /// Where pods are looked up (the kubernetes datastore: this node's Pods, once watched, and
     /// their IPAM annotations).
     pub pods: std::sync::OnceLock<Arc<dyn PodDirectory>>,
