@@ -95,7 +95,7 @@ async fn run() -> Result<()> {
     // and addresses and the Service CIDRs come from the cluster too: read them now (the
     // dataplane's SNAT settings need them), follow them once the agent runs.
     let cluster = if cfg.datastore.is_kubernetes() {
-        let (cluster, followers) = Cluster::load(store.clone(), &cfg.node_name)
+        let (cluster, followers) = Cluster::load(store.clone(), &cfg.node_name, cfg.bgp.enabled)
             .await
             .context("cannot read the IPPools, Nodes and ServiceCIDRs")?;
         cfg = flags::read(flags.clone(), Some(&cluster))
@@ -337,6 +337,14 @@ async fn run() -> Result<()> {
         let _ = routes_handle.set(r.clone());
     }
     // BGP with the data centre's routers: this node's blocks out, the peers' routes in.
+    for (name, why) in &cfg.bgp.refused_peers {
+        tracing::error!(peer = %name, reason = %why, "BGPPeer refused; the other peers are used");
+        node.notices.warning(
+            "BGPPeerRefused",
+            calix_agent::notice::Subject::Node,
+            format!("BGPPeer {name} is not used: {why}"),
+        );
+    }
     let bgp = match bgp_settings {
         Some(mut s) => {
             s.blocks = node.ipam.pools();

@@ -48,7 +48,8 @@ pub struct Reloaded {
     /// The XDP deny list and failsafe ports, SNAT's settings.
     pub dataplane: Reload,
     /// Something changed that only a restart applies (dataplane, tc_attach, uplinks,
-    /// xdp.enabled, xdp.mode, resync_interval_secs, `[routes]`, `[vxlan]`, a pool's `vxlan`).
+    /// xdp.enabled, xdp.mode, resync_interval_secs, `[routes]`, `[vxlan]`, `[bgp]` with the
+    /// BGPConfigurations and BGPPeers, a pool's `vxlan`).
     pub needs_restart: bool,
     /// For the log: the Service CIDRs and this node's labels now.
     pub service_cidrs: Vec<String>,
@@ -142,8 +143,8 @@ pub fn spawn_reload<F>(
             if cfg.needs_restart {
                 tracing::warn!(
                     "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
-                     resync_interval_secs, [routes], [vxlan] and pools' vxlan take effect when \
-                     the agent restarts"
+                     resync_interval_secs, [routes], [vxlan], [bgp] (and the BGP resources) and \
+                     pools' vxlan take effect when the agent restarts"
                 );
             }
             match node.set_pools(cfg.pools, cfg.policy).await {

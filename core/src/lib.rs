@@ -13,6 +13,7 @@
 //! - [`wire`], [`update`]: the decoder of a peer's route stream and what it yields;
 //! - [`reconcile`]: the planners (routes to other nodes);
 //! - [`policy`]: NetworkPolicy calculated (per endpoint rules over address sets).
+pub mod bgp;
 pub mod ipam;
 pub mod model;
 pub mod policy;

@@ -72,6 +72,7 @@ fn all_a() -> Value {
                    "reflectorLabel": "example.com/rr", "graceSecs": 60, "plaintext": false,
                    "tls": {"source": "hostPath", "hostPath": "/etc/calix/pki"}},
         "vxlan": {"vni": 4097, "port": 4790},
+        "bgp": {"enabled": true, "passwordSecret": "calix-bgp-a"},
         "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 2}},
         "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "priorityClassName": "calix-critical",
@@ -854,10 +855,12 @@ fn the_cluster_role_is_least_privilege() {
             assert!(v.iter().any(|x| x == verb), "{kind}: {verb} missing");
         }
     }
-    // Pools are the operator's: read only.
-    let mut pools = grants("calix.dev", "ippools");
-    pools.sort();
-    assert_eq!(pools, ["get", "list", "watch"]);
+    // Pools and BGP's settings are the operator's: read only.
+    for kind in ["ippools", "bgpconfigurations", "bgppeers"] {
+        let mut read = grants("calix.dev", kind);
+        read.sort();
+        assert_eq!(read, ["get", "list", "watch"], "{kind}");
+    }
     // cleanupOnUninstall: in the release's namespace, the agent's own DaemonSets only, read
     // only (a stop is an uninstall when its DaemonSet is gone).
     let role = one(r, "Role", "calix");
@@ -1061,6 +1064,8 @@ fn every_value_set_renders_and_reaches_the_agent() {
         Path::new("/etc/calix/tls/node.crt").to_path_buf()
     );
     assert_eq!((c.vxlan.vni, c.vxlan.port), (4097, 4790));
+    assert!(c.bgp.enabled);
+    assert_eq!(c.bgp.password_dir, Path::new("/etc/calix/bgp-passwords"));
     // etcd: the pools are in the config file.
     assert_eq!(c.pools.len(), 2);
     assert_eq!(c.pools[0].cidr.to_string(), "10.250.0.0/16");

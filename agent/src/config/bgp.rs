@@ -29,6 +29,12 @@ pub struct BgpConfig {
     /// removes those not announced again. 1–4095 s (RFC 4724's 12 bits).
     pub restart_time_secs: u64,
     pub peers: Vec<BgpPeerConfig>,
+    /// With the `kubernetes` datastore: where the Secrets BGPPeers' passwords name are
+    /// mounted (`<dir>/<secret>/<key>`).
+    pub password_dir: PathBuf,
+    /// The cluster's BGPPeers for this node that cannot be used, by name, with why.
+    #[serde(skip)]
+    pub refused_peers: Vec<(String, String)>,
 }
 
 impl Default for BgpConfig {
@@ -40,6 +46,8 @@ impl Default for BgpConfig {
             node_addresses: Vec::new(),
             restart_time_secs: 120,
             peers: Vec::new(),
+            password_dir: PathBuf::from("/etc/calix/bgp-passwords"),
+            refused_peers: Vec::new(),
         }
     }
 }
@@ -151,35 +159,129 @@ impl BgpConfig {
         }
         let mut names = std::collections::BTreeSet::new();
         for (i, p) in self.peers.iter().enumerate() {
-            let key = |k: &str| format!("peers[{i}].{k}");
-            if !valid_name(&p.name) {
-                return Err(bad(key("name"), "1–63 letters, digits, '.', '-' or '_'"));
-            }
+            validate_peer(&format!("peers[{i}]"), p)?;
             if !names.insert(p.name.as_str()) {
-                return Err(bad(key("name"), "unique among the peers"));
-            }
-            if p.address.parse::<IpAddr>().is_err() {
-                return Err(bad(key("address"), "an IP address, e.g. \"172.31.1.254\""));
-            }
-            if p.port == 0 {
-                return Err(bad(key("port"), "1–65535"));
-            }
-            check_asn(key("as_number"), p.as_number)?;
-            if p.hold_time_secs != 0 && !(3..=65535).contains(&p.hold_time_secs) {
-                return Err(bad(key("hold_time_secs"), "0 or 3–65535"));
-            }
-            if p.max_prefixes == 0 {
-                return Err(bad(key("max_prefixes"), "1 or more"));
-            }
-            if let Some(c) = p.communities.iter().find(|c| community(c).is_none()) {
-                return Err(ConfigError::Bgp {
-                    key: key("communities"),
-                    what: format!("\"asn:value\" with each 0–65535, not {c:?}"),
-                });
+                return Err(bad(format!("peers[{i}].name"), "unique among the peers"));
             }
         }
         Ok(())
     }
+
+    /// Takes the cluster's part (the `kubernetes` datastore): `node.<node>` over `default`
+    /// BGPConfiguration over this file, and the BGPPeers that select this node (`labels`:
+    /// its labels) after the file's peers. A peer that cannot be used (a bad value, its
+    /// password not mounted) is left out, named in `refused_peers`. The Node's `InternalIP`s
+    /// (`internal_ips`) are the next hops when nothing else names them.
+    pub(super) fn merge_cluster(
+        &mut self,
+        node: &str,
+        labels: &std::collections::BTreeMap<String, String>,
+        internal_ips: Vec<String>,
+        (configurations, peers): (
+            crate::kubernetes::cluster::BgpConfigurations,
+            crate::kubernetes::cluster::BgpPeers,
+        ),
+    ) {
+        let eff = calix_core::bgp::effective(&configurations, node);
+        if let Some(a) = eff.as_number {
+            self.as_number = a;
+        }
+        if let Some(r) = eff.router_id {
+            self.router_id = r;
+        }
+        if let Some(t) = eff.restart_time_secs {
+            self.restart_time_secs = t;
+        }
+        if !eff.node_addresses.is_empty() {
+            self.node_addresses = eff.node_addresses;
+        }
+        if self.node_addresses.is_empty() {
+            self.node_addresses = internal_ips;
+        }
+        for (name, p) in peers.into_iter().filter(|(_, p)| p.selects(node, labels)) {
+            let defaults = BgpPeerConfig::default();
+            let peer = BgpPeerConfig {
+                name: name.clone(),
+                address: p.peer_ip,
+                port: p.port.unwrap_or(defaults.port),
+                as_number: p.as_number,
+                password_file: p
+                    .password
+                    .map(|pw| {
+                        self.password_dir
+                            .join(&pw.secret_key_ref.name)
+                            .join(&pw.secret_key_ref.key)
+                    })
+                    .unwrap_or_default(),
+                hold_time_secs: p.hold_time_secs.unwrap_or(defaults.hold_time_secs),
+                graceful_restart: p.graceful_restart.unwrap_or(defaults.graceful_restart),
+                max_prefixes: p.max_prefixes.unwrap_or(defaults.max_prefixes),
+                max_prefixes_action: match p.max_prefixes_action.as_deref() {
+                    None | Some("refuse") => LimitConfig::Refuse,
+                    Some("reset") => LimitConfig::Reset,
+                    Some(other) => {
+                        self.refused_peers.push((
+                            name,
+                            format!(
+                                "maxPrefixesAction {other:?} is neither \"refuse\" nor \"reset\""
+                            ),
+                        ));
+                        continue;
+                    }
+                },
+                communities: p.communities,
+            };
+            if let Err(e) = validate_peer(&format!("BGPPeer {name}"), &peer) {
+                self.refused_peers.push((name, e.to_string()));
+                continue;
+            }
+            let file = &peer.password_file;
+            if !file.as_os_str().is_empty() && !file.is_file() {
+                self.refused_peers.push((
+                    name,
+                    format!(
+                        "its password is not mounted at {} (the agent reads the Secret the chart mounts, bgp.passwordSecret)",
+                        file.display()
+                    ),
+                ));
+                continue;
+            }
+            if self.peers.iter().any(|q| q.name == peer.name) {
+                self.refused_peers
+                    .push((name, "a peer of the config file has its name".into()));
+                continue;
+            }
+            self.peers.push(peer);
+        }
+    }
+}
+
+/// One peer's values (`key`: how errors name it).
+fn validate_peer(key: &str, p: &BgpPeerConfig) -> Result<(), ConfigError> {
+    let key = |k: &str| format!("{key}.{k}");
+    if !valid_name(&p.name) {
+        return Err(bad(key("name"), "1–63 letters, digits, '.', '-' or '_'"));
+    }
+    if p.address.parse::<IpAddr>().is_err() {
+        return Err(bad(key("address"), "an IP address, e.g. \"172.31.1.254\""));
+    }
+    if p.port == 0 {
+        return Err(bad(key("port"), "1–65535"));
+    }
+    check_asn(key("as_number"), p.as_number)?;
+    if p.hold_time_secs != 0 && !(3..=65535).contains(&p.hold_time_secs) {
+        return Err(bad(key("hold_time_secs"), "0 or 3–65535"));
+    }
+    if p.max_prefixes == 0 {
+        return Err(bad(key("max_prefixes"), "1 or more"));
+    }
+    if let Some(c) = p.communities.iter().find(|c| community(c).is_none()) {
+        return Err(ConfigError::Bgp {
+            key: key("communities"),
+            what: format!("\"asn:value\" with each 0–65535, not {c:?}"),
+        });
+    }
+    Ok(())
 }
 
 impl AgentConfig {

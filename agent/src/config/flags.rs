@@ -150,4 +150,11 @@ fn merge_cluster(c: &mut AgentConfig, cluster: &Cluster) {
             c.routes.reflector = true;
         }
     }
+    if let (true, Some(bgp)) = (c.bgp.enabled, cluster.bgp()) {
+        let ips = cluster
+            .node()
+            .map(|n| n.internal_ips().iter().map(ToString::to_string).collect())
+            .unwrap_or_default();
+        c.bgp.merge_cluster(&c.node_name, &c.node_labels, ips, bgp);
+    }
 }

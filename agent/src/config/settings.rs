@@ -438,6 +438,7 @@ impl AgentConfig {
                 c.resync_interval_secs,
                 c.vxlan.clone(),
                 c.routes.clone(),
+                c.bgp.clone(),
             )
         };
         Ok(Reloaded {

@@ -13,6 +13,7 @@ use kube::CustomResourceExt;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use calix_core::bgp::{BgpConfigurationSpec, BgpPeerSpec};
 use calix_core::ipam::pool::PoolSpec;
 use calix_core::ipam::{AffinityRecord, Block, HandleRecord};
 use calix_core::model::{EndpointRecord, NodeRecord};
@@ -144,6 +145,45 @@ pub struct IPPoolSpec {
     pub pool: PoolSpec,
 }
 
+/// The cluster's BGP settings (`default`) or one node's (`node.<node>`), issue 23.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "calix.dev",
+    version = "v1",
+    kind = "BGPConfiguration",
+    plural = "bgpconfigurations",
+    singular = "bgpconfiguration",
+    shortname = "cxbgpconfig",
+    category = "calix",
+    doc = "calix BGP configuration: `default` for the cluster, `node.<node>` for one node",
+    printcolumn = r#"{"name":"AS","type":"integer","jsonPath":".spec.asNumber"}"#,
+    printcolumn = r#"{"name":"Router-ID","type":"string","jsonPath":".spec.routerID"}"#
+)]
+pub struct BGPConfigurationSpec {
+    #[serde(flatten)]
+    pub configuration: BgpConfigurationSpec,
+}
+
+/// A router the nodes peer with, and which nodes do.
+#[derive(CustomResource, Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "calix.dev",
+    version = "v1",
+    kind = "BGPPeer",
+    plural = "bgppeers",
+    singular = "bgppeer",
+    shortname = "cxbgppeer",
+    category = "calix",
+    doc = "calix BGP peer: a router, and the nodes that peer with it",
+    printcolumn = r#"{"name":"Peer","type":"string","jsonPath":".spec.peerIP"}"#,
+    printcolumn = r#"{"name":"AS","type":"integer","jsonPath":".spec.asNumber"}"#,
+    printcolumn = r#"{"name":"Node","type":"string","jsonPath":".spec.node"}"#
+)]
+pub struct BGPPeerSpec {
+    #[serde(flatten)]
+    pub peer: BgpPeerSpec,
+}
+
 /// Every CRD, with the file name it has under `charts/calix/crds/`.
 pub fn manifests() -> Vec<(String, CustomResourceDefinition)> {
     [
@@ -153,6 +193,8 @@ pub fn manifests() -> Vec<(String, CustomResourceDefinition)> {
         CalixNode::crd(),
         CalixEndpoint::crd(),
         IPPool::crd(),
+        BGPConfiguration::crd(),
+        BGPPeer::crd(),
     ]
     .into_iter()
     .map(|mut crd| {

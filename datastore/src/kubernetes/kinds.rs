@@ -9,6 +9,8 @@
 //! | `nodes/<node>` | `CalixNode` |
 //! | `endpoints/<node>/<containerID>/<ifname>` | `CalixEndpoint` (label `calix.dev/node`: selects by node) |
 //! | `pools/<name>` | `IPPool` |
+//! | `bgp/configurations/<name>` | `BGPConfiguration` |
+//! | `bgp/peers/<name>` | `BGPPeer` |
 //!
 //! Every object carries its key in the annotation `calix.dev/key` (hand-made `IPPool`s need not:
 //! a name that is not hashed reads as `<prefix><name>`). Keys outside these prefixes (the
@@ -106,6 +108,26 @@ pub const KINDS: &[Kind] = &[
         prefix: "pools/",
         kind: "IPPool",
         plural: "ippools",
+        node_in_key: false,
+        node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
+    },
+    Kind {
+        prefix: "bgp/configurations/",
+        kind: "BGPConfiguration",
+        plural: "bgpconfigurations",
+        node_in_key: false,
+        node_field: None,
+        group: GROUP,
+        version: VERSION,
+        view: None,
+    },
+    Kind {
+        prefix: "bgp/peers/",
+        kind: "BGPPeer",
+        plural: "bgppeers",
         node_in_key: false,
         node_field: None,
         group: GROUP,
