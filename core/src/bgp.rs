@@ -35,6 +35,33 @@ pub struct BgpConfigurationSpec {
     /// Graceful restart's restart time, 1–4095 s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_time_secs: Option<u64>,
+    /// Service ranges every node advertises as well (the cluster's only): ClusterIPs,
+    /// external IPs, LoadBalancer IPs.
+    #[serde(
+        default,
+        rename = "serviceClusterIPs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub service_cluster_ips: Vec<ServiceRange>,
+    #[serde(
+        default,
+        rename = "serviceExternalIPs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub service_external_ips: Vec<ServiceRange>,
+    #[serde(
+        default,
+        rename = "serviceLoadBalancerIPs",
+        skip_serializing_if = "Vec::is_empty"
+    )]
+    pub service_load_balancer_ips: Vec<ServiceRange>,
+}
+
+/// A range of Service addresses advertised over BGP.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceRange {
+    pub cidr: String,
 }
 
 /// A Secret's key (the agent reads the one Secret mounted into it, docs/install.md).
@@ -115,6 +142,7 @@ pub fn effective(
     out.router_id = None;
     out.node_addresses.clear();
     if let Some(own) = configurations.get(&node_configuration(node)) {
+        // (A node's own Service ranges are ignored: every node advertises the same.)
         out.as_number = own.as_number.or(out.as_number);
         out.restart_time_secs = own.restart_time_secs.or(out.restart_time_secs);
         out.router_id.clone_from(&own.router_id);

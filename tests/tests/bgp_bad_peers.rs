@@ -10,7 +10,8 @@
 //! - `raw-c`: its OPEN names an AS other than the one configured: refused with OPEN Message
 //!   Error "Bad Peer AS", never established.
 //!
-//! Each is counted (calixctl bgp peers, /metrics) and logged; a peer's trouble does not touch
+//! Each is counted (calixctl bgp peers, /metrics) and logged; what the node announces (its
+//! Service ClusterIP range, `service_cluster_ips`) reaches the peers; a peer's trouble does not touch
 //! another's session. Run as root.
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -43,7 +44,8 @@ fn config(i: usize, c: &Cluster) -> String {
     }
     format!(
         "{}[[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 28\n\
-         [bgp]\nenabled = true\nas_number = {NODE_AS}\nnode_addresses = [\"{}\"]\n{peers}",
+         [bgp]\nenabled = true\nas_number = {NODE_AS}\nnode_addresses = [\"{}\"]\n\
+         service_cluster_ips = [\"10.96.0.0/16\"]\n{peers}",
         c.base_config(i),
         c.address(i)
     )
@@ -213,6 +215,24 @@ fn hostile_peers_are_handled_by_the_rfcs_rules() {
     );
     a.open(PEER_AS);
     b.open(PEER_AS);
+    // What the node announces: its Service range (it has no pods, so no block), then its
+    // End-of-RIB.
+    let mut announced = Vec::new();
+    loop {
+        match a.message().expect("the agent's UPDATEs") {
+            Message::Update(u) if u.end_of_rib.is_some() => break,
+            Message::Update(u) => announced.extend(u.announced),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        announced,
+        [(
+            "10.96.0.0/16".parse::<IpNet>().expect("net"),
+            "172.31.1.1".parse::<std::net::IpAddr>().expect("ip")
+        )],
+        "the Service range via the node"
+    );
 
     // raw-c: the wrong AS.
     c.open(65099);

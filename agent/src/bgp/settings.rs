@@ -23,6 +23,8 @@ pub struct BgpSettings {
     /// (an agent restart), and how long a restarted agent waits for its peers' End-of-RIB
     /// before it removes the routes they did not announce again.
     pub restart_time: Duration,
+    /// Service ranges advertised besides the pods' (`service_*_ips`).
+    pub services: Vec<IpNet>,
     /// The pools' CIDRs: what the default import rule takes routes within.
     pub pools: Vec<IpNet>,
     /// Every pool as the rule for blocks needs it (which stored blocks count).

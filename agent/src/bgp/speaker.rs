@@ -146,6 +146,7 @@ pub fn start(
         view: View::with_pools(s.blocks),
         listed: false,
         pools: s.pools,
+        services: s.services,
         peers,
         wanted_tx,
         import_tx,
@@ -221,6 +222,8 @@ struct Loop {
     /// The blocks were listed once: what to advertise is known.
     listed: bool,
     pools: Vec<IpNet>,
+    /// Service ranges advertised besides the pods'.
+    services: Vec<IpNet>,
     peers: Vec<Peer>,
     wanted_tx: watch::Sender<Arc<Wanted>>,
     import_tx: watch::Sender<Arc<ImportRule>>,
@@ -311,7 +314,12 @@ impl Loop {
     /// node's own prefixes).
     fn advertise(&mut self) {
         let own = own_routes(&self.view, &self.me, &self.hops);
-        let wanted: Wanted = own.iter().map(|(n, r)| (*n, r.next_hop)).collect();
+        let mut wanted: Wanted = own.iter().map(|(n, r)| (*n, r.next_hop)).collect();
+        for s in &self.services {
+            if let Some(hop) = self.hops.for_prefix(s) {
+                wanted.entry(*s).or_insert(hop);
+            }
+        }
         let prefixes: Vec<IpNet> = wanted.keys().copied().collect();
         self.wanted_tx.send_if_modified(|cur| {
             let changed = **cur != wanted;

@@ -28,6 +28,12 @@ pub struct BgpConfig {
     /// restart), and how long a restarted agent waits for its peers' routes before it
     /// removes those not announced again. 1–4095 s (RFC 4724's 12 bits).
     pub restart_time_secs: u64,
+    /// Service ranges advertised as well (every node the same: the routers spread the
+    /// traffic over the nodes, kube-proxy takes it from there): ClusterIP, external and
+    /// LoadBalancer ranges, CIDRs.
+    pub service_cluster_ips: Vec<String>,
+    pub service_external_ips: Vec<String>,
+    pub service_load_balancer_ips: Vec<String>,
     pub peers: Vec<BgpPeerConfig>,
     /// With the `kubernetes` datastore: where the Secrets BGPPeers' passwords name are
     /// mounted (`<dir>/<secret>/<key>`).
@@ -45,6 +51,9 @@ impl Default for BgpConfig {
             router_id: String::new(),
             node_addresses: Vec::new(),
             restart_time_secs: 120,
+            service_cluster_ips: Vec::new(),
+            service_external_ips: Vec::new(),
+            service_load_balancer_ips: Vec::new(),
             peers: Vec::new(),
             password_dir: PathBuf::from("/etc/calix/bgp-passwords"),
             refused_peers: Vec::new(),
@@ -157,6 +166,14 @@ impl BgpConfig {
         if !(1..=4095).contains(&self.restart_time_secs) {
             return Err(bad("restart_time_secs".into(), "1–4095"));
         }
+        for (key, list) in self.service_ranges() {
+            if let Some(c) = list.iter().find(|c| c.parse::<ipnet::IpNet>().is_err()) {
+                return Err(ConfigError::Bgp {
+                    key: key.into(),
+                    what: format!("CIDRs, e.g. [\"10.96.0.0/12\"], not {c:?}"),
+                });
+            }
+        }
         let mut names = std::collections::BTreeSet::new();
         for (i, p) in self.peers.iter().enumerate() {
             validate_peer(&format!("peers[{i}]"), p)?;
@@ -165,6 +182,14 @@ impl BgpConfig {
             }
         }
         Ok(())
+    }
+
+    fn service_ranges(&self) -> [(&'static str, &Vec<String>); 3] {
+        [
+            ("service_cluster_ips", &self.service_cluster_ips),
+            ("service_external_ips", &self.service_external_ips),
+            ("service_load_balancer_ips", &self.service_load_balancer_ips),
+        ]
     }
 
     /// Takes the cluster's part (the `kubernetes` datastore): `node.<node>` over `default`
@@ -194,6 +219,20 @@ impl BgpConfig {
         }
         if !eff.node_addresses.is_empty() {
             self.node_addresses = eff.node_addresses;
+        }
+        for (mine, theirs) in [
+            (&mut self.service_cluster_ips, eff.service_cluster_ips),
+            (&mut self.service_external_ips, eff.service_external_ips),
+            (
+                &mut self.service_load_balancer_ips,
+                eff.service_load_balancer_ips,
+            ),
+        ] {
+            for r in theirs {
+                if !mine.contains(&r.cidr) {
+                    mine.push(r.cidr);
+                }
+            }
         }
         if self.node_addresses.is_empty() {
             self.node_addresses = internal_ips;
@@ -341,6 +380,13 @@ impl AgentConfig {
                 .collect(),
             uplinks: self.uplinks.clone(),
             restart_time: Duration::from_secs(b.restart_time_secs),
+            services: b
+                .service_ranges()
+                .iter()
+                .flat_map(|(_, l)| l.iter())
+                .filter_map(|c| c.parse::<ipnet::IpNet>().ok())
+                .map(|n| n.trunc())
+                .collect(),
             pools: self.pools.iter().map(|p| p.cidr).collect(),
             blocks: self.node_pools(),
             peers,
@@ -455,5 +501,62 @@ max_prefixes_action = "reset"
             .expect_err("missing")
             .to_string();
         assert!(e.contains("readable"), "{e}");
+    }
+
+    #[test]
+    fn the_clusters_resources_merge_for_this_node() {
+        use calix_core::bgp::{BgpConfigurationSpec, BgpPeerSpec, ServiceRange};
+        let mut c = parse(GOOD).bgp;
+        let mut confs = std::collections::BTreeMap::new();
+        confs.insert(
+            "default".to_string(),
+            BgpConfigurationSpec {
+                as_number: Some(64512),
+                service_cluster_ips: vec![ServiceRange {
+                    cidr: "10.96.0.0/12".into(),
+                }],
+                ..Default::default()
+            },
+        );
+        let peer = |ip: &str, node: Option<&str>, action: Option<&str>| BgpPeerSpec {
+            peer_ip: ip.into(),
+            as_number: 65001,
+            port: None,
+            node: node.map(Into::into),
+            node_selector: Default::default(),
+            password: None,
+            hold_time_secs: Some(30),
+            graceful_restart: None,
+            max_prefixes: None,
+            max_prefixes_action: action.map(Into::into),
+            communities: Vec::new(),
+        };
+        let peers = vec![
+            ("mine".to_string(), peer("172.31.1.253", Some("n1"), None)),
+            ("theirs".to_string(), peer("172.31.1.252", Some("n2"), None)),
+            ("bad-ip".to_string(), peer("tor", None, None)),
+            (
+                "bad-action".to_string(),
+                peer("172.31.1.251", None, Some("drop")),
+            ),
+        ];
+        c.merge_cluster(
+            "n1",
+            &Default::default(),
+            vec!["172.31.1.1".into()],
+            (confs, peers),
+        );
+        assert_eq!(c.as_number, 64512, "the cluster's AS over the file's");
+        assert_eq!(c.node_addresses, ["172.31.1.1"], "the Node's InternalIP");
+        assert_eq!(c.service_cluster_ips, ["10.96.0.0/12"]);
+        let names: Vec<&str> = c.peers.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["tor-a", "mine"],
+            "the file's, then the cluster's for n1"
+        );
+        assert_eq!(c.peers[1].hold_time_secs, 30);
+        let refused: Vec<&str> = c.refused_peers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(refused, ["bad-ip", "bad-action"], "{:?}", c.refused_peers);
     }
 }
