@@ -308,7 +308,10 @@ async fn run() -> Result<()> {
     let started = cfg.clone();
     tasks::spawn_reload(
         node.clone(),
-        started.refused_pools.clone(),
+        (
+            started.refused_pools.clone(),
+            started.bgp.refused_peers.clone(),
+        ),
         move || Ok(flags::read(reread_flags.clone(), cluster.as_ref())?.reloaded(&started)?),
         cluster_changes,
         routes_handle.clone(),
@@ -337,14 +340,7 @@ async fn run() -> Result<()> {
         let _ = routes_handle.set(r.clone());
     }
     // BGP with the data centre's routers: this node's blocks out, the peers' routes in.
-    for (name, why) in &cfg.bgp.refused_peers {
-        tracing::error!(peer = %name, reason = %why, "BGPPeer refused; the other peers are used");
-        node.notices.warning(
-            "BGPPeerRefused",
-            calix_agent::notice::Subject::Node,
-            format!("BGPPeer {name} is not used: {why}"),
-        );
-    }
+    tasks::report_refused_bgp_peers(&node, &cfg.bgp.refused_peers);
     let bgp = match bgp_settings {
         Some(mut s) => {
             s.blocks = node.ipam.pools();

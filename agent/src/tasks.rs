@@ -48,14 +48,32 @@ pub struct Reloaded {
     /// The XDP deny list and failsafe ports, SNAT's settings.
     pub dataplane: Reload,
     /// Something changed that only a restart applies (dataplane, tc_attach, uplinks,
-    /// xdp.enabled, xdp.mode, resync_interval_secs, `[routes]`, `[vxlan]`, `[bgp]` with the
-    /// BGPConfigurations and BGPPeers, a pool's `vxlan`).
+    /// xdp.enabled, xdp.mode, resync_interval_secs, `[routes]`, `[vxlan]`, `bgp.enabled`, a
+    /// pool's `vxlan`).
     pub needs_restart: bool,
     /// For the log: the Service CIDRs and this node's labels now.
     pub service_cidrs: Vec<String>,
     pub node_labels: std::collections::BTreeMap<String, String>,
     /// The cluster's IPPools not served, by name, with why.
     pub refused_pools: Vec<(String, String)>,
+    /// The BGP speaker's settings (applied while it runs), and the BGPPeers refused.
+    pub bgp: Option<crate::bgp::settings::BgpSettings>,
+    pub refused_bgp_peers: Vec<(String, String)>,
+}
+
+/// Objects of the cluster refused (IPPools, BGPPeers): name, why.
+pub type Refusals = Vec<(String, String)>;
+
+/// Logs each BGPPeer of `refused` (name, why) and posts a Warning Event on the Node.
+pub fn report_refused_bgp_peers(node: &Node, refused: &[(String, String)]) {
+    for (name, why) in refused {
+        tracing::error!(peer = %name, reason = %why, "BGPPeer refused; the other peers are used");
+        node.notices.warning(
+            "BGPPeerRefused",
+            crate::notice::Subject::Node,
+            format!("BGPPeer {name} is not used: {why}"),
+        );
+    }
 }
 
 /// Logs each IPPool of `refused` (name, why) and posts a Warning Event on the Node.
@@ -79,11 +97,13 @@ pub fn report_refused_pools(node: &Node, refused: &[(String, String)]) {
 /// tried again every [`DEFERRED_POOLS_RETRY`] until it applies or is undone; in the cluster, a
 /// refused change or config is also a Warning Event on the Node. Applied pools also go to
 /// route distribution (`routes`, once it runs) and the BGP speaker (`bgp`), whose rule for
-/// blocks depends on them. An
+/// blocks depends on them; the speaker also takes its new settings (peers added, removed or
+/// changed, its AS number, the Service ranges) while it runs. A BGPPeer refused is reported
+/// when it first is. An
 /// IPPool refused (`refused`: those the start reported) is reported when it first is.
 pub fn spawn_reload<F>(
     node: Arc<Node>,
-    mut refused: Vec<(String, String)>,
+    (mut refused, refused_peers): (Refusals, Refusals),
     reread: F,
     mut cluster_changes: Option<tokio::sync::mpsc::UnboundedReceiver<&'static str>>,
     routes: Arc<std::sync::OnceLock<Arc<crate::distribution::RoutesHandle>>>,
@@ -98,6 +118,7 @@ pub fn spawn_reload<F>(
             return;
         };
         let mut deferred = false;
+        let mut refused_peers = refused_peers;
         loop {
             let why = tokio::select! {
                 s = hup.recv() => match s {
@@ -140,11 +161,23 @@ pub fn spawn_reload<F>(
                 .collect();
             report_refused_pools(&node, &new);
             refused = cfg.refused_pools.clone();
+            let new: Vec<_> = cfg
+                .refused_bgp_peers
+                .iter()
+                .filter(|r| !refused_peers.contains(r))
+                .cloned()
+                .collect();
+            report_refused_bgp_peers(&node, &new);
+            refused_peers = cfg.refused_bgp_peers.clone();
+            if let (Some(b), Some(mut s)) = (bgp.get(), cfg.bgp.clone()) {
+                s.blocks = node.ipam.pools();
+                b.reconfigure(s).await;
+            }
             if cfg.needs_restart {
                 tracing::warn!(
                     "{why}: dataplane, tc_attach, uplinks, xdp.enabled, xdp.mode, \
-                     resync_interval_secs, [routes], [vxlan], [bgp] (and the BGP resources) and \
-                     pools' vxlan take effect when the agent restarts"
+                     resync_interval_secs, [routes], [vxlan], bgp.enabled and pools' vxlan take \
+                     effect when the agent restarts"
                 );
             }
             match node.set_pools(cfg.pools, cfg.policy).await {

@@ -172,6 +172,46 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
             .is_some_and(|m| m.contains("elsewhere/tor")),
         "{refused:?}"
     );
+
+    // Changed while the agent runs: a peer removed, one added, the node's AS number.
+    api.delete("calix.dev/v1", "BGPPeer", &format!("{u}-mine"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    api.apply(bgp_object(
+        "BGPPeer",
+        &format!("{u}-new"),
+        json!({"peerIP": "127.0.0.7", "asNumber": 65007, "node": name}),
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    api.apply(bgp_object(
+        "BGPConfiguration",
+        &format!("node.{name}"),
+        json!({"asNumber": 64778, "routerID": "10.77.0.1"}),
+    ))
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the new peers and AS number, without a restart",
+        Duration::from_secs(20),
+        || {
+            let mut names: Vec<String> = peers(&node)
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p["name"].as_str().map(String::from))
+                .collect();
+            names.sort();
+            let table =
+                String::from_utf8_lossy(&node.calixctl(&["bgp", "peers"]).stdout).into_owned();
+            (names == [format!("{u}-all"), format!("{u}-new"), format!("{u}-rack")]
+                && table.contains("AS 64778"))
+            .then_some(())
+        },
+        || format!("{}\n{}", peers(&node), node.agent_log()),
+    );
+    assert_eq!(
+        node.agent_log().matches("starting calix-agent").count(),
+        1,
+        "one start"
+    );
     node.stop_agent();
     for kind_name in [
         ("BGPConfiguration", "default".to_string()),
@@ -181,7 +221,7 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
     }
     for p in [
         "all",
-        "mine",
+        "new",
         "rack",
         "other-node",
         "other-rack",

@@ -5,12 +5,14 @@
 //! - [`conn`]: whole messages read and written on one connection;
 //! - [`peer_task`]: one configured peer for the agent's lifetime (connect, session, advertise,
 //!   import, graceful restart);
+//! - [`peers`]: the running peers, started, stopped and reconfigured while the agent runs;
 //! - [`speaker`]: the loop: this node's routes from the datastore's blocks to every peer, the
 //!   peers' routes to the reconciler, the report;
 //! - [`status`]: the report (`calixctl bgp`) and the metrics.
 pub mod conn;
 pub mod md5;
 pub mod peer_task;
+pub mod peers;
 pub mod settings;
 pub mod speaker;
 pub mod status;

@@ -38,6 +38,23 @@ pub enum Stop {
     Restart,
     /// For good (an uninstall): Cease, administrative shutdown; peers drop the routes now.
     ForGood,
+    /// The peer left the configuration: Cease, peer de-configured.
+    Deconfigured,
+    /// The peer's or this speaker's settings changed: Cease, other configuration change; a
+    /// new session follows with the new settings.
+    Reconfigured,
+}
+
+impl Stop {
+    /// The Cease subcode the session ends with; `None`: no NOTIFICATION (a restart).
+    fn cease(self) -> Option<u8> {
+        match self {
+            Stop::Restart => None,
+            Stop::ForGood => Some(notification::cease::ADMIN_SHUTDOWN),
+            Stop::Deconfigured => Some(notification::cease::PEER_DECONFIGURED),
+            Stop::Reconfigured => Some(notification::cease::CONFIG_CHANGE),
+        }
+    }
 }
 
 /// What every peer task shares.
@@ -497,8 +514,9 @@ impl Peer {
                 }
                 r = ctx.stop.changed() => {
                     let stop = if r.is_err() { Some(Stop::Restart) } else { *ctx.stop.borrow() };
-                    if stop == Some(Stop::ForGood) {
-                        for o in session.shutdown() {
+                    if let Some(sub) = stop.and_then(Stop::cease) {
+                        let n = calix_bgp::Notification::new(notification::CEASE, sub);
+                        for o in session.close_with(n, "stopped") {
                             if let Output::Send(bytes) = o {
                                 let _ = tokio::time::timeout(Duration::from_secs(1), c.write(&bytes)).await;
                             }

@@ -4,14 +4,14 @@
 //! to the reconciler (through [`RouteSink`], as route distribution does: the same kernel
 //! routes, the same protocol number). The set handed over is incomplete (nothing is removed
 //! from the kernel) until every peer's routes are whole since the start, or the restart time
-//! ran out: a restarted agent keeps forwarding on the routes it had.
+//! ran out: a restarted agent keeps forwarding on the routes it had. New settings (a reload)
+//! apply while it runs ([`BgpHandle::reconfigure`]).
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use calix_bgp::import::ImportRule;
-use calix_bgp::peer::{Change, PeerRib};
 use calix_core::ipam::pool::VxlanMode;
 use calix_core::reconcile::remote::RemoteRoute;
 use calix_core::routes::advertise::{own_routes, NextHops};
@@ -22,9 +22,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::conn::sleep_until;
-use super::peer_task::{self, Ctx, PeerEvent, PeerState, Shared, Stop, Wanted};
+use super::peer_task::{Ctx, PeerEvent, Stop, Wanted};
+use super::peers::Peers;
 use super::settings::BgpSettings;
-use super::status::{self, BgpReport, PeerReport, RouteLine};
+use super::status::{self, BgpReport};
 use crate::distribution::handover::{hand_over, Handed, RouteSink};
 use crate::distribution::nodes::Records;
 use crate::distribution::watch::{watch_part, ViewInput};
@@ -42,6 +43,7 @@ pub enum BgpError {
 enum Ask {
     Report(oneshot::Sender<BgpReport>),
     Pools(Vec<calix_core::ipam::Pool>),
+    Settings(Box<BgpSettings>),
 }
 
 /// A running speaker.
@@ -106,47 +108,23 @@ pub fn start(
         stop: stop_rx.clone(),
         notices,
     };
-    let mut peers = Vec::new();
-    for (i, p) in s.peers.iter().enumerate() {
-        let shared: Shared = Arc::new(Mutex::new(PeerState {
-            rib: PeerRib::new(p.max_prefixes, p.limit_action),
-            report: PeerReport {
-                name: p.name.clone(),
-                address: p.address.to_string(),
-                asn: p.asn,
-                state: "Idle".into(),
-                ..PeerReport::default()
-            },
-            established_at: None,
-        }));
-        tasks.push(tokio::spawn(peer_task::run(
-            i,
-            p.clone(),
-            ctx.clone(),
-            shared.clone(),
-            events_tx.clone(),
-        )));
-        peers.push(Peer {
-            name: p.name.clone(),
-            graceful_restart: p.graceful_restart,
-            shared,
-            learned: BTreeMap::new(),
-            synced: false,
-        });
+    let mut peers = Peers::new(events_tx);
+    for p in &s.peers {
+        peers.start(p.clone(), &ctx);
     }
     let (desired_tx, desired_rx) = watch::channel(None);
     let handed: Handed = Arc::default();
     tasks.push(tokio::spawn(hand_over(sink, desired_rx, handed)));
     let (requests, req_rx) = mpsc::channel(8);
     let l = Loop {
-        me: s.me,
-        asn: s.asn,
-        router_id,
+        me: s.me.clone(),
         hops,
-        view: View::with_pools(s.blocks),
+        view: View::with_pools(s.blocks.clone()),
         listed: false,
-        pools: s.pools,
-        services: s.services,
+        pools: s.pools.clone(),
+        services: s.services.clone(),
+        settings: s.clone(),
+        ctx,
         peers,
         wanted_tx,
         import_tx,
@@ -183,15 +161,24 @@ impl BgpHandle {
         let _ = self.requests.send(Ask::Pools(pools)).await;
     }
 
+    /// New settings (a reload): the peers that left are ended (Cease, peer de-configured),
+    /// those whose settings changed are restarted (Cease, other configuration change), new
+    /// ones start; a new AS number, router ID, next hops or restart time restart every peer;
+    /// the Service ranges and pools apply at once.
+    pub async fn reconfigure(&self, s: BgpSettings) {
+        let _ = self.requests.send(Ask::Settings(Box::new(s))).await;
+    }
+
     /// Ends every session: on a restart without a NOTIFICATION (peers keep this node's
-    /// routes for the restart time), for good with Cease. Returns within a second.
+    /// routes for the restart time), for good with Cease. Returns within two seconds.
     pub async fn shutdown(&self, how: Stop) {
         let _ = self.stop.send(Some(how));
         let tasks: Vec<_> =
             std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
-        let _ = tokio::time::timeout(Duration::from_secs(1), async {
-            for t in tasks.iter().skip(1) {
-                while !t.is_finished() {
+        // The loop (last) ends the peers and waits for them.
+        let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            if let Some(l) = tasks.last() {
+                while !l.is_finished() {
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
@@ -204,19 +191,12 @@ impl BgpHandle {
     }
 }
 
-struct Peer {
-    name: String,
-    graceful_restart: bool,
-    shared: Shared,
-    /// The routes to install from it: prefix → next hop.
-    learned: BTreeMap<IpNet, IpAddr>,
-    synced: bool,
-}
-
 struct Loop {
     me: String,
-    asn: u32,
-    router_id: Ipv4Addr,
+    /// The settings running.
+    settings: BgpSettings,
+    /// What every peer task starts with.
+    ctx: Ctx,
     hops: NextHops,
     view: View,
     /// The blocks were listed once: what to advertise is known.
@@ -224,7 +204,7 @@ struct Loop {
     pools: Vec<IpNet>,
     /// Service ranges advertised besides the pods'.
     services: Vec<IpNet>,
-    peers: Vec<Peer>,
+    peers: Peers,
     wanted_tx: watch::Sender<Arc<Wanted>>,
     import_tx: watch::Sender<Arc<ImportRule>>,
     desired_tx: watch::Sender<Option<(Arc<Vec<RemoteRoute>>, bool)>>,
@@ -258,12 +238,20 @@ impl Loop {
                         self.pools = pools.iter().map(|p| p.cidr).collect();
                         view_changed = true;
                     }
+                    Ask::Settings(s) => {
+                        routes_changed |= self.reconfigure(*s).await;
+                        view_changed = true;
+                    }
                 },
                 () = sleep_until(by) => {
                     tracing::info!("bgp: the restart time ran out: the learned routes are taken as whole");
                     routes_changed = true;
                 }
-                _ = stop.changed() => return,
+                _ = stop.changed() => {
+                    let how = (*stop.borrow()).unwrap_or(Stop::Restart);
+                    self.peers.stop_all(how).await;
+                    return;
+                }
             }
             // Everything already queued joins this batch.
             while let Ok(v) = view_rx.try_recv() {
@@ -293,21 +281,44 @@ impl Loop {
     }
 
     fn event(&mut self, e: PeerEvent) -> bool {
-        let Some(p) = self.peers.get_mut(e.peer) else {
-            return false;
+        self.peers.event(e)
+    }
+
+    /// New settings; returns whether the routes to install changed.
+    async fn reconfigure(&mut self, s: BgpSettings) -> bool {
+        let whole = |b: &BgpSettings| {
+            (
+                b.asn,
+                b.router_id,
+                b.node_addresses.clone(),
+                b.uplinks.clone(),
+                b.restart_time,
+            )
         };
-        p.synced |= e.synced;
-        for c in e.changes {
-            match c {
-                Change::Add(n, nh) => {
-                    p.learned.insert(n, nh);
+        let mut changed = false;
+        if whole(&s) != whole(&self.settings) {
+            match next_hops(&s) {
+                Ok((hops, router_id)) => {
+                    tracing::info!(asn = s.asn, %router_id, "bgp: the speaker's settings changed: every session starts again");
+                    self.peers.stop_all(Stop::Reconfigured).await;
+                    changed = true;
+                    self.hops = hops;
+                    self.ctx.asn = s.asn;
+                    self.ctx.router_id = router_id;
+                    self.ctx.own = hops.all().collect();
+                    self.ctx.restart_time =
+                        u16::try_from(s.restart_time.as_secs()).unwrap_or(u16::MAX);
                 }
-                Change::Remove(n) => {
-                    p.learned.remove(&n);
+                Err(e) => {
+                    tracing::error!(error = %e, "bgp: new settings refused; keeping the running ones");
+                    return false;
                 }
             }
         }
-        true
+        changed |= self.peers.reconcile(&s.peers, &self.ctx).await;
+        self.services.clone_from(&s.services);
+        self.settings = s;
+        changed
     }
 
     /// What this node advertises now, to every peer task; and the import rule (never this
@@ -345,9 +356,9 @@ impl Loop {
     /// The route installed for each prefix: the first configured peer's that has one.
     fn installed(&self) -> BTreeMap<IpNet, (usize, IpAddr)> {
         let mut out = BTreeMap::new();
-        for (i, p) in self.peers.iter().enumerate() {
+        for (id, p) in &self.peers.running {
             for (n, nh) in &p.learned {
-                out.entry(*n).or_insert((i, *nh));
+                out.entry(*n).or_insert((*id, *nh));
             }
         }
         out
@@ -355,7 +366,7 @@ impl Loop {
 
     fn hand_over(&mut self) {
         if !self.complete
-            && (Instant::now() >= self.complete_by || self.peers.iter().all(|p| p.synced))
+            && (Instant::now() >= self.complete_by || self.peers.running.values().all(|p| p.synced))
         {
             self.complete = true;
         }
@@ -364,7 +375,13 @@ impl Loop {
             .into_iter()
             .map(|(prefix, (i, next_hop))| RemoteRoute {
                 prefix,
-                node: format!("bgp:{}", self.peers[i].name),
+                node: format!(
+                    "bgp:{}",
+                    self.peers
+                        .running
+                        .get(&i)
+                        .map_or("", |p| p.spec.name.as_str())
+                ),
                 next_hop,
                 vxlan: VxlanMode::Never,
             })
@@ -380,58 +397,13 @@ impl Loop {
     }
 
     fn report(&self) -> BgpReport {
-        let now = Instant::now();
-        let installed = self.installed();
         let wanted = self.wanted_tx.borrow().clone();
-        let mut peers = Vec::new();
-        let mut learned = Vec::new();
-        let mut advertised = Vec::new();
-        for (i, p) in self.peers.iter().enumerate() {
-            let st = p.shared.lock().unwrap_or_else(|e| e.into_inner());
-            let mut r = st.report.clone();
-            let (received, accepted) = st.rib.counts();
-            r.received = received;
-            r.accepted = accepted;
-            r.stale = st.rib.stale_count();
-            r.malformed_updates = st.rib.malformed_updates;
-            r.refused_over_limit = st.rib.refused_over_limit;
-            r.uptime_secs = status::since(st.established_at, now);
-            r.graceful_restart = match (p.graceful_restart, r.stale > 0, p.synced) {
-                (false, _, _) => "off",
-                (true, true, _) => "helping",
-                (true, false, false) => "waiting",
-                (true, false, true) => "offered",
-            }
-            .into();
-            for (n, l) in st.rib.routes() {
-                learned.push(RouteLine {
-                    prefix: n.to_string(),
-                    next_hop: l.next_hop.to_string(),
-                    peer: p.name.clone(),
-                    as_path: l.as_path.clone(),
-                    accepted: l.accepted,
-                    stale: l.stale,
-                    installed: installed.get(n).is_some_and(|(j, _)| *j == i),
-                });
-            }
-            if r.state == "Established" {
-                for (n, nh) in wanted.iter() {
-                    advertised.push(RouteLine {
-                        prefix: n.to_string(),
-                        next_hop: nh.to_string(),
-                        peer: p.name.clone(),
-                        as_path: Vec::new(),
-                        accepted: true,
-                        stale: false,
-                        installed: false,
-                    });
-                }
-            }
-            peers.push(r);
-        }
+        let (peers, learned, advertised) =
+            self.peers
+                .report(&self.installed(), &wanted, Instant::now());
         BgpReport {
-            asn: self.asn,
-            router_id: self.router_id.to_string(),
+            asn: self.ctx.asn,
+            router_id: self.ctx.router_id.to_string(),
             peers,
             advertised,
             learned,

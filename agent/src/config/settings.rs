@@ -438,7 +438,7 @@ impl AgentConfig {
                 c.resync_interval_secs,
                 c.vxlan.clone(),
                 c.routes.clone(),
-                c.bgp.clone(),
+                c.bgp.enabled,
             )
         };
         Ok(Reloaded {
@@ -454,6 +454,8 @@ impl AgentConfig {
             service_cidrs: self.nat.service_cidrs.clone(),
             node_labels: self.node_labels.clone(),
             refused_pools: self.refused_pools.clone(),
+            bgp: self.bgp_settings()?,
+            refused_bgp_peers: self.bgp.refused_peers.clone(),
         })
     }
 }

@@ -734,6 +734,9 @@ fn every_number_of_the_config_is_bounded() {
         "nat.port_min",
         "nat.port_max",
         "nat.conntrack_flows_per_endpoint",
+        // BgpConfig::validate (when BGP is on).
+        "bgp.as_number",
+        "bgp.restart_time_secs",
     ];
     let c = AgentConfig::default();
     let bounded: Vec<&str> = c.bounded().iter().map(|b| b.key).collect();
