@@ -1,11 +1,12 @@
 //! A cluster with no overlay and no mesh (issue 23): three nodes on two subnets, route
-//! distribution off, each agent's BGP speaker peering with the router of its subnet (BIRD 2
-//! in the underlay namespace, which routes between the subnets and toward an "outside"
-//! namespace), over IPv4 and over IPv6, each session with a TCP MD5 password. Shown in both
-//! dataplanes:
-//! - every node's blocks reach the router and every other node (through the router): pods
-//!   reach each other across nodes, and the outside reaches every pod by its own address
-//!   (ping, TCP), with no VXLAN device anywhere; in eBPF mode no node's IP stack forwards;
+//! distribution off, each agent's BGP speaker peering with the router of its subnet (in the
+//! underlay namespace, which routes between the subnets and toward an "outside" namespace),
+//! over IPv4 and over IPv6, each session with a TCP MD5 password. The router is BIRD 2 or FRR
+//! (zebra and bgpd), configured alike; shown with each, in both dataplanes:
+//! - every node's blocks reach the router and every other node (through the router; the next
+//!   hop is the node itself on the same subnet, the router on the other): pods reach each
+//!   other across nodes, and the outside reaches every pod by its own address (ping, TCP),
+//!   with no VXLAN device anywhere; in eBPF mode no node's IP stack forwards;
 //! - `calixctl bgp peers` / `routes` and the metrics say so;
 //! - an agent killed with `kill -9` and started again: the router keeps its routes (graceful
 //!   restart) and a flow from outside to its pod loses nothing;
@@ -13,7 +14,7 @@
 //! - a block released on a node disappears from the router;
 //! - an agent that stops for good: its routes go after the restart time.
 //!
-//! Run as root; needs `bird` (cargo xtask setup).
+//! Run as root; needs `bird` and FRR (cargo xtask setup).
 use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 use calix_testbed::traffic::echo::{echo_roundtrip, EchoServer, ECHO_PORT};
 use calix_testbed::{veth, Cluster, Dataplane as Mode, Netns, Node, Pod};
 use common::bird::Bird;
+use common::frr::Frr;
 use ipnet::IpNet;
 use serde_json::Value;
 
@@ -62,8 +64,76 @@ fn agent_config(i: usize, c: &Cluster) -> String {
     )
 }
 
-/// The router: a session per node and family, the learned routes into the underlay's
-/// kernel (so it forwards to the pods) and on to every other node.
+/// The router of the scenario, in the underlay namespace: a session per node and family, the
+/// learned routes into the underlay's kernel (so it forwards to the pods) and on to every
+/// other node.
+trait Router {
+    const NAME: &'static str;
+    fn start(c: &Cluster) -> Self;
+    /// Its entry for `prefix`, for messages; empty when it has none.
+    fn route(&self, prefix: &str) -> String;
+    /// Whether it has a path for `prefix` that `asn` originated (stale or not).
+    fn has_route_from(&self, prefix: &str, asn: u32) -> bool;
+    /// Its sessions, for messages.
+    fn sessions(&self) -> String;
+    /// Its routes, for messages.
+    fn routes(&self) -> String;
+    /// kill -9, as a crash.
+    fn kill(&mut self);
+    /// A crash and a start again.
+    fn restart(&mut self);
+}
+
+impl Router for Bird {
+    const NAME: &'static str = "BIRD";
+    fn start(c: &Cluster) -> Self {
+        Bird::start(c.underlay(), &bird_conf(c))
+    }
+    fn route(&self, prefix: &str) -> String {
+        Bird::route(self, prefix)
+    }
+    fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
+        Bird::has_route_from(self, prefix, asn)
+    }
+    fn sessions(&self) -> String {
+        self.birdc("show protocols")
+    }
+    fn routes(&self) -> String {
+        self.birdc("show route")
+    }
+    fn kill(&mut self) {
+        Bird::kill(self)
+    }
+    fn restart(&mut self) {
+        Bird::restart(self)
+    }
+}
+
+impl Router for Frr {
+    const NAME: &'static str = "FRR";
+    fn start(c: &Cluster) -> Self {
+        Frr::start(c.underlay(), &frr_conf(c))
+    }
+    fn route(&self, prefix: &str) -> String {
+        Frr::route(self, prefix)
+    }
+    fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
+        Frr::has_route_from(self, prefix, asn)
+    }
+    fn sessions(&self) -> String {
+        self.vtysh("show bgp summary")
+    }
+    fn routes(&self) -> String {
+        self.vtysh("show bgp ipv4 unicast") + &self.vtysh("show bgp ipv6 unicast")
+    }
+    fn kill(&mut self) {
+        Frr::kill(self)
+    }
+    fn restart(&mut self) {
+        Frr::restart(self)
+    }
+}
+
 fn bird_conf(c: &Cluster) -> String {
     let mut conf = format!(
         "router id 172.31.1.254;\nprotocol device {{}}\n\
@@ -83,6 +153,48 @@ fn bird_conf(c: &Cluster) -> String {
         ));
     }
     conf
+}
+
+/// The same in FRR: bgpd, whose best paths zebra installs in the underlay's kernel. eBGP
+/// without policies (`no bgp ebgp-requires-policy`: everything in, everything out); each
+/// session carries its own family only; graceful restart both ways (FRR's own restart time,
+/// 120 s, is longer than the agents'; the stale paths of a node that comes back wait for its
+/// End-of-RIB up to 360 s). Next hops: a node's route goes on to the other node of its subnet
+/// with the node's own address (FRR keeps a third-party next hop on a shared network) and to
+/// the node of the other subnet with the router's. (Unlike BIRD, FRR also sends each node its
+/// own routes back, the peers of an update group sharing their UPDATEs; the agent refuses
+/// them, its AS being in their path: `received` counts them, `accepted` does not.)
+fn frr_conf(c: &Cluster) -> String {
+    let mut neighbors = String::new();
+    let (mut v4, mut v6) = (String::new(), String::new());
+    for i in 0..c.nodes.len() {
+        let asn = node_as(i);
+        for (a, family) in [(c.address(i), &mut v4), (c.address6(i), &mut v6)] {
+            neighbors.push_str(&format!(
+                " neighbor {a} remote-as {asn}\n \
+                 neighbor {a} password {PASSWORD}\n \
+                 neighbor {a} timers connect 1\n"
+            ));
+            family.push_str(&format!("  neighbor {a} activate\n"));
+        }
+    }
+    format!(
+        "hostname router\n\
+         router bgp {ROUTER_AS}\n \
+         bgp router-id 172.31.1.254\n \
+         bgp log-neighbor-changes\n \
+         no bgp ebgp-requires-policy\n \
+         no bgp default ipv4-unicast\n \
+         bgp graceful-restart\n \
+         bgp graceful-restart restart-time 120\n \
+         bgp graceful-restart stalepath-time 360\n \
+         timers bgp 3 9\n\
+         {neighbors} \
+         address-family ipv4 unicast\n{v4} \
+         exit-address-family\n \
+         address-family ipv6 unicast\n{v6} \
+         exit-address-family\n"
+    )
 }
 
 /// The outside: a namespace behind the router (172.31.9.0/24, fd31:9::/64).
@@ -193,9 +305,9 @@ fn flow(from: &Netns, ip: &str, count: u32) -> std::process::Child {
     .expect("ping flow")
 }
 
-fn no_overlay_cluster(mode: Mode) {
+fn no_overlay_cluster<R: Router>(mode: Mode) {
     let cluster = Cluster::create(mode, &SUBNETS, agent_config);
-    let mut bird = Bird::start(cluster.underlay(), &bird_conf(&cluster));
+    let mut router = R::start(&cluster);
     let out = outside(&cluster);
     cluster.start();
     let dual = serde_json::json!({"ipam": {"type": "calix-ipam", "assign_ipv6": "true"}});
@@ -219,27 +331,34 @@ fn no_overlay_cluster(mode: Mode) {
             within(
                 15,
                 &format!("the router learns {b} from node {i}"),
-                || {
-                    bird.route(&b.to_string())
-                        .contains(&format!("AS{}", node_as(i)))
-                },
+                || router.has_route_from(&b.to_string(), node_as(i)),
                 || {
                     format!(
                         "{}\nagent log:\n{}",
-                        bird.birdc("show protocols"),
+                        router.sessions(),
                         cluster.nodes[i].agent_log()
                     )
                 },
             );
         }
     }
+    // Next hops: a node of the same subnet directly (the router passes its address on, a
+    // third-party next hop), one of the other subnet through the router.
     for (i, n) in cluster.nodes.iter().enumerate() {
         for (j, bs) in blocks.iter().enumerate().filter(|(j, _)| *j != i) {
             for b in bs {
+                let s = cluster.subnets[i];
+                let via = match (cluster.subnets[j] == s, b) {
+                    (true, IpNet::V4(_)) => cluster.address(j),
+                    (true, IpNet::V6(_)) => cluster.address6(j),
+                    (false, IpNet::V4(_)) => format!("172.31.{s}.254"),
+                    (false, IpNet::V6(_)) => format!("fd31:{s}::fe"),
+                };
+                let route = format!("{b} via {via} ");
                 within(
                     10,
-                    &format!("node {i} installs node {j}'s {b}"),
-                    || calix_routes(n).contains(&b.to_string()),
+                    &format!("node {i} installs node {j}'s {b} via {via}"),
+                    || calix_routes(n).lines().any(|l| l.starts_with(&route)),
                     || format!("{}\n{}", calix_routes(n), n.agent_log()),
                 );
             }
@@ -292,7 +411,8 @@ fn no_overlay_cluster(mode: Mode) {
         reaches(&out, to, &format!("outside → {}", to.node.ns.name));
     }
     let after: Vec<u64> = cluster.nodes.iter().map(forwarded).collect();
-    eprintln!("{mode:?}: IpForwDatagrams before {before:?}, after the pods' traffic {between:?}, after the outside's {after:?}");
+    let name = R::NAME;
+    eprintln!("{name}, {mode:?}: IpForwDatagrams before {before:?}, after the pods' traffic {between:?}, after the outside's {after:?}");
     if mode == Mode::Ebpf {
         // Pod to pod across the routers stays on the fast path. (A pod's replies to an
         // address outside the pools take the host stack, as SNATed traffic does.)
@@ -309,10 +429,11 @@ fn no_overlay_cluster(mode: Mode) {
     std::thread::sleep(Duration::from_millis(500));
     cluster.nodes[1].kill_agent();
     std::thread::sleep(Duration::from_secs(1));
-    let kept = bird.route(&blocks[1][0].to_string());
+    let b1 = blocks[1][0].to_string();
     assert!(
-        kept.contains("AS64602"),
-        "the router dropped node 1's route:\n{kept}"
+        router.has_route_from(&b1, node_as(1)),
+        "the router dropped node 1's route:\n{}",
+        router.route(&b1)
     );
     cluster.nodes[1].start_agent();
     let done = ping.wait_with_output().expect("ping flow");
@@ -330,13 +451,13 @@ fn no_overlay_cluster(mode: Mode) {
     reaches(&out, &pods[1], "outside → node 1 after its agent's restart");
 
     // The router crashes and comes back: sessions back, routes learned again both ways.
-    bird.restart();
+    router.restart();
     for (i, n) in cluster.nodes.iter().enumerate() {
         within(
             30,
             &format!("node {i}'s sessions back after the router's restart"),
             || established(n) == 2,
-            || format!("{}\n{}", bird.birdc("show protocols"), n.agent_log()),
+            || format!("{}\n{}", router.sessions(), n.agent_log()),
         );
     }
     for to in &pods {
@@ -344,7 +465,7 @@ fn no_overlay_cluster(mode: Mode) {
             10,
             "the outside reaches every pod again",
             || out.ping(&to.ip(), 1),
-            || bird.birdc("show route"),
+            || router.routes(),
         );
         reaches(&out, to, "outside, after the router's restart");
     }
@@ -360,11 +481,11 @@ fn no_overlay_cluster(mode: Mode) {
         within(
             15,
             &format!("the router forgets {b}"),
-            || bird.route(&b.to_string()).is_empty(),
+            || router.route(&b.to_string()).is_empty(),
             || {
                 format!(
                     "{}\n{}",
-                    bird.route(&b.to_string()),
+                    router.route(&b.to_string()),
                     cluster.nodes[2].agent_log()
                 )
             },
@@ -381,34 +502,43 @@ fn no_overlay_cluster(mode: Mode) {
     // then they go.
     cluster.nodes[1].stop_agent();
     let stopped = Instant::now();
-    let b1 = blocks[1][0].to_string();
     assert!(
-        bird.route(&b1).contains("AS64602"),
+        router.has_route_from(&b1, node_as(1)),
         "dropped at once:\n{}",
-        bird.route(&b1)
+        router.route(&b1)
     );
     within(
         RESTART_SECS + 10,
         "node 1's routes withdrawn after the restart time",
-        || bird.route(&b1).is_empty(),
-        || bird.route(&b1),
+        || router.route(&b1).is_empty(),
+        || router.route(&b1),
     );
     let gone = stopped.elapsed();
-    eprintln!("{mode:?}: node 1's route left the router {gone:?} after its agent stopped");
+    eprintln!("{name}, {mode:?}: node 1's route left the router {gone:?} after its agent stopped");
     assert!(
         gone >= Duration::from_secs(RESTART_SECS - 2),
         "withdrawn after {gone:?}, before the restart time ({RESTART_SECS} s)"
     );
     drop(pods);
-    bird.kill();
+    router.kill();
 }
 
 #[test]
-fn no_overlay_cluster_over_bgp_ebpf() {
-    no_overlay_cluster(Mode::Ebpf);
+fn no_overlay_cluster_over_bgp_bird_ebpf() {
+    no_overlay_cluster::<Bird>(Mode::Ebpf);
 }
 
 #[test]
-fn no_overlay_cluster_over_bgp_kernel() {
-    no_overlay_cluster(Mode::Kernel);
+fn no_overlay_cluster_over_bgp_bird_kernel() {
+    no_overlay_cluster::<Bird>(Mode::Kernel);
+}
+
+#[test]
+fn no_overlay_cluster_over_bgp_frr_ebpf() {
+    no_overlay_cluster::<Frr>(Mode::Ebpf);
+}
+
+#[test]
+fn no_overlay_cluster_over_bgp_frr_kernel() {
+    no_overlay_cluster::<Frr>(Mode::Kernel);
 }

@@ -32,8 +32,10 @@ const APT_PACKAGES: &[&str] = &[
     "iptables",
     "python3",
     "runc",
-    // BGP's real peers (issue 23): BIRD 2 in a network namespace.
+    // BGP's real peers (issue 23): BIRD 2 and FRR (zebra, bgpd) in a network namespace. FRR's
+    // package enables and starts a service of its own, which the next step turns off.
     "bird2",
+    "frr",
     // The chart's Python tools live in a virtual environment of Debian's python3 (PEP 668: no
     // pip into the system); the image's binaries are static musl executables (ring's C code
     // needs musl's compiler wrapper).
@@ -67,6 +69,11 @@ const STEPS: &[Step] = &[
         what: "apt packages",
         check: check_apt,
         install: install_apt,
+    },
+    Step {
+        what: "FRR's system service off",
+        check: check_frr_service,
+        install: stop_frr_service,
     },
     Step {
         what: "rustfmt (stable)",
@@ -180,6 +187,87 @@ fn install_apt() -> Result<()> {
     let mut args = vec!["install", "-y", "--no-install-recommends"];
     args.extend(missing);
     apt(&args)
+}
+
+// --- FRR's system service ----------------------------------------------------------------
+
+// frr's postinst enables frr.service and starts it (`invoke-rc.d frr start`, unless a
+// policy-rc.d forbids it, as in containers): watchfrr, zebra and staticd in the host's network
+// namespace (bgpd too, and a listener on port 179, once /etc/frr/daemons says `bgpd=yes`; the
+// packaged file says no). A routing daemon on the host network is nothing the tests want, and
+// zebra there would be taken for a test's leftover: the tests start their own daemons, in
+// their namespaces, with their own sockets. So the service is stopped and disabled, for good
+// (an upgrade leaves a disabled service alone).
+
+/// The daemons of the service, by their pid files.
+const FRR_DAEMONS: &[&str] = &["watchfrr", "zebra", "bgpd", "staticd", "mgmtd"];
+
+fn systemd() -> bool {
+    std::path::Path::new("/run/systemd/system").exists()
+}
+
+/// The service's daemons that run (their pid files name a live process of that name).
+fn frr_running() -> Vec<&'static str> {
+    FRR_DAEMONS
+        .iter()
+        .copied()
+        .filter(|d| {
+            std::fs::read_to_string(format!("/run/frr/{d}.pid"))
+                .ok()
+                .and_then(|pid| std::fs::read_to_string(format!("/proc/{}/comm", pid.trim())).ok())
+                .is_some_and(|comm| comm.trim() == *d)
+        })
+        .collect()
+}
+
+/// Whether the service starts at boot.
+fn frr_enabled() -> Result<bool> {
+    if systemd() {
+        let state = capture("systemctl", &["is-enabled", "frr"])?;
+        return Ok(state.is_some_and(|s| s.trim() == "enabled"));
+    }
+    // SysV init: a start link in a multi-user runlevel.
+    Ok((2..=5).any(|level| {
+        std::fs::read_dir(format!("/etc/rc{level}.d"))
+            .map(|dir| {
+                dir.flatten().any(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    name.starts_with('S')
+                        && name.trim_start_matches(|c: char| c == 'S' || c.is_ascii_digit())
+                            == "frr"
+                })
+            })
+            .unwrap_or(false)
+    }))
+}
+
+fn frr_installed() -> bool {
+    std::path::Path::new("/etc/init.d/frr").exists()
+        || std::path::Path::new("/lib/systemd/system/frr.service").exists()
+}
+
+fn check_frr_service() -> Result<State> {
+    if !frr_installed() {
+        return Ok(State::Present("not installed".into()));
+    }
+    let running = frr_running();
+    let enabled = frr_enabled()?;
+    Ok(match (running.is_empty(), enabled) {
+        (true, false) => State::Present("stopped, disabled".into()),
+        (true, true) => State::Missing("enabled at boot".into()),
+        (false, _) => State::Missing(format!("running: {}", running.join(" "))),
+    })
+}
+
+fn stop_frr_service() -> Result<()> {
+    if systemd() {
+        return run_shown(Command::new("systemctl").args(["disable", "--now", "frr"]));
+    }
+    run_shown(Command::new("update-rc.d").args(["frr", "disable"]))?;
+    if !frr_running().is_empty() {
+        run_shown(Command::new("/etc/init.d/frr").arg("stop"))?;
+    }
+    Ok(())
 }
 
 // --- rustup toolchains and components ----------------------------------------------------

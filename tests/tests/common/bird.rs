@@ -83,6 +83,17 @@ impl Bird {
             out
         }
     }
+
+    /// Whether BIRD has a route for `prefix` that `asn` originated (the last AS of its
+    /// `BGP.as_path`), stale or not.
+    pub fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
+        self.route(prefix).lines().any(|l| {
+            l.trim()
+                .strip_prefix("BGP.as_path:")
+                .and_then(|p| p.split_whitespace().last())
+                .is_some_and(|last| last == asn.to_string())
+        })
+    }
 }
 
 impl Drop for Bird {

@@ -1,12 +1,13 @@
 //! What several test files share: a client of an agent's IPAM gRPC API, allocations in bulk,
 //! and calixctl's IPAM reports; route-distribution certificates through the API
-//! ([`certs`]); floods of idle connections ([`flood`]). (Each test file is its own crate and
-//! uses part of it.)
+//! ([`certs`]); floods of idle connections ([`flood`]); BGP routers ([`bird`], [`frr`]).
+//! (Each test file is its own crate and uses part of it.)
 #![allow(dead_code)]
 
 pub mod bird;
 pub mod certs;
 pub mod flood;
+pub mod frr;
 
 use std::net::IpAddr;
 use std::sync::Arc;
