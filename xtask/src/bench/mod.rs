@@ -7,6 +7,7 @@
 //! also takes the traffic measurements) and its report; `harness` and `report` hold what they
 //! share.
 mod baseline;
+mod bgp;
 mod chart;
 mod cni;
 mod crossnode;
@@ -110,6 +111,28 @@ pub enum Scenario {
         #[arg(long)]
         scale_pods: Option<usize>,
     },
+    /// BGP (issue 23): 10,000 prefixes to a BIRD router from calix's speaker against from
+    /// another BIRD (until all are held, until a withdrawal is seen); the agent's CPU and RSS
+    /// with 4 BGP peers against BGP off; a pod's ADD on a new block until it is reachable from
+    /// outside through the router.
+    Bgp {
+        /// Repetitions of the 10,000 prefixes, both senders each [default: 20; 3 with
+        /// --quick].
+        #[arg(long)]
+        prefix_reps: Option<usize>,
+        /// Clusters of the CPU and RSS part [default: 3; 1 with --quick].
+        #[arg(long)]
+        idle_reps: Option<usize>,
+        /// Seconds each of those is measured idle [default: 30; 5 with --quick].
+        #[arg(long)]
+        idle_secs: Option<u64>,
+        /// Pods of the new-block part [default: 100; 20 with --quick].
+        #[arg(long)]
+        pods: Option<usize>,
+        /// Development mode: the smaller defaults, results in target/bench/.
+        #[arg(long)]
+        quick: bool,
+    },
     /// Pod → outside through calix eBPF SNAT against iptables/nftables MASQUERADE and routing
     /// without NAT (conn/s, TCP_RR, iperf3), and the XDP deny list's CPU per dropped packet
     /// against nftables drop rules.
@@ -194,6 +217,26 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 secs,
                 changes: changes.unwrap_or(c),
                 scale_pods: scale_pods.unwrap_or(p),
+                quick,
+            })
+        }
+        Scenario::Bgp {
+            prefix_reps,
+            idle_reps,
+            idle_secs,
+            pods,
+            quick,
+        } => {
+            let (r, i, t, p) = if quick {
+                (3, 1, 5, 20)
+            } else {
+                (20, 3, 30, 100)
+            };
+            bgp::run(bgp::Args {
+                prefix_reps: prefix_reps.unwrap_or(r),
+                idle_reps: idle_reps.unwrap_or(i),
+                idle_secs: idle_secs.unwrap_or(t),
+                pods: pods.unwrap_or(p),
                 quick,
             })
         }

@@ -2,7 +2,9 @@
 //! netlink socket opened inside the namespace, listening to the IPv4 route group, read by a
 //! thread of its own. No polling (a dump of 10,000 routes every few ms would compete for the
 //! CPU with the agent being measured); each route to a node (protocol 202 with a gateway,
-//! [`calix_kernel::node_route::changes`]) is stamped when its announcement is read.
+//! [`calix_kernel::node_route::changes`]) is stamped when its announcement is read. Or, with
+//! [`Which::Protocol`], every main-table route another routing daemon installs (a router's
+//! BIRD: protocol 12).
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use calix_kernel::node_route::{changes, Change};
 use calix_testbed::Netns;
-use ipnet::IpNet;
+use ipnet::{IpNet, Ipv4Net};
 
 /// The socket's receive buffer: 10,000 route announcements arrive in a burst (~1.5 MB).
 const RCVBUF: libc::c_int = 64 << 20;
@@ -20,6 +22,15 @@ const RCVBUF: libc::c_int = 64 << 20;
 const IPV4_ROUTE_GROUP: u32 = 0x40;
 /// How often the reader looks at its stop flag.
 const TICK: libc::suseconds_t = 100_000;
+
+/// Which routes a watch stamps.
+#[derive(Clone, Copy, Debug)]
+pub enum Which {
+    /// calix's routes to other nodes (protocol 202 with a gateway).
+    Calix,
+    /// Every IPv4 route of the main table with this routing protocol (`rtm_protocol`).
+    Protocol(u8),
+}
 
 #[derive(Default)]
 struct State {
@@ -38,8 +49,14 @@ pub struct RouteWatch {
 }
 
 impl RouteWatch {
-    /// Starts watching `ns` (routes already there are not seen: only changes from now on).
+    /// Starts watching `ns`'s routes to nodes (routes already there are not seen: only
+    /// changes from now on).
     pub fn start(ns: &Netns) -> Result<Self> {
+        Self::start_of(ns, Which::Calix)
+    }
+
+    /// Starts watching `ns`'s routes of `which` kind (only changes from now on).
+    pub fn start_of(ns: &Netns, which: Which) -> Result<Self> {
         let shared = Arc::new((Mutex::new(State::default()), Condvar::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
@@ -47,7 +64,7 @@ impl RouteWatch {
         let thread = ns.spawn(None, move || match open() {
             Ok(fd) => {
                 let _ = opened_tx.send(Ok(()));
-                read(&fd, &s, &st);
+                read(&fd, &s, &st, which);
             }
             Err(e) => {
                 let _ = opened_tx.send(Err(e));
@@ -197,8 +214,8 @@ fn open() -> Result<OwnedFd> {
     Ok(fd)
 }
 
-/// Reads announcements into `shared` until `stop`.
-fn read(fd: &OwnedFd, shared: &(Mutex<State>, Condvar), stop: &AtomicBool) {
+/// Reads announcements of `which` routes into `shared` until `stop`.
+fn read(fd: &OwnedFd, shared: &(Mutex<State>, Condvar), stop: &AtomicBool, which: Which) {
     let mut buf = vec![0u8; 1 << 20];
     while !stop.load(Ordering::Relaxed) {
         // SAFETY: `buf` is writable for its length.
@@ -217,17 +234,105 @@ fn read(fd: &OwnedFd, shared: &(Mutex<State>, Condvar), stop: &AtomicBool) {
                 }
             }
         } else {
-            for c in changes(&buf[..n as usize]) {
-                match c {
-                    Change::Added(r) => {
-                        s.present.entry(r.dst).or_insert(now);
-                    }
-                    Change::Removed(r) => {
-                        s.present.remove(&r.dst);
-                    }
+            let datagram = &buf[..n as usize];
+            let found: Vec<(bool, IpNet)> = match which {
+                Which::Calix => changes(datagram)
+                    .into_iter()
+                    .map(|c| match c {
+                        Change::Added(r) => (true, r.dst),
+                        Change::Removed(r) => (false, r.dst),
+                    })
+                    .collect(),
+                Which::Protocol(p) => of_protocol(datagram, p),
+            };
+            for (added, dst) in found {
+                if added {
+                    s.present.entry(dst).or_insert(now);
+                } else {
+                    s.present.remove(&dst);
                 }
             }
         }
         shared.1.notify_all();
+    }
+}
+
+/// `(added, destination)` of every IPv4 main-table route of routing protocol `proto` that a
+/// datagram of the route group announces (`RTM_NEWROUTE`, `RTM_DELROUTE`).
+fn of_protocol(datagram: &[u8], proto: u8) -> Vec<(bool, IpNet)> {
+    const HEADER: usize = 16; // struct nlmsghdr
+    const RTMSG: usize = 12; // struct rtmsg
+    const RTA_DST: u16 = 1;
+    const RTA_TABLE: u16 = 15;
+    let u16_at = |b: &[u8], i: usize| u16::from_ne_bytes([b[i], b[i + 1]]);
+    let mut out = Vec::new();
+    let mut rest = datagram;
+    while rest.len() >= HEADER {
+        let len = u32::from_ne_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
+        if len < HEADER || len > rest.len() {
+            break;
+        }
+        let kind = u16_at(rest, 4);
+        let body = &rest[HEADER..len];
+        let route = kind == libc::RTM_NEWROUTE || kind == libc::RTM_DELROUTE;
+        if route && body.len() >= RTMSG && i32::from(body[0]) == libc::AF_INET && body[5] == proto {
+            let (dst_len, mut table) = (body[1], u32::from(body[4]));
+            let mut dst = std::net::Ipv4Addr::UNSPECIFIED;
+            let mut attrs = &body[RTMSG..];
+            while attrs.len() >= 4 {
+                let alen = usize::from(u16_at(attrs, 0));
+                if alen < 4 || alen > attrs.len() {
+                    break;
+                }
+                let v = &attrs[4..alen];
+                match (u16_at(attrs, 2), <[u8; 4]>::try_from(v)) {
+                    (RTA_DST, Ok(a)) => dst = a.into(),
+                    (RTA_TABLE, Ok(t)) => table = u32::from_ne_bytes(t),
+                    _ => {}
+                }
+                attrs = &attrs[alen.next_multiple_of(4).min(attrs.len())..];
+            }
+            if table == u32::from(libc::RT_TABLE_MAIN) {
+                if let Ok(n) = Ipv4Net::new(dst, dst_len) {
+                    out.push((kind == libc::RTM_NEWROUTE, IpNet::V4(n)));
+                }
+            }
+        }
+        rest = &rest[len.next_multiple_of(4).min(rest.len())..];
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A route message as the kernel sends it: header, rtmsg, RTA_TABLE, RTA_DST.
+    fn message(kind: u16, proto: u8, dst: [u8; 4], len: u8) -> Vec<u8> {
+        let mut body = vec![libc::AF_INET as u8, len, 0, 0, 254, proto, 0, 1, 0, 0, 0, 0];
+        body.extend_from_slice(&8u16.to_ne_bytes());
+        body.extend_from_slice(&15u16.to_ne_bytes());
+        body.extend_from_slice(&254u32.to_ne_bytes());
+        body.extend_from_slice(&8u16.to_ne_bytes());
+        body.extend_from_slice(&1u16.to_ne_bytes());
+        body.extend_from_slice(&dst);
+        let mut m = ((16 + body.len()) as u32).to_ne_bytes().to_vec();
+        m.extend_from_slice(&kind.to_ne_bytes());
+        m.extend_from_slice(&[0; 10]);
+        m.extend(body);
+        m
+    }
+
+    #[test]
+    fn routes_of_a_protocol_are_read_from_raw_datagrams() {
+        let mut d = message(libc::RTM_NEWROUTE, 12, [10, 244, 0, 7], 32);
+        d.extend(message(libc::RTM_NEWROUTE, 202, [10, 244, 0, 8], 32));
+        d.extend(message(libc::RTM_DELROUTE, 12, [10, 244, 1, 0], 26));
+        let net = |s: &str| s.parse::<IpNet>().expect("net");
+        assert_eq!(
+            of_protocol(&d, 12),
+            [(true, net("10.244.0.7/32")), (false, net("10.244.1.0/26"))]
+        );
+        assert!(of_protocol(&d[..20], 12).is_empty());
     }
 }
