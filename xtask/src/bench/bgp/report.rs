@@ -275,7 +275,7 @@ impl Report {
              other racks (each session the same ones), so the agent learns {} paths and \
              installs {LEARNED} routes — and the \
              same agent with BGP off, on the other node (which node speaks BGP alternates). \
-             Once every session is up, each router holds the node's block and the node's \
+             Once every session is up and has the node's block at the router, and the node's \
              kernel the {LEARNED} routes, and 3 s more, both agents idle for {} s side by \
              side. **CPU, idle**: the run time of all their threads over that window (ns, \
              /proc/<pid>/task/*/schedstat: an idle agent uses less than a clock tick in \
@@ -312,7 +312,7 @@ impl Report {
             diff(|u| &u.anon_mib),
         ));
         s.push_str(&format!(
-            "\nThe BGP node converged (its block at every router, the {LEARNED} routes in its \
+            "\nThe BGP node converged (its block at the router on every session, the {LEARNED} routes in its \
              kernel) {} after its agent started; the load average before the windows was \
              {}.\n",
             fmt_spread_with(&x.converge_s, " s", fmt_1),
