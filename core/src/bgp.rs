@@ -35,6 +35,9 @@ pub struct BgpConfigurationSpec {
     /// Graceful restart's restart time, 1–4095 s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart_time_secs: Option<u64>,
+    /// The port nodes listen on for their peers' connections; 0: they only connect.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen_port: Option<u16>,
     /// Service ranges every node advertises as well (the cluster's only): ClusterIPs,
     /// external IPs, LoadBalancer IPs.
     #[serde(
@@ -145,6 +148,7 @@ pub fn effective(
         // (A node's own Service ranges are ignored: every node advertises the same.)
         out.as_number = own.as_number.or(out.as_number);
         out.restart_time_secs = own.restart_time_secs.or(out.restart_time_secs);
+        out.listen_port = own.listen_port.or(out.listen_port);
         out.router_id.clone_from(&own.router_id);
         out.node_addresses.clone_from(&own.node_addresses);
     }

@@ -10,6 +10,13 @@
 //! - `raw-c`: its OPEN names an AS other than the one configured: refused with OPEN Message
 //!   Error "Bad Peer AS", never established.
 //!
+//! - `raw-d`: nothing listens at its address, so the agent cannot reach it; it connects to the
+//!   node's BGP port itself, and its session is established on that connection;
+//! - `raw-a` connects to the node again while its session is Established: the new connection
+//!   is closed with Cease "connection collision resolution" (RFC 4271 §6.8) and the session
+//!   stays;
+//! - an address that is no configured peer's connects to the node: closed at once.
+//!
 //! Each is counted (calixctl bgp peers, /metrics) and logged; what the node announces (its
 //! Service ClusterIP range, `service_cluster_ips`) reaches the peers; a peer's trouble does not touch
 //! another's session. Run as root.
@@ -28,11 +35,14 @@ use serde_json::Value;
 const PEER_AS: u32 = 65000;
 const NODE_AS: u32 = 64601;
 /// The peers' addresses on the node's subnet, in the underlay namespace.
-const PEERS: [(&str, &str, &str); 3] = [
+const PEERS: [(&str, &str, &str); 4] = [
     ("raw-a", "172.31.1.251", "refuse"),
     ("raw-b", "172.31.1.252", "reset"),
     ("raw-c", "172.31.1.253", "refuse"),
+    ("raw-d", "172.31.1.249", "refuse"),
 ];
+/// No configured peer's.
+const STRANGER: &str = "172.31.1.248";
 
 fn config(i: usize, c: &Cluster) -> String {
     let mut peers = String::new();
@@ -61,6 +71,31 @@ impl Raw {
     fn accept(l: &TcpListener) -> Self {
         l.set_nonblocking(false).expect("blocking");
         let (s, _) = l.accept().expect("the agent connects");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        Self { s, buf: Vec::new() }
+    }
+
+    /// A connection from `from` (an address of `ns`) to the node's BGP port at `to`.
+    fn dial(ns: &calix_testbed::Netns, from: &str, to: &str) -> Self {
+        let from: SocketAddr = format!("{from}:0").parse().expect("from");
+        let to: SocketAddr = format!("{to}:179").parse().expect("to");
+        let s = ns.run(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            let s = rt
+                .block_on(async {
+                    let sock = tokio::net::TcpSocket::new_v4()?;
+                    sock.bind(from)?;
+                    sock.connect(to).await
+                })
+                .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"));
+            let s = s.into_std().expect("std stream");
+            s.set_nonblocking(false).expect("blocking");
+            s
+        });
         s.set_read_timeout(Some(Duration::from_secs(10)))
             .expect("timeout");
         Self { s, buf: Vec::new() }
@@ -104,10 +139,16 @@ impl Raw {
     fn open(&mut self, asn: u32) {
         let theirs = self.message().expect("the agent's OPEN");
         assert!(matches!(theirs, Message::Open(_)), "{theirs:?}");
+        self.send_open(asn, Ipv4Addr::new(172, 31, 1, 250));
+        self.send(&Message::Keepalive.encode(true));
+    }
+
+    /// Our OPEN, saying `asn` and `router_id`.
+    fn send_open(&mut self, asn: u32, router_id: Ipv4Addr) {
         let open = Open {
             asn,
             hold_time: 90,
-            router_id: Ipv4Addr::new(172, 31, 1, 250),
+            router_id,
             capabilities: Capabilities {
                 families: vec![Family::IPV4_UNICAST],
                 route_refresh: true,
@@ -118,7 +159,6 @@ impl Raw {
             },
         };
         self.send(&Message::Open(open).encode(true));
-        self.send(&Message::Keepalive.encode(true));
     }
 }
 
@@ -196,12 +236,15 @@ fn metric(node: &Node, line: &str) -> Option<String> {
 fn hostile_peers_are_handled_by_the_rfcs_rules() {
     let cluster = Cluster::create(Mode::Ebpf, &[1], config);
     let under = cluster.underlay();
-    let listeners: Vec<TcpListener> = PEERS
+    for addr in PEERS.iter().map(|p| p.1).chain([STRANGER]) {
+        under
+            .ip(&format!("addr add {addr}/24 dev bra"))
+            .expect("peer address");
+    }
+    // raw-d's address has nothing listening.
+    let listeners: Vec<TcpListener> = PEERS[..3]
         .iter()
         .map(|(_, addr, _)| {
-            under
-                .ip(&format!("addr add {addr}/24 dev bra"))
-                .expect("peer address");
             let sa: SocketAddr = format!("{addr}:179").parse().expect("addr");
             under.run(move || TcpListener::bind(sa).expect("listen on 179"))
         })
@@ -382,6 +425,57 @@ fn hostile_peers_are_handled_by_the_rfcs_rules() {
         kernel_routes(node)
     );
 
+    // raw-d: the agent cannot reach it; it connects to the node's port itself.
+    let node_ip = cluster.address(0);
+    let mut d = Raw::dial(under, PEERS[3].1, &node_ip);
+    d.send_open(PEER_AS, Ipv4Addr::new(172, 31, 1, 249));
+    let theirs = d.message().expect("the agent's OPEN on raw-d's connection");
+    assert!(matches!(theirs, Message::Open(_)), "{theirs:?}");
+    d.send(&Message::Keepalive.encode(true));
+    within(
+        10,
+        "raw-d established on the connection it opened",
+        || peer(&peers(node), "raw-d")["state"] == "Established",
+        || format!("{}\n{}", peers(node), node.agent_log()),
+    );
+    let mut from_d = Vec::new();
+    loop {
+        match d.message().expect("the agent's UPDATEs to raw-d") {
+            Message::Update(u) if u.end_of_rib.is_some() => break,
+            Message::Update(u) => from_d.extend(u.announced.into_iter().map(|(n, _)| n)),
+            _ => {}
+        }
+    }
+    assert_eq!(
+        from_d,
+        ["10.96.0.0/16".parse::<IpNet>().expect("net")],
+        "raw-d hears the node's routes"
+    );
+
+    // raw-a again, while its session is Established (a higher BGP identifier does not
+    // matter then): the new connection is closed with Cease 7, the session stays.
+    let mut a2 = Raw::dial(under, PEERS[0].1, &node_ip);
+    a2.send_open(PEER_AS, Ipv4Addr::new(172, 31, 1, 255));
+    let n = a2
+        .next_notification()
+        .expect("a NOTIFICATION on the colliding connection");
+    assert_eq!(
+        (n.code, n.subcode),
+        (6, 7),
+        "Cease, connection collision resolution: {n:?}"
+    );
+    a.send(&Message::Keepalive.encode(true));
+
+    // A stranger: closed at once, without a word.
+    let mut x = Raw::dial(under, STRANGER, &node_ip);
+    assert!(x.read().is_none(), "a stranger's connection is closed");
+    within(
+        5,
+        "the stranger counted",
+        || metric(node, "calix_bgp_refused_connections_total").as_deref() == Some("1"),
+        || node.agent_log(),
+    );
+
     // raw-a was never touched by the others' trouble.
     let p = peers(node);
     assert_eq!(peer(&p, "raw-a")["state"], "Established", "{p}");
@@ -394,6 +488,11 @@ fn hostile_peers_are_handled_by_the_rfcs_rules() {
     let table = String::from_utf8_lossy(&node.calixctl(&["bgp", "peers"]).stdout).into_owned();
     assert!(
         table.contains("1 malformed UPDATE(s), 5 route(s) over the limit"),
+        "{table}"
+    );
+    assert!(
+        table.contains(&format!("listening on {node_ip}:179"))
+            && table.contains("1 connection(s) from no configured peer closed"),
         "{table}"
     );
     for (line, want) in [
@@ -409,6 +508,8 @@ fn hostile_peers_are_handled_by_the_rfcs_rules() {
         "over its prefix limit: routes refused",
         "over its prefix limit: the session is reset",
         "Bad Peer AS",
+        "connection collision: the peer's new connection is closed",
+        "no configured peer: closed",
     ] {
         assert!(
             log.to_lowercase().contains(&said.to_lowercase()),

@@ -10,6 +10,7 @@
 //!   peers' routes to the reconciler, the report;
 //! - [`status`]: the report (`calixctl bgp`) and the metrics.
 pub mod conn;
+pub mod listen;
 pub mod md5;
 pub mod peer_task;
 pub mod peers;

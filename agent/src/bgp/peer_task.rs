@@ -24,6 +24,7 @@ use ipnet::IpNet;
 use tokio::sync::{mpsc, watch};
 
 use super::conn::{self, sleep_until, Connection, Read};
+use super::listen::Incoming;
 use super::settings::{connect_backoff, PeerSettings};
 use super::status::PeerReport;
 
@@ -127,13 +128,14 @@ pub fn accepts(
         && !as_path.any(|a| a == asn)
 }
 
-/// Runs peer `idx` until the agent stops.
+/// Runs peer `idx` until the agent stops; `incoming`: the connections it opened to this node.
 pub async fn run(
     idx: usize,
     spec: PeerSettings,
     mut ctx: Ctx,
     state: Shared,
     events: mpsc::Sender<PeerEvent>,
+    mut incoming: mpsc::Receiver<Incoming>,
 ) {
     let mut p = Peer {
         idx,
@@ -149,35 +151,52 @@ pub async fn run(
         restarted: true,
     };
     let mut failures = 0u32;
+    // A connection the peer opened, to run the next session on.
+    let mut next: Option<Incoming> = None;
     loop {
-        p.set_state("Connect");
-        let target = SocketAddr::new(p.spec.address, p.spec.port);
-        let password = p.spec.password.clone();
-        let connect = conn::connect(p.local, target, password.as_deref(), Duration::from_secs(5));
-        tokio::pin!(connect);
-        let stream = loop {
-            let stale = lock(&p.state).rib.stale_deadline();
-            tokio::select! {
-                r = &mut connect => break r,
-                () = sleep_until(stale) => p.expire().await,
-                r = ctx.import.changed() => {
-                    if r.is_err() { return; }
-                    p.reimport(&ctx).await;
-                }
-                _ = ctx.stop.changed() => return,
-            }
-        };
-        let ended = match stream {
-            Ok(stream) => {
-                tracing::info!(peer = %p.spec.name, address = %target, "bgp: connected");
-                match p.session(Connection::new(stream), &mut ctx).await {
-                    Some(e) => e,
-                    None => return,
+        let start = if let Some(inc) = next.take() {
+            Start::Accepted(Box::new(inc))
+        } else {
+            p.set_state("Connect");
+            let target = SocketAddr::new(p.spec.address, p.spec.port);
+            let password = p.spec.password.clone();
+            let connect =
+                conn::connect(p.local, target, password.as_deref(), Duration::from_secs(5));
+            tokio::pin!(connect);
+            loop {
+                let stale = lock(&p.state).rib.stale_deadline();
+                tokio::select! {
+                    r = &mut connect => break Start::Dialed(r.map_err(|e| format!("cannot connect to {target}: {e}"))),
+                    Some(inc) = incoming.recv() => break Start::Accepted(Box::new(inc)),
+                    () = sleep_until(stale) => p.expire().await,
+                    r = ctx.import.changed() => {
+                        if r.is_err() { return; }
+                        p.reimport(&ctx).await;
+                    }
+                    _ = ctx.stop.changed() => return,
                 }
             }
-            Err(e) => Ended::Failed(format!("cannot connect to {target}: {e}")),
         };
+        let run = match start {
+            Start::Dialed(Ok(stream)) => {
+                tracing::info!(peer = %p.spec.name, "bgp: connected");
+                p.session(Connection::new(stream), None, &mut ctx, &mut incoming)
+                    .await
+            }
+            Start::Accepted(inc) => {
+                let Incoming { conn, first, from } = *inc;
+                tracing::info!(peer = %p.spec.name, %from, "bgp: the peer connected");
+                p.session(conn, Some(first), &mut ctx, &mut incoming).await
+            }
+            Start::Dialed(Err(why)) => Some(Ended::Failed(why)),
+        };
+        let Some(ended) = run else { return };
         match ended {
+            Ended::Replaced(inc) => {
+                // The collision is settled for the peer's connection: on at once.
+                next = Some(*inc);
+                continue;
+            }
             Ended::Failed(why) => {
                 failures = failures.saturating_add(1);
                 p.note_error(&why);
@@ -205,6 +224,10 @@ pub async fn run(
             let stale = lock(&p.state).rib.stale_deadline();
             tokio::select! {
                 () = sleep_until(Some(until)) => break,
+                Some(inc) = incoming.recv() => {
+                    next = Some(inc);
+                    break;
+                }
                 () = sleep_until(stale) => p.expire().await,
                 r = ctx.import.changed() => {
                     if r.is_err() { return; }
@@ -216,10 +239,30 @@ pub async fn run(
     }
 }
 
+/// How a session begins: on a connection this node opened, or on one the peer opened.
+enum Start {
+    Dialed(Result<tokio::net::TcpStream, String>),
+    Accepted(Box<Incoming>),
+}
+
+/// Which connection a collision keeps (RFC 4271 §6.8): an Established session stays; else
+/// the one opened by the speaker with the higher BGP identifier. `ours_dialed`: the running
+/// connection is one this node opened (of two the peer opened, the first stays).
+fn incoming_wins(
+    established: bool,
+    ours_dialed: bool,
+    local_id: Ipv4Addr,
+    remote_id: Option<Ipv4Addr>,
+) -> bool {
+    !established && ours_dialed && remote_id.is_some_and(|r| u32::from(local_id) < u32::from(r))
+}
+
 /// How a connection ended: it never reached Established, or a session went down.
 enum Ended {
     Failed(String),
     Down(String),
+    /// A collision: the peer's connection is kept, this one closed.
+    Replaced(Box<Incoming>),
 }
 
 struct Peer {
@@ -328,12 +371,25 @@ impl Peer {
         }
     }
 
-    /// Runs one connection until it closes; `None`: the agent stops.
-    async fn session(&mut self, mut c: Connection, ctx: &mut Ctx) -> Option<Ended> {
+    /// Runs one connection until it closes; `None`: the agent stops. `first`: the message
+    /// already read from a connection the peer opened; `incoming`: the peer's connections
+    /// that may collide with this one.
+    async fn session(
+        &mut self,
+        mut c: Connection,
+        first: Option<Result<calix_bgp::Message, calix_bgp::DecodeError>>,
+        ctx: &mut Ctx,
+        incoming: &mut mpsc::Receiver<Incoming>,
+    ) -> Option<Ended> {
         let now = Instant::now();
-        let (mut session, first) = Session::start(self.local_config(ctx), now);
+        let (mut session, opening) = Session::start(self.local_config(ctx), now);
         self.set_state("OpenSent");
-        let mut queue: VecDeque<Output> = first.into();
+        let mut queue: VecDeque<Output> = opening.into();
+        let ours_dialed = first.is_none();
+        if let Some(m) = first {
+            queue.extend(session.on_message(now, m));
+        }
+        let mut replaced: Option<Box<Incoming>> = None;
         let mut advertised = Advertised::default();
         let mut negotiated: Option<Negotiated> = None;
         let mut builder: Option<UpdateBuilder> = None;
@@ -460,18 +516,25 @@ impl Peer {
                             {
                                 st.report.open_refused += 1;
                             }
+                            st.report.sent = 0;
                             if negotiated.is_some() {
                                 st.report.down_total += 1;
+                                st.rib
+                                    .session_down(Instant::now(), negotiated.as_ref(), graceful)
+                            } else {
+                                // Nothing came on this connection; routes kept from an
+                                // earlier one (stale) keep their timer.
+                                Vec::new()
                             }
-                            st.report.sent = 0;
-                            st.rib
-                                .session_down(Instant::now(), negotiated.as_ref(), graceful)
                         };
                         if !changes.is_empty() || graceful {
                             tracing::info!(peer = %self.spec.name, removed = changes.len(),
                                 stale = lock(&self.state).rib.stale_count(), "bgp: session down");
                         }
                         self.tell(changes).await;
+                        if let Some(inc) = replaced.take() {
+                            return Some(Ended::Replaced(inc));
+                        }
                         return Some(if negotiated.is_some() {
                             Ended::Down(reason)
                         } else {
@@ -497,6 +560,19 @@ impl Peer {
                     queue.extend(out);
                 }
                 () = sleep_until(deadline) => queue.extend(session.tick(Instant::now())),
+                Some(inc) = incoming.recv(), if replaced.is_none() => {
+                    if incoming_wins(established, ours_dialed, ctx.router_id, inc.router_id()) {
+                        tracing::info!(peer = %self.spec.name, from = %inc.from,
+                            "bgp: connection collision: the peer's connection is kept (its BGP identifier is higher)");
+                        let n = calix_bgp::Notification::new(notification::CEASE, notification::cease::COLLISION);
+                        queue.extend(session.close_with(n, "connection collision: the peer's connection is kept"));
+                        replaced = Some(Box::new(inc));
+                    } else {
+                        tracing::info!(peer = %self.spec.name, from = %inc.from, established,
+                            "bgp: connection collision: the peer's new connection is closed");
+                        refuse(inc).await;
+                    }
+                }
                 () = sleep_until(stale) => self.expire().await,
                 r = ctx.wanted.changed(), if established => {
                     if r.is_err() { return None; }
@@ -527,6 +603,13 @@ impl Peer {
             }
         }
     }
+}
+
+/// Closes a connection the peer opened with Cease "connection collision resolution".
+async fn refuse(mut inc: Incoming) {
+    let n = calix_bgp::Notification::new(notification::CEASE, notification::cease::COLLISION);
+    let bytes = calix_bgp::Message::Notification(n).encode(false);
+    let _ = tokio::time::timeout(Duration::from_secs(1), inc.conn.write(&bytes)).await;
 }
 
 #[cfg(test)]
@@ -575,6 +658,26 @@ mod tests {
             !ok("10.244.2.0/26", "172.31.1.254", &[65000, 64512]),
             "an AS loop"
         );
+    }
+
+    #[test]
+    fn a_collision_keeps_the_higher_identifiers_connection() {
+        let (low, high) = (Ipv4Addr::new(10, 0, 0, 1), Ipv4Addr::new(10, 0, 0, 2));
+        assert!(incoming_wins(false, true, low, Some(high)));
+        assert!(!incoming_wins(false, true, high, Some(low)));
+        assert!(
+            !incoming_wins(false, true, low, Some(low)),
+            "equal: ours stays"
+        );
+        assert!(
+            !incoming_wins(true, true, low, Some(high)),
+            "Established stays"
+        );
+        assert!(
+            !incoming_wins(false, false, low, Some(high)),
+            "the peer's first stays"
+        );
+        assert!(!incoming_wins(false, true, low, None), "no OPEN: no claim");
     }
 
     #[test]

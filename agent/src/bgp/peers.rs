@@ -13,6 +13,7 @@ use ipnet::IpNet;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use super::listen::Doors;
 use super::peer_task::{self, Ctx, PeerEvent, PeerState, Shared, Stop};
 use super::settings::PeerSettings;
 use super::status::{self, PeerReport, RouteLine};
@@ -34,6 +35,8 @@ pub struct Peers {
     pub running: BTreeMap<usize, Peer>,
     next_id: usize,
     events: mpsc::Sender<PeerEvent>,
+    /// Where the peers' own connections come in.
+    pub doors: Arc<Doors>,
 }
 
 impl Peers {
@@ -42,6 +45,7 @@ impl Peers {
             running: BTreeMap::new(),
             next_id: 0,
             events,
+            doors: Arc::default(),
         }
     }
 
@@ -65,12 +69,16 @@ impl Peers {
             stop: stop_rx,
             ..ctx.clone()
         };
+        let (incoming, incoming_rx) = mpsc::channel(1);
+        self.doors
+            .admit(id, spec.address, spec.password.clone(), incoming);
         let task = tokio::spawn(peer_task::run(
             id,
             spec.clone(),
             ctx,
             shared.clone(),
             self.events.clone(),
+            incoming_rx,
         ));
         self.running.insert(
             id,
@@ -88,6 +96,7 @@ impl Peers {
     /// Ends peer `id` as `how` says; its routes are no longer installed. Returns its task.
     pub fn stop(&mut self, id: usize, how: Stop) -> Option<JoinHandle<()>> {
         let p = self.running.remove(&id)?;
+        self.doors.forget(id, p.spec.address);
         tracing::info!(peer = %p.spec.name, how = ?how, "bgp: peer stopped");
         let _ = p.stop.send(Some(how));
         Some(p.task)

@@ -23,6 +23,9 @@ pub struct BgpSettings {
     /// (an agent restart), and how long a restarted agent waits for its peers' End-of-RIB
     /// before it removes the routes they did not announce again.
     pub restart_time: Duration,
+    /// The port it listens on for its peers' connections, on its next hops; 0: it only
+    /// connects.
+    pub listen_port: u16,
     /// Service ranges advertised besides the pods' (`service_*_ips`).
     pub services: Vec<IpNet>,
     /// The pools' CIDRs: what the default import rule takes routes within.

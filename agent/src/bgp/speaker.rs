@@ -4,8 +4,9 @@
 //! to the reconciler (through [`RouteSink`], as route distribution does: the same kernel
 //! routes, the same protocol number). The set handed over is incomplete (nothing is removed
 //! from the kernel) until every peer's routes are whole since the start, or the restart time
-//! ran out: a restarted agent keeps forwarding on the routes it had. New settings (a reload)
-//! apply while it runs ([`BgpHandle::reconfigure`]).
+//! ran out: a restarted agent keeps forwarding on the routes it had. It listens on its next
+//! hops' BGP port for the configured peers' own connections ([`super::listen`]). New settings
+//! (a reload) apply while it runs ([`BgpHandle::reconfigure`]).
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::{Arc, Mutex};
@@ -22,6 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use super::conn::sleep_until;
+use super::listen::{listen, Listeners};
 use super::peer_task::{Ctx, PeerEvent, Stop, Wanted};
 use super::peers::Peers;
 use super::settings::BgpSettings;
@@ -109,6 +111,7 @@ pub fn start(
         notices,
     };
     let mut peers = Peers::new(events_tx);
+    let listeners = listen(&ctx.own, s.listen_port, &peers.doors);
     for p in &s.peers {
         peers.start(p.clone(), &ctx);
     }
@@ -126,6 +129,7 @@ pub fn start(
         settings: s.clone(),
         ctx,
         peers,
+        listeners,
         wanted_tx,
         import_tx,
         desired_tx,
@@ -205,6 +209,8 @@ struct Loop {
     /// Service ranges advertised besides the pods'.
     services: Vec<IpNet>,
     peers: Peers,
+    /// The sockets the peers' connections come in on (closed when dropped).
+    listeners: Listeners,
     wanted_tx: watch::Sender<Arc<Wanted>>,
     import_tx: watch::Sender<Arc<ImportRule>>,
     desired_tx: watch::Sender<Option<(Arc<Vec<RemoteRoute>>, bool)>>,
@@ -293,6 +299,7 @@ impl Loop {
                 b.node_addresses.clone(),
                 b.uplinks.clone(),
                 b.restart_time,
+                b.listen_port,
             )
         };
         let mut changed = false;
@@ -308,6 +315,9 @@ impl Loop {
                     self.ctx.own = hops.all().collect();
                     self.ctx.restart_time =
                         u16::try_from(s.restart_time.as_secs()).unwrap_or(u16::MAX);
+                    // The old sockets close before the new ones bind.
+                    self.listeners = listen(&[], 0, &self.peers.doors);
+                    self.listeners = listen(&self.ctx.own, s.listen_port, &self.peers.doors);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "bgp: new settings refused; keeping the running ones");
@@ -408,6 +418,8 @@ impl Loop {
             advertised,
             learned,
             complete: self.complete,
+            listening: self.peers.doors.listening(),
+            refused_connections: self.peers.doors.refused(),
         }
     }
 }

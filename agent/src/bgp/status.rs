@@ -68,6 +68,13 @@ pub struct BgpReport {
     /// Whether the installed set is whole: every peer sent its End-of-RIB since the agent
     /// started, or the restart time ran out. Until then no kernel route is removed.
     pub complete: bool,
+    /// The addresses and port it listens on for its peers' connections.
+    #[serde(default)]
+    pub listening: Vec<String>,
+    /// Connections closed at once: from no configured peer, or while the same peer's
+    /// previous one had not sent its OPEN.
+    #[serde(default)]
+    pub refused_connections: u64,
 }
 
 /// Seconds since `t`, when set.
@@ -137,6 +144,12 @@ pub fn metrics(r: &BgpReport) -> String {
         "counter",
         "OPEN messages refused (wrong AS, bad hold time...).",
         &|p| p.open_refused,
+    );
+    let _ = writeln!(
+        out,
+        "# HELP calix_bgp_refused_connections_total Connections to the BGP port closed at once (no configured peer's address).\n\
+         # TYPE calix_bgp_refused_connections_total counter\ncalix_bgp_refused_connections_total {}",
+        r.refused_connections
     );
     out
 }

@@ -28,6 +28,9 @@ pub struct BgpConfig {
     /// restart), and how long a restarted agent waits for its peers' routes before it
     /// removes those not announced again. 1–4095 s (RFC 4724's 12 bits).
     pub restart_time_secs: u64,
+    /// The port it listens on for its peers' connections (on its next hops); 0: it only
+    /// connects to them.
+    pub listen_port: u16,
     /// Service ranges advertised as well (every node the same: the routers spread the
     /// traffic over the nodes, kube-proxy takes it from there): ClusterIP, external and
     /// LoadBalancer ranges, CIDRs.
@@ -51,6 +54,7 @@ impl Default for BgpConfig {
             router_id: String::new(),
             node_addresses: Vec::new(),
             restart_time_secs: 120,
+            listen_port: crate::bgp::conn::PORT,
             service_cluster_ips: Vec::new(),
             service_external_ips: Vec::new(),
             service_load_balancer_ips: Vec::new(),
@@ -217,6 +221,9 @@ impl BgpConfig {
         if let Some(t) = eff.restart_time_secs {
             self.restart_time_secs = t;
         }
+        if let Some(p) = eff.listen_port {
+            self.listen_port = p;
+        }
         if !eff.node_addresses.is_empty() {
             self.node_addresses = eff.node_addresses;
         }
@@ -380,6 +387,7 @@ impl AgentConfig {
                 .collect(),
             uplinks: self.uplinks.clone(),
             restart_time: Duration::from_secs(b.restart_time_secs),
+            listen_port: b.listen_port,
             services: b
                 .service_ranges()
                 .iter()

@@ -734,6 +734,7 @@ fn every_number_of_the_config_is_bounded() {
         "nat.port_min",
         "nat.port_max",
         "nat.conntrack_flows_per_endpoint",
+        "bgp.listen_port",
         // BgpConfig::validate (when BGP is on).
         "bgp.as_number",
         "bgp.restart_time_secs",

@@ -178,7 +178,16 @@ fn main() -> Result<()> {
             },
             established_at: None,
         }));
-        let task = tokio::spawn(peer_task::run(0, spec, ctx, shared.clone(), events_tx));
+        // It only connects: nothing comes in.
+        let (_incoming, incoming_rx) = tokio::sync::mpsc::channel(1);
+        let task = tokio::spawn(peer_task::run(
+            0,
+            spec,
+            ctx,
+            shared.clone(),
+            events_tx,
+            incoming_rx,
+        ));
         // The speaker's loop reads these; nothing is imported here, but the task must not
         // block on a full channel.
         tokio::spawn(async move { while events_rx.recv().await.is_some() {} });

@@ -147,6 +147,22 @@ impl Frr {
         }
     }
 
+    /// Whether its session with a neighbor whose address starts with `prefix` is Established.
+    pub fn established_with(&self, prefix: &str) -> bool {
+        let Ok(v) = serde_json::from_str::<Value>(&self.vtysh("show bgp summary json")) else {
+            return false;
+        };
+        v.as_object().is_some_and(|afs| {
+            afs.values().any(|af| {
+                af["peers"].as_object().is_some_and(|peers| {
+                    peers
+                        .iter()
+                        .any(|(a, p)| a.starts_with(prefix) && p["state"] == "Established")
+                })
+            })
+        })
+    }
+
     /// Whether bgpd has a path for `prefix` that `asn` originated (the last AS of its path),
     /// stale or not.
     pub fn has_route_from(&self, prefix: &str, asn: u32) -> bool {

@@ -49,6 +49,17 @@ pub(crate) fn peers_table(r: &BgpReport) -> String {
         r.peers.len(),
         r.peers.iter().filter(|p| p.state == "Established").count()
     ));
+    out.push_str(&if r.listening.is_empty() {
+        "\nnot listening: it connects to its peers".to_string()
+    } else {
+        format!("\nlistening on {}", r.listening.join(", "))
+    });
+    if r.refused_connections > 0 {
+        out.push_str(&format!(
+            "; {} connection(s) from no configured peer closed",
+            r.refused_connections
+        ));
+    }
     let troubled: Vec<String> = r
         .peers
         .iter()
