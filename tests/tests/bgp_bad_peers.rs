@@ -15,6 +15,10 @@
 //! - `raw-a` connects to the node again while its session is Established: the new connection
 //!   is closed with Cease "connection collision resolution" (RFC 4271 §6.8) and the session
 //!   stays;
+//! - `raw-e` has a TCP MD5 password: its connections to the node without it or with another
+//!   never open; with it, its session is established;
+//! - `raw-f` stops reading (it asks for the routes again and again and reads no answer): the
+//!   agent's writes wait at most the hold time, then the session ends; memory stays bounded;
 //! - an address that is no configured peer's connects to the node: closed at once.
 //!
 //! Each is counted (calixctl bgp peers, /metrics) and logged; what the node announces (its
@@ -35,22 +39,37 @@ use serde_json::Value;
 const PEER_AS: u32 = 65000;
 const NODE_AS: u32 = 64601;
 /// The peers' addresses on the node's subnet, in the underlay namespace.
-const PEERS: [(&str, &str, &str); 4] = [
+const PEERS: [(&str, &str, &str); 6] = [
     ("raw-a", "172.31.1.251", "refuse"),
     ("raw-b", "172.31.1.252", "reset"),
     ("raw-c", "172.31.1.253", "refuse"),
     ("raw-d", "172.31.1.249", "refuse"),
+    ("raw-e", "172.31.1.247", "refuse"),
+    ("raw-f", "172.31.1.246", "refuse"),
 ];
+/// raw-e's TCP MD5 password.
+const PASSWORD: &[u8] = b"calix-bad-peers";
 /// No configured peer's.
 const STRANGER: &str = "172.31.1.248";
 
 fn config(i: usize, c: &Cluster) -> String {
+    let password = c.nodes[i].dir.join("bgp-password");
+    std::fs::write(&password, PASSWORD).expect("password file");
     let mut peers = String::new();
     for (name, addr, action) in PEERS {
         peers.push_str(&format!(
             "[[bgp.peers]]\nname = \"{name}\"\naddress = \"{addr}\"\nas_number = {PEER_AS}\n\
              max_prefixes = 5\nmax_prefixes_action = \"{action}\"\n"
         ));
+        if name == "raw-f" {
+            peers.push_str("hold_time_secs = 3\n");
+        }
+        if name == "raw-e" {
+            peers.push_str(&format!(
+                "password_file = {:?}\n",
+                password.display().to_string()
+            ));
+        }
     }
     format!(
         "{}[[pools]]\ncidr = \"10.244.0.0/16\"\nblockSize = 28\n\
@@ -78,27 +97,41 @@ impl Raw {
 
     /// A connection from `from` (an address of `ns`) to the node's BGP port at `to`.
     fn dial(ns: &calix_testbed::Netns, from: &str, to: &str) -> Self {
+        Self::try_dial(ns, from, to, None)
+            .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"))
+    }
+
+    /// The same, signed with `password` (TCP MD5) when given; an error when it does not
+    /// open within 3 s.
+    fn try_dial(
+        ns: &calix_testbed::Netns,
+        from: &str,
+        to: &str,
+        password: Option<&'static [u8]>,
+    ) -> std::io::Result<Self> {
         let from: SocketAddr = format!("{from}:0").parse().expect("from");
         let to: SocketAddr = format!("{to}:179").parse().expect("to");
         let s = ns.run(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .build()
-                .expect("runtime");
-            let s = rt
-                .block_on(async {
-                    let sock = tokio::net::TcpSocket::new_v4()?;
-                    sock.bind(from)?;
-                    sock.connect(to).await
-                })
-                .unwrap_or_else(|e| panic!("connect from {from} to {to}: {e}"));
-            let s = s.into_std().expect("std stream");
-            s.set_nonblocking(false).expect("blocking");
-            s
-        });
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
-        Self { s, buf: Vec::new() }
+                .build()?;
+            let s = rt.block_on(async {
+                let sock = tokio::net::TcpSocket::new_v4()?;
+                if let Some(key) = password {
+                    use std::os::fd::AsFd;
+                    calix_agent::bgp::md5::set_password(sock.as_fd(), to.ip(), key)?;
+                }
+                sock.bind(from)?;
+                tokio::time::timeout(Duration::from_secs(3), sock.connect(to))
+                    .await
+                    .map_err(|_| std::io::Error::from(std::io::ErrorKind::TimedOut))?
+            })?;
+            let s = s.into_std()?;
+            s.set_nonblocking(false)?;
+            Ok::<_, std::io::Error>(s)
+        })?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        Ok(Self { s, buf: Vec::new() })
     }
 
     fn read(&mut self) -> Option<Vec<u8>> {
@@ -463,6 +496,79 @@ fn hostile_peers_are_handled_by_the_rfcs_rules() {
         (n.code, n.subcode),
         (6, 7),
         "Cease, connection collision resolution: {n:?}"
+    );
+    a.send(&Message::Keepalive.encode(true));
+
+    // raw-e has a password: its connections without it, or with another, never open (the
+    // kernel drops their segments); with it, the session is established.
+    for (key, what) in [
+        (None, "no password"),
+        (Some(&b"not-the-password"[..]), "a wrong password"),
+    ] {
+        let r = Raw::try_dial(under, PEERS[4].1, &node_ip, key);
+        assert!(r.is_err(), "raw-e's connection with {what} opened");
+    }
+    let mut e = Raw::try_dial(under, PEERS[4].1, &node_ip, Some(PASSWORD))
+        .expect("raw-e's connection with its password opens");
+    e.send_open(PEER_AS, Ipv4Addr::new(172, 31, 1, 247));
+    let theirs = e.message().expect("the agent's OPEN on raw-e's connection");
+    assert!(matches!(theirs, Message::Open(_)), "{theirs:?}");
+    e.send(&Message::Keepalive.encode(true));
+    within(
+        10,
+        "raw-e established with its password",
+        || peer(&peers(node), "raw-e")["state"] == "Established",
+        || format!("{}\n{}", peers(node), node.agent_log()),
+    );
+    a.send(&Message::Keepalive.encode(true));
+
+    // raw-f stops reading: it asks for the node's routes again and again (ROUTE-REFRESH)
+    // and reads none of the answers. The agent's writes wait at most the hold time (3 s),
+    // then the session ends; its memory stays bounded and the other sessions stay.
+    let mut f = Raw::dial(under, PEERS[5].1, &node_ip);
+    f.send_open(PEER_AS, Ipv4Addr::new(172, 31, 1, 246));
+    let theirs = f.message().expect("the agent's OPEN on raw-f's connection");
+    assert!(matches!(theirs, Message::Open(_)), "{theirs:?}");
+    f.send(&Message::Keepalive.encode(true));
+    within(
+        10,
+        "raw-f established",
+        || peer(&peers(node), "raw-f")["state"] == "Established",
+        || format!("{}\n{}", peers(node), node.agent_log()),
+    );
+    let before = rss();
+    let refresh = Message::RouteRefresh {
+        family: Family::IPV4_UNICAST,
+        subtype: 0,
+    }
+    .encode(true)
+    .repeat(1000);
+    f.s.set_write_timeout(Some(Duration::from_secs(1)))
+        .expect("write timeout");
+    let flood = Instant::now();
+    let mut asked = 0u64;
+    while flood.elapsed() < Duration::from_secs(20) && f.s.write_all(&refresh).is_ok() {
+        asked += 1000;
+    }
+    within(
+        15,
+        "raw-f's session ended: it read nothing",
+        || {
+            peer(&peers(node), "raw-f")["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains("read nothing"))
+        },
+        || format!("{}\n{}", peers(node), node.agent_log()),
+    );
+    let after = rss();
+    eprintln!(
+        "raw-f asked {asked} times without reading; its session ended {:?} after the flood began; agent RSS {before} kB before, {after} kB after",
+        flood.elapsed()
+    );
+    assert!(
+        after < before + 20 * 1024,
+        "a peer that stops reading grew the agent by {} kB",
+        after - before
     );
     a.send(&Message::Keepalive.encode(true));
 
