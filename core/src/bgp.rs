@@ -212,6 +212,7 @@ mod tests {
             BgpConfigurationSpec {
                 as_number: Some(64601),
                 router_id: Some("172.31.1.1".into()),
+                listen_port: Some(1179),
                 ..Default::default()
             },
         );
@@ -220,7 +221,9 @@ mod tests {
             (e.as_number, e.restart_time_secs, e.router_id.as_deref()),
             (Some(64601), Some(60), Some("172.31.1.1"))
         );
+        assert_eq!(e.listen_port, Some(1179), "a node's own port");
         assert_eq!(effective(&c, "n2").as_number, Some(64512));
+        assert_eq!(effective(&c, "n2").listen_port, None);
         let json = serde_json::json!({"peerIP": "fd00::1", "asNumber": 65000,
             "password": {"secretKeyRef": {"name": "calix-bgp-passwords", "key": "tor"}}});
         let p: BgpPeerSpec = serde_json::from_value(json).expect("a Calico-shaped BGPPeer");

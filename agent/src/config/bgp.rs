@@ -520,6 +520,7 @@ max_prefixes_action = "reset"
             "default".to_string(),
             BgpConfigurationSpec {
                 as_number: Some(64512),
+                listen_port: Some(0),
                 service_cluster_ips: vec![ServiceRange {
                     cidr: "10.96.0.0/12".into(),
                 }],
@@ -555,6 +556,10 @@ max_prefixes_action = "reset"
             (confs, peers),
         );
         assert_eq!(c.as_number, 64512, "the cluster's AS over the file's");
+        assert_eq!(
+            c.listen_port, 0,
+            "the cluster's listen port over the file's"
+        );
         assert_eq!(c.node_addresses, ["172.31.1.1"], "the Node's InternalIP");
         assert_eq!(c.service_cluster_ips, ["10.96.0.0/12"]);
         let names: Vec<&str> = c.peers.iter().map(|p| p.name.as_str()).collect();
