@@ -4,11 +4,30 @@
 //! name, its labels), and peers with exactly those; a peer whose password is not mounted is
 //! refused (logged, an Event on the Node) and the others are used; a password from the mounted
 //! Secret's key reaches the peer. The peers are on the node's loopback: the connections are
-//! refused, the configuration is what is checked (the sessions themselves: bgp_cluster).
+//! refused, the configuration is what is checked (the sessions themselves: bgp_cluster), but
+//! for one, a raw BGP peer in the node's namespace: its session is established, then its
+//! connection drops, and the Node gets a `BGPSessionDown` Event.
+use std::net::TcpListener;
 use std::time::Duration;
 
 use calix_testbed::{unique, wait_for, KubeApi, Node};
+use common::raw_bgp::Raw;
 use serde_json::{json, Value};
+
+mod common;
+
+/// The node's next hop, and the raw peer's address (both on the node's loopback).
+const NODE_IP: &str = "192.0.2.77";
+const LIVE_PEER: &str = "192.0.2.78";
+
+/// The Warning Events of `reason` on Node `name`.
+fn events(api: &KubeApi, reason: &str, name: &str) -> Vec<Value> {
+    api.list("v1", "Event", "")
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|e| e["reason"] == reason && e["involvedObject"]["name"] == name)
+        .collect()
+}
 
 fn peers(node: &Node) -> Value {
     let out = node.calixctl(&["bgp", "peers", "-o", "json"]);
@@ -44,6 +63,14 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
         )
         .unwrap_or_else(|e| panic!("{e}"));
     let name = node.ns.name.clone();
+    for a in [NODE_IP, LIVE_PEER] {
+        node.ns
+            .ip(&format!("addr add {a}/32 dev lo"))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let live = node
+        .ns
+        .run(|| TcpListener::bind(format!("{LIVE_PEER}:179")).expect("bind"));
     api.node_object(
         &name,
         json!({"calix.dev/test": u, "rack": "a"}),
@@ -83,6 +110,12 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
             json!({"peerIP": "::1", "asNumber": 65002, "nodeSelector": {"rack": "a"},
                    "maxPrefixesAction": "reset", "communities": ["65002:7"]}),
         ),
+        // The raw peer.
+        bgp_object(
+            "BGPPeer",
+            &format!("{u}-live"),
+            json!({"peerIP": LIVE_PEER, "asNumber": 65008, "node": name}),
+        ),
         // Not this node's.
         bgp_object(
             "BGPPeer",
@@ -110,7 +143,7 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
         Duration::from_secs(20),
         || {
             let p = peers(&node);
-            (p.as_array().map(Vec::len) == Some(3)).then_some(p)
+            (p.as_array().map(Vec::len) == Some(4)).then_some(p)
         },
         || format!("{}\n{}", peers(&node), node.agent_log()),
     );
@@ -131,6 +164,7 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
         got,
         [
             (format!("{u}-all"), "127.0.0.2".to_string(), 65000),
+            (format!("{u}-live"), LIVE_PEER.to_string(), 65008),
             (format!("{u}-mine"), "127.0.0.3".to_string(), 65001),
             (format!("{u}-rack"), "::1".to_string(), 65002),
         ],
@@ -154,14 +188,7 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
         "the BGPPeerRefused Event",
         Duration::from_secs(10),
         || {
-            let e: Vec<Value> = api
-                .list("v1", "Event", "")
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|e| {
-                    e["reason"] == "BGPPeerRefused" && e["involvedObject"]["name"] == name.as_str()
-                })
-                .collect();
+            let e = events(&api, "BGPPeerRefused", &name);
             (!e.is_empty()).then_some(e)
         },
         String::new,
@@ -171,6 +198,42 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
             .as_str()
             .is_some_and(|m| m.contains("elsewhere/tor")),
         "{refused:?}"
+    );
+
+    // The raw peer's session: established, then its connection drops.
+    let mut raw = Raw::accept(&live);
+    raw.open(65008);
+    let live_name = format!("{u}-live");
+    wait_for(
+        "the raw peer's session",
+        Duration::from_secs(10),
+        || {
+            peers(&node)
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|p| p["name"] == live_name.as_str() && p["state"] == "Established")
+                .then_some(())
+        },
+        || format!("{}\n{}", peers(&node), node.agent_log()),
+    );
+    drop(raw);
+    drop(live);
+    let down = wait_for(
+        "the BGPSessionDown Event",
+        Duration::from_secs(10),
+        || {
+            let e = events(&api, "BGPSessionDown", &name);
+            (!e.is_empty()).then_some(e)
+        },
+        || node.agent_log(),
+    );
+    assert!(
+        down[0]["type"] == "Warning"
+            && down[0]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(&live_name) && m.contains("went down")),
+        "{down:?}"
     );
 
     // Changed while the agent runs: a peer removed, one added, the node's AS number.
@@ -201,7 +264,13 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
             names.sort();
             let table =
                 String::from_utf8_lossy(&node.calixctl(&["bgp", "peers"]).stdout).into_owned();
-            (names == [format!("{u}-all"), format!("{u}-new"), format!("{u}-rack")]
+            (names
+                == [
+                    format!("{u}-all"),
+                    format!("{u}-live"),
+                    format!("{u}-new"),
+                    format!("{u}-rack"),
+                ]
                 && table.contains("AS 64778"))
             .then_some(())
         },
@@ -221,6 +290,7 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
     }
     for p in [
         "all",
+        "live",
         "new",
         "rack",
         "other-node",

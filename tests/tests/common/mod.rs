@@ -1,6 +1,7 @@
 //! What several test files share: a client of an agent's IPAM gRPC API, allocations in bulk,
 //! and calixctl's IPAM reports; route-distribution certificates through the API
-//! ([`certs`]); floods of idle connections ([`flood`]); BGP routers ([`bird`], [`frr`]).
+//! ([`certs`]); floods of idle connections ([`flood`]); BGP routers ([`bird`], [`frr`]) and
+//! raw BGP peers ([`raw_bgp`]).
 //! (Each test file is its own crate and uses part of it.)
 #![allow(dead_code)]
 
@@ -8,6 +9,7 @@ pub mod bird;
 pub mod certs;
 pub mod flood;
 pub mod frr;
+pub mod raw_bgp;
 
 use std::net::IpAddr;
 use std::sync::Arc;
