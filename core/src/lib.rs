@@ -12,7 +12,9 @@
 //!   this node advertises, whom it follows, each peer's session, validation, the report);
 //! - [`wire`], [`update`]: the decoder of a peer's route stream and what it yields;
 //! - [`reconcile`]: the planners (routes to other nodes);
-//! - [`policy`]: NetworkPolicy calculated (per endpoint rules over address sets).
+//! - [`policy`]: NetworkPolicy calculated (per endpoint rules over address sets);
+//! - [`services`]: Kubernetes Services calculated (frontends, admission, backend choice,
+//!   Maglev).
 pub mod bgp;
 pub mod ipam;
 pub mod model;
@@ -20,6 +22,7 @@ pub mod policy;
 pub mod reconcile;
 pub mod routes;
 pub mod selector;
+pub mod services;
 pub mod store;
 #[cfg(test)]
 mod test_rng;

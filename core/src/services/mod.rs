@@ -1,0 +1,126 @@
+//! Kubernetes Services, calculated (issue 24): what each Service answers on and where each of
+//! its frontends sends a new connection, from plain values the Kubernetes adapter fills. Pure:
+//! the dataplane programs what [`plan`] answers.
+//!
+//! - [`model`]: Services and EndpointSlices as calix takes them;
+//! - [`slices`]: a Service's slices read into backends, bad parts skipped and said;
+//! - [`admit`]: its frontends, and the addresses it may not capture (CVE-2020-8554);
+//! - [`choose`]: which backends a frontend sends to, for traffic from inside or outside;
+//! - [`maglev`]: the consistent lookup table for traffic that may reach any node.
+pub mod admit;
+pub mod choose;
+#[cfg(test)]
+pub(crate) mod fixtures;
+pub mod maglev;
+pub mod model;
+pub mod slices;
+
+use serde::{Deserialize, Serialize};
+
+use admit::{Admission, Frontend, Kind, Refusal};
+use choose::{choose, Choice, Here, Traffic};
+use model::{EndpointSlice, Service};
+use slices::SliceProblem;
+
+/// One frontend and where it sends new connections.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Programmed {
+    pub frontend: Frontend,
+    /// For clients in the cluster (pods, nodes).
+    pub internal: Choice,
+    /// For clients outside (NodePort, external and LoadBalancer addresses); `None` for a
+    /// ClusterIP.
+    pub external: Option<Choice>,
+    /// Only terminating endpoints are left: they serve until they are gone.
+    pub terminating_fallback: bool,
+    /// `sessionAffinity: ClientIP`: seconds a client keeps its backend.
+    pub affinity_secs: Option<u32>,
+}
+
+/// Everything one Service needs programmed on this node, and what could not be.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServicePlan {
+    pub frontends: Vec<Programmed>,
+    /// Addresses it names that are not its to have.
+    pub refused: Vec<Refusal>,
+    /// Parts of its slices skipped.
+    pub problems: Vec<SliceProblem>,
+}
+
+/// `service`'s plan on the node `here`, from its `slices` (others' are ignored) under `rules`.
+pub fn plan(
+    service: &Service,
+    slices: &[EndpointSlice],
+    rules: &Admission,
+    here: &Here,
+) -> ServicePlan {
+    let (fronts, refused) = admit::frontends(service, rules);
+    let (backends, problems) = slices::backends(service, slices);
+    let frontends = fronts
+        .into_iter()
+        .map(|f| {
+            let (internal, fb_in) =
+                choose(service, &f.port_name, &backends, Traffic::Internal, here);
+            let external = (f.kind != Kind::ClusterIp)
+                .then(|| choose(service, &f.port_name, &backends, Traffic::External, here));
+            let terminating_fallback = fb_in || external.as_ref().is_some_and(|(_, fb)| *fb);
+            Programmed {
+                frontend: f,
+                internal,
+                external: external.map(|(c, _)| c),
+                terminating_fallback,
+                affinity_secs: service.affinity_secs,
+            }
+        })
+        .collect();
+    ServicePlan {
+        frontends,
+        refused,
+        problems,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fixtures::{endpoint, service, slice};
+    use model::{AddressType, TrafficPolicy};
+
+    #[test]
+    fn a_nodeport_service_with_a_local_external_policy() {
+        let mut svc = service("web", &[("http", 80)]);
+        svc.ports[0].node_port = Some(30080);
+        svc.external_policy = TrafficPolicy::Local;
+        svc.affinity_secs = Some(10_800);
+        let mut far = endpoint(&["10.244.2.5"], true);
+        far.node = Some("n2".into());
+        let s = slice(
+            "web-1",
+            &svc,
+            AddressType::V4,
+            &[("http", Some(8080))],
+            vec![endpoint(&["10.244.1.5"], true), far],
+        );
+        let here = Here {
+            node: "n1".into(),
+            zone: None,
+        };
+        let p = plan(&svc, &[s], &Admission::default(), &here);
+        assert!(p.refused.is_empty() && p.problems.is_empty(), "{p:?}");
+        assert_eq!(p.frontends.len(), 2);
+        let cluster_ip = &p.frontends[0];
+        assert_eq!(cluster_ip.external, None);
+        assert!(
+            matches!(&cluster_ip.internal, Choice::To(v) if v.len() == 2),
+            "{cluster_ip:?}"
+        );
+        let node_port = &p.frontends[1];
+        assert_eq!(node_port.frontend.kind, Kind::NodePort);
+        assert_eq!(
+            node_port.external,
+            Some(Choice::To(vec![("10.244.1.5".parse().expect("ip"), 8080)])),
+            "outside clients: this node's endpoint only"
+        );
+        assert_eq!(node_port.affinity_secs, Some(10_800));
+    }
+}
