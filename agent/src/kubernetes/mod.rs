@@ -10,6 +10,7 @@
 //! - [`podipam`]: a pod's IPAM annotations (pools, a fixed address; read by
 //!   `calix_core::ipam::annotations`), read at its allocation;
 //! - [`policy`]: NetworkPolicies, Pods and Namespaces read for the policy calculation;
+//! - [`services`]: Services and EndpointSlices read for the Services calculation (issue 24);
 //! - [`peers`]: route distribution's peers from the Node objects;
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
@@ -26,6 +27,7 @@ pub mod peers;
 pub mod podipam;
 pub mod pods;
 pub mod policy;
+pub mod services;
 pub mod source;
 
 /// Environment variables that name the node, in order (a DaemonSet sets one from the downward
