@@ -6,7 +6,8 @@
 //! - [`slices`]: a Service's slices read into backends, bad parts skipped and said;
 //! - [`admit`]: its frontends, and the addresses it may not capture (CVE-2020-8554);
 //! - [`choose`]: which backends a frontend sends to, for traffic from inside or outside;
-//! - [`maglev`]: the consistent lookup table for traffic that may reach any node.
+//! - [`maglev`]: the consistent lookup table for traffic that may reach any node;
+//! - [`state`]: every Service and slice, kept one change at a time, within the dataplane's room.
 pub mod admit;
 pub mod choose;
 #[cfg(test)]
@@ -14,6 +15,7 @@ pub(crate) mod fixtures;
 pub mod maglev;
 pub mod model;
 pub mod slices;
+pub mod state;
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,314 @@
+//! Every Service and EndpointSlice of the cluster, kept one change at a time, with what each
+//! change touches (the Services to plan again) and the room the dataplane has: a Service takes
+//! one entry per frontend and one per backend of each frontend; one that does not fit in what
+//! is left is refused whole and said, never programmed in part, and never evicts one admitted
+//! before it. Room freed (a Service removed or shrunk, the limits raised) admits the refused
+//! ones again, in the order of their keys.
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::admit::Admission;
+use super::choose::{Choice, Here};
+use super::model::{EndpointSlice, Service, ServiceKey};
+use super::{plan, ServicePlan};
+
+/// A change of the cluster's Services.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Service(Service),
+    ServiceGone(ServiceKey),
+    /// A slice, by its `namespace/name`.
+    Slice(EndpointSlice),
+    SliceGone(String),
+}
+
+/// The dataplane's room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub frontends: usize,
+    /// Backend entries: the sum over frontends of the backends each may send to.
+    pub backends: usize,
+}
+
+/// What a Service's plan takes of the room.
+fn size(p: &ServicePlan) -> (usize, usize) {
+    let backends = p
+        .frontends
+        .iter()
+        .map(|f| {
+            let n = |c: &Choice| match c {
+                Choice::To(v) => v.len(),
+                _ => 0,
+            };
+            n(&f.internal) + f.external.as_ref().map_or(0, n)
+        })
+        .sum();
+    (p.frontends.len(), backends)
+}
+
+/// The cluster's Services on this node.
+#[derive(Debug)]
+pub struct State {
+    services: BTreeMap<ServiceKey, Service>,
+    slices: BTreeMap<String, EndpointSlice>,
+    rules: Admission,
+    here: Here,
+    limits: Limits,
+    /// The admitted Services' plans.
+    plans: BTreeMap<ServiceKey, ServicePlan>,
+    /// Services refused for room, with what they would take.
+    refused: BTreeMap<ServiceKey, (usize, usize)>,
+    used: (usize, usize),
+}
+
+impl State {
+    pub fn new(rules: Admission, here: Here, limits: Limits) -> Self {
+        Self {
+            services: BTreeMap::new(),
+            slices: BTreeMap::new(),
+            rules,
+            here,
+            limits,
+            plans: BTreeMap::new(),
+            refused: BTreeMap::new(),
+            used: (0, 0),
+        }
+    }
+
+    /// Applies `change`; returns the Services whose plan may have changed (admitted, changed,
+    /// refused or gone).
+    pub fn apply(&mut self, change: Change) -> BTreeSet<ServiceKey> {
+        let key = match change {
+            Change::Service(s) => {
+                let k = s.key.clone();
+                self.services.insert(k.clone(), s);
+                k
+            }
+            Change::ServiceGone(k) => {
+                self.services.remove(&k);
+                k
+            }
+            Change::Slice(s) => {
+                let mut touched = BTreeSet::new();
+                if let Some(old) = self.slices.insert(s.name.clone(), s.clone()) {
+                    touched.insert(old.service);
+                }
+                touched.insert(s.service);
+                return self.replan(touched);
+            }
+            Change::SliceGone(name) => match self.slices.remove(&name) {
+                Some(old) => old.service,
+                None => return BTreeSet::new(),
+            },
+        };
+        self.replan(BTreeSet::from([key]))
+    }
+
+    /// New admission rules (pools, node addresses, allowed CIDRs): every Service again.
+    pub fn set_rules(&mut self, rules: Admission) -> BTreeSet<ServiceKey> {
+        self.rules = rules;
+        let all: BTreeSet<ServiceKey> = self.services.keys().cloned().collect();
+        self.replan(all)
+    }
+
+    /// New limits: the refused may fit now (admitted ones stay, even over smaller limits).
+    pub fn set_limits(&mut self, limits: Limits) -> BTreeSet<ServiceKey> {
+        self.limits = limits;
+        self.replan(BTreeSet::new())
+    }
+
+    fn fits(&self, need: (usize, usize), freed: (usize, usize)) -> bool {
+        let (f, b) = (self.used.0 - freed.0, self.used.1 - freed.1);
+        f + need.0 <= self.limits.frontends && b + need.1 <= self.limits.backends
+    }
+
+    fn replan(&mut self, mut touched: BTreeSet<ServiceKey>) -> BTreeSet<ServiceKey> {
+        for k in touched.clone() {
+            let old = self.plans.get(&k).map(size).unwrap_or((0, 0));
+            let Some(svc) = self.services.get(&k) else {
+                self.plans.remove(&k);
+                self.refused.remove(&k);
+                self.used = (self.used.0 - old.0, self.used.1 - old.1);
+                continue;
+            };
+            let slices: Vec<EndpointSlice> = self
+                .slices
+                .values()
+                .filter(|s| s.service == k)
+                .cloned()
+                .collect();
+            let p = plan(svc, &slices, &self.rules, &self.here);
+            let need = size(&p);
+            if self.fits(need, old) {
+                self.used = (self.used.0 - old.0 + need.0, self.used.1 - old.1 + need.1);
+                self.refused.remove(&k);
+                self.plans.insert(k, p);
+            } else {
+                // Refused whole; what it had is freed (it never keeps half a plan).
+                self.used = (self.used.0 - old.0, self.used.1 - old.1);
+                self.plans.remove(&k);
+                self.refused.insert(k, need);
+            }
+        }
+        // Room freed may admit the refused, in key order.
+        let waiting: Vec<(ServiceKey, (usize, usize))> = self
+            .refused
+            .iter()
+            .filter(|(k, _)| !touched.contains(*k))
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
+        for (k, need) in waiting {
+            if self.fits(need, (0, 0)) {
+                if let Some(svc) = self.services.get(&k) {
+                    let slices: Vec<EndpointSlice> = self
+                        .slices
+                        .values()
+                        .filter(|s| s.service == k)
+                        .cloned()
+                        .collect();
+                    let p = plan(svc, &slices, &self.rules, &self.here);
+                    let need = size(&p);
+                    if self.fits(need, (0, 0)) {
+                        self.used = (self.used.0 + need.0, self.used.1 + need.1);
+                        self.refused.remove(&k);
+                        self.plans.insert(k.clone(), p);
+                        touched.insert(k);
+                    }
+                }
+            }
+        }
+        touched
+    }
+
+    /// An admitted Service's plan.
+    pub fn plan(&self, k: &ServiceKey) -> Option<&ServicePlan> {
+        self.plans.get(k)
+    }
+
+    /// Every admitted Service's plan.
+    pub fn plans(&self) -> &BTreeMap<ServiceKey, ServicePlan> {
+        &self.plans
+    }
+
+    /// The Services refused for room, with the frontends and backend entries each needs.
+    pub fn refused_for_room(&self) -> &BTreeMap<ServiceKey, (usize, usize)> {
+        &self.refused
+    }
+
+    /// Frontends and backend entries in use.
+    pub fn used(&self) -> (usize, usize) {
+        self.used
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::services::fixtures::{endpoint, service, slice};
+    use crate::services::model::AddressType;
+
+    fn here() -> Here {
+        Here {
+            node: "n1".into(),
+            zone: None,
+        }
+    }
+
+    fn web(name: &str, backends: &[&str]) -> (Service, EndpointSlice) {
+        let svc = service(name, &[("http", 80)]);
+        let s = slice(
+            &format!("default/{name}-1"),
+            &svc,
+            AddressType::V4,
+            &[("http", Some(8080))],
+            backends.iter().map(|a| endpoint(&[a], true)).collect(),
+        );
+        (svc, s)
+    }
+
+    #[test]
+    fn a_change_touches_its_service_and_a_moved_slice_both() {
+        let mut st = State::new(
+            Admission::default(),
+            here(),
+            Limits {
+                frontends: 10,
+                backends: 10,
+            },
+        );
+        let (a, sa) = web("a", &["10.244.1.1"]);
+        let (b, _) = web("b", &[]);
+        let ka = a.key.clone();
+        assert_eq!(st.apply(Change::Service(a)), BTreeSet::from([ka.clone()]));
+        st.apply(Change::Service(b.clone()));
+        assert_eq!(
+            st.apply(Change::Slice(sa.clone())),
+            BTreeSet::from([ka.clone()])
+        );
+        assert!(
+            matches!(&st.plan(&ka).expect("planned").frontends[0].internal, Choice::To(v) if v.len() == 1)
+        );
+        // The slice now names b: both are planned again.
+        let mut moved = sa.clone();
+        moved.service = b.key.clone();
+        assert_eq!(
+            st.apply(Change::Slice(moved)),
+            BTreeSet::from([ka.clone(), b.key.clone()])
+        );
+        assert_eq!(
+            st.plan(&ka).expect("planned").frontends[0].internal,
+            Choice::Reject
+        );
+        assert_eq!(
+            st.apply(Change::SliceGone("nothing".into())),
+            BTreeSet::new()
+        );
+        st.apply(Change::ServiceGone(ka.clone()));
+        assert!(st.plan(&ka).is_none());
+        assert_eq!(st.used(), (1, 1), "b: one frontend, one backend");
+    }
+
+    #[test]
+    fn a_service_that_does_not_fit_is_refused_whole_and_evicts_nothing() {
+        let mut st = State::new(
+            Admission::default(),
+            here(),
+            Limits {
+                frontends: 10,
+                backends: 3,
+            },
+        );
+        let (a, sa) = web("a", &["10.244.1.1", "10.244.1.2"]);
+        let (b, sb) = web("b", &["10.244.2.1", "10.244.2.2"]);
+        for c in [
+            Change::Service(a.clone()),
+            Change::Slice(sa),
+            Change::Service(b.clone()),
+            Change::Slice(sb),
+        ] {
+            st.apply(c);
+        }
+        assert!(st.plan(&a.key).is_some(), "first come, kept");
+        assert!(st.plan(&b.key).is_none(), "refused whole");
+        assert_eq!(st.refused_for_room().get(&b.key), Some(&(1, 2)));
+        assert_eq!(st.used(), (1, 2));
+        // Room freed: a goes, b comes in.
+        let touched = st.apply(Change::ServiceGone(a.key.clone()));
+        assert_eq!(touched, BTreeSet::from([a.key.clone(), b.key.clone()]));
+        assert!(st.plan(&b.key).is_some());
+        assert!(st.refused_for_room().is_empty());
+        // A grown Service that no longer fits leaves whole; raised limits take it back.
+        let (_, big) = web(
+            "b",
+            &["10.244.2.1", "10.244.2.2", "10.244.2.3", "10.244.2.4"],
+        );
+        st.apply(Change::Slice(big));
+        assert!(st.plan(&b.key).is_none());
+        assert_eq!(st.used(), (0, 0));
+        let touched = st.set_limits(Limits {
+            frontends: 10,
+            backends: 4,
+        });
+        assert_eq!(touched, BTreeSet::from([b.key.clone()]));
+        assert!(st.plan(&b.key).is_some());
+    }
+}
