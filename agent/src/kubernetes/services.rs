@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
 
 /// The label naming a slice's Service.
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub use calix_datastore::kubernetes::views::SERVICE_NAME_LABEL;
 
 fn addresses<'a>(
     texts: impl IntoIterator<Item = &'a String>,

@@ -194,6 +194,26 @@ pub const KINDS: &[Kind] = &[
         version: "v1",
         view: Some(&views::NETWORK_POLICY),
     },
+    Kind {
+        prefix: views::SERVICES,
+        kind: "Service",
+        plural: "services",
+        node_in_key: false,
+        node_field: None,
+        group: "",
+        version: "v1",
+        view: Some(&views::SERVICE),
+    },
+    Kind {
+        prefix: views::ENDPOINT_SLICES,
+        kind: "EndpointSlice",
+        plural: "endpointslices",
+        node_in_key: false,
+        node_field: None,
+        group: "discovery.k8s.io",
+        version: "v1",
+        view: Some(&views::ENDPOINT_SLICE),
+    },
 ];
 
 /// Longest key the store accepts (it travels in an annotation and in error messages).
@@ -419,12 +439,16 @@ mod tests {
                 "ServiceCIDR",
                 "Namespace",
                 "Pod",
-                "NetworkPolicy"
+                "NetworkPolicy",
+                "Service",
+                "EndpointSlice"
             ]
         );
         assert_eq!(names("k8s/pods/n1/"), ["Pod"]);
         assert_eq!(names("k8s/clusterpods/"), ["Pod"]);
         assert_eq!(names("k8s/networkpolicies/"), ["NetworkPolicy"]);
+        assert_eq!(names("k8s/services/"), ["Service"]);
+        assert_eq!(names("k8s/endpointslices/"), ["EndpointSlice"]);
         // Every pod of the cluster: no field selector.
         assert_eq!(
             kind_of("k8s/clusterpods/default/web")

@@ -12,6 +12,8 @@
 //! | `k8s/namespaces/<name>` | core/v1 Namespace | [`NamespaceView`] |
 //! | `k8s/clusterpods/<namespace>/<name>` | core/v1 Pod, every one | the Pod cut to what NetworkPolicy reads ([`CLUSTER_POD`]) |
 //! | `k8s/networkpolicies/<namespace>/<name>` | networking.k8s.io/v1 NetworkPolicy | its namespace, name and `spec` ([`NETWORK_POLICY`]) |
+//! | `k8s/services/<namespace>/<name>` | core/v1 Service | its namespace, name, `spec` and `status.loadBalancer` ([`SERVICE`]) |
+//! | `k8s/endpointslices/<namespace>/<name>` | discovery.k8s.io/v1 EndpointSlice | its namespace, name, Service label, address type, endpoints and ports ([`ENDPOINT_SLICE`]) |
 //!
 //! A write to one of these keys is refused ([`crate::DatastoreError::ReadOnly`]).
 use std::collections::BTreeMap;
@@ -28,6 +30,11 @@ pub const SERVICE_CIDRS: &str = "k8s/servicecidrs/";
 pub const NAMESPACES: &str = "k8s/namespaces/";
 pub const CLUSTER_PODS: &str = "k8s/clusterpods/";
 pub const NETWORK_POLICIES: &str = "k8s/networkpolicies/";
+pub const SERVICES: &str = "k8s/services/";
+pub const ENDPOINT_SLICES: &str = "k8s/endpointslices/";
+
+/// The label naming an EndpointSlice's Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 
 /// The key of Node `name`.
 pub fn node_key(name: &str) -> String {
@@ -322,10 +329,111 @@ pub const NETWORK_POLICY: ViewOf = ViewOf {
     field_selector: |_| None,
 };
 
+/// A Service: its namespace, name, `spec` and `status.loadBalancer`, still a Service.
+pub const SERVICE: ViewOf = ViewOf {
+    key: |o| namespaced_key(SERVICES, o),
+    value: |o| {
+        let mut v = serde_json::json!({
+            "metadata": {
+                "namespace": o.metadata.namespace,
+                "name": o.metadata.name,
+            },
+            "spec": o.data["spec"].clone(),
+        });
+        if !o.data["status"]["loadBalancer"].is_null() {
+            v["status"] =
+                serde_json::json!({"loadBalancer": o.data["status"]["loadBalancer"].clone()});
+        }
+        v
+    },
+    locate: namespaced,
+    field_selector: |_| None,
+};
+
+/// An EndpointSlice: its namespace, name, the label naming its Service, its address type,
+/// endpoints and ports, still an EndpointSlice (other labels, annotations and owner references
+/// stay out).
+pub const ENDPOINT_SLICE: ViewOf = ViewOf {
+    key: |o| namespaced_key(ENDPOINT_SLICES, o),
+    value: |o| {
+        let labels: BTreeMap<String, String> = string_map(&o.metadata.labels)
+            .into_iter()
+            .filter(|(k, _)| k == SERVICE_NAME_LABEL)
+            .collect();
+        let mut v = serde_json::json!({
+            "metadata": {
+                "namespace": o.metadata.namespace,
+                "name": o.metadata.name,
+                "labels": labels,
+            },
+            "addressType": o.data["addressType"].clone(),
+        });
+        for field in ["endpoints", "ports"] {
+            if !o.data[field].is_null() {
+                v[field] = o.data[field].clone();
+            }
+        }
+        v
+    },
+    locate: namespaced,
+    field_selector: |_| None,
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kube::api::{ApiResource, GroupVersionKind};
+
+    #[test]
+    fn services_and_slices_keep_what_forwarding_reads() {
+        let svc = obj(
+            "Service",
+            serde_json::json!({
+                "metadata": {"name": "web", "namespace": "shop",
+                    "annotations": {"big": "x"}},
+                "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.8"}]},
+                    "conditions": []}
+            }),
+        );
+        assert_eq!(
+            (SERVICE.key)(&svc).as_deref(),
+            Some("k8s/services/shop/web")
+        );
+        assert_eq!(
+            (SERVICE.value)(&svc),
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "web"},
+                "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.8"}]}}
+            })
+        );
+        let slice = obj(
+            "EndpointSlice",
+            serde_json::json!({
+                "metadata": {"name": "web-abc", "namespace": "shop",
+                    "labels": {"kubernetes.io/service-name": "web", "other": "x"},
+                    "ownerReferences": [{"kind": "Service", "name": "web"}]},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": ["10.244.1.5"]}],
+                "ports": [{"port": 8080}]
+            }),
+        );
+        assert_eq!(
+            (ENDPOINT_SLICE.key)(&slice).as_deref(),
+            Some("k8s/endpointslices/shop/web-abc")
+        );
+        assert_eq!(
+            (ENDPOINT_SLICE.value)(&slice),
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "web-abc",
+                    "labels": {"kubernetes.io/service-name": "web"}},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": ["10.244.1.5"]}],
+                "ports": [{"port": 8080}]
+            })
+        );
+    }
 
     fn obj(kind: &str, json: Value) -> DynamicObject {
         let ar = ApiResource::from_gvk(&GroupVersionKind::gvk("", "v1", kind));
