@@ -168,12 +168,7 @@ fn port(p: &NetworkPolicyPort) -> Result<PortMatch, String> {
 
 /// A protocol as Kubernetes names it (TCP when none is).
 pub fn protocol(p: Option<&str>) -> Result<Protocol, String> {
-    match p {
-        None | Some("TCP") => Ok(Protocol::Tcp),
-        Some("UDP") => Ok(Protocol::Udp),
-        Some("SCTP") => Ok(Protocol::Sctp),
-        Some(other) => Err(format!("protocol {other:?}")),
-    }
+    Protocol::parse(p).ok_or_else(|| format!("protocol {:?}", p.unwrap_or_default()))
 }
 
 /// A `metav1.LabelSelector` as calix-core's.

@@ -11,8 +11,10 @@ use crate::selector::{LabelSelector, SelectorError};
 /// A pod's or a namespace's labels.
 pub type Labels = BTreeMap<String, String>;
 
-/// A transport protocol a NetworkPolicy port names (TCP when it names none).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A transport protocol a NetworkPolicy port or a Service port names (TCP when it names none).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum Protocol {
     Tcp,
     Udp,
@@ -20,6 +22,16 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    /// From the Kubernetes API's name (`TCP`, `UDP`, `SCTP`; absent means TCP).
+    pub fn parse(s: Option<&str>) -> Option<Self> {
+        match s.unwrap_or("TCP") {
+            "TCP" => Some(Self::Tcp),
+            "UDP" => Some(Self::Udp),
+            "SCTP" => Some(Self::Sctp),
+            _ => None,
+        }
+    }
+
     /// The IP protocol number.
     pub fn number(self) -> u8 {
         match self {

@@ -5,34 +5,8 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
-/// A transport protocol a Service port carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum Protocol {
-    Tcp,
-    Udp,
-    Sctp,
-}
-
-impl Protocol {
-    /// Its IP protocol number.
-    pub fn number(self) -> u8 {
-        match self {
-            Protocol::Tcp => 6,
-            Protocol::Udp => 17,
-            Protocol::Sctp => 132,
-        }
-    }
-
-    /// From the API's name (`TCP`, `UDP`, `SCTP`; absent means TCP).
-    pub fn parse(s: Option<&str>) -> Option<Self> {
-        match s.unwrap_or("TCP") {
-            "TCP" => Some(Protocol::Tcp),
-            "UDP" => Some(Protocol::Udp),
-            "SCTP" => Some(Protocol::Sctp),
-            _ => None,
-        }
-    }
-}
+/// The transport protocol a Service port carries: NetworkPolicy's, one contract.
+pub use crate::policy::model::Protocol;
 
 /// A Service's namespace and name.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]

@@ -116,6 +116,18 @@ impl State {
         self.replan(BTreeSet::new())
     }
 
+    /// Service `k`'s plan from what is known now; `None` when it is gone.
+    fn compute(&self, k: &ServiceKey) -> Option<ServicePlan> {
+        let svc = self.services.get(k)?;
+        let slices: Vec<EndpointSlice> = self
+            .slices
+            .values()
+            .filter(|s| s.service == *k)
+            .cloned()
+            .collect();
+        Some(plan(svc, &slices, &self.rules, &self.here))
+    }
+
     fn fits(&self, need: (usize, usize), freed: (usize, usize)) -> bool {
         let (f, b) = (self.used.0 - freed.0, self.used.1 - freed.1);
         f + need.0 <= self.limits.frontends && b + need.1 <= self.limits.backends
@@ -124,19 +136,12 @@ impl State {
     fn replan(&mut self, mut touched: BTreeSet<ServiceKey>) -> BTreeSet<ServiceKey> {
         for k in touched.clone() {
             let old = self.plans.get(&k).map(size).unwrap_or((0, 0));
-            let Some(svc) = self.services.get(&k) else {
+            let Some(p) = self.compute(&k) else {
                 self.plans.remove(&k);
                 self.refused.remove(&k);
                 self.used = (self.used.0 - old.0, self.used.1 - old.1);
                 continue;
             };
-            let slices: Vec<EndpointSlice> = self
-                .slices
-                .values()
-                .filter(|s| s.service == k)
-                .cloned()
-                .collect();
-            let p = plan(svc, &slices, &self.rules, &self.here);
             let need = size(&p);
             if self.fits(need, old) {
                 self.used = (self.used.0 - old.0 + need.0, self.used.1 - old.1 + need.1);
@@ -158,14 +163,7 @@ impl State {
             .collect();
         for (k, need) in waiting {
             if self.fits(need, (0, 0)) {
-                if let Some(svc) = self.services.get(&k) {
-                    let slices: Vec<EndpointSlice> = self
-                        .slices
-                        .values()
-                        .filter(|s| s.service == k)
-                        .cloned()
-                        .collect();
-                    let p = plan(svc, &slices, &self.rules, &self.here);
+                if let Some(p) = self.compute(&k) {
                     let need = size(&p);
                     if self.fits(need, (0, 0)) {
                         self.used = (self.used.0 + need.0, self.used.1 + need.1);
