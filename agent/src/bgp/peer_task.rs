@@ -152,10 +152,10 @@ pub async fn run(
     };
     let mut failures = 0u32;
     // A connection the peer opened, to run the next session on.
-    let mut next: Option<Incoming> = None;
+    let mut next: Option<Box<Incoming>> = None;
     loop {
         let start = if let Some(inc) = next.take() {
-            Start::Accepted(Box::new(inc))
+            Start::Accepted(inc)
         } else {
             p.set_state("Connect");
             let target = SocketAddr::new(p.spec.address, p.spec.port);
@@ -194,7 +194,7 @@ pub async fn run(
         match ended {
             Ended::Replaced(inc) => {
                 // The collision is settled for the peer's connection: on at once.
-                next = Some(*inc);
+                next = Some(inc);
                 continue;
             }
             Ended::Failed(why) => {
@@ -225,7 +225,7 @@ pub async fn run(
             tokio::select! {
                 () = sleep_until(Some(until)) => break,
                 Some(inc) = incoming.recv() => {
-                    next = Some(inc);
+                    next = Some(Box::new(inc));
                     break;
                 }
                 () = sleep_until(stale) => p.expire().await,
@@ -564,8 +564,7 @@ impl Peer {
                     if incoming_wins(established, ours_dialed, ctx.router_id, inc.router_id()) {
                         tracing::info!(peer = %self.spec.name, from = %inc.from,
                             "bgp: connection collision: the peer's connection is kept (its BGP identifier is higher)");
-                        let n = calix_bgp::Notification::new(notification::CEASE, notification::cease::COLLISION);
-                        queue.extend(session.close_with(n, "connection collision: the peer's connection is kept"));
+                        queue.extend(session.close_with(collision(), "connection collision: the peer's connection is kept"));
                         replaced = Some(Box::new(inc));
                     } else {
                         tracing::info!(peer = %self.spec.name, from = %inc.from, established,
@@ -605,10 +604,14 @@ impl Peer {
     }
 }
 
-/// Closes a connection the peer opened with Cease "connection collision resolution".
+/// Cease, "connection collision resolution": what the losing connection of a collision hears.
+fn collision() -> calix_bgp::Notification {
+    calix_bgp::Notification::new(notification::CEASE, notification::cease::COLLISION)
+}
+
+/// Closes a connection the peer opened with [`collision`].
 async fn refuse(mut inc: Incoming) {
-    let n = calix_bgp::Notification::new(notification::CEASE, notification::cease::COLLISION);
-    let bytes = calix_bgp::Message::Notification(n).encode(false);
+    let bytes = calix_bgp::Message::Notification(collision()).encode(false);
     let _ = tokio::time::timeout(Duration::from_secs(1), inc.conn.write(&bytes)).await;
 }
 
