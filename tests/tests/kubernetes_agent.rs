@@ -2041,11 +2041,28 @@ fn policy_enforced_on_real_pods(dataplane: Dataplane, tag: &str, cidr: &str, nod
     assert!(client.ns.ping(&web_ip, 1));
     api.delete_now("networking.k8s.io/v1", "NetworkPolicy", &ns, "web")
         .unwrap_or_else(|e| panic!("{e}"));
+    // Should this fail: what the agent computed, what the live maps say, and the end of
+    // its log (the start is the pools' and blocks' noise of the shared API server).
+    let diagnosis = || {
+        let web = format!("{ns}/web");
+        let other = format!("{ns}/other");
+        let log = node.agent_log();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| !l.contains("IPAMBlockIgnored") && !l.contains("IPAM block ignored"))
+            .collect();
+        format!(
+            "policy: {:?}\ntrace: {:?}\nlog (end):\n{}",
+            node.agent().calixctl_json(&["policy", &web]),
+            node.agent().calixctl_json(&["trace", &other, &web, "icmp"]),
+            lines[lines.len().saturating_sub(80)..].join("\n")
+        )
+    };
     wait_for(
         "the policy gone, other reaches web again",
         Duration::from_secs(20),
         || other.ns.ping(&web_ip, 1).then_some(()),
-        show,
+        diagnosis,
     );
 }
 
