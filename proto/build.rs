@@ -13,6 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "calix/v1/routes.proto",
         "calix/v1/policy.proto",
         "calix/v1/bgp.proto",
+        "calix/v1/services.proto",
     ];
     println!("cargo:rerun-if-changed=calix");
     println!("cargo:rerun-if-changed=etcd");

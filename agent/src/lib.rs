@@ -17,6 +17,7 @@ pub mod pod_network;
 pub mod policy;
 pub mod reconcile;
 pub mod remote_routes;
+pub mod services;
 pub mod signer;
 pub mod tasks;
 pub mod uninstall;

@@ -20,11 +20,13 @@ use calix_agent::kubernetes::owner::{Owner, Stop};
 use calix_agent::kubernetes::podipam::PodIpamSource;
 use calix_agent::kubernetes::pods;
 use calix_agent::kubernetes::policy::watch as policy_watch;
+use calix_agent::kubernetes::services::watch as services_watch;
 use calix_agent::pod_network::Node;
 use calix_agent::policy::PolicyService;
 use calix_agent::reconcile::driver::{Driver, Timing};
 use calix_agent::reconcile::Backoff;
 use calix_agent::remote_routes::{RemoteSources, Source};
+use calix_agent::services::ServicesService;
 use calix_agent::{distribution, local_api, metrics, tasks, uninstall};
 use calix_core::model::NodeRecord;
 use calix_dataplane::{self, cleaner, host_addrs, Dataplane, EbpfDataplane, KernelDataplane};
@@ -303,6 +305,33 @@ async fn run() -> Result<()> {
     } else {
         None
     };
+    // Services (Kubernetes mode, `[services] enabled`): followed and calculated for this node
+    // (calixctl services); not programmed yet.
+    let services = if cfg.services.enabled && cfg.datastore.is_kubernetes() {
+        let rules = calix_core::services::admit::Admission {
+            external_cidrs: cfg.services_external_cidrs()?,
+            node_addresses: cfg
+                .routes
+                .node_addresses
+                .iter()
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+            pools: node.ipam.pools().iter().map(|p| p.cidr).collect(),
+        };
+        let limits = calix_core::services::state::Limits {
+            frontends: cfg.services.frontends as usize,
+            backends: cfg.services.backends as usize,
+        };
+        let zone = cfg.node_labels.get("topology.kubernetes.io/zone").cloned();
+        let service = Arc::new(ServicesService::new(&cfg.node_name, zone, rules, limits));
+        let watches = services_watch::load(store.clone())
+            .await
+            .context("cannot read the Services and EndpointSlices")?;
+        services_watch::spawn(watches, service.clone());
+        Some(service)
+    } else {
+        None
+    };
     let routes_handle = Arc::new(std::sync::OnceLock::new());
     let bgp_handle = Arc::new(std::sync::OnceLock::new());
     let started = cfg.clone();
@@ -373,7 +402,10 @@ async fn run() -> Result<()> {
         .serve(
             node.clone(),
             routes.clone(),
-            bgp.clone(),
+            calix_agent::local_api::Reports {
+                bgp: bgp.clone(),
+                services,
+            },
             policy,
             monitor,
             tasks::shutdown_signal(),

@@ -2357,3 +2357,156 @@ fn trace_asks_the_node_a_traced_pod_lives_on() {
     api.delete("calix.dev/v1", "IPPool", &u)
         .unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// `[services] enabled`: the agent follows Services and EndpointSlices with the chart's
+/// ClusterRole and calculates them (`calixctl services`): a ClusterIP's backends from its
+/// slice; an external address inside `external_cidrs` taken, one outside refused
+/// (CVE-2020-8554); a slice's bad endpoint skipped and said, the rest kept; a Service with no
+/// endpoint rejects; the slice's change and the Service's deletion followed.
+#[test]
+fn services_and_endpoint_slices_are_followed_and_calculated() {
+    let api = KubeApi::shared();
+    let u = unique("svc");
+    let node = agent_node(
+        &api,
+        "[services]\nenabled = true\nexternal_cidrs = [\"203.0.113.0/24\"]\n",
+    );
+    let node = api
+        .started_with_pool(node, &u, "10.87.0.0/24", "192.0.2.41")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ns = format!("{u}-svc");
+    namespace(&api, &ns, json!({}), json!({}));
+    let service = |name: &str, external: &[&str]| {
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": name},
+            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+                     "externalIPs": external},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let slice = |name: &str, svc: &str, port: &str, addresses: &[&str]| {
+        let endpoints: Vec<Value> = addresses
+            .iter()
+            .map(|a| json!({"addresses": [a], "conditions": {"ready": true}}))
+            .collect();
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": name,
+                         "labels": {"kubernetes.io/service-name": svc}},
+            "addressType": "IPv4",
+            "ports": [{"name": port, "port": 8080, "protocol": "TCP"}],
+            "endpoints": endpoints,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let web = service("web", &["203.0.113.7", "198.51.100.7"]);
+    let cluster_ip = web["spec"]["clusterIP"]
+        .as_str()
+        .expect("a cluster IP")
+        .to_string();
+    service("empty", &[]);
+    slice("web-1", "web", "http", &["10.87.1.5", "10.87.1.6"]);
+    let show = || {
+        node.agent()
+            .calixctl_json(&["services"])
+            .map(|v| v.to_string())
+            .unwrap_or_else(|e| e.to_string())
+            + "\n"
+            + &node.agent_log()
+    };
+    let row = |name: &str| {
+        let r = node.agent().calixctl_json(&["services"]).ok()?;
+        r["list"]
+            .as_array()?
+            .iter()
+            .find(|s| s["service"] == format!("{ns}/{name}"))
+            .cloned()
+    };
+    let web_row = wait_for(
+        "web calculated with its two backends",
+        Duration::from_secs(20),
+        || {
+            row("web").filter(|w| {
+                w["frontends"][0]["internal"]["To"]
+                    .as_array()
+                    .is_some_and(|b| b.len() == 2)
+            })
+        },
+        show,
+    );
+    let fronts: Vec<(String, String)> = web_row["frontends"]
+        .as_array()
+        .expect("frontends")
+        .iter()
+        .map(|f| {
+            (
+                f["frontend"]["kind"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                f["frontend"]["address"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        fronts,
+        [
+            ("ClusterIp".to_string(), cluster_ip),
+            ("External".to_string(), "203.0.113.7".to_string())
+        ],
+        "{web_row}"
+    );
+    assert_eq!(
+        web_row["frontends"][0]["internal"]["To"][0],
+        json!(["10.87.1.5", 8080]),
+        "{web_row}"
+    );
+    let refused = &web_row["refused"];
+    assert_eq!(refused.as_array().map(Vec::len), Some(1), "{web_row}");
+    assert_eq!(refused[0]["address"], "198.51.100.7", "{web_row}");
+    let empty = row("empty").expect("the Service with no endpoint");
+    assert_eq!(empty["frontends"][0]["internal"], "Reject", "{empty}");
+    // One endpoint fewer; and a second slice whose port is no port of the Service: skipped
+    // and said, the first slice's backend kept.
+    slice("web-1", "web", "http", &["10.87.1.5"]);
+    slice("web-2", "web", "metrics", &["10.87.1.7"]);
+    let web_row = wait_for(
+        "the changed slice followed",
+        Duration::from_secs(20),
+        || {
+            row("web").filter(|w| {
+                w["frontends"][0]["internal"]["To"]
+                    .as_array()
+                    .is_some_and(|b| b.len() == 1)
+                    && w["problems"].as_array().is_some_and(|p| !p.is_empty())
+            })
+        },
+        show,
+    );
+    assert!(
+        web_row["problems"][0]["slice"]
+            .as_str()
+            .is_some_and(|s| s.ends_with("/web-2")),
+        "the unmatched port said: {web_row}"
+    );
+    let table = node.agent().calixctl(&["services"]);
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        table.status.success() && text.contains("calculated only"),
+        "{text}"
+    );
+    assert!(text.contains("198.51.100.7 refused"), "{text}");
+    api.delete_now("v1", "Service", &ns, "web")
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "the deleted Service gone",
+        Duration::from_secs(20),
+        || row("web").is_none().then_some(()),
+        show,
+    );
+    assert_admitted(&node);
+}

@@ -96,6 +96,12 @@ pub enum ConfigError {
         "nat.service_cidrs: {entry:?} is not a CIDR or address (e.g. \"10.96.0.0/12\", \"fd00:96::/108\")"
     )]
     ServiceCidr { entry: String },
+    #[error(
+        "services.external_cidrs: {entry:?} is not a CIDR or address (e.g. \"203.0.113.0/24\")"
+    )]
+    ExternalCidr { entry: String },
+    #[error("services.enabled needs the kubernetes datastore: Services are Kubernetes objects")]
+    ServicesNeedKubernetes,
     #[error("nat.service_cidrs: {service} overlaps pool {pool}: pod addresses cannot be Service addresses")]
     ServiceOverlapsPool { service: IpNet, pool: IpNet },
     #[error("nat.{key} must be {what}")]

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use self::error::ConfigError;
 use self::sections::{
     DatastoreConfig, DoorsConfig, IpamConfig, KubernetesConfig, NatConfig, PolicyConfig,
-    RoutesConfig, VxlanConfig, XdpConfig,
+    RoutesConfig, ServicesConfig, VxlanConfig, XdpConfig,
 };
 use crate::paths;
 
@@ -99,6 +99,8 @@ pub struct AgentConfig {
     pub nat: NatConfig,
     /// The NetworkPolicy maps' sizes (eBPF dataplane).
     pub policy: PolicyConfig,
+    /// Kubernetes Services: followed and calculated (issue 24).
+    pub services: ServicesConfig,
     /// Route distribution between nodes.
     pub routes: RoutesConfig,
     /// The VXLAN device that carries pod traffic across subnets (pools' `vxlan`).
@@ -135,6 +137,7 @@ impl Default for AgentConfig {
             xdp: XdpConfig::default(),
             nat: NatConfig::default(),
             policy: PolicyConfig::default(),
+            services: ServicesConfig::default(),
             routes: RoutesConfig::default(),
             vxlan: VxlanConfig::default(),
             kubernetes: KubernetesConfig::default(),

@@ -209,6 +209,38 @@ impl Default for PolicyConfig {
     }
 }
 
+/// Kubernetes Services (`[services]`, Kubernetes datastore; issue 24). Today the agent follows
+/// the cluster's Services and EndpointSlices and calculates what each node would program
+/// (`calixctl services`); the dataplane does not translate them yet, so kube-proxy still must.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServicesConfig {
+    /// Follow and calculate the cluster's Services.
+    pub enabled: bool,
+    /// Where a Service's `externalIPs` and LoadBalancer ingress addresses may be (CIDRs or
+    /// addresses). Empty (the default): none is taken, so that whoever may create a Service
+    /// cannot capture another's traffic (CVE-2020-8554). A node's, a pool's, a loopback,
+    /// link-local, multicast or unspecified address never is, whatever this says.
+    pub external_cidrs: Vec<String>,
+    /// Room for frontends (a Service's address and port: each cluster IP, NodePort, external
+    /// and LoadBalancer address of each port). A Service that does not fit in what is left is
+    /// refused whole and reported; it never evicts another.
+    pub frontends: u32,
+    /// Room for backend entries: over every frontend, the backends it may send to.
+    pub backends: u32,
+}
+
+impl Default for ServicesConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            external_cidrs: Vec::new(),
+            frontends: 65_536,
+            backends: 262_144,
+        }
+    }
+}
+
 /// SNAT of `natOutgoing` pools' traffic to the outside (`[nat]`); eBPF dataplane, IPv4.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

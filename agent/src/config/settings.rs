@@ -66,6 +66,19 @@ impl DatastoreConfig {
 }
 
 impl AgentConfig {
+    /// `services.external_cidrs`, parsed (an address is its /32 or /128).
+    pub fn services_external_cidrs(&self) -> Result<Vec<IpNet>, ConfigError> {
+        self.services
+            .external_cidrs
+            .iter()
+            .map(|entry| {
+                xdp::parse_deny(entry).ok_or_else(|| ConfigError::ExternalCidr {
+                    entry: entry.clone(),
+                })
+            })
+            .collect()
+    }
+
     /// The XDP prefilter's policy: the deny list and the failsafe ports (the configured ones
     /// plus the metrics port), each entry checked.
     pub fn xdp_policy(&self) -> Result<XdpPolicy, ConfigError> {

@@ -943,3 +943,50 @@ fn cluster_ippools_that_cannot_be_served_are_refused_one_by_one_in_name_order() 
     assert_eq!(pools.len(), 1);
     assert!(refused.is_empty());
 }
+
+/// `[services]`: off by default, Kubernetes only, its CIDRs parsed and its room within bounds.
+#[test]
+fn the_services_section_is_checked() {
+    let d = AgentConfig::default();
+    assert!(!d.services.enabled && d.services.external_cidrs.is_empty());
+    let k8s = "node_name = \"n\"\n[datastore]\ntype = \"kubernetes\"\n";
+    let c = AgentConfig::from_toml(&format!(
+        "{k8s}[services]\nenabled = true\nexternal_cidrs = [\"203.0.113.0/24\", \"2001:db8::7\"]\nfrontends = 10\nbackends = 20\n"
+    ))
+    .expect("parse");
+    c.validate().expect("valid");
+    let nets: Vec<String> = c
+        .services_external_cidrs()
+        .expect("cidrs")
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    assert_eq!(nets, ["203.0.113.0/24", "2001:db8::7/128"]);
+    let c =
+        AgentConfig::from_toml("node_name = \"n\"\n[services]\nenabled = true\n").expect("parse");
+    assert!(matches!(
+        c.validate(),
+        Err(ConfigError::ServicesNeedKubernetes)
+    ));
+    let c = AgentConfig::from_toml(&format!(
+        "{k8s}[services]\nexternal_cidrs = [\"203.0.113.0/33\"]\n"
+    ))
+    .expect("parse");
+    assert!(matches!(
+        c.validate(),
+        Err(ConfigError::ExternalCidr { entry }) if entry == "203.0.113.0/33"
+    ));
+    for (toml, key) in [
+        ("frontends = 0", "services.frontends"),
+        ("frontends = 1048577", "services.frontends"),
+        ("backends = 0", "services.backends"),
+        ("backends = 4194305", "services.backends"),
+    ] {
+        let c = AgentConfig::from_toml(&format!("{k8s}[services]\n{toml}\n")).expect("parse");
+        match c.validate() {
+            Err(ConfigError::OutOfRange { key: k, .. }) => assert_eq!(k, key, "{toml}"),
+            other => panic!("{toml}: {other:?}"),
+        }
+    }
+    assert!(AgentConfig::from_toml("node_name = \"n\"\n[services]\nsize = 5\n").is_err());
+}

@@ -290,6 +290,8 @@ impl AgentConfig {
             Bounded::new("nat.conntrack_entries", n.conntrack_entries, 2, 1 << 24),
             Bounded::new("policy.entries", self.policy.entries, 1, 1 << 24),
             Bounded::new("policy.flows", self.policy.flows, 16, 1 << 22),
+            Bounded::new("services.frontends", self.services.frontends, 1, 1 << 20),
+            Bounded::new("services.backends", self.services.backends, 1, 1 << 22),
             Bounded::new(
                 "nat.pressure_unanswered_secs",
                 n.pressure_unanswered_secs,
@@ -335,6 +337,10 @@ impl AgentConfig {
         self.bgp.validate()?;
         self.xdp_policy()?;
         self.nat_settings()?;
+        self.services_external_cidrs()?;
+        if self.services.enabled && !self.datastore.is_kubernetes() {
+            return Err(ConfigError::ServicesNeedKubernetes);
+        }
         if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {
             return Err(ConfigError::XdpNeedsEbpf);
         }

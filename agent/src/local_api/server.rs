@@ -631,7 +631,7 @@ impl UnixSocket {
         self,
         node: Arc<Node>,
         routes: Option<Arc<RoutesHandle>>,
-        bgp: Option<Arc<crate::bgp::speaker::BgpHandle>>,
+        reports: super::Reports,
         policy: Option<Arc<PolicyService>>,
         monitor: Option<crate::policy::monitor::DropMonitor>,
         shutdown: impl std::future::Future<Output = ()>,
@@ -656,7 +656,12 @@ impl UnixSocket {
             .add_service(pb::route_info_server::RouteInfoServer::new(route_info))
             .add_service(pb::policy_info_server::PolicyInfoServer::new(policy_info))
             .add_service(pb::bgp_info_server::BgpInfoServer::new(
-                super::bgp::BgpInfoSvc { bgp },
+                super::bgp::BgpInfoSvc { bgp: reports.bgp },
+            ))
+            .add_service(pb::services_info_server::ServicesInfoServer::new(
+                super::services::ServicesInfoSvc {
+                    services: reports.services,
+                },
             ))
             .serve_with_incoming_shutdown(UnixListenerStream::new(self.listener), shutdown)
             .await;

@@ -22,7 +22,7 @@ pub enum Change {
 }
 
 /// The dataplane's room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     pub frontends: usize,
     /// Backend entries: the sum over frontends of the backends each may send to.
@@ -50,6 +50,9 @@ fn size(p: &ServicePlan) -> (usize, usize) {
 pub struct State {
     services: BTreeMap<ServiceKey, Service>,
     slices: BTreeMap<String, EndpointSlice>,
+    /// Each Service's slices by name: a change plans one Service from its own slices, not
+    /// from a scan of every slice of the cluster.
+    by_service: BTreeMap<ServiceKey, BTreeSet<String>>,
     rules: Admission,
     here: Here,
     limits: Limits,
@@ -65,6 +68,7 @@ impl State {
         Self {
             services: BTreeMap::new(),
             slices: BTreeMap::new(),
+            by_service: BTreeMap::new(),
             rules,
             here,
             limits,
@@ -90,17 +94,34 @@ impl State {
             Change::Slice(s) => {
                 let mut touched = BTreeSet::new();
                 if let Some(old) = self.slices.insert(s.name.clone(), s.clone()) {
+                    self.unindex(&old);
                     touched.insert(old.service);
                 }
+                self.by_service
+                    .entry(s.service.clone())
+                    .or_default()
+                    .insert(s.name.clone());
                 touched.insert(s.service);
                 return self.replan(touched);
             }
             Change::SliceGone(name) => match self.slices.remove(&name) {
-                Some(old) => old.service,
+                Some(old) => {
+                    self.unindex(&old);
+                    old.service
+                }
                 None => return BTreeSet::new(),
             },
         };
         self.replan(BTreeSet::from([key]))
+    }
+
+    fn unindex(&mut self, old: &EndpointSlice) {
+        if let Some(names) = self.by_service.get_mut(&old.service) {
+            names.remove(&old.name);
+            if names.is_empty() {
+                self.by_service.remove(&old.service);
+            }
+        }
     }
 
     /// New admission rules (pools, node addresses, allowed CIDRs): every Service again.
@@ -120,10 +141,11 @@ impl State {
     fn compute(&self, k: &ServiceKey) -> Option<ServicePlan> {
         let svc = self.services.get(k)?;
         let slices: Vec<EndpointSlice> = self
-            .slices
-            .values()
-            .filter(|s| s.service == *k)
-            .cloned()
+            .by_service
+            .get(k)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.slices.get(name).cloned())
             .collect();
         Some(plan(svc, &slices, &self.rules, &self.here))
     }
@@ -195,6 +217,16 @@ impl State {
     /// Frontends and backend entries in use.
     pub fn used(&self) -> (usize, usize) {
         self.used
+    }
+
+    /// The room.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Services and slices known (admitted or not).
+    pub fn counts(&self) -> (usize, usize) {
+        (self.services.len(), self.slices.len())
     }
 }
 

@@ -66,6 +66,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: BgpCmd,
     },
+    /// Kubernetes Services: each one's frontends (address, port, protocol) and where each
+    /// sends new connections, from inside and from outside; what was refused (an address
+    /// not the Service's to have, no room) and what of its EndpointSlices was skipped.
+    /// `SERVICE`: `<namespace>/<name>`.
+    Services { service: Option<String> },
     /// NetworkPolicy: the agent's calculation, and a pod's policies and rules in force
     /// (`<namespace>/<name>`, or a name in `default`).
     Policy { pod: Option<String> },
@@ -155,6 +160,7 @@ async fn main() -> Result<()> {
             cmd: BpfCmd::Counters,
         } => commands::bpf::counters(channel, cli.output).await?,
         Cmd::Endpoints => commands::endpoints::run(channel, cli.output).await?,
+        Cmd::Services { service } => commands::services::run(channel, service, cli.output).await?,
         Cmd::Policy { pod } => commands::policy::run(channel, pod, cli.output).await?,
         Cmd::Trace { src, dst, proto } => {
             commands::policy::trace(channel, src, dst, &proto, cli.output).await?

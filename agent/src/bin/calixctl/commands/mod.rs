@@ -5,3 +5,4 @@ pub(crate) mod endpoints;
 pub(crate) mod ipam;
 pub(crate) mod policy;
 pub(crate) mod routes;
+pub(crate) mod services;

@@ -6,6 +6,7 @@ pub(crate) mod endpoints;
 pub(crate) mod ipam;
 pub(crate) mod policy;
 pub(crate) mod routes;
+pub(crate) mod services;
 #[cfg(test)]
 mod tests;
 

@@ -343,3 +343,98 @@ fn a_trace_reads_step_by_step_and_ends_with_its_verdict() {
         "{text}"
     );
 }
+
+#[test]
+fn services_table_shows_frontends_refusals_and_room() {
+    use calix_agent::services::{ServiceRow, ServicesReport};
+    use calix_core::services::admit::{Frontend, Kind, Refusal};
+    use calix_core::services::choose::Choice;
+    use calix_core::services::model::Protocol;
+    use calix_core::services::state::Limits;
+    use calix_core::services::Programmed;
+    let ip = |s: &str| s.parse::<std::net::IpAddr>().expect("ip");
+    let r = ServicesReport {
+        node: "n1".into(),
+        ready: true,
+        programmed: false,
+        services: 2,
+        slices: 1,
+        used_frontends: 2,
+        used_backends: 2,
+        limits: Limits {
+            frontends: 10,
+            backends: 20,
+        },
+        changes: 3,
+        list: vec![
+            ServiceRow {
+                service: "shop/big".into(),
+                frontends: Vec::new(),
+                refused: Vec::new(),
+                problems: Vec::new(),
+                unreadable: Vec::new(),
+                no_room: Some((1, 30)),
+            },
+            ServiceRow {
+                service: "shop/web".into(),
+                frontends: vec![
+                    Programmed {
+                        frontend: Frontend {
+                            kind: Kind::ClusterIp,
+                            address: Some(ip("fd00:96::a")),
+                            protocol: Protocol::Tcp,
+                            port: 80,
+                            port_name: "http".into(),
+                        },
+                        internal: Choice::To(vec![(ip("10.244.1.5"), 8080)]),
+                        external: None,
+                        terminating_fallback: false,
+                        affinity_secs: None,
+                    },
+                    Programmed {
+                        frontend: Frontend {
+                            kind: Kind::NodePort,
+                            address: None,
+                            protocol: Protocol::Udp,
+                            port: 30053,
+                            port_name: "dns".into(),
+                        },
+                        internal: Choice::Reject,
+                        external: Some(Choice::Drop),
+                        terminating_fallback: false,
+                        affinity_secs: None,
+                    },
+                ],
+                refused: vec![Refusal {
+                    kind: Kind::External,
+                    address: ip("192.0.2.9"),
+                    why: "outside services.external_cidrs".into(),
+                }],
+                problems: Vec::new(),
+                unreadable: Vec::new(),
+                no_room: None,
+            },
+        ],
+    };
+    let t = super::services::services_table(&r);
+    assert!(
+        t.contains("no room (1 frontend(s), 30 backend entries needed)"),
+        "{t}"
+    );
+    assert!(t.contains("[fd00:96::a]:80/TCP"), "{t}");
+    assert!(t.contains("10.244.1.5:8080"), "{t}");
+    assert!(t.contains("<node>:30053/UDP"), "{t}");
+    assert!(
+        t.contains("reject (no endpoint)") && t.contains("drop (no local endpoint)"),
+        "{t}"
+    );
+    assert!(
+        t.contains("shop/web: External 192.0.2.9 refused: outside services.external_cidrs"),
+        "{t}"
+    );
+    assert!(
+        t.contains("room used: 2/10 frontends, 2/20 backend entries"),
+        "{t}"
+    );
+    assert!(t.contains("calculated only"), "{t}");
+}

@@ -14,6 +14,8 @@ use calix_core::services::model::{
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
 
+pub mod watch;
+
 /// The label naming a slice's Service.
 pub use calix_datastore::kubernetes::views::SERVICE_NAME_LABEL;
 

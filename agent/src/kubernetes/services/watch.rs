@@ -1,0 +1,244 @@
+//! Services and EndpointSlices, followed through the store's read-only keys
+//! (`k8s/services/`, `k8s/endpointslices/`) and fed to the Services calculation one change at
+//! a time. Each kind has its own follower task (a follower re-watches and re-lists on its
+//! own); one task applies what they send. The calculation is ready once both first listings
+//! are in. An object that is not calix's (an ExternalName Service, a slice of no Service) is
+//! as good as gone; one that cannot be read at all is too, and said.
+use std::sync::Arc;
+
+use calix_core::services::model::ServiceKey;
+use calix_core::services::state::Change;
+use calix_core::store::{KeyValue, WatchEvent};
+use calix_datastore::follow::Follower;
+use calix_datastore::kubernetes::views;
+use calix_datastore::{Datastore, DatastoreError};
+use k8s_openapi::api::core::v1::Service as KubeService;
+use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
+use tokio::sync::mpsc;
+
+use crate::services::ServicesService;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Service,
+    Slice,
+}
+
+const PREFIXES: [(Kind, &str); 2] = [
+    (Kind::Service, views::SERVICES),
+    (Kind::Slice, views::ENDPOINT_SLICES),
+];
+
+/// What one stored object or deletion means: the change, and what could not be read of it
+/// (with the Service it belongs to).
+#[derive(Debug)]
+pub struct Seen {
+    pub key: String,
+    pub change: Change,
+    pub service: Option<ServiceKey>,
+    pub unreadable: Vec<String>,
+}
+
+/// `(namespace, name)` from the rest of a key.
+fn namespaced(kind: Kind, key: &str) -> Option<(String, String)> {
+    let prefix = match kind {
+        Kind::Service => views::SERVICES,
+        Kind::Slice => views::ENDPOINT_SLICES,
+    };
+    let (ns, name) = key.strip_prefix(prefix)?.split_once('/')?;
+    Some((ns.to_string(), name.to_string()))
+}
+
+fn gone(kind: Kind, key: &str) -> Option<Change> {
+    let (namespace, name) = namespaced(kind, key)?;
+    Some(match kind {
+        Kind::Service => Change::ServiceGone(ServiceKey { namespace, name }),
+        Kind::Slice => Change::SliceGone(format!("{namespace}/{name}")),
+    })
+}
+
+fn put(kind: Kind, kv: &KeyValue) -> Option<Seen> {
+    let seen = |change, service, unreadable| Seen {
+        key: kv.key.clone(),
+        change,
+        service,
+        unreadable,
+    };
+    match kind {
+        Kind::Service => {
+            let (svc, problems) = match kv.decode::<KubeService>() {
+                Ok(s) => super::service(&s),
+                Err(e) => (
+                    None,
+                    vec![format!("the Service cannot be read: {}", e.detail)],
+                ),
+            };
+            Some(match svc {
+                Some(s) => {
+                    let k = s.key.clone();
+                    seen(Change::Service(s), Some(k), problems)
+                }
+                None => {
+                    let (namespace, name) = namespaced(kind, &kv.key)?;
+                    let k = ServiceKey { namespace, name };
+                    seen(Change::ServiceGone(k.clone()), Some(k), problems)
+                }
+            })
+        }
+        Kind::Slice => {
+            let (slice, problems) = match kv.decode::<KubeSlice>() {
+                Ok(s) => super::slice(&s),
+                Err(e) => (
+                    None,
+                    vec![format!("the EndpointSlice cannot be read: {}", e.detail)],
+                ),
+            };
+            Some(match slice {
+                Some(s) => {
+                    let k = s.service.clone();
+                    seen(Change::Slice(s), Some(k), problems)
+                }
+                None => seen(gone(kind, &kv.key)?, None, problems),
+            })
+        }
+    }
+}
+
+/// The change one watch event means.
+pub fn change_of(event: &WatchEvent) -> Option<Seen> {
+    let kind = PREFIXES
+        .iter()
+        .find(|(_, p)| event.key().starts_with(p))
+        .map(|(k, _)| *k)?;
+    match event {
+        WatchEvent::Put(kv) => put(kind, kv),
+        WatchEvent::Delete { key, .. } => Some(Seen {
+            key: key.clone(),
+            change: gone(kind, key)?,
+            service: None,
+            unreadable: Vec::new(),
+        }),
+    }
+}
+
+/// The two followers, listed.
+pub struct Watches {
+    followers: Vec<Follower>,
+}
+
+/// Lists Services and EndpointSlices (each follower's first listing, both at once).
+pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
+    let followers = futures::future::try_join_all(
+        PREFIXES
+            .iter()
+            .map(|(_, prefix)| Follower::start(store.clone(), prefix)),
+    )
+    .await?;
+    Ok(Watches { followers })
+}
+
+/// Feeds the calculation: the first listings, then every change, for as long as the agent
+/// runs.
+pub fn spawn(w: Watches, service: Arc<ServicesService>) {
+    let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
+    let kinds = w.followers.len();
+    for mut follower in w.followers {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            for kv in follower.known().values() {
+                if let Some(seen) = change_of(&WatchEvent::Put(kv.clone())) {
+                    if tx.send(Some(seen)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            if tx.send(None).await.is_err() {
+                return;
+            }
+            loop {
+                let event = follower.next().await;
+                if let Some(seen) = change_of(&event) {
+                    if tx.send(Some(seen)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+    drop(tx);
+    tokio::spawn(async move {
+        let mut listed = 0;
+        while let Some(msg) = rx.recv().await {
+            let Some(seen) = msg else {
+                listed += 1;
+                if listed == kinds {
+                    service.set_ready();
+                    let r = service.report(None);
+                    tracing::info!(services = r.services, slices = r.slices,
+                        took = ?service.applying(), "Services: first listings in");
+                }
+                continue;
+            };
+            if !seen.unreadable.is_empty() {
+                tracing::warn!(key = %seen.key, problems = ?seen.unreadable,
+                    "Services: parts of an object cannot be read; left out");
+            }
+            service.set_unreadable(&seen.key, seen.service, seen.unreadable);
+            service.apply(seen.change);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(key: &str, value: serde_json::Value) -> KeyValue {
+        KeyValue {
+            key: key.to_string(),
+            value: serde_json::to_vec(&value).expect("json"),
+            revision: 1,
+            created: 1,
+        }
+    }
+
+    #[test]
+    fn stored_objects_and_deletions_become_changes() {
+        let svc = kv(
+            "k8s/services/shop/web",
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "web"},
+                "spec": {"clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10"],
+                         "ports": [{"name": "http", "port": 80, "protocol": "TCP"}]}
+            }),
+        );
+        let seen = change_of(&WatchEvent::Put(svc)).expect("a change");
+        assert!(matches!(seen.change, Change::Service(ref s) if s.key.name == "web"));
+        // An ExternalName Service is not calix's: as good as gone.
+        let ext = kv(
+            "k8s/services/shop/ext",
+            serde_json::json!({
+                "metadata": {"namespace": "shop", "name": "ext"},
+                "spec": {"type": "ExternalName", "externalName": "example.com"}
+            }),
+        );
+        let seen = change_of(&WatchEvent::Put(ext)).expect("a change");
+        assert!(matches!(seen.change, Change::ServiceGone(ref k) if k.name == "ext"));
+        // A slice that cannot be read at all: gone, and said.
+        let bad = kv(
+            "k8s/endpointslices/shop/web-1",
+            serde_json::json!({"metadata": {"namespace": "shop", "name": "web-1"},
+                               "addressType": 4, "endpoints": "many"}),
+        );
+        let seen = change_of(&WatchEvent::Put(bad)).expect("a change");
+        assert!(matches!(seen.change, Change::SliceGone(ref n) if n == "shop/web-1"));
+        assert_eq!(seen.unreadable.len(), 1, "{seen:?}");
+        let del = change_of(&WatchEvent::Delete {
+            key: "k8s/endpointslices/shop/web-1".into(),
+            revision: 2,
+        })
+        .expect("a change");
+        assert!(matches!(del.change, Change::SliceGone(ref n) if n == "shop/web-1"));
+        assert!(change_of(&WatchEvent::Put(kv("k8s/nodes/x", serde_json::json!({})))).is_none());
+    }
+}
