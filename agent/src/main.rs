@@ -327,7 +327,20 @@ async fn run() -> Result<()> {
         let watches = services_watch::load(store.clone())
             .await
             .context("cannot read the Services and EndpointSlices")?;
-        services_watch::spawn(watches, service.clone());
+        http.set_services(service.clone());
+        services_watch::spawn(watches, service.clone(), {
+            let node = node.clone();
+            move |n| {
+                node.notices.warning(
+                    n.reason,
+                    calix_agent::notice::Subject::Service {
+                        namespace: n.service.namespace,
+                        name: n.service.name,
+                    },
+                    n.message,
+                )
+            }
+        });
         Some(service)
     } else {
         None

@@ -153,6 +153,7 @@ pub struct HttpState {
     bgp: std::sync::OnceLock<Arc<crate::bgp::speaker::BgpHandle>>,
     /// NetworkPolicy, when it is followed (Kubernetes mode).
     policy: std::sync::OnceLock<Arc<crate::policy::PolicyService>>,
+    services: std::sync::OnceLock<Arc<crate::services::ServicesService>>,
     ready: std::sync::atomic::AtomicBool,
     refused: std::sync::atomic::AtomicU64,
 }
@@ -177,6 +178,11 @@ impl HttpState {
     /// NetworkPolicy's metrics from now on.
     pub fn set_policy(&self, policy: Arc<crate::policy::PolicyService>) {
         let _ = self.policy.set(policy);
+    }
+
+    /// The Services calculation's metrics from now on.
+    pub fn set_services(&self, services: Arc<crate::services::ServicesService>) {
+        let _ = self.services.set(services);
     }
 
     fn node(&self) -> Option<&Arc<Node>> {
@@ -290,6 +296,9 @@ async fn serve_one(mut sock: tokio::net::TcpStream, state: &HttpState, limits: H
             }
             if let Some(policy) = state.policy.get() {
                 body.push_str(&policy.metrics());
+            }
+            if let Some(services) = state.services.get() {
+                body.push_str(&services.metrics());
             }
             let _ = writeln!(
                 body,

@@ -19,6 +19,12 @@ pub enum Subject {
         namespace: String,
         name: String,
     },
+    /// A Service: the same on every node, so its Event is the cluster's one (every agent
+    /// posts it under the same name; the first one's stays).
+    Service {
+        namespace: String,
+        name: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! Kubernetes adapter (`kubernetes::services::watch`), and what `calixctl services` shows.
 //! Calculated only: nothing is programmed into the dataplane yet (kube-proxy still
 //! translates), and the report says so.
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -51,13 +51,82 @@ pub struct ServiceRow {
     pub no_room: Option<(usize, usize)>,
 }
 
+/// Something about a Service an operator must see (an Event on the Service).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceNotice {
+    pub service: ServiceKey,
+    /// `ServiceAddressRefused`, `ServiceNotProgrammed` or `EndpointSliceSkipped`.
+    pub reason: &'static str,
+    pub message: String,
+}
+
 struct Inner {
     state: State,
+    /// What was last said of each Service (a complaint is said once, again only after it
+    /// went away).
+    said: BTreeMap<ServiceKey, BTreeSet<(&'static str, String)>>,
     ready: bool,
     changes: u64,
     /// What could not be read of each object, by its store key.
     unreadable: BTreeMap<String, (Option<ServiceKey>, Vec<String>)>,
     applying: Duration,
+}
+
+impl Inner {
+    /// What `k` has wrong now.
+    fn complaints(&self, k: &ServiceKey) -> BTreeSet<(&'static str, String)> {
+        let mut out = BTreeSet::new();
+        if let Some((f, b)) = self.state.refused_for_room().get(k) {
+            out.insert((
+                "ServiceNotProgrammed",
+                format!(
+                    "not programmed: it needs {f} frontend(s) and {b} backend entries, more than \
+                     the room left ([services] frontends, backends); it never evicts another Service"
+                ),
+            ));
+        }
+        if let Some(p) = self.state.plan(k) {
+            for r in &p.refused {
+                out.insert((
+                    "ServiceAddressRefused",
+                    format!(
+                        "{:?} address {} is not programmed: {}",
+                        r.kind, r.address, r.why
+                    ),
+                ));
+            }
+            for sp in &p.problems {
+                out.insert((
+                    "EndpointSliceSkipped",
+                    format!(
+                        "EndpointSlice {}: {} (skipped; the rest is programmed)",
+                        sp.slice, sp.what
+                    ),
+                ));
+            }
+        }
+        out
+    }
+
+    /// The complaints of the Services in `touched` not said before; remembers them.
+    fn news(&mut self, touched: BTreeSet<ServiceKey>) -> Vec<ServiceNotice> {
+        let mut out = Vec::new();
+        for k in touched {
+            let now = self.complaints(&k);
+            let before = self.said.remove(&k).unwrap_or_default();
+            for (reason, message) in now.difference(&before) {
+                out.push(ServiceNotice {
+                    service: k.clone(),
+                    reason,
+                    message: message.clone(),
+                });
+            }
+            if !now.is_empty() {
+                self.said.insert(k, now);
+            }
+        }
+        out
+    }
 }
 
 /// The Services calculation of one node.
@@ -76,6 +145,7 @@ impl ServicesService {
             node: node.to_string(),
             inner: Mutex::new(Inner {
                 state: State::new(rules, here, limits),
+                said: BTreeMap::new(),
                 ready: false,
                 changes: 0,
                 unreadable: BTreeMap::new(),
@@ -88,14 +158,15 @@ impl ServicesService {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies one change; returns how many Services' plans may have changed.
-    pub fn apply(&self, change: Change) -> usize {
+    /// Applies one change; returns what the Services it touched have newly wrong.
+    pub fn apply(&self, change: Change) -> Vec<ServiceNotice> {
         let start = Instant::now();
         let mut inner = self.lock();
-        let touched = inner.state.apply(change).len();
+        let touched = inner.state.apply(change);
         inner.changes += 1;
+        let notices = inner.news(touched);
         inner.applying += start.elapsed();
-        touched
+        notices
     }
 
     /// What could not be read of the object stored at `key` (of Service `service`); empty:
@@ -109,9 +180,49 @@ impl ServicesService {
         }
     }
 
-    /// New admission rules (pools, node addresses, the allowed CIDRs).
-    pub fn set_rules(&self, rules: Admission) -> usize {
-        self.lock().state.set_rules(rules).len()
+    /// New admission rules (pools, node addresses, the allowed CIDRs); what is newly wrong.
+    pub fn set_rules(&self, rules: Admission) -> Vec<ServiceNotice> {
+        let mut inner = self.lock();
+        let touched = inner.state.set_rules(rules);
+        inner.news(touched)
+    }
+
+    /// The calculation's metrics (no label per Service: bounded whatever the cluster holds).
+    pub fn metrics(&self) -> String {
+        let inner = self.lock();
+        let st = &inner.state;
+        let (services, slices) = st.counts();
+        let (used_f, used_b) = st.used();
+        let limits = st.limits();
+        let refused: usize = st.plans().values().map(|p| p.refused.len()).sum();
+        let problems: usize = st.plans().values().map(|p| p.problems.len()).sum();
+        format!(
+            "# HELP calix_services_ready 1 once the first listings of Services and EndpointSlices are in.\n\
+             # TYPE calix_services_ready gauge\ncalix_services_ready {}\n\
+             # HELP calix_services_objects What the Services calculation holds, cluster-wide.\n\
+             # TYPE calix_services_objects gauge\n\
+             calix_services_objects{{kind=\"service\"}} {services}\n\
+             calix_services_objects{{kind=\"endpointslice\"}} {slices}\n\
+             # HELP calix_services_room Frontends and backend entries: in use, and the room ([services] frontends, backends).\n\
+             # TYPE calix_services_room gauge\n\
+             calix_services_room{{kind=\"frontend\",of=\"used\"}} {used_f}\n\
+             calix_services_room{{kind=\"frontend\",of=\"limit\"}} {}\n\
+             calix_services_room{{kind=\"backend\",of=\"used\"}} {used_b}\n\
+             calix_services_room{{kind=\"backend\",of=\"limit\"}} {}\n\
+             # HELP calix_services_refused What is not programmed now: addresses not a Service's to have (CVE-2020-8554), Services refused whole for room.\n\
+             # TYPE calix_services_refused gauge\n\
+             calix_services_refused{{reason=\"address\"}} {refused}\n\
+             calix_services_refused{{reason=\"room\"}} {}\n\
+             # HELP calix_services_slice_problems Parts of EndpointSlices skipped (unmatched ports, wrong-family addresses, duplicates).\n\
+             # TYPE calix_services_slice_problems gauge\ncalix_services_slice_problems {problems}\n\
+             # HELP calix_services_changes_total Changes of Services and EndpointSlices applied.\n\
+             # TYPE calix_services_changes_total counter\ncalix_services_changes_total {}\n",
+            u8::from(inner.ready),
+            limits.frontends,
+            limits.backends,
+            st.refused_for_room().len(),
+            inner.changes,
+        )
     }
 
     /// The first listings are in.
@@ -245,28 +356,51 @@ mod tests {
             },
         );
         // web: admitted, its external address refused (no CIDR allows any).
-        svc.apply(Change::Service(service(
+        let said = svc.apply(Change::Service(service(
             "web",
             "10.96.0.10",
             &["192.0.2.9"],
         )));
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert_eq!(said[0].reason, "ServiceAddressRefused");
+        assert!(said[0].message.contains("192.0.2.9"), "{said:?}");
         svc.apply(Change::Slice(slice("web-1", "web", &["10.244.1.5"])));
         // big: two backends more than the room left.
         svc.apply(Change::Service(service("big", "10.96.0.11", &[])));
-        svc.apply(Change::Slice(slice(
+        let said = svc.apply(Change::Slice(slice(
             "big-1",
             "big",
             &["10.244.1.6", "10.244.1.7"],
         )));
+        assert_eq!(said.len(), 1, "{said:?}");
+        assert_eq!(said[0].reason, "ServiceNotProgrammed");
         svc.set_unreadable(
             "k8s/endpointslices/shop/web-1",
             Some(key("web")),
             vec!["endpoint address \"x\"".into()],
         );
         svc.set_ready();
+        // Said once: web's refused address and big's want of room; a change that leaves them
+        // as they are says nothing again.
+        let again = svc.apply(Change::Service(service(
+            "web",
+            "10.96.0.10",
+            &["192.0.2.9"],
+        )));
+        assert!(again.is_empty(), "{again:?}");
+        let metrics = svc.metrics();
+        for line in [
+            "calix_services_ready 1",
+            "calix_services_objects{kind=\"service\"} 2",
+            "calix_services_refused{reason=\"address\"} 1",
+            "calix_services_refused{reason=\"room\"} 1",
+            "calix_services_room{kind=\"backend\",of=\"limit\"} 2",
+        ] {
+            assert!(metrics.contains(line), "{line}:\n{metrics}");
+        }
         let r = svc.report(None);
         assert!(r.ready && !r.programmed);
-        assert_eq!((r.services, r.slices, r.changes), (2, 2, 4));
+        assert_eq!((r.services, r.slices, r.changes), (2, 2, 5));
         assert_eq!((r.used_frontends, r.used_backends), (1, 1));
         let names: Vec<&str> = r.list.iter().map(|s| s.service.as_str()).collect();
         assert_eq!(names, ["shop/big", "shop/web"]);

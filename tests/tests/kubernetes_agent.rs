@@ -2500,6 +2500,38 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
         "{text}"
     );
     assert!(text.contains("198.51.100.7 refused"), "{text}");
+    // Each refusal an Event on the Service (one for the cluster, whichever node posts it),
+    // and counted on /metrics.
+    for (reason, says) in [
+        ("ServiceAddressRefused", "198.51.100.7"),
+        ("EndpointSliceSkipped", "web-2"),
+    ] {
+        wait_for(
+            &format!("a {reason} Event on web"),
+            Duration::from_secs(20),
+            || {
+                events(&api, reason, "Service", "web")
+                    .into_iter()
+                    .find(|e| {
+                        e["involvedObject"]["namespace"] == ns.as_str()
+                            && e["message"].as_str().is_some_and(|m| m.contains(says))
+                    })
+            },
+            show,
+        );
+    }
+    let (_, metrics) = node.http_get("/metrics").expect("/metrics");
+    let gauge = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+    };
+    assert_eq!(gauge("calix_services_ready "), Some(1), "{metrics}");
+    assert!(
+        gauge("calix_services_refused{reason=\"address\"}").is_some_and(|n| n >= 1),
+        "{metrics}"
+    );
     api.delete_now("v1", "Service", &ns, "web")
         .unwrap_or_else(|e| panic!("{e}"));
     wait_for(

@@ -90,6 +90,18 @@ pub fn event(node: &str, n: &Notice, held: u32) -> Result<Event, serde_json::Err
             namespace.clone(),
             serde_json::json!({"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": name}),
         ),
+        Subject::Service { namespace, name } => (
+            namespace.clone(),
+            serde_json::json!({"apiVersion": "v1", "kind": "Service", "namespace": namespace, "name": name}),
+        ),
+    };
+    // A Service's Event is named by what it says: every node computes the same, and the
+    // first agent's post is the one Event (the others meet AlreadyExists).
+    let metadata = match &n.subject {
+        Subject::Service { name, .. } => {
+            serde_json::json!({"name": shared_name(name, n), "namespace": namespace})
+        }
+        _ => serde_json::json!({"generateName": format!("{node}.calix."), "namespace": namespace}),
     };
     let mut message = n.message.clone();
     if held > 0 {
@@ -104,7 +116,7 @@ pub fn event(node: &str, n: &Notice, held: u32) -> Result<Event, serde_json::Err
     }
     let now = k8s_openapi::jiff::Timestamp::now().to_string();
     serde_json::from_value(serde_json::json!({
-        "metadata": {"generateName": format!("{node}.calix."), "namespace": namespace},
+        "metadata": metadata,
         "involvedObject": involved,
         "reason": n.reason,
         "message": message,
@@ -116,6 +128,17 @@ pub fn event(node: &str, n: &Notice, held: u32) -> Result<Event, serde_json::Err
         "lastTimestamp": now,
         "count": 1 + held,
     }))
+}
+
+/// `<service>.calix.<hash of reason and message>`: the same on every node (FNV-1a, fixed
+/// across builds and machines).
+fn shared_name(service: &str, n: &Notice) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in n.reason.bytes().chain([0]).chain(n.message.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{service}.calix.{h:016x}")
 }
 
 async fn post(client: &kube::Client, node: &str, n: &Notice, held: u32) {
@@ -135,6 +158,9 @@ async fn post(client: &kube::Client, node: &str, n: &Notice, held: u32) {
     .await;
     match posted {
         Ok(Ok(_)) => tracing::debug!(reason = n.reason, "Event posted"),
+        Ok(Err(kube::Error::Api(e))) if e.code == 409 => {
+            tracing::debug!(reason = n.reason, "Event posted already (by another node)")
+        }
         Ok(Err(e)) => tracing::warn!(error = %e, reason = n.reason, "Event not posted"),
         Err(_) => tracing::warn!(reason = n.reason, "Event not posted: no answer within 10 s"),
     }
@@ -170,6 +196,36 @@ mod tests {
             severity: Severity::Normal,
             ..n
         };
+        let svc = Notice {
+            subject: Subject::Service {
+                namespace: "shop".into(),
+                name: "web".into(),
+            },
+            message: "External address 192.0.2.9 is not programmed".into(),
+            ..node.clone()
+        };
+        let (a, b) = (
+            event("node-a", &svc, 0).expect("event"),
+            event("node-b", &svc, 0).expect("event"),
+        );
+        assert_eq!(a.involved_object.kind.as_deref(), Some("Service"));
+        assert_eq!(a.metadata.namespace.as_deref(), Some("shop"));
+        assert!(a.metadata.generate_name.is_none());
+        let name = a.metadata.name.clone().expect("a fixed name");
+        assert!(name.starts_with("web.calix."), "{name}");
+        assert_eq!(
+            b.metadata.name,
+            Some(name.clone()),
+            "every node the same name"
+        );
+        let other = Notice {
+            message: "another complaint".into(),
+            ..svc
+        };
+        assert_ne!(
+            event("node-a", &other, 0).expect("event").metadata.name,
+            Some(name)
+        );
         let ev = event("node-a", &node, 0).expect("event");
         assert_eq!(ev.metadata.namespace.as_deref(), Some("default"));
         assert_eq!(ev.involved_object.kind.as_deref(), Some("Node"));

@@ -16,7 +16,7 @@ use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
 use tokio::sync::mpsc;
 
-use crate::services::ServicesService;
+use crate::services::{ServiceNotice, ServicesService};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -138,8 +138,12 @@ pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> 
 }
 
 /// Feeds the calculation: the first listings, then every change, for as long as the agent
-/// runs.
-pub fn spawn(w: Watches, service: Arc<ServicesService>) {
+/// runs. What a change makes newly wrong with a Service goes to `notify`.
+pub fn spawn(
+    w: Watches,
+    service: Arc<ServicesService>,
+    notify: impl Fn(ServiceNotice) + Send + 'static,
+) {
     let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
     let kinds = w.followers.len();
     for mut follower in w.followers {
@@ -184,7 +188,9 @@ pub fn spawn(w: Watches, service: Arc<ServicesService>) {
                     "Services: parts of an object cannot be read; left out");
             }
             service.set_unreadable(&seen.key, seen.service, seen.unreadable);
-            service.apply(seen.change);
+            for n in service.apply(seen.change) {
+                notify(n);
+            }
         }
     });
 }
