@@ -323,12 +323,17 @@ async fn run() -> Result<()> {
             backends: cfg.services.backends as usize,
         };
         let zone = cfg.node_labels.get("topology.kubernetes.io/zone").cloned();
-        let service = Arc::new(ServicesService::new(&cfg.node_name, zone, rules, limits));
+        let service = Arc::new(ServicesService::new(
+            &cfg.node_name,
+            zone,
+            rules.clone(),
+            limits,
+        ));
         let watches = services_watch::load(store.clone())
             .await
             .context("cannot read the Services and EndpointSlices")?;
         http.set_services(service.clone());
-        services_watch::spawn(watches, service.clone(), {
+        services_watch::spawn(watches, service.clone(), rules, {
             let node = node.clone();
             move |n| {
                 node.notices.warning(

@@ -2360,8 +2360,8 @@ fn trace_asks_the_node_a_traced_pod_lives_on() {
 
 /// `[services] enabled`: the agent follows Services and EndpointSlices with the chart's
 /// ClusterRole and calculates them (`calixctl services`): a ClusterIP's backends from its
-/// slice; an external address inside `external_cidrs` taken, one outside refused
-/// (CVE-2020-8554); a slice's bad endpoint skipped and said, the rest kept; a Service with no
+/// slice; an external address inside `external_cidrs` taken, one outside refused, and one
+/// inside that is another Node's address refused too (CVE-2020-8554); a slice's bad endpoint skipped and said, the rest kept; a Service with no
 /// endpoint rejects; the slice's change and the Service's deletion followed.
 #[test]
 fn services_and_endpoint_slices_are_followed_and_calculated() {
@@ -2400,7 +2400,14 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
         }))
         .unwrap_or_else(|e| panic!("{e}"))
     };
-    let web = service("web", &["203.0.113.7", "198.51.100.7"]);
+    // Another node whose address lies inside the allowed CIDR: still never a Service's.
+    node_object(
+        &api,
+        &format!("{u}-n2"),
+        json!({}),
+        &[("InternalIP", "203.0.113.50")],
+    );
+    let web = service("web", &["203.0.113.7", "198.51.100.7", "203.0.113.50"]);
     let cluster_ip = web["spec"]["clusterIP"]
         .as_str()
         .expect("a cluster IP")
@@ -2424,13 +2431,14 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
             .cloned()
     };
     let web_row = wait_for(
-        "web calculated with its two backends",
+        "web calculated with its two backends, two addresses refused",
         Duration::from_secs(20),
         || {
             row("web").filter(|w| {
                 w["frontends"][0]["internal"]["To"]
                     .as_array()
                     .is_some_and(|b| b.len() == 2)
+                    && w["refused"].as_array().is_some_and(|r| r.len() == 2)
             })
         },
         show,
@@ -2466,8 +2474,14 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
         "{web_row}"
     );
     let refused = &web_row["refused"];
-    assert_eq!(refused.as_array().map(Vec::len), Some(1), "{web_row}");
-    assert_eq!(refused[0]["address"], "198.51.100.7", "{web_row}");
+    let mut refused: Vec<&str> = refused
+        .as_array()
+        .expect("refused")
+        .iter()
+        .filter_map(|r| r["address"].as_str())
+        .collect();
+    refused.sort_unstable();
+    assert_eq!(refused, ["198.51.100.7", "203.0.113.50"], "{web_row}");
     let empty = row("empty").expect("the Service with no endpoint");
     assert_eq!(empty["frontends"][0]["internal"], "Reject", "{empty}");
     // One endpoint fewer; and a second slice whose port is no port of the Service: skipped

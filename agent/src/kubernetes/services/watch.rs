@@ -3,14 +3,18 @@
 //! a time. Each kind has its own follower task (a follower re-watches and re-lists on its
 //! own); one task applies what they send. The calculation is ready once both first listings
 //! are in. An object that is not calix's (an ExternalName Service, a slice of no Service) is
-//! as good as gone; one that cannot be read at all is too, and said.
+//! as good as gone; one that cannot be read at all is too, and said. The Nodes are followed
+//! too: no Service may capture any node's address (their `InternalIP`s and `ExternalIP`s).
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 use std::sync::Arc;
 
+use calix_core::services::admit::Admission;
 use calix_core::services::model::ServiceKey;
 use calix_core::services::state::Change;
 use calix_core::store::{KeyValue, WatchEvent};
 use calix_datastore::follow::Follower;
-use calix_datastore::kubernetes::views;
+use calix_datastore::kubernetes::views::{self, NodeView};
 use calix_datastore::{Datastore, DatastoreError};
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
@@ -22,19 +26,29 @@ use crate::services::{ServiceNotice, ServicesService};
 enum Kind {
     Service,
     Slice,
+    Node,
 }
 
-const PREFIXES: [(Kind, &str); 2] = [
+const PREFIXES: [(Kind, &str); 3] = [
     (Kind::Service, views::SERVICES),
     (Kind::Slice, views::ENDPOINT_SLICES),
+    (Kind::Node, views::NODES),
 ];
+
+/// What one event is about.
+#[derive(Debug)]
+pub enum Update {
+    Change(Change),
+    /// A Node's addresses now (empty: gone).
+    Node(String, Vec<IpAddr>),
+}
 
 /// What one stored object or deletion means: the change, and what could not be read of it
 /// (with the Service it belongs to).
 #[derive(Debug)]
 pub struct Seen {
     pub key: String,
-    pub change: Change,
+    pub update: Update,
     pub service: Option<ServiceKey>,
     pub unreadable: Vec<String>,
 }
@@ -44,27 +58,53 @@ fn namespaced(kind: Kind, key: &str) -> Option<(String, String)> {
     let prefix = match kind {
         Kind::Service => views::SERVICES,
         Kind::Slice => views::ENDPOINT_SLICES,
+        Kind::Node => return None,
     };
     let (ns, name) = key.strip_prefix(prefix)?.split_once('/')?;
     Some((ns.to_string(), name.to_string()))
 }
 
-fn gone(kind: Kind, key: &str) -> Option<Change> {
+fn gone(kind: Kind, key: &str) -> Option<Update> {
+    if kind == Kind::Node {
+        return Some(Update::Node(
+            key.strip_prefix(views::NODES)?.to_string(),
+            Vec::new(),
+        ));
+    }
     let (namespace, name) = namespaced(kind, key)?;
-    Some(match kind {
-        Kind::Service => Change::ServiceGone(ServiceKey { namespace, name }),
+    Some(Update::Change(match kind {
         Kind::Slice => Change::SliceGone(format!("{namespace}/{name}")),
-    })
+        _ => Change::ServiceGone(ServiceKey { namespace, name }),
+    }))
+}
+
+/// A Node's `InternalIP`s and `ExternalIP`s that parse.
+fn node_addresses(n: &NodeView) -> Vec<IpAddr> {
+    n.addresses
+        .iter()
+        .filter(|a| a.kind == "InternalIP" || a.kind == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect()
 }
 
 fn put(kind: Kind, kv: &KeyValue) -> Option<Seen> {
     let seen = |change, service, unreadable| Seen {
         key: kv.key.clone(),
-        change,
+        update: Update::Change(change),
         service,
         unreadable,
     };
     match kind {
+        Kind::Node => {
+            let n: NodeView = kv.decode().ok()?;
+            let addresses = node_addresses(&n);
+            Some(Seen {
+                key: kv.key.clone(),
+                update: Update::Node(n.name, addresses),
+                service: None,
+                unreadable: Vec::new(),
+            })
+        }
         Kind::Service => {
             let (svc, problems) = match kv.decode::<KubeService>() {
                 Ok(s) => super::service(&s),
@@ -98,7 +138,12 @@ fn put(kind: Kind, kv: &KeyValue) -> Option<Seen> {
                     let k = s.service.clone();
                     seen(Change::Slice(s), Some(k), problems)
                 }
-                None => seen(gone(kind, &kv.key)?, None, problems),
+                None => Seen {
+                    key: kv.key.clone(),
+                    update: gone(kind, &kv.key)?,
+                    service: None,
+                    unreadable: problems,
+                },
             })
         }
     }
@@ -114,7 +159,7 @@ pub fn change_of(event: &WatchEvent) -> Option<Seen> {
         WatchEvent::Put(kv) => put(kind, kv),
         WatchEvent::Delete { key, .. } => Some(Seen {
             key: key.clone(),
-            change: gone(kind, key)?,
+            update: gone(kind, key)?,
             service: None,
             unreadable: Vec::new(),
         }),
@@ -126,7 +171,7 @@ pub struct Watches {
     followers: Vec<Follower>,
 }
 
-/// Lists Services and EndpointSlices (each follower's first listing, both at once).
+/// Lists Services, EndpointSlices and Nodes (each follower's first listing, all at once).
 pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
     let followers = futures::future::try_join_all(
         PREFIXES
@@ -138,10 +183,12 @@ pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> 
 }
 
 /// Feeds the calculation: the first listings, then every change, for as long as the agent
-/// runs. What a change makes newly wrong with a Service goes to `notify`.
+/// runs. What a change makes newly wrong with a Service goes to `notify`. `rules`: the
+/// admission rules but the Nodes' addresses, which are added as the Nodes come and go.
 pub fn spawn(
     w: Watches,
     service: Arc<ServicesService>,
+    rules: Admission,
     notify: impl Fn(ServiceNotice) + Send + 'static,
 ) {
     let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
@@ -172,6 +219,15 @@ pub fn spawn(
     drop(tx);
     tokio::spawn(async move {
         let mut listed = 0;
+        let mut nodes: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
+        let admission = |nodes: &BTreeMap<String, Vec<IpAddr>>| {
+            let mut all: BTreeSet<IpAddr> = rules.node_addresses.iter().copied().collect();
+            all.extend(nodes.values().flatten().copied());
+            Admission {
+                node_addresses: all.into_iter().collect(),
+                ..rules.clone()
+            }
+        };
         while let Some(msg) = rx.recv().await {
             let Some(seen) = msg else {
                 listed += 1;
@@ -187,8 +243,24 @@ pub fn spawn(
                 tracing::warn!(key = %seen.key, problems = ?seen.unreadable,
                     "Services: parts of an object cannot be read; left out");
             }
-            service.set_unreadable(&seen.key, seen.service, seen.unreadable);
-            for n in service.apply(seen.change) {
+            let said = match seen.update {
+                Update::Change(change) => {
+                    service.set_unreadable(&seen.key, seen.service, seen.unreadable);
+                    service.apply(change)
+                }
+                Update::Node(name, addresses) => {
+                    let before = if addresses.is_empty() {
+                        nodes.remove(&name)
+                    } else {
+                        nodes.insert(name, addresses.clone())
+                    };
+                    if before.unwrap_or_default() == addresses {
+                        continue;
+                    }
+                    service.set_rules(admission(&nodes))
+                }
+            };
+            for n in said {
                 notify(n);
             }
         }
@@ -219,7 +291,9 @@ mod tests {
             }),
         );
         let seen = change_of(&WatchEvent::Put(svc)).expect("a change");
-        assert!(matches!(seen.change, Change::Service(ref s) if s.key.name == "web"));
+        assert!(
+            matches!(seen.update, Update::Change(Change::Service(ref s)) if s.key.name == "web")
+        );
         // An ExternalName Service is not calix's: as good as gone.
         let ext = kv(
             "k8s/services/shop/ext",
@@ -229,7 +303,9 @@ mod tests {
             }),
         );
         let seen = change_of(&WatchEvent::Put(ext)).expect("a change");
-        assert!(matches!(seen.change, Change::ServiceGone(ref k) if k.name == "ext"));
+        assert!(
+            matches!(seen.update, Update::Change(Change::ServiceGone(ref k)) if k.name == "ext")
+        );
         // A slice that cannot be read at all: gone, and said.
         let bad = kv(
             "k8s/endpointslices/shop/web-1",
@@ -237,14 +313,38 @@ mod tests {
                                "addressType": 4, "endpoints": "many"}),
         );
         let seen = change_of(&WatchEvent::Put(bad)).expect("a change");
-        assert!(matches!(seen.change, Change::SliceGone(ref n) if n == "shop/web-1"));
+        assert!(
+            matches!(seen.update, Update::Change(Change::SliceGone(ref n)) if n == "shop/web-1")
+        );
         assert_eq!(seen.unreadable.len(), 1, "{seen:?}");
         let del = change_of(&WatchEvent::Delete {
             key: "k8s/endpointslices/shop/web-1".into(),
             revision: 2,
         })
         .expect("a change");
-        assert!(matches!(del.change, Change::SliceGone(ref n) if n == "shop/web-1"));
-        assert!(change_of(&WatchEvent::Put(kv("k8s/nodes/x", serde_json::json!({})))).is_none());
+        assert!(
+            matches!(del.update, Update::Change(Change::SliceGone(ref n)) if n == "shop/web-1")
+        );
+        // A Node: its internal and external addresses, not its hostname.
+        let node = kv(
+            "k8s/nodes/n1",
+            serde_json::json!({"name": "n1", "addresses": [
+                {"type": "InternalIP", "address": "192.0.2.10"},
+                {"type": "ExternalIP", "address": "198.51.100.10"},
+                {"type": "Hostname", "address": "n1"}]}),
+        );
+        let seen = change_of(&WatchEvent::Put(node)).expect("a node");
+        let Update::Node(name, addresses) = seen.update else {
+            panic!("a node: {seen:?}")
+        };
+        assert_eq!(name, "n1");
+        assert_eq!(addresses.len(), 2);
+        let gone = change_of(&WatchEvent::Delete {
+            key: "k8s/nodes/n1".into(),
+            revision: 3,
+        })
+        .expect("a node gone");
+        assert!(matches!(gone.update, Update::Node(ref n, ref a) if n == "n1" && a.is_empty()));
+        assert!(change_of(&WatchEvent::Put(kv("k8s/ippools/x", serde_json::json!({})))).is_none());
     }
 }
