@@ -2372,7 +2372,7 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
         "[services]\nenabled = true\nexternal_cidrs = [\"203.0.113.0/24\"]\n",
     );
     let node = api
-        .started_with_pool(node, &u, "10.87.0.0/24", "192.0.2.41")
+        .started_with_pool(node, &u, "10.79.0.0/24", "192.0.2.41")
         .unwrap_or_else(|e| panic!("{e}"));
     let ns = format!("{u}-svc");
     namespace(&api, &ns, json!({}), json!({}));
@@ -2413,7 +2413,7 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
         .expect("a cluster IP")
         .to_string();
     service("empty", &[]);
-    slice("web-1", "web", "http", &["10.87.1.5", "10.87.1.6"]);
+    slice("web-1", "web", "http", &["10.79.1.5", "10.79.1.6"]);
     let show = || {
         node.agent()
             .calixctl_json(&["services"])
@@ -2470,7 +2470,7 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
     );
     assert_eq!(
         web_row["frontends"][0]["internal"]["To"][0],
-        json!(["10.87.1.5", 8080]),
+        json!(["10.79.1.5", 8080]),
         "{web_row}"
     );
     let refused = &web_row["refused"];
@@ -2486,8 +2486,8 @@ fn services_and_endpoint_slices_are_followed_and_calculated() {
     assert_eq!(empty["frontends"][0]["internal"], "Reject", "{empty}");
     // One endpoint fewer; and a second slice whose port is no port of the Service: skipped
     // and said, the first slice's backend kept.
-    slice("web-1", "web", "http", &["10.87.1.5"]);
-    slice("web-2", "web", "metrics", &["10.87.1.7"]);
+    slice("web-1", "web", "http", &["10.79.1.5"]);
+    slice("web-2", "web", "metrics", &["10.79.1.7"]);
     let web_row = wait_for(
         "the changed slice followed",
         Duration::from_secs(20),
