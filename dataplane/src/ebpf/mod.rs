@@ -199,6 +199,7 @@ fn load_program(bpf: &mut Ebpf, name: &'static str) -> Result<(), DataplaneError
     match find(bpf, name)? {
         Program::SchedClassifier(p) => p.load(),
         Program::Xdp(p) => p.load(),
+        Program::CgroupSockAddr(p) => p.load(),
         _ => Err(ProgramError::UnexpectedProgramType),
     }
     .map_err(prog_err(name, "load"))

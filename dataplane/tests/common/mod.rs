@@ -176,6 +176,7 @@ pub fn load_object_sized(pins: &PinDir, sizes: &[(&str, u32)]) -> Ebpf {
         let loaded = match bpf.program_mut(name).expect("a program of ALL_PROGRAMS") {
             Program::SchedClassifier(p) => p.load(),
             Program::Xdp(p) => p.load(),
+            Program::CgroupSockAddr(p) => p.load(),
             other => panic!("{name}: unexpected program type {:?}", other.prog_type()),
         };
         if let Err(e) = loaded {

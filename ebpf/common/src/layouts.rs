@@ -61,7 +61,7 @@ const fn m(
 
 /// Every published layout, oldest first; append a row for a new version, never edit one (the
 /// agent reads older pins by them, and the upgrade test recreates them from here).
-pub const LAYOUTS: [Layout; 3] = [
+pub const LAYOUTS: [Layout; 4] = [
     // Layout 1. `CtEntry` was 16 bytes in its first builds (no route cache) and 40 later,
     // without a version change: the agent migrates both.
     Layout {
@@ -155,133 +155,12 @@ pub const LAYOUTS: [Layout; 3] = [
     // identities, entries, per-endpoint state and flows (issue 22).
     Layout {
         version: 3,
-        maps: &[
-            m(
-                STACK_FLOWS_MAP,
-                BPF_MAP_TYPE_HASH,
-                40,
-                16,
-                MAX_STACK_FLOWS,
-                1,
-            ),
-            m(STACK_EPS_MAP, BPF_MAP_TYPE_ARRAY, 4, 4, MAX_ENDPOINTS, 0),
-            m(
-                STACK_OVERFLOW_MAP,
-                BPF_MAP_TYPE_ARRAY,
-                4,
-                4,
-                MAX_ENDPOINTS,
-                0,
-            ),
-            m(
-                STACK_CLEARED_MAP,
-                BPF_MAP_TYPE_ARRAY,
-                4,
-                4,
-                MAX_ENDPOINTS,
-                0,
-            ),
-            m(
-                COUNTERS_MAP,
-                BPF_MAP_TYPE_PERCPU_ARRAY,
-                4,
-                32,
-                MAX_ENDPOINTS,
-                0,
-            ),
-            m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 32, MAX_ENDPOINTS, 0),
-            m(
-                ENDPOINTS_DIRECT_MAP,
-                BPF_MAP_TYPE_ARRAY,
-                4,
-                40,
-                MAX_ENDPOINTS,
-                0,
-            ),
-            m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 16, MAX_ENDPOINTS, 0),
-            m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 16, MAX_ENDPOINTS, 0),
-            m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
-            m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
-            m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
-            m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
-            m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
-            m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
-            m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
-            m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
-            m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
-            m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
-            m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
-            m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
-            m(
-                NO_SNAT_V4_MAP,
-                BPF_MAP_TYPE_LPM_TRIE,
-                8,
-                4,
-                MAX_NO_SNAT_CIDRS,
-                1,
-            ),
-            m(AGENT_PORTS_MAP, BPF_MAP_TYPE_ARRAY, 4, 16, 1, 0),
-            m(PEERS_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_PEER_ADDRS, 1),
-            m(PEERS_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_PEER_ADDRS, 1),
-            m(
-                POLICY_IDS_V4_MAP,
-                BPF_MAP_TYPE_LPM_TRIE,
-                8,
-                4,
-                MAX_POLICY_PREFIXES,
-                1,
-            ),
-            m(
-                POLICY_IDS_V6_MAP,
-                BPF_MAP_TYPE_LPM_TRIE,
-                20,
-                4,
-                MAX_POLICY_PREFIXES,
-                1,
-            ),
-            m(
-                POLICY_MAP,
-                BPF_MAP_TYPE_LPM_TRIE,
-                16,
-                4,
-                DEFAULT_POLICY_ENTRIES,
-                1,
-            ),
-            m(POLICY_STATE_MAP, BPF_MAP_TYPE_ARRAY, 4, 8, MAX_ENDPOINTS, 0),
-            m(
-                POLICY_FLOWS_MAP,
-                BPF_MAP_TYPE_LRU_HASH,
-                40,
-                16,
-                DEFAULT_POLICY_FLOWS,
-                0,
-            ),
-            m(POLICY_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 104, 1, 0),
-            m(
-                POLICY_HITS_MAP,
-                BPF_MAP_TYPE_PERCPU_HASH,
-                8,
-                8,
-                MAX_POLICY_HITS,
-                1,
-            ),
-            m(
-                POLICY_EVENTS_MAP,
-                BPF_MAP_TYPE_RINGBUF,
-                0,
-                0,
-                POLICY_EVENTS_BYTES,
-                0,
-            ),
-            m(
-                POLICY_EVENT_BUDGET_MAP,
-                BPF_MAP_TYPE_PERCPU_ARRAY,
-                4,
-                88,
-                1,
-                0,
-            ),
-        ],
+        maps: &LAYOUT_3,
+    },
+    // Layout 4: layout 3 and the Services maps (issue 24).
+    Layout {
+        version: 4,
+        maps: &LAYOUT_4,
     },
 ];
 
@@ -304,4 +183,180 @@ pub const fn str_eq(a: &str, b: &str) -> bool {
         i += 1;
     }
     true
+}
+
+const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
+    m(
+        STACK_FLOWS_MAP,
+        BPF_MAP_TYPE_HASH,
+        40,
+        16,
+        MAX_STACK_FLOWS,
+        1,
+    ),
+    m(STACK_EPS_MAP, BPF_MAP_TYPE_ARRAY, 4, 4, MAX_ENDPOINTS, 0),
+    m(
+        STACK_OVERFLOW_MAP,
+        BPF_MAP_TYPE_ARRAY,
+        4,
+        4,
+        MAX_ENDPOINTS,
+        0,
+    ),
+    m(
+        STACK_CLEARED_MAP,
+        BPF_MAP_TYPE_ARRAY,
+        4,
+        4,
+        MAX_ENDPOINTS,
+        0,
+    ),
+    m(
+        COUNTERS_MAP,
+        BPF_MAP_TYPE_PERCPU_ARRAY,
+        4,
+        32,
+        MAX_ENDPOINTS,
+        0,
+    ),
+    m(ENDPOINTS_MAP, BPF_MAP_TYPE_HASH, 4, 32, MAX_ENDPOINTS, 0),
+    m(
+        ENDPOINTS_DIRECT_MAP,
+        BPF_MAP_TYPE_ARRAY,
+        4,
+        40,
+        MAX_ENDPOINTS,
+        0,
+    ),
+    m(LOCAL_V4_MAP, BPF_MAP_TYPE_HASH, 4, 16, MAX_ENDPOINTS, 0),
+    m(LOCAL_V6_MAP, BPF_MAP_TYPE_HASH, 16, 16, MAX_ENDPOINTS, 0),
+    m(DROPS_MAP, BPF_MAP_TYPE_PERCPU_HASH, 8, 16, MAX_DROP_KEYS, 0),
+    m(POOLS_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_POOLS, 1),
+    m(POOLS_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_POOLS, 1),
+    m(DENY_V4_MAP, BPF_MAP_TYPE_LPM_TRIE, 8, 4, MAX_DENY_CIDRS, 1),
+    m(DENY_V6_MAP, BPF_MAP_TYPE_LPM_TRIE, 20, 4, MAX_DENY_CIDRS, 1),
+    m(FAILSAFE_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_FAILSAFE_PORTS, 0),
+    m(HOST_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_HOST_ADDRS, 0),
+    m(HOST_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_HOST_ADDRS, 0),
+    m(CT_MAP, BPF_MAP_TYPE_HASH, 16, 64, DEFAULT_CT_ENTRIES, 0),
+    m(CT_OWNED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+    m(CT_FREED_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_ENDPOINTS, 0),
+    m(NAT_CONFIG_MAP, BPF_MAP_TYPE_ARRAY, 4, 88, 1, 0),
+    m(
+        NO_SNAT_V4_MAP,
+        BPF_MAP_TYPE_LPM_TRIE,
+        8,
+        4,
+        MAX_NO_SNAT_CIDRS,
+        1,
+    ),
+    m(AGENT_PORTS_MAP, BPF_MAP_TYPE_ARRAY, 4, 16, 1, 0),
+    m(PEERS_V4_MAP, BPF_MAP_TYPE_HASH, 4, 4, MAX_PEER_ADDRS, 1),
+    m(PEERS_V6_MAP, BPF_MAP_TYPE_HASH, 16, 4, MAX_PEER_ADDRS, 1),
+    m(
+        POLICY_IDS_V4_MAP,
+        BPF_MAP_TYPE_LPM_TRIE,
+        8,
+        4,
+        MAX_POLICY_PREFIXES,
+        1,
+    ),
+    m(
+        POLICY_IDS_V6_MAP,
+        BPF_MAP_TYPE_LPM_TRIE,
+        20,
+        4,
+        MAX_POLICY_PREFIXES,
+        1,
+    ),
+    m(
+        POLICY_MAP,
+        BPF_MAP_TYPE_LPM_TRIE,
+        16,
+        4,
+        DEFAULT_POLICY_ENTRIES,
+        1,
+    ),
+    m(POLICY_STATE_MAP, BPF_MAP_TYPE_ARRAY, 4, 8, MAX_ENDPOINTS, 0),
+    m(
+        POLICY_FLOWS_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        40,
+        16,
+        DEFAULT_POLICY_FLOWS,
+        0,
+    ),
+    m(POLICY_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 104, 1, 0),
+    m(
+        POLICY_HITS_MAP,
+        BPF_MAP_TYPE_PERCPU_HASH,
+        8,
+        8,
+        MAX_POLICY_HITS,
+        1,
+    ),
+    m(
+        POLICY_EVENTS_MAP,
+        BPF_MAP_TYPE_RINGBUF,
+        0,
+        0,
+        POLICY_EVENTS_BYTES,
+        0,
+    ),
+    m(
+        POLICY_EVENT_BUDGET_MAP,
+        BPF_MAP_TYPE_PERCPU_ARRAY,
+        4,
+        88,
+        1,
+        0,
+    ),
+];
+const LAYOUT_3_MAPS: usize = 34;
+
+const SERVICES_MAPS: [MapLayout; 3] = [
+    m(
+        SVC_FRONTENDS_MAP,
+        BPF_MAP_TYPE_HASH,
+        20,
+        16,
+        DEFAULT_SVC_FRONTENDS,
+        1,
+    ),
+    m(
+        SVC_BACKENDS_MAP,
+        BPF_MAP_TYPE_HASH,
+        8,
+        20,
+        DEFAULT_SVC_BACKENDS,
+        1,
+    ),
+    m(
+        SVC_REV_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        32,
+        20,
+        SVC_REV_ENTRIES,
+        0,
+    ),
+];
+
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 3] = concat(LAYOUT_3, SERVICES_MAPS);
+
+/// `a` then `b`, in `const` context.
+const fn concat<const A: usize, const B: usize, const C: usize>(
+    a: [MapLayout; A],
+    b: [MapLayout; B],
+) -> [MapLayout; C] {
+    let mut out = [a[0]; C];
+    let mut i = 0;
+    while i < A {
+        out[i] = a[i];
+        i += 1;
+    }
+    while i < C {
+        out[i] = b[i - A];
+        i += 1;
+    }
+    out
 }

@@ -12,6 +12,7 @@
 mod drop_reason;
 mod layouts;
 mod policy;
+mod services;
 
 pub use drop_reason::DropReason;
 pub use layouts::{
@@ -20,13 +21,14 @@ pub use layouts::{
     BPF_MAP_TYPE_PERCPU_HASH, LAYOUTS,
 };
 pub use policy::*;
+pub use services::*;
 
 /// Version of the map layout below. Maps are pinned under `<pin root>/v<LAYOUT_VERSION>/`: a
 /// build with a different layout never opens (half-reads) maps of another. Every map's type,
 /// key and value size, `max_entries` and flags are in [`LAYOUTS`] under this number; a unit
 /// test (here for the types, in the agent for the built object) fails when they change
 /// without a new version.
-pub const LAYOUT_VERSION: u32 = 3;
+pub const LAYOUT_VERSION: u32 = 4;
 
 /// Per-CPU array: an endpoint's slot → [`EndpointCounters`]. The slot is the endpoint's index
 /// in every per-endpoint array, below [`MAX_ENDPOINTS`]: the agent hands it out (and zeroes
@@ -178,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 34] = [
+pub const ALL_MAPS: [&str; 37] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -213,6 +215,9 @@ pub const ALL_MAPS: [&str; 34] = [
     POLICY_HITS_MAP,
     POLICY_EVENTS_MAP,
     POLICY_EVENT_BUDGET_MAP,
+    SVC_FRONTENDS_MAP,
+    SVC_BACKENDS_MAP,
+    SVC_REV_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -246,14 +251,34 @@ pub const TC_PROGRAMS: [&str; 4] = [
 ];
 /// The XDP programs (loaded as `Xdp`).
 pub const XDP_PROGRAMS: [&str; 1] = [PROG_XDP_HOST_DEV];
+/// The Services programs at the sockets (cgroup `sock_addr`; `services`): each program's
+/// name, in the order the agent attaches them.
+pub const SVC_PROGRAMS: [&str; 8] = [
+    "svc_connect4",
+    "svc_connect6",
+    "svc_sendmsg4",
+    "svc_sendmsg6",
+    "svc_recvmsg4",
+    "svc_recvmsg6",
+    "svc_getpeername4",
+    "svc_getpeername6",
+];
 /// Every program, for pinning, the object check and the verifier test: [`TC_PROGRAMS`], then
-/// [`XDP_PROGRAMS`].
-pub const ALL_PROGRAMS: [&str; 5] = [
+/// [`XDP_PROGRAMS`], then [`SVC_PROGRAMS`].
+pub const ALL_PROGRAMS: [&str; 13] = [
     PROG_FROM_POD,
     PROG_TO_POD,
     PROG_FROM_HOST_DEV,
     PROG_TO_HOST_DEV,
     PROG_XDP_HOST_DEV,
+    SVC_PROGRAMS[0],
+    SVC_PROGRAMS[1],
+    SVC_PROGRAMS[2],
+    SVC_PROGRAMS[3],
+    SVC_PROGRAMS[4],
+    SVC_PROGRAMS[5],
+    SVC_PROGRAMS[6],
+    SVC_PROGRAMS[7],
 ];
 
 /// The MAC address of every host-side `cali*` veth (the pods' gateway).
@@ -623,6 +648,12 @@ mod pod {
     unsafe impl aya::Pod for super::PolicyHitKey {}
     unsafe impl aya::Pod for super::PolicyDropEvent {}
     unsafe impl aya::Pod for super::EventBudget {}
+    unsafe impl aya::Pod for super::SvcKey {}
+    unsafe impl aya::Pod for super::SvcValue {}
+    unsafe impl aya::Pod for super::SvcBackendKey {}
+    unsafe impl aya::Pod for super::SvcBackend {}
+    unsafe impl aya::Pod for super::SvcRevKey {}
+    unsafe impl aya::Pod for super::SvcRevValue {}
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 34] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 37] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -65,6 +65,21 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 34] {
             size_of::<u32>(),
             size_of::<EventBudget>(),
         ),
+        (
+            SVC_FRONTENDS_MAP,
+            size_of::<SvcKey>(),
+            size_of::<SvcValue>(),
+        ),
+        (
+            SVC_BACKENDS_MAP,
+            size_of::<SvcBackendKey>(),
+            size_of::<SvcBackend>(),
+        ),
+        (
+            SVC_REV_MAP,
+            size_of::<SvcRevKey>(),
+            size_of::<SvcRevValue>(),
+        ),
     ]
 }
 
@@ -92,7 +107,7 @@ fn the_layout_version_names_these_sizes() {
 
 #[test]
 fn layouts_are_append_only() {
-    let versions: [u32; 3] = LAYOUTS.map(|l| l.version);
+    let versions: [u32; 4] = LAYOUTS.map(|l| l.version);
     assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
     assert_eq!(
         versions.last(),
@@ -128,6 +143,12 @@ fn layouts_have_no_padding() {
     assert_eq!(size_of::<DropCount>(), 16);
     assert_eq!(size_of::<FlowKey>(), 40);
     assert_eq!(size_of::<PolicyDropEvent>(), 64);
+    assert_eq!(size_of::<SvcKey>(), 20);
+    assert_eq!(size_of::<SvcValue>(), 16);
+    assert_eq!(size_of::<SvcBackendKey>(), 8);
+    assert_eq!(size_of::<SvcBackend>(), 20);
+    assert_eq!(size_of::<SvcRevKey>(), 32);
+    assert_eq!(size_of::<SvcRevValue>(), 20);
     assert_eq!(size_of::<EventBudget>(), 88);
     assert_eq!(size_of::<FailsafePort>(), 4);
     assert_eq!(size_of::<CtKey>(), 16);

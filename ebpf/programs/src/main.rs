@@ -24,13 +24,14 @@ mod maps;
 mod nat;
 mod packet;
 mod policy;
+mod services;
 mod to_pod;
 mod xdp;
 
 use aya_ebpf::{
     bindings::TC_ACT_OK,
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 
 /// tc ingress on each host-side `cali*` veth: packets the pod sends.
@@ -93,4 +94,52 @@ pub(crate) use calix_common::str_eq;
 fn panic(_info: &core::panic::PanicInfo) -> ! {
     // The verifier rejects any reachable path into here, so this is never executed.
     loop {}
+}
+
+/// cgroup `connect4`: TCP and connected UDP to a Service's IPv4 frontend go to a backend.
+#[cgroup_sock_addr(connect4)]
+pub fn svc_connect4(ctx: SockAddrContext) -> i32 {
+    services::translate(&ctx, false)
+}
+
+/// cgroup `connect6`: as `svc_connect4`, IPv6.
+#[cgroup_sock_addr(connect6)]
+pub fn svc_connect6(ctx: SockAddrContext) -> i32 {
+    services::translate(&ctx, true)
+}
+
+/// cgroup `sendmsg4`: an unconnected UDP datagram to an IPv4 frontend goes to a backend.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn svc_sendmsg4(ctx: SockAddrContext) -> i32 {
+    services::translate(&ctx, false)
+}
+
+/// cgroup `sendmsg6`: as `svc_sendmsg4`, IPv6.
+#[cgroup_sock_addr(sendmsg6)]
+pub fn svc_sendmsg6(ctx: SockAddrContext) -> i32 {
+    services::translate(&ctx, true)
+}
+
+/// cgroup `recvmsg4`: a backend's UDP reply shows the frontend as its source.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn svc_recvmsg4(ctx: SockAddrContext) -> i32 {
+    services::reverse(&ctx, false)
+}
+
+/// cgroup `recvmsg6`: as `svc_recvmsg4`, IPv6.
+#[cgroup_sock_addr(recvmsg6)]
+pub fn svc_recvmsg6(ctx: SockAddrContext) -> i32 {
+    services::reverse(&ctx, true)
+}
+
+/// cgroup `getpeername4`: a translated socket names the frontend as its peer.
+#[cgroup_sock_addr(getpeername4)]
+pub fn svc_getpeername4(ctx: SockAddrContext) -> i32 {
+    services::reverse(&ctx, false)
+}
+
+/// cgroup `getpeername6`: as `svc_getpeername4`, IPv6.
+#[cgroup_sock_addr(getpeername6)]
+pub fn svc_getpeername6(ctx: SockAddrContext) -> i32 {
+    services::reverse(&ctx, true)
 }

@@ -14,7 +14,9 @@ use calix_common::{
     PolicyKey, PolicyScratch, PolicyState, StackFlow, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
     DEFAULT_POLICY_FLOWS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
     MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
-    MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES,
+    MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
+    DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
+    SvcRevValue, SvcValue,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -264,3 +266,18 @@ const _: () = assert!(crate::str_eq(calix_common::DENY_V6_MAP, "CALIX_DENY_V6"))
 const _: () = assert!(crate::str_eq(calix_common::FAILSAFE_MAP, "CALIX_FAILSAFE"));
 const _: () = assert!(crate::str_eq(calix_common::HOST_V4_MAP, "CALIX_HOST_V4"));
 const _: () = assert!(crate::str_eq(calix_common::HOST_V6_MAP, "CALIX_HOST_V6"));
+
+/// Services at the sockets: each frontend (`calix_common::SVC_FRONTENDS_MAP`).
+#[map(name = "CALIX_SVC_FRONTS")]
+pub static CALIX_SVC_FRONTS: HashMap<SvcKey, SvcValue> =
+    HashMap::pinned(DEFAULT_SVC_FRONTENDS, BPF_F_NO_PREALLOC);
+
+/// Each frontend's backends (`calix_common::SVC_BACKENDS_MAP`).
+#[map(name = "CALIX_SVC_BACKS")]
+pub static CALIX_SVC_BACKS: HashMap<SvcBackendKey, SvcBackend> =
+    HashMap::pinned(DEFAULT_SVC_BACKENDS, BPF_F_NO_PREALLOC);
+
+/// Which frontend a UDP socket's backend stands for (`calix_common::SVC_REV_MAP`).
+#[map(name = "CALIX_SVC_REV")]
+pub static CALIX_SVC_REV: LruHashMap<SvcRevKey, SvcRevValue> =
+    LruHashMap::pinned(SVC_REV_ENTRIES, 0);

@@ -1,0 +1,89 @@
+//! Kubernetes Services at the sockets (issue 24): the maps the cgroup `sock_addr` programs read
+//! to send a connection (TCP `connect`, UDP `sendmsg`) to a Service's frontend to one of its
+//! backends instead, and to show the frontend again to the socket (`getpeername`,
+//! `recvmsg`). Addresses and ports are in network byte order, an IPv4 address in the first 4
+//! bytes of the 16.
+
+/// Hash: [`SvcKey`] → [`SvcValue`]: each frontend this node translates (`[services]
+/// frontends` entries).
+pub const SVC_FRONTENDS_MAP: &str = "CALIX_SVC_FRONTS";
+/// Hash: [`SvcBackendKey`] → [`SvcBackend`]: the backends of each frontend, by its id and
+/// their index (`[services] backends` entries).
+pub const SVC_BACKENDS_MAP: &str = "CALIX_SVC_BACKS";
+/// LRU hash: [`SvcRevKey`] → [`SvcRevValue`]: which frontend a UDP socket's backend stands
+/// for, so that its replies come from the frontend (`recvmsg`).
+pub const SVC_REV_MAP: &str = "CALIX_SVC_REV";
+/// Default sizes of the maps.
+pub const DEFAULT_SVC_FRONTENDS: u32 = 65_536;
+pub const DEFAULT_SVC_BACKENDS: u32 = 262_144;
+pub const SVC_REV_ENTRIES: u32 = 65_536;
+
+/// [`SvcKey::family`].
+pub const SVC_V4: u8 = 4;
+pub const SVC_V6: u8 = 6;
+
+/// [`SvcValue::flags`]: no backend; refuse the connection (kube-proxy's ICMP reject).
+pub const SVC_REJECT: u32 = 1;
+/// [`SvcValue::flags`]: a `Local` policy with no backend on this node; refuse too.
+pub const SVC_DROP: u32 = 2;
+
+/// A frontend: address, port, protocol.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcKey {
+    pub addr: [u8; 16],
+    pub port: u16,
+    /// IPPROTO_TCP or IPPROTO_UDP.
+    pub proto: u8,
+    /// [`SVC_V4`] or [`SVC_V6`].
+    pub family: u8,
+}
+
+/// Where a frontend sends new connections: `count` backends under `id` (indices 0..count).
+/// The agent writes a changed frontend's backends under a new id, then this value, then
+/// removes the old id's: a program never reads half a change.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcValue {
+    pub id: u32,
+    pub count: u32,
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcBackendKey {
+    pub id: u32,
+    pub index: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcBackend {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// A UDP socket (its cookie) and the backend it sent to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcRevKey {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub family: u8,
+    pub _pad: u8,
+    pub _pad2: u32,
+}
+
+/// The frontend that backend stands for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcRevValue {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad: u16,
+}
