@@ -47,6 +47,7 @@ mod maps;
 pub mod policy;
 #[cfg(test)]
 mod policy_tests;
+pub mod services;
 mod stats;
 #[cfg(test)]
 mod tests;

@@ -29,7 +29,7 @@ pub const SVC_DROP: u32 = 2;
 
 /// A frontend: address, port, protocol.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct SvcKey {
     pub addr: [u8; 16],
     pub port: u16,

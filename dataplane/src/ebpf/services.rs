@@ -1,0 +1,425 @@
+//! Kubernetes Services at the sockets: the frontends and backends maps the cgroup `sock_addr`
+//! programs read (`calix_common::services`), kept as the agent says. A frontend whose
+//! backends change gets them under a new id before its entry points there, and the old id's go
+//! after: a connection never meets half a change. A restarted agent reads back what the pins
+//! hold and changes only what differs, so the Service traffic of a restart never stops.
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use aya::maps::{HashMap, MapData};
+use calix_common::{
+    SvcBackend, SvcBackendKey, SvcKey, SvcValue, SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_REJECT,
+    SVC_V4, SVC_V6,
+};
+
+use crate::bpf::{map_err, take};
+use crate::DataplaneError;
+
+/// IP protocol numbers a frontend carries.
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+
+/// A frontend: where a client sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Front {
+    pub address: IpAddr,
+    pub port: u16,
+    /// [`TCP`] or [`UDP`].
+    pub proto: u8,
+}
+
+/// Where a frontend sends new connections.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One of these (address, port), never empty.
+    To(Vec<(IpAddr, u16)>),
+    /// None: the connection is refused.
+    Refuse,
+}
+
+fn octets(a: &IpAddr) -> ([u8; 16], u8) {
+    let mut out = [0u8; 16];
+    match a {
+        IpAddr::V4(v4) => {
+            out[..4].copy_from_slice(&v4.octets());
+            (out, SVC_V4)
+        }
+        IpAddr::V6(v6) => (v6.octets(), SVC_V6),
+    }
+}
+
+/// The maps' key of `f`.
+pub fn key(f: &Front) -> SvcKey {
+    let (addr, family) = octets(&f.address);
+    SvcKey {
+        addr,
+        port: f.port.to_be(),
+        proto: f.proto,
+        family,
+    }
+}
+
+/// The maps' backend entries of `t` (those of another family than `family` left out), and
+/// the flags of its frontend.
+fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32) {
+    match t {
+        Target::Refuse => (Vec::new(), SVC_REJECT),
+        Target::To(v) => {
+            let backs: Vec<SvcBackend> = v
+                .iter()
+                .filter_map(|(a, p)| {
+                    let (addr, f) = octets(a);
+                    (f == family).then_some(SvcBackend {
+                        addr,
+                        port: p.to_be(),
+                        family: f,
+                        _pad: 0,
+                    })
+                })
+                .collect();
+            let flags = if backs.is_empty() { SVC_REJECT } else { 0 };
+            (backs, flags)
+        }
+    }
+}
+
+/// The maps, behind a narrow interface (the programmer's logic is tested without a kernel).
+pub trait ServiceMaps: Send {
+    fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError>;
+    fn remove_front(&mut self, k: &SvcKey);
+    fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError>;
+    fn remove_back(&mut self, k: &SvcBackendKey);
+    /// Every frontend and backend entry the maps hold.
+    fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>);
+}
+
+/// The pinned maps.
+pub struct PinnedServiceMaps {
+    fronts: HashMap<MapData, SvcKey, SvcValue>,
+    backs: HashMap<MapData, SvcBackendKey, SvcBackend>,
+}
+
+impl PinnedServiceMaps {
+    pub fn open(bpf: &mut aya::Ebpf) -> Result<Self, DataplaneError> {
+        Ok(Self {
+            fronts: take(bpf, SVC_FRONTENDS_MAP, HashMap::try_from)?,
+            backs: take(bpf, SVC_BACKENDS_MAP, HashMap::try_from)?,
+        })
+    }
+}
+
+impl ServiceMaps for PinnedServiceMaps {
+    fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError> {
+        self.fronts
+            .insert(k, v, 0)
+            .map_err(map_err(SVC_FRONTENDS_MAP, "insert"))
+    }
+
+    fn remove_front(&mut self, k: &SvcKey) {
+        let _ = self.fronts.remove(k);
+    }
+
+    fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError> {
+        self.backs
+            .insert(k, v, 0)
+            .map_err(map_err(SVC_BACKENDS_MAP, "insert"))
+    }
+
+    fn remove_back(&mut self, k: &SvcBackendKey) {
+        let _ = self.backs.remove(k);
+    }
+
+    fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>) {
+        (
+            self.fronts.iter().filter_map(Result::ok).collect(),
+            self.backs.iter().filter_map(Result::ok).collect(),
+        )
+    }
+}
+
+/// Keeps the maps as the agent says.
+pub struct ServiceProgrammer {
+    maps: Box<dyn ServiceMaps>,
+    /// What the maps hold: each frontend's value and its backends in index order.
+    applied: BTreeMap<SvcKey, (SvcValue, Vec<SvcBackend>)>,
+    /// The last id handed out.
+    id: u32,
+}
+
+impl ServiceProgrammer {
+    /// Over `maps` as they are pinned: a frontend whose backends are all there is kept as it
+    /// is; the backends of no frontend go.
+    pub fn restore(mut maps: Box<dyn ServiceMaps>) -> Self {
+        let (fronts, backs) = maps.read_back();
+        let mut by_id: BTreeMap<u32, BTreeMap<u32, SvcBackend>> = BTreeMap::new();
+        for (k, b) in backs {
+            by_id.entry(k.id).or_default().insert(k.index, b);
+        }
+        let mut applied = BTreeMap::new();
+        let mut used = std::collections::BTreeSet::new();
+        for (k, v) in fronts {
+            let list: Vec<SvcBackend> = by_id
+                .get(&v.id)
+                .map(|m| m.values().copied().collect())
+                .unwrap_or_default();
+            // Incomplete (an agent stopped between two writes): written again at the next set.
+            let complete = list.len() == v.count as usize
+                && by_id
+                    .get(&v.id)
+                    .is_none_or(|m| m.keys().copied().eq(0..v.count));
+            if complete {
+                used.insert(v.id);
+                applied.insert(k, (v, list));
+            }
+        }
+        for (id, m) in &by_id {
+            if !used.contains(id) {
+                for index in m.keys() {
+                    maps.remove_back(&SvcBackendKey {
+                        id: *id,
+                        index: *index,
+                    });
+                }
+            }
+        }
+        let id = by_id.keys().copied().max().unwrap_or(0);
+        Self { maps, applied, id }
+    }
+
+    fn next_id(&mut self) -> u32 {
+        self.id = self.id.wrapping_add(1).max(1);
+        self.id
+    }
+
+    /// Moves the maps to `desired`. A write that fails stops there; the next call starts
+    /// again from what the maps hold.
+    pub fn set(&mut self, desired: &BTreeMap<Front, Target>) -> Result<(), DataplaneError> {
+        let mut keep = std::collections::BTreeSet::new();
+        for (f, t) in desired {
+            let k = key(f);
+            keep.insert(k);
+            let (backs, flags) = entries(t, k.family);
+            if let Some((v, held)) = self.applied.get(&k) {
+                if v.flags == flags && *held == backs {
+                    continue;
+                }
+            }
+            let id = if backs.is_empty() { 0 } else { self.next_id() };
+            for (i, b) in backs.iter().enumerate() {
+                let bk = SvcBackendKey {
+                    id,
+                    index: i as u32,
+                };
+                if let Err(e) = self.maps.set_back(&bk, b) {
+                    for j in 0..i {
+                        self.maps.remove_back(&SvcBackendKey {
+                            id,
+                            index: j as u32,
+                        });
+                    }
+                    return Err(e);
+                }
+            }
+            let v = SvcValue {
+                id,
+                count: backs.len() as u32,
+                flags,
+                _pad: 0,
+            };
+            self.maps.set_front(&k, &v)?;
+            if let Some((old, _)) = self.applied.insert(k, (v, backs)) {
+                self.remove_backs(&old);
+            }
+        }
+        let gone: Vec<SvcKey> = self
+            .applied
+            .keys()
+            .filter(|k| !keep.contains(*k))
+            .copied()
+            .collect();
+        for k in gone {
+            self.maps.remove_front(&k);
+            if let Some((old, _)) = self.applied.remove(&k) {
+                self.remove_backs(&old);
+            }
+        }
+        Ok(())
+    }
+
+    fn remove_backs(&mut self, v: &SvcValue) {
+        for index in 0..v.count {
+            self.maps.remove_back(&SvcBackendKey { id: v.id, index });
+        }
+    }
+
+    /// Frontends and backend entries the maps hold.
+    pub fn counts(&self) -> (usize, usize) {
+        (
+            self.applied.len(),
+            self.applied.values().map(|(_, b)| b.len()).sum(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    /// The maps as plain hash maps, shared with the test.
+    #[derive(Clone, Default)]
+    struct Fake(
+        Arc<
+            Mutex<(
+                BTreeMap<[u8; 20], SvcValue>,
+                BTreeMap<(u32, u32), SvcBackend>,
+            )>,
+        >,
+    );
+
+    fn raw(k: &SvcKey) -> [u8; 20] {
+        let mut out = [0u8; 20];
+        out[..16].copy_from_slice(&k.addr);
+        out[16..18].copy_from_slice(&k.port.to_ne_bytes());
+        out[18] = k.proto;
+        out[19] = k.family;
+        out
+    }
+
+    fn unraw(r: &[u8; 20]) -> SvcKey {
+        let mut addr = [0u8; 16];
+        addr.copy_from_slice(&r[..16]);
+        SvcKey {
+            addr,
+            port: u16::from_ne_bytes([r[16], r[17]]),
+            proto: r[18],
+            family: r[19],
+        }
+    }
+
+    impl ServiceMaps for Fake {
+        fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError> {
+            self.0.lock().expect("lock").0.insert(raw(k), *v);
+            Ok(())
+        }
+        fn remove_front(&mut self, k: &SvcKey) {
+            self.0.lock().expect("lock").0.remove(&raw(k));
+        }
+        fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError> {
+            self.0.lock().expect("lock").1.insert((k.id, k.index), *v);
+            Ok(())
+        }
+        fn remove_back(&mut self, k: &SvcBackendKey) {
+            self.0.lock().expect("lock").1.remove(&(k.id, k.index));
+        }
+        fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>) {
+            let g = self.0.lock().expect("lock");
+            (
+                g.0.iter().map(|(k, v)| (unraw(k), *v)).collect(),
+                g.1.iter()
+                    .map(|((id, index), b)| {
+                        (
+                            SvcBackendKey {
+                                id: *id,
+                                index: *index,
+                            },
+                            *b,
+                        )
+                    })
+                    .collect(),
+            )
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    fn web() -> Front {
+        Front {
+            address: ip("10.96.0.10"),
+            port: 80,
+            proto: TCP,
+        }
+    }
+
+    #[test]
+    fn a_change_goes_under_a_new_id_and_the_old_one_goes_after() {
+        let fake = Fake::default();
+        let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+        let mut want = BTreeMap::from([(
+            web(),
+            Target::To(vec![(ip("10.244.1.5"), 8080), (ip("fd00::5"), 8080)]),
+        )]);
+        p.set(&want).expect("set");
+        {
+            let g = fake.0.lock().expect("lock");
+            let v = g.0[&raw(&key(&web()))];
+            assert_eq!((v.count, v.flags), (1, 0), "the other family left out");
+            assert_eq!(g.1.len(), 1);
+            assert_eq!(g.1[&(v.id, 0)].port, 8080u16.to_be());
+        }
+        // The same again: nothing written.
+        let before = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        p.set(&want).expect("set");
+        assert_eq!(fake.0.lock().expect("lock").0[&raw(&key(&web()))], before);
+        // Two backends: a new id, the old one's entries gone.
+        want.insert(
+            web(),
+            Target::To(vec![(ip("10.244.1.5"), 8080), (ip("10.244.1.6"), 8080)]),
+        );
+        p.set(&want).expect("set");
+        {
+            let g = fake.0.lock().expect("lock");
+            let v = g.0[&raw(&key(&web()))];
+            assert_ne!(v.id, before.id);
+            assert_eq!(v.count, 2);
+            assert_eq!(g.1.len(), 2, "only the new id's");
+        }
+        // No endpoint: refused; then gone: nothing left.
+        want.insert(web(), Target::Refuse);
+        p.set(&want).expect("set");
+        let v = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        assert_eq!((v.count, v.flags), (0, SVC_REJECT));
+        assert!(fake.0.lock().expect("lock").1.is_empty());
+        p.set(&BTreeMap::new()).expect("set");
+        assert!(fake.0.lock().expect("lock").0.is_empty());
+        assert_eq!(p.counts(), (0, 0));
+    }
+
+    #[test]
+    fn a_restart_keeps_what_the_pins_hold_and_drops_the_incomplete() {
+        let fake = Fake::default();
+        let want = BTreeMap::from([(web(), Target::To(vec![(ip("10.244.1.5"), 8080)]))]);
+        let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+        p.set(&want).expect("set");
+        let held = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        // A stray backend of no frontend (an agent stopped between two writes).
+        fake.0.lock().expect("lock").1.insert(
+            (held.id + 7, 0),
+            SvcBackend {
+                family: SVC_V4,
+                ..SvcBackend::default()
+            },
+        );
+        let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+        assert_eq!(
+            fake.0.lock().expect("lock").1.len(),
+            1,
+            "the stray one gone"
+        );
+        p.set(&want).expect("set");
+        assert_eq!(
+            fake.0.lock().expect("lock").0[&raw(&key(&web()))],
+            held,
+            "unchanged: not written again"
+        );
+        // The next id is above every id the pins held.
+        let other = Front { port: 81, ..web() };
+        let mut more = want.clone();
+        more.insert(other, Target::To(vec![(ip("10.244.1.9"), 9)]));
+        p.set(&more).expect("set");
+        let v = fake.0.lock().expect("lock").0[&raw(&key(&other))];
+        assert!(v.id > held.id + 7, "{} vs {}", v.id, held.id);
+    }
+}
