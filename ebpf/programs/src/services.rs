@@ -3,13 +3,14 @@
 //! connected UDP: `connect` rewrites the destination, `getpeername` shows the frontend again.
 //! Unconnected UDP: `sendmsg` rewrites each datagram's destination and remembers, per socket,
 //! which frontend the backend stands for; `recvmsg` shows the frontend as the source of the
-//! replies. A frontend with no backend refuses the connection (the caller sees EPERM).
+//! replies. A frontend with no backend refuses the connection: the caller sees ECONNREFUSED,
+//! as after kube-proxy's ICMP reject.
 //!
 //! Return values: 1 lets the call go on (rewritten or not), 0 refuses it.
 #![cfg_attr(feature = "bench-floor", allow(dead_code))]
 
 use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     programs::SockAddrContext,
 };
 use calix_common::{
@@ -22,6 +23,7 @@ const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
 const IPPROTO_TCP: u32 = 6;
 const IPPROTO_UDP: u32 = 17;
+const ECONNREFUSED: i32 = 111;
 
 /// The frontend the call names, as a key (`None`: neither TCP nor UDP).
 #[inline(always)]
@@ -78,6 +80,8 @@ pub fn translate(ctx: &SockAddrContext, v6: bool) -> i32 {
         return ALLOW;
     };
     if front.flags & (SVC_REJECT | SVC_DROP) != 0 || front.count == 0 {
+        // SAFETY: a helper on the program's own return value.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
         return REFUSE;
     }
     // SAFETY: a helper without arguments.

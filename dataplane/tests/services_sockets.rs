@@ -1,0 +1,146 @@
+//! Services at the sockets, in the kernel: the cgroup `sock_addr` programs attached to a cgroup
+//! of the test's own (never the root), a client process in it and in the test's network
+//! namespace (loopback only: an untranslated connection goes nowhere), the backends on
+//! loopback. Run as root.
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, TcpListener, UdpSocket};
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::process::Command;
+
+use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+use calix_common::SVC_PROGRAMS;
+use calix_dataplane::ebpf::services::{
+    Front, PinnedServiceMaps, ServiceProgrammer, Target, TCP, UDP,
+};
+use common::*;
+
+/// A cgroup of this test's own on the v2 hierarchy, removed when dropped (its processes have
+/// exited by then).
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(tag: &str) -> Self {
+        let root = PathBuf::from("/sys/fs/cgroup/unified");
+        let root = if root.join("cgroup.procs").exists() {
+            root
+        } else {
+            PathBuf::from("/sys/fs/cgroup")
+        };
+        let dir = root.join(format!("cxt-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the test cgroup");
+        Self(dir)
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+fn ip_addr(s: &str) -> IpAddr {
+    s.parse().expect("ip")
+}
+
+/// The client: joins the cgroup, then speaks to the frontends and prints what it saw.
+const CLIENT: &str = r#"
+import errno, socket
+t = socket.create_connection(("10.96.77.1", 80), timeout=5)
+t.sendall(b"hi")
+print("tcp", t.recv(16).decode(), t.getpeername()[0], t.getpeername()[1])
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.settimeout(5)
+u.sendto(b"yo", ("10.96.77.1", 53))
+data, src = u.recvfrom(16)
+print("udp", data.decode(), src[0], src[1])
+for port in (81, 82):
+    try:
+        socket.create_connection(("10.96.77.1", port), timeout=2)
+        print("connected", port)
+    except OSError as e:
+        print("refused", port, errno.errorcode.get(e.errno, e.errno))
+"#;
+
+#[test]
+fn a_client_reaches_the_backends_and_sees_the_frontend() {
+    in_netns(|| {
+        ip(&["link", "set", "lo", "up"]);
+        let pins = PinDir::new();
+        let mut bpf = load_object(&pins);
+        let cg = TestCgroup::new("svc");
+        let cg_file = std::fs::File::open(&cg.0).expect("open the cgroup");
+        for name in SVC_PROGRAMS {
+            let p: &mut CgroupSockAddr = bpf
+                .program_mut(name)
+                .expect("a Services program")
+                .try_into()
+                .expect("a cgroup sock_addr program");
+            p.attach(cg_file.as_fd(), CgroupAttachMode::Single)
+                .unwrap_or_else(|e| panic!("attach {name}: {e}"));
+        }
+        let tcp = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
+        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
+        let (tport, uport) = (
+            tcp.local_addr().expect("addr").port(),
+            udp.local_addr().expect("addr").port(),
+        );
+        let server = std::thread::spawn(move || {
+            let (mut c, _) = tcp.accept().expect("accept");
+            let mut buf = [0u8; 2];
+            c.read_exact(&mut buf).expect("read");
+            c.write_all(&buf).expect("write");
+            let mut buf = [0u8; 16];
+            let (n, from) = udp.recv_from(&mut buf).expect("recv");
+            udp.send_to(&buf[..n], from).expect("send");
+        });
+        let maps = PinnedServiceMaps::open(&mut bpf).expect("the Services maps");
+        let mut p = ServiceProgrammer::restore(Box::new(maps));
+        let front = |port, proto| Front {
+            address: ip_addr("10.96.77.1"),
+            port,
+            proto,
+        };
+        let want = std::collections::BTreeMap::from([
+            (
+                front(80, TCP),
+                Target::To(vec![(ip_addr("127.0.0.1"), tport)]),
+            ),
+            (
+                front(53, UDP),
+                Target::To(vec![(ip_addr("127.0.0.1"), uport)]),
+            ),
+            (front(81, TCP), Target::Refuse),
+        ]);
+        p.set(&want).expect("program the Services");
+        let procs = cg.0.join("cgroup.procs");
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > {} && exec python3 -c \"$0\"",
+                procs.display()
+            ))
+            .arg(CLIENT)
+            .output()
+            .expect("run the client");
+        server.join().expect("the backends");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stdout}\n{stderr}");
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "tcp hi 10.96.77.1 80",
+                "udp yo 10.96.77.1 53",
+                // No backend: refused at connect, as after kube-proxy's ICMP reject.
+                "refused 81 ECONNREFUSED",
+                // No frontend: left alone (and with only loopback here, unreachable).
+                "refused 82 ENETUNREACH",
+            ],
+            "{stderr}"
+        );
+    });
+}
