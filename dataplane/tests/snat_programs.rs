@@ -11,18 +11,17 @@ use std::os::fd::AsFd;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
-use aya::programs::{Program, SchedClassifier};
-use aya::{Ebpf, EbpfLoader};
+use aya::programs::SchedClassifier;
+use aya::Ebpf;
 use std::time::Duration;
 
 use calix_common::{
     CtEntry, CtKey, DropCount, DropKey, DropReason, EndpointInfo, LocalEndpoint, NatConfig,
-    ALL_PROGRAMS, CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_F_SEQ,
-    CT_MAP, CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC,
+    CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_MAP,
+    CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC,
     LOCAL_V4_MAP, MAX_NAT_UPLINKS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV,
     PROG_FROM_POD,
 };
-use calix_dataplane::ebpf::OBJECT;
 use calix_dataplane::nat::{Conntrack, FlowFilter};
 use common::*;
 
@@ -124,18 +123,7 @@ fn setup(port_max: u16, ct_entries: u32) -> Snat {
 /// As [`setup`], with a budget of `budget` conntrack flows per endpoint (0: none).
 fn setup_budget(port_max: u16, ct_entries: u32, budget: u32) -> Snat {
     let pins = PinDir::new();
-    let mut bpf = EbpfLoader::new()
-        .map_pin_path(&pins.0)
-        .set_max_entries(CT_MAP, ct_entries)
-        .load(OBJECT)
-        .expect("load the object");
-    for name in ALL_PROGRAMS {
-        match bpf.program_mut(name).expect("a program") {
-            Program::SchedClassifier(p) => p.load().expect("verifier"),
-            Program::Xdp(p) => p.load().expect("verifier"),
-            _ => panic!("{name}: unexpected program type"),
-        }
-    }
+    let mut bpf = load_object_sized(&pins, &[(CT_MAP, ct_entries)]);
     let pod_if = veth("cxtpa");
     let uplink_if = veth("cxtpu");
     ip(&["link", "set", "cxtpu", "address", "02:00:00:00:00:01", "up"]);
