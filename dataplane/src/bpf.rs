@@ -86,8 +86,58 @@ pub(super) fn open_per_cpu_array<V: aya::Pod>(
 }
 
 /// `bpf(2)` commands (`enum bpf_cmd`, include/uapi/linux/bpf.h).
+const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_LINK_CREATE: libc::c_long = 28;
 const BPF_LINK_DETACH: libc::c_long = 34;
+
+/// `bpf(2)` with `attr` (a `union bpf_attr` prefix, zero-padded).
+fn bpf_call<T>(cmd: libc::c_long, attr: &mut T) -> std::io::Result<libc::c_long> {
+    // SAFETY: `attr` is a plain buffer of the size passed, whose pointers (if any) the caller
+    // keeps valid for the call; the kernel reads (and may write) only that much.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T,
+            std::mem::size_of::<T>() as libc::c_uint,
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(rc)
+}
+
+/// `BPF_LINK_CREATE`: program `prog` attached to `target` (a cgroup's descriptor) at
+/// `attach_type` (`enum bpf_attach_type`); the link's descriptor. (aya 0.13 cannot pin a cgroup
+/// program's link, and an unpinned link detaches when the agent exits.)
+pub(super) fn link_create(
+    prog: std::os::fd::BorrowedFd<'_>,
+    target: std::os::fd::BorrowedFd<'_>,
+    attach_type: u32,
+) -> std::io::Result<OwnedFd> {
+    // prog_fd, target_fd, attach_type, flags; then the per-type union, zero.
+    let mut attr = [0u32; 12];
+    attr[0] = u32::try_from(prog.as_raw_fd()).map_err(std::io::Error::other)?;
+    attr[1] = u32::try_from(target.as_raw_fd()).map_err(std::io::Error::other)?;
+    attr[2] = attach_type;
+    let fd = bpf_call(BPF_LINK_CREATE, &mut attr)?;
+    let raw = i32::try_from(fd).map_err(std::io::Error::other)?;
+    // SAFETY: the kernel just returned this descriptor to us; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// `BPF_OBJ_PIN` of `fd` at `pin` (on bpffs; no dot in the name).
+pub(super) fn obj_pin(fd: std::os::fd::BorrowedFd<'_>, pin: &Path) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(pin.as_os_str().as_bytes())?;
+    // pathname, bpf_fd, file_flags.
+    let mut attr = [0u64; 3];
+    attr[0] = path.as_ptr() as u64;
+    attr[1] = u64::try_from(fd.as_raw_fd()).map_err(std::io::Error::other)?;
+    bpf_call(BPF_OBJ_PIN, &mut attr).map(|_| ())
+}
 
 /// `BPF_LINK_DETACH` of the link pinned at `pin`. (aya 0.13 only detaches a link by dropping
 /// its last reference, and a pin's reference goes away after an RCU grace period, so an unpin

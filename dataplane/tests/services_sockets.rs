@@ -6,14 +6,11 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener, UdpSocket};
-use std::os::fd::AsFd;
 use std::path::PathBuf;
 use std::process::Command;
 
-use aya::programs::{CgroupAttachMode, CgroupSockAddr};
-use calix_common::SVC_PROGRAMS;
 use calix_dataplane::ebpf::services::{
-    Front, PinnedServiceMaps, ServiceProgrammer, Target, TCP, UDP,
+    attach_sockets, detach_sockets, Front, PinnedServiceMaps, ServiceProgrammer, Target, TCP, UDP,
 };
 use common::*;
 
@@ -71,16 +68,10 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
         let pins = PinDir::new();
         let mut bpf = load_object(&pins);
         let cg = TestCgroup::new("svc");
-        let cg_file = std::fs::File::open(&cg.0).expect("open the cgroup");
-        for name in SVC_PROGRAMS {
-            let p: &mut CgroupSockAddr = bpf
-                .program_mut(name)
-                .expect("a Services program")
-                .try_into()
-                .expect("a cgroup sock_addr program");
-            p.attach(cg_file.as_fd(), CgroupAttachMode::Single)
-                .unwrap_or_else(|e| panic!("attach {name}: {e}"));
-        }
+        let links = pins.0.join("sockets");
+        attach_sockets(&mut bpf, &links, &cg.0).expect("attach to the test's cgroup");
+        // A restart attaches again: the new links replace the old ones.
+        attach_sockets(&mut bpf, &links, &cg.0).expect("attach again");
         let tcp = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
         let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
         let (tport, uport) = (
@@ -115,20 +106,9 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             (front(81, TCP), Target::Refuse),
         ]);
         p.set(&want).expect("program the Services");
-        let procs = cg.0.join("cgroup.procs");
-        let out = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "echo $$ > {} && exec python3 -c \"$0\"",
-                procs.display()
-            ))
-            .arg(CLIENT)
-            .output()
-            .expect("run the client");
+        let (ok, stdout, stderr) = client(&cg, CLIENT);
         server.join().expect("the backends");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stdout}\n{stderr}");
+        assert!(ok, "{stdout}\n{stderr}");
         let lines: Vec<&str> = stdout.lines().collect();
         assert_eq!(
             lines,
@@ -142,5 +122,37 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             ],
             "{stderr}"
         );
+        // Detached (Services off): the frontend is an address like any other again.
+        detach_sockets(&links);
+        let (_, stdout, stderr) = client(&cg, OFF);
+        assert_eq!(stdout.trim(), "refused 80 ENETUNREACH", "{stderr}");
     });
 }
+
+/// Runs `script` with python3 in the cgroup `cg`: whether it succeeded, its output, its errors.
+fn client(cg: &TestCgroup, script: &str) -> (bool, String, String) {
+    let procs = cg.0.join("cgroup.procs");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {} && exec python3 -c \"$0\"",
+            procs.display()
+        ))
+        .arg(script)
+        .output()
+        .expect("run the client");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+const OFF: &str = r#"
+import errno, socket
+try:
+    socket.create_connection(("10.96.77.1", 80), timeout=2)
+    print("connected 80")
+except OSError as e:
+    print("refused 80", errno.errorcode.get(e.errno, e.errno))
+"#;

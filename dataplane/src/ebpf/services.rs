@@ -5,14 +5,16 @@
 //! hold and changes only what differs, so the Service traffic of a restart never stops.
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, MapData};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcKey, SvcValue, SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_REJECT,
-    SVC_V4, SVC_V6,
+    SvcBackend, SvcBackendKey, SvcKey, SvcValue, SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_PROGRAMS,
+    SVC_REJECT, SVC_V4, SVC_V6,
 };
 
-use crate::bpf::{map_err, take};
+use crate::bpf::{link_create, link_detach, map_err, obj_pin, pin_err, prog_err, take};
 use crate::DataplaneError;
 
 /// IP protocol numbers a frontend carries.
@@ -258,6 +260,65 @@ impl ServiceProgrammer {
             self.applied.len(),
             self.applied.values().map(|(_, b)| b.len()).sum(),
         )
+    }
+}
+
+/// `enum bpf_attach_type` of each of [`SVC_PROGRAMS`], in its order.
+const ATTACH_TYPES: [u32; 8] = [10, 11, 14, 15, 19, 20, 29, 30];
+
+/// Where the socket programs' links are pinned, below the node's pin directory (outside the
+/// layout's: a build with another map layout replaces the same links).
+pub fn links_dir(node_dir: &Path) -> PathBuf {
+    node_dir.join("sockets")
+}
+
+/// Attaches the socket programs of `bpf` to the cgroup (v2) `cgroup`, their links pinned in
+/// `dir`: each new link is attached before the one it replaces goes (an agent restart, an
+/// upgrade), so no connection meets neither; both translate alike meanwhile (a frontend once
+/// translated is a backend, which the other leaves alone).
+pub fn attach_sockets(
+    bpf: &mut aya::Ebpf,
+    dir: &Path,
+    cgroup: &Path,
+) -> Result<(), DataplaneError> {
+    std::fs::create_dir_all(dir).map_err(pin_err(dir, "create"))?;
+    let cg = std::fs::File::open(cgroup).map_err(pin_err(cgroup, "open the cgroup"))?;
+    for (name, at) in SVC_PROGRAMS.iter().zip(ATTACH_TYPES) {
+        let prog = bpf.program(name).ok_or(DataplaneError::Program {
+            name,
+            op: "find",
+            source: Box::new(aya::programs::ProgramError::NotLoaded),
+        })?;
+        let fd = prog.fd().map_err(prog_err(name, "fd"))?;
+        let link =
+            link_create(fd.as_fd(), cg.as_fd(), at).map_err(|e| DataplaneError::Program {
+                name,
+                op: "attach to the cgroup",
+                source: Box::new(aya::programs::ProgramError::IOError(e)),
+            })?;
+        let pin = dir.join(name);
+        let new = dir.join(format!("{name}@new"));
+        let _ = std::fs::remove_file(&new);
+        obj_pin(link.as_fd(), &new).map_err(pin_err(&new, "pin the link"))?;
+        // The new link runs: the old one (a pin of an agent before) goes.
+        if pin.exists() {
+            let _ = link_detach(&pin);
+        }
+        std::fs::rename(&new, &pin).map_err(pin_err(&pin, "rename the link's pin"))?;
+    }
+    Ok(())
+}
+
+/// Detaches the socket programs whose links are pinned in `dir` (Services off).
+pub fn detach_sockets(dir: &Path) {
+    for name in SVC_PROGRAMS {
+        let pin = dir.join(name);
+        if pin.exists() {
+            if let Err(e) = link_detach(&pin) {
+                tracing::warn!(program = name, error = %e, "socket program not detached");
+            }
+            let _ = std::fs::remove_file(&pin);
+        }
     }
 }
 
