@@ -214,6 +214,7 @@ async fn run() -> Result<()> {
     .collect();
     let remote_routes = RemoteSources::new(Arc::new(driver.clone()), &running);
     let policy_driver = driver.clone();
+    let services_driver = driver.clone();
     let ipam = IpamService::new(
         record,
         cfg.node_pools(),
@@ -333,19 +334,39 @@ async fn run() -> Result<()> {
             .await
             .context("cannot read the Services and EndpointSlices")?;
         http.set_services(service.clone());
-        services_watch::spawn(watches, service.clone(), rules, {
-            let node = node.clone();
-            move |n| {
-                node.notices.warning(
-                    n.reason,
-                    calix_agent::notice::Subject::Service {
-                        namespace: n.service.namespace,
-                        name: n.service.name,
-                    },
-                    n.message,
-                )
-            }
-        });
+        let (changed, follow) = tokio::sync::watch::channel(0u64);
+        if cfg.services.translate {
+            let node_addresses = rules.node_addresses.clone();
+            let driver = services_driver.clone();
+            tokio::spawn(calix_agent::services::program(
+                service.clone(),
+                node_addresses,
+                follow,
+                move |f| {
+                    let driver = driver.clone();
+                    async move { driver.set_services(f).await }
+                },
+            ));
+        }
+        services_watch::spawn(
+            watches,
+            service.clone(),
+            rules,
+            {
+                let node = node.clone();
+                move |n| {
+                    node.notices.warning(
+                        n.reason,
+                        calix_agent::notice::Subject::Service {
+                            namespace: n.service.namespace,
+                            name: n.service.name,
+                        },
+                        n.message,
+                    )
+                }
+            },
+            changed,
+        );
         Some(service)
     } else {
         None

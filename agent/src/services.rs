@@ -1,18 +1,22 @@
 //! Kubernetes Services in the agent (issue 24): the cluster's Services and EndpointSlices as
 //! the calculation (`calix_core::services::state`) keeps them, fed one change at a time by the
-//! Kubernetes adapter (`kubernetes::services::watch`), and what `calixctl services` shows.
-//! Calculated only: nothing is programmed into the dataplane yet (kube-proxy still
-//! translates), and the report says so.
+//! Kubernetes adapter (`kubernetes::services::watch`); what `calixctl services` shows; and,
+//! with `[services] translate`, the frontends the eBPF dataplane translates at the sockets
+//! ([`program`]).
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use std::net::IpAddr;
+
 use calix_core::services::admit::{Admission, Refusal};
-use calix_core::services::choose::Here;
+use calix_core::services::choose::{Choice, Here};
+use calix_core::services::model::Protocol;
 use calix_core::services::model::ServiceKey;
 use calix_core::services::slices::SliceProblem;
 use calix_core::services::state::{Change, Limits, State};
 use calix_core::services::Programmed;
+use calix_dataplane::ebpf::services::{Front, Frontends, Target, TCP, UDP};
 use serde::{Deserialize, Serialize};
 
 /// What `calixctl services` shows: the calculation's totals, then each Service.
@@ -21,8 +25,10 @@ pub struct ServicesReport {
     pub node: String,
     /// The first listings of Services and EndpointSlices are in.
     pub ready: bool,
-    /// Whether the dataplane translates what is shown (not yet: kube-proxy does).
+    /// Whether the dataplane translates what is shown (`[services] translate`; else
+    /// kube-proxy does), and the last programming's error.
     pub programmed: bool,
+    pub program_error: Option<String>,
     pub services: usize,
     pub slices: usize,
     /// Frontends and backend entries in use, and the room.
@@ -67,6 +73,8 @@ struct Inner {
     said: BTreeMap<ServiceKey, BTreeSet<(&'static str, String)>>,
     ready: bool,
     changes: u64,
+    programmed: bool,
+    program_error: Option<String>,
     /// What could not be read of each object, by its store key.
     unreadable: BTreeMap<String, (Option<ServiceKey>, Vec<String>)>,
     applying: Duration,
@@ -148,6 +156,8 @@ impl ServicesService {
                 said: BTreeMap::new(),
                 ready: false,
                 changes: 0,
+                programmed: false,
+                program_error: None,
                 unreadable: BTreeMap::new(),
                 applying: Duration::ZERO,
             }),
@@ -230,6 +240,54 @@ impl ServicesService {
         self.lock().ready = true;
     }
 
+    /// Whether the first listings are in.
+    pub fn ready(&self) -> bool {
+        self.lock().ready
+    }
+
+    /// The outcome of the last programming of the dataplane.
+    pub fn programmed(&self, r: Result<(), String>) {
+        let mut inner = self.lock();
+        inner.programmed = r.is_ok();
+        inner.program_error = r.err();
+    }
+
+    /// What the sockets translate: every admitted frontend of TCP or UDP (SCTP: not at the
+    /// sockets) and where it sends connections from inside the cluster; a NodePort on each of
+    /// `node_addresses` (this node's).
+    pub fn frontends(&self, node_addresses: &[IpAddr]) -> Frontends {
+        let inner = self.lock();
+        let mut out = Frontends::new();
+        for plan in inner.state.plans().values() {
+            for p in &plan.frontends {
+                let proto = match p.frontend.protocol {
+                    Protocol::Tcp => TCP,
+                    Protocol::Udp => UDP,
+                    Protocol::Sctp => continue,
+                };
+                let target = match &p.internal {
+                    Choice::To(v) => Target::To(v.clone()),
+                    Choice::Reject | Choice::Drop => Target::Refuse,
+                };
+                let at = match p.frontend.address {
+                    Some(a) => vec![a],
+                    None => node_addresses.to_vec(),
+                };
+                for address in at {
+                    out.insert(
+                        Front {
+                            address,
+                            port: p.frontend.port,
+                            proto,
+                        },
+                        target.clone(),
+                    );
+                }
+            }
+        }
+        out
+    }
+
     /// Time spent applying changes since the start.
     pub fn applying(&self) -> Duration {
         self.lock().applying
@@ -272,7 +330,8 @@ impl ServicesService {
         ServicesReport {
             node: self.node.clone(),
             ready: inner.ready,
-            programmed: false,
+            programmed: inner.programmed,
+            program_error: inner.program_error.clone(),
             services,
             slices,
             used_frontends,
@@ -280,6 +339,39 @@ impl ServicesService {
             limits: st.limits(),
             changes: inner.changes,
             list,
+        }
+    }
+}
+
+/// Sends the frontends to the dataplane whenever `changed` says they may have changed (a
+/// burst of changes is one write), once the first listings are in (until then the pins keep
+/// what an agent before wrote: a restart stops no Service traffic). A failed write is tried
+/// again a second later with the frontends as they are then.
+pub async fn program<F, Fut, E>(
+    service: std::sync::Arc<ServicesService>,
+    node_addresses: Vec<IpAddr>,
+    mut changed: tokio::sync::watch::Receiver<u64>,
+    set: F,
+) where
+    F: Fn(Frontends) -> Fut,
+    Fut: std::future::Future<Output = Result<(), E>>,
+    E: std::error::Error,
+{
+    loop {
+        if service.ready() {
+            match set(service.frontends(&node_addresses)).await {
+                Ok(()) => service.programmed(Ok(())),
+                Err(e) => {
+                    let e = calix_log::error_chain(&e);
+                    tracing::error!(error = %e, "Services cannot be programmed; trying again");
+                    service.programmed(Err(e));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            }
+        }
+        if changed.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -384,6 +384,14 @@ pub trait Dataplane: Send {
     fn set_policy(&mut self, _tables: Tables) -> Result<(), DataplaneError> {
         Ok(())
     }
+    /// Kubernetes Services translated at the sockets (eBPF, `[services] translate`): every
+    /// frontend and where it sends new connections. Kernel mode: kube-proxy; nothing here.
+    fn set_services(
+        &mut self,
+        _frontends: &ebpf::services::Frontends,
+    ) -> Result<(), DataplaneError> {
+        Ok(())
+    }
     /// Agent shutdown: leaves programs attached and maps pinned, so traffic keeps flowing
     /// while the agent is away.
     fn release(&mut self) {}
@@ -670,29 +678,4 @@ impl Dataplane for KernelDataplane {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn specs_from_records() {
-        let r = EndpointRecord {
-            container_id: "c".into(),
-            ifname: "eth0".into(),
-            host_ifname: "cali1".into(),
-            netns: String::new(),
-            pod_namespace: String::new(),
-            pod_name: String::new(),
-            pod_uid: String::new(),
-            addresses: vec!["10.1.0.5/32".into(), "fd00::5/128".into()],
-            handle: "h".into(),
-            mac: "02:00:0a:ff:00:01".into(),
-            host_ifindex: 0,
-        };
-        let s = EndpointSpec::from_record(&r);
-        assert_eq!(s.key, "c/eth0");
-        assert_eq!(s.host_ifindex, None);
-        assert_eq!(s.ipv4, Some(Ipv4Addr::new(10, 1, 0, 5)));
-        assert_eq!(s.ipv6, Some("fd00::5".parse().expect("v6")));
-        assert_eq!(s.mac, Some([2, 0, 0x0a, 0xff, 0, 1]));
-    }
-}
+mod tests;

@@ -78,6 +78,7 @@ fn config(pins: &PinDir, node: &str, ct_entries: u32) -> EbpfConfig {
         tc_attach: Default::default(),
         doors: Default::default(),
         policy: Default::default(),
+        services_cgroup: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn a_released_dataplane_moves_no_hook_afterwards() {
             tc_attach: TcAttach::Tcx,
             doors: Default::default(),
             policy: Default::default(),
+            services_cgroup: None,
         };
         let links = cfg.tcx_links_dir();
         let ifindex = veth("cxtmv");

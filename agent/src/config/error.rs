@@ -102,6 +102,8 @@ pub enum ConfigError {
     ExternalCidr { entry: String },
     #[error("services.enabled needs the kubernetes datastore: Services are Kubernetes objects")]
     ServicesNeedKubernetes,
+    #[error("services.translate needs services.enabled and the ebpf dataplane")]
+    TranslateNeedsEbpf,
     #[error("nat.service_cidrs: {service} overlaps pool {pool}: pod addresses cannot be Service addresses")]
     ServiceOverlapsPool { service: IpNet, pool: IpNet },
     #[error("nat.{key} must be {what}")]

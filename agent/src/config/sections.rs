@@ -228,6 +228,14 @@ pub struct ServicesConfig {
     pub frontends: u32,
     /// Room for backend entries: over every frontend, the backends it may send to.
     pub backends: u32,
+    /// eBPF dataplane: translate the calculated Services at the sockets of every process in
+    /// `cgroup` (connect, sendmsg, recvmsg, getpeername): a connection to a frontend goes to a
+    /// backend from its first packet. Off: the programs are detached (kube-proxy translates).
+    pub translate: bool,
+    /// The cgroup (v2) whose processes' sockets are translated, its descendants included;
+    /// default: the root of the v2 hierarchy (`/sys/fs/cgroup/unified` on a hybrid host, else
+    /// `/sys/fs/cgroup`): every process of the node.
+    pub cgroup: Option<std::path::PathBuf>,
 }
 
 impl Default for ServicesConfig {
@@ -237,6 +245,8 @@ impl Default for ServicesConfig {
             external_cidrs: Vec::new(),
             frontends: 65_536,
             backends: 262_144,
+            translate: false,
+            cgroup: None,
         }
     }
 }

@@ -325,6 +325,19 @@ impl AgentConfig {
                 flows: self.policy.flows,
                 keep_established: self.policy.keep_established,
             },
+            services_cgroup: self.services.translate.then(|| self.services_cgroup()),
+        })
+    }
+
+    /// The cgroup whose sockets `[services] translate` covers.
+    pub fn services_cgroup(&self) -> PathBuf {
+        self.services.cgroup.clone().unwrap_or_else(|| {
+            let hybrid = std::path::Path::new("/sys/fs/cgroup/unified");
+            if hybrid.join("cgroup.procs").exists() {
+                hybrid.to_path_buf()
+            } else {
+                PathBuf::from("/sys/fs/cgroup")
+            }
         })
     }
 

@@ -341,6 +341,11 @@ impl AgentConfig {
         if self.services.enabled && !self.datastore.is_kubernetes() {
             return Err(ConfigError::ServicesNeedKubernetes);
         }
+        if self.services.translate
+            && (!self.services.enabled || self.dataplane != DataplaneMode::Ebpf)
+        {
+            return Err(ConfigError::TranslateNeedsEbpf);
+        }
         if self.xdp.enabled && self.dataplane != DataplaneMode::Ebpf {
             return Err(ConfigError::XdpNeedsEbpf);
         }

@@ -60,6 +60,11 @@ enum Command {
     PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
     /// NetworkPolicy's tables for this node's pods ([`Dataplane::set_policy`]).
     Policy(Box<Tables>, oneshot::Sender<Result<(), DataplaneError>>),
+    /// The Services translated at the sockets ([`Dataplane::set_services`]).
+    Services(
+        Box<calix_dataplane::ebpf::services::Frontends>,
+        oneshot::Sender<Result<(), DataplaneError>>,
+    ),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
     Release(oneshot::Sender<()>),
 }
@@ -220,6 +225,16 @@ impl Driver {
             .map_err(gone)?
     }
 
+    /// The Services translated at the sockets ([`Dataplane::set_services`]).
+    pub async fn set_services(
+        &self,
+        frontends: calix_dataplane::ebpf::services::Frontends,
+    ) -> Result<(), DataplaneError> {
+        self.ask(|tx| Command::Services(Box::new(frontends), tx))
+            .await
+            .map_err(gone)?
+    }
+
     pub async fn snapshot(&self) -> Result<Snapshot, DriverError> {
         self.ask(Command::Snapshot).await
     }
@@ -300,6 +315,9 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             }
             Some(Command::Policy(tables, reply)) => {
                 let _ = reply.send(r.dataplane().set_policy(*tables));
+            }
+            Some(Command::Services(frontends, reply)) => {
+                let _ = reply.send(r.dataplane().set_services(&frontends));
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

@@ -31,7 +31,7 @@ use super::doors::{DoorMaps, DoorPolicy, Doors, PeerNodes};
 use super::host_addrs::HostAddrs;
 use super::nat::{NatMaps, NatSettings};
 use super::pins;
-use super::tcx::{self, Attacher, Attachment, TcAttach, TC_HANDLE, TC_PRIORITY};
+use super::tcx::{self, Attacher, Attachment, TcAttach};
 use super::xdp::{self, XdpFilter, XdpSettings};
 use super::{
     endpoint_ifindex, ifindex, Attached, Dataplane, DataplaneError, DataplaneStats, Drift,
@@ -40,6 +40,7 @@ use super::{
 use calix_core::policy::tables::Tables;
 use calix_kernel::host::HostKernel;
 
+mod drift;
 mod endpoints;
 mod events;
 mod host_tables;
@@ -83,6 +84,8 @@ pub struct EbpfConfig {
     pub doors: DoorPolicy,
     /// The NetworkPolicy maps' sizes, and whether established flows outlive a change.
     pub policy: PolicySettings,
+    /// Services at the sockets: the cgroup (v2) the programs attach to; `None`: detached.
+    pub services_cgroup: Option<PathBuf>,
 }
 
 impl EbpfConfig {
@@ -142,6 +145,8 @@ pub struct EbpfDataplane {
     peers: PeerNodes,
     /// NetworkPolicy's maps, as the pins held them until the agent says otherwise.
     policy: policy::PolicyProgrammer,
+    /// Services at the sockets (`None`: detached).
+    services: Option<services::ServiceProgrammer>,
 }
 
 /// Mounts bpffs at /sys/fs/bpf when the pin root lies below it and nothing is mounted there.
@@ -153,25 +158,6 @@ fn ensure_bpffs(root: &Path) -> Result<(), DataplaneError> {
                 std::io::Error::other(e),
             )
         })
-}
-
-/// How calix's ingress and egress filters among `filters` differ from running the programs
-/// `(ingress, egress)`.
-fn filter_drift(filters: &[calix_kernel::netlink::BpfFilter], ids: (u32, u32)) -> Vec<Drift> {
-    let mut drift = Vec::new();
-    for (ingress, want) in [(true, ids.0), (false, ids.1)] {
-        let ours = filters
-            .iter()
-            .find(|f| f.ingress == ingress && f.priority == TC_PRIORITY && f.handle == TC_HANDLE);
-        match ours {
-            Some(f) if f.prog_id == want => {}
-            other => drift.push(Drift::Filter {
-                ingress,
-                found: other.map(|f| f.prog_id),
-            }),
-        }
-    }
-    drift
 }
 
 fn find<'a>(bpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Program, DataplaneError> {
@@ -355,8 +341,23 @@ impl EbpfDataplane {
         if let Some(n) = &cfg.nat {
             policy.set_services(&n.services(), &[])?;
         }
+        let sockets = services::links_dir(&cfg.node_dir());
+        let services = match &cfg.services_cgroup {
+            Some(cg) => {
+                services::attach_sockets(&mut bpf, &sockets, cg)?;
+                tracing::info!(cgroup = %cg.display(), "Services translated at the sockets");
+                Some(services::ServiceProgrammer::restore(Box::new(
+                    services::PinnedServiceMaps::open(&mut bpf)?,
+                )))
+            }
+            None => {
+                services::detach_sockets(&sockets);
+                None
+            }
+        };
         let mut dp = Self {
             policy,
+            services,
             doors,
             endpoints,
             pools_v4: take(&mut bpf, POOLS_V4_MAP, LpmTrie::try_from)?,
@@ -442,46 +443,6 @@ impl EbpfDataplane {
     /// Removes calix's programs from `ifname` (either direction and kind; missing is fine).
     pub fn detach_filters(&self, ifname: &str) {
         self.attacher.detach(ifname);
-    }
-
-    /// How calix's attachments on `ifname` (link `index`) differ from running the programs
-    /// `ids` (ingress, egress): a tcx link or a cls_bpf filter runs each (a hook moving to tcx
-    /// has the filter until the move); a filter only, with `tc_attach = "tc"`.
-    fn attachment_drift(
-        &self,
-        ifname: &str,
-        index: u32,
-        ids: (u32, u32),
-        kernel: &mut dyn HostKernel,
-    ) -> Result<Vec<Drift>, DataplaneError> {
-        let filters = kernel
-            .bpf_filters(index)
-            .map_err(|source| DataplaneError::Kernel {
-                what: format!("the tc filters of {ifname}"),
-                source: Box::new(source),
-            })?;
-        let mut drift = filter_drift(&filters, ids);
-        if self.attacher.how() == Attachment::Tcx && !drift.is_empty() {
-            let on_link = |at: TcAttachType, want: u32| {
-                tcx::programs(ifname, at)
-                    .map(|progs| progs.contains(&want))
-                    .map_err(|e| DataplaneError::Program {
-                        name: "tcx",
-                        op: "query",
-                        source: Box::new(e),
-                    })
-            };
-            let (ingress, egress) = (
-                on_link(TcAttachType::Ingress, ids.0)?,
-                on_link(TcAttachType::Egress, ids.1)?,
-            );
-            drift.retain(|d| match d {
-                Drift::Filter { ingress: true, .. } => !ingress,
-                Drift::Filter { ingress: false, .. } => !egress,
-                _ => true,
-            });
-        }
-        Ok(drift)
     }
 }
 
@@ -668,6 +629,13 @@ impl Dataplane for EbpfDataplane {
         self.peers = peers.clone();
         self.doors.set(&Doors::of(&self.cfg.doors, peers))?;
         self.apply_doors_table()
+    }
+
+    fn set_services(&mut self, f: &services::Frontends) -> Result<(), DataplaneError> {
+        match &mut self.services {
+            Some(p) => p.set(f),
+            None => Ok(()),
+        }
     }
 
     fn set_policy(&mut self, tables: Tables) -> Result<(), DataplaneError> {

@@ -30,6 +30,9 @@ pub struct Front {
     pub proto: u8,
 }
 
+/// Every frontend, and where each sends new connections.
+pub type Frontends = BTreeMap<Front, Target>;
+
 /// Where a frontend sends new connections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
@@ -85,6 +88,9 @@ fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32) {
     }
 }
 
+/// Every frontend entry and every backend entry, as the maps hold them.
+pub type Held = (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>);
+
 /// The maps, behind a narrow interface (the programmer's logic is tested without a kernel).
 pub trait ServiceMaps: Send {
     fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError>;
@@ -92,7 +98,7 @@ pub trait ServiceMaps: Send {
     fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError>;
     fn remove_back(&mut self, k: &SvcBackendKey);
     /// Every frontend and backend entry the maps hold.
-    fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>);
+    fn read_back(&self) -> Held;
 }
 
 /// The pinned maps.
@@ -131,7 +137,7 @@ impl ServiceMaps for PinnedServiceMaps {
         let _ = self.backs.remove(k);
     }
 
-    fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>) {
+    fn read_back(&self) -> Held {
         (
             self.fronts.iter().filter_map(Result::ok).collect(),
             self.backs.iter().filter_map(Result::ok).collect(),
@@ -327,44 +333,23 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    /// The maps as plain hash maps, shared with the test.
+    type Held2 = (BTreeMap<SvcKey, SvcValue>, BTreeMap<(u32, u32), SvcBackend>);
+
+    /// The maps as plain maps, shared with the test.
     #[derive(Clone, Default)]
-    struct Fake(
-        Arc<
-            Mutex<(
-                BTreeMap<[u8; 20], SvcValue>,
-                BTreeMap<(u32, u32), SvcBackend>,
-            )>,
-        >,
-    );
+    struct Fake(Arc<Mutex<Held2>>);
 
-    fn raw(k: &SvcKey) -> [u8; 20] {
-        let mut out = [0u8; 20];
-        out[..16].copy_from_slice(&k.addr);
-        out[16..18].copy_from_slice(&k.port.to_ne_bytes());
-        out[18] = k.proto;
-        out[19] = k.family;
-        out
-    }
-
-    fn unraw(r: &[u8; 20]) -> SvcKey {
-        let mut addr = [0u8; 16];
-        addr.copy_from_slice(&r[..16]);
-        SvcKey {
-            addr,
-            port: u16::from_ne_bytes([r[16], r[17]]),
-            proto: r[18],
-            family: r[19],
-        }
+    fn raw(k: &SvcKey) -> SvcKey {
+        *k
     }
 
     impl ServiceMaps for Fake {
         fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError> {
-            self.0.lock().expect("lock").0.insert(raw(k), *v);
+            self.0.lock().expect("lock").0.insert(*k, *v);
             Ok(())
         }
         fn remove_front(&mut self, k: &SvcKey) {
-            self.0.lock().expect("lock").0.remove(&raw(k));
+            self.0.lock().expect("lock").0.remove(k);
         }
         fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError> {
             self.0.lock().expect("lock").1.insert((k.id, k.index), *v);
@@ -373,10 +358,10 @@ mod tests {
         fn remove_back(&mut self, k: &SvcBackendKey) {
             self.0.lock().expect("lock").1.remove(&(k.id, k.index));
         }
-        fn read_back(&self) -> (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>) {
+        fn read_back(&self) -> Held {
             let g = self.0.lock().expect("lock");
             (
-                g.0.iter().map(|(k, v)| (unraw(k), *v)).collect(),
+                g.0.iter().map(|(k, v)| (*k, *v)).collect(),
                 g.1.iter()
                     .map(|((id, index), b)| {
                         (

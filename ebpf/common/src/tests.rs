@@ -233,11 +233,12 @@ fn reasons_round_trip_and_have_distinct_names() {
 }
 
 #[test]
-fn programs_are_the_tc_ones_then_the_xdp_ones() {
-    let mut both = [""; 5];
-    both[..4].copy_from_slice(&TC_PROGRAMS);
-    both[4..].copy_from_slice(&XDP_PROGRAMS);
-    assert_eq!(both, ALL_PROGRAMS);
+fn programs_are_the_tc_ones_then_the_xdp_ones_then_the_socket_ones() {
+    let mut all = [""; 13];
+    all[..4].copy_from_slice(&TC_PROGRAMS);
+    all[4..5].copy_from_slice(&XDP_PROGRAMS);
+    all[5..].copy_from_slice(&SVC_PROGRAMS);
+    assert_eq!(all, ALL_PROGRAMS);
 }
 
 /// The scratch space's keys lie as their maps' keys: a prefix length, then the data.

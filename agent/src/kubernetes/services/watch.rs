@@ -185,11 +185,14 @@ pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> 
 /// Feeds the calculation: the first listings, then every change, for as long as the agent
 /// runs. What a change makes newly wrong with a Service goes to `notify`. `rules`: the
 /// admission rules but the Nodes' addresses, which are added as the Nodes come and go.
+/// `changed` counts the changes applied since the first listings were in (the dataplane's
+/// programmer follows it).
 pub fn spawn(
     w: Watches,
     service: Arc<ServicesService>,
     rules: Admission,
     notify: impl Fn(ServiceNotice) + Send + 'static,
+    changed: tokio::sync::watch::Sender<u64>,
 ) {
     let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
     let kinds = w.followers.len();
@@ -236,6 +239,7 @@ pub fn spawn(
                     let r = service.report(None);
                     tracing::info!(services = r.services, slices = r.slices,
                         took = ?service.applying(), "Services: first listings in");
+                    changed.send_modify(|n| *n += 1);
                 }
                 continue;
             };
@@ -262,6 +266,9 @@ pub fn spawn(
             };
             for n in said {
                 notify(n);
+            }
+            if listed == kinds {
+                changed.send_modify(|n| *n += 1);
             }
         }
     });

@@ -107,10 +107,12 @@ pub(crate) fn services_table(r: &ServicesReport) -> String {
         r.used_backends,
         r.limits.backends,
         if r.ready { "" } else { " (first listings not in yet)" },
-        if r.programmed {
-            "programmed in the eBPF dataplane"
-        } else {
-            "calculated only: the dataplane does not translate Services yet (kube-proxy does)"
+        match (&r.program_error, r.programmed) {
+            (Some(e), _) => format!("not programmed: {e} (retried every second)"),
+            (None, true) => "translated at the sockets by the eBPF dataplane".to_string(),
+            (None, false) => {
+                "calculated only: [services] translate is off (kube-proxy translates)".to_string()
+            }
         }
     ));
     out

@@ -357,6 +357,7 @@ fn services_table_shows_frontends_refusals_and_room() {
         node: "n1".into(),
         ready: true,
         programmed: false,
+        program_error: None,
         services: 2,
         slices: 1,
         used_frontends: 2,

@@ -1,0 +1,255 @@
+//! Kubernetes Services translated at the sockets (issue 24), end to end: a real kube-apiserver
+//! (Services, EndpointSlices), an agent with the eBPF dataplane and only the chart's ClusterRole,
+//! real pods wired by the CNI plugin, the socket programs attached to a cgroup of the test's own
+//! (never the root) that the client process joins. The client speaks to the Service's cluster
+//! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9` and
+//! restart leave the translation in force.
+use std::io::{Read, Write};
+use std::net::{TcpListener, UdpSocket};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use calix_testbed::{unique, wait_for, Dataplane, KubeApi, Node, Pod};
+use serde_json::{json, Value};
+
+/// A cgroup of this test's own on the v2 hierarchy, removed when dropped (its processes have
+/// exited by then).
+struct TestCgroup(PathBuf);
+
+impl TestCgroup {
+    fn new(tag: &str) -> Self {
+        let hybrid = PathBuf::from("/sys/fs/cgroup/unified");
+        let root = if hybrid.join("cgroup.procs").exists() {
+            hybrid
+        } else {
+            PathBuf::from("/sys/fs/cgroup")
+        };
+        let dir = root.join(tag);
+        std::fs::create_dir_all(&dir).expect("create the test cgroup");
+        Self(dir)
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
+fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {
+    let join = format!(
+        "echo $$ > {} && exec python3 -c \"$0\"",
+        cg.0.join("cgroup.procs").display()
+    );
+    let out = pod
+        .ns
+        .cmd_setns(&["sh", "-c", &join, script])
+        .output()
+        .expect("run the client");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The client's script against `ip`: TCP to port 80 and UDP to port 53, then port 81 (a
+/// Service with no endpoint).
+fn script(ip: &str) -> String {
+    format!(
+        r#"
+import errno, socket
+t = socket.create_connection(("{ip}", 80), timeout=5)
+t.sendall(b"hi")
+print("tcp", t.recv(64).decode(), t.getpeername()[0] == "{ip}")
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.settimeout(5)
+u.sendto(b"yo", ("{ip}", 53))
+data, src = u.recvfrom(64)
+print("udp", data.decode(), src[0] == "{ip}" and src[1] == 53)
+try:
+    socket.create_connection(("{ip}", 81), timeout=2)
+    print("connected 81")
+except OSError as e:
+    print("refused 81", errno.errorcode.get(e.errno, e.errno))
+"#
+    )
+}
+
+/// Serves `rounds` TCP connections and UDP datagrams in `web`'s namespace: each answered with
+/// the address it came from.
+fn backends(web: &Pod<'_>, rounds: usize) -> std::thread::JoinHandle<()> {
+    let (tcp, udp) = web.ns.run(|| {
+        (
+            TcpListener::bind("0.0.0.0:8080").expect("bind tcp"),
+            UdpSocket::bind("0.0.0.0:8053").expect("bind udp"),
+        )
+    });
+    std::thread::spawn(move || {
+        for _ in 0..rounds {
+            let (mut c, from) = tcp.accept().expect("accept");
+            let mut buf = [0u8; 2];
+            c.read_exact(&mut buf).expect("read");
+            c.write_all(format!("from {}", from.ip()).as_bytes())
+                .expect("write");
+            let mut buf = [0u8; 64];
+            let (_, from) = udp.recv_from(&mut buf).expect("recv");
+            udp.send_to(format!("from {}", from.ip()).as_bytes(), from)
+                .expect("send");
+        }
+    })
+}
+
+#[test]
+fn a_pod_reaches_a_service_through_the_socket_programs() {
+    let api = KubeApi::shared();
+    let u = unique("sx");
+    let cg = TestCgroup::new(&u);
+    let node = api
+        .kubernetes_node(
+            Node::create(Dataplane::Ebpf, None),
+            None,
+            &format!(
+                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
+                cg.0.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let node = api
+        .started_with_pool(node, &u, "10.89.0.0/24", "192.0.2.42")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ns = format!("{u}-svc");
+    api.namespace(&ns, json!({}), json!({}))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pod = |name: &str| {
+        api.running_pod(&node, &ns, name, json!({"app": name}))
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+    };
+    let web = pod("web");
+    let cl = pod("client");
+    let service = |name: &str, ports: Value| {
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": name},
+            "spec": {"ports": ports},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let svc = service(
+        "web",
+        json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+               {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]),
+    );
+    let ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .expect("a cluster IP")
+        .to_string();
+    // A second Service on the same address is impossible; the one with no endpoint is its
+    // own port of web's address instead: a port 81 whose slice names no endpoint.
+    api.apply(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"namespace": ns, "name": "web-1",
+                     "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                  {"name": "dns", "port": 8053, "protocol": "UDP"}],
+        "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true}}],
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let with_81 = json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+                         {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053},
+                         {"name": "none", "port": 81, "protocol": "TCP", "targetPort": 9}]);
+    service("web", with_81);
+    let show = || {
+        format!(
+            "{:?}\n{}",
+            node.agent()
+                .calixctl_json(&["services", &format!("{ns}/web")]),
+            node.agent_log()
+        )
+    };
+    wait_for(
+        "the agent programs web's three frontends",
+        Duration::from_secs(30),
+        || {
+            let r = node
+                .agent()
+                .calixctl_json(&["services", &format!("{ns}/web")])
+                .ok()?;
+            (r["programmed"] == true
+                && r["list"][0]["frontends"].as_array().map(Vec::len) == Some(3))
+            .then_some(())
+        },
+        show,
+    );
+    let expect = |stdout: &str, stderr: &str| {
+        let lines: Vec<&str> = stdout.lines().collect();
+        let from = format!("from {}", cl.ip());
+        assert_eq!(
+            lines,
+            [
+                format!("tcp {from} True").as_str(),
+                format!("udp {from} True").as_str(),
+                "refused 81 ECONNREFUSED",
+            ],
+            "{stderr}\n{}",
+            node.agent_log()
+        );
+    };
+    let server = backends(&web, 2);
+    let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
+    assert!(ok, "{stdout}\n{stderr}\n{}", node.agent_log());
+    expect(&stdout, &stderr);
+    // kill -9 and a new agent: the pinned links and maps translate all along.
+    node.kill_agent();
+    let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
+    assert!(ok, "with the agent down: {stdout}\n{stderr}");
+    expect(&stdout, &stderr);
+    server.join().expect("the backends");
+    node.start_agent();
+    wait_for(
+        "the restarted agent programs web again",
+        Duration::from_secs(30),
+        || {
+            let r = node
+                .agent()
+                .calixctl_json(&["services", &format!("{ns}/web")])
+                .ok()?;
+            (r["programmed"] == true).then_some(())
+        },
+        show,
+    );
+    // The Service gone: its address is nothing any more (the pod's connection goes out to
+    // its default route and finds no one: refused or unreachable, never the backend).
+    api.delete_now("v1", "Service", &ns, "web")
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "web's frontends removed",
+        Duration::from_secs(30),
+        || {
+            let r = node.agent().calixctl_json(&["services"]).ok()?;
+            let gone = r["list"]
+                .as_array()?
+                .iter()
+                .all(|s| s["service"] != format!("{ns}/web"));
+            (gone && r["programmed"] == true).then_some(())
+        },
+        show,
+    );
+    let (_, stdout, _) = client(
+        &cl,
+        &cg,
+        &format!(
+            r#"
+import socket
+try:
+    socket.create_connection(("{ip}", 80), timeout=2)
+    print("connected")
+except OSError as e:
+    print("not connected")
+"#
+        ),
+    );
+    assert_eq!(stdout.trim(), "not connected");
+}
