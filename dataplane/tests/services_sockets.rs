@@ -53,6 +53,15 @@ u.settimeout(5)
 u.sendto(b"yo", ("10.96.77.1", 53))
 data, src = u.recvfrom(16)
 print("udp", data.decode(), src[0], src[1])
+# One unconnected socket: every datagram to a frontend of two backends goes to the same one.
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(5)
+seen = set()
+for _ in range(8):
+    s.sendto(b"which", ("10.96.77.1", 54))
+    data, src = s.recvfrom(16)
+    seen.add(data)
+print("sticky", len(seen), src[0], src[1])
 for port in (81, 82):
     try:
         socket.create_connection(("10.96.77.1", port), timeout=2)
@@ -78,6 +87,22 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             tcp.local_addr().expect("addr").port(),
             udp.local_addr().expect("addr").port(),
         );
+        // Two UDP backends of one frontend, each answering with its own name.
+        let pair: Vec<UdpSocket> = (0..2)
+            .map(|_| UdpSocket::bind("127.0.0.1:0").expect("bind udp"))
+            .collect();
+        let pair_ports: Vec<u16> = pair
+            .iter()
+            .map(|s| s.local_addr().expect("addr").port())
+            .collect();
+        for (i, s) in pair.into_iter().enumerate() {
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 16];
+                while let Ok((_, from)) = s.recv_from(&mut buf) {
+                    let _ = s.send_to(format!("b{i}").as_bytes(), from);
+                }
+            });
+        }
         let server = std::thread::spawn(move || {
             let (mut c, _) = tcp.accept().expect("accept");
             let mut buf = [0u8; 2];
@@ -104,6 +129,15 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
                 Target::To(vec![(ip_addr("127.0.0.1"), uport)]),
             ),
             (front(81, TCP), Target::Refuse),
+            (
+                front(54, UDP),
+                Target::To(
+                    pair_ports
+                        .iter()
+                        .map(|p| (ip_addr("127.0.0.1"), *p))
+                        .collect(),
+                ),
+            ),
         ]);
         p.set(&want).expect("program the Services");
         let (ok, stdout, stderr) = client(&cg, CLIENT);
@@ -115,6 +149,7 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             [
                 "tcp hi 10.96.77.1 80",
                 "udp yo 10.96.77.1 53",
+                "sticky 1 10.96.77.1 54",
                 // No backend: refused at connect, as after kube-proxy's ICMP reject.
                 "refused 81 ECONNREFUSED",
                 // No frontend: left alone (and with only loopback here, unreachable).

@@ -314,7 +314,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 3] = [
+const SERVICES_MAPS: [MapLayout; 4] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -339,9 +339,17 @@ const SERVICES_MAPS: [MapLayout; 3] = [
         SVC_REV_ENTRIES,
         0,
     ),
+    m(
+        SVC_FWD_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        32,
+        8,
+        SVC_REV_ENTRIES,
+        0,
+    ),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 3] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 4] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

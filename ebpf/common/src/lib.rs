@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 37] = [
+pub const ALL_MAPS: [&str; 38] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -218,6 +218,7 @@ pub const ALL_MAPS: [&str; 37] = [
     SVC_FRONTENDS_MAP,
     SVC_BACKENDS_MAP,
     SVC_REV_MAP,
+    SVC_FWD_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -654,6 +655,7 @@ mod pod {
     unsafe impl aya::Pod for super::SvcBackend {}
     unsafe impl aya::Pod for super::SvcRevKey {}
     unsafe impl aya::Pod for super::SvcRevValue {}
+    unsafe impl aya::Pod for super::SvcFwdKey {}
 }
 
 #[cfg(test)]

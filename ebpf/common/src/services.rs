@@ -13,6 +13,10 @@ pub const SVC_BACKENDS_MAP: &str = "CALIX_SVC_BACKS";
 /// LRU hash: [`SvcRevKey`] → [`SvcRevValue`]: which frontend a UDP socket's backend stands
 /// for, so that its replies come from the frontend (`recvmsg`).
 pub const SVC_REV_MAP: &str = "CALIX_SVC_REV";
+/// LRU hash: [`SvcFwdKey`] → [`SvcBackendKey`]: the backend an unconnected UDP socket's
+/// datagrams to a frontend go to, so that they all go to the same one (as kube-proxy's
+/// conntrack keeps a UDP flow on one backend) until the frontend's backends change.
+pub const SVC_FWD_MAP: &str = "CALIX_SVC_FWD";
 /// Default sizes of the maps.
 pub const DEFAULT_SVC_FRONTENDS: u32 = 65_536;
 pub const DEFAULT_SVC_BACKENDS: u32 = 262_144;
@@ -77,6 +81,15 @@ pub struct SvcRevKey {
     pub family: u8,
     pub _pad: u8,
     pub _pad2: u32,
+}
+
+/// A UDP socket (its cookie) and the frontend it sends to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcFwdKey {
+    pub cookie: u64,
+    pub front: SvcKey,
+    pub _pad: u32,
 }
 
 /// The frontend that backend stands for.

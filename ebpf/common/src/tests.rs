@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 37] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 38] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -80,6 +80,11 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 37] {
             size_of::<SvcRevKey>(),
             size_of::<SvcRevValue>(),
         ),
+        (
+            SVC_FWD_MAP,
+            size_of::<SvcFwdKey>(),
+            size_of::<SvcBackendKey>(),
+        ),
     ]
 }
 
@@ -149,6 +154,7 @@ fn layouts_have_no_padding() {
     assert_eq!(size_of::<SvcBackend>(), 20);
     assert_eq!(size_of::<SvcRevKey>(), 32);
     assert_eq!(size_of::<SvcRevValue>(), 20);
+    assert_eq!(size_of::<SvcFwdKey>(), 32);
     assert_eq!(size_of::<EventBudget>(), 88);
     assert_eq!(size_of::<FailsafePort>(), 4);
     assert_eq!(size_of::<CtKey>(), 16);

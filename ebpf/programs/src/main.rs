@@ -99,25 +99,25 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
 /// cgroup `connect4`: TCP and connected UDP to a Service's IPv4 frontend go to a backend.
 #[cgroup_sock_addr(connect4)]
 pub fn svc_connect4(ctx: SockAddrContext) -> i32 {
-    services::translate(&ctx, false)
+    services::translate(&ctx, false, false)
 }
 
 /// cgroup `connect6`: as `svc_connect4`, IPv6.
 #[cgroup_sock_addr(connect6)]
 pub fn svc_connect6(ctx: SockAddrContext) -> i32 {
-    services::translate(&ctx, true)
+    services::translate(&ctx, true, false)
 }
 
 /// cgroup `sendmsg4`: an unconnected UDP datagram to an IPv4 frontend goes to a backend.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn svc_sendmsg4(ctx: SockAddrContext) -> i32 {
-    services::translate(&ctx, false)
+    services::translate(&ctx, false, true)
 }
 
 /// cgroup `sendmsg6`: as `svc_sendmsg4`, IPv6.
 #[cgroup_sock_addr(sendmsg6)]
 pub fn svc_sendmsg6(ctx: SockAddrContext) -> i32 {
-    services::translate(&ctx, true)
+    services::translate(&ctx, true, true)
 }
 
 /// cgroup `recvmsg4`: a backend's UDP reply shows the frontend as its source.

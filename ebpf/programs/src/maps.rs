@@ -16,7 +16,7 @@ use calix_common::{
     MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
     MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
-    SvcRevValue, SvcValue,
+    SvcFwdKey, SvcRevValue, SvcValue,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -280,4 +280,10 @@ pub static CALIX_SVC_BACKS: HashMap<SvcBackendKey, SvcBackend> =
 /// Which frontend a UDP socket's backend stands for (`calix_common::SVC_REV_MAP`).
 #[map(name = "CALIX_SVC_REV")]
 pub static CALIX_SVC_REV: LruHashMap<SvcRevKey, SvcRevValue> =
+    LruHashMap::pinned(SVC_REV_ENTRIES, 0);
+
+/// The backend each unconnected UDP socket's datagrams to a frontend go to
+/// (`calix_common::SVC_FWD_MAP`).
+#[map(name = "CALIX_SVC_FWD")]
+pub static CALIX_SVC_FWD: LruHashMap<SvcFwdKey, SvcBackendKey> =
     LruHashMap::pinned(SVC_REV_ENTRIES, 0);

@@ -14,10 +14,11 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use calix_common::{
-    SvcBackendKey, SvcKey, SvcRevKey, SvcRevValue, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
+    SvcBackendKey, SvcFwdKey, SvcKey, SvcRevKey, SvcRevValue, SVC_DROP, SVC_REJECT, SVC_V4,
+    SVC_V6,
 };
 
-use crate::maps::{CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_REV};
+use crate::maps::{CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_REV};
 
 const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
@@ -69,9 +70,11 @@ fn set_dest(ctx: &SockAddrContext, v6: bool, addr: &[u8; 16], port: u16) {
 }
 
 /// `connect` and `sendmsg`: a frontend's call goes to one of its backends, remembered for the
-/// socket so that `recvmsg` and `getpeername` can show the frontend again.
+/// socket so that `recvmsg` and `getpeername` can show the frontend again. `sticky`
+/// (`sendmsg`): the socket's earlier datagrams to the frontend chose a backend; the next ones
+/// go there too while the frontend's backends are unchanged.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext, v6: bool) -> i32 {
+pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
     let Some(k) = key(ctx, v6) else {
         return ALLOW;
     };
@@ -84,11 +87,35 @@ pub fn translate(ctx: &SockAddrContext, v6: bool) -> i32 {
         unsafe { bpf_set_retval(-ECONNREFUSED) };
         return REFUSE;
     }
-    // SAFETY: a helper without arguments.
-    let index = unsafe { bpf_get_prandom_u32() } % front.count;
-    let bk = SvcBackendKey {
-        id: front.id,
-        index,
+    // SAFETY: the helper takes the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
+    let fk = SvcFwdKey {
+        cookie,
+        front: k,
+        _pad: 0,
+    };
+    let earlier = if sticky {
+        // SAFETY: a read-only lookup; the value is copied out at once.
+        unsafe { CALIX_SVC_FWD.get(&fk) }
+            .copied()
+            .filter(|b| b.id == front.id && b.index < front.count)
+    } else {
+        None
+    };
+    let bk = match earlier {
+        Some(b) => b,
+        None => {
+            // SAFETY: a helper without arguments.
+            let index = unsafe { bpf_get_prandom_u32() } % front.count;
+            let bk = SvcBackendKey {
+                id: front.id,
+                index,
+            };
+            if sticky {
+                let _ = CALIX_SVC_FWD.insert(&fk, &bk, 0);
+            }
+            bk
+        }
     };
     // SAFETY: as above.
     let Some(b) = (unsafe { CALIX_SVC_BACKS.get(&bk) }).copied() else {
@@ -99,8 +126,6 @@ pub fn translate(ctx: &SockAddrContext, v6: bool) -> i32 {
         return ALLOW;
     }
     set_dest(ctx, v6, &b.addr, b.port);
-    // SAFETY: the helper takes the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
     let rk = SvcRevKey {
         cookie,
         addr: b.addr,
