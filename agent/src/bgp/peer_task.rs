@@ -66,7 +66,8 @@ pub struct Ctx {
     /// This node's next hops (also its source address toward a peer of that family).
     pub own: Vec<IpAddr>,
     pub restart_time: u16,
-    pub wanted: watch::Receiver<Arc<Wanted>>,
+    /// What this node advertises; `None` until its blocks are listed.
+    pub wanted: watch::Receiver<Option<Arc<Wanted>>>,
     pub import: watch::Receiver<Arc<ImportRule>>,
     pub stop: watch::Receiver<Option<Stop>>,
     /// Where a session going down is told (a Warning Event on the Node in Kubernetes).
@@ -391,6 +392,8 @@ impl Peer {
         }
         let mut replaced: Option<Box<Incoming>> = None;
         let mut advertised = Advertised::default();
+        // Established before this node's routes were known: End-of-RIB waits for them.
+        let mut eor_pending = false;
         let mut negotiated: Option<Negotiated> = None;
         let mut builder: Option<UpdateBuilder> = None;
         let mut awaiting_eor: BTreeSet<Family> = BTreeSet::new();
@@ -442,12 +445,16 @@ impl Peer {
                             self.mark_synced().await;
                         }
                         let b = self.builder(ctx, &n);
-                        let wanted = ctx.wanted.borrow_and_update().clone();
-                        for m in advertised.update_to(&wanted, &n.families, &b) {
-                            queue.push_back(Output::Send(m));
-                        }
-                        for f in &n.families {
-                            queue.push_back(Output::Send(UpdateBuilder::end_of_rib(*f)));
+                        // Not listed yet: the routes and End-of-RIB go once they are.
+                        eor_pending = true;
+                        if let Some(wanted) = ctx.wanted.borrow_and_update().clone() {
+                            for m in advertised.update_to(&wanted, &n.families, &b) {
+                                queue.push_back(Output::Send(m));
+                            }
+                            for f in &n.families {
+                                queue.push_back(Output::Send(UpdateBuilder::end_of_rib(*f)));
+                            }
+                            eor_pending = false;
                         }
                         lock(&self.state).report.sent = advertised.routes().len();
                         builder = Some(b);
@@ -576,9 +583,15 @@ impl Peer {
                 r = ctx.wanted.changed(), if established => {
                     if r.is_err() { return None; }
                     if let (Some(b), Some(n)) = (&builder, &negotiated) {
-                        let wanted = ctx.wanted.borrow_and_update().clone();
-                        for m in advertised.update_to(&wanted, &n.families, b) {
-                            queue.push_back(Output::Send(m));
+                        if let Some(wanted) = ctx.wanted.borrow_and_update().clone() {
+                            for m in advertised.update_to(&wanted, &n.families, b) {
+                                queue.push_back(Output::Send(m));
+                            }
+                            if std::mem::take(&mut eor_pending) {
+                                for f in &n.families {
+                                    queue.push_back(Output::Send(UpdateBuilder::end_of_rib(*f)));
+                                }
+                            }
                         }
                         lock(&self.state).report.sent = advertised.routes().len();
                     }

@@ -93,7 +93,9 @@ pub fn start(
         Arc::new(Records),
         view_tx,
     ))];
-    let (wanted_tx, wanted_rx) = watch::channel(Arc::new(Wanted::new()));
+    // None until the blocks are listed: a session that comes up before must not advertise
+    // nothing and then End-of-RIB (its peer would drop this node's stale routes).
+    let (wanted_tx, wanted_rx) = watch::channel(None::<Arc<Wanted>>);
     let (import_tx, import_rx) = watch::channel(Arc::new(ImportRule {
         within: s.pools.clone(),
         own: Vec::new(),
@@ -211,7 +213,7 @@ struct Loop {
     peers: Peers,
     /// The sockets the peers' connections come in on (closed when dropped).
     listeners: Listeners,
-    wanted_tx: watch::Sender<Arc<Wanted>>,
+    wanted_tx: watch::Sender<Option<Arc<Wanted>>>,
     import_tx: watch::Sender<Arc<ImportRule>>,
     desired_tx: watch::Sender<Option<(Arc<Vec<RemoteRoute>>, bool)>>,
     /// The installed set has been whole once (it stays so).
@@ -343,10 +345,10 @@ impl Loop {
         }
         let prefixes: Vec<IpNet> = wanted.keys().copied().collect();
         self.wanted_tx.send_if_modified(|cur| {
-            let changed = **cur != wanted;
+            let changed = cur.as_deref() != Some(&wanted);
             if changed {
                 tracing::debug!(routes = wanted.len(), "bgp: this node's routes changed");
-                *cur = Arc::new(wanted);
+                *cur = Some(Arc::new(wanted));
             }
             changed
         });
@@ -407,7 +409,7 @@ impl Loop {
     }
 
     fn report(&self) -> BgpReport {
-        let wanted = self.wanted_tx.borrow().clone();
+        let wanted = self.wanted_tx.borrow().clone().unwrap_or_default();
         let (peers, learned, advertised) =
             self.peers
                 .report(&self.installed(), &wanted, Instant::now());

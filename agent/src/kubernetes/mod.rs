@@ -15,6 +15,7 @@
 //! - [`events`]: Kubernetes Events for what an operator must see;
 //! - [`owner`]: the agent's DaemonSet: is a stop a restart or an uninstall;
 //! - [`source`]: a value followed from the store;
+//! - [`fan_in`]: several followers read into one stream of changes;
 //! - [`certificates`]: this node's route-distribution certificate, asked of the API server
 //!   (a CertificateSigningRequest) and renewed, and the CA bundle from its ConfigMap (with
 //!   any datastore: read with the agent's own client, not the store).
@@ -22,6 +23,7 @@ pub mod certificates;
 pub mod cluster;
 pub mod directory;
 pub mod events;
+pub mod fan_in;
 pub mod owner;
 pub mod peers;
 pub mod podipam;

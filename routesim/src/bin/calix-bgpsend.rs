@@ -141,7 +141,7 @@ fn main() -> Result<()> {
         .build()?;
     rt.block_on(async move {
         let empty = Arc::new(Wanted::new());
-        let (wanted_tx, wanted_rx) = watch::channel(empty.clone());
+        let (wanted_tx, wanted_rx) = watch::channel(Some(empty.clone()));
         let (_import_tx, import_rx) = watch::channel(Arc::new(ImportRule::default()));
         let (stop_tx, stop_rx) = watch::channel(None);
         let (events_tx, mut events_rx) = mpsc::channel(1024);
@@ -210,7 +210,7 @@ fn main() -> Result<()> {
                 "withdraw" => empty.clone(),
                 _ => continue,
             };
-            wanted_tx.send_replace(set);
+            wanted_tx.send_replace(Some(set));
             say("ok");
         }
         let _ = stop_tx.send(Some(Stop::ForGood));

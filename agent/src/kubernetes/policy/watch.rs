@@ -15,8 +15,8 @@ use calix_datastore::kubernetes::views::{self, NamespaceView};
 use calix_datastore::{Datastore, DatastoreError};
 use k8s_openapi::api::core::v1::Pod as KubePod;
 use k8s_openapi::api::networking::v1::NetworkPolicy;
-use tokio::sync::mpsc;
 
+use super::super::fan_in;
 use crate::policy::PolicyService;
 
 /// A change with, for a pod, whether it runs on this node.
@@ -147,12 +147,7 @@ pub struct Watches {
 
 /// Lists namespaces, pods and policies (each follower's first listing, the three at once).
 pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
-    let followers = futures::future::try_join_all(
-        PREFIXES
-            .iter()
-            .map(|(_, prefix)| Follower::start(store.clone(), prefix)),
-    )
-    .await?;
+    let followers = fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await?;
     Ok(Watches { followers })
 }
 
@@ -165,34 +160,8 @@ pub fn spawn(
     node: String,
     changed: tokio::sync::watch::Sender<u64>,
 ) {
-    let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
     let kinds = w.followers.len();
-    for mut follower in w.followers {
-        let tx = tx.clone();
-        let node = node.clone();
-        tokio::spawn(async move {
-            for kv in follower.known().values() {
-                if let Some(seen) = change_of(&WatchEvent::Put(kv.clone()), &node) {
-                    if tx.send(Some(seen)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-            // This kind's first listing is in.
-            if tx.send(None).await.is_err() {
-                return;
-            }
-            loop {
-                let event = follower.next().await;
-                if let Some(seen) = change_of(&event, &node) {
-                    if tx.send(Some(seen)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-    }
-    drop(tx);
+    let mut rx = fan_in::fan_in(w.followers, move |e| change_of(e, &node));
     tokio::spawn(async move {
         let mut listed = 0;
         while let Some(msg) = rx.recv().await {

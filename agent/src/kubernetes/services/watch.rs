@@ -18,8 +18,8 @@ use calix_datastore::kubernetes::views::{self, NodeView};
 use calix_datastore::{Datastore, DatastoreError};
 use k8s_openapi::api::core::v1::Service as KubeService;
 use k8s_openapi::api::discovery::v1::EndpointSlice as KubeSlice;
-use tokio::sync::mpsc;
 
+use super::super::fan_in;
 use crate::services::{ServiceNotice, ServicesService};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,12 +173,7 @@ pub struct Watches {
 
 /// Lists Services, EndpointSlices and Nodes (each follower's first listing, all at once).
 pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
-    let followers = futures::future::try_join_all(
-        PREFIXES
-            .iter()
-            .map(|(_, prefix)| Follower::start(store.clone(), prefix)),
-    )
-    .await?;
+    let followers = fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await?;
     Ok(Watches { followers })
 }
 
@@ -194,32 +189,8 @@ pub fn spawn(
     notify: impl Fn(ServiceNotice) + Send + 'static,
     changed: tokio::sync::watch::Sender<u64>,
 ) {
-    let (tx, mut rx) = mpsc::channel::<Option<Seen>>(1024);
     let kinds = w.followers.len();
-    for mut follower in w.followers {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            for kv in follower.known().values() {
-                if let Some(seen) = change_of(&WatchEvent::Put(kv.clone())) {
-                    if tx.send(Some(seen)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-            if tx.send(None).await.is_err() {
-                return;
-            }
-            loop {
-                let event = follower.next().await;
-                if let Some(seen) = change_of(&event) {
-                    if tx.send(Some(seen)).await.is_err() {
-                        return;
-                    }
-                }
-            }
-        });
-    }
-    drop(tx);
+    let mut rx = fan_in::fan_in(w.followers, change_of);
     tokio::spawn(async move {
         let mut listed = 0;
         let mut nodes: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
