@@ -240,6 +240,11 @@ impl ServicesService {
         self.lock().ready = true;
     }
 
+    /// Services and slices known.
+    pub fn counts(&self) -> (usize, usize) {
+        self.lock().state.counts()
+    }
+
     /// Whether the first listings are in.
     pub fn ready(&self) -> bool {
         self.lock().ready

@@ -339,10 +339,6 @@ mod tests {
     #[derive(Clone, Default)]
     struct Fake(Arc<Mutex<Held2>>);
 
-    fn raw(k: &SvcKey) -> SvcKey {
-        *k
-    }
-
     impl ServiceMaps for Fake {
         fn set_front(&mut self, k: &SvcKey, v: &SvcValue) -> Result<(), DataplaneError> {
             self.0.lock().expect("lock").0.insert(*k, *v);
@@ -400,15 +396,15 @@ mod tests {
         p.set(&want).expect("set");
         {
             let g = fake.0.lock().expect("lock");
-            let v = g.0[&raw(&key(&web()))];
+            let v = g.0[&key(&web())];
             assert_eq!((v.count, v.flags), (1, 0), "the other family left out");
             assert_eq!(g.1.len(), 1);
             assert_eq!(g.1[&(v.id, 0)].port, 8080u16.to_be());
         }
         // The same again: nothing written.
-        let before = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        let before = fake.0.lock().expect("lock").0[&key(&web())];
         p.set(&want).expect("set");
-        assert_eq!(fake.0.lock().expect("lock").0[&raw(&key(&web()))], before);
+        assert_eq!(fake.0.lock().expect("lock").0[&key(&web())], before);
         // Two backends: a new id, the old one's entries gone.
         want.insert(
             web(),
@@ -417,7 +413,7 @@ mod tests {
         p.set(&want).expect("set");
         {
             let g = fake.0.lock().expect("lock");
-            let v = g.0[&raw(&key(&web()))];
+            let v = g.0[&key(&web())];
             assert_ne!(v.id, before.id);
             assert_eq!(v.count, 2);
             assert_eq!(g.1.len(), 2, "only the new id's");
@@ -425,7 +421,7 @@ mod tests {
         // No endpoint: refused; then gone: nothing left.
         want.insert(web(), Target::Refuse);
         p.set(&want).expect("set");
-        let v = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        let v = fake.0.lock().expect("lock").0[&key(&web())];
         assert_eq!((v.count, v.flags), (0, SVC_REJECT));
         assert!(fake.0.lock().expect("lock").1.is_empty());
         p.set(&BTreeMap::new()).expect("set");
@@ -439,7 +435,7 @@ mod tests {
         let want = BTreeMap::from([(web(), Target::To(vec![(ip("10.244.1.5"), 8080)]))]);
         let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
         p.set(&want).expect("set");
-        let held = fake.0.lock().expect("lock").0[&raw(&key(&web()))];
+        let held = fake.0.lock().expect("lock").0[&key(&web())];
         // A stray backend of no frontend (an agent stopped between two writes).
         fake.0.lock().expect("lock").1.insert(
             (held.id + 7, 0),
@@ -456,7 +452,7 @@ mod tests {
         );
         p.set(&want).expect("set");
         assert_eq!(
-            fake.0.lock().expect("lock").0[&raw(&key(&web()))],
+            fake.0.lock().expect("lock").0[&key(&web())],
             held,
             "unchanged: not written again"
         );
@@ -465,7 +461,7 @@ mod tests {
         let mut more = want.clone();
         more.insert(other, Target::To(vec![(ip("10.244.1.9"), 9)]));
         p.set(&more).expect("set");
-        let v = fake.0.lock().expect("lock").0[&raw(&key(&other))];
+        let v = fake.0.lock().expect("lock").0[&key(&other)];
         assert!(v.id > held.id + 7, "{} vs {}", v.id, held.id);
     }
 }

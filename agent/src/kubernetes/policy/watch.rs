@@ -140,28 +140,22 @@ pub fn change_of(event: &WatchEvent, node: &str) -> Option<Seen> {
     }
 }
 
-/// The three followers, listed.
-pub struct Watches {
-    followers: Vec<Follower>,
-}
-
 /// Lists namespaces, pods and policies (each follower's first listing, the three at once).
-pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
-    let followers = fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await?;
-    Ok(Watches { followers })
+pub async fn load(store: Arc<dyn Datastore>) -> Result<Vec<Follower>, DatastoreError> {
+    fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await
 }
 
 /// Feeds the service: the first listings, then every change, for as long as the agent runs.
 /// `changed` counts the changes applied since the first listings were in (the dataplane's
 /// programmer follows it).
 pub fn spawn(
-    w: Watches,
+    followers: Vec<Follower>,
     service: Arc<PolicyService>,
     node: String,
     changed: tokio::sync::watch::Sender<u64>,
 ) {
-    let kinds = w.followers.len();
-    let mut rx = fan_in::fan_in(w.followers, move |e| change_of(e, &node));
+    let kinds = followers.len();
+    let mut rx = fan_in::fan_in(followers, move |e| change_of(e, &node));
     tokio::spawn(async move {
         let mut listed = 0;
         while let Some(msg) = rx.recv().await {

@@ -166,15 +166,9 @@ pub fn change_of(event: &WatchEvent) -> Option<Seen> {
     }
 }
 
-/// The two followers, listed.
-pub struct Watches {
-    followers: Vec<Follower>,
-}
-
 /// Lists Services, EndpointSlices and Nodes (each follower's first listing, all at once).
-pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> {
-    let followers = fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await?;
-    Ok(Watches { followers })
+pub async fn load(store: Arc<dyn Datastore>) -> Result<Vec<Follower>, DatastoreError> {
+    fan_in::start(store, PREFIXES.iter().map(|(_, p)| *p)).await
 }
 
 /// Feeds the calculation: the first listings, then every change, for as long as the agent
@@ -183,14 +177,14 @@ pub async fn load(store: Arc<dyn Datastore>) -> Result<Watches, DatastoreError> 
 /// `changed` counts the changes applied since the first listings were in (the dataplane's
 /// programmer follows it).
 pub fn spawn(
-    w: Watches,
+    followers: Vec<Follower>,
     service: Arc<ServicesService>,
     rules: Admission,
     notify: impl Fn(ServiceNotice) + Send + 'static,
     changed: tokio::sync::watch::Sender<u64>,
 ) {
-    let kinds = w.followers.len();
-    let mut rx = fan_in::fan_in(w.followers, change_of);
+    let kinds = followers.len();
+    let mut rx = fan_in::fan_in(followers, change_of);
     tokio::spawn(async move {
         let mut listed = 0;
         let mut nodes: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
@@ -207,9 +201,9 @@ pub fn spawn(
                 listed += 1;
                 if listed == kinds {
                     service.set_ready();
-                    let r = service.report(None);
-                    tracing::info!(services = r.services, slices = r.slices,
-                        took = ?service.applying(), "Services: first listings in");
+                    let (services, slices) = service.counts();
+                    tracing::info!(services, slices, took = ?service.applying(),
+                        "Services: first listings in");
                     changed.send_modify(|n| *n += 1);
                 }
                 continue;
