@@ -271,7 +271,10 @@ impl ServicesService {
                     Protocol::Sctp => continue,
                 };
                 let target = match &p.internal {
-                    Choice::To(v) => Target::To(v.clone()),
+                    Choice::To(v) => Target::To {
+                        backends: v.clone(),
+                        affinity_secs: p.affinity_secs.unwrap_or(0),
+                    },
                     Choice::Reject | Choice::Drop => Target::Refuse,
                 };
                 let at = match p.frontend.address {

@@ -9,6 +9,10 @@ use std::net::{IpAddr, TcpListener, UdpSocket};
 use std::path::PathBuf;
 use std::process::Command;
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use aya::maps::HashMap;
+use calix_common::{SvcAffKey, SvcAffValue, SVC_AFFINITY_MAP};
 use calix_dataplane::ebpf::services::{
     attach_sockets, detach_sockets, Front, PinnedServiceMaps, ServiceProgrammer, Target, TCP, UDP,
 };
@@ -122,16 +126,16 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
         let want = std::collections::BTreeMap::from([
             (
                 front(80, TCP),
-                Target::To(vec![(ip_addr("127.0.0.1"), tport)]),
+                Target::to(vec![(ip_addr("127.0.0.1"), tport)]),
             ),
             (
                 front(53, UDP),
-                Target::To(vec![(ip_addr("127.0.0.1"), uport)]),
+                Target::to(vec![(ip_addr("127.0.0.1"), uport)]),
             ),
             (front(81, TCP), Target::Refuse),
             (
                 front(54, UDP),
-                Target::To(
+                Target::to(
                     pair_ports
                         .iter()
                         .map(|p| (ip_addr("127.0.0.1"), *p))
@@ -140,7 +144,7 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             ),
         ]);
         p.set(&want).expect("program the Services");
-        let (ok, stdout, stderr) = client(&cg, CLIENT);
+        let (ok, stdout, stderr) = client(&cg, CLIENT, &[]);
         server.join().expect("the backends");
         assert!(ok, "{stdout}\n{stderr}");
         let lines: Vec<&str> = stdout.lines().collect();
@@ -159,21 +163,23 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
         );
         // Detached (Services off): the frontend is an address like any other again.
         detach_sockets(&links);
-        let (_, stdout, stderr) = client(&cg, OFF);
+        let (_, stdout, stderr) = client(&cg, OFF, &[]);
         assert_eq!(stdout.trim(), "refused 80 ENETUNREACH", "{stderr}");
     });
 }
 
-/// Runs `script` with python3 in the cgroup `cg`: whether it succeeded, its output, its errors.
-fn client(cg: &TestCgroup, script: &str) -> (bool, String, String) {
+/// Runs `script` with python3 and `args` in the cgroup `cg`: whether it succeeded, its output,
+/// its errors.
+fn client(cg: &TestCgroup, script: &str, args: &[&str]) -> (bool, String, String) {
     let procs = cg.0.join("cgroup.procs");
     let out = Command::new("sh")
         .arg("-c")
         .arg(format!(
-            "echo $$ > {} && exec python3 -c \"$0\"",
+            "echo $$ > {} && exec python3 -c \"$0\" \"$@\"",
             procs.display()
         ))
         .arg(script)
+        .args(args)
         .output()
         .expect("run the client");
     (
@@ -191,3 +197,133 @@ try:
 except OSError as e:
     print("refused 80", errno.errorcode.get(e.errno, e.errno))
 "#;
+
+/// Connects `n` times to 10.96.77.2:`port`: each backend's name, a line each.
+const CONNECTS: &str = r#"
+import socket, sys
+port, n = int(sys.argv[1]), int(sys.argv[2])
+for _ in range(n):
+    c = socket.create_connection(("10.96.77.2", port), timeout=5)
+    print(c.recv(16).decode())
+    c.close()
+"#;
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the programs' `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime(2) into a timespec we own.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+#[test]
+fn session_affinity_keeps_a_client_on_its_backend() {
+    in_netns(|| {
+        ip(&["link", "set", "lo", "up"]);
+        let pins = PinDir::new();
+        let mut bpf = load_object(&pins);
+        let cg = TestCgroup::new("aff");
+        let links = pins.0.join("sockets");
+        attach_sockets(&mut bpf, &links, &cg.0).expect("attach to the test's cgroup");
+        // Three TCP backends, each answering a connection with its name.
+        let ports: Vec<u16> = (0..3)
+            .map(|i| {
+                let l = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
+                let port = l.local_addr().expect("addr").port();
+                std::thread::spawn(move || {
+                    for mut c in l.incoming().flatten() {
+                        let _ = c.write_all(format!("b{i}").as_bytes());
+                    }
+                });
+                port
+            })
+            .collect();
+        let maps = PinnedServiceMaps::open(&mut bpf).expect("the Services maps");
+        let mut p = ServiceProgrammer::restore(Box::new(maps));
+        let front = |port| Front {
+            address: ip_addr("10.96.77.2"),
+            port,
+            proto: TCP,
+        };
+        let to = |which: &[usize], affinity_secs| Target::To {
+            backends: which
+                .iter()
+                .map(|i| (ip_addr("127.0.0.1"), ports[*i]))
+                .collect(),
+            affinity_secs,
+        };
+        let seen = |port: u16, n: usize| -> Vec<String> {
+            let (ok, out, err) = client(&cg, CONNECTS, &[&port.to_string(), &n.to_string()]);
+            assert!(ok, "{out}\n{err}");
+            out.lines().map(String::from).collect()
+        };
+        p.set(&BTreeMap::from([
+            (front(80), to(&[0, 1, 2], 3600)),
+            (front(81), to(&[0, 1, 2], 0)),
+        ]))
+        .expect("program the Services");
+        let first = seen(80, 12);
+        let kept = first[0].clone();
+        assert!(
+            first.iter().all(|b| *b == kept),
+            "one client, one backend: {first:?}"
+        );
+        assert_eq!(
+            seen(80, 4),
+            vec![kept.clone(); 4],
+            "another process of the same client (network namespace): the same backend"
+        );
+        let spread: BTreeSet<String> = seen(81, 24).into_iter().collect();
+        assert!(
+            spread.len() > 1,
+            "without affinity, any backend: {spread:?}"
+        );
+
+        // The others change; the client's backend stays (at another index), so does it.
+        let k: usize = kept[1..].parse().expect("a backend's name");
+        let others: Vec<usize> = (0..3).filter(|i| *i != k).collect();
+        p.set(&BTreeMap::from([(front(80), to(&[others[0], k], 3600))]))
+            .expect("program the change");
+        assert_eq!(
+            seen(80, 6),
+            vec![kept.clone(); 6],
+            "its backend kept through a change of the others"
+        );
+        // Its backend goes: the client moves, to one backend again.
+        p.set(&BTreeMap::from([(front(80), to(&others, 3600))]))
+            .expect("program the removal");
+        let moved = seen(80, 8);
+        assert!(
+            moved.iter().all(|b| *b == moved[0]) && moved[0] != kept,
+            "{moved:?} after {kept} went"
+        );
+
+        // The timeout: a client last seen longer ago than it picks again (each time aged
+        // past it, the client connects once; two backends: it must land on both).
+        let mut aff: HashMap<_, SvcAffKey, SvcAffValue> =
+            HashMap::try_from(bpf.map_mut(SVC_AFFINITY_MAP).expect("the affinity map"))
+                .expect("a hash map");
+        let mut after = BTreeSet::new();
+        for _ in 0..24 {
+            let keys: Vec<SvcAffKey> = aff.keys().filter_map(Result::ok).collect();
+            assert_eq!(keys.len(), 1, "one client, one frontend with affinity");
+            for key in keys {
+                let mut v = aff.get(&key, 0).expect("the client's entry");
+                v.seen_ns = monotonic_ns() - 3601 * 1_000_000_000;
+                aff.insert(key, v, 0).expect("age the entry");
+            }
+            after.extend(seen(80, 1));
+            if after.len() > 1 {
+                break;
+            }
+        }
+        assert_eq!(after.len(), 2, "an expired client picks again: {after:?}");
+        detach_sockets(&links);
+    });
+}

@@ -3,7 +3,8 @@
 //! real pods wired by the CNI plugin, the socket programs attached to a cgroup of the test's own
 //! (never the root) that the client process joins. The client speaks to the Service's cluster
 //! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9` and
-//! restart leave the translation in force.
+//! restart leave the translation in force. With `sessionAffinity: ClientIP`, a client stays on
+//! one backend of two.
 use std::io::{Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::path::PathBuf;
@@ -252,4 +253,110 @@ except OSError as e:
         ),
     );
     assert_eq!(stdout.trim(), "not connected");
+}
+
+/// Answers each TCP connection on port 8080 in `pod`'s namespace with `name`.
+fn named_backend(pod: &Pod<'_>, name: &'static str) {
+    let tcp = pod
+        .ns
+        .run(|| TcpListener::bind("0.0.0.0:8080").expect("bind tcp"));
+    std::thread::spawn(move || {
+        for mut c in tcp.incoming().flatten() {
+            let _ = c.write_all(name.as_bytes());
+        }
+    });
+}
+
+#[test]
+fn a_client_keeps_its_backend_with_session_affinity() {
+    let api = KubeApi::shared();
+    let u = unique("sa");
+    let cg = TestCgroup::new(&u);
+    let node = api
+        .kubernetes_node(
+            Node::create(Dataplane::Ebpf, None),
+            None,
+            &format!(
+                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
+                cg.0.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let node = api
+        .started_with_pool(node, &u, "10.89.1.0/24", "192.0.2.44")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ns = format!("{u}-svc");
+    api.namespace(&ns, json!({}), json!({}))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pod = |name: &str| {
+        api.running_pod(&node, &ns, name, json!({"app": name}))
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+    };
+    let (a, b, cl) = (pod("web-a"), pod("web-b"), pod("client"));
+    named_backend(&a, "web-a");
+    named_backend(&b, "web-b");
+    let service = |name: &str, affinity: &str| {
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": name},
+            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}],
+                     "sessionAffinity": affinity},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let mut ips = Vec::new();
+    for (name, affinity) in [("sticky", "ClientIP"), ("any", "None")] {
+        let svc = service(name, affinity);
+        ips.push(
+            svc["spec"]["clusterIP"]
+                .as_str()
+                .expect("a cluster IP")
+                .to_string(),
+        );
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": format!("{name}-1"),
+                         "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [a.ip()], "conditions": {"ready": true}},
+                          {"addresses": [b.ip()], "conditions": {"ready": true}}],
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+    wait_for(
+        "the agent programs both Services",
+        Duration::from_secs(30),
+        || {
+            let r = node.agent().calixctl_json(&["services"]).ok()?;
+            let ours = r["list"]
+                .as_array()?
+                .iter()
+                .filter(|s| s["service"].as_str().is_some_and(|n| n.starts_with(&ns)))
+                .count();
+            (r["programmed"] == true && ours == 2).then_some(())
+        },
+        || format!("{:?}", node.agent().calixctl_json(&["services"])),
+    );
+    let connects = |ip: &str| -> Vec<String> {
+        let script = format!(
+            r#"
+import socket
+for _ in range(16):
+    c = socket.create_connection(("{ip}", 80), timeout=5)
+    print(c.recv(16).decode())
+    c.close()
+"#
+        );
+        let (ok, out, err) = client(&cl, &cg, &script);
+        assert!(ok, "{out}\n{err}\n{}", node.agent_log());
+        out.lines().map(String::from).collect()
+    };
+    let sticky = connects(&ips[0]);
+    assert!(
+        sticky.len() == 16 && sticky.iter().all(|n| *n == sticky[0]),
+        "ClientIP: every connection to one backend: {sticky:?}"
+    );
+    let any: std::collections::BTreeSet<String> = connects(&ips[1]).into_iter().collect();
+    assert_eq!(any.len(), 2, "None: both backends answer: {any:?}");
 }

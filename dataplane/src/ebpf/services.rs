@@ -36,10 +36,24 @@ pub type Frontends = BTreeMap<Front, Target>;
 /// Where a frontend sends new connections.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
-    /// One of these (address, port), never empty.
-    To(Vec<(IpAddr, u16)>),
+    /// One of `backends` (address, port), never empty; a client keeps its backend while it
+    /// connects again within `affinity_secs` (`sessionAffinity: ClientIP`; 0: no affinity).
+    To {
+        backends: Vec<(IpAddr, u16)>,
+        affinity_secs: u32,
+    },
     /// None: the connection is refused.
     Refuse,
+}
+
+impl Target {
+    /// Any of `backends`, no affinity.
+    pub fn to(backends: Vec<(IpAddr, u16)>) -> Self {
+        Target::To {
+            backends,
+            affinity_secs: 0,
+        }
+    }
 }
 
 fn octets(a: &IpAddr) -> ([u8; 16], u8) {
@@ -65,12 +79,15 @@ pub fn key(f: &Front) -> SvcKey {
 }
 
 /// The maps' backend entries of `t` (those of another family than `family` left out), and
-/// the flags of its frontend.
-fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32) {
+/// the flags and affinity of its frontend.
+fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32, u32) {
     match t {
-        Target::Refuse => (Vec::new(), SVC_REJECT),
-        Target::To(v) => {
-            let backs: Vec<SvcBackend> = v
+        Target::Refuse => (Vec::new(), SVC_REJECT, 0),
+        Target::To {
+            backends,
+            affinity_secs,
+        } => {
+            let backs: Vec<SvcBackend> = backends
                 .iter()
                 .filter_map(|(a, p)| {
                     let (addr, f) = octets(a);
@@ -83,7 +100,7 @@ fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32) {
                 })
                 .collect();
             let flags = if backs.is_empty() { SVC_REJECT } else { 0 };
-            (backs, flags)
+            (backs, flags, *affinity_secs)
         }
     }
 }
@@ -206,9 +223,9 @@ impl ServiceProgrammer {
         for (f, t) in desired {
             let k = key(f);
             keep.insert(k);
-            let (backs, flags) = entries(t, k.family);
+            let (backs, flags, affinity_secs) = entries(t, k.family);
             if let Some((v, held)) = self.applied.get(&k) {
-                if v.flags == flags && *held == backs {
+                if v.flags == flags && v.affinity_secs == affinity_secs && *held == backs {
                     continue;
                 }
             }
@@ -232,7 +249,7 @@ impl ServiceProgrammer {
                 id,
                 count: backs.len() as u32,
                 flags,
-                _pad: 0,
+                affinity_secs,
             };
             self.maps.set_front(&k, &v)?;
             if let Some((old, _)) = self.applied.insert(k, (v, backs)) {
@@ -391,7 +408,7 @@ mod tests {
         let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
         let mut want = BTreeMap::from([(
             web(),
-            Target::To(vec![(ip("10.244.1.5"), 8080), (ip("fd00::5"), 8080)]),
+            Target::to(vec![(ip("10.244.1.5"), 8080), (ip("fd00::5"), 8080)]),
         )]);
         p.set(&want).expect("set");
         {
@@ -408,7 +425,7 @@ mod tests {
         // Two backends: a new id, the old one's entries gone.
         want.insert(
             web(),
-            Target::To(vec![(ip("10.244.1.5"), 8080), (ip("10.244.1.6"), 8080)]),
+            Target::to(vec![(ip("10.244.1.5"), 8080), (ip("10.244.1.6"), 8080)]),
         );
         p.set(&want).expect("set");
         {
@@ -432,7 +449,7 @@ mod tests {
     #[test]
     fn a_restart_keeps_what_the_pins_hold_and_drops_the_incomplete() {
         let fake = Fake::default();
-        let want = BTreeMap::from([(web(), Target::To(vec![(ip("10.244.1.5"), 8080)]))]);
+        let want = BTreeMap::from([(web(), Target::to(vec![(ip("10.244.1.5"), 8080)]))]);
         let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
         p.set(&want).expect("set");
         let held = fake.0.lock().expect("lock").0[&key(&web())];
@@ -459,7 +476,7 @@ mod tests {
         // The next id is above every id the pins held.
         let other = Front { port: 81, ..web() };
         let mut more = want.clone();
-        more.insert(other, Target::To(vec![(ip("10.244.1.9"), 9)]));
+        more.insert(other, Target::to(vec![(ip("10.244.1.9"), 9)]));
         p.set(&more).expect("set");
         let v = fake.0.lock().expect("lock").0[&key(&other)];
         assert!(v.id > held.id + 7, "{} vs {}", v.id, held.id);

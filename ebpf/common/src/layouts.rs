@@ -157,7 +157,10 @@ pub const LAYOUTS: [Layout; 4] = [
         version: 3,
         maps: &LAYOUT_3,
     },
-    // Layout 4: layout 3 and the Services maps (issue 24).
+    // Layout 4: layout 3 and the Services maps (issue 24). Added since (an older build of
+    // this layout never opens it, a newer one creates it next to the pins): session
+    // affinity's map; the frontends' padding became their affinity timeout (0, none, in
+    // what an older build wrote).
     Layout {
         version: 4,
         maps: &LAYOUT_4,
@@ -314,7 +317,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 4] = [
+const SERVICES_MAPS: [MapLayout; 5] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -347,9 +350,17 @@ const SERVICES_MAPS: [MapLayout; 4] = [
         SVC_REV_ENTRIES,
         0,
     ),
+    m(
+        SVC_AFFINITY_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        32,
+        40,
+        SVC_AFFINITY_ENTRIES,
+        0,
+    ),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 4] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 5] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 38] = [
+pub const ALL_MAPS: [&str; 39] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -219,6 +219,7 @@ pub const ALL_MAPS: [&str; 38] = [
     SVC_BACKENDS_MAP,
     SVC_REV_MAP,
     SVC_FWD_MAP,
+    SVC_AFFINITY_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -656,6 +657,8 @@ mod pod {
     unsafe impl aya::Pod for super::SvcRevKey {}
     unsafe impl aya::Pod for super::SvcRevValue {}
     unsafe impl aya::Pod for super::SvcFwdKey {}
+    unsafe impl aya::Pod for super::SvcAffKey {}
+    unsafe impl aya::Pod for super::SvcAffValue {}
 }
 
 #[cfg(test)]

@@ -17,10 +17,18 @@ pub const SVC_REV_MAP: &str = "CALIX_SVC_REV";
 /// datagrams to a frontend go to, so that they all go to the same one (as kube-proxy's
 /// conntrack keeps a UDP flow on one backend) until the frontend's backends change.
 pub const SVC_FWD_MAP: &str = "CALIX_SVC_FWD";
+/// LRU hash: [`SvcAffKey`] → [`SvcAffValue`]: `sessionAffinity: ClientIP`, the backend each
+/// client (its network namespace: a pod, or the node's own processes) was last sent to by a
+/// frontend, and when.
+pub const SVC_AFFINITY_MAP: &str = "CALIX_SVC_AFF";
 /// Default sizes of the maps.
 pub const DEFAULT_SVC_FRONTENDS: u32 = 65_536;
 pub const DEFAULT_SVC_BACKENDS: u32 = 262_144;
 pub const SVC_REV_ENTRIES: u32 = 65_536;
+pub const SVC_AFFINITY_ENTRIES: u32 = 65_536;
+/// A client's remembered backend is looked for among at most this many backends of its
+/// frontend after they changed (a frontend of more picks again past them).
+pub const SVC_AFFINITY_SCAN: u32 = 256;
 
 /// [`SvcKey::family`].
 pub const SVC_V4: u8 = 4;
@@ -52,7 +60,10 @@ pub struct SvcValue {
     pub id: u32,
     pub count: u32,
     pub flags: u32,
-    pub _pad: u32,
+    /// `sessionAffinity: ClientIP`: seconds a client keeps its backend since its last
+    /// connection to the frontend; 0 for none. (Padding in the first builds of layout 4:
+    /// what they wrote reads as none.)
+    pub affinity_secs: u32,
 }
 
 #[repr(C)]
@@ -99,4 +110,28 @@ pub struct SvcRevValue {
     pub addr: [u8; 16],
     pub port: u16,
     pub _pad: u16,
+}
+
+/// A client (its network namespace's cookie) and a frontend, for session affinity.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcAffKey {
+    pub netns: u64,
+    pub front: SvcKey,
+    pub _pad: u32,
+}
+
+/// The backend a client was last sent to, when (`bpf_ktime_get_ns`), and where it was then:
+/// index `index` of the frontend's backends under `id` (looked for again by address and port
+/// once the frontend's backends changed).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcAffValue {
+    pub seen_ns: u64,
+    pub id: u32,
+    pub index: u32,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad: u16,
+    pub _pad2: u32,
 }

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 38] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 39] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -84,6 +84,11 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 38] {
             SVC_FWD_MAP,
             size_of::<SvcFwdKey>(),
             size_of::<SvcBackendKey>(),
+        ),
+        (
+            SVC_AFFINITY_MAP,
+            size_of::<SvcAffKey>(),
+            size_of::<SvcAffValue>(),
         ),
     ]
 }

@@ -16,7 +16,7 @@ use calix_common::{
     MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
     MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
-    SvcFwdKey, SvcRevValue, SvcValue,
+    SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -287,3 +287,8 @@ pub static CALIX_SVC_REV: LruHashMap<SvcRevKey, SvcRevValue> =
 #[map(name = "CALIX_SVC_FWD")]
 pub static CALIX_SVC_FWD: LruHashMap<SvcFwdKey, SvcBackendKey> =
     LruHashMap::pinned(SVC_REV_ENTRIES, 0);
+
+/// Session affinity: each client's backend per frontend (`calix_common::SVC_AFFINITY_MAP`).
+#[map(name = "CALIX_SVC_AFF")]
+pub static CALIX_SVC_AFF: LruHashMap<SvcAffKey, SvcAffValue> =
+    LruHashMap::pinned(SVC_AFFINITY_ENTRIES, 0);

@@ -10,15 +10,18 @@
 #![cfg_attr(feature = "bench-floor", allow(dead_code))]
 
 use aya_ebpf::{
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
+        bpf_set_retval,
+    },
     programs::SockAddrContext,
 };
 use calix_common::{
-    SvcBackendKey, SvcFwdKey, SvcKey, SvcRevKey, SvcRevValue, SVC_DROP, SVC_REJECT, SVC_V4,
-    SVC_V6,
+    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcFwdKey, SvcKey, SvcRevKey,
+    SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
 };
 
-use crate::maps::{CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_REV};
+use crate::maps::{CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_REV};
 
 const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
@@ -99,28 +102,22 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
         unsafe { CALIX_SVC_FWD.get(&fk) }
             .copied()
             .filter(|b| b.id == front.id && b.index < front.count)
+            .and_then(|bk| backend(&bk).map(|b| (bk, b)))
     } else {
         None
     };
-    let bk = match earlier {
-        Some(b) => b,
+    let b = match earlier {
+        Some((_, b)) => b,
         None => {
-            // SAFETY: a helper without arguments.
-            let index = unsafe { bpf_get_prandom_u32() } % front.count;
-            let bk = SvcBackendKey {
-                id: front.id,
-                index,
+            let Some((bk, b)) = pick(ctx, &k, &front) else {
+                // The agent is between two writes of this frontend: leave the call as it is.
+                return ALLOW;
             };
             if sticky {
                 let _ = CALIX_SVC_FWD.insert(&fk, &bk, 0);
             }
-            bk
+            b
         }
-    };
-    // SAFETY: as above.
-    let Some(b) = (unsafe { CALIX_SVC_BACKS.get(&bk) }).copied() else {
-        // The agent is between two writes of this frontend: leave the call as it is.
-        return ALLOW;
     };
     if b.family != k.family {
         return ALLOW;
@@ -142,6 +139,96 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
     // backend, its traffic unaffected.
     let _ = CALIX_SVC_REV.insert(&rk, &rv, 0);
     ALLOW
+}
+
+#[inline(always)]
+fn backend(bk: &SvcBackendKey) -> Option<SvcBackend> {
+    // SAFETY: a read-only lookup; the value is copied out at once.
+    unsafe { CALIX_SVC_BACKS.get(bk) }.copied()
+}
+
+#[inline(always)]
+fn same(a: &[u8; 16], b: &[u8; 16]) -> bool {
+    let mut d = 0u8;
+    for i in 0..16 {
+        d |= a[i] ^ b[i];
+    }
+    d == 0
+}
+
+/// The backend a new connection of this socket to `front` goes to. Without session affinity,
+/// any. With it (`sessionAffinity: ClientIP`; the client is the socket's network namespace:
+/// a pod, or the node's own processes), the one this client was last sent to, while it is
+/// still one of the frontend's (found by address and port among the first
+/// [`SVC_AFFINITY_SCAN`] once they changed) and its last connection is more recent than the
+/// timeout; else any, remembered. `None`: the agent is between two writes of the frontend.
+#[inline(always)]
+fn pick(ctx: &SockAddrContext, k: &SvcKey, front: &SvcValue) -> Option<(SvcBackendKey, SvcBackend)> {
+    // SAFETY: a helper without arguments.
+    let index = unsafe { bpf_get_prandom_u32() } % front.count;
+    let any = SvcBackendKey {
+        id: front.id,
+        index,
+    };
+    if front.affinity_secs == 0 {
+        return backend(&any).map(|b| (any, b));
+    }
+    // SAFETY: the helper takes the program's own context.
+    let netns = unsafe { bpf_get_netns_cookie(ctx.sock_addr as *mut _) };
+    let ak = SvcAffKey {
+        netns,
+        front: *k,
+        _pad: 0,
+    };
+    // SAFETY: a helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let timeout = u64::from(front.affinity_secs) * 1_000_000_000;
+    // SAFETY: a read-only lookup; the value is copied out at once.
+    let kept = unsafe { CALIX_SVC_AFF.get(&ak) }
+        .copied()
+        .filter(|a| now.wrapping_sub(a.seen_ns) < timeout)
+        .and_then(|a| find(front, &a));
+    let (bk, b) = match kept {
+        Some(x) => x,
+        None => (any, backend(&any)?),
+    };
+    let v = SvcAffValue {
+        seen_ns: now,
+        id: bk.id,
+        index: bk.index,
+        addr: b.addr,
+        port: b.port,
+        ..SvcAffValue::default()
+    };
+    // A full table forgets the least recently used client: its next connection picks again.
+    let _ = CALIX_SVC_AFF.insert(&ak, &v, 0);
+    Some((bk, b))
+}
+
+/// Where `a`'s backend is among `front`'s now, if it still is.
+#[inline(always)]
+fn find(front: &SvcValue, a: &SvcAffValue) -> Option<(SvcBackendKey, SvcBackend)> {
+    let is = |b: &SvcBackend| b.port == a.port && same(&b.addr, &a.addr);
+    if a.id == front.id && a.index < front.count {
+        let bk = SvcBackendKey {
+            id: a.id,
+            index: a.index,
+        };
+        return backend(&bk).filter(is).map(|b| (bk, b));
+    }
+    for index in 0..SVC_AFFINITY_SCAN {
+        if index >= front.count {
+            break;
+        }
+        let bk = SvcBackendKey {
+            id: front.id,
+            index,
+        };
+        if let Some(b) = backend(&bk).filter(is) {
+            return Some((bk, b));
+        }
+    }
+    None
 }
 
 /// `recvmsg` (and `getpeername` for connected UDP): a backend's reply shows the frontend it

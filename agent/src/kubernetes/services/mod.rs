@@ -2,7 +2,8 @@
 //! (`calix_core::services::model`, issue 24), read with Kubernetes' meaning: ExternalName
 //! Services are not calix's (DNS answers them); a LoadBalancer ingress with `ipMode: Proxy` is
 //! the load balancer's to translate, not the nodes'; a NodePort is honoured for the NodePort
-//! and LoadBalancer types only; an absent `ready` reads as ready, an absent `serving` as
+//! and LoadBalancer types only; a Service labelled `service.kubernetes.io/service-proxy-name`
+//! (another proxy's) or `service.kubernetes.io/headless` is left alone, as kube-proxy does; an absent `ready` reads as ready, an absent `serving` as
 //! `ready`, an absent `terminating` as not. What cannot be read (an address that does not
 //! parse, a port out of range, an unknown protocol) is left out and said, the rest kept.
 use std::net::IpAddr;
@@ -48,14 +49,28 @@ fn policy(p: Option<&str>) -> TrafficPolicy {
     }
 }
 
+/// Labels of a Service no default proxy serves (kube-proxy's own rule): another proxy's, or
+/// one marked headless.
+pub const NOT_PROXIED: [&str; 2] = [
+    "service.kubernetes.io/service-proxy-name",
+    "service.kubernetes.io/headless",
+];
+
 /// A Service as the calculation takes it, and what of it could not be read; `None` for one
-/// that is not calix's (ExternalName) or has no namespace or name.
+/// that is not calix's (ExternalName, a label of [`NOT_PROXIED`]) or has no namespace or name.
 pub fn service(s: &KubeService) -> (Option<Service>, Vec<String>) {
     let mut problems = Vec::new();
     let (Some(namespace), Some(name)) = (s.metadata.namespace.clone(), s.metadata.name.clone())
     else {
         return (None, problems);
     };
+    let labels = s.metadata.labels.as_ref();
+    if NOT_PROXIED
+        .iter()
+        .any(|l| labels.is_some_and(|m| m.contains_key(*l)))
+    {
+        return (None, problems);
+    }
     let spec = s.spec.clone().unwrap_or_default();
     let kind = spec.type_.as_deref().unwrap_or("ClusterIP");
     if kind == "ExternalName" {
@@ -291,6 +306,12 @@ mod tests {
             "a ClusterIP Service has no NodePort"
         );
         assert_eq!(c.affinity_secs, None);
+        for label in NOT_PROXIED {
+            let other = kube_service(json!({"metadata": {"namespace": "a", "name": "o",
+                    "labels": {label: "foo-bar"}},
+                "spec": {"clusterIP": "10.96.0.12", "ports": [{"port": 80}]}}));
+            assert_eq!(service(&other).0, None, "{label}: not calix's to serve");
+        }
     }
 
     #[test]
