@@ -338,13 +338,26 @@ async fn run() -> Result<()> {
         if cfg.services.translate {
             let node_addresses = rules.node_addresses.clone();
             let driver = services_driver.clone();
+            let pods = node.clone();
             tokio::spawn(calix_agent::services::program(
                 service.clone(),
                 node_addresses,
                 follow,
                 move |f| {
                     let driver = driver.clone();
-                    async move { driver.set_services(f).await }
+                    let pods = pods.clone();
+                    async move {
+                        // Where clients' UDP sockets sent to a backend that goes are ended.
+                        let clients = pods
+                            .endpoints
+                            .records()
+                            .await
+                            .into_iter()
+                            .filter(|r| !r.netns.is_empty())
+                            .map(|r| std::path::PathBuf::from(r.netns))
+                            .collect();
+                        driver.set_services(f, clients).await
+                    }
                 },
             ));
         }

@@ -24,4 +24,5 @@ pub mod netns;
 pub mod nft;
 pub mod node_route;
 pub mod pod;
+pub mod sock_diag;
 pub mod vxlan;

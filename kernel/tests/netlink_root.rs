@@ -1019,3 +1019,72 @@ fn routes_to_other_nodes_and_vxlan_devices_for_real() {
     })
     .expect("in the node namespace");
 }
+
+/// A connected UDP socket is listed with its ends and cookie, and ended: its next receive
+/// fails with ECONNABORTED; an unconnected one is not listed; a socket of another namespace
+/// is not seen.
+#[test]
+fn connected_udp_sockets_are_listed_and_ended() {
+    use calix_kernel::sock_diag;
+    use std::os::fd::AsRawFd;
+    require_root();
+    let t = TestNs::new("udp");
+    let other = TestNs::new("udp-other");
+    let (seen, ended, after) = netns::run_in(&t.fd(), move || {
+        let up = Command::new("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .expect("ip link");
+        assert!(up.success());
+        let server = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let to = server.local_addr().expect("addr");
+        let client = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        client.connect(to).expect("connect");
+        let local = client.local_addr().expect("addr");
+        let _loose = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let mut cookie = 0u64;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: SO_COOKIE into a u64 we own, with its size.
+        let rc = unsafe {
+            libc::getsockopt(
+                client.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_COOKIE,
+                (&mut cookie as *mut u64).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0, "SO_COOKIE");
+        let listed = sock_diag::connected_udp().expect("list");
+        let seen: Vec<_> = listed
+            .iter()
+            .map(|s| (s.local, s.peer_plain(), s.cookie))
+            .collect();
+        let mine = listed
+            .iter()
+            .find(|s| s.peer_plain() == to)
+            .copied()
+            .expect("the connected socket listed");
+        sock_diag::destroy(&mine).expect("destroy");
+        client
+            .set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .expect("timeout");
+        let ended = client.recv(&mut [0u8; 8]).map_err(|e| e.raw_os_error());
+        let after = sock_diag::destroy(&mine).map_err(|e| e.to_string());
+        ((seen, local, to, cookie), ended, after)
+    })
+    .expect("in the test namespace");
+    let (seen, local, to, cookie) = seen;
+    assert_eq!(seen, [(local, to, cookie)], "only the connected socket");
+    assert_eq!(ended, Err(Some(libc::ECONNABORTED)), "ended");
+    assert!(after.is_err(), "gone already: {after:?}");
+    let there = netns::run_in(&other.fd(), sock_diag::connected_udp)
+        .expect("in the other namespace")
+        .expect("list");
+    assert!(
+        there
+            .iter()
+            .all(|s| s.peer_plain() != to || s.local != local),
+        "another namespace's sockets are not seen: {there:?}"
+    );
+}

@@ -4,7 +4,8 @@
 //! (never the root) that the client process joins. The client speaks to the Service's cluster
 //! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9` and
 //! restart leave the translation in force. With `sessionAffinity: ClientIP`, a client stays on
-//! one backend of two.
+//! one backend of two. A UDP client's connected socket to a backend that leaves the Service is
+//! ended, and its next socket meets a backend that is there.
 use std::io::{Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::path::PathBuf;
@@ -359,4 +360,178 @@ for _ in range(16):
     );
     let any: std::collections::BTreeSet<String> = connects(&ips[1]).into_iter().collect();
     assert_eq!(any.len(), 2, "None: both backends answer: {any:?}");
+}
+
+/// Answers each UDP datagram on port 8053 in `pod`'s namespace with `name`.
+fn named_udp_backend(pod: &Pod<'_>, name: &'static str) {
+    let udp = pod
+        .ns
+        .run(|| UdpSocket::bind("0.0.0.0:8053").expect("bind udp"));
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(name.as_bytes(), from);
+        }
+    });
+}
+
+#[test]
+fn a_udp_client_leaves_a_backend_that_goes() {
+    use std::io::BufRead;
+    let api = KubeApi::shared();
+    let u = unique("su");
+    let cg = TestCgroup::new(&u);
+    let node = api
+        .kubernetes_node(
+            Node::create(Dataplane::Ebpf, None),
+            None,
+            &format!(
+                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
+                cg.0.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let node = api
+        .started_with_pool(node, &u, "10.89.2.0/24", "192.0.2.45")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ns = format!("{u}-svc");
+    api.namespace(&ns, json!({}), json!({}))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pod = |name: &str| {
+        api.running_pod(&node, &ns, name, json!({"app": name}))
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+    };
+    let (a, b, cl) = (pod("dns-a"), pod("dns-b"), pod("client"));
+    named_udp_backend(&a, "dns-a");
+    named_udp_backend(&b, "dns-b");
+    let svc = api
+        .apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "dns"},
+            "spec": {"ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .expect("a cluster IP")
+        .to_string();
+    let slice = |endpoints: Vec<String>| {
+        let endpoints: Vec<Value> = endpoints
+            .into_iter()
+            .map(|a| json!({"addresses": [a], "conditions": {"ready": true}}))
+            .collect();
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "dns-1",
+                         "labels": {"kubernetes.io/service-name": "dns"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "endpoints": endpoints,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    };
+    slice(vec![a.ip(), b.ip()]);
+    let backends = |n: usize| {
+        move |r: Value| {
+            let f = &r["list"][0]["frontends"][0];
+            (r["programmed"] == true && f["internal"]["To"].as_array().map(Vec::len) == Some(n))
+                .then_some(())
+        }
+    };
+    let show = || {
+        format!(
+            "{:?}\n{}",
+            node.agent()
+                .calixctl_json(&["services", &format!("{ns}/dns")]),
+            node.agent_log()
+        )
+    };
+    let programmed = |n: usize, what: &str| {
+        let check = backends(n);
+        wait_for(
+            what,
+            Duration::from_secs(30),
+            || {
+                check(
+                    node.agent()
+                        .calixctl_json(&["services", &format!("{ns}/dns")])
+                        .ok()?,
+                )
+            },
+            show,
+        );
+    };
+    programmed(2, "the agent programs dns with its two backends");
+    // A resolver's connected socket: its first answer, then asking again every 100 ms until
+    // the socket is ended (the backend it was sent to keeps answering meanwhile: only its
+    // removal from the Service ends it), then a new socket.
+    let script = format!(
+        r#"
+import errno, socket, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(1)
+s.connect(("{ip}", 53))
+s.send(b"q")
+print(s.recv(16).decode(), flush=True)
+end = time.time() + 20
+while time.time() < end:
+    time.sleep(0.1)
+    try:
+        s.send(b"q")
+        s.recv(16)
+    except socket.timeout:
+        continue
+    except OSError as e:
+        print("ended", errno.errorcode.get(e.errno, e.errno), flush=True)
+        break
+else:
+    print("never ended", flush=True)
+t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+t.settimeout(5)
+t.connect(("{ip}", 53))
+t.send(b"q")
+print(t.recv(16).decode(), flush=True)
+"#
+    );
+    let join = format!(
+        "echo $$ > {} && exec python3 -c \"$0\"",
+        cg.0.join("cgroup.procs").display()
+    );
+    let mut child = cl
+        .ns
+        .cmd_setns(&["sh", "-c", &join, &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the client");
+    let mut lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let first = lines
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_else(|| panic!("no first answer\n{}", node.agent_log()));
+    // The backend that answered leaves the Service (it keeps running and answering).
+    let (keep, stays) = match first.as_str() {
+        "dns-a" => (b.ip(), "dns-b"),
+        "dns-b" => (a.ip(), "dns-a"),
+        other => panic!("an answer from neither backend: {other:?}"),
+    };
+    slice(vec![keep]);
+    programmed(1, "the agent programs dns with one backend left");
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let out = child.wait_with_output().expect("the client");
+    // Ended: its pending error (ECONNABORTED), or a send on the socket, disconnected now.
+    let ended = rest.first().map(String::as_str);
+    assert!(
+        matches!(ended, Some("ended ECONNABORTED" | "ended EDESTADDRREQ")),
+        "{rest:?}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        node.agent_log()
+    );
+    assert_eq!(
+        rest[1..],
+        [stays],
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        node.agent_log()
+    );
 }

@@ -60,9 +60,11 @@ enum Command {
     PeerNodes(PeerNodes, oneshot::Sender<Result<(), DataplaneError>>),
     /// NetworkPolicy's tables for this node's pods ([`Dataplane::set_policy`]).
     Policy(Box<Tables>, oneshot::Sender<Result<(), DataplaneError>>),
-    /// The Services translated at the sockets ([`Dataplane::set_services`]).
+    /// The Services translated at the sockets, and the pods' network namespaces
+    /// ([`Dataplane::set_services`]).
     Services(
         Box<calix_dataplane::ebpf::services::Frontends>,
+        Vec<std::path::PathBuf>,
         oneshot::Sender<Result<(), DataplaneError>>,
     ),
     /// Agent exit: programs stay attached, maps pinned; the thread ends.
@@ -225,12 +227,14 @@ impl Driver {
             .map_err(gone)?
     }
 
-    /// The Services translated at the sockets ([`Dataplane::set_services`]).
+    /// The Services translated at the sockets; `clients`: the node's pods' network
+    /// namespaces ([`Dataplane::set_services`]).
     pub async fn set_services(
         &self,
         frontends: calix_dataplane::ebpf::services::Frontends,
+        clients: Vec<std::path::PathBuf>,
     ) -> Result<(), DataplaneError> {
-        self.ask(|tx| Command::Services(Box::new(frontends), tx))
+        self.ask(|tx| Command::Services(Box::new(frontends), clients, tx))
             .await
             .map_err(gone)?
     }
@@ -316,8 +320,8 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             Some(Command::Policy(tables, reply)) => {
                 let _ = reply.send(r.dataplane().set_policy(*tables));
             }
-            Some(Command::Services(frontends, reply)) => {
-                let _ = reply.send(r.dataplane().set_services(&frontends));
+            Some(Command::Services(frontends, clients, reply)) => {
+                let _ = reply.send(r.dataplane().set_services(&frontends, &clients));
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

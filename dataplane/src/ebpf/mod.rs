@@ -53,6 +53,7 @@ mod stats;
 #[cfg(test)]
 mod tests;
 mod trace;
+mod udp_ends;
 
 use endpoints::{Endpoints, Inherited};
 pub use events::PolicyEvents;
@@ -631,11 +632,24 @@ impl Dataplane for EbpfDataplane {
         self.apply_doors_table()
     }
 
-    fn set_services(&mut self, f: &services::Frontends) -> Result<(), DataplaneError> {
-        match &mut self.services {
-            Some(p) => p.set(f),
-            None => Ok(()),
+    fn set_services(
+        &mut self,
+        f: &services::Frontends,
+        clients: &[std::path::PathBuf],
+    ) -> Result<(), DataplaneError> {
+        let Some(p) = &mut self.services else {
+            return Ok(());
+        };
+        let left = p.set(f)?;
+        if !left.is_empty() {
+            let ended = udp_ends::end(&left, clients, p.maps());
+            tracing::info!(
+                backends = left.len(),
+                ended,
+                "UDP backends left their Services: connected sockets sent there ended"
+            );
         }
+        Ok(())
     }
 
     fn set_policy(&mut self, tables: Tables) -> Result<(), DataplaneError> {

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, MapData};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcKey, SvcValue, SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_PROGRAMS,
-    SVC_REJECT, SVC_V4, SVC_V6,
+    SvcBackend, SvcBackendKey, SvcKey, SvcRevKey, SvcRevValue, SvcValue, SVC_BACKENDS_MAP,
+    SVC_FRONTENDS_MAP, SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP, SVC_V4, SVC_V6,
 };
 
 use crate::bpf::{link_create, link_detach, map_err, obj_pin, pin_err, prog_err, take};
@@ -116,12 +116,16 @@ pub trait ServiceMaps: Send {
     fn remove_back(&mut self, k: &SvcBackendKey);
     /// Every frontend and backend entry the maps hold.
     fn read_back(&self) -> Held;
+    /// The frontend (address and port) the socket `cookie`'s peer `backend` was chosen for,
+    /// if the programs translated it.
+    fn translated(&self, cookie: u64, backend: &SvcBackend) -> Option<SvcRevValue>;
 }
 
 /// The pinned maps.
 pub struct PinnedServiceMaps {
     fronts: HashMap<MapData, SvcKey, SvcValue>,
     backs: HashMap<MapData, SvcBackendKey, SvcBackend>,
+    rev: HashMap<MapData, SvcRevKey, SvcRevValue>,
 }
 
 impl PinnedServiceMaps {
@@ -129,6 +133,7 @@ impl PinnedServiceMaps {
         Ok(Self {
             fronts: take(bpf, SVC_FRONTENDS_MAP, HashMap::try_from)?,
             backs: take(bpf, SVC_BACKENDS_MAP, HashMap::try_from)?,
+            rev: take(bpf, SVC_REV_MAP, HashMap::try_from)?,
         })
     }
 }
@@ -160,7 +165,29 @@ impl ServiceMaps for PinnedServiceMaps {
             self.backs.iter().filter_map(Result::ok).collect(),
         )
     }
+
+    fn translated(&self, cookie: u64, b: &SvcBackend) -> Option<SvcRevValue> {
+        let k = SvcRevKey {
+            cookie,
+            addr: b.addr,
+            port: b.port,
+            family: b.family,
+            ..SvcRevKey::default()
+        };
+        self.rev.get(&k, 0).ok()
+    }
 }
+
+/// A UDP backend that left a frontend: connected sockets the programs sent there for that
+/// frontend are to be ended ([`super::udp_ends`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Left {
+    pub front: SvcKey,
+    pub backend: (SvcBackendAddr, u16),
+}
+
+/// A backend's address as the maps hold it (16 bytes, an IPv4 one in the first 4).
+pub type SvcBackendAddr = [u8; 16];
 
 /// Keeps the maps as the agent says.
 pub struct ServiceProgrammer {
@@ -216,9 +243,10 @@ impl ServiceProgrammer {
         self.id
     }
 
-    /// Moves the maps to `desired`. A write that fails stops there; the next call starts
-    /// again from what the maps hold.
-    pub fn set(&mut self, desired: &BTreeMap<Front, Target>) -> Result<(), DataplaneError> {
+    /// Moves the maps to `desired`; the UDP backends that left a frontend. A write that
+    /// fails stops there; the next call starts again from what the maps hold.
+    pub fn set(&mut self, desired: &BTreeMap<Front, Target>) -> Result<Vec<Left>, DataplaneError> {
+        let mut left = Vec::new();
         let mut keep = std::collections::BTreeSet::new();
         for (f, t) in desired {
             let k = key(f);
@@ -252,7 +280,8 @@ impl ServiceProgrammer {
                 affinity_secs,
             };
             self.maps.set_front(&k, &v)?;
-            if let Some((old, _)) = self.applied.insert(k, (v, backs)) {
+            if let Some((old, held)) = self.applied.insert(k, (v, backs.clone())) {
+                left.extend(leaving(&k, &held, &backs));
                 self.remove_backs(&old);
             }
         }
@@ -264,11 +293,17 @@ impl ServiceProgrammer {
             .collect();
         for k in gone {
             self.maps.remove_front(&k);
-            if let Some((old, _)) = self.applied.remove(&k) {
+            if let Some((old, held)) = self.applied.remove(&k) {
+                left.extend(leaving(&k, &held, &[]));
                 self.remove_backs(&old);
             }
         }
-        Ok(())
+        Ok(left)
+    }
+
+    /// The maps (for [`ServiceMaps::translated`]).
+    pub fn maps(&self) -> &dyn ServiceMaps {
+        &*self.maps
     }
 
     fn remove_backs(&mut self, v: &SvcValue) {
@@ -284,6 +319,20 @@ impl ServiceProgrammer {
             self.applied.values().map(|(_, b)| b.len()).sum(),
         )
     }
+}
+
+/// The UDP backends of `held` not in `now`, of frontend `k`.
+fn leaving(k: &SvcKey, held: &[SvcBackend], now: &[SvcBackend]) -> Vec<Left> {
+    if k.proto != UDP {
+        return Vec::new();
+    }
+    held.iter()
+        .filter(|b| !now.contains(b))
+        .map(|b| Left {
+            front: *k,
+            backend: (b.addr, b.port),
+        })
+        .collect()
 }
 
 /// `enum bpf_attach_type` of each of [`SVC_PROGRAMS`], in its order.
@@ -388,6 +437,9 @@ mod tests {
                     .collect(),
             )
         }
+        fn translated(&self, _: u64, _: &SvcBackend) -> Option<SvcRevValue> {
+            None
+        }
     }
 
     fn ip(s: &str) -> IpAddr {
@@ -444,6 +496,35 @@ mod tests {
         p.set(&BTreeMap::new()).expect("set");
         assert!(fake.0.lock().expect("lock").0.is_empty());
         assert_eq!(p.counts(), (0, 0));
+    }
+
+    #[test]
+    fn udp_backends_that_leave_a_frontend_are_said() {
+        let mut p = ServiceProgrammer::restore(Box::new(Fake::default()));
+        let dns = Front {
+            port: 53,
+            proto: UDP,
+            ..web()
+        };
+        let two = Target::to(vec![(ip("10.244.1.5"), 53), (ip("10.244.1.6"), 53)]);
+        let mut want = BTreeMap::from([(web(), two.clone()), (dns, two)]);
+        assert_eq!(p.set(&want).expect("set"), [], "nothing left yet");
+        let one = Target::to(vec![(ip("10.244.1.6"), 53)]);
+        want.insert(web(), one.clone());
+        want.insert(dns, one);
+        let left = p.set(&want).expect("set");
+        let (gone, _) = octets(&ip("10.244.1.5"));
+        assert_eq!(
+            left,
+            [Left {
+                front: key(&dns),
+                backend: (gone, 53u16.to_be())
+            }],
+            "UDP only: a TCP connection ends by itself"
+        );
+        want.remove(&dns);
+        let left = p.set(&want).expect("set");
+        assert_eq!(left.len(), 1, "the frontend gone: its backends left it");
     }
 
     #[test]
