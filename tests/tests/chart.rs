@@ -114,6 +114,23 @@ fn all_b() -> Value {
     })
 }
 
+/// kube-proxy replaced: the kubernetes datastore, the eBPF dataplane, every value of
+/// `kubeProxyReplacement` changed.
+const KUBE_PROXY_REPLACED: &str = "kube-proxy-replaced";
+
+fn kube_proxy_replaced() -> Value {
+    json!({
+        "datastore": {"type": "kubernetes"},
+        "dataplane": "ebpf",
+        "kubeProxyReplacement": {"enabled": true, "cgroup": "/sys/fs/cgroup/unified",
+            "apiServer": {"host": "192.0.2.1", "port": 443},
+            "externalCidrs": ["203.0.113.0/24", "2001:db8::7"],
+            "frontends": 1000, "backends": 4000},
+        "routes": {"enabled": true},
+        "uplinks": ["eth0"],
+    })
+}
+
 /// Routes over TLS with the defaults: certificates through the Kubernetes API, the signer.
 const ROUTES_CERTIFICATES: &str = "routes-certificates";
 
@@ -390,6 +407,18 @@ fn template_refusals() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             vec!["pools", "10.244.0.0/24", "blockSize 22"],
         ),
         (
+            "kube-proxy replaced outside the kubernetes datastore",
+            json!({"datastore": {"type": "etcd", "etcd": {"endpoints": ["http://192.0.2.10:2379"]}},
+                "kubeProxyReplacement": {"enabled": true}}),
+            vec!["kubeProxyReplacement.enabled", "datastore.type kubernetes"],
+        ),
+        (
+            "kube-proxy replaced in kernel mode",
+            json!({"datastore": {"type": "kubernetes"}, "dataplane": "kernel",
+                "kubeProxyReplacement": {"enabled": true}}),
+            vec!["kubeProxyReplacement.enabled", "dataplane ebpf"],
+        ),
+        (
             "namespace selector outside the kubernetes datastore",
             json!({"datastore": {"type": "etcd", "etcd": {"endpoints": ["http://192.0.2.10:2379"]}},
                 "pools": [{"name": "p", "cidr": "10.244.0.0/16",
@@ -456,6 +485,7 @@ fn checked() -> &'static Checked {
                  "routes": {"enabled": true, "topology": "reflectors", "plaintext": true}}}),
             json!({"name": "no-node-authority", "values": {"nodeAuthority": {"enabled": false}}}),
             json!({"name": ROUTES_CERTIFICATES, "values": routes_certificates()}),
+            json!({"name": KUBE_PROXY_REPLACED, "values": kube_proxy_replaced()}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -1212,7 +1242,7 @@ fn the_all_value_cases_change_every_documented_value() {
     let mut keys = Vec::new();
     leaves("", defaults, &mut keys);
     assert!(keys.len() > 40, "only {} keys: {keys:?}", keys.len());
-    let cases = [all_a(), all_b()];
+    let cases = [all_a(), all_b(), kube_proxy_replaced()];
     let docs = std::fs::read_to_string(chart_tools::workspace_root().join("docs/install.md"))
         .expect("docs/install.md");
     let mut missing = Vec::new();
@@ -1365,6 +1395,8 @@ fn every_number_of_the_values_has_a_maximum_the_agent_agrees_with() {
         ("nat.conntrackEntries", "nat.conntrack_entries"),
         ("policy.entries", "policy.entries"),
         ("policy.flows", "policy.flows"),
+        ("kubeProxyReplacement.frontends", "services.frontends"),
+        ("kubeProxyReplacement.backends", "services.backends"),
         ("routes.graceSecs", "routes.grace_secs"),
     ];
     let bounds = AgentConfig::default().bounded();
@@ -1547,4 +1579,61 @@ fn routes_over_tls_by_default_get_certificates_through_the_api_from_a_least_priv
             "{name}"
         );
     }
+}
+
+#[test]
+fn kube_proxy_replaced_reaches_the_agent_with_the_hosts_cgroup_and_the_api_server() {
+    let r = assert_valid(KUBE_PROXY_REPLACED);
+    let c = agent_config(r, "agent.toml");
+    assert!(c.services.enabled && c.services.translate);
+    assert_eq!(c.services.external_cidrs, ["203.0.113.0/24", "2001:db8::7"]);
+    assert_eq!((c.services.frontends, c.services.backends), (1000, 4000));
+    assert_eq!(c.services_cgroup(), PathBuf::from("/run/calix/cgroup"));
+    let ds = one(r, "DaemonSet", "calix");
+    let pod = &ds["spec"]["template"]["spec"];
+    let agent = &pod["containers"][0];
+    assert!(has_mount(agent, "/run/calix/cgroup"));
+    assert!(
+        host_paths(&ds).contains(&"/sys/fs/cgroup/unified".to_string()),
+        "{:?}",
+        host_paths(&ds)
+    );
+    let env = |c: &Value| -> Vec<(String, String)> {
+        c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| {
+                Some((
+                    e["name"].as_str()?.to_string(),
+                    e["value"].as_str()?.to_string(),
+                ))
+            })
+            .collect()
+    };
+    let direct = [
+        (
+            "KUBERNETES_SERVICE_HOST".to_string(),
+            "192.0.2.1".to_string(),
+        ),
+        ("KUBERNETES_SERVICE_PORT".to_string(), "443".to_string()),
+    ];
+    for e in &direct {
+        assert!(env(agent).contains(e), "{:?}", env(agent));
+    }
+    let signer = one(r, "Deployment", "calix-signer");
+    let signer = &signer["spec"]["template"]["spec"]["containers"][0];
+    for e in &direct {
+        assert!(env(signer).contains(e), "{:?}", env(signer));
+    }
+    // Off by default: no [services], no cgroup, the kubernetes Service as before.
+    let d = assert_valid("defaults");
+    let c = agent_config(d, "agent.toml");
+    assert!(!c.services.enabled && !c.services.translate);
+    let ds = one(d, "DaemonSet", "calix");
+    assert!(!has_mount(
+        &ds["spec"]["template"]["spec"]["containers"][0],
+        "/run/calix/cgroup"
+    ));
+    assert!(!ds.to_string().contains("KUBERNETES_SERVICE_HOST"));
 }

@@ -85,3 +85,18 @@ the chart runs calix-signer): routes over TLS with routes.tls.source kubernetes.
 {{- define "calix.routesHostPath" -}}
 {{- if and .Values.routes.enabled (not .Values.routes.plaintext) (eq .Values.routes.tls.source "hostPath") }}true{{ end }}
 {{- end }}
+
+{{- /*
+The API server reached directly (kubeProxyReplacement.apiServer): without kube-proxy the
+kubernetes Service's cluster IP answers only once the agents translate it. Empty without a host.
+*/ -}}
+{{- define "calix.apiServerEnv" -}}
+{{- with .Values.kubeProxyReplacement.apiServer }}
+{{- if .host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .host | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .port | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
