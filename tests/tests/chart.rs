@@ -1594,9 +1594,9 @@ fn kube_proxy_replaced_reaches_the_agent_with_the_hosts_cgroup_and_the_api_serve
     let agent = &pod["containers"][0];
     assert!(has_mount(agent, "/run/calix/cgroup"));
     assert!(
-        host_paths(&ds).contains(&"/sys/fs/cgroup/unified".to_string()),
+        host_paths(ds).contains(&"/sys/fs/cgroup/unified".to_string()),
         "{:?}",
-        host_paths(&ds)
+        host_paths(ds)
     );
     let env = |c: &Value| -> Vec<(String, String)> {
         c["env"]
