@@ -167,8 +167,12 @@ pub fn run(
         ));
     }
 
+    let proxy = match mode {
+        Mode::Ebpf => "calix at the sockets, no kube-proxy",
+        Mode::Kernel => "kube-proxy",
+    };
     p.step(&format!(
-        "[{m}] the ClusterIP Service (kube-proxy) from a pod on each node, from calix's natOutgoing pool: every backend answers"
+        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers"
     ));
     for from in [0, 1] {
         let a = &web.pods[from];

@@ -24,6 +24,8 @@ pub struct E2eCluster {
     // Dropped in this order: the kubelet nodes, the node namespaces and underlay, the control
     // plane.
     pub kubes: Vec<KubeNode>,
+    /// Each node's kubeconfig (kube-proxy's).
+    kubeconfigs: Vec<PathBuf>,
     pub nodes: Cluster,
     pub api: KubeApi,
     /// The chart's host paths (each node below them in a directory of its name).
@@ -36,10 +38,11 @@ impl E2eCluster {
         let api = KubeApi::in_namespace();
         api.start_controllers()?;
         api.serve_in_cluster()?;
-        p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet, kube-proxy (iptables); the calix image imported");
+        p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet; the calix image imported");
         let nodes = Cluster::create(Dataplane::Ebpf, &[1, 2], |_, _| String::new());
         let dir = std::env::temp_dir().join(unique("e2e"));
         let mut kubes = Vec::new();
+        let mut kubeconfigs = Vec::new();
         for (i, node) in nodes.nodes.iter().enumerate() {
             let kubeconfig = api.wire(&node.ns)?;
             let name = &node.ns.name;
@@ -59,7 +62,7 @@ impl E2eCluster {
                     )
                 })?;
             }
-            let mut kube = KubeNode::start(
+            let kube = KubeNode::start(
                 &node.ns,
                 &node.dir.join("k8s"),
                 &kubeconfig,
@@ -70,7 +73,7 @@ impl E2eCluster {
             // Exec through the API (kubectl exec, the upstream suites' probes): the API
             // server dials this kubelet at its InternalIP.
             api.reach_kubelet(&node.ns, &nodes.address(i))?;
-            kube.start_kube_proxy(&kubeconfig)?;
+            kubeconfigs.push(kubeconfig);
             kube.import(image)
                 .with_context(|| format!("import {} into {name}", image.display()))?;
             p.note(&format!(
@@ -82,10 +85,34 @@ impl E2eCluster {
         }
         Ok(Self {
             kubes,
+            kubeconfigs,
             nodes,
             api,
             dir,
         })
+    }
+
+    /// kube-proxy (iptables mode) on every node for kernel mode, which keeps it; none for eBPF
+    /// mode, which replaces it (stopped, its rules removed, as an operator removes it).
+    pub fn kube_proxy_for(&mut self, mode: Mode, p: &mut Progress) -> Result<()> {
+        let want = mode == Mode::Kernel;
+        for (kube, kubeconfig) in self.kubes.iter_mut().zip(&self.kubeconfigs) {
+            match (want, kube.kube_proxy_running()) {
+                (true, false) => kube.start_kube_proxy(kubeconfig)?,
+                (false, true) => kube.stop_kube_proxy()?,
+                _ => continue,
+            }
+            p.note(&format!(
+                "node {}: kube-proxy {}",
+                kube.name,
+                if want {
+                    "started (iptables mode)"
+                } else {
+                    "stopped, its rules removed"
+                }
+            ));
+        }
+        Ok(())
     }
 
     /// Node `i`'s name.
@@ -110,6 +137,14 @@ impl E2eCluster {
     /// the chart's default: each node's certificate through the Kubernetes API (calix-signer).
     pub fn values(&self, mode: Mode) -> Value {
         let d = |s: &str| self.dir.join(s).display().to_string();
+        // eBPF mode replaces kube-proxy: the API server reached directly, the socket programs
+        // on this host's cgroup v2 root.
+        let (host, port) = self.api.advertised().unwrap_or(("", 6443));
+        let cgroup = if Path::new("/sys/fs/cgroup/unified/cgroup.procs").exists() {
+            "/sys/fs/cgroup/unified"
+        } else {
+            "/sys/fs/cgroup"
+        };
         json!({
             "image": {"repository": "localhost/calix", "pullPolicy": "Never"},
             "cniBinDir": d("cni-bin"),
@@ -126,6 +161,8 @@ impl E2eCluster {
             "probes": {"readiness": {"periodSeconds": 1, "timeoutSeconds": 5, "failureThreshold": 3}},
             "terminationGracePeriodSeconds": 10,
             "test": {"timeoutSeconds": 90},
+            "kubeProxyReplacement": {"enabled": mode == Mode::Ebpf, "cgroup": cgroup,
+                "apiServer": {"host": host, "port": port}},
         })
     }
 
@@ -151,6 +188,7 @@ impl E2eCluster {
     pub fn stop(self) -> Vec<String> {
         let Self {
             kubes,
+            kubeconfigs: _,
             nodes,
             api,
             dir,

@@ -5,7 +5,8 @@
 //!   v1.36.2 (`../shared/k8s`) in a namespace of their own.
 //! - Two nodes, each a network namespace on the test underlay (two subnets joined by a router:
 //!   cross-node traffic goes through VXLAN), running containerd (CRI), the kubelet and
-//!   kube-proxy (iptables mode). Each node is its own directory for the chart's host paths
+//!   kube-proxy (iptables mode) in kernel mode only: eBPF mode replaces it
+//!   (`kubeProxyReplacement`). Each node is its own directory for the chart's host paths
 //!   (`hostPathsPerNode`), with the reference plugins loopback and portmap in its CNI bin dir.
 //! - The calix image (`cargo xtask image`) imported into each node's containerd; the chart
 //!   rendered by Helm's own library and applied in Helm's order; route distribution over
@@ -91,7 +92,7 @@ fn main() -> Result<()> {
     };
     let steps = 2 + args.modes.len() * checks::STEPS + suite_modes.len() + 1;
     let mut p = Progress::new(steps);
-    let cluster = E2eCluster::start(&mut p, &args.image)?;
+    let mut cluster = E2eCluster::start(&mut p, &args.image)?;
     if args.conformance.is_some() {
         conformance::import_agnhost(&cluster)?;
         p.note("the upstream suites' agnhost image imported into both nodes");
@@ -99,6 +100,7 @@ fn main() -> Result<()> {
     let mut reports = Vec::new();
     let mut outcomes = Vec::new();
     for mode in &args.modes {
+        cluster.kube_proxy_for(*mode, &mut p)?;
         let suite = args
             .conformance
             .filter(|_| suite_modes.contains(mode))
@@ -121,7 +123,7 @@ fn main() -> Result<()> {
             })
             .collect();
     }
-    p.step("teardown: nodes (kubelet, containerd, kube-proxy), control plane, underlay");
+    p.step("teardown: nodes (kubelet, containerd, kube-proxy if running), control plane, underlay");
     let left = cluster.stop();
     if !left.is_empty() {
         bail!("the e2e cluster left behind: {left:?}");

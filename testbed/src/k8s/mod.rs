@@ -324,6 +324,13 @@ impl KubeApi {
 
     /// A kubeconfig authenticating with `token` for a client where the API server listens
     /// (inside [`KubeApi::ns`], or here on loopback).
+    /// The address and port the API server advertises (the `kubernetes` Service's endpoint),
+    /// reachable from the nodes [`KubeApi::wire`]d to it; `None` without a namespace of its
+    /// own.
+    pub fn advertised(&self) -> Option<(&'static str, u16)> {
+        self.ns.as_ref().map(|_| (NS_ADVERTISE, NS_API_PORT))
+    }
+
     /// A kubeconfig (the admin's) for a client inside the API server's own namespace
     /// ([`KubeApi::in_namespace`]) that does not honour `tls-server-name` (the upstream e2e
     /// framework): the server named by an address its certificate carries.

@@ -206,4 +206,22 @@ serializeImagePulls: false
             std::thread::sleep(Duration::from_millis(200));
         }
     }
+
+    /// Whether kube-proxy runs here.
+    pub fn kube_proxy_running(&self) -> bool {
+        self.proxy.is_some()
+    }
+
+    /// Stops kube-proxy and removes its rules from the node's namespace (`kube-proxy
+    /// --cleanup`), as when an operator removes it from a node.
+    pub fn stop_kube_proxy(&mut self) -> Result<()> {
+        let Some(mut p) = self.proxy.take() else {
+            return Ok(());
+        };
+        crate::process::terminate(&mut p, Duration::from_secs(2));
+        let bin = crate::k8s::k8s_binary("kube-proxy")?;
+        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
+        cmd.arg("--cleanup").arg("--proxy-mode=iptables");
+        crate::process::checked(&mut cmd).map(|_| ())
+    }
 }
