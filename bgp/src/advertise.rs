@@ -15,13 +15,6 @@ pub struct Advertised {
     routes: BTreeMap<IpNet, IpAddr>,
 }
 
-fn family_of(n: &IpNet) -> Family {
-    match n {
-        IpNet::V4(_) => Family::IPV4_UNICAST,
-        IpNet::V6(_) => Family::IPV6_UNICAST,
-    }
-}
-
 impl Advertised {
     pub fn routes(&self) -> &BTreeMap<IpNet, IpAddr> {
         &self.routes
@@ -38,19 +31,19 @@ impl Advertised {
     ) -> Vec<Vec<u8>> {
         let wanted: BTreeMap<IpNet, IpAddr> = wanted
             .iter()
-            .filter(|(n, _)| families.contains(&family_of(n)))
+            .filter(|(n, _)| families.contains(&Family::of(n)))
             .map(|(n, h)| (*n, *h))
             .collect();
         let mut announce: BTreeMap<(Family, IpAddr), Vec<IpNet>> = BTreeMap::new();
         for (n, h) in &wanted {
             if self.routes.get(n) != Some(h) {
-                announce.entry((family_of(n), *h)).or_default().push(*n);
+                announce.entry((Family::of(n), *h)).or_default().push(*n);
             }
         }
         let mut withdraw: BTreeMap<Family, Vec<IpNet>> = BTreeMap::new();
         for n in self.routes.keys() {
             if !wanted.contains_key(n) {
-                withdraw.entry(family_of(n)).or_default().push(*n);
+                withdraw.entry(Family::of(n)).or_default().push(*n);
             }
         }
         let mut out = Vec::new();

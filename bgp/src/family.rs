@@ -1,6 +1,8 @@
 //! Address families (AFI/SAFI, RFC 4760).
 use std::fmt;
 
+use ipnet::IpNet;
+
 /// An address family and subsequent address family, as the wire numbers them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Family {
@@ -13,6 +15,14 @@ impl Family {
     pub const IPV4_UNICAST: Family = Family { afi: 1, safi: 1 };
     /// IPv6 unicast (AFI 2, SAFI 1).
     pub const IPV6_UNICAST: Family = Family { afi: 2, safi: 1 };
+
+    /// The unicast family of `prefix`.
+    pub fn of(prefix: &IpNet) -> Family {
+        match prefix {
+            IpNet::V4(_) => Family::IPV4_UNICAST,
+            IpNet::V6(_) => Family::IPV6_UNICAST,
+        }
+    }
 
     /// The family's address length in bytes, for the two calix speaks; `None` for others.
     pub fn addr_len(self) -> Option<usize> {

@@ -67,13 +67,6 @@ pub struct PeerRib {
     pub refused_over_limit: u64,
 }
 
-fn family_of(n: &IpNet) -> Family {
-    match n {
-        IpNet::V4(_) => Family::IPV4_UNICAST,
-        IpNet::V6(_) => Family::IPV6_UNICAST,
-    }
-}
-
 impl PeerRib {
     pub fn new(max_prefixes: usize, action: LimitAction) -> Self {
         Self {
@@ -133,7 +126,7 @@ impl PeerRib {
                         continue;
                     }
                     LimitAction::Reset => {
-                        let f = family_of(n);
+                        let f = Family::of(n);
                         let mut data = Vec::with_capacity(7);
                         data.extend_from_slice(&f.afi.to_be_bytes());
                         data.push(f.safi);
@@ -187,7 +180,7 @@ impl PeerRib {
         };
         let mut changes = Vec::new();
         self.routes.retain(|n, r| {
-            if kept.contains(&family_of(n)) {
+            if kept.contains(&Family::of(n)) {
                 r.stale = true;
                 true
             } else {
@@ -271,7 +264,7 @@ impl PeerRib {
     fn drop_stale(&mut self, family: impl Fn(Family) -> bool) -> Vec<Change> {
         let mut changes = Vec::new();
         self.routes.retain(|n, r| {
-            if r.stale && family(family_of(n)) {
+            if r.stale && family(Family::of(n)) {
                 if r.accepted {
                     changes.push(Change::Remove(*n));
                 }

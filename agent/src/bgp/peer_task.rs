@@ -79,6 +79,27 @@ pub struct PeerState {
     pub rib: PeerRib,
     pub report: PeerReport,
     pub established_at: Option<Instant>,
+    /// The families the Established session carries (none when it is not): those of this
+    /// node's routes it is sent.
+    pub families: Vec<Family>,
+}
+
+impl PeerState {
+    /// Before its first connection: Idle, nothing learned.
+    pub fn new(spec: &PeerSettings) -> Self {
+        Self {
+            rib: PeerRib::new(spec.max_prefixes, spec.limit_action),
+            report: PeerReport {
+                name: spec.name.clone(),
+                address: spec.address.to_string(),
+                asn: spec.asn,
+                state: "Idle".into(),
+                ..PeerReport::default()
+            },
+            established_at: None,
+            families: Vec::new(),
+        }
+    }
 }
 
 pub type Shared = Arc<Mutex<PeerState>>;
@@ -432,6 +453,7 @@ impl Peer {
                             st.report.state = "Established".into();
                             st.report.established_total += 1;
                             st.established_at = Some(Instant::now());
+                            st.families = n.families.clone();
                             st.rib.session_up(&n)
                         };
                         // Without graceful restart the peer sends no End-of-RIB.
@@ -524,6 +546,7 @@ impl Peer {
                                 st.report.open_refused += 1;
                             }
                             st.report.sent = 0;
+                            st.families.clear();
                             if negotiated.is_some() {
                                 st.report.down_total += 1;
                                 st.rib

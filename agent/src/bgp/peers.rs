@@ -8,7 +8,8 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use calix_bgp::peer::{Change, PeerRib};
+use calix_bgp::peer::Change;
+use calix_bgp::Family;
 use ipnet::IpNet;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -53,17 +54,7 @@ impl Peers {
     pub fn start(&mut self, spec: PeerSettings, ctx: &Ctx) {
         let id = self.next_id;
         self.next_id += 1;
-        let shared: Shared = Arc::new(Mutex::new(PeerState {
-            rib: PeerRib::new(spec.max_prefixes, spec.limit_action),
-            report: PeerReport {
-                name: spec.name.clone(),
-                address: spec.address.to_string(),
-                asn: spec.asn,
-                state: "Idle".into(),
-                ..PeerReport::default()
-            },
-            established_at: None,
-        }));
+        let shared: Shared = Arc::new(Mutex::new(PeerState::new(&spec)));
         let (stop, stop_rx) = watch::channel(None);
         let ctx = Ctx {
             stop: stop_rx,
@@ -199,7 +190,12 @@ impl Peers {
                 });
             }
             if r.state == "Established" {
-                for (n, nh) in wanted {
+                // Only the routes of the session's families: an IPv4 session that carries
+                // no IPv6 is sent no IPv6 block.
+                let sent = wanted
+                    .iter()
+                    .filter(|(n, _)| st.families.contains(&Family::of(n)));
+                for (n, nh) in sent {
                     advertised.push(RouteLine {
                         prefix: n.to_string(),
                         next_hop: nh.to_string(),

@@ -24,10 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use calix_agent::bgp::peer_task::{self, Ctx, PeerState, Stop, Wanted};
 use calix_agent::bgp::settings::PeerSettings;
-use calix_agent::bgp::status::PeerReport;
 use calix_bgp::advertise::Advertised;
 use calix_bgp::import::ImportRule;
-use calix_bgp::peer::{LimitAction, PeerRib};
+use calix_bgp::peer::LimitAction;
 use calix_bgp::update::AsSegment;
 use calix_bgp::{Family, PathAttributes, UpdateBuilder};
 use clap::Parser;
@@ -167,17 +166,7 @@ fn main() -> Result<()> {
             limit_action: LimitAction::Refuse,
             communities: Vec::new(),
         };
-        let shared = Arc::new(Mutex::new(PeerState {
-            rib: PeerRib::new(spec.max_prefixes, spec.limit_action),
-            report: PeerReport {
-                name: spec.name.clone(),
-                address: spec.address.to_string(),
-                asn: spec.asn,
-                state: "Idle".into(),
-                ..PeerReport::default()
-            },
-            established_at: None,
-        }));
+        let shared = Arc::new(Mutex::new(PeerState::new(&spec)));
         // It only connects: nothing comes in.
         let (_incoming, incoming_rx) = tokio::sync::mpsc::channel(1);
         let task = tokio::spawn(peer_task::run(
