@@ -10,7 +10,11 @@
 //!   itself on the same subnet, the rack's router on the other; pods reach each other across
 //!   the racks, and the outside reaches every pod by its own address (ping, TCP), with no
 //!   VXLAN device anywhere; in eBPF mode no node's IP stack forwards;
-//! - `calixctl bgp peers` / `routes` and the metrics say so;
+//! - each node's routes reach its rack's router with the communities configured on its
+//!   peers (`communities`);
+//! - `calixctl bgp peers` / `routes` and the metrics say so: node 0's `bgp routes -o json` lists
+//!   its blocks advertised to the peer of their family, and the other nodes' blocks learned from
+//!   its rack's router, with their next hops and AS paths;
 //! - node 1's agent killed with `kill -9` and started again: both routers keep its routes
 //!   (graceful restart at rack A's, nothing withdrawn beyond it) and a flow from outside to its
 //!   pod loses nothing;
@@ -39,6 +43,11 @@ const RESTART_SECS: u64 = 8;
 
 fn node_as(i: usize) -> u32 {
     64601 + i as u32
+}
+
+/// The community node `i` puts on the routes it advertises to its peers.
+fn community(i: usize) -> String {
+    format!("65100:{}", 100 + i)
 }
 
 /// Rack `s`'s router (subnet `s`): its AS, its address on the subnet (every node of the rack's
@@ -92,9 +101,10 @@ fn agent_config(i: usize, c: &Cluster) -> String {
     let peer = |name: &str, address: String| {
         format!(
             "[[bgp.peers]]\nname = \"{name}\"\naddress = \"{address}\"\nas_number = {}\n\
-             password_file = {:?}\nhold_time_secs = 9\n",
+             password_file = {:?}\nhold_time_secs = 9\ncommunities = [\"{}\"]\n",
             rack.asn(),
-            password.display().to_string()
+            password.display().to_string(),
+            community(i)
         )
     };
     format!(
@@ -118,6 +128,8 @@ trait Router {
     fn route(&self, prefix: &str) -> String;
     /// Whether it has a path for `prefix` that `asn` originated (stale or not).
     fn has_route_from(&self, prefix: &str, asn: u32) -> bool;
+    /// Whether its route for `prefix` carries `community` ("asn:value").
+    fn has_community(&self, prefix: &str, community: &str) -> bool;
     /// Its sessions, for messages.
     fn sessions(&self) -> String;
     /// Both its sessions with the other rack's router are established.
@@ -140,6 +152,9 @@ impl Router for Bird {
     }
     fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
         Bird::has_route_from(self, prefix, asn)
+    }
+    fn has_community(&self, prefix: &str, community: &str) -> bool {
+        Bird::has_community(self, prefix, community)
     }
     fn sessions(&self) -> String {
         self.birdc("show protocols")
@@ -172,6 +187,9 @@ impl Router for Frr {
     }
     fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
         Frr::has_route_from(self, prefix, asn)
+    }
+    fn has_community(&self, prefix: &str, community: &str) -> bool {
+        Frr::has_community(self, prefix, community)
     }
     fn sessions(&self) -> String {
         self.vtysh("show bgp summary")
@@ -500,6 +518,90 @@ fn routes_of(a: &impl Router, b: &impl Router, prefix: &str) -> String {
     format!("rack A:\n{}\nrack B:\n{}", a.route(prefix), b.route(prefix))
 }
 
+/// One line of `calixctl bgp routes -o json`: prefix, next hop, peer, AS path.
+type Line = (String, String, String, Vec<u32>);
+
+fn lines(routes: &Value, which: &str, keep: impl Fn(&Value) -> bool) -> Vec<Line> {
+    let mut out: Vec<Line> = routes[which]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {which:?} list in {routes}"))
+        .iter()
+        .filter(|l| keep(l))
+        .map(|l| {
+            let s = |k: &str| l[k].as_str().unwrap_or_default().to_string();
+            let path = l["as_path"].as_array().into_iter().flatten();
+            let path = path.filter_map(|a| a.as_u64().and_then(|a| u32::try_from(a).ok()));
+            let path = path.collect();
+            (s("prefix"), s("next_hop"), s("peer"), path)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Node 0's `calixctl bgp routes -o json`: its blocks advertised to the peer of their family
+/// (next hop: the node), and the other nodes' blocks learned from rack A's router with the
+/// next hop it installs and the AS path they came by, installed and not stale. A route refused
+/// by the import rule can only be one of node 0's own blocks (FRR sends them back).
+fn check_routes_report(routes: &Value, c: &Cluster, blocks: &[Vec<IpNet>]) {
+    let peer_of = |b: &IpNet| match b {
+        IpNet::V4(_) => "tor4".to_string(),
+        IpNet::V6(_) => "tor6".to_string(),
+    };
+    let mut advertised: Vec<Line> = blocks[0]
+        .iter()
+        .map(|b| {
+            let hop = match b {
+                IpNet::V4(_) => c.address(0),
+                IpNet::V6(_) => c.address6(0),
+            };
+            (b.to_string(), hop, peer_of(b), Vec::new())
+        })
+        .collect();
+    advertised.sort();
+    assert_eq!(
+        lines(routes, "advertised", |_| true),
+        advertised,
+        "node 0's blocks, each to the peer of its family: {routes}"
+    );
+    let (rack_a, rack_b) = (Rack { subnet: 1 }, Rack { subnet: 2 });
+    let mut learned = Vec::new();
+    for (j, bs) in blocks.iter().enumerate().skip(1) {
+        let same = c.subnets[j] == rack_a.subnet;
+        for b in bs {
+            let hop = match (same, b) {
+                (true, IpNet::V4(_)) => c.address(j),
+                (true, IpNet::V6(_)) => c.address6(j),
+                (false, IpNet::V4(_)) => rack_a.lan4(),
+                (false, IpNet::V6(_)) => rack_a.lan6(),
+            };
+            let path = if same {
+                vec![rack_a.asn(), node_as(j)]
+            } else {
+                vec![rack_a.asn(), rack_b.asn(), node_as(j)]
+            };
+            learned.push((b.to_string(), hop, peer_of(b), path));
+        }
+    }
+    learned.sort();
+    let taken = |l: &Value| l["accepted"] == true;
+    assert_eq!(
+        lines(routes, "learned", taken),
+        learned,
+        "the other nodes' blocks, from rack A's router: {routes}"
+    );
+    let installed = |l: &Value| taken(l) && l["installed"] == true && l["stale"] == false;
+    assert_eq!(
+        lines(routes, "learned", installed).len(),
+        learned.len(),
+        "every learned route installed, none stale: {routes}"
+    );
+    let own: Vec<String> = blocks[0].iter().map(ToString::to_string).collect();
+    for (prefix, ..) in lines(routes, "learned", |l| l["accepted"] == false) {
+        assert!(own.contains(&prefix), "{prefix} refused: {routes}");
+    }
+}
+
 fn no_overlay_cluster<A: Router, B: Router>(mode: Mode) {
     let cluster = Cluster::create(mode, &SUBNETS, agent_config);
     let net = racks(&cluster);
@@ -549,6 +651,21 @@ fn no_overlay_cluster<A: Router, B: Router>(mode: Mode) {
             );
         }
     }
+    // Each node's blocks carry its community at its own rack's router (BIRD or FRR).
+    for (i, bs) in blocks.iter().enumerate() {
+        for b in bs.iter().map(ToString::to_string) {
+            let c = community(i);
+            let (has, shown) = if cluster.subnets[i] == rack_a.subnet {
+                (router_a.has_community(&b, &c), router_a.route(&b))
+            } else {
+                (router_b.has_community(&b, &c), router_b.route(&b))
+            };
+            assert!(
+                has,
+                "node {i}'s {b} reached its rack's router without the community {c}:\n{shown}"
+            );
+        }
+    }
     // Next hops: a node of the same subnet directly (the router passes its address on, a
     // third-party next hop), one of the other rack through the node's own rack's router.
     for (i, n) in cluster.nodes.iter().enumerate() {
@@ -590,6 +707,7 @@ fn no_overlay_cluster<A: Router, B: Router>(mode: Mode) {
     assert_eq!(tor4["accepted"], 2, "the other nodes' IPv4 blocks: {tor4}");
     let routes = bgp_json(&cluster.nodes[0], "routes");
     assert_eq!(routes["complete"], true, "{routes}");
+    check_routes_report(&routes, &cluster, &blocks);
     let table = text(cluster.nodes[0].calixctl(&["bgp", "peers"]));
     assert!(
         table.contains("Established") && table.contains("tor6"),

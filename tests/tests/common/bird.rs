@@ -84,6 +84,17 @@ impl Bird {
         }
     }
 
+    /// Whether BIRD's route for `prefix` carries `community` ("asn:value"; BIRD shows it
+    /// as `BGP.community: (asn,value)`).
+    pub fn has_community(&self, prefix: &str, community: &str) -> bool {
+        let shown = format!("({})", community.replace(':', ","));
+        self.route(prefix).lines().any(|l| {
+            l.trim()
+                .strip_prefix("BGP.community:")
+                .is_some_and(|c| c.split_whitespace().any(|c| c == shown))
+        })
+    }
+
     /// Whether BIRD has a route for `prefix` that `asn` originated (the last AS of its
     /// `BGP.as_path`), stale or not.
     pub fn has_route_from(&self, prefix: &str, asn: u32) -> bool {

@@ -163,6 +163,24 @@ impl Frr {
         })
     }
 
+    /// Whether a path of bgpd's for `prefix` carries `community` ("asn:value").
+    pub fn has_community(&self, prefix: &str, community: &str) -> bool {
+        let out = self.vtysh(&format!(
+            "show bgp {} unicast {prefix} json",
+            Self::afi(prefix)
+        ));
+        let Ok(v) = serde_json::from_str::<Value>(&out) else {
+            return false;
+        };
+        v["paths"].as_array().is_some_and(|paths| {
+            paths.iter().any(|p| {
+                p["community"]["string"]
+                    .as_str()
+                    .is_some_and(|s| s.split_whitespace().any(|c| c == community))
+            })
+        })
+    }
+
     /// Whether bgpd has a path for `prefix` that `asn` originated (the last AS of its path),
     /// stale or not.
     pub fn has_route_from(&self, prefix: &str, asn: u32) -> bool {
