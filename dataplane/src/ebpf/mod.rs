@@ -642,10 +642,13 @@ impl Dataplane for EbpfDataplane {
         };
         let left = p.set(f)?;
         if !left.is_empty() {
+            let started = std::time::Instant::now();
             let ended = udp_ends::end(&left, clients, p.maps());
             tracing::info!(
                 backends = left.len(),
                 ended,
+                namespaces = clients.len() + 1,
+                took = ?started.elapsed(),
                 "UDP backends left their Services: connected sockets sent there ended"
             );
         }
