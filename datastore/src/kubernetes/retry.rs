@@ -93,13 +93,23 @@ fn forbidden(e: &kube::Error) -> bool {
 /// Whether a failure may go away by itself.
 pub(super) fn transient(e: &kube::Error) -> bool {
     match e {
-        kube::Error::Api(s) => matches!(s.code, 429 | 500 | 502 | 503 | 504),
+        kube::Error::Api(s) => {
+            matches!(s.code, 429 | 500 | 502 | 503 | 504) || admission_not_ready(s)
+        }
         kube::Error::HyperError(_)
         | kube::Error::Service(_)
         | kube::Error::ReadEvents(_)
         | kube::Error::SerdeError(_) => true,
         _ => false,
     }
+}
+
+/// A ValidatingAdmissionPolicy the server cannot apply yet: a (re)started API server answers
+/// 422 "failed to configure policy: failed to find resource referenced by paramKind" until it
+/// has discovered the parameters' CustomResourceDefinition (seen in CI right after a restart).
+/// It goes away by itself; a policy that stays broken still ends the retries.
+fn admission_not_ready(s: &Status) -> bool {
+    s.code == 422 && s.message.contains("failed to configure policy")
 }
 
 fn rejected(what: &str, e: &kube::Error) -> DatastoreError {
@@ -137,5 +147,34 @@ pub(super) fn unexpected_conflict(what: &str) -> DatastoreError {
         what: what.into(),
         code: 409,
         detail: "conflict on a read".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api(code: u16, message: &str) -> kube::Error {
+        kube::Error::Api(Box::new(Status {
+            code,
+            message: message.into(),
+            ..Status::default()
+        }))
+    }
+
+    #[test]
+    fn an_admission_policy_not_configured_yet_is_retried_an_invalid_object_is_not() {
+        assert!(transient(&api(503, "unavailable")));
+        assert!(transient(&api(
+            422,
+            "ipamblocks.calix.dev \"10.61.2.0-26\" is forbidden: ValidatingAdmissionPolicy \
+             'calix-agent-ipamblocks-pools' denied request: failed to configure policy: failed \
+             to find resource referenced by paramKind: 'calix.dev/v1, Kind=IPPool'"
+        )));
+        assert!(!transient(&api(
+            422,
+            "ipamblocks.calix.dev \"x\" is invalid: spec.cidr: Invalid value"
+        )));
+        assert!(!transient(&api(400, "bad request")));
     }
 }
