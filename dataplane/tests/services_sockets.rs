@@ -264,7 +264,7 @@ fn session_affinity_keeps_a_client_on_its_backend() {
             out.lines().map(String::from).collect()
         };
         p.set(&BTreeMap::from([
-            (front(80), to(&[0, 1, 2], 3600)),
+            (front(80), to(&[0, 1, 2], 60)),
             (front(81), to(&[0, 1, 2], 0)),
         ]))
         .expect("program the Services");
@@ -288,7 +288,7 @@ fn session_affinity_keeps_a_client_on_its_backend() {
         // The others change; the client's backend stays (at another index), so does it.
         let k: usize = kept[1..].parse().expect("a backend's name");
         let others: Vec<usize> = (0..3).filter(|i| *i != k).collect();
-        p.set(&BTreeMap::from([(front(80), to(&[others[0], k], 3600))]))
+        p.set(&BTreeMap::from([(front(80), to(&[others[0], k], 60))]))
             .expect("program the change");
         assert_eq!(
             seen(80, 6),
@@ -296,7 +296,7 @@ fn session_affinity_keeps_a_client_on_its_backend() {
             "its backend kept through a change of the others"
         );
         // Its backend goes: the client moves, to one backend again.
-        p.set(&BTreeMap::from([(front(80), to(&others, 3600))]))
+        p.set(&BTreeMap::from([(front(80), to(&others, 60))]))
             .expect("program the removal");
         let moved = seen(80, 8);
         assert!(
@@ -315,7 +315,10 @@ fn session_affinity_keeps_a_client_on_its_backend() {
             assert_eq!(keys.len(), 1, "one client, one frontend with affinity");
             for key in keys {
                 let mut v = aff.get(&key, 0).expect("the client's entry");
-                v.seen_ns = monotonic_ns() - 3601 * 1_000_000_000;
+                // (60 s, not hours: the clock counts from the boot, which may be recent.)
+                v.seen_ns = monotonic_ns()
+                    .checked_sub(61 * 1_000_000_000)
+                    .expect("a minute since the boot");
                 aff.insert(key, v, 0).expect("age the entry");
             }
             after.extend(seen(80, 1));
@@ -324,6 +327,100 @@ fn session_affinity_keeps_a_client_on_its_backend() {
             }
         }
         assert_eq!(after.len(), 2, "an expired client picks again: {after:?}");
+        detach_sockets(&links);
+    });
+}
+
+/// Speaks to a NodePort at two node addresses and at one that is no node's.
+const NODE_PORTS: &str = r#"
+import errno, socket
+for node in ("10.96.88.1", "10.96.88.2"):
+    t = socket.create_connection((node, 30080), timeout=5)
+    print("tcp", t.recv(16).decode(), t.getpeername()[0], t.getpeername()[1])
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.settimeout(5)
+    u.sendto(b"yo", (node, 30053))
+    data, src = u.recvfrom(16)
+    print("udp", data.decode(), src[0], src[1])
+try:
+    socket.create_connection(("10.96.88.3", 30080), timeout=2)
+    print("connected 10.96.88.3")
+except OSError as e:
+    print("10.96.88.3", errno.errorcode.get(e.errno, e.errno))
+"#;
+
+#[test]
+fn a_nodeport_answers_on_every_nodes_address() {
+    in_netns(|| {
+        ip(&["link", "set", "lo", "up"]);
+        let pins = PinDir::new();
+        let mut bpf = load_object(&pins);
+        let cg = TestCgroup::new("nodeport");
+        let links = pins.0.join("sockets");
+        attach_sockets(&mut bpf, &links, &cg.0).expect("attach to the test's cgroup");
+        let tcp = TcpListener::bind("127.0.0.1:0").expect("bind tcp");
+        let udp = UdpSocket::bind("127.0.0.1:0").expect("bind udp");
+        let (tport, uport) = (
+            tcp.local_addr().expect("addr").port(),
+            udp.local_addr().expect("addr").port(),
+        );
+        std::thread::spawn(move || {
+            for mut c in tcp.incoming().flatten() {
+                let _ = c.write_all(b"np");
+            }
+        });
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 16];
+            while let Ok((n, from)) = udp.recv_from(&mut buf) {
+                let _ = udp.send_to(&buf[..n], from);
+            }
+        });
+        let maps = PinnedServiceMaps::open(&mut bpf).expect("the Services maps");
+        let mut p = ServiceProgrammer::restore(Box::new(maps));
+        let any = |port, proto| Front {
+            address: ip_addr("0.0.0.0"),
+            port,
+            proto,
+        };
+        p.set_nodes(&BTreeSet::from([
+            ip_addr("10.96.88.1"),
+            ip_addr("10.96.88.2"),
+        ]))
+        .expect("the nodes' addresses");
+        p.set(&BTreeMap::from([
+            (
+                any(30080, TCP),
+                Target::to(vec![(ip_addr("127.0.0.1"), tport)]),
+            ),
+            (
+                any(30053, UDP),
+                Target::to(vec![(ip_addr("127.0.0.1"), uport)]),
+            ),
+        ]))
+        .expect("program the NodePorts");
+        let (ok, stdout, stderr) = client(&cg, NODE_PORTS, &[]);
+        assert!(ok, "{stdout}\n{stderr}");
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "tcp np 10.96.88.1 30080",
+                "udp yo 10.96.88.1 30053",
+                "tcp np 10.96.88.2 30080",
+                "udp yo 10.96.88.2 30053",
+                // No node's address: left alone (only loopback here: unreachable).
+                "10.96.88.3 ENETUNREACH",
+            ],
+            "{stderr}"
+        );
+        // A node that leaves: its address is an address like any other again.
+        p.set_nodes(&BTreeSet::from([ip_addr("10.96.88.2")]))
+            .expect("one node left");
+        let (_, stdout, stderr) = client(&cg, NODE_PORTS, &[]);
+        assert!(
+            stdout.is_empty() && stderr.contains("Network is unreachable"),
+            "{stdout}\n{stderr}"
+        );
         detach_sockets(&links);
     });
 }

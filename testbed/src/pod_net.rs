@@ -67,6 +67,9 @@ impl Flow {
             let l = std::net::TcpListener::bind(("0.0.0.0", FLOW_PORT)).expect("bind");
             tx.send(()).expect("ready");
             let (mut c, _) = l.accept().expect("accept");
+            // The port is free again at once: the next flow to this pod binds it while this
+            // one's echo may still be winding down.
+            drop(l);
             let mut b = [0u8; 1];
             while c.read_exact(&mut b).is_ok() && c.write_all(&b).is_ok() {}
         });
