@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use calix_core::services::admit::{Admission, Refusal};
 use calix_core::services::choose::{Choice, Here};
@@ -16,7 +16,7 @@ use calix_core::services::model::ServiceKey;
 use calix_core::services::slices::SliceProblem;
 use calix_core::services::state::{Change, Limits, State};
 use calix_core::services::Programmed;
-use calix_dataplane::ebpf::services::{Front, Frontends, Target, TCP, UDP};
+use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation, TCP, UDP};
 use serde::{Deserialize, Serialize};
 
 /// What `calixctl services` shows: the calculation's totals, then each Service.
@@ -258,10 +258,29 @@ impl ServicesService {
     }
 
     /// What the sockets translate: every admitted frontend of TCP or UDP (SCTP: not at the
-    /// sockets) and where it sends connections from inside the cluster; a NodePort on each of
-    /// `node_addresses` (this node's).
-    pub fn frontends(&self, node_addresses: &[IpAddr]) -> Frontends {
+    /// sockets) and where it sends connections from inside the cluster. A NodePort is one
+    /// frontend per family (the unspecified address) answering on every node's addresses:
+    /// the cluster's Nodes' and `own` (this node's, known before its Node is listed). A pod
+    /// reaching any node's NodePort meets the backends kube-proxy would give it there (pods
+    /// are inside the cluster: its internal choice).
+    pub fn translation(&self, own: &[IpAddr]) -> Translation {
         let inner = self.lock();
+        let mut nodes: BTreeSet<IpAddr> =
+            inner.state.rules().node_addresses.iter().copied().collect();
+        nodes.extend(own.iter().copied());
+        let any: Vec<IpAddr> = [
+            nodes
+                .iter()
+                .any(IpAddr::is_ipv4)
+                .then_some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+            nodes
+                .iter()
+                .any(IpAddr::is_ipv6)
+                .then_some(IpAddr::V6(Ipv6Addr::UNSPECIFIED)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         let mut out = Frontends::new();
         for plan in inner.state.plans().values() {
             for p in &plan.frontends {
@@ -279,7 +298,7 @@ impl ServicesService {
                 };
                 let at = match p.frontend.address {
                     Some(a) => vec![a],
-                    None => node_addresses.to_vec(),
+                    None => any.clone(),
                 };
                 for address in at {
                     out.insert(
@@ -293,7 +312,10 @@ impl ServicesService {
                 }
             }
         }
-        out
+        Translation {
+            frontends: out,
+            nodes,
+        }
     }
 
     /// Time spent applying changes since the start.
@@ -361,13 +383,13 @@ pub async fn program<F, Fut, E>(
     mut changed: tokio::sync::watch::Receiver<u64>,
     set: F,
 ) where
-    F: Fn(Frontends) -> Fut,
+    F: Fn(Translation) -> Fut,
     Fut: std::future::Future<Output = Result<(), E>>,
     E: std::error::Error,
 {
     loop {
         if service.ready() {
-            match set(service.frontends(&node_addresses)).await {
+            match set(service.translation(&node_addresses)).await {
                 Ok(()) => service.programmed(Ok(())),
                 Err(e) => {
                     let e = calix_log::error_chain(&e);
@@ -519,5 +541,43 @@ mod tests {
             Vec::new(),
         );
         assert!(svc.report(None).list[1].unreadable.is_empty());
+    }
+
+    #[test]
+    fn a_nodeport_answers_on_every_nodes_address_from_one_entry_per_family() {
+        let rules = Admission {
+            node_addresses: vec![
+                "192.0.2.2".parse().expect("ip"),
+                "fd00::2".parse().expect("ip"),
+            ],
+            ..Admission::default()
+        };
+        let limits = Limits {
+            frontends: 8,
+            backends: 8,
+        };
+        let svc = ServicesService::new("n1", None, rules, limits);
+        let mut web = service("web", "10.96.0.10", &[]);
+        web.ports[0].node_port = Some(30080);
+        svc.apply(Change::Service(web));
+        svc.apply(Change::Slice(slice("web-1", "web", &["10.244.1.5"])));
+        let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
+        let nodes: Vec<String> = t.nodes.iter().map(|a| a.to_string()).collect();
+        assert_eq!(
+            nodes,
+            ["192.0.2.1", "192.0.2.2", "fd00::2"],
+            "the cluster's and this one's"
+        );
+        let fronts: Vec<String> = t
+            .frontends
+            .keys()
+            .map(|f| format!("{}:{}", f.address, f.port))
+            .collect();
+        assert_eq!(fronts, ["0.0.0.0:30080", "10.96.0.10:80", ":::30080"]);
+        let backends = Target::To {
+            backends: vec![("10.244.1.5".parse().expect("ip"), 8080)],
+            affinity_secs: 0,
+        };
+        assert!(t.frontends.values().all(|v| *v == backends), "{t:?}");
     }
 }

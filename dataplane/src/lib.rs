@@ -385,12 +385,12 @@ pub trait Dataplane: Send {
         Ok(())
     }
     /// Kubernetes Services translated at the sockets (eBPF, `[services] translate`): every
-    /// frontend and where it sends new connections; a UDP backend that left a frontend ends
-    /// the connected sockets sent there, on the node and in `clients` (its pods' network
-    /// namespaces). Kernel mode: kube-proxy; nothing here.
+    /// frontend and where it sends new connections, and the addresses NodePorts answer on; a
+    /// UDP backend that left a frontend ends the connected sockets sent there, on the node
+    /// and in `clients` (its pods' network namespaces). Kernel mode: kube-proxy; nothing here.
     fn set_services(
         &mut self,
-        _frontends: &ebpf::services::Frontends,
+        _services: &ebpf::services::Translation,
         _clients: &[std::path::PathBuf],
     ) -> Result<(), DataplaneError> {
         Ok(())

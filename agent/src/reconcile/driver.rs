@@ -63,7 +63,7 @@ enum Command {
     /// The Services translated at the sockets, and the pods' network namespaces
     /// ([`Dataplane::set_services`]).
     Services(
-        Box<calix_dataplane::ebpf::services::Frontends>,
+        Box<calix_dataplane::ebpf::services::Translation>,
         Vec<std::path::PathBuf>,
         oneshot::Sender<Result<(), DataplaneError>>,
     ),
@@ -231,10 +231,10 @@ impl Driver {
     /// namespaces ([`Dataplane::set_services`]).
     pub async fn set_services(
         &self,
-        frontends: calix_dataplane::ebpf::services::Frontends,
+        services: calix_dataplane::ebpf::services::Translation,
         clients: Vec<std::path::PathBuf>,
     ) -> Result<(), DataplaneError> {
-        self.ask(|tx| Command::Services(Box::new(frontends), clients, tx))
+        self.ask(|tx| Command::Services(Box::new(services), clients, tx))
             .await
             .map_err(gone)?
     }
@@ -320,8 +320,8 @@ fn run<K: HostKernel>(mut r: Reconciler<K>, rx: mpsc::Receiver<Command>, every: 
             Some(Command::Policy(tables, reply)) => {
                 let _ = reply.send(r.dataplane().set_policy(*tables));
             }
-            Some(Command::Services(frontends, clients, reply)) => {
-                let _ = reply.send(r.dataplane().set_services(&frontends, &clients));
+            Some(Command::Services(services, clients, reply)) => {
+                let _ = reply.send(r.dataplane().set_services(&services, &clients));
             }
             Some(Command::Release(reply)) => {
                 r.dataplane().release();

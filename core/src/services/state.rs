@@ -199,6 +199,11 @@ impl State {
         touched
     }
 
+    /// The admission rules in force (the nodes' addresses among them).
+    pub fn rules(&self) -> &Admission {
+        &self.rules
+    }
+
     /// An admitted Service's plan.
     pub fn plan(&self, k: &ServiceKey) -> Option<&ServicePlan> {
         self.plans.get(k)

@@ -634,13 +634,14 @@ impl Dataplane for EbpfDataplane {
 
     fn set_services(
         &mut self,
-        f: &services::Frontends,
+        t: &services::Translation,
         clients: &[std::path::PathBuf],
     ) -> Result<(), DataplaneError> {
         let Some(p) = &mut self.services else {
             return Ok(());
         };
-        let left = p.set(f)?;
+        p.set_nodes(&t.nodes)?;
+        let left = p.set(&t.frontends)?;
         if !left.is_empty() {
             let started = std::time::Instant::now();
             let ended = udp_ends::end(&left, clients, p.maps());

@@ -10,8 +10,9 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, MapData};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcKey, SvcRevKey, SvcRevValue, SvcValue, SVC_BACKENDS_MAP,
-    SVC_FRONTENDS_MAP, SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP, SVC_V4, SVC_V6,
+    SvcBackend, SvcBackendKey, SvcKey, SvcNodeKey, SvcRevKey, SvcRevValue, SvcValue,
+    SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP,
+    SVC_V4, SVC_V6,
 };
 
 use crate::bpf::{link_create, link_detach, map_err, obj_pin, pin_err, prog_err, take};
@@ -21,7 +22,8 @@ use crate::DataplaneError;
 pub const TCP: u8 = 6;
 pub const UDP: u8 = 17;
 
-/// A frontend: where a client sends.
+/// A frontend: where a client sends. A NodePort's address is the unspecified one of its
+/// family: it answers on every address of [`ServiceProgrammer::set_nodes`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Front {
     pub address: IpAddr,
@@ -32,6 +34,14 @@ pub struct Front {
 
 /// Every frontend, and where each sends new connections.
 pub type Frontends = BTreeMap<Front, Target>;
+
+/// What the socket programs translate: every frontend, and the addresses NodePorts answer on
+/// (every node's).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Translation {
+    pub frontends: Frontends,
+    pub nodes: std::collections::BTreeSet<IpAddr>,
+}
 
 /// Where a frontend sends new connections.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +74,16 @@ fn octets(a: &IpAddr) -> ([u8; 16], u8) {
             (out, SVC_V4)
         }
         IpAddr::V6(v6) => (v6.octets(), SVC_V6),
+    }
+}
+
+/// The maps' key of a node's address `a`.
+pub fn node_key(a: &IpAddr) -> SvcNodeKey {
+    let (addr, family) = octets(a);
+    SvcNodeKey {
+        addr,
+        family,
+        _pad: [0; 3],
     }
 }
 
@@ -119,6 +139,10 @@ pub trait ServiceMaps: Send {
     /// The frontend (address and port) the socket `cookie`'s peer `backend` was chosen for,
     /// if the programs translated it.
     fn translated(&self, cookie: u64, backend: &SvcBackend) -> Option<SvcRevValue>;
+    /// The addresses a NodePort answers on.
+    fn set_node(&mut self, k: &SvcNodeKey) -> Result<(), DataplaneError>;
+    fn remove_node(&mut self, k: &SvcNodeKey);
+    fn read_nodes(&self) -> Vec<SvcNodeKey>;
 }
 
 /// The pinned maps.
@@ -126,6 +150,7 @@ pub struct PinnedServiceMaps {
     fronts: HashMap<MapData, SvcKey, SvcValue>,
     backs: HashMap<MapData, SvcBackendKey, SvcBackend>,
     rev: HashMap<MapData, SvcRevKey, SvcRevValue>,
+    nodes: HashMap<MapData, SvcNodeKey, u32>,
 }
 
 impl PinnedServiceMaps {
@@ -134,6 +159,7 @@ impl PinnedServiceMaps {
             fronts: take(bpf, SVC_FRONTENDS_MAP, HashMap::try_from)?,
             backs: take(bpf, SVC_BACKENDS_MAP, HashMap::try_from)?,
             rev: take(bpf, SVC_REV_MAP, HashMap::try_from)?,
+            nodes: take(bpf, SVC_NODES_MAP, HashMap::try_from)?,
         })
     }
 }
@@ -176,6 +202,20 @@ impl ServiceMaps for PinnedServiceMaps {
         };
         self.rev.get(&k, 0).ok()
     }
+
+    fn set_node(&mut self, k: &SvcNodeKey) -> Result<(), DataplaneError> {
+        self.nodes
+            .insert(k, 1, 0)
+            .map_err(map_err(SVC_NODES_MAP, "insert"))
+    }
+
+    fn remove_node(&mut self, k: &SvcNodeKey) {
+        let _ = self.nodes.remove(k);
+    }
+
+    fn read_nodes(&self) -> Vec<SvcNodeKey> {
+        self.nodes.keys().filter_map(Result::ok).collect()
+    }
 }
 
 /// A UDP backend that left a frontend: connected sockets the programs sent there for that
@@ -196,6 +236,8 @@ pub struct ServiceProgrammer {
     applied: BTreeMap<SvcKey, (SvcValue, Vec<SvcBackend>)>,
     /// The last id handed out.
     id: u32,
+    /// The addresses NodePorts answer on, as the maps hold them.
+    nodes: std::collections::BTreeSet<SvcNodeKey>,
 }
 
 impl ServiceProgrammer {
@@ -235,7 +277,32 @@ impl ServiceProgrammer {
             }
         }
         let id = by_id.keys().copied().max().unwrap_or(0);
-        Self { maps, applied, id }
+        let nodes = maps.read_nodes().into_iter().collect();
+        Self {
+            maps,
+            applied,
+            id,
+            nodes,
+        }
+    }
+
+    /// The addresses NodePorts answer on from now on: the new ones added before the old ones
+    /// go. A write that fails stops there; the next call starts again from what the maps hold.
+    pub fn set_nodes(
+        &mut self,
+        addresses: &std::collections::BTreeSet<IpAddr>,
+    ) -> Result<(), DataplaneError> {
+        let want: std::collections::BTreeSet<SvcNodeKey> = addresses.iter().map(node_key).collect();
+        for k in want.difference(&self.nodes.clone()) {
+            self.maps.set_node(k)?;
+            self.nodes.insert(*k);
+        }
+        let gone: Vec<SvcNodeKey> = self.nodes.difference(&want).copied().collect();
+        for k in gone {
+            self.maps.remove_node(&k);
+            self.nodes.remove(&k);
+        }
+        Ok(())
     }
 
     fn next_id(&mut self) -> u32 {
@@ -399,7 +466,11 @@ mod tests {
     use super::*;
     use std::sync::{Arc, Mutex};
 
-    type Held2 = (BTreeMap<SvcKey, SvcValue>, BTreeMap<(u32, u32), SvcBackend>);
+    type Held2 = (
+        BTreeMap<SvcKey, SvcValue>,
+        BTreeMap<(u32, u32), SvcBackend>,
+        std::collections::BTreeSet<SvcNodeKey>,
+    );
 
     /// The maps as plain maps, shared with the test.
     #[derive(Clone, Default)]
@@ -440,6 +511,40 @@ mod tests {
         fn translated(&self, _: u64, _: &SvcBackend) -> Option<SvcRevValue> {
             None
         }
+        fn set_node(&mut self, k: &SvcNodeKey) -> Result<(), DataplaneError> {
+            self.0.lock().expect("lock").2.insert(*k);
+            Ok(())
+        }
+        fn remove_node(&mut self, k: &SvcNodeKey) {
+            self.0.lock().expect("lock").2.remove(k);
+        }
+        fn read_nodes(&self) -> Vec<SvcNodeKey> {
+            self.0.lock().expect("lock").2.iter().copied().collect()
+        }
+    }
+
+    #[test]
+    fn node_addresses_follow_and_a_restart_reads_them_back() {
+        let fake = Fake::default();
+        let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+        let set = |a: &[&str]| {
+            a.iter()
+                .map(|s| ip(s))
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        p.set_nodes(&set(&["192.0.2.1", "192.0.2.2", "fd00::1"]))
+            .expect("set");
+        let held = |f: &Fake| f.0.lock().expect("lock").2.clone();
+        assert_eq!(
+            held(&fake),
+            set(&["192.0.2.1", "192.0.2.2", "fd00::1"])
+                .iter()
+                .map(node_key)
+                .collect()
+        );
+        let mut again = ServiceProgrammer::restore(Box::new(fake.clone()));
+        again.set_nodes(&set(&["192.0.2.2"])).expect("set");
+        assert_eq!(held(&fake), [node_key(&ip("192.0.2.2"))].into());
     }
 
     fn ip(s: &str) -> IpAddr {

@@ -52,9 +52,11 @@ pub fn to_end(
                 return false;
             }
             translated(s.cookie, &b).is_some_and(|front| {
-                left.iter()
-                    .filter(to_it)
-                    .any(|l| l.front.addr == front.addr && l.front.port == front.port)
+                left.iter().filter(to_it).any(|l| {
+                    // A NodePort's key has no address: it stands for each node's.
+                    (l.front.addr == front.addr || l.front.addr == [0; 16])
+                        && l.front.port == front.port
+                })
             })
         })
         .copied()

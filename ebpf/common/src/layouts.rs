@@ -317,7 +317,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 5] = [
+const SERVICES_MAPS: [MapLayout; 6] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -358,9 +358,10 @@ const SERVICES_MAPS: [MapLayout; 5] = [
         SVC_AFFINITY_ENTRIES,
         0,
     ),
+    m(SVC_NODES_MAP, BPF_MAP_TYPE_HASH, 20, 4, SVC_NODE_ENTRIES, 1),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 5] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 6] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

@@ -658,6 +658,7 @@ mod pod {
     unsafe impl aya::Pod for super::SvcRevValue {}
     unsafe impl aya::Pod for super::SvcFwdKey {}
     unsafe impl aya::Pod for super::SvcAffKey {}
+    unsafe impl aya::Pod for super::SvcNodeKey {}
     unsafe impl aya::Pod for super::SvcAffValue {}
 }
 

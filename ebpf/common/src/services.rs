@@ -21,6 +21,15 @@ pub const SVC_FWD_MAP: &str = "CALIX_SVC_FWD";
 /// client (its network namespace: a pod, or the node's own processes) was last sent to by a
 /// frontend, and when.
 pub const SVC_AFFINITY_MAP: &str = "CALIX_SVC_AFF";
+/// Hash: [`SvcNodeKey`] → `u32` (1): the addresses a NodePort answers on, every node's of the
+/// cluster (its Nodes' `InternalIP` and `ExternalIP`). A NodePort frontend is keyed with its
+/// family's unspecified address (all zeros) in [`SVC_FRONTENDS_MAP`]: a call to one of these
+/// addresses that is no frontend of its own looks for the port there. One entry per port,
+/// whatever the number of nodes; a pod reaching another node's NodePort is translated at its
+/// socket too, as one reaching its own node's.
+pub const SVC_NODES_MAP: &str = "CALIX_SVC_NODES";
+/// Entries of [`SVC_NODES_MAP`]: node addresses beyond it are not translated (and said).
+pub const SVC_NODE_ENTRIES: u32 = 16_384;
 /// Default sizes of the maps.
 pub const DEFAULT_SVC_FRONTENDS: u32 = 65_536;
 pub const DEFAULT_SVC_BACKENDS: u32 = 262_144;
@@ -134,4 +143,14 @@ pub struct SvcAffValue {
     pub port: u16,
     pub _pad: u16,
     pub _pad2: u32,
+}
+
+/// A node's address, for [`SVC_NODES_MAP`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SvcNodeKey {
+    pub addr: [u8; 16],
+    /// [`SVC_V4`] or [`SVC_V6`].
+    pub family: u8,
+    pub _pad: [u8; 3],
 }

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 39] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 40] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -90,6 +90,7 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 39] {
             size_of::<SvcAffKey>(),
             size_of::<SvcAffValue>(),
         ),
+        (SVC_NODES_MAP, size_of::<SvcNodeKey>(), size_of::<u32>()),
     ]
 }
 

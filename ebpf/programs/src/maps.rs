@@ -17,6 +17,7 @@ use calix_common::{
     MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
     SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
+    SvcNodeKey, SVC_NODE_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -292,3 +293,8 @@ pub static CALIX_SVC_FWD: LruHashMap<SvcFwdKey, SvcBackendKey> =
 #[map(name = "CALIX_SVC_AFF")]
 pub static CALIX_SVC_AFF: LruHashMap<SvcAffKey, SvcAffValue> =
     LruHashMap::pinned(SVC_AFFINITY_ENTRIES, 0);
+
+/// The addresses a NodePort answers on: every node's (`calix_common::SVC_NODES_MAP`).
+#[map(name = "CALIX_SVC_NODES")]
+pub static CALIX_SVC_NODES: HashMap<SvcNodeKey, u32> =
+    HashMap::pinned(SVC_NODE_ENTRIES, BPF_F_NO_PREALLOC);

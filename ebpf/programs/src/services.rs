@@ -17,11 +17,14 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use calix_common::{
-    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcFwdKey, SvcKey, SvcRevKey,
+    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcFwdKey, SvcKey, SvcNodeKey, SvcRevKey,
     SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
 };
 
-use crate::maps::{CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_REV};
+use crate::maps::{
+    CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_NODES,
+    CALIX_SVC_REV,
+};
 
 const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
@@ -78,11 +81,10 @@ fn set_dest(ctx: &SockAddrContext, v6: bool, addr: &[u8; 16], port: u16) {
 /// go there too while the frontend's backends are unchanged.
 #[inline(always)]
 pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
-    let Some(k) = key(ctx, v6) else {
+    let Some(to) = key(ctx, v6) else {
         return ALLOW;
     };
-    // SAFETY: a read-only lookup; the value is copied out at once.
-    let Some(front) = (unsafe { CALIX_SVC_FRONTS.get(&k) }).copied() else {
+    let Some((k, front)) = frontend(&to) else {
         return ALLOW;
     };
     if front.flags & (SVC_REJECT | SVC_DROP) != 0 || front.count == 0 {
@@ -131,14 +133,37 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
         ..SvcRevKey::default()
     };
     let rv = SvcRevValue {
-        addr: k.addr,
-        port: k.port,
+        addr: to.addr,
+        port: to.port,
         _pad: 0,
     };
     // A full table forgets the least recently used: that socket's peer then shows as the
     // backend, its traffic unaffected.
     let _ = CALIX_SVC_REV.insert(&rk, &rv, 0);
     ALLOW
+}
+
+/// The frontend `to` names and its key: its own, else (`to` a node's address) the NodePort of
+/// its port, keyed with the unspecified address.
+#[inline(always)]
+fn frontend(to: &SvcKey) -> Option<(SvcKey, SvcValue)> {
+    // SAFETY: a read-only lookup; the value is copied out at once.
+    if let Some(v) = unsafe { CALIX_SVC_FRONTS.get(to) } {
+        return Some((*to, *v));
+    }
+    let node = SvcNodeKey {
+        addr: to.addr,
+        family: to.family,
+        _pad: [0; 3],
+    };
+    // SAFETY: a read-only lookup.
+    unsafe { CALIX_SVC_NODES.get(&node) }?;
+    let any = SvcKey {
+        addr: [0; 16],
+        ..*to
+    };
+    // SAFETY: a read-only lookup; the value is copied out at once.
+    unsafe { CALIX_SVC_FRONTS.get(&any) }.map(|v| (any, *v))
 }
 
 #[inline(always)]
