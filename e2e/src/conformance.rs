@@ -1,11 +1,12 @@
-//! The upstream conformance suites against the e2e cluster (`--conformance netpol`):
+//! The upstream conformance suites against the e2e cluster (`--conformance netpol|services`):
 //! Kubernetes' own network e2e tests (`e2e-network.test`, v1.36.2, from ../shared/k8s) run
 //! from the API server's namespace against calix as installed, before its uninstall.
 //!
 //! The tests' pods run `agnhost` from `registry.k8s.io/e2e-test-images/agnhost:2.63.0` and
-//! probe each other through the API's exec; nothing can be pulled here, so that image is built
-//! from ../shared/k8s's static `agnhost` (one layer, the binary at `/agnhost`) and imported into
-//! each node's containerd under exactly that name. The suite's JUnit report becomes the rows of
+//! probe each other through the API's exec (`/agnhost connect`, or `/bin/sh -c` with `nc`,
+//! `curl`); nothing can be pulled here, so that image is built from ../shared/k8s's static
+//! `agnhost`, busybox and this machine's `nc` and `curl` (`calix_testbed::image::agnhost_oci_tar`)
+//! and imported into each node's containerd under exactly that name. The suite's JUnit report becomes the rows of
 //! `docs/conformance/<suite>.md` ([`markdown`]): each spec, its result and its time.
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -13,7 +14,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use calix_testbed::image::binary_oci_tar;
+use calix_testbed::image::agnhost_oci_tar;
 use calix_testbed::k8s::k8s_binary;
 
 use crate::cluster::E2eCluster;
@@ -28,27 +29,66 @@ const AGNHOST_IMAGE: &str = "registry.k8s.io/e2e-test-images/agnhost:2.63.0";
 pub enum Suite {
     /// `[sig-network] Netpol`: NetworkPolicy (test/e2e/network/netpol).
     Netpol,
+    /// `[sig-network] Services`: Services (test/e2e/network/service.go), which calix
+    /// translates in eBPF mode (kube-proxy in kernel mode).
+    Services,
 }
 
 impl Suite {
     pub fn name(self) -> &'static str {
         match self {
             Suite::Netpol => "netpol",
+            Suite::Services => "services",
         }
     }
 
-    /// The `--ginkgo.focus` and `--ginkgo.skip` of the suite. SCTP connectivity: this kernel
-    /// has no SCTP (`CONFIG_IP_SCTP` is not set), so those specs cannot pass anywhere here (the
-    /// specs about SCTP rules that probe over TCP run).
-    fn ginkgo(self) -> (&'static str, &'static str) {
+    /// The start of each of the suite's spec names (after ginkgo's `[It] `).
+    fn prefix(self) -> &'static str {
         match self {
-            Suite::Netpol => (r"\[sig-network\] Netpol", r"\[Feature:SCTPConnectivity\]"),
+            Suite::Netpol => "[sig-network] Netpol ",
+            Suite::Services => "[sig-network] Services ",
         }
+    }
+
+    /// The `--ginkgo.focus`.
+    fn focus(self) -> &'static str {
+        match self {
+            Suite::Netpol => r"\[sig-network\] Netpol",
+            Suite::Services => r"\[sig-network\] Services ",
+        }
+    }
+
+    /// The specs left out (each a `--ginkgo.skip` alternative) and why: they cannot run on
+    /// this machine, whatever the network.
+    fn skipped(self) -> &'static [(&'static str, &'static str)] {
+        const NO_SCTP: &str = "this kernel has no SCTP (`CONFIG_IP_SCTP` is not set)";
+        match self {
+            // The specs about SCTP rules that probe over TCP run.
+            Suite::Netpol => &[(r"\[Feature:SCTPConnectivity\]", NO_SCTP)],
+            Suite::Services => &[
+                (r"SCTP", NO_SCTP),
+                (
+                    r"\[Disruptive\]",
+                    "they restart the API server or kube-proxy over SSH to the nodes, which \
+                     the suite's provider (`skeleton`) does not have",
+                ),
+            ],
+        }
+    }
+
+    /// The `--ginkgo.skip`: every alternative of [`Suite::skipped`].
+    fn skip(self) -> String {
+        self.skipped()
+            .iter()
+            .map(|(re, _)| *re)
+            .collect::<Vec<_>>()
+            .join("|")
     }
 
     fn title(self) -> &'static str {
         match self {
             Suite::Netpol => "the upstream NetworkPolicy suite (`[sig-network] Netpol`)",
+            Suite::Services => "the upstream Services suite (`[sig-network] Services`)",
         }
     }
 }
@@ -84,7 +124,7 @@ impl Outcome {
 pub fn import_agnhost(c: &E2eCluster) -> Result<()> {
     let bin = k8s_binary("agnhost").context("the agnhost binary (../shared/k8s)")?;
     let data = std::fs::read(&bin).with_context(|| format!("read {}", bin.display()))?;
-    let tar = binary_oci_tar(AGNHOST_IMAGE, "agnhost", &data, &["/agnhost"])?;
+    let tar = agnhost_oci_tar(AGNHOST_IMAGE, &data)?;
     let path = c.dir.join("agnhost.oci.tar");
     std::fs::write(&path, tar).with_context(|| format!("write {}", path.display()))?;
     for (i, kube) in c.kubes.iter().enumerate() {
@@ -108,7 +148,7 @@ pub fn run(c: &E2eCluster, mode: Mode, suite: Suite, p: &Progress) -> Result<Out
         .ns
         .as_ref()
         .context("the API server runs in a namespace of its own")?;
-    let (focus, skip) = suite.ginkgo();
+    let (focus, skip) = (suite.focus(), suite.skip());
     let (bin, kubeconfig, report) = (
         bin.display().to_string(),
         kubeconfig.display().to_string(),
@@ -125,7 +165,7 @@ pub fn run(c: &E2eCluster, mode: Mode, suite: Suite, p: &Progress) -> Result<Out
             "--ginkgo.focus",
             focus,
             "--ginkgo.skip",
-            skip,
+            &skip,
             "--ginkgo.v",
             "--ginkgo.no-color",
             "--ginkgo.timeout",
@@ -167,7 +207,7 @@ pub fn run(c: &E2eCluster, mode: Mode, suite: Suite, p: &Progress) -> Result<Out
     let text = std::fs::read_to_string(&xml).with_context(|| format!("read {}", xml.display()))?;
     let cases = parse_junit(&text)
         .into_iter()
-        .filter(|c| c.name.contains("Netpol"))
+        .filter(|c| c.name.contains(suite.prefix()))
         .collect::<Vec<_>>();
     if cases.is_empty() {
         bail!(
@@ -255,9 +295,9 @@ fn unescape(s: &str) -> String {
 }
 
 /// The spec's name without ginkgo's node type and the suite's common prefix.
-fn short(name: &str) -> &str {
+fn short(suite: Suite, name: &str) -> &str {
     let name = name.strip_prefix("[It] ").unwrap_or(name);
-    name.strip_prefix("[sig-network] Netpol ").unwrap_or(name)
+    name.strip_prefix(suite.prefix()).unwrap_or(name)
 }
 
 /// `docs/conformance/<suite>.md`: what ran, where, and each spec's result and time.
@@ -274,17 +314,17 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
          Kubernetes' own test binary `e2e-network.test` v1.36.2 from `../shared/k8s`, run from the API\n\
          server's namespace:\n\n\
          `--ginkgo.focus '{}' --ginkgo.skip '{}'`\n\n\
-         The SCTP connectivity specs are skipped: this kernel has no SCTP (`CONFIG_IP_SCTP` is not\n\
-         set), so they cannot run here.\n\n\
-         calix {commit}.\n\n",
+         Left out, since they cannot run on this machine:\n\n",
         suite.title(),
         suite.name(),
-        suite.ginkgo().0,
-        suite.ginkgo().1,
+        suite.focus(),
+        suite.skip(),
     );
-    s.push_str(
-        "| dataplane | passed | failed | skipped (SCTP) | suite time |\n|---|---|---|---|---|\n",
-    );
+    for (re, why) in suite.skipped() {
+        s.push_str(&format!("- `{re}`: {why}.\n"));
+    }
+    s.push_str(&format!("\ncalix {commit}.\n\n"));
+    s.push_str("| dataplane | passed | failed | skipped | suite time |\n|---|---|---|---|---|\n");
     for o in outcomes {
         s.push_str(&format!(
             "| {} | {} | {} | {} | {:.0} s |\n",
@@ -306,11 +346,11 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
             o.mode.value()
         ));
         let mut cases: Vec<&Case> = o.cases.iter().collect();
-        cases.sort_by(|a, b| short(&a.name).cmp(short(&b.name)));
+        cases.sort_by(|a, b| short(suite, &a.name).cmp(short(suite, &b.name)));
         for c in cases {
             s.push_str(&format!(
                 "| {} | {} | {:.1} s |\n",
-                short(&c.name).replace('|', "\\|"),
+                short(suite, &c.name).replace('|', "\\|"),
                 c.status,
                 c.secs
             ));
@@ -351,13 +391,17 @@ mod tests {
             suite: Suite::Netpol,
             cases: cases
                 .into_iter()
-                .filter(|c| c.name.contains("Netpol"))
+                .filter(|c| c.name.contains(Suite::Netpol.prefix()))
                 .collect(),
             took: Duration::from_secs(100),
         };
         assert_eq!(outcome.failed().len(), 1);
         let md = markdown(&[outcome], &[Mode::Ebpf], "abc1234");
         assert!(md.contains("| ebpf | 1 | 1 | 1 | 100 s |"), "{md}");
+        assert!(
+            md.contains("- `\\[Feature:SCTPConnectivity\\]`: this kernel has no SCTP"),
+            "{md}"
+        );
         assert!(md.contains("| kernel | not run |"), "{md}");
         assert!(md.contains("| NetworkPolicy between server and client should support a 'default-deny-ingress' policy [Feature:NetworkPolicy] | passed | 6.0 s |"), "{md}");
     }

@@ -1,7 +1,8 @@
 //! Container images built here, since nothing can be pulled: a rootfs of Debian's static busybox
 //! (`busybox-static`, `/bin/busybox`) with a symlink per applet, and an OCI image layout tarball
 //! of it (one uncompressed layer) that `ctr images import` and `podman load` take. The tests'
-//! pod images and the Kubernetes nodes' pause image are this, with different commands.
+//! pod images and the Kubernetes nodes' pause image are this, with different commands; the
+//! upstream suites' `agnhost` image adds the static `agnhost` and the host's `nc` and `curl`.
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -119,18 +120,150 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
     oci_tar(name, &layer, cmd, &["PATH=/bin"])
 }
 
-/// An OCI image layout tarball named `name` with one static `binary` at `/<file>` (and `/tmp`),
-/// `cmd` its command: how the upstream suites' `agnhost` image is made here.
-pub fn binary_oci_tar(name: &str, file: &str, binary: &[u8], cmd: &[&str]) -> Result<Vec<u8>> {
+/// Busybox's applets in the upstream suites' `agnhost` image: what their shell commands call
+/// besides `nc` and `curl` (`for i in $(seq 1 N); do …; done`, `hostname`, `sleep`).
+const AGNHOST_APPLETS: [&str; 22] = [
+    "sh", "seq", "sleep", "cat", "echo", "hostname", "wget", "ip", "true", "false", "timeout",
+    "grep", "ls", "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
+];
+
+/// The host tools the upstream suites' commands run with options busybox lacks, and where
+/// they go in the image: OpenBSD's `nc` (`nc -v -t -w 2 host port`) and `curl`.
+const AGNHOST_HOST_TOOLS: [(&str, &str); 2] = [
+    ("/usr/bin/nc.openbsd", "usr/bin/nc"),
+    ("/usr/bin/curl", "usr/bin/curl"),
+];
+
+/// The upstream suites' `agnhost` image, built here since nothing can be pulled: the static
+/// `agnhost` at `/agnhost`, its entrypoint with `pause` the default argument (as upstream, so
+/// a pod's `args: [netexec, …]` runs it), and the tools the suites' commands run in it through
+/// `/bin/sh -c`: busybox's applets, and this machine's OpenBSD `nc` and `curl` with the shared
+/// libraries they load (as `ldd` lists them, at the same paths).
+pub fn agnhost_oci_tar(name: &str, agnhost: &[u8]) -> Result<Vec<u8>> {
+    let busybox = busybox()?;
     let mut layer = tar::Builder::new(Vec::new());
-    tar_entry(&mut layer, "tmp", tar::EntryType::Directory, 0o1777, &[])?;
-    tar_entry(&mut layer, file, tar::EntryType::Regular, 0o755, binary)?;
+    let mut dirs = std::collections::BTreeSet::new();
+    for d in ROOTFS_DIRS {
+        let mode = if d == "tmp" { 0o1777 } else { 0o755 };
+        tar_entry(&mut layer, d, tar::EntryType::Directory, mode, &[])?;
+        dirs.insert(d.to_string());
+    }
+    let file = tar::EntryType::Regular;
+    tar_entry(&mut layer, "agnhost", file, 0o755, agnhost)?;
+    tar_entry(&mut layer, "bin/busybox", file, 0o755, &busybox)?;
+    for a in AGNHOST_APPLETS {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_mode(0o777);
+        h.set_size(0);
+        h.set_mtime(0);
+        layer
+            .append_link(&mut h, format!("bin/{a}"), "busybox")
+            .map_err(Error::io(format!("tar symlink bin/{a}")))?;
+    }
+    let mut files = std::collections::BTreeMap::new();
+    for (host, at) in AGNHOST_HOST_TOOLS {
+        files.insert(at.to_string(), host.to_string());
+        for lib in shared_libraries(host)? {
+            files.insert(lib.trim_start_matches('/').to_string(), lib);
+        }
+    }
+    for (at, host) in &files {
+        let data = std::fs::read(host).map_err(Error::io(format!("read {host}")))?;
+        let mut parent = String::new();
+        for part in at
+            .split('/')
+            .collect::<Vec<_>>()
+            .split_last()
+            .map(|l| l.1)
+            .unwrap_or(&[])
+        {
+            parent = if parent.is_empty() {
+                part.to_string()
+            } else {
+                format!("{parent}/{part}")
+            };
+            if dirs.insert(parent.clone()) {
+                tar_entry(&mut layer, &parent, tar::EntryType::Directory, 0o755, &[])?;
+            }
+        }
+        tar_entry(&mut layer, at, file, 0o755, &data)?;
+    }
     let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
-    oci_tar(name, &layer, cmd, &["PATH=/"])
+    oci_tar_with(
+        name,
+        &layer,
+        &["/agnhost"],
+        &["pause"],
+        &["PATH=/usr/local/bin:/usr/bin:/bin:/"],
+    )
+}
+
+/// The shared libraries `binary` loads, the dynamic loader too: the absolute paths `ldd`
+/// prints (`libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x…)`,
+/// `/lib64/ld-linux-x86-64.so.2 (0x…)`); none for a static binary.
+pub fn shared_libraries(binary: &str) -> Result<Vec<String>> {
+    if !Path::new(binary).is_file() {
+        return Err(Error::Missing {
+            field: binary.to_string(),
+            value: "this machine (`cargo xtask setup` installs it)".into(),
+        });
+    }
+    if is_static_elf(binary) {
+        return Ok(Vec::new());
+    }
+    let out = std::process::Command::new("ldd")
+        .arg(binary)
+        .output()
+        .map_err(|source| Error::Spawn {
+            cmd: format!("ldd {binary}"),
+            source,
+        })?;
+    if !out.status.success() {
+        return Err(Error::Failed {
+            cmd: format!("ldd {binary}"),
+            status: out.status,
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        });
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    if let Some(line) = text.lines().find(|l| l.contains("not found")) {
+        return Err(Error::Missing {
+            field: format!("a library of {binary}"),
+            value: format!("this machine: {}", line.trim()),
+        });
+    }
+    Ok(parse_ldd(&text))
+}
+
+/// The absolute paths of `ldd`'s output.
+fn parse_ldd(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let path = match l.split_once("=>") {
+                Some((_, right)) => right.split_whitespace().next()?,
+                None => l.split_whitespace().next()?,
+            };
+            path.starts_with('/').then(|| path.to_string())
+        })
+        .collect()
 }
 
 /// The image layout tarball of one uncompressed `layer`.
 fn oci_tar(name: &str, layer: &[u8], cmd: &[&str], env: &[&str]) -> Result<Vec<u8>> {
+    oci_tar_with(name, layer, &[], cmd, env)
+}
+
+/// The image layout tarball of one uncompressed `layer`, with an entrypoint (none if empty).
+fn oci_tar_with(
+    name: &str,
+    layer: &[u8],
+    entrypoint: &[&str],
+    cmd: &[&str],
+    env: &[&str],
+) -> Result<Vec<u8>> {
     let arch = match std::env::consts::ARCH {
         "x86_64" => "amd64",
         "aarch64" => "arm64",
@@ -139,7 +272,11 @@ fn oci_tar(name: &str, layer: &[u8], cmd: &[&str], env: &[&str]) -> Result<Vec<u
     let config = serde_json::json!({
         "architecture": arch,
         "os": "linux",
-        "config": { "Cmd": cmd, "Env": env },
+        "config": if entrypoint.is_empty() {
+            serde_json::json!({ "Cmd": cmd, "Env": env })
+        } else {
+            serde_json::json!({ "Entrypoint": entrypoint, "Cmd": cmd, "Env": env })
+        },
         "rootfs": { "type": "layers", "diff_ids": [format!("sha256:{}", sha256_hex(layer))] },
     })
     .to_string()
@@ -197,4 +334,26 @@ fn oci_tar(name: &str, layer: &[u8], cmd: &[&str], env: &[&str]) -> Result<Vec<u
         tar_entry(&mut image, &path, file, 0o644, blob)?;
     }
     image.into_inner().map_err(Error::io("the image tar"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ldd_output_gives_the_libraries_and_the_loader() {
+        let text = "\tlinux-vdso.so.1 (0x00007ffd)\n\
+                    \tlibcurl.so.4 => /lib/x86_64-linux-gnu/libcurl.so.4 (0x00007f10)\n\
+                    \tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f20)\n\
+                    \tlibgone.so.1 => not found\n\
+                    \t/lib64/ld-linux-x86-64.so.2 (0x00007f30)\n";
+        assert_eq!(
+            parse_ldd(text),
+            [
+                "/lib/x86_64-linux-gnu/libcurl.so.4",
+                "/lib/x86_64-linux-gnu/libc.so.6",
+                "/lib64/ld-linux-x86-64.so.2"
+            ]
+        );
+    }
 }

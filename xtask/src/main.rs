@@ -67,7 +67,7 @@ enum Task {
     /// calix installed from its Helm chart on a real cluster on this machine (kube-apiserver,
     /// controller-manager, scheduler, two kubelet nodes with containerd and kube-proxy), checked
     /// in eBPF then kernel mode and uninstalled (needs root, ../shared/k8s); with
-    /// `--conformance netpol`, Kubernetes' own NetworkPolicy suite too.
+    /// `--conformance netpol` (or `services`), Kubernetes' own NetworkPolicy (Services) suite too.
     E2e {
         /// Use this image (an OCI archive) instead of building one with `cargo xtask image`.
         #[arg(long)]
@@ -75,11 +75,13 @@ enum Task {
         /// The dataplane modes, in order.
         #[arg(long, default_value = "ebpf,kernel")]
         modes: String,
-        /// Also run an upstream conformance suite (`netpol`: `[sig-network] Netpol`) after the
-        /// checks, and write docs/conformance/<suite>.md; fails if a spec fails.
+        /// Also run an upstream conformance suite (`netpol`: `[sig-network] Netpol`; `services`:
+        /// `[sig-network] Services`) after the checks, and write docs/conformance/<suite>.md;
+        /// fails if a spec fails.
         #[arg(long)]
         conformance: Option<String>,
-        /// The modes the suite runs in (default: all of `--modes`).
+        /// The modes the suite runs in (default: all of `--modes`; `ebpf` alone is calix's
+        /// Services, kernel mode's are kube-proxy's).
         #[arg(long)]
         conformance_modes: Option<String>,
     },

@@ -45,6 +45,10 @@ const APT_PACKAGES: &[&str] = &[
     // service-account key is made with openssl.
     "xz-utils",
     "openssl",
+    // The upstream Services suite's commands in its agnhost image (`nc -v -t -w 2`, `curl`):
+    // copied from this machine with their libraries (busybox's nc lacks those options).
+    "netcat-openbsd",
+    "curl",
 ];
 
 /// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new
