@@ -122,24 +122,39 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
 
 /// Busybox's applets in the upstream suites' `agnhost` image: what their shell commands call
 /// besides `nc` and `curl` (`for i in $(seq 1 N); do …; done`, `hostname`, `sleep`).
-const AGNHOST_APPLETS: [&str; 22] = [
-    "sh", "seq", "sleep", "cat", "echo", "hostname", "wget", "ip", "true", "false", "timeout",
-    "grep", "ls", "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
+const AGNHOST_APPLETS: [&str; 21] = [
+    "seq", "sleep", "cat", "echo", "hostname", "wget", "ip", "true", "false", "timeout", "grep",
+    "ls", "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
 ];
 
 /// The host tools the upstream suites' commands run with options busybox lacks, and where
-/// they go in the image: OpenBSD's `nc` (`nc -v -t -w 2 host port`) and `curl`.
-const AGNHOST_HOST_TOOLS: [(&str, &str); 2] = [
+/// they go in the image: OpenBSD's `nc` (`nc -v -t -w 2 host port`) and `curl`; and dash as
+/// `/bin/sh`, since busybox's shell runs its own applets before any in `PATH` (its `nc` would
+/// answer the suite's `nc -v`).
+const AGNHOST_HOST_TOOLS: [(&str, &str); 3] = [
     ("/usr/bin/nc.openbsd", "usr/bin/nc"),
     ("/usr/bin/curl", "usr/bin/curl"),
+    ("/usr/bin/dash", "bin/sh"),
 ];
 
 /// The upstream suites' `agnhost` image, built here since nothing can be pulled: the static
 /// `agnhost` at `/agnhost`, its entrypoint with `pause` the default argument (as upstream, so
 /// a pod's `args: [netexec, …]` runs it), and the tools the suites' commands run in it through
-/// `/bin/sh -c`: busybox's applets, and this machine's OpenBSD `nc` and `curl` with the shared
-/// libraries they load (as `ldd` lists them, at the same paths).
+/// `/bin/sh -c`: this machine's dash as the shell, busybox's applets, and its OpenBSD `nc` and
+/// `curl`, with the shared libraries they load (as `ldd` lists them, at the same paths).
 pub fn agnhost_oci_tar(name: &str, agnhost: &[u8]) -> Result<Vec<u8>> {
+    let layer = agnhost_layer(agnhost)?;
+    oci_tar_with(
+        name,
+        &layer,
+        &["/agnhost"],
+        &["pause"],
+        &["PATH=/usr/local/bin:/usr/bin:/bin:/"],
+    )
+}
+
+/// The one layer of [`agnhost_oci_tar`].
+fn agnhost_layer(agnhost: &[u8]) -> Result<Vec<u8>> {
     let busybox = busybox()?;
     let mut layer = tar::Builder::new(Vec::new());
     let mut dirs = std::collections::BTreeSet::new();
@@ -189,14 +204,7 @@ pub fn agnhost_oci_tar(name: &str, agnhost: &[u8]) -> Result<Vec<u8>> {
         }
         tar_entry(&mut layer, at, file, 0o755, &data)?;
     }
-    let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
-    oci_tar_with(
-        name,
-        &layer,
-        &["/agnhost"],
-        &["pause"],
-        &["PATH=/usr/local/bin:/usr/bin:/bin:/"],
-    )
+    layer.into_inner().map_err(Error::io("the layer tar"))
 }
 
 /// The shared libraries `binary` loads, the dynamic loader too: the absolute paths `ldd`
@@ -339,6 +347,44 @@ fn oci_tar_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The suites' commands run in the image's root as they do in a pod: dash, OpenBSD's `nc`
+    /// with its options (not busybox's), busybox's `seq`, `curl` (root: chroot).
+    #[test]
+    fn the_agnhost_image_runs_the_suites_shell_commands() {
+        let dir = std::env::temp_dir().join(format!("cxt-agnhost-{}", std::process::id()));
+        let layer = agnhost_layer(b"#!/bin/sh\necho agnhost \"$@\"\n").expect("the layer");
+        tar::Archive::new(&layer[..])
+            .unpack(&dir)
+            .expect("unpack the layer");
+        let out = std::process::Command::new("/usr/sbin/chroot")
+            .arg(&dir)
+            .args(["/bin/sh", "-x", "-c"])
+            .arg(
+                "echo hostName | nc -v -t -w 1 127.0.0.1 9 2>&1; \
+                 for i in $(seq 1 3); do printf $i; done; echo; \
+                 curl -q -s --connect-timeout 1 http://127.0.0.1:9/ || echo curl $?; \
+                 /agnhost pause",
+            )
+            .env_clear()
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin:/")
+            .output()
+            .expect("chroot");
+        let _ = std::fs::remove_dir_all(&dir);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        // The loopback of the test's own namespace: nothing listens on the discard port.
+        assert!(
+            stdout.contains("nc: connect to 127.0.0.1 port 9 (tcp) failed: Connection refused"),
+            "OpenBSD's nc: {stdout}\n{stderr}"
+        );
+        assert!(stdout.contains("\n123\n"), "{stdout}");
+        assert!(
+            stdout.contains("curl 7"),
+            "curl's exit code 7, no connection: {stdout}"
+        );
+        assert!(stdout.contains("agnhost pause"), "{stdout}");
+    }
 
     #[test]
     fn ldd_output_gives_the_libraries_and_the_loader() {
