@@ -352,7 +352,14 @@ mod tests {
     /// with its options (not busybox's), busybox's `seq`, `curl` (root: chroot).
     #[test]
     fn the_agnhost_image_runs_the_suites_shell_commands() {
+        struct Gone(PathBuf);
+        impl Drop for Gone {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
         let dir = std::env::temp_dir().join(format!("cxt-agnhost-{}", std::process::id()));
+        let _gone = Gone(dir.clone());
         let layer = agnhost_layer(b"#!/bin/sh\necho agnhost \"$@\"\n").expect("the layer");
         tar::Archive::new(&layer[..])
             .unpack(&dir)
@@ -370,7 +377,6 @@ mod tests {
             .env("PATH", "/usr/local/bin:/usr/bin:/bin:/")
             .output()
             .expect("chroot");
-        let _ = std::fs::remove_dir_all(&dir);
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         // The loopback of the test's own namespace: nothing listens on the discard port.
