@@ -172,7 +172,7 @@ pub fn run(
         Mode::Kernel => "kube-proxy",
     };
     p.step(&format!(
-        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers; with internalTrafficPolicy Local, only the client's node's"
+        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers"
     ));
     for from in [0, 1] {
         let a = &web.pods[from];
@@ -185,7 +185,7 @@ pub fn run(
             ),
             Duration::from_secs(60),
             || {
-                if let Some(b) = get_in_pod(c, &a.name, &web.cluster_ip) {
+                if let Some(b) = http_get(&a.netns, &web.cluster_ip) {
                     seen.insert(b);
                 }
                 Ok((seen.len() == web.pods.len()).then_some(()))
@@ -193,44 +193,6 @@ pub fn run(
         )?;
         p.note(&format!(
             "from {} (node {}): {} answered",
-            a.name,
-            a.node,
-            seen.into_iter().collect::<Vec<_>>().join(", ")
-        ));
-        let local: BTreeSet<String> = web
-            .pods
-            .iter()
-            .filter(|w| w.node == a.node)
-            .map(|w| w.name.clone())
-            .collect();
-        let (mut seen, mut other) = (BTreeSet::new(), None);
-        wait(
-            c,
-            &format!(
-                "{} reaches its node's backends {local:?} through {}:80, internalTrafficPolicy Local (seen {seen:?})",
-                a.name, web.local_ip
-            ),
-            Duration::from_secs(60),
-            || {
-                match get_in_pod(c, &a.name, &web.local_ip) {
-                    Some(b) if !local.contains(&b) => other = Some(b),
-                    Some(b) => {
-                        seen.insert(b);
-                    }
-                    None => {}
-                }
-                Ok((seen == local || other.is_some()).then_some(()))
-            },
-        )?;
-        if let Some(b) = other {
-            bail!(
-                "{b}, on another node, answered {} through the internalTrafficPolicy Local Service\n{}",
-                a.name,
-                c.show()
-            );
-        }
-        p.note(&format!(
-            "internalTrafficPolicy Local, from {} (node {}): {} answered, no other",
             a.name,
             a.node,
             seen.into_iter().collect::<Vec<_>>().join(", ")
@@ -503,34 +465,6 @@ fn daemonset_ready(c: &E2eCluster, old: Option<&BTreeSet<(String, String)>>) -> 
 }
 
 /// `kubectl <args> -n kube-system` as the admin, in the API server's namespace.
-/// The body `pod` (a web pod, in `default`) gets for an HTTP GET of `addr`: busybox's `wget`
-/// in the pod, through the API's exec. A process of the pod, in its node's cgroup: the Service
-/// translation a pod's own connection meets.
-fn get_in_pod(c: &E2eCluster, pod: &str, addr: &str) -> Option<String> {
-    let ns = c.api.ns.as_ref()?;
-    let kubeconfig = c.api.kubeconfig().display().to_string();
-    let url = format!("http://{addr}/");
-    let out = ns.exec(&[
-        "kubectl",
-        "--kubeconfig",
-        &kubeconfig,
-        "-n",
-        "default",
-        "exec",
-        pod,
-        "--",
-        "wget",
-        "-q",
-        "-O",
-        "-",
-        "-T",
-        "2",
-        &url,
-    ]);
-    let body = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    (out.status.success() && !body.is_empty()).then_some(body)
-}
-
 fn kubectl(c: &E2eCluster, args: &[&str]) -> Result<String> {
     let ns = c.api.ns.as_ref().context("the API server's namespace")?;
     let kubeconfig = c.api.kubeconfig().display().to_string();
@@ -567,8 +501,6 @@ struct Web {
     pods: Vec<WebPod>,
     service: String,
     cluster_ip: String,
-    /// The same pods behind a Service with `internalTrafficPolicy: Local`.
-    local_ip: String,
 }
 
 impl Web {
@@ -594,16 +526,6 @@ impl Web {
         let cluster_ip = svc["spec"]["clusterIP"]
             .as_str()
             .context("the Service's clusterIP")?
-            .to_string();
-        let local = api.apply(json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": format!("{app}-local"), "namespace": "default"},
-            "spec": {"selector": {"app": app}, "ports": [{"port": 80, "targetPort": 8080}],
-                "internalTrafficPolicy": "Local"},
-        }))?;
-        let local_ip = local["spec"]["clusterIP"]
-            .as_str()
-            .context("the Local Service's clusterIP")?
             .to_string();
         let running = wait(
             c,
@@ -648,7 +570,6 @@ impl Web {
             pods,
             service: app,
             cluster_ip,
-            local_ip,
         })
     }
 
@@ -658,12 +579,6 @@ impl Web {
             c.api.delete_in("v1", "Pod", "default", &w.name)?;
         }
         c.api.delete_in("v1", "Service", "default", &self.service)?;
-        c.api.delete_in(
-            "v1",
-            "Service",
-            "default",
-            &format!("{}-local", self.service),
-        )?;
         wait(c, "the web pods gone", Duration::from_secs(60), || {
             let left = c.api.list("v1", "Pod", &format!("app={}", self.service))?;
             Ok(left.is_empty().then_some(()))

@@ -94,13 +94,6 @@ state = "{d}/containerd/state"
 
     pub(super) fn start_kubelet(&mut self, kubeconfig: &Path) -> Result<()> {
         let bin = crate::k8s::k8s_binary("kubelet")?;
-        // The node's own cgroup (every hierarchy), below which its pods' containers go (the
-        // kubelet's `cgroupRoot`), as on a machine of its own: what is attached there (calix's
-        // socket programs) sees this node's pods, not the other nodes' of this machine.
-        for root in super::teardown::cgroup_hierarchies() {
-            let p = root.join(&self.name);
-            std::fs::create_dir_all(&p).map_err(Error::io(format!("create {}", p.display())))?;
-        }
         let d = self.dir.display();
         for sub in ["kubelet", "pod-logs"] {
             let p = self.dir.join(sub);
@@ -112,7 +105,6 @@ kind: KubeletConfiguration
 cgroupDriver: cgroupfs
 failCgroupV1: false
 cgroupsPerQOS: false
-cgroupRoot: /{name}
 enforceNodeAllocatable: []
 failSwapOn: false
 localStorageCapacityIsolation: false
@@ -139,7 +131,6 @@ authorization:
 serializeImagePulls: false
 "#,
             sock = self.sock.display(),
-            name = self.name,
             ip = self.node_ip,
             client_ca = self
                 .client_ca
