@@ -30,6 +30,17 @@ pub struct E2eCluster {
     pub api: KubeApi,
     /// The chart's host paths (each node below them in a directory of its name).
     pub dir: PathBuf,
+    /// Removes `dir` when the cluster is dropped without [`E2eCluster::stop`] (a failed check
+    /// returns early): last, after the nodes' mounts below it are gone.
+    _dir_gone: DirGone,
+}
+
+struct DirGone(PathBuf);
+
+impl Drop for DirGone {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 impl E2eCluster {
@@ -41,6 +52,7 @@ impl E2eCluster {
         p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet; the calix image imported");
         let nodes = Cluster::create(Dataplane::Ebpf, &[1, 2], |_, _| String::new());
         let dir = std::env::temp_dir().join(unique("e2e"));
+        let dir_gone = DirGone(dir.clone());
         let mut kubes = Vec::new();
         let mut kubeconfigs = Vec::new();
         for (i, node) in nodes.nodes.iter().enumerate() {
@@ -88,6 +100,7 @@ impl E2eCluster {
             kubeconfigs,
             nodes,
             api,
+            _dir_gone: dir_gone,
             dir,
         })
     }
@@ -192,6 +205,7 @@ impl E2eCluster {
             nodes,
             api,
             dir,
+            _dir_gone,
         } = self;
         let names: Vec<String> = kubes.iter().map(|k| k.name.clone()).collect();
         let mut left: Vec<String> = kubes.into_iter().flat_map(KubeNode::stop).collect();
