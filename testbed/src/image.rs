@@ -91,6 +91,21 @@ fn tar_entry(
         .map_err(Error::io(format!("tar entry {path}")))
 }
 
+/// `bin/<applet>`, a symlink to busybox, for each of `applets`.
+fn applet_links(layer: &mut tar::Builder<Vec<u8>>, applets: &[&str]) -> Result<()> {
+    for a in applets {
+        let mut h = tar::Header::new_ustar();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_mode(0o777);
+        h.set_size(0);
+        h.set_mtime(0);
+        layer
+            .append_link(&mut h, format!("bin/{a}"), "busybox")
+            .map_err(Error::io(format!("tar symlink bin/{a}")))?;
+    }
+    Ok(())
+}
+
 /// An OCI image layout tarball named `name` (e.g. `localhost/cxt-busybox:test`): one
 /// uncompressed layer with the busybox rootfs, `cmd` its command.
 pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
@@ -106,16 +121,7 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
         0o755,
         &busybox,
     )?;
-    for a in APPLETS {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_mode(0o777);
-        h.set_size(0);
-        h.set_mtime(0);
-        layer
-            .append_link(&mut h, format!("bin/{a}"), "busybox")
-            .map_err(Error::io(format!("tar symlink bin/{a}")))?;
-    }
+    applet_links(&mut layer, &APPLETS)?;
     let layer = layer.into_inner().map_err(Error::io("the layer tar"))?;
     oci_tar(name, &layer, cmd, &["PATH=/bin"])
 }
@@ -166,16 +172,7 @@ fn agnhost_layer(agnhost: &[u8]) -> Result<Vec<u8>> {
     let file = tar::EntryType::Regular;
     tar_entry(&mut layer, "agnhost", file, 0o755, agnhost)?;
     tar_entry(&mut layer, "bin/busybox", file, 0o755, &busybox)?;
-    for a in AGNHOST_APPLETS {
-        let mut h = tar::Header::new_ustar();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_mode(0o777);
-        h.set_size(0);
-        h.set_mtime(0);
-        layer
-            .append_link(&mut h, format!("bin/{a}"), "busybox")
-            .map_err(Error::io(format!("tar symlink bin/{a}")))?;
-    }
+    applet_links(&mut layer, &AGNHOST_APPLETS)?;
     let mut files = std::collections::BTreeMap::new();
     for (host, at) in AGNHOST_HOST_TOOLS {
         files.insert(at.to_string(), host.to_string());
