@@ -19,9 +19,12 @@
 //! Here: where it runs and how clients reach it. `daemons.rs` starts etcd, the API server and
 //! the controllers; `objects.rs` applies, reads and deletes objects; `nodes.rs` makes calix
 //! nodes of it and the Node, Namespace, IPPool and Pod objects they serve; `tokens.rs` makes
-//! ServiceAccounts and their tokens; `binaries.rs` finds the Kubernetes binaries.
+//! ServiceAccounts and their tokens; `binaries.rs` finds the Kubernetes binaries; [`dns`] is
+//! a cluster DNS from the API's Services (no CoreDNS can be had here; not yet wired into the
+//! e2e cluster: the upstream Services suite needs it).
 mod binaries;
 mod daemons;
+pub mod dns;
 mod nodes;
 mod objects;
 mod tokens;
