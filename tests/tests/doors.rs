@@ -556,11 +556,14 @@ fn only_nodes_reach_the_routes_door() {
         "the pods tried\n{}",
         show()
     );
+    // The flood still runs: each of the 64 sources may have one connection between its
+    // handshake and its close when the counters are read. Refused at once, each source
+    // reconnects every ~0.2 s: many rounds each, none held.
+    let sources = strangers.len() as u64 * 8;
     let [connected, closed_at_once, held, ..] = from_stranger.get();
-    assert!(connected >= 64, "{}", show());
-    assert_eq!(
-        (closed_at_once, held),
-        (connected, 0),
+    assert!(connected >= 10 * sources, "{}", show());
+    assert!(
+        connected.saturating_sub(closed_at_once) <= sources && held == 0,
         "the strangers' connections\n{}",
         show()
     );
