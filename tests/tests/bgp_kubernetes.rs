@@ -48,6 +48,14 @@ fn an_agent_peers_with_the_bgp_peers_that_select_its_node() {
     let api = KubeApi::shared();
     let u = unique("b");
     let passwords = std::env::temp_dir().join(unique("bgp-passwords"));
+    /// The passwords' directory, removed when the test ends, passed or not.
+    struct Gone(std::path::PathBuf);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _gone = Gone(passwords.clone());
     let secret = passwords.join("calix-bgp-passwords");
     std::fs::create_dir_all(&secret).expect("secret dir");
     std::fs::write(secret.join("tor"), "s3cret").expect("password");
