@@ -217,21 +217,7 @@ pub fn shared_libraries(binary: &str) -> Result<Vec<String>> {
     if is_static_elf(binary) {
         return Ok(Vec::new());
     }
-    let out = std::process::Command::new("ldd")
-        .arg(binary)
-        .output()
-        .map_err(|source| Error::Spawn {
-            cmd: format!("ldd {binary}"),
-            source,
-        })?;
-    if !out.status.success() {
-        return Err(Error::Failed {
-            cmd: format!("ldd {binary}"),
-            status: out.status,
-            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-        });
-    }
+    let out = crate::process::checked(std::process::Command::new("ldd").arg(binary))?;
     let text = String::from_utf8_lossy(&out.stdout);
     if let Some(line) = text.lines().find(|l| l.contains("not found")) {
         return Err(Error::Missing {

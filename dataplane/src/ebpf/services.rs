@@ -293,9 +293,10 @@ impl ServiceProgrammer {
         addresses: &std::collections::BTreeSet<IpAddr>,
     ) -> Result<(), DataplaneError> {
         let want: std::collections::BTreeSet<SvcNodeKey> = addresses.iter().map(node_key).collect();
-        for k in want.difference(&self.nodes.clone()) {
-            self.maps.set_node(k)?;
-            self.nodes.insert(*k);
+        let new: Vec<SvcNodeKey> = want.difference(&self.nodes).copied().collect();
+        for k in new {
+            self.maps.set_node(&k)?;
+            self.nodes.insert(k);
         }
         let gone: Vec<SvcNodeKey> = self.nodes.difference(&want).copied().collect();
         for k in gone {

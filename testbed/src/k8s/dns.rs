@@ -11,7 +11,6 @@
 //! question, no compression in it); [`DnsServer`] serves UDP in a network namespace.
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -19,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::{Error, Result};
+use crate::{Error, Netns, Result};
 
 /// The records of a cluster: each name (lower case, no trailing dot) and its answers.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -211,32 +210,22 @@ pub struct DnsServer {
 }
 
 impl DnsServer {
-    /// Serves on UDP `addr` (port 0: any) in the network namespace at `netns` (`None`: this
+    /// Serves on UDP `addr` (port 0: any) in the network namespace `netns` (`None`: this
     /// one) what `records` returns, asked again when what it gave is older than half a second
     /// (`None` keeps the last).
     pub fn start(
-        netns: Option<&Path>,
+        netns: Option<&Netns>,
         addr: SocketAddr,
         records: impl Fn() -> Option<Records> + Send + 'static,
     ) -> Result<Self> {
-        let netns: Option<PathBuf> = netns.map(Path::to_path_buf);
         let (tx, rx) = std::sync::mpsc::channel();
         let stop = Arc::new(AtomicBool::new(false));
         let done = stop.clone();
-        let thread = std::thread::spawn(move || {
-            let bound = (|| -> std::io::Result<UdpSocket> {
-                if let Some(p) = &netns {
-                    use std::os::fd::AsRawFd;
-                    let f = std::fs::File::open(p)?;
-                    // SAFETY: setns(2) of this thread only, on a namespace fd we hold.
-                    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                let s = UdpSocket::bind(addr)?;
+        let serve = move || {
+            let bound = UdpSocket::bind(addr).and_then(|s| {
                 s.set_read_timeout(Some(Duration::from_millis(200)))?;
                 Ok(s)
-            })();
+            });
             let sock = match bound {
                 Ok(s) => {
                     let _ = tx.send(s.local_addr());
@@ -264,7 +253,11 @@ impl DnsServer {
                     let _ = sock.send_to(&out, from);
                 }
             }
-        });
+        };
+        let thread = match netns {
+            Some(ns) => ns.spawn(None, serve)?,
+            None => std::thread::spawn(serve),
+        };
         let addr = rx
             .recv()
             .map_err(|_| Error::Panicked {
