@@ -172,7 +172,7 @@ pub fn run(
         Mode::Kernel => "kube-proxy",
     };
     p.step(&format!(
-        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers"
+        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers; by name too"
     ));
     for from in [0, 1] {
         let a = &web.pods[from];
@@ -198,6 +198,29 @@ pub fn run(
             seen.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
+    // By name, as the upstream Services suite dials it: the pod's resolv.conf (the kubelet's
+    // clusterDNS and search path) and the test bed's cluster DNS.
+    let a = &web.pods[1];
+    let by_name = wait(
+        c,
+        &format!(
+            "{} gets a page from http://{}/ by name",
+            a.name, web.service
+        ),
+        Duration::from_secs(30),
+        || {
+            let url = format!("http://{}/", web.service);
+            let args = [
+                "exec", "-n", "default", &a.name, "--", "wget", "-q", "-T", "2", "-O", "-", &url,
+            ];
+            let body = kubectl(c, &args)?.trim().to_string();
+            Ok(web.pods.iter().any(|w| w.name == body).then_some(body))
+        },
+    )?;
+    p.note(&format!(
+        "from {} (node {}): http://{}/ (cluster DNS) answered by {by_name}",
+        a.name, a.node, web.service
+    ));
 
     p.step(&format!(
         "[{m}] hostPort {HOST_PORT} on each node, from the underlay's router"

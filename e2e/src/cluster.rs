@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use calix_testbed::{unique, Cluster, CniDirs, Dataplane, KubeApi, KubeNode};
+use calix_testbed::k8s::dns::DnsServer;
+use calix_testbed::{unique, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, KubeletServes};
 use serde_json::{json, Value};
 
 use crate::node_state::NodePaths;
@@ -27,6 +28,9 @@ pub struct E2eCluster {
     /// Each node's kubeconfig (kube-proxy's).
     kubeconfigs: Vec<PathBuf>,
     pub nodes: Cluster,
+    /// The cluster DNS (`cluster.local`, in the API server's namespace): the upstream
+    /// Services suite dials Services by name.
+    dns: DnsServer,
     pub api: KubeApi,
     /// The chart's host paths (each node below them in a directory of its name).
     pub dir: PathBuf,
@@ -45,10 +49,11 @@ impl Drop for DirGone {
 
 impl E2eCluster {
     pub fn start(p: &mut Progress, image: &Path) -> Result<Self> {
-        p.step("control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (v1.36.2)");
+        p.step("control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (v1.36.2), cluster DNS");
         let api = KubeApi::in_namespace();
         api.start_controllers()?;
         api.serve_in_cluster()?;
+        let dns = api.cluster_dns()?;
         p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet; the calix image imported");
         let nodes = Cluster::create(Dataplane::Ebpf, &[1, 2], |_, _| String::new());
         let dir = std::env::temp_dir().join(unique("e2e"));
@@ -80,7 +85,10 @@ impl E2eCluster {
                 &kubeconfig,
                 &nodes.address(i),
                 &cni,
-                Some(&api.kubelet_client_ca()),
+                KubeletServes {
+                    client_ca: Some(&api.kubelet_client_ca()),
+                    cluster_dns: Some(dns.addr.ip()),
+                },
             )?;
             // Exec through the API (kubectl exec, the upstream suites' probes): the API
             // server dials this kubelet at its InternalIP.
@@ -99,6 +107,7 @@ impl E2eCluster {
             kubes,
             kubeconfigs,
             nodes,
+            dns,
             api,
             _dir_gone: dir_gone,
             dir,
@@ -203,6 +212,7 @@ impl E2eCluster {
             kubes,
             kubeconfigs: _,
             nodes,
+            dns,
             api,
             dir,
             _dir_gone,
@@ -210,6 +220,7 @@ impl E2eCluster {
         let names: Vec<String> = kubes.iter().map(|k| k.name.clone()).collect();
         let mut left: Vec<String> = kubes.into_iter().flat_map(KubeNode::stop).collect();
         drop(nodes);
+        drop(dns);
         drop(api);
         for name in names {
             let pins = Path::new("/sys/fs/bpf/calix").join(&name);

@@ -99,6 +99,9 @@ pub struct Case {
     pub name: String,
     pub status: String,
     pub secs: f64,
+    /// Why it was skipped (ginkgo's `<skipped message>`, past its `skipped - `), when the
+    /// spec said (e.g. a provider it needs): shown in the report.
+    pub why: Option<String>,
 }
 
 /// One mode's run of a suite.
@@ -252,6 +255,20 @@ pub fn parse_junit(xml: &str) -> Vec<Case> {
             rest.find("</testcase>").unwrap_or(rest.len())
         };
         let body = &rest[tag_end..body_end];
+        let skipped = body.find("<skipped").and_then(|at| {
+            attr(
+                &body[at..body[at..].find('>').map_or(body.len(), |e| at + e)],
+                "message",
+            )
+        });
+        let why = skipped.as_deref().and_then(|m| {
+            let m = m.strip_prefix("skipped").unwrap_or(m);
+            let m = m.trim_start_matches([' ', '-', ':']).trim();
+            (!m.is_empty()).then(|| m.to_string())
+        });
+        let interrupted = why
+            .as_deref()
+            .is_some_and(|m| m.to_ascii_lowercase().contains("interrupt"));
         let status = attr(tag, "status").unwrap_or_else(|| {
             if body.contains("<failure") || body.contains("<error") {
                 "failed".into()
@@ -265,8 +282,11 @@ pub fn parse_junit(xml: &str) -> Vec<Case> {
             name: attr(tag, "name").unwrap_or_default(),
             status: match status.as_str() {
                 "panicked" | "interrupted" | "timedout" | "aborted" => "failed".into(),
+                // Never started: the run was interrupted before it.
+                "skipped" if interrupted => "not run".into(),
                 s => s.to_string(),
             },
+            why,
             secs: attr(tag, "time")
                 .and_then(|t| t.parse().ok())
                 .unwrap_or(0.0),
@@ -324,20 +344,24 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
         s.push_str(&format!("- `{re}`: {why}.\n"));
     }
     s.push_str(&format!("\ncalix {commit}.\n\n"));
-    s.push_str("| dataplane | passed | failed | skipped | suite time |\n|---|---|---|---|---|\n");
+    s.push_str(
+        "| dataplane | passed | failed | skipped | not run (interrupted) | suite time |\n\
+         |---|---|---|---|---|---|\n",
+    );
     for o in outcomes {
         s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.0} s |\n",
+            "| {} | {} | {} | {} | {} | {:.0} s |\n",
             o.mode.value(),
             o.count("passed"),
             o.count("failed"),
             o.count("skipped"),
+            o.count("not run"),
             o.took.as_secs_f64()
         ));
     }
     for m in [Mode::Ebpf, Mode::Kernel] {
         if !modes_run.contains(&m) {
-            s.push_str(&format!("| {} | not run | | | |\n", m.value()));
+            s.push_str(&format!("| {} | not run | | | | |\n", m.value()));
         }
     }
     for o in outcomes {
@@ -348,10 +372,14 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
         let mut cases: Vec<&Case> = o.cases.iter().collect();
         cases.sort_by(|a, b| short(suite, &a.name).cmp(short(suite, &b.name)));
         for c in cases {
+            let result = match (&c.why, c.status.as_str()) {
+                (Some(why), "skipped") => format!("skipped: {why}"),
+                _ => c.status.clone(),
+            };
             s.push_str(&format!(
                 "| {} | {} | {:.1} s |\n",
                 short(suite, &c.name).replace('|', "\\|"),
-                c.status,
+                result.replace('|', "\\|").replace('\n', " "),
                 c.secs
             ));
         }
@@ -372,10 +400,12 @@ mod tests {
     <testcase name="[It] [sig-network] Netpol NetworkPolicy between server and client should enforce except clause while egress access to server in CIDR block [Feature:NetworkPolicy]" classname="Kubernetes e2e suite" status="failed" time="39.1"><failure message="x" type="failed">boom &lt;here&gt;</failure></testcase>
     <testcase name="[It] [sig-network] Netpol [Feature:SCTPConnectivity] should support SCTP" classname="Kubernetes e2e suite" time="0"><skipped message="skipped"></skipped></testcase>
     <testcase name="[SynchronizedBeforeSuite]" classname="Kubernetes e2e suite" status="passed" time="0.5"/>
+    <testcase name="[It] [sig-network] Netpol needs a cloud" classname="Kubernetes e2e suite" status="skipped" time="0.1"><skipped message="skipped - Only supported for providers [gce gke] (not skeleton)"></skipped></testcase>
+    <testcase name="[It] [sig-network] Netpol came after the interrupt" classname="Kubernetes e2e suite" status="skipped" time="0"><skipped message="skipped - Spec skipped because an interrupt was received"></skipped></testcase>
   </testsuite>
 </testsuites>"#;
         let cases = parse_junit(xml);
-        assert_eq!(cases.len(), 4);
+        assert_eq!(cases.len(), 6);
         assert_eq!(cases[0].status, "passed");
         assert!(
             cases[0].name.contains("'default-deny-ingress'"),
@@ -386,6 +416,12 @@ mod tests {
         assert_eq!((cases[1].status.as_str(), cases[1].secs), ("failed", 39.1));
         assert_eq!(cases[2].status, "skipped");
         assert_eq!(cases[3].name, "[SynchronizedBeforeSuite]");
+        assert_eq!(cases[4].status, "skipped");
+        assert_eq!(
+            cases[4].why.as_deref(),
+            Some("Only supported for providers [gce gke] (not skeleton)")
+        );
+        assert_eq!(cases[5].status, "not run");
         let outcome = Outcome {
             mode: Mode::Ebpf,
             suite: Suite::Netpol,
@@ -397,7 +433,15 @@ mod tests {
         };
         assert_eq!(outcome.failed().len(), 1);
         let md = markdown(&[outcome], &[Mode::Ebpf], "abc1234");
-        assert!(md.contains("| ebpf | 1 | 1 | 1 | 100 s |"), "{md}");
+        assert!(md.contains("| ebpf | 1 | 1 | 2 | 1 | 100 s |"), "{md}");
+        assert!(
+            md.contains("| needs a cloud | skipped: Only supported for providers [gce gke] (not skeleton) | 0.1 s |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| came after the interrupt | not run | 0.0 s |"),
+            "{md}"
+        );
         assert!(
             md.contains("- `\\[Feature:SCTPConnectivity\\]`: this kernel has no SCTP"),
             "{md}"

@@ -46,7 +46,7 @@ pub use conflist::ConfList;
 pub use error::{Error, Result};
 pub use etcd::EtcdNs;
 pub use k8s::KubeApi;
-pub use kubelet::{CniDirs, KubeNode};
+pub use kubelet::{CniDirs, KubeNode, KubeletServes};
 pub use netns::{uplink, veth, Capture, Netns};
 pub use node::{Node, NODE_IP};
 pub use pod::Pod;

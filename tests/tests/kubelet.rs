@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use calix_testbed::kubelet::{http_get, web_pod, BUSYBOX_IMAGE};
 use calix_testbed::pod_net::{in_pod, Flow};
 use calix_testbed::tls::Ca;
-use calix_testbed::{bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, Node};
+use calix_testbed::{
+    bin, unique, wait_for, Cluster, CniDirs, Dataplane, KubeApi, KubeNode, KubeletServes, Node,
+};
 use serde_json::{json, Value};
 
 /// The address of `ifname` in `node` (the one the API server's veth gave it).
@@ -115,7 +117,7 @@ fn a_pod_the_kubelet_starts_gets_its_calix_address_and_its_deletion_releases_eve
         &kubeconfig,
         &node_ip,
         &cni,
-        None,
+        KubeletServes::default(),
     )
     .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("kubelet registered after {:?}", started.elapsed());
@@ -266,7 +268,7 @@ fn pods_on_two_kubelet_nodes_reach_each_other_and_a_cluster_ip_service_and_are_r
                 &kubeconfigs[i],
                 &cluster.address(i),
                 &cni,
-                None,
+                KubeletServes::default(),
             )
             .unwrap_or_else(|e| panic!("{e}"));
             kube.start_kube_proxy(&kubeconfigs[i])

@@ -281,6 +281,76 @@ impl Drop for DnsServer {
     }
 }
 
+/// The cluster domain the test bed's kubelets are given ([`crate::KubeNode::start`]).
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+
+impl crate::KubeApi {
+    /// The cluster's DNS, on UDP port 53 of the address the API server advertises, in its
+    /// namespace ([`crate::KubeApi::in_namespace`]: reached from the nodes it is wired to and
+    /// from their pods): [`CLUSTER_DOMAIN`] answered from the Services and EndpointSlices of
+    /// every namespace, listed again at most twice a second while asked.
+    pub fn cluster_dns(&self) -> Result<DnsServer> {
+        let (Some(ns), Some((host, _))) = (self.ns.as_ref(), self.advertised()) else {
+            return Err(Error::Kube {
+                what: "the cluster DNS".into(),
+                detail: "needs an API server in a namespace of its own".into(),
+            });
+        };
+        let addr = SocketAddr::new(
+            host.parse().map_err(|_| Error::Kube {
+                what: "the cluster DNS".into(),
+                detail: format!("advertised address {host}"),
+            })?,
+            53,
+        );
+        let kubeconfig = self.kubeconfig();
+        // Built on first use, in the server's thread (inside the namespace).
+        let lister: std::sync::OnceLock<Option<(tokio::runtime::Runtime, kube::Client)>> =
+            std::sync::OnceLock::new();
+        DnsServer::start(Some(ns), addr, move || {
+            let (rt, client) = lister
+                .get_or_init(|| {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .ok()?;
+                    let client = rt.block_on(super::client(&kubeconfig)).ok()?;
+                    Some((rt, client))
+                })
+                .as_ref()?;
+            rt.block_on(list_records(client.clone()))
+        })
+    }
+}
+
+/// The records of every Service and EndpointSlice in the cluster; `None` if the API does not
+/// answer.
+async fn list_records(client: kube::Client) -> Option<Records> {
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let lp = kube::api::ListParams::default();
+    let services = kube::Api::<Service>::all(client.clone())
+        .list(&lp)
+        .await
+        .ok()?;
+    let slices = kube::Api::<EndpointSlice>::all(client)
+        .list(&lp)
+        .await
+        .ok()?;
+    Some(Records::from_api(
+        CLUSTER_DOMAIN,
+        &values(services.items),
+        &values(slices.items),
+    ))
+}
+
+fn values<T: serde::Serialize>(items: Vec<T>) -> Vec<Value> {
+    items
+        .into_iter()
+        .filter_map(|o| serde_json::to_value(o).ok())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

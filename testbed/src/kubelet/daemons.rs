@@ -113,7 +113,7 @@ imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 containerRuntimeEndpoint: unix://{sock}
 resolvConf: ""
-podLogsDir: {d}/pod-logs
+{dns}podLogsDir: {d}/pod-logs
 staticPodPath: ""
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
@@ -131,6 +131,13 @@ authorization:
 serializeImagePulls: false
 "#,
             sock = self.sock.display(),
+            dns = self
+                .cluster_dns
+                .map(|a| format!(
+                    "clusterDNS: [\"{a}\"]\nclusterDomain: {}\n",
+                    crate::k8s::dns::CLUSTER_DOMAIN
+                ))
+                .unwrap_or_default(),
             ip = self.node_ip,
             client_ca = self
                 .client_ca

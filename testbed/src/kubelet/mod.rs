@@ -150,23 +150,36 @@ pub struct KubeNode {
     /// The CA of the clients the kubelet serves (exec, logs, port-forward): the API server's
     /// ([`crate::KubeApi::kubelet_client_ca`]); `None`: it serves no one.
     client_ca: Option<PathBuf>,
+    /// The cluster DNS its pods are given (`clusterDNS`, with `clusterDomain`
+    /// [`crate::k8s::dns::CLUSTER_DOMAIN`]); `None`: none.
+    cluster_dns: Option<std::net::IpAddr>,
     /// Whether [`KubeNode::stop`] (or drop) has run.
     torn_down: bool,
+}
+
+/// What a kubelet serves beyond running pods ([`KubeNode::start`]).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct KubeletServes<'a> {
+    /// The CA of the clients it serves (exec, logs, port-forward): the API server's,
+    /// [`crate::KubeApi::kubelet_client_ca`], for exec through the API; `None`: it serves no
+    /// one.
+    pub client_ca: Option<&'a Path>,
+    /// The cluster DNS its pods' resolv.conf names ([`crate::KubeApi::cluster_dns`]).
+    pub cluster_dns: Option<std::net::IpAddr>,
 }
 
 impl KubeNode {
     /// containerd and the kubelet in `ns` (node name `ns.name`, InternalIP `node_ip`, an
     /// address of `ns`), the kubelet talking to the API server by `kubeconfig`; files in
     /// `<dir>`. Returns once the kubelet has registered its Node (not yet Ready: that needs
-    /// the CNI config in `cni.conf`). `client_ca`: the CA of the clients it serves (the API
-    /// server's, [`crate::KubeApi::kubelet_client_ca`], for exec through the API).
+    /// the CNI config in `cni.conf`). `serves`: its clients' CA and the cluster DNS.
     pub fn start(
         ns: &Netns,
         dir: &Path,
         kubeconfig: &Path,
         node_ip: &str,
         cni: &CniDirs,
-        client_ca: Option<&Path>,
+        serves: KubeletServes,
     ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(Error::io(format!("create {}", dir.display())))?;
         let mut node = Self {
@@ -178,7 +191,8 @@ impl KubeNode {
             containerd: None,
             kubelet: None,
             proxy: None,
-            client_ca: client_ca.map(Path::to_path_buf),
+            client_ca: serves.client_ca.map(Path::to_path_buf),
+            cluster_dns: serves.cluster_dns,
             torn_down: false,
         };
         host_hold();
