@@ -5,6 +5,7 @@ pub mod config;
 pub mod distribution;
 pub mod endpoints;
 pub mod error;
+pub mod health_ports;
 pub mod instance;
 pub mod ipam;
 pub mod kubernetes;

@@ -336,6 +336,12 @@ async fn run() -> Result<()> {
         http.set_services(service.clone());
         let (changed, follow) = tokio::sync::watch::channel(0u64);
         if cfg.services.translate {
+            // kube-proxy's health check node ports, since it is not there to serve them.
+            tokio::spawn(calix_agent::health_ports::serve(
+                service.clone(),
+                follow.clone(),
+                calix_agent::health_ports::bind_all,
+            ));
             let node_addresses = rules.node_addresses.clone();
             let driver = services_driver.clone();
             let pods = node.clone();

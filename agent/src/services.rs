@@ -235,6 +235,31 @@ impl ServicesService {
         )
     }
 
+    /// The ports of the Services with a health check node port (LoadBalancer, `Local`).
+    pub fn health_ports(&self) -> BTreeSet<u16> {
+        self.lock()
+            .state
+            .health_checks()
+            .into_iter()
+            .map(|c| c.port)
+            .collect()
+    }
+
+    /// What health check node port `port` answers now (status, JSON body, this node's ready
+    /// endpoints), kube-proxy's contract (`calix_core::services::health`); `None`: no Service
+    /// has it. Healthy: the first listings are in and the last programming worked.
+    pub fn health_answer(&self, port: u16) -> Option<(u16, String, usize)> {
+        let inner = self.lock();
+        let check = inner
+            .state
+            .health_checks()
+            .into_iter()
+            .find(|c| c.port == port)?;
+        let healthy = inner.ready && inner.program_error.is_none();
+        let (status, body) = calix_core::services::health::answer(&check, healthy);
+        Some((status, body, check.local_endpoints))
+    }
+
     /// The first listings are in.
     pub fn set_ready(&self) {
         self.lock().ready = true;
@@ -437,6 +462,7 @@ mod tests {
             external_policy: TrafficPolicy::Cluster,
             internal_policy: TrafficPolicy::Cluster,
             distribution: Distribution::Any,
+            health_check_node_port: None,
         }
     }
 

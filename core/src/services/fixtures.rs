@@ -28,6 +28,7 @@ pub fn service(name: &str, ports: &[(&str, u16)]) -> Service {
         external_policy: TrafficPolicy::Cluster,
         internal_policy: TrafficPolicy::Cluster,
         distribution: Distribution::Any,
+        health_check_node_port: None,
     }
 }
 

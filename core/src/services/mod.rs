@@ -7,11 +7,13 @@
 //! - [`admit`]: its frontends, and the addresses it may not capture (CVE-2020-8554);
 //! - [`choose`]: which backends a frontend sends to, for traffic from inside or outside;
 //! - [`maglev`]: the consistent lookup table for traffic that may reach any node;
+//! - [`health`]: what a health check node port answers (LoadBalancer, `Local` policy);
 //! - [`state`]: every Service and slice, kept one change at a time, within the dataplane's room.
 pub mod admit;
 pub mod choose;
 #[cfg(test)]
 pub(crate) mod fixtures;
+pub mod health;
 pub mod maglev;
 pub mod model;
 pub mod slices;

@@ -69,6 +69,11 @@ pub struct Service {
     pub external_policy: TrafficPolicy,
     pub internal_policy: TrafficPolicy,
     pub distribution: Distribution,
+    /// `spec.healthCheckNodePort` (a LoadBalancer with `externalTrafficPolicy: Local`): the
+    /// port on every node where the proxy says whether it has local endpoints
+    /// ([`crate::services::health`]).
+    #[serde(default)]
+    pub health_check_node_port: Option<u16>,
 }
 
 impl Service {

@@ -8,7 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::admit::Admission;
 use super::choose::{Choice, Here};
+use super::health::{local_endpoints, HealthCheck};
 use super::model::{EndpointSlice, Service, ServiceKey};
+use super::slices::backends;
 use super::{plan, ServicePlan};
 
 /// A change of the cluster's Services.
@@ -137,17 +139,37 @@ impl State {
         self.replan(BTreeSet::new())
     }
 
-    /// Service `k`'s plan from what is known now; `None` when it is gone.
-    fn compute(&self, k: &ServiceKey) -> Option<ServicePlan> {
-        let svc = self.services.get(k)?;
-        let slices: Vec<EndpointSlice> = self
-            .by_service
+    /// Service `k`'s slices.
+    fn slices_of(&self, k: &ServiceKey) -> Vec<EndpointSlice> {
+        self.by_service
             .get(k)
             .into_iter()
             .flatten()
             .filter_map(|name| self.slices.get(name).cloned())
-            .collect();
-        Some(plan(svc, &slices, &self.rules, &self.here))
+            .collect()
+    }
+
+    /// Service `k`'s plan from what is known now; `None` when it is gone.
+    fn compute(&self, k: &ServiceKey) -> Option<ServicePlan> {
+        let svc = self.services.get(k)?;
+        Some(plan(svc, &self.slices_of(k), &self.rules, &self.here))
+    }
+
+    /// Every Service with a health check node port, and this node's ready endpoints of it
+    /// (whether or not it fits the dataplane's room: the count is the slices').
+    pub fn health_checks(&self) -> Vec<HealthCheck> {
+        self.services
+            .values()
+            .filter_map(|svc| {
+                let port = svc.health_check_node_port?;
+                let (backends, _) = backends(svc, &self.slices_of(&svc.key));
+                Some(HealthCheck {
+                    service: svc.key.clone(),
+                    port,
+                    local_endpoints: local_endpoints(&backends, &self.here),
+                })
+            })
+            .collect()
     }
 
     fn fits(&self, need: (usize, usize), freed: (usize, usize)) -> bool {

@@ -136,6 +136,8 @@ pub fn service(s: &KubeService) -> (Option<Service>, Vec<String>) {
             Some("PreferClose" | "PreferSameZone" | "PreferSameNode") => Distribution::PreferClose,
             _ => Distribution::Any,
         },
+        // The API gives one to a LoadBalancer with a Local policy only.
+        health_check_node_port: spec.health_check_node_port.and_then(port),
     };
     (Some(svc), problems)
 }
