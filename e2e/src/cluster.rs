@@ -183,8 +183,11 @@ impl E2eCluster {
             "probes": {"readiness": {"periodSeconds": 1, "timeoutSeconds": 5, "failureThreshold": 3}},
             "terminationGracePeriodSeconds": 10,
             "test": {"timeoutSeconds": 90},
+            // The external and LoadBalancer addresses the upstream Services suite gives
+            // (TEST-NET-3), allowed as an operator allows theirs.
             "kubeProxyReplacement": {"enabled": mode == Mode::Ebpf, "cgroup": cgroup,
-                "apiServer": {"host": host, "port": port}},
+                "apiServer": {"host": host, "port": port},
+                "externalCidrs": ["203.0.113.0/24"]},
         })
     }
 
