@@ -172,7 +172,7 @@ pub fn run(
         Mode::Kernel => "kube-proxy",
     };
     p.step(&format!(
-        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers; by name too"
+        "[{m}] the ClusterIP Service ({proxy}) from a pod on each node, from calix's natOutgoing pool: every backend answers, by name too; with internalTrafficPolicy Local, only the client's node's"
     ));
     for from in [0, 1] {
         let a = &web.pods[from];
@@ -185,7 +185,7 @@ pub fn run(
             ),
             Duration::from_secs(60),
             || {
-                if let Some(b) = http_get(&a.netns, &web.cluster_ip) {
+                if let Some(b) = get_in_pod(c, &a.name, &web.cluster_ip) {
                     seen.insert(b);
                 }
                 Ok((seen.len() == web.pods.len()).then_some(()))
@@ -193,6 +193,44 @@ pub fn run(
         )?;
         p.note(&format!(
             "from {} (node {}): {} answered",
+            a.name,
+            a.node,
+            seen.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+        let local: BTreeSet<String> = web
+            .pods
+            .iter()
+            .filter(|w| w.node == a.node)
+            .map(|w| w.name.clone())
+            .collect();
+        let (mut seen, mut other) = (BTreeSet::new(), None);
+        wait(
+            c,
+            &format!(
+                "{} reaches its node's backends {local:?} through {}:80, internalTrafficPolicy Local (seen {seen:?})",
+                a.name, web.local_ip
+            ),
+            Duration::from_secs(60),
+            || {
+                match get_in_pod(c, &a.name, &web.local_ip) {
+                    Some(b) if !local.contains(&b) => other = Some(b),
+                    Some(b) => {
+                        seen.insert(b);
+                    }
+                    None => {}
+                }
+                Ok((seen == local || other.is_some()).then_some(()))
+            },
+        )?;
+        if let Some(b) = other {
+            bail!(
+                "{b}, on another node, answered {} through the internalTrafficPolicy Local Service\n{}",
+                a.name,
+                c.show()
+            );
+        }
+        p.note(&format!(
+            "internalTrafficPolicy Local, from {} (node {}): {} answered, no other",
             a.name,
             a.node,
             seen.into_iter().collect::<Vec<_>>().join(", ")
@@ -208,7 +246,9 @@ pub fn run(
         &format!("{} resolves {fqdn} to {}", a.name, web.cluster_ip),
         Duration::from_secs(30),
         || {
-            let args = ["exec", "-n", "default", &a.name, "--", "nslookup", &fqdn];
+            let args = [
+                "exec", "-n", "default", &a.name, "--", "busybox", "nslookup", &fqdn,
+            ];
             let out = kubectl(c, &args)?;
             Ok(out
                 .lines()
@@ -486,6 +526,18 @@ fn daemonset_ready(c: &E2eCluster, old: Option<&BTreeSet<(String, String)>>) -> 
     )
 }
 
+/// The body `pod` (a web pod, in `default`) gets for an HTTP GET of `addr` (port 80): busybox's
+/// `nc` in the pod, through the API's exec (its static `wget` segfaults in glibc's address
+/// lookup). A process of the pod, in its node's cgroup: the Service translation a pod's own
+/// connection meets.
+fn get_in_pod(c: &E2eCluster, pod: &str, addr: &str) -> Option<String> {
+    let get = format!("printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 2 {addr} 80");
+    let out = kubectl(c, &["exec", "-n", "default", pod, "--", "sh", "-c", &get]).ok()?;
+    let (_, body) = out.split_once("\r\n\r\n")?;
+    let body = body.trim();
+    (!body.is_empty()).then(|| body.to_string())
+}
+
 /// `kubectl <args> -n kube-system` as the admin, in the API server's namespace.
 fn kubectl(c: &E2eCluster, args: &[&str]) -> Result<String> {
     let ns = c.api.ns.as_ref().context("the API server's namespace")?;
@@ -523,6 +575,8 @@ struct Web {
     pods: Vec<WebPod>,
     service: String,
     cluster_ip: String,
+    /// The same pods behind a Service with `internalTrafficPolicy: Local`.
+    local_ip: String,
 }
 
 impl Web {
@@ -548,6 +602,16 @@ impl Web {
         let cluster_ip = svc["spec"]["clusterIP"]
             .as_str()
             .context("the Service's clusterIP")?
+            .to_string();
+        let local = api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": format!("{app}-local"), "namespace": "default"},
+            "spec": {"selector": {"app": app}, "ports": [{"port": 80, "targetPort": 8080}],
+                "internalTrafficPolicy": "Local"},
+        }))?;
+        let local_ip = local["spec"]["clusterIP"]
+            .as_str()
+            .context("the Local Service's clusterIP")?
             .to_string();
         let running = wait(
             c,
@@ -592,6 +656,7 @@ impl Web {
             pods,
             service: app,
             cluster_ip,
+            local_ip,
         })
     }
 
@@ -601,6 +666,12 @@ impl Web {
             c.api.delete_in("v1", "Pod", "default", &w.name)?;
         }
         c.api.delete_in("v1", "Service", "default", &self.service)?;
+        c.api.delete_in(
+            "v1",
+            "Service",
+            "default",
+            &format!("{}-local", self.service),
+        )?;
         wait(c, "the web pods gone", Duration::from_secs(60), || {
             let left = c.api.list("v1", "Pod", &format!("app={}", self.service))?;
             Ok(left.is_empty().then_some(()))

@@ -94,6 +94,14 @@ state = "{d}/containerd/state"
 
     pub(super) fn start_kubelet(&mut self, kubeconfig: &Path) -> Result<()> {
         let bin = crate::k8s::k8s_binary("kubelet")?;
+        // The node's own cgroup (every hierarchy), below which its pods go (the kubelet's
+        // `cgroupRoot`, with QoS cgroups: the containers' parent is the pod's cgroup there), as
+        // on a machine of its own: what is attached there (calix's socket programs) sees this
+        // node's pods, not another node's of this machine.
+        for root in super::teardown::cgroup_hierarchies() {
+            let p = root.join(&self.name);
+            std::fs::create_dir_all(&p).map_err(Error::io(format!("create {}", p.display())))?;
+        }
         let d = self.dir.display();
         for sub in ["kubelet", "pod-logs"] {
             let p = self.dir.join(sub);
@@ -104,7 +112,8 @@ state = "{d}/containerd/state"
 kind: KubeletConfiguration
 cgroupDriver: cgroupfs
 failCgroupV1: false
-cgroupsPerQOS: false
+cgroupsPerQOS: true
+cgroupRoot: /{name}
 enforceNodeAllocatable: []
 failSwapOn: false
 localStorageCapacityIsolation: false
@@ -131,6 +140,7 @@ authorization:
 serializeImagePulls: false
 "#,
             sock = self.sock.display(),
+            name = self.name,
             dns = self
                 .cluster_dns
                 .map(|a| format!(

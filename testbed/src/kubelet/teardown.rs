@@ -136,6 +136,9 @@ impl KubeNode {
         for m in mounts_under(&self.dir) {
             let _ = Command::new("umount").args(["-l", &m]).status();
         }
+        // The containers' cgroups, then the node's own (the kubelet's `cgroupRoot`: its QoS
+        // and pod cgroups below it).
+        cgroups.push(format!("/{}", self.name));
         for c in &cgroups {
             remove_cgroup(c);
         }
@@ -244,6 +247,15 @@ fn cgroup_roots() -> Vec<PathBuf> {
         );
     }
     roots
+}
+
+/// The mounted cgroup hierarchies themselves (v2's root, each v1 controller's; not the tmpfs
+/// they are mounted on in a hybrid layout).
+pub(super) fn cgroup_hierarchies() -> Vec<PathBuf> {
+    cgroup_roots()
+        .into_iter()
+        .filter(|r| r.join("cgroup.procs").exists())
+        .collect()
 }
 
 /// The directories of cgroup `path` in every hierarchy.
