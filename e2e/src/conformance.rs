@@ -330,7 +330,8 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
         "# Conformance: {}\n\n\
          Written by `cargo xtask e2e --conformance {}` (the e2e cluster: kube-apiserver, two kubelet\n\
          nodes with containerd, calix installed from its chart; kube-proxy in iptables mode in kernel\n\
-         mode, none in eBPF mode: calix replaces it), with\n\
+         mode, none in eBPF mode: calix replaces it; the test bed's cluster DNS for `cluster.local`;\n\
+         each node's pods in a cgroup of its own, where its agent's socket programs attach), with\n\
          Kubernetes' own test binary `e2e-network.test` v1.36.2 from `../shared/k8s`, run from the API\n\
          server's namespace:\n\n\
          `--ginkgo.focus '{}' --ginkgo.skip '{}'`\n\n\
