@@ -128,18 +128,20 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
 
 /// Busybox's applets in the upstream suites' `agnhost` image: what their shell commands call
 /// besides `nc` and `curl` (`for i in $(seq 1 N); do …; done`, `hostname`, `sleep`).
-const AGNHOST_APPLETS: [&str; 21] = [
-    "seq", "sleep", "cat", "echo", "hostname", "wget", "ip", "true", "false", "timeout", "grep",
-    "ls", "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
+const AGNHOST_APPLETS: [&str; 20] = [
+    "seq", "sleep", "cat", "echo", "hostname", "ip", "true", "false", "timeout", "grep", "ls",
+    "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
 ];
 
 /// The host tools the upstream suites' commands run with options busybox lacks, and where
-/// they go in the image: OpenBSD's `nc` (`nc -v -t -w 2 host port`) and `curl`; and dash as
-/// `/bin/sh`, since busybox's shell runs its own applets before any in `PATH` (its `nc` would
-/// answer the suite's `nc -v`).
-const AGNHOST_HOST_TOOLS: [(&str, &str); 3] = [
+/// they go in the image: OpenBSD's `nc` (`nc -v -t -w 2 host port`), `curl` and GNU `wget`
+/// (Debian's static busybox `wget` segfaults in glibc's lookups: every `wget -q -O - -T 1`
+/// of the suites' "service up" checks failed); and dash as `/bin/sh`, since busybox's shell
+/// runs its own applets before any in `PATH` (its `nc` would answer the suite's `nc -v`).
+const AGNHOST_HOST_TOOLS: [(&str, &str); 4] = [
     ("/usr/bin/nc.openbsd", "usr/bin/nc"),
     ("/usr/bin/curl", "usr/bin/curl"),
+    ("/usr/bin/wget", "usr/bin/wget"),
     ("/usr/bin/dash", "bin/sh"),
 ];
 
@@ -332,7 +334,7 @@ mod tests {
     use super::*;
 
     /// The suites' commands run in the image's root as they do in a pod: dash, OpenBSD's `nc`
-    /// with its options (not busybox's), busybox's `seq`, `curl` (root: chroot).
+    /// with its options (not busybox's), busybox's `seq`, `curl`, GNU `wget` (root: chroot).
     #[test]
     fn the_agnhost_image_runs_the_suites_shell_commands() {
         struct Gone(PathBuf);
@@ -354,6 +356,7 @@ mod tests {
                 "echo hostName | nc -v -t -w 1 127.0.0.1 9 2>&1; \
                  for i in $(seq 1 3); do printf $i; done; echo; \
                  curl -q -s --connect-timeout 1 http://127.0.0.1:9/ || echo curl $?; \
+                 wget -q -O - -T 1 http://127.0.0.1:9/ 2>&1 || echo wget $?; \
                  /agnhost pause",
             )
             .env_clear()
@@ -371,6 +374,10 @@ mod tests {
         assert!(
             stdout.contains("curl 7"),
             "curl's exit code 7, no connection: {stdout}"
+        );
+        assert!(
+            stdout.contains("wget 4"),
+            "GNU wget's exit code 4, a network failure (busybox's segfaults: 139): {stdout}"
         );
         assert!(stdout.contains("agnhost pause"), "{stdout}");
     }

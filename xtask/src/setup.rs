@@ -45,10 +45,12 @@ const APT_PACKAGES: &[&str] = &[
     // service-account key is made with openssl.
     "xz-utils",
     "openssl",
-    // The upstream Services suite's commands in its agnhost image (`nc -v -t -w 2`, `curl`):
-    // copied from this machine with their libraries (busybox's nc lacks those options).
+    // The upstream Services suite's commands in its agnhost image (`nc -v -t -w 2`, `curl`,
+    // `wget`): copied from this machine with their libraries (busybox's nc lacks those
+    // options; its static wget segfaults).
     "netcat-openbsd",
     "curl",
+    "wget",
 ];
 
 /// The LLVM bpf-linker is built against: the `llvm-22-dev` above. It must be at least as new

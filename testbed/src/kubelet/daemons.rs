@@ -49,6 +49,26 @@ state = "{d}/containerd/state"
         let log = self.dir.join("containerd.log");
         let mut cmd = command_in(Some(&self.netns), "containerd", None, false)?;
         cmd.arg("--config").arg(&path);
+        // A host name of the node's own (a UTS namespace, as its network namespace): its
+        // hostNetwork pods share containerd's, and say the node's name as on a machine of
+        // their own (the upstream suites check a hostNetwork backend's hostname).
+        let host = std::ffi::CString::new(self.name.clone()).map_err(|_| Error::Kube {
+            what: "the node's host name".into(),
+            detail: format!("{:?} has a NUL", self.name),
+        })?;
+        // SAFETY: unshare and sethostname are async-signal-safe; `host` was built before the
+        // fork and is only read.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                let len = host.as_bytes().len();
+                if libc::unshare(libc::CLONE_NEWUTS) != 0
+                    || libc::sethostname(host.as_ptr(), len) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         self.containerd = Some(spawn_logged(&mut cmd, &log)?);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
