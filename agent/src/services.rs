@@ -78,6 +78,9 @@ struct Inner {
     /// What could not be read of each object, by its store key.
     unreadable: BTreeMap<String, (Option<ServiceKey>, Vec<String>)>,
     applying: Duration,
+    /// The cluster's Nodes and their addresses (a `Local` NodePort reached at another node's
+    /// address gets that node's endpoints).
+    nodes: BTreeMap<String, Vec<IpAddr>>,
 }
 
 impl Inner {
@@ -160,6 +163,7 @@ impl ServicesService {
                 program_error: None,
                 unreadable: BTreeMap::new(),
                 applying: Duration::ZERO,
+                nodes: BTreeMap::new(),
             }),
         }
     }
@@ -188,6 +192,11 @@ impl ServicesService {
         } else {
             inner.unreadable.insert(key.to_string(), (service, what));
         }
+    }
+
+    /// The cluster's Nodes and their addresses, by name.
+    pub fn set_nodes(&self, nodes: BTreeMap<String, Vec<IpAddr>>) {
+        self.lock().nodes = nodes;
     }
 
     /// New admission rules (pools, node addresses, the allowed CIDRs); what is newly wrong.
@@ -286,8 +295,11 @@ impl ServicesService {
     /// sockets) and where it sends connections from inside the cluster. A NodePort is one
     /// frontend per family (the unspecified address) answering on every node's addresses:
     /// the cluster's Nodes' and `own` (this node's, known before its Node is listed). A pod
-    /// reaching any node's NodePort meets the backends kube-proxy would give it there (pods
-    /// are inside the cluster: its internal choice).
+    /// reaching any node's NodePort meets the backends kube-proxy would give it there: its
+    /// internal choice (pods are inside the cluster), but at another node's address with
+    /// `externalTrafficPolicy: Local` that node's own endpoints (an entry for each of its
+    /// addresses), refused where it has none, as kube-proxy judges the connection arriving
+    /// there.
     pub fn translation(&self, own: &[IpAddr]) -> Translation {
         let inner = self.lock();
         let mut nodes: BTreeSet<IpAddr> =
@@ -325,6 +337,43 @@ impl ServicesService {
                     Some(a) => vec![a],
                     None => any.clone(),
                 };
+                if let Some(local_at) = &p.local_at {
+                    // `externalTrafficPolicy: Local`: another node's addresses get its own
+                    // endpoints, those of a node with none are refused (the wildcard);
+                    // this node's get the internal choice. Entries: this node's addresses
+                    // and those of the nodes with endpoints, never one per node.
+                    let mine: BTreeSet<IpAddr> = own
+                        .iter()
+                        .chain(inner.nodes.get(&self.node).into_iter().flatten())
+                        .copied()
+                        .collect();
+                    let mut put = |address: IpAddr, t: Target| {
+                        let f = Front {
+                            address,
+                            port: p.frontend.port,
+                            proto,
+                        };
+                        out.insert(f, t);
+                    };
+                    for a in &any {
+                        put(*a, Target::Refuse);
+                    }
+                    for a in &mine {
+                        put(*a, target.clone());
+                    }
+                    for (node, backends) in local_at.iter().filter(|(n, _)| **n != self.node) {
+                        let there = Target::To {
+                            backends: backends.clone(),
+                            affinity_secs: p.affinity_secs.unwrap_or(0),
+                        };
+                        for a in inner.nodes.get(node).into_iter().flatten() {
+                            if !mine.contains(a) {
+                                put(*a, there.clone());
+                            }
+                        }
+                    }
+                    continue;
+                }
                 for address in at {
                     out.insert(
                         Front {
@@ -605,5 +654,56 @@ mod tests {
             affinity_secs: 0,
         };
         assert!(t.frontends.values().all(|v| *v == backends), "{t:?}");
+    }
+
+    /// `externalTrafficPolicy: Local`: a pod reaching another node's NodePort gets that
+    /// node's endpoints, refused at a node with none; at this node's, every endpoint.
+    #[test]
+    fn a_local_nodeport_at_another_node_gets_that_nodes_endpoints() {
+        let limits = Limits {
+            frontends: 16,
+            backends: 16,
+        };
+        let svc = ServicesService::new("n1", None, Admission::default(), limits);
+        svc.set_nodes(BTreeMap::from([
+            ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
+            ("n2".to_string(), vec!["192.0.2.2".parse().expect("ip")]),
+            ("n3".to_string(), vec!["192.0.2.3".parse().expect("ip")]),
+        ]));
+        let mut web = service("web", "10.96.0.10", &[]);
+        web.ports[0].node_port = Some(30080);
+        web.external_policy = TrafficPolicy::Local;
+        svc.apply(Change::Service(web));
+        let mut s = slice("web-1", "web", &["10.244.1.5", "10.244.2.5"]);
+        s.endpoints[0].node = Some("n1".into());
+        s.endpoints[1].node = Some("n2".into());
+        svc.apply(Change::Slice(s));
+        let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
+        let to = |a: &str| Target::To {
+            backends: vec![(a.parse().expect("ip"), 8080)],
+            affinity_secs: 0,
+        };
+        let both = Target::To {
+            backends: vec![
+                ("10.244.1.5".parse().expect("ip"), 8080),
+                ("10.244.2.5".parse().expect("ip"), 8080),
+            ],
+            affinity_secs: 0,
+        };
+        let got: Vec<(String, Target)> = t
+            .frontends
+            .iter()
+            .filter(|(f, _)| f.port == 30080)
+            .map(|(f, t)| (f.address.to_string(), t.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("0.0.0.0".to_string(), Target::Refuse),
+                ("192.0.2.1".to_string(), both),
+                ("192.0.2.2".to_string(), to("10.244.2.5")),
+            ],
+            "n3 has no endpoint: the wildcard refuses; no entry per node"
+        );
     }
 }

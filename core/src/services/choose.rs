@@ -9,6 +9,7 @@
 //!   endpoints; none here: dropped (the client may be sent here only by mistake);
 //! - no usable endpoint at all: rejected (an ICMP unreachable, as kube-proxy does), never a
 //!   silent drop.
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
@@ -134,6 +135,33 @@ pub fn choose(
     (Choice::To(to), fallback)
 }
 
+/// For `externalTrafficPolicy: Local`: what a client reaching each node from outside gets on
+/// `service`'s port `port_name`: that node's usable endpoints (ready, else serving and
+/// terminating), by node name; a node with none is absent (its clients are refused). A pod
+/// reaching another node's NodePort is such a client there (kube-proxy judges it on arrival,
+/// and the upstream suite checks it is refused where that node has no endpoint).
+pub fn local_at_each_node(
+    port_name: &str,
+    backends: &[Backend],
+) -> BTreeMap<String, Vec<(IpAddr, u16)>> {
+    let mut by_node: BTreeMap<&str, Vec<&Backend>> = BTreeMap::new();
+    for b in backends.iter().filter(|b| b.port_name == port_name) {
+        if let Some(node) = b.node.as_deref() {
+            by_node.entry(node).or_default().push(b);
+        }
+    }
+    by_node
+        .into_iter()
+        .filter_map(|(node, of_node)| {
+            let (picked, _) = usable(&of_node);
+            (!picked.is_empty()).then(|| {
+                let to = picked.iter().map(|b| (b.address, b.port)).collect();
+                (node.to_string(), to)
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,6 +179,40 @@ mod tests {
             Choice::To(v) => v.iter().map(|(a, p)| format!("{a}:{p}")).collect(),
             other => vec![format!("{other:?}")],
         }
+    }
+
+    #[test]
+    fn each_nodes_own_usable_endpoints_for_a_local_external_policy() {
+        let a = backend("10.244.1.5", "n1");
+        let mut b = backend("10.244.2.5", "n2");
+        let mut c = backend("10.244.2.6", "n2");
+        let mut d = backend("10.244.3.5", "n3");
+        // n2: one ready, one terminating (not taken while one is ready); n3: only a
+        // terminating one that still serves (taken); n4: none at all.
+        c.ready = false;
+        c.terminating = true;
+        d.ready = false;
+        d.terminating = true;
+        b.port = 8081;
+        let by_node = local_at_each_node("http", &[a, b, c, d]);
+        let got: Vec<(String, Vec<String>)> = by_node
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.clone(),
+                    v.iter().map(|(a, p)| format!("{a}:{p}")).collect(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("n1".to_string(), vec!["10.244.1.5:8080".to_string()]),
+                ("n2".to_string(), vec!["10.244.2.5:8081".to_string()]),
+                ("n3".to_string(), vec!["10.244.3.5:8080".to_string()]),
+            ]
+        );
+        assert!(local_at_each_node("metrics", &[backend("10.244.1.5", "n1")]).is_empty());
     }
 
     #[test]

@@ -19,10 +19,13 @@ pub mod model;
 pub mod slices;
 pub mod state;
 
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
 use serde::{Deserialize, Serialize};
 
 use admit::{Admission, Frontend, Kind, Refusal};
-use choose::{choose, Choice, Here, Traffic};
+use choose::{choose, local_at_each_node, Choice, Here, Traffic};
 use model::{EndpointSlice, Service};
 use slices::SliceProblem;
 
@@ -39,6 +42,11 @@ pub struct Programmed {
     pub terminating_fallback: bool,
     /// `sessionAffinity: ClientIP`: seconds a client keeps its backend.
     pub affinity_secs: Option<u32>,
+    /// A NodePort of a Service with `externalTrafficPolicy: Local`: each node's own usable
+    /// endpoints, by node name (a node with none is absent): what a client reaching another
+    /// node's address gets there. `None` for every other frontend.
+    #[serde(default)]
+    pub local_at: Option<BTreeMap<String, Vec<(IpAddr, u16)>>>,
 }
 
 /// Everything one Service needs programmed on this node, and what could not be.
@@ -68,12 +76,16 @@ pub fn plan(
             let external = (f.kind != Kind::ClusterIp)
                 .then(|| choose(service, &f.port_name, &backends, Traffic::External, here));
             let terminating_fallback = fb_in || external.as_ref().is_some_and(|(_, fb)| *fb);
+            let local_at = (f.kind == Kind::NodePort
+                && service.external_policy == model::TrafficPolicy::Local)
+                .then(|| local_at_each_node(&f.port_name, &backends));
             Programmed {
                 frontend: f,
                 internal,
                 external: external.map(|(c, _)| c),
                 terminating_fallback,
                 affinity_secs: service.affinity_secs,
+                local_at,
             }
         })
         .collect();
@@ -126,5 +138,15 @@ mod tests {
             "outside clients: this node's endpoint only"
         );
         assert_eq!(node_port.affinity_secs, Some(10_800));
+        let local_at = node_port
+            .local_at
+            .as_ref()
+            .expect("a Local NodePort's nodes");
+        assert_eq!(
+            local_at.get("n2"),
+            Some(&vec![("10.244.2.5".parse().expect("ip"), 8080)]),
+            "a client reaching n2 gets n2's endpoint"
+        );
+        assert_eq!(cluster_ip.local_at, None);
     }
 }

@@ -41,10 +41,18 @@ fn size(p: &ServicePlan) -> (usize, usize) {
                 Choice::To(v) => v.len(),
                 _ => 0,
             };
-            n(&f.internal) + f.external.as_ref().map_or(0, n)
+            let local_at: usize = f.local_at.iter().flatten().map(|(_, v)| v.len()).sum();
+            n(&f.internal) + f.external.as_ref().map_or(0, n) + local_at
         })
         .sum();
-    (p.frontends.len(), backends)
+    // A Local NodePort's nodes with endpoints: an entry each (per node address, in fact; one
+    // is counted).
+    let extra: usize = p
+        .frontends
+        .iter()
+        .map(|f| f.local_at.as_ref().map_or(0, BTreeMap::len))
+        .sum();
+    (p.frontends.len() + extra, backends)
 }
 
 /// The cluster's Services on this node.

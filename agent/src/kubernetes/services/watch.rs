@@ -226,6 +226,7 @@ pub fn spawn(
                     if before.unwrap_or_default() == addresses {
                         continue;
                     }
+                    service.set_nodes(nodes.clone());
                     service.set_rules(admission(&nodes))
                 }
             };

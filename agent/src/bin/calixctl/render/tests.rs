@@ -391,6 +391,7 @@ fn services_table_shows_frontends_refusals_and_room() {
                         external: None,
                         terminating_fallback: false,
                         affinity_secs: None,
+                        local_at: None,
                     },
                     Programmed {
                         frontend: Frontend {
@@ -404,6 +405,7 @@ fn services_table_shows_frontends_refusals_and_room() {
                         external: Some(Choice::Drop),
                         terminating_fallback: false,
                         affinity_secs: None,
+                        local_at: None,
                     },
                 ],
                 refused: vec![Refusal {
