@@ -2,22 +2,23 @@
 //! the calculation (`calix_core::services::state`) keeps them, fed one change at a time by the
 //! Kubernetes adapter (`kubernetes::services::watch`); what `calixctl services` shows; and,
 //! with `[services] translate`, the frontends the eBPF dataplane translates at the sockets
-//! ([`program`]).
+//! ([`program`]; what they translate: [`translation`]).
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::IpAddr;
 
 use calix_core::services::admit::{Admission, Refusal};
-use calix_core::services::choose::{Choice, Here};
-use calix_core::services::model::Protocol;
+use calix_core::services::choose::Here;
 use calix_core::services::model::ServiceKey;
 use calix_core::services::slices::SliceProblem;
 use calix_core::services::state::{Change, Limits, State};
 use calix_core::services::Programmed;
-use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation, TCP, UDP};
+use calix_dataplane::ebpf::services::Translation;
 use serde::{Deserialize, Serialize};
+
+mod translation;
 
 /// What `calixctl services` shows: the calculation's totals, then each Service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -291,107 +292,6 @@ impl ServicesService {
         inner.program_error = r.err();
     }
 
-    /// What the sockets translate: every admitted frontend of TCP or UDP (SCTP: not at the
-    /// sockets) and where it sends connections from inside the cluster. A NodePort is one
-    /// frontend per family (the unspecified address) answering on every node's addresses:
-    /// the cluster's Nodes' and `own` (this node's, known before its Node is listed). A pod
-    /// reaching any node's NodePort meets the backends kube-proxy would give it there: its
-    /// internal choice (pods are inside the cluster), but at another node's address with
-    /// `externalTrafficPolicy: Local` that node's own endpoints (an entry for each of its
-    /// addresses), refused where it has none, as kube-proxy judges the connection arriving
-    /// there.
-    pub fn translation(&self, own: &[IpAddr]) -> Translation {
-        let inner = self.lock();
-        let mut nodes: BTreeSet<IpAddr> =
-            inner.state.rules().node_addresses.iter().copied().collect();
-        nodes.extend(own.iter().copied());
-        let any: Vec<IpAddr> = [
-            nodes
-                .iter()
-                .any(IpAddr::is_ipv4)
-                .then_some(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
-            nodes
-                .iter()
-                .any(IpAddr::is_ipv6)
-                .then_some(IpAddr::V6(Ipv6Addr::UNSPECIFIED)),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
-        let mut out = Frontends::new();
-        for plan in inner.state.plans().values() {
-            for p in &plan.frontends {
-                let proto = match p.frontend.protocol {
-                    Protocol::Tcp => TCP,
-                    Protocol::Udp => UDP,
-                    Protocol::Sctp => continue,
-                };
-                let target = match &p.internal {
-                    Choice::To(v) => Target::To {
-                        backends: v.clone(),
-                        affinity_secs: p.affinity_secs.unwrap_or(0),
-                    },
-                    Choice::Reject | Choice::Drop => Target::Refuse,
-                };
-                let at = match p.frontend.address {
-                    Some(a) => vec![a],
-                    None => any.clone(),
-                };
-                if let Some(local_at) = &p.local_at {
-                    // `externalTrafficPolicy: Local`: another node's addresses get its own
-                    // endpoints, those of a node with none are refused (the wildcard);
-                    // this node's get the internal choice. Entries: this node's addresses
-                    // and those of the nodes with endpoints, never one per node.
-                    let mine: BTreeSet<IpAddr> = own
-                        .iter()
-                        .chain(inner.nodes.get(&self.node).into_iter().flatten())
-                        .copied()
-                        .collect();
-                    let mut put = |address: IpAddr, t: Target| {
-                        let f = Front {
-                            address,
-                            port: p.frontend.port,
-                            proto,
-                        };
-                        out.insert(f, t);
-                    };
-                    for a in &any {
-                        put(*a, Target::Refuse);
-                    }
-                    for a in &mine {
-                        put(*a, target.clone());
-                    }
-                    for (node, backends) in local_at.iter().filter(|(n, _)| **n != self.node) {
-                        let there = Target::To {
-                            backends: backends.clone(),
-                            affinity_secs: p.affinity_secs.unwrap_or(0),
-                        };
-                        for a in inner.nodes.get(node).into_iter().flatten() {
-                            if !mine.contains(a) {
-                                put(*a, there.clone());
-                            }
-                        }
-                    }
-                    continue;
-                }
-                for address in at {
-                    out.insert(
-                        Front {
-                            address,
-                            port: p.frontend.port,
-                            proto,
-                        },
-                        target.clone(),
-                    );
-                }
-            }
-        }
-        Translation {
-            frontends: out,
-            nodes,
-        }
-    }
-
     /// Time spent applying changes since the start.
     pub fn applying(&self) -> Duration {
         self.lock().applying
@@ -481,7 +381,7 @@ pub async fn program<F, Fut, E>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use calix_core::services::model::{
         AddressType, Distribution, Endpoint, EndpointSlice, Protocol, Service, ServicePort,
@@ -495,7 +395,7 @@ mod tests {
         }
     }
 
-    fn service(name: &str, ip: &str, external: &[&str]) -> Service {
+    pub(super) fn service(name: &str, ip: &str, external: &[&str]) -> Service {
         Service {
             key: key(name),
             cluster_ips: vec![ip.parse().expect("ip")],
@@ -515,7 +415,7 @@ mod tests {
         }
     }
 
-    fn slice(name: &str, service: &str, backends: &[&str]) -> EndpointSlice {
+    pub(super) fn slice(name: &str, service: &str, backends: &[&str]) -> EndpointSlice {
         EndpointSlice {
             name: format!("shop/{name}"),
             service: key(service),
@@ -616,94 +516,5 @@ mod tests {
             Vec::new(),
         );
         assert!(svc.report(None).list[1].unreadable.is_empty());
-    }
-
-    #[test]
-    fn a_nodeport_answers_on_every_nodes_address_from_one_entry_per_family() {
-        let rules = Admission {
-            node_addresses: vec![
-                "192.0.2.2".parse().expect("ip"),
-                "fd00::2".parse().expect("ip"),
-            ],
-            ..Admission::default()
-        };
-        let limits = Limits {
-            frontends: 8,
-            backends: 8,
-        };
-        let svc = ServicesService::new("n1", None, rules, limits);
-        let mut web = service("web", "10.96.0.10", &[]);
-        web.ports[0].node_port = Some(30080);
-        svc.apply(Change::Service(web));
-        svc.apply(Change::Slice(slice("web-1", "web", &["10.244.1.5"])));
-        let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
-        let nodes: Vec<String> = t.nodes.iter().map(|a| a.to_string()).collect();
-        assert_eq!(
-            nodes,
-            ["192.0.2.1", "192.0.2.2", "fd00::2"],
-            "the cluster's and this one's"
-        );
-        let fronts: Vec<String> = t
-            .frontends
-            .keys()
-            .map(|f| format!("{}:{}", f.address, f.port))
-            .collect();
-        assert_eq!(fronts, ["0.0.0.0:30080", "10.96.0.10:80", ":::30080"]);
-        let backends = Target::To {
-            backends: vec![("10.244.1.5".parse().expect("ip"), 8080)],
-            affinity_secs: 0,
-        };
-        assert!(t.frontends.values().all(|v| *v == backends), "{t:?}");
-    }
-
-    /// `externalTrafficPolicy: Local`: a pod reaching another node's NodePort gets that
-    /// node's endpoints, refused at a node with none; at this node's, every endpoint.
-    #[test]
-    fn a_local_nodeport_at_another_node_gets_that_nodes_endpoints() {
-        let limits = Limits {
-            frontends: 16,
-            backends: 16,
-        };
-        let svc = ServicesService::new("n1", None, Admission::default(), limits);
-        svc.set_nodes(BTreeMap::from([
-            ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
-            ("n2".to_string(), vec!["192.0.2.2".parse().expect("ip")]),
-            ("n3".to_string(), vec!["192.0.2.3".parse().expect("ip")]),
-        ]));
-        let mut web = service("web", "10.96.0.10", &[]);
-        web.ports[0].node_port = Some(30080);
-        web.external_policy = TrafficPolicy::Local;
-        svc.apply(Change::Service(web));
-        let mut s = slice("web-1", "web", &["10.244.1.5", "10.244.2.5"]);
-        s.endpoints[0].node = Some("n1".into());
-        s.endpoints[1].node = Some("n2".into());
-        svc.apply(Change::Slice(s));
-        let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
-        let to = |a: &str| Target::To {
-            backends: vec![(a.parse().expect("ip"), 8080)],
-            affinity_secs: 0,
-        };
-        let both = Target::To {
-            backends: vec![
-                ("10.244.1.5".parse().expect("ip"), 8080),
-                ("10.244.2.5".parse().expect("ip"), 8080),
-            ],
-            affinity_secs: 0,
-        };
-        let got: Vec<(String, Target)> = t
-            .frontends
-            .iter()
-            .filter(|(f, _)| f.port == 30080)
-            .map(|(f, t)| (f.address.to_string(), t.clone()))
-            .collect();
-        assert_eq!(
-            got,
-            [
-                ("0.0.0.0".to_string(), Target::Refuse),
-                ("192.0.2.1".to_string(), both),
-                ("192.0.2.2".to_string(), to("10.244.2.5")),
-            ],
-            "n3 has no endpoint: the wildcard refuses; no entry per node"
-        );
     }
 }
