@@ -117,6 +117,8 @@ pub struct PolicyInfoSvc {
     pub monitor: Option<crate::policy::monitor::DropMonitor>,
     /// Route distribution: `trace` asks other nodes through it.
     pub routes: Option<Arc<RoutesHandle>>,
+    /// The Services: `trace` shows a Service address's translation.
+    pub services: Option<Arc<crate::services::ServicesService>>,
 }
 
 type MonitorStream =
@@ -140,10 +142,18 @@ impl pb::policy_info_server::PolicyInfo for PolicyInfoSvc {
             .map_err(|_| Status::invalid_argument("protocol: a number 0-255"))?;
         let port = u16::try_from(r.port).map_err(|_| Status::invalid_argument("port: 0-65535"))?;
         let routes = self.routes.as_deref();
-        let report =
-            crate::policy::trace::trace(&self.node, policy, routes, &r.src, &r.dst, proto, port)
-                .await
-                .map_err(Status::invalid_argument)?;
+        let report = crate::policy::trace::trace(
+            &self.node,
+            policy,
+            routes,
+            self.services.as_deref(),
+            &r.src,
+            &r.dst,
+            proto,
+            port,
+        )
+        .await
+        .map_err(Status::invalid_argument)?;
         serde_json::to_string(&report)
             .map(|json| Response::new(pb::TraceResponse { json }))
             .map_err(|e| Status::internal(format!("cannot encode the trace: {e}")))
@@ -647,6 +657,7 @@ impl UnixSocket {
             policy,
             monitor,
             routes,
+            services: reports.services.clone(),
         };
         let result = tonic::transport::Server::builder()
             .add_service(pb::ipam_server::IpamServer::new(IpamSvc(node.clone())))

@@ -105,10 +105,12 @@ async fn ends(
 
 /// The trace of a packet of `proto` (to port `port`) from `src` to `dst`: a pod
 /// (`namespace/name`, or a name in `default`) or an address each.
+#[allow(clippy::too_many_arguments)]
 pub async fn trace(
     node: &Node,
     policy: &PolicyService,
     routes: Option<&RoutesHandle>,
+    services: Option<&crate::services::ServicesService>,
     src: &str,
     dst: &str,
     proto: u8,
@@ -153,6 +155,17 @@ pub async fn trace(
         )
         .await,
     );
+    // A Service's address: where the connection really goes.
+    if let Some((refused, detail)) =
+        services.and_then(|sv| sv.trace_step(d.ip, proto, port).filter(|_| ported))
+    {
+        let outcome = if refused {
+            Outcome::Drop
+        } else {
+            Outcome::Note
+        };
+        steps.push(step("Service", src_node, outcome, detail, FROM_CALCULATION));
+    }
     // Where it goes.
     let pools = node.ipam.pools();
     let pool_of = |ip: IpAddr| pools.iter().find(|p| p.cidr.contains(&ip));

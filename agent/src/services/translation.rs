@@ -11,6 +11,77 @@ use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation, TCP
 use super::ServicesService;
 
 impl ServicesService {
+    /// `calixctl trace`'s Service step for a packet to `address`:`port` (`proto`: 6, 17 or
+    /// 132): the Service and where its connections go from here; `None` when no frontend of a
+    /// Service is there. `.0`: the connection is refused.
+    pub fn trace_step(&self, address: IpAddr, proto: u8, port: u16) -> Option<(bool, String)> {
+        let protocol = match proto {
+            6 => Protocol::Tcp,
+            17 => Protocol::Udp,
+            132 => Protocol::Sctp,
+            _ => return None,
+        };
+        let inner = self.lock();
+        let owner = inner
+            .nodes
+            .iter()
+            .find(|(_, a)| a.contains(&address))
+            .map(|(n, _)| n.clone());
+        let node_address = owner.is_some() || inner.state.rules().node_addresses.contains(&address);
+        let (key, p) = calix_core::services::frontend_for(
+            inner.state.plans(),
+            address,
+            protocol,
+            port,
+            node_address,
+        )?;
+        let elsewhere = owner.as_deref().filter(|n| *n != self.node);
+        let choice = match (&p.local_at, elsewhere) {
+            (Some(by_node), Some(n)) => match by_node.get(n) {
+                Some(v) => Choice::To(v.clone()),
+                None => Choice::Drop,
+            },
+            _ => p.internal.clone(),
+        };
+        let by = if inner.programmed {
+            "calix translates it at the client's socket"
+        } else {
+            "calix does not translate it here ([services] translate off, or not programmed): kube-proxy's"
+        };
+        let what = format!(
+            "{key} ({:?} {address}:{port}/{protocol:?}): {by}",
+            p.frontend.kind
+        );
+        Some(match choice {
+            Choice::To(v) => {
+                let mut to: Vec<String> = v
+                    .iter()
+                    .take(8)
+                    .map(|(a, p)| match a {
+                        IpAddr::V6(_) => format!("[{a}]:{p}"),
+                        IpAddr::V4(_) => format!("{a}:{p}"),
+                    })
+                    .collect();
+                if v.len() > 8 {
+                    to.push(format!("and {} more", v.len() - 8));
+                }
+                let affinity = p
+                    .affinity_secs
+                    .map(|s| format!("; a client keeps its backend {s} s"))
+                    .unwrap_or_default();
+                (
+                    false,
+                    format!("{what}, to one of {}{affinity}", to.join(", ")),
+                )
+            }
+            Choice::Reject => (true, format!("{what}: no endpoint, refused (ECONNREFUSED)")),
+            Choice::Drop => (
+                true,
+                format!("{what}: a Local traffic policy and no endpoint on that node, refused"),
+            ),
+        })
+    }
+
     /// What the sockets translate: every admitted frontend of TCP or UDP (SCTP: not at the
     /// sockets) and where it sends connections from inside the cluster. A NodePort is one
     /// frontend per family (the unspecified address) answering on every node's addresses:
@@ -211,5 +282,28 @@ mod tests {
             ],
             "n3 has no endpoint: the wildcard refuses; no entry per node"
         );
+    }
+
+    #[test]
+    fn the_trace_step_names_the_service_and_its_backends() {
+        let limits = Limits {
+            frontends: 8,
+            backends: 8,
+        };
+        let svc = ServicesService::new("n1", None, Admission::default(), limits);
+        svc.apply(Change::Service(service("web", "10.96.0.10", &[])));
+        let at = "10.96.0.10".parse().expect("ip");
+        let (refused, detail) = svc.trace_step(at, 6, 80).expect("a Service's address");
+        assert!(refused, "no endpoint yet: {detail}");
+        assert!(
+            detail.contains("shop/web") && detail.contains("refused"),
+            "{detail}"
+        );
+        svc.apply(Change::Slice(slice("web-1", "web", &["10.244.1.5"])));
+        let (refused, detail) = svc.trace_step(at, 6, 80).expect("a Service's address");
+        assert!(!refused);
+        assert!(detail.contains("to one of 10.244.1.5:8080"), "{detail}");
+        assert_eq!(svc.trace_step(at, 6, 81), None, "no frontend on that port");
+        assert_eq!(svc.trace_step(at, 17, 80), None, "nor for UDP");
     }
 }

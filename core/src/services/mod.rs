@@ -96,6 +96,30 @@ pub fn plan(
     }
 }
 
+/// The frontend a connection to `address`:`port` over `protocol` meets, and its Service: one
+/// of that address first, else a NodePort when `address` is a node's (`node_address`).
+pub fn frontend_for(
+    plans: &BTreeMap<model::ServiceKey, ServicePlan>,
+    address: IpAddr,
+    protocol: model::Protocol,
+    port: u16,
+    node_address: bool,
+) -> Option<(&model::ServiceKey, &Programmed)> {
+    let all = || {
+        plans
+            .iter()
+            .flat_map(|(k, p)| p.frontends.iter().map(move |f| (k, f)))
+            .filter(|(_, f)| f.frontend.protocol == protocol && f.frontend.port == port)
+    };
+    all()
+        .find(|(_, f)| f.frontend.address == Some(address))
+        .or_else(|| {
+            all().find(|(_, f)| {
+                node_address && f.frontend.kind == Kind::NodePort && f.frontend.address.is_none()
+            })
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +172,19 @@ mod tests {
             "a client reaching n2 gets n2's endpoint"
         );
         assert_eq!(cluster_ip.local_at, None);
+        let plans = BTreeMap::from([(svc.key.clone(), p.clone())]);
+        let tcp = model::Protocol::Tcp;
+        let found = |a: &str, port, node| {
+            frontend_for(&plans, a.parse().expect("ip"), tcp, port, node)
+                .map(|(_, f)| f.frontend.kind)
+        };
+        assert_eq!(found("10.96.0.10", 80, false), Some(Kind::ClusterIp));
+        assert_eq!(found("192.0.2.1", 30080, true), Some(Kind::NodePort));
+        assert_eq!(
+            found("192.0.2.1", 30080, false),
+            None,
+            "not a node's address"
+        );
+        assert_eq!(found("10.96.0.10", 81, false), None);
     }
 }
