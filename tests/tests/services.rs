@@ -203,6 +203,21 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
     let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
     assert!(ok, "{stdout}\n{stderr}\n{}", node.agent_log());
     expect(&stdout, &stderr);
+    // `calixctl trace` names the Service and where its connections go.
+    let trace = node
+        .agent()
+        .calixctl_json(&["trace", &format!("{ns}/client"), &ip, "tcp/80"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let step = trace["steps"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["stage"] == "Service"))
+        .unwrap_or_else(|| panic!("no Service step: {trace}"));
+    let detail = step["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&format!("{ns}/web"))
+            && detail.contains(&format!("to one of {}:8080", web.ip())),
+        "{trace}"
+    );
     // kill -9 and a new agent: the pinned links and maps translate all along.
     node.kill_agent();
     let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
