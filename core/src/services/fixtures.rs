@@ -5,6 +5,14 @@ use super::model::{
 };
 use super::slices::Backend;
 
+/// Node n1, no zone: where the tests' calculations run.
+pub fn here() -> super::choose::Here {
+    super::choose::Here {
+        node: "n1".into(),
+        zone: None,
+    }
+}
+
 /// A TCP Service `default/<name>` at 10.96.0.10 with `ports` (name, port).
 pub fn service(name: &str, ports: &[(&str, u16)]) -> Service {
     Service {

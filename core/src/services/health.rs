@@ -65,16 +65,9 @@ pub fn answer(check: &HealthCheck, proxy_healthy: bool) -> (u16, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::services::fixtures::{endpoint, service, slice};
+    use crate::services::fixtures::{endpoint, here, service, slice};
     use crate::services::model::AddressType;
     use crate::services::slices::backends;
-
-    fn here() -> Here {
-        Here {
-            node: "n1".into(),
-            zone: None,
-        }
-    }
 
     #[test]
     fn only_this_nodes_ready_endpoints_count() {

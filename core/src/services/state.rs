@@ -268,15 +268,8 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::services::fixtures::{endpoint, service, slice};
+    use crate::services::fixtures::{endpoint, here, service, slice};
     use crate::services::model::AddressType;
-
-    fn here() -> Here {
-        Here {
-            node: "n1".into(),
-            zone: None,
-        }
-    }
 
     fn web(name: &str, backends: &[&str]) -> (Service, EndpointSlice) {
         let svc = service(name, &[("http", 80)]);
