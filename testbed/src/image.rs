@@ -127,10 +127,11 @@ pub fn busybox_oci_tar(name: &str, cmd: &[&str]) -> Result<Vec<u8>> {
 }
 
 /// Busybox's applets in the upstream suites' `agnhost` image: what their shell commands call
-/// besides `nc` and `curl` (`for i in $(seq 1 N); do …; done`, `hostname`, `sleep`).
-const AGNHOST_APPLETS: [&str; 20] = [
+/// besides `nc` and `curl` (`for i in $(seq 1 N); do …; done`, `hostname`, `sleep`;
+/// `nslookup <service FQDN>` for ExternalName Services: busybox's own resolver).
+const AGNHOST_APPLETS: [&str; 21] = [
     "seq", "sleep", "cat", "echo", "hostname", "ip", "true", "false", "timeout", "grep", "ls",
-    "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date",
+    "ps", "env", "printf", "test", "head", "tr", "cut", "wc", "date", "nslookup",
 ];
 
 /// The host tools the upstream suites' commands run with options busybox lacks, and where
@@ -357,6 +358,7 @@ mod tests {
                  for i in $(seq 1 3); do printf $i; done; echo; \
                  curl -q -s --connect-timeout 1 http://127.0.0.1:9/ || echo curl $?; \
                  wget -q -O - -T 1 http://127.0.0.1:9/ 2>&1 || echo wget $?; \
+                 command -v nslookup; \
                  /agnhost pause",
             )
             .env_clear()
@@ -379,6 +381,7 @@ mod tests {
             stdout.contains("wget 4"),
             "GNU wget's exit code 4, a network failure (busybox's segfaults: 139): {stdout}"
         );
+        assert!(stdout.contains("/bin/nslookup"), "{stdout}");
         assert!(stdout.contains("agnhost pause"), "{stdout}");
     }
 
