@@ -35,6 +35,12 @@ pub const ENDPOINT_SLICES: &str = "k8s/endpointslices/";
 
 /// The label naming an EndpointSlice's Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Labels of a Service no default proxy serves (kube-proxy's own rule): another proxy's, or
+/// one marked headless. The Service view keeps them (and no other label).
+pub const NOT_PROXIED: [&str; 2] = [
+    "service.kubernetes.io/service-proxy-name",
+    "service.kubernetes.io/headless",
+];
 
 /// The key of Node `name`.
 pub fn node_key(name: &str) -> String {
@@ -329,7 +335,8 @@ pub const NETWORK_POLICY: ViewOf = ViewOf {
     field_selector: |_| None,
 };
 
-/// A Service: its namespace, name, `spec` and `status.loadBalancer`, still a Service.
+/// A Service: its namespace, name, the labels of [`NOT_PROXIED`], `spec` and
+/// `status.loadBalancer`, still a Service.
 pub const SERVICE: ViewOf = ViewOf {
     key: |o| namespaced_key(SERVICES, o),
     value: |o| {
@@ -340,6 +347,13 @@ pub const SERVICE: ViewOf = ViewOf {
             },
             "spec": o.data["spec"].clone(),
         });
+        let labels: BTreeMap<String, String> = string_map(&o.metadata.labels)
+            .into_iter()
+            .filter(|(k, _)| NOT_PROXIED.contains(&k.as_str()))
+            .collect();
+        if !labels.is_empty() {
+            v["metadata"]["labels"] = serde_json::json!(labels);
+        }
         if !o.data["status"]["loadBalancer"].is_null() {
             v["status"] =
                 serde_json::json!({"loadBalancer": o.data["status"]["loadBalancer"].clone()});
@@ -407,6 +421,19 @@ mod tests {
                 "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}]},
                 "status": {"loadBalancer": {"ingress": [{"ip": "198.51.100.8"}]}}
             })
+        );
+        // Another proxy's Service: its label is kept (and only that one).
+        let other = obj(
+            "Service",
+            serde_json::json!({
+                "metadata": {"name": "web", "namespace": "shop",
+                    "labels": {"service.kubernetes.io/service-proxy-name": "foo-bar", "app": "x"}},
+                "spec": {"clusterIP": "10.96.0.11"}
+            }),
+        );
+        assert_eq!(
+            (SERVICE.value)(&other)["metadata"]["labels"],
+            serde_json::json!({"service.kubernetes.io/service-proxy-name": "foo-bar"})
         );
         let slice = obj(
             "EndpointSlice",

@@ -49,12 +49,8 @@ fn policy(p: Option<&str>) -> TrafficPolicy {
     }
 }
 
-/// Labels of a Service no default proxy serves (kube-proxy's own rule): another proxy's, or
-/// one marked headless.
-pub const NOT_PROXIED: [&str; 2] = [
-    "service.kubernetes.io/service-proxy-name",
-    "service.kubernetes.io/headless",
-];
+/// Labels of a Service no default proxy serves (the datastore's Service view keeps them).
+pub use calix_datastore::kubernetes::views::NOT_PROXIED;
 
 /// A Service as the calculation takes it, and what of it could not be read; `None` for one
 /// that is not calix's (ExternalName, a label of [`NOT_PROXIED`]) or has no namespace or name.
