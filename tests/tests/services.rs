@@ -159,10 +159,12 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true}}],
     }))
     .unwrap_or_else(|e| panic!("{e}"));
-    let with_81 = json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
-                         {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053},
-                         {"name": "none", "port": 81, "protocol": "TCP", "targetPort": 9}]);
-    service("web", with_81);
+    let with_81_ports = || {
+        json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+               {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053},
+               {"name": "none", "port": 81, "protocol": "TCP", "targetPort": 9}])
+    };
+    service("web", with_81_ports());
     let show = || {
         format!(
             "{:?}\n{}",
@@ -234,6 +236,28 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
                 .calixctl_json(&["services", &format!("{ns}/web")])
                 .ok()?;
             (r["programmed"] == true).then_some(())
+        },
+        show,
+    );
+    // Labelled as another proxy's (kube-proxy's rule, which the upstream suite checks):
+    // left alone, as if gone.
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": ns, "name": "web",
+                     "labels": {"service.kubernetes.io/service-proxy-name": "another"}},
+        "spec": {"ports": with_81_ports()},
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "web, another proxy's now, left alone",
+        Duration::from_secs(30),
+        || {
+            let r = node.agent().calixctl_json(&["services"]).ok()?;
+            let gone = r["list"]
+                .as_array()?
+                .iter()
+                .all(|s| s["service"] != format!("{ns}/web"));
+            (gone && r["programmed"] == true).then_some(())
         },
         show,
     );
