@@ -248,36 +248,28 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         "spec": {"ports": with_81_ports()},
     }))
     .unwrap_or_else(|e| panic!("{e}"));
-    wait_for(
-        "web, another proxy's now, left alone",
-        Duration::from_secs(30),
-        || {
-            let r = node.agent().calixctl_json(&["services"]).ok()?;
-            let gone = r["list"]
-                .as_array()?
-                .iter()
-                .all(|s| s["service"] != format!("{ns}/web"));
-            (gone && r["programmed"] == true).then_some(())
-        },
-        show,
-    );
+    // web no longer programmed (and the rest programmed).
+    let web_unprogrammed = |what: &str| {
+        wait_for(
+            what,
+            Duration::from_secs(30),
+            || {
+                let r = node.agent().calixctl_json(&["services"]).ok()?;
+                let gone = r["list"]
+                    .as_array()?
+                    .iter()
+                    .all(|s| s["service"] != format!("{ns}/web"));
+                (gone && r["programmed"] == true).then_some(())
+            },
+            show,
+        )
+    };
+    web_unprogrammed("web, another proxy's now, left alone");
     // The Service gone: its address is nothing any more (the pod's connection goes out to
     // its default route and finds no one: refused or unreachable, never the backend).
     api.delete_now("v1", "Service", &ns, "web")
         .unwrap_or_else(|e| panic!("{e}"));
-    wait_for(
-        "web's frontends removed",
-        Duration::from_secs(30),
-        || {
-            let r = node.agent().calixctl_json(&["services"]).ok()?;
-            let gone = r["list"]
-                .as_array()?
-                .iter()
-                .all(|s| s["service"] != format!("{ns}/web"));
-            (gone && r["programmed"] == true).then_some(())
-        },
-        show,
-    );
+    web_unprogrammed("web's frontends removed");
     let (_, stdout, _) = client(
         &cl,
         &cg,
