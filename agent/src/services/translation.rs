@@ -195,6 +195,15 @@ mod tests {
     use super::*;
     use crate::services::tests::{service, slice};
 
+    /// The Services of node n1, no admission rule, room for 16 frontends and backends.
+    fn on_n1() -> ServicesService {
+        let limits = Limits {
+            frontends: 16,
+            backends: 16,
+        };
+        ServicesService::new("n1", None, Admission::default(), limits)
+    }
+
     #[test]
     fn a_nodeport_answers_on_every_nodes_address_from_one_entry_per_family() {
         let rules = Admission {
@@ -237,11 +246,7 @@ mod tests {
     /// node's endpoints, refused at a node with none; at this node's, every endpoint.
     #[test]
     fn a_local_nodeport_at_another_node_gets_that_nodes_endpoints() {
-        let limits = Limits {
-            frontends: 16,
-            backends: 16,
-        };
-        let svc = ServicesService::new("n1", None, Admission::default(), limits);
+        let svc = on_n1();
         svc.set_nodes(BTreeMap::from([
             ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
             ("n2".to_string(), vec!["192.0.2.2".parse().expect("ip")]),
@@ -286,11 +291,7 @@ mod tests {
 
     #[test]
     fn the_trace_step_names_the_service_and_its_backends() {
-        let limits = Limits {
-            frontends: 8,
-            backends: 8,
-        };
-        let svc = ServicesService::new("n1", None, Admission::default(), limits);
+        let svc = on_n1();
         svc.apply(Change::Service(service("web", "10.96.0.10", &[])));
         let at = "10.96.0.10".parse().expect("ip");
         let (refused, detail) = svc.trace_step(at, 6, 80).expect("a Service's address");
