@@ -103,6 +103,10 @@ impl E2eCluster {
             ));
             kubes.push(kube);
         }
+        // The API server's proxy to pods (the upstream suites fetch pods' pages through it).
+        if let Some(first) = nodes.nodes.first() {
+            api.reach_pods(&first.ns, POOL)?;
+        }
         Ok(Self {
             kubes,
             kubeconfigs,

@@ -252,6 +252,37 @@ impl KubeApi {
         ))
     }
 
+    /// Routes the API server's namespace to `cidr` (the pods' pool) through `node`'s link
+    /// ([`KubeApi::wire`] first), masqueraded there as `node`'s own address: the API server's
+    /// proxy to pods and Services (`.../pods/NAME:PORT/proxy`) reaches a pod on any node, as
+    /// from a control-plane host that routes to the pods. The pods see `node` as the client,
+    /// which they already know how to answer.
+    pub fn reach_pods(&self, node: &Netns, cidr: &str) -> Result<()> {
+        let (Some(ns), Some(i)) = (&self.ns, lock(&self.wired).get(&node.name).copied()) else {
+            return Err(Error::Unexpected {
+                what: "KubeApi::reach_pods".into(),
+                found: format!("{} not wired", node.name),
+                expected: "a node namespace KubeApi::wire connected".into(),
+            });
+        };
+        ns.ip(&format!("route replace {cidr} via 10.97.{i}.2 dev k{i}"))?;
+        checked(&mut node.cmd(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "POSTROUTING",
+            "-s",
+            &format!("10.97.{i}.1/32"),
+            "!",
+            "-o",
+            "kube0",
+            "-j",
+            "MASQUERADE",
+        ]))
+        .map(drop)
+    }
+
     /// The CA of the API server's client certificate for the kubelets: a kubelet that trusts
     /// it (`authentication.x509.clientCAFile`) serves exec, logs and port-forward to the API
     /// server.

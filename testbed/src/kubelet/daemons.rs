@@ -136,7 +136,7 @@ cgroupsPerQOS: true
 cgroupRoot: /{name}
 enforceNodeAllocatable: []
 failSwapOn: false
-localStorageCapacityIsolation: false
+localStorageCapacityIsolation: true
 evictionHard: {{}}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
