@@ -16,6 +16,7 @@ pub mod notice;
 pub mod paths;
 pub mod pod_network;
 pub mod policy;
+mod prometheus;
 pub mod reconcile;
 pub mod remote_routes;
 pub mod services;

@@ -145,6 +145,8 @@ async fn run() -> Result<()> {
         ),
     };
     let stats = dataplane.stats()?;
+    // The Services counters are read apart from the endpoints' (each reader its own maps).
+    let service_stats = dataplane.stats()?;
     // Drop events are a view: without them (kernel mode's log group taken by another
     // listener) the agent runs, and `calixctl monitor --drops` says why.
     let policy_events = dataplane.policy_events().unwrap_or_else(|e| {
@@ -336,6 +338,9 @@ async fn run() -> Result<()> {
         http.set_services(service.clone());
         let (changed, follow) = tokio::sync::watch::channel(0u64);
         if cfg.services.translate {
+            if let Some(stats) = service_stats {
+                service.set_counters(stats);
+            }
             // kube-proxy's health check node ports, since it is not there to serve them.
             tokio::spawn(calix_agent::health_ports::serve(
                 service.clone(),

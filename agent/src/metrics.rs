@@ -13,14 +13,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 use crate::pod_network::Node;
+use crate::prometheus::label_value;
 use crate::reconcile::Health;
-
-/// `s` as a Prometheus label value: backslash, double quote and newline escaped.
-fn label_value(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
 
 /// Renders the metrics text.
 pub async fn render(node: &Node) -> String {
@@ -341,14 +335,5 @@ async fn read_head(sock: &mut tokio::net::TcpStream, max: usize) -> Option<Strin
         if buf.len() > max {
             return None;
         }
-    }
-}
-
-#[cfg(test)]
-mod label_tests {
-    #[test]
-    fn a_label_value_cannot_end_its_quotes_or_its_line() {
-        assert_eq!(super::label_value("ns/web"), "ns/web");
-        assert_eq!(super::label_value("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

@@ -239,6 +239,13 @@ pub trait DataplaneStats: Send + Sync {
     fn slots(&self) -> Result<std::collections::BTreeMap<u32, u32>, DataplaneError> {
         Ok(Default::default())
     }
+    /// What each Services frontend did at the sockets (connections sent to a backend,
+    /// calls refused), summed over CPUs; empty when the dataplane counts none.
+    fn service_counters(
+        &self,
+    ) -> Result<Vec<(calix_common::SvcKey, calix_common::SvcCounters)>, DataplaneError> {
+        Ok(Vec::new())
+    }
     /// Packets NetworkPolicy denied (to the pod, from it) for each endpoint of `endpoints`
     /// (ifindex, host ifname), in order; zeros when the dataplane counts none.
     fn policy_denied(

@@ -220,6 +220,39 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
             && detail.contains(&format!("to one of {}:8080", web.ip())),
         "{trace}"
     );
+    // The socket programs counted it: a connection each on 80/TCP and 53/UDP, a refusal on
+    // 81 (the client made one of each), in `calixctl services` and on /metrics.
+    let r = node
+        .agent()
+        .calixctl_json(&["services", &format!("{ns}/web")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let row = &r["list"][0];
+    let counted = |port: u64| -> (u64, u64) {
+        let fronts = row["frontends"].as_array().expect("frontends");
+        let i = fronts
+            .iter()
+            .position(|f| f["frontend"]["port"] == port)
+            .unwrap_or_else(|| panic!("no frontend of port {port}: {r}"));
+        let c = &row["counters"][i];
+        (
+            c["connections"].as_u64().unwrap_or(0),
+            c["refused"].as_u64().unwrap_or(0),
+        )
+    };
+    assert_eq!(counted(80), (1, 0), "{r}");
+    assert_eq!(counted(53), (1, 0), "{r}");
+    assert_eq!(counted(81), (0, 1), "{r}");
+    let (_, metrics) = node.http_get("/metrics").expect("/metrics");
+    for line in [
+        format!("calix_service_connections_total{{service=\"{ns}/web\"}} 2"),
+        format!("calix_service_refused_total{{service=\"{ns}/web\"}} 1"),
+        "calix_service_connections_total{service=\"other\"} 0".to_string(),
+    ] {
+        assert!(
+            metrics.contains(&line),
+            "{line} not in /metrics:\n{metrics}"
+        );
+    }
     // kill -9 and a new agent: the pinned links and maps translate all along.
     node.kill_agent();
     let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));

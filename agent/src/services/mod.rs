@@ -4,7 +4,7 @@
 //! with `[services] translate`, the frontends the eBPF dataplane translates at the sockets
 //! ([`program`]; what they translate: [`translation`]).
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use std::net::IpAddr;
@@ -16,9 +16,13 @@ use calix_core::services::slices::SliceProblem;
 use calix_core::services::state::{Change, Limits, State};
 use calix_core::services::Programmed;
 use calix_dataplane::ebpf::services::Translation;
+use calix_dataplane::DataplaneStats;
 use serde::{Deserialize, Serialize};
 
+mod counters;
 mod translation;
+
+pub use counters::{FrontCounts, SERVICE_SERIES};
 
 /// What `calixctl services` shows: the calculation's totals, then each Service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -56,6 +60,10 @@ pub struct ServiceRow {
     pub unreadable: Vec<String>,
     /// Refused whole: it does not fit in the room left (frontends, backend entries it needs).
     pub no_room: Option<(usize, usize)>,
+    /// What the socket programs counted for each of `frontends` (same order); empty when
+    /// nothing is counted (calculation only, or nothing yet).
+    #[serde(default)]
+    pub counters: Vec<FrontCounts>,
 }
 
 /// Something about a Service an operator must see (an Event on the Service).
@@ -82,6 +90,8 @@ struct Inner {
     /// The cluster's Nodes and their addresses (a `Local` NodePort reached at another node's
     /// address gets that node's endpoints).
     nodes: BTreeMap<String, Vec<IpAddr>>,
+    /// The Services the metrics name one by one ([`SERVICE_SERIES`] at most).
+    series: BTreeSet<ServiceKey>,
 }
 
 impl Inner {
@@ -145,6 +155,8 @@ impl Inner {
 pub struct ServicesService {
     node: String,
     inner: Mutex<Inner>,
+    /// Where the socket programs' counters are read.
+    counters: OnceLock<Box<dyn DataplaneStats>>,
 }
 
 impl ServicesService {
@@ -165,7 +177,9 @@ impl ServicesService {
                 unreadable: BTreeMap::new(),
                 applying: Duration::ZERO,
                 nodes: BTreeMap::new(),
+                series: BTreeSet::new(),
             }),
+            counters: OnceLock::new(),
         }
     }
 
@@ -207,8 +221,15 @@ impl ServicesService {
         inner.news(touched)
     }
 
-    /// The calculation's metrics (no label per Service: bounded whatever the cluster holds).
+    /// The calculation's metrics (no label per Service: bounded whatever the cluster holds),
+    /// then the socket programs' counters per Service (bounded: [`SERVICE_SERIES`]).
     pub fn metrics(&self) -> String {
+        let mut out = self.calculation_metrics();
+        out.push_str(&self.counter_metrics());
+        out
+    }
+
+    fn calculation_metrics(&self) -> String {
         let inner = self.lock();
         let st = &inner.state;
         let (services, slices) = st.counts();
@@ -299,6 +320,7 @@ impl ServicesService {
 
     /// The report, for every Service or the one named `only` (`namespace/name`).
     pub fn report(&self, only: Option<&str>) -> ServicesReport {
+        let mut counts = self.counted();
         let inner = self.lock();
         let st = &inner.state;
         let (services, slices) = st.counts();
@@ -311,12 +333,14 @@ impl ServicesService {
             problems: Vec::new(),
             unreadable: Vec::new(),
             no_room: None,
+            counters: Vec::new(),
         };
         for (k, p) in st.plans() {
             let r = rows.entry(k.to_string()).or_insert_with(|| row(k));
             r.frontends.clone_from(&p.frontends);
             r.refused.clone_from(&p.refused);
             r.problems.clone_from(&p.problems);
+            r.counters = counts.remove(k).unwrap_or_default();
         }
         for (k, need) in st.refused_for_room() {
             rows.entry(k.to_string()).or_insert_with(|| row(k)).no_room = Some(*need);

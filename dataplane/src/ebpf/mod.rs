@@ -48,6 +48,7 @@ mod maps;
 pub mod policy;
 #[cfg(test)]
 mod policy_tests;
+mod service_keys;
 pub mod services;
 mod stats;
 #[cfg(test)]

@@ -8,29 +8,17 @@ use std::net::IpAddr;
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, MapData};
+use aya::maps::{HashMap, MapData, PerCpuHashMap};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcKey, SvcNodeKey, SvcRevKey, SvcRevValue, SvcValue,
-    SVC_BACKENDS_MAP, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP,
-    SVC_V4, SVC_V6,
+    SvcBackend, SvcBackendKey, SvcCounters, SvcKey, SvcNodeKey, SvcRevKey, SvcRevValue, SvcValue,
+    SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS, SVC_REJECT,
+    SVC_REV_MAP,
 };
 
+use super::service_keys::octets;
+pub use super::service_keys::{front, key, node_key, Front, TCP, UDP};
 use crate::bpf::{link_create, link_detach, map_err, obj_pin, pin_err, prog_err, take};
 use crate::DataplaneError;
-
-/// IP protocol numbers a frontend carries.
-pub const TCP: u8 = 6;
-pub const UDP: u8 = 17;
-
-/// A frontend: where a client sends. A NodePort's address is the unspecified one of its
-/// family: it answers on every address of [`ServiceProgrammer::set_nodes`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Front {
-    pub address: IpAddr,
-    pub port: u16,
-    /// [`TCP`] or [`UDP`].
-    pub proto: u8,
-}
 
 /// Every frontend, and where each sends new connections.
 pub type Frontends = BTreeMap<Front, Target>;
@@ -63,38 +51,6 @@ impl Target {
             backends,
             affinity_secs: 0,
         }
-    }
-}
-
-fn octets(a: &IpAddr) -> ([u8; 16], u8) {
-    let mut out = [0u8; 16];
-    match a {
-        IpAddr::V4(v4) => {
-            out[..4].copy_from_slice(&v4.octets());
-            (out, SVC_V4)
-        }
-        IpAddr::V6(v6) => (v6.octets(), SVC_V6),
-    }
-}
-
-/// The maps' key of a node's address `a`.
-pub fn node_key(a: &IpAddr) -> SvcNodeKey {
-    let (addr, family) = octets(a);
-    SvcNodeKey {
-        addr,
-        family,
-        _pad: [0; 3],
-    }
-}
-
-/// The maps' key of `f`.
-pub fn key(f: &Front) -> SvcKey {
-    let (addr, family) = octets(&f.address);
-    SvcKey {
-        addr,
-        port: f.port.to_be(),
-        proto: f.proto,
-        family,
     }
 }
 
@@ -151,6 +107,7 @@ pub struct PinnedServiceMaps {
     backs: HashMap<MapData, SvcBackendKey, SvcBackend>,
     rev: HashMap<MapData, SvcRevKey, SvcRevValue>,
     nodes: HashMap<MapData, SvcNodeKey, u32>,
+    counts: PerCpuHashMap<MapData, SvcKey, SvcCounters>,
 }
 
 impl PinnedServiceMaps {
@@ -160,6 +117,7 @@ impl PinnedServiceMaps {
             backs: take(bpf, SVC_BACKENDS_MAP, HashMap::try_from)?,
             rev: take(bpf, SVC_REV_MAP, HashMap::try_from)?,
             nodes: take(bpf, SVC_NODES_MAP, HashMap::try_from)?,
+            counts: take(bpf, SVC_COUNTERS_MAP, PerCpuHashMap::try_from)?,
         })
     }
 }
@@ -173,6 +131,8 @@ impl ServiceMaps for PinnedServiceMaps {
 
     fn remove_front(&mut self, k: &SvcKey) {
         let _ = self.fronts.remove(k);
+        // A frontend that comes back (a new Service at the address) counts from zero.
+        let _ = self.counts.remove(k);
     }
 
     fn set_back(&mut self, k: &SvcBackendKey, v: &SvcBackend) -> Result<(), DataplaneError> {
@@ -465,6 +425,7 @@ pub fn detach_sockets(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use calix_common::SVC_V4;
     use std::sync::{Arc, Mutex};
 
     type Held2 = (
@@ -557,6 +518,20 @@ mod tests {
             address: ip("10.96.0.10"),
             port: 80,
             proto: TCP,
+        }
+    }
+
+    #[test]
+    fn a_key_reads_back_as_its_frontend() {
+        for f in [
+            web(),
+            Front {
+                address: ip("::"),
+                port: 30080,
+                proto: UDP,
+            },
+        ] {
+            assert_eq!(front(&key(&f)), Some(f));
         }
     }
 

@@ -3,8 +3,8 @@ use std::path::Path;
 
 use aya::maps::{HashMap, MapData, MapError, PerCpuArray, PerCpuHashMap};
 use calix_common::{
-    DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, PolicyHitKey, COUNTERS_MAP,
-    DROPS_MAP, ENDPOINTS_MAP, POLICY_HITS_MAP,
+    DropCount, DropKey, DropReason, EndpointCounters, EndpointInfo, PolicyHitKey, SvcCounters,
+    SvcKey, COUNTERS_MAP, DROPS_MAP, ENDPOINTS_MAP, POLICY_HITS_MAP, SVC_COUNTERS_MAP,
 };
 
 use crate::bpf::{map_err, open_hash, open_per_cpu_array};
@@ -17,6 +17,7 @@ pub struct EbpfStats {
     counters: PerCpuArray<MapData, EndpointCounters>,
     drops: PerCpuHashMap<MapData, DropKey, DropCount>,
     hits: PerCpuHashMap<MapData, PolicyHitKey, u64>,
+    services: PerCpuHashMap<MapData, SvcKey, SvcCounters>,
 }
 
 /// The per-CPU hash pinned at `pin_dir/name`.
@@ -36,6 +37,7 @@ impl EbpfStats {
             counters: open_per_cpu_array(pin_dir, COUNTERS_MAP)?,
             drops: open_per_cpu_hash(pin_dir, DROPS_MAP)?,
             hits: open_per_cpu_hash(pin_dir, POLICY_HITS_MAP)?,
+            services: open_per_cpu_hash(pin_dir, SVC_COUNTERS_MAP)?,
         })
     }
 }
@@ -65,6 +67,22 @@ impl DataplaneStats for EbpfStats {
             out.push((k, sum));
         }
         out.sort_by_key(|(k, _)| *k);
+        Ok(out)
+    }
+
+    fn service_counters(&self) -> Result<Vec<(SvcKey, SvcCounters)>, DataplaneError> {
+        let mut out = Vec::new();
+        for item in self.services.iter() {
+            let (k, per_cpu) = match item {
+                Ok(kv) => kv,
+                // Evicted by the LRU, or its frontend removed, between the key and the read.
+                Err(MapError::KeyNotFound) => continue,
+                Err(e) => return Err(map_err(SVC_COUNTERS_MAP, "iterate")(e)),
+            };
+            let mut sum = SvcCounters::default();
+            per_cpu.iter().for_each(|c| sum.accumulate(c));
+            out.push((k, sum));
+        }
         Ok(out)
     }
 

@@ -9,6 +9,7 @@ pub const BPF_MAP_TYPE_ARRAY: u32 = 2;
 pub const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
 pub const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
 pub const BPF_MAP_TYPE_LRU_HASH: u32 = 9;
+pub const BPF_MAP_TYPE_LRU_PERCPU_HASH: u32 = 10;
 pub const BPF_MAP_TYPE_LPM_TRIE: u32 = 11;
 pub const BPF_MAP_TYPE_RINGBUF: u32 = 27;
 /// Map flag: the map's elements are allocated as they are inserted.
@@ -317,7 +318,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 6] = [
+const SERVICES_MAPS: [MapLayout; 7] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -359,9 +360,17 @@ const SERVICES_MAPS: [MapLayout; 6] = [
         0,
     ),
     m(SVC_NODES_MAP, BPF_MAP_TYPE_HASH, 20, 4, SVC_NODE_ENTRIES, 1),
+    m(
+        SVC_COUNTERS_MAP,
+        BPF_MAP_TYPE_LRU_PERCPU_HASH,
+        20,
+        16,
+        SVC_COUNTER_ENTRIES,
+        0,
+    ),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 6] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 7] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

@@ -17,8 +17,8 @@ mod services;
 pub use drop_reason::DropReason;
 pub use layouts::{
     layout, str_eq, Layout, MapLayout, BPF_F_NO_PREALLOC, BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_HASH,
-    BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_ARRAY,
-    BPF_MAP_TYPE_PERCPU_HASH, LAYOUTS,
+    BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_LRU_PERCPU_HASH,
+    BPF_MAP_TYPE_PERCPU_ARRAY, BPF_MAP_TYPE_PERCPU_HASH, LAYOUTS,
 };
 pub use policy::*;
 pub use services::*;
@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 39] = [
+pub const ALL_MAPS: [&str; 41] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -220,6 +220,8 @@ pub const ALL_MAPS: [&str; 39] = [
     SVC_REV_MAP,
     SVC_FWD_MAP,
     SVC_AFFINITY_MAP,
+    SVC_NODES_MAP,
+    SVC_COUNTERS_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -660,6 +662,7 @@ mod pod {
     unsafe impl aya::Pod for super::SvcAffKey {}
     unsafe impl aya::Pod for super::SvcNodeKey {}
     unsafe impl aya::Pod for super::SvcAffValue {}
+    unsafe impl aya::Pod for super::SvcCounters {}
 }
 
 #[cfg(test)]

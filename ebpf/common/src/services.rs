@@ -28,6 +28,14 @@ pub const SVC_AFFINITY_MAP: &str = "CALIX_SVC_AFF";
 /// whatever the number of nodes; a pod reaching another node's NodePort is translated at its
 /// socket too, as one reaching its own node's.
 pub const SVC_NODES_MAP: &str = "CALIX_SVC_NODES";
+/// LRU per-CPU hash: [`SvcKey`] → [`SvcCounters`]: what each frontend did at the sockets
+/// (`calixctl services`, the per-Service metrics). The programs add an entry the first time a
+/// frontend translates or refuses; the agent removes a frontend's with it, and the LRU keeps
+/// the map bounded whatever happens between.
+pub const SVC_COUNTERS_MAP: &str = "CALIX_SVC_COUNT";
+/// Entries of [`SVC_COUNTERS_MAP`] (the default room for frontends: a frontend the LRU evicted
+/// starts counting again from zero).
+pub const SVC_COUNTER_ENTRIES: u32 = 65_536;
 /// Entries of [`SVC_NODES_MAP`]: node addresses beyond it are not translated (and said).
 pub const SVC_NODE_ENTRIES: u32 = 16_384;
 /// Default sizes of the maps.
@@ -143,6 +151,25 @@ pub struct SvcAffValue {
     pub port: u16,
     pub _pad: u16,
     pub _pad2: u32,
+}
+
+/// A frontend's counters (per CPU in the map; summed when read).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcCounters {
+    /// Connections sent to a backend: TCP and UDP `connect`, and each unconnected UDP socket's
+    /// first datagram to the frontend (and its first after the frontend's backends changed).
+    pub connections: u64,
+    /// Calls refused: no endpoint, or a `Local` policy with none here (ECONNREFUSED).
+    pub refused: u64,
+}
+
+impl SvcCounters {
+    /// Adds `other` into `self` (used to sum the per-CPU values).
+    pub fn accumulate(&mut self, other: &SvcCounters) {
+        self.connections = self.connections.wrapping_add(other.connections);
+        self.refused = self.refused.wrapping_add(other.refused);
+    }
 }
 
 /// A node's address, for [`SVC_NODES_MAP`].

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 40] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 41] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -91,6 +91,11 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 40] {
             size_of::<SvcAffValue>(),
         ),
         (SVC_NODES_MAP, size_of::<SvcNodeKey>(), size_of::<u32>()),
+        (
+            SVC_COUNTERS_MAP,
+            size_of::<SvcKey>(),
+            size_of::<SvcCounters>(),
+        ),
     ]
 }
 

@@ -6,7 +6,9 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, RingBuf,
+    },
 };
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
@@ -17,7 +19,7 @@ use calix_common::{
     MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
     SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
-    SvcNodeKey, SVC_NODE_ENTRIES,
+    SvcNodeKey, SVC_NODE_ENTRIES, SvcCounters, SVC_COUNTER_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -298,3 +300,8 @@ pub static CALIX_SVC_AFF: LruHashMap<SvcAffKey, SvcAffValue> =
 #[map(name = "CALIX_SVC_NODES")]
 pub static CALIX_SVC_NODES: HashMap<SvcNodeKey, u32> =
     HashMap::pinned(SVC_NODE_ENTRIES, BPF_F_NO_PREALLOC);
+
+/// What each frontend did at the sockets (`calix_common::SVC_COUNTERS_MAP`).
+#[map(name = "CALIX_SVC_COUNT")]
+pub static CALIX_SVC_COUNT: LruPerCpuHashMap<SvcKey, SvcCounters> =
+    LruPerCpuHashMap::pinned(SVC_COUNTER_ENTRIES, 0);

@@ -18,12 +18,12 @@ use aya_ebpf::{
 };
 use calix_common::{
     SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcFwdKey, SvcKey, SvcNodeKey, SvcRevKey,
-    SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
+    SvcCounters, SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
 };
 
 use crate::maps::{
-    CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_FRONTS, CALIX_SVC_FWD, CALIX_SVC_NODES,
-    CALIX_SVC_REV,
+    CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_COUNT, CALIX_SVC_FRONTS, CALIX_SVC_FWD,
+    CALIX_SVC_NODES, CALIX_SVC_REV,
 };
 
 const ALLOW: i32 = 1;
@@ -88,6 +88,7 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
         return ALLOW;
     };
     if front.flags & (SVC_REJECT | SVC_DROP) != 0 || front.count == 0 {
+        count(&k, false);
         // SAFETY: a helper on the program's own return value.
         unsafe { bpf_set_retval(-ECONNREFUSED) };
         return REFUSE;
@@ -118,6 +119,7 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
             if sticky {
                 let _ = CALIX_SVC_FWD.insert(&fk, &bk, 0);
             }
+            count(&k, true);
             b
         }
     };
@@ -141,6 +143,31 @@ pub fn translate(ctx: &SockAddrContext, v6: bool, sticky: bool) -> i32 {
     // backend, its traffic unaffected.
     let _ = CALIX_SVC_REV.insert(&rk, &rv, 0);
     ALLOW
+}
+
+/// Counts a connection sent to a backend of frontend `k` (`connected`), or one refused, in
+/// this CPU's entry (added the first time: the LRU bounds the map).
+#[inline(always)]
+fn count(k: &SvcKey, connected: bool) {
+    let c = match CALIX_SVC_COUNT.get_ptr_mut(k) {
+        Some(c) => c,
+        None => {
+            // BPF_NOEXIST (1): another CPU's call may have added it meanwhile.
+            let _ = CALIX_SVC_COUNT.insert(k, &SvcCounters::default(), 1);
+            match CALIX_SVC_COUNT.get_ptr_mut(k) {
+                Some(c) => c,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: this CPU's value of a per-CPU map, which no other CPU writes.
+    unsafe {
+        if connected {
+            (*c).connections += 1;
+        } else {
+            (*c).refused += 1;
+        }
+    }
 }
 
 /// The frontend `to` names and its key: its own, else (`to` a node's address) the NodePort of

@@ -56,9 +56,15 @@ pub(crate) fn services_table(r: &ServicesReport) -> String {
                 "-".into(),
                 format!("not programmed: no room ({f} frontend(s), {b} backend entries needed)"),
                 "-".into(),
+                "-".into(),
             ]);
         }
-        for p in &s.frontends {
+        for (i, p) in s.frontends.iter().enumerate() {
+            let counted = match s.counters.get(i) {
+                None => "-".to_string(),
+                Some(c) if c.refused == 0 => c.connections.to_string(),
+                Some(c) => format!("{} ({} refused)", c.connections, c.refused),
+            };
             let mut backends = choice(&p.internal);
             if p.terminating_fallback {
                 backends.push_str(" (terminating)");
@@ -69,6 +75,7 @@ pub(crate) fn services_table(r: &ServicesReport) -> String {
                 frontend(&p.frontend),
                 backends,
                 p.external.as_ref().map_or("-".into(), choice),
+                counted,
             ]);
         }
         for f in &s.refused {
@@ -91,7 +98,14 @@ pub(crate) fn services_table(r: &ServicesReport) -> String {
         }
     }
     let mut out = table(
-        &["SERVICE", "KIND", "FRONTEND", "BACKENDS", "FROM OUTSIDE"],
+        &[
+            "SERVICE",
+            "KIND",
+            "FRONTEND",
+            "BACKENDS",
+            "FROM OUTSIDE",
+            "CONNECTIONS",
+        ],
         &rows,
     );
     for n in notes {

@@ -375,6 +375,7 @@ fn services_table_shows_frontends_refusals_and_room() {
                 problems: Vec::new(),
                 unreadable: Vec::new(),
                 no_room: Some((1, 30)),
+                counters: Vec::new(),
             },
             ServiceRow {
                 service: "shop/web".into(),
@@ -416,10 +417,23 @@ fn services_table_shows_frontends_refusals_and_room() {
                 problems: Vec::new(),
                 unreadable: Vec::new(),
                 no_room: None,
+                counters: vec![
+                    calix_agent::services::FrontCounts {
+                        connections: 12,
+                        refused: 0,
+                    },
+                    calix_agent::services::FrontCounts {
+                        connections: 0,
+                        refused: 3,
+                    },
+                ],
             },
         ],
     };
     let t = super::services::services_table(&r);
+    assert!(t.contains("CONNECTIONS"), "{t}");
+    assert!(t.contains("  12\n"), "{t}");
+    assert!(t.contains("0 (3 refused)"), "{t}");
     assert!(
         t.contains("no room (1 frontend(s), 30 backend entries needed)"),
         "{t}"
