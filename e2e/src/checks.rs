@@ -77,13 +77,14 @@ fn wait<T>(
     }
 }
 
-/// `suite`: an upstream conformance suite to run after the checks, before the uninstall, and
-/// where its outcome goes.
+/// `suites`: upstream conformance suites to run after the checks, before the uninstall, in
+/// order; their outcomes go to `outcomes`.
 pub fn run(
     c: &E2eCluster,
     mode: Mode,
     p: &mut Progress,
-    suite: Option<(conformance::Suite, &mut Vec<conformance::Outcome>)>,
+    suites: &[conformance::Suite],
+    outcomes: &mut Vec<conformance::Outcome>,
 ) -> Result<Report> {
     let m = mode.value();
     let api = &c.api;
@@ -322,7 +323,7 @@ pub fn run(
         bail!("the flow stalled for {gap:?} during the rollout");
     }
 
-    if let Some((suite, outcomes)) = suite {
+    for &suite in suites {
         p.step(&format!(
             "[{m}] the upstream {} suite (e2e-network.test v1.36.2), from the API server's namespace",
             suite.name()

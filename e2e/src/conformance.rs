@@ -32,13 +32,22 @@ pub enum Suite {
     /// `[sig-network] Services`: Services (test/e2e/network/service.go), which calix
     /// translates in eBPF mode (kube-proxy in kernel mode).
     Services,
+    /// The specs of `services` CI runs ([`SERVICES_CI`]): each kind of frontend and policy
+    /// calix translates, in a few minutes; the whole suite by `--conformance services`.
+    ServicesCi,
 }
+
+/// `services-ci`'s specs (their names after `[sig-network] Services `): ClusterIP over TCP
+/// and UDP, several ports, NodePort, external IPs, no endpoint, hairpin, the client's
+/// address kept, both `Local` policies, session affinity and a slice labelled headless.
+const SERVICES_CI: &str = r"\[sig-network\] Services (should serve a basic endpoint from pods|should serve multiport endpoints from pods|should serve endpoints on same port and different protocols |should be able to create a functioning NodePort service|should be possible to connect to a service via ExternalIP when the external IP is not assigned to a node|should be rejected when no endpoints exist|should allow pods to hairpin back to themselves through services|should preserve source pod IP for traffic thru service cluster IP|should respect internalTrafficPolicy=Local Pod to Pod|should support externalTrafficPolicy=Local for type=NodePort|should have session affinity work for service with type clusterIP|should implement service.kubernetes.io/headless)";
 
 impl Suite {
     pub fn name(self) -> &'static str {
         match self {
             Suite::Netpol => "netpol",
             Suite::Services => "services",
+            Suite::ServicesCi => "services-ci",
         }
     }
 
@@ -46,7 +55,7 @@ impl Suite {
     fn prefix(self) -> &'static str {
         match self {
             Suite::Netpol => "[sig-network] Netpol ",
-            Suite::Services => "[sig-network] Services ",
+            Suite::Services | Suite::ServicesCi => "[sig-network] Services ",
         }
     }
 
@@ -55,6 +64,7 @@ impl Suite {
         match self {
             Suite::Netpol => r"\[sig-network\] Netpol",
             Suite::Services => r"\[sig-network\] Services ",
+            Suite::ServicesCi => SERVICES_CI,
         }
     }
 
@@ -65,7 +75,7 @@ impl Suite {
         match self {
             // The specs about SCTP rules that probe over TCP run.
             Suite::Netpol => &[(r"\[Feature:SCTPConnectivity\]", NO_SCTP)],
-            Suite::Services => &[
+            Suite::Services | Suite::ServicesCi => &[
                 (r"SCTP", NO_SCTP),
                 (
                     r"\[Disruptive\]",
@@ -106,6 +116,9 @@ impl Suite {
         match self {
             Suite::Netpol => "the upstream NetworkPolicy suite (`[sig-network] Netpol`)",
             Suite::Services => "the upstream Services suite (`[sig-network] Services`)",
+            Suite::ServicesCi => {
+                "CI's subset of the upstream Services suite (`[sig-network] Services`)"
+            }
         }
     }
 }
@@ -122,6 +135,7 @@ pub struct Case {
 }
 
 /// One mode's run of a suite.
+#[derive(Debug, Clone)]
 pub struct Outcome {
     pub mode: Mode,
     pub suite: Suite,

@@ -45,16 +45,17 @@ struct Args {
     /// The dataplane modes to install and check, in order.
     #[arg(long, value_delimiter = ',', default_value = "ebpf,kernel")]
     modes: Vec<Mode>,
-    /// Also run this upstream conformance suite in each mode of `--conformance-modes`, after
-    /// the checks (before the uninstall), and write its report to `--conformance-report`.
-    #[arg(long)]
-    conformance: Option<conformance::Suite>,
-    /// The modes the suite runs in (default: every mode of `--modes`).
+    /// Also run these upstream conformance suites, in order, in each mode of
+    /// `--conformance-modes`, after the checks (before the uninstall), and write each one's
+    /// report to `--conformance-reports`.
+    #[arg(long, value_delimiter = ',')]
+    conformance: Vec<conformance::Suite>,
+    /// The modes the suites run in (default: every mode of `--modes`).
     #[arg(long, value_delimiter = ',')]
     conformance_modes: Option<Vec<Mode>>,
-    /// Where the suite's report goes (Markdown).
+    /// The directory each suite's report goes to, as `<suite>.md` (Markdown).
     #[arg(long)]
-    conformance_report: Option<PathBuf>,
+    conformance_reports: Option<PathBuf>,
     /// The calix commit the report names.
     #[arg(long, default_value = "(unknown commit)")]
     commit: String,
@@ -85,15 +86,16 @@ fn main() -> Result<()> {
     }
     private_mounts().context("a private mount namespace with a bpffs of its own")?;
     let started = Instant::now();
-    let suite_modes: Vec<Mode> = match (args.conformance, &args.conformance_modes) {
-        (None, _) => Vec::new(),
-        (Some(_), Some(m)) => m.clone(),
-        (Some(_), None) => args.modes.clone(),
+    let suite_modes: Vec<Mode> = match (args.conformance.is_empty(), &args.conformance_modes) {
+        (true, _) => Vec::new(),
+        (false, Some(m)) => m.clone(),
+        (false, None) => args.modes.clone(),
     };
-    let steps = 2 + args.modes.len() * checks::STEPS + suite_modes.len() + 1;
+    let steps =
+        2 + args.modes.len() * checks::STEPS + suite_modes.len() * args.conformance.len() + 1;
     let mut p = Progress::new(steps);
     let mut cluster = E2eCluster::start(&mut p, &args.image)?;
-    if args.conformance.is_some() {
+    if !args.conformance.is_empty() {
         conformance::import_agnhost(&cluster)?;
         p.note("the upstream suites' agnhost image imported into both nodes");
     }
@@ -101,28 +103,34 @@ fn main() -> Result<()> {
     let mut outcomes = Vec::new();
     for mode in &args.modes {
         cluster.kube_proxy_for(*mode, &mut p)?;
-        let suite = args
-            .conformance
-            .filter(|_| suite_modes.contains(mode))
-            .map(|s| (s, &mut outcomes));
-        reports.push(checks::run(&cluster, *mode, &mut p, suite)?);
+        let suites: &[conformance::Suite] = if suite_modes.contains(mode) {
+            &args.conformance
+        } else {
+            &[]
+        };
+        reports.push(checks::run(&cluster, *mode, &mut p, suites, &mut outcomes)?);
     }
-    let mut suite_failed = Vec::new();
-    if let Some(suite) = args.conformance {
-        let md = conformance::markdown(&outcomes, &suite_modes, &args.commit);
-        if let Some(path) = &args.conformance_report {
-            std::fs::write(path, &md).with_context(|| format!("write {}", path.display()))?;
+    for suite in &args.conformance {
+        let mine: Vec<conformance::Outcome> = outcomes
+            .iter()
+            .filter(|o| o.suite == *suite)
+            .cloned()
+            .collect();
+        let md = conformance::markdown(&mine, &suite_modes, &args.commit);
+        if let Some(dir) = &args.conformance_reports {
+            let path = dir.join(format!("{}.md", suite.name()));
+            std::fs::write(&path, &md).with_context(|| format!("write {}", path.display()))?;
             println!("the {} suite's report: {}", suite.name(), path.display());
         }
-        suite_failed = outcomes
-            .iter()
-            .flat_map(|o| {
-                o.failed()
-                    .into_iter()
-                    .map(move |c| format!("[{}] {}", o.mode.value(), c.name))
-            })
-            .collect();
     }
+    let suite_failed: Vec<String> = outcomes
+        .iter()
+        .flat_map(|o| {
+            o.failed()
+                .into_iter()
+                .map(move |c| format!("[{} {}] {}", o.suite.name(), o.mode.value(), c.name))
+        })
+        .collect();
     p.step("teardown: nodes (kubelet, containerd, kube-proxy if running), control plane, underlay");
     let left = cluster.stop();
     if !left.is_empty() {

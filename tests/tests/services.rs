@@ -272,6 +272,44 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         },
         show,
     );
+    // An EndpointSlice labelled headless (kube-proxy ignores it, the upstream suite checks
+    // that): as good as gone, web's port 80 refuses; unlabelled again, served again.
+    let web_slice = |labels: Value| {
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "web-1", "labels": labels},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                      {"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true}}],
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let port_80 = |want: &'static str| {
+        wait_for(
+            &format!("web's port 80 {want}"),
+            Duration::from_secs(30),
+            || {
+                let r = node
+                    .agent()
+                    .calixctl_json(&["services", &format!("{ns}/web")])
+                    .ok()?;
+                let f = r["list"][0]["frontends"]
+                    .as_array()?
+                    .iter()
+                    .find(|f| f["frontend"]["port"] == 80)?
+                    .clone();
+                let refused = f["internal"] == "Reject";
+                ((want == "refused") == refused && r["programmed"] == true).then_some(())
+            },
+            show,
+        )
+    };
+    web_slice(json!({"kubernetes.io/service-name": "web",
+                     "service.kubernetes.io/headless": ""}));
+    port_80("refused");
+    web_slice(json!({"kubernetes.io/service-name": "web"}));
+    port_80("served");
     // Labelled as another proxy's (kube-proxy's rule, which the upstream suite checks):
     // left alone, as if gone.
     api.apply(json!({

@@ -44,13 +44,13 @@ pub fn run_e2e(
     let bin = util::workspace_root().join("target/debug/calix-e2e");
     let mut cmd = Command::new(&bin);
     cmd.arg("--image").arg(&image).arg("--modes").arg(modes);
-    if let Some(suite) = conformance {
+    if let Some(suites) = conformance {
         let docs = util::workspace_root().join("docs/conformance");
         std::fs::create_dir_all(&docs).with_context(|| format!("create {}", docs.display()))?;
         cmd.arg("--conformance")
-            .arg(suite)
-            .arg("--conformance-report")
-            .arg(docs.join(format!("{suite}.md")))
+            .arg(suites)
+            .arg("--conformance-reports")
+            .arg(&docs)
             .arg("--commit")
             .arg(commit());
         if let Some(m) = conformance_modes {
@@ -79,7 +79,7 @@ pub fn run_e2e(
     if !left.is_empty() {
         bail!("{left}");
     }
-    if let Some(suite) = conformance {
+    for suite in conformance.into_iter().flat_map(|s| s.split(',')) {
         println!("the {suite} suite's report: docs/conformance/{suite}.md");
     }
     println!(

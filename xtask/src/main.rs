@@ -75,9 +75,9 @@ enum Task {
         /// The dataplane modes, in order.
         #[arg(long, default_value = "ebpf,kernel")]
         modes: String,
-        /// Also run an upstream conformance suite (`netpol`: `[sig-network] Netpol`; `services`:
-        /// `[sig-network] Services`) after the checks, and write docs/conformance/<suite>.md;
-        /// fails if a spec fails.
+        /// Also run upstream conformance suites, comma-separated (`netpol`: `[sig-network]
+        /// Netpol`; `services`: `[sig-network] Services`; `services-ci`: the part of it CI
+        /// runs) after the checks, and write docs/conformance/<suite>.md; fails if a spec fails.
         #[arg(long)]
         conformance: Option<String>,
         /// The modes the suite runs in (default: all of `--modes`; `ebpf` alone is calix's

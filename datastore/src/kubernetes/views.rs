@@ -35,8 +35,9 @@ pub const ENDPOINT_SLICES: &str = "k8s/endpointslices/";
 
 /// The label naming an EndpointSlice's Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
-/// Labels of a Service no default proxy serves (kube-proxy's own rule): another proxy's, or
-/// one marked headless. The Service view keeps them (and no other label).
+/// Labels of a Service or an EndpointSlice no default proxy serves (kube-proxy's own rule,
+/// its informers' label selector for both): another proxy's, or one marked headless. The
+/// Service and EndpointSlice views keep them.
 pub const NOT_PROXIED: [&str; 2] = [
     "service.kubernetes.io/service-proxy-name",
     "service.kubernetes.io/headless",
@@ -364,15 +365,15 @@ pub const SERVICE: ViewOf = ViewOf {
     field_selector: |_| None,
 };
 
-/// An EndpointSlice: its namespace, name, the label naming its Service, its address type,
-/// endpoints and ports, still an EndpointSlice (other labels, annotations and owner references
-/// stay out).
+/// An EndpointSlice: its namespace, name, the label naming its Service and those of
+/// [`NOT_PROXIED`], its address type, endpoints and ports, still an EndpointSlice (other
+/// labels, annotations and owner references stay out).
 pub const ENDPOINT_SLICE: ViewOf = ViewOf {
     key: |o| namespaced_key(ENDPOINT_SLICES, o),
     value: |o| {
         let labels: BTreeMap<String, String> = string_map(&o.metadata.labels)
             .into_iter()
-            .filter(|(k, _)| k == SERVICE_NAME_LABEL)
+            .filter(|(k, _)| k == SERVICE_NAME_LABEL || NOT_PROXIED.contains(&k.as_str()))
             .collect();
         let mut v = serde_json::json!({
             "metadata": {
@@ -439,7 +440,8 @@ mod tests {
             "EndpointSlice",
             serde_json::json!({
                 "metadata": {"name": "web-abc", "namespace": "shop",
-                    "labels": {"kubernetes.io/service-name": "web", "other": "x"},
+                    "labels": {"kubernetes.io/service-name": "web", "other": "x",
+                        "service.kubernetes.io/headless": ""},
                     "ownerReferences": [{"kind": "Service", "name": "web"}]},
                 "addressType": "IPv4",
                 "endpoints": [{"addresses": ["10.244.1.5"]}],
@@ -454,7 +456,8 @@ mod tests {
             (ENDPOINT_SLICE.value)(&slice),
             serde_json::json!({
                 "metadata": {"namespace": "shop", "name": "web-abc",
-                    "labels": {"kubernetes.io/service-name": "web"}},
+                    "labels": {"kubernetes.io/service-name": "web",
+                        "service.kubernetes.io/headless": ""}},
                 "addressType": "IPv4",
                 "endpoints": [{"addresses": ["10.244.1.5"]}],
                 "ports": [{"port": 8080}]

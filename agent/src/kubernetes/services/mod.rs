@@ -139,15 +139,19 @@ pub fn service(s: &KubeService) -> (Option<Service>, Vec<String>) {
 }
 
 /// An EndpointSlice as the calculation takes it, and what of it could not be read; `None`
-/// for one of no Service (no `kubernetes.io/service-name`) or no namespace or name.
+/// for one of no Service (no `kubernetes.io/service-name`), no namespace or name, or a label
+/// of [`NOT_PROXIED`].
 pub fn slice(s: &KubeSlice) -> (Option<EndpointSlice>, Vec<String>) {
     let mut problems = Vec::new();
-    let service = s
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(SERVICE_NAME_LABEL))
-        .cloned();
+    let labels = s.metadata.labels.as_ref();
+    if NOT_PROXIED
+        .iter()
+        .any(|l| labels.is_some_and(|m| m.contains_key(*l)))
+    {
+        // kube-proxy ignores it as it ignores such a Service: as good as gone.
+        return (None, problems);
+    }
+    let service = labels.and_then(|l| l.get(SERVICE_NAME_LABEL)).cloned();
     let (Some(namespace), Some(name), Some(service)) = (
         s.metadata.namespace.clone(),
         s.metadata.name.clone(),
@@ -347,5 +351,14 @@ mod tests {
             "metadata": {"namespace": "shop", "name": "x"}, "addressType": "IPv4"}))
         .expect("a slice");
         assert_eq!(slice(&orphan).0, None, "no Service named");
+        for label in NOT_PROXIED {
+            let other: KubeSlice = serde_json::from_value(json!({
+                "metadata": {"namespace": "shop", "name": "web-abc",
+                    "labels": {"kubernetes.io/service-name": "web", label: ""}},
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": ["10.244.1.5"]}]}))
+            .expect("a slice");
+            assert_eq!(slice(&other).0, None, "{label}: as good as gone");
+        }
     }
 }
