@@ -108,21 +108,14 @@ fn main() -> Result<()> {
         } else {
             &[]
         };
-        reports.push(checks::run(&cluster, *mode, &mut p, suites, &mut outcomes)?);
-    }
-    for suite in &args.conformance {
-        let mine: Vec<conformance::Outcome> = outcomes
-            .iter()
-            .filter(|o| o.suite == *suite)
-            .cloned()
-            .collect();
-        let md = conformance::markdown(&mine, &suite_modes, &args.commit);
-        if let Some(dir) = &args.conformance_reports {
-            let path = dir.join(format!("{}.md", suite.name()));
-            std::fs::write(&path, &md).with_context(|| format!("write {}", path.display()))?;
-            println!("the {} suite's report: {}", suite.name(), path.display());
+        let checked = checks::run(&cluster, *mode, &mut p, suites, &mut outcomes);
+        if checked.is_err() {
+            // What the suites found stays, whatever failed after them.
+            write_reports(&args, &outcomes, &suite_modes)?;
         }
+        reports.push(checked?);
     }
+    write_reports(&args, &outcomes, &suite_modes)?;
     let suite_failed: Vec<String> = outcomes
         .iter()
         .flat_map(|o| {
@@ -150,6 +143,32 @@ fn main() -> Result<()> {
     println!("|---|---|---|---|---|---|");
     for r in &reports {
         println!("{r}");
+    }
+    Ok(())
+}
+
+/// Each suite's report (of the modes it ran in so far) to `--conformance-reports`.
+fn write_reports(
+    args: &Args,
+    outcomes: &[conformance::Outcome],
+    suite_modes: &[Mode],
+) -> Result<()> {
+    let Some(dir) = &args.conformance_reports else {
+        return Ok(());
+    };
+    for suite in &args.conformance {
+        let mine: Vec<conformance::Outcome> = outcomes
+            .iter()
+            .filter(|o| o.suite == *suite)
+            .cloned()
+            .collect();
+        if mine.is_empty() {
+            continue;
+        }
+        let md = conformance::markdown(&mine, suite_modes, &args.commit);
+        let path = dir.join(format!("{}.md", suite.name()));
+        std::fs::write(&path, &md).with_context(|| format!("write {}", path.display()))?;
+        println!("the {} suite's report: {}", suite.name(), path.display());
     }
     Ok(())
 }
