@@ -37,10 +37,24 @@ pub enum Suite {
     ServicesCi,
 }
 
-/// `services-ci`'s specs (their names after `[sig-network] Services `): ClusterIP over TCP
-/// and UDP, several ports, NodePort, external IPs, no endpoint, hairpin, the client's
-/// address kept, both `Local` policies, session affinity and a slice labelled headless.
-const SERVICES_CI: &str = r"\[sig-network\] Services (should serve a basic endpoint from pods|should serve multiport endpoints from pods|should serve endpoints on same port and different protocols |should be able to create a functioning NodePort service|should be possible to connect to a service via ExternalIP when the external IP is not assigned to a node|should be rejected when no endpoints exist|should allow pods to hairpin back to themselves through services|should preserve source pod IP for traffic thru service cluster IP|should respect internalTrafficPolicy=Local Pod to Pod|should support externalTrafficPolicy=Local for type=NodePort|should have session affinity work for service with type clusterIP|should implement service.kubernetes.io/headless)";
+/// `services-ci`'s specs (their names after `[sig-network] Services `, each the start of
+/// one): ClusterIP over TCP and UDP, several ports, NodePort, external IPs, no endpoint,
+/// hairpin, the client's address kept, both `Local` policies, session affinity and a slice
+/// labelled headless.
+const SERVICES_CI: [&str; 12] = [
+    "should serve a basic endpoint from pods",
+    "should serve multiport endpoints from pods",
+    "should serve endpoints on same port and different protocols ",
+    "should be able to create a functioning NodePort service",
+    "should be possible to connect to a service via ExternalIP when the external IP is not assigned to a node",
+    "should be rejected when no endpoints exist",
+    "should allow pods to hairpin back to themselves through services",
+    "should preserve source pod IP for traffic thru service cluster IP",
+    "should respect internalTrafficPolicy=Local Pod to Pod",
+    "should support externalTrafficPolicy=Local for type=NodePort",
+    "should have session affinity work for service with type clusterIP",
+    "should implement service.kubernetes.io/headless",
+];
 
 impl Suite {
     pub fn name(self) -> &'static str {
@@ -59,12 +73,24 @@ impl Suite {
         }
     }
 
-    /// The `--ginkgo.focus`.
-    fn focus(self) -> &'static str {
+    /// The `--ginkgo.focus` (the names of [`SERVICES_CI`] hold no regex character).
+    fn focus(self) -> String {
         match self {
-            Suite::Netpol => r"\[sig-network\] Netpol",
-            Suite::Services => r"\[sig-network\] Services ",
-            Suite::ServicesCi => SERVICES_CI,
+            Suite::Netpol => r"\[sig-network\] Netpol".into(),
+            Suite::Services => r"\[sig-network\] Services ".into(),
+            Suite::ServicesCi => format!(r"\[sig-network\] Services ({})", SERVICES_CI.join("|")),
+        }
+    }
+
+    /// Whether the focus selects spec `name` (the report leaves the others out).
+    fn selects(self, name: &str) -> bool {
+        let Some(at) = name.find(self.prefix()) else {
+            return false;
+        };
+        let rest = &name[at + self.prefix().len()..];
+        match self {
+            Suite::Netpol | Suite::Services => true,
+            Suite::ServicesCi => SERVICES_CI.iter().any(|s| rest.starts_with(s)),
         }
     }
 
@@ -183,6 +209,7 @@ pub fn run(c: &E2eCluster, mode: Mode, suite: Suite, p: &Progress) -> Result<Out
         .as_ref()
         .context("the API server runs in a namespace of its own")?;
     let (focus, skip) = (suite.focus(), suite.skip());
+    let focus = focus.as_str();
     let (bin, kubeconfig, report) = (
         bin.display().to_string(),
         kubeconfig.display().to_string(),
@@ -241,7 +268,7 @@ pub fn run(c: &E2eCluster, mode: Mode, suite: Suite, p: &Progress) -> Result<Out
     let text = std::fs::read_to_string(&xml).with_context(|| format!("read {}", xml.display()))?;
     let cases = parse_junit(&text)
         .into_iter()
-        .filter(|c| c.name.contains(suite.prefix()))
+        .filter(|c| suite.selects(&c.name))
         .map(|c| suite.classify(c))
         .collect::<Vec<_>>();
     if cases.is_empty() {
@@ -423,6 +450,20 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn services_ci_reports_only_its_specs() {
+        let ci = Suite::ServicesCi;
+        assert!(ci.selects("[It] [sig-network] Services should serve a basic endpoint from pods [Conformance] [sig-network, Conformance]"));
+        assert!(!ci.selects(
+            "[It] [sig-network] Services should create endpoints for unready pods [sig-network]"
+        ));
+        assert!(!ci.selects("[It] [sig-network] Netpol should serve a basic endpoint from pods"));
+        assert!(Suite::Services.selects(
+            "[It] [sig-network] Services should create endpoints for unready pods [sig-network]"
+        ));
+        assert_eq!(SERVICES_CI.len(), ci.focus().matches('|').count() + 1);
+    }
 
     #[test]
     fn the_junit_report_gives_each_spec_its_result_and_time() {
