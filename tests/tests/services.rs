@@ -5,7 +5,8 @@
 //! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9` and
 //! restart leave the translation in force. With `sessionAffinity: ClientIP`, a client stays on
 //! one backend of two. A UDP client's connected socket to a backend that leaves the Service is
-//! ended, and its next socket meets a backend that is there.
+//! ended, and its next socket meets a backend that is there. An established TCP connection
+//! stays on its backend when the endpoints change; the next one meets the new ones.
 use std::io::{Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::path::PathBuf;
@@ -635,5 +636,160 @@ print(t.recv(16).decode(), flush=True)
         "{}\n{}",
         String::from_utf8_lossy(&out.stderr),
         node.agent_log()
+    );
+}
+
+/// Answers each line on each TCP connection to port 8080 in `pod`'s namespace with `name`.
+fn line_backend(pod: &Pod<'_>, name: &'static str) {
+    let tcp = pod
+        .ns
+        .run(|| TcpListener::bind("0.0.0.0:8080").expect("bind tcp"));
+    std::thread::spawn(move || {
+        for c in tcp.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut w = match c.try_clone() {
+                    Ok(w) => w,
+                    Err(_) => return,
+                };
+                let r = std::io::BufReader::new(c);
+                for line in std::io::BufRead::lines(r) {
+                    if line.is_err() || w.write_all(format!("{name}\n").as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn an_established_connection_stays_on_its_backend_when_the_endpoints_change() {
+    let api = KubeApi::shared();
+    let u = unique("sf");
+    let cg = TestCgroup::new(&u);
+    let node = api
+        .kubernetes_node(
+            Node::create(Dataplane::Ebpf, None),
+            None,
+            &format!(
+                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
+                cg.0.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let node = api
+        .started_with_pool(node, &u, "10.89.3.0/24", "192.0.2.46")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ns = format!("{u}-svc");
+    api.namespace(&ns, json!({}), json!({}))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let pod = |name: &str| {
+        api.running_pod(&node, &ns, name, json!({"app": name}))
+            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+    };
+    let (a, b, cl) = (pod("web-a"), pod("web-b"), pod("client"));
+    line_backend(&a, "web-a");
+    line_backend(&b, "web-b");
+    let svc = api
+        .apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "flow"},
+            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ip = svc["spec"]["clusterIP"]
+        .as_str()
+        .expect("a cluster IP")
+        .to_string();
+    let endpoints = |backend: &str| {
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "flow-1",
+                         "labels": {"kubernetes.io/service-name": "flow"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [backend], "conditions": {"ready": true}}],
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let programmed = |backend: String| {
+        wait_for(
+            &format!("flow programmed to {backend} only"),
+            Duration::from_secs(30),
+            || {
+                let r = node
+                    .agent()
+                    .calixctl_json(&["services", &format!("{ns}/flow")])
+                    .ok()?;
+                let to = r["list"][0]["frontends"][0]["internal"]["To"].as_array()?;
+                (r["programmed"] == true && to.len() == 1 && to[0][0] == backend.as_str())
+                    .then_some(())
+            },
+            || {
+                format!(
+                    "{:?}",
+                    node.agent()
+                        .calixctl_json(&["services", &format!("{ns}/flow")])
+                )
+            },
+        )
+    };
+    endpoints(&a.ip());
+    programmed(a.ip());
+    // The client connects, speaks, waits for the go file (the endpoints changed meanwhile:
+    // web-a replaced by web-b), speaks again on the same connection, then connects anew.
+    let go = std::env::temp_dir().join(format!("{u}-go"));
+    let script = format!(
+        r#"
+import os, socket, time
+c = socket.create_connection(("{ip}", 80), timeout=5)
+f = c.makefile("rw")
+f.write("1\n"); f.flush(); print("before", f.readline().strip(), flush=True)
+deadline = time.time() + 60
+while not os.path.exists("{go}") and time.time() < deadline:
+    time.sleep(0.05)
+f.write("2\n"); f.flush(); print("same connection", f.readline().strip())
+n = socket.create_connection(("{ip}", 80), timeout=5)
+n.sendall(b"3\n"); print("new connection", n.recv(16).decode().strip())
+"#,
+        go = go.display()
+    );
+    let join = format!(
+        "echo $$ > {} && exec python3 -c \"$0\"",
+        cg.0.join("cgroup.procs").display()
+    );
+    let mut client = cl
+        .ns
+        .cmd_setns(&["sh", "-c", &join, &script])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the client");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        client.stdout.take().expect("the client's stdout"),
+    ));
+    // Connected and answered: now the endpoints change under it.
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    endpoints(&b.ip());
+    programmed(b.ip());
+    std::fs::write(&go, b"go").expect("the go file");
+    let mut got = vec![first];
+    got.extend(lines.map_while(Result::ok));
+    let out = client.wait_with_output().expect("the client");
+    let _ = std::fs::remove_file(&go);
+    assert!(
+        out.status.success(),
+        "{got:?}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        node.agent_log()
+    );
+    assert_eq!(
+        got,
+        [
+            "before web-a",
+            "same connection web-a",
+            "new connection web-b"
+        ],
+        "an established connection does not move; a new one meets the new endpoints"
     );
 }
