@@ -39,6 +39,46 @@ impl Drop for TestCgroup {
     }
 }
 
+/// What each test runs on: a node whose agent translates Services for the processes of a
+/// cgroup of the test's own, started with a pool of `cidr` and its Node object's `address`,
+/// and a namespace for the test's objects. Bound `let Bed { cg, node, .. }`: the node goes
+/// first (bindings are dropped in reverse), then the cgroup.
+struct Bed {
+    cg: TestCgroup,
+    node: Node,
+    tag: String,
+    ns: String,
+}
+
+impl Bed {
+    fn new(api: &KubeApi, tag: &str, cidr: &str, address: &str) -> Self {
+        let u = unique(tag);
+        let cg = TestCgroup::new(&u);
+        let node = api
+            .kubernetes_node(
+                Node::create(Dataplane::Ebpf, None),
+                None,
+                &format!(
+                    "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
+                    cg.0.display()
+                ),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        let node = api
+            .started_with_pool(node, &u, cidr, address)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let ns = format!("{u}-svc");
+        api.namespace(&ns, json!({}), json!({}))
+            .unwrap_or_else(|e| panic!("{e}"));
+        Self {
+            cg,
+            node,
+            tag: u,
+            ns,
+        }
+    }
+}
+
 /// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
 fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {
     let join = format!(
@@ -107,24 +147,12 @@ fn backends(web: &Pod<'_>, rounds: usize) -> std::thread::JoinHandle<()> {
 #[test]
 fn a_pod_reaches_a_service_through_the_socket_programs() {
     let api = KubeApi::shared();
-    let u = unique("sx");
-    let cg = TestCgroup::new(&u);
-    let node = api
-        .kubernetes_node(
-            Node::create(Dataplane::Ebpf, None),
-            None,
-            &format!(
-                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
-                cg.0.display()
-            ),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    let node = api
-        .started_with_pool(node, &u, "10.89.0.0/24", "192.0.2.42")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ns = format!("{u}-svc");
-    api.namespace(&ns, json!({}), json!({}))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Bed {
+        cg,
+        node,
+        tag: _,
+        ns,
+    } = Bed::new(&api, "sx", "10.89.0.0/24", "192.0.2.42");
     let pod = |name: &str| {
         api.running_pod(&node, &ns, name, json!({"app": name}))
             .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
@@ -374,24 +402,12 @@ fn named_backend(pod: &Pod<'_>, name: &'static str) {
 #[test]
 fn a_client_keeps_its_backend_with_session_affinity() {
     let api = KubeApi::shared();
-    let u = unique("sa");
-    let cg = TestCgroup::new(&u);
-    let node = api
-        .kubernetes_node(
-            Node::create(Dataplane::Ebpf, None),
-            None,
-            &format!(
-                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
-                cg.0.display()
-            ),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    let node = api
-        .started_with_pool(node, &u, "10.89.1.0/24", "192.0.2.44")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ns = format!("{u}-svc");
-    api.namespace(&ns, json!({}), json!({}))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Bed {
+        cg,
+        node,
+        tag: _,
+        ns,
+    } = Bed::new(&api, "sa", "10.89.1.0/24", "192.0.2.44");
     let pod = |name: &str| {
         api.running_pod(&node, &ns, name, json!({"app": name}))
             .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
@@ -482,24 +498,12 @@ fn named_udp_backend(pod: &Pod<'_>, name: &'static str) {
 fn a_udp_client_leaves_a_backend_that_goes() {
     use std::io::BufRead;
     let api = KubeApi::shared();
-    let u = unique("su");
-    let cg = TestCgroup::new(&u);
-    let node = api
-        .kubernetes_node(
-            Node::create(Dataplane::Ebpf, None),
-            None,
-            &format!(
-                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
-                cg.0.display()
-            ),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    let node = api
-        .started_with_pool(node, &u, "10.89.2.0/24", "192.0.2.45")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ns = format!("{u}-svc");
-    api.namespace(&ns, json!({}), json!({}))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Bed {
+        cg,
+        node,
+        tag: _,
+        ns,
+    } = Bed::new(&api, "su", "10.89.2.0/24", "192.0.2.45");
     let pod = |name: &str| {
         api.running_pod(&node, &ns, name, json!({"app": name}))
             .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
@@ -665,24 +669,12 @@ fn line_backend(pod: &Pod<'_>, name: &'static str) {
 #[test]
 fn an_established_connection_stays_on_its_backend_when_the_endpoints_change() {
     let api = KubeApi::shared();
-    let u = unique("sf");
-    let cg = TestCgroup::new(&u);
-    let node = api
-        .kubernetes_node(
-            Node::create(Dataplane::Ebpf, None),
-            None,
-            &format!(
-                "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
-                cg.0.display()
-            ),
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    let node = api
-        .started_with_pool(node, &u, "10.89.3.0/24", "192.0.2.46")
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ns = format!("{u}-svc");
-    api.namespace(&ns, json!({}), json!({}))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let Bed {
+        cg,
+        node,
+        tag: u,
+        ns,
+    } = Bed::new(&api, "sf", "10.89.3.0/24", "192.0.2.46");
     let pod = |name: &str| {
         api.running_pod(&node, &ns, name, json!({"app": name}))
             .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
