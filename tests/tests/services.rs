@@ -79,6 +79,20 @@ impl Bed {
     }
 }
 
+/// Pod `name` of namespace `ns` on `node`, Running (labelled `app: <name>`).
+fn running<'a>(api: &KubeApi, node: &'a Node, ns: &str, name: &str) -> Pod<'a> {
+    api.running_pod(node, ns, name, json!({"app": name}))
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
+}
+
+/// The cluster IP of Service object `svc`.
+fn cluster_ip(svc: &Value) -> String {
+    svc["spec"]["clusterIP"]
+        .as_str()
+        .expect("a cluster IP")
+        .to_string()
+}
+
 /// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
 fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {
     let join = format!(
@@ -153,10 +167,7 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         tag: _,
         ns,
     } = Bed::new(&api, "sx", "10.89.0.0/24", "192.0.2.42");
-    let pod = |name: &str| {
-        api.running_pod(&node, &ns, name, json!({"app": name}))
-            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-    };
+    let pod = |name: &str| running(&api, &node, &ns, name);
     let web = pod("web");
     let cl = pod("client");
     let service = |name: &str, ports: Value| {
@@ -172,10 +183,7 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         json!([{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
                {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]),
     );
-    let ip = svc["spec"]["clusterIP"]
-        .as_str()
-        .expect("a cluster IP")
-        .to_string();
+    let ip = cluster_ip(&svc);
     // A second Service on the same address is impossible; the one with no endpoint is its
     // own port of web's address instead: a port 81 whose slice names no endpoint.
     api.apply(json!({
@@ -408,10 +416,7 @@ fn a_client_keeps_its_backend_with_session_affinity() {
         tag: _,
         ns,
     } = Bed::new(&api, "sa", "10.89.1.0/24", "192.0.2.44");
-    let pod = |name: &str| {
-        api.running_pod(&node, &ns, name, json!({"app": name}))
-            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-    };
+    let pod = |name: &str| running(&api, &node, &ns, name);
     let (a, b, cl) = (pod("web-a"), pod("web-b"), pod("client"));
     named_backend(&a, "web-a");
     named_backend(&b, "web-b");
@@ -427,12 +432,7 @@ fn a_client_keeps_its_backend_with_session_affinity() {
     let mut ips = Vec::new();
     for (name, affinity) in [("sticky", "ClientIP"), ("any", "None")] {
         let svc = service(name, affinity);
-        ips.push(
-            svc["spec"]["clusterIP"]
-                .as_str()
-                .expect("a cluster IP")
-                .to_string(),
-        );
+        ips.push(cluster_ip(&svc));
         api.apply(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"namespace": ns, "name": format!("{name}-1"),
@@ -504,24 +504,18 @@ fn a_udp_client_leaves_a_backend_that_goes() {
         tag: _,
         ns,
     } = Bed::new(&api, "su", "10.89.2.0/24", "192.0.2.45");
-    let pod = |name: &str| {
-        api.running_pod(&node, &ns, name, json!({"app": name}))
-            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-    };
+    let pod = |name: &str| running(&api, &node, &ns, name);
     let (a, b, cl) = (pod("dns-a"), pod("dns-b"), pod("client"));
     named_udp_backend(&a, "dns-a");
     named_udp_backend(&b, "dns-b");
-    let svc = api
-        .apply(json!({
+    let ip = cluster_ip(
+        &api.apply(json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"namespace": ns, "name": "dns"},
             "spec": {"ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]},
         }))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ip = svc["spec"]["clusterIP"]
-        .as_str()
-        .expect("a cluster IP")
-        .to_string();
+        .unwrap_or_else(|e| panic!("{e}")),
+    );
     let slice = |endpoints: Vec<String>| {
         let endpoints: Vec<Value> = endpoints
             .into_iter()
@@ -675,24 +669,15 @@ fn an_established_connection_stays_on_its_backend_when_the_endpoints_change() {
         tag: u,
         ns,
     } = Bed::new(&api, "sf", "10.89.3.0/24", "192.0.2.46");
-    let pod = |name: &str| {
-        api.running_pod(&node, &ns, name, json!({"app": name}))
-            .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-    };
+    let pod = |name: &str| running(&api, &node, &ns, name);
     let (a, b, cl) = (pod("web-a"), pod("web-b"), pod("client"));
     line_backend(&a, "web-a");
     line_backend(&b, "web-b");
-    let svc = api
-        .apply(json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": ns, "name": "flow"},
-            "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
-        }))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ip = svc["spec"]["clusterIP"]
-        .as_str()
-        .expect("a cluster IP")
-        .to_string();
+    let ip = cluster_ip(&api.apply(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": ns, "name": "flow"},
+        "spec": {"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
+    })).unwrap_or_else(|e| panic!("{e}")));
     let endpoints = |backend: &str| {
         api.apply(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
