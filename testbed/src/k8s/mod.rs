@@ -236,17 +236,23 @@ impl KubeApi {
         Ok(path)
     }
 
+    /// The API server's namespace and the number of `node`'s link to it ([`KubeApi::wire`]).
+    fn link_of(&self, node: &Netns, what: &str) -> Result<(&Netns, u32)> {
+        match (&self.ns, lock(&self.wired).get(&node.name).copied()) {
+            (Some(ns), Some(i)) => Ok((ns, i)),
+            _ => Err(Error::Unexpected {
+                what: what.into(),
+                found: format!("{} not wired", node.name),
+                expected: "a node namespace KubeApi::wire connected".into(),
+            }),
+        }
+    }
+
     /// Routes the API server's namespace to `node_ip` (the kubelet's `--node-ip`, its Node's
     /// InternalIP) through `node`'s link ([`KubeApi::wire`] first): the API server reaches
     /// that kubelet for exec, logs and port-forward.
     pub fn reach_kubelet(&self, node: &Netns, node_ip: &str) -> Result<()> {
-        let (Some(ns), Some(i)) = (&self.ns, lock(&self.wired).get(&node.name).copied()) else {
-            return Err(Error::Unexpected {
-                what: "KubeApi::reach_kubelet".into(),
-                found: format!("{} not wired", node.name),
-                expected: "a node namespace KubeApi::wire connected".into(),
-            });
-        };
+        let (ns, i) = self.link_of(node, "KubeApi::reach_kubelet")?;
         ns.ip(&format!(
             "route replace {node_ip}/32 via 10.97.{i}.2 dev k{i}"
         ))
@@ -258,13 +264,7 @@ impl KubeApi {
     /// from a control-plane host that routes to the pods. The pods see `node` as the client,
     /// which they already know how to answer.
     pub fn reach_pods(&self, node: &Netns, cidr: &str) -> Result<()> {
-        let (Some(ns), Some(i)) = (&self.ns, lock(&self.wired).get(&node.name).copied()) else {
-            return Err(Error::Unexpected {
-                what: "KubeApi::reach_pods".into(),
-                found: format!("{} not wired", node.name),
-                expected: "a node namespace KubeApi::wire connected".into(),
-            });
-        };
+        let (ns, i) = self.link_of(node, "KubeApi::reach_pods")?;
         ns.ip(&format!("route replace {cidr} via 10.97.{i}.2 dev k{i}"))?;
         checked(&mut node.cmd(&[
             "iptables",
