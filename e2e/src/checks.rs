@@ -323,7 +323,7 @@ pub fn run(
         bail!("the flow stalled for {gap:?} during the rollout");
     }
 
-    let before_suites = namespaces(c)?;
+    let before_suites = c.namespaces()?;
     for &suite in suites {
         p.step(&format!(
             "[{m}] the upstream {} suite (e2e-network.test v1.36.2), from the API server's namespace",
@@ -332,7 +332,7 @@ pub fn run(
         let o = conformance::run(c, mode, suite, p);
         // Whatever the suite left (its namespaces are deleted as it goes, not waited for; a
         // terminating-endpoints spec's pods take minutes to end) goes before anything else.
-        clear_namespaces(c, &before_suites)?;
+        c.clear_namespaces(&before_suites)?;
         let o = o?;
         p.note(&format!(
             "{} specs: {} failed, in {:.0} s",
@@ -542,51 +542,6 @@ fn get_in_pod(c: &E2eCluster, pod: &str, addr: &str) -> Option<String> {
     let (_, body) = out.split_once("\r\n\r\n")?;
     let body = body.trim();
     (!body.is_empty()).then(|| body.to_string())
-}
-
-/// The cluster's namespaces.
-fn namespaces(c: &E2eCluster) -> Result<BTreeSet<String>> {
-    Ok(c.api
-        .list("v1", "Namespace", "")?
-        .iter()
-        .filter_map(|n| n["metadata"]["name"].as_str().map(str::to_string))
-        .collect())
-}
-
-/// Removes every namespace not in `keep`, its pods at once (grace period 0), and waits until
-/// they are gone.
-fn clear_namespaces(c: &E2eCluster, keep: &BTreeSet<String>) -> Result<()> {
-    for ns in namespaces(c)?.difference(keep) {
-        kubectl(
-            c,
-            &[
-                "delete",
-                "pods",
-                "--all",
-                "--namespace",
-                ns,
-                "--grace-period=0",
-                "--force",
-                "--wait=false",
-            ],
-        )?;
-        kubectl(
-            c,
-            &[
-                "delete",
-                "namespace",
-                ns,
-                "--wait=false",
-                "--ignore-not-found",
-            ],
-        )?;
-    }
-    wait(
-        c,
-        "the conformance suite's namespaces gone",
-        Duration::from_secs(180),
-        || Ok(namespaces(c)?.is_subset(keep).then_some(())),
-    )
 }
 
 /// `kubectl <args> -n kube-system` as the admin, in the API server's namespace.

@@ -118,6 +118,49 @@ impl E2eCluster {
         })
     }
 
+    /// The cluster's namespaces.
+    pub fn namespaces(&self) -> Result<std::collections::BTreeSet<String>> {
+        Ok(self
+            .api
+            .list("v1", "Namespace", "")?
+            .iter()
+            .filter_map(|n| n["metadata"]["name"].as_str().map(str::to_string))
+            .collect())
+    }
+
+    /// Removes every namespace not in `keep`, its pods at once (grace period 0), and waits
+    /// (3 min at most) until they are gone: what a conformance suite left (it deletes its
+    /// namespaces without waiting, and a terminating-endpoints spec's pods take minutes).
+    pub fn clear_namespaces(&self, keep: &std::collections::BTreeSet<String>) -> Result<()> {
+        let extra = |all: std::collections::BTreeSet<String>| -> Vec<String> {
+            all.difference(keep).cloned().collect()
+        };
+        for ns in extra(self.namespaces()?) {
+            for pod in self.api.list("v1", "Pod", "")? {
+                if pod["metadata"]["namespace"] == ns.as_str() {
+                    if let Some(name) = pod["metadata"]["name"].as_str() {
+                        self.api.delete_now("v1", "Pod", &ns, name)?;
+                    }
+                }
+            }
+            self.api.delete("v1", "Namespace", &ns)?;
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+        loop {
+            let left = extra(self.namespaces()?);
+            if left.is_empty() {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                anyhow::bail!(
+                    "the conformance suite's namespaces are not gone after 3 min: {left:?}\n{}",
+                    self.show()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+
     /// kube-proxy (iptables mode) on every node for kernel mode, which keeps it; none for eBPF
     /// mode, which replaces it (stopped, its rules removed, as an operator removes it).
     pub fn kube_proxy_for(&mut self, mode: Mode, p: &mut Progress) -> Result<()> {
