@@ -5,10 +5,12 @@
 //! Services costs the scraper the same as one of 100.
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
+use std::net::IpAddr;
 
 use calix_common::{SvcCounters, SvcKey};
+use calix_core::services::admit::Kind;
 use calix_core::services::model::{Protocol, ServiceKey};
-use calix_core::services::{frontend_for, ServicePlan};
+use calix_core::services::ServicePlan;
 use calix_dataplane::ebpf::services::{front, TCP, UDP};
 use calix_dataplane::DataplaneStats;
 use serde::{Deserialize, Serialize};
@@ -30,12 +32,27 @@ pub struct FrontCounts {
 
 /// Each counted key's counters added to its Service's frontend (by index in the plan's
 /// frontends); keys no frontend of `plans` stands for (a Service just removed) are left out.
-/// A NodePort counts at every key it has (the wildcard and, with `externalTrafficPolicy:
-/// Local`, node addresses).
+/// A key's address is a frontend's own, else a node's (a NodePort: the wildcard and, with
+/// `externalTrafficPolicy: Local`, node addresses), as `calix_core::services::frontend_for`
+/// reads it; the frontends are indexed once, so a scrape stays linear in the Services.
 pub fn attribute(
     plans: &BTreeMap<ServiceKey, ServicePlan>,
     counted: &[(SvcKey, SvcCounters)],
 ) -> BTreeMap<ServiceKey, Vec<FrontCounts>> {
+    // (address, protocol, port) → (Service, frontend index); a NodePort's address is `None`.
+    // The first in the plans' order wins, as in `frontend_for`.
+    let mut index: BTreeMap<(Option<IpAddr>, Protocol, u16), (&ServiceKey, usize)> =
+        BTreeMap::new();
+    for (k, plan) in plans {
+        for (i, p) in plan.frontends.iter().enumerate() {
+            let f = &p.frontend;
+            if f.address.is_some() || f.kind == Kind::NodePort {
+                index
+                    .entry((f.address, f.protocol, f.port))
+                    .or_insert((k, i));
+            }
+        }
+    }
     let mut out: BTreeMap<ServiceKey, Vec<FrontCounts>> = BTreeMap::new();
     for (k, c) in counted {
         let Some(f) = front(k) else { continue };
@@ -44,19 +61,16 @@ pub fn attribute(
             UDP => Protocol::Udp,
             _ => continue,
         };
-        // Every key the agent writes is a frontend's own address or a node's (a NodePort).
-        let Some((service, p)) = frontend_for(plans, f.address, protocol, f.port, true) else {
+        let Some(&(service, i)) = index
+            .get(&(Some(f.address), protocol, f.port))
+            .or_else(|| index.get(&(None, protocol, f.port)))
+        else {
             continue;
         };
-        let Some(plan) = plans.get(service) else {
-            continue;
-        };
-        let Some(i) = plan.frontends.iter().position(|x| x == p) else {
-            continue;
-        };
+        let len = plans.get(service).map_or(0, |p| p.frontends.len());
         let counts = out
             .entry(service.clone())
-            .or_insert_with(|| vec![FrontCounts::default(); plan.frontends.len()]);
+            .or_insert_with(|| vec![FrontCounts::default(); len]);
         counts[i].connections = counts[i].connections.wrapping_add(c.connections);
         counts[i].refused = counts[i].refused.wrapping_add(c.refused);
     }
@@ -236,6 +250,41 @@ mod tests {
             }])
         );
         assert_eq!(got.len(), 2, "{got:?}");
+        // A NodePort counts at its wildcard key and at a node's address alike.
+        let mut np = service("np", "10.96.0.13", &[]);
+        np.ports[0].node_port = Some(30080);
+        svc.apply(Change::Service(np));
+        let plans = svc.lock().state.plans().clone();
+        let got = attribute(
+            &plans,
+            &[
+                counted("0.0.0.0", 30080, 2, 0),
+                counted("192.0.2.1", 30080, 1, 1),
+                counted("10.96.0.13", 80, 4, 0),
+            ],
+        );
+        let fronts = &plans[&svc_key("np")].frontends;
+        let at = |kind: Kind| {
+            let i = fronts
+                .iter()
+                .position(|p| p.frontend.kind == kind)
+                .unwrap_or_else(|| panic!("a {kind:?} frontend: {fronts:?}"));
+            got[&svc_key("np")][i]
+        };
+        assert_eq!(
+            at(Kind::NodePort),
+            FrontCounts {
+                connections: 3,
+                refused: 1
+            }
+        );
+        assert_eq!(
+            at(Kind::ClusterIp),
+            FrontCounts {
+                connections: 4,
+                refused: 0
+            }
+        );
     }
 
     #[test]

@@ -220,17 +220,7 @@ impl KubeApi {
         node.ip(&format!(
             "route add {NS_ADVERTISE}/32 via 10.97.{i}.1 dev kube0"
         ))?;
-        checked(&mut node.cmd(&[
-            "iptables",
-            "-t",
-            "nat",
-            "-A",
-            "POSTROUTING",
-            "-o",
-            "kube0",
-            "-j",
-            "MASQUERADE",
-        ]))?;
+        masquerade(node, &["-o", "kube0"])?;
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
         Ok(path)
@@ -266,21 +256,10 @@ impl KubeApi {
     pub fn reach_pods(&self, node: &Netns, cidr: &str) -> Result<()> {
         let (ns, i) = self.link_of(node, "KubeApi::reach_pods")?;
         ns.ip(&format!("route replace {cidr} via 10.97.{i}.2 dev k{i}"))?;
-        checked(&mut node.cmd(&[
-            "iptables",
-            "-t",
-            "nat",
-            "-A",
-            "POSTROUTING",
-            "-s",
-            &format!("10.97.{i}.1/32"),
-            "!",
-            "-o",
-            "kube0",
-            "-j",
-            "MASQUERADE",
-        ]))
-        .map(drop)
+        masquerade(
+            node,
+            &["-s", &format!("10.97.{i}.1/32"), "!", "-o", "kube0"],
+        )
     }
 
     /// The CA of the API server's client certificate for the kubelets: a kubelet that trusts
@@ -404,6 +383,14 @@ impl Drop for KubeApi {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// An iptables rule in `node`: what `matches` matches leaves masqueraded as `node`'s address.
+fn masquerade(node: &Netns, matches: &[&str]) -> Result<()> {
+    let mut argv = vec!["iptables", "-t", "nat", "-A", "POSTROUTING"];
+    argv.extend_from_slice(matches);
+    argv.extend_from_slice(&["-j", "MASQUERADE"]);
+    checked(&mut node.cmd(&argv)).map(drop)
 }
 
 /// A client from a kubeconfig file.
