@@ -17,6 +17,7 @@ pub mod pending;
 pub mod pins;
 pub mod slots;
 pub mod stack_flows;
+pub mod svc_masquerade;
 pub mod tcx;
 pub mod xdp;
 
@@ -568,6 +569,9 @@ pub fn uninstall(cfg: &ebpf::EbpfConfig) -> Result<usize, DataplaneError> {
     let xdp_links = xdp::detach_except(&cfg.xdp_links_dir(), &[]);
     if let Err(e) = masquerade::remove() {
         tracing::warn!(error = %e, "cannot remove the masquerade table");
+    }
+    if let Err(e) = svc_masquerade::remove() {
+        tracing::warn!(error = %e, "cannot remove the Services masquerade table");
     }
     if let Err(e) = antispoof::remove() {
         tracing::warn!(error = %e, "cannot remove the kernel-mode anti-spoofing table");

@@ -122,6 +122,7 @@ fn a_client_reaches_the_backends_and_sees_the_frontend() {
             address: ip_addr("10.96.77.1"),
             port,
             proto,
+            external: false,
         };
         let want = std::collections::BTreeMap::from([
             (
@@ -250,6 +251,7 @@ fn session_affinity_keeps_a_client_on_its_backend() {
             address: ip_addr("10.96.77.2"),
             port,
             proto: TCP,
+            external: false,
         };
         let to = |which: &[usize], affinity_secs| Target::To {
             backends: which
@@ -381,6 +383,7 @@ fn a_nodeport_answers_on_every_nodes_address() {
             address: ip_addr("0.0.0.0"),
             port,
             proto,
+            external: false,
         };
         p.set_nodes(&BTreeSet::from([
             ip_addr("10.96.88.1"),

@@ -9,89 +9,13 @@
 //! stays on its backend when the endpoints change; the next one meets the new ones.
 use std::io::{Read, Write};
 use std::net::{TcpListener, UdpSocket};
-use std::path::PathBuf;
 use std::time::Duration;
 
-use calix_testbed::{unique, wait_for, Dataplane, KubeApi, Node, Pod};
+use calix_testbed::{wait_for, KubeApi, Pod};
 use serde_json::{json, Value};
 
-/// A cgroup of this test's own on the v2 hierarchy, removed when dropped (its processes have
-/// exited by then).
-struct TestCgroup(PathBuf);
-
-impl TestCgroup {
-    fn new(tag: &str) -> Self {
-        let hybrid = PathBuf::from("/sys/fs/cgroup/unified");
-        let root = if hybrid.join("cgroup.procs").exists() {
-            hybrid
-        } else {
-            PathBuf::from("/sys/fs/cgroup")
-        };
-        let dir = root.join(tag);
-        std::fs::create_dir_all(&dir).expect("create the test cgroup");
-        Self(dir)
-    }
-}
-
-impl Drop for TestCgroup {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
-    }
-}
-
-/// What each test runs on: a node whose agent translates Services for the processes of a
-/// cgroup of the test's own, started with a pool of `cidr` and its Node object's `address`,
-/// and a namespace for the test's objects. Bound `let Bed { cg, node, .. }`: the node goes
-/// first (bindings are dropped in reverse), then the cgroup.
-struct Bed {
-    cg: TestCgroup,
-    node: Node,
-    tag: String,
-    ns: String,
-}
-
-impl Bed {
-    fn new(api: &KubeApi, tag: &str, cidr: &str, address: &str) -> Self {
-        let u = unique(tag);
-        let cg = TestCgroup::new(&u);
-        let node = api
-            .kubernetes_node(
-                Node::create(Dataplane::Ebpf, None),
-                None,
-                &format!(
-                    "[services]\nenabled = true\ntranslate = true\ncgroup = \"{}\"\n",
-                    cg.0.display()
-                ),
-            )
-            .unwrap_or_else(|e| panic!("{e}"));
-        let node = api
-            .started_with_pool(node, &u, cidr, address)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let ns = format!("{u}-svc");
-        api.namespace(&ns, json!({}), json!({}))
-            .unwrap_or_else(|e| panic!("{e}"));
-        Self {
-            cg,
-            node,
-            tag: u,
-            ns,
-        }
-    }
-}
-
-/// Pod `name` of namespace `ns` on `node`, Running (labelled `app: <name>`).
-fn running<'a>(api: &KubeApi, node: &'a Node, ns: &str, name: &str) -> Pod<'a> {
-    api.running_pod(node, ns, name, json!({"app": name}))
-        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()))
-}
-
-/// The cluster IP of Service object `svc`.
-fn cluster_ip(svc: &Value) -> String {
-    svc["spec"]["clusterIP"]
-        .as_str()
-        .expect("a cluster IP")
-        .to_string()
-}
+mod common;
+use common::services::{cluster_ip, running, Bed, TestCgroup};
 
 /// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
 fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {

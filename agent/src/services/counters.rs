@@ -195,6 +195,7 @@ mod tests {
                 address: address.parse().expect("ip"),
                 port,
                 proto: TCP,
+                external: false,
             }),
             SvcCounters {
                 connections,

@@ -109,6 +109,12 @@ impl ServicesService {
         .into_iter()
         .flatten()
         .collect();
+        // This node's own addresses.
+        let mine: BTreeSet<IpAddr> = own
+            .iter()
+            .chain(inner.nodes.get(&self.node).into_iter().flatten())
+            .copied()
+            .collect();
         let mut out = Frontends::new();
         for plan in inner.state.plans().values() {
             for p in &plan.frontends {
@@ -124,6 +130,33 @@ impl ServicesService {
                     },
                     Choice::Reject | Choice::Drop => Target::Refuse,
                 };
+                // For clients outside, per packet where they arrive: a NodePort at this node's
+                // own addresses, an external or LoadBalancer address as it is. IPv4 only: the
+                // programs do not translate IPv6 from outside yet.
+                if let Some(external) = &p.external {
+                    let at: Vec<IpAddr> = match p.frontend.address {
+                        Some(a) => vec![a],
+                        None => mine.iter().copied().collect(),
+                    };
+                    let at = at.into_iter().filter(IpAddr::is_ipv4);
+                    let t = match external {
+                        Choice::To(v) => Target::To {
+                            backends: v.clone(),
+                            affinity_secs: p.affinity_secs.unwrap_or(0),
+                        },
+                        Choice::Reject => Target::Refuse,
+                        Choice::Drop => Target::Drop,
+                    };
+                    for address in at {
+                        let f = Front {
+                            address,
+                            port: p.frontend.port,
+                            proto,
+                            external: true,
+                        };
+                        out.insert(f, t.clone());
+                    }
+                }
                 let at = match p.frontend.address {
                     Some(a) => vec![a],
                     None => any.clone(),
@@ -133,16 +166,12 @@ impl ServicesService {
                     // endpoints, those of a node with none are refused (the wildcard);
                     // this node's get the internal choice. Entries: this node's addresses
                     // and those of the nodes with endpoints, never one per node.
-                    let mine: BTreeSet<IpAddr> = own
-                        .iter()
-                        .chain(inner.nodes.get(&self.node).into_iter().flatten())
-                        .copied()
-                        .collect();
                     let mut put = |address: IpAddr, t: Target| {
                         let f = Front {
                             address,
                             port: p.frontend.port,
                             proto,
+                            external: false,
                         };
                         out.insert(f, t);
                     };
@@ -171,6 +200,7 @@ impl ServicesService {
                             address,
                             port: p.frontend.port,
                             proto,
+                            external: false,
                         },
                         target.clone(),
                     );
@@ -232,9 +262,21 @@ mod tests {
         let fronts: Vec<String> = t
             .frontends
             .keys()
-            .map(|f| format!("{}:{}", f.address, f.port))
+            .map(|f| {
+                let outside = if f.external { " (outside)" } else { "" };
+                format!("{}:{}{outside}", f.address, f.port)
+            })
             .collect();
-        assert_eq!(fronts, ["0.0.0.0:30080", "10.96.0.10:80", ":::30080"]);
+        assert_eq!(
+            fronts,
+            [
+                "0.0.0.0:30080",
+                "10.96.0.10:80",
+                "192.0.2.1:30080 (outside)",
+                ":::30080"
+            ],
+            "clients outside: at this node's own address only"
+        );
         let backends = Target::To {
             backends: vec![("10.244.1.5".parse().expect("ip"), 8080)],
             affinity_secs: 0,
@@ -272,20 +314,83 @@ mod tests {
             ],
             affinity_secs: 0,
         };
-        let got: Vec<(String, Target)> = t
-            .frontends
-            .iter()
-            .filter(|(f, _)| f.port == 30080)
-            .map(|(f, t)| (f.address.to_string(), t.clone()))
-            .collect();
+        let at = |t: &Translation, external: bool| -> Vec<(String, Target)> {
+            t.frontends
+                .iter()
+                .filter(|(f, _)| f.port == 30080 && f.external == external)
+                .map(|(f, t)| (f.address.to_string(), t.clone()))
+                .collect()
+        };
         assert_eq!(
-            got,
+            at(&t, false),
             [
                 ("0.0.0.0".to_string(), Target::Refuse),
                 ("192.0.2.1".to_string(), both),
                 ("192.0.2.2".to_string(), to("10.244.2.5")),
             ],
             "n3 has no endpoint: the wildcard refuses; no entry per node"
+        );
+        assert_eq!(
+            at(&t, true),
+            [("192.0.2.1".to_string(), to("10.244.1.5"))],
+            "clients outside reaching this node: its own endpoint only"
+        );
+        // Its endpoint gone, clients outside are dropped here (kube-proxy's Local).
+        let mut s = slice("web-1", "web", &["10.244.2.5"]);
+        s.endpoints[0].node = Some("n2".into());
+        svc.apply(Change::Slice(s));
+        let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
+        assert_eq!(at(&t, true), [("192.0.2.1".to_string(), Target::Drop)]);
+    }
+
+    /// `externalTrafficPolicy: Cluster`: clients outside get every endpoint, at this node's
+    /// addresses and at an external address the operator allows.
+    #[test]
+    fn clients_outside_get_the_external_choice_at_this_nodes_addresses() {
+        let rules = Admission {
+            external_cidrs: vec!["203.0.113.0/24".parse().expect("cidr")],
+            ..Admission::default()
+        };
+        let limits = Limits {
+            frontends: 16,
+            backends: 16,
+        };
+        let svc = ServicesService::new("n1", None, rules, limits);
+        let mut web = service("web", "10.96.0.10", &[]);
+        web.ports[0].node_port = Some(30080);
+        web.external_ips = vec!["203.0.113.7".parse().expect("ip")];
+        svc.apply(Change::Service(web));
+        svc.apply(Change::Slice(slice(
+            "web-1",
+            "web",
+            &["10.244.1.5", "10.244.2.5"],
+        )));
+        let own: Vec<IpAddr> = vec![
+            "192.0.2.1".parse().expect("ip"),
+            "fd00::1".parse().expect("ip"),
+        ];
+        let t = svc.translation(&own);
+        let outside: Vec<String> = t
+            .frontends
+            .iter()
+            .filter(|(f, _)| f.external)
+            .map(|(f, t)| match t {
+                Target::To { backends, .. } => {
+                    format!("{}:{} {}", f.address, f.port, backends.len())
+                }
+                other => format!("{}:{} {other:?}", f.address, f.port),
+            })
+            .collect();
+        assert_eq!(
+            outside,
+            ["192.0.2.1:30080 2", "203.0.113.7:80 2"],
+            "IPv4 only: {t:?}"
+        );
+        assert!(
+            t.frontends
+                .keys()
+                .any(|f| !f.external && f.address.to_string() == "203.0.113.7"),
+            "pods reach the external address at their sockets too"
         );
     }
 

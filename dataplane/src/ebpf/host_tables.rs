@@ -1,5 +1,6 @@
 //! The nftables tables the eBPF dataplane keeps in the host stack: the masquerade of what the
-//! programs leave to the stack, the doors, and the pending verdicts of Service traffic.
+//! programs leave to the stack, the Services' masquerade (flows from outside to a backend on
+//! another node), the doors, and the pending verdicts of Service traffic.
 use super::{DataplaneError, Doors, EbpfDataplane};
 
 impl EbpfDataplane {
@@ -12,6 +13,20 @@ impl EbpfDataplane {
             self.tables.push(crate::nft::OwnedTable::record(
                 crate::masquerade::FAMILY,
                 crate::masquerade::TABLE,
+            )?);
+        }
+        if self.services.is_some() {
+            // The host stack's masquerade ports, when they lie above the NodePorts.
+            let ports = self
+                .stack_nat
+                .as_ref()
+                .and_then(crate::nat::NatSettings::stack_masquerade_ports)
+                .filter(|(lo, _)| *lo > crate::svc_masquerade::NODEPORTS_LAST)
+                .unwrap_or(crate::svc_masquerade::DEFAULT_PORTS);
+            crate::svc_masquerade::apply(ports)?;
+            self.tables.push(crate::nft::OwnedTable::record(
+                crate::svc_masquerade::FAMILY,
+                crate::svc_masquerade::TABLE,
             )?);
         }
         self.apply_doors_table()?;

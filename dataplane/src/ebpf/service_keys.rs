@@ -3,7 +3,7 @@
 //! network byte order.
 use std::net::IpAddr;
 
-use calix_common::{SvcKey, SvcNodeKey, SVC_V4, SVC_V6};
+use calix_common::{SvcKey, SvcNodeKey, SVC_EXTERNAL, SVC_V4, SVC_V6};
 
 /// IP protocol numbers a frontend carries.
 pub const TCP: u8 = 6;
@@ -18,6 +18,10 @@ pub struct Front {
     pub port: u16,
     /// [`TCP`] or [`UDP`].
     pub proto: u8,
+    /// For clients outside the cluster, translated per packet where they arrive (a NodePort
+    /// at one of this node's own addresses, an external or LoadBalancer address); else for
+    /// clients inside, at their sockets.
+    pub external: bool,
 }
 
 pub(super) fn octets(a: &IpAddr) -> ([u8; 16], u8) {
@@ -43,7 +47,7 @@ pub fn node_key(a: &IpAddr) -> SvcNodeKey {
 
 /// The frontend the maps' key `k` stands for (`None`: not a family the maps hold).
 pub fn front(k: &SvcKey) -> Option<Front> {
-    let address = match k.family {
+    let address = match k.family & !SVC_EXTERNAL {
         SVC_V4 => IpAddr::from([k.addr[0], k.addr[1], k.addr[2], k.addr[3]]),
         SVC_V6 => IpAddr::from(k.addr),
         _ => return None,
@@ -52,6 +56,7 @@ pub fn front(k: &SvcKey) -> Option<Front> {
         address,
         port: u16::from_be(k.port),
         proto: k.proto,
+        external: k.family & SVC_EXTERNAL != 0,
     })
 }
 
@@ -62,7 +67,11 @@ pub fn key(f: &Front) -> SvcKey {
         addr,
         port: f.port.to_be(),
         proto: f.proto,
-        family,
+        family: if f.external {
+            family | SVC_EXTERNAL
+        } else {
+            family
+        },
     }
 }
 
@@ -72,20 +81,28 @@ mod tests {
 
     #[test]
     fn a_key_reads_back_as_its_frontend() {
-        for (address, port, proto) in [("10.96.0.10", 80, TCP), ("::", 30080, UDP)] {
+        for (address, port, proto, external) in [
+            ("10.96.0.10", 80, TCP, false),
+            ("::", 30080, UDP, false),
+            ("192.0.2.1", 30080, TCP, true),
+            ("2001:db8::1", 443, UDP, true),
+        ] {
             let f = Front {
                 address: address.parse().expect("ip"),
                 port,
                 proto,
+                external,
             };
             let k = key(&f);
             assert_eq!(u16::from_be(k.port), port);
+            assert_eq!(k.family & SVC_EXTERNAL != 0, external, "{f:?}");
             assert_eq!(front(&k), Some(f));
         }
         let mut odd = key(&Front {
             address: "10.96.0.10".parse().expect("ip"),
             port: 80,
             proto: TCP,
+            external: false,
         });
         odd.family = 0;
         assert_eq!(front(&odd), None);

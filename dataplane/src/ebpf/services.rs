@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::{HashMap, MapData, PerCpuHashMap};
 use calix_common::{
     SvcBackend, SvcBackendKey, SvcCounters, SvcKey, SvcNodeKey, SvcRevKey, SvcRevValue, SvcValue,
-    SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS, SVC_REJECT,
-    SVC_REV_MAP,
+    SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_DROP, SVC_EXTERNAL, SVC_FRONTENDS_MAP, SVC_NODES_MAP,
+    SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP,
 };
 
 use super::service_keys::octets;
@@ -42,6 +42,9 @@ pub enum Target {
     },
     /// None: the connection is refused.
     Refuse,
+    /// None here, and a `Local` policy: dropped (external frontends only; at the sockets, as
+    /// [`Target::Refuse`]).
+    Drop,
 }
 
 impl Target {
@@ -59,6 +62,7 @@ impl Target {
 fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32, u32) {
     match t {
         Target::Refuse => (Vec::new(), SVC_REJECT, 0),
+        Target::Drop => (Vec::new(), SVC_REJECT | SVC_DROP, 0),
         Target::To {
             backends,
             affinity_secs,
@@ -279,7 +283,7 @@ impl ServiceProgrammer {
         for (f, t) in desired {
             let k = key(f);
             keep.insert(k);
-            let (backs, flags, affinity_secs) = entries(t, k.family);
+            let (backs, flags, affinity_secs) = entries(t, k.family & !SVC_EXTERNAL);
             if let Some((v, held)) = self.applied.get(&k) {
                 if v.flags == flags && v.affinity_secs == affinity_secs && *held == backs {
                     continue;
@@ -518,21 +522,43 @@ mod tests {
             address: ip("10.96.0.10"),
             port: 80,
             proto: TCP,
+            external: false,
         }
     }
 
+    /// A frontend for clients outside is its own entry, with its own backends and flags.
     #[test]
-    fn a_key_reads_back_as_its_frontend() {
-        for f in [
-            web(),
-            Front {
-                address: ip("::"),
-                port: 30080,
-                proto: UDP,
-            },
-        ] {
-            assert_eq!(front(&key(&f)), Some(f));
+    fn an_external_frontend_gets_its_backends_and_a_drop() {
+        let fake = Fake::default();
+        let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+        let outside = Front {
+            address: ip("192.0.2.1"),
+            port: 30080,
+            external: true,
+            ..web()
+        };
+        let mut want = BTreeMap::from([
+            (web(), Target::to(vec![(ip("10.244.1.5"), 8080)])),
+            (outside, Target::to(vec![(ip("10.244.1.6"), 8080)])),
+        ]);
+        p.set(&want).expect("set");
+        {
+            let g = fake.0.lock().expect("lock");
+            let v = g.0[&key(&outside)];
+            assert_eq!((v.count, v.flags), (1, 0), "its backend, of its family");
+            assert_eq!(g.1[&(v.id, 0)].addr[..4], [10, 244, 1, 6]);
+            assert_ne!(
+                key(&outside),
+                key(&Front {
+                    external: false,
+                    ..outside
+                })
+            );
         }
+        want.insert(outside, Target::Drop);
+        p.set(&want).expect("set");
+        let v = fake.0.lock().expect("lock").0[&key(&outside)];
+        assert_eq!((v.count, v.flags), (0, SVC_REJECT | SVC_DROP));
     }
 
     #[test]

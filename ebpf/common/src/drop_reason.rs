@@ -55,10 +55,14 @@ pub enum DropReason {
     PolicyIngress = 20,
     /// NetworkPolicy: the pod is isolated for egress and no rule allows the packet.
     PolicyEgress = 21,
+    /// A client outside the cluster reached a Service with `externalTrafficPolicy: Local` at
+    /// a node with no endpoint of it (kube-proxy drops it too: the load balancer's health
+    /// check has taken the node out).
+    ServiceNoLocalEndpoint = 22,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 21] = [
+    pub const ALL: [DropReason; 22] = [
         DropReason::SpoofedV4,
         DropReason::SpoofedV6,
         DropReason::SpoofedArp,
@@ -80,6 +84,7 @@ impl DropReason {
         DropReason::AgentPort,
         DropReason::PolicyIngress,
         DropReason::PolicyEgress,
+        DropReason::ServiceNoLocalEndpoint,
     ];
 
     /// The reason's name as `calixctl` and `/metrics` show it.
@@ -106,6 +111,7 @@ impl DropReason {
             DropReason::AgentPort => "agent_port",
             DropReason::PolicyIngress => "policy_ingress",
             DropReason::PolicyEgress => "policy_egress",
+            DropReason::ServiceNoLocalEndpoint => "service_no_local_endpoint",
         }
     }
 

@@ -318,7 +318,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 7] = [
+const SERVICES_MAPS: [MapLayout; 9] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -368,9 +368,18 @@ const SERVICES_MAPS: [MapLayout; 7] = [
         SVC_COUNTER_ENTRIES,
         0,
     ),
+    m(
+        SVC_FLOWS_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        40,
+        24,
+        SVC_FLOW_ENTRIES,
+        0,
+    ),
+    m(SVC_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 156, 1, 0),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 7] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 9] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 41] = [
+pub const ALL_MAPS: [&str; 43] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -222,6 +222,8 @@ pub const ALL_MAPS: [&str; 41] = [
     SVC_AFFINITY_MAP,
     SVC_NODES_MAP,
     SVC_COUNTERS_MAP,
+    SVC_FLOWS_MAP,
+    SVC_SCRATCH_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -663,6 +665,9 @@ mod pod {
     unsafe impl aya::Pod for super::SvcNodeKey {}
     unsafe impl aya::Pod for super::SvcAffValue {}
     unsafe impl aya::Pod for super::SvcCounters {}
+    unsafe impl aya::Pod for super::SvcFlowKey {}
+    unsafe impl aya::Pod for super::SvcFlow {}
+    unsafe impl aya::Pod for super::SvcScratch {}
 }
 
 #[cfg(test)]

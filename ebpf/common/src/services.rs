@@ -33,6 +33,20 @@ pub const SVC_NODES_MAP: &str = "CALIX_SVC_NODES";
 /// frontend translates or refuses; the agent removes a frontend's with it, and the LRU keeps
 /// the map bounded whatever happens between.
 pub const SVC_COUNTERS_MAP: &str = "CALIX_SVC_COUNT";
+/// LRU hash: [`SvcFlowKey`] → [`SvcFlow`]: the flows from outside the node that `from_host_dev`
+/// translated (NodePorts, external and LoadBalancer addresses), both ways: a client's flow to
+/// a frontend ([`SVC_FLOW_IN`]: to its backend) and the backend's replies ([`SVC_FLOW_OUT`]:
+/// from its frontend).
+pub const SVC_FLOWS_MAP: &str = "CALIX_SVC_FLOWS";
+/// Per-CPU array of one [`SvcScratch`]: the per-packet path's keys and values, built there
+/// rather than on the programs' 512-byte stack.
+pub const SVC_SCRATCH_MAP: &str = "CALIX_SVC_SCRATCH";
+/// Entries of [`SVC_FLOWS_MAP`] (two per flow; the least recently used go first).
+pub const SVC_FLOW_ENTRIES: u32 = 262_144;
+/// `skb->mark` of a translated packet from outside whose backend is on another node: the host
+/// stack routes it there and masquerades it to the node's address (its replies come back
+/// here to be translated again).
+pub const SVC_MASQ_MARK: u32 = 0x0ca1_2000;
 /// Entries of [`SVC_COUNTERS_MAP`] (the default room for frontends: a frontend the LRU evicted
 /// starts counting again from zero).
 pub const SVC_COUNTER_ENTRIES: u32 = 65_536;
@@ -50,6 +64,13 @@ pub const SVC_AFFINITY_SCAN: u32 = 256;
 /// [`SvcKey::family`].
 pub const SVC_V4: u8 = 4;
 pub const SVC_V6: u8 = 6;
+/// Or-ed into [`SvcKey::family`]: a frontend for clients outside the cluster, translated per
+/// packet where they arrive (`from_host_dev`): a NodePort at one of this node's addresses, an
+/// external or LoadBalancer address. The socket programs never look such a key up.
+pub const SVC_EXTERNAL: u8 = 0x80;
+/// [`SvcFlowKey::dir`].
+pub const SVC_FLOW_IN: u8 = 1;
+pub const SVC_FLOW_OUT: u8 = 2;
 
 /// [`SvcValue::flags`]: no backend; refuse the connection (kube-proxy's ICMP reject).
 pub const SVC_REJECT: u32 = 1;
@@ -170,6 +191,50 @@ impl SvcCounters {
         self.connections = self.connections.wrapping_add(other.connections);
         self.refused = self.refused.wrapping_add(other.refused);
     }
+}
+
+/// One direction of a translated flow from outside: `IN`, the client (`a`) to a frontend (`b`);
+/// `OUT`, the backend (`a`) to the client (`b`). Addresses in 16 bytes (IPv4 in the first 4),
+/// ports in network byte order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SvcFlowKey {
+    pub a: [u8; 16],
+    pub b: [u8; 16],
+    pub a_port: u16,
+    pub b_port: u16,
+    pub proto: u8,
+    /// [`SVC_V4`] or [`SVC_V6`].
+    pub family: u8,
+    /// [`SVC_FLOW_IN`] or [`SVC_FLOW_OUT`].
+    pub dir: u8,
+    pub _pad: u8,
+}
+
+/// `IN`: the backend the flow goes to; `OUT`: the frontend its replies come from, and the
+/// interface the client's packets arrived on (its replies leave by it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcFlow {
+    pub addr: [u8; 16],
+    pub port: u16,
+    /// `IN`: the backend is on another node ([`SVC_MASQ_MARK`]).
+    pub remote: u8,
+    pub _pad: u8,
+    /// `OUT`: the client's interface.
+    pub ifindex: u32,
+}
+
+/// The per-packet path's working space ([`SVC_SCRATCH_MAP`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcScratch {
+    pub key: SvcFlowKey,
+    pub back_key: SvcFlowKey,
+    pub flow: SvcFlow,
+    pub back: SvcFlow,
+    pub front: SvcKey,
+    pub backend: SvcBackendKey,
 }
 
 /// A node's address, for [`SVC_NODES_MAP`].

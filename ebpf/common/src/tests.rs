@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 41] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 43] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -96,6 +96,8 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 41] {
             size_of::<SvcKey>(),
             size_of::<SvcCounters>(),
         ),
+        (SVC_FLOWS_MAP, size_of::<SvcFlowKey>(), size_of::<SvcFlow>()),
+        (SVC_SCRATCH_MAP, size_of::<u32>(), size_of::<SvcScratch>()),
     ]
 }
 
@@ -242,10 +244,10 @@ fn reasons_round_trip_and_have_distinct_names() {
     }
     assert_eq!(DropReason::from_u32(0), None);
     // Values are stable: they are keys in the pinned counters map.
-    let values: [u32; 21] = DropReason::ALL.map(|r| r as u32);
+    let values: [u32; 22] = DropReason::ALL.map(|r| r as u32);
     assert_eq!(
         values,
-        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
     );
 }
 

@@ -126,6 +126,10 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
     }
+    // A backend's reply to a client outside that reached it through a Service here.
+    if let Some(verdict) = crate::nodeport::reply_from_pod_v4(ctx, &ip)? {
+        return Ok(verdict);
+    }
     // To the stack or SNATed out: never to an agent's port on a node.
     if doors::v4(ctx, &ip) {
         return Ok(drop(ctx, ifindex, DropReason::AgentPort));

@@ -1,15 +1,18 @@
 //! The node's uplink. `from_host_dev` (tc ingress): traffic from other nodes to a pod here goes
 //! straight into the pod (`bpf_redirect_peer`) instead of through the host's routing — unless
 //! it is the reply of a flow the host stack routed out (it may have NATed it: a service whose
-//! backend is on another node), which goes back through the stack. `to_host_dev` (tc egress):
-//! records those stack-routed pod flows, and judges what a pod of this node sent to a
-//! Service address against the backend the stack's DNAT chose (the pod's egress policy).
+//! backend is on another node), which goes back through the stack; and a client outside
+//! reaching a NodePort, an external or LoadBalancer address goes to its backend (`nodeport`).
+//! `to_host_dev` (tc egress): records those stack-routed pod flows, translates the replies of
+//! Service flows from outside whose backend is on another node (`nodeport`), and judges what a
+//! pod of this node sent to a Service address against the backend the stack's DNAT chose (the
+//! pod's egress policy).
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
 use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6};
 use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
-use crate::{flows, forward};
+use crate::{flows, forward, nodeport};
 
 pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     match packet::ethertype(ctx)? {
@@ -30,7 +33,40 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), false);
             }
             // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
-            Ok(crate::nat::reverse_v4(ctx, &ip)?.unwrap_or(TC_ACT_OK))
+            if let Some(verdict) = crate::nat::reverse_v4(ctx, &ip)? {
+                return Ok(verdict);
+            }
+            // A client outside reaching a Service here.
+            match crate::nodeport::from_outside_v4(ctx, &ip)? {
+                nodeport::NOT_OURS_VERDICT => Ok(TC_ACT_OK),
+                nodeport::NO_LOCAL_ENDPOINT => {
+                    // SAFETY: a plain context access the verifier checks.
+                    let uplink = unsafe { (*ctx.skb.skb).ifindex };
+                    Ok(crate::counters::drop(
+                        ctx,
+                        uplink,
+                        calix_common::DropReason::ServiceNoLocalEndpoint,
+                    ))
+                }
+                nodeport::TO_LOCAL => {
+                    // Translated: the destination is the backend's, and so is the checksum.
+                    let (dst, csum) = (ctx.load(nodeport::IP_DST)?, ctx.load(nodeport::IP_CSUM)?);
+                    // SAFETY: a pointer from a successful lookup, valid until the program
+                    // returns.
+                    match CALIX_LOCAL_V4.get_ptr(&dst).map(|l| unsafe { &*l }) {
+                        Some(local) => {
+                            let ttl = forward::Ttl::V4 {
+                                ttl: ip.ttl,
+                                proto: ip.proto,
+                                csum,
+                            };
+                            forward::to_local(ctx, local, ttl, false)
+                        }
+                        None => Ok(TC_ACT_OK),
+                    }
+                }
+                verdict => Ok(verdict),
+            }
         }
         ETH_P_IPV6 => {
             let Some(ip) = packet::ipv6(ctx) else {
@@ -72,6 +108,13 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 sender_if,
                 calix_common::DropReason::PolicyEgress,
             ));
+        }
+    }
+    // A remote backend's reply to a client outside, which the stack took back from its
+    // masquerade: from the frontend.
+    if packet::ethertype(ctx)? == ETH_P_IP {
+        if let Some(ip) = packet::ipv4(ctx) {
+            crate::nodeport::reply_after_stack_v4(ctx, &ip)?;
         }
     }
     // A local pod's flow the stack routed out: its replies must come back through the stack.

@@ -22,6 +22,7 @@ mod from_pod;
 mod host_dev;
 mod maps;
 mod nat;
+mod nodeport;
 mod packet;
 mod policy;
 mod services;

@@ -19,7 +19,8 @@ use calix_common::{
     MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
     SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
-    SvcNodeKey, SVC_NODE_ENTRIES, SvcCounters, SVC_COUNTER_ENTRIES,
+    SvcNodeKey, SVC_NODE_ENTRIES, SvcCounters, SVC_COUNTER_ENTRIES, SvcFlowKey, SvcFlow,
+    SVC_FLOW_ENTRIES, SvcScratch,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -305,3 +306,12 @@ pub static CALIX_SVC_NODES: HashMap<SvcNodeKey, u32> =
 #[map(name = "CALIX_SVC_COUNT")]
 pub static CALIX_SVC_COUNT: LruPerCpuHashMap<SvcKey, SvcCounters> =
     LruPerCpuHashMap::pinned(SVC_COUNTER_ENTRIES, 0);
+
+/// Flows from outside translated per packet, both ways (`calix_common::SVC_FLOWS_MAP`).
+#[map(name = "CALIX_SVC_FLOWS")]
+pub static CALIX_SVC_FLOWS: LruHashMap<SvcFlowKey, SvcFlow> =
+    LruHashMap::pinned(SVC_FLOW_ENTRIES, 0);
+
+/// The per-packet Services path's working space (`calix_common::SVC_SCRATCH_MAP`).
+#[map(name = "CALIX_SVC_SCRATCH")]
+pub static CALIX_SVC_SCRATCH: PerCpuArray<SvcScratch> = PerCpuArray::pinned(1, 0);

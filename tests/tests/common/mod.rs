@@ -1,7 +1,7 @@
 //! What several test files share: a client of an agent's IPAM gRPC API, allocations in bulk,
 //! and calixctl's IPAM reports; route-distribution certificates through the API
 //! ([`certs`]); floods of idle connections ([`flood`]); BGP routers ([`bird`], [`frr`]) and
-//! raw BGP peers ([`raw_bgp`]).
+//! raw BGP peers ([`raw_bgp`]); the Services tests' node ([`services`]).
 //! (Each test file is its own crate and uses part of it.)
 #![allow(dead_code)]
 
@@ -10,6 +10,7 @@ pub mod certs;
 pub mod flood;
 pub mod frr;
 pub mod raw_bgp;
+pub mod services;
 
 use std::net::IpAddr;
 use std::sync::Arc;

@@ -1,0 +1,190 @@
+//! Services reached from outside the nodes (issue 24): a client in a namespace beyond the
+//! node's uplink reaches a NodePort at the node's address, which the tc programs translate per
+//! packet (no socket of the client's is the node's to see). The backend sees the client's own
+//! address and the replies come from the NodePort, over TCP and UDP; with
+//! `externalTrafficPolicy: Local` and no endpoint on the node the client is dropped there (and
+//! counted), with `Cluster` the same endpoint serves it.
+use std::io::{Read, Write};
+use std::net::{TcpListener, UdpSocket};
+use std::time::Duration;
+
+use calix_testbed::{wait_for, KubeApi, Netns, Pod};
+use serde_json::{json, Value};
+
+mod common;
+use common::services::{running, Bed};
+
+const UPLINK: &str = "up0";
+const NODE_ADDR: &str = "192.0.2.61";
+const CLIENT_ADDR: &str = "192.0.2.62";
+
+/// The client, in the outside namespace: TCP to `argv[2]`, then UDP to `argv[3]`, each tried
+/// until it answers or `argv[4]` seconds have passed. Prints `tcp <answer>` and
+/// `udp <answer> <source of the answer>`, or `<proto> failed <error>`.
+const CLIENT: &str = r#"
+import socket, sys, time
+host, tport, uport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+deadline = time.time() + float(sys.argv[4])
+def tcp():
+    s = socket.create_connection((host, tport), timeout=1)
+    s.sendall(b"hi")
+    return s.recv(64).decode()
+def udp():
+    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u.settimeout(1)
+    u.sendto(b"yo", (host, uport))
+    data, src = u.recvfrom(64)
+    return "%s %s:%d" % (data.decode(), src[0], src[1])
+for name, f in (("tcp", tcp), ("udp", udp)):
+    while True:
+        try:
+            print(name, f(), flush=True)
+            break
+        except OSError as e:
+            if time.time() > deadline:
+                print(name, "failed", e, flush=True)
+                break
+            time.sleep(0.2)
+"#;
+
+/// Serves TCP 8080 and UDP 8053 in `web`'s namespace for as long as the test runs: each
+/// connection and datagram answered with the address it came from.
+fn serve(web: &Pod<'_>) {
+    let (tcp, udp) = web.ns.run(|| {
+        (
+            TcpListener::bind("0.0.0.0:8080").expect("bind tcp"),
+            UdpSocket::bind("0.0.0.0:8053").expect("bind udp"),
+        )
+    });
+    std::thread::spawn(move || {
+        for c in tcp.incoming() {
+            let Ok(mut c) = c else { continue };
+            let Ok(from) = c.peer_addr() else { continue };
+            let mut buf = [0u8; 2];
+            if c.read_exact(&mut buf).is_ok() {
+                let _ = c.write_all(format!("from {}", from.ip()).as_bytes());
+            }
+        }
+    });
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(format!("from {}", from.ip()).as_bytes(), from);
+        }
+    });
+}
+
+/// The NodePort of `svc`'s port `i`.
+fn node_port(svc: &Value, i: usize) -> u16 {
+    svc["spec"]["ports"][i]["nodePort"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no nodePort: {svc}"))
+}
+
+#[test]
+fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
+    let api = KubeApi::shared();
+    // Declared first, dropped last: the node's uplink goes with the node.
+    let outside = Netns::new("so");
+    let Bed {
+        cg: _cg, node, ns, ..
+    } = Bed::wired(
+        &api,
+        "so",
+        "10.89.3.0/24",
+        NODE_ADDR,
+        |n| n.uplink_to(&outside, UPLINK, &format!("{NODE_ADDR}/24")),
+        &format!("uplinks = [\"{UPLINK}\"]\n"),
+    );
+    outside.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{CLIENT_ADDR}/24"),
+        "dev",
+        "eth0",
+    ]);
+    let web = running(&api, &node, &ns, "web");
+    serve(&web);
+    let service = |policy: &str, ports: Option<(u16, u16)>| {
+        let mut spec_ports = json!([
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]);
+        if let Some((t, u)) = ports {
+            spec_ports[0]["nodePort"] = json!(t);
+            spec_ports[1]["nodePort"] = json!(u);
+        }
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "web"},
+            "spec": {"type": "NodePort", "externalTrafficPolicy": policy, "ports": spec_ports},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let slice = |on: &str| {
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "web-1",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                      {"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true},
+                           "nodeName": on}],
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let svc = service("Local", None);
+    let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
+    slice(&node.ns.name);
+    let client = |seconds: &str| -> Vec<String> {
+        let out = outside
+            .cmd(&[
+                "python3",
+                "-c",
+                CLIENT,
+                NODE_ADDR,
+                &tport.to_string(),
+                &uport.to_string(),
+                seconds,
+            ])
+            .output()
+            .expect("run the client");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect()
+    };
+    let served = [
+        format!("tcp from {CLIENT_ADDR}"),
+        format!("udp from {CLIENT_ADDR} {NODE_ADDR}:{uport}"),
+    ];
+    // Local, the endpoint here: served, the client's address kept, the replies from the
+    // NodePort.
+    let got = client("30");
+    assert_eq!(got, served, "Local, endpoint here\n{}", node.agent_log());
+
+    // Local, the endpoint on another node: dropped here, and counted.
+    let before = node.dropped(UPLINK, "service_no_local_endpoint");
+    slice("elsewhere");
+    wait_for(
+        "clients outside dropped at a node with no local endpoint",
+        Duration::from_secs(30),
+        || {
+            let got = client("0");
+            (got.first().is_some_and(|l| l.starts_with("tcp failed"))).then_some(())
+        },
+        || node.agent_log(),
+    );
+    let after = node.dropped(UPLINK, "service_no_local_endpoint");
+    assert!(
+        after > before,
+        "the drops are counted: {before} then {after}"
+    );
+
+    // Cluster: the same endpoint serves clients outside wherever its node is.
+    service("Cluster", Some((tport, uport)));
+    let got = client("30");
+    assert_eq!(got, served, "Cluster\n{}", node.agent_log());
+}
