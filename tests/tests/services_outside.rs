@@ -3,12 +3,14 @@
 //! packet (no socket of the client's is the node's to see). The backend sees the client's own
 //! address and the replies come from the NodePort, over TCP and UDP; with
 //! `externalTrafficPolicy: Local` and no endpoint on the node the client is dropped there (and
-//! counted), with `Cluster` the same endpoint serves it.
+//! counted), with `Cluster` the same endpoint serves it. A backend elsewhere (a namespace
+//! routed behind the node, as another node's pod is) meets the client masqueraded to the
+//! node's address, and its replies still come from the NodePort.
 use std::io::{Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::time::Duration;
 
-use calix_testbed::{wait_for, KubeApi, Netns, Pod};
+use calix_testbed::{wait_for, KubeApi, Netns};
 use serde_json::{json, Value};
 
 mod common;
@@ -17,6 +19,10 @@ use common::services::{running, Bed};
 const UPLINK: &str = "up0";
 const NODE_ADDR: &str = "192.0.2.61";
 const CLIENT_ADDR: &str = "192.0.2.62";
+/// The link to the backend elsewhere: the node's end, and the backend.
+const FAR_LINK: &str = "far0";
+const FAR_NODE_ADDR: &str = "10.89.4.1";
+const FAR_ADDR: &str = "10.89.4.10";
 
 /// The client, in the outside namespace: TCP to `argv[2]`, then UDP to `argv[3]`, each tried
 /// until it answers or `argv[4]` seconds have passed. Prints `tcp <answer>` and
@@ -47,10 +53,10 @@ for name, f in (("tcp", tcp), ("udp", udp)):
             time.sleep(0.2)
 "#;
 
-/// Serves TCP 8080 and UDP 8053 in `web`'s namespace for as long as the test runs: each
-/// connection and datagram answered with the address it came from.
-fn serve(web: &Pod<'_>) {
-    let (tcp, udp) = web.ns.run(|| {
+/// Serves TCP 8080 and UDP 8053 in `ns` for as long as the test runs: each connection and
+/// datagram answered with the address it came from.
+fn serve(ns: &Netns) {
+    let (tcp, udp) = ns.run(|| {
         (
             TcpListener::bind("0.0.0.0:8080").expect("bind tcp"),
             UdpSocket::bind("0.0.0.0:8053").expect("bind udp"),
@@ -106,7 +112,7 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
         "eth0",
     ]);
     let web = running(&api, &node, &ns, "web");
-    serve(&web);
+    serve(&web.ns);
     let service = |policy: &str, ports: Option<(u16, u16)>| {
         let mut spec_ports = json!([
             {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
@@ -122,7 +128,7 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
         }))
         .unwrap_or_else(|e| panic!("{e}"))
     };
-    let slice = |on: &str| {
+    let slice = |address: &str, on: &str| {
         api.apply(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"namespace": ns, "name": "web-1",
@@ -130,14 +136,14 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
             "addressType": "IPv4",
             "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
                       {"name": "dns", "port": 8053, "protocol": "UDP"}],
-            "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true},
+            "endpoints": [{"addresses": [address], "conditions": {"ready": true},
                            "nodeName": on}],
         }))
         .unwrap_or_else(|e| panic!("{e}"))
     };
     let svc = service("Local", None);
     let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
-    slice(&node.ns.name);
+    slice(&web.ip(), &node.ns.name);
     let client = |seconds: &str| -> Vec<String> {
         let out = outside
             .cmd(&[
@@ -167,7 +173,7 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
 
     // Local, the endpoint on another node: dropped here, and counted.
     let before = node.dropped(UPLINK, "service_no_local_endpoint");
-    slice("elsewhere");
+    slice(&web.ip(), "elsewhere");
     wait_for(
         "clients outside dropped at a node with no local endpoint",
         Duration::from_secs(30),
@@ -187,4 +193,39 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     service("Cluster", Some((tport, uport)));
     let got = client("30");
     assert_eq!(got, served, "Cluster\n{}", node.agent_log());
+
+    // Cluster, the endpoint on another node: the host stack takes the translated packet there,
+    // masqueraded to this node's address (the backend's replies must come back through it),
+    // and the replies leave from the NodePort.
+    let far = Netns::new("sf");
+    node.uplink_to(&far, FAR_LINK, &format!("{FAR_NODE_ADDR}/24"));
+    far.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{FAR_ADDR}/24"),
+        "dev",
+        "eth0",
+    ]);
+    far.exec_ok(&["ip", "route", "add", "default", "via", FAR_NODE_ADDR]);
+    serve(&far);
+    slice(FAR_ADDR, "elsewhere");
+    let masqueraded = [
+        format!("tcp from {FAR_NODE_ADDR}"),
+        format!("udp from {FAR_NODE_ADDR} {NODE_ADDR}:{uport}"),
+    ];
+    wait_for(
+        "clients outside served by the backend elsewhere",
+        Duration::from_secs(30),
+        || (client("2") == masqueraded).then_some(()),
+        || {
+            let tables = node.ns.exec_ok(&["nft", "list", "ruleset"]);
+            format!(
+                "{:?}\n{}\n{}",
+                client("0"),
+                String::from_utf8_lossy(&tables.stdout),
+                node.agent_log()
+            )
+        },
+    );
 }
