@@ -5,9 +5,12 @@
 //! `externalTrafficPolicy: Local` and no endpoint on the node the client is dropped there (and
 //! counted), with `Cluster` the same endpoint serves it. A backend elsewhere (a namespace
 //! routed behind the node, as another node's pod is) meets the client masqueraded to the
-//! node's address, and its replies still come from the NodePort.
-use std::io::{Read, Write};
+//! node's address, and its replies still come from the NodePort. A connection from outside
+//! lasts through the agent's `kill -9`, its restart and an upgrade to another build of the
+//! programs, and new ones are served after each.
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, UdpSocket};
+use std::process::Stdio;
 use std::time::Duration;
 
 use calix_testbed::{wait_for, KubeApi, Netns};
@@ -19,6 +22,9 @@ use common::services::{running, Bed};
 const UPLINK: &str = "up0";
 const NODE_ADDR: &str = "192.0.2.61";
 const CLIENT_ADDR: &str = "192.0.2.62";
+/// The second test's (each test's node has an address of its own in the shared API server).
+const HELD_NODE_ADDR: &str = "192.0.2.71";
+const HELD_CLIENT_ADDR: &str = "192.0.2.72";
 /// The link to the backend elsewhere: the node's end, and the backend.
 const FAR_LINK: &str = "far0";
 const FAR_NODE_ADDR: &str = "10.89.4.1";
@@ -53,8 +59,8 @@ for name, f in (("tcp", tcp), ("udp", udp)):
             time.sleep(0.2)
 "#;
 
-/// Serves TCP 8080 and UDP 8053 in `ns` for as long as the test runs: each connection and
-/// datagram answered with the address it came from.
+/// Serves TCP 8080 and UDP 8053 in `ns` for as long as the test runs: each message of a
+/// connection, and each datagram, answered with the address it came from.
 fn serve(ns: &Netns) {
     let (tcp, udp) = ns.run(|| {
         (
@@ -66,10 +72,17 @@ fn serve(ns: &Netns) {
         for c in tcp.incoming() {
             let Ok(mut c) = c else { continue };
             let Ok(from) = c.peer_addr() else { continue };
-            let mut buf = [0u8; 2];
-            if c.read_exact(&mut buf).is_ok() {
-                let _ = c.write_all(format!("from {}", from.ip()).as_bytes());
-            }
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 64];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0
+                        || c.write_all(format!("from {}", from.ip()).as_bytes())
+                            .is_err()
+                    {
+                        break;
+                    }
+                }
+            });
         }
     });
     std::thread::spawn(move || {
@@ -228,4 +241,127 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
             )
         },
     );
+}
+
+/// Holds one TCP connection to `argv[1]`:`argv[2]`: each line of stdin sent, each answer
+/// printed.
+const HOLD: &str = r#"
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+for line in sys.stdin:
+    s.sendall(line.strip().encode())
+    print(s.recv(64).decode(), flush=True)
+"#;
+
+#[test]
+fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
+    let api = KubeApi::shared();
+    let outside = Netns::new("su");
+    let Bed {
+        cg: _cg, node, ns, ..
+    } = Bed::wired(
+        &api,
+        "su",
+        "10.89.5.0/24",
+        HELD_NODE_ADDR,
+        |n| n.uplink_to(&outside, UPLINK, &format!("{HELD_NODE_ADDR}/24")),
+        &format!("uplinks = [\"{UPLINK}\"]\n"),
+    );
+    outside.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{HELD_CLIENT_ADDR}/24"),
+        "dev",
+        "eth0",
+    ]);
+    let web = running(&api, &node, &ns, "web");
+    serve(&web.ns);
+    let svc = api
+        .apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "web"},
+            "spec": {"type": "NodePort", "externalTrafficPolicy": "Local",
+                     "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+                               {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    api.apply(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"namespace": ns, "name": "web-1",
+                     "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                  {"name": "dns", "port": 8053, "protocol": "UDP"}],
+        "endpoints": [{"addresses": [web.ip()], "conditions": {"ready": true},
+                       "nodeName": node.ns.name}],
+    }))
+    .unwrap_or_else(|e| panic!("{e}"));
+    let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
+    let fresh = || {
+        let out = outside
+            .cmd(&[
+                "python3",
+                "-c",
+                CLIENT,
+                HELD_NODE_ADDR,
+                &tport.to_string(),
+                &uport.to_string(),
+                "30",
+            ])
+            .output()
+            .expect("run the client");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(String::from)
+            .collect::<Vec<String>>()
+    };
+    let served = [
+        format!("tcp from {HELD_CLIENT_ADDR}"),
+        format!("udp from {HELD_CLIENT_ADDR} {HELD_NODE_ADDR}:{uport}"),
+    ];
+    assert_eq!(fresh(), served, "{}", node.agent_log());
+    let mut held = outside
+        .cmd(&["python3", "-c", HOLD, HELD_NODE_ADDR, &tport.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the held connection");
+    let mut to_held = held.stdin.take().expect("stdin");
+    let mut from_held = BufReader::new(held.stdout.take().expect("stdout"));
+    let mut say = |what: &str| {
+        writeln!(to_held, "{what}").expect("write to the held connection");
+        let mut line = String::new();
+        from_held
+            .read_line(&mut line)
+            .expect("read the held connection");
+        line.trim().to_string()
+    };
+    let answer = format!("from {HELD_CLIENT_ADDR}");
+    assert_eq!(say("first"), answer);
+    // kill -9: the programs and their maps (the flow among them) stay.
+    node.kill_agent();
+    assert_eq!(say("agent down"), answer, "with the agent killed");
+    assert_eq!(fresh(), served, "a new client with the agent killed");
+    node.start_agent();
+    assert_eq!(say("restarted"), answer, "after the restart");
+    // An upgrade: another build of the programs (it counts what pods send under a marker
+    // reason) takes over the pinned maps.
+    node.stop_agent();
+    let upgrade = calix_testbed::upgrade_test_object();
+    node.start_agent_with(&["--bpf-object", &upgrade.display().to_string()]);
+    let marked = || node.dropped(&web.host_ifname(), "reason_255");
+    wait_for(
+        "the upgraded programs run on web's veth",
+        Duration::from_secs(30),
+        || {
+            let before = marked();
+            let got = say("upgraded");
+            (got == answer && marked() > before).then_some(())
+        },
+        || node.agent_log(),
+    );
+    assert_eq!(fresh(), served, "a new client after the upgrade");
+    drop(to_held);
+    let _ = held.wait();
 }
