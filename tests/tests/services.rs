@@ -2,8 +2,9 @@
 //! (Services, EndpointSlices), an agent with the eBPF dataplane and only the chart's ClusterRole,
 //! real pods wired by the CNI plugin, the socket programs attached to a cgroup of the test's own
 //! (never the root) that the client process joins. The client speaks to the Service's cluster
-//! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9` and
-//! restart leave the translation in force. With `sessionAffinity: ClientIP`, a client stays on
+//! IP and meets the backend pod; with no endpoint it is refused; the agent's `kill -9`, its
+//! restart, its stop and an upgrade to another build of the programs leave the translation in
+//! force. With `sessionAffinity: ClientIP`, a client stays on
 //! one backend of two. A UDP client's connected socket to a backend that leaves the Service is
 //! ended, and its next socket meets a backend that is there. An established TCP connection
 //! stays on its backend when the endpoints change; the next one meets the new ones.
@@ -233,6 +234,19 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         },
         show,
     );
+    // An upgrade to another build of the programs under the same pins: translated as before,
+    // from the moment the old agent stops to the new one's first programming.
+    let server = backends(&web, 2);
+    node.stop_agent();
+    let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
+    assert!(ok, "with the agent stopped: {stdout}\n{stderr}");
+    expect(&stdout, &stderr);
+    let upgrade = calix_testbed::upgrade_test_object();
+    node.start_agent_with(&["--bpf-object", &upgrade.display().to_string()]);
+    let (ok, stdout, stderr) = client(&cl, &cg, &script(&ip));
+    assert!(ok, "after the upgrade: {stdout}\n{stderr}");
+    expect(&stdout, &stderr);
+    server.join().expect("the backends");
     // An EndpointSlice labelled headless (kube-proxy ignores it, the upstream suite checks
     // that): as good as gone, web's port 80 refuses; unlabelled again, served again.
     let web_slice = |labels: Value| {
