@@ -7,13 +7,14 @@
 //! routed behind the node, as another node's pod is) meets the client masqueraded to the
 //! node's address, and its replies still come from the NodePort. A connection from outside
 //! lasts through the agent's `kill -9`, its restart and an upgrade to another build of the
-//! programs, and new ones are served after each.
+//! programs, and new ones are served after each. A UDP client outside whose backend leaves the
+//! Service meets the one left with its next datagram, from the same socket.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::process::Stdio;
 use std::time::Duration;
 
-use calix_testbed::{wait_for, KubeApi, Netns};
+use calix_testbed::{wait_for, KubeApi, Netns, Pod};
 use serde_json::{json, Value};
 
 mod common;
@@ -22,6 +23,9 @@ use common::services::{running, Bed};
 const UPLINK: &str = "up0";
 const NODE_ADDR: &str = "192.0.2.61";
 const CLIENT_ADDR: &str = "192.0.2.62";
+/// The UDP test's.
+const UDP_NODE_ADDR: &str = "192.0.2.81";
+const UDP_CLIENT_ADDR: &str = "192.0.2.82";
 /// The second test's (each test's node has an address of its own in the shared API server).
 const HELD_NODE_ADDR: &str = "192.0.2.71";
 const HELD_CLIENT_ADDR: &str = "192.0.2.72";
@@ -364,4 +368,137 @@ fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
     assert_eq!(fresh(), served, "a new client after the upgrade");
     drop(to_held);
     let _ = held.wait();
+}
+
+/// Answers each UDP datagram on port 8053 in `ns` with `name`.
+fn named_udp(ns: &Netns, name: &'static str) {
+    let udp = ns.run(|| UdpSocket::bind("0.0.0.0:8053").expect("bind udp"));
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while let Ok((_, from)) = udp.recv_from(&mut buf) {
+            let _ = udp.send_to(name.as_bytes(), from);
+        }
+    });
+}
+
+/// One UDP socket to `argv[1]`:`argv[2]`: for each line of stdin a datagram, and the answer
+/// printed (`timeout` when none came).
+const ASK: &str = r#"
+import socket, sys
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.settimeout(1)
+for line in sys.stdin:
+    u.sendto(b"q", (sys.argv[1], int(sys.argv[2])))
+    try:
+        print(u.recv(64).decode(), flush=True)
+    except OSError:
+        print("timeout", flush=True)
+"#;
+
+#[test]
+fn a_udp_client_outside_leaves_a_backend_that_goes() {
+    let api = KubeApi::shared();
+    let outside = Netns::new("sd");
+    let Bed {
+        cg: _cg, node, ns, ..
+    } = Bed::wired(
+        &api,
+        "sd",
+        "10.89.6.0/24",
+        UDP_NODE_ADDR,
+        |n| n.uplink_to(&outside, UPLINK, &format!("{UDP_NODE_ADDR}/24")),
+        &format!("uplinks = [\"{UPLINK}\"]\n"),
+    );
+    outside.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{UDP_CLIENT_ADDR}/24"),
+        "dev",
+        "eth0",
+    ]);
+    let one = running(&api, &node, &ns, "one");
+    let two = running(&api, &node, &ns, "two");
+    named_udp(&one.ns, "one");
+    named_udp(&two.ns, "two");
+    let svc = api
+        .apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "dns"},
+            "spec": {"type": "NodePort",
+                     "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let port = node_port(&svc, 0);
+    let slice = |pods: &[&Pod<'_>]| {
+        let endpoints: Vec<Value> = pods
+            .iter()
+            .map(|p| {
+                json!({"addresses": [p.ip()], "conditions": {"ready": true},
+                            "nodeName": node.ns.name})
+            })
+            .collect();
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "dns-1",
+                         "labels": {"kubernetes.io/service-name": "dns"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "endpoints": endpoints,
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    slice(&[&one, &two]);
+    let mut asker = outside
+        .cmd(&["python3", "-c", ASK, UDP_NODE_ADDR, &port.to_string()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("the UDP client");
+    let mut to_asker = asker.stdin.take().expect("stdin");
+    let mut from_asker = BufReader::new(asker.stdout.take().expect("stdout"));
+    let mut ask = || {
+        writeln!(to_asker, "q").expect("write to the UDP client");
+        let mut line = String::new();
+        from_asker
+            .read_line(&mut line)
+            .expect("read the UDP client");
+        line.trim().to_string()
+    };
+    let mut first = String::from("timeout");
+    wait_for(
+        "the UDP client served",
+        Duration::from_secs(30),
+        || {
+            first = ask();
+            (first != "timeout").then_some(())
+        },
+        || node.agent_log(),
+    );
+    // Its flow keeps it on one backend...
+    for _ in 0..5 {
+        assert_eq!(ask(), first, "one flow, one backend");
+    }
+    // ...until that backend leaves the Service (its pod still answers: only the flow could
+    // keep the client there).
+    let (stays, name) = if first == "one" {
+        (&two, "two")
+    } else {
+        (&one, "one")
+    };
+    slice(&[stays]);
+    wait_for(
+        "the same socket's datagrams meet the backend left",
+        Duration::from_secs(30),
+        || (ask() == name).then_some(()),
+        || node.agent_log(),
+    );
+    assert!(
+        node.agent_log()
+            .contains("flows from outside sent there forgotten"),
+        "{}",
+        node.agent_log()
+    );
+    drop(to_asker);
+    let _ = asker.wait();
 }

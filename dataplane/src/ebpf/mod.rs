@@ -643,6 +643,13 @@ impl Dataplane for EbpfDataplane {
         };
         p.set_nodes(&t.nodes)?;
         let left = p.set(&t.frontends)?;
+        let flows = p.end_flows(&left);
+        if flows > 0 {
+            tracing::info!(
+                flows,
+                "UDP backends left their Services: flows from outside sent there forgotten"
+            );
+        }
         if !left.is_empty() {
             let started = std::time::Instant::now();
             let ended = udp_ends::end(&left, clients, p.maps());

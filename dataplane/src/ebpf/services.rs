@@ -10,9 +10,10 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, MapData, PerCpuHashMap};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcCounters, SvcKey, SvcNodeKey, SvcRevKey, SvcRevValue, SvcValue,
-    SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_DROP, SVC_EXTERNAL, SVC_FRONTENDS_MAP, SVC_NODES_MAP,
-    SVC_PROGRAMS, SVC_REJECT, SVC_REV_MAP,
+    SvcBackend, SvcBackendKey, SvcCounters, SvcFlow, SvcFlowKey, SvcKey, SvcNodeKey, SvcRevKey,
+    SvcRevValue, SvcValue, SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_DROP, SVC_EXTERNAL,
+    SVC_FLOWS_MAP, SVC_FLOW_IN, SVC_FLOW_OUT, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS,
+    SVC_REJECT, SVC_REV_MAP,
 };
 
 use super::service_keys::octets;
@@ -103,6 +104,9 @@ pub trait ServiceMaps: Send {
     fn set_node(&mut self, k: &SvcNodeKey) -> Result<(), DataplaneError>;
     fn remove_node(&mut self, k: &SvcNodeKey);
     fn read_nodes(&self) -> Vec<SvcNodeKey>;
+    /// Forgets the flows from outside that `left`'s frontend sent to its backend, both ways
+    /// (the client's next datagram picks again); how many flows.
+    fn end_flows(&mut self, left: &Left) -> usize;
 }
 
 /// The pinned maps.
@@ -112,6 +116,7 @@ pub struct PinnedServiceMaps {
     rev: HashMap<MapData, SvcRevKey, SvcRevValue>,
     nodes: HashMap<MapData, SvcNodeKey, u32>,
     counts: PerCpuHashMap<MapData, SvcKey, SvcCounters>,
+    flows: HashMap<MapData, SvcFlowKey, SvcFlow>,
 }
 
 impl PinnedServiceMaps {
@@ -122,6 +127,7 @@ impl PinnedServiceMaps {
             rev: take(bpf, SVC_REV_MAP, HashMap::try_from)?,
             nodes: take(bpf, SVC_NODES_MAP, HashMap::try_from)?,
             counts: take(bpf, SVC_COUNTERS_MAP, PerCpuHashMap::try_from)?,
+            flows: take(bpf, SVC_FLOWS_MAP, HashMap::try_from)?,
         })
     }
 }
@@ -180,6 +186,39 @@ impl ServiceMaps for PinnedServiceMaps {
     fn read_nodes(&self) -> Vec<SvcNodeKey> {
         self.nodes.keys().filter_map(Result::ok).collect()
     }
+
+    fn end_flows(&mut self, left: &Left) -> usize {
+        let held: Vec<(SvcFlowKey, SvcFlow)> = self.flows.iter().filter_map(Result::ok).collect();
+        let ended = ended_flows(left, &held);
+        for k in &ended {
+            let _ = self.flows.remove(k);
+        }
+        ended.len() / 2
+    }
+}
+
+/// The entries of `held` (a flows map's) that belong to flows `left`'s frontend sent to its
+/// backend: the client's (`IN`) and the backend's (`OUT`), each flow's both. An `OUT` entry
+/// whose `IN` the LRU already forgot is one of them too.
+pub fn ended_flows(left: &Left, held: &[(SvcFlowKey, SvcFlow)]) -> Vec<SvcFlowKey> {
+    let f = &left.front;
+    let (backend, port) = left.backend;
+    held.iter()
+        .filter(|(k, v)| {
+            k.proto == f.proto
+                && k.family == f.family & !SVC_EXTERNAL
+                && match k.dir {
+                    SVC_FLOW_IN => {
+                        k.b == f.addr && k.b_port == f.port && v.addr == backend && v.port == port
+                    }
+                    SVC_FLOW_OUT => {
+                        k.a == backend && k.a_port == port && v.addr == f.addr && v.port == f.port
+                    }
+                    _ => false,
+                }
+        })
+        .map(|(k, _)| *k)
+        .collect()
 }
 
 /// A UDP backend that left a frontend: connected sockets the programs sent there for that
@@ -333,6 +372,17 @@ impl ServiceProgrammer {
         Ok(left)
     }
 
+    /// Forgets the flows from outside that each of `left` (UDP backends that left a frontend
+    /// for clients outside) carried: the client's next datagram meets a backend that is
+    /// there, as kube-proxy clears a UDP backend's conntrack entries. TCP flows stay: an
+    /// established connection to a terminating endpoint ends as it would. How many flows.
+    pub fn end_flows(&mut self, left: &[Left]) -> usize {
+        left.iter()
+            .filter(|l| l.front.family & SVC_EXTERNAL != 0)
+            .map(|l| self.maps.end_flows(l))
+            .sum()
+    }
+
     /// The maps (for [`ServiceMaps::translated`]).
     pub fn maps(&self) -> &dyn ServiceMaps {
         &*self.maps
@@ -483,6 +533,9 @@ mod tests {
         }
         fn remove_node(&mut self, k: &SvcNodeKey) {
             self.0.lock().expect("lock").2.remove(k);
+        }
+        fn end_flows(&mut self, _: &Left) -> usize {
+            0
         }
         fn read_nodes(&self) -> Vec<SvcNodeKey> {
             self.0.lock().expect("lock").2.iter().copied().collect()
@@ -668,5 +721,59 @@ mod tests {
         p.set(&more).expect("set");
         let v = fake.0.lock().expect("lock").0[&key(&other)];
         assert!(v.id > held.id + 7, "{} vs {}", v.id, held.id);
+    }
+
+    #[test]
+    fn the_flows_of_a_udp_backend_that_left_an_external_frontend_end() {
+        let v4 = |a: [u8; 4]| {
+            let mut o = [0u8; 16];
+            o[..4].copy_from_slice(&a);
+            o
+        };
+        let front = key(&Front {
+            address: ip("192.0.2.1"),
+            port: 30053,
+            proto: UDP,
+            external: true,
+        });
+        let (gone, stays) = (
+            (v4([10, 244, 1, 5]), 53u16.to_be()),
+            (v4([10, 244, 1, 6]), 53u16.to_be()),
+        );
+        let client = (v4([198, 51, 100, 7]), 40000u16.to_be());
+        let flow = |dir: u8, a: ([u8; 16], u16), b: ([u8; 16], u16), to: ([u8; 16], u16)| {
+            (
+                SvcFlowKey {
+                    a: a.0,
+                    b: b.0,
+                    a_port: a.1,
+                    b_port: b.1,
+                    proto: UDP,
+                    family: calix_common::SVC_V4,
+                    dir,
+                    _pad: 0,
+                },
+                SvcFlow {
+                    addr: to.0,
+                    port: to.1,
+                    ..SvcFlow::default()
+                },
+            )
+        };
+        let at = (front.addr, front.port);
+        let other_client = (v4([198, 51, 100, 8]), 40000u16.to_be());
+        let held = [
+            flow(SVC_FLOW_IN, client, at, gone),
+            flow(SVC_FLOW_OUT, gone, client, at),
+            flow(SVC_FLOW_IN, other_client, at, stays),
+            flow(SVC_FLOW_OUT, stays, other_client, at),
+            // The same backend for another frontend (another port).
+            flow(SVC_FLOW_OUT, gone, client, (front.addr, 30054u16.to_be())),
+        ];
+        let left = Left {
+            front,
+            backend: gone,
+        };
+        assert_eq!(ended_flows(&left, &held), [held[0].0, held[1].0]);
     }
 }
