@@ -97,6 +97,91 @@ fn serve(ns: &Netns) {
     });
 }
 
+/// A node whose uplink leads to `outside`, a namespace of the test's own where the clients
+/// run at `client`/24.
+struct Beyond {
+    // Bound first in the tests' patterns, dropped last: the uplink goes with the node.
+    outside: Netns,
+    bed: Bed,
+}
+
+fn beyond(api: &KubeApi, tag: &str, cidr: &str, node_addr: &str, client: &str) -> Beyond {
+    let outside = Netns::new(tag);
+    let bed = Bed::wired(
+        api,
+        tag,
+        cidr,
+        node_addr,
+        |n| n.uplink_to(&outside, UPLINK, &format!("{node_addr}/24")),
+        &format!("uplinks = [\"{UPLINK}\"]\n"),
+    );
+    outside.exec_ok(&["ip", "addr", "add", &format!("{client}/24"), "dev", "eth0"]);
+    Beyond { outside, bed }
+}
+
+/// Runs [`CLIENT`] in `outside` against `node_addr`'s NodePorts `tport` (TCP) and `uport`
+/// (UDP), each tried for `seconds`: its lines.
+fn clients(outside: &Netns, node_addr: &str, tport: u16, uport: u16, seconds: &str) -> Vec<String> {
+    let out = outside
+        .cmd(&[
+            "python3",
+            "-c",
+            CLIENT,
+            node_addr,
+            &tport.to_string(),
+            &uport.to_string(),
+            seconds,
+        ])
+        .output()
+        .expect("run the client");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+/// A python3 `script` in `ns` driven a line at a time: each line written to its stdin, its
+/// answer read from its stdout. It ends when dropped (its stdin closed).
+struct Driven {
+    child: std::process::Child,
+    to: Option<std::process::ChildStdin>,
+    from: BufReader<std::process::ChildStdout>,
+}
+
+impl Driven {
+    fn start(ns: &Netns, script: &str, args: &[&str]) -> Self {
+        let mut argv = vec!["python3", "-c", script];
+        argv.extend_from_slice(args);
+        let mut child = ns
+            .cmd(&argv)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the driven client");
+        let to = child.stdin.take();
+        let from = BufReader::new(child.stdout.take().expect("stdout"));
+        Self { child, to, from }
+    }
+
+    /// Writes `line`, returns the answer's line (empty once the script ended).
+    fn say(&mut self, line: &str) -> String {
+        let to = self.to.as_mut().expect("stdin");
+        writeln!(to, "{line}").expect("write to the driven client");
+        let mut answer = String::new();
+        self.from
+            .read_line(&mut answer)
+            .expect("read the driven client");
+        answer.trim().to_string()
+    }
+}
+
+impl Drop for Driven {
+    fn drop(&mut self) {
+        self.to = None;
+        let _ = self.child.wait();
+    }
+}
+
 /// The NodePort of `svc`'s port `i`.
 fn node_port(svc: &Value, i: usize) -> u16 {
     svc["spec"]["ports"][i]["nodePort"]
@@ -108,26 +193,12 @@ fn node_port(svc: &Value, i: usize) -> u16 {
 #[test]
 fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     let api = KubeApi::shared();
-    // Declared first, dropped last: the node's uplink goes with the node.
-    let outside = Netns::new("so");
-    let Bed {
-        cg: _cg, node, ns, ..
-    } = Bed::wired(
-        &api,
-        "so",
-        "10.89.3.0/24",
-        NODE_ADDR,
-        |n| n.uplink_to(&outside, UPLINK, &format!("{NODE_ADDR}/24")),
-        &format!("uplinks = [\"{UPLINK}\"]\n"),
-    );
-    outside.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{CLIENT_ADDR}/24"),
-        "dev",
-        "eth0",
-    ]);
+    let Beyond {
+        outside,
+        bed: Bed {
+            cg: _cg, node, ns, ..
+        },
+    } = beyond(&api, "so", "10.89.3.0/24", NODE_ADDR, CLIENT_ADDR);
     let web = running(&api, &node, &ns, "web");
     serve(&web.ns);
     let service = |policy: &str, ports: Option<(u16, u16)>| {
@@ -161,24 +232,7 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     let svc = service("Local", None);
     let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
     slice(&web.ip(), &node.ns.name);
-    let client = |seconds: &str| -> Vec<String> {
-        let out = outside
-            .cmd(&[
-                "python3",
-                "-c",
-                CLIENT,
-                NODE_ADDR,
-                &tport.to_string(),
-                &uport.to_string(),
-                seconds,
-            ])
-            .output()
-            .expect("run the client");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(String::from)
-            .collect()
-    };
+    let client = |seconds: &str| clients(&outside, NODE_ADDR, tport, uport, seconds);
     let served = [
         format!("tcp from {CLIENT_ADDR}"),
         format!("udp from {CLIENT_ADDR} {NODE_ADDR}:{uport}"),
@@ -260,25 +314,12 @@ for line in sys.stdin:
 #[test]
 fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
     let api = KubeApi::shared();
-    let outside = Netns::new("su");
-    let Bed {
-        cg: _cg, node, ns, ..
-    } = Bed::wired(
-        &api,
-        "su",
-        "10.89.5.0/24",
-        HELD_NODE_ADDR,
-        |n| n.uplink_to(&outside, UPLINK, &format!("{HELD_NODE_ADDR}/24")),
-        &format!("uplinks = [\"{UPLINK}\"]\n"),
-    );
-    outside.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{HELD_CLIENT_ADDR}/24"),
-        "dev",
-        "eth0",
-    ]);
+    let Beyond {
+        outside,
+        bed: Bed {
+            cg: _cg, node, ns, ..
+        },
+    } = beyond(&api, "su", "10.89.5.0/24", HELD_NODE_ADDR, HELD_CLIENT_ADDR);
     let web = running(&api, &node, &ns, "web");
     serve(&web.ns);
     let svc = api
@@ -302,45 +343,14 @@ fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
     }))
     .unwrap_or_else(|e| panic!("{e}"));
     let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
-    let fresh = || {
-        let out = outside
-            .cmd(&[
-                "python3",
-                "-c",
-                CLIENT,
-                HELD_NODE_ADDR,
-                &tport.to_string(),
-                &uport.to_string(),
-                "30",
-            ])
-            .output()
-            .expect("run the client");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(String::from)
-            .collect::<Vec<String>>()
-    };
+    let fresh = || clients(&outside, HELD_NODE_ADDR, tport, uport, "30");
     let served = [
         format!("tcp from {HELD_CLIENT_ADDR}"),
         format!("udp from {HELD_CLIENT_ADDR} {HELD_NODE_ADDR}:{uport}"),
     ];
     assert_eq!(fresh(), served, "{}", node.agent_log());
-    let mut held = outside
-        .cmd(&["python3", "-c", HOLD, HELD_NODE_ADDR, &tport.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the held connection");
-    let mut to_held = held.stdin.take().expect("stdin");
-    let mut from_held = BufReader::new(held.stdout.take().expect("stdout"));
-    let mut say = |what: &str| {
-        writeln!(to_held, "{what}").expect("write to the held connection");
-        let mut line = String::new();
-        from_held
-            .read_line(&mut line)
-            .expect("read the held connection");
-        line.trim().to_string()
-    };
+    let mut held = Driven::start(&outside, HOLD, &[HELD_NODE_ADDR, &tport.to_string()]);
+    let mut say = |what: &str| held.say(what);
     let answer = format!("from {HELD_CLIENT_ADDR}");
     assert_eq!(say("first"), answer);
     // kill -9: the programs and their maps (the flow among them) stay.
@@ -366,8 +376,6 @@ fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
         || node.agent_log(),
     );
     assert_eq!(fresh(), served, "a new client after the upgrade");
-    drop(to_held);
-    let _ = held.wait();
 }
 
 /// Answers each UDP datagram on port 8053 in `ns` with `name`.
@@ -398,25 +406,12 @@ for line in sys.stdin:
 #[test]
 fn a_udp_client_outside_leaves_a_backend_that_goes() {
     let api = KubeApi::shared();
-    let outside = Netns::new("sd");
-    let Bed {
-        cg: _cg, node, ns, ..
-    } = Bed::wired(
-        &api,
-        "sd",
-        "10.89.6.0/24",
-        UDP_NODE_ADDR,
-        |n| n.uplink_to(&outside, UPLINK, &format!("{UDP_NODE_ADDR}/24")),
-        &format!("uplinks = [\"{UPLINK}\"]\n"),
-    );
-    outside.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{UDP_CLIENT_ADDR}/24"),
-        "dev",
-        "eth0",
-    ]);
+    let Beyond {
+        outside,
+        bed: Bed {
+            cg: _cg, node, ns, ..
+        },
+    } = beyond(&api, "sd", "10.89.6.0/24", UDP_NODE_ADDR, UDP_CLIENT_ADDR);
     let one = running(&api, &node, &ns, "one");
     let two = running(&api, &node, &ns, "two");
     named_udp(&one.ns, "one");
@@ -449,22 +444,8 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
         .unwrap_or_else(|e| panic!("{e}"))
     };
     slice(&[&one, &two]);
-    let mut asker = outside
-        .cmd(&["python3", "-c", ASK, UDP_NODE_ADDR, &port.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("the UDP client");
-    let mut to_asker = asker.stdin.take().expect("stdin");
-    let mut from_asker = BufReader::new(asker.stdout.take().expect("stdout"));
-    let mut ask = || {
-        writeln!(to_asker, "q").expect("write to the UDP client");
-        let mut line = String::new();
-        from_asker
-            .read_line(&mut line)
-            .expect("read the UDP client");
-        line.trim().to_string()
-    };
+    let mut asker = Driven::start(&outside, ASK, &[UDP_NODE_ADDR, &port.to_string()]);
+    let mut ask = || asker.say("q");
     let mut first = String::from("timeout");
     wait_for(
         "the UDP client served",
@@ -499,6 +480,4 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
         "{}",
         node.agent_log()
     );
-    drop(to_asker);
-    let _ = asker.wait();
 }
