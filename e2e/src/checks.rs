@@ -263,7 +263,7 @@ pub fn run(
     ));
 
     p.step(&format!(
-        "[{m}] hostPort {HOST_PORT} on each node, from the underlay's router"
+        "[{m}] hostPort {HOST_PORT} on each node, and NodePorts (Cluster: every backend; Local: that node's), from the underlay's router"
     ));
     let underlay = c.nodes.underlay().path();
     for w in web.pods.iter().filter(|w| w.host_port) {
@@ -275,6 +275,63 @@ pub fn run(
             || Ok((http_get(&underlay, &addr).as_deref() == Some(w.name.as_str())).then_some(())),
         )?;
         p.note(&format!("{addr} -> {}", w.name));
+    }
+    // A client outside the nodes (calix per packet in eBPF mode, kube-proxy in kernel mode): at
+    // either node's address, a Cluster NodePort reaches every backend (those of the other node
+    // too), a Local one only that node's.
+    for node in [0, 1] {
+        let at = c.nodes.address(node);
+        let all: BTreeSet<String> = web.pods.iter().map(|w| w.name.clone()).collect();
+        let addr = format!("{at}:{}", web.node_port);
+        let mut seen = BTreeSet::new();
+        wait(
+            c,
+            &format!("{addr} (NodePort, Cluster) reaches every backend {all:?}"),
+            Duration::from_secs(60),
+            || {
+                if let Some(b) = http_get(&underlay, &addr) {
+                    seen.insert(b);
+                }
+                Ok((seen == all).then_some(()))
+            },
+        )?;
+        p.note(&format!(
+            "{addr} (Cluster) -> {}",
+            all.into_iter().collect::<Vec<_>>().join(", ")
+        ));
+        let local: BTreeSet<String> = web
+            .pods
+            .iter()
+            .filter(|w| w.node == node)
+            .map(|w| w.name.clone())
+            .collect();
+        let addr = format!("{at}:{}", web.node_port_local);
+        let (mut seen, mut other) = (BTreeSet::new(), None);
+        wait(
+            c,
+            &format!("{addr} (NodePort, Local) reaches its node's backends {local:?}"),
+            Duration::from_secs(60),
+            || {
+                match http_get(&underlay, &addr) {
+                    Some(b) if !local.contains(&b) => other = Some(b),
+                    Some(b) => {
+                        seen.insert(b);
+                    }
+                    None => {}
+                }
+                Ok((seen == local || other.is_some()).then_some(()))
+            },
+        )?;
+        if let Some(b) = other {
+            bail!(
+                "{b}, on another node, answered at {addr} through the externalTrafficPolicy Local NodePort\n{}",
+                c.show()
+            );
+        }
+        p.note(&format!(
+            "{addr} (Local) -> {}, no other",
+            seen.into_iter().collect::<Vec<_>>().join(", ")
+        ));
     }
 
     p.step(&format!(
@@ -583,6 +640,10 @@ struct Web {
     cluster_ip: String,
     /// The same pods behind a Service with `internalTrafficPolicy: Local`.
     local_ip: String,
+    /// The NodePort of a NodePort Service of the same pods (`externalTrafficPolicy: Cluster`),
+    /// and of one with `Local`.
+    node_port: u16,
+    node_port_local: u16,
 }
 
 impl Web {
@@ -619,6 +680,21 @@ impl Web {
             .as_str()
             .context("the Local Service's clusterIP")?
             .to_string();
+        let node_port = |suffix: &str, policy: &str| -> Result<u16> {
+            let svc = api.apply(json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": format!("{app}-{suffix}"), "namespace": "default"},
+                "spec": {"type": "NodePort", "selector": {"app": app},
+                    "ports": [{"port": 80, "targetPort": 8080}],
+                    "externalTrafficPolicy": policy},
+            }))?;
+            svc["spec"]["ports"][0]["nodePort"]
+                .as_u64()
+                .and_then(|p| u16::try_from(p).ok())
+                .with_context(|| format!("the {policy} NodePort Service's nodePort"))
+        };
+        let node_port_local = node_port("np-local", "Local")?;
+        let node_port = node_port("np", "Cluster")?;
         let running = wait(
             c,
             "the web pods Running with addresses",
@@ -663,6 +739,8 @@ impl Web {
             service: app,
             cluster_ip,
             local_ip,
+            node_port,
+            node_port_local,
         })
     }
 
@@ -672,12 +750,14 @@ impl Web {
             c.api.delete_in("v1", "Pod", "default", &w.name)?;
         }
         c.api.delete_in("v1", "Service", "default", &self.service)?;
-        c.api.delete_in(
-            "v1",
-            "Service",
-            "default",
-            &format!("{}-local", self.service),
-        )?;
+        for suffix in ["local", "np", "np-local"] {
+            c.api.delete_in(
+                "v1",
+                "Service",
+                "default",
+                &format!("{}-{suffix}", self.service),
+            )?;
+        }
         wait(c, "the web pods gone", Duration::from_secs(60), || {
             let left = c.api.list("v1", "Pod", &format!("app={}", self.service))?;
             Ok(left.is_empty().then_some(()))
