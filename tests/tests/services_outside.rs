@@ -8,7 +8,8 @@
 //! node's address, and its replies still come from the NodePort. A connection from outside
 //! lasts through the agent's `kill -9`, its restart and an upgrade to another build of the
 //! programs, and new ones are served after each. A UDP client outside whose backend leaves the
-//! Service meets the one left with its next datagram, from the same socket.
+//! Service meets the one left with its next datagram, from the same socket; a TCP client that
+//! reuses its port after its connection ended meets the backends as they are then.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::process::Stdio;
@@ -259,6 +260,31 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
         after > before,
         "the drops are counted: {before} then {after}"
     );
+    // And per Service: the flows from outside sent to the backend (a TCP connection and a UDP
+    // flow at least), and those refused.
+    let r = node
+        .agent()
+        .calixctl_json(&["services", &format!("{ns}/web")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let row = &r["list"][0];
+    let counted = |port: u16| -> (u64, u64) {
+        let fronts = row["frontends"].as_array().expect("frontends");
+        let i = fronts
+            .iter()
+            .position(|f| f["frontend"]["port"] == port && f["frontend"]["kind"] == "NodePort")
+            .unwrap_or_else(|| panic!("no NodePort {port}: {r}"));
+        let c = &row["counters"][i];
+        (
+            c["connections"].as_u64().unwrap_or(0),
+            c["refused"].as_u64().unwrap_or(0),
+        )
+    };
+    let (tcp_in, tcp_refused) = counted(tport);
+    assert!(
+        tcp_in >= 1 && tcp_refused >= 1,
+        "the TCP NodePort: {tcp_in} sent, {tcp_refused} refused: {r}"
+    );
+    assert!(counted(uport).0 >= 1, "the UDP NodePort: {r}");
 
     // Cluster: the same endpoint serves clients outside wherever its node is.
     service("Cluster", Some((tport, uport)));
@@ -378,16 +404,44 @@ fn a_connection_from_outside_lasts_through_agent_restarts_and_an_upgrade() {
     assert_eq!(fresh(), served, "a new client after the upgrade");
 }
 
-/// Answers each UDP datagram on port 8053 in `ns` with `name`.
-fn named_udp(ns: &Netns, name: &'static str) {
-    let udp = ns.run(|| UdpSocket::bind("0.0.0.0:8053").expect("bind udp"));
+/// Answers each UDP datagram on port 8053 and each TCP connection on port 8080 in `ns` with
+/// `name`.
+fn named(ns: &Netns, name: &'static str) {
+    let (tcp, udp) = ns.run(|| {
+        (
+            TcpListener::bind("0.0.0.0:8080").expect("bind tcp"),
+            UdpSocket::bind("0.0.0.0:8053").expect("bind udp"),
+        )
+    });
     std::thread::spawn(move || {
         let mut buf = [0u8; 64];
         while let Ok((_, from)) = udp.recv_from(&mut buf) {
             let _ = udp.send_to(name.as_bytes(), from);
         }
     });
+    std::thread::spawn(move || {
+        for mut c in tcp.incoming().flatten() {
+            let _ = c.write_all(name.as_bytes());
+        }
+    });
 }
+
+/// A TCP connection to `argv[1]`:`argv[2]` from source port `argv[3]` (reset when closed: no
+/// TIME_WAIT keeps the port): what the server said first.
+const FROM_PORT: &str = r#"
+import socket, struct, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+s.bind(("", int(sys.argv[3])))
+s.settimeout(3)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print(s.recv(64).decode())
+except OSError as e:
+    print("failed", e)
+s.close()
+"#;
 
 /// One UDP socket to `argv[1]`:`argv[2]`: for each line of stdin a datagram, and the answer
 /// printed (`timeout` when none came).
@@ -414,17 +468,18 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
     } = beyond(&api, "sd", "10.89.6.0/24", UDP_NODE_ADDR, UDP_CLIENT_ADDR);
     let one = running(&api, &node, &ns, "one");
     let two = running(&api, &node, &ns, "two");
-    named_udp(&one.ns, "one");
-    named_udp(&two.ns, "two");
+    named(&one.ns, "one");
+    named(&two.ns, "two");
     let svc = api
         .apply(json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"namespace": ns, "name": "dns"},
             "spec": {"type": "NodePort",
-                     "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]},
+                     "ports": [{"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053},
+                               {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]},
         }))
         .unwrap_or_else(|e| panic!("{e}"));
-    let port = node_port(&svc, 0);
+    let (port, tport) = (node_port(&svc, 0), node_port(&svc, 1));
     let slice = |pods: &[&Pod<'_>]| {
         let endpoints: Vec<Value> = pods
             .iter()
@@ -438,7 +493,8 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
             "metadata": {"namespace": ns, "name": "dns-1",
                          "labels": {"kubernetes.io/service-name": "dns"}},
             "addressType": "IPv4",
-            "ports": [{"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "ports": [{"name": "dns", "port": 8053, "protocol": "UDP"},
+                      {"name": "http", "port": 8080, "protocol": "TCP"}],
             "endpoints": endpoints,
         }))
         .unwrap_or_else(|e| panic!("{e}"))
@@ -479,5 +535,45 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
             .contains("flows from outside sent there forgotten"),
         "{}",
         node.agent_log()
+    );
+
+    // TCP: a client that reuses its port after its connection ended meets the backends as
+    // they are then, not the one its old flow went to (whose pod still answers).
+    slice(&[&one, &two]);
+    let from_port = || {
+        let out = outside
+            .cmd(&[
+                "python3",
+                "-c",
+                FROM_PORT,
+                UDP_NODE_ADDR,
+                &tport.to_string(),
+                "40123",
+            ])
+            .output()
+            .expect("run the TCP client");
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    };
+    let mut was = String::new();
+    wait_for(
+        "the TCP client served, both backends in the Service",
+        Duration::from_secs(30),
+        || {
+            was = from_port();
+            (was == "one" || was == "two").then_some(())
+        },
+        || node.agent_log(),
+    );
+    let (stays, name) = if was == "one" {
+        (&two, "two")
+    } else {
+        (&one, "one")
+    };
+    slice(&[stays]);
+    wait_for(
+        "the same client port meets the backend left",
+        Duration::from_secs(30),
+        || (from_port() == name).then_some(()),
+        || node.agent_log(),
     );
 }

@@ -24,9 +24,9 @@ pub const SERVICE_SERIES: usize = 100;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FrontCounts {
     /// Connections sent to a backend (TCP and UDP `connect`, an unconnected UDP socket's
-    /// first datagram).
+    /// first datagram; from outside the nodes, each new flow).
     pub connections: u64,
-    /// Calls refused (no endpoint; a `Local` policy with none there).
+    /// Calls refused (no endpoint; a `Local` policy with none there), from inside or outside.
     pub refused: u64,
 }
 

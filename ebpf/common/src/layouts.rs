@@ -376,7 +376,7 @@ const SERVICES_MAPS: [MapLayout; 9] = [
         SVC_FLOW_ENTRIES,
         0,
     ),
-    m(SVC_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 156, 1, 0),
+    m(SVC_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 176, 1, 0),
 ];
 
 const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 9] = concat(LAYOUT_3, SERVICES_MAPS);

@@ -28,7 +28,8 @@ pub const SVC_AFFINITY_MAP: &str = "CALIX_SVC_AFF";
 /// whatever the number of nodes; a pod reaching another node's NodePort is translated at its
 /// socket too, as one reaching its own node's.
 pub const SVC_NODES_MAP: &str = "CALIX_SVC_NODES";
-/// LRU per-CPU hash: [`SvcKey`] → [`SvcCounters`]: what each frontend did at the sockets
+/// LRU per-CPU hash: [`SvcKey`] → [`SvcCounters`]: what each frontend did at the sockets (and,
+/// for an external key, with flows from outside)
 /// (`calixctl services`, the per-Service metrics). The programs add an entry the first time a
 /// frontend translates or refuses; the agent removes a frontend's with it, and the LRU keeps
 /// the map bounded whatever happens between.
@@ -179,7 +180,8 @@ pub struct SvcAffValue {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SvcCounters {
     /// Connections sent to a backend: TCP and UDP `connect`, and each unconnected UDP socket's
-    /// first datagram to the frontend (and its first after the frontend's backends changed).
+    /// first datagram to the frontend (and its first after the frontend's backends changed);
+    /// for an external key, each new flow from outside.
     pub connections: u64,
     /// Calls refused: no endpoint, or a `Local` policy with none here (ECONNREFUSED).
     pub refused: u64,
@@ -235,6 +237,8 @@ pub struct SvcScratch {
     pub back: SvcFlow,
     pub front: SvcKey,
     pub backend: SvcBackendKey,
+    /// Zeros: a frontend's first counters.
+    pub zero: SvcCounters,
 }
 
 /// A node's address, for [`SVC_NODES_MAP`].

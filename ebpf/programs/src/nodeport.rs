@@ -10,14 +10,15 @@
 //! - a backend on this node gets the packet straight into its pod (its ingress policy first),
 //!   with the client's own address: `externalTrafficPolicy: Local` keeps it, as kube-proxy;
 //!   the pod's replies are translated back in `from_pod` ([`reply_from_pod_v4`]) and sent out
-//!   through the FIB;
+//!   by the interface the client's packets came in on;
 //! - a backend on another node (`Cluster`): the packet goes to the host stack marked
 //!   `SVC_MASQ_MARK`, which routes it there and masquerades it to the node's address (the
 //!   agent's nftables table), so its replies come back here; leaving by the uplink they are
 //!   translated back in `to_host_dev` ([`reply_after_stack_v4`]).
 //!
 //! `Local` with no endpoint here: dropped and counted (`service_no_local_endpoint`), as
-//! kube-proxy drops. No endpoint at all, and anything not ours (other protocols, fragments,
+//! kube-proxy drops. New flows and refusals add to the frontend's counters, as the socket
+//! programs' do. No endpoint at all, and anything not ours (other protocols, fragments,
 //! a TCP segment of an unknown flow other than a SYN): the host stack, which answers a port
 //! nothing listens on with a RST or an ICMP port unreachable: kube-proxy's reject.
 
@@ -28,23 +29,25 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL, SVC_FLOW_IN,
+    SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL, SVC_FLOW_IN,
     SVC_FLOW_OUT, SVC_MASQ_MARK, SVC_REJECT, SVC_V4,
 };
 
 use crate::maps::{
-    CALIX_LOCAL_V4, CALIX_SVC_BACKS, CALIX_SVC_FLOWS, CALIX_SVC_FRONTS, CALIX_SVC_SCRATCH,
+    CALIX_LOCAL_V4, CALIX_SVC_BACKS, CALIX_SVC_COUNT, CALIX_SVC_FLOWS, CALIX_SVC_FRONTS,
+    CALIX_SVC_SCRATCH,
 };
 use crate::packet::{self, Ipv4, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
 
+/// Offsets in the frame of the IPv4 header's checksum, source and destination.
 pub const IP_CSUM: usize = ETH_HLEN + 10;
 const IP_SRC: usize = ETH_HLEN + 12;
 pub const IP_DST: usize = ETH_HLEN + 16;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
 
-/// The transport fields translation reads.
-/// Offsets as `u16` (a frame is at most 64 KiB): the struct is on the stack of every caller.
+/// The transport fields translation reads; offsets as `u16` (a frame is at most 64 KiB): the
+/// struct is on the stack of every caller.
 struct Ports {
     sport: u16,
     dport: u16,
@@ -222,15 +225,18 @@ fn begin(
             return Ok(NOT_OURS);
         };
         let (id, count, flags) = ((*v).id, (*v).count, (*v).flags);
+        // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
+        // the host stack masqueraded, a stray ACK) is not translated, nor counted.
+        if proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+            return Ok(if flags & SVC_DROP != 0 { DROP } else { NOT_OURS });
+        }
         if flags & SVC_DROP != 0 {
+            count_front(s, false);
             return Ok(DROP);
         }
-        // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
-        // the host stack masqueraded, a stray ACK) is not translated.
-        if flags & SVC_REJECT != 0
-            || count == 0
-            || (proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) != TCP_SYN)
-        {
+        if flags & SVC_REJECT != 0 || count == 0 {
+            // The host stack refuses it (nothing listens on the port).
+            count_front(s, false);
             return Ok(NOT_OURS);
         }
         (*s).backend.id = id;
@@ -254,7 +260,40 @@ fn begin(
         CALIX_SVC_FLOWS.insert(&(*s).key, &(*s).flow, 0)?;
         CALIX_SVC_FLOWS.insert(&(*s).back_key, &(*s).back, 0)?;
     }
+    count_front(s, true);
     Ok(TO)
+}
+
+/// Counts a flow from outside sent to a backend of the frontend in `(*s).front`
+/// (`connected`), or one refused, in this CPU's entry of the Services' counters (as the
+/// socket programs count theirs; added the first time).
+#[inline(always)]
+fn count_front(s: *mut SvcScratch, connected: bool) {
+    // SAFETY: `s` is this CPU's scratch entry; the counters' value is this CPU's, which no
+    // other CPU writes.
+    unsafe {
+        let k = &(*s).front;
+        let c = match CALIX_SVC_COUNT.get_ptr_mut(k) {
+            Some(c) => c,
+            None => {
+                (*s).zero = SvcCounters {
+                    connections: 0,
+                    refused: 0,
+                };
+                // BPF_NOEXIST (1): another CPU's call may have added it meanwhile.
+                let _ = CALIX_SVC_COUNT.insert(k, &(*s).zero, 1);
+                match CALIX_SVC_COUNT.get_ptr_mut(k) {
+                    Some(c) => c,
+                    None => return,
+                }
+            }
+        };
+        if connected {
+            (*c).connections += 1;
+        } else {
+            (*c).refused += 1;
+        }
+    }
 }
 
 /// [`from_outside_v4`]: not ours, carry on.
@@ -304,10 +343,15 @@ fn choose_v4(ctx: &TcContext, ip: &Ipv4) -> Result<i32, c_long> {
             (ip.src, p.sport),
             (ip.dst, p.dport),
         );
-        if let Some(f) = CALIX_SVC_FLOWS.get_ptr(&(*s).key) {
-            let (backend, port) = (narrow(&(*f).addr), (*f).port);
-            set_flow(&mut (*s).flow, backend, port, 0, 0);
-            return Ok(CHOSEN);
+        // A TCP SYN begins a connection anew: a client reusing its port after a flow ended
+        // meets the backends as they are now (the old flow's may be gone).
+        let syn = ip.proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+        if !syn {
+            if let Some(f) = CALIX_SVC_FLOWS.get_ptr(&(*s).key) {
+                let (backend, port) = (narrow(&(*f).addr), (*f).port);
+                set_flow(&mut (*s).flow, backend, port, 0, 0);
+                return Ok(CHOSEN);
+            }
         }
     }
     // SAFETY: a plain context access the verifier checks.
