@@ -52,7 +52,10 @@ fn size(p: &ServicePlan) -> (usize, usize) {
         .iter()
         .map(|f| f.local_at.as_ref().map_or(0, BTreeMap::len))
         .sum();
-    (p.frontends.len() + extra, backends)
+    // A frontend for clients outside (NodePort, external, LoadBalancer) has an entry of its
+    // own for them too (per node address, in fact; one is counted).
+    let outside = p.frontends.iter().filter(|f| f.external.is_some()).count();
+    (p.frontends.len() + extra + outside, backends)
 }
 
 /// The cluster's Services on this node.
@@ -368,5 +371,28 @@ mod tests {
         });
         assert_eq!(touched, BTreeSet::from([b.key.clone()]));
         assert!(st.plan(&b.key).is_some());
+    }
+
+    /// A NodePort takes its cluster IP's entry, the NodePort's, and one for clients outside
+    /// (with its backends: the external choice's).
+    #[test]
+    fn a_nodeport_counts_its_entry_for_clients_outside() {
+        let mut st = State::new(
+            Admission::default(),
+            here(),
+            Limits {
+                frontends: 10,
+                backends: 10,
+            },
+        );
+        let (mut a, sa) = web("a", &["10.244.1.1"]);
+        a.ports[0].node_port = Some(30080);
+        st.apply(Change::Service(a));
+        st.apply(Change::Slice(sa));
+        assert_eq!(
+            st.used(),
+            (3, 3),
+            "frontends: cluster IP, NodePort, NodePort for clients outside; a backend each"
+        );
     }
 }
