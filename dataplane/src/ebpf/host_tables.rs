@@ -28,6 +28,9 @@ impl EbpfDataplane {
                 crate::svc_masquerade::FAMILY,
                 crate::svc_masquerade::TABLE,
             )?);
+        } else {
+            // Services no longer translated here (a run before had them): its table goes.
+            crate::svc_masquerade::remove()?;
         }
         self.apply_doors_table()?;
         self.apply_pending_table()
