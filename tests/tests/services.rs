@@ -16,7 +16,7 @@ use calix_testbed::{wait_for, KubeApi, Pod};
 use serde_json::{json, Value};
 
 mod common;
-use common::services::{cluster_ip, running, Bed, TestCgroup};
+use common::services::{cluster_ip, frontend_counters, running, Bed, TestCgroup};
 
 /// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
 fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {
@@ -188,19 +188,7 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         .agent()
         .calixctl_json(&["services", &format!("{ns}/web")])
         .unwrap_or_else(|e| panic!("{e}"));
-    let row = &r["list"][0];
-    let counted = |port: u64| -> (u64, u64) {
-        let fronts = row["frontends"].as_array().expect("frontends");
-        let i = fronts
-            .iter()
-            .position(|f| f["frontend"]["port"] == port)
-            .unwrap_or_else(|| panic!("no frontend of port {port}: {r}"));
-        let c = &row["counters"][i];
-        (
-            c["connections"].as_u64().unwrap_or(0),
-            c["refused"].as_u64().unwrap_or(0),
-        )
-    };
+    let counted = |port: u64| frontend_counters(&r, |f| f["port"] == port);
     assert_eq!(counted(80), (1, 0), "{r}");
     assert_eq!(counted(53), (1, 0), "{r}");
     assert_eq!(counted(81), (0, 1), "{r}");

@@ -19,7 +19,7 @@ use calix_testbed::{wait_for, KubeApi, Netns, Pod};
 use serde_json::{json, Value};
 
 mod common;
-use common::services::{running, Bed};
+use common::services::{frontend_counters, running, Bed};
 
 const UPLINK: &str = "up0";
 const NODE_ADDR: &str = "192.0.2.61";
@@ -266,19 +266,8 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
         .agent()
         .calixctl_json(&["services", &format!("{ns}/web")])
         .unwrap_or_else(|e| panic!("{e}"));
-    let row = &r["list"][0];
-    let counted = |port: u16| -> (u64, u64) {
-        let fronts = row["frontends"].as_array().expect("frontends");
-        let i = fronts
-            .iter()
-            .position(|f| f["frontend"]["port"] == port && f["frontend"]["kind"] == "NodePort")
-            .unwrap_or_else(|| panic!("no NodePort {port}: {r}"));
-        let c = &row["counters"][i];
-        (
-            c["connections"].as_u64().unwrap_or(0),
-            c["refused"].as_u64().unwrap_or(0),
-        )
-    };
+    let counted =
+        |port: u16| frontend_counters(&r, |f| f["port"] == port && f["kind"] == "NodePort");
     let (tcp_in, tcp_refused) = counted(tport);
     assert!(
         tcp_in >= 1 && tcp_refused >= 1,

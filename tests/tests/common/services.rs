@@ -98,3 +98,19 @@ pub fn cluster_ip(svc: &Value) -> String {
         .expect("a cluster IP")
         .to_string()
 }
+
+/// The counters (connections, refused) of the first frontend of `calixctl services -o json`'s
+/// first row (`r`) that `which` picks.
+pub fn frontend_counters(r: &Value, which: impl Fn(&Value) -> bool) -> (u64, u64) {
+    let row = &r["list"][0];
+    let fronts = row["frontends"].as_array().expect("frontends");
+    let i = fronts
+        .iter()
+        .position(|f| which(&f["frontend"]))
+        .unwrap_or_else(|| panic!("no such frontend: {r}"));
+    let c = &row["counters"][i];
+    (
+        c["connections"].as_u64().unwrap_or(0),
+        c["refused"].as_u64().unwrap_or(0),
+    )
+}
