@@ -21,15 +21,18 @@
 //! nodes of it and the Node, Namespace, IPPool and Pod objects they serve; `tokens.rs` makes
 //! ServiceAccounts and their tokens; `binaries.rs` finds the Kubernetes binaries; [`dns`] is
 //! a cluster DNS from the API's Services (no CoreDNS can be had here; not yet wired into the
-//! e2e cluster: the upstream Services suite needs it).
+//! e2e cluster: the upstream Services suite needs it); [`KubeProxy`] runs kube-proxy in a node's
+//! namespace.
 mod binaries;
 mod daemons;
 pub mod dns;
+mod kube_proxy;
 mod nodes;
 mod objects;
 mod tokens;
 
 pub use binaries::{crds_dir, k8s_binary, kube_apiserver};
+pub use kube_proxy::{KubeProxy, ProxyMode};
 pub use nodes::{ippool, wait_pools};
 
 use std::path::{Path, PathBuf};
@@ -223,6 +226,15 @@ impl KubeApi {
         masquerade(node, &["-o", "kube0"])?;
         let path = self.dir.join(format!("node{i}.kubeconfig"));
         self.write_kubeconfig(&path, &format!("10.97.{i}.1"), token)?;
+        Ok(path)
+    }
+
+    /// A kubeconfig for clients in `node` (wired: [`KubeApi::wire_as`]) with the admin's
+    /// credentials, beside the one its agent has: for kube-proxy on a calix node.
+    pub fn admin_kubeconfig_at(&self, node: &Netns) -> Result<PathBuf> {
+        let (_, i) = self.link_of(node, "KubeApi::admin_kubeconfig_at")?;
+        let path = self.dir.join(format!("node{i}-admin.kubeconfig"));
+        self.write_kubeconfig(&path, &format!("10.97.{i}.1"), ADMIN_TOKEN)?;
         Ok(path)
     }
 

@@ -75,6 +75,39 @@ impl KubeApi {
         })
     }
 
+    /// Applies each of `objects` in turn (as [`KubeApi::apply`]) on one client, its
+    /// connection made first (a read of the first object's kind): returns the wall-clock time
+    /// just before each write, for a bench timing what follows a write.
+    pub fn apply_timed(
+        &self,
+        objects: Vec<serde_json::Value>,
+    ) -> Result<Vec<std::time::SystemTime>> {
+        let work = objects
+            .into_iter()
+            .map(|o| Ok((resource_of(&o)?, o)))
+            .collect::<Result<Vec<_>>>()?;
+        self.with_client(move |c| async move {
+            let pp = PatchParams::apply("calix-testbed").force();
+            let mut at = Vec::new();
+            for (i, ((ar, ns, name), object)) in work.into_iter().enumerate() {
+                let api = dynamic_api(c.clone(), &ar, ns.as_deref());
+                let failed = |e: kube::Error| Error::Kube {
+                    what: format!("apply {} {name}", ar.kind),
+                    detail: e.to_string(),
+                };
+                if i == 0 {
+                    // The connection (TLS) is made here, not in what is timed.
+                    api.get_opt(&name).await.map_err(failed)?;
+                }
+                at.push(std::time::SystemTime::now());
+                api.patch(&name, &pp, &Patch::Apply(&object))
+                    .await
+                    .map_err(failed)?;
+            }
+            Ok(at)
+        })
+    }
+
     /// Merges `patch` (e.g. `{"metadata": {"labels": …}}`) into `object` (`apiVersion`,
     /// `kind`, `metadata`), whoever manages its fields.
     pub fn merge_patch(&self, object: serde_json::Value, patch: serde_json::Value) -> Result<()> {

@@ -4,6 +4,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use super::{CniDirs, KubeNode, BUSYBOX_IMAGE, PAUSE_IMAGE};
+use crate::k8s::{KubeProxy, ProxyMode};
 use crate::process::{command_in, spawn_logged};
 use crate::{Error, Result};
 
@@ -206,42 +207,18 @@ serializeImagePulls: false
         }
     }
 
-    /// Starts kube-proxy in iptables mode in the node's namespace (`--conntrack-max-per-core
-    /// 0`: the conntrack table is the machine's), talking to the API server by `kubeconfig`.
-    /// Returns once it answers on its healthz port with its rules synced.
+    /// Starts kube-proxy in iptables mode in the node's namespace ([`crate::k8s::KubeProxy`]),
+    /// talking to the API server by `kubeconfig`. Returns once its rules are synced.
     pub fn start_kube_proxy(&mut self, kubeconfig: &Path) -> Result<()> {
-        let bin = crate::k8s::k8s_binary("kube-proxy")?;
         let log = self.dir.join("kube-proxy.log");
-        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
-        cmd.arg(format!("--kubeconfig={}", kubeconfig.display()))
-            .arg(format!("--hostname-override={}", self.name))
-            .arg("--proxy-mode=iptables")
-            .arg("--conntrack-max-per-core=0")
-            .arg("--oom-score-adj=0")
-            .arg("--metrics-bind-address=127.0.0.1:10249")
-            .arg("--healthz-bind-address=127.0.0.1:10256")
-            .arg("--v=2");
-        self.proxy = Some(spawn_logged(&mut cmd, &log)?);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if text.contains("SyncProxyRules complete") || text.contains("syncProxyRules complete")
-            {
-                return Ok(());
-            }
-            let exited = self
-                .proxy
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten());
-            if exited.is_some() || Instant::now() > deadline {
-                return Err(Error::NotReady {
-                    what: "kube-proxy".into(),
-                    exited,
-                    log: text,
-                });
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        self.proxy = Some(KubeProxy::start(
+            &self.netns,
+            &self.name,
+            kubeconfig,
+            ProxyMode::Iptables,
+            log,
+        )?);
+        Ok(())
     }
 
     /// Whether kube-proxy runs here.
@@ -252,13 +229,9 @@ serializeImagePulls: false
     /// Stops kube-proxy and removes its rules from the node's namespace (`kube-proxy
     /// --cleanup`), as when an operator removes it from a node.
     pub fn stop_kube_proxy(&mut self) -> Result<()> {
-        let Some(mut p) = self.proxy.take() else {
-            return Ok(());
-        };
-        crate::process::terminate(&mut p, Duration::from_secs(2));
-        let bin = crate::k8s::k8s_binary("kube-proxy")?;
-        let mut cmd = command_in(Some(&self.netns), &bin, None, false)?;
-        cmd.arg("--cleanup").arg("--proxy-mode=iptables");
-        crate::process::checked(&mut cmd).map(|_| ())
+        match self.proxy.take() {
+            Some(mut p) => p.stop(),
+            None => Ok(()),
+        }
     }
 }

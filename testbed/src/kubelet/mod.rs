@@ -146,7 +146,7 @@ pub struct KubeNode {
     sock: PathBuf,
     containerd: Option<Child>,
     kubelet: Option<Child>,
-    proxy: Option<Child>,
+    proxy: Option<crate::k8s::KubeProxy>,
     /// The CA of the clients the kubelet serves (exec, logs, port-forward): the API server's
     /// ([`crate::KubeApi::kubelet_client_ca`]); `None`: it serves no one.
     client_ca: Option<PathBuf>,

@@ -90,9 +90,7 @@ impl KubeNode {
             return Vec::new();
         }
         self.torn_down = true;
-        if let Some(mut p) = self.proxy.take() {
-            terminate(&mut p, Duration::from_secs(2));
-        }
+        drop(self.proxy.take());
         if let Some(mut k) = self.kubelet.take() {
             terminate(&mut k, Duration::from_secs(5));
         }

@@ -29,11 +29,13 @@ const ZERO_WINDOW: &str = "TcpExtTCPToZeroWindowAdv";
 /// The untimed warm-up: TCP_CRR then TCP_RR for this long.
 const WARMUP_SECS: f64 = 0.5;
 
-/// Client → server traffic: the client's namespace, the server's, and the server's address.
+/// Client → server traffic: the client's namespace, the server's, and the server's address
+/// (a Service's: the client in `client_cgroup`, where calix's socket programs are attached).
 pub struct Traffic {
     pub client: Netns,
     pub server: Netns,
     pub server_ip: Ipv4Addr,
+    pub client_cgroup: Option<PathBuf>,
 }
 
 impl Traffic {
@@ -42,7 +44,14 @@ impl Traffic {
             client: Netns::borrowed(&client.name),
             server: Netns::borrowed(&server.name),
             server_ip,
+            client_cgroup: None,
         }
+    }
+
+    /// With the netperf client in the cgroup v2 directory `dir`.
+    pub fn in_cgroup(mut self, dir: &Path) -> Self {
+        self.client_cgroup = Some(dir.to_path_buf());
+        self
     }
 }
 
@@ -118,6 +127,9 @@ impl Tools {
         let mut cmd = t.client.daemon(&self.netperf, Some(self.cpu))?;
         cmd.args(["netperf", mode.as_str(), "--to", &to, "--secs"])
             .arg(secs.to_string());
+        if let Some(cg) = &t.client_cgroup {
+            cmd.arg("--cgroup").arg(cg);
+        }
         Report::from_json(&json(&mut cmd)?)
     }
 

@@ -13,10 +13,14 @@
 //!   round trip timed.
 //!
 //! A client prints one JSON line ([`Report`]). One that does not finish within `secs` + 10 s is
-//! killed by SIGALRM (a dataplane that drops a SYN must not hang a bench).
+//! killed by SIGALRM (a dataplane that drops a SYN must not hang a bench). A client may first
+//! join a cgroup ([`join_cgroup`]: calix's socket programs translate Services there).
+//!
+//! [`first_connect`] times a change: it tries to connect until a try succeeds, and says when.
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime};
 
 use serde_json::{json, Value};
 
@@ -168,5 +172,46 @@ fn rr(to: SocketAddr, secs: f64) -> Result<Report> {
         p50_us: percentile(&rtts, 50.0) / 1e3,
         p99_us: percentile(&rtts, 99.0) / 1e3,
         mean_us: rtts.iter().sum::<f64>() / count.max(1.0) / 1e3,
+    })
+}
+
+/// Moves this process into the cgroup v2 directory `dir` (its `cgroup.procs`).
+pub fn join_cgroup(dir: &Path) -> Result<()> {
+    let procs = dir.join("cgroup.procs");
+    std::fs::write(&procs, std::process::id().to_string())
+        .map_err(Error::io(format!("join {}", procs.display())))
+}
+
+/// How long one try of [`first_connect`] may wait for its handshake.
+pub const TRY_TIMEOUT: Duration = Duration::from_millis(10);
+
+/// Tries to connect to `to`, each try at most [`TRY_TIMEOUT`] and 1 ms apart, until one
+/// succeeds (its wall-clock time returned, to compare with another process's clock) or
+/// `limit` has passed. The first try must fail (what is timed is not there yet): `probing`
+/// is called after it.
+pub fn first_connect(
+    to: SocketAddr,
+    limit: Duration,
+    probing: impl FnOnce(),
+) -> Result<SystemTime> {
+    if TcpStream::connect_timeout(&to, TRY_TIMEOUT).is_ok() {
+        return Err(Error::Unexpected {
+            what: format!("a connection to {to}"),
+            found: "made before the change".into(),
+            expected: "refused or unanswered until the change".into(),
+        });
+    }
+    probing();
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if TcpStream::connect_timeout(&to, TRY_TIMEOUT).is_ok() {
+            return Ok(SystemTime::now());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Err(Error::Unexpected {
+        what: format!("a connection to {to}"),
+        found: format!("none within {limit:?}"),
+        expected: "one once the change took effect".into(),
     })
 }

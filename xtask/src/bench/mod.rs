@@ -19,6 +19,7 @@ mod profile;
 mod report;
 mod routes;
 mod routewatch;
+mod services;
 mod snat;
 
 use std::net::SocketAddr;
@@ -143,6 +144,20 @@ pub enum Scenario {
         #[arg(long)]
         snat_config: Option<PathBuf>,
     },
+    /// Services (issue 24): calix eBPF (socket translation) against kube-proxy in iptables and
+    /// nftables mode, one node each of one API server, at 10, 1,000 and 10,000 Services:
+    /// pod → ClusterIP conn/s and TCP_RR, a change until it takes effect (p50, p99), the RSS
+    /// and CPU of what programs Services.
+    Services {
+        #[command(flatten)]
+        run: TrafficArgs,
+        /// Changes timed per stage, on every variant [default: 20; 5 with --quick].
+        #[arg(long)]
+        changes: Option<usize>,
+        /// Services cluster-wide at each stage [default: 10,1000,10000; 10,1000 with --quick].
+        #[arg(long, value_delimiter = ',')]
+        stages: Option<Vec<usize>>,
+    },
 }
 
 /// The traffic benches' repetitions, durations and mode.
@@ -240,6 +255,24 @@ pub fn run(scenario: Scenario) -> Result<()> {
                 quick,
             })
         }
+        Scenario::Services {
+            run,
+            changes,
+            stages,
+        } => {
+            let (reps, secs, quick) = run.resolve()?;
+            let (c, st) = match quick {
+                true => (5, vec![10, 1000]),
+                false => (20, vec![10, 1000, 10_000]),
+            };
+            services::run(services::Args {
+                reps,
+                secs,
+                changes: changes.unwrap_or(c),
+                stages: stages.unwrap_or(st),
+                quick,
+            })
+        }
         Scenario::Snat { run, snat_config } => {
             let (reps, secs, quick) = run.resolve()?;
             snat::run(reps, secs, quick, snat_config)
@@ -258,26 +291,62 @@ pub enum Netperf {
     },
     /// TCP_CRR: connect, 1-byte request, 1-byte reply, close, for `secs` seconds.
     Crr {
-        #[arg(long)]
-        to: SocketAddr,
-        #[arg(long)]
-        secs: f64,
+        #[command(flatten)]
+        client: Client,
     },
     /// TCP_RR: 1-byte ping-pong on one connection for `secs` seconds.
     Rr {
+        #[command(flatten)]
+        client: Client,
+    },
+    /// Tries to connect until a try succeeds (the first must fail): prints `probing` after
+    /// the first, then the wall-clock time of the success (ns since the epoch).
+    Wait {
         #[arg(long)]
         to: SocketAddr,
+        /// Give up after this long.
         #[arg(long)]
         secs: f64,
+        /// Join this cgroup v2 first.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
     },
 }
 
+#[derive(clap::Args)]
+pub struct Client {
+    #[arg(long)]
+    to: SocketAddr,
+    #[arg(long)]
+    secs: f64,
+    /// Join this cgroup v2 first (calix's socket programs translate Services there).
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+}
+
 pub fn netperf(mode: Netperf) -> Result<()> {
-    let (mode, to, secs) = match mode {
+    let (mode, c) = match mode {
         Netperf::Server { listen } => return Ok(netperf::server(listen)?),
-        Netperf::Crr { to, secs } => (netperf::Mode::Crr, to, secs),
-        Netperf::Rr { to, secs } => (netperf::Mode::Rr, to, secs),
+        Netperf::Crr { client } => (netperf::Mode::Crr, client),
+        Netperf::Rr { client } => (netperf::Mode::Rr, client),
+        Netperf::Wait { to, secs, cgroup } => {
+            if let Some(cg) = &cgroup {
+                netperf::join_cgroup(cg)?;
+            }
+            let limit = std::time::Duration::from_secs_f64(secs.max(0.0));
+            let at = netperf::first_connect(to, limit, || {
+                use std::io::Write;
+                println!("probing");
+                let _ = std::io::stdout().flush();
+            })?;
+            let ns = at.duration_since(std::time::UNIX_EPOCH)?.as_nanos();
+            println!("{ns}");
+            return Ok(());
+        }
     };
-    println!("{}", netperf::client(mode, to, secs)?.to_json());
+    if let Some(cg) = &c.cgroup {
+        netperf::join_cgroup(cg)?;
+    }
+    println!("{}", netperf::client(mode, c.to, c.secs)?.to_json());
     Ok(())
 }

@@ -120,7 +120,7 @@ fn node_of(
 }
 
 /// The agent's `/metrics`, by series (name and labels as written).
-fn metrics(node: &Node) -> Option<BTreeMap<String, f64>> {
+pub(super) fn metrics(node: &Node) -> Option<BTreeMap<String, f64>> {
     let (code, body) = node.http_get("/metrics")?;
     (code == 200).then(|| parse_metrics(&body))
 }
