@@ -9,7 +9,9 @@
 //! lasts through the agent's `kill -9`, its restart and an upgrade to another build of the
 //! programs, and new ones are served after each. A UDP client outside whose backend leaves the
 //! Service meets the one left with its next datagram, from the same socket; a TCP client that
-//! reuses its port after its connection ended meets the backends as they are then.
+//! reuses its port after its connection ended meets the backends as they are then; with
+//! `sessionAffinity: ClientIP` every connection of a client meets the same backend.
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, UdpSocket};
 use std::process::Stdio;
@@ -529,7 +531,7 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
     // TCP: a client that reuses its port after its connection ended meets the backends as
     // they are then, not the one its old flow went to (whose pod still answers).
     slice(&[&one, &two]);
-    let from_port = || {
+    let from = |port: u16| {
         let out = outside
             .cmd(&[
                 "python3",
@@ -537,12 +539,13 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
                 FROM_PORT,
                 UDP_NODE_ADDR,
                 &tport.to_string(),
-                "40123",
+                &port.to_string(),
             ])
             .output()
             .expect("run the TCP client");
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     };
+    let from_port = || from(40123);
     let mut was = String::new();
     wait_for(
         "the TCP client served, both backends in the Service",
@@ -564,5 +567,34 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
         Duration::from_secs(30),
         || (from_port() == name).then_some(()),
         || node.agent_log(),
+    );
+
+    // `sessionAffinity: ClientIP`: without it a client's connections from 16 ports spread
+    // over both backends; with it they all meet one.
+    slice(&[&one, &two]);
+    let met = || -> BTreeSet<String> { (40200..40216).map(from).collect() };
+    let both: BTreeSet<String> = ["one", "two"].map(String::from).into();
+    wait_for(
+        "a client's connections spread over both backends",
+        Duration::from_secs(30),
+        || (met() == both).then_some(()),
+        || node.agent_log(),
+    );
+    api.merge_patch(
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"namespace": ns, "name": "dns"}}),
+        json!({"spec": {"sessionAffinity": "ClientIP"}}),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    wait_for(
+        "every connection of the client meets one backend",
+        Duration::from_secs(30),
+        || (met().len() == 1).then_some(()),
+        || node.agent_log(),
+    );
+    let one_of = met();
+    assert!(
+        one_of.len() == 1 && one_of.is_subset(&both),
+        "affinity holds: {one_of:?}"
     );
 }

@@ -4,8 +4,9 @@
 //!
 //! `from_host_dev` ([`from_outside_v4`]): a TCP SYN or a UDP datagram to an external frontend
 //! (`SVC_EXTERNAL` keys of `CALIX_SVC_FRONTS`, the backends of the traffic policy at this
-//! node) picks a backend by a hash of the client's address and port (every node picks the
-//! same for the same client while the backends are the same), and the flow is remembered
+//! node) picks a backend by a hash of the client's address and port (its address alone with
+//! `sessionAffinity: ClientIP`; every node picks the same for the same client while the
+//! backends are the same), and the flow is remembered
 //! both ways (`CALIX_SVC_FLOWS`). The destination becomes the backend's:
 //! - a backend on this node gets the packet straight into its pod (its ingress policy first),
 //!   with the client's own address: `externalTrafficPolicy: Local` keeps it, as kube-proxy;
@@ -224,7 +225,7 @@ fn begin(
         let Some(v) = CALIX_SVC_FRONTS.get_ptr(&*fk) else {
             return Ok(NOT_OURS);
         };
-        let (id, count, flags) = ((*v).id, (*v).count, (*v).flags);
+        let (id, count, flags, affinity) = ((*v).id, (*v).count, (*v).flags, (*v).affinity_secs);
         // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
         // the host stack masqueraded, a stray ACK) is not translated, nor counted.
         if proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
@@ -240,7 +241,10 @@ fn begin(
             return Ok(NOT_OURS);
         }
         (*s).backend.id = id;
-        (*s).backend.index = client_hash(client, p.sport) % count;
+        // `sessionAffinity: ClientIP`: the client's address alone picks, so every connection
+        // of a client meets the same backend while the backends stay the same.
+        let sport = if affinity != 0 { 0 } else { p.sport };
+        (*s).backend.index = client_hash(client, sport) % count;
         let Some(b) = CALIX_SVC_BACKS.get_ptr(&(*s).backend) else {
             // The agent is between two writes of the frontend: the next SYN picks again.
             return Ok(NOT_OURS);
