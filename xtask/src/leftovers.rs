@@ -1,7 +1,7 @@
 //! What a demo or bench run names `<prefix>-<pid>[-…]` (network namespaces, bpffs pin roots,
-//! directories in `$TMPDIR`, and the processes whose command line mentions them): the leftovers
-//! of runs that died without cleaning up are removed at the next run's start, and a run lists
-//! what it left to prove it left nothing.
+//! directories in `$TMPDIR`, cgroups on the v2 hierarchy, and the processes whose command line
+//! mentions them): the leftovers of runs that died without cleaning up are removed at the next
+//! run's start, and a run lists what it left to prove it left nothing.
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -31,9 +31,14 @@ fn namespaces() -> Result<Vec<String>> {
         .collect())
 }
 
-/// Where runs keep pin roots and directories.
-fn roots() -> [PathBuf; 2] {
-    [PathBuf::from("/sys/fs/bpf"), std::env::temp_dir()]
+/// Where runs keep pin roots, directories and cgroups (the services bench's, on the v2
+/// hierarchy).
+fn roots() -> [PathBuf; 3] {
+    [
+        PathBuf::from("/sys/fs/bpf"),
+        std::env::temp_dir(),
+        PathBuf::from("/sys/fs/cgroup/unified"),
+    ]
 }
 
 /// Removes the namespaces, pin roots and directories that runs named `<prefix>-<pid>…` left
@@ -49,7 +54,9 @@ pub fn remove_stale(prefix: &str) -> Result<()> {
         for e in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             if stale_pid(&e.file_name().to_string_lossy(), prefix).is_some() {
                 println!("      removing stale {}", e.path().display());
-                let _ = std::fs::remove_dir_all(e.path());
+                // A cgroup's files cannot be removed, only the empty directory.
+                let _ =
+                    std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_dir(e.path()));
             }
         }
     }

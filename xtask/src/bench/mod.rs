@@ -299,17 +299,12 @@ pub enum Netperf {
         #[command(flatten)]
         client: Client,
     },
-    /// Tries to connect until a try succeeds (the first must fail): prints `probing` after
-    /// the first, then the wall-clock time of the success (ns since the epoch).
+    /// Tries to connect until a try succeeds (the first must fail), for at most `secs`:
+    /// prints `probing` after the first, then the wall-clock time of the success (ns since
+    /// the epoch).
     Wait {
-        #[arg(long)]
-        to: SocketAddr,
-        /// Give up after this long.
-        #[arg(long)]
-        secs: f64,
-        /// Join this cgroup v2 first.
-        #[arg(long)]
-        cgroup: Option<PathBuf>,
+        #[command(flatten)]
+        client: Client,
     },
 }
 
@@ -327,26 +322,23 @@ pub struct Client {
 pub fn netperf(mode: Netperf) -> Result<()> {
     let (mode, c) = match mode {
         Netperf::Server { listen } => return Ok(netperf::server(listen)?),
-        Netperf::Crr { client } => (netperf::Mode::Crr, client),
-        Netperf::Rr { client } => (netperf::Mode::Rr, client),
-        Netperf::Wait { to, secs, cgroup } => {
-            if let Some(cg) = &cgroup {
-                netperf::join_cgroup(cg)?;
-            }
-            let limit = std::time::Duration::from_secs_f64(secs.max(0.0));
-            let at = netperf::first_connect(to, limit, || {
-                use std::io::Write;
-                println!("probing");
-                let _ = std::io::stdout().flush();
-            })?;
-            let ns = at.duration_since(std::time::UNIX_EPOCH)?.as_nanos();
-            println!("{ns}");
-            return Ok(());
-        }
+        Netperf::Crr { client } => (Some(netperf::Mode::Crr), client),
+        Netperf::Rr { client } => (Some(netperf::Mode::Rr), client),
+        Netperf::Wait { client } => (None, client),
     };
     if let Some(cg) = &c.cgroup {
         netperf::join_cgroup(cg)?;
     }
+    let Some(mode) = mode else {
+        let limit = std::time::Duration::from_secs_f64(c.secs.max(0.0));
+        let at = netperf::first_connect(c.to, limit, || {
+            use std::io::Write;
+            println!("probing");
+            let _ = std::io::stdout().flush();
+        })?;
+        println!("{}", at.duration_since(std::time::UNIX_EPOCH)?.as_nanos());
+        return Ok(());
+    };
     println!("{}", netperf::client(mode, c.to, c.secs)?.to_json());
     Ok(())
 }

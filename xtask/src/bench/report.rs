@@ -106,6 +106,19 @@ pub fn fmt_ms(v: f64) -> String {
     }
 }
 
+/// `10,000`: a count with thousands separated.
+pub fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// No decimals; "–" for NaN (no measurement).
 pub fn fmt_0(v: f64) -> String {
     if v.is_nan() {

@@ -11,7 +11,7 @@ use crate::bench::chart::{self, Layout, Panel, Series};
 use crate::bench::harness::{Bench, Compared};
 use crate::bench::report::{
     fmt_0, fmt_1, fmt_ms, fmt_spread, fmt_spread_with, heading, load_note, loads, median,
-    percentile, ratio, targets,
+    percentile, ratio, targets, thousands,
 };
 
 pub struct Report {
@@ -30,19 +30,6 @@ fn fmt_3(v: f64) -> String {
     } else {
         format!("{v:.3}")
     }
-}
-
-/// `10,000`: a count with thousands separated.
-fn thousands(v: u32) -> String {
-    let digits = v.to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Per repetition: from the first UPDATE read until the receiver held them all (ms).
@@ -88,7 +75,7 @@ impl Report {
     }
 
     fn targets(&self) -> Vec<(String, Option<bool>)> {
-        let n = thousands(PREFIXES);
+        let n = thousands(PREFIXES as usize);
         let (all, gone) = (self.ratio_of(|s| &s.all), self.ratio_of(|s| &s.gone));
         let p99 = self.reach_p99();
         vec![
@@ -145,7 +132,7 @@ impl Report {
     }
 
     fn prefixes_section(&self) -> String {
-        let (p, n) = (&self.prefixes, thousands(PREFIXES));
+        let (p, n) = (&self.prefixes, thousands(PREFIXES as usize));
         let mut s = format!(
             "\n## {n} prefixes to a BIRD router\n\n\
              Two namespaces joined by a veth: the receiver (BIRD, one passive eBGP session per \
@@ -388,7 +375,7 @@ impl Report {
     }
 
     pub fn chart(&self, path: &Path) -> Result<()> {
-        let n = thousands(PREFIXES);
+        let n = thousands(PREFIXES as usize);
         let finite = |v: f64| v.is_finite().then_some(v);
         let prefixes: Vec<Series> = SENDERS
             .iter()

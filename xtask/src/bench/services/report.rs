@@ -10,7 +10,7 @@ use crate::bench::chart::{self, Layout, Panel};
 use crate::bench::harness::{Bench, Compared};
 use crate::bench::report::{
     fmt_0, fmt_1, fmt_ms, fmt_spread_with, heading, load_note, median, percentile, ratio, targets,
-    RATIOS_NOTE,
+    thousands, RATIOS_NOTE,
 };
 
 pub(super) struct Report {
@@ -20,19 +20,6 @@ pub(super) struct Report {
     pub quick: bool,
     pub results: Results,
     pub bench: Bench,
-}
-
-/// `n` with thousands separated: 10,000.
-fn thousands(n: usize) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 impl Report {
@@ -315,7 +302,9 @@ mod tests {
         assert_eq!(t[4].1, Some(true), "{}", t[4].0);
         let svg = render("services", &md, |p| r.chart(p));
         assert!(svg.contains("kube-proxy nftables"));
-        assert_eq!(thousands(1000), "1,000");
-        assert_eq!(thousands(10), "10");
+        assert_eq!(
+            (thousands(1000), thousands(10)),
+            ("1,000".into(), "10".into())
+        );
     }
 }
