@@ -104,8 +104,9 @@ impl Report {
              and TCP_RR from the client to its probe Service's cluster IP, {} s each, the three \
              variants interleaved over {} repetitions, client and servers on one CPU. Change: \
              {} a stage on each variant: a new Service's EndpointSlice (its two backends) \
-             written 1.2 s after the Service, timed from the slice's write until a client \
-             trying every millisecond gets through (methods: `xtask/src/bench/services/`).\n\n",
+             written at least 2.4 s after the Service, one variant at a time, 1.2 s apart, \
+             timed from the slice's write until a client trying every millisecond gets \
+             through (methods: `xtask/src/bench/services/`).\n\n",
             self.bench.measured(&format!(
                 "services --reps {} --secs {} --changes {} --stages {}",
                 self.reps,
