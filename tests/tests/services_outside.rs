@@ -244,6 +244,20 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     // NodePort.
     let got = client("30");
     assert_eq!(got, served, "Local, endpoint here\n{}", node.agent_log());
+    // `calixctl trace` from the client's address: the per-packet step, to the pod here.
+    let trace = node
+        .agent()
+        .calixctl_json(&["trace", CLIENT_ADDR, NODE_ADDR, &format!("tcp/{tport}")])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let step = trace["steps"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["stage"] == "Service"))
+        .unwrap_or_else(|| panic!("no Service step: {trace}"));
+    let detail = step["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains("per packet") && detail.contains(&format!("to one of {}:8080", web.ip())),
+        "{trace}"
+    );
 
     // Local, the endpoint on another node: dropped here, and counted.
     let before = node.dropped(UPLINK, "service_no_local_endpoint");

@@ -155,9 +155,14 @@ pub async fn trace(
         )
         .await,
     );
-    // A Service's address: where the connection really goes.
-    if let Some((refused, detail)) =
-        services.and_then(|sv| sv.trace_step(d.ip, proto, port).filter(|_| ported))
+    // A Service's address: where the connection really goes (from a client beyond the
+    // cluster, no pod's and no pool's: per packet where it arrives).
+    let pools = node.ipam.pools();
+    let pool_of = |ip: IpAddr| pools.iter().find(|p| p.cidr.contains(&ip));
+    let outside = s.pod.is_none() && !s.host_network && pool_of(s.ip).is_none();
+    if let Some((refused, detail)) = services
+        .and_then(|sv| sv.trace_step(d.ip, proto, port, s.ip, outside))
+        .filter(|_| ported)
     {
         let outcome = if refused {
             Outcome::Drop
@@ -167,8 +172,6 @@ pub async fn trace(
         steps.push(step("Service", src_node, outcome, detail, FROM_CALCULATION));
     }
     // Where it goes.
-    let pools = node.ipam.pools();
-    let pool_of = |ip: IpAddr| pools.iter().find(|p| p.cidr.contains(&ip));
     let route = match (&d.local, pool_of(d.ip)) {
         (Some((ifname, _)), _) => format!("delivered on {here} to {ifname}"),
         (None, Some(p)) => format!("to another node: pool {}", p.cidr),

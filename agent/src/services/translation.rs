@@ -12,9 +12,18 @@ use super::ServicesService;
 
 impl ServicesService {
     /// `calixctl trace`'s Service step for a packet to `address`:`port` (`proto`: 6, 17 or
-    /// 132): the Service and where its connections go from here; `None` when no frontend of a
-    /// Service is there. `.0`: the connection is refused.
-    pub fn trace_step(&self, address: IpAddr, proto: u8, port: u16) -> Option<(bool, String)> {
+    /// 132) from `client`, which `outside` says is beyond the cluster (no pod's, no pool's;
+    /// a node's address counts as inside whatever the caller says): the Service and where its
+    /// connections go from here; `None` when no frontend of a Service is there. `.0`: the
+    /// connection is refused or dropped.
+    pub fn trace_step(
+        &self,
+        address: IpAddr,
+        proto: u8,
+        port: u16,
+        client: IpAddr,
+        outside: bool,
+    ) -> Option<(bool, String)> {
         let protocol = match proto {
             6 => Protocol::Tcp,
             17 => Protocol::Udp,
@@ -22,12 +31,17 @@ impl ServicesService {
             _ => return None,
         };
         let inner = self.lock();
+        let is_node = |a: &IpAddr| {
+            inner.nodes.values().any(|v| v.contains(a))
+                || inner.state.rules().node_addresses.contains(a)
+        };
         let owner = inner
             .nodes
             .iter()
             .find(|(_, a)| a.contains(&address))
             .map(|(n, _)| n.clone());
         let node_address = owner.is_some() || inner.state.rules().node_addresses.contains(&address);
+        let outside = outside && !is_node(&client);
         let (key, p) = calix_core::services::frontend_for(
             inner.state.plans(),
             address,
@@ -36,22 +50,54 @@ impl ServicesService {
             node_address,
         )?;
         let elsewhere = owner.as_deref().filter(|n| *n != self.node);
-        let choice = match (&p.local_at, elsewhere) {
-            (Some(by_node), Some(n)) => match by_node.get(n) {
-                Some(v) => Choice::To(v.clone()),
+        let local_there =
+            |n: &str, by_node: &std::collections::BTreeMap<String, _>| match by_node.get(n) {
+                Some(v) => Choice::To(Vec::clone(v)),
                 None => Choice::Drop,
-            },
-            _ => p.internal.clone(),
-        };
-        let by = if inner.programmed {
-            "calix translates it at the client's socket"
-        } else {
-            "calix does not translate it here ([services] translate off, or not programmed): kube-proxy's"
-        };
+            };
         let what = format!(
-            "{key} ({:?} {address}:{port}/{protocol:?}): {by}",
+            "{key} ({:?} {address}:{port}/{protocol:?})",
             p.frontend.kind
         );
+        let (choice, by) = if outside {
+            let per_packet = "calix translates it per packet where it arrives (the uplink's tc \
+                              program; a backend on that node sees the client's address, one on \
+                              another node the node's)";
+            match (&p.external, address.is_ipv4() && client.is_ipv4()) {
+                (None, _) => {
+                    return Some((
+                        false,
+                        format!("{what}: a cluster IP, not translated for a client outside the cluster"),
+                    ))
+                }
+                (Some(_), false) => {
+                    return Some((
+                        false,
+                        format!("{what}: IPv6 from outside the nodes is not translated by calix yet (kube-proxy's, if it runs)"),
+                    ))
+                }
+                (Some(external), true) => match (&p.local_at, elsewhere) {
+                    (Some(by_node), Some(n)) => (local_there(n, by_node), per_packet),
+                    _ => (external.clone(), per_packet),
+                },
+            }
+        } else {
+            let by = if inner.programmed {
+                "calix translates it at the client's socket"
+            } else {
+                "calix does not translate it here ([services] translate off, or not programmed): kube-proxy's"
+            };
+            match (&p.local_at, elsewhere) {
+                (Some(by_node), Some(n)) => (local_there(n, by_node), by),
+                _ => (p.internal.clone(), by),
+            }
+        };
+        let by = if !inner.programmed && outside {
+            "calix does not translate it here ([services] translate off, or not programmed): kube-proxy's"
+        } else {
+            by
+        };
+        let what = format!("{what}: {by}");
         Some(match choice {
             Choice::To(v) => {
                 let mut to: Vec<String> = v
@@ -65,16 +111,25 @@ impl ServicesService {
                 if v.len() > 8 {
                     to.push(format!("and {} more", v.len() - 8));
                 }
-                let affinity = p
-                    .affinity_secs
-                    .map(|s| format!("; a client keeps its backend {s} s"))
-                    .unwrap_or_default();
+                let affinity = match (p.affinity_secs, outside) {
+                    (Some(_), true) => "; the client's address picks its backend".to_string(),
+                    (Some(s), false) => format!("; a client keeps its backend {s} s"),
+                    (None, _) => String::new(),
+                };
                 (
                     false,
                     format!("{what}, to one of {}{affinity}", to.join(", ")),
                 )
             }
+            Choice::Reject if outside => (
+                true,
+                format!("{what}: no endpoint, refused by the node's stack (a RST, or ICMP port unreachable)"),
+            ),
             Choice::Reject => (true, format!("{what}: no endpoint, refused (ECONNREFUSED)")),
+            Choice::Drop if outside => (
+                true,
+                format!("{what}: a Local traffic policy and no endpoint on that node, dropped there (counted: service_no_local_endpoint)"),
+            ),
             Choice::Drop => (
                 true,
                 format!("{what}: a Local traffic policy and no endpoint on that node, refused"),
@@ -397,19 +452,94 @@ mod tests {
     #[test]
     fn the_trace_step_names_the_service_and_its_backends() {
         let svc = on_n1();
+        let pod: IpAddr = "10.244.1.9".parse().expect("ip");
         svc.apply(Change::Service(service("web", "10.96.0.10", &[])));
         let at = "10.96.0.10".parse().expect("ip");
-        let (refused, detail) = svc.trace_step(at, 6, 80).expect("a Service's address");
+        let (refused, detail) = svc
+            .trace_step(at, 6, 80, pod, false)
+            .expect("a Service's address");
         assert!(refused, "no endpoint yet: {detail}");
         assert!(
             detail.contains("shop/web") && detail.contains("refused"),
             "{detail}"
         );
         svc.apply(Change::Slice(slice("web-1", "web", &["10.244.1.5"])));
-        let (refused, detail) = svc.trace_step(at, 6, 80).expect("a Service's address");
+        let (refused, detail) = svc
+            .trace_step(at, 6, 80, pod, false)
+            .expect("a Service's address");
         assert!(!refused);
         assert!(detail.contains("to one of 10.244.1.5:8080"), "{detail}");
-        assert_eq!(svc.trace_step(at, 6, 81), None, "no frontend on that port");
-        assert_eq!(svc.trace_step(at, 17, 80), None, "nor for UDP");
+        assert_eq!(
+            svc.trace_step(at, 6, 81, pod, false),
+            None,
+            "no frontend on that port"
+        );
+        assert_eq!(svc.trace_step(at, 17, 80, pod, false), None, "nor for UDP");
+        let (refused, detail) = svc
+            .trace_step(at, 6, 80, pod, true)
+            .expect("a Service's address");
+        assert!(
+            !refused && detail.contains("not translated for a client outside"),
+            "{detail}"
+        );
+    }
+
+    /// A client outside the cluster reaching a `Local` NodePort: translated per packet where it
+    /// arrives, to that node's endpoints, dropped at a node with none.
+    #[test]
+    fn the_trace_step_of_a_client_outside_is_the_per_packet_choice() {
+        let svc = on_n1();
+        svc.set_nodes(BTreeMap::from([
+            ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
+            ("n2".to_string(), vec!["192.0.2.2".parse().expect("ip")]),
+            ("n3".to_string(), vec!["192.0.2.3".parse().expect("ip")]),
+        ]));
+        let mut web = service("web", "10.96.0.10", &[]);
+        web.ports[0].node_port = Some(30080);
+        web.external_policy = TrafficPolicy::Local;
+        web.affinity_secs = Some(600);
+        svc.apply(Change::Service(web));
+        let mut s = slice("web-1", "web", &["10.244.1.5", "10.244.2.5"]);
+        s.endpoints[0].node = Some("n1".into());
+        s.endpoints[1].node = Some("n2".into());
+        svc.apply(Change::Slice(s));
+        svc.programmed(Ok(()));
+        let client: IpAddr = "198.51.100.9".parse().expect("ip");
+        let ip = |a: &str| -> IpAddr { a.parse().expect("ip") };
+        let (refused, here) = svc
+            .trace_step(ip("192.0.2.1"), 6, 30080, client, true)
+            .expect("a NodePort");
+        assert!(!refused, "{here}");
+        assert!(here.contains("per packet"), "{here}");
+        assert!(
+            here.contains("to one of 10.244.1.5:8080;"),
+            "this node's endpoint only: {here}"
+        );
+        assert!(here.contains("the client's address picks"), "{here}");
+        let (_, there) = svc
+            .trace_step(ip("192.0.2.2"), 6, 30080, client, true)
+            .expect("a NodePort");
+        assert!(
+            there.contains("to one of 10.244.2.5:8080"),
+            "n2's endpoint: {there}"
+        );
+        let (refused, none) = svc
+            .trace_step(ip("192.0.2.3"), 6, 30080, client, true)
+            .expect("a NodePort");
+        assert!(refused && none.contains("dropped there"), "{none}");
+        // A node's address is no client outside, whatever the caller says; a pod at this
+        // node's NodePort gets the internal choice (both endpoints).
+        let (_, inside) = svc
+            .trace_step(ip("192.0.2.1"), 6, 30080, ip("192.0.2.2"), true)
+            .expect("a NodePort");
+        assert!(
+            inside.contains("at the client's socket") || inside.contains("kube-proxy"),
+            "{inside}"
+        );
+        assert!(inside.contains("10.244.2.5:8080"), "{inside}");
+        let (_, v6) = svc
+            .trace_step(ip("192.0.2.1"), 6, 30080, ip("2001:db8::9"), true)
+            .expect("a NodePort");
+        assert!(v6.contains("IPv6 from outside"), "{v6}");
     }
 }
