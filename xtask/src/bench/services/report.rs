@@ -134,8 +134,10 @@ impl Report {
         s.push_str(
             "\nRSS: `VmRSS` of what programs Services (the calix agent; kube-proxy) once the \
              stage is programmed; the calix agents of the kube-proxy nodes (Services off) are \
-             the floor an agent costs without them. CPU: utime + stime over the bulk write \
-             and over the changes. kube-proxy in iptables mode rewrites its whole table at \
+             the floor an agent costs without them. CPU: utime + stime over the bulk write, \
+             and over the changes divided by their number (each change writes a Service and \
+             its EndpointSlice for every variant: 6 objects every one of them follows). \
+             kube-proxy in iptables mode rewrites its whole table at \
              each change (`iptables-restore`); in nftables mode it updates its maps; calix \
              writes the Service's map entries.\n",
         );
