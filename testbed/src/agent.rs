@@ -399,6 +399,22 @@ impl RootAgent {
 impl Drop for RootAgent {
     fn drop(&mut self) {
         self.agent.stop();
+        // A stopped agent leaves its programs and nftables tables for the next one to take
+        // over (restarts keep traffic flowing); in the root namespace nothing takes over:
+        // `--uninstall` removes them, as an operator would.
+        if let Some((bin, args)) = self
+            .agent
+            .args(&["--uninstall"])
+            .ok()
+            .as_deref()
+            .and_then(<[String]>::split_first)
+        {
+            let _ = Command::new(bin)
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
         for (path, value) in &self.saved_sysctls {
             let _ = std::fs::write(path, value);
         }

@@ -101,7 +101,8 @@ fn calix_common_programs() -> [&'static str; 5] {
     ]
 }
 
-/// What a test run may have leaked: its namespaces, `cali*` links in this namespace, pins.
+/// What a test run may have leaked: its namespaces, `cali*` links and calix's nftables tables in
+/// this namespace, pins.
 pub fn leftovers() -> Result<Vec<String>> {
     let mut leaks = Vec::new();
     for line in output(Command::new("ip").args(["netns", "list"]))?.lines() {
@@ -114,6 +115,20 @@ pub fn leftovers() -> Result<Vec<String>> {
         if let Some(name) = line.split(':').nth(1).map(str::trim) {
             if name.starts_with("cali") || name.starts_with("cxt") {
                 leaks.push(format!("link {name}"));
+            }
+        }
+    }
+    // calix's nftables tables in this namespace (the tests' agents run in their own, but for
+    // the runtimes' agent, which runs here and uninstalls when dropped).
+    if let Ok(json) = output(Command::new("nft").args(["-j", "list", "tables"])) {
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+        for t in v["nftables"].as_array().into_iter().flatten() {
+            let name = t["table"]["name"].as_str().unwrap_or_default();
+            if name.starts_with("calix") {
+                leaks.push(format!(
+                    "nftables table {} {name}",
+                    t["table"]["family"].as_str().unwrap_or("?")
+                ));
             }
         }
     }
