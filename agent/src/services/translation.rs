@@ -339,10 +339,10 @@ mod tests {
         assert!(t.frontends.values().all(|v| *v == backends), "{t:?}");
     }
 
-    /// `externalTrafficPolicy: Local`: a pod reaching another node's NodePort gets that
-    /// node's endpoints, refused at a node with none; at this node's, every endpoint.
-    #[test]
-    fn a_local_nodeport_at_another_node_gets_that_nodes_endpoints() {
+    /// n1 of nodes n1–n3 (192.0.2.1–3), Service shop/web a `Local` NodePort 30080 (with
+    /// `affinity` seconds of session affinity), its endpoints 10.244.1.5 on n1 and 10.244.2.5
+    /// on n2.
+    fn local_nodeport_on_three_nodes(affinity: Option<u32>) -> ServicesService {
         let svc = on_n1();
         svc.set_nodes(BTreeMap::from([
             ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
@@ -352,11 +352,20 @@ mod tests {
         let mut web = service("web", "10.96.0.10", &[]);
         web.ports[0].node_port = Some(30080);
         web.external_policy = TrafficPolicy::Local;
+        web.affinity_secs = affinity;
         svc.apply(Change::Service(web));
         let mut s = slice("web-1", "web", &["10.244.1.5", "10.244.2.5"]);
         s.endpoints[0].node = Some("n1".into());
         s.endpoints[1].node = Some("n2".into());
         svc.apply(Change::Slice(s));
+        svc
+    }
+
+    /// `externalTrafficPolicy: Local`: a pod reaching another node's NodePort gets that
+    /// node's endpoints, refused at a node with none; at this node's, every endpoint.
+    #[test]
+    fn a_local_nodeport_at_another_node_gets_that_nodes_endpoints() {
+        let svc = local_nodeport_on_three_nodes(None);
         let t = svc.translation(&["192.0.2.1".parse().expect("ip")]);
         let to = |a: &str| Target::To {
             backends: vec![(a.parse().expect("ip"), 8080)],
@@ -488,21 +497,7 @@ mod tests {
     /// arrives, to that node's endpoints, dropped at a node with none.
     #[test]
     fn the_trace_step_of_a_client_outside_is_the_per_packet_choice() {
-        let svc = on_n1();
-        svc.set_nodes(BTreeMap::from([
-            ("n1".to_string(), vec!["192.0.2.1".parse().expect("ip")]),
-            ("n2".to_string(), vec!["192.0.2.2".parse().expect("ip")]),
-            ("n3".to_string(), vec!["192.0.2.3".parse().expect("ip")]),
-        ]));
-        let mut web = service("web", "10.96.0.10", &[]);
-        web.ports[0].node_port = Some(30080);
-        web.external_policy = TrafficPolicy::Local;
-        web.affinity_secs = Some(600);
-        svc.apply(Change::Service(web));
-        let mut s = slice("web-1", "web", &["10.244.1.5", "10.244.2.5"]);
-        s.endpoints[0].node = Some("n1".into());
-        s.endpoints[1].node = Some("n2".into());
-        svc.apply(Change::Slice(s));
+        let svc = local_nodeport_on_three_nodes(Some(600));
         svc.programmed(Ok(()));
         let client: IpAddr = "198.51.100.9".parse().expect("ip");
         let ip = |a: &str| -> IpAddr { a.parse().expect("ip") };
