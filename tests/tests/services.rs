@@ -16,7 +16,7 @@ use calix_testbed::{wait_for, KubeApi, Pod};
 use serde_json::{json, Value};
 
 mod common;
-use common::services::{cluster_ip, frontend_counters, running, Bed, TestCgroup};
+use common::services::{cluster_ip, frontend_counters, running, service_step, Bed, TestCgroup};
 
 /// Runs `script` with python3 in `pod`'s network namespace and in the cgroup `cg`.
 fn client(pod: &Pod<'_>, cg: &TestCgroup, script: &str) -> (bool, String, String) {
@@ -172,11 +172,7 @@ fn a_pod_reaches_a_service_through_the_socket_programs() {
         .agent()
         .calixctl_json(&["trace", &format!("{ns}/client"), &ip, "tcp/80"])
         .unwrap_or_else(|e| panic!("{e}"));
-    let step = trace["steps"]
-        .as_array()
-        .and_then(|s| s.iter().find(|s| s["stage"] == "Service"))
-        .unwrap_or_else(|| panic!("no Service step: {trace}"));
-    let detail = step["detail"].as_str().unwrap_or_default();
+    let detail = service_step(&trace);
     assert!(
         detail.contains(&format!("{ns}/web"))
             && detail.contains(&format!("to one of {}:8080", web.ip())),

@@ -21,7 +21,7 @@ use calix_testbed::{wait_for, KubeApi, Netns, Pod};
 use serde_json::{json, Value};
 
 mod common;
-use common::services::{frontend_counters, running, Bed};
+use common::services::{frontend_counters, running, service_step, Bed};
 
 const UPLINK: &str = "up0";
 const NODE_ADDR: &str = "192.0.2.61";
@@ -249,11 +249,7 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
         .agent()
         .calixctl_json(&["trace", CLIENT_ADDR, NODE_ADDR, &format!("tcp/{tport}")])
         .unwrap_or_else(|e| panic!("{e}"));
-    let step = trace["steps"]
-        .as_array()
-        .and_then(|s| s.iter().find(|s| s["stage"] == "Service"))
-        .unwrap_or_else(|| panic!("no Service step: {trace}"));
-    let detail = step["detail"].as_str().unwrap_or_default();
+    let detail = service_step(&trace);
     assert!(
         detail.contains("per packet") && detail.contains(&format!("to one of {}:8080", web.ip())),
         "{trace}"

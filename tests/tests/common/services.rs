@@ -114,3 +114,14 @@ pub fn frontend_counters(r: &Value, which: impl Fn(&Value) -> bool) -> (u64, u64
         c["refused"].as_u64().unwrap_or(0),
     )
 }
+
+/// The detail of the `Service` step of `calixctl trace -o json`'s report `trace`.
+pub fn service_step(trace: &Value) -> String {
+    trace["steps"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["stage"] == "Service"))
+        .unwrap_or_else(|| panic!("no Service step: {trace}"))["detail"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
