@@ -32,7 +32,8 @@ pub fn fan_in<T: Send + 'static>(
     for mut follower in followers {
         let (tx, read) = (tx.clone(), read.clone());
         tokio::spawn(async move {
-            let listed: Vec<KeyValue> = follower.known().values().cloned().collect();
+            // From here on the follower keeps digests, not the objects: the reader has them.
+            let listed: Vec<KeyValue> = follower.take_listing();
             for kv in listed {
                 if let Some(t) = read(&WatchEvent::Put(kv)) {
                     if tx.send(Some(t)).await.is_err() {
