@@ -10,7 +10,9 @@
 //! programs, and new ones are served after each. A UDP client outside whose backend leaves the
 //! Service meets the one left with its next datagram, from the same socket; a TCP client that
 //! reuses its port after its connection ended meets the backends as they are then; with
-//! `sessionAffinity: ClientIP` every connection of a client meets the same backend.
+//! `sessionAffinity: ClientIP` every connection of a client meets the same backend. Each new
+//! connection meets the backend its slot in the Maglev table names (computed in the test from
+//! the backends alone, as every node does), and a backend leaving moves none of the others'.
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, UdpSocket};
@@ -579,6 +581,42 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
         || node.agent_log(),
     );
 
+    // Maglev: each new connection meets the backend its slot in the Maglev table names, the
+    // table every node with these backends builds (computed here from the backends alone);
+    // and when a backend leaves, the connections of the others stay where they were.
+    let three = running(&api, &node, &ns, "three");
+    named(&three.ns, "three");
+    let ports: Vec<u16> = (40300..40332).collect();
+    let met_each = || -> Vec<String> { ports.iter().map(|p| from(*p)).collect() };
+    let named_pods = [(&one, "one"), (&two, "two"), (&three, "three")];
+    slice(&[&one, &two, &three]);
+    let all3 = expected_by_maglev(&named_pods, UDP_CLIENT_ADDR, &ports);
+    let spread: BTreeSet<&String> = all3.iter().collect();
+    assert_eq!(spread.len(), 3, "32 ports meet all 3 backends: {all3:?}");
+    wait_for(
+        "every connection meets the backend of its Maglev slot",
+        Duration::from_secs(30),
+        || (met_each() == all3).then_some(()),
+        || node.agent_log(),
+    );
+    slice(&[&one, &three]);
+    let two_left = expected_by_maglev(&[named_pods[0], named_pods[2]], UDP_CLIENT_ADDR, &ports);
+    wait_for(
+        "with a backend gone, every connection meets its new slot's",
+        Duration::from_secs(30),
+        || (met_each() == two_left).then_some(()),
+        || node.agent_log(),
+    );
+    let moved: Vec<(&String, &String)> = all3
+        .iter()
+        .zip(&two_left)
+        .filter(|(was, now)| *was != "two" && was != now)
+        .collect();
+    assert!(
+        moved.is_empty(),
+        "connections of the backends that stayed moved: {moved:?}"
+    );
+
     // `sessionAffinity: ClientIP`: without it a client's connections from 16 ports spread
     // over both backends; with it they all meet one.
     slice(&[&one, &two]);
@@ -607,4 +645,34 @@ fn a_udp_client_outside_leaves_a_backend_that_goes() {
         one_of.len() == 1 && one_of.is_subset(&both),
         "affinity holds: {one_of:?}"
     );
+}
+
+/// The backend (its name) that each of `ports` of `client` meets by the Maglev table of
+/// `pods` (their TCP 8080): the eBPF dataplane's own table and hash.
+fn expected_by_maglev(pods: &[(&Pod<'_>, &str)], client: &str, ports: &[u16]) -> Vec<String> {
+    use calix_common::{svc_client_hash, SvcBackend, SVC_MAGLEV_SLOTS, SVC_V4};
+    let backs: Vec<SvcBackend> = pods
+        .iter()
+        .map(|(p, _)| {
+            let a: std::net::Ipv4Addr = p.ip().parse().expect("a pod's IPv4 address");
+            let mut addr = [0u8; 16];
+            addr[..4].copy_from_slice(&a.octets());
+            SvcBackend {
+                addr,
+                port: 8080u16.to_be(),
+                family: SVC_V4,
+                _pad: 0,
+            }
+        })
+        .collect();
+    let table = calix_dataplane::ebpf::services::maglev(&backs);
+    let client: std::net::Ipv4Addr = client.parse().expect("the client's address");
+    ports
+        .iter()
+        .map(|port| {
+            let h = svc_client_hash(client.octets(), port.to_be());
+            let i = usize::from(table.slots[(h % SVC_MAGLEV_SLOTS) as usize]);
+            pods[i].1.to_string()
+        })
+        .collect()
 }

@@ -7,9 +7,6 @@
 //! The hashes are calix's own, fixed (FNV-1a 64 with a finalizer), never the process's
 //! randomized ones: nodes and agent versions must agree.
 
-/// The table size used for Services: a prime, ~100× a large Service's backends.
-pub const TABLE_SIZE: usize = 16_381;
-
 fn fnv1a(seed: u64, bytes: &[u8]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64 ^ seed;
     for b in bytes {
@@ -78,6 +75,9 @@ pub fn slot(flow: &[u8], m: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The eBPF dataplane's (`calix_common::SVC_MAGLEV_SLOTS`).
+    const TABLE_SIZE: usize = 1021;
 
     fn names(n: usize) -> Vec<Vec<u8>> {
         (0..n)

@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{HashMap, MapData, PerCpuHashMap};
 use calix_common::{
-    SvcBackend, SvcBackendKey, SvcCounters, SvcFlow, SvcFlowKey, SvcKey, SvcNodeKey, SvcRevKey,
-    SvcRevValue, SvcValue, SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_DROP, SVC_EXTERNAL,
-    SVC_FLOWS_MAP, SVC_FLOW_IN, SVC_FLOW_OUT, SVC_FRONTENDS_MAP, SVC_NODES_MAP, SVC_PROGRAMS,
-    SVC_REJECT, SVC_REV_MAP,
+    SvcBackend, SvcBackendKey, SvcCounters, SvcFlow, SvcFlowKey, SvcKey, SvcMaglev, SvcNodeKey,
+    SvcRevKey, SvcRevValue, SvcValue, SVC_BACKENDS_MAP, SVC_COUNTERS_MAP, SVC_DROP, SVC_EXTERNAL,
+    SVC_FLOWS_MAP, SVC_FLOW_IN, SVC_FLOW_OUT, SVC_FRONTENDS_MAP, SVC_MAGLEV_MAP,
+    SVC_MAGLEV_MAX_BACKENDS, SVC_MAGLEV_SLOTS, SVC_NODES_MAP, SVC_PROGRAMS, SVC_REJECT,
+    SVC_REV_MAP,
 };
 
 use super::service_keys::octets;
@@ -86,6 +87,33 @@ fn entries(t: &Target, family: u8) -> (Vec<SvcBackend>, u32, u32) {
     }
 }
 
+/// Whether frontend `k` with `backs` gets a Maglev table: an external one (its flows may reach
+/// any node) of up to [`SVC_MAGLEV_MAX_BACKENDS`] backends.
+fn wants_table(k: &SvcKey, backs: &[SvcBackend]) -> bool {
+    k.family & SVC_EXTERNAL != 0 && (1..=SVC_MAGLEV_MAX_BACKENDS).contains(&backs.len())
+}
+
+/// The Maglev table of `backs` (`calix_core::services::maglev`): each backend named by its
+/// address and port, so every node that has the same backends has the same table, whatever
+/// their order.
+pub fn maglev(backs: &[SvcBackend]) -> SvcMaglev {
+    let names: Vec<Vec<u8>> = backs
+        .iter()
+        .map(|b| {
+            let mut n = b.addr.to_vec();
+            n.extend_from_slice(&b.port.to_ne_bytes());
+            n
+        })
+        .collect();
+    let mut t = SvcMaglev::default();
+    let table = calix_core::services::maglev::table(&names, SVC_MAGLEV_SLOTS as usize);
+    for (slot, index) in t.slots.iter_mut().zip(table) {
+        // At most SVC_MAGLEV_MAX_BACKENDS: an index always fits.
+        *slot = u16::try_from(index).unwrap_or(0);
+    }
+    t
+}
+
 /// Every frontend entry and every backend entry, as the maps hold them.
 pub type Held = (Vec<(SvcKey, SvcValue)>, Vec<(SvcBackendKey, SvcBackend)>);
 
@@ -97,6 +125,11 @@ pub trait ServiceMaps: Send {
     fn remove_back(&mut self, k: &SvcBackendKey);
     /// Every frontend and backend entry the maps hold.
     fn read_back(&self) -> Held;
+    /// An external frontend's Maglev table, under its backends' id.
+    fn set_table(&mut self, id: u32, t: &SvcMaglev) -> Result<(), DataplaneError>;
+    fn remove_table(&mut self, id: u32);
+    /// The ids that have a table.
+    fn read_tables(&self) -> Vec<u32>;
     /// The frontend (address and port) the socket `cookie`'s peer `backend` was chosen for,
     /// if the programs translated it.
     fn translated(&self, cookie: u64, backend: &SvcBackend) -> Option<SvcRevValue>;
@@ -117,6 +150,7 @@ pub struct PinnedServiceMaps {
     nodes: HashMap<MapData, SvcNodeKey, u32>,
     counts: PerCpuHashMap<MapData, SvcKey, SvcCounters>,
     flows: HashMap<MapData, SvcFlowKey, SvcFlow>,
+    maglev: HashMap<MapData, u32, SvcMaglev>,
 }
 
 impl PinnedServiceMaps {
@@ -128,6 +162,7 @@ impl PinnedServiceMaps {
             nodes: take(bpf, SVC_NODES_MAP, HashMap::try_from)?,
             counts: take(bpf, SVC_COUNTERS_MAP, PerCpuHashMap::try_from)?,
             flows: take(bpf, SVC_FLOWS_MAP, HashMap::try_from)?,
+            maglev: take(bpf, SVC_MAGLEV_MAP, HashMap::try_from)?,
         })
     }
 }
@@ -160,6 +195,20 @@ impl ServiceMaps for PinnedServiceMaps {
             self.fronts.iter().filter_map(Result::ok).collect(),
             self.backs.iter().filter_map(Result::ok).collect(),
         )
+    }
+
+    fn set_table(&mut self, id: u32, t: &SvcMaglev) -> Result<(), DataplaneError> {
+        self.maglev
+            .insert(id, t, 0)
+            .map_err(map_err(SVC_MAGLEV_MAP, "insert"))
+    }
+
+    fn remove_table(&mut self, id: u32) {
+        let _ = self.maglev.remove(&id);
+    }
+
+    fn read_tables(&self) -> Vec<u32> {
+        self.maglev.keys().filter_map(Result::ok).collect()
     }
 
     fn translated(&self, cookie: u64, b: &SvcBackend) -> Option<SvcRevValue> {
@@ -248,6 +297,7 @@ impl ServiceProgrammer {
     /// is; the backends of no frontend go.
     pub fn restore(mut maps: Box<dyn ServiceMaps>) -> Self {
         let (fronts, backs) = maps.read_back();
+        let tables: std::collections::BTreeSet<u32> = maps.read_tables().into_iter().collect();
         let mut by_id: BTreeMap<u32, BTreeMap<u32, SvcBackend>> = BTreeMap::new();
         for (k, b) in backs {
             by_id.entry(k.id).or_default().insert(k.index, b);
@@ -259,15 +309,20 @@ impl ServiceProgrammer {
                 .get(&v.id)
                 .map(|m| m.values().copied().collect())
                 .unwrap_or_default();
-            // Incomplete (an agent stopped between two writes): written again at the next set.
+            // Incomplete (an agent stopped between two writes, or an older build wrote no
+            // Maglev table): written again at the next set.
             let complete = list.len() == v.count as usize
                 && by_id
                     .get(&v.id)
-                    .is_none_or(|m| m.keys().copied().eq(0..v.count));
+                    .is_none_or(|m| m.keys().copied().eq(0..v.count))
+                && wants_table(&k, &list) == tables.contains(&v.id);
             if complete {
                 used.insert(v.id);
                 applied.insert(k, (v, list));
             }
+        }
+        for id in tables.iter().filter(|id| !used.contains(*id)) {
+            maps.remove_table(*id);
         }
         for (id, m) in &by_id {
             if !used.contains(id) {
@@ -344,6 +399,16 @@ impl ServiceProgrammer {
                     return Err(e);
                 }
             }
+            if wants_table(&k, &backs) {
+                if let Err(e) = self.maps.set_table(id, &maglev(&backs)) {
+                    self.remove_backs(&SvcValue {
+                        id,
+                        count: backs.len() as u32,
+                        ..SvcValue::default()
+                    });
+                    return Err(e);
+                }
+            }
             let v = SvcValue {
                 id,
                 count: backs.len() as u32,
@@ -388,9 +453,13 @@ impl ServiceProgrammer {
         &*self.maps
     }
 
+    /// The backends under `v`'s id, and its Maglev table if it has one.
     fn remove_backs(&mut self, v: &SvcValue) {
         for index in 0..v.count {
             self.maps.remove_back(&SvcBackendKey { id: v.id, index });
+        }
+        if v.id != 0 {
+            self.maps.remove_table(v.id);
         }
     }
 

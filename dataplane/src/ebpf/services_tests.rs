@@ -7,6 +7,7 @@ type Held2 = (
     BTreeMap<SvcKey, SvcValue>,
     BTreeMap<(u32, u32), SvcBackend>,
     std::collections::BTreeSet<SvcNodeKey>,
+    BTreeMap<u32, SvcMaglev>,
 );
 
 /// The maps as plain maps, shared with the test.
@@ -44,6 +45,16 @@ impl ServiceMaps for Fake {
                 })
                 .collect(),
         )
+    }
+    fn set_table(&mut self, id: u32, t: &SvcMaglev) -> Result<(), DataplaneError> {
+        self.0.lock().expect("lock").3.insert(id, *t);
+        Ok(())
+    }
+    fn remove_table(&mut self, id: u32) {
+        self.0.lock().expect("lock").3.remove(&id);
+    }
+    fn read_tables(&self) -> Vec<u32> {
+        self.0.lock().expect("lock").3.keys().copied().collect()
     }
     fn translated(&self, _: u64, _: &SvcBackend) -> Option<SvcRevValue> {
         None
@@ -296,4 +307,100 @@ fn the_flows_of_a_udp_backend_that_left_an_external_frontend_end() {
         backend: gone,
     };
     assert_eq!(ended_flows(&left, &held), [held[0].0, held[1].0]);
+}
+
+/// An external frontend's flows pick by its Maglev table, written under its backends' id
+/// before its entry points there and removed with them; a frontend for clients inside has
+/// none; a restart keeps a complete one and writes again one an older build left without.
+#[test]
+fn an_external_frontend_has_a_maglev_table_under_its_backends_id() {
+    let fake = Fake::default();
+    let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+    let outside = Front {
+        address: ip("192.0.2.1"),
+        port: 30080,
+        external: true,
+        ..web()
+    };
+    let three = vec![
+        (ip("10.244.1.5"), 8080),
+        (ip("10.244.1.6"), 8080),
+        (ip("10.244.2.7"), 8080),
+    ];
+    let mut want = BTreeMap::from([
+        (web(), Target::to(three.clone())),
+        (outside, Target::to(three.clone())),
+    ]);
+    p.set(&want).expect("set");
+    let table_of = |f: &Fake| {
+        let g = f.0.lock().expect("lock");
+        let v = g.0[&key(&outside)];
+        assert_eq!(
+            g.3.len(),
+            1,
+            "the external frontend's only: {:?}",
+            g.3.keys()
+        );
+        (v.id, g.3[&v.id])
+    };
+    let (id, t) = table_of(&fake);
+    let mut shares = [0usize; 3];
+    for s in &t.slots[..SVC_MAGLEV_SLOTS as usize] {
+        shares[usize::from(*s)] += 1;
+    }
+    assert!(shares.iter().all(|n| (340..=341).contains(n)), "{shares:?}");
+    // The same backends in another order: the same backend in every slot (every node that
+    // has them builds this table).
+    let backs =
+        |v: &[(IpAddr, u16)]| -> Vec<SvcBackend> { entries(&Target::to(v.to_vec()), SVC_V4).0 };
+    let mut reversed = three.clone();
+    reversed.reverse();
+    let (a, b) = (backs(&three), backs(&reversed));
+    let (ta, tb) = (maglev(&a), maglev(&b));
+    assert!(ta
+        .slots
+        .iter()
+        .zip(&tb.slots)
+        .take(SVC_MAGLEV_SLOTS as usize)
+        .all(|(x, y)| a[usize::from(*x)] == b[usize::from(*y)]));
+    // One backend fewer: a new id and table, the old id's gone; the slots of the backends that
+    // stay mostly stay.
+    want.insert(outside, Target::to(three[..2].to_vec()));
+    p.set(&want).expect("set");
+    let (id2, t2) = table_of(&fake);
+    assert_ne!(id2, id);
+    let kept = t
+        .slots
+        .iter()
+        .zip(&t2.slots)
+        .take(SVC_MAGLEV_SLOTS as usize)
+        .filter(|(x, _)| **x != 2)
+        .filter(|(x, y)| x == y)
+        .count();
+    assert!(
+        kept >= shares[0] + shares[1] - 20,
+        "{kept} of {}",
+        shares[0] + shares[1]
+    );
+    // A restart keeps it as it is.
+    let again = ServiceProgrammer::restore(Box::new(fake.clone()));
+    assert_eq!(again.counts().0, 2);
+    assert_eq!(table_of(&fake).0, id2);
+    // An older build's: no table. Written again under a new id at the next set.
+    fake.0.lock().expect("lock").3.clear();
+    let mut again = ServiceProgrammer::restore(Box::new(fake.clone()));
+    again.set(&want).expect("set");
+    let (id3, _) = table_of(&fake);
+    assert_ne!(id3, id2);
+    // A table of no frontend goes at a restart; Drop and gone leave none.
+    fake.0
+        .lock()
+        .expect("lock")
+        .3
+        .insert(9999, SvcMaglev::default());
+    let mut again = ServiceProgrammer::restore(Box::new(fake.clone()));
+    assert_eq!(table_of(&fake).0, id3);
+    want.insert(outside, Target::Drop);
+    again.set(&want).expect("set");
+    assert!(fake.0.lock().expect("lock").3.is_empty());
 }

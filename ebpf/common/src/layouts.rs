@@ -318,7 +318,7 @@ const LAYOUT_3: [MapLayout; LAYOUT_3_MAPS] = [
 ];
 const LAYOUT_3_MAPS: usize = 34;
 
-const SERVICES_MAPS: [MapLayout; 9] = [
+const SERVICES_MAPS: [MapLayout; 10] = [
     m(
         SVC_FRONTENDS_MAP,
         BPF_MAP_TYPE_HASH,
@@ -377,9 +377,17 @@ const SERVICES_MAPS: [MapLayout; 9] = [
         0,
     ),
     m(SVC_SCRATCH_MAP, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 176, 1, 0),
+    m(
+        SVC_MAGLEV_MAP,
+        BPF_MAP_TYPE_HASH,
+        4,
+        2 * SVC_MAGLEV_ROWS as u32,
+        SVC_MAGLEV_ENTRIES,
+        1,
+    ),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 9] = concat(LAYOUT_3, SERVICES_MAPS);
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 10] = concat(LAYOUT_3, SERVICES_MAPS);
 
 /// `a` then `b`, in `const` context.
 const fn concat<const A: usize, const B: usize, const C: usize>(

@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 43] = [
+pub const ALL_MAPS: [&str; 44] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -224,6 +224,7 @@ pub const ALL_MAPS: [&str; 43] = [
     SVC_COUNTERS_MAP,
     SVC_FLOWS_MAP,
     SVC_SCRATCH_MAP,
+    SVC_MAGLEV_MAP,
 ];
 
 /// Maximum number of endpoints (and local addresses per family) on one node: the slots, and
@@ -668,6 +669,7 @@ mod pod {
     unsafe impl aya::Pod for super::SvcFlowKey {}
     unsafe impl aya::Pod for super::SvcFlow {}
     unsafe impl aya::Pod for super::SvcScratch {}
+    unsafe impl aya::Pod for super::SvcMaglev {}
 }
 
 #[cfg(test)]

@@ -39,6 +39,28 @@ pub const SVC_COUNTERS_MAP: &str = "CALIX_SVC_COUNT";
 /// a frontend ([`SVC_FLOW_IN`]: to its backend) and the backend's replies ([`SVC_FLOW_OUT`]:
 /// from its frontend).
 pub const SVC_FLOWS_MAP: &str = "CALIX_SVC_FLOWS";
+/// Hash: a frontend's backends id ([`SvcValue::id`], `u32`) → [`SvcMaglev`]: the Maglev
+/// lookup table of an external frontend (a NodePort at this node's address, an external or
+/// LoadBalancer address), written under the same id as its backends (and before its frontend
+/// entry points there). A flow from outside picks its backend by its slot in the table: every
+/// node that knows the same backends builds the same table, and a change of backends moves few
+/// flows beyond those it must. An external frontend without a table (more backends than
+/// [`SVC_MAGLEV_MAX_BACKENDS`], or written by an older build) picks by the hash modulo the
+/// backends' count.
+pub const SVC_MAGLEV_MAP: &str = "CALIX_SVC_MAGLEV";
+/// A Maglev table's slots (a prime): each backend holds ⌊M/N⌋ or ⌈M/N⌉ of them.
+pub const SVC_MAGLEV_SLOTS: u32 = 1021;
+/// The table's rows as the map holds them: the slots, padded to a power of two so that a
+/// program's index is bounded by a mask the verifier follows.
+pub const SVC_MAGLEV_ROWS: usize = 1024;
+const _: () =
+    assert!(SVC_MAGLEV_ROWS.is_power_of_two() && SVC_MAGLEV_SLOTS as usize <= SVC_MAGLEV_ROWS);
+/// Backends beyond this many get no table (their shares would differ by more than ~10%):
+/// such a frontend picks uniformly by the hash.
+pub const SVC_MAGLEV_MAX_BACKENDS: usize = SVC_MAGLEV_SLOTS as usize / 10;
+/// Entries of [`SVC_MAGLEV_MAP`]: a table per external frontend at most, and one more while a
+/// frontend's new table is written before its old one goes.
+pub const SVC_MAGLEV_ENTRIES: u32 = DEFAULT_SVC_FRONTENDS + 1;
 /// Per-CPU array of one [`SvcScratch`]: the per-packet path's keys and values, built there
 /// rather than on the programs' 512-byte stack.
 pub const SVC_SCRATCH_MAP: &str = "CALIX_SVC_SCRATCH";
@@ -239,6 +261,39 @@ pub struct SvcScratch {
     pub backend: SvcBackendKey,
     /// Zeros: a frontend's first counters.
     pub zero: SvcCounters,
+}
+
+/// An external frontend's Maglev table ([`SVC_MAGLEV_MAP`]): slot → index of its backends
+/// (rows past [`SVC_MAGLEV_SLOTS`] are never read).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SvcMaglev {
+    pub slots: [u16; SVC_MAGLEV_ROWS],
+}
+
+impl Default for SvcMaglev {
+    fn default() -> Self {
+        Self {
+            slots: [0; SVC_MAGLEV_ROWS],
+        }
+    }
+}
+
+/// The hash a flow from outside picks its backend by (its Maglev slot, or its index), of the
+/// client's IPv4 address and port (network byte order; 0 with `sessionAffinity: ClientIP`).
+/// The same on every node and in every build: FNV-1a 32 with a finalizer.
+#[inline(always)]
+pub fn svc_client_hash(addr: [u8; 4], port: u16) -> u32 {
+    let p = port.to_ne_bytes();
+    let bytes = [addr[0], addr[1], addr[2], addr[3], p[0], p[1]];
+    let mut h: u32 = 0x811c_9dc5;
+    for b in bytes {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^ (h >> 13)
 }
 
 /// A node's address, for [`SVC_NODES_MAP`].

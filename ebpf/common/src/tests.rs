@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 43] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 44] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -98,6 +98,7 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 43] {
         ),
         (SVC_FLOWS_MAP, size_of::<SvcFlowKey>(), size_of::<SvcFlow>()),
         (SVC_SCRATCH_MAP, size_of::<u32>(), size_of::<SvcScratch>()),
+        (SVC_MAGLEV_MAP, size_of::<u32>(), size_of::<SvcMaglev>()),
     ]
 }
 

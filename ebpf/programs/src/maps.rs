@@ -20,7 +20,7 @@ use calix_common::{
     DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
     SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
     SvcNodeKey, SVC_NODE_ENTRIES, SvcCounters, SVC_COUNTER_ENTRIES, SvcFlowKey, SvcFlow,
-    SVC_FLOW_ENTRIES, SvcScratch,
+    SVC_FLOW_ENTRIES, SvcScratch, SvcMaglev, SVC_MAGLEV_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -311,6 +311,11 @@ pub static CALIX_SVC_COUNT: LruPerCpuHashMap<SvcKey, SvcCounters> =
 #[map(name = "CALIX_SVC_FLOWS")]
 pub static CALIX_SVC_FLOWS: LruHashMap<SvcFlowKey, SvcFlow> =
     LruHashMap::pinned(SVC_FLOW_ENTRIES, 0);
+
+/// External frontends' Maglev tables, by their backends' id (`calix_common::SVC_MAGLEV_MAP`).
+#[map(name = "CALIX_SVC_MAGLEV")]
+pub static CALIX_SVC_MAGLEV: HashMap<u32, SvcMaglev> =
+    HashMap::pinned(SVC_MAGLEV_ENTRIES, BPF_F_NO_PREALLOC);
 
 /// The per-packet Services path's working space (`calix_common::SVC_SCRATCH_MAP`).
 #[map(name = "CALIX_SVC_SCRATCH")]

@@ -4,7 +4,8 @@
 //!
 //! `from_host_dev` ([`from_outside_v4`]): a TCP SYN or a UDP datagram to an external frontend
 //! (`SVC_EXTERNAL` keys of `CALIX_SVC_FRONTS`, the backends of the traffic policy at this
-//! node) picks a backend by a hash of the client's address and port (its address alone with
+//! node) picks a backend by a hash of the client's address and port, by its slot in the
+//! frontend's Maglev table (`CALIX_SVC_MAGLEV`; its address alone with
 //! `sessionAffinity: ClientIP`; every node picks the same for the same client while the
 //! backends are the same), and the flow is remembered
 //! both ways (`CALIX_SVC_FLOWS`). The destination becomes the backend's:
@@ -30,13 +31,14 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL, SVC_FLOW_IN,
-    SVC_FLOW_OUT, SVC_MASQ_MARK, SVC_REJECT, SVC_V4,
+    svc_client_hash, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL,
+    SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK, SVC_REJECT,
+    SVC_V4,
 };
 
 use crate::maps::{
     CALIX_LOCAL_V4, CALIX_SVC_BACKS, CALIX_SVC_COUNT, CALIX_SVC_FLOWS, CALIX_SVC_FRONTS,
-    CALIX_SVC_SCRATCH,
+    CALIX_SVC_MAGLEV, CALIX_SVC_SCRATCH,
 };
 use crate::packet::{self, Ipv4, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
 
@@ -127,22 +129,6 @@ fn rewrite(
     ctx.store(port_off, &new.1, 0)?;
     ctx.l3_csum_replace(IP_CSUM, old_a, new_a, 4)?;
     ctx.store(addr_off, &new.0, 0)
-}
-
-/// FNV-1a of the client's address and port, finalized: the backend index is the same on
-/// every node for the same client while the backends are the same.
-#[inline(always)]
-fn client_hash(addr: [u8; 4], port: u16) -> u32 {
-    let p = port.to_ne_bytes();
-    let bytes = [addr[0], addr[1], addr[2], addr[3], p[0], p[1]];
-    let mut h: u32 = 0x811c_9dc5;
-    for b in bytes {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^ (h >> 13)
 }
 
 /// This CPU's working space: the keys and values are built there, not on the stack (the
@@ -244,7 +230,18 @@ fn begin(
         // `sessionAffinity: ClientIP`: the client's address alone picks, so every connection
         // of a client meets the same backend while the backends stay the same.
         let sport = if affinity != 0 { 0 } else { p.sport };
-        (*s).backend.index = client_hash(client, sport) % count;
+        let h = svc_client_hash(client, sport);
+        (*s).backend.index = match CALIX_SVC_MAGLEV.get_ptr(&id) {
+            // Its slot in the frontend's Maglev table: the same backend on every node.
+            Some(t) => {
+                let slot = h % SVC_MAGLEV_SLOTS;
+                // Read back through memory: the mask stays for the verifier, which does not
+                // bound a remainder (the compiler would drop a mask it knows is a no-op).
+                let slot = core::ptr::read_volatile(&slot) as usize & (SVC_MAGLEV_ROWS - 1);
+                u32::from((*t).slots[slot])
+            }
+            None => h % count,
+        };
         let Some(b) = CALIX_SVC_BACKS.get_ptr(&(*s).backend) else {
             // The agent is between two writes of the frontend: the next SYN picks again.
             return Ok(NOT_OURS);
