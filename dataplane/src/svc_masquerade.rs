@@ -1,7 +1,7 @@
 //! eBPF mode with Services translated: the host stack's masquerade of the Service flows from
 //! outside whose backend is on another node. `from_host_dev` translates such a packet to its
-//! backend and marks it (`calix_common::SVC_MASQ_MARK`); one nftables table, `ip
-//! calix-services`, masquerades what carries the mark, on ports outside the programs' NAT
+//! backend and marks it (`calix_common::SVC_MASQ_MARK`); an nftables table per family, `ip
+//! calix-services` and `ip6 calix-services`, masquerades what carries the mark, on ports outside the programs' NAT
 //! range and the NodePort range, so the replies come back to this node (where `to_host_dev`
 //! translates them back to the frontend) and never look like a NodePort. Written whole in one
 //! netlink transaction with the agent's other tables, removed by `--uninstall`.
@@ -13,7 +13,8 @@ use calix_kernel::nft::{priority, Chain, ChainType, CmpOp, Family, Hook, Rule, T
 use super::DataplaneError;
 
 pub const TABLE: &str = "calix-services";
-pub const FAMILY: Family = Family::Ip;
+/// The table's families (IPv4 and IPv6 flows from outside).
+pub const FAMILIES: [Family; 2] = [Family::Ip, Family::Ip6];
 
 /// The last port of Kubernetes' default NodePort range (30000-32767).
 pub const NODEPORTS_LAST: u16 = 32_767;
@@ -21,8 +22,8 @@ pub const NODEPORTS_LAST: u16 = 32_767;
 /// range) do not lie above the NodePorts.
 pub const DEFAULT_PORTS: (u16, u16) = (NODEPORTS_LAST + 1, 65_535);
 
-/// The table: `meta mark & M == M meta l4proto { tcp, udp } masquerade to :lo-hi`.
-pub fn table(ports: (u16, u16)) -> Table {
+/// The table of `family`: `meta mark & M == M meta l4proto { tcp, udp } masquerade to :lo-hi`.
+pub fn table(family: Family, ports: (u16, u16)) -> Table {
     let chain = Chain::base(
         "postrouting",
         ChainType::Nat,
@@ -31,22 +32,28 @@ pub fn table(ports: (u16, u16)) -> Table {
         Verdict::Accept,
     )
     .with_rule(
-        Rule::builder(FAMILY)
+        Rule::builder(family)
             .mark_masked(SVC_MASQ_MARK, CmpOp::Eq, SVC_MASQ_MARK)
             .l4proto_in(&[IPPROTO_TCP, IPPROTO_UDP], false)
             .masquerade(Some(ports)),
     );
-    Table::new(FAMILY, TABLE).with_chain(chain)
+    Table::new(family, TABLE).with_chain(chain)
 }
 
-/// Applies [`table`].
+/// Applies [`table`] of each family.
 pub fn apply(ports: (u16, u16)) -> Result<(), DataplaneError> {
-    super::nft::apply(&table(ports))
+    for family in FAMILIES {
+        super::nft::apply(&table(family, ports))?;
+    }
+    Ok(())
 }
 
-/// Deletes the table (if there is one).
+/// Deletes the tables (those there are).
 pub fn remove() -> Result<(), DataplaneError> {
-    super::nft::remove(FAMILY, TABLE)
+    for family in FAMILIES {
+        super::nft::remove(family, TABLE)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -55,7 +62,8 @@ mod tests {
 
     #[test]
     fn only_marked_tcp_and_udp_are_masqueraded_on_the_given_ports() {
-        let t = table((32_768, 65_535));
+        let t = table(Family::Ip6, (32_768, 65_535));
+        assert_eq!(t.family, Family::Ip6);
         let [chain] = t.chains.as_slice() else {
             panic!("one chain: {t:?}")
         };

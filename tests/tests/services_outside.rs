@@ -10,7 +10,8 @@
 //! programs, and new ones are served after each. A UDP client outside whose backend leaves the
 //! Service meets the one left with its next datagram, from the same socket; a TCP client that
 //! reuses its port after its connection ended meets the backends as they are then; with
-//! `sessionAffinity: ClientIP` every connection of a client meets the same backend. Each new
+//! `sessionAffinity: ClientIP` every connection of a client meets the same backend. IPv6
+//! clients reach a dual-stack NodePort at the node's IPv6 address the same ways. Each new
 //! connection meets the backend its slot in the Maglev table names (computed in the test from
 //! the backends alone, as every node does), and a backend leaving moves none of the others'.
 use std::collections::BTreeSet;
@@ -34,6 +35,12 @@ const UDP_CLIENT_ADDR: &str = "192.0.2.82";
 /// The second test's (each test's node has an address of its own in the shared API server).
 const HELD_NODE_ADDR: &str = "192.0.2.71";
 const HELD_CLIENT_ADDR: &str = "192.0.2.72";
+/// The IPv6 test's: the node's address on the uplink, the client's, and the node's end of the
+/// link to the backend elsewhere and the backend's.
+const V6_NODE_ADDR: &str = "fd89:61::1";
+const V6_CLIENT_ADDR: &str = "fd89:61::2";
+const FAR6_NODE_ADDR: &str = "fd89:64::1";
+const FAR6_ADDR: &str = "fd89:64::10";
 /// The link to the backend elsewhere: the node's end, and the backend.
 const FAR_LINK: &str = "far0";
 const FAR_NODE_ADDR: &str = "10.89.4.1";
@@ -51,7 +58,7 @@ def tcp():
     s.sendall(b"hi")
     return s.recv(64).decode()
 def udp():
-    u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    u = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
     u.settimeout(1)
     u.sendto(b"yo", (host, uport))
     data, src = u.recvfrom(64)
@@ -71,10 +78,16 @@ for name, f in (("tcp", tcp), ("udp", udp)):
 /// Serves TCP 8080 and UDP 8053 in `ns` for as long as the test runs: each message of a
 /// connection, and each datagram, answered with the address it came from.
 fn serve(ns: &Netns) {
-    let (tcp, udp) = ns.run(|| {
+    serve_at(ns, "0.0.0.0");
+}
+
+/// As [`serve`], on `any` (`[::]`: IPv6, and IPv4 as mapped addresses).
+fn serve_at(ns: &Netns, any: &str) {
+    let (t, u) = (format!("{any}:8080"), format!("{any}:8053"));
+    let (tcp, udp) = ns.run(move || {
         (
-            TcpListener::bind("0.0.0.0:8080").expect("bind tcp"),
-            UdpSocket::bind("0.0.0.0:8053").expect("bind udp"),
+            TcpListener::bind(t).expect("bind tcp"),
+            UdpSocket::bind(u).expect("bind udp"),
         )
     });
     std::thread::spawn(move || {
@@ -111,16 +124,39 @@ struct Beyond {
 }
 
 fn beyond(api: &KubeApi, tag: &str, cidr: &str, node_addr: &str, client: &str) -> Beyond {
+    beyond_dual(api, tag, &[cidr], &[node_addr], &[client])
+}
+
+/// As [`beyond`], the node with a pool of each of `cidrs`, and of each family an address
+/// (`node_addrs`, IPv4 first: in /24, IPv6 in /64) on the uplink, where the clients have
+/// `clients`.
+fn beyond_dual(
+    api: &KubeApi,
+    tag: &str,
+    cidrs: &[&str],
+    node_addrs: &[&str],
+    clients: &[&str],
+) -> Beyond {
     let outside = Netns::new(tag);
+    let prefix = |a: &str| if a.contains(':') { 64 } else { 24 };
     let bed = Bed::wired(
         api,
         tag,
-        cidr,
-        node_addr,
-        |n| n.uplink_to(&outside, UPLINK, &format!("{node_addr}/24")),
+        cidrs,
+        node_addrs,
+        |n| {
+            n.uplink_to(&outside, UPLINK, &format!("{}/24", node_addrs[0]));
+            for a in &node_addrs[1..] {
+                let a = format!("{a}/{}", prefix(a));
+                n.ns.exec_ok(&["ip", "addr", "add", &a, "dev", UPLINK, "nodad"]);
+            }
+        },
         &format!("uplinks = [\"{UPLINK}\"]\n"),
     );
-    outside.exec_ok(&["ip", "addr", "add", &format!("{client}/24"), "dev", "eth0"]);
+    for c in clients {
+        let c = format!("{c}/{}", prefix(c));
+        outside.exec_ok(&["ip", "addr", "add", &c, "dev", "eth0", "nodad"]);
+    }
     Beyond { outside, bed }
 }
 
@@ -316,6 +352,135 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     ];
     wait_for(
         "clients outside served by the backend elsewhere",
+        Duration::from_secs(30),
+        || (client("2") == masqueraded).then_some(()),
+        || {
+            let tables = node.ns.exec_ok(&["nft", "list", "ruleset"]);
+            format!(
+                "{:?}\n{}\n{}",
+                client("0"),
+                String::from_utf8_lossy(&tables.stdout),
+                node.agent_log()
+            )
+        },
+    );
+}
+
+/// IPv6 from outside, as IPv4 (the first test): a dual-stack NodePort at the node's IPv6
+/// address, `Local` with the endpoint here (the client's address kept, the replies from the
+/// NodePort), and `Cluster` with the endpoint behind another link (masqueraded to the node's
+/// IPv6 address there by `ip6 calix-services`, the replies still from the NodePort).
+#[test]
+fn an_ipv6_client_outside_reaches_a_dual_stack_nodeport() {
+    let api = KubeApi::shared();
+    let Beyond {
+        outside,
+        bed: Bed {
+            cg: _cg, node, ns, ..
+        },
+    } = beyond_dual(
+        &api,
+        "s6",
+        &["10.89.7.0/24", "fd89:7::/120"],
+        &["192.0.2.91", V6_NODE_ADDR],
+        &["192.0.2.92", V6_CLIENT_ADDR],
+    );
+    let dual = json!({"ipam": {"type": "calix-ipam", "assign_ipv6": true}});
+    let web = api
+        .running_pod_with(&node, &ns, "web", json!({"app": "web"}), dual)
+        .unwrap_or_else(|e| panic!("{e}\n{}", node.agent_log()));
+    let web6 = web
+        .ips()
+        .into_iter()
+        .find(|a| a.contains(':'))
+        .unwrap_or_else(|| panic!("an IPv6 address: {:?}", web.ips()));
+    serve_at(&web.ns, "[::]");
+    let service = |policy: &str, ports: Option<(u16, u16)>| {
+        let mut spec_ports = json!([
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]);
+        if let Some((t, u)) = ports {
+            spec_ports[0]["nodePort"] = json!(t);
+            spec_ports[1]["nodePort"] = json!(u);
+        }
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"namespace": ns, "name": "web"},
+            "spec": {"type": "NodePort", "externalTrafficPolicy": policy,
+                     "ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv4", "IPv6"],
+                     "ports": spec_ports},
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let slice = |address: &str, on: &str| {
+        api.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": ns, "name": "web-6",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv6",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                      {"name": "dns", "port": 8053, "protocol": "UDP"}],
+            "endpoints": [{"addresses": [address], "conditions": {"ready": true},
+                           "nodeName": on}],
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let svc = service("Local", None);
+    let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
+    slice(&web6, &node.ns.name);
+    let client = |seconds: &str| clients(&outside, V6_NODE_ADDR, tport, uport, seconds);
+    let served = [
+        format!("tcp from {V6_CLIENT_ADDR}"),
+        format!("udp from {V6_CLIENT_ADDR} {V6_NODE_ADDR}:{uport}"),
+    ];
+    let got = client("30");
+    assert_eq!(got, served, "Local, endpoint here\n{}", node.agent_log());
+    let trace = node
+        .agent()
+        .calixctl_json(&[
+            "trace",
+            V6_CLIENT_ADDR,
+            V6_NODE_ADDR,
+            &format!("tcp/{tport}"),
+        ])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let detail = service_step(&trace);
+    assert!(
+        detail.contains("per packet") && detail.contains(&format!("to one of [{web6}]:8080")),
+        "{trace}"
+    );
+
+    // Cluster, the endpoint behind another link: masqueraded to the node's address there.
+    service("Cluster", Some((tport, uport)));
+    let far = Netns::new("s6f");
+    node.uplink_to(&far, FAR_LINK, "10.89.8.1/24");
+    node.ns.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{FAR6_NODE_ADDR}/64"),
+        "dev",
+        FAR_LINK,
+        "nodad",
+    ]);
+    far.exec_ok(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("{FAR6_ADDR}/64"),
+        "dev",
+        "eth0",
+        "nodad",
+    ]);
+    far.exec_ok(&["ip", "-6", "route", "add", "default", "via", FAR6_NODE_ADDR]);
+    serve_at(&far, "[::]");
+    slice(FAR6_ADDR, "elsewhere");
+    let masqueraded = [
+        format!("tcp from {FAR6_NODE_ADDR}"),
+        format!("udp from {FAR6_NODE_ADDR} {V6_NODE_ADDR}:{uport}"),
+    ];
+    wait_for(
+        "IPv6 clients outside served by the backend elsewhere",
         Duration::from_secs(30),
         || (client("2") == masqueraded).then_some(()),
         || {

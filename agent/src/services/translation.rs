@@ -63,24 +63,37 @@ impl ServicesService {
             let per_packet = "calix translates it per packet where it arrives (the uplink's tc \
                               program; a backend on that node sees the client's address, one on \
                               another node the node's)";
-            match (&p.external, address.is_ipv4() && client.is_ipv4()) {
-                (None, _) => {
+            let choice = match &p.external {
+                None => {
                     return Some((
                         false,
-                        format!("{what}: a cluster IP, not translated for a client outside the cluster"),
+                        format!(
+                            "{what}: a cluster IP, not translated for a client outside the cluster"
+                        ),
                     ))
                 }
-                (Some(_), false) => {
-                    return Some((
-                        false,
-                        format!("{what}: IPv6 from outside the nodes is not translated by calix yet (kube-proxy's, if it runs)"),
-                    ))
-                }
-                (Some(external), true) => match (&p.local_at, elsewhere) {
-                    (Some(by_node), Some(n)) => (local_there(n, by_node), per_packet),
-                    _ => (external.clone(), per_packet),
+                Some(external) => match (&p.local_at, elsewhere) {
+                    (Some(by_node), Some(n)) => local_there(n, by_node),
+                    _ => external.clone(),
                 },
-            }
+            };
+            // Per packet, the backends of the address's family only: none (a single-stack
+            // Service at a node's address of the other family) and the stack refuses.
+            let choice = match choice {
+                Choice::To(v) => {
+                    let v: Vec<_> = v
+                        .into_iter()
+                        .filter(|(a, _)| a.is_ipv4() == address.is_ipv4())
+                        .collect();
+                    if v.is_empty() {
+                        Choice::Reject
+                    } else {
+                        Choice::To(v)
+                    }
+                }
+                other => other,
+            };
+            (choice, per_packet)
         } else {
             let by = if inner.programmed {
                 "calix translates it at the client's socket"
@@ -186,14 +199,14 @@ impl ServicesService {
                     Choice::Reject | Choice::Drop => Target::Refuse,
                 };
                 // For clients outside, per packet where they arrive: a NodePort at this node's
-                // own addresses, an external or LoadBalancer address as it is. IPv4 only: the
-                // programs do not translate IPv6 from outside yet.
+                // own addresses (of both families: the backends of the address's family, none
+                // of a single-stack Service's other family, which the stack refuses), an
+                // external or LoadBalancer address as it is.
                 if let Some(external) = &p.external {
                     let at: Vec<IpAddr> = match p.frontend.address {
                         Some(a) => vec![a],
                         None => mine.iter().copied().collect(),
                     };
-                    let at = at.into_iter().filter(IpAddr::is_ipv4);
                     let t = match external {
                         Choice::To(v) => Target::To {
                             backends: v.clone(),
@@ -447,8 +460,9 @@ mod tests {
             .collect();
         assert_eq!(
             outside,
-            ["192.0.2.1:30080 2", "203.0.113.7:80 2"],
-            "IPv4 only: {t:?}"
+            ["192.0.2.1:30080 2", "203.0.113.7:80 2", "fd00::1:30080 2"],
+            "both families of this node's addresses (the dataplane keeps the backends of each \
+             address's family): {t:?}"
         );
         assert!(
             t.frontends
@@ -532,9 +546,19 @@ mod tests {
             "{inside}"
         );
         assert!(inside.contains("10.244.2.5:8080"), "{inside}");
-        let (_, v6) = svc
-            .trace_step(ip("192.0.2.1"), 6, 30080, ip("2001:db8::9"), true)
+        // IPv6 at this node's IPv6 address: translated per packet too, to the backends of
+        // that family, of which this single-stack Service has none: refused by the stack.
+        let mut nodes = BTreeMap::new();
+        nodes.insert("n1".to_string(), vec![ip("192.0.2.1"), ip("fd00::1")]);
+        nodes.insert("n2".to_string(), vec![ip("192.0.2.2")]);
+        nodes.insert("n3".to_string(), vec![ip("192.0.2.3")]);
+        svc.set_nodes(nodes);
+        let (refused, v6) = svc
+            .trace_step(ip("fd00::1"), 6, 30080, ip("2001:db8::9"), true)
             .expect("a NodePort");
-        assert!(v6.contains("IPv6 from outside"), "{v6}");
+        assert!(
+            refused && v6.contains("per packet") && v6.contains("refused by the node's stack"),
+            "{v6}"
+        );
     }
 }

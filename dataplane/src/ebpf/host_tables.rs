@@ -24,10 +24,12 @@ impl EbpfDataplane {
                 .filter(|(lo, _)| *lo > crate::svc_masquerade::NODEPORTS_LAST)
                 .unwrap_or(crate::svc_masquerade::DEFAULT_PORTS);
             crate::svc_masquerade::apply(ports)?;
-            self.tables.push(crate::nft::OwnedTable::record(
-                crate::svc_masquerade::FAMILY,
-                crate::svc_masquerade::TABLE,
-            )?);
+            for family in crate::svc_masquerade::FAMILIES {
+                self.tables.push(crate::nft::OwnedTable::record(
+                    family,
+                    crate::svc_masquerade::TABLE,
+                )?);
+            }
         } else {
             // Services no longer translated here (a run before had them): its table goes.
             crate::svc_masquerade::remove()?;

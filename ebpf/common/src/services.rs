@@ -296,6 +296,24 @@ pub fn svc_client_hash(addr: [u8; 4], port: u16) -> u32 {
     h ^ (h >> 13)
 }
 
+/// [`svc_client_hash`] of an IPv6 client: its 16 bytes and port.
+#[inline(always)]
+pub fn svc_client_hash6(addr: &[u8; 16], port: u16) -> u32 {
+    let p = port.to_ne_bytes();
+    let mut h: u32 = 0x811c_9dc5;
+    for b in addr {
+        h ^= u32::from(*b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    for b in p {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^ (h >> 13)
+}
+
 /// A node's address, for [`SVC_NODES_MAP`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

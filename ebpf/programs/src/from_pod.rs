@@ -34,6 +34,7 @@ use crate::packet::{
     IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
 };
 
+#[inline(always)]
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
     #[cfg(feature = "bench-floor")]
     return floor(ctx);
@@ -185,6 +186,10 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);
+    }
+    // A backend's reply to a client outside that reached it through a Service here.
+    if let Some(verdict) = crate::nodeport6::reply_from_pod(ctx, crate::nodeport6::Head::of(&ip))? {
+        return Ok(verdict);
     }
     if doors::v6(ctx, &ip) {
         return Ok(drop(ctx, ifindex, DropReason::AgentPort));

@@ -38,16 +38,6 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             }
             // A client outside reaching a Service here.
             match crate::nodeport::from_outside_v4(ctx, &ip)? {
-                nodeport::NOT_OURS_VERDICT => Ok(TC_ACT_OK),
-                nodeport::NO_LOCAL_ENDPOINT => {
-                    // SAFETY: a plain context access the verifier checks.
-                    let uplink = unsafe { (*ctx.skb.skb).ifindex };
-                    Ok(crate::counters::drop(
-                        ctx,
-                        uplink,
-                        calix_common::DropReason::ServiceNoLocalEndpoint,
-                    ))
-                }
                 nodeport::TO_LOCAL => {
                     // Translated: the destination is the backend's, and so is the checksum.
                     let (dst, csum) = (ctx.load(nodeport::IP_DST)?, ctx.load(nodeport::IP_CSUM)?);
@@ -65,7 +55,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                         None => Ok(TC_ACT_OK),
                     }
                 }
-                verdict => Ok(verdict),
+                verdict => Ok(outside_verdict(ctx, verdict)),
             }
         }
         ETH_P_IPV6 => {
@@ -73,18 +63,51 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 return Ok(TC_ACT_OK);
             };
             // SAFETY: as above.
-            match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { &*l }) {
-                Some(local)
-                    if flows::fast_path_ok(local.slot, flows::has_ports_v6(&ip), || {
+            let local = match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { &*l }) {
+                Some(local) => {
+                    if !flows::fast_path_ok(local.slot, flows::has_ports_v6(&ip), || {
                         flows::key_v6(ctx, &ip, false)
-                    }) =>
-                {
-                    forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), false)
+                    }) {
+                        return Ok(TC_ACT_OK);
+                    }
+                    local
                 }
-                _ => Ok(TC_ACT_OK),
-            }
+                // A client outside reaching a Service here; a backend here is delivered as a
+                // pod's packet is (one delivery in this frame, which is near the verifier's
+                // 512 bytes).
+                None => match crate::nodeport6::from_outside(ctx, crate::nodeport6::Head::of(&ip))? {
+                    // SAFETY: as above.
+                    nodeport::TO_LOCAL => {
+                        match crate::nodeport6::local_dst(ctx).map(|l| unsafe { &*l }) {
+                            Some(local) => local,
+                            None => return Ok(TC_ACT_OK),
+                        }
+                    }
+                    verdict => return Ok(outside_verdict(ctx, verdict)),
+                },
+            };
+            forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), false)
         }
         _ => Ok(TC_ACT_OK),
+    }
+}
+
+/// What `from_outside` said of a packet other than a local backend: not ours (the stack's),
+/// `Local` with no endpoint here (dropped and counted), or a tc verdict.
+#[inline(always)]
+fn outside_verdict(ctx: &mut TcContext, verdict: i32) -> i32 {
+    match verdict {
+        nodeport::NOT_OURS_VERDICT => TC_ACT_OK,
+        nodeport::NO_LOCAL_ENDPOINT => {
+            // SAFETY: a plain context access the verifier checks.
+            let uplink = unsafe { (*ctx.skb.skb).ifindex };
+            crate::counters::drop(
+                ctx,
+                uplink,
+                calix_common::DropReason::ServiceNoLocalEndpoint,
+            )
+        }
+        verdict => verdict,
     }
 }
 
@@ -112,10 +135,18 @@ pub fn try_to_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
     }
     // A remote backend's reply to a client outside, which the stack took back from its
     // masquerade: from the frontend.
-    if packet::ethertype(ctx)? == ETH_P_IP {
-        if let Some(ip) = packet::ipv4(ctx) {
-            crate::nodeport::reply_after_stack_v4(ctx, &ip)?;
+    match packet::ethertype(ctx)? {
+        ETH_P_IP => {
+            if let Some(ip) = packet::ipv4(ctx) {
+                crate::nodeport::reply_after_stack_v4(ctx, &ip)?;
+            }
         }
+        ETH_P_IPV6 => {
+            if let Some(ip) = packet::ipv6(ctx) {
+                crate::nodeport6::reply_after_stack(ctx, crate::nodeport6::Head::of(&ip))?;
+            }
+        }
+        _ => {}
     }
     // A local pod's flow the stack routed out: its replies must come back through the stack.
     // SAFETY (both lookups): a pointer from a successful lookup, valid until the program

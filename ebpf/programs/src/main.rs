@@ -23,6 +23,7 @@ mod host_dev;
 mod maps;
 mod nat;
 mod nodeport;
+mod nodeport6;
 mod packet;
 mod policy;
 mod services;

@@ -31,7 +31,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    svc_client_hash, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL,
+    svc_client_hash, SvcBackend, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL,
     SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK, SVC_REJECT,
     SVC_V4,
 };
@@ -46,18 +46,18 @@ use crate::packet::{self, Ipv4, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
 pub const IP_CSUM: usize = ETH_HLEN + 10;
 const IP_SRC: usize = ETH_HLEN + 12;
 pub const IP_DST: usize = ETH_HLEN + 16;
-const TCP_SYN: u8 = 0x02;
-const TCP_ACK: u8 = 0x10;
+pub(crate) const TCP_SYN: u8 = 0x02;
+pub(crate) const TCP_ACK: u8 = 0x10;
 
 /// The transport fields translation reads; offsets as `u16` (a frame is at most 64 KiB): the
 /// struct is on the stack of every caller.
-struct Ports {
-    sport: u16,
-    dport: u16,
-    l4: u16,
-    csum_off: u16,
+pub(crate) struct Ports {
+    pub sport: u16,
+    pub dport: u16,
+    pub l4: u16,
+    pub csum_off: u16,
     /// TCP flags (0 for UDP).
-    flags: u8,
+    pub flags: u8,
 }
 
 /// TCP or UDP ports (network byte order) of an unfragmented packet; `None` for anything else.
@@ -134,7 +134,7 @@ fn rewrite(
 /// This CPU's working space: the keys and values are built there, not on the stack (the
 /// callers' frames are near the verifier's 512 bytes).
 #[inline(always)]
-fn scratch() -> Option<*mut SvcScratch> {
+pub(crate) fn scratch() -> Option<*mut SvcScratch> {
     CALIX_SVC_SCRATCH.get_ptr_mut(0)
 }
 
@@ -179,11 +179,67 @@ fn set_flow(f: *mut SvcFlow, addr: [u8; 4], port: u16, remote: u8, ifindex: u32)
 }
 
 /// What becomes of a packet to an external frontend that no flow holds yet.
-const NOT_OURS: u8 = 0;
+pub(crate) const NOT_OURS: u8 = 0;
 /// `Local` and no endpoint here.
-const DROP: u8 = 1;
+pub(crate) const DROP: u8 = 1;
 /// A backend was chosen: the flow is remembered both ways and `(*s).flow` says where to.
 const TO: u8 = 2;
+
+/// The backend of a new flow (its source port `sport`, TCP flags `tcp_flags`) to the external
+/// frontend in `(*s).front`, which the caller wrote: by its slot in the frontend's Maglev
+/// table, else by the hash modulo its backends' count (`hash` of the client's port, or of 0
+/// with `sessionAffinity: ClientIP`). `Err`: [`NOT_OURS`] or [`DROP`] (counted).
+#[inline(always)]
+pub(crate) fn pick(
+    s: *mut SvcScratch,
+    proto: u8,
+    tcp_flags: u8,
+    hash: impl FnOnce(u16) -> u32,
+    sport: u16,
+) -> Result<*const SvcBackend, u8> {
+    // SAFETY: `s` is this CPU's scratch entry (see `scratch`); the lookups' values are read
+    // field by field.
+    unsafe {
+        let Some(v) = CALIX_SVC_FRONTS.get_ptr(&(*s).front) else {
+            return Err(NOT_OURS);
+        };
+        let (id, count, flags, affinity) = ((*v).id, (*v).count, (*v).flags, (*v).affinity_secs);
+        // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
+        // the host stack masqueraded, a stray ACK) is not translated, nor counted.
+        if proto == IPPROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+            return Err(if flags & SVC_DROP != 0 { DROP } else { NOT_OURS });
+        }
+        if flags & SVC_DROP != 0 {
+            count_front(s, false);
+            return Err(DROP);
+        }
+        if flags & SVC_REJECT != 0 || count == 0 {
+            // The host stack refuses it (nothing listens on the port).
+            count_front(s, false);
+            return Err(NOT_OURS);
+        }
+        (*s).backend.id = id;
+        // `sessionAffinity: ClientIP`: the client's address alone picks, so every connection
+        // of a client meets the same backend while the backends stay the same.
+        let h = hash(if affinity != 0 { 0 } else { sport });
+        (*s).backend.index = match CALIX_SVC_MAGLEV.get_ptr(&id) {
+            // Its slot in the frontend's Maglev table: the same backend on every node.
+            Some(t) => {
+                let slot = h % SVC_MAGLEV_SLOTS;
+                // Read back through memory: the mask stays for the verifier, which does not
+                // bound a remainder (the compiler would drop a mask it knows is a no-op).
+                let slot = core::ptr::read_volatile(&slot) as usize & (SVC_MAGLEV_ROWS - 1);
+                u32::from((*t).slots[slot])
+            }
+            None => h % count,
+        };
+        // `None`: the agent is between two writes of the frontend: the next SYN picks again.
+        CALIX_SVC_BACKS
+            .get_ptr(&(*s).backend)
+            .map(|b| b as *const SvcBackend)
+            .ok_or(NOT_OURS)
+    }
+}
 
 /// A new flow from `client` to the frontend `front`: its backend, remembered both ways.
 #[inline(always)]
@@ -208,43 +264,9 @@ fn begin(
         fk.port = p.dport;
         fk.proto = proto;
         fk.family = SVC_V4 | SVC_EXTERNAL;
-        let Some(v) = CALIX_SVC_FRONTS.get_ptr(&*fk) else {
-            return Ok(NOT_OURS);
-        };
-        let (id, count, flags, affinity) = ((*v).id, (*v).count, (*v).flags, (*v).affinity_secs);
-        // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
-        // the host stack masqueraded, a stray ACK) is not translated, nor counted.
-        if proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
-            return Ok(if flags & SVC_DROP != 0 { DROP } else { NOT_OURS });
-        }
-        if flags & SVC_DROP != 0 {
-            count_front(s, false);
-            return Ok(DROP);
-        }
-        if flags & SVC_REJECT != 0 || count == 0 {
-            // The host stack refuses it (nothing listens on the port).
-            count_front(s, false);
-            return Ok(NOT_OURS);
-        }
-        (*s).backend.id = id;
-        // `sessionAffinity: ClientIP`: the client's address alone picks, so every connection
-        // of a client meets the same backend while the backends stay the same.
-        let sport = if affinity != 0 { 0 } else { p.sport };
-        let h = svc_client_hash(client, sport);
-        (*s).backend.index = match CALIX_SVC_MAGLEV.get_ptr(&id) {
-            // Its slot in the frontend's Maglev table: the same backend on every node.
-            Some(t) => {
-                let slot = h % SVC_MAGLEV_SLOTS;
-                // Read back through memory: the mask stays for the verifier, which does not
-                // bound a remainder (the compiler would drop a mask it knows is a no-op).
-                let slot = core::ptr::read_volatile(&slot) as usize & (SVC_MAGLEV_ROWS - 1);
-                u32::from((*t).slots[slot])
-            }
-            None => h % count,
-        };
-        let Some(b) = CALIX_SVC_BACKS.get_ptr(&(*s).backend) else {
-            // The agent is between two writes of the frontend: the next SYN picks again.
-            return Ok(NOT_OURS);
+        let b = match pick(s, proto, p.flags, |sport| svc_client_hash(client, sport), p.sport) {
+            Ok(b) => b,
+            Err(verdict) => return Ok(verdict),
         };
         let backend = [(*b).addr[0], (*b).addr[1], (*b).addr[2], (*b).addr[3]];
         let port = (*b).port;
@@ -269,7 +291,7 @@ fn begin(
 /// (`connected`), or one refused, in this CPU's entry of the Services' counters (as the
 /// socket programs count theirs; added the first time).
 #[inline(always)]
-fn count_front(s: *mut SvcScratch, connected: bool) {
+pub(crate) fn count_front(s: *mut SvcScratch, connected: bool) {
     // SAFETY: `s` is this CPU's scratch entry; the counters' value is this CPU's, which no
     // other CPU writes.
     unsafe {
@@ -305,7 +327,7 @@ pub const TO_LOCAL: i32 = -101;
 /// [`from_outside_v4`]: `Local` and no endpoint here; for the caller to drop and count.
 pub const NO_LOCAL_ENDPOINT: i32 = -102;
 /// [`choose_v4`]: the backend is in this CPU's `(*scratch).flow`.
-const CHOSEN: i32 = -103;
+pub(crate) const CHOSEN: i32 = -103;
 
 /// `from_host_dev`, IPv4: a packet from outside to an external frontend goes to its backend.
 /// A tc verdict, [`NOT_OURS_VERDICT`], [`TO_LOCAL`] or [`NO_LOCAL_ENDPOINT`].
@@ -423,12 +445,16 @@ pub fn reply_from_pod_v4(ctx: &mut TcContext, ip: &Ipv4) -> Result<Option<i32>, 
     let new = u16::from_ne_bytes([ip.ttl - 1, ip.proto]);
     ctx.l3_csum_replace(IP_CSUM, u64::from(old), u64::from(new), 2)?;
     ctx.store(ETH_HLEN + 8, &(ip.ttl - 1), 0)?;
+    Ok(Some(out_by(ctx, ifindex)))
+}
+
+/// A reply leaves by the client's interface `ifindex`, past `to_host_dev`'s bookkeeping.
+#[inline(always)]
+pub(crate) fn out_by(ctx: &mut TcContext, ifindex: u32) -> i32 {
     // Tell `to_host_dev` this packet took the fast path.
     ctx.set_mark(calix_common::FAST_PATH_MARK);
     // SAFETY: a plain helper call; a null neighbour means "use the FIB's next hop".
-    Ok(Some(
-        unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) } as i32,
-    ))
+    unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) as i32 }
 }
 
 /// `to_host_dev`, IPv4: a remote backend's reply, which the host stack took back from its

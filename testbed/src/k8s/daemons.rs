@@ -10,6 +10,9 @@ use super::{NS_API_PORT, TLS_NAME};
 use crate::process::{checked, command_in, spawn_logged};
 use crate::{Error, Result};
 
+/// The API server's Service ranges: IPv4, then IPv6.
+pub const SERVICE_RANGES: &str = "10.96.0.0/16,fd00:10:96::/108";
+
 impl KubeApi {
     /// Stops the API server (SIGKILL: a crash); etcd keeps running.
     pub fn kill_apiserver(&self) {
@@ -40,7 +43,9 @@ impl KubeApi {
             .arg("--authorization-mode=Node,RBAC")
             // What kubeadm and every CNI's DaemonSet need: privileged containers.
             .arg("--allow-privileged=true")
-            .arg("--service-cluster-ip-range=10.96.0.0/16")
+            // Dual stack: a Service asks for an IPv6 cluster IP (`ipFamilies`); single-stack IPv4 is
+            // every Service's default.
+            .arg(format!("--service-cluster-ip-range={SERVICE_RANGES}"))
             // No `kubernetes` Service endpoints (its address may be loopback here).
             .arg("--endpoint-reconciler-type=none")
             .arg(format!("--watch-cache={}", self.watch_cache))
@@ -90,7 +95,9 @@ impl KubeApi {
             .arg(format!("--root-ca-file={}", d("ca.crt")))
             .arg("--use-service-account-credentials=false")
             .arg("--allocate-node-cidrs=false")
-            .arg("--service-cluster-ip-range=10.96.0.0/16")
+            // Dual stack: a Service asks for an IPv6 cluster IP (`ipFamilies`); single-stack IPv4 is
+            // every Service's default.
+            .arg(format!("--service-cluster-ip-range={SERVICE_RANGES}"))
             .arg("--node-monitor-grace-period=20s")
             .arg("--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-route");
         let mut sched = command_in(

@@ -8,13 +8,15 @@ use serde_json::{json, Value};
 use super::KubeApi;
 use crate::{wait_for, Error, Node, Pod, Result};
 
-/// An IPPool `name` of `cidr` (blocks of /28) for the nodes `selector` selects.
+/// An IPPool `name` of `cidr` (blocks of /28, IPv6 /124: 16 addresses) for the nodes
+/// `selector` selects.
 pub fn ippool(name: &str, cidr: &str, selector: Value) -> Value {
+    let block = if cidr.contains(':') { 124 } else { 28 };
     json!({
         "apiVersion": "calix.dev/v1",
         "kind": "IPPool",
         "metadata": {"name": name},
-        "spec": {"cidr": cidr, "blockSize": 28, "nodeSelector": selector},
+        "spec": {"cidr": cidr, "blockSize": block, "nodeSelector": selector},
     })
 }
 
@@ -67,14 +69,30 @@ impl KubeApi {
     /// `cidr` of its own (one CIDR in two IPPools stops every agent reading them), its agent
     /// started and allocating from that pool.
     pub fn started_with_pool(&self, node: Node, tag: &str, cidr: &str, ip: &str) -> Result<Node> {
-        self.node_object(
-            &node.ns.name,
-            json!({"calix.dev/test": tag}),
-            &[("InternalIP", ip)],
-        )?;
-        self.apply(ippool(tag, cidr, json!({"calix.dev/test": tag})))?;
+        self.started_with_pools(node, tag, &[cidr], &[ip])
+    }
+
+    /// As [`KubeApi::started_with_pool`], with an InternalIP of each of `ips` and an IPPool of
+    /// each of `cidrs` (the first named `tag`, the others `tag-1`, `tag-2`...): a dual-stack
+    /// node with an address and a pool of each family.
+    pub fn started_with_pools(
+        &self,
+        node: Node,
+        tag: &str,
+        cidrs: &[&str],
+        ips: &[&str],
+    ) -> Result<Node> {
+        let addresses: Vec<(&str, &str)> = ips.iter().map(|ip| ("InternalIP", *ip)).collect();
+        self.node_object(&node.ns.name, json!({"calix.dev/test": tag}), &addresses)?;
+        for (i, cidr) in cidrs.iter().enumerate() {
+            let name = match i {
+                0 => tag.to_string(),
+                i => format!("{tag}-{i}"),
+            };
+            self.apply(ippool(&name, cidr, json!({"calix.dev/test": tag})))?;
+        }
         node.agent().start(&[])?;
-        wait_pools(&node, &[cidr]);
+        wait_pools(&node, cidrs);
         Ok(node)
     }
 
@@ -97,6 +115,20 @@ impl KubeApi {
         name: &str,
         labels: Value,
     ) -> Result<Pod<'a>> {
+        self.running_pod_with(node, namespace, name, labels, Value::Null)
+    }
+
+    /// As [`KubeApi::running_pod`], `extra` merged into the CNI ADD's network config (e.g.
+    /// `{"ipam": {"type": "calix-ipam", "assign_ipv6": true}}`: an address of each family,
+    /// both in the Pod's status).
+    pub fn running_pod_with<'a>(
+        &self,
+        node: &'a Node,
+        namespace: &str,
+        name: &str,
+        labels: Value,
+        extra: Value,
+    ) -> Result<Pod<'a>> {
         // (No controller-manager makes the namespace's default ServiceAccount, which admission
         // wants.)
         self.apply(json!({
@@ -117,15 +149,15 @@ impl KubeApi {
                 detail: "no UID in the API server's answer".into(),
             })?
             .to_string();
-        let p = Pod::try_add_k8s(node, namespace, name, &uid, Value::Null);
+        let p = Pod::try_add_k8s(node, namespace, name, &uid, extra);
         if !p.result.success {
             return Err(Error::Kube {
                 what: format!("CNI ADD of {namespace}/{name}"),
                 detail: p.result.stdout.clone(),
             });
         }
-        let ip = p.ip();
-        self.patch_status(meta, json!({"podIP": ip, "podIPs": [{"ip": ip}]}))?;
+        let ips: Vec<Value> = p.ips().into_iter().map(|ip| json!({ "ip": ip })).collect();
+        self.patch_status(meta, json!({"podIP": p.ip(), "podIPs": ips}))?;
         Ok(p)
     }
 }
@@ -145,6 +177,10 @@ pub fn wait_pools(node: &Node, want: &[&str]) {
                 .filter(|p| p["disabled"] == false)
                 .filter_map(|p| p["cidr"].as_str().map(String::from))
                 .collect();
+            let mut want: Vec<&str> = want.to_vec();
+            let mut pools: Vec<&str> = pools.iter().map(String::as_str).collect();
+            want.sort_unstable();
+            pools.sort_unstable();
             (pools == want).then_some(())
         },
         || node.agent_log(),

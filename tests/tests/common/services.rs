@@ -42,16 +42,17 @@ pub struct Bed {
 
 impl Bed {
     pub fn new(api: &KubeApi, tag: &str, cidr: &str, address: &str) -> Self {
-        Self::wired(api, tag, cidr, address, |_| {}, "")
+        Self::wired(api, tag, &[cidr], &[address], |_| {}, "")
     }
 
-    /// As [`Bed::new`], `wire` called on the node before its agent starts, `top` (top-level
-    /// keys) put first in its config.
+    /// As [`Bed::new`] with a pool of each of `cidrs` and an address of each of `addresses`
+    /// (a dual-stack node: one of each family), `wire` called on the node before its agent
+    /// starts, `top` (top-level keys) put first in its config.
     pub fn wired(
         api: &KubeApi,
         tag: &str,
-        cidr: &str,
-        address: &str,
+        cidrs: &[&str],
+        addresses: &[&str],
         wire: impl FnOnce(&Node),
         top: &str,
     ) -> Self {
@@ -71,7 +72,7 @@ impl Bed {
         let node = node.with_config(&format!("{top}{config}"));
         wire(&node);
         let node = api
-            .started_with_pool(node, &u, cidr, address)
+            .started_with_pools(node, &u, cidrs, addresses)
             .unwrap_or_else(|e| panic!("{e}"));
         let ns = format!("{u}-svc");
         api.namespace(&ns, json!({}), json!({}))
