@@ -20,7 +20,7 @@ use std::net::{TcpListener, UdpSocket};
 use std::process::Stdio;
 use std::time::Duration;
 
-use calix_testbed::{wait_for, KubeApi, Netns, Pod};
+use calix_testbed::{wait_for, KubeApi, Netns, Node, Pod};
 use serde_json::{json, Value};
 
 mod common;
@@ -242,34 +242,8 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     } = beyond(&api, "so", "10.89.3.0/24", NODE_ADDR, CLIENT_ADDR);
     let web = running(&api, &node, &ns, "web");
     serve(&web.ns);
-    let service = |policy: &str, ports: Option<(u16, u16)>| {
-        let mut spec_ports = json!([
-            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
-            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]);
-        if let Some((t, u)) = ports {
-            spec_ports[0]["nodePort"] = json!(t);
-            spec_ports[1]["nodePort"] = json!(u);
-        }
-        api.apply(json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": ns, "name": "web"},
-            "spec": {"type": "NodePort", "externalTrafficPolicy": policy, "ports": spec_ports},
-        }))
-        .unwrap_or_else(|e| panic!("{e}"))
-    };
-    let slice = |address: &str, on: &str| {
-        api.apply(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"namespace": ns, "name": "web-1",
-                         "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
-                      {"name": "dns", "port": 8053, "protocol": "UDP"}],
-            "endpoints": [{"addresses": [address], "conditions": {"ready": true},
-                           "nodeName": on}],
-        }))
-        .unwrap_or_else(|e| panic!("{e}"))
-    };
+    let service = |policy: &str, ports| web_service(&api, &ns, policy, ports, &["IPv4"]);
+    let slice = |address: &str, on: &str| web_slice(&api, &ns, "IPv4", address, on);
     let svc = service("Local", None);
     let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
     slice(&web.ip(), &node.ns.name);
@@ -333,37 +307,13 @@ fn a_client_outside_reaches_a_nodeport_with_local_and_cluster() {
     // Cluster, the endpoint on another node: the host stack takes the translated packet there,
     // masqueraded to this node's address (the backend's replies must come back through it),
     // and the replies leave from the NodePort.
-    let far = Netns::new("sf");
-    node.uplink_to(&far, FAR_LINK, &format!("{FAR_NODE_ADDR}/24"));
-    far.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{FAR_ADDR}/24"),
-        "dev",
-        "eth0",
-    ]);
-    far.exec_ok(&["ip", "route", "add", "default", "via", FAR_NODE_ADDR]);
-    serve(&far);
+    let _far = far_backend(&node, "sf", &[(FAR_NODE_ADDR, FAR_ADDR)]);
     slice(FAR_ADDR, "elsewhere");
     let masqueraded = [
         format!("tcp from {FAR_NODE_ADDR}"),
         format!("udp from {FAR_NODE_ADDR} {NODE_ADDR}:{uport}"),
     ];
-    wait_for(
-        "clients outside served by the backend elsewhere",
-        Duration::from_secs(30),
-        || (client("2") == masqueraded).then_some(()),
-        || {
-            let tables = node.ns.exec_ok(&["nft", "list", "ruleset"]);
-            format!(
-                "{:?}\n{}\n{}",
-                client("0"),
-                String::from_utf8_lossy(&tables.stdout),
-                node.agent_log()
-            )
-        },
-    );
+    served_in_time(&node, "the backend elsewhere", &masqueraded, client);
 }
 
 /// IPv6 from outside, as IPv4 (the first test): a dual-stack NodePort at the node's IPv6
@@ -395,36 +345,8 @@ fn an_ipv6_client_outside_reaches_a_dual_stack_nodeport() {
         .find(|a| a.contains(':'))
         .unwrap_or_else(|| panic!("an IPv6 address: {:?}", web.ips()));
     serve_at(&web.ns, "[::]");
-    let service = |policy: &str, ports: Option<(u16, u16)>| {
-        let mut spec_ports = json!([
-            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
-            {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]);
-        if let Some((t, u)) = ports {
-            spec_ports[0]["nodePort"] = json!(t);
-            spec_ports[1]["nodePort"] = json!(u);
-        }
-        api.apply(json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"namespace": ns, "name": "web"},
-            "spec": {"type": "NodePort", "externalTrafficPolicy": policy,
-                     "ipFamilyPolicy": "RequireDualStack", "ipFamilies": ["IPv4", "IPv6"],
-                     "ports": spec_ports},
-        }))
-        .unwrap_or_else(|e| panic!("{e}"))
-    };
-    let slice = |address: &str, on: &str| {
-        api.apply(json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"namespace": ns, "name": "web-6",
-                         "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv6",
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
-                      {"name": "dns", "port": 8053, "protocol": "UDP"}],
-            "endpoints": [{"addresses": [address], "conditions": {"ready": true},
-                           "nodeName": on}],
-        }))
-        .unwrap_or_else(|e| panic!("{e}"))
-    };
+    let service = |policy: &str, ports| web_service(&api, &ns, policy, ports, &["IPv4", "IPv6"]);
+    let slice = |address: &str, on: &str| web_slice(&api, &ns, "IPv6", address, on);
     let svc = service("Local", None);
     let (tport, uport) = (node_port(&svc, 0), node_port(&svc, 1));
     slice(&web6, &node.ns.name);
@@ -452,37 +374,113 @@ fn an_ipv6_client_outside_reaches_a_dual_stack_nodeport() {
 
     // Cluster, the endpoint behind another link: masqueraded to the node's address there.
     service("Cluster", Some((tport, uport)));
-    let far = Netns::new("s6f");
-    node.uplink_to(&far, FAR_LINK, "10.89.8.1/24");
-    node.ns.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{FAR6_NODE_ADDR}/64"),
-        "dev",
-        FAR_LINK,
-        "nodad",
-    ]);
-    far.exec_ok(&[
-        "ip",
-        "addr",
-        "add",
-        &format!("{FAR6_ADDR}/64"),
-        "dev",
-        "eth0",
-        "nodad",
-    ]);
-    far.exec_ok(&["ip", "-6", "route", "add", "default", "via", FAR6_NODE_ADDR]);
-    serve_at(&far, "[::]");
+    let _far = far_backend(
+        &node,
+        "s6f",
+        &[("10.89.8.1", "10.89.8.10"), (FAR6_NODE_ADDR, FAR6_ADDR)],
+    );
     slice(FAR6_ADDR, "elsewhere");
     let masqueraded = [
         format!("tcp from {FAR6_NODE_ADDR}"),
         format!("udp from {FAR6_NODE_ADDR} {V6_NODE_ADDR}:{uport}"),
     ];
+    served_in_time(&node, "the IPv6 backend elsewhere", &masqueraded, client);
+}
+
+/// NodePort Service `web` of namespace `ns`: TCP 80 to 8080 and UDP 53 to 8053 (at NodePorts
+/// `ports` when given, else the API server's), `externalTrafficPolicy: policy`, of the IP
+/// `families` (two: dual-stack).
+fn web_service(
+    api: &KubeApi,
+    ns: &str,
+    policy: &str,
+    ports: Option<(u16, u16)>,
+    families: &[&str],
+) -> Value {
+    let mut spec_ports = json!([
+        {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080},
+        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8053}]);
+    if let Some((t, u)) = ports {
+        spec_ports[0]["nodePort"] = json!(t);
+        spec_ports[1]["nodePort"] = json!(u);
+    }
+    let mut spec =
+        json!({"type": "NodePort", "externalTrafficPolicy": policy, "ports": spec_ports});
+    if families.len() > 1 {
+        spec["ipFamilyPolicy"] = json!("RequireDualStack");
+        spec["ipFamilies"] = json!(families);
+    }
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": ns, "name": "web"},
+        "spec": spec,
+    }))
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Service `web`'s EndpointSlice of `address_type` (`IPv4`, `IPv6`): `address` ready on node
+/// `on`, TCP 8080 and UDP 8053.
+fn web_slice(api: &KubeApi, ns: &str, address_type: &str, address: &str, on: &str) -> Value {
+    let name = if address_type == "IPv6" {
+        "web-6"
+    } else {
+        "web-1"
+    };
+    api.apply(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"namespace": ns, "name": name,
+                     "labels": {"kubernetes.io/service-name": "web"}},
+        "addressType": address_type,
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"},
+                  {"name": "dns", "port": 8053, "protocol": "UDP"}],
+        "endpoints": [{"addresses": [address], "conditions": {"ready": true},
+                       "nodeName": on}],
+    }))
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A backend elsewhere: namespace `tag` behind a link of its own from `node` (as another
+/// node's pod is), with an address of each family in `addresses` (the node's end, the
+/// backend's; IPv4 first, in /24, IPv6 in /64), routed by the node, serving TCP 8080 and
+/// UDP 8053.
+fn far_backend(node: &Node, tag: &str, addresses: &[(&str, &str)]) -> Netns {
+    let far = Netns::new(tag);
+    for (i, (node_end, backend)) in addresses.iter().enumerate() {
+        let (prefix, family) = if backend.contains(':') {
+            (64, "-6")
+        } else {
+            (24, "-4")
+        };
+        if i == 0 {
+            node.uplink_to(&far, FAR_LINK, &format!("{node_end}/{prefix}"));
+        } else {
+            let a = format!("{node_end}/{prefix}");
+            node.ns
+                .exec_ok(&["ip", "addr", "add", &a, "dev", FAR_LINK, "nodad"]);
+        }
+        let a = format!("{backend}/{prefix}");
+        far.exec_ok(&["ip", "addr", "add", &a, "dev", "eth0", "nodad"]);
+        far.exec_ok(&["ip", family, "route", "add", "default", "via", node_end]);
+    }
+    // IPv4 alone: on 0.0.0.0 (a dual-stack socket would see IPv4 clients as mapped addresses).
+    serve_at(
+        &far,
+        if addresses.len() > 1 {
+            "[::]"
+        } else {
+            "0.0.0.0"
+        },
+    );
+    far
+}
+
+/// Waits until `client` (a run of [`CLIENT`] trying for the seconds it is given) prints
+/// `want`; if it never does, fails with what it printed, the node's nftables and its log.
+fn served_in_time(node: &Node, by: &str, want: &[String], client: impl Fn(&str) -> Vec<String>) {
     wait_for(
-        "IPv6 clients outside served by the backend elsewhere",
+        &format!("clients outside served by {by}"),
         Duration::from_secs(30),
-        || (client("2") == masqueraded).then_some(()),
+        || (client("2") == want).then_some(()),
         || {
             let tables = node.ns.exec_ok(&["nft", "list", "ruleset"]);
             format!(

@@ -111,17 +111,22 @@ fn web() -> Front {
     }
 }
 
+/// `web`'s NodePort at a node's address, for clients outside.
+fn node_port_outside() -> Front {
+    Front {
+        address: ip("192.0.2.1"),
+        port: 30080,
+        external: true,
+        ..web()
+    }
+}
+
 /// A frontend for clients outside is its own entry, with its own backends and flags.
 #[test]
 fn an_external_frontend_gets_its_backends_and_a_drop() {
     let fake = Fake::default();
     let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
-    let outside = Front {
-        address: ip("192.0.2.1"),
-        port: 30080,
-        external: true,
-        ..web()
-    };
+    let outside = node_port_outside();
     let mut want = BTreeMap::from([
         (web(), Target::to(vec![(ip("10.244.1.5"), 8080)])),
         (outside, Target::to(vec![(ip("10.244.1.6"), 8080)])),
@@ -316,12 +321,7 @@ fn the_flows_of_a_udp_backend_that_left_an_external_frontend_end() {
 fn an_external_frontend_has_a_maglev_table_under_its_backends_id() {
     let fake = Fake::default();
     let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
-    let outside = Front {
-        address: ip("192.0.2.1"),
-        port: 30080,
-        external: true,
-        ..web()
-    };
+    let outside = node_port_outside();
     let three = vec![
         (ip("10.244.1.5"), 8080),
         (ip("10.244.1.6"), 8080),

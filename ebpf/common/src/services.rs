@@ -284,31 +284,36 @@ impl Default for SvcMaglev {
 /// The same on every node and in every build: FNV-1a 32 with a finalizer.
 #[inline(always)]
 pub fn svc_client_hash(addr: [u8; 4], port: u16) -> u32 {
-    let p = port.to_ne_bytes();
-    let bytes = [addr[0], addr[1], addr[2], addr[3], p[0], p[1]];
-    let mut h: u32 = 0x811c_9dc5;
-    for b in bytes {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^ (h >> 13)
+    fnv_finish(fnv_port(fnv(FNV_OFFSET, &addr), port))
 }
 
 /// [`svc_client_hash`] of an IPv6 client: its 16 bytes and port.
 #[inline(always)]
 pub fn svc_client_hash6(addr: &[u8; 16], port: u16) -> u32 {
-    let p = port.to_ne_bytes();
-    let mut h: u32 = 0x811c_9dc5;
-    for b in addr {
+    fnv_finish(fnv_port(fnv(FNV_OFFSET, addr), port))
+}
+
+const FNV_OFFSET: u32 = 0x811c_9dc5;
+
+/// FNV-1a 32 over `bytes`, from `h`.
+#[inline(always)]
+fn fnv(mut h: u32, bytes: &[u8]) -> u32 {
+    for b in bytes {
         h ^= u32::from(*b);
         h = h.wrapping_mul(0x0100_0193);
     }
-    for b in p {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
-    }
+    h
+}
+
+/// [`fnv`] over the port's bytes as the packet has them.
+#[inline(always)]
+fn fnv_port(h: u32, port: u16) -> u32 {
+    fnv(h, &port.to_ne_bytes())
+}
+
+/// The finalizer: FNV's low bits alone spread poorly.
+#[inline(always)]
+fn fnv_finish(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^ (h >> 13)

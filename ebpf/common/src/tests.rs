@@ -290,3 +290,17 @@ fn a_pending_mark_carries_its_slot_and_no_other_mark_reads_as_one() {
         assert_eq!(policy_pending_slot(other), None, "{other:#x}");
     }
 }
+
+/// The hash flows from outside pick their backend by is the one every build had (nodes of
+/// two versions must agree): FNV-1a 32 of the address and the port's bytes, finalized.
+#[test]
+fn the_client_hash_is_fixed() {
+    assert_eq!(svc_client_hash([192, 0, 2, 1], 0), 0xb56d_cdca);
+    assert_eq!(
+        svc_client_hash([192, 0, 2, 1], 1234u16.to_be()),
+        svc_client_hash([192, 0, 2, 1], 1234u16.to_be())
+    );
+    let mut v6 = [0u8; 16];
+    v6[..4].copy_from_slice(&[192, 0, 2, 1]);
+    assert_ne!(svc_client_hash6(&v6, 0), svc_client_hash([192, 0, 2, 1], 0));
+}

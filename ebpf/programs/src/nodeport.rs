@@ -66,9 +66,15 @@ fn ports(ctx: &TcContext, ip: &Ipv4) -> Option<Ports> {
     if ip.fragment() {
         return None;
     }
-    let l4 = ETH_HLEN + ip.ihl;
     let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
-    let (csum_off, need) = match ip.proto {
+    ports_at(ctx, ip.proto, ETH_HLEN + ip.ihl, l4_len)
+}
+
+/// The ports of a `proto` (TCP or UDP) header at `l4`, `l4_len` bytes to its packet's end
+/// (either family's).
+#[inline(always)]
+pub(crate) fn ports_at(ctx: &TcContext, proto: u8, l4: usize, l4_len: usize) -> Option<Ports> {
+    let (csum_off, need) = match proto {
         IPPROTO_TCP => (l4 + 16, 20),
         IPPROTO_UDP => (l4 + 6, 8),
         _ => return None,
@@ -76,8 +82,8 @@ fn ports(ctx: &TcContext, ip: &Ipv4) -> Option<Ports> {
     if l4_len < need {
         return None;
     }
-    let (sport, dport) = packet::ports(ctx, l4, l4_len, ip.proto)?;
-    let flags = if ip.proto == IPPROTO_TCP {
+    let (sport, dport) = packet::ports(ctx, l4, l4_len, proto)?;
+    let flags = if proto == IPPROTO_TCP {
         ctx.load::<u8>(l4 + 13).ok()?
     } else {
         0

@@ -26,7 +26,7 @@ use calix_common::{
 
 use crate::maps::{CALIX_LOCAL_V6, CALIX_SVC_FLOWS};
 use crate::nodeport::{
-    count_front, out_by, pick, scratch, Ports, CHOSEN, DROP, NOT_OURS_VERDICT, NO_LOCAL_ENDPOINT,
+    count_front, out_by, pick, ports_at, scratch, Ports, CHOSEN, DROP, NOT_OURS_VERDICT, NO_LOCAL_ENDPOINT,
     TCP_ACK, TCP_SYN, TO_LOCAL,
 };
 use crate::packet::{self, Ipv6, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
@@ -61,28 +61,7 @@ impl Head {
 /// for anything else (extension headers, fragments: the stack's).
 #[inline(always)]
 fn ports(ctx: &TcContext, ip: Head) -> Option<Ports> {
-    let l4_len = usize::from(ip.payload_len);
-    let (csum_off, need) = match ip.next_hdr {
-        IPPROTO_TCP => (L4 + 16, 20),
-        IPPROTO_UDP => (L4 + 6, 8),
-        _ => return None,
-    };
-    if l4_len < need {
-        return None;
-    }
-    let (sport, dport) = packet::ports(ctx, L4, l4_len, ip.next_hdr)?;
-    let flags = if ip.next_hdr == IPPROTO_TCP {
-        ctx.load::<u8>(L4 + 13).ok()?
-    } else {
-        0
-    };
-    Some(Ports {
-        sport,
-        dport,
-        l4: L4 as u16,
-        csum_off: csum_off as u16,
-        flags,
-    })
+    ports_at(ctx, ip.next_hdr, L4, usize::from(ip.payload_len))
 }
 
 /// Copies 16 bytes from `from` to `to` (no stack: loads and stores).
