@@ -978,9 +978,9 @@ fn the_services_section_is_checked() {
     ));
     for (toml, key) in [
         ("frontends = 0", "services.frontends"),
-        ("frontends = 1048577", "services.frontends"),
+        ("frontends = 65537", "services.frontends"),
         ("backends = 0", "services.backends"),
-        ("backends = 4194305", "services.backends"),
+        ("backends = 262145", "services.backends"),
     ] {
         let c = AgentConfig::from_toml(&format!("{k8s}[services]\n{toml}\n")).expect("parse");
         match c.validate() {

@@ -290,8 +290,20 @@ impl AgentConfig {
             Bounded::new("nat.conntrack_entries", n.conntrack_entries, 2, 1 << 24),
             Bounded::new("policy.entries", self.policy.entries, 1, 1 << 24),
             Bounded::new("policy.flows", self.policy.flows, 16, 1 << 22),
-            Bounded::new("services.frontends", self.services.frontends, 1, 1 << 20),
-            Bounded::new("services.backends", self.services.backends, 1, 1 << 22),
+            // At most what the eBPF dataplane's maps hold (their sizes are fixed): a room
+            // beyond would have Services written past the maps' end and refused by the kernel.
+            Bounded::new(
+                "services.frontends",
+                self.services.frontends,
+                1,
+                u64::from(calix_common::DEFAULT_SVC_FRONTENDS),
+            ),
+            Bounded::new(
+                "services.backends",
+                self.services.backends,
+                1,
+                u64::from(calix_common::DEFAULT_SVC_BACKENDS),
+            ),
             Bounded::new(
                 "nat.pressure_unanswered_secs",
                 n.pressure_unanswered_secs,
