@@ -80,7 +80,7 @@ fn wait<T>(
 /// `suites`: upstream conformance suites to run after the checks, before the uninstall, in
 /// order; their outcomes go to `outcomes`.
 pub fn run(
-    c: &E2eCluster,
+    c: &mut E2eCluster,
     mode: Mode,
     p: &mut Progress,
     suites: &[conformance::Suite],
@@ -98,19 +98,27 @@ pub fn run(
     let n = helm::install(api, &rendered)?;
     p.note(&format!("{n} objects applied"));
     daemonset_ready(c, None)?;
-    wait(c, "both nodes Ready", Duration::from_secs(60), || {
+    let count = c.count();
+    wait(c, "every node Ready", Duration::from_secs(60), || {
         let nodes = api.list("v1", "Node", "")?;
-        Ok((nodes.len() == 2 && nodes.iter().all(ready)).then_some(()))
+        Ok((nodes.len() == count && nodes.iter().all(ready)).then_some(()))
     })?;
     let ready = started.elapsed();
     p.note(&format!(
-        "DaemonSet {RELEASE}: 2/2 ready, both nodes Ready, {ready:.1?} after install"
+        "DaemonSet {RELEASE}: {count}/{count} ready, every node Ready, {ready:.1?} after install"
     ));
     let issued = certificates_issued(c, &earlier_requests)?;
     p.note(&format!(
         "{SIGNER} available; each agent's certificate through the API ({issued}), {:.1?} after install",
         started.elapsed()
     ));
+    if mode == Mode::Ebpf {
+        // Installed beside kube-proxy, as on a cluster moving to calix's Services: now it goes
+        // (docs/install.md, "Replacing kube-proxy"); everything below runs without it.
+        c.kube_proxy(false, p)?;
+    }
+    let c: &E2eCluster = c;
+    let api = &c.api;
     p.step(&format!(
         "[{m}] pods: a web server on each node and a second one on node 0, behind a ClusterIP Service"
     ));
@@ -370,7 +378,7 @@ pub fn run(
         )
     })?;
     p.note(&format!(
-        "both agents replaced in {rollout:.1?}; the flow carried on: {echoes} echoes, longest gap {gap:?}"
+        "every agent replaced in {rollout:.1?}; the flow carried on: {echoes} echoes, longest gap {gap:?}"
     ));
     let reissued = certificates_issued(c, &before_rollout)?;
     p.note(&format!(
@@ -416,13 +424,13 @@ pub fn run(
         },
     );
     released?;
-    p.note("0 handles, 0 endpoints, 0 cali links on either node");
+    p.note("0 handles, 0 endpoints, 0 cali links on any node");
     p.step(&format!(
-        "[{m}] helm uninstall: the conflist, pins, routes, VXLAN device and nftables tables gone from both nodes"
+        "[{m}] helm uninstall: the conflist, pins, routes, VXLAN device and nftables tables gone from every node"
     ));
     // What there is to remove: the pods are gone, their nodes' blocks and the routes to them
     // stay (an empty block is released only after its grace period).
-    for i in 0..2 {
+    for i in 0..c.count() {
         let found = node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i));
         let has = |what: &str| found.iter().any(|f| f.starts_with(what));
         let mut expected = vec!["the conflist", "route "];
@@ -451,17 +459,17 @@ pub fn run(
     )?;
     wait(
         c,
-        "nothing of calix left on either node",
+        "nothing of calix left on any node",
         Duration::from_secs(30),
         || {
-            let left: Vec<String> = (0..2)
+            let left: Vec<String> = (0..c.count())
                 .flat_map(|i| node_state::calix_on(&c.nodes.nodes[i].ns, &c.paths(i)))
                 .collect();
             Ok(left.is_empty().then_some(()))
         },
     )?;
     let uninstall = started.elapsed();
-    p.note(&format!("both nodes clean {uninstall:.1?} after uninstall"));
+    p.note(&format!("every node clean {uninstall:.1?} after uninstall"));
     Ok(Report {
         mode,
         ready,
@@ -501,7 +509,7 @@ fn certificates_issued(c: &E2eCluster, earlier: &BTreeSet<String>) -> Result<Str
                 .api
                 .list("certificates.k8s.io/v1", "CertificateSigningRequest", "")?;
             let mut issued = Vec::new();
-            for i in 0..2 {
+            for i in 0..c.count() {
                 let node = c.name(i);
                 let found = requests.iter().find(|r| {
                     let name = r["metadata"]["name"].as_str().unwrap_or_default();
@@ -521,7 +529,7 @@ fn certificates_issued(c: &E2eCluster, earlier: &BTreeSet<String>) -> Result<Str
                     ));
                 }
             }
-            Ok((available && issued.len() == 2).then(|| issued.join(", ")))
+            Ok((available && issued.len() == c.count()).then(|| issued.join(", ")))
         },
     )
 }
@@ -559,12 +567,12 @@ fn agent_pods(c: &E2eCluster) -> Result<BTreeSet<(String, String)>> {
         .collect())
 }
 
-/// Until the DaemonSet has 2 pods, all up to date, ready and available (and, after a
+/// Until the DaemonSet has a pod on every node, all up to date, ready and available (and, after a
 /// restart, none of `old`).
 fn daemonset_ready(c: &E2eCluster, old: Option<&BTreeSet<(String, String)>>) -> Result<()> {
     wait(
         c,
-        &format!("DaemonSet {RELEASE} ready on both nodes"),
+        &format!("DaemonSet {RELEASE} ready on every node"),
         Duration::from_secs(240),
         || {
             let Some(ds) = c
@@ -576,10 +584,11 @@ fn daemonset_ready(c: &E2eCluster, old: Option<&BTreeSet<(String, String)>>) -> 
             let s = &ds["status"];
             let n = |k: &str| s[k].as_i64().unwrap_or(0);
             let current = s["observedGeneration"].as_i64() >= ds["metadata"]["generation"].as_i64();
-            let all = n("desiredNumberScheduled") == 2
-                && n("numberReady") == 2
-                && n("updatedNumberScheduled") == 2
-                && n("numberAvailable") == 2;
+            let count = c.count() as i64;
+            let all = n("desiredNumberScheduled") == count
+                && n("numberReady") == count
+                && n("updatedNumberScheduled") == count
+                && n("numberAvailable") == count;
             let renewed = match old {
                 Some(old) => agent_pods(c)?.is_disjoint(old),
                 None => true,

@@ -1,6 +1,7 @@
 //! The cluster the chart is installed on: the control plane in a namespace of its own, two
-//! kubelet nodes on the test underlay's two subnets, the calix image imported into both. (The
-//! nodes' route-distribution certificates come through the Kubernetes API: nothing to issue.)
+//! kubelet nodes on the test underlay's two subnets (a third, when asked, on the first subnet
+//! again), the calix image imported into each. (The nodes' route-distribution certificates
+//! come through the Kubernetes API: nothing to issue.)
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -48,14 +49,21 @@ impl Drop for DirGone {
 }
 
 impl E2eCluster {
-    pub fn start(p: &mut Progress, image: &Path) -> Result<Self> {
+    /// `count` kubelet nodes (2 or more): node `i` on subnet 1 when `i` is even, 2 when odd, so
+    /// nodes 0 and 1 are always across the underlay's router from each other.
+    pub fn start(p: &mut Progress, image: &Path, count: usize) -> Result<Self> {
+        anyhow::ensure!(
+            count >= 2,
+            "the e2e cluster needs 2 nodes at least, not {count}"
+        );
         p.step("control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (v1.36.2), cluster DNS");
         let api = KubeApi::in_namespace();
         api.start_controllers()?;
         api.serve_in_cluster()?;
         let dns = api.cluster_dns()?;
-        p.step("2 nodes on the underlay's two subnets: containerd (CRI), kubelet; the calix image imported");
-        let nodes = Cluster::create(Dataplane::Ebpf, &[1, 2], |_, _| String::new());
+        p.step(&format!("{count} nodes on the underlay's two subnets: containerd (CRI), kubelet; the calix image imported"));
+        let subnets: Vec<u8> = (0..count).map(|i| [1, 2][i % 2]).collect();
+        let nodes = Cluster::create(Dataplane::Ebpf, &subnets, |_, _| String::new());
         let dir = std::env::temp_dir().join(unique("e2e"));
         let dir_gone = DirGone(dir.clone());
         let mut kubes = Vec::new();
@@ -161,10 +169,10 @@ impl E2eCluster {
         }
     }
 
-    /// kube-proxy (iptables mode) on every node for kernel mode, which keeps it; none for eBPF
-    /// mode, which replaces it (stopped, its rules removed, as an operator removes it).
-    pub fn kube_proxy_for(&mut self, mode: Mode, p: &mut Progress) -> Result<()> {
-        let want = mode == Mode::Kernel;
+    /// kube-proxy (iptables mode) on every node when `want`, else none (stopped, its rules
+    /// removed, as an operator removes it). Kernel mode keeps it; eBPF mode is installed beside
+    /// it and then removes it, as docs/install.md says to.
+    pub fn kube_proxy(&mut self, want: bool, p: &mut Progress) -> Result<()> {
         for (kube, kubeconfig) in self.kubes.iter_mut().zip(&self.kubeconfigs) {
             match (want, kube.kube_proxy_running()) {
                 (true, false) => kube.start_kube_proxy(kubeconfig)?,
@@ -182,6 +190,11 @@ impl E2eCluster {
             ));
         }
         Ok(())
+    }
+
+    /// How many kubelet nodes the cluster has.
+    pub fn count(&self) -> usize {
+        self.kubes.len()
     }
 
     /// Node `i`'s name.

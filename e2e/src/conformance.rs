@@ -379,15 +379,16 @@ fn short(suite: Suite, name: &str) -> &str {
     name.strip_prefix(suite.prefix()).unwrap_or(name)
 }
 
-/// `docs/conformance/<suite>.md`: what ran, where, and each spec's result and time.
-pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> String {
+/// `docs/conformance/<suite>.md`: what ran, where (`nodes` kubelet nodes), and each spec's
+/// result and time.
+pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str, nodes: usize) -> String {
     let Some(first) = outcomes.first() else {
         return String::new();
     };
     let suite = first.suite;
     let mut s = format!(
         "# Conformance: {}\n\n\
-         Written by `cargo xtask e2e --conformance {}` (the e2e cluster: kube-apiserver, two kubelet\n\
+         Written by `cargo xtask e2e --conformance {}` (the e2e cluster: kube-apiserver, {} kubelet\n\
          nodes with containerd, calix installed from its chart; kube-proxy in iptables mode in kernel\n\
          mode, none in eBPF mode: calix replaces it; the test bed's cluster DNS for `cluster.local`;\n\
          each node's pods in a cgroup of its own, where its agent's socket programs attach), with\n\
@@ -397,6 +398,7 @@ pub fn markdown(outcomes: &[Outcome], modes_run: &[Mode], commit: &str) -> Strin
          Left out, since they cannot run on this machine:\n\n",
         suite.title(),
         suite.name(),
+        nodes,
         suite.focus(),
         suite.skip(),
     );
@@ -508,7 +510,7 @@ mod tests {
             took: Duration::from_secs(100),
         };
         assert_eq!(outcome.failed().len(), 1);
-        let md = markdown(&[outcome], &[Mode::Ebpf], "abc1234");
+        let md = markdown(&[outcome], &[Mode::Ebpf], "abc1234", 2);
         assert!(md.contains("| ebpf | 1 | 1 | 2 | 2 | 100 s |"), "{md}");
         assert!(
             md.contains("| also after the interrupt | not run | 0.0 s |"),

@@ -3,10 +3,12 @@
 //!
 //! - The control plane: etcd, kube-apiserver, kube-controller-manager and kube-scheduler
 //!   v1.36.2 (`../shared/k8s`) in a namespace of their own.
-//! - Two nodes, each a network namespace on the test underlay (two subnets joined by a router:
-//!   cross-node traffic goes through VXLAN), running containerd (CRI), the kubelet and
-//!   kube-proxy (iptables mode) in kernel mode only: eBPF mode replaces it
-//!   (`kubeProxyReplacement`). Each node is its own directory for the chart's host paths
+//! - Two nodes (`--nodes`: more; three for the full Services suite, one of whose specs needs
+//!   three schedulable nodes), each a network namespace on the test underlay (two subnets
+//!   joined by a router: cross-node traffic goes through VXLAN), running containerd (CRI), the
+//!   kubelet and kube-proxy (iptables mode): kept in kernel mode; in eBPF mode calix is
+//!   installed beside it and replaces it (`kubeProxyReplacement`), then kube-proxy is removed,
+//!   as docs/install.md says. Each node is its own directory for the chart's host paths
 //!   (`hostPathsPerNode`), with the reference plugins loopback and portmap in its CNI bin dir.
 //! - The calix image (`cargo xtask image`) imported into each node's containerd; the chart
 //!   rendered by Helm's own library and applied in Helm's order; route distribution over
@@ -56,6 +58,10 @@ struct Args {
     /// The directory each suite's report goes to, as `<suite>.md` (Markdown).
     #[arg(long)]
     conformance_reports: Option<PathBuf>,
+    /// How many kubelet nodes (2 or more). Default: 3 when the full `services` suite runs (its
+    /// ExternalTrafficPolicy-change spec needs 3 schedulable nodes), else 2.
+    #[arg(long)]
+    nodes: Option<usize>,
     /// The calix commit the report names.
     #[arg(long, default_value = "(unknown commit)")]
     commit: String,
@@ -94,28 +100,36 @@ fn main() -> Result<()> {
     let steps =
         2 + args.modes.len() * checks::STEPS + suite_modes.len() * args.conformance.len() + 1;
     let mut p = Progress::new(steps);
-    let mut cluster = E2eCluster::start(&mut p, &args.image)?;
+    let count = args.nodes.unwrap_or(
+        match args.conformance.contains(&conformance::Suite::Services) {
+            true => 3,
+            false => 2,
+        },
+    );
+    let mut cluster = E2eCluster::start(&mut p, &args.image, count)?;
     if !args.conformance.is_empty() {
         conformance::import_agnhost(&cluster)?;
-        p.note("the upstream suites' agnhost image imported into both nodes");
+        p.note("the upstream suites' agnhost image imported into every node");
     }
     let mut reports = Vec::new();
     let mut outcomes = Vec::new();
     for mode in &args.modes {
-        cluster.kube_proxy_for(*mode, &mut p)?;
+        // Both modes are installed with kube-proxy running (a cluster as it is before calix
+        // replaces it); eBPF mode removes it once the agents are ready ([`checks::run`]).
+        cluster.kube_proxy(true, &mut p)?;
         let suites: &[conformance::Suite] = if suite_modes.contains(mode) {
             &args.conformance
         } else {
             &[]
         };
-        let checked = checks::run(&cluster, *mode, &mut p, suites, &mut outcomes);
+        let checked = checks::run(&mut cluster, *mode, &mut p, suites, &mut outcomes);
         if checked.is_err() {
             // What the suites found stays, whatever failed after them.
-            write_reports(&args, &outcomes, &suite_modes)?;
+            write_reports(&args, &outcomes, &suite_modes, count)?;
         }
         reports.push(checked?);
     }
-    write_reports(&args, &outcomes, &suite_modes)?;
+    write_reports(&args, &outcomes, &suite_modes, count)?;
     let suite_failed: Vec<String> = outcomes
         .iter()
         .flat_map(|o| {
@@ -147,11 +161,13 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Each suite's report (of the modes it ran in so far) to `--conformance-reports`.
+/// Each suite's report (of the modes it ran in so far, on `nodes` nodes) to
+/// `--conformance-reports`.
 fn write_reports(
     args: &Args,
     outcomes: &[conformance::Outcome],
     suite_modes: &[Mode],
+    nodes: usize,
 ) -> Result<()> {
     let Some(dir) = &args.conformance_reports else {
         return Ok(());
@@ -165,7 +181,7 @@ fn write_reports(
         if mine.is_empty() {
             continue;
         }
-        let md = conformance::markdown(&mine, suite_modes, &args.commit);
+        let md = conformance::markdown(&mine, suite_modes, &args.commit, nodes);
         let path = dir.join(format!("{}.md", suite.name()));
         std::fs::write(&path, &md).with_context(|| format!("write {}", path.display()))?;
         println!("the {} suite's report: {}", suite.name(), path.display());

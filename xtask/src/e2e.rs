@@ -1,5 +1,5 @@
 //! `cargo xtask e2e`: calix installed from its Helm chart on a real cluster on this machine
-//! (control plane and two kubelet nodes from ../shared/k8s, containerd, kube-proxy), in eBPF
+//! (control plane and kubelet nodes from ../shared/k8s, containerd, kube-proxy), in eBPF
 //! then kernel mode, checked and uninstalled; see e2e/src/main.rs. The image is built first
 //! (`cargo xtask image`), unless `--image` names one.
 use std::path::PathBuf;
@@ -15,6 +15,7 @@ pub fn run_e2e(
     modes: &str,
     conformance: Option<&str>,
     conformance_modes: Option<&str>,
+    nodes: Option<usize>,
 ) -> Result<()> {
     util::require_root("the e2e run")?;
     let started = Instant::now();
@@ -44,6 +45,9 @@ pub fn run_e2e(
     let bin = util::workspace_root().join("target/debug/calix-e2e");
     let mut cmd = Command::new(&bin);
     cmd.arg("--image").arg(&image).arg("--modes").arg(modes);
+    if let Some(n) = nodes {
+        cmd.arg("--nodes").arg(n.to_string());
+    }
     if let Some(suites) = conformance {
         let docs = util::workspace_root().join("docs/conformance");
         std::fs::create_dir_all(&docs).with_context(|| format!("create {}", docs.display()))?;

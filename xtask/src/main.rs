@@ -65,7 +65,7 @@ enum Task {
     /// `podman save --format oci-archive` to target/image/calix.oci.tar.
     Image,
     /// calix installed from its Helm chart on a real cluster on this machine (kube-apiserver,
-    /// controller-manager, scheduler, two kubelet nodes with containerd and kube-proxy), checked
+    /// controller-manager, scheduler, kubelet nodes with containerd and kube-proxy), checked
     /// in eBPF then kernel mode and uninstalled (needs root, ../shared/k8s); with
     /// `--conformance netpol` (or `services`), Kubernetes' own NetworkPolicy (Services) suite too.
     E2e {
@@ -84,6 +84,10 @@ enum Task {
         /// Services, kernel mode's are kube-proxy's).
         #[arg(long)]
         conformance_modes: Option<String>,
+        /// How many kubelet nodes (2 or more; default: 3 with the full `services` suite, one of
+        /// whose specs needs 3 schedulable nodes, else 2).
+        #[arg(long)]
+        nodes: Option<usize>,
     },
     /// Fuzz with cargo-fuzz (nightly): the CNI plugin's input parsing, the route stream's
     /// decoder; fails on any crash.
@@ -121,11 +125,13 @@ fn main() -> Result<()> {
             modes,
             conformance,
             conformance_modes,
+            nodes,
         } => e2e::run_e2e(
             image,
             &modes,
             conformance.as_deref(),
             conformance_modes.as_deref(),
+            nodes,
         ),
         Task::Fuzz { seconds } => fuzz::run_fuzz(seconds),
         Task::Docs => docs::run(),
