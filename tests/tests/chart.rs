@@ -131,6 +131,13 @@ fn kube_proxy_replaced() -> Value {
     })
 }
 
+/// kube-proxy kept: the defaults with `kubeProxyReplacement.enabled` false.
+const KUBE_PROXY_KEPT: &str = "kube-proxy-kept";
+
+fn kube_proxy_kept() -> Value {
+    json!({"kubeProxyReplacement": {"enabled": false}})
+}
+
 /// Routes over TLS with the defaults: certificates through the Kubernetes API, the signer.
 const ROUTES_CERTIFICATES: &str = "routes-certificates";
 
@@ -407,18 +414,6 @@ fn template_refusals() -> Vec<(&'static str, Value, Vec<&'static str>)> {
             vec!["pools", "10.244.0.0/24", "blockSize 22"],
         ),
         (
-            "kube-proxy replaced outside the kubernetes datastore",
-            json!({"datastore": {"type": "etcd", "etcd": {"endpoints": ["http://192.0.2.10:2379"]}},
-                "kubeProxyReplacement": {"enabled": true}}),
-            vec!["kubeProxyReplacement.enabled", "datastore.type kubernetes"],
-        ),
-        (
-            "kube-proxy replaced in kernel mode",
-            json!({"datastore": {"type": "kubernetes"}, "dataplane": "kernel",
-                "kubeProxyReplacement": {"enabled": true}}),
-            vec!["kubeProxyReplacement.enabled", "dataplane ebpf"],
-        ),
-        (
             "namespace selector outside the kubernetes datastore",
             json!({"datastore": {"type": "etcd", "etcd": {"endpoints": ["http://192.0.2.10:2379"]}},
                 "pools": [{"name": "p", "cidr": "10.244.0.0/16",
@@ -486,6 +481,7 @@ fn checked() -> &'static Checked {
             json!({"name": "no-node-authority", "values": {"nodeAuthority": {"enabled": false}}}),
             json!({"name": ROUTES_CERTIFICATES, "values": routes_certificates()}),
             json!({"name": KUBE_PROXY_REPLACED, "values": kube_proxy_replaced()}),
+            json!({"name": KUBE_PROXY_KEPT, "values": kube_proxy_kept()}),
         ];
         for (name, values, _) in bad_cases().into_iter().chain(template_refusals()) {
             cases.push(json!({"name": name, "values": values}));
@@ -699,6 +695,15 @@ fn install_cni(ds: &Value, node: &str) -> Value {
     list
 }
 
+/// What NOTES.txt says after an install.
+fn notes(r: &CaseResult) -> &str {
+    r.objects
+        .iter()
+        .find(|(t, _)| t.ends_with("NOTES.txt"))
+        .map(|(_, o)| o["notes"].as_str().unwrap_or_default())
+        .expect("NOTES.txt")
+}
+
 fn has_mount(container: &Value, path: &str) -> bool {
     container["volumeMounts"]
         .as_array()
@@ -823,12 +828,7 @@ fn defaults_render_valid_objects_for_every_node() {
         args.contains(&"--pool=10.244.0.0/16".to_string()),
         "{args:?}"
     );
-    let notes = r
-        .objects
-        .iter()
-        .find(|(t, _)| t.ends_with("NOTES.txt"))
-        .map(|(_, o)| o["notes"].as_str().unwrap_or_default())
-        .expect("NOTES.txt");
+    let notes = notes(r);
     assert!(notes.contains("helm test calix"), "{notes}");
     assert!(notes.contains("routes.enabled is false"), "{notes}");
 }
@@ -1242,7 +1242,7 @@ fn the_all_value_cases_change_every_documented_value() {
     let mut keys = Vec::new();
     leaves("", defaults, &mut keys);
     assert!(keys.len() > 40, "only {} keys: {keys:?}", keys.len());
-    let cases = [all_a(), all_b(), kube_proxy_replaced()];
+    let cases = [all_a(), all_b(), kube_proxy_replaced(), kube_proxy_kept()];
     let docs = std::fs::read_to_string(chart_tools::workspace_root().join("docs/install.md"))
         .expect("docs/install.md");
     let mut missing = Vec::new();
@@ -1626,14 +1626,56 @@ fn kube_proxy_replaced_reaches_the_agent_with_the_hosts_cgroup_and_the_api_serve
     for e in &direct {
         assert!(env(signer).contains(e), "{:?}", env(signer));
     }
-    // Off by default: no [services], no cgroup, the kubernetes Service as before.
+    // On by default (the kubernetes datastore, the eBPF dataplane): the host's /sys/fs/cgroup
+    // (the agent takes its `unified` on a hybrid host), the kubernetes Service as before until
+    // apiServer.host is set.
     let d = assert_valid("defaults");
     let c = agent_config(d, "agent.toml");
-    assert!(!c.services.enabled && !c.services.translate);
+    assert!(c.services.enabled && c.services.translate);
+    assert_eq!(c.services_cgroup(), PathBuf::from("/run/calix/cgroup"));
     let ds = one(d, "DaemonSet", "calix");
+    assert!(has_mount(
+        &ds["spec"]["template"]["spec"]["containers"][0],
+        "/run/calix/cgroup"
+    ));
+    assert!(host_paths(ds).contains(&"/sys/fs/cgroup".to_string()));
+    assert!(!ds.to_string().contains("KUBERNETES_SERVICE_HOST"));
+    assert!(
+        notes(d).contains("Services: calix translates them"),
+        "{}",
+        notes(d)
+    );
+    // Kernel mode (all-b) and the etcd datastore (all-a) keep kube-proxy, whatever the value
+    // says, and the notes say so: no [services], no cgroup.
+    for (name, kept) in [
+        ("all-b", "the kernel dataplane"),
+        ("all-a", "the etcd datastore"),
+    ] {
+        let r = assert_valid(name);
+        let c = agent_config(r, "agent.toml");
+        assert!(!c.services.enabled && !c.services.translate, "{name}");
+        let ds = one(r, "DaemonSet", "calix");
+        assert!(
+            !has_mount(
+                &ds["spec"]["template"]["spec"]["containers"][0],
+                "/run/calix/cgroup"
+            ),
+            "{name}"
+        );
+        let n = notes(r);
+        assert!(
+            n.contains("Services: kube-proxy's") && n.contains(kept),
+            "{name}: {n}"
+        );
+    }
+    // Turned off: kube-proxy's Services, nothing said.
+    let r = assert_valid(KUBE_PROXY_KEPT);
+    let c = agent_config(r, "agent.toml");
+    assert!(!c.services.enabled && !c.services.translate);
+    let ds = one(r, "DaemonSet", "calix");
     assert!(!has_mount(
         &ds["spec"]["template"]["spec"]["containers"][0],
         "/run/calix/cgroup"
     ));
-    assert!(!ds.to_string().contains("KUBERNETES_SERVICE_HOST"));
+    assert!(!notes(r).contains("Services:"), "{}", notes(r));
 }

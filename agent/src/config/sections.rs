@@ -233,8 +233,9 @@ pub struct ServicesConfig {
     /// backend from its first packet. Off: the programs are detached (kube-proxy translates).
     pub translate: bool,
     /// The cgroup (v2) whose processes' sockets are translated, its descendants included;
-    /// default: the root of the v2 hierarchy (`/sys/fs/cgroup/unified` on a hybrid host, else
-    /// `/sys/fs/cgroup`): every process of the node.
+    /// default: the root of the v2 hierarchy, `/sys/fs/cgroup`: every process of the node. A
+    /// path that is no cgroup v2 but has one at `unified` below it (a hybrid host's
+    /// `/sys/fs/cgroup`) means that one.
     pub cgroup: Option<std::path::PathBuf>,
 }
 

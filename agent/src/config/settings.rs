@@ -329,16 +329,22 @@ impl AgentConfig {
         })
     }
 
-    /// The cgroup whose sockets `[services] translate` covers.
+    /// The cgroup whose sockets `[services] translate` covers: `[services] cgroup` (default
+    /// `/sys/fs/cgroup`), or its `unified` below it when that is where the v2 hierarchy is (a
+    /// host with cgroup v1 and v2 side by side: the chart's default mount of the host's
+    /// `/sys/fs/cgroup` works on both kinds of host).
     pub fn services_cgroup(&self) -> PathBuf {
-        self.services.cgroup.clone().unwrap_or_else(|| {
-            let hybrid = std::path::Path::new("/sys/fs/cgroup/unified");
-            if hybrid.join("cgroup.procs").exists() {
-                hybrid.to_path_buf()
-            } else {
-                PathBuf::from("/sys/fs/cgroup")
-            }
-        })
+        let at = self
+            .services
+            .cgroup
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("/sys/fs/cgroup"));
+        let hybrid = at.join("unified");
+        if !at.join("cgroup.procs").exists() && hybrid.join("cgroup.procs").exists() {
+            hybrid
+        } else {
+            at
+        }
     }
 
     /// Route distribution's settings; `None` when it is off (`routes.enabled = false`).

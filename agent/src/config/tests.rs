@@ -990,3 +990,25 @@ fn the_services_section_is_checked() {
     }
     assert!(AgentConfig::from_toml("node_name = \"n\"\n[services]\nsize = 5\n").is_err());
 }
+
+/// The Services' cgroup: the path as set when it is a cgroup v2 (or nothing is there), its
+/// `unified` when that is where a hybrid host keeps the v2 hierarchy.
+#[test]
+fn the_services_cgroup_is_the_v2_hierarchy_below_the_path_given() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let with = |at: &Path| {
+        let mut c = AgentConfig::from_toml("").expect("parse");
+        c.services.cgroup = Some(at.to_path_buf());
+        c.services_cgroup()
+    };
+    assert_eq!(with(dir.path()), dir.path(), "nothing there: as given");
+    std::fs::create_dir(dir.path().join("unified")).expect("mkdir");
+    std::fs::write(dir.path().join("unified/cgroup.procs"), "").expect("write");
+    assert_eq!(
+        with(dir.path()),
+        dir.path().join("unified"),
+        "a hybrid host's /sys/fs/cgroup"
+    );
+    std::fs::write(dir.path().join("cgroup.procs"), "").expect("write");
+    assert_eq!(with(dir.path()), dir.path(), "a v2 root as it is");
+}

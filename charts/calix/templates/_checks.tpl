@@ -7,14 +7,6 @@ Included by configmap.yaml, so every render runs it.
 {{- if gt (int $v.nat.portMin) (int $v.nat.portMax) -}}
 {{- fail (printf "nat.portMin %d is above nat.portMax %d" (int $v.nat.portMin) (int $v.nat.portMax)) -}}
 {{- end -}}
-{{- if $v.kubeProxyReplacement.enabled -}}
-{{- if ne $v.datastore.type "kubernetes" -}}
-{{- fail "kubeProxyReplacement.enabled needs datastore.type kubernetes (the agents follow Services and EndpointSlices in the API)" -}}
-{{- end -}}
-{{- if ne $v.dataplane "ebpf" -}}
-{{- fail "kubeProxyReplacement.enabled needs dataplane ebpf (kernel mode keeps kube-proxy)" -}}
-{{- end -}}
-{{- end -}}
 {{- $names := dict -}}
 {{- range $v.pools -}}
 {{- if hasKey $names .name -}}

@@ -87,6 +87,16 @@ the chart runs calix-signer): routes over TLS with routes.tls.source kubernetes.
 {{- end }}
 
 {{- /*
+Whether the agents replace kube-proxy: kubeProxyReplacement.enabled (the default), with the eBPF
+dataplane and the kubernetes datastore. Kernel mode, or the etcd datastore, keeps kube-proxy
+(NOTES.txt says so). "true" or empty.
+*/ -}}
+{{- define "calix.replacesKubeProxy" -}}
+{{- $v := .Values -}}
+{{- if and $v.kubeProxyReplacement.enabled (eq $v.dataplane "ebpf") (eq $v.datastore.type "kubernetes") }}true{{ end }}
+{{- end }}
+
+{{- /*
 The API server reached directly (kubeProxyReplacement.apiServer): without kube-proxy the
 kubernetes Service's cluster IP answers only once the agents translate it. Empty without a host.
 */ -}}
