@@ -393,7 +393,8 @@ pub trait Dataplane: Send {
         Ok(())
     }
     /// Kubernetes Services translated at the sockets (eBPF, `[services] translate`): every
-    /// frontend and where it sends new connections, and the addresses NodePorts answer on; a
+    /// frontend and where it sends new connections (or what changed of them), and the
+    /// addresses NodePorts answer on; a
     /// UDP backend that left a frontend ends the connected sockets sent there, on the node
     /// and in `clients` (its pods' network namespaces). Kernel mode: kube-proxy; nothing here.
     fn set_services(

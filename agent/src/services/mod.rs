@@ -20,6 +20,7 @@ use calix_dataplane::DataplaneStats;
 use serde::{Deserialize, Serialize};
 
 mod counters;
+mod expanded;
 mod translation;
 
 pub use counters::{FrontCounts, SERVICE_SERIES};
@@ -92,6 +93,8 @@ struct Inner {
     nodes: BTreeMap<String, Vec<IpAddr>>,
     /// The Services the metrics name one by one ([`SERVICE_SERIES`] at most).
     series: BTreeSet<ServiceKey>,
+    /// Each Service's frontends as last handed to the dataplane, and what changed since.
+    expanded: expanded::Expanded,
 }
 
 impl Inner {
@@ -178,6 +181,7 @@ impl ServicesService {
                 applying: Duration::ZERO,
                 nodes: BTreeMap::new(),
                 series: BTreeSet::new(),
+                expanded: expanded::Expanded::default(),
             }),
             counters: OnceLock::new(),
         }
@@ -192,6 +196,7 @@ impl ServicesService {
         let start = Instant::now();
         let mut inner = self.lock();
         let touched = inner.state.apply(change);
+        inner.expanded.touched(&touched);
         inner.changes += 1;
         let notices = inner.news(touched);
         inner.applying += start.elapsed();
@@ -211,13 +216,18 @@ impl ServicesService {
 
     /// The cluster's Nodes and their addresses, by name.
     pub fn set_nodes(&self, nodes: BTreeMap<String, Vec<IpAddr>>) {
-        self.lock().nodes = nodes;
+        let mut inner = self.lock();
+        if inner.nodes != nodes {
+            inner.nodes = nodes;
+            inner.expanded.everything();
+        }
     }
 
     /// New admission rules (pools, node addresses, the allowed CIDRs); what is newly wrong.
     pub fn set_rules(&self, rules: Admission) -> Vec<ServiceNotice> {
         let mut inner = self.lock();
         let touched = inner.state.set_rules(rules);
+        inner.expanded.everything();
         inner.news(touched)
     }
 
@@ -306,9 +316,13 @@ impl ServicesService {
         self.lock().ready
     }
 
-    /// The outcome of the last programming of the dataplane.
+    /// The outcome of the last programming of the dataplane (after a failure the next
+    /// translation is whole: what the maps hold is not known).
     pub fn programmed(&self, r: Result<(), String>) {
         let mut inner = self.lock();
+        if r.is_err() {
+            inner.expanded.everything();
+        }
         inner.programmed = r.is_ok();
         inner.program_error = r.err();
     }
@@ -373,8 +387,9 @@ impl ServicesService {
 
 /// Sends the frontends to the dataplane whenever `changed` says they may have changed (a
 /// burst of changes is one write), once the first listings are in (until then the pins keep
-/// what an agent before wrote: a restart stops no Service traffic). A failed write is tried
-/// again a second later with the frontends as they are then.
+/// what an agent before wrote: a restart stops no Service traffic): every frontend the first
+/// time, then those that changed ([`ServicesService::next_translation`]). A failed write is
+/// tried again a second later with every frontend as it is then.
 pub async fn program<F, Fut, E>(
     service: std::sync::Arc<ServicesService>,
     node_addresses: Vec<IpAddr>,
@@ -387,7 +402,7 @@ pub async fn program<F, Fut, E>(
 {
     loop {
         if service.ready() {
-            match set(service.translation(&node_addresses)).await {
+            match set(service.next_translation(&node_addresses)).await {
                 Ok(()) => service.programmed(Ok(())),
                 Err(e) => {
                     let e = calix_log::error_chain(&e);

@@ -1,11 +1,13 @@
 //! What the socket programs translate, from the calculation's plans: each admitted frontend
 //! and its backends for clients inside the cluster; NodePorts as one entry per family on
 //! every node's address, and a `Local` NodePort's other nodes.
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use calix_core::services::choose::Choice;
 use calix_core::services::model::Protocol;
+use calix_core::services::state::State;
+use calix_core::services::ServicePlan;
 use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation, TCP, UDP};
 
 use super::ServicesService;
@@ -151,18 +153,64 @@ impl ServicesService {
     }
 
     /// What the sockets translate: every admitted frontend of TCP or UDP (SCTP: not at the
-    /// sockets) and where it sends connections from inside the cluster. A NodePort is one
-    /// frontend per family (the unspecified address) answering on every node's addresses:
-    /// the cluster's Nodes' and `own` (this node's, known before its Node is listed). A pod
-    /// reaching any node's NodePort meets the backends kube-proxy would give it there: its
-    /// internal choice (pods are inside the cluster), but at another node's address with
-    /// `externalTrafficPolicy: Local` that node's own endpoints (an entry for each of its
-    /// addresses), refused where it has none, as kube-proxy judges the connection arriving
-    /// there.
+    /// sockets) and where it sends connections from inside the cluster ([`expand`], each
+    /// Service in key order: a frontend two Services name is the later one's), `whole`.
     pub fn translation(&self, own: &[IpAddr]) -> Translation {
         let inner = self.lock();
-        let mut nodes: BTreeSet<IpAddr> =
-            inner.state.rules().node_addresses.iter().copied().collect();
+        let (w, nodes) = Where::of(&inner.state, &inner.nodes, &self.node, own);
+        let mut frontends = Frontends::new();
+        for plan in inner.state.plans().values() {
+            frontends.extend(expand(plan, &w));
+        }
+        Translation {
+            frontends,
+            gone: BTreeSet::new(),
+            whole: true,
+            nodes,
+        }
+    }
+
+    /// What changed since the last translation this returned was programmed
+    /// ([`ServicesService::programmed`] with `Ok`): the frontends of the Services changes
+    /// touched since, re-expanded. `whole` ([`ServicesService::translation`]) the first time,
+    /// after the nodes' addresses or the admission rules changed, and after a programming
+    /// failed.
+    pub fn next_translation(&self, own: &[IpAddr]) -> Translation {
+        let mut guard = self.lock();
+        let super::Inner {
+            state,
+            nodes,
+            expanded,
+            ..
+        } = &mut *guard;
+        let (w, addresses) = Where::of(state, nodes, &self.node, own);
+        expanded.next(state.plans(), &w, addresses, own)
+    }
+}
+
+/// Where a Service's frontends answer beyond what its plan says: the nodes' addresses.
+pub(super) struct Where<'a> {
+    /// This node's name.
+    node: &'a str,
+    /// The unspecified address of each family some node has: a NodePort's entry.
+    any: Vec<IpAddr>,
+    /// This node's own addresses.
+    mine: BTreeSet<IpAddr>,
+    /// The cluster's Nodes and their addresses.
+    nodes: &'a BTreeMap<String, Vec<IpAddr>>,
+}
+
+impl<'a> Where<'a> {
+    /// From the calculation's `state`, the cluster's `nodes` and this node's `own` addresses
+    /// (known before its Node is listed); and every node's addresses, where NodePorts answer.
+    pub(super) fn of(
+        state: &State,
+        nodes: &'a BTreeMap<String, Vec<IpAddr>>,
+        node: &'a str,
+        own: &[IpAddr],
+    ) -> (Self, BTreeSet<IpAddr>) {
+        let by_node = nodes;
+        let mut nodes: BTreeSet<IpAddr> = state.rules().node_addresses.iter().copied().collect();
         nodes.extend(own.iter().copied());
         let any: Vec<IpAddr> = [
             nodes
@@ -177,109 +225,107 @@ impl ServicesService {
         .into_iter()
         .flatten()
         .collect();
-        // This node's own addresses.
         let mine: BTreeSet<IpAddr> = own
             .iter()
-            .chain(inner.nodes.get(&self.node).into_iter().flatten())
+            .chain(by_node.get(node).into_iter().flatten())
             .copied()
             .collect();
-        let mut out = Frontends::new();
-        for plan in inner.state.plans().values() {
-            for p in &plan.frontends {
-                let proto = match p.frontend.protocol {
-                    Protocol::Tcp => TCP,
-                    Protocol::Udp => UDP,
-                    Protocol::Sctp => continue,
+        let w = Where {
+            node,
+            any,
+            mine,
+            nodes: by_node,
+        };
+        (w, nodes)
+    }
+}
+
+/// One Service's frontends at the sockets, and where each sends connections from inside the
+/// cluster. A NodePort is one frontend per family (the unspecified address) answering on
+/// every node's addresses. A pod reaching any node's NodePort meets the backends kube-proxy
+/// would give it there: its internal choice (pods are inside the cluster), but at another
+/// node's address with `externalTrafficPolicy: Local` that node's own endpoints (an entry for
+/// each of its addresses), refused where it has none, as kube-proxy judges the connection
+/// arriving there. For clients outside, per packet where they arrive (`external`): a NodePort
+/// at this node's own addresses, an external or LoadBalancer address as it is.
+pub(super) fn expand(plan: &ServicePlan, w: &Where) -> Frontends {
+    let mut out = Frontends::new();
+    for p in &plan.frontends {
+        let proto = match p.frontend.protocol {
+            Protocol::Tcp => TCP,
+            Protocol::Udp => UDP,
+            Protocol::Sctp => continue,
+        };
+        let to = |backends: &Vec<(IpAddr, u16)>| Target::To {
+            backends: backends.clone(),
+            affinity_secs: p.affinity_secs.unwrap_or(0),
+        };
+        let target = match &p.internal {
+            Choice::To(v) => to(v),
+            Choice::Reject | Choice::Drop => Target::Refuse,
+        };
+        // Clients outside: a NodePort at this node's own addresses (of both families: the
+        // backends of the address's family, none of a single-stack Service's other family,
+        // which the stack refuses).
+        if let Some(external) = &p.external {
+            let at: Vec<IpAddr> = match p.frontend.address {
+                Some(a) => vec![a],
+                None => w.mine.iter().copied().collect(),
+            };
+            let t = match external {
+                Choice::To(v) => to(v),
+                Choice::Reject => Target::Refuse,
+                Choice::Drop => Target::Drop,
+            };
+            for address in at {
+                let f = Front {
+                    address,
+                    port: p.frontend.port,
+                    proto,
+                    external: true,
                 };
-                let target = match &p.internal {
-                    Choice::To(v) => Target::To {
-                        backends: v.clone(),
-                        affinity_secs: p.affinity_secs.unwrap_or(0),
-                    },
-                    Choice::Reject | Choice::Drop => Target::Refuse,
-                };
-                // For clients outside, per packet where they arrive: a NodePort at this node's
-                // own addresses (of both families: the backends of the address's family, none
-                // of a single-stack Service's other family, which the stack refuses), an
-                // external or LoadBalancer address as it is.
-                if let Some(external) = &p.external {
-                    let at: Vec<IpAddr> = match p.frontend.address {
-                        Some(a) => vec![a],
-                        None => mine.iter().copied().collect(),
-                    };
-                    let t = match external {
-                        Choice::To(v) => Target::To {
-                            backends: v.clone(),
-                            affinity_secs: p.affinity_secs.unwrap_or(0),
-                        },
-                        Choice::Reject => Target::Refuse,
-                        Choice::Drop => Target::Drop,
-                    };
-                    for address in at {
-                        let f = Front {
-                            address,
-                            port: p.frontend.port,
-                            proto,
-                            external: true,
-                        };
-                        out.insert(f, t.clone());
-                    }
-                }
-                let at = match p.frontend.address {
-                    Some(a) => vec![a],
-                    None => any.clone(),
-                };
-                if let Some(local_at) = &p.local_at {
-                    // `externalTrafficPolicy: Local`: another node's addresses get its own
-                    // endpoints, those of a node with none are refused (the wildcard);
-                    // this node's get the internal choice. Entries: this node's addresses
-                    // and those of the nodes with endpoints, never one per node.
-                    let mut put = |address: IpAddr, t: Target| {
-                        let f = Front {
-                            address,
-                            port: p.frontend.port,
-                            proto,
-                            external: false,
-                        };
-                        out.insert(f, t);
-                    };
-                    for a in &any {
-                        put(*a, Target::Refuse);
-                    }
-                    for a in &mine {
+                out.insert(f, t.clone());
+            }
+        }
+        let mut put = |address: IpAddr, t: Target| {
+            let f = Front {
+                address,
+                port: p.frontend.port,
+                proto,
+                external: false,
+            };
+            out.insert(f, t);
+        };
+        let Some(local_at) = &p.local_at else {
+            match p.frontend.address {
+                Some(a) => put(a, target),
+                None => {
+                    for a in &w.any {
                         put(*a, target.clone());
                     }
-                    for (node, backends) in local_at.iter().filter(|(n, _)| **n != self.node) {
-                        let there = Target::To {
-                            backends: backends.clone(),
-                            affinity_secs: p.affinity_secs.unwrap_or(0),
-                        };
-                        for a in inner.nodes.get(node).into_iter().flatten() {
-                            if !mine.contains(a) {
-                                put(*a, there.clone());
-                            }
-                        }
-                    }
-                    continue;
                 }
-                for address in at {
-                    out.insert(
-                        Front {
-                            address,
-                            port: p.frontend.port,
-                            proto,
-                            external: false,
-                        },
-                        target.clone(),
-                    );
+            }
+            continue;
+        };
+        // `externalTrafficPolicy: Local`: another node's addresses get its own endpoints,
+        // those of a node with none are refused (the wildcard); this node's get the internal
+        // choice. Entries: this node's addresses and those of the nodes with endpoints, never
+        // one per node.
+        for a in &w.any {
+            put(*a, Target::Refuse);
+        }
+        for a in &w.mine {
+            put(*a, target.clone());
+        }
+        for (node, backends) in local_at.iter().filter(|(n, _)| *n != w.node) {
+            for a in w.nodes.get(node).into_iter().flatten() {
+                if !w.mine.contains(a) {
+                    put(*a, to(backends));
                 }
             }
         }
-        Translation {
-            frontends: out,
-            nodes,
-        }
     }
+    out
 }
 
 #[cfg(test)]

@@ -642,7 +642,10 @@ impl Dataplane for EbpfDataplane {
             return Ok(());
         };
         p.set_nodes(&t.nodes)?;
-        let left = p.set(&t.frontends)?;
+        let left = match t.whole {
+            true => p.set(&t.frontends)?,
+            false => p.update(&t.frontends, &t.gone)?,
+        };
         let flows = p.end_flows(&left);
         if flows > 0 {
             tracing::info!(

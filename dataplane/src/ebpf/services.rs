@@ -25,11 +25,16 @@ use crate::DataplaneError;
 /// Every frontend, and where each sends new connections.
 pub type Frontends = BTreeMap<Front, Target>;
 
-/// What the socket programs translate: every frontend, and the addresses NodePorts answer on
-/// (every node's).
+/// What the socket programs translate: every frontend (`whole`) or the frontends changed since
+/// the last translation programmed, and the addresses NodePorts answer on (every node's).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Translation {
     pub frontends: Frontends,
+    /// Not `whole`: the frontends gone since the last translation programmed.
+    pub gone: std::collections::BTreeSet<Front>,
+    /// `frontends` is every frontend: the maps' others go ([`ServiceProgrammer::set`]); else
+    /// only `frontends` and `gone` change ([`ServiceProgrammer::update`]).
+    pub whole: bool,
     pub nodes: std::collections::BTreeSet<IpAddr>,
 }
 
@@ -377,49 +382,7 @@ impl ServiceProgrammer {
         for (f, t) in desired {
             let k = key(f);
             keep.insert(k);
-            let (backs, flags, affinity_secs) = entries(t, k.family & !SVC_EXTERNAL);
-            if let Some((v, held)) = self.applied.get(&k) {
-                if v.flags == flags && v.affinity_secs == affinity_secs && *held == backs {
-                    continue;
-                }
-            }
-            let id = if backs.is_empty() { 0 } else { self.next_id() };
-            for (i, b) in backs.iter().enumerate() {
-                let bk = SvcBackendKey {
-                    id,
-                    index: i as u32,
-                };
-                if let Err(e) = self.maps.set_back(&bk, b) {
-                    for j in 0..i {
-                        self.maps.remove_back(&SvcBackendKey {
-                            id,
-                            index: j as u32,
-                        });
-                    }
-                    return Err(e);
-                }
-            }
-            if wants_table(&k, &backs) {
-                if let Err(e) = self.maps.set_table(id, &maglev(&backs)) {
-                    self.remove_backs(&SvcValue {
-                        id,
-                        count: backs.len() as u32,
-                        ..SvcValue::default()
-                    });
-                    return Err(e);
-                }
-            }
-            let v = SvcValue {
-                id,
-                count: backs.len() as u32,
-                flags,
-                affinity_secs,
-            };
-            self.maps.set_front(&k, &v)?;
-            if let Some((old, held)) = self.applied.insert(k, (v, backs.clone())) {
-                left.extend(leaving(&k, &held, &backs));
-                self.remove_backs(&old);
-            }
+            self.put(k, t, &mut left)?;
         }
         let gone: Vec<SvcKey> = self
             .applied
@@ -428,13 +391,87 @@ impl ServiceProgrammer {
             .copied()
             .collect();
         for k in gone {
-            self.maps.remove_front(&k);
-            if let Some((old, held)) = self.applied.remove(&k) {
-                left.extend(leaving(&k, &held, &[]));
-                self.remove_backs(&old);
-            }
+            self.take_out(&k, &mut left);
         }
         Ok(left)
+    }
+
+    /// Changes `changed` and removes `gone`, the rest as it is: what changed since a
+    /// [`ServiceProgrammer::set`] (the maps' other frontends stay); the UDP backends that left
+    /// a frontend. A write that fails stops there (what was written stays written; a whole
+    /// [`ServiceProgrammer::set`] puts the rest right).
+    pub fn update(
+        &mut self,
+        changed: &BTreeMap<Front, Target>,
+        gone: &std::collections::BTreeSet<Front>,
+    ) -> Result<Vec<Left>, DataplaneError> {
+        let mut left = Vec::new();
+        for (f, t) in changed {
+            self.put(key(f), t, &mut left)?;
+        }
+        for f in gone {
+            self.take_out(&key(f), &mut left);
+        }
+        Ok(left)
+    }
+
+    /// Frontend `k` sending to `t`: its backends (and Maglev table) under a new id first, then
+    /// the frontend pointed there, then the old id's entries removed; nothing when the maps
+    /// hold it already. UDP backends that left it go to `left`.
+    fn put(&mut self, k: SvcKey, t: &Target, left: &mut Vec<Left>) -> Result<(), DataplaneError> {
+        let (backs, flags, affinity_secs) = entries(t, k.family & !SVC_EXTERNAL);
+        if let Some((v, held)) = self.applied.get(&k) {
+            if v.flags == flags && v.affinity_secs == affinity_secs && *held == backs {
+                return Ok(());
+            }
+        }
+        let id = if backs.is_empty() { 0 } else { self.next_id() };
+        for (i, b) in backs.iter().enumerate() {
+            let bk = SvcBackendKey {
+                id,
+                index: i as u32,
+            };
+            if let Err(e) = self.maps.set_back(&bk, b) {
+                for j in 0..i {
+                    self.maps.remove_back(&SvcBackendKey {
+                        id,
+                        index: j as u32,
+                    });
+                }
+                return Err(e);
+            }
+        }
+        if wants_table(&k, &backs) {
+            if let Err(e) = self.maps.set_table(id, &maglev(&backs)) {
+                self.remove_backs(&SvcValue {
+                    id,
+                    count: backs.len() as u32,
+                    ..SvcValue::default()
+                });
+                return Err(e);
+            }
+        }
+        let v = SvcValue {
+            id,
+            count: backs.len() as u32,
+            flags,
+            affinity_secs,
+        };
+        self.maps.set_front(&k, &v)?;
+        if let Some((old, held)) = self.applied.insert(k, (v, backs.clone())) {
+            left.extend(leaving(&k, &held, &backs));
+            self.remove_backs(&old);
+        }
+        Ok(())
+    }
+
+    /// Frontend `k` removed, then its backends; its UDP backends go to `left`.
+    fn take_out(&mut self, k: &SvcKey, left: &mut Vec<Left>) {
+        if let Some((old, held)) = self.applied.remove(k) {
+            self.maps.remove_front(k);
+            left.extend(leaving(k, &held, &[]));
+            self.remove_backs(&old);
+        }
     }
 
     /// Forgets the flows from outside that each of `left` (UDP backends that left a frontend

@@ -404,3 +404,55 @@ fn an_external_frontend_has_a_maglev_table_under_its_backends_id() {
     again.set(&want).expect("set");
     assert!(fake.0.lock().expect("lock").3.is_empty());
 }
+
+/// What changed alone: the frontends named written (as a whole set would), those gone removed
+/// with their backends, every other frontend left as it was; a UDP frontend gone says its
+/// backends left.
+#[test]
+fn an_update_changes_what_it_names_and_leaves_the_rest() {
+    let fake = Fake::default();
+    let mut p = ServiceProgrammer::restore(Box::new(fake.clone()));
+    let dns = Front {
+        port: 53,
+        proto: UDP,
+        ..web()
+    };
+    let other = Front {
+        address: ip("10.96.0.11"),
+        ..web()
+    };
+    let to = |a: &str, port: u16| Target::to(vec![(ip(a), port)]);
+    let whole = BTreeMap::from([
+        (web(), to("10.244.1.5", 8080)),
+        (dns, to("10.244.1.7", 53)),
+        (other, to("10.244.1.8", 8080)),
+    ]);
+    p.set(&whole).expect("set");
+    let other_before = fake.0.lock().expect("lock").0[&key(&other)];
+    let changed = BTreeMap::from([(web(), to("10.244.1.6", 8080))]);
+    let left = p
+        .update(&changed, &std::collections::BTreeSet::from([dns]))
+        .expect("update");
+    let (gone, _) = octets(&ip("10.244.1.7"));
+    assert_eq!(
+        left,
+        [Left {
+            front: key(&dns),
+            backend: (gone, 53u16.to_be())
+        }]
+    );
+    let g = fake.0.lock().expect("lock");
+    assert!(!g.0.contains_key(&key(&dns)), "gone");
+    assert_eq!(g.0[&key(&other)], other_before, "not named: as it was");
+    let v = g.0[&key(&web())];
+    assert_eq!(g.1[&(v.id, 0)].addr[..4], [10, 244, 1, 6]);
+    assert_eq!(g.1.len(), 2, "web's new backend and other's; dns's gone");
+    drop(g);
+    assert_eq!(p.counts(), (2, 2));
+    // A frontend the maps do not hold, said gone: nothing happens.
+    let left = p
+        .update(&BTreeMap::new(), &std::collections::BTreeSet::from([dns]))
+        .expect("update");
+    assert!(left.is_empty());
+    assert_eq!(p.counts(), (2, 2));
+}
