@@ -108,6 +108,36 @@ impl KubeApi {
         })
     }
 
+    /// Applies `object(0)`, `object(1)`, … (as [`KubeApi::apply`]) on one client, one every
+    /// `every` (later ones catch up when a write took longer), until `stop` is set: churn for
+    /// a bench. How many were written.
+    pub fn apply_paced(
+        &self,
+        object: impl Fn(usize) -> serde_json::Value + Send + 'static,
+        every: std::time::Duration,
+        stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<usize> {
+        self.with_client(move |c| async move {
+            let pp = PatchParams::apply("calix-testbed").force();
+            let start = tokio::time::Instant::now();
+            let mut k = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let o = object(k);
+                let (ar, ns, name) = resource_of(&o)?;
+                let api = dynamic_api(c.clone(), &ar, ns.as_deref());
+                api.patch(&name, &pp, &Patch::Apply(&o))
+                    .await
+                    .map_err(|e| Error::Kube {
+                        what: format!("apply {} {name}", ar.kind),
+                        detail: e.to_string(),
+                    })?;
+                k += 1;
+                tokio::time::sleep_until(start + every * k as u32).await;
+            }
+            Ok(k)
+        })
+    }
+
     /// Merges `patch` (e.g. `{"metadata": {"labels": …}}`) into `object` (`apiVersion`,
     /// `kind`, `metadata`), whoever manages its fields.
     pub fn merge_patch(&self, object: serde_json::Value, patch: serde_json::Value) -> Result<()> {

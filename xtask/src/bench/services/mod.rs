@@ -12,7 +12,9 @@
 //!   pod → ClusterIP conn/s (TCP_CRR) and TCP_RR, the variants interleaved; the time from a
 //!   change (a new Service and its EndpointSlice) until a client's connection gets through
 //!   ([`latency`]); the RSS and CPU time of what programs Services (the calix agent,
-//!   kube-proxy).
+//!   kube-proxy);
+//! - after the last stage, pod ADDs on the calix node with the API quiet and while Services
+//!   churn, interleaved ([`churn`]).
 //!
 //! A node answers a cluster IP nothing translated with an ICMP unreachable at once (a route
 //! of the node's own, ICMP not rate-limited), so a client trying to connect learns in a
@@ -20,6 +22,7 @@
 //!
 //! Everything is named `cxb-<pid>-…` and removed on drop. Writes docs/bench/services.md and
 //! .svg (with `--quick`, target/bench/).
+mod churn;
 mod latency;
 mod objects;
 mod programmed;
@@ -82,6 +85,9 @@ impl Variant {
     }
 }
 
+/// Pod ADDs timed each way in a round of the churn.
+const CHURN_ADDS: usize = 10;
+
 /// One variant in one stage.
 #[derive(Default)]
 pub(super) struct Stage {
@@ -99,9 +105,11 @@ pub(super) struct Stage {
     pub agent_rss_mib: f64,
 }
 
-/// Every stage: its Services and each variant's results (by [`Variant`] as usize).
+/// Every stage: its Services and each variant's results (by [`Variant`] as usize); then the
+/// calix node's pod ADDs, quiet and while Services churn.
 pub(super) struct Results {
     pub stages: Vec<(usize, [Stage; 3])>,
+    pub churn: Option<churn::Churn>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -145,7 +153,10 @@ pub fn run(args: Args) -> Result<()> {
             Duration::from_secs(60),
         )?;
     }
-    let mut results = Results { stages: Vec::new() };
+    let mut results = Results {
+        stages: Vec::new(),
+        churn: None,
+    };
     let mut fillers = 0;
     for (si, &n) in args.stages.iter().enumerate() {
         let mut stage: [Stage; 3] = Default::default();
@@ -203,6 +214,19 @@ pub fn run(args: Args) -> Result<()> {
         latency::remove(&api, &ns, si, args.changes)?;
         results.stages.push((n, stage));
     }
+    println!(
+        "[churn] pod ADDs on the calix node, quiet and while {} EndpointSlices a minute are rewritten, {} rounds",
+        churn::PER_MINUTE,
+        args.reps
+    );
+    results.churn = Some(churn::measure(
+        &api,
+        &ns,
+        lanes[Variant::Calix as usize].node,
+        fillers,
+        args.reps,
+        CHURN_ADDS,
+    )?);
     drop(lanes);
     drop(nodes);
     drop(api);

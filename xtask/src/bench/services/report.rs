@@ -47,7 +47,19 @@ impl Report {
             .fold(0.0, f64::max);
         let added = last[0].rss_mib - first[0].rss_mib;
         let (n0, n) = (thousands(*n0), thousands(*n));
-        vec![
+        let churn = self.results.churn.as_ref().map(|c| {
+            let r = median(&c.churn_ms) / median(&c.idle_ms);
+            (
+                format!(
+                    "churn of thousands of Services a minute does not delay pod ADDs: ADD p50 \
+                     while {:.0} EndpointSlices a minute are rewritten ≤ 1.2× quiet (our bound): \
+                     {r:.2}×",
+                    c.per_minute
+                ),
+                Some(r <= 1.2),
+            )
+        });
+        let mut out = vec![
             (
                 format!(
                     "at {n} Services, calix conn/s ≥ 1.5× kube-proxy iptables: {}",
@@ -78,7 +90,9 @@ impl Report {
                 format!("≤ 32 MiB RSS added at {n} Services (calix agent, against {n0}): {added:.1} MiB"),
                 Some(added <= 32.0),
             ),
-        ]
+        ];
+        out.extend(churn);
+        out
     }
 
     pub(super) fn markdown(&self) -> String {
@@ -120,6 +134,9 @@ impl Report {
         ));
         for (n, st) in &self.results.stages {
             s.push_str(&stage_section(*n, st));
+        }
+        if let (Some(c), Some((n, _))) = (&self.results.churn, self.last()) {
+            s.push_str(&churn_section(*n, c));
         }
         s.push_str(RATIOS_NOTE);
         let loads: Vec<f64> = self
@@ -202,6 +219,35 @@ impl Report {
             ],
         )
     }
+}
+
+/// The calix node's pod ADDs, quiet and while Services churn.
+fn churn_section(n: usize, c: &super::churn::Churn) -> String {
+    let row = |what: &str, ms: &[f64]| {
+        format!(
+            "| {what} | {} | {} ms | {} ms |\n",
+            ms.len(),
+            fmt_ms(median(ms)),
+            fmt_ms(percentile(ms, 99.0))
+        )
+    };
+    format!(
+        "## Pod ADDs while Services churn ({} Services)\n\nOn the calix node (Services \
+         translated), after the last stage: CNI ADDs of Pods the API has, {} a round, by turns \
+         with the API quiet and while the fillers' EndpointSlices are rewritten at {} a minute \
+         (each write changes a slice's endpoints; made: {:.0} a minute). An ADD is the \
+         plugin's whole call: IPAM on the kubernetes datastore, the veth and its programs, \
+         the policy wait.\n\n| | ADDs | p50 | p99 |\n|---|---|---|---|\n{}{}\
+         | churning / quiet | | {} | {} |\n\n",
+        thousands(n),
+        super::CHURN_ADDS,
+        super::churn::PER_MINUTE,
+        c.per_minute,
+        row("quiet", &c.idle_ms),
+        row("Services churning", &c.churn_ms),
+        ratio(median(&c.churn_ms), median(&c.idle_ms)),
+        ratio(percentile(&c.churn_ms, 99.0), percentile(&c.idle_ms, 99.0)),
+    )
 }
 
 /// One stage's table: a row per variant, then calix against each kube-proxy.
@@ -291,14 +337,21 @@ mod tests {
                         ],
                     ),
                 ],
+                churn: Some(super::super::churn::Churn {
+                    idle_ms: around(100.0, 10),
+                    churn_ms: around(150.0, 10),
+                    per_minute: 2990.0,
+                }),
             },
             bench: Bench::fake(),
         };
         let md = r.markdown();
         assert!(md.contains("## 10,000 Services"), "{md}");
         assert!(md.contains("calix / kube-proxy iptables"), "{md}");
+        assert!(md.contains("## Pod ADDs while Services churn"), "{md}");
         let t = r.targets();
-        assert_eq!(t.len(), 5);
+        assert_eq!(t.len(), 6);
+        assert_eq!(t[5].1, Some(false), "1.5× quiet: {}", t[5].0);
         assert_eq!(t[0].1, Some(true), "{}", t[0].0);
         assert_eq!(t[1].1, Some(false), "{}", t[1].0);
         assert_eq!(t[2].1, Some(true), "{}", t[2].0);
