@@ -8,17 +8,21 @@ use std::net::IpAddr;
 
 use calix_core::services::model::ServiceKey;
 use calix_core::services::ServicePlan;
-use calix_dataplane::ebpf::services::{Front, Frontends, Translation};
+use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation};
 
 use super::translation::{expand, Where};
+
+/// A Service's frontends, sorted, each once (a `Vec` sized to them: a map per Service would
+/// cost a tree node of eleven slots for the one or two most Services have).
+type Fronts = Vec<(Front, Target)>;
 
 /// Each Service's frontends as last expanded, and what changed since the dataplane last took
 /// them.
 pub(super) struct Expanded {
-    by_service: BTreeMap<ServiceKey, Frontends>,
-    /// The Services naming each frontend: the last in key order has it (as in the whole
-    /// translation, where a later Service's entry replaces an earlier one's).
-    owners: BTreeMap<Front, BTreeSet<ServiceKey>>,
+    by_service: BTreeMap<ServiceKey, Fronts>,
+    /// The Services naming each frontend, in key order (almost always one): the last has it
+    /// (as in the whole translation, where a later Service's entry replaces an earlier one's).
+    owners: BTreeMap<Front, Vec<ServiceKey>>,
     /// Services to expand again: changes touched them.
     stale: BTreeSet<ServiceKey>,
     /// Frontends changed since the last translation handed out.
@@ -67,11 +71,11 @@ impl Expanded {
             return self.rebuild(plans, w, nodes, own);
         }
         for k in std::mem::take(&mut self.stale) {
-            let new = plans.get(&k).map(|p| expand(p, w)).unwrap_or_default();
+            let new = plans.get(&k).map(|p| fronts(p, w)).unwrap_or_default();
             let old = self.by_service.remove(&k).unwrap_or_default();
-            for f in old.keys().filter(|f| !new.contains_key(*f)) {
+            for (f, _) in old.iter().filter(|(f, _)| find(&new, f).is_none()) {
                 if let Some(o) = self.owners.get_mut(f) {
-                    o.remove(&k);
+                    o.retain(|x| *x != k);
                     if o.is_empty() {
                         self.owners.remove(f);
                     }
@@ -79,8 +83,11 @@ impl Expanded {
                 self.pending.insert(*f);
             }
             for (f, t) in &new {
-                if old.get(f) != Some(t) {
-                    self.owners.entry(*f).or_default().insert(k.clone());
+                if find(&old, f) != Some(t) {
+                    let o = self.owners.entry(*f).or_default();
+                    if let Err(at) = o.binary_search(&k) {
+                        o.insert(at, k.clone());
+                    }
                     self.pending.insert(*f);
                 }
             }
@@ -92,7 +99,7 @@ impl Expanded {
         let mut gone = BTreeSet::new();
         for f in std::mem::take(&mut self.pending) {
             let owner = self.owners.get(&f).and_then(|o| o.last());
-            match owner.and_then(|k| self.by_service.get(k)?.get(&f)) {
+            match owner.and_then(|k| find(self.by_service.get(k)?, &f)) {
                 Some(t) => {
                     frontends.insert(f, t.clone());
                 }
@@ -125,9 +132,10 @@ impl Expanded {
         self.own = own.to_vec();
         let mut frontends = Frontends::new();
         for (k, plan) in plans {
-            let e = expand(plan, w);
+            let e = fronts(plan, w);
             for (f, t) in &e {
-                self.owners.entry(*f).or_default().insert(k.clone());
+                // Plans in key order: each owner list stays sorted.
+                self.owners.entry(*f).or_default().push(k.clone());
                 frontends.insert(*f, t.clone());
             }
             if !e.is_empty() {
@@ -141,6 +149,21 @@ impl Expanded {
             nodes,
         }
     }
+}
+
+/// `plan`'s frontends as [`Fronts`].
+fn fronts(plan: &ServicePlan, w: &Where) -> Fronts {
+    let mut v: Fronts = expand(plan, w).into_iter().collect();
+    v.shrink_to_fit();
+    v
+}
+
+/// Where `fronts` sends `f`.
+fn find<'a>(fronts: &'a Fronts, f: &Front) -> Option<&'a Target> {
+    fronts
+        .binary_search_by(|(x, _)| x.cmp(f))
+        .ok()
+        .map(|i| &fronts[i].1)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Pod ADDs on the calix node while Services churn (issue 24: churn of thousands of Services a
-//! minute must not delay pod ADDs): after the last stage, rounds of CNI ADDs timed with the
+//! minute must not delay pod ADDs): after the last stage, the kube-proxies stopped (they would
+//! take the machine's CPU at each write), rounds of CNI ADDs timed with the
 //! API quiet and with the fillers' EndpointSlices rewritten at [`PER_MINUTE`] (each write
 //! changes a slice's endpoints, so every agent has a real change to follow and the calix one
 //! a frontend to reprogram), the two interleaved. Each ADD is the plugin's whole call for a

@@ -233,7 +233,8 @@ fn churn_section(n: usize, c: &super::churn::Churn) -> String {
     };
     format!(
         "## Pod ADDs while Services churn ({} Services)\n\nOn the calix node (Services \
-         translated), after the last stage: CNI ADDs of Pods the API has, {} a round, by turns \
+         translated), after the last stage and with the kube-proxies stopped (each would spend \
+         most of a CPU of this machine's two on the churn): CNI ADDs of Pods the API has, {} a round, by turns \
          with the API quiet and while the fillers' EndpointSlices are rewritten at {} a minute \
          (each write changes a slice's endpoints; made: {:.0} a minute). An ADD is the \
          plugin's whole call: IPAM on the kubernetes datastore, the veth and its programs, \
