@@ -1,32 +1,81 @@
-//! The frontends each Service expands to ([`super::translation::expand`]), kept between
-//! programmings: a change re-expands only the Services it touched, and the dataplane gets only
-//! the frontends that changed. At 10,000 Services a change so costs what its own Services
-//! cost, not a pass over all of them (the whole translation and the programmer's diff of every
-//! frontend, ~100 ms of CPU a change before).
+//! Which Service has each frontend, kept between programmings, and the plans changes replaced
+//! since: a change re-expands ([`super::translation::expand`]) only the Services it touched,
+//! old plan and new, and the dataplane gets only the frontends that changed. At 10,000
+//! Services a change so costs what its own Services cost, not a pass over all of them (the
+//! whole translation and the programmer's diff of every frontend, ~100 ms of CPU a change
+//! before). Nothing of a Service is kept but its key per frontend: the old plans wait here
+//! only until the next programming, and the expansion of a plan is not kept at all (keeping it
+//! cost ~0.3 KiB a Service).
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use calix_core::services::model::ServiceKey;
+use calix_core::services::state::Replaced;
 use calix_core::services::ServicePlan;
 use calix_dataplane::ebpf::services::{Front, Frontends, Target, Translation};
 
 use super::translation::{expand, Where};
 
-/// A Service's frontends, sorted, each once (a `Vec` sized to them: a map per Service would
-/// cost a tree node of eleven slots for the one or two most Services have).
+/// A Service's frontends, sorted, each once.
 type Fronts = Vec<(Front, Target)>;
 
-/// Each Service's frontends as last expanded, and what changed since the dataplane last took
+/// The Services naming one frontend, in key order: the last has it (as in the whole
+/// translation, where a later Service's entry replaces an earlier one's). Almost always one,
+/// kept without a list of its own.
+#[derive(Debug)]
+enum Owners {
+    One(ServiceKey),
+    /// Two or more, sorted.
+    Many(Vec<ServiceKey>),
+}
+
+impl Owners {
+    fn add(&mut self, k: &ServiceKey) {
+        match self {
+            Owners::One(x) if x == k => {}
+            Owners::One(x) => {
+                let mut v = vec![x.clone(), k.clone()];
+                v.sort();
+                *self = Owners::Many(v);
+            }
+            Owners::Many(v) => {
+                if let Err(at) = v.binary_search(k) {
+                    v.insert(at, k.clone());
+                }
+            }
+        }
+    }
+
+    /// Takes `k` out; whether none is left.
+    fn remove(&mut self, k: &ServiceKey) -> bool {
+        match self {
+            Owners::One(x) => x == k,
+            Owners::Many(v) => {
+                v.retain(|x| x != k);
+                if let [only] = v.as_slice() {
+                    *self = Owners::One(only.clone());
+                }
+                false
+            }
+        }
+    }
+
+    /// The one that has the frontend.
+    fn last(&self) -> Option<&ServiceKey> {
+        match self {
+            Owners::One(x) => Some(x),
+            Owners::Many(v) => v.last(),
+        }
+    }
+}
+
+/// Who has each frontend as last expanded, and what changed since the dataplane last took
 /// them.
 pub(super) struct Expanded {
-    by_service: BTreeMap<ServiceKey, Fronts>,
-    /// The Services naming each frontend, in key order (almost always one): the last has it
-    /// (as in the whole translation, where a later Service's entry replaces an earlier one's).
-    owners: BTreeMap<Front, Vec<ServiceKey>>,
-    /// Services to expand again: changes touched them.
-    stale: BTreeSet<ServiceKey>,
-    /// Frontends changed since the last translation handed out.
-    pending: BTreeSet<Front>,
+    owners: BTreeMap<Front, Owners>,
+    /// Services changes touched since the last translation, each with its plan then (the
+    /// first a change replaced; `None`: it had none).
+    stale: Replaced,
     /// Every Service again, and a whole translation: at the start, after the nodes' addresses
     /// or the admission rules changed, after a programming failed.
     whole: bool,
@@ -37,10 +86,8 @@ pub(super) struct Expanded {
 impl Default for Expanded {
     fn default() -> Self {
         Self {
-            by_service: BTreeMap::new(),
             owners: BTreeMap::new(),
-            stale: BTreeSet::new(),
-            pending: BTreeSet::new(),
+            stale: Replaced::new(),
             whole: true,
             own: Vec::new(),
         }
@@ -48,18 +95,27 @@ impl Default for Expanded {
 }
 
 impl Expanded {
-    /// Changes touched `keys`' plans.
-    pub fn touched(&mut self, keys: &BTreeSet<ServiceKey>) {
-        self.stale.extend(keys.iter().cloned());
+    /// A change replaced these plans.
+    pub fn replaced(&mut self, replaced: Replaced) {
+        if self.whole {
+            // Every Service is expanded anew next: the old plans are of no use.
+            return;
+        }
+        for (k, before) in replaced {
+            // The first replaced since the last translation is the one it expanded.
+            self.stale.entry(k).or_insert(before);
+        }
     }
 
     /// Every Service's frontends may have changed (the nodes, the rules), or the dataplane's
     /// maps are not known to hold what was handed out (a failed programming): whole next.
     pub fn everything(&mut self) {
         self.whole = true;
+        self.stale.clear();
     }
 
-    /// What to program now: whole, or the frontends changed since the last call.
+    /// What to program now: whole, or the frontends changed since the last call. `w` is
+    /// where the last call expanded (a change of the nodes or the rules makes it whole).
     pub fn next(
         &mut self,
         plans: &BTreeMap<ServiceKey, ServicePlan>,
@@ -70,38 +126,45 @@ impl Expanded {
         if self.whole || self.own != own {
             return self.rebuild(plans, w, nodes, own);
         }
-        for k in std::mem::take(&mut self.stale) {
+        let mut pending = BTreeSet::new();
+        // This pass's expansions of the Services it looks at.
+        let mut now: BTreeMap<ServiceKey, Fronts> = BTreeMap::new();
+        for (k, before) in std::mem::take(&mut self.stale) {
             let new = plans.get(&k).map(|p| fronts(p, w)).unwrap_or_default();
-            let old = self.by_service.remove(&k).unwrap_or_default();
+            let old = before.map(|p| fronts(&p, w)).unwrap_or_default();
             for (f, _) in old.iter().filter(|(f, _)| find(&new, f).is_none()) {
-                if let Some(o) = self.owners.get_mut(f) {
-                    o.retain(|x| *x != k);
-                    if o.is_empty() {
-                        self.owners.remove(f);
-                    }
+                if self.owners.get_mut(f).is_some_and(|o| o.remove(&k)) {
+                    self.owners.remove(f);
                 }
-                self.pending.insert(*f);
+                pending.insert(*f);
             }
             for (f, t) in &new {
                 if find(&old, f) != Some(t) {
-                    let o = self.owners.entry(*f).or_default();
-                    if let Err(at) = o.binary_search(&k) {
-                        o.insert(at, k.clone());
+                    match self.owners.get_mut(f) {
+                        Some(o) => o.add(&k),
+                        None => {
+                            self.owners.insert(*f, Owners::One(k.clone()));
+                        }
                     }
-                    self.pending.insert(*f);
+                    pending.insert(*f);
                 }
             }
-            if !new.is_empty() {
-                self.by_service.insert(k, new);
-            }
+            now.insert(k, new);
         }
         let mut frontends = Frontends::new();
         let mut gone = BTreeSet::new();
-        for f in std::mem::take(&mut self.pending) {
-            let owner = self.owners.get(&f).and_then(|o| o.last());
-            match owner.and_then(|k| find(self.by_service.get(k)?, &f)) {
+        for f in pending {
+            let target = self.owners.get(&f).and_then(Owners::last).and_then(|k| {
+                // An owner no change touched (a frontend another Service gave up): its
+                // plan is as it was.
+                let e = now
+                    .entry(k.clone())
+                    .or_insert_with(|| plans.get(k).map(|p| fronts(p, w)).unwrap_or_default());
+                find(e, &f).cloned()
+            });
+            match target {
                 Some(t) => {
-                    frontends.insert(f, t.clone());
+                    frontends.insert(f, t);
                 }
                 None => {
                     gone.insert(f);
@@ -124,22 +187,21 @@ impl Expanded {
         nodes: BTreeSet<IpAddr>,
         own: &[IpAddr],
     ) -> Translation {
-        self.by_service.clear();
         self.owners.clear();
         self.stale.clear();
-        self.pending.clear();
         self.whole = false;
         self.own = own.to_vec();
         let mut frontends = Frontends::new();
         for (k, plan) in plans {
-            let e = fronts(plan, w);
-            for (f, t) in &e {
-                // Plans in key order: each owner list stays sorted.
-                self.owners.entry(*f).or_default().push(k.clone());
-                frontends.insert(*f, t.clone());
-            }
-            if !e.is_empty() {
-                self.by_service.insert(k.clone(), e);
+            for (f, t) in expand(plan, w) {
+                match self.owners.get_mut(&f) {
+                    Some(o) => o.add(k),
+                    None => {
+                        self.owners.insert(f, Owners::One(k.clone()));
+                    }
+                }
+                // Plans in key order: the later Service's entry wins.
+                frontends.insert(f, t);
             }
         }
         Translation {
@@ -153,9 +215,7 @@ impl Expanded {
 
 /// `plan`'s frontends as [`Fronts`].
 fn fronts(plan: &ServicePlan, w: &Where) -> Fronts {
-    let mut v: Fronts = expand(plan, w).into_iter().collect();
-    v.shrink_to_fit();
-    v
+    expand(plan, w).into_iter().collect()
 }
 
 /// Where `fronts` sends `f`.
@@ -241,41 +301,45 @@ mod tests {
         };
         let mut deltas = 0;
         for step in 0..400 {
-            let i = next(12);
-            let name = format!("s{i}");
-            match next(6) {
-                0..=1 => {
-                    let mut s = service(&name, &format!("10.96.0.{}", 10 + i), &[]);
-                    if next(2) == 0 {
-                        s.ports[0].node_port = Some(30000 + i as u16);
+            // One to three changes between programmings: a Service changed twice in
+            // between is expanded from its plan before the first.
+            for _ in 0..=next(3) {
+                let i = next(12);
+                let name = format!("s{i}");
+                match next(6) {
+                    0..=1 => {
+                        let mut s = service(&name, &format!("10.96.0.{}", 10 + i), &[]);
+                        if next(2) == 0 {
+                            s.ports[0].node_port = Some(30000 + i as u16);
+                        }
+                        if next(3) == 0 {
+                            s.external_policy = TrafficPolicy::Local;
+                        }
+                        if next(3) == 0 {
+                            // Two Services may name one external address: the later key's.
+                            s.external_ips = vec![ip(&format!("203.0.113.{}", next(3)))];
+                        }
+                        svc.apply(Change::Service(s));
                     }
-                    if next(3) == 0 {
-                        s.external_policy = TrafficPolicy::Local;
+                    2..=3 => {
+                        let n = next(4) as usize;
+                        let addrs: Vec<String> = (0..n)
+                            .map(|j| format!("10.244.{}.{}", next(3) + 1, 10 + j))
+                            .collect();
+                        let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+                        let mut sl = slice(&format!("{name}-a"), &name, &refs);
+                        for e in &mut sl.endpoints {
+                            e.node = Some(format!("n{}", next(3) + 1));
+                        }
+                        svc.apply(Change::Slice(sl));
                     }
-                    if next(3) == 0 {
-                        // Two Services may name one external address: the later key's.
-                        s.external_ips = vec![ip(&format!("203.0.113.{}", next(3)))];
+                    4 => {
+                        svc.apply(Change::ServiceGone(service(&name, "10.96.0.1", &[]).key));
                     }
-                    svc.apply(Change::Service(s));
-                }
-                2..=3 => {
-                    let n = next(4) as usize;
-                    let addrs: Vec<String> = (0..n)
-                        .map(|j| format!("10.244.{}.{}", next(3) + 1, 10 + j))
-                        .collect();
-                    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-                    let mut sl = slice(&format!("{name}-a"), &name, &refs);
-                    for e in &mut sl.endpoints {
-                        e.node = Some(format!("n{}", next(3) + 1));
+                    _ => {
+                        let extra = ["", "192.0.2.30"][next(2) as usize];
+                        svc.set_nodes(three_nodes(extra));
                     }
-                    svc.apply(Change::Slice(sl));
-                }
-                4 => {
-                    svc.apply(Change::ServiceGone(service(&name, "10.96.0.1", &[]).key));
-                }
-                _ => {
-                    let extra = ["", "192.0.2.30"][next(2) as usize];
-                    svc.set_nodes(three_nodes(extra));
                 }
             }
             let t = svc.next_translation(&own);

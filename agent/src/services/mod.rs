@@ -195,8 +195,9 @@ impl ServicesService {
     pub fn apply(&self, change: Change) -> Vec<ServiceNotice> {
         let start = Instant::now();
         let mut inner = self.lock();
-        let touched = inner.state.apply(change);
-        inner.expanded.touched(&touched);
+        let replaced = inner.state.apply(change);
+        let touched = replaced.keys().cloned().collect();
+        inner.expanded.replaced(replaced);
         inner.changes += 1;
         let notices = inner.news(touched);
         inner.applying += start.elapsed();
@@ -226,7 +227,7 @@ impl ServicesService {
     /// New admission rules (pools, node addresses, the allowed CIDRs); what is newly wrong.
     pub fn set_rules(&self, rules: Admission) -> Vec<ServiceNotice> {
         let mut inner = self.lock();
-        let touched = inner.state.set_rules(rules);
+        let touched = inner.state.set_rules(rules).into_keys().collect();
         inner.expanded.everything();
         inner.news(touched)
     }

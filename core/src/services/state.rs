@@ -23,6 +23,12 @@ pub enum Change {
     SliceGone(String),
 }
 
+/// What a change did: the Services whose plan may have changed (admitted, changed, refused or
+/// gone), each with its plan before the change (`None`: it had none). Whoever keeps
+/// something derived from the plans updates it from the old plan and the new, not from a pass
+/// over all of them.
+pub type Replaced = BTreeMap<ServiceKey, Option<ServicePlan>>;
+
 /// The dataplane's room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
@@ -91,9 +97,8 @@ impl State {
         }
     }
 
-    /// Applies `change`; returns the Services whose plan may have changed (admitted, changed,
-    /// refused or gone).
-    pub fn apply(&mut self, change: Change) -> BTreeSet<ServiceKey> {
+    /// Applies `change`; returns the plans it replaced.
+    pub fn apply(&mut self, change: Change) -> Replaced {
         let key = match change {
             Change::Service(s) => {
                 let k = s.key.clone();
@@ -122,7 +127,7 @@ impl State {
                     self.unindex(&old);
                     old.service
                 }
-                None => return BTreeSet::new(),
+                None => return Replaced::new(),
             },
         };
         self.replan(BTreeSet::from([key]))
@@ -138,14 +143,14 @@ impl State {
     }
 
     /// New admission rules (pools, node addresses, allowed CIDRs): every Service again.
-    pub fn set_rules(&mut self, rules: Admission) -> BTreeSet<ServiceKey> {
+    pub fn set_rules(&mut self, rules: Admission) -> Replaced {
         self.rules = rules;
         let all: BTreeSet<ServiceKey> = self.services.keys().cloned().collect();
         self.replan(all)
     }
 
     /// New limits: the refused may fit now (admitted ones stay, even over smaller limits).
-    pub fn set_limits(&mut self, limits: Limits) -> BTreeSet<ServiceKey> {
+    pub fn set_limits(&mut self, limits: Limits) -> Replaced {
         self.limits = limits;
         self.replan(BTreeSet::new())
     }
@@ -183,53 +188,57 @@ impl State {
             .collect()
     }
 
-    fn fits(&self, need: (usize, usize), freed: (usize, usize)) -> bool {
-        let (f, b) = (self.used.0 - freed.0, self.used.1 - freed.1);
-        f + need.0 <= self.limits.frontends && b + need.1 <= self.limits.backends
+    fn fits(&self, need: (usize, usize)) -> bool {
+        self.used.0 + need.0 <= self.limits.frontends
+            && self.used.1 + need.1 <= self.limits.backends
     }
 
-    fn replan(&mut self, mut touched: BTreeSet<ServiceKey>) -> BTreeSet<ServiceKey> {
-        for k in touched.clone() {
-            let old = self.plans.get(&k).map(size).unwrap_or((0, 0));
-            let Some(p) = self.compute(&k) else {
-                self.plans.remove(&k);
-                self.refused.remove(&k);
-                self.used = (self.used.0 - old.0, self.used.1 - old.1);
-                continue;
-            };
-            let need = size(&p);
-            if self.fits(need, old) {
-                self.used = (self.used.0 - old.0 + need.0, self.used.1 - old.1 + need.1);
-                self.refused.remove(&k);
-                self.plans.insert(k, p);
-            } else {
-                // Refused whole; what it had is freed (it never keeps half a plan).
-                self.used = (self.used.0 - old.0, self.used.1 - old.1);
-                self.plans.remove(&k);
-                self.refused.insert(k, need);
-            }
-        }
-        // Room freed may admit the refused, in key order.
-        let waiting: Vec<(ServiceKey, (usize, usize))> = self
-            .refused
-            .iter()
-            .filter(|(k, _)| !touched.contains(*k))
-            .map(|(k, n)| (k.clone(), *n))
-            .collect();
-        for (k, need) in waiting {
-            if self.fits(need, (0, 0)) {
-                if let Some(p) = self.compute(&k) {
+    fn replan(&mut self, touched: BTreeSet<ServiceKey>) -> Replaced {
+        let mut replaced = Replaced::new();
+        for k in touched {
+            // What it had is freed first: it is planned again from nothing.
+            let before = self.plans.remove(&k);
+            let old = before.as_ref().map(size).unwrap_or((0, 0));
+            self.used = (self.used.0 - old.0, self.used.1 - old.1);
+            match self.compute(&k) {
+                None => {
+                    self.refused.remove(&k);
+                }
+                Some(p) => {
                     let need = size(&p);
-                    if self.fits(need, (0, 0)) {
+                    if self.fits(need) {
                         self.used = (self.used.0 + need.0, self.used.1 + need.1);
                         self.refused.remove(&k);
                         self.plans.insert(k.clone(), p);
-                        touched.insert(k);
+                    } else {
+                        // Refused whole: it never keeps half a plan.
+                        self.refused.insert(k.clone(), need);
+                    }
+                }
+            }
+            replaced.insert(k, before);
+        }
+        // Room freed may admit the refused, in key order (they had no plan).
+        let waiting: Vec<(ServiceKey, (usize, usize))> = self
+            .refused
+            .iter()
+            .filter(|(k, _)| !replaced.contains_key(*k))
+            .map(|(k, n)| (k.clone(), *n))
+            .collect();
+        for (k, need) in waiting {
+            if self.fits(need) {
+                if let Some(p) = self.compute(&k) {
+                    let need = size(&p);
+                    if self.fits(need) {
+                        self.used = (self.used.0 + need.0, self.used.1 + need.1);
+                        self.refused.remove(&k);
+                        self.plans.insert(k.clone(), p);
+                        replaced.insert(k, None);
                     }
                 }
             }
         }
-        touched
+        replaced
     }
 
     /// The admission rules in force (the nodes' addresses among them).
@@ -274,6 +283,10 @@ mod tests {
     use crate::services::fixtures::{endpoint, here, service, slice};
     use crate::services::model::AddressType;
 
+    fn keys(r: Replaced) -> BTreeSet<ServiceKey> {
+        r.into_keys().collect()
+    }
+
     fn web(name: &str, backends: &[&str]) -> (Service, EndpointSlice) {
         let svc = service(name, &[("http", 80)]);
         let s = slice(
@@ -299,10 +312,13 @@ mod tests {
         let (a, sa) = web("a", &["10.244.1.1"]);
         let (b, _) = web("b", &[]);
         let ka = a.key.clone();
-        assert_eq!(st.apply(Change::Service(a)), BTreeSet::from([ka.clone()]));
+        assert_eq!(
+            keys(st.apply(Change::Service(a))),
+            BTreeSet::from([ka.clone()])
+        );
         st.apply(Change::Service(b.clone()));
         assert_eq!(
-            st.apply(Change::Slice(sa.clone())),
+            keys(st.apply(Change::Slice(sa.clone()))),
             BTreeSet::from([ka.clone()])
         );
         assert!(
@@ -311,16 +327,16 @@ mod tests {
         // The slice now names b: both are planned again.
         let mut moved = sa.clone();
         moved.service = b.key.clone();
-        assert_eq!(
-            st.apply(Change::Slice(moved)),
-            BTreeSet::from([ka.clone(), b.key.clone()])
-        );
+        let before = st.plan(&ka).cloned();
+        let replaced = st.apply(Change::Slice(moved));
+        assert_eq!(replaced.get(&ka), Some(&before), "a's plan as it was");
+        assert_eq!(keys(replaced), BTreeSet::from([ka.clone(), b.key.clone()]));
         assert_eq!(
             st.plan(&ka).expect("planned").frontends[0].internal,
             Choice::Reject
         );
         assert_eq!(
-            st.apply(Change::SliceGone("nothing".into())),
+            keys(st.apply(Change::SliceGone("nothing".into()))),
             BTreeSet::new()
         );
         st.apply(Change::ServiceGone(ka.clone()));
@@ -353,8 +369,12 @@ mod tests {
         assert_eq!(st.refused_for_room().get(&b.key), Some(&(1, 2)));
         assert_eq!(st.used(), (1, 2));
         // Room freed: a goes, b comes in.
-        let touched = st.apply(Change::ServiceGone(a.key.clone()));
-        assert_eq!(touched, BTreeSet::from([a.key.clone(), b.key.clone()]));
+        let replaced = st.apply(Change::ServiceGone(a.key.clone()));
+        assert!(replaced[&a.key].is_some() && replaced[&b.key].is_none());
+        assert_eq!(
+            keys(replaced),
+            BTreeSet::from([a.key.clone(), b.key.clone()])
+        );
         assert!(st.plan(&b.key).is_some());
         assert!(st.refused_for_room().is_empty());
         // A grown Service that no longer fits leaves whole; raised limits take it back.
@@ -369,7 +389,7 @@ mod tests {
             frontends: 10,
             backends: 4,
         });
-        assert_eq!(touched, BTreeSet::from([b.key.clone()]));
+        assert_eq!(keys(touched), BTreeSet::from([b.key.clone()]));
         assert!(st.plan(&b.key).is_some());
     }
 
