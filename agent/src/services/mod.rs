@@ -227,7 +227,7 @@ impl ServicesService {
     /// New admission rules (pools, node addresses, the allowed CIDRs); what is newly wrong.
     pub fn set_rules(&self, rules: Admission) -> Vec<ServiceNotice> {
         let mut inner = self.lock();
-        let touched = inner.state.set_rules(rules).into_keys().collect();
+        let touched = inner.state.set_rules(rules);
         inner.expanded.everything();
         inner.news(touched)
     }

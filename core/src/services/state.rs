@@ -120,7 +120,7 @@ impl State {
                     .or_default()
                     .insert(s.name.clone());
                 touched.insert(s.service);
-                return self.replan(touched);
+                return self.replan_keeping(touched);
             }
             Change::SliceGone(name) => match self.slices.remove(&name) {
                 Some(old) => {
@@ -130,7 +130,26 @@ impl State {
                 None => return Replaced::new(),
             },
         };
-        self.replan(BTreeSet::from([key]))
+        self.replan_keeping(BTreeSet::from([key]))
+    }
+
+    /// [`Self::replan`], keeping the plans it replaced.
+    fn replan_keeping(&mut self, touched: BTreeSet<ServiceKey>) -> Replaced {
+        let mut replaced = Replaced::new();
+        self.replan(touched, |k, before| {
+            replaced.insert(k, before);
+        });
+        replaced
+    }
+
+    /// [`Self::replan`], keeping only which Services it touched: each old plan is dropped as
+    /// it is replaced (a rules change replans every Service).
+    fn replan_keys(&mut self, touched: BTreeSet<ServiceKey>) -> BTreeSet<ServiceKey> {
+        let mut keys = BTreeSet::new();
+        self.replan(touched, |k, _| {
+            keys.insert(k);
+        });
+        keys
     }
 
     fn unindex(&mut self, old: &EndpointSlice) {
@@ -142,17 +161,20 @@ impl State {
         }
     }
 
-    /// New admission rules (pools, node addresses, allowed CIDRs): every Service again.
-    pub fn set_rules(&mut self, rules: Admission) -> Replaced {
+    /// New admission rules (pools, node addresses, allowed CIDRs): every Service again; returns
+    /// the Services whose plan may have changed (not their old plans: whoever keeps something
+    /// derived from the plans starts over from all of them).
+    pub fn set_rules(&mut self, rules: Admission) -> BTreeSet<ServiceKey> {
         self.rules = rules;
         let all: BTreeSet<ServiceKey> = self.services.keys().cloned().collect();
-        self.replan(all)
+        self.replan_keys(all)
     }
 
-    /// New limits: the refused may fit now (admitted ones stay, even over smaller limits).
-    pub fn set_limits(&mut self, limits: Limits) -> Replaced {
+    /// New limits: the refused may fit now (admitted ones stay, even over smaller limits);
+    /// returns the Services admitted.
+    pub fn set_limits(&mut self, limits: Limits) -> BTreeSet<ServiceKey> {
         self.limits = limits;
-        self.replan(BTreeSet::new())
+        self.replan_keys(BTreeSet::new())
     }
 
     /// Service `k`'s slices.
@@ -193,22 +215,27 @@ impl State {
             && self.used.1 + need.1 <= self.limits.backends
     }
 
-    fn replan(&mut self, touched: BTreeSet<ServiceKey>) -> Replaced {
-        let mut replaced = Replaced::new();
-        for k in touched {
+    /// Plans the `touched` Services again, then admits the refused that fit now; hands each
+    /// Service whose plan may have changed to `replaced`, with its plan before (once each).
+    fn replan(
+        &mut self,
+        touched: BTreeSet<ServiceKey>,
+        mut replaced: impl FnMut(ServiceKey, Option<ServicePlan>),
+    ) {
+        for k in &touched {
             // What it had is freed first: it is planned again from nothing.
-            let before = self.plans.remove(&k);
+            let before = self.plans.remove(k);
             let old = before.as_ref().map(size).unwrap_or((0, 0));
             self.used = (self.used.0 - old.0, self.used.1 - old.1);
-            match self.compute(&k) {
+            match self.compute(k) {
                 None => {
-                    self.refused.remove(&k);
+                    self.refused.remove(k);
                 }
                 Some(p) => {
                     let need = size(&p);
                     if self.fits(need) {
                         self.used = (self.used.0 + need.0, self.used.1 + need.1);
-                        self.refused.remove(&k);
+                        self.refused.remove(k);
                         self.plans.insert(k.clone(), p);
                     } else {
                         // Refused whole: it never keeps half a plan.
@@ -216,13 +243,13 @@ impl State {
                     }
                 }
             }
-            replaced.insert(k, before);
+            replaced(k.clone(), before);
         }
         // Room freed may admit the refused, in key order (they had no plan).
         let waiting: Vec<(ServiceKey, (usize, usize))> = self
             .refused
             .iter()
-            .filter(|(k, _)| !replaced.contains_key(*k))
+            .filter(|(k, _)| !touched.contains(*k))
             .map(|(k, n)| (k.clone(), *n))
             .collect();
         for (k, need) in waiting {
@@ -233,12 +260,11 @@ impl State {
                         self.used = (self.used.0 + need.0, self.used.1 + need.1);
                         self.refused.remove(&k);
                         self.plans.insert(k.clone(), p);
-                        replaced.insert(k, None);
+                        replaced(k, None);
                     }
                 }
             }
         }
-        replaced
     }
 
     /// The admission rules in force (the nodes' addresses among them).
@@ -389,7 +415,7 @@ mod tests {
             frontends: 10,
             backends: 4,
         });
-        assert_eq!(keys(touched), BTreeSet::from([b.key.clone()]));
+        assert_eq!(touched, BTreeSet::from([b.key.clone()]));
         assert!(st.plan(&b.key).is_some());
     }
 

@@ -95,6 +95,23 @@ fn scratch() -> Option<&'static mut PolicyScratch> {
     CALIX_POL_SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
 }
 
+/// Zeroes the scratch's flow key in five 8-byte stores: `s.flow = FlowKey::default()` compiles
+/// to a call of the byte-wise `memset` (a BPF function of its own), ~25 ns a packet.
+#[inline(always)]
+fn clear_flow(s: &mut PolicyScratch) {
+    const WORDS: usize = core::mem::size_of::<FlowKey>() / 8;
+    const _: () = assert!(core::mem::size_of::<FlowKey>() == WORDS * 8);
+    // The scratch is a map value (8-byte aligned) and the flow its first field.
+    const _: () = assert!(core::mem::offset_of!(PolicyScratch, flow) == 0);
+    let words = &mut s.flow as *mut FlowKey as *mut u64;
+    for i in 0..WORDS {
+        // SAFETY: `s.flow` is 40 bytes of plain data at the start of an 8-byte aligned map
+        // value (checked above): five aligned u64 stores cover it exactly. Volatile, or the
+        // compiler merges them back into a call of `memset`.
+        unsafe { words.add(i).write_volatile(0) }
+    }
+}
+
 /// Copies 16 bytes of the packet at `off` into `dst` (a constant length, for the verifier).
 #[inline(always)]
 fn load16(ctx: &TcContext, off: usize, dst: &mut [u8; 16]) -> bool {
@@ -113,7 +130,7 @@ fn load16(ctx: &TcContext, off: usize, dst: &mut [u8; 16]) -> bool {
 /// and `s.flags`; false when it is neither IPv4 nor IPv6, or its header cannot be read.
 #[inline(always)]
 fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
-    s.flow = FlowKey::default();
+    clear_flow(s);
     s.flags = 0;
     let (l4, l4_len) = match packet::ethertype(ctx) {
         Ok(ETH_P_IP) => {

@@ -13,10 +13,10 @@ use crate::util::output;
 /// Samples per second.
 const FREQUENCY: &str = "4999";
 /// Symbols below this share (%) are left out.
-const PERCENT_LIMIT: &str = "0.5";
+const PERCENT_LIMIT: &str = "0.1";
 
 /// Runs `load` while sampling CPU `cpu` into `data` (a file, replaced); the symbols that took
-/// at least 0.5 % of the samples of `comms` (share in %, `[k]`/`[.]` and name), largest first.
+/// at least 0.1 % of the samples of `comms` (share in %, `[k]`/`[.]` and name), largest first.
 pub fn profile(
     cpu: usize,
     comms: &[&str],

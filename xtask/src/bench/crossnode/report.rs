@@ -257,8 +257,7 @@ impl Report {
         s.push_str(&format!(
             "\n<details><summary>The bench CPU's time by symbol during a third untimed TCP_CRR \
              run (`perf record -e cpu-clock` on CPU {}, the BPF statistics off; samples of the \
-             bench's processes and the CPU's softirq thread; the 20 largest symbols of at least \
-             0.5 %)</summary>\n\n",
+             bench's processes and the CPU's softirq thread; the 20 largest symbols)</summary>\n\n",
             self.cpu
         ));
         for v in self.variants() {

@@ -71,7 +71,34 @@ pub(super) struct Results {
     /// What the dataplane held for policy (`calixctl policy`'s dataplane line).
     pub(super) programmed: String,
     pub(super) cpu: usize,
+    /// The bench CPU's time by symbol over a TCP_CRR run of no policy and of 100 rules.
+    pub(super) profiles: Vec<Profile>,
 }
+
+/// Where the bench CPU's time went over one untimed TCP_CRR run of a variant (`perf record`,
+/// the BPF statistics off): each symbol's share (%) and the connections the run made.
+pub(super) struct Profile {
+    pub(super) variant: Variant,
+    pub(super) conns: f64,
+    pub(super) secs: f64,
+    pub(super) symbols: Vec<(f64, String)>,
+}
+
+impl Profile {
+    /// The CPU time of `sym` per connection (ns): the client and server keep the bench CPU
+    /// busy, so a share of the samples is a share of the run's time.
+    pub(super) fn ns_per_conn(&self, sym: &str) -> f64 {
+        let share = self
+            .symbols
+            .iter()
+            .find(|(_, s)| s == sym)
+            .map_or(0.0, |(p, _)| *p);
+        share / 100.0 * self.secs * 1e9 / self.conns.max(1.0)
+    }
+}
+
+/// The untimed TCP_CRR run a variant is profiled over (seconds).
+pub(super) const PROFILE_SECS: f64 = 4.0;
 
 /// Where the per-packet pairs' policies name their other peers: above the pool's addresses.
 const OTHERS: [u8; 2] = [172, 16];
@@ -223,11 +250,35 @@ pub(super) fn run(
         ));
         Ok(line)
     })?;
+    let mut profiles = Vec::new();
+    for v in [Variant::None, Variant::R100] {
+        println!("[profile] {}: TCP_CRR under perf record", v.label());
+        profiles.push(profile(b, tools, &pairs[v as usize], v)?);
+    }
     Ok(Results {
         traffic,
         by_variant,
         programmed,
         cpu: tools.cpu,
+        profiles,
+    })
+}
+
+/// `v`'s pair under `perf record` of the bench CPU over a TCP_CRR run.
+fn profile(b: &Bench, tools: &Tools, pair: &Pair, v: Variant) -> Result<Profile> {
+    let softirqd = format!("ksoftirqd/{}", tools.cpu);
+    let data = b.dir.join(format!("{}.perf.data", v.tag()));
+    let mut conns = 0.0;
+    let symbols = crate::bench::profile::profile(tools.cpu, &["xtask", &softirqd], &data, || {
+        conns = tools.netperf(&pair.traffic, Mode::Crr, PROFILE_SECS)?.count;
+        Ok(())
+    });
+    let _ = std::fs::remove_file(&data);
+    Ok(Profile {
+        variant: v,
+        conns,
+        secs: PROFILE_SECS,
+        symbols: symbols.context("profiling the bench CPU")?,
     })
 }
 

@@ -4,7 +4,7 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::latency::{Latency, ATTEMPT};
-use super::perf::{Results, Variant, PROG_COST_SECS, VARIANTS};
+use super::perf::{Profile, Results, Variant, PROFILE_SECS, PROG_COST_SECS, VARIANTS};
 use super::scale::Scale;
 use super::versus::{Engine, Versus, ENGINES, RULES};
 use crate::bench::chart::{self, Layout, Panel};
@@ -246,6 +246,56 @@ impl Report {
              match) and one rule lookup per direction; its later packets one flow lookup: the \
              number of rules changes the size of the tables, not the lookups.\n\n",
         );
+        s.push_str(&self.profile_section());
+        s
+    }
+
+    /// Where a connection's time goes with 100 rules against no policy: the symbols whose
+    /// time per connection grew most.
+    fn profile_section(&self) -> String {
+        let p = &self.per_packet.profiles;
+        let (Some(none), Some(with)) = (
+            p.iter().find(|p| p.variant == Variant::None),
+            p.iter().find(|p| p.variant == Variant::R100),
+        ) else {
+            return String::new();
+        };
+        let per_conn = |p: &Profile| p.secs * 1e6 / p.conns.max(1.0);
+        let mut s = format!(
+            "### Where a new connection's time goes\n\nThe bench CPU's time by symbol over one \
+             more untimed {PROFILE_SECS} s TCP_CRR run of each (`perf record -e cpu-clock` on \
+             CPU {}, the BPF statistics off; samples of the bench's processes and the CPU's \
+             softirq thread), as time per connection: the client and server keep that CPU busy, \
+             so a symbol's share of the samples is its share of the run. A connection took {} µs \
+             with no policy ({:.0} connections) and {} µs with 100 rules ({:.0}): {} ns more. \
+             The symbols whose time grew most:\n\n| symbol | no policy, ns/connection | 100 \
+             rules | more |\n|---|---|---|---|\n",
+            self.per_packet.cpu,
+            fmt_2(per_conn(none)),
+            none.conns,
+            fmt_2(per_conn(with)),
+            with.conns,
+            fmt_0((per_conn(with) - per_conn(none)) * 1e3),
+        );
+        let mut syms: Vec<(f64, &str)> = with
+            .symbols
+            .iter()
+            .chain(&none.symbols)
+            .map(|(_, sym)| sym.as_str())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|sym| (with.ns_per_conn(sym) - none.ns_per_conn(sym), sym))
+            .collect();
+        syms.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (more, sym) in syms.iter().take(15) {
+            s.push_str(&format!(
+                "| `{sym}` | {} | {} | {} |\n",
+                fmt_0(none.ns_per_conn(sym)),
+                fmt_0(with.ns_per_conn(sym)),
+                fmt_0(*more)
+            ));
+        }
+        s.push('\n');
         s
     }
 
