@@ -100,6 +100,29 @@ impl Profile {
 /// The untimed TCP_CRR run a variant is profiled over (seconds).
 pub(super) const PROFILE_SECS: f64 = 4.0;
 
+/// The profiled runs, in order.
+const PROFILED: [Variant; 4] = [Variant::None, Variant::R100, Variant::R100, Variant::None];
+
+/// A symbol's CPU time per connection (ns) over `v`'s runs in `profiles` (their mean).
+pub(super) fn ns_per_conn(profiles: &[Profile], v: Variant, sym: &str) -> f64 {
+    let of: Vec<f64> = profiles
+        .iter()
+        .filter(|p| p.variant == v)
+        .map(|p| p.ns_per_conn(sym))
+        .collect();
+    of.iter().sum::<f64>() / of.len().max(1) as f64
+}
+
+/// A connection's time (µs) over `v`'s runs in `profiles` (their mean).
+pub(super) fn us_per_conn(profiles: &[Profile], v: Variant) -> f64 {
+    let of: Vec<f64> = profiles
+        .iter()
+        .filter(|p| p.variant == v)
+        .map(|p| p.secs * 1e6 / p.conns.max(1.0))
+        .collect();
+    of.iter().sum::<f64>() / of.len().max(1) as f64
+}
+
 /// Where the per-packet pairs' policies name their other peers: above the pool's addresses.
 const OTHERS: [u8; 2] = [172, 16];
 
@@ -250,8 +273,10 @@ pub(super) fn run(
         ));
         Ok(line)
     })?;
+    // A, B, B, A: each run leaves ~60 s of TIME_WAIT sockets in the host's port tables, which
+    // slow the next run's connects whatever its variant.
     let mut profiles = Vec::new();
-    for v in [Variant::None, Variant::R100] {
+    for v in PROFILED {
         println!("[profile] {}: TCP_CRR under perf record", v.label());
         profiles.push(profile(b, tools, &pairs[v as usize], v)?);
     }
@@ -310,5 +335,38 @@ fn wait_programmed(node: &Node) -> Result<String> {
             node.agent_log()
         );
         std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(variant: Variant, conns: f64, symbols: &[(f64, &str)]) -> Profile {
+        Profile {
+            variant,
+            conns,
+            secs: 4.0,
+            symbols: symbols.iter().map(|&(p, s)| (p, s.to_string())).collect(),
+        }
+    }
+
+    #[test]
+    fn a_symbols_time_per_connection_is_the_mean_of_its_variants_runs() {
+        let p = [
+            run(Variant::None, 100_000.0, &[(10.0, "[k] a")]),
+            run(Variant::R100, 80_000.0, &[(20.0, "[k] a"), (5.0, "[k] b")]),
+            run(Variant::R100, 40_000.0, &[(10.0, "[k] a")]),
+        ];
+        // 10 % of 4 s over 100,000 connections: 4 µs each.
+        assert_eq!(ns_per_conn(&p, Variant::None, "[k] a"), 4_000.0);
+        // (20 % of 4 s / 80,000 + 10 % of 4 s / 40,000) / 2 = (10 µs + 10 µs) / 2.
+        assert_eq!(ns_per_conn(&p, Variant::R100, "[k] a"), 10_000.0);
+        // Missing from a run: nothing there.
+        assert_eq!(ns_per_conn(&p, Variant::R100, "[k] b"), 1_250.0);
+        assert_eq!(ns_per_conn(&p, Variant::None, "[k] b"), 0.0);
+        assert_eq!(us_per_conn(&p, Variant::None), 40.0);
+        assert_eq!(us_per_conn(&p, Variant::R100), 75.0);
+        assert_eq!(ns_per_conn(&p, Variant::R10, "[k] a"), 0.0);
     }
 }

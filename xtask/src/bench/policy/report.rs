@@ -4,7 +4,9 @@ use std::path::Path;
 use anyhow::Result;
 
 use super::latency::{Latency, ATTEMPT};
-use super::perf::{Profile, Results, Variant, PROFILE_SECS, PROG_COST_SECS, VARIANTS};
+use super::perf::{
+    ns_per_conn, us_per_conn, Results, Variant, PROFILE_SECS, PROG_COST_SECS, VARIANTS,
+};
 use super::scale::Scale;
 use super::versus::{Engine, Versus, ENGINES, RULES};
 use crate::bench::chart::{self, Layout, Panel};
@@ -254,44 +256,49 @@ impl Report {
     /// time per connection grew most.
     fn profile_section(&self) -> String {
         let p = &self.per_packet.profiles;
-        let (Some(none), Some(with)) = (
-            p.iter().find(|p| p.variant == Variant::None),
-            p.iter().find(|p| p.variant == Variant::R100),
-        ) else {
+        let (none, with) = (Variant::None, Variant::R100);
+        if !p.iter().any(|x| x.variant == none) || !p.iter().any(|x| x.variant == with) {
             return String::new();
+        }
+        let conns = |v: Variant| {
+            p.iter()
+                .filter(|x| x.variant == v)
+                .map(|x| format!("{:.0}", x.conns))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
-        let per_conn = |p: &Profile| p.secs * 1e6 / p.conns.max(1.0);
         let mut s = format!(
-            "### Where a new connection's time goes\n\nThe bench CPU's time by symbol over one \
-             more untimed {PROFILE_SECS} s TCP_CRR run of each (`perf record -e cpu-clock` on \
-             CPU {}, the BPF statistics off; samples of the bench's processes and the CPU's \
-             softirq thread), as time per connection: the client and server keep that CPU busy, \
-             so a symbol's share of the samples is its share of the run. A connection took {} µs \
-             with no policy ({:.0} connections) and {} µs with 100 rules ({:.0}): {} ns more. \
-             The symbols whose time grew most:\n\n| symbol | no policy, ns/connection | 100 \
-             rules | more |\n|---|---|---|---|\n",
+            "### Where a new connection's time goes\n\nThe bench CPU's time by symbol over \
+             untimed {PROFILE_SECS} s TCP_CRR runs, no policy, 100 rules, 100 rules, no policy \
+             (in that order: each run's TIME_WAIT sockets slow the next one's connects), with \
+             `perf record -e cpu-clock` on CPU {} and the BPF statistics off (samples of the \
+             bench's processes and the CPU's softirq thread), as time per connection, the mean \
+             of a variant's two runs: the client and server keep that CPU busy, so a symbol's \
+             share of the samples is its share of the run. A connection took {} µs with no \
+             policy ({} connections) and {} µs with 100 rules ({}): {} ns more. The symbols \
+             whose time grew most:\n\n| symbol | no policy, ns/connection | 100 rules | more \
+             |\n|---|---|---|---|\n",
             self.per_packet.cpu,
-            fmt_2(per_conn(none)),
-            none.conns,
-            fmt_2(per_conn(with)),
-            with.conns,
-            fmt_0((per_conn(with) - per_conn(none)) * 1e3),
+            fmt_2(us_per_conn(p, none)),
+            conns(none),
+            fmt_2(us_per_conn(p, with)),
+            conns(with),
+            fmt_0((us_per_conn(p, with) - us_per_conn(p, none)) * 1e3),
         );
-        let mut syms: Vec<(f64, &str)> = with
-            .symbols
+        let mut syms: Vec<(f64, &str)> = p
             .iter()
-            .chain(&none.symbols)
+            .flat_map(|x| &x.symbols)
             .map(|(_, sym)| sym.as_str())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
-            .map(|sym| (with.ns_per_conn(sym) - none.ns_per_conn(sym), sym))
+            .map(|sym| (ns_per_conn(p, with, sym) - ns_per_conn(p, none, sym), sym))
             .collect();
         syms.sort_by(|a, b| b.0.total_cmp(&a.0));
         for (more, sym) in syms.iter().take(15) {
             s.push_str(&format!(
                 "| `{sym}` | {} | {} | {} |\n",
-                fmt_0(none.ns_per_conn(sym)),
-                fmt_0(with.ns_per_conn(sym)),
+                fmt_0(ns_per_conn(p, none, sym)),
+                fmt_0(ns_per_conn(p, with, sym)),
                 fmt_0(*more)
             ));
         }
