@@ -19,10 +19,11 @@ use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
 use aya::Pod;
 use aya_obj::maps::PinningType;
 use calix_common::{
-    CtEntry, CtKey, FlowKey, PolicyFlow, PolicyKey, StackFlow, BPF_MAP_TYPE_ARRAY,
+    CtEntry, CtKey, FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyKey, StackFlow, BPF_MAP_TYPE_ARRAY,
     BPF_MAP_TYPE_HASH, BPF_MAP_TYPE_LPM_TRIE, BPF_MAP_TYPE_LRU_HASH, BPF_MAP_TYPE_PERCPU_HASH,
     CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP, IPPROTO_TCP, LAYOUT_VERSION,
-    POLICY_FLOWS_MAP, POLICY_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP,
+    POLICY_FLOWS_MAP, POLICY_FLOWS_V4_MAP, POLICY_MAP, STACK_CLEARED_MAP, STACK_EPS_MAP,
+    STACK_FLOWS_MAP,
 };
 
 use super::bpf::monotonic_ns;
@@ -241,6 +242,7 @@ enum Entries {
     /// The NetworkPolicy allow entries (written by the agent only).
     Policy(Vec<(Key<PolicyKey>, u32)>),
     PolicyFlows(Vec<(FlowKey, PolicyFlow)>),
+    PolicyFlowsV4(Vec<(PolicyFlowKeyV4, PolicyFlow)>),
     Marks(Vec<(u32, u32)>),
 }
 
@@ -251,6 +253,7 @@ impl Entries {
             Entries::StackFlows(v) => v.len(),
             Entries::Policy(v) => v.len(),
             Entries::PolicyFlows(v) => v.len(),
+            Entries::PolicyFlowsV4(v) => v.len(),
             Entries::Marks(v) => v.len(),
         }
     }
@@ -284,6 +287,7 @@ fn convertible(name: &str, have: &MapSpec) -> bool {
                 | (STACK_EPS_MAP, 4, 4)
                 | (STACK_CLEARED_MAP, 4, 4)
                 | (POLICY_FLOWS_MAP, 40, 16)
+                | (POLICY_FLOWS_V4_MAP, 16 | 40, 16)
         );
     let tries = have.map_type == BPF_MAP_TYPE_LPM_TRIE && key_value == (POLICY_MAP, 16, 4);
     hashes || tries
@@ -327,7 +331,22 @@ fn read_converted(name: &str, have: &MapSpec, data: MapData) -> Result<Entries, 
         }
         (STACK_FLOWS_MAP, _) => Entries::StackFlows(read(data, lru)?),
         (POLICY_MAP, _) => Entries::Policy(read_trie(data)?),
-        (POLICY_FLOWS_MAP, _) => Entries::PolicyFlows(read(data, lru)?),
+        // Since the IPv4 flows have a table of their own, this one keeps the IPv6 ones (the
+        // first builds of layout 4, and layout 3, kept both).
+        (POLICY_FLOWS_MAP, _) => Entries::PolicyFlows(
+            read::<FlowKey, PolicyFlow>(data, lru)?
+                .into_iter()
+                .filter(|(k, _)| k.family != 4)
+                .collect(),
+        ),
+        // The IPv4 flows of a table of both families (see [`v4_flows_source`]).
+        (POLICY_FLOWS_V4_MAP, _) if have.key_size == 40 => Entries::PolicyFlowsV4(
+            read::<FlowKey, PolicyFlow>(data, lru)?
+                .into_iter()
+                .filter_map(|(k, f)| Some((PolicyFlowKeyV4::of(&k)?, f)))
+                .collect(),
+        ),
+        (POLICY_FLOWS_V4_MAP, _) => Entries::PolicyFlowsV4(read(data, lru)?),
         _ => Entries::Marks(read(data, lru)?),
     })
 }
@@ -379,6 +398,7 @@ fn write_entries(pin: &Path, entries: &Entries) -> Option<Result<(usize, usize),
         Entries::StackFlows(v) => Some(write(pin, v)),
         Entries::Policy(v) => Some(write_trie(pin, v)),
         Entries::PolicyFlows(v) => Some(write(pin, v)),
+        Entries::PolicyFlowsV4(v) => Some(write(pin, v)),
         Entries::Marks(_) => None,
     }
 }
@@ -511,8 +531,48 @@ impl Carried {
                 (Some(Err(e)), _) | (None, Err(e)) => tracing::warn!(map = %c.name,
                     error = %super::error_chain(&e), "cannot catch up with the old map"),
             }
+            let both = self.pin_dir.join(POLICY_FLOWS_MAP);
+            if c.name == POLICY_FLOWS_V4_MAP && c.from == both {
+                // This directory's table of both families is this build's IPv6 table now.
+                match forget_v4_flows(&both) {
+                    Ok(0) => {}
+                    Ok(removed) => tracing::info!(
+                        map = POLICY_FLOWS_MAP,
+                        removed,
+                        "IPv4 flows left in the IPv6 table (they are in their own now) removed"
+                    ),
+                    Err(e) => tracing::warn!(map = POLICY_FLOWS_MAP,
+                        error = %super::error_chain(&e),
+                        "cannot remove the IPv4 flows left in the IPv6 table (they age out)"),
+                }
+            }
         }
         OldMarks::new(&marks, &cleared)
+    }
+}
+
+/// Removes the IPv4 flows from the policy flow table pinned at `pin` (the programs no longer
+/// look there for them): how many were removed.
+fn forget_v4_flows(pin: &Path) -> Result<usize, MapError> {
+    let data = MapData::from_pin(pin)?;
+    let mut map: HashMap<MapData, FlowKey, PolicyFlow> = HashMap::try_from(Map::LruHashMap(data))?;
+    let v4: Vec<FlowKey> = map
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.family == 4)
+        .collect();
+    Ok(v4.iter().filter(|k| map.remove(k).is_ok()).count())
+}
+
+/// Where the IPv4 policy flows were kept before they had a table of their own (a new
+/// `CALIX_POL_FLOWS_V4` is filled from it): the table of both families, `CALIX_POL_FLOWS`, of
+/// this layout's first builds (in `pin_dir`) or of an older layout.
+fn v4_flows_source(pin_dir: &Path, node_dir: &Path) -> Option<PathBuf> {
+    let here = pin_dir.join(POLICY_FLOWS_MAP);
+    if here.exists() {
+        Some(here)
+    } else {
+        older_pin(node_dir, POLICY_FLOWS_MAP)
     }
 }
 
@@ -543,7 +603,8 @@ fn pin_err<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(MapError) -> Dat
 /// Before the object loads: checks each map of `specs` pinned in `pin_dir` (this layout's
 /// directory under `node_dir`). A match stays; a mismatch is unpinned (the loader creates
 /// the map anew), its entries read for [`Carried::restore`] where they convert. A map not
-/// pinned here is carried from an older layout directory where one has it.
+/// pinned here is carried from an older layout directory where one has it; the IPv4 policy
+/// flows' table from the table of both families that came before it ([`v4_flows_source`]).
 pub fn prepare(
     pin_dir: &Path,
     node_dir: &Path,
@@ -554,15 +615,23 @@ pub fn prepare(
         carries: Vec::new(),
         recreated: Vec::new(),
     };
-    for want in specs {
+    // The IPv4 flows' table first: its source may be a mismatched table of both families
+    // in this directory, which is unpinned when its turn comes.
+    let v4_first = specs
+        .iter()
+        .filter(|s| s.name == POLICY_FLOWS_V4_MAP)
+        .chain(specs.iter().filter(|s| s.name != POLICY_FLOWS_V4_MAP));
+    for want in v4_first {
         let here = pin_dir.join(&want.name);
-        let (from, older) = if here.exists() {
-            (here.clone(), false)
+        let source = if here.exists() {
+            Some((here.clone(), false))
+        } else if want.name == POLICY_FLOWS_V4_MAP {
+            v4_flows_source(pin_dir, node_dir).map(|p| (p, true))
         } else {
-            match older_pin(node_dir, &want.name) {
-                Some(p) => (p, true),
-                None => continue,
-            }
+            older_pin(node_dir, &want.name).map(|p| (p, true))
+        };
+        let Some((from, older)) = source else {
+            continue;
         };
         let info = MapInfo::from_pin(&from).map_err(pin_err(&from, "read pinned map info"))?;
         let have = MapSpec::of(&want.name, &info);
@@ -577,7 +646,7 @@ pub fn prepare(
             let source = MapData::from_pin(&from).map_err(pin_err(&from, "open pinned map"))?;
             if older {
                 tracing::info!(map = %want.name, from = %from.display(), entries = entries.len(),
-                    differences = ?diffs, "an older layout's map: carrying its entries into this layout's");
+                    differences = ?diffs, "an older layout's (or build's) map: carrying its entries into this layout's");
             } else {
                 tracing::warn!(map = %want.name, from = %from.display(), entries = entries.len(),
                     differences = ?diffs, "pinned map does not match this build: carrying its entries into a new one");

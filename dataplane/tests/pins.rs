@@ -8,11 +8,11 @@ use std::net::Ipv4Addr;
 use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{Array, HashMap, Map, MapData, MapInfo};
 use calix_common::{
-    layout, CtEntry, CtKey, EndpointInfo, FlowKey, PolicyFlow, PolicyKey, StackFlow,
-    BPF_MAP_TYPE_HASH, COUNTERS_MAP, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN, CT_MAP,
-    ENDPOINTS_MAP, IPPROTO_TCP, LAYOUT_VERSION, NAT_CONFIG_MAP, PF_TO_POD, POLICY_FLOWS_MAP,
-    POLICY_KEY_BITS, POLICY_MAP, POL_DIR_INGRESS, STACK_CLEARED_MAP, STACK_EPS_MAP,
-    STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
+    layout, CtEntry, CtKey, EndpointInfo, FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyKey,
+    StackFlow, BPF_MAP_TYPE_HASH, COUNTERS_MAP, CT_DIR_OUT, CT_DIR_REPLY, CT_F_ACK, CT_F_SEEN,
+    CT_MAP, ENDPOINTS_MAP, IPPROTO_TCP, LAYOUT_VERSION, NAT_CONFIG_MAP, PF_TO_POD,
+    POLICY_FLOWS_MAP, POLICY_FLOWS_V4_MAP, POLICY_KEY_BITS, POLICY_MAP, POL_DIR_INGRESS,
+    STACK_CLEARED_MAP, STACK_EPS_MAP, STACK_FLOWS_MAP, STACK_MARKED, STACK_OVERFLOW_MAP,
 };
 use calix_dataplane::ebpf::{EbpfConfig, EbpfDataplane};
 use calix_dataplane::nat::NatSettings;
@@ -210,23 +210,17 @@ fn resized_policy_maps_keep_their_entries() {
         for (k, v) in &entries {
             t.insert(k, v, 0).expect("a policy entry");
         }
-        let flow = FlowKey {
-            proto: IPPROTO_TCP,
-            family: 4,
-            pod_port: 8080u16.to_be(),
-            ..FlowKey::default()
-        };
+        let (flow, flow4) = (v6_flow(), v4_flow());
         let remembered = PolicyFlow {
             last_seen_ns: 5,
             generation: 3,
             flags: PF_TO_POD,
         };
-        let mut flows = HashMap::<MapData, FlowKey, PolicyFlow>::try_from(Map::LruHashMap(
-            MapData::from_pin(dir.join(POLICY_FLOWS_MAP)).expect("flows pin"),
-        ))
-        .expect("an LRU hash");
+        let mut flows = lru::<FlowKey>(&dir, POLICY_FLOWS_MAP);
         flows.insert(flow, remembered, 0).expect("a flow");
-        drop((t, flows));
+        let mut flows4 = lru::<PolicyFlowKeyV4>(&dir, POLICY_FLOWS_V4_MAP);
+        flows4.insert(flow4, remembered, 0).expect("an IPv4 flow");
+        drop((t, flows, flows4));
 
         let mut cfg = config(&pins, "n4", 1024);
         cfg.policy.entries = 64;
@@ -237,22 +231,32 @@ fn resized_policy_maps_keep_their_entries() {
                 .expect("pinned map info")
                 .max_entries()
         };
-        assert_eq!((size(POLICY_MAP), size(POLICY_FLOWS_MAP)), (64, 128));
+        assert_eq!(
+            (
+                size(POLICY_MAP),
+                size(POLICY_FLOWS_MAP),
+                size(POLICY_FLOWS_V4_MAP)
+            ),
+            (64, 128, 128)
+        );
         let t = trie(&dir);
         for (k, v) in &entries {
             assert_eq!(t.get(k, 0).ok(), Some(*v), "an allow entry carried over");
         }
-        let flows = HashMap::<MapData, FlowKey, PolicyFlow>::try_from(Map::LruHashMap(
-            MapData::from_pin(dir.join(POLICY_FLOWS_MAP)).expect("flows pin"),
-        ))
-        .expect("an LRU hash");
+        let flows = lru::<FlowKey>(&dir, POLICY_FLOWS_MAP);
         assert_eq!(
             flows.get(&flow, 0).ok(),
             Some(remembered),
             "the flow carried over"
         );
+        let flows4 = lru::<PolicyFlowKeyV4>(&dir, POLICY_FLOWS_V4_MAP);
+        assert_eq!(
+            flows4.get(&flow4, 0).ok(),
+            Some(remembered),
+            "the IPv4 flow carried over"
+        );
         dp.release();
-        drop((dp, t, flows));
+        drop((dp, t, flows, flows4));
 
         // Smaller than what it holds: what fits is kept.
         let mut cfg = config(&pins, "n4", 1024);
@@ -260,6 +264,100 @@ fn resized_policy_maps_keep_their_entries() {
         let dp = EbpfDataplane::load(cfg).expect("the dataplane loads into a smaller policy map");
         assert_eq!(size(POLICY_MAP), 2);
         assert_eq!(trie(&dir).keys().filter(Result::is_ok).count(), 2);
+        drop(dp);
+    });
+}
+
+/// The policy flow table `name` pinned in `dir`.
+fn lru<K: aya::Pod>(dir: &std::path::Path, name: &str) -> HashMap<MapData, K, PolicyFlow> {
+    HashMap::try_from(Map::LruHashMap(
+        MapData::from_pin(dir.join(name)).expect("a flow table's pin"),
+    ))
+    .expect("an LRU hash")
+}
+
+/// A remembered TCP flow of pod 10.244.0.10:8080 with 10.244.1.7:40000.
+fn v4_flow() -> PolicyFlowKeyV4 {
+    PolicyFlowKeyV4 {
+        pod: [10, 244, 0, 10],
+        peer: [10, 244, 1, 7],
+        pod_port: 8080u16.to_be(),
+        peer_port: 40000u16.to_be(),
+        proto: IPPROTO_TCP,
+        _pad: [0; 3],
+    }
+}
+
+/// A remembered TCP flow of pod fd00::a:8080 with fd00::1:7:40000.
+fn v6_flow() -> FlowKey {
+    let mut f = FlowKey {
+        proto: IPPROTO_TCP,
+        family: 6,
+        pod_port: 8080u16.to_be(),
+        peer_port: 40000u16.to_be(),
+        ..FlowKey::default()
+    };
+    f.pod = "fd00::a"
+        .parse::<std::net::Ipv6Addr>()
+        .expect("v6")
+        .octets();
+    f.peer = "fd00::1:7"
+        .parse::<std::net::Ipv6Addr>()
+        .expect("v6")
+        .octets();
+    f
+}
+
+/// An upgrade from the first builds of this layout, which kept IPv4 policy flows in
+/// `CALIX_POL_FLOWS` with the IPv6 ones: the new `CALIX_POL_FLOWS_V4` starts with them (an
+/// established flow's replies keep passing), including one the old programs add until they
+/// are replaced, and they leave the IPv6 table at the reconcile.
+#[test]
+fn the_first_builds_ipv4_policy_flows_move_into_their_own_table() {
+    in_netns(|| {
+        let pins = PinDir::new();
+        let dir = config(&pins, "n5", 1024).pin_dir();
+        let mut dp = EbpfDataplane::load(config(&pins, "n5", 1024)).expect("the dataplane loads");
+        dp.release();
+        drop(dp);
+        // The first builds had no IPv4 table.
+        std::fs::remove_file(dir.join(POLICY_FLOWS_V4_MAP)).expect("unpin the IPv4 table");
+        let remembered = PolicyFlow {
+            last_seen_ns: 5,
+            generation: 3,
+            flags: PF_TO_POD,
+        };
+        let late = PolicyFlowKeyV4 {
+            peer_port: 40001u16.to_be(),
+            ..v4_flow()
+        };
+        let mut both = lru::<FlowKey>(&dir, POLICY_FLOWS_MAP);
+        for f in [v4_flow().flow(), v6_flow()] {
+            both.insert(f, remembered, 0).expect("a flow");
+        }
+
+        let mut dp = EbpfDataplane::load(config(&pins, "n5", 1024)).expect("the dataplane loads");
+        let flows4 = lru::<PolicyFlowKeyV4>(&dir, POLICY_FLOWS_V4_MAP);
+        assert_eq!(
+            flows4.get(&v4_flow(), 0).ok(),
+            Some(remembered),
+            "the IPv4 flow is in its own table"
+        );
+        // The old programs (still attached until the reconcile) remember another one.
+        both.insert(late.flow(), remembered, 0)
+            .expect("a late flow");
+        dp.reconcile(&[]).expect("reconcile");
+        assert_eq!(
+            flows4.get(&late, 0).ok(),
+            Some(remembered),
+            "the flow the old programs added meanwhile followed"
+        );
+        let left: Vec<FlowKey> = both.keys().filter_map(Result::ok).collect();
+        assert_eq!(
+            left,
+            vec![v6_flow()],
+            "the IPv6 table keeps the IPv6 flow only"
+        );
         drop(dp);
     });
 }

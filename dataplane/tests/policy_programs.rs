@@ -11,8 +11,8 @@ mod harness;
 use std::collections::BTreeMap;
 
 use calix_common::{
-    DropReason, FlowKey, PolicyFlow, HOST_VETH_MAC, POLICY_FLOWS_MAP, PROG_FROM_HOST_DEV,
-    PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    DropReason, FlowKey, PolicyFlow, PolicyFlowKeyV4, HOST_VETH_MAC, POLICY_FLOWS_MAP,
+    POLICY_FLOWS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
 };
 use calix_core::policy::cluster::{Change, Cluster};
 use calix_core::policy::compiler::Compiler;
@@ -226,12 +226,15 @@ fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
 /// `[policy] keep_established`: a flow a change would refuse goes on (both ways), a new
 /// connection meets the new rules, and turning the option off refuses the kept flow from its
 /// next packet.
-/// The flows `CALIX_POL_FLOWS` remembers.
+/// The flows `CALIX_POL_FLOWS_V4` and `CALIX_POL_FLOWS` remember.
 fn remembered(h: &Harness) -> usize {
+    let map = h.bpf.map(POLICY_FLOWS_V4_MAP).expect("CALIX_POL_FLOWS_V4");
+    let flows4: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
+        aya::maps::HashMap::try_from(map).expect("a hash map");
     let map = h.bpf.map(POLICY_FLOWS_MAP).expect("CALIX_POL_FLOWS");
     let flows: aya::maps::HashMap<_, FlowKey, PolicyFlow> =
         aya::maps::HashMap::try_from(map).expect("a hash map");
-    flows.keys().filter(Result::is_ok).count()
+    flows4.keys().filter(Result::is_ok).count() + flows.keys().filter(Result::is_ok).count()
 }
 
 /// A connection that ends (both FINs and the last ACK, or a RST) takes its remembered flow

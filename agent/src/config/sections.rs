@@ -190,9 +190,10 @@ pub struct PolicyConfig {
     /// Allow entries of every endpoint of the node together (allocated as used). An endpoint
     /// whose entries do not fit denies what is missing and is reported.
     pub entries: u32,
-    /// Flows of isolated endpoints remembered, so that replies pass (an LRU allocated in full
-    /// at start, about 100 bytes a flow; when full, the least recently used is forgotten and
-    /// its next packet checked again as a new flow).
+    /// Flows of isolated endpoints remembered, so that replies pass, per family (an LRU for
+    /// IPv4 and one for IPv6, each allocated in full at start, about 100 bytes a flow; when
+    /// full, the least recently used is forgotten and its next packet checked again as a new
+    /// flow).
     pub flows: u32,
     /// A connection a policy change would refuse goes on until it goes idle (new connections
     /// meet the new rules), as Calico does; off (the default): refused from its next packet.

@@ -235,6 +235,7 @@ impl EbpfDataplane {
         let mut sizes: Vec<(&str, u32)> = ct_entries.map(|n| (CT_MAP, n)).into_iter().collect();
         sizes.push((calix_common::POLICY_MAP, cfg.policy.entries));
         sizes.push((calix_common::POLICY_FLOWS_MAP, cfg.policy.flows));
+        sizes.push((calix_common::POLICY_FLOWS_V4_MAP, cfg.policy.flows));
         let specs = pins::object_specs(&object, &sizes)?;
         let mut carried = pins::prepare(&pin_dir, &cfg.node_dir(), &specs)?;
         let mut loader = EbpfLoader::new();

@@ -597,8 +597,8 @@ pub struct PolicySettings {
     /// Allow entries of every endpoint of the node together (`CALIX_POLICY`, allocated as
     /// used).
     pub entries: u32,
-    /// Flows of isolated endpoints remembered so that replies pass (`CALIX_POL_FLOWS`, an LRU,
-    /// allocated in full when created).
+    /// Flows of isolated endpoints remembered so that replies pass, per family
+    /// (`CALIX_POL_FLOWS_V4`, `CALIX_POL_FLOWS`: LRUs allocated in full when created).
     pub flows: u32,
     /// A flow a change would refuse goes on until it goes idle (new flows meet the new
     /// rules); off: it is refused from its next packet.

@@ -20,8 +20,13 @@ pub const POLICY_STATE_MAP: &str = "CALIX_POL_STATE";
 /// LRU hash: [`crate::FlowKey`] (as seen from the pod) → [`PolicyFlow`]: the flows of isolated
 /// endpoints, so that replies pass and established flows are checked again after a change.
 pub const POLICY_FLOWS_MAP: &str = "CALIX_POL_FLOWS";
-/// Default size of [`POLICY_FLOWS_MAP`] (`[policy] flows`).
+/// Default size of [`POLICY_FLOWS_MAP`] and of [`POLICY_FLOWS_V4_MAP`], each (`[policy] flows`).
 pub const DEFAULT_POLICY_FLOWS: u32 = 262_144;
+/// LRU hash: [`PolicyFlowKeyV4`] → [`PolicyFlow`]: the IPv4 flows of isolated endpoints, in
+/// keys of 16 bytes instead of [`crate::FlowKey`]'s 40 (every packet of an isolated pod hashes
+/// and compares one); [`POLICY_FLOWS_MAP`] keeps the IPv6 ones. Added to layout 4 after its
+/// first builds, which kept IPv4 flows in [`POLICY_FLOWS_MAP`]: the agent carries them over.
+pub const POLICY_FLOWS_V4_MAP: &str = "CALIX_POL_FLOWS_V4";
 
 /// Per-CPU hash: [`PolicyHitKey`] (an endpoint's slot, a rule's number) → `u64`, how many
 /// times that rule decided for that endpoint (a new flow, a flow checked again after a change,
@@ -160,7 +165,50 @@ impl PolicyKey {
     }
 }
 
-/// A flow an isolated endpoint let through ([`POLICY_FLOWS_MAP`] value).
+/// An IPv4 flow as seen from a local pod ([`POLICY_FLOWS_V4_MAP`] key): [`crate::FlowKey`]'s
+/// fields for IPv4, without its 24 bytes of zeroes and its family.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct PolicyFlowKeyV4 {
+    pub pod: [u8; 4],
+    pub peer: [u8; 4],
+    /// Network byte order, as in [`crate::FlowKey`].
+    pub pod_port: u16,
+    pub peer_port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+impl PolicyFlowKeyV4 {
+    /// The key of `flow`, when it is an IPv4 flow.
+    pub fn of(flow: &crate::FlowKey) -> Option<Self> {
+        (flow.family == 4).then(|| Self {
+            pod: [flow.pod[0], flow.pod[1], flow.pod[2], flow.pod[3]],
+            peer: [flow.peer[0], flow.peer[1], flow.peer[2], flow.peer[3]],
+            pod_port: flow.pod_port,
+            peer_port: flow.peer_port,
+            proto: flow.proto,
+            _pad: [0; 3],
+        })
+    }
+
+    /// The flow this key stands for.
+    pub fn flow(&self) -> crate::FlowKey {
+        let mut f = crate::FlowKey {
+            pod_port: self.pod_port,
+            peer_port: self.peer_port,
+            proto: self.proto,
+            family: 4,
+            ..crate::FlowKey::default()
+        };
+        f.pod[..4].copy_from_slice(&self.pod);
+        f.peer[..4].copy_from_slice(&self.peer);
+        f
+    }
+}
+
+/// A flow an isolated endpoint let through ([`POLICY_FLOWS_MAP`] and [`POLICY_FLOWS_V4_MAP`]
+/// value).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PolicyFlow {

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 44] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 45] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -51,6 +51,11 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 44] {
         (
             POLICY_FLOWS_MAP,
             size_of::<FlowKey>(),
+            size_of::<PolicyFlow>(),
+        ),
+        (
+            POLICY_FLOWS_V4_MAP,
+            size_of::<PolicyFlowKeyV4>(),
             size_of::<PolicyFlow>(),
         ),
         (
@@ -161,6 +166,7 @@ fn layouts_have_no_padding() {
     assert_eq!(size_of::<DropKey>(), 8);
     assert_eq!(size_of::<DropCount>(), 16);
     assert_eq!(size_of::<FlowKey>(), 40);
+    assert_eq!(size_of::<PolicyFlowKeyV4>(), 16);
     assert_eq!(size_of::<PolicyDropEvent>(), 64);
     assert_eq!(size_of::<SvcKey>(), 20);
     assert_eq!(size_of::<SvcValue>(), 16);
@@ -303,4 +309,26 @@ fn the_client_hash_is_fixed() {
     let mut v6 = [0u8; 16];
     v6[..4].copy_from_slice(&[192, 0, 2, 1]);
     assert_ne!(svc_client_hash6(&v6, 0), svc_client_hash([192, 0, 2, 1], 0));
+}
+
+/// An IPv4 flow's 16-byte key stands for the same flow; an IPv6 flow has none.
+#[test]
+fn an_ipv4_flow_key_round_trips() {
+    let mut flow = FlowKey {
+        pod_port: 8080u16.to_be(),
+        peer_port: 40000u16.to_be(),
+        proto: IPPROTO_TCP,
+        family: 4,
+        ..FlowKey::default()
+    };
+    flow.pod[..4].copy_from_slice(&[10, 0, 0, 1]);
+    flow.peer[..4].copy_from_slice(&[10, 0, 1, 2]);
+    let key = PolicyFlowKeyV4::of(&flow).expect("an IPv4 flow");
+    assert_eq!(
+        (key.pod, key.peer, key.proto),
+        ([10, 0, 0, 1], [10, 0, 1, 2], IPPROTO_TCP)
+    );
+    assert_eq!(key.flow(), flow);
+    let v6 = FlowKey { family: 6, ..flow };
+    assert_eq!(PolicyFlowKeyV4::of(&v6), None);
 }

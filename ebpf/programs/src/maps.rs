@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
-    EndpointCounters, EventBudget, PolicyHitKey, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow,
+    EndpointCounters, EventBudget, PolicyHitKey, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow, PolicyFlowKeyV4,
     PolicyKey, PolicyScratch, PolicyState, StackFlow, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
     DEFAULT_POLICY_FLOWS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
     MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
@@ -172,6 +172,11 @@ pub static CALIX_POL_STATE: Array<PolicyState> = Array::pinned(MAX_ENDPOINTS, 0)
 pub static CALIX_POL_FLOWS: LruHashMap<FlowKey, PolicyFlow> =
     LruHashMap::pinned(DEFAULT_POLICY_FLOWS, 0);
 
+/// NetworkPolicy: the IPv4 flows of isolated endpoints, in 16-byte keys.
+#[map(name = "CALIX_POL_FLOWS_V4")]
+pub static CALIX_POL_FLOWS_V4: LruHashMap<PolicyFlowKeyV4, PolicyFlow> =
+    LruHashMap::pinned(DEFAULT_POLICY_FLOWS, 0);
+
 /// NetworkPolicy: the verdict's working space, one per CPU.
 #[map(name = "CALIX_POL_SCRATCH")]
 pub static CALIX_POL_SCRATCH: PerCpuArray<PolicyScratch> = PerCpuArray::pinned(1, 0);
@@ -218,6 +223,10 @@ const _: () = assert!(crate::str_eq(
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_FLOWS_MAP,
     "CALIX_POL_FLOWS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_FLOWS_V4_MAP,
+    "CALIX_POL_FLOWS_V4"
 ));
 const _: () = assert!(crate::str_eq(calix_common::CT_MAP, "CALIX_CT"));
 const _: () = assert!(crate::str_eq(

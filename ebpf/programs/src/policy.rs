@@ -34,7 +34,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    FlowKey, PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
+    PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
     DENIED_NO_RULE, DENIED_REVOKED, DENIED_UNREADABLE, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
     PF_FIN_PEER, PF_FIN_POD, PF_TO_POD, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
@@ -43,8 +43,12 @@ use calix_common::{
     PS_FIN, PS_KEYED, PS_RST, PS_SYN,
 };
 
+mod flows;
+
+use flows::{clear_flow, flow_get, flow_insert, flow_remove, swap_ends};
+
 use crate::maps::{
-    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_FLOWS, CALIX_POL_HITS,
+    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_HITS,
     CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_SCRATCH, CALIX_POL_STATE,
 };
 use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP};
@@ -57,7 +61,6 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 /// A remembered flow's time is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
-const BPF_ANY: u64 = 0;
 const BPF_NOEXIST: u64 = 1;
 
 /// A verdict: the packet is denied.
@@ -93,23 +96,6 @@ fn scratch() -> Option<&'static mut PolicyScratch> {
     // SAFETY: a per-CPU value from a successful lookup; a program runs to completion on its
     // CPU without migrating, so nothing else uses it meanwhile.
     CALIX_POL_SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
-}
-
-/// Zeroes the scratch's flow key in five 8-byte stores: `s.flow = FlowKey::default()` compiles
-/// to a call of the byte-wise `memset` (a BPF function of its own), ~25 ns a packet.
-#[inline(always)]
-fn clear_flow(s: &mut PolicyScratch) {
-    const WORDS: usize = core::mem::size_of::<FlowKey>() / 8;
-    const _: () = assert!(core::mem::size_of::<FlowKey>() == WORDS * 8);
-    // The scratch is a map value (8-byte aligned) and the flow its first field.
-    const _: () = assert!(core::mem::offset_of!(PolicyScratch, flow) == 0);
-    let words = &mut s.flow as *mut FlowKey as *mut u64;
-    for i in 0..WORDS {
-        // SAFETY: `s.flow` is 40 bytes of plain data at the start of an 8-byte aligned map
-        // value (checked above): five aligned u64 stores cover it exactly. Volatile, or the
-        // compiler merges them back into a call of `memset`.
-        unsafe { words.add(i).write_volatile(0) }
-    }
 }
 
 /// Copies 16 bytes of the packet at `off` into `dst` (a constant length, for the verifier).
@@ -432,7 +418,7 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let syn = s.flags & PS_SYN != 0;
     if !syn {
-        if let Some(f) = CALIX_POL_FLOWS.get_ptr_mut(&s.flow) {
+        if let Some(f) = flow_get(s) {
             // SAFETY: a pointer from a successful lookup, valid until the program returns;
             // racing writers store the same kind of values (benign).
             let f = unsafe { &mut *f };
@@ -473,7 +459,7 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                     return DENY;
                 }
                 if closed(f, dir, s.flags) {
-                    let _ = CALIX_POL_FLOWS.remove(&s.flow);
+                    flow_remove(s);
                 }
                 return ALLOW;
             }
@@ -543,7 +529,7 @@ fn remember(s: &mut PolicyScratch, st: &PolicyState, flags: u32, now: u64) {
     s.value.generation = st.generation;
     s.value.flags = flags;
     // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
-    let _ = CALIX_POL_FLOWS.insert(&s.flow, &s.value, BPF_ANY);
+    flow_insert(s);
 }
 
 /// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`.
@@ -604,8 +590,7 @@ pub fn ingress_of_sent(slot: u32) -> bool {
     let Some(s) = scratch() else {
         return false;
     };
-    core::mem::swap(&mut s.flow.pod, &mut s.flow.peer);
-    core::mem::swap(&mut s.flow.pod_port, &mut s.flow.peer_port);
+    swap_ends(s);
     s.identity = POLICY_WORLD;
     s.why = 0;
     allows(slot, &st, POL_DIR_INGRESS, s) == ALLOW
@@ -624,11 +609,11 @@ pub fn from_node(skb: *mut __sk_buff, slot: u32) {
     }
     // SAFETY: a plain helper call.
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    if let Some(old) = CALIX_POL_FLOWS.get_ptr_mut(&s.flow) {
+    if let Some(old) = flow_get(s) {
         // SAFETY: as in `allows`.
         let old = unsafe { &mut *old };
         if old.flags & PF_REVOKED == 0 && closed(old, POL_DIR_INGRESS, s.flags) {
-            let _ = CALIX_POL_FLOWS.remove(&s.flow);
+            flow_remove(s);
             return;
         }
         if old.generation == st.generation && now.wrapping_sub(old.last_seen_ns) <= REFRESH_NS {

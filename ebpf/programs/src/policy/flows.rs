@@ -1,0 +1,134 @@
+//! The scratch's flow key and the tables of remembered flows (`calix_common::policy`): IPv4
+//! flows in `CALIX_POL_FLOWS_V4` under 16-byte keys, IPv6 flows in `CALIX_POL_FLOWS` under
+//! the flow key itself. Each copy here is of aligned words: the BPF target compiles copies of
+//! byte arrays to one load and one store per byte, or to a call of `memset`.
+
+use calix_common::{FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyScratch};
+
+use crate::maps::{CALIX_POL_FLOWS, CALIX_POL_FLOWS_V4};
+
+const BPF_ANY: u64 = 0;
+
+/// Zeroes the scratch's flow key in five 8-byte stores: `s.flow = FlowKey::default()` compiles
+/// to a call of the byte-wise `memset` (a BPF function of its own), ~25 ns a packet.
+#[inline(always)]
+pub(super) fn clear_flow(s: &mut PolicyScratch) {
+    const WORDS: usize = core::mem::size_of::<FlowKey>() / 8;
+    const _: () = assert!(core::mem::size_of::<FlowKey>() == WORDS * 8);
+    // The scratch is a map value (8-byte aligned) and the flow its first field.
+    const _: () = assert!(core::mem::offset_of!(PolicyScratch, flow) == 0);
+    let words = &mut s.flow as *mut FlowKey as *mut u64;
+    for i in 0..WORDS {
+        // SAFETY: `s.flow` is 40 bytes of plain data at the start of an 8-byte aligned map
+        // value (checked above): five aligned u64 stores cover it exactly. Volatile, or the
+        // compiler merges them back into a call of `memset`.
+        unsafe { words.add(i).write_volatile(0) }
+    }
+}
+
+/// The 16-byte key of `s.flow` when it is an IPv4 flow (`CALIX_POL_FLOWS_V4`), built in
+/// `s.addr` (free but for the identity lookup of [`rules_verdict`], so built again before
+/// each use): four aligned 4-byte copies. `None` for IPv6 (`CALIX_POL_FLOWS`, keyed by
+/// `s.flow` itself).
+#[inline(always)]
+fn key_v4(s: &mut PolicyScratch) -> Option<*const PolicyFlowKeyV4> {
+    use core::mem::{offset_of, size_of};
+    const POD: usize = offset_of!(PolicyScratch, flow) + offset_of!(FlowKey, pod);
+    const PEER: usize = offset_of!(PolicyScratch, flow) + offset_of!(FlowKey, peer);
+    const PORTS: usize = offset_of!(PolicyScratch, flow) + offset_of!(FlowKey, pod_port);
+    const AT: usize = offset_of!(PolicyScratch, addr);
+    // The key: the pod's address, the peer's, both ports (as in `FlowKey`), the protocol and
+    // three zeroes; each part a 4-byte aligned word of the 8-byte aligned scratch.
+    const _: () = assert!(
+        size_of::<PolicyFlowKeyV4>() == 16
+            && offset_of!(PolicyFlowKeyV4, peer) == 4
+            && offset_of!(PolicyFlowKeyV4, pod_port) == 8
+            && offset_of!(PolicyFlowKeyV4, peer_port) == 10
+            && offset_of!(FlowKey, peer_port) == offset_of!(FlowKey, pod_port) + 2
+            && offset_of!(PolicyFlowKeyV4, proto) == 12
+            && POD % 4 == 0
+            && PEER % 4 == 0
+            && PORTS % 4 == 0
+            && AT % 4 == 0
+            && core::mem::align_of::<PolicyScratch>() >= 4
+    );
+    if s.flow.family != 4 {
+        return None;
+    }
+    let proto = u32::from_ne_bytes([s.flow.proto, 0, 0, 0]);
+    let base = s as *mut PolicyScratch as *mut u8;
+    // SAFETY: every offset is within the scratch and 4-byte aligned (checked above); the
+    // words are plain data.
+    unsafe {
+        let word = |off: usize| (base.add(off) as *const u32).read();
+        let (pod, peer, ports) = (word(POD), word(PEER), word(PORTS));
+        let key = base.add(AT) as *mut u32;
+        key.write(pod);
+        key.add(1).write(peer);
+        key.add(2).write(ports);
+        key.add(3).write(proto);
+        Some(key as *const PolicyFlowKeyV4)
+    }
+}
+
+/// The remembered flow of `s.flow`, if any.
+#[inline(always)]
+pub(super) fn flow_get(s: &mut PolicyScratch) -> Option<*mut PolicyFlow> {
+    match key_v4(s) {
+        // SAFETY: a key just built in the scratch.
+        Some(k) => CALIX_POL_FLOWS_V4.get_ptr_mut(unsafe { &*k }),
+        None => CALIX_POL_FLOWS.get_ptr_mut(&s.flow),
+    }
+}
+
+/// Forgets the flow of `s.flow`.
+#[inline(always)]
+pub(super) fn flow_remove(s: &mut PolicyScratch) {
+    let _ = match key_v4(s) {
+        // SAFETY: as in `flow_get`.
+        Some(k) => CALIX_POL_FLOWS_V4.remove(unsafe { &*k }),
+        None => CALIX_POL_FLOWS.remove(&s.flow),
+    };
+}
+
+/// Remembers `s.value` for the flow of `s.flow` (a full LRU table evicts its oldest flow).
+#[inline(always)]
+pub(super) fn flow_insert(s: &mut PolicyScratch) {
+    let _ = match key_v4(s) {
+        // SAFETY: as in `flow_get`.
+        Some(k) => CALIX_POL_FLOWS_V4.insert(unsafe { &*k }, &s.value, BPF_ANY),
+        None => CALIX_POL_FLOWS.insert(&s.flow, &s.value, BPF_ANY),
+    };
+}
+
+/// Turns `s.flow` around (seen from the other end): the addresses swapped in 8-byte words, the
+/// ports as one 4-byte word (`mem::swap` of the byte arrays compiled to 64 byte loads and
+/// stores).
+#[inline(always)]
+pub(super) fn swap_ends(s: &mut PolicyScratch) {
+    use core::mem::offset_of;
+    const POD: usize = offset_of!(FlowKey, pod);
+    const PEER: usize = offset_of!(FlowKey, peer);
+    const PORTS: usize = offset_of!(FlowKey, pod_port);
+    const _: () = assert!(
+        offset_of!(PolicyScratch, flow) == 0
+            && POD % 8 == 0
+            && PEER % 8 == 0
+            && PORTS % 4 == 0
+            && offset_of!(FlowKey, peer_port) == PORTS + 2
+            && core::mem::align_of::<PolicyScratch>() >= 8
+    );
+    let base = s as *mut PolicyScratch as *mut u8;
+    // SAFETY: the flow is the first field of the 8-byte aligned scratch; every word is
+    // within it and aligned (checked above); plain data.
+    unsafe {
+        let (pod, peer) = (base.add(POD) as *mut u64, base.add(PEER) as *mut u64);
+        for i in 0..2 {
+            let a = pod.add(i).read();
+            pod.add(i).write(peer.add(i).read());
+            peer.add(i).write(a);
+        }
+        let ports = base.add(PORTS) as *mut u32;
+        ports.write(ports.read().rotate_left(16));
+    }
+}
