@@ -108,13 +108,12 @@ impl Doors {
         }
     }
 
-    /// The addresses listened on.
+    /// The addresses listened on, IPv4 first and each family in order (the sockets are
+    /// bound concurrently, so their own order varies from one start to the next).
     pub fn listening(&self) -> Vec<String> {
-        self.lock()
-            .sockets
-            .iter()
-            .map(|(a, _)| a.to_string())
-            .collect()
+        let mut at: Vec<SocketAddr> = self.lock().sockets.iter().map(|(a, _)| *a).collect();
+        at.sort();
+        at.iter().map(SocketAddr::to_string).collect()
     }
 
     pub fn refused(&self) -> u64 {
@@ -295,5 +294,19 @@ mod tests {
         assert!(doors.door(ip).is_some(), "peer 2 holds the address");
         doors.forget(2, ip);
         assert!(doors.door(ip).is_none());
+    }
+
+    #[tokio::test]
+    async fn listeners_are_listed_ipv4_first_whatever_order_they_came_in() {
+        let doors = Doors::default();
+        for at in ["[::1]:0", "127.0.0.1:0"] {
+            let l = TcpListener::bind(at).await.expect("bind on loopback");
+            let at = l.local_addr().expect("address");
+            doors.add_socket(at, Arc::new(l));
+        }
+        let listed = doors.listening();
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        assert!(listed[0].starts_with("127.0.0.1:"), "{listed:?}");
+        assert!(listed[1].starts_with("[::1]:"), "{listed:?}");
     }
 }
