@@ -83,7 +83,10 @@ fuzz_target!(|data: &[u8]| {
         }
         assert!(rib.routes().len() <= LIMIT);
         for n in &installed {
-            assert!(rib.routes().get(n).is_some_and(|r| r.accepted), "{n} installed, not held");
+            assert!(
+                rib.routes().get(n).is_some_and(|r| r.accepted),
+                "{n} installed, not held"
+            );
         }
         now += Duration::from_millis(10);
         let _ = session.tick(now);

@@ -76,7 +76,10 @@ impl Stream {
             Ok(None) => {
                 let (parts, bytes) = self.a.pending().expect("an update under way");
                 assert!(parts <= self.limits.parts, "{parts} messages in one update");
-                assert!(bytes <= self.limits.update_bytes, "{bytes} bytes in one update");
+                assert!(
+                    bytes <= self.limits.update_bytes,
+                    "{bytes} bytes in one update"
+                );
             }
             Ok(Some(event)) => {
                 assert!(self.a.pending().is_none(), "the update completed");

@@ -12,8 +12,8 @@ use aya_ebpf::{
 use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC};
 
 use crate::counters;
-use crate::policy;
 use crate::packet::{self, v4, v6, Ipv4, Ipv6};
+use crate::policy;
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;

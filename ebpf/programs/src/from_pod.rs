@@ -28,11 +28,11 @@ use crate::flows;
 use crate::forward;
 use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_POOLS_V4, CALIX_POOLS_V6};
 use crate::nat;
-use crate::policy;
 use crate::packet::{
     self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
     IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
 };
+use crate::policy;
 
 #[inline(always)]
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {

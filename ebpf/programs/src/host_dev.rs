@@ -75,7 +75,8 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 // A client outside reaching a Service here; a backend here is delivered as a
                 // pod's packet is (one delivery in this frame, which is near the verifier's
                 // 512 bytes).
-                None => match crate::nodeport6::from_outside(ctx, crate::nodeport6::Head::of(&ip))? {
+                None => match crate::nodeport6::from_outside(ctx, crate::nodeport6::Head::of(&ip))?
+                {
                     // SAFETY: as above.
                     nodeport::TO_LOCAL => {
                         match crate::nodeport6::local_dst(ctx).map(|l| unsafe { &*l }) {

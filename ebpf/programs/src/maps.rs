@@ -12,15 +12,15 @@ use aya_ebpf::{
 };
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
-    EndpointCounters, EventBudget, PolicyHitKey, EndpointInfo, FailsafePort, FlowKey, LocalEndpoint, NatConfig, PolicyFlow, PolicyFlowKeyV4,
-    PolicyKey, PolicyScratch, PolicyState, StackFlow, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
-    DEFAULT_POLICY_FLOWS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
-    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_PREFIXES, MAX_POOLS,
-    MAX_POLICY_HITS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, DEFAULT_SVC_BACKENDS,
-    DEFAULT_SVC_FRONTENDS, SVC_REV_ENTRIES, SvcBackend, SvcBackendKey, SvcKey, SvcRevKey,
-    SvcFwdKey, SvcRevValue, SvcValue, SvcAffKey, SvcAffValue, SVC_AFFINITY_ENTRIES,
-    SvcNodeKey, SVC_NODE_ENTRIES, SvcCounters, SVC_COUNTER_ENTRIES, SvcFlowKey, SvcFlow,
-    SVC_FLOW_ENTRIES, SvcScratch, SvcMaglev, SVC_MAGLEV_ENTRIES,
+    EndpointCounters, EndpointInfo, EventBudget, FailsafePort, FlowKey, LocalEndpoint, NatConfig,
+    PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, StackFlow,
+    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcCounters, SvcFlow, SvcFlowKey, SvcFwdKey,
+    SvcKey, SvcMaglev, SvcNodeKey, SvcRevKey, SvcRevValue, SvcScratch, SvcValue,
+    DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES, DEFAULT_POLICY_FLOWS, DEFAULT_SVC_BACKENDS,
+    DEFAULT_SVC_FRONTENDS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
+    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_HITS, MAX_POLICY_PREFIXES,
+    MAX_POOLS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, SVC_AFFINITY_ENTRIES, SVC_COUNTER_ENTRIES,
+    SVC_FLOW_ENTRIES, SVC_MAGLEV_ENTRIES, SVC_NODE_ENTRIES, SVC_REV_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -194,7 +194,10 @@ pub static CALIX_POL_EVENTS: RingBuf = RingBuf::pinned(POLICY_EVENTS_BYTES, 0);
 #[map(name = "CALIX_POL_EVBUDGET")]
 pub static CALIX_POL_EVBUDGET: PerCpuArray<EventBudget> = PerCpuArray::pinned(1, 0);
 
-const _: () = assert!(crate::str_eq(calix_common::POLICY_HITS_MAP, "CALIX_POL_HITS"));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_HITS_MAP,
+    "CALIX_POL_HITS"
+));
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_EVENTS_MAP,
     "CALIX_POL_EVENTS"

@@ -31,9 +31,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    svc_client_hash, SvcBackend, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL,
-    SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK, SVC_REJECT,
-    SVC_V4,
+    svc_client_hash, SvcBackend, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP,
+    SVC_EXTERNAL, SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK,
+    SVC_REJECT, SVC_V4,
 };
 
 use crate::maps::{
@@ -213,7 +213,11 @@ pub(crate) fn pick(
         // Only a SYN begins a TCP flow: a segment of a flow this node does not hold (a reply
         // the host stack masqueraded, a stray ACK) is not translated, nor counted.
         if proto == IPPROTO_TCP && tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
-            return Err(if flags & SVC_DROP != 0 { DROP } else { NOT_OURS });
+            return Err(if flags & SVC_DROP != 0 {
+                DROP
+            } else {
+                NOT_OURS
+            });
         }
         if flags & SVC_DROP != 0 {
             count_front(s, false);
@@ -270,7 +274,13 @@ fn begin(
         fk.port = p.dport;
         fk.proto = proto;
         fk.family = SVC_V4 | SVC_EXTERNAL;
-        let b = match pick(s, proto, p.flags, |sport| svc_client_hash(client, sport), p.sport) {
+        let b = match pick(
+            s,
+            proto,
+            p.flags,
+            |sport| svc_client_hash(client, sport),
+            p.sport,
+        ) {
             Ok(b) => b,
             Err(verdict) => return Ok(verdict),
         };

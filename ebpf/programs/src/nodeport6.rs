@@ -26,8 +26,8 @@ use calix_common::{
 
 use crate::maps::{CALIX_LOCAL_V6, CALIX_SVC_FLOWS};
 use crate::nodeport::{
-    count_front, out_by, pick, ports_at, scratch, Ports, CHOSEN, DROP, NOT_OURS_VERDICT, NO_LOCAL_ENDPOINT,
-    TCP_ACK, TCP_SYN, TO_LOCAL,
+    count_front, out_by, pick, ports_at, scratch, Ports, CHOSEN, DROP, NOT_OURS_VERDICT,
+    NO_LOCAL_ENDPOINT, TCP_ACK, TCP_SYN, TO_LOCAL,
 };
 use crate::packet::{self, Ipv6, ETH_HLEN, IPPROTO_TCP, IPPROTO_UDP};
 
@@ -134,8 +134,13 @@ fn choose(ctx: &TcContext, ip: Head) -> Result<i32, c_long> {
         fk.proto = proto;
         fk.family = SVC_V6 | SVC_EXTERNAL;
         let client: *const [u8; 16] = &(*s).key.a;
-        let b = match pick(s, proto, p.flags, |sport| svc_client_hash6(&*client, sport), p.sport)
-        {
+        let b = match pick(
+            s,
+            proto,
+            p.flags,
+            |sport| svc_client_hash6(&*client, sport),
+            p.sport,
+        ) {
             Ok(b) => b,
             Err(DROP) => return Ok(NO_LOCAL_ENDPOINT),
             Err(_) => return Ok(NOT_OURS_VERDICT),
@@ -178,7 +183,14 @@ fn translate(ctx: &mut TcContext, ip: Head) -> Result<i32, c_long> {
     // the packet's destination (the frontend), the flow's address the backend's.
     unsafe {
         let (front, backend) = (&(*s).key.b, &(*s).flow.addr);
-        rewrite(ctx, ip.next_hdr, &p, false, (front, p.dport), (backend, (*s).flow.port))?;
+        rewrite(
+            ctx,
+            ip.next_hdr,
+            &p,
+            false,
+            (front, p.dport),
+            (backend, (*s).flow.port),
+        )?;
         if CALIX_LOCAL_V6.get_ptr(backend).is_some() {
             return Ok(TO_LOCAL);
         }
@@ -262,7 +274,14 @@ pub fn reply_from_pod(ctx: &mut TcContext, ip: Head) -> Result<Option<i32>, c_lo
     // SAFETY: `s` is this CPU's scratch entry, which `reply_of` just wrote.
     let ifindex = unsafe {
         let (backend, front) = (&(*s).key.a, &(*s).back.addr);
-        rewrite(ctx, ip.next_hdr, &p, true, (backend, p.sport), (front, (*s).back.port))?;
+        rewrite(
+            ctx,
+            ip.next_hdr,
+            &p,
+            true,
+            (backend, p.sport),
+            (front, (*s).back.port),
+        )?;
         (*s).back.ifindex
     };
     ctx.store(packet::v6::HOP_LIMIT, &(ip.hop_limit - 1), 0)?;
@@ -280,7 +299,14 @@ pub fn reply_after_stack(ctx: &mut TcContext, ip: Head) -> Result<(), c_long> {
         // SAFETY: as in `reply_from_pod`.
         unsafe {
             let (backend, front) = (&(*s).key.a, &(*s).back.addr);
-            rewrite(ctx, ip.next_hdr, &p, true, (backend, p.sport), (front, (*s).back.port))?;
+            rewrite(
+                ctx,
+                ip.next_hdr,
+                &p,
+                true,
+                (backend, p.sport),
+                (front, (*s).back.port),
+            )?;
         }
     }
     Ok(())

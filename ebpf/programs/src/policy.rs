@@ -34,13 +34,12 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState,
-    DENIED_NO_RULE, DENIED_REVOKED, DENIED_UNREADABLE, PF_FROM_POD, PF_REVOKED, PF_SERVICE,
-    PF_FIN_PEER, PF_FIN_POD, PF_TO_POD, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
-    POLICY_ANY_PEER, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE,
-    POLICY_WORLD, POL_DIR_EGRESS,
-    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
-    PS_FIN, PS_KEYED, PS_RST, PS_SYN,
+    PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE,
+    DENIED_REVOKED, DENIED_UNREADABLE, PF_FIN_PEER, PF_FIN_POD, PF_FROM_POD, PF_REVOKED,
+    PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
+    POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD,
+    POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
+    POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_RST, PS_SYN,
 };
 
 mod flows;
@@ -48,8 +47,8 @@ mod flows;
 use flows::{clear_flow, flow_get, flow_insert, flow_remove, swap_ends};
 
 use crate::maps::{
-    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_HITS,
-    CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_SCRATCH, CALIX_POL_STATE,
+    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_HITS, CALIX_POL_IDS_V4,
+    CALIX_POL_IDS_V6, CALIX_POL_SCRATCH, CALIX_POL_STATE,
 };
 use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP};
 
@@ -175,7 +174,9 @@ fn read(ctx: &TcContext, s: &mut PolicyScratch, pod_is_src: bool) -> bool {
     // IPv6 extension headers), read directly at a constant offset; the rest through the
     // helpers.
     let direct = match (s.flow.family, l4) {
-        (4, x) if x == ETH_HLEN + 20 => transport_at::<{ ETH_HLEN + 20 }>(ctx, l4_len, s.flow.proto),
+        (4, x) if x == ETH_HLEN + 20 => {
+            transport_at::<{ ETH_HLEN + 20 }>(ctx, l4_len, s.flow.proto)
+        }
         (6, x) if x == ETH_HLEN + packet::v6::LEN => {
             transport_at::<{ ETH_HLEN + packet::v6::LEN }>(ctx, l4_len, s.flow.proto)
         }
@@ -440,7 +441,8 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                     } else {
                         POL_DIR_INGRESS
                     };
-                    let allowed = (st.flags & POL_KEEP_ESTABLISHED != 0 && f.flags & PF_REVOKED == 0)
+                    let allowed = (st.flags & POL_KEEP_ESTABLISHED != 0
+                        && f.flags & PF_REVOKED == 0)
                         || rules_allow(slot, st, opened, s);
                     f.generation = st.generation;
                     f.flags = if allowed {

@@ -17,8 +17,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use calix_common::{
-    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcFwdKey, SvcKey, SvcNodeKey, SvcRevKey,
-    SvcCounters, SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
+    SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcCounters, SvcFwdKey, SvcKey, SvcNodeKey,
+    SvcRevKey, SvcRevValue, SvcValue, SVC_AFFINITY_SCAN, SVC_DROP, SVC_REJECT, SVC_V4, SVC_V6,
 };
 
 use crate::maps::{
@@ -66,8 +66,12 @@ fn set_dest(ctx: &SockAddrContext, v6: bool, addr: &[u8; 16], port: u16) {
     let sa = unsafe { &mut *ctx.sock_addr };
     if v6 {
         for i in 0..4 {
-            sa.user_ip6[i] =
-                u32::from_ne_bytes([addr[i * 4], addr[i * 4 + 1], addr[i * 4 + 2], addr[i * 4 + 3]]);
+            sa.user_ip6[i] = u32::from_ne_bytes([
+                addr[i * 4],
+                addr[i * 4 + 1],
+                addr[i * 4 + 2],
+                addr[i * 4 + 3],
+            ]);
         }
     } else {
         sa.user_ip4 = u32::from_ne_bytes([addr[0], addr[1], addr[2], addr[3]]);
@@ -215,7 +219,11 @@ fn same(a: &[u8; 16], b: &[u8; 16]) -> bool {
 /// [`SVC_AFFINITY_SCAN`] once they changed) and its last connection is more recent than the
 /// timeout; else any, remembered. `None`: the agent is between two writes of the frontend.
 #[inline(always)]
-fn pick(ctx: &SockAddrContext, k: &SvcKey, front: &SvcValue) -> Option<(SvcBackendKey, SvcBackend)> {
+fn pick(
+    ctx: &SockAddrContext,
+    k: &SvcKey,
+    front: &SvcValue,
+) -> Option<(SvcBackendKey, SvcBackend)> {
     // SAFETY: a helper without arguments.
     let index = unsafe { bpf_get_prandom_u32() } % front.count;
     let any = SvcBackendKey {
