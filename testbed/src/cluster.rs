@@ -60,7 +60,7 @@ impl Cluster {
         for s in SUBNETS {
             let br = bridge(s);
             underlay.ip(&format!("link add {br} type bridge mcast_snooping 0"))?;
-            // No DAD on the links' link-local addresses (see the nodes' eth0 below).
+            // No DAD on its link-local address, as on the testbed's veths ([`crate::netns::veth`]).
             underlay.sysctl(&format!("net.ipv6.conf.{br}.accept_dad=0"))?;
             underlay.ip(&format!("addr add {} dev {br}", gateway_cidr(s, false)))?;
             underlay.ip(&format!(
@@ -90,11 +90,6 @@ impl Cluster {
                 "addr add {}/64 dev eth0 nodad",
                 node_address6(i, s)
             ))?;
-            // A router sends its neighbour solicitations for a forwarded packet from the link's
-            // link-local address, and sends none while that address is tentative (DAD, up to
-            // 2 s after the link comes up): a pod's first IPv6 packet to another node was lost
-            // now and then. A real node's uplink finished DAD long before its first pod.
-            ns.sysctl("net.ipv6.conf.eth0.accept_dad=0")?;
             ns.ip("link set eth0 up")?;
             ns.ip("link set lo up")?;
             ns.ip(&format!("route add default via {}", gateway(s, false)))?;

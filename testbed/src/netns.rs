@@ -273,7 +273,13 @@ pub fn veth(a: &Netns, a_if: &str, b: &Netns, b_if: &str) -> Result<()> {
     a.ip(&format!(
         "link add {a_if} type veth peer name {b_if} netns {}",
         b.name
-    ))
+    ))?;
+    // No DAD on either end's link-local address: a router sends no neighbour solicitation for
+    // a forwarded packet while the link's link-local address is tentative (up to 2 s after
+    // the link comes up), so a test's first IPv6 packet through a fresh router was lost now
+    // and then. A real underlay's links finished DAD long before their first pod.
+    a.sysctl(&format!("net/ipv6/conf/{a_if}/accept_dad=0"))?;
+    b.sysctl(&format!("net/ipv6/conf/{b_if}/accept_dad=0"))
 }
 
 /// Wires a node's uplink: veth `uplink` in `node`, addressed `node_cidr` and up, whose peer is
