@@ -256,6 +256,29 @@ fn reply_of(ctx: &TcContext, ip: Head, p: &Ports) -> Option<*mut SvcScratch> {
     Some(s)
 }
 
+/// A backend's reply, `s` from [`reply_of`]: its source (the backend's address and port)
+/// replaced by the frontend's.
+#[inline(always)]
+fn rewrite_reply(
+    ctx: &mut TcContext,
+    ip: Head,
+    p: &Ports,
+    s: *mut SvcScratch,
+) -> Result<(), c_long> {
+    // SAFETY: `s` is this CPU's scratch entry, which `reply_of` just wrote.
+    unsafe {
+        let (backend, front) = (&(*s).key.a, &(*s).back.addr);
+        rewrite(
+            ctx,
+            ip.next_hdr,
+            p,
+            true,
+            (backend, p.sport),
+            (front, (*s).back.port),
+        )
+    }
+}
+
 /// `from_pod`: a local backend's reply to a client outside leaves from the frontend, by the
 /// interface the client's packets came in on (as `nodeport::reply_from_pod_v4`). `None`: not
 /// such a reply.
@@ -271,19 +294,9 @@ pub fn reply_from_pod(ctx: &mut TcContext, ip: Head) -> Result<Option<i32>, c_lo
     let Some(s) = reply_of(ctx, ip, &p) else {
         return Ok(None);
     };
+    rewrite_reply(ctx, ip, &p, s)?;
     // SAFETY: `s` is this CPU's scratch entry, which `reply_of` just wrote.
-    let ifindex = unsafe {
-        let (backend, front) = (&(*s).key.a, &(*s).back.addr);
-        rewrite(
-            ctx,
-            ip.next_hdr,
-            &p,
-            true,
-            (backend, p.sport),
-            (front, (*s).back.port),
-        )?;
-        (*s).back.ifindex
-    };
+    let ifindex = unsafe { (*s).back.ifindex };
     ctx.store(packet::v6::HOP_LIMIT, &(ip.hop_limit - 1), 0)?;
     Ok(Some(out_by(ctx, ifindex)))
 }
@@ -296,18 +309,7 @@ pub fn reply_after_stack(ctx: &mut TcContext, ip: Head) -> Result<(), c_long> {
         return Ok(());
     };
     if let Some(s) = reply_of(ctx, ip, &p) {
-        // SAFETY: as in `reply_from_pod`.
-        unsafe {
-            let (backend, front) = (&(*s).key.a, &(*s).back.addr);
-            rewrite(
-                ctx,
-                ip.next_hdr,
-                &p,
-                true,
-                (backend, p.sport),
-                (front, (*s).back.port),
-            )?;
-        }
+        rewrite_reply(ctx, ip, &p, s)?;
     }
     Ok(())
 }
