@@ -503,19 +503,16 @@ pub fn allocate(
 /// Sets every field of a new entry in place (no temporary on the stack).
 #[inline(always)]
 fn fill(e: &mut CtEntry, now: u64, addr: [u8; 4], port: u16, flags: u16, owner: u32) {
+    // Zeroed first in 8-byte stores: its zero fields written one by one compile to calls of
+    // `memset` (58 bytes' worth).
+    const _: () = assert!(core::mem::align_of::<CtEntry>() == 8);
+    // SAFETY: a reference (valid), 8-byte aligned (checked above); plain data.
+    unsafe { crate::packet::zero_words(e) };
     e.last_seen_ns = now;
     e.addr = addr;
     e.port = port;
     e.flags = flags;
-    e.route_ns = 0;
-    e.route_ifindex = 0;
-    e.route_macs = [0; 12];
-    e.seq_end = 0;
-    e.max_win = 0;
     e.owner = owner;
-    e.last_ack = 0;
-    e.wscale = 0;
-    e._pad = [0; 7];
 }
 
 /// A TCP SYN (without ACK) on an original entry whose connection is over: the pod reuses

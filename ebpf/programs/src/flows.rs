@@ -40,21 +40,20 @@ pub fn key_v4(ctx: &TcContext, ip: &Ipv4, pod_is_src: bool) -> Option<FlowKey> {
     }
     let l4_len = usize::from(ip.tot_len).saturating_sub(ip.ihl);
     let (sport, dport) = packet::ports(ctx, ETH_HLEN + ip.ihl, l4_len, ip.proto)?;
-    let mut k = FlowKey {
-        proto: ip.proto,
-        family: 4,
-        ..FlowKey::default()
-    };
     let (pod, peer, pod_port, peer_port) = if pod_is_src {
         (ip.src, ip.dst, sport, dport)
     } else {
         (ip.dst, ip.src, dport, sport)
     };
-    k.pod[..4].copy_from_slice(&pod);
-    k.peer[..4].copy_from_slice(&peer);
-    k.pod_port = pod_port;
-    k.peer_port = peer_port;
-    Some(k)
+    Some(FlowKey {
+        pod: packet::v4_addr16(pod),
+        peer: packet::v4_addr16(peer),
+        pod_port,
+        peer_port,
+        proto: ip.proto,
+        family: 4,
+        _pad: [0; 2],
+    })
 }
 
 /// As [`key_v4`] for IPv6 (no extension headers: anything else has no key).

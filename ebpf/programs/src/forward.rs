@@ -10,6 +10,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC};
+use core::mem::{size_of, MaybeUninit};
 
 use crate::counters;
 use crate::packet::{self, v4, v6, Ipv4, Ipv6};
@@ -134,16 +135,9 @@ fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, read: bool) -> Result<i32, c
 /// interface; anything the FIB cannot settle (local delivery, no route, blackhole...) goes to
 /// the host stack.
 #[inline(always)]
-fn via_fib(ctx: &mut TcContext, mut p: FibParams, t: Ttl) -> Result<i32, c_long> {
+fn via_fib(ctx: &mut TcContext, p: &mut FibParams, t: Ttl) -> Result<i32, c_long> {
     // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
-    let rc = unsafe {
-        bpf_fib_lookup(
-            ctx.skb.skb as *mut _,
-            &mut p,
-            core::mem::size_of::<FibParams>() as i32,
-            0,
-        )
-    };
+    let rc = unsafe { bpf_fib_lookup(ctx.skb.skb as *mut _, p, size_of::<FibParams>() as i32, 0) };
     if rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH {
         return Ok(TC_ACT_OK);
     }
@@ -162,10 +156,30 @@ fn via_fib(ctx: &mut TcContext, mut p: FibParams, t: Ttl) -> Result<i32, c_long>
     Ok(unsafe { bpf_redirect_neigh(p.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
 }
 
-fn zeroed_params() -> FibParams {
-    // SAFETY: bpf_fib_lookup is plain data (integers, arrays, unions of integers); all-zero is
-    // its documented initial state.
-    unsafe { core::mem::zeroed() }
+/// Room on the stack for the FIB lookup's parameters, 8-byte aligned so that they are zeroed
+/// in eight 8-byte stores: `core::mem::zeroed()` of the 64-byte struct compiles to a call of
+/// the byte-wise `memset` (64 iterations of a loop, on every packet to another node).
+#[repr(C, align(8))]
+pub struct FibBuf(MaybeUninit<FibParams>);
+
+impl FibBuf {
+    /// Room for parameters, filled in by [`fib_params_v4`] (or zeroed first by this module).
+    #[inline(always)]
+    pub fn uninit() -> Self {
+        Self(MaybeUninit::uninit())
+    }
+
+    /// The parameters, all zero (their documented initial state).
+    #[inline(always)]
+    fn zeroed(&mut self) -> &mut FibParams {
+        const _: () = assert!(size_of::<FibBuf>() == size_of::<FibParams>());
+        // SAFETY: a reference to the buffer (8-byte aligned by its type), no more than the
+        // parameters (checked above).
+        unsafe { packet::zero_words(self) };
+        // SAFETY: every byte was just written; bpf_fib_lookup is plain data (integers,
+        // arrays, unions of integers), for which all-zero is a valid value.
+        unsafe { self.0.assume_init_mut() }
+    }
 }
 
 /// The FIB lookup parameters of an IPv4 packet arriving on `ifindex`. `tot_len` stays 0: the
@@ -173,8 +187,8 @@ fn zeroed_params() -> FibParams {
 /// from a pod: one frame of many segments, cut at the egress) passes; its IP header's length
 /// would not, and every such packet would take the host stack.
 #[inline(always)]
-pub fn fib_params_v4(ip: &Ipv4, ifindex: u32) -> FibParams {
-    let mut p = zeroed_params();
+pub fn fib_params_v4<'a>(buf: &'a mut FibBuf, ip: &Ipv4, ifindex: u32) -> &'a mut FibParams {
+    let p = buf.zeroed();
     p.family = AF_INET;
     p.l4_protocol = ip.proto;
     p.ifindex = ifindex;
@@ -186,13 +200,15 @@ pub fn fib_params_v4(ip: &Ipv4, ifindex: u32) -> FibParams {
 /// IPv4 to another node.
 #[inline(always)]
 pub fn remote_v4(ctx: &mut TcContext, ip: &Ipv4, ifindex: u32) -> Result<i32, c_long> {
-    via_fib(ctx, fib_params_v4(ip, ifindex), Ttl::of_v4(ip))
+    let mut buf = FibBuf::uninit();
+    via_fib(ctx, fib_params_v4(&mut buf, ip, ifindex), Ttl::of_v4(ip))
 }
 
 /// IPv6 to another node (`tot_len` 0, as in [`fib_params_v4`]).
 #[inline(always)]
 pub fn remote_v6(ctx: &mut TcContext, ip: &Ipv6, ifindex: u32) -> Result<i32, c_long> {
-    let mut p = zeroed_params();
+    let mut buf = FibBuf::uninit();
+    let p = buf.zeroed();
     p.family = AF_INET6;
     p.l4_protocol = ip.next_hdr;
     p.ifindex = ifindex;

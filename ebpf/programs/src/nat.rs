@@ -314,12 +314,13 @@ fn lookup_route(
     ifindex: u32,
     ip: &Ipv4,
 ) -> Option<(Route, [u8; 4])> {
-    let mut p: FibParams = forward::fib_params_v4(ip, ifindex);
+    let mut buf = forward::FibBuf::uninit();
+    let p = forward::fib_params_v4(&mut buf, ip, ifindex);
     // SAFETY: `p` is a valid, initialised bpf_fib_lookup and the size matches.
     let rc = unsafe {
         bpf_fib_lookup(
             ctx.skb.skb as *mut _,
-            &mut p,
+            p,
             core::mem::size_of::<FibParams>() as i32,
             BPF_FIB_LOOKUP_SRC,
         )

@@ -149,14 +149,8 @@ pub(crate) fn scratch() -> Option<*mut SvcScratch> {
 fn set_key(k: *mut SvcFlowKey, proto: u8, dir: u8, a: ([u8; 4], u16), b: ([u8; 4], u16)) {
     // SAFETY: `k` points into this CPU's scratch entry, which nothing else uses meanwhile.
     unsafe {
-        for i in 0..16 {
-            (*k).a[i] = 0;
-            (*k).b[i] = 0;
-        }
-        for i in 0..4 {
-            (*k).a[i] = a.0[i];
-            (*k).b[i] = b.0[i];
-        }
+        (*k).a = packet::v4_addr16(a.0);
+        (*k).b = packet::v4_addr16(b.0);
         (*k).a_port = a.1;
         (*k).b_port = b.1;
         (*k).proto = proto;
@@ -171,12 +165,7 @@ fn set_key(k: *mut SvcFlowKey, proto: u8, dir: u8, a: ([u8; 4], u16), b: ([u8; 4
 fn set_flow(f: *mut SvcFlow, addr: [u8; 4], port: u16, remote: u8, ifindex: u32) {
     // SAFETY: as in `set_key`.
     unsafe {
-        for i in 0..16 {
-            (*f).addr[i] = 0;
-        }
-        for i in 0..4 {
-            (*f).addr[i] = addr[i];
-        }
+        (*f).addr = packet::v4_addr16(addr);
         (*f).port = port;
         (*f).remote = remote;
         (*f)._pad = 0;
@@ -265,12 +254,7 @@ fn begin(
     // field by field.
     unsafe {
         let fk = &mut (*s).front;
-        for i in 0..16 {
-            fk.addr[i] = 0;
-        }
-        for i in 0..4 {
-            fk.addr[i] = front[i];
-        }
+        fk.addr = packet::v4_addr16(front);
         fk.port = p.dport;
         fk.proto = proto;
         fk.family = SVC_V4 | SVC_EXTERNAL;

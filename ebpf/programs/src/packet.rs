@@ -196,6 +196,39 @@ pub fn arp_sender(ctx: &TcContext) -> Option<[u8; 4]> {
     ctx.load(arp::SPA).ok()
 }
 
+/// Zeroes the `T` at `p` in 8-byte stores: zeroing a struct (`Default`, `mem::zeroed`, or its
+/// zero fields one by one) compiles on the BPF target to a call of the byte-wise `memset` (a
+/// loop of one store per byte).
+///
+/// # Safety
+/// `p` is valid for writes of a `T`, 8-byte aligned, and all-zero is a valid `T`.
+#[inline(always)]
+pub unsafe fn zero_words<T>(p: *mut T) {
+    const { assert!(core::mem::size_of::<T>() % 8 == 0) };
+    let words = p as *mut u64;
+    for i in 0..core::mem::size_of::<T>() / 8 {
+        // SAFETY: within the `T` (a whole number of words, checked above), aligned (the
+        // caller's promise). Volatile, or the compiler merges the stores back into `memset`.
+        unsafe { words.add(i).write_volatile(0) }
+    }
+}
+
+/// A 16-byte address field from four 4-byte words (an IPv4 address: `[addr, 0, 0, 0]`). A
+/// key's address built as bytes, its zero tail set by `..Default::default()`, a `[0; 16]` or a
+/// loop, compiles on the BPF target to a call of the byte-wise `memset` (a loop of one store
+/// per byte); words are a few stores.
+#[inline(always)]
+pub fn addr16(words: [u32; 4]) -> [u8; 16] {
+    // SAFETY: both are 16 bytes of plain data, for which every bit pattern is valid.
+    unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(words) }
+}
+
+/// [`addr16`] of an IPv4 address: the address, then 12 zero bytes.
+#[inline(always)]
+pub fn v4_addr16(a: [u8; 4]) -> [u8; 16] {
+    addr16([u32::from_ne_bytes(a), 0, 0, 0])
+}
+
 /// fe80::/10.
 #[inline(always)]
 pub fn is_v6_link_local(a: &[u8; 16]) -> bool {

@@ -25,6 +25,7 @@ use crate::maps::{
     CALIX_SVC_AFF, CALIX_SVC_BACKS, CALIX_SVC_COUNT, CALIX_SVC_FRONTS, CALIX_SVC_FWD,
     CALIX_SVC_NODES, CALIX_SVC_REV,
 };
+use crate::packet;
 
 const ALLOW: i32 = 1;
 const REFUSE: i32 = 0;
@@ -42,20 +43,17 @@ fn key(ctx: &SockAddrContext, v6: bool) -> Option<SvcKey> {
         IPPROTO_TCP | IPPROTO_UDP => sa.protocol as u8,
         _ => return None,
     };
-    let mut k = SvcKey {
+    Some(SvcKey {
+        // The words as the kernel holds them: network order in memory.
+        addr: packet::addr16(if v6 {
+            sa.user_ip6
+        } else {
+            [sa.user_ip4, 0, 0, 0]
+        }),
         port: sa.user_port as u16,
         proto,
         family: if v6 { SVC_V6 } else { SVC_V4 },
-        ..SvcKey::default()
-    };
-    if v6 {
-        for i in 0..4 {
-            k.addr[i * 4..i * 4 + 4].copy_from_slice(&sa.user_ip6[i].to_ne_bytes());
-        }
-    } else {
-        k.addr[..4].copy_from_slice(&sa.user_ip4.to_ne_bytes());
-    }
-    Some(k)
+    })
 }
 
 /// Writes `addr`/`port` (network order, as stored) as the call's destination.

@@ -13,17 +13,11 @@ const BPF_ANY: u64 = 0;
 /// to a call of the byte-wise `memset` (a BPF function of its own), ~25 ns a packet.
 #[inline(always)]
 pub(super) fn clear_flow(s: &mut PolicyScratch) {
-    const WORDS: usize = core::mem::size_of::<FlowKey>() / 8;
-    const _: () = assert!(core::mem::size_of::<FlowKey>() == WORDS * 8);
     // The scratch is a map value (8-byte aligned) and the flow its first field.
     const _: () = assert!(core::mem::offset_of!(PolicyScratch, flow) == 0);
-    let words = &mut s.flow as *mut FlowKey as *mut u64;
-    for i in 0..WORDS {
-        // SAFETY: `s.flow` is 40 bytes of plain data at the start of an 8-byte aligned map
-        // value (checked above): five aligned u64 stores cover it exactly. Volatile, or the
-        // compiler merges them back into a call of `memset`.
-        unsafe { words.add(i).write_volatile(0) }
-    }
+    // SAFETY: `s.flow` is plain data at the start of an 8-byte aligned map value (checked
+    // above).
+    unsafe { crate::packet::zero_words(&mut s.flow) }
 }
 
 /// The 16-byte key of `s.flow` when it is an IPv4 flow (`CALIX_POL_FLOWS_V4`), built in
