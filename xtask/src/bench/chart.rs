@@ -16,6 +16,7 @@ pub const GREEN: RGBColor = RGBColor(0x2c, 0xa0, 0x2c);
 pub const RED: RGBColor = RGBColor(0xd6, 0x27, 0x28);
 pub const PURPLE: RGBColor = RGBColor(0x94, 0x67, 0xbd);
 pub const GREY: RGBColor = RGBColor(0x7f, 0x7f, 0x7f);
+pub const LIGHT_GREY: RGBColor = RGBColor(0xc7, 0xc7, 0xc7);
 pub const CYAN: RGBColor = RGBColor(0x17, 0xbe, 0xcf);
 pub const LIGHT_BLUE: RGBColor = RGBColor(0xae, 0xc7, 0xe8);
 pub const PALE_BLUE: RGBColor = RGBColor(0x9e, 0xc9, 0xe2);

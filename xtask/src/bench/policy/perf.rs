@@ -26,16 +26,25 @@ pub(super) enum Variant {
     R10,
     R100,
     R1000,
+    /// No policy either, a pair of its own: the control (A/A). Its ratio to [`Variant::None`]
+    /// is what two pairs differ by with nothing between them but their pods (addresses,
+    /// namespaces, port tables), the yardstick for the others' ratios.
+    NoneAgain,
 }
 
-pub(super) const VARIANTS: [Variant; 4] =
-    [Variant::None, Variant::R10, Variant::R100, Variant::R1000];
+pub(super) const VARIANTS: [Variant; 5] = [
+    Variant::None,
+    Variant::R10,
+    Variant::R100,
+    Variant::R1000,
+    Variant::NoneAgain,
+];
 
 impl Variant {
     /// Rules in each direction (0: no policy selects the pods).
     pub(super) fn rules(self) -> usize {
         match self {
-            Self::None => 0,
+            Self::None | Self::NoneAgain => 0,
             Self::R10 => 10,
             Self::R100 => 100,
             Self::R1000 => 1000,
@@ -50,6 +59,7 @@ impl Compared for Variant {
             Self::R10 => ("10 rules", "r10", chart::LIGHT_BLUE),
             Self::R100 => ("100 rules", "r100", chart::BLUE),
             Self::R1000 => ("1,000 rules", "r1000", chart::PURPLE),
+            Self::NoneAgain => ("no policy, second pair", "none2", chart::LIGHT_GREY),
         }
     }
 }
@@ -66,8 +76,8 @@ pub(super) struct PerPacket {
 
 /// Every variant's results (by [`Variant`] as usize), and what the policies held.
 pub(super) struct Results {
-    pub(super) traffic: [Samples; 4],
-    pub(super) by_variant: [PerPacket; 4],
+    pub(super) traffic: [Samples; VARIANTS.len()],
+    pub(super) by_variant: [PerPacket; VARIANTS.len()],
     /// What the dataplane held for policy (`calixctl policy`'s dataplane line).
     pub(super) programmed: String,
     pub(super) cpu: usize,
@@ -100,8 +110,17 @@ impl Profile {
 /// The untimed TCP_CRR run a variant is profiled over (seconds).
 pub(super) const PROFILE_SECS: f64 = 4.0;
 
-/// The profiled runs, in order.
-const PROFILED: [Variant; 4] = [Variant::None, Variant::R100, Variant::R100, Variant::None];
+/// The profiled runs, in order: each variant's two runs placed symmetrically (each run's
+/// TIME_WAIT sockets slow the next one's connects). The control's pair tells what two pairs
+/// with no policy differ by.
+const PROFILED: [Variant; 6] = [
+    Variant::None,
+    Variant::R100,
+    Variant::NoneAgain,
+    Variant::NoneAgain,
+    Variant::R100,
+    Variant::None,
+];
 
 /// A symbol's CPU time per connection (ns) over `v`'s runs in `profiles` (their mean).
 pub(super) fn ns_per_conn(profiles: &[Profile], v: Variant, sym: &str) -> f64 {
@@ -242,8 +261,8 @@ pub(super) fn run(
         .iter()
         .map(|p| node.prog_pin(p).with_context(|| format!("no pin of {p}")))
         .collect::<Result<Vec<_>>>()?;
-    let mut by_variant: [PerPacket; 4] = Default::default();
-    let mut traffic: [Samples; 4] = Default::default();
+    let mut by_variant: [PerPacket; VARIANTS.len()] = Default::default();
+    let mut traffic: [Samples; VARIANTS.len()] = Default::default();
     repetitions(reps, &VARIANTS, |v| {
         let (p, r) = (&pairs[v as usize], &mut by_variant[v as usize]);
         let m = tools.measure(&p.traffic, secs, Some(&node.ns), true)?;
@@ -273,8 +292,8 @@ pub(super) fn run(
         ));
         Ok(line)
     })?;
-    // A, B, B, A: each run leaves ~60 s of TIME_WAIT sockets in the host's port tables, which
-    // slow the next run's connects whatever its variant.
+    // A, B, C, C, B, A: each run leaves ~60 s of TIME_WAIT sockets in the host's port tables,
+    // which slow the next run's connects whatever its variant.
     let mut profiles = Vec::new();
     for v in PROFILED {
         println!("[profile] {}: TCP_CRR under perf record", v.label());

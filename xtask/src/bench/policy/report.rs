@@ -53,9 +53,10 @@ impl Report {
     fn targets(&self) -> Vec<(String, Option<bool>)> {
         let above = median(&self.above_none(Variant::R100, false));
         let above_rr = median(&self.above_none(Variant::R100, true));
-        let (c100, c0) = (
+        let (c100, c0, again) = (
             median(&self.traffic(Variant::R100).crr),
             median(&self.traffic(Variant::None).crr),
+            median(&self.traffic(Variant::NoneAgain).crr),
         );
         let p99 = |v: &[f64]| percentile(v, 99.0);
         let worst = p99(&self.latency.policy_ms).max(p99(&self.latency.label_ms));
@@ -75,11 +76,12 @@ impl Report {
             (
                 format!(
                     "same-node conn/s with 100 rules ≥ 0.97× no policy: {} vs {} ({:.3}×; \
-                     0.97× is {})",
+                     0.97× is {}; the control, a second pair with no policy: {:.3}×)",
                     fmt_0(c100),
                     fmt_0(c0),
                     c100 / c0,
-                    fmt_0(0.97 * c0)
+                    fmt_0(0.97 * c0),
+                    again / c0
                 ),
                 Some(c100 >= 0.97 * c0),
             ),
@@ -206,8 +208,12 @@ impl Report {
              server pinned to CPU {}: TCP_CRR, TCP_RR and iperf3 as in \
              [dataplane](dataplane.md), then the programs' own run time per packet (the \
              kernel's BPF statistics, over an untimed {PROG_COST_SECS} s TCP_CRR run, new \
-             connections, and a TCP_RR run as long, one established connection). {} \
-             repetitions, variants interleaved; median [min–max] over repetitions.\n\n",
+             connections, and a TCP_RR run as long, one established connection). **no \
+             policy, second pair** is the control: no policy either, on a pair of pods of its \
+             own; its ratio to no policy is what two pairs differ by with nothing else changed \
+             (their addresses, namespaces and port tables), the yardstick for the other \
+             ratios. {} repetitions, variants interleaved; median [min–max] over \
+             repetitions.\n\n",
             self.per_packet.programmed, self.secs, self.per_packet.cpu, self.reps
         );
         let none = (Variant::None.label(), self.traffic(Variant::None));
@@ -258,8 +264,11 @@ impl Report {
     /// time per connection grew most.
     fn profile_section(&self) -> String {
         let p = &self.per_packet.profiles;
-        let (none, with) = (Variant::None, Variant::R100);
-        if !p.iter().any(|x| x.variant == none) || !p.iter().any(|x| x.variant == with) {
+        let (none, with, again) = (Variant::None, Variant::R100, Variant::NoneAgain);
+        if [none, with, again]
+            .iter()
+            .any(|&v| !p.iter().any(|x| x.variant == v))
+        {
             return String::new();
         }
         let conns = |v: Variant| {
@@ -271,21 +280,26 @@ impl Report {
         };
         let mut s = format!(
             "### Where a new connection's time goes\n\nThe bench CPU's time by symbol over \
-             untimed {PROFILE_SECS} s TCP_CRR runs, no policy, 100 rules, 100 rules, no policy \
-             (in that order: each run's TIME_WAIT sockets slow the next one's connects), with \
+             untimed {PROFILE_SECS} s TCP_CRR runs, no policy, 100 rules, the control (no \
+             policy, second pair) twice, 100 rules, no policy (in that order: each run's \
+             TIME_WAIT sockets slow the next one's connects), with \
              `perf record -e cpu-clock` on CPU {} and the BPF statistics off (samples of the \
              bench's processes and the CPU's softirq thread), as time per connection, the mean \
              of a variant's two runs: the client and server keep that CPU busy, so a symbol's \
              share of the samples is its share of the run. A connection took {} µs with no \
-             policy ({} connections) and {} µs with 100 rules ({}): {} ns more. The symbols \
-             whose time grew most:\n\n| symbol | no policy, ns/connection | 100 rules | more \
-             |\n|---|---|---|---|\n",
+             policy ({} connections) and {} µs with 100 rules ({}): {} ns more; {} µs in the \
+             control ({}: {} ns more than no policy, with nothing changed but the pair). The \
+             symbols whose time grew most with 100 rules, and the control's:\n\n| symbol | no \
+             policy, ns/connection | 100 rules | more | control |\n|---|---|---|---|---|\n",
             self.per_packet.cpu,
             fmt_2(us_per_conn(p, none)),
             conns(none),
             fmt_2(us_per_conn(p, with)),
             conns(with),
             fmt_0((us_per_conn(p, with) - us_per_conn(p, none)) * 1e3),
+            fmt_2(us_per_conn(p, again)),
+            conns(again),
+            fmt_0((us_per_conn(p, again) - us_per_conn(p, none)) * 1e3),
         );
         let mut syms: Vec<(f64, &str)> = p
             .iter()
@@ -298,10 +312,11 @@ impl Report {
         syms.sort_by(|a, b| b.0.total_cmp(&a.0));
         for (more, sym) in syms.iter().take(15) {
             s.push_str(&format!(
-                "| `{sym}` | {} | {} | {} |\n",
+                "| `{sym}` | {} | {} | {} | {} |\n",
                 fmt_0(ns_per_conn(p, none, sym)),
                 fmt_0(ns_per_conn(p, with, sym)),
-                fmt_0(*more)
+                fmt_0(*more),
+                fmt_0(ns_per_conn(p, again, sym)),
             ));
         }
         s.push('\n');
