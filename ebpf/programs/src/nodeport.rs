@@ -31,9 +31,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    svc_client_hash, SvcBackend, SvcCounters, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP,
-    SVC_EXTERNAL, SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK,
-    SVC_REJECT, SVC_V4,
+    svc_client_hash, SvcBackend, SvcFlow, SvcFlowKey, SvcScratch, SVC_DROP, SVC_EXTERNAL,
+    SVC_FLOW_IN, SVC_FLOW_OUT, SVC_MAGLEV_ROWS, SVC_MAGLEV_SLOTS, SVC_MASQ_MARK, SVC_REJECT,
+    SVC_V4,
 };
 
 use crate::maps::{
@@ -299,10 +299,8 @@ pub(crate) fn count_front(s: *mut SvcScratch, connected: bool) {
         let c = match CALIX_SVC_COUNT.get_ptr_mut(k) {
             Some(c) => c,
             None => {
-                (*s).zero = SvcCounters {
-                    connections: 0,
-                    refused: 0,
-                };
+                // SAFETY: a field of the scratch (a map value) holding `u64`s: 8-byte aligned.
+                packet::zero_words(&mut (*s).zero);
                 // BPF_NOEXIST (1): another CPU's call may have added it meanwhile.
                 let _ = CALIX_SVC_COUNT.insert(k, &(*s).zero, 1);
                 match CALIX_SVC_COUNT.get_ptr_mut(k) {

@@ -124,7 +124,8 @@ fn choose(ctx: &TcContext, ip: Head) -> Result<i32, c_long> {
         let syn = proto == IPPROTO_TCP && p.flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
         if !syn {
             if let Some(f) = CALIX_SVC_FLOWS.get_ptr(&(*s).key) {
-                (*s).flow = *f;
+                // As in `reply_of`.
+                packet::copy_words(&mut (*s).flow, f);
                 return Ok(CHOSEN);
             }
         }
@@ -251,7 +252,8 @@ fn reply_of(ctx: &TcContext, ip: Head, p: &Ports) -> Option<*mut SvcScratch> {
     // SAFETY: `s` is this CPU's scratch entry; the flow's value is copied in place.
     unsafe {
         load_key(ctx, &mut (*s).key, ip.next_hdr, SVC_FLOW_OUT, p)?;
-        (*s).back = *CALIX_SVC_FLOWS.get_ptr(&(*s).key)?;
+        // Word by word: a struct copy compiles to a call of the byte-wise `memmove`.
+        packet::copy_words(&mut (*s).back, CALIX_SVC_FLOWS.get_ptr(&(*s).key)?);
     }
     Some(s)
 }

@@ -213,6 +213,23 @@ pub unsafe fn zero_words<T>(p: *mut T) {
     }
 }
 
+/// Copies the `T` at `src` to `dst` in 4-byte loads and stores: a struct's copy (`*dst =
+/// *src`) compiles on the BPF target to a call of the byte-wise `memmove` or `memcpy`.
+///
+/// # Safety
+/// `src` is valid for reads and `dst` for writes of a `T`, both 4-byte aligned; `T` is plain
+/// data.
+#[inline(always)]
+pub unsafe fn copy_words<T>(dst: *mut T, src: *const T) {
+    const { assert!(core::mem::size_of::<T>() % 4 == 0) };
+    let (to, from) = (dst as *mut u32, src as *const u32);
+    for i in 0..core::mem::size_of::<T>() / 4 {
+        // SAFETY: within both `T`s (a whole number of words, checked above), aligned (the
+        // caller's promise). Volatile, or the compiler merges them back into a call.
+        unsafe { to.add(i).write_volatile(from.add(i).read_volatile()) }
+    }
+}
+
 /// A 16-byte address field from four 4-byte words (an IPv4 address: `[addr, 0, 0, 0]`). A
 /// key's address built as bytes, its zero tail set by `..Default::default()`, a `[0; 16]` or a
 /// loop, compiles on the BPF target to a call of the byte-wise `memset` (a loop of one store

@@ -387,7 +387,9 @@ pub fn report_denied(slot: u32, dir: u8) {
         return;
     }
     b.event.ktime_ns = now;
-    b.event.flow = s.flow;
+    // SAFETY: both flows are plain data at 8-byte aligned offsets of 8-byte aligned map
+    // values (the scratch's first field; the event's after its `u64`).
+    unsafe { crate::packet::copy_words(&mut b.event.flow, &s.flow) };
     b.event.slot = slot;
     b.event.identity = s.identity;
     b.event.suppressed = b.suppressed.min(u64::from(u32::MAX)) as u32;

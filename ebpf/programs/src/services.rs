@@ -155,7 +155,14 @@ fn count(k: &SvcKey, connected: bool) {
         Some(c) => c,
         None => {
             // BPF_NOEXIST (1): another CPU's call may have added it meanwhile.
-            let _ = CALIX_SVC_COUNT.insert(k, &SvcCounters::default(), 1);
+            let mut zero = core::mem::MaybeUninit::<SvcCounters>::uninit();
+            // SAFETY: a local of `u64`s (8-byte aligned), all zero once written: a valid value
+            // (`SvcCounters::default()` compiles to a call of the byte-wise `memset`).
+            let zero = unsafe {
+                packet::zero_words(zero.as_mut_ptr());
+                zero.assume_init_ref()
+            };
+            let _ = CALIX_SVC_COUNT.insert(k, zero, 1);
             match CALIX_SVC_COUNT.get_ptr_mut(k) {
                 Some(c) => c,
                 None => return,
@@ -180,19 +187,28 @@ fn frontend(to: &SvcKey) -> Option<(SvcKey, SvcValue)> {
     if let Some(v) = unsafe { CALIX_SVC_FRONTS.get(to) } {
         return Some((*to, *v));
     }
-    let node = SvcNodeKey {
-        addr: to.addr,
-        family: to.family,
-        _pad: [0; 3],
-    };
+    // Both keys built as 4-byte words: their zero bytes written as such compile to calls of
+    // the byte-wise `memset`.
+    let a = &to.addr;
+    let word = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+    let family = u32::from_ne_bytes([to.family, 0, 0, 0]);
+    const _: () =
+        assert!(core::mem::size_of::<SvcNodeKey>() == 20 && core::mem::size_of::<SvcKey>() == 20);
+    // SAFETY: 20 bytes of plain data either way (checked above): the address, then the
+    // family and three zero bytes of padding.
+    let node: SvcNodeKey =
+        unsafe { core::mem::transmute([word(0), word(4), word(8), word(12), family]) };
     // SAFETY: a read-only lookup.
     unsafe { CALIX_SVC_NODES.get(&node) }?;
-    let any = SvcKey {
-        addr: [0; 16],
-        ..*to
-    };
+    /// 8-byte alignment for a key on the stack, so that its address is zeroed in words.
+    #[repr(C, align(8))]
+    struct Aligned(SvcKey);
+    let mut any = Aligned(*to);
+    // SAFETY: the address is 16 bytes of plain data at the start of the 8-byte aligned
+    // wrapper.
+    unsafe { packet::zero_words(&mut any.0.addr) };
     // SAFETY: a read-only lookup; the value is copied out at once.
-    unsafe { CALIX_SVC_FRONTS.get(&any) }.map(|v| (any, *v))
+    unsafe { CALIX_SVC_FRONTS.get(&any.0) }.map(|v| (any.0, *v))
 }
 
 #[inline(always)]
