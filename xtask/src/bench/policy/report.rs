@@ -288,7 +288,7 @@ impl Report {
              of a variant's two runs: the client and server keep that CPU busy, so a symbol's \
              share of the samples is its share of the run. A connection took {} µs with no \
              policy ({} connections) and {} µs with 100 rules ({}): {} ns more; {} µs in the \
-             control ({}: {} ns more than no policy, with nothing changed but the pair). The \
+             control ({}: {} than no policy, with nothing changed but the pair). The \
              symbols whose time grew most with 100 rules, and the control's:\n\n| symbol | no \
              policy, ns/connection | 100 rules | more | control |\n|---|---|---|---|---|\n",
             self.per_packet.cpu,
@@ -299,7 +299,7 @@ impl Report {
             fmt_0((us_per_conn(p, with) - us_per_conn(p, none)) * 1e3),
             fmt_2(us_per_conn(p, again)),
             conns(again),
-            fmt_0((us_per_conn(p, again) - us_per_conn(p, none)) * 1e3),
+            more_or_less((us_per_conn(p, again) - us_per_conn(p, none)) * 1e3),
         );
         let mut syms: Vec<(f64, &str)> = p
             .iter()
@@ -482,5 +482,14 @@ impl Report {
                 .reference("target p99", 250.0),
             ],
         )
+    }
+}
+
+/// A difference in ns as words: "120 ns more", "120 ns less".
+fn more_or_less(ns: f64) -> String {
+    if ns < 0.0 {
+        format!("{} ns less", fmt_0(-ns))
+    } else {
+        format!("{} ns more", fmt_0(ns))
     }
 }
