@@ -187,8 +187,9 @@ fn frontend(to: &SvcKey) -> Option<(SvcKey, SvcValue)> {
     if let Some(v) = unsafe { CALIX_SVC_FRONTS.get(to) } {
         return Some((*to, *v));
     }
-    // Both keys built as 4-byte words: their zero bytes written as such compile to calls of
-    // the byte-wise `memset`.
+    // Neither key's zero bytes are written as bytes (that compiles to a call of the byte-wise
+    // `memset`): the node key is built from 4-byte words, the any-address key's address
+    // zeroed in 8-byte words.
     let a = &to.addr;
     let word = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
     let family = u32::from_ne_bytes([to.family, 0, 0, 0]);
