@@ -462,6 +462,7 @@ impl nat::NatSettings {
             },
             port_min: 16_384,
             port_max: 32_767,
+            tunnel_port: 4789,
             cleaner_interval: std::time::Duration::from_secs(5),
         }
     }

@@ -43,6 +43,9 @@ pub struct NatSettings {
     /// NAT ports, inclusive.
     pub port_min: u16,
     pub port_max: u16,
+    /// The VXLAN device's UDP port (`[vxlan] port`; 0: none): its packets to the node skip
+    /// the programs' NAT and Service lookups ([`NatConfig::tunnel_port`]).
+    pub tunnel_port: u16,
     /// How often the cleaner runs.
     pub cleaner_interval: Duration,
 }
@@ -82,7 +85,18 @@ impl NatSettings {
             port_max: self.port_max,
             enabled: u32::from(!self.nat_pools.is_empty() && up[0] != 0),
             ct_budget: self.ct_budget,
+            tunnel_port: self.program_tunnel_port().to_be(),
             _pad: 0,
+        }
+    }
+
+    /// The tunnel port the programs may pass to the stack unlooked at: 0 when it is one of
+    /// the NAT ports (SNAT's replies come to those).
+    fn program_tunnel_port(&self) -> u16 {
+        if (self.port_min..=self.port_max).contains(&self.tunnel_port) {
+            0
+        } else {
+            self.tunnel_port
         }
     }
 
@@ -532,6 +546,7 @@ mod tests {
             port_max: 20100,
             enabled: 1,
             ct_budget: 0,
+            tunnel_port: 0,
             _pad: 0,
         }
     }
@@ -688,9 +703,15 @@ mod tests {
             },
             port_min: 1,
             port_max: 2,
+            tunnel_port: 4789,
             cleaner_interval: Duration::from_secs(1),
         };
         assert_eq!(s.program_config(&[7]).enabled, 1);
+        // The tunnel port, as in the packet; none when it is a NAT port.
+        assert_eq!(s.program_config(&[7]).tunnel_port, 4789u16.to_be());
+        let mut inside = s.clone();
+        inside.tunnel_port = 2;
+        assert_eq!(inside.program_config(&[7]).tunnel_port, 0);
         assert_eq!(s.program_config(&[7]).uplinks[0], 7);
         assert_eq!(s.program_config(&[]).enabled, 0);
         s.nat_pools.clear();

@@ -18,7 +18,7 @@ use std::time::Duration;
 use calix_common::{
     CtEntry, CtKey, DropCount, DropKey, DropReason, EndpointInfo, LocalEndpoint, NatConfig,
     CT_DIR_OUT, CT_DIR_REPLY, CT_FREED_MAP, CT_F_FIN, CT_F_RST, CT_F_SEEN, CT_F_SEQ, CT_MAP,
-    CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_VETH_MAC,
+    CT_OWNED_MAP, DROPS_MAP, ENDPOINTS_MAP, EP_HAS_V4, EP_NAT_OUTGOING, HOST_V4_MAP, HOST_VETH_MAC,
     LOCAL_V4_MAP, MAX_NAT_UPLINKS, NAT_CONFIG_MAP, NO_SNAT_V4_MAP, PROG_FROM_HOST_DEV,
     PROG_FROM_POD,
 };
@@ -104,6 +104,7 @@ fn l4_reply(proto: u8, src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16) -> Ve
 struct Snat {
     bpf: Ebpf,
     cfg: NatConfig,
+    cfg_map: Array<MapData, NatConfig>,
     ct: HashMap<MapData, CtKey, CtEntry>,
     endpoints: HashMap<MapData, u32, EndpointInfo>,
     local: HashMap<MapData, [u8; 4], LocalEndpoint>,
@@ -178,11 +179,13 @@ fn setup_budget(port_max: u16, ct_entries: u32, budget: u32) -> Snat {
         port_max,
         enabled: 1,
         ct_budget: budget,
+        tunnel_port: 0,
         _pad: 0,
     };
     cfg.set(0, nat_cfg, 0).expect("NAT config");
     Snat {
         cfg: nat_cfg,
+        cfg_map: cfg,
         ct: map(&mut bpf, CT_MAP),
         endpoints,
         local,
@@ -391,6 +394,53 @@ fn udp_zero_checksum_stays_zero() {
             h.reverse(&reply),
             eth(POD_MAC, HOST_VETH_MAC, ETH_P_IP, &want.bytes())
         );
+    });
+}
+
+/// UDP to the VXLAN port (`NatConfig::tunnel_port`) at one of the node's own addresses
+/// (`CALIX_HOST_V4`) is the kernel's VXLAN socket's: `from_host_dev` passes it to the stack
+/// untouched, before any NAT or Service lookup. Shown with the one thing the agent never lets
+/// happen (a tunnel port among the NAT ports: `NatSettings::program_config` leaves it 0):
+/// a reply to that NAT port is then no longer translated. Everything else is as before.
+#[test]
+fn udp_to_the_tunnel_port_at_the_nodes_address_is_left_to_the_stack() {
+    in_netns(|| {
+        let mut h = setup(PORT_MIN + 9, 1024);
+        let nat = round_trip(&h, UDP, 40002, 53);
+        let other = round_trip(&h, UDP, 40003, 53);
+        assert_ne!(nat, other);
+        let reply = |port: u16| Ip4::new(SERVER, NODE, UDP, l4_reply(UDP, SERVER, NODE, 53, port));
+        let tunnel = NatConfig {
+            tunnel_port: nat.to_be(),
+            ..h.cfg
+        };
+        h.cfg_map.set(0, tunnel, 0).expect("NAT config");
+        // Not (yet) known as one of the node's addresses: translated as before.
+        round_trip(&h, UDP, 40002, 53);
+        let mut host: HashMap<MapData, [u8; 4], u32> = map(&mut h.bpf, HOST_V4_MAP);
+        host.insert(NODE, 1, 0).expect("host address");
+        let frame = eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &reply(nat).bytes());
+        let out = h.run(PROG_FROM_HOST_DEV, h.uplink_if, &frame);
+        assert_eq!(
+            (out.verdict, &out.frame),
+            (TC_ACT_OK, &frame),
+            "the tunnel's port at the node's address: to the stack, unchanged"
+        );
+        // To a pod, the same port goes straight in.
+        let to_pod = Ip4::new(SERVER, POD, UDP, l4_reply(UDP, SERVER, POD, 53, nat));
+        let out = h.run(
+            PROG_FROM_HOST_DEV,
+            h.uplink_if,
+            &eth(UPLINK_MAC, GW_MAC, ETH_P_IP, &to_pod.bytes()),
+        );
+        assert_eq!(out.verdict, TC_ACT_REDIRECT, "to a pod: delivered");
+        // Another port, or TCP: translated.
+        round_trip(&h, UDP, 40003, 53);
+        round_trip(&h, TCP, 40002, 80);
+        // No tunnel port: translated again.
+        h.cfg_map.set(0, h.cfg, 0).expect("NAT config");
+        round_trip(&h, UDP, 40002, 53);
+        assert!(all_drops(&h.drops).is_empty());
     });
 }
 

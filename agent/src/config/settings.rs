@@ -288,6 +288,7 @@ impl AgentConfig {
             },
             port_min: n.port_min,
             port_max: n.port_max,
+            tunnel_port: self.vxlan.port,
             cleaner_interval: Duration::from_secs(n.cleaner_interval_secs),
         })
     }

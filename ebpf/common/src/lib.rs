@@ -591,7 +591,13 @@ pub struct NatConfig {
     /// Conntrack flows one endpoint may hold ([`CT_OWNED_MAP`] − [`CT_FREED_MAP`]); 0: no
     /// limit.
     pub ct_budget: u32,
-    pub _pad: u32,
+    /// The VXLAN device's UDP port, network byte order (as in the packet); 0: none. UDP to
+    /// this port at one of the node's own addresses is the kernel's VXLAN socket's:
+    /// `from_host_dev` passes it to the stack at once. Never a port of the NAT range (the
+    /// agent leaves it 0 then: SNAT's replies come to those ports). Was padding before
+    /// 2026-12-06: an older agent leaves it 0, an older program ignores it.
+    pub tunnel_port: u16,
+    pub _pad: u16,
 }
 
 impl NatConfig {

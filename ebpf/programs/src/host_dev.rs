@@ -10,8 +10,8 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, programs::TcContext};
 
-use crate::maps::{CALIX_LOCAL_V4, CALIX_LOCAL_V6};
-use crate::packet::{self, ETH_P_IP, ETH_P_IPV6};
+use crate::maps::{CALIX_HOST_V4, CALIX_HOST_V6, CALIX_LOCAL_V4, CALIX_LOCAL_V6, CALIX_NAT_CFG};
+use crate::packet::{self, Ipv4, Ipv6, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_UDP};
 use crate::{flows, forward, nodeport};
 
 pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
@@ -21,6 +21,9 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             let Some(ip) = packet::ipv4(ctx) else {
                 return Ok(TC_ACT_OK);
             };
+            if tunnel_v4(ctx, &ip) {
+                return Ok(TC_ACT_OK);
+            }
             // A pod here first: replies of SNATed flows are addressed to the node, never to a
             // pod, so pod traffic from other nodes skips the NAT lookup.
             // SAFETY: a pointer from a successful lookup, valid until the program returns.
@@ -62,6 +65,9 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
             let Some(ip) = packet::ipv6(ctx) else {
                 return Ok(TC_ACT_OK);
             };
+            if tunnel_v6(ctx, &ip) {
+                return Ok(TC_ACT_OK);
+            }
             // SAFETY: as above.
             let local = match CALIX_LOCAL_V6.get_ptr(&ip.dst).map(|l| unsafe { &*l }) {
                 Some(local) => {
@@ -91,6 +97,46 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
         }
         _ => Ok(TC_ACT_OK),
     }
+}
+
+/// The VXLAN port as in the packet (`NatConfig::tunnel_port`), when the agent set one.
+#[inline(always)]
+fn tunnel_port() -> Option<u16> {
+    CALIX_NAT_CFG
+        .get(0)
+        .map(|c| c.tunnel_port)
+        .filter(|p| *p != 0)
+}
+
+/// Whether the packet is VXLAN for this node (UDP to the tunnel port at one of the node's own
+/// addresses): the kernel's VXLAN socket decapsulates it, and its inner packet meets this
+/// program again on `vxlan.calix`. Nothing of calix's is for it — no pod, no SNAT reply (the
+/// port is none of NAT's), no Service (a Service on that port of a node's address would take
+/// VXLAN's packets) — so it passes before any of their lookups: every packet of every other
+/// node's pods comes this way, one per segment where the uplink does no GRO.
+#[inline(always)]
+fn tunnel_v4(ctx: &TcContext, ip: &Ipv4) -> bool {
+    const DPORT: usize = ETH_HLEN + 20 + 2;
+    if ip.proto != IPPROTO_UDP || ip.ihl != 20 || ip.tot_len < 28 || ip.fragment() {
+        return false;
+    }
+    tunnel_port().is_some_and(|port| {
+        packet::load::<u16>(ctx, DPORT).is_ok_and(|p| p == port)
+            && CALIX_HOST_V4.get_ptr(&ip.dst).is_some()
+    })
+}
+
+/// As [`tunnel_v4`], for VXLAN over IPv6 (UDP right after the fixed header).
+#[inline(always)]
+fn tunnel_v6(ctx: &TcContext, ip: &Ipv6) -> bool {
+    const DPORT: usize = ETH_HLEN + packet::v6::LEN + 2;
+    if ip.next_hdr != IPPROTO_UDP || ip.payload_len < 8 {
+        return false;
+    }
+    tunnel_port().is_some_and(|port| {
+        packet::load::<u16>(ctx, DPORT).is_ok_and(|p| p == port)
+            && CALIX_HOST_V6.get_ptr(&ip.dst).is_some()
+    })
 }
 
 /// What `from_outside` said of a packet other than a local backend: not ours (the stack's),
