@@ -8,143 +8,18 @@ mod common;
 #[path = "common/harness.rs"]
 mod harness;
 
-use std::collections::BTreeMap;
+#[path = "common/policed.rs"]
+mod policed;
 
 use calix_common::{
-    DropReason, FlowKey, PolicyFlow, PolicyFlowKeyV4, HOST_VETH_MAC, POLICY_FLOWS_MAP,
-    POLICY_FLOWS_V4_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
+    DropReason, HOST_VETH_MAC, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
 };
-use calix_core::policy::cluster::{Change, Cluster};
-use calix_core::policy::compiler::Compiler;
-use calix_core::policy::model::{
-    Namespaces, Peer, Pod as PodModel, PodKey, Policy, PolicyKey, PortMatch, PortRef, Protocol,
-    Rule,
-};
+use calix_core::policy::cluster::Change;
+use calix_core::policy::model::{Namespaces, Peer, Policy, PolicyKey, Rule};
 use calix_core::selector::LabelSelector;
-use calix_dataplane::ebpf::policy::{PinnedPolicyMaps, PolicyProgrammer};
 use common::*;
 use harness::*;
-
-const NS: &str = "team";
-
-fn key(name: &str) -> PodKey {
-    PodKey {
-        namespace: NS.into(),
-        name: name.into(),
-    }
-}
-
-fn labels(app: &str) -> BTreeMap<String, String> {
-    [("app".to_string(), app.to_string())].into()
-}
-
-fn model(name: &str, app: &str, pod: &Pod) -> PodModel {
-    PodModel {
-        key: key(name),
-        labels: labels(app),
-        ips: vec![
-            std::net::Ipv4Addr::from(pod.v4).into(),
-            std::net::Ipv6Addr::from(pod.v6).into(),
-        ],
-        ports: Vec::new(),
-        host_network: false,
-    }
-}
-
-fn tcp_port(port: u16) -> PortMatch {
-    PortMatch {
-        protocol: Protocol::Tcp,
-        port: Some(PortRef::Number(port)),
-        end_port: None,
-    }
-}
-
-/// A policy selecting `app=b` that lets `app=a` in on `ports` (empty: all) and, when
-/// `egress` is `Some`, isolates egress with those rules.
-fn policy(ports: Vec<PortMatch>, egress: Option<Vec<Rule>>) -> Policy {
-    Policy {
-        key: PolicyKey {
-            namespace: NS.into(),
-            name: "b-in".into(),
-        },
-        pod_selector: LabelSelector {
-            match_labels: labels("b"),
-            match_expressions: Vec::new(),
-        },
-        ingress: Some(vec![Rule {
-            peers: vec![Peer::Pods {
-                namespaces: Namespaces::Named(NS.into()),
-                pods: LabelSelector {
-                    match_labels: labels("a"),
-                    match_expressions: Vec::new(),
-                },
-            }],
-            ports,
-            unreadable: None,
-        }]),
-        egress,
-        unreadable_selector: None,
-    }
-}
-
-/// The cluster's policy for pods A and B, programmed the way the agent does: calculated,
-/// compiled, written by the dataplane's programmer.
-struct Policed {
-    cluster: Cluster,
-    compiler: Compiler,
-    programmer: PolicyProgrammer,
-    slots: Vec<(PodKey, u32)>,
-}
-
-impl Policed {
-    fn new(h: &mut Harness, a: &Pod, b: &Pod) -> Self {
-        let mut cluster = Cluster::new();
-        cluster.apply(Change::Namespace {
-            name: NS.into(),
-            labels: BTreeMap::new(),
-        });
-        cluster.apply(Change::Pod(model("a", "a", a)));
-        cluster.apply(Change::Pod(model("b", "b", b)));
-        let maps = PinnedPolicyMaps::open(&mut h.bpf).expect("policy maps");
-        Self {
-            cluster,
-            compiler: Compiler::new(),
-            programmer: PolicyProgrammer::restore(Box::new(maps)),
-            slots: vec![(key("a"), a.slot), (key("b"), b.slot)],
-        }
-    }
-
-    fn apply(&mut self, change: Change) {
-        self.cluster.apply(change);
-        let endpoints = ["a", "b"]
-            .into_iter()
-            .filter_map(|n| Some((key(n), self.cluster.endpoint(&key(n))?)))
-            .collect();
-        let tables = self
-            .compiler
-            .compile(&endpoints, |s| self.cluster.members(s));
-        self.programmer
-            .set(tables, &self.slots)
-            .expect("program the policy maps");
-    }
-}
-
-/// A TCP segment with `flags` (0x02 SYN, 0x10 ACK, 0x12 SYN-ACK).
-fn tcp(sport: u16, dport: u16, flags: u8) -> Vec<u8> {
-    let mut t = tcp_syn(sport, dport);
-    t[13] = flags;
-    t
-}
-
-const SYN: u8 = 0x02;
-const ACK: u8 = 0x10;
-const SYN_ACK: u8 = 0x12;
-
-/// `from_pod` on `from`'s veth, for a frame from `from` to `to`: the verdict.
-fn send(h: &Harness, from: &Pod, to: &Pod, proto: u8, l4: Vec<u8>) -> u32 {
-    let frame = Ip4::new(from.v4, to.v4, proto, l4).sent_by(from);
-    h.run(PROG_FROM_POD, from.ifindex, &frame).verdict
-}
+use policed::*;
 
 #[test]
 fn an_isolated_pod_takes_only_what_its_rules_allow_and_the_replies() {
@@ -223,20 +98,6 @@ fn a_change_that_revokes_a_flow_refuses_its_next_packet() {
     });
 }
 
-/// `[policy] keep_established`: a flow a change would refuse goes on (both ways), a new
-/// connection meets the new rules, and turning the option off refuses the kept flow from its
-/// next packet.
-/// The flows `CALIX_POL_FLOWS_V4` and `CALIX_POL_FLOWS` remember.
-fn remembered(h: &Harness) -> usize {
-    let map = h.bpf.map(POLICY_FLOWS_V4_MAP).expect("CALIX_POL_FLOWS_V4");
-    let flows4: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
-        aya::maps::HashMap::try_from(map).expect("a hash map");
-    let map = h.bpf.map(POLICY_FLOWS_MAP).expect("CALIX_POL_FLOWS");
-    let flows: aya::maps::HashMap<_, FlowKey, PolicyFlow> =
-        aya::maps::HashMap::try_from(map).expect("a hash map");
-    flows4.keys().filter(Result::is_ok).count() + flows.keys().filter(Result::is_ok).count()
-}
-
 /// A connection that ends (both FINs and the last ACK, or a RST) takes its remembered flow
 /// with it, on the pod's path and on the node's: a busy node's table holds live connections,
 /// not closed ones that every new connection would have to evict. What comes after is judged
@@ -312,6 +173,9 @@ fn a_closed_connection_leaves_no_remembered_flow() {
     });
 }
 
+/// `[policy] keep_established`: a flow a change would refuse goes on (both ways), a new
+/// connection meets the new rules, and turning the option off refuses the kept flow from its
+/// next packet.
 #[test]
 fn keeping_established_flows_lets_a_revoked_flow_go_on_and_refuses_new_ones() {
     in_netns(|| {

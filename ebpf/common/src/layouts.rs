@@ -161,8 +161,9 @@ pub const LAYOUTS: [Layout; 4] = [
     // Layout 4: layout 3 and the Services maps (issue 24). Added since (an older build of
     // this layout never opens them, a newer one creates them next to the pins): session
     // affinity's map; the IPv4 policy flows in 16-byte keys (the agent carries the first
-    // builds' IPv4 flows over from the 40-byte table); the frontends' padding became their
-    // affinity timeout (0, none, in what an older build wrote).
+    // builds' IPv4 flows over from the 40-byte table); the policy pairs (a cache the programs
+    // fill; empty is correct); the frontends' padding became their affinity timeout (0, none,
+    // in what an older build wrote).
     Layout {
         version: 4,
         maps: &LAYOUT_4,
@@ -389,16 +390,26 @@ const SERVICES_MAPS: [MapLayout; 10] = [
 ];
 
 /// Maps added to layout 4 after its first builds (which never open them).
-const ADDED_TO_4: [MapLayout; 1] = [m(
-    POLICY_FLOWS_V4_MAP,
-    BPF_MAP_TYPE_LRU_HASH,
-    16,
-    16,
-    DEFAULT_POLICY_FLOWS,
-    0,
-)];
+const ADDED_TO_4: [MapLayout; 2] = [
+    m(
+        POLICY_FLOWS_V4_MAP,
+        BPF_MAP_TYPE_LRU_HASH,
+        16,
+        16,
+        DEFAULT_POLICY_FLOWS,
+        0,
+    ),
+    m(
+        POLICY_PAIRS_MAP,
+        BPF_MAP_TYPE_PERCPU_ARRAY,
+        4,
+        32,
+        POLICY_PAIRS,
+        0,
+    ),
+];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 11] = concat(
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 12] = concat(
     concat::<LAYOUT_3_MAPS, 10, { LAYOUT_3_MAPS + 10 }>(LAYOUT_3, SERVICES_MAPS),
     ADDED_TO_4,
 );

@@ -28,6 +28,16 @@ pub const DEFAULT_POLICY_FLOWS: u32 = 262_144;
 /// first builds, which kept IPv4 flows in [`POLICY_FLOWS_MAP`]: the agent carries them over.
 pub const POLICY_FLOWS_V4_MAP: &str = "CALIX_POL_FLOWS_V4";
 
+/// Per-CPU array of [`POLICY_PAIRS`] [`PolicyPair`]s, at [`policy_pair_index`] of two
+/// endpoints of this node: whether their rules allow every TCP packet between them both ways
+/// (at both endpoints' generations), so that `from_pod` passes an established connection's
+/// segments between them without looking their flow up. A cache the programs fill, each CPU
+/// its own (no reader ever meets a half-written entry); pairs that share an index take
+/// turns. Added to layout 4 after its first builds (which never open it; it starts empty).
+pub const POLICY_PAIRS_MAP: &str = "CALIX_POL_PAIRS";
+/// Entries of [`POLICY_PAIRS_MAP`], per CPU (a power of two).
+pub const POLICY_PAIRS: u32 = 4096;
+
 /// Per-CPU hash: [`PolicyHitKey`] (an endpoint's slot, a rule's number) → `u64`, how many
 /// times that rule decided for that endpoint (a new flow, a flow checked again after a change,
 /// a packet judged alone). The agent removes a pair's count when the pair's entries go.
@@ -220,6 +230,39 @@ pub struct PolicyFlow {
     pub flags: u32,
 }
 
+/// What [`POLICY_PAIRS_MAP`] says of an endpoint and a peer endpoint on this node, both seen
+/// at the generations it names: a verdict the programs wrote, never the agent. The endpoint's
+/// egress and ingress rules, and the peer's, either allow every TCP packet between the two
+/// addresses (`family` 4 or 6), or not (`family` 0: known, nothing to skip). A change of
+/// either endpoint's generation makes it stale: the flows then decide, and the entry is
+/// written again.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyPair {
+    /// The peer's address (IPv4 in the first 4 bytes, the rest zero).
+    pub peer: [u8; 16],
+    /// The endpoint's [`PolicyState::generation`].
+    pub generation: u32,
+    /// The peer's [`PolicyState::generation`].
+    pub peer_generation: u32,
+    /// [`policy_pair_slots`] of the endpoint and the peer.
+    pub slots: u32,
+    /// 4 or 6 (the family of `peer`) when every TCP packet between the two passes both
+    /// endpoints' rules both ways; 0 when not.
+    pub family: u32,
+}
+
+/// The [`POLICY_PAIRS_MAP`] index of the endpoint in `slot` and its peer in `peer_slot`:
+/// every pair of the first 64 slots has its own.
+pub const fn policy_pair_index(slot: u32, peer_slot: u32) -> u32 {
+    ((slot << 6) ^ peer_slot) & (POLICY_PAIRS - 1)
+}
+
+/// The `slots` of a [`PolicyPair`]: the endpoint's slot, then the peer's (each under 2^16).
+pub const fn policy_pair_slots(slot: u32, peer_slot: u32) -> u32 {
+    (slot << 16) | peer_slot
+}
+
 /// [`PolicyDropEvent::why`]: no rule allows the packet.
 pub const DENIED_NO_RULE: u8 = 1;
 /// [`PolicyDropEvent::why`]: the packet's flow was allowed once, and a change revoked it.
@@ -282,6 +325,11 @@ pub const PS_FIN: u32 = 8;
 /// [`PolicyScratch::flags`]: a TCP segment with RST.
 pub const PS_RST: u32 = 16;
 
+/// [`PolicyScratch::flags`]: the packet goes between two endpoints of this node whose
+/// [`PolicyPair`] is current and allows every TCP packet: a connection's last ACK then passes
+/// without a lookup, so its entries go at the second FIN instead.
+pub const PS_PAIR: u32 = 32;
+
 /// The programs' working space for one verdict ([`POLICY_SCRATCH_MAP`] value). Each key lies
 /// as the map it is looked up in wants it: `rule_len` + `rule` is a [`POLICY_MAP`] key,
 /// `addr_len` + `addr` an identity trie's (IPv4 in the first 4 bytes).
@@ -309,3 +357,5 @@ pub const POLICY_FLOW_OTHER_NS: u64 = 120 * 1_000_000_000;
 
 // Every slot fits the pending mark's 14 bits.
 const _: () = assert!(crate::MAX_ENDPOINTS - 1 <= PENDING_SLOT_BITS);
+// Every slot fits a pair's 16 bits.
+const _: () = assert!(crate::MAX_ENDPOINTS <= 1 << 16 && POLICY_PAIRS.is_power_of_two());

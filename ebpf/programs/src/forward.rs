@@ -90,40 +90,67 @@ fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_l
     Ok(())
 }
 
+/// What the sender's side already settled of a frame for a pod on this node.
+#[derive(Clone, Copy)]
+pub struct Sent {
+    /// The sender's egress verdict on this very packet left its flow in the policy scratch
+    /// (`policy::ALLOW_READ`).
+    pub read: bool,
+    /// The pair cache passed the packet: both verdicts are settled.
+    pub passed: bool,
+    /// `PS_*` bits for the receiver's verdict (`calix_common::PS_PAIR`).
+    pub extra: u32,
+    /// The sending pod's slot, when the pair cache is to learn this pair once the packet
+    /// passes.
+    pub learn: Option<u32>,
+}
+
+impl Sent {
+    /// A frame from anywhere but a pod of this node's own fast path.
+    pub const NOTHING: Self = Self {
+        read: false,
+        passed: false,
+        extra: 0,
+        learn: None,
+    };
+}
+
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
-/// `read`: the sender's egress verdict on this very packet left its flow in the policy
-/// scratch (`policy::ALLOW_READ`).
 #[inline(always)]
 pub fn to_local(
     ctx: &mut TcContext,
     ep: &LocalEndpoint,
     t: Ttl,
-    read: bool,
+    sent: Sent,
 ) -> Result<i32, c_long> {
     if !dec_ttl(ctx, t)? {
         return Ok(TC_ACT_OK);
     }
-    deliver(ctx, ep, read)
+    deliver(ctx, ep, sent)
 }
 
 /// As [`to_local`] for a packet whose TTL the caller already decremented. The pod's ingress
 /// policy first: this path skips its veth's `to_pod`.
 #[inline(always)]
 pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_long> {
-    deliver(ctx, ep, false)
+    deliver(ctx, ep, Sent::NOTHING)
 }
 
 #[inline(always)]
-fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, read: bool) -> Result<i32, c_long> {
-    let allowed = !policy::isolated(ep.slot)
-        || if read {
+fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, sent: Sent) -> Result<i32, c_long> {
+    let allowed = sent.passed
+        || !policy::isolated(ep.slot)
+        || if sent.read {
             policy::ingress_of_sent(ep.slot)
         } else {
-            policy::ingress(ctx.skb.skb, ep.slot)
+            policy::ingress(ctx.skb.skb, ep.slot, sent.extra)
         };
     if !allowed {
         policy::report_denied(ep.slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ep.ifindex, DropReason::PolicyIngress));
+    }
+    if let Some(from) = sent.learn {
+        policy::learn_pair(ctx.skb.skb, from, ep.slot);
     }
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;
     counters::to_pod(ep.slot, u64::from(ctx.len()));

@@ -19,7 +19,7 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
-    policy_pending_mark, DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING,
+    policy_pending_mark, DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING, PS_PAIR,
 };
 
 use crate::counters::{self, drop};
@@ -32,7 +32,7 @@ use crate::packet::{
     self, v6, Ipv6, ETH_HLEN, ETH_P_8021AD, ETH_P_8021Q, ETH_P_ARP, ETH_P_IP, ETH_P_IPV6,
     IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP,
 };
-use crate::policy;
+use crate::policy::{self, Pair};
 
 #[inline(always)]
 pub fn try_from_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
@@ -105,12 +105,26 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if ip.src != ep.ipv4 {
         return Ok(drop(ctx, ifindex, DropReason::SpoofedV4));
     }
+    let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
+    let pair = match local {
+        // SAFETY: a pointer from a successful lookup, valid until the program returns.
+        Some(l) if ip.proto == IPPROTO_TCP => {
+            policy::pair_v4(ep.slot, unsafe { (*l).slot }, &ip.dst)
+        }
+        _ => Pair::Open,
+    };
+    let plain = pair == Pair::Allowed
+        && !ip.fragment()
+        && ip.ihl == 20
+        && policy::plain_segment::<{ ETH_HLEN + 20 }>(
+            ctx,
+            usize::from(ip.tot_len).saturating_sub(20),
+        );
     // Egress policy, once the source is the pod's own.
-    let read = match egress_policy(ctx, ifindex, ep.slot) {
-        Ok(read) => read,
+    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain) {
+        Ok(sent) => sent,
         Err(decided) => return Ok(decided),
     };
-    let local = CALIX_LOCAL_V4.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V4.get(&Key::new(32, ip.dst)).is_some();
     if (local.is_some() || remote)
         && !flows::fast_path_ok(ep.slot, flows::has_ports_v4(&ip), || {
@@ -122,7 +136,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { &*local };
-        return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), read);
+        return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), sent);
     }
     if remote {
         return forward::remote_v4(ctx, &ip, ifindex);
@@ -166,11 +180,20 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
             return Ok(drop(ctx, ifindex, reason));
         }
     }
-    let read = match egress_policy(ctx, ifindex, ep.slot) {
-        Ok(read) => read,
+    let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
+    let pair = match local {
+        // SAFETY: a pointer from a successful lookup, valid until the program returns.
+        Some(l) if ip.next_hdr == IPPROTO_TCP => {
+            policy::pair_v6(ep.slot, unsafe { (*l).slot }, &ip.dst)
+        }
+        _ => Pair::Open,
+    };
+    let plain = pair == Pair::Allowed
+        && policy::plain_segment::<{ ETH_HLEN + v6::LEN }>(ctx, usize::from(ip.payload_len));
+    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain) {
+        Ok(sent) => sent,
         Err(decided) => return Ok(decided),
     };
-    let local = CALIX_LOCAL_V6.get_ptr(&ip.dst);
     let remote = local.is_none() && CALIX_POOLS_V6.get(&Key::new(128, ip.dst)).is_some();
     if (local.is_some() || remote)
         && !flows::fast_path_ok(ep.slot, flows::has_ports_v6(&ip), || {
@@ -182,7 +205,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     if let Some(local) = local {
         // SAFETY: as above.
         let local = unsafe { &*local };
-        return forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), read);
+        return forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), sent);
     }
     if remote {
         return forward::remote_v6(ctx, &ip, ifindex);
@@ -197,17 +220,45 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     Ok(TC_ACT_OK)
 }
 
+/// The egress policy of the endpoint in `slot` on the packet, with what the pair cache said
+/// of it when it goes to a pod of this node (`pair`; `plain`: a segment the cache may pass
+/// without the flows, `policy::plain_segment`): `Ok` what the receiver's verdict needs to
+/// know, else what becomes of the packet.
+#[inline(always)]
+fn sender_policy(
+    ctx: &mut TcContext,
+    ifindex: u32,
+    slot: u32,
+    pair: Pair,
+    plain: bool,
+) -> Result<forward::Sent, i32> {
+    if plain {
+        return Ok(forward::Sent {
+            passed: true,
+            ..forward::Sent::NOTHING
+        });
+    }
+    let extra = if pair == Pair::Allowed { PS_PAIR } else { 0 };
+    Ok(forward::Sent {
+        read: egress_policy(ctx, ifindex, slot, extra)?,
+        passed: false,
+        extra,
+        learn: (pair == Pair::Stale).then_some(slot),
+    })
+}
+
 /// The endpoint's egress policy on the packet: `Ok` when it goes on (not isolated for
 /// egress, or allowed; `true`: the verdict left the packet's flow in the policy scratch, see
 /// `policy::ALLOW_READ`); else what becomes of it: dropped, or handed to the host stack
 /// marked with the endpoint's slot when it goes to a Service address (its verdict then waits
-/// for the DNAT: `to_pod` or `to_host_dev` judges it against the backend).
+/// for the DNAT: `to_pod` or `to_host_dev` judges it against the backend). `extra`: `PS_*`
+/// bits for the verdict.
 #[inline(always)]
-fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32) -> Result<bool, i32> {
+fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32, extra: u32) -> Result<bool, i32> {
     if !policy::isolated(slot) {
         return Ok(false);
     }
-    match policy::egress(ctx.skb.skb, slot) {
+    match policy::egress(ctx.skb.skb, slot, extra) {
         policy::ALLOW => Ok(false),
         policy::ALLOW_READ => Ok(true),
         policy::DEFER => {

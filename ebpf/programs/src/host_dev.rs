@@ -33,7 +33,12 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                 }) {
                     return Ok(TC_ACT_OK);
                 }
-                return forward::to_local(ctx, local, forward::Ttl::of_v4(&ip), false);
+                return forward::to_local(
+                    ctx,
+                    local,
+                    forward::Ttl::of_v4(&ip),
+                    forward::Sent::NOTHING,
+                );
             }
             // Replies of SNATed flows (and ICMP errors about them) go back to their pod.
             if let Some(verdict) = crate::nat::reverse_v4(ctx, &ip)? {
@@ -53,7 +58,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                                 proto: ip.proto,
                                 csum,
                             };
-                            forward::to_local(ctx, local, ttl, false)
+                            forward::to_local(ctx, local, ttl, forward::Sent::NOTHING)
                         }
                         None => Ok(TC_ACT_OK),
                     }
@@ -93,7 +98,7 @@ pub fn try_from_host_dev(ctx: &mut TcContext) -> Result<i32, c_long> {
                     verdict => return Ok(outside_verdict(ctx, verdict)),
                 },
             };
-            forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), false)
+            forward::to_local(ctx, local, forward::Ttl::of_v6(&ip), forward::Sent::NOTHING)
         }
         _ => Ok(TC_ACT_OK),
     }

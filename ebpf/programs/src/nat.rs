@@ -660,5 +660,5 @@ fn icmp_error(
         proto: ip.proto,
         csum,
     };
-    forward::to_local(ctx, &local, ttl, false).map(Some)
+    forward::to_local(ctx, &local, ttl, forward::Sent::NOTHING).map(Some)
 }

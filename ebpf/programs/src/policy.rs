@@ -39,12 +39,14 @@ use calix_common::{
     PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD,
     POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
-    POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_RST, PS_SYN,
+    POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SYN,
 };
 
 mod flows;
+mod pairs;
 
 use flows::{clear_flow, flow_get, flow_insert, flow_remove, swap_ends};
+pub use pairs::{learn as learn_pair, plain_segment, v4 as pair_v4, v6 as pair_v6, Pair};
 
 use crate::maps::{
     CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_HITS, CALIX_POL_IDS_V4,
@@ -425,25 +427,32 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             // SAFETY: a pointer from a successful lookup, valid until the program returns;
             // racing writers store the same kind of values (benign).
             let f = unsafe { &mut *f };
-            let ttl = if s.flow.proto == IPPROTO_TCP {
+            let tcp = s.flow.proto == IPPROTO_TCP;
+            let ttl = if tcp {
                 POLICY_FLOW_TCP_NS
             } else {
                 POLICY_FLOW_OTHER_NS
             };
-            if now.wrapping_sub(f.last_seen_ns) <= ttl {
+            let fresh = now.wrapping_sub(f.last_seen_ns) <= ttl;
+            // An idle TCP flow is still the connection whose SYN wrote it (a new one's SYN
+            // writes its own): checked again, against the direction that opened it. (The
+            // pair cache passes a connection's segments without refreshing its entries.)
+            if fresh || (tcp && f.flags & PF_SERVICE == 0) {
                 if f.flags & PF_SERVICE != 0 {
                     if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
                         f.last_seen_ns = now;
                     }
                     return if dir == POL_DIR_EGRESS { DEFER } else { ALLOW };
                 }
-                if f.generation != st.generation {
+                if f.generation != st.generation || !fresh {
                     let opened = if f.flags & PF_FROM_POD != 0 {
                         POL_DIR_EGRESS
                     } else {
                         POL_DIR_INGRESS
                     };
-                    let allowed = (st.flags & POL_KEEP_ESTABLISHED != 0
+                    // Kept flows are kept until they go idle.
+                    let allowed = (fresh
+                        && st.flags & POL_KEEP_ESTABLISHED != 0
                         && f.flags & PF_REVOKED == 0)
                         || rules_allow(slot, st, opened, s);
                     f.generation = st.generation;
@@ -503,10 +512,12 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
 
 /// Notes a TCP packet's closing flags (`s_flags`: `PS_*`) sent in `dir` on its remembered
 /// flow `f`; true once the connection is over and its entry can go: a RST, or the first
-/// segment without FIN after both ends sent theirs (the last ACK). A new flow's insertion into
-/// a full table evicts the oldest entry, and a closed connection's entry is the one to go
-/// first: left in place, a busy node's table stays full of them and every new connection
-/// pays an eviction of a cold entry. Other protocols are left to the table's LRU order.
+/// segment without FIN after both ends sent theirs (the last ACK); between two endpoints
+/// whose pair cache passes that last ACK without a lookup (`PS_PAIR`), the second FIN. A new
+/// flow's insertion into a full table evicts the oldest entry, and a closed connection's
+/// entry is the one to go first: left in place, a busy node's table stays full of them and
+/// every new connection pays an eviction of a cold entry. Other protocols are left to the
+/// table's LRU order.
 #[inline(always)]
 fn closed(f: &mut PolicyFlow, dir: u8, s_flags: u32) -> bool {
     if s_flags & PS_RST != 0 {
@@ -521,7 +532,8 @@ fn closed(f: &mut PolicyFlow, dir: u8, s_flags: u32) -> bool {
         if f.flags & fin == 0 {
             f.flags |= fin;
         }
-        return false;
+        return s_flags & PS_PAIR != 0
+            && f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER;
     }
     f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER
 }
@@ -536,9 +548,10 @@ fn remember(s: &mut PolicyScratch, st: &PolicyState, flags: u32, now: u64) {
     flow_insert(s);
 }
 
-/// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`.
+/// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`; `extra`: `PS_*`
+/// bits the caller knows of the packet ([`PS_PAIR`]).
 #[inline(always)]
-fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
+fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8, extra: u32) -> u8 {
     let ctx = TcContext::new(skb);
     let Some(st) = state(slot) else {
         return ALLOW;
@@ -552,6 +565,7 @@ fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
         s.why = u32::from(DENIED_UNREADABLE);
         return DENY;
     }
+    s.flags |= extra;
     match allows(slot, &st, dir, s) {
         ALLOW => ALLOW_READ,
         v => v,
@@ -562,9 +576,10 @@ fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8) -> u8 {
 /// checked): [`ALLOW`] when the endpoint is not isolated for egress, [`ALLOW_READ`] when its
 /// policy lets the frame out; [`DEFER`] for a frame to a Service address (judged after the
 /// DNAT: [`after_nat`]); else [`DENY`]. A frame whose header cannot be read is denied.
+/// `extra`: as in `verdict`.
 #[inline(never)]
-pub fn egress(skb: *mut __sk_buff, slot: u32) -> u8 {
-    verdict(skb, slot, POL_DIR_EGRESS)
+pub fn egress(skb: *mut __sk_buff, slot: u32, extra: u32) -> u8 {
+    verdict(skb, slot, POL_DIR_EGRESS, extra)
 }
 
 /// The egress verdict, after the host stack's DNAT, on a frame the pod in `slot` sent to a
@@ -572,15 +587,18 @@ pub fn egress(skb: *mut __sk_buff, slot: u32) -> u8 {
 /// address (nothing translated it): denied.
 #[inline(never)]
 pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
-    matches!(verdict(skb, slot, POL_DIR_EGRESS), ALLOW | ALLOW_READ)
+    matches!(verdict(skb, slot, POL_DIR_EGRESS, 0), ALLOW | ALLOW_READ)
 }
 
 /// The ingress verdict on the frame in `skb` for the endpoint in `slot`: true when it is not
 /// isolated for ingress, or its policy lets the frame in. A frame that is neither IPv4 nor
 /// IPv6, or whose header cannot be read, is denied to an isolated endpoint.
 #[inline(never)]
-pub fn ingress(skb: *mut __sk_buff, slot: u32) -> bool {
-    matches!(verdict(skb, slot, POL_DIR_INGRESS), ALLOW | ALLOW_READ)
+pub fn ingress(skb: *mut __sk_buff, slot: u32, extra: u32) -> bool {
+    matches!(
+        verdict(skb, slot, POL_DIR_INGRESS, extra),
+        ALLOW | ALLOW_READ
+    )
 }
 
 /// As [`ingress`], for a packet whose sender's egress verdict just returned [`ALLOW_READ`]

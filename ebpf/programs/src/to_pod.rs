@@ -38,7 +38,7 @@ pub fn try_to_pod(ctx: &mut TcContext) -> Result<i32, c_long> {
         counters::to_pod(slot, u64::from(ctx.len()));
         return Ok(TC_ACT_OK);
     }
-    if policy::isolated(slot) && !policy::ingress(ctx.skb.skb, slot) {
+    if policy::isolated(slot) && !policy::ingress(ctx.skb.skb, slot, 0) {
         policy::report_denied(slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ifindex, DropReason::PolicyIngress));
     }

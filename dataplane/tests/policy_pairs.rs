@@ -1,0 +1,222 @@
+//! NetworkPolicy's pair cache (`CALIX_POL_PAIRS`) in the tc programs, run with
+//! BPF_PROG_TEST_RUN on one CPU (each CPU has its own cache): two pods of one node whose rules
+//! allow every TCP packet between them pass their connections' later segments without the
+//! flows, and everything the flows decide still holds: a change refuses a revoked
+//! connection, a pair whose rules name ports is never passed, closed connections leave no
+//! entry, and an idle connection is checked against the side that opened it. Needs root.
+mod common;
+
+#[path = "common/harness.rs"]
+mod harness;
+#[path = "common/policed.rs"]
+mod policed;
+
+use calix_common::{
+    policy_pair_index, PolicyFlow, PolicyFlowKeyV4, PolicyPair, POLICY_FLOWS_V4_MAP,
+    POLICY_PAIRS_MAP,
+};
+use calix_core::policy::cluster::Change;
+use calix_core::policy::model::{Namespaces, Peer, PortMatch, Rule};
+use calix_core::selector::LabelSelector;
+use common::*;
+use harness::*;
+use policed::*;
+
+const FIN_ACK: u8 = 0x11;
+
+/// Runs the test on CPU 0 only: the programs' pair cache is per CPU.
+fn on_one_cpu(test: impl FnOnce() + Send + 'static) {
+    in_netns(|| {
+        let mut cpus = nix::sched::CpuSet::new();
+        cpus.set(0).expect("CPU 0");
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &cpus)
+            .expect("sched_setaffinity");
+        test();
+    });
+}
+
+/// A rule for B's egress: to A, on `ports` (empty: all).
+fn to_a(ports: Vec<PortMatch>) -> Rule {
+    Rule {
+        peers: vec![Peer::Pods {
+            namespaces: Namespaces::Named(NS.into()),
+            pods: LabelSelector {
+                match_labels: labels("a"),
+                match_expressions: Vec::new(),
+            },
+        }],
+        ports,
+        unreadable: None,
+    }
+}
+
+/// CPU 0's pair entry of `from` → `to`.
+fn pair(h: &Harness, from: &Pod, to: &Pod) -> PolicyPair {
+    let map = h.bpf.map(POLICY_PAIRS_MAP).expect("CALIX_POL_PAIRS");
+    let pairs: aya::maps::PerCpuArray<_, PolicyPair> =
+        aya::maps::PerCpuArray::try_from(map).expect("a per-CPU array");
+    pairs
+        .get(&policy_pair_index(from.slot, to.slot), 0)
+        .expect("the pair's entry")[0]
+}
+
+/// Every remembered IPv4 flow forgotten.
+fn forget_flows(h: &mut Harness) {
+    let map = h
+        .bpf
+        .map_mut(POLICY_FLOWS_V4_MAP)
+        .expect("CALIX_POL_FLOWS_V4");
+    let mut flows: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
+        aya::maps::HashMap::try_from(map).expect("a hash map");
+    let keys: Vec<_> = flows.keys().filter_map(Result::ok).collect();
+    for k in keys {
+        flows.remove(&k).expect("remove a flow");
+    }
+}
+
+/// Every remembered IPv4 flow made idle since long before the TCP timeout.
+fn age_flows(h: &mut Harness) {
+    let map = h
+        .bpf
+        .map_mut(POLICY_FLOWS_V4_MAP)
+        .expect("CALIX_POL_FLOWS_V4");
+    let mut flows: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
+        aya::maps::HashMap::try_from(map).expect("a hash map");
+    let all: Vec<_> = flows.iter().filter_map(Result::ok).collect();
+    for (k, mut f) in all {
+        f.last_seen_ns = 1;
+        flows.insert(k, f, 0).expect("age a flow");
+    }
+}
+
+#[test]
+fn a_pair_that_allows_everything_passes_segments_without_the_flows_and_a_change_still_revokes() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        // B takes everything from A; its egress and A are not isolated.
+        p.apply(Change::Policy(policy(vec![], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        let (ab, ba) = (pair(&h, &a, &b), pair(&h, &b, &a));
+        assert_eq!(ab.family, 4, "learnt from the SYN: {ab:?}");
+        assert_eq!(ba.family, 4, "both ways: {ba:?}");
+        assert_eq!(&ab.peer[..4], &b.v4);
+        assert_eq!(&ba.peer[..4], &a.v4);
+        assert_eq!(remembered(&h), 1, "the SYN still remembered (B's side)");
+        // With no remembered flow, a segment that the flows would judge (and remember, by the
+        // mid-connection rule) passes on the pair alone: nothing is remembered.
+        forget_flows(&mut h);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40000, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(remembered(&h), 0, "no flow lookup, no flow remembered");
+        // A new connection, remembered from its SYN; then B's ingress narrowed to port 80:
+        // the pair is stale, the flows decide, and the connection to 81 is refused both ways.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], None)));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_SHOT);
+        // Port 80 passes, and the pair is learnt again: not everything passes now.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 80, SYN)), TC_ACT_REDIRECT);
+        let ab = pair(&h, &a, &b);
+        assert_eq!(ab.family, 0, "port 80 only: {ab:?}");
+        forget_flows(&mut h);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 80, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(
+            remembered(&h),
+            1,
+            "judged by the flows (mid-connection), remembered"
+        );
+    });
+}
+
+#[test]
+fn a_pair_whose_rules_name_ports_or_one_direction_is_never_passed() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        // B takes everything from A, and may answer, but not open anything to A: the pair
+        // does not allow every packet both ways.
+        p.apply(Change::Policy(policy(vec![], Some(vec![]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(pair(&h, &a, &b).family, 0);
+        assert_eq!(pair(&h, &b, &a).family, 0);
+        // B opening a connection of its own to A: refused as before.
+        assert_eq!(send(&h, &b, &a, TCP, tcp(40009, 82, SYN)), TC_ACT_SHOT);
+        // B's egress to A on TCP 81 only: still not every packet.
+        p.apply(Change::Policy(policy(
+            vec![],
+            Some(vec![to_a(vec![tcp_port(81)])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(pair(&h, &a, &b).family, 0);
+        // To A on every port: now everything passes both ways.
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(pair(&h, &a, &b).family, 4);
+    });
+}
+
+/// A connection between a pair the cache passes ends its entries at the second FIN: its last
+/// ACK passes without a lookup.
+#[test]
+fn a_closed_connection_of_a_passed_pair_leaves_no_remembered_flow() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40000, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(remembered(&h), 1, "B's side");
+        assert_eq!(
+            send(&h, &a, &b, TCP, tcp(40000, 81, FIN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(remembered(&h), 1, "half closed");
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40000, FIN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(remembered(&h), 0, "both FINs: gone");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(remembered(&h), 0, "the last ACK remembers nothing");
+    });
+}
+
+/// A connection the pair cache passed for longer than the TCP timeout (its entries never
+/// refreshed) is still the one its SYN opened: after a change, it is checked against the
+/// side that opened it, not let in by the other side's rules.
+#[test]
+fn an_idle_connection_is_checked_against_the_side_that_opened_it() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
+        age_flows(&mut h);
+        // A's connection to B's port 81 is no longer allowed; B may still open anything to
+        // A (so the mid-connection rule would let the segment in).
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80)],
+            Some(vec![to_a(vec![])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40000, ACK)), TC_ACT_SHOT);
+        // An idle connection the rules still allow goes on.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 80, SYN)), TC_ACT_REDIRECT);
+        age_flows(&mut h);
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80), tcp_port(82)],
+            Some(vec![to_a(vec![])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 80, ACK)), TC_ACT_REDIRECT);
+    });
+}
