@@ -89,7 +89,9 @@ pub const PF_FROM_POD: u32 = 1;
 pub const PF_TO_POD: u32 = 2;
 /// [`PolicyFlow::flags`]: a change refused the flow: its packets are denied, also the TCP
 /// segments that the mid-connection rule (a segment of no remembered flow passes when either
-/// direction allows it) would let in, until it goes idle or a later change allows it again.
+/// direction allows it) would let in, until a later change allows it again or it goes idle
+/// (a TCP flow is then checked again against the direction that opened it; another is
+/// forgotten).
 pub const PF_REVOKED: u32 = 8;
 /// [`PolicyFlow::flags`]: the pod's flow to a Service address ([`POLICY_SERVICE`]), before the
 /// host stack's DNAT: its packets are judged after the DNAT, every one; the flow lets the

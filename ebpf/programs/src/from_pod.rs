@@ -111,7 +111,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         Some(l) if ip.proto == IPPROTO_TCP => {
             policy::pair_v4(ep.slot, unsafe { (*l).slot }, &ip.dst)
         }
-        _ => Pair::Open,
+        _ => Pair::Unasked,
     };
     let plain = pair == Pair::Allowed
         && !ip.fragment()
@@ -186,7 +186,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         Some(l) if ip.next_hdr == IPPROTO_TCP => {
             policy::pair_v6(ep.slot, unsafe { (*l).slot }, &ip.dst)
         }
-        _ => Pair::Open,
+        _ => Pair::Unasked,
     };
     let plain = pair == Pair::Allowed
         && policy::plain_segment::<{ ETH_HLEN + v6::LEN }>(ctx, usize::from(ip.payload_len));
@@ -223,7 +223,8 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
 /// The egress policy of the endpoint in `slot` on the packet, with what the pair cache said
 /// of it when it goes to a pod of this node (`pair`; `plain`: a segment the cache may pass
 /// without the flows, `policy::plain_segment`): `Ok` what the receiver's verdict needs to
-/// know, else what becomes of the packet.
+/// know, else what becomes of the packet. The pair's answer read both endpoints' states: an
+/// open pair (the common case, no policy) costs nothing more.
 #[inline(always)]
 fn sender_policy(
     ctx: &mut TcContext,
@@ -232,7 +233,8 @@ fn sender_policy(
     pair: Pair,
     plain: bool,
 ) -> Result<forward::Sent, i32> {
-    if plain {
+    // Neither side isolated, or both sides settled by the pair cache: no verdict to give.
+    if plain || pair == Pair::Open {
         return Ok(forward::Sent {
             passed: true,
             ..forward::Sent::NOTHING

@@ -29,7 +29,9 @@ use crate::packet;
 /// What the pair cache says of a TCP packet from one endpoint of this node to another.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Pair {
-    /// Neither endpoint is isolated (or the packet is not TCP): nothing to skip or learn.
+    /// Not asked: the packet is not TCP to a pod of this node.
+    Unasked,
+    /// Neither endpoint is isolated: no verdict to give.
     Open,
     /// Not known at the endpoints' generations: learnt once a packet passes both verdicts.
     Stale,
