@@ -90,29 +90,65 @@ fn set_macs(ctx: &mut TcContext, dst: &[u8; 6], src: &[u8; 6]) -> Result<(), c_l
     Ok(())
 }
 
-/// What the sender's side already settled of a frame for a pod on this node.
+/// What the sender's side already settled of a frame for a pod on this node, in one word (it
+/// lives across the helper calls between the sender's verdict and the delivery: one stack
+/// slot, not one per field).
 #[derive(Clone, Copy)]
-pub struct Sent {
-    /// The sender's egress verdict on this very packet left its flow in the policy scratch
-    /// (`policy::ALLOW_READ`).
-    pub read: bool,
-    /// The pair cache passed the packet: both verdicts are settled.
-    pub passed: bool,
-    /// `PS_*` bits for the receiver's verdict (`calix_common::PS_PAIR`).
-    pub extra: u32,
-    /// The sending pod's slot, when the pair cache is to learn this pair once the packet
-    /// passes.
-    pub learn: Option<u32>,
-}
+pub struct Sent(u32);
 
 impl Sent {
+    /// The sender's egress verdict on this very packet left its flow in the policy scratch
+    /// (`policy::ALLOW_READ`).
+    const READ: u32 = 1;
+    /// Both verdicts are settled (no endpoint isolated, or the pair cache passed it).
+    const PASSED: u32 = 2;
+    /// The pair cache allows every TCP packet between the two (`calix_common::PS_PAIR` for
+    /// the receiver's verdict).
+    const PAIR: u32 = 4;
+    /// The pair cache is to learn this pair once the packet passes; the sender's slot in the
+    /// upper 16 bits.
+    const LEARN: u32 = 8;
+
     /// A frame from anywhere but a pod of this node's own fast path.
-    pub const NOTHING: Self = Self {
-        read: false,
-        passed: false,
-        extra: 0,
-        learn: None,
-    };
+    pub const NOTHING: Self = Self(0);
+    /// Both verdicts settled.
+    pub const PASSED_BOTH: Self = Self(Self::PASSED);
+
+    /// After the sender's egress verdict (`read`: it left the flow in the scratch); `pair`:
+    /// the pair cache allows every TCP packet; `learn`: the sender's slot when the cache is
+    /// to learn the pair.
+    #[inline(always)]
+    pub fn judged(read: bool, pair: bool, learn: Option<u32>) -> Self {
+        let mut w = if read { Self::READ } else { 0 };
+        if pair {
+            w |= Self::PAIR;
+        }
+        if let Some(slot) = learn {
+            w |= Self::LEARN | (slot << 16);
+        }
+        Self(w)
+    }
+
+    #[inline(always)]
+    fn has(self, bit: u32) -> bool {
+        self.0 & bit != 0
+    }
+
+    /// `PS_*` bits for the receiver's verdict.
+    #[inline(always)]
+    fn extra(self) -> u32 {
+        if self.has(Self::PAIR) {
+            calix_common::PS_PAIR
+        } else {
+            0
+        }
+    }
+
+    /// The sender's slot, when the pair cache is to learn the pair.
+    #[inline(always)]
+    fn learn(self) -> Option<u32> {
+        self.has(Self::LEARN).then_some(self.0 >> 16)
+    }
 }
 
 /// Delivers the frame straight into the pod behind `ep` (its veth peer's ingress).
@@ -138,18 +174,18 @@ pub fn deliver_local(ctx: &mut TcContext, ep: &LocalEndpoint) -> Result<i32, c_l
 
 #[inline(always)]
 fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, sent: Sent) -> Result<i32, c_long> {
-    let allowed = sent.passed
+    let allowed = sent.has(Sent::PASSED)
         || !policy::isolated(ep.slot)
-        || if sent.read {
+        || if sent.has(Sent::READ) {
             policy::ingress_of_sent(ep.slot)
         } else {
-            policy::ingress(ctx.skb.skb, ep.slot, sent.extra)
+            policy::ingress(ctx.skb.skb, ep.slot, sent.extra())
         };
     if !allowed {
         policy::report_denied(ep.slot, calix_common::POL_DIR_INGRESS);
         return Ok(counters::drop(ctx, ep.ifindex, DropReason::PolicyIngress));
     }
-    if let Some(from) = sent.learn {
+    if let Some(from) = sent.learn() {
         policy::learn_pair(ctx.skb.skb, from, ep.slot);
     }
     set_macs(ctx, &ep.mac, &HOST_VETH_MAC)?;

@@ -235,18 +235,16 @@ fn sender_policy(
 ) -> Result<forward::Sent, i32> {
     // Neither side isolated, or both sides settled by the pair cache: no verdict to give.
     if plain || pair == Pair::Open {
-        return Ok(forward::Sent {
-            passed: true,
-            ..forward::Sent::NOTHING
-        });
+        return Ok(forward::Sent::PASSED_BOTH);
     }
-    let extra = if pair == Pair::Allowed { PS_PAIR } else { 0 };
-    Ok(forward::Sent {
-        read: egress_policy(ctx, ifindex, slot, extra)?,
-        passed: false,
-        extra,
-        learn: (pair == Pair::Stale).then_some(slot),
-    })
+    let allowed = pair == Pair::Allowed;
+    let extra = if allowed { PS_PAIR } else { 0 };
+    let read = egress_policy(ctx, ifindex, slot, extra)?;
+    Ok(forward::Sent::judged(
+        read,
+        allowed,
+        (pair == Pair::Stale).then_some(slot),
+    ))
 }
 
 /// The endpoint's egress policy on the packet: `Ok` when it goes on (not isolated for
