@@ -16,8 +16,7 @@ use calix_common::{
     POLICY_PAIRS_MAP,
 };
 use calix_core::policy::cluster::Change;
-use calix_core::policy::model::{Namespaces, Peer, PortMatch, Rule};
-use calix_core::selector::LabelSelector;
+use calix_core::policy::model::{PortMatch, Rule};
 use common::*;
 use harness::*;
 use policed::*;
@@ -37,17 +36,7 @@ fn on_one_cpu(test: impl FnOnce() + Send + 'static) {
 
 /// A rule for B's egress: to A, on `ports` (empty: all).
 fn to_a(ports: Vec<PortMatch>) -> Rule {
-    Rule {
-        peers: vec![Peer::Pods {
-            namespaces: Namespaces::Named(NS.into()),
-            pods: LabelSelector {
-                match_labels: labels("a"),
-                match_expressions: Vec::new(),
-            },
-        }],
-        ports,
-        unreadable: None,
-    }
+    app_rule("a", ports)
 }
 
 /// CPU 0's pair entry of `from` → `to`.
@@ -60,14 +49,20 @@ fn pair(h: &Harness, from: &Pod, to: &Pod) -> PolicyPair {
         .expect("the pair's entry")[0]
 }
 
-/// Every remembered IPv4 flow forgotten.
-fn forget_flows(h: &mut Harness) {
+/// The IPv4 flows' table.
+fn flows_v4(
+    h: &mut Harness,
+) -> aya::maps::HashMap<&mut aya::maps::MapData, PolicyFlowKeyV4, PolicyFlow> {
     let map = h
         .bpf
         .map_mut(POLICY_FLOWS_V4_MAP)
         .expect("CALIX_POL_FLOWS_V4");
-    let mut flows: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
-        aya::maps::HashMap::try_from(map).expect("a hash map");
+    aya::maps::HashMap::try_from(map).expect("a hash map")
+}
+
+/// Every remembered IPv4 flow forgotten.
+fn forget_flows(h: &mut Harness) {
+    let mut flows = flows_v4(h);
     let keys: Vec<_> = flows.keys().filter_map(Result::ok).collect();
     for k in keys {
         flows.remove(&k).expect("remove a flow");
@@ -76,12 +71,7 @@ fn forget_flows(h: &mut Harness) {
 
 /// Every remembered IPv4 flow made idle since long before the TCP timeout.
 fn age_flows(h: &mut Harness) {
-    let map = h
-        .bpf
-        .map_mut(POLICY_FLOWS_V4_MAP)
-        .expect("CALIX_POL_FLOWS_V4");
-    let mut flows: aya::maps::HashMap<_, PolicyFlowKeyV4, PolicyFlow> =
-        aya::maps::HashMap::try_from(map).expect("a hash map");
+    let mut flows = flows_v4(h);
     let all: Vec<_> = flows.iter().filter_map(Result::ok).collect();
     for (k, mut f) in all {
         f.last_seen_ns = 1;

@@ -53,6 +53,21 @@ pub fn tcp_port(port: u16) -> PortMatch {
     }
 }
 
+/// A rule for the pods of this namespace labelled `app`, on `ports` (empty: all).
+pub fn app_rule(app: &str, ports: Vec<PortMatch>) -> Rule {
+    Rule {
+        peers: vec![Peer::Pods {
+            namespaces: Namespaces::Named(NS.into()),
+            pods: LabelSelector {
+                match_labels: labels(app),
+                match_expressions: Vec::new(),
+            },
+        }],
+        ports,
+        unreadable: None,
+    }
+}
+
 /// A policy selecting `app=b` that lets `app=a` in on `ports` (empty: all) and, when
 /// `egress` is `Some`, isolates egress with those rules.
 pub fn policy(ports: Vec<PortMatch>, egress: Option<Vec<Rule>>) -> Policy {
@@ -65,17 +80,7 @@ pub fn policy(ports: Vec<PortMatch>, egress: Option<Vec<Rule>>) -> Policy {
             match_labels: labels("b"),
             match_expressions: Vec::new(),
         },
-        ingress: Some(vec![Rule {
-            peers: vec![Peer::Pods {
-                namespaces: Namespaces::Named(NS.into()),
-                pods: LabelSelector {
-                    match_labels: labels("a"),
-                    match_expressions: Vec::new(),
-                },
-            }],
-            ports,
-            unreadable: None,
-        }]),
+        ingress: Some(vec![app_rule("a", ports)]),
         egress,
         unreadable_selector: None,
     }

@@ -270,6 +270,25 @@ fn ports(ctx: &TcContext, l4: usize, l4_len: usize, proto: u8) -> Option<(u16, u
     packet::ports(ctx, l4, l4_len, proto)
 }
 
+/// The identity of the address in `s.addr` (of family `s.flow.family`): its longest match in
+/// the identity tries, [`POLICY_WORLD`] under none.
+#[inline(always)]
+fn identity_of_addr(s: &mut PolicyScratch) -> u32 {
+    if s.flow.family == 4 {
+        s.addr_len = 32;
+        // SAFETY: `addr_len` then `addr` are laid out as an LPM key (a length, then the
+        // address; the IPv4 trie reads its first 4 bytes).
+        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 4]>) };
+        CALIX_POL_IDS_V4.get(k).copied()
+    } else {
+        s.addr_len = 128;
+        // SAFETY: as above.
+        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 16]>) };
+        CALIX_POL_IDS_V6.get(k).copied()
+    }
+    .unwrap_or(POLICY_WORLD)
+}
+
 /// Whether the rules of the endpoint in `slot` allow, in `dir`, the flow in `s`.
 #[inline(always)]
 fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> bool {
@@ -290,19 +309,7 @@ fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) ->
     }
     // The peer's identity: longest match on its address.
     s.addr = s.flow.peer;
-    let identity = if s.flow.family == 4 {
-        s.addr_len = 32;
-        // SAFETY: `addr_len` then `addr` are laid out as an LPM key (a length, then the
-        // address; the IPv4 trie reads its first 4 bytes).
-        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 4]>) };
-        CALIX_POL_IDS_V4.get(k).copied()
-    } else {
-        s.addr_len = 128;
-        // SAFETY: as above.
-        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 16]>) };
-        CALIX_POL_IDS_V6.get(k).copied()
-    }
-    .unwrap_or(POLICY_WORLD);
+    let identity = identity_of_addr(s);
     s.identity = identity;
     if identity == POLICY_SERVICE && dir == POL_DIR_EGRESS {
         return DEFER;

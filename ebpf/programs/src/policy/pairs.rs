@@ -16,14 +16,12 @@ use core::ptr::{addr_of, addr_of_mut};
 use aya_ebpf::{bindings::__sk_buff, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
     policy_pair_index, policy_pair_slots, PolicyKey, PolicyPair, PolicyScratch, PolicyState,
-    POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS,
-    POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, PS_KEYED,
+    POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS,
+    POL_ISOLATED_INGRESS, PS_KEYED,
 };
 
-use super::{read, scratch, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
-use crate::maps::{
-    CALIX_POLICY, CALIX_POL_IDS_V4, CALIX_POL_IDS_V6, CALIX_POL_PAIRS, CALIX_POL_STATE,
-};
+use super::{identity_of_addr, read, scratch, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+use crate::maps::{CALIX_POLICY, CALIX_POL_PAIRS, CALIX_POL_STATE};
 use crate::packet;
 
 /// What the pair cache says of a TCP packet from one endpoint of this node to another.
@@ -131,23 +129,6 @@ pub fn plain_segment<const AT: usize>(ctx: &TcContext, l4_len: usize) -> bool {
     }
 }
 
-/// The identity of the address in `s.addr` (`s.flow.family`).
-#[inline(always)]
-fn identity(s: &mut PolicyScratch) -> u32 {
-    if s.flow.family == 4 {
-        s.addr_len = 32;
-        // SAFETY: `addr_len` then `addr` are laid out as an LPM key (see `rules_verdict`).
-        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 4]>) };
-        CALIX_POL_IDS_V4.get(k).copied()
-    } else {
-        s.addr_len = 128;
-        // SAFETY: as above.
-        let k = unsafe { &*(&s.addr_len as *const u32 as *const Key<[u8; 16]>) };
-        CALIX_POL_IDS_V6.get(k).copied()
-    }
-    .unwrap_or(POLICY_WORLD)
-}
-
 /// Whether the rules of the endpoint in `slot` (state `st`) allow every TCP packet in `dir`
 /// to or from a peer of `identity`: an entry for all its TCP ports or all its protocols, or
 /// one for any peer.
@@ -218,9 +199,9 @@ pub fn learn(skb: *mut __sk_buff, src: u32, dst: u32) {
     // The flow as `src` sent it: the pod is `src`, the peer `dst`.
     // SAFETY (both): 16 plain bytes each, 4-byte aligned fields of the scratch.
     unsafe { packet::copy_words(addr_of_mut!(s.addr), addr_of!(s.flow.peer)) };
-    let to = identity(s);
+    let to = identity_of_addr(s);
     unsafe { packet::copy_words(addr_of_mut!(s.addr), addr_of!(s.flow.pod)) };
-    let from = identity(s);
+    let from = identity_of_addr(s);
     let all = all_tcp(s, src, &a, POL_DIR_EGRESS, to)
         && all_tcp(s, src, &a, POL_DIR_INGRESS, to)
         && all_tcp(s, dst, &b, POL_DIR_INGRESS, from)
