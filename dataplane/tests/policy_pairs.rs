@@ -3,7 +3,9 @@
 //! allow every TCP packet between them pass their connections' later segments without the
 //! flows, and everything the flows decide still holds: a change refuses a revoked
 //! connection, a pair whose rules name ports is never passed, closed connections leave no
-//! entry, and an idle connection is checked against the side that opened it. Needs root.
+//! entry, and an idle connection is checked against the side that opened it. A new
+//! connection between two pods the cache knows takes its rules from the SYN memo
+//! (`CALIX_POL_SYNS`) while both keep their generations. Needs root.
 mod common;
 
 #[path = "common/harness.rs"]
@@ -11,12 +13,15 @@ mod harness;
 #[path = "common/policed.rs"]
 mod policed;
 
+use aya::maps::{Array, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap};
 use calix_common::{
-    policy_pair_index, PolicyFlow, PolicyFlowKeyV4, PolicyPair, POLICY_FLOWS_V4_MAP,
-    POLICY_PAIRS_MAP,
+    policy_pair_index, policy_syn_port, PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey,
+    PolicyPair, PolicyState, PolicySyn, POLICY_FLOWS_V4_MAP, POLICY_HITS_MAP, POLICY_MAP,
+    POLICY_PAIRS_MAP, POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
 };
 use calix_core::policy::cluster::Change;
 use calix_core::policy::model::{PortMatch, Rule};
+use calix_dataplane::ebpf::policy::entry_of;
 use common::*;
 use harness::*;
 use policed::*;
@@ -42,11 +47,87 @@ fn to_a(ports: Vec<PortMatch>) -> Rule {
 /// CPU 0's pair entry of `from` → `to`.
 fn pair(h: &Harness, from: &Pod, to: &Pod) -> PolicyPair {
     let map = h.bpf.map(POLICY_PAIRS_MAP).expect("CALIX_POL_PAIRS");
-    let pairs: aya::maps::PerCpuArray<_, PolicyPair> =
-        aya::maps::PerCpuArray::try_from(map).expect("a per-CPU array");
+    let pairs: PerCpuArray<_, PolicyPair> = PerCpuArray::try_from(map).expect("a per-CPU array");
     pairs
         .get(&policy_pair_index(from.slot, to.slot), 0)
         .expect("the pair's entry")[0]
+}
+
+/// CPU 0's SYN memo entry of connections `opener` opens to `other`.
+fn syn_memo(h: &Harness, opener: &Pod, other: &Pod) -> PolicySyn {
+    let map = h.bpf.map(POLICY_SYNS_MAP).expect("CALIX_POL_SYNS");
+    let syns: PerCpuArray<_, PolicySyn> = PerCpuArray::try_from(map).expect("a per-CPU array");
+    syns.get(&policy_pair_index(opener.slot, other.slot), 0)
+        .expect("the memo's entry")[0]
+}
+
+/// A pinned map of the harness (the policy programmer took the object's own handles).
+fn pinned(h: &Harness, name: &str) -> MapData {
+    MapData::from_pin(h.pins.0.join(name)).expect("a pinned map")
+}
+
+/// How often each rule decided for `pod`: (rule, count), on CPU 0.
+fn hits(h: &Harness, pod: &Pod) -> Vec<(u32, u64)> {
+    let hits: PerCpuHashMap<_, PolicyHitKey, u64> =
+        PerCpuHashMap::try_from(Map::PerCpuHashMap(pinned(h, POLICY_HITS_MAP)))
+            .expect("a per-CPU hash");
+    let mut all: Vec<(u32, u64)> = hits
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, _)| k.slot == pod.slot)
+        .map(|(k, v)| (k.rule, v[0]))
+        .collect();
+    all.sort_unstable();
+    all
+}
+
+/// Takes `pod`'s entries out of the entry trie behind the programmer's back (no new
+/// generation).
+fn remove_entries(h: &Harness, pod: &Pod) {
+    let mut trie: LpmTrie<_, PolicyKey, u32> =
+        LpmTrie::try_from(Map::LpmTrie(pinned(h, POLICY_MAP))).expect("an LPM trie");
+    let keys: Vec<_> = trie
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| entry_of(k).is_some_and(|(slot, _, _)| slot == pod.slot))
+        .collect();
+    assert!(!keys.is_empty(), "the pod has entries");
+    for k in keys {
+        trie.remove(&k).expect("remove an entry");
+    }
+}
+
+/// Gives `pod`'s state a new generation, as a change does.
+fn next_generation(h: &Harness, pod: &Pod) {
+    let mut states: Array<_, PolicyState> =
+        Array::try_from(Map::Array(pinned(h, POLICY_STATE_MAP))).expect("an array");
+    let mut st = states.get(&pod.slot, 0).expect("the pod's state");
+    st.generation += 1;
+    states.set(pod.slot, st, 0).expect("write the state");
+}
+
+/// CPU 0's pair entries of `a` and `b` brought to the endpoints' current generations.
+fn pairs_current(h: &mut Harness, a: &Pod, b: &Pod) {
+    let states: Array<_, PolicyState> =
+        Array::try_from(Map::Array(pinned(h, POLICY_STATE_MAP))).expect("an array");
+    let generation = |p: &Pod| states.get(&p.slot, 0).expect("a state").generation;
+    let (ga, gb) = (generation(a), generation(b));
+    let map = h.bpf.map_mut(POLICY_PAIRS_MAP).expect("CALIX_POL_PAIRS");
+    let mut pairs: PerCpuArray<_, PolicyPair> =
+        PerCpuArray::try_from(map).expect("a per-CPU array");
+    for (from, to, g, peer_g) in [(a, b, ga, gb), (b, a, gb, ga)] {
+        let at = policy_pair_index(from.slot, to.slot);
+        let mut values: Vec<PolicyPair> = pairs.get(&at, 0).expect("the pair's entries").to_vec();
+        values[0].generation = g;
+        values[0].peer_generation = peer_g;
+        pairs
+            .set(
+                at,
+                aya::maps::PerCpuValues::try_from(values).expect("values"),
+                0,
+            )
+            .expect("write the pair's entries");
+    }
 }
 
 /// The IPv4 flows' table.
@@ -208,5 +289,55 @@ fn an_idle_connection_is_checked_against_the_side_that_opened_it() {
             Some(vec![to_a(vec![])]),
         )));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 80, ACK)), TC_ACT_REDIRECT);
+    });
+}
+
+/// A SYN between two pods whose pair entry is current takes the rules that let the last one
+/// to that port through from the memo (each direction's rule under its endpoint's
+/// generation), and counts their hits as the tries would; a new generation sends it to the
+/// tries again.
+#[test]
+fn a_new_connection_between_known_pods_takes_its_rules_from_the_syn_memo() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        // B takes A in on TCP 81 and may open TCP 90 to A; A is not isolated.
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(81)],
+            Some(vec![to_a(vec![tcp_port(90)])]),
+        )));
+        // The first SYN learns the pair (not known yet: no memo); the second, the memo.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(syn_memo(&h, &a, &b).known, 0, "the pair was not known yet");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        let m = syn_memo(&h, &a, &b);
+        assert_eq!(
+            m.known, SYN_INGRESS,
+            "B's ingress rule, A not isolated: {m:?}"
+        );
+        assert_eq!(m.port, policy_syn_port(4, 81u16.to_be()));
+        let into_b = m.ingress_rule;
+        assert_eq!(hits(&h, &b), [(into_b, 2)]);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(40100, 90, SYN)), TC_ACT_REDIRECT);
+        let m = syn_memo(&h, &b, &a);
+        assert_eq!(m.known, SYN_EGRESS, "B's egress rule: {m:?}");
+        let out_of_b = m.egress_rule;
+        assert_ne!(out_of_b, into_b);
+        // B's entries gone behind the programs' back, its generation the same: SYNs to the
+        // ports the memo knows pass on it, and are counted; another port meets the tries.
+        remove_entries(&h, &b);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(40101, 90, SYN)), TC_ACT_REDIRECT);
+        let mut counted = vec![(into_b, 3), (out_of_b, 2)];
+        counted.sort_unstable();
+        assert_eq!(hits(&h, &b), counted);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 82, SYN)), TC_ACT_SHOT);
+        // A new generation of B's, and the pair entries current at it (as a packet that
+        // passed would leave them): the memo's rules are of the generation before.
+        next_generation(&h, &b);
+        pairs_current(&mut h, &a, &b);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40004, 81, SYN)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(40102, 90, SYN)), TC_ACT_SHOT);
+        assert_eq!(hits(&h, &b), counted, "denied SYNs count no rule");
     });
 }

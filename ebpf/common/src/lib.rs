@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 46] = [
+pub const ALL_MAPS: [&str; 47] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -213,6 +213,7 @@ pub const ALL_MAPS: [&str; 46] = [
     POLICY_FLOWS_MAP,
     POLICY_FLOWS_V4_MAP,
     POLICY_PAIRS_MAP,
+    POLICY_SYNS_MAP,
     POLICY_SCRATCH_MAP,
     POLICY_HITS_MAP,
     POLICY_EVENTS_MAP,
@@ -661,6 +662,7 @@ mod pod {
     unsafe impl aya::Pod for super::PolicyFlow {}
     unsafe impl aya::Pod for super::PolicyFlowKeyV4 {}
     unsafe impl aya::Pod for super::PolicyPair {}
+    unsafe impl aya::Pod for super::PolicySyn {}
     unsafe impl aya::Pod for super::PolicyScratch {}
     unsafe impl aya::Pod for super::PolicyHitKey {}
     unsafe impl aya::Pod for super::PolicyDropEvent {}

@@ -38,6 +38,15 @@ pub const POLICY_PAIRS_MAP: &str = "CALIX_POL_PAIRS";
 /// Entries of [`POLICY_PAIRS_MAP`], per CPU (a power of two).
 pub const POLICY_PAIRS: u32 = 4096;
 
+/// Per-CPU array of [`POLICY_PAIRS`] [`PolicySyn`]s, at [`policy_pair_index`] of two
+/// endpoints of this node (the one that opens the connection first): the rules that let the
+/// last new TCP connection between them in (the opener's egress rule, the other's ingress
+/// rule) and the port it went to, so that the next SYN to that port takes them from here
+/// instead of the tries. A cache the programs fill, each CPU its own, as
+/// [`POLICY_PAIRS_MAP`]. Added to layout 4 after its first builds (which never open it; it
+/// starts empty).
+pub const POLICY_SYNS_MAP: &str = "CALIX_POL_SYNS";
+
 /// Per-CPU hash: [`PolicyHitKey`] (an endpoint's slot, a rule's number) → `u64`, how many
 /// times that rule decided for that endpoint (a new flow, a flow checked again after a change,
 /// a packet judged alone). The agent removes a pair's count when the pair's entries go.
@@ -254,6 +263,42 @@ pub struct PolicyPair {
     pub family: u32,
 }
 
+/// What [`POLICY_SYNS_MAP`] says of the new TCP connections one endpoint of this node (the
+/// opener) opened to another on one port: the rules that let the last one through. The tries
+/// answer the same for every SYN between the two to that port for as long as both keep their
+/// generations (a change of an endpoint's entries or isolation, or of any address's identity,
+/// gives every endpoint it touches a new one), and the SYN memo only answers when the
+/// [`PolicyPair`] of the two is current (the receiver's address checked).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicySyn {
+    /// [`policy_pair_slots`] of the opener and the other endpoint.
+    pub slots: u32,
+    /// The opener's [`PolicyState::generation`].
+    pub generation: u32,
+    /// The other endpoint's [`PolicyState::generation`].
+    pub peer_generation: u32,
+    /// [`policy_syn_port`] of the connection's family and port.
+    pub port: u32,
+    /// The opener's egress rule that let it out (when `known` has [`SYN_EGRESS`]).
+    pub egress_rule: u32,
+    /// The other endpoint's ingress rule that let it in (when `known` has [`SYN_INGRESS`]).
+    pub ingress_rule: u32,
+    /// [`SYN_EGRESS`], [`SYN_INGRESS`]: which rules are known.
+    pub known: u32,
+}
+
+/// [`PolicySyn::known`]: the opener's egress rule.
+pub const SYN_EGRESS: u32 = 1;
+/// [`PolicySyn::known`]: the other endpoint's ingress rule.
+pub const SYN_INGRESS: u32 = 2;
+
+/// [`PolicySyn::port`] of a connection of `family` (4 or 6) to `port` (network order, as
+/// read from the packet).
+pub const fn policy_syn_port(family: u8, port: u16) -> u32 {
+    ((family as u32) << 16) | port as u32
+}
+
 /// The [`POLICY_PAIRS_MAP`] index of the endpoint in `slot` and its peer in `peer_slot`:
 /// every pair of the first 64 slots has its own.
 pub const fn policy_pair_index(slot: u32, peer_slot: u32) -> u32 {
@@ -331,6 +376,12 @@ pub const PS_RST: u32 = 16;
 /// [`PolicyPair`] is current and allows every TCP packet: a connection's last ACK then passes
 /// without a lookup, so its entries go at the second FIN instead.
 pub const PS_PAIR: u32 = 32;
+/// [`PolicyScratch::flags`]: the packet goes between two endpoints of this node whose
+/// [`PolicyPair`] is current; the other endpoint's slot is in the upper 16 bits
+/// ([`PS_PEER_SHIFT`]): a SYN may take its rules from the SYN memo ([`PolicySyn`]).
+pub const PS_PEER: u32 = 64;
+/// Where [`PS_PEER`]'s slot starts in [`PolicyScratch::flags`].
+pub const PS_PEER_SHIFT: u32 = 16;
 
 /// The programs' working space for one verdict ([`POLICY_SCRATCH_MAP`] value). Each key lies
 /// as the map it is looked up in wants it: `rule_len` + `rule` is a [`POLICY_MAP`] key,

@@ -4,7 +4,7 @@ use core::mem::size_of;
 
 /// The key and value size of every map of this build, from the shared types: what
 /// [`LAYOUTS`] must say for [`LAYOUT_VERSION`].
-fn sizes_of_this_build() -> [(&'static str, usize, usize); 46] {
+fn sizes_of_this_build() -> [(&'static str, usize, usize); 47] {
     let lpm = |addr: usize| 4 + addr;
     [
         (
@@ -59,6 +59,7 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 46] {
             size_of::<PolicyFlow>(),
         ),
         (POLICY_PAIRS_MAP, size_of::<u32>(), size_of::<PolicyPair>()),
+        (POLICY_SYNS_MAP, size_of::<u32>(), size_of::<PolicySyn>()),
         (
             POLICY_SCRATCH_MAP,
             size_of::<u32>(),
@@ -169,6 +170,7 @@ fn layouts_have_no_padding() {
     assert_eq!(size_of::<FlowKey>(), 40);
     assert_eq!(size_of::<PolicyFlowKeyV4>(), 16);
     assert_eq!(size_of::<PolicyPair>(), 32);
+    assert_eq!(size_of::<PolicySyn>(), 28);
     assert_eq!(size_of::<PolicyDropEvent>(), 64);
     assert_eq!(size_of::<SvcKey>(), 20);
     assert_eq!(size_of::<SvcValue>(), 16);

@@ -9,12 +9,12 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
 };
-use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC};
+use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC, PS_PAIR, PS_PEER, PS_PEER_SHIFT};
 use core::mem::{size_of, MaybeUninit};
 
 use crate::counters;
 use crate::packet::{self, v4, v6, Ipv4, Ipv6};
-use crate::policy;
+use crate::policy::{self, Pair};
 
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -108,25 +108,28 @@ impl Sent {
     /// The pair cache is to learn this pair once the packet passes; the sender's slot in the
     /// upper 16 bits.
     const LEARN: u32 = 8;
+    /// The pair's entry is current: a SYN may take its rules from the SYN memo
+    /// (`calix_common::PS_PEER` for the receiver's verdict); the sender's slot in the upper
+    /// 16 bits.
+    const KNOWN: u32 = 16;
 
     /// A frame from anywhere but a pod of this node's own fast path.
     pub const NOTHING: Self = Self(0);
     /// Both verdicts settled.
     pub const PASSED_BOTH: Self = Self(Self::PASSED);
 
-    /// After the sender's egress verdict (`read`: it left the flow in the scratch); `pair`:
-    /// the pair cache allows every TCP packet; `learn`: the sender's slot when the cache is
-    /// to learn the pair.
+    /// After the sender's egress verdict (`read`: it left the flow in the scratch), with what
+    /// the pair cache said of the sender in `slot` and the receiver.
     #[inline(always)]
-    pub fn judged(read: bool, pair: bool, learn: Option<u32>) -> Self {
-        let mut w = if read { Self::READ } else { 0 };
-        if pair {
-            w |= Self::PAIR;
-        }
-        if let Some(slot) = learn {
-            w |= Self::LEARN | (slot << 16);
-        }
-        Self(w)
+    pub fn judged(read: bool, pair: Pair, slot: u32) -> Self {
+        let w = if read { Self::READ } else { 0 };
+        let pair = match pair {
+            Pair::Allowed => Self::PAIR | Self::KNOWN,
+            Pair::Checked => Self::KNOWN,
+            Pair::Stale => Self::LEARN,
+            Pair::Unasked | Pair::Open => return Self(w),
+        };
+        Self(w | pair | (slot << 16))
     }
 
     #[inline(always)]
@@ -137,10 +140,11 @@ impl Sent {
     /// `PS_*` bits for the receiver's verdict.
     #[inline(always)]
     fn extra(self) -> u32 {
-        if self.has(Self::PAIR) {
-            calix_common::PS_PAIR
+        let pair = if self.has(Self::PAIR) { PS_PAIR } else { 0 };
+        if self.has(Self::KNOWN) {
+            pair | PS_PEER | ((self.0 >> 16) << PS_PEER_SHIFT)
         } else {
-            0
+            pair
         }
     }
 
@@ -177,7 +181,7 @@ fn deliver(ctx: &mut TcContext, ep: &LocalEndpoint, sent: Sent) -> Result<i32, c
     let allowed = sent.has(Sent::PASSED)
         || !policy::isolated(ep.slot)
         || if sent.has(Sent::READ) {
-            policy::ingress_of_sent(ep.slot)
+            policy::ingress_of_sent(ep.slot, sent.extra())
         } else {
             policy::ingress(ctx.skb.skb, ep.slot, sent.extra())
         };

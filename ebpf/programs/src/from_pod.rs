@@ -19,7 +19,8 @@
 
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
-    policy_pending_mark, DropReason, EndpointInfo, EP_HAS_V4, EP_HAS_V6, EP_NAT_OUTGOING, PS_PAIR,
+    policy_pending_mark, DropReason, EndpointInfo, LocalEndpoint, EP_HAS_V4, EP_HAS_V6,
+    EP_NAT_OUTGOING, PS_PAIR, PS_PEER, PS_PEER_SHIFT,
 };
 
 use crate::counters::{self, drop};
@@ -121,7 +122,7 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
             usize::from(ip.tot_len).saturating_sub(20),
         );
     // Egress policy, once the source is the pod's own.
-    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain) {
+    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain, local) {
         Ok(sent) => sent,
         Err(decided) => return Ok(decided),
     };
@@ -190,7 +191,7 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
     };
     let plain = pair == Pair::Allowed
         && policy::plain_segment::<{ ETH_HLEN + v6::LEN }>(ctx, usize::from(ip.payload_len));
-    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain) {
+    let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain, local) {
         Ok(sent) => sent,
         Err(decided) => return Ok(decided),
     };
@@ -221,10 +222,10 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
 }
 
 /// The egress policy of the endpoint in `slot` on the packet, with what the pair cache said
-/// of it when it goes to a pod of this node (`pair`; `plain`: a segment the cache may pass
-/// without the flows, `policy::plain_segment`): `Ok` what the receiver's verdict needs to
-/// know, else what becomes of the packet. The pair's answer read both endpoints' states: an
-/// open pair (the common case, no policy) costs nothing more.
+/// of it when it goes to a pod of this node (`pair`, `local`: the receiver; `plain`: a
+/// segment the cache may pass without the flows, `policy::plain_segment`): `Ok` what the
+/// receiver's verdict needs to know, else what becomes of the packet. The pair's answer read
+/// both endpoints' states: an open pair (the common case, no policy) costs nothing more.
 #[inline(always)]
 fn sender_policy(
     ctx: &mut TcContext,
@@ -232,19 +233,26 @@ fn sender_policy(
     slot: u32,
     pair: Pair,
     plain: bool,
+    local: Option<*const LocalEndpoint>,
 ) -> Result<forward::Sent, i32> {
     // Neither side isolated, or both sides settled by the pair cache: no verdict to give.
     if plain || pair == Pair::Open {
         return Ok(forward::Sent::PASSED_BOTH);
     }
-    let allowed = pair == Pair::Allowed;
-    let extra = if allowed { PS_PAIR } else { 0 };
+    let extra = match (pair, local) {
+        // SAFETY: a pointer from a successful lookup, valid until the program returns.
+        (Pair::Allowed | Pair::Checked, Some(l)) => {
+            let peer = PS_PEER | (unsafe { (*l).slot } << PS_PEER_SHIFT);
+            if pair == Pair::Allowed {
+                peer | PS_PAIR
+            } else {
+                peer
+            }
+        }
+        _ => 0,
+    };
     let read = egress_policy(ctx, ifindex, slot, extra)?;
-    Ok(forward::Sent::judged(
-        read,
-        allowed,
-        (pair == Pair::Stale).then_some(slot),
-    ))
+    Ok(forward::Sent::judged(read, pair, slot))
 }
 
 /// The endpoint's egress policy on the packet: `Ok` when it goes on (not isolated for

@@ -14,13 +14,14 @@ use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
     EndpointCounters, EndpointInfo, EventBudget, FailsafePort, FlowKey, LocalEndpoint, NatConfig,
     PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey, PolicyPair, PolicyScratch, PolicyState,
-    StackFlow, SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcCounters, SvcFlow, SvcFlowKey,
-    SvcFwdKey, SvcKey, SvcMaglev, SvcNodeKey, SvcRevKey, SvcRevValue, SvcScratch, SvcValue,
-    DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES, DEFAULT_POLICY_FLOWS, DEFAULT_SVC_BACKENDS,
-    DEFAULT_SVC_FRONTENDS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS,
-    MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_HITS, MAX_POLICY_PREFIXES,
-    MAX_POOLS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, POLICY_PAIRS, SVC_AFFINITY_ENTRIES,
-    SVC_COUNTER_ENTRIES, SVC_FLOW_ENTRIES, SVC_MAGLEV_ENTRIES, SVC_NODE_ENTRIES, SVC_REV_ENTRIES,
+    PolicySyn, StackFlow, SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcCounters, SvcFlow,
+    SvcFlowKey, SvcFwdKey, SvcKey, SvcMaglev, SvcNodeKey, SvcRevKey, SvcRevValue, SvcScratch,
+    SvcValue, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES, DEFAULT_POLICY_FLOWS,
+    DEFAULT_SVC_BACKENDS, DEFAULT_SVC_FRONTENDS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS,
+    MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_HITS,
+    MAX_POLICY_PREFIXES, MAX_POOLS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, POLICY_PAIRS,
+    SVC_AFFINITY_ENTRIES, SVC_COUNTER_ENTRIES, SVC_FLOW_ENTRIES, SVC_MAGLEV_ENTRIES,
+    SVC_NODE_ENTRIES, SVC_REV_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -182,6 +183,11 @@ pub static CALIX_POL_FLOWS_V4: LruHashMap<PolicyFlowKeyV4, PolicyFlow> =
 #[map(name = "CALIX_POL_PAIRS")]
 pub static CALIX_POL_PAIRS: PerCpuArray<PolicyPair> = PerCpuArray::pinned(POLICY_PAIRS, 0);
 
+/// NetworkPolicy: the rules that let the last new TCP connection between two endpoints of
+/// this node through, one memo per CPU.
+#[map(name = "CALIX_POL_SYNS")]
+pub static CALIX_POL_SYNS: PerCpuArray<PolicySyn> = PerCpuArray::pinned(POLICY_PAIRS, 0);
+
 /// NetworkPolicy: the verdict's working space, one per CPU.
 #[map(name = "CALIX_POL_SCRATCH")]
 pub static CALIX_POL_SCRATCH: PerCpuArray<PolicyScratch> = PerCpuArray::pinned(1, 0);
@@ -202,6 +208,10 @@ pub static CALIX_POL_EVBUDGET: PerCpuArray<EventBudget> = PerCpuArray::pinned(1,
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_PAIRS_MAP,
     "CALIX_POL_PAIRS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_SYNS_MAP,
+    "CALIX_POL_SYNS"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_HITS_MAP,

@@ -44,6 +44,7 @@ use calix_common::{
 
 mod flows;
 mod pairs;
+mod syns;
 
 use flows::{clear_flow, flow_get, flow_insert, flow_remove, swap_ends};
 pub use pairs::{learn as learn_pair, plain_segment, v4 as pair_v4, v6 as pair_v6, Pair};
@@ -299,12 +300,13 @@ fn rules_allow(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> b
 /// for egress to a Service address.
 #[inline(always)]
 fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
-    let bit = if dir == POL_DIR_INGRESS {
-        POL_ISOLATED_INGRESS
-    } else {
-        POL_ISOLATED_EGRESS
-    };
-    if st.flags & bit == 0 {
+    if !isolated_in(st, dir) {
+        return ALLOW;
+    }
+    // A SYN between two endpoints of this node: the rules that let the last one to the same
+    // port through, while both keep their generations.
+    if let Some(rule) = syns::recall(slot, st, dir, s) {
+        hit(s, slot, rule);
         return ALLOW;
     }
     // The peer's identity: longest match on its address.
@@ -325,18 +327,33 @@ fn rules_verdict(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) ->
     s.rule = PolicyKey::new(slot, dir, identity, s.flow.proto, port);
     // SAFETY: `rule_len` then `rule` are laid out as the entry trie's key.
     let k = unsafe { &*(&s.rule_len as *const u32 as *const Key<PolicyKey>) };
-    if let Some(rule) = CALIX_POLICY.get(k) {
-        hit(s, slot, *rule);
-        return ALLOW;
-    }
-    s.rule.identity = POLICY_ANY_PEER.to_be_bytes();
-    if let Some(rule) = CALIX_POLICY.get(k) {
-        hit(s, slot, *rule);
-        ALLOW
+    let rule = match CALIX_POLICY.get(k) {
+        Some(rule) => *rule,
+        None => {
+            s.rule.identity = POLICY_ANY_PEER.to_be_bytes();
+            match CALIX_POLICY.get(k) {
+                Some(rule) => *rule,
+                None => {
+                    s.why = u32::from(DENIED_NO_RULE);
+                    return DENY;
+                }
+            }
+        }
+    };
+    hit(s, slot, rule);
+    syns::note(slot, st, dir, s, rule);
+    ALLOW
+}
+
+/// Whether the endpoint of state `st` is isolated in `dir`.
+#[inline(always)]
+fn isolated_in(st: &PolicyState, dir: u8) -> bool {
+    let bit = if dir == POL_DIR_INGRESS {
+        POL_ISOLATED_INGRESS
     } else {
-        s.why = u32::from(DENIED_NO_RULE);
-        DENY
-    }
+        POL_ISOLATED_EGRESS
+    };
+    st.flags & bit != 0
 }
 
 /// A hit count's key and first value, built in the scratch's `value` (a flow's value, not in
@@ -610,9 +627,9 @@ pub fn ingress(skb: *mut __sk_buff, slot: u32, extra: u32) -> bool {
 
 /// As [`ingress`], for a packet whose sender's egress verdict just returned [`ALLOW_READ`]
 /// (same node): its flow is taken from the scratch, seen from the receiver, instead of read
-/// from the packet again.
+/// from the packet again. `extra`: as in `verdict`, in place of the sender's.
 #[inline(never)]
-pub fn ingress_of_sent(slot: u32) -> bool {
+pub fn ingress_of_sent(slot: u32, extra: u32) -> bool {
     let Some(st) = state(slot) else {
         return true;
     };
@@ -620,6 +637,7 @@ pub fn ingress_of_sent(slot: u32) -> bool {
         return false;
     };
     swap_ends(s);
+    s.flags = (s.flags & (PS_KEYED | PS_SYN | PS_EXEMPT | PS_FIN | PS_RST)) | extra;
     s.identity = POLICY_WORLD;
     s.why = 0;
     allows(slot, &st, POL_DIR_INGRESS, s) == ALLOW

@@ -16,11 +16,12 @@ use core::ptr::{addr_of, addr_of_mut};
 use aya_ebpf::{bindings::__sk_buff, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
     policy_pair_index, policy_pair_slots, PolicyKey, PolicyPair, PolicyScratch, PolicyState,
-    POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS,
-    POL_ISOLATED_INGRESS, PS_KEYED,
+    POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POL_DIR_EGRESS, POL_DIR_INGRESS, PS_KEYED,
 };
 
-use super::{identity_of_addr, read, scratch, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN};
+use super::{
+    identity_of_addr, isolated_in, read, scratch, IPPROTO_TCP, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN,
+};
 use crate::maps::{CALIX_POLICY, CALIX_POL_PAIRS, CALIX_POL_STATE};
 use crate::packet;
 
@@ -134,12 +135,7 @@ pub fn plain_segment<const AT: usize>(ctx: &TcContext, l4_len: usize) -> bool {
 /// one for any peer.
 #[inline(always)]
 fn all_tcp(s: &mut PolicyScratch, slot: u32, st: &PolicyState, dir: u8, identity: u32) -> bool {
-    let bit = if dir == POL_DIR_INGRESS {
-        POL_ISOLATED_INGRESS
-    } else {
-        POL_ISOLATED_EGRESS
-    };
-    if st.flags & bit == 0 {
+    if !isolated_in(st, dir) {
         return true;
     }
     // A key cut after the protocol: only entries that leave the port open (or the protocol
