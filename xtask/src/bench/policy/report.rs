@@ -370,8 +370,8 @@ impl Report {
              lets in another `app` on one TCP port, a `tier` of the namespaces of a `team`, and \
              an ipBlock /16 with a /24 `except`, and lets out to a `tier` on UDP 53.\n\n\
              | | |\n|---|---|\n\
-             | agent RSS, its 100 pods and no policy | {} MiB |\n\
-             | agent RSS, everything | {} MiB (+{} MiB) |\n\
+             | agent RSS, its 100 pods and no policy (freshly started) | {} MiB |\n\
+             | agent RSS, everything (freshly started) | {} MiB (+{} MiB) |\n\
              | from the agent's start: every object listed | {} s |\n\
              | from the agent's start: everything programmed | {} s |\n\
              | the agent's time over that start: apply / compile / program | {} / {} / {} s |\n\
