@@ -341,3 +341,23 @@ fn a_new_connection_between_known_pods_takes_its_rules_from_the_syn_memo() {
         assert_eq!(hits(&h, &b), counted, "denied SYNs count no rule");
     });
 }
+
+/// The memo over IPv6: its own family in the stamp.
+#[test]
+fn the_syn_memo_answers_ipv6_connections_too() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(policy(vec![tcp_port(81)], None)));
+        assert_eq!(send6(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send6(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        let m = syn_memo(&h, &a, &b);
+        assert_eq!(m.known, SYN_INGRESS, "{m:?}");
+        assert_eq!(m.port, policy_syn_port(6, 81u16.to_be()));
+        remove_entries(&h, &b);
+        assert_eq!(send6(&h, &a, &b, TCP, tcp(40002, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(hits(&h, &b), [(m.ingress_rule, 3)]);
+        // The same port over IPv4 is another stamp: the tries, now empty, refuse it.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 81, SYN)), TC_ACT_SHOT);
+    });
+}

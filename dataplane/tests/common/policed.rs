@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use calix_common::{
-    FlowKey, PolicyFlow, PolicyFlowKeyV4, POLICY_FLOWS_MAP, POLICY_FLOWS_V4_MAP, PROG_FROM_POD,
+    FlowKey, PolicyFlow, PolicyFlowKeyV4, HOST_VETH_MAC, POLICY_FLOWS_MAP, POLICY_FLOWS_V4_MAP,
+    PROG_FROM_POD,
 };
 use calix_core::policy::cluster::{Change, Cluster};
 use calix_core::policy::compiler::Compiler;
@@ -142,6 +143,17 @@ pub const SYN_ACK: u8 = 0x12;
 /// `from_pod` on `from`'s veth, for a frame from `from` to `to`: the verdict.
 pub fn send(h: &Harness, from: &Pod, to: &Pod, proto: u8, l4: Vec<u8>) -> u32 {
     let frame = Ip4::new(from.v4, to.v4, proto, l4).sent_by(from);
+    h.run(PROG_FROM_POD, from.ifindex, &frame).verdict
+}
+
+/// As [`send`], over IPv6.
+pub fn send6(h: &Harness, from: &Pod, to: &Pod, proto: u8, l4: Vec<u8>) -> u32 {
+    let frame = eth(
+        HOST_VETH_MAC,
+        from.mac,
+        ETH_P_IPV6,
+        &ip6(from.v6, to.v6, proto, &l4),
+    );
     h.run(PROG_FROM_POD, from.ifindex, &frame).verdict
 }
 
