@@ -44,7 +44,7 @@ use serde_json::Value;
 
 use self::kinds::{kind_of, kinds_under, Kind};
 use self::objects::{
-    check_key, key_value, list_revision, object_revision, one_object, spec_of, written,
+    check_key, key_value, list_revision, object_revision, one_object, records_of, spec_of, written,
 };
 use self::retry::{crd_missing, unexpected_conflict, Answer};
 use crate::{Compare, Datastore, DatastoreError, Durability, Op, WatchStream};
@@ -168,16 +168,18 @@ impl KubeStore {
         }
     }
 
-    /// Every object of `kind` (narrowed by label or field to `prefix` where it can be) at one
-    /// resourceVersion: `exact` when given, else the newest. Returns them and the listing's
-    /// revision.
+    /// The records of every object of `kind` under `prefix` (narrowed by label or field to it
+    /// where it can be) at one resourceVersion: `exact` when given, else the newest. Returns
+    /// them and the listing's revision. Each page becomes records as it arrives: a cluster's
+    /// full objects (10,000 Pods) are never held all at once, only their records (a view's
+    /// few fields).
     async fn list_kind(
         &self,
         kind: &Kind,
         prefix: &str,
         exact: Option<i64>,
         labels: Option<&str>,
-    ) -> Result<(Vec<DynamicObject>, i64), DatastoreError> {
+    ) -> Result<(Vec<KeyValue>, i64), DatastoreError> {
         let api = self.api(kind);
         // A continue token that expired (410) restarts the listing; bounded.
         'listing: for _ in 0..self.attempts {
@@ -191,7 +193,7 @@ impl KubeStore {
             if let Some(rv) = exact {
                 lp = lp.at(&rv.to_string()).matching(VersionMatch::Exact);
             }
-            let mut objects = Vec::new();
+            let mut records = Vec::new();
             let mut revision = None;
             loop {
                 let page = match self
@@ -211,7 +213,7 @@ impl KubeStore {
                 if revision.is_none() {
                     revision = Some(list_revision(&page.metadata, kind)?);
                 }
-                objects.extend(page.items);
+                records_of(kind, prefix, page.items, &mut records)?;
                 match page.metadata.continue_.filter(|c| !c.is_empty()) {
                     Some(token) => {
                         // The token carries the snapshot; a version with it is refused.
@@ -223,7 +225,7 @@ impl KubeStore {
                 }
             }
             let revision = revision.unwrap_or_default();
-            return Ok((objects, revision));
+            return Ok((records, revision));
         }
         Err(DatastoreError::Unavailable {
             backend: BACKEND,
@@ -359,16 +361,9 @@ impl Datastore for KubeStore {
         let mut out = Vec::new();
         let mut at = None;
         for kind in kinds {
-            let (objects, revision) = self.list_kind(kind, prefix, at, None).await?;
+            let (records, revision) = self.list_kind(kind, prefix, at, None).await?;
             at.get_or_insert(revision);
-            for obj in objects {
-                match kind.key_of(&obj) {
-                    Some(key) if key.starts_with(prefix) => out.push(key_value(kind, key, &obj)?),
-                    Some(_) => {}
-                    None => tracing::warn!(kind = kind.kind, name = ?obj.metadata.name,
-                        "ignoring an object that is not a calix record (its name and key annotation disagree)"),
-                }
-            }
+            out.extend(records);
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok((out, at.unwrap_or_default()))
@@ -387,13 +382,7 @@ impl Datastore for KubeStore {
             return Ok(super::keep_node(self.list(prefix).await?, node));
         }
         let selector = format!("{}={}", kinds::NODE_LABEL, names::label_value(node));
-        let (objects, _) = self.list_kind(kind, prefix, None, Some(&selector)).await?;
-        let mut out = Vec::new();
-        for obj in objects {
-            if let Some(key) = kind.key_of(&obj).filter(|k| k.starts_with(prefix)) {
-                out.push(key_value(kind, key, &obj)?);
-            }
-        }
+        let (mut out, _) = self.list_kind(kind, prefix, None, Some(&selector)).await?;
         out.sort_by(|a, b| a.key.cmp(&b.key));
         // The label is the writer's word; the record's own node decides.
         Ok(super::keep_node(out, node))

@@ -78,6 +78,26 @@ pub(super) fn key_value(
     })
 }
 
+/// Appends to `out` the records of the listed `objects` of `kind` whose keys are under
+/// `prefix`. An object whose name and key annotation disagree is no calix record: left out,
+/// with a warning.
+pub(super) fn records_of(
+    kind: &Kind,
+    prefix: &str,
+    objects: Vec<DynamicObject>,
+    out: &mut Vec<KeyValue>,
+) -> Result<(), DatastoreError> {
+    for obj in objects {
+        match kind.key_of(&obj) {
+            Some(key) if key.starts_with(prefix) => out.push(key_value(kind, key, &obj)?),
+            Some(_) => {}
+            None => tracing::warn!(kind = kind.kind, name = ?obj.metadata.name,
+                "ignoring an object that is not a calix record (its name and key annotation disagree)"),
+        }
+    }
+    Ok(())
+}
+
 /// The object's `creationTimestamp` in seconds (set by the API server at creation, kept by
 /// every update); 0 when it has none.
 pub(super) fn created_of(obj: &DynamicObject) -> i64 {
