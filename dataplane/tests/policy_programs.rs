@@ -312,16 +312,13 @@ fn ipv6_is_policed_and_neighbour_discovery_never_is() {
             )
         };
         let run = |from: &Pod, frame: &[u8]| h.run(PROG_FROM_POD, from.ifindex, frame).verdict;
-        assert_eq!(run(&a, &v6(&a, &b, TCP, &tcp(40000, 81, SYN))), TC_ACT_SHOT);
+        assert_eq!(send6(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_SHOT);
+        assert_eq!(send6(&h, &a, &b, TCP, tcp(40000, 80, SYN)), TC_ACT_REDIRECT);
         assert_eq!(
-            run(&a, &v6(&a, &b, TCP, &tcp(40000, 80, SYN))),
+            send6(&h, &b, &a, TCP, tcp(80, 40000, SYN_ACK)),
             TC_ACT_REDIRECT
         );
-        assert_eq!(
-            run(&b, &v6(&b, &a, TCP, &tcp(80, 40000, SYN_ACK))),
-            TC_ACT_REDIRECT
-        );
-        assert_eq!(run(&b, &v6(&b, &a, TCP, &tcp(40001, 80, SYN))), TC_ACT_SHOT);
+        assert_eq!(send6(&h, &b, &a, TCP, tcp(40001, 80, SYN)), TC_ACT_SHOT);
         // An extension header hides the ports: only a rule for every port would let it by.
         let hidden = ext_header(TCP, &tcp(40000, 80, SYN));
         assert_eq!(
