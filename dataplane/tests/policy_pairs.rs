@@ -20,7 +20,8 @@ use calix_common::{
     POLICY_PAIRS_MAP, POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
 };
 use calix_core::policy::cluster::Change;
-use calix_core::policy::model::{PortMatch, Rule};
+use calix_core::policy::model::{Policy, PolicyKey as PolicyName, PortMatch, Rule};
+use calix_core::selector::LabelSelector;
 use calix_dataplane::ebpf::policy::entry_of;
 use common::*;
 use harness::*;
@@ -42,6 +43,37 @@ fn on_one_cpu(test: impl FnOnce() + Send + 'static) {
 /// A rule for B's egress: to A, on `ports` (empty: all).
 fn to_a(ports: Vec<PortMatch>) -> Rule {
     app_rule("a", ports)
+}
+
+/// A policy selecting `app=a` that lets `app=b` in, and A out to `app=b`, on every port.
+fn a_with_b() -> Policy {
+    Policy {
+        key: PolicyName {
+            namespace: NS.into(),
+            name: "a-both".into(),
+        },
+        pod_selector: LabelSelector {
+            match_labels: labels("a"),
+            match_expressions: Vec::new(),
+        },
+        ingress: Some(vec![app_rule("b", vec![])]),
+        egress: Some(vec![app_rule("b", vec![])]),
+        unreadable_selector: None,
+    }
+}
+
+/// Whether `pod` remembers the IPv4 TCP flow between its port `port` and `peer`'s port
+/// `peer_port`.
+fn remembers(h: &mut Harness, pod: &Pod, port: u16, peer: &Pod, peer_port: u16) -> bool {
+    let key = PolicyFlowKeyV4 {
+        pod: pod.v4,
+        peer: peer.v4,
+        pod_port: port.to_be(),
+        peer_port: peer_port.to_be(),
+        proto: TCP,
+        _pad: [0; 3],
+    };
+    flows_v4(h).get(&key, 0).is_ok()
 }
 
 /// CPU 0's pair entry of `from` → `to`.
@@ -359,5 +391,66 @@ fn the_syn_memo_answers_ipv6_connections_too() {
         assert_eq!(hits(&h, &b), [(m.ingress_rule, 3)]);
         // The same port over IPv4 is another stamp: the tries, now empty, refuse it.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 81, SYN)), TC_ACT_SHOT);
+    });
+}
+
+/// Between two isolated pods whose pair passes every TCP packet, a connection has one entry,
+/// its opener's: the other side's verdicts write none (its FINs pass on the pair), and a
+/// change that makes the pair stale has it learn who opened the connection from the opener's
+/// entry, so a revoked connection is refused both ways, not let in by the other direction's
+/// rules.
+#[test]
+fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_it() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(a_with_b()));
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        // The first SYN learns the pair: both sides remember it.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(pair(&h, &a, &b).family, 4);
+        assert_eq!(remembered(&h), 2);
+        // The pair known: the opener's entry only.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        assert!(remembers(&mut h, &a, 40001, &b, 81), "A opened it");
+        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
+        assert_eq!(remembered(&h), 3);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40001, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        // Closed from both ends: B's FIN writes nothing, A's entry goes at the second.
+        assert_eq!(
+            send(&h, &a, &b, TCP, tcp(40001, 81, FIN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(remembered(&h), 3, "B's verdict on A's FIN wrote nothing");
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40001, FIN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(remembered(&h), 2, "the closed connection left nothing");
+        // A third connection, remembered by A alone; then B's ingress narrowed to port 80.
+        // B may still open anything to A, so B's egress rules would let the segments of
+        // A's connection through (the mid-connection rule): B learns from A's entry that A
+        // opened it, and its ingress refuses it, both ways.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, ACK)), TC_ACT_REDIRECT);
+        assert!(!remembers(&mut h, &b, 81, &a, 40002));
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80)],
+            Some(vec![to_a(vec![])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40002, ACK)), TC_ACT_SHOT);
+        assert!(remembers(&mut h, &b, 81, &a, 40002), "B's entry, revoked");
+        // A connection to port 80 still passes both ways.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(80, 40003, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, ACK)), TC_ACT_REDIRECT);
     });
 }

@@ -380,6 +380,11 @@ pub const PS_PAIR: u32 = 32;
 /// [`PolicyPair`] is current; the other endpoint's slot is in the upper 16 bits
 /// ([`PS_PEER_SHIFT`]): a SYN may take its rules from the SYN memo ([`PolicySyn`]).
 pub const PS_PEER: u32 = 64;
+/// [`PolicyScratch::flags`]: the receiver's verdict on a packet whose sender, an endpoint of
+/// this node, judged it just before (and found or wrote the flow's entry on its side). With
+/// [`PS_PAIR`] the receiver keeps no entry of its own: the sender's says who opened the
+/// connection, should a change ask.
+pub const PS_SENT: u32 = 128;
 /// Where [`PS_PEER`]'s slot starts in [`PolicyScratch::flags`].
 pub const PS_PEER_SHIFT: u32 = 16;
 

@@ -39,7 +39,7 @@ use calix_common::{
     PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD,
     POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
-    POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SYN,
+    POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
@@ -447,7 +447,14 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let syn = s.flags & PS_SYN != 0;
     if !syn {
-        if let Some(f) = flow_get(s) {
+        let found = match flow_get(s) {
+            Some(f) => Some(f),
+            // Every TCP packet between the two passes both ways: the connection's entry is
+            // the side's that opened it (`PS_SENT`), and this side needs none.
+            None if s.flags & PS_PAIR != 0 => return ALLOW,
+            None => adopt(s, st),
+        };
+        if let Some(f) = found {
             // SAFETY: a pointer from a successful lookup, valid until the program returns;
             // racing writers store the same kind of values (benign).
             let f = unsafe { &mut *f };
@@ -527,11 +534,62 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             return DENY;
         }
     };
-    // A RST ends whatever it belongs to: nothing to remember.
-    if s.flags & PS_RST == 0 {
+    // A RST ends whatever it belongs to: nothing to remember. Nor does the receiver of a
+    // new connection between two endpoints whose pair passes every TCP packet, when the
+    // sender's verdict just remembered it: one entry per connection, the opener's.
+    if s.flags & PS_RST == 0 && s.flags & (PS_SENT | PS_PAIR) != PS_SENT | PS_PAIR {
         remember(s, st, flags, now);
     }
     ALLOW
+}
+
+/// The entry of a flow the endpoint (state `st`) has none of, made from the other end's when
+/// that is an endpoint of this node that has one (the flow in `s` turned around): the
+/// connection as its opener remembered it, seen from here, at no generation of this
+/// endpoint's (so checked again, against the direction that opened it, before it is used).
+/// Between two endpoints whose pair passes every packet only the opener's entry is written
+/// (`PS_SENT`); this is how the other learns who opened the connection once a change makes
+/// the pair stale. `None` when the other end has none either (or a Service flow's).
+#[inline(always)]
+fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
+    swap_ends(s);
+    let found = match flow_get(s) {
+        Some(o) => {
+            // SAFETY: a pointer from a successful lookup, valid until the program returns.
+            let o = unsafe { &*o };
+            s.value.last_seen_ns = o.last_seen_ns;
+            s.value.flags = mirrored(o.flags);
+            o.flags & PF_SERVICE == 0
+        }
+        None => false,
+    };
+    swap_ends(s);
+    if !found {
+        return None;
+    }
+    s.value.generation = st.generation.wrapping_add(1);
+    flow_insert(s);
+    flow_get(s)
+}
+
+/// The `PF_*` bits of a flow's entry, seen from the other end: who opened it and who sent a
+/// FIN, swapped; the other end's revocation is its own.
+#[inline(always)]
+fn mirrored(f: u32) -> u32 {
+    let mut m = 0;
+    if f & PF_FROM_POD != 0 {
+        m |= PF_TO_POD;
+    }
+    if f & PF_TO_POD != 0 {
+        m |= PF_FROM_POD;
+    }
+    if f & PF_FIN_POD != 0 {
+        m |= PF_FIN_PEER;
+    }
+    if f & PF_FIN_PEER != 0 {
+        m |= PF_FIN_POD;
+    }
+    m
 }
 
 /// Notes a TCP packet's closing flags (`s_flags`: `PS_*`) sent in `dir` on its remembered
@@ -637,7 +695,7 @@ pub fn ingress_of_sent(slot: u32, extra: u32) -> bool {
         return false;
     };
     swap_ends(s);
-    s.flags = (s.flags & (PS_KEYED | PS_SYN | PS_EXEMPT | PS_FIN | PS_RST)) | extra;
+    s.flags = (s.flags & (PS_KEYED | PS_SYN | PS_EXEMPT | PS_FIN | PS_RST)) | extra | PS_SENT;
     s.identity = POLICY_WORLD;
     s.why = 0;
     allows(slot, &st, POL_DIR_INGRESS, s) == ALLOW
