@@ -3,7 +3,9 @@
 //! allow every TCP packet between them pass their connections' later segments without the
 //! flows, and everything the flows decide still holds: a change refuses a revoked
 //! connection, a pair whose rules name ports is never passed, closed connections leave no
-//! entry, and an idle connection is checked against the side that opened it. A new
+//! entry, and an idle connection is checked against the side that opened it. Between two
+//! isolated pods such a connection has one entry, its opener's, which the other side adopts
+//! after a change. A new
 //! connection between two pods the cache knows takes its rules from the SYN memo
 //! (`CALIX_POL_SYNS`) while both keep their generations. Needs root.
 mod common;

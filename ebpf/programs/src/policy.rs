@@ -15,10 +15,14 @@
 //! echo) are judged alone, as protocol `proto` port 0: only a rule that allows every protocol
 //! lets them through. Fail closed: a packet whose headers cannot be read is denied.
 //!
-//! A TCP segment without SYN that matches no remembered flow (an established connection that
-//! predates the endpoint's isolation, or a flow the LRU table let go) passes when either
-//! direction's rules allow the flow, and is remembered as opened by that side; a SYN is always
-//! checked as a new connection in its own direction.
+//! A packet without SYN that matches no remembered flow of its endpoint's, where the other end
+//! is an endpoint of this node that remembers it, takes the other end's entry as its own
+//! (mirrored, checked again against the direction that opened it): between two endpoints whose
+//! pair passes every TCP packet, a connection keeps only its opener's entry ([`PS_SENT`]).
+//! Otherwise a TCP segment without SYN that matches no remembered flow (an established
+//! connection that predates the endpoint's isolation, or a flow the LRU table let go) passes
+//! when either direction's rules allow the flow, and is remembered as opened by that side; a
+//! SYN is always checked as a new connection in its own direction.
 //!
 //! The verdict runs as functions of their own (BPF-to-BPF calls), each building its keys in a
 //! per-CPU scratch value rather than on the stack: the 512 bytes of stack are shared by every

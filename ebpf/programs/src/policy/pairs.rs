@@ -3,9 +3,10 @@
 //! established connection's segments between them (no SYN, FIN or RST) need no flow lookup:
 //! whatever flow they belong to, its packets pass either way, as its remembered entry would
 //! let them (a revoked flow needs a change that refuses one of those directions, and a change
-//! makes the entry stale). A connection's first segment still goes through the flows (its
-//! entries say who opened it when a later change asks), so do its FINs and RSTs (they end
-//! the entries), and every packet once either endpoint's generation moves on.
+//! makes the entry stale). A connection's first segment still goes through the flows (the
+//! opener's entry says who opened it when a later change asks; the other side writes none and
+//! adopts the opener's then), so do its FINs and RSTs (they end the entry), and every packet
+//! once either endpoint's generation moves on.
 //!
 //! Each CPU has its own cache, learnt by the first packet between the two that passes both
 //! verdicts on that CPU: no reader meets a half-written entry (a program runs to completion
