@@ -456,3 +456,58 @@ fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_i
         assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, ACK)), TC_ACT_REDIRECT);
     });
 }
+
+/// With `keep_established`, a connection of a passed pair that a change would refuse goes on
+/// at both ends: the side that kept no entry allowed its SYN, and adopts the opener's entry
+/// as a kept one.
+#[test]
+fn a_kept_connection_of_a_passed_pair_goes_on_at_both_ends() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.programmer
+            .set_keep_established(true)
+            .expect("keep established");
+        p.apply(Change::Policy(a_with_b()));
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
+        // Neither of B's directions allows the connection now (its egress to A only to 90).
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80)],
+            Some(vec![to_a(vec![tcp_port(90)])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_REDIRECT);
+        assert!(remembers(&mut h, &b, 81, &a, 40001), "B's adopted entry");
+        assert_eq!(
+            send(&h, &a, &b, TCP, tcp(40002, 81, SYN)),
+            TC_ACT_SHOT,
+            "a new connection meets the new rules"
+        );
+    });
+}
+
+/// Only a connection the other side let in without an entry is adopted: an entry A wrote for
+/// segments of no connection B ever allowed gives B nothing to keep, and B's rules refuse
+/// them (neither of B's directions allows them).
+#[test]
+fn an_entry_the_other_side_never_allowed_is_not_adopted() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.programmer
+            .set_keep_established(true)
+            .expect("keep established");
+        p.apply(Change::Policy(a_with_b()));
+        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
+        assert!(
+            remembers(&mut h, &a, 40000, &b, 81),
+            "A's egress let it out"
+        );
+        assert!(!remembers(&mut h, &b, 81, &a, 40000), "nothing of B's");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_SHOT);
+    });
+}

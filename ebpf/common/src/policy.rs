@@ -112,6 +112,12 @@ pub const PF_FIN_POD: u32 = 16;
 /// without FIN (the last ACK) ends the entry, as a RST does.
 pub const PF_FIN_PEER: u32 = 32;
 
+/// [`PolicyFlow::flags`]: the pod opened the TCP connection to another endpoint of this node
+/// whose rules, and the pod's, let every TCP packet between the two through ([`PS_PAIR`]): the
+/// other endpoint's verdict allowed the SYN and wrote no entry of its own ([`PS_SENT`]). It
+/// takes this one, mirrored, when a change asks who opened the connection.
+pub const PF_PAIRED: u32 = 64;
+
 /// `skb->mark` of a packet whose egress verdict waits for the host stack's DNAT: `from_pod`
 /// sets it, with the sender's slot in bits 16–29 ([`policy_pending_mark`]), on a packet of an
 /// egress-isolated pod to a Service address; the first calix hook after the stack (`to_pod`

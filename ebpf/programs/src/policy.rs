@@ -39,8 +39,8 @@ use aya_ebpf::{
 };
 use calix_common::{
     PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE,
-    DENIED_REVOKED, DENIED_UNREADABLE, PF_FIN_PEER, PF_FIN_POD, PF_FROM_POD, PF_REVOKED,
-    PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
+    DENIED_REVOKED, DENIED_UNREADABLE, PF_FIN_PEER, PF_FIN_POD, PF_FROM_POD, PF_PAIRED,
+    PF_REVOKED, PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD,
     POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
     POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SENT, PS_SYN,
@@ -456,7 +456,8 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             // Every TCP packet between the two passes both ways: the connection's entry is
             // the side's that opened it (`PS_SENT`), and this side needs none.
             None if s.flags & PS_PAIR != 0 => return ALLOW,
-            None => adopt(s, st),
+            None if s.flow.proto == IPPROTO_TCP => adopt(s, st),
+            None => None,
         };
         if let Some(f) = found {
             // SAFETY: a pointer from a successful lookup, valid until the program returns;
@@ -523,6 +524,10 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             remember(s, st, PF_FROM_POD | PF_SERVICE, now);
             return DEFER;
         }
+        // The receiver keeps no entry of a new connection of a passed pair (`PS_SENT`).
+        ALLOW if dir == POL_DIR_EGRESS && syn && s.flags & PS_PAIR != 0 => {
+            PF_FROM_POD | PF_PAIRED
+        }
         ALLOW if dir == POL_DIR_EGRESS => PF_FROM_POD,
         ALLOW => PF_TO_POD,
         // Mid-connection: a segment of a connection the other side opened.
@@ -547,13 +552,15 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     ALLOW
 }
 
-/// The entry of a flow the endpoint (state `st`) has none of, made from the other end's when
-/// that is an endpoint of this node that has one (the flow in `s` turned around): the
-/// connection as its opener remembered it, seen from here, at no generation of this
-/// endpoint's (so checked again, against the direction that opened it, before it is used).
-/// Between two endpoints whose pair passes every packet only the opener's entry is written
-/// (`PS_SENT`); this is how the other learns who opened the connection once a change makes
-/// the pair stale. `None` when the other end has none either (or a Service flow's).
+/// The entry of a TCP connection the endpoint (state `st`) has none of because the other end,
+/// an endpoint of this node, opened it while the pair passed every TCP packet (its entry, the
+/// flow in `s` turned around, is `PF_PAIRED`: this endpoint's verdict allowed the SYN and kept
+/// nothing, `PS_SENT`): the connection as its opener remembered it, seen from here, at no
+/// generation of this endpoint's, so checked again against the direction that opened it (or
+/// kept, with `POL_KEEP_ESTABLISHED`: this endpoint allowed it) before it is used. This is how
+/// the other end learns who opened the connection once a change makes the pair stale. `None`
+/// otherwise: only a connection this endpoint allowed is adopted, anything else meets the
+/// rules as before.
 #[inline(always)]
 fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
     swap_ends(s);
@@ -563,7 +570,7 @@ fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
             let o = unsafe { &*o };
             s.value.last_seen_ns = o.last_seen_ns;
             s.value.flags = mirrored(o.flags);
-            o.flags & PF_SERVICE == 0
+            o.flags & PF_PAIRED != 0
         }
         None => false,
     };
@@ -577,7 +584,7 @@ fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
 }
 
 /// The `PF_*` bits of a flow's entry, seen from the other end: who opened it and who sent a
-/// FIN, swapped; the other end's revocation is its own.
+/// FIN, swapped; the other end's revocation (and `PF_PAIRED`) is its own.
 #[inline(always)]
 fn mirrored(f: u32) -> u32 {
     let mut m = 0;
