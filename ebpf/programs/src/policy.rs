@@ -39,8 +39,8 @@ use aya_ebpf::{
 };
 use calix_common::{
     PolicyFlow, PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE,
-    DENIED_REVOKED, DENIED_UNREADABLE, PF_FIN_PEER, PF_FIN_POD, PF_FROM_POD, PF_PAIRED,
-    PF_REVOKED, PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
+    DENIED_REVOKED, DENIED_UNREADABLE, PF_FIN_PEER, PF_FIN_POD, PF_FROM_POD, PF_PAIRED, PF_REVOKED,
+    PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC,
     POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD,
     POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS,
     POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SENT, PS_SYN,
@@ -525,9 +525,7 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
             return DEFER;
         }
         // The receiver keeps no entry of a new connection of a passed pair (`PS_SENT`).
-        ALLOW if dir == POL_DIR_EGRESS && syn && s.flags & PS_PAIR != 0 => {
-            PF_FROM_POD | PF_PAIRED
-        }
+        ALLOW if dir == POL_DIR_EGRESS && syn && s.flags & PS_PAIR != 0 => PF_FROM_POD | PF_PAIRED,
         ALLOW if dir == POL_DIR_EGRESS => PF_FROM_POD,
         ALLOW => PF_TO_POD,
         // Mid-connection: a segment of a connection the other side opened.
