@@ -78,6 +78,15 @@ fn remembers(h: &mut Harness, pod: &Pod, port: u16, peer: &Pod, peer_port: u16) 
     flows_v4(h).get(&key, 0).is_ok()
 }
 
+/// A's FIN to B, then B's to A (each on the given port): both pass, and the flows remembered
+/// after each are `after`.
+fn close(h: &Harness, (a, pa): (&Pod, u16), (b, pb): (&Pod, u16), after: [usize; 2]) {
+    assert_eq!(send(h, a, b, TCP, tcp(pa, pb, FIN_ACK)), TC_ACT_REDIRECT);
+    assert_eq!(remembered(h), after[0], "after A's FIN");
+    assert_eq!(send(h, b, a, TCP, tcp(pb, pa, FIN_ACK)), TC_ACT_REDIRECT);
+    assert_eq!(remembered(h), after[1], "after B's FIN");
+}
+
 /// CPU 0's pair entry of `from` → `to`.
 fn pair(h: &Harness, from: &Pod, to: &Pod) -> PolicyPair {
     let map = h.bpf.map(POLICY_PAIRS_MAP).expect("CALIX_POL_PAIRS");
@@ -280,16 +289,8 @@ fn a_closed_connection_of_a_passed_pair_leaves_no_remembered_flow() {
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
         assert_eq!(remembered(&h), 1, "B's side");
-        assert_eq!(
-            send(&h, &a, &b, TCP, tcp(40000, 81, FIN_ACK)),
-            TC_ACT_REDIRECT
-        );
-        assert_eq!(remembered(&h), 1, "half closed");
-        assert_eq!(
-            send(&h, &b, &a, TCP, tcp(81, 40000, FIN_ACK)),
-            TC_ACT_REDIRECT
-        );
-        assert_eq!(remembered(&h), 0, "both FINs: gone");
+        // Half closed: still there; both FINs: gone.
+        close(&h, (&a, 40000), (&b, 81), [1, 0]);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_REDIRECT);
         assert_eq!(remembered(&h), 0, "the last ACK remembers nothing");
     });
@@ -423,16 +424,7 @@ fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_i
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
         // Closed from both ends: B's FIN writes nothing, A's entry goes at the second.
-        assert_eq!(
-            send(&h, &a, &b, TCP, tcp(40001, 81, FIN_ACK)),
-            TC_ACT_REDIRECT
-        );
-        assert_eq!(remembered(&h), 3, "B's verdict on A's FIN wrote nothing");
-        assert_eq!(
-            send(&h, &b, &a, TCP, tcp(81, 40001, FIN_ACK)),
-            TC_ACT_REDIRECT
-        );
-        assert_eq!(remembered(&h), 2, "the closed connection left nothing");
+        close(&h, (&a, 40001), (&b, 81), [3, 2]);
         // A third connection, remembered by A alone; then B's ingress narrowed to port 80.
         // B may still open anything to A, so B's egress rules would let the segments of
         // A's connection through (the mid-connection rule): B learns from A's entry that A

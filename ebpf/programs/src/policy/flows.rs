@@ -1,9 +1,13 @@
 //! The scratch's flow key and the tables of remembered flows (`calix_common::policy`): IPv4
 //! flows in `CALIX_POL_FLOWS_V4` under 16-byte keys, IPv6 flows in `CALIX_POL_FLOWS` under
-//! the flow key itself. Each copy here is of aligned words: the BPF target compiles copies of
-//! byte arrays to one load and one store per byte, or to a call of `memset`.
+//! the flow key itself, and what an entry goes through: written, closed, adopted by the other
+//! end. Each copy here is of aligned words: the BPF target compiles copies of byte arrays to
+//! one load and one store per byte, or to a call of `memset`.
 
-use calix_common::{FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyScratch};
+use calix_common::{
+    FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyScratch, PolicyState, PF_FIN_PEER, PF_FIN_POD,
+    PF_FROM_POD, PF_PAIRED, PF_TO_POD, POL_DIR_EGRESS, PS_FIN, PS_PAIR, PS_RST,
+};
 
 use crate::maps::{CALIX_POL_FLOWS, CALIX_POL_FLOWS_V4};
 
@@ -125,4 +129,93 @@ pub(super) fn swap_ends(s: &mut PolicyScratch) {
         let ports = base.add(PORTS) as *mut u32;
         ports.write(ports.read().rotate_left(16));
     }
+}
+
+/// The entry of a TCP connection the endpoint (state `st`) has none of because the other end,
+/// an endpoint of this node, opened it while the pair passed every TCP packet (its entry, the
+/// flow in `s` turned around, is `PF_PAIRED`: this endpoint's verdict allowed the SYN and kept
+/// nothing, `PS_SENT`): the connection as its opener remembered it, seen from here, at no
+/// generation of this endpoint's, so checked again against the direction that opened it (or
+/// kept, with `POL_KEEP_ESTABLISHED`: this endpoint allowed it) before it is used. This is how
+/// the other end learns who opened the connection once a change makes the pair stale. `None`
+/// otherwise: only a connection this endpoint allowed is adopted, anything else meets the
+/// rules as before.
+#[inline(always)]
+pub(super) fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
+    swap_ends(s);
+    let found = match flow_get(s) {
+        Some(o) => {
+            // SAFETY: a pointer from a successful lookup, valid until the program returns.
+            let o = unsafe { &*o };
+            s.value.last_seen_ns = o.last_seen_ns;
+            s.value.flags = mirrored(o.flags);
+            o.flags & PF_PAIRED != 0
+        }
+        None => false,
+    };
+    swap_ends(s);
+    if !found {
+        return None;
+    }
+    s.value.generation = st.generation.wrapping_add(1);
+    flow_insert(s);
+    flow_get(s)
+}
+
+/// The `PF_*` bits of a flow's entry, seen from the other end: who opened it and who sent a
+/// FIN, swapped; the other end's revocation (and `PF_PAIRED`) is its own.
+#[inline(always)]
+fn mirrored(f: u32) -> u32 {
+    let mut m = 0;
+    if f & PF_FROM_POD != 0 {
+        m |= PF_TO_POD;
+    }
+    if f & PF_TO_POD != 0 {
+        m |= PF_FROM_POD;
+    }
+    if f & PF_FIN_POD != 0 {
+        m |= PF_FIN_PEER;
+    }
+    if f & PF_FIN_PEER != 0 {
+        m |= PF_FIN_POD;
+    }
+    m
+}
+
+/// Notes a TCP packet's closing flags (`s_flags`: `PS_*`) sent in `dir` on its remembered
+/// flow `f`; true once the connection is over and its entry can go: a RST, or the first
+/// segment without FIN after both ends sent theirs (the last ACK); between two endpoints
+/// whose pair cache passes that last ACK without a lookup (`PS_PAIR`), the second FIN. A new
+/// flow's insertion into a full table evicts the oldest entry, and a closed connection's
+/// entry is the one to go first: left in place, a busy node's table stays full of them and
+/// every new connection pays an eviction of a cold entry. Other protocols are left to the
+/// table's LRU order.
+#[inline(always)]
+pub(super) fn closed(f: &mut PolicyFlow, dir: u8, s_flags: u32) -> bool {
+    if s_flags & PS_RST != 0 {
+        return true;
+    }
+    if s_flags & PS_FIN != 0 {
+        let fin = if dir == POL_DIR_EGRESS {
+            PF_FIN_POD
+        } else {
+            PF_FIN_PEER
+        };
+        if f.flags & fin == 0 {
+            f.flags |= fin;
+        }
+        return s_flags & PS_PAIR != 0
+            && f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER;
+    }
+    f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER
+}
+
+/// Remembers the flow in `s` as allowed now (`flags`: `PF_*`, who opened it).
+#[inline(always)]
+pub(super) fn remember(s: &mut PolicyScratch, st: &PolicyState, flags: u32, now: u64) {
+    s.value.last_seen_ns = now;
+    s.value.generation = st.generation;
+    s.value.flags = flags;
+    // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
+    flow_insert(s);
 }
