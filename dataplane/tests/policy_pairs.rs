@@ -503,3 +503,30 @@ fn an_entry_the_other_side_never_allowed_is_not_adopted() {
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_SHOT);
     });
 }
+
+/// A connection whose entry the other side adopted is closed at both ends once the pair
+/// passes every TCP packet again: the opener's FIN still reaches the other side's verdict
+/// (the opener's entry says it was adopted), so both entries go at the second FIN.
+#[test]
+fn an_adopted_connection_is_closed_at_both_ends() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(a_with_b()));
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
+        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
+        assert_eq!(remembered(&h), 3);
+        // B's generation moves on (nothing its rules say changes): B takes A's entry at the
+        // next segment, which learns the pair again.
+        next_generation(&h, &b);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        assert!(remembers(&mut h, &b, 81, &a, 40001), "B's adopted entry");
+        assert_eq!(remembered(&h), 4);
+        assert_eq!(pair(&h, &a, &b).family, 4, "the pair passes again");
+        close(&h, (&a, 40001), (&b, 81), [4, 2]);
+        assert!(!remembers(&mut h, &a, 40001, &b, 81));
+        assert!(!remembers(&mut h, &b, 81, &a, 40001));
+    });
+}

@@ -117,6 +117,11 @@ pub const PF_FIN_PEER: u32 = 32;
 /// other endpoint's verdict allowed the SYN and wrote no entry of its own ([`PS_SENT`]). It
 /// takes this one, mirrored, when a change asks who opened the connection.
 pub const PF_PAIRED: u32 = 64;
+/// [`PolicyFlow::flags`] of a [`PF_PAIRED`] entry: the other endpoint took it as its own (it
+/// has an entry of the connection now, which its verdicts on the connection's FINs end).
+/// Without this bit, the other endpoint keeps no entry, and its verdict on the pod's FIN is
+/// not asked for: it would find nothing.
+pub const PF_ADOPTED: u32 = 128;
 
 /// `skb->mark` of a packet whose egress verdict waits for the host stack's DNAT: `from_pod`
 /// sets it, with the sender's slot in bits 16–29 ([`policy_pending_mark`]), on a packet of an

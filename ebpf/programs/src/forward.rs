@@ -100,7 +100,8 @@ impl Sent {
     /// The sender's egress verdict on this very packet left its flow in the policy scratch
     /// (`policy::ALLOW_READ`).
     const READ: u32 = 1;
-    /// Both verdicts are settled (no endpoint isolated, or the pair cache passed it).
+    /// Both verdicts are settled (no endpoint isolated, the pair cache passed it, or the
+    /// sender's verdict settled the receiver's too: `policy::ALLOW_BOTH`).
     const PASSED: u32 = 2;
     /// The pair cache allows every TCP packet between the two (`calix_common::PS_PAIR` for
     /// the receiver's verdict).

@@ -251,24 +251,26 @@ fn sender_policy(
         }
         _ => 0,
     };
-    let read = egress_policy(ctx, ifindex, slot, extra)?;
-    Ok(forward::Sent::judged(read, pair, slot))
+    match egress_policy(ctx, ifindex, slot, extra)? {
+        policy::ALLOW_BOTH => Ok(forward::Sent::PASSED_BOTH),
+        v => Ok(forward::Sent::judged(v == policy::ALLOW_READ, pair, slot)),
+    }
 }
 
 /// The endpoint's egress policy on the packet: `Ok` when it goes on (not isolated for
-/// egress, or allowed; `true`: the verdict left the packet's flow in the policy scratch, see
-/// `policy::ALLOW_READ`); else what becomes of it: dropped, or handed to the host stack
-/// marked with the endpoint's slot when it goes to a Service address (its verdict then waits
-/// for the DNAT: `to_pod` or `to_host_dev` judges it against the backend). `extra`: `PS_*`
-/// bits for the verdict.
+/// egress, or allowed: the verdict, `policy::ALLOW`, `policy::ALLOW_READ` when it left the
+/// packet's flow in the policy scratch, `policy::ALLOW_BOTH` when it settled the receiver's
+/// too); else what becomes of it: dropped, or handed to the host stack marked with the
+/// endpoint's slot when it goes to a Service address (its verdict then waits for the DNAT:
+/// `to_pod` or `to_host_dev` judges it against the backend). `extra`: `PS_*` bits for the
+/// verdict.
 #[inline(always)]
-fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32, extra: u32) -> Result<bool, i32> {
+fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32, extra: u32) -> Result<u8, i32> {
     if !policy::isolated(slot) {
-        return Ok(false);
+        return Ok(policy::ALLOW);
     }
     match policy::egress(ctx.skb.skb, slot, extra) {
-        policy::ALLOW => Ok(false),
-        policy::ALLOW_READ => Ok(true),
+        v @ (policy::ALLOW | policy::ALLOW_READ | policy::ALLOW_BOTH) => Ok(v),
         policy::DEFER => {
             ctx.set_mark(policy_pending_mark(slot));
             Err(TC_ACT_OK)

@@ -15,10 +15,11 @@
 //! echo) are judged alone, as protocol `proto` port 0: only a rule that allows every protocol
 //! lets them through. Fail closed: a packet whose headers cannot be read is denied.
 //!
-//! A packet without SYN that matches no remembered flow of its endpoint's, where the other end
-//! is an endpoint of this node that remembers it, takes the other end's entry as its own
-//! (mirrored, checked again against the direction that opened it): between two endpoints whose
-//! pair passes every TCP packet, a connection keeps only its opener's entry ([`PS_SENT`]).
+//! Between two endpoints of this node whose pair passes every TCP packet, a connection keeps
+//! only its opener's entry, marked `PF_PAIRED` ([`PS_SENT`]). A TCP segment without SYN that
+//! matches no remembered flow of its endpoint's, where the other end holds such a `PF_PAIRED`
+//! entry, takes it as its own (mirrored, checked again against the direction that opened it);
+//! no other entry of another endpoint's is ever taken (`flows::adopt`).
 //! Otherwise a TCP segment without SYN that matches no remembered flow (an established
 //! connection that predates the endpoint's isolation, or a flow the LRU table let go) passes
 //! when either direction's rules allow the flow, and is remembered as opened by that side; a
@@ -39,11 +40,11 @@ use aya_ebpf::{
 };
 use calix_common::{
     PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE, DENIED_REVOKED,
-    DENIED_UNREADABLE, PF_FROM_POD, PF_PAIRED, PF_REVOKED, PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER,
-    POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS,
-    POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS,
-    POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED,
-    PS_PAIR, PS_RST, PS_SENT, PS_SYN,
+    DENIED_UNREADABLE, PF_ADOPTED, PF_FROM_POD, PF_PAIRED, PF_REVOKED, PF_SERVICE, PF_TO_POD,
+    POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS,
+    POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS,
+    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
+    PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
@@ -80,6 +81,17 @@ pub const DEFER: u8 = 2;
 /// scratch: [`ingress_of_sent`] judges the same packet for a receiver on this node without
 /// reading it again.
 pub const ALLOW_READ: u8 = 3;
+/// An egress verdict: the packet is allowed, and the receiver's verdict, an endpoint of this
+/// node, is known to allow it too and to have nothing to note: the packet is a segment of a
+/// connection the pod opened to it while their pair passed every TCP packet (its entry
+/// `PF_PAIRED`), and the receiver kept no entry of it (not `PF_ADOPTED`).
+pub const ALLOW_BOTH: u8 = 4;
+
+/// Whether verdict `v` lets the packet through.
+#[inline(always)]
+fn passes(v: u8) -> bool {
+    matches!(v, ALLOW | ALLOW_READ | ALLOW_BOTH)
+}
 
 /// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
 /// pays (an array lookup the verifier inlines); the verdict itself is a function of its own
@@ -507,10 +519,14 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                     s.why = u32::from(DENIED_REVOKED);
                     return DENY;
                 }
+                // The receiver would find no entry of its own and pass the segment on the pair.
+                let both = dir == POL_DIR_EGRESS
+                    && s.flags & PS_PAIR != 0
+                    && f.flags & (PF_PAIRED | PF_ADOPTED) == PF_PAIRED;
                 if closed(f, dir, s.flags) {
                     flow_remove(s);
                 }
-                return ALLOW;
+                return if both { ALLOW_BOTH } else { ALLOW };
             }
         }
     }
@@ -576,9 +592,9 @@ fn verdict(skb: *mut __sk_buff, slot: u32, dir: u8, extra: u32) -> u8 {
 
 /// The egress verdict on the frame in `skb`, sent by the pod in `slot` (its source already
 /// checked): [`ALLOW`] when the endpoint is not isolated for egress, [`ALLOW_READ`] when its
-/// policy lets the frame out; [`DEFER`] for a frame to a Service address (judged after the
-/// DNAT: [`after_nat`]); else [`DENY`]. A frame whose header cannot be read is denied.
-/// `extra`: as in `verdict`.
+/// policy lets the frame out ([`ALLOW_BOTH`] when the receiver's verdict has nothing to add);
+/// [`DEFER`] for a frame to a Service address (judged after the DNAT: [`after_nat`]); else
+/// [`DENY`]. A frame whose header cannot be read is denied. `extra`: as in `verdict`.
 #[inline(never)]
 pub fn egress(skb: *mut __sk_buff, slot: u32, extra: u32) -> u8 {
     verdict(skb, slot, POL_DIR_EGRESS, extra)
@@ -589,7 +605,7 @@ pub fn egress(skb: *mut __sk_buff, slot: u32, extra: u32) -> u8 {
 /// address (nothing translated it): denied.
 #[inline(never)]
 pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
-    matches!(verdict(skb, slot, POL_DIR_EGRESS, 0), ALLOW | ALLOW_READ)
+    passes(verdict(skb, slot, POL_DIR_EGRESS, 0))
 }
 
 /// The ingress verdict on the frame in `skb` for the endpoint in `slot`: true when it is not
@@ -597,10 +613,7 @@ pub fn after_nat(skb: *mut __sk_buff, slot: u32) -> bool {
 /// IPv6, or whose header cannot be read, is denied to an isolated endpoint.
 #[inline(never)]
 pub fn ingress(skb: *mut __sk_buff, slot: u32, extra: u32) -> bool {
-    matches!(
-        verdict(skb, slot, POL_DIR_INGRESS, extra),
-        ALLOW | ALLOW_READ
-    )
+    passes(verdict(skb, slot, POL_DIR_INGRESS, extra))
 }
 
 /// As [`ingress`], for a packet whose sender's egress verdict just returned [`ALLOW_READ`]

@@ -5,8 +5,8 @@
 //! one load and one store per byte, or to a call of `memset`.
 
 use calix_common::{
-    FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyScratch, PolicyState, PF_FIN_PEER, PF_FIN_POD,
-    PF_FROM_POD, PF_PAIRED, PF_TO_POD, POL_DIR_EGRESS, PS_FIN, PS_PAIR, PS_RST,
+    FlowKey, PolicyFlow, PolicyFlowKeyV4, PolicyScratch, PolicyState, PF_ADOPTED, PF_FIN_PEER,
+    PF_FIN_POD, PF_FROM_POD, PF_PAIRED, PF_TO_POD, POL_DIR_EGRESS, PS_FIN, PS_PAIR, PS_RST,
 };
 
 use crate::maps::{CALIX_POL_FLOWS, CALIX_POL_FLOWS_V4};
@@ -139,17 +139,23 @@ pub(super) fn swap_ends(s: &mut PolicyScratch) {
 /// kept, with `POL_KEEP_ESTABLISHED`: this endpoint allowed it) before it is used. This is how
 /// the other end learns who opened the connection once a change makes the pair stale. `None`
 /// otherwise: only a connection this endpoint allowed is adopted, anything else meets the
-/// rules as before.
+/// rules as before. The opener's entry is marked `PF_ADOPTED`: its FINs are then judged at
+/// both ends again, so that they end this entry too.
 #[inline(always)]
 pub(super) fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut PolicyFlow> {
     swap_ends(s);
     let found = match flow_get(s) {
         Some(o) => {
-            // SAFETY: a pointer from a successful lookup, valid until the program returns.
-            let o = unsafe { &*o };
+            // SAFETY: a pointer from a successful lookup, valid until the program returns;
+            // racing writers store the same kind of values (benign).
+            let o = unsafe { &mut *o };
             s.value.last_seen_ns = o.last_seen_ns;
             s.value.flags = mirrored(o.flags);
-            o.flags & PF_PAIRED != 0
+            let paired = o.flags & PF_PAIRED != 0;
+            if paired && o.flags & PF_ADOPTED == 0 {
+                o.flags |= PF_ADOPTED;
+            }
+            paired
         }
         None => false,
     };
@@ -163,7 +169,7 @@ pub(super) fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut Poli
 }
 
 /// The `PF_*` bits of a flow's entry, seen from the other end: who opened it and who sent a
-/// FIN, swapped; the other end's revocation (and `PF_PAIRED`) is its own.
+/// FIN, swapped; the other end's revocation (and `PF_PAIRED`, `PF_ADOPTED`) is its own.
 #[inline(always)]
 fn mirrored(f: u32) -> u32 {
     let mut m = 0;

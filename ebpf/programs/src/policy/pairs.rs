@@ -5,7 +5,8 @@
 //! let them (a revoked flow needs a change that refuses one of those directions, and a change
 //! makes the entry stale). A connection's first segment still goes through the flows (the
 //! opener's entry says who opened it when a later change asks; the other side writes none and
-//! adopts the opener's then), so do its FINs and RSTs (they end the entry), and every packet
+//! adopts the opener's then), so do its FINs and RSTs (they end the entry: the opener's own
+//! FIN at the opener's verdict alone, the other side having no entry to end), and every packet
 //! once either endpoint's generation moves on.
 //!
 //! Each CPU has its own cache, learnt by the first packet between the two that passes both
