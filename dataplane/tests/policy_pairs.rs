@@ -530,3 +530,35 @@ fn an_adopted_connection_is_closed_at_both_ends() {
         assert!(!remembers(&mut h, &b, 81, &a, 40001));
     });
 }
+
+/// A new connection between two isolated pods whose pair passes every TCP packet counts a hit
+/// of each side's rule per SYN, also once the SYN memo knows both (the receiver's verdict is
+/// then settled by the opener's: its rule's hit is counted there); a new generation of the
+/// receiver's sends its side to the tries again.
+#[test]
+fn a_new_connection_of_a_passed_pair_counts_both_sides_rules() {
+    on_one_cpu(|| {
+        let (mut h, a, b) = setup();
+        let mut p = Policed::new(&mut h, &a, &b);
+        p.apply(Change::Policy(a_with_b()));
+        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        for port in 40000..40004 {
+            assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
+        }
+        let m = syn_memo(&h, &a, &b);
+        assert_eq!(m.known, SYN_EGRESS | SYN_INGRESS, "{m:?}");
+        // The first SYN learnt the pair; the second the memo; the last two took both rules
+        // from it.
+        assert_eq!(hits(&h, &a), [(m.egress_rule, 4)]);
+        assert_eq!(hits(&h, &b), [(m.ingress_rule, 4)]);
+        assert_eq!(remembered(&h), 5, "the first SYN's two, then the opener's");
+        // B's entries gone at a new generation (the pair entries current at it, as a packet
+        // that passed would leave them): the memo's rule of B's is of the generation before,
+        // so B's own verdict decides, from the tries.
+        next_generation(&h, &b);
+        pairs_current(&mut h, &a, &b);
+        remove_entries(&h, &b);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40004, 81, SYN)), TC_ACT_SHOT);
+        assert_eq!(hits(&h, &b), [(m.ingress_rule, 4)]);
+    });
+}

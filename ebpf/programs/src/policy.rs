@@ -44,7 +44,7 @@ use calix_common::{
     POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS,
     POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
-    PS_FIN, PS_KEYED, PS_PAIR, PS_RST, PS_SENT, PS_SYN,
+    PS_FIN, PS_KEYED, PS_PAIR, PS_PEER_SHIFT, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
@@ -84,7 +84,8 @@ pub const ALLOW_READ: u8 = 3;
 /// An egress verdict: the packet is allowed, and the receiver's verdict, an endpoint of this
 /// node, is known to allow it too and to have nothing to note: the packet is a segment of a
 /// connection the pod opened to it while their pair passed every TCP packet (its entry
-/// `PF_PAIRED`), and the receiver kept no entry of it (not `PF_ADOPTED`).
+/// `PF_PAIRED`), and the receiver kept no entry of it (not `PF_ADOPTED`); or the SYN of such
+/// a connection, whose hit of the receiver's rule the SYN memo knew and counted.
 pub const ALLOW_BOTH: u8 = 4;
 
 /// Whether verdict `v` lets the packet through.
@@ -563,7 +564,32 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     if s.flags & PS_RST == 0 && s.flags & (PS_SENT | PS_PAIR) != PS_SENT | PS_PAIR {
         remember(s, st, flags, now);
     }
+    if flags & PF_PAIRED != 0 && settles_receiver(slot, s) {
+        return ALLOW_BOTH;
+    }
     ALLOW
+}
+
+/// Whether the receiver's verdict on the SYN in `s`, which the endpoint in `slot` just let out
+/// to another endpoint of this node (`PS_PEER`) while their pair passes every TCP packet, has
+/// nothing to add: it would allow the SYN (the pair) and keep no entry (`PS_SENT`); what it
+/// would count, the hit of its ingress rule, the SYN memo knows, and it is counted here.
+#[inline(always)]
+fn settles_receiver(slot: u32, s: &mut PolicyScratch) -> bool {
+    let peer = s.flags >> PS_PEER_SHIFT;
+    let Some(pst) = CALIX_POL_STATE.get(peer) else {
+        return false;
+    };
+    if !isolated_in(pst, POL_DIR_INGRESS) {
+        return true;
+    }
+    match syns::receiver_rule(slot, pst.generation, s) {
+        Some(rule) => {
+            hit(s, peer, rule);
+            true
+        }
+        None => false,
+    }
 }
 
 /// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`; `extra`: `PS_*`

@@ -77,6 +77,21 @@ pub fn recall(slot: u32, st: &PolicyState, dir: u8, s: &PolicyScratch) -> Option
     (m.known & bit != 0 && generation == st.generation).then_some(rule)
 }
 
+/// The rule that lets the SYN in `s`, which the endpoint in `slot` sends to the other
+/// endpoint (`PS_PEER`, of generation `peer_generation`), into that endpoint, when the memo
+/// knows it: what the receiver's verdict would count.
+#[inline(always)]
+pub fn receiver_rule(slot: u32, peer_generation: u32, s: &PolicyScratch) -> Option<u32> {
+    if !asks(s) {
+        return None;
+    }
+    let m = CALIX_POL_SYNS.get(index(slot, POL_DIR_EGRESS, s))?;
+    if m.slots != slots(slot, POL_DIR_EGRESS, s) || m.port != port(POL_DIR_EGRESS, s) {
+        return None;
+    }
+    (m.known & SYN_INGRESS != 0 && m.peer_generation == peer_generation).then_some(m.ingress_rule)
+}
+
 /// Notes that rule `rule` let the SYN in `s` through in `dir` for the endpoint in `slot`
 /// (state `st`): the tries said so.
 #[inline(always)]
