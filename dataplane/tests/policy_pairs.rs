@@ -22,8 +22,7 @@ use calix_common::{
     POLICY_PAIRS_MAP, POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
 };
 use calix_core::policy::cluster::Change;
-use calix_core::policy::model::{Policy, PolicyKey as PolicyName, PortMatch, Rule};
-use calix_core::selector::LabelSelector;
+use calix_core::policy::model::{PortMatch, Rule};
 use calix_dataplane::ebpf::policy::entry_of;
 use common::*;
 use harness::*;
@@ -45,23 +44,6 @@ fn on_one_cpu(test: impl FnOnce() + Send + 'static) {
 /// A rule for B's egress: to A, on `ports` (empty: all).
 fn to_a(ports: Vec<PortMatch>) -> Rule {
     app_rule("a", ports)
-}
-
-/// A policy selecting `app=a` that lets `app=b` in, and A out to `app=b`, on every port.
-fn a_with_b() -> Policy {
-    Policy {
-        key: PolicyName {
-            namespace: NS.into(),
-            name: "a-both".into(),
-        },
-        pod_selector: LabelSelector {
-            match_labels: labels("a"),
-            match_expressions: Vec::new(),
-        },
-        ingress: Some(vec![app_rule("b", vec![])]),
-        egress: Some(vec![app_rule("b", vec![])]),
-        unreadable_selector: None,
-    }
 }
 
 /// Whether `pod` remembers the IPv4 TCP flow between its port `port` and `peer`'s port

@@ -51,11 +51,13 @@ struct TestRunAttr {
 }
 const _: () = assert!(size_of::<TestRunAttr>() == 80);
 
-/// A program's verdict, the frame it left, and its context as it left it.
+/// A program's verdict, the frame it left, its context as it left it, and its run time as
+/// the kernel measured it (ns, one run).
 pub struct Run {
     pub verdict: u32,
     pub frame: Vec<u8>,
     pub ctx: Vec<u32>,
+    pub duration_ns: u32,
 }
 
 /// Runs the program behind `prog` once on `frame`, with `ctx` (the program type's context
@@ -97,6 +99,7 @@ pub fn test_run(prog: BorrowedFd<'_>, frame: &[u8], ctx: &[u32]) -> std::io::Res
         verdict,
         frame: out,
         ctx: ctx_out,
+        duration_ns: attr.duration,
     })
 }
 

@@ -87,6 +87,24 @@ pub fn policy(ports: Vec<PortMatch>, egress: Option<Vec<Rule>>) -> Policy {
     }
 }
 
+/// A policy selecting `app=a` that lets `app=b` in, and A out to `app=b`, on every port.
+#[allow(dead_code)] // Not every test file that includes this uses it.
+pub fn a_with_b() -> Policy {
+    Policy {
+        key: PolicyKey {
+            namespace: NS.into(),
+            name: "a-both".into(),
+        },
+        pod_selector: LabelSelector {
+            match_labels: labels("a"),
+            match_expressions: Vec::new(),
+        },
+        ingress: Some(vec![app_rule("b", vec![])]),
+        egress: Some(vec![app_rule("b", vec![])]),
+        unreadable_selector: None,
+    }
+}
+
 /// The cluster's policy for pods A and B, programmed the way the agent does: calculated,
 /// compiled, written by the dataplane's programmer.
 pub struct Policed {

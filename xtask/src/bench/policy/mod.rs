@@ -14,11 +14,15 @@
 //!   objects add, and what one label change costs it.
 //!
 //! - **eBPF against kernel mode** ([`versus`]): the 1,000-rule pair on an eBPF node and on a
-//!   kernel-mode node (nftables), interleaved: conn/s and TCP_RR.
+//!   kernel-mode node (nftables), interleaved: conn/s and TCP_RR;
+//! - **per packet kind** ([`packets`]): a same-node connection's packets one by one through
+//!   `from_pod` (BPF_PROG_TEST_RUN), with no policy and with policy at three flow-table sizes:
+//!   where its time goes.
 //!
 //! Everything is named `cxb-<pid>-…` and removed on drop. Writes docs/bench/policy.md and .svg
 //! (with `--quick`, target/bench/).
 mod latency;
+mod packets;
 mod perf;
 mod report;
 mod scale;
@@ -50,6 +54,8 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let b = Bench::setup("the policy benchmark", &["iperf3", "nstat", "sysctl"], &[])?;
+    // Before any node: it needs only the programs, and a CPU of its own.
+    let packets = packets::run(args.reps.min(5), if args.quick { 2_000 } else { 20_000 })?;
     let name = b.name("api");
     println!("[setup] kube-apiserver v1.36.2 on etcd, in {name}");
     let api = KubeApi::launch(Some(Netns::create(name.clone())?), name, true)?;
@@ -86,6 +92,7 @@ pub fn run(args: Args) -> Result<()> {
         versus,
         latency,
         scale,
+        packets,
         bench: b,
     };
     Bench::publish("policy", &report.markdown(), args.quick, |p| {

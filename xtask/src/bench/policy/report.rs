@@ -24,6 +24,8 @@ pub(super) struct Report {
     pub(super) versus: Versus,
     pub(super) latency: Latency,
     pub(super) scale: Scale,
+    /// The packet-by-packet section ([`super::packets`]), as written.
+    pub(super) packets: String,
     pub(super) bench: Bench,
 }
 
@@ -162,6 +164,7 @@ impl Report {
             )),
         ));
         s.push_str(&self.per_packet_section());
+        s.push_str(&self.packets);
         s.push_str(&self.versus_section());
         s.push_str(&self.latency_section());
         s.push_str(&self.scale_section());
