@@ -672,6 +672,7 @@ const SYN_OPTS: [u8; 20] = [
     2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7,
 ];
 
+const FIN: u8 = 0x01;
 const SYN: u8 = 0x02;
 const ACK: u8 = 0x10;
 const RST: u8 = 0x04;
@@ -925,5 +926,108 @@ fn under_pressure_unanswered_flows_go_first() {
         assert_eq!(freed.get(&h.pod_if, 0).ok(), Some(5));
         assert_eq!(owned.get(&b_if, 0).ok(), Some(2));
         assert!(freed.get(&b_if, 0).is_err());
+    });
+}
+
+/// A flow's packets run on two CPUs at once (a delayed ACK and the FIN; the server's ACK of
+/// the pod's FIN and its own FIN): neither may lose the other's flag bit. A FIN lost that way
+/// kept a closed flow, and its NAT port, for the established timeout (6 h by default). Here
+/// CPU 0 sends the pod's SYN again and again (each one rewrites the entry's window scale
+/// state) while CPU 1, round after round, clears the entry's FIN bit, sends the pod's FIN and
+/// looks: the bit must be there, every round. With plain read-modify-writes of the flags,
+/// 9 to 40 of some 90,000 rounds in a second lost it.
+#[test]
+fn a_fin_is_never_lost_to_a_packet_of_the_flow_on_another_cpu() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    in_netns(|| {
+        let cpus = aya::util::nr_cpus().expect("number of CPUs");
+        assert!(
+            cpus >= 2,
+            "two CPUs needed to race two packets, {cpus} here"
+        );
+        let mut h = setup(PORT_MIN + 9, 1024);
+        let sport = 43100;
+        assert_eq!(
+            h.pod_tcp(sport, 1, 0, SYN, 1000, &SYN_OPTS),
+            TC_ACT_REDIRECT
+        );
+        let nat = h.nat_port_of(sport);
+        assert_eq!(
+            h.server_tcp(nat, 9, 2, SYN | ACK, 1000, &SYN_OPTS, b""),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(h.pod_tcp(sport, 2, 10, ACK, 1000, &[]), TC_ACT_REDIRECT);
+        let frame = |seq: u32, ack: u32, flags: u8, opts: &[u8]| {
+            let seg = tcp_at(sport, 443, seq, ack, flags, 1000, opts, b"");
+            let ip = Ip4::new(POD, SERVER, TCP, with_l4_csum(POD, SERVER, TCP, &seg));
+            eth(HOST_VETH_MAC, POD_MAC, ETH_P_IP, &ip.bytes())
+        };
+        let (syn, fin) = (frame(1, 0, SYN, &SYN_OPTS), frame(2, 10, FIN | ACK, &[]));
+        let prog: &SchedClassifier = h
+            .bpf
+            .program(PROG_FROM_POD)
+            .expect("from_pod")
+            .try_into()
+            .expect("tc");
+        let fd = prog
+            .fd()
+            .expect("fd")
+            .as_fd()
+            .try_clone_to_owned()
+            .expect("dup");
+        let mut ctx = [0u32; 11];
+        ctx[10] = h.pod_if;
+        let key = out_key(TCP, sport, 443);
+        let pin = |cpu: usize| {
+            let mut set = nix::sched::CpuSet::new();
+            set.set(cpu)
+                .and_then(|()| nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set))
+                .map_err(|e| format!("pinning to CPU {cpu}: {e}"))
+        };
+        let send = |frame: &[u8]| match test_run(fd.as_fd(), frame, &ctx) {
+            Ok(r) if r.verdict == TC_ACT_REDIRECT => Ok(()),
+            Ok(r) => Err(format!("verdict {}", r.verdict)),
+            Err(e) => Err(format!("test_run: {e}")),
+        };
+        // Nothing in the scope panics before `stop` is set: the SYN sender would spin on.
+        let stop = AtomicBool::new(false);
+        let (syns, rounds, lost, fins) = std::thread::scope(|s| {
+            let syns = s.spawn(|| {
+                pin(0)?;
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    send(&syn)?;
+                    n += 1;
+                }
+                Ok::<u64, String>(n)
+            });
+            let mut fins = pin(1);
+            let (mut rounds, mut lost) = (0u64, 0u64);
+            let deadline = Instant::now() + Duration::from_secs(1);
+            while fins.is_ok() && Instant::now() < deadline {
+                let mut o = h.entry(&key).unwrap_or_default();
+                o.flags &= !CT_F_FIN;
+                fins =
+                    h.ct.insert(key, o, 0)
+                        .map_err(|e| format!("clearing FIN: {e}"))
+                        .and_then(|()| send(&fin));
+                let o = h.entry(&key).unwrap_or_default();
+                lost += u64::from(o.flags & CT_F_FIN == 0);
+                rounds += 1;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let syns = syns
+                .join()
+                .unwrap_or_else(|_| Err("the SYN sender panicked".into()));
+            (syns, rounds, lost, fins)
+        });
+        let syns = syns.expect("CPU 0's SYNs");
+        fins.expect("CPU 1's FINs");
+        assert!(syns > 1000 && rounds > 1000, "{syns} SYNs, {rounds} rounds");
+        assert_eq!(
+            lost, 0,
+            "the FIN bit lost in {lost} of {rounds} rounds ({syns} SYNs)"
+        );
     });
 }

@@ -25,7 +25,10 @@ use calix_common::{
     CT_F_SEQ, CT_F_WSCALE, IPPROTO_TCP, MAX_NAT_UPLINKS,
 };
 
-use crate::maps::{CALIX_CT, CALIX_CT_FREED, CALIX_CT_OWNED, CALIX_NAT_CFG};
+use crate::{
+    bits::FlagField,
+    maps::{CALIX_CT, CALIX_CT_FREED, CALIX_CT_OWNED, CALIX_NAT_CFG},
+};
 
 const BPF_NOEXIST: u64 = 1;
 const EEXIST: i64 = 17;
@@ -33,6 +36,15 @@ const EEXIST: i64 = 17;
 const PORT_TRIES: u32 = 32;
 /// A direction's `last_seen_ns` is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
+
+/// [`CtEntry::flags`]: a flow's packets of one direction may run on two CPUs at once (a
+/// delayed ACK and the FIN; the peer's ACK of a FIN and its own FIN), so bits are set and
+/// cleared atomically, and only when they change.
+const CT_FLAGS: FlagField = FlagField::at(
+    core::mem::offset_of!(CtEntry, flags),
+    core::mem::size_of::<u16>(),
+);
+const _: () = assert!(core::mem::align_of::<CtEntry>() == 8);
 
 /// The largest TCP window scale shift (RFC 7323).
 const MAX_WSCALE: u8 = 14;
@@ -128,28 +140,37 @@ pub fn track_tcp(e: *mut CtEntry, seg: &TcpSeg) {
         .wrapping_add(u32::from(syn))
         .wrapping_add(u32::from(seg.flags & TCP_FIN != 0));
     // SAFETY: `e` comes from a successful lookup and stays valid until the program returns;
-    // a racing writer stores values of the same flow (benign).
+    // a racing writer stores values of the same flow (benign), flag bits atomically.
     unsafe {
         if syn {
             match seg.wscale {
                 Some(w) => {
                     (*e).wscale = if w > MAX_WSCALE { MAX_WSCALE } else { w };
-                    (*e).flags |= CT_F_WSCALE;
+                    if (*e).flags & CT_F_WSCALE == 0 {
+                        CT_FLAGS.set(e, u64::from(CT_F_WSCALE));
+                    }
                 }
                 None => {
                     (*e).wscale = 0;
-                    (*e).flags &= !CT_F_WSCALE;
+                    if (*e).flags & CT_F_WSCALE != 0 {
+                        CT_FLAGS.clear(e, u64::from(CT_F_WSCALE));
+                    }
                 }
             }
         }
-        if (*e).flags & CT_F_SEQ == 0 || after(end, (*e).seq_end) {
+        if (*e).flags & CT_F_SEQ == 0 {
             (*e).seq_end = end;
-            (*e).flags |= CT_F_SEQ;
+            CT_FLAGS.set(e, u64::from(CT_F_SEQ));
+        } else if after(end, (*e).seq_end) {
+            (*e).seq_end = end;
         }
-        if seg.flags & TCP_ACK != 0 && ((*e).flags & CT_F_LAST_ACK == 0 || (*e).last_ack != seg.ack)
-        {
-            (*e).last_ack = seg.ack;
-            (*e).flags |= CT_F_LAST_ACK;
+        if seg.flags & TCP_ACK != 0 {
+            if (*e).flags & CT_F_LAST_ACK == 0 {
+                (*e).last_ack = seg.ack;
+                CT_FLAGS.set(e, u64::from(CT_F_LAST_ACK));
+            } else if (*e).last_ack != seg.ack {
+                (*e).last_ack = seg.ack;
+            }
         }
         let mut win = u32::from(seg.win);
         // A SYN's window is never scaled.
@@ -172,8 +193,8 @@ pub fn settle_wscale(out: &CtKey, r: *mut CtEntry) {
             return;
         };
         if (*o).flags & (*r).flags & CT_F_WSCALE == 0 {
-            (*o).flags &= !CT_F_WSCALE;
-            (*r).flags &= !CT_F_WSCALE;
+            CT_FLAGS.clear(o, u64::from(CT_F_WSCALE));
+            CT_FLAGS.clear(r, u64::from(CT_F_WSCALE));
             (*o).wscale = 0;
             (*r).wscale = 0;
         }
@@ -281,10 +302,10 @@ fn refund(owner: u32) {
 #[inline(always)]
 pub fn touch(e: *mut CtEntry, bits: u16, now: u64) {
     // SAFETY: `e` comes from a successful lookup and stays valid until the program returns;
-    // concurrent writers only ever store newer times or add bits (benign races).
+    // concurrent writers only ever store newer times (benign) or add bits (atomically).
     unsafe {
         if (*e).flags & bits != bits {
-            (*e).flags |= bits;
+            CT_FLAGS.set(e, u64::from(bits));
         }
         if now.wrapping_sub((*e).last_seen_ns) > REFRESH_NS {
             (*e).last_seen_ns = now;

@@ -13,6 +13,7 @@
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
 
+mod bits;
 mod conntrack;
 mod counters;
 mod doors;

@@ -51,7 +51,9 @@ mod flows;
 mod pairs;
 mod syns;
 
-use flows::{adopt, clear_flow, closed, flow_get, flow_remove, remember, swap_ends};
+use flows::{
+    adopt, clear_flags, clear_flow, closed, flow_get, flow_remove, remember, set_flags, swap_ends,
+};
 pub use pairs::{learn as learn_pair, plain_segment, v4 as pair_v4, v6 as pair_v6, Pair};
 
 use crate::maps::{
@@ -505,11 +507,11 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
                         && f.flags & PF_REVOKED == 0)
                         || rules_allow(slot, st, opened, s);
                     f.generation = st.generation;
-                    f.flags = if allowed {
-                        f.flags & !PF_REVOKED
+                    if allowed {
+                        clear_flags(f, PF_REVOKED);
                     } else {
-                        f.flags | PF_REVOKED
-                    };
+                        set_flags(f, PF_REVOKED);
+                    }
                 }
                 if now.wrapping_sub(f.last_seen_ns) > REFRESH_NS {
                     f.last_seen_ns = now;

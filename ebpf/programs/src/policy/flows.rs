@@ -9,9 +9,38 @@ use calix_common::{
     PF_FIN_POD, PF_FROM_POD, PF_PAIRED, PF_TO_POD, POL_DIR_EGRESS, PS_FIN, PS_PAIR, PS_RST,
 };
 
-use crate::maps::{CALIX_POL_FLOWS, CALIX_POL_FLOWS_V4};
+use crate::{
+    bits::FlagField,
+    maps::{CALIX_POL_FLOWS, CALIX_POL_FLOWS_V4},
+};
 
 const BPF_ANY: u64 = 0;
+
+/// [`PolicyFlow::flags`]: both ends' packets of a connection (its two FINs) may reach one
+/// entry on two CPUs at once, so its bits are set and cleared atomically.
+const PF_FLAGS: FlagField = FlagField::at(
+    core::mem::offset_of!(PolicyFlow, flags),
+    core::mem::size_of::<u32>(),
+);
+const _: () = assert!(core::mem::align_of::<PolicyFlow>() == 8);
+
+/// Sets `bits` in the flags of the entry `f` (atomically), when one of them is missing.
+#[inline(always)]
+pub(super) fn set_flags(f: &mut PolicyFlow, bits: u32) {
+    if f.flags & bits != bits {
+        // SAFETY: `f` is a map value from a successful lookup (8-byte aligned: above).
+        unsafe { PF_FLAGS.set(f as *mut PolicyFlow, u64::from(bits)) };
+    }
+}
+
+/// Clears `bits` in the flags of the entry `f` (atomically), when one of them is set.
+#[inline(always)]
+pub(super) fn clear_flags(f: &mut PolicyFlow, bits: u32) {
+    if f.flags & bits != 0 {
+        // SAFETY: as in `set_flags`.
+        unsafe { PF_FLAGS.clear(f as *mut PolicyFlow, u64::from(bits)) };
+    }
+}
 
 /// Zeroes the scratch's flow key in five 8-byte stores: `s.flow = FlowKey::default()` compiles
 /// to a call of the byte-wise `memset` (a BPF function of its own), ~25 ns a packet.
@@ -152,8 +181,8 @@ pub(super) fn adopt(s: &mut PolicyScratch, st: &PolicyState) -> Option<*mut Poli
             s.value.last_seen_ns = o.last_seen_ns;
             s.value.flags = mirrored(o.flags);
             let paired = o.flags & PF_PAIRED != 0;
-            if paired && o.flags & PF_ADOPTED == 0 {
-                o.flags |= PF_ADOPTED;
+            if paired {
+                set_flags(o, PF_ADOPTED);
             }
             paired
         }
@@ -207,9 +236,7 @@ pub(super) fn closed(f: &mut PolicyFlow, dir: u8, s_flags: u32) -> bool {
         } else {
             PF_FIN_PEER
         };
-        if f.flags & fin == 0 {
-            f.flags |= fin;
-        }
+        set_flags(f, fin);
         return s_flags & PS_PAIR != 0
             && f.flags & (PF_FIN_POD | PF_FIN_PEER) == PF_FIN_POD | PF_FIN_PEER;
     }
