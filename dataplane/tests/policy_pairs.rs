@@ -22,7 +22,7 @@ use calix_common::{
     POLICY_PAIRS_MAP, POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
 };
 use calix_core::policy::cluster::Change;
-use calix_core::policy::model::{PortMatch, Rule};
+use calix_core::policy::model::{Policy, PortMatch, Rule};
 use calix_dataplane::ebpf::policy::entry_of;
 use common::*;
 use harness::*;
@@ -39,6 +39,25 @@ fn on_one_cpu(test: impl FnOnce() + Send + 'static) {
             .expect("sched_setaffinity");
         test();
     });
+}
+
+/// Pods A and B isolated both ways by rules that pass every TCP packet between them (A: in
+/// from B and out to B, anything; B: in from anyone and out to A, anything), with
+/// `keep_established` as given: the harness, the pods and their policy.
+fn passed_pair(keep_established: bool) -> (Harness, Pod, Pod, Policed) {
+    isolated_pair(keep_established, policy(vec![], Some(vec![to_a(vec![])])))
+}
+
+/// As [`passed_pair`], with B's policy `b` instead.
+fn isolated_pair(keep_established: bool, b: Policy) -> (Harness, Pod, Pod, Policed) {
+    let (mut h, pod_a, pod_b) = setup();
+    let mut p = Policed::new(&mut h, &pod_a, &pod_b);
+    p.programmer
+        .set_keep_established(keep_established)
+        .expect("keep established");
+    p.apply(Change::Policy(a_with_b()));
+    p.apply(Change::Policy(b));
+    (h, pod_a, pod_b, p)
 }
 
 /// A rule for B's egress: to A, on `ports` (empty: all).
@@ -387,10 +406,7 @@ fn the_syn_memo_answers_ipv6_connections_too() {
 #[test]
 fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_it() {
     on_one_cpu(|| {
-        let (mut h, a, b) = setup();
-        let mut p = Policed::new(&mut h, &a, &b);
-        p.apply(Change::Policy(a_with_b()));
-        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        let (mut h, a, b, mut p) = passed_pair(false);
         // The first SYN learns the pair: both sides remember it.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(pair(&h, &a, &b).family, 4);
@@ -437,13 +453,7 @@ fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_i
 #[test]
 fn a_kept_connection_of_a_passed_pair_goes_on_at_both_ends() {
     on_one_cpu(|| {
-        let (mut h, a, b) = setup();
-        let mut p = Policed::new(&mut h, &a, &b);
-        p.programmer
-            .set_keep_established(true)
-            .expect("keep established");
-        p.apply(Change::Policy(a_with_b()));
-        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        let (mut h, a, b, mut p) = passed_pair(true);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
         assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
@@ -469,13 +479,7 @@ fn a_kept_connection_of_a_passed_pair_goes_on_at_both_ends() {
 #[test]
 fn an_entry_the_other_side_never_allowed_is_not_adopted() {
     on_one_cpu(|| {
-        let (mut h, a, b) = setup();
-        let mut p = Policed::new(&mut h, &a, &b);
-        p.programmer
-            .set_keep_established(true)
-            .expect("keep established");
-        p.apply(Change::Policy(a_with_b()));
-        p.apply(Change::Policy(policy(vec![tcp_port(80)], Some(vec![]))));
+        let (mut h, a, b, _policy) = isolated_pair(true, policy(vec![tcp_port(80)], Some(vec![])));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, ACK)), TC_ACT_SHOT);
         assert!(
             remembers(&mut h, &a, 40000, &b, 81),
@@ -492,10 +496,7 @@ fn an_entry_the_other_side_never_allowed_is_not_adopted() {
 #[test]
 fn an_adopted_connection_is_closed_at_both_ends() {
     on_one_cpu(|| {
-        let (mut h, a, b) = setup();
-        let mut p = Policed::new(&mut h, &a, &b);
-        p.apply(Change::Policy(a_with_b()));
-        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        let (mut h, a, b, _policy) = passed_pair(false);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
         assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
@@ -520,10 +521,7 @@ fn an_adopted_connection_is_closed_at_both_ends() {
 #[test]
 fn a_new_connection_of_a_passed_pair_counts_both_sides_rules() {
     on_one_cpu(|| {
-        let (mut h, a, b) = setup();
-        let mut p = Policed::new(&mut h, &a, &b);
-        p.apply(Change::Policy(a_with_b()));
-        p.apply(Change::Policy(policy(vec![], Some(vec![to_a(vec![])]))));
+        let (mut h, a, b, _policy) = passed_pair(false);
         for port in 40000..40004 {
             assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
         }
