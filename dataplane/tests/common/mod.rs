@@ -63,16 +63,6 @@ pub struct Run {
 /// Runs the program behind `prog` once on `frame`, with `ctx` (the program type's context
 /// struct, `__sk_buff` or `xdp_md`, as `u32` words) as its context.
 pub fn test_run(prog: BorrowedFd<'_>, frame: &[u8], ctx: &[u32]) -> std::io::Result<Run> {
-    test_run_repeat(prog, frame, ctx, 1)
-}
-
-/// As [`test_run`], `repeat` times in one call on this CPU (the kernel's mean run time).
-pub fn test_run_repeat(
-    prog: BorrowedFd<'_>,
-    frame: &[u8],
-    ctx: &[u32],
-    repeat: u32,
-) -> std::io::Result<Run> {
     let mut out = vec![0u8; frame.len() + 256];
     // Room for the whole context struct (`__sk_buff` is 192 bytes): a shorter buffer fails
     // the run with ENOSPC.
@@ -83,7 +73,7 @@ pub fn test_run_repeat(
         data_size_out: u32::try_from(out.len()).expect("buffer size"),
         data_in: frame.as_ptr() as u64,
         data_out: out.as_mut_ptr() as u64,
-        repeat,
+        repeat: 1,
         ctx_size_in: u32::try_from(size_of_val(ctx)).expect("context size"),
         ctx_in: ctx.as_ptr() as u64,
         ctx_size_out: u32::try_from(size_of_val(ctx_out.as_slice())).expect("context size"),
