@@ -242,7 +242,8 @@ pub struct FlowView {
     pub nat: String,
     pub nat_port: u16,
     /// syn_sent | syn_recv (answered, not yet acknowledged by the pod) | established |
-    /// closing | udp | icmp
+    /// fin_pod (the pod's FIN seen, not the peer's) | fin_peer (the other way round) |
+    /// fin_both | reset (a RST either way) | udp | icmp
     pub state: String,
     /// Seconds since the last packet either way.
     pub idle_secs: u64,
@@ -290,7 +291,10 @@ impl Flow {
     fn state(&self) -> &'static str {
         let of = self.out.map_or(0, |(_, o)| o.flags);
         match self.rkey.proto {
-            IPPROTO_TCP if (of | self.r.flags) & (CT_F_FIN | CT_F_RST) != 0 => "closing",
+            IPPROTO_TCP if (of | self.r.flags) & CT_F_RST != 0 => "reset",
+            IPPROTO_TCP if of & self.r.flags & CT_F_FIN != 0 => "fin_both",
+            IPPROTO_TCP if of & CT_F_FIN != 0 => "fin_pod",
+            IPPROTO_TCP if self.r.flags & CT_F_FIN != 0 => "fin_peer",
             IPPROTO_TCP if self.r.flags & CT_F_SEEN == 0 => "syn_sent",
             IPPROTO_TCP if of & CT_F_ACK == 0 => "syn_recv",
             IPPROTO_TCP => "established",

@@ -136,6 +136,25 @@ fn orphans_expire_and_views_read_back() {
         (v.state.as_str(), v.idle_secs, v.expires_in_secs),
         ("established", 3, 97)
     );
+    // Which side closed is in the state: a flow held half-closed is read at a glance.
+    let states: Vec<String> = [
+        (CT_F_FIN, 0),
+        (0, CT_F_FIN),
+        (CT_F_FIN, CT_F_FIN),
+        (CT_F_FIN, CT_F_RST),
+    ]
+    .iter()
+    .map(|&(o, r)| {
+        let (flows, _) = pair(tcp_flow(
+            CT_F_SEEN | CT_F_ACK | o,
+            CT_F_SEEN | r,
+            10 * S,
+            12 * S,
+        ));
+        flows[0].view(&c, 15 * S).state
+    })
+    .collect();
+    assert_eq!(states, ["fin_pod", "fin_peer", "fin_both", "reset"]);
     let f = FlowFilter {
         port: Some(20001),
         ..Default::default()
