@@ -26,10 +26,10 @@ use aya::maps::{Array, HashMap, MapData};
 use aya::programs::{Program, SchedClassifier, Xdp};
 use calix_common::{
     direct_bucket, eui64_link_local, AgentPorts, DirectEndpoint, DropReason, EndpointCounters,
-    EndpointInfo, FlowKey, StackFlow, AGENT_PORTS_MAP, ALL_MAPS, ALL_PROGRAMS, EP_HAS_V4,
-    EP_NAT_OUTGOING, HOST_V4_MAP, HOST_V6_MAP, HOST_VETH_MAC, MAX_ENDPOINTS, PEERS_V4_MAP,
-    PEERS_V6_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD, PROG_TO_HOST_DEV, PROG_TO_POD,
-    STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
+    EndpointInfo, FlowKey, NatConfig, StackFlow, AGENT_PORTS_MAP, ALL_MAPS, ALL_PROGRAMS,
+    EP_HAS_V4, EP_NAT_OUTGOING, HOST_V4_MAP, HOST_V6_MAP, HOST_VETH_MAC, MAX_ENDPOINTS,
+    NAT_CONFIG_MAP, PEERS_V4_MAP, PEERS_V6_MAP, POOLS_V6_MAP, PROG_FROM_HOST_DEV, PROG_FROM_POD,
+    PROG_TO_HOST_DEV, PROG_TO_POD, STACK_FLOWS_MAP, STACK_MARKED, TC_PROGRAMS, XDP_PROGRAMS,
 };
 use calix_dataplane::nat::monotonic_ns;
 use calix_dataplane::stack_flows::{HostTimeouts, StackFlows};
@@ -426,6 +426,51 @@ fn from_host_dev_delivers_to_local_pods_only() {
         assert!(h.all_drops().is_empty());
         // to_host_dev passes everything (so far).
         h.passes(PROG_TO_HOST_DEV, uplink, &sent);
+    });
+}
+
+/// VXLAN over IPv6: UDP to the tunnel port (`NatConfig::tunnel_port`) at one of the node's own
+/// addresses (`CALIX_HOST_V6`) is the kernel's VXLAN socket's, and `from_host_dev` passes it to
+/// the stack before any pod or Service lookup. Shown with an address the agent never lists as
+/// the node's (pod A's), so that the same packet is otherwise delivered: another port, TCP, a
+/// header too short for UDP, or the address no longer listed, and it is a pod's again.
+#[test]
+fn vxlan_over_ipv6_to_the_nodes_address_is_left_to_the_stack() {
+    in_netns(|| {
+        const PORT: u16 = 4789;
+        let (mut h, a, _b) = setup();
+        let uplink = veth("cxtpu");
+        let mut cfg: Array<MapData, NatConfig> = map(&mut h.bpf, NAT_CONFIG_MAP);
+        let mut host6: HashMap<MapData, [u8; 16], u32> = map(&mut h.bpf, HOST_V6_MAP);
+        let (uplink_mac, router_mac) = ([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 0xfe]);
+        let from_router = |ip: &[u8]| eth(uplink_mac, router_mac, ETH_P_IPV6, ip);
+        let to_a = |next, seg: &[u8]| ip6(v6(99), a.v6, next, seg);
+        let delivered = |ip: &[u8]| {
+            h.redirects(
+                PROG_FROM_HOST_DEV,
+                uplink,
+                &from_router(ip),
+                &delivered_v6(&a, ip),
+            )
+        };
+        let vxlan = to_a(UDP, &udp(40000, PORT));
+        // Neither the port set nor the address listed; then the port only.
+        delivered(&vxlan);
+        let tunnel = NatConfig {
+            tunnel_port: PORT.to_be(),
+            ..NatConfig::default()
+        };
+        cfg.set(0, tunnel, 0).expect("NAT config");
+        delivered(&vxlan);
+        host6.insert(a.v6, 1, 0).expect("host address");
+        h.passes(PROG_FROM_HOST_DEV, uplink, &from_router(&vxlan));
+        delivered(&to_a(UDP, &udp(40000, PORT + 1)));
+        delivered(&to_a(TCP, &tcp_syn(40000, PORT)));
+        // A payload too short for a UDP header is not read as one.
+        delivered(&to_a(UDP, &udp(40000, PORT)[..4]));
+        host6.remove(&a.v6).expect("host address gone");
+        delivered(&vxlan);
+        assert!(h.all_drops().is_empty());
     });
 }
 
