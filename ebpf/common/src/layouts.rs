@@ -390,7 +390,7 @@ const SERVICES_MAPS: [MapLayout; 10] = [
 ];
 
 /// Maps added to layout 4 after its first builds (which never open them).
-const ADDED_TO_4: [MapLayout; 3] = [
+const ADDED_TO_4: [MapLayout; 4] = [
     m(
         POLICY_FLOWS_V4_MAP,
         BPF_MAP_TYPE_LRU_HASH,
@@ -415,9 +415,17 @@ const ADDED_TO_4: [MapLayout; 3] = [
         POLICY_PAIRS,
         0,
     ),
+    m(
+        POLICY_OPENERS_MAP,
+        BPF_MAP_TYPE_HASH,
+        4,
+        16,
+        POLICY_OPENERS,
+        0,
+    ),
 ];
 
-const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 13] = concat(
+const LAYOUT_4: [MapLayout; LAYOUT_3_MAPS + 14] = concat(
     concat::<LAYOUT_3_MAPS, 10, { LAYOUT_3_MAPS + 10 }>(LAYOUT_3, SERVICES_MAPS),
     ADDED_TO_4,
 );

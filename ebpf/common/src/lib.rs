@@ -180,7 +180,7 @@ pub struct AgentPorts {
 }
 
 /// Every map, for pinning, migration and cleanup.
-pub const ALL_MAPS: [&str; 47] = [
+pub const ALL_MAPS: [&str; 48] = [
     STACK_FLOWS_MAP,
     STACK_EPS_MAP,
     STACK_OVERFLOW_MAP,
@@ -214,6 +214,7 @@ pub const ALL_MAPS: [&str; 47] = [
     POLICY_FLOWS_V4_MAP,
     POLICY_PAIRS_MAP,
     POLICY_SYNS_MAP,
+    POLICY_OPENERS_MAP,
     POLICY_SCRATCH_MAP,
     POLICY_HITS_MAP,
     POLICY_EVENTS_MAP,

@@ -47,6 +47,18 @@ pub const POLICY_PAIRS: u32 = 4096;
 /// starts empty).
 pub const POLICY_SYNS_MAP: &str = "CALIX_POL_SYNS";
 
+/// Hash: [`policy_pair_slots`] of two endpoints of this node, the lower slot first →
+/// [`PolicyOpeners`]: the ports each opened TCP connections to on the other while their pair
+/// passed every TCP packet ([`PolicyPair`]); such connections keep no flow entry. Read after a
+/// change, when a segment finds no entry: who opened its connection, so that the opener's
+/// entry is written then and checked against the direction that opened it. Added to layout 4
+/// after its first builds (which never open it; it starts empty).
+pub const POLICY_OPENERS_MAP: &str = "CALIX_POL_OPENERS";
+/// Records of [`POLICY_OPENERS_MAP`] (preallocated). A pair past it keeps flow entries.
+pub const POLICY_OPENERS: u32 = 16_384;
+/// Ports a [`PolicyOpeners`] holds, two to a 64-bit word. A port past them gets flow entries.
+pub const POLICY_OPENER_PORTS: usize = 4;
+
 /// Per-CPU hash: [`PolicyHitKey`] (an endpoint's slot, a rule's number) → `u64`, how many
 /// times that rule decided for that endpoint (a new flow, a flow checked again after a change,
 /// a packet judged alone). The agent removes a pair's count when the pair's entries go.
@@ -299,6 +311,25 @@ pub struct PolicySyn {
     pub known: u32,
 }
 
+/// What [`POLICY_OPENERS_MAP`] holds for two endpoints of this node: up to
+/// [`POLICY_OPENER_PORTS`] ports ([`policy_opener_word`]), each added with a
+/// compare-and-exchange of the 64-bit word it shares with its neighbour (a map value is 8-byte
+/// aligned; BPF's compare-and-exchange of 32-bit words needs 32-bit ALU code throughout),
+/// never taken out while both endpoints exist. Aligned as the scratch's `addr`, where the
+/// programs build a new one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PolicyOpeners {
+    pub ports: [u32; POLICY_OPENER_PORTS],
+}
+
+/// A port of a [`PolicyOpeners`]: the endpoint with the lower slot (`lower_opened`) or the
+/// other opened TCP connections of `family` (4 or 6) to `port` (network order, as read from
+/// the packet) on the other. Never 0.
+pub const fn policy_opener_word(lower_opened: bool, family: u8, port: u16) -> u32 {
+    (1 << 31) | ((lower_opened as u32) << 24) | ((family as u32) << 16) | port as u32
+}
+
 /// [`PolicySyn::known`]: the opener's egress rule.
 pub const SYN_EGRESS: u32 = 1;
 /// [`PolicySyn::known`]: the other endpoint's ingress rule.
@@ -389,13 +420,26 @@ pub const PS_RST: u32 = 16;
 pub const PS_PAIR: u32 = 32;
 /// [`PolicyScratch::flags`]: the packet goes between two endpoints of this node whose
 /// [`PolicyPair`] is current; the other endpoint's slot is in the upper 16 bits
-/// ([`PS_PEER_SHIFT`]): a SYN may take its rules from the SYN memo ([`PolicySyn`]).
+/// ([`PS_PEER_SHIFT`], with [`PS_LOCAL`]): a SYN may take its rules from the SYN memo
+/// ([`PolicySyn`]).
 pub const PS_PEER: u32 = 64;
 /// [`PolicyScratch::flags`]: the receiver's verdict on a packet whose sender, an endpoint of
 /// this node, judged it just before (and found or wrote the flow's entry on its side). With
 /// [`PS_PAIR`] the receiver keeps no entry of its own: the sender's says who opened the
 /// connection, should a change ask.
 pub const PS_SENT: u32 = 128;
+/// [`PolicyScratch::flags`]: the other end is an endpoint of this node, its slot in the upper
+/// 16 bits ([`PS_PEER_SHIFT`]), whether their [`PolicyPair`] is current or not.
+pub const PS_LOCAL: u32 = 256;
+/// [`PolicyScratch::flags`]: with [`PS_PAIR`], both endpoints are isolated and neither keeps
+/// established flows ([`PAIR_RECORDED`]): a new connection's opener is noted in their
+/// [`PolicyOpeners`] instead of a flow entry.
+pub const PS_RECORD: u32 = 512;
+/// [`PolicyPair::family`] bit: both endpoints are isolated (every packet between them meets
+/// the sender's verdict first) and neither keeps established flows after a change, so their
+/// connections keep no flow entry; their openers are in [`POLICY_OPENERS_MAP`], and their
+/// FINs pass on the pair like other segments.
+pub const PAIR_RECORDED: u32 = 0x100;
 /// Where [`PS_PEER`]'s slot starts in [`PolicyScratch::flags`].
 pub const PS_PEER_SHIFT: u32 = 16;
 

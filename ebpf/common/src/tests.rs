@@ -61,6 +61,11 @@ fn sizes_of_this_build() -> [(&'static str, usize, usize); 47] {
         (POLICY_PAIRS_MAP, size_of::<u32>(), size_of::<PolicyPair>()),
         (POLICY_SYNS_MAP, size_of::<u32>(), size_of::<PolicySyn>()),
         (
+            POLICY_OPENERS_MAP,
+            size_of::<u32>(),
+            size_of::<PolicyOpeners>(),
+        ),
+        (
             POLICY_SCRATCH_MAP,
             size_of::<u32>(),
             size_of::<PolicyScratch>(),

@@ -9,7 +9,9 @@ use aya_ebpf::{
     helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_redirect_peer},
     programs::TcContext,
 };
-use calix_common::{DropReason, LocalEndpoint, HOST_VETH_MAC, PS_PAIR, PS_PEER, PS_PEER_SHIFT};
+use calix_common::{
+    DropReason, LocalEndpoint, HOST_VETH_MAC, PS_LOCAL, PS_PAIR, PS_PEER, PS_PEER_SHIFT,
+};
 use core::mem::{size_of, MaybeUninit};
 
 use crate::counters;
@@ -125,7 +127,7 @@ impl Sent {
     pub fn judged(read: bool, pair: Pair, slot: u32) -> Self {
         let w = if read { Self::READ } else { 0 };
         let pair = match pair {
-            Pair::Allowed => Self::PAIR | Self::KNOWN,
+            Pair::Allowed | Pair::Recorded => Self::PAIR | Self::KNOWN,
             Pair::Checked => Self::KNOWN,
             Pair::Stale => Self::LEARN,
             Pair::Unasked | Pair::Open => return Self(w),
@@ -142,8 +144,9 @@ impl Sent {
     #[inline(always)]
     fn extra(self) -> u32 {
         let pair = if self.has(Self::PAIR) { PS_PAIR } else { 0 };
-        if self.has(Self::KNOWN) {
-            pair | PS_PEER | ((self.0 >> 16) << PS_PEER_SHIFT)
+        let known = if self.has(Self::KNOWN) { PS_PEER } else { 0 };
+        if self.0 & (Self::KNOWN | Self::LEARN) != 0 {
+            pair | known | PS_LOCAL | ((self.0 >> 16) << PS_PEER_SHIFT)
         } else {
             pair
         }

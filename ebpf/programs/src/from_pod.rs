@@ -20,7 +20,7 @@
 use aya_ebpf::{bindings::TC_ACT_OK, cty::c_long, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
     policy_pending_mark, DropReason, EndpointInfo, LocalEndpoint, EP_HAS_V4, EP_HAS_V6,
-    EP_NAT_OUTGOING, PS_PAIR, PS_PEER, PS_PEER_SHIFT,
+    EP_NAT_OUTGOING, PS_LOCAL, PS_PAIR, PS_PEER, PS_PEER_SHIFT, PS_RECORD,
 };
 
 use crate::counters::{self, drop};
@@ -114,12 +114,12 @@ fn ipv4(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         }
         _ => Pair::Unasked,
     };
-    let plain = pair == Pair::Allowed
-        && !ip.fragment()
+    let plain = !ip.fragment()
         && ip.ihl == 20
         && policy::plain_segment::<{ ETH_HLEN + 20 }>(
             ctx,
             usize::from(ip.tot_len).saturating_sub(20),
+            pair,
         );
     // Egress policy, once the source is the pod's own.
     let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain, local) {
@@ -189,8 +189,8 @@ fn ipv6(ctx: &mut TcContext, ifindex: u32, ep: &EndpointInfo) -> Result<i32, c_l
         }
         _ => Pair::Unasked,
     };
-    let plain = pair == Pair::Allowed
-        && policy::plain_segment::<{ ETH_HLEN + v6::LEN }>(ctx, usize::from(ip.payload_len));
+    let plain =
+        policy::plain_segment::<{ ETH_HLEN + v6::LEN }>(ctx, usize::from(ip.payload_len), pair);
     let sent = match sender_policy(ctx, ifindex, ep.slot, pair, plain, local) {
         Ok(sent) => sent,
         Err(decided) => return Ok(decided),
@@ -241,18 +241,32 @@ fn sender_policy(
     }
     let extra = match (pair, local) {
         // SAFETY: a pointer from a successful lookup, valid until the program returns.
-        (Pair::Allowed | Pair::Checked, Some(l)) => {
-            let peer = PS_PEER | (unsafe { (*l).slot } << PS_PEER_SHIFT);
-            if pair == Pair::Allowed {
-                peer | PS_PAIR
-            } else {
-                peer
+        (Pair::Allowed | Pair::Recorded | Pair::Checked | Pair::Stale, Some(l)) => {
+            let peer = PS_LOCAL | (unsafe { (*l).slot } << PS_PEER_SHIFT);
+            match pair {
+                Pair::Recorded => peer | PS_PEER | PS_PAIR | PS_RECORD,
+                Pair::Allowed => peer | PS_PEER | PS_PAIR,
+                Pair::Checked => peer | PS_PEER,
+                _ => peer,
             }
         }
         _ => 0,
     };
+    if pair == Pair::Stale {
+        if let Some(l) = local {
+            // SAFETY: as above.
+            policy::recall_opener(ctx.skb.skb, slot, unsafe { (*l).slot });
+        }
+    }
     match egress_policy(ctx, ifindex, slot, extra)? {
         policy::ALLOW_BOTH => Ok(forward::Sent::PASSED_BOTH),
+        policy::ALLOW_NOTE => {
+            if let Some(l) = local {
+                // SAFETY: as above.
+                policy::note_opener(slot, unsafe { (*l).slot });
+            }
+            Ok(forward::Sent::PASSED_BOTH)
+        }
         v => Ok(forward::Sent::judged(v == policy::ALLOW_READ, pair, slot)),
     }
 }
@@ -270,7 +284,7 @@ fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32, extra: u32) -> Re
         return Ok(policy::ALLOW);
     }
     match policy::egress(ctx.skb.skb, slot, extra) {
-        v @ (policy::ALLOW | policy::ALLOW_READ | policy::ALLOW_BOTH) => Ok(v),
+        v @ (policy::ALLOW | policy::ALLOW_READ | policy::ALLOW_BOTH | policy::ALLOW_NOTE) => Ok(v),
         policy::DEFER => {
             ctx.set_mark(policy_pending_mark(slot));
             Err(TC_ACT_OK)

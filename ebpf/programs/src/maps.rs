@@ -13,15 +13,15 @@ use aya_ebpf::{
 use calix_common::{
     direct_bucket, AgentPorts, CtEntry, CtKey, DirectEndpoint, DropCount, DropKey,
     EndpointCounters, EndpointInfo, EventBudget, FailsafePort, FlowKey, LocalEndpoint, NatConfig,
-    PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey, PolicyPair, PolicyScratch, PolicyState,
-    PolicySyn, StackFlow, SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey, SvcCounters, SvcFlow,
-    SvcFlowKey, SvcFwdKey, SvcKey, SvcMaglev, SvcNodeKey, SvcRevKey, SvcRevValue, SvcScratch,
-    SvcValue, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES, DEFAULT_POLICY_FLOWS,
-    DEFAULT_SVC_BACKENDS, DEFAULT_SVC_FRONTENDS, MAX_DENY_CIDRS, MAX_DROP_KEYS, MAX_ENDPOINTS,
-    MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS, MAX_PEER_ADDRS, MAX_POLICY_HITS,
-    MAX_POLICY_PREFIXES, MAX_POOLS, MAX_STACK_FLOWS, POLICY_EVENTS_BYTES, POLICY_PAIRS,
-    SVC_AFFINITY_ENTRIES, SVC_COUNTER_ENTRIES, SVC_FLOW_ENTRIES, SVC_MAGLEV_ENTRIES,
-    SVC_NODE_ENTRIES, SVC_REV_ENTRIES,
+    PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey, PolicyOpeners, PolicyPair, PolicyScratch,
+    PolicyState, PolicySyn, StackFlow, SvcAffKey, SvcAffValue, SvcBackend, SvcBackendKey,
+    SvcCounters, SvcFlow, SvcFlowKey, SvcFwdKey, SvcKey, SvcMaglev, SvcNodeKey, SvcRevKey,
+    SvcRevValue, SvcScratch, SvcValue, DEFAULT_CT_ENTRIES, DEFAULT_POLICY_ENTRIES,
+    DEFAULT_POLICY_FLOWS, DEFAULT_SVC_BACKENDS, DEFAULT_SVC_FRONTENDS, MAX_DENY_CIDRS,
+    MAX_DROP_KEYS, MAX_ENDPOINTS, MAX_FAILSAFE_PORTS, MAX_HOST_ADDRS, MAX_NO_SNAT_CIDRS,
+    MAX_PEER_ADDRS, MAX_POLICY_HITS, MAX_POLICY_PREFIXES, MAX_POOLS, MAX_STACK_FLOWS,
+    POLICY_EVENTS_BYTES, POLICY_OPENERS, POLICY_PAIRS, SVC_AFFINITY_ENTRIES, SVC_COUNTER_ENTRIES,
+    SVC_FLOW_ENTRIES, SVC_MAGLEV_ENTRIES, SVC_NODE_ENTRIES, SVC_REV_ENTRIES,
 };
 
 /// Flows the host stack handled for a local pod; their replies go back through the stack.
@@ -188,6 +188,11 @@ pub static CALIX_POL_PAIRS: PerCpuArray<PolicyPair> = PerCpuArray::pinned(POLICY
 #[map(name = "CALIX_POL_SYNS")]
 pub static CALIX_POL_SYNS: PerCpuArray<PolicySyn> = PerCpuArray::pinned(POLICY_PAIRS, 0);
 
+/// NetworkPolicy: the ports each of two endpoints of this node opened TCP connections to on
+/// the other while their pair passed every TCP packet (those connections keep no flow entry).
+#[map(name = "CALIX_POL_OPENERS")]
+pub static CALIX_POL_OPENERS: HashMap<u32, PolicyOpeners> = HashMap::pinned(POLICY_OPENERS, 0);
+
 /// NetworkPolicy: the verdict's working space, one per CPU.
 #[map(name = "CALIX_POL_SCRATCH")]
 pub static CALIX_POL_SCRATCH: PerCpuArray<PolicyScratch> = PerCpuArray::pinned(1, 0);
@@ -212,6 +217,10 @@ const _: () = assert!(crate::str_eq(
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_SYNS_MAP,
     "CALIX_POL_SYNS"
+));
+const _: () = assert!(crate::str_eq(
+    calix_common::POLICY_OPENERS_MAP,
+    "CALIX_POL_OPENERS"
 ));
 const _: () = assert!(crate::str_eq(
     calix_common::POLICY_HITS_MAP,

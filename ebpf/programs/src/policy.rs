@@ -44,10 +44,11 @@ use calix_common::{
     POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS,
     POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS,
     POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
-    PS_FIN, PS_KEYED, PS_PAIR, PS_PEER_SHIFT, PS_RST, PS_SENT, PS_SYN,
+    PS_FIN, PS_KEYED, PS_PAIR, PS_PEER_SHIFT, PS_RECORD, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
+mod openers;
 mod pairs;
 mod syns;
 
@@ -90,10 +91,65 @@ pub const ALLOW_READ: u8 = 3;
 /// a connection, whose hit of the receiver's rule the SYN memo knew and counted.
 pub const ALLOW_BOTH: u8 = 4;
 
+/// An egress verdict: as [`ALLOW_BOTH`], for the SYN of a new connection between two
+/// isolated endpoints of this node whose pair passes every TCP packet and whose connections
+/// keep no entry (`PS_RECORD`): the program calls [`note_opener`] once it is delivered.
+pub const ALLOW_NOTE: u8 = 5;
+
 /// Whether verdict `v` lets the packet through.
 #[inline(always)]
 fn passes(v: u8) -> bool {
-    matches!(v, ALLOW | ALLOW_READ | ALLOW_BOTH)
+    matches!(v, ALLOW | ALLOW_READ | ALLOW_BOTH | ALLOW_NOTE)
+}
+
+/// Notes in the pair's record that the endpoint in `slot` opened the connection whose SYN its
+/// egress verdict just let through to the endpoint in `peer` ([`ALLOW_NOTE`]: the SYN's flow
+/// and its entry are in this CPU's scratch); when the record cannot hold it, the entry is
+/// written instead. A function of its own: the verdict's frame has no room for it.
+#[inline(never)]
+pub fn note_opener(slot: u32, peer: u32) {
+    let Some(s) = scratch() else {
+        return;
+    };
+    if !openers::note(s, slot, peer) {
+        // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
+        flows::flow_insert(s);
+    }
+}
+
+/// Before the egress verdict on a TCP segment the endpoint in `slot` sends to the endpoint in
+/// `peer` of this node while their pair is stale (after a change, or not yet learnt on this
+/// CPU): when neither end has an entry for its connection and the pair's record of openers
+/// says who opened it, the entry its opener's SYN would have written, as of long ago, so that
+/// the verdict checks it against the direction that opened it; the other end's verdict then
+/// adopts it (`PF_PAIRED`). A function of its own, called by the program: the verdict's frame
+/// has no room for it.
+#[inline(never)]
+pub fn recall_opener(skb: *mut __sk_buff, slot: u32, peer: u32) {
+    let ctx = TcContext::new(skb);
+    let (Some(st), Some(s)) = (state(slot), scratch()) else {
+        return;
+    };
+    if !read(&ctx, s, true)
+        || s.flags & (PS_KEYED | PS_SYN) != PS_KEYED
+        || s.flow.proto != IPPROTO_TCP
+        || flow_get(s).is_some()
+    {
+        return;
+    }
+    swap_ends(s);
+    let other = flow_get(s).is_some();
+    swap_ends(s);
+    if other {
+        return;
+    }
+    let Some(by_pod) = openers::opened_by_pod(s, slot, peer) else {
+        return;
+    };
+    s.value.last_seen_ns = 0;
+    s.value.generation = st.generation.wrapping_add(1);
+    s.value.flags = PF_PAIRED | if by_pod { PF_FROM_POD } else { PF_TO_POD };
+    flows::flow_insert(s);
 }
 
 /// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
@@ -562,11 +618,22 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     };
     // A RST ends whatever it belongs to: nothing to remember. Nor does the receiver of a
     // new connection between two endpoints whose pair passes every TCP packet, when the
-    // sender's verdict just remembered it: one entry per connection, the opener's.
+    // sender's verdict just remembered it: one entry per connection, the opener's; and the
+    // opener's only when the pair's record of openers cannot say who opened it.
+    let both = flags & PF_PAIRED != 0 && settles_receiver(slot, s);
     if s.flags & PS_RST == 0 && s.flags & (PS_SENT | PS_PAIR) != PS_SENT | PS_PAIR {
+        if both && s.flags & PS_RECORD != 0 {
+            // The opener goes into the pair's record instead, when it can (`note_opener`,
+            // called by the program: this frame has no room for it); the entry is ready in
+            // the scratch for when it cannot.
+            s.value.last_seen_ns = now;
+            s.value.generation = st.generation;
+            s.value.flags = flags;
+            return ALLOW_NOTE;
+        }
         remember(s, st, flags, now);
     }
-    if flags & PF_PAIRED != 0 && settles_receiver(slot, s) {
+    if both {
         return ALLOW_BOTH;
     }
     ALLOW

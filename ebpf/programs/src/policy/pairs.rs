@@ -18,7 +18,8 @@ use core::ptr::{addr_of, addr_of_mut};
 use aya_ebpf::{bindings::__sk_buff, maps::lpm_trie::Key, programs::TcContext};
 use calix_common::{
     policy_pair_index, policy_pair_slots, PolicyKey, PolicyPair, PolicyScratch, PolicyState,
-    POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POL_DIR_EGRESS, POL_DIR_INGRESS, PS_KEYED,
+    PAIR_RECORDED, POLICY_ANY_PEER, POLICY_KEY_PROTO_BITS, POL_DIR_EGRESS, POL_DIR_INGRESS,
+    POL_KEEP_ESTABLISHED, PS_KEYED,
 };
 
 use super::{
@@ -40,6 +41,17 @@ pub enum Pair {
     Checked,
     /// Every TCP packet between them passes both endpoints' rules, both ways.
     Allowed,
+    /// As [`Pair::Allowed`], and their connections keep no flow entry
+    /// (`calix_common::PAIR_RECORDED`).
+    Recorded,
+}
+
+impl Pair {
+    /// Whether every TCP packet between the two passes both endpoints' rules, both ways.
+    #[inline(always)]
+    pub fn passes(self) -> bool {
+        matches!(self, Pair::Allowed | Pair::Recorded)
+    }
 }
 
 /// The entry of `src` → `dst` when it is of their current generations; else what to do.
@@ -73,6 +85,7 @@ fn verdict(p: &PolicyPair, same: bool, family: u32) -> Pair {
         _ if !same => Pair::Stale,
         0 => Pair::Checked,
         f if f == family => Pair::Allowed,
+        f if f == family | PAIR_RECORDED => Pair::Recorded,
         _ => Pair::Stale,
     }
 }
@@ -120,14 +133,22 @@ pub fn v6(src: u32, dst: u32, dst_addr: &[u8; 16]) -> Pair {
 }
 
 /// Whether the TCP segment whose header starts `AT` bytes into the frame (`l4_len` bytes of
-/// IP payload) may skip the flows: it is neither a new connection's SYN nor a FIN or RST.
+/// IP payload) may skip the flows, between a pair that passes every TCP packet (`pair`): it is
+/// neither a new connection's SYN nor a RST, nor a FIN unless the pair's connections keep no
+/// entry for it to end ([`Pair::Recorded`]: their openers are in the pair's record; an entry
+/// written anyway, when the record was full or after a change, goes when idle or to the LRU).
 #[inline(always)]
-pub fn plain_segment<const AT: usize>(ctx: &TcContext, l4_len: usize) -> bool {
-    if l4_len < 14 {
+pub fn plain_segment<const AT: usize>(ctx: &TcContext, l4_len: usize, pair: Pair) -> bool {
+    if !pair.passes() || l4_len < 14 {
         return false;
     }
+    let ends = if pair == Pair::Recorded {
+        TCP_RST
+    } else {
+        TCP_RST | TCP_FIN
+    };
     match packet::load::<u8>(ctx, AT + 13) {
-        Ok(f) => f & (TCP_FIN | TCP_RST) == 0 && f & (TCP_SYN | TCP_ACK) != TCP_SYN,
+        Ok(f) => f & ends == 0 && f & (TCP_SYN | TCP_ACK) != TCP_SYN,
         Err(_) => false,
     }
 }
@@ -204,7 +225,14 @@ pub fn learn(skb: *mut __sk_buff, src: u32, dst: u32) {
         && all_tcp(s, src, &a, POL_DIR_INGRESS, to)
         && all_tcp(s, dst, &b, POL_DIR_INGRESS, from)
         && all_tcp(s, dst, &b, POL_DIR_EGRESS, from);
-    let family = if all { u32::from(s.flow.family) } else { 0 };
+    // Both isolated: every packet between them meets the sender's verdict, which keeps the
+    // record; neither keeping established flows: the record is enough after a change.
+    let recorded = a.flags != 0 && b.flags != 0 && (a.flags | b.flags) & POL_KEEP_ESTABLISHED == 0;
+    let family = match (all, recorded) {
+        (false, _) => 0,
+        (true, false) => u32::from(s.flow.family),
+        (true, true) => u32::from(s.flow.family) | PAIR_RECORDED,
+    };
     write(src, &a, dst, &b, &s.flow.peer, family);
     write(dst, &b, src, &a, &s.flow.pod, family);
 }
