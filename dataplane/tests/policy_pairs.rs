@@ -4,8 +4,10 @@
 //! flows, and everything the flows decide still holds: a change refuses a revoked
 //! connection, a pair whose rules name ports is never passed, closed connections leave no
 //! entry, and an idle connection is checked against the side that opened it. Between two
-//! isolated pods such a connection has one entry, its opener's, which the other side adopts
-//! after a change. A new
+//! isolated pods that keep no established flows after a change, such a connection has no
+//! entry: the pair's record of openers (`CALIX_POL_OPENERS`) says who opened it when a change
+//! asks; with `keep_established`, it has one, its opener's, which the other side adopts after
+//! a change. A new
 //! connection between two pods the cache knows takes its rules from the SYN memo
 //! (`CALIX_POL_SYNS`) while both keep their generations. Needs root.
 mod common;
@@ -17,9 +19,10 @@ mod policed;
 
 use aya::maps::{Array, LpmTrie, Map, MapData, PerCpuArray, PerCpuHashMap};
 use calix_common::{
-    policy_pair_index, policy_syn_port, PolicyFlow, PolicyFlowKeyV4, PolicyHitKey, PolicyKey,
-    PolicyPair, PolicyState, PolicySyn, POLICY_FLOWS_V4_MAP, POLICY_HITS_MAP, POLICY_MAP,
-    POLICY_PAIRS_MAP, POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
+    policy_pair_index, policy_pair_slots, policy_syn_port, PolicyFlow, PolicyFlowKeyV4,
+    PolicyHitKey, PolicyKey, PolicyOpeners, PolicyPair, PolicyState, PolicySyn, PAIR_RECORDED,
+    POLICY_FLOWS_V4_MAP, POLICY_HITS_MAP, POLICY_MAP, POLICY_OPENERS_MAP, POLICY_PAIRS_MAP,
+    POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
 };
 use calix_core::policy::cluster::Change;
 use calix_core::policy::model::{Policy, PortMatch, Rule};
@@ -103,6 +106,26 @@ fn syn_memo(h: &Harness, opener: &Pod, other: &Pod) -> PolicySyn {
     let syns: PerCpuArray<_, PolicySyn> = PerCpuArray::try_from(map).expect("a per-CPU array");
     syns.get(&policy_pair_index(opener.slot, other.slot), 0)
         .expect("the memo's entry")[0]
+}
+
+/// The ports the pair of `a` and `b` records as opened (`CALIX_POL_OPENERS`): (whether `a`
+/// opened it, port), in the record's order.
+fn openers(h: &Harness, a: &Pod, b: &Pod) -> Vec<(bool, u16)> {
+    let map = h.bpf.map(POLICY_OPENERS_MAP).expect("CALIX_POL_OPENERS");
+    let records: aya::maps::HashMap<_, u32, PolicyOpeners> =
+        aya::maps::HashMap::try_from(map).expect("a hash map");
+    let (lo, hi) = (a.slot.min(b.slot), a.slot.max(b.slot));
+    let Ok(r) = records.get(&policy_pair_slots(lo, hi), 0) else {
+        return vec![];
+    };
+    r.ports
+        .iter()
+        .filter(|w| **w != 0)
+        .map(|w| {
+            let lower_opened = (w >> 24) & 1 == 1;
+            (lower_opened == (a.slot < b.slot), u16::from_be(*w as u16))
+        })
+        .collect()
 }
 
 /// A pinned map of the harness (the policy programmer took the object's own handles).
@@ -398,37 +421,43 @@ fn the_syn_memo_answers_ipv6_connections_too() {
     });
 }
 
-/// Between two isolated pods whose pair passes every TCP packet, a connection has one entry,
-/// its opener's: the other side's verdicts write none (its FINs pass on the pair), and a
-/// change that makes the pair stale has it learn who opened the connection from the opener's
-/// entry, so a revoked connection is refused both ways, not let in by the other direction's
-/// rules.
+/// Between two isolated pods whose pair passes every TCP packet (and neither keeps established
+/// flows), a connection keeps no entry: its SYN notes the port it went to in the pair's record
+/// of openers, and its FINs pass on the pair. A change that makes the pair stale has both ends
+/// learn who opened it from the record, so a revoked connection is refused both ways, not let
+/// in by the other direction's rules.
 #[test]
-fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_it() {
+fn a_connection_of_a_passed_pair_keeps_no_entry_and_a_change_still_revokes_it() {
     on_one_cpu(|| {
         let (mut h, a, b, mut p) = passed_pair(false);
         // The first SYN learns the pair: both sides remember it.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
-        assert_eq!(pair(&h, &a, &b).family, 4);
+        assert_eq!(pair(&h, &a, &b).family, 4 | PAIR_RECORDED);
         assert_eq!(remembered(&h), 2);
-        // The pair known: the opener's entry only.
+        assert!(openers(&h, &a, &b).is_empty());
+        // The pair known: no entry, the port in the record.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
-        assert!(remembers(&mut h, &a, 40001, &b, 81), "A opened it");
-        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
-        assert_eq!(remembered(&h), 3);
+        assert_eq!(openers(&h, &a, &b), [(true, 81)], "A opened one to B's 81");
+        assert_eq!(
+            openers(&h, &b, &a),
+            [(false, 81)],
+            "the same record, seen from B"
+        );
+        assert_eq!(remembered(&h), 2);
         assert_eq!(
             send(&h, &b, &a, TCP, tcp(81, 40001, SYN_ACK)),
             TC_ACT_REDIRECT
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
-        // Closed from both ends: B's FIN writes nothing, A's entry goes at the second.
-        close(&h, (&a, 40001), (&b, 81), [3, 2]);
-        // A third connection, remembered by A alone; then B's ingress narrowed to port 80.
-        // B may still open anything to A, so B's egress rules would let the segments of
-        // A's connection through (the mid-connection rule): B learns from A's entry that A
-        // opened it, and its ingress refuses it, both ways.
+        // Closed from both ends: nothing to end.
+        close(&h, (&a, 40001), (&b, 81), [2, 2]);
+        // A third connection; then B's ingress narrowed to port 80. B may still open anything
+        // to A, so B's egress rules would let the segments of A's connection through (the
+        // mid-connection rule): the record says A opened it, and B's ingress refuses it,
+        // both ways.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(openers(&h, &a, &b), [(true, 81)], "one port, noted once");
         assert!(!remembers(&mut h, &b, 81, &a, 40002));
         p.apply(Change::Policy(policy(
             vec![tcp_port(80)],
@@ -436,6 +465,10 @@ fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_i
         )));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, ACK)), TC_ACT_SHOT);
         assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40002, ACK)), TC_ACT_SHOT);
+        assert!(
+            remembers(&mut h, &a, 40002, &b, 81),
+            "A's entry, from the record"
+        );
         assert!(remembers(&mut h, &b, 81, &a, 40002), "B's entry, revoked");
         // A connection to port 80 still passes both ways.
         assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, SYN)), TC_ACT_REDIRECT);
@@ -444,6 +477,47 @@ fn a_connection_of_a_passed_pair_is_remembered_once_and_a_change_still_revokes_i
             TC_ACT_REDIRECT
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, ACK)), TC_ACT_REDIRECT);
+    });
+}
+
+/// A record holds four ports: a connection to a fifth keeps its opener's entry, as before the
+/// record, and a change still revokes it; connections both ways are told apart by port.
+#[test]
+fn a_full_record_leaves_the_next_ports_to_entries() {
+    on_one_cpu(|| {
+        let (mut h, a, b, mut p) = passed_pair(false);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 80, SYN)), TC_ACT_REDIRECT);
+        let learnt = remembered(&h);
+        for (i, port) in [81, 82, 83].into_iter().enumerate() {
+            assert_eq!(
+                send(&h, &a, &b, TCP, tcp(40001 + i as u16, port, SYN)),
+                TC_ACT_REDIRECT
+            );
+        }
+        assert_eq!(send(&h, &b, &a, TCP, tcp(41000, 90, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(
+            openers(&h, &a, &b),
+            [(true, 81), (true, 82), (true, 83), (false, 90)]
+        );
+        assert_eq!(remembered(&h), learnt, "no entry for any of them");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40009, 84, SYN)), TC_ACT_REDIRECT);
+        assert!(
+            remembers(&mut h, &a, 40009, &b, 84),
+            "the fifth port: an entry"
+        );
+        assert_eq!(openers(&h, &a, &b).len(), 4);
+        // B's ingress narrowed to port 82, its egress to A still anything: A's connections to
+        // 81 and 84 are refused (84 by its entry, 81 by the record), 82's goes on, and B's own
+        // connection to A's 90 goes on.
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(82)],
+            Some(vec![to_a(vec![])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(84, 40009, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 82, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(41000, 90, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(90, 41000, ACK)), TC_ACT_REDIRECT);
     });
 }
 
@@ -490,27 +564,29 @@ fn an_entry_the_other_side_never_allowed_is_not_adopted() {
     });
 }
 
-/// A connection whose entry the other side adopted is closed at both ends once the pair
-/// passes every TCP packet again: the opener's FIN still reaches the other side's verdict
-/// (the opener's entry says it was adopted), so both entries go at the second FIN.
+/// After a change that leaves a recorded connection allowed, both ends write its entry from
+/// the record (the opener's verdict first, the other end adopting it); once the pair passes
+/// every TCP packet again, its FINs pass on the pair and the entries stay until they go idle
+/// (or to the LRU): connections that outlive a change are few.
 #[test]
-fn an_adopted_connection_is_closed_at_both_ends() {
+fn a_recorded_connection_gets_its_entries_back_after_a_change() {
     on_one_cpu(|| {
         let (mut h, a, b, _policy) = passed_pair(false);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
-        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
-        assert_eq!(remembered(&h), 3);
-        // B's generation moves on (nothing its rules say changes): B takes A's entry at the
-        // next segment, which learns the pair again.
+        assert_eq!(remembered(&h), 2);
+        // B's generation moves on (nothing its rules say changes): the next segment writes
+        // both ends' entries and learns the pair again.
         next_generation(&h, &b);
-        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
-        assert!(remembers(&mut h, &b, 81, &a, 40001), "B's adopted entry");
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40001, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert!(remembers(&mut h, &b, 81, &a, 40001), "B's, from the record");
+        assert!(remembers(&mut h, &a, 40001, &b, 81), "A's, adopted");
         assert_eq!(remembered(&h), 4);
-        assert_eq!(pair(&h, &a, &b).family, 4, "the pair passes again");
-        close(&h, (&a, 40001), (&b, 81), [4, 2]);
-        assert!(!remembers(&mut h, &a, 40001, &b, 81));
-        assert!(!remembers(&mut h, &b, 81, &a, 40001));
+        assert_eq!(pair(&h, &a, &b).family, 4 | PAIR_RECORDED, "passes again");
+        close(&h, (&a, 40001), (&b, 81), [4, 4]);
     });
 }
 
@@ -531,7 +607,11 @@ fn a_new_connection_of_a_passed_pair_counts_both_sides_rules() {
         // from it.
         assert_eq!(hits(&h, &a), [(m.egress_rule, 4)]);
         assert_eq!(hits(&h, &b), [(m.ingress_rule, 4)]);
-        assert_eq!(remembered(&h), 5, "the first SYN's two, then the opener's");
+        assert_eq!(
+            remembered(&h),
+            2,
+            "the first SYN's two; the others in the record"
+        );
         // B's entries gone at a new generation (the pair entries current at it, as a packet
         // that passed would leave them): the memo's rule of B's is of the generation before,
         // so B's own verdict decides, from the tries.

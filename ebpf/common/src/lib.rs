@@ -664,6 +664,7 @@ mod pod {
     unsafe impl aya::Pod for super::PolicyFlowKeyV4 {}
     unsafe impl aya::Pod for super::PolicyPair {}
     unsafe impl aya::Pod for super::PolicySyn {}
+    unsafe impl aya::Pod for super::PolicyOpeners {}
     unsafe impl aya::Pod for super::PolicyScratch {}
     unsafe impl aya::Pod for super::PolicyHitKey {}
     unsafe impl aya::Pod for super::PolicyDropEvent {}

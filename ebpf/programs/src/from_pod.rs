@@ -260,12 +260,16 @@ fn sender_policy(
     }
     match egress_policy(ctx, ifindex, slot, extra)? {
         policy::ALLOW_BOTH => Ok(forward::Sent::PASSED_BOTH),
-        policy::ALLOW_NOTE => {
+        v @ (policy::ALLOW_NOTE | policy::ALLOW_NOTE_READ) => {
             if let Some(l) = local {
                 // SAFETY: as above.
                 policy::note_opener(slot, unsafe { (*l).slot });
             }
-            Ok(forward::Sent::PASSED_BOTH)
+            if v == policy::ALLOW_NOTE {
+                Ok(forward::Sent::PASSED_BOTH)
+            } else {
+                Ok(forward::Sent::judged(true, pair, slot))
+            }
         }
         v => Ok(forward::Sent::judged(v == policy::ALLOW_READ, pair, slot)),
     }
@@ -284,7 +288,7 @@ fn egress_policy(ctx: &mut TcContext, ifindex: u32, slot: u32, extra: u32) -> Re
         return Ok(policy::ALLOW);
     }
     match policy::egress(ctx.skb.skb, slot, extra) {
-        v @ (policy::ALLOW | policy::ALLOW_READ | policy::ALLOW_BOTH | policy::ALLOW_NOTE) => Ok(v),
+        v if v != policy::DENY && v != policy::DEFER => Ok(v),
         policy::DEFER => {
             ctx.set_mark(policy_pending_mark(slot));
             Err(TC_ACT_OK)

@@ -95,11 +95,18 @@ pub const ALLOW_BOTH: u8 = 4;
 /// isolated endpoints of this node whose pair passes every TCP packet and whose connections
 /// keep no entry (`PS_RECORD`): the program calls [`note_opener`] once it is delivered.
 pub const ALLOW_NOTE: u8 = 5;
+/// An egress verdict: as [`ALLOW_NOTE`], for a SYN whose receiver's verdict is still to come
+/// (as after [`ALLOW_READ`]: its flow is in the scratch). [`note_opener`] comes first: it
+/// leaves the flow as it was.
+pub const ALLOW_NOTE_READ: u8 = 6;
 
 /// Whether verdict `v` lets the packet through.
 #[inline(always)]
 fn passes(v: u8) -> bool {
-    matches!(v, ALLOW | ALLOW_READ | ALLOW_BOTH | ALLOW_NOTE)
+    matches!(
+        v,
+        ALLOW | ALLOW_READ | ALLOW_BOTH | ALLOW_NOTE | ALLOW_NOTE_READ
+    )
 }
 
 /// Notes in the pair's record that the endpoint in `slot` opened the connection whose SYN its
@@ -622,14 +629,14 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     // opener's only when the pair's record of openers cannot say who opened it.
     let both = flags & PF_PAIRED != 0 && settles_receiver(slot, s);
     if s.flags & PS_RST == 0 && s.flags & (PS_SENT | PS_PAIR) != PS_SENT | PS_PAIR {
-        if both && s.flags & PS_RECORD != 0 {
+        if flags & PF_PAIRED != 0 && s.flags & PS_RECORD != 0 {
             // The opener goes into the pair's record instead, when it can (`note_opener`,
             // called by the program: this frame has no room for it); the entry is ready in
             // the scratch for when it cannot.
             s.value.last_seen_ns = now;
             s.value.generation = st.generation;
             s.value.flags = flags;
-            return ALLOW_NOTE;
+            return if both { ALLOW_NOTE } else { ALLOW_NOTE_READ };
         }
         remember(s, st, flags, now);
     }
