@@ -111,9 +111,9 @@ fn syn_memo(h: &Harness, opener: &Pod, other: &Pod) -> PolicySyn {
 /// The ports the pair of `a` and `b` records as opened (`CALIX_POL_OPENERS`): (whether `a`
 /// opened it, port), in the record's order.
 fn openers(h: &Harness, a: &Pod, b: &Pod) -> Vec<(bool, u16)> {
-    let map = h.bpf.map(POLICY_OPENERS_MAP).expect("CALIX_POL_OPENERS");
     let records: aya::maps::HashMap<_, u32, PolicyOpeners> =
-        aya::maps::HashMap::try_from(map).expect("a hash map");
+        aya::maps::HashMap::try_from(Map::HashMap(pinned(h, POLICY_OPENERS_MAP)))
+            .expect("a hash map");
     let (lo, hi) = (a.slot.min(b.slot), a.slot.max(b.slot));
     let Ok(r) = records.get(&policy_pair_slots(lo, hi), 0) else {
         return vec![];
@@ -477,6 +477,10 @@ fn a_connection_of_a_passed_pair_keeps_no_entry_and_a_change_still_revokes_it() 
             TC_ACT_REDIRECT
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 80, ACK)), TC_ACT_REDIRECT);
+        // B gone: the pair's record goes with it.
+        assert!(!openers(&h, &a, &b).is_empty());
+        p.programmer.detached(b.slot);
+        assert!(openers(&h, &a, &b).is_empty());
     });
 }
 

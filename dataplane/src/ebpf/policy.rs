@@ -11,12 +11,12 @@
 use std::collections::BTreeMap;
 
 use aya::maps::lpm_trie::{Key, LpmTrie};
-use aya::maps::{Array, MapData, PerCpuHashMap};
+use aya::maps::{Array, HashMap, MapData, PerCpuHashMap};
 use calix_common::{
-    PolicyHitKey, PolicyKey, PolicyState, POLICY_ANY_PEER, POLICY_HITS_MAP, POLICY_IDS_V4_MAP,
-    POLICY_IDS_V6_MAP, POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP, POLICY_SERVICE,
-    POLICY_STATE_MAP, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS, POL_ISOLATED_EGRESS,
-    POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED,
+    PolicyHitKey, PolicyKey, PolicyOpeners, PolicyState, POLICY_ANY_PEER, POLICY_HITS_MAP,
+    POLICY_IDS_V4_MAP, POLICY_IDS_V6_MAP, POLICY_KEY_PEER_BITS, POLICY_KEY_PROTO_BITS, POLICY_MAP,
+    POLICY_OPENERS_MAP, POLICY_SERVICE, POLICY_STATE_MAP, POLICY_WORLD, POL_DIR_EGRESS,
+    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED,
 };
 use calix_core::policy::endpoint::Direction;
 use calix_core::policy::model::PodKey;
@@ -53,6 +53,10 @@ pub trait PolicyMaps: Send {
     fn remove_hits(&mut self, slot: u32, rule: RuleId);
     /// Forgets every hit count (the rules' numbers start over).
     fn clear_hits(&mut self);
+    /// Forgets the records of which connections the endpoint in `slot` and another opened to
+    /// each other (`CALIX_POL_OPENERS`): the endpoint is gone, and whoever gets its slot next
+    /// starts without them.
+    fn forget_openers(&mut self, slot: u32);
     /// What the maps hold: prefixes, entries by slot, and the states that are not zero.
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>);
 }
@@ -117,6 +121,7 @@ pub struct PinnedPolicyMaps {
     entries: LpmTrie<MapData, PolicyKey, u32>,
     state: Array<MapData, PolicyState>,
     hits: PerCpuHashMap<MapData, PolicyHitKey, u64>,
+    openers: HashMap<MapData, u32, PolicyOpeners>,
 }
 
 impl PinnedPolicyMaps {
@@ -127,6 +132,7 @@ impl PinnedPolicyMaps {
             entries: take(bpf, POLICY_MAP, LpmTrie::try_from)?,
             state: take(bpf, POLICY_STATE_MAP, Array::try_from)?,
             hits: take(bpf, POLICY_HITS_MAP, PerCpuHashMap::try_from)?,
+            openers: take(bpf, POLICY_OPENERS_MAP, HashMap::try_from)?,
         })
     }
 }
@@ -184,6 +190,18 @@ impl PolicyMaps for PinnedPolicyMaps {
         let keys: Vec<PolicyHitKey> = self.hits.keys().filter_map(Result::ok).collect();
         for k in keys {
             let _ = self.hits.remove(&k);
+        }
+    }
+
+    fn forget_openers(&mut self, slot: u32) {
+        let keys: Vec<u32> = self
+            .openers
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k >> 16 == slot || k & 0xffff == slot)
+            .collect();
+        for k in keys {
+            let _ = self.openers.remove(&k);
         }
     }
 
@@ -411,6 +429,7 @@ impl PolicyProgrammer {
         if let Err(e) = self.move_to(target) {
             tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
         }
+        self.maps.forget_openers(slot);
     }
 
     fn next_generation(&mut self) -> u32 {

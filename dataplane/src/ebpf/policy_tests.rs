@@ -21,6 +21,8 @@ struct Held {
     capacity: Option<usize>,
     /// Hit counts by (slot, rule).
     hits: BTreeMap<(u32, RuleId), u64>,
+    /// Slots whose records of openers were forgotten.
+    forgot_openers: Vec<u32>,
 }
 
 #[derive(Clone, Default)]
@@ -73,6 +75,9 @@ impl PolicyMaps for Fake {
     }
     fn clear_hits(&mut self) {
         self.held().hits.clear();
+    }
+    fn forget_openers(&mut self, slot: u32) {
+        self.held().forgot_openers.push(slot);
     }
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
         let h = self.held();
@@ -182,10 +187,12 @@ fn endpoints_get_their_pods_entries_when_attached_and_lose_them_when_gone() {
     p.attached(&[(pod("web"), 5)]).expect("attach");
     assert_eq!(fake.held().entries.len(), 1);
     assert_eq!(fake.held().states[&5].flags, POL_ISOLATED_INGRESS);
-    // Gone: entries and state go, the slot is open for whoever gets it next.
+    // Gone: entries, state and records of openers go, the slot is open for whoever gets it
+    // next.
     p.detached(5);
     assert!(fake.held().entries.is_empty());
     assert!(!fake.held().states.contains_key(&5));
+    assert_eq!(fake.held().forgot_openers, [5]);
     // A pod the calculation knows and no policy names is attached: nothing isolates it.
     let mut t = tables("10.0.0.5/32");
     t.endpoints.insert(pod("other"), EndpointTables::default());
