@@ -484,6 +484,37 @@ fn a_connection_of_a_passed_pair_keeps_no_entry_and_a_change_still_revokes_it() 
     });
 }
 
+/// A recorded connection is refused after a change that revokes it whatever its pair became
+/// since: learnt again as one whose rules name ports (by another connection's packet that
+/// passed both verdicts), or with the opener no longer isolated at all (it gives no verdict;
+/// the other end still learns from the record who opened the connection).
+#[test]
+fn a_recorded_connection_is_revoked_whatever_the_pair_became() {
+    on_one_cpu(|| {
+        let (mut h, a, b, mut p) = passed_pair(false);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
+        for port in [40001, 40002] {
+            assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
+        }
+        assert_eq!(openers(&h, &a, &b), [(true, 81)]);
+        // B's ingress to port 80 only, its egress to A still anything; a connection to 80
+        // learns the pair again, as one whose rules name ports.
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80)],
+            Some(vec![to_a(vec![])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40009, 80, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(pair(&h, &a, &b).family, 0, "learnt again: ports named");
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_SHOT);
+        // A's own policy gone: A isolated no more, B's rules alone decide.
+        p.apply(Change::PolicyGone(a_with_b().key));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40002, 81, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40002, ACK)), TC_ACT_SHOT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40010, 80, SYN)), TC_ACT_REDIRECT);
+    });
+}
+
 /// A record holds four ports: a connection to a fifth keeps its opener's entry, as before the
 /// record, and a change still revokes it; connections both ways are told apart by port.
 #[test]

@@ -252,7 +252,7 @@ fn sender_policy(
         }
         _ => 0,
     };
-    if pair == Pair::Stale {
+    if matches!(pair, Pair::Stale | Pair::Checked) {
         if let Some(l) = local {
             // SAFETY: as above.
             policy::recall_opener(ctx.skb.skb, slot, unsafe { (*l).slot });

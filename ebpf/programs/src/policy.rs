@@ -124,17 +124,22 @@ pub fn note_opener(slot: u32, peer: u32) {
     }
 }
 
-/// Before the egress verdict on a TCP segment the endpoint in `slot` sends to the endpoint in
-/// `peer` of this node while their pair is stale (after a change, or not yet learnt on this
-/// CPU): when neither end has an entry for its connection and the pair's record of openers
-/// says who opened it, the entry its opener's SYN would have written, as of long ago, so that
-/// the verdict checks it against the direction that opened it; the other end's verdict then
-/// adopts it (`PF_PAIRED`). A function of its own, called by the program: the verdict's frame
-/// has no room for it.
+/// Before the verdicts on a TCP segment the endpoint in `slot` sends to the endpoint in `peer`
+/// of this node while their pair does not pass every TCP packet (stale after a change, not yet
+/// learnt on this CPU, or learnt since as one whose rules name ports): when the pair has a
+/// record of openers, neither end has an entry for the segment's connection and the record
+/// says who opened it, the sender's entry as its opener's SYN would have written it, as of
+/// long ago, so that the sender's verdict checks it against the direction that opened it, and
+/// the receiver's verdict adopts it (`PF_PAIRED`), also when the sender is no longer isolated
+/// and gives no verdict. A function of its own, called by the program: the verdict's frame
+/// has no room for it. A pair with no record pays one lookup.
 #[inline(never)]
 pub fn recall_opener(skb: *mut __sk_buff, slot: u32, peer: u32) {
+    if !openers::exists(slot, peer) {
+        return;
+    }
     let ctx = TcContext::new(skb);
-    let (Some(st), Some(s)) = (state(slot), scratch()) else {
+    let Some(s) = scratch() else {
         return;
     };
     if !read(&ctx, s, true)
@@ -154,7 +159,7 @@ pub fn recall_opener(skb: *mut __sk_buff, slot: u32, peer: u32) {
         return;
     };
     s.value.last_seen_ns = 0;
-    s.value.generation = st.generation.wrapping_add(1);
+    s.value.generation = state(slot).map_or(0, |st| st.generation.wrapping_add(1));
     s.value.flags = PF_PAIRED | if by_pod { PF_FROM_POD } else { PF_TO_POD };
     flows::flow_insert(s);
 }

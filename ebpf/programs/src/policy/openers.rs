@@ -72,6 +72,17 @@ fn word(rec: *mut PolicyOpeners, i: usize) -> *mut u64 {
     rec.cast::<u64>().wrapping_add(i)
 }
 
+/// Whether the endpoints in `slot` and `peer` have a record.
+#[inline(always)]
+pub fn exists(slot: u32, peer: u32) -> bool {
+    let k = if slot < peer {
+        policy_pair_slots(slot, peer)
+    } else {
+        policy_pair_slots(peer, slot)
+    };
+    CALIX_POL_OPENERS.get_ptr(&k).is_some()
+}
+
 /// Whether 64-bit word `w` holds port `p` in either half.
 #[inline(always)]
 fn holds(w: u64, p: u32) -> bool {
