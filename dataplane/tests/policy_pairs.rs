@@ -491,7 +491,7 @@ fn a_connection_of_a_passed_pair_keeps_no_entry_and_a_change_still_revokes_it() 
 #[test]
 fn a_recorded_connection_is_revoked_whatever_the_pair_became() {
     on_one_cpu(|| {
-        let (mut h, a, b, mut p) = passed_pair(false);
+        let (h, a, b, mut p) = passed_pair(false);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         for port in [40001, 40002] {
             assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
