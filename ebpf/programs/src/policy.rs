@@ -39,15 +39,16 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use calix_common::{
-    PolicyHitKey, PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE, DENIED_REVOKED,
-    DENIED_UNREADABLE, PF_ADOPTED, PF_FROM_POD, PF_PAIRED, PF_REVOKED, PF_SERVICE, PF_TO_POD,
-    POLICY_ANY_PEER, POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS,
-    POLICY_FLOW_TCP_NS, POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS,
-    POL_DIR_INGRESS, POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT,
-    PS_FIN, PS_KEYED, PS_PAIR, PS_PEER_SHIFT, PS_RECORD, PS_RST, PS_SENT, PS_SYN,
+    PolicyKey, PolicyScratch, PolicyState, DENIED_NO_RULE, DENIED_REVOKED, DENIED_UNREADABLE,
+    PF_ADOPTED, PF_FROM_POD, PF_PAIRED, PF_REVOKED, PF_SERVICE, PF_TO_POD, POLICY_ANY_PEER,
+    POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS,
+    POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS,
+    POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED,
+    PS_PAIR, PS_PEER_SHIFT, PS_RECORD, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
+mod hits;
 mod openers;
 mod pairs;
 mod syns;
@@ -55,11 +56,13 @@ mod syns;
 use flows::{
     adopt, clear_flags, clear_flow, closed, flow_get, flow_remove, remember, set_flags, swap_ends,
 };
+use hits::hit;
+pub use openers::{note_opener, recall_opener};
 pub use pairs::{learn as learn_pair, plain_segment, v4 as pair_v4, v6 as pair_v6, Pair};
 
 use crate::maps::{
-    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_HITS, CALIX_POL_IDS_V4,
-    CALIX_POL_IDS_V6, CALIX_POL_SCRATCH, CALIX_POL_STATE,
+    CALIX_POLICY, CALIX_POL_EVBUDGET, CALIX_POL_EVENTS, CALIX_POL_IDS_V4, CALIX_POL_IDS_V6,
+    CALIX_POL_SCRATCH, CALIX_POL_STATE,
 };
 use crate::packet::{self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, IPPROTO_ICMPV6, IPPROTO_TCP};
 
@@ -71,7 +74,6 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 /// A remembered flow's time is refreshed when older than this (fewer writes per packet).
 const REFRESH_NS: u64 = 1_000_000_000;
-const BPF_NOEXIST: u64 = 1;
 
 /// A verdict: the packet is denied.
 pub const DENY: u8 = 0;
@@ -107,61 +109,6 @@ fn passes(v: u8) -> bool {
         v,
         ALLOW | ALLOW_READ | ALLOW_BOTH | ALLOW_NOTE | ALLOW_NOTE_READ
     )
-}
-
-/// Notes in the pair's record that the endpoint in `slot` opened the connection whose SYN its
-/// egress verdict just let through to the endpoint in `peer` ([`ALLOW_NOTE`]: the SYN's flow
-/// and its entry are in this CPU's scratch); when the record cannot hold it, the entry is
-/// written instead. A function of its own: the verdict's frame has no room for it.
-#[inline(never)]
-pub fn note_opener(slot: u32, peer: u32) {
-    let Some(s) = scratch() else {
-        return;
-    };
-    if !openers::note(s, slot, peer) {
-        // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
-        flows::flow_insert(s);
-    }
-}
-
-/// Before the verdicts on a TCP segment the endpoint in `slot` sends to the endpoint in `peer`
-/// of this node while their pair does not pass every TCP packet (stale after a change, not yet
-/// learnt on this CPU, or learnt since as one whose rules name ports): when the pair has a
-/// record of openers, neither end has an entry for the segment's connection and the record
-/// says who opened it, the sender's entry as its opener's SYN would have written it, as of
-/// long ago, so that the sender's verdict checks it against the direction that opened it, and
-/// the receiver's verdict adopts it (`PF_PAIRED`), also when the sender is no longer isolated
-/// and gives no verdict. A function of its own, called by the program: the verdict's frame
-/// has no room for it. A pair with no record pays one lookup.
-#[inline(never)]
-pub fn recall_opener(skb: *mut __sk_buff, slot: u32, peer: u32) {
-    if !openers::exists(slot, peer) {
-        return;
-    }
-    let ctx = TcContext::new(skb);
-    let Some(s) = scratch() else {
-        return;
-    };
-    if !read(&ctx, s, true)
-        || s.flags & (PS_KEYED | PS_SYN) != PS_KEYED
-        || s.flow.proto != IPPROTO_TCP
-        || flow_get(s).is_some()
-    {
-        return;
-    }
-    swap_ends(s);
-    let other = flow_get(s).is_some();
-    swap_ends(s);
-    if other {
-        return;
-    }
-    let Some(by_pod) = openers::opened_by_pod(s, slot, peer) else {
-        return;
-    };
-    s.value.last_seen_ns = 0;
-    s.value.generation = state(slot).map_or(0, |st| st.generation.wrapping_add(1));
-    s.value.flags = PF_PAIRED | if by_pod { PF_FROM_POD } else { PF_TO_POD };
-    flows::flow_insert(s);
 }
 
 /// Whether the endpoint in `slot` is isolated in some direction: the one check every packet
@@ -441,37 +388,6 @@ fn isolated_in(st: &PolicyState, dir: u8) -> bool {
         POL_ISOLATED_EGRESS
     };
     st.flags & bit != 0
-}
-
-/// A hit count's key and first value, built in the scratch's `value` (a flow's value, not in
-/// use until the flow is remembered, after the rules decided): the stack has no room for
-/// them.
-#[repr(C)]
-struct HitEntry {
-    key: PolicyHitKey,
-    count: u64,
-}
-const _: () = assert!(
-    core::mem::size_of::<HitEntry>() == core::mem::size_of::<calix_common::PolicyFlow>()
-        && core::mem::align_of::<HitEntry>() <= core::mem::align_of::<calix_common::PolicyFlow>()
-);
-
-/// Counts a decision of rule `rule` for the endpoint in `slot`.
-#[inline(always)]
-fn hit(s: &mut PolicyScratch, slot: u32, rule: u32) {
-    // SAFETY: `HitEntry` has `PolicyFlow`'s size and no stricter alignment (checked above);
-    // both are plain data.
-    let h = unsafe { &mut *(&mut s.value as *mut calix_common::PolicyFlow as *mut HitEntry) };
-    h.key = PolicyHitKey { slot, rule };
-    h.count = 1;
-    match CALIX_POL_HITS.get_ptr_mut(&h.key) {
-        // SAFETY: this CPU's value, from a successful lookup, valid until the program returns.
-        Some(c) => unsafe { *c = (*c).wrapping_add(1) },
-        None => {
-            // A full map leaves the pair uncounted; the verdict stands.
-            let _ = CALIX_POL_HITS.insert(&h.key, &h.count, BPF_NOEXIST);
-        }
-    }
 }
 
 /// Sends the packet a verdict just denied (its flow in this CPU's scratch) to the drop

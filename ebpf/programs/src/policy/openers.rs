@@ -14,8 +14,14 @@
 
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 
-use calix_common::{policy_opener_word, policy_pair_slots, PolicyOpeners, PolicyScratch};
+use aya_ebpf::{bindings::__sk_buff, programs::TcContext};
+use calix_common::{
+    policy_opener_word, policy_pair_slots, PolicyOpeners, PolicyScratch, PF_FROM_POD, PF_PAIRED,
+    PF_TO_POD, PS_KEYED, PS_SYN,
+};
 
+use super::flows::{flow_get, flow_insert, swap_ends};
+use super::{read, scratch, state, IPPROTO_TCP};
 use crate::maps::CALIX_POL_OPENERS;
 
 const BPF_NOEXIST: u64 = 1;
@@ -74,7 +80,7 @@ fn word(rec: *mut PolicyOpeners, i: usize) -> *mut u64 {
 
 /// Whether the endpoints in `slot` and `peer` have a record.
 #[inline(always)]
-pub fn exists(slot: u32, peer: u32) -> bool {
+fn exists(slot: u32, peer: u32) -> bool {
     let k = if slot < peer {
         policy_pair_slots(slot, peer)
     } else {
@@ -93,7 +99,7 @@ fn holds(w: u64, p: u32) -> bool {
 /// to the endpoint in `peer`; false when the record cannot hold it (the caller writes the
 /// flow's entry instead). Uses the scratch's `why` and `addr`.
 #[inline(always)]
-pub fn note(s: &mut PolicyScratch, slot: u32, peer: u32) -> bool {
+fn note(s: &mut PolicyScratch, slot: u32, peer: u32) -> bool {
     if slot == peer {
         return false;
     }
@@ -153,7 +159,7 @@ pub fn note(s: &mut PolicyScratch, slot: u32, peer: u32) -> bool {
 /// the peer; `None` when the record explains it neither way or both. Uses the scratch's `why`
 /// and `addr`.
 #[inline(always)]
-pub fn opened_by_pod(s: &mut PolicyScratch, slot: u32, peer: u32) -> Option<bool> {
+fn opened_by_pod(s: &mut PolicyScratch, slot: u32, peer: u32) -> Option<bool> {
     if slot == peer {
         return None;
     }
@@ -175,4 +181,59 @@ pub fn opened_by_pod(s: &mut PolicyScratch, slot: u32, peer: u32) -> Option<bool
         (false, true) => Some(false),
         _ => None,
     }
+}
+
+/// Notes in the pair's record that the endpoint in `slot` opened the connection whose SYN its
+/// egress verdict just let through to the endpoint in `peer` ([`super::ALLOW_NOTE`]: the SYN's flow
+/// and its entry are in this CPU's scratch); when the record cannot hold it, the entry is
+/// written instead. A function of its own: the verdict's frame has no room for it.
+#[inline(never)]
+pub fn note_opener(slot: u32, peer: u32) {
+    let Some(s) = scratch() else {
+        return;
+    };
+    if !note(s, slot, peer) {
+        // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
+        flow_insert(s);
+    }
+}
+
+/// Before the verdicts on a TCP segment the endpoint in `slot` sends to the endpoint in `peer`
+/// of this node while their pair does not pass every TCP packet (stale after a change, not yet
+/// learnt on this CPU, or learnt since as one whose rules name ports): when the pair has a
+/// record of openers, neither end has an entry for the segment's connection and the record
+/// says who opened it, the sender's entry as its opener's SYN would have written it, as of
+/// long ago, so that the sender's verdict checks it against the direction that opened it, and
+/// the receiver's verdict adopts it (`PF_PAIRED`), also when the sender is no longer isolated
+/// and gives no verdict. A function of its own, called by the program: the verdict's frame
+/// has no room for it. A pair with no record pays one lookup.
+#[inline(never)]
+pub fn recall_opener(skb: *mut __sk_buff, slot: u32, peer: u32) {
+    if !exists(slot, peer) {
+        return;
+    }
+    let ctx = TcContext::new(skb);
+    let Some(s) = scratch() else {
+        return;
+    };
+    if !read(&ctx, s, true)
+        || s.flags & (PS_KEYED | PS_SYN) != PS_KEYED
+        || s.flow.proto != IPPROTO_TCP
+        || flow_get(s).is_some()
+    {
+        return;
+    }
+    swap_ends(s);
+    let other = flow_get(s).is_some();
+    swap_ends(s);
+    if other {
+        return;
+    }
+    let Some(by_pod) = opened_by_pod(s, slot, peer) else {
+        return;
+    };
+    s.value.last_seen_ns = 0;
+    s.value.generation = state(slot).map_or(0, |st| st.generation.wrapping_add(1));
+    s.value.flags = PF_PAIRED | if by_pod { PF_FROM_POD } else { PF_TO_POD };
+    flow_insert(s);
 }
