@@ -422,14 +422,22 @@ impl PolicyProgrammer {
         self.move_to(target).map_err(|e| name_pods(e, slots))
     }
 
-    /// The endpoint in `slot` is gone: its entries go, its state is zeroed.
+    /// The endpoint in `slot` is gone: its entries go, its state is zeroed, its records of
+    /// openers are forgotten.
     pub fn detached(&mut self, slot: u32) {
         let mut target = self.applied.clone();
         target.endpoints.remove(&slot);
-        if let Err(e) = self.move_to(target) {
-            tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
+        // A slot with a state loses its records with it (`move_to`); one without may have
+        // been isolated before, and records stay until forgotten.
+        let stated = self.states.contains_key(&slot);
+        match self.move_to(target) {
+            Ok(()) if stated => {}
+            Ok(()) => self.maps.forget_openers(slot),
+            Err(e) => {
+                tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
+                self.maps.forget_openers(slot);
+            }
         }
-        self.maps.forget_openers(slot);
     }
 
     fn next_generation(&mut self) -> u32 {
@@ -496,7 +504,8 @@ impl PolicyProgrammer {
             };
             self.write_state(*slot, s)?;
         }
-        // Slots no endpoint holds any more: open, for whoever gets them next.
+        // Slots no endpoint holds any more (detached, or deleted while no agent ran): open,
+        // and without records of openers, for whoever gets them next.
         let gone: Vec<u32> = self
             .states
             .keys()
@@ -505,6 +514,7 @@ impl PolicyProgrammer {
             .collect();
         for slot in gone {
             self.write_state(slot, PolicyState::default())?;
+            self.maps.forget_openers(slot);
         }
         // What the maps hold: the target less what could not be written (the next call
         // tries those again).

@@ -151,6 +151,14 @@ fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
                 generation: 12,
             },
         );
+        // Slot 9's pod was deleted while no agent ran: its state is still there.
+        h.states.insert(
+            9,
+            PolicyState {
+                flags: POL_ISOLATED_INGRESS | POL_ISOLATED_EGRESS,
+                generation: 11,
+            },
+        );
     }
     let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
     // An endpoint attached before the agent has computed anything: the pins stay.
@@ -173,6 +181,10 @@ fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
     );
     assert_eq!(h.states[&3].flags, POL_ISOLATED_INGRESS);
     assert!(h.states[&3].generation > 12, "{:?}", h.states[&3]);
+    // The slot no endpoint holds is open, and its records of openers are forgotten: a pod
+    // that gets it next inherits neither.
+    assert!(!h.states.contains_key(&9));
+    assert_eq!(h.forgot_openers, [9]);
 }
 
 #[test]
