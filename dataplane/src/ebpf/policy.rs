@@ -422,8 +422,8 @@ impl PolicyProgrammer {
         self.move_to(target).map_err(|e| name_pods(e, slots))
     }
 
-    /// The endpoint in `slot` is gone: its entries go, its state is zeroed, its records of
-    /// openers are forgotten.
+    /// The endpoint in `slot` is gone: its entries go, its state opens (under a new
+    /// generation), its records of openers are forgotten.
     pub fn detached(&mut self, slot: u32) {
         let mut target = self.applied.clone();
         target.endpoints.remove(&slot);
@@ -488,9 +488,15 @@ impl PolicyProgrammer {
             self.maps.remove_prefix(net);
         }
         for (slot, iso) in &p.isolation {
+            // A slot with no state yet is isolated under a new generation at once, never
+            // under zero, which every slot before it had had too.
+            let generation = match self.states.get(slot) {
+                Some(s) => s.generation,
+                None => self.next_generation(),
+            };
             let s = PolicyState {
                 flags: self.flags(*iso),
-                ..state(self, *slot)
+                generation,
             };
             self.write_state(*slot, s)?;
         }
@@ -505,7 +511,12 @@ impl PolicyProgrammer {
             self.write_state(*slot, s)?;
         }
         // Slots no endpoint holds any more (detached, or deleted while no agent ran): open,
-        // and without records of openers, for whoever gets them next.
+        // and without records of openers, for whoever gets them next. Open under a generation
+        // of their own rather than zero: the pins then keep the highest generation ever
+        // handed out, and a restarted agent starts above it ([`Self::restore`]). Without it
+        // a slot's next endpoint could get the generation of the one that left (the highest,
+        // gone before a restart), and take over what the programs keep by generation: the
+        // SYN memo's rules, flows not to be checked again.
         let gone: Vec<u32> = self
             .states
             .keys()
@@ -513,7 +524,12 @@ impl PolicyProgrammer {
             .copied()
             .collect();
         for slot in gone {
-            self.write_state(slot, PolicyState::default())?;
+            let open = PolicyState {
+                flags: 0,
+                generation: self.next_generation(),
+            };
+            self.maps.set_state(slot, open)?;
+            self.states.remove(&slot);
             self.maps.forget_openers(slot);
         }
         // What the maps hold: the target less what could not be written (the next call

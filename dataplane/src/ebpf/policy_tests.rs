@@ -183,8 +183,54 @@ fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
     assert!(h.states[&3].generation > 12, "{:?}", h.states[&3]);
     // The slot no endpoint holds is open, and its records of openers are forgotten: a pod
     // that gets it next inherits neither.
-    assert!(!h.states.contains_key(&9));
+    assert_eq!(h.states[&9].flags, 0);
+    assert!(h.states[&9].generation > 12, "{:?}", h.states[&9]);
     assert_eq!(h.forgot_openers, [9]);
+}
+
+/// Generations are what the programs keep their caches by (the SYN memo's rules, flows not to
+/// be checked again): a restarted agent never hands out one that an endpoint before it had,
+/// also when that endpoint was the last to get one and is gone.
+#[test]
+fn a_restarted_agent_never_hands_out_a_generation_again() {
+    let fake = Fake::default();
+    let mut t = tables("10.0.0.5/32");
+    t.endpoints.insert(
+        pod("db"),
+        EndpointTables {
+            ingress: Some([(entry(1), 2)].into()),
+            egress: None,
+        },
+    );
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    p.set(t.clone(), &[(pod("web"), 3), (pod("db"), 4)])
+        .expect("set");
+    let handed: Vec<u32> = fake.held().states.values().map(|s| s.generation).collect();
+    assert_eq!(handed.len(), 2);
+    // db, holding the highest generation or not, goes; then the agent restarts.
+    p.detached(4);
+    let gone = fake.held().states.get(&4).copied().unwrap_or_default();
+    assert_eq!(gone.flags, 0, "slot 4 is open");
+    drop(p);
+    let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
+    // A new pod in db's slot, isolated: a generation no endpoint had.
+    let mut t2 = tables("10.0.0.5/32");
+    t2.endpoints.insert(
+        pod("cache"),
+        EndpointTables {
+            ingress: Some([(entry(1), 2)].into()),
+            egress: None,
+        },
+    );
+    p.set(t2, &[(pod("web"), 3), (pod("cache"), 4)])
+        .expect("set");
+    let now = fake.held().states[&4];
+    assert_eq!(now.flags, POL_ISOLATED_INGRESS);
+    let before = handed.iter().chain([&gone.generation]).max().copied();
+    assert!(
+        Some(now.generation) > before,
+        "{now:?} after {handed:?} and {gone:?}"
+    );
 }
 
 #[test]
@@ -203,14 +249,15 @@ fn endpoints_get_their_pods_entries_when_attached_and_lose_them_when_gone() {
     // next.
     p.detached(5);
     assert!(fake.held().entries.is_empty());
-    assert!(!fake.held().states.contains_key(&5));
+    assert_eq!(fake.held().states[&5].flags, 0);
     assert_eq!(fake.held().forgot_openers, [5]);
     // A pod the calculation knows and no policy names is attached: nothing isolates it.
     let mut t = tables("10.0.0.5/32");
     t.endpoints.insert(pod("other"), EndpointTables::default());
     p.set(t, &[]).expect("set");
     p.attached(&[(pod("other"), 6)]).expect("attach");
-    assert!(fake.held().states.is_empty());
+    let isolated = |slot| fake.held().states.get(&slot).map_or(0, |s| s.flags);
+    assert_eq!((isolated(5), isolated(6)), (0, 0));
     // A pod it does not know yet (its CNI ADD ahead of the watch): isolated both ways, no
     // entry; once known, as its policy says.
     p.attached(&[(pod("other"), 6), (pod("new"), 7)])
