@@ -203,11 +203,13 @@ fn a_restarted_agent_never_hands_out_a_generation_again() {
         },
     );
     let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
-    p.set(t.clone(), &[(pod("web"), 3), (pod("db"), 4)])
-        .expect("set");
+    // db comes last: the highest generation is its.
+    p.set(t, &[(pod("web"), 7)]).expect("set");
+    p.attached(&[(pod("web"), 7), (pod("db"), 4)])
+        .expect("attach");
     let handed: Vec<u32> = fake.held().states.values().map(|s| s.generation).collect();
     assert_eq!(handed.len(), 2);
-    // db, holding the highest generation or not, goes; then the agent restarts.
+    // db goes; then the agent restarts.
     p.detached(4);
     let gone = fake.held().states.get(&4).copied().unwrap_or_default();
     assert_eq!(gone.flags, 0, "slot 4 is open");
@@ -222,7 +224,7 @@ fn a_restarted_agent_never_hands_out_a_generation_again() {
             egress: None,
         },
     );
-    p.set(t2, &[(pod("web"), 3), (pod("cache"), 4)])
+    p.set(t2, &[(pod("web"), 7), (pod("cache"), 4)])
         .expect("set");
     let now = fake.held().states[&4];
     assert_eq!(now.flags, POL_ISOLATED_INGRESS);
