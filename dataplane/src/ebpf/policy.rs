@@ -427,17 +427,37 @@ impl PolicyProgrammer {
     pub fn detached(&mut self, slot: u32) {
         let mut target = self.applied.clone();
         target.endpoints.remove(&slot);
-        // A slot with a state loses its records with it (`move_to`); one without may have
-        // been isolated before, and records stay until forgotten.
+        // A slot with a state opens with it (`move_to`); one without may have been isolated
+        // before, and records stay until forgotten: it opens here.
         let stated = self.states.contains_key(&slot);
-        match self.move_to(target) {
-            Ok(()) if stated => {}
-            Ok(()) => self.maps.forget_openers(slot),
+        let opened = match self.move_to(target) {
+            Ok(()) if stated => Ok(()),
+            Ok(()) => self.open(slot),
             Err(e) => {
                 tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
-                self.maps.forget_openers(slot);
+                self.open(slot)
             }
+        };
+        if let Err(e) = opened {
+            tracing::warn!(slot, error = %e, "policy state of a removed endpoint");
         }
+    }
+
+    /// Opens `slot`, which no endpoint holds any more, for whoever gets it next: no records
+    /// of openers, and a generation of its own rather than zero. The pins then keep the
+    /// highest generation ever handed out, and a restarted agent starts above it
+    /// ([`Self::restore`]); and whatever the programs keep by generation and pair of slots
+    /// (the SYN memo's rules and records, flows not to be checked again) is the last
+    /// endpoint's, never the next one's, also across a restart.
+    fn open(&mut self, slot: u32) -> Result<(), DataplaneError> {
+        let open = PolicyState {
+            flags: 0,
+            generation: self.next_generation(),
+        };
+        self.maps.set_state(slot, open)?;
+        self.states.remove(&slot);
+        self.maps.forget_openers(slot);
+        Ok(())
     }
 
     fn next_generation(&mut self) -> u32 {
@@ -510,13 +530,7 @@ impl PolicyProgrammer {
             };
             self.write_state(*slot, s)?;
         }
-        // Slots no endpoint holds any more (detached, or deleted while no agent ran): open,
-        // and without records of openers, for whoever gets them next. Open under a generation
-        // of their own rather than zero: the pins then keep the highest generation ever
-        // handed out, and a restarted agent starts above it ([`Self::restore`]). Without it
-        // a slot's next endpoint could get the generation of the one that left (the highest,
-        // gone before a restart), and take over what the programs keep by generation: the
-        // SYN memo's rules, flows not to be checked again.
+        // Slots no endpoint holds any more (detached, or deleted while no agent ran).
         let gone: Vec<u32> = self
             .states
             .keys()
@@ -524,13 +538,7 @@ impl PolicyProgrammer {
             .copied()
             .collect();
         for slot in gone {
-            let open = PolicyState {
-                flags: 0,
-                generation: self.next_generation(),
-            };
-            self.maps.set_state(slot, open)?;
-            self.states.remove(&slot);
-            self.maps.forget_openers(slot);
+            self.open(slot)?;
         }
         // What the maps hold: the target less what could not be written (the next call
         // tries those again).
