@@ -22,7 +22,7 @@ use calix_common::{
     policy_pair_index, policy_pair_slots, policy_syn_port, PolicyFlow, PolicyFlowKeyV4,
     PolicyHitKey, PolicyKey, PolicyOpeners, PolicyPair, PolicyState, PolicySyn, PAIR_RECORDED,
     POLICY_FLOWS_V4_MAP, POLICY_HITS_MAP, POLICY_MAP, POLICY_OPENERS_MAP, POLICY_PAIRS_MAP,
-    POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS,
+    POLICY_STATE_MAP, POLICY_SYNS_MAP, SYN_EGRESS, SYN_INGRESS, SYN_RECORDED,
 };
 use calix_core::policy::cluster::Change;
 use calix_core::policy::model::{Policy, PortMatch, Rule};
@@ -637,7 +637,7 @@ fn a_new_connection_of_a_passed_pair_counts_both_sides_rules() {
             assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
         }
         let m = syn_memo(&h, &a, &b);
-        assert_eq!(m.known, SYN_EGRESS | SYN_INGRESS, "{m:?}");
+        assert_eq!(m.known, SYN_EGRESS | SYN_INGRESS | SYN_RECORDED, "{m:?}");
         // The first SYN learnt the pair; the second the memo; the last two took both rules
         // from it.
         assert_eq!(hits(&h, &a), [(m.egress_rule, 4)]);
@@ -655,5 +655,54 @@ fn a_new_connection_of_a_passed_pair_counts_both_sides_rules() {
         remove_entries(&h, &b);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40004, 81, SYN)), TC_ACT_SHOT);
         assert_eq!(hits(&h, &b), [(m.ingress_rule, 4)]);
+    });
+}
+
+/// A SYN the memo settles both ways, to a port the pair's record holds as noted under both
+/// endpoints' generations, does not look at the record again; once either generation moves,
+/// or for another port, the next SYN notes its port again. (A record only goes when a slot
+/// opens, under a new generation: here it is taken out by hand to see which SYNs look.)
+#[test]
+fn a_port_the_record_holds_is_noted_once_per_generation() {
+    on_one_cpu(|| {
+        let (mut h, a, b, _policy) = passed_pair(false);
+        // The first SYN learns the pair, the second the memo's ingress rule (after its note
+        // in the record: the receiver's verdict comes last); the third is settled by the
+        // memo both ways, and the record holds its port.
+        for port in 40000..40003 {
+            assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
+        }
+        assert_eq!(openers(&h, &a, &b), [(true, 81)]);
+        let m = syn_memo(&h, &a, &b);
+        assert_ne!(m.known & SYN_RECORDED, 0, "noted in the record: {m:?}");
+        let mut records: aya::maps::HashMap<_, u32, PolicyOpeners> =
+            aya::maps::HashMap::try_from(Map::HashMap(pinned(&h, POLICY_OPENERS_MAP)))
+                .expect("a hash map");
+        let (lo, hi) = (a.slot.min(b.slot), a.slot.max(b.slot));
+        let key = policy_pair_slots(lo, hi);
+        let mut take_out = || records.remove(&key).expect("remove the record");
+        // Same port, same generations: the SYN passes without a look.
+        take_out();
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40003, 81, SYN)), TC_ACT_REDIRECT);
+        assert!(openers(&h, &a, &b).is_empty(), "not looked at");
+        assert_eq!(remembered(&h), 2, "the first SYN's two, no more");
+        // B with a new generation: noted again, and known again from the next SYN on.
+        next_generation(&h, &b);
+        pairs_current(&mut h, &a, &b);
+        for port in [40004, 40005] {
+            assert_eq!(send(&h, &a, &b, TCP, tcp(port, 81, SYN)), TC_ACT_REDIRECT);
+            assert_eq!(openers(&h, &a, &b), [(true, 81)], "noted by {port}");
+        }
+        let m = syn_memo(&h, &a, &b);
+        assert_ne!(m.known & SYN_RECORDED, 0, "noted again: {m:?}");
+        // A with a new generation: noted again.
+        take_out();
+        next_generation(&h, &a);
+        pairs_current(&mut h, &a, &b);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40006, 81, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(openers(&h, &a, &b), [(true, 81)]);
+        // Another port: noted.
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40007, 82, SYN)), TC_ACT_REDIRECT);
+        assert_eq!(openers(&h, &a, &b), [(true, 81), (true, 82)]);
     });
 }

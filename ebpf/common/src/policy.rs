@@ -307,7 +307,7 @@ pub struct PolicySyn {
     pub egress_rule: u32,
     /// The other endpoint's ingress rule that let it in (when `known` has [`SYN_INGRESS`]).
     pub ingress_rule: u32,
-    /// [`SYN_EGRESS`], [`SYN_INGRESS`]: which rules are known.
+    /// [`SYN_EGRESS`], [`SYN_INGRESS`]: which rules are known; [`SYN_RECORDED`].
     pub known: u32,
 }
 
@@ -334,6 +334,12 @@ pub const fn policy_opener_word(lower_opened: bool, family: u8, port: u16) -> u3
 pub const SYN_EGRESS: u32 = 1;
 /// [`PolicySyn::known`]: the other endpoint's ingress rule.
 pub const SYN_INGRESS: u32 = 2;
+/// [`PolicySyn::known`]: the pair's [`PolicyOpeners`] holds the port as the opener's, noted
+/// while both endpoints had the generations the entry names. A record is only taken out when
+/// one of its slots opens, and an opened slot gets a new generation: while both generations
+/// hold, so does the record, and a SYN the memo settles both ways has nothing to note.
+/// Cleared whenever either generation is written again.
+pub const SYN_RECORDED: u32 = 4;
 
 /// [`PolicySyn::port`] of a connection of `family` (4 or 6) to `port` (network order, as
 /// read from the packet).

@@ -44,7 +44,7 @@ use calix_common::{
     POLICY_EVENTS_BURST, POLICY_EVENTS_PER_SEC, POLICY_FLOW_OTHER_NS, POLICY_FLOW_TCP_NS,
     POLICY_KEY_BITS, POLICY_SERVICE, POLICY_WORLD, POL_DIR_EGRESS, POL_DIR_INGRESS,
     POL_ISOLATED_EGRESS, POL_ISOLATED_INGRESS, POL_KEEP_ESTABLISHED, PS_EXEMPT, PS_FIN, PS_KEYED,
-    PS_PAIR, PS_PEER_SHIFT, PS_RECORD, PS_RST, PS_SENT, PS_SYN,
+    PS_PAIR, PS_RECORD, PS_RST, PS_SENT, PS_SYN,
 };
 
 mod flows;
@@ -548,9 +548,18 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
     // new connection between two endpoints whose pair passes every TCP packet, when the
     // sender's verdict just remembered it: one entry per connection, the opener's; and the
     // opener's only when the pair's record of openers cannot say who opened it.
-    let both = flags & PF_PAIRED != 0 && settles_receiver(slot, s);
+    let settled = if flags & PF_PAIRED != 0 {
+        syns::settles_receiver(slot, st, s)
+    } else {
+        syns::UNSETTLED
+    };
+    let both = settled != syns::UNSETTLED;
     if s.flags & PS_RST == 0 && s.flags & (PS_SENT | PS_PAIR) != PS_SENT | PS_PAIR {
         if flags & PF_PAIRED != 0 && s.flags & PS_RECORD != 0 {
+            // The record holds the port already (the SYN memo says so): nothing to note.
+            if settled == syns::SETTLED_RECORDED {
+                return ALLOW_BOTH;
+            }
             // The opener goes into the pair's record instead, when it can (`note_opener`,
             // called by the program: this frame has no room for it); the entry is ready in
             // the scratch for when it cannot.
@@ -565,28 +574,6 @@ fn allows(slot: u32, st: &PolicyState, dir: u8, s: &mut PolicyScratch) -> u8 {
         return ALLOW_BOTH;
     }
     ALLOW
-}
-
-/// Whether the receiver's verdict on the SYN in `s`, which the endpoint in `slot` just let out
-/// to another endpoint of this node (`PS_PEER`) while their pair passes every TCP packet, has
-/// nothing to add: it would allow the SYN (the pair) and keep no entry (`PS_SENT`); what it
-/// would count, the hit of its ingress rule, the SYN memo knows, and it is counted here.
-#[inline(always)]
-fn settles_receiver(slot: u32, s: &mut PolicyScratch) -> bool {
-    let peer = s.flags >> PS_PEER_SHIFT;
-    let Some(pst) = CALIX_POL_STATE.get(peer) else {
-        return false;
-    };
-    if !isolated_in(pst, POL_DIR_INGRESS) {
-        return true;
-    }
-    match syns::receiver_rule(slot, pst.generation, s) {
-        Some(rule) => {
-            hit(s, peer, rule);
-            true
-        }
-        None => false,
-    }
 }
 
 /// The verdict in `dir` on the frame in `skb` for the endpoint in `slot`; `extra`: `PS_*`

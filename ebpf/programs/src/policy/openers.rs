@@ -192,7 +192,10 @@ pub fn note_opener(slot: u32, peer: u32) {
     let Some(s) = scratch() else {
         return;
     };
-    if !note(s, slot, peer) {
+    if note(s, slot, peer) {
+        // The next SYN between the two to this port need not look.
+        super::syns::note_recorded(slot, peer, s);
+    } else {
         // A full LRU table evicts its oldest flow; a flow that is gone is checked again.
         flow_insert(s);
     }

@@ -10,10 +10,11 @@
 
 use calix_common::{
     policy_pair_index, policy_pair_slots, policy_syn_port, PolicyScratch, PolicyState,
-    POL_DIR_EGRESS, PS_PEER, PS_PEER_SHIFT, PS_SYN, SYN_EGRESS, SYN_INGRESS,
+    POL_DIR_EGRESS, POL_DIR_INGRESS, PS_PEER, PS_PEER_SHIFT, PS_SYN, SYN_EGRESS, SYN_INGRESS, SYN_RECORDED,
 };
 
-use crate::maps::CALIX_POL_SYNS;
+use super::{hit, isolated_in};
+use crate::maps::{CALIX_POL_STATE, CALIX_POL_SYNS};
 
 /// Whether the packet in `s` is a SYN to or from another endpoint of this node whose pair
 /// entry is current.
@@ -77,11 +78,18 @@ pub fn recall(slot: u32, st: &PolicyState, dir: u8, s: &PolicyScratch) -> Option
     (m.known & bit != 0 && generation == st.generation).then_some(rule)
 }
 
-/// The rule that lets the SYN in `s`, which the endpoint in `slot` sends to the other
-/// endpoint (`PS_PEER`, of generation `peer_generation`), into that endpoint, when the memo
-/// knows it: what the receiver's verdict would count.
+/// The rule that lets the SYN in `s`, which the endpoint in `slot` (of generation
+/// `generation`) sends to the other endpoint (`PS_PEER`, of generation `peer_generation`),
+/// into that endpoint, when the memo knows it: what the receiver's verdict would count; and
+/// whether the pair's record of openers holds the SYN's port ([`SYN_RECORDED`], under both
+/// generations).
 #[inline(always)]
-pub fn receiver_rule(slot: u32, peer_generation: u32, s: &PolicyScratch) -> Option<u32> {
+pub fn receiver_rule(
+    slot: u32,
+    generation: u32,
+    peer_generation: u32,
+    s: &PolicyScratch,
+) -> Option<(u32, bool)> {
     if !asks(s) {
         return None;
     }
@@ -89,7 +97,30 @@ pub fn receiver_rule(slot: u32, peer_generation: u32, s: &PolicyScratch) -> Opti
     if m.slots != slots(slot, POL_DIR_EGRESS, s) || m.port != port(POL_DIR_EGRESS, s) {
         return None;
     }
-    (m.known & SYN_INGRESS != 0 && m.peer_generation == peer_generation).then_some(m.ingress_rule)
+    let recorded = m.known & SYN_RECORDED != 0 && m.generation == generation;
+    (m.known & SYN_INGRESS != 0 && m.peer_generation == peer_generation)
+        .then_some((m.ingress_rule, recorded))
+}
+
+/// Notes that the pair's record of openers holds the port of the SYN in `s`, which the
+/// endpoint in `slot` opened to the endpoint in `peer` ([`SYN_RECORDED`]), when the memo's
+/// entry is this SYN's and names both endpoints' generations as they are.
+#[inline(always)]
+pub fn note_recorded(slot: u32, peer: u32, s: &PolicyScratch) {
+    let Some(m) = CALIX_POL_SYNS.get_ptr_mut(policy_pair_index(slot, peer)) else {
+        return;
+    };
+    // SAFETY: this CPU's value, from a successful lookup; nothing else uses it meanwhile.
+    let m = unsafe { &mut *m };
+    if m.slots != policy_pair_slots(slot, peer)
+        || m.port != policy_syn_port(s.flow.family, s.flow.peer_port)
+    {
+        return;
+    }
+    let generation = |x: u32| CALIX_POL_STATE.get(x).map_or(0, |st| st.generation);
+    if m.generation == generation(slot) && m.peer_generation == generation(peer) {
+        m.known |= SYN_RECORDED;
+    }
 }
 
 /// Notes that rule `rule` let the SYN in `s` through in `dir` for the endpoint in `slot`
@@ -110,6 +141,8 @@ pub fn note(slot: u32, st: &PolicyState, dir: u8, s: &PolicyScratch, rule: u32) 
         m.port = port;
         m.known = 0;
     }
+    // A generation written again: what the record held under the old ones is not known.
+    m.known &= !SYN_RECORDED;
     if dir == POL_DIR_EGRESS {
         m.generation = st.generation;
         m.egress_rule = rule;
@@ -118,5 +151,40 @@ pub fn note(slot: u32, st: &PolicyState, dir: u8, s: &PolicyScratch, rule: u32) 
         m.peer_generation = st.generation;
         m.ingress_rule = rule;
         m.known |= SYN_INGRESS;
+    }
+}
+
+/// [`settles_receiver`]: the receiver's verdict is still to come.
+pub const UNSETTLED: u8 = 0;
+/// [`settles_receiver`]: the receiver's verdict has nothing to add.
+pub const SETTLED: u8 = 1;
+/// [`settles_receiver`]: as [`SETTLED`], and the SYN memo says the pair's record of openers
+/// holds the SYN's port already (`calix_common::SYN_RECORDED`).
+pub const SETTLED_RECORDED: u8 = 2;
+
+/// Whether the receiver's verdict on the SYN in `s`, which the endpoint in `slot` (state
+/// `st`) just let out to another endpoint of this node (`PS_PEER`) while their pair passes
+/// every TCP packet, has nothing to add ([`SETTLED`], [`SETTLED_RECORDED`]): it would allow the
+/// SYN (the pair) and keep no entry (`PS_SENT`); what it would count, the hit of its ingress
+/// rule, the SYN memo knows, and it is counted here.
+#[inline(always)]
+pub fn settles_receiver(slot: u32, st: &PolicyState, s: &mut PolicyScratch) -> u8 {
+    let peer = s.flags >> PS_PEER_SHIFT;
+    let Some(pst) = CALIX_POL_STATE.get(peer) else {
+        return UNSETTLED;
+    };
+    if !isolated_in(pst, POL_DIR_INGRESS) {
+        return SETTLED;
+    }
+    match receiver_rule(slot, st.generation, pst.generation, s) {
+        Some((rule, recorded)) => {
+            hit(s, peer, rule);
+            if recorded {
+                SETTLED_RECORDED
+            } else {
+                SETTLED
+            }
+        }
+        None => UNSETTLED,
     }
 }
