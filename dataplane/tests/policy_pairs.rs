@@ -556,16 +556,25 @@ fn a_full_record_leaves_the_next_ports_to_entries() {
     });
 }
 
-/// With `keep_established`, a connection of a passed pair that a change would refuse goes on
-/// at both ends: the side that kept no entry allowed its SYN, and adopts the opener's entry
-/// as a kept one.
+/// Pods that keep established flows are never passed on the pair (their rules let every
+/// TCP packet between them through): each end keeps its own entry of a connection, refreshed
+/// by its packets, so that a change that refuses it keeps it when it is busy, also hours after
+/// its SYN, and refuses new ones.
 #[test]
-fn a_kept_connection_of_a_passed_pair_goes_on_at_both_ends() {
+fn a_kept_connection_goes_on_at_both_ends_however_long_ago_it_opened() {
     on_one_cpu(|| {
         let (mut h, a, b, mut p) = passed_pair(true);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40000, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
-        assert!(!remembers(&mut h, &b, 81, &a, 40001), "B keeps none");
+        assert_eq!(pair(&h, &a, &b).family, 0, "never passed");
+        assert!(remembers(&mut h, &b, 81, &a, 40001), "B keeps its own");
+        // Opened long ago, busy since: its segments refresh both entries.
+        age_flows(&mut h);
+        assert_eq!(
+            send(&h, &b, &a, TCP, tcp(81, 40001, SYN_ACK)),
+            TC_ACT_REDIRECT
+        );
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
         // Neither of B's directions allows the connection now (its egress to A only to 90).
         p.apply(Change::Policy(policy(
             vec![tcp_port(80)],
@@ -573,12 +582,18 @@ fn a_kept_connection_of_a_passed_pair_goes_on_at_both_ends() {
         )));
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_REDIRECT);
-        assert!(remembers(&mut h, &b, 81, &a, 40001), "B's adopted entry");
         assert_eq!(
             send(&h, &a, &b, TCP, tcp(40002, 81, SYN)),
             TC_ACT_SHOT,
             "a new connection meets the new rules"
         );
+        // Idle since: the next change refuses it.
+        age_flows(&mut h);
+        p.apply(Change::Policy(policy(
+            vec![tcp_port(80)],
+            Some(vec![to_a(vec![tcp_port(91)])]),
+        )));
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_SHOT);
     });
 }
 

@@ -9,6 +9,10 @@
 //! FIN at the opener's verdict alone, the other side having no entry to end), and every packet
 //! once either endpoint's generation moves on.
 //!
+//! Two endpoints either of which keeps established flows after a change
+//! (`POL_KEEP_ESTABLISHED`) are never passed: their connections' entries are refreshed by
+//! every packet, so that a change keeps exactly the connections that are not idle.
+//!
 //! Each CPU has its own cache, learnt by the first packet between the two that passes both
 //! verdicts on that CPU: no reader meets a half-written entry (a program runs to completion
 //! on its CPU).
@@ -225,10 +229,14 @@ pub fn learn(skb: *mut __sk_buff, src: u32, dst: u32) {
         && all_tcp(s, src, &a, POL_DIR_INGRESS, to)
         && all_tcp(s, dst, &b, POL_DIR_INGRESS, from)
         && all_tcp(s, dst, &b, POL_DIR_EGRESS, from);
+    // Either keeping established flows: never passed. A kept connection is kept until it
+    // goes idle, and only its entry, refreshed by its packets, says when: segments passed on
+    // the pair would leave it as its SYN wrote it, idle to a change an hour later however busy.
+    let keep = (a.flags | b.flags) & POL_KEEP_ESTABLISHED != 0;
     // Both isolated: every packet between them meets the sender's verdict, which keeps the
     // record; neither keeping established flows: the record is enough after a change.
-    let recorded = a.flags != 0 && b.flags != 0 && (a.flags | b.flags) & POL_KEEP_ESTABLISHED == 0;
-    let family = match (all, recorded) {
+    let recorded = a.flags != 0 && b.flags != 0;
+    let family = match (all && !keep, recorded) {
         (false, _) => 0,
         (true, false) => u32::from(s.flow.family),
         (true, true) => u32::from(s.flow.family) | PAIR_RECORDED,
