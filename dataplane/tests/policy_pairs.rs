@@ -568,13 +568,15 @@ fn a_kept_connection_goes_on_at_both_ends_however_long_ago_it_opened() {
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, SYN)), TC_ACT_REDIRECT);
         assert_eq!(pair(&h, &a, &b).family, 0, "never passed");
         assert!(remembers(&mut h, &b, 81, &a, 40001), "B keeps its own");
-        // Opened long ago, busy since: its segments refresh both entries.
-        age_flows(&mut h);
         assert_eq!(
             send(&h, &b, &a, TCP, tcp(81, 40001, SYN_ACK)),
             TC_ACT_REDIRECT
         );
         assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        // Opened long ago, busy since: its segments refresh both entries.
+        age_flows(&mut h);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_REDIRECT);
         // Neither of B's directions allows the connection now (its egress to A only to 90).
         p.apply(Change::Policy(policy(
             vec![tcp_port(80)],
