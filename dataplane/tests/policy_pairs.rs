@@ -582,8 +582,8 @@ fn a_kept_connection_goes_on_at_both_ends_however_long_ago_it_opened() {
             vec![tcp_port(80)],
             Some(vec![to_a(vec![tcp_port(90)])]),
         )));
-        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
         assert_eq!(send(&h, &b, &a, TCP, tcp(81, 40001, ACK)), TC_ACT_REDIRECT);
+        assert_eq!(send(&h, &a, &b, TCP, tcp(40001, 81, ACK)), TC_ACT_REDIRECT);
         assert_eq!(
             send(&h, &a, &b, TCP, tcp(40002, 81, SYN)),
             TC_ACT_SHOT,
