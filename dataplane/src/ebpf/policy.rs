@@ -53,10 +53,10 @@ pub trait PolicyMaps: Send {
     fn remove_hits(&mut self, slot: u32, rule: RuleId);
     /// Forgets every hit count (the rules' numbers start over).
     fn clear_hits(&mut self);
-    /// Forgets the records of which connections the endpoint in `slot` and another opened to
-    /// each other (`CALIX_POL_OPENERS`): the endpoint is gone, and whoever gets its slot next
-    /// starts without them.
-    fn forget_openers(&mut self, slot: u32);
+    /// Forgets the records of which connections the endpoint in each of `slots` and another
+    /// opened to each other (`CALIX_POL_OPENERS`), in one walk of them: the endpoints are
+    /// gone, and whoever gets their slots next starts without them.
+    fn forget_openers(&mut self, slots: &[u32]);
     /// What the maps hold: prefixes, entries by slot, and the states that are not zero.
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>);
 }
@@ -193,12 +193,12 @@ impl PolicyMaps for PinnedPolicyMaps {
         }
     }
 
-    fn forget_openers(&mut self, slot: u32) {
+    fn forget_openers(&mut self, slots: &[u32]) {
         let keys: Vec<u32> = self
             .openers
             .keys()
             .filter_map(Result::ok)
-            .filter(|k| k >> 16 == slot || k & 0xffff == slot)
+            .filter(|k| slots.contains(&(k >> 16)) || slots.contains(&(k & 0xffff)))
             .collect();
         for k in keys {
             let _ = self.openers.remove(&k);
@@ -432,10 +432,10 @@ impl PolicyProgrammer {
         let stated = self.states.contains_key(&slot);
         let opened = match self.move_to(target) {
             Ok(()) if stated => Ok(()),
-            Ok(()) => self.open(slot),
+            Ok(()) => self.open(&[slot]),
             Err(e) => {
                 tracing::warn!(slot, error = %e, "policy entries of a removed endpoint");
-                self.open(slot)
+                self.open(&[slot])
             }
         };
         if let Err(e) = opened {
@@ -443,21 +443,32 @@ impl PolicyProgrammer {
         }
     }
 
-    /// Opens `slot`, which no endpoint holds any more, for whoever gets it next: no records
+    /// Opens `slots`, which no endpoint holds any more, for whoever gets them next: no records
     /// of openers, and a generation of its own rather than zero. The pins then keep the
     /// highest generation ever handed out, and a restarted agent starts above it
     /// ([`Self::restore`]); and whatever the programs keep by generation and pair of slots
     /// (the SYN memo's rules and records, flows not to be checked again) is the last
     /// endpoint's, never the next one's, also across a restart.
-    fn open(&mut self, slot: u32) -> Result<(), DataplaneError> {
-        let open = PolicyState {
-            flags: 0,
-            generation: self.next_generation(),
-        };
-        self.maps.set_state(slot, open)?;
-        self.states.remove(&slot);
-        self.maps.forget_openers(slot);
-        Ok(())
+    /// (One walk of the records for all of them.)
+    fn open(&mut self, slots: &[u32]) -> Result<(), DataplaneError> {
+        let mut opened = Vec::with_capacity(slots.len());
+        let mut result = Ok(());
+        for &slot in slots {
+            let open = PolicyState {
+                flags: 0,
+                generation: self.next_generation(),
+            };
+            if let Err(e) = self.maps.set_state(slot, open) {
+                result = Err(e);
+                break;
+            }
+            self.states.remove(&slot);
+            opened.push(slot);
+        }
+        if !opened.is_empty() {
+            self.maps.forget_openers(&opened);
+        }
+        result
     }
 
     fn next_generation(&mut self) -> u32 {
@@ -537,9 +548,7 @@ impl PolicyProgrammer {
             .filter(|s| !target.endpoints.contains_key(s))
             .copied()
             .collect();
-        for slot in gone {
-            self.open(slot)?;
-        }
+        self.open(&gone)?;
         // What the maps hold: the target less what could not be written (the next call
         // tries those again).
         let mut target = target;

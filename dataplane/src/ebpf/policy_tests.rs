@@ -23,6 +23,8 @@ struct Held {
     hits: BTreeMap<(u32, RuleId), u64>,
     /// Slots whose records of openers were forgotten.
     forgot_openers: Vec<u32>,
+    /// Walks of the records (one per call that forgets any).
+    walks: usize,
 }
 
 #[derive(Clone, Default)]
@@ -76,8 +78,10 @@ impl PolicyMaps for Fake {
     fn clear_hits(&mut self) {
         self.held().hits.clear();
     }
-    fn forget_openers(&mut self, slot: u32) {
-        self.held().forgot_openers.push(slot);
+    fn forget_openers(&mut self, slots: &[u32]) {
+        let mut h = self.held();
+        h.forgot_openers.extend_from_slice(slots);
+        h.walks += 1;
     }
     fn read_back(&self) -> (Tables<u32>, BTreeMap<u32, PolicyState>) {
         let h = self.held();
@@ -151,14 +155,17 @@ fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
                 generation: 12,
             },
         );
-        // Slot 9's pod was deleted while no agent ran: its state is still there.
-        h.states.insert(
-            9,
-            PolicyState {
-                flags: POL_ISOLATED_INGRESS | POL_ISOLATED_EGRESS,
-                generation: 11,
-            },
-        );
+        // The pods of slots 9 and 10 were deleted while no agent ran: their states are
+        // still there.
+        for slot in [9, 10] {
+            h.states.insert(
+                slot,
+                PolicyState {
+                    flags: POL_ISOLATED_INGRESS | POL_ISOLATED_EGRESS,
+                    generation: 11,
+                },
+            );
+        }
     }
     let mut p = PolicyProgrammer::restore(Box::new(fake.clone()));
     // An endpoint attached before the agent has computed anything: the pins stay.
@@ -181,11 +188,14 @@ fn the_pins_stay_until_the_agent_says_and_its_identities_never_reuse_theirs() {
     );
     assert_eq!(h.states[&3].flags, POL_ISOLATED_INGRESS);
     assert!(h.states[&3].generation > 12, "{:?}", h.states[&3]);
-    // The slot no endpoint holds is open, and its records of openers are forgotten: a pod
-    // that gets it next inherits neither.
-    assert_eq!(h.states[&9].flags, 0);
-    assert!(h.states[&9].generation > 12, "{:?}", h.states[&9]);
-    assert_eq!(h.forgot_openers, [9]);
+    // The slots no endpoint holds are open, and their records of openers are forgotten (one
+    // walk of the records): a pod that gets one next inherits neither.
+    for slot in [9, 10] {
+        assert_eq!(h.states[&slot].flags, 0);
+        assert!(h.states[&slot].generation > 12, "{:?}", h.states[&slot]);
+    }
+    assert_eq!(h.forgot_openers, [9, 10]);
+    assert_eq!(h.walks, 1);
 }
 
 /// Generations are what the programs keep their caches by (the SYN memo's rules, flows not to
