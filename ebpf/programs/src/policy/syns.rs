@@ -10,7 +10,8 @@
 
 use calix_common::{
     policy_pair_index, policy_pair_slots, policy_syn_port, PolicyScratch, PolicyState,
-    POL_DIR_EGRESS, POL_DIR_INGRESS, PS_PEER, PS_PEER_SHIFT, PS_SYN, SYN_EGRESS, SYN_INGRESS, SYN_RECORDED,
+    POL_DIR_EGRESS, POL_DIR_INGRESS, PS_PEER, PS_PEER_SHIFT, PS_SYN, SYN_EGRESS, SYN_INGRESS,
+    SYN_RECORDED,
 };
 
 use super::{hit, isolated_in};
