@@ -338,7 +338,8 @@ pub const SYN_INGRESS: u32 = 2;
 /// while both endpoints had the generations the entry names. A record is only taken out when
 /// one of its slots opens, and an opened slot gets a new generation: while both generations
 /// hold, so does the record, and a SYN the memo settles both ways has nothing to note.
-/// Cleared whenever either generation is written again.
+/// Cleared whenever either generation is written again. (A build whose pins replace
+/// [`POLICY_OPENERS_MAP`] empty must replace [`POLICY_SYNS_MAP`] too.)
 pub const SYN_RECORDED: u32 = 4;
 
 /// [`PolicySyn::port`] of a connection of `family` (4 or 6) to `port` (network order, as
