@@ -90,7 +90,9 @@ pub const ALLOW_READ: u8 = 3;
 /// node, is known to allow it too and to have nothing to note: the packet is a segment of a
 /// connection the pod opened to it while their pair passed every TCP packet (its entry
 /// `PF_PAIRED`), and the receiver kept no entry of it (not `PF_ADOPTED`); or the SYN of such
-/// a connection, whose hit of the receiver's rule the SYN memo knew and counted.
+/// a connection, whose hit of the receiver's rule the SYN memo knew and counted (also one
+/// between endpoints whose connections keep no entry, `PS_RECORD`, when the memo says the
+/// pair's record of openers holds its port already: nothing to note).
 pub const ALLOW_BOTH: u8 = 4;
 
 /// An egress verdict: as [`ALLOW_BOTH`], for the SYN of a new connection between two
